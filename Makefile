@@ -1,0 +1,24 @@
+# The two commands a new user needs are `make demo` and `make test`; both set up .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test setup gen typecheck bench clean
+
+setup:
+	@./scripts/setup.sh
+
+demo: setup
+	$(PY) -m pdgrpc.demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Regenerate pdgrpc/v1 from protos/ (generated files are committed; a test checks they match).
+gen: setup
+	$(PY) scripts/gen_protos.py
+
+typecheck: setup
+	$(PY) -m mypy --strict pdgrpc/state
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache

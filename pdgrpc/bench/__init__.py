@@ -1,0 +1,25 @@
+"""Benchmarks: ``python -m pdgrpc.bench NAME [--json PATH] ...``.
+
+Each benchmark is a module of this package exposing::
+
+    DESCRIPTION: str
+    def add_arguments(parser: argparse.ArgumentParser) -> None
+    def run(args: argparse.Namespace) -> list[Result]
+
+and is listed in :data:`BENCHMARKS`. Modules are imported only when their benchmark
+runs, so one benchmark's heavy dependencies never slow another's start.
+
+Speed targets are checked here, as ratios against a baseline measured in the same run,
+never as timed assertions in the test suite.
+"""
+
+from pdgrpc.bench.report import Result, write_json, format_table
+
+BENCHMARKS: dict[str, str] = {
+    "bootstrap": "pdgrpc.bench.bootstrap",
+    "state": "pdgrpc.bench.state",
+    "transport": "pdgrpc.bench.transport",
+    "e2e": "pdgrpc.bench.e2e",
+}
+
+__all__ = ["BENCHMARKS", "Result", "format_table", "write_json"]

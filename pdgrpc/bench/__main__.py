@@ -1,0 +1,43 @@
+"""``python -m pdgrpc.bench NAME [--json PATH] [options]`` — run one benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from pdgrpc.bench import BENCHMARKS
+from pdgrpc.bench.report import format_table, write_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdgrpc.bench",
+        description="Run a pdgrpc benchmark; results print as a table, optionally also as JSON.",
+    )
+    sub = parser.add_subparsers(dest="benchmark", metavar="NAME", required=True)
+    modules = {}
+    for name, modname in BENCHMARKS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as exc:
+            if exc.name == modname:
+                continue  # not written yet: not offered
+            raise
+        modules[name] = mod
+        p = sub.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION)
+        p.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON to PATH")
+        mod.add_arguments(p)
+    args = parser.parse_args(argv)
+    mod = modules[args.benchmark]
+    results = mod.run(args)
+    print(format_table(results))
+    if args.json is not None:
+        write_json(args.json, args.benchmark, results)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

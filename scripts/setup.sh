@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Creates or reuses .venv at the repo root and installs pdgrpc with its test and ucx
+# extras. Idempotent: when nothing the install depends on has changed, it returns in
+# well under a second (a stamp file records a hash of the inputs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.pdgrpc-installed
+# Everything that changes what gets installed.
+inputs_hash=$(cat pyproject.toml scripts/setup.sh $(ls examples/*/pyproject.toml 2>/dev/null) | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$VENV/bin/python" ]; then
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+$PIP install -q --upgrade pip
+# torch first and pinned exactly: an unpinned torch resolves to a multi-GB CUDA build.
+echo "setup: installing torch==2.13.0 (CPU wheel)"
+$PIP install -q "torch==2.13.0"
+echo "setup: installing pdgrpc[test,ucx] (editable)"
+$PIP install -q -e ".[test,ucx]"
+# Example third-party plugins (each its own tiny package) used by the tests.
+for ex in examples/*/; do
+  if [ -f "$ex/pyproject.toml" ]; then
+    echo "setup: installing example package $ex"
+    $PIP install -q -e "$ex"
+  fi
+done
+echo "$inputs_hash" > "$STAMP"
+echo "setup: done"
