@@ -1,0 +1,107 @@
+"""KV page lists -> write ops.
+
+The KV pool is one tensor per layer and K/V, pages along the first dimension, each
+page's bytes contiguous. Region ids follow one convention on both sides so a sender can
+name the receiver's regions: ``kv_region_id(layer, kv) = 2 * layer + kv`` and
+``METADATA_REGION_ID`` for the metadata rows.
+
+Coalescing: a transfer maps source pages ``s0, s1, ...`` to destination pages
+``d0, d1, ...``; wherever both advance by one, the pages form one run and each run
+becomes a single :class:`WriteOp` per region (contiguous bytes on both sides).
+Scattered pages give one op per page per region; backends batch many ops per message.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from pdgrpc.errors import ConfigError
+from pdgrpc.transport.base import MemoryRegion, RegionInfo, RegionKind, WriteOp
+
+METADATA_REGION_ID = 0xFFFF
+K, V = 0, 1
+
+
+def kv_region_id(layer: int, kv: int) -> int:
+    if layer < 0 or kv not in (K, V) or 2 * layer + kv >= METADATA_REGION_ID:
+        raise ConfigError(f"kv_region_id: bad layer {layer} or kv {kv}")
+    return 2 * layer + kv
+
+
+def kv_regions(k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor]) -> list[MemoryRegion]:
+    """Regions for per-layer K and V pool tensors (``[num_pages, ...]`` each)."""
+    if len(k_pools) != len(v_pools):
+        raise ConfigError(f"kv_regions: {len(k_pools)} K pools but {len(v_pools)} V pools")
+    out = []
+    for layer, (k, v) in enumerate(zip(k_pools, v_pools)):
+        out.append(MemoryRegion(kv_region_id(layer, K), k, RegionKind.KV, f"layer{layer}.k"))
+        out.append(MemoryRegion(kv_region_id(layer, V), v, RegionKind.KV, f"layer{layer}.v"))
+    return out
+
+
+def metadata_region(rows: torch.Tensor) -> MemoryRegion:
+    """The metadata rows tensor (``[num_slots, ...]``)."""
+    return MemoryRegion(METADATA_REGION_ID, rows, RegionKind.METADATA, "metadata")
+
+
+def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_first, dst_first, count)`` runs where both page lists advance by one."""
+    if len(src_pages) != len(dst_pages):
+        raise ConfigError(f"page lists differ in length: {len(src_pages)} source, {len(dst_pages)} destination")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_pages, dst_pages):
+        s, d = int(s), int(d)
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+_RegionLike = MemoryRegion | RegionInfo
+
+
+def page_ops(
+    pairs: Iterable[tuple[_RegionLike, _RegionLike]],
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+) -> list[WriteOp]:
+    """Ops copying ``src_pages`` -> ``dst_pages`` for every ``(src, dst)`` region pair
+    (typically every layer's K and V). Page sizes must match per pair."""
+    runs = page_runs(src_pages, dst_pages)
+    ops: list[WriteOp] = []
+    for src, dst in pairs:
+        if src.item_bytes != dst.item_bytes:
+            raise ConfigError(
+                f"page size differs: source {src.name!r} has {src.item_bytes} B pages, "
+                f"destination {dst.name!r} has {dst.item_bytes} B"
+            )
+        pb = src.item_bytes
+        for s, d, n in runs:
+            ops.append(WriteOp(src.region_id, s * pb, dst.region_id, d * pb, n * pb))
+    return ops
+
+
+def region_pairs(local: Sequence[_RegionLike], remote: Sequence[_RegionLike]) -> list[tuple[_RegionLike, _RegionLike]]:
+    """Pair KV regions by region id (the shared convention)."""
+    by_id = {r.region_id: r for r in remote if r.kind is RegionKind.KV}
+    pairs = []
+    for r in local:
+        if r.kind is not RegionKind.KV:
+            continue
+        if r.region_id not in by_id:
+            raise ConfigError(f"peer has no KV region {r.region_id} ({r.name!r})")
+        pairs.append((r, by_id[r.region_id]))
+    return pairs
+
+
+def metadata_op(src: _RegionLike, src_slot: int, dst: _RegionLike, dst_slot: int) -> WriteOp:
+    """The write of one metadata row (slot ``src_slot`` -> the receiver's ``dst_slot``)."""
+    if src.item_bytes != dst.item_bytes:
+        raise ConfigError(f"metadata row size differs: {src.item_bytes} B vs {dst.item_bytes} B")
+    rb = src.item_bytes
+    return WriteOp(src.region_id, src_slot * rb, dst.region_id, dst_slot * rb, rb)
