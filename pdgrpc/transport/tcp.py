@@ -1,0 +1,668 @@
+"""``tcp``: KV pages over plain TCP sockets, received straight into the destination
+tensors.
+
+Wire format (little-endian). Every frame starts with a fixed 32-byte header::
+
+    type u8 | pad 3 | n_ops u32 | room u64 | payload_len u64 | aux u64
+
+``WRITE`` and ``META`` frames follow it with an op table of ``n_ops`` 24-byte entries
+(``region u16 | pad 6 | offset u64 | length u64``, destination side) and then the
+payload: the ops' bytes back to back. Many ops travel in one frame, so scattered pages
+still cost few messages; the sender gathers the source tensor slices with ``sendmsg``
+and the receiver scatters the payload with ``recvmsg_into`` into memoryviews of the
+destination tensors. Page payload never passes through an intermediate buffer.
+
+The receiver authorizes a frame from its header and op table *before* reading its
+payload: if any op falls outside what the room was granted, the payload is read into a
+scratch buffer and dropped, the room fails with the reason, and the sender gets a
+``NACK`` carrying it. A room released while its payload is arriving switches to
+discarding the rest, so a late write never lands in reused pages.
+
+Metadata ordering: a ``META`` frame carries ``aux`` = the number of KV bytes the sender
+wrote for the room before it (over all connections to that peer). The receiver keeps
+the small row aside and copies it into the slot only once that many KV bytes have
+landed; then the room is ``SUCCESS`` and the sender gets an ``ACK``.
+
+Liveness: a peer that exits or is killed closes its sockets (the kernel does it), which
+the other side sees at once as EOF/reset; every non-terminal room involving that peer
+fails. Each connection starts with a ``HELLO`` naming both instance ids, so a restarted
+peer listening on the same port is never mistaken for the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ipaddress
+import itertools
+import socket
+import struct
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pdgrpc.errors import ConfigError, PeerFailure, TransportError
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport.base import (
+    BadDescriptor,
+    Descriptor,
+    MemoryRegion,
+    Peer,
+    RegionInfo,
+    RegionKind,
+    RoomGrant,
+    Transport,
+    WriteOp,
+)
+
+HEADER = struct.Struct("<B3xIQQQ")
+OP = struct.Struct("<H6xQQ")
+HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = range(1, 8)
+MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
+MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
+_SCRATCH = 1 << 20
+_READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable flat byte memoryview over a contiguous CPU tensor's storage."""
+    if tensor.device.type != "cpu":
+        raise ConfigError(f"tcp transport needs CPU tensors, got one on {tensor.device}")
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+class _Conn:
+    """One socket, driven by event-loop reader/writer callbacks (no tasks, no threads)."""
+
+    def __init__(self, owner: "TcpTransport", sock: socket.socket, peer_id: str | None) -> None:
+        self.owner = owner
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.loop = owner._loop
+        self.peer_id = peer_id
+        self.closed = False
+        self.hello: asyncio.Future[str] = self.loop.create_future()
+        self._out: collections.deque[memoryview] = collections.deque()
+        self._writing = False
+        self._hdr = bytearray(HEADER.size)
+        self._iovs: list[memoryview] = []
+        self._idx = 0
+        self._on_done: Callable[[], None] = self._got_header
+        self._guard_room: int | None = None  # room whose granted pages we are filling
+        self._guard_ref: object = None
+        self.loop.add_reader(self.fd, self._on_readable)
+        self._expect_header()
+
+    # -- reading -------------------------------------------------------------------
+    def _expect(self, bufs: list[memoryview], on_done: Callable[[], None]) -> None:
+        self._iovs = [b for b in bufs if len(b)]
+        self._idx = 0
+        self._on_done = on_done
+
+    def _expect_header(self) -> None:
+        self._guard_room = None
+        self._expect([memoryview(self._hdr)], self._got_header)
+
+    def _expect_discard(self, nbytes: int, then: Callable[[], None]) -> None:
+        self._guard_room = None
+        scratch = self.owner._scratch_view()
+        bufs = []
+        while nbytes > 0:
+            n = min(nbytes, len(scratch))
+            bufs.append(scratch[:n])
+            nbytes -= n
+        self._expect(bufs, then)
+
+    def _on_readable(self) -> None:
+        for _ in range(_READS_PER_CALLBACK):
+            if self.closed:
+                return
+            while self._idx == len(self._iovs):  # zero-length expectation: done at once
+                self._on_done()
+                if self.closed:
+                    return
+            if self._guard_room is not None and self.owner._recv.get(self._guard_room) is not self._guard_ref:
+                # The room was released mid-payload: its pages may already belong to
+                # another request, so drop the rest of this frame's bytes.
+                rest = sum(len(b) for b in self._iovs[self._idx :])
+                self._expect_discard(rest, self._expect_header)
+            iovs, i = self._iovs, self._idx
+            try:
+                if len(iovs) - i == 1:
+                    n = self.sock.recv_into(iovs[i])
+                else:
+                    n = self.sock.recvmsg_into(iovs[i : i + 1000])[0]
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.lose(f"connection error: {exc!r}")
+                return
+            if n == 0:
+                self.lose("connection closed by peer")
+                return
+            while n:
+                b = iovs[i]
+                if n >= len(b):
+                    n -= len(b)
+                    i += 1
+                else:
+                    iovs[i] = b[n:]
+                    n = 0
+            self._idx = i
+            if i == len(iovs):
+                self._on_done()
+
+    def _got_header(self) -> None:
+        ftype, n_ops, room, payload_len, aux = HEADER.unpack(self._hdr)
+        if ftype in (WRITE, META):
+            if self.peer_id is None:
+                return self.lose("data frame before HELLO")
+            if n_ops == 0 or n_ops > MAX_OPS_PER_FRAME:
+                return self.lose(f"bad op count {n_ops}")
+            table = bytearray(n_ops * OP.size)
+            self._expect(
+                [memoryview(table)], lambda: self.owner._on_data_frame(self, ftype, room, table, payload_len, aux)
+            )
+        elif ftype in (HELLO, HELLO_REFUSED, NACK):
+            if payload_len > MAX_CONTROL_BYTES:
+                return self.lose(f"control frame of {payload_len} bytes")
+            body = bytearray(payload_len)
+            self._expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body)))
+        elif ftype == HELLO_OK:
+            if not self.hello.done():
+                self.hello.set_result("")
+            self._expect_header()
+        elif ftype == ACK:
+            self.owner._on_ack(self, room)
+            self._expect_header()
+        else:
+            self.lose(f"unknown frame type {ftype}")
+
+    def _got_control(self, ftype: int, room: int, body: bytes) -> None:
+        text = body.decode("utf-8", "replace")
+        if ftype == HELLO:
+            self.owner._on_hello(self, text)
+        elif ftype == HELLO_REFUSED:
+            if not self.hello.done():
+                self.hello.set_exception(PeerFailure(f"peer refused the connection: {text}"))
+            return self.lose(f"peer refused the connection: {text}")
+        elif ftype == NACK:
+            self.owner._on_nack(self, room, text)
+        if not self.closed:
+            self._expect_header()
+
+    def receive_payload(self, room: int, ref: object, views: list[memoryview], then: Callable[[], None]) -> None:
+        self._expect(views, then)
+        self._guard_room, self._guard_ref = room, ref
+
+    # -- writing -------------------------------------------------------------------
+    def send(self, bufs: Sequence[bytes | memoryview]) -> None:
+        if self.closed:
+            return
+        self._out.extend(memoryview(b) for b in bufs)
+        if not self._writing:
+            self._flush()
+
+    def send_control(self, ftype: int, room: int, text: str) -> None:
+        body = text.encode()[:MAX_CONTROL_BYTES]
+        self.send([HEADER.pack(ftype, 0, room, len(body), 0), body])
+
+    def _flush(self) -> None:
+        out = self._out
+        while out:
+            batch = list(itertools.islice(out, 0, 1000))
+            try:
+                n = self.sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                n = -1
+            except OSError as exc:
+                self.lose(f"send failed: {exc!r}")
+                return
+            if n < 0:
+                break
+            sent_all = n == sum(len(b) for b in batch)
+            while n:
+                b = out[0]
+                if n >= len(b):
+                    n -= len(b)
+                    out.popleft()
+                else:
+                    out[0] = b[n:]
+                    n = 0
+            if not sent_all:
+                break
+        if out and not self._writing:
+            self.loop.add_writer(self.fd, self._flush)
+            self._writing = True
+        elif not out and self._writing:
+            self.loop.remove_writer(self.fd)
+            self._writing = False
+
+    # -- teardown ------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.remove_reader(self.fd)
+        if self._writing:
+            self.loop.remove_writer(self.fd)
+        self._out.clear()
+        self._iovs = []
+        self.sock.close()
+        if not self.hello.done():
+            self.hello.set_exception(PeerFailure("connection closed during handshake"))
+            self.hello.exception()  # mark retrieved: nobody may be waiting any more
+
+    def lose(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.close()
+        self.owner._on_conn_lost(self, reason)
+
+
+class _Link:
+    """The sender's connections to one peer instance."""
+
+    def __init__(self, peer: Peer, conns: list[_Conn]) -> None:
+        self.peer = peer
+        self.conns = conns
+        self.next = 0
+        self.rooms: set[int] = set()
+        self.sent: dict[int, int] = {}
+        self.alive = True
+
+    def conn(self) -> _Conn:
+        c = self.conns[self.next % len(self.conns)]
+        self.next += 1
+        return c
+
+
+class _RecvRoom:
+    __slots__ = ("grant", "received", "expected", "meta", "peers")
+
+    def __init__(self, grant: RoomGrant) -> None:
+        self.grant = grant
+        self.received = 0
+        self.expected: int | None = None
+        self.meta: tuple[memoryview, bytearray, _Conn] | None = None
+        self.peers: set[str] = set()
+
+
+class TcpTransport(Transport):
+    """Options: ``host`` to listen on (default 127.0.0.1), ``port`` (0: any),
+    ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
+    ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default)."""
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connections: int = 1,
+        connect_timeout: float = 5.0,
+        sockbuf: int = 4 << 20,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ConfigError(f"{self.name} transport: unknown option(s) {sorted(unknown)}")
+        if connections < 1:
+            raise ConfigError(f"{self.name} transport: connections must be >= 1, got {connections}")
+        super().__init__()
+        self._host = host
+        self._port = port
+        self._nconn = connections
+        self._connect_timeout = connect_timeout
+        self._sockbuf = sockbuf
+        self._loop: asyncio.AbstractEventLoop | None = None  # type: ignore[assignment]
+        self._listener: socket.socket | None = None
+        self._endpoint = b""
+        self._regions: dict[int, MemoryRegion] = {}
+        self._infos: dict[int, RegionInfo] = {}
+        self._views: dict[int, memoryview] = {}
+        self._links: dict[str, _Link] = {}
+        self._connecting: dict[str, asyncio.Future[None]] = {}
+        self._room_link: dict[int, str] = {}
+        self._recv: dict[int, _RecvRoom] = {}
+        self._incoming: set[_Conn] = set()
+        self._scratch: memoryview | None = None
+        self._closed = False
+
+    # -- overridable socket plumbing (a unix-socket variant swaps these) -------------
+    def _listen(self) -> tuple[socket.socket, bytes]:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self._host, self._port))
+        s.listen(128)
+        host, port = s.getsockname()[:2]
+        return s, f"{host}:{port}".encode()
+
+    def _address(self, endpoint: bytes) -> tuple[int, Any]:
+        """``(family, sockaddr)`` for a peer's endpoint bytes (no DNS: no threads)."""
+        host, _, port = endpoint.decode().rpartition(":")
+        try:
+            ip = ipaddress.ip_address(host.strip("[]"))
+            return (socket.AF_INET6 if ip.version == 6 else socket.AF_INET), (str(ip), int(port))
+        except ValueError:
+            raise BadDescriptor(f"tcp endpoint {endpoint!r} is not 'ip:port'") from None
+
+    def _tune(self, sock: socket.socket) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._sockbuf:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sockbuf)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._sockbuf)
+
+    # -- set-up ----------------------------------------------------------------------
+    def _descriptor(self) -> Descriptor:
+        return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self._infos.values()))
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise TransportError(f"{self.name} transport is bound to another event loop")
+        if self._closed:
+            raise TransportError(f"{self.name} transport is closed")
+
+    async def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        self._ensure_loop()
+        for r in regions:
+            if r.region_id in self._regions and self._regions[r.region_id] is not r:
+                raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
+            self._views[r.region_id] = byte_view(r.tensor)
+            self._regions[r.region_id] = r
+            self._infos[r.region_id] = r.info()
+        if self._listener is None:
+            try:
+                lsock, self._endpoint = self._listen()
+            except OSError as exc:
+                raise TransportError(f"{self.name} transport cannot listen: {exc}") from None
+            lsock.setblocking(False)
+            self._listener = lsock
+            self._loop.add_reader(lsock.fileno(), self._on_accept)
+        return self._descriptor().to_bytes()
+
+    def _on_accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            self._tune(sock)
+            self._incoming.add(_Conn(self, sock, None))
+
+    async def connect(self, descriptor: bytes) -> Peer:
+        self._ensure_loop()
+        d = Descriptor.from_bytes(descriptor)
+        if d.backend != self.name:
+            raise BadDescriptor(f"descriptor is for transport {d.backend!r}, this is {self.name!r}")
+        link = self._links.get(d.instance_id)
+        if link is not None and link.alive:
+            return link.peer
+        pending = self._connecting.get(d.instance_id)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return await self.connect(descriptor)
+        # A different instance at the same endpoint is a restarted peer: the old
+        # connection (if any survived) must not be used again.
+        for old in [lk for lk in self._links.values() if lk.peer.descriptor.endpoint == d.endpoint]:
+            self._drop_link(old, f"peer at {d.endpoint.decode(errors='replace')} restarted as {d.instance_id}")
+        fut = self._loop.create_future()
+        self._connecting[d.instance_id] = fut
+        conns: list[_Conn] = []
+        try:
+            for _ in range(self._nconn):
+                conns.append(await self._open(d))
+            peer = Peer(d.instance_id, d)
+            link = _Link(peer, conns)
+            for c in conns:
+                c.peer_id = d.instance_id
+            self._links[d.instance_id] = link
+            return peer
+        except BaseException:
+            for c in conns:
+                c.close()
+            raise
+        finally:
+            del self._connecting[d.instance_id]
+            fut.set_result(None)
+
+    async def _open(self, d: Descriptor) -> _Conn:
+        family, addr = self._address(d.endpoint)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        self._tune(sock)
+        where = d.endpoint.decode(errors="replace")
+        try:
+            await asyncio.wait_for(self._loop.sock_connect(sock, addr), self._connect_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise PeerFailure(f"cannot connect to {self.name} peer {d.instance_id} at {where}: {exc!r}") from None
+        conn = _Conn(self, sock, None)
+        conn.send_control(HELLO, 0, f"{self.instance_id} {d.instance_id}")
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.hello), self._connect_timeout)
+        except asyncio.TimeoutError:
+            conn.close()
+            raise PeerFailure(f"{self.name} peer at {where} did not answer the handshake") from None
+        except PeerFailure:
+            conn.close()
+            raise
+        return conn
+
+    # -- receiver ----------------------------------------------------------------------
+    def advertise(self, grant: RoomGrant) -> None:
+        if grant.room in self._recv:
+            raise ConfigError(f"room {grant.room} is already advertised; release it first")
+        if grant.room in self.rooms:
+            raise ConfigError(f"room {grant.room} is in use by this transport")
+        self._recv[grant.room] = _RecvRoom(grant)
+        self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
+
+    def _on_hello(self, conn: _Conn, text: str) -> None:
+        sender, _, expected = text.partition(" ")
+        if expected != self.instance_id or not sender:
+            conn.send_control(HELLO_REFUSED, 0, f"this is instance {self.instance_id}, not {expected!r}")
+            self._loop.call_soon(conn.close)
+            return
+        conn.peer_id = sender
+        conn.send([HEADER.pack(HELLO_OK, 0, 0, 0, 0)])
+
+    def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
+        ops = list(OP.iter_unpack(table))
+        if sum(op[2] for op in ops) != payload_len:
+            return conn.lose("frame payload length does not match its op table")
+        rr = self._recv.get(room)
+        reason: str | None = None
+        if rr is None:
+            reason = f"room {room} is not advertised here (never, or already released)"
+        else:
+            rr.peers.add(conn.peer_id or "")
+            state = self.rooms.status(room).state
+            if state is KVPoll.SUCCESS:
+                reason = f"write to room {room} after its metadata row landed"
+            elif state is KVPoll.FAILED:
+                reason = f"room {room} already failed"
+            elif ftype == META and (rr.meta is not None or len(ops) != 1):
+                reason = f"second or malformed metadata frame for room {room}"
+            else:
+                reason = self._authorize(rr.grant, ftype, ops)
+        if reason is not None:
+            if rr is not None:
+                self.rooms.fail(room, f"unauthorized write: {reason}")
+            conn.send_control(NACK, room, f"unauthorized write: {reason}")
+            conn._expect_discard(payload_len, conn._expect_header)
+            return
+        assert rr is not None
+        self.rooms.set(room, KVPoll.TRANSFERRING)
+        if ftype == WRITE:
+            views = self._views
+            bufs = [views[r][o : o + n] for r, o, n in ops]
+
+            def landed() -> None:
+                rr.received += payload_len
+                self._try_commit(room, rr)
+                conn._expect_header()
+
+            conn.receive_payload(room, rr, bufs, landed)
+        else:
+            r, o, n = ops[0]
+            staged = bytearray(n)  # one small row, kept aside until the pages are in
+
+            def staged_in() -> None:
+                rr.meta = (self._views[r][o : o + n], staged, conn)
+                rr.expected = aux
+                self._try_commit(room, rr)
+                conn._expect_header()
+
+            conn.receive_payload(room, rr, [memoryview(staged)], staged_in)
+
+    def _authorize(self, grant: RoomGrant, ftype: int, ops: list[tuple[int, int, int]]) -> str | None:
+        infos = self._infos
+        for region, offset, length in ops:
+            info = infos.get(region)
+            if info is None:
+                return f"region {region} is not registered here"
+            if (info.kind is RegionKind.METADATA) != (ftype == META):
+                return f"{'metadata' if ftype == META else 'page'} write into {info.kind.value} region {info.name!r}"
+            reason = grant.check(info, offset, length)
+            if reason is not None:
+                return reason
+        return None
+
+    def _try_commit(self, room: int, rr: _RecvRoom) -> None:
+        if self._recv.get(room) is not rr or rr.expected is None or rr.meta is None:
+            return
+        if rr.received > rr.expected:
+            self.rooms.fail(room, f"received {rr.received} KV bytes, sender announced {rr.expected}")
+        elif rr.received == rr.expected:
+            view, staged, conn = rr.meta
+            view[:] = staged
+            if self.rooms.set(room, KVPoll.SUCCESS):
+                conn.send([HEADER.pack(ACK, 0, room, 0, 0)])
+
+    # -- sender ------------------------------------------------------------------------
+    async def write(
+        self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None
+    ) -> None:
+        self._ensure_loop()
+        self._check_src(ops, metadata)
+        self.rooms.create(room, KVPoll.TRANSFERRING)
+        link = self._links.get(peer.instance_id)
+        if link is None or not link.alive:
+            self.rooms.fail(room, f"peer {peer.instance_id} is not connected (failed or never connected)")
+            return
+        self._room_link[room] = peer.instance_id
+        link.rooms.add(room)
+        sent = link.sent.get(room, 0)
+        views = self._views
+        for i in range(0, len(ops), MAX_OPS_PER_FRAME):
+            chunk = ops[i : i + MAX_OPS_PER_FRAME]
+            total = 0
+            table = bytearray(len(chunk) * OP.size)
+            payload: list[memoryview] = []
+            for j, op in enumerate(chunk):
+                OP.pack_into(table, j * OP.size, op.dst_region, op.dst_offset, op.length)
+                payload.append(views[op.src_region][op.src_offset : op.src_offset + op.length])
+                total += op.length
+            link.conn().send([HEADER.pack(WRITE, len(chunk), room, total, 0), table, *payload])
+            sent += total
+        link.sent[room] = sent
+        if metadata is not None:
+            m = metadata
+            link.conn().send(
+                [
+                    HEADER.pack(META, 1, room, m.length, sent),
+                    OP.pack(m.dst_region, m.dst_offset, m.length),
+                    views[m.src_region][m.src_offset : m.src_offset + m.length],
+                ]
+            )
+
+    def _check_src(self, ops: Sequence[WriteOp], metadata: WriteOp | None) -> None:
+        for op in itertools.chain(ops, () if metadata is None else (metadata,)):
+            region = self._regions.get(op.src_region)
+            if region is None:
+                raise ConfigError(f"WriteOp.src_region {op.src_region} is not registered locally")
+            if op.src_offset + op.length > region.nbytes:
+                raise ConfigError(
+                    f"WriteOp source bytes [{op.src_offset}, {op.src_offset + op.length}) outside "
+                    f"local region {region.name!r} of {region.nbytes} bytes"
+                )
+
+    def _on_ack(self, conn: _Conn, room: int) -> None:
+        if self._room_link.get(room) == conn.peer_id:
+            self.rooms.set(room, KVPoll.SUCCESS)
+
+    def _on_nack(self, conn: _Conn, room: int, reason: str) -> None:
+        if self._room_link.get(room) == conn.peer_id:
+            self.rooms.fail(room, f"receiver rejected the transfer: {reason}")
+
+    # -- both sides --------------------------------------------------------------------
+    def _on_conn_lost(self, conn: _Conn, reason: str) -> None:
+        self._incoming.discard(conn)
+        peer = conn.peer_id
+        if peer is None:
+            return
+        self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")
+
+    def _drop_link(self, link: _Link, reason: str) -> None:
+        link.alive = False
+        if self._links.get(link.peer.instance_id) is link:
+            del self._links[link.peer.instance_id]
+        for c in link.conns:
+            c.close()
+        self.rooms.fail_all(reason, link.rooms)
+        for room in link.rooms:
+            if self._room_link.get(room) == link.peer.instance_id:
+                del self._room_link[room]
+
+    def release(self, room: int) -> None:
+        self.rooms.discard(room)
+        self._recv.pop(room, None)
+        iid = self._room_link.pop(room, None)
+        if iid is not None and iid in self._links:
+            link = self._links[iid]
+            link.rooms.discard(room)
+            link.sent.pop(room, None)
+
+    def fail_peer(self, instance_id: str, reason: str) -> None:
+        link = self._links.get(instance_id)
+        if link is not None:
+            self._drop_link(link, reason)
+        for conn in [c for c in self._incoming if c.peer_id == instance_id]:
+            conn.close()
+            self._incoming.discard(conn)
+        self.rooms.fail_all(reason, [room for room, rr in self._recv.items() if instance_id in rr.peers])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._listener is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        for link in list(self._links.values()):
+            self._drop_link(link, f"{self.name} transport closed")
+        for conn in list(self._incoming):
+            conn.close()
+        self._incoming.clear()
+        self.rooms.fail_all(f"{self.name} transport closed")
+        self._recv.clear()
+
+    def _scratch_view(self) -> memoryview:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH))
+        return self._scratch
