@@ -1,0 +1,463 @@
+"""The decode queues over many requests: pending dp rank -> prealloc -> transfer -> committed.
+
+Pure logic (h11 style): the driver calls in with events and the current time and carries
+out the returned actions. One instance per TP rank.
+
+::
+
+    q.add(NewRequest(room, addr, num_pages), now)   # -> queue: resolving or prealloc
+    q.poll_dp_ranks(now)          -> [QueryDpRanks]   (throttled per prefill address)
+    q.on_dp_ranks(addr, answers)  # answers from bootstrap
+    q.prealloc(now)               -> [SendHandshake]  (pages + slot, when both are free)
+    q.on_local_status(room, s)    # this rank's transport reported a KVPoll for the room
+    q.poll_transfers(now, all_reduce_min) -> [Committed | Aborted]
+    q.cancel(room, now) / q.on_abort_ack(room) / q.tick(now) / q.release_pages(pages)
+
+**TP lock-step.** Everything that changes which slot or page a request gets is decided
+from the reduced poll tensor, so every rank makes the same decision at the same poll:
+commits, transfer-stage aborts (transport failure, corruption, cancellation, deadlines —
+each rank folds its own view into the tensor before the reduce) and the release of
+quarantined slots/pages (acked or lease expired on *every* rank). The driver must feed
+``add``/``on_dp_ranks``/``prealloc``/``cancel``/``tick`` identically on every rank (e.g.
+rank 0 broadcasts its scheduling input); if ranks still disagree on which room a slot
+holds, the poll detects it and aborts that request with ``TP_DESYNC`` instead of hanging.
+
+**Cost.** Per request event: O(1) dict/bytearray work. Per poll: a fixed number of tensor
+ops over all slots (no Python loop over the queue) plus Python work only for the slots
+whose reduced state changed, in admission order.
+
+**Abort safety.** A request aborted after its handshake was sent keeps its slot and pages
+in quarantine: a late write from the prefill lands in memory nobody else owns. They return
+to the pools once every rank saw the prefill's ack (:meth:`on_abort_ack`) or the lease
+(``DecodeDeadlines.abort_lease_s``) expired. Freeing a slot zeroes its room first.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+from typing import Callable, Iterable, Mapping, Union
+
+import torch
+
+from pdgrpc.errors import ConfigError, StateError
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.state import transfer_poll
+from pdgrpc.state.config import DecodeDeadlines, DpConfig
+from pdgrpc.state.decode_request import (
+    Abort,
+    DecodeRequest,
+    DecodeState,
+    DpRankResolved,
+    MemoryAllocated,
+    PrefillReady,
+    TransferDone,
+    TransferStarted,
+    state_limits,
+    timeout_message,
+)
+from pdgrpc.state.dp_rank import DpRankResolver, QueryDpRanks, resolve_locally
+from pdgrpc.state.metadata import MetadataBuffers
+from pdgrpc.state.outcomes import REASON_NONE, AbortReason, Aborted, Committed
+from pdgrpc.state.pages import PageAllocator
+from pdgrpc.state.poll import advance
+from pdgrpc.state.slots import SlotAllocator
+from pdgrpc.state.transfer_poll import NEG_ROOM, POLL_ROWS, REASON, ROOM, STATE, AllReduceMin
+
+__all__ = ["DecodeQueues", "NewRequest", "Outcome", "SendHandshake"]
+
+_ROOM_MAX = (1 << 63) - 1
+Outcome = Union[Committed, Aborted]
+
+# Per-slot modes.
+_FREE, _TRANSFER, _QUARANTINE = 0, 1, 2
+_S = DecodeState
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRequest:
+    room: int  # bootstrap_room, random 63-bit, never 0
+    prefill_address: str  # the prefill (its bootstrap) serving this request
+    num_pages: int  # KV pages to allocate for the prompt
+    dp_rank: int | None = None  # explicit prefill dp rank, when the router pinned one
+    fake: bool = False  # fake transfer: no metadata row is written, the gate is skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class SendHandshake:
+    """Action: tell prefill ``dp_rank`` at ``prefill_address`` where to write ``room``."""
+
+    room: int
+    prefill_address: str
+    dp_rank: int
+    slot: int
+    pages: tuple[int, ...]
+
+
+class DecodeQueues:
+    def __init__(
+        self,
+        buffers: MetadataBuffers,
+        num_pages: int,
+        dp: DpConfig | None = None,
+        deadlines: DecodeDeadlines | None = None,
+    ) -> None:
+        self.buffers = buffers
+        self.dp = dp if dp is not None else DpConfig()
+        self.deadlines = deadlines if deadlines is not None else DecodeDeadlines()
+        self.slots = SlotAllocator(buffers)
+        self.pages = PageAllocator(num_pages)
+        self._limits = state_limits(self.deadlines)
+        self._requests: dict[int, DecodeRequest] = {}
+        self._spec: dict[int, NewRequest] = {}
+        self._resolver = DpRankResolver(self.dp)
+        self._prealloc: collections.deque[int] = collections.deque()
+        # (deadline, room) per pre-transfer state; one limit per state keeps each FIFO
+        # sorted by deadline, so tick() only looks at the heads.
+        self._timers: dict[DecodeState, collections.deque[tuple[float, int]]] = {
+            _S.RESOLVING_DP_RANK: collections.deque(),
+            _S.WAITING_FOR_MEMORY: collections.deque(),
+        }
+        self._cancel_msg: dict[int, str] = {}
+
+        n = buffers.num_slots
+        # Per-slot state in Python buffers (cheap scalar writes per event) with torch views
+        # over the same memory (one vector op per poll step).
+        self._mode = bytearray(n)
+        self._local = bytearray(n)  # this rank's KVPoll
+        self._reason = bytearray([REASON_NONE]) * n  # this rank's failure reason
+        self._prev = bytearray(n)  # last reduced KVPoll
+        self._fake = bytearray(n)
+        self._acked = bytearray(n)
+        self._expected = array.array("q", [0]) * n
+        self._seq = array.array("q", [0]) * n
+        self._deadline = array.array("d", [0.0]) * n  # current state's deadline (or lease end)
+        self._slot_room = [0] * n
+        self._room_slot: dict[int, int] = {}
+        self._next_seq = 0
+        self._mode_t = torch.frombuffer(self._mode, dtype=torch.uint8)
+        self._local_t = torch.frombuffer(self._local, dtype=torch.uint8)
+        self._reason_t = torch.frombuffer(self._reason, dtype=torch.uint8)
+        self._prev_t = torch.frombuffer(self._prev, dtype=torch.uint8)
+        self._fake_t = torch.frombuffer(self._fake, dtype=torch.uint8)
+        self._acked_t = torch.frombuffer(self._acked, dtype=torch.uint8)
+        self._expected_t = torch.frombuffer(self._expected, dtype=torch.int64)
+        self._seq_t = torch.frombuffer(self._seq, dtype=torch.int64)
+        self._deadline_t = torch.frombuffer(self._deadline, dtype=torch.float64)
+        # reduced state (1..3) -> the timeout reason naming it
+        lut = [REASON_NONE] * 5
+        lut[KVPoll.BOOTSTRAPPING] = AbortReason.BOOTSTRAP_TIMEOUT
+        lut[KVPoll.WAITING_FOR_INPUT] = AbortReason.WAITING_FOR_INPUT_TIMEOUT
+        lut[KVPoll.TRANSFERRING] = AbortReason.TRANSFER_TIMEOUT
+        self._timeout_lut = torch.tensor(lut, dtype=torch.int64)
+
+    # -- admission and dp rank --------------------------------------------------------
+    def add(self, req: NewRequest, now: float) -> None:
+        room = req.room
+        if not isinstance(room, int) or not 0 < room <= _ROOM_MAX:
+            raise ConfigError(f"NewRequest.room must be in [1, 2**63), got {room!r}")
+        if room in self._requests or room in self._room_slot:
+            raise StateError(f"room {room} is already in use on this decode")
+        if not 0 < req.num_pages <= self.pages.num_pages:
+            raise ConfigError(f"NewRequest.num_pages must be in [1, {self.pages.num_pages}], got {req.num_pages}")
+        rank = resolve_locally(room, req.dp_rank, self.dp)
+        r = DecodeRequest(room, now, self._limits, rank)
+        self._requests[room] = r
+        self._spec[room] = req
+        if rank is None:
+            self._resolver.add(room, req.prefill_address)
+        else:
+            self._prealloc.append(room)
+        self._timers[r.state].append((r.deadline, room))
+
+    def poll_dp_ranks(self, now: float) -> list[QueryDpRanks]:
+        return self._resolver.poll(now)
+
+    def on_dp_ranks(self, prefill_address: str, answers: Mapping[int, int | None], now: float) -> int:
+        """Apply a QueryDpRanks answer; returns how many rooms moved to the prealloc queue."""
+        resolved = self._resolver.on_answer(prefill_address, answers)
+        for room, rank in resolved:
+            r = self._requests[room]
+            r.handle(DpRankResolved(rank), now)
+            self._prealloc.append(room)
+            self._timers[_S.WAITING_FOR_MEMORY].append((r.deadline, room))
+        return len(resolved)
+
+    # -- prealloc ---------------------------------------------------------------------
+    def prealloc(self, now: float) -> list[SendHandshake]:
+        """Give KV pages and a slot to queued requests, in arrival order, while both are
+        available. The head of the queue waits for memory rather than being overtaken, so
+        every TP rank allocates identically."""
+        out: list[SendHandshake] = []
+        queue, requests, slots, pages = self._prealloc, self._requests, self.slots, self.pages
+        while queue:
+            room = queue[0]
+            r = requests.get(room)
+            if r is None or r.state is not _S.WAITING_FOR_MEMORY:
+                queue.popleft()  # cancelled or timed out while queued
+                continue
+            spec = self._spec[room]
+            if slots.num_free == 0 or pages.num_free < spec.num_pages:
+                break
+            slot = slots.alloc()
+            got = pages.alloc(spec.num_pages)
+            assert slot is not None and got is not None
+            queue.popleft()
+            r.handle(MemoryAllocated(slot, got), now)
+            self._mode[slot] = _TRANSFER
+            self._local[slot] = KVPoll.BOOTSTRAPPING
+            self._prev[slot] = KVPoll.BOOTSTRAPPING
+            self._reason[slot] = REASON_NONE
+            self._fake[slot] = spec.fake
+            self._acked[slot] = 0
+            self._expected[slot] = room
+            self._seq[slot] = self._next_seq
+            self._next_seq += 1
+            self._deadline[slot] = r.deadline
+            self._slot_room[slot] = room
+            self._room_slot[room] = slot
+            assert r.dp_rank is not None
+            out.append(SendHandshake(room, spec.prefill_address, r.dp_rank, slot, got))
+        return out
+
+    # -- transport reports --------------------------------------------------------------
+    def on_local_status(self, room: int, status: KVPoll) -> None:
+        """This rank's transport state for ``room``: forward only, FAILED wins, and a report
+        for a room not in transfer (committed, aborted, unknown) is ignored."""
+        slot = self._room_slot.get(room)
+        if slot is None or self._mode[slot] != _TRANSFER:
+            return
+        new = advance(self._local[slot], status)
+        self._local[slot] = new
+        if new == KVPoll.FAILED and self._reason[slot] == REASON_NONE:
+            self._reason[slot] = AbortReason.TRANSFER_FAILED
+
+    def on_local_statuses(self, reports: Iterable[tuple[int, KVPoll]]) -> None:
+        for room, status in reports:
+            self.on_local_status(room, status)
+
+    # -- aborts -------------------------------------------------------------------------
+    def cancel(self, room: int, now: float, message: str = "cancelled") -> Aborted | None:
+        """Abort ``room``. Before its handshake the abort is immediate (returned). After
+        it, the abort is folded into the next poll so that every TP rank aborts it at the
+        same poll (returned from :meth:`poll_transfers`). Unknown/finished rooms: no-op."""
+        r = self._requests.get(room)
+        if r is None:
+            return None
+        if r.state in (_S.RESOLVING_DP_RANK, _S.WAITING_FOR_MEMORY):
+            self._resolver.remove(room)
+            return self._finish_abort(r, AbortReason.CANCELLED, f"room {room}: {message} in state {r.state.name}", now)
+        slot = self._room_slot[room]
+        self._local[slot] = KVPoll.FAILED
+        self._reason[slot] = min(self._reason[slot], AbortReason.CANCELLED)
+        self._cancel_msg[room] = message
+        return None
+
+    def on_abort_ack(self, room: int) -> bool:
+        """The prefill acknowledged ``room``'s abort (no write of it will follow). Returns
+        False when the room is not quarantined (late or duplicate ack: ignored)."""
+        slot = self._room_slot.get(room)
+        if slot is None or self._mode[slot] != _QUARANTINE:
+            return False
+        self._acked[slot] = 1
+        return True
+
+    def tick(self, now: float) -> list[Aborted]:
+        """Abort requests overdue in a pre-transfer state (resolving dp rank, waiting for
+        memory). Transfer-stage deadlines are checked by every poll, inside the reduce."""
+        out: list[Aborted] = []
+        for state, timers in self._timers.items():
+            while timers and timers[0][0] < now:
+                deadline, room = timers.popleft()
+                r = self._requests.get(room)
+                if r is None or r.state is not state or r.deadline != deadline:
+                    continue  # moved on since
+                self._resolver.remove(room)
+                msg = timeout_message(state, self._limits[state], room)
+                out.append(self._finish_abort(r, _TIMEOUT[state], msg, now))
+        return out
+
+    def _finish_abort(self, r: DecodeRequest, reason: AbortReason, message: str, now: float) -> Aborted:
+        state = r.state
+        r.handle(Abort(reason, message), now)
+        del self._requests[r.room]
+        del self._spec[r.room]
+        return Aborted(r.room, reason, message, state.name, awaiting_ack=False)
+
+    # -- the transfer poll ----------------------------------------------------------------
+    def prepare_poll(self, now: float, local_poll: Callable[[int], KVPoll] | None = None) -> torch.Tensor:
+        """Steps 1-2: this rank's gated states as the ``int64[4, num_slots]`` poll tensor.
+
+        ``local_poll(room)``, if given, is asked for every room in transfer (convenient; the
+        O(1)-per-event path is :meth:`on_local_status` as reports arrive)."""
+        if local_poll is not None:
+            for room, slot in list(self._room_slot.items()):
+                if self._mode[slot] == _TRANSFER:
+                    self.on_local_status(room, local_poll(room))
+        mode = self._mode_t
+        transfer = mode == _TRANSFER
+        quarantine = mode == _QUARANTINE
+        expected = self._expected_t
+        gated, corrupt = transfer_poll.apply_metadata_gate(
+            self._local_t.long(), self.buffers.room_column(), expected, transfer & (self._fake_t == 0)
+        )
+        reason = self._reason_t.long()
+        reason = torch.where(corrupt, torch.clamp(reason, max=int(AbortReason.METADATA_CORRUPTION)), reason)
+        # Overdue in a transfer state (not already failed, not ready to commit).
+        overdue = transfer & (self._deadline_t < now) & (gated > KVPoll.FAILED) & (gated < KVPoll.SUCCESS)
+        reason = torch.where(overdue, torch.minimum(reason, self._timeout_lut[self._prev_t.long()]), reason)
+        gated = torch.where(overdue, int(KVPoll.FAILED), gated)
+        # Quarantined slots vote "release" (1) when acked or their lease is over here.
+        release = ((self._acked_t != 0) | (self._deadline_t <= now)).long()
+        gated = torch.where(quarantine, release, gated)
+        gated = torch.where(mode == _FREE, int(KVPoll.SUCCESS), gated)
+        rooms = torch.where(mode != _FREE, expected, 0)
+        return torch.stack([gated, reason, rooms, -rooms])
+
+    def finish_poll(self, reduced: torch.Tensor, now: float) -> list[Outcome]:
+        """Step 4: act on the all-reduced poll tensor; identical on every rank."""
+        if reduced.shape != (POLL_ROWS, self.buffers.num_slots):
+            raise StateError(f"reduced poll tensor has shape {tuple(reduced.shape)}, expected {(POLL_ROWS, self.buffers.num_slots)}")
+        mode = self._mode_t
+        transfer = mode == _TRANSFER
+        st = reduced[STATE]
+        desync = transfer & (reduced[ROOM] != -reduced[NEG_ROOM])
+        changed = transfer & ((st != self._prev_t.long()) | desync)
+        released = (mode == _QUARANTINE) & (st == 1)
+        idx = torch.nonzero(changed | released).flatten()
+        if idx.numel() == 0:
+            return []
+        if idx.numel() > 1:
+            idx = idx[torch.argsort(self._seq_t[idx])]  # admission order: same on every rank
+        states = st[idx].tolist()
+        reasons = reduced[REASON][idx].tolist()
+        desyncs = desync[idx].tolist()
+        out: list[Outcome] = []
+        for slot, s, reason, bad in zip(idx.tolist(), states, reasons, desyncs):
+            if self._mode[slot] == _QUARANTINE:
+                self._release(slot)
+                continue
+            r = self._requests[self._slot_room[slot]]
+            if bad:
+                out.append(self._abort_in_transfer(slot, r, AbortReason.TP_DESYNC, now))
+            elif s == KVPoll.FAILED:
+                out.append(self._abort_in_transfer(slot, r, AbortReason(reason), now))
+            else:
+                s = max(s, self._prev[slot])  # forward only
+                if s >= KVPoll.WAITING_FOR_INPUT and r.state is _S.BOOTSTRAPPING:
+                    r.handle(PrefillReady(), now)
+                if s >= KVPoll.TRANSFERRING and r.state is _S.WAITING_FOR_INPUT:
+                    r.handle(TransferStarted(), now)
+                if s == KVPoll.SUCCESS:
+                    out.append(self._commit(slot, r, now))
+                else:
+                    self._prev[slot] = s
+                    self._deadline[slot] = r.deadline
+        return out
+
+    def poll_transfers(
+        self,
+        now: float,
+        all_reduce_min: AllReduceMin | None = None,
+        local_poll: Callable[[int], KVPoll] | None = None,
+    ) -> list[Outcome]:
+        """local poll -> metadata gate -> all-reduce MIN -> act. Call it on every rank at
+        every step, also when nothing is in flight (the collective must match)."""
+        t = self.prepare_poll(now, local_poll)
+        reduced = all_reduce_min(t) if all_reduce_min is not None else t
+        return self.finish_poll(reduced, now)
+
+    def _commit(self, slot: int, r: DecodeRequest, now: float) -> Committed:
+        room = r.room
+        row = None if self._fake[slot] else self.buffers.read_row(slot)
+        r.handle(TransferDone(), now)
+        self._mode[slot] = _FREE
+        self.slots.free(slot)  # zeroes the room
+        del self._room_slot[room]
+        del self._requests[room]
+        del self._spec[room]
+        return Committed(room, slot, r.pages, row)
+
+    def _abort_in_transfer(self, slot: int, r: DecodeRequest, reason: AbortReason, now: float) -> Aborted:
+        room, state = r.room, r.state
+        if reason is AbortReason.METADATA_CORRUPTION:
+            found = self.buffers.room(slot)
+            if found not in (0, room):
+                msg = f"bootstrap_room mismatch: expected {room}, found {found} in slot {slot}"
+            else:
+                msg = f"bootstrap_room mismatch in slot {slot} (expected {room}) detected on another TP rank"
+        elif reason is AbortReason.CANCELLED:
+            msg = f"room {room}: {self._cancel_msg.get(room, 'cancelled on another TP rank')} in state {state.name}"
+        elif reason is AbortReason.TRANSFER_FAILED:
+            msg = f"room {room}: transfer failed in state {state.name}"
+        elif reason is AbortReason.TP_DESYNC:
+            msg = f"room {room}: TP ranks disagree on the room held by slot {slot} (in state {state.name})"
+        else:
+            msg = timeout_message(state, self._limits[state], room)
+        self._cancel_msg.pop(room, None)
+        r.handle(Abort(reason, msg), now)
+        del self._requests[room]
+        del self._spec[room]
+        # Quarantine: the prefill may still write into this slot and these pages.
+        self._mode[slot] = _QUARANTINE
+        self._acked[slot] = 0
+        self._deadline[slot] = now + self.deadlines.abort_lease_s
+        self.pages.quarantine(room, r.pages)
+        return Aborted(room, reason, msg, state.name, awaiting_ack=True)
+
+    def _release(self, slot: int) -> None:
+        room = self._slot_room[slot]
+        self.pages.release(room)
+        self._mode[slot] = _FREE
+        self.slots.free(slot)  # zeroes whatever a late write left there
+        del self._room_slot[room]
+
+    # -- engine side ------------------------------------------------------------------
+    def release_pages(self, pages: Iterable[int]) -> None:
+        """Return a committed request's pages once the engine is done with them."""
+        self.pages.free(pages)
+
+    # -- introspection ------------------------------------------------------------------
+    def state_of(self, room: int) -> DecodeState | None:
+        """The request's state, or None once it has ended (terminal requests are dropped)."""
+        r = self._requests.get(room)
+        return r.state if r is not None else None
+
+    def deadline_of(self, room: int) -> float | None:
+        r = self._requests.get(room)
+        return r.deadline if r is not None else None
+
+    def slot_of(self, room: int) -> int | None:
+        return self._room_slot.get(room)
+
+    def is_quarantined(self, room: int) -> bool:
+        slot = self._room_slot.get(room)
+        return slot is not None and self._mode[slot] == _QUARANTINE
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_in_transfer(self) -> int:
+        return sum(1 for s in self._room_slot.values() if self._mode[s] == _TRANSFER)
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(1 for s in self._room_slot.values() if self._mode[s] == _QUARANTINE)
+
+    def is_idle(self) -> bool:
+        """No request tracked, every slot and page free."""
+        return (
+            not self._requests
+            and not self._room_slot
+            and self.slots.num_free == self.slots.num_slots
+            and self.pages.num_free == self.pages.num_pages
+        )
+
+
+_TIMEOUT = {
+    _S.RESOLVING_DP_RANK: AbortReason.RESOLVE_DP_RANK_TIMEOUT,
+    _S.WAITING_FOR_MEMORY: AbortReason.ALLOCATE_TIMEOUT,
+}

@@ -1,0 +1,56 @@
+"""What the decode machines report: why a request was aborted, and what a commit hands over."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from pdgrpc.state.metadata import MetadataRow
+
+__all__ = ["AbortReason", "Aborted", "Committed", "REASON_NONE"]
+
+
+class AbortReason(enum.IntEnum):
+    """Why a request was aborted. The numeric order is a priority: when TP ranks fail the
+    same room for different reasons, the all-reduce MIN keeps the smallest code, so every
+    rank reports the same, most specific reason."""
+
+    METADATA_CORRUPTION = 1  # the slot holds another request's bootstrap_room
+    TRANSFER_FAILED = 2  # the transport reported FAILED for the room
+    TP_DESYNC = 3  # TP ranks disagree on which room a slot holds (driver bug)
+    CANCELLED = 4  # the caller aborted it (client gone, prefill aborted, shutdown)
+    RESOLVE_DP_RANK_TIMEOUT = 5
+    ALLOCATE_TIMEOUT = 6
+    BOOTSTRAP_TIMEOUT = 7
+    WAITING_FOR_INPUT_TIMEOUT = 8
+    TRANSFER_TIMEOUT = 9
+
+
+# "No failure on this rank": larger than every reason, so MIN ignores it.
+REASON_NONE = 255
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """The transfer finished and the metadata row is the expected one: decode may start.
+    ``pages`` now belong to the engine (return them with ``DecodeQueues.release_pages``).
+    ``row`` is None for fake transfers (no metadata written)."""
+
+    room: int
+    slot: int
+    pages: tuple[int, ...]
+    row: MetadataRow | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Aborted:
+    """The request ended without output. No token of it may be emitted. ``state`` is the
+    state it was in; ``message`` names it. ``awaiting_ack``: its slot and pages are
+    quarantined until the prefill acknowledges the abort (``DecodeQueues.on_abort_ack``)
+    or the lease expires; tell the prefill."""
+
+    room: int
+    reason: AbortReason
+    message: str
+    state: str
+    awaiting_ack: bool = False
