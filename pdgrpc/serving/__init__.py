@@ -1,0 +1,36 @@
+"""Server utilities shared by ``pdgrpc.prefill``, ``pdgrpc.decode`` and ``pdgrpc.router``.
+
+Kept deliberately small:
+
+* :mod:`pdgrpc.serving.flags` -- the command-line flags every server has in common
+  (engine shape, transport, logging) and their mapping to config objects. Prefill and
+  decode must build *identical* engines (same compatibility hash), so both take their
+  engine from :func:`engine_config_from_args`.
+* :mod:`pdgrpc.serving.logs` -- logging set-up and the one-line-per-request-event helper.
+* :mod:`pdgrpc.serving.convert` -- :class:`pdgrpc.v1.common_pb2.SamplingParams` <->
+  :class:`pdgrpc.engine.base.SamplingParams`.
+"""
+
+from pdgrpc.serving.convert import sampling_from_proto, sampling_to_proto
+from pdgrpc.serving.flags import (
+    add_engine_arguments,
+    add_logging_arguments,
+    add_transport_arguments,
+    create_transport,
+    engine_config_from_args,
+    transport_options_from_args,
+)
+from pdgrpc.serving.logs import request_event, setup_logging
+
+__all__ = [
+    "add_engine_arguments",
+    "add_logging_arguments",
+    "add_transport_arguments",
+    "create_transport",
+    "engine_config_from_args",
+    "request_event",
+    "sampling_from_proto",
+    "sampling_to_proto",
+    "setup_logging",
+    "transport_options_from_args",
+]

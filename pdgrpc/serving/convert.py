@@ -1,0 +1,45 @@
+"""SamplingParams: protobuf (``pdgrpc.v1.SamplingParams``) <-> engine dataclass.
+
+The proto's zero values mean "default" (``top_p == 0`` is read as 1, no cut), as its
+comments say. ``max_new_tokens`` is not an engine sampling parameter; the servers read it
+from the proto directly. Invalid values raise
+:class:`~pdgrpc.engine.base.InvalidRequest` whose message names the field
+(``sampling.temperature ...``), which servers map to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pdgrpc.engine.base import InvalidRequest, SamplingParams
+from pdgrpc.v1 import common_pb2
+
+__all__ = ["sampling_from_proto", "sampling_to_proto"]
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    # float32 on the wire: NaN / inf would otherwise slip through as "not in range" with a confusing value.
+    for field in ("temperature", "top_p"):
+        v = getattr(msg, field)
+        if not math.isfinite(v):
+            raise InvalidRequest(f"sampling.{field} must be finite, got {v!r}")
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_k=int(msg.top_k),
+        top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0,
+        seed=int(msg.seed),
+        top_logprobs=int(msg.top_logprobs),
+        ignore_eos=bool(msg.ignore_eos),
+    )
+
+
+def sampling_to_proto(params: SamplingParams, max_new_tokens: int = 1) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        top_logprobs=params.top_logprobs,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=params.ignore_eos,
+    )

@@ -1,0 +1,143 @@
+"""Command-line flags shared by the servers, and what they build.
+
+Engine flags
+------------
+Prefill and decode must run the *same* model with the same KV layout, or the
+compatibility hash in every handshake differs and every request is refused. Both
+servers therefore add :func:`add_engine_arguments` and build their engine config with
+:func:`engine_config_from_args`; a router that runs a colocated reference (``bench e2e``)
+does the same. Only ``--num-pages`` may differ between instances (it is not part of the
+hash).
+
+Transport flags
+---------------
+``--transport fake|tcp|rdma`` (default ``rdma``) and ``--transport-host`` (the address
+the data plane listens on / advertises). :func:`create_transport` instantiates the
+backend through :mod:`pdgrpc.transport.registry`, passing only the options that backend
+accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from typing import Any
+
+from pdgrpc.engine.model import ModelConfig
+from pdgrpc.engine.reference import EngineConfig
+from pdgrpc.transport import registry
+from pdgrpc.transport.base import Transport
+
+__all__ = [
+    "MODEL_SIZES",
+    "add_engine_arguments",
+    "add_logging_arguments",
+    "add_transport_arguments",
+    "create_transport",
+    "engine_config_from_args",
+    "transport_options_from_args",
+]
+
+# Named model shapes. "default" is ModelConfig's defaults; "tiny" keeps tests and demos on
+# small CPUs fast. Every field here is part of the compatibility hash.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "default": {},
+    "tiny": dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256),
+}
+
+_D = EngineConfig()
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the reference-engine flags (``--model-size``, ``--model-seed``, ``--page-size``,
+    ``--num-pages``, ``--kv-dtype``, ``--max-prompt-tokens``, ``--max-seq-len``)."""
+    g = parser.add_argument_group("engine (prefill and decode must agree, except --num-pages)")
+    g.add_argument(
+        "--model-size",
+        choices=sorted(MODEL_SIZES),
+        default="default",
+        help="shape of the reference transformer: 'default' (4 layers, hidden 256, 8 query / 2 KV heads) "
+        "or 'tiny' (2 layers, hidden 128, 4 query / 2 KV heads). Default: %(default)s",
+    )
+    g.add_argument(
+        "--model-seed", type=int, default=0, help="seed the weights are drawn from (nothing is downloaded). Default: %(default)s"
+    )
+    g.add_argument("--page-size", type=int, default=_D.page_size, help="tokens per KV page. Default: %(default)s")
+    g.add_argument(
+        "--num-pages", type=int, default=_D.num_pages, help="KV pool size of each worker, in pages. Default: %(default)s"
+    )
+    g.add_argument(
+        "--kv-dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=_D.kv_dtype,
+        help="dtype of the KV pool. Default: %(default)s",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=_D.max_prompt_tokens,
+        help="longest prompt accepted, in tokens; longer ones are refused with INVALID_ARGUMENT. Default: %(default)s",
+    )
+    g.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=_D.max_seq_len,
+        help="most tokens (prompt + generated) one request may reach. Default: %(default)s",
+    )
+
+
+def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1) -> EngineConfig:
+    """The :class:`EngineConfig` the engine flags describe (raises ConfigError naming a bad value)."""
+    model = ModelConfig(seed=ns.model_seed, **MODEL_SIZES[ns.model_size])
+    return EngineConfig(
+        model=model,
+        page_size=ns.page_size,
+        num_pages=ns.num_pages,
+        kv_dtype=ns.kv_dtype,
+        max_seq_len=ns.max_seq_len,
+        max_prompt_tokens=ns.max_prompt_tokens,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+
+
+def add_transport_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--transport`` and ``--transport-host``."""
+    g = parser.add_argument_group("transport (data plane; KV bytes never travel over gRPC)")
+    g.add_argument(
+        "--transport",
+        default="rdma",
+        help="KV transport backend: 'rdma' (UCX: RDMA verbs where present, else UCX tcp/shm), 'tcp' "
+        "(asyncio sockets), 'fake' (moves no bytes; warm-up and tests), or a third-party name / "
+        "'module:Class'. Prefill and decode must use the same one. Default: %(default)s",
+    )
+    g.add_argument(
+        "--transport-host",
+        default="127.0.0.1",
+        help="address the transport listens on and advertises to peers. Default: %(default)s",
+    )
+
+
+def transport_options_from_args(ns: argparse.Namespace, cls: type[Transport]) -> dict[str, Any]:
+    """Keyword options for backend ``cls``: only those its constructor takes."""
+    params = inspect.signature(cls.__init__).parameters
+    opts: dict[str, Any] = {}
+    if "host" in params:
+        opts["host"] = ns.transport_host
+    return opts
+
+
+def create_transport(ns: argparse.Namespace) -> Transport:
+    """Instantiate the backend ``--transport`` names (TransportUnavailable with an install hint if it cannot load)."""
+    cls = registry.load(ns.transport)
+    return cls(**transport_options_from_args(ns, cls))
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--log-level``."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity; 'info' logs one line per request event (room, what happened). Default: %(default)s",
+    )

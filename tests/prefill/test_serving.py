@@ -1,0 +1,84 @@
+"""pdgrpc.serving: shared flags build matching engines; sampling conversion validates."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from pdgrpc.engine.base import InvalidRequest
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.errors import ConfigError, TransportUnavailable
+from pdgrpc.serving import (
+    add_engine_arguments,
+    add_logging_arguments,
+    add_transport_arguments,
+    create_transport,
+    engine_config_from_args,
+    request_event,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+from pdgrpc.v1 import common_pb2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    add_transport_arguments(p)
+    add_logging_arguments(p)
+    return p
+
+
+def test_same_engine_flags_give_same_compat_hash_and_pool_size_is_not_part_of_it() -> None:
+    a = ReferenceEngine(engine_config_from_args(_parser().parse_args(["--model-size", "tiny", "--num-pages", "8"])))
+    b = ReferenceEngine(engine_config_from_args(_parser().parse_args(["--model-size", "tiny", "--num-pages", "16"])))
+    c = ReferenceEngine(engine_config_from_args(_parser().parse_args(["--model-size", "tiny", "--num-pages", "8", "--model-seed", "1"])))
+    d = ReferenceEngine(engine_config_from_args(_parser().parse_args(["--model-size", "tiny", "--num-pages", "8", "--page-size", "8"])))
+    assert a.compat_hash() == b.compat_hash()
+    assert a.compat_hash() != c.compat_hash()  # other weights
+    assert a.compat_hash() != d.compat_hash()  # other page size
+    assert a.num_pages == 8 and b.num_pages == 16
+
+
+def test_bad_engine_flag_names_the_field() -> None:
+    ns = _parser().parse_args(["--max-prompt-tokens", "5000", "--max-seq-len", "4096"])
+    with pytest.raises(ConfigError, match="max_prompt_tokens"):
+        engine_config_from_args(ns)
+
+
+def test_transport_default_is_rdma_and_unknown_backend_is_a_clear_error() -> None:
+    assert _parser().parse_args([]).transport == "rdma"
+    with pytest.raises(TransportUnavailable, match="unknown transport 'nope'"):
+        create_transport(_parser().parse_args(["--transport", "nope"]))
+    t = create_transport(_parser().parse_args(["--transport", "tcp"]))
+    assert t.name == "tcp"
+
+
+def test_sampling_round_trip_and_proto_zero_top_p_means_no_cut() -> None:
+    msg = common_pb2.SamplingParams(temperature=0.5, top_k=7, seed=2**64 - 1, top_logprobs=3, ignore_eos=True)
+    p = sampling_from_proto(msg)
+    assert (p.temperature, p.top_k, p.top_p, p.seed, p.top_logprobs, p.ignore_eos) == (0.5, 7, 1.0, 2**64 - 1, 3, True)
+    back = sampling_to_proto(p, max_new_tokens=9)
+    assert sampling_from_proto(back) == p and back.max_new_tokens == 9
+
+
+@pytest.mark.parametrize(
+    "msg, field",
+    [
+        (common_pb2.SamplingParams(temperature=-1.0), "sampling.temperature"),
+        (common_pb2.SamplingParams(temperature=float("nan")), "sampling.temperature"),
+        (common_pb2.SamplingParams(top_p=1.5), "sampling.top_p"),
+        (common_pb2.SamplingParams(top_logprobs=21), "sampling.top_logprobs"),
+    ],
+)
+def test_bad_sampling_names_the_field(msg: common_pb2.SamplingParams, field: str) -> None:
+    with pytest.raises(InvalidRequest, match=field):
+        sampling_from_proto(msg)
+
+
+def test_request_event_line_starts_with_room(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        request_event(logging.getLogger("t"), 42, "failed", reason="handshake timed out")
+    assert caplog.records[-1].getMessage() == "room=42 failed reason='handshake timed out'"
