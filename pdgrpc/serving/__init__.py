@@ -9,6 +9,8 @@ Kept deliberately small:
 * :mod:`pdgrpc.serving.logs` -- logging set-up and the one-line-per-request-event helper.
 * :mod:`pdgrpc.serving.convert` -- :class:`pdgrpc.v1.common_pb2.SamplingParams` <->
   :class:`pdgrpc.engine.base.SamplingParams`.
+* :mod:`pdgrpc.serving.metadata` -- the metadata row layout both servers build
+  (:func:`metadata_layout`) and the row carrying prefill's first token.
 """
 
 from pdgrpc.serving.convert import sampling_from_proto, sampling_to_proto
@@ -21,6 +23,7 @@ from pdgrpc.serving.flags import (
     transport_options_from_args,
 )
 from pdgrpc.serving.logs import request_event, setup_logging
+from pdgrpc.serving.metadata import metadata_layout, row_from_token
 
 __all__ = [
     "add_engine_arguments",
@@ -28,7 +31,9 @@ __all__ = [
     "add_transport_arguments",
     "create_transport",
     "engine_config_from_args",
+    "metadata_layout",
     "request_event",
+    "row_from_token",
     "sampling_from_proto",
     "sampling_to_proto",
     "setup_logging",

@@ -82,3 +82,18 @@ def test_request_event_line_starts_with_room(caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.INFO):
         request_event(logging.getLogger("t"), 42, "failed", reason="handshake timed out")
     assert caplog.records[-1].getMessage() == "room=42 failed reason='handshake timed out'"
+
+
+def test_metadata_row_holds_the_most_top_logprobs_a_request_may_ask_for() -> None:
+    from pdgrpc.engine.base import MAX_TOP_LOGPROBS, SampledToken
+    from pdgrpc.serving import metadata_layout, row_from_token
+    from pdgrpc.state.metadata import MetadataBuffers
+
+    bufs = MetadataBuffers(2, metadata_layout())
+    ids = tuple(range(MAX_TOP_LOGPROBS))
+    vals = tuple(-float(i) for i in ids)
+    tok = SampledToken(token_id=7, logprob=-0.25, top_ids=ids, top_logprobs=vals)
+    bufs.write_row(1, row_from_token(tok), room=99)
+    row = bufs.read_row(1)
+    assert (row.output_id, row.output_token_logprob_value, row.top_logprobs_indices, row.top_logprobs_values) == (7, -0.25, ids, vals)
+    assert bufs.room(1) == 99 and bufs.room(0) == 0

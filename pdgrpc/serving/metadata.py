@@ -1,0 +1,31 @@
+"""The metadata row layout both servers use.
+
+Prefill writes rows of this layout from its send buffer into decode's rows; both must
+build it the same way (the row size is checked against the decode's descriptor at
+handshake time). ``top_k`` is the engine's :data:`~pdgrpc.engine.base.MAX_TOP_LOGPROBS`
+so any ``sampling.top_logprobs`` a request may ask for fits the row.
+"""
+
+from __future__ import annotations
+
+from pdgrpc.engine.base import MAX_TOP_LOGPROBS, SampledToken
+from pdgrpc.state.metadata import MetadataLayout, MetadataRow
+
+__all__ = ["metadata_layout", "row_from_token"]
+
+
+def metadata_layout() -> MetadataLayout:
+    """The row layout of every pdgrpc server (prefill send buffer and decode slots)."""
+    return MetadataLayout(top_k=MAX_TOP_LOGPROBS)
+
+
+def row_from_token(token: SampledToken, cached_tokens: int = 0) -> MetadataRow:
+    """The metadata row carrying prefill's first token (``bootstrap_room`` is written separately, last)."""
+    return MetadataRow(
+        output_id=token.token_id,
+        cached_tokens=cached_tokens,
+        output_token_logprob_value=token.logprob,
+        output_token_logprob_index=token.token_id,
+        top_logprobs_values=tuple(token.top_logprobs),
+        top_logprobs_indices=tuple(token.top_ids),
+    )
