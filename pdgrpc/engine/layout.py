@@ -1,0 +1,192 @@
+"""KV pool layout: the shapes and byte offsets a transport needs, and the compatibility hash.
+
+Byte layout (layout name ``"HND"``)
+-----------------------------------
+An engine's KV pool is ``2 * num_layers`` tensors: for each layer one K tensor and one V
+tensor, each contiguous, of shape::
+
+    [num_pages, local_kv_heads, page_size, head_dim]      dtype = kv dtype
+
+- **pages are the first dimension**; page ``p`` of a pool tensor is the contiguous byte
+  range ``[p * page_bytes, (p + 1) * page_bytes)``;
+- inside a page the **head dimension comes first** ("HND": heads, tokens, head dim), so
+  the bytes of one KV head in one page are contiguous (``head_bytes`` long), and a
+  head slice ``[h0, h1)`` of a page is *one* contiguous range
+  (:meth:`KVLayout.head_slice_range`). Across pages a head-sliced transfer is therefore
+  a strided range: one ``(h1 - h0) * head_bytes`` block every ``page_bytes``;
+- token ``t`` of a request lives in page ``pages[t // page_size]`` at row
+  ``t % page_size``; rows past the request's length in its last page hold stale bytes
+  that readers must mask (the reference engine does).
+
+With tensor parallelism, rank ``r`` of ``tp_size`` holds KV heads
+``[head_start, head_end) = [r * H / tp_size, (r + 1) * H / tp_size)`` of the model's
+``H = num_kv_heads`` KV heads; its pool tensors have ``local_kv_heads = head_end -
+head_start`` in the head dimension. Head ids in this module's API are *global* (model)
+head ids, so a sender and a receiver with different TP sizes can intersect their ranges.
+
+Compatibility hash
+------------------
+:func:`compat_hash` digests everything both sides must agree on for the bytes to mean the
+same thing: protocol version, layout name, model identity, number of layers, *total* KV
+heads, head dim, page size and KV dtype. It deliberately leaves out per-instance facts
+(pool size, TP rank/size, this rank's head slice): a TP2 prefill and a TP1 decode of the
+same model have the same hash, and exchange their head ranges in the handshake instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+from pdgrpc.errors import ConfigError
+
+__all__ = [
+    "KV_LAYOUT_HND",
+    "PROTOCOL_VERSION",
+    "KVLayout",
+    "compat_hash",
+    "kv_dtype_from_name",
+    "newly_complete_pages",
+    "pages_for_tokens",
+]
+
+# Version of the KV bytes protocol between prefill and decode (layout semantics, metadata
+# meaning). Bump on any incompatible change; it is part of the compatibility hash.
+PROTOCOL_VERSION = 1
+
+KV_LAYOUT_HND = "HND"
+
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a KV dtype name (``float32``, ``float16``, ``bfloat16``)."""
+    try:
+        return _KV_DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"kv_dtype must be one of {sorted(_KV_DTYPES)}, got {name!r}") from None
+
+
+def pages_for_tokens(num_tokens: int, page_size: int) -> int:
+    """How many pages hold ``num_tokens`` tokens."""
+    if num_tokens < 0 or page_size <= 0:
+        raise ConfigError(f"pages_for_tokens: need num_tokens >= 0 and page_size > 0, got {num_tokens}, {page_size}")
+    return -(-num_tokens // page_size)
+
+
+def newly_complete_pages(start: int, end: int, total: int, page_size: int) -> range:
+    """Positions (indices into the request's page list) of the pages that a prefill chunk
+    ``[start, end)`` of a ``total``-token prompt completed: every page whose last token is
+    in the chunk, plus the final partial page when the chunk is the last one. A sender
+    that writes exactly these after each chunk sends every page once, and never a page
+    that a later chunk still changes."""
+    if not (0 <= start < end <= total) or page_size <= 0:
+        raise ConfigError(f"newly_complete_pages: need 0 <= start < end <= total, got {start}, {end}, {total}")
+    first = start // page_size  # the page holding `start` was not complete before this chunk
+    last = pages_for_tokens(end, page_size) if end == total else end // page_size
+    return range(first, last)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Shape and byte layout of one engine instance's KV pool (see the module docstring)."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int  # tokens per page
+    num_kv_heads: int  # KV heads of the whole model (all TP ranks together)
+    head_dim: int
+    kv_dtype: str  # "float32" | "float16" | "bfloat16"
+    head_start: int = 0  # first global KV head held by this instance
+    head_end: int = -1  # one past the last; -1 means num_kv_heads
+    name: str = KV_LAYOUT_HND
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"KVLayout.{field} must be > 0, got {getattr(self, field)}")
+        kv_dtype_from_name(self.kv_dtype)
+        if self.head_end == -1:
+            object.__setattr__(self, "head_end", self.num_kv_heads)
+        if not 0 <= self.head_start < self.head_end <= self.num_kv_heads:
+            raise ConfigError(
+                f"KVLayout head range [{self.head_start}, {self.head_end}) must be a non-empty part of "
+                f"[0, {self.num_kv_heads})"
+            )
+        if self.name != KV_LAYOUT_HND:
+            raise ConfigError(f"KVLayout.name: only {KV_LAYOUT_HND!r} is defined, got {self.name!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return kv_dtype_from_name(self.kv_dtype)
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.head_end - self.head_start
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int]:
+        """Shape of each per-layer K (and V) pool tensor."""
+        return (self.num_pages, self.local_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head within one page (contiguous)."""
+        return self.page_size * self.head_dim * self.element_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one pool tensor (contiguous); also the page stride."""
+        return self.local_kv_heads * self.head_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of one pool tensor."""
+        return self.num_pages * self.page_bytes
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        return pages_for_tokens(num_tokens, self.page_size)
+
+    def head_slice_range(self, page: int, head_start: int, head_end: int) -> tuple[int, int]:
+        """``(offset, length)`` in bytes, within any one pool tensor, of global KV heads
+        ``[head_start, head_end)`` of page ``page``. The heads must be held here."""
+        if not 0 <= page < self.num_pages:
+            raise ConfigError(f"head_slice_range: page {page} outside [0, {self.num_pages})")
+        if not self.head_start <= head_start < head_end <= self.head_end:
+            raise ConfigError(
+                f"head_slice_range: heads [{head_start}, {head_end}) not within this pool's "
+                f"[{self.head_start}, {self.head_end})"
+            )
+        offset = page * self.page_bytes + (head_start - self.head_start) * self.head_bytes
+        return offset, (head_end - head_start) * self.head_bytes
+
+    def compat_fields(self) -> dict[str, object]:
+        """The fields that enter the compatibility hash (no per-instance facts)."""
+        return {
+            "layout": self.name,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "page_size": self.page_size,
+            "kv_dtype": self.kv_dtype,
+        }
+
+
+def compat_hash(layout: KVLayout, model_id: str, protocol_version: int = PROTOCOL_VERSION) -> str:
+    """Hex SHA-256 over the protocol version, the model identity and the layout's shape.
+
+    Two engines may exchange KV pages only when their hashes are equal. ``model_id`` must
+    identify the weights (architecture *and* values): the same shapes with other weights
+    would produce KV that decodes to garbage.
+    """
+    if not model_id:
+        raise ConfigError("compat_hash: model_id must be a non-empty string")
+    doc = {"protocol_version": protocol_version, "model_id": model_id, **layout.compat_fields()}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,227 @@
+"""The reference engine: :class:`~pdgrpc.engine.base.Engine` over the tiny model.
+
+Defaults: 4 layers, hidden 256, 8 query heads and 2 KV heads of dim 32, SwiGLU MLP of 512,
+byte vocabulary (258), 16-token pages, float32 KV. Float32 because the KV values are
+fixed-point numbers with 20-bit integers (see :mod:`pdgrpc.engine.exact`), which float32
+holds exactly; float16/bfloat16 pools work too, on a coarser grid that those dtypes hold
+exactly (a different model output, and a different compatibility hash).
+
+Compute is float64 on CPU (exact integer arithmetic, see :mod:`pdgrpc.engine.exact`), so
+results are bit-identical whatever the batch, the chunking, the page indices, torch's
+thread count, or the TP size. The engine is not thread-safe: one scheduler drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Sequence
+
+import torch
+
+from pdgrpc.engine import exact
+from pdgrpc.engine.base import (
+    DecodeRequest,
+    Engine,
+    InvalidRequest,
+    KVBuffers,
+    PrefillRequest,
+    SampledToken,
+)
+from pdgrpc.engine.layout import KVLayout, kv_dtype_from_name
+from pdgrpc.engine.model import AllReduce, ModelConfig, ModelShard, SegmentBatch
+from pdgrpc.engine.pages import PageAllocator
+from pdgrpc.engine.sampling import sample_rows
+from pdgrpc.engine.tokenizer import ByteTokenizer
+from pdgrpc.errors import ConfigError
+
+__all__ = ["EngineConfig", "ReferenceEngine"]
+
+
+@contextlib.contextmanager
+def _intra_op_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` torch intra-op threads (process-wide), restoring the old count."""
+    if n == 0 or n == torch.get_num_threads():
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 1024  # KV pool size per instance (pages)
+    kv_dtype: str = "float32"
+    max_seq_len: int = 4096  # prompt + generated tokens, per request
+    max_prompt_tokens: int = 2048
+    tp_rank: int = 0
+    tp_size: int = 1
+    # torch intra-op threads while the engine computes (0: leave torch's setting). Results
+    # are identical at any count; 1 is fastest for this tiny model and avoids OpenMP
+    # spin-waiting when several server processes share the cores.
+    intra_op_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
+            raise ConfigError(f"EngineConfig.intra_op_threads must be an int >= 0, got {self.intra_op_threads!r}")
+        for field in ("page_size", "num_pages", "max_seq_len", "max_prompt_tokens", "tp_size"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"EngineConfig.{field} must be a positive int, got {v!r}")
+        kv_dtype_from_name(self.kv_dtype)
+        if self.max_prompt_tokens >= self.max_seq_len:
+            raise ConfigError(
+                f"EngineConfig.max_prompt_tokens ({self.max_prompt_tokens}) must be < max_seq_len ({self.max_seq_len})"
+            )
+        if self.max_seq_len > exact.MAX_CONTEXT:
+            raise ConfigError(f"EngineConfig.max_seq_len must be <= {exact.MAX_CONTEXT}, got {self.max_seq_len}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"EngineConfig.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self.model, field) % self.tp_size:
+                raise ConfigError(f"EngineConfig.tp_size={self.tp_size} must divide model.{field}={getattr(self.model, field)}")
+
+
+class ReferenceEngine(Engine):
+    """The tiny reference transformer as an :class:`Engine` (one TP rank of it).
+
+    ``all_reduce`` sums partial results across the TP group (see
+    :mod:`pdgrpc.engine.tp`); leave it out for TP=1. Every rank of a group must be
+    driven with the same calls in the same order.
+    """
+
+    def __init__(self, config: EngineConfig = EngineConfig(), all_reduce: AllReduce | None = None) -> None:
+        if config.tp_size > 1 and all_reduce is None:
+            raise ConfigError(f"ReferenceEngine: tp_size={config.tp_size} needs an all_reduce")
+        self.config = config
+        self._shard = ModelShard(config.model, config.max_seq_len, config.tp_rank, config.tp_size, all_reduce)
+        m = config.model
+        self._layout = KVLayout(
+            num_layers=m.num_layers,
+            num_pages=config.num_pages,
+            page_size=config.page_size,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            kv_dtype=config.kv_dtype,
+            head_start=self._shard.kv_head_start,
+            head_end=self._shard.kv_head_start + self._shard.local_kv_heads,
+        )
+        self._kv_quant = exact.kv_format(config.kv_dtype)
+        # Zero-filled: stale rows are masked anyway, but zeros make dumps readable.
+        self._k = [torch.zeros(self._layout.pool_shape, dtype=self._layout.dtype) for _ in range(m.num_layers)]
+        self._v = [torch.zeros(self._layout.pool_shape, dtype=self._layout.dtype) for _ in range(m.num_layers)]
+        self._pages = PageAllocator(config.num_pages)
+        self._tokenizer = ByteTokenizer()
+
+    # ---- identity and layout ----------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model.model_id
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    def kv_buffers(self) -> KVBuffers:
+        return KVBuffers(k=tuple(self._k), v=tuple(self._v))
+
+    @property
+    def tokenizer(self) -> ByteTokenizer:
+        return self._tokenizer
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.config.max_prompt_tokens
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    # ---- pages ----------------------------------------------------------------------------
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        return self._pages.alloc(n)
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        self._pages.free(pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._pages.num_free
+
+    # ---- compute --------------------------------------------------------------------------
+
+    def _check_pages(self, pages: Sequence[int], num_tokens: int, field: str) -> None:
+        need = self.pages_needed(num_tokens)
+        if len(pages) < need:
+            raise InvalidRequest(f"{field}: {num_tokens} tokens need {need} pages of {self._layout.page_size}, got {len(pages)}")
+        for p in pages[:need]:
+            if not isinstance(p, int) or not 0 <= p < self._layout.num_pages:
+                raise InvalidRequest(f"{field}: page {p!r} outside the pool [0, {self._layout.num_pages})")
+        if len(set(pages[:need])) != need:
+            raise InvalidRequest(f"{field}: page indices repeat")
+
+    def prefill_chunk(self, request: PrefillRequest, start: int, end: int) -> SampledToken | None:
+        ids = request.token_ids
+        self.validate_request(ids, 1)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(ids)):
+            raise InvalidRequest(f"prefill_chunk: need 0 <= start < end <= {len(ids)}, got start={start!r}, end={end!r}")
+        self._tokenizer.check_ids(ids[start:end], "token_ids")
+        self._check_pages(request.pages, len(ids), "pages")
+        last = end == len(ids)
+        batch = SegmentBatch.build([(list(request.pages[: self.pages_needed(end)]), start, end - start)])
+        logits = self._forward(ids[start:end], batch, rows=[end - start - 1] if last else [])
+        if not last:
+            return None
+        return sample_rows(logits, [request.sampling], [len(ids)])[0]
+
+    def decode_step(self, batch: Sequence[DecodeRequest]) -> list[SampledToken]:
+        if not batch:
+            return []
+        seen: set[int] = set()
+        for i, r in enumerate(batch):
+            field = f"batch[{i}]"
+            if not isinstance(r.position, int) or not 0 < r.position < self.max_seq_len:
+                raise InvalidRequest(f"{field}.position must be in (0, max_seq_len={self.max_seq_len}), got {r.position!r}")
+            self._tokenizer.check_ids([r.token_id], f"{field}.token_id")
+            self._check_pages(r.pages, r.position + 1, f"{field}.pages")
+            used = r.pages[: self.pages_needed(r.position + 1)]
+            if seen.intersection(used):
+                raise InvalidRequest(f"{field}.pages: shared with another request of the batch")
+            seen.update(used)
+        segments = SegmentBatch.build([(list(r.pages[: self.pages_needed(r.position + 1)]), r.position, 1) for r in batch])
+        logits = self._forward([r.token_id for r in batch], segments, rows=list(range(len(batch))))
+        return sample_rows(logits, [r.sampling for r in batch], [r.position + 1 for r in batch])
+
+    def compute_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced float64 logits ``[len(token_ids), vocab]`` (row ``i`` predicts
+        token ``i + 1``), computed in one chunk on scratch pages that are freed again.
+        For evaluation and tests; raises :class:`InvalidRequest` when the pool is short."""
+        self.validate_request(token_ids, 1)
+        self._tokenizer.check_ids(token_ids, "token_ids")
+        pages = self.alloc_pages(self.pages_needed(len(token_ids)))
+        if pages is None:
+            raise InvalidRequest(f"compute_logits: {len(token_ids)} tokens need more pages than are free")
+        try:
+            batch = SegmentBatch.build([(pages, 0, len(token_ids))])
+            return self._forward(token_ids, batch, rows=list(range(len(token_ids))))
+        finally:
+            self.free_pages(pages)
+
+    def _forward(self, token_ids: Sequence[int], batch: SegmentBatch, rows: list[int]) -> torch.Tensor:
+        with torch.no_grad(), _intra_op_threads(self.config.intra_op_threads):
+            return self._shard.forward(
+                torch.tensor(list(token_ids), dtype=torch.int64),
+                batch,
+                self._k,
+                self._v,
+                self._kv_quant,
+                torch.tensor(rows, dtype=torch.int64),
+            )
