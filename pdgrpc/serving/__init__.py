@@ -10,7 +10,8 @@ Kept deliberately small:
 * :mod:`pdgrpc.serving.convert` -- :class:`pdgrpc.v1.common_pb2.SamplingParams` <->
   :class:`pdgrpc.engine.base.SamplingParams`.
 * :mod:`pdgrpc.serving.metadata` -- the metadata row layout both servers build
-  (:func:`metadata_layout`) and the row carrying prefill's first token.
+  (:func:`metadata_layout`), the row carrying prefill's first token, and the
+  compatibility hash as wire bytes (:func:`compat_hash_bytes`).
 """
 
 from pdgrpc.serving.convert import sampling_from_proto, sampling_to_proto
@@ -23,12 +24,13 @@ from pdgrpc.serving.flags import (
     transport_options_from_args,
 )
 from pdgrpc.serving.logs import request_event, setup_logging
-from pdgrpc.serving.metadata import metadata_layout, row_from_token
+from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout, row_from_token
 
 __all__ = [
     "add_engine_arguments",
     "add_logging_arguments",
     "add_transport_arguments",
+    "compat_hash_bytes",
     "create_transport",
     "engine_config_from_args",
     "metadata_layout",

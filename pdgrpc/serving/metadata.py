@@ -8,10 +8,10 @@ so any ``sampling.top_logprobs`` a request may ask for fits the row.
 
 from __future__ import annotations
 
-from pdgrpc.engine.base import MAX_TOP_LOGPROBS, SampledToken
+from pdgrpc.engine.base import MAX_TOP_LOGPROBS, Engine, SampledToken
 from pdgrpc.state.metadata import MetadataLayout, MetadataRow
 
-__all__ = ["metadata_layout", "row_from_token"]
+__all__ = ["compat_hash_bytes", "metadata_layout", "row_from_token"]
 
 
 def metadata_layout() -> MetadataLayout:
@@ -29,3 +29,9 @@ def row_from_token(token: SampledToken, cached_tokens: int = 0) -> MetadataRow:
         top_logprobs_values=tuple(token.top_logprobs),
         top_logprobs_indices=tuple(token.top_ids),
     )
+
+
+def compat_hash_bytes(engine: Engine) -> bytes:
+    """The engine's compatibility hash as the bytes that travel in ``ParallelInfo`` and
+    ``HandshakeRequest.compatibility_hash`` (the hex digest decoded; 32 bytes)."""
+    return bytes.fromhex(engine.compat_hash())
