@@ -1,0 +1,409 @@
+"""Run one side of a transfer in a separate OS process, driven from an asyncio test.
+
+The conformance suite (:mod:`pdgrpc.transport.testing`) and the transport benchmark
+use this to put sender and receiver in different processes, which is what real
+deployments do and what the failure tests need (a peer can be SIGKILLed).
+
+:class:`PeerProcess` spawns a fresh interpreter (``spawn``: no inherited event loop,
+threads or sockets) that builds a KV-shaped memory :class:`Layout`, creates the backend
+by name, registers the layout and serves commands over a pipe. Every call is bounded by
+a timeout; the parent never blocks its event loop (the pipe is watched with
+``add_reader``, no helper thread). The child uses uvloop when it is installed.
+
+Source memory is filled from a seed with a deterministic generator, so the parent can
+recompute what a receiver must hold without shipping payloads through the pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any, Sequence
+
+import torch
+
+from pdgrpc.errors import TransportError
+from pdgrpc.transport import registry
+from pdgrpc.transport.base import MemoryRegion, Peer, RoomGrant, Transport, WriteOp
+from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
+
+ROOM_FIELD_BYTES = 8  # the last 8 bytes of a metadata row hold the room id (like bootstrap_room)
+
+
+class PeerDied(TransportError):
+    """The peer process exited (or was killed) while a call was pending."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A KV pool like a server's: ``layers`` x (K, V) tensors of ``[pages, *page_shape]``
+    plus ``slots`` metadata rows of ``row_bytes`` bytes."""
+
+    layers: int = 4
+    pages: int = 64
+    page_shape: tuple[int, ...] = (16, 2, 64)  # tokens per page, KV heads, head dim
+    dtype: str = "float16"
+    slots: int = 16
+    row_bytes: int = 256
+
+    @property
+    def page_bytes(self) -> int:
+        n = 1
+        for d in self.page_shape:
+            n *= d
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.layers * self.pages * self.page_bytes
+
+    def kv_region_ids(self) -> list[int]:
+        return list(range(2 * self.layers))
+
+    def region_ids(self) -> list[int]:
+        return self.kv_region_ids() + [METADATA_REGION_ID]
+
+    def region_nbytes(self, region_id: int) -> int:
+        return self.slots * self.row_bytes if region_id == METADATA_REGION_ID else self.pages * self.page_bytes
+
+    def item_bytes(self, region_id: int) -> int:
+        return self.row_bytes if region_id == METADATA_REGION_ID else self.page_bytes
+
+    def source_bytes(self, region_id: int, seed: int) -> torch.Tensor:
+        """The deterministic content of a seeded region, as flat uint8."""
+        g = torch.Generator().manual_seed(seed * 100_003 + region_id)
+        return torch.randint(0, 256, (self.region_nbytes(region_id),), dtype=torch.uint8, generator=g)
+
+    def build(self, seed: int | None) -> tuple[list[MemoryRegion], dict[int, torch.Tensor]]:
+        """Regions and their flat uint8 views; filled from ``seed`` or zeroed."""
+        dt = getattr(torch, self.dtype)
+        flats: dict[int, torch.Tensor] = {}
+
+        def make(region_id: int) -> torch.Tensor:
+            n = self.region_nbytes(region_id)
+            flat = self.source_bytes(region_id, seed) if seed is not None else torch.zeros(n, dtype=torch.uint8)
+            flats[region_id] = flat
+            return flat
+
+        ks, vs = [], []
+        for layer in range(self.layers):
+            for kv, out in ((0, ks), (1, vs)):
+                out.append(make(2 * layer + kv).view(dt).view(self.pages, *self.page_shape))
+        rows = make(METADATA_REGION_ID).view(self.slots, self.row_bytes)
+        return kv_regions(ks, vs) + [metadata_region(rows)], flats
+
+
+def resource_counts() -> dict[str, int]:
+    """What a closed transport must give back: asyncio tasks (besides the caller),
+    Python threads, open file descriptors."""
+    try:
+        tasks = len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
+    except RuntimeError:
+        tasks = 0
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        fds = -1
+    return {"tasks": tasks, "threads": threading.active_count(), "fds": fds}
+
+
+def digest(view: memoryview | torch.Tensor) -> str:
+    if isinstance(view, torch.Tensor):
+        view = memoryview(view.contiguous().view(torch.uint8).reshape(-1).numpy())
+    return hashlib.sha256(view).hexdigest()
+
+
+# ----------------------------------------------------------------------------- child
+
+
+class _PeerServer:
+    def __init__(self, conn: multiprocessing.connection.Connection, backend: str, options: dict[str, Any],
+                 layout: Layout, seed: int | None) -> None:
+        self.conn = conn
+        self.backend = backend
+        self.options = options
+        self.layout = layout
+        self.seed = seed
+        self.transport: Transport | None = None
+        self.peers: dict[str, Peer] = {}
+        self.done = asyncio.Event()
+        self.baseline: dict[str, int] = {}
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.regions, self.flats = self.layout.build(self.seed)
+        self.baseline = resource_counts()
+        self.transport = registry.create(self.backend, **self.options)
+        desc = await self.transport.register(self.regions)
+        self.conn.send(("ready", desc, self.transport.instance_id))
+        tasks: set[asyncio.Task[None]] = set()
+        loop.add_reader(self.conn.fileno(), self._on_command, tasks)
+        try:
+            await self.done.wait()
+        finally:
+            loop.remove_reader(self.conn.fileno())
+            for t in tasks:
+                t.cancel()
+
+    def _on_command(self, tasks: set[asyncio.Task[None]]) -> None:
+        try:
+            while self.conn.poll():
+                call_id, method, args = self.conn.recv()
+                t = asyncio.ensure_future(self._dispatch(call_id, method, args))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        except (EOFError, OSError):
+            self.done.set()  # parent went away
+
+    async def _dispatch(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            result = await getattr(self, "cmd_" + method)(*args)
+            reply = (call_id, True, result)
+        except BaseException as exc:  # reported to the parent, which re-raises
+            reply = (call_id, False, (type(exc).__name__, str(exc), traceback.format_exc()))
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(reply)
+
+    # commands ------------------------------------------------------------------
+    @property
+    def t(self) -> Transport:
+        assert self.transport is not None
+        return self.transport
+
+    async def cmd_connect(self, descriptor: bytes) -> str:
+        peer = await self.t.connect(descriptor)
+        self.peers[peer.instance_id] = peer
+        return peer.instance_id
+
+    async def cmd_advertise(self, room: int, pages: Sequence[int], slot: int | None) -> None:
+        self.t.advertise(RoomGrant.of(room, pages, slot))
+
+    def _stamp(self, src_slot: int, room: int) -> None:
+        row = self.flats[METADATA_REGION_ID].view(self.layout.slots, self.layout.row_bytes)[src_slot]
+        row[-ROOM_FIELD_BYTES:] = torch.tensor([room], dtype=torch.int64).view(torch.uint8)
+
+    async def cmd_write_pages(self, peer_id: str, room: int, src_pages: Sequence[int], dst_pages: Sequence[int],
+                              meta: tuple[int, int] | None) -> int:
+        """Write pages (all KV regions) and optionally the metadata row ``meta=(src_slot,
+        dst_slot)``, stamping the room id into the source row first. Returns #ops."""
+        peer = self.peers[peer_id]
+        ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), src_pages, dst_pages)
+        mop = None
+        if meta is not None:
+            self._stamp(meta[0], room)
+            mop = metadata_op(self.regions[-1], meta[0], peer.descriptor.region(METADATA_REGION_ID), meta[1])
+        await self.t.write(peer, room, ops, metadata=mop)
+        return len(ops)
+
+    async def cmd_write_ops(self, peer_id: str, room: int, ops: Sequence[tuple[int, int, int, int, int]],
+                            meta: tuple[int, int, int, int, int] | None) -> None:
+        await self.t.write(self.peers[peer_id], room, [WriteOp(*o) for o in ops],
+                           metadata=None if meta is None else WriteOp(*meta))
+
+    async def cmd_status(self, rooms: Sequence[int]) -> list[tuple[int, str | None]]:
+        out = []
+        for r in rooms:
+            st = self.t.status(r)
+            out.append((int(st.state), st.reason))
+        return out
+
+    async def cmd_wait(self, rooms: Sequence[int], timeout: float) -> list[tuple[int, str | None]]:
+        deadline = time.monotonic() + timeout
+        for r in rooms:
+            await self.t.wait(r, max(0.0, deadline - time.monotonic()))
+        return await self.cmd_status(rooms)
+
+    async def cmd_release(self, room: int) -> None:
+        self.t.release(room)
+
+    async def cmd_fail_peer(self, instance_id: str, reason: str) -> None:
+        self.t.fail_peer(instance_id, reason)
+
+    async def cmd_digest(self, region_id: int, start: int = 0, end: int | None = None) -> str:
+        return digest(memoryview(self.flats[region_id].numpy())[start:end])
+
+    async def cmd_read(self, region_id: int, start: int, end: int) -> bytes:
+        return bytes(memoryview(self.flats[region_id].numpy())[start:end])
+
+    async def cmd_close(self) -> dict[str, int]:
+        await self.t.close()
+        await asyncio.sleep(0.05)  # let cancelled callbacks run
+        after = resource_counts()
+        after["tasks"] -= 1  # this command's own task
+        return {k: after[k] - self.baseline[k] for k in after}
+
+    async def cmd_exit(self) -> None:
+        self.done.set()
+
+
+def _child_main(conn: multiprocessing.connection.Connection, backend: str, options: dict[str, Any],
+                layout: Layout, seed: int | None) -> None:
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    server = _PeerServer(conn, backend, options, layout, seed)
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    try:
+        with runner:
+            runner.run(server.run())
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+class PeerProcess:
+    """A transport peer in its own process. Use as ``async with PeerProcess(...) as p``.
+
+    ``p.descriptor`` / ``p.instance_id`` are the child's; ``await p.call(name, *args)``
+    runs a command (see ``_PeerServer.cmd_*``); ``p.kill()`` SIGKILLs it."""
+
+    def __init__(self, backend: str, *, layout: Layout = Layout(), seed: int | None = None,
+                 options: dict[str, Any] | None = None, start_timeout: float = 90.0) -> None:
+        self.backend = backend
+        self.layout = layout
+        self.seed = seed
+        self.options = dict(options or {})
+        self.start_timeout = start_timeout
+        self.descriptor = b""
+        self.instance_id = ""
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ready: asyncio.Future[tuple[bytes, str]] | None = None
+        self._proc: Any = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead = False
+
+    async def __aenter__(self) -> "PeerProcess":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    @property
+    def pid(self) -> int:
+        return int(self._proc.pid)
+
+    async def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=_child_main, args=(child, self.backend, self.options, self.layout, self.seed), daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(parent.fileno(), self._on_readable)
+        try:
+            self.descriptor, self.instance_id = await asyncio.wait_for(
+                asyncio.shield(self._ready), self.start_timeout
+            )
+        except BaseException:
+            self.kill()
+            await self.stop()
+            raise
+
+    def _on_readable(self) -> None:
+        assert self._conn is not None
+        try:
+            while self._conn.poll():
+                msg = self._conn.recv()
+                if msg[0] == "ready":
+                    if self._ready is not None and not self._ready.done():
+                        self._ready.set_result((msg[1], msg[2]))
+                elif msg[0] == "error":
+                    self._fail_all(PeerDied(f"peer process failed: {msg[1]}\n{msg[2]}"))
+                else:
+                    call_id, ok, value = msg
+                    fut = self._pending.pop(call_id, None)
+                    if fut is None or fut.done():
+                        continue
+                    if ok:
+                        fut.set_result(value)
+                    else:
+                        name, text, tb = value
+                        fut.set_exception(TransportError(f"peer command failed: {name}: {text}\n{tb}"))
+        except (EOFError, OSError):
+            self._fail_all(PeerDied(f"peer process {self.pid} exited"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._dead = True
+        if self._conn is not None and self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._conn.fileno())
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(exc)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()
+
+    async def call(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        if self._dead or self._conn is None:
+            raise PeerDied(f"peer process is not running (call {method})")
+        assert self._loop is not None
+        call_id = next(self._ids)
+        fut = self._loop.create_future()
+        self._pending[call_id] = fut
+        self._conn.send((call_id, method, args))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending.pop(call_id, None)
+
+    def kill(self) -> None:
+        """SIGKILL the peer (no cleanup runs in it: sockets are closed by the kernel)."""
+        if self._proc is not None and self._proc.is_alive():
+            os.kill(self._proc.pid, signal.SIGKILL)
+
+    async def wait_dead(self, timeout: float = 10.0) -> float:
+        """Wait until the process is reaped; returns the monotonic time it was seen dead."""
+        deadline = time.monotonic() + timeout
+        while self._proc.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer process {self.pid} still alive after {timeout} s")
+            await asyncio.sleep(0.005)
+        return time.monotonic()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask the child to exit; kill it if it does not; always reap it."""
+        if self._proc is None:
+            return
+        if not self._dead and self._proc.is_alive():
+            with contextlib.suppress(Exception):
+                await self.call("exit", timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.kill()
+        while self._proc.is_alive():
+            await asyncio.sleep(0.01)
+        self._proc.join(1)
+        self._fail_all(PeerDied("peer process stopped"))
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        with contextlib.suppress(Exception):
+            self._proc.close()
+        self._proc = None
