@@ -1,0 +1,91 @@
+"""``python -m pdgrpc.router``: serve GenerateService until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.router.service import GenerateServicer, RouterConfig, parse_prefill, service_names
+from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.serving.flags import add_logging_arguments
+from pdgrpc.serving.logs import setup_logging
+from pdgrpc.v1 import generate_pb2_grpc
+
+DESCRIPTION = """\
+The router: clients call pdgrpc.v1.GenerateService here. For each request it draws a
+random bootstrap room, sends the prompt to a prefill instance (PrefillService) and a
+decode instance (DecodeService) at the same time, and streams the decode's tokens back
+with their text. A failure on either side cancels the other and reaches the client as a
+gRPC error naming the side that failed; a client that cancels gets both sides to release
+the request. Also serves grpc.health.v1 and server reflection; logs one line per
+request event (room=<room> ...)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pdgrpc.router", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 = every IPv4 interface (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port for GenerateService; 0 picks a free one, printed in the log line (default: %(default)s)")
+    p.add_argument(
+        "--prefill", action="append", default=[], metavar="HOST:PORT[,bootstrap=HOST:PORT]",
+        help="a prefill instance's PrefillService address; repeat for several (requests go round robin). "
+        "Its BootstrapService is assumed on the same address (bootstrap embedded in the prefill); "
+        "add ',bootstrap=HOST:PORT' when the instance uses a separate `python -m pdgrpc.bootstrap`. "
+        "Decode resolves the prefill's dp rank and workers there.",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="HOST:PORT",
+        help="a decode instance's DecodeService address; repeat for several (requests go round robin)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=300.0, metavar="SECONDS",
+        help="deadline of the Prefill and Decode calls of one request (a client's own, shorter deadline wins) (default: %(default)s)",
+    )
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
+    add_logging_arguments(p)
+    return p
+
+
+async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
+    servicer = GenerateServicer(config)
+    (name,) = service_names()
+    server = await start_server(
+        [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
+        host=args.host, port=args.port, what="pdgrpc router",
+    )
+    log = logging.getLogger("pdgrpc.router")
+    log.info(
+        "routing to prefill %s; decode %s",
+        ", ".join(p.address if p.bootstrap == p.address else f"{p.address} (bootstrap {p.bootstrap})" for p in config.prefills),
+        ", ".join(config.decodes),
+    )
+    server.on_stop(servicer.close)
+    await serve_until_signal(server, grace=args.grace)
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = RouterConfig(
+            prefills=tuple(parse_prefill(s) for s in args.prefill),
+            decodes=tuple(args.decode),
+            request_timeout=args.request_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup_logging(args.log_level, "router")
+    try:
+        run(_main(args, config))
+    except (PdgrpcError, OSError) as exc:  # a port in use
+        logging.getLogger("pdgrpc.router").error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""``GenerateService`` of the router: one client request -> one prefill call + one decode call.
+
+What one ``Generate`` does::
+
+    client --Generate--> router --Prefill (unary)----------> prefill controller
+                                \\-Decode (server stream)---> decode   (both sent at once)
+           <--tokens---------- router <--tokens------------- decode
+
+1. Pick a prefill and a decode (round robin over each list), draw ``bootstrap_room``
+   (random 63-bit from :mod:`secrets`, never 0: 0 means "not written" in a metadata row).
+2. Start ``Prefill`` and ``Decode`` at once: decode allocates pages and handshakes with
+   the prefill worker while the prefill computes, so neither waits for the other.
+3. Relay the decode's stream, turning token ids into text deltas with an incremental
+   UTF-8 decoder (a multi-byte character split across two messages is sent whole, with
+   the later message). The first message carries TTFT, KV bytes, transfer time and room.
+4. Failures travel both ways. A failed prefill (refused prompt, dp-rank conflict, transfer
+   failure) cancels the decode call -- the decode aborts the room and frees its pages --
+   and the client gets the prefill's status code with a message naming the prefill. A
+   failed decode cancels the prefill call likewise. A client that cancels (or whose
+   deadline passes) cancels both calls, so both sides release everything.
+
+The prefill's status wins when both fail: a decode that sees its prefill abort reports a
+generic ABORTED, while the prefill knows the cause (e.g. the prompt is too long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import secrets
+import time
+from typing import Sequence
+
+import grpc
+
+from pdgrpc.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
+from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.serving.logs import request_event
+from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
+
+log = logging.getLogger("pdgrpc.router")
+
+DEFAULT_MAX_NEW_TOKENS = 16  # generate.proto: max_new_tokens defaults to 16 when 0
+
+# How long, after the decode stream ended, the router waits for the prefill's reply
+# before cancelling it (the prefill replies once the decode acknowledged the KV, which
+# precedes the decode's first token, so this is normally already done).
+_PREFILL_TAIL_S = 5.0
+# When the decode fails, a prefill failure arriving this soon after is taken as the cause.
+_CAUSE_WINDOW_S = 0.5
+
+
+def draw_room() -> int:
+    """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)."""
+    while True:
+        room = secrets.randbits(63)
+        if room:
+            return room
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBackend:
+    """A prefill instance: its PrefillService address and its BootstrapService address
+    (the same address when bootstrap is embedded in the prefill's server)."""
+
+    address: str
+    bootstrap: str
+
+
+def parse_prefill(spec: str) -> PrefillBackend:
+    """``HOST:PORT`` or ``HOST:PORT,bootstrap=HOST:PORT`` -> :class:`PrefillBackend`."""
+    head, *opts = [s.strip() for s in spec.split(",")]
+    _check_address(head, "--prefill")
+    bootstrap = head
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if key != "bootstrap" or not sep:
+            raise ValueError(f"--prefill {spec!r}: unknown option {opt!r} (expected bootstrap=HOST:PORT)")
+        _check_address(value, "--prefill bootstrap=")
+        bootstrap = value
+    return PrefillBackend(head, bootstrap)
+
+
+def _check_address(addr: str, flag: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag}: {addr!r} is not HOST:PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    prefills: tuple[PrefillBackend, ...]
+    decodes: tuple[str, ...]
+    request_timeout: float = 300.0  # seconds; caps every request (client deadlines cap it further)
+
+    def __post_init__(self) -> None:
+        if not self.prefills:
+            raise ValueError("the router needs at least one --prefill")
+        if not self.decodes:
+            raise ValueError("the router needs at least one --decode")
+        for d in self.decodes:
+            _check_address(d, "--decode")
+        if not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+
+
+class _Failure(Exception):
+    """A request failed upstream; ``code`` and ``message`` go to the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
+    # An upstream CANCELLED the client did not ask for (a server shutting down) would read
+    # as "you cancelled" to the client; it is an aborted request.
+    return grpc.StatusCode.ABORTED if code == grpc.StatusCode.CANCELLED else code
+
+
+def _describe(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    return code or grpc.StatusCode.UNKNOWN, details or ""
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    """Routes each ``Generate`` to one prefill and one decode; see the module doc."""
+
+    def __init__(self, config: RouterConfig, pool: ChannelPool | None = None) -> None:
+        self.config = config
+        self._pool = pool or ChannelPool()
+        self._prefills = itertools.cycle(config.prefills)
+        self._decodes = itertools.cycle(config.decodes)
+        self._tokenizer = ByteTokenizer()
+        self.active = 0  # requests in flight (for logs and tests)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    # ---- request checks -----------------------------------------------------------------
+
+    def _input_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        if request.input_ids:
+            bad = next((i for i, t in enumerate(request.input_ids) if t >= VOCAB_SIZE), None)
+            if bad is not None:
+                raise _Failure(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"input_ids[{bad}] = {request.input_ids[bad]} is not a token id in [0, {VOCAB_SIZE})",
+                )
+            return list(request.input_ids)
+        # The byte tokenizer prepends BOS, so even an empty prompt has a token to prefill.
+        return self._tokenizer.encode(request.prompt)
+
+    @staticmethod
+    def _sampling(request: generate_pb2.GenerateRequest) -> common_pb2.SamplingParams:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        if sampling.max_new_tokens == 0:
+            sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        return sampling
+
+    # ---- the RPC ------------------------------------------------------------------------
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        arrived = time.perf_counter()
+        room = draw_room()
+        request_id = request.request_id or f"r{room:016x}"
+        try:
+            input_ids = self._input_ids(request)
+        except _Failure as f:
+            request_event(log, room, "refused", level=logging.WARNING, request_id=request_id, reason=f.message)
+            await context.abort(f.code, f.message)
+            return
+        sampling = self._sampling(request)
+        prefill, decode = next(self._prefills), next(self._decodes)
+        routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
+        timeout = self.config.request_timeout
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        request_event(
+            log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids),
+            max_new_tokens=sampling.max_new_tokens, prefill=prefill.address, decode=decode,
+            routed_dp_rank="-" if routed is None else routed,
+        )
+
+        prefill_req = prefill_pb2.PrefillRequest(
+            bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling
+        )
+        decode_req = decode_pb2.DecodeRequest(
+            bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling,
+            prefill_bootstrap_address=prefill.bootstrap,
+        )
+        if routed is not None:
+            prefill_req.routed_dp_rank = routed
+            decode_req.routed_dp_rank = routed
+
+        prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._pool.get(prefill.address))
+        decode_stub = decode_pb2_grpc.DecodeServiceStub(self._pool.get(decode))
+        # Both at once: the decode's handshake overlaps the prefill's compute.
+        prefill_call = prefill_stub.Prefill(prefill_req, timeout=timeout)
+        decode_call = decode_stub.Decode(decode_req, timeout=timeout)
+        prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
+        self.active += 1
+        outcome = "cancelled by client"
+        try:
+            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode)
+            outcome = "finished"
+            # Normally done already; its reply carries the transfer figures for the log.
+            done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
+            reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
+            request_event(
+                log, room, "finished", request_id=request_id, tokens=tokens,
+                seconds=f"{time.perf_counter() - arrived:.3f}",
+                prefill_dp_rank="-" if reply is None else reply.dp_rank,
+                bytes_transferred="-" if reply is None else reply.bytes_transferred,
+            )
+        except _Failure as f:
+            outcome = "failed"
+            request_event(log, room, "failed", level=logging.WARNING, request_id=request_id, code=f.code.name, reason=f.message)
+            await context.abort(f.code, f.message)
+        finally:
+            self.active -= 1
+            # Whatever happened (success, failure, client cancel), nothing stays open upstream:
+            # a cancelled Decode aborts the room and frees its pages; a cancelled Prefill
+            # stops computing and releases its worker's pages.
+            decode_call.cancel()
+            prefill_call.cancel()
+            if not prefill_fut.done():
+                prefill_fut.cancel()
+            elif not prefill_fut.cancelled():
+                prefill_fut.exception()  # retrieved: a failure already handled is not "never retrieved"
+            if outcome == "cancelled by client":
+                request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
+
+    @staticmethod
+    async def _await_prefill(call: grpc.aio.UnaryUnaryCall, address: str) -> prefill_pb2.PrefillResponse:
+        try:
+            return await call
+        except grpc.RpcError as exc:
+            code, details = _describe(exc)
+            raise _Failure(_client_code(code), f"prefill {address} failed: {code.name}: {details}") from None
+
+    async def _relay(
+        self,
+        context: grpc.aio.ServicerContext,
+        room: int,
+        arrived: float,
+        prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse],
+        decode_call: grpc.aio.UnaryStreamCall,
+        decode_address: str,
+    ) -> int:
+        """Forward the decode's messages to the client until the stream ends; raise
+        :class:`_Failure` as soon as either side fails. Returns the token count."""
+        text = self._tokenizer.stream_decoder()
+        first = True
+        count = 0
+        read: asyncio.Future | None = None
+        try:
+            while True:
+                if read is None:
+                    read = asyncio.ensure_future(decode_call.read())
+                waiting: set[asyncio.Future] = {read}
+                if not prefill_fut.done():
+                    waiting.add(prefill_fut)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_fut.done() and prefill_fut.exception() is not None and not read.done():
+                    read.cancel()
+                    raise prefill_fut.exception()  # type: ignore[misc]
+                if not read.done():
+                    continue  # the prefill finished fine; keep waiting for the same read
+                try:
+                    msg = read.result()
+                    read = None
+                except grpc.RpcError as exc:
+                    raise await self._decode_failure(exc, decode_address, prefill_fut) from None
+                if msg is grpc.aio.EOF:
+                    if first:
+                        raise _Failure(grpc.StatusCode.INTERNAL, f"decode {decode_address} ended the stream without a token")
+                    return count
+                out = generate_pb2.GenerateResponse(
+                    token_ids=msg.token_ids, text=text.feed(msg.token_ids), finish_reason=msg.finish_reason
+                )
+                if msg.finish_reason:
+                    out.text += text.flush()
+                if first:
+                    first = False
+                    out.ttft_seconds = time.perf_counter() - arrived
+                    out.bytes_transferred = msg.bytes_transferred
+                    out.transfer_seconds = msg.transfer_seconds
+                    out.bootstrap_room = room
+                count += len(msg.token_ids)
+                await context.write(out)
+        finally:
+            # A read still pending when we stop (client gone, prefill failed) would
+            # otherwise end with an unretrieved exception once the call is cancelled.
+            if read is not None and not read.done():
+                read.cancel()
+
+    @staticmethod
+    async def _decode_failure(
+        exc: grpc.RpcError, address: str, prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse]
+    ) -> _Failure:
+        code, details = _describe(exc)
+        decode_msg = f"decode {address} failed: {code.name}: {details}"
+        # A decode that failed because its prefill did reports less than the prefill: give
+        # the prefill a moment to say why, and report its status if it failed.
+        if not prefill_fut.done():
+            await asyncio.wait({prefill_fut}, timeout=_CAUSE_WINDOW_S)
+        if prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None:
+            cause = prefill_fut.exception()
+            assert isinstance(cause, _Failure)
+            return _Failure(cause.code, f"{cause.message} (and {decode_msg})")
+        return _Failure(_client_code(code), decode_msg)
+
+
+def service_names() -> Sequence[str]:
+    return [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]

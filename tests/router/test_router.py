@@ -1,0 +1,278 @@
+"""The router against scripted in-process prefill and decode servers (real gRPC, real ports).
+
+The scripted upstreams let each failure be forced exactly (a prefill that refuses, a
+decode that aborts mid-stream, a client that walks away) and record what the router did
+to them: which requests arrived, and whether and when their calls were cancelled.
+End-to-end behaviour with the real servers is in ``tests/e2e``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, draw_room, parse_prefill, service_names
+from pdgrpc.rpc.server import start_server
+from pdgrpc.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """Replies after ``delay`` s, or fails with ``fail`` = (code, message)."""
+
+    def __init__(self) -> None:
+        self.requests: list[prefill_pb2.PrefillRequest] = []
+        self.cancelled_at: dict[int, float] = {}
+        self.fail: tuple[grpc.StatusCode, str] | None = None
+        self.delay = 0.0
+        self.hang = False
+
+    async def Prefill(self, request, context):
+        self.requests.append(request)
+        try:
+            if self.hang:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled_at[request.bootstrap_room] = time.monotonic()
+            raise
+        if self.fail is not None:
+            await context.abort(*self.fail)
+        return prefill_pb2.PrefillResponse(dp_rank=0, prompt_tokens=len(request.input_ids), bytes_transferred=4096, transfer_seconds=0.001)
+
+
+class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """Streams ``messages`` (lists of token ids), ``gap`` s apart; ``fail_after`` messages
+    in, fails with ``fail``; ``wait_forever`` holds the stream open (a request whose KV
+    never arrives)."""
+
+    def __init__(self) -> None:
+        self.requests: list[decode_pb2.DecodeRequest] = []
+        self.cancelled_at: dict[int, float] = {}
+        self.messages: list[list[int]] = [[104], [105]]
+        self.gap = 0.0
+        self.fail_after: int | None = None
+        self.fail: tuple[grpc.StatusCode, str] = (grpc.StatusCode.ABORTED, "metadata corruption in slot 3")
+        self.wait_forever = False
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        try:
+            if self.wait_forever:
+                await asyncio.sleep(3600)
+            for i, ids in enumerate(self.messages):
+                if self.fail_after is not None and i == self.fail_after:
+                    await context.abort(*self.fail)
+                await asyncio.sleep(self.gap)
+                last = i == len(self.messages) - 1
+                await context.write(
+                    decode_pb2.DecodeResponse(
+                        token_ids=ids,
+                        finish_reason="length" if last else "",
+                        bytes_transferred=8192 if i == 0 else 0,
+                        transfer_seconds=0.002 if i == 0 else 0.0,
+                    )
+                )
+        except asyncio.CancelledError:
+            self.cancelled_at[request.bootstrap_room] = time.monotonic()
+            raise
+
+
+@pytest.fixture
+async def cluster():
+    prefill, decodes = ScriptedPrefill(), [ScriptedDecode(), ScriptedDecode()]
+    p_srv = await start_server(
+        [("pdgrpc.v1.PrefillService", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s))]
+    )
+    d_srvs = []
+    for d in decodes:
+        d_srvs.append(
+            await start_server(
+                [("pdgrpc.v1.DecodeService", lambda s, d=d: decode_pb2_grpc.add_DecodeServiceServicer_to_server(d, s))]
+            )
+        )
+    router = GenerateServicer(
+        RouterConfig(
+            prefills=(PrefillBackend(p_srv.address, "127.0.0.1:1"),), decodes=tuple(s.address for s in d_srvs)
+        )
+    )
+    (name,) = service_names()
+    r_srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    channel = grpc.aio.insecure_channel(r_srv.address)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    try:
+        yield stub, prefill, decodes, p_srv.address, [s.address for s in d_srvs], router
+    finally:
+        await channel.close()
+        await router.close()
+        for s in (r_srv, p_srv, *d_srvs):
+            await s.stop(0)
+
+
+async def collect(call) -> list[generate_pb2.GenerateResponse]:
+    return [m async for m in call]
+
+
+async def test_streams_tokens_and_sends_both_sides_the_same_request(cluster):
+    stub, prefill, decodes, _, _, _ = cluster
+    # "é" is 0xC3 0xA9: split across two messages, it must arrive as one character.
+    decodes[0].messages = [[104, 0xC3], [0xA9, 33], [257]]
+    out = await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="hi", request_id="q1")))
+    assert [list(m.token_ids) for m in out] == [[104, 0xC3], [0xA9, 33], [257]]
+    assert [m.text for m in out] == ["h", "é!", ""]
+    assert "".join(m.text for m in out) == "hé!"
+    first = out[0]
+    assert first.ttft_seconds > 0 and first.bytes_transferred == 8192 and first.transfer_seconds == pytest.approx(0.002)
+    assert first.bootstrap_room != 0 and all(m.bootstrap_room == 0 for m in out[1:])
+    assert out[-1].finish_reason == "length"
+    (p,), (d,) = prefill.requests, decodes[0].requests
+    assert p.bootstrap_room == d.bootstrap_room == first.bootstrap_room
+    assert list(p.input_ids) == list(d.input_ids) == [256, ord("h"), ord("i")]  # BOS + bytes
+    assert p.sampling.max_new_tokens == d.sampling.max_new_tokens == 16  # the proto's default for 0
+    assert p.request_id == d.request_id == "q1"
+    assert d.prefill_bootstrap_address == "127.0.0.1:1"
+    assert not p.HasField("routed_dp_rank") and not d.HasField("routed_dp_rank")
+
+
+async def test_incomplete_utf8_at_the_end_is_flushed_as_a_replacement(cluster):
+    stub, _, decodes, *_ = cluster
+    decodes[0].messages = [[0xE2, 0x82]]  # the first two bytes of "€", then the stream ends
+    out = await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+    assert "".join(m.text for m in out) == "\ufffd"
+
+
+async def test_routed_dp_rank_and_sampling_reach_both_sides(cluster):
+    stub, prefill, decodes, *_ = cluster
+    sampling = common_pb2.SamplingParams(temperature=0.7, seed=99, max_new_tokens=5)
+    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[256, 1, 2], sampling=sampling, routed_dp_rank=1)))
+    (p,), (d,) = prefill.requests, decodes[0].requests
+    assert p.routed_dp_rank == d.routed_dp_rank == 1
+    assert p.sampling == d.sampling == sampling
+    assert list(p.input_ids) == [256, 1, 2]
+
+
+async def test_decodes_take_turns(cluster):
+    stub, _, decodes, *_ = cluster
+    for _ in range(4):
+        await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+    assert [len(d.requests) for d in decodes] == [2, 2]
+
+
+async def test_prefill_refusal_reaches_client_and_cancels_decode(cluster):
+    stub, prefill, decodes, p_addr, _, router = cluster
+    prefill.fail = (grpc.StatusCode.INVALID_ARGUMENT, "token_ids: prompt has 9000 tokens, over max_prompt_tokens=2048")
+    decodes[0].wait_forever = True  # the KV never comes: only the router can end this call
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"prefill {p_addr} failed" in err.value.details() and "over max_prompt_tokens=2048" in err.value.details()
+    room = prefill.requests[0].bootstrap_room
+    await wait_for(lambda: room in decodes[0].cancelled_at, 1.0)
+    assert router.active == 0
+
+
+async def test_decode_failure_reaches_client_and_cancels_prefill(cluster):
+    stub, prefill, decodes, _, d_addrs, _ = cluster
+    prefill.hang = True
+    decodes[0].messages = [[104], [105], [106]]
+    decodes[0].fail_after = 1
+    call = stub.Generate(generate_pb2.GenerateRequest(prompt="x"))
+    got = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for m in call:
+            got.append(list(m.token_ids))
+    assert got == [[104]]  # what was streamed before the failure, nothing after
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert f"decode {d_addrs[0]} failed" in err.value.details() and "metadata corruption in slot 3" in err.value.details()
+    room = decodes[0].requests[0].bootstrap_room
+    await wait_for(lambda: room in prefill.cancelled_at, 1.0)
+
+
+async def test_prefill_cause_wins_when_both_sides_fail(cluster):
+    stub, prefill, decodes, *_ = cluster
+    prefill.delay = 0.1
+    prefill.fail = (grpc.StatusCode.FAILED_PRECONDITION, "routed_dp_rank 1 conflicts with follow_bootstrap_room (room % 2 = 0)")
+    decodes[0].fail_after = 0
+    decodes[0].fail = (grpc.StatusCode.ABORTED, "prefill aborted the room")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "conflicts with follow_bootstrap_room" in err.value.details()
+    assert "prefill aborted the room" in err.value.details()  # the decode's side is kept too
+
+
+async def test_client_cancel_mid_stream_cancels_both_sides(cluster):
+    stub, prefill, decodes, *_ = cluster
+    prefill.hang = True
+    decodes[0].messages = [[104]] * 50
+    decodes[0].gap = 0.05
+    call = stub.Generate(generate_pb2.GenerateRequest(prompt="x"))
+    first = await call.read()
+    assert list(first.token_ids) == [104]
+    call.cancel()
+    room = first.bootstrap_room
+    await wait_for(lambda: room in decodes[0].cancelled_at and room in prefill.cancelled_at, 1.0)
+
+
+async def test_token_outside_the_vocabulary_is_refused_before_any_upstream_call(cluster):
+    stub, prefill, decodes, *_ = cluster
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[256, 300])))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input_ids[1] = 300" in err.value.details()
+    assert not prefill.requests and not decodes[0].requests
+
+
+async def test_unreachable_decode_is_a_clear_unavailable(cluster):
+    _, prefill, _, p_addr, _, _ = cluster
+    prefill.hang = True
+    router = GenerateServicer(RouterConfig(prefills=(PrefillBackend(p_addr, p_addr),), decodes=("127.0.0.1:1",)))
+    (name,) = service_names()
+    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "decode 127.0.0.1:1 failed" in err.value.details()
+        await wait_for(lambda: len(prefill.cancelled_at) == 1, 1.0)
+    finally:
+        await router.close()
+        await srv.stop(0)
+
+
+def test_rooms_are_63_bit_and_never_zero(monkeypatch):
+    draws = iter([0, 0, 5])
+    monkeypatch.setattr("pdgrpc.router.service.secrets.randbits", lambda bits: next(draws))
+    assert draw_room() == 5
+    monkeypatch.undo()
+    rooms = {draw_room() for _ in range(1000)}
+    assert len(rooms) == 1000 and all(0 < r < 2**63 for r in rooms)
+
+
+def test_prefill_spec_parsing():
+    assert parse_prefill("127.0.0.1:5000") == PrefillBackend("127.0.0.1:5000", "127.0.0.1:5000")
+    assert parse_prefill("h:1,bootstrap=h:2") == PrefillBackend("h:1", "h:2")
+    for bad in ("nohost", "h:1,boot=h:2", "h:1,bootstrap=x", "h:99999"):
+        with pytest.raises(ValueError):
+            parse_prefill(bad)
+
+
+async def wait_for(cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.01)
