@@ -107,10 +107,11 @@ _EXP2_COEFFS = [math.log(2.0) ** n / math.factorial(n) for n in range(14)]
 
 
 def exp_nonpos(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for float64 ``x <= 0`` (larger inputs are clamped to 0; ``-inf`` gives 0),
+    """``exp(x)`` for float64 ``x <= 0`` (larger inputs are clamped to 0; below -700 gives 0),
     from correctly rounded operations only, so each element's result is the same wherever
     and however it is computed. Relative error < 1e-12."""
-    x = torch.clamp(x, min=-700.0, max=0.0)  # exp(-700) ~ 1e-304: still a normal double
+    underflow = x < -700.0  # exp(-700) ~ 1e-304: below, 2**k would not be a normal double
+    x = torch.clamp(x, min=-700.0, max=0.0)
     t = x * (1.0 / math.log(2.0))
     k = torch.floor(t)
     f = t - k  # exact: the fractional part of a double is representable
@@ -120,7 +121,7 @@ def exp_nonpos(x: torch.Tensor) -> torch.Tensor:
         acc = acc + c
     # 2**k built from its bits: biased exponent (k + 1023) in bits 52..62.
     two_k = ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
-    return acc * two_k
+    return torch.where(underflow, 0.0, acc * two_k)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -162,8 +162,10 @@ def build_weights(cfg: ModelConfig) -> ModelWeights:
             )
         )
     return ModelWeights(
-        # Embeddings land on the activation grid directly (their grid is coarser).
-        embed=_draw_weight(cfg.seed, "embed", (cfg.vocab_size, h), 1.0),
+        # Embeddings land on the activation grid directly (their grid is coarser). A large
+        # std keeps the current token audible over the averaged context, so greedy
+        # decoding of this random model cycles through many tokens instead of one.
+        embed=_draw_weight(cfg.seed, "embed", (cfg.vocab_size, h), 3.0),
         layers=tuple(layers),
         # Logit std about 5: the context, not the prior, picks the next token.
         lm_head=_draw_weight(cfg.seed, "lm_head", (cfg.vocab_size, h), 5.0 / math.sqrt(h)),
