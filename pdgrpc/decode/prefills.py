@@ -1,0 +1,128 @@
+"""What decode knows about the prefill instances it receives KV from, keyed by the
+address of each instance's BootstrapService (the ``prefill_bootstrap_address`` of every
+DecodeRequest).
+
+Per address it caches the instance's ParallelInfo (dp size, load-balance method,
+force-query, compatibility hash) and, per dp rank, the workers' endpoints with their
+registration **generation**. A cache entry is dropped as soon as anything says the
+instance changed -- a handshake answered with another generation, or a worker that no
+longer answers -- so connections and endpoints of a restarted prefill are never reused
+(a peer's "stale connection" bug). Every call goes through one pooled channel per
+address (:class:`~pdgrpc.bootstrap.client.BootstrapClient`), never a connection per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.state import DpConfig
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+
+log = logging.getLogger("pdgrpc.decode.prefills")
+
+__all__ = ["PrefillInfo", "PrefillDirectory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInfo:
+    """The parallel info of one prefill instance, as decode uses it."""
+
+    address: str
+    info: bpb.ParallelInfo
+    dp: DpConfig  # how decode resolves this instance's dp ranks
+
+    @property
+    def dp_size(self) -> int:
+        return self.info.dp_size
+
+
+def dp_config_of(info: bpb.ParallelInfo, query_interval_s: float) -> DpConfig:
+    return DpConfig(
+        dp_size=int(info.dp_size),
+        follow_bootstrap_room=info.load_balance_method == bpb.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM,
+        force_query=bool(info.force_dp_rank_query),
+        query_interval_s=query_interval_s,
+    )
+
+
+class PrefillDirectory:
+    """Cached ParallelInfo and workers per prefill bootstrap address (one event loop)."""
+
+    def __init__(self, *, timeout: float = 5.0, query_interval_s: float = 0.05) -> None:
+        self.timeout = timeout
+        self.query_interval_s = query_interval_s
+        self._clients: dict[str, BootstrapClient] = {}
+        self._info: dict[str, PrefillInfo] = {}
+        self._workers: dict[tuple[str, int], list[bpb.WorkerInfo]] = {}
+        # One in-flight fetch per key: a burst of requests for a new prefill costs one call.
+        self._inflight: dict[object, asyncio.Future] = {}
+
+    def client(self, address: str) -> BootstrapClient:
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = BootstrapClient(address, timeout=self.timeout)
+        return c
+
+    async def parallel_info(self, address: str, *, wait_for: float) -> PrefillInfo:
+        """The instance's info, fetched once and cached; retried while its workers are
+        still registering (UNAVAILABLE), for at most ``wait_for`` seconds."""
+        cached = self._info.get(address)
+        if cached is not None:
+            return cached
+
+        async def fetch() -> PrefillInfo:
+            resp = await self.client(address).wait_parallel_info(wait_for=wait_for)
+            info = PrefillInfo(address, resp.parallel_info, dp_config_of(resp.parallel_info, self.query_interval_s))
+            self._info[address] = info
+            log.info(
+                "prefill %s: dp_size=%d tp_size=%d method=%s force_query=%s",
+                address,
+                info.info.dp_size,
+                info.info.tp_size,
+                bpb.LoadBalanceMethod.Name(info.info.load_balance_method),
+                info.info.force_dp_rank_query,
+            )
+            return info
+
+        return await self._once(("info", address), fetch)
+
+    async def workers(self, address: str, dp_rank: int) -> list[bpb.WorkerInfo]:
+        """The workers (every tp rank) of prefill ``dp_rank``; cached until invalidated."""
+        key = (address, dp_rank)
+        cached = self._workers.get(key)
+        if cached is not None:
+            return cached
+
+        async def fetch() -> list[bpb.WorkerInfo]:
+            ws = await self.client(address).get_workers(dp_rank)
+            self._workers[key] = ws
+            return ws
+
+        return await self._once(("workers", key), fetch)
+
+    def invalidate(self, address: str, why: str) -> None:
+        """Forget everything cached about the instance at ``address``."""
+        dropped = self._info.pop(address, None) is not None
+        for key in [k for k in self._workers if k[0] == address]:
+            del self._workers[key]
+            dropped = True
+        if dropped:
+            log.info("prefill %s: dropped cached info and workers (%s)", address, why)
+
+    async def query_dp_ranks(self, address: str, rooms: tuple[int, ...]) -> dict[int, int | None]:
+        """One batched QueryDpRanks: room -> dp rank, None for rooms not known yet."""
+        result = await self.client(address).query_dp_ranks(rooms)
+        answers: dict[int, int | None] = {room: None for room in rooms}
+        answers.update(result.ranks)
+        return answers
+
+    async def _once(self, key: object, fetch):  # type: ignore[no-untyped-def]
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(fetch())
+            self._inflight[key] = fut
+            fut.add_done_callback(lambda _f: self._inflight.pop(key, None))
+        return await asyncio.shield(fut)

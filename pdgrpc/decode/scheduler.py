@@ -1,0 +1,645 @@
+"""The decode scheduler: one asyncio task driving the pure decode machines.
+
+Each iteration of :meth:`DecodeScheduler._run`, in this order::
+
+    cancels of running requests      (a client that went away)
+    queues.tick(now)                 pre-transfer deadlines (resolving dp rank, memory)
+    queues.poll_dp_ranks(now)        -> batched, throttled QueryDpRanks (background tasks)
+    queues.prealloc(now)             -> pages + slot; advertise the grant, THEN handshake
+    queues.poll_transfers(now, ...)  local poll -> metadata gate -> MIN (TP=1: identity)
+                                      -> Committed (first token from the slot row)
+                                      -> Aborted  (status to the client, AbortRoom to prefill)
+    engine.decode_step(running)      in a worker thread; one token per running request
+
+Network calls (bootstrap queries, handshakes, AbortRoom) run as their own tasks and feed
+their results back into the pure state; the loop itself never waits on the network.
+Only the scheduler task touches the engine, and :class:`~pdgrpc.state.DecodeQueues` is
+only touched by synchronous code on the loop, so no lock is needed.
+
+**Who owns the pages.** The decode queues' page allocator is the one source of truth for
+this pool; the engine's own allocator is never used on decode (the engine only reads and
+writes the pages each call names). A request gets, before its handshake, every page it
+can ever need -- prompt + ``max_new_tokens`` -- so a running request never waits for a
+page and nothing needs preempting; pages of an aborted request stay quarantined until
+the prefill acknowledged the abort (or the lease ran out), which the queues decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Awaitable
+
+import grpc
+
+from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
+from pdgrpc.engine.base import DecodeRequest as EngineDecodeRequest
+from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, SamplingParams, stop_reason
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.rpc.channels import shared_pool
+from pdgrpc.rpc.errors import RpcError, map_rpc_error
+from pdgrpc.rpc.retry import Backoff
+from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
+from pdgrpc.state import AbortReason, Aborted, Committed, DecodeDeadlines, DecodeQueues, DpConfig, MetadataBuffers
+from pdgrpc.state import NewRequest, QueryDpRanks, SendHandshake, resolve_locally
+from pdgrpc.transport.base import RoomGrant, Transport, UnknownRoom
+from pdgrpc.transport.pages import kv_regions, metadata_region
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import handshake_pb2 as hpb
+from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
+
+log = logging.getLogger("pdgrpc.decode")
+
+__all__ = ["DecodeFailure", "DecodeScheduler", "Failed", "Job", "SchedulerConfig", "Tokens"]
+
+# The queues resolve dp ranks for many prefill instances of different dp sizes, but take
+# one DpConfig. The driver therefore resolves every rank it can itself (per instance, see
+# PrefillDirectory) and hands the queues only the rooms that need a query; this config
+# makes the queues query every room they are given and accept any rank the driver
+# checked against the right instance's dp size.
+_ANY_DP_SIZE = 1 << 16
+
+
+class DecodeFailure(PdgrpcError):
+    """A request ends with this gRPC status (``code``) and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """Tokens for the client stream (one DecodeResponse)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str = ""
+    bytes_transferred: int = 0  # set on the first message
+    transfer_seconds: float = 0.0  # set on the first message
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The request ended without (further) output: the call ends with this status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    deadlines: DecodeDeadlines = DecodeDeadlines()
+    query_interval_s: float = 0.05  # at most one QueryDpRanks per prefill per interval
+    rpc_timeout_s: float = 5.0  # bootstrap calls and AbortRoom
+    idle_poll_s: float = 0.02  # loop period while requests wait (deadlines, dp queries)
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One Decode call, from admission to its last message."""
+
+    room: int
+    request_id: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_new_tokens: int
+    prefill: PrefillInfo
+    num_pages: int
+    out: "asyncio.Queue[Tokens | Failed]"
+    admitted_at: float
+    # Filled in as the request goes.
+    dp_rank: int | None = None
+    slot: int | None = None
+    pages: tuple[int, ...] = ()
+    handshake_sent_at: float = 0.0
+    handshaken: bool = False  # every worker of the dp rank accepted the handshake
+    contacted: list[bpb.WorkerInfo] = dataclasses.field(default_factory=list)  # sent a handshake
+    handshake_task: "asyncio.Task[None] | None" = None
+    last_error: str = ""  # last handshake problem, for the deadline message
+    override: Failed | None = None  # a status decided by the driver (e.g. handshake refused)
+    transport_reason: str | None = None
+    # Running (after commit).
+    running: bool = False
+    last_token: int = 0
+    generated: int = 0
+    cancelled: bool = False
+    finished: bool = False  # the last message (tokens with finish_reason, or Failed) is queued
+
+    @property
+    def position(self) -> int:
+        """Position of ``last_token`` (the prompt holds positions [0, len))."""
+        return len(self.input_ids) + self.generated - 1
+
+
+class DecodeScheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        transport: Transport,
+        num_slots: int,
+        config: SchedulerConfig = SchedulerConfig(),
+        directory: PrefillDirectory | None = None,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.config = config
+        self.buffers = MetadataBuffers(num_slots, metadata_layout())
+        self.queues = DecodeQueues(
+            self.buffers,
+            engine.num_pages,
+            DpConfig(dp_size=_ANY_DP_SIZE, force_query=True, query_interval_s=config.query_interval_s),
+            config.deadlines,
+        )
+        self.directory = directory or PrefillDirectory(timeout=config.rpc_timeout_s, query_interval_s=config.query_interval_s)
+        self.compat_hash = compat_hash_bytes(engine)
+        self.descriptor = b""
+        self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
+        self._reserved: set[int] = set()  # rooms being admitted (awaiting prefill info)
+        self._running: list[Job] = []
+        self._prefill_locally: list[Job] = []  # fake transfers: compute the prompt's KV here
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._waiters: dict[int, asyncio.Task[Any]] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.page_bytes = sum(t[0].numel() * t.element_size() for t in (*engine.kv_buffers().k, *engine.kv_buffers().v))
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        kv = self.engine.kv_buffers()
+        regions = [*kv_regions(kv.k, kv.v), metadata_region(self.buffers.tensor)]
+        self.descriptor = await self.transport.register(regions)
+        self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
+
+    async def close(self) -> None:
+        """Fail what is in flight (UNAVAILABLE), stop every task, close the transport."""
+        self._closing = True
+        for job in list(self._jobs.values()):
+            self._fail(job, Failed(grpc.StatusCode.UNAVAILABLE, f"room {job.room}: decode server is shutting down"))
+        self._wake.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        tasks = [*self._tasks, *self._waiters.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.transport.close()
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: "asyncio.Task[Any]") -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    # -- admission (called from the Decode RPC) -----------------------------------------
+    async def submit(
+        self,
+        room: int,
+        request_id: str,
+        input_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        prefill_address: str,
+        routed_dp_rank: int | None,
+    ) -> Job:
+        """Admit a request (fields already validated by the servicer) or raise DecodeFailure."""
+        if self._closing:
+            raise DecodeFailure(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+        if room in self._jobs or room in self._reserved or self.queues.slot_of(room) is not None:
+            raise DecodeFailure(grpc.StatusCode.ALREADY_EXISTS, f"bootstrap_room {room} is already in use on this decode")
+        n_pages = max(self.engine.pages_needed(len(input_ids)), self.engine.pages_needed(len(input_ids) + max_new_tokens - 1))
+        if n_pages > self.engine.num_pages:
+            raise DecodeFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({max_new_tokens}) needs {n_pages} KV pages, "
+                f"the decode pool has {self.engine.num_pages}",
+            )
+        self._reserved.add(room)
+        try:
+            prefill = await self._prefill_info(prefill_address)
+        finally:
+            self._reserved.discard(room)
+        if self._closing:
+            raise DecodeFailure(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+        theirs = bytes(prefill.info.compatibility_hash)
+        if theirs != self.compat_hash:
+            raise DecodeFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"compatibility hash mismatch: prefill {prefill_address} has {theirs.hex() or '(empty)'}, "
+                f"this decode has {self.compat_hash.hex()} (model, page size, KV dtype or layout differ)",
+            )
+        try:
+            rank = resolve_locally(room, routed_dp_rank, prefill.dp)
+        except PdgrpcError as exc:
+            raise DecodeFailure(grpc.StatusCode.INVALID_ARGUMENT, f"routed_dp_rank: {exc}") from None
+        now = time.monotonic()
+        job = Job(room, request_id, input_ids, sampling, max_new_tokens, prefill, n_pages, asyncio.Queue(), now, dp_rank=rank)
+        self.queues.add(NewRequest(room, prefill_address, n_pages, rank, fake=not self.transport.moves_bytes), now)
+        self._jobs[room] = job
+        how = "routed" if routed_dp_rank is not None else ("local rule" if rank is not None else "query bootstrap")
+        request_event(
+            log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens,
+            prefill=prefill_address, dp_rank=rank if rank is not None else "?", dp_rank_from=how, pages=n_pages,
+        )
+        self._wake.set()
+        return job
+
+    async def _prefill_info(self, address: str) -> PrefillInfo:
+        try:
+            return await self.directory.parallel_info(address, wait_for=self.config.deadlines.resolve_dp_rank_s)
+        except RpcError as exc:
+            code = exc.code if exc.code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.UNAVAILABLE
+            raise DecodeFailure(code, f"prefill_bootstrap_address {address}: GetParallelInfo failed: {exc.details}") from None
+
+    def cancel(self, room: int, message: str) -> None:
+        """Abort ``room`` (the client went away). Takes effect at once before the
+        handshake, at the next poll during the transfer, before the next step when running."""
+        job = self._jobs.get(room)
+        if job is None or job.finished:
+            return
+        job.cancelled = True
+        request_event(log, room, "cancel requested", why=message)
+        if not job.running and job not in self._prefill_locally:
+            aborted = self.queues.cancel(room, time.monotonic(), message)
+            if aborted is not None:
+                self._on_aborted(aborted)
+        self._wake.set()
+
+    # -- stats ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        q = self.queues
+        return dict(
+            active_requests=len(self._jobs),
+            slots_in_use=q.slots.num_slots - q.slots.num_free,
+            slots_total=q.slots.num_slots,
+            pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined,
+            pages_quarantined=q.pages.num_quarantined,
+            pages_total=q.pages.num_pages,
+            transport_rooms=len(self.transport.rooms),
+        )
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        q = self.queues
+        while not self._closing:
+            now = time.monotonic()
+            self._drop_cancelled_running()
+            for aborted in q.tick(now):
+                self._on_aborted(aborted)
+            for query in q.poll_dp_ranks(now):
+                self._spawn(self._query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
+            for hs in q.prealloc(now):
+                self._start_handshake(hs, now)
+            for outcome in q.poll_transfers(now, local_poll=self._local_poll):
+                if isinstance(outcome, Committed):
+                    self._on_committed(outcome, now)
+                else:
+                    self._on_aborted(outcome)
+            if self._prefill_locally or self._running:
+                await self._compute()
+                await asyncio.sleep(0)  # let RPCs and transport callbacks in between steps
+                continue
+            self._wake.clear()
+            timeout = self.config.idle_poll_s if (q.num_requests or q.num_quarantined) else 1.0
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _local_poll(self, room: int) -> KVPoll:
+        """This rank's view of ``room`` for the transfer poll. Until every prefill worker
+        accepted the handshake the room counts as BOOTSTRAPPING, so the bootstrap
+        deadline covers an unanswered handshake."""
+        job = self._jobs.get(room)
+        try:
+            st = self.transport.status(room)
+        except UnknownRoom:
+            if job is not None:
+                job.transport_reason = "the transport no longer tracks the room"
+            return KVPoll.FAILED
+        if st.state is KVPoll.FAILED:
+            if job is not None and job.transport_reason is None:
+                job.transport_reason = st.reason or "no reason given"
+            return KVPoll.FAILED
+        if job is not None and not job.handshaken:
+            return min(st.state, KVPoll.BOOTSTRAPPING)
+        return st.state
+
+    # -- dp ranks -----------------------------------------------------------------------------
+    async def _query_dp_ranks(self, query: QueryDpRanks) -> None:
+        addr = query.prefill_address
+        try:
+            answers = await self.directory.query_dp_ranks(addr, query.rooms)
+        except RpcError as exc:
+            log.warning("QueryDpRanks to %s for %d rooms failed (asked again next interval): %s", addr, len(query.rooms), exc)
+            return
+        now = time.monotonic()
+        good: dict[int, int | None] = {}
+        for room, rank in answers.items():
+            job = self._jobs.get(room)
+            if job is None:
+                continue
+            if rank is not None and not 0 <= rank < job.prefill.dp_size:
+                job.override = Failed(
+                    grpc.StatusCode.INTERNAL,
+                    f"room {room}: bootstrap {addr} answered dp rank {rank}, outside [0, {job.prefill.dp_size})",
+                )
+                self.cancel(room, job.override.message)
+                continue
+            good[room] = rank
+        if self._closing:
+            return
+        moved = self.queues.on_dp_ranks(addr, good, now)
+        for room, rank in good.items():
+            job = self._jobs.get(room)
+            if rank is not None and job is not None:
+                job.dp_rank = rank
+                request_event(log, room, "dp rank resolved", prefill=addr, dp_rank=rank)
+        if moved:
+            self._wake.set()
+        missing = sum(1 for r in good.values() if r is None)
+        if missing:
+            log.debug("QueryDpRanks to %s: %d of %d rooms not registered yet", addr, missing, len(query.rooms))
+
+    # -- handshake ------------------------------------------------------------------------------
+    def _start_handshake(self, hs: SendHandshake, now: float) -> None:
+        job = self._jobs[hs.room]
+        job.slot, job.pages, job.dp_rank = hs.slot, hs.pages, hs.dp_rank
+        job.handshake_sent_at = now
+        prompt_pages = hs.pages[: self.engine.pages_needed(len(job.input_ids))]
+        try:
+            # Advertise BEFORE the handshake: a prefill that writes at once finds the grant.
+            self.transport.advertise(RoomGrant.of(hs.room, prompt_pages, hs.slot))
+        except PdgrpcError as exc:
+            job.override = Failed(grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}")
+            self.cancel(hs.room, job.override.message)
+            return
+        request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), dp_rank=hs.dp_rank)
+        job.handshake_task = self._spawn(self._handshake(job, prompt_pages), f"handshake {hs.room}")
+        self._waiters[hs.room] = self._spawn(self._wait_terminal(hs.room), f"wait {hs.room}")
+
+    async def _wait_terminal(self, room: int) -> None:
+        """Wake the loop as soon as the transport says the room is done (or failed)."""
+        deadline = self.config.deadlines.waiting_for_input_s + self.config.deadlines.transferring_s + 60
+        try:
+            await self.transport.wait(room, deadline)
+        except UnknownRoom:
+            return
+        self._wake.set()
+
+    async def _handshake(self, job: Job, prompt_pages: tuple[int, ...]) -> None:
+        addr, dp_rank = job.prefill.address, job.dp_rank
+        assert dp_rank is not None
+        deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
+        backoff = Backoff(initial=0.05, maximum=1.0)
+        attempt = 0
+        while not job.finished and not job.cancelled:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return  # the poll's bootstrap deadline aborts the request
+            try:
+                workers = await self.directory.workers(addr, dp_rank)
+                if not workers:
+                    raise DecodeFailure(grpc.StatusCode.UNAVAILABLE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
+                for w in workers:
+                    if w.transport != self.transport.name:
+                        raise DecodeFailure(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"transport mismatch: prefill worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} uses "
+                            f"{w.transport!r}, this decode uses {self.transport.name!r}",
+                        )
+                job.contacted = list(workers)
+                calls = [self._handshake_one(job, w, prompt_pages, deadline - time.monotonic()) for w in workers]
+                await asyncio.gather(*calls)
+            except DecodeFailure as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
+                    job.override = Failed(exc.code, f"room {job.room}: {exc.message}")
+                    self.cancel(job.room, job.override.message)
+                    return
+                job.last_error = exc.message
+            except RpcError as exc:
+                job.last_error = str(exc)
+                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return  # the bootstrap deadline is up; the poll aborts the request
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
+                    job.override = Failed(exc.code, f"room {job.room}: handshake refused: {exc}")
+                    self.cancel(job.room, job.override.message)
+                    return
+            else:
+                job.handshaken = True
+                request_event(log, job.room, "handshake accepted", workers=len(job.contacted), attempt=attempt)
+                self._wake.set()
+                return
+            # UNAVAILABLE: the worker restarted or moved: refetch its endpoints, retry.
+            self.directory.invalidate(addr, f"handshake for room {job.room}: {job.last_error}")
+            request_event(log, job.room, "handshake retry", level=logging.WARNING, attempt=attempt, error=job.last_error)
+            await asyncio.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
+
+    async def _handshake_one(self, job: Job, w: bpb.WorkerInfo, prompt_pages: tuple[int, ...], timeout: float) -> None:
+        assert job.slot is not None
+        req = hpb.HandshakeRequest(
+            bootstrap_room=job.room,
+            dst_pages=prompt_pages,
+            dst_slot=job.slot,
+            transport=self.transport.name,
+            transport_descriptor=self.descriptor,
+            compatibility_hash=self.compat_hash,
+            decode_tp_rank=0,
+            decode_tp_size=1,
+            wants_metadata=True,
+        )
+        stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
+        try:
+            resp = await stub.Handshake(req, timeout=max(0.001, timeout))
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, method="Handshake", target=w.transfer_address) from exc
+        if resp.generation != w.generation:
+            # Registered again since we cached it: never reuse what we know about it.
+            self.directory.invalidate(
+                job.prefill.address,
+                f"worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} answered generation {resp.generation}, cached {w.generation}",
+            )
+
+    # -- outcomes ------------------------------------------------------------------------------
+    def _on_committed(self, c: Committed, now: float) -> None:
+        job = self._jobs[c.room]
+        self._release_transport(c.room)
+        transfer_s = now - job.handshake_sent_at
+        if c.row is None:  # fake transport: nothing was written; compute the prompt's KV here
+            request_event(log, c.room, "committed (fake transfer: prefilling locally)", transfer_s=f"{transfer_s:.4f}")
+            job.running = True
+            self._prefill_locally.append(job)
+            return
+        row = c.row
+        first = SampledToken(row.output_id, row.output_token_logprob_value)
+        nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes + self.buffers.layout.row_bytes
+        request_event(log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes, transfer_s=f"{transfer_s:.4f}")
+        job.running = True
+        self._emit_first(job, first, nbytes, transfer_s)
+
+    def _emit_first(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float) -> None:
+        job.generated = 1
+        job.last_token = first.token_id
+        reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_id)
+        job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s))
+        if reason is not None:
+            self._finish(job, reason)
+        else:
+            self._running.append(job)
+
+    def _on_aborted(self, a: Aborted) -> None:
+        job = self._jobs.get(a.room)
+        self._release_transport(a.room)
+        if job is None:
+            return
+        status = self._status_of(job, a)
+        request_event(
+            log, a.room, "aborted", level=logging.WARNING, state=a.state, reason=a.reason.name,
+            status=status.code.name, message=status.message, quarantined=a.awaiting_ack,
+        )
+        self._fail(job, status)
+        if a.awaiting_ack:
+            self._spawn(self._abort_room(job, status.message), f"abort-room {a.room}")
+
+    def _status_of(self, job: Job, a: Aborted) -> Failed:
+        if job.override is not None:
+            return job.override
+        r = a.reason
+        if r is AbortReason.METADATA_CORRUPTION:
+            return Failed(grpc.StatusCode.ABORTED, a.message)
+        if r is AbortReason.TRANSFER_FAILED:
+            return Failed(grpc.StatusCode.ABORTED, f"{a.message}: {job.transport_reason or 'transport failure'}")
+        if r is AbortReason.CANCELLED:
+            return Failed(grpc.StatusCode.CANCELLED, a.message)
+        if r is AbortReason.TP_DESYNC:
+            return Failed(grpc.StatusCode.INTERNAL, a.message)
+        phase = {
+            AbortReason.RESOLVE_DP_RANK_TIMEOUT: "resolving the prefill dp rank (QueryDpRanks found no entry)",
+            AbortReason.ALLOCATE_TIMEOUT: "waiting for free KV pages and a metadata slot",
+            AbortReason.BOOTSTRAP_TIMEOUT: "bootstrap (handshake with the prefill worker not accepted)",
+            AbortReason.WAITING_FOR_INPUT_TIMEOUT: "waiting for the prefill to send KV",
+            AbortReason.TRANSFER_TIMEOUT: "transferring KV and metadata",
+        }.get(r, r.name)
+        msg = f"{a.message}: phase {phase}"
+        if job.last_error and r is AbortReason.BOOTSTRAP_TIMEOUT:
+            msg += f"; last error: {job.last_error}"
+        return Failed(grpc.StatusCode.DEADLINE_EXCEEDED, msg)
+
+    async def _abort_room(self, job: Job, reason: str) -> None:
+        """Tell the prefill worker(s) to stop writing into the room; their ack releases the
+        quarantined slot and pages (else the lease does)."""
+        if job.handshake_task is not None:  # never let AbortRoom overtake the Handshake
+            await asyncio.gather(job.handshake_task, return_exceptions=True)
+        acked = 0
+        for w in job.contacted:
+            stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
+            try:
+                await stub.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=job.room, reason=reason[:1000]), timeout=self.config.rpc_timeout_s)
+                acked += 1
+            except grpc.RpcError as exc:
+                request_event(
+                    log, job.room, "AbortRoom failed (pages stay quarantined until the lease ends)", level=logging.WARNING,
+                    worker=w.transfer_address, error=map_rpc_error(exc, method="AbortRoom", target=w.transfer_address),
+                )
+        if acked == len(job.contacted) and self.queues.on_abort_ack(job.room):
+            request_event(log, job.room, "abort acknowledged; quarantine released", workers=acked)
+            self._wake.set()
+
+    def _release_transport(self, room: int) -> None:
+        self.transport.release(room)
+        waiter = self._waiters.pop(room, None)
+        if waiter is not None:
+            waiter.cancel()
+
+    def _fail(self, job: Job, status: Failed) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        self._jobs.pop(job.room, None)
+        job.out.put_nowait(status)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        job.finished = True
+        self._jobs.pop(job.room, None)
+        self.queues.release_pages(job.pages)
+        request_event(log, job.room, "finished", reason=reason, tokens=job.generated)
+
+    def _drop_cancelled_running(self) -> None:
+        keep = []
+        for job in self._running:
+            if job.cancelled:
+                self.queues.release_pages(job.pages)
+                request_event(log, job.room, "cancelled while generating", tokens=job.generated)
+                self._fail(job, Failed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled"))
+            else:
+                keep.append(job)
+        self._running = keep
+
+    # -- compute ---------------------------------------------------------------------------------
+    async def _compute(self) -> None:
+        """Local prefills (fake transfers), then one decode step over every running request,
+        in a worker thread so the loop keeps serving RPCs and transport callbacks."""
+        if self._prefill_locally:
+            jobs, self._prefill_locally = self._prefill_locally, []
+            firsts = await asyncio.to_thread(self._prefill_jobs, jobs)
+            for job, first in zip(jobs, firsts):
+                if isinstance(first, BaseException):
+                    self._crash(job, first)
+                elif job.cancelled:
+                    self.queues.release_pages(job.pages)
+                    self._fail(job, Failed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled"))
+                else:
+                    self._emit_first(job, first, 0, time.monotonic() - job.handshake_sent_at)
+        batch = [j for j in self._running if not j.cancelled]
+        if not batch:
+            return
+        reqs = [EngineDecodeRequest(j.last_token, j.position, j.pages, j.sampling) for j in batch]
+        try:
+            toks = await asyncio.to_thread(self.engine.decode_step, reqs)
+        except Exception as exc:  # an engine bug must not wedge the server: fail the batch
+            log.exception("decode step over %d requests failed", len(batch))
+            for job in batch:
+                self._crash(job, exc)
+            self._running = [j for j in self._running if not j.finished]
+            return
+        eos = self.engine.tokenizer.eos_token_id
+        for job, tok in zip(batch, toks):
+            if job.cancelled:
+                continue  # dropped (and its pages freed) at the top of the next iteration
+            job.generated += 1
+            job.last_token = tok.token_id
+            reason = stop_reason(tok.token_id, job.generated, job.max_new_tokens, job.sampling, eos)
+            job.out.put_nowait(Tokens((tok.token_id,), (tok.logprob,), reason or ""))
+            if reason is not None:
+                self._finish(job, reason)
+        self._running = [j for j in self._running if not j.finished]
+
+    def _prefill_jobs(self, jobs: list[Job]) -> list[SampledToken | BaseException]:
+        out: list[SampledToken | BaseException] = []
+        for job in jobs:
+            try:
+                req = PrefillRequest(job.input_ids, job.pages, job.sampling)
+                tok = self.engine.prefill_chunk(req, 0, len(job.input_ids))
+                assert tok is not None
+                out.append(tok)
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def _crash(self, job: Job, exc: BaseException) -> None:
+        self.queues.release_pages(job.pages)
+        self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"))

@@ -1,0 +1,134 @@
+"""``DecodeService`` over grpc.aio: a thin adapter between RPCs and the scheduler.
+
+``Decode`` validates the request (INVALID_ARGUMENT naming the field), admits it, then
+streams what the scheduler queues for it; a failure ends the stream with the status the
+scheduler chose (ABORTED, DEADLINE_EXCEEDED naming the phase, ...). However the call
+ends -- normally, with an error, or cancelled by the client (the router cancels it when
+the prefill side failed) -- the ``finally`` hands the room back to the scheduler, which
+aborts whatever is still in flight (AbortRoom to the prefill, pages quarantined until
+acked). ``GetStats`` reads the live state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from pdgrpc.decode.scheduler import DecodeFailure, DecodeScheduler, Failed, Job
+from pdgrpc.engine.base import InvalidRequest
+from pdgrpc.errors import EngineError
+from pdgrpc.rpc.server import RpcServer, start_server
+from pdgrpc.serving.convert import sampling_from_proto
+from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
+from pdgrpc.v1 import decode_pb2_grpc as dpb_grpc
+
+log = logging.getLogger("pdgrpc.decode")
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+_ROOM_LIMIT = 1 << 63
+
+__all__ = ["DecodeServer", "DecodeServicer", "SERVICE_NAME", "start_decode_server"]
+
+
+class DecodeServicer(dpb_grpc.DecodeServiceServicer):
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        self.scheduler = scheduler
+
+    async def Decode(  # noqa: N802 - gRPC method name
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        try:
+            job = await self._admit(request)
+        except DecodeFailure as exc:
+            log.info("room=%d refused: %s %s", request.bootstrap_room, exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+        try:
+            while True:
+                item = await job.out.get()
+                if isinstance(item, Failed):
+                    await context.abort(item.code, item.message)
+                yield decode_pb2.DecodeResponse(
+                    token_ids=item.token_ids,
+                    logprobs=item.logprobs,
+                    finish_reason=item.finish_reason,
+                    bytes_transferred=item.bytes_transferred,
+                    transfer_seconds=item.transfer_seconds,
+                )
+                if item.finish_reason:
+                    return
+        finally:
+            if not job.finished:  # the client cancelled (or the stream broke): abort it
+                self.scheduler.cancel(job.room, "client cancelled the Decode call")
+
+    async def _admit(self, request: decode_pb2.DecodeRequest) -> Job:
+        engine = self.scheduler.engine
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        room = request.bootstrap_room
+        if not 0 < room < _ROOM_LIMIT:
+            raise DecodeFailure(bad, f"bootstrap_room must be in [1, 2**63), got {room}")
+        if not request.prefill_bootstrap_address:
+            raise DecodeFailure(bad, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
+        if not request.HasField("sampling"):
+            raise DecodeFailure(bad, "sampling is not set (it must equal the one sent to the prefill)")
+        ids = tuple(request.input_ids)
+        max_new = int(request.sampling.max_new_tokens)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            engine.validate_request(ids, max_new)
+            engine.tokenizer.check_ids(ids, "input_ids")  # type: ignore[attr-defined]
+        except (InvalidRequest, EngineError) as exc:
+            raise DecodeFailure(bad, str(exc).replace("token_ids", "input_ids")) from None
+        routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
+        return await self.scheduler.submit(
+            room, request.request_id, ids, sampling, max_new, request.prefill_bootstrap_address, routed
+        )
+
+    async def GetStats(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.GetStatsResponse:
+        # GetStatsRequest/Response are declared in prefill.proto (imported by decode.proto).
+        return prefill_pb2.GetStatsResponse(stats=common_pb2.ResourceStats(**self.scheduler.stats()))
+
+
+@dataclasses.dataclass
+class DecodeServer:
+    """A running decode server: ``address``, ``scheduler``, ``stop()``."""
+
+    rpc: RpcServer
+    scheduler: DecodeScheduler
+
+    @property
+    def address(self) -> str:
+        return self.rpc.address
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.rpc.stop(grace)
+
+
+async def start_decode_server(scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0) -> DecodeServer:
+    """Start the scheduler and serve DecodeService (plus health and reflection). On
+    stop, in-flight requests end UNAVAILABLE and the transport closes."""
+    await scheduler.start()
+    servicer = DecodeServicer(scheduler)
+    try:
+        rpc = await start_server(
+            [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(servicer, server))],
+            host=host,
+            port=port,
+            what="pdgrpc decode",
+        )
+    except BaseException:
+        await scheduler.close()
+        raise
+
+    async def close_scheduler() -> None:
+        # Fail the streams first so grace is not spent waiting for requests that cannot finish.
+        await scheduler.close()
+        await asyncio.sleep(0)
+
+    rpc.on_stop(close_scheduler)
+    return DecodeServer(rpc, scheduler)

@@ -1,0 +1,163 @@
+"""A fake prefill instance for decode tests, in the test's event loop.
+
+Real parts: a :class:`~pdgrpc.bootstrap.service.BootstrapServer`, one
+``HandshakeService`` gRPC server per dp rank, a real ``tcp`` transport per worker and a
+local :class:`~pdgrpc.engine.reference.ReferenceEngine` (the same config as the decode
+under test) that computes the prompt's KV and first token. What is fake is the
+scheduling: the test tells it each request's prompt (as a router would send it to a
+prefill) and how to misbehave (``mode``):
+
+* ``"ok"``       -- accept the handshake, prefill, write the pages, then the metadata row;
+* ``"corrupt"``  -- the same, but the row carries another request's bootstrap_room;
+* ``"hang"``     -- never answer the handshake;
+* ``"hold"``     -- accept the handshake and never write (a prefill still computing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
+from pdgrpc.engine.base import PrefillRequest, SamplingParams
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.rpc.server import RpcServer, start_server
+from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout, row_from_token
+from pdgrpc.state.metadata import MetadataBuffers
+from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
+from pdgrpc.transport.tcp import TcpTransport
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import handshake_pb2 as hpb
+from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
+
+_SEND_SLOTS = 8
+
+
+@dataclasses.dataclass
+class Prompt:
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class FakeWorker(hpb_grpc.HandshakeServiceServicer):
+    """One prefill worker (dp rank ``dp_rank``, tp rank 0)."""
+
+    def __init__(self, owner: "FakePrefill", dp_rank: int) -> None:
+        self.owner = owner
+        self.dp_rank = dp_rank
+        self.transport = TcpTransport()
+        self.handshakes: list[hpb.HandshakeRequest] = []
+        self.aborts: list[hpb.AbortRoomRequest] = []
+        self.got_handshake = asyncio.Event()
+        self.got_abort = asyncio.Event()
+        self.rpc: RpcServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._send = MetadataBuffers(_SEND_SLOTS, metadata_layout())
+
+    async def start(self) -> None:
+        kv = self.owner.engine.kv_buffers()
+        self.regions = [*kv_regions(kv.k, kv.v), metadata_region(self._send.tensor)]
+        self.descriptor = await self.transport.register(self.regions)
+        self.rpc = await start_server(
+            [("pdgrpc.v1.HandshakeService", lambda s: hpb_grpc.add_HandshakeServiceServicer_to_server(self, s))],
+            what=f"fake prefill worker dp{self.dp_rank}",
+        )
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.rpc is not None:
+            await self.rpc.stop(grace=0.5)
+        await self.transport.close()
+
+    async def Handshake(self, request: hpb.HandshakeRequest, context: grpc.aio.ServicerContext) -> hpb.HandshakeResponse:  # noqa: N802
+        self.handshakes.append(request)
+        self.got_handshake.set()
+        if request.compatibility_hash != compat_hash_bytes(self.owner.engine):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "compatibility hash mismatch")
+        mode = self.owner.mode
+        if mode == "hang":
+            await asyncio.Event().wait()  # until the decode gives up and cancels the call
+        peer = await self.transport.connect(request.transport_descriptor)
+        if mode != "hold":
+            task = asyncio.ensure_future(self._prefill_and_send(request, peer))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return hpb.HandshakeResponse(generation=self.owner.generation[self.dp_rank])
+
+    async def AbortRoom(self, request: hpb.AbortRoomRequest, context: grpc.aio.ServicerContext) -> hpb.AbortRoomResponse:  # noqa: N802
+        self.aborts.append(request)
+        self.got_abort.set()
+        return hpb.AbortRoomResponse(was_active=any(h.bootstrap_room == request.bootstrap_room for h in self.handshakes))
+
+    async def _prefill_and_send(self, request: hpb.HandshakeRequest, peer) -> None:  # type: ignore[no-untyped-def]
+        engine = self.owner.engine
+        room = request.bootstrap_room
+        prompt = self.owner.prompts[room]
+        pages = engine.alloc_pages(engine.pages_needed(len(prompt.input_ids)))
+        assert pages is not None, "fake prefill ran out of pages"
+        try:
+            first = engine.prefill_chunk(PrefillRequest(prompt.input_ids, tuple(pages), prompt.sampling), 0, len(prompt.input_ids))
+            assert first is not None
+            ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages, list(request.dst_pages))
+            written_room = room + 1 if self.owner.mode == "corrupt" else room
+            slot = len(self.handshakes) % _SEND_SLOTS
+            self._send.write_row(slot, row_from_token(first), written_room)
+            meta_dst = peer.descriptor.region(METADATA_REGION_ID)
+            meta = metadata_op(self.regions[-1], slot, meta_dst, request.dst_slot)
+            await self.transport.write(peer, room, ops, metadata=meta)
+            await self.transport.wait(room, 10.0)
+        finally:
+            self.transport.release(room)
+            engine.free_pages(pages)
+
+
+class FakePrefill:
+    """A bootstrap service and ``dp_size`` fake workers sharing one engine."""
+
+    def __init__(self, engine: ReferenceEngine, dp_size: int = 1, method: int = bpb.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM, compat_hash: bytes | None = None) -> None:
+        self.engine = engine
+        self.dp_size = dp_size
+        self.method = method
+        self.compat_hash = compat_hash if compat_hash is not None else compat_hash_bytes(engine)
+        self.mode = "ok"
+        self.prompts: dict[int, Prompt] = {}
+        self.generation: dict[int, int] = {}
+        self.workers = [FakeWorker(self, r) for r in range(dp_size)]
+        self.bootstrap: BootstrapServer | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.bootstrap is not None
+        return self.bootstrap.address
+
+    async def start(self) -> "FakePrefill":
+        self.bootstrap = await start_bootstrap_server()
+        client = BootstrapClient(self.bootstrap.address)
+        layout = self.engine.kv_layout
+        info = bpb.ParallelInfo(
+            tp_size=1, dp_size=self.dp_size, pp_size=1, page_size=layout.page_size, kv_dtype=self.engine.config.kv_dtype,
+            kv_layout="HND", compatibility_hash=self.compat_hash, load_balance_method=self.method,
+        )
+        for w in self.workers:
+            await w.start()
+            assert w.rpc is not None
+            resp = await client.register_worker(
+                bpb.WorkerInfo(dp_rank=w.dp_rank, tp_rank=0, pp_rank=0, transfer_address=w.rpc.address, transport="tcp", transport_endpoint=w.descriptor),
+                info,
+            )
+            self.generation[w.dp_rank] = resp.generation
+        return self
+
+    async def register_rank(self, room: int, dp_rank: int) -> None:
+        await BootstrapClient(self.address).register_dp_ranks({room: dp_rank})
+
+    async def stop(self) -> None:
+        for w in self.workers:
+            await w.stop()
+        if self.bootstrap is not None:
+            await self.bootstrap.stop(grace=0.5)

@@ -1,0 +1,244 @@
+"""``python -m pdgrpc.decode`` as a real process on 127.0.0.1, against a fake prefill
+(real bootstrap + handshake services, real tcp transport, KV from a local reference engine).
+
+Every test ends by reading the decode's own GetStats until nothing is held (bounded wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import AsyncIterator, Iterator
+
+import grpc
+import pytest
+
+from pdgrpc.decode.__main__ import build_parser
+from pdgrpc.engine.base import SamplingParams
+from pdgrpc.engine.colocated import generate
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.serving import engine_config_from_args, sampling_from_proto, sampling_to_proto
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
+from tests.decode.fake_prefill import FakePrefill, Prompt
+
+ENGINE_FLAGS = ["--model-size", "tiny", "--page-size", "16", "--num-pages", "256", "--max-prompt-tokens", "512", "--max-seq-len", "1024"]
+DECODE_FLAGS = [
+    *ENGINE_FLAGS, "--transport", "tcp", "--num-slots", "8",
+    "--bootstrap-timeout", "1.5", "--resolve-timeout", "10", "--abort-lease", "60", "--dp-rank-query-interval", "0.05",
+]
+STARTUP_S = 60.0
+SETTLE_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """The decode server process; yields (address, log path)."""
+    log_path = tmp_path_factory.mktemp("decode") / "decode.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdgrpc.decode", "--host", "127.0.0.1", "--port", "0", *DECODE_FLAGS],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        address = None
+        while address is None:
+            text = log_path.read_text(errors="replace")
+            m = re.search(r"pdgrpc decode listening on (\S+:\d+)", text)
+            if m:
+                address = m.group(1)
+            elif proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"decode server did not start (exit {proc.poll()}):\n{text}")
+            else:
+                time.sleep(0.1)
+        yield address, str(log_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def engine() -> ReferenceEngine:
+    """The same engine the decode process builds from the same flags."""
+    return ReferenceEngine(engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS)))
+
+
+@pytest.fixture
+async def stub(decode_proc: tuple[str, str]) -> AsyncIterator[decode_pb2_grpc.DecodeServiceStub]:
+    async with grpc.aio.insecure_channel(decode_proc[0]) as channel:
+        yield decode_pb2_grpc.DecodeServiceStub(channel)
+
+
+@pytest.fixture
+async def prefill(engine: ReferenceEngine) -> AsyncIterator[FakePrefill]:
+    p = await FakePrefill(engine).start()
+    try:
+        yield p
+    finally:
+        await p.stop()
+
+
+_next_room = iter(range(1_000_001, 2_000_000, 7919))
+
+
+def make_request(prefill: FakePrefill, prompt: str, max_new: int, sampling: SamplingParams = SamplingParams(), **kw: object) -> decode_pb2.DecodeRequest:
+    """Tell the fake prefill about the request (as a router would) and build the Decode call."""
+    room = next(_next_room)
+    ids = tuple(prefill.engine.tokenizer.encode(prompt))
+    prefill.prompts[room] = Prompt(ids, wire(sampling))
+    return decode_pb2.DecodeRequest(
+        bootstrap_room=room, request_id=f"r{room}", input_ids=ids, sampling=sampling_to_proto(sampling, max_new),
+        prefill_bootstrap_address=prefill.address, **kw,  # type: ignore[arg-type]
+    )
+
+
+def wire(sampling: SamplingParams) -> SamplingParams:
+    """The sampling parameters as both servers see them: float fields travel as float32
+    (temperature 0.8 arrives as 0.800000011920929, which changes seeded draws)."""
+    return sampling_from_proto(sampling_to_proto(sampling))
+
+
+async def collect(stub: decode_pb2_grpc.DecodeServiceStub, req: decode_pb2.DecodeRequest) -> list[decode_pb2.DecodeResponse]:
+    return [m async for m in stub.Decode(req, timeout=60)]
+
+
+async def assert_nothing_held(stub: decode_pb2_grpc.DecodeServiceStub) -> None:
+    """Poll GetStats (bounded) until the decode holds nothing; fail showing what it holds."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
+        held = {f: getattr(s, f) for f in ("active_requests", "slots_in_use", "pages_in_use", "pages_quarantined", "transport_rooms")}
+        if not any(held.values()):
+            assert s.slots_total == 8 and s.pages_total == 256
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"decode still holds {held} after {SETTLE_S} s")
+        await asyncio.sleep(0.05)
+
+
+PROMPTS = [
+    ("hi", 12, SamplingParams()),  # below one page
+    ("x" * 31, 20, SamplingParams(temperature=0.8, seed=7)),  # 32 tokens with BOS: exactly two pages
+    ("The quick brown fox jumps over the lazy dog. " * 3, 17, SamplingParams(temperature=1.0, top_k=40, seed=123)),
+    ("pdgrpc " * 20, 1, SamplingParams()),  # only the prefill's token
+]
+
+
+async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+    reqs = [make_request(prefill, text, n, s) for text, n, s in PROMPTS]
+    expected = [generate(prefill.engine, [tuple(r.input_ids)], n, wire(s))[0] for r, (_, n, s) in zip(reqs, PROMPTS)]
+    results = await asyncio.gather(*(collect(stub, r) for r in reqs))
+    for req, msgs, want in zip(reqs, results, expected):
+        got = [t for m in msgs for t in m.token_ids]
+        assert got == list(want.token_ids), f"room {req.bootstrap_room}"
+        assert msgs[-1].finish_reason == want.finish_reason
+        page_bytes = 2 * 2 * 2 * 16 * 32 * 4  # K+V x 2 layers x 2 KV heads x 16 tokens x dim 32 x float32
+        pages = -(-len(req.input_ids) // 16)
+        assert msgs[0].bytes_transferred >= pages * page_bytes
+        assert msgs[0].transfer_seconds > 0
+        assert all(not m.finish_reason for m in msgs[:-1])
+    await assert_nothing_held(stub)
+
+
+async def test_corrupted_room_aborts_without_tokens(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+    prefill.mode = "corrupt"
+    req = make_request(prefill, "corrupt me", 8)
+    got: list[decode_pb2.DecodeResponse] = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for m in stub.Decode(req, timeout=30):
+            got.append(m)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert "bootstrap_room mismatch" in err.value.details()
+    assert str(req.bootstrap_room + 1) in err.value.details()
+    assert got == []  # not even the first token from the corrupt row
+    await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
+    assert prefill.workers[0].aborts[0].bootstrap_room == req.bootstrap_room
+    await assert_nothing_held(stub)
+
+
+async def test_unanswered_handshake_is_deadline_exceeded(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+    prefill.mode = "hang"
+    req = make_request(prefill, "nobody answers", 8)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub, req)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "BOOTSTRAPPING" in err.value.details() and "bootstrap" in err.value.details()
+    # The handshake may have reached the worker: decode tells it to stop, and reuses the
+    # pages once it acknowledged.
+    await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
+    await assert_nothing_held(stub)
+
+
+async def test_client_cancel_sends_abort_room_and_frees_everything(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+    prefill.mode = "hold"  # handshake accepted, KV never comes
+    req = make_request(prefill, "cancel me", 8)
+    call = stub.Decode(req, timeout=60)
+    await asyncio.wait_for(prefill.workers[0].got_handshake.wait(), 10)
+    s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
+    assert s.active_requests == 1 and s.slots_in_use == 1 and s.pages_in_use >= 1 and s.transport_rooms == 1
+    call.cancel()
+    await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
+    assert prefill.workers[0].aborts[0].bootstrap_room == req.bootstrap_room
+    assert "cancel" in prefill.workers[0].aborts[0].reason
+    await assert_nothing_held(stub)
+
+
+async def test_dp_rank_resolved_through_query_missing_then_found(stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine) -> None:
+    p = await FakePrefill(engine, dp_size=2, method=bpb.LOAD_BALANCE_METHOD_ROUND_ROBIN).start()
+    try:
+        req = make_request(p, "which rank?", 6)
+        want = generate(engine, [tuple(req.input_ids)], 6)[0]
+        task = asyncio.ensure_future(collect(stub, req))
+        await asyncio.sleep(0.5)  # several query intervals: the room is not registered yet
+        assert not task.done()
+        assert not p.workers[0].handshakes and not p.workers[1].handshakes
+        await p.register_rank(req.bootstrap_room, 1)
+        msgs = await asyncio.wait_for(task, 30)
+        assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
+        assert [h.bootstrap_room for h in p.workers[1].handshakes] == [req.bootstrap_room]
+        assert p.workers[0].handshakes == []
+        await assert_nothing_held(stub)
+    finally:
+        await p.stop()
+
+
+async def test_routed_dp_rank_skips_the_query(stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine) -> None:
+    p = await FakePrefill(engine, dp_size=2, method=bpb.LOAD_BALANCE_METHOD_ROUND_ROBIN).start()
+    try:
+        req = make_request(p, "pinned", 4, routed_dp_rank=0)  # never registered with bootstrap
+        msgs = await collect(stub, req)
+        assert [t for m in msgs for t in m.token_ids] == list(generate(engine, [tuple(req.input_ids)], 4)[0].token_ids)
+        assert [h.bootstrap_room for h in p.workers[0].handshakes] == [req.bootstrap_room]
+        bad = make_request(p, "pinned", 4, routed_dp_rank=2)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "routed_dp_rank" in err.value.details()
+        await assert_nothing_held(stub)
+    finally:
+        await p.stop()
+
+
+async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine) -> None:
+    p = await FakePrefill(engine, compat_hash=b"\x01" * 32).start()
+    try:
+        empty = make_request(p, "x", 4)
+        del empty.input_ids[:]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, empty)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input_ids" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, make_request(p, "other model", 4))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "compatibility hash" in err.value.details() and "01" * 32 in err.value.details()
+        await assert_nothing_held(stub)
+    finally:
+        await p.stop()
