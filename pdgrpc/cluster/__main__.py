@@ -1,0 +1,79 @@
+"""``python -m pdgrpc.cluster TOPOLOGY``: run a topology locally until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError
+from pdgrpc.cluster.topology import TRANSPORTS, load_topology, servers_dir
+from pdgrpc.errors import ConfigError
+from pdgrpc.rpc.server import run
+
+DESCRIPTION = f"""\
+Start a topology (a file in {servers_dir()}, or its name: 1p1d,
+prefill-dp2-round-robin, prefill-dp2-follow-room) as a local cluster on 127.0.0.1 with
+free ports; wait until every process answers its gRPC health check; print the router's
+address; run until SIGINT/SIGTERM, then stop every process (SIGTERM, SIGKILL after the
+grace period). If a process dies, the cluster stops, its log tail is printed and the exit
+code is 1. Each process logs to LOG_DIR/<name>.log."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdgrpc.cluster", description=DESCRIPTION)
+    p.add_argument("topology", help="topology file (servers/1p1d.toml) or name (1p1d)")
+    p.add_argument("--transport", choices=TRANSPORTS, help="KV transport for every prefill and decode (default: the topology's)")
+    p.add_argument("--log-dir", help="directory for the processes' logs (default: a fresh temporary directory)")
+    p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS", help="how long to wait for every process to be healthy (default: %(default)s)")
+    p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS", help="how long processes may take to exit after SIGTERM before SIGKILL (default: %(default)s)")
+    return p
+
+
+async def _main(args: argparse.Namespace) -> int:
+    cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir,
+                      start_timeout=args.start_timeout, grace=args.grace)
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(s, lambda s=s: stop.done() or stop.set_result(s))
+    print(f"starting {cluster.describe()}", flush=True)
+    start = asyncio.ensure_future(cluster.start())
+    await asyncio.wait([start, stop], return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # interrupted while starting
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await cluster.stop()
+        return 130
+    try:
+        start.result()
+    except ClusterError as exc:
+        print(f"cluster failed to start: {exc}", file=sys.stderr)
+        return 1
+    print(f"{cluster.describe()}\nrouter (GenerateService) listening on {cluster.router_address}\nCtrl-C to stop", flush=True)
+    died = asyncio.ensure_future(cluster.wait_failure())
+    await asyncio.wait([died, stop], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if died.done():
+        print(f"cluster stopping: {died.result()}", file=sys.stderr)
+        code = 1
+    else:
+        died.cancel()
+        print(f"{signal.Signals(stop.result()).name}: stopping the cluster", flush=True)
+    await cluster.stop()
+    print("cluster stopped", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(_main(args))
+    except (ConfigError, ChildDied) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""A small GenerateService client: send one request, collect the whole stream.
+
+Used by the demo, the end-to-end tests and ``bench e2e``::
+
+    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        done = await generate(GenerateServiceStub(ch), prompt="Hello", max_new_tokens=16)
+        print(done.text, done.ttft_seconds, done.bytes_transferred)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+from pdgrpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+__all__ = ["Completion", "generate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    ttft_seconds: float  # as the router measured it (request arrival -> first token)
+    client_ttft_seconds: float  # as this client saw it (call start -> first message)
+    total_seconds: float  # call start -> end of stream (client side)
+    bytes_transferred: int
+    transfer_seconds: float
+    bootstrap_room: int
+    messages: int
+
+    @property
+    def gbps(self) -> float:
+        """KV transfer rate, GB/s (10**9 bytes per second); 0 when nothing was timed."""
+        return self.bytes_transferred / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
+
+
+async def generate(
+    stub: generate_pb2_grpc.GenerateServiceStub,
+    *,
+    prompt: str = "",
+    input_ids: Sequence[int] = (),
+    max_new_tokens: int = 16,
+    temperature: float = 0.0,
+    seed: int = 0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    ignore_eos: bool = False,
+    routed_dp_rank: int | None = None,
+    request_id: str = "",
+    timeout: float | None = 120.0,
+) -> Completion:
+    """Run one Generate to the end; raises ``grpc.aio.AioRpcError`` on failure."""
+    request = generate_pb2.GenerateRequest(
+        prompt=prompt,
+        input_ids=list(input_ids),
+        sampling=common_pb2.SamplingParams(
+            temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
+            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+        ),
+        request_id=request_id,
+    )
+    if routed_dp_rank is not None:
+        request.routed_dp_rank = routed_dp_rank
+    start = time.perf_counter()
+    first_at = None
+    ids: list[int] = []
+    text: list[str] = []
+    finish = ""
+    first = None
+    count = 0
+    async for msg in stub.Generate(request, timeout=timeout):
+        if first is None:
+            first, first_at = msg, time.perf_counter()
+        ids += msg.token_ids
+        text.append(msg.text)
+        finish = msg.finish_reason or finish
+        count += 1
+    end = time.perf_counter()
+    assert first is not None and first_at is not None, "the router ends every successful stream after >= 1 message"
+    return Completion(
+        token_ids=tuple(ids), text="".join(text), finish_reason=finish,
+        ttft_seconds=first.ttft_seconds, client_ttft_seconds=first_at - start, total_seconds=end - start,
+        bytes_transferred=first.bytes_transferred, transfer_seconds=first.transfer_seconds,
+        bootstrap_room=first.bootstrap_room, messages=count,
+    )

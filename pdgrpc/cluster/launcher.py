@@ -1,0 +1,305 @@
+"""Run a topology as a local cluster on 127.0.0.1: start, wait healthy, watch, stop.
+
+::
+
+    async with Cluster("1p1d", transport="tcp") as c:
+        stub = GenerateServiceStub(grpc.aio.insecure_channel(c.router_address))
+        ...
+        stats = await c.stats("decode")        # the server's own ResourceStats
+
+* Every process gets a free port on 127.0.0.1 and its own log file (``log_dir``).
+* :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
+  until each one's ``grpc.health.v1`` check answers SERVING, bounded by
+  ``start_timeout``. A process that exits meanwhile fails the start with its log tail.
+* While the cluster runs a watcher notices a child that exits; :meth:`Cluster.check`
+  raises :class:`ChildDied` (with the log tail) and :meth:`Cluster.wait_failure` returns it.
+* :meth:`Cluster.stop` sends SIGTERM to the router first (no new requests), then the
+  rest, waits ``grace`` seconds, then SIGKILLs each child's whole process group (a
+  prefill's DP workers are its children). Children also get SIGKILL if the launching
+  process dies (``PR_SET_PDEATHSIG`` on Linux), so a killed test run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdgrpc.cluster.topology import ProcessSpec, Topology, TRANSPORTS, flags, load_topology
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+__all__ = ["ChildDied", "Cluster", "ClusterError", "Proc"]
+
+HOST = "127.0.0.1"
+_TAIL_LINES = 40
+
+
+class ClusterError(PdgrpcError):
+    """The cluster could not start or stop as asked."""
+
+
+class ChildDied(ClusterError):
+    """A cluster process exited while the cluster was meant to run."""
+
+    def __init__(self, proc: "Proc") -> None:
+        self.proc = proc
+        super().__init__(
+            f"{proc.spec.role} process {proc.spec.name!r} (pid {proc.pid}) exited with code {proc.returncode}; "
+            f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+        )
+
+
+def free_port() -> int:
+    # Bound then released: a tiny window in which another program could take it; the
+    # alternative (children binding port 0 and reporting back) needs every server's help.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclasses.dataclass
+class Proc:
+    spec: ProcessSpec
+    port: int
+    argv: list[str]
+    log_path: Path
+    process: asyncio.subprocess.Process | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.returncode
+
+    def log_tail(self, lines: int = _TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Cluster:
+    """A running topology; see the module doc."""
+
+    def __init__(
+        self,
+        topology: Topology | str | Path,
+        *,
+        transport: str | None = None,
+        log_dir: str | Path | None = None,
+        start_timeout: float = 180.0,
+        grace: float = 10.0,
+        extra_env: dict[str, str] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        self.transport = transport or self.topology.transport
+        if self.transport not in TRANSPORTS:
+            raise ClusterError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        self._own_log_dir = log_dir is None
+        self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"pdgrpc-{self.topology.name}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.start_timeout = start_timeout
+        self.grace = grace
+        self._python = python
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
+        self.procs: dict[str, Proc] = {}
+        for spec in self.topology.processes:
+            self.procs[spec.name] = Proc(spec, free_port(), [], self.log_dir / f"{spec.name}.log")
+        for proc in self.procs.values():
+            proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
+        self._stopping = False
+        self._died: asyncio.Future[Proc] | None = None
+        self._watchers: list[asyncio.Task[None]] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # ---- addresses ----------------------------------------------------------------------
+
+    def address(self, name: str) -> str:
+        return self.procs[name].address
+
+    @property
+    def router_address(self) -> str:
+        return self.address(self.topology.router.name)
+
+    def bootstrap_address(self, prefill_name: str) -> str:
+        spec = self.procs[prefill_name].spec
+        return self.address(spec.bootstrap) if spec.bootstrap else self.address(prefill_name)
+
+    def _flags(self, proc: Proc) -> list[str]:
+        spec = proc.spec
+        out = ["--host", HOST, "--port", str(proc.port)]
+        if spec.role in ("prefill", "decode"):
+            out += ["--transport", self.transport, *flags(self.topology.engine)]
+        if spec.role == "prefill" and spec.bootstrap:
+            out += ["--bootstrap", self.address(spec.bootstrap)]
+        if spec.role == "router":
+            for name in spec.prefill:
+                p = self.procs[name].spec
+                extra = f",bootstrap={self.address(p.bootstrap)}" if p.bootstrap else ""
+                out += ["--prefill", self.address(name) + extra]
+            for name in spec.decode:
+                out += ["--decode", self.address(name)]
+        return out + flags(spec.args)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Cluster":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Start every process, then wait until all are healthy (see the module doc)."""
+        loop = asyncio.get_running_loop()
+        self._died = loop.create_future()
+        try:
+            for proc in self.procs.values():
+                with open(proc.log_path, "ab") as log:
+                    log.write(f"$ {' '.join(proc.argv)}\n".encode())
+                    log.flush()
+                    proc.process = await asyncio.create_subprocess_exec(
+                        *proc.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                        env=self._env, preexec_fn=_die_with_parent,
+                    )
+                self._watchers.append(asyncio.ensure_future(self._watch(proc)))
+            await self._wait_healthy()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _watch(self, proc: Proc) -> None:
+        assert proc.process is not None
+        await proc.process.wait()
+        if not self._stopping and self._died is not None and not self._died.done():
+            self._died.set_result(proc)
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        waiting = dict(self.procs)
+        while waiting:
+            self.check()
+            results = await asyncio.gather(*(self._serving(p) for p in waiting.values()))
+            for name, ok in zip(list(waiting), results):
+                if ok:
+                    del waiting[name]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {p.spec.name} ({p.log_path}):\n{p.log_tail(15)}" for p in waiting.values())
+                raise ClusterError(
+                    f"topology {self.topology.name!r}: {sorted(waiting)} not healthy within {self.start_timeout:.0f} s\n{tails}"
+                )
+            await asyncio.sleep(0.2)
+
+    async def _serving(self, proc: Proc) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._channel(proc.address))
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def check(self) -> None:
+        """Raise :class:`ChildDied` if a process exited while the cluster should run."""
+        if self._died is not None and self._died.done():
+            raise ChildDied(self._died.result())
+
+    async def wait_failure(self) -> ChildDied:
+        """Wait until a process exits unexpectedly; returns the error describing it."""
+        assert self._died is not None, "start() first"
+        return ChildDied(await asyncio.shield(self._died))
+
+    async def stop(self) -> None:
+        """Stop every process: SIGTERM (router first), then SIGKILL after ``grace`` s."""
+        self._stopping = True
+        order = sorted(self.procs.values(), key=lambda p: {"router": 0, "decode": 1, "prefill": 2, "bootstrap": 3}[p.spec.role])
+        for proc in order:
+            if proc.process is not None and proc.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.process.send_signal(signal.SIGTERM)
+        await asyncio.gather(*(self._reap(p) for p in order))
+        for w in self._watchers:
+            w.cancel()
+        self._watchers.clear()
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            await ch.close()
+
+    async def _reap(self, proc: Proc) -> None:
+        if proc.process is None:
+            return
+        try:
+            await asyncio.wait_for(proc.process.wait(), self.grace)
+        except asyncio.TimeoutError:
+            with open(proc.log_path, "ab") as log:
+                log.write(f"[cluster] no exit {self.grace:.0f} s after SIGTERM: SIGKILL\n".encode())
+        # Whatever is left of the process group (a prefill's DP workers) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.process.pid, signal.SIGKILL)
+        await proc.process.wait()
+
+    # ---- what the servers hold ----------------------------------------------------------
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    def channel(self, name: str) -> grpc.aio.Channel:
+        """A channel to process ``name`` (owned by the cluster: closed on stop)."""
+        return self._channel(self.address(name))
+
+    async def stats(self, name: str) -> common_pb2.ResourceStats:
+        """``GetStats`` of a prefill or decode process: what it holds right now."""
+        role = self.procs[name].spec.role
+        stub: Any
+        if role == "prefill":
+            stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(name))
+        elif role == "decode":
+            stub = decode_pb2_grpc.DecodeServiceStub(self.channel(name))
+        else:
+            raise ClusterError(f"process {name!r} is a {role}: only prefill and decode have GetStats")
+        reply = await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5.0)
+        return reply.stats
+
+    async def all_stats(self) -> dict[str, common_pb2.ResourceStats]:
+        names = [p.name for p in self.topology.processes if p.role in ("prefill", "decode")]
+        return dict(zip(names, await asyncio.gather(*(self.stats(n) for n in names))))
+
+    def describe(self) -> str:
+        lines = [f"topology {self.topology.name} (transport {self.transport}); logs in {self.log_dir}"]
+        for p in self.procs.values():
+            pid = "" if p.pid is None else f"  pid {p.pid}"
+            lines.append(f"  {p.spec.name:<12} {p.spec.role:<9} {p.address}{pid}")
+        return "\n".join(lines)

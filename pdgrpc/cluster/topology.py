@@ -1,0 +1,217 @@
+"""Topology files (``servers/*.toml``): which processes a local cluster runs, and with what flags.
+
+Format (TOML, read with :mod:`tomllib`)::
+
+    description = "one prefill, one decode, one router"
+    transport = "rdma"              # default data plane; `--transport` overrides it
+
+    [engine]                        # engine flags shared by every prefill and decode
+    model-size = "tiny"             # (and by the colocated reference the tests compare with)
+    page-size = 16
+
+    [env]                           # extra environment for every process (optional)
+    UCX_TLS = "tcp,sm,self"
+
+    [[process]]
+    name = "prefill"                # unique; logs and GetStats are per name
+    role = "prefill"                # bootstrap | prefill | decode | router
+    bootstrap = "bootstrap"         # prefill only: a bootstrap process's name; omitted = embedded
+    args = { dp-size = 2, load-balance = "round_robin" }   # extra flags, --key value
+
+    [[process]]
+    name = "router"
+    role = "router"
+    prefill = ["prefill"]           # router only: the prefill and decode processes it routes to
+    decode = ["decode"]
+
+Each ``args`` (and ``[engine]``) entry becomes ``--key value``; ``true`` becomes a bare
+``--key``, ``false`` is left out, a list repeats the flag. The launcher adds ``--host``,
+``--port`` and, for prefill and decode, ``--transport`` itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from pdgrpc.errors import ConfigError
+
+__all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
+
+ROLES = ("bootstrap", "prefill", "decode", "router")
+TRANSPORTS = ("rdma", "tcp", "fake")
+
+Scalar = str | int | float | bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    role: str
+    args: Mapping[str, Scalar | list[Scalar]] = dataclasses.field(default_factory=dict)
+    bootstrap: str | None = None  # prefill: name of a separate bootstrap process
+    prefill: tuple[str, ...] = ()  # router: prefill process names
+    decode: tuple[str, ...] = ()  # router: decode process names
+
+    @property
+    def module(self) -> str:
+        return f"pdgrpc.{self.role}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str
+    description: str
+    transport: str
+    engine: Mapping[str, Scalar]
+    env: Mapping[str, str]
+    processes: tuple[ProcessSpec, ...]
+    path: Path | None = None
+
+    def process(self, name: str) -> ProcessSpec:
+        for p in self.processes:
+            if p.name == name:
+                return p
+        raise KeyError(f"topology {self.name!r} has no process {name!r}")
+
+    def by_role(self, role: str) -> list[ProcessSpec]:
+        return [p for p in self.processes if p.role == role]
+
+    @property
+    def router(self) -> ProcessSpec:
+        return self.by_role("router")[0]
+
+    def engine_value(self, key: str, default: Scalar) -> Scalar:
+        return self.engine.get(key, default)
+
+
+def flags(values: Mapping[str, Any]) -> list[str]:
+    """``{"dp-size": 2, "verbose": True, "x": [1, 2]}`` -> ``["--dp-size", "2", "--verbose", "--x", "1", "--x", "2"]``."""
+    out: list[str] = []
+    for key, value in values.items():
+        items = value if isinstance(value, list) else [value]
+        for v in items:
+            if v is True:
+                out.append(f"--{key}")
+            elif v is False:
+                continue
+            else:
+                out += [f"--{key}", str(v)]
+    return out
+
+
+def _fail(where: str, msg: str) -> ConfigError:
+    return ConfigError(f"{where}: {msg}")
+
+
+def _str_list(where: str, value: Any, field: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _fail(where, f"{field} must be a process name or a list of them, got {value!r}")
+    return tuple(value)
+
+
+def _check_args(where: str, args: Any) -> dict[str, Any]:
+    if not isinstance(args, dict):
+        raise _fail(where, f"args must be a table of flag = value, got {args!r}")
+    for k, v in args.items():
+        items = v if isinstance(v, list) else [v]
+        if not all(isinstance(i, (str, int, float, bool)) for i in items):
+            raise _fail(where, f"flag {k!r} has a value that is not a string, number or boolean: {v!r}")
+        if k in ("host", "port", "transport"):
+            raise _fail(where, f"flag --{k} is set by the launcher; remove it from args")
+    return dict(args)
+
+
+def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None) -> Topology:
+    """Validate a parsed topology table; raises :class:`ConfigError` naming the bad field."""
+    where = str(path or name)
+    known = {"description", "transport", "engine", "env", "process"}
+    unknown = set(data) - known
+    if unknown:
+        raise _fail(where, f"unknown top-level keys {sorted(unknown)} (expected {sorted(known)})")
+    transport = data.get("transport", "rdma")
+    if transport not in TRANSPORTS:
+        raise _fail(where, f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    engine = _check_args(f"{where} [engine]", data.get("engine", {}))
+    env = data.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise _fail(where, "[env] must be a table of NAME = \"value\" strings")
+    raw = data.get("process", [])
+    if not isinstance(raw, list) or not raw:
+        raise _fail(where, "needs at least one [[process]]")
+    procs: list[ProcessSpec] = []
+    for i, p in enumerate(raw):
+        pw = f"{where} process[{i}]"
+        if not isinstance(p, dict):
+            raise _fail(pw, "must be a table")
+        extra = set(p) - {"name", "role", "args", "bootstrap", "prefill", "decode"}
+        if extra:
+            raise _fail(pw, f"unknown keys {sorted(extra)}")
+        pname, role = p.get("name"), p.get("role")
+        if not isinstance(pname, str) or not pname or not pname.replace("-", "").replace("_", "").isalnum():
+            raise _fail(pw, f"name must be a non-empty name of letters, digits, '-' and '_', got {pname!r}")
+        pw = f"{where} process {pname!r}"
+        if role not in ROLES:
+            raise _fail(pw, f"role must be one of {ROLES}, got {role!r}")
+        bootstrap = p.get("bootstrap")
+        if bootstrap is not None and (role != "prefill" or not isinstance(bootstrap, str)):
+            raise _fail(pw, "bootstrap = \"<bootstrap process name>\" is only for prefill processes")
+        if role != "router" and ("prefill" in p or "decode" in p):
+            raise _fail(pw, "prefill/decode lists are only for router processes")
+        procs.append(
+            ProcessSpec(
+                name=pname,
+                role=role,
+                args=_check_args(pw, p.get("args", {})),
+                bootstrap=bootstrap,
+                prefill=_str_list(pw, p.get("prefill", []), "prefill"),
+                decode=_str_list(pw, p.get("decode", []), "decode"),
+            )
+        )
+    roles = {p.name: p.role for p in procs}
+    if len(roles) != len(procs):
+        raise _fail(where, "process names must be unique")
+    for p in procs:
+        pw = f"{where} process {p.name!r}"
+        if p.bootstrap is not None and roles.get(p.bootstrap) != "bootstrap":
+            raise _fail(pw, f"bootstrap = {p.bootstrap!r} is not a bootstrap process of this topology")
+        if p.role == "router":
+            if not p.prefill or not p.decode:
+                raise _fail(pw, "a router needs prefill = [...] and decode = [...]")
+            for ref, want in [(r, "prefill") for r in p.prefill] + [(r, "decode") for r in p.decode]:
+                if roles.get(ref) != want:
+                    raise _fail(pw, f"{ref!r} is not a {want} process of this topology")
+    if len([p for p in procs if p.role == "router"]) != 1:
+        raise _fail(where, "needs exactly one router process (the cluster's front door)")
+    return Topology(
+        name=name,
+        description=str(data.get("description", "")),
+        transport=transport,
+        engine=engine,
+        env=dict(env),
+        processes=tuple(procs),
+        path=path,
+    )
+
+
+def servers_dir() -> Path:
+    """The repository's ``servers/`` directory (topology files)."""
+    return Path(__file__).resolve().parents[2] / "servers"
+
+
+def load_topology(spec: str | Path) -> Topology:
+    """Load a topology from a path, or by name from ``servers/`` (``"1p1d"``)."""
+    path = Path(spec)
+    if not path.exists() and path.suffix == "" and (servers_dir() / f"{spec}.toml").exists():
+        path = servers_dir() / f"{spec}.toml"
+    if not path.exists():
+        raise ConfigError(f"topology {str(spec)!r}: no such file (topologies live in {servers_dir()})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_topology(data, path.stem, path)
