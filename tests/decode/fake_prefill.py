@@ -10,7 +10,12 @@ prefill) and how to misbehave (``mode``):
 * ``"ok"``       -- accept the handshake, prefill, write the pages, then the metadata row;
 * ``"corrupt"``  -- the same, but the row carries another request's bootstrap_room;
 * ``"hang"``     -- never answer the handshake;
-* ``"hold"``     -- accept the handshake and never write (a prefill still computing).
+* ``"hold"``     -- accept the handshake and never write (a prefill still computing);
+* ``"stray"``    -- write the pages 100 pages away from where decode said (the decode's
+  transport must reject the write and fail the room).
+
+``transport="fake"`` builds workers on the fake backend; they accept handshakes and
+write nothing (the fake backend moves no bytes).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout, row_from_token
 from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
-from pdgrpc.transport.tcp import TcpTransport
+from pdgrpc.transport import registry
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
@@ -48,7 +53,7 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
     def __init__(self, owner: "FakePrefill", dp_rank: int) -> None:
         self.owner = owner
         self.dp_rank = dp_rank
-        self.transport = TcpTransport()
+        self.transport = registry.create(owner.transport)
         self.handshakes: list[hpb.HandshakeRequest] = []
         self.aborts: list[hpb.AbortRoomRequest] = []
         self.got_handshake = asyncio.Event()
@@ -83,7 +88,7 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         if mode == "hang":
             await asyncio.Event().wait()  # until the decode gives up and cancels the call
         peer = await self.transport.connect(request.transport_descriptor)
-        if mode != "hold":
+        if mode != "hold" and self.transport.moves_bytes:
             task = asyncio.ensure_future(self._prefill_and_send(request, peer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -103,7 +108,8 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         try:
             first = engine.prefill_chunk(PrefillRequest(prompt.input_ids, tuple(pages), prompt.sampling), 0, len(prompt.input_ids))
             assert first is not None
-            ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages, list(request.dst_pages))
+            dst = [p + 100 for p in request.dst_pages] if self.owner.mode == "stray" else list(request.dst_pages)
+            ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages, dst)
             written_room = room + 1 if self.owner.mode == "corrupt" else room
             slot = len(self.handshakes) % _SEND_SLOTS
             self._send.write_row(slot, row_from_token(first), written_room)
@@ -119,8 +125,16 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
 class FakePrefill:
     """A bootstrap service and ``dp_size`` fake workers sharing one engine."""
 
-    def __init__(self, engine: ReferenceEngine, dp_size: int = 1, method: int = bpb.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM, compat_hash: bytes | None = None) -> None:
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        dp_size: int = 1,
+        method: int = bpb.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM,
+        compat_hash: bytes | None = None,
+        transport: str = "tcp",
+    ) -> None:
         self.engine = engine
+        self.transport = transport
         self.dp_size = dp_size
         self.method = method
         self.compat_hash = compat_hash if compat_hash is not None else compat_hash_bytes(engine)
@@ -137,21 +151,34 @@ class FakePrefill:
 
     async def start(self) -> "FakePrefill":
         self.bootstrap = await start_bootstrap_server()
-        client = BootstrapClient(self.bootstrap.address)
+        for w in self.workers:
+            await self._start_worker(w)
+        return self
+
+    async def _start_worker(self, w: FakeWorker) -> None:
         layout = self.engine.kv_layout
         info = bpb.ParallelInfo(
             tp_size=1, dp_size=self.dp_size, pp_size=1, page_size=layout.page_size, kv_dtype=self.engine.config.kv_dtype,
             kv_layout="HND", compatibility_hash=self.compat_hash, load_balance_method=self.method,
         )
-        for w in self.workers:
-            await w.start()
-            assert w.rpc is not None
-            resp = await client.register_worker(
-                bpb.WorkerInfo(dp_rank=w.dp_rank, tp_rank=0, pp_rank=0, transfer_address=w.rpc.address, transport="tcp", transport_endpoint=w.descriptor),
-                info,
-            )
-            self.generation[w.dp_rank] = resp.generation
-        return self
+        await w.start()
+        assert w.rpc is not None
+        resp = await BootstrapClient(self.address).register_worker(
+            bpb.WorkerInfo(
+                dp_rank=w.dp_rank, tp_rank=0, pp_rank=0, transfer_address=w.rpc.address, transport=self.transport,
+                transport_endpoint=w.descriptor,
+            ),
+            info,
+        )
+        self.generation[w.dp_rank] = resp.generation
+
+    async def restart_worker(self, dp_rank: int) -> FakeWorker:
+        """Stop the worker and start a fresh one (new port, new transport instance) that
+        registers again: bootstrap bumps its generation."""
+        await self.workers[dp_rank].stop()
+        w = self.workers[dp_rank] = FakeWorker(self, dp_rank)
+        await self._start_worker(w)
+        return w
 
     async def register_rank(self, room: int, dp_rank: int) -> None:
         await BootstrapClient(self.address).register_dp_ranks({room: dp_rank})

@@ -141,6 +141,8 @@ async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeSer
         got = [t for m in msgs for t in m.token_ids]
         assert got == list(want.token_ids), f"room {req.bootstrap_room}"
         assert msgs[-1].finish_reason == want.finish_reason
+        # The first logprob came through the metadata row, the rest from decode's own steps.
+        assert [lp for m in msgs for lp in m.logprobs] == [t.logprob for t in want.tokens]
         page_bytes = 2 * 2 * 2 * 16 * 32 * 4  # K+V x 2 layers x 2 KV heads x 16 tokens x dim 32 x float32
         pages = -(-len(req.input_ids) // 16)
         assert msgs[0].bytes_transferred >= pages * page_bytes
@@ -242,3 +244,32 @@ async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.D
         await assert_nothing_held(stub)
     finally:
         await p.stop()
+
+
+async def test_write_outside_the_grant_fails_the_transfer(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+    prefill.mode = "stray"
+    req = make_request(prefill, "writes into someone else's pages", 8)
+    got: list[decode_pb2.DecodeResponse] = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for m in stub.Decode(req, timeout=30):
+            got.append(m)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert "transfer failed" in err.value.details() and "unauthorized write" in err.value.details()
+    assert got == []
+    await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
+    await assert_nothing_held(stub)
+
+
+async def test_restarted_prefill_worker_is_not_reused(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+    first = make_request(prefill, "before the restart", 3)
+    assert [t for m in await collect(stub, first) for t in m.token_ids]
+    old = prefill.workers[0]
+    new = await prefill.restart_worker(0)
+    assert prefill.generation[0] == 2
+    req = make_request(prefill, "after the restart", 5)
+    msgs = await collect(stub, req)
+    want = generate(prefill.engine, [tuple(req.input_ids)], 5)[0]
+    assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
+    assert [h.bootstrap_room for h in new.handshakes] == [req.bootstrap_room]
+    assert [h.bootstrap_room for h in old.handshakes] == [first.bootstrap_room]
+    await assert_nothing_held(stub)
