@@ -1,0 +1,31 @@
+"""``python -m pdgrpc.prefill``: the prefill DP controller and its workers (see ``--help``)."""
+
+from __future__ import annotations
+
+import sys
+
+from pdgrpc.errors import ConfigError
+from pdgrpc.prefill.cli import build_parser
+from pdgrpc.rpc.server import run
+from pdgrpc.serving import engine_config_from_args, setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.dp_size < 1:
+        parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
+    if ns.chunk_size < 1:
+        parser.error(f"--chunk-size must be >= 1, got {ns.chunk_size}")
+    try:
+        engine_config_from_args(ns)  # fail here, not in every worker
+    except ConfigError as exc:
+        parser.error(str(exc))
+    setup_logging(ns.log_level, "prefill")
+    from pdgrpc.prefill.controller import main_async  # after logging: imports torch
+
+    return run(main_async(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Command-line flags of ``python -m pdgrpc.prefill`` (and of the worker processes it starts).
+
+The controller parses everything; each worker gets the engine, transport, logging and
+per-request flags passed through unchanged (:func:`worker_argv`), plus its dp rank and
+the bootstrap address, so every worker builds the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
+
+__all__ = ["LOAD_BALANCE_METHODS", "build_parser", "add_worker_arguments", "worker_argv"]
+
+LOAD_BALANCE_METHODS = ("round_robin", "follow_bootstrap_room", "shortest_queue")
+
+DESCRIPTION = """\
+pdgrpc prefill instance: a DP controller serving pdgrpc.v1.PrefillService (plus an embedded
+BootstrapService unless --bootstrap is given, gRPC health and reflection) that starts
+--dp-size worker processes. Each worker runs the reference engine, computes prompts in
+chunks and writes their KV pages and metadata row straight into the decode's memory over
+--transport, after the decode's Handshake (pdgrpc.v1.HandshakeService, served by each
+worker). SIGTERM/SIGINT stop the controller and its workers gracefully. Once serving,
+one line 'PDGRPC_READY {"address": "HOST:PORT", ...}' is printed to stdout."""
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Per-request behaviour of every worker (passed through to the worker processes)."""
+    g = parser.add_argument_group("per-request limits (each worker)")
+    g.add_argument(
+        "--chunk-size", type=int, default=512,
+        help="prompt tokens computed per prefill chunk; a chunk's completed pages are sent while the next "
+        "chunk computes. Default: %(default)s",
+    )
+    g.add_argument(
+        "--handshake-timeout", type=float, default=30.0,
+        help="seconds a request waits for the decode's Handshake before failing with DEADLINE_EXCEEDED. "
+        "Default: %(default)s",
+    )
+    g.add_argument(
+        "--transfer-timeout", type=float, default=60.0,
+        help="seconds from writing the metadata row to the decode's acknowledgement before the request "
+        "fails with DEADLINE_EXCEEDED. Default: %(default)s",
+    )
+    g.add_argument(
+        "--page-wait-timeout", type=float, default=30.0,
+        help="seconds a request waits for free KV pages when the pool is full before failing with "
+        "RESOURCE_EXHAUSTED. Default: %(default)s",
+    )
+    g.add_argument(
+        "--compute-threads", type=int, default=1,
+        help="torch intra-op threads per worker (results do not depend on it). Default: %(default)s",
+    )
+    add_engine_arguments(parser)
+    add_transport_arguments(parser)
+    add_logging_arguments(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pdgrpc.prefill", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    g = p.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1", help="address the controller and its workers listen on. Default: %(default)s")
+    g.add_argument(
+        "--port", type=int, default=0,
+        help="controller port (PrefillService, and BootstrapService when embedded); 0 picks a free one. Default: %(default)s",
+    )
+    g.add_argument(
+        "--bootstrap", metavar="HOST:PORT", default="",
+        help="use this external BootstrapService instead of embedding one in the controller. Default: embedded",
+    )
+    g.add_argument(
+        "--bootstrap-ttl", type=float, default=120.0,
+        help="embedded bootstrap: seconds a room -> dp rank entry lives. Default: %(default)s",
+    )
+    g.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get to finish on SIGTERM. Default: %(default)s")
+    g.add_argument(
+        "--worker-start-timeout", type=float, default=120.0,
+        help="seconds to wait for every worker to start and register. Default: %(default)s",
+    )
+    d = p.add_argument_group("data parallelism")
+    d.add_argument("--dp-size", type=int, default=1, help="number of worker processes (dp ranks). Default: %(default)s")
+    d.add_argument(
+        "--load-balance-method", choices=LOAD_BALANCE_METHODS, default="round_robin",
+        help="dp rank for requests without routed_dp_rank: 'round_robin' (in turn), 'follow_bootstrap_room' "
+        "(room %% dp_size; decode computes the rank without asking bootstrap), 'shortest_queue' (fewest "
+        "requests in flight). Except under follow_bootstrap_room, every room's rank is registered with "
+        "bootstrap (batched) for decode to query. Default: %(default)s",
+    )
+    d.add_argument(
+        "--force-dp-rank-query", action="store_true",
+        help="register every room's rank and make decode always query, even under follow_bootstrap_room; "
+        "then a routed_dp_rank that differs from room %% dp_size is allowed (otherwise it is refused with "
+        "FAILED_PRECONDITION)",
+    )
+    d.add_argument(
+        "--dp-register-window-ms", type=float, default=2.0,
+        help="room -> rank registrations arriving within this window go to bootstrap as one RegisterDpRanks. "
+        "Default: %(default)s",
+    )
+    add_worker_arguments(p)
+    return p
+
+
+def worker_argv(ns: argparse.Namespace) -> list[str]:
+    """The pass-through flags for a worker process (everything :func:`add_worker_arguments` adds)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_worker_arguments(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(ns, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                out.append(action.option_strings[0])
+        else:
+            out += [action.option_strings[0], str(value)]
+    return out

@@ -1,0 +1,255 @@
+"""The prefill DP controller: starts the worker processes and routes each request.
+
+* Starts ``--dp-size`` worker processes (:mod:`pdgrpc.prefill.worker_main`), each with its
+  own gRPC server, and waits until every one reported ready (it registered with bootstrap).
+* Serves ``PrefillService``: picks the dp rank (:mod:`pdgrpc.prefill.dispatch`), registers
+  room -> rank with bootstrap when decode must query (batched,
+  :mod:`pdgrpc.prefill.registrar`) **before** forwarding, then forwards the request to the
+  worker and relays its answer or its status unchanged. ``GetStats`` sums the workers'.
+* Embeds ``BootstrapService`` on its own port unless ``--bootstrap`` names an external one.
+* A worker that exits is logged with its exit code; the requests it held fail with
+  UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
+  and shortest_queue skip it). On SIGTERM the controller stops accepting requests, lets
+  in-flight ones finish (``--grace``), then stops the workers (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from typing import NoReturn
+
+import grpc
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
+from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
+from pdgrpc.bootstrap.table import RoomTable
+from pdgrpc.prefill.cli import worker_argv
+from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
+from pdgrpc.prefill.registrar import DpRankRegistrar
+from pdgrpc.prefill.services import PREFILL_SERVICE
+from pdgrpc.prefill.worker_main import READY
+from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.server import RpcServer, serve_until_signal, start_server
+from pdgrpc.serving import request_event
+from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("pdgrpc.prefill")
+
+__all__ = ["Controller", "main_async"]
+
+C = grpc.StatusCode
+READY_LINE = "PDGRPC_READY"
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerHandle:
+    rank: int
+    proc: asyncio.subprocess.Process
+    address: str = ""
+    stub: prefill_pb2_grpc.PrefillServiceStub | None = None
+    alive: bool = True
+    exit_code: int | None = None
+    calls: set = dataclasses.field(default_factory=set)  # in-flight forwarded calls
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.calls)
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("unreachable")
+
+
+class Controller(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.dispatcher = Dispatcher(ns.dp_size, ns.load_balance_method, ns.force_dp_rank_query)
+        self.workers: list[WorkerHandle] = []
+        self.pool = ChannelPool()
+        self.bootstrap_address = ns.bootstrap
+        self.registrar: DpRankRegistrar | None = None
+        self.stopping = False
+        self._watchers: list[asyncio.Task[None]] = []
+
+    # ---- PrefillService -----------------------------------------------------------
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        room = request.bootstrap_room
+        if room == 0:
+            await _abort(context, C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
+        routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
+        try:
+            d = self.dispatcher.pick(
+                room, routed, [w.queue_length for w in self.workers], [w.alive for w in self.workers]
+            )
+        except InvalidRoute as exc:
+            request_event(log, room, "rejected", reason=str(exc))
+            await _abort(context, C.INVALID_ARGUMENT, f"room {room}: {exc}")
+        except DpRankConflict as exc:
+            request_event(log, room, "rejected", reason=str(exc))
+            await _abort(context, C.FAILED_PRECONDITION, str(exc))
+        except NoLiveRank as exc:
+            await _abort(context, C.UNAVAILABLE, f"room {room}: {exc}")
+        w = self.workers[d.rank]
+        if not w.alive:
+            await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} is dead (exit code {w.exit_code})")
+        if d.register:
+            assert self.registrar is not None
+            try:
+                await self.registrar.register(room, d.rank)
+            except Exception as exc:
+                request_event(log, room, "failed", reason=f"registering dp rank: {exc}")
+                code = getattr(exc, "code", C.UNAVAILABLE)
+                await _abort(context, code if isinstance(code, grpc.StatusCode) else C.UNAVAILABLE, f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}")
+        request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register)
+        fwd = prefill_pb2.PrefillRequest()
+        fwd.CopyFrom(request)
+        fwd.routed_dp_rank = d.rank
+        assert w.stub is not None
+        call = w.stub.Prefill(fwd, timeout=context.time_remaining())
+        w.calls.add(call)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            call.cancel()  # the caller went away: let the worker release everything
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if not w.alive:
+                await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} died (exit code {w.exit_code})")
+            await _abort(context, exc.code(), exc.details() or "")
+        finally:
+            w.calls.discard(call)
+
+    async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
+        total = common_pb2.ResourceStats()
+        for w in self.workers:
+            if not w.alive or w.stub is None:
+                continue
+            try:
+                s = (await w.stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5.0)).stats
+            except grpc.aio.AioRpcError as exc:
+                await _abort(context, C.UNAVAILABLE, f"GetStats of prefill worker dp{w.rank} failed: {exc.details()}")
+            for field in common_pb2.ResourceStats.DESCRIPTOR.fields:
+                setattr(total, field.name, getattr(total, field.name) + getattr(s, field.name))
+        return prefill_pb2.GetStatsResponse(stats=total)
+
+    # ---- workers ----------------------------------------------------------------------
+
+    async def start_workers(self) -> None:
+        common = worker_argv(self.ns)
+        for rank in range(self.ns.dp_size):
+            argv = [
+                sys.executable, "-m", "pdgrpc.prefill.worker_main",
+                "--dp-rank", str(rank), "--dp-size", str(self.ns.dp_size),
+                "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
+                "--load-balance-method", self.ns.load_balance_method,
+                *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
+                *common,
+            ]
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+            self.workers.append(WorkerHandle(rank, proc))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(self._await_ready(w) for w in self.workers)), self.ns.worker_start_timeout)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s") from None
+        self._watchers = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
+
+    async def _await_ready(self, w: WorkerHandle) -> None:
+        assert w.proc.stdout is not None
+        while True:
+            line = await w.proc.stdout.readline()
+            if not line:
+                code = await w.proc.wait()
+                raise RuntimeError(f"prefill worker dp{w.rank} exited with code {code} before it was ready (see its log above)")
+            text = line.decode(errors="replace").strip()
+            if text.startswith(READY + " "):
+                info = json.loads(text[len(READY) + 1 :])
+                w.address = info["address"]
+                w.stub = prefill_pb2_grpc.PrefillServiceStub(self.pool.get(w.address))
+                log.info("prefill worker dp%d (pid %d) ready at %s", w.rank, w.proc.pid, w.address)
+                return
+
+    async def _watch(self, w: WorkerHandle) -> None:
+        assert w.proc.stdout is not None
+        while await w.proc.stdout.readline():  # keep the pipe drained
+            pass
+        w.exit_code = await w.proc.wait()
+        w.alive = False
+        if self.stopping:
+            return
+        log.error(
+            "prefill worker dp%d (pid %d) exited with code %s; failing its %d in-flight request(s)",
+            w.rank, w.proc.pid, w.exit_code, len(w.calls),
+        )
+        for call in list(w.calls):
+            call.cancel()
+
+    async def stop_workers(self, timeout: float = 10.0) -> None:
+        self.stopping = True
+        for w in self.workers:
+            if w.proc.returncode is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            try:
+                await asyncio.wait_for(w.proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.error("prefill worker dp%d did not stop within %.0f s; killing it", w.rank, timeout)
+                w.proc.kill()
+                await w.proc.wait()
+        for t in self._watchers:
+            t.cancel()
+        await self.pool.close()
+
+
+async def main_async(ns: argparse.Namespace) -> int:
+    controller = Controller(ns)
+    services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(controller, s))]
+    embedded: BootstrapServicer | None = None
+    if not ns.bootstrap:
+        cfg = BootstrapConfig(ttl=ns.bootstrap_ttl)
+        embedded = BootstrapServicer(RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch), WorkerRegistry())
+        services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
+    server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller")
+    if embedded is not None:
+        BootstrapServer(server, embedded, BootstrapConfig(ttl=ns.bootstrap_ttl))  # runs the expiry sweeper
+        controller.bootstrap_address = server.address
+    client = BootstrapClient(controller.bootstrap_address)
+    controller.registrar = DpRankRegistrar(client.register_dp_ranks, window_s=ns.dp_register_window_ms / 1000.0)
+    try:
+        await controller.start_workers()
+    except Exception as exc:
+        log.error("%s", exc)
+        await controller.stop_workers()
+        await server.stop(0)
+        return 1
+    log.info(
+        "prefill ready: %d worker(s), %s, transport %s, bootstrap %s (%s)",
+        ns.dp_size, ns.load_balance_method, ns.transport, controller.bootstrap_address,
+        "embedded" if embedded is not None else "external",
+    )
+    print(
+        READY_LINE,
+        json.dumps({
+            "address": server.address, "bootstrap": controller.bootstrap_address,
+            "workers": [w.address for w in controller.workers], "worker_pids": [w.proc.pid for w in controller.workers],
+        }),
+        flush=True,
+    )
+
+    async def _stop_workers() -> None:
+        await controller.registrar.close() if controller.registrar else None
+
+    server.on_stop(_stop_workers)
+    await serve_until_signal(server, grace=ns.grace)
+    await controller.stop_workers()
+    log.info("prefill stopped")
+    return 0

@@ -1,0 +1,139 @@
+"""Entry point of one prefill worker process (started by the DP controller).
+
+``python -m pdgrpc.prefill.worker_main --dp-rank R --dp-size N --bootstrap ADDR ...``:
+builds the engine and the transport, serves PrefillService (worker level) and
+HandshakeService on its own grpc.aio server, registers with bootstrap (transfer address =
+this server, transport endpoint = the transport descriptor), prints one line
+``PDGRPC_WORKER_READY {json}`` to stdout for the controller, and serves until SIGTERM --
+or until its controller is gone (a worker never outlives the process that started it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments
+from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WorkerPrefillServicer
+from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
+from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging
+from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger("pdgrpc.prefill.worker")
+
+READY = "PDGRPC_WORKER_READY"
+
+_LB = {
+    "round_robin": bootstrap_pb2.LOAD_BALANCE_METHOD_ROUND_ROBIN,
+    "follow_bootstrap_room": bootstrap_pb2.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM,
+    "shortest_queue": bootstrap_pb2.LOAD_BALANCE_METHOD_SHORTEST_QUEUE,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdgrpc.prefill.worker_main", description=__doc__)
+    p.add_argument("--dp-rank", type=int, required=True, help="this worker's dp rank")
+    p.add_argument("--dp-size", type=int, required=True, help="dp ranks of the instance")
+    p.add_argument("--bootstrap", required=True, help="HOST:PORT of the BootstrapService to register with")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    p.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, required=True)
+    p.add_argument("--force-dp-rank-query", action="store_true")
+    add_worker_arguments(p)
+    return p
+
+
+def parallel_info(ns: argparse.Namespace, worker: PrefillWorker) -> bootstrap_pb2.ParallelInfo:
+    layout = worker.engine.kv_layout
+    return bootstrap_pb2.ParallelInfo(
+        tp_size=1,
+        dp_size=ns.dp_size,
+        pp_size=1,
+        page_size=layout.page_size,
+        kv_dtype=layout.kv_dtype,
+        kv_layout=layout.name,
+        compatibility_hash=compat_hash_bytes(worker.engine),
+        load_balance_method=_LB[ns.load_balance_method],
+        force_dp_rank_query=ns.force_dp_rank_query,
+    )
+
+
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.error("controller (pid %d) is gone; stopping", parent)
+    stop.set()
+
+
+async def _main(ns: argparse.Namespace) -> int:
+    engine = ReferenceEngine(engine_config_from_args(ns))
+    transport = create_transport(ns)
+    worker = PrefillWorker(
+        engine,
+        transport,
+        WorkerConfig(
+            dp_rank=ns.dp_rank,
+            chunk_size=ns.chunk_size,
+            handshake_timeout_s=ns.handshake_timeout,
+            transfer_timeout_s=ns.transfer_timeout,
+            page_wait_s=ns.page_wait_timeout,
+        ),
+    )
+    descriptor = await worker.start()
+    server = await start_server(
+        [
+            (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(WorkerPrefillServicer(worker), s)),
+            (HANDSHAKE_SERVICE, lambda s: handshake_pb2_grpc.add_HandshakeServiceServicer_to_server(HandshakeServicer(worker), s)),
+        ],
+        host=ns.host,
+        port=0,
+        what=f"pdgrpc prefill worker dp{ns.dp_rank}",
+    )
+    server.on_stop(worker.close)
+    client = BootstrapClient(ns.bootstrap)
+    info = bootstrap_pb2.WorkerInfo(
+        dp_rank=ns.dp_rank, tp_rank=0, pp_rank=0, transfer_address=server.address,
+        transport=transport.name, transport_endpoint=descriptor,
+    )
+    try:
+        reg = await client.register_worker(info, parallel_info(ns, worker))
+    except Exception as exc:
+        log.error("dp%d: registering with bootstrap %s failed: %s", ns.dp_rank, ns.bootstrap, exc)
+        await server.stop(0)
+        return 1
+    worker.generation = reg.generation
+    log.info(
+        "dp%d registered with bootstrap %s (generation %d, %d of %d workers); transport %s, %d KV pages, chunk %d",
+        ns.dp_rank, ns.bootstrap, reg.generation, reg.registered_workers, reg.expected_workers,
+        transport.name, engine.num_pages, ns.chunk_size,
+    )
+    print(READY, json.dumps({"dp_rank": ns.dp_rank, "address": server.address, "generation": reg.generation}), flush=True)
+    orphaned = asyncio.Event()
+    watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
+    stop_on_orphan = asyncio.ensure_future(orphaned.wait())
+    stop_on_orphan.add_done_callback(lambda _: asyncio.ensure_future(server.stop(ns.grace if hasattr(ns, "grace") else 1.0)))
+    try:
+        await serve_until_signal(server, grace=5.0)
+    finally:
+        watcher.cancel()
+        stop_on_orphan.cancel()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    setup_logging(ns.log_level, f"prefill.dp{ns.dp_rank}")
+    torch.set_num_threads(max(1, ns.compute_threads))
+    return run(_main(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""A fake decode for prefill tests, in the test's event loop.
+
+Real parts: a transport *receiver* (the backend under test) holding a KV pool with the
+decode's layout and metadata rows of the shared layout, and real gRPC calls --
+``QueryDpRanks`` / ``GetWorkers`` to the prefill's bootstrap, ``Handshake`` / ``AbortRoom``
+to the worker. What is fake is the scheduling: the test says which room goes where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import grpc
+import torch
+
+from pdgrpc.engine.base import PrefillRequest, SampledToken, SamplingParams
+from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.serving import compat_hash_bytes, metadata_layout
+from pdgrpc.state.metadata import MetadataBuffers, MetadataRow
+from pdgrpc.transport import registry
+from pdgrpc.transport.base import RoomGrant, RoomStatus, Transport
+from pdgrpc.transport.pages import kv_regions, metadata_region
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import bootstrap_pb2_grpc as bpb_grpc
+from pdgrpc.v1 import handshake_pb2 as hpb
+from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
+
+
+@dataclasses.dataclass
+class Room:
+    room: int
+    pages: list[int]
+    slot: int
+    worker: str = ""  # transfer address the handshake went to
+
+
+class FakeDecode:
+    def __init__(self, config: EngineConfig, transport: str = "tcp", num_slots: int = 16) -> None:
+        self.engine = ReferenceEngine(config)  # only its KV pool and page allocator are used
+        self.rows = MetadataBuffers(num_slots, metadata_layout())
+        self.transport: Transport = registry.create(transport)
+        self.transport_name = transport
+        self.compat_hash = compat_hash_bytes(self.engine)
+        self.descriptor = b""
+        self._free_slots = list(range(num_slots))
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def start(self) -> None:
+        bufs = self.engine.kv_buffers()
+        self.descriptor = await self.transport.register([*kv_regions(bufs.k, bufs.v), metadata_region(self.rows.tensor)])
+
+    async def close(self) -> None:
+        await self.transport.close()
+        for ch in self._channels.values():
+            await ch.close()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    def stub(self, address: str) -> hpb_grpc.HandshakeServiceStub:
+        return hpb_grpc.HandshakeServiceStub(self.channel(address))
+
+    # -- a room's life on the decode side ---------------------------------------------------
+
+    def allocate(self, room: int, num_tokens: int) -> Room:
+        pages = self.engine.alloc_pages(self.engine.pages_needed(num_tokens))
+        assert pages is not None, "fake decode pool exhausted"
+        slot = self._free_slots.pop(0)
+        self.transport.advertise(RoomGrant.of(room, pages, slot))
+        return Room(room, pages, slot)
+
+    async def worker_for(self, bootstrap: str, room: int, *, query: bool, dp_size: int, timeout: float = 20.0) -> str:
+        """The transfer address of the worker holding ``room``, found the way decode does:
+        ``room % dp_size`` on the fast path, else QueryDpRanks until bootstrap knows it."""
+        stub = self.bootstrap_stub(bootstrap)
+        rank = room % dp_size
+        if query:
+            deadline = time.monotonic() + timeout
+            while True:
+                res = await stub.QueryDpRanks(bpb.QueryDpRanksRequest(bootstrap_rooms=[room]), timeout=5)
+                if res.entries:
+                    rank = res.entries[0].dp_rank
+                    break
+                assert time.monotonic() < deadline, f"room {room} never registered with bootstrap"
+                await asyncio.sleep(0.02)
+        return (await self.workers(bootstrap, rank))[0].transfer_address
+
+    async def workers(self, bootstrap: str, rank: int) -> list[bpb.WorkerInfo]:
+        res = await self.bootstrap_stub(bootstrap).GetWorkers(bpb.GetWorkersRequest(dp_rank=rank), timeout=5)
+        return list(res.workers)
+
+    async def registered(self, bootstrap: str, room: int) -> bool:
+        res = await self.bootstrap_stub(bootstrap).QueryDpRanks(bpb.QueryDpRanksRequest(bootstrap_rooms=[room]), timeout=5)
+        return bool(res.entries)
+
+    def bootstrap_stub(self, address: str) -> bpb_grpc.BootstrapServiceStub:
+        return bpb_grpc.BootstrapServiceStub(self.channel(address))
+
+    def handshake_request(self, r: Room, **override: object) -> hpb.HandshakeRequest:
+        fields: dict[str, object] = dict(
+            bootstrap_room=r.room, dst_pages=r.pages, dst_slot=r.slot, transport=self.transport_name,
+            transport_descriptor=self.descriptor, compatibility_hash=self.compat_hash,
+            decode_tp_rank=0, decode_tp_size=1, wants_metadata=True,
+        )
+        fields.update(override)
+        return hpb.HandshakeRequest(**fields)  # type: ignore[arg-type]
+
+    async def handshake(self, worker: str, r: Room, **override: object) -> hpb.HandshakeResponse:
+        r.worker = worker
+        return await self.stub(worker).Handshake(self.handshake_request(r, **override), timeout=10.0)
+
+    async def wait(self, r: Room, timeout: float = 60.0) -> RoomStatus:
+        return await self.transport.wait(r.room, timeout)
+
+    def free(self, r: Room) -> None:
+        """Release the room like decode does: revoke the grant, zero the slot's room, free."""
+        self.transport.release(r.room)
+        self.rows.clear_room(r.slot)
+        self._free_slots.append(r.slot)
+        self.engine.free_pages(r.pages)
+
+    # -- what landed ------------------------------------------------------------------------
+
+    def kv_of(self, pages: list[int], num_tokens: int, engine: ReferenceEngine | None = None) -> list[torch.Tensor]:
+        """Per layer and K/V, the first ``num_tokens`` token rows held in ``pages``:
+        ``[heads, num_tokens, head_dim]`` (stale rows past the prompt are left out)."""
+        bufs = (engine or self.engine).kv_buffers()
+        out = []
+        for pool in (*bufs.k, *bufs.v):
+            rows = pool[pages]  # [n_pages, heads, page_size, head_dim]
+            rows = rows.permute(1, 0, 2, 3).reshape(pool.shape[1], -1, pool.shape[3])
+            out.append(rows[:, :num_tokens].clone())
+        return out
+
+    def row(self, r: Room) -> MetadataRow:
+        return self.rows.read_row(r.slot)
+
+
+def reference_prefill(config: EngineConfig, ids: list[int], sampling: SamplingParams) -> tuple[ReferenceEngine, list[int], SampledToken]:
+    """The prompt prefilled by a local engine in one chunk: (engine, pages, first token)."""
+    eng = ReferenceEngine(config)
+    pages = eng.alloc_pages(eng.pages_needed(len(ids)))
+    assert pages is not None
+    tok = eng.prefill_chunk(PrefillRequest(tuple(ids), tuple(pages), sampling), 0, len(ids))
+    assert tok is not None
+    return eng, pages, tok
+
+
+__all__ = ["FakeDecode", "KVPoll", "Room", "reference_prefill"]

@@ -1,0 +1,323 @@
+"""``python -m pdgrpc.prefill`` as real processes on 127.0.0.1 (controller + 2 worker
+processes each), driven by a fake decode with a real tcp receiver and real gRPC calls.
+
+Two instances per module: ``rr`` (round_robin, embedded bootstrap: the register/query
+path) and ``follow`` (strict follow_bootstrap_room, external bootstrap process: the fast
+path). Every test ends by reading the instance's own GetStats until nothing is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import grpc
+import pytest
+import torch
+
+from pdgrpc.engine.base import SamplingParams
+from pdgrpc.engine.reference import EngineConfig
+from pdgrpc.prefill.cli import build_parser
+from pdgrpc.serving import compat_hash_bytes, engine_config_from_args, metadata_layout, sampling_to_proto
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.prefill.fake_decode import FakeDecode, KVPoll, reference_prefill
+from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
+
+CHUNK = 6  # not a multiple of the 4-token page: chunks end mid-page
+HANDSHAKE_TIMEOUT = 4.0
+FLAGS = [*ENGINE_FLAGS, "--transport", "tcp", "--dp-size", "2", "--chunk-size", str(CHUNK),
+         "--handshake-timeout", str(HANDSHAKE_TIMEOUT), "--transfer-timeout", "20", "--log-level", "info"]
+CONFIG: EngineConfig = engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS))
+SETTLE_S = 15.0
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("prefill")
+
+
+@pytest.fixture(scope="module")
+def rr(logs: Path) -> Iterator[PrefillProc]:
+    p = PrefillProc([*FLAGS, "--load-balance-method", "round_robin"], logs, "rr")
+    try:
+        yield p
+    finally:
+        code = p.stop()
+        assert code == 0, p.log()[-3000:]
+        assert not any(pid_alive(pid) for pid in p.worker_pids), "SIGTERM left a worker running"
+
+
+@pytest.fixture(scope="module")
+def follow(logs: Path) -> Iterator[PrefillProc]:
+    b = BootstrapProc(logs)
+    try:
+        p = PrefillProc([*FLAGS, "--load-balance-method", "follow_bootstrap_room", "--bootstrap", b.address], logs, "follow")
+        try:
+            yield p
+        finally:
+            assert p.stop() == 0, p.log()[-3000:]
+    finally:
+        b.stop()
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[FakeDecode]:
+    d = FakeDecode(CONFIG)
+    await d.start()
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+def new_room() -> int:
+    return random.getrandbits(62) + 1
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [256] + [rng.randrange(256) for _ in range(n - 1)]  # BOS, then bytes
+
+
+async def prefill_stub(p: PrefillProc) -> tuple[grpc.aio.Channel, prefill_pb2_grpc.PrefillServiceStub]:
+    ch = grpc.aio.insecure_channel(p.address)
+    return ch, prefill_pb2_grpc.PrefillServiceStub(ch)
+
+
+def request(room: int, ids: list[int], sampling: SamplingParams = SamplingParams(), routed: int | None = None) -> prefill_pb2.PrefillRequest:
+    r = prefill_pb2.PrefillRequest(bootstrap_room=room, request_id=f"t{room}", input_ids=ids, sampling=sampling_to_proto(sampling, 4))
+    if routed is not None:
+        r.routed_dp_rank = routed
+    return r
+
+
+async def assert_settles_to_zero(p: PrefillProc) -> None:
+    """The instance's own GetStats (summed over workers) reaches all-zero usage, bounded."""
+    ch, stub = await prefill_stub(p)
+    try:
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
+            if (s.active_requests, s.pages_in_use, s.transport_rooms) == (0, 0, 0):
+                assert s.pages_total == 2 * CONFIG.num_pages
+                return
+            assert time.monotonic() < deadline, f"prefill still holds resources: {s}"
+            await asyncio.sleep(0.05)
+    finally:
+        await ch.close()
+
+
+async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: SamplingParams, *, query: bool,
+                  routed: int | None = None, handshake_first: bool = False) -> tuple[prefill_pb2.PrefillResponse, object]:
+    """One request the way decode + router drive it; returns (prefill response, decode room)."""
+    room = new_room()
+    r = d.allocate(room, len(ids))
+    ch, stub = await prefill_stub(p)
+    try:
+        if handshake_first:  # the rank is known up front (routed), so decode can be first
+            assert routed is not None
+            workers = await d.workers(p.bootstrap, routed)
+            await d.handshake(workers[0].transfer_address, r)
+            call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
+        else:
+            call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
+            worker = await d.worker_for(p.bootstrap, room, query=query, dp_size=2) if routed is None else \
+                (await d.workers(p.bootstrap, routed))[0].transfer_address
+            await d.handshake(worker, r)
+        resp = await call
+        st = await d.wait(r)
+        assert st.state is KVPoll.SUCCESS, st.reason
+        return resp, r
+    finally:
+        await ch.close()
+
+
+# ---------------------------------------------------------------------------------------
+
+
+async def test_workers_register_with_bootstrap(rr: PrefillProc, decode: FakeDecode) -> None:
+    stub = decode.bootstrap_stub(rr.bootstrap)
+    info = (await stub.GetParallelInfo(bpb.GetParallelInfoRequest(), timeout=5)).parallel_info
+    assert (info.dp_size, info.tp_size, info.page_size, info.kv_dtype) == (2, 1, 4, "float32")
+    from pdgrpc.engine.reference import ReferenceEngine
+
+    assert info.compatibility_hash == compat_hash_bytes(ReferenceEngine(CONFIG))
+    seen = []
+    for rank in (0, 1):
+        (w,) = await decode.workers(rr.bootstrap, rank)
+        assert (w.dp_rank, w.transport, w.generation) == (rank, "tcp", 1)
+        assert w.transport_endpoint.startswith(b"PDGT")  # a transport descriptor
+        seen.append(w.transfer_address)
+    assert sorted(seen) == sorted(rr.worker_addresses) and len(set(seen)) == 2
+
+
+@pytest.mark.parametrize("n", [3, 8, 23], ids=["below-page", "page-multiple", "multi-chunk"])
+async def test_kv_and_metadata_arrive_bit_exact(rr: PrefillProc, decode: FakeDecode, n: int) -> None:
+    ids = prompt(n, seed=n)
+    sampling = SamplingParams(temperature=0.8, seed=1234 + n, top_logprobs=5)
+    resp, r = await run_one(rr, decode, ids, sampling, query=True)
+    ref_engine, ref_pages, tok = reference_prefill(CONFIG, ids, sampling)
+    got = decode.kv_of(r.pages, n)
+    want = decode.kv_of(ref_pages, n, ref_engine)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"KV tensor {i} differs from a local prefill of the prompt"
+    row = decode.row(r)
+    assert row.output_id == tok.token_id
+    assert row.output_token_logprob_value == tok.logprob
+    assert row.top_logprobs_indices[:5] == tok.top_ids and row.top_logprobs_values[:5] == pytest.approx(tok.top_logprobs, abs=0)
+    assert decode.rows.room(r.slot) == r.room  # bootstrap_room written (last)
+    layout = ref_engine.kv_layout
+    pages = ref_engine.pages_needed(n)
+    assert resp.prompt_tokens == n
+    assert resp.bytes_transferred == pages * layout.page_bytes * 2 * layout.num_layers + metadata_layout().row_bytes
+    assert resp.compute_seconds > 0 and resp.transfer_seconds > 0
+    decode.free(r)
+    await assert_settles_to_zero(rr)
+
+
+async def test_round_robin_alternates_and_registers_each_room(rr: PrefillProc, decode: FakeDecode) -> None:
+    ranks = []
+    for i in range(4):
+        resp, r = await run_one(rr, decode, prompt(5, seed=i), SamplingParams(), query=True)
+        ranks.append(resp.dp_rank)
+        decode.free(r)
+    assert ranks[0] != ranks[1] and ranks[0::2] == [ranks[0]] * 2 and ranks[1::2] == [ranks[1]] * 2
+    await assert_settles_to_zero(rr)
+
+
+async def test_routed_rank_with_handshake_before_prefill(rr: PrefillProc, decode: FakeDecode) -> None:
+    ids = prompt(11, seed=7)
+    resp, r = await run_one(rr, decode, ids, SamplingParams(), query=False, routed=1, handshake_first=True)
+    assert resp.dp_rank == 1
+    _, _, tok = reference_prefill(CONFIG, ids, SamplingParams())
+    assert decode.row(r).output_id == tok.token_id
+    decode.free(r)
+    await assert_settles_to_zero(rr)
+
+
+async def test_concurrent_requests_all_succeed(rr: PrefillProc, decode: FakeDecode) -> None:
+    lens = [1, 4, 9, 16, 21, 2, 13, 7]
+    results = await asyncio.gather(*(run_one(rr, decode, prompt(n, seed=100 + n), SamplingParams(), query=True) for n in lens))
+    for n, (resp, r) in zip(lens, results):
+        _, _, tok = reference_prefill(CONFIG, prompt(n, seed=100 + n), SamplingParams())
+        assert resp.prompt_tokens == n and decode.row(r).output_id == tok.token_id
+        decode.free(r)
+    await assert_settles_to_zero(rr)
+
+
+async def test_prompt_too_long_is_invalid_argument(rr: PrefillProc) -> None:
+    ch, stub = await prefill_stub(rr)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Prefill(request(new_room(), prompt(CONFIG.max_prompt_tokens + 1, 1)), timeout=30)
+        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_prompt_tokens=64" in ei.value.details() and "65 tokens" in ei.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Prefill(request(new_room(), [256, 999]), timeout=30)
+        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "input_ids[1] = 999" in ei.value.details()
+    finally:
+        await ch.close()
+    await assert_settles_to_zero(rr)
+
+
+async def test_no_handshake_is_deadline_exceeded_and_frees_pages(rr: PrefillProc) -> None:
+    ch, stub = await prefill_stub(rr)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Prefill(request(new_room(), prompt(30, 3)), timeout=60)
+        assert ei.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert f"no decode handshake within {HANDSHAKE_TIMEOUT} s" in ei.value.details()
+    finally:
+        await ch.close()
+    await assert_settles_to_zero(rr)
+
+
+async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode) -> None:
+    room = new_room()
+    ch, stub = await prefill_stub(rr)
+    try:
+        call = asyncio.ensure_future(stub.Prefill(request(room, prompt(20, 4), routed=0), timeout=60))
+        (w,) = await decode.workers(rr.bootstrap, 0)
+        hs = decode.stub(w.transfer_address)
+        # Wait until the worker holds the request (its pages show up in the stats).
+        deadline = time.monotonic() + SETTLE_S
+        while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        from pdgrpc.v1 import handshake_pb2 as hpb
+
+        ans = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=room, reason="client cancelled"), timeout=30)
+        assert ans.was_active
+        # AbortRoom returned: the request is over, nothing of it is held any more.
+        s = (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats
+        assert (s.active_requests, s.pages_in_use) == (0, 0)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call
+        assert ei.value.code() is grpc.StatusCode.ABORTED and "client cancelled" in ei.value.details()
+        unknown = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=new_room(), reason="x"), timeout=30)
+        assert not unknown.was_active
+    finally:
+        await ch.close()
+    await assert_settles_to_zero(rr)
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ({"compatibility_hash": b"\x01" * 32}, "compatibility_hash mismatch: decode has 0x0101"),
+        ({"transport": "fake"}, "transport mismatch: decode uses 'fake', this prefill worker uses 'tcp'"),
+    ],
+    ids=["compat-hash", "transport"],
+)
+async def test_incompatible_handshake_fails_both_rpcs(rr: PrefillProc, decode: FakeDecode, override: dict, needle: str) -> None:
+    room = new_room()
+    ids = prompt(9, 5)
+    r = decode.allocate(room, len(ids))
+    ch, stub = await prefill_stub(rr)
+    try:
+        call = asyncio.ensure_future(stub.Prefill(request(room, ids, routed=1), timeout=60))
+        (w,) = await decode.workers(rr.bootstrap, 1)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await decode.handshake(w.transfer_address, r, **override)
+        assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION and needle in ei.value.details()
+        if "compat" in needle:  # both values are named
+            assert compat_hash_bytes(decode.engine).hex() in ei.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as ei2:
+            await call
+        assert ei2.value.code() is grpc.StatusCode.FAILED_PRECONDITION and needle in ei2.value.details()
+    finally:
+        await ch.close()
+    assert decode.transport.poll(room) is KVPoll.WAITING_FOR_INPUT  # nothing was written
+    decode.free(r)
+    await assert_settles_to_zero(rr)
+
+
+async def test_follow_bootstrap_room_needs_no_registration(follow: PrefillProc, decode: FakeDecode) -> None:
+    for seed in range(3):
+        resp, r = await run_one(follow, decode, prompt(6, seed), SamplingParams(), query=False)
+        assert resp.dp_rank == r.room % 2
+        assert not await decode.registered(follow.bootstrap, r.room)  # fast path: nothing registered
+        decode.free(r)
+    await assert_settles_to_zero(follow)
+
+
+async def test_follow_bootstrap_room_conflict_is_failed_precondition(follow: PrefillProc, decode: FakeDecode) -> None:
+    room = new_room()
+    ch, stub = await prefill_stub(follow)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Prefill(request(room, prompt(5, 1), routed=(room + 1) % 2), timeout=30)
+        assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "follow_bootstrap_room" in ei.value.details() and f"rank {room % 2}" in ei.value.details()
+    finally:
+        await ch.close()
+    # A routed rank that agrees with room % dp_size is fine.
+    resp, r = await run_one(follow, decode, prompt(5, 1), SamplingParams(), query=False, routed=None)
+    decode.free(r)
+    await assert_settles_to_zero(follow)
