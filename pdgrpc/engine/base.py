@@ -56,7 +56,7 @@ from typing import Protocol, Sequence
 import torch
 
 from pdgrpc.engine.layout import KVLayout, compat_hash, pages_for_tokens
-from pdgrpc.errors import EngineError
+from pdgrpc.engine.errors import InvalidRequest
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -73,11 +73,6 @@ __all__ = [
 
 MAX_TOP_LOGPROBS = 20
 _SEED_LIMIT = 2**64
-
-
-class InvalidRequest(EngineError, ValueError):
-    """A request (prompt, pages, sampling parameters) the engine refuses; the message
-    names the offending field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +235,10 @@ class Engine(abc.ABC):
             raise InvalidRequest(
                 f"token_ids: prompt has {len(token_ids)} tokens, over max_prompt_tokens={self.max_prompt_tokens}"
             )
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequest(f"token_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if len(token_ids) + max_new_tokens > self.max_seq_len:

@@ -170,10 +170,9 @@ class ReferenceEngine(Engine):
 
     def prefill_chunk(self, request: PrefillRequest, start: int, end: int) -> SampledToken | None:
         ids = request.token_ids
-        self.validate_request(ids, 1)
+        self.validate_request(ids, 1)  # every chunk: cheap next to the forward pass
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(ids)):
             raise InvalidRequest(f"prefill_chunk: need 0 <= start < end <= {len(ids)}, got start={start!r}, end={end!r}")
-        self._tokenizer.check_ids(ids[start:end], "token_ids")
         self._check_pages(request.pages, len(ids), "pages")
         last = end == len(ids)
         batch = SegmentBatch.build([(list(request.pages[: self.pages_needed(end)]), start, end - start)])
@@ -190,7 +189,8 @@ class ReferenceEngine(Engine):
             field = f"batch[{i}]"
             if not isinstance(r.position, int) or not 0 < r.position < self.max_seq_len:
                 raise InvalidRequest(f"{field}.position must be in (0, max_seq_len={self.max_seq_len}), got {r.position!r}")
-            self._tokenizer.check_ids([r.token_id], f"{field}.token_id")
+            if not isinstance(r.token_id, int) or not 0 <= r.token_id < self._tokenizer.vocab_size:
+                raise InvalidRequest(f"{field}.token_id = {r.token_id!r} is not a token id in [0, {self._tokenizer.vocab_size})")
             self._check_pages(r.pages, r.position + 1, f"{field}.pages")
             used = r.pages[: self.pages_needed(r.position + 1)]
             if seen.intersection(used):
@@ -205,7 +205,6 @@ class ReferenceEngine(Engine):
         token ``i + 1``), computed in one chunk on scratch pages that are freed again.
         For evaluation and tests; raises :class:`InvalidRequest` when the pool is short."""
         self.validate_request(token_ids, 1)
-        self._tokenizer.check_ids(token_ids, "token_ids")
         pages = self.alloc_pages(self.pages_needed(len(token_ids)))
         if pages is None:
             raise InvalidRequest(f"compute_logits: {len(token_ids)} tokens need more pages than are free")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 from typing import Iterable, Sequence
 
+from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.errors import EngineError
 
 __all__ = ["BOS_ID", "EOS_ID", "VOCAB_SIZE", "ByteTokenizer", "StreamDecoder"]
@@ -68,4 +69,4 @@ class ByteTokenizer:
     def check_ids(self, token_ids: Sequence[int], field: str) -> None:
         for i, t in enumerate(token_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < VOCAB_SIZE:
-                raise EngineError(f"{field}[{i}] = {t!r} is not a token id in [0, {VOCAB_SIZE})")
+                raise InvalidRequest(f"{field}[{i}] = {t!r} is not a token id in [0, {VOCAB_SIZE})")
