@@ -46,11 +46,13 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         except DecodeFailure as exc:
             log.info("room=%d refused: %s %s", request.bootstrap_room, exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
+            return  # abort() raises; not reached
         try:
             while True:
                 item = await job.out.get()
                 if isinstance(item, Failed):
                     await context.abort(item.code, item.message)
+                    return  # abort() raises; not reached
                 yield decode_pb2.DecodeResponse(
                     token_ids=item.token_ids,
                     logprobs=item.logprobs,
