@@ -120,10 +120,23 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             return await call
         except asyncio.CancelledError:
-            call.cancel()  # the caller went away: let the worker release everything
-            raise
+            if w.alive:
+                call.cancel()  # the caller went away: let the worker release everything
+                raise
+            # _watch cancelled the call because the worker died: that is this request's answer.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            request_event(log, room, "failed", reason=f"worker dp{d.rank} died")
+            await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} died (exit code {w.exit_code})")
         except grpc.aio.AioRpcError as exc:
-            if not w.alive:
+            if exc.code() in (C.UNAVAILABLE, C.CANCELLED, C.UNKNOWN) and w.proc.returncode is None:
+                # The connection may break a moment before the process exit is noticed.
+                try:
+                    await asyncio.wait_for(asyncio.shield(w.proc.wait()), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+            if not w.alive or w.proc.returncode is not None:
+                w.exit_code = w.proc.returncode
+                request_event(log, room, "failed", reason=f"worker dp{d.rank} died")
                 await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} died (exit code {w.exit_code})")
             await _abort(context, exc.code(), exc.details() or "")
         finally:

@@ -119,7 +119,7 @@ async def _main(ns: argparse.Namespace) -> int:
     orphaned = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
     stop_on_orphan = asyncio.ensure_future(orphaned.wait())
-    stop_on_orphan.add_done_callback(lambda _: asyncio.ensure_future(server.stop(ns.grace if hasattr(ns, "grace") else 1.0)))
+    stop_on_orphan.add_done_callback(lambda f: None if f.cancelled() else asyncio.ensure_future(server.stop(1.0)))
     try:
         await serve_until_signal(server, grace=5.0)
     finally:

@@ -9,7 +9,6 @@ path). Every test ends by reading the instance's own GetStats until nothing is h
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -19,20 +18,19 @@ import pytest
 import torch
 
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.engine.reference import EngineConfig
-from pdgrpc.prefill.cli import build_parser
-from pdgrpc.serving import compat_hash_bytes, engine_config_from_args, metadata_layout, sampling_to_proto
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.serving import compat_hash_bytes, metadata_layout
 from pdgrpc.v1 import bootstrap_pb2 as bpb
-from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
+from pdgrpc.v1 import handshake_pb2 as hpb
+from pdgrpc.v1 import prefill_pb2
 from tests.prefill.fake_decode import FakeDecode, KVPoll, reference_prefill
+from tests.prefill.harness import CONFIG, SETTLE_S, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
 from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
 
 CHUNK = 6  # not a multiple of the 4-token page: chunks end mid-page
 HANDSHAKE_TIMEOUT = 4.0
 FLAGS = [*ENGINE_FLAGS, "--transport", "tcp", "--dp-size", "2", "--chunk-size", str(CHUNK),
          "--handshake-timeout", str(HANDSHAKE_TIMEOUT), "--transfer-timeout", "20", "--log-level", "info"]
-CONFIG: EngineConfig = engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS))
-SETTLE_S = 15.0
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,68 +74,6 @@ async def decode() -> AsyncIterator[FakeDecode]:
         await d.close()
 
 
-def new_room() -> int:
-    return random.getrandbits(62) + 1
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [256] + [rng.randrange(256) for _ in range(n - 1)]  # BOS, then bytes
-
-
-async def prefill_stub(p: PrefillProc) -> tuple[grpc.aio.Channel, prefill_pb2_grpc.PrefillServiceStub]:
-    ch = grpc.aio.insecure_channel(p.address)
-    return ch, prefill_pb2_grpc.PrefillServiceStub(ch)
-
-
-def request(room: int, ids: list[int], sampling: SamplingParams = SamplingParams(), routed: int | None = None) -> prefill_pb2.PrefillRequest:
-    r = prefill_pb2.PrefillRequest(bootstrap_room=room, request_id=f"t{room}", input_ids=ids, sampling=sampling_to_proto(sampling, 4))
-    if routed is not None:
-        r.routed_dp_rank = routed
-    return r
-
-
-async def assert_settles_to_zero(p: PrefillProc) -> None:
-    """The instance's own GetStats (summed over workers) reaches all-zero usage, bounded."""
-    ch, stub = await prefill_stub(p)
-    try:
-        deadline = time.monotonic() + SETTLE_S
-        while True:
-            s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
-            if (s.active_requests, s.pages_in_use, s.transport_rooms) == (0, 0, 0):
-                assert s.pages_total == 2 * CONFIG.num_pages
-                return
-            assert time.monotonic() < deadline, f"prefill still holds resources: {s}"
-            await asyncio.sleep(0.05)
-    finally:
-        await ch.close()
-
-
-async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: SamplingParams, *, query: bool,
-                  routed: int | None = None, handshake_first: bool = False) -> tuple[prefill_pb2.PrefillResponse, object]:
-    """One request the way decode + router drive it; returns (prefill response, decode room)."""
-    room = new_room()
-    r = d.allocate(room, len(ids))
-    ch, stub = await prefill_stub(p)
-    try:
-        if handshake_first:  # the rank is known up front (routed), so decode can be first
-            assert routed is not None
-            workers = await d.workers(p.bootstrap, routed)
-            await d.handshake(workers[0].transfer_address, r)
-            call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
-        else:
-            call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
-            worker = await d.worker_for(p.bootstrap, room, query=query, dp_size=2) if routed is None else \
-                (await d.workers(p.bootstrap, routed))[0].transfer_address
-            await d.handshake(worker, r)
-        resp = await call
-        st = await d.wait(r)
-        assert st.state is KVPoll.SUCCESS, st.reason
-        return resp, r
-    finally:
-        await ch.close()
-
-
 # ---------------------------------------------------------------------------------------
 
 
@@ -145,8 +81,6 @@ async def test_workers_register_with_bootstrap(rr: PrefillProc, decode: FakeDeco
     stub = decode.bootstrap_stub(rr.bootstrap)
     info = (await stub.GetParallelInfo(bpb.GetParallelInfoRequest(), timeout=5)).parallel_info
     assert (info.dp_size, info.tp_size, info.page_size, info.kv_dtype) == (2, 1, 4, "float32")
-    from pdgrpc.engine.reference import ReferenceEngine
-
     assert info.compatibility_hash == compat_hash_bytes(ReferenceEngine(CONFIG))
     seen = []
     for rank in (0, 1):
@@ -177,6 +111,10 @@ async def test_kv_and_metadata_arrive_bit_exact(rr: PrefillProc, decode: FakeDec
     assert resp.prompt_tokens == n
     assert resp.bytes_transferred == pages * layout.page_bytes * 2 * layout.num_layers + metadata_layout().row_bytes
     assert resp.compute_seconds > 0 and resp.transfer_seconds > 0
+    # The logs tell the request's story, each line keyed by its room.
+    log = rr.log()
+    for event in ("dispatched dp_rank=", "admitted", "handshake pages=", "done bytes="):
+        assert f"room={r.room} {event}" in log, event
     decode.free(r)
     await assert_settles_to_zero(rr)
 
@@ -250,8 +188,6 @@ async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode)
         while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
-        from pdgrpc.v1 import handshake_pb2 as hpb
-
         ans = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=room, reason="client cancelled"), timeout=30)
         assert ans.was_active
         # AbortRoom returned: the request is over, nothing of it is held any more.

@@ -1,0 +1,83 @@
+"""Shared pieces of the prefill process tests: the engine config, prompts, requests,
+and one request driven the way decode and router drive it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+
+from pdgrpc.engine.base import SamplingParams
+from pdgrpc.engine.reference import EngineConfig
+from pdgrpc.prefill.cli import build_parser
+from pdgrpc.serving import engine_config_from_args, sampling_to_proto
+from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.prefill.fake_decode import FakeDecode, KVPoll, Room
+from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
+
+CONFIG: EngineConfig = engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS))
+SETTLE_S = 15.0
+
+
+def new_room() -> int:
+    return random.getrandbits(62) + 1
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [256] + [rng.randrange(256) for _ in range(n - 1)]  # BOS, then bytes
+
+
+async def prefill_stub(p: PrefillProc) -> tuple[grpc.aio.Channel, prefill_pb2_grpc.PrefillServiceStub]:
+    ch = grpc.aio.insecure_channel(p.address)
+    return ch, prefill_pb2_grpc.PrefillServiceStub(ch)
+
+
+def request(room: int, ids: list[int], sampling: SamplingParams = SamplingParams(), routed: int | None = None) -> prefill_pb2.PrefillRequest:
+    r = prefill_pb2.PrefillRequest(bootstrap_room=room, request_id=f"t{room}", input_ids=ids, sampling=sampling_to_proto(sampling, 4))
+    if routed is not None:
+        r.routed_dp_rank = routed
+    return r
+
+
+async def assert_settles_to_zero(p: PrefillProc, dp_size: int = 2) -> None:
+    """The instance's own GetStats (summed over workers) reaches all-zero usage, bounded."""
+    ch, stub = await prefill_stub(p)
+    try:
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
+            if (s.active_requests, s.pages_in_use, s.transport_rooms) == (0, 0, 0):
+                assert s.pages_total == dp_size * CONFIG.num_pages
+                return
+            assert time.monotonic() < deadline, f"prefill still holds resources: {s}"
+            await asyncio.sleep(0.05)
+    finally:
+        await ch.close()
+
+
+async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: SamplingParams, *, query: bool,
+                  routed: int | None = None, handshake_first: bool = False) -> tuple[prefill_pb2.PrefillResponse, Room]:
+    """One request the way decode + router drive it; returns (prefill response, decode room)."""
+    room = new_room()
+    r = d.allocate(room, len(ids))
+    ch, stub = await prefill_stub(p)
+    try:
+        if handshake_first:  # the rank is known up front (routed), so decode can be first
+            assert routed is not None
+            workers = await d.workers(p.bootstrap, routed)
+            await d.handshake(workers[0].transfer_address, r)
+            call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
+        else:
+            call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
+            worker = await d.worker_for(p.bootstrap, room, query=query, dp_size=2) if routed is None else \
+                (await d.workers(p.bootstrap, routed))[0].transfer_address
+            await d.handshake(worker, r)
+        resp = await call
+        st = await d.wait(r)
+        assert st.state is KVPoll.SUCCESS, st.reason
+        return resp, r
+    finally:
+        await ch.close()

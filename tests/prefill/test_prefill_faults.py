@@ -1,0 +1,77 @@
+"""A prefill worker process that dies, over the ``fake`` transport (no bytes move, the
+control path is the same): the request it held fails with UNAVAILABLE naming it, the
+controller logs it, round_robin routes around it, and the instance keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from pdgrpc.engine.base import SamplingParams
+from pdgrpc.v1 import prefill_pb2
+from tests.prefill.fake_decode import FakeDecode
+from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, pid_alive
+from tests.prefill.harness import CONFIG, new_room, prefill_stub, prompt, request, run_one
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def fake_rr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefillProc]:
+    p = PrefillProc(
+        [*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "2", "--load-balance-method", "round_robin",
+         "--handshake-timeout", "30"],
+        tmp_path_factory.mktemp("faults"), "fake_rr",
+    )
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+async def test_worker_death_fails_its_requests_and_the_rest_keeps_serving(fake_rr: PrefillProc) -> None:
+    d = FakeDecode(CONFIG, transport="fake")
+    await d.start()
+    ch, stub = await prefill_stub(fake_rr)
+    try:
+        # Over fake, a full request still goes through handshake and metadata "write".
+        resp, r = await run_one(fake_rr, d, prompt(9, 1), SamplingParams(), query=True)
+        assert resp.prompt_tokens == 9
+        d.free(r)
+        room = new_room()
+        held = asyncio.ensure_future(stub.Prefill(request(room, prompt(12, 2), routed=1), timeout=60))
+        deadline = time.monotonic() + 15
+        while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
+            assert time.monotonic() < deadline, "the request never reached worker dp1"
+            await asyncio.sleep(0.02)
+        os.kill(fake_rr.worker_pids[1], signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await asyncio.wait_for(held, 15)
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "prefill worker dp1 died (exit code -9)" in ei.value.details()
+        log = fake_rr.log()
+        assert re.search(r"prefill worker dp1 \(pid \d+\) exited with code -9; failing its 1 in-flight request", log)
+        assert f"room={room} admitted" in log  # the worker logged the request it then lost
+        # Pinned to the dead rank: a clear error. Unpinned: round_robin uses dp0 only.
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Prefill(request(new_room(), prompt(3, 3), routed=1), timeout=30)
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE and "dp1 is dead" in ei.value.details()
+        for i in range(3):
+            resp, r = await run_one(fake_rr, d, prompt(4, 10 + i), SamplingParams(), query=True)
+            assert resp.dp_rank == 0
+            d.free(r)
+        s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
+        assert (s.active_requests, s.pages_in_use, s.transport_rooms, s.pages_total) == (0, 0, 0, CONFIG.num_pages)
+    finally:
+        await ch.close()
+        await d.close()
+    assert fake_rr.stop() == 0
+    assert not pid_alive(fake_rr.worker_pids[0])

@@ -1,0 +1,104 @@
+"""The controller's pure parts: dp rank choice, batched registration, the handshake mailbox."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
+from pdgrpc.prefill.mailbox import DuplicateHandshake, Mailbox, MailboxFull
+from pdgrpc.prefill.registrar import DpRankRegistrar
+
+ALIVE3 = [True, True, True]
+
+
+def test_round_robin_cycles_skips_dead_ranks_and_registers() -> None:
+    d = Dispatcher(3, "round_robin")
+    picks = [d.pick(room, None, [0, 0, 0], ALIVE3) for room in range(1, 7)]
+    assert [p.rank for p in picks] == [0, 1, 2, 0, 1, 2]
+    assert all(p.register for p in picks)  # decode must query under round_robin
+    assert [d.pick(9, None, [0, 0, 0], [True, False, True]).rank for _ in range(4)] == [0, 2, 0, 2]
+    with pytest.raises(NoLiveRank):
+        d.pick(9, None, [0, 0, 0], [False] * 3)
+
+
+def test_shortest_queue_picks_fewest_in_flight_lowest_rank_on_ties() -> None:
+    d = Dispatcher(3, "shortest_queue")
+    assert d.pick(5, None, [4, 1, 1], ALIVE3).rank == 1
+    assert d.pick(5, None, [0, 1, 0], ALIVE3).rank == 0
+    assert d.pick(5, None, [0, 1, 0], [False, True, True]).rank == 2
+    assert d.pick(5, None, [0, 0, 0], ALIVE3).register
+
+
+def test_follow_bootstrap_room_uses_room_mod_dp_without_registration() -> None:
+    d = Dispatcher(3, "follow_bootstrap_room")
+    for room in (1, 2, 3, 10**18 + 7):
+        p = d.pick(room, None, [9, 0, 0], ALIVE3)
+        assert (p.rank, p.register) == (room % 3, False)
+
+
+def test_routed_rank_wins_and_strict_follow_refuses_a_conflict() -> None:
+    rr = Dispatcher(3, "round_robin")
+    assert rr.pick(7, 2, [0, 0, 0], ALIVE3).rank == 2
+    with pytest.raises(InvalidRoute, match=r"routed_dp_rank must be in \[0, dp_size=3\), got 3"):
+        rr.pick(7, 3, [0, 0, 0], ALIVE3)
+    strict = Dispatcher(3, "follow_bootstrap_room")
+    assert strict.pick(7, 1, [0, 0, 0], ALIVE3) .register is False  # 7 % 3 == 1: no conflict
+    with pytest.raises(DpRankConflict, match="follow_bootstrap_room"):
+        strict.pick(7, 2, [0, 0, 0], ALIVE3)
+    forced = Dispatcher(3, "follow_bootstrap_room", force_query=True)
+    p = forced.pick(7, 2, [0, 0, 0], ALIVE3)
+    assert (p.rank, p.register) == (2, True)  # force-query: allowed, and registered
+    assert forced.pick(8, None, [0, 0, 0], ALIVE3).register  # decode always queries
+
+
+async def test_registrar_coalesces_a_burst_into_one_call() -> None:
+    calls: list[dict[int, int]] = []
+
+    async def register(entries: dict[int, int]) -> None:
+        calls.append(dict(entries))
+
+    reg = DpRankRegistrar(register, window_s=0.05)
+    await asyncio.wait_for(asyncio.gather(*(reg.register(room, room % 2) for room in range(1, 21))), 5)
+    assert calls == [{room: room % 2 for room in range(1, 21)}]
+    await asyncio.wait_for(reg.register(99, 1), 5)  # a later one gets its own batch
+    assert calls[1] == {99: 1}
+
+
+async def test_registrar_caps_batches_and_fails_every_caller_of_a_failed_batch() -> None:
+    calls: list[int] = []
+
+    async def register(entries: dict[int, int]) -> None:
+        calls.append(len(entries))
+        if 13 in entries:
+            raise RuntimeError("bootstrap says no")
+
+    reg = DpRankRegistrar(register, window_s=0.05, max_batch=4)
+    results = await asyncio.wait_for(asyncio.gather(*(reg.register(r, 0) for r in range(10, 20)), return_exceptions=True), 5)
+    assert sorted(calls) == [2, 4, 4]
+    failed = [room for room, res in zip(range(10, 20), results) if isinstance(res, Exception)]
+    assert failed == [10, 11, 12, 13]  # exactly the batch that held room 13
+
+
+async def test_mailbox_keeps_early_handshakes_bounded_and_refuses_duplicates() -> None:
+    now = [0.0]
+    box: Mailbox[str] = Mailbox(capacity=2, ttl_s=10.0, clock=lambda: now[0])
+    assert box.deliver(1, "early") is False
+    assert await box.wait(1, timeout=1) == "early"  # Prefill after its handshake
+    with pytest.raises(DuplicateHandshake):
+        box.deliver(1, "again")
+    waiter = asyncio.ensure_future(box.wait(2, timeout=5))
+    await asyncio.sleep(0)
+    assert box.deliver(2, "late") is True  # Prefill first, then its handshake
+    assert await waiter == "late"
+    box.deliver(3, "a")
+    box.deliver(4, "b")
+    with pytest.raises(MailboxFull):
+        box.deliver(5, "c")
+    now[0] = 11.0  # both expire: memory is not held for Prefills that never come
+    assert len(box) == 0
+    box.deliver(5, "c")
+    assert box.discard(5) and not box.discard(5)
+    with pytest.raises(asyncio.TimeoutError):
+        await box.wait(6, timeout=0.05)
