@@ -55,19 +55,20 @@ def test_top_k_only_ever_picks_among_the_k_most_likely() -> None:
 
 def test_draws_follow_the_distribution_at_temperature_and_top_p() -> None:
     logits = torch.tensor([[0.0, math.log(2.0), math.log(4.0), -30.0]], dtype=torch.float64)
-    n = 5000  # fixed seeds 0..n-1: deterministic, and 3 sigma < 0.02
+    n = 3000  # fixed seeds 0..n-1: deterministic; one sigma is at most 0.009
 
     def freq(params_for: "callable[[int], SamplingParams]") -> list[float]:  # type: ignore[valid-type]
-        counts = collections.Counter(sample_rows(logits, [params_for(s)], [5])[0].token_id for s in range(n))
+        rows = sample_rows(logits.expand(n, -1), [params_for(s) for s in range(n)], [5] * n)
+        counts = collections.Counter(t.token_id for t in rows)
         return [counts[i] / n for i in range(4)]
 
     f = freq(lambda s: SamplingParams(temperature=1.0, seed=s))
-    assert f == pytest.approx([1 / 7, 2 / 7, 4 / 7, 0.0], abs=0.02)
+    assert f == pytest.approx([1 / 7, 2 / 7, 4 / 7, 0.0], abs=0.03)
     f = freq(lambda s: SamplingParams(temperature=2.0, seed=s))  # p ~ sqrt(1, 2, 4)
     z = 1 + math.sqrt(2) + 2
-    assert f == pytest.approx([1 / z, math.sqrt(2) / z, 2 / z, 0.0], abs=0.02)
+    assert f == pytest.approx([1 / z, math.sqrt(2) / z, 2 / z, 0.0], abs=0.03)
     f = freq(lambda s: SamplingParams(temperature=1.0, top_p=0.8, seed=s))  # keeps {2, 1}: 4/6, 2/6
-    assert f == pytest.approx([0.0, 1 / 3, 2 / 3, 0.0], abs=0.02)
+    assert f == pytest.approx([0.0, 1 / 3, 2 / 3, 0.0], abs=0.03)
 
 
 def test_the_draw_depends_only_on_seed_and_position() -> None:
