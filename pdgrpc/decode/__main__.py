@@ -94,6 +94,7 @@ async def main(ns: argparse.Namespace) -> int:
         transport.name, ns.num_slots, engine.num_pages, engine.kv_layout.page_size, scheduler.compat_hash.hex()[:16],
     )
     await serve_until_signal(server.rpc)
+    logging.getLogger("pdgrpc.decode").info("decode stopped")
     return 0
 
 
