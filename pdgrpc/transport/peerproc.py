@@ -205,6 +205,14 @@ class _PeerServer:
         await self.t.write(peer, room, ops, metadata=mop)
         return len(ops)
 
+    async def cmd_write_pages_many(self, peer_id: str, writes: Sequence[tuple[Any, ...]]) -> int:
+        """Several ``write_pages`` in order, in one command (keeps the pipe quiet when
+        a test interleaves hundreds of rooms). ``writes``: ``(room, src, dst, meta)``."""
+        n = 0
+        for room, src, dst, meta in writes:
+            n += await self.cmd_write_pages(peer_id, room, src, dst, meta)
+        return n
+
     async def cmd_write_ops(self, peer_id: str, room: int, ops: Sequence[tuple[int, int, int, int, int]],
                             meta: tuple[int, int, int, int, int] | None) -> None:
         await self.t.write(self.peers[peer_id], room, [WriteOp(*o) for o in ops],

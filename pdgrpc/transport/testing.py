@@ -270,13 +270,12 @@ class TransportConformance:
                 for room, (pages, slot) in rooms.items():
                     recv.t.advertise(RoomGrant.of(room, pages, slot))
                 peer_id = sender_peer(recv)
-                calls = []
                 for half in (0, 1):  # first every room's first page, then every second page + row
-                    for room, (pages, slot) in rooms.items():
-                        src = [(pages[half] * 7 + 3) % layout.pages]
-                        calls.append(sender.call("write_pages", peer_id, room, src, [pages[half]],
-                                                 (slot, slot) if half else None))
-                await asyncio.gather(*calls)
+                    writes = [
+                        (room, [(pages[half] * 7 + 3) % layout.pages], [pages[half]], (slot, slot) if half else None)
+                        for room, (pages, slot) in rooms.items()
+                    ]
+                    await sender.call("write_pages_many", peer_id, writes)
                 got = await self._wait_local(recv.t, list(rooms))
                 bad = {r: st for r, st in got.items() if st.state is not KVPoll.SUCCESS}
                 assert not bad, list(bad.items())[:3]
