@@ -81,3 +81,22 @@ async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: Sampl
         return resp, r
     finally:
         await ch.close()
+
+
+def assert_landed_bit_exact(d: FakeDecode, r: Room, ids: list[int], sampling: SamplingParams) -> None:
+    """The decode's pages hold exactly the KV a local prefill of ``ids`` computes, and its
+    metadata row the same first token and logprobs, with the room written."""
+    import torch
+
+    from tests.prefill.fake_decode import reference_prefill
+
+    ref_engine, ref_pages, tok = reference_prefill(CONFIG, ids, sampling)
+    got = d.kv_of(r.pages, len(ids))
+    want = d.kv_of(ref_pages, len(ids), ref_engine)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"KV tensor {i} differs from a local prefill of the prompt"
+    row = d.row(r)
+    k = sampling.top_logprobs
+    assert (row.output_id, row.output_token_logprob_value) == (tok.token_id, tok.logprob)
+    assert row.top_logprobs_indices[:k] == tok.top_ids and row.top_logprobs_values[:k] == tok.top_logprobs
+    assert d.rows.room(r.slot) == r.room

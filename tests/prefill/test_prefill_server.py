@@ -15,7 +15,6 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 import pytest
-import torch
 
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.reference import ReferenceEngine
@@ -24,7 +23,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import prefill_pb2
 from tests.prefill.fake_decode import FakeDecode, KVPoll, reference_prefill
-from tests.prefill.harness import CONFIG, SETTLE_S, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
+from tests.prefill.harness import CONFIG, SETTLE_S, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
 from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
 
 CHUNK = 6  # not a multiple of the 4-token page: chunks end mid-page
@@ -96,16 +95,8 @@ async def test_kv_and_metadata_arrive_bit_exact(rr: PrefillProc, decode: FakeDec
     ids = prompt(n, seed=n)
     sampling = SamplingParams(temperature=0.8, seed=1234 + n, top_logprobs=5)
     resp, r = await run_one(rr, decode, ids, sampling, query=True)
-    ref_engine, ref_pages, tok = reference_prefill(CONFIG, ids, sampling)
-    got = decode.kv_of(r.pages, n)
-    want = decode.kv_of(ref_pages, n, ref_engine)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"KV tensor {i} differs from a local prefill of the prompt"
-    row = decode.row(r)
-    assert row.output_id == tok.token_id
-    assert row.output_token_logprob_value == tok.logprob
-    assert row.top_logprobs_indices[:5] == tok.top_ids and row.top_logprobs_values[:5] == pytest.approx(tok.top_logprobs, abs=0)
-    assert decode.rows.room(r.slot) == r.room  # bootstrap_room written (last)
+    assert_landed_bit_exact(decode, r, ids, sampling)
+    ref_engine = ReferenceEngine(CONFIG)
     layout = ref_engine.kv_layout
     pages = ref_engine.pages_needed(n)
     assert resp.prompt_tokens == n
