@@ -1,0 +1,214 @@
+"""Raw UCX baseline for the ``rdma`` transport benchmark: plain ``ucxx`` tag send/recv.
+
+What it measures
+----------------
+Two freshly spawned OS processes, a *sender* and a *receiver*, each with its own UCX
+context. They swap UCX **worker addresses** through a pipe (the same way the ``rdma``
+backend carries them in its handshake descriptor) and create endpoints with
+``create_endpoint_from_worker_address(..., endpoint_error_handling=False)``, which lets
+UCX pick shared memory (sysv/posix eager, cma zero-copy rendezvous) on one host and RDMA
+verbs between hosts. Both run ucxx's public asyncio API in ``blocking`` progress mode.
+
+One iteration: the sender ``send``s ``nbytes`` with ``force_tag=True`` and waits for an
+8-byte acknowledgement that the receiver sends once its ``recv`` into a preallocated
+buffer has completed. The iteration's latency is send-start → ack-received, so it is the
+same "write until the receiver has the bytes and the sender knows it" span that a
+transport benchmark times for its backend. Throughput is ``nbytes / median latency``
+in GB/s (10**9 bytes per second). The received bytes are compared with what was sent
+after the timed iterations (outside the timing), so a baseline that moved nothing
+cannot report a number.
+
+Nothing here imports ``ucxx`` in the calling process: the two children do all the UCX
+work, so the caller may already run its own UCX worker (or none).
+
+API
+---
+:func:`run_baseline` — one size; :func:`run_baselines` — several sizes with one pair of
+processes (spawning costs ~1 s, so a benchmark with many cases should use this one).
+``python -m pdgrpc.bench._ucx_baseline --mib 4 64 256`` prints the numbers.
+
+Environment: UCX settings come from the environment as usual (``UCX_TLS`` etc.); nothing
+is forced here, so a user's ``UCX_TLS`` always applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import multiprocessing
+import multiprocessing.connection
+import os
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+from pdgrpc.errors import TransportError, TransportUnavailable
+
+__all__ = ["BaselineResult", "run_baseline", "run_baselines"]
+
+INSTALL_HINT = "pip install 'pdgrpc[ucx]'"
+_DATA_TAG = 0x5044_4752_0000_0001  # arbitrary fixed tags: only these two processes use them
+_ACK_TAG = 0x5044_4752_0000_0002
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineResult:
+    """Raw ucxx numbers for one transfer size."""
+
+    nbytes: int
+    gbps: float  # nbytes / latency_s / 1e9
+    latency_s: float  # median over the timed iterations
+    latencies_s: tuple[float, ...]  # every timed iteration, in order
+
+
+def _require_ucxx() -> None:
+    if importlib.util.find_spec("ucxx") is None:
+        raise TransportUnavailable(f"the raw UCX baseline needs ucxx, which is not installed: {INSTALL_HINT}")
+
+
+def _pattern(nbytes: int) -> Any:
+    import numpy as np
+
+    # A byte pattern that differs at every offset modulo 251, so a shifted or truncated
+    # transfer cannot compare equal.
+    return (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+
+
+def _child(role: str, conn: multiprocessing.connection.Connection, sizes: list[int], iterations: int, warmup: int) -> None:
+    """Body of the sender (``role == "send"``) and receiver (``"recv"``) processes."""
+    import asyncio
+
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import numpy as np
+    import ucxx
+
+    async def main() -> None:
+        ucxx.init(progress_mode="blocking")
+        conn.send(ucxx.get_worker_address().tobytes())
+        peer = ucxx.get_ucx_address_from_buffer(conn.recv())
+        ep = await ucxx.create_endpoint_from_worker_address(peer, endpoint_error_handling=False)
+        biggest = max(sizes)
+        buf = _pattern(biggest) if role == "send" else np.zeros(biggest, dtype=np.uint8)
+        ack = np.zeros(8, dtype=np.uint8)
+        out: list[Any] = []
+        for nbytes in sizes:
+            view = buf[:nbytes]
+            lat: list[float] = []
+            for i in range(warmup + iterations):
+                if role == "send":
+                    t0 = time.perf_counter()
+                    await asyncio.gather(
+                        ep.send(view, tag=_DATA_TAG, force_tag=True),
+                        ep.recv(ack, tag=_ACK_TAG, force_tag=True),
+                    )
+                    if i >= warmup:
+                        lat.append(time.perf_counter() - t0)
+                else:
+                    view[:] = 0
+                    await ep.recv(view, tag=_DATA_TAG, force_tag=True)
+                    await ep.send(ack, tag=_ACK_TAG, force_tag=True)
+            if role == "send":
+                out.append(lat)
+            else:
+                out.append(bool(np.array_equal(view, _pattern(nbytes))))
+        conn.send(out)
+        await ep.close()
+
+    try:
+        asyncio.run(main())
+    except BaseException as exc:  # reported to the parent, which raises a pdgrpc error
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        ucxx.reset()
+
+
+def run_baselines(sizes: Sequence[int], iterations: int = 5, *, warmup: int = 1, timeout_s: float = 120.0) -> list[BaselineResult]:
+    """Measure raw ucxx send/recv between two processes for each size in ``sizes``.
+
+    Returns one :class:`BaselineResult` per size, in order. Raises
+    :class:`~pdgrpc.errors.TransportUnavailable` when ucxx is missing,
+    :class:`~pdgrpc.errors.ConfigError` for bad arguments and
+    :class:`~pdgrpc.errors.TransportError` if the processes fail, time out, or the
+    received bytes differ from the sent ones.
+    """
+    from pdgrpc.errors import ConfigError
+
+    sizes = [int(s) for s in sizes]
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ConfigError(f"sizes must be positive byte counts, got {sizes!r}")
+    if iterations < 1 or warmup < 0:
+        raise ConfigError(f"need iterations >= 1 and warmup >= 0, got {iterations} and {warmup}")
+    _require_ucxx()
+
+    mp = multiprocessing.get_context("spawn")  # never fork: UCX state must not be shared
+    conns: dict[str, multiprocessing.connection.Connection] = {}
+    procs: dict[str, Any] = {}
+    for role in ("send", "recv"):
+        parent, child = mp.Pipe()
+        conns[role] = parent
+        procs[role] = mp.Process(target=_child, args=(role, child, sizes, iterations, warmup), name=f"ucx-baseline-{role}", daemon=True)
+    deadline = time.monotonic() + timeout_s
+
+    def get(role: str) -> Any:
+        left = deadline - time.monotonic()
+        if left <= 0 or not conns[role].poll(left):
+            raise TransportError(f"raw UCX baseline: the {role} process gave no answer within {timeout_s:.0f} s")
+        try:
+            msg = conns[role].recv()
+        except EOFError:
+            raise TransportError(f"raw UCX baseline: the {role} process exited early (exit code {procs[role].exitcode})") from None
+        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+            raise TransportError(f"raw UCX baseline: the {role} process failed: {msg[1]}")
+        return msg
+
+    try:
+        for p in procs.values():
+            p.start()
+        addr_send, addr_recv = get("send"), get("recv")
+        conns["send"].send(addr_recv)
+        conns["recv"].send(addr_send)
+        latencies, intact = get("send"), get("recv")
+    finally:
+        for p in procs.values():
+            if p.pid is not None:
+                p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        for c in conns.values():
+            c.close()
+    results = []
+    for nbytes, lat, ok in zip(sizes, latencies, intact):
+        if not ok:
+            raise TransportError(f"raw UCX baseline: the {nbytes} bytes received differ from those sent")
+        med = statistics.median(lat)
+        results.append(BaselineResult(nbytes=nbytes, gbps=nbytes / med / 1e9, latency_s=med, latencies_s=tuple(lat)))
+    return results
+
+
+def run_baseline(nbytes: int, iterations: int = 5, *, warmup: int = 1, timeout_s: float = 120.0) -> tuple[float, float]:
+    """Raw ucxx throughput and latency for ``nbytes`` between two processes.
+
+    Returns ``(gbps, latency_s)``: GB/s (10**9 bytes/s) computed from the median
+    latency, and that median latency in seconds (send start → receiver's ack).
+    """
+    r = run_baselines([nbytes], iterations, warmup=warmup, timeout_s=timeout_s)[0]
+    return r.gbps, r.latency_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdgrpc.bench._ucx_baseline", description="Raw ucxx send/recv between two processes (baseline of the rdma transport).")
+    parser.add_argument("--mib", type=float, nargs="+", default=[4, 64, 256], help="transfer sizes in MiB")
+    parser.add_argument("--iterations", type=int, default=5)
+    args = parser.parse_args(argv)
+    sizes = [int(m * (1 << 20)) for m in args.mib]
+    for r in run_baselines(sizes, args.iterations):
+        print(f"{r.nbytes / (1 << 20):8.2f} MiB  {r.gbps:7.2f} GB/s  median latency {r.latency_s * 1e3:8.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,789 @@
+"""``rdma``: KV pages over UCX (through ``ucxx``), straight into the destination tensors.
+
+Endpoints are created from the peer's **UCX worker address**, which travels in the
+descriptor (``Descriptor.endpoint``). That lets UCX choose the best path per peer: shared
+memory between processes on one host (sysv/posix eager, cma zero-copy rendezvous) and
+RDMA verbs between hosts when UCX was built with them. Endpoint error handling is off
+(it would force UCX off the fast shared-memory transports), so peer death is detected by
+:mod:`pdgrpc.transport.liveness`'s heartbeat protocol (a side channel whose address
+is ``Descriptor.liveness``; implemented on raw sockets in :mod:`._ucx_liveness`) and routed into :meth:`RdmaTransport.fail_peer`, which cancels
+the pending UCX requests of that peer.
+
+Protocol (all UCX tag messages; tags are ``kind:4 | conn:28 | seq:32``)
+-----------------------------------------------------------------------
+``CTRL`` (to a receiver; all senders share the tag, the body says who) and ``REPLY``
+(to a sender) carry small little-endian control messages, each starting with
+``type u8 | pad 3 | conn u32 | seq u64``:
+
+* ``HELLO`` (sender -> receiver): the sender's local connection id, instance ids, and
+  its own worker address (for replies). ``HELLO_OK`` assigns the receiver-side
+  connection id that the sender then puts in every tag; ``HELLO_REFUSED`` says why not.
+* ``WRITE``: room, the sequence number of its first data message, how many ops each
+  data message carries, then the op table (``region u16 | pad 6 | offset u64 |
+  length u64``, destination side). The data messages (tag ``DATA | conn | seq``) follow:
+  a large op travels alone as one contiguous message (zero-copy rendezvous), small ops
+  (scattered pages) are batched, up to ``iov_max`` ops in one scatter/gather message.
+* ``META``: the room, the number of KV bytes the sender wrote for the room before it,
+  the destination of the metadata row, and the row itself (inline).
+* ``ACK`` / ``NACK`` (receiver -> sender): the room's metadata row landed / the room
+  failed on the receiver, with the reason.
+
+Receiver-side authorization: a ``WRITE`` is checked op by op against the room's
+:class:`~pdgrpc.transport.base.RoomGrant` *before* any receive is posted. Only then are
+receives posted, with iov entries pointing into exactly the granted destination bytes.
+If any op is not allowed the room fails with the reason, the sender is NACKed, and the
+write's data messages are received into a small scratch buffer (so they do not pile up
+in UCX's unexpected queue) and dropped: nothing lands in the pool.
+
+Metadata last: the row is kept aside (in its control message) and copied into the slot
+only once every data message of the room that the sender wrote before it has landed;
+then the room is ``SUCCESS`` on the receiver and the ``ACK`` makes it ``SUCCESS`` on the
+sender. Control messages are processed in per-connection sequence order.
+
+Peer failure: the liveness channel closes within milliseconds when a peer process dies
+(its kernel closes the socket) and misses heartbeats if a host hangs; either way every
+non-terminal room of that peer fails, its pending UCX requests are cancelled, its
+endpoint is dropped, and the next ``connect`` builds a fresh one. Connections are keyed
+by the peer's instance id (a fresh id per process start), so a restarted peer never
+gets a cached endpoint.
+
+Release: a released room's not-yet-matched receives are cancelled (and drained to
+scratch), so a late write cannot land in pages reused by another request. A receive
+that UCX already matched finishes into the pages it was authorized for (a network
+transfer in flight cannot be recalled); the decode side reuses an aborted request's
+pages only after the sender acknowledged the abort or its lease expired (DESIGN.md).
+
+Options: ``zero_copy_min`` (bytes; ops at least this long travel as their own message,
+default 128 KiB), ``iov_max`` (ops per batched message, default 256), ``connect_timeout``
+(seconds, default 5), ``liveness_interval`` / ``liveness_lease`` (seconds; defaults 0.25
+/ 1.5, so a hung peer fails its rooms within 2 s), ``host`` (liveness listen address,
+default 127.0.0.1). UCX itself is configured through the usual ``UCX_*`` environment
+variables (``UCX_TLS`` etc.); nothing is forced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import logging
+import struct
+from typing import Any, Sequence
+
+import torch
+
+from pdgrpc.errors import ConfigError, PeerFailure, TransportError
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport._ucx import (
+    FULL_MASK,
+    UCS_ERR_CANCELED,
+    UCS_ERR_MESSAGE_TRUNCATED,
+    UCS_OK,
+    UcxError,
+    UcxWorker,
+)
+from pdgrpc.transport.base import (
+    BadDescriptor,
+    Descriptor,
+    MemoryRegion,
+    Peer,
+    RegionInfo,
+    RoomGrant,
+    Transport,
+    WriteOp,
+)
+from pdgrpc.transport._ucx_liveness import RawLiveness
+
+log = logging.getLogger("pdgrpc.transport.rdma")
+
+# -- wire format ------------------------------------------------------------------------
+KIND_SHIFT = 60
+KIND_MASK = 0xF << KIND_SHIFT
+KIND_CTRL, KIND_REPLY, KIND_DATA = 1, 2, 3
+CONN_BITS = 28
+
+HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = range(1, 8)
+COMMON = struct.Struct("<B3xIQ")  # type, conn, seq
+HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address)
+HELLO_OK_BODY = struct.Struct("<IH2x")  # assigned conn id, len(receiver id)
+WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
+MSG_COUNT = struct.Struct("<I")
+OP = struct.Struct("<H6xQQ")  # destination region, offset, length
+META_BODY = struct.Struct("<QQH6xQQ")  # room, kv bytes before, region, offset, length
+ROOM_BODY = struct.Struct("<Q")
+
+CTRL_BUF = 256 * 1024  # largest control message
+CTRL_POSTED = 8  # control receives kept posted per kind
+MAX_OPS_PER_WRITE = 4096  # keeps a WRITE message well under CTRL_BUF
+MAX_ROW = CTRL_BUF - COMMON.size - META_BODY.size
+SCRATCH = 1 << 20  # drain buffer for rejected payloads
+
+
+def ctrl_tag(kind: int) -> int:
+    return kind << KIND_SHIFT
+
+
+def data_tag(conn: int, seq: int) -> int:
+    return (KIND_DATA << KIND_SHIFT) | (conn << 32) | (seq & 0xFFFFFFFF)
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        raise ConfigError(
+            f"rdma transport: this build registers host memory only; got a tensor on {tensor.device}"
+        )
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+class _Region:
+    __slots__ = ("info", "flat", "ptr")
+
+    def __init__(self, region: MemoryRegion) -> None:
+        self.flat = _flat_bytes(region.tensor)
+        self.ptr = self.flat.data_ptr()
+        self.info = region.info()
+
+
+# -- per-connection / per-room state ----------------------------------------------------
+class _SendConn:
+    """Sender side of one connection (to one receiver instance)."""
+
+    def __init__(self, local_id: int, desc: Descriptor, ep: Any) -> None:
+        self.local_id = local_id
+        self.desc = desc
+        self.ep = ep
+        self.remote_id = 0  # assigned by the receiver's HELLO_OK
+        self.ctrl_seq = 0
+        self.data_seq = 0
+        self.hello: asyncio.Future[tuple[bool, int, str]] | None = None
+        self.rooms: set[int] = set()
+        self.tokens: set[int] = set()
+        self.dead = False
+
+
+class _RecvConn:
+    """Receiver side of one connection (from one sender instance)."""
+
+    def __init__(self, conn_id: int, sender_id: str, sender_local: int, ep: Any) -> None:
+        self.conn_id = conn_id
+        self.sender_id = sender_id
+        self.sender_local = sender_local  # the sender's id for this connection (in replies)
+        self.ep = ep
+        self.next_seq = 1
+        self.early: dict[int, bytes] = {}  # control messages that arrived out of order
+        self.rooms: set[int] = set()
+        self.tokens: set[int] = set()
+
+
+class _RecvRoom:
+    def __init__(self, grant: RoomGrant) -> None:
+        self.grant = grant
+        self.pending: dict[int, int] = {}  # conn id -> data receives outstanding
+        self.landed: dict[int, int] = {}  # conn id -> bytes landed
+        self.tokens: set[int] = set()
+        self.meta: tuple[int, int, _Region, int, bytes] | None = None  # conn, kv bytes, region, offset, row
+        self.nacked = False
+        self.released = False
+
+
+class _SendRoom:
+    def __init__(self, conn: _SendConn) -> None:
+        self.conn = conn
+        self.kv_bytes = 0
+        self.tokens: set[int] = set()
+
+
+class RdmaTransport(Transport):
+    """The ``rdma`` backend (UCX via ucxx). See the module docstring."""
+
+    name = "rdma"
+
+    def __init__(
+        self,
+        *,
+        zero_copy_min: int = 128 * 1024,
+        iov_max: int = 256,
+        connect_timeout: float = 5.0,
+        liveness_interval: float = 0.25,
+        liveness_lease: float = 1.5,
+        host: str = "127.0.0.1",
+    ) -> None:
+        super().__init__()
+        if zero_copy_min < 1 or not 1 <= iov_max <= 1024:
+            raise ConfigError(f"rdma: need zero_copy_min >= 1 and 1 <= iov_max <= 1024, got {zero_copy_min}, {iov_max}")
+        if connect_timeout <= 0:
+            raise ConfigError(f"rdma: connect_timeout must be > 0, got {connect_timeout}")
+        self._zc_min = int(zero_copy_min)
+        self._iov_max = int(iov_max)
+        self._connect_timeout = float(connect_timeout)
+        self._worker = UcxWorker()  # raises TransportUnavailable (with the install hint)
+        self._liveness = RawLiveness(self.instance_id, self._on_lost, host=host,
+                                  interval=liveness_interval, lease=liveness_lease)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._regions: dict[int, _Region] = {}
+        self._started = False
+        self._closed = False
+        # sender side
+        self._send_conns: dict[str, _SendConn] = {}  # peer instance id -> connection
+        self._send_by_local: dict[int, _SendConn] = {}
+        self._connecting: dict[str, asyncio.Future[None]] = {}
+        self._lost_while_connecting: dict[str, str] = {}
+        self._send_rooms: dict[int, _SendRoom] = {}
+        self._local_ids = itertools.count(1)
+        # receiver side
+        self._recv_conns: dict[int, _RecvConn] = {}
+        self._recv_rooms: dict[int, _RecvRoom] = {}
+        self._conn_ids = itertools.count(1)
+        self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
+        self._ctrl_bufs: list[torch.Tensor] = []
+
+    # -- descriptor ----------------------------------------------------------------------
+    @property
+    def worker_address(self) -> bytes:
+        """This instance's UCX worker address (what peers create endpoints from)."""
+        return self._worker.address
+
+    def _descriptor(self) -> Descriptor:
+        return Descriptor(self.name, self.instance_id, self._worker.address,
+                          tuple(r.info for r in self._regions.values()), self._liveness.address)
+
+    def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise TransportError("rdma transport is closed")
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise TransportError("rdma transport is bound to another event loop")
+        if not self._started:
+            self._started = True
+            self._worker.start()
+            for kind in (KIND_CTRL, KIND_REPLY):
+                for _ in range(CTRL_POSTED):
+                    buf = torch.empty(CTRL_BUF, dtype=torch.uint8)
+                    self._ctrl_bufs.append(buf)
+                    self._post_ctrl(kind, buf)
+
+    def _post_ctrl(self, kind: int, buf: torch.Tensor) -> None:
+        if self._closed:
+            return
+
+        def done(status: int, length: int, tag: int) -> None:
+            if status == UCS_ERR_CANCELED or self._closed:
+                return
+            if status == UCS_OK:
+                msg = bytes(memoryview(buf.numpy())[:length])
+                try:
+                    (self._on_ctrl if kind == KIND_CTRL else self._on_reply)(msg)
+                except (struct.error, ValueError, UnicodeDecodeError) as exc:
+                    log.warning("rdma: dropped a malformed control message: %r", exc)
+            else:
+                log.warning("rdma: control receive failed with UCX status %d", status)
+            self._post_ctrl(kind, buf)
+
+        self._worker.recv([(buf.data_ptr(), CTRL_BUF)], ctrl_tag(kind), KIND_MASK, done, buf)
+
+    async def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        self._ensure_started()
+        for r in regions:
+            if r.region_id in self._regions:
+                raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
+            self._regions[r.region_id] = _Region(r)
+        await self._liveness.start()
+        return self._descriptor().to_bytes()
+
+    # -- connect (sender) ----------------------------------------------------------------
+    async def connect(self, descriptor: bytes) -> Peer:
+        self._ensure_started()
+        d = Descriptor.from_bytes(descriptor)
+        if d.backend != self.name:
+            raise BadDescriptor(f"descriptor is for transport {d.backend!r}, this is {self.name!r}")
+        if not d.endpoint:
+            raise BadDescriptor("rdma descriptor carries no UCX worker address")
+        while True:
+            conn = self._send_conns.get(d.instance_id)
+            if conn is not None and not conn.dead:
+                return Peer(d.instance_id, conn.desc)
+            pending = self._connecting.get(d.instance_id)
+            if pending is None:
+                break
+            await asyncio.shield(pending)
+            if d.instance_id not in self._send_conns:
+                raise PeerFailure(f"connecting to rdma peer {d.instance_id} failed")
+        # Another instance behind the same worker address or liveness port is a
+        # restarted peer: its old connection must never be used again.
+        for old in list(self._send_conns.values()):
+            if old.desc.endpoint == d.endpoint or (d.liveness and old.desc.liveness == d.liveness):
+                self.fail_peer(old.desc.instance_id, f"peer restarted as instance {d.instance_id}")
+        fut = asyncio.get_running_loop().create_future()
+        self._connecting[d.instance_id] = fut
+        try:
+            conn = await self._handshake(d)
+            self._send_conns[d.instance_id] = conn
+            return Peer(d.instance_id, conn.desc)
+        finally:
+            del self._connecting[d.instance_id]
+            self._lost_while_connecting.pop(d.instance_id, None)
+            fut.set_result(None)
+
+    async def _handshake(self, d: Descriptor) -> _SendConn:
+        # Liveness first: a dead peer's port refuses at once, before any UCX endpoint
+        # is pointed at a worker that no longer exists.
+        if d.liveness:
+            await self._liveness.watch(d.instance_id, d.liveness)
+            lost = self._lost_while_connecting.get(d.instance_id)
+            if lost is not None:
+                raise PeerFailure(f"rdma peer {d.instance_id} is not alive: {lost}")
+        try:
+            ep = self._worker.endpoint(d.endpoint)
+        except UcxError as exc:
+            self._liveness.unwatch(d.instance_id)
+            raise PeerFailure(f"rdma peer {d.instance_id}: {exc}") from None
+        conn = _SendConn(next(self._local_ids), d, ep)
+        self._send_by_local[conn.local_id] = conn
+        conn.hello = asyncio.get_running_loop().create_future()
+        sid, tid = self.instance_id.encode(), d.instance_id.encode()
+        addr = self._worker.address
+        msg = COMMON.pack(HELLO, conn.local_id, 0) + HELLO_BODY.pack(len(sid), len(tid), len(addr)) + sid + tid + addr
+        ok = False
+        try:
+            self._send_ctrl(conn, msg, None, None)
+            try:
+                accepted, remote_id, reason = await asyncio.wait_for(asyncio.shield(conn.hello), self._connect_timeout)
+            except asyncio.TimeoutError:
+                raise PeerFailure(
+                    f"rdma peer {d.instance_id} did not answer the handshake within {self._connect_timeout:.1f} s"
+                ) from None
+            if not accepted:
+                raise PeerFailure(f"rdma peer {d.instance_id} refused the connection: {reason}")
+            lost = self._lost_while_connecting.get(d.instance_id)
+            if lost is not None or conn.dead:
+                raise PeerFailure(f"rdma peer {d.instance_id} was lost while connecting: {lost}")
+            conn.remote_id = remote_id
+            ok = True
+            return conn
+        finally:
+            if not ok:
+                self._drop_send_conn(conn)
+                self._liveness.unwatch(d.instance_id)
+
+    def _send_ctrl(self, conn: _SendConn, msg: bytes, room_id: int | None, room: _SendRoom | None) -> None:
+        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        self._send(conn, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_CTRL), room_id, room, buf)
+
+    def _send(self, conn: _SendConn, pieces: list[tuple[int, int]], tag: int, room_id: int | None,
+              room: _SendRoom | None, keep: Any) -> None:
+        token_box: list[int] = []
+
+        def done(status: int, length: int, _tag: int) -> None:
+            if token_box:
+                conn.tokens.discard(token_box[0])
+                if room is not None:
+                    room.tokens.discard(token_box[0])
+            if status not in (UCS_OK, UCS_ERR_CANCELED) and room_id is not None:
+                self.rooms.fail(room_id, f"UCX send to peer {conn.desc.instance_id} failed (status {status})")
+
+        try:
+            token = self._worker.send(conn.ep, pieces, tag, done, keep)
+        except UcxError as exc:
+            raise PeerFailure(f"rdma peer {conn.desc.instance_id}: {exc}") from None
+        token_box.append(token)
+        conn.tokens.add(token)
+        if room is not None:
+            room.tokens.add(token)
+
+    # -- write (sender) ------------------------------------------------------------------
+    async def write(self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None) -> None:
+        self._ensure_started()
+        for op in list(ops) + ([metadata] if metadata is not None else []):
+            src = self._regions.get(op.src_region)
+            if src is None:
+                raise ConfigError(f"rdma write for room {room}: source region {op.src_region} is not registered")
+            if op.src_offset + op.length > src.info.nbytes:
+                raise ConfigError(
+                    f"rdma write for room {room}: source bytes [{op.src_offset}, {op.src_offset + op.length}) "
+                    f"outside region {src.info.name!r} of {src.info.nbytes} bytes"
+                )
+        if metadata is not None and metadata.length > MAX_ROW:
+            raise ConfigError(f"rdma: metadata row of {metadata.length} bytes exceeds the {MAX_ROW}-byte limit")
+        self.rooms.create(room, KVPoll.TRANSFERRING)
+        conn = self._send_conns.get(peer.instance_id)
+        sroom = self._send_rooms.get(room)
+        if conn is None or conn.dead:
+            self.rooms.fail(room, f"no live connection to rdma peer {peer.instance_id} (connect again)")
+            return
+        if sroom is None:
+            sroom = self._send_rooms[room] = _SendRoom(conn)
+            conn.rooms.add(room)
+        elif sroom.conn is not conn:
+            self.rooms.fail(room, f"room {room} is already being written to another peer")
+            return
+        if self.rooms.status(room).state.is_terminal:
+            return  # failed already (NACK, peer lost): nothing more is sent for it
+        try:
+            for i in range(0, len(ops), MAX_OPS_PER_WRITE):
+                self._write_chunk(conn, room, sroom, ops[i : i + MAX_OPS_PER_WRITE])
+            if metadata is not None:
+                src = self._regions[metadata.src_region]
+                row = bytes(memoryview(src.flat.numpy())[metadata.src_offset : metadata.src_offset + metadata.length])
+                conn.ctrl_seq += 1
+                msg = COMMON.pack(META, conn.remote_id, conn.ctrl_seq) + META_BODY.pack(
+                    room, sroom.kv_bytes, metadata.dst_region, metadata.dst_offset, metadata.length) + row
+                self._send_ctrl(conn, msg, room, sroom)
+        except PeerFailure as exc:
+            self.rooms.fail(room, str(exc))
+
+    def _write_chunk(self, conn: _SendConn, room: int, sroom: _SendRoom, ops: Sequence[WriteOp]) -> None:
+        # Plan the data messages: a large op alone (contiguous, zero-copy rendezvous),
+        # runs of small ops batched into one scatter/gather message.
+        groups: list[list[WriteOp]] = []
+        batch: list[WriteOp] = []
+        for op in ops:
+            if op.length >= self._zc_min:
+                if batch:
+                    groups.append(batch)
+                    batch = []
+                groups.append([op])
+            else:
+                batch.append(op)
+                if len(batch) >= self._iov_max:
+                    groups.append(batch)
+                    batch = []
+        if batch:
+            groups.append(batch)
+        if not groups:
+            return
+        conn.ctrl_seq += 1
+        first = conn.data_seq
+        conn.data_seq += len(groups)
+        parts = [COMMON.pack(WRITE, conn.remote_id, conn.ctrl_seq),
+                 WRITE_BODY.pack(room, first & 0xFFFFFFFF, len(groups), len(ops))]
+        parts += [MSG_COUNT.pack(len(g)) for g in groups]
+        parts += [OP.pack(op.dst_region, op.dst_offset, op.length) for g in groups for op in g]
+        self._send_ctrl(conn, b"".join(parts), room, sroom)
+        for i, g in enumerate(groups):
+            pieces = [(self._regions[op.src_region].ptr + op.src_offset, op.length) for op in g]
+            self._send(conn, pieces, data_tag(conn.remote_id, first + i), room, sroom, None)
+            sroom.kv_bytes += sum(op.length for op in g)
+
+    # -- replies (sender) ----------------------------------------------------------------
+    def _on_reply(self, msg: bytes) -> None:
+        typ, local_id, _seq = COMMON.unpack_from(msg)
+        conn = self._send_by_local.get(local_id)
+        if conn is None:
+            return
+        body = msg[COMMON.size :]
+        if typ in (HELLO_OK, HELLO_REFUSED):
+            if typ == HELLO_OK:
+                remote_id, n = HELLO_OK_BODY.unpack_from(body)
+                rid = body[HELLO_OK_BODY.size : HELLO_OK_BODY.size + n].decode()
+                ok = rid == conn.desc.instance_id
+                result = (ok, remote_id, "" if ok else f"answered as instance {rid}")
+            else:
+                result = (False, 0, body.decode(errors="replace"))
+            if conn.hello is not None and not conn.hello.done():
+                conn.hello.set_result(result)
+            return
+        (room,) = ROOM_BODY.unpack_from(body)
+        if room not in conn.rooms:
+            return
+        if typ == ACK:
+            self.rooms.set(room, KVPoll.SUCCESS)
+        elif typ == NACK:
+            reason = body[ROOM_BODY.size :].decode(errors="replace")
+            self.rooms.fail(room, f"receiver rejected room {room}: {reason}")
+
+    # -- receiver --------------------------------------------------------------------
+    def advertise(self, grant: RoomGrant) -> None:
+        if self._closed:
+            raise TransportError("rdma transport is closed")
+        self._recv_rooms[grant.room] = _RecvRoom(grant)
+        self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
+
+    def _reply(self, conn: _RecvConn, typ: int, body: bytes) -> None:
+        msg = COMMON.pack(typ, conn.sender_local, 0) + body
+        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        token_box: list[int] = []
+
+        def done(status: int, length: int, tag: int) -> None:
+            if token_box:
+                conn.tokens.discard(token_box[0])
+
+        try:
+            token_box.append(self._worker.send(conn.ep, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_REPLY), done, buf))
+            conn.tokens.add(token_box[0])
+        except UcxError as exc:
+            log.warning("rdma: reply to sender %s failed: %s", conn.sender_id, exc)
+
+    def _nack(self, conn: _RecvConn | None, room: int, reason: str) -> None:
+        rr = self._recv_rooms.get(room)
+        if rr is not None:
+            if rr.nacked:
+                return
+            rr.nacked = True
+        if conn is not None:
+            self._reply(conn, NACK, ROOM_BODY.pack(room) + reason.encode()[:4096])
+
+    def _on_ctrl(self, msg: bytes) -> None:
+        typ, conn_id, seq = COMMON.unpack_from(msg)
+        if typ == HELLO:
+            self._on_hello(conn_id, msg[COMMON.size :])
+            return
+        conn = self._recv_conns.get(conn_id)
+        if conn is None:
+            # Unknown or dropped connection (its peer was failed): drain its payload
+            # so it cannot linger, answer nothing.
+            if typ == WRITE:
+                self._drain_write(conn_id, msg)
+            return
+        if seq != conn.next_seq:
+            if seq > conn.next_seq:
+                conn.early[seq] = msg
+            return
+        while True:
+            conn.next_seq += 1
+            if typ == WRITE:
+                self._on_write(conn, msg)
+            elif typ == META:
+                self._on_meta(conn, msg)
+            nxt = conn.early.pop(conn.next_seq, None)
+            if nxt is None or conn.conn_id not in self._recv_conns:
+                return
+            msg = nxt
+            typ = msg[0]
+
+    def _on_hello(self, sender_local: int, body: bytes) -> None:
+        ns, nt, na = HELLO_BODY.unpack_from(body)
+        off = HELLO_BODY.size
+        sender_id = body[off : off + ns].decode()
+        target = body[off + ns : off + ns + nt].decode()
+        addr = body[off + ns + nt : off + ns + nt + na]
+        try:
+            ep = self._worker.endpoint(addr)
+        except UcxError as exc:
+            log.warning("rdma: cannot answer HELLO from %s: %s", sender_id, exc)
+            return
+        conn_id = next(self._conn_ids) & ((1 << CONN_BITS) - 1)
+        conn = _RecvConn(conn_id, sender_id, sender_local, ep)
+        if target != self.instance_id:
+            self._reply(conn, HELLO_REFUSED, f"this is instance {self.instance_id}, not {target}".encode())
+            self._worker.drop_endpoint(ep)  # the reply is flushed by the bounded close
+            return
+        self._recv_conns[conn_id] = conn
+        rid = self.instance_id.encode()
+        self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid)) + rid)
+
+    def _parse_write(self, msg: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
+        room, first, n_msgs, n_ops = WRITE_BODY.unpack_from(msg, COMMON.size)
+        off = COMMON.size + WRITE_BODY.size
+        counts = [MSG_COUNT.unpack_from(msg, off + 4 * i)[0] for i in range(n_msgs)]
+        off += 4 * n_msgs
+        if sum(counts) != n_ops or len(msg) < off + OP.size * n_ops:
+            raise ValueError("WRITE op table does not match its counts")
+        groups, k = [], 0
+        for c in counts:
+            groups.append([OP.unpack_from(msg, off + OP.size * (k + j)) for j in range(c)])
+            k += c
+        return room, first, groups
+
+    def _drain(self, conn_id: int, tag_or_seq: int) -> None:
+        """Receive (and drop) one data message into scratch: keeps UCX's unexpected
+        queue from filling with payload nobody will take; the pool is never touched."""
+        def done(status: int, length: int, tag: int) -> None:
+            pass
+
+        with contextlib.suppress(UcxError):
+            tag = tag_or_seq if tag_or_seq >> KIND_SHIFT == KIND_DATA else data_tag(conn_id, tag_or_seq)
+            self._worker.recv([(self._scratch.data_ptr(), SCRATCH)], tag, FULL_MASK, done, self._scratch)
+
+    def _drain_write(self, conn_id: int, msg: bytes) -> None:
+        with contextlib.suppress(struct.error, ValueError):
+            _room, first, groups = self._parse_write(msg)
+            for i in range(len(groups)):
+                self._drain(conn_id, first + i)
+
+    def _on_write(self, conn: _RecvConn, msg: bytes) -> None:
+        room, first, groups = self._parse_write(msg)
+        rr = self._recv_rooms.get(room)
+        reason = None
+        if rr is None or room not in self.rooms:
+            reason = f"room {room} is not advertised (unknown or released)"
+        elif self.rooms.status(room).state.is_terminal:
+            reason = f"room {room} is already {self.rooms.status(room).state.name}"
+        else:
+            for g in groups:
+                for region_id, offset, length in g:
+                    region = self._regions.get(region_id)
+                    reason = rr.grant.check(region.info if region is not None else None, offset, length)
+                    if reason is not None:
+                        if region is None:
+                            reason = f"{reason} {region_id}"
+                        break
+                if reason is not None:
+                    break
+        if reason is not None:
+            for i in range(len(groups)):
+                self._drain(conn.conn_id, first + i)
+            if rr is not None and room in self.rooms:
+                self.rooms.fail(room, reason)
+            self._nack(conn, room, reason)
+            return
+        assert rr is not None
+        conn.rooms.add(room)
+        self.rooms.set(room, KVPoll.TRANSFERRING)
+        for i, g in enumerate(groups):
+            pieces = [(self._regions[r].ptr + o, n) for r, o, n in g]
+            self._post_data(conn, room, rr, pieces, sum(n for _, _, n in g), data_tag(conn.conn_id, first + i))
+
+    def _post_data(self, conn: _RecvConn, room: int, rr: _RecvRoom, pieces: list[tuple[int, int]], nbytes: int,
+                   tag: int) -> None:
+        token_box: list[int] = []
+
+        def done(status: int, length: int, _tag: int) -> None:
+            token = token_box[0]
+            conn.tokens.discard(token)
+            rr.tokens.discard(token)
+            rr.pending[conn.conn_id] -= 1
+            if status == UCS_ERR_CANCELED:
+                if rr.released and conn.conn_id in self._recv_conns:
+                    self._drain(conn.conn_id, tag)  # the sender's message still comes
+                return
+            if status != UCS_OK or length != nbytes:
+                why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
+                reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
+                self.rooms.fail(room, reason)
+                self._nack(conn, room, reason)
+                return
+            rr.landed[conn.conn_id] = rr.landed.get(conn.conn_id, 0) + nbytes
+            self._maybe_complete(room, rr)
+
+        rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + 1
+        try:
+            token = self._worker.recv(pieces, tag, FULL_MASK, done, None)
+        except UcxError as exc:
+            rr.pending[conn.conn_id] -= 1
+            self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
+            return
+        token_box.append(token)
+        conn.tokens.add(token)
+        rr.tokens.add(token)
+
+    def _on_meta(self, conn: _RecvConn, msg: bytes) -> None:
+        room, kv_bytes, region_id, offset, length = META_BODY.unpack_from(msg, COMMON.size)
+        row = msg[COMMON.size + META_BODY.size :]
+        rr = self._recv_rooms.get(room)
+        region = self._regions.get(region_id)
+        if rr is None or room not in self.rooms:
+            reason: str | None = f"room {room} is not advertised (unknown or released)"
+        elif self.rooms.status(room).state.is_terminal:
+            reason = f"room {room} is already {self.rooms.status(room).state.name}"
+        elif len(row) != length:
+            reason = f"metadata row of {len(row)} bytes announced as {length}"
+        else:
+            reason = rr.grant.check(region.info if region is not None else None, offset, length)
+            if reason is not None and region is None:
+                reason = f"{reason} {region_id}"
+        if reason is not None:
+            if rr is not None and room in self.rooms:
+                self.rooms.fail(room, reason)
+            self._nack(conn, room, reason)
+            return
+        assert rr is not None and region is not None
+        conn.rooms.add(room)
+        self.rooms.set(room, KVPoll.TRANSFERRING)
+        rr.meta = (conn.conn_id, kv_bytes, region, offset, row)
+        self._maybe_complete(room, rr)
+
+    def _maybe_complete(self, room: int, rr: _RecvRoom) -> None:
+        if rr.meta is None:
+            return
+        conn_id, kv_bytes, region, offset, row = rr.meta
+        if rr.pending.get(conn_id, 0) or rr.landed.get(conn_id, 0) < kv_bytes:
+            return
+        if room not in self.rooms or self.rooms.status(room).state.is_terminal:
+            return
+        # Every page the sender wrote before the row has landed: now the row.
+        region.flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
+        rr.meta = None
+        self.rooms.set(room, KVPoll.SUCCESS)
+        conn = self._recv_conns.get(conn_id)
+        if conn is not None:
+            self._reply(conn, ACK, ROOM_BODY.pack(room))
+
+    def release(self, room: int) -> None:
+        rr = self._recv_rooms.pop(room, None)
+        if rr is not None:
+            rr.released = True
+        if rr is not None and rr.tokens:
+            # Not-yet-matched receives are cancelled (their callbacks then see
+            # UCS_ERR_CANCELED), so a late write can never land in pages that now
+            # belong to someone else; the sender learns at once that it can stop.
+            for token in list(rr.tokens):
+                self._worker.cancel(token)
+            open_room = room in self.rooms and not self.rooms.status(room).state.is_terminal
+            for conn_id in rr.pending:
+                conn = self._recv_conns.get(conn_id)
+                if conn is not None and open_room:
+                    self._nack(conn, room, f"room {room} was released by the receiver")
+        sroom = self._send_rooms.pop(room, None)
+        if sroom is not None:
+            sroom.conn.rooms.discard(room)
+        self.rooms.discard(room)
+
+    # -- failures ------------------------------------------------------------------------
+    def _on_lost(self, instance_id: str, reason: str) -> None:
+        if instance_id in self._connecting:
+            self._lost_while_connecting[instance_id] = reason
+        self.fail_peer(instance_id, f"peer {instance_id} lost: {reason}")
+
+    def fail_peer(self, instance_id: str, reason: str) -> None:
+        conn = self._send_conns.pop(instance_id, None)
+        if conn is not None:
+            self._liveness.unwatch(instance_id)
+            self._drop_send_conn(conn, reason)
+        for rconn in [c for c in self._recv_conns.values() if c.sender_id == instance_id]:
+            self._drop_recv_conn(rconn, reason)
+
+    def _drop_send_conn(self, conn: _SendConn, reason: str = "connection dropped") -> None:
+        conn.dead = True
+        self._send_by_local.pop(conn.local_id, None)
+        for room in list(conn.rooms):
+            self.rooms.fail(room, reason)
+        for token in list(conn.tokens):
+            self._worker.cancel(token)
+        if conn.hello is not None and not conn.hello.done():
+            conn.hello.set_result((False, 0, reason))
+        self._worker.drop_endpoint(conn.ep)
+        conn.ep = None  # the endpoint object pins the UCX worker (and its fds)
+
+    def _drop_recv_conn(self, conn: _RecvConn, reason: str) -> None:
+        self._recv_conns.pop(conn.conn_id, None)
+        for room in list(conn.rooms):
+            self.rooms.fail(room, reason)
+        for token in list(conn.tokens):
+            self._worker.cancel(token)
+        self._worker.drop_endpoint(conn.ep)
+        conn.ep = None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self.rooms.fail_all("rdma transport closed")
+        for conn in list(self._send_conns.values()):
+            self._drop_send_conn(conn, "rdma transport closed")
+        self._send_conns.clear()
+        for rconn in list(self._recv_conns.values()):
+            self._drop_recv_conn(rconn, "rdma transport closed")
+        await self._liveness.close()
+        self._closed = True
+        await self._worker.close()
+        self._ctrl_bufs.clear()
+        self._send_by_local.clear()
+        self._send_rooms.clear()
+        self._recv_rooms.clear()
+        # UCX's worker and context (and their file descriptors) go away when the last
+        # Python object pointing at them does; completion closures form reference
+        # cycles, so collect them now rather than at some later GC.
+        gc.collect()
