@@ -53,6 +53,7 @@ from pdgrpc.transport.base import (
     RoomGrant,
     Transport,
     WriteOp,
+    check_source_ops,
 )
 
 HEADER = struct.Struct("<B3xIQQQ")
@@ -590,15 +591,7 @@ class TcpTransport(Transport):
             )
 
     def _check_src(self, ops: Sequence[WriteOp], metadata: WriteOp | None) -> None:
-        for op in itertools.chain(ops, () if metadata is None else (metadata,)):
-            region = self._regions.get(op.src_region)
-            if region is None:
-                raise ConfigError(f"WriteOp.src_region {op.src_region} is not registered locally")
-            if op.src_offset + op.length > region.nbytes:
-                raise ConfigError(
-                    f"WriteOp source bytes [{op.src_offset}, {op.src_offset + op.length}) outside "
-                    f"local region {region.name!r} of {region.nbytes} bytes"
-                )
+        check_source_ops(itertools.chain(ops, () if metadata is None else (metadata,)), self._regions)
 
     def _on_ack(self, conn: _Conn, room: int) -> None:
         if self._room_link.get(room) == conn.peer_id:
