@@ -82,6 +82,7 @@ class Tokens:
     finish_reason: str = ""
     bytes_transferred: int = 0  # set on the first message
     transfer_seconds: float = 0.0  # set on the first message
+    top: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()  # per token: (ids, logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,7 +486,9 @@ class DecodeScheduler:
             self._prefill_locally.append(job)
             return
         row = c.row
-        first = SampledToken(row.output_id, row.output_token_logprob_value)
+        # The row holds top_k (20) entries; the request asked for sampling.top_logprobs of them.
+        k = job.sampling.top_logprobs
+        first = SampledToken(row.output_id, row.output_token_logprob_value, tuple(row.top_logprobs_indices[:k]), tuple(row.top_logprobs_values[:k]))
         nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes + self.buffers.layout.row_bytes
         request_event(log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes, transfer_s=f"{transfer_s:.4f}")
         job.running = True
@@ -495,7 +498,7 @@ class DecodeScheduler:
         job.generated = 1
         job.last_token = first.token_id
         reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_id)
-        job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s))
+        job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first)))
         if reason is not None:
             self._finish(job, reason)
         else:
@@ -623,7 +626,7 @@ class DecodeScheduler:
             job.generated += 1
             job.last_token = tok.token_id
             reason = stop_reason(tok.token_id, job.generated, job.max_new_tokens, job.sampling, eos)
-            job.out.put_nowait(Tokens((tok.token_id,), (tok.logprob,), reason or ""))
+            job.out.put_nowait(Tokens((tok.token_id,), (tok.logprob,), reason or "", top=_top(tok)))
             if reason is not None:
                 self._finish(job, reason)
         self._running = [j for j in self._running if not j.finished]
@@ -643,3 +646,7 @@ class DecodeScheduler:
     def _crash(self, job: Job, exc: BaseException) -> None:
         self.queues.release_pages(job.pages)
         self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"))
+
+
+def _top(tok: SampledToken) -> tuple[tuple[tuple[int, ...], tuple[float, ...]]]:
+    return ((tuple(tok.top_ids), tuple(tok.top_logprobs)),)

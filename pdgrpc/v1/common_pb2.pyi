@@ -3,8 +3,10 @@
 isort:skip_file
 Messages shared by the serving services (prefill, decode, router)."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -112,3 +114,33 @@ class ResourceStats(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResourceStats: _TypeAlias = ResourceStats  # noqa: Y015
+
+@_typing.final
+class TopLogprobs(_message.Message):
+    """The most likely tokens at one sequence position (what sampling.top_logprobs asks for)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids, most likely first (ties: lower id first)."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Their log-probabilities under the model (natural log), in the same order."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprobs: _TypeAlias = TopLogprobs  # noqa: Y015

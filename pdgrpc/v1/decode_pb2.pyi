@@ -74,6 +74,7 @@ class DecodeResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     BYTES_TRANSFERRED_FIELD_NUMBER: _builtins.int
     TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     finish_reason: _builtins.str
     """Set on the last message: "eos" or "length"."""
     bytes_transferred: _builtins.int
@@ -88,6 +89,13 @@ class DecodeResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Log-probability of each token in token_ids (natural log)."""
 
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]:
+        """One entry per token in token_ids: its position's sampling.top_logprobs most likely
+        tokens (empty entries when sampling.top_logprobs is 0). The first token's come from
+        the metadata row the prefill wrote.
+        """
+
     def __init__(
         self,
         *,
@@ -96,10 +104,11 @@ class DecodeResponse(_message.Message):
         finish_reason: _builtins.str = ...,
         bytes_transferred: _builtins.int = ...,
         transfer_seconds: _builtins.float = ...,
+        top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "token_ids", b"token_ids", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -128,7 +128,7 @@ async def assert_nothing_held(stub: decode_pb2_grpc.DecodeServiceStub) -> None:
 PROMPTS = [
     ("hi", 12, SamplingParams()),  # below one page
     ("x" * 31, 20, SamplingParams(temperature=0.8, seed=7)),  # 32 tokens with BOS: exactly two pages
-    ("The quick brown fox jumps over the lazy dog. " * 3, 17, SamplingParams(temperature=1.0, top_k=40, seed=123)),
+    ("The quick brown fox jumps over the lazy dog. " * 3, 17, SamplingParams(temperature=1.0, top_k=40, seed=123, top_logprobs=5)),
     ("pdgrpc " * 20, 1, SamplingParams()),  # only the prefill's token
 ]
 
@@ -143,6 +143,8 @@ async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeSer
         assert msgs[-1].finish_reason == want.finish_reason
         # The first logprob came through the metadata row, the rest from decode's own steps.
         assert [lp for m in msgs for lp in m.logprobs] == [t.logprob for t in want.tokens]
+        tops = [(tuple(t.token_ids), tuple(t.logprobs)) for m in msgs for t in m.top_logprobs]
+        assert tops == [(t.top_ids, t.top_logprobs) for t in want.tokens]
         page_bytes = 2 * 2 * 2 * 16 * 32 * 4  # K+V x 2 layers x 2 KV heads x 16 tokens x dim 32 x float32
         pages = -(-len(req.input_ids) // 16)
         assert msgs[0].bytes_transferred >= pages * page_bytes
