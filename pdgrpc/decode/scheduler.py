@@ -406,6 +406,7 @@ class DecodeScheduler:
         assert dp_rank is not None
         deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
         backoff = Backoff(initial=0.05, maximum=1.0)
+        accepted: set[tuple[int, int, int]] = set()
         attempt = 0
         while not job.finished and not job.cancelled:
             attempt += 1
@@ -423,9 +424,24 @@ class DecodeScheduler:
                             f"transport mismatch: prefill worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} uses "
                             f"{w.transport!r}, this decode uses {self.transport.name!r}",
                         )
-                job.contacted = list(workers)
-                calls = [self._handshake_one(job, w, prompt_pages, deadline - time.monotonic()) for w in workers]
-                await asyncio.gather(*calls)
+                # Only workers that have not accepted yet (a retry after one of several
+                # failed must not hand the others the same room twice).
+                todo = [w for w in workers if _worker_key(w) not in accepted]
+                known = {w.transfer_address for w in job.contacted}
+                job.contacted.extend(w for w in todo if w.transfer_address not in known)
+                results = await asyncio.gather(
+                    *(self._handshake_one(job, w, prompt_pages, deadline - time.monotonic()) for w in todo), return_exceptions=True
+                )
+                errors: list[RpcError] = []
+                for w, r in zip(todo, results):
+                    if isinstance(r, RpcError):
+                        errors.append(r)
+                    elif isinstance(r, BaseException):
+                        raise r
+                    else:
+                        accepted.add(_worker_key(w))
+                if errors:  # a refusal decides; otherwise any error (all are retryable)
+                    raise next((e for e in errors if e.code not in _RETRYABLE), errors[0])
             except DecodeFailure as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
                     job.override = Failed(exc.code, f"room {job.room}: {exc.message}")
@@ -442,7 +458,7 @@ class DecodeScheduler:
                     return
             else:
                 job.handshaken = True
-                request_event(log, job.room, "handshake accepted", workers=len(job.contacted), attempt=attempt)
+                request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt)
                 self._wake.set()
                 return
             # UNAVAILABLE: the worker restarted or moved: refetch its endpoints, retry.
@@ -646,6 +662,14 @@ class DecodeScheduler:
     def _crash(self, job: Job, exc: BaseException) -> None:
         self.queues.release_pages(job.pages)
         self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"))
+
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _worker_key(w: bpb.WorkerInfo) -> tuple[int, int, int]:
+    """A worker registration: (tp rank, pp rank, generation); a restart is a new key."""
+    return (w.tp_rank, w.pp_rank, w.generation)
 
 
 def _top(tok: SampledToken) -> tuple[tuple[tuple[int, ...], tuple[float, ...]]]:
