@@ -45,6 +45,7 @@ __all__ = ["ChildDied", "Cluster", "ClusterError", "Proc"]
 
 HOST = "127.0.0.1"
 _TAIL_LINES = 40
+_PREFILL_READY = "PDGRPC_READY "  # python -m pdgrpc.prefill prints it once every worker serves
 
 
 class ClusterError(PdgrpcError):
@@ -96,6 +97,13 @@ class Proc:
     @property
     def returncode(self) -> int | None:
         return None if self.process is None else self.process.returncode
+
+    def log_has_line(self, prefix: str) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                return any(line.startswith(prefix.encode()) for line in f)
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = _TAIL_LINES) -> str:
         try:
@@ -222,6 +230,10 @@ class Cluster:
             await asyncio.sleep(0.2)
 
     async def _serving(self, proc: Proc) -> bool:
+        # A prefill controller answers health checks while its DP workers still start;
+        # it prints its documented ready line once they have all registered.
+        if proc.spec.role == "prefill" and not proc.log_has_line(_PREFILL_READY):
+            return False
         stub = health_pb2_grpc.HealthStub(self._channel(proc.address))
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
