@@ -26,7 +26,11 @@ import dataclasses
 import grpc
 
 from pdgrpc.bootstrap.client import BootstrapClient
-from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
+from pdgrpc.bootstrap import service as bootstrap_service
+from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
+from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer
+from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.engine.base import PrefillRequest, SamplingParams
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.rpc.server import RpcServer, start_server
@@ -35,6 +39,7 @@ from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 from pdgrpc.transport import registry
 from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import bootstrap_pb2_grpc as bpb_grpc
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
 
@@ -45,6 +50,24 @@ _SEND_SLOTS = 8
 class Prompt:
     input_ids: tuple[int, ...]
     sampling: SamplingParams
+
+
+class RecordingBootstrap(BootstrapServicer):
+    """The real bootstrap servicer, recording every QueryDpRanks: (rooms asked, rooms missing)."""
+
+    def __init__(self) -> None:
+        cfg = BootstrapConfig()
+        super().__init__(RoomTable(ttl=cfg.ttl, max_rooms=1024, max_batch=1024), WorkerRegistry())
+        self.queries: list[tuple[list[int], list[int]]] = []
+        self.queried = asyncio.Event()
+
+    async def QueryDpRanks(self, request: bpb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bpb.QueryDpRanksResponse:  # noqa: N802
+        resp = await super().QueryDpRanks(request, context)
+        # The servicer may answer pre-serialized bytes (its fast path for large batches).
+        msg = bpb.QueryDpRanksResponse.FromString(resp) if isinstance(resp, (bytes, bytearray)) else resp
+        self.queries.append((list(request.bootstrap_rooms), list(msg.missing_rooms)))
+        self.queried.set()
+        return resp
 
 
 class FakeWorker(hpb_grpc.HandshakeServiceServicer):
@@ -150,7 +173,14 @@ class FakePrefill:
         return self.bootstrap.address
 
     async def start(self) -> "FakePrefill":
-        self.bootstrap = await start_bootstrap_server()
+        self.recorder = RecordingBootstrap()
+        # Register it the way start_bootstrap_server does (its own (de)serializers, if any).
+        add = getattr(bootstrap_service, "add_bootstrap_servicer", bpb_grpc.add_BootstrapServiceServicer_to_server)
+        rpc = await start_server(
+            [(BOOTSTRAP_SERVICE, lambda server: add(self.recorder, server))],
+            what="fake prefill bootstrap",
+        )
+        self.bootstrap = BootstrapServer(rpc, self.recorder, BootstrapConfig())
         for w in self.workers:
             await self._start_worker(w)
         return self

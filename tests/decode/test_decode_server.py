@@ -202,7 +202,10 @@ async def test_dp_rank_resolved_through_query_missing_then_found(stub: decode_pb
         req = make_request(p, "which rank?", 6)
         want = generate(engine, [tuple(req.input_ids)], 6)[0]
         task = asyncio.ensure_future(collect(stub, req))
-        await asyncio.sleep(0.5)  # several query intervals: the room is not registered yet
+        # Bootstrap has no entry yet: decode asks, hears "missing", and waits.
+        while not any(req.bootstrap_room in missing for _, missing in p.recorder.queries):
+            p.recorder.queried.clear()
+            await asyncio.wait_for(p.recorder.queried.wait(), 10)
         assert not task.done()
         assert not p.workers[0].handshakes and not p.workers[1].handshakes
         await p.register_rank(req.bootstrap_room, 1)
@@ -210,6 +213,8 @@ async def test_dp_rank_resolved_through_query_missing_then_found(stub: decode_pb
         assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
         assert [h.bootstrap_room for h in p.workers[1].handshakes] == [req.bootstrap_room]
         assert p.workers[0].handshakes == []
+        asked, missing = p.recorder.queries[-1]  # the query that found it
+        assert req.bootstrap_room in asked and req.bootstrap_room not in missing
         await assert_nothing_held(stub)
     finally:
         await p.stop()
