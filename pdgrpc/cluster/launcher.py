@@ -166,6 +166,8 @@ class Cluster:
         out = ["--host", HOST, "--port", str(proc.port)]
         if spec.role in ("prefill", "decode"):
             out += ["--transport", self.transport, *flags(self.topology.engine)]
+        if spec.role == "colocated":
+            out += flags(self.topology.engine)
         if spec.role == "prefill" and spec.bootstrap:
             out += ["--bootstrap", self.address(spec.bootstrap)]
         if spec.role == "router":
@@ -254,7 +256,7 @@ class Cluster:
     async def stop(self) -> None:
         """Stop every process: SIGTERM (router first), then SIGKILL after ``grace`` s."""
         self._stopping = True
-        order = sorted(self.procs.values(), key=lambda p: {"router": 0, "decode": 1, "prefill": 2, "bootstrap": 3}[p.spec.role])
+        order = sorted(self.procs.values(), key=lambda p: {"router": 0, "colocated": 0, "decode": 1, "prefill": 2, "bootstrap": 3}[p.spec.role])
         for proc in order:
             if proc.process is not None and proc.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -14,7 +14,7 @@ Format (TOML, read with :mod:`tomllib`)::
 
     [[process]]
     name = "prefill"                # unique; logs and GetStats are per name
-    role = "prefill"                # bootstrap | prefill | decode | router
+    role = "prefill"                # bootstrap | prefill | decode | router | colocated
     bootstrap = "bootstrap"         # prefill only: a bootstrap process's name; omitted = embedded
     args = { dp-size = 2, load-balance = "round_robin" }   # extra flags, --key value
 
@@ -40,7 +40,8 @@ from pdgrpc.errors import ConfigError
 
 __all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
 
-ROLES = ("bootstrap", "prefill", "decode", "router")
+ROLES = ("bootstrap", "prefill", "decode", "router", "colocated")
+FRONT_DOORS = ("router", "colocated")  # what clients call: GenerateService
 TRANSPORTS = ("rdma", "tcp", "fake")
 
 Scalar = str | int | float | bool
@@ -57,7 +58,7 @@ class ProcessSpec:
 
     @property
     def module(self) -> str:
-        return f"pdgrpc.{self.role}"
+        return "pdgrpc.cluster.colocated" if self.role == "colocated" else f"pdgrpc.{self.role}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,8 @@ class Topology:
 
     @property
     def router(self) -> ProcessSpec:
-        return self.by_role("router")[0]
+        """The front door: the router, or the colocated server of a colocated topology."""
+        return next(p for p in self.processes if p.role in FRONT_DOORS)
 
     def engine_value(self, key: str, default: Scalar) -> Scalar:
         return self.engine.get(key, default)
@@ -185,8 +187,8 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
             for ref, want in [(r, "prefill") for r in p.prefill] + [(r, "decode") for r in p.decode]:
                 if roles.get(ref) != want:
                     raise _fail(pw, f"{ref!r} is not a {want} process of this topology")
-    if len([p for p in procs if p.role == "router"]) != 1:
-        raise _fail(where, "needs exactly one router process (the cluster's front door)")
+    if len([p for p in procs if p.role in FRONT_DOORS]) != 1:
+        raise _fail(where, "needs exactly one router (or colocated) process: the cluster's front door")
     return Topology(
         name=name,
         description=str(data.get("description", "")),

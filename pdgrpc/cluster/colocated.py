@@ -1,0 +1,204 @@
+"""``python -m pdgrpc.cluster.colocated``: GenerateService served by one colocated engine.
+
+The baseline that ``bench e2e`` compares disaggregated serving with: the same
+``GenerateService`` a client calls on the router, answered by a single process that runs
+prefill and decode on one :class:`~pdgrpc.engine.reference.ReferenceEngine` -- no room,
+no handshake, no KV transfer. Same engine flags, same chunked prefill, the same
+continuous batching of decode steps, so the difference in TTFT and tokens/s is the cost
+(or gain) of disaggregation.
+
+Scheduler: one asyncio task; the engine runs on one dedicated thread (it is not
+thread-safe). Each iteration admits waiting requests whose pages fit (prefilling each in
+``--chunk-size`` chunks, which yields its first token), then runs one ``decode_step`` over
+every running request. A client that cancels is dropped at the next iteration and its
+pages freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import sys
+import time
+
+import grpc
+
+from pdgrpc.engine.base import DecodeRequest, InvalidRequest, PrefillRequest, SampledToken, SamplingParams, stop_reason
+from pdgrpc.engine.colocated import prefill as prefill_chunks
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.errors import EngineError, PdgrpcError
+from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
+from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.serving.convert import sampling_from_proto
+from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, engine_config_from_args
+from pdgrpc.serving.logs import setup_logging
+from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger("pdgrpc.colocated")
+
+_DONE = object()
+
+
+@dataclasses.dataclass
+class _Job:
+    ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_new_tokens: int
+    out: asyncio.Queue  # (SampledToken, finish_reason | "") items, then _DONE / an exception
+    pages: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+
+
+class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, engine: ReferenceEngine, chunk_tokens: int) -> None:
+        self.engine = engine
+        self.chunk_tokens = chunk_tokens
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._running: list[_Job] = []
+        self._wake = asyncio.Event()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._thread.shutdown(wait=True)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        arrived = time.perf_counter()
+        try:
+            ids = tuple(request.input_ids) if request.input_ids else tuple(self.engine.tokenizer.encode(request.prompt))
+            sampling = sampling_from_proto(request.sampling)
+            max_new = request.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+            self.engine.tokenizer.check_ids(ids, "input_ids")
+            self.engine.validate_request(ids, max_new)
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        job = _Job(ids, sampling, max_new, asyncio.Queue())
+        self._pending.append(job)
+        self._wake.set()
+        text = self.engine.tokenizer.stream_decoder()
+        first = True
+        try:
+            while True:
+                item = await job.out.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {item}")
+                tok, reason = item
+                msg = generate_pb2.GenerateResponse(token_ids=[tok.token_id], text=text.feed([tok.token_id]), finish_reason=reason)
+                if reason:
+                    msg.text += text.flush()
+                if first:
+                    first = False
+                    msg.ttft_seconds = time.perf_counter() - arrived
+                await context.write(msg)
+        finally:
+            job.cancelled = True  # no-op when finished; else the loop drops it and frees its pages
+
+    # ---- scheduler ------------------------------------------------------------------------
+
+    async def _engine(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def _emit(self, job: _Job, tok: SampledToken) -> bool:
+        """Queue a token for the client; True when the job is finished (pages freed)."""
+        job.tokens.append(tok.token_id)
+        reason = stop_reason(tok.token_id, len(job.tokens), job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_id)
+        job.out.put_nowait((tok, reason or ""))
+        if reason is not None:
+            self._finish(job)
+            job.out.put_nowait(_DONE)
+            return True
+        return False
+
+    def _finish(self, job: _Job) -> None:
+        if job.pages:
+            self.engine.free_pages(job.pages)
+            job.pages = []
+
+    async def _loop(self) -> None:
+        while True:
+            for j in self._running:
+                if j.cancelled:  # the client went away mid-stream
+                    self._finish(j)
+            self._running = [j for j in self._running if not j.cancelled]
+            if not self._pending and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            while self._pending:
+                job = self._pending[0]
+                if job.cancelled:
+                    self._pending.popleft()
+                    continue
+                # Pages for every KV the request writes: the prompt and all generated tokens but the last.
+                pages = self.engine.alloc_pages(self.engine.pages_needed(len(job.ids) + job.max_new_tokens - 1))
+                if pages is None:
+                    if not self._running:
+                        self._pending.popleft()
+                        job.out.put_nowait(InvalidRequest("the request needs more KV pages than the pool has"))
+                        continue
+                    break
+                self._pending.popleft()
+                job.pages = pages
+                try:
+                    first = await self._engine(prefill_chunks, self.engine, PrefillRequest(job.ids, tuple(pages), job.sampling), self.chunk_tokens)
+                except Exception as exc:  # noqa: BLE001 - reported to that client
+                    self._finish(job)
+                    job.out.put_nowait(exc)
+                    continue
+                if not self._emit(job, first):
+                    self._running.append(job)
+            live = [j for j in self._running if not j.cancelled]
+            if not live:
+                continue
+            batch = [
+                DecodeRequest(j.tokens[-1], len(j.ids) + len(j.tokens) - 1, tuple(j.pages), j.sampling) for j in live
+            ]
+            outs = await self._engine(self.engine.decode_step, batch)
+            finished = {id(j) for j, tok in zip(live, outs) if not j.cancelled and self._emit(j, tok)}
+            self._running = [j for j in self._running if id(j) not in finished]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdgrpc.cluster.colocated", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
+    add_engine_arguments(p)
+    add_logging_arguments(p)
+    return p
+
+
+async def _main(ns: argparse.Namespace) -> int:
+    server_impl = ColocatedServer(ReferenceEngine(engine_config_from_args(ns)), ns.chunk_size)
+    (name,) = service_names()
+    server = await start_server(
+        [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))],
+        host=ns.host, port=ns.port, what="pdgrpc colocated",
+    )
+    server.on_stop(server_impl.close)
+    await serve_until_signal(server)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    setup_logging(ns.log_level, "colocated")
+    try:
+        return run(_main(ns))
+    except (PdgrpcError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
