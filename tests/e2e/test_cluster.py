@@ -1,0 +1,183 @@
+"""The cluster launcher as a user runs it: ``python -m pdgrpc.cluster TOPOLOGY``, and the
+topology files it reads.
+
+Real processes: the CLI is started as a subprocess, driven through the router address
+it prints, then stopped with SIGINT -- or one of its children is killed, which must stop
+the whole cluster with a non-zero exit and that child's log tail. Afterwards no process
+of the cluster (prefill DP workers included) may be left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdgrpc.cluster import Cluster, ClusterError, load_topology
+from pdgrpc.cluster.client import generate
+from pdgrpc.cluster.topology import parse_topology, servers_dir
+from pdgrpc.errors import ConfigError
+from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_shipped_topology_loads():
+    names = sorted(p.stem for p in servers_dir().glob("*.toml"))
+    assert {"1p1d", "prefill-dp2-round-robin", "prefill-dp2-follow-room"} <= set(names)
+    for name in names:
+        assert load_topology(name).router.role in ("router", "colocated")
+    engines = {tuple(sorted(load_topology(n).engine.items())) for n in names}
+    # Every topology runs the same engine, so one colocated reference serves them all.
+    assert len(engines) == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"transport": "carrier-pigeon"}, "transport must be one of"),
+        ({"process": [{"name": "r", "role": "router", "prefill": ["p"], "decode": ["d"]}]}, "'p' is not a prefill process"),
+        ({"process": [{"name": "x", "role": "gpu"}]}, "role must be one of"),
+        ({"process": [{"name": "d", "role": "decode", "args": {"port": 5}}]}, "--port is set by the launcher"),
+        ({"process": [{"name": "d", "role": "decode"}, {"name": "d", "role": "decode"}]}, "unique"),
+        ({"process": [{"name": "p", "role": "prefill", "bootstrap": "nowhere"}]}, "not a bootstrap process"),
+        ({"process": [{"name": "d", "role": "decode"}]}, "exactly one router"),
+        ({"unknown": 1}, "unknown top-level keys"),
+    ],
+)
+def test_bad_topologies_are_refused_naming_the_problem(change, message):
+    data = {"transport": "tcp", "process": []}
+    data.update(change)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_topology(data, "bad")
+
+
+def test_missing_topology_names_the_directory():
+    with pytest.raises(ConfigError, match="no such file"):
+        load_topology("no-such-topology")
+
+
+def _start_cli(topology: str, log_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdgrpc.cluster", topology, "--transport", "tcp", "--log-dir", str(log_dir), "--grace", "5"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def _wait_router(cli: subprocess.Popen, timeout: float = 150) -> tuple[str, dict[str, int]]:
+    """Read the CLI's stdout until it prints the router address; returns it and the pids."""
+    assert cli.stdout is not None
+    deadline = time.monotonic() + timeout
+    pids: dict[str, int] = {}
+    for line in cli.stdout:
+        m = re.match(r"\s+(\S+)\s+\S+\s+\S+\s+pid (\d+)", line)
+        if m:
+            pids[m.group(1)] = int(m.group(2))
+        m = re.search(r"listening on (\S+)", line)
+        if m:
+            return m.group(1), pids
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"the cluster never printed its router address; stderr: {cli.stderr.read() if cli.stderr else ''}")
+
+
+def _cluster_pids(pids: dict[str, int], log_dir: Path) -> list[int]:
+    """The children the CLI printed plus the prefill's DP workers (from its ready line)."""
+    out = list(pids.values())
+    for line in (log_dir / "prefill.log").read_text().splitlines():
+        if line.startswith("PDGRPC_READY "):
+            out += json.loads(line.split(" ", 1)[1]).get("worker_pids", [])
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but not yet reaped by its parent: it holds nothing.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left behind: {[p for p in pids if _alive(p)]}")
+        time.sleep(0.1)
+
+
+def test_cli_serves_then_stops_everything_on_sigint(tmp_path):
+    cli = _start_cli("prefill-dp2-round-robin", tmp_path)
+    try:
+        router, pids = _wait_router(cli)
+        assert set(pids) == {"bootstrap", "prefill", "decode", "router"}
+        all_pids = _cluster_pids(pids, tmp_path)
+        assert len(all_pids) == 6  # 4 processes + 2 prefill DP workers
+
+        async def one() -> str:
+            async with grpc.aio.insecure_channel(router) as ch:
+                return (await generate(GenerateServiceStub(ch), prompt="hello", max_new_tokens=4)).finish_reason
+
+        assert asyncio.run(one()) == "length"
+        cli.send_signal(signal.SIGINT)
+        out, err = cli.communicate(timeout=60)
+        assert cli.returncode == 0, err
+        assert "cluster stopped" in out
+        _wait_gone(all_pids)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+
+
+def test_a_dying_child_stops_the_cluster_with_its_log(tmp_path):
+    cli = _start_cli("1p1d", tmp_path)
+    try:
+        _, pids = _wait_router(cli)
+        all_pids = _cluster_pids(pids, tmp_path)
+        os.kill(pids["decode"], signal.SIGKILL)
+        out, err = cli.communicate(timeout=60)
+        assert cli.returncode == 1
+        assert f"decode process 'decode' (pid {pids['decode']}) exited with code -9" in err
+        assert "decode ready" in err  # the tail of the decode's own log
+        _wait_gone(all_pids)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+
+
+async def test_a_process_that_cannot_start_fails_the_start_with_its_log(tmp_path):
+    topology = parse_topology(
+        {
+            "transport": "tcp",
+            "process": [
+                {"name": "prefill", "role": "prefill"},
+                {"name": "decode", "role": "decode", "args": {"num-slots": "many"}},
+                {"name": "router", "role": "router", "prefill": ["prefill"], "decode": ["decode"]},
+            ],
+        },
+        "broken",
+    )
+    cluster = Cluster(topology, log_dir=tmp_path, start_timeout=120)
+    with pytest.raises(ClusterError) as err:
+        await cluster.start()
+    assert "'decode'" in str(err.value) and "invalid int value: 'many'" in str(err.value)
+    pids = [p.pid for p in cluster.procs.values() if p.pid is not None]
+    assert len(pids) == 3
+    _wait_gone(pids)
