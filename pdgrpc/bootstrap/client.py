@@ -1,0 +1,244 @@
+"""``BootstrapClient``: the Python client of ``BootstrapService``.
+
+* **One pooled channel per address**: every client for the same address (in one event
+  loop) shares one ``grpc.aio`` channel, hence one HTTP/2 connection
+  (:mod:`pdgrpc.rpc.channels`); nothing opens a connection per call.
+* **A deadline on every call** (``timeout``, seconds; per call overridable).
+* **Registration is retried on UNAVAILABLE** (server not up yet, restarting, workers
+  not all registered) with capped exponential backoff and full jitter, until
+  ``retry_for`` seconds have passed; then :class:`BootstrapUnavailable` is raised.
+  Registrations are idempotent (same room, same rank; a worker re-registering its slot),
+  so a retry is safe. Queries are not retried: callers poll them anyway.
+* Errors are :mod:`pdgrpc.rpc.errors` classes (all ``PdgrpcError``), by status code.
+
+::
+
+    client = BootstrapClient("10.0.0.5:8998")
+    await client.register_dp_ranks({room: 1, other_room: 0})
+    ranks, missing = await client.query_dp_ranks([room, other_room, unknown])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Awaitable, Callable, Iterable, Mapping, TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdgrpc.bootstrap import wire
+from pdgrpc.errors import BootstrapError, ConfigError
+from pdgrpc.rpc.channels import ChannelPool, shared_pool
+from pdgrpc.rpc.errors import RpcError, Unavailable, map_rpc_error
+from pdgrpc.rpc.retry import Backoff
+from pdgrpc.v1 import bootstrap_pb2 as pb
+from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_RETRY_FOR_S = 30.0
+
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
+# Below these sizes the generated classes are faster than the numpy codec's fixed cost.
+_NUMPY_ENCODE_FROM = 32
+_NUMPY_DECODE_FROM = 128
+
+
+def _encode_register(entries: Mapping[int, int] | Iterable[tuple[int, int]]) -> bytes:
+    """``RegisterDpRanksRequest`` bytes for ``entries`` (a mapping or (room, rank) pairs)."""
+    pairs = list(entries.items() if isinstance(entries, Mapping) else entries)
+    try:
+        if len(pairs) < _NUMPY_ENCODE_FROM:
+            return pb.RegisterDpRanksRequest(entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in pairs]).SerializeToString()
+        rooms = np.fromiter((r for r, _ in pairs), np.uint64, len(pairs))
+        ranks = np.fromiter((k for _, k in pairs), np.int64, len(pairs))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ConfigError(f"bootstrap rooms must be uint64 and dp ranks uint32: {exc}") from exc
+    if len(ranks) and (ranks.min() < 0 or ranks.max() > 0xFFFFFFFF):
+        raise ConfigError("dp ranks must be uint32")
+    return wire.encode_entries(rooms, ranks.astype(np.uint32))
+
+
+class BootstrapUnavailable(BootstrapError, Unavailable):
+    """The bootstrap service stayed UNAVAILABLE through every retry of a registration."""
+
+
+class QueryResult:
+    """What :meth:`BootstrapClient.query_dp_ranks` learned.
+
+    ``rooms[i]`` is served by prefill dp rank ``dp_ranks[i]``; ``missing`` rooms are not
+    known (yet): ask again later. ``ranks`` is the same as a dict, built on first use.
+    """
+
+    __slots__ = ("rooms", "dp_ranks", "missing", "_ranks")
+
+    def __init__(self, rooms: list[int], dp_ranks: list[int], missing: list[int]) -> None:
+        self.rooms = rooms
+        self.dp_ranks = dp_ranks
+        self.missing = missing
+        self._ranks: dict[int, int] | None = None
+
+    @property
+    def ranks(self) -> dict[int, int]:
+        """room → prefill dp rank, for the rooms the service knows."""
+        if self._ranks is None:
+            self._ranks = dict(zip(self.rooms, self.dp_ranks))
+        return self._ranks
+
+    def __repr__(self) -> str:
+        return f"QueryResult(ranks={self.ranks!r}, missing={self.missing!r})"
+
+
+class BootstrapClient:
+    """Client of one bootstrap service address; cheap to create (the channel is pooled)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_for: float = DEFAULT_RETRY_FOR_S,
+        backoff: Backoff = Backoff(),
+        pool: ChannelPool | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retry_for = retry_for
+        self.backoff = backoff
+        self._pool = pool
+        self._rng = rng or random.Random()
+        self._stub: pb_grpc.BootstrapServiceStub | None = None
+        self._raw_calls: tuple[grpc.aio.UnaryUnaryMultiCallable, grpc.aio.UnaryUnaryMultiCallable] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.retries = 0  # registration attempts that failed with UNAVAILABLE and were retried
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The pooled channel (taken from the pool on first use, in the running loop)."""
+        if self._channel is None:
+            pool = self._pool if self._pool is not None else shared_pool()
+            self._channel = pool.get(self.address)
+        return self._channel
+
+    @property
+    def stub(self) -> pb_grpc.BootstrapServiceStub:
+        """The generated stub on the pooled channel."""
+        if self._stub is None:
+            self._stub = pb_grpc.BootstrapServiceStub(self.channel)
+        return self._stub
+
+    def _raw(self) -> tuple[grpc.aio.UnaryUnaryMultiCallable, grpc.aio.UnaryUnaryMultiCallable]:
+        """RegisterDpRanks taking request bytes and QueryDpRanks returning response
+        bytes, so that large batches go through the numpy codec (:mod:`.wire`)."""
+        if self._raw_calls is None:
+            channel = self.channel
+            register = channel.unary_unary(
+                f"/{_SERVICE}/RegisterDpRanks", request_serializer=None, response_deserializer=pb.RegisterDpRanksResponse.FromString, _registered_method=True
+            )
+            query = channel.unary_unary(
+                f"/{_SERVICE}/QueryDpRanks", request_serializer=pb.QueryDpRanksRequest.SerializeToString, response_deserializer=None, _registered_method=True
+            )
+            self._raw_calls = (register, query)
+        return self._raw_calls
+
+    # --------------------------------------------------------------- room → dp rank
+
+    async def register_dp_ranks(
+        self, entries: Mapping[int, int] | Iterable[tuple[int, int]], *, timeout: float | None = None
+    ) -> pb.RegisterDpRanksResponse:
+        """Register room → dp rank for a batch, all or none (retried on UNAVAILABLE).
+        Raises ``InvalidArgument`` (room 0, rank out of range, batch too large) or
+        ``AlreadyExists`` (a room is registered with another rank)."""
+        data = _encode_register(entries)
+        register = self._raw()[0]
+        return await self._retrying("RegisterDpRanks", lambda t: register(data, timeout=t), timeout)
+
+    async def query_dp_ranks(self, rooms: Iterable[int], *, timeout: float | None = None) -> QueryResult:
+        """Look up the dp rank of a batch of rooms; unknown rooms come back in ``missing``."""
+        rooms = rooms.tolist() if isinstance(rooms, np.ndarray) else list(rooms)
+        try:
+            request = pb.QueryDpRanksRequest(bootstrap_rooms=rooms)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"bootstrap rooms must be uint64: {exc}") from exc
+        query = self._raw()[1]
+        data = await self._call("QueryDpRanks", query(request, timeout=self._t(timeout)))
+        fast = wire.decode_query_response(data) if len(rooms) >= _NUMPY_DECODE_FROM else None
+        if fast is not None:
+            return QueryResult(fast[0].tolist(), fast[1].tolist(), fast[2].tolist())
+        response = pb.QueryDpRanksResponse.FromString(data)
+        return QueryResult([e.bootstrap_room for e in response.entries], [e.dp_rank for e in response.entries], list(response.missing_rooms))
+
+    # --------------------------------------------------------------- workers
+
+    async def register_worker(
+        self, worker: pb.WorkerInfo, parallel_info: pb.ParallelInfo, *, timeout: float | None = None
+    ) -> pb.RegisterWorkerResponse:
+        """Register one prefill worker (retried on UNAVAILABLE). Raises
+        ``FailedPrecondition`` when its parallel info disagrees with the instance's."""
+        request = pb.RegisterWorkerRequest(worker=worker, parallel_info=parallel_info)
+        return await self._retrying("RegisterWorker", lambda t: self.stub.RegisterWorker(request, timeout=t), timeout)
+
+    async def get_parallel_info(self, *, timeout: float | None = None) -> pb.GetParallelInfoResponse:
+        """The instance's parallel info; ``Unavailable`` until every worker registered."""
+        return await self._call("GetParallelInfo", self.stub.GetParallelInfo(pb.GetParallelInfoRequest(), timeout=self._t(timeout)))
+
+    async def wait_parallel_info(self, *, wait_for: float = DEFAULT_RETRY_FOR_S) -> pb.GetParallelInfoResponse:
+        """:meth:`get_parallel_info`, retried with backoff while workers are missing."""
+        return await self._retrying("GetParallelInfo", lambda t: self.stub.GetParallelInfo(pb.GetParallelInfoRequest(), timeout=t), None, wait_for)
+
+    async def get_workers(self, dp_rank: int, tp_ranks: Iterable[int] = (), *, timeout: float | None = None) -> list[pb.WorkerInfo]:
+        """The workers of prefill ``dp_rank`` (all tp ranks, or ``tp_ranks``)."""
+        request = pb.GetWorkersRequest(dp_rank=dp_rank, tp_ranks=list(tp_ranks))
+        response = await self._call("GetWorkers", self.stub.GetWorkers(request, timeout=self._t(timeout)))
+        return list(response.workers)
+
+    # --------------------------------------------------------------- health
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The server's ``grpc.health.v1`` status name (``"SERVING"``, ...)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        response = await self._call("Check", stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout)))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    # --------------------------------------------------------------- plumbing
+
+    def _t(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+    async def _call(self, method: str, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, method=method, target=self.address) from exc
+
+    async def _retrying(
+        self, method: str, start: Callable[[float], Awaitable[T]], timeout: float | None, retry_for: float | None = None
+    ) -> T:
+        deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self._call(method, start(self._t(timeout)))
+            except Unavailable as exc:
+                delay = self.backoff.delay(attempt, self._rng)
+                if time.monotonic() + delay >= deadline:
+                    raise BootstrapUnavailable(exc.code, f"{exc.details} (gave up after {attempt} attempts)", method=method, target=self.address) from exc
+                self.retries += 1
+                await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        """Forget the channel. The pooled channel stays open for other clients; close
+        the pool (``await pool.close()``) to close connections."""
+        self._channel = None
+        self._stub = None
+        self._raw_calls = None
+
+
+__all__ = ["BootstrapClient", "BootstrapUnavailable", "QueryResult", "RpcError"]

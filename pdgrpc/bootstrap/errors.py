@@ -1,0 +1,53 @@
+"""Errors the bootstrap service's pure parts (room table, worker registry) raise.
+
+The servicer turns each into the gRPC status named beside it; a client sees them as the
+matching :mod:`pdgrpc.rpc.errors` classes.
+"""
+
+from __future__ import annotations
+
+from pdgrpc.errors import BootstrapError, CompatibilityError
+
+
+class InvalidRequest(BootstrapError, ValueError):
+    """Malformed request: room 0, dp rank out of range, batch over the limit, bad sizes.
+    → ``INVALID_ARGUMENT``."""
+
+
+class RoomConflict(BootstrapError):
+    """A room is already registered with a different dp rank. → ``ALREADY_EXISTS``."""
+
+    def __init__(self, room: int, registered_rank: int, requested_rank: int) -> None:
+        self.room = room
+        self.registered_rank = registered_rank
+        self.requested_rank = requested_rank
+        super().__init__(
+            f"bootstrap_room {room} is already registered with dp_rank {registered_rank}; "
+            f"refusing dp_rank {requested_rank} (nothing in this batch was registered)"
+        )
+
+
+class TopologyMismatch(BootstrapError, CompatibilityError):
+    """A worker's parallel info disagrees with the instance's. → ``FAILED_PRECONDITION``."""
+
+    def __init__(self, field: str, instance_value: object, worker_value: object) -> None:
+        self.field = field
+        self.instance_value = instance_value
+        self.worker_value = worker_value
+        super().__init__(
+            f"parallel_info.{field} disagrees: the instance has {instance_value}, "
+            f"this worker has {worker_value}"
+        )
+
+
+class WorkersPending(BootstrapError):
+    """Not every worker of the instance has registered yet. → ``UNAVAILABLE``."""
+
+    def __init__(self, registered: int, expected: int | None) -> None:
+        self.registered = registered
+        self.expected = expected
+        if expected is None:
+            msg = "0 of ? workers registered: no prefill worker has registered yet"
+        else:
+            msg = f"{registered} of {expected} workers registered; retry when all have"
+        super().__init__(msg)

@@ -1,0 +1,129 @@
+"""The registry of one prefill instance's workers. Pure: no I/O, no clock.
+
+* The first :meth:`WorkerRegistry.register` fixes the instance's :class:`ParallelInfo`
+  (topology and KV format). A later worker whose parallel info differs in any field is
+  refused with :class:`TopologyMismatch` naming the field and both values.
+* A worker is identified by its ``(dp_rank, tp_rank, pp_rank)`` slot. Registering a
+  slot again (a restart) replaces the entry and bumps the slot's ``generation``
+  (1, 2, ...), which clients compare to drop connections cached for the old process.
+* :meth:`parallel_info` and :meth:`workers` raise :class:`WorkersPending` ("k of n
+  workers registered") until every slot of the topology has registered.
+
+Messages are the generated ``pdgrpc.v1`` protobuf types; the registry keeps copies.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from pdgrpc.bootstrap.errors import InvalidRequest, TopologyMismatch, WorkersPending
+from pdgrpc.v1 import bootstrap_pb2 as pb
+
+Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
+
+
+def _show(info: pb.ParallelInfo, field: str) -> str:
+    value = getattr(info, field)
+    if field == "load_balance_method":
+        return pb.LoadBalanceMethod.Name(value)
+    if isinstance(value, bytes):
+        return f"0x{value.hex()}" if value else "(empty)"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def check_parallel_info(info: pb.ParallelInfo) -> None:
+    """Raise :class:`InvalidRequest` unless ``info`` is usable on its own."""
+    for field in ("tp_size", "dp_size", "pp_size", "page_size"):
+        if getattr(info, field) < 1:
+            raise InvalidRequest(f"parallel_info.{field} must be >= 1, got {getattr(info, field)}")
+    if info.load_balance_method == pb.LOAD_BALANCE_METHOD_UNSPECIFIED:
+        raise InvalidRequest("parallel_info.load_balance_method must be set (it is LOAD_BALANCE_METHOD_UNSPECIFIED)")
+
+
+class WorkerRegistry:
+    """Workers of one prefill instance; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._info: pb.ParallelInfo | None = None
+        self._workers: dict[Slot, pb.WorkerInfo] = {}
+        self._generations: dict[Slot, int] = {}
+
+    @property
+    def info(self) -> pb.ParallelInfo | None:
+        """The instance's parallel info once the first worker has registered."""
+        return self._info
+
+    @property
+    def dp_size(self) -> int | None:
+        return self._info.dp_size if self._info is not None else None
+
+    @property
+    def expected(self) -> int | None:
+        """Workers the topology has: dp_size * tp_size * pp_size (None before the first)."""
+        i = self._info
+        return None if i is None else i.dp_size * i.tp_size * i.pp_size
+
+    @property
+    def registered(self) -> int:
+        return len(self._workers)
+
+    @property
+    def complete(self) -> bool:
+        return self._info is not None and self.registered == self.expected
+
+    def register(self, worker: pb.WorkerInfo, info: pb.ParallelInfo) -> tuple[int, int, int]:
+        """Record ``worker``; returns ``(generation, registered, expected)``."""
+        check_parallel_info(info)
+        if self._info is not None:
+            for field in (f.name for f in pb.ParallelInfo.DESCRIPTOR.fields):
+                if getattr(self._info, field) != getattr(info, field):
+                    raise TopologyMismatch(field, _show(self._info, field), _show(info, field))
+        for rank, size in (("dp_rank", info.dp_size), ("tp_rank", info.tp_size), ("pp_rank", info.pp_size)):
+            if getattr(worker, rank) >= size:
+                raise InvalidRequest(f"worker.{rank} {getattr(worker, rank)} is outside [0, {size})")
+        if not worker.transfer_address:
+            raise InvalidRequest("worker.transfer_address must be set (host:port of its handshake service)")
+        if self._info is None:
+            self._info = pb.ParallelInfo()
+            self._info.CopyFrom(info)
+        slot = (worker.dp_rank, worker.tp_rank, worker.pp_rank)
+        generation = self._generations.get(slot, 0) + 1
+        self._generations[slot] = generation
+        entry = pb.WorkerInfo()
+        entry.CopyFrom(worker)
+        entry.generation = generation
+        self._workers[slot] = entry
+        expected = self.expected
+        assert expected is not None
+        return generation, self.registered, expected
+
+    def parallel_info(self) -> pb.ParallelInfo:
+        """The instance's parallel info; :class:`WorkersPending` until all registered."""
+        self._require_complete()
+        assert self._info is not None
+        return self._info
+
+    def workers(self, dp_rank: int, tp_ranks: Iterable[int] = ()) -> list[pb.WorkerInfo]:
+        """Workers of ``dp_rank`` (those with ``tp_ranks`` if given), ordered by
+        ``(tp_rank, pp_rank)``; :class:`WorkersPending` until all registered."""
+        self._require_complete()
+        info = self._info
+        assert info is not None
+        if dp_rank >= info.dp_size:
+            raise InvalidRequest(f"dp_rank {dp_rank} is outside [0, dp_size={info.dp_size})")
+        wanted = set(tp_ranks)
+        for tp in wanted:
+            if tp >= info.tp_size:
+                raise InvalidRequest(f"tp_rank {tp} is outside [0, tp_size={info.tp_size})")
+        return [
+            self._workers[(dp_rank, tp, pp)]
+            for tp in range(info.tp_size)
+            if not wanted or tp in wanted
+            for pp in range(info.pp_size)
+        ]
+
+    def _require_complete(self) -> None:
+        if not self.complete:
+            raise WorkersPending(self.registered, self.expected)

@@ -1,0 +1,224 @@
+"""``BootstrapService`` over grpc.aio: the servicer and a server that runs it.
+
+The servicer is a thin adapter: it decodes requests, calls the pure
+:class:`~pdgrpc.bootstrap.table.RoomTable` and
+:class:`~pdgrpc.bootstrap.registry.WorkerRegistry`, and maps their errors to status
+codes (:data:`STATUS_OF`). A background task sweeps expired rooms in small steps so the
+event loop never stalls (each step frees at most ``expire_budget`` records).
+
+    server = await start_bootstrap_server(host="127.0.0.1", port=0, ttl=120.0)
+    ...   # server.address, server.table.stats
+    await server.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Callable, NoReturn
+
+import grpc
+
+import numpy as np
+
+from pdgrpc.bootstrap import wire
+from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.rpc.server import RpcServer, start_server
+from pdgrpc.v1 import bootstrap_pb2 as pb
+
+log = logging.getLogger("pdgrpc.bootstrap")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
+_SMALL_BATCH = 16  # rooms; smaller calls use the generated classes, larger the numpy codec
+_SMALL_MESSAGE = 256  # bytes; ditto for requests
+
+STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    RoomConflict: grpc.StatusCode.ALREADY_EXISTS,
+    TopologyMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    WorkersPending: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: PdgrpcError) -> NoReturn:
+    code = next((c for t, c in STATUS_OF.items() if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
+    await context.abort(code, str(exc))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class BootstrapServicer:
+    """Serves one prefill instance's registry and its room table.
+
+    Register it with :func:`add_bootstrap_servicer`, not the generated
+    ``add_BootstrapServiceServicer_to_server``: ``RegisterDpRanks`` receives the raw
+    request bytes and ``QueryDpRanks`` returns raw response bytes, so that large
+    batches go through the vectorised codec (:mod:`pdgrpc.bootstrap.wire`).
+    """
+
+    def __init__(self, table: RoomTable, registry: WorkerRegistry, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.registry = registry
+        self.clock = clock
+
+    async def RegisterDpRanks(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
+        try:
+            fast = wire.decode_register_request(data) if len(data) > _SMALL_MESSAGE else None
+            if fast is not None:
+                rooms, ranks = fast
+            else:
+                entries = pb.RegisterDpRanksRequest.FromString(data).entries
+                self._check_batch(len(entries))
+                rooms = [e.bootstrap_room for e in entries]
+                ranks = [e.dp_rank for e in entries]
+            self._check_batch(len(rooms))
+            result = self.table.register(rooms, ranks, self.clock(), dp_size=self.registry.dp_size)
+        except (InvalidRequest, RoomConflict) as exc:
+            await _abort(context, exc)
+        return pb.RegisterDpRanksResponse(added=result.added, unchanged=result.unchanged)
+
+    async def QueryDpRanks(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bytes:
+        rooms = request.bootstrap_rooms
+        try:
+            self._check_batch(len(rooms))
+            if len(rooms) <= _SMALL_BATCH:
+                found, ranks, missing = self.table.query(rooms, self.clock())
+                return pb.QueryDpRanksResponse(
+                    entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in zip(found, ranks)], missing_rooms=missing
+                ).SerializeToString()
+            found_a, ranks_a, missing_a = self.table.query_array(np.array(rooms, np.uint64), self.clock())
+        except InvalidRequest as exc:
+            await _abort(context, exc)
+        return wire.encode_query_response(found_a, ranks_a, missing_a)
+
+    def _check_batch(self, n: int) -> None:
+        if n > self.table.max_batch:
+            raise InvalidRequest(f"batch of {n} rooms is over the limit of {self.table.max_batch} per call; split it")
+
+    async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext) -> pb.RegisterWorkerResponse:
+        try:
+            generation, registered, expected = self.registry.register(request.worker, request.parallel_info)
+        except (InvalidRequest, TopologyMismatch) as exc:
+            await _abort(context, exc)
+        w = request.worker
+        log.info(
+            "worker dp%d/tp%d/pp%d registered at %s (%s), generation %d; %d of %d workers",
+            w.dp_rank, w.tp_rank, w.pp_rank, w.transfer_address, w.transport or "?", generation, registered, expected,
+        )
+        return pb.RegisterWorkerResponse(generation=generation, registered_workers=registered, expected_workers=expected)
+
+    async def GetParallelInfo(self, request: pb.GetParallelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetParallelInfoResponse:
+        try:
+            info = self.registry.parallel_info()
+        except WorkersPending as exc:
+            await _abort(context, exc)
+        n = self.registry.registered
+        return pb.GetParallelInfoResponse(parallel_info=info, registered_workers=n, expected_workers=n)
+
+    async def GetWorkers(self, request: pb.GetWorkersRequest, context: grpc.aio.ServicerContext) -> pb.GetWorkersResponse:
+        try:
+            workers = self.registry.workers(request.dp_rank, request.tp_ranks)
+        except (InvalidRequest, WorkersPending) as exc:
+            await _abort(context, exc)
+        return pb.GetWorkersResponse(workers=workers)
+
+
+def add_bootstrap_servicer(servicer: BootstrapServicer, server: grpc.aio.Server) -> None:
+    """Add ``servicer`` to ``server`` as ``pdgrpc.v1.BootstrapService``."""
+    raw = None  # raw bytes in or out: the servicer does its own (de)serialization
+    handlers = {
+        "RegisterDpRanks": grpc.unary_unary_rpc_method_handler(
+            servicer.RegisterDpRanks, request_deserializer=raw, response_serializer=pb.RegisterDpRanksResponse.SerializeToString
+        ),
+        "QueryDpRanks": grpc.unary_unary_rpc_method_handler(
+            servicer.QueryDpRanks, request_deserializer=pb.QueryDpRanksRequest.FromString, response_serializer=raw
+        ),
+        "RegisterWorker": grpc.unary_unary_rpc_method_handler(
+            servicer.RegisterWorker, request_deserializer=pb.RegisterWorkerRequest.FromString, response_serializer=pb.RegisterWorkerResponse.SerializeToString
+        ),
+        "GetParallelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetParallelInfo, request_deserializer=pb.GetParallelInfoRequest.FromString, response_serializer=pb.GetParallelInfoResponse.SerializeToString
+        ),
+        "GetWorkers": grpc.unary_unary_rpc_method_handler(
+            servicer.GetWorkers, request_deserializer=pb.GetWorkersRequest.FromString, response_serializer=pb.GetWorkersResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+@dataclasses.dataclass(frozen=True)
+class BootstrapConfig:
+    ttl: float = DEFAULT_TTL_S  # seconds a room → rank entry lives after its last registration
+    max_rooms: int = DEFAULT_MAX_ROOMS  # hard cap; the oldest rooms are evicted beyond it
+    max_batch: int = DEFAULT_MAX_BATCH  # rooms per RegisterDpRanks / QueryDpRanks call
+    sweep_interval: float = 1.0  # seconds between expiry sweeps
+    expire_budget: int = 16384  # records one sweep step may free before yielding the loop
+
+
+class BootstrapServer:
+    """A running bootstrap service: ``address``, ``table``, ``registry``, ``stop()``."""
+
+    def __init__(self, rpc: RpcServer, servicer: BootstrapServicer, config: BootstrapConfig) -> None:
+        self.rpc = rpc
+        self.servicer = servicer
+        self.config = config
+        self.table = servicer.table
+        self.registry = servicer.registry
+        self._sweeper = asyncio.ensure_future(self._sweep())
+        rpc.on_stop(self._stop_sweeper)
+
+    @property
+    def address(self) -> str:
+        return self.rpc.address
+
+    @property
+    def port(self) -> int:
+        return self.rpc.port
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.rpc.stop(grace)
+
+    async def __aenter__(self) -> "BootstrapServer":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(grace=1.0)
+
+    async def _stop_sweeper(self) -> None:
+        self._sweeper.cancel()
+        try:
+            await self._sweeper
+        except asyncio.CancelledError:
+            pass
+
+    async def _sweep(self) -> None:
+        table, clock, budget = self.table, self.servicer.clock, self.config.expire_budget
+        while True:
+            await asyncio.sleep(self.config.sweep_interval)
+            while table.expire(clock(), budget) == budget:
+                await asyncio.sleep(0)  # let calls in between: no step is long
+
+
+async def start_bootstrap_server(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: BootstrapConfig = BootstrapConfig(),
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    registry: WorkerRegistry | None = None,
+) -> BootstrapServer:
+    """Start ``BootstrapService`` (with health and reflection) on ``host:port``."""
+    table = RoomTable(ttl=config.ttl, max_rooms=config.max_rooms, max_batch=config.max_batch)
+    servicer = BootstrapServicer(table, registry or WorkerRegistry(), clock)
+    rpc = await start_server(
+        [(SERVICE_NAME, lambda server: add_bootstrap_servicer(servicer, server))],
+        host=host,
+        port=port,
+        what="pdgrpc bootstrap",
+    )
+    return BootstrapServer(rpc, servicer, config)

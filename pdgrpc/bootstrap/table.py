@@ -1,0 +1,434 @@
+"""The room → prefill dp-rank table: TTL, a hard cap, incremental expiry. Pure.
+
+No I/O, no threads, no clock: every call that depends on time takes ``now`` (seconds,
+any monotonic origin). The server calls :meth:`RoomTable.expire` from a background task
+in small steps; tests call it directly with a fake ``now``.
+
+Why not a dict
+--------------
+A ``dict`` of a million 63-bit rooms costs ~140 MB after churn (int objects, dummy
+slots, a 3x growth step) and its resize stops the process for 0.1-0.2 s. This table
+preallocates flat numpy arrays sized from ``max_rooms``, so it never resizes, costs a
+fixed ~56 bytes per room of capacity (pages are touched as rooms arrive), and batch
+operations are vectorised.
+
+Layout
+------
+* **Hash table**: ``capacity = 2 * max_rooms`` slots (rounded up to a power of two),
+  grouped in buckets of ``W = 16`` slots (128 bytes of keys). A room lives in its home
+  bucket (a keyed multiply-shift hash) or, if that is full, in the next bucket with a
+  free slot; ``overflow[b]`` counts the rooms that probed past bucket ``b``, so a lookup
+  stops at the first bucket that holds the room or has ``overflow == 0``. Key 0 marks a
+  free slot (room 0 is invalid). Deleting a room just clears its slot and decrements
+  the counters it incremented: no tombstones, no rehash, ever. Load stays <= 50 %.
+* **Ring of registrations**, in time order: (slot, time) per registration, plus the
+  slot's ``seq`` (the ring index of its latest registration, mod 2**32). Expiry and
+  eviction pop from the head; a record whose slot has been re-registered since
+  (renewed) or freed no longer matches ``seq`` and is skipped. The ring holds
+  ``>= 2 * max_rooms`` records; if renewals ever fill it, the oldest live rooms are
+  evicted (counted).
+
+Expiry is exact for readers (a lookup checks the registration time, so an expired room
+is missing even before the sweep reaches it) and incremental for memory: one
+``expire(now, budget)`` step frees at most ``budget`` records, a few hundred
+microseconds of vectorised work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict
+
+W = 16  # slots per bucket
+_M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
+_SMALL = 16  # batches up to this size take the per-room (pure Python) path: less overhead
+
+DEFAULT_TTL_S = 120.0
+DEFAULT_MAX_ROOMS = 1 << 20
+DEFAULT_MAX_BATCH = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterResult:
+    added: int  # rooms new to the table
+    unchanged: int  # rooms already registered with the same rank (TTL renewed)
+    evicted: int  # live rooms this call evicted to stay under max_rooms
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStats:
+    size: int  # rooms stored (live, or expired and not yet swept)
+    max_rooms: int
+    registered: int  # registrations accepted, ever (renewals included)
+    expired: int  # rooms removed because their TTL passed
+    evicted: int  # live rooms removed to honour max_rooms (oldest first)
+    pending_records: int  # ring records not yet popped (size + stale renewals)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class RoomTable:
+    """room → dp rank with TTL and a hard cap; see the module docstring for the layout.
+
+    All-or-none: a call that raises has changed nothing visible (it may have dropped
+    rooms that had already expired, which no reader could see anyway).
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl: float = DEFAULT_TTL_S,
+        max_rooms: int = DEFAULT_MAX_ROOMS,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        seed: int | None = None,
+        ring_records: int | None = None,
+    ) -> None:
+        """``seed`` fixes the hash (tests); ``ring_records`` sizes the ring (default: the
+        power of two >= 2 * max_rooms; at least max_batch)."""
+        if not ttl > 0:
+            raise InvalidRequest(f"ttl must be > 0 seconds, got {ttl}")
+        if not 1 <= max_rooms <= 1 << 30:
+            raise InvalidRequest(f"max_rooms must be in [1, 2**30], got {max_rooms}")
+        if not 1 <= max_batch <= max_rooms:
+            raise InvalidRequest(f"max_batch must be in [1, max_rooms={max_rooms}], got {max_batch}")
+        self.ttl = float(ttl)
+        self.max_rooms = max_rooms
+        self.max_batch = max_batch
+        nbuckets = max(2, _pow2_at_least(-(-2 * max_rooms // W)))
+        self._nb = nbuckets
+        self._bmask = nbuckets - 1
+        self._shift = 64 - (nbuckets.bit_length() - 1)
+        # Keyed hash: rooms are client-chosen, so the multiplier is secret and odd.
+        rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._mult = rng.getrandbits(64) | 1
+        self._mult_np = np.uint64(self._mult)
+        self._shift_np = np.uint64(self._shift)
+        cap = nbuckets * W
+        self._keys = np.zeros(cap, np.uint64)
+        self._keys2d = self._keys.reshape(nbuckets, W)
+        self._rank = np.zeros(cap, np.uint32)
+        self._seq = np.zeros(cap, np.uint32)
+        self._ovf = np.zeros(nbuckets, np.uint32)
+        nring = _pow2_at_least(max(max_batch, ring_records or 2 * max_rooms))
+        self._rmask = nring - 1
+        self._ring_slot = np.zeros(nring, np.uint32)
+        self._ring_time = np.zeros(nring, np.float64)
+        self._head = 0  # absolute index of the oldest record
+        self._tail = 0  # absolute index of the next record
+        self._size = 0
+        self._now = float("-inf")
+        self._registered = 0
+        self._expired = 0
+        self._evicted = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def stats(self) -> TableStats:
+        return TableStats(self._size, self.max_rooms, self._registered, self._expired, self._evicted, self._tail - self._head)
+
+    def register(self, rooms: Sequence[int], ranks: Sequence[int], now: float, *, dp_size: int | None = None) -> RegisterResult:
+        """Register ``rooms[i] → ranks[i]``, all or none.
+
+        Raises :class:`InvalidRequest` (room 0, batch over ``max_batch``, a rank outside
+        ``[0, dp_size)`` when ``dp_size`` is given) or :class:`RoomConflict` (a room
+        registered, here or earlier in the same batch, with a different rank).
+        Re-registering with the same rank renews the room's TTL.
+        """
+        n = len(rooms)
+        if n != len(ranks):
+            raise InvalidRequest(f"{n} rooms but {len(ranks)} ranks")
+        self._check_batch(n)
+        now = self._advance(now)
+        if n <= _SMALL:
+            return self._register_small(rooms, ranks, now, dp_size)
+        return self._register_many(np.asarray(rooms, np.uint64), np.asarray(ranks, np.int64), now, dp_size)
+
+    def query(self, rooms: Sequence[int], now: float) -> tuple[list[int], list[int], list[int]]:
+        """Look rooms up: ``(found_rooms, their_ranks, missing_rooms)``, each in request
+        order. Unknown or expired rooms are missing, not an error; room 0 and batches
+        over ``max_batch`` raise :class:`InvalidRequest`."""
+        n = len(rooms)
+        self._check_batch(n)
+        if n <= _SMALL:
+            found: list[int] = []
+            ranks: list[int] = []
+            missing: list[int] = []
+            for room in rooms:
+                if room == 0:
+                    raise InvalidRequest("bootstrap_room 0 is invalid: 0 means not written")
+                s = self._find(room)
+                if s >= 0 and self._alive(s, now):
+                    found.append(room)
+                    ranks.append(int(self._rank[s]))
+                else:
+                    missing.append(room)
+            return found, ranks, missing
+        found_a, ranks_a, missing_a = self.query_array(np.asarray(rooms, np.uint64), now)
+        return found_a.tolist(), ranks_a.tolist(), missing_a.tolist()
+
+    def query_array(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`query` on and to numpy arrays (uint64 rooms; uint32 ranks)."""
+        self._check_batch(len(keys))
+        if not keys.all():
+            raise InvalidRequest("bootstrap_room 0 is invalid: 0 means not written")
+        slots = self._find_many(keys)
+        hit = slots >= 0
+        hs = slots[hit]
+        alive = hit
+        alive[hit] = self._ring_time[self._seq[hs] & self._rmask] + self.ttl > now
+        return keys[alive], self._rank[slots[alive]], keys[~alive]
+
+    def expire(self, now: float, budget: int = 16384) -> int:
+        """Free rooms whose TTL has passed, looking at no more than ``budget`` records.
+        Returns the number of records consumed; ``== budget`` means call again."""
+        now = self._advance(now)
+        k = min(budget, self._tail - self._head)
+        if k <= 0:
+            return 0
+        idx = np.arange(self._head, self._head + k, dtype=np.int64)
+        due = self._ring_time[idx & self._rmask] + self.ttl <= now
+        n = k if due[-1] else int(np.argmin(due))  # times are non-decreasing: due is a prefix
+        if n:
+            self._pop_head(n, now)
+        return n
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_batch(self, n: int) -> None:
+        if n > self.max_batch:
+            raise InvalidRequest(f"batch of {n} rooms is over the limit of {self.max_batch} per call; split it")
+
+    def _advance(self, now: float) -> float:
+        # The ring is kept in time order, so time never runs backwards here.
+        if now > self._now:
+            self._now = float(now)
+        return self._now
+
+    def _alive(self, slot: int, now: float) -> bool:
+        return bool(self._ring_time[int(self._seq[slot]) & self._rmask] + self.ttl > now)
+
+    def _home(self, room: int) -> int:
+        return ((room * self._mult) & _M64) >> self._shift
+
+    def _home_many(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * self._mult_np) >> self._shift_np).astype(np.int64)
+
+    def _find(self, room: int) -> int:
+        """Slot of ``room`` or -1 (expired rooms not yet swept are still found)."""
+        b = self._home(room)
+        while True:
+            row = self._keys2d[b].tolist()
+            if room in row:
+                return b * W + row.index(room)
+            if not self._ovf[b]:
+                return -1
+            b = (b + 1) & self._bmask
+
+    def _find_many(self, keys: np.ndarray) -> np.ndarray:
+        home = self._home_many(keys)
+        eq = self._keys2d[home] == keys[:, None]
+        hit = eq.any(axis=1)
+        slots = np.where(hit, home * W + eq.argmax(axis=1), -1)
+        for i in np.flatnonzero(~hit & (self._ovf[home] > 0)).tolist():  # rare: probed past home
+            slots[i] = self._find(int(keys[i]))
+        return slots
+
+    def _insert_one(self, room: int, rank: int) -> int:
+        h = b = self._home(room)
+        while True:
+            row = self._keys2d[b].tolist()
+            if 0 in row:
+                break
+            b = (b + 1) & self._bmask
+        j = h
+        while j != b:
+            self._ovf[j] += 1
+            j = (j + 1) & self._bmask
+        s = b * W + row.index(0)
+        self._keys[s] = room
+        self._rank[s] = rank
+        self._size += 1
+        return s
+
+    def _insert_many(self, keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Insert rooms known to be absent and distinct; returns their slots."""
+        m = len(keys)
+        home = self._home_many(keys)
+        order = np.argsort(home, kind="stable")
+        hs = home[order]
+        new_group = np.empty(m, bool)
+        new_group[0] = True
+        np.not_equal(hs[1:], hs[:-1], out=new_group[1:])
+        starts = np.flatnonzero(new_group)
+        index_in_group = np.arange(m) - starts[np.cumsum(new_group) - 1]
+        # The i-th room of a bucket group takes the bucket's i-th free slot, if any.
+        free_before = np.cumsum(self._keys2d[hs] == 0, axis=1)
+        fits = index_in_group < free_before[:, -1]
+        col = np.argmax(free_before > index_in_group[:, None], axis=1)
+        slots = np.empty(m, np.int64)
+        slots[order] = np.where(fits, hs * W + col, -1)
+        placed = slots >= 0
+        ps = slots[placed]
+        self._keys[ps] = keys[placed]
+        self._rank[ps] = ranks[placed]
+        self._size += len(ps)
+        for i in np.flatnonzero(~placed).tolist():  # rare: home bucket full
+            slots[i] = self._insert_one(int(keys[i]), int(ranks[i]))
+        return slots
+
+    def _delete(self, slots: np.ndarray) -> None:
+        keys = self._keys[slots]
+        home = self._home_many(keys)
+        bucket = slots // W
+        for i in np.flatnonzero(home != bucket).tolist():  # rare: undo the overflow counts
+            j, b = int(home[i]), int(bucket[i])
+            while j != b:
+                self._ovf[j] -= 1
+                j = (j + 1) & self._bmask
+        self._keys[slots] = 0
+        self._size -= len(slots)
+
+    def _append(self, slots: np.ndarray, now: float) -> None:
+        m = len(slots)
+        assert self._tail - self._head + m <= len(self._ring_slot), "ring space not reserved"
+        seqs = np.arange(self._tail, self._tail + m, dtype=np.int64)
+        idx = seqs & self._rmask
+        self._ring_slot[idx] = slots
+        self._ring_time[idx] = now
+        self._seq[slots] = seqs & _M32
+        self._tail += m
+        self._registered += m
+
+    def _pop_head(self, n: int, now: float) -> int:
+        """Consume the ``n`` oldest records, deleting rooms they still own. Rooms past
+        their TTL count as expired, the others as evicted. Returns rooms deleted."""
+        seqs = np.arange(self._head, self._head + n, dtype=np.int64)
+        slots = self._ring_slot[seqs & self._rmask].astype(np.int64)
+        own = (self._keys[slots] != 0) & (self._seq[slots] == (seqs & _M32))
+        self._head += n
+        live = slots[own]
+        if len(live):
+            due = int(np.count_nonzero(self._ring_time[seqs[own] & self._rmask] + self.ttl <= now))
+            self._expired += due
+            self._evicted += len(live) - due
+            self._delete(live)
+        return len(live)
+
+    def _ring_space(self, records: int, now: float) -> bool:
+        """Pop the oldest records until ``records`` more fit in the ring. Needed only when
+        renewals have filled it with stale records. Returns whether anything was popped."""
+        free = len(self._ring_slot) - (self._tail - self._head)
+        if records <= free:
+            return False
+        self._pop_head(records - free, now)
+        return True
+
+    def _make_room(self, new: int, now: float) -> None:
+        """Pop the oldest records until ``new`` more rooms fit under max_rooms. Rooms this
+        call renewed are safe: their records were just appended, and the batch fits."""
+        while self._size + new > self.max_rooms:
+            self._pop_head(min(self._size + new - self.max_rooms, self._tail - self._head), now)
+
+    # Registering a batch, both paths: (1) validate; (2) classify every room as renewed or
+    # new, freeing rooms that expired but were not swept yet, and raise on a conflict —
+    # nothing visible has changed yet; (3) make ring space (if that evicted a room being
+    # renewed, classify again); (4) renew, so renewed rooms are the newest; (5) evict the
+    # oldest rooms until the new ones fit under max_rooms; (6) insert the new rooms.
+
+    def _register_small(self, rooms: Sequence[int], ranks: Sequence[int], now: float, dp_size: int | None) -> RegisterResult:
+        pairs = [(int(room), int(rank)) for room, rank in zip(rooms, ranks)]
+        for room, rank in pairs:  # invalid entries first, then conflicts (like the numpy path)
+            self._check_entry(room, rank, dp_size)
+        want: dict[int, int] = {}
+        for room, rank in pairs:
+            if want.setdefault(room, rank) != rank:
+                raise RoomConflict(room, want[room], rank)
+        evicted_before = self._evicted
+        while True:
+            slots = {room: self._find(room) for room in want}
+            gone = [s for s in slots.values() if s >= 0 and not self._alive(s, now)]
+            if gone:  # expired, not yet swept: free them now
+                self._expired += len(gone)
+                self._delete(np.asarray(gone, np.int64))
+                slots = {room: -1 if s in gone else s for room, s in slots.items()}
+            renew: list[int] = []
+            new: list[int] = []
+            for room, s in slots.items():
+                if s < 0:
+                    new.append(room)
+                elif int(self._rank[s]) != want[room]:
+                    raise RoomConflict(room, int(self._rank[s]), want[room])
+                else:
+                    renew.append(s)
+            if not self._ring_space(len(want), now):
+                break
+        self._append(np.asarray(renew, np.int64), now)
+        self._make_room(len(new), now)
+        self._append(np.asarray([self._insert_one(room, want[room]) for room in new], np.int64), now)
+        return RegisterResult(len(new), len(rooms) - len(new), self._evicted - evicted_before)
+
+    def _register_many(self, keys: np.ndarray, ranks: np.ndarray, now: float, dp_size: int | None) -> RegisterResult:
+        n = len(keys)
+        if not keys.all():
+            i = int(np.argmin(keys != 0))
+            raise InvalidRequest(f"entries[{i}]: bootstrap_room 0 is invalid: 0 means not written")
+        bad = (ranks < 0) | (ranks > _M32) if dp_size is None else (ranks < 0) | (ranks >= dp_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            self._check_entry(int(keys[i]), int(ranks[i]), dp_size)
+        uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        if len(uniq) != n:
+            inverse = inverse.reshape(-1)
+            clash = ranks != ranks[first][inverse]
+            if clash.any():
+                i = int(np.argmax(clash))
+                raise RoomConflict(int(keys[i]), int(ranks[first[inverse[i]]]), int(ranks[i]))
+            first.sort()  # keep request order (of first occurrences)
+            keys, ranks = keys[first], ranks[first]
+        evicted_before = self._evicted
+        while True:
+            slots = self._find_many(keys)
+            hit = slots >= 0
+            hit_idx = np.flatnonzero(hit)
+            hs = slots[hit_idx]
+            gone = self._ring_time[self._seq[hs] & self._rmask] + self.ttl <= now
+            if gone.any():  # expired, not yet swept: free them now
+                self._expired += int(gone.sum())
+                self._delete(hs[gone])
+                hit[hit_idx[gone]] = False
+                hit_idx, hs = hit_idx[~gone], hs[~gone]
+            clash = self._rank[hs] != ranks[hit_idx]
+            if clash.any():
+                i = int(hit_idx[np.argmax(clash)])
+                raise RoomConflict(int(keys[i]), int(self._rank[hs[np.argmax(clash)]]), int(ranks[i]))
+            if not self._ring_space(len(keys), now):
+                break
+        new = len(keys) - len(hit_idx)
+        self._append(hs, now)
+        self._make_room(new, now)
+        if new:
+            self._append(self._insert_many(keys[~hit], ranks[~hit]), now)
+        return RegisterResult(new, n - new, self._evicted - evicted_before)
+
+    @staticmethod
+    def _check_entry(room: int, rank: int, dp_size: int | None) -> None:
+        if room == 0:
+            raise InvalidRequest("bootstrap_room 0 is invalid: 0 means not written")
+        if not 0 <= room <= _M64:
+            raise InvalidRequest(f"bootstrap_room {room} is not a uint64")
+        if dp_size is not None and not 0 <= rank < dp_size:
+            raise InvalidRequest(f"bootstrap_room {room}: dp_rank {rank} is outside [0, dp_size={dp_size})")
+        if not 0 <= rank <= _M32:
+            raise InvalidRequest(f"bootstrap_room {room}: dp_rank {rank} is not a uint32")

@@ -1,0 +1,180 @@
+"""Starting, running and stopping a pdgrpc ``grpc.aio`` server.
+
+Every pdgrpc server (bootstrap, and later prefill, decode, router) is started the same
+way::
+
+    server = await start_server([(name, register)], host="127.0.0.1", port=0)
+    ...                                  # server.port is the bound port
+    await server.stop(grace=5.0)
+
+or, as a process's main (``run(main())``)::
+
+    stop = StopSignal()                  # SIGTERM/SIGINT now request a graceful stop
+    server = await start_server(...)
+    await serve_until_signal(server, grace=5.0, stop=stop)
+
+Each server gets:
+
+* the standard ``grpc.health.v1.Health`` service: overall status ``""`` and each named
+  service ``SERVING`` while it runs, ``NOT_SERVING`` once it starts shutting down;
+* server reflection, listing the named services (``grpcurl``, ``grpc_cli`` work);
+* one INFO log line ``<what> listening on <host>:<port> (...)``;
+* graceful shutdown: :func:`serve_until_signal` stops on SIGTERM or SIGINT, letting
+  in-flight calls finish for ``grace`` seconds.
+
+:func:`run` runs a coroutine on uvloop when it is installed, else on asyncio's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any, Callable, Coroutine, Iterable, Sequence, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("pdgrpc.rpc")
+
+T = TypeVar("T")
+
+# Large batches (65,536 rooms ≈ 1 MB) must fit; the default limit is 4 MB.
+DEFAULT_SERVER_OPTIONS: tuple[tuple[str, int | str], ...] = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Let clients keep idle connections alive with pings every 30 s.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+)
+
+# (full service name, function adding the servicer to a server)
+ServiceSpec = tuple[str, Callable[[grpc.aio.Server], None]]
+
+
+def loop_name() -> str:
+    loop = asyncio.get_running_loop()
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to completion on uvloop if it is installed, else on asyncio."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+class RpcServer:
+    """A started ``grpc.aio`` server with health and reflection. See the module doc."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, host: str, port: int, services: Sequence[str]) -> None:
+        self.server = server
+        self.health = health_servicer
+        self.host = host
+        self.port = port
+        self.services = tuple(services)
+        self._stopped: asyncio.Event = asyncio.Event()
+        self._on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
+
+    @property
+    def address(self) -> str:
+        """``host:port`` a client on this machine can dial."""
+        host = self.host
+        if host in ("0.0.0.0", "", "[::]", "::"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def on_stop(self, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Await ``callback()`` when the server stops, before the transport closes."""
+        self._on_stop.append(callback)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Report NOT_SERVING, then stop, letting in-flight calls run up to ``grace`` s."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        await self.health.enter_graceful_shutdown()
+        for callback in self._on_stop:
+            await callback()
+        await self.server.stop(grace)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    services: Iterable[ServiceSpec],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    options: Sequence[tuple[str, int | str]] = DEFAULT_SERVER_OPTIONS,
+    what: str = "pdgrpc server",
+) -> RpcServer:
+    """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
+    and reflection. ``port=0`` picks a free port (``RpcServer.port``)."""
+    services = list(services)
+    server = grpc.aio.server(options=list(options))
+    names = []
+    for name, add in services:
+        add(server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound = server.add_insecure_port(bind)
+    if bound == 0:
+        raise OSError(f"{what}: cannot bind {bind}")
+    await server.start()
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    rpc = RpcServer(server, health_servicer, host, bound, names)
+    log.info("%s listening on %s (grpc.aio on %s; services: %s)", what, f"{host}:{bound}", loop_name(), ", ".join(names))
+    return rpc
+
+
+class StopSignal:
+    """SIGTERM/SIGINT handlers that request a stop instead of killing the process.
+
+    Create it before starting a server so that a signal arriving during start-up is not
+    lost (it would otherwise kill the process), then pass it to
+    :func:`serve_until_signal`. Must be created in the running loop's main thread.
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._signals = tuple(signals)
+        self.requested: asyncio.Future[int] = self._loop.create_future()
+        for s in self._signals:
+            self._loop.add_signal_handler(s, self._on_signal, s)
+
+    def _on_signal(self, signum: int) -> None:
+        if not self.requested.done():
+            self.requested.set_result(signum)
+
+    def close(self) -> None:
+        """Restore the default handlers."""
+        for s in self._signals:
+            self._loop.remove_signal_handler(s)
+
+
+async def serve_until_signal(
+    server: RpcServer, grace: float = 5.0, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), stop: StopSignal | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT (or until something else stops the server), then stop
+    gracefully. A second signal while stopping is ignored; the grace period bounds it.
+    ``stop``: handlers installed earlier (see :class:`StopSignal`); else installed now."""
+    stop = stop or StopSignal(signals)
+    try:
+        stopped = asyncio.ensure_future(server.wait_stopped())
+        await asyncio.wait([stop.requested, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if stop.requested.done():
+            log.info("%s received, stopping (grace %.1f s)", signal.Signals(stop.requested.result()).name, grace)
+            await server.stop(grace)
+        await stopped
+    finally:
+        stop.close()

@@ -1,0 +1,70 @@
+"""``python -m pdgrpc.bootstrap`` as a process: --help, bad flags, memory of 1M rooms."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.rpc.channels import ChannelPool
+
+CMD = [sys.executable, "-m", "pdgrpc.bootstrap"]
+
+
+def test_help_explains_every_option() -> None:
+    out = subprocess.run([*CMD, "--help"], capture_output=True, text=True, check=True).stdout
+    for flag, words in {
+        "--host": "listen on",
+        "--port": "0 picks a free one",
+        "--dp-rank-ttl": "renews it",
+        "--max-rooms": "oldest are evicted",
+        "--max-batch": "INVALID_ARGUMENT",
+        "--sweep-interval": "expired rooms are freed",
+        "--expire-budget": "pause",
+        "--grace": "in-flight calls",
+        "--log-level": "verbosity",
+    }.items():
+        assert re.search(rf"{flag}\b.*?{words}", out, re.S), f"{flag} undocumented"
+
+
+def test_bad_configuration_exits_2_with_a_message() -> None:
+    out = subprocess.run([*CMD, "--port", "0", "--max-rooms", "10"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "max_batch must be in [1, max_rooms=10]" in out.stderr
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.slow
+def test_a_million_rooms_cost_well_under_200_mb_of_server_rss() -> None:
+    proc = subprocess.Popen([*CMD, "--host", "127.0.0.1", "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        port = re.search(r"listening on [\d.]+:(\d+)", proc.stderr.readline()).group(1)  # type: ignore[union-attr]
+        before = rss_mb(proc.pid)
+
+        async def fill() -> int:
+            pool = ChannelPool()
+            client = BootstrapClient(f"127.0.0.1:{port}", pool=pool, timeout=30)
+            rng = random.Random(0)
+            added = 0
+            for _ in range(16):  # 16 x 62,500 = 1,000,000 rooms
+                reply = await client.register_dp_ranks([(rng.getrandbits(63) | 1, rng.randrange(8)) for _ in range(62_500)])
+                added += reply.added
+            await pool.close()
+            return added
+
+        assert asyncio.run(fill()) == 1_000_000
+        after = rss_mb(proc.pid)
+        assert after < 160, f"server RSS {after:.0f} MB with 1M rooms (was {before:.0f} MB empty)"
+        assert after - before < 100, f"1M rooms grew RSS by {after - before:.0f} MB"
+    finally:
+        proc.terminate()
+        proc.wait(10)

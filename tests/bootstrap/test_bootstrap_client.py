@@ -1,0 +1,185 @@
+"""BootstrapClient: one pooled channel per address, deadlines, retry with backoff."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from pdgrpc.bootstrap.client import BootstrapClient, BootstrapUnavailable
+from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.service import SERVICE_NAME, BootstrapConfig, BootstrapServicer, add_bootstrap_servicer, start_bootstrap_server
+from pdgrpc.bootstrap.table import RoomTable
+from pdgrpc.errors import BootstrapError, ConfigError, PdgrpcError
+from pdgrpc.rpc.channels import ChannelPool, shared_pool
+from pdgrpc.rpc.errors import DeadlineExceeded, Unavailable
+from pdgrpc.rpc.retry import Backoff
+from pdgrpc.rpc.server import start_server
+from pdgrpc.v1 import bootstrap_pb2 as pb
+
+from bootstrap_helpers import free_port, parallel_info, worker
+
+
+class PeerRecordingServicer(BootstrapServicer):
+    """Remembers the peer (client ip:port) of every call: one peer = one connection."""
+
+    def __init__(self) -> None:
+        super().__init__(RoomTable(max_rooms=1000, max_batch=100), WorkerRegistry())
+        self.peers: set[str] = set()
+
+    async def RegisterDpRanks(self, data: bytes, context: Any) -> pb.RegisterDpRanksResponse:
+        self.peers.add(context.peer())
+        return await super().RegisterDpRanks(data, context)
+
+    async def QueryDpRanks(self, request: pb.QueryDpRanksRequest, context: Any) -> bytes:
+        self.peers.add(context.peer())
+        return await super().QueryDpRanks(request, context)
+
+
+async def test_one_channel_per_address_never_one_per_call() -> None:
+    servicer = PeerRecordingServicer()
+    server = await start_server([(SERVICE_NAME, lambda s: add_bootstrap_servicer(servicer, s))])
+    pool = ChannelPool()
+    try:
+        clients = [BootstrapClient(server.address, pool=pool) for _ in range(8)]
+        for i in range(200):
+            c = clients[i % 8]
+            await c.register_dp_ranks({i + 1: 0})
+            await c.query_dp_ranks([i + 1])
+        await asyncio.gather(*(c.query_dp_ranks(list(range(1, 101))) for c in clients for _ in range(10)))
+        assert pool.created == 1 and len(pool) == 1
+        assert len(servicer.peers) == 1, servicer.peers  # every call on one TCP connection
+    finally:
+        await pool.close()
+        await server.stop(0)
+
+
+async def test_clients_without_a_pool_share_the_loops_pool() -> None:
+    a, b = BootstrapClient("127.0.0.1:1"), BootstrapClient("127.0.0.1:1")
+    assert a.channel is b.channel and shared_pool().get("127.0.0.1:1") is a.channel
+    await shared_pool().close()
+
+
+class RecordTimeouts(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float | None]] = []
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        name = details.method.decode() if isinstance(details.method, bytes) else details.method
+        self.calls.append((name, details.timeout))
+        return await continuation(details, request)
+
+
+async def test_every_call_carries_a_deadline() -> None:
+    server = await start_bootstrap_server("127.0.0.1", 0)
+    recorder = RecordTimeouts()
+    pool = ChannelPool(interceptors=[recorder])
+    try:
+        c = BootstrapClient(server.address, pool=pool, timeout=3.0)
+        await c.register_worker(worker(0), parallel_info(dp=1))
+        await c.get_parallel_info()
+        await c.wait_parallel_info()
+        await c.get_workers(0)
+        await c.register_dp_ranks({5: 0})
+        await c.register_dp_ranks({r: 0 for r in range(10, 200)})
+        await c.query_dp_ranks([5])
+        await c.query_dp_ranks(list(range(10, 200)))
+        await c.health()
+        await c.query_dp_ranks([5], timeout=0.5)
+        methods = {m.rsplit("/", 1)[1] for m, _ in recorder.calls}
+        assert methods == {"RegisterWorker", "GetParallelInfo", "GetWorkers", "RegisterDpRanks", "QueryDpRanks", "Check"}
+        assert all(t is not None and 0 < t <= 3.0 for _, t in recorder.calls), recorder.calls
+        assert recorder.calls[-1][1] <= 0.5
+    finally:
+        await pool.close()
+        await server.stop(0)
+
+
+async def test_a_stuck_server_raises_deadline_exceeded() -> None:
+    release = asyncio.Event()
+
+    async def stuck(request: bytes, context: Any) -> bytes:
+        await release.wait()
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(SERVICE_NAME, {"QueryDpRanks": grpc.unary_unary_rpc_method_handler(stuck)})
+    server = await start_server([(SERVICE_NAME, lambda s: s.add_generic_rpc_handlers((handler,)))])
+    pool = ChannelPool()
+    try:
+        c = BootstrapClient(server.address, pool=pool, timeout=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded) as e:
+            await c.query_dp_ranks([1])
+        assert time.monotonic() - t0 < 2.0
+        assert isinstance(e.value, TimeoutError) and isinstance(e.value, PdgrpcError)
+    finally:
+        release.set()
+        await pool.close()
+        await server.stop(0)
+
+
+async def test_registration_retries_until_the_server_starts() -> None:
+    port = free_port()
+    pool = ChannelPool()
+    c = BootstrapClient(f"127.0.0.1:{port}", pool=pool, timeout=1.0, retry_for=20.0, backoff=Backoff(0.05, 0.2))
+    task = asyncio.ensure_future(c.register_dp_ranks({42: 1}))
+    await asyncio.sleep(0.6)
+    assert not task.done() and c.retries >= 2  # failing fast, backing off, trying again
+    server = await start_bootstrap_server("127.0.0.1", port)
+    try:
+        reply = await asyncio.wait_for(task, 15)
+        assert reply.added == 1
+        assert (await c.query_dp_ranks([42])).ranks == {42: 1}
+        assert pool.created == 1  # the same channel reconnected
+    finally:
+        await pool.close()
+        await server.stop(0)
+
+
+async def test_registration_gives_up_after_retry_for() -> None:
+    pool = ChannelPool()
+    c = BootstrapClient(f"127.0.0.1:{free_port()}", pool=pool, timeout=0.5, retry_for=0.6, backoff=Backoff(0.05, 0.1))
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapUnavailable) as e:
+        await c.register_worker(worker(0), parallel_info())
+    assert time.monotonic() - t0 < 3.0 and c.retries >= 2
+    assert isinstance(e.value, BootstrapError) and isinstance(e.value, Unavailable)
+    assert "gave up after" in str(e.value)
+    with pytest.raises(Unavailable) as q:  # queries are not retried
+        await c.query_dp_ranks([1])
+    assert not isinstance(q.value, BootstrapUnavailable)
+    await pool.close()
+
+
+async def test_bad_arguments_fail_before_any_call() -> None:
+    pool = ChannelPool()
+    c = BootstrapClient("127.0.0.1:1", pool=pool)
+    with pytest.raises(ConfigError):
+        await c.register_dp_ranks({1: -1})
+    with pytest.raises(ConfigError):
+        await c.register_dp_ranks({r: 2**32 for r in range(1, 100)})
+    with pytest.raises(ConfigError):
+        await c.query_dp_ranks([2**64])
+    assert pool.created == 0
+
+
+def test_backoff_is_capped_exponential_with_full_jitter() -> None:
+    b = Backoff(initial=0.1, maximum=1.0, multiplier=2.0)
+    assert [b.cap(k) for k in range(1, 7)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    rng = random.Random(0)
+    delays = [b.delay(4, rng) for _ in range(2000)]
+    assert 0 <= min(delays) < 0.05 and 0.75 < max(delays) <= 0.8  # spread over [0, cap]
+    with pytest.raises(ValueError):
+        Backoff(initial=2.0, maximum=1.0)
+
+
+@pytest.mark.parametrize("config", [BootstrapConfig(ttl=5.0, max_rooms=100, max_batch=100)])
+async def test_server_stats_after_client_traffic(server: Any, client: BootstrapClient) -> None:
+    await client.register_dp_ranks({r: 0 for r in range(1, 51)})
+    await client.register_dp_ranks({r: 0 for r in range(1, 51)})
+    s = server.table.stats
+    assert (s.size, s.registered, s.max_rooms) == (50, 100, 100)

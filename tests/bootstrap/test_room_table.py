@@ -1,0 +1,343 @@
+"""RoomTable, the pure room → dp-rank table: semantics, cap, TTL, and a reference model."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict
+from pdgrpc.bootstrap.table import W, RoomTable
+
+
+def check_invariants(t: RoomTable) -> None:
+    """The hash table is consistent: size, lookups and overflow counters."""
+    keys = t._keys
+    stored = np.flatnonzero(keys)
+    assert len(stored) == len(t) == t.stats.size
+    ovf = np.zeros_like(t._ovf)
+    for s in stored.tolist():
+        room = int(keys[s])
+        assert t._find(room) == s
+        j, b = t._home(room), s // W
+        while j != b:
+            ovf[j] += 1
+            j = (j + 1) & t._bmask
+    assert (ovf == t._ovf).all()
+    assert len(t) <= t.max_rooms
+
+
+def q(t: RoomTable, rooms: list[int], now: float) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for i in range(0, len(rooms), t.max_batch):
+        found, ranks, _ = t.query(rooms[i : i + t.max_batch], now)
+        out.update(zip(found, ranks))
+    return out
+
+
+@pytest.mark.parametrize("n", [3, 100])  # the per-room path and the numpy path
+def test_register_then_query_batch(n: int) -> None:
+    t = RoomTable(ttl=10, max_rooms=1000, max_batch=500)
+    rooms = list(range(1, n + 1))
+    res = t.register(rooms, [r % 4 for r in rooms], now=0)
+    assert (res.added, res.unchanged, res.evicted) == (n, 0, 0)
+    found, ranks, missing = t.query(rooms + [10**9, 2**64 - 1], now=1)
+    assert found == rooms and ranks == [r % 4 for r in rooms]
+    assert missing == [10**9, 2**64 - 1]
+    check_invariants(t)
+
+
+@pytest.mark.parametrize("n", [2, 50])
+def test_room_zero_is_refused_and_changes_nothing(n: int) -> None:
+    t = RoomTable(max_rooms=100, max_batch=64)
+    rooms = list(range(1, n)) + [0]
+    with pytest.raises(InvalidRequest, match="0 means not written"):
+        t.register(rooms, [0] * n, now=0)
+    assert len(t) == 0
+    with pytest.raises(InvalidRequest, match="0 means not written"):
+        t.query(rooms, now=0)
+
+
+@pytest.mark.parametrize("n", [1, 40])
+def test_batch_over_the_limit_is_refused(n: int) -> None:
+    t = RoomTable(max_rooms=100, max_batch=n)
+    with pytest.raises(InvalidRequest, match=f"limit of {n}"):
+        t.register(list(range(1, n + 2)), [0] * (n + 1), now=0)
+    with pytest.raises(InvalidRequest, match=f"limit of {n}"):
+        t.query(list(range(1, n + 2)), now=0)
+    assert len(t) == 0
+
+
+@pytest.mark.parametrize("n", [2, 50])
+def test_rank_range_checked_only_once_dp_size_is_known(n: int) -> None:
+    t = RoomTable(max_rooms=100, max_batch=64)
+    rooms = list(range(1, n + 1))
+    with pytest.raises(InvalidRequest, match=r"dp_rank 7 is outside \[0, dp_size=4\)"):
+        t.register(rooms, [1] * (n - 1) + [7], now=0, dp_size=4)
+    assert len(t) == 0
+    t.register(rooms, [1] * (n - 1) + [7], now=0)  # topology unknown: accepted
+    assert q(t, rooms, 0)[rooms[-1]] == 7
+
+
+@pytest.mark.parametrize("n", [3, 60])
+def test_same_rank_is_idempotent_other_rank_conflicts_all_or_none(n: int) -> None:
+    t = RoomTable(ttl=10, max_rooms=1000, max_batch=100)
+    t.register([5], [2], now=0)
+    res = t.register([5], [2], now=1)
+    assert (res.added, res.unchanged) == (0, 1)
+    batch = list(range(100, 100 + n)) + [5]
+    with pytest.raises(RoomConflict) as e:
+        t.register(batch, [1] * n + [3], now=1)
+    assert "bootstrap_room 5" in str(e.value) and "dp_rank 2" in str(e.value) and "dp_rank 3" in str(e.value)
+    assert (e.value.room, e.value.registered_rank, e.value.requested_rank) == (5, 2, 3)
+    assert q(t, batch, 1) == {5: 2}  # nothing of the bad batch landed
+    check_invariants(t)
+
+
+@pytest.mark.parametrize("n", [3, 60])
+def test_conflict_inside_one_batch(n: int) -> None:
+    t = RoomTable(max_rooms=1000, max_batch=100)
+    rooms = list(range(1, n)) + [1]
+    with pytest.raises(RoomConflict, match="bootstrap_room 1"):
+        t.register(rooms, [0] * (n - 1) + [1], now=0)
+    assert len(t) == 0
+    res = t.register(rooms, [0] * n, now=0)  # a repeat with the same rank is fine
+    assert (res.added, res.unchanged) == (n - 1, 1)
+
+
+def test_ttl_expiry_is_exact_for_readers_and_swept_incrementally() -> None:
+    t = RoomTable(ttl=10.0, max_rooms=100_000, max_batch=65536)
+    rooms = list(range(1, 50_001))
+    t.register(rooms[:25_000], [1] * 25_000, now=0.0)
+    t.register(rooms[25_000:], [2] * 25_000, now=5.0)
+    assert len(q(t, rooms, 9.999)) == 50_000
+    assert len(q(t, rooms, 10.0)) == 25_000  # the first half expired, not yet swept
+    assert len(t) == 50_000
+    steps = []
+    while (n := t.expire(10.0, budget=4096)) == 4096:
+        steps.append(n)
+    assert len(steps) == 6 and len(t) == 25_000 and t.stats.expired == 25_000
+    assert t.expire(14.9, budget=4096) == 0
+    # re-registering renews: the renewed room outlives its batch
+    t.register([rooms[-1]], [2], now=14.95)
+    t.expire(15.0, budget=100_000)
+    assert len(t) == 1 and q(t, [rooms[-1]], 24.9) == {rooms[-1]: 2}
+    assert q(t, [rooms[-1]], 24.95) == {}
+    t.expire(25.0)
+    assert len(t) == 0 and t.stats.expired == 50_000
+    check_invariants(t)
+
+
+def test_an_expired_room_may_be_registered_again_with_another_rank() -> None:
+    t = RoomTable(ttl=1.0, max_rooms=10, max_batch=10)
+    t.register([9], [1], now=0)
+    with pytest.raises(RoomConflict):
+        t.register([9], [2], now=0.5)
+    assert t.register([9], [2], now=1.0).added == 1
+    assert q(t, [9], 1.0) == {9: 2}
+
+
+@pytest.mark.parametrize("batch", [1, 50])
+def test_hard_cap_evicts_oldest_first_and_counts(batch: int) -> None:
+    t = RoomTable(ttl=100, max_rooms=100, max_batch=50)
+    rooms = list(range(1, 301))
+    for i in range(0, 300, batch):
+        t.register(rooms[i : i + batch], [0] * batch, now=i / 100)
+        assert len(t) <= 100
+    assert t.stats.evicted == 200 and len(t) == 100
+    assert sorted(q(t, rooms, 3.0)) == rooms[200:]  # the newest 100 survive
+    check_invariants(t)
+
+
+def test_cap_eviction_never_drops_a_room_the_batch_renews() -> None:
+    t = RoomTable(ttl=100, max_rooms=4, max_batch=4)
+    t.register([1, 2, 3, 4], [0, 0, 0, 0], now=0)
+    res = t.register([1, 5], [0, 0], now=1)  # 1 is the oldest, and renewed here
+    assert (res.added, res.unchanged, res.evicted) == (1, 1, 1)
+    assert sorted(q(t, [1, 2, 3, 4, 5], 1)) == [1, 3, 4, 5]
+    check_invariants(t)
+
+
+def test_cap_counts_expired_rooms_as_expired_not_evicted() -> None:
+    t = RoomTable(ttl=1, max_rooms=3, max_batch=3)
+    t.register([1, 2, 3], [0, 0, 0], now=0)
+    res = t.register([4, 5], [0, 0], now=5)
+    assert res.evicted == 0 and t.stats.expired == 2
+
+
+def test_renewals_cannot_grow_memory() -> None:
+    t = RoomTable(ttl=1000, max_rooms=8, max_batch=8)
+    rooms = list(range(1, 9))
+    for i in range(200):  # each call re-registers every room: the ring refills with stale records
+        t.register(rooms, [1] * 8, now=i)
+        assert t.stats.pending_records <= len(t._ring_slot)
+    assert sorted(q(t, rooms, 200)) == rooms and t.stats.evicted == 0
+    check_invariants(t)
+
+
+def test_validates_configuration() -> None:
+    with pytest.raises(InvalidRequest):
+        RoomTable(ttl=0)
+    with pytest.raises(InvalidRequest):
+        RoomTable(max_rooms=10, max_batch=11)
+    with pytest.raises(InvalidRequest):
+        RoomTable(max_rooms=0, max_batch=1)
+
+
+def colliding_rooms(t: RoomTable, count: int, seed: int = 0) -> list[int]:
+    """Rooms whose home is bucket 0: enough of them overflow into buckets 1, 2, ..."""
+    rng, out = random.Random(seed), []
+    while len(out) < count:
+        room = rng.getrandbits(64) or 1
+        if t._home(room) == 0:
+            out.append(room)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 40])
+def test_overflowing_buckets(n: int) -> None:
+    t = RoomTable(ttl=10, max_rooms=64, max_batch=64, seed=3)  # 8 buckets of 16 slots
+    rooms = colliding_rooms(t, 60)
+    for i in range(0, 60, n):
+        t.register(rooms[i : i + n], [i % 3] * len(rooms[i : i + n]), now=1)
+    check_invariants(t)
+    assert t._ovf[:3].tolist() == [44, 28, 12]  # 60 rooms: 16 home, 44 pushed past bucket 0, ...
+    assert len(q(t, rooms, 1)) == 60
+    missing = colliding_rooms(t, 200, seed=1)[100:]  # probe along the chain and stop
+    assert q(t, missing, 1) == {}
+    t.expire(11)
+    assert len(t) == 0 and not t._ovf.any()
+    check_invariants(t)
+
+
+# --------------------------------------------------------------------- reference model
+
+
+class Model:
+    """The table's behaviour with dicts and a deque, no hashing, no numpy."""
+
+    def __init__(self, ttl: float, max_rooms: int, max_batch: int, ring: int) -> None:
+        self.ttl, self.max_rooms, self.max_batch, self.ring_cap = ttl, max_rooms, max_batch, ring
+        self.rooms: dict[int, tuple[int, int, float]] = {}  # room -> (rank, seq, time)
+        self.ring: collections.deque[tuple[int, int, float]] = collections.deque()  # (seq, room, time)
+        self.seq = 0
+        self.now = float("-inf")
+        self.expired = self.evicted = 0
+
+    def _pop(self, n: int, now: float) -> None:
+        for _ in range(n):
+            seq, room, t = self.ring.popleft()
+            if room in self.rooms and self.rooms[room][1] == seq:
+                del self.rooms[room]
+                if t + self.ttl <= now:
+                    self.expired += 1
+                else:
+                    self.evicted += 1
+
+    def _append(self, room: int, rank: int, now: float) -> None:
+        self.rooms[room] = (rank, self.seq, now)
+        self.ring.append((self.seq, room, now))
+        self.seq += 1
+
+    def expire(self, now: float) -> None:
+        self.now = now = max(now, self.now)
+        while self.ring and self.ring[0][2] + self.ttl <= now:
+            self._pop(1, now)
+
+    def query(self, rooms: list[int], now: float) -> tuple[list[int], list[int], list[int]]:
+        if len(rooms) > self.max_batch or 0 in rooms:
+            raise InvalidRequest("")
+        found = [r for r in rooms if r in self.rooms and self.rooms[r][2] + self.ttl > now]
+        return found, [self.rooms[r][0] for r in found], [r for r in rooms if r not in found]
+
+    def register(self, rooms: list[int], ranks: list[int], now: float, dp_size: int | None) -> tuple[int, int, int]:
+        if len(rooms) > self.max_batch:
+            raise InvalidRequest("")
+        self.now = now = max(now, self.now)
+        if any(r == 0 or (dp_size is not None and k >= dp_size) for r, k in zip(rooms, ranks)):
+            raise InvalidRequest("")
+        want: dict[int, int] = {}
+        for r, k in zip(rooms, ranks):
+            if want.setdefault(r, k) != k:
+                raise RoomConflict(r, want[r], k)
+        evicted_before = self.evicted
+        while True:
+            for r in want:
+                if r in self.rooms and self.rooms[r][2] + self.ttl <= now:
+                    del self.rooms[r]
+                    self.expired += 1
+            for r, k in want.items():
+                if r in self.rooms and self.rooms[r][0] != k:
+                    raise RoomConflict(r, self.rooms[r][0], k)
+            renew = [r for r in want if r in self.rooms]
+            new = [r for r in want if r not in self.rooms]
+            if len(want) <= self.ring_cap - len(self.ring):
+                break
+            self._pop(len(want) - (self.ring_cap - len(self.ring)), now)
+        for r in renew:
+            self._append(r, want[r], now)
+        while len(self.rooms) + len(new) > self.max_rooms:
+            self._pop(min(len(self.rooms) + len(new) - self.max_rooms, len(self.ring)), now)
+        for r in new:
+            self._append(r, want[r], now)
+        return len(new), len(rooms) - len(new), self.evicted - evicted_before
+
+
+def op_lists(min_batch: int) -> st.SearchStrategy[list]:
+    batch = st.lists(st.tuples(st.sampled_from(range(40)), st.integers(0, 3)), min_size=min_batch, max_size=24)
+    rooms = st.lists(st.sampled_from(range(40)), min_size=min_batch, max_size=24)
+    return st.lists(
+        st.one_of(
+            st.tuples(st.just("register"), batch, st.floats(0, 3), st.sampled_from([None, 3, 4])),
+            st.tuples(st.just("query"), rooms, st.floats(0, 3), st.none()),
+            st.tuples(st.just("expire"), st.just([]), st.floats(0, 3), st.none()),
+        ),
+        max_size=40,
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.one_of(op_lists(0), op_lists(17)),  # 17+: every batch takes the numpy path
+    ttl=st.sampled_from([1.0, 5.0]),
+    max_rooms=st.sampled_from([6, 24, 100]),
+    small_ring=st.booleans(),  # a ring that renewals fill up: exercises its evictions
+)
+def test_matches_reference_model(ops: list, ttl: float, max_rooms: int, small_ring: bool) -> None:
+    max_batch = min(24, max_rooms)
+    t = RoomTable(ttl=ttl, max_rooms=max_rooms, max_batch=max_batch, seed=7, ring_records=max_batch if small_ring else None)
+    # 40 candidate rooms, most of them with the same home bucket (overflow chains).
+    pool = colliding_rooms(t, 30, seed=11) + [random.Random(i).getrandbits(63) or 1 for i in range(9)] + [0]
+    m = Model(ttl, max_rooms, t.max_batch, len(t._ring_slot))
+    now = 0.0
+    for kind, args, dt, dp_size in ops:
+        now += dt
+        if kind == "register":
+            rooms, ranks = [pool[i] for i, _ in args], [k for _, k in args]
+            try:
+                want = m.register(rooms, ranks, now, dp_size)
+            except (InvalidRequest, RoomConflict) as exc:
+                with pytest.raises(type(exc)):
+                    t.register(rooms, ranks, now, dp_size=dp_size)
+            else:
+                got = t.register(rooms, ranks, now, dp_size=dp_size)
+                assert (got.added, got.unchanged, got.evicted) == want
+        elif kind == "query":
+            rooms = [pool[i] for i in args]
+            try:
+                want_q = m.query(rooms, now)
+            except InvalidRequest:
+                with pytest.raises(InvalidRequest):
+                    t.query(rooms, now)
+            else:
+                assert t.query(rooms, now) == want_q
+        else:
+            m.expire(now)
+            while t.expire(now, budget=5) == 5:
+                pass
+        assert (t.stats.expired, t.stats.evicted, len(t)) == (m.expired, m.evicted, len(m.rooms))
+    check_invariants(t)

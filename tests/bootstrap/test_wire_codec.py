@@ -1,0 +1,75 @@
+"""The numpy codec writes what protobuf reads, and reads only what protobuf would read
+the same way (declining anything else)."""
+
+from __future__ import annotations
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdgrpc.bootstrap import wire
+from pdgrpc.v1 import bootstrap_pb2 as pb
+
+room = st.one_of(st.integers(1, 2**64 - 1), st.sampled_from([1, 127, 128, 2**56, 2**63, 2**64 - 1]))
+rank = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 8))
+entries = st.lists(st.tuples(room, rank), max_size=60)
+rooms = st.lists(room, max_size=20)
+
+
+def arrays(es: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([r for r, _ in es], np.uint64), np.array([k for _, k in es], np.uint32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(es=entries, missing=rooms)
+def test_encoded_response_is_protobuf_and_decodes_back(es: list[tuple[int, int]], missing: list[int]) -> None:
+    data = wire.encode_query_response(*arrays(es), np.array(missing, np.uint64))
+    msg = pb.QueryDpRanksResponse.FromString(data)
+    assert [(e.bootstrap_room, e.dp_rank) for e in msg.entries] == es and list(msg.missing_rooms) == missing
+    got = wire.decode_query_response(data)
+    assert got is not None
+    assert list(zip(got[0].tolist(), got[1].tolist())) == es and got[2].tolist() == missing
+
+
+@settings(max_examples=150, deadline=None)
+@given(es=entries)
+def test_encoded_request_is_protobuf_and_decodes_back(es: list[tuple[int, int]]) -> None:
+    data = wire.encode_entries(*arrays(es))
+    assert [(e.bootstrap_room, e.dp_rank) for e in pb.RegisterDpRanksRequest.FromString(data).entries] == es
+    got = wire.decode_register_request(data)
+    assert got is not None and list(zip(got[0].tolist(), got[1].tolist())) == es
+
+
+@settings(max_examples=150, deadline=None)
+@given(es=entries, missing=rooms)
+def test_other_encoders_output_is_read_right_or_declined(es: list[tuple[int, int]], missing: list[int]) -> None:
+    """Canonical protobuf omits zero ranks: the fast path must agree or say None."""
+    msg = pb.QueryDpRanksResponse(entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in es], missing_rooms=missing)
+    got = wire.decode_query_response(msg.SerializeToString())
+    if got is not None:
+        assert list(zip(got[0].tolist(), got[1].tolist())) == es and got[2].tolist() == missing
+    if any(k == 0 for _, k in es):
+        assert wire.decode_register_request(pb.RegisterDpRanksRequest(entries=msg.entries).SerializeToString()) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(es=entries.filter(bool), missing=rooms, data=st.data())
+def test_corrupted_bytes_never_decode_to_a_wrong_answer(es: list[tuple[int, int]], missing: list[int], data: st.DataObject) -> None:
+    raw = bytearray(wire.encode_query_response(*arrays(es), np.array(missing, np.uint64)))
+    for _ in range(data.draw(st.integers(1, 3))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        ref = pb.QueryDpRanksResponse.FromString(bytes(raw))
+    except DecodeError:
+        ref = None
+    try:
+        got = wire.decode_query_response(bytes(raw))
+    except DecodeError:
+        assert ref is None
+        return
+    if got is not None:
+        assert ref is not None
+        assert got[0].tolist() == [e.bootstrap_room for e in ref.entries]
+        assert got[1].tolist() == [e.dp_rank for e in ref.entries]
+        assert got[2].tolist() == list(ref.missing_rooms)

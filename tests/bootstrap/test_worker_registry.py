@@ -1,0 +1,94 @@
+"""WorkerRegistry, pure: topology fixed by the first worker, generations, completeness."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdgrpc.bootstrap.errors import InvalidRequest, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.v1 import bootstrap_pb2 as pb
+
+
+def info(**over: object) -> pb.ParallelInfo:
+    base = dict(
+        tp_size=2, dp_size=2, pp_size=1, page_size=16, kv_dtype="bfloat16", kv_layout="L",
+        compatibility_hash=b"\x01\x02", load_balance_method=pb.LOAD_BALANCE_METHOD_ROUND_ROBIN,
+    )
+    base.update(over)
+    return pb.ParallelInfo(**base)  # type: ignore[arg-type]
+
+
+def worker(dp: int, tp: int, addr: str = "") -> pb.WorkerInfo:
+    return pb.WorkerInfo(dp_rank=dp, tp_rank=tp, transfer_address=addr or f"h:{dp}{tp}", transport="fake")
+
+
+def test_pending_until_every_worker_registered() -> None:
+    r = WorkerRegistry()
+    with pytest.raises(WorkersPending, match=r"0 of \? workers"):
+        r.parallel_info()
+    assert r.dp_size is None
+    for n, (dp, tp) in enumerate([(0, 0), (0, 1), (1, 0)], start=1):
+        assert r.register(worker(dp, tp), info()) == (1, n, 4)
+        with pytest.raises(WorkersPending, match=f"{n} of 4 workers registered"):
+            r.parallel_info()
+        with pytest.raises(WorkersPending):
+            r.workers(0)
+    assert r.dp_size == 2
+    r.register(worker(1, 1), info())
+    assert r.parallel_info() == info()
+    assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
+    assert [w.tp_rank for w in r.workers(0, [1])] == [1]
+
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("tp_size", 4, "the instance has 2, this worker has 4"),
+        ("kv_dtype", "float16", "the instance has 'bfloat16', this worker has 'float16'"),
+        ("compatibility_hash", b"\xff", "the instance has 0x0102, this worker has 0xff"),
+        ("load_balance_method", pb.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM, "LOAD_BALANCE_METHOD_ROUND_ROBIN, this worker has LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM"),
+        ("force_dp_rank_query", True, "the instance has False, this worker has True"),
+    ],
+)
+def test_disagreeing_topology_names_field_and_both_values(field: str, value: object, shown: str) -> None:
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info())
+    with pytest.raises(TopologyMismatch) as e:
+        r.register(worker(0, 1), info(**{field: value}))
+    assert f"parallel_info.{field}" in str(e.value) and shown in str(e.value)
+    assert r.registered == 1
+
+
+def test_restart_bumps_generation_and_replaces_entry() -> None:
+    r = WorkerRegistry()
+    assert r.register(worker(0, 0, "a:1"), info(dp_size=1, tp_size=1))[0] == 1
+    assert r.register(worker(0, 0, "a:2"), info(dp_size=1, tp_size=1))[0] == 2
+    assert r.registered == 1
+    (w,) = r.workers(0)
+    assert (w.transfer_address, w.generation) == ("a:2", 2)
+
+
+@pytest.mark.parametrize(
+    "w, i, match",
+    [
+        (worker(2, 0), info(), r"worker.dp_rank 2 is outside \[0, 2\)"),
+        (worker(0, 5), info(), r"worker.tp_rank 5"),
+        (pb.WorkerInfo(dp_rank=0), info(), "transfer_address"),
+        (worker(0, 0), info(page_size=0), "page_size must be >= 1"),
+        (worker(0, 0), info(load_balance_method=pb.LOAD_BALANCE_METHOD_UNSPECIFIED), "load_balance_method"),
+    ],
+)
+def test_invalid_registrations(w: pb.WorkerInfo, i: pb.ParallelInfo, match: str) -> None:
+    r = WorkerRegistry()
+    with pytest.raises(InvalidRequest, match=match):
+        r.register(w, i)
+    assert r.info is None
+
+
+def test_get_workers_checks_ranks() -> None:
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(dp_size=1, tp_size=1))
+    with pytest.raises(InvalidRequest, match="dp_rank 1"):
+        r.workers(1)
+    with pytest.raises(InvalidRequest, match="tp_rank 3"):
+        r.workers(0, [3])

@@ -1,0 +1,156 @@
+"""pdgrpc.rpc: server start/stop with health and reflection, signals, channel pool,
+error mapping, gRPC settings."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.rpc import errors as rpc_errors
+from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.server import loop_name, run, start_server
+
+SLOW = "test.v1.SlowService"
+
+
+def slow_service(started: asyncio.Event) -> Any:
+    async def sleep(request: bytes, context: Any) -> bytes:
+        started.set()
+        await asyncio.sleep(0.5)
+        return b"done"
+
+    handler = grpc.method_handlers_generic_handler(SLOW, {"Sleep": grpc.unary_unary_rpc_method_handler(sleep)})
+    return lambda server: server.add_generic_rpc_handlers((handler,))
+
+
+async def test_server_serves_health_logs_address_and_stops_gracefully(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pdgrpc.rpc")
+    started = asyncio.Event()
+    server = await start_server([(SLOW, slow_service(started))], host="127.0.0.1", port=0, what="test server")
+    assert re.search(rf"test server listening on 127\.0\.0\.1:{server.port} \(grpc\.aio on \w+", caplog.text)
+    pool = ChannelPool()
+    try:
+        channel = pool.get(server.address)
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SLOW):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        call = channel.unary_unary(f"/{SLOW}/Sleep")(b"", timeout=5)
+        await started.wait()
+        await server.stop(grace=5.0)  # the call in flight finishes within the grace period
+        assert await call == b"done"
+        with pytest.raises(grpc.RpcError) as e:
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_process_stops_gracefully_on_signal(signum: int) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdgrpc.bootstrap", "--host", "127.0.0.1", "--port", "0", "--grace", "2"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert re.search(r"pdgrpc bootstrap listening on 127\.0\.0\.1:\d+ \(grpc\.aio on uvloop", line), line
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        rest = proc.stderr.read()
+        assert proc.wait(10) == 0
+        assert time.monotonic() - t0 < 5
+        assert f"{signal.Signals(signum).name} received, stopping" in rest and "stopped:" in rest
+    finally:
+        proc.kill()
+
+
+def test_run_uses_uvloop() -> None:
+    async def which() -> str:
+        return loop_name()
+
+    assert run(which()) == "uvloop"
+
+
+async def test_channel_pool_reuses_and_discards() -> None:
+    pool = ChannelPool()
+    a = pool.get("127.0.0.1:1")
+    assert pool.get("127.0.0.1:1") is a and "127.0.0.1:1" in pool
+    b = pool.get("127.0.0.1:2")
+    assert b is not a and len(pool) == 2 and pool.created == 2
+    await pool.discard("127.0.0.1:1")
+    assert "127.0.0.1:1" not in pool and pool.get("127.0.0.1:1") is not a
+    await pool.close()
+    assert len(pool) == 0
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(
+    "code, cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, rpc_errors.InvalidArgument),
+        (grpc.StatusCode.ALREADY_EXISTS, rpc_errors.AlreadyExists),
+        (grpc.StatusCode.FAILED_PRECONDITION, rpc_errors.FailedPrecondition),
+        (grpc.StatusCode.UNAVAILABLE, rpc_errors.Unavailable),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, rpc_errors.DeadlineExceeded),
+        (grpc.StatusCode.NOT_FOUND, rpc_errors.NotFound),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, rpc_errors.ResourceExhausted),
+        (grpc.StatusCode.CANCELLED, rpc_errors.Cancelled),
+        (grpc.StatusCode.INTERNAL, rpc_errors.RpcError),
+    ],
+)
+def test_grpc_errors_map_into_the_pdgrpc_tree(code: grpc.StatusCode, cls: type) -> None:
+    err = rpc_errors.map_rpc_error(FakeRpcError(code, "why"), method="M", target="h:1")
+    assert type(err) is cls and isinstance(err, PdgrpcError)
+    assert (err.code, err.details, err.method, err.target) == (code, "why", "M", "h:1")
+    assert str(err) == f"M on h:1: {code.name}: why"
+
+
+@pytest.mark.parametrize(
+    "env, preimport, expect",
+    [
+        ({}, False, "True -event_engine_client,-event_engine_listener"),
+        ({"GRPC_EXPERIMENTS": "custom"}, False, "False custom"),
+        ({"GRPC_EXPERIMENTS": ""}, False, "False "),
+        ({"PDGRPC_GRPC_DEFAULTS": "0"}, False, "False None"),
+        ({}, True, "False None"),  # grpc already imported: too late, leave it alone
+    ],
+)
+def test_grpc_defaults_apply_only_when_the_user_has_not_chosen(env: dict[str, str], preimport: bool, expect: str) -> None:
+    code = (
+        ("import grpc; " if preimport else "")
+        + "import os; from pdgrpc.rpc.tuning import apply_grpc_defaults as a; "
+        + "r = a(); print(r, os.environ.get('GRPC_EXPERIMENTS'))"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "PDGRPC_GRPC_DEFAULTS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expect.strip()
+
+
+def test_importing_pdgrpc_rpc_and_bootstrap_does_not_import_grpc() -> None:
+    code = "import sys, pdgrpc.rpc, pdgrpc.bootstrap, pdgrpc.rpc.tuning; print('grpc' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
