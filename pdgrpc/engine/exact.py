@@ -148,15 +148,14 @@ _ATTN_TABLE = torch.tensor(
 assert _ATTN_TABLE[-2] == 0.0, "attention table must end in zeros"
 
 
-def softmax_weights(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unnormalised softmax weights along the last dim: 1.0 at each row's max, multiples
-    of 2**-16 elsewhere, 0 where ``mask`` is False. Divide by the row sum (exact) to
-    normalise. Rows with no unmasked entry are all zero."""
-    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype)
-    s = torch.where(mask, scores, neg_inf)
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    last = len(_ATTN_TABLE) - 1
-    gap = torch.round((m - s) * float(_GAP_STEPS))
-    idx = torch.where(mask, gap, torch.full_like(gap, last)).clamp(0, last).to(torch.int64)
-    return _ATTN_TABLE[idx]
+def softmax_weights(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Unnormalised softmax weights of ``scores * scale`` along the last dim: 1.0 at each
+    row's max, multiples of 2**-16 elsewhere, 0 where ``mask`` is False. Divide by the
+    row sum (exact) to normalise. Rows with no unmasked entry are all zero. Works in
+    place on one scratch tensor: for prefill this is the largest tensor of the model."""
+    gap = torch.mul(scores, scale * _GAP_STEPS).masked_fill_(~mask, float("-inf"))
+    m = gap.amax(dim=-1, keepdim=True)
+    m.masked_fill_(~torch.isfinite(m), 0.0)
+    # (max - s) in table steps; masked entries become +inf and clamp to the final 0 entry.
+    gap.neg_().add_(m).round_().clamp_(max=len(_ATTN_TABLE) - 1)
+    return _ATTN_TABLE[gap.to(torch.int64)]

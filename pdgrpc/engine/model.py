@@ -212,7 +212,10 @@ class SegmentBatch:
         """From ``(pages, start_position, num_tokens)`` per segment."""
         max_pages = max(len(p) for p, _, _ in segments)
         table = torch.zeros((len(segments), max_pages), dtype=torch.int64)
-        seg_of, row_of, positions, seq_lens = [], [], [], []
+        seg_of: list[int] = []
+        row_of: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
         for b, (pages, start, n) in enumerate(segments):
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
             seg_of += [b] * n
@@ -258,7 +261,10 @@ class ModelShard:
         ks = slice(self.kv_head_start * d, (self.kv_head_start + self.local_kv_heads) * d)
         n_inter = cfg.intermediate_size // tp_size
         ms = slice(tp_rank * n_inter, (tp_rank + 1) * n_inter)
-        t = lambda w: w.t().contiguous()  # noqa: E731
+
+        def t(w: torch.Tensor) -> torch.Tensor:  # stored transposed: activations @ w_t
+            return w.t().contiguous()
+
         self.layers = [
             _ShardLayer(t(lw.wq[qs]), t(lw.wk[ks]), t(lw.wv[ks]), t(lw.wo[:, qs]), t(lw.w_gate[ms]), t(lw.w_up[ms]), t(lw.w_down[:, ms]))
             for lw in weights.layers
@@ -301,35 +307,39 @@ class ModelShard:
             act = exact.quantize(exact.silu(h @ lw.w_gate_t) * (h @ lw.w_up_t))
             x = exact.quantize(x + self.all_reduce(act @ lw.w_down_t))
         h = exact.rmsnorm(x[logits_rows])
-        return h @ self.lm_head_t + self.lm_bias
+        logits: torch.Tensor = h @ self.lm_head_t + self.lm_bias
+        return logits
 
     def _attention(self, q: torch.Tensor, batch: SegmentBatch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """Causal GQA over each segment's pages. ``q`` ``[T, hq, d]`` -> ``[T, hq * d]``."""
         B, N = batch.page_table.shape[0], batch.max_rows
         _, hkv, page_size, d = k_pool.shape
         group = q.shape[1] // hkv
-        # Gather each request's pages: [B, pages, hkv, P, d] -> [B, hkv, L, d].
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            g = pool[batch.page_table].to(torch.float64)
-            return g.permute(0, 2, 1, 3, 4).reshape(B, hkv, -1, d)
-
-        k, v = gather(k_pool), gather(v_pool)
-        L = k.shape[2]
+        L = batch.page_table.shape[1] * page_size
         key_pos = torch.arange(L)
         in_seq = key_pos[None, :] < batch.seq_lens[:, None]  # [B, L]
-        # Rows past a request's length hold stale bytes (maybe NaN from elsewhere): zero them.
-        k = torch.where(in_seq[:, None, :, None], k, 0.0)
-        v = torch.where(in_seq[:, None, :, None], v, 0.0)
+        stale = ~in_seq[:, None, :, None]
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            """Each request's pages as [B, hkv, L, d] float64. Rows past a request's
+            length hold stale bytes (maybe NaN from another request): zeroed."""
+            g = pool[batch.page_table].permute(0, 2, 1, 3, 4).reshape(B, hkv, L, d)
+            return g.masked_fill_(stale, 0.0).to(torch.float64)
+
+        k, v = gather(k_pool), gather(v_pool)
         # Queries padded to [B, N] so every segment is one batched matmul.
         qp = torch.zeros((B, N, q.shape[1], d), dtype=torch.float64)
         qp[batch.seg_of, batch.row_of] = q
         qpos = torch.full((B, N), -1, dtype=torch.int64)
         qpos[batch.seg_of, batch.row_of] = batch.positions
-        qg = qp.view(B, N, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, hkv, group, N, d]
-        scores = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * self.inv_sqrt_d  # [B, hkv, group, N, L]
+        # Query heads sharing a KV head become extra rows: [B, hkv, group * N, d], so each
+        # matmul is a plain batched one over (request, KV head) with no broadcast copies.
+        qg = qp.view(B, N, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * N, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, hkv, group * N, L], exact
         mask = (key_pos[None, None, :] <= qpos[:, :, None]) & in_seq[:, None, :]  # [B, N, L]
-        w = exact.softmax_weights(scores, mask[:, None, None])
-        out = torch.matmul(w, v[:, :, None]) / w.sum(dim=-1, keepdim=True).clamp(min=1.0)
-        out = exact.quantize(out)  # [B, hkv, group, N, d]
+        mask = mask[:, None].expand(B, group, N, L).reshape(B, 1, group * N, L)
+        w = exact.softmax_weights(scores, mask, self.inv_sqrt_d)
+        out = torch.matmul(w, v) / w.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        out = exact.quantize(out).view(B, hkv, group, N, d)
         out = out.permute(0, 3, 1, 2, 4).reshape(B, N, hkv * group * d)
         return out[batch.seg_of, batch.row_of]

@@ -62,9 +62,11 @@ class EngineConfig:
     max_prompt_tokens: int = 2048
     tp_rank: int = 0
     tp_size: int = 1
-    # torch intra-op threads while the engine computes (0: leave torch's setting). Results
-    # are identical at any count; 1 is fastest for this tiny model and avoids OpenMP
-    # spin-waiting when several server processes share the cores.
+    # torch intra-op threads for the engine's compute (0: leave torch's setting alone).
+    # Results are identical at any count; 1 is fastest for this tiny model and avoids
+    # OpenMP spin-waiting when several server processes share the cores. Construction
+    # sets it process-wide (one engine per server process); if something changes it
+    # later, each engine call switches for its duration and restores it.
     intra_op_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -118,6 +120,8 @@ class ReferenceEngine(Engine):
         self._v = [torch.zeros(self._layout.pool_shape, dtype=self._layout.dtype) for _ in range(m.num_layers)]
         self._pages = PageAllocator(config.num_pages)
         self._tokenizer = ByteTokenizer()
+        if config.intra_op_threads:
+            torch.set_num_threads(config.intra_op_threads)
 
     # ---- identity and layout ----------------------------------------------------------
 

@@ -65,3 +65,16 @@ def test_matmul_of_grid_values_is_order_independent() -> None:
     assert torch.equal(halves, full)
     perm = torch.randperm(4096, generator=g)
     assert torch.equal(a[:, perm] @ w[perm], full)
+
+
+def test_softmax_weights_approximate_softmax_and_respect_the_mask() -> None:
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(3, 40, dtype=torch.float64, generator=g) * 20
+    mask = torch.rand(3, 40, generator=g) > 0.3
+    mask[2] = False  # a row with nothing to attend to (a padded query)
+    w = exact.softmax_weights(scores, mask, 0.25)
+    assert (w[~mask] == 0).all() and (w[2] == 0).all()
+    p = w[:2] / w[:2].sum(dim=-1, keepdim=True)
+    want = torch.softmax((scores[:2] * 0.25).masked_fill(~mask[:2], float("-inf")), dim=-1)
+    assert (p - want).abs().max() < 2e-3
+    assert torch.equal(w[:2].amax(dim=-1), torch.ones(2, dtype=torch.float64))  # the max gets exactly 1
