@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from pdgrpc.errors import ConfigError
+from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.rpc.server import run
 from pdgrpc.serving import engine_config_from_args, setup_logging
+from pdgrpc.transport import registry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--chunk-size must be >= 1, got {ns.chunk_size}")
     try:
         engine_config_from_args(ns)  # fail here, not in every worker
-    except ConfigError as exc:
+        registry.load(ns.transport)  # a missing backend names what to install
+    except (ConfigError, TransportUnavailable) as exc:
         parser.error(str(exc))
     setup_logging(ns.log_level, "prefill")
     from pdgrpc.prefill.controller import main_async  # after logging: imports torch

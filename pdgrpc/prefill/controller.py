@@ -168,7 +168,12 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
                 *common,
             ]
-            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+            # Own session: a terminal's Ctrl-C reaches the controller only, which drains its
+            # requests first and then stops the workers in order (they also exit on their own
+            # if the controller dies).
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
+            )
             self.workers.append(WorkerHandle(rank, proc))
         try:
             await asyncio.wait_for(asyncio.gather(*(self._await_ready(w) for w in self.workers)), self.ns.worker_start_timeout)

@@ -34,11 +34,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from typing import Sequence, cast
 
 import grpc
 
-from pdgrpc.engine.base import Engine, PrefillRequest as EnginePrefill
+from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
+from pdgrpc.engine.base import PrefillRequest as EnginePrefill
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.prefill.errors import RequestFailed
@@ -215,7 +216,8 @@ class PrefillWorker:
                     C.FAILED_PRECONDITION,
                     f"room {room}: KV page size mismatch in {src.name!r}: decode {dst.item_bytes} B, prefill {src.item_bytes} B",
                 )
-        limit = pairs[0][1].num_items if pairs else 0
+        kv_dst = [r for r in d.regions if r.kind is RegionKind.KV]
+        limit = min((r.num_items for r in kv_dst), default=0)
         bad = next((p for p in req.dst_pages if p >= limit), None)
         if bad is not None:
             raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {bad} outside the decode's pool of {limit} pages")
@@ -254,12 +256,19 @@ class PrefillWorker:
                 await asyncio.wait_for(entry.finished.wait(), self.config.abort_wait_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(C.DEADLINE_EXCEEDED, f"room {room}: driver did not stop within {self.config.abort_wait_s} s") from None
+        else:
+            # The Prefill RPC has not arrived (or already ended): leave a bounded tombstone
+            # so one that arrives later fails at once instead of waiting for a handshake.
+            try:
+                self._mailbox.deliver(room, RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}"))
+            except (DuplicateHandshake, MailboxFull):
+                pass
         request_event(log, room, "abort", reason=reason, was_active=was_active)
         return was_active
 
     # ---- prefill -----------------------------------------------------------------------
 
-    def _validate(self, req: prefill_pb2.PrefillRequest) -> tuple[tuple[int, ...], object]:
+    def _validate(self, req: prefill_pb2.PrefillRequest) -> tuple[tuple[int, ...], SamplingParams]:
         if req.bootstrap_room == 0:
             raise RequestFailed(C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
         ids = tuple(req.input_ids)
@@ -357,7 +366,7 @@ class PrefillWorker:
         self._active.pop(entry.room, None)
         entry.finished.set()
 
-    async def _run(self, entry: _Active, ids: Sequence[int], sampling: object) -> prefill_pb2.PrefillResponse:
+    async def _run(self, entry: _Active, ids: Sequence[int], sampling: SamplingParams) -> prefill_pb2.PrefillResponse:
         room, cfg, n = entry.room, self.config, len(ids)
         entry.pages = await self._alloc(self.engine.pages_needed(n), room)
         try:
@@ -386,17 +395,17 @@ class PrefillWorker:
         pairs = region_pairs(self._regions, dest.parsed.regions)
         meta_dst = dest.parsed.region(METADATA_REGION_ID)
         assert meta_dst is not None  # checked at handshake time
-        engine_req = EnginePrefill(tuple(ids), tuple(entry.pages), sampling)  # type: ignore[arg-type]
+        engine_req = EnginePrefill(tuple(ids), tuple(entry.pages), sampling)
         loop = asyncio.get_running_loop()
         sent_bytes = 0
         compute_s = 0.0
         first_write: float | None = None
-        token = None
+        token: SampledToken | None = None
         for start in range(0, n, cfg.chunk_size):
             end = min(n, start + cfg.chunk_size)
             t = time.perf_counter()
             entry.compute = asyncio.wrap_future(self._executor.submit(self.engine.prefill_chunk, engine_req, start, end), loop=loop)
-            token = await asyncio.shield(entry.compute)
+            token = cast("SampledToken | None", await asyncio.shield(entry.compute))
             compute_s += time.perf_counter() - t
             self._check_room(room)
             actions = sender.handle(ChunkDone(end, last=end == n), time.monotonic())

@@ -97,7 +97,6 @@ async def _main(ns: argparse.Namespace) -> int:
         port=0,
         what=f"pdgrpc prefill worker dp{ns.dp_rank}",
     )
-    server.on_stop(worker.close)
     client = BootstrapClient(ns.bootstrap)
     info = bootstrap_pb2.WorkerInfo(
         dp_rank=ns.dp_rank, tp_rank=0, pp_rank=0, transfer_address=server.address,
@@ -108,6 +107,7 @@ async def _main(ns: argparse.Namespace) -> int:
     except Exception as exc:
         log.error("dp%d: registering with bootstrap %s failed: %s", ns.dp_rank, ns.bootstrap, exc)
         await server.stop(0)
+        await worker.close()
         return 1
     worker.generation = reg.generation
     log.info(
@@ -125,6 +125,9 @@ async def _main(ns: argparse.Namespace) -> int:
     finally:
         watcher.cancel()
         stop_on_orphan.cancel()
+        # After the grace period: in-flight requests finished (or were cancelled by the
+        # server), so closing the transport interrupts nothing that could still succeed.
+        await worker.close()
     return 0
 
 

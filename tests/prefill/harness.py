@@ -59,7 +59,7 @@ async def assert_settles_to_zero(p: PrefillProc, dp_size: int = 2) -> None:
 
 
 async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: SamplingParams, *, query: bool,
-                  routed: int | None = None, handshake_first: bool = False) -> tuple[prefill_pb2.PrefillResponse, Room]:
+                  routed: int | None = None, handshake_first: bool = False, dp_size: int = 2) -> tuple[prefill_pb2.PrefillResponse, Room]:
     """One request the way decode + router drive it; returns (prefill response, decode room)."""
     room = new_room()
     r = d.allocate(room, len(ids))
@@ -72,7 +72,7 @@ async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: Sampl
             call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
         else:
             call = asyncio.ensure_future(stub.Prefill(request(room, ids, sampling, routed), timeout=60))
-            worker = await d.worker_for(p.bootstrap, room, query=query, dp_size=2) if routed is None else \
+            worker = await d.worker_for(p.bootstrap, room, query=query, dp_size=dp_size) if routed is None else \
                 (await d.workers(p.bootstrap, routed))[0].transfer_address
             await d.handshake(worker, r)
         resp = await call

@@ -49,7 +49,7 @@ async def rdma_decode() -> AsyncIterator[FakeDecode]:
 async def test_rdma_kv_lands_bit_exact(rdma_prefill: PrefillProc, rdma_decode: FakeDecode) -> None:
     lens = [3, 8, 23, 17]
     sampling = SamplingParams(temperature=0.5, seed=7, top_logprobs=3)
-    results = await asyncio.gather(*(run_one(rdma_prefill, rdma_decode, prompt(n, 50 + n), sampling, query=False) for n in lens))
+    results = await asyncio.gather(*(run_one(rdma_prefill, rdma_decode, prompt(n, 50 + n), sampling, query=False, dp_size=1) for n in lens))
     for n, (resp, r) in zip(lens, results):
         assert resp.prompt_tokens == n and resp.dp_rank == 0
         assert_landed_bit_exact(rdma_decode, r, prompt(n, 50 + n), sampling)

@@ -187,8 +187,13 @@ async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await call
         assert ei.value.code() is grpc.StatusCode.ABORTED and "client cancelled" in ei.value.details()
-        unknown = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=new_room(), reason="x"), timeout=30)
+        # Decode gives up before the Prefill RPC arrives: the late Prefill fails at once.
+        late = new_room()
+        unknown = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=late, reason="decode timed out"), timeout=30)
         assert not unknown.was_active
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Prefill(request(late, prompt(5, 4), routed=0), timeout=HANDSHAKE_TIMEOUT / 2)
+        assert ei.value.code() is grpc.StatusCode.ABORTED and "decode timed out" in ei.value.details()
     finally:
         await ch.close()
     await assert_settles_to_zero(rr)

@@ -1,0 +1,48 @@
+"""``python -m pdgrpc.prefill`` flags: every one is explained, bad values fail before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdgrpc.prefill.__main__ import main
+from pdgrpc.prefill.cli import build_parser, worker_argv
+
+
+def test_every_flag_has_help_text() -> None:
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) > 20
+    missing = [a.option_strings[0] for a in flags if not (a.help and len(a.help) > 15)]
+    assert missing == []
+    text = parser.format_help()
+    for flag in ("--dp-size", "--load-balance-method", "--force-dp-rank-query", "--bootstrap", "--transport", "--chunk-size"):
+        assert flag in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--transport", "nope"], "unknown transport 'nope'"),
+        (["--max-prompt-tokens", "9000"], "max_prompt_tokens"),
+        (["--dp-size", "0"], "--dp-size must be >= 1"),
+        (["--load-balance-method", "random"], "invalid choice: 'random'"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
+    ns = build_parser().parse_args(["--model-size", "tiny", "--page-size", "8", "--transport", "tcp", "--chunk-size", "7"])
+    argv = worker_argv(ns)
+    probe = argparse.ArgumentParser()
+    from pdgrpc.prefill.cli import add_worker_arguments
+
+    add_worker_arguments(probe)
+    back = probe.parse_args(argv)
+    assert (back.model_size, back.page_size, back.transport, back.chunk_size) == ("tiny", 8, "tcp", 7)
