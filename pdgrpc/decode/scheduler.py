@@ -178,16 +178,25 @@ class DecodeScheduler:
         self.descriptor = await self.transport.register(regions)
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
 
-    async def close(self) -> None:
-        """Fail what is in flight (UNAVAILABLE), stop every task, close the transport."""
+    async def close(self, abort_wait_s: float = 1.0) -> None:
+        """Fail what is in flight (UNAVAILABLE), tell the prefills (AbortRoom, waiting at
+        most ``abort_wait_s``), stop every task, close the transport."""
         self._closing = True
-        for job in list(self._jobs.values()):
-            self._fail(job, Failed(grpc.StatusCode.UNAVAILABLE, f"room {job.room}: decode server is shutting down"))
         self._wake.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        tasks = [*self._tasks, *self._waiters.values()]
+        aborts = []
+        for job in list(self._jobs.values()):
+            msg = f"room {job.room}: decode server is shutting down"
+            self._fail(job, Failed(grpc.StatusCode.UNAVAILABLE, msg))
+            if job.handshake_task is not None:
+                job.handshake_task.cancel()
+            if job.slot is not None:  # a prefill may be writing for it: best effort
+                aborts.append(asyncio.ensure_future(self._abort_room(job, msg)))
+        if aborts:
+            await asyncio.wait(aborts, timeout=abort_wait_s)
+        tasks = [*aborts, *self._tasks, *self._waiters.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -563,17 +572,21 @@ class DecodeScheduler:
         quarantined slot and pages (else the lease does)."""
         if job.handshake_task is not None:  # never let AbortRoom overtake the Handshake
             await asyncio.gather(job.handshake_task, return_exceptions=True)
-        acked = 0
-        for w in job.contacted:
+        request = hpb.AbortRoomRequest(bootstrap_room=job.room, reason=reason[:1000])
+
+        async def tell(w: bpb.WorkerInfo) -> bool:
             stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
             try:
-                await stub.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=job.room, reason=reason[:1000]), timeout=self.config.rpc_timeout_s)
-                acked += 1
+                await stub.AbortRoom(request, timeout=self.config.rpc_timeout_s)
+                return True
             except grpc.RpcError as exc:
                 request_event(
                     log, job.room, "AbortRoom failed (pages stay quarantined until the lease ends)", level=logging.WARNING,
                     worker=w.transfer_address, error=map_rpc_error(exc, method="AbortRoom", target=w.transfer_address),
                 )
+                return False
+
+        acked = sum(await asyncio.gather(*(tell(w) for w in job.contacted)))
         if acked == len(job.contacted) and self.queues.on_abort_ack(job.room):
             request_event(log, job.room, "abort acknowledged; quarantine released", workers=acked)
             self._wake.set()
