@@ -1,0 +1,85 @@
+"""Every phase has a deadline: a request stuck in one ends DEADLINE_EXCEEDED naming that
+phase, its resources come back, and the prefill is told when it may still write.
+
+In-process decode servers (short deadlines) against the fake prefill; the unanswered
+handshake (bootstrap phase) is covered against the real process in test_decode_server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+import pytest
+
+from pdgrpc.decode import DecodeScheduler, DecodeServer, SchedulerConfig, start_decode_server
+from pdgrpc.decode.__main__ import build_parser
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.serving import engine_config_from_args
+from pdgrpc.state import DecodeDeadlines
+from pdgrpc.transport.tcp import TcpTransport
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import decode_pb2_grpc
+from tests.decode.fake_prefill import FakePrefill
+from tests.decode.test_decode_server import ENGINE_FLAGS, collect, make_request
+
+SHORT = 0.5  # seconds: the deadline under test
+CFG = engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS))
+
+
+@pytest.fixture
+async def server(request: pytest.FixtureRequest) -> AsyncIterator[DecodeServer]:
+    deadlines = DecodeDeadlines(**request.param)
+    server = await start_decode_server(DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, SchedulerConfig(deadlines=deadlines)))
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0)
+
+
+async def expect_deadline(server: DecodeServer, prefill: FakePrefill, phase_words: tuple[str, ...]) -> int:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        req = make_request(prefill, "stuck", 4)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(decode_pb2_grpc.DecodeServiceStub(channel), req)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for word in phase_words:
+        assert word in err.value.details()
+    return req.bootstrap_room
+
+
+async def wait_idle(server: DecodeServer) -> None:
+    for _ in range(200):  # bounded: 10 s
+        s = server.scheduler.stats()
+        if not (s["active_requests"] or s["slots_in_use"] or s["pages_in_use"] or s["pages_quarantined"] or s["transport_rooms"]):
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"decode still holds {server.scheduler.stats()}")
+
+
+@pytest.mark.parametrize("server", [dict(waiting_for_input_s=SHORT)], indirect=True)
+async def test_prefill_that_never_sends(server: DecodeServer) -> None:
+    prefill = await FakePrefill(ReferenceEngine(CFG)).start()
+    try:
+        prefill.mode = "hold"
+        room = await expect_deadline(server, prefill, ("WAITING_FOR_INPUT", "waiting for the prefill to send KV"))
+        # Pages were promised to the prefill: they come back once it acknowledged the abort.
+        await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
+        assert prefill.workers[0].aborts[0].bootstrap_room == room
+        await wait_idle(server)
+    finally:
+        await prefill.stop()
+
+
+@pytest.mark.parametrize("server", [dict(resolve_dp_rank_s=SHORT)], indirect=True)
+async def test_dp_rank_never_registered(server: DecodeServer) -> None:
+    prefill = await FakePrefill(ReferenceEngine(CFG), dp_size=2, method=bpb.LOAD_BALANCE_METHOD_SHORTEST_QUEUE).start()
+    try:
+        await expect_deadline(server, prefill, ("RESOLVING_DP_RANK", "QueryDpRanks"))
+        assert prefill.recorder.queries, "decode never asked bootstrap"
+        # Nothing was allocated and no prefill worker heard of the room.
+        assert not prefill.workers[0].handshakes and not prefill.workers[1].handshakes
+        await wait_idle(server)
+    finally:
+        await prefill.stop()
