@@ -309,7 +309,7 @@ class DecodeQueues:
         reason = torch.where(overdue, torch.minimum(reason, self._timeout_lut[self._prev_t.long()]), reason)
         gated = torch.where(overdue, int(KVPoll.FAILED), gated)
         # Quarantined slots vote "release" (1) when acked or their lease is over here.
-        release = ((self._acked_t != 0) | (self._deadline_t <= now)).long()
+        release = ((self._acked_t != 0) | (self._deadline_t < now)).long()
         gated = torch.where(quarantine, release, gated)
         gated = torch.where(mode == _FREE, int(KVPoll.SUCCESS), gated)
         rooms = torch.where(mode != _FREE, expected, 0)

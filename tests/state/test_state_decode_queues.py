@@ -1,0 +1,324 @@
+"""The decode queues: dp-rank resolution, prealloc, the gated transfer poll, commit, aborts,
+quarantine and deadlines, driven the way the decode server drives them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdgrpc.errors import ConfigError, StateError
+from pdgrpc.state import (
+    AbortReason,
+    Aborted,
+    Committed,
+    DecodeDeadlines,
+    DecodeQueues,
+    DecodeState,
+    DpConfig,
+    KVPoll,
+    MetadataBuffers,
+    MetadataRow,
+    NewRequest,
+    QueryDpRanks,
+    SendHandshake,
+    identity_reduce,
+)
+
+DL = DecodeDeadlines(resolve_dp_rank_s=1, allocate_s=2, bootstrap_s=3, waiting_for_input_s=4, transferring_s=5, abort_lease_s=6)
+
+
+def make(num_slots: int = 4, num_pages: int = 16, dp: DpConfig | None = None) -> tuple[DecodeQueues, MetadataBuffers]:
+    b = MetadataBuffers(num_slots)
+    return DecodeQueues(b, num_pages, dp=dp, deadlines=DL), b
+
+
+def admit(q: DecodeQueues, room: int, now: float = 0.0, pages: int = 2, fake: bool = False) -> SendHandshake:
+    q.add(NewRequest(room, "p:1", pages, dp_rank=0, fake=fake), now)
+    (hs,) = q.prealloc(now)
+    return hs
+
+
+def test_happy_path_commits_first_token_and_frees_the_slot() -> None:
+    q, b = make()
+    hs = admit(q, 42)
+    assert hs == SendHandshake(42, "p:1", 0, 0, (0, 1)) and q.state_of(42) is DecodeState.BOOTSTRAPPING
+    q.on_local_status(42, KVPoll.WAITING_FOR_INPUT)
+    assert q.poll_transfers(0.1, identity_reduce) == [] and q.state_of(42) is DecodeState.WAITING_FOR_INPUT
+    q.on_local_status(42, KVPoll.TRANSFERRING)
+    assert q.poll_transfers(0.2) == [] and q.state_of(42) is DecodeState.TRANSFERRING
+    b.write_row(hs.slot, MetadataRow(7, cached_tokens=3, top_logprobs_values=(-0.25,), top_logprobs_indices=(7,)), 42)
+    q.on_local_status(42, KVPoll.SUCCESS)
+    (out,) = q.poll_transfers(0.3)
+    assert isinstance(out, Committed) and out.room == 42 and out.pages == (0, 1)
+    assert out.row is not None and (out.row.output_id, out.row.cached_tokens) == (7, 3)
+    assert out.row.top_logprobs_values[0] == -0.25 and out.row.top_logprobs_indices[0] == 7
+    assert b.room(hs.slot) == 0 and q.slots.num_free == 4 and q.state_of(42) is None
+    assert q.pages.num_free == 14  # the engine holds the pages...
+    q.release_pages(out.pages)
+    assert q.is_idle()  # ...until it is done with them
+
+
+def test_kv_success_waits_for_the_metadata_row() -> None:
+    q, b = make()
+    hs = admit(q, 42)
+    q.on_local_status(42, KVPoll.SUCCESS)
+    for t in (0.1, 0.2, 0.3):
+        assert q.poll_transfers(t) == [] and q.state_of(42) is DecodeState.TRANSFERRING
+    b.write_row(hs.slot, MetadataRow(7), 42)
+    assert [type(o) for o in q.poll_transfers(0.4)] == [Committed]
+
+
+def test_landed_row_without_kv_success_does_not_commit() -> None:
+    q, b = make()
+    hs = admit(q, 42)
+    b.write_row(hs.slot, MetadataRow(7), 42)
+    q.on_local_status(42, KVPoll.TRANSFERRING)
+    assert q.poll_transfers(0.1) == []
+
+
+def test_fake_transfer_skips_the_gate() -> None:
+    q, _ = make()
+    admit(q, 42, fake=True)
+    q.on_local_status(42, KVPoll.SUCCESS)
+    (out,) = q.poll_transfers(0.1)
+    assert isinstance(out, Committed) and out.row is None
+
+
+def test_reports_move_forward_only_and_late_failures_are_ignored() -> None:
+    q, b = make(num_slots=1)
+    hs = admit(q, 42)
+    b.write_row(hs.slot, MetadataRow(7), 42)
+    q.on_local_status(42, KVPoll.SUCCESS)
+    q.on_local_status(42, KVPoll.TRANSFERRING)  # late, lower: ignored
+    (out,) = q.poll_transfers(0.1)
+    assert isinstance(out, Committed)
+    q.release_pages(out.pages)
+    hs2 = admit(q, 43, now=0.2)
+    assert hs2.slot == hs.slot
+    q.on_local_status(42, KVPoll.FAILED)  # a FAILED for the committed room: must not hit 43
+    q.on_local_status(999, KVPoll.FAILED)  # never known
+    assert q.poll_transfers(0.3) == [] and q.state_of(43) is DecodeState.BOOTSTRAPPING
+
+
+def test_transport_failure_aborts_and_quarantines_until_ack() -> None:
+    q, _ = make(num_slots=1, num_pages=2)
+    admit(q, 42)
+    q.on_local_status(42, KVPoll.FAILED)
+    (out,) = q.poll_transfers(0.1)
+    assert isinstance(out, Aborted) and out.reason is AbortReason.TRANSFER_FAILED and out.awaiting_ack
+    assert out.state == "BOOTSTRAPPING" and "transfer failed in state BOOTSTRAPPING" in out.message
+    q.add(NewRequest(43, "p:1", 2, dp_rank=0), 0.2)
+    assert q.prealloc(0.2) == [] and q.is_quarantined(42)  # slot and pages held for 42's writer
+    assert q.poll_transfers(0.3) == [] and q.prealloc(0.3) == []
+    assert q.on_abort_ack(42) and not q.on_abort_ack(777)
+    assert q.poll_transfers(0.4) == []  # releases at this poll
+    assert not q.is_quarantined(42)
+    (hs,) = q.prealloc(0.4)
+    assert hs.room == 43
+
+
+def test_quarantine_lease_expires_without_ack() -> None:
+    q, _ = make(num_slots=1, num_pages=2)
+    admit(q, 42)
+    q.cancel(42, 1.0, "client disconnected")
+    (out,) = q.poll_transfers(1.0)
+    assert isinstance(out, Aborted) and out.reason is AbortReason.CANCELLED and "client disconnected" in out.message
+    q.poll_transfers(1.0 + DL.abort_lease_s)
+    assert q.is_quarantined(42)  # lease not over yet
+    q.poll_transfers(1.0 + DL.abort_lease_s + 0.01)
+    assert not q.is_quarantined(42) and q.is_idle()
+
+
+def test_cancel_before_handshake_is_immediate() -> None:
+    q, _ = make(num_slots=1)
+    admit(q, 1)
+    q.add(NewRequest(2, "p:1", 2, dp_rank=0), 0.0)
+    assert q.prealloc(0.0) == [] and q.state_of(2) is DecodeState.WAITING_FOR_MEMORY
+    out = q.cancel(2, 0.5)
+    assert isinstance(out, Aborted) and not out.awaiting_ack and out.state == "WAITING_FOR_MEMORY"
+    assert q.state_of(2) is None and q.cancel(2, 0.6) is None  # idempotent
+
+
+def test_full_pools_make_requests_wait_in_order_without_crashing() -> None:
+    q, b = make(num_slots=2, num_pages=3)
+    q.add(NewRequest(1, "p", 2, dp_rank=0), 0.0)
+    q.add(NewRequest(2, "p", 1, dp_rank=0), 0.0)
+    q.add(NewRequest(3, "p", 1, dp_rank=0), 0.0)  # would fit a page but no slot
+    assert [h.room for h in q.prealloc(0.0)] == [1, 2]
+    assert q.prealloc(0.0) == [] and q.state_of(3) is DecodeState.WAITING_FOR_MEMORY
+    b.write_row(q.slot_of(1), MetadataRow(1), 1)  # type: ignore[arg-type]
+    q.on_local_status(1, KVPoll.SUCCESS)
+    (out,) = q.poll_transfers(0.1)
+    assert isinstance(out, Committed)
+    assert q.prealloc(0.1) == []  # a slot is back, but the engine still holds 1's pages
+    q.release_pages(out.pages)
+    assert [h.room for h in q.prealloc(0.2)] == [3]
+
+
+def test_head_of_line_waits_for_pages_so_ranks_stay_identical() -> None:
+    q, _ = make(num_slots=4, num_pages=3)
+    q.add(NewRequest(1, "p", 2, dp_rank=0), 0.0)
+    q.add(NewRequest(2, "p", 3, dp_rank=0), 0.0)
+    q.add(NewRequest(3, "p", 1, dp_rank=0), 0.0)
+    assert [h.room for h in q.prealloc(0.0)] == [1]  # 2 needs 3 pages; 3 does not overtake it
+
+
+def test_dp_rank_query_path() -> None:
+    q, _ = make(dp=DpConfig(dp_size=2, follow_bootstrap_room=False, query_interval_s=0.5))
+    q.add(NewRequest(10, "p:1", 1), 0.0)
+    q.add(NewRequest(11, "p:1", 1), 0.0)
+    assert q.state_of(10) is DecodeState.RESOLVING_DP_RANK and q.prealloc(0.0) == []
+    assert q.poll_dp_ranks(0.0) == [QueryDpRanks("p:1", (10, 11))]
+    assert q.poll_dp_ranks(0.1) == []
+    assert q.on_dp_ranks("p:1", {10: 1, 11: None}, 0.2) == 1
+    (hs,) = q.prealloc(0.2)
+    assert (hs.room, hs.dp_rank) == (10, 1)
+    assert q.poll_dp_ranks(0.6) == [QueryDpRanks("p:1", (11,))]
+    (out,) = q.tick(0.0 + DL.resolve_dp_rank_s + 0.01)  # 11 never becomes known
+    assert out.room == 11 and out.reason is AbortReason.RESOLVE_DP_RANK_TIMEOUT and "RESOLVING_DP_RANK" in out.message
+    assert q.poll_dp_ranks(5.0) == []  # no query for an aborted room
+
+
+def test_strict_follow_bootstrap_room_computes_the_rank() -> None:
+    q, _ = make(dp=DpConfig(dp_size=4))
+    q.add(NewRequest(10, "p", 1), 0.0)
+    (hs,) = q.prealloc(0.0)
+    assert hs.dp_rank == 2 and q.poll_dp_ranks(0.0) == []
+
+
+@pytest.mark.parametrize(
+    "reach, reason",
+    [
+        (KVPoll.BOOTSTRAPPING, AbortReason.BOOTSTRAP_TIMEOUT),
+        (KVPoll.WAITING_FOR_INPUT, AbortReason.WAITING_FOR_INPUT_TIMEOUT),
+        (KVPoll.TRANSFERRING, AbortReason.TRANSFER_TIMEOUT),
+        (KVPoll.SUCCESS, AbortReason.TRANSFER_TIMEOUT),  # KV done, metadata never lands: not stuck forever
+    ],
+)
+def test_transfer_stage_deadlines(reach: KVPoll, reason: AbortReason) -> None:
+    q, _ = make()
+    admit(q, 42, now=0.0)
+    q.on_local_status(42, reach)
+    assert q.poll_transfers(0.0) == []
+    limit = {KVPoll.BOOTSTRAPPING: DL.bootstrap_s, KVPoll.WAITING_FOR_INPUT: DL.waiting_for_input_s}.get(reach, DL.transferring_s)
+    assert q.poll_transfers(limit) == []
+    (out,) = q.poll_transfers(limit + 0.01)
+    assert isinstance(out, Aborted) and out.reason is reason and out.state in out.message
+
+
+def test_deadline_clock_restarts_when_the_state_advances() -> None:
+    q, b = make()
+    hs = admit(q, 42, now=0.0)
+    q.on_local_status(42, KVPoll.WAITING_FOR_INPUT)
+    q.poll_transfers(2.9)  # just inside bootstrap_s=3
+    assert q.deadline_of(42) == 2.9 + DL.waiting_for_input_s
+    assert q.poll_transfers(6.8) == []
+    b.write_row(hs.slot, MetadataRow(1), 42)
+    q.on_local_status(42, KVPoll.SUCCESS)
+    assert [type(o) for o in q.poll_transfers(6.85)] == [Committed]
+
+
+def test_allocation_deadline() -> None:
+    q, _ = make(num_slots=1)
+    admit(q, 1)
+    q.add(NewRequest(2, "p", 1, dp_rank=0), 0.0)
+    assert q.tick(DL.allocate_s) == []
+    (out,) = q.tick(DL.allocate_s + 0.01)
+    assert out.reason is AbortReason.ALLOCATE_TIMEOUT and "WAITING_FOR_MEMORY" in out.message
+
+
+def test_local_poll_injection() -> None:
+    q, b = make()
+    hs = admit(q, 42)
+    b.write_row(hs.slot, MetadataRow(5), 42)
+    asked: list[int] = []
+
+    def local_poll(room: int) -> KVPoll:
+        asked.append(room)
+        return KVPoll.SUCCESS
+
+    (out,) = q.poll_transfers(0.1, identity_reduce, local_poll=local_poll)
+    assert asked == [42] and isinstance(out, Committed)
+
+
+def test_poll_tensor_has_the_same_shape_when_idle() -> None:
+    q, _ = make(num_slots=5)
+    empty = q.prepare_poll(0.0)
+    admit(q, 42)
+    busy = q.prepare_poll(0.0)
+    assert empty.shape == busy.shape == (4, 5) and empty.dtype == busy.dtype == torch.int64
+    with pytest.raises(StateError, match="shape"):
+        q.finish_poll(torch.zeros(4, 3, dtype=torch.int64), 0.0)
+
+
+def two_ranks() -> tuple[list[DecodeQueues], list[MetadataBuffers]]:
+    bufs = [MetadataBuffers(4) for _ in range(2)]
+    return [DecodeQueues(b, 16, deadlines=DL) for b in bufs], bufs
+
+
+def lockstep(qs: list[DecodeQueues], now: float) -> list[list[Committed | Aborted]]:
+    reduced = torch.stack([q.prepare_poll(now) for q in qs]).amin(0)
+    return [q.finish_poll(reduced.clone(), now) for q in qs]
+
+
+def test_tp_commit_needs_every_rank() -> None:
+    qs, bufs = two_ranks()
+    for q in qs:
+        admit(q, 42)
+    for q, b in zip(qs, bufs):
+        q.on_local_status(42, KVPoll.SUCCESS)
+    bufs[0].write_row(0, MetadataRow(9), 42)
+    assert lockstep(qs, 0.1) == [[], []]
+    bufs[1].write_row(0, MetadataRow(9), 42)
+    a, b = lockstep(qs, 0.2)
+    assert [o.room for o in a] == [o.room for o in b] == [42]
+
+
+def test_tp_reason_priority_is_the_same_on_every_rank() -> None:
+    qs, bufs = two_ranks()
+    for q in qs:
+        admit(q, 42)
+    bufs[0].write_row(0, MetadataRow(9), 4242)  # rank 0: corrupt row
+    qs[1].cancel(42, 0.0)  # rank 1: cancelled
+    a, b = lockstep(qs, 0.1)
+    assert [o.reason for o in a] == [o.reason for o in b] == [AbortReason.METADATA_CORRUPTION]  # type: ignore[union-attr]
+    assert "expected 42, found 4242 in slot 0" in a[0].message  # type: ignore[union-attr]
+    assert "detected on another TP rank" in b[0].message  # type: ignore[union-attr]
+
+
+def test_tp_desync_is_detected_instead_of_hanging() -> None:
+    qs, bufs = two_ranks()
+    admit(qs[0], 42)
+    admit(qs[1], 43)  # a driver bug: rank 1 admitted a different request
+    a, b = lockstep(qs, 0.1)
+    assert [(o.room, o.reason) for o in a] == [(42, AbortReason.TP_DESYNC)]  # type: ignore[union-attr]
+    assert [(o.room, o.reason) for o in b] == [(43, AbortReason.TP_DESYNC)]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "req, match",
+    [
+        (NewRequest(0, "p", 1), "room"),
+        (NewRequest(1 << 63, "p", 1), "room"),
+        (NewRequest(5, "p", 0), "num_pages"),
+        (NewRequest(5, "p", 17), "num_pages"),
+        (NewRequest(5, "p", 1, dp_rank=3), "dp_rank"),
+    ],
+)
+def test_bad_requests_name_the_field(req: NewRequest, match: str) -> None:
+    q, _ = make()
+    with pytest.raises(ConfigError, match=match):
+        q.add(req, 0.0)
+
+
+def test_duplicate_room_is_refused() -> None:
+    q, _ = make()
+    q.add(NewRequest(5, "p", 1, dp_rank=0), 0.0)
+    with pytest.raises(StateError, match="room 5 is already in use"):
+        q.add(NewRequest(5, "p", 1, dp_rank=0), 0.0)
+
+
+@pytest.mark.parametrize("field", ["bootstrap_s", "abort_lease_s"])
+def test_deadline_config_validation(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        DecodeDeadlines(**{field: 0})

@@ -1,0 +1,157 @@
+"""The prefill sender machine: transitions, chunked page writes with the partial last page
+held back, metadata row last, failure from every state, deadlines."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdgrpc.errors import ConfigError, IllegalTransition
+from pdgrpc.state import KVPoll, PrefillSender, SenderDeadlines, SenderState
+from pdgrpc.state.prefill_sender import (
+    SENDER_TRANSITIONS,
+    ChunkDone,
+    DestinationReceived,
+    Fail,
+    MetadataWritten,
+    PagesWritten,
+    SenderEvent,
+    SenderFailReason,
+    WriteMetadata,
+    WritePages,
+)
+
+T = SenderState
+DL = SenderDeadlines(waiting_for_destination_s=1, waiting_for_input_s=2, transferring_s=3)
+SRC = (10, 11, 12)  # 40 tokens at page_size 16: two full pages and a partial one
+DST = (20, 21, 22)
+
+
+def sender(now: float = 0.0) -> PrefillSender:
+    s, actions = PrefillSender.create(5, SRC, 40, 16, now, deadlines=DL)
+    assert actions == [] and s.state is T.WAITING_FOR_DESTINATION and s.poll() is KVPoll.BOOTSTRAPPING
+    return s
+
+
+def sender_in(state: SenderState) -> PrefillSender:
+    s = sender()
+    if state is T.WAITING_FOR_DESTINATION:
+        return s
+    s.handle(DestinationReceived(DST, 4), 0.0)
+    if state is T.WAITING_FOR_INPUT:
+        return s
+    s.handle(ChunkDone(16), 0.0)
+    if state is T.TRANSFERRING:
+        return s
+    s.handle(PagesWritten(1), 0.0)
+    s.handle(ChunkDone(40, last=True), 0.0)
+    s.handle(PagesWritten(2), 0.0)
+    if state is T.SENDING_METADATA:
+        return s
+    if state is T.SUCCESS:
+        s.handle(MetadataWritten(), 0.0)
+    else:
+        s.handle(Fail(SenderFailReason.CANCELLED, "x"), 0.0)
+    assert s.state is state
+    return s
+
+
+def test_chunked_transfer_holds_back_the_partial_page_and_sends_metadata_last() -> None:
+    s = sender()
+    assert s.handle(DestinationReceived(DST, 4), 0.0) == [] and s.poll() is KVPoll.WAITING_FOR_INPUT
+    # chunk 1: 10 tokens, no page complete yet
+    assert s.handle(ChunkDone(10), 0.1) == [] and s.state is T.TRANSFERRING
+    # chunk 2: 20 tokens, page 0 complete
+    assert s.handle(ChunkDone(20), 0.2) == [WritePages(5, (10,), (20,))]
+    # chunk 3: 35 tokens, page 1 complete; page 2 is partial and held back
+    assert s.handle(ChunkDone(35), 0.3) == [WritePages(5, (11,), (21,))]
+    assert s.handle(PagesWritten(2), 0.4) == []  # no metadata before the last chunk
+    # final chunk: the partial page goes now; metadata waits for that write to complete
+    assert s.handle(ChunkDone(40, last=True), 0.5) == [WritePages(5, (12,), (22,))]
+    assert s.state is T.TRANSFERRING and s.poll() is KVPoll.TRANSFERRING
+    assert s.handle(PagesWritten(1), 0.6) == [WriteMetadata(5, 4)]
+    assert s.state is T.SENDING_METADATA and s.poll() is KVPoll.TRANSFERRING
+    assert s.handle(MetadataWritten(), 0.7) == [] and s.poll() is KVPoll.SUCCESS and s.is_terminal
+
+
+def test_single_chunk_prompt_writes_all_pages_then_metadata() -> None:
+    s = sender_in(T.WAITING_FOR_INPUT)
+    assert s.handle(ChunkDone(40, last=True), 0.0) == [WritePages(5, SRC, DST)]
+    assert s.handle(PagesWritten(3), 0.0) == [WriteMetadata(5, 4)]
+
+
+EVENTS: list[SenderEvent] = [DestinationReceived(DST, 4), ChunkDone(32), PagesWritten(1), MetadataWritten(), Fail(SenderFailReason.TRANSFER_FAILED, "peer died")]
+
+
+@pytest.mark.parametrize("state", list(T), ids=lambda s: s.name)
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_every_state_event_pair(state: SenderState, event: SenderEvent) -> None:
+    s = sender_in(state)
+    before = (s.state, s.deadline, s.pages_sent, s.pages_written, s.tokens_done)
+    allowed = SENDER_TRANSITIONS.get((state, type(event)))
+    # PagesWritten with nothing outstanding is illegal even where the event type is allowed.
+    if state is T.TRANSFERRING and isinstance(event, PagesWritten):
+        allowed = None if s.pages_sent == s.pages_written else allowed
+    if allowed is None:
+        with pytest.raises(IllegalTransition):
+            s.handle(event, 1.0)
+        assert (s.state, s.deadline, s.pages_sent, s.pages_written, s.tokens_done) == before
+    else:
+        s.handle(event, 1.0)
+        assert s.state in allowed
+
+
+@pytest.mark.parametrize("state", [T.WAITING_FOR_DESTINATION, T.WAITING_FOR_INPUT, T.TRANSFERRING, T.SENDING_METADATA])
+def test_failure_from_every_non_terminal_state(state: SenderState) -> None:
+    s = sender_in(state)
+    assert s.handle(Fail(SenderFailReason.TRANSFER_FAILED, "peer died"), 1.0) == []
+    assert s.state is T.FAILED and s.poll() is KVPoll.FAILED and s.failure is not None
+
+
+@pytest.mark.parametrize(
+    "state, limit, reason",
+    [
+        (T.WAITING_FOR_DESTINATION, 1, SenderFailReason.WAITING_FOR_DESTINATION_TIMEOUT),
+        (T.WAITING_FOR_INPUT, 2, SenderFailReason.WAITING_FOR_INPUT_TIMEOUT),
+        (T.TRANSFERRING, 3, SenderFailReason.TRANSFER_TIMEOUT),
+        (T.SENDING_METADATA, 3, SenderFailReason.TRANSFER_TIMEOUT),
+    ],
+)
+def test_every_non_terminal_sender_state_has_a_deadline(state: SenderState, limit: float, reason: SenderFailReason) -> None:
+    s = sender_in(state)  # entered at t=0
+    assert s.tick(limit) is None
+    f = s.tick(limit + 0.01)
+    assert f is not None and f.reason is reason and state.name in f.message and s.state is T.FAILED
+
+
+def test_bad_destination_fails_with_a_message() -> None:
+    s = sender()
+    s.handle(DestinationReceived((1, 2), 4), 0.0)
+    assert s.state is T.FAILED and s.failure is not None
+    assert s.failure.reason is SenderFailReason.BAD_DESTINATION and "needs exactly 3 pages" in s.failure.message
+
+
+@pytest.mark.parametrize(
+    "event, msg",
+    [(ChunkDone(0), "must grow"), (ChunkDone(41), "must grow"), (ChunkDone(40), r"last=False"), (ChunkDone(16, last=True), "last=True")],
+)
+def test_bad_chunks_raise_and_change_nothing(event: ChunkDone, msg: str) -> None:
+    s = sender_in(T.WAITING_FOR_INPUT)
+    with pytest.raises(IllegalTransition, match=msg):
+        s.handle(event, 0.0)
+    assert s.state is T.WAITING_FOR_INPUT and s.tokens_done == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"room": 0}, "room"), ({"page_size": 0}, "page_size"), ({"num_tokens": 0}, "num_tokens"), ({"src_pages": (1,)}, "src_pages")],
+)
+def test_bad_construction_names_the_field(kwargs: dict[str, object], field: str) -> None:
+    args: dict[str, object] = {"room": 5, "src_pages": SRC, "num_tokens": 40, "page_size": 16, "now": 0.0}
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=field):
+        PrefillSender.create(**args)  # type: ignore[arg-type]
+
+
+def test_sender_deadlines_validation() -> None:
+    with pytest.raises(ConfigError, match="transferring_s"):
+        SenderDeadlines(transferring_s=-1)
