@@ -9,9 +9,14 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.pdgrpc-installed
 # Everything that changes what gets installed.
-inputs_hash=$(cat pyproject.toml scripts/setup.sh $(ls examples/*/pyproject.toml 2>/dev/null) | sha256sum | cut -d' ' -f1)
+inputs_hash=$(cat pyproject.toml scripts/setup.sh $(ls examples/*/pyproject.toml 2>/dev/null) interop/node/package.json interop/node/package-lock.json | sha256sum | cut -d' ' -f1)
+# The JavaScript interop client's dependencies (tests/bootstrap/test_interop_node.py);
+# only where node and npm exist: without node that test is skipped.
+HAVE_NPM=0
+if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then HAVE_NPM=1; fi
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$VENV/bin/python" ]; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$VENV/bin/python" ] \
+  && { [ "$HAVE_NPM" = 0 ] || [ -d interop/node/node_modules ]; }; then
   exit 0
 fi
 
@@ -33,5 +38,9 @@ for ex in examples/*/; do
     $PIP install -q -e "$ex"
   fi
 done
+if [ "$HAVE_NPM" = 1 ]; then
+  echo "setup: installing the interop client's npm packages (interop/node)"
+  npm ci --prefix interop/node --no-audit --no-fund --loglevel=error
+fi
 echo "$inputs_hash" > "$STAMP"
 echo "setup: done"
