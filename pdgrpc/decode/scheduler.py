@@ -303,31 +303,44 @@ class DecodeScheduler:
 
     # -- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
-        q = self.queues
         while not self._closing:
-            now = time.monotonic()
-            self._drop_cancelled_running()
-            for aborted in q.tick(now):
-                self._on_aborted(aborted)
-            for query in q.poll_dp_ranks(now):
-                self._spawn(self._query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
-            for hs in q.prealloc(now):
-                self._start_handshake(hs, now)
-            for outcome in q.poll_transfers(now, local_poll=self._local_poll):
-                if isinstance(outcome, Committed):
-                    self._on_committed(outcome, now)
-                else:
-                    self._on_aborted(outcome)
-            if self._prefill_locally or self._running:
-                await self._compute()
+            # Cleared before the work: a wake-up set during it runs the next iteration at once.
+            self._wake.clear()
+            try:
+                busy = await self._iteration()
+            except Exception:  # a bug must be loud, and must not stop the server
+                log.exception("decode scheduler iteration failed")
+                busy = False
+            if busy:
                 await asyncio.sleep(0)  # let RPCs and transport callbacks in between steps
                 continue
-            self._wake.clear()
+            q = self.queues
             timeout = self.config.idle_poll_s if (q.num_requests or q.num_quarantined) else 1.0
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+
+    async def _iteration(self) -> bool:
+        """One pass over the machines; True when it computed (more work is likely)."""
+        q = self.queues
+        now = time.monotonic()
+        self._drop_cancelled_running()
+        for aborted in q.tick(now):
+            self._on_aborted(aborted)
+        for query in q.poll_dp_ranks(now):
+            self._spawn(self._query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
+        for hs in q.prealloc(now):
+            self._start_handshake(hs, now)
+        for outcome in q.poll_transfers(now, local_poll=self._local_poll):
+            if isinstance(outcome, Committed):
+                self._on_committed(outcome, now)
+            else:
+                self._on_aborted(outcome)
+        if self._prefill_locally or self._running:
+            await self._compute()
+            return True
+        return False
 
     def _local_poll(self, room: int) -> KVPoll:
         """This rank's view of ``room`` for the transfer poll. Until every prefill worker
