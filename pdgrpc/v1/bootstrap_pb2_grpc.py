@@ -67,16 +67,22 @@ class BootstrapServiceServicer:
     """
 
     def RegisterDpRanks(self, request, context):
-        """Record room -> prefill dp rank for a batch of rooms, all or none.
+        """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
+        room again with the same rank is idempotent and renews its TTL. An entry lives for
+        the server's TTL (default 120 s) after its last registration; past the server's cap
+        on rooms, the oldest entries are evicted. The dp_rank range is checked once a
+        worker has fixed the topology (registrations may come before any worker).
         INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
-        ALREADY_EXISTS: a room is already registered with a different rank.
+        ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def QueryDpRanks(self, request, context):
-        """Look up the prefill dp rank of a batch of rooms; unknown rooms are not an error.
+        """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
+        error: they come back in missing_rooms.
+        INVALID_ARGUMENT: a room of 0, or a batch over the limit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,14 +90,19 @@ class BootstrapServiceServicer:
 
     def RegisterWorker(self, request, context):
         """One prefill worker registers its endpoints; the first registration fixes the topology.
-        FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's.
+        Registering the same (dp, tp, pp) slot again (a restart) replaces it and bumps its generation.
+        INVALID_ARGUMENT: a rank outside its size, a size or page_size of 0, no
+        transfer_address, or LOAD_BALANCE_METHOD_UNSPECIFIED.
+        FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's (the
+        message names the field and both values).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetParallelInfo(self, request, context):
-        """The instance's parallel info. UNAVAILABLE until every worker has registered.
+        """The instance's parallel info. UNAVAILABLE ("k of n workers registered") until every
+        worker has registered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +111,7 @@ class BootstrapServiceServicer:
     def GetWorkers(self, request, context):
         """The endpoints of the workers of one prefill dp rank (what a decode rank talks to).
         UNAVAILABLE until every worker has registered.
+        INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

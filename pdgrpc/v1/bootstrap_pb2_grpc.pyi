@@ -38,21 +38,35 @@ class BootstrapServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> BootstrapServiceAsyncStub: ...
     RegisterDpRanks: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.RegisterDpRanksRequest, _bootstrap_pb2.RegisterDpRanksResponse]
-    """Record room -> prefill dp rank for a batch of rooms, all or none.
+    """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
+    room again with the same rank is idempotent and renews its TTL. An entry lives for
+    the server's TTL (default 120 s) after its last registration; past the server's cap
+    on rooms, the oldest entries are evicted. The dp_rank range is checked once a
+    worker has fixed the topology (registrations may come before any worker).
     INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
-    ALREADY_EXISTS: a room is already registered with a different rank.
+    ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
     """
     QueryDpRanks: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryDpRanksRequest, _bootstrap_pb2.QueryDpRanksResponse]
-    """Look up the prefill dp rank of a batch of rooms; unknown rooms are not an error."""
+    """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
+    error: they come back in missing_rooms.
+    INVALID_ARGUMENT: a room of 0, or a batch over the limit.
+    """
     RegisterWorker: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.RegisterWorkerRequest, _bootstrap_pb2.RegisterWorkerResponse]
     """One prefill worker registers its endpoints; the first registration fixes the topology.
-    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's.
+    Registering the same (dp, tp, pp) slot again (a restart) replaces it and bumps its generation.
+    INVALID_ARGUMENT: a rank outside its size, a size or page_size of 0, no
+    transfer_address, or LOAD_BALANCE_METHOD_UNSPECIFIED.
+    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's (the
+    message names the field and both values).
     """
     GetParallelInfo: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.GetParallelInfoRequest, _bootstrap_pb2.GetParallelInfoResponse]
-    """The instance's parallel info. UNAVAILABLE until every worker has registered."""
+    """The instance's parallel info. UNAVAILABLE ("k of n workers registered") until every
+    worker has registered.
+    """
     GetWorkers: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.GetWorkersRequest, _bootstrap_pb2.GetWorkersResponse]
     """The endpoints of the workers of one prefill dp rank (what a decode rank talks to).
     UNAVAILABLE until every worker has registered.
+    INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
     """
 
 @_typing.type_check_only
@@ -61,21 +75,35 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterDpRanks: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.RegisterDpRanksRequest, _bootstrap_pb2.RegisterDpRanksResponse]  # type: ignore[assignment]
-    """Record room -> prefill dp rank for a batch of rooms, all or none.
+    """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
+    room again with the same rank is idempotent and renews its TTL. An entry lives for
+    the server's TTL (default 120 s) after its last registration; past the server's cap
+    on rooms, the oldest entries are evicted. The dp_rank range is checked once a
+    worker has fixed the topology (registrations may come before any worker).
     INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
-    ALREADY_EXISTS: a room is already registered with a different rank.
+    ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
     """
     QueryDpRanks: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryDpRanksRequest, _bootstrap_pb2.QueryDpRanksResponse]  # type: ignore[assignment]
-    """Look up the prefill dp rank of a batch of rooms; unknown rooms are not an error."""
+    """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
+    error: they come back in missing_rooms.
+    INVALID_ARGUMENT: a room of 0, or a batch over the limit.
+    """
     RegisterWorker: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.RegisterWorkerRequest, _bootstrap_pb2.RegisterWorkerResponse]  # type: ignore[assignment]
     """One prefill worker registers its endpoints; the first registration fixes the topology.
-    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's.
+    Registering the same (dp, tp, pp) slot again (a restart) replaces it and bumps its generation.
+    INVALID_ARGUMENT: a rank outside its size, a size or page_size of 0, no
+    transfer_address, or LOAD_BALANCE_METHOD_UNSPECIFIED.
+    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's (the
+    message names the field and both values).
     """
     GetParallelInfo: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.GetParallelInfoRequest, _bootstrap_pb2.GetParallelInfoResponse]  # type: ignore[assignment]
-    """The instance's parallel info. UNAVAILABLE until every worker has registered."""
+    """The instance's parallel info. UNAVAILABLE ("k of n workers registered") until every
+    worker has registered.
+    """
     GetWorkers: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.GetWorkersRequest, _bootstrap_pb2.GetWorkersResponse]  # type: ignore[assignment]
     """The endpoints of the workers of one prefill dp rank (what a decode rank talks to).
     UNAVAILABLE until every worker has registered.
+    INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
     """
 
 class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -87,9 +115,13 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _bootstrap_pb2.RegisterDpRanksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_bootstrap_pb2.RegisterDpRanksResponse, _abc.Awaitable[_bootstrap_pb2.RegisterDpRanksResponse]]:
-        """Record room -> prefill dp rank for a batch of rooms, all or none.
+        """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
+        room again with the same rank is idempotent and renews its TTL. An entry lives for
+        the server's TTL (default 120 s) after its last registration; past the server's cap
+        on rooms, the oldest entries are evicted. The dp_rank range is checked once a
+        worker has fixed the topology (registrations may come before any worker).
         INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
-        ALREADY_EXISTS: a room is already registered with a different rank.
+        ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
         """
 
     @_abc_1.abstractmethod
@@ -98,7 +130,10 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _bootstrap_pb2.QueryDpRanksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_bootstrap_pb2.QueryDpRanksResponse, _abc.Awaitable[_bootstrap_pb2.QueryDpRanksResponse]]:
-        """Look up the prefill dp rank of a batch of rooms; unknown rooms are not an error."""
+        """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
+        error: they come back in missing_rooms.
+        INVALID_ARGUMENT: a room of 0, or a batch over the limit.
+        """
 
     @_abc_1.abstractmethod
     def RegisterWorker(
@@ -107,7 +142,11 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_bootstrap_pb2.RegisterWorkerResponse, _abc.Awaitable[_bootstrap_pb2.RegisterWorkerResponse]]:
         """One prefill worker registers its endpoints; the first registration fixes the topology.
-        FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's.
+        Registering the same (dp, tp, pp) slot again (a restart) replaces it and bumps its generation.
+        INVALID_ARGUMENT: a rank outside its size, a size or page_size of 0, no
+        transfer_address, or LOAD_BALANCE_METHOD_UNSPECIFIED.
+        FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's (the
+        message names the field and both values).
         """
 
     @_abc_1.abstractmethod
@@ -116,7 +155,9 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _bootstrap_pb2.GetParallelInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_bootstrap_pb2.GetParallelInfoResponse, _abc.Awaitable[_bootstrap_pb2.GetParallelInfoResponse]]:
-        """The instance's parallel info. UNAVAILABLE until every worker has registered."""
+        """The instance's parallel info. UNAVAILABLE ("k of n workers registered") until every
+        worker has registered.
+        """
 
     @_abc_1.abstractmethod
     def GetWorkers(
@@ -126,6 +167,7 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_bootstrap_pb2.GetWorkersResponse, _abc.Awaitable[_bootstrap_pb2.GetWorkersResponse]]:
         """The endpoints of the workers of one prefill dp rank (what a decode rank talks to).
         UNAVAILABLE until every worker has registered.
+        INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
         """
 
 def add_BootstrapServiceServicer_to_server(servicer: BootstrapServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
