@@ -102,6 +102,8 @@ class ReferenceEngine(Engine):
         if config.tp_size > 1 and all_reduce is None:
             raise ConfigError(f"ReferenceEngine: tp_size={config.tp_size} needs an all_reduce")
         self.config = config
+        if config.intra_op_threads:  # first: building the weights is the first heavy work
+            torch.set_num_threads(config.intra_op_threads)
         self._shard = ModelShard(config.model, config.max_seq_len, config.tp_rank, config.tp_size, all_reduce)
         m = config.model
         self._layout = KVLayout(
@@ -120,8 +122,6 @@ class ReferenceEngine(Engine):
         self._v = [torch.zeros(self._layout.pool_shape, dtype=self._layout.dtype) for _ in range(m.num_layers)]
         self._pages = PageAllocator(config.num_pages)
         self._tokenizer = ByteTokenizer()
-        if config.intra_op_threads:
-            torch.set_num_threads(config.intra_op_threads)
 
     # ---- identity and layout ----------------------------------------------------------
 
