@@ -86,6 +86,11 @@ Change log:
   construction and attribute access; it no longer validates on construction (use
   :func:`check_source_ops`), because scattered transfers build ~100k of them.
 * ``Transport.moves_bytes`` class attribute added (default True).
+* ``WriteOps`` added: a ``Sequence[WriteOp]`` backed by one int64 array, returned by
+  ``pages.page_ops``; backends may keep iterating it as plain ``WriteOp``s, or read
+  ``.array`` for speed.
+* ``RoomGrant.runs_array()`` added (page runs as two int64 arrays, for vectorized
+  authorization).
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ __all__ = [
     "Transport",
     "UnknownRoom",
     "WriteOp",
+    "WriteOps",
     "check_source_ops",
 ]
 
@@ -232,11 +238,70 @@ class WriteOp(NamedTuple):
     length: int
 
 
+class WriteOps(Sequence[WriteOp]):
+    """Many write ops as one ``(N, 5)`` int64 array, columns in :class:`WriteOp` field
+    order. It *is* a ``Sequence[WriteOp]`` (indexing and iteration yield ``WriteOp``),
+    so every backend accepts it unchanged; backends that want speed read
+    :attr:`array` directly instead of touching ~100k Python objects.
+    :func:`pdgrpc.transport.pages.page_ops` returns this type."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        import numpy as np
+
+        arr = np.ascontiguousarray(array, dtype=np.int64).reshape(-1, 5)
+        arr.flags.writeable = False
+        self.array = arr
+
+    @classmethod
+    def of(cls, ops: Iterable[WriteOp]) -> "WriteOps":
+        if isinstance(ops, WriteOps):
+            return ops
+        import numpy as np
+
+        return cls(np.array([tuple(op) for op in ops], dtype=np.int64).reshape(-1, 5))
+
+    def __len__(self) -> int:
+        return int(self.array.shape[0])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return WriteOps(self.array[i])
+        return WriteOp(*(int(x) for x in self.array[i]))
+
+    def __iter__(self) -> Any:
+        return (WriteOp(*row) for row in self.array.tolist())
+
+    def __repr__(self) -> str:
+        return f"WriteOps({len(self)} ops, {int(self.array[:, 4].sum()) if len(self) else 0} bytes)"
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array[:, 4].sum()) if len(self) else 0
+
+
 def check_source_ops(ops: Iterable[WriteOp], regions: "dict[int, MemoryRegion]") -> None:
     """Raise :class:`~pdgrpc.errors.ConfigError` naming the field if an op's source
     side is not inside a registered local region (a caller bug, not a peer's fault)."""
     from pdgrpc.errors import ConfigError
 
+    if isinstance(ops, WriteOps):  # vectorized: same checks, first offender reported
+        a = ops.array
+        if not len(a):
+            return
+        bad = (a[:, 1] < 0) | (a[:, 3] < 0) | (a[:, 4] <= 0)
+        sizes = {rid: r.nbytes for rid, r in regions.items()}
+        for rid in set(a[:, 0].tolist()):
+            rows = a[:, 0] == rid
+            if rid not in sizes:
+                bad |= rows
+            else:
+                bad |= rows & (a[:, 1] + a[:, 4] > sizes[rid])
+        if bad.any():
+            ops = [ops[int(bad.argmax())]]
+        else:
+            return
     for op in ops:
         region = regions.get(op.src_region)
         if region is None:
@@ -318,6 +383,17 @@ class RoomGrant:
                 f"page {bad} of {region.name!r} is outside the pages granted to room {self.room}"
             )
         return None
+
+    def runs_array(self) -> tuple[Any, Any]:
+        """Page runs as ``(starts, ends_exclusive)`` int64 arrays (cached)."""
+        cached = self.__dict__.get("_runs_np")
+        if cached is None:
+            import numpy as np
+
+            starts, ends = self._runs_cache()
+            cached = (np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+            object.__setattr__(self, "_runs_np", cached)
+        return cached
 
     def _has_page(self, p: int) -> bool:
         i = bisect.bisect_left(self.pages, p)

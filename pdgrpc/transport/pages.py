@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from pdgrpc.errors import ConfigError
-from pdgrpc.transport.base import MemoryRegion, RegionInfo, RegionKind, WriteOp
+from pdgrpc.transport.base import MemoryRegion, RegionInfo, RegionKind, WriteOp, WriteOps
 
 METADATA_REGION_ID = 0xFFFF
 K, V = 0, 1
@@ -46,20 +47,27 @@ def metadata_region(rows: torch.Tensor) -> MemoryRegion:
     return MemoryRegion(METADATA_REGION_ID, rows, RegionKind.METADATA, "metadata")
 
 
+def _runs_np(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+    if src.shape != dst.shape:
+        raise ConfigError(f"page lists differ in length: {src.size} source, {dst.size} destination")
+    if src.size and (src.min() < 0 or dst.min() < 0):
+        raise ConfigError("page indices must be >= 0")
+    if not src.size:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    # a run continues where both lists advance by exactly one page
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [src.size])))
+    return src[starts], dst[starts], counts
+
+
 def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(src_first, dst_first, count)`` runs where both page lists advance by one."""
-    if len(src_pages) != len(dst_pages):
-        raise ConfigError(f"page lists differ in length: {len(src_pages)} source, {len(dst_pages)} destination")
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_pages, dst_pages):
-        s, d = int(s), int(d)
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
+    s, d, n = _runs_np(src_pages, dst_pages)
+    return list(zip(s.tolist(), d.tolist(), n.tolist()))
 
 
 _RegionLike = MemoryRegion | RegionInfo
@@ -69,11 +77,12 @@ def page_ops(
     pairs: Iterable[tuple[_RegionLike, _RegionLike]],
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
-) -> list[WriteOp]:
+) -> WriteOps:
     """Ops copying ``src_pages`` -> ``dst_pages`` for every ``(src, dst)`` region pair
-    (typically every layer's K and V). Page sizes must match per pair."""
-    runs = page_runs(src_pages, dst_pages)
-    ops: list[WriteOp] = []
+    (typically every layer's K and V), one op per run per pair, region by region.
+    Page sizes must match per pair. Built with numpy: ~100k ops cost milliseconds."""
+    s, d, n = _runs_np(src_pages, dst_pages)
+    blocks = []
     for src, dst in pairs:
         if src.item_bytes != dst.item_bytes:
             raise ConfigError(
@@ -81,9 +90,14 @@ def page_ops(
                 f"destination {dst.name!r} has {dst.item_bytes} B"
             )
         pb = src.item_bytes
-        for s, d, n in runs:
-            ops.append(WriteOp(src.region_id, s * pb, dst.region_id, d * pb, n * pb))
-    return ops
+        block = np.empty((s.size, 5), dtype=np.int64)
+        block[:, 0] = src.region_id
+        block[:, 1] = s * pb
+        block[:, 2] = dst.region_id
+        block[:, 3] = d * pb
+        block[:, 4] = n * pb
+        blocks.append(block)
+    return WriteOps(np.concatenate(blocks) if blocks else np.zeros((0, 5), dtype=np.int64))
 
 
 def region_pairs(local: Sequence[_RegionLike], remote: Sequence[_RegionLike]) -> list[tuple[_RegionLike, _RegionLike]]:

@@ -240,6 +240,11 @@ class _PeerServer:
     async def cmd_digest(self, region_id: int, start: int = 0, end: int | None = None) -> str:
         return digest(memoryview(self.flats[region_id].numpy())[start:end])
 
+    async def cmd_digest_pages(self, region_ids: Sequence[int], pages: Sequence[int]) -> str:
+        """Digest of the listed pages (items) of each region, regions then pages in order."""
+        parts = [self.flats[r].view(-1, self.layout.item_bytes(r))[list(pages)].reshape(-1) for r in region_ids]
+        return digest(torch.cat(parts))
+
     async def cmd_read(self, region_id: int, start: int, end: int) -> bytes:
         return bytes(memoryview(self.flats[region_id].numpy())[start:end])
 

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import ipaddress
 import itertools
 import socket
 import struct
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from pdgrpc.errors import ConfigError, PeerFailure, TransportError
@@ -53,13 +55,19 @@ from pdgrpc.transport.base import (
     RoomGrant,
     Transport,
     WriteOp,
+    WriteOps,
     check_source_ops,
 )
 
 HEADER = struct.Struct("<B3xIQQQ")
 OP = struct.Struct("<H6xQQ")
+OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
+                     "offsets": [0, 8, 16], "itemsize": 24})  # same layout as OP
+_KIND_NONE, _KIND_KV, _KIND_META = 0, 1, 2
 HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = range(1, 8)
 MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
+_IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
+_IOV_BYTES = 4 << 20
 MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
 _SCRATCH = 1 << 20
 _READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
@@ -75,6 +83,13 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray, views: dict[int, memoryview]) -> list[memoryview]:
+    """Header, op table and the source slices of one WRITE frame (gather list)."""
+    bufs = [memoryview(hdr), memoryview(table).cast("B")]
+    bufs += [views[r][o : o + n] for r, o, n in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist(), chunk[:, 4].tolist())]
+    return bufs
+
+
 class _Conn:
     """One socket, driven by event-loop reader/writer callbacks (no tasks, no threads)."""
 
@@ -87,6 +102,10 @@ class _Conn:
         self.closed = False
         self.hello: asyncio.Future[str] = self.loop.create_future()
         self._out: collections.deque[memoryview] = collections.deque()
+        # Frames whose buffers are made only when the socket can take them: a scattered
+        # transfer is ~100k page slices, and holding them all as live memoryviews makes
+        # the garbage collector's work grow with the queue.
+        self._later: collections.deque[Callable[[], list[memoryview]]] = collections.deque()
         self._writing = False
         self._hdr = bytearray(HEADER.size)
         self._iovs: list[memoryview] = []
@@ -135,7 +154,7 @@ class _Conn:
                 if len(iovs) - i == 1:
                     n = self.sock.recv_into(iovs[i])
                 else:
-                    n = self.sock.recvmsg_into(iovs[i : i + 1000])[0]
+                    n = self.sock.recvmsg_into(iovs[i : i + _IOV_BATCH])[0]
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -203,7 +222,18 @@ class _Conn:
     def send(self, bufs: Sequence[bytes | memoryview]) -> None:
         if self.closed:
             return
-        self._out.extend(memoryview(b) for b in bufs)
+        if self._later:  # keep frame order
+            self._later.append(lambda: [b if type(b) is memoryview else memoryview(b) for b in bufs])
+        else:
+            self._out.extend(b if type(b) is memoryview else memoryview(b) for b in bufs)
+        if not self._writing:
+            self._flush()
+
+    def send_later(self, make: Callable[[], list[memoryview]]) -> None:
+        """Queue a frame whose buffers ``make()`` builds when the socket is ready."""
+        if self.closed:
+            return
+        self._later.append(make)
         if not self._writing:
             self._flush()
 
@@ -213,8 +243,17 @@ class _Conn:
 
     def _flush(self) -> None:
         out = self._out
-        while out:
-            batch = list(itertools.islice(out, 0, 1000))
+        later = self._later
+        while out or later:
+            while later and len(out) < _IOV_BATCH:
+                out.extend(later.popleft()())
+            batch = []
+            size = 0
+            for b in out:
+                batch.append(b)
+                size += len(b)
+                if size >= _IOV_BYTES or len(batch) >= _IOV_BATCH:
+                    break
             try:
                 n = self.sock.sendmsg(batch)
             except (BlockingIOError, InterruptedError):
@@ -224,7 +263,7 @@ class _Conn:
                 return
             if n < 0:
                 break
-            sent_all = n == sum(len(b) for b in batch)
+            sent_all = n == size
             while n:
                 b = out[0]
                 if n >= len(b):
@@ -235,10 +274,10 @@ class _Conn:
                     n = 0
             if not sent_all:
                 break
-        if out and not self._writing:
+        if (out or later) and not self._writing:
             self.loop.add_writer(self.fd, self._flush)
             self._writing = True
-        elif not out and self._writing:
+        elif not (out or later) and self._writing:
             self.loop.remove_writer(self.fd)
             self._writing = False
 
@@ -251,6 +290,7 @@ class _Conn:
         if self._writing:
             self.loop.remove_writer(self.fd)
         self._out.clear()
+        self._later.clear()
         self._iovs = []
         self.sock.close()
         if not self.hello.done():
@@ -325,6 +365,10 @@ class TcpTransport(Transport):
         self._regions: dict[int, MemoryRegion] = {}
         self._infos: dict[int, RegionInfo] = {}
         self._views: dict[int, memoryview] = {}
+        # region id -> kind / size / item size, for vectorized authorization
+        self._kind_lut = np.zeros(1 << 16, dtype=np.int8)
+        self._nbytes_lut = np.zeros(1 << 16, dtype=np.int64)
+        self._item_lut = np.ones(1 << 16, dtype=np.int64)
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Future[None]] = {}
         self._room_link: dict[int, str] = {}
@@ -380,6 +424,9 @@ class TcpTransport(Transport):
             self._views[r.region_id] = byte_view(r.tensor)
             self._regions[r.region_id] = r
             self._infos[r.region_id] = r.info()
+            self._kind_lut[r.region_id] = _KIND_META if r.kind is RegionKind.METADATA else _KIND_KV
+            self._nbytes_lut[r.region_id] = r.nbytes
+            self._item_lut[r.region_id] = r.item_bytes
         if self._listener is None:
             try:
                 lsock, self._endpoint = self._listen()
@@ -481,8 +528,11 @@ class TcpTransport(Transport):
         conn.send([HEADER.pack(HELLO_OK, 0, 0, 0, 0)])
 
     def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
-        ops = list(OP.iter_unpack(table))
-        if sum(op[2] for op in ops) != payload_len:
+        ops = np.frombuffer(table, dtype=OP_DTYPE)
+        regions = ops["region"].astype(np.int64)
+        offsets = ops["offset"].astype(np.int64)
+        lengths = ops["length"].astype(np.int64)
+        if (ops["offset"] > 2**62).any() or (ops["length"] > 2**62).any() or int(lengths.sum()) != payload_len:
             return conn.lose("frame payload length does not match its op table")
         rr = self._recv.get(room)
         reason: str | None = None
@@ -498,7 +548,7 @@ class TcpTransport(Transport):
             elif ftype == META and (rr.meta is not None or len(ops) != 1):
                 reason = f"second or malformed metadata frame for room {room}"
             else:
-                reason = self._authorize(rr.grant, ftype, ops)
+                reason = self._authorize(rr.grant, ftype, regions, offsets, lengths)
         if reason is not None:
             if rr is not None:
                 self.rooms.fail(room, f"unauthorized write: {reason}")
@@ -507,9 +557,9 @@ class TcpTransport(Transport):
             return
         assert rr is not None
         self.rooms.set(room, KVPoll.TRANSFERRING)
+        views = self._views
         if ftype == WRITE:
-            views = self._views
-            bufs = [views[r][o : o + n] for r, o, n in ops]
+            bufs = [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
 
             def landed() -> None:
                 rr.received += payload_len
@@ -518,29 +568,48 @@ class TcpTransport(Transport):
 
             conn.receive_payload(room, rr, bufs, landed)
         else:
-            r, o, n = ops[0]
+            r, o, n = int(regions[0]), int(offsets[0]), int(lengths[0])
             staged = bytearray(n)  # one small row, kept aside until the pages are in
 
             def staged_in() -> None:
-                rr.meta = (self._views[r][o : o + n], staged, conn)
+                rr.meta = (views[r][o : o + n], staged, conn)
                 rr.expected = aux
                 self._try_commit(room, rr)
                 conn._expect_header()
 
             conn.receive_payload(room, rr, [memoryview(staged)], staged_in)
 
-    def _authorize(self, grant: RoomGrant, ftype: int, ops: list[tuple[int, int, int]]) -> str | None:
-        infos = self._infos
-        for region, offset, length in ops:
-            info = infos.get(region)
-            if info is None:
-                return f"region {region} is not registered here"
-            if (info.kind is RegionKind.METADATA) != (ftype == META):
-                return f"{'metadata' if ftype == META else 'page'} write into {info.kind.value} region {info.name!r}"
-            reason = grant.check(info, offset, length)
-            if reason is not None:
-                return reason
-        return None
+    def _authorize(self, grant: RoomGrant, ftype: int, regions: np.ndarray, offsets: np.ndarray,
+                   lengths: np.ndarray) -> str | None:
+        """Vectorized over a frame's ops; the first offending op gets an exact reason."""
+        kind = self._kind_lut[regions]
+        want = _KIND_META if ftype == META else _KIND_KV
+        bad = kind != want
+        if not bad.any():
+            bad = (lengths <= 0) | (offsets + lengths > self._nbytes_lut[regions])
+        if not bad.any():
+            item = self._item_lut[regions]
+            first = offsets // item
+            last = (offsets + lengths - 1) // item
+            if ftype == META:
+                bad = (first != (-1 if grant.slot is None else grant.slot)) | (last != first)
+            else:
+                starts, ends = grant.runs_array()
+                if not len(starts):
+                    bad = np.ones(len(first), dtype=bool)
+                else:
+                    idx = np.searchsorted(starts, first, side="right") - 1
+                    bad = (idx < 0) | (last >= ends[np.maximum(idx, 0)])
+        if not bad.any():
+            return None
+        j = int(bad.argmax())
+        rid, off, n = int(regions[j]), int(offsets[j]), int(lengths[j])
+        info = self._infos.get(rid)
+        if info is None:
+            return f"region {rid} is not registered here"
+        if (info.kind is RegionKind.METADATA) != (ftype == META):
+            return f"{'metadata' if ftype == META else 'page'} write into {info.kind.value} region {info.name!r}"
+        return grant.check(info, off, n) or f"write of {n} bytes at {off} into {info.name!r} not allowed"
 
     def _try_commit(self, room: int, rr: _RecvRoom) -> None:
         if self._recv.get(room) is not rr or rr.expected is None or rr.meta is None:
@@ -568,16 +637,16 @@ class TcpTransport(Transport):
         link.rooms.add(room)
         sent = link.sent.get(room, 0)
         views = self._views
-        for i in range(0, len(ops), MAX_OPS_PER_FRAME):
-            chunk = ops[i : i + MAX_OPS_PER_FRAME]
-            total = 0
-            table = bytearray(len(chunk) * OP.size)
-            payload: list[memoryview] = []
-            for j, op in enumerate(chunk):
-                OP.pack_into(table, j * OP.size, op.dst_region, op.dst_offset, op.length)
-                payload.append(views[op.src_region][op.src_offset : op.src_offset + op.length])
-                total += op.length
-            link.conn().send([HEADER.pack(WRITE, len(chunk), room, total, 0), table, *payload])
+        arr = WriteOps.of(ops).array
+        for i in range(0, len(arr), MAX_OPS_PER_FRAME):
+            chunk = arr[i : i + MAX_OPS_PER_FRAME]
+            table = np.zeros(len(chunk), dtype=OP_DTYPE)
+            table["region"] = chunk[:, 2]
+            table["offset"] = chunk[:, 3]
+            table["length"] = chunk[:, 4]
+            total = int(chunk[:, 4].sum())
+            hdr = HEADER.pack(WRITE, len(chunk), room, total, 0)
+            link.conn().send_later(functools.partial(_frame_buffers, hdr, table, chunk, views))
             sent += total
         link.sent[room] = sent
         if metadata is not None:
@@ -591,7 +660,9 @@ class TcpTransport(Transport):
             )
 
     def _check_src(self, ops: Sequence[WriteOp], metadata: WriteOp | None) -> None:
-        check_source_ops(itertools.chain(ops, () if metadata is None else (metadata,)), self._regions)
+        check_source_ops(WriteOps.of(ops), self._regions)
+        if metadata is not None:
+            check_source_ops([metadata], self._regions)
 
     def _on_ack(self, conn: _Conn, room: int) -> None:
         if self._room_link.get(room) == conn.peer_id:

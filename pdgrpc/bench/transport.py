@@ -1,0 +1,240 @@
+"""``python -m pdgrpc.bench transport --backend tcp|rdma``: KV transfer throughput of a
+transport backend between two processes, against a raw baseline of the same bytes
+measured in the same run.
+
+Data: a KV pool shaped like a small model's -- 24 layers x (K, V), 16-token pages of
+2 KV heads x 64 dims in fp16 (4 KiB per page per region) -- for 1k, 8k and 32k tokens
+(12, 96 and 384 MiB), with contiguous pages (one run: one write per region) and
+scattered pages (random source and destination pages: one write per page per region).
+The receiver is a separate process (:class:`~pdgrpc.transport.peerproc.PeerProcess`);
+this process is the sender.
+
+One iteration = build the ops from the page lists, ``write`` pages + metadata row, wait
+until the sender's room is SUCCESS (the receiver acknowledged the row, which lands after
+every page). Latency is the median iteration; GB/s = bytes / latency / 1e9.
+
+Baselines, same byte count, two processes, median of as many iterations:
+
+* ``tcp`` (and other socket backends): one plain blocking TCP socket per direction,
+  ``sendall`` of one contiguous buffer, the receiver ``recv_into`` a preallocated buffer
+  then replies one byte (same socket buffer sizes and TCP_NODELAY as the backend).
+* ``rdma``: plain ``ucxx`` tag send/recv between worker-address endpoints
+  (:mod:`pdgrpc.bench._ucx_baseline`, imported only for this backend).
+
+After timing, the last transfer of each case is checked bit-exact (digests of the
+destination pages against the source pages) so a backend that moves nothing cannot
+report a number. Targets (issue 4): >= 0.9x raw from 4 MiB up; scattered >= 0.8x
+contiguous. Numbers from a shared or loaded machine are noisy; compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import multiprocessing.connection
+import random
+import socket
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdgrpc.bench.report import Result
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport import registry
+from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
+from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
+
+DESCRIPTION = "KV transfer GB/s and latency of a transport (tcp|rdma) between two processes vs a raw baseline"
+TOKENS_PER_PAGE = 16
+SOCKBUF = 4 << 20  # the tcp backend's default; the raw baseline uses the same
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="tcp", help="transport name (tcp, rdma, or any registered backend)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768], help="tokens per transfer")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--iterations", type=int, default=5, help="timed iterations per case (median reported)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--connections", type=int, default=None, help="tcp: sockets per peer")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        return runner.run(_run(args))
+
+
+# ----------------------------------------------------------------------------- raw tcp
+
+
+def _raw_tcp_receiver(conn: multiprocessing.connection.Connection, max_bytes: int) -> None:
+    """Child: accept one connection; per round read an 8-byte size, ``recv_into`` that
+    many bytes into a preallocated buffer, reply one byte. Reports a digest at the end."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    conn.send(lsock.getsockname()[1])
+    s, _ = lsock.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
+    buf = np.zeros(max_bytes, dtype=np.uint8)
+    view = memoryview(buf)
+    last = 0
+    while True:
+        head = s.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            break
+        n = int.from_bytes(head, "little")
+        got = 0
+        while got < n:
+            k = s.recv_into(view[got:n])
+            if k == 0:
+                raise ConnectionError("sender went away")
+            got += k
+        last = n
+        s.sendall(b"!")
+    conn.send(digest(view[:last]))
+    s.close()
+    lsock.close()
+
+
+def _raw_tcp(sizes: list[int], iterations: int, warmup: int) -> dict[int, float]:
+    """Median seconds per transfer of each size over a plain socket (this process sends)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_tcp_receiver, args=(child, max(sizes)), daemon=True)
+    proc.start()
+    out: dict[int, float] = {}
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("raw tcp receiver did not start")
+        port = parent.recv()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
+        src = (np.arange(max(sizes), dtype=np.uint32) % 251).astype(np.uint8)
+        view = memoryview(src)
+        for n in sizes:
+            lat = []
+            for i in range(warmup + iterations):
+                t0 = time.perf_counter()
+                s.sendall(n.to_bytes(8, "little"))
+                s.sendall(view[:n])
+                if s.recv(1) != b"!":
+                    raise RuntimeError("raw tcp receiver did not acknowledge")
+                if i >= warmup:
+                    lat.append(time.perf_counter() - t0)
+            out[n] = statistics.median(lat)
+        s.close()
+        if not parent.poll(60) or parent.recv() != digest(view[: sizes[-1]]):
+            raise RuntimeError("raw tcp baseline: received bytes differ from those sent")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        parent.close()
+    return out
+
+
+def _raw_baseline(backend: str, sizes: list[int], iterations: int, warmup: int) -> tuple[str, dict[int, float]]:
+    if backend == "rdma":
+        from pdgrpc.bench import _ucx_baseline  # imports nothing of UCX in this process
+
+        res = _ucx_baseline.run_baselines(sizes, iterations, warmup=warmup)
+        return "raw ucxx tag send/recv", {r.nbytes: r.latency_s for r in res}
+    return "raw tcp socket recv_into", _raw_tcp(sizes, iterations, warmup)
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+async def _run(args: argparse.Namespace) -> list[Result]:
+    backend = args.backend
+    max_pages = max(args.tokens) // TOKENS_PER_PAGE
+    layout = Layout(layers=args.layers, pages=2 * max_pages, page_shape=(TOKENS_PER_PAGE, 2, 64), slots=4)
+    options: dict[str, Any] = {}
+    if args.connections is not None:
+        options["connections"] = args.connections
+    rng = random.Random(args.seed)
+    cases = []
+    for tokens in args.tokens:
+        n = tokens // TOKENS_PER_PAGE
+        cases.append((tokens, "contiguous", list(range(n)), list(range(n))))
+        cases.append((tokens, "scattered", rng.sample(range(layout.pages), n), rng.sample(range(layout.pages), n)))
+    nbytes = {t: 2 * layout.layers * (t // TOKENS_PER_PAGE) * layout.page_bytes for t in args.tokens}
+
+    # Baseline first, in its own processes, so the two never compete for the CPUs.
+    base_name, base = _raw_baseline(backend, sorted(set(nbytes.values())), args.iterations, args.warmup)
+
+    regions, flats = layout.build(args.seed)  # sender memory, filled
+    sender = registry.create(backend, **options)
+    timings: dict[tuple[int, str], list[float]] = {}
+    try:
+        await sender.register(regions)
+        async with PeerProcess(backend, layout=layout, seed=None, options=options) as recv:
+            peer = await sender.connect(recv.descriptor)
+            pairs = region_pairs(regions, peer.descriptor.regions)
+            dst_meta = peer.descriptor.region(METADATA_REGION_ID)
+            room = 1
+            for tokens, kind, src, dst in cases:
+                lat = []
+                for i in range(args.warmup + args.iterations):
+                    room += 1
+                    await recv.call("advertise", room, dst, 0)
+                    t0 = time.perf_counter()
+                    ops = page_ops(pairs, src, dst)
+                    await sender.write(peer, room, ops, metadata=metadata_op(regions[-1], 0, dst_meta, 0))
+                    st = await sender.wait(room, 300)
+                    t1 = time.perf_counter()
+                    if st.state is not KVPoll.SUCCESS:
+                        raise RuntimeError(f"{backend}: transfer of {tokens} tokens ({kind}) ended {st}")
+                    if i >= args.warmup:
+                        lat.append(t1 - t0)
+                    sender.release(room)
+                    if i < args.warmup + args.iterations - 1:
+                        await recv.call("release", room)
+                # bit-exact check of the last iteration (outside the timing)
+                want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[src].reshape(-1) for r in layout.kv_region_ids()]))
+                got = await recv.call("digest_pages", layout.kv_region_ids(), dst, timeout=300)
+                if got != want:
+                    raise RuntimeError(f"{backend}: {tokens} tokens ({kind}): destination pages differ from the source")
+                await recv.call("release", room)
+                timings[(tokens, kind)] = lat
+    finally:
+        await sender.close()
+
+    results: list[Result] = []
+    for tokens in args.tokens:
+        nb = nbytes[tokens]
+        b_lat = base[nb]
+        b_gbps = nb / b_lat / 1e9
+        gbps_by_kind = {}
+        for kind in ("contiguous", "scattered"):
+            lat = statistics.median(timings[(tokens, kind)])
+            gbps = nb / lat / 1e9
+            gbps_by_kind[kind] = gbps
+            case = f"{backend} {tokens // 1024}k tok {kind} ({nb / 2**20:.0f} MiB)"
+            results.append(Result(case, f"throughput vs {base_name}", gbps, "GB/s", b_gbps, gbps / b_gbps))
+            results.append(Result(case, f"latency vs {base_name}", lat * 1e3, "ms", b_lat * 1e3, lat / b_lat))
+        results.append(
+            Result(
+                f"{backend} {tokens // 1024}k tok scattered vs contiguous",
+                "throughput",
+                gbps_by_kind["scattered"],
+                "GB/s",
+                gbps_by_kind["contiguous"],
+                gbps_by_kind["scattered"] / gbps_by_kind["contiguous"],
+            )
+        )
+    return results
