@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+# The controller only fork+execs its workers; gRPC's fork handlers have nothing to do and
+# would log "skipping fork() handlers" for every worker. Must be set before grpc loads.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser

@@ -1,6 +1,7 @@
 """A prefill worker process that dies, over the ``fake`` transport (no bytes move, the
 control path is the same): the request it held fails with UNAVAILABLE naming it, the
-controller logs it, round_robin routes around it, and the instance keeps serving."""
+controller logs it, round_robin routes around it, and the instance keeps serving. And a
+controller that is killed outright takes its workers with it."""
 
 from __future__ import annotations
 
@@ -73,5 +74,14 @@ async def test_worker_death_fails_its_requests_and_the_rest_keeps_serving(fake_r
     finally:
         await ch.close()
         await d.close()
-    assert fake_rr.stop() == 0
-    assert not pid_alive(fake_rr.worker_pids[0])
+
+
+async def test_workers_exit_when_the_controller_is_killed(fake_rr: PrefillProc) -> None:
+    survivor = fake_rr.worker_pids[0]
+    assert pid_alive(survivor)
+    fake_rr.proc.kill()  # no SIGTERM, no chance to stop its workers
+    fake_rr.proc.wait(10)
+    deadline = time.monotonic() + 15
+    while pid_alive(survivor):
+        assert time.monotonic() < deadline, "a worker outlived its controller"
+        await asyncio.sleep(0.1)
