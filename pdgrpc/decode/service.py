@@ -23,6 +23,7 @@ from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.serving.convert import sampling_from_proto
+from pdgrpc.serving.logs import request_event
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
 from pdgrpc.v1 import decode_pb2_grpc as dpb_grpc
 
@@ -44,7 +45,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         try:
             job = await self._admit(request)
         except DecodeFailure as exc:
-            log.info("room=%d refused: %s %s", request.bootstrap_room, exc.code.name, exc.message)
+            request_event(log, request.bootstrap_room, "refused", status=exc.code.name, message=exc.message)
             await context.abort(exc.code, exc.message)
             return  # abort() raises; not reached
         try:
