@@ -3,12 +3,16 @@
 * :mod:`pdgrpc.decode.scheduler` -- the asyncio driver over the pure decode machines
   (:class:`~pdgrpc.state.DecodeQueues`): dp-rank resolution, prealloc, handshake,
   transfer poll, commit/abort, and generation with ``engine.decode_step``.
+* :mod:`pdgrpc.decode.handshake` -- the client of the prefill workers' HandshakeService
+  (handshake with retries against refreshed endpoints, AbortRoom).
 * :mod:`pdgrpc.decode.prefills` -- cached parallel info and workers of the prefill
   instances, invalidated when a prefill restarts.
+* :mod:`pdgrpc.decode.job` -- per-request bookkeeping and what the Decode stream gets.
 * :mod:`pdgrpc.decode.service` -- ``DecodeService`` (Decode stream, GetStats) over grpc.aio.
 """
 
-from pdgrpc.decode.scheduler import DecodeScheduler, SchedulerConfig
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.decode.service import DecodeServer, start_decode_server
 
 __all__ = ["DecodeScheduler", "DecodeServer", "SchedulerConfig", "start_decode_server"]

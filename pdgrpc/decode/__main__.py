@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from pdgrpc.decode.scheduler import DecodeScheduler, SchedulerConfig
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.decode.service import start_decode_server
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import PdgrpcError

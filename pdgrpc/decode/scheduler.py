@@ -11,8 +11,9 @@ Each iteration of :meth:`DecodeScheduler._run`, in this order::
                                       -> Aborted  (status to the client, AbortRoom to prefill)
     engine.decode_step(running)      in a worker thread; one token per running request
 
-Network calls (bootstrap queries, handshakes, AbortRoom) run as their own tasks and feed
-their results back into the pure state; the loop itself never waits on the network.
+Network calls (bootstrap queries, handshakes and AbortRoom through
+:class:`~pdgrpc.decode.handshake.Handshaker`) run as their own tasks and feed their
+results back into the pure state; the loop itself never waits on the network.
 Only the scheduler task touches the engine, and :class:`~pdgrpc.state.DecodeQueues` is
 only touched by synchronous code on the loop, so no lock is needed.
 
@@ -27,34 +28,30 @@ the prefill acknowledged the abort (or the lease ran out), which the queues deci
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Any, Awaitable
 
 import grpc
 
+from pdgrpc.decode.handshake import ACCEPTED, Handshaker
+from pdgrpc.decode.job import DecodeFailure, Failed, Job, SchedulerConfig, Tokens
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.engine.base import DecodeRequest as EngineDecodeRequest
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, SamplingParams, stop_reason
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.rpc.channels import shared_pool
-from pdgrpc.rpc.errors import RpcError, map_rpc_error
-from pdgrpc.rpc.retry import Backoff
+from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
-from pdgrpc.state import AbortReason, Aborted, Committed, DecodeDeadlines, DecodeQueues, DpConfig, MetadataBuffers
+from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, DpConfig, MetadataBuffers
 from pdgrpc.state import NewRequest, QueryDpRanks, SendHandshake, resolve_locally
 from pdgrpc.transport.base import RoomGrant, Transport, UnknownRoom
 from pdgrpc.transport.pages import kv_regions, metadata_region
-from pdgrpc.v1 import bootstrap_pb2 as bpb
-from pdgrpc.v1 import handshake_pb2 as hpb
-from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
 
 log = logging.getLogger("pdgrpc.decode")
 
-__all__ = ["DecodeFailure", "DecodeScheduler", "Failed", "Job", "SchedulerConfig", "Tokens"]
+__all__ = ["DecodeScheduler"]
 
 # The queues resolve dp ranks for many prefill instances of different dp sizes, but take
 # one DpConfig. The driver therefore resolves every rank it can itself (per instance, see
@@ -62,80 +59,6 @@ __all__ = ["DecodeFailure", "DecodeScheduler", "Failed", "Job", "SchedulerConfig
 # makes the queues query every room they are given and accept any rank the driver
 # checked against the right instance's dp size.
 _ANY_DP_SIZE = 1 << 16
-
-
-class DecodeFailure(PdgrpcError):
-    """A request ends with this gRPC status (``code``) and ``message``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclasses.dataclass(frozen=True)
-class Tokens:
-    """Tokens for the client stream (one DecodeResponse)."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str = ""
-    bytes_transferred: int = 0  # set on the first message
-    transfer_seconds: float = 0.0  # set on the first message
-    top: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()  # per token: (ids, logprobs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    """The request ended without (further) output: the call ends with this status."""
-
-    code: grpc.StatusCode
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    deadlines: DecodeDeadlines = DecodeDeadlines()
-    query_interval_s: float = 0.05  # at most one QueryDpRanks per prefill per interval
-    rpc_timeout_s: float = 5.0  # bootstrap calls and AbortRoom
-    idle_poll_s: float = 0.02  # loop period while requests wait (deadlines, dp queries)
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One Decode call, from admission to its last message."""
-
-    room: int
-    request_id: str
-    input_ids: tuple[int, ...]
-    sampling: SamplingParams
-    max_new_tokens: int
-    prefill: PrefillInfo
-    num_pages: int
-    out: "asyncio.Queue[Tokens | Failed]"
-    admitted_at: float
-    # Filled in as the request goes.
-    dp_rank: int | None = None
-    slot: int | None = None
-    pages: tuple[int, ...] = ()
-    handshake_sent_at: float = 0.0
-    handshaken: bool = False  # every worker of the dp rank accepted the handshake
-    contacted: list[bpb.WorkerInfo] = dataclasses.field(default_factory=list)  # sent a handshake
-    handshake_task: "asyncio.Task[None] | None" = None
-    last_error: str = ""  # last handshake problem, for the deadline message
-    override: Failed | None = None  # a status decided by the driver (e.g. handshake refused)
-    transport_reason: str | None = None
-    # Running (after commit).
-    running: bool = False
-    last_token: int = 0
-    generated: int = 0
-    cancelled: bool = False
-    finished: bool = False  # the last message (tokens with finish_reason, or Failed) is queued
-
-    @property
-    def position(self) -> int:
-        """Position of ``last_token`` (the prompt holds positions [0, len))."""
-        return len(self.input_ids) + self.generated - 1
 
 
 class DecodeScheduler:
@@ -160,6 +83,8 @@ class DecodeScheduler:
         self.directory = directory or PrefillDirectory(timeout=config.rpc_timeout_s, query_interval_s=config.query_interval_s)
         self.compat_hash = compat_hash_bytes(engine)
         self.descriptor = b""
+        # Its descriptor is filled in by start(), once the transport registered the pools.
+        self.handshaker = Handshaker(self.directory, transport.name, b"", self.compat_hash, config.rpc_timeout_s)
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
         self._reserved: set[int] = set()  # rooms being admitted (awaiting prefill info)
         self._running: list[Job] = []
@@ -176,6 +101,7 @@ class DecodeScheduler:
         kv = self.engine.kv_buffers()
         regions = [*kv_regions(kv.k, kv.v), metadata_region(self.buffers.tensor)]
         self.descriptor = await self.transport.register(regions)
+        self.handshaker.descriptor = self.descriptor
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
 
     async def close(self, abort_wait_s: float = 1.0) -> None:
@@ -424,94 +350,15 @@ class DecodeScheduler:
         self._wake.set()
 
     async def _handshake(self, job: Job, prompt_pages: tuple[int, ...]) -> None:
-        addr, dp_rank = job.prefill.address, job.dp_rank
-        assert dp_rank is not None
         deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
-        backoff = Backoff(initial=0.05, maximum=1.0)
-        accepted: set[tuple[int, int, int]] = set()
-        attempt = 0
-        while not job.finished and not job.cancelled:
-            attempt += 1
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return  # the poll's bootstrap deadline aborts the request
-            try:
-                workers = await self.directory.workers(addr, dp_rank)
-                if not workers:
-                    raise DecodeFailure(grpc.StatusCode.UNAVAILABLE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
-                for w in workers:
-                    if w.transport != self.transport.name:
-                        raise DecodeFailure(
-                            grpc.StatusCode.FAILED_PRECONDITION,
-                            f"transport mismatch: prefill worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} uses "
-                            f"{w.transport!r}, this decode uses {self.transport.name!r}",
-                        )
-                # Only workers that have not accepted yet (a retry after one of several
-                # failed must not hand the others the same room twice).
-                todo = [w for w in workers if _worker_key(w) not in accepted]
-                known = {w.transfer_address for w in job.contacted}
-                job.contacted.extend(w for w in todo if w.transfer_address not in known)
-                results = await asyncio.gather(
-                    *(self._handshake_one(job, w, prompt_pages, deadline - time.monotonic()) for w in todo), return_exceptions=True
-                )
-                errors: list[RpcError] = []
-                for w, r in zip(todo, results):
-                    if isinstance(r, RpcError):
-                        errors.append(r)
-                    elif isinstance(r, BaseException):
-                        raise r
-                    else:
-                        accepted.add(_worker_key(w))
-                if errors:  # a refusal decides; otherwise any error (all are retryable)
-                    raise next((e for e in errors if e.code not in _RETRYABLE), errors[0])
-            except DecodeFailure as exc:
-                if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    job.override = Failed(exc.code, f"room {job.room}: {exc.message}")
-                    self.cancel(job.room, job.override.message)
-                    return
-                job.last_error = exc.message
-            except RpcError as exc:
-                job.last_error = str(exc)
-                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return  # the bootstrap deadline is up; the poll aborts the request
-                if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    job.override = Failed(exc.code, f"room {job.room}: handshake refused: {exc}")
-                    self.cancel(job.room, job.override.message)
-                    return
-            else:
-                job.handshaken = True
-                request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt)
-                self._wake.set()
-                return
-            # UNAVAILABLE: the worker restarted or moved: refetch its endpoints, retry.
-            self.directory.invalidate(addr, f"handshake for room {job.room}: {job.last_error}")
-            request_event(log, job.room, "handshake retry", level=logging.WARNING, attempt=attempt, error=job.last_error)
-            await asyncio.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
-
-    async def _handshake_one(self, job: Job, w: bpb.WorkerInfo, prompt_pages: tuple[int, ...], timeout: float) -> None:
-        assert job.slot is not None
-        req = hpb.HandshakeRequest(
-            bootstrap_room=job.room,
-            dst_pages=prompt_pages,
-            dst_slot=job.slot,
-            transport=self.transport.name,
-            transport_descriptor=self.descriptor,
-            compatibility_hash=self.compat_hash,
-            decode_tp_rank=0,
-            decode_tp_size=1,
-            wants_metadata=True,
-        )
-        stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
-        try:
-            resp = await stub.Handshake(req, timeout=max(0.001, timeout))
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc, method="Handshake", target=w.transfer_address) from exc
-        if resp.generation != w.generation:
-            # Registered again since we cached it: never reuse what we know about it.
-            self.directory.invalidate(
-                job.prefill.address,
-                f"worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} answered generation {resp.generation}, cached {w.generation}",
-            )
+        result = await self.handshaker.handshake(job, prompt_pages, deadline)
+        if result is ACCEPTED:
+            job.handshaken = True
+            self._wake.set()
+        elif isinstance(result, Failed):  # refused: the request ends with the prefill's status
+            job.override = result
+            self.cancel(job.room, result.message)
+        # else: gave up at the deadline (the poll aborts the request) or the request ended
 
     # -- outcomes ------------------------------------------------------------------------------
     def _on_committed(self, c: Committed, now: float) -> None:
@@ -581,27 +428,12 @@ class DecodeScheduler:
         return Failed(grpc.StatusCode.DEADLINE_EXCEEDED, msg)
 
     async def _abort_room(self, job: Job, reason: str) -> None:
-        """Tell the prefill worker(s) to stop writing into the room; their ack releases the
-        quarantined slot and pages (else the lease does)."""
+        """AbortRoom to the prefill worker(s); their ack releases the quarantined slot
+        and pages (else the lease does)."""
         if job.handshake_task is not None:  # never let AbortRoom overtake the Handshake
             await asyncio.gather(job.handshake_task, return_exceptions=True)
-        request = hpb.AbortRoomRequest(bootstrap_room=job.room, reason=reason[:1000])
-
-        async def tell(w: bpb.WorkerInfo) -> bool:
-            stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
-            try:
-                await stub.AbortRoom(request, timeout=self.config.rpc_timeout_s)
-                return True
-            except grpc.RpcError as exc:
-                request_event(
-                    log, job.room, "AbortRoom failed (pages stay quarantined until the lease ends)", level=logging.WARNING,
-                    worker=w.transfer_address, error=map_rpc_error(exc, method="AbortRoom", target=w.transfer_address),
-                )
-                return False
-
-        acked = sum(await asyncio.gather(*(tell(w) for w in job.contacted)))
-        if acked == len(job.contacted) and self.queues.on_abort_ack(job.room):
-            request_event(log, job.room, "abort acknowledged; quarantine released", workers=acked)
+        if await self.handshaker.abort_room(job, reason) and self.queues.on_abort_ack(job.room):
+            request_event(log, job.room, "abort acknowledged; quarantine released", workers=len(job.contacted))
             self._wake.set()
 
     def _release_transport(self, room: int) -> None:
@@ -688,14 +520,6 @@ class DecodeScheduler:
     def _crash(self, job: Job, exc: BaseException) -> None:
         self.queues.release_pages(job.pages)
         self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"))
-
-
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _worker_key(w: bpb.WorkerInfo) -> tuple[int, int, int]:
-    """A worker registration: (tp rank, pp rank, generation); a restart is a new key."""
-    return (w.tp_rank, w.pp_rank, w.generation)
 
 
 def _top(tok: SampledToken) -> tuple[tuple[tuple[int, ...], tuple[float, ...]]]:

@@ -18,7 +18,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from pdgrpc.decode.scheduler import DecodeFailure, DecodeScheduler, Failed, Job
+from pdgrpc.decode.job import DecodeFailure, Failed, Job
+from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError
 from pdgrpc.rpc.server import RpcServer, start_server

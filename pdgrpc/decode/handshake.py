@@ -1,0 +1,167 @@
+"""Decode as the client of the prefill workers' ``HandshakeService``.
+
+:meth:`Handshaker.handshake` tells every worker (tp rank) of the request's prefill dp
+rank where the room's KV and metadata row go. A worker that does not answer
+(UNAVAILABLE: it restarted or moved) makes the directory drop what it cached about the
+instance, and the handshake is retried against freshly fetched endpoints, with backoff,
+until the bootstrap deadline; a worker that *refuses* (compatibility hash, transport,
+a malformed field) ends the request with its status. A worker whose answer carries
+another registration generation than the one cached is a restarted process: the cache
+is dropped so nothing about the old one is reused.
+
+:meth:`Handshaker.abort_room` tells the workers that were sent a handshake to stop
+writing into the room (their OK is the ack that frees the quarantined pages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Final
+
+import grpc
+
+from pdgrpc.decode.job import DecodeFailure, Failed, Job
+from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.rpc.channels import shared_pool
+from pdgrpc.rpc.errors import RpcError, map_rpc_error
+from pdgrpc.rpc.retry import Backoff
+from pdgrpc.serving.logs import request_event
+from pdgrpc.v1 import bootstrap_pb2 as bpb
+from pdgrpc.v1 import handshake_pb2 as hpb
+from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
+
+log = logging.getLogger("pdgrpc.decode")
+
+__all__ = ["ACCEPTED", "Handshaker"]
+
+ACCEPTED: Final = "accepted"
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _worker_key(w: bpb.WorkerInfo) -> tuple[int, int, int]:
+    """A worker registration: (tp rank, pp rank, generation); a restart is a new key."""
+    return (w.tp_rank, w.pp_rank, w.generation)
+
+
+class Handshaker:
+    def __init__(
+        self,
+        directory: PrefillDirectory,
+        transport_name: str,
+        descriptor: bytes,
+        compat_hash: bytes,
+        rpc_timeout_s: float,
+    ) -> None:
+        self.directory = directory
+        self.transport_name = transport_name
+        self.descriptor = descriptor
+        self.compat_hash = compat_hash
+        self.rpc_timeout_s = rpc_timeout_s
+
+    async def handshake(self, job: Job, prompt_pages: tuple[int, ...], deadline: float) -> str | Failed | None:
+        """:data:`ACCEPTED` once every worker of the dp rank accepted; a :class:`Failed`
+        when one refused; ``None`` when the deadline passed or the request ended first.
+        Records the workers sent a handshake in ``job.contacted`` and the last retryable
+        error in ``job.last_error``."""
+        addr, dp_rank = job.prefill.address, job.dp_rank
+        assert dp_rank is not None
+        backoff = Backoff(initial=0.05, maximum=1.0)
+        accepted: set[tuple[int, int, int]] = set()
+        attempt = 0
+        while not job.finished and not job.cancelled:
+            attempt += 1
+            if deadline - time.monotonic() <= 0:
+                return None
+            try:
+                workers = await self.directory.workers(addr, dp_rank)
+                if not workers:
+                    raise DecodeFailure(grpc.StatusCode.UNAVAILABLE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
+                for w in workers:
+                    if w.transport != self.transport_name:
+                        raise DecodeFailure(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"transport mismatch: prefill worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} uses "
+                            f"{w.transport!r}, this decode uses {self.transport_name!r}",
+                        )
+                # Only workers that have not accepted yet (a retry after one of several
+                # failed must not hand the others the same room twice).
+                todo = [w for w in workers if _worker_key(w) not in accepted]
+                known = {w.transfer_address for w in job.contacted}
+                job.contacted.extend(w for w in todo if w.transfer_address not in known)
+                results = await asyncio.gather(
+                    *(self._handshake_one(job, w, prompt_pages, deadline - time.monotonic()) for w in todo), return_exceptions=True
+                )
+                errors: list[RpcError] = []
+                for w, r in zip(todo, results):
+                    if isinstance(r, RpcError):
+                        errors.append(r)
+                    elif isinstance(r, BaseException):
+                        raise r
+                    else:
+                        accepted.add(_worker_key(w))
+                if errors:  # a refusal decides; otherwise any error (all are retryable)
+                    raise next((e for e in errors if e.code not in _RETRYABLE), errors[0])
+            except DecodeFailure as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
+                    return Failed(exc.code, f"room {job.room}: {exc.message}")
+                job.last_error = exc.message
+            except RpcError as exc:
+                job.last_error = str(exc)
+                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return None  # the bootstrap deadline is up
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
+                    return Failed(exc.code, f"room {job.room}: handshake refused: {exc}")
+            else:
+                request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt)
+                return ACCEPTED
+            # UNAVAILABLE: the worker restarted or moved: refetch its endpoints, retry.
+            self.directory.invalidate(addr, f"handshake for room {job.room}: {job.last_error}")
+            request_event(log, job.room, "handshake retry", level=logging.WARNING, attempt=attempt, error=job.last_error)
+            await asyncio.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
+        return None
+
+    async def _handshake_one(self, job: Job, w: bpb.WorkerInfo, prompt_pages: tuple[int, ...], timeout: float) -> None:
+        assert job.slot is not None
+        req = hpb.HandshakeRequest(
+            bootstrap_room=job.room,
+            dst_pages=prompt_pages,
+            dst_slot=job.slot,
+            transport=self.transport_name,
+            transport_descriptor=self.descriptor,
+            compatibility_hash=self.compat_hash,
+            decode_tp_rank=0,  # decode is TP1 for now (issue 6 adds decode TP ranks)
+            decode_tp_size=1,
+            wants_metadata=True,
+        )
+        stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
+        try:
+            resp = await stub.Handshake(req, timeout=max(0.001, timeout))
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, method="Handshake", target=w.transfer_address) from exc
+        if resp.generation != w.generation:
+            # Registered again since we cached it: never reuse what we know about it.
+            self.directory.invalidate(
+                job.prefill.address,
+                f"worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} answered generation {resp.generation}, cached {w.generation}",
+            )
+
+    async def abort_room(self, job: Job, reason: str) -> bool:
+        """AbortRoom to every worker sent a handshake for ``job``, at once; True when all
+        acknowledged (none of them will write into the room again)."""
+        request = hpb.AbortRoomRequest(bootstrap_room=job.room, reason=reason[:1000])
+
+        async def tell(w: bpb.WorkerInfo) -> bool:
+            stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
+            try:
+                await stub.AbortRoom(request, timeout=self.rpc_timeout_s)
+                return True
+            except grpc.RpcError as exc:
+                request_event(
+                    log, job.room, "AbortRoom failed (pages stay quarantined until the lease ends)", level=logging.WARNING,
+                    worker=w.transfer_address, error=map_rpc_error(exc, method="AbortRoom", target=w.transfer_address),
+                )
+                return False
+
+        return all(await asyncio.gather(*(tell(w) for w in job.contacted)))
