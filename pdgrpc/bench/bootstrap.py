@@ -81,13 +81,31 @@ class ServerProcess:
                     return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS")
 
-    def stop(self) -> None:
+    def cpu_ns(self) -> int:
+        return _cpu_ns(self.proc.pid)
+
+    def stop(self) -> str:
+        """SIGTERM, wait, and return the rest of the server's log."""
         self.proc.terminate()
         try:
-            self.proc.wait(10)
+            rest = self.proc.communicate(timeout=15)[1] or ""
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            rest = self.proc.communicate()[1] or ""
+        return rest
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU time used so far by every thread of process ``pid`` (ns, from schedstat):
+    unlike wall time, it does not grow when other processes load the machine."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that just ended
+    return total
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -115,14 +133,14 @@ def _rooms(rng: random.Random, n: int) -> list[int]:
     return [rng.getrandbits(63) | 1 for _ in range(n)]
 
 
-async def _main_cases(address: str, args: argparse.Namespace) -> list[Result]:
+async def _main_cases(server: ServerProcess, args: argparse.Namespace) -> list[Result]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pdgrpc.bootstrap.client import BootstrapClient
     from pdgrpc.rpc.channels import ChannelPool
 
     pool = ChannelPool()
-    client = BootstrapClient(address, pool=pool, timeout=30.0)
+    client = BootstrapClient(server.address, pool=pool, timeout=30.0)
     rng = random.Random(1)
     results: list[Result] = []
     it, wu = args.iterations, args.warmup
@@ -139,23 +157,33 @@ async def _main_cases(address: str, args: argparse.Namespace) -> list[Result]:
         res = await client.query_dp_ranks(sets[n][i % 64])
         assert len(res.rooms) == n, (len(res.rooms), n)
 
-    samples = await _interleaved(
-        {
-            "ping (health Check)": lambda i: health.Check(ping_req, timeout=5),
-            "register 1 room": lambda i: client.register_dp_ranks({fresh[i]: 1}),
-            "query 1 room": lambda i: client.query_dp_ranks([known[i % len(known)]]),
-            "query 32 rooms": lambda i: query(i, 32),
-            "query 1024 rooms": lambda i: query(i, 1024),
-        },
-        it,
-        wu,
-    )
+    cases: dict[str, Callable[[int], Awaitable[object]]] = {
+        "ping (health Check)": lambda i: health.Check(ping_req, timeout=5),
+        "register 1 room": lambda i: client.register_dp_ranks({fresh[i]: 1}),
+        "query 1 room": lambda i: client.query_dp_ranks([known[i % len(known)]]),
+        "query 32 rooms": lambda i: query(i, 32),
+        "query 1024 rooms": lambda i: query(i, 1024),
+    }
+    samples = await _interleaved(cases, it, wu)
+    # CPU per call, client and server processes (all threads): what each call costs,
+    # whatever else runs on the machine. Fresh rooms for register: offset past the above.
+    cpu: dict[str, tuple[float, float]] = {}
+    n_cpu = max(200, it // 4)
+    fresh += _rooms(rng, n_cpu)
+    for name, call in cases.items():
+        c0, s0 = _cpu_ns(os.getpid()), server.cpu_ns()
+        for i in range(it + wu, it + wu + n_cpu):
+            await call(i)
+        cpu[name] = ((_cpu_ns(os.getpid()) - c0) / n_cpu / 1e3, (server.cpu_ns() - s0) / n_cpu / 1e3)
     base50 = _pct(samples["ping (health Check)"], 0.5) * 1e3
+    base_cpu = cpu["ping (health Check)"]
     for case, xs in samples.items():
         p50 = _pct(xs, 0.5) * 1e3
-        baseline = None if case.startswith("ping") else base50
-        results.append(Result(case, "p50", p50, "ms", baseline, None if baseline is None else p50 / baseline))
+        ping = case.startswith("ping")
+        results.append(Result(case, "p50", p50, "ms", None if ping else base50, None if ping else p50 / base50))
         results.append(Result(case, "p99", _pct(xs, 0.99) * 1e3, "ms"))
+        for side, value, base in (("client", cpu[case][0], base_cpu[0]), ("server", cpu[case][1], base_cpu[1])):
+            results.append(Result(case, f"CPU/call {side}", value, "us", None if ping else base, None if ping else value / base))
 
     total, batch = args.throughput_rooms, args.batch
     rooms = _rooms(rng, total)
@@ -168,11 +196,14 @@ async def _main_cases(address: str, args: argparse.Namespace) -> list[Result]:
         await client.stub.RegisterDpRanks(req, timeout=30)
     dt = time.perf_counter() - t0
     results.append(Result(f"register batches of {batch}", "rooms/s", total / dt, "rooms/s"))
+    s0 = server.cpu_ns()
     t0 = time.perf_counter()
     for c in chunks:
         await client.register_dp_ranks(c)  # renewals; includes building the request
     dt = time.perf_counter() - t0
-    results.append(Result(f"register batches of {batch} via BootstrapClient", "rooms/s", total / dt, "rooms/s"))
+    label = f"register batches of {batch} via BootstrapClient"
+    results.append(Result(label, "rooms/s", total / dt, "rooms/s"))
+    results.append(Result(label, "server CPU/room", (server.cpu_ns() - s0) / total / 1e3, "us"))
     await pool.close()
     return results
 
@@ -237,7 +268,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     results: list[Result] = []
     server = ServerProcess()
     try:
-        results += run_loop(_main_cases(server.address, args))
+        results += run_loop(_main_cases(server, args))
     finally:
         server.stop()
     if args.memory_rooms:
@@ -246,5 +277,14 @@ def run(args: argparse.Namespace) -> list[Result]:
         try:
             results += run_loop(_memory_cases(server, args))
         finally:
-            server.stop()
+            log = server.stop()
+        m = re.search(r"(\d+) expired.*?(\d+) expiry steps, longest ([\d.]+) ms \(([\d.]+) ms CPU\)", log)
+        if m:
+            label = f"expiry of {args.memory_rooms:,} rooms"
+            results += [
+                Result(label, "expired (server)", float(m.group(1)), "rooms"),
+                Result(label, "sweep steps", float(m.group(2)), "steps"),
+                Result(label, "longest step", float(m.group(3)), "ms"),
+                Result(label, "longest step CPU", float(m.group(4)), "ms"),
+            ]
     return results

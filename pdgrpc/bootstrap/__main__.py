@@ -62,7 +62,9 @@ async def _main(args: argparse.Namespace) -> None:
     await serve_until_signal(server.rpc, grace=args.grace, stop=stop)
     stats = server.table.stats
     logging.getLogger("pdgrpc.bootstrap").info(
-        "stopped: %d rooms held, %d registered, %d expired, %d evicted", stats.size, stats.registered, stats.expired, stats.evicted
+        "stopped: %d rooms held, %d registered, %d expired, %d evicted; %d expiry steps, longest %.2f ms (%.2f ms CPU)",
+        stats.size, stats.registered, stats.expired, stats.evicted,
+        server.sweep_steps, server.longest_sweep_step_s * 1e3, server.longest_sweep_step_cpu_s * 1e3,
     )
 
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict
 
-W = 16  # slots per bucket
+W = 16  # slots per bucket (_find_many relies on 16: one row of matches = two uint64 words)
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 _SMALL = 16  # batches up to this size take the per-room (pure Python) path: less overhead
@@ -239,7 +239,8 @@ class RoomTable:
     def _find_many(self, keys: np.ndarray) -> np.ndarray:
         home = self._home_many(keys)
         eq = self._keys2d[home] == keys[:, None]
-        hit = eq.any(axis=1)
+        words = eq.view(np.uint64)  # each row of 16 bools is two 8-byte words: any() in one OR
+        hit = (words[:, 0] | words[:, 1]) != 0
         slots = np.where(hit, home * W + eq.argmax(axis=1), -1)
         for i in np.flatnonzero(~hit & (self._ovf[home] > 0)).tolist():  # rare: probed past home
             slots[i] = self._find(int(keys[i]))
@@ -303,6 +304,15 @@ class RoomTable:
     def _append(self, slots: np.ndarray, now: float) -> None:
         m = len(slots)
         assert self._tail - self._head + m <= len(self._ring_slot), "ring space not reserved"
+        if m <= 2:  # single-room calls: scalar stores beat array set-up
+            for s in slots.tolist():
+                seq = self._tail
+                self._ring_slot[seq & self._rmask] = s
+                self._ring_time[seq & self._rmask] = now
+                self._seq[s] = seq & _M32
+                self._tail += 1
+            self._registered += m
+            return
         seqs = np.arange(self._tail, self._tail + m, dtype=np.int64)
         idx = seqs & self._rmask
         self._ring_slot[idx] = slots

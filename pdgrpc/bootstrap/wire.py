@@ -114,13 +114,17 @@ def decode_entries(data: bytes) -> tuple[np.ndarray, np.ndarray, int] | None:
     if not ok:
         return None
     rooms = _varint_values(a, e[:, 2] + 1, d[:, 2], 10)
-    ranks = _varint_values(a, e[:, 4] + 1, d[:, 4], 5)
-    if (ranks > _U32_MAX).any():
-        return None
+    if (d[:, 4] == 1).all():  # the usual case: every rank is one byte
+        ranks = a[e[:, 5]].astype(np.uint32)
+    else:
+        wide = _varint_values(a, e[:, 4] + 1, d[:, 4], 5)
+        if (wide > _U32_MAX).any():
+            return None
+        ranks = wide.astype(np.uint32)
     used = int(e[-1, 5]) + 1
     if used < n and a[used] == 0x0A:
         return None  # another entry follows, in some other layout
-    return rooms, ranks.astype(np.uint32), used
+    return rooms, ranks, used
 
 
 def decode_register_request(data: bytes) -> tuple[np.ndarray, np.ndarray] | None:
