@@ -57,7 +57,7 @@ from pdgrpc.state.prefill_sender import (
     WriteMetadata,
     WritePages,
 )
-from pdgrpc.transport.base import BadDescriptor, Descriptor, Peer, RegionKind, Transport, WriteOp
+from pdgrpc.transport.base import BadDescriptor, Descriptor, RegionKind, Transport, WriteOp
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 from pdgrpc.v1 import common_pb2, handshake_pb2, prefill_pb2
 

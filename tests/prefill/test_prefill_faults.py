@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 from typing import Iterator
 
 import grpc

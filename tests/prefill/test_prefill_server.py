@@ -22,7 +22,7 @@ from pdgrpc.serving import compat_hash_bytes, metadata_layout
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import prefill_pb2
-from tests.prefill.fake_decode import FakeDecode, KVPoll, reference_prefill
+from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, reference_prefill
 from tests.prefill.harness import CONFIG, SETTLE_S, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
 from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
 
@@ -253,3 +253,26 @@ async def test_follow_bootstrap_room_conflict_is_failed_precondition(follow: Pre
     resp, r = await run_one(follow, decode, prompt(5, 1), SamplingParams(), query=False, routed=None)
     decode.free(r)
     await assert_settles_to_zero(follow)
+
+
+async def test_transfer_refused_by_the_decode_is_aborted_and_frees_everything(rr: PrefillProc, decode: FakeDecode) -> None:
+    """The decode never granted the room (no advertise): its receiver rejects the first
+    write, and the prefill reports the transfer failure instead of hanging."""
+    room = new_room()
+    ids = prompt(19, 9)
+    pages = decode.engine.alloc_pages(decode.engine.pages_needed(len(ids)))
+    assert pages is not None
+    r = Room(room, pages, slot=0)  # not advertised
+    ch, stub = await prefill_stub(rr)
+    try:
+        call = asyncio.ensure_future(stub.Prefill(request(room, ids, routed=0), timeout=60))
+        (w,) = await decode.workers(rr.bootstrap, 0)
+        await decode.handshake(w.transfer_address, r)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call
+        assert ei.value.code() is grpc.StatusCode.ABORTED and "transfer failed" in ei.value.details()
+    finally:
+        await ch.close()
+    assert decode.rows.room(0) == 0  # no metadata row landed
+    decode.engine.free_pages(pages)
+    await assert_settles_to_zero(rr)
