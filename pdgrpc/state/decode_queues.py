@@ -61,7 +61,7 @@ from pdgrpc.state.dp_rank import DpRankResolver, QueryDpRanks, resolve_locally
 from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.state.outcomes import REASON_NONE, AbortReason, Aborted, Committed
 from pdgrpc.state.pages import PageAllocator
-from pdgrpc.state.poll import advance
+from pdgrpc.state.poll import advance_code
 from pdgrpc.state.slots import SlotAllocator
 from pdgrpc.state.transfer_poll import NEG_ROOM, POLL_ROWS, REASON, ROOM, STATE, AllReduceMin
 
@@ -228,9 +228,9 @@ class DecodeQueues:
         slot = self._room_slot.get(room)
         if slot is None or self._mode[slot] != _TRANSFER:
             return
-        new = advance(self._local[slot], status)
+        new = advance_code(self._local[slot], status)
         self._local[slot] = new
-        if new == KVPoll.FAILED and self._reason[slot] == REASON_NONE:
+        if new == 0 and self._reason[slot] == REASON_NONE:
             self._reason[slot] = AbortReason.TRANSFER_FAILED
 
     def on_local_statuses(self, reports: Iterable[tuple[int, KVPoll]]) -> None:

@@ -40,6 +40,10 @@ __all__ = [
 
 
 class DecodeState(enum.Enum):
+    # Members are singletons: identity hashing keeps the per-event table lookups in C
+    # (Enum's default hashes the name in Python).
+    __hash__ = object.__hash__
+
     RESOLVING_DP_RANK = "resolving_dp_rank"
     WAITING_FOR_MEMORY = "waiting_for_memory"
     BOOTSTRAPPING = "bootstrapping"

@@ -7,13 +7,13 @@ under their owner's room and return to the pool only when the owner is released 
 prefill acknowledged the abort, or its lease expired; the decode queues decide which).
 No late write can then land in a page that a new request owns.
 
-Allocation is all-or-nothing and deterministic (FIFO): ``alloc(n)`` returns ``None`` when
+Allocation is all-or-nothing and deterministic (a LIFO free list: ranks that apply the same
+alloc/free sequence get the same pages): ``alloc(n)`` returns ``None`` when
 fewer than ``n`` pages are free, and the caller waits.
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Iterable
 
 from pdgrpc.errors import ConfigError, SlotError
@@ -28,7 +28,7 @@ class PageAllocator:
         if num_pages <= 0:
             raise ConfigError(f"num_pages must be > 0, got {num_pages}")
         self.num_pages = num_pages
-        self._free: collections.deque[int] = collections.deque(range(num_pages))
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop from the end: 0, 1, 2, ...
         self._state = bytearray(num_pages)
         self._quarantine: dict[int, tuple[int, ...]] = {}
         self._num_quarantined = 0
@@ -39,7 +39,8 @@ class PageAllocator:
         if n > len(self._free):
             return None
         free, state = self._free, self._state
-        pages = tuple(free.popleft() for _ in range(n))
+        pages = tuple(free[: -n - 1 : -1])
+        del free[-n:]
         for p in pages:
             state[p] = _USED
         return pages

@@ -18,7 +18,7 @@ from typing import Iterable
 from pdgrpc.errors import StateError
 from pdgrpc.kvpoll import KVPoll
 
-__all__ = ["KVPoll", "RoomStatusTable", "advance", "combine"]
+__all__ = ["KVPoll", "RoomStatusTable", "advance", "advance_code", "combine"]
 
 
 def combine(states: Iterable[KVPoll | int]) -> KVPoll:
@@ -33,12 +33,19 @@ def combine(states: Iterable[KVPoll | int]) -> KVPoll:
     return KVPoll(lowest)
 
 
+def advance_code(cur: int, rep: int) -> int:
+    """:func:`advance` on raw codes (the decode queues' per-event hot path)."""
+    if cur == 0 or rep == 0:
+        return 0
+    return cur if cur >= rep else rep
+
+
 def advance(current: KVPoll | int, reported: KVPoll | int) -> KVPoll:
     """The state a room moves to when ``reported`` arrives while it is in ``current``."""
-    cur, rep = int(current), int(reported)
-    if cur == KVPoll.FAILED or rep == KVPoll.FAILED:
-        return KVPoll.FAILED
-    return KVPoll(cur if cur >= rep else rep)
+    return _BY_CODE[advance_code(int(current), int(reported))]
+
+
+_BY_CODE = tuple(KVPoll)
 
 
 class RoomStatusTable:

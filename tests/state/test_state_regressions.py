@@ -249,7 +249,7 @@ def test_page_reused_while_writer_live() -> None:
     c.ack(a)
     c.poll()
     c.prealloc()
-    assert c.truth[b].pages == c.truth[a].pages  # ...and gets A's pages once A's writer is gone
+    assert set(c.truth[b].pages) == set(c.truth[a].pages)  # ...and gets A's pages once A's writer is gone
     c.check()
     c.quiesce()
 
