@@ -204,7 +204,7 @@ class BootstrapClient:
         """The server's ``grpc.health.v1`` status name (``"SERVING"``, ...)."""
         stub = health_pb2_grpc.HealthStub(self.channel)
         response = await self._call("Check", stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout)))
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
     # --------------------------------------------------------------- plumbing
 

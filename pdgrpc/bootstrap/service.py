@@ -68,6 +68,8 @@ class BootstrapServicer:
     async def RegisterDpRanks(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
         try:
             fast = wire.decode_register_request(data) if len(data) > _SMALL_MESSAGE else None
+            rooms: np.ndarray | list[int]
+            ranks: np.ndarray | list[int]
             if fast is not None:
                 rooms, ranks = fast
             else:

@@ -138,7 +138,9 @@ class RoomTable:
     def stats(self) -> TableStats:
         return TableStats(self._size, self.max_rooms, self._registered, self._expired, self._evicted, self._tail - self._head)
 
-    def register(self, rooms: Sequence[int], ranks: Sequence[int], now: float, *, dp_size: int | None = None) -> RegisterResult:
+    def register(
+        self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, *, dp_size: int | None = None
+    ) -> RegisterResult:
         """Register ``rooms[i] → ranks[i]``, all or none.
 
         Raises :class:`InvalidRequest` (room 0, batch over ``max_batch``, a rank outside
@@ -155,7 +157,7 @@ class RoomTable:
             return self._register_small(rooms, ranks, now, dp_size)
         return self._register_many(np.asarray(rooms, np.uint64), np.asarray(ranks, np.int64), now, dp_size)
 
-    def query(self, rooms: Sequence[int], now: float) -> tuple[list[int], list[int], list[int]]:
+    def query(self, rooms: Sequence[int] | np.ndarray, now: float) -> tuple[list[int], list[int], list[int]]:
         """Look rooms up: ``(found_rooms, their_ranks, missing_rooms)``, each in request
         order. Unknown or expired rooms are missing, not an error; room 0 and batches
         over ``max_batch`` raise :class:`InvalidRequest`."""
@@ -229,7 +231,7 @@ class RoomTable:
         """Slot of ``room`` or -1 (expired rooms not yet swept are still found)."""
         b = self._home(room)
         while True:
-            row = self._keys2d[b].tolist()
+            row: list[int] = self._keys2d[b].tolist()
             if room in row:
                 return b * W + row.index(room)
             if not self._ovf[b]:
@@ -249,7 +251,7 @@ class RoomTable:
     def _insert_one(self, room: int, rank: int) -> int:
         h = b = self._home(room)
         while True:
-            row = self._keys2d[b].tolist()
+            row: list[int] = self._keys2d[b].tolist()
             if 0 in row:
                 break
             b = (b + 1) & self._bmask
@@ -357,7 +359,7 @@ class RoomTable:
     # renewed, classify again); (4) renew, so renewed rooms are the newest; (5) evict the
     # oldest rooms until the new ones fit under max_rooms; (6) insert the new rooms.
 
-    def _register_small(self, rooms: Sequence[int], ranks: Sequence[int], now: float, dp_size: int | None) -> RegisterResult:
+    def _register_small(self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, dp_size: int | None) -> RegisterResult:
         pairs = [(int(room), int(rank)) for room, rank in zip(rooms, ranks)]
         for room, rank in pairs:  # invalid entries first, then conflicts (like the numpy path)
             self._check_entry(room, rank, dp_size)

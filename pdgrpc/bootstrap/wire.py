@@ -82,7 +82,8 @@ def _varint_values(a: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width
     """Values of the varints at ``starts`` (``a`` is padded so every read is in bounds)."""
     parts = (a[starts[:, None] + _COLS[:width]] & 0x7F).astype(np.uint64) << _SHIFTS[:width]
     parts[_COLS[:width] >= lengths[:, None]] = 0
-    return np.bitwise_or.reduce(parts, axis=1)
+    values: np.ndarray = np.bitwise_or.reduce(parts, axis=1)
+    return values
 
 
 def decode_entries(data: bytes) -> tuple[np.ndarray, np.ndarray, int] | None:

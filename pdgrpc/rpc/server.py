@@ -170,8 +170,9 @@ async def serve_until_signal(
     ``stop``: handlers installed earlier (see :class:`StopSignal`); else installed now."""
     stop = stop or StopSignal(signals)
     try:
-        stopped = asyncio.ensure_future(server.wait_stopped())
-        await asyncio.wait([stop.requested, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped: asyncio.Future[None] = asyncio.ensure_future(server.wait_stopped())
+        waiting: list[asyncio.Future[Any]] = [stop.requested, stopped]
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if stop.requested.done():
             log.info("%s received, stopping (grace %.1f s)", signal.Signals(stop.requested.result()).name, grace)
             await server.stop(grace)
