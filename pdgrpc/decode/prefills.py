@@ -124,5 +124,12 @@ class PrefillDirectory:
         if fut is None:
             fut = asyncio.ensure_future(fetch())
             self._inflight[key] = fut
-            fut.add_done_callback(lambda _f: self._inflight.pop(key, None))
+            fut.add_done_callback(lambda f: self._fetched(key, f))
+        # Shielded: one caller giving up (its client cancelled) must not cancel the fetch
+        # the other callers wait for.
         return await asyncio.shield(fut)
+
+    def _fetched(self, key: object, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+        self._inflight.pop(key, None)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a failure nobody awaited any more is not "never retrieved"
