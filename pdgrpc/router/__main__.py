@@ -62,8 +62,11 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
         ", ".join(p.address if p.bootstrap == p.address else f"{p.address} (bootstrap {p.bootstrap})" for p in config.prefills),
         ", ".join(config.decodes),
     )
-    server.on_stop(servicer.close)
-    await serve_until_signal(server, grace=args.grace)
+    try:
+        await serve_until_signal(server, grace=args.grace)
+    finally:
+        # Only now: in-flight requests used these channels until the grace period ended.
+        await servicer.close()
     log.info("stopped")
 
 

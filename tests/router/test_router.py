@@ -179,7 +179,7 @@ async def test_prefill_refusal_reaches_client_and_cancels_decode(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"prefill {p_addr} failed" in err.value.details() and "over max_prompt_tokens=2048" in err.value.details()
     room = prefill.requests[0].bootstrap_room
-    await wait_for(lambda: room in decodes[0].cancelled_at, 1.0)
+    await wait_for(lambda: room in decodes[0].cancelled_at, 10.0)
     assert router.active == 0
 
 
@@ -197,7 +197,7 @@ async def test_decode_failure_reaches_client_and_cancels_prefill(cluster):
     assert err.value.code() == grpc.StatusCode.ABORTED
     assert f"decode {d_addrs[0]} failed" in err.value.details() and "metadata corruption in slot 3" in err.value.details()
     room = decodes[0].requests[0].bootstrap_room
-    await wait_for(lambda: room in prefill.cancelled_at, 1.0)
+    await wait_for(lambda: room in prefill.cancelled_at, 10.0)
 
 
 async def test_prefill_cause_wins_when_both_sides_fail(cluster):
@@ -223,7 +223,7 @@ async def test_client_cancel_mid_stream_cancels_both_sides(cluster):
     assert list(first.token_ids) == [104]
     call.cancel()
     room = first.bootstrap_room
-    await wait_for(lambda: room in decodes[0].cancelled_at and room in prefill.cancelled_at, 1.0)
+    await wait_for(lambda: room in decodes[0].cancelled_at and room in prefill.cancelled_at, 10.0)
 
 
 async def test_token_outside_the_vocabulary_is_refused_before_any_upstream_call(cluster):
@@ -247,7 +247,7 @@ async def test_unreachable_decode_is_a_clear_unavailable(cluster):
                 await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "decode 127.0.0.1:1 failed" in err.value.details()
-        await wait_for(lambda: len(prefill.cancelled_at) == 1, 1.0)
+        await wait_for(lambda: len(prefill.cancelled_at) == 1, 10.0)
     finally:
         await router.close()
         await srv.stop(0)
@@ -271,6 +271,9 @@ def test_prefill_spec_parsing():
 
 
 async def wait_for(cond, timeout: float) -> None:
+    """Poll ``cond`` until true. The bound only keeps a broken router from hanging the
+    test (without the router's cancel, the scripted side waits for an hour); it is not a
+    speed check -- the machine may be loaded."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
