@@ -9,7 +9,8 @@
 * Embeds ``BootstrapService`` on its own port unless ``--bootstrap`` names an external one.
 * A worker that exits is logged with its exit code; the requests it held fail with
   UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
-  and shortest_queue skip it). On SIGTERM the controller stops accepting requests, lets
+  and shortest_queue skip it). When no worker is left the controller exits with code 1.
+  On SIGTERM the controller stops accepting requests, lets
   in-flight ones finish (``--grace``), then stops the workers (SIGTERM, then SIGKILL).
 """
 
@@ -78,6 +79,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         self.bootstrap_address = ns.bootstrap
         self.registrar: DpRankRegistrar | None = None
         self.stopping = False
+        self.server: RpcServer | None = None
+        self.exit_code = 0
         self._watchers: list[asyncio.Task[None]] = []
 
     # ---- PrefillService -----------------------------------------------------------
@@ -210,6 +213,12 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         )
         for call in list(w.calls):
             call.cancel()
+        if not any(x.alive for x in self.workers) and self.server is not None:
+            # Nothing left to serve: exit non-zero so a supervisor (or the cluster
+            # launcher) notices, instead of answering UNAVAILABLE forever.
+            log.error("every prefill worker is gone; stopping the controller")
+            self.exit_code = 1
+            asyncio.ensure_future(self.server.stop(0))
 
     async def stop_workers(self, timeout: float = 10.0) -> None:
         self.stopping = True
@@ -237,6 +246,7 @@ async def main_async(ns: argparse.Namespace) -> int:
         embedded = BootstrapServicer(RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch), WorkerRegistry())
         services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
     server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller")
+    controller.server = server
     if embedded is not None:
         BootstrapServer(server, embedded, BootstrapConfig(ttl=ns.bootstrap_ttl))  # runs the expiry sweeper
         controller.bootstrap_address = server.address
@@ -270,4 +280,4 @@ async def main_async(ns: argparse.Namespace) -> int:
     await serve_until_signal(server, grace=ns.grace)
     await controller.stop_workers()
     log.info("prefill stopped")
-    return 0
+    return controller.exit_code

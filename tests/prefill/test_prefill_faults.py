@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Iterator
 
 import grpc
@@ -84,3 +85,13 @@ async def test_workers_exit_when_the_controller_is_killed(fake_rr: PrefillProc) 
     while pid_alive(survivor):
         assert time.monotonic() < deadline, "a worker outlived its controller"
         await asyncio.sleep(0.1)
+
+
+def test_controller_exits_nonzero_when_no_worker_is_left(tmp_path: Path) -> None:
+    p = PrefillProc([*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "1"], tmp_path, "solo")
+    try:
+        os.kill(p.worker_pids[0], signal.SIGKILL)
+        assert p.proc.wait(30) == 1
+        assert "every prefill worker is gone; stopping the controller" in p.log()
+    finally:
+        p.stop()
