@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any, Awaitable, Callable, TypeVar
 
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.state import DpConfig
@@ -24,6 +25,8 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 log = logging.getLogger("pdgrpc.decode.prefills")
 
 __all__ = ["PrefillInfo", "PrefillDirectory"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,7 @@ class PrefillDirectory:
         self._info: dict[str, PrefillInfo] = {}
         self._workers: dict[tuple[str, int], list[bpb.WorkerInfo]] = {}
         # One in-flight fetch per key: a burst of requests for a new prefill costs one call.
-        self._inflight: dict[object, asyncio.Future] = {}
+        self._inflight: dict[object, asyncio.Future[Any]] = {}
 
     def client(self, address: str) -> BootstrapClient:
         c = self._clients.get(address)
@@ -119,8 +122,8 @@ class PrefillDirectory:
         answers.update(result.ranks)
         return answers
 
-    async def _once(self, key: object, fetch):  # type: ignore[no-untyped-def]
-        fut = self._inflight.get(key)
+    async def _once(self, key: object, fetch: Callable[[], Awaitable[T]]) -> T:
+        fut: asyncio.Future[T] | None = self._inflight.get(key)
         if fut is None:
             fut = asyncio.ensure_future(fetch())
             self._inflight[key] = fut
@@ -129,7 +132,7 @@ class PrefillDirectory:
         # the other callers wait for.
         return await asyncio.shield(fut)
 
-    def _fetched(self, key: object, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+    def _fetched(self, key: object, fut: asyncio.Future[Any]) -> None:
         self._inflight.pop(key, None)
         if not fut.cancelled():
             fut.exception()  # retrieved: a failure nobody awaited any more is not "never retrieved"
