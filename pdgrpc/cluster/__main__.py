@@ -35,9 +35,14 @@ async def _main(args: argparse.Namespace) -> int:
     cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir,
                       start_timeout=args.start_timeout, grace=args.grace)
     loop = asyncio.get_running_loop()
-    stop = loop.create_future()
+    stop: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(signum: int) -> None:
+        if not stop.done():
+            stop.set_result(signum)
+
     for s in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(s, lambda s=s: stop.done() or stop.set_result(s))
+        loop.add_signal_handler(s, on_signal, s)
     print(f"starting {cluster.describe()}", flush=True)
     start = asyncio.ensure_future(cluster.start())
     await asyncio.wait([start, stop], return_when=asyncio.FIRST_COMPLETED)
