@@ -1,22 +1,35 @@
 """``python -m pdgrpc.bench bootstrap``: BootstrapService latency, throughput, memory.
 
 The server runs as its own process (``python -m pdgrpc.bootstrap`` on 127.0.0.1, a
-free port), so client and server never share an event loop or a GIL; the client is
-one :class:`BootstrapClient` on uvloop over one pooled channel. Cases:
+free port), so client and server never share an event loop or a GIL, as in a real
+deployment; the client is one :class:`BootstrapClient` on uvloop over one pooled
+channel. Cases:
 
 * ``ping``: ``grpc.health.v1.Health/Check`` on the same server and channel: a plain
   grpc.aio unary ping-pong, the floor every other call stands on (the *baseline*).
-* ``register 1 room`` / ``query 1 room``: p50 and p99 of single-room calls (fresh
-  rooms for register; registered rooms for query).
-* ``query N rooms`` for N = 1, 32, 1024: p50 and p99, every room found.
-* ``register batches of B``: rooms registered per second, batches sent back to back.
+* ``register 1 room`` / ``query 1 room`` / ``query 32 rooms`` / ``query 1024 rooms``:
+  p50 and p99, measured round-robin (one call of each case per round) so that load
+  from other processes falls on every case alike; then the CPU time each call costs
+  the client and the server process (all threads, from ``/proc``), which, unlike
+  wall time, does not grow when other processes share the cores.
+* ``register batches of B``: rooms/s, batches sent back to back (prebuilt requests
+  through the generated stub; then through ``BootstrapClient``, encoding included).
 * ``memory``: server RSS holding ``--memory-rooms`` rooms, and its growth from empty.
-* ``expiry``: the same rooms expire (short TTL) while the client pings; the worst
-  ping during the expiry wave shows the longest pause the server took.
+* ``expiry``: the same rooms expire (short TTL) while the client keeps calling; the
+  worst call during the wave, and the server's own report of its longest expiry step
+  (the longest the event loop was kept from serving calls by expiry).
 
 Targets (issue 2, set by SGLang's HTTP bootstrap measured on the same 2-core machine):
 single-room p50 < 0.45 ms, 1024-room query p50 < 1 ms, >= 200k rooms/s in batches,
 1M rooms well under 200 MB RSS, no expiry pause over 10 ms.
+
+What limits a single-room call is gRPC itself: a unary ``grpc.aio`` round trip costs
+≈120-130 µs of client CPU and ≈170-200 µs of server CPU (measured with this bench's
+CPU/call rows), on two cores shared by both processes and their completion-queue
+threads; the room table adds ≈1-5 µs. What helped: disabling gRPC's EventEngine
+client/listener (:mod:`pdgrpc.rpc.tuning`, -15-25 % latency and CPU), uvloop (a few
+%), numpy encoding of large batches (:mod:`pdgrpc.bootstrap.wire`). A sync stub costs
+less client CPU than the aio one, but would block the caller's event loop.
 """
 
 from __future__ import annotations

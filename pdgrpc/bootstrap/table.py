@@ -25,8 +25,8 @@ Layout
   slot's ``seq`` (the ring index of its latest registration, mod 2**32). Expiry and
   eviction pop from the head; a record whose slot has been re-registered since
   (renewed) or freed no longer matches ``seq`` and is skipped. The ring holds
-  ``>= 2 * max_rooms`` records; if renewals ever fill it, the oldest live rooms are
-  evicted (counted).
+  ``2 * max_rooms`` records (by default); if renewals ever fill it, the oldest live
+  rooms are evicted (counted).
 
 Expiry is exact for readers (a lookup checks the registration time, so an expired room
 is missing even before the sweep reaches it) and incremental for memory: one
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 

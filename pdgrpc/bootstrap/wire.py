@@ -33,6 +33,7 @@ _LOW7 = np.uint64(0x7F)
 _U32_MAX = np.uint64(0xFFFFFFFF)
 _WIDTH = 19  # widest entry: 0x0A, len, 0x08, 10-byte room, 0x10, 5-byte rank
 _TAGS = np.array([0x0A, 0x08, 0x10], np.uint8)  # tokens 0, 2, 4 of an entry
+_ONE_BYTE = [0, 1, 2, 4]  # tokens of an entry that are one byte long: the tags and len
 
 
 def _varint_bytes(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,23 +103,21 @@ def decode_entries(data: bytes) -> tuple[np.ndarray, np.ndarray, int] | None:
     if k == 0:
         return None if a[0] == 0x0A else empty
     e = ends[: 6 * k].reshape(k, 6)  # last byte of each token of each entry
-    d = np.diff(e, axis=1)  # lengths of tokens 1..5
+    d = np.diff(ends[: 6 * k], prepend=-1).reshape(k, 6)  # byte length of each token
     ok = (
-        e[0, 0] == 0
-        and (e[1:, 0] == e[:-1, 5] + 1).all()  # token 0 (the tag) is one byte
+        (d[:, _ONE_BYTE] == 1).all()  # the three tags and len are one byte each
         and (a[e[:, ::2]] == _TAGS).all()  # tags 0x0A, 0x08, 0x10 where they belong
-        and (d[:, [0, 1, 3]] == 1).all()  # len, 0x08 and 0x10 are one byte each
-        and (d[:, 2] <= 10).all()
-        and (d[:, 4] <= 5).all()
+        and (d[:, 3] <= 10).all()
+        and (d[:, 5] <= 5).all()
         and (a[e[:, 1]] == e[:, 5] - e[:, 1]).all()  # len covers exactly the two fields
     )
     if not ok:
         return None
-    rooms = _varint_values(a, e[:, 2] + 1, d[:, 2], 10)
-    if (d[:, 4] == 1).all():  # the usual case: every rank is one byte
+    rooms = _varint_values(a, e[:, 2] + 1, d[:, 3], 10)
+    if (d[:, 5] == 1).all():  # the usual case: every rank is one byte
         ranks = a[e[:, 5]].astype(np.uint32)
     else:
-        wide = _varint_values(a, e[:, 4] + 1, d[:, 4], 5)
+        wide = _varint_values(a, e[:, 4] + 1, d[:, 5], 5)
         if (wide > _U32_MAX).any():
             return None
         ranks = wide.astype(np.uint32)
