@@ -1,0 +1,65 @@
+"""Operator metrics for pdgrpc's servers (Prometheus text over HTTP).
+
+Three pieces, each in its own module:
+
+* :mod:`~pdgrpc.metrics.catalog` -- every metric as data (name, type, help with unit,
+  labels, which roles record it). ``python -m pdgrpc.metrics`` prints it as the README
+  table.
+* :mod:`~pdgrpc.metrics.roles` -- the facade a server records through:
+  :class:`DecodeMetrics`, :class:`PrefillMetrics`, :class:`BootstrapMetrics`,
+  :class:`RouterMetrics`. Events (``on_abort(reason)``, ``on_transfer(bytes, seconds)``,
+  ``on_dp_rank_query(batch_size)``...) are counters and histograms; live state (slots,
+  pages, table size) is read at scrape time from the server's own objects through
+  ``bind(snapshot_callable)`` and so cannot drift.
+* :mod:`~pdgrpc.metrics.http` -- ``--metrics-port`` (:func:`add_metrics_arguments`) and
+  the endpoint (:func:`start_metrics_server`, :func:`start_metrics_from_args`).
+
+The abort vocabulary (:mod:`~pdgrpc.metrics.reasons`) imports :mod:`pdgrpc.state` and so
+torch; it loads only with a facade that records aborts (the bootstrap's does not).
+
+Each server owns a :class:`prometheus_client.CollectorRegistry` (the facade creates
+one); nothing here touches prometheus-client's process-global registry.
+"""
+
+from typing import Any
+
+from pdgrpc.metrics.catalog import CATALOG, MetricSpec, RequestState, Role, ServerAbortReason, markdown_table
+from pdgrpc.metrics.http import (
+    add_metrics_arguments,
+    derived_metrics_port,
+    start_metrics_from_args,
+    start_metrics_server,
+)
+from pdgrpc.metrics.live import ResourceGauges
+from pdgrpc.metrics.roles import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RoleMetrics, RouterMetrics
+
+__all__ = [
+    "ABORT_REASON_LABELS",
+    "BootstrapMetrics",
+    "CATALOG",
+    "DecodeMetrics",
+    "MetricSpec",
+    "PrefillMetrics",
+    "RequestState",
+    "ResourceGauges",
+    "Role",
+    "RoleMetrics",
+    "RouterMetrics",
+    "ServerAbortReason",
+    "abort_label",
+    "add_metrics_arguments",
+    "derived_metrics_port",
+    "markdown_table",
+    "start_metrics_from_args",
+    "start_metrics_server",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The abort vocabulary needs pdgrpc.state (and so torch): loaded on first use only, so
+    # that `from pdgrpc.metrics import BootstrapMetrics` keeps the bootstrap torch-free.
+    if name in ("ABORT_REASON_LABELS", "abort_label"):
+        from pdgrpc.metrics import reasons
+
+        return getattr(reasons, name)
+    raise AttributeError(f"module 'pdgrpc.metrics' has no attribute {name!r}")

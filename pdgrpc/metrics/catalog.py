@@ -1,0 +1,278 @@
+"""Every pdgrpc metric, as data: name, type, help text (what, in which unit), labels, and
+which server roles record it.
+
+This table is the single source of truth. :mod:`pdgrpc.metrics.families` builds the
+prometheus-client objects from it, the README table is generated from it
+(``python -m pdgrpc.metrics``), and the lint test checks its names against the Prometheus
+conventions, so a metric cannot be added in one place and forgotten in another.
+
+Two kinds of metric live here:
+
+* **live** metrics (``field`` is set) are read at scrape time from a snapshot of the
+  server's own objects (see :class:`pdgrpc.metrics.live.ResourceGauges`): slots, pages,
+  table size. They can never drift from the truth, because nothing counts them twice.
+* **event** metrics (``field`` is None) are counters and histograms the server bumps
+  through its role facade (:mod:`pdgrpc.metrics.roles`) as things happen.
+
+This module imports nothing heavy (no torch): the bootstrap server stays light.
+
+Labels are low-cardinality by construction: ``role`` (4 values), ``state`` (3),
+``reason`` (the abort vocabulary, ~16), ``transport`` (backend name), ``outcome`` (2).
+Never a room id, request id or address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Literal
+
+__all__ = [
+    "BATCH_BUCKETS",
+    "CATALOG",
+    "LABEL_NAMES",
+    "LATENCY_BUCKETS",
+    "MetricSpec",
+    "Outcome",
+    "RequestState",
+    "Role",
+    "ServerAbortReason",
+    "TTFT_BUCKETS",
+    "by_name",
+    "markdown_table",
+]
+
+
+class Role(str, enum.Enum):
+    """Which server kind records a metric; the value is the ``role`` label."""
+
+    BOOTSTRAP = "bootstrap"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+class RequestState(str, enum.Enum):
+    """How a request ended on one server; the value is the ``state`` label.
+
+    Every request a server admitted ends exactly once as ``finished`` or ``aborted`` (an
+    abort always also counts one ``pdgrpc_aborts_total{reason}``, so the two agree);
+    ``refused`` requests were turned away at admission, before taking any resource."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REFUSED = "refused"
+
+
+class ServerAbortReason(str, enum.Enum):
+    """Abort causes that happen outside the decode state machines.
+
+    The decode machines' own reasons are :class:`pdgrpc.state.outcomes.AbortReason`
+    (corruption, transfer failed, TP desync, cancelled, one timeout per state); the
+    servers use those wherever they fit (the prefill's "no handshake in time" is
+    ``bootstrap_timeout``, a client that went away is ``cancelled``) and these only for
+    what that list cannot say. Together they are the ``reason`` label's vocabulary
+    (:data:`pdgrpc.metrics.reasons.ABORT_REASON_LABELS`)."""
+
+    PEER_FAILURE = "peer_failure"  # the other process or its connection died (worker exit, transport peer gone)
+    REJECTED_WRITE = "rejected_write"  # the receiver rejected a write outside the pages/slot it advertised
+    DP_RANK_CONFLICT = "dp_rank_conflict"  # routed dp rank contradicts strict follow_bootstrap_room
+    PREFILL_ERROR = "prefill_error"  # the prefill failed or refused the request (seen by decode, router)
+    DECODE_ERROR = "decode_error"  # the decode failed or aborted the request (seen by prefill, router)
+    INTERNAL_ERROR = "internal_error"  # an unexpected exception here (engine failure, bug)
+    SHUTDOWN = "shutdown"  # the server stopped while the request was in flight
+
+
+class Outcome(str, enum.Enum):
+    """Result of a bootstrap RPC (QueryDpRanks, RegisterDpRanks); the ``outcome`` label."""
+
+    OK = "ok"
+    ERROR = "error"
+
+
+# Transfer latency: a few pages over shared memory take ~100 us, a long prompt over a slow
+# tcp link or a stalled prefill takes tens of seconds (the default transfer deadline is 60 s).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
+)
+# Time to first token at the router: never sub-millisecond (two RPCs and a prefill).
+TTFT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Rooms per batched bootstrap call: 1 at low load, up to the bootstrap's max batch (65536).
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+
+Kind = Literal["counter", "gauge", "histogram", "info"]
+
+# The only label names a metric may carry (the lint test enforces it).
+LABEL_NAMES = frozenset({"role", "state", "reason", "transport", "outcome"})
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSpec:
+    """One metric. ``name`` is the exposed name (counters with ``_total``; an info
+    metric's name ends in ``_info``)."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...]
+    roles: tuple[Role, ...]
+    unit: str = ""  # "seconds" | "bytes" | "" (a count)
+    field: str | None = None  # live metrics: the snapshot field read at scrape time
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def live(self) -> bool:
+        return self.field is not None
+
+
+_ALL = (Role.BOOTSTRAP, Role.PREFILL, Role.DECODE, Role.ROUTER)
+_R = ("role",)
+_D, _P, _B, _X = Role.DECODE, Role.PREFILL, Role.BOOTSTRAP, Role.ROUTER
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # ---- live: read from the server's objects at scrape time ------------------------
+    MetricSpec(
+        "pdgrpc_active_requests", "gauge",
+        "Requests admitted by this server and not yet finished (count), read from the server at scrape time.",
+        _R, (_D, _P, _X), field="active_requests",
+    ),
+    MetricSpec(
+        "pdgrpc_metadata_slots_in_use", "gauge",
+        "Metadata slots allocated to requests, quarantined ones included (count); bounds the transfers in flight.",
+        _R, (_D,), field="slots_in_use",
+    ),
+    MetricSpec(
+        "pdgrpc_metadata_slots_capacity", "gauge",
+        "Metadata slots in the pool (count): the most transfers this decode rank runs at once.",
+        _R, (_D,), field="slots_total",
+    ),
+    MetricSpec(
+        "pdgrpc_kv_pages_in_use", "gauge",
+        "KV pages allocated to live requests, quarantined pages excluded (count).",
+        _R, (_D, _P), field="pages_in_use",
+    ),
+    MetricSpec(
+        "pdgrpc_kv_pages_quarantined", "gauge",
+        "KV pages of aborted requests held back from reuse until the prefill acknowledged the abort or its lease expired (count).",
+        _R, (_D,), field="pages_quarantined",
+    ),
+    MetricSpec(
+        "pdgrpc_kv_pages_capacity", "gauge",
+        "KV pages in this rank's pool (count).",
+        _R, (_D, _P), field="pages_total",
+    ),
+    MetricSpec(
+        "pdgrpc_transport_rooms", "gauge",
+        "Rooms the data-plane transport still tracks (count); stays above active requests only while releases lag.",
+        _R, (_D, _P), field="transport_rooms",
+    ),
+    MetricSpec(
+        "pdgrpc_bootstrap_rooms", "gauge",
+        "Room -> dp rank entries held by the bootstrap table, expired but not yet swept ones included (count).",
+        _R, (_B,), field="size",
+    ),
+    MetricSpec(
+        "pdgrpc_bootstrap_rooms_capacity", "gauge",
+        "Most room entries the bootstrap table holds before it evicts the oldest (count, --max-rooms).",
+        _R, (_B,), field="max_rooms",
+    ),
+    MetricSpec(
+        "pdgrpc_bootstrap_rooms_expired_total", "counter",
+        "Room entries removed from the bootstrap table because their TTL passed (count).",
+        _R, (_B,), field="expired",
+    ),
+    MetricSpec(
+        "pdgrpc_bootstrap_rooms_evicted_total", "counter",
+        "Live room entries evicted from the bootstrap table to stay under its capacity, oldest first (count); "
+        "non-zero means --max-rooms is too small for the request rate times the TTL.",
+        _R, (_B,), field="evicted",
+    ),
+    # ---- events: recorded through the role facades ------------------------------------
+    MetricSpec(
+        "pdgrpc_requests_total", "counter",
+        "Requests that reached a terminal state on this server (count), by state: finished, aborted "
+        "(see pdgrpc_aborts_total for why), refused (turned away at admission).",
+        ("role", "state"), (_P, _D, _X),
+    ),
+    MetricSpec(
+        "pdgrpc_aborts_total", "counter",
+        "Requests aborted on this server (count), by reason: the decode state machine's AbortReason "
+        "(metadata_corruption, transfer_failed, tp_desync, cancelled, one *_timeout per state) or a "
+        "server-side cause (peer_failure, rejected_write, dp_rank_conflict, prefill_error, decode_error, "
+        "internal_error, shutdown).",
+        ("role", "reason"), (_P, _D, _X),
+    ),
+    MetricSpec(
+        "pdgrpc_transfer_bytes_total", "counter",
+        "KV and metadata bytes moved over the data plane, in bytes: sent (prefill) or received and committed (decode).",
+        ("role", "transport"), (_P, _D), unit="bytes",
+    ),
+    MetricSpec(
+        "pdgrpc_transfer_seconds", "histogram",
+        "KV transfer latency of one request, in seconds: on prefill from the first write to the decode's "
+        "acknowledgement of the metadata row; on decode from the handshake to the commit (includes the "
+        "prefill's compute).",
+        ("role", "transport"), (_P, _D), unit="seconds", buckets=LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "pdgrpc_dp_rank_queries_total", "counter",
+        "Batched QueryDpRanks calls (count), by outcome (ok, error): sent (decode) or served (bootstrap).",
+        ("role", "outcome"), (_D, _B),
+    ),
+    MetricSpec(
+        "pdgrpc_dp_rank_query_batch_size", "histogram",
+        "Rooms per QueryDpRanks call (count of rooms); its _sum is the rooms asked about.",
+        _R, (_D, _B), buckets=BATCH_BUCKETS,
+    ),
+    MetricSpec(
+        "pdgrpc_dp_rank_query_rooms_missing_total", "counter",
+        "Rooms a successful QueryDpRanks asked about that had no entry yet (count); decode asks again next interval.",
+        _R, (_D, _B),
+    ),
+    MetricSpec(
+        "pdgrpc_dp_rank_registrations_total", "counter",
+        "Batched RegisterDpRanks calls (count), by outcome (ok, error): sent (prefill) or served (bootstrap).",
+        ("role", "outcome"), (_P, _B),
+    ),
+    MetricSpec(
+        "pdgrpc_dp_rank_registration_batch_size", "histogram",
+        "Rooms per RegisterDpRanks call (count of rooms); its _sum is the rooms registered.",
+        _R, (_P, _B), buckets=BATCH_BUCKETS,
+    ),
+    MetricSpec(
+        "pdgrpc_time_to_first_token_seconds", "histogram",
+        "Time from a Generate call's arrival at the router to its first token sent to the client, in seconds.",
+        _R, (_X,), unit="seconds", buckets=TTFT_BUCKETS,
+    ),
+    MetricSpec(
+        "pdgrpc_output_tokens_total", "counter",
+        "Generated tokens streamed to clients (count).",
+        _R, (_X,),
+    ),
+    MetricSpec(
+        "pdgrpc_server_info", "info",
+        "Constant 1; labels describe this server process (role, transport, dp/tp rank and size, pdgrpc version).",
+        _R, _ALL,
+    ),
+)
+
+_BY_NAME = {m.name: m for m in CATALOG}
+
+
+def by_name(name: str) -> MetricSpec:
+    return _BY_NAME[name]
+
+
+def markdown_table() -> str:
+    """The README's metric table, generated from :data:`CATALOG`."""
+    lines = [
+        "| metric | type | labels | recorded by | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for m in CATALOG:
+        kind = m.kind + (" (live)" if m.live else "")
+        roles = ", ".join(r.value for r in m.roles)
+        labels = ", ".join(m.labels)
+        lines.append(f"| `{m.name}` | {kind} | {labels} | {roles} | {m.help} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,170 @@
+"""Serving one registry as Prometheus text over HTTP, and the ``--metrics-port`` flag.
+
+:func:`start_metrics_server` runs a small threaded WSGI server (prometheus-client's
+exposition app: ``/metrics``, gzip when asked) on its own thread and returns the bound
+port and a ``stop`` callable (``*_created`` series left out). ``stop`` shuts the listener down and joins its thread and
+every request thread, so a stopped server leaves no thread behind (a stuck client is cut
+off by the per-connection timeout). It is idempotent.
+
+Wiring a server's CLI takes three lines::
+
+    add_metrics_arguments(parser)                                 # build_parser()
+    stop_metrics = start_metrics_from_args(ns, metrics.registry, "decode")   # main()
+    ...                                                           # serve
+    stop_metrics()                                                # on shutdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import socketserver
+import threading
+from typing import Any, Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "METRICS_PORT_HELP",
+    "add_metrics_arguments",
+    "derived_metrics_port",
+    "start_metrics_from_args",
+    "start_metrics_server",
+]
+
+log = logging.getLogger("pdgrpc.metrics")
+
+# A scrape is one short request; a client that holds a connection longer is dropped, which
+# bounds how long stop() can wait for a request thread.
+_REQUEST_TIMEOUT_S = 10.0
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = _REQUEST_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base class name
+        pass  # one access-log line per scrape would drown the request events
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    # Non-daemon request threads that server_close() joins: stopping the server really
+    # stops everything it started.
+    daemon_threads = False
+    block_on_close = True
+    allow_reuse_address = True
+
+
+class _WithoutCreated(Collector):
+    """The registry minus prometheus-client's ``*_created`` timestamp series, which the
+    text format exposes as one extra gauge family per counter and histogram: they double
+    the page and say nothing an operator of these servers uses."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self._registry.collect():
+            kept = [s for s in m.samples if not s.name.endswith("_created")]
+            if len(kept) != len(m.samples):
+                m = _copy(m, kept)
+            yield m
+
+    def restricted_registry(self, names: Iterable[str]) -> "_WithoutCreated":
+        # make_wsgi_app calls this for ?name[]=... scrapes.
+        return _WithoutCreated(self._registry.restricted_registry(names))
+
+
+def _copy(m: Metric, samples: list[Any]) -> Metric:
+    out = Metric(m.name, m.documentation, m.type, m.unit)
+    out.samples = samples
+    return out
+
+
+def _family_for(host: str) -> socket.AddressFamily:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return socket.AF_INET  # let bind() report the bad host
+    return infos[0][0]
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> tuple[int, Callable[[], None]]:
+    """Serve ``registry`` on ``http://host:port/metrics`` (``port`` 0: a free one).
+
+    Returns ``(bound_port, stop)``. Raises ``OSError`` when the address is taken."""
+
+    class Server(_Server):
+        address_family = _family_for(host)
+
+    httpd = make_server(host, port, make_wsgi_app(_WithoutCreated(registry)), Server, handler_class=_Handler)
+    bound = int(httpd.server_address[1])
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"pdgrpc-metrics:{bound}", daemon=True)
+    thread.start()
+    stopped = threading.Lock()
+    done = [False]
+
+    def stop() -> None:
+        with stopped:
+            if done[0]:
+                return
+            done[0] = True
+            httpd.shutdown()  # returns once serve_forever has left its loop
+            httpd.server_close()  # closes the socket, joins request threads
+            thread.join()
+
+    return bound, stop
+
+
+METRICS_PORT_HELP = (
+    "serve Prometheus metrics (text format) on http://METRICS_HOST:PORT/metrics; 0 picks a free port, "
+    "printed in the log line 'pdgrpc <server> metrics on http://HOST:PORT/metrics'. Absent: no metrics endpoint"
+)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
+    """Add ``--metrics-port`` (absent = disabled, 0 = free port) and ``--metrics-host``."""
+    g = parser.add_argument_group("metrics")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help=METRICS_PORT_HELP)
+    g.add_argument(
+        "--metrics-host", default=default_host, metavar="HOST",
+        help="address the metrics endpoint listens on; 0.0.0.0 = every IPv4 interface (default: %(default)s)",
+    )
+
+
+def _noop() -> None:
+    pass
+
+
+def start_metrics_from_args(ns: argparse.Namespace, registry: CollectorRegistry, what: str) -> Callable[[], None]:
+    """Start the endpoint that ``--metrics-port``/``--metrics-host`` ask for and log
+    ``pdgrpc <what> metrics on http://HOST:PORT/metrics`` with the bound port. Returns
+    ``stop`` (a no-op when ``--metrics-port`` was not given)."""
+    port = getattr(ns, "metrics_port", None)
+    if port is None:
+        return _noop
+    if not 0 <= port < 65536:
+        raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")
+    host = getattr(ns, "metrics_host", "127.0.0.1")
+    bound, stop = start_metrics_server(registry, host, port)
+    shown = f"[{host}]" if ":" in host else host
+    log.info("pdgrpc %s metrics on http://%s:%d/metrics", what, shown, bound)
+    return stop
+
+
+def derived_metrics_port(base: int | None, index: int) -> int | None:
+    """The metrics port of child process ``index`` (a prefill dp worker, a TP rank) of a
+    server whose own ``--metrics-port`` is ``base``: ``base + 1 + index``, so a scrape
+    config can list them; 0 stays 0 (each child picks a free port and logs it); None
+    (metrics off) stays None."""
+    if base is None or base == 0:
+        return base
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    port = base + 1 + index
+    if port > 65535:
+        raise ValueError(f"--metrics-port {base} leaves no port for child {index} (would be {port})")
+    return port
