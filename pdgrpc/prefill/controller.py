@@ -178,10 +178,16 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
             )
             self.workers.append(WorkerHandle(rank, proc))
+        tasks = [asyncio.ensure_future(self._await_ready(w)) for w in self.workers]
         try:
-            await asyncio.wait_for(asyncio.gather(*(self._await_ready(w) for w in self.workers)), self.ns.worker_start_timeout)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s") from None
+            done, pending = await asyncio.wait(tasks, timeout=self.ns.worker_start_timeout, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                t.cancel()
+        for t in done:
+            t.result()  # a worker that exited before it was ready
+        if pending:
+            raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s")
         self._watchers = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
 
     async def _await_ready(self, w: WorkerHandle) -> None:
@@ -252,13 +258,22 @@ async def main_async(ns: argparse.Namespace) -> int:
         controller.bootstrap_address = server.address
     client = BootstrapClient(controller.bootstrap_address)
     controller.registrar = DpRankRegistrar(client.register_dp_ranks, window_s=ns.dp_register_window_ms / 1000.0)
+    # A SIGTERM/SIGINT while workers start must stop them too (serve_until_signal's
+    # handlers are not installed yet).
+    loop = asyncio.get_running_loop()
+    starting = asyncio.ensure_future(controller.start_workers())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, starting.cancel)
     try:
-        await controller.start_workers()
-    except Exception as exc:
-        log.error("%s", exc)
+        await starting
+    except (Exception, asyncio.CancelledError) as exc:
+        log.error("%s", exc if not isinstance(exc, asyncio.CancelledError) else "stopped while workers were starting")
         await controller.stop_workers()
         await server.stop(0)
         return 1
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
     log.info(
         "prefill ready: %d worker(s), %s, transport %s, bootstrap %s (%s)",
         ns.dp_size, ns.load_balance_method, ns.transport, controller.bootstrap_address,

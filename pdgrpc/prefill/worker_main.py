@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from typing import Awaitable, TypeVar
 
 import torch
 
@@ -31,6 +32,8 @@ from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
 log = logging.getLogger("pdgrpc.prefill.worker")
 
 READY = "PDGRPC_WORKER_READY"
+
+T = TypeVar("T")
 
 _LB = {
     "round_robin": bootstrap_pb2.LOAD_BALANCE_METHOD_ROUND_ROBIN,
@@ -73,6 +76,18 @@ async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
+async def _unless(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``aw``'s result, or None (``aw`` cancelled) if ``stop`` is set first."""
+    task = asyncio.ensure_future(aw)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
 async def _main(ns: argparse.Namespace) -> int:
     engine = ReferenceEngine(engine_config_from_args(ns))
     transport = create_transport(ns)
@@ -88,6 +103,10 @@ async def _main(ns: argparse.Namespace) -> int:
         ),
     )
     descriptor = await worker.start()
+    # Watch the controller from the start: a worker must not outlive it, not even while
+    # it is still registering (bootstrap registration retries for a while).
+    orphaned = asyncio.Event()
+    watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
     server = await start_server(
         [
             (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(WorkerPrefillServicer(worker), s)),
@@ -103,9 +122,12 @@ async def _main(ns: argparse.Namespace) -> int:
         transport=transport.name, transport_endpoint=descriptor,
     )
     try:
-        reg = await client.register_worker(info, parallel_info(ns, worker))
+        reg = await _unless(client.register_worker(info, parallel_info(ns, worker)), orphaned)
     except Exception as exc:
         log.error("dp%d: registering with bootstrap %s failed: %s", ns.dp_rank, ns.bootstrap, exc)
+        reg = None
+    if reg is None:
+        watcher.cancel()
         await server.stop(0)
         await worker.close()
         return 1
@@ -116,8 +138,6 @@ async def _main(ns: argparse.Namespace) -> int:
         transport.name, engine.num_pages, ns.chunk_size,
     )
     print(READY, json.dumps({"dp_rank": ns.dp_rank, "address": server.address, "generation": reg.generation}), flush=True)
-    orphaned = asyncio.Event()
-    watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
     stop_on_orphan = asyncio.ensure_future(orphaned.wait())
     stop_on_orphan.add_done_callback(lambda f: None if f.cancelled() else asyncio.ensure_future(server.stop(1.0)))
     try:
