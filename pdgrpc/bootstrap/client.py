@@ -44,9 +44,8 @@ DEFAULT_RETRY_FOR_S = 30.0
 
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
-# Below these sizes the generated classes are faster than the numpy codec's fixed cost.
+# Below this size the generated classes are faster than the numpy codec's fixed cost.
 _NUMPY_ENCODE_FROM = 32
-_NUMPY_DECODE_FROM = 128
 
 
 def _encode_register(entries: Mapping[int, int] | Iterable[tuple[int, int]]) -> bytes:
@@ -114,7 +113,7 @@ class BootstrapClient:
         self._pool = pool
         self._rng = rng or random.Random()
         self._stub: pb_grpc.BootstrapServiceStub | None = None
-        self._raw_calls: tuple[grpc.aio.UnaryUnaryMultiCallable, grpc.aio.UnaryUnaryMultiCallable] | None = None
+        self._register_bytes: grpc.aio.UnaryUnaryMultiCallable | None = None
         self._channel: grpc.aio.Channel | None = None
         self.retries = 0  # registration attempts that failed with UNAVAILABLE and were retried
 
@@ -133,19 +132,14 @@ class BootstrapClient:
             self._stub = pb_grpc.BootstrapServiceStub(self.channel)
         return self._stub
 
-    def _raw(self) -> tuple[grpc.aio.UnaryUnaryMultiCallable, grpc.aio.UnaryUnaryMultiCallable]:
-        """RegisterDpRanks taking request bytes and QueryDpRanks returning response
-        bytes, so that large batches go through the numpy codec (:mod:`.wire`)."""
-        if self._raw_calls is None:
-            channel = self.channel
-            register = channel.unary_unary(
+    def _register_raw(self) -> grpc.aio.UnaryUnaryMultiCallable:
+        """RegisterDpRanks taking the request as bytes, so that large batches can be
+        encoded by the numpy codec (:mod:`.wire`)."""
+        if self._register_bytes is None:
+            self._register_bytes = self.channel.unary_unary(
                 f"/{_SERVICE}/RegisterDpRanks", request_serializer=None, response_deserializer=pb.RegisterDpRanksResponse.FromString, _registered_method=True
             )
-            query = channel.unary_unary(
-                f"/{_SERVICE}/QueryDpRanks", request_serializer=pb.QueryDpRanksRequest.SerializeToString, response_deserializer=None, _registered_method=True
-            )
-            self._raw_calls = (register, query)
-        return self._raw_calls
+        return self._register_bytes
 
     # --------------------------------------------------------------- room → dp rank
 
@@ -156,23 +150,27 @@ class BootstrapClient:
         Raises ``InvalidArgument`` (room 0, rank out of range, batch too large) or
         ``AlreadyExists`` (a room is registered with another rank)."""
         data = _encode_register(entries)
-        register = self._raw()[0]
+        register = self._register_raw()
         return await self._retrying("RegisterDpRanks", lambda t: register(data, timeout=t), timeout)
 
     async def query_dp_ranks(self, rooms: Iterable[int], *, timeout: float | None = None) -> QueryResult:
         """Look up the dp rank of a batch of rooms; unknown rooms come back in ``missing``."""
         rooms = rooms.tolist() if isinstance(rooms, np.ndarray) else list(rooms)
         try:
-            request = pb.QueryDpRanksRequest(bootstrap_rooms=rooms)
+            request = pb.QueryDpRanksRequest(bootstrap_rooms=rooms, found_ranks_only=True)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bootstrap rooms must be uint64: {exc}") from exc
-        query = self._raw()[1]
-        data = await self._call("QueryDpRanks", query(request, timeout=self._t(timeout)))
-        fast = wire.decode_query_response(data) if len(rooms) >= _NUMPY_DECODE_FROM else None
-        if fast is not None:
-            return QueryResult(fast[0].tolist(), fast[1].tolist(), fast[2].tolist())
-        response = pb.QueryDpRanksResponse.FromString(data)
-        return QueryResult([e.bootstrap_room for e in response.entries], [e.dp_rank for e in response.entries], list(response.missing_rooms))
+        reply = await self._call("QueryDpRanks", self.stub.QueryDpRanks(request, timeout=self._t(timeout)))
+        missing = list(reply.missing_rooms)
+        if reply.entries:  # a server that does not know found_ranks_only
+            return QueryResult([e.bootstrap_room for e in reply.entries], [e.dp_rank for e in reply.entries], missing)
+        if missing:
+            gone = set(missing)
+            rooms = [r for r in rooms if r not in gone]
+        ranks = list(reply.found_dp_ranks)
+        if len(ranks) != len(rooms):
+            raise BootstrapError(f"QueryDpRanks on {self.address}: {len(ranks)} ranks for {len(rooms)} found rooms")
+        return QueryResult(rooms, ranks, missing)
 
     # --------------------------------------------------------------- workers
 
@@ -238,7 +236,7 @@ class BootstrapClient:
         the pool (``await pool.close()``) to close connections."""
         self._channel = None
         self._stub = None
-        self._raw_calls = None
+        self._register_bytes = None
 
 
 __all__ = ["BootstrapClient", "BootstrapUnavailable", "QueryResult", "RpcError"]

@@ -89,12 +89,15 @@ class BootstrapServicer:
             self._check_batch(len(rooms))
             if len(rooms) <= _SMALL_BATCH:
                 found, ranks, missing = self.table.query(rooms, self.clock())
-                return pb.QueryDpRanksResponse(
-                    entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in zip(found, ranks)], missing_rooms=missing
-                ).SerializeToString()
+                if request.found_ranks_only:
+                    return pb.QueryDpRanksResponse(found_dp_ranks=ranks, missing_rooms=missing).SerializeToString()
+                entries = [pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in zip(found, ranks)]
+                return pb.QueryDpRanksResponse(entries=entries, missing_rooms=missing).SerializeToString()
             found_a, ranks_a, missing_a = self.table.query_array(np.array(rooms, np.uint64), self.clock())
         except InvalidRequest as exc:
             await _abort(context, exc)
+        if request.found_ranks_only:  # packed arrays: protobuf's C encoder is fast for these
+            return pb.QueryDpRanksResponse(found_dp_ranks=ranks_a.tolist(), missing_rooms=missing_a.tolist()).SerializeToString()
         return wire.encode_query_response(found_a, ranks_a, missing_a)
 
     def _check_batch(self, n: int) -> None:

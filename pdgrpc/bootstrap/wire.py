@@ -1,22 +1,25 @@
-"""Vectorised protobuf encoding of the bootstrap's batched ``DpRankEntry`` lists (numpy).
+"""Vectorised protobuf encoding of batched ``DpRankEntry`` lists (numpy).
 
 Building or reading 1,024 ``DpRankEntry`` sub-messages one Python object at a time costs
 ~0.2 ms each way, as much as the whole gRPC round trip; these functions do it with a
 few numpy operations. They write ordinary protobuf wire format that any protobuf
-library reads, so nothing changes for clients in other languages.
+library reads, so nothing changes for clients in other languages. Used for:
+``RegisterDpRanksRequest`` (encoded by :class:`BootstrapClient`, decoded by the
+server) and ``QueryDpRanksResponse.entries`` (encoded by the server for clients that
+do not ask for ``found_ranks_only``, the packed form that needs no codec at all).
 
-Layout written (and the only one the fast decoders accept) for each entry::
+Layout written (and the only one the fast decoder accepts) for each entry::
 
     0x0A len  0x08 varint(bootstrap_room)  0x10 varint(dp_rank)
 
 (field 1, length-delimited; inside it field 1 then field 2, both always present — a
-zero rank is written explicitly, which every parser accepts). Decoders *check* that
-the bytes have exactly this layout and return ``None`` otherwise (another field order,
-an omitted zero rank, unknown fields...): the caller then parses with the generated
-classes. A layout that passes the checks is, byte for byte, what a sequential protobuf
-parser reads, so the fast path never disagrees with the slow one. Packed repeated
-uint64 fields (``bootstrap_rooms``, ``missing_rooms``) are left to protobuf's C parser
-and serializer, which are fast for them already.
+zero rank is written explicitly, which every parser accepts). The decoder *checks*
+that the bytes have exactly this layout and returns ``None`` otherwise (another field
+order, an omitted zero rank, unknown fields...): the caller then parses with the
+generated classes. A layout that passes the checks is, byte for byte, what a
+sequential protobuf parser reads, so the fast path never disagrees with the slow one.
+Packed repeated fields (``bootstrap_rooms``, ``missing_rooms``, ``found_dp_ranks``)
+are left to protobuf's C parser and serializer, which are fast for them already.
 """
 
 from __future__ import annotations
@@ -133,18 +136,3 @@ def decode_register_request(data: bytes) -> tuple[np.ndarray, np.ndarray] | None
     if got is None or got[2] != len(data):
         return None
     return got[0], got[1]
-
-
-def decode_query_response(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """``QueryDpRanksResponse`` → ``(rooms, ranks, missing)``, or None: parse the slow way."""
-    got = decode_entries(data)
-    if got is None:
-        return None
-    rooms, ranks, used = got
-    missing = np.empty(0, np.uint64)
-    if used < len(data):
-        rest = pb.QueryDpRanksResponse.FromString(data[used:])
-        if len(rest.entries):
-            return None
-        missing = np.array(rest.missing_rooms, np.uint64)
-    return rooms, ranks, missing

@@ -130,6 +130,12 @@ class QueryDpRanksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BOOTSTRAP_ROOMS_FIELD_NUMBER: _builtins.int
+    FOUND_RANKS_ONLY_FIELD_NUMBER: _builtins.int
+    found_ranks_only: _builtins.bool
+    """When true, the response lists the found rooms' ranks in found_dp_ranks instead of
+    entries: a packed array is several times cheaper to build and to read than a
+    message per room, which matters at 1,000+ rooms per call.
+    """
     @_builtins.property
     def bootstrap_rooms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Rooms to look up; at most the server's max batch (default 65,536) per call."""
@@ -138,10 +144,11 @@ class QueryDpRanksRequest(_message.Message):
         self,
         *,
         bootstrap_rooms: _abc.Iterable[_builtins.int] | None = ...,
+        found_ranks_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_rooms", b"bootstrap_rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_rooms", b"bootstrap_rooms", "found_ranks_only", b"found_ranks_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -153,23 +160,31 @@ class QueryDpRanksResponse(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     MISSING_ROOMS_FIELD_NUMBER: _builtins.int
+    FOUND_DP_RANKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DpRankEntry]:
-        """Rooms found, with their dp rank."""
+        """Rooms found, with their dp rank (empty when the request set found_ranks_only)."""
 
     @_builtins.property
     def missing_rooms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Rooms not (yet) known: not registered, or expired. Ask again later."""
+        """Rooms not (yet) known: not registered, or expired, in request order. Ask again later."""
+
+    @_builtins.property
+    def found_dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Only when the request set found_ranks_only: the dp rank of each found room, that is
+        of each requested room not in missing_rooms, in request order.
+        """
 
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___DpRankEntry] | None = ...,
         missing_rooms: _abc.Iterable[_builtins.int] | None = ...,
+        found_dp_ranks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "missing_rooms", b"missing_rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "found_dp_ranks", b"found_dp_ranks", "missing_rooms", b"missing_rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
