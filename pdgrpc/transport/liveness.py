@@ -28,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 from pdgrpc.errors import ConfigError
 
 _MAGIC = b"PDGL"
 _BEAT = b"."
 OnLost = Callable[[str, str], None]
+T = TypeVar("T")
 
 
 def _hello(instance_id: str) -> bytes:
@@ -42,12 +43,31 @@ def _hello(instance_id: str) -> bytes:
     return _MAGIC + struct.pack("!H", len(raw)) + raw
 
 
+async def _bounded(aw: Awaitable[T], timeout: float) -> T:
+    """``await aw`` for at most ``timeout`` s (raises ``asyncio.TimeoutError``).
+
+    Not ``asyncio.wait_for``: before Python 3.12 it can swallow a cancellation when the
+    awaited operation completes at the same moment, which with a steady heartbeat made
+    ``close()`` hang."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if not done:
+        raise asyncio.TimeoutError()
+    return task.result()
+
+
 async def _read_hello(reader: asyncio.StreamReader, timeout: float) -> str:
-    head = await asyncio.wait_for(reader.readexactly(6), timeout)
+    head = await _bounded(reader.readexactly(6), timeout)
     if head[:4] != _MAGIC:
         raise ConnectionError("not a pdgrpc liveness peer")
     (n,) = struct.unpack("!H", head[4:])
-    return (await asyncio.wait_for(reader.readexactly(n), timeout)).decode()
+    return (await _bounded(reader.readexactly(n), timeout)).decode()
 
 
 class Liveness:
@@ -148,7 +168,7 @@ class Liveness:
         writer: asyncio.StreamWriter | None = None
         try:
             host, _, port = address.rpartition(":")
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self._lease)
+            reader, writer = await _bounded(asyncio.open_connection(host, int(port)), self._lease)
             writer.write(_hello(self.instance_id))
             got = await _read_hello(reader, self._lease)
             if got != peer:
@@ -181,7 +201,7 @@ class Liveness:
         try:
             while True:
                 try:
-                    data = await asyncio.wait_for(reader.read(64), self._lease)
+                    data = await _bounded(reader.read(64), self._lease)
                 except asyncio.TimeoutError:
                     return f"no heartbeat for {self._lease:.1f} s"
                 except OSError as exc:

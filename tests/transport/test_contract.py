@@ -1,0 +1,197 @@
+"""The contract's data types: grants (what a receiver accepts), descriptors (untrusted
+bytes from a peer), the room table (how states move), page lists -> ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdgrpc.errors import ConfigError
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport.base import (
+    BadDescriptor,
+    Descriptor,
+    MemoryRegion,
+    RegionInfo,
+    RegionKind,
+    RoomGrant,
+    RoomTable,
+    UnknownRoom,
+    WriteOp,
+    WriteOps,
+)
+from pdgrpc.transport.pages import (
+    METADATA_REGION_ID,
+    kv_regions,
+    metadata_op,
+    metadata_region,
+    page_ops,
+    page_runs,
+    region_pairs,
+)
+
+PB = 4096
+KV = RegionInfo(0, "layer0.k", RegionKind.KV, 32 * PB, PB)
+META = RegionInfo(METADATA_REGION_ID, "metadata", RegionKind.METADATA, 8 * 256, 256)
+
+
+# -- grants ---------------------------------------------------------------------------
+def test_grant_accepts_exactly_the_granted_pages() -> None:
+    g = RoomGrant.of(7, [3, 4, 5, 9], slot=2)
+    assert g.check(KV, 3 * PB, 3 * PB) is None  # pages 3..5 in one write
+    assert g.check(KV, 9 * PB + 100, 50) is None  # part of a page (head-sliced later)
+    assert "page 6" in g.check(KV, 3 * PB, 4 * PB)  # runs into page 6
+    assert "page 8" in g.check(KV, 8 * PB, PB)
+    assert "outside region" in g.check(KV, 31 * PB, 2 * PB)
+    assert "unknown destination region" in g.check(None, 0, 1)
+
+
+def test_grant_metadata_slot() -> None:
+    g = RoomGrant.of(7, [0], slot=2)
+    assert g.check(META, 2 * 256, 256) is None
+    assert "granted slot 2" in g.check(META, 3 * 256, 256)
+    assert "granted slot 2" in g.check(META, 2 * 256, 257)  # spills into slot 3
+    assert "no metadata slot" in RoomGrant.of(8, [0]).check(META, 0, 256)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"room": 0, "pages": [1]}, "room"), ({"room": 2**63, "pages": [1]}, "room"),
+     ({"room": 5, "pages": [-1]}, "pages"), ({"room": 5, "pages": [1], "slot": -2}, "slot")],
+)
+def test_grant_validation_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=f"RoomGrant.{field}"):
+        RoomGrant.of(**kwargs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.sets(st.integers(0, 63), max_size=40), first=st.integers(0, 63), count=st.integers(1, 8))
+def test_grant_check_matches_page_membership(pages: set[int], first: int, count: int) -> None:
+    region = RegionInfo(1, "r", RegionKind.KV, 64 * PB, PB)
+    g = RoomGrant.of(1, pages)
+    allowed = first + count <= 64 and all(p in pages for p in range(first, first + count))
+    assert (g.check(region, first * PB, count * PB) is None) == allowed
+
+
+# -- descriptors ----------------------------------------------------------------------
+def test_descriptor_round_trip() -> None:
+    d = Descriptor("tcp", "abc123", b"127.0.0.1:5555", (KV, META), liveness="127.0.0.1:6666")
+    assert Descriptor.from_bytes(d.to_bytes()) == d
+    assert d.region(METADATA_REGION_ID) == META and d.region(99) is None
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"", "magic"),
+        (b"hello world", "magic"),
+        (b"PDGT{not json", "malformed"),
+        (b'PDGT{"v": 99}', "version"),
+        (b'PDGT{"v": 1, "backend": "tcp"}', "malformed"),
+        (b'PDGT{"v":1,"backend":"tcp","instance_id":"","endpoint":"","regions":[]}', "instance_id"),
+        (b'PDGT{"v":1,"backend":"tcp","instance_id":"a","endpoint":"","regions":[[0,"k","kv",10,4,""]]}', "multiple"),
+        (b'PDGT{"v":1,"backend":"tcp","instance_id":"a","endpoint":"",'
+         b'"regions":[[0,"k","kv",8,4,""],[0,"k","kv",8,4,""]]}', "twice"),
+        (b'PDGT{"v":1,"backend":"tcp","instance_id":"a","endpoint":"","regions":[[0,"k","weird",8,4,""]]}', "malformed"),
+    ],
+)
+def test_bad_descriptors_are_refused_clearly(raw: bytes, why: str) -> None:
+    with pytest.raises(BadDescriptor, match=why):
+        Descriptor.from_bytes(raw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_escape_the_error_tree(raw: bytes) -> None:
+    try:
+        Descriptor.from_bytes(b"PDGT" + raw)
+    except BadDescriptor:
+        pass
+
+
+# -- room table -----------------------------------------------------------------------
+def test_room_states_move_forward_failed_wins_terminal_sticks() -> None:
+    t = RoomTable()
+    t.create(1, KVPoll.WAITING_FOR_INPUT)
+    assert t.set(1, KVPoll.TRANSFERRING)
+    assert not t.set(1, KVPoll.WAITING_FOR_INPUT)  # never backwards
+    assert t.status(1).state is KVPoll.TRANSFERRING
+    assert t.fail(1, "peer died")
+    assert not t.set(1, KVPoll.SUCCESS)  # terminal sticks
+    assert t.status(1) .reason == "peer died"
+    t.create(2, KVPoll.TRANSFERRING)
+    t.set(2, KVPoll.SUCCESS)
+    assert not t.fail(2, "late")  # a finished room stays finished
+    assert not t.set(3, KVPoll.FAILED)  # untracked rooms are ignored
+    t.discard(1)
+    with pytest.raises(UnknownRoom):
+        t.status(1)
+
+
+async def test_room_wait_is_bounded_and_wakes_on_terminal() -> None:
+    import asyncio
+
+    t = RoomTable()
+    t.create(1, KVPoll.TRANSFERRING)
+    assert (await t.wait(1, 0.01)).state is KVPoll.TRANSFERRING  # timed out, not terminal
+    asyncio.get_running_loop().call_later(0.01, t.set, 1, KVPoll.SUCCESS)
+    assert (await t.wait(1, 10)).state is KVPoll.SUCCESS
+
+
+# -- regions and page lists -------------------------------------------------------------
+def test_memory_region_validation() -> None:
+    with pytest.raises(ConfigError, match="contiguous"):
+        MemoryRegion(0, torch.zeros(4, 8).t())
+    with pytest.raises(ConfigError, match="region_id"):
+        MemoryRegion(70000, torch.zeros(4))
+    r = MemoryRegion(3, torch.zeros(10, 16, 2, 64, dtype=torch.float16))
+    assert (r.nbytes, r.item_bytes) == (10 * 4096, 4096)
+
+
+def test_page_runs_coalesce_where_both_sides_advance() -> None:
+    assert page_runs([1, 2, 3, 7, 8, 9], [5, 6, 9, 10, 11, 12]) == [(1, 5, 2), (3, 9, 1), (7, 10, 3)]
+    assert page_runs([], []) == []
+    with pytest.raises(ConfigError, match="differ in length"):
+        page_runs([1, 2], [1])
+
+
+def _pools(layers: int, pages: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    shape = (pages, 16, 2, 64)
+    return [torch.zeros(shape, dtype=torch.float16) for _ in range(layers)], [
+        torch.zeros(shape, dtype=torch.float16) for _ in range(layers)
+    ]
+
+
+def test_contiguous_pages_are_one_write_per_region() -> None:
+    regions = kv_regions(*_pools(24, 64))
+    ops = page_ops(region_pairs(regions, regions), range(10, 42), range(0, 32))
+    assert isinstance(ops, WriteOps) and len(ops) == 48
+    first = ops[0]
+    assert first == WriteOp(0, 10 * 4096, 0, 0, 32 * 4096)
+    assert {op.dst_region for op in ops} == set(range(48))
+    assert ops.nbytes == 48 * 32 * 4096
+
+
+def test_scattered_pages_give_one_op_per_page_per_region() -> None:
+    regions = kv_regions(*_pools(2, 64))
+    ops = page_ops(region_pairs(regions, regions), [5, 1, 9], [0, 2, 4])
+    assert list(ops) == [
+        WriteOp(r, s * 4096, r, d * 4096, 4096) for r in range(4) for s, d in ((5, 0), (1, 2), (9, 4))
+    ]
+
+
+def test_page_size_mismatch_is_refused() -> None:
+    a = kv_regions(*_pools(1, 8))
+    b = kv_regions([torch.zeros(8, 32, 2, 64, dtype=torch.float16)], [torch.zeros(8, 32, 2, 64, dtype=torch.float16)])
+    with pytest.raises(ConfigError, match="page size differs"):
+        page_ops(region_pairs(a, b), [0], [0])
+    with pytest.raises(ConfigError, match="no KV region"):
+        region_pairs(kv_regions(*_pools(2, 8)), a)
+
+
+def test_metadata_op_targets_one_row() -> None:
+    src = metadata_region(torch.zeros(4, 32, dtype=torch.int64))
+    op = metadata_op(src, 1, src.info(), 3)
+    assert op == WriteOp(METADATA_REGION_ID, 256, METADATA_REGION_ID, 768, 256)
