@@ -128,7 +128,7 @@ class PrefillWorker:
         self.generation = 0  # set from bootstrap's RegisterWorker answer
         self._mailbox: Mailbox[Destination | RequestFailed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)
         self._active: dict[int, _Active] = {}
-        self._pages_freed = asyncio.Condition()
+        self._pages_freed = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"prefill{config.dp_rank}-compute")
         self.completed = 0  # requests finished successfully (count)
         self.failed = 0
@@ -287,22 +287,27 @@ class PrefillWorker:
         if n > self.engine.num_pages:
             raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: prompt needs {n} pages, the pool has {self.engine.num_pages}")
         deadline = time.monotonic() + self.config.page_wait_s
-        async with self._pages_freed:
-            while True:
-                pages = self.engine.alloc_pages(n)
-                if pages is not None:
-                    return pages
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RequestFailed(
-                        C.RESOURCE_EXHAUSTED,
-                        f"room {room}: {n} KV pages not free within {self.config.page_wait_s} s "
-                        f"({self.engine.num_free_pages} of {self.engine.num_pages} free)",
-                    )
-                try:
-                    await asyncio.wait_for(self._pages_freed.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+        waited = False
+        while True:
+            pages = self.engine.alloc_pages(n)
+            if pages is not None:
+                return pages
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestFailed(
+                    C.RESOURCE_EXHAUSTED,
+                    f"room {room}: {n} KV pages not free within {self.config.page_wait_s} s "
+                    f"({self.engine.num_free_pages} of {self.engine.num_pages} free)",
+                )
+            if not waited:
+                waited = True
+                request_event(log, room, "waiting for pages", need=n, free=self.engine.num_free_pages)
+            # No await between the failed alloc and clear(): a free cannot slip in between.
+            self._pages_freed.clear()
+            try:
+                await asyncio.wait_for(self._pages_freed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         room = req.bootstrap_room
@@ -358,11 +363,11 @@ class PrefillWorker:
         self.transport.release(entry.room)
         self._mailbox.discard(entry.room)
         self._mailbox.done(entry.room)
+        # Nothing below awaits: a second cancellation cannot leave the room half-finished.
         if entry.pages:
             self.engine.free_pages(entry.pages)
             entry.pages = []
-            async with self._pages_freed:
-                self._pages_freed.notify_all()
+            self._pages_freed.set()  # wake requests waiting for pages
         self._active.pop(entry.room, None)
         entry.finished.set()
 

@@ -9,6 +9,7 @@ path). Every test ends by reading the instance's own GetStats until nothing is h
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -275,4 +276,27 @@ async def test_transfer_refused_by_the_decode_is_aborted_and_frees_everything(rr
         await ch.close()
     assert decode.rows.room(0) == 0  # no metadata row landed
     decode.engine.free_pages(pages)
+    await assert_settles_to_zero(rr)
+
+
+async def test_a_burst_larger_than_the_pool_waits_for_pages_instead_of_failing(rr: PrefillProc) -> None:
+    """Eight 64-token prompts pinned to one worker need 128 pages; it has 64. The later
+    ones wait until earlier ones free theirs, and every one lands bit-exact."""
+    import dataclasses
+
+    big = FakeDecode(dataclasses.replace(CONFIG, num_pages=256))
+    await big.start()
+    try:
+        sampling = SamplingParams()
+        ids = [prompt(CONFIG.max_prompt_tokens, 200 + i) for i in range(8)]
+        results = await asyncio.gather(*(run_one(rr, big, x, sampling, query=False, routed=0) for x in ids))
+        for x, (resp, r) in zip(ids, results):
+            assert resp.dp_rank == 0
+            assert_landed_bit_exact(big, r, x, sampling)
+            big.free(r)
+        rooms = {r.room for _, r in results}
+        waited = set(int(m) for m in re.findall(r"room=(\d+) waiting for pages need=16", rr.log()))
+        assert waited & rooms, "no request had to wait: the burst did not exceed the pool"
+    finally:
+        await big.close()
     await assert_settles_to_zero(rr)
