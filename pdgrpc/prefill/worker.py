@@ -387,7 +387,8 @@ class PrefillWorker:
         now = time.monotonic()
         sender, _ = PrefillSender.create(
             room, tuple(entry.pages), n, self.page_size, now,
-            deadlines=SenderDeadlines(cfg.handshake_timeout_s, cfg.handshake_timeout_s + 600.0, cfg.transfer_timeout_s),
+            # The driver enforces its own (tighter) timeouts; these only bound the machine.
+            deadlines=SenderDeadlines(waiting_for_destination_s=cfg.handshake_timeout_s, transferring_s=cfg.transfer_timeout_s),
         )
         sender.handle(DestinationReceived(dest.dst_pages, dest.dst_slot), now)
         if sender.state is SenderState.FAILED:
