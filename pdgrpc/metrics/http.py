@@ -155,16 +155,16 @@ def start_metrics_from_args(ns: argparse.Namespace, registry: CollectorRegistry,
     return stop
 
 
-def derived_metrics_port(base: int | None, index: int) -> int | None:
-    """The metrics port of child process ``index`` (a prefill dp worker, a TP rank) of a
-    server whose own ``--metrics-port`` is ``base``: ``base + 1 + index``, so a scrape
-    config can list them; 0 stays 0 (each child picks a free port and logs it); None
-    (metrics off) stays None."""
+def derived_metrics_port(base: int | None, offset: int) -> int | None:
+    """The metrics port of a child process of a server whose own ``--metrics-port`` is
+    ``base``: ``base + offset`` (``offset`` >= 1), so a scrape config can list them all.
+    Prefill dp worker ``r``: offset ``1 + r``; decode TP rank ``r`` >= 1: offset ``r``.
+    0 stays 0 (each child picks a free port and logs it); None (metrics off) stays None."""
+    if offset < 1:
+        raise ValueError(f"offset must be >= 1 (the parent serves on the base port), got {offset}")
     if base is None or base == 0:
         return base
-    if index < 0:
-        raise ValueError(f"index must be >= 0, got {index}")
-    port = base + 1 + index
+    port = base + offset
     if port > 65535:
-        raise ValueError(f"--metrics-port {base} leaves no port for child {index} (would be {port})")
+        raise ValueError(f"--metrics-port {base} leaves no port at offset {offset} (would be {port})")
     return port

@@ -171,6 +171,9 @@ def test_two_registries_do_not_interfere(serve) -> None:
 def test_derived_ports_for_child_processes() -> None:
     assert derived_metrics_port(None, 3) is None  # metrics off stays off
     assert derived_metrics_port(0, 3) == 0  # free ports, each logged by its process
-    assert [derived_metrics_port(9100, r) for r in range(3)] == [9101, 9102, 9103]
+    # prefill controller on 9100, its dp workers 0..2 at offsets 1 + rank
+    assert [derived_metrics_port(9100, 1 + r) for r in range(3)] == [9101, 9102, 9103]
     with pytest.raises(ValueError):
-        derived_metrics_port(65535, 0)
+        derived_metrics_port(9100, 0)  # would collide with the parent's own port
+    with pytest.raises(ValueError):
+        derived_metrics_port(65535, 1)
