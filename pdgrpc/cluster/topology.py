@@ -32,11 +32,16 @@ Each ``args`` (and ``[engine]``) entry becomes ``--key value``; ``true`` becomes
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 from pdgrpc.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 needs the backport (pyproject: tomli; python_version < "3.11")
+    import tomli as tomllib
 
 __all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
 
