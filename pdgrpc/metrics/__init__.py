@@ -13,6 +13,8 @@ Three pieces, each in its own module:
   ``bind(snapshot_callable)`` and so cannot drift.
 * :mod:`~pdgrpc.metrics.http` -- ``--metrics-port`` (:func:`add_metrics_arguments`) and
   the endpoint (:func:`start_metrics_server`, :func:`start_metrics_from_args`).
+* :mod:`~pdgrpc.metrics.scrape` -- :func:`scrape` reads an endpoint back over HTTP
+  (tests, e2e checks).
 
 The abort vocabulary (:mod:`~pdgrpc.metrics.reasons`) imports :mod:`pdgrpc.state` and so
 torch; it loads only with a facade that records aborts (the bootstrap's does not).
@@ -32,6 +34,7 @@ from pdgrpc.metrics.http import (
 )
 from pdgrpc.metrics.live import ResourceGauges
 from pdgrpc.metrics.roles import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RoleMetrics, RouterMetrics
+from pdgrpc.metrics.scrape import Scrape, scrape
 
 __all__ = [
     "ABORT_REASON_LABELS",
@@ -45,11 +48,13 @@ __all__ = [
     "Role",
     "RoleMetrics",
     "RouterMetrics",
+    "Scrape",
     "ServerAbortReason",
     "abort_label",
     "add_metrics_arguments",
     "derived_metrics_port",
     "markdown_table",
+    "scrape",
     "start_metrics_from_args",
     "start_metrics_server",
 ]

@@ -40,7 +40,7 @@ log = logging.getLogger("pdgrpc.metrics")
 
 # A scrape is one short request; a client that holds a connection longer is dropped, which
 # bounds how long stop() can wait for a request thread.
-_REQUEST_TIMEOUT_S = 10.0
+_REQUEST_TIMEOUT_S = 5.0
 
 
 class _Handler(WSGIRequestHandler):

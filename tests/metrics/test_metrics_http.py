@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -15,6 +16,7 @@ import pytest
 from pdgrpc.metrics import (
     DecodeMetrics,
     RouterMetrics,
+    Scrape,
     add_metrics_arguments,
     derived_metrics_port,
     start_metrics_from_args,
@@ -22,7 +24,9 @@ from pdgrpc.metrics import (
 )
 from pdgrpc.state import AbortReason
 
-from .conftest import Scrape, scrape_text
+from pdgrpc.metrics.http import _Handler
+
+from .conftest import scrape_text
 
 
 def _metric_threads() -> list[threading.Thread]:
@@ -94,6 +98,25 @@ def test_stop_does_not_wait_for_an_idle_listener() -> None:
     t = time.monotonic()
     stop()
     assert time.monotonic() - t < 1.0
+
+
+def test_stop_cuts_off_a_client_that_never_sends_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A connection that sends nothing holds a request thread; stop() must still return
+    # (after the per-connection timeout) and leave no thread behind.
+    monkeypatch.setattr(_Handler, "timeout", 0.5)
+    before = set(threading.enumerate())
+    m = DecodeMetrics(transport="fake")
+    port, stop = start_metrics_server(m.registry)
+    with socket.create_connection(("127.0.0.1", port)) as idle:
+        deadline = time.monotonic() + 2
+        while len(set(threading.enumerate()) - before) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # wait for the request thread to exist
+        t = time.monotonic()
+        stop()
+        assert time.monotonic() - t < 3.0
+        assert _wait_no_extra_threads(before) == set()
+        idle.settimeout(1)
+        assert idle.recv(1) == b""  # the server closed its end
 
 
 def test_port_in_use_is_an_os_error() -> None:

@@ -24,7 +24,7 @@ from pdgrpc.metrics.catalog import LABEL_NAMES
 from pdgrpc.metrics.reasons import ABORT_REASON_LABELS, abort_label
 from pdgrpc.state import AbortReason
 
-from .conftest import Scrape
+from pdgrpc.metrics import Scrape
 
 _SNAKE = re.compile(r"^[a-z][a-z0-9_]*[a-z0-9]$")
 _RESERVED_SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created", "_info")

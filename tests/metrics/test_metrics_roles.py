@@ -194,6 +194,27 @@ def test_a_failing_snapshot_drops_only_its_own_gauges(serve, caplog: pytest.LogC
     assert any("decode snapshot callable failed" in r.getMessage() for r in caplog.records)
 
 
+def test_one_snapshot_per_scrape_and_none_before(serve) -> None:
+    # All gauges of one scrape come from one snapshot (consistent with each other), and
+    # nothing reads the server's objects before the first scrape (they may not be ready).
+    calls = []
+
+    def snapshot() -> dict[str, int]:
+        calls.append(1)
+        return {"slots_in_use": len(calls), "slots_total": len(calls), "pages_in_use": len(calls)}
+
+    m = DecodeMetrics(transport="tcp")
+    m.bind(snapshot)
+    scrape = serve(m.registry)
+    assert calls == []
+    for n in (1, 2):
+        s = scrape()
+        assert len(calls) == n
+        assert s.value("pdgrpc_metadata_slots_in_use", role="decode") == n
+        assert s.value("pdgrpc_metadata_slots_capacity", role="decode") == n
+        assert s.value("pdgrpc_kv_pages_in_use", role="decode") == n
+
+
 def test_one_snapshot_source_per_role_and_registry() -> None:
     m = DecodeMetrics(transport="tcp")
     m.bind(dict)
