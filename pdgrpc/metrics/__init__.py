@@ -11,7 +11,7 @@ Three pieces, each in its own module:
   ``on_dp_rank_query(batch_size)``...) are counters and histograms; live state (slots,
   pages, table size) is read at scrape time from the server's own objects through
   ``bind(snapshot_callable)`` and so cannot drift.
-* :mod:`~pdgrpc.metrics.http` -- ``--metrics-port`` (:func:`add_metrics_arguments`) and
+* :mod:`~pdgrpc.metrics.endpoint` -- ``--metrics-port`` (:func:`add_metrics_arguments`) and
   the endpoint (:func:`start_metrics_server`, :func:`start_metrics_from_args`).
 * :mod:`~pdgrpc.metrics.scrape` -- :func:`scrape` reads an endpoint back over HTTP
   (tests, e2e checks).
@@ -26,7 +26,7 @@ one); nothing here touches prometheus-client's process-global registry.
 from typing import Any
 
 from pdgrpc.metrics.catalog import CATALOG, MetricSpec, RequestState, Role, ServerAbortReason, markdown_table
-from pdgrpc.metrics.http import (
+from pdgrpc.metrics.endpoint import (
     add_metrics_arguments,
     derived_metrics_port,
     start_metrics_from_args,

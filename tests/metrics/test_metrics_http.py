@@ -24,7 +24,7 @@ from pdgrpc.metrics import (
 )
 from pdgrpc.state import AbortReason
 
-from pdgrpc.metrics.http import _Handler
+from pdgrpc.metrics.endpoint import _Handler
 
 from .conftest import scrape_text
 

@@ -73,7 +73,7 @@ def test_transfer_latency_buckets_span_sub_millisecond_to_tens_of_seconds() -> N
 def _every_role_on_one_registry() -> Scrape:
     from prometheus_client.exposition import generate_latest
 
-    from pdgrpc.metrics.http import _WithoutCreated
+    from pdgrpc.metrics.endpoint import _WithoutCreated
 
     d = DecodeMetrics(transport="tcp")
     p = PrefillMetrics(d.registry, transport="tcp")

@@ -1,10 +1,14 @@
 """Serving one registry as Prometheus text over HTTP, and the ``--metrics-port`` flag.
 
 :func:`start_metrics_server` runs a small threaded WSGI server (prometheus-client's
-exposition app: ``/metrics``, gzip when asked) on its own thread and returns the bound
-port and a ``stop`` callable (``*_created`` series left out). ``stop`` shuts the listener down and joins its thread and
-every request thread, so a stopped server leaves no thread behind (a stuck client is cut
-off by the per-connection timeout). It is idempotent.
+exposition app: ``/metrics``, gzip when asked, ``?name[]=`` filters; ``*_created`` series
+left out) on its own thread and returns the bound port and a ``stop`` callable.
+
+``stop`` shuts the listener down and joins its thread and every request thread, so a
+stopped server leaves no thread behind. It is idempotent and normally returns within
+0.1 s; a client that connected and sends nothing is cut off by the per-connection
+timeout (5 s), the longest ``stop`` can block. From async code that cannot afford that
+worst case: ``await asyncio.to_thread(stop)``.
 
 Wiring a server's CLI takes three lines::
 
@@ -102,6 +106,8 @@ def start_metrics_server(registry: CollectorRegistry, host: str = "127.0.0.1", p
 
     httpd = make_server(host, port, make_wsgi_app(_WithoutCreated(registry)), Server, handler_class=_Handler)
     bound = int(httpd.server_address[1])
+    # Daemon: a server that exits without calling stop() must not hang on this thread.
+    # poll_interval bounds how long shutdown() waits for the loop to notice.
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"pdgrpc-metrics:{bound}", daemon=True)
     thread.start()
     stopped = threading.Lock()
