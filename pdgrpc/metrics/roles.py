@@ -21,6 +21,7 @@ alerts work before the first event.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry
@@ -34,6 +35,9 @@ if TYPE_CHECKING:  # pdgrpc.state imports torch; the bootstrap facade must not n
 
 __all__ = ["BootstrapMetrics", "DecodeMetrics", "PrefillMetrics", "RoleMetrics", "RouterMetrics"]
 
+# A transport label value is a backend's short name ("tcp", "rdma", a plugin's name or
+# "module:Class"), never something per request.
+_TRANSPORT = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 def _version() -> str:
@@ -78,7 +82,7 @@ class RoleMetrics:
         """Stop reading the bound snapshot (call before the objects it reads go away)."""
         self._fam.resources.unbind(self.role)
 
-    def describe(
+    def set_info(
         self,
         *,
         transport: str | None = None,
@@ -93,9 +97,7 @@ class RoleMetrics:
             if value is not None:
                 self._info_fields[key] = str(value)
         assert self._fam.info is not None
-        self._info_fields.setdefault("version", _version())
         self._fam.info.labels(self.role.value).info(dict(self._info_fields))
-
 
 
 class _RequestsMixin(RoleMetrics):
@@ -132,12 +134,12 @@ class _RequestsMixin(RoleMetrics):
 
 class _TransferMixin(_RequestsMixin):
     def _init_transfer(self, transport: str) -> None:
-        if not transport or not transport.replace("_", "").replace("-", "").replace(".", "").replace(":", "").isalnum():
+        if not isinstance(transport, str) or not _TRANSPORT.fullmatch(transport):
             raise ValueError(f"transport must be the backend's short name (e.g. 'tcp'), got {transport!r}")
         self.transport = transport
         self._bytes = self._fam.counter("pdgrpc_transfer_bytes_total").labels(self.role.value, transport)
         self._latency = self._fam.histogram("pdgrpc_transfer_seconds").labels(self.role.value, transport)
-        self.describe(transport=transport)
+        self.set_info(transport=transport)
 
     def on_transfer(self, nbytes: int, seconds: float) -> None:
         """One request's KV transfer completed: ``nbytes`` over the data plane (pages and

@@ -171,7 +171,7 @@ def test_router_first_token_and_tokens(serve) -> None:
 
 def test_server_info_tells_ranks_apart(serve) -> None:
     m = DecodeMetrics(transport="tcp")
-    m.describe(tp_rank=1, tp_size=2)
+    m.set_info(tp_rank=1, tp_size=2)
     s = serve(m.registry)()
     assert s.value("pdgrpc_server_info", role="decode", transport="tcp", tp_rank="1", tp_size="2") == 1
 
