@@ -7,11 +7,13 @@ per pending request (256 concurrent rooms would spin 256 coroutines). It also ha
 scatter/gather: a scattered page list would need one tag message per page, and
 measured here that is 0.25–0.9 GB/s against ~10 GB/s for one IOV message.
 
-So this module uses ucxx only for what it does well — creating the UCX context,
-worker and endpoints (``ucxx._lib.libucxx``: context, worker, worker address,
-``create_from_worker_address``) and ``worker.progress()`` / ``worker.arm()`` — and
-posts the tag sends and receives itself through UCX's C API (``ucp_tag_send_nbx`` /
-``ucp_tag_recv_nbx``, called with :mod:`ctypes` on the ``libucp`` that ucxx loaded),
+So this module uses ucxx only for what it does well — loading UCX and creating the
+context and worker (``ucxx._lib.libucxx``: context, worker, worker address,
+``worker.progress()`` / ``worker.arm()`` / epoll fd) — and does the rest itself through
+UCX's C API, called with :mod:`ctypes` on the ``libucp`` that ucxx loaded: endpoints
+from worker addresses (``ucp_ep_create`` / non-blocking ``ucp_ep_close_nbx``; ucxx's
+endpoint close progresses until the peer confirms, which never ends when the peer is
+hung) and tag sends and receives (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx``),
 with ``ucp_dt_make_iov()`` when a message has several pieces. A receive's iov entries
 point straight into the destination tensors, so payload lands where it belongs with no
 copy made by pdgrpc (UCX itself moves sub-8 KiB messages through its shared-memory
@@ -48,6 +50,8 @@ _ERR_LAST = -100
 _OP_ATTR_FIELD_CALLBACK = 1 << 1
 _OP_ATTR_FIELD_USER_DATA = 1 << 2
 _OP_ATTR_FIELD_DATATYPE = 1 << 3
+_OP_ATTR_FIELD_FLAGS = 1 << 4
+_EP_CLOSE_FLAG_FORCE = 1 << 0
 _OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16
 _DATATYPE_IOV = 2  # ucp_dt_make_iov()
 _DATATYPE_CONTIG_BYTES = (1 << 3) | 0  # ucp_dt_make_contig(1)
@@ -79,6 +83,32 @@ class _Param(ctypes.Structure):
         ("recv_info", ctypes.c_void_p),
         ("memh", ctypes.c_void_p),
     ]
+
+
+class _SockAddr(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("addrlen", ctypes.c_uint32)]
+
+
+class _EpParams(ctypes.Structure):
+    # ucp_ep_params_t (ucp_def.h, UCX 1.21)
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("err_mode", ctypes.c_int),
+        ("err_handler_cb", ctypes.c_void_p),
+        ("err_handler_arg", ctypes.c_void_p),
+        ("user_data", ctypes.c_void_p),
+        ("flags", ctypes.c_uint),
+        ("sockaddr", _SockAddr),
+        ("conn_request", ctypes.c_void_p),
+        ("name", ctypes.c_char_p),
+        ("local_sockaddr", _SockAddr),
+    ]
+
+
+_EP_PARAM_FIELD_REMOTE_ADDRESS = 1 << 0
+_EP_PARAM_FIELD_ERR_HANDLING_MODE = 1 << 1
+_ERR_HANDLING_MODE_NONE = 0
 
 
 class _Iov(ctypes.Structure):
@@ -126,7 +156,12 @@ class _Api:
         self.request_free = lib.ucp_request_free
         self.request_free.argtypes = [vp]
         self.request_free.restype = None
-        self.status_string = lib.ucs_status_string if hasattr(lib, "ucs_status_string") else None
+        self.ep_create = lib.ucp_ep_create
+        self.ep_create.argtypes = [vp, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
+        self.ep_create.restype = ctypes.c_int
+        self.ep_close_nbx = lib.ucp_ep_close_nbx
+        self.ep_close_nbx.argtypes = [vp, P]
+        self.ep_close_nbx.restype = vp
 
     @staticmethod
     def _loaded_libucp() -> str:
@@ -197,7 +232,9 @@ class UcxWorker:
         self._reader_on = False
         self._last_activity = 0.0
         self._closed = False
-        self._endpoints: list[Any] = []
+        self._endpoints: list[int] = []
+        self._closing: set[int] = set()  # tokens of endpoint-close requests
+        self._abandoned: dict[int, tuple[int, Completion, Any]] = {}
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -207,15 +244,24 @@ class UcxWorker:
 
     @property
     def inflight(self) -> int:
+        """Everything UCX still owes a completion for (requests and endpoint closes)."""
         return len(self._inflight)
 
-    async def close(self, timeout: float = 2.0) -> None:
+    @property
+    def inflight_requests(self) -> int:
+        """Tag sends and receives in flight (endpoint closes not counted)."""
+        return len(self._inflight) - len(self._closing)
+
+    async def close(self, timeout: float = 1.0) -> None:
         """Cancel everything in flight, wait (bounded) for the cancellations, stop the
         progress task, close endpoints and release the worker."""
         if self._closed:
             return
         for token in list(self._inflight):
-            self.cancel(token)
+            if token not in self._closing:
+                self.cancel(token)
+        for ep in list(self._endpoints):
+            self.drop_endpoint(ep)
         deadline = time.monotonic() + timeout
         while self._inflight and time.monotonic() < deadline:
             self._progress_once()
@@ -230,9 +276,6 @@ class UcxWorker:
                 pass
             self._task = None
         self._set_reader(False)
-        for ep in self._endpoints:
-            self._close_endpoint(ep)
-        self._endpoints.clear()
         # Requests that did not complete in time stay referenced (with their buffers)
         # rather than being freed under UCX's feet; the worker then goes with the
         # context when these objects are collected.
@@ -240,35 +283,57 @@ class UcxWorker:
         self._context = None
 
     # -- endpoints ------------------------------------------------------------------
-    def endpoint(self, address: bytes) -> Any:
-        """An endpoint to the worker at ``address`` (error handling off: the fast
-        shared-memory path; peer death is detected by the liveness side channel)."""
-        lib = self._api.libucxx
-        try:
-            ucx_address = lib.UCXAddress.create_from_buffer(bytes(address))
-            ep = lib.UCXEndpoint.create_from_worker_address(self._worker, ucx_address, False)
-        except Exception as exc:
-            raise UcxError(f"cannot create a UCX endpoint to the peer's worker address: {exc}") from None
-        self._endpoints.append(ep)
-        return ep
+    def endpoint(self, address: bytes) -> int:
+        """An endpoint (``ucp_ep_h``) to the worker at ``address``, error handling off
+        (the fast shared-memory path; peer death is detected by the liveness side
+        channel). Created through the C API rather than ucxx's ``UCXEndpoint`` so that
+        closing it never blocks: ucxx closes endpoints by progressing until the peer
+        confirms, which never happens when the peer is hung."""
+        if self._closed or self._worker is None:
+            raise UcxError("UCX worker is closed")
+        raw = ctypes.create_string_buffer(bytes(address), len(address))
+        params = _EpParams()
+        params.field_mask = _EP_PARAM_FIELD_REMOTE_ADDRESS | _EP_PARAM_FIELD_ERR_HANDLING_MODE
+        params.address = ctypes.addressof(raw)
+        params.err_mode = _ERR_HANDLING_MODE_NONE
+        ep = ctypes.c_void_p()
+        status = self._api.ep_create(self.handle, ctypes.byref(params), ctypes.byref(ep))
+        if status != UCS_OK or not ep.value:
+            raise UcxError(f"cannot create a UCX endpoint to the peer's worker address (status {status})", status)
+        self._endpoints.append(ep.value)
+        self.kick()
+        return ep.value
 
-    def drop_endpoint(self, ep: Any) -> None:
-        if ep in self._endpoints:
-            self._endpoints.remove(ep)
-            self._close_endpoint(ep)
-
-    @staticmethod
-    def _close_endpoint(ep: Any) -> None:
-        # Bounded: with error handling off, a flush towards a dead peer would never end.
-        try:
-            ep.close_blocking(period=50_000_000, max_attempts=1)
-        except Exception:
-            pass
+    def drop_endpoint(self, ep: int | None, *, force: bool = False) -> None:
+        """Start closing ``ep``, non-blocking. ``force``: for a peer declared dead or
+        hung — UCX completes every request still pending on the endpoint with
+        UCS_ERR_CANCELED (the only way to cancel a rendezvous send whose receiver
+        stopped answering) and releases it without asking the peer. Otherwise flush
+        mode; a flush that a hung peer never confirms is abandoned when the worker is
+        destroyed."""
+        if ep is None or ep not in self._endpoints or self._worker is None:
+            return
+        self._endpoints.remove(ep)
+        token = self._next_token
+        self._next_token += 1
+        param = _Param()
+        param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_FLAGS
+        param.flags = _EP_CLOSE_FLAG_FORCE if force else 0
+        param.user_data = token
+        param.cb = ctypes.cast(self._send_cb, ctypes.c_void_p).value
+        ptr = self._api.ep_close_nbx(ep, ctypes.byref(param))
+        if _status_of(ptr) == UCS_INPROGRESS and ptr is not None:
+            self._inflight[token] = (ptr, lambda status, length, tag: None, None)
+            self._closing.add(token)
+        self.kick()
 
     # -- messages -------------------------------------------------------------------
-    def send(self, ep: Any, pieces: Sequence[tuple[int, int]], tag: int, cb: Completion, keep: Any) -> int:
-        """Post a tag send of ``pieces`` (one message); returns a token for cancel()."""
-        return self._post(True, ep.handle, pieces, tag, FULL_MASK, cb, keep)
+    def send(self, ep: int, pieces: Sequence[tuple[int, int]], tag: int, cb: Completion, keep: Any) -> int:
+        """Post a tag send of ``pieces`` (one message) on endpoint ``ep``; returns a
+        token for cancel()."""
+        if ep not in self._endpoints:
+            raise UcxError("UCX endpoint is closed")
+        return self._post(True, ep, pieces, tag, FULL_MASK, cb, keep)
 
     def recv(self, pieces: Sequence[tuple[int, int]], tag: int, mask: int, cb: Completion, keep: Any) -> int:
         """Post a tag receive into ``pieces`` on the worker (any sender)."""
@@ -281,6 +346,15 @@ class UcxWorker:
         if entry is not None and self._worker is not None:
             self._api.request_cancel(self.handle, entry[0])
             self.kick()
+
+    def abandon(self, token: int) -> None:
+        """Stop waiting for a request UCX cannot cancel (a rendezvous send to a hung
+        peer, with error handling off, stays pending even after a forced endpoint
+        close). Its callback is never run; if UCX ever completes it, the request is
+        freed then, and its buffers stay referenced until that or :meth:`close`."""
+        entry = self._inflight.pop(token, None)
+        if entry is not None:
+            self._abandoned[token] = entry
 
     def _post(self, is_send: bool, target: int, pieces: Sequence[tuple[int, int]], tag: int, mask: int,
               cb: Completion, keep: Any) -> int:
@@ -331,7 +405,11 @@ class UcxWorker:
         done, self._done = self._done, []
         for token, status, length, tag in done:
             entry = self._inflight.pop(token, None)
+            self._closing.discard(token)
             if entry is None:
+                gone = self._abandoned.pop(token, None)
+                if gone is not None:
+                    self._api.request_free(gone[0])
                 continue
             ptr, cb, _keep = entry
             self._api.request_free(ptr)

@@ -1,9 +1,14 @@
 """Peer liveness for the ``rdma`` backend, on raw non-blocking sockets.
 
-Same job, public API and wire protocol as :class:`pdgrpc.transport.liveness.Liveness`
-(``PDGL`` hello naming the instance id, then one heartbeat byte every ``interval``; a
-peer is lost when the socket closes or nothing arrives for ``lease`` seconds), but built
-on ``loop.add_reader`` and timer callbacks instead of asyncio streams.
+Same job and public API as :class:`pdgrpc.transport.liveness.Liveness` (a ``PDGL`` hello
+naming the instance id, then one heartbeat byte every ``interval``; a peer is lost when
+the socket closes or nothing arrives for ``lease`` seconds), built on ``loop.add_reader``
+and timer callbacks instead of asyncio streams, and with one addition: the hello also
+carries an opaque ``info`` blob (``!H`` length + bytes after the id). The rdma backend
+puts its UCX worker address there, so each side can check that the worker address it
+is about to hand to UCX is the one the live peer process announces for itself: UCX
+aborts the whole process on a malformed address, so an address taken from untrusted
+bytes must never reach it unchecked.
 
 Why a second implementation: under uvloop the first asyncio stream transport a process
 creates makes uvloop open a private ``/dev/null`` descriptor that it keeps for the life
@@ -30,9 +35,9 @@ _HELLO_HEAD = 6  # magic + u16 length
 OnLost = Callable[[str, str], None]
 
 
-def _hello(instance_id: str) -> bytes:
+def _hello(instance_id: str, info: bytes) -> bytes:
     raw = instance_id.encode()
-    return _MAGIC + struct.pack("!H", len(raw)) + raw
+    return _MAGIC + struct.pack("!H", len(raw)) + raw + struct.pack("!H", len(info)) + info
 
 
 class _Link:
@@ -44,6 +49,7 @@ class _Link:
         self.expect = expect  # instance id the peer must announce (watch side)
         self.watched = watched
         self.peer = ""  # known once the peer's hello arrived
+        self.peer_info = b""
         self.buf = b""
         self.last_seen = time.monotonic()
         self.ready: asyncio.Future[None] = owner.loop.create_future()
@@ -81,13 +87,17 @@ class _Link:
             self.lost("not a pdgrpc liveness peer")
             return
         (n,) = struct.unpack("!H", self.buf[4:6])
-        if len(self.buf) < _HELLO_HEAD + n:
+        if len(self.buf) < _HELLO_HEAD + n + 2:
+            return
+        (m,) = struct.unpack("!H", self.buf[_HELLO_HEAD + n : _HELLO_HEAD + n + 2])
+        if len(self.buf) < _HELLO_HEAD + n + 2 + m:
             return
         try:
             peer = self.buf[_HELLO_HEAD : _HELLO_HEAD + n].decode()
         except UnicodeDecodeError:
             self.lost("liveness hello is not valid UTF-8")
             return
+        self.peer_info = self.buf[_HELLO_HEAD + n + 2 : _HELLO_HEAD + n + 2 + m]
         self.buf = b""
         if self.expect is not None and peer != self.expect:
             self.peer = self.expect
@@ -95,7 +105,7 @@ class _Link:
             return
         self.peer = peer
         if not self.watched:
-            self.send(_hello(self.owner.instance_id))
+            self.send(_hello(self.owner.instance_id, self.owner.info))
         if not self.ready.done():
             self.ready.set_result(None)
 
@@ -143,11 +153,14 @@ class RawLiveness:
     ``on_lost(peer_instance_id, reason)`` runs once per link, on the event loop.
     """
 
-    def __init__(self, instance_id: str, on_lost: OnLost, *, host: str = "127.0.0.1", interval: float = 0.25,
-                 lease: float = 1.5) -> None:
+    def __init__(self, instance_id: str, on_lost: OnLost, *, info: bytes = b"", host: str = "127.0.0.1",
+                 interval: float = 0.25, lease: float = 1.5) -> None:
         if not 0 < interval < lease:
             raise ConfigError(f"liveness: need 0 < interval ({interval}) < lease ({lease})")
+        if len(info) > 0xFFFF:
+            raise ConfigError(f"liveness: info of {len(info)} bytes does not fit the hello")
         self.instance_id = instance_id
+        self.info = info
         self.on_lost = on_lost
         self.host = host
         self.interval = interval
@@ -193,9 +206,15 @@ class RawLiveness:
             sock.setblocking(False)
             self.links.add(_Link(self, sock, None, watched=False))
 
-    async def watch(self, peer_instance_id: str, address: str) -> None:
-        if self.closed or peer_instance_id in self.watching:
-            return
+    async def watch(self, peer_instance_id: str, address: str) -> bytes | None:
+        """Returns the peer's ``info`` once it answered as ``peer_instance_id``; None if
+        it could not be reached or is another instance (``on_lost`` has run then)."""
+        if self.closed:
+            return None
+        existing = self.watching.get(peer_instance_id)
+        if existing is not None:
+            await asyncio.wait_for(asyncio.shield(existing.ready), self.lease)
+            return existing.peer_info if not existing.closed else None
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         host, _, port_s = address.rpartition(":")
@@ -205,28 +224,36 @@ class RawLiveness:
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError as exc:
             self.on_lost(peer_instance_id, f"peer {peer_instance_id}: cannot open a liveness socket: {exc!r}")
-            return
+            return None
         sock.setblocking(False)
         try:
             await asyncio.wait_for(self.loop.sock_connect(sock, (host, int(port_s))), self.lease)
         except (OSError, ValueError, asyncio.TimeoutError) as exc:
             sock.close()
             self.on_lost(peer_instance_id, f"peer {peer_instance_id} unreachable at {address}: {exc!r}")
-            return
+            return None
         except BaseException:
             sock.close()
             raise
         if self.closed:
             sock.close()
-            return
+            return None
         link = _Link(self, sock, peer_instance_id, watched=True)
         self.links.add(link)
         self.watching[peer_instance_id] = link
-        link.send(_hello(self.instance_id))
+        link.send(_hello(self.instance_id, self.info))
         try:
             await asyncio.wait_for(asyncio.shield(link.ready), self.lease)
         except asyncio.TimeoutError:
             link.lost(f"peer {peer_instance_id} at {address} did not answer the liveness hello")
+        return link.peer_info if not link.closed else None
+
+    def peer_info(self, peer_instance_id: str) -> bytes | None:
+        """``info`` announced by a live peer with that instance id (on any link)."""
+        for link in self.links:
+            if link.peer == peer_instance_id and not link.closed and link.ready.done():
+                return link.peer_info
+        return None
 
     def unwatch(self, peer_instance_id: str) -> None:
         link = self.watching.pop(peer_instance_id, None)

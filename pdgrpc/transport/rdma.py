@@ -209,8 +209,14 @@ class RdmaTransport(Transport):
         liveness_interval: float = 0.25,
         liveness_lease: float = 1.5,
         host: str = "127.0.0.1",
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown:
+            raise ConfigError(
+                f"rdma transport: unknown option(s) {', '.join(sorted(unknown))}; known: zero_copy_min, iov_max, "
+                "connect_timeout, liveness_interval, liveness_lease, host"
+            )
         if zero_copy_min < 1 or not 1 <= iov_max <= 1024:
             raise ConfigError(f"rdma: need zero_copy_min >= 1 and 1 <= iov_max <= 1024, got {zero_copy_min}, {iov_max}")
         if connect_timeout <= 0:
@@ -219,7 +225,7 @@ class RdmaTransport(Transport):
         self._iov_max = int(iov_max)
         self._connect_timeout = float(connect_timeout)
         self._worker = UcxWorker()  # raises TransportUnavailable (with the install hint)
-        self._liveness = RawLiveness(self.instance_id, self._on_lost, host=host,
+        self._liveness = RawLiveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
                                   interval=liveness_interval, lease=liveness_lease)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._regions: dict[int, _Region] = {}
@@ -240,6 +246,14 @@ class RdmaTransport(Transport):
         self._ctrl_bufs: list[torch.Tensor] = []
 
     # -- descriptor ----------------------------------------------------------------------
+    @property
+    def pending_requests(self) -> int:
+        """UCX requests this transport still waits on, besides the always-posted control
+        receives (a diagnostic: 0 on an idle transport, and again once a failed peer's
+        requests were cancelled — receives by ``ucp_request_cancel``, sends by a forced
+        endpoint close or, for rendezvous sends UCX keeps, by abandoning them)."""
+        return max(0, self._worker.inflight_requests - (2 * CTRL_POSTED if self._started and not self._closed else 0))
+
     @property
     def worker_address(self) -> bytes:
         """This instance's UCX worker address (what peers create endpoints from)."""
@@ -300,8 +314,9 @@ class RdmaTransport(Transport):
         d = Descriptor.from_bytes(descriptor)
         if d.backend != self.name:
             raise BadDescriptor(f"descriptor is for transport {d.backend!r}, this is {self.name!r}")
-        if not d.endpoint:
-            raise BadDescriptor("rdma descriptor carries no UCX worker address")
+        self._check_address(d.endpoint, "descriptor")
+        if not d.liveness:
+            raise BadDescriptor("rdma descriptor names no liveness address (needed to detect a dead peer)")
         while True:
             conn = self._send_conns.get(d.instance_id)
             if conn is not None and not conn.dead:
@@ -328,14 +343,27 @@ class RdmaTransport(Transport):
             self._lost_while_connecting.pop(d.instance_id, None)
             fut.set_result(None)
 
+    def _check_address(self, address: bytes, what: str) -> None:
+        """Cheap structural check of a UCX worker address from untrusted bytes (UCX
+        asserts, killing the process, on a malformed one). The real check is that the
+        live peer announces the same bytes over the liveness channel."""
+        own = self._worker.address
+        if not 16 <= len(address) <= 65535 or (address[0] & 0x0F) != (own[0] & 0x0F):
+            raise BadDescriptor(f"{what} carries no valid UCX worker address ({len(address)} bytes)")
+
     async def _handshake(self, d: Descriptor) -> _SendConn:
         # Liveness first: a dead peer's port refuses at once, before any UCX endpoint
-        # is pointed at a worker that no longer exists.
-        if d.liveness:
-            await self._liveness.watch(d.instance_id, d.liveness)
-            lost = self._lost_while_connecting.get(d.instance_id)
-            if lost is not None:
-                raise PeerFailure(f"rdma peer {d.instance_id} is not alive: {lost}")
+        # is pointed at a worker that no longer exists, and the live peer tells us its
+        # worker address, which must be the descriptor's.
+        info = await self._liveness.watch(d.instance_id, d.liveness)
+        lost = self._lost_while_connecting.get(d.instance_id)
+        if info is None or lost is not None:
+            raise PeerFailure(f"rdma peer {d.instance_id} is not alive: {lost or 'liveness check failed'}")
+        if info != d.endpoint:
+            self._liveness.unwatch(d.instance_id)
+            raise BadDescriptor(
+                f"the descriptor's UCX worker address is not the one peer {d.instance_id} announces for itself"
+            )
         try:
             ep = self._worker.endpoint(d.endpoint)
         except UcxError as exc:
@@ -560,6 +588,11 @@ class RdmaTransport(Transport):
         sender_id = body[off : off + ns].decode()
         target = body[off + ns : off + ns + nt].decode()
         addr = body[off + ns + nt : off + ns + nt + na]
+        if self._liveness.peer_info(sender_id) != addr:
+            # Only a sender whose liveness link is up, announcing this same worker
+            # address, gets an endpoint (and a reply); anything else is dropped.
+            log.warning("rdma: HELLO from %s ignored: no live liveness link announcing its worker address", sender_id)
+            return
         try:
             ep = self._worker.endpoint(addr)
         except UcxError as exc:
@@ -755,16 +788,22 @@ class RdmaTransport(Transport):
             self._worker.cancel(token)
         if conn.hello is not None and not conn.hello.done():
             conn.hello.set_result((False, 0, reason))
-        self._worker.drop_endpoint(conn.ep)
-        conn.ep = None  # the endpoint object pins the UCX worker (and its fds)
+        # The peer is gone or declared gone: release the endpoint without asking it.
+        # Sends UCX could not cancel (rendezvous to a hung peer: with error handling
+        # off, UCX keeps them) are abandoned, so nothing waits on them any more.
+        self._worker.drop_endpoint(conn.ep, force=True)
+        conn.ep = None
+        for token in list(conn.tokens):
+            self._worker.abandon(token)
+        conn.tokens.clear()
 
     def _drop_recv_conn(self, conn: _RecvConn, reason: str) -> None:
         self._recv_conns.pop(conn.conn_id, None)
         for room in list(conn.rooms):
             self.rooms.fail(room, reason)
         for token in list(conn.tokens):
-            self._worker.cancel(token)
-        self._worker.drop_endpoint(conn.ep)
+            self._worker.cancel(token)  # tag receives: UCX cancels these for real
+        self._worker.drop_endpoint(conn.ep, force=True)
         conn.ep = None
 
     async def close(self) -> None:

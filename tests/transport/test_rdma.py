@@ -1,0 +1,191 @@
+"""rdma-specific checks, beyond the conformance suite (which tests/transport/
+test_conformance.py runs against ``rdma`` with sender and receiver in separate
+processes): the descriptor carries a real UCX worker address and untrusted addresses
+never reach UCX; a restarted peer gets a new endpoint and the old one is never used;
+a hung peer (SIGSTOP: socket open, no heartbeats) fails its rooms and its pending UCX
+requests are cancelled; missing ucxx gives the install hint; close leaves no OS thread,
+task or descriptor behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from pdgrpc.errors import ConfigError, PeerFailure, TransportUnavailable
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport import registry
+from pdgrpc.transport.base import BadDescriptor, Descriptor, RoomGrant
+from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
+from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
+
+pytest.importorskip("ucxx", reason="the rdma backend needs the ucx extra: pip install 'pdgrpc[ucx]'")
+
+SEED = 99
+WAIT_S = 30.0  # bound for things that must happen (not a speed target)
+
+
+async def _local(layout: Layout, seed: int | None):  # -> (transport, regions, flats, descriptor)
+    regions, flats = layout.build(seed)
+    t = registry.create("rdma")
+    desc = await t.register(regions)
+    return t, regions, flats, desc
+
+
+async def _until(cond, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.005)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_descriptor_carries_worker_address_and_bad_addresses_never_reach_ucx() -> None:
+    layout = Layout(layers=1, pages=4, slots=2)
+    a, _, _, desc_a = await _local(layout, None)
+    b, _, _, desc_b = await _local(layout, None)
+    try:
+        da, db = Descriptor.from_bytes(desc_a), Descriptor.from_bytes(desc_b)
+        assert da.backend == "rdma"
+        assert da.endpoint == a.worker_address and len(da.endpoint) >= 16
+        assert da.endpoint != db.endpoint  # one UCX worker per transport instance
+        host, _, port = da.liveness.rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        # Tampered worker addresses are refused with a pdgrpc error; UCX (which aborts
+        # the process on a malformed address) never sees them.
+        for bad in (b"garbage", bytes(64), db.endpoint[:-1] + bytes([db.endpoint[-1] ^ 1])):
+            forged = Descriptor("rdma", db.instance_id, bad, db.regions, db.liveness).to_bytes()
+            with pytest.raises(BadDescriptor):
+                await a.connect(forged)
+        with pytest.raises(BadDescriptor):  # no liveness address: a dead peer could not be noticed
+            await a.connect(Descriptor("rdma", db.instance_id, db.endpoint, db.regions, "").to_bytes())
+        # the genuine descriptor still connects afterwards
+        peer = await a.connect(desc_b)
+        assert peer.instance_id == db.instance_id
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_unknown_option_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="bogus"):
+        registry.create("rdma", bogus=1)
+
+
+def test_missing_ucxx_raises_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdgrpc.transport import _ucx
+
+    monkeypatch.setitem(sys.modules, "ucxx._lib.libucxx", None)  # import now fails
+    monkeypatch.setattr(_ucx, "_API", None)
+    with pytest.raises(TransportUnavailable, match=r"pip install 'pdgrpc\[ucx\]'"):
+        registry.create("rdma")
+
+
+async def test_restarted_peer_gets_a_new_endpoint_and_the_old_one_is_never_used() -> None:
+    layout = Layout(layers=2, pages=16, slots=4)
+    send, regions, _, _ = await _local(layout, SEED)
+    try:
+        first = PeerProcess("rdma", layout=layout)
+        await first.start()
+        try:
+            old_peer = await send.connect(first.descriptor)
+            await first.call("advertise", 11, [0, 1], 0)
+            pairs = region_pairs(regions, old_peer.descriptor.regions)
+            meta = metadata_op(regions[-1], 0, old_peer.descriptor.region(METADATA_REGION_ID), 0)
+            await send.write(old_peer, 11, page_ops(pairs, [2, 3], [0, 1]), metadata=meta)
+            assert (await send.wait(11, WAIT_S)).state is KVPoll.SUCCESS
+            first.kill()
+            await first.wait_dead()
+        finally:
+            await first.stop()
+        # The liveness channel notices the death; the cached connection is dropped.
+        await send.write(old_peer, 12, page_ops(pairs, [0], [0]))
+        await _until(lambda: send.poll(12) is KVPoll.FAILED)
+        async with PeerProcess("rdma", layout=layout) as second:
+            new_peer = await send.connect(second.descriptor)
+            assert new_peer.instance_id != old_peer.instance_id
+            assert new_peer.descriptor.endpoint != old_peer.descriptor.endpoint
+            # writing to the old peer never reaches the new process: the room fails
+            await send.write(old_peer, 13, page_ops(pairs, [4], [4]))
+            assert send.status(13).state is KVPoll.FAILED and "no live connection" in (send.status(13).reason or "")
+            with pytest.raises(PeerFailure):
+                await send.connect(first.descriptor)
+            # the new endpoint works, bit-exact
+            await second.call("advertise", 14, [5, 6], 1)
+            meta = metadata_op(regions[-1], 1, new_peer.descriptor.region(METADATA_REGION_ID), 1)
+            await send.write(new_peer, 14, page_ops(pairs, [7, 8], [5, 6]), metadata=meta)
+            assert (await send.wait(14, WAIT_S)).state is KVPoll.SUCCESS
+            pb = layout.page_bytes
+            src = layout.source_bytes(1, SEED)
+            assert await second.call("digest", 1, 5 * pb, 7 * pb) == digest(src[7 * pb : 9 * pb])
+    finally:
+        await send.close()
+
+
+async def test_hung_peer_fails_rooms_and_cancels_pending_ucx_requests() -> None:
+    """SIGSTOP keeps the peer's sockets open, so only missed heartbeats reveal it; the
+    sender's rendezvous sends into the frozen process stay pending until cancelled."""
+    layout = Layout(layers=4, pages=64, page_shape=(16, 8, 64), slots=4)  # 16 KiB pages
+    send, regions, _, _ = await _local(layout, SEED)
+    recv = PeerProcess("rdma", layout=layout)
+    await recv.start()
+    try:
+        peer = await send.connect(recv.descriptor)
+        assert send.pending_requests == 0
+        await recv.call("advertise", 21, list(range(64)), 0)
+        os.kill(recv.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        await send.write(peer, 21, page_ops(pairs, range(64), range(64)))
+        assert send.pending_requests > 0  # nothing completes while the receiver is frozen
+        await _until(lambda: send.poll(21) is KVPoll.FAILED)
+        took = time.monotonic() - stopped_at
+        assert "heartbeat" in (send.status(21).reason or ""), send.status(21)
+        await _until(lambda: send.pending_requests == 0)  # the UCX requests were cancelled
+        print(f"hung peer noticed {took:.2f} s after SIGSTOP")
+    finally:
+        recv.kill()
+        await recv.wait_dead()
+        await recv.stop()
+        await send.close()
+
+
+async def test_close_leaves_no_os_thread_task_or_fd() -> None:
+    """Two transports talking in one process (UCX loops back through its own worker
+    addresses), then closed: the OS thread count (UCX would start native threads,
+    invisible to ``threading``), asyncio tasks and file descriptors are as before."""
+    layout = Layout(layers=1, pages=8, slots=2)
+    # warm up once: imports and UCX's one-time process state are not a leak
+    t, *_ = await _local(layout, None)
+    await t.close()
+    before = (_os_threads(), threading.active_count(), _fds(), len(asyncio.all_tasks()))
+    for _ in range(2):
+        recv, _, recv_flats, recv_desc = await _local(layout, None)
+        send, regions, _, _ = await _local(layout, SEED)
+        peer = await send.connect(recv_desc)
+        recv.advertise(RoomGrant.of(31, [2, 3], 1))
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        meta = metadata_op(regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 1)
+        await send.write(peer, 31, page_ops(pairs, [4, 5], [2, 3]), metadata=meta)
+        assert (await recv.wait(31, WAIT_S)).state is KVPoll.SUCCESS
+        assert (await send.wait(31, WAIT_S)).state is KVPoll.SUCCESS
+        pb = layout.page_bytes
+        assert digest(recv_flats[0][2 * pb : 4 * pb]) == digest(layout.source_bytes(0, SEED)[4 * pb : 6 * pb])
+        await send.close()
+        await recv.close()
+    await asyncio.sleep(0.05)
+    after = (_os_threads(), threading.active_count(), _fds(), len(asyncio.all_tasks()))
+    assert after == before, f"(os threads, py threads, fds, tasks) before {before}, after {after}"
