@@ -167,3 +167,12 @@ def test_roles_have_the_documented_live_fields() -> None:
     assert fields[Role.PREFILL] == {"active_requests", "pages_in_use", "pages_total", "transport_rooms"}
     assert fields[Role.BOOTSTRAP] == {"size", "max_rooms", "expired", "evicted"}
     assert fields[Role.ROUTER] == {"active_requests"}
+
+
+def test_every_method_the_readme_tells_servers_to_call_exists() -> None:
+    readme = (pathlib.Path(__file__).parents[2] / "pdgrpc" / "metrics" / "README.md").read_text()
+    called = set(re.findall(r"\.(on_\w+|bind_table|bind|unbind|set_info)\(", readme))
+    assert {"on_abort", "on_transfer", "on_dp_rank_query", "bind"} <= called  # the regex finds the calls
+    facades = (DecodeMetrics, PrefillMetrics, BootstrapMetrics, RouterMetrics)
+    missing = {name for name in called if not any(hasattr(f, name) for f in facades)}
+    assert not missing, f"README tells servers to call {sorted(missing)}, which no facade has"
