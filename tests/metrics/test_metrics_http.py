@@ -200,3 +200,30 @@ def test_derived_ports_for_child_processes() -> None:
         derived_metrics_port(9100, 0)  # would collide with the parent's own port
     with pytest.raises(ValueError):
         derived_metrics_port(65535, 1)
+
+
+def test_openmetrics_negotiation_as_prometheus_scrapes() -> None:
+    # A Prometheus server asks for OpenMetrics first; the page must parse as that too,
+    # with the info metric typed as such and the live counters ending in _total.
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    m = DecodeMetrics(transport="tcp")
+    m.bind(lambda: {"slots_in_use": 2})
+    m.on_abort(AbortReason.CANCELLED)
+    port, stop = start_metrics_server(m.registry)
+    try:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/metrics",
+            headers={"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"},
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            text = resp.read().decode()
+    finally:
+        stop()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["pdgrpc_server"].type == "info"
+    assert fams["pdgrpc_metadata_slots_in_use"].samples[0].value == 2
+    (cancelled,) = [s for s in fams["pdgrpc_aborts"].samples if s.labels["reason"] == "cancelled"]
+    assert cancelled.name == "pdgrpc_aborts_total" and cancelled.value == 1
+    assert "_created" not in text
