@@ -81,6 +81,8 @@ async def test_workers_register_with_bootstrap(rr: PrefillProc, decode: FakeDeco
     stub = decode.bootstrap_stub(rr.bootstrap)
     info = (await stub.GetParallelInfo(bpb.GetParallelInfoRequest(), timeout=5)).parallel_info
     assert (info.dp_size, info.tp_size, info.page_size, info.kv_dtype) == (2, 1, 4, "float32")
+    # Decode reads these to know it must query room -> rank (round_robin registers every room).
+    assert (info.load_balance_method, info.force_dp_rank_query) == (bpb.LOAD_BALANCE_METHOD_ROUND_ROBIN, False)
     assert info.compatibility_hash == compat_hash_bytes(ReferenceEngine(CONFIG))
     seen = []
     for rank in (0, 1):
@@ -232,6 +234,8 @@ async def test_incompatible_handshake_fails_both_rpcs(rr: PrefillProc, decode: F
 
 
 async def test_follow_bootstrap_room_needs_no_registration(follow: PrefillProc, decode: FakeDecode) -> None:
+    info = (await decode.bootstrap_stub(follow.bootstrap).GetParallelInfo(bpb.GetParallelInfoRequest(), timeout=5)).parallel_info
+    assert info.load_balance_method == bpb.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM and info.dp_size == 2
     for seed in range(3):
         resp, r = await run_one(follow, decode, prompt(6, seed), SamplingParams(), query=False)
         assert resp.dp_rank == r.room % 2
