@@ -25,18 +25,18 @@ class Families:
     the registry's :class:`ResourceGauges` (the live metrics)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
+        # No reference back to the registry: this object is the value of a weak-keyed
+        # map, and a value that holds its key keeps it alive forever.
         self.counters: dict[str, Counter] = {}
         self.histograms: dict[str, Histogram] = {}
         self.info: Info | None = None
         for spec in CATALOG:
             if spec.live:
                 continue  # served by ResourceGauges
-            self._create(spec)
+            self._create(spec, registry)
         self.resources = ResourceGauges(registry)
 
-    def _create(self, spec: MetricSpec) -> None:
-        r = self.registry
+    def _create(self, spec: MetricSpec, r: CollectorRegistry) -> None:
         if spec.kind == "counter":
             # prometheus-client appends "_total" itself; the catalog spells the exposed name.
             self.counters[spec.name] = Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=r)

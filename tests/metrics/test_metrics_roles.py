@@ -266,3 +266,17 @@ def test_transport_must_be_a_short_name() -> None:
         DecodeMetrics(transport="")
     with pytest.raises(ValueError):
         DecodeMetrics(transport="tcp rdma {x}")
+
+
+def test_a_dropped_facade_frees_its_registry() -> None:
+    # Servers (and tests) create facades freely; the per-registry cache must not keep them.
+    import gc
+    import weakref
+
+    m = DecodeMetrics(transport="tcp")
+    BootstrapMetrics(m.registry).bind_table(dict)
+    m.bind(dict)
+    ref = weakref.ref(m.registry)
+    del m
+    gc.collect()
+    assert ref() is None
