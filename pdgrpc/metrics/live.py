@@ -11,7 +11,9 @@ it on every scrape::
 
 A snapshot is a mapping or any object with attributes; the catalog's ``field`` of each
 live metric (``slots_in_use``, ``pages_total``, ``size``, ``expired``...) is looked up in
-it. A field the snapshot lacks is simply not exposed.
+it. A field the snapshot lacks is simply not exposed. The callable is called once per
+scrape and role, so all gauges of one scrape come from the same snapshot, and never
+before the first scrape (binding before the server is fully up is fine).
 
 **Threading.** The callable runs on the metrics HTTP thread, not on the server's event
 loop. It must be cheap and must not await or lock the loop; reading integer counters of
