@@ -71,11 +71,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Loaded here, not in the child: between fork and exec only async-signal-safe work is
+# safe (a dlopen there could wait forever on a lock another parent thread held).
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not glibc Linux: children just won't die with the launcher
+    _LIBC = None
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    os.setsid()  # its own process group: stop() can kill the child and its children at once
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclasses.dataclass
