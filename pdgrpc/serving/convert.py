@@ -18,7 +18,7 @@ __all__ = ["sampling_from_proto", "sampling_to_proto"]
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    # float32 on the wire: NaN / inf would otherwise slip through as "not in range" with a confusing value.
+    # NaN / inf would otherwise slip through the range checks with a confusing message.
     for field in ("temperature", "top_p"):
         v = getattr(msg, field)
         if not math.isfinite(v):

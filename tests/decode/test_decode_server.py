@@ -21,7 +21,7 @@ from pdgrpc.decode.__main__ import build_parser
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.serving import engine_config_from_args, sampling_from_proto, sampling_to_proto
+from pdgrpc.serving import engine_config_from_args, sampling_to_proto
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill, Prompt
@@ -94,17 +94,11 @@ def make_request(prefill: FakePrefill, prompt: str, max_new: int, sampling: Samp
     """Tell the fake prefill about the request (as a router would) and build the Decode call."""
     room = next(_next_room)
     ids = tuple(prefill.engine.tokenizer.encode(prompt))
-    prefill.prompts[room] = Prompt(ids, wire(sampling))
+    prefill.prompts[room] = Prompt(ids, sampling)
     return decode_pb2.DecodeRequest(
         bootstrap_room=room, request_id=f"r{room}", input_ids=ids, sampling=sampling_to_proto(sampling, max_new),
         prefill_bootstrap_address=prefill.address, **kw,  # type: ignore[arg-type]
     )
-
-
-def wire(sampling: SamplingParams) -> SamplingParams:
-    """The sampling parameters as both servers see them: float fields travel as float32
-    (temperature 0.8 arrives as 0.800000011920929, which changes seeded draws)."""
-    return sampling_from_proto(sampling_to_proto(sampling))
 
 
 async def collect(stub: decode_pb2_grpc.DecodeServiceStub, req: decode_pb2.DecodeRequest) -> list[decode_pb2.DecodeResponse]:
@@ -135,7 +129,7 @@ PROMPTS = [
 
 async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
     reqs = [make_request(prefill, text, n, s) for text, n, s in PROMPTS]
-    expected = [generate(prefill.engine, [tuple(r.input_ids)], n, wire(s))[0] for r, (_, n, s) in zip(reqs, PROMPTS)]
+    expected = [generate(prefill.engine, [tuple(r.input_ids)], n, s)[0] for r, (_, n, s) in zip(reqs, PROMPTS)]
     results = await asyncio.gather(*(collect(stub, r) for r in reqs))
     for req, msgs, want in zip(reqs, results, expected):
         got = [t for m in msgs for t in m.token_ids]

@@ -17,7 +17,7 @@ from pdgrpc.serving import engine_config_from_args
 from pdgrpc.transport.fake import FakeTransport
 from pdgrpc.v1 import decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill
-from tests.decode.test_decode_server import ENGINE_FLAGS, collect, make_request, wire
+from tests.decode.test_decode_server import ENGINE_FLAGS, collect, make_request
 
 
 async def test_fake_transport_generates_colocated_tokens() -> None:
@@ -31,7 +31,7 @@ async def test_fake_transport_generates_colocated_tokens() -> None:
             reqs = [make_request(prefill, text, n, s) for text, n, s in cases]
             results = await asyncio.gather(*(collect(stub, r) for r in reqs))
             for req, msgs, (_, n, s) in zip(reqs, results, cases):
-                want = generate(prefill.engine, [tuple(req.input_ids)], n, wire(s))[0]
+                want = generate(prefill.engine, [tuple(req.input_ids)], n, s)[0]
                 assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
                 assert msgs[0].bytes_transferred == 0  # nothing moved
             assert sorted(h.bootstrap_room for h in prefill.workers[0].handshakes) == sorted(r.bootstrap_room for r in reqs)

@@ -52,8 +52,8 @@ class Case:
 
     @property
     def sampling(self) -> SamplingParams:
-        # Through the proto, as the servers get it: temperature and top_p are float32 on
-        # the wire, and colocated generation must sample with exactly those values.
+        # Through the proto, as the servers get it (temperature and top_p are doubles on the
+        # wire, so this is exact; it also applies the proto's defaults, e.g. top_p 0 -> 1).
         return sampling_from_proto(
             common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
         )
