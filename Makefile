@@ -8,7 +8,7 @@ setup:
 	@./scripts/setup.sh
 
 demo: setup
-	$(PY) -m pdgrpc.demo
+	$(PY) -m pdgrpc.cluster.demo
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -18,7 +18,7 @@ gen: setup
 	$(PY) scripts/gen_protos.py
 
 typecheck: setup
-	$(PY) -m mypy --strict pdgrpc/state
+	$(PY) -m mypy --strict pdgrpc/state pdgrpc/metrics
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache
