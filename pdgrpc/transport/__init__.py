@@ -1,0 +1,45 @@
+"""The data plane: pluggable transports that move KV pages and metadata rows from a
+prefill process into a decode process's memory.
+
+* :mod:`~pdgrpc.transport.base` -- the plugin contract (who calls which hook, when) and
+  its data types (regions, descriptors, write ops, room grants, room states);
+* :mod:`~pdgrpc.transport.registry` -- backends by name: built-ins (``fake``, ``tcp``,
+  ``rdma``), the ``pdgrpc.transports`` entry-point group, ``"module:Class"``;
+* :mod:`~pdgrpc.transport.pages` -- page lists -> coalesced write ops;
+* :mod:`~pdgrpc.transport.fake`, :mod:`~pdgrpc.transport.tcp`,
+  :mod:`~pdgrpc.transport.rdma` -- the built-in backends;
+* :mod:`~pdgrpc.transport.liveness` -- heartbeat side channel for backends that cannot
+  see a dead peer themselves;
+* :mod:`~pdgrpc.transport.testing` -- the conformance suite for backend authors, with
+  :mod:`~pdgrpc.transport.peerproc` (a peer in a separate OS process).
+
+Importing this package is cheap: no backend (and no UCX) is imported until asked for.
+"""
+
+from pdgrpc.transport.base import (
+    Descriptor,
+    MemoryRegion,
+    Peer,
+    RegionKind,
+    RoomGrant,
+    RoomStatus,
+    Transport,
+    WriteOp,
+    WriteOps,
+)
+from pdgrpc.transport.registry import available, create, load
+
+__all__ = [
+    "Descriptor",
+    "MemoryRegion",
+    "Peer",
+    "RegionKind",
+    "RoomGrant",
+    "RoomStatus",
+    "Transport",
+    "WriteOp",
+    "WriteOps",
+    "available",
+    "create",
+    "load",
+]

@@ -157,8 +157,8 @@ class TransportConformance:
             with pytest.raises(TransportError):
                 a.t.poll(987654321)  # never seen
         finally:
-            await a.t.close()
-            await b.t.close()
+            await _close(a.t)
+            await _close(b.t)
 
     # ------------------------------------------------------------------ data path
     async def test_round_trip_random_page_lists(self) -> None:
@@ -208,7 +208,7 @@ class TransportConformance:
                     for p in set(range(layout.pages)) - granted:
                         assert not recv.page_bytes(rid, p).any(), f"page {p} of region {rid} was written"
         finally:
-            await recv.t.close()
+            await _close(recv.t)
 
     async def test_metadata_row_lands_last(self) -> None:
         """Whenever a room's row is visible, all of that room's pages are already there."""
@@ -256,7 +256,7 @@ class TransportConformance:
                 assert all(st.state is KVPoll.SUCCESS for st in got.values()), got
                 assert seen_rows >= len(rooms)
         finally:
-            await recv.t.close()
+            await _close(recv.t)
 
     async def test_256_concurrent_rooms_on_one_connection(self) -> None:
         layout = Layout(layers=2, pages=512, slots=256, row_bytes=64)
@@ -286,7 +286,7 @@ class TransportConformance:
                         self._check_pages(recv, [(p * 7 + 3) % layout.pages for p in pages], pages)
                         assert _row_room(recv.row(slot)) == room
         finally:
-            await recv.t.close()
+            await _close(recv.t)
 
     async def test_unauthorized_writes_are_rejected(self) -> None:
         self._require_bytes()
@@ -361,7 +361,7 @@ class TransportConformance:
                             f"bytes landed in region {rid} item {item}, which no accepted write targeted"
                         )
         finally:
-            await recv.t.close()
+            await _close(recv.t)
 
     # ------------------------------------------------------------------ failures
     async def test_sender_killed_mid_transfer_fails_receiver_rooms(self) -> None:
@@ -402,7 +402,7 @@ class TransportConformance:
                 if self._moves_bytes():
                     self._check_pages(recv, [1, 2], [40, 41])
         finally:
-            await recv.t.close()
+            await _close(recv.t)
 
     async def test_receiver_killed_mid_transfer_fails_sender_rooms(self) -> None:
         self._require_bytes()  # a backend without a connection has no peer to lose
@@ -454,7 +454,7 @@ class TransportConformance:
                     src = layout.source_bytes(0, self.seed)
                     assert await fresh.call("digest", 0, 5 * pb, 7 * pb) == digest(src[20 * pb : 22 * pb])
         finally:
-            await send.t.close()
+            await _close(send.t)
 
     async def test_fail_peer_hook_on_sender(self) -> None:
         """The control plane's liveness verdict fails that peer's rooms at once and the
@@ -482,7 +482,7 @@ class TransportConformance:
                     src = layout.source_bytes(1, self.seed)
                     assert await recv.call("digest", 1, 4 * pb, 6 * pb) == digest(src[7 * pb : 9 * pb])
         finally:
-            await send.t.close()
+            await _close(send.t)
 
     async def test_fail_peer_hook_on_receiver(self) -> None:
         """A receiver told that its sender is gone fails the rooms that sender was
@@ -506,7 +506,7 @@ class TransportConformance:
                 await b.call("write_pages", sender_peer(recv), 512, [], [], (1, 1))
                 assert (await self._wait_local(recv.t, [512]))[512].state is KVPoll.SUCCESS
         finally:
-            await recv.t.close()
+            await _close(recv.t)
 
     # ------------------------------------------------------------------ volume & hygiene
     @pytest.mark.timeout(300)
@@ -527,7 +527,7 @@ class TransportConformance:
                 for rid in layout.kv_region_ids():
                     assert digest(recv.flats[rid].numpy()) == await sender.call("digest", rid), f"region {rid} differs"
         finally:
-            await recv.t.close()
+            await _close(recv.t)
 
     async def test_close_leaves_nothing_behind(self) -> None:
         layout = Layout(layers=2, pages=16, slots=4)
@@ -542,7 +542,7 @@ class TransportConformance:
                                metadata=metadata_op(send.regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0))
             assert (await self._wait_local(send.t, [701]))[701].state is KVPoll.SUCCESS
             await send.t.write(peer, 702, page_ops(pairs, [3], [2]))  # no metadata: still open
-            await send.t.close()
+            await _close(send.t)
             assert send.t.poll(702) is KVPoll.FAILED
             await asyncio.sleep(0.05)
             after = resource_counts()
@@ -557,6 +557,14 @@ class TransportConformance:
 def sender_peer(recv: _Local) -> str:
     """The instance id a sender process uses to address ``recv`` (after connect)."""
     return recv.t.instance_id
+
+
+async def _close(t: Transport, timeout: float = 30.0) -> None:
+    """Close a transport, bounded: a backend whose close hangs fails the test."""
+    try:
+        await asyncio.wait_for(t.close(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"{type(t).__name__}.close() did not finish within {timeout} s") from None
 
 
 async def _until(cond: Any, timeout: float = WAIT_S, step: float = 0.002) -> None:
