@@ -32,6 +32,7 @@ peer listening on the same port is never mistaken for the old one.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import functools
 import ipaddress
@@ -83,11 +84,15 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray, views: dict[int, memoryview]) -> list[memoryview]:
-    """Header, op table and the source slices of one WRITE frame (gather list)."""
+def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
+                   views: dict[int, memoryview]) -> tuple[list[memoryview], list[int]]:
+    """Header, op table and the source slices of one WRITE frame (gather list), with
+    cumulative sizes."""
+    lengths = chunk[:, 4]
     bufs = [memoryview(hdr), memoryview(table).cast("B")]
-    bufs += [views[r][o : o + n] for r, o, n in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist(), chunk[:, 4].tolist())]
-    return bufs
+    bufs += [views[r][o : o + n] for r, o, n in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist(), lengths.tolist())]
+    ends = np.cumsum(np.concatenate(([len(hdr), table.nbytes], lengths))).tolist()
+    return bufs, ends
 
 
 class _Conn:
@@ -101,14 +106,19 @@ class _Conn:
         self.peer_id = peer_id
         self.closed = False
         self.hello: asyncio.Future[str] = self.loop.create_future()
-        self._out: collections.deque[memoryview] = collections.deque()
-        # Frames whose buffers are made only when the socket can take them: a scattered
-        # transfer is ~100k page slices, and holding them all as live memoryviews makes
-        # the garbage collector's work grow with the queue.
-        self._later: collections.deque[Callable[[], list[memoryview]]] = collections.deque()
+        # Outgoing frames: (buffers, cumulative sizes), or a callable that builds them
+        # only when the socket can take the frame -- a scattered transfer is ~100k page
+        # slices, and holding them all as live memoryviews makes the garbage
+        # collector's work grow with the queue.
+        self._frames: collections.deque[Any] = collections.deque()
+        self._fidx = 0  # first buffer of the head frame not fully sent
+        self._fpos = 0  # bytes of the head frame sent
         self._writing = False
         self._hdr = bytearray(HEADER.size)
         self._iovs: list[memoryview] = []
+        self._ends: list[int] = []
+        self._total = 0
+        self._pos = 0
         self._idx = 0
         self._on_done: Callable[[], None] = self._got_header
         self._guard_room: int | None = None  # room whose granted pages we are filling
@@ -117,14 +127,22 @@ class _Conn:
         self._expect_header()
 
     # -- reading -------------------------------------------------------------------
-    def _expect(self, bufs: list[memoryview], on_done: Callable[[], None]) -> None:
-        self._iovs = [b for b in bufs if len(b)]
+    def _expect(self, bufs: list[memoryview], on_done: Callable[[], None], ends: list[int] | None = None) -> None:
+        """Read into ``bufs`` in order, then call ``on_done``. ``ends`` (cumulative
+        sizes) lets progress be tracked with a bisect instead of a per-buffer loop."""
+        if ends is None:
+            bufs = [b for b in bufs if len(b)]
+            ends = list(itertools.accumulate(len(b) for b in bufs))
+        self._iovs = bufs
+        self._ends = ends
+        self._total = ends[-1] if ends else 0
+        self._pos = 0
         self._idx = 0
         self._on_done = on_done
 
     def _expect_header(self) -> None:
         self._guard_room = None
-        self._expect([memoryview(self._hdr)], self._got_header)
+        self._expect([memoryview(self._hdr)], self._got_header, [HEADER.size])
 
     def _expect_discard(self, nbytes: int, then: Callable[[], None]) -> None:
         self._guard_room = None
@@ -140,21 +158,22 @@ class _Conn:
         for _ in range(_READS_PER_CALLBACK):
             if self.closed:
                 return
-            while self._idx == len(self._iovs):  # zero-length expectation: done at once
+            while self._pos == self._total:  # zero-length expectation: done at once
                 self._on_done()
                 if self.closed:
                     return
             if self._guard_room is not None and self.owner._recv.get(self._guard_room) is not self._guard_ref:
                 # The room was released mid-payload: its pages may already belong to
                 # another request, so drop the rest of this frame's bytes.
-                rest = sum(len(b) for b in self._iovs[self._idx :])
-                self._expect_discard(rest, self._expect_header)
-            iovs, i = self._iovs, self._idx
+                self._expect_discard(self._total - self._pos, self._expect_header)
+            iovs, ends, i = self._iovs, self._ends, self._idx
+            skip = self._pos - (ends[i - 1] if i else 0)
+            first = iovs[i][skip:] if skip else iovs[i]
             try:
-                if len(iovs) - i == 1:
-                    n = self.sock.recv_into(iovs[i])
+                if i + 1 == len(iovs):
+                    n = self.sock.recv_into(first)
                 else:
-                    n = self.sock.recvmsg_into(iovs[i : i + _IOV_BATCH])[0]
+                    n = self.sock.recvmsg_into([first, *iovs[i + 1 : i + _IOV_BATCH]])[0]
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -163,16 +182,10 @@ class _Conn:
             if n == 0:
                 self.lose("connection closed by peer")
                 return
-            while n:
-                b = iovs[i]
-                if n >= len(b):
-                    n -= len(b)
-                    i += 1
-                else:
-                    iovs[i] = b[n:]
-                    n = 0
-            self._idx = i
-            if i == len(iovs):
+            self._pos += n
+            if self._pos < self._total:
+                self._idx = bisect.bisect_right(ends, self._pos, i)
+            else:
                 self._on_done()
 
     def _got_header(self) -> None:
@@ -214,26 +227,26 @@ class _Conn:
         if not self.closed:
             self._expect_header()
 
-    def receive_payload(self, room: int, ref: object, views: list[memoryview], then: Callable[[], None]) -> None:
-        self._expect(views, then)
+    def receive_payload(self, room: int, ref: object, views: list[memoryview], then: Callable[[], None],
+                        ends: list[int] | None = None) -> None:
+        self._expect(views, then, ends)
         self._guard_room, self._guard_ref = room, ref
 
     # -- writing -------------------------------------------------------------------
     def send(self, bufs: Sequence[bytes | memoryview]) -> None:
         if self.closed:
             return
-        if self._later:  # keep frame order
-            self._later.append(lambda: [b if type(b) is memoryview else memoryview(b) for b in bufs])
-        else:
-            self._out.extend(b if type(b) is memoryview else memoryview(b) for b in bufs)
+        views = [b if type(b) is memoryview else memoryview(b) for b in bufs]
+        self._frames.append((views, list(itertools.accumulate(len(b) for b in views))))
         if not self._writing:
             self._flush()
 
-    def send_later(self, make: Callable[[], list[memoryview]]) -> None:
-        """Queue a frame whose buffers ``make()`` builds when the socket is ready."""
+    def send_later(self, make: Callable[[], tuple[list[memoryview], list[int]]]) -> None:
+        """Queue a frame whose buffers (and their cumulative sizes) ``make()`` builds
+        when the socket is ready for it."""
         if self.closed:
             return
-        self._later.append(make)
+        self._frames.append(make)
         if not self._writing:
             self._flush()
 
@@ -242,42 +255,36 @@ class _Conn:
         self.send([HEADER.pack(ftype, 0, room, len(body), 0), body])
 
     def _flush(self) -> None:
-        out = self._out
-        later = self._later
-        while out or later:
-            while later and len(out) < _IOV_BATCH:
-                out.extend(later.popleft()())
-            batch = []
-            size = 0
-            for b in out:
-                batch.append(b)
-                size += len(b)
-                if size >= _IOV_BYTES or len(batch) >= _IOV_BATCH:
-                    break
+        frames = self._frames
+        while frames:
+            head = frames[0]
+            if callable(head):
+                head = frames[0] = head()
+            bufs, ends = head
+            i, pos = self._fidx, self._fpos
+            skip = pos - (ends[i - 1] if i else 0)
+            j = min(i + _IOV_BATCH, len(bufs))
+            batch = [bufs[i][skip:] if skip else bufs[i], *bufs[i + 1 : j]]
             try:
                 n = self.sock.sendmsg(batch)
             except (BlockingIOError, InterruptedError):
-                n = -1
+                break
             except OSError as exc:
                 self.lose(f"send failed: {exc!r}")
                 return
-            if n < 0:
-                break
-            sent_all = n == size
-            while n:
-                b = out[0]
-                if n >= len(b):
-                    n -= len(b)
-                    out.popleft()
-                else:
-                    out[0] = b[n:]
-                    n = 0
-            if not sent_all:
-                break
-        if (out or later) and not self._writing:
+            pos += n
+            if pos == ends[-1]:
+                frames.popleft()
+                self._fidx = self._fpos = 0
+                continue
+            self._fpos = pos
+            self._fidx = bisect.bisect_right(ends, pos, i)
+            if pos < ends[j - 1]:
+                break  # the socket took less than offered: wait until it is writable
+        if frames and not self._writing:
             self.loop.add_writer(self.fd, self._flush)
             self._writing = True
-        elif not (out or later) and self._writing:
+        elif not frames and self._writing:
             self.loop.remove_writer(self.fd)
             self._writing = False
 
@@ -289,8 +296,7 @@ class _Conn:
         self.loop.remove_reader(self.fd)
         if self._writing:
             self.loop.remove_writer(self.fd)
-        self._out.clear()
-        self._later.clear()
+        self._frames.clear()
         self._iovs = []
         self.sock.close()
         if not self.hello.done():
@@ -560,13 +566,14 @@ class TcpTransport(Transport):
         views = self._views
         if ftype == WRITE:
             bufs = [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
+            ends = np.cumsum(lengths).tolist()
 
             def landed() -> None:
                 rr.received += payload_len
                 self._try_commit(room, rr)
                 conn._expect_header()
 
-            conn.receive_payload(room, rr, bufs, landed)
+            conn.receive_payload(room, rr, bufs, landed, ends)
         else:
             r, o, n = int(regions[0]), int(offsets[0]), int(lengths[0])
             staged = bytearray(n)  # one small row, kept aside until the pages are in
