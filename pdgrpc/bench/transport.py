@@ -36,6 +36,7 @@ import multiprocessing.connection
 import random
 import socket
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--connections", type=int, default=None, help="tcp: sockets per peer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verbose", action="store_true", help="print every iteration's latency (to stderr)")
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -81,12 +83,12 @@ def _raw_tcp_receiver(conn: multiprocessing.connection.Connection, max_bytes: in
     """Child: accept one connection; per round read an 8-byte size, ``recv_into`` that
     many bytes into a preallocated buffer, reply one byte. Reports a digest at the end."""
     lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)  # before listen: inherited, sets the window
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
     conn.send(lsock.getsockname()[1])
     s, _ = lsock.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
     buf = np.zeros(max_bytes, dtype=np.uint8)
     view = memoryview(buf)
     last = 0
@@ -108,52 +110,53 @@ def _raw_tcp_receiver(conn: multiprocessing.connection.Connection, max_bytes: in
     lsock.close()
 
 
-def _raw_tcp(sizes: list[int], iterations: int, warmup: int) -> dict[int, float]:
-    """Median seconds per transfer of each size over a plain socket (this process sends)."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_tcp_receiver, args=(child, max(sizes)), daemon=True)
-    proc.start()
-    out: dict[int, float] = {}
-    try:
-        if not parent.poll(60):
+class _RawTcp:
+    """The raw socket baseline, kept alive so its iterations can alternate with the
+    backend's: on a shared machine, load then hits both the same way."""
+
+    def __init__(self, max_bytes: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_raw_tcp_receiver, args=(child, max_bytes), daemon=True)
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(60):
             raise RuntimeError("raw tcp receiver did not start")
-        port = parent.recv()
-        s = socket.create_connection(("127.0.0.1", port))
+        port = self._conn.recv()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)  # before connect, like the backend
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
-        src = (np.arange(max(sizes), dtype=np.uint32) % 251).astype(np.uint8)
-        view = memoryview(src)
-        for n in sizes:
-            lat = []
-            for i in range(warmup + iterations):
-                t0 = time.perf_counter()
-                s.sendall(n.to_bytes(8, "little"))
-                s.sendall(view[:n])
-                if s.recv(1) != b"!":
-                    raise RuntimeError("raw tcp receiver did not acknowledge")
-                if i >= warmup:
-                    lat.append(time.perf_counter() - t0)
-            out[n] = statistics.median(lat)
-        s.close()
-        if not parent.poll(60) or parent.recv() != digest(view[: sizes[-1]]):
-            raise RuntimeError("raw tcp baseline: received bytes differ from those sent")
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-        parent.close()
-    return out
+        s.connect(("127.0.0.1", port))
+        self._sock = s
+        self._src = (np.arange(max_bytes, dtype=np.uint32) % 251).astype(np.uint8)
+        self._last = 0
+
+    def once(self, n: int) -> float:
+        t0 = time.perf_counter()
+        self._sock.sendall(n.to_bytes(8, "little"))
+        self._sock.sendall(memoryview(self._src)[:n])
+        if self._sock.recv(1) != b"!":
+            raise RuntimeError("raw tcp receiver did not acknowledge")
+        self._last = n
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+            if not self._conn.poll(60) or self._conn.recv() != digest(memoryview(self._src)[: self._last]):
+                raise RuntimeError("raw tcp baseline: received bytes differ from those sent")
+        finally:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+            self._conn.close()
 
 
-def _raw_baseline(backend: str, sizes: list[int], iterations: int, warmup: int) -> tuple[str, dict[int, float]]:
-    if backend == "rdma":
-        from pdgrpc.bench import _ucx_baseline  # imports nothing of UCX in this process
+def _ucx_baseline(sizes: list[int], iterations: int, warmup: int) -> dict[int, float]:
+    from pdgrpc.bench import _ucx_baseline  # imports nothing of UCX in this process
 
-        res = _ucx_baseline.run_baselines(sizes, iterations, warmup=warmup)
-        return "raw ucxx tag send/recv", {r.nbytes: r.latency_s for r in res}
-    return "raw tcp socket recv_into", _raw_tcp(sizes, iterations, warmup)
+    return {r.nbytes: r.latency_s for r in _ucx_baseline.run_baselines(sizes, iterations, warmup=warmup)}
 
 
 # ----------------------------------------------------------------------------- backend
@@ -174,8 +177,17 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         cases.append((tokens, "scattered", rng.sample(range(layout.pages), n), rng.sample(range(layout.pages), n)))
     nbytes = {t: 2 * layout.layers * (t // TOKENS_PER_PAGE) * layout.page_bytes for t in args.tokens}
 
-    # Baseline first, in its own processes, so the two never compete for the CPUs.
-    base_name, base = _raw_baseline(backend, sorted(set(nbytes.values())), args.iterations, args.warmup)
+    # rdma: the ucxx baseline runs first in its own two processes (they own their UCX
+    # workers). Socket backends: the raw socket sender/receiver stay alive and each raw
+    # iteration runs right before the backend's, so both see the same machine load.
+    base_lat: dict[int, list[float]] = {nb: [] for nb in nbytes.values()}
+    raw: _RawTcp | None = None
+    if backend == "rdma":
+        base_name = "raw ucxx tag send/recv"
+        ucx = _ucx_baseline(sorted(set(nbytes.values())), args.iterations, args.warmup)
+    else:
+        base_name = "raw tcp socket recv_into"
+        raw = _RawTcp(max(nbytes.values()))
 
     regions, flats = layout.build(args.seed)  # sender memory, filled
     sender = registry.create(backend, **options)
@@ -192,6 +204,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 for i in range(args.warmup + args.iterations):
                     room += 1
                     await recv.call("advertise", room, dst, 0)
+                    if raw is not None and kind == "contiguous":
+                        b = raw.once(nbytes[tokens])
+                        if i >= args.warmup:
+                            base_lat[nbytes[tokens]].append(b)
                     t0 = time.perf_counter()
                     ops = page_ops(pairs, src, dst)
                     await sender.write(peer, room, ops, metadata=metadata_op(regions[-1], 0, dst_meta, 0))
@@ -211,8 +227,13 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                     raise RuntimeError(f"{backend}: {tokens} tokens ({kind}): destination pages differ from the source")
                 await recv.call("release", room)
                 timings[(tokens, kind)] = lat
+                if args.verbose:
+                    print(f"{tokens} tokens {kind}: " + " ".join(f"{x * 1e3:.1f}" for x in lat) + " ms", file=sys.stderr)
     finally:
         await sender.close()
+        if raw is not None:
+            raw.close()
+    base = {nb: statistics.median(v) for nb, v in base_lat.items()} if raw is not None else ucx
 
     results: list[Result] = []
     for tokens in args.tokens:

@@ -168,13 +168,14 @@ class Liveness:
         writer: asyncio.StreamWriter | None = None
         try:
             host, _, port = address.rpartition(":")
-            reader, writer = await _bounded(asyncio.open_connection(host, int(port)), self._lease)
-            writer.write(_hello(self.instance_id))
+            reader, w = await _bounded(asyncio.open_connection(host, int(port)), self._lease)
+            writer = w
+            w.write(_hello(self.instance_id))
             got = await _read_hello(reader, self._lease)
             if got != peer:
                 raise ConnectionError(f"liveness port {address} belongs to instance {got}, not {peer} (restarted)")
             ready.set_result(None)
-            reason = await self._beat(reader, writer)
+            reason = await self._beat(reader, w)
             self._lost(peer, reason)
         except asyncio.CancelledError:
             pass

@@ -81,7 +81,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
@@ -89,7 +89,7 @@ def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
     """Header, op table and the source slices of one WRITE frame (gather list), with
     cumulative sizes."""
     lengths = chunk[:, 4]
-    bufs = [memoryview(hdr), memoryview(table).cast("B")]
+    bufs = [memoryview(hdr), memoryview(table).cast("B")]  # type: ignore[arg-type]
     bufs += [views[r][o : o + n] for r, o, n in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist(), lengths.tolist())]
     ends = np.cumsum(np.concatenate(([len(hdr), table.nbytes], lengths))).tolist()
     return bufs, ends
@@ -365,7 +365,7 @@ class TcpTransport(Transport):
         self._nconn = connections
         self._connect_timeout = connect_timeout
         self._sockbuf = sockbuf
-        self._loop: asyncio.AbstractEventLoop | None = None  # type: ignore[assignment]
+        self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._listener: socket.socket | None = None
         self._endpoint = b""
         self._regions: dict[int, MemoryRegion] = {}
@@ -388,6 +388,8 @@ class TcpTransport(Transport):
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self._sockbuf:  # before listen: accepted sockets inherit it (and the window scale)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._sockbuf)
         s.bind((self._host, self._port))
         s.listen(128)
         host, port = s.getsockname()[:2]
@@ -413,11 +415,17 @@ class TcpTransport(Transport):
     def _descriptor(self) -> Descriptor:
         return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self._infos.values()))
 
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this transport was first used on (all its I/O runs there)."""
+        assert self._bound_loop is not None, "transport used before register/connect"
+        return self._bound_loop
+
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif self._loop is not loop:
+        if self._bound_loop is None:
+            self._bound_loop = loop
+        elif self._bound_loop is not loop:
             raise TransportError(f"{self.name} transport is bound to another event loop")
         if self._closed:
             raise TransportError(f"{self.name} transport is closed")
@@ -721,7 +729,6 @@ class TcpTransport(Transport):
             return
         self._closed = True
         if self._listener is not None:
-            assert self._loop is not None
             self._loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
