@@ -34,9 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
+import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
+
+import numpy as np
 
 from pdgrpc.errors import TransportError, TransportUnavailable
 
@@ -59,6 +63,8 @@ FULL_MASK = (1 << 64) - 1
 
 # (status, received length, sender tag) -> None; length/tag are 0 for sends.
 Completion = Callable[[int, int, int], None]
+# A message's memory: (address, nbytes) pieces, or an (n, 2) uint64 array of them.
+Pieces = Union[Sequence[tuple[int, int]], "np.ndarray[Any, Any]"]
 
 
 class UcxError(TransportError):
@@ -178,6 +184,7 @@ class _Api:
 
 
 _API: _Api | None = None
+_PARKED: list[Any] = []  # workers that could not be destroyed safely (see UcxWorker.close)
 
 
 def api() -> _Api:
@@ -252,7 +259,7 @@ class UcxWorker:
         """Tag sends and receives in flight (endpoint closes not counted)."""
         return len(self._inflight) - len(self._closing)
 
-    async def close(self, timeout: float = 1.0) -> None:
+    async def close(self, timeout: float = 1.0, destroy_timeout: float = 5.0) -> None:
         """Cancel everything in flight, wait (bounded) for the cancellations, stop the
         progress task, close endpoints and release the worker."""
         if self._closed:
@@ -263,9 +270,9 @@ class UcxWorker:
         for ep in list(self._endpoints):
             self.drop_endpoint(ep)
         deadline = time.monotonic() + timeout
-        while self._inflight and time.monotonic() < deadline:
+        while (self._inflight or self._abandoned) and time.monotonic() < deadline:
             self._progress_once()
-            if self._inflight:
+            if self._inflight or self._abandoned:
                 await asyncio.sleep(0.001)
         self._closed = True
         if self._task is not None:
@@ -276,11 +283,40 @@ class UcxWorker:
                 pass
             self._task = None
         self._set_reader(False)
-        # Requests that did not complete in time stay referenced (with their buffers)
-        # rather than being freed under UCX's feet; the worker then goes with the
-        # context when these objects are collected.
-        self._worker = None
-        self._context = None
+        if self._closing or self._abandoned or self._inflight:
+            # UCX still owes completions (an endpoint close a hung peer never
+            # confirms, a rendezvous send it never answered). Destroying the worker
+            # now can block inside UCX waiting for them, so it is parked instead: a
+            # bounded leak (one worker and its buffers) in a pathological case,
+            # never a hung event loop.
+            logging.getLogger("pdgrpc.transport.rdma").warning(
+                "UCX worker parked at close: %d endpoint closes and %d requests still pending",
+                len(self._closing), len(self._inflight) + len(self._abandoned) - len(self._closing))
+            _PARKED.append((self._worker, self._context, self._inflight, self._abandoned, self._send_cb, self._recv_cb))
+            self._worker = self._context = None
+            return
+        # Destroy the worker and context off the loop thread: ucp_worker_destroy tears
+        # down endpoints and can wait on a transport that a departed peer left behind
+        # (seen rarely with shared memory on a loaded host). Normally this takes
+        # milliseconds and the thread is gone before close() returns.
+        doomed = [self._worker, self._context]
+        self._worker = self._context = None
+        finished = threading.Event()
+
+        def destroy() -> None:
+            doomed.clear()  # the last references: UCX objects are released here
+            finished.set()
+
+        t = threading.Thread(target=destroy, name="pdgrpc-ucx-destroy", daemon=True)
+        t.start()
+        deadline = time.monotonic() + destroy_timeout
+        while not finished.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        if finished.is_set():
+            t.join(1.0)
+        else:
+            logging.getLogger("pdgrpc.transport.rdma").warning(
+                "UCX worker destruction still blocked after %.1f s; left to a daemon thread", destroy_timeout)
 
     # -- endpoints ------------------------------------------------------------------
     def endpoint(self, address: bytes) -> int:
@@ -328,14 +364,14 @@ class UcxWorker:
         self.kick()
 
     # -- messages -------------------------------------------------------------------
-    def send(self, ep: int, pieces: Sequence[tuple[int, int]], tag: int, cb: Completion, keep: Any) -> int:
+    def send(self, ep: int, pieces: Pieces, tag: int, cb: Completion, keep: Any) -> int:
         """Post a tag send of ``pieces`` (one message) on endpoint ``ep``; returns a
         token for cancel()."""
         if ep not in self._endpoints:
             raise UcxError("UCX endpoint is closed")
         return self._post(True, ep, pieces, tag, FULL_MASK, cb, keep)
 
-    def recv(self, pieces: Sequence[tuple[int, int]], tag: int, mask: int, cb: Completion, keep: Any) -> int:
+    def recv(self, pieces: Pieces, tag: int, mask: int, cb: Completion, keep: Any) -> int:
         """Post a tag receive into ``pieces`` on the worker (any sender)."""
         return self._post(False, self.handle, pieces, tag, mask, cb, keep)
 
@@ -356,7 +392,7 @@ class UcxWorker:
         if entry is not None:
             self._abandoned[token] = entry
 
-    def _post(self, is_send: bool, target: int, pieces: Sequence[tuple[int, int]], tag: int, mask: int,
+    def _post(self, is_send: bool, target: int, pieces: Pieces, tag: int, mask: int,
               cb: Completion, keep: Any) -> int:
         if self._closed or self._worker is None:
             raise UcxError("UCX worker is closed")
@@ -366,8 +402,21 @@ class UcxWorker:
         param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE \
             | _OP_ATTR_FLAG_NO_IMM_CMPL
         param.user_data = token
-        iov = None
-        if len(pieces) == 1:
+        iov: Any = None
+        if isinstance(pieces, np.ndarray):
+            # (n, 2) uint64 rows {address, length}: the exact layout of ucp_dt_iov_t,
+            # so UCX reads the array in place (no per-entry Python work).
+            if pieces.ndim != 2 or pieces.shape[1] != 2 or pieces.dtype != np.uint64 \
+                    or not pieces.flags.c_contiguous or len(pieces) == 0:
+                raise ValueError("iov array must be a non-empty C-contiguous (n, 2) uint64 array")
+            if len(pieces) == 1:
+                param.datatype = _DATATYPE_CONTIG_BYTES
+                buf, count = int(pieces[0, 0]), int(pieces[0, 1])
+            else:
+                iov = pieces
+                param.datatype = _DATATYPE_IOV
+                buf, count = pieces.ctypes.data, len(pieces)
+        elif len(pieces) == 1:
             param.datatype = _DATATYPE_CONTIG_BYTES
             buf, count = pieces[0]
         else:

@@ -55,9 +55,12 @@ pages only after the sender acknowledged the abort or its lease expired (DESIGN.
 
 Options: ``zero_copy_min`` (bytes; ops at least this long travel as their own message,
 default 128 KiB), ``iov_max`` (ops per batched message, default 256), ``connect_timeout``
-(seconds, default 5), ``liveness_interval`` / ``liveness_lease`` (seconds; defaults 0.25
-/ 1.5, so a hung peer fails its rooms within 2 s), ``host`` (liveness listen address,
-default 127.0.0.1). UCX itself is configured through the usual ``UCX_*`` environment
+(seconds, default 5), ``liveness_interval`` / ``liveness_lease`` (seconds; defaults 0.5 /
+5: a peer that *dies* is noticed in milliseconds because its kernel closes the liveness
+socket; the lease only catches a hung peer or host, and must outlast the longest time
+either side's event loop can be busy, e.g. hashing a large buffer on a loaded machine),
+``host`` (the liveness listen address, advertised in the descriptor: use an address
+peers can reach; default 127.0.0.1). UCX itself is configured through the usual ``UCX_*`` environment
 variables (``UCX_TLS`` etc.); nothing is forced.
 """
 
@@ -71,6 +74,7 @@ import logging
 import struct
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from pdgrpc.errors import ConfigError, PeerFailure, TransportError
@@ -110,6 +114,7 @@ HELLO_OK_BODY = struct.Struct("<IH2x")  # assigned conn id, len(receiver id)
 WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
 MSG_COUNT = struct.Struct("<I")
 OP = struct.Struct("<H6xQQ")  # destination region, offset, length
+OP_DTYPE = np.dtype([("region", "<u2"), ("pad", "V6"), ("offset", "<u8"), ("length", "<u8")])  # the same row
 META_BODY = struct.Struct("<QQH6xQQ")  # room, kv bytes before, region, offset, length
 ROOM_BODY = struct.Struct("<Q")
 
@@ -206,8 +211,8 @@ class RdmaTransport(Transport):
         zero_copy_min: int = 128 * 1024,
         iov_max: int = 256,
         connect_timeout: float = 5.0,
-        liveness_interval: float = 0.25,
-        liveness_lease: float = 1.5,
+        liveness_interval: float = 0.5,
+        liveness_lease: float = 5.0,
         host: str = "127.0.0.1",
         **unknown: Any,
     ) -> None:
@@ -229,6 +234,9 @@ class RdmaTransport(Transport):
                                   interval=liveness_interval, lease=liveness_lease)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._regions: dict[int, _Region] = {}
+        # region id -> base address / size (-1: not registered), for vectorised lookups
+        self._ptr_table = np.zeros(1 << 16, dtype=np.uint64)
+        self._size_table = np.full(1 << 16, -1, dtype=np.int64)
         self._started = False
         self._closed = False
         # sender side
@@ -304,7 +312,9 @@ class RdmaTransport(Transport):
         for r in regions:
             if r.region_id in self._regions:
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
-            self._regions[r.region_id] = _Region(r)
+            reg = self._regions[r.region_id] = _Region(r)
+            self._ptr_table[r.region_id] = reg.ptr
+            self._size_table[r.region_id] = reg.info.nbytes
         await self._liveness.start()
         return self._descriptor().to_bytes()
 
@@ -425,15 +435,26 @@ class RdmaTransport(Transport):
     # -- write (sender) ------------------------------------------------------------------
     async def write(self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None) -> None:
         self._ensure_started()
-        for op in list(ops) + ([metadata] if metadata is not None else []):
-            src = self._regions.get(op.src_region)
+        # One row per op: src region, src offset, dst region, dst offset, length.
+        try:
+            table = np.array([(o.src_region, o.src_offset, o.dst_region, o.dst_offset, o.length) for o in ops],
+                             dtype=np.int64).reshape(-1, 5)
+        except OverflowError:
+            raise ConfigError(f"rdma write for room {room}: an offset or length does not fit in 63 bits") from None
+        checks = table if metadata is None else np.vstack([table, np.array(
+            [[metadata.src_region, metadata.src_offset, metadata.dst_region, metadata.dst_offset, metadata.length]],
+            dtype=np.int64)])
+        sizes = self._size_table[checks[:, 0]]
+        bad = np.flatnonzero((sizes < 0) | (checks[:, 1] + checks[:, 4] > sizes))
+        if len(bad):
+            r, o, _, _, n = (int(x) for x in checks[bad[0]])
+            src = self._regions.get(r)
             if src is None:
-                raise ConfigError(f"rdma write for room {room}: source region {op.src_region} is not registered")
-            if op.src_offset + op.length > src.info.nbytes:
-                raise ConfigError(
-                    f"rdma write for room {room}: source bytes [{op.src_offset}, {op.src_offset + op.length}) "
-                    f"outside region {src.info.name!r} of {src.info.nbytes} bytes"
-                )
+                raise ConfigError(f"rdma write for room {room}: source region {r} is not registered")
+            raise ConfigError(
+                f"rdma write for room {room}: source bytes [{o}, {o + n}) outside region {src.info.name!r} "
+                f"of {src.info.nbytes} bytes"
+            )
         if metadata is not None and metadata.length > MAX_ROW:
             raise ConfigError(f"rdma: metadata row of {metadata.length} bytes exceeds the {MAX_ROW}-byte limit")
         self.rooms.create(room, KVPoll.TRANSFERRING)
@@ -451,8 +472,8 @@ class RdmaTransport(Transport):
         if self.rooms.status(room).state.is_terminal:
             return  # failed already (NACK, peer lost): nothing more is sent for it
         try:
-            for i in range(0, len(ops), MAX_OPS_PER_WRITE):
-                self._write_chunk(conn, room, sroom, ops[i : i + MAX_OPS_PER_WRITE])
+            for i in range(0, len(table), MAX_OPS_PER_WRITE):
+                self._write_chunk(conn, room, sroom, table[i : i + MAX_OPS_PER_WRITE])
             if metadata is not None:
                 src = self._regions[metadata.src_region]
                 row = bytes(memoryview(src.flat.numpy())[metadata.src_offset : metadata.src_offset + metadata.length])
@@ -463,38 +484,48 @@ class RdmaTransport(Transport):
         except PeerFailure as exc:
             self.rooms.fail(room, str(exc))
 
-    def _write_chunk(self, conn: _SendConn, room: int, sroom: _SendRoom, ops: Sequence[WriteOp]) -> None:
+    def _write_chunk(self, conn: _SendConn, room: int, sroom: _SendRoom, table: np.ndarray) -> None:
         # Plan the data messages: a large op alone (contiguous, zero-copy rendezvous),
-        # runs of small ops batched into one scatter/gather message.
-        groups: list[list[WriteOp]] = []
-        batch: list[WriteOp] = []
-        for op in ops:
-            if op.length >= self._zc_min:
+        # runs of small ops batched into one scatter/gather message of <= iov_max ops.
+        lengths = table[:, 4].tolist()
+        counts: list[int] = []
+        batch = 0
+        for n in lengths:
+            if n >= self._zc_min:
                 if batch:
-                    groups.append(batch)
-                    batch = []
-                groups.append([op])
+                    counts.append(batch)
+                    batch = 0
+                counts.append(1)
             else:
-                batch.append(op)
-                if len(batch) >= self._iov_max:
-                    groups.append(batch)
-                    batch = []
+                batch += 1
+                if batch >= self._iov_max:
+                    counts.append(batch)
+                    batch = 0
         if batch:
-            groups.append(batch)
-        if not groups:
+            counts.append(batch)
+        if not counts:
             return
         conn.ctrl_seq += 1
         first = conn.data_seq
-        conn.data_seq += len(groups)
-        parts = [COMMON.pack(WRITE, conn.remote_id, conn.ctrl_seq),
-                 WRITE_BODY.pack(room, first & 0xFFFFFFFF, len(groups), len(ops))]
-        parts += [MSG_COUNT.pack(len(g)) for g in groups]
-        parts += [OP.pack(op.dst_region, op.dst_offset, op.length) for g in groups for op in g]
-        self._send_ctrl(conn, b"".join(parts), room, sroom)
-        for i, g in enumerate(groups):
-            pieces = [(self._regions[op.src_region].ptr + op.src_offset, op.length) for op in g]
-            self._send(conn, pieces, data_tag(conn.remote_id, first + i), room, sroom, None)
-            sroom.kv_bytes += sum(op.length for op in g)
+        conn.data_seq += len(counts)
+        ops = np.zeros(len(table), dtype=OP_DTYPE)
+        ops["region"], ops["offset"], ops["length"] = table[:, 2], table[:, 3], table[:, 4]
+        msg = b"".join([
+            COMMON.pack(WRITE, conn.remote_id, conn.ctrl_seq),
+            WRITE_BODY.pack(room, first & 0xFFFFFFFF, len(counts), len(table)),
+            np.asarray(counts, dtype="<u4").tobytes(),
+            ops.tobytes(),
+        ])
+        self._send_ctrl(conn, msg, room, sroom)
+        # iov rows {source address, length}, read in place by UCX
+        iov = np.empty((len(table), 2), dtype=np.uint64)
+        iov[:, 0] = self._ptr_table[table[:, 0]] + table[:, 1].astype(np.uint64)
+        iov[:, 1] = table[:, 4]
+        k = 0
+        for i, c in enumerate(counts):
+            self._send(conn, iov[k : k + c], data_tag(conn.remote_id, first + i), room, sroom, iov)
+            k += c
+        sroom.kv_bytes += int(table[:, 4].sum())
 
     # -- replies (sender) ----------------------------------------------------------------
     def _on_reply(self, msg: bytes) -> None:
@@ -608,18 +639,60 @@ class RdmaTransport(Transport):
         rid = self.instance_id.encode()
         self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid)) + rid)
 
-    def _parse_write(self, msg: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
+    @staticmethod
+    def _parse_write(msg: bytes) -> tuple[int, int, list[int], np.ndarray]:
+        """(room, first data seq, ops per data message, op table) of a WRITE."""
         room, first, n_msgs, n_ops = WRITE_BODY.unpack_from(msg, COMMON.size)
         off = COMMON.size + WRITE_BODY.size
-        counts = [MSG_COUNT.unpack_from(msg, off + 4 * i)[0] for i in range(n_msgs)]
+        if n_msgs > n_ops or len(msg) < off + 4 * n_msgs + OP_DTYPE.itemsize * n_ops:
+            raise ValueError("WRITE is shorter than its op table")
+        counts = np.frombuffer(msg, dtype="<u4", count=n_msgs, offset=off).tolist()
         off += 4 * n_msgs
-        if sum(counts) != n_ops or len(msg) < off + OP.size * n_ops:
+        if sum(counts) != n_ops or (n_msgs and min(counts) == 0):
             raise ValueError("WRITE op table does not match its counts")
-        groups, k = [], 0
-        for c in counts:
-            groups.append([OP.unpack_from(msg, off + OP.size * (k + j)) for j in range(c)])
-            k += c
-        return room, first, groups
+        ops = np.frombuffer(msg, dtype=OP_DTYPE, count=n_ops, offset=off)
+        return room, first, counts, ops
+
+    def _authorize(self, grant: RoomGrant, ops: np.ndarray) -> str | None:
+        """None if every op lands inside what ``grant`` allows, else the reason for
+        the first op that does not (vectorised; the reason text comes from
+        :meth:`RoomGrant.check`, the one authority on what a grant allows)."""
+        regions = ops["region"].astype(np.int64)
+        offs = ops["offset"]
+        lens = ops["length"]
+        ok = np.zeros(len(ops), dtype=bool)
+        runs = grant.page_runs
+        starts = np.asarray([a for a, _ in runs], dtype=np.uint64)
+        ends = np.asarray([b for _, b in runs], dtype=np.uint64)
+        for rid in np.unique(regions).tolist():
+            reg = self._regions.get(rid)
+            if reg is None:
+                continue  # every op into it stays "not ok"
+            sel = regions == rid
+            o, n = offs[sel], lens[sel]
+            size = np.uint64(reg.info.nbytes)
+            inside = (n > 0) & (n <= size) & (o <= size - np.minimum(n, size))
+            ib = np.uint64(reg.info.item_bytes)
+            first = o // ib
+            last = (o + np.maximum(n, np.uint64(1)) - np.uint64(1)) // ib
+            if reg.info.kind.value == "metadata":
+                good = inside & (grant.slot is not None) & (first == last) & (first == np.uint64(grant.slot or 0))
+            else:
+                idx = np.searchsorted(starts, first, side="right") - 1
+                safe = np.clip(idx, 0, max(len(runs) - 1, 0))
+                good = inside & (idx >= 0) & (len(runs) > 0)
+                if len(runs):
+                    good &= (first >= starts[safe]) & (last < ends[safe])
+            ok[sel] = good
+        bad = np.flatnonzero(~ok)
+        if not len(bad):
+            return None
+        rid, o, n = int(regions[bad[0]]), int(offs[bad[0]]), int(lens[bad[0]])
+        reg = self._regions.get(rid)
+        reason = grant.check(reg.info if reg is not None else None, o, n)
+        if reg is None:
+            return f"{reason} {rid}"
+        return reason or f"write of {n} bytes at {o} into {reg.info.name!r} is not allowed for room {grant.room}"
 
     def _drain(self, conn_id: int, tag_or_seq: int) -> None:
         """Receive (and drop) one data message into scratch: keeps UCX's unexpected
@@ -633,12 +706,12 @@ class RdmaTransport(Transport):
 
     def _drain_write(self, conn_id: int, msg: bytes) -> None:
         with contextlib.suppress(struct.error, ValueError):
-            _room, first, groups = self._parse_write(msg)
-            for i in range(len(groups)):
+            _room, first, counts, _ops = self._parse_write(msg)
+            for i in range(len(counts)):
                 self._drain(conn_id, first + i)
 
     def _on_write(self, conn: _RecvConn, msg: bytes) -> None:
-        room, first, groups = self._parse_write(msg)
+        room, first, counts, ops = self._parse_write(msg)
         rr = self._recv_rooms.get(room)
         reason = None
         if rr is None or room not in self.rooms:
@@ -646,18 +719,9 @@ class RdmaTransport(Transport):
         elif self.rooms.status(room).state.is_terminal:
             reason = f"room {room} is already {self.rooms.status(room).state.name}"
         else:
-            for g in groups:
-                for region_id, offset, length in g:
-                    region = self._regions.get(region_id)
-                    reason = rr.grant.check(region.info if region is not None else None, offset, length)
-                    if reason is not None:
-                        if region is None:
-                            reason = f"{reason} {region_id}"
-                        break
-                if reason is not None:
-                    break
+            reason = self._authorize(rr.grant, ops)
         if reason is not None:
-            for i in range(len(groups)):
+            for i in range(len(counts)):
                 self._drain(conn.conn_id, first + i)
             if rr is not None and room in self.rooms:
                 self.rooms.fail(room, reason)
@@ -666,12 +730,19 @@ class RdmaTransport(Transport):
         assert rr is not None
         conn.rooms.add(room)
         self.rooms.set(room, KVPoll.TRANSFERRING)
-        for i, g in enumerate(groups):
-            pieces = [(self._regions[r].ptr + o, n) for r, o, n in g]
-            self._post_data(conn, room, rr, pieces, sum(n for _, _, n in g), data_tag(conn.conn_id, first + i))
+        # iov rows {destination address, length}: every byte goes straight into the
+        # granted pages, which _authorize has just checked.
+        iov = np.empty((len(ops), 2), dtype=np.uint64)
+        iov[:, 0] = self._ptr_table[ops["region"].astype(np.int64)] + ops["offset"]
+        iov[:, 1] = ops["length"]
+        k = 0
+        for i, c in enumerate(counts):
+            rows = iov[k : k + c]
+            self._post_data(conn, room, rr, rows, int(rows[:, 1].sum()), data_tag(conn.conn_id, first + i), iov)
+            k += c
 
-    def _post_data(self, conn: _RecvConn, room: int, rr: _RecvRoom, pieces: list[tuple[int, int]], nbytes: int,
-                   tag: int) -> None:
+    def _post_data(self, conn: _RecvConn, room: int, rr: _RecvRoom, pieces: np.ndarray, nbytes: int,
+                   tag: int, keep: Any) -> None:
         token_box: list[int] = []
 
         def done(status: int, length: int, _tag: int) -> None:
@@ -694,7 +765,7 @@ class RdmaTransport(Transport):
 
         rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + 1
         try:
-            token = self._worker.recv(pieces, tag, FULL_MASK, done, None)
+            token = self._worker.recv(pieces, tag, FULL_MASK, done, keep)
         except UcxError as exc:
             rr.pending[conn.conn_id] -= 1
             self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
@@ -779,7 +850,7 @@ class RdmaTransport(Transport):
         for rconn in [c for c in self._recv_conns.values() if c.sender_id == instance_id]:
             self._drop_recv_conn(rconn, reason)
 
-    def _drop_send_conn(self, conn: _SendConn, reason: str = "connection dropped") -> None:
+    def _drop_send_conn(self, conn: _SendConn, reason: str = "connection dropped", *, peer_lost: bool = True) -> None:
         conn.dead = True
         self._send_by_local.pop(conn.local_id, None)
         for room in list(conn.rooms):
@@ -788,6 +859,10 @@ class RdmaTransport(Transport):
             self._worker.cancel(token)
         if conn.hello is not None and not conn.hello.done():
             conn.hello.set_result((False, 0, reason))
+        if not peer_lost:  # our own shutdown, the peer is fine: flush and say goodbye
+            self._worker.drop_endpoint(conn.ep)
+            conn.ep = None
+            return
         # The peer is gone or declared gone: release the endpoint without asking it.
         # Sends UCX could not cancel (rendezvous to a hung peer: with error handling
         # off, UCX keeps them) are abandoned, so nothing waits on them any more.
@@ -797,13 +872,13 @@ class RdmaTransport(Transport):
             self._worker.abandon(token)
         conn.tokens.clear()
 
-    def _drop_recv_conn(self, conn: _RecvConn, reason: str) -> None:
+    def _drop_recv_conn(self, conn: _RecvConn, reason: str, *, peer_lost: bool = True) -> None:
         self._recv_conns.pop(conn.conn_id, None)
         for room in list(conn.rooms):
             self.rooms.fail(room, reason)
         for token in list(conn.tokens):
             self._worker.cancel(token)  # tag receives: UCX cancels these for real
-        self._worker.drop_endpoint(conn.ep, force=True)
+        self._worker.drop_endpoint(conn.ep, force=peer_lost)
         conn.ep = None
 
     async def close(self) -> None:
@@ -811,10 +886,10 @@ class RdmaTransport(Transport):
             return
         self.rooms.fail_all("rdma transport closed")
         for conn in list(self._send_conns.values()):
-            self._drop_send_conn(conn, "rdma transport closed")
+            self._drop_send_conn(conn, "rdma transport closed", peer_lost=False)
         self._send_conns.clear()
         for rconn in list(self._recv_conns.values()):
-            self._drop_recv_conn(rconn, "rdma transport closed")
+            self._drop_recv_conn(rconn, "rdma transport closed", peer_lost=False)
         await self._liveness.close()
         self._closed = True
         await self._worker.close()

@@ -139,7 +139,9 @@ async def test_hung_peer_fails_rooms_and_cancels_pending_ucx_requests() -> None:
     """SIGSTOP keeps the peer's sockets open, so only missed heartbeats reveal it; the
     sender's rendezvous sends into the frozen process stay pending until cancelled."""
     layout = Layout(layers=4, pages=64, page_shape=(16, 8, 64), slots=4)  # 16 KiB pages
-    send, regions, _, _ = await _local(layout, SEED)
+    regions, _ = layout.build(SEED)
+    send = registry.create("rdma", liveness_interval=0.25, liveness_lease=1.5)  # a short lease: faster test
+    await send.register(regions)
     recv = PeerProcess("rdma", layout=layout)
     await recv.start()
     try:
@@ -189,3 +191,33 @@ async def test_close_leaves_no_os_thread_task_or_fd() -> None:
     await asyncio.sleep(0.05)
     after = (_os_threads(), threading.active_count(), _fds(), len(asyncio.all_tasks()))
     assert after == before, f"(os threads, py threads, fds, tasks) before {before}, after {after}"
+
+
+async def test_huge_offsets_are_rejected_and_nothing_lands() -> None:
+    """Offsets and lengths at the edge of the 64-bit op table: the sender refuses what
+    it cannot encode, the receiver rejects what falls outside its region, and no bounds
+    check wraps around."""
+    from pdgrpc.transport.base import WriteOp
+
+    layout = Layout(layers=1, pages=8, slots=2)
+    send, regions, _, _ = await _local(layout, SEED)
+    try:
+        async with PeerProcess("rdma", layout=layout) as recv:
+            peer = await send.connect(recv.descriptor)
+            pb = layout.page_bytes
+            zeros = await recv.call("digest", 0)
+            for room, op in {40: WriteOp(0, 0, 0, 2**64 - pb, pb), 41: WriteOp(0, 0, 0, 0, 2**64 - 1),
+                             42: WriteOp(0, 0, 0, 0, 8 * pb + 1)}.items():
+                with pytest.raises(ConfigError):  # not encodable, or past the sender's own region
+                    await send.write(peer, room, [op])
+            for room, op in {43: WriteOp(0, 0, 0, 2**63 - pb, pb), 44: WriteOp(0, 0, 0, 2**63 - 1, pb),
+                             45: WriteOp(0, 0, 0, 8 * pb - 1, 2)}.items():
+                await recv.call("advertise", room, list(range(8)), 0)  # every page granted
+                await send.write(peer, room, [op])
+                st = await send.wait(room, WAIT_S)
+                assert st.state is KVPoll.FAILED and "outside region" in (st.reason or ""), (room, st)
+                [(state, reason)] = await recv.call("status", [room])
+                assert state == KVPoll.FAILED and "outside region" in reason
+            assert await recv.call("digest", 0) == zeros  # not one byte landed
+    finally:
+        await send.close()
