@@ -13,6 +13,7 @@ apply_grpc_defaults()  # before grpc is imported (below)
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server  # noqa: E402
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
+from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import StopSignal, run, serve_until_signal  # noqa: E402
 
 DESCRIPTION = """\
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="records one expiry step may free before yielding to calls; bounds the pause an expiry wave causes (default: %(default)s)",
     )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
+    add_metrics_arguments(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity, to stderr (default: %(default)s)")
     return p
 
@@ -58,8 +60,21 @@ async def _main(args: argparse.Namespace) -> None:
         expire_budget=args.expire_budget,
     )
     stop = StopSignal()  # from now on SIGTERM/SIGINT stop us gracefully, even mid start-up
-    server = await start_bootstrap_server(args.host, args.port, config)
-    await serve_until_signal(server.rpc, grace=args.grace, stop=stop)
+    metrics = BootstrapMetrics()
+    server = await start_bootstrap_server(args.host, args.port, config, metrics=metrics)
+    table = server.table
+    metrics.bind_table(lambda: table.stats)  # read at scrape time: the table's own totals
+    try:
+        stop_metrics = start_metrics_from_args(args, metrics.registry, "bootstrap")
+    except BaseException:
+        metrics.unbind()
+        await server.stop(0)
+        raise
+    try:
+        await serve_until_signal(server.rpc, grace=args.grace, stop=stop)
+    finally:
+        metrics.unbind()
+        stop_metrics()
     stats = server.table.stats
     logging.getLogger("pdgrpc.bootstrap").info(
         "stopped: %d rooms held, %d registered, %d expired, %d evicted; %d expiry steps, longest %.2f ms (%.2f ms CPU)",

@@ -28,6 +28,7 @@ from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict, TopologyMismat
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.metrics import BootstrapMetrics
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
@@ -60,12 +61,22 @@ class BootstrapServicer:
     batches go through the vectorised codec (:mod:`pdgrpc.bootstrap.wire`).
     """
 
-    def __init__(self, table: RoomTable, registry: WorkerRegistry, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        table: RoomTable,
+        registry: WorkerRegistry,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: BootstrapMetrics | None = None,
+    ) -> None:
         self.table = table
         self.registry = registry
         self.clock = clock
+        # Calls are counted here; table size, expirations and evictions are read from the
+        # table itself at scrape time (whoever serves the endpoint calls bind_table).
+        self.metrics = metrics or BootstrapMetrics()
 
     async def RegisterDpRanks(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
+        n = 0  # rooms in the call, once decoded (a call that did not decode counts 0)
         try:
             fast = wire.decode_register_request(data) if len(data) > _SMALL_MESSAGE else None
             rooms: np.ndarray | list[int]
@@ -77,10 +88,13 @@ class BootstrapServicer:
                 self._check_batch(len(entries))
                 rooms = [e.bootstrap_room for e in entries]
                 ranks = [e.dp_rank for e in entries]
-            self._check_batch(len(rooms))
+            n = len(rooms)
+            self._check_batch(n)
             result = self.table.register(rooms, ranks, self.clock(), dp_size=self.registry.dp_size)
         except (InvalidRequest, RoomConflict) as exc:
+            self.metrics.on_dp_rank_registration_failed(n)
             await _abort(context, exc)
+        self.metrics.on_dp_rank_registration(n)
         return pb.RegisterDpRanksResponse(added=result.added, unchanged=result.unchanged)
 
     async def QueryDpRanks(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bytes:
@@ -89,12 +103,15 @@ class BootstrapServicer:
             self._check_batch(len(rooms))
             if len(rooms) <= _SMALL_BATCH:
                 found, ranks, missing = self.table.query(rooms, self.clock())
+                self.metrics.on_dp_rank_query(len(rooms), missing=len(missing))
                 if request.found_ranks_only:
                     return pb.QueryDpRanksResponse(found_dp_ranks=ranks, missing_rooms=missing).SerializeToString()
                 entries = [pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in zip(found, ranks)]
                 return pb.QueryDpRanksResponse(entries=entries, missing_rooms=missing).SerializeToString()
             found_a, ranks_a, missing_a = self.table.query_array(np.array(rooms, np.uint64), self.clock())
+            self.metrics.on_dp_rank_query(len(rooms), missing=len(missing_a))
         except InvalidRequest as exc:
+            self.metrics.on_dp_rank_query_failed(len(rooms))
             await _abort(context, exc)
         if request.found_ranks_only:  # packed arrays: protobuf's C encoder is fast for these
             return pb.QueryDpRanksResponse(found_dp_ranks=ranks_a.tolist(), missing_rooms=missing_a.tolist()).SerializeToString()
@@ -229,10 +246,11 @@ async def start_bootstrap_server(
     *,
     clock: Callable[[], float] = time.monotonic,
     registry: WorkerRegistry | None = None,
+    metrics: BootstrapMetrics | None = None,
 ) -> BootstrapServer:
     """Start ``BootstrapService`` (with health and reflection) on ``host:port``."""
     table = RoomTable(ttl=config.ttl, max_rooms=config.max_rooms, max_batch=config.max_batch)
-    servicer = BootstrapServicer(table, registry or WorkerRegistry(), clock)
+    servicer = BootstrapServicer(table, registry or WorkerRegistry(), clock, metrics)
     rpc = await start_server(
         [(SERVICE_NAME, lambda server: add_bootstrap_servicer(servicer, server))],
         host=host,

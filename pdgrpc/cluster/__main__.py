@@ -27,13 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=TRANSPORTS, help="KV transport for every prefill and decode (default: the topology's)")
     p.add_argument("--log-dir", help="directory for the processes' logs (default: a fresh temporary directory)")
     p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS", help="how long to wait for every process to be healthy (default: %(default)s)")
+    p.add_argument(
+        "--metrics", action="store_true",
+        help="every server serves Prometheus metrics on a free port (listed once the cluster runs); "
+        "also on when the topology says metrics = true",
+    )
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS", help="how long processes may take to exit after SIGTERM before SIGKILL (default: %(default)s)")
     return p
 
 
 async def _main(args: argparse.Namespace) -> int:
     cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir,
-                      start_timeout=args.start_timeout, grace=args.grace)
+                      start_timeout=args.start_timeout, grace=args.grace, metrics=True if args.metrics else None)
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[int] = loop.create_future()
 

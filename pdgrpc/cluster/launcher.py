@@ -8,6 +8,10 @@
         stats = await c.stats("decode")        # the server's own ResourceStats
 
 * Every process gets a free port on 127.0.0.1 and its own log file (``log_dir``).
+* With ``metrics=True`` (or ``metrics = true`` in the topology) every bootstrap, prefill,
+  decode and router also serves Prometheus metrics on a free port
+  (:meth:`Cluster.metrics_endpoints`); a prefill with ``dp-size`` N gets N + 1 consecutive
+  ports: its controller's, then one per dp worker (``--metrics-port`` base + 1 + rank).
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
   ``start_timeout``. A process that exits meanwhile fails the start with its log tail.
@@ -71,6 +75,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_block(n: int, tries: int = 100) -> int:
+    """The first of ``n`` consecutive ports that are free right now (same caveat as
+    :func:`free_port`): a prefill derives its workers' metrics ports from its own."""
+    for _ in range(tries):
+        base = free_port()
+        if base + n > 65536:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((HOST, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ClusterError(f"no {n} consecutive free ports on {HOST} after {tries} tries")
+
+
+_METRICS_ROLES = ("bootstrap", "prefill", "decode", "router")  # the servers with --metrics-port
+
+
 # Loaded here, not in the child: between fork and exec only async-signal-safe work is
 # safe (a dlopen there could wait forever on a lock another parent thread held).
 try:
@@ -93,6 +122,8 @@ class Proc:
     argv: list[str]
     log_path: Path
     process: asyncio.subprocess.Process | None = None
+    # Metrics endpoints ("" for the process itself, "dp<r>" for a prefill's dp workers).
+    metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -134,8 +165,10 @@ class Cluster:
         grace: float = 10.0,
         extra_env: dict[str, str] | None = None,
         python: str = sys.executable,
+        metrics: bool | None = None,
     ) -> None:
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        self.metrics = self.topology.metrics if metrics is None else metrics
         self.transport = transport or self.topology.transport
         if self.transport not in TRANSPORTS:
             raise ClusterError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
@@ -148,7 +181,13 @@ class Cluster:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
         self.procs: dict[str, Proc] = {}
         for spec in self.topology.processes:
-            self.procs[spec.name] = Proc(spec, free_port(), [], self.log_dir / f"{spec.name}.log")
+            proc = self.procs[spec.name] = Proc(spec, free_port(), [], self.log_dir / f"{spec.name}.log")
+            if self.metrics and spec.role in _METRICS_ROLES:
+                workers = int(str(spec.args.get("dp-size", 1))) if spec.role == "prefill" else 0
+                base = free_port_block(1 + workers)
+                proc.metrics_ports[""] = base
+                for rank in range(workers):
+                    proc.metrics_ports[f"dp{rank}"] = base + 1 + rank  # derived_metrics_port(base, 1 + rank)
         for proc in self.procs.values():
             proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
         self._stopping = False
@@ -165,6 +204,21 @@ class Cluster:
     def router_address(self) -> str:
         return self.address(self.topology.router.name)
 
+    def metrics_address(self, name: str, dp_rank: int | None = None) -> str:
+        """``HOST:PORT`` of the metrics endpoint of process ``name`` (of its dp worker
+        ``dp_rank`` for a prefill); KeyError when metrics are off or it has none."""
+        return f"{HOST}:{self.procs[name].metrics_ports['' if dp_rank is None else f'dp{dp_rank}']}"
+
+    def metrics_endpoints(self, role: str | None = None) -> dict[str, str]:
+        """Every metrics endpoint (``HOST:PORT``), by ``name`` or ``name/dp<r>`` (a prefill's
+        workers), optionally of one role only; empty when metrics are off."""
+        return {
+            name if key == "" else f"{name}/{key}": f"{HOST}:{port}"
+            for name, proc in self.procs.items()
+            if role is None or proc.spec.role == role
+            for key, port in proc.metrics_ports.items()
+        }
+
     def bootstrap_address(self, prefill_name: str) -> str:
         spec = self.procs[prefill_name].spec
         return self.address(spec.bootstrap) if spec.bootstrap else self.address(prefill_name)
@@ -172,6 +226,8 @@ class Cluster:
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
         out = ["--host", HOST, "--port", str(proc.port)]
+        if "" in proc.metrics_ports:
+            out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", HOST]
         if spec.role in ("prefill", "decode"):
             out += ["--transport", self.transport, *flags(self.topology.engine)]
         if spec.role == "colocated":
@@ -240,8 +296,8 @@ class Cluster:
             await asyncio.sleep(0.2)
 
     async def _serving(self, proc: Proc) -> bool:
-        # A prefill controller answers health checks while its DP workers still start;
-        # it prints its documented ready line once they have all registered.
+        # A prefill controller reports NOT_SERVING until its DP workers are ready; its ready
+        # line (printed at the same moment) is checked too, as the documented signal.
         if proc.spec.role == "prefill" and not proc.log_has_line(_PREFILL_READY):
             return False
         stub = health_pb2_grpc.HealthStub(self._channel(proc.address))
@@ -324,4 +380,7 @@ class Cluster:
         for p in self.procs.values():
             pid = "" if p.pid is None else f"  pid {p.pid}"
             lines.append(f"  {p.spec.name:<12} {p.spec.role:<9} {p.address}{pid}")
+            for key, port in p.metrics_ports.items():
+                what = "metrics" if key == "" else f"metrics {key}"
+                lines.append(f"  {'':<12} {'':<9} {what}: http://{HOST}:{port}/metrics")
         return "\n".join(lines)

@@ -4,6 +4,8 @@ Format (TOML, read with :mod:`tomllib`)::
 
     description = "one prefill, one decode, one router"
     transport = "rdma"              # default data plane; `--transport` overrides it
+    metrics = true                  # optional: every server serves Prometheus metrics on a
+                                    # free port (`--metrics` on the command line does too)
 
     [engine]                        # engine flags shared by every prefill and decode
     model-size = "tiny"             # (and by the colocated reference the tests compare with)
@@ -75,6 +77,7 @@ class Topology:
     env: Mapping[str, str]
     processes: tuple[ProcessSpec, ...]
     path: Path | None = None
+    metrics: bool = False  # give every server a --metrics-port
 
     def process(self, name: str) -> ProcessSpec:
         for p in self.processes:
@@ -128,7 +131,7 @@ def _check_args(where: str, args: Any) -> dict[str, Any]:
         items = v if isinstance(v, list) else [v]
         if not all(isinstance(i, (str, int, float, bool)) for i in items):
             raise _fail(where, f"flag {k!r} has a value that is not a string, number or boolean: {v!r}")
-        if k in ("host", "port", "transport"):
+        if k in ("host", "port", "transport", "metrics-port", "metrics-host"):
             raise _fail(where, f"flag --{k} is set by the launcher; remove it from args")
     return dict(args)
 
@@ -136,13 +139,16 @@ def _check_args(where: str, args: Any) -> dict[str, Any]:
 def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None) -> Topology:
     """Validate a parsed topology table; raises :class:`ConfigError` naming the bad field."""
     where = str(path or name)
-    known = {"description", "transport", "engine", "env", "process"}
+    known = {"description", "transport", "engine", "env", "process", "metrics"}
     unknown = set(data) - known
     if unknown:
         raise _fail(where, f"unknown top-level keys {sorted(unknown)} (expected {sorted(known)})")
     transport = data.get("transport", "rdma")
     if transport not in TRANSPORTS:
         raise _fail(where, f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    metrics = data.get("metrics", False)
+    if not isinstance(metrics, bool):
+        raise _fail(where, f"metrics must be true or false, got {metrics!r}")
     engine = _check_args(f"{where} [engine]", data.get("engine", {}))
     env = data.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
@@ -202,6 +208,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         env=dict(env),
         processes=tuple(procs),
         path=path,
+        metrics=metrics,
     )
 
 

@@ -11,8 +11,30 @@
 * :mod:`pdgrpc.decode.service` -- ``DecodeService`` (Decode stream, GetStats) over grpc.aio.
 """
 
-from pdgrpc.decode.job import SchedulerConfig
-from pdgrpc.decode.scheduler import DecodeScheduler
-from pdgrpc.decode.service import DecodeServer, start_decode_server
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names load on first use (PEP 562), so ``python -m pdgrpc.decode`` (which imports this
+# package before __main__) can configure gRPC before anything imports grpc.
+_EXPORTS = {
+    "SchedulerConfig": "pdgrpc.decode.job",
+    "DecodeScheduler": "pdgrpc.decode.scheduler",
+    "DecodeServer": "pdgrpc.decode.service",
+    "start_decode_server": "pdgrpc.decode.service",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from pdgrpc.decode.job import SchedulerConfig
+    from pdgrpc.decode.scheduler import DecodeScheduler
+    from pdgrpc.decode.service import DecodeServer, start_decode_server
 
 __all__ = ["DecodeScheduler", "DecodeServer", "SchedulerConfig", "start_decode_server"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

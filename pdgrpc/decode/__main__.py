@@ -6,13 +6,18 @@ import argparse
 import logging
 import sys
 
-from pdgrpc.decode.job import SchedulerConfig
-from pdgrpc.decode.scheduler import DecodeScheduler
-from pdgrpc.decode.service import start_decode_server
-from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.errors import PdgrpcError
-from pdgrpc.rpc.server import run, serve_until_signal
-from pdgrpc.serving import (
+from pdgrpc.rpc.tuning import apply_grpc_defaults
+
+apply_grpc_defaults()  # before grpc is imported (below): see pdgrpc.rpc.tuning
+
+from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
+from pdgrpc.decode.scheduler import DecodeScheduler  # noqa: E402
+from pdgrpc.decode.service import start_decode_server  # noqa: E402
+from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
+from pdgrpc.errors import PdgrpcError  # noqa: E402
+from pdgrpc.metrics import DecodeMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
+from pdgrpc.rpc.server import run, serve_until_signal  # noqa: E402
+from pdgrpc.serving import (  # noqa: E402
     add_engine_arguments,
     add_logging_arguments,
     add_transport_arguments,
@@ -20,7 +25,7 @@ from pdgrpc.serving import (
     engine_config_from_args,
     setup_logging,
 )
-from pdgrpc.state import DecodeDeadlines
+from pdgrpc.state import DecodeDeadlines  # noqa: E402
 
 DESCRIPTION = """\
 A pdgrpc decode server (gRPC, pdgrpc.v1.DecodeService).
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--abort-lease", type=float, default=_D.abort_lease_s, metavar="S",
         help="an aborted request's pages and slot are reused once the prefill acknowledged AbortRoom, or after this long (default: %(default)s)",
     )
+    add_metrics_arguments(p)
     add_logging_arguments(p)
     return p
 
@@ -88,13 +94,28 @@ async def main(ns: argparse.Namespace) -> int:
         query_interval_s=ns.dp_rank_query_interval,
         rpc_timeout_s=ns.rpc_timeout,
     )
-    scheduler = DecodeScheduler(engine, transport, ns.num_slots, config)
+    metrics = DecodeMetrics(transport=transport.name)
+    metrics.set_info(tp_rank=0, tp_size=1)
+    scheduler = DecodeScheduler(engine, transport, ns.num_slots, config, metrics=metrics)
     server = await start_decode_server(scheduler, ns.host, ns.port)
+    # Live gauges read the scheduler's own allocators at scrape time (one source of truth).
+    metrics.bind(scheduler.stats)
+    try:
+        stop_metrics = start_metrics_from_args(ns, metrics.registry, "decode")
+    except BaseException:
+        metrics.unbind()
+        await server.stop(0)
+        raise
     logging.getLogger("pdgrpc.decode").info(
         "decode ready: transport=%s slots=%d pages=%d page_size=%d compat_hash=%s",
         transport.name, ns.num_slots, engine.num_pages, engine.kv_layout.page_size, scheduler.compat_hash.hex()[:16],
     )
-    await serve_until_signal(server.rpc)
+    try:
+        await serve_until_signal(server.rpc)
+    finally:
+        # After the gRPC server (and the scheduler) stopped: the last scrape still saw them.
+        metrics.unbind()
+        stop_metrics()
     logging.getLogger("pdgrpc.decode").info("decode stopped")
     return 0
 

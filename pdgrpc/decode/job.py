@@ -11,6 +11,7 @@ import grpc
 from pdgrpc.decode.prefills import PrefillInfo
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.state import DecodeDeadlines
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 
@@ -77,6 +78,7 @@ class Job:
     handshake_task: "asyncio.Task[None] | None" = None
     last_error: str = ""  # last handshake problem, for the deadline message
     override: Failed | None = None  # a status decided by the driver (e.g. handshake refused)
+    abort_cause: ServerAbortReason | None = None  # with override: the metrics' abort reason
     transport_reason: str | None = None
     # Running (after commit).
     running: bool = False

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable
+from typing import TYPE_CHECKING, Any, Awaitable
 
 import grpc
 
@@ -41,6 +41,7 @@ from pdgrpc.engine.base import DecodeRequest as EngineDecodeRequest
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, SamplingParams, stop_reason
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.kvpoll import KVPoll
+from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
@@ -48,6 +49,9 @@ from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, DpConfig
 from pdgrpc.state import NewRequest, QueryDpRanks, SendHandshake, resolve_locally
 from pdgrpc.transport.base import RoomGrant, Transport, UnknownRoom
 from pdgrpc.transport.pages import kv_regions, metadata_region
+
+if TYPE_CHECKING:
+    from pdgrpc.metrics.reasons import AnyAbortReason
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -69,8 +73,12 @@ class DecodeScheduler:
         num_slots: int,
         config: SchedulerConfig = SchedulerConfig(),
         directory: PrefillDirectory | None = None,
+        metrics: DecodeMetrics | None = None,
     ) -> None:
         self.engine = engine
+        # Outcomes are counted where they are decided (_finish, _fail, the dp-rank query);
+        # the live gauges come from stats() at scrape time, never from counters here.
+        self.metrics = metrics or DecodeMetrics(transport=transport.name)
         self.transport = transport
         self.config = config
         self.buffers = MetadataBuffers(num_slots, metadata_layout())
@@ -115,7 +123,7 @@ class DecodeScheduler:
         aborts = []
         for job in list(self._jobs.values()):
             msg = f"room {job.room}: decode server is shutting down"
-            self._fail(job, Failed(grpc.StatusCode.UNAVAILABLE, msg))
+            self._fail(job, Failed(grpc.StatusCode.UNAVAILABLE, msg), ServerAbortReason.SHUTDOWN)
             if job.handshake_task is not None:
                 job.handshake_task.cancel()
             if job.slot is not None:  # a prefill may be writing for it: best effort
@@ -293,8 +301,10 @@ class DecodeScheduler:
         try:
             answers = await self.directory.query_dp_ranks(addr, query.rooms)
         except RpcError as exc:
+            self.metrics.on_dp_rank_query_failed(len(query.rooms))
             log.warning("QueryDpRanks to %s for %d rooms failed (asked again next interval): %s", addr, len(query.rooms), exc)
             return
+        self.metrics.on_dp_rank_query(len(query.rooms), missing=sum(1 for r in answers.values() if r is None))
         now = time.monotonic()
         good: dict[int, int | None] = {}
         for room, rank in answers.items():
@@ -302,6 +312,7 @@ class DecodeScheduler:
             if job is None:
                 continue
             if rank is not None and not 0 <= rank < job.prefill.dp_size:
+                job.abort_cause = ServerAbortReason.INTERNAL_ERROR
                 job.override = Failed(
                     grpc.StatusCode.INTERNAL,
                     f"room {room}: bootstrap {addr} answered dp rank {rank}, outside [0, {job.prefill.dp_size})",
@@ -333,6 +344,7 @@ class DecodeScheduler:
             # Advertise BEFORE the handshake: a prefill that writes at once finds the grant.
             self.transport.advertise(RoomGrant.of(hs.room, prompt_pages, hs.slot))
         except PdgrpcError as exc:
+            job.abort_cause = ServerAbortReason.INTERNAL_ERROR
             job.override = Failed(grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}")
             self.cancel(hs.room, job.override.message)
             return
@@ -356,6 +368,7 @@ class DecodeScheduler:
             job.handshaken = True
             self._wake.set()
         elif isinstance(result, Failed):  # refused: the request ends with the prefill's status
+            job.abort_cause = ServerAbortReason.PREFILL_ERROR
             job.override = result
             self.cancel(job.room, result.message)
         # else: gave up at the deadline (the poll aborts the request) or the request ended
@@ -366,6 +379,7 @@ class DecodeScheduler:
         self._release_transport(c.room)
         transfer_s = now - job.handshake_sent_at
         if c.row is None:  # fake transport: nothing was written; compute the prompt's KV here
+            self.metrics.on_transfer(0, transfer_s)
             request_event(log, c.room, "committed (fake transfer: prefilling locally)", transfer_s=f"{transfer_s:.4f}")
             job.running = True
             self._prefill_locally.append(job)
@@ -375,6 +389,7 @@ class DecodeScheduler:
         k = job.sampling.top_logprobs
         first = SampledToken(row.output_id, row.output_token_logprob_value, tuple(row.top_logprobs_indices[:k]), tuple(row.top_logprobs_values[:k]))
         nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes + self.buffers.layout.row_bytes
+        self.metrics.on_transfer(nbytes, transfer_s)
         request_event(log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes, transfer_s=f"{transfer_s:.4f}")
         job.running = True
         self._emit_first(job, first, nbytes, transfer_s)
@@ -399,7 +414,9 @@ class DecodeScheduler:
             log, a.room, "aborted", level=logging.WARNING, state=a.state, reason=a.reason.name,
             status=status.code.name, message=status.message, quarantined=a.awaiting_ack,
         )
-        self._fail(job, status)
+        # A status the driver decided (handshake refused, bad grant, bad rank) has its own
+        # cause; otherwise the state machine's reason is the cause.
+        self._fail(job, status, job.abort_cause or a.reason)
         if a.awaiting_ack:
             self._spawn(self._abort_room(job, status.message), f"abort-room {a.room}")
 
@@ -442,14 +459,16 @@ class DecodeScheduler:
         if waiter is not None:
             waiter.cancel()
 
-    def _fail(self, job: Job, status: Failed) -> None:
+    def _fail(self, job: Job, status: Failed, reason: AnyAbortReason) -> None:
         if job.finished:
             return
+        self.metrics.on_abort(reason)  # exactly once per request: `finished` guards it
         job.finished = True
         self._jobs.pop(job.room, None)
         job.out.put_nowait(status)
 
     def _finish(self, job: Job, reason: str) -> None:
+        self.metrics.on_finished()
         job.finished = True
         self._jobs.pop(job.room, None)
         self.queues.release_pages(job.pages)
@@ -461,7 +480,7 @@ class DecodeScheduler:
             if job.cancelled:
                 self.queues.release_pages(job.pages)
                 request_event(log, job.room, "cancelled while generating", tokens=job.generated)
-                self._fail(job, Failed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled"))
+                self._fail(job, Failed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled"), AbortReason.CANCELLED)
             else:
                 keep.append(job)
         self._running = keep
@@ -478,7 +497,7 @@ class DecodeScheduler:
                     self._crash(job, first)
                 elif job.cancelled:
                     self.queues.release_pages(job.pages)
-                    self._fail(job, Failed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled"))
+                    self._fail(job, Failed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled"), AbortReason.CANCELLED)
                 else:
                     self._emit_first(job, first, 0, time.monotonic() - job.handshake_sent_at)
         batch = [j for j in self._running if not j.cancelled]
@@ -519,7 +538,7 @@ class DecodeScheduler:
 
     def _crash(self, job: Job, exc: BaseException) -> None:
         self.queues.release_pages(job.pages)
-        self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"))
+        self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"), ServerAbortReason.INTERNAL_ERROR)
 
 
 def _top(tok: SampledToken) -> tuple[tuple[tuple[int, ...], tuple[float, ...]]]:

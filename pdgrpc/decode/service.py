@@ -46,6 +46,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         try:
             job = await self._admit(request)
         except DecodeFailure as exc:
+            self.scheduler.metrics.on_refused()
             request_event(log, request.bootstrap_room, "refused", status=exc.code.name, message=exc.message)
             await context.abort(exc.code, exc.message)
             return  # abort() raises; not reached

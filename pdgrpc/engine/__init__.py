@@ -11,23 +11,58 @@
 - :mod:`pdgrpc.engine.tp` -- all-reduce callables for tensor parallelism.
 """
 
-from pdgrpc.engine.base import (
-    MAX_TOP_LOGPROBS,
-    DecodeRequest,
-    Engine,
-    InvalidRequest,
-    KVBuffers,
-    PrefillRequest,
-    SampledToken,
-    SamplingParams,
-    stop_reason,
-)
-from pdgrpc.engine.colocated import Generation, generate, prefill
-from pdgrpc.engine.layout import PROTOCOL_VERSION, KVLayout, compat_hash, newly_complete_pages, pages_for_tokens
-from pdgrpc.engine.model import ModelConfig
-from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
-from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
-from pdgrpc.engine.transfer_sim import copy_pages
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names load on first use (PEP 562): `pdgrpc.engine.tokenizer` (the router's) must
+# not pull in torch through this package's other modules.
+_EXPORTS = {
+    "MAX_TOP_LOGPROBS": "pdgrpc.engine.base",
+    "DecodeRequest": "pdgrpc.engine.base",
+    "Engine": "pdgrpc.engine.base",
+    "InvalidRequest": "pdgrpc.engine.base",
+    "KVBuffers": "pdgrpc.engine.base",
+    "PrefillRequest": "pdgrpc.engine.base",
+    "SampledToken": "pdgrpc.engine.base",
+    "SamplingParams": "pdgrpc.engine.base",
+    "stop_reason": "pdgrpc.engine.base",
+    "Generation": "pdgrpc.engine.colocated",
+    "generate": "pdgrpc.engine.colocated",
+    "prefill": "pdgrpc.engine.colocated",
+    "PROTOCOL_VERSION": "pdgrpc.engine.layout",
+    "KVLayout": "pdgrpc.engine.layout",
+    "compat_hash": "pdgrpc.engine.layout",
+    "newly_complete_pages": "pdgrpc.engine.layout",
+    "pages_for_tokens": "pdgrpc.engine.layout",
+    "ModelConfig": "pdgrpc.engine.model",
+    "EngineConfig": "pdgrpc.engine.reference",
+    "ReferenceEngine": "pdgrpc.engine.reference",
+    "BOS_ID": "pdgrpc.engine.tokenizer",
+    "EOS_ID": "pdgrpc.engine.tokenizer",
+    "ByteTokenizer": "pdgrpc.engine.tokenizer",
+    "copy_pages": "pdgrpc.engine.transfer_sim",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
+    from pdgrpc.engine.base import (
+        MAX_TOP_LOGPROBS,
+        DecodeRequest,
+        Engine,
+        InvalidRequest,
+        KVBuffers,
+        PrefillRequest,
+        SampledToken,
+        SamplingParams,
+        stop_reason,
+    )
+    from pdgrpc.engine.colocated import Generation, generate, prefill
+    from pdgrpc.engine.layout import PROTOCOL_VERSION, KVLayout, compat_hash, newly_complete_pages, pages_for_tokens
+    from pdgrpc.engine.model import ModelConfig
+    from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+    from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+    from pdgrpc.engine.transfer_sim import copy_pages
 
 __all__ = [
     "BOS_ID",
@@ -55,3 +90,9 @@ __all__ = [
     "prefill",
     "stop_reason",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

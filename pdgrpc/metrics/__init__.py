@@ -16,8 +16,10 @@ Three pieces, each in its own module:
 * :mod:`~pdgrpc.metrics.scrape` -- :func:`scrape` reads an endpoint back over HTTP
   (tests, e2e checks).
 
-The abort vocabulary (:mod:`~pdgrpc.metrics.reasons`) imports :mod:`pdgrpc.state` and so
-torch; it loads only with a facade that records aborts (the bootstrap's does not).
+The abort vocabulary (:mod:`~pdgrpc.metrics.reasons`) imports :mod:`pdgrpc.state.outcomes`
+(torch-free: :mod:`pdgrpc.state` loads its tensor modules lazily); it loads only with a
+facade that records aborts (the bootstrap's does not). No facade imports torch, so the
+router and the bootstrap start without it.
 
 Each server owns a :class:`prometheus_client.CollectorRegistry` (the facade creates
 one); nothing here touches prometheus-client's process-global registry.
@@ -61,8 +63,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The abort vocabulary needs pdgrpc.state (and so torch): loaded on first use only, so
-    # that `from pdgrpc.metrics import BootstrapMetrics` keeps the bootstrap torch-free.
+    # The abort vocabulary needs pdgrpc.state: loaded on first use only, so that
+    # `from pdgrpc.metrics import BootstrapMetrics` keeps the bootstrap as light as it is.
     if name in ("ABORT_REASON_LABELS", "abort_label"):
         from pdgrpc.metrics import reasons
 

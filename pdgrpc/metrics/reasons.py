@@ -5,8 +5,10 @@ decode state machines' reasons) followed by :class:`~pdgrpc.metrics.catalog.Serv
 Built from the enums, never typed out: a reason added to ``AbortReason`` appears here,
 and pre-initialised at 0 in every server's exposition, with no change to this package.
 
-A module of its own because importing :mod:`pdgrpc.state` pulls in torch; the bootstrap
-(which records no aborts) never imports this.
+A module of its own so that the bootstrap (which records no aborts) never imports
+:mod:`pdgrpc.state`. :mod:`pdgrpc.state.outcomes` itself is torch-free (the state package
+loads its tensor modules lazily), so the router's facade does not load torch either
+(``tests/router`` checks it).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from pdgrpc.metrics.catalog import Outcome, RequestState, Role
 from pdgrpc.metrics.families import Families, families_of
 from pdgrpc.metrics.live import SnapshotFn
 
-if TYPE_CHECKING:  # pdgrpc.state imports torch; the bootstrap facade must not need it
+if TYPE_CHECKING:  # the bootstrap facade must not import pdgrpc.state
     from pdgrpc.metrics.reasons import AnyAbortReason
 
 __all__ = ["BootstrapMetrics", "DecodeMetrics", "PrefillMetrics", "RoleMetrics", "RouterMetrics"]
@@ -104,7 +104,7 @@ class _RequestsMixin(RoleMetrics):
     """Servers that see requests end: terminal states and aborts by reason."""
 
     def _init_requests(self) -> None:
-        from pdgrpc.metrics import reasons  # imports torch (pdgrpc.state): only servers that have it
+        from pdgrpc.metrics import reasons  # pdgrpc.state.outcomes (torch-free): only servers that record aborts
 
         role = self.role.value
         requests = self._fam.counter("pdgrpc_requests_total")

@@ -9,6 +9,12 @@ import sys
 # would log "skipping fork() handlers" for every worker. Must be set before grpc loads.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+from pdgrpc.rpc.tuning import apply_grpc_defaults  # noqa: E402
+
+# Before grpc is imported (below); the setting is in the environment, so the workers this
+# controller starts inherit it too.
+apply_grpc_defaults()
+
 from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.rpc.server import run

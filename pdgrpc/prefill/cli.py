@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 
 __all__ = ["LOAD_BALANCE_METHODS", "build_parser", "add_worker_arguments", "worker_argv"]
@@ -21,8 +22,10 @@ BootstrapService unless --bootstrap is given, gRPC health and reflection) that s
 --dp-size worker processes. Each worker runs the reference engine, computes prompts in
 chunks and writes their KV pages and metadata row straight into the decode's memory over
 --transport, after the decode's Handshake (pdgrpc.v1.HandshakeService, served by each
-worker). SIGTERM/SIGINT stop the controller and its workers gracefully. Once serving,
-one line 'PDGRPC_READY {"address": "HOST:PORT", ...}' is printed to stdout."""
+worker). SIGTERM/SIGINT stop the controller and its workers gracefully. Its gRPC health
+reports NOT_SERVING until every worker registered and is ready, then SERVING; at that
+moment one line 'PDGRPC_READY {"address": "HOST:PORT", ...}' is printed to stdout.
+With --metrics-port P the controller serves its metrics on P and dp worker r on P+1+r."""
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: %(default)s",
     )
     add_worker_arguments(p)
+    # Controller only (not in add_worker_arguments): each worker gets its own port.
+    add_metrics_arguments(p)
     return p
 
 

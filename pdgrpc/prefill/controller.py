@@ -2,6 +2,8 @@
 
 * Starts ``--dp-size`` worker processes (:mod:`pdgrpc.prefill.worker_main`), each with its
   own gRPC server, and waits until every one reported ready (it registered with bootstrap).
+  Until then its gRPC health reports NOT_SERVING (the embedded BootstrapService alone is
+  SERVING, since the workers register with it); then SERVING, and the ready line.
 * Serves ``PrefillService``: picks the dp rank (:mod:`pdgrpc.prefill.dispatch`), registers
   room -> rank with bootstrap when decode must query (batched,
   :mod:`pdgrpc.prefill.registrar`) **before** forwarding, then forwards the request to the
@@ -23,7 +25,7 @@ import json
 import logging
 import signal
 import sys
-from typing import NoReturn
+from typing import Awaitable, Callable, Mapping, NoReturn
 
 import grpc
 
@@ -32,6 +34,7 @@ from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
 from pdgrpc.bootstrap.table import RoomTable
+from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, ServerAbortReason, derived_metrics_port, start_metrics_from_args
 from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
 from pdgrpc.prefill.registrar import DpRankRegistrar
@@ -71,8 +74,11 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
 
 
 class Controller(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, ns: argparse.Namespace) -> None:
+    def __init__(self, ns: argparse.Namespace, metrics: PrefillMetrics | None = None) -> None:
         self.ns = ns
+        # Counts only the requests that end here (never forwarded, or their worker died);
+        # a worker counts every request it ran, so none is counted twice.
+        self.metrics = metrics or PrefillMetrics(transport=ns.transport)
         self.dispatcher = Dispatcher(ns.dp_size, ns.load_balance_method, ns.force_dp_rank_query)
         self.workers: list[WorkerHandle] = []
         self.pool = ChannelPool()
@@ -95,21 +101,26 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 room, routed, [w.queue_length for w in self.workers], [w.alive for w in self.workers]
             )
         except InvalidRoute as exc:
+            self.metrics.on_refused()
             request_event(log, room, "rejected", reason=str(exc))
             await _abort(context, C.INVALID_ARGUMENT, f"room {room}: {exc}")
         except DpRankConflict as exc:
+            self.metrics.on_abort(ServerAbortReason.DP_RANK_CONFLICT)
             request_event(log, room, "rejected", reason=str(exc))
             await _abort(context, C.FAILED_PRECONDITION, str(exc))
         except NoLiveRank as exc:
+            self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
             await _abort(context, C.UNAVAILABLE, f"room {room}: {exc}")
         w = self.workers[d.rank]
         if not w.alive:
+            self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
             await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} is dead (exit code {w.exit_code})")
         if d.register:
             assert self.registrar is not None
             try:
                 await self.registrar.register(room, d.rank)
             except Exception as exc:
+                self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
                 request_event(log, room, "failed", reason=f"registering dp rank: {exc}")
                 code = getattr(exc, "code", C.UNAVAILABLE)
                 await _abort(context, code if isinstance(code, grpc.StatusCode) else C.UNAVAILABLE, f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}")
@@ -128,6 +139,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 raise
             # _watch cancelled the call because the worker died: that is this request's answer.
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
             request_event(log, room, "failed", reason=f"worker dp{d.rank} died")
             await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} died (exit code {w.exit_code})")
         except grpc.aio.AioRpcError as exc:
@@ -139,6 +151,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                     pass
             if not w.alive or w.proc.returncode is not None:
                 w.exit_code = w.proc.returncode
+                self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
                 request_event(log, room, "failed", reason=f"worker dp{d.rank} died")
                 await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} died (exit code {w.exit_code})")
             await _abort(context, exc.code(), exc.details() or "")
@@ -169,6 +182,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
                 "--load-balance-method", self.ns.load_balance_method,
                 *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
+                *self._worker_metrics_argv(rank),
                 *common,
             ]
             # Own session: a terminal's Ctrl-C reaches the controller only, which drains its
@@ -189,6 +203,12 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         if pending:
             raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s")
         self._watchers = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
+
+    def _worker_metrics_argv(self, rank: int) -> list[str]:
+        port = derived_metrics_port(getattr(self.ns, "metrics_port", None), 1 + rank)
+        if port is None:
+            return []
+        return ["--metrics-port", str(port), "--metrics-host", self.ns.metrics_host]
 
     async def _await_ready(self, w: WorkerHandle) -> None:
         assert w.proc.stdout is not None
@@ -243,21 +263,65 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         await self.pool.close()
 
 
+def _counted(register: Callable[[Mapping[int, int]], Awaitable[object]], metrics: PrefillMetrics) -> Callable[[Mapping[int, int]], Awaitable[object]]:
+    """``register`` (one batched RegisterDpRanks), counted by outcome and batch size."""
+
+    async def counted(rooms: Mapping[int, int]) -> object:
+        try:
+            result = await register(rooms)
+        except Exception:
+            metrics.on_dp_rank_registration_failed(len(rooms))
+            raise
+        metrics.on_dp_rank_registration(len(rooms))
+        return result
+
+    return counted
+
+
 async def main_async(ns: argparse.Namespace) -> int:
-    controller = Controller(ns)
+    metrics = PrefillMetrics(transport=ns.transport)
+    metrics.set_info(dp_size=ns.dp_size)
+    controller = Controller(ns, metrics)
     services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(controller, s))]
     embedded: BootstrapServicer | None = None
+    bootstrap_metrics: BootstrapMetrics | None = None
     if not ns.bootstrap:
         cfg = BootstrapConfig(ttl=ns.bootstrap_ttl)
-        embedded = BootstrapServicer(RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch), WorkerRegistry())
+        # Same registry: the embedded bootstrap is served on the controller's endpoint.
+        bootstrap_metrics = BootstrapMetrics(metrics.registry)
+        embedded = BootstrapServicer(
+            RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch), WorkerRegistry(), metrics=bootstrap_metrics
+        )
         services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
-    server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller")
+    # NOT_SERVING until every worker registered and is ready (set_serving below): a health
+    # check that says SERVING must mean a Prefill call can be served.
+    server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)
     controller.server = server
     if embedded is not None:
+        table = embedded.table
+        assert bootstrap_metrics is not None
+        bootstrap_metrics.bind_table(lambda: table.stats)
         BootstrapServer(server, embedded, BootstrapConfig(ttl=ns.bootstrap_ttl))  # runs the expiry sweeper
         controller.bootstrap_address = server.address
+        # The embedded bootstrap works from the start (the workers register with it).
+        await server.set_serving([BOOTSTRAP_SERVICE])
+    try:
+        stop_metrics = start_metrics_from_args(ns, metrics.registry, "prefill")
+    except BaseException:
+        await server.stop(0)
+        raise
+    try:
+        return await _serve(ns, controller, server, metrics)
+    finally:
+        if bootstrap_metrics is not None:
+            bootstrap_metrics.unbind()
+        stop_metrics()
+
+
+async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServer, metrics: PrefillMetrics) -> int:
+    embedded = not ns.bootstrap
     client = BootstrapClient(controller.bootstrap_address)
-    controller.registrar = DpRankRegistrar(client.register_dp_ranks, window_s=ns.dp_register_window_ms / 1000.0)
+    controller.registrar = DpRankRegistrar(_counted(client.register_dp_ranks, metrics), window_s=ns.dp_register_window_ms / 1000.0)
     # A SIGTERM/SIGINT while workers start must stop them too (serve_until_signal's
     # handlers are not installed yet).
     loop = asyncio.get_running_loop()
@@ -277,8 +341,9 @@ async def main_async(ns: argparse.Namespace) -> int:
     log.info(
         "prefill ready: %d worker(s), %s, transport %s, bootstrap %s (%s)",
         ns.dp_size, ns.load_balance_method, ns.transport, controller.bootstrap_address,
-        "embedded" if embedded is not None else "external",
+        "embedded" if embedded else "external",
     )
+    await server.set_serving()
     print(
         READY_LINE,
         json.dumps({

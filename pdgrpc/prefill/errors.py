@@ -7,15 +7,25 @@ message naming the field or the reason; the servicers turn it into the RPC's sta
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.metrics.catalog import ServerAbortReason
+
+if TYPE_CHECKING:
+    from pdgrpc.metrics.reasons import AnyAbortReason
 
 __all__ = ["RequestFailed"]
 
 
 class RequestFailed(PdgrpcError):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """``reason``: why an admitted request ended, for ``pdgrpc_aborts_total`` (the status
+    code alone cannot tell e.g. a transfer timeout from a handshake timeout)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: AnyAbortReason = ServerAbortReason.INTERNAL_ERROR) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason

@@ -42,10 +42,12 @@ from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.engine.base import PrefillRequest as EnginePrefill
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.kvpoll import KVPoll
+from pdgrpc.metrics import PrefillMetrics, ServerAbortReason
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, Mailbox, MailboxFull
 from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, row_from_token, sampling_from_proto
 from pdgrpc.state.config import SenderDeadlines
+from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.state.prefill_sender import (
     ChunkDone,
@@ -106,6 +108,19 @@ class _Active:
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
+_SHUTDOWN = "prefill worker shutting down"  # abort_reason set by close()
+
+
+class _Oversize(RequestFailed):
+    """A prompt needing more pages than the whole pool: refused, not aborted."""
+
+
+def _transfer_failed(reason: str | None) -> "AbortReason | ServerAbortReason":
+    # The transports name a write outside the decode's grant "rejected" in the room's
+    # failure reason (the receiver NACKs it); anything else is a transfer failure.
+    return ServerAbortReason.REJECTED_WRITE if reason and "reject" in reason.lower() else AbortReason.TRANSFER_FAILED
+
+
 def _hex(b: bytes) -> str:
     return "0x" + b.hex() if b else "(empty)"
 
@@ -114,8 +129,13 @@ class PrefillWorker:
     """Serves one dp rank. ``await start()`` registers the KV pool and the send rows with
     the transport; ``descriptor`` is then what bootstrap advertises."""
 
-    def __init__(self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig()) -> None:
+    def __init__(
+        self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None
+    ) -> None:
         self.engine = engine
+        # Each request this worker ran is counted here once, in prefill(); the controller
+        # counts only the requests that never reached a worker.
+        self.metrics = metrics or PrefillMetrics(transport=transport.name)
         self.transport = transport
         self.config = config
         self.compat_hash = compat_hash_bytes(engine)
@@ -139,7 +159,7 @@ class PrefillWorker:
 
     async def close(self) -> None:
         for entry in list(self._active.values()):
-            entry.abort_reason = "prefill worker shutting down"
+            entry.abort_reason = _SHUTDOWN
             if not entry.closing:
                 entry.task.cancel()
         for entry in list(self._active.values()):
@@ -285,7 +305,7 @@ class PrefillWorker:
 
     async def _alloc(self, n: int, room: int) -> list[int]:
         if n > self.engine.num_pages:
-            raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: prompt needs {n} pages, the pool has {self.engine.num_pages}")
+            raise _Oversize(C.INVALID_ARGUMENT, f"room {room}: prompt needs {n} pages, the pool has {self.engine.num_pages}")
         deadline = time.monotonic() + self.config.page_wait_s
         waited = False
         while True:
@@ -298,6 +318,7 @@ class PrefillWorker:
                     C.RESOURCE_EXHAUSTED,
                     f"room {room}: {n} KV pages not free within {self.config.page_wait_s} s "
                     f"({self.engine.num_free_pages} of {self.engine.num_pages} free)",
+                    AbortReason.ALLOCATE_TIMEOUT,
                 )
             if not waited:
                 waited = True
@@ -316,6 +337,7 @@ class PrefillWorker:
             if room in self._active:
                 raise RequestFailed(C.ALREADY_EXISTS, f"room {room}: a Prefill for this room is already running")
         except RequestFailed as exc:
+            self.metrics.on_refused()
             request_event(log, room, "rejected", code=exc.code.name, reason=exc.message)
             raise
         task = asyncio.current_task()
@@ -326,6 +348,8 @@ class PrefillWorker:
         try:
             resp = await self._run(entry, ids, sampling)
             self.completed += 1
+            self.metrics.on_finished()
+            self.metrics.on_transfer(resp.bytes_transferred, resp.transfer_seconds)
             request_event(
                 log, room, "done", bytes=resp.bytes_transferred,
                 compute_ms=f"{resp.compute_seconds * 1e3:.1f}", transfer_ms=f"{resp.transfer_seconds * 1e3:.1f}",
@@ -334,17 +358,28 @@ class PrefillWorker:
         except asyncio.CancelledError:
             self.failed += 1
             if entry.abort_reason is None:
+                self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by the caller")
                 raise
+            # abort_reason is set by AbortRoom (decode gave up) or by close() (shutdown).
+            self.metrics.on_abort(ServerAbortReason.SHUTDOWN if entry.abort_reason == _SHUTDOWN else ServerAbortReason.DECODE_ERROR)
             task.uncancel()
             request_event(log, room, "aborted", reason=entry.abort_reason)
             raise RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {entry.abort_reason}") from None
+        except _Oversize as exc:
+            # Larger than the whole pool: it took nothing and never could, so it is refused.
+            self.failed += 1
+            self.metrics.on_refused()
+            request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
+            raise
         except RequestFailed as exc:
             self.failed += 1
+            self.metrics.on_abort(exc.reason)
             request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
             raise
         except Exception as exc:  # a bug or an engine failure: fail the request, keep serving
             self.failed += 1
+            self.metrics.on_abort(ServerAbortReason.INTERNAL_ERROR)
             log.exception("room=%d failed unexpectedly", room)
             raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {exc!r}") from None
         finally:
@@ -378,12 +413,15 @@ class PrefillWorker:
             dest = await self._mailbox.wait(room, cfg.handshake_timeout_s)
         except asyncio.TimeoutError:
             raise RequestFailed(
-                C.DEADLINE_EXCEEDED, f"room {room}: no decode handshake within {cfg.handshake_timeout_s} s"
+                C.DEADLINE_EXCEEDED, f"room {room}: no decode handshake within {cfg.handshake_timeout_s} s",
+                AbortReason.BOOTSTRAP_TIMEOUT,
             ) from None
         except DuplicateHandshake as exc:
-            raise RequestFailed(C.ALREADY_EXISTS, str(exc)) from None
+            raise RequestFailed(C.ALREADY_EXISTS, str(exc), ServerAbortReason.DECODE_ERROR) from None
         if isinstance(dest, RequestFailed):
-            raise dest
+            # A refused handshake, or an AbortRoom that came before this Prefill: the
+            # decode side ended it.
+            raise RequestFailed(dest.code, dest.message, ServerAbortReason.DECODE_ERROR)
         now = time.monotonic()
         sender, _ = PrefillSender.create(
             room, tuple(entry.pages), n, self.page_size, now,
@@ -393,11 +431,13 @@ class PrefillWorker:
         sender.handle(DestinationReceived(dest.dst_pages, dest.dst_slot), now)
         if sender.state is SenderState.FAILED:
             assert sender.failure is not None
-            raise RequestFailed(C.INVALID_ARGUMENT, sender.failure.message)
+            raise RequestFailed(C.INVALID_ARGUMENT, sender.failure.message, ServerAbortReason.DECODE_ERROR)
         try:
             peer = await self.transport.connect(dest.descriptor)
         except PdgrpcError as exc:
-            raise RequestFailed(C.UNAVAILABLE, f"room {room}: cannot connect to the decode's transport: {exc}") from None
+            raise RequestFailed(
+                C.UNAVAILABLE, f"room {room}: cannot connect to the decode's transport: {exc}", ServerAbortReason.PEER_FAILURE
+            ) from None
         pairs = region_pairs(self._regions, dest.parsed.regions)
         meta_dst = dest.parsed.region(METADATA_REGION_ID)
         assert meta_dst is not None  # checked at handshake time
@@ -437,10 +477,11 @@ class PrefillWorker:
                 request_event(log, room, "transferring", chunk_tokens=cfg.chunk_size, chunks=-(-n // cfg.chunk_size), level=logging.DEBUG)
         status = await self.transport.wait(room, cfg.transfer_timeout_s)
         if status.state is KVPoll.FAILED:
-            raise RequestFailed(C.ABORTED, f"room {room}: transfer failed: {status.reason}")
+            raise RequestFailed(C.ABORTED, f"room {room}: transfer failed: {status.reason}", _transfer_failed(status.reason))
         if status.state is not KVPoll.SUCCESS:
             raise RequestFailed(
-                C.DEADLINE_EXCEEDED, f"room {room}: decode did not acknowledge the metadata row within {cfg.transfer_timeout_s} s"
+                C.DEADLINE_EXCEEDED, f"room {room}: decode did not acknowledge the metadata row within {cfg.transfer_timeout_s} s",
+                AbortReason.TRANSFER_TIMEOUT,
             )
         sender.handle(MetadataWritten(), time.monotonic())
         assert first_write is not None
@@ -457,4 +498,4 @@ class PrefillWorker:
         if room in self.transport.rooms:
             st = self.transport.status(room)
             if st.state is KVPoll.FAILED:
-                raise RequestFailed(C.ABORTED, f"room {room}: transfer failed: {st.reason}")
+                raise RequestFailed(C.ABORTED, f"room {room}: transfer failed: {st.reason}", _transfer_failed(st.reason))

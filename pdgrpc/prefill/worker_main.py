@@ -18,16 +18,21 @@ import os
 import sys
 from typing import Awaitable, TypeVar
 
-import torch
+from pdgrpc.rpc.tuning import apply_grpc_defaults
 
-from pdgrpc.bootstrap.client import BootstrapClient
-from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments
-from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WorkerPrefillServicer
-from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
-from pdgrpc.rpc.server import run, serve_until_signal, start_server
-from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging
-from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
+apply_grpc_defaults()  # before grpc is imported (below): see pdgrpc.rpc.tuning
+
+import torch  # noqa: E402
+
+from pdgrpc.bootstrap.client import BootstrapClient  # noqa: E402
+from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
+from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
+from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments  # noqa: E402
+from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WorkerPrefillServicer  # noqa: E402
+from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig  # noqa: E402
+from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
+from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging  # noqa: E402
+from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("pdgrpc.prefill.worker")
 
@@ -51,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, required=True)
     p.add_argument("--force-dp-rank-query", action="store_true")
     add_worker_arguments(p)
+    # Not in add_worker_arguments: each worker gets its own port from the controller
+    # (derived_metrics_port), not the controller's flag passed through.
+    add_metrics_arguments(p)
     return p
 
 
@@ -91,6 +99,8 @@ async def _unless(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
 async def _main(ns: argparse.Namespace) -> int:
     engine = ReferenceEngine(engine_config_from_args(ns))
     transport = create_transport(ns)
+    metrics = PrefillMetrics(transport=transport.name)
+    metrics.set_info(dp_rank=ns.dp_rank, dp_size=ns.dp_size)
     worker = PrefillWorker(
         engine,
         transport,
@@ -101,8 +111,17 @@ async def _main(ns: argparse.Namespace) -> int:
             transfer_timeout_s=ns.transfer_timeout,
             page_wait_s=ns.page_wait_timeout,
         ),
+        metrics=metrics,
     )
     descriptor = await worker.start()
+    # Live gauges: the worker's own allocator and transport, read at scrape time.
+    metrics.bind(worker.stats)
+    try:
+        stop_metrics = start_metrics_from_args(ns, metrics.registry, f"prefill worker dp{ns.dp_rank}")
+    except BaseException:
+        metrics.unbind()
+        await worker.close()
+        raise
     # Watch the controller from the start: a worker must not outlive it, not even while
     # it is still registering (bootstrap registration retries for a while).
     orphaned = asyncio.Event()
@@ -129,6 +148,8 @@ async def _main(ns: argparse.Namespace) -> int:
     if reg is None:
         watcher.cancel()
         await server.stop(0)
+        metrics.unbind()
+        stop_metrics()
         await worker.close()
         return 1
     worker.generation = reg.generation
@@ -148,6 +169,8 @@ async def _main(ns: argparse.Namespace) -> int:
         # After the grace period: in-flight requests finished (or were cancelled by the
         # server), so closing the transport interrupts nothing that could still succeed.
         await worker.close()
+        metrics.unbind()
+        stop_metrics()
     return 0
 
 

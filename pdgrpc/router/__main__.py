@@ -6,12 +6,18 @@ import argparse
 import logging
 import sys
 
-from pdgrpc.errors import PdgrpcError
-from pdgrpc.router.service import GenerateServicer, RouterConfig, parse_prefill, service_names
-from pdgrpc.rpc.server import run, serve_until_signal, start_server
-from pdgrpc.serving.flags import add_logging_arguments
-from pdgrpc.serving.logs import setup_logging
-from pdgrpc.v1 import generate_pb2_grpc
+from pdgrpc.rpc.tuning import apply_grpc_defaults
+
+apply_grpc_defaults()  # before grpc is imported (below): see pdgrpc.rpc.tuning
+
+# Nothing here imports torch (tests/router checks it): the router starts in well under a
+# second and holds no tensor.
+from pdgrpc.errors import PdgrpcError  # noqa: E402
+from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
+from pdgrpc.router.service import GenerateServicer, RouterConfig, parse_prefill, service_names  # noqa: E402
+from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
+from pdgrpc.serving.logs import add_logging_arguments, setup_logging  # noqa: E402
+from pdgrpc.v1 import generate_pb2_grpc  # noqa: E402
 
 DESCRIPTION = """\
 The router: clients call pdgrpc.v1.GenerateService here. For each request it draws a
@@ -45,17 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline of the Prefill and Decode calls of one request (a client's own, shorter deadline wins) (default: %(default)s)",
     )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
+    add_metrics_arguments(p)
     add_logging_arguments(p)
     return p
 
 
 async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
-    servicer = GenerateServicer(config)
+    metrics = RouterMetrics()
+    servicer = GenerateServicer(config, metrics=metrics)
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
         host=args.host, port=args.port, what="pdgrpc router",
     )
+    metrics.bind(lambda: {"active_requests": servicer.active})  # the servicer's own count
+    try:
+        stop_metrics = start_metrics_from_args(args, metrics.registry, "router")
+    except BaseException:
+        await server.stop(0)
+        await servicer.close()
+        raise
     log = logging.getLogger("pdgrpc.router")
     log.info(
         "routing to prefill %s; decode %s",
@@ -67,6 +82,8 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     finally:
         # Only now: in-flight requests used these channels until the grace period ended.
         await servicer.close()
+        metrics.unbind()
+        stop_metrics()
     log.info("stopped")
 
 

@@ -36,8 +36,10 @@ from typing import Sequence
 import grpc
 
 from pdgrpc.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
+from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
+from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
@@ -109,12 +111,14 @@ class RouterConfig:
 
 
 class _Failure(Exception):
-    """A request failed upstream; ``code`` and ``message`` go to the client."""
+    """A request failed upstream; ``code`` and ``message`` go to the client, ``cause``
+    (which side failed) to ``pdgrpc_aborts_total``."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, cause: ServerAbortReason = ServerAbortReason.DECODE_ERROR) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.cause = cause
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -132,8 +136,9 @@ def _describe(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Routes each ``Generate`` to one prefill and one decode; see the module doc."""
 
-    def __init__(self, config: RouterConfig, pool: ChannelPool | None = None) -> None:
+    def __init__(self, config: RouterConfig, pool: ChannelPool | None = None, metrics: RouterMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or RouterMetrics()
         self._pool = pool or ChannelPool()
         self._prefills = itertools.cycle(config.prefills)
         self._decodes = itertools.cycle(config.decodes)
@@ -174,6 +179,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             input_ids = self._input_ids(request)
         except _Failure as f:
+            self.metrics.on_refused()
             request_event(log, room, "refused", level=logging.WARNING, request_id=request_id, reason=f.message)
             await context.abort(f.code, f.message)
             return
@@ -212,6 +218,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode)
             outcome = "finished"
+            self.metrics.on_finished()
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
@@ -223,6 +230,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
         except _Failure as f:
             outcome = "failed"
+            self.metrics.on_abort(f.cause)
             request_event(log, room, "failed", level=logging.WARNING, request_id=request_id, code=f.code.name, reason=f.message)
             await context.abort(f.code, f.message)
         finally:
@@ -237,6 +245,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             elif not prefill_fut.cancelled():
                 prefill_fut.exception()  # retrieved: a failure already handled is not "never retrieved"
             if outcome == "cancelled by client":
+                self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
 
     @staticmethod
@@ -245,7 +254,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return await call
         except grpc.RpcError as exc:
             code, details = _describe(exc)
-            raise _Failure(_client_code(code), f"prefill {address} failed: {code.name}: {details}") from None
+            raise _Failure(_client_code(code), f"prefill {address} failed: {code.name}: {details}", ServerAbortReason.PREFILL_ERROR) from None
 
     async def _relay(
         self,
@@ -292,10 +301,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if first:
                     first = False
                     out.ttft_seconds = time.perf_counter() - arrived
+                    self.metrics.on_first_token(out.ttft_seconds)
                     out.bytes_transferred = msg.bytes_transferred
                     out.transfer_seconds = msg.transfer_seconds
                     out.bootstrap_room = room
                 count += len(msg.token_ids)
+                self.metrics.on_tokens(len(msg.token_ids))
                 await context.write(out)
         finally:
             # A read still pending when we stop (client gone, prefill failed) would
@@ -316,7 +327,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None:
             cause = prefill_fut.exception()
             assert isinstance(cause, _Failure)
-            return _Failure(cause.code, f"{cause.message} (and {decode_msg})")
+            return _Failure(cause.code, f"{cause.message} (and {decode_msg})", ServerAbortReason.PREFILL_ERROR)
         return _Failure(_client_code(code), decode_msg)
 
 

@@ -16,7 +16,9 @@ or, as a process's main (``run(main())``)::
 Each server gets:
 
 * the standard ``grpc.health.v1.Health`` service: overall status ``""`` and each named
-  service ``SERVING`` while it runs, ``NOT_SERVING`` once it starts shutting down;
+  service ``SERVING`` while it runs, ``NOT_SERVING`` once it starts shutting down
+  (a server started with ``serving=False`` reports ``NOT_SERVING`` until
+  :meth:`RpcServer.set_serving`: e.g. a prefill controller whose workers still start);
 * server reflection, listing the named services (``grpcurl``, ``grpc_cli`` work);
 * one INFO log line ``<what> listening on <host>:<port> (...)``;
 * graceful shutdown: :func:`serve_until_signal` stops on SIGTERM or SIGINT, letting
@@ -91,6 +93,14 @@ class RpcServer:
         """Await ``callback()`` when the server stops, before the transport closes."""
         self._on_stop.append(callback)
 
+    async def set_serving(self, services: Iterable[str] | None = None) -> None:
+        """Report SERVING for ``services`` (default: every service and the overall ``""``).
+        A no-op once the server is stopping: shutdown's NOT_SERVING wins."""
+        if self._stopped.is_set():
+            return
+        for name in ("", *self.services) if services is None else services:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
     async def stop(self, grace: float | None = 5.0) -> None:
         """Report NOT_SERVING, then stop, letting in-flight calls run up to ``grace`` s."""
         if self._stopped.is_set():
@@ -113,9 +123,11 @@ async def start_server(
     port: int = 0,
     options: Sequence[tuple[str, int | str]] = DEFAULT_SERVER_OPTIONS,
     what: str = "pdgrpc server",
+    serving: bool = True,
 ) -> RpcServer:
     """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
-    and reflection. ``port=0`` picks a free port (``RpcServer.port``)."""
+    and reflection. ``port=0`` picks a free port (``RpcServer.port``). ``serving=False``:
+    health reports NOT_SERVING (calls are still answered) until ``set_serving()``."""
     services = list(services)
     server = grpc.aio.server(options=list(options))
     names = []
@@ -130,8 +142,9 @@ async def start_server(
     if bound == 0:
         raise OSError(f"{what}: cannot bind {bind}")
     await server.start()
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *names):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
     rpc = RpcServer(server, health_servicer, host, bound, names)
     log.info("%s listening on %s (grpc.aio on %s; services: %s)", what, f"{host}:{bound}", loop_name(), ", ".join(names))
     return rpc

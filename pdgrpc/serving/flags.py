@@ -24,6 +24,7 @@ import inspect
 from typing import Any
 
 from pdgrpc.engine.model import ModelConfig
+from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
 from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
@@ -132,12 +133,3 @@ def create_transport(ns: argparse.Namespace) -> Transport:
     cls = registry.load(ns.transport)
     return cls(**transport_options_from_args(ns, cls))
 
-
-def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--log-level``."""
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity; 'info' logs one line per request event (room, what happened). Default: %(default)s",
-    )

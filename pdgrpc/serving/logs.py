@@ -8,12 +8,23 @@ events, which keeps that format uniform.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 from typing import Any
 
-__all__ = ["request_event", "setup_logging"]
+__all__ = ["add_logging_arguments", "request_event", "setup_logging"]
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--log-level``."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity; 'info' logs one line per request event (room, what happened). Default: %(default)s",
+    )
 
 
 def setup_logging(level: str = "info", name: str = "") -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
-from pdgrpc.state.metadata import MetadataRow
+if TYPE_CHECKING:  # an annotation only: the abort vocabulary must load without torch
+    from pdgrpc.state.metadata import MetadataRow
 
 __all__ = ["AbortReason", "Aborted", "Committed", "REASON_NONE"]
 

@@ -68,3 +68,59 @@ def test_a_million_rooms_cost_well_under_200_mb_of_server_rss() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def _read_line(stream: asyncio.StreamReader, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        assert left > 0, f"no log line matching {pattern!r}"
+        line = (await asyncio.wait_for(stream.readline(), left)).decode()
+        assert line, f"the process exited before logging {pattern!r}"
+        m = re.search(pattern, line)
+        if m:
+            return m
+
+
+async def test_metrics_endpoint_shows_the_table_size_evictions_and_calls() -> None:
+    from pdgrpc.errors import PdgrpcError
+    from pdgrpc.metrics import scrape
+
+    proc = await asyncio.create_subprocess_exec(
+        *CMD, "--host", "127.0.0.1", "--port", "0", "--max-rooms", "4", "--max-batch", "4", "--metrics-port", "0",
+        stderr=asyncio.subprocess.PIPE,
+    )
+    pool = ChannelPool()
+    try:
+        assert proc.stderr is not None
+        address = (await _read_line(proc.stderr, r"listening on (\S+:\d+)")).group(1)
+        metrics = (await _read_line(proc.stderr, r"pdgrpc bootstrap metrics on http://(\S+:\d+)/metrics")).group(1)
+        s = await asyncio.to_thread(scrape, metrics)
+        assert s.value("pdgrpc_bootstrap_rooms", role="bootstrap") == 0
+        assert s.value("pdgrpc_bootstrap_rooms_capacity", role="bootstrap") == 4
+
+        client = BootstrapClient(address, pool=pool, timeout=10)
+        await client.register_dp_ranks([(room, 0) for room in (1, 2, 3, 4)])
+        await client.register_dp_ranks([(5, 1), (6, 1)])  # over --max-rooms: rooms 1 and 2 go
+        with pytest.raises(PdgrpcError, match="6"):
+            await client.register_dp_ranks([(6, 0)])  # room 6 is on rank 1: a conflict
+        result = await client.query_dp_ranks([1, 2, 5])
+        assert sorted(result.missing) == [1, 2]
+
+        s = await asyncio.to_thread(scrape, metrics)
+        assert s.value("pdgrpc_bootstrap_rooms", role="bootstrap") == 4
+        assert s.value("pdgrpc_bootstrap_rooms_evicted_total", role="bootstrap") == 2
+        assert s.value("pdgrpc_bootstrap_rooms_expired_total", role="bootstrap") == 0
+        assert s.value("pdgrpc_dp_rank_registrations_total", role="bootstrap", outcome="ok") == 2
+        assert s.value("pdgrpc_dp_rank_registrations_total", role="bootstrap", outcome="error") == 1
+        assert s.value("pdgrpc_dp_rank_registration_batch_size_sum", role="bootstrap") == 4 + 2 + 1
+        assert s.value("pdgrpc_dp_rank_queries_total", role="bootstrap", outcome="ok") == 1
+        assert s.value("pdgrpc_dp_rank_query_rooms_missing_total", role="bootstrap") == 2
+    finally:
+        await pool.close()
+        if proc.returncode is None:
+            proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    # Stopped with the server: nothing listens on the metrics port any more.
+    with pytest.raises(OSError):
+        await asyncio.to_thread(scrape, metrics, timeout=2)

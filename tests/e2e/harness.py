@@ -1,9 +1,10 @@
 """Shared pieces of the end-to-end tests: clusters per (topology, transport), the prompt
-set, the colocated reference, and the "nothing left allocated" check.
+set, the colocated reference, the "nothing left allocated" check, and the servers'
+metrics read back over HTTP.
 
-Every check here reads the servers themselves (GetStats) and compares with a
-ReferenceEngine built from the topology's own [engine] table, never with the test's
-own bookkeeping.
+Every check here reads the servers themselves (GetStats, the Prometheus endpoints) and
+compares with a ReferenceEngine built from the topology's own [engine] table, never with
+the test's own bookkeeping.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate as colocated_generate
 from pdgrpc.errors import TransportUnavailable
+from pdgrpc.metrics import Scrape, scrape
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.transport import registry
 from pdgrpc.v1 import common_pb2
@@ -103,7 +105,8 @@ def reference_outputs(topology_name: str, cases: list[Case]) -> list[tuple[tuple
 
 
 async def wait_nothing_held(cluster: Cluster, timeout: float = 20.0) -> None:
-    """Poll every prefill's and decode's GetStats until nothing is held (bounded)."""
+    """Poll every prefill's and decode's GetStats until nothing is held (bounded); then,
+    when the cluster serves metrics, the live gauges scraped over HTTP must say the same."""
     deadline = time.monotonic() + timeout
     while True:
         cluster.check()
@@ -113,7 +116,105 @@ async def wait_nothing_held(cluster: Cluster, timeout: float = 20.0) -> None:
         }
         held = {k: v for k, v in held.items() if v}
         if not held:
-            return
+            break
         if time.monotonic() > deadline:
             raise AssertionError(f"still held {timeout:.0f} s after the last request: {held}")
         await asyncio.sleep(0.1)
+    if cluster.metrics_endpoints():
+        await wait_metrics_idle(cluster, max(1.0, deadline - time.monotonic()))
+
+
+# Live gauges that must read 0 on an idle server, by the role whose endpoints expose them.
+# A prefill controller exposes none (its workers hold the pages); the router only
+# pdgrpc_active_requests. A sample that is missing raises KeyError: an endpoint whose
+# gauges were never bound fails the check too.
+IDLE_GAUGES = {
+    "decode": ("pdgrpc_active_requests", "pdgrpc_metadata_slots_in_use", "pdgrpc_kv_pages_in_use", "pdgrpc_kv_pages_quarantined", "pdgrpc_transport_rooms"),
+    "prefill worker": ("pdgrpc_active_requests", "pdgrpc_kv_pages_in_use", "pdgrpc_transport_rooms"),
+    "router": ("pdgrpc_active_requests",),
+}
+
+
+def _gauge_kind(cluster: Cluster, endpoint: str) -> tuple[str, str] | None:
+    name, _, worker = endpoint.partition("/")
+    role = cluster.procs[name].spec.role
+    if role == "prefill":
+        return ("prefill worker", "prefill") if worker else None
+    return (role, role) if role in IDLE_GAUGES else None
+
+
+async def wait_metrics_idle(cluster: Cluster, timeout: float = 10.0) -> dict[str, Scrape]:
+    """Scrape every metrics endpoint over HTTP until each live gauge of IDLE_GAUGES reads 0
+    (bounded: the router's count drops a moment after its last stream closed). Also
+    checks, per endpoint, that the aborts by reason add up to the aborted requests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        scrapes = await read_metrics(cluster)
+        busy = {}
+        for endpoint, s in scrapes.items():
+            kind = _gauge_kind(cluster, endpoint)
+            if kind is None:
+                continue
+            values = {g: s.value(g, role=kind[1]) for g in IDLE_GAUGES[kind[0]]}
+            nonzero = {g: v for g, v in values.items() if v != 0}
+            if nonzero:
+                busy[endpoint] = nonzero
+        if not busy:
+            for endpoint, s in scrapes.items():
+                check_abort_sum(endpoint, s)
+            return scrapes
+        if time.monotonic() > deadline:
+            raise AssertionError(f"metrics still show resources in use {timeout:.0f} s after the last request: {busy}")
+        await asyncio.sleep(0.1)
+
+
+def check_abort_sum(endpoint: str, s: Scrape) -> None:
+    """Each aborted request is counted under exactly one reason."""
+    for f in s.families.values():
+        if f.name != "pdgrpc_aborts":
+            continue
+        for role in {x.labels["role"] for x in f.samples}:
+            by_reason = sum(x.value for x in f.samples if x.name == "pdgrpc_aborts_total" and x.labels["role"] == role)
+            aborted = s.value("pdgrpc_requests_total", role=role, state="aborted")
+            assert by_reason == aborted, f"{endpoint} role={role}: aborts by reason add up to {by_reason}, aborted requests = {aborted}"
+
+
+async def read_metrics(cluster: Cluster) -> dict[str, Scrape]:
+    """One HTTP scrape of every metrics endpoint of the cluster (in threads: urllib blocks)."""
+    endpoints = cluster.metrics_endpoints()
+    assert endpoints, "this cluster serves no metrics (start it with metrics=True)"
+    got = await asyncio.gather(*(asyncio.to_thread(scrape, addr) for addr in endpoints.values()))
+    return dict(zip(endpoints, got))
+
+
+class Counters:
+    """Counter totals per role over every endpoint of a cluster (a prefill's controller and
+    dp workers each count the requests that ended there, so their sum is the prefill's),
+    and the change since an earlier reading: ``after.delta(before, ...)``."""
+
+    def __init__(self, scrapes: dict[str, Scrape]) -> None:
+        self.scrapes = scrapes
+
+    @classmethod
+    async def read(cls, cluster: Cluster) -> "Counters":
+        return cls(await read_metrics(cluster))
+
+    def total(self, sample: str, role: str, **labels: str) -> float:
+        return sum(s.value(sample, role=role, **labels) for s in self.scrapes.values() if s.has(sample, role=role, **labels))
+
+    def delta(self, before: "Counters", sample: str, role: str, **labels: str) -> float:
+        return self.total(sample, role, **labels) - before.total(sample, role, **labels)
+
+    def requests(self, before: "Counters", role: str) -> dict[str, float]:
+        """Change of pdgrpc_requests_total by state, and of pdgrpc_aborts_total by reason
+        (as ``aborted:<reason>``, non-zero ones only)."""
+        out = {st: self.delta(before, "pdgrpc_requests_total", role, state=st) for st in ("finished", "aborted", "refused")}
+        for s in self.scrapes.values():
+            fam = s.families.get("pdgrpc_aborts")
+            for x in fam.samples if fam else ():
+                key = f"aborted:{x.labels['reason']}"
+                if x.labels.get("role") == role and key not in out:
+                    d = self.delta(before, "pdgrpc_aborts_total", role, reason=x.labels["reason"])
+                    if d:
+                        out[key] = d
+        return out

@@ -26,6 +26,7 @@ from pdgrpc.cluster import Cluster, ClusterError, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.topology import parse_topology, servers_dir
 from pdgrpc.errors import ConfigError
+from pdgrpc.metrics import scrape
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,6 +55,8 @@ def test_every_shipped_topology_loads():
         ({"process": [{"name": "p", "role": "prefill", "bootstrap": "nowhere"}]}, "not a bootstrap process"),
         ({"process": [{"name": "d", "role": "decode"}]}, "exactly one router"),
         ({"unknown": 1}, "unknown top-level keys"),
+        ({"metrics": "yes"}, "metrics must be true or false"),
+        ({"process": [{"name": "d", "role": "decode", "args": {"metrics-port": 5}}]}, "--metrics-port is set by the launcher"),
     ],
 )
 def test_bad_topologies_are_refused_naming_the_problem(change, message):
@@ -63,27 +66,51 @@ def test_bad_topologies_are_refused_naming_the_problem(change, message):
         parse_topology(data, "bad")
 
 
+def test_metrics_ports_for_every_server_and_each_prefill_worker(tmp_path):
+    # Nothing is started: this checks the ports and flags the launcher hands out.
+    assert Cluster("prefill-dp2-round-robin", transport="tcp", log_dir=tmp_path).metrics_endpoints() == {}
+    c = Cluster("prefill-dp2-round-robin", transport="tcp", log_dir=tmp_path, metrics=True)
+    endpoints = c.metrics_endpoints()
+    assert set(endpoints) == {"bootstrap", "prefill", "prefill/dp0", "prefill/dp1", "decode", "router"}
+    ports = {name: int(addr.rpartition(":")[2]) for name, addr in endpoints.items()}
+    assert len(set(ports.values()) | {p.port for p in c.procs.values()}) == len(ports) + len(c.procs)
+    # The prefill's workers listen on its --metrics-port + 1 + rank (derived_metrics_port).
+    assert (ports["prefill/dp0"], ports["prefill/dp1"]) == (ports["prefill"] + 1, ports["prefill"] + 2)
+    assert c.metrics_address("prefill", dp_rank=1) == endpoints["prefill/dp1"]
+    for name in ("bootstrap", "prefill", "decode", "router"):
+        argv = c.procs[name].argv
+        assert argv[argv.index("--metrics-port") + 1] == str(ports[name])
+    assert c.metrics_endpoints("decode") == {"decode": endpoints["decode"]}
+    assert "metrics dp1: http://" in c.describe()
+
+
 def test_missing_topology_names_the_directory():
     with pytest.raises(ConfigError, match="no such file"):
         load_topology("no-such-topology")
 
 
-def _start_cli(topology: str, log_dir: Path) -> subprocess.Popen:
+def _start_cli(topology: str, log_dir: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pdgrpc.cluster", topology, "--transport", "tcp", "--log-dir", str(log_dir), "--grace", "5"],
+        [sys.executable, "-m", "pdgrpc.cluster", topology, "--transport", "tcp", "--log-dir", str(log_dir), "--grace", "5", *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
 
-def _wait_router(cli: subprocess.Popen, timeout: float = 150) -> tuple[str, dict[str, int]]:
-    """Read the CLI's stdout until it prints the router address; returns it and the pids."""
+def _wait_router(cli: subprocess.Popen, timeout: float = 150, metrics: dict[str, str] | None = None) -> tuple[str, dict[str, int]]:
+    """Read the CLI's stdout until it prints the router address; returns it and the pids
+    (and fills ``metrics``: the metrics endpoints listed, by process name or name/dp<r>)."""
     assert cli.stdout is not None
     deadline = time.monotonic() + timeout
     pids: dict[str, int] = {}
+    name = ""
     for line in cli.stdout:
         m = re.match(r"\s+(\S+)\s+\S+\s+\S+\s+pid (\d+)", line)
         if m:
-            pids[m.group(1)] = int(m.group(2))
+            name = m.group(1)
+            pids[name] = int(m.group(2))
+        m = re.search(r"metrics( dp\d+)?: http://(\S+)/metrics", line)
+        if m and metrics is not None and name:
+            metrics[name + (f"/{m.group(1).strip()}" if m.group(1) else "")] = m.group(2)
         m = re.search(r"listening on (\S+)", line)
         if m:
             return m.group(1), pids
@@ -99,6 +126,10 @@ def _cluster_pids(pids: dict[str, int], log_dir: Path) -> list[int]:
         if line.startswith("PDGRPC_READY "):
             out += json.loads(line.split(" ", 1)[1]).get("worker_pids", [])
     return out
+
+
+def _role(endpoint: str) -> str:
+    return endpoint.split("/")[0]  # the process names of these topologies are their roles
 
 
 def _alive(pid: int) -> bool:
@@ -122,9 +153,10 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
 
 
 def test_cli_serves_then_stops_everything_on_sigint(tmp_path):
-    cli = _start_cli("prefill-dp2-round-robin", tmp_path)
+    cli = _start_cli("prefill-dp2-round-robin", tmp_path, "--metrics")
     try:
-        router, pids = _wait_router(cli)
+        metrics: dict[str, str] = {}
+        router, pids = _wait_router(cli, metrics=metrics)
         assert set(pids) == {"bootstrap", "prefill", "decode", "router"}
         all_pids = _cluster_pids(pids, tmp_path)
         assert len(all_pids) == 6  # 4 processes + 2 prefill DP workers
@@ -134,6 +166,16 @@ def test_cli_serves_then_stops_everything_on_sigint(tmp_path):
                 return (await generate(GenerateServiceStub(ch), prompt="hello", max_new_tokens=4)).finish_reason
 
         assert asyncio.run(one()) == "length"
+        # --metrics: every server's endpoint is listed and answers; the request is counted
+        # once by the router, the decode, and the prefill worker that ran it.
+        assert set(metrics) == {"bootstrap", "prefill", "prefill/dp0", "prefill/dp1", "decode", "router"}
+        scrapes = {k: scrape(v) for k, v in metrics.items()}
+        finished = {
+            k: s.value("pdgrpc_requests_total", role=_role(k), state="finished")
+            for k, s in scrapes.items() if k != "bootstrap"
+        }
+        assert finished["router"] == finished["decode"] == 1
+        assert finished["prefill"] == 0 and finished["prefill/dp0"] + finished["prefill/dp1"] == 1
         cli.send_signal(signal.SIGINT)
         out, err = cli.communicate(timeout=60)
         assert cli.returncode == 0, err

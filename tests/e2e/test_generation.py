@@ -7,6 +7,10 @@ after every check GetStats on every prefill and decode must read zero held resou
 Failure propagation (a refused prompt, a dp-rank conflict, a client cancel before and
 after the first token) must reach the client as a clear gRPC error with no token from
 incomplete KV, and leave nothing allocated either.
+
+The clusters serve metrics: after every check the live gauges scraped over HTTP from
+each decode, prefill worker and router read 0, and the request counters moved exactly
+as the check's requests ended (finished, refused, aborted and why) on each role.
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ from pdgrpc.cluster.client import generate
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
-from tests.e2e.harness import TOPOLOGIES, TRANSPORTS, prompt_cases, reference_outputs, skip_unless_transport, wait_nothing_held
+from tests.e2e.harness import (
+    TOPOLOGIES,
+    TRANSPORTS,
+    Counters,
+    prompt_cases,
+    reference_outputs,
+    skip_unless_transport,
+    wait_nothing_held,
+)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -35,8 +47,14 @@ _REFERENCE: dict[tuple, list] = {}
 async def cluster(request):
     topology, transport = request.param
     skip_unless_transport(transport)
-    async with Cluster(topology, transport=transport, start_timeout=180) as c:
+    async with Cluster(topology, transport=transport, start_timeout=180, metrics=True) as c:
         yield c
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def before(cluster):
+    """The cluster's counters before the test (each test checks what it changed)."""
+    return await Counters.read(cluster)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -58,7 +76,7 @@ def reference_for(cluster: Cluster, cases):
     return _REFERENCE[key]
 
 
-async def test_outputs_equal_colocated_generation(cluster, router):
+async def test_outputs_equal_colocated_generation(cluster, router, before):
     page, chunk = page_and_chunk(cluster)
     cases = prompt_cases(page, chunk)
     assert any(len(c.input_ids) < page for c in cases)
@@ -97,6 +115,29 @@ async def test_outputs_equal_colocated_generation(cluster, router):
     assert len({g.bootstrap_room for g in got}) == len(got)
     await wait_nothing_held(cluster)
 
+    n = len(cases)
+    after = await Counters.read(cluster)
+    for role in ("router", "prefill", "decode"):
+        assert after.requests(before, role) == {"finished": n, "aborted": 0, "refused": 0}, role
+    assert after.delta(before, "pdgrpc_time_to_first_token_seconds_count", "router") == n
+    assert after.delta(before, "pdgrpc_output_tokens_total", "router") == sum(len(g.token_ids) for g in got)
+    for role in ("prefill", "decode"):
+        assert after.delta(before, "pdgrpc_transfer_seconds_count", role, transport=cluster.transport) == n, role
+    # The decode counts what it committed, the prefill what it sent: the same bytes, and
+    # what each request reported to the client.
+    reported = sum(g.bytes_transferred for g in got)
+    assert after.delta(before, "pdgrpc_transfer_bytes_total", "decode", transport=cluster.transport) == reported
+    assert after.delta(before, "pdgrpc_transfer_bytes_total", "prefill", transport=cluster.transport) == reported
+    prefill = cluster.topology.by_role("prefill")[0]
+    registers = int(prefill.args.get("dp-size", 1)) > 1 and prefill.args.get("load-balance-method") != "follow_bootstrap_room"
+    # Every room is registered once (in batches) when decode must query, never otherwise;
+    # the embedded bootstrap (on the controller's endpoint) served exactly those calls.
+    for role in ("prefill", "bootstrap"):
+        assert after.delta(before, "pdgrpc_dp_rank_registration_batch_size_sum", role) == (n if registers else 0), role
+        assert after.delta(before, "pdgrpc_dp_rank_registrations_total", role, outcome="error") == 0, role
+    if registers:
+        assert after.total("pdgrpc_dp_rank_queries_total", "decode", outcome="ok") > before.total("pdgrpc_dp_rank_queries_total", "decode", outcome="ok")
+
 
 async def expect_error(router, **kwargs) -> grpc.aio.AioRpcError:
     """Run a request that must fail; asserts no token reached the client first."""
@@ -113,15 +154,20 @@ async def expect_error(router, **kwargs) -> grpc.aio.AioRpcError:
     return err.value
 
 
-async def test_prompt_over_the_prefill_limit_is_refused(cluster, router):
+async def test_prompt_over_the_prefill_limit_is_refused(cluster, router, before):
     limit = int(cluster.topology.engine_value("max-prompt-tokens", 2048))
     err = await expect_error(router, input_ids=[256] + [97] * limit)  # limit + 1 tokens
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prefill" in err.details() and f"max_prompt_tokens={limit}" in err.details()
     await wait_nothing_held(cluster)
+    after = await Counters.read(cluster)
+    # The prefill turned it away before taking anything; the router saw the prefill fail.
+    assert after.requests(before, "prefill") == {"finished": 0, "aborted": 0, "refused": 1}
+    assert after.requests(before, "router") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:prefill_error": 1}
+    assert after.delta(before, "pdgrpc_requests_total", "decode", state="finished") == 0
 
 
-async def test_client_cancel_mid_stream_releases_both_sides(cluster, router):
+async def test_client_cancel_mid_stream_releases_both_sides(cluster, router, before):
     req = generate_pb2.GenerateRequest(
         prompt="cancel me after the first token " * 4,
         sampling=common_pb2.SamplingParams(max_new_tokens=1000, ignore_eos=True),
@@ -140,9 +186,16 @@ async def test_client_cancel_mid_stream_releases_both_sides(cluster, router):
         cluster.topology.name, [_case(ids, 12)]
     )[0]
     await wait_nothing_held(cluster)
+    after = await Counters.read(cluster)
+    # The cancelled request was generating on the decode: both count it as cancelled.
+    for role in ("router", "decode"):
+        assert after.requests(before, role) == {"finished": 1, "aborted": 1, "refused": 0, "aborted:cancelled": 1}, role
+    # Its prefill normally finished before the first token; both requests ended there.
+    p = after.requests(before, "prefill")
+    assert p["finished"] + p["aborted"] == 2 and p["refused"] == 0, p
 
 
-async def test_client_cancel_before_the_first_token_releases_both_sides(cluster, router):
+async def test_client_cancel_before_the_first_token_releases_both_sides(cluster, router, before):
     limit = int(cluster.topology.engine_value("max-prompt-tokens", 2048))
     # The longest prompt allowed: the cancel lands while it is computed and transferred.
     req = generate_pb2.GenerateRequest(input_ids=[256] + [98] * (limit - 1), sampling=common_pb2.SamplingParams(max_new_tokens=4))
@@ -154,15 +207,25 @@ async def test_client_cancel_before_the_first_token_releases_both_sides(cluster,
             async for _ in call:
                 pass
     await wait_nothing_held(cluster)
+    after = await Counters.read(cluster)
+    # A request cancelled that early may never reach a server (nothing is counted there),
+    # and one may even finish before the cancel lands (4 tokens); but each ends once per
+    # server, and the router counts each one it saw end early as cancelled by the client.
+    ended = {role: after.requests(before, role) for role in ("router", "prefill", "decode")}
+    for role, r in ended.items():
+        assert r["finished"] + r["aborted"] + r["refused"] <= 3, (role, r)
+    assert ended["router"]["aborted"] == ended["router"].get("aborted:cancelled", 0), ended["router"]
+    assert ended["router"]["finished"] <= ended["decode"]["finished"], ended  # it relays the decode's end
 
 
-async def test_routed_dp_rank(cluster, router):
+async def test_routed_dp_rank(cluster, router, before):
     prefill = cluster.topology.by_role("prefill")[0]
     dp_size = int(prefill.args.get("dp-size", 1))
     method = prefill.args.get("load-balance-method", "round_robin")
     ids = tuple(ByteTokenizer().encode("pinned to a dp rank"))
     (expected,) = reference_outputs(cluster.topology.name, [_case(ids, 8)])
     rank = dp_size - 1
+    conflicts = 0
     if method != "follow_bootstrap_room" or prefill.args.get("force-dp-rank-query"):
         for _ in range(4):
             got = await generate(router, input_ids=ids, max_new_tokens=8, routed_dp_rank=rank)
@@ -191,6 +254,12 @@ async def test_routed_dp_rank(cluster, router):
     assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
     assert "dp" in err.details()
     await wait_nothing_held(cluster)
+    after = await Counters.read(cluster)
+    # Each conflict was decided by the prefill controller, and only there.
+    assert after.delta(before, "pdgrpc_aborts_total", "prefill", reason="dp_rank_conflict") == conflicts
+    served_n = after.delta(before, "pdgrpc_requests_total", "router", state="finished")
+    assert after.delta(before, "pdgrpc_requests_total", "prefill", state="finished") == served_n
+    assert after.delta(before, "pdgrpc_requests_total", "decode", state="finished") == served_n
 
 
 def _case(ids, max_new_tokens):

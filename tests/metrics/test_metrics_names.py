@@ -154,6 +154,7 @@ def test_bootstrap_facade_does_not_import_torch() -> None:
         "from pdgrpc.metrics import BootstrapMetrics, start_metrics_server\n"
         "BootstrapMetrics().bind_table(lambda: {'size': 1})\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'pdgrpc.state' not in sys.modules, 'pdgrpc.state imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

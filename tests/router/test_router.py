@@ -14,6 +14,7 @@ import time
 import grpc
 import pytest
 
+from pdgrpc.metrics import scrape, start_metrics_server
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, draw_room, parse_prefill, service_names
 from pdgrpc.rpc.server import start_server
 from pdgrpc.v1 import (
@@ -279,3 +280,57 @@ async def wait_for(cond, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(0.01)
+
+
+async def test_metrics_count_each_request_once_by_how_it_ended(cluster):
+    """Scraped over HTTP: finished requests with their TTFT and tokens; a bad prompt
+    refused; a prefill failure, a decode failure and a client cancel aborted, each
+    under its cause; and no request left active."""
+    stub, prefill, decodes, *_, router = cluster
+    router.metrics.bind(lambda: {"active_requests": router.active})
+    port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
+    try:
+        decodes[0].messages = decodes[1].messages = [[104], [105, 106], [107]]
+        for _ in range(3):
+            await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+        with pytest.raises(grpc.aio.AioRpcError):  # refused by the router itself
+            await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[256, 300])))
+        prefill.fail = (grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        for d in decodes:
+            d.wait_forever = True  # only the prefill's failure can end this request
+        with pytest.raises(grpc.aio.AioRpcError):
+            await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+        prefill.fail = None
+        for d in decodes:
+            d.wait_forever = False
+        prefill.hang = True
+        for d in decodes:
+            d.fail_after = 1
+        with pytest.raises(grpc.aio.AioRpcError):
+            await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+        before_cancel = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+        # Every request that streamed a first token has a TTFT: 3 finished, and the one that
+        # failed after its first token.
+        assert before_cancel.value("pdgrpc_time_to_first_token_seconds_count", role="router") == 4
+        assert before_cancel.value("pdgrpc_output_tokens_total", role="router") == 3 * 4 + 1
+        for d in decodes:
+            d.fail_after, d.messages, d.gap = None, [[104]] * 50, 0.05
+        call = stub.Generate(generate_pb2.GenerateRequest(prompt="x"))
+        await call.read()
+        call.cancel()
+        await wait_for(lambda: router.active == 0, 10.0)
+
+        s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+        r = {"role": "router"}
+        assert s.value("pdgrpc_requests_total", state="finished", **r) == 3
+        assert s.value("pdgrpc_requests_total", state="refused", **r) == 1
+        assert s.value("pdgrpc_requests_total", state="aborted", **r) == 3
+        assert s.value("pdgrpc_aborts_total", reason="prefill_error", **r) == 1
+        assert s.value("pdgrpc_aborts_total", reason="decode_error", **r) == 1
+        assert s.value("pdgrpc_aborts_total", reason="cancelled", **r) == 1
+        assert s.value("pdgrpc_time_to_first_token_seconds_count", **r) == 5  # and the cancelled one
+        assert s.value("pdgrpc_output_tokens_total", **r) >= 3 * 4 + 1 + 1  # it streamed one or more
+        assert s.value("pdgrpc_active_requests", **r) == 0
+    finally:
+        router.metrics.unbind()
+        stop()

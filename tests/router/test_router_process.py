@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdgrpc.metrics import scrape
 from pdgrpc.rpc.server import start_server
 from pdgrpc.v1 import decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(90)
 def test_help_explains_every_flag():
     out = subprocess.run([sys.executable, "-m", "pdgrpc.router", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for flag in ("--prefill", "--decode", "--host", "--port", "--request-timeout", "--grace", "--log-level"):
+    for flag in ("--prefill", "--decode", "--host", "--port", "--request-timeout", "--grace", "--log-level", "--metrics-port", "--metrics-host"):
         assert flag in out.stdout
     assert "bootstrap=HOST:PORT" in out.stdout
 
@@ -89,14 +90,69 @@ async def test_health_is_serving_while_up():
         await p_srv.stop(0)
 
 
-async def _listening_address(proc: asyncio.subprocess.Process, timeout: float = 60) -> str:
+def test_the_router_does_not_import_torch():
+    # A fresh interpreter runs the entry point as `python -m` does and builds everything
+    # the router holds (servicer, metrics with the abort vocabulary): torch stays out, so
+    # the router starts in well under a second instead of the seconds torch takes.
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['pdgrpc.router', '--help']\n"
+        "try:\n    runpy.run_module('pdgrpc.router', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "from pdgrpc.router.service import GenerateServicer, RouterConfig, PrefillBackend\n"
+        "from pdgrpc.metrics import RouterMetrics\n"
+        "m = RouterMetrics()\n"
+        "GenerateServicer(RouterConfig((PrefillBackend('127.0.0.1:1', '127.0.0.1:1'),), ('127.0.0.1:2',)), metrics=m)\n"
+        "import os\n"
+        "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"
+        "print(os.environ.get('GRPC_EXPERIMENTS'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    torch_modules, experiments = out.stdout.strip().splitlines()[-2:]
+    assert torch_modules == "[]"
+    # apply_grpc_defaults ran before grpc was imported (it gives up once grpc is loaded).
+    assert experiments == "-event_engine_client,-event_engine_listener"
+
+
+async def test_metrics_endpoint_of_the_router_process():
+    prefill, decode = ScriptedPrefill(), ScriptedDecode()
+    p_srv = await start_server([("p", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s))])
+    d_srv = await start_server([("d", lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s))])
+    router = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pdgrpc.router", "--port", "0", "--prefill", p_srv.address, "--decode", d_srv.address,
+        "--metrics-port", "0", stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        address = await _listening_address(router)
+        metrics = await _listening_address(router, pattern=r"pdgrpc router metrics on http://(\S+:\d+)/metrics")
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            for _ in range(2):
+                assert [m async for m in stub.Generate(generate_pb2.GenerateRequest(prompt="x"))]
+        s = await asyncio.to_thread(scrape, metrics)
+        assert s.value("pdgrpc_time_to_first_token_seconds_count", role="router") == 2
+        assert s.value("pdgrpc_requests_total", role="router", state="finished") == 2
+        assert s.value("pdgrpc_output_tokens_total", role="router") == 4  # ScriptedDecode: 2 tokens each
+        assert s.value("pdgrpc_active_requests", role="router") == 0
+        # The running router never loaded torch's library either.
+        with open(f"/proc/{router.pid}/maps") as f:
+            assert "libtorch" not in f.read()
+    finally:
+        if router.returncode is None:
+            router.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(router.wait(), 15) == 0
+        await p_srv.stop(0)
+        await d_srv.stop(0)
+
+
+async def _listening_address(proc: asyncio.subprocess.Process, timeout: float = 60, pattern: str = r"listening on (\S+)") -> str:
     assert proc.stderr is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = (await asyncio.wait_for(proc.stderr.readline(), max(0.1, deadline - time.monotonic()))).decode()
         if not line:
             break
-        m = re.search(r"listening on (\S+)", line)
+        m = re.search(pattern, line)
         if m:
             return m.group(1)
-    raise AssertionError("the router never logged its address")
+    raise AssertionError(f"the router never logged {pattern!r}")
