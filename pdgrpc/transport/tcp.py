@@ -460,8 +460,12 @@ class TcpTransport(Transport):
                 return
             except OSError:
                 return
-            sock.setblocking(False)
-            self._tune(sock)
+            try:
+                sock.setblocking(False)
+                self._tune(sock)
+            except OSError:
+                sock.close()  # the peer sees the connection drop and fails its own rooms
+                continue
             self._incoming.add(_Conn(self, sock, None))
 
     async def connect(self, descriptor: bytes) -> Peer:
@@ -502,11 +506,14 @@ class TcpTransport(Transport):
 
     async def _open(self, d: Descriptor) -> _Conn:
         family, addr = self._address(d.endpoint)
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        self._tune(sock)
         where = d.endpoint.decode(errors="replace")
         try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:  # e.g. out of file descriptors
+            raise TransportError(f"cannot create a socket for {self.name} peer at {where}: {exc}") from None
+        try:
+            sock.setblocking(False)
+            self._tune(sock)
             await asyncio.wait_for(self._loop.sock_connect(sock, addr), self._connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
