@@ -60,7 +60,9 @@ default 128 KiB), ``iov_max`` (ops per batched message, default 256), ``connect_
 socket; the lease only catches a hung peer or host, and must outlast the longest time
 either side's event loop can be busy, e.g. hashing a large buffer on a loaded machine),
 ``host`` (the liveness listen address, advertised in the descriptor: use an address
-peers can reach; default 127.0.0.1). UCX itself is configured through the usual ``UCX_*`` environment
+peers can reach; default 127.0.0.1), ``progress_spin_s`` (how long the UCX worker keeps
+busy-polling after the last completion before sleeping on its epoll descriptor; default
+0.02 s). UCX itself is configured through the usual ``UCX_*`` environment
 variables (``UCX_TLS`` etc.); nothing is forced.
 """
 
@@ -84,6 +86,7 @@ from pdgrpc.transport._ucx import (
     UCS_ERR_CANCELED,
     UCS_ERR_MESSAGE_TRUNCATED,
     UCS_OK,
+    Pieces,
     UcxError,
     UcxWorker,
 )
@@ -112,9 +115,8 @@ COMMON = struct.Struct("<B3xIQ")  # type, conn, seq
 HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address)
 HELLO_OK_BODY = struct.Struct("<IH2x")  # assigned conn id, len(receiver id)
 WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
-MSG_COUNT = struct.Struct("<I")
-OP = struct.Struct("<H6xQQ")  # destination region, offset, length
-OP_DTYPE = np.dtype([("region", "<u2"), ("pad", "V6"), ("offset", "<u8"), ("length", "<u8")])  # the same row
+# then n messages x u32 (ops in each data message), then the op table:
+OP_DTYPE = np.dtype([("region", "<u2"), ("pad", "V6"), ("offset", "<u8"), ("length", "<u8")])
 META_BODY = struct.Struct("<QQH6xQQ")  # room, kv bytes before, region, offset, length
 ROOM_BODY = struct.Struct("<Q")
 
@@ -214,13 +216,14 @@ class RdmaTransport(Transport):
         liveness_interval: float = 0.5,
         liveness_lease: float = 5.0,
         host: str = "127.0.0.1",
+        progress_spin_s: float = 0.02,
         **unknown: Any,
     ) -> None:
         super().__init__()
         if unknown:
             raise ConfigError(
                 f"rdma transport: unknown option(s) {', '.join(sorted(unknown))}; known: zero_copy_min, iov_max, "
-                "connect_timeout, liveness_interval, liveness_lease, host"
+                "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s"
             )
         if zero_copy_min < 1 or not 1 <= iov_max <= 1024:
             raise ConfigError(f"rdma: need zero_copy_min >= 1 and 1 <= iov_max <= 1024, got {zero_copy_min}, {iov_max}")
@@ -229,7 +232,9 @@ class RdmaTransport(Transport):
         self._zc_min = int(zero_copy_min)
         self._iov_max = int(iov_max)
         self._connect_timeout = float(connect_timeout)
-        self._worker = UcxWorker()  # raises TransportUnavailable (with the install hint)
+        if progress_spin_s < 0:
+            raise ConfigError(f"rdma: progress_spin_s must be >= 0, got {progress_spin_s}")
+        self._worker = UcxWorker(spin_s=progress_spin_s)  # raises TransportUnavailable (with the install hint)
         self._liveness = RawLiveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
                                   interval=liveness_interval, lease=liveness_lease)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -296,7 +301,7 @@ class RdmaTransport(Transport):
             if status == UCS_ERR_CANCELED or self._closed:
                 return
             if status == UCS_OK:
-                msg = bytes(memoryview(buf.numpy())[:length])
+                msg = buf[:length].numpy().tobytes()
                 try:
                     (self._on_ctrl if kind == KIND_CTRL else self._on_reply)(msg)
                 except (struct.error, ValueError, UnicodeDecodeError) as exc:
@@ -411,7 +416,7 @@ class RdmaTransport(Transport):
         buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
         self._send(conn, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_CTRL), room_id, room, buf)
 
-    def _send(self, conn: _SendConn, pieces: list[tuple[int, int]], tag: int, room_id: int | None,
+    def _send(self, conn: _SendConn, pieces: Pieces, tag: int, room_id: int | None,
               room: _SendRoom | None, keep: Any) -> None:
         token_box: list[int] = []
 
@@ -476,7 +481,7 @@ class RdmaTransport(Transport):
                 self._write_chunk(conn, room, sroom, table[i : i + MAX_OPS_PER_WRITE])
             if metadata is not None:
                 src = self._regions[metadata.src_region]
-                row = bytes(memoryview(src.flat.numpy())[metadata.src_offset : metadata.src_offset + metadata.length])
+                row = src.flat[metadata.src_offset : metadata.src_offset + metadata.length].numpy().tobytes()
                 conn.ctrl_seq += 1
                 msg = COMMON.pack(META, conn.remote_id, conn.ctrl_seq) + META_BODY.pack(
                     room, sroom.kv_bytes, metadata.dst_region, metadata.dst_offset, metadata.length) + row
@@ -489,18 +494,19 @@ class RdmaTransport(Transport):
         # runs of small ops batched into one scatter/gather message of <= iov_max ops.
         lengths = table[:, 4].tolist()
         counts: list[int] = []
-        batch = 0
+        batch = batch_bytes = 0
         for n in lengths:
             if n >= self._zc_min:
                 if batch:
                     counts.append(batch)
-                    batch = 0
+                    batch = batch_bytes = 0
                 counts.append(1)
             else:
                 batch += 1
-                if batch >= self._iov_max:
+                batch_bytes += n
+                if batch >= self._iov_max or batch_bytes >= self._zc_min:
                     counts.append(batch)
-                    batch = 0
+                    batch = batch_bytes = 0
         if batch:
             counts.append(batch)
         if not counts:
