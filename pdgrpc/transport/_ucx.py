@@ -20,7 +20,8 @@ copy made by pdgrpc (UCX itself moves sub-8 KiB messages through its shared-memo
 eager buffers and zero-copies larger ones with cma).
 
 Progress ("blocking" mode, driven by the loop): one task per worker calls
-``worker.progress()`` while anything happened in the last ``spin_s`` (default 20 ms),
+``worker.progress()`` while anything happened in the last ``spin_s`` (the rdma backend
+uses 50 ms),
 yielding to the loop between rounds; when idle longer it arms the worker and sleeps on
 UCX's epoll file descriptor (with a bounded safety timeout), so an idle transport costs
 ~no CPU. The spin matters: a rendezvous or fragmented transfer is a conversation of
