@@ -16,6 +16,7 @@ import pytest
 from pdgrpc.decode import DecodeScheduler, DecodeServer, SchedulerConfig, start_decode_server
 from pdgrpc.decode.__main__ import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.metrics import Scrape, scrape, start_metrics_server
 from pdgrpc.serving import engine_config_from_args
 from pdgrpc.state import DecodeDeadlines
 from pdgrpc.transport.tcp import TcpTransport
@@ -58,6 +59,28 @@ async def wait_idle(server: DecodeServer) -> None:
     pytest.fail(f"decode still holds {server.scheduler.stats()}")
 
 
+async def scrape_decode(server: DecodeServer) -> Scrape:
+    """The decode's metrics over HTTP, live gauges bound to its scheduler as in __main__."""
+    m = server.scheduler.metrics
+    m.bind(server.scheduler.stats)
+    port, stop = start_metrics_server(m.registry, "127.0.0.1", 0)
+    try:
+        return await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+    finally:
+        stop()
+        m.unbind()
+
+
+def assert_one_abort(s: Scrape, reason: str) -> None:
+    """Exactly one request, aborted for ``reason``, and nothing left held."""
+    d = {"role": "decode"}
+    assert s.value("pdgrpc_requests_total", state="aborted", **d) == 1
+    assert s.value("pdgrpc_requests_total", state="finished", **d) == 0
+    assert s.value("pdgrpc_aborts_total", reason=reason, **d) == 1
+    for gauge in ("pdgrpc_active_requests", "pdgrpc_metadata_slots_in_use", "pdgrpc_kv_pages_in_use", "pdgrpc_kv_pages_quarantined"):
+        assert s.value(gauge, **d) == 0, gauge
+
+
 @pytest.mark.parametrize("server", [dict(waiting_for_input_s=SHORT)], indirect=True)
 async def test_prefill_that_never_sends(server: DecodeServer) -> None:
     prefill = await FakePrefill(ReferenceEngine(CFG)).start()
@@ -68,6 +91,9 @@ async def test_prefill_that_never_sends(server: DecodeServer) -> None:
         await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
         assert prefill.workers[0].aborts[0].bootstrap_room == room
         await wait_idle(server)
+        s = await scrape_decode(server)
+        assert_one_abort(s, "waiting_for_input_timeout")
+        assert s.value("pdgrpc_transfer_seconds_count", role="decode", transport="tcp") == 0  # nothing committed
     finally:
         await prefill.stop()
 
@@ -81,5 +107,10 @@ async def test_dp_rank_never_registered(server: DecodeServer) -> None:
         # Nothing was allocated and no prefill worker heard of the room.
         assert not prefill.workers[0].handshakes and not prefill.workers[1].handshakes
         await wait_idle(server)
+        s = await scrape_decode(server)
+        assert_one_abort(s, "resolve_dp_rank_timeout")
+        # Queries were sent and answered, every time without the room.
+        ok = s.value("pdgrpc_dp_rank_queries_total", role="decode", outcome="ok")
+        assert ok >= 1 and s.value("pdgrpc_dp_rank_query_rooms_missing_total", role="decode") == ok
     finally:
         await prefill.stop()

@@ -1,7 +1,9 @@
 """``python -m pdgrpc.decode`` as a real process on 127.0.0.1, against a fake prefill
 (real bootstrap + handshake services, real tcp transport, KV from a local reference engine).
 
-Every test ends by reading the decode's own GetStats until nothing is held (bounded wait).
+Every test ends by reading the decode's own GetStats until nothing is held (bounded wait);
+the process serves metrics too, and each test checks over HTTP how its requests were
+counted (finished, refused, aborted under which reason).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pdgrpc.decode.__main__ import build_parser
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.metrics import Scrape, scrape
 from pdgrpc.serving import engine_config_from_args, sampling_to_proto
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -41,7 +44,7 @@ def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     log_path = tmp_path_factory.mktemp("decode") / "decode.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.decode", "--host", "127.0.0.1", "--port", "0", *DECODE_FLAGS],
+            [sys.executable, "-m", "pdgrpc.decode", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *DECODE_FLAGS],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
@@ -64,6 +67,48 @@ def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def metrics_address(decode_proc: tuple[str, str]) -> str:
+    """The decode process's metrics endpoint (port 0: read from its log line)."""
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        m = re.search(r"pdgrpc decode metrics on http://(\S+:\d+)/metrics", open(decode_proc[1], errors="replace").read())
+        if m:
+            return m.group(1)
+        assert time.monotonic() < deadline, "the decode never logged its metrics endpoint"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def outcomes(metrics_address: str) -> "Outcomes":
+    return Outcomes(metrics_address)
+
+
+class Outcomes:
+    """How the requests of one test were counted: the change of pdgrpc_requests_total by
+    state and pdgrpc_aborts_total by reason since the fixture was made (scraped over HTTP)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.before = self._read(scrape(address))
+
+    @staticmethod
+    def _read(s: Scrape) -> dict[str, float]:
+        out = {}
+        for name, label in (("pdgrpc_requests", "state"), ("pdgrpc_aborts", "reason")):
+            for x in s.families[name].samples:
+                if x.name.endswith("_total") and x.labels["role"] == "decode":
+                    out[x.labels[label] if label == "state" else f"aborted:{x.labels[label]}"] = x.value
+        return out
+
+    async def changed(self) -> dict[str, float]:
+        s = await asyncio.to_thread(scrape, self.address)
+        for gauge in ("pdgrpc_metadata_slots_in_use", "pdgrpc_kv_pages_in_use", "pdgrpc_kv_pages_quarantined"):
+            assert s.value(gauge, role="decode") == 0, gauge  # the live gauges agree with GetStats
+        now = self._read(s)
+        return {k: v - self.before.get(k, 0) for k, v in now.items() if v != self.before.get(k, 0)}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +172,7 @@ PROMPTS = [
 ]
 
 
-async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     reqs = [make_request(prefill, text, n, s) for text, n, s in PROMPTS]
     expected = [generate(prefill.engine, [tuple(r.input_ids)], n, s)[0] for r, (_, n, s) in zip(reqs, PROMPTS)]
     results = await asyncio.gather(*(collect(stub, r) for r in reqs))
@@ -145,9 +190,10 @@ async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeSer
         assert msgs[0].transfer_seconds > 0
         assert all(not m.finish_reason for m in msgs[:-1])
     await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"finished": len(PROMPTS)}
 
 
-async def test_corrupted_room_aborts_without_tokens(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+async def test_corrupted_room_aborts_without_tokens(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     prefill.mode = "corrupt"
     req = make_request(prefill, "corrupt me", 8)
     got: list[decode_pb2.DecodeResponse] = []
@@ -161,9 +207,10 @@ async def test_corrupted_room_aborts_without_tokens(stub: decode_pb2_grpc.Decode
     await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
     assert prefill.workers[0].aborts[0].bootstrap_room == req.bootstrap_room
     await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"aborted": 1, "aborted:metadata_corruption": 1}
 
 
-async def test_unanswered_handshake_is_deadline_exceeded(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+async def test_unanswered_handshake_is_deadline_exceeded(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     prefill.mode = "hang"
     req = make_request(prefill, "nobody answers", 8)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -174,9 +221,10 @@ async def test_unanswered_handshake_is_deadline_exceeded(stub: decode_pb2_grpc.D
     # pages once it acknowledged.
     await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
     await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"aborted": 1, "aborted:bootstrap_timeout": 1}
 
 
-async def test_client_cancel_sends_abort_room_and_frees_everything(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+async def test_client_cancel_sends_abort_room_and_frees_everything(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     prefill.mode = "hold"  # handshake accepted, KV never comes
     req = make_request(prefill, "cancel me", 8)
     call = stub.Decode(req, timeout=60)
@@ -188,6 +236,7 @@ async def test_client_cancel_sends_abort_room_and_frees_everything(stub: decode_
     assert prefill.workers[0].aborts[0].bootstrap_room == req.bootstrap_room
     assert "cancel" in prefill.workers[0].aborts[0].reason
     await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"aborted": 1, "aborted:cancelled": 1}
 
 
 async def test_dp_rank_resolved_through_query_missing_then_found(stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine) -> None:
@@ -230,7 +279,7 @@ async def test_routed_dp_rank_skips_the_query(stub: decode_pb2_grpc.DecodeServic
         await p.stop()
 
 
-async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine) -> None:
+async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine, outcomes: Outcomes) -> None:
     p = await FakePrefill(engine, compat_hash=b"\x01" * 32).start()
     try:
         empty = make_request(p, "x", 4)
@@ -243,11 +292,12 @@ async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.D
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "compatibility hash" in err.value.details() and "01" * 32 in err.value.details()
         await assert_nothing_held(stub)
+        assert await outcomes.changed() == {"refused": 2}  # turned away before taking anything
     finally:
         await p.stop()
 
 
-async def test_write_outside_the_grant_fails_the_transfer(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+async def test_write_outside_the_grant_fails_the_transfer(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     prefill.mode = "stray"
     req = make_request(prefill, "writes into someone else's pages", 8)
     got: list[decode_pb2.DecodeResponse] = []
@@ -259,6 +309,7 @@ async def test_write_outside_the_grant_fails_the_transfer(stub: decode_pb2_grpc.
     assert got == []
     await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
     await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"aborted": 1, "aborted:transfer_failed": 1}
 
 
 async def test_restarted_prefill_worker_is_not_reused(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:

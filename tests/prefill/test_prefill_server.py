@@ -4,6 +4,8 @@ processes each), driven by a fake decode with a real tcp receiver and real gRPC 
 Two instances per module: ``rr`` (round_robin, embedded bootstrap: the register/query
 path) and ``follow`` (strict follow_bootstrap_room, external bootstrap process: the fast
 path). Every test ends by reading the instance's own GetStats until nothing is held.
+``rr`` serves metrics (controller and each worker); its tests check over HTTP how their
+requests were counted: finished, refused, or aborted under which reason.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import grpc
 import pytest
 
 from pdgrpc.engine.base import SamplingParams
+from pdgrpc.cluster.launcher import free_port_block
 from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.metrics import scrape
 from pdgrpc.serving import compat_hash_bytes, metadata_layout
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
@@ -42,7 +46,9 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def rr(logs: Path) -> Iterator[PrefillProc]:
-    p = PrefillProc([*FLAGS, "--load-balance-method", "round_robin"], logs, "rr")
+    base = free_port_block(3)  # the controller's metrics port, then dp0's and dp1's
+    p = PrefillProc([*FLAGS, "--load-balance-method", "round_robin", "--metrics-port", str(base)], logs, "rr")
+    p.metrics = [f"127.0.0.1:{base + i}" for i in range(3)]  # type: ignore[attr-defined]
     try:
         yield p
     finally:
@@ -62,6 +68,37 @@ def follow(logs: Path) -> Iterator[PrefillProc]:
             assert p.stop() == 0, p.log()[-3000:]
     finally:
         b.stop()
+
+
+class Outcomes:
+    """How an instance counted the requests of one test: the change of
+    pdgrpc_requests_total (by state) and pdgrpc_aborts_total (``aborted:<reason>``)
+    summed over the controller and its workers (each request is counted by exactly one
+    of them), and of the registrations the controller sent (``registered``: rooms)."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+        self.before = self._read()
+
+    def _read(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for address in self.endpoints:
+            s = scrape(address)
+            for x in s.families["pdgrpc_requests"].samples + s.families["pdgrpc_aborts"].samples:
+                if x.name.endswith("_total") and x.labels["role"] == "prefill":
+                    key = x.labels["state"] if "state" in x.labels else f"aborted:{x.labels['reason']}"
+                    out[key] = out.get(key, 0) + x.value
+            out["registered"] = out.get("registered", 0) + s.value("pdgrpc_dp_rank_registration_batch_size_sum", role="prefill")
+        return out
+
+    async def changed(self) -> dict[str, float]:
+        now = await asyncio.to_thread(self._read)
+        return {k: v - self.before.get(k, 0) for k, v in now.items() if v != self.before.get(k, 0)}
+
+
+@pytest.fixture
+def rr_outcomes(rr: PrefillProc) -> Outcomes:
+    return Outcomes(rr.metrics)  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -133,7 +170,7 @@ async def test_routed_rank_with_handshake_before_prefill(rr: PrefillProc, decode
     await assert_settles_to_zero(rr)
 
 
-async def test_concurrent_requests_all_succeed(rr: PrefillProc, decode: FakeDecode) -> None:
+async def test_concurrent_requests_all_succeed(rr: PrefillProc, decode: FakeDecode, rr_outcomes: Outcomes) -> None:
     lens = [1, 4, 9, 16, 21, 2, 13, 7]
     results = await asyncio.gather(*(run_one(rr, decode, prompt(n, seed=100 + n), SamplingParams(), query=True) for n in lens))
     for n, (resp, r) in zip(lens, results):
@@ -141,9 +178,15 @@ async def test_concurrent_requests_all_succeed(rr: PrefillProc, decode: FakeDeco
         assert resp.prompt_tokens == n and decode.row(r).output_id == tok.token_id
         decode.free(r)
     await assert_settles_to_zero(rr)
+    # round_robin: every room was registered with the embedded bootstrap before it ran.
+    assert await rr_outcomes.changed() == {"finished": len(lens), "registered": len(lens)}
+    for worker in rr.metrics[1:]:  # type: ignore[attr-defined]
+        s = scrape(worker)
+        assert s.value("pdgrpc_kv_pages_in_use", role="prefill") == 0
+        assert s.value("pdgrpc_active_requests", role="prefill") == 0
 
 
-async def test_prompt_too_long_is_invalid_argument(rr: PrefillProc) -> None:
+async def test_prompt_too_long_is_invalid_argument(rr: PrefillProc, rr_outcomes: Outcomes) -> None:
     ch, stub = await prefill_stub(rr)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as ei:
@@ -156,9 +199,10 @@ async def test_prompt_too_long_is_invalid_argument(rr: PrefillProc) -> None:
     finally:
         await ch.close()
     await assert_settles_to_zero(rr)
+    assert await rr_outcomes.changed() == {"refused": 2, "registered": 2}
 
 
-async def test_no_handshake_is_deadline_exceeded_and_frees_pages(rr: PrefillProc) -> None:
+async def test_no_handshake_is_deadline_exceeded_and_frees_pages(rr: PrefillProc, rr_outcomes: Outcomes) -> None:
     ch, stub = await prefill_stub(rr)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as ei:
@@ -168,9 +212,10 @@ async def test_no_handshake_is_deadline_exceeded_and_frees_pages(rr: PrefillProc
     finally:
         await ch.close()
     await assert_settles_to_zero(rr)
+    assert await rr_outcomes.changed() == {"aborted": 1, "aborted:bootstrap_timeout": 1, "registered": 1}
 
 
-async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode) -> None:
+async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode, rr_outcomes: Outcomes) -> None:
     room = new_room()
     ch, stub = await prefill_stub(rr)
     try:
@@ -200,6 +245,8 @@ async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode)
     finally:
         await ch.close()
     await assert_settles_to_zero(rr)
+    # Both ended because the decode said so (AbortRoom during the run, and before it).
+    assert await rr_outcomes.changed() == {"aborted": 2, "aborted:decode_error": 2, "registered": 2}
 
 
 @pytest.mark.parametrize(
@@ -210,7 +257,9 @@ async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode)
     ],
     ids=["compat-hash", "transport"],
 )
-async def test_incompatible_handshake_fails_both_rpcs(rr: PrefillProc, decode: FakeDecode, override: dict, needle: str) -> None:
+async def test_incompatible_handshake_fails_both_rpcs(
+    rr: PrefillProc, decode: FakeDecode, override: dict, needle: str, rr_outcomes: Outcomes
+) -> None:
     room = new_room()
     ids = prompt(9, 5)
     r = decode.allocate(room, len(ids))
@@ -231,6 +280,7 @@ async def test_incompatible_handshake_fails_both_rpcs(rr: PrefillProc, decode: F
     assert decode.transport.poll(room) is KVPoll.WAITING_FOR_INPUT  # nothing was written
     decode.free(r)
     await assert_settles_to_zero(rr)
+    assert await rr_outcomes.changed() == {"aborted": 1, "aborted:decode_error": 1, "registered": 1}
 
 
 async def test_follow_bootstrap_room_needs_no_registration(follow: PrefillProc, decode: FakeDecode) -> None:
@@ -260,7 +310,9 @@ async def test_follow_bootstrap_room_conflict_is_failed_precondition(follow: Pre
     await assert_settles_to_zero(follow)
 
 
-async def test_transfer_refused_by_the_decode_is_aborted_and_frees_everything(rr: PrefillProc, decode: FakeDecode) -> None:
+async def test_transfer_refused_by_the_decode_is_aborted_and_frees_everything(
+    rr: PrefillProc, decode: FakeDecode, rr_outcomes: Outcomes
+) -> None:
     """The decode never granted the room (no advertise): its receiver rejects the first
     write, and the prefill reports the transfer failure instead of hanging."""
     room = new_room()
@@ -281,6 +333,8 @@ async def test_transfer_refused_by_the_decode_is_aborted_and_frees_everything(rr
     assert decode.rows.room(0) == 0  # no metadata row landed
     decode.engine.free_pages(pages)
     await assert_settles_to_zero(rr)
+    # The decode's receiver rejected the write (outside any grant): counted as such.
+    assert await rr_outcomes.changed() == {"aborted": 1, "aborted:rejected_write": 1, "registered": 1}
 
 
 async def test_a_burst_larger_than_the_pool_waits_for_pages_instead_of_failing(rr: PrefillProc) -> None:
