@@ -221,3 +221,31 @@ async def test_huge_offsets_are_rejected_and_nothing_lands() -> None:
             assert await recv.call("digest", 0) == zeros  # not one byte landed
     finally:
         await send.close()
+
+
+async def test_new_instance_behind_a_cached_address_invalidates_the_connection() -> None:
+    """A descriptor naming another instance id at the worker address / liveness port of
+    a cached connection means the peer restarted there: the cached connection is
+    failed (its rooms with it), never reused, and the new id must prove itself."""
+    layout = Layout(layers=1, pages=8, slots=2)
+    send, regions, _, _ = await _local(layout, SEED)
+    recv, _, _, recv_desc = await _local(layout, None)
+    try:
+        d = Descriptor.from_bytes(recv_desc)
+        peer = await send.connect(recv_desc)
+        recv.advertise(RoomGrant.of(51, [0], 0))
+        await send.write(peer, 51, page_ops(region_pairs(regions, d.regions), [1], [0]))  # no row: stays open
+        assert send.poll(51) is KVPoll.TRANSFERRING
+        restarted = Descriptor("rdma", "f" * 32, d.endpoint, d.regions, d.liveness).to_bytes()
+        with pytest.raises(PeerFailure):  # the live process there answers as the old id
+            await send.connect(restarted)
+        st = send.status(51)
+        assert st.state is KVPoll.FAILED and "restarted" in (st.reason or ""), st
+        again = await send.connect(recv_desc)  # the genuine instance: a fresh connection
+        recv.advertise(RoomGrant.of(52, [1], 1))
+        meta = metadata_op(regions[-1], 0, d.region(METADATA_REGION_ID), 1)
+        await send.write(again, 52, page_ops(region_pairs(regions, d.regions), [2], [1]), metadata=meta)
+        assert (await send.wait(52, WAIT_S)).state is KVPoll.SUCCESS
+    finally:
+        await send.close()
+        await recv.close()
