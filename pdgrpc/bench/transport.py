@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--connections", type=int, default=None, help="tcp: sockets per peer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="backend option for both sides (repeatable; value parsed as int, float, else str)")
     parser.add_argument("--verbose", action="store_true", help="print every iteration's latency (to stderr)")
 
 
@@ -162,6 +164,15 @@ def _ucx_baseline(sizes: list[int], iterations: int, warmup: int) -> dict[int, f
 # ----------------------------------------------------------------------------- backend
 
 
+def _parse_value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 async def _run(args: argparse.Namespace) -> list[Result]:
     backend = args.backend
     max_pages = max(args.tokens) // TOKENS_PER_PAGE
@@ -169,6 +180,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     options: dict[str, Any] = {}
     if args.connections is not None:
         options["connections"] = args.connections
+    for item in args.option:
+        key, _, value = item.partition("=")
+        options[key] = _parse_value(value)
     rng = random.Random(args.seed)
     cases = []
     for tokens in args.tokens:

@@ -20,14 +20,19 @@ copy made by pdgrpc (UCX itself moves sub-8 KiB messages through its shared-memo
 eager buffers and zero-copies larger ones with cma).
 
 Progress ("blocking" mode, driven by the loop): one task per worker calls
-``worker.progress()`` while anything happened in the last ``spin_s`` (the rdma backend
-uses 50 ms),
-yielding to the loop between rounds; when idle longer it arms the worker and sleeps on
-UCX's epoll file descriptor (with a bounded safety timeout), so an idle transport costs
-~no CPU. The spin matters: a rendezvous or fragmented transfer is a conversation of
-many small steps between the two processes, and waking through the epoll descriptor
-for each step was measured here 5x slower (64 MiB of scattered pages: 277 ms with a
-2 ms spin, 54 ms with 50 ms, on a loaded 2-core host). Completions are recorded
+``worker.progress()``, yielding to the loop between rounds, for as long as progress
+keeps finding work; once a round finds nothing it arms the worker and sleeps on UCX's
+epoll file descriptor (with a bounded safety timeout), so an idle transport costs ~no
+CPU. Optionally (``spin_s`` > 0) it keeps busy-polling up to ``spin_s`` after the last
+completion, but only while a send or data receive is pending — never because of the
+always-posted control receives. The default is no spin, measured here on 2 cores: a
+50 ms spin after *every* completion (the earlier default) made both processes of a
+transfer burn a core each between steps, which on a 2-core host starved the peer
+that had the real work (the receiver doing UCX's cma copies) and the prefill's
+compute thread: 8k scattered pages took 430 ms with it and 21 ms without; e2e TTFT
+overhead went from +51..62 ms to ~+12 ms. Spinning only while a transfer is pending
+measured the same as no spin for the transfer bench, so it stays available as an
+option for hosts with cores to spare. Completions are recorded
 by a C callback and handed to Python callbacks after ``progress()`` returns, never from
 inside UCX.
 
@@ -217,7 +222,7 @@ class UcxWorker:
     for exactly that long.
     """
 
-    def __init__(self, *, spin_s: float = 0.02, idle_timeout_s: float = 0.05) -> None:
+    def __init__(self, *, spin_s: float = 0.0, idle_timeout_s: float = 0.05) -> None:
         self._api = api()
         lib = self._api.libucxx
         feats = (lib.Feature.TAG, lib.Feature.WAKEUP)
@@ -246,6 +251,7 @@ class UcxWorker:
         self._closed = False
         self._endpoints: list[int] = []
         self._closing: set[int] = set()  # tokens of endpoint-close requests
+        self._background: set[int] = set()  # always-posted receives: never a reason to spin
         self._abandoned: dict[int, tuple[int, Completion, Any]] = {}
 
     # -- lifecycle ------------------------------------------------------------------
@@ -264,9 +270,13 @@ class UcxWorker:
         """Tag sends and receives in flight (endpoint closes not counted)."""
         return len(self._inflight) - len(self._closing)
 
-    async def close(self, timeout: float = 1.0, destroy_timeout: float = 5.0) -> None:
+    async def close(self, timeout: float = 5.0, destroy_timeout: float = 5.0) -> None:
         """Cancel everything in flight, wait (bounded) for the cancellations, stop the
-        progress task, close endpoints and release the worker."""
+        progress task, close endpoints and release the worker.
+
+        ``timeout`` is generous because a send to a live but busy peer (a loaded host)
+        completes only when that peer progresses: with 1 s, the conformance suite saw a
+        worker parked (and its fds kept) under a full test run on 2 cores."""
         if self._closed:
             return
         for token in list(self._inflight):
@@ -376,9 +386,15 @@ class UcxWorker:
             raise UcxError("UCX endpoint is closed")
         return self._post(True, ep, pieces, tag, FULL_MASK, cb, keep)
 
-    def recv(self, pieces: Pieces, tag: int, mask: int, cb: Completion, keep: Any) -> int:
-        """Post a tag receive into ``pieces`` on the worker (any sender)."""
-        return self._post(False, self.handle, pieces, tag, mask, cb, keep)
+    def recv(self, pieces: Pieces, tag: int, mask: int, cb: Completion, keep: Any, *,
+             background: bool = False) -> int:
+        """Post a tag receive into ``pieces`` on the worker (any sender).
+        ``background``: a receive kept posted for whatever comes (control messages);
+        it does not make the progress task spin."""
+        token = self._post(False, self.handle, pieces, tag, mask, cb, keep)
+        if background:
+            self._background.add(token)
+        return token
 
     def cancel(self, token: int) -> None:
         """Cancel a pending request; its callback then runs with UCS_ERR_CANCELED (or
@@ -460,6 +476,7 @@ class UcxWorker:
         for token, status, length, tag in done:
             entry = self._inflight.pop(token, None)
             self._closing.discard(token)
+            self._background.discard(token)
             if entry is None:
                 gone = self._abandoned.pop(token, None)
                 if gone is not None:
@@ -496,6 +513,11 @@ class UcxWorker:
         self._worker.progress()
         return self._dispatch()
 
+    def _busy(self) -> bool:
+        """A transfer is pending: a send or data receive (not an always-posted
+        control receive, not an endpoint close)."""
+        return len(self._inflight) > len(self._closing) + len(self._background)
+
     def _set_reader(self, on: bool) -> None:
         if self._loop is None or on == self._reader_on:
             return
@@ -510,7 +532,8 @@ class UcxWorker:
         while not self._closed:
             if self._progress_once():
                 self._last_activity = time.monotonic()
-            elif time.monotonic() - self._last_activity > self._spin_s and self._worker is not None:
+            elif self._worker is not None and (
+                    not self._busy() or time.monotonic() - self._last_activity > self._spin_s):
                 # Idle: arm the worker and sleep until its epoll fd fires. arm() is
                 # False when events are pending, in which case we progress again.
                 if self._worker.arm():
