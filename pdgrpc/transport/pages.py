@@ -82,22 +82,26 @@ def page_ops(
     (typically every layer's K and V), one op per run per pair, region by region.
     Page sizes must match per pair. Built with numpy: ~100k ops cost milliseconds."""
     s, d, n = _runs_np(src_pages, dst_pages)
-    blocks = []
-    for src, dst in pairs:
-        if src.item_bytes != dst.item_bytes:
-            raise ConfigError(
-                f"page size differs: source {src.name!r} has {src.item_bytes} B pages, "
-                f"destination {dst.name!r} has {dst.item_bytes} B"
-            )
-        pb = src.item_bytes
-        block = np.empty((s.size, 5), dtype=np.int64)
-        block[:, 0] = src.region_id
-        block[:, 1] = s * pb
-        block[:, 2] = dst.region_id
-        block[:, 3] = d * pb
-        block[:, 4] = n * pb
-        blocks.append(block)
-    return WriteOps(np.concatenate(blocks) if blocks else np.zeros((0, 5), dtype=np.int64))
+    # One (P, 4) table of the pairs, then the (P, runs, 5) ops by broadcasting: with
+    # 48 region pairs a per-pair block of numpy assignments cost ~0.35 ms per call,
+    # which a small transfer (or a prefill chunk) paid on every write.
+    meta = np.array([(src.region_id, src.item_bytes, dst.region_id, dst.item_bytes) for src, dst in pairs],
+                    dtype=np.int64).reshape(-1, 4)
+    bad = np.flatnonzero(meta[:, 1] != meta[:, 3])
+    if len(bad):
+        src, dst = list(pairs)[int(bad[0])]
+        raise ConfigError(
+            f"page size differs: source {src.name!r} has {src.item_bytes} B pages, "
+            f"destination {dst.name!r} has {dst.item_bytes} B"
+        )
+    pb = meta[:, 1:2]
+    out = np.empty((len(meta), s.size, 5), dtype=np.int64)
+    out[:, :, 0] = meta[:, 0:1]
+    out[:, :, 1] = s * pb
+    out[:, :, 2] = meta[:, 2:3]
+    out[:, :, 3] = d * pb
+    out[:, :, 4] = n * pb
+    return WriteOps(out.reshape(-1, 5))
 
 
 def region_pairs(local: Sequence[_RegionLike], remote: Sequence[_RegionLike]) -> list[tuple[_RegionLike, _RegionLike]]:

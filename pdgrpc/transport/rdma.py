@@ -247,6 +247,8 @@ class RdmaTransport(Transport):
         # region id -> base address / size (-1: not registered), for vectorised lookups
         self._ptr_table = np.zeros(1 << 16, dtype=np.uint64)
         self._size_table = np.full(1 << 16, -1, dtype=np.int64)
+        self._item_table = np.ones(1 << 16, dtype=np.uint64)  # bytes per page / row
+        self._meta_table = np.zeros(1 << 16, dtype=bool)  # metadata-kind region
         self._started = False
         self._closed = False
         # sender side
@@ -325,6 +327,8 @@ class RdmaTransport(Transport):
             reg = self._regions[r.region_id] = _Region(r)
             self._ptr_table[r.region_id] = reg.ptr
             self._size_table[r.region_id] = reg.info.nbytes
+            self._item_table[r.region_id] = max(1, reg.info.item_bytes)
+            self._meta_table[r.region_id] = reg.info.kind.value == "metadata"
         await self._liveness.start()
         return self._descriptor().to_bytes()
 
@@ -673,33 +677,33 @@ class RdmaTransport(Transport):
         """None if every op lands inside what ``grant`` allows, else the reason for
         the first op that does not (vectorised; the reason text comes from
         :meth:`RoomGrant.check`, the one authority on what a grant allows)."""
+        # One pass over all ops (per-region table lookups), not one numpy round per
+        # region: with 48 KV regions the per-region loop cost ~1 ms per WRITE, most of
+        # a small transfer's latency.
         regions = ops["region"].astype(np.int64)
         offs = ops["offset"]
         lens = ops["length"]
-        ok = np.zeros(len(ops), dtype=bool)
+        sizes = self._size_table[regions]
+        size = np.maximum(sizes, 0).astype(np.uint64)
+        inside = (sizes >= 0) & (lens > 0) & (lens <= size) & (offs <= size - np.minimum(lens, size))
+        ib = self._item_table[regions]
+        first = offs // ib
+        last = (offs + np.maximum(lens, np.uint64(1)) - np.uint64(1)) // ib
+        is_meta = self._meta_table[regions]
         runs = grant.page_runs
-        starts = np.asarray([a for a, _ in runs], dtype=np.uint64)
-        ends = np.asarray([b for _, b in runs], dtype=np.uint64)
-        for rid in np.unique(regions).tolist():
-            reg = self._regions.get(rid)
-            if reg is None:
-                continue  # every op into it stays "not ok"
-            sel = regions == rid
-            o, n = offs[sel], lens[sel]
-            size = np.uint64(reg.info.nbytes)
-            inside = (n > 0) & (n <= size) & (o <= size - np.minimum(n, size))
-            ib = np.uint64(reg.info.item_bytes)
-            first = o // ib
-            last = (o + np.maximum(n, np.uint64(1)) - np.uint64(1)) // ib
-            if reg.info.kind.value == "metadata":
-                good = inside & (grant.slot is not None) & (first == last) & (first == np.uint64(grant.slot or 0))
-            else:
-                idx = np.searchsorted(starts, first, side="right") - 1
-                safe = np.clip(idx, 0, max(len(runs) - 1, 0))
-                good = inside & (idx >= 0) & (len(runs) > 0)
-                if len(runs):
-                    good &= (first >= starts[safe]) & (last < ends[safe])
-            ok[sel] = good
+        if runs:
+            starts = np.asarray([a for a, _ in runs], dtype=np.uint64)
+            ends = np.asarray([b for _, b in runs], dtype=np.uint64)
+            idx = np.searchsorted(starts, first, side="right") - 1
+            safe = np.clip(idx, 0, len(runs) - 1)
+            good_kv = (idx >= 0) & (first >= starts[safe]) & (last < ends[safe])
+        else:
+            good_kv = np.zeros(len(ops), dtype=bool)
+        if grant.slot is not None:
+            good_meta = (first == last) & (first == np.uint64(grant.slot))
+        else:
+            good_meta = np.zeros(len(ops), dtype=bool)
+        ok = inside & np.where(is_meta, good_meta, good_kv)
         bad = np.flatnonzero(~ok)
         if not len(bad):
             return None
