@@ -78,6 +78,7 @@ import gc
 import itertools
 import logging
 import struct
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -130,6 +131,7 @@ CTRL_POSTED = 8  # control receives kept posted per kind
 MAX_OPS_PER_WRITE = 4096  # keeps a WRITE message well under CTRL_BUF
 MAX_ROW = CTRL_BUF - COMMON.size - META_BODY.size
 SCRATCH = 1 << 20  # drain buffer for rejected payloads
+CLOSE_SEND_GRACE_S = 1.0  # close(): how long in-flight sends to live peers may finish
 
 
 def ctrl_tag(kind: int) -> int:
@@ -905,6 +907,16 @@ class RdmaTransport(Transport):
         if self._closed:
             return
         self.rooms.fail_all("rdma transport closed")
+        # Let sends already handed to UCX finish (bounded) while the peers still see us
+        # alive: a rendezvous send completes only once the receiver fetched the bytes,
+        # and a receiver that notices our liveness link close first cancels its
+        # receive, leaving UCX holding the send (and the worker unreleasable). The
+        # receiver posts a receive (or a drain) for every data message it was told
+        # about, so live peers finish these in milliseconds; a hung one costs the bound.
+        if self._started and self._loop is asyncio.get_running_loop():
+            deadline = time.monotonic() + CLOSE_SEND_GRACE_S
+            while any(c.tokens for c in self._send_conns.values() if not c.dead) and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
         for conn in list(self._send_conns.values()):
             self._drop_send_conn(conn, "rdma transport closed", peer_lost=False)
         self._send_conns.clear()
