@@ -38,8 +38,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+# gRPC's fork handlers must stay off in the process that spawns the cluster: children are
+# started with fork() (preexec_fn below), and with fork support on, gRPC restarts its
+# EventEngine poller thread in the forked child, which then hits EBADF in epoll_wait when
+# the child closes its inherited fds before exec -> SIGABRT, the child dies before it
+# ever runs (seen as "router exited with code -6", about one cluster start in ten).
+# Only effective before grpc is imported; tests/conftest.py sets it for the test run.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from pdgrpc.cluster.topology import ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.errors import PdgrpcError
