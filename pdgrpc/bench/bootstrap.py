@@ -52,9 +52,9 @@ from typing import Awaitable, Callable
 from pdgrpc.bench.report import Result
 from pdgrpc.rpc.tuning import apply_grpc_defaults
 
-# With PDGRPC_GRPC_DEFAULTS=1, measure with pdgrpc's opt-in gRPC tuning (client here, and
-# the server subprocess, which inherits the environment); otherwise grpc's own defaults,
-# as the servers run. Must happen before grpc is imported.
+# Like every pdgrpc entry point, run gRPC with pdgrpc's settings (client here, and the
+# server subprocess, which inherits the environment). PDGRPC_GRPC_DEFAULTS=0 measures
+# grpc's own defaults instead. Must happen before grpc is imported.
 GRPC_DEFAULTS = apply_grpc_defaults()
 
 DESCRIPTION = "BootstrapService: single-room and batched latency, rooms/s, RSS of 1M rooms, pause while they expire"

@@ -9,9 +9,10 @@ import sys
 # would log "skipping fork() handlers" for every worker. Must be set before grpc loads.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-# No apply_grpc_defaults() here, unlike the other entry points: with the opt-in tuning
-# this controller aborted twice ("Epoll1Poller epoll_wait error: Bad file descriptor");
-# see pdgrpc.rpc.tuning.
+# No apply_grpc_defaults() here, unlike the other entry points: with gRPC's EventEngine
+# client/listener turned off, this controller (the one pdgrpc process that spawns
+# children after gRPC started) aborted twice in ~30 cluster starts with "Epoll1Poller
+# epoll_wait error: Bad file descriptor". The workers apply it themselves (worker_main).
 from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.rpc.server import run

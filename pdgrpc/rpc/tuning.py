@@ -8,17 +8,10 @@ and listener off (the poller then does the socket work itself, as gRPC did for y
 cut the p50 of a ``grpc.aio`` unary ping-pong between two processes from ≈0.36 ms to
 ≈0.28 ms here (see ``python -m pdgrpc.bench bootstrap``).
 
-It is **opt-in** (``PDGRPC_GRPC_DEFAULTS=1``): with the EventEngine client and listener
-off, grpcio 1.85 processes that are both a client and a server (the router, the prefill
-controller) aborted now and then in the test suite with ``(event_engine) Epoll1Poller
-... epoll_wait error: Bad file descriptor`` — three times in ~40 cluster starts. A
-latency gain is not worth a crash; the setting stays available for measurements
-(``python -m pdgrpc.bench bootstrap`` reports which one was in force).
-
-:func:`apply_grpc_defaults` sets it when opted in, unless the user already set
-``GRPC_EXPERIMENTS`` (any value, even empty, wins). It only helps when called before
-anything imports ``grpc``; libraries embedding pdgrpc clients are never changed behind
-their back — only ``python -m pdgrpc.*`` entry points call it.
+:func:`apply_grpc_defaults` sets it unless the user already set ``GRPC_EXPERIMENTS``
+(any value, even empty, wins) or ``PDGRPC_GRPC_DEFAULTS=0``. It only helps when called
+before anything imports ``grpc``; libraries embedding pdgrpc clients are never changed
+behind their back — only ``python -m pdgrpc.*`` entry points call it.
 """
 
 from __future__ import annotations
@@ -31,8 +24,8 @@ GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 def apply_grpc_defaults() -> bool:
     """Set pdgrpc's ``GRPC_EXPERIMENTS`` for this process (and its children) if the
-    user opted in with ``PDGRPC_GRPC_DEFAULTS=1`` and has not set it themselves. Returns whether the setting is in force for this process."""
-    if os.environ.get("PDGRPC_GRPC_DEFAULTS", "0") != "1":
+    user has not. Returns whether the setting is in force for this process."""
+    if os.environ.get("PDGRPC_GRPC_DEFAULTS", "1") == "0":
         return False
     if "GRPC_EXPERIMENTS" not in os.environ:
         if "grpc" in sys.modules:

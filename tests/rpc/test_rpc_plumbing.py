@@ -132,12 +132,11 @@ def test_grpc_errors_map_into_the_pdgrpc_tree(code: grpc.StatusCode, cls: type) 
 @pytest.mark.parametrize(
     "env, preimport, expect",
     [
-        ({}, False, "False None"),  # opt-in only (see pdgrpc.rpc.tuning)
-        ({"PDGRPC_GRPC_DEFAULTS": "1"}, False, "True -event_engine_client,-event_engine_listener"),
-        ({"PDGRPC_GRPC_DEFAULTS": "1", "GRPC_EXPERIMENTS": "custom"}, False, "False custom"),
-        ({"PDGRPC_GRPC_DEFAULTS": "1", "GRPC_EXPERIMENTS": ""}, False, "False "),
+        ({}, False, "True -event_engine_client,-event_engine_listener"),
+        ({"GRPC_EXPERIMENTS": "custom"}, False, "False custom"),
+        ({"GRPC_EXPERIMENTS": ""}, False, "False "),
         ({"PDGRPC_GRPC_DEFAULTS": "0"}, False, "False None"),
-        ({"PDGRPC_GRPC_DEFAULTS": "1"}, True, "False None"),  # grpc already imported: too late, leave it alone
+        ({}, True, "False None"),  # grpc already imported: too late, leave it alone
     ],
 )
 def test_grpc_defaults_apply_only_when_the_user_has_not_chosen(env: dict[str, str], preimport: bool, expect: str) -> None:
@@ -185,7 +184,6 @@ def test_every_server_entry_point_applies_the_grpc_defaults_before_grpc_loads(mo
         "print('GRPC_EXPERIMENTS=' + str(os.environ.get('GRPC_EXPERIMENTS')))\n"
     )
     base = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "PDGRPC_GRPC_DEFAULTS")}
-    base["PDGRPC_GRPC_DEFAULTS"] = "1"  # opted in: proves nothing imports grpc before the entry point's first lines
     out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == f"GRPC_EXPERIMENTS={expected}"
