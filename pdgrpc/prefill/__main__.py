@@ -9,10 +9,12 @@ import sys
 # would log "skipping fork() handlers" for every worker. Must be set before grpc loads.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-# No apply_grpc_defaults() here, unlike the other entry points: with gRPC's EventEngine
-# client/listener turned off, this controller (the one pdgrpc process that spawns
-# children after gRPC started) aborted twice in ~30 cluster starts with "Epoll1Poller
-# epoll_wait error: Bad file descriptor". The workers apply it themselves (worker_main).
+from pdgrpc.rpc.tuning import apply_grpc_defaults  # noqa: E402
+
+# Before grpc is imported (below); the setting is in the environment, so the workers this
+# controller starts inherit it too.
+apply_grpc_defaults()
+
 from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.rpc.server import run
