@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -55,6 +56,8 @@ from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["ChildDied", "Cluster", "ClusterError", "Proc"]
 
+log = logging.getLogger(__name__)
+
 HOST = "127.0.0.1"
 _TAIL_LINES = 40
 _PREFILL_READY = "PDGRPC_READY "  # python -m pdgrpc.prefill prints it once every worker serves
@@ -75,20 +78,27 @@ class ChildDied(ClusterError):
         )
 
 
-def free_port() -> int:
-    # Bound then released: a tiny window in which another program could take it; the
-    # alternative (children binding port 0 and reporting back) needs every server's help.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_block(n: int, tries: int = 100) -> int:
-    """The first of ``n`` consecutive ports that are free right now (same caveat as
-    :func:`free_port`): a prefill derives its workers' metrics ports from its own."""
+def free_port(exclude: set[int] | None = None, tries: int = 100) -> int:
+    """A port free right now and not in ``exclude`` (the ports already handed out for
+    the same cluster: the kernel may return a just-released port again). Bound then
+    released: another program may take it before the child binds it, which
+    :meth:`Cluster.start` survives by retrying with fresh ports."""
     for _ in range(tries):
-        base = free_port()
-        if base + n > 65536:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if exclude is None or port not in exclude:
+            return port
+    raise ClusterError(f"no free port on {HOST} outside the {len(exclude or ())} already taken after {tries} tries")
+
+
+def free_port_block(n: int, tries: int = 100, exclude: set[int] | None = None) -> int:
+    """The first of ``n`` consecutive ports that are free right now and not in
+    ``exclude`` (same caveat as :func:`free_port`): a prefill derives its workers'
+    metrics ports from its own."""
+    for _ in range(tries):
+        base = free_port(exclude)
+        if base + n > 65536 or (exclude and any(p in exclude for p in range(base, base + n))):
             continue
         socks: list[socket.socket] = []
         try:
@@ -121,6 +131,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()  # its own process group: stop() can kill the child and its children at once
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+# What a server prints when its port is taken: gRPC's bind failure (pdgrpc.rpc.server)
+# and errno EADDRINUSE (the metrics endpoint, a transport listener).
+_BIND_FAILURES = ("cannot bind", "Address already in use")
+
+
+def _lost_port_race(proc: "Proc") -> bool:
+    tail = proc.log_tail()
+    return any(marker in tail for marker in _BIND_FAILURES)
 
 
 @dataclasses.dataclass
@@ -188,20 +208,28 @@ class Cluster:
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
         self.procs: dict[str, Proc] = {}
+        self._assign_ports()
+        self._stopping = False
+        self._died: asyncio.Future[Proc] | None = None
+        self._watchers: list[asyncio.Task[None]] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _assign_ports(self) -> None:
+        """Fresh, pairwise distinct ports for every process (and metrics endpoint)."""
+        taken: set[int] = set()
         for spec in self.topology.processes:
-            proc = self.procs[spec.name] = Proc(spec, free_port(), [], self.log_dir / f"{spec.name}.log")
+            port = free_port(taken)
+            taken.add(port)
+            proc = self.procs[spec.name] = Proc(spec, port, [], self.log_dir / f"{spec.name}.log")
             if self.metrics and spec.role in _METRICS_ROLES:
                 workers = int(str(spec.args.get("dp-size", 1))) if spec.role == "prefill" else 0
-                base = free_port_block(1 + workers)
+                base = free_port_block(1 + workers, exclude=taken)
+                taken.update(range(base, base + 1 + workers))
                 proc.metrics_ports[""] = base
                 for rank in range(workers):
                     proc.metrics_ports[f"dp{rank}"] = base + 1 + rank  # derived_metrics_port(base, 1 + rank)
         for proc in self.procs.values():
             proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
-        self._stopping = False
-        self._died: asyncio.Future[Proc] | None = None
-        self._watchers: list[asyncio.Task[None]] = []
-        self._channels: dict[str, grpc.aio.Channel] = {}
 
     # ---- addresses ----------------------------------------------------------------------
 
@@ -260,8 +288,30 @@ class Cluster:
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
 
-    async def start(self) -> None:
-        """Start every process, then wait until all are healthy (see the module doc)."""
+    async def start(self, port_retries: int = 3) -> None:
+        """Start every process, then wait until all are healthy (see the module doc).
+
+        Ports are picked here and bound by the children a moment later; when a child
+        dies because another program took its port in between, the whole cluster is
+        stopped and started again on fresh ports, up to ``port_retries`` times."""
+        for attempt in range(port_retries + 1):
+            try:
+                await self._start_once()
+                return
+            except ChildDied as exc:
+                if attempt == port_retries or not _lost_port_race(exc.proc):
+                    raise
+                log.warning(
+                    "topology %r: %s could not bind its port (taken since it was picked); restarting on fresh ports",
+                    self.topology.name, exc.proc.spec.name,
+                )
+                for proc in self.procs.values():  # keep the failed attempt's logs aside
+                    with contextlib.suppress(OSError):
+                        proc.log_path.rename(proc.log_path.with_suffix(f".attempt{attempt + 1}.log"))
+                self._assign_ports()
+                self._stopping = False
+
+    async def _start_once(self) -> None:
         loop = asyncio.get_running_loop()
         self._died = loop.create_future()
         try:

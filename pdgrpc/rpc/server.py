@@ -49,6 +49,10 @@ DEFAULT_SERVER_OPTIONS: tuple[tuple[str, int | str], ...] = (
     # Let clients keep idle connections alive with pings every 30 s.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # gRPC sets SO_REUSEPORT by default: a second server given the same port then binds
+    # "successfully" and the kernel splits new connections between the two, so clients
+    # of one get UNIMPLEMENTED from the other. A clash must fail the bind instead.
+    ("grpc.so_reuseport", 0),
 )
 
 # (full service name, function adding the servicer to a server)
@@ -138,7 +142,10 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    bound = server.add_insecure_port(bind)
+    try:
+        bound = server.add_insecure_port(bind)
+    except RuntimeError as exc:  # grpc's way of saying "bind failed" (the reason is only on stderr)
+        raise OSError(f"{what}: cannot bind {bind} (address in use, or not an address of this host)") from exc
     if bound == 0:
         raise OSError(f"{what}: cannot bind {bind}")
     await server.start()

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -223,3 +224,19 @@ async def test_a_process_that_cannot_start_fails_the_start_with_its_log(tmp_path
     pids = [p.pid for p in cluster.procs.values() if p.pid is not None]
     assert len(pids) == 3
     _wait_gone(pids)
+
+
+async def test_a_port_taken_between_picking_and_binding_restarts_the_cluster_on_fresh_ports(tmp_path):
+    cluster = Cluster("1p1d", transport="tcp", log_dir=tmp_path, start_timeout=120)
+    taken = cluster.procs["decode"].port
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # another program took it
+    try:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        async with cluster:
+            assert cluster.procs["decode"].port != taken
+            reply = await generate(GenerateServiceStub(cluster.channel("router")), prompt="a port race", max_new_tokens=4, ignore_eos=True)
+            assert len(reply.token_ids) == 4 and reply.bytes_transferred > 0
+        assert f"cannot bind 127.0.0.1:{taken}" in (tmp_path / "decode.attempt1.log").read_text()
+    finally:
+        squatter.close()

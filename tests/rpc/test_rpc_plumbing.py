@@ -58,6 +58,17 @@ async def test_server_serves_health_logs_address_and_stops_gracefully(caplog: py
         await pool.close()
 
 
+async def test_a_second_server_on_a_taken_port_fails_to_bind_instead_of_sharing_it() -> None:
+    # With gRPC's default SO_REUSEPORT both would bind and the kernel would split new
+    # connections between them: clients of one would get UNIMPLEMENTED from the other.
+    first = await start_server([(SLOW, slow_service(asyncio.Event()))], host="127.0.0.1", port=0, what="first")
+    try:
+        with pytest.raises(OSError, match=rf"second: cannot bind 127\.0\.0\.1:{first.port}"):
+            await start_server([], host="127.0.0.1", port=first.port, what="second")
+    finally:
+        await first.stop(grace=0)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_process_stops_gracefully_on_signal(signum: int) -> None:
     proc = subprocess.Popen(
