@@ -29,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
     if ns.chunk_size < 1:
         parser.error(f"--chunk-size must be >= 1, got {ns.chunk_size}")
+    if ns.tp_size < 1:
+        parser.error(f"--tp-size must be >= 1, got {ns.tp_size}")
     try:
-        engine_config_from_args(ns)  # fail here, not in every worker
+        engine_config_from_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
         registry.load(ns.transport)  # a missing backend names what to install
     except (ConfigError, TransportUnavailable) as exc:
         parser.error(str(exc))

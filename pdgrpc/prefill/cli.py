@@ -25,7 +25,9 @@ chunks and writes their KV pages and metadata row straight into the decode's mem
 worker). SIGTERM/SIGINT stop the controller and its workers gracefully. Its gRPC health
 reports NOT_SERVING until every worker registered and is ready, then SERVING; at that
 moment one line 'PDGRPC_READY {"address": "HOST:PORT", ...}' is printed to stdout.
-With --metrics-port P the controller serves its metrics on P and dp worker r on P+1+r."""
+With --tp-size N each dp rank is N worker processes (tp ranks), each handshaking and writing
+its own KV heads; a request goes to all N of its dp rank. With --metrics-port P the
+controller serves its metrics on P and worker (dp r, tp t) on P+1+r*N+t."""
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +52,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--page-wait-timeout", type=float, default=30.0,
         help="seconds a request waits for free KV pages when the pool is full before failing with "
         "RESOURCE_EXHAUSTED. Default: %(default)s",
+    )
+    g.add_argument(
+        "--dist-timeout", type=float, default=120.0,
+        help="with --tp-size > 1: seconds a torch.distributed (gloo) collective of a dp group's workers may wait "
+        "for the other ranks before it fails. Default: %(default)s",
     )
     g.add_argument(
         "--compute-threads", type=int, default=1,
@@ -85,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-size", type=int, default=1, help="number of worker processes (dp ranks). Default: %(default)s")
+    d.add_argument(
+        "--tp-size", type=int, default=1,
+        help="tensor-parallel ranks per dp rank: each dp rank runs this many worker processes, one per tp rank, "
+        "each holding 1/N of the KV heads (N must divide the model's query heads, KV heads and MLP size); they "
+        "compute in lock step over gloo. Default: %(default)s",
+    )
     d.add_argument(
         "--load-balance-method", choices=LOAD_BALANCE_METHODS, default="round_robin",
         help="dp rank for requests without routed_dp_rank: 'round_robin' (in turn), 'follow_bootstrap_room' "

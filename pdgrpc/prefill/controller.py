@@ -25,7 +25,7 @@ import json
 import logging
 import signal
 import sys
-from typing import Awaitable, Callable, Mapping, NoReturn
+from typing import Awaitable, Callable, Mapping, NoReturn, cast
 
 import grpc
 
@@ -57,6 +57,8 @@ READY_LINE = "PDGRPC_READY"
 class WorkerHandle:
     rank: int
     proc: asyncio.subprocess.Process
+    tp_rank: int = 0
+    tp_size: int = 1
     address: str = ""
     stub: prefill_pb2_grpc.PrefillServiceStub | None = None
     alive: bool = True
@@ -66,6 +68,17 @@ class WorkerHandle:
     @property
     def queue_length(self) -> int:
         return len(self.calls)
+
+    @property
+    def name(self) -> str:
+        return f"dp{self.rank}" if self.tp_size == 1 else f"dp{self.rank}.tp{self.tp_rank}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    code: grpc.StatusCode
+    message: str
+    dead: bool = False  # the worker died
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -80,7 +93,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         # a worker counts every request it ran, so none is counted twice.
         self.metrics = metrics or PrefillMetrics(transport=ns.transport)
         self.dispatcher = Dispatcher(ns.dp_size, ns.load_balance_method, ns.force_dp_rank_query)
-        self.workers: list[WorkerHandle] = []
+        self.workers: list[WorkerHandle] = []  # every worker process, dp-major
+        self.groups: list[list[WorkerHandle]] = []  # groups[dp] = its tp ranks' workers
         self.pool = ChannelPool()
         self.bootstrap_address = ns.bootstrap
         self.registrar: DpRankRegistrar | None = None
@@ -98,7 +112,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         try:
             d = self.dispatcher.pick(
-                room, routed, [w.queue_length for w in self.workers], [w.alive for w in self.workers]
+                room, routed, [g[0].queue_length for g in self.groups], [all(w.alive for w in g) for g in self.groups]
             )
         except InvalidRoute as exc:
             self.metrics.on_refused()
@@ -111,10 +125,11 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         except NoLiveRank as exc:
             self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
             await _abort(context, C.UNAVAILABLE, f"room {room}: {exc}")
-        w = self.workers[d.rank]
-        if not w.alive:
+        group = self.groups[d.rank]
+        dead = next((w for w in group if not w.alive), None)
+        if dead is not None:
             self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
-            await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} is dead (exit code {w.exit_code})")
+            await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker {dead.name} is dead (exit code {dead.exit_code})")
         if d.register:
             assert self.registrar is not None
             try:
@@ -128,20 +143,79 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         fwd = prefill_pb2.PrefillRequest()
         fwd.CopyFrom(request)
         fwd.routed_dp_rank = d.rank
-        assert w.stub is not None
-        call = w.stub.Prefill(fwd, timeout=context.time_remaining())
-        w.calls.add(call)
+        timeout = context.time_remaining()
+        calls: list[tuple[WorkerHandle, grpc.aio.UnaryUnaryCall]] = []  # type: ignore[type-arg]
+        for w in group:
+            assert w.stub is not None
+            call = w.stub.Prefill(fwd, timeout=timeout)
+            w.calls.add(call)
+            calls.append((w, call))
+        tasks = [asyncio.ensure_future(self._forward(room, w, call)) for w, call in calls]
         try:
-            return await call
+            results = await self._gather(calls, tasks)
+        except asyncio.CancelledError:
+            # The caller went away: let every worker release everything.
+            for w, call in calls:
+                call.cancel()
+            raise
+        finally:
+            for t in tasks:
+                t.cancel()
+            for w, call in calls:
+                w.calls.discard(call)
+        failure = next((r for r in results if isinstance(r, _Failed)), None)
+        if failure is not None:
+            if failure.dead:
+                self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
+                request_event(log, room, "failed", reason=failure.message)
+            await _abort(context, failure.code, failure.message)
+        resps = cast("list[prefill_pb2.PrefillResponse]", results)
+        if len(resps) == 1:
+            return resps[0]
+        return prefill_pb2.PrefillResponse(
+            dp_rank=d.rank,
+            prompt_tokens=resps[0].prompt_tokens,
+            bytes_transferred=sum(r.bytes_transferred for r in resps),
+            transfer_seconds=max(r.transfer_seconds for r in resps),
+            compute_seconds=max(r.compute_seconds for r in resps),
+        )
+
+    async def _gather(
+        self, calls: list[tuple[WorkerHandle, "grpc.aio.UnaryUnaryCall"]], tasks: "list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]]"  # type: ignore[type-arg]
+    ) -> "list[prefill_pb2.PrefillResponse | _Failed]":
+        """Every worker's answer; on the first failure the other calls are cancelled and
+        the answer is ``[failure]`` (the first non-CANCELLED failure when there is one)."""
+        failure: _Failed | None = None
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                if t not in done or t.cancelled():
+                    continue
+                r = t.result()
+                if isinstance(r, _Failed) and (failure is None or (failure.code is C.CANCELLED and r.code is not C.CANCELLED)):
+                    failure = r
+            if failure is not None and pending:
+                for (w, call), t in zip(calls, tasks):
+                    if t in pending:
+                        call.cancel()
+        if failure is not None:
+            return [failure]
+        return [t.result() for t in tasks]
+
+    async def _forward(self, room: int, w: WorkerHandle, call: "grpc.aio.UnaryUnaryCall") -> "prefill_pb2.PrefillResponse | _Failed":  # type: ignore[type-arg]
+        """One worker's answer to a forwarded Prefill (a failure as :class:`_Failed`)."""
+        try:
+            return cast(prefill_pb2.PrefillResponse, await call)
         except asyncio.CancelledError:
             if w.alive:
-                call.cancel()  # the caller went away: let the worker release everything
+                # Cancelled by the fan-out (a sibling failed) or the caller went away.
+                if call.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    return _Failed(C.CANCELLED, f"room {room}: cancelled")
                 raise
             # _watch cancelled the call because the worker died: that is this request's answer.
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
-            request_event(log, room, "failed", reason=f"worker dp{d.rank} died")
-            await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} died (exit code {w.exit_code})")
+            return _Failed(C.UNAVAILABLE, f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})", dead=True)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (C.UNAVAILABLE, C.CANCELLED, C.UNKNOWN) and w.proc.returncode is None:
                 # The connection may break a moment before the process exit is noticed.
@@ -151,12 +225,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                     pass
             if not w.alive or w.proc.returncode is not None:
                 w.exit_code = w.proc.returncode
-                self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
-                request_event(log, room, "failed", reason=f"worker dp{d.rank} died")
-                await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker dp{d.rank} died (exit code {w.exit_code})")
-            await _abort(context, exc.code(), exc.details() or "")
-        finally:
-            w.calls.discard(call)
+                return _Failed(C.UNAVAILABLE, f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})", dead=True)
+            return _Failed(exc.code(), exc.details() or "")
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         total = common_pb2.ResourceStats()
@@ -166,7 +236,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             try:
                 s = (await w.stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5.0)).stats
             except grpc.aio.AioRpcError as exc:
-                await _abort(context, C.UNAVAILABLE, f"GetStats of prefill worker dp{w.rank} failed: {exc.details()}")
+                await _abort(context, C.UNAVAILABLE, f"GetStats of prefill worker {w.name} failed: {exc.details()}")
             for field in common_pb2.ResourceStats.DESCRIPTOR.fields:
                 setattr(total, field.name, getattr(total, field.name) + getattr(s, field.name))
         return prefill_pb2.GetStatsResponse(stats=total)
@@ -175,23 +245,31 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def start_workers(self) -> None:
         common = worker_argv(self.ns)
+        tp_size = getattr(self.ns, "tp_size", 1)
         for rank in range(self.ns.dp_size):
-            argv = [
-                sys.executable, "-m", "pdgrpc.prefill.worker_main",
-                "--dp-rank", str(rank), "--dp-size", str(self.ns.dp_size),
-                "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
-                "--load-balance-method", self.ns.load_balance_method,
-                *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
-                *self._worker_metrics_argv(rank),
-                *common,
-            ]
-            # Own session: a terminal's Ctrl-C reaches the controller only, which drains its
-            # requests first and then stops the workers in order (they also exit on their own
-            # if the controller dies).
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
-            )
-            self.workers.append(WorkerHandle(rank, proc))
+            dist = ["--dist-init", f"tcp://127.0.0.1:{_free_port()}"] if tp_size > 1 else []
+            group: list[WorkerHandle] = []
+            for tp in range(tp_size):
+                argv = [
+                    sys.executable, "-m", "pdgrpc.prefill.worker_main",
+                    "--dp-rank", str(rank), "--dp-size", str(self.ns.dp_size),
+                    *(["--tp-rank", str(tp), "--tp-size", str(tp_size), *dist] if tp_size > 1 else []),
+                    "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
+                    "--load-balance-method", self.ns.load_balance_method,
+                    *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
+                    *self._worker_metrics_argv(1 + rank * tp_size + tp),
+                    *common,
+                ]
+                # Own session: a terminal's Ctrl-C reaches the controller only, which drains its
+                # requests first and then stops the workers in order (they also exit on their own
+                # if the controller dies).
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
+                )
+                w = WorkerHandle(rank, proc, tp, tp_size)
+                group.append(w)
+                self.workers.append(w)
+            self.groups.append(group)
         tasks = [asyncio.ensure_future(self._await_ready(w)) for w in self.workers]
         try:
             done, pending = await asyncio.wait(tasks, timeout=self.ns.worker_start_timeout, return_when=asyncio.FIRST_EXCEPTION)
@@ -204,8 +282,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s")
         self._watchers = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
 
-    def _worker_metrics_argv(self, rank: int) -> list[str]:
-        port = derived_metrics_port(getattr(self.ns, "metrics_port", None), 1 + rank)
+    def _worker_metrics_argv(self, index: int) -> list[str]:
+        port = derived_metrics_port(getattr(self.ns, "metrics_port", None), index)
         if port is None:
             return []
         return ["--metrics-port", str(port), "--metrics-host", self.ns.metrics_host]
@@ -216,13 +294,13 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             line = await w.proc.stdout.readline()
             if not line:
                 code = await w.proc.wait()
-                raise RuntimeError(f"prefill worker dp{w.rank} exited with code {code} before it was ready (see its log above)")
+                raise RuntimeError(f"prefill worker {w.name} exited with code {code} before it was ready (see its log above)")
             text = line.decode(errors="replace").strip()
             if text.startswith(READY + " "):
                 info = json.loads(text[len(READY) + 1 :])
                 w.address = info["address"]
                 w.stub = prefill_pb2_grpc.PrefillServiceStub(self.pool.get(w.address))
-                log.info("prefill worker dp%d (pid %d) ready at %s", w.rank, w.proc.pid, w.address)
+                log.info("prefill worker %s (pid %d) ready at %s", w.name, w.proc.pid, w.address)
                 return
 
     async def _watch(self, w: WorkerHandle) -> None:
@@ -234,12 +312,12 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         if self.stopping:
             return
         log.error(
-            "prefill worker dp%d (pid %d) exited with code %s; failing its %d in-flight request(s)",
-            w.rank, w.proc.pid, w.exit_code, len(w.calls),
+            "prefill worker %s (pid %d) exited with code %s; failing its %d in-flight request(s)",
+            w.name, w.proc.pid, w.exit_code, len(w.calls),
         )
         for call in list(w.calls):
             call.cancel()
-        if not any(x.alive for x in self.workers) and self.server is not None:
+        if not any(all(x.alive for x in g) for g in self.groups) and self.server is not None:
             # Nothing left to serve: exit non-zero so a supervisor (or the cluster
             # launcher) notices, instead of answering UNAVAILABLE forever.
             log.error("every prefill worker is gone; stopping the controller")
@@ -255,12 +333,21 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             try:
                 await asyncio.wait_for(w.proc.wait(), timeout)
             except asyncio.TimeoutError:
-                log.error("prefill worker dp%d did not stop within %.0f s; killing it", w.rank, timeout)
+                log.error("prefill worker %s did not stop within %.0f s; killing it", w.name, timeout)
                 w.proc.kill()
                 await w.proc.wait()
         for t in self._watchers:
             t.cancel()
         await self.pool.close()
+
+
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a dp group's torch.distributed rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _counted(register: Callable[[Mapping[int, int]], Awaitable[object]], metrics: PrefillMetrics) -> Callable[[Mapping[int, int]], Awaitable[object]]:
@@ -339,8 +426,8 @@ async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServ
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     log.info(
-        "prefill ready: %d worker(s), %s, transport %s, bootstrap %s (%s)",
-        ns.dp_size, ns.load_balance_method, ns.transport, controller.bootstrap_address,
+        "prefill ready: %d dp rank(s) x %d tp rank(s), %s, transport %s, bootstrap %s (%s)",
+        ns.dp_size, getattr(ns, "tp_size", 1), ns.load_balance_method, ns.transport, controller.bootstrap_address,
         "embedded" if embedded else "external",
     )
     await server.set_serving()

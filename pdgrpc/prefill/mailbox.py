@@ -7,8 +7,12 @@ age (``ttl_s``): a handshake whose Prefill never comes (the router gave up) must
 memory forever. A handshake that arrives while the Prefill RPC is already waiting is
 handed over at once.
 
-A room gets at most one handshake (TP 1 decode): a second one is refused, which is what
-catches two decodes racing for one room.
+A room gets at most one handshake per *key* (the sending decode TP rank; 0 for a TP 1
+decode): a second one with the same key is refused, which is what catches two decodes
+racing for one room. A TP prefill rank waits for several handshakes per room (one from
+every decode rank it writes to); the driver calls :meth:`Mailbox.wait` once per handshake.
+Every handshake of a room may carry a ``group`` value (the decode TP size): a later one
+with another value is refused with :class:`GroupMismatch`.
 """
 
 from __future__ import annotations
@@ -20,32 +24,49 @@ from typing import Callable, Generic, TypeVar
 
 from pdgrpc.errors import StateError
 
-__all__ = ["DuplicateHandshake", "Mailbox", "MailboxFull"]
+__all__ = ["DuplicateHandshake", "GroupMismatch", "Mailbox", "MailboxFull"]
 
 T = TypeVar("T")
 
 
 class DuplicateHandshake(StateError):
-    """A room got a second handshake while the first one is still pending or in use."""
+    """A room got a second handshake (same key) while the first one is still pending or in use."""
 
 
 class MailboxFull(StateError):
     """Too many early handshakes are waiting for their Prefill RPC."""
 
 
+class GroupMismatch(StateError):
+    """A room's handshakes disagree on their ``group`` value (the decode TP size)."""
+
+    def __init__(self, room: int, first: object, got: object) -> None:
+        super().__init__(f"room {room}: an earlier handshake said {first}, this one {got}")
+        self.first = first
+        self.got = got
+
+
+class _Claim(Generic[T]):
+    """A room a Prefill RPC waits for: handshakes delivered and not yet taken."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[T] = collections.deque()
+        self.waiter: asyncio.Future[T] | None = None
+
+
 class Mailbox(Generic[T]):
-    """Room -> handshake rendezvous on one event loop."""
+    """Room -> handshake(s) rendezvous on one event loop."""
 
     def __init__(self, capacity: int = 4096, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
         self.ttl_s = ttl_s
         self._clock = clock
-        self._early: collections.OrderedDict[int, tuple[float, T]] = collections.OrderedDict()
-        self._waiting: dict[int, asyncio.Future[T]] = {}
-        self._claimed: set[int] = set()  # rooms whose handshake was handed to a Prefill RPC
+        self._early: collections.OrderedDict[int, tuple[float, list[T]]] = collections.OrderedDict()
+        self._claims: dict[int, _Claim[T]] = {}  # rooms a Prefill RPC has claimed
+        self._keys: dict[int, tuple[object, set[object]]] = {}  # room -> (group, keys delivered)
 
     def __len__(self) -> int:
-        """Early handshakes held (after dropping expired ones)."""
+        """Rooms with early handshakes held (after dropping expired ones)."""
         self._expire()
         return len(self._early)
 
@@ -56,47 +77,81 @@ class Mailbox(Generic[T]):
             if t >= cutoff:
                 break
             del self._early[room]
+            if room not in self._claims:
+                self._keys.pop(room, None)
 
-    def deliver(self, room: int, handshake: T) -> bool:
+    def group(self, room: int) -> object:
+        """The group value of ``room``'s first handshake (None when none is held)."""
+        entry = self._keys.get(room)
+        return None if entry is None else entry[0]
+
+    def deliver(self, room: int, handshake: T, key: object = 0, group: object = None) -> bool:
         """Hand ``handshake`` to the Prefill RPC waiting for ``room`` (returns True), or keep
-        it until one comes (False). Raises :class:`DuplicateHandshake` / :class:`MailboxFull`."""
+        it until one comes (False). Raises :class:`DuplicateHandshake` / :class:`MailboxFull`
+        / :class:`GroupMismatch`."""
         self._expire()
-        if room in self._early or room in self._claimed:
-            raise DuplicateHandshake(f"room {room}: a handshake for this room was already received")
-        fut = self._waiting.get(room)
-        if fut is not None and not fut.done():
-            fut.set_result(handshake)
-            self._claimed.add(room)
-            return True
-        if len(self._early) >= self.capacity:
+        entry = self._keys.get(room)
+        if entry is not None:
+            if key in entry[1]:
+                raise DuplicateHandshake(f"room {room}: a handshake for this room was already received")
+            if group is not None and entry[0] is not None and group != entry[0]:
+                raise GroupMismatch(room, entry[0], group)
+        claim = self._claims.get(room)
+        if claim is None and room not in self._early and len(self._early) >= self.capacity:
             raise MailboxFull(
                 f"room {room}: {len(self._early)} handshakes already wait for their Prefill RPC (capacity {self.capacity})"
             )
-        self._early[room] = (self._clock(), handshake)
+        if entry is None:
+            entry = (group, set())
+        elif entry[0] is None and group is not None:
+            entry = (group, entry[1])
+        entry[1].add(key)
+        self._keys[room] = entry
+        if claim is not None:
+            if claim.waiter is not None and not claim.waiter.done():
+                claim.waiter.set_result(handshake)
+            else:
+                claim.items.append(handshake)
+            return True
+        if room in self._early:
+            self._early[room][1].append(handshake)
+        else:
+            self._early[room] = (self._clock(), [handshake])
         return False
 
     async def wait(self, room: int, timeout: float) -> T:
-        """The handshake for ``room`` (early or arriving within ``timeout`` seconds); raises
-        ``TimeoutError`` when none comes. Call :meth:`done` when the room is finished."""
+        """The next handshake for ``room`` (early or arriving within ``timeout`` seconds);
+        raises ``TimeoutError`` when none comes. The first call claims the room; call
+        :meth:`done` when the room is finished."""
         self._expire()
-        early = self._early.pop(room, None)
-        if early is not None:
-            self._claimed.add(room)
-            return early[1]
-        if room in self._waiting:
+        claim = self._claims.get(room)
+        if claim is None:
+            claim = self._claims[room] = _Claim()
+            early = self._early.pop(room, None)
+            if early is not None:
+                claim.items.extend(early[1])
+            self._keys.setdefault(room, (None, set()))
+        if claim.items:
+            return claim.items.popleft()
+        if claim.waiter is not None:
             raise DuplicateHandshake(f"room {room}: another Prefill RPC already waits for this room's handshake")
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._waiting[room] = fut
+        claim.waiter = fut
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._waiting.pop(room, None)
+            claim.waiter = None
 
     def discard(self, room: int) -> bool:
-        """Forget an early handshake for ``room`` (decode aborted before Prefill came)."""
-        return self._early.pop(room, None) is not None
+        """Forget early handshakes for ``room`` (decode aborted before Prefill came)."""
+        if self._early.pop(room, None) is None:
+            return False
+        if room not in self._claims:
+            self._keys.pop(room, None)
+        return True
 
     def done(self, room: int) -> None:
-        """The room is finished: a new handshake for it may come (room ids are random, so
+        """The room is finished: new handshakes for it may come (room ids are random, so
         in practice this only frees memory)."""
-        self._claimed.discard(room)
+        self._claims.pop(room, None)
+        self._keys.pop(room, None)

@@ -30,11 +30,13 @@ so rows need no allocator of their own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
-from typing import Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import grpc
 
@@ -44,8 +46,9 @@ from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import PrefillMetrics, ServerAbortReason
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.prefill.mailbox import DuplicateHandshake, Mailbox, MailboxFull
+from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, row_from_token, sampling_from_proto
+from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, heads_of, receivers_of, senders_of, transfer_room
 from pdgrpc.state.config import SenderDeadlines
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.metadata import MetadataBuffers
@@ -59,7 +62,7 @@ from pdgrpc.state.prefill_sender import (
     WriteMetadata,
     WritePages,
 )
-from pdgrpc.transport.base import BadDescriptor, Descriptor, RegionKind, Transport, WriteOp
+from pdgrpc.transport.base import BadDescriptor, Descriptor, Peer, RegionKind, Transport, WriteOp, WriteOps
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 from pdgrpc.v1 import common_pb2, handshake_pb2, prefill_pb2
 
@@ -73,6 +76,10 @@ C = grpc.StatusCode
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     dp_rank: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_room_wait_s: float = 5.0  # TP follower: a chunk command waiting for its room's Prefill RPC
+    lost_rooms: int = 4096  # TP follower: rooms remembered as computed without us (count)
     chunk_size: int = 512  # prompt tokens per prefill chunk
     handshake_timeout_s: float = 30.0  # Prefill RPC waiting for the decode's handshake
     transfer_timeout_s: float = 60.0  # metadata row written -> decode's acknowledgement
@@ -84,6 +91,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +104,34 @@ class Destination:
     dst_slot: int
     descriptor: bytes
     parsed: Descriptor
+    decode_tp_rank: int = 0
+    decode_tp_size: int = 1
+    wants_metadata: bool = True
+
+
+@dataclasses.dataclass(eq=False)
+class _Out:
+    """One destination decode rank of a room: its transfer key, peer and op builder."""
+
+    dest: Destination
+    key: int  # transport room key (transfer_room(room, p, d))
+    peer: Peer
+    ops: Callable[[Sequence[int], Sequence[int]], WriteOps]
+    meta_dst: Any  # RegionInfo of the row's destination region (metadata or sink)
+    page_of: dict[int, int]  # local page -> this destination's page
+
+
+@dataclasses.dataclass(eq=False)
+class _Followed:
+    """A TP follower's room as its compute thread sees it (guarded by the worker's lock)."""
+
+    room: int
+    pages: tuple[int, ...]
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[tuple[int, SampledToken | None, float, BaseException | None]]"
+    inflight: "concurrent.futures.Future[None] | None" = None
+    total: int = 0  # prompt tokens
+    computed: int = 0  # tokens computed so far (compute thread)
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,6 +140,9 @@ class _Active:
     task: asyncio.Task  # type: ignore[type-arg]
     pages: list[int] = dataclasses.field(default_factory=list)
     compute: "asyncio.Future[object] | None" = None
+    keys: list[int] = dataclasses.field(default_factory=list)  # transport keys used
+    followed: _Followed | None = None  # TP follower only
+    computed_all: bool = False  # TP leader: every chunk was issued and computed
     abort_reason: str | None = None
     closing: bool = False
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -126,8 +166,22 @@ def _hex(b: bytes) -> str:
 
 
 class PrefillWorker:
-    """Serves one dp rank. ``await start()`` registers the KV pool and the send rows with
-    the transport; ``descriptor`` is then what bootstrap advertises."""
+    """Serves one (dp rank, tp rank). ``await start()`` registers the KV pool and the send
+    rows with the transport; ``descriptor`` is then what bootstrap advertises.
+
+    Tensor parallelism (``config.tp_size > 1``): ``engine`` holds this rank's KV heads and
+    its ``all_reduce`` runs over the dp group's ``torch.distributed`` world (rank =
+    tp rank). Every rank must run the same ``prefill_chunk`` calls in the same order, so
+    tp rank 0 (the *leader*) decides: before each chunk its compute thread broadcasts a
+    command ``("chunk", room, ids, sampling, start, end)`` and then computes it. A
+    *follower* (tp rank > 0) runs :meth:`_follow` on its own thread: receive a command,
+    compute it into its pages of that room (or into reserved scratch pages when it does
+    not hold the room: its Prefill RPC did not arrive within ``tp_room_wait_s``, or the
+    room already ended here -- the room then fails on this rank), and notify the room's
+    driver. ``("end", room)`` tells followers that the leader gave up a room,
+    ``("stop",)`` ends their loop at shutdown. Collectives on a rank run only on its
+    compute thread.
+    """
 
     def __init__(
         self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None
@@ -139,7 +193,15 @@ class PrefillWorker:
         self.transport = transport
         self.config = config
         self.compat_hash = compat_hash_bytes(engine)
-        self.page_size = engine.kv_layout.page_size
+        layout = engine.kv_layout
+        self.page_size = layout.page_size
+        self.head_bytes = layout.head_bytes
+        self.num_kv_heads = layout.num_kv_heads
+        self.heads = (layout.head_start, layout.head_end)
+        self.tp_rank, self.tp_size = config.tp_rank, config.tp_size
+        if self.tp_size > 1 and heads_of(self.tp_rank, self.tp_size, self.num_kv_heads) != self.heads:
+            raise ValueError(f"engine holds KV heads {self.heads}, tp rank {self.tp_rank} of {self.tp_size} should hold "
+                             f"{heads_of(self.tp_rank, self.tp_size, self.num_kv_heads)}")
         self.send_rows = MetadataBuffers(engine.num_pages, metadata_layout())
         bufs = engine.kv_buffers()
         self._regions = [*kv_regions(bufs.k, bufs.v), metadata_region(self.send_rows.tensor)]
@@ -149,12 +211,43 @@ class PrefillWorker:
         self._mailbox: Mailbox[Destination | RequestFailed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)
         self._active: dict[int, _Active] = {}
         self._pages_freed = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"prefill{config.dp_rank}-compute")
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"prefill{config.dp_rank}.{config.tp_rank}-compute"
+        )
         self.completed = 0  # requests finished successfully (count)
         self.failed = 0
+        # TP: every rank reserves scratch pages for one whole prompt (a follower computes
+        # rooms it does not hold there); the same capacity on every rank of the group.
+        self._scratch: tuple[int, ...] = ()
+        if self.tp_size > 1:
+            scratch = engine.alloc_pages(engine.pages_needed(engine.max_prompt_tokens))
+            if scratch is None:
+                raise ValueError(f"the KV pool of {engine.num_pages} pages cannot hold the TP scratch pages for "
+                                 f"{engine.max_prompt_tokens} tokens")
+            self._scratch = tuple(scratch)
+        self._lock = threading.Condition()
+        self._followed: dict[int, _Followed] = {}  # follower: rooms its compute thread may write
+        self._lost: collections.OrderedDict[int, str] = collections.OrderedDict()  # follower: rooms failed here
+        self._follower: threading.Thread | None = None
+        self._broken: str | None = None  # the TP group failed (a collective raised)
+        self._stopped = False
+
+    @property
+    def leader(self) -> bool:
+        return self.tp_rank == 0
+
+    @property
+    def capacity(self) -> int:
+        """KV pages requests may use (the pool less the TP scratch pages)."""
+        return self.engine.num_pages - len(self._scratch)
 
     async def start(self) -> bytes:
         self.descriptor = await self.transport.register(self._regions)
+        if self.tp_size > 1 and not self.leader:
+            self._follower = threading.Thread(
+                target=self._follow, name=f"prefill{self.config.dp_rank}.{self.tp_rank}-follow", daemon=True
+            )
+            self._follower.start()
         return self.descriptor
 
     async def close(self) -> None:
@@ -167,6 +260,21 @@ class PrefillWorker:
                 await asyncio.wait_for(entry.finished.wait(), self.config.abort_wait_s)
             except asyncio.TimeoutError:
                 log.error("room=%d driver did not stop within %.0f s at shutdown", entry.room, self.config.abort_wait_s)
+        if self.tp_size > 1 and self.leader and self._broken is None:
+            fut = self._executor.submit(self._broadcast, ("stop",))
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(fut), 10.0)
+            except Exception as exc:
+                log.error("tp%d: telling the followers to stop failed: %r", self.tp_rank, exc)
+                self._stopped = True
+                await self.transport.close()
+                self._executor.shutdown(wait=False)  # the thread may be stuck in a collective
+                return
+        self._stopped = True
+        if self._follower is not None:
+            await asyncio.to_thread(self._follower.join, 15.0)
+            if self._follower.is_alive():
+                log.error("tp%d: the follower thread did not stop (no stop command from tp rank 0)", self.tp_rank)
         await self.transport.close()
         self._executor.shutdown(wait=True)
 
@@ -178,10 +286,11 @@ class PrefillWorker:
 
     def stats(self) -> common_pb2.ResourceStats:
         """Read from the live allocator and transport, not from counters of our own."""
+        scratch = len(self._scratch)
         return common_pb2.ResourceStats(
             active_requests=len(self._active),
-            pages_in_use=self.engine.num_pages - self.engine.num_free_pages,
-            pages_total=self.engine.num_pages,
+            pages_in_use=self.engine.num_pages - self.engine.num_free_pages - scratch,
+            pages_total=self.engine.num_pages - scratch,
             transport_rooms=len(self.transport.rooms),
         )
 
@@ -202,22 +311,34 @@ class PrefillWorker:
                 f"room {room}: compatibility_hash mismatch: decode has {_hex(req.compatibility_hash)}, "
                 f"prefill has {_hex(self.compat_hash)} (model, page size, KV dtype/layout or protocol differ)",
             )
-        if req.decode_tp_size > 1 or req.decode_tp_rank != 0:
+        tp_d = req.decode_tp_size or 1  # 0: an old client, TP 1
+        d = req.decode_tp_rank
+        ours = f"this prefill worker is tp_rank {self.tp_rank} of tp_size {self.tp_size}"
+        try:
+            check_tp_sizes(self.tp_size, tp_d)
+            if d >= tp_d:
+                raise PdgrpcError(f"decode_tp_rank must be < decode_tp_size")
+            ok = self.tp_rank in senders_of(d, tp_d, self.tp_size)
+            why = "it does not write to that decode rank"
+        except PdgrpcError as exc:
+            ok, why = False, str(exc)
+        if not ok:
             raise RequestFailed(
                 C.FAILED_PRECONDITION,
-                f"room {room}: decode_tp_size={req.decode_tp_size} / decode_tp_rank={req.decode_tp_rank}: "
-                "this prefill serves TP 1 decodes only",
+                f"room {room}: decode_tp_rank={d} / decode_tp_size={req.decode_tp_size}: {ours}; {why}",
             )
         if not req.dst_pages:
             raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages is empty")
         try:
-            d = Descriptor.from_bytes(req.transport_descriptor)
+            parsed = Descriptor.from_bytes(req.transport_descriptor)
         except BadDescriptor as exc:
             raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: transport_descriptor: {exc}") from None
-        regions = d.region_map()
-        meta = regions.get(METADATA_REGION_ID)
+        regions = parsed.region_map()
+        meta_id = METADATA_REGION_ID if req.wants_metadata else METADATA_SINK_REGION_ID
+        meta = regions.get(meta_id)
         if meta is None or meta.kind is not RegionKind.METADATA:
-            raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: transport_descriptor has no metadata region")
+            what = "metadata region" if req.wants_metadata else "metadata sink region (wants_metadata is false)"
+            raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: transport_descriptor has no {what}")
         if meta.item_bytes != self._meta_src.item_bytes:
             raise RequestFailed(
                 C.FAILED_PRECONDITION,
@@ -227,21 +348,26 @@ class PrefillWorker:
         if req.dst_slot >= meta.num_items:
             raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_slot {req.dst_slot} outside the decode's {meta.num_items} slots")
         try:
-            pairs = region_pairs(self._regions, d.regions)
+            pairs = region_pairs(self._regions, parsed.regions)
         except PdgrpcError as exc:
             raise RequestFailed(C.FAILED_PRECONDITION, f"room {room}: KV regions: {exc}") from None
+        want = (self.num_kv_heads // tp_d) * self.head_bytes
         for src, dst in pairs:
-            if src.item_bytes != dst.item_bytes:
+            if dst.item_bytes != want:
                 raise RequestFailed(
                     C.FAILED_PRECONDITION,
-                    f"room {room}: KV page size mismatch in {src.name!r}: decode {dst.item_bytes} B, prefill {src.item_bytes} B",
+                    f"room {room}: KV page size mismatch in {src.name!r}: decode {dst.item_bytes} B, expected {want} B "
+                    f"({self.num_kv_heads // tp_d} heads of decode tp rank {d} of {tp_d}; prefill pages are {src.item_bytes} B)",
                 )
-        kv_dst = [r for r in d.regions if r.kind is RegionKind.KV]
+        kv_dst = [r for r in parsed.regions if r.kind is RegionKind.KV]
         limit = min((r.num_items for r in kv_dst), default=0)
         bad = next((p for p in req.dst_pages if p >= limit), None)
         if bad is not None:
             raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {bad} outside the decode's pool of {limit} pages")
-        return Destination(room, tuple(req.dst_pages), req.dst_slot, bytes(req.transport_descriptor), d)
+        return Destination(
+            room, tuple(req.dst_pages), req.dst_slot, bytes(req.transport_descriptor), parsed,
+            decode_tp_rank=d, decode_tp_size=tp_d, wants_metadata=req.wants_metadata,
+        )
 
     def handshake(self, req: handshake_pb2.HandshakeRequest) -> handshake_pb2.HandshakeResponse:
         """Validate and deliver a handshake. A refused handshake fails this RPC *and*
@@ -251,16 +377,26 @@ class PrefillWorker:
             dest: Destination | RequestFailed = self._check_handshake(req)
         except RequestFailed as exc:
             dest = exc
+        tp_d = req.decode_tp_size or 1
         try:
-            handed = self._mailbox.deliver(room, dest) if room else False
+            handed = self._mailbox.deliver(room, dest, key=req.decode_tp_rank, group=tp_d) if room else False
         except DuplicateHandshake as exc:
-            raise RequestFailed(C.ALREADY_EXISTS, str(exc)) from None
+            raise RequestFailed(C.ALREADY_EXISTS, f"{exc} (decode_tp_rank {req.decode_tp_rank})") from None
+        except GroupMismatch as exc:
+            raise RequestFailed(
+                C.FAILED_PRECONDITION,
+                f"room {room}: decode_tp_size={tp_d} (decode_tp_rank {req.decode_tp_rank}), but an earlier handshake "
+                f"for this room said decode_tp_size={exc.first}",
+            ) from None
         except MailboxFull as exc:
             raise RequestFailed(C.RESOURCE_EXHAUSTED, str(exc)) from None
         if isinstance(dest, RequestFailed):
             request_event(log, room, "handshake refused", reason=dest.message)
             raise dest
-        request_event(log, room, "handshake", pages=len(dest.dst_pages), slot=dest.dst_slot, prefill_waiting=handed)
+        request_event(
+            log, room, "handshake", pages=len(dest.dst_pages), slot=dest.dst_slot, prefill_waiting=handed,
+            decode_tp=f"{dest.decode_tp_rank}/{dest.decode_tp_size}",
+        )
         return handshake_pb2.HandshakeResponse(generation=self.generation)
 
     async def abort_room(self, room: int, reason: str) -> bool:
@@ -280,8 +416,10 @@ class PrefillWorker:
             # The Prefill RPC has not arrived (or already ended): leave a bounded tombstone
             # so one that arrives later fails at once instead of waiting for a handshake.
             try:
-                self._mailbox.deliver(room, RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}"))
-            except (DuplicateHandshake, MailboxFull):
+                self._mailbox.deliver(
+                    room, RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}"), key="abort"
+                )
+            except (DuplicateHandshake, MailboxFull, GroupMismatch):
                 pass
         request_event(log, room, "abort", reason=reason, was_active=was_active)
         return was_active
@@ -304,8 +442,8 @@ class PrefillWorker:
         return ids, sampling
 
     async def _alloc(self, n: int, room: int) -> list[int]:
-        if n > self.engine.num_pages:
-            raise _Oversize(C.INVALID_ARGUMENT, f"room {room}: prompt needs {n} pages, the pool has {self.engine.num_pages}")
+        if n > self.capacity:
+            raise _Oversize(C.INVALID_ARGUMENT, f"room {room}: prompt needs {n} pages, the pool has {self.capacity}")
         deadline = time.monotonic() + self.config.page_wait_s
         waited = False
         while True:
@@ -317,12 +455,12 @@ class PrefillWorker:
                 raise RequestFailed(
                     C.RESOURCE_EXHAUSTED,
                     f"room {room}: {n} KV pages not free within {self.config.page_wait_s} s "
-                    f"({self.engine.num_free_pages} of {self.engine.num_pages} free)",
+                    f"({self.engine.num_free_pages - len(self._scratch)} of {self.capacity} free)",
                     AbortReason.ALLOCATE_TIMEOUT,
                 )
             if not waited:
                 waited = True
-                request_event(log, room, "waiting for pages", need=n, free=self.engine.num_free_pages)
+                request_event(log, room, "waiting for pages", need=n, free=self.engine.num_free_pages - len(self._scratch))
             # No await between the failed alloc and clear(): a free cannot slip in between.
             self._pages_freed.clear()
             try:
@@ -344,7 +482,10 @@ class PrefillWorker:
         assert task is not None
         entry = _Active(room, task)
         self._active[room] = entry
-        request_event(log, room, "admitted", request_id=req.request_id or "-", tokens=len(ids), dp_rank=self.config.dp_rank)
+        request_event(
+            log, room, "admitted", request_id=req.request_id or "-", tokens=len(ids), dp_rank=self.config.dp_rank,
+            **({"tp_rank": self.tp_rank} if self.tp_size > 1 else {}),
+        )
         try:
             resp = await self._run(entry, ids, sampling)
             self.completed += 1
@@ -386,7 +527,7 @@ class PrefillWorker:
             await self._finish(entry)
 
     async def _finish(self, entry: _Active) -> None:
-        """Every path ends here: no compute in flight, room released, pages freed."""
+        """Every path ends here: no compute in flight, rooms released, pages freed."""
         entry.closing = True
         while entry.compute is not None and not entry.compute.done():
             try:
@@ -395,7 +536,29 @@ class PrefillWorker:
                 continue  # the thread still writes into our pages: keep waiting for it
             except Exception:
                 break
-        self.transport.release(entry.room)
+        if entry.followed is not None:
+            # Follower: from here on its compute thread computes this room into scratch;
+            # wait for a chunk it may be computing into our pages right now.
+            with self._lock:
+                self._followed.pop(entry.room, None)
+                # Later chunks of the room (if the leader still sends any) go to scratch at once.
+                self._lose(entry.room, "the room ended on this rank")
+                inflight = entry.followed.inflight
+            while inflight is not None and not inflight.done():
+                try:
+                    await asyncio.shield(asyncio.wrap_future(inflight))
+                except asyncio.CancelledError:
+                    continue
+                except Exception:
+                    break
+        elif self.tp_size > 1 and not entry.computed_all and self._broken is None and not self._stopped:
+            # Leader: the followers may wait for chunks of this room that will never come.
+            try:
+                self._executor.submit(self._broadcast, ("end", entry.room))
+            except RuntimeError:  # executor shut down
+                pass
+        for key in {entry.room, *entry.keys}:
+            self.transport.release(key)
         self._mailbox.discard(entry.room)
         self._mailbox.done(entry.room)
         # Nothing below awaits: a second cancellation cannot leave the room half-finished.
@@ -406,62 +569,239 @@ class PrefillWorker:
         self._active.pop(entry.room, None)
         entry.finished.set()
 
+    # ---- TP lock-step ---------------------------------------------------------------------
+
+    def _broadcast(self, cmd: tuple) -> None:  # type: ignore[type-arg]
+        """Leader, compute thread only: send ``cmd`` to the followers."""
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast_object_list([cmd], src=0)
+        except Exception as exc:
+            self._broken = f"TP group broken: broadcast failed: {exc!r}"
+            log.error("tp%d: %s", self.tp_rank, self._broken)
+            raise
+
+    def _lead_chunk(self, room: int, req: EnginePrefill, start: int, end: int) -> tuple[SampledToken | None, float]:
+        """Leader, compute thread: command the followers, then compute the chunk."""
+        if self._broken is not None:
+            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self._broken}", ServerAbortReason.PEER_FAILURE)
+        t = time.perf_counter()
+        if self.tp_size > 1:
+            self._broadcast(("chunk", room, req.token_ids, req.sampling, start, end))
+        return self.engine.prefill_chunk(req, start, end), time.perf_counter() - t
+
+    def _lose(self, room: int, why: str) -> None:
+        """Follower, under the lock: ``room`` is computed without us."""
+        self._lost[room] = why
+        self._lost.move_to_end(room)
+        while len(self._lost) > self.config.lost_rooms:
+            self._lost.popitem(last=False)
+
+    def _follow(self) -> None:
+        """Follower's compute thread: run the leader's commands until ``("stop",)``."""
+        import torch.distributed as dist
+
+        cfg = self.config
+        while True:
+            box: list[Any] = [None]
+            try:
+                dist.broadcast_object_list(box, src=0)
+            except Exception as exc:
+                if self._stopped:
+                    return
+                self._broken = f"TP group broken: receiving from tp rank 0 failed: {exc!r}"
+                log.error("tp%d: %s", self.tp_rank, self._broken)
+                self._fail_followed(self._broken)
+                return
+            cmd = box[0]
+            if cmd[0] == "stop":
+                log.info("tp%d: stop command from tp rank 0", self.tp_rank)
+                return
+            if cmd[0] == "end":
+                room = cmd[1]
+                with self._lock:
+                    fr = self._followed.get(room)
+                    if fr is None:
+                        self._lose(room, "tp rank 0 ended the room")
+                if fr is not None:
+                    fr.loop.call_soon_threadsafe(
+                        fr.queue.put_nowait,
+                        (0, None, 0.0, RequestFailed(C.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed",
+                                                     ServerAbortReason.PEER_FAILURE)),
+                    )
+                continue
+            _, room, ids, sampling, start, end = cmd
+            deadline = time.monotonic() + cfg.tp_room_wait_s
+            with self._lock:
+                while start == 0 and room not in self._followed and room not in self._lost and not self._stopped:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._lock.wait(left)
+                fr = self._followed.get(room) if room not in self._lost else None
+                if fr is None and room not in self._lost:
+                    self._lose(room, f"tp rank 0 computed it before this rank's Prefill RPC arrived (waited {cfg.tp_room_wait_s} s)"
+                               if start == 0 else "the room ended on this rank")
+                fut: concurrent.futures.Future[None] | None = None
+                if fr is not None:
+                    fut = fr.inflight = concurrent.futures.Future()
+            pages = fr.pages if fr is not None else self._scratch
+            t = time.perf_counter()
+            err: BaseException | None = None
+            tok: SampledToken | None = None
+            try:
+                tok = self.engine.prefill_chunk(EnginePrefill(tuple(ids), pages, sampling), start, end)
+            except Exception as exc:  # validation fails the same way on every rank
+                err = exc
+                log.error("tp%d: room=%d chunk [%d, %d) failed: %r", self.tp_rank, room, start, end, exc)
+            finally:
+                if fut is not None:
+                    fut.set_result(None)
+            if fr is not None:
+                fr.loop.call_soon_threadsafe(fr.queue.put_nowait, (end, tok, time.perf_counter() - t, err))
+
+    def _fail_followed(self, reason: str) -> None:
+        with self._lock:
+            rooms = list(self._followed.values())
+        for fr in rooms:
+            fr.loop.call_soon_threadsafe(
+                fr.queue.put_nowait, (0, None, 0.0, RequestFailed(C.UNAVAILABLE, f"room {fr.room}: {reason}", ServerAbortReason.PEER_FAILURE))
+            )
+
+    def _register_followed(self, entry: _Active, n: int) -> None:
+        """Follower: let the compute thread write ``entry``'s room into its pages."""
+        room = entry.room
+        if self._broken is not None:
+            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self._broken}", ServerAbortReason.PEER_FAILURE)
+        with self._lock:
+            why = self._lost.get(room)
+            if why is None:
+                entry.followed = _Followed(room, tuple(entry.pages), asyncio.get_running_loop(), asyncio.Queue(), total=n)
+                self._followed[room] = entry.followed
+                self._lock.notify_all()
+        if why is not None:
+            raise RequestFailed(C.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
+
+    # ---- one request ------------------------------------------------------------------------
+
+    async def _destinations(self, room: int) -> list[Destination]:
+        """Every handshake this rank needs for ``room`` (one per decode rank it writes to)."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.handshake_timeout_s
+        got: dict[int, Destination] = {}
+        need: range | None = None
+        while need is None or len(got) < len(need):
+            try:
+                dest = await self._mailbox.wait(room, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                missing = "" if need is None else f" (have decode tp ranks {sorted(got)} of {list(need)})"
+                raise RequestFailed(
+                    C.DEADLINE_EXCEEDED, f"room {room}: no decode handshake within {cfg.handshake_timeout_s} s{missing}",
+                    AbortReason.BOOTSTRAP_TIMEOUT,
+                ) from None
+            except DuplicateHandshake as exc:
+                raise RequestFailed(C.ALREADY_EXISTS, str(exc), ServerAbortReason.DECODE_ERROR) from None
+            if isinstance(dest, RequestFailed):
+                # A refused handshake, or an AbortRoom that came before this Prefill: the
+                # decode side ended it.
+                raise RequestFailed(dest.code, dest.message, ServerAbortReason.DECODE_ERROR)
+            if need is None:
+                need = receivers_of(self.tp_rank, self.tp_size, dest.decode_tp_size)
+            got[dest.decode_tp_rank] = dest
+        return [got[d] for d in sorted(got)]
+
+    async def _open(self, room: int, dest: Destination, n_pages: int, pages: Sequence[int]) -> _Out:
+        d, tp_d = dest.decode_tp_rank, dest.decode_tp_size
+        if len(dest.dst_pages) < n_pages:
+            raise RequestFailed(
+                C.INVALID_ARGUMENT, f"room {room}: decode tp rank {d} gave {len(dest.dst_pages)} dst_pages, the prompt needs {n_pages}",
+                ServerAbortReason.DECODE_ERROR,
+            )
+        try:
+            peer = await self.transport.connect(dest.descriptor)
+        except PdgrpcError as exc:
+            raise RequestFailed(
+                C.UNAVAILABLE, f"room {room}: cannot connect to the decode's transport (decode tp rank {d}): {exc}",
+                ServerAbortReason.PEER_FAILURE,
+            ) from None
+        pairs = region_pairs(self._regions, dest.parsed.regions)
+        dst_heads = heads_of(d, tp_d, self.num_kv_heads)
+        if dst_heads == self.heads:
+            def ops(src: Sequence[int], dst: Sequence[int]) -> WriteOps:
+                return page_ops(pairs, src, dst)
+        else:
+            from pdgrpc.transport.pages import head_slice_ops
+
+            common = (max(self.heads[0], dst_heads[0]), min(self.heads[1], dst_heads[1]))
+
+            def ops(src: Sequence[int], dst: Sequence[int]) -> WriteOps:
+                return head_slice_ops(pairs, src, dst, src_heads=self.heads, dst_heads=dst_heads, heads=common,
+                                      head_bytes=self.head_bytes)
+        meta_dst = dest.parsed.region(METADATA_REGION_ID if dest.wants_metadata else METADATA_SINK_REGION_ID)
+        assert meta_dst is not None  # checked at handshake time
+        return _Out(dest, transfer_room(room, self.tp_rank, d), peer, ops, meta_dst,
+                    dict(zip(pages, dest.dst_pages[:n_pages])))
+
     async def _run(self, entry: _Active, ids: Sequence[int], sampling: SamplingParams) -> prefill_pb2.PrefillResponse:
         room, cfg, n = entry.room, self.config, len(ids)
-        entry.pages = await self._alloc(self.engine.pages_needed(n), room)
-        try:
-            dest = await self._mailbox.wait(room, cfg.handshake_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestFailed(
-                C.DEADLINE_EXCEEDED, f"room {room}: no decode handshake within {cfg.handshake_timeout_s} s",
-                AbortReason.BOOTSTRAP_TIMEOUT,
-            ) from None
-        except DuplicateHandshake as exc:
-            raise RequestFailed(C.ALREADY_EXISTS, str(exc), ServerAbortReason.DECODE_ERROR) from None
-        if isinstance(dest, RequestFailed):
-            # A refused handshake, or an AbortRoom that came before this Prefill: the
-            # decode side ended it.
-            raise RequestFailed(dest.code, dest.message, ServerAbortReason.DECODE_ERROR)
+        n_pages = self.engine.pages_needed(n)
+        entry.pages = await self._alloc(n_pages, room)
+        follower = self.tp_size > 1 and not self.leader
+        if follower:
+            self._register_followed(entry, n)
+        dests = await self._destinations(room)
         now = time.monotonic()
         sender, _ = PrefillSender.create(
             room, tuple(entry.pages), n, self.page_size, now,
             # The driver enforces its own (tighter) timeouts; these only bound the machine.
             deadlines=SenderDeadlines(waiting_for_destination_s=cfg.handshake_timeout_s, transferring_s=cfg.transfer_timeout_s),
         )
-        sender.handle(DestinationReceived(dest.dst_pages, dest.dst_slot), now)
+        sender.handle(DestinationReceived(dests[0].dst_pages, dests[0].dst_slot), now)
         if sender.state is SenderState.FAILED:
             assert sender.failure is not None
             raise RequestFailed(C.INVALID_ARGUMENT, sender.failure.message, ServerAbortReason.DECODE_ERROR)
-        try:
-            peer = await self.transport.connect(dest.descriptor)
-        except PdgrpcError as exc:
-            raise RequestFailed(
-                C.UNAVAILABLE, f"room {room}: cannot connect to the decode's transport: {exc}", ServerAbortReason.PEER_FAILURE
-            ) from None
-        pairs = region_pairs(self._regions, dest.parsed.regions)
-        meta_dst = dest.parsed.region(METADATA_REGION_ID)
-        assert meta_dst is not None  # checked at handshake time
+        outs: list[_Out] = []
+        for dest in dests:
+            outs.append(await self._open(room, dest, n_pages, entry.pages))
+            entry.keys.append(outs[-1].key)
         engine_req = EnginePrefill(tuple(ids), tuple(entry.pages), sampling)
         loop = asyncio.get_running_loop()
         sent_bytes = 0
         compute_s = 0.0
         first_write: float | None = None
         token: SampledToken | None = None
-        for start in range(0, n, cfg.chunk_size):
-            end = min(n, start + cfg.chunk_size)
-            t = time.perf_counter()
-            entry.compute = asyncio.wrap_future(self._executor.submit(self.engine.prefill_chunk, engine_req, start, end), loop=loop)
-            token = cast("SampledToken | None", await asyncio.shield(entry.compute))
-            compute_s += time.perf_counter() - t
-            self._check_room(room)
+        start, done = 0, 0
+        while done < n:
+            if follower:
+                assert entry.followed is not None
+                end, token, secs, err = await entry.followed.queue.get()
+                if err is not None:
+                    if isinstance(err, RequestFailed):
+                        raise err
+                    raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {err!r}")
+                if end <= done:
+                    continue
+            else:
+                end = min(n, start + cfg.chunk_size)
+                entry.compute = asyncio.wrap_future(self._executor.submit(self._lead_chunk, room, engine_req, start, end), loop=loop)
+                token, secs = cast("tuple[SampledToken | None, float]", await asyncio.shield(entry.compute))
+                if end == n:
+                    entry.computed_all = True
+            compute_s += secs
+            start, done = end, end
+            for o in outs:
+                self._check_room(room, o.key)
             actions = sender.handle(ChunkDone(end, last=end == n), time.monotonic())
             while actions:
                 action = actions.pop(0)
                 if isinstance(action, WritePages):
-                    ops = page_ops(pairs, action.src, action.dst)
                     first_write = first_write or time.perf_counter()
-                    await self.transport.write(peer, room, ops)
-                    sent_bytes += ops.nbytes  # one numpy sum, not a Python loop per op
+                    for o in outs:
+                        dst = action.dst if o is outs[0] else [o.page_of[p] for p in action.src]
+                        ops = o.ops(action.src, dst)
+                        await self.transport.write(o.peer, o.key, ops)
+                        sent_bytes += ops.nbytes  # one numpy sum, not a Python loop per op
                     # The transport lands the metadata row only after every earlier write of
                     # the room, so "queued" is enough for the machine to move on.
                     actions += sender.handle(PagesWritten(len(action.src)), time.monotonic())
@@ -469,20 +809,24 @@ class PrefillWorker:
                     assert token is not None
                     local = entry.pages[0]
                     self.send_rows.write_row(local, row_from_token(token), room)
-                    op: WriteOp = metadata_op(self._meta_src, local, meta_dst, action.slot)
                     first_write = first_write or time.perf_counter()
-                    await self.transport.write(peer, room, [], metadata=op)
-                    sent_bytes += op.length
-            if start == 0 and end < n:
+                    for o in outs:
+                        op: WriteOp = metadata_op(self._meta_src, local, o.meta_dst, o.dest.dst_slot)
+                        await self.transport.write(o.peer, o.key, [], metadata=op)
+                        sent_bytes += op.length
+            if end == cfg.chunk_size and end < n:
                 request_event(log, room, "transferring", chunk_tokens=cfg.chunk_size, chunks=-(-n // cfg.chunk_size), level=logging.DEBUG)
-        status = await self.transport.wait(room, cfg.transfer_timeout_s)
-        if status.state is KVPoll.FAILED:
-            raise RequestFailed(C.ABORTED, f"room {room}: transfer failed: {status.reason}", _transfer_failed(status.reason))
-        if status.state is not KVPoll.SUCCESS:
-            raise RequestFailed(
-                C.DEADLINE_EXCEEDED, f"room {room}: decode did not acknowledge the metadata row within {cfg.transfer_timeout_s} s",
-                AbortReason.TRANSFER_TIMEOUT,
-            )
+        deadline = time.monotonic() + cfg.transfer_timeout_s
+        for o in outs:
+            status = await self.transport.wait(o.key, max(0.0, deadline - time.monotonic()))
+            if status.state is KVPoll.FAILED:
+                raise RequestFailed(C.ABORTED, f"room {room}: transfer failed{self._to(o)}: {status.reason}", _transfer_failed(status.reason))
+            if status.state is not KVPoll.SUCCESS:
+                raise RequestFailed(
+                    C.DEADLINE_EXCEEDED,
+                    f"room {room}: decode{self._to(o)} did not acknowledge the metadata row within {cfg.transfer_timeout_s} s",
+                    AbortReason.TRANSFER_TIMEOUT,
+                )
         sender.handle(MetadataWritten(), time.monotonic())
         assert first_write is not None
         return prefill_pb2.PrefillResponse(
@@ -493,9 +837,14 @@ class PrefillWorker:
             compute_seconds=compute_s,
         )
 
-    def _check_room(self, room: int) -> None:
+    def _to(self, o: _Out) -> str:
+        if self.tp_size == 1 and o.dest.decode_tp_size == 1:
+            return ""
+        return f" (tp rank {self.tp_rank} -> decode tp rank {o.dest.decode_tp_rank})"
+
+    def _check_room(self, room: int, key: int) -> None:
         """Stop early when the transport already failed the room (decode NACKed, peer died)."""
-        if room in self.transport.rooms:
-            st = self.transport.status(room)
+        if key in self.transport.rooms:
+            st = self.transport.status(key)
             if st.state is KVPoll.FAILED:
                 raise RequestFailed(C.ABORTED, f"room {room}: transfer failed: {st.reason}", _transfer_failed(st.reason))

@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.prefill.worker_main", description=__doc__)
     p.add_argument("--dp-rank", type=int, required=True, help="this worker's dp rank")
     p.add_argument("--dp-size", type=int, required=True, help="dp ranks of the instance")
+    p.add_argument("--tp-rank", type=int, default=0, help="this worker's tp rank in its dp group")
+    p.add_argument("--tp-size", type=int, default=1, help="tp ranks per dp group")
+    p.add_argument(
+        "--dist-init", default="",
+        help="torch.distributed init_method of this dp group (tcp://HOST:PORT); required with --tp-size > 1",
+    )
     p.add_argument("--bootstrap", required=True, help="HOST:PORT of the BootstrapService to register with")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, required=True)
@@ -65,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parallel_info(ns: argparse.Namespace, worker: PrefillWorker) -> bootstrap_pb2.ParallelInfo:
     layout = worker.engine.kv_layout
     return bootstrap_pb2.ParallelInfo(
-        tp_size=1,
+        tp_size=ns.tp_size,
         dp_size=ns.dp_size,
         pp_size=1,
         page_size=layout.page_size,
@@ -96,8 +102,35 @@ async def _unless(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
     return task.result()
 
 
+def worker_name(ns: argparse.Namespace) -> str:
+    return f"dp{ns.dp_rank}" if ns.tp_size == 1 else f"dp{ns.dp_rank}.tp{ns.tp_rank}"
+
+
+def _init_tp(ns: argparse.Namespace) -> ReferenceEngine:
+    """The engine of this rank; with --tp-size > 1 after joining the dp group's gloo world."""
+    if ns.tp_size == 1:
+        return ReferenceEngine(engine_config_from_args(ns))
+    import datetime
+
+    import torch.distributed as dist
+
+    from pdgrpc.engine.tp import torch_distributed_all_reduce
+
+    if not ns.dist_init:
+        raise SystemExit("--dist-init is required with --tp-size > 1")
+    dist.init_process_group(
+        "gloo", init_method=ns.dist_init, rank=ns.tp_rank, world_size=ns.tp_size,
+        timeout=datetime.timedelta(seconds=ns.dist_timeout),
+    )
+    log.info("%s joined the TP group at %s (%d ranks)", worker_name(ns), ns.dist_init, ns.tp_size)
+    return ReferenceEngine(
+        engine_config_from_args(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size), all_reduce=torch_distributed_all_reduce()
+    )
+
+
 async def _main(ns: argparse.Namespace) -> int:
-    engine = ReferenceEngine(engine_config_from_args(ns))
+    name = worker_name(ns)
+    engine = _init_tp(ns)
     transport = create_transport(ns)
     metrics = PrefillMetrics(transport=transport.name)
     metrics.set_info(dp_rank=ns.dp_rank, dp_size=ns.dp_size)
@@ -106,6 +139,8 @@ async def _main(ns: argparse.Namespace) -> int:
         transport,
         WorkerConfig(
             dp_rank=ns.dp_rank,
+            tp_rank=ns.tp_rank,
+            tp_size=ns.tp_size,
             chunk_size=ns.chunk_size,
             handshake_timeout_s=ns.handshake_timeout,
             transfer_timeout_s=ns.transfer_timeout,
@@ -117,7 +152,7 @@ async def _main(ns: argparse.Namespace) -> int:
     # Live gauges: the worker's own allocator and transport, read at scrape time.
     metrics.bind(worker.stats)
     try:
-        stop_metrics = start_metrics_from_args(ns, metrics.registry, f"prefill worker dp{ns.dp_rank}")
+        stop_metrics = start_metrics_from_args(ns, metrics.registry, f"prefill worker {name}")
     except BaseException:
         metrics.unbind()
         await worker.close()
@@ -133,17 +168,17 @@ async def _main(ns: argparse.Namespace) -> int:
         ],
         host=ns.host,
         port=0,
-        what=f"pdgrpc prefill worker dp{ns.dp_rank}",
+        what=f"pdgrpc prefill worker {name}",
     )
     client = BootstrapClient(ns.bootstrap)
     info = bootstrap_pb2.WorkerInfo(
-        dp_rank=ns.dp_rank, tp_rank=0, pp_rank=0, transfer_address=server.address,
+        dp_rank=ns.dp_rank, tp_rank=ns.tp_rank, pp_rank=0, transfer_address=server.address,
         transport=transport.name, transport_endpoint=descriptor,
     )
     try:
         reg = await _unless(client.register_worker(info, parallel_info(ns, worker)), orphaned)
     except Exception as exc:
-        log.error("dp%d: registering with bootstrap %s failed: %s", ns.dp_rank, ns.bootstrap, exc)
+        log.error("%s: registering with bootstrap %s failed: %s", name, ns.bootstrap, exc)
         reg = None
     if reg is None:
         watcher.cancel()
@@ -154,11 +189,11 @@ async def _main(ns: argparse.Namespace) -> int:
         return 1
     worker.generation = reg.generation
     log.info(
-        "dp%d registered with bootstrap %s (generation %d, %d of %d workers); transport %s, %d KV pages, chunk %d",
-        ns.dp_rank, ns.bootstrap, reg.generation, reg.registered_workers, reg.expected_workers,
+        "%s registered with bootstrap %s (generation %d, %d of %d workers); transport %s, %d KV pages, chunk %d",
+        name, ns.bootstrap, reg.generation, reg.registered_workers, reg.expected_workers,
         transport.name, engine.num_pages, ns.chunk_size,
     )
-    print(READY, json.dumps({"dp_rank": ns.dp_rank, "address": server.address, "generation": reg.generation}), flush=True)
+    print(READY, json.dumps({"dp_rank": ns.dp_rank, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size, "address": server.address, "generation": reg.generation}), flush=True)
     stop_on_orphan = asyncio.ensure_future(orphaned.wait())
     stop_on_orphan.add_done_callback(lambda f: None if f.cancelled() else asyncio.ensure_future(server.stop(1.0)))
     try:
@@ -176,7 +211,7 @@ async def _main(ns: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    setup_logging(ns.log_level, f"prefill.dp{ns.dp_rank}")
+    setup_logging(ns.log_level, f"prefill.{worker_name(ns)}")
     torch.set_num_threads(max(1, ns.compute_threads))
     return run(_main(ns))
 

@@ -22,7 +22,9 @@ from pdgrpc.serving import compat_hash_bytes, metadata_layout
 from pdgrpc.state.metadata import MetadataBuffers, MetadataRow
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomGrant, RoomStatus, Transport
+from pdgrpc.transport.base import MemoryRegion, RegionKind
 from pdgrpc.transport.pages import kv_regions, metadata_region
+from pdgrpc.serving.tp import METADATA_SINK_REGION_ID
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import bootstrap_pb2_grpc as bpb_grpc
 from pdgrpc.v1 import handshake_pb2 as hpb
@@ -35,12 +37,22 @@ class Room:
     pages: list[int]
     slot: int
     worker: str = ""  # transfer address the handshake went to
+    keys: list[int] = dataclasses.field(default_factory=list)  # transport keys granted
 
 
 class FakeDecode:
-    def __init__(self, config: EngineConfig, transport: str = "tcp", num_slots: int = 16) -> None:
-        self.engine = ReferenceEngine(config)  # only its KV pool and page allocator are used
+    """One decode rank. ``tp_size > 1``: its pool holds KV heads ``heads_of(tp_rank)``
+    only; ``sink``: it also registers a metadata sink region (rows in :attr:`sink`)."""
+
+    def __init__(self, config: EngineConfig, transport: str = "tcp", num_slots: int = 16, *,
+                 tp_rank: int = 0, tp_size: int = 1, sink: bool = False) -> None:
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if tp_size > 1:
+            config = dataclasses.replace(config, tp_rank=tp_rank, tp_size=tp_size)
+        # only its KV pool and page allocator are used (the all-reduce never runs)
+        self.engine = ReferenceEngine(config, all_reduce=(lambda t: t) if tp_size > 1 else None)
         self.rows = MetadataBuffers(num_slots, metadata_layout())
+        self.sink = MetadataBuffers(num_slots, metadata_layout()) if sink else None
         self.transport: Transport = registry.create(transport)
         self.transport_name = transport
         self.compat_hash = compat_hash_bytes(self.engine)
@@ -50,7 +62,10 @@ class FakeDecode:
 
     async def start(self) -> None:
         bufs = self.engine.kv_buffers()
-        self.descriptor = await self.transport.register([*kv_regions(bufs.k, bufs.v), metadata_region(self.rows.tensor)])
+        regions = [*kv_regions(bufs.k, bufs.v), metadata_region(self.rows.tensor)]
+        if self.sink is not None:
+            regions.append(MemoryRegion(METADATA_SINK_REGION_ID, self.sink.tensor, RegionKind.METADATA, "metadata_sink"))
+        self.descriptor = await self.transport.register(regions)
 
     async def close(self) -> None:
         await self.transport.close()
@@ -67,12 +82,15 @@ class FakeDecode:
 
     # -- a room's life on the decode side ---------------------------------------------------
 
-    def allocate(self, room: int, num_tokens: int) -> Room:
+    def allocate(self, room: int, num_tokens: int, keys: list[int] | None = None) -> Room:
+        """Pages and a slot for ``room``, granted under each transport key in ``keys``
+        (default: the room itself; a TP pair's key is ``transfer_room(room, p, d)``)."""
         pages = self.engine.alloc_pages(self.engine.pages_needed(num_tokens))
         assert pages is not None, "fake decode pool exhausted"
         slot = self._free_slots.pop(0)
-        self.transport.advertise(RoomGrant.of(room, pages, slot))
-        return Room(room, pages, slot)
+        for key in keys or [room]:
+            self.transport.advertise(RoomGrant.of(key, pages, slot))
+        return Room(room, pages, slot, keys=list(keys or [room]))
 
     async def worker_for(self, bootstrap: str, room: int, *, query: bool, dp_size: int, timeout: float = 20.0) -> str:
         """The transfer address of the worker holding ``room``, found the way decode does:
@@ -105,7 +123,7 @@ class FakeDecode:
         fields: dict[str, object] = dict(
             bootstrap_room=r.room, dst_pages=r.pages, dst_slot=r.slot, transport=self.transport_name,
             transport_descriptor=self.descriptor, compatibility_hash=self.compat_hash,
-            decode_tp_rank=0, decode_tp_size=1, wants_metadata=True,
+            decode_tp_rank=self.tp_rank, decode_tp_size=self.tp_size, wants_metadata=True,
         )
         fields.update(override)
         return hpb.HandshakeRequest(**fields)  # type: ignore[arg-type]
@@ -119,8 +137,11 @@ class FakeDecode:
 
     def free(self, r: Room) -> None:
         """Release the room like decode does: revoke the grant, zero the slot's room, free."""
-        self.transport.release(r.room)
+        for key in r.keys or [r.room]:
+            self.transport.release(key)
         self.rows.clear_room(r.slot)
+        if self.sink is not None:
+            self.sink.clear_room(r.slot)
         self._free_slots.append(r.slot)
         self.engine.free_pages(r.pages)
 
