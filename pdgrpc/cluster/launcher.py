@@ -133,6 +133,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _metrics_children(spec: ProcessSpec) -> list[str]:
+    """The child processes with their own metrics endpoint, in port-offset order: a
+    prefill's workers (``dp<r>``, or ``dp<r>.tp<t>`` with TP) at ``1 + r * tp + t``, a
+    decode's TP ranks ``tp<r>`` (r >= 1) at ``r``."""
+    tp = int(str(spec.args.get("tp-size", 1)))
+    if spec.role == "prefill":
+        dp = int(str(spec.args.get("dp-size", 1)))
+        return [f"dp{r}" if tp == 1 else f"dp{r}.tp{t}" for r in range(dp) for t in range(tp)]
+    if spec.role == "decode":
+        return [f"tp{r}" for r in range(1, tp)]
+    return []
+
+
 # What a server prints when its port is taken: gRPC's bind failure (pdgrpc.rpc.server)
 # and errno EADDRINUSE (the metrics endpoint, a transport listener).
 _BIND_FAILURES = ("cannot bind", "Address already in use")
@@ -222,12 +235,12 @@ class Cluster:
             taken.add(port)
             proc = self.procs[spec.name] = Proc(spec, port, [], self.log_dir / f"{spec.name}.log")
             if self.metrics and spec.role in _METRICS_ROLES:
-                workers = int(str(spec.args.get("dp-size", 1))) if spec.role == "prefill" else 0
-                base = free_port_block(1 + workers, exclude=taken)
-                taken.update(range(base, base + 1 + workers))
+                children = _metrics_children(spec)
+                base = free_port_block(1 + len(children), exclude=taken)
+                taken.update(range(base, base + 1 + len(children)))
                 proc.metrics_ports[""] = base
-                for rank in range(workers):
-                    proc.metrics_ports[f"dp{rank}"] = base + 1 + rank  # derived_metrics_port(base, 1 + rank)
+                for offset, key in enumerate(children, start=1):
+                    proc.metrics_ports[key] = base + offset  # derived_metrics_port(base, offset)
         for proc in self.procs.values():
             proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
 
@@ -240,10 +253,18 @@ class Cluster:
     def router_address(self) -> str:
         return self.address(self.topology.router.name)
 
-    def metrics_address(self, name: str, dp_rank: int | None = None) -> str:
-        """``HOST:PORT`` of the metrics endpoint of process ``name`` (of its dp worker
-        ``dp_rank`` for a prefill); KeyError when metrics are off or it has none."""
-        return f"{HOST}:{self.procs[name].metrics_ports['' if dp_rank is None else f'dp{dp_rank}']}"
+    def metrics_address(self, name: str, dp_rank: int | None = None, tp_rank: int | None = None) -> str:
+        """``HOST:PORT`` of the metrics endpoint of process ``name``: of its dp worker
+        ``dp_rank`` (and ``tp_rank``, with TP) for a prefill, of its TP rank ``tp_rank``
+        for a decode; KeyError when metrics are off or it has none."""
+        ports = self.procs[name].metrics_ports
+        if dp_rank is not None:
+            key = f"dp{dp_rank}" if f"dp{dp_rank}" in ports else f"dp{dp_rank}.tp{tp_rank or 0}"
+        elif tp_rank:
+            key = f"tp{tp_rank}"
+        else:
+            key = ""
+        return f"{HOST}:{ports[key]}"
 
     def metrics_endpoints(self, role: str | None = None) -> dict[str, str]:
         """Every metrics endpoint (``HOST:PORT``), by ``name`` or ``name/dp<r>`` (a prefill's

@@ -28,6 +28,7 @@ from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.tp import designated_sender, senders_of
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
@@ -59,6 +60,31 @@ class Handshaker:
         self.descriptor = descriptor
         self.compat_hash = compat_hash
         self.rpc_timeout_s = rpc_timeout_s
+        # TP > 1: every decode rank's descriptor, by rank (handshakes are sent for all of
+        # them from rank 0); empty for TP 1 (``descriptor`` is the only one).
+        self.descriptors: tuple[bytes, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.descriptors))
+
+    def _targets(self, job: Job, workers: list[bpb.WorkerInfo]) -> list[tuple[bpb.WorkerInfo, int]]:
+        """(prefill worker, decode rank) pairs that need a handshake (pdgrpc.serving.tp)."""
+        tp_p = max(1, int(job.prefill.info.tp_size))
+        if self.tp_size == 1 and tp_p == 1:
+            return [(w, 0) for w in workers]
+        by_rank = {w.tp_rank: w for w in workers}
+        out = []
+        for d in range(self.tp_size):
+            for p in senders_of(d, self.tp_size, tp_p):
+                w = by_rank.get(p)
+                if w is None:
+                    raise DecodeFailure(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"bootstrap {job.prefill.address} lists no worker for dp rank {job.dp_rank} tp rank {p} (tp_size {tp_p})",
+                    )
+                out.append((w, d))
+        return out
 
     async def handshake(self, job: Job, prompt_pages: tuple[int, ...], deadline: float) -> str | Failed | None:
         """:data:`ACCEPTED` once every worker of the dp rank accepted; a :class:`Failed`
@@ -68,7 +94,7 @@ class Handshaker:
         addr, dp_rank = job.prefill.address, job.dp_rank
         assert dp_rank is not None
         backoff = Backoff(initial=0.05, maximum=1.0)
-        accepted: set[tuple[int, int, int]] = set()
+        accepted: set[tuple[tuple[int, int, int], int]] = set()
         attempt = 0
         while not job.finished and not job.cancelled:
             attempt += 1
@@ -87,20 +113,24 @@ class Handshaker:
                         )
                 # Only workers that have not accepted yet (a retry after one of several
                 # failed must not hand the others the same room twice).
-                todo = [w for w in workers if _worker_key(w) not in accepted]
+                todo = [(w, d) for w, d in self._targets(job, workers) if (_worker_key(w), d) not in accepted]
                 known = {w.transfer_address for w in job.contacted}
-                job.contacted.extend(w for w in todo if w.transfer_address not in known)
+                for w, _ in todo:
+                    if w.transfer_address not in known:
+                        known.add(w.transfer_address)
+                        job.contacted.append(w)
                 results = await asyncio.gather(
-                    *(self._handshake_one(job, w, prompt_pages, deadline - time.monotonic()) for w in todo), return_exceptions=True
+                    *(self._handshake_one(job, w, d, prompt_pages, deadline - time.monotonic()) for w, d in todo),
+                    return_exceptions=True,
                 )
                 errors: list[RpcError] = []
-                for w, r in zip(todo, results):
+                for (w, d), r in zip(todo, results):
                     if isinstance(r, RpcError):
                         errors.append(r)
                     elif isinstance(r, BaseException):
                         raise r
                     else:
-                        accepted.add(_worker_key(w))
+                        accepted.add((_worker_key(w), d))
                 if errors:  # a refusal decides; otherwise any error (all are retryable)
                     raise next((e for e in errors if e.code not in _RETRYABLE), errors[0])
             except DecodeFailure as exc:
@@ -122,18 +152,21 @@ class Handshaker:
             await asyncio.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
         return None
 
-    async def _handshake_one(self, job: Job, w: bpb.WorkerInfo, prompt_pages: tuple[int, ...], timeout: float) -> None:
+    async def _handshake_one(self, job: Job, w: bpb.WorkerInfo, d: int, prompt_pages: tuple[int, ...], timeout: float) -> None:
         assert job.slot is not None
+        tp_p = max(1, int(job.prefill.info.tp_size))
         req = hpb.HandshakeRequest(
             bootstrap_room=job.room,
             dst_pages=prompt_pages,
             dst_slot=job.slot,
             transport=self.transport_name,
-            transport_descriptor=self.descriptor,
+            transport_descriptor=self.descriptors[d] if self.descriptors else self.descriptor,
             compatibility_hash=self.compat_hash,
-            decode_tp_rank=0,  # decode is TP1 for now (issue 6 adds decode TP ranks)
-            decode_tp_size=1,
-            wants_metadata=True,
+            decode_tp_rank=d,
+            decode_tp_size=self.tp_size,
+            # Exactly one sender per decode rank writes the gated row; the others write
+            # theirs into the sink region (pdgrpc.serving.tp).
+            wants_metadata=w.tp_rank == designated_sender(d, self.tp_size, tp_p),
         )
         stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
         try:

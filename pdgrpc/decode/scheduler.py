@@ -33,6 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable
 
 import grpc
+import torch
 
 from pdgrpc.decode.handshake import ACCEPTED, Handshaker
 from pdgrpc.decode.job import DecodeFailure, Failed, Job, SchedulerConfig, Tokens
@@ -47,7 +48,9 @@ from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
 from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, DpConfig, MetadataBuffers
 from pdgrpc.state import NewRequest, QueryDpRanks, SendHandshake, resolve_locally
-from pdgrpc.transport.base import RoomGrant, Transport, UnknownRoom
+from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, senders_of, transfer_room
+from pdgrpc.decode.tp import ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
+from pdgrpc.transport.base import MemoryRegion, RegionKind, RoomGrant, Transport, UnknownRoom
 from pdgrpc.transport.pages import kv_regions, metadata_region
 
 if TYPE_CHECKING:
@@ -74,25 +77,30 @@ class DecodeScheduler:
         config: SchedulerConfig = SchedulerConfig(),
         directory: PrefillDirectory | None = None,
         metrics: DecodeMetrics | None = None,
+        tp: TpGroup | None = None,
     ) -> None:
         self.engine = engine
+        # TP > 1: this is rank 0; the other ranks replay its queue calls (pdgrpc.decode.tp).
+        self.tp = tp
+        self.tp_size = tp.size if tp is not None else 1
         # Outcomes are counted where they are decided (_finish, _fail, the dp-rank query);
         # the live gauges come from stats() at scrape time, never from counters here.
         self.metrics = metrics or DecodeMetrics(transport=transport.name)
         self.transport = transport
         self.config = config
         self.buffers = MetadataBuffers(num_slots, metadata_layout())
-        self.queues = DecodeQueues(
-            self.buffers,
-            engine.num_pages,
-            DpConfig(dp_size=_ANY_DP_SIZE, force_query=True, query_interval_s=config.query_interval_s),
-            config.deadlines,
-        )
+        # Rows written by the prefill ranks that are not this rank's designated metadata
+        # writer (TP sizes differ): the same slot, never read (pdgrpc.serving.tp).
+        self.sink = torch.zeros_like(self.buffers.tensor)
+        queues = make_queues(self.buffers, engine.num_pages, config)
+        self.queues: Any = ReplicatedQueues(queues) if tp is not None else queues
         self.directory = directory or PrefillDirectory(timeout=config.rpc_timeout_s, query_interval_s=config.query_interval_s)
         self.compat_hash = compat_hash_bytes(engine)
         self.descriptor = b""
         # Its descriptor is filled in by start(), once the transport registered the pools.
         self.handshaker = Handshaker(self.directory, transport.name, b"", self.compat_hash, config.rpc_timeout_s)
+        self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
+        self._room_keys: dict[int, list[int]] = {}  # transport rooms per room, until released
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
         self._reserved: set[int] = set()  # rooms being admitted (awaiting prefill info)
         self._running: list[Job] = []
@@ -106,10 +114,13 @@ class DecodeScheduler:
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
+        self.fatal = asyncio.get_running_loop().create_future()
         kv = self.engine.kv_buffers()
-        regions = [*kv_regions(kv.k, kv.v), metadata_region(self.buffers.tensor)]
+        regions = [*kv_regions(kv.k, kv.v), metadata_region(self.buffers.tensor), sink_region(self.sink)]
         self.descriptor = await self.transport.register(regions)
         self.handshaker.descriptor = self.descriptor
+        if self.tp is not None:  # every rank's descriptor, for the handshakes sent on its behalf
+            self.handshaker.descriptors = tuple(await asyncio.to_thread(self.tp.all_gather, self.descriptor))
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
 
     async def close(self, abort_wait_s: float = 1.0) -> None:
@@ -134,6 +145,11 @@ class DecodeScheduler:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.tp is not None and self.fatal is not None and not self.fatal.done():
+            try:  # the other ranks leave their loops and exit
+                await asyncio.wait_for(asyncio.to_thread(self.tp.broadcast, ("stop", None)), 10.0)
+            except (TpGroupBroken, asyncio.TimeoutError) as exc:
+                log.warning("could not tell the other TP ranks to stop: %s", exc)
         await self.transport.close()
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
@@ -185,13 +201,21 @@ class DecodeScheduler:
                 f"compatibility hash mismatch: prefill {prefill_address} has {theirs.hex() or '(empty)'}, "
                 f"this decode has {self.compat_hash.hex()} (model, page size, KV dtype or layout differ)",
             )
+        prefill_tp = max(1, int(prefill.info.tp_size))
+        try:
+            check_tp_sizes(prefill_tp, self.tp_size)
+        except PdgrpcError as exc:
+            raise DecodeFailure(grpc.StatusCode.FAILED_PRECONDITION, f"prefill {prefill_address}: {exc}") from None
         try:
             rank = resolve_locally(room, routed_dp_rank, prefill.dp)
         except PdgrpcError as exc:
             raise DecodeFailure(grpc.StatusCode.INVALID_ARGUMENT, f"routed_dp_rank: {exc}") from None
         now = time.monotonic()
         job = Job(room, request_id, input_ids, sampling, max_new_tokens, prefill, n_pages, asyncio.Queue(), now, dp_rank=rank)
+        if self.tp is not None:  # the other ranks advertise their own grants for it
+            self.queues.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)), prefill_tp)
         self.queues.add(NewRequest(room, prefill_address, n_pages, rank, fake=not self.transport.moves_bytes), now)
+        self._room_keys[room] = self._keys(room, prefill_tp)
         self._jobs[room] = job
         how = "routed" if routed_dp_rank is not None else ("local rule" if rank is not None else "query bootstrap")
         request_event(
@@ -264,9 +288,18 @@ class DecodeScheduler:
             self._on_aborted(aborted)
         for query in q.poll_dp_ranks(now):
             self._spawn(self._query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
-        for hs in q.prealloc(now):
-            self._start_handshake(hs, now)
-        for outcome in q.poll_transfers(now, local_poll=self._local_poll):
+        handshakes = q.prealloc(now)
+        if self.tp is None:
+            for hs in handshakes:
+                self._start_handshake(hs, now)
+            outcomes = q.poll_transfers(now, local_poll=self._local_poll)
+        else:
+            outcomes = self._tp_poll(now)
+            # Only now: every rank has replayed prealloc and advertised its grants, so a
+            # prefill rank that writes at once finds them.
+            for hs in handshakes:
+                self._start_handshake(hs, now)
+        for outcome in outcomes:
             if isinstance(outcome, Committed):
                 self._on_committed(outcome, now)
             else:
@@ -276,13 +309,44 @@ class DecodeScheduler:
             return True
         return False
 
+    def _tp_poll(self, now: float) -> list[Any]:
+        """Broadcast the queue calls since the last poll, then poll collectively: every
+        rank gates on its own rows before the MIN all-reduce (pdgrpc.state.transfer_poll).
+        Blocks the loop for the two collectives (well under a millisecond when the other
+        ranks wait for it, which they do): nothing may touch the queues in between."""
+        assert self.tp is not None
+        t = self.queues.prepare_poll(now, self._local_poll)
+        try:
+            self.tp.broadcast(("sync", (self.queues.take_log(), now)))
+            reduced = self.tp.all_reduce_min(t)
+        except TpGroupBroken as exc:
+            self._tp_lost(exc)
+            return []
+        return list(self.queues.finish_poll(reduced, now))
+
+    def _tp_lost(self, exc: BaseException) -> None:
+        if self.fatal is not None and not self.fatal.done():
+            log.error("%s; this decode instance cannot continue", exc)
+            self.fatal.set_result(str(exc))
+        self._closing = True
+        self._wake.set()
+
+    def _keys(self, room: int, prefill_tp: int) -> list[int]:
+        """This rank's transport rooms for ``room``: one per prefill rank it waits for."""
+        if prefill_tp == 1 and self.tp_size == 1:
+            return [room]
+        return [transfer_room(room, p, 0) for p in senders_of(0, self.tp_size, prefill_tp)]
+
+    def _job_keys(self, room: int) -> list[int]:
+        return self._room_keys.get(room) or [room]
+
     def _local_poll(self, room: int) -> KVPoll:
         """This rank's view of ``room`` for the transfer poll. Until every prefill worker
         accepted the handshake the room counts as BOOTSTRAPPING, so the bootstrap
         deadline covers an unanswered handshake."""
         job = self._jobs.get(room)
         try:
-            st = self.transport.status(room)
+            st = min((self.transport.status(k) for k in self._job_keys(room)), key=lambda s: s.state)
         except UnknownRoom:
             if job is not None:
                 job.transport_reason = "the transport no longer tracks the room"
@@ -342,7 +406,8 @@ class DecodeScheduler:
         prompt_pages = hs.pages[: self.engine.pages_needed(len(job.input_ids))]
         try:
             # Advertise BEFORE the handshake: a prefill that writes at once finds the grant.
-            self.transport.advertise(RoomGrant.of(hs.room, prompt_pages, hs.slot))
+            for key in self._job_keys(hs.room):
+                self.transport.advertise(RoomGrant.of(key, prompt_pages, hs.slot))
         except PdgrpcError as exc:
             job.abort_cause = ServerAbortReason.INTERNAL_ERROR
             job.override = Failed(grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}")
@@ -356,7 +421,8 @@ class DecodeScheduler:
         """Wake the loop as soon as the transport says the room is done (or failed)."""
         deadline = self.config.deadlines.waiting_for_input_s + self.config.deadlines.transferring_s + 60
         try:
-            await self.transport.wait(room, deadline)
+            for key in self._job_keys(room):
+                await self.transport.wait(key, deadline)
         except UnknownRoom:
             return
         self._wake.set()
@@ -388,7 +454,8 @@ class DecodeScheduler:
         # The row holds top_k (20) entries; the request asked for sampling.top_logprobs of them.
         k = job.sampling.top_logprobs
         first = SampledToken(row.output_id, row.output_token_logprob_value, tuple(row.top_logprobs_indices[:k]), tuple(row.top_logprobs_values[:k]))
-        nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes + self.buffers.layout.row_bytes
+        # Every rank received the same share: the request's KV is tp_size times this rank's.
+        nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes * self.tp_size + self.buffers.layout.row_bytes
         self.metrics.on_transfer(nbytes, transfer_s)
         request_event(log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes, transfer_s=f"{transfer_s:.4f}")
         job.running = True
@@ -454,7 +521,8 @@ class DecodeScheduler:
             self._wake.set()
 
     def _release_transport(self, room: int) -> None:
-        self.transport.release(room)
+        for key in self._room_keys.pop(room, [room]):
+            self.transport.release(key)
         waiter = self._waiters.pop(room, None)
         if waiter is not None:
             waiter.cancel()
@@ -491,7 +559,9 @@ class DecodeScheduler:
         in a worker thread so the loop keeps serving RPCs and transport callbacks."""
         if self._prefill_locally:
             jobs, self._prefill_locally = self._prefill_locally, []
-            firsts = await asyncio.to_thread(self._prefill_jobs, jobs)
+            firsts = await self._in_step_thread(self._prefill_jobs, jobs)
+            if firsts is None:
+                return
             for job, first in zip(jobs, firsts):
                 if isinstance(first, BaseException):
                     self._crash(job, first)
@@ -505,7 +575,9 @@ class DecodeScheduler:
             return
         reqs = [EngineDecodeRequest(j.last_token, j.position, j.pages, j.sampling) for j in batch]
         try:
-            toks = await asyncio.to_thread(self.engine.decode_step, reqs)
+            toks = await self._in_step_thread(self._decode_step, reqs)
+            if toks is None:
+                return
         except Exception as exc:  # an engine bug must not wedge the server: fail the batch
             log.exception("decode step over %d requests failed", len(batch))
             for job in batch:
@@ -524,21 +596,53 @@ class DecodeScheduler:
                 self._finish(job, reason)
         self._running = [j for j in self._running if not j.finished]
 
+    async def _in_step_thread(self, fn: Any, arg: Any) -> Any:
+        """Run a compute step in a worker thread; None when the TP group broke."""
+        try:
+            return await asyncio.to_thread(fn, arg)
+        except TpGroupBroken as exc:
+            self._tp_lost(exc)
+            return None
+
+    def _decode_step(self, reqs: list[EngineDecodeRequest]) -> list[SampledToken]:
+        if self.tp is not None:  # the other ranks run the same step (the engine all-reduces)
+            self.tp.broadcast(("step", reqs))
+        return self.engine.decode_step(reqs)
+
     def _prefill_jobs(self, jobs: list[Job]) -> list[SampledToken | BaseException]:
-        out: list[SampledToken | BaseException] = []
-        for job in jobs:
-            try:
-                req = PrefillRequest(job.input_ids, job.pages, job.sampling)
-                tok = self.engine.prefill_chunk(req, 0, len(job.input_ids))
-                assert tok is not None
-                out.append(tok)
-            except Exception as exc:
-                out.append(exc)
-        return out
+        reqs = [PrefillRequest(job.input_ids, job.pages, job.sampling) for job in jobs]
+        if self.tp is not None:
+            self.tp.broadcast(("prefill", reqs))
+        return prefill_locally(self.engine, reqs)
 
     def _crash(self, job: Job, exc: BaseException) -> None:
         self.queues.release_pages(job.pages)
         self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"), ServerAbortReason.INTERNAL_ERROR)
+
+
+def make_queues(buffers: MetadataBuffers, num_pages: int, config: SchedulerConfig) -> DecodeQueues:
+    """The decode queues as every rank builds them (identical, for the TP replay)."""
+    return DecodeQueues(
+        buffers, num_pages, DpConfig(dp_size=_ANY_DP_SIZE, force_query=True, query_interval_s=config.query_interval_s), config.deadlines
+    )
+
+
+def sink_region(rows: torch.Tensor) -> MemoryRegion:
+    """The sink metadata rows (see pdgrpc.serving.tp)."""
+    return MemoryRegion(METADATA_SINK_REGION_ID, rows, RegionKind.METADATA, "metadata-sink")
+
+
+def prefill_locally(engine: Engine, reqs: list[PrefillRequest]) -> list[SampledToken | BaseException]:
+    """Fake transfers: compute each prompt's KV here (every TP rank, in the same order)."""
+    out: list[SampledToken | BaseException] = []
+    for req in reqs:
+        try:
+            tok = engine.prefill_chunk(req, 0, len(req.token_ids))
+            assert tok is not None
+            out.append(tok)
+        except Exception as exc:
+            out.append(exc)
+    return out
 
 
 def _top(tok: SampledToken) -> tuple[tuple[tuple[int, ...], tuple[float, ...]]]:

@@ -1,0 +1,219 @@
+"""``python -m pdgrpc.decode.follower``: TP rank r >= 1 of a decode instance.
+
+Started by rank 0 (``python -m pdgrpc.decode --tp-size N``), never by hand: it gets the
+same engine, transport and scheduling flags plus ``--tp-rank``/``--tp-size``/
+``--dist-init``. It holds this rank's engine shard (its KV heads), transport endpoint and
+metadata rows, and replays rank 0's queue calls (see :mod:`pdgrpc.decode.tp`):
+
+    sync  -> apply the logged calls; advertise this rank's grants for new transfers,
+             release the rooms that ended; local poll + metadata gate -> MIN all-reduce
+             -> commit / abort exactly what every other rank commits / aborts
+    step  -> the same decode step as rank 0 (the engine all-reduces inside)
+    stop  -> leave, close the transport, exit 0
+
+It exits 1 when the TP group breaks (rank 0 died), and with rank 0 (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import signal
+import sys
+from typing import Any
+
+from pdgrpc.rpc.tuning import apply_grpc_defaults
+
+apply_grpc_defaults()
+
+from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
+from pdgrpc.decode.scheduler import make_queues, prefill_locally, sink_region  # noqa: E402
+from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, TpGroup, TpGroupBroken  # noqa: E402
+from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
+from pdgrpc.engine.tp import torch_distributed_all_reduce  # noqa: E402
+from pdgrpc.errors import PdgrpcError  # noqa: E402
+from pdgrpc.kvpoll import KVPoll  # noqa: E402
+from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
+from pdgrpc.serving import create_transport, engine_config_from_args, metadata_layout, request_event, setup_logging  # noqa: E402
+from pdgrpc.serving.tp import senders_of, transfer_room  # noqa: E402
+from pdgrpc.state import Aborted, Committed, MetadataBuffers, SendHandshake  # noqa: E402
+from pdgrpc.transport.base import RoomGrant, UnknownRoom  # noqa: E402
+from pdgrpc.transport.pages import kv_regions, metadata_region  # noqa: E402
+
+log = logging.getLogger("pdgrpc.decode")
+
+
+class Follower:
+    def __init__(self, ns: argparse.Namespace, config: SchedulerConfig, tp: TpGroup) -> None:
+        from pdgrpc.decode.__main__ import wrap_test_faults
+
+        self.tp = tp
+        self.rank = tp.rank
+        self.engine = ReferenceEngine(
+            engine_config_from_args(ns, tp_rank=tp.rank, tp_size=tp.size), all_reduce=torch_distributed_all_reduce()
+        )
+        self.transport = wrap_test_faults(create_transport(ns), tp.rank)
+        self.buffers = MetadataBuffers(ns.num_slots, metadata_layout())
+        self.sink = self.buffers.tensor.clone().zero_()
+        self.queues = make_queues(self.buffers, self.engine.num_pages, config)
+        self.metrics = DecodeMetrics(transport=self.transport.name)
+        self.metrics.set_info(tp_rank=tp.rank, tp_size=tp.size)
+        self.info: dict[int, tuple[int, int]] = {}  # room -> (prompt pages, prefill tp size)
+        self.keys: dict[int, list[int]] = {}  # room -> this rank's transport rooms
+        self.committed: list[int] = []  # rooms in commit order (the TP fault test reads the log)
+
+    def stats(self) -> dict[str, int]:
+        q = self.queues
+        return dict(
+            active_requests=q.num_requests,
+            slots_in_use=q.slots.num_slots - q.slots.num_free,
+            slots_total=q.slots.num_slots,
+            pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined,
+            pages_quarantined=q.pages.num_quarantined,
+            pages_total=q.pages.num_pages,
+            transport_rooms=len(self.transport.rooms),
+        )
+
+    async def start(self) -> None:
+        kv = self.engine.kv_buffers()
+        regions = [*kv_regions(kv.k, kv.v), metadata_region(self.buffers.tensor), sink_region(self.sink)]
+        descriptor = await self.transport.register(regions)
+        await asyncio.to_thread(self.tp.all_gather, descriptor)
+
+    # -- replay -------------------------------------------------------------------------
+    def _advertise(self, hs: SendHandshake) -> None:
+        prompt_pages, prefill_tp = self.info.get(hs.room, (len(hs.pages), 1))
+        keys = [transfer_room(hs.room, p, self.rank) for p in senders_of(self.rank, self.tp.size, prefill_tp)]
+        self.keys[hs.room] = keys
+        for key in keys:
+            try:
+                self.transport.advertise(RoomGrant.of(key, hs.pages[:prompt_pages], hs.slot))
+            except PdgrpcError as exc:  # the local poll then reports it FAILED: all ranks abort it
+                log.error("room=%d: transport refused the grant on TP rank %d: %s", hs.room, self.rank, exc)
+                self.queues.on_local_status(hs.room, KVPoll.FAILED)
+
+    def _ended(self, room: int) -> None:
+        self.info.pop(room, None)
+        for key in self.keys.pop(room, ()):
+            self.transport.release(key)
+
+    def _local_poll(self, room: int) -> KVPoll:
+        keys = self.keys.get(room)
+        if not keys:
+            return KVPoll.FAILED
+        try:
+            return min(self.transport.status(k).state for k in keys)
+        except UnknownRoom:
+            return KVPoll.FAILED
+
+    def sync(self, entries: list[tuple[str, tuple[Any, ...]]], now: float) -> None:
+        for name, args in entries:
+            if name == ROOM_INFO:
+                room, prompt_pages, prefill_tp = args
+                self.info[room] = (prompt_pages, prefill_tp)
+                continue
+            if name not in REPLAYED:
+                raise PdgrpcError(f"TP replay: {name!r} is not a replayed call")
+            result = getattr(self.queues, name)(*args)
+            if name == "prealloc":
+                for hs in result:
+                    self._advertise(hs)
+            elif name in ("tick", "cancel"):
+                for a in [result] if isinstance(result, Aborted) else (result or []):
+                    if isinstance(a, Aborted):
+                        self._ended(a.room)
+        t = self.queues.prepare_poll(now, self._local_poll)
+        reduced = self.tp.all_reduce_min(t)
+        for outcome in self.queues.finish_poll(reduced, now):
+            self._ended(outcome.room)
+            if isinstance(outcome, Committed):
+                self.committed.append(outcome.room)
+                request_event(log, outcome.room, "committed", tp_rank=self.rank, slot=outcome.slot, seq=len(self.committed))
+            else:
+                self.metrics.on_abort(outcome.reason)
+                request_event(
+                    log, outcome.room, "aborted", level=logging.WARNING, tp_rank=self.rank, reason=outcome.reason.name,
+                    message=outcome.message,
+                )
+
+    async def run(self) -> int:
+        while True:
+            kind, arg = await asyncio.to_thread(self.tp.broadcast)
+            if kind == "sync":
+                entries, now = arg
+                self.sync(entries, now)
+            elif kind == "step":
+                await asyncio.to_thread(self.engine.decode_step, arg)
+            elif kind == "prefill":
+                await asyncio.to_thread(prefill_locally, self.engine, arg)
+            elif kind == "stop":
+                log.info("decode TP rank %d: stop from rank 0", self.rank)
+                return 0
+            else:
+                raise PdgrpcError(f"TP rank {self.rank}: unknown command {kind!r} from rank 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdgrpc.decode.__main__ import build_parser as decode_parser
+
+    p = decode_parser()
+    p.prog = "python -m pdgrpc.decode.follower"
+    p.description = __doc__
+    p.add_argument("--tp-rank", type=int, required=True, help="this process's TP rank, in [1, --tp-size)")
+    return p
+
+
+async def main(ns: argparse.Namespace) -> int:
+    from pdgrpc.decode.__main__ import scheduler_config_from_args
+
+    tp = await asyncio.to_thread(TpGroup, ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout)
+    follower = Follower(ns, scheduler_config_from_args(ns), tp)
+    stop_metrics = start_metrics_from_args(ns, follower.metrics.registry, f"decode tp{ns.tp_rank}")
+    follower.metrics.bind(follower.stats)
+    loop = asyncio.get_running_loop()
+    # SIGTERM: rank 0 stops the ranks itself (a "stop" command); a signal alone must not
+    # break the collectives it is about to issue, so it is ignored here.
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (a terminal's Ctrl-C reaches the whole group)
+        loop.add_signal_handler(sig, lambda: log.info("decode TP rank %d: signal received, waiting for rank 0 to stop it", ns.tp_rank))
+    try:
+        await follower.start()
+        log.info(
+            "decode TP rank %d/%d ready: transport=%s pages=%d heads=[%d, %d)", ns.tp_rank, ns.tp_size, follower.transport.name,
+            follower.engine.num_pages, follower.engine.kv_layout.head_start, follower.engine.kv_layout.head_end,
+        )
+        return await follower.run()
+    except TpGroupBroken as exc:
+        log.error("%s; exiting", exc)
+        return 1
+    finally:
+        follower.metrics.unbind()
+        stop_metrics()
+        await follower.transport.close()
+        tp.close()
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    setup_logging(ns.log_level, f"decode.tp{ns.tp_rank}")
+    _die_with_parent()
+    try:
+        return asyncio.run(main(ns))
+    except PdgrpcError as exc:
+        log.error("%s", exc)
+        return 2
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not glibc Linux: rank 0's "stop" (or a broken group) still ends it
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,132 @@
+"""Tensor-parallel decode: rank 0 drives, the other ranks replay.
+
+A TP-N decode server is N processes. Rank 0 (``python -m pdgrpc.decode --tp-size N``)
+serves gRPC, runs :class:`~pdgrpc.decode.scheduler.DecodeScheduler` and starts ranks
+1..N-1 (:mod:`pdgrpc.decode.follower`). Every rank holds its own engine shard (its KV
+heads), its own transport endpoint with its KV pool slice, and its own metadata rows,
+and runs its own :class:`~pdgrpc.state.DecodeQueues`.
+
+The queues are kept identical by replay, not by sharing: on rank 0 every mutating call
+goes through :class:`ReplicatedQueues`, which applies it and appends it (arguments,
+``now`` included) to a log. Each scheduler iteration rank 0 broadcasts the log and the
+poll time on the gloo group; every rank applies the same calls in the same order (the
+queues are pure, so they allocate the same slots and pages and abort on the same
+ticks), then every rank runs the transfer poll -- its own transport states, its own
+metadata gate -- and the MIN all-reduce, so all ranks commit and abort the same rooms in
+the same order. Decode steps are broadcast the same way and run with the engine's own
+all-reduces. A rank that dies breaks the collectives: the others fail loudly and exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from pdgrpc.errors import PdgrpcError
+
+if TYPE_CHECKING:
+    from pdgrpc.state import DecodeQueues
+
+log = logging.getLogger("pdgrpc.decode.tp")
+
+__all__ = ["REPLAYED", "ROOM_INFO", "Command", "ReplicatedQueues", "TpGroup", "TpGroupBroken"]
+
+# Calls of DecodeQueues that change its state and are replayed on every rank.
+# (poll_dp_ranks too: it advances the dp-rank resolver's throttle and in-flight state,
+# which on_dp_ranks reads.)
+REPLAYED = ("add", "poll_dp_ranks", "on_dp_ranks", "cancel", "on_abort_ack", "release_pages", "tick", "prealloc")
+ROOM_INFO = "room_info"  # a log entry for the followers only: (room, prompt_pages, prefill_tp_size)
+
+
+class TpGroupBroken(PdgrpcError):
+    """A collective on the TP group failed: another rank died or hung past the timeout."""
+
+
+Command = tuple[str, Any]
+"""What rank 0 broadcasts: ``("sync", (log, now))``, ``("step", requests)``,
+``("prefill", requests)`` or ``("stop", None)``."""
+
+
+class TpGroup:
+    """The gloo group of one decode instance's TP ranks (rank 0 leads)."""
+
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.size = rank, size
+        self._dist = dist
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+
+    def _guard(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RuntimeError as exc:  # gloo's way of reporting a lost peer or a timeout
+            raise TpGroupBroken(f"TP rank {self.rank}/{self.size}: {what} failed (a rank died or hung): {exc}") from exc
+
+    def broadcast(self, cmd: Command | None = None) -> Command:
+        """Rank 0 sends ``cmd``; every other rank returns what rank 0 sent."""
+        box: list[Any] = [pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else None]
+        self._guard("broadcast", self._dist.broadcast_object_list, box, 0)
+        return cmd if self.rank == 0 else pickle.loads(box[0])  # type: ignore[no-any-return]
+
+    def all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        self._guard("all_reduce(MIN)", self._dist.all_reduce, t, self._dist.ReduceOp.MIN)
+        return t
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        self._guard("all_gather", self._dist.all_gather_object, out, obj)
+        return out
+
+    def close(self) -> None:
+        try:
+            self._dist.destroy_process_group()
+        except Exception:  # already broken: nothing left to release cleanly
+            pass
+
+
+class ReplicatedQueues:
+    """Rank 0's :class:`DecodeQueues`: the mutating calls in :data:`REPLAYED` are applied
+    and logged; everything else passes through. :meth:`take_log` hands over the calls
+    since the last take, for the next broadcast."""
+
+    def __init__(self, queues: "DecodeQueues") -> None:
+        self._q = queues
+        self._log: list[tuple[str, tuple[Any, ...]]] = []
+
+    def note(self, name: str, *args: Any) -> None:
+        """Log an entry the followers need that is not a queue call (e.g. ROOM_INFO)."""
+        self._log.append((name, args))
+
+    def take_log(self) -> list[tuple[str, tuple[Any, ...]]]:
+        out, self._log = self._log, []
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._q, name)
+        if name not in REPLAYED:
+            return attr
+
+        def logged(*args: Any) -> Any:
+            result = attr(*args)  # first: a call that raises is not replayed
+            self._log.append((name, tuple(_frozen(a) for a in args)))
+            return result
+
+        return logged
+
+
+def _frozen(a: Any) -> Any:
+    # Arguments must not change after they were logged (a dict the caller reuses, a
+    # generator that would be consumed).
+    if isinstance(a, dict):
+        return dict(a)
+    if isinstance(a, (list, tuple, range)) or hasattr(a, "__next__"):
+        return tuple(a)
+    return a
