@@ -247,3 +247,33 @@ async def test_many_concurrent_requests_in_lock_step(tp2: PrefillProc, tp1_decod
         assert_heads(tp1_decode, r, ids, want, tok)
         tp1_decode.free(r)
     await settles_to_zero(tp2, 2)
+
+
+async def test_abort_on_one_tp_rank_fails_the_request_and_the_group_keeps_serving(tp2: PrefillProc, tp1_decode: FakeDecode) -> None:
+    from pdgrpc.v1 import handshake_pb2 as hpb
+
+    ids = prompt(30, 6)
+    room = new_room()
+    r = tp1_decode.allocate(room, len(ids), keys=[transfer_room(room, p_, 0) for p_ in (0, 1)])
+    ch, stub = await prefill_stub(tp2)
+    try:
+        call = asyncio.ensure_future(stub.Prefill(request(room, ids), timeout=60))
+        workers = await tp1_decode.workers(tp2.bootstrap, 0)
+        await tp1_decode.handshake(workers[0].transfer_address, r)  # rank 0 only
+        await asyncio.sleep(0.2)
+        await tp1_decode.stub(workers[1].transfer_address).AbortRoom(
+            hpb.AbortRoomRequest(bootstrap_room=room, reason="decode gave up"), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call
+        assert ei.value.code() is grpc.StatusCode.ABORTED and "decode gave up" in ei.value.details(), ei.value.details()
+    finally:
+        await ch.close()
+    tp1_decode.free(r)
+    await settles_to_zero(tp2, 2)
+    sampling = SamplingParams()
+    ids = prompt(25, 7)
+    _, r = await tp2_to_tp1(tp2, tp1_decode, ids, sampling)
+    want, tok = reference(ids, sampling)
+    assert_heads(tp1_decode, r, ids, want, tok)
+    tp1_decode.free(r)
+    await settles_to_zero(tp2, 2)
