@@ -294,11 +294,13 @@ class DecodeScheduler:
                 self._start_handshake(hs, now)
             outcomes = q.poll_transfers(now, local_poll=self._local_poll)
         else:
+            advertised = [(hs, self._advertise(hs, now)) for hs in handshakes]
             outcomes = self._tp_poll(now)
             # Only now: every rank has replayed prealloc and advertised its grants, so a
             # prefill rank that writes at once finds them.
-            for hs in handshakes:
-                self._start_handshake(hs, now)
+            for hs, prompt_pages in advertised:
+                if prompt_pages is not None:
+                    self._send_handshake(hs, prompt_pages)
         for outcome in outcomes:
             if isinstance(outcome, Committed):
                 self._on_committed(outcome, now)
@@ -400,6 +402,13 @@ class DecodeScheduler:
 
     # -- handshake ------------------------------------------------------------------------------
     def _start_handshake(self, hs: SendHandshake, now: float) -> None:
+        prompt_pages = self._advertise(hs, now)
+        if prompt_pages is not None:
+            self._send_handshake(hs, prompt_pages)
+
+    def _advertise(self, hs: SendHandshake, now: float) -> tuple[int, ...] | None:
+        """Record the allocation and advertise the grants; the prompt's pages, or None
+        when the transport refused (the request is then cancelled)."""
         job = self._jobs[hs.room]
         job.slot, job.pages, job.dp_rank = hs.slot, hs.pages, hs.dp_rank
         job.handshake_sent_at = now
@@ -412,8 +421,14 @@ class DecodeScheduler:
             job.abort_cause = ServerAbortReason.INTERNAL_ERROR
             job.override = Failed(grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}")
             self.cancel(hs.room, job.override.message)
-            return
+            return None
         request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), dp_rank=hs.dp_rank)
+        return prompt_pages
+
+    def _send_handshake(self, hs: SendHandshake, prompt_pages: tuple[int, ...]) -> None:
+        job = self._jobs.get(hs.room)
+        if job is None or job.finished:
+            return
         job.handshake_task = self._spawn(self._handshake(job, prompt_pages), f"handshake {hs.room}")
         self._waiters[hs.room] = self._spawn(self._wait_terminal(hs.room), f"wait {hs.room}")
 
