@@ -242,6 +242,10 @@ class PrefillWorker:
         return self.engine.num_pages - len(self._scratch)
 
     async def start(self) -> bytes:
+        self._loop = asyncio.get_running_loop()
+        # Set (on the loop) when the TP group broke: worker_main then exits non-zero so the
+        # controller sees the dp rank is gone, instead of a worker that only refuses work.
+        self.broken = asyncio.Event()
         self.descriptor = await self.transport.register(self._regions)
         if self.tp_size > 1 and not self.leader:
             self._follower = threading.Thread(
@@ -580,6 +584,7 @@ class PrefillWorker:
         except Exception as exc:
             self._broken = f"TP group broken: broadcast failed: {exc!r}"
             log.error("tp%d: %s", self.tp_rank, self._broken)
+            self._loop.call_soon_threadsafe(self.broken.set)
             raise
 
     def _lead_chunk(self, room: int, req: EnginePrefill, start: int, end: int) -> tuple[SampledToken | None, float]:
@@ -612,6 +617,7 @@ class PrefillWorker:
                     return
                 self._broken = f"TP group broken: receiving from tp rank 0 failed: {exc!r}"
                 log.error("tp%d: %s", self.tp_rank, self._broken)
+                self._loop.call_soon_threadsafe(self.broken.set)
                 self._fail_followed(self._broken)
                 return
             cmd = box[0]

@@ -196,16 +196,22 @@ async def _main(ns: argparse.Namespace) -> int:
     print(READY, json.dumps({"dp_rank": ns.dp_rank, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size, "address": server.address, "generation": reg.generation}), flush=True)
     stop_on_orphan = asyncio.ensure_future(orphaned.wait())
     stop_on_orphan.add_done_callback(lambda f: None if f.cancelled() else asyncio.ensure_future(server.stop(1.0)))
+    stop_on_broken = asyncio.ensure_future(worker.broken.wait())
+    stop_on_broken.add_done_callback(lambda f: None if f.cancelled() else asyncio.ensure_future(server.stop(1.0)))
     try:
         await serve_until_signal(server, grace=5.0)
     finally:
         watcher.cancel()
         stop_on_orphan.cancel()
+        stop_on_broken.cancel()
         # After the grace period: in-flight requests finished (or were cancelled by the
         # server), so closing the transport interrupts nothing that could still succeed.
         await worker.close()
         metrics.unbind()
         stop_metrics()
+    if worker.broken.is_set():
+        log.error("%s: exiting: the TP group is broken", name)
+        return 1
     return 0
 
 
