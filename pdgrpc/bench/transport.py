@@ -3,11 +3,19 @@ transport backend between two processes, against a raw baseline of the same byte
 measured in the same run.
 
 Data: a KV pool shaped like a small model's -- 24 layers x (K, V), 16-token pages of
-2 KV heads x 64 dims in fp16 (4 KiB per page per region) -- for 1k, 8k and 32k tokens
-(12, 96 and 384 MiB), with contiguous pages (one run: one write per region) and
-scattered pages (random source and destination pages: one write per page per region).
-The receiver is a separate process (:class:`~pdgrpc.transport.peerproc.PeerProcess`);
-this process is the sender.
+2 KV heads x 64 dims in fp16 (4 KiB per page per region, HND: heads first) -- for 1k,
+8k and 32k tokens (12, 96 and 384 MiB), with contiguous pages (one run: one write per
+region) and scattered pages (random source and destination pages: one write per page
+per region). The receiver is a separate process
+(:class:`~pdgrpc.transport.peerproc.PeerProcess`); this process is the sender.
+
+Head-sliced (TP 1 -> TP 2): the same page lists as the contiguous case, but the
+receiver (a second peer process) is TP rank 1 of 2: its pool holds KV heads
+``[H/2, H)``, so pages are half as large, and the sender writes heads ``[H/2, H)`` of
+each of its pages into the receiver's whole pages
+(:func:`~pdgrpc.transport.pages.head_slice_ops`: one strided write per page per
+region, half a page each). GB/s counts the bytes actually moved (half the contiguous
+case's); the row ``head-sliced vs whole-page`` compares it with the contiguous case.
 
 One iteration = build the ops from the page lists, ``write`` pages + metadata row, wait
 until the sender's room is SUCCESS (the receiver acknowledged the row, which lands after
@@ -24,13 +32,16 @@ Baselines, same byte count, two processes, median of as many iterations:
 After timing, the last transfer of each case is checked bit-exact (digests of the
 destination pages against the source pages) so a backend that moves nothing cannot
 report a number. Targets (issue 4): >= 0.9x raw from 4 MiB up; scattered >= 0.8x
-contiguous. Numbers from a shared or loaded machine are noisy; compare ratios.
+contiguous; head-sliced >= 0.7x whole-page (contiguous) GB/s. Numbers from a shared
+or loaded machine are noisy; compare ratios. ``--cases`` picks which cases run
+(head-sliced always brings the contiguous case it is compared with).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import random
@@ -46,11 +57,14 @@ import torch
 from pdgrpc.bench.report import Result
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
-from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
+from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
 
 DESCRIPTION = "KV transfer GB/s and latency of a transport (tcp|rdma) between two processes vs a raw baseline"
 TOKENS_PER_PAGE = 16
+KV_HEADS = 2  # per page of the sender's pool (TP 1); the head-sliced receiver holds half
+HEAD_DIM = 64
+CASES = ("contiguous", "scattered", "head-sliced")
 SOCKBUF = 4 << 20  # the tcp backend's default; the raw baseline uses the same
 
 
@@ -64,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option for both sides (repeatable; value parsed as int, float, else str)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                        help="cases to run (head-sliced also runs contiguous, its baseline)")
     parser.add_argument("--verbose", action="store_true", help="print every iteration's latency (to stderr)")
 
 
@@ -173,23 +189,45 @@ def _parse_value(text: str) -> Any:
     return text
 
 
+def _size(tokens: int) -> str:
+    return f"{tokens // 1024}k tok" if tokens % 1024 == 0 else f"{tokens} tok"
+
+
 async def _run(args: argparse.Namespace) -> list[Result]:
     backend = args.backend
+    kinds = set(getattr(args, "cases", CASES))
+    if "head-sliced" in kinds:
+        kinds.add("contiguous")
     max_pages = max(args.tokens) // TOKENS_PER_PAGE
-    layout = Layout(layers=args.layers, pages=2 * max_pages, page_shape=(TOKENS_PER_PAGE, 2, 64), slots=4)
+    # HND pages: [heads, tokens, head dim]; a head slice of a page is one contiguous block
+    layout = Layout(layers=args.layers, pages=2 * max_pages, page_shape=(KV_HEADS, TOKENS_PER_PAGE, HEAD_DIM), slots=4)
+    half = KV_HEADS // 2
+    head_bytes = layout.page_bytes // KV_HEADS
+    # the head-sliced receiver: TP rank 1 of 2, holding heads [H/2, H)
+    tp2_layout = Layout(layers=args.layers, pages=2 * max_pages,
+                        page_shape=(KV_HEADS - half, TOKENS_PER_PAGE, HEAD_DIM), slots=4)
     options: dict[str, Any] = {}
     if args.connections is not None:
         options["connections"] = args.connections
     for item in args.option:
         key, _, value = item.partition("=")
         options[key] = _parse_value(value)
+    base_kind = "contiguous" if "contiguous" in kinds else "scattered"  # raw iterations alternate with it
     rng = random.Random(args.seed)
-    cases = []
+    # Each case: the kinds timed together, one iteration of each in turn (head-sliced
+    # alternates with its whole-page baseline, so both see the same machine load).
+    cases: list[tuple[int, list[str], list[int], list[int]]] = []
     for tokens in args.tokens:
         n = tokens // TOKENS_PER_PAGE
-        cases.append((tokens, "contiguous", list(range(n)), list(range(n))))
-        cases.append((tokens, "scattered", rng.sample(range(layout.pages), n), rng.sample(range(layout.pages), n)))
+        scattered = (rng.sample(range(layout.pages), n), rng.sample(range(layout.pages), n))
+        if "contiguous" in kinds:
+            together = ["contiguous"] + (["head-sliced"] if "head-sliced" in kinds else [])
+            cases.append((tokens, together, list(range(n)), list(range(n))))
+        if "scattered" in kinds:
+            cases.append((tokens, ["scattered"], *scattered))
     nbytes = {t: 2 * layout.layers * (t // TOKENS_PER_PAGE) * layout.page_bytes for t in args.tokens}
+    moved = {(t, k): nbytes[t] // KV_HEADS * (KV_HEADS - half) if k == "head-sliced" else nbytes[t]
+             for t, together, _, _ in cases for k in together}
 
     # rdma: the ucxx baseline runs first in its own two processes (they own their UCX
     # workers). Socket backends: the raw socket sender/receiver stay alive and each raw
@@ -208,41 +246,57 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     timings: dict[tuple[int, str], list[float]] = {}
     try:
         await sender.register(regions)
-        async with PeerProcess(backend, layout=layout, seed=None, options=options) as recv:
+        async with contextlib.AsyncExitStack() as stack:
+            recv = await stack.enter_async_context(PeerProcess(backend, layout=layout, seed=None, options=options))
             peer = await sender.connect(recv.descriptor)
-            pairs = region_pairs(regions, peer.descriptor.regions)
-            dst_meta = peer.descriptor.region(METADATA_REGION_ID)
+            targets = {"": (recv, peer, region_pairs(regions, peer.descriptor.regions),
+                            peer.descriptor.region(METADATA_REGION_ID))}
+            if "head-sliced" in kinds:
+                recv_tp2 = await stack.enter_async_context(
+                    PeerProcess(backend, layout=tp2_layout, seed=None, options=options))
+                peer_tp2 = await sender.connect(recv_tp2.descriptor)
+                targets["head-sliced"] = (recv_tp2, peer_tp2, region_pairs(regions, peer_tp2.descriptor.regions),
+                                          peer_tp2.descriptor.region(METADATA_REGION_ID))
             room = 1
-            for tokens, kind, src, dst in cases:
-                lat = []
+            for tokens, together, src, dst in cases:
+                lat: dict[str, list[float]] = {kind: [] for kind in together}
                 for i in range(args.warmup + args.iterations):
-                    room += 1
-                    await recv.call("advertise", room, dst, 0)
-                    if raw is not None and kind == "contiguous":
+                    if raw is not None and together[0] == base_kind:
                         b = raw.once(nbytes[tokens])
                         if i >= args.warmup:
                             base_lat[nbytes[tokens]].append(b)
-                    t0 = time.perf_counter()
-                    ops = page_ops(pairs, src, dst)
-                    await sender.write(peer, room, ops, metadata=metadata_op(regions[-1], 0, dst_meta, 0))
-                    st = await sender.wait(room, 300)
-                    t1 = time.perf_counter()
-                    if st.state is not KVPoll.SUCCESS:
-                        raise RuntimeError(f"{backend}: transfer of {tokens} tokens ({kind}) ended {st}")
-                    if i >= args.warmup:
-                        lat.append(t1 - t0)
-                    sender.release(room)
-                    if i < args.warmup + args.iterations - 1:
-                        await recv.call("release", room)
-                # bit-exact check of the last iteration (outside the timing)
-                want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[src].reshape(-1) for r in layout.kv_region_ids()]))
-                got = await recv.call("digest_pages", layout.kv_region_ids(), dst, timeout=300)
-                if got != want:
-                    raise RuntimeError(f"{backend}: {tokens} tokens ({kind}): destination pages differ from the source")
-                await recv.call("release", room)
-                timings[(tokens, kind)] = lat
-                if args.verbose:
-                    print(f"{tokens} tokens {kind}: " + " ".join(f"{x * 1e3:.1f}" for x in lat) + " ms", file=sys.stderr)
+                    for kind in together:
+                        target, target_peer, pairs, dst_meta = targets.get(kind, targets[""])
+                        room += 1
+                        await target.call("advertise", room, dst, 0)
+                        t0 = time.perf_counter()
+                        if kind == "head-sliced":
+                            ops = head_slice_ops(pairs, src, dst, src_heads=(0, KV_HEADS), dst_heads=(half, KV_HEADS),
+                                                 heads=(half, KV_HEADS), head_bytes=head_bytes)
+                        else:
+                            ops = page_ops(pairs, src, dst)
+                        await sender.write(target_peer, room, ops, metadata=metadata_op(regions[-1], 0, dst_meta, 0))
+                        st = await sender.wait(room, 300)
+                        t1 = time.perf_counter()
+                        if st.state is not KVPoll.SUCCESS:
+                            raise RuntimeError(f"{backend}: transfer of {tokens} tokens ({kind}) ended {st}")
+                        if i >= args.warmup:
+                            lat[kind].append(t1 - t0)
+                        sender.release(room)
+                        await target.call("release", room)  # the bytes stay: checked below
+                for kind in together:
+                    # bit-exact check of the last iteration (outside the timing)
+                    target = targets.get(kind, targets[""])[0]
+                    first = half * head_bytes if kind == "head-sliced" else 0  # bytes of each page that moved
+                    want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[src, first:].reshape(-1)
+                                             for r in layout.kv_region_ids()]))
+                    got = await target.call("digest_pages", layout.kv_region_ids(), dst, timeout=300)
+                    if got != want:
+                        raise RuntimeError(f"{backend}: {tokens} tokens ({kind}): destination pages differ from the source")
+                    timings[(tokens, kind)] = lat[kind]
+                    if args.verbose:
+                        print(f"{tokens} tokens {kind}: " + " ".join(f"{x * 1e3:.1f}" for x in lat[kind]) + " ms",
+                              file=sys.stderr)
     finally:
         await sender.close()
         if raw is not None:
@@ -252,24 +306,30 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     results: list[Result] = []
     for tokens in args.tokens:
         nb = nbytes[tokens]
-        b_lat = base[nb]
-        b_gbps = nb / b_lat / 1e9
         gbps_by_kind = {}
-        for kind in ("contiguous", "scattered"):
+        for kind in CASES:
+            if (tokens, kind) not in timings:
+                continue
             lat = statistics.median(timings[(tokens, kind)])
-            gbps = nb / lat / 1e9
+            gbps = moved[(tokens, kind)] / lat / 1e9
             gbps_by_kind[kind] = gbps
-            case = f"{backend} {tokens // 1024}k tok {kind} ({nb / 2**20:.0f} MiB)"
+            if kind == "head-sliced":
+                continue  # moves other byte counts than the baseline; compared below
+            b_lat = base[nb]
+            b_gbps = nb / b_lat / 1e9
+            case = f"{backend} {_size(tokens)} {kind} ({nb / 2**20:.0f} MiB)"
             results.append(Result(case, f"throughput vs {base_name}", gbps, "GB/s", b_gbps, gbps / b_gbps))
             results.append(Result(case, f"latency vs {base_name}", lat * 1e3, "ms", b_lat * 1e3, lat / b_lat))
-        results.append(
-            Result(
-                f"{backend} {tokens // 1024}k tok scattered vs contiguous",
-                "throughput",
-                gbps_by_kind["scattered"],
-                "GB/s",
-                gbps_by_kind["contiguous"],
-                gbps_by_kind["scattered"] / gbps_by_kind["contiguous"],
-            )
-        )
+        for kind, vs in (("scattered", "contiguous"), ("head-sliced", "whole-page")):
+            if kind in gbps_by_kind and "contiguous" in gbps_by_kind:
+                results.append(
+                    Result(
+                        f"{backend} {_size(tokens)} {kind} vs {vs}",
+                        "throughput",
+                        gbps_by_kind[kind],
+                        "GB/s",
+                        gbps_by_kind["contiguous"],
+                        gbps_by_kind[kind] / gbps_by_kind["contiguous"],
+                    )
+                )
     return results

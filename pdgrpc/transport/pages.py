@@ -9,6 +9,10 @@ Coalescing: a transfer maps source pages ``s0, s1, ...`` to destination pages
 ``d0, d1, ...``; wherever both advance by one, the pages form one run and each run
 becomes a single :class:`WriteOp` per region (contiguous bytes on both sides).
 Scattered pages give one op per page per region; backends batch many ops per message.
+
+Head-sliced (TP) transfers: when sender and receiver pools hold different KV head
+ranges, :func:`head_slice_ops` copies one head slice of every page (a contiguous block
+per page in the HND layout), one op per page per region pair.
 """
 
 from __future__ import annotations
@@ -101,6 +105,79 @@ def page_ops(
     out[:, :, 2] = meta[:, 2:3]
     out[:, :, 3] = d * pb
     out[:, :, 4] = n * pb
+    return WriteOps(out.reshape(-1, 5))
+
+
+def _head_range(what: str, r: tuple[int, int]) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in r)
+    except (TypeError, ValueError):
+        raise ConfigError(f"head_slice_ops: {what} must be a (start, end) pair of ints, got {r!r}") from None
+    if a < 0 or b <= a:
+        raise ConfigError(f"head_slice_ops: {what} [{a}, {b}) is empty or negative")
+    return a, b
+
+
+def head_slice_ops(
+    pairs: Iterable[tuple[_RegionLike, _RegionLike]],
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    *,
+    src_heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+    heads: tuple[int, int],
+    head_bytes: int,
+) -> WriteOps:
+    """Ops copying global KV heads ``heads = [h0, h1)`` of ``src_pages`` into
+    ``dst_pages`` for every ``(src, dst)`` region pair, when the two pools hold different
+    head ranges (TP sizes differ): the source pool's pages hold heads ``src_heads``, the
+    destination's ``dst_heads``, each head ``head_bytes`` long within a page (HND layout,
+    :mod:`pdgrpc.engine.layout`), so a head slice of a page is one contiguous block.
+
+    Per pair and page ``i``: bytes ``[(h0 - src_heads[0]) * head_bytes, +n)`` of source
+    page ``src_pages[i]`` go to ``[(h0 - dst_heads[0]) * head_bytes, +n)`` of destination
+    page ``dst_pages[i]``, ``n = (h1 - h0) * head_bytes``. When the slice is the whole
+    page on both sides the result is exactly :func:`page_ops` (runs coalesced);
+    otherwise one op per page per pair (strided), region pair by region pair. Built
+    with numpy like :func:`page_ops`."""
+    h0, h1 = _head_range("heads", heads)
+    s0, s1 = _head_range("src_heads", src_heads)
+    d0, d1 = _head_range("dst_heads", dst_heads)
+    hb = int(head_bytes)
+    if hb <= 0:
+        raise ConfigError(f"head_slice_ops: head_bytes must be > 0, got {head_bytes}")
+    if not (s0 <= h0 and h1 <= s1):
+        raise ConfigError(f"head_slice_ops: heads [{h0}, {h1}) are not inside the source's src_heads [{s0}, {s1})")
+    if not (d0 <= h0 and h1 <= d1):
+        raise ConfigError(
+            f"head_slice_ops: heads [{h0}, {h1}) are not inside the destination's dst_heads [{d0}, {d1})"
+        )
+    pairs = list(pairs)
+    meta = np.array([(src.region_id, src.item_bytes, dst.region_id, dst.item_bytes) for src, dst in pairs],
+                    dtype=np.int64).reshape(-1, 4)
+    for col, side, (a, b) in ((1, "source", (s0, s1)), (3, "destination", (d0, d1))):
+        bad = np.flatnonzero(meta[:, col] != (b - a) * hb)
+        if len(bad):
+            region = pairs[int(bad[0])][0 if col == 1 else 1]
+            raise ConfigError(
+                f"head_slice_ops: {side} region {region.name!r} has {region.item_bytes} B pages, but heads "
+                f"[{a}, {b}) x {hb} B per head make {(b - a) * hb} B: page size does not match the declared "
+                f"head range"
+            )
+    if (h0, h1) == (s0, s1) == (d0, d1):
+        return page_ops(pairs, src_pages, dst_pages)  # whole pages both sides: coalesced runs
+    src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+    if src.shape != dst.shape:
+        raise ConfigError(f"page lists differ in length: {src.size} source, {dst.size} destination")
+    if src.size and (src.min() < 0 or dst.min() < 0):
+        raise ConfigError("page indices must be >= 0")
+    out = np.empty((len(meta), src.size, 5), dtype=np.int64)
+    out[:, :, 0] = meta[:, 0:1]
+    out[:, :, 1] = src * meta[:, 1:2] + (h0 - s0) * hb
+    out[:, :, 2] = meta[:, 2:3]
+    out[:, :, 3] = dst * meta[:, 3:4] + (h0 - d0) * hb
+    out[:, :, 4] = (h1 - h0) * hb
     return WriteOps(out.reshape(-1, 5))
 
 
