@@ -10,7 +10,10 @@ Wire format (little-endian). Every frame starts with a fixed 32-byte header::
 payload: the ops' bytes back to back. Many ops travel in one frame, so scattered pages
 still cost few messages; the sender gathers the source tensor slices with ``sendmsg``
 and the receiver scatters the payload with ``recvmsg_into`` into memoryviews of the
-destination tensors. Page payload never passes through an intermediate buffer.
+destination tensors. Page payload never passes through an intermediate buffer. Ops
+whose bytes continue one another on one side (a head-sliced transfer's whole pages on
+the receiver, TP 1 -> TP 2, or on the sender, TP 2 -> TP 1) are gathered or scattered
+as one buffer on that side, so one small op per page costs little more than its bytes.
 
 The receiver authorizes a frame from its header and op table *before* reading its
 payload: if any op falls outside what the room was granted, the payload is read into a
@@ -72,6 +75,7 @@ _IOV_BYTES = 4 << 20
 MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
 _SCRATCH = 1 << 20
 _READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
+_STRIDED_MIN = 16  # slices in one region before a strided numpy view pays off
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -108,10 +112,33 @@ def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
     """Header, op table and the source slices of one WRITE frame (gather list, adjacent
     slices merged), with cumulative sizes."""
     regions, offsets, lengths = _merge_adjacent(chunk[:, 0], chunk[:, 1], chunk[:, 4])
-    bufs = [memoryview(hdr), memoryview(table).cast("B")]  # type: ignore[arg-type]
-    bufs += [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
+    bufs: list[Any] = [memoryview(hdr), memoryview(table).cast("B")]  # type: ignore[arg-type]
+    if len(lengths) < _STRIDED_MIN:
+        bufs += [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
+    else:
+        _add_slices(bufs, regions, offsets, lengths, views)
     ends = np.cumsum(np.concatenate(([len(hdr), table.nbytes], lengths))).tolist()
     return bufs, ends
+
+
+def _add_slices(bufs: list[Any], regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                views: dict[int, memoryview]) -> None:
+    """Append the byte slices ``views[region][offset : offset + length]`` to ``bufs``.
+    Each same-region group of equal-length slices at a constant stride (a head-sliced
+    transfer's source: one block per page) becomes the rows of one strided numpy view,
+    about twice as cheap per slice as slicing a memoryview."""
+    cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
+    for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(regions)]):
+        r = int(regions[a])
+        if b - a >= _STRIDED_MIN:
+            n, o = int(lengths[a]), offsets[a:b]
+            step = int(o[1] - o[0])
+            if step >= n and (lengths[a:b] == n).all() and (np.diff(o) == step).all():
+                base = np.frombuffer(views[r], dtype=np.uint8)[int(o[0]):]
+                bufs.extend(np.lib.stride_tricks.as_strided(base, shape=(b - a, n), strides=(step, 1)))
+                continue
+        v = views[r]
+        bufs += [v[o : o + n] for o, n in zip(offsets[a:b].tolist(), lengths[a:b].tolist())]
 
 
 class _Conn:
