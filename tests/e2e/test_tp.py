@@ -1,0 +1,154 @@
+"""Tensor parallelism end to end: ``servers/tp2``, ``tp2-to-tp1`` and ``tp1-to-tp2``.
+
+Real processes (every TP rank its own process, joined over gloo), requests through the
+router over tcp and rdma: 54 prompts with at least 16 in flight come back token for token
+equal to colocated TP 1 generation, and afterwards every rank's metrics endpoint, scraped
+over HTTP, reads zero slots, pages and transport rooms in use.
+
+The fault test runs a TP 2 decode whose rank 1 transport delays every metadata row and
+corrupts the room of the third one (PDGRPC_TEST_FAULTS, see pdgrpc.transport.faults):
+the ranks must still commit the same rooms in the same order, never hang, and the
+corrupted request -- only that one -- must fail on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import re
+import signal
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from pdgrpc.cluster import Cluster
+from pdgrpc.cluster.client import generate
+from pdgrpc.v1 import generate_pb2_grpc
+
+from tests.e2e.harness import TRANSPORTS, prompt_cases, read_metrics, reference_outputs, skip_unless_transport, wait_nothing_held
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+
+TP_TOPOLOGIES = ("tp2", "tp2-to-tp1", "tp1-to-tp2")
+PARAMS = list(itertools.product(TP_TOPOLOGIES, TRANSPORTS))
+_REFERENCE: dict[tuple, list] = {}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=PARAMS, ids=[f"{t}-{x}" for t, x in PARAMS])
+async def cluster(request):
+    topology, transport = request.param
+    skip_unless_transport(transport)
+    async with Cluster(topology, transport=transport, start_timeout=180, metrics=True) as c:
+        yield c
+
+
+def _tp(cluster: Cluster, role: str) -> int:
+    return int(cluster.topology.by_role(role)[0].args.get("tp-size", 1))
+
+
+async def test_tp_outputs_equal_colocated_tp1_and_every_rank_ends_idle(cluster):
+    page = int(cluster.topology.engine_value("page-size", 16))
+    chunk = int(cluster.topology.by_role("prefill")[0].args.get("chunk-size", 512))
+    cases = prompt_cases(page, chunk)
+    assert len(cases) >= 50
+    key = tuple(cases)
+    if key not in _REFERENCE:  # colocated generation with a TP 1 engine, in this process
+        _REFERENCE[key] = reference_outputs(cluster.topology.name, cases)
+    expected = _REFERENCE[key]
+
+    in_flight = peak = 0
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        router = generate_pb2_grpc.GenerateServiceStub(channel)
+
+        async def one(c):
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await generate(
+                    router, input_ids=c.input_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                    seed=c.seed, top_k=c.top_k, top_p=c.top_p, timeout=180,
+                )
+            finally:
+                in_flight -= 1
+
+        got = await asyncio.gather(*(one(c) for c in cases))
+    assert peak >= 16
+    mismatches = [(i, g.token_ids, e) for i, (g, (e, _)) in enumerate(zip(got, expected)) if g.token_ids != e]
+    assert not mismatches, f"{len(mismatches)} of {len(cases)} outputs differ from colocated TP1: {mismatches[:3]}"
+    assert all(g.finish_reason == r for g, (_, r) in zip(got, expected))
+    assert all(g.bytes_transferred > 0 for g in got)
+
+    # Every rank has its own endpoint, and every one of them is idle at the end.
+    endpoints = cluster.metrics_endpoints()
+    tp_d, tp_p = _tp(cluster, "decode"), _tp(cluster, "prefill")
+    assert {e for e in endpoints if e.startswith("decode")} == {"decode", *(f"decode/tp{r}" for r in range(1, tp_d))}
+    prefill_workers = {e for e in endpoints if e.startswith("prefill/")}
+    assert len(prefill_workers) == tp_p
+    await wait_nothing_held(cluster)
+    scrapes = await read_metrics(cluster)
+    for name in ["decode", *(f"decode/tp{r}" for r in range(1, tp_d))]:
+        s = scrapes[name]
+        for gauge in ("pdgrpc_metadata_slots_in_use", "pdgrpc_kv_pages_in_use", "pdgrpc_kv_pages_quarantined", "pdgrpc_transport_rooms"):
+            assert s.value(gauge, role="decode") == 0, (name, gauge)
+    for name in prefill_workers:
+        for gauge in ("pdgrpc_kv_pages_in_use", "pdgrpc_transport_rooms"):
+            assert scrapes[name].value(gauge, role="prefill") == 0, (name, gauge)
+
+
+def _commit_sequences(log_text: str) -> dict[str, list[int]]:
+    """Rooms each decode rank committed, in order, from the decode's log (rank 0 logs as
+    ``[decode pid=..]``, rank r as ``[decode.tp<r> pid=..]``)."""
+    out: dict[str, list[int]] = {}
+    for m in re.finditer(r"\[(decode(?:\.tp\d+)?) pid=\d+\] pdgrpc\.decode: room=(\d+) committed\b", log_text):
+        out.setdefault(m.group(1), []).append(int(m.group(2)))
+    return out
+
+
+async def test_tp2_decode_with_a_slow_and_a_corrupting_rank_stays_in_lock_step(tmp_path):
+    faults = {"delay_metadata_s": 0.2, "corrupt_nth_room": 3}
+    env = {"PDGRPC_TEST_FAULTS": json.dumps(faults), "PDGRPC_TEST_FAULTS_TP_RANK": "1"}
+    async with Cluster("tp2", transport="tcp", log_dir=tmp_path, start_timeout=180, metrics=True, extra_env=env) as cluster:
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            router = generate_pb2_grpc.GenerateServiceStub(channel)
+
+            async def one(i: int):
+                # One at a time for the first few, so "the third room" is well defined.
+                return await generate(router, prompt=f"lock step {i} " * (i + 1), max_new_tokens=4, ignore_eos=True, timeout=60)
+
+            results = []
+            for i in range(5):
+                results.append(await asyncio.wait_for(asyncio.gather(one(i), return_exceptions=True), 90))
+            results = [r[0] for r in results]
+            results += await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(5, 13)), return_exceptions=True), 120)
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        assert len(failed) == 1, failed
+        i, err = failed[0]
+        assert i == 2  # the third request that reached rank 1's transport
+        assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.ABORTED
+        assert "bootstrap_room mismatch" in err.details()
+        assert all(len(r.token_ids) == 4 for r in results if not isinstance(r, BaseException))
+        await wait_nothing_held(cluster)
+        scrapes = await read_metrics(cluster)
+        for name in ("decode", "decode/tp1"):  # the corruption aborted the request on both ranks
+            assert scrapes[name].value("pdgrpc_aborts_total", role="decode", reason="metadata_corruption") == 1, name
+        text = (tmp_path / "decode.log").read_text()
+        assert "transport test faults active" in text
+    seqs = _commit_sequences(text)
+    assert set(seqs) == {"decode", "decode.tp1"}
+    assert seqs["decode"] == seqs["decode.tp1"]
+    assert len(seqs["decode"]) == 12
+
+
+async def test_a_decode_tp_rank_that_dies_takes_its_instance_down_loudly(tmp_path):
+    async with Cluster("tp2", transport="tcp", log_dir=tmp_path, start_timeout=180) as cluster:
+        log_path = tmp_path / "decode.log"
+        m = re.search(r"\[decode\.tp1 pid=(\d+)\].*TP rank 1/2 ready", log_path.read_text())
+        assert m, "rank 1 never said it was ready"
+        os.kill(int(m.group(1)), signal.SIGKILL)
+        err = await asyncio.wait_for(cluster.wait_failure(), 60)
+        assert err.proc.spec.name == "decode" and err.proc.returncode == 1
+        assert "decode TP rank 1" in err.args[0] and "cannot continue" in err.args[0]
