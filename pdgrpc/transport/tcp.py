@@ -75,7 +75,7 @@ _IOV_BYTES = 4 << 20
 MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
 _SCRATCH = 1 << 20
 _READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
-_STRIDED_MIN = 16  # slices in one region before a strided numpy view pays off
+_STRIDED_MIN = 128  # slices in one region before a strided numpy view pays off (~10 us fixed cost)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -125,17 +125,18 @@ def _add_slices(bufs: list[Any], regions: np.ndarray, offsets: np.ndarray, lengt
                 views: dict[int, memoryview]) -> None:
     """Append the byte slices ``views[region][offset : offset + length]`` to ``bufs``.
     Each same-region group of equal-length slices at a constant stride (a head-sliced
-    transfer's source: one block per page) becomes the rows of one strided numpy view,
-    about twice as cheap per slice as slicing a memoryview."""
+    transfer's source: one block per page) of at least ``_STRIDED_MIN`` slices becomes
+    the rows of one strided numpy view, about half the cost per slice of slicing a
+    memoryview."""
     cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
     for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(regions)]):
         r = int(regions[a])
         if b - a >= _STRIDED_MIN:
             n, o = int(lengths[a]), offsets[a:b]
             step = int(o[1] - o[0])
-            if step >= n and (lengths[a:b] == n).all() and (np.diff(o) == step).all():
-                base = np.frombuffer(views[r], dtype=np.uint8)[int(o[0]):]
-                bufs.extend(np.lib.stride_tricks.as_strided(base, shape=(b - a, n), strides=(step, 1)))
+            if step >= n and (lengths[a:b] == n).all() and (o[1:] - o[:-1] == step).all():
+                # numpy checks that the strided extent lies inside the region's buffer
+                bufs.extend(np.ndarray((b - a, n), np.uint8, views[r], int(o[0]), (step, 1)))
                 continue
         v = views[r]
         bufs += [v[o : o + n] for o, n in zip(offsets[a:b].tolist(), lengths[a:b].tolist())]
