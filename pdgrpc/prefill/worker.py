@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence
 
 import grpc
 
@@ -754,8 +754,15 @@ class PrefillWorker:
         n_pages = self.engine.pages_needed(n)
         entry.pages = await self._alloc(n_pages, room)
         follower = self.tp_size > 1 and not self.leader
+        engine_req = EnginePrefill(tuple(ids), tuple(entry.pages), sampling)
         if follower:
             self._register_followed(entry, n)
+            assert entry.followed is not None
+            chunks = entry.followed.queue
+        else:
+            # Compute starts now, not once the handshake is in: the prompt's KV does not
+            # depend on where it goes, and the handshake usually lands during chunk 1.
+            chunks = self._start_compute(entry, engine_req, n)
         dests = await self._destinations(room)
         now = time.monotonic()
         sender, _ = PrefillSender.create(
@@ -771,29 +778,19 @@ class PrefillWorker:
         for dest in dests:
             outs.append(await self._open(room, dest, n_pages, entry.pages))
             entry.keys.append(outs[-1].key)
-        engine_req = EnginePrefill(tuple(ids), tuple(entry.pages), sampling)
-        loop = asyncio.get_running_loop()
         sent_bytes = 0
         compute_s = 0.0
         first_write: float | None = None
         token: SampledToken | None = None
         start, done = 0, 0
         while done < n:
-            if follower:
-                assert entry.followed is not None
-                end, token, secs, err = await entry.followed.queue.get()
-                if err is not None:
-                    if isinstance(err, RequestFailed):
-                        raise err
-                    raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {err!r}")
-                if end <= done:
-                    continue
-            else:
-                end = min(n, start + cfg.chunk_size)
-                entry.compute = asyncio.wrap_future(self._executor.submit(self._lead_chunk, room, engine_req, start, end), loop=loop)
-                token, secs = cast("tuple[SampledToken | None, float]", await asyncio.shield(entry.compute))
-                if end == n:
-                    entry.computed_all = True
+            end, token, secs, err = await chunks.get()
+            if err is not None:
+                if isinstance(err, RequestFailed):
+                    raise err
+                raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {err!r}")
+            if end <= done:
+                continue
             compute_s += secs
             start, done = end, end
             for o in outs:
@@ -842,6 +839,50 @@ class PrefillWorker:
             transfer_seconds=time.perf_counter() - first_write,
             compute_seconds=compute_s,
         )
+
+    def _start_compute(self, entry: _Active, req: EnginePrefill, n: int) -> "asyncio.Queue[tuple[int, SampledToken | None, float, BaseException | None]]":
+        """Compute the prompt chunk by chunk on the compute thread; each finished chunk is
+        posted as ``(end, token, seconds, error)``. Each chunk queues the next one itself
+        (behind other requests' chunks: first come, first served), so the loop's writes of
+        chunk k overlap the compute of chunk k+1 instead of sitting between them.
+        ``entry.compute`` resolves once the thread will not touch the pages again."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[tuple[int, SampledToken | None, float, BaseException | None]] = asyncio.Queue()
+        stopped: asyncio.Future[object] = loop.create_future()
+        entry.compute = stopped
+        chunk = self.config.chunk_size
+
+        def post(item: tuple[int, SampledToken | None, float, BaseException | None]) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+        def stop() -> None:
+            loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+
+        def step(start: int) -> None:
+            if entry.closing:  # the request ended (abort, failure, shutdown): stop here
+                return stop()
+            end = min(n, start + chunk)
+            try:
+                token, secs = self._lead_chunk(entry.room, req, start, end)
+            except BaseException as exc:
+                post((end, None, 0.0, exc))
+                return stop()
+            if end == n:
+                entry.computed_all = True
+            post((end, token, secs, None))
+            if end == n:
+                return stop()
+            try:
+                self._executor.submit(step, end)
+            except RuntimeError:  # the executor is shutting down
+                stop()
+
+        try:
+            self._executor.submit(step, 0)
+        except RuntimeError:
+            stopped.set_result(None)
+            raise RequestFailed(C.UNAVAILABLE, f"room {entry.room}: {_SHUTDOWN}") from None
+        return out
 
     def _to(self, o: _Out) -> str:
         if self.tp_size == 1 and o.dest.decode_tp_size == 1:
