@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768], help="tokens per transfer")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--iterations", type=int, default=5, help="timed iterations per case (median reported)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per case")
     parser.add_argument("--connections", type=int, default=None, help="tcp: sockets per peer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -258,6 +258,27 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 targets["head-sliced"] = (recv_tp2, peer_tp2, region_pairs(regions, peer_tp2.descriptor.regions),
                                           peer_tp2.descriptor.region(METADATA_REGION_ID))
             room = 1
+            # Warm-up pass (untimed): one write of every page of each receiver's pool.
+            # The receivers' pools are fresh zero pages (first touch faults them in,
+            # like an engine's pool touched at start-up) and UCX sets up its
+            # shared-memory paths on first use; measured here, without this pass the
+            # first case's iterations took 6-28 ms instead of ~1.5 ms (12 MiB), which
+            # made "1k contiguous" read 0.03-0.05x raw.
+            everything = list(range(layout.pages))
+            for kind, (target, target_peer, pairs, dst_meta) in targets.items():
+                room += 1
+                await target.call("advertise", room, everything, 0)
+                if kind == "head-sliced":
+                    ops = head_slice_ops(pairs, everything, everything, src_heads=(0, KV_HEADS),
+                                         dst_heads=(half, KV_HEADS), heads=(half, KV_HEADS), head_bytes=head_bytes)
+                else:
+                    ops = page_ops(pairs, everything, everything)
+                await sender.write(target_peer, room, ops, metadata=metadata_op(regions[-1], 0, dst_meta, 0))
+                st = await sender.wait(room, 300)
+                if st.state is not KVPoll.SUCCESS:
+                    raise RuntimeError(f"{backend}: warm-up transfer ({kind or 'whole pages'}) ended {st}")
+                sender.release(room)
+                await target.call("release", room)
             for tokens, together, src, dst in cases:
                 lat: dict[str, list[float]] = {kind: [] for kind in together}
                 for i in range(args.warmup + args.iterations):
