@@ -39,6 +39,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "chunk computes. Default: %(default)s",
     )
     g.add_argument(
+        "--min-write-bytes", type=int, default=1 << 20, metavar="BYTES",
+        help="hold completed pages back until this many KV bytes are pending (or the prompt is done), then "
+        "write them at once: each write has a fixed cost (messages, waking the decode) that outweighs "
+        "overlapping small pieces with compute. 0 writes after every chunk. Default: %(default)s",
+    )
+    g.add_argument(
         "--handshake-timeout", type=float, default=30.0,
         help="seconds a request waits for the decode's Handshake before failing with DEADLINE_EXCEEDED. "
         "Default: %(default)s",

@@ -81,6 +81,10 @@ class WorkerConfig:
     tp_room_wait_s: float = 5.0  # TP follower: a chunk command waiting for its room's Prefill RPC
     lost_rooms: int = 4096  # TP follower: rooms remembered as computed without us (count)
     chunk_size: int = 512  # prompt tokens per prefill chunk
+    # Completed pages are held back until at least this many KV bytes are pending (or the
+    # prompt is done): every write has a fixed cost (messages, peer wake-ups) that costs
+    # more than the overlap with compute wins for small pieces.
+    min_write_bytes: int = 1 << 20
     handshake_timeout_s: float = 30.0  # Prefill RPC waiting for the decode's handshake
     transfer_timeout_s: float = 60.0  # metadata row written -> decode's acknowledgement
     page_wait_s: float = 30.0  # waiting for free KV pages when the pool is short
@@ -91,6 +95,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.min_write_bytes < 0:
+            raise ValueError(f"min_write_bytes must be >= 0, got {self.min_write_bytes}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
 
@@ -206,6 +212,7 @@ class PrefillWorker:
         bufs = engine.kv_buffers()
         self._regions = [*kv_regions(bufs.k, bufs.v), metadata_region(self.send_rows.tensor)]
         self._meta_src = self._regions[-1]
+        self._page_nbytes = sum(t[0].numel() * t.element_size() for t in (*bufs.k, *bufs.v))  # one page, every layer
         self.descriptor = b""
         self.generation = 0  # set from bootstrap's RegisterWorker answer
         self._mailbox: Mailbox[Destination | RequestFailed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)
@@ -783,6 +790,8 @@ class PrefillWorker:
         first_write: float | None = None
         token: SampledToken | None = None
         start, done = 0, 0
+        held_src: list[int] = []  # completed pages not written yet (min_write_bytes)
+        held_dst: list[int] = []
         while done < n:
             end, token, secs, err = await chunks.get()
             if err is not None:
@@ -799,16 +808,21 @@ class PrefillWorker:
             while actions:
                 action = actions.pop(0)
                 if isinstance(action, WritePages):
-                    first_write = first_write or time.perf_counter()
-                    for o in outs:
-                        dst = action.dst if o is outs[0] else [o.page_of[p] for p in action.src]
-                        ops = o.ops(action.src, dst)
-                        await self.transport.write(o.peer, o.key, ops)
-                        sent_bytes += ops.nbytes  # one numpy sum, not a Python loop per op
+                    held_src += action.src
+                    held_dst += action.dst
+                    if len(held_src) * self._page_nbytes >= cfg.min_write_bytes:
+                        first_write = first_write or time.perf_counter()
+                        sent_bytes += await self._write_pages(outs, held_src, held_dst)
+                        held_src, held_dst = [], []
                     # The transport lands the metadata row only after every earlier write of
-                    # the room, so "queued" is enough for the machine to move on.
+                    # the room (held pages are written before it), so "queued" is enough for
+                    # the machine to move on.
                     actions += sender.handle(PagesWritten(len(action.src)), time.monotonic())
                 elif isinstance(action, WriteMetadata):
+                    if held_src:
+                        first_write = first_write or time.perf_counter()
+                        sent_bytes += await self._write_pages(outs, held_src, held_dst)
+                        held_src, held_dst = [], []
                     assert token is not None
                     local = entry.pages[0]
                     self.send_rows.write_row(local, row_from_token(token), room)
@@ -839,6 +853,17 @@ class PrefillWorker:
             transfer_seconds=time.perf_counter() - first_write,
             compute_seconds=compute_s,
         )
+
+    async def _write_pages(self, outs: list[_Out], src: list[int], dst: list[int]) -> int:
+        """Write pages ``src`` (to ``dst`` on the first destination) to every destination;
+        the bytes queued."""
+        sent = 0
+        for o in outs:
+            d = dst if o is outs[0] else [o.page_of[p] for p in src]
+            ops = o.ops(src, d)
+            await self.transport.write(o.peer, o.key, ops)
+            sent += ops.nbytes  # one numpy sum, not a Python loop per op
+        return sent
 
     def _start_compute(self, entry: _Active, req: EnginePrefill, n: int) -> "asyncio.Queue[tuple[int, SampledToken | None, float, BaseException | None]]":
         """Compute the prompt chunk by chunk on the compute thread; each finished chunk is

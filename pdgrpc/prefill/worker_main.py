@@ -142,6 +142,7 @@ async def _main(ns: argparse.Namespace) -> int:
             tp_rank=ns.tp_rank,
             tp_size=ns.tp_size,
             chunk_size=ns.chunk_size,
+            min_write_bytes=ns.min_write_bytes,
             handshake_timeout_s=ns.handshake_timeout,
             transfer_timeout_s=ns.transfer_timeout,
             page_wait_s=ns.page_wait_timeout,
