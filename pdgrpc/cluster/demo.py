@@ -12,7 +12,6 @@ cluster and exits 0; any failure exits non-zero with the reason.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 

@@ -29,7 +29,7 @@ from pdgrpc.rpc.tuning import apply_grpc_defaults
 apply_grpc_defaults()
 
 from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
-from pdgrpc.decode.scheduler import make_queues, prefill_locally, sink_region  # noqa: E402
+from pdgrpc.decode.scheduler import make_queues, prefill_locally, queue_stats, sink_region  # noqa: E402
 from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, TpGroup, TpGroupBroken  # noqa: E402
 from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
 from pdgrpc.engine.tp import torch_distributed_all_reduce  # noqa: E402
@@ -65,16 +65,7 @@ class Follower:
         self.committed: list[int] = []  # rooms in commit order (the TP fault test reads the log)
 
     def stats(self) -> dict[str, int]:
-        q = self.queues
-        return dict(
-            active_requests=q.num_requests,
-            slots_in_use=q.slots.num_slots - q.slots.num_free,
-            slots_total=q.slots.num_slots,
-            pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined,
-            pages_quarantined=q.pages.num_quarantined,
-            pages_total=q.pages.num_pages,
-            transport_rooms=len(self.transport.rooms),
-        )
+        return queue_stats(self.queues, self.queues.num_requests, len(self.transport.rooms))
 
     async def start(self) -> None:
         kv = self.engine.kv_buffers()

@@ -248,16 +248,7 @@ class DecodeScheduler:
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        q = self.queues
-        return dict(
-            active_requests=len(self._jobs),
-            slots_in_use=q.slots.num_slots - q.slots.num_free,
-            slots_total=q.slots.num_slots,
-            pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined,
-            pages_quarantined=q.pages.num_quarantined,
-            pages_total=q.pages.num_pages,
-            transport_rooms=len(self.transport.rooms),
-        )
+        return queue_stats(self.queues, len(self._jobs), len(self.transport.rooms))
 
     # -- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -633,6 +624,19 @@ class DecodeScheduler:
     def _crash(self, job: Job, exc: BaseException) -> None:
         self.queues.release_pages(job.pages)
         self._fail(job, Failed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}"), ServerAbortReason.INTERNAL_ERROR)
+
+
+def queue_stats(q: Any, active_requests: int, transport_rooms: int) -> dict[str, int]:
+    """What a decode rank holds (GetStats, the live metrics), read from its queues."""
+    return dict(
+        active_requests=active_requests,
+        slots_in_use=q.slots.num_slots - q.slots.num_free,
+        slots_total=q.slots.num_slots,
+        pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined,
+        pages_quarantined=q.pages.num_quarantined,
+        pages_total=q.pages.num_pages,
+        transport_rooms=transport_rooms,
+    )
 
 
 def make_queues(buffers: MetadataBuffers, num_pages: int, config: SchedulerConfig) -> DecodeQueues:

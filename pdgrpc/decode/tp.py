@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 

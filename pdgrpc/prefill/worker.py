@@ -328,7 +328,7 @@ class PrefillWorker:
         try:
             check_tp_sizes(self.tp_size, tp_d)
             if d >= tp_d:
-                raise PdgrpcError(f"decode_tp_rank must be < decode_tp_size")
+                raise PdgrpcError("decode_tp_rank must be < decode_tp_size")
             ok = self.tp_rank in senders_of(d, tp_d, self.tp_size)
             why = "it does not write to that decode rank"
         except PdgrpcError as exc:
@@ -789,7 +789,7 @@ class PrefillWorker:
         compute_s = 0.0
         first_write: float | None = None
         token: SampledToken | None = None
-        start, done = 0, 0
+        done = 0
         held_src: list[int] = []  # completed pages not written yet (min_write_bytes)
         held_dst: list[int] = []
         while done < n:
@@ -801,7 +801,7 @@ class PrefillWorker:
             if end <= done:
                 continue
             compute_s += secs
-            start, done = end, end
+            done = end
             for o in outs:
                 self._check_room(room, o.key)
             actions = sender.handle(ChunkDone(end, last=end == n), time.monotonic())

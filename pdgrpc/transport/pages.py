@@ -51,13 +51,19 @@ def metadata_region(rows: torch.Tensor) -> MemoryRegion:
     return MemoryRegion(METADATA_REGION_ID, rows, RegionKind.METADATA, "metadata")
 
 
-def _runs_np(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _page_arrays(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Both page lists as int64 arrays, checked: same length, no negative page."""
     src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
     if src.shape != dst.shape:
         raise ConfigError(f"page lists differ in length: {src.size} source, {dst.size} destination")
     if src.size and (src.min() < 0 or dst.min() < 0):
         raise ConfigError("page indices must be >= 0")
+    return src, dst
+
+
+def _runs_np(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    src, dst = _page_arrays(src_pages, dst_pages)
     if not src.size:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
@@ -166,12 +172,7 @@ def head_slice_ops(
             )
     if (h0, h1) == (s0, s1) == (d0, d1):
         return page_ops(pairs, src_pages, dst_pages)  # whole pages both sides: coalesced runs
-    src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
-    if src.shape != dst.shape:
-        raise ConfigError(f"page lists differ in length: {src.size} source, {dst.size} destination")
-    if src.size and (src.min() < 0 or dst.min() < 0):
-        raise ConfigError("page indices must be >= 0")
+    src, dst = _page_arrays(src_pages, dst_pages)
     out = np.empty((len(meta), src.size, 5), dtype=np.int64)
     out[:, :, 0] = meta[:, 0:1]
     out[:, :, 1] = src * meta[:, 1:2] + (h0 - s0) * hb

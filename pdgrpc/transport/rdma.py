@@ -100,7 +100,6 @@ from pdgrpc.transport.base import (
     Descriptor,
     MemoryRegion,
     Peer,
-    RegionInfo,
     RoomGrant,
     Transport,
     WriteOp,

@@ -13,10 +13,12 @@ import asyncio
 import dataclasses
 import random
 import time
+from typing import Any
 
 import pytest
 
 from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate as colocated_generate
@@ -218,3 +220,24 @@ class Counters:
                     if d:
                         out[key] = d
         return out
+
+
+async def generate_all(router: Any, cases: list[Case], timeout: float = 180) -> tuple[list[Any], int]:
+    """Send every case at once through ``router`` (a GenerateService stub); returns the
+    completions in case order and the most requests that were in flight together."""
+    in_flight = peak = 0
+
+    async def one(c: Case) -> Any:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await generate(
+                router, input_ids=c.input_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                seed=c.seed, top_k=c.top_k, top_p=c.top_p, timeout=timeout,
+            )
+        finally:
+            in_flight -= 1
+
+    got = await asyncio.gather(*(one(c) for c in cases))
+    return list(got), peak

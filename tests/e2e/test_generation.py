@@ -31,6 +31,7 @@ from tests.e2e.harness import (
     TOPOLOGIES,
     TRANSPORTS,
     Counters,
+    generate_all,
     prompt_cases,
     reference_outputs,
     skip_unless_transport,
@@ -84,21 +85,7 @@ async def test_outputs_equal_colocated_generation(cluster, router, before):
     assert any(len(c.input_ids) > chunk for c in cases)
     expected = reference_for(cluster, cases)
 
-    in_flight = peak = 0
-
-    async def one(c):
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            return await generate(
-                router, input_ids=c.input_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                seed=c.seed, top_k=c.top_k, top_p=c.top_p, timeout=180,
-            )
-        finally:
-            in_flight -= 1
-
-    got = await asyncio.gather(*(one(c) for c in cases))
+    got, peak = await generate_all(router, cases)
     assert peak >= 16
     tok = ByteTokenizer()
     mismatches = [

@@ -28,7 +28,7 @@ from pdgrpc.cluster import Cluster
 from pdgrpc.cluster.client import generate
 from pdgrpc.v1 import generate_pb2_grpc
 
-from tests.e2e.harness import TRANSPORTS, prompt_cases, read_metrics, reference_outputs, skip_unless_transport, wait_nothing_held
+from tests.e2e.harness import TRANSPORTS, generate_all, prompt_cases, read_metrics, reference_outputs, skip_unless_transport, wait_nothing_held
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -59,23 +59,8 @@ async def test_tp_outputs_equal_colocated_tp1_and_every_rank_ends_idle(cluster):
         _REFERENCE[key] = reference_outputs(cluster.topology.name, cases)
     expected = _REFERENCE[key]
 
-    in_flight = peak = 0
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
-        router = generate_pb2_grpc.GenerateServiceStub(channel)
-
-        async def one(c):
-            nonlocal in_flight, peak
-            in_flight += 1
-            peak = max(peak, in_flight)
-            try:
-                return await generate(
-                    router, input_ids=c.input_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                    seed=c.seed, top_k=c.top_k, top_p=c.top_p, timeout=180,
-                )
-            finally:
-                in_flight -= 1
-
-        got = await asyncio.gather(*(one(c) for c in cases))
+        got, peak = await generate_all(generate_pb2_grpc.GenerateServiceStub(channel), cases)
     assert peak >= 16
     mismatches = [(i, g.token_ids, e) for i, (g, (e, _)) in enumerate(zip(got, expected)) if g.token_ids != e]
     assert not mismatches, f"{len(mismatches)} of {len(cases)} outputs differ from colocated TP1: {mismatches[:3]}"

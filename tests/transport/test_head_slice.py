@@ -5,7 +5,6 @@ real ``tcp`` transport, and the transport benchmark's head-sliced case."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import numpy as np
 import pytest
