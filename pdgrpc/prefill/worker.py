@@ -89,6 +89,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 60.0  # metadata row written -> decode's acknowledgement
     page_wait_s: float = 30.0  # waiting for free KV pages when the pool is short
     abort_wait_s: float = 60.0  # AbortRoom waiting for the room's driver to stop
+    drain_timeout_s: float = 5.0  # a failed room's queued sends, before its pages are freed
     early_handshakes: int = 4096  # handshakes kept before their Prefill RPC (count)
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
 
@@ -568,6 +569,19 @@ class PrefillWorker:
                 self._executor.submit(self._broadcast, ("end", entry.room))
             except RuntimeError:  # executor shut down
                 pass
+        # A failed or aborted room: wait (bounded) until none of its queued bytes can still
+        # land at the decode, so the ack that AbortRoom sends means what it says.
+        for key in {entry.room, *entry.keys}:
+            if not self._succeeded(key):
+                while True:
+                    try:
+                        if not await asyncio.shield(self.transport.drain(key, self.config.drain_timeout_s)):
+                            log.warning("room=%d: sends to the decode still in flight after %.1f s", entry.room, self.config.drain_timeout_s)
+                        break
+                    except asyncio.CancelledError:
+                        continue  # the drain is bounded; a second cancel must not skip it
+                    except PdgrpcError:
+                        break
         for key in {entry.room, *entry.keys}:
             self.transport.release(key)
         self._mailbox.discard(entry.room)
@@ -908,6 +922,12 @@ class PrefillWorker:
             stopped.set_result(None)
             raise RequestFailed(C.UNAVAILABLE, f"room {entry.room}: {_SHUTDOWN}") from None
         return out
+
+    def _succeeded(self, key: int) -> bool:
+        try:
+            return self.transport.status(key).state is KVPoll.SUCCESS
+        except PdgrpcError:  # never written (unknown to the transport): nothing to drain
+            return True
 
     def _to(self, o: _Out) -> str:
         if self.tp_size == 1 and o.dest.decode_tp_size == 1:

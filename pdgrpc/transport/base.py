@@ -91,6 +91,8 @@ Change log:
   ``.array`` for speed.
 * ``RoomGrant.runs_array()`` added (page runs as two int64 arrays, for vectorized
   authorization).
+* ``Transport.drain(room, timeout)`` added (default: drained at once); ``rdma``
+  implements it (a receive UCX already matched cannot be recalled by the receiver).
 """
 
 from __future__ import annotations
@@ -625,6 +627,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def fail_peer(self, instance_id: str, reason: str) -> None:
         """Fail every non-terminal room involving that peer; drop its connection."""
+
+    async def drain(self, room: int, timeout: float) -> bool:
+        """Sender: wait until no byte this instance wrote for ``room`` can still land at
+        the receiver (every queued send completed, failed or was cancelled). True when
+        drained, False at ``timeout``. Called before acknowledging an abort, so the
+        receiver may reuse the pages once it has the ack. Default: True at once, right
+        for backends whose receiver drops a released room's bytes by itself (``tcp``:
+        frames after release are discarded, a frame in progress goes to scratch)."""
+        return True
 
     @abc.abstractmethod
     async def close(self) -> None:

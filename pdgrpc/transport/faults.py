@@ -167,6 +167,9 @@ class FaultyTransport(Transport):
     def fail_peer(self, instance_id: str, reason: str) -> None:
         self._inner.fail_peer(instance_id, reason)
 
+    async def drain(self, room: int, timeout: float) -> bool:
+        return await self._inner.drain(room, timeout)
+
     async def close(self) -> None:
         await self._inner.close()
 

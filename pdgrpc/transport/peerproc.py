@@ -234,6 +234,9 @@ class _PeerServer:
     async def cmd_release(self, room: int) -> None:
         self.t.release(room)
 
+    async def cmd_drain(self, room: int, timeout: float) -> bool:
+        return await self.t.drain(room, timeout)
+
     async def cmd_fail_peer(self, instance_id: str, reason: str) -> None:
         self.t.fail_peer(instance_id, reason)
 

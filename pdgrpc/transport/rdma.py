@@ -848,6 +848,20 @@ class RdmaTransport(Transport):
         if conn is not None:
             self._reply(conn, ACK, ROOM_BODY.pack(room))
 
+    async def drain(self, room: int, timeout: float) -> bool:
+        # A receive the receiver's UCX already matched completes into the pages it was
+        # authorized for even after the receiver released the room; only the sender knows
+        # when its sends are over (a released room's other data is drained to scratch
+        # there, so these complete too, unless the peer hangs: then the timeout).
+        sroom = self._send_rooms.get(room)
+        deadline = time.monotonic() + timeout
+        while sroom is not None and sroom.tokens:
+            if time.monotonic() >= deadline:
+                return False
+            self._worker.kick()
+            await asyncio.sleep(0.002)
+        return True
+
     def release(self, room: int) -> None:
         rr = self._recv_rooms.pop(room, None)
         if rr is not None:

@@ -538,6 +538,28 @@ class TransportConformance:
         finally:
             await _close(recv.t)
 
+    async def test_nothing_lands_after_release_and_drain(self) -> None:
+        """The receiver releases a room in the middle of a large transfer (an abort); once
+        the sender's ``drain(room)`` returned True, not one more byte of it lands."""
+        self._require_bytes()
+        layout = Layout(layers=8, pages=512, slots=4)  # 32 MiB: still in flight at release
+        recv = await self._local(layout, None)
+        room, pages = 4242, list(range(layout.pages))
+        try:
+            async with self._peer(layout, self.seed) as sender:
+                await sender.call("connect", recv.descriptor)
+                recv.t.advertise(RoomGrant.of(room, pages, 0))
+                await sender.call("write_pages", sender_peer(recv), room, pages, pages, None)
+                recv.t.release(room)
+                assert await sender.call("drain", room, 30.0) is True
+                before = recv.snapshot()
+                await asyncio.sleep(0.3)  # this loop keeps serving the transport meanwhile
+                after = recv.snapshot()
+                assert all(torch.equal(before[rid], after[rid]) for rid in before), "bytes landed after drain"
+                await sender.call("release", room)
+        finally:
+            await _close(recv.t)
+
     async def test_close_leaves_nothing_behind(self) -> None:
         layout = Layout(layers=2, pages=16, slots=4)
         async with self._peer(layout, None) as recv:

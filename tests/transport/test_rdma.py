@@ -9,6 +9,7 @@ task or descriptor behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -161,6 +162,37 @@ async def test_hung_peer_fails_rooms_and_cancels_pending_ucx_requests() -> None:
     finally:
         recv.kill()
         await recv.wait_dead()
+        await recv.stop()
+        await send.close()
+
+
+async def test_drain_waits_for_sends_in_flight_and_times_out_on_a_frozen_peer() -> None:
+    """A prefill acknowledges an abort only after drain(room): while the receiver cannot
+    take the bytes (frozen), drain reports False at its timeout; once it runs again and the
+    sends completed, drain is True -- nothing of the room can land after that."""
+    layout = Layout(layers=4, pages=64, page_shape=(16, 8, 64), slots=4)  # 16 KiB pages
+    regions, _ = layout.build(SEED)
+    send = registry.create("rdma", liveness_lease=30.0)  # the freeze must not fail the peer
+    await send.register(regions)
+    recv = PeerProcess("rdma", layout=layout)
+    await recv.start()
+    try:
+        peer = await send.connect(recv.descriptor)
+        await recv.call("advertise", 31, list(range(64)), 0)
+        os.kill(recv.pid, signal.SIGSTOP)
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        await send.write(peer, 31, page_ops(pairs, range(64), range(64)))
+        assert send.pending_requests > 0
+        started = time.monotonic()
+        assert await send.drain(31, 0.5) is False
+        assert time.monotonic() - started >= 0.45
+        os.kill(recv.pid, signal.SIGCONT)
+        assert await send.drain(31, WAIT_S) is True
+        assert send.pending_requests == 0
+        assert await send.drain(999, 0.1) is True  # a room it never wrote: nothing to wait for
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(recv.pid, signal.SIGCONT)
         await recv.stop()
         await send.close()
 
