@@ -148,6 +148,10 @@ class _PeerServer:
         self.conn.send(("ready", desc, self.transport.instance_id))
         tasks: set[asyncio.Task[None]] = set()
         loop.add_reader(self.conn.fileno(), self._on_command, tasks)
+        # uvloop's add_reader makes the fd non-blocking; Connection.recv/send of a message
+        # larger than the pipe buffer then fails half way (BlockingIOError), which read as
+        # "parent gone". Blocking again: a message is always read and written whole.
+        os.set_blocking(self.conn.fileno(), True)
         try:
             await self.done.wait()
         finally:
@@ -331,6 +335,7 @@ class PeerProcess:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self._loop.add_reader(parent.fileno(), self._on_readable)
+        os.set_blocking(parent.fileno(), True)  # see the child's side: whole messages only
         try:
             self.descriptor, self.instance_id = await asyncio.wait_for(
                 asyncio.shield(self._ready), self.start_timeout
