@@ -137,3 +137,32 @@ async def test_a_decode_tp_rank_that_dies_takes_its_instance_down_loudly(tmp_pat
         err = await asyncio.wait_for(cluster.wait_failure(), 60)
         assert err.proc.spec.name == "decode" and err.proc.returncode == 1
         assert "decode TP rank 1" in err.args[0] and "cannot continue" in err.args[0]
+
+
+async def test_dp2_times_tp2_prefill_to_tp2_decode(tmp_path):
+    """Two prefill dp ranks, each a TP 2 group (4 worker processes, rooms registered with
+    bootstrap for decode to query), into a TP 2 decode: outputs equal colocated TP 1."""
+    from pdgrpc.cluster.topology import load_topology, parse_topology
+
+    base = load_topology("tp2")
+    topology = parse_topology(
+        {
+            "transport": "tcp",
+            "engine": dict(base.engine),
+            "process": [
+                {"name": "prefill", "role": "prefill", "args": {"dp-size": 2, "tp-size": 2, "chunk-size": 64, "load-balance-method": "round_robin"}},
+                {"name": "decode", "role": "decode", "args": {"num-slots": 32, "tp-size": 2}},
+                {"name": "router", "role": "router", "prefill": ["prefill"], "decode": ["decode"]},
+            ],
+        },
+        "dp2-tp2",
+    )
+    page = int(base.engine_value("page-size", 16))
+    cases = prompt_cases(page, 64)[:20]
+    expected = reference_outputs("tp2", cases)
+    async with Cluster(topology, log_dir=tmp_path, start_timeout=180, metrics=True) as cluster:
+        assert len(cluster.metrics_endpoints("prefill")) == 1 + 4  # controller + dp0.tp0 .. dp1.tp1
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            got, _ = await generate_all(generate_pb2_grpc.GenerateServiceStub(channel), cases)
+        assert [g.token_ids for g in got] == [e for e, _ in expected]
+        await wait_nothing_held(cluster)
