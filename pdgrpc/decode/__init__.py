@@ -9,6 +9,8 @@
   instances, invalidated when a prefill restarts.
 * :mod:`pdgrpc.decode.job` -- per-request bookkeeping and what the Decode stream gets.
 * :mod:`pdgrpc.decode.service` -- ``DecodeService`` (Decode stream, GetStats) over grpc.aio.
+* :mod:`pdgrpc.decode.cli` -- the flags (shared by every TP rank); :mod:`pdgrpc.decode.tp` and
+  :mod:`pdgrpc.decode.follower` -- tensor parallelism (rank 0 drives, the other ranks replay).
 """
 
 

@@ -28,6 +28,8 @@ from pdgrpc.rpc.tuning import apply_grpc_defaults
 
 apply_grpc_defaults()
 
+from pdgrpc.decode.cli import build_parser as decode_parser  # noqa: E402
+from pdgrpc.decode.cli import scheduler_config_from_args, wrap_test_faults  # noqa: E402
 from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
 from pdgrpc.decode.scheduler import make_queues, prefill_locally, queue_stats, sink_region  # noqa: E402
 from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, TpGroup, TpGroupBroken  # noqa: E402
@@ -47,8 +49,6 @@ log = logging.getLogger("pdgrpc.decode")
 
 class Follower:
     def __init__(self, ns: argparse.Namespace, config: SchedulerConfig, tp: TpGroup) -> None:
-        from pdgrpc.decode.__main__ import wrap_test_faults
-
         self.tp = tp
         self.rank = tp.rank
         self.engine = ReferenceEngine(
@@ -147,8 +147,6 @@ class Follower:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdgrpc.decode.__main__ import build_parser as decode_parser
-
     p = decode_parser()
     p.prog = "python -m pdgrpc.decode.follower"
     p.description = __doc__
@@ -157,8 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def main(ns: argparse.Namespace) -> int:
-    from pdgrpc.decode.__main__ import scheduler_config_from_args
-
     tp = await asyncio.to_thread(TpGroup, ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout)
     follower = Follower(ns, scheduler_config_from_args(ns), tp)
     stop_metrics = start_metrics_from_args(ns, follower.metrics.registry, f"decode tp{ns.tp_rank}")

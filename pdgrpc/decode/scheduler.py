@@ -313,14 +313,17 @@ class DecodeScheduler:
             self.tp.broadcast(("sync", (self.queues.take_log(), now)))
             reduced = self.tp.all_reduce_min(t)
         except TpGroupBroken as exc:
-            self._tp_lost(exc)
+            self.rank_lost(str(exc))
             return []
         return list(self.queues.finish_poll(reduced, now))
 
-    def _tp_lost(self, exc: BaseException) -> None:
-        if self.fatal is not None and not self.fatal.done():
-            log.error("%s; this decode instance cannot continue", exc)
-            self.fatal.set_result(str(exc))
+    def rank_lost(self, why: str) -> None:
+        """Another TP rank is gone (its collective failed, or its process exited): this
+        instance cannot go on. Sets :attr:`fatal`; no-op once closing."""
+        if self._closing or self.fatal is None or self.fatal.done():
+            return
+        log.error("%s; this decode instance cannot continue", why)
+        self.fatal.set_result(why)
         self._closing = True
         self._wake.set()
 
@@ -607,7 +610,7 @@ class DecodeScheduler:
         try:
             return await asyncio.to_thread(fn, arg)
         except TpGroupBroken as exc:
-            self._tp_lost(exc)
+            self.rank_lost(str(exc))
             return None
 
     def _decode_step(self, reqs: list[EngineDecodeRequest]) -> list[SampledToken]:

@@ -43,6 +43,7 @@ from pdgrpc.prefill.worker_main import READY
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.server import RpcServer, serve_until_signal, start_server
 from pdgrpc.serving import request_event
+from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdgrpc.prefill")
@@ -247,7 +248,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         common = worker_argv(self.ns)
         tp_size = getattr(self.ns, "tp_size", 1)
         for rank in range(self.ns.dp_size):
-            dist = ["--dist-init", f"tcp://127.0.0.1:{_free_port()}"] if tp_size > 1 else []
+            dist = ["--dist-init", dist_init_method()] if tp_size > 1 else []
             group: list[WorkerHandle] = []
             for tp in range(tp_size):
                 argv = [
@@ -339,15 +340,6 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         for t in self._watchers:
             t.cancel()
         await self.pool.close()
-
-
-def _free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a dp group's torch.distributed rendezvous)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _counted(register: Callable[[Mapping[int, int]], Awaitable[object]], metrics: PrefillMetrics) -> Callable[[Mapping[int, int]], Awaitable[object]]:

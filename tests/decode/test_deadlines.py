@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from pdgrpc.decode import DecodeScheduler, DecodeServer, SchedulerConfig, start_decode_server
-from pdgrpc.decode.__main__ import build_parser
+from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.metrics import Scrape, scrape, start_metrics_server
 from pdgrpc.serving import engine_config_from_args

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 import pytest
 
-from pdgrpc.decode.__main__ import build_parser
+from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine

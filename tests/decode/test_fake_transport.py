@@ -9,7 +9,7 @@ import asyncio
 import grpc
 
 from pdgrpc.decode import DecodeScheduler, start_decode_server
-from pdgrpc.decode.__main__ import build_parser
+from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine

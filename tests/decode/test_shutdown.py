@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdgrpc.decode import DecodeScheduler, start_decode_server
-from pdgrpc.decode.__main__ import build_parser
+from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.serving import engine_config_from_args
 from pdgrpc.transport.tcp import TcpTransport

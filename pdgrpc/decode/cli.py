@@ -1,0 +1,110 @@
+"""The decode server's command line: flags, the scheduler config they make, the test-fault
+hook. Shared by rank 0 (``python -m pdgrpc.decode``) and the other TP ranks
+(``python -m pdgrpc.decode.follower``), which take the same flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.metrics import add_metrics_arguments
+from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
+from pdgrpc.state import DecodeDeadlines
+from pdgrpc.transport.base import Transport
+
+__all__ = ["DESCRIPTION", "build_parser", "scheduler_config_from_args", "wrap_test_faults"]
+
+DESCRIPTION = """\
+A pdgrpc decode server (gRPC, pdgrpc.v1.DecodeService).
+
+For each Decode call (sent by the router together with the prefill request) it finds the
+prefill dp rank that holds the request (routed rank, room % dp_size, or a batched
+QueryDpRanks to the prefill's bootstrap), allocates KV pages and a metadata slot,
+handshakes with that prefill worker, waits for the KV and the metadata row to land over
+the transport, checks the row's bootstrap_room, then continues generation and streams
+the tokens. Every phase has a deadline. GetStats reports what the server holds.
+Also serves grpc.health.v1 and server reflection. Logs "pdgrpc decode listening on
+HOST:PORT" once it accepts calls, and one line per request event (grep room=<room>).
+
+Tensor parallelism: --tp-size N starts N-1 more processes (python -m pdgrpc.decode.follower),
+one per TP rank, joined in a gloo group. Each rank holds its share of the KV heads, its own
+transport endpoint and metadata rows; this process (rank 0) serves gRPC and drives the
+others, which replay its scheduling so that all ranks commit the same requests in the same
+order. Rank r's metrics are on --metrics-port + r. If a rank dies, the instance exits 1."""
+
+_D = DecodeDeadlines()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdgrpc.decode", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="TCP port of the gRPC server; 0 picks a free one, printed in the log line (default: %(default)s)")
+    add_engine_arguments(p)
+    add_transport_arguments(p)
+    g = p.add_argument_group("scheduling")
+    g.add_argument(
+        "--tp-size", type=int, default=1, metavar="N",
+        help="tensor-parallel ranks (processes); must divide the model's heads and MLP width (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dist-timeout", type=float, default=120.0, metavar="SECONDS",
+        help="TP > 1: how long a rank waits in a collective for the others before giving up (default: %(default)s)",
+    )
+    g.add_argument("--dist-init", default="", help=argparse.SUPPRESS)  # set by rank 0 for the other ranks
+    g.add_argument(
+        "--num-slots", type=int, default=256, metavar="N",
+        help="metadata slots: at most this many transfers in flight; more requests wait for a slot (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dp-rank-query-interval", type=float, default=0.05, metavar="SECONDS",
+        help="at most one batched QueryDpRanks per prefill instance per interval (default: %(default)s)",
+    )
+    g.add_argument(
+        "--rpc-timeout", type=float, default=5.0, metavar="SECONDS",
+        help="deadline of each bootstrap call and AbortRoom (default: %(default)s)",
+    )
+    d = p.add_argument_group("deadlines (seconds a request may spend in each phase; DEADLINE_EXCEEDED names the phase)")
+    d.add_argument("--resolve-timeout", type=float, default=_D.resolve_dp_rank_s, metavar="S", help="until the prefill dp rank is known (default: %(default)s)")
+    d.add_argument("--allocate-timeout", type=float, default=_D.allocate_s, metavar="S", help="waiting for free KV pages and a metadata slot (default: %(default)s)")
+    d.add_argument("--bootstrap-timeout", type=float, default=_D.bootstrap_s, metavar="S", help="until every prefill worker accepted the handshake (default: %(default)s)")
+    d.add_argument(
+        "--waiting-timeout", type=float, default=_D.waiting_for_input_s, metavar="S",
+        help="handshake accepted, no KV byte arrived yet (prefill queueing and computing) (default: %(default)s)",
+    )
+    d.add_argument("--transfer-timeout", type=float, default=_D.transferring_s, metavar="S", help="KV arriving until the metadata row landed (default: %(default)s)")
+    d.add_argument(
+        "--abort-lease", type=float, default=_D.abort_lease_s, metavar="S",
+        help="an aborted request's pages and slot are reused once the prefill acknowledged AbortRoom, or after this long (default: %(default)s)",
+    )
+    add_metrics_arguments(p)
+    add_logging_arguments(p)
+    return p
+
+
+def scheduler_config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        deadlines=DecodeDeadlines(
+            resolve_dp_rank_s=ns.resolve_timeout,
+            allocate_s=ns.allocate_timeout,
+            bootstrap_s=ns.bootstrap_timeout,
+            waiting_for_input_s=ns.waiting_timeout,
+            transferring_s=ns.transfer_timeout,
+            abort_lease_s=ns.abort_lease,
+        ),
+        query_interval_s=ns.dp_rank_query_interval,
+        rpc_timeout_s=ns.rpc_timeout,
+    )
+
+
+def wrap_test_faults(transport: Transport, tp_rank: int) -> Transport:
+    """Test hook: PDGRPC_TEST_FAULTS (JSON, see pdgrpc.transport.faults) wraps the
+    transport, on every rank or only on rank PDGRPC_TEST_FAULTS_TP_RANK."""
+    if not os.environ.get("PDGRPC_TEST_FAULTS"):
+        return transport
+    only = os.environ.get("PDGRPC_TEST_FAULTS_TP_RANK", "")
+    if only and int(only) != tp_rank:
+        return transport
+    from pdgrpc.transport.faults import wrap_from_env
+
+    return wrap_from_env(transport)
