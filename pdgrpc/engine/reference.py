@@ -34,6 +34,7 @@ from pdgrpc.engine.pages import PageAllocator
 from pdgrpc.engine.sampling import sample_rows
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import ConfigError
+from pdgrpc.transport.memory import host_zeros
 
 __all__ = ["EngineConfig", "ReferenceEngine"]
 
@@ -118,8 +119,10 @@ class ReferenceEngine(Engine):
         )
         self._kv_quant = exact.kv_format(config.kv_dtype)
         # Zero-filled: stale rows are masked anyway, but zeros make dumps readable.
-        self._k = [torch.zeros(self._layout.pool_shape, dtype=self._layout.dtype) for _ in range(m.num_layers)]
-        self._v = [torch.zeros(self._layout.pool_shape, dtype=self._layout.dtype) for _ in range(m.num_layers)]
+        # Huge-page backed: the transports copy page runs in and out of these (and
+        # UCX's shared-memory path pins them page by page); see transport.memory.
+        self._k = [host_zeros(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
+        self._v = [host_zeros(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
         self._pages = PageAllocator(config.num_pages)
         self._tokenizer = ByteTokenizer()
 

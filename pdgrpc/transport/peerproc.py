@@ -36,6 +36,7 @@ from pdgrpc.errors import TransportError
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import MemoryRegion, Peer, RoomGrant, Transport, WriteOp
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
+from pdgrpc.transport.memory import host_zeros
 
 ROOM_FIELD_BYTES = 8  # the last 8 bytes of a metadata row hold the room id (like bootstrap_room)
 
@@ -91,7 +92,10 @@ class Layout:
 
         def make(region_id: int) -> torch.Tensor:
             n = self.region_nbytes(region_id)
-            flat = self.source_bytes(region_id, seed) if seed is not None else torch.zeros(n, dtype=torch.uint8)
+            # huge-page backed, like an engine's pool should be (see transport.memory)
+            flat = host_zeros((n,), torch.uint8)
+            if seed is not None:
+                flat.copy_(self.source_bytes(region_id, seed))
             flats[region_id] = flat
             return flat
 
