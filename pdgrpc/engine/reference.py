@@ -69,6 +69,13 @@ class EngineConfig:
     # sets it process-wide (one engine per server process); if something changes it
     # later, each engine call switches for its duration and restores it.
     intra_op_threads: int = 1
+    # KV pool in transparent huge pages (pdgrpc.transport.memory.host_zeros). Off by
+    # default: measured with this reference model in a prefill worker on 2 cores, its
+    # compute was ~20% slower on a huge-page pool (38-39 vs 31 ms for 512 tokens),
+    # although the same chunks computed standalone showed no difference; transfers of
+    # large page runs over rdma are up to ~2x faster from and into huge pages (see
+    # transport.memory). Memory placement only: peers need not agree on it.
+    kv_huge_pages: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
@@ -119,10 +126,9 @@ class ReferenceEngine(Engine):
         )
         self._kv_quant = exact.kv_format(config.kv_dtype)
         # Zero-filled: stale rows are masked anyway, but zeros make dumps readable.
-        # Huge-page backed: the transports copy page runs in and out of these (and
-        # UCX's shared-memory path pins them page by page); see transport.memory.
-        self._k = [host_zeros(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
-        self._v = [host_zeros(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
+        alloc = host_zeros if config.kv_huge_pages else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        self._k = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
+        self._v = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
         self._pages = PageAllocator(config.num_pages)
         self._tokenizer = ByteTokenizer()
 

@@ -56,6 +56,7 @@ class Layout:
     dtype: str = "float16"
     slots: int = 16
     row_bytes: int = 256
+    huge_pages: bool = True  # regions in transparent huge pages (transport.memory.host_zeros)
 
     @property
     def page_bytes(self) -> int:
@@ -92,8 +93,7 @@ class Layout:
 
         def make(region_id: int) -> torch.Tensor:
             n = self.region_nbytes(region_id)
-            # huge-page backed, like an engine's pool should be (see transport.memory)
-            flat = host_zeros((n,), torch.uint8)
+            flat = host_zeros((n,), torch.uint8) if self.huge_pages else torch.zeros(n, dtype=torch.uint8)
             if seed is not None:
                 flat.copy_(self.source_bytes(region_id, seed))
             flats[region_id] = flat

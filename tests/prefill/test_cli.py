@@ -46,3 +46,23 @@ def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
     add_worker_arguments(probe)
     back = probe.parse_args(argv)
     assert (back.model_size, back.page_size, back.transport, back.chunk_size) == ("tiny", 8, "tcp", 7)
+
+
+def test_kv_huge_pages_reaches_the_workers_and_their_engine_pools() -> None:
+    from pdgrpc.engine.reference import ReferenceEngine
+    from pdgrpc.prefill.cli import add_worker_arguments
+    from pdgrpc.serving import engine_config_from_args
+    from pdgrpc.transport.memory import HUGE_PAGE
+
+    probe = argparse.ArgumentParser()
+    add_worker_arguments(probe)
+    for flags, huge in ((["--kv-huge-pages"], True), ([], False)):
+        ns = build_parser().parse_args(["--model-size", "tiny", "--num-pages", "512", *flags])
+        back = probe.parse_args(worker_argv(ns))
+        config = engine_config_from_args(back)
+        assert config.kv_huge_pages is huge
+        bufs = ReferenceEngine(config).kv_buffers()
+        pools = [*bufs.k, *bufs.v]
+        # the huge-page allocator starts every pool on a 2 MiB boundary; torch.zeros does not
+        assert all(p.data_ptr() % HUGE_PAGE == 0 for p in pools) is huge
+        assert all(not p.any() for p in pools)
