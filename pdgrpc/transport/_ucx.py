@@ -7,14 +7,20 @@ per pending request (256 concurrent rooms would spin 256 coroutines). It also ha
 scatter/gather: a scattered page list would need one tag message per page, and
 measured here that is 0.25–0.9 GB/s against ~10 GB/s for one IOV message.
 
-So this module uses ucxx only for what it does well — loading UCX and creating the
-context and worker (``ucxx._lib.libucxx``: context, worker, worker address,
-``worker.progress()`` / ``worker.arm()`` / epoll fd) — and does the rest itself through
-UCX's C API, called with :mod:`ctypes` on the ``libucp`` that ucxx loaded: endpoints
+So this module takes only the UCX libraries from the ucxx distribution (the
+``libucx`` wheel's loader, which also honours ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY``)
+and does everything through UCX's C API, called with :mod:`ctypes` on that
+``libucp``: context and worker (``ucp_init_version`` / ``ucp_worker_create``, the
+worker address, ``ucp_worker_progress`` / ``ucp_worker_arm`` / its epoll fd), endpoints
 from worker addresses (``ucp_ep_create`` / non-blocking ``ucp_ep_close_nbx``; ucxx's
 endpoint close progresses until the peer confirms, which never ends when the peer is
 hung) and tag sends and receives (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx``),
-with ``ucp_dt_make_iov()`` when a message has several pieces. A receive's iov entries
+with ``ucp_dt_make_iov()`` when a message has several pieces. It used to create the
+context and worker through ucxx's Cython module (``ucxx._lib.libucxx``); merely
+loading that module (its C++ ``libucxx``) made the reference engine's compute thread
+in the same process ~20% slower (a prefill worker: 35-39 vs 29-33 ms of CPU per
+512-token prompt, measured by importing it into a tcp worker), which was most of the
+rdma transport's TTFT overhead. Loading only the UCX libraries costs nothing. A receive's iov entries
 point straight into the destination tensors, so payload lands where it belongs with no
 copy made by pdgrpc (UCX itself moves sub-8 KiB messages through its shared-memory
 eager buffers and zero-copies larger ones with cma).
@@ -45,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Sequence, Union
@@ -140,26 +145,61 @@ _RECV_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(
 
 
 class _Api:
-    """ucxx's Cython module plus the handful of libucp functions called directly."""
+    """The libucp functions this module calls."""
+
+    # set from libucp by __init__ (the "ucp_" prefix dropped)
+    get_version: Any
+    config_read: Any
+    config_release: Any
+    init_version: Any
+    cleanup: Any
+    worker_create: Any
+    worker_destroy: Any
+    worker_get_address: Any
+    worker_release_address: Any
+    worker_get_efd: Any
+    worker_arm: Any
+    worker_progress: Any
 
     def __init__(self) -> None:
-        # ucxx prints a warning for every UCX_* variable it set itself but UCX did not
-        # use (UCX_MEMTYPE_CACHE); that is noise for our users.
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         try:
-            import ucxx._lib.libucxx as libucxx
+            import libucx  # type: ignore[import-untyped]
         except ImportError as exc:
             raise TransportUnavailable(
-                f"the rdma transport needs ucxx, which is not installed ({exc}); install it with: {INSTALL_HINT}"
+                f"the rdma transport needs the UCX libraries (the libucx wheel that ucxx installs), which are "
+                f"missing ({exc}); install them with: {INSTALL_HINT}"
             ) from None
-        self.libucxx = libucxx
-        path = self._loaded_libucp()
+        try:
+            loaded = libucx.load_library()
+        except OSError as exc:
+            raise TransportUnavailable(f"cannot load the UCX libraries: {exc}; reinstall with: {INSTALL_HINT}") from None
+        names = [getattr(x, "_name", "") or "" for x in loaded or []]
+        path = next((n for n in names if "libucp" in n), None) or self._loaded_libucp()
         try:
             lib = ctypes.CDLL(path)
         except OSError as exc:
             raise TransportUnavailable(f"cannot open libucp ({path}): {exc}; reinstall with: {INSTALL_HINT}") from None
         P = ctypes.POINTER(_Param)
         vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+        pvp, ci, cu = ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint
+        for name, args, res in (
+            ("ucp_get_version", [ctypes.POINTER(cu)] * 3, None),
+            ("ucp_config_read", [ctypes.c_char_p, ctypes.c_char_p, pvp], ci),
+            ("ucp_config_release", [vp], None),
+            ("ucp_init_version", [cu, cu, vp, vp, pvp], ci),
+            ("ucp_cleanup", [vp], None),
+            ("ucp_worker_create", [vp, vp, pvp], ci),
+            ("ucp_worker_destroy", [vp], None),
+            ("ucp_worker_get_address", [vp, pvp, ctypes.POINTER(sz)], ci),
+            ("ucp_worker_release_address", [vp, vp], None),
+            ("ucp_worker_get_efd", [vp, ctypes.POINTER(ci)], ci),
+            ("ucp_worker_arm", [vp], ci),
+            ("ucp_worker_progress", [vp], cu),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = res
+            setattr(self, name[4:], fn)
         self.tag_send_nbx = lib.ucp_tag_send_nbx
         self.tag_send_nbx.argtypes = [vp, vp, sz, u64, P]
         self.tag_send_nbx.restype = vp
@@ -181,8 +221,8 @@ class _Api:
 
     @staticmethod
     def _loaded_libucp() -> str:
-        """The libucp that ucxx actually loaded (wheel or system), so our calls and
-        ucxx's share one library instance and one worker."""
+        """The libucp already in this process (wheel or system), if the loader did not
+        name it: one library instance for everything."""
         try:
             with open("/proc/self/maps") as f:
                 for line in f:
@@ -191,6 +231,48 @@ class _Api:
         except OSError:
             pass
         return "libucp.so.0"
+
+
+def _check(status: int, what: str) -> None:
+    if status != UCS_OK:
+        raise TransportUnavailable(f"cannot initialise UCX: {what} failed with status {status}")
+
+
+_FEATURE_TAG, _FEATURE_WAKEUP = 1 << 0, 1 << 4
+_PARAM_FIELD_FEATURES = 1 << 0
+
+
+def _create_worker(api: "_Api") -> tuple[int, int]:
+    """A UCX context (tag + wakeup features; configuration from ``UCX_*`` variables)
+    and one single-threaded worker on it: ``(ucp_context_h, ucp_worker_h)``."""
+    major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+    api.get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+    config = ctypes.c_void_p()
+    _check(api.config_read(None, None, ctypes.byref(config)), "ucp_config_read")
+    # ucp_params_t / ucp_worker_params_t: UCX reads only the fields field_mask names
+    # (the first two u64 here); the rest of each buffer stays zero.
+    params = (ctypes.c_uint64 * 64)(_PARAM_FIELD_FEATURES, _FEATURE_TAG | _FEATURE_WAKEUP)
+    context = ctypes.c_void_p()
+    try:
+        _check(api.init_version(major.value, minor.value, ctypes.addressof(params), config, ctypes.byref(context)),
+               "ucp_init")
+    finally:
+        api.config_release(config)
+    worker_params = (ctypes.c_uint64 * 64)()  # field_mask 0: defaults (single-threaded)
+    worker = ctypes.c_void_p()
+    status = api.worker_create(context, ctypes.addressof(worker_params), ctypes.byref(worker))
+    if status != UCS_OK or not worker.value:
+        api.cleanup(context)
+        _check(status or -1, "ucp_worker_create")
+    assert context.value is not None and worker.value is not None
+    return context.value, worker.value
+
+
+def _destroy(api: "_Api", context: int | None, worker: int | None) -> None:
+    if worker:
+        api.worker_destroy(worker)
+    if context:
+        api.cleanup(context)
 
 
 _API: _Api | None = None
@@ -224,17 +306,21 @@ class UcxWorker:
 
     def __init__(self, *, spin_s: float = 0.0, idle_timeout_s: float = 0.05) -> None:
         self._api = api()
-        lib = self._api.libucxx
-        feats = (lib.Feature.TAG, lib.Feature.WAKEUP)
+        self._context: int | None
+        self._worker: int | None
+        self._context, self._worker = _create_worker(self._api)
         try:
-            self._context = lib.UCXContext({}, feats)
-            self._worker = lib.UCXWorker(self._context)
-            self._worker.init_blocking_progress_mode()
-            self._fd: int = self._worker.epoll_file_descriptor
-            self.address: bytes = self._worker.address.tobytes()
-            self.handle: int = self._worker.handle
-        except Exception as exc:  # UCXError and friends: map at the boundary
-            raise TransportUnavailable(f"cannot initialise UCX: {type(exc).__name__}: {exc}") from None
+            fd = ctypes.c_int(-1)
+            _check(self._api.worker_get_efd(self._worker, ctypes.byref(fd)), "ucp_worker_get_efd")
+            self._fd: int = fd.value
+            addr, n = ctypes.c_void_p(), ctypes.c_size_t()
+            _check(self._api.worker_get_address(self._worker, ctypes.byref(addr), ctypes.byref(n)), "ucp_worker_get_address")
+            self.address: bytes = ctypes.string_at(addr.value or 0, n.value)
+            self._api.worker_release_address(self._worker, addr)
+        except TransportUnavailable:
+            _destroy(self._api, self._context, self._worker)
+            raise
+        self.handle: int = self._worker  # type: ignore[assignment]  # set just above
         self._spin_s = spin_s
         self._idle_timeout_s = idle_timeout_s
         # token -> (request pointer, callback, keepalive)
@@ -310,16 +396,16 @@ class UcxWorker:
             _PARKED.append((self._worker, self._context, self._inflight, self._abandoned, self._send_cb, self._recv_cb))
             self._worker = self._context = None
             return
+        api_, context, worker = self._api, self._context, self._worker
         # Destroy the worker and context off the loop thread: ucp_worker_destroy tears
         # down endpoints and can wait on a transport that a departed peer left behind
         # (seen rarely with shared memory on a loaded host). Normally this takes
         # milliseconds and the thread is gone before close() returns.
-        doomed = [self._worker, self._context]
         self._worker = self._context = None
         finished = threading.Event()
 
         def destroy() -> None:
-            doomed.clear()  # the last references: UCX objects are released here
+            _destroy(api_, context, worker)
             finished.set()
 
         t = threading.Thread(target=destroy, name="pdgrpc-ucx-destroy", daemon=True)
@@ -510,7 +596,9 @@ class UcxWorker:
     def _progress_once(self) -> bool:
         if self._worker is None:
             return False
-        self._worker.progress()
+        progress = self._api.worker_progress
+        while progress(self._worker):
+            pass
         return self._dispatch()
 
     def _busy(self) -> bool:
@@ -536,7 +624,7 @@ class UcxWorker:
                     not self._busy() or time.monotonic() - self._last_activity > self._spin_s):
                 # Idle: arm the worker and sleep until its epoll fd fires. arm() is
                 # False when events are pending, in which case we progress again.
-                if self._worker.arm():
+                if self._api.worker_arm(self._worker) == UCS_OK:  # else UCS_ERR_BUSY: events pending
                     fut: asyncio.Future[None] = loop.create_future()
                     self._wake = fut
                     self._set_reader(True)

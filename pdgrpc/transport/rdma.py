@@ -1,4 +1,4 @@
-"""``rdma``: KV pages over UCX (through ``ucxx``), straight into the destination tensors.
+"""``rdma``: KV pages over UCX (its C API, see :mod:`._ucx`), straight into the destination tensors.
 
 Endpoints are created from the peer's **UCX worker address**, which travels in the
 descriptor (``Descriptor.endpoint``). That lets UCX choose the best path per peer: shared
@@ -209,7 +209,7 @@ class _SendRoom:
 
 
 class RdmaTransport(Transport):
-    """The ``rdma`` backend (UCX via ucxx). See the module docstring."""
+    """The ``rdma`` backend (UCX). See the module docstring."""
 
     name = "rdma"
 

@@ -86,10 +86,10 @@ async def test_unknown_option_is_a_config_error() -> None:
         registry.create("rdma", bogus=1)
 
 
-def test_missing_ucxx_raises_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_ucx_libraries_raise_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdgrpc.transport import _ucx
 
-    monkeypatch.setitem(sys.modules, "ucxx._lib.libucxx", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "libucx", None)  # import now fails
     monkeypatch.setattr(_ucx, "_API", None)
     with pytest.raises(TransportUnavailable, match=r"pip install 'pdgrpc\[ucx\]'"):
         registry.create("rdma")
