@@ -329,6 +329,8 @@ class UcxWorker:
         self._done: list[tuple[int, int, int, int]] = []  # (token, status, length, tag)
         self._send_cb = _SEND_CB(self._on_send)
         self._recv_cb = _RECV_CB(self._on_recv)
+        self._send_cb_ptr = ctypes.cast(self._send_cb, ctypes.c_void_p).value
+        self._recv_cb_ptr = ctypes.cast(self._recv_cb, ctypes.c_void_p).value
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None
@@ -457,7 +459,7 @@ class UcxWorker:
         param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_FLAGS
         param.flags = _EP_CLOSE_FLAG_FORCE if force else 0
         param.user_data = token
-        param.cb = ctypes.cast(self._send_cb, ctypes.c_void_p).value
+        param.cb = self._send_cb_ptr
         ptr = self._api.ep_close_nbx(ep, ctypes.byref(param))
         if _status_of(ptr) == UCS_INPROGRESS and ptr is not None:
             self._inflight[token] = (ptr, lambda status, length, tag: None, None)
@@ -531,10 +533,10 @@ class UcxWorker:
             param.datatype = _DATATYPE_IOV
             buf, count = ctypes.addressof(iov), len(pieces)
         if is_send:
-            param.cb = ctypes.cast(self._send_cb, ctypes.c_void_p).value
+            param.cb = self._send_cb_ptr
             ptr = self._api.tag_send_nbx(target, buf, count, tag, ctypes.byref(param))
         else:
-            param.cb = ctypes.cast(self._recv_cb, ctypes.c_void_p).value
+            param.cb = self._recv_cb_ptr
             ptr = self._api.tag_recv_nbx(target, buf, count, tag, mask, ctypes.byref(param))
         status = _status_of(ptr)
         if status != UCS_INPROGRESS:
