@@ -34,7 +34,7 @@ from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
-from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, engine_config_from_args
+from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.logs import setup_logging
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
@@ -193,6 +193,7 @@ async def _main(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     setup_logging(ns.log_level, "colocated")
+    tune_malloc_from_args(ns)
     try:
         return run(_main(ns))
     except (PdgrpcError, OSError) as exc:

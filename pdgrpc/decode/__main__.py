@@ -19,7 +19,7 @@ from pdgrpc.errors import ConfigError, PdgrpcError  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal  # noqa: E402
 from pdgrpc.serving.rendezvous import dist_init_method  # noqa: E402
-from pdgrpc.serving import create_transport, engine_config_from_args, setup_logging  # noqa: E402
+from pdgrpc.serving import create_transport, engine_config_from_args, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.transport.base import Transport  # noqa: E402
 
 
@@ -129,6 +129,7 @@ def cli(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # the other TP ranks get the same flags
     setup_logging(ns.log_level, "decode")
+    tune_malloc_from_args(ns)
     try:
         return run(main(ns))
     except PdgrpcError as exc:  # bad flag values, transport unavailable: one clear line

@@ -38,7 +38,14 @@ from pdgrpc.engine.tp import torch_distributed_all_reduce  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.kvpoll import KVPoll  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
-from pdgrpc.serving import create_transport, engine_config_from_args, metadata_layout, request_event, setup_logging  # noqa: E402
+from pdgrpc.serving import (  # noqa: E402
+    create_transport,
+    engine_config_from_args,
+    metadata_layout,
+    request_event,
+    setup_logging,
+    tune_malloc_from_args,
+)
 from pdgrpc.serving.tp import senders_of, transfer_room  # noqa: E402
 from pdgrpc.state import Aborted, Committed, MetadataBuffers, SendHandshake  # noqa: E402
 from pdgrpc.transport.base import RoomGrant, UnknownRoom  # noqa: E402
@@ -184,6 +191,7 @@ async def main(ns: argparse.Namespace) -> int:
 def cli(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     setup_logging(ns.log_level, f"decode.tp{ns.tp_rank}")
+    tune_malloc_from_args(ns)
     _die_with_parent()
     try:
         return asyncio.run(main(ns))

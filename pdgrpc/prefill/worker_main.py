@@ -31,7 +31,7 @@ from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments  # noq
 from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WorkerPrefillServicer  # noqa: E402
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
-from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging  # noqa: E402
+from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("pdgrpc.prefill.worker")
@@ -219,6 +219,7 @@ async def _main(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     setup_logging(ns.log_level, f"prefill.{worker_name(ns)}")
+    tune_malloc_from_args(ns)
     torch.set_num_threads(max(1, ns.compute_threads))
     return run(_main(ns))
 

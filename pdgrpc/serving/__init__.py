@@ -30,6 +30,7 @@ _EXPORTS = {
     "create_transport": "pdgrpc.serving.flags",
     "engine_config_from_args": "pdgrpc.serving.flags",
     "transport_options_from_args": "pdgrpc.serving.flags",
+    "tune_malloc_from_args": "pdgrpc.serving.flags",
     "request_event": "pdgrpc.serving.logs",
     "setup_logging": "pdgrpc.serving.logs",
     "compat_hash_bytes": "pdgrpc.serving.metadata",
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
         create_transport,
         engine_config_from_args,
         transport_options_from_args,
+        tune_malloc_from_args,
     )
     from pdgrpc.serving.logs import request_event, setup_logging
     from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout, row_from_token
@@ -64,6 +66,7 @@ __all__ = [
     "sampling_to_proto",
     "setup_logging",
     "transport_options_from_args",
+    "tune_malloc_from_args",
 ]
 
 

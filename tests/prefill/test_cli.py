@@ -28,6 +28,8 @@ def test_every_flag_has_help_text() -> None:
         (["--max-prompt-tokens", "9000"], "max_prompt_tokens"),
         (["--dp-size", "0"], "--dp-size must be >= 1"),
         (["--load-balance-method", "random"], "invalid choice: 'random'"),
+        (["--malloc-keep-mib", "-1"], "--malloc-keep-mib: must be >= 0, got -1"),
+        (["--malloc-keep-mib", "lots"], "--malloc-keep-mib: expected a whole number, got 'lots'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,3 +68,13 @@ def test_kv_huge_pages_reaches_the_workers_and_their_engine_pools() -> None:
         # the huge-page allocator starts every pool on a 2 MiB boundary; torch.zeros does not
         assert all(p.data_ptr() % HUGE_PAGE == 0 for p in pools) is huge
         assert all(not p.any() for p in pools)
+
+
+def test_malloc_keep_mib_reaches_the_workers() -> None:
+    from pdgrpc.prefill.cli import add_worker_arguments
+
+    probe = argparse.ArgumentParser()
+    add_worker_arguments(probe)
+    for flags, mib in ((["--malloc-keep-mib", "64"], 64), (["--malloc-keep-mib", "0"], 0), ([], 256)):
+        ns = build_parser().parse_args(flags)
+        assert probe.parse_args(worker_argv(ns)).malloc_keep_mib == mib
