@@ -16,11 +16,12 @@ from worker addresses (``ucp_ep_create`` / non-blocking ``ucp_ep_close_nbx``; uc
 endpoint close progresses until the peer confirms, which never ends when the peer is
 hung) and tag sends and receives (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx``),
 with ``ucp_dt_make_iov()`` when a message has several pieces. It used to create the
-context and worker through ucxx's Cython module (``ucxx._lib.libucxx``); merely
-loading that module (its C++ ``libucxx``) made the reference engine's compute thread
-in the same process ~20% slower (a prefill worker: 35-39 vs 29-33 ms of CPU per
-512-token prompt, measured by importing it into a tcp worker), which was most of the
-rdma transport's TTFT overhead. Loading only the UCX libraries costs nothing. A receive's iov entries
+context and worker through ucxx's Cython module (``ucxx._lib.libucxx``); a prefill
+worker that imported it measured ~20% more CPU per prompt, but a later standalone check
+(the reference prefill in a thread, with and without the module) showed no difference:
+that spread was most likely glibc malloc's, see :mod:`pdgrpc.engine.malloc`. The C API
+path stays because it loads nothing but UCX itself (no C++ runtime, no second worker
+wrapper to keep in step). A receive's iov entries
 point straight into the destination tensors, so payload lands where it belongs with no
 copy made by pdgrpc (UCX itself moves sub-8 KiB messages through its shared-memory
 eager buffers and zero-copies larger ones with cma).

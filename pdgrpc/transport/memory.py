@@ -8,11 +8,13 @@ pages) and 5.8 ms between huge-page buffers; 12 MiB as 48 scatter/gather pieces 
 vs 0.50 ms. ``torch.zeros`` never asks for huge pages, and with the common kernel setting
 ``transparent_hugepage=madvise`` a buffer gets them only if it asks.
 
-Engines opt in (the reference engine with ``--kv-huge-pages``): with the tiny
-reference model, a prefill worker's own compute measured ~20% slower on a huge-page
-pool on a 2-core host, for reasons not pinned down (standalone, the same chunks showed
-no difference), so it is not forced on anyone. The transport benchmark registers
-huge-page regions unless told ``--no-huge-pages``.
+Engines opt in (the reference engine with ``--kv-huge-pages``). An earlier measurement
+had a prefill worker's compute ~20% slower on a huge-page pool; that was glibc malloc
+page-faulting the compute's temporaries, which varied from process to process (see
+:mod:`pdgrpc.engine.malloc`). With malloc tuned, the compute is the same on either
+pool (512-token prefill 25.9-26.9 vs 25.9-26.1 ms) and so is end-to-end TTFT at 512
+tokens (0.5 MiB of KV per request), so the default stays what every allocator gives.
+The transport benchmark registers huge-page regions unless told ``--no-huge-pages``.
 
 :func:`host_zeros` asks: an anonymous mapping aligned to 2 MiB, advised
 ``MADV_HUGEPAGE``, then touched (zeroed) once so the page faults happen at start-up
