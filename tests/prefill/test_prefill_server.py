@@ -338,15 +338,17 @@ async def test_transfer_refused_by_the_decode_is_aborted_and_frees_everything(
 
 
 async def test_a_burst_larger_than_the_pool_waits_for_pages_instead_of_failing(rr: PrefillProc) -> None:
-    """Eight 64-token prompts pinned to one worker need 128 pages; it has 64. The later
-    ones wait until earlier ones free theirs, and every one lands bit-exact."""
+    """Twelve 64-token prompts pinned to one worker need 192 pages; it has 64. The later
+    ones wait until earlier ones free theirs, and every one lands bit-exact. (Twelve, not
+    eight: with eight, a fast worker could finish the first four before the last four
+    arrived, and then nothing waited.)"""
     import dataclasses
 
     big = FakeDecode(dataclasses.replace(CONFIG, num_pages=256))
     await big.start()
     try:
         sampling = SamplingParams()
-        ids = [prompt(CONFIG.max_prompt_tokens, 200 + i) for i in range(8)]
+        ids = [prompt(CONFIG.max_prompt_tokens, 200 + i) for i in range(12)]
         results = await asyncio.gather(*(run_one(rr, big, x, sampling, query=False, routed=0) for x in ids))
         for x, (resp, r) in zip(ids, results):
             assert resp.dp_rank == 0
