@@ -24,6 +24,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from pdgrpc.errors import ConfigError
+
 __all__ = ["MMAP_THRESHOLD_MAX", "keep_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1  # <malloc.h>
@@ -39,7 +41,7 @@ def keep_freed_memory(keep_bytes: int) -> str:
     Returns what happened, for the start-up log: ``"applied"``, or ``"skipped: <why>"``.
     ``keep_bytes`` 0 changes nothing."""
     if keep_bytes < 0:
-        raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        raise ConfigError(f"keep_bytes must be >= 0, got {keep_bytes}")
     if keep_bytes == 0:
         return "skipped: disabled (0)"
     user = [v for v in _USER_VARS if v in os.environ]

@@ -24,6 +24,7 @@ import inspect
 import logging
 from typing import Any
 
+from pdgrpc.engine.malloc import keep_freed_memory
 from pdgrpc.engine.model import ModelConfig
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
 from pdgrpc.engine.reference import EngineConfig
@@ -138,11 +139,8 @@ def _non_negative_int(text: str) -> int:
 def tune_malloc_from_args(ns: argparse.Namespace) -> None:
     """Apply ``--malloc-keep-mib`` to this process (see :mod:`pdgrpc.engine.malloc`);
     call once, at start-up, in a process that runs an engine."""
-    from pdgrpc.engine.malloc import keep_freed_memory
-
-    mib = getattr(ns, "malloc_keep_mib", 0)
-    outcome = keep_freed_memory(mib << 20)
-    log.info("malloc: %s (--malloc-keep-mib %d)", outcome, mib)
+    outcome = keep_freed_memory(ns.malloc_keep_mib << 20)
+    log.info("malloc: %s (--malloc-keep-mib %d)", outcome, ns.malloc_keep_mib)
 
 
 def add_transport_arguments(parser: argparse.ArgumentParser) -> None:

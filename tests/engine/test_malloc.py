@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from pdgrpc.engine.malloc import keep_freed_memory
+from pdgrpc.errors import ConfigError
 
 
 def _is_glibc() -> bool:
@@ -64,5 +65,5 @@ def test_the_operators_own_malloc_settings_win() -> None:
 
 
 def test_negative_keep_is_refused() -> None:
-    with pytest.raises(ValueError, match="keep_bytes must be >= 0"):
+    with pytest.raises(ConfigError, match="keep_bytes must be >= 0"):
         keep_freed_memory(-1)

@@ -25,7 +25,7 @@ from pdgrpc.transport.base import BadDescriptor, Descriptor, RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
 
-pytest.importorskip("ucxx", reason="the rdma backend needs the ucx extra: pip install 'pdgrpc[ucx]'")
+pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 
 SEED = 99
 WAIT_S = 30.0  # bound for things that must happen (not a speed target)

@@ -12,7 +12,7 @@ from pdgrpc.transport import registry
 from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_op, region_pairs
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
 
-pytest.importorskip("ucxx", reason="the rdma backend needs the ucx extra: pip install 'pdgrpc[ucx]'")
+pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 
 WAIT_S = 30.0
 
