@@ -39,6 +39,7 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
         self.fail: tuple[grpc.StatusCode, str] | None = None
         self.delay = 0.0
         self.hang = False
+        self.gate: asyncio.Event | None = None  # when set: fail only once this is set
 
     async def Prefill(self, request, context):
         self.requests.append(request)
@@ -46,6 +47,8 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
             if self.hang:
                 await asyncio.sleep(3600)
             await asyncio.sleep(self.delay)
+            if self.fail is not None and self.gate is not None:
+                await self.gate.wait()
         except asyncio.CancelledError:
             self.cancelled_at[request.bootstrap_room] = time.monotonic()
             raise
@@ -67,10 +70,12 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.fail_after: int | None = None
         self.fail: tuple[grpc.StatusCode, str] = (grpc.StatusCode.ABORTED, "metadata corruption in slot 3")
         self.wait_forever = False
+        self.started = asyncio.Event()  # a Decode call reached the handler
 
     async def Decode(self, request, context):
         self.requests.append(request)
         try:
+            self.started.set()
             if self.wait_forever:
                 await asyncio.sleep(3600)
             for i, ids in enumerate(self.messages):
@@ -175,6 +180,9 @@ async def test_prefill_refusal_reaches_client_and_cancels_decode(cluster):
     stub, prefill, decodes, p_addr, _, router = cluster
     prefill.fail = (grpc.StatusCode.INVALID_ARGUMENT, "token_ids: prompt has 9000 tokens, over max_prompt_tokens=2048")
     decodes[0].wait_forever = True  # the KV never comes: only the router can end this call
+    # Fail only once the decode holds the request: a cancel that reaches the decode's
+    # server before its handler starts leaves nothing to release, and nothing to observe.
+    prefill.gate = decodes[0].started
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
