@@ -563,8 +563,11 @@ class PrefillWorker:
                     continue
                 except Exception:
                     break
-        elif self.tp_size > 1 and not entry.computed_all and self._broken is None and not self._stopped:
+        elif self.leader and self.tp_size > 1 and not entry.computed_all and self._broken is None and not self._stopped:
             # Leader: the followers may wait for chunks of this room that will never come.
+            # Only the leader: a follower whose room was lost before it registered
+            # (entry.followed is None) must not broadcast -- its _follow thread is inside
+            # a broadcast already, and two concurrent receivers desynchronise the group.
             try:
                 self._executor.submit(self._broadcast, ("end", entry.room))
             except RuntimeError:  # executor shut down
