@@ -251,6 +251,27 @@ def test_poll_tensor_has_the_same_shape_when_idle() -> None:
         q.finish_poll(torch.zeros(4, 3, dtype=torch.int64), 0.0)
 
 
+def test_one_rank_with_nothing_in_flight_skips_the_tensor_poll_but_a_collective_never_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, b = make()
+    built: list[float] = []
+    real = q.prepare_poll
+    monkeypatch.setattr(q, "prepare_poll", lambda now, local_poll=None: built.append(now) or real(now, local_poll))
+    assert q.poll_transfers(0.1) == [] and built == []  # one rank, idle: nothing to build
+    reduced: list[torch.Tensor] = []
+    assert q.poll_transfers(0.2, lambda t: reduced.append(t) or t) == [] and built == [0.2] and len(reduced) == 1
+    hs = admit(q, 42)  # in transfer now: every poll looks, and commits
+    b.write_row(hs.slot, MetadataRow(7), 42)
+    q.on_local_status(42, KVPoll.SUCCESS)
+    assert [type(o) for o in q.poll_transfers(0.3)] == [Committed] and built == [0.2, 0.3]
+    hs = admit(q, 43, now=0.4)
+    q.on_local_status(43, KVPoll.FAILED)
+    assert [type(o) for o in q.poll_transfers(0.5)] == [Aborted] and q.pages.num_quarantined == 2
+    assert q.poll_transfers(0.6) == [] and built[-1] == 0.6  # quarantined: still polled (lease, ack)
+    assert q.on_abort_ack(43)
+    assert q.poll_transfers(0.7) == [] and q.pages.num_quarantined == 0  # the release came from a poll
+    assert q.poll_transfers(0.8) == [] and built[-1] == 0.7  # idle again
+
+
 def two_ranks() -> tuple[list[DecodeQueues], list[MetadataBuffers]]:
     bufs = [MetadataBuffers(4) for _ in range(2)]
     return [DecodeQueues(b, 16, deadlines=DL) for b in bufs], bufs
