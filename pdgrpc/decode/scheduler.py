@@ -106,7 +106,7 @@ class DecodeScheduler:
         self._running: list[Job] = []
         self._prefill_locally: list[Job] = []  # fake transfers: compute the prompt's KV here
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._waiters: dict[int, asyncio.Task[Any]] = {}
+        self._key_room: dict[int, int] = {}  # transport room -> room, until released
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
@@ -121,6 +121,7 @@ class DecodeScheduler:
         self.handshaker.descriptor = self.descriptor
         if self.tp is not None:  # every rank's descriptor, for the handshakes sent on its behalf
             self.handshaker.descriptors = tuple(await asyncio.to_thread(self.tp.all_gather, self.descriptor))
+        self.transport.rooms.add_listener(self._on_transport_terminal)
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
 
     async def close(self, abort_wait_s: float = 1.0) -> None:
@@ -141,7 +142,7 @@ class DecodeScheduler:
                 aborts.append(asyncio.ensure_future(self._abort_room(job, msg)))
         if aborts:
             await asyncio.wait(aborts, timeout=abort_wait_s)
-        tasks = [*aborts, *self._tasks, *self._waiters.values()]
+        tasks = [*aborts, *self._tasks]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -216,6 +217,7 @@ class DecodeScheduler:
             self.queues.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)), prefill_tp)
         self.queues.add(NewRequest(room, prefill_address, n_pages, rank, fake=not self.transport.moves_bytes), now)
         self._room_keys[room] = self._keys(room, prefill_tp)
+        self._key_room.update((key, room) for key in self._room_keys[room])
         self._jobs[room] = job
         how = "routed" if routed_dp_rank is not None else ("local rule" if rank is not None else "query bootstrap")
         request_event(
@@ -424,17 +426,33 @@ class DecodeScheduler:
         if job is None or job.finished:
             return
         job.handshake_task = self._spawn(self._handshake(job, prompt_pages), f"handshake {hs.room}")
-        self._waiters[hs.room] = self._spawn(self._wait_terminal(hs.room), f"wait {hs.room}")
 
-    async def _wait_terminal(self, room: int) -> None:
-        """Wake the loop as soon as the transport says the room is done (or failed)."""
-        deadline = self.config.deadlines.waiting_for_input_s + self.config.deadlines.transferring_s + 60
-        try:
-            for key in self._job_keys(room):
-                await self.transport.wait(key, deadline)
-        except UnknownRoom:
+    def _on_transport_terminal(self, key: int) -> None:
+        """The transport's listener: a transport room landed or failed. Acted on at the
+        next turn of the loop, outside the transport's own receive path."""
+        if key in self._key_room and not self._closing:
+            asyncio.get_running_loop().call_soon(self._transfer_ended)
+
+    def _transfer_ended(self) -> None:
+        if self._closing:
             return
-        self._wake.set()
+        if self.tp is None:
+            self._poll_now()
+        self._wake.set()  # TP: the collective poll runs in the loop, on every rank together
+
+    def _poll_now(self) -> None:
+        """One rank (no collective to keep in step): the transfer poll right away, so a
+        landed room commits and its first token goes out now rather than after the loop
+        wakes up and runs a whole iteration. The loop still runs the decode steps. Safe
+        between iterations and while one awaits its compute step: the poll touches only
+        slots in transfer or quarantine, and a job committed here joins ``_running`` for
+        the next step."""
+        now = time.monotonic()
+        for outcome in self.queues.poll_transfers(now, local_poll=self._local_poll):
+            if isinstance(outcome, Committed):
+                self._on_committed(outcome, now)
+            else:
+                self._on_aborted(outcome)
 
     async def _handshake(self, job: Job, prompt_pages: tuple[int, ...]) -> None:
         deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
@@ -531,10 +549,8 @@ class DecodeScheduler:
 
     def _release_transport(self, room: int) -> None:
         for key in self._room_keys.pop(room, [room]):
+            self._key_room.pop(key, None)
             self.transport.release(key)
-        waiter = self._waiters.pop(room, None)
-        if waiter is not None:
-            waiter.cancel()
 
     def _fail(self, job: Job, status: Failed, reason: AnyAbortReason) -> None:
         if job.finished:

@@ -72,6 +72,9 @@ Outcome = Union[Committed, Aborted]
 
 # Per-slot modes.
 _FREE, _TRANSFER, _QUARANTINE = 0, 1, 2
+# One rank polls slot by slot in Python up to this many slots in transfer or quarantine,
+# and with the tensor ops above it (their cost does not grow with the slot count).
+_SCALAR_POLL_MAX = 16
 _S = DecodeState
 
 
@@ -151,6 +154,7 @@ class DecodeQueues:
         lut[KVPoll.WAITING_FOR_INPUT] = AbortReason.WAITING_FOR_INPUT_TIMEOUT
         lut[KVPoll.TRANSFERRING] = AbortReason.TRANSFER_TIMEOUT
         self._timeout_lut = torch.tensor(lut, dtype=torch.int64)
+        self._timeout_reason = tuple(lut)
 
     # -- admission and dp rank --------------------------------------------------------
     def add(self, req: NewRequest, now: float) -> None:
@@ -337,23 +341,57 @@ class DecodeQueues:
         for slot, s, reason, bad in zip(idx.tolist(), states, reasons, desyncs):
             if self._mode[slot] == _QUARANTINE:
                 self._release(slot)
-                continue
-            r = self._requests[self._slot_room[slot]]
-            if bad:
-                out.append(self._abort_in_transfer(slot, r, AbortReason.TP_DESYNC, now))
-            elif s == KVPoll.FAILED:
-                out.append(self._abort_in_transfer(slot, r, AbortReason(reason), now))
             else:
-                s = max(s, self._prev[slot])  # forward only
-                if s >= KVPoll.WAITING_FOR_INPUT and r.state is _S.BOOTSTRAPPING:
-                    r.handle(PrefillReady(), now)
-                if s >= KVPoll.TRANSFERRING and r.state is _S.WAITING_FOR_INPUT:
-                    r.handle(TransferStarted(), now)
-                if s == KVPoll.SUCCESS:
-                    out.append(self._commit(slot, r, now))
-                else:
-                    self._prev[slot] = s
-                    self._deadline[slot] = r.deadline
+                self._act(slot, s, reason, bad, now, out)
+        return out
+
+    def _act(self, slot: int, s: int, reason: int, desync: bool, now: float, out: list[Outcome]) -> None:
+        """A slot in transfer whose reduced state changed: advance, commit or abort it."""
+        r = self._requests[self._slot_room[slot]]
+        if desync:
+            out.append(self._abort_in_transfer(slot, r, AbortReason.TP_DESYNC, now))
+        elif s == KVPoll.FAILED:
+            out.append(self._abort_in_transfer(slot, r, AbortReason(reason), now))
+        else:
+            s = max(s, self._prev[slot])  # forward only
+            if s >= KVPoll.WAITING_FOR_INPUT and r.state is _S.BOOTSTRAPPING:
+                r.handle(PrefillReady(), now)
+            if s >= KVPoll.TRANSFERRING and r.state is _S.WAITING_FOR_INPUT:
+                r.handle(TransferStarted(), now)
+            if s == KVPoll.SUCCESS:
+                out.append(self._commit(slot, r, now))
+            else:
+                self._prev[slot] = s
+                self._deadline[slot] = r.deadline
+
+    def _poll_one_rank(self, now: float, local_poll: Callable[[int], KVPoll] | None) -> list[Outcome]:
+        """The poll of one rank (no collective), slot by slot in Python: the same gate,
+        deadlines and actions as :meth:`prepare_poll` + :meth:`finish_poll`, for the few
+        slots in transfer or quarantine. A decode loop polls whenever a transfer lands; on
+        a 2-core host the ~25 tensor ops cost ~0.08 ms hot and ~0.3 ms right after a
+        prefill's compute has evicted the caches, on the TTFT path; this costs a few
+        microseconds per slot. ``tests/state`` checks both give the same outcomes."""
+        if local_poll is not None:
+            for room, slot in list(self._room_slot.items()):
+                if self._mode[slot] == _TRANSFER:
+                    self.on_local_status(room, local_poll(room))
+        out: list[Outcome] = []
+        for slot in sorted(self._room_slot.values(), key=self._seq.__getitem__):
+            if self._mode[slot] == _QUARANTINE:
+                if self._acked[slot] or self._deadline[slot] < now:
+                    self._release(slot)
+                continue
+            s, reason = self._local[slot], self._reason[slot]
+            if not self._fake[slot]:  # the metadata gate
+                landed = self.buffers.room(slot)
+                if landed != 0 and landed != self._expected[slot]:
+                    s, reason = KVPoll.FAILED, min(reason, AbortReason.METADATA_CORRUPTION)
+                elif landed == 0 and s == KVPoll.SUCCESS:
+                    s = KVPoll.TRANSFERRING
+            if self._deadline[slot] < now and KVPoll.FAILED < s < KVPoll.SUCCESS:
+                s, reason = KVPoll.FAILED, min(reason, self._timeout_reason[self._prev[slot]])
+            if s != self._prev[slot]:
+                self._act(slot, s, reason, False, now, out)
         return out
 
     def poll_transfers(
@@ -365,12 +403,13 @@ class DecodeQueues:
         """local poll -> metadata gate -> all-reduce MIN -> act. Call it on every rank at
         every step, also when nothing is in flight (the collective must match).
 
-        Without a collective (one rank) and with no slot in transfer or quarantine there is
-        nothing to act on, and the answer is ``[]`` without building the poll tensor: the
-        decode loop polls at every step, and the ~25 small torch ops cost ~0.1-0.4 ms
-        per step on a 2-core host (a fifth of its main thread's samples)."""
-        if all_reduce_min is None and not self._room_slot:
-            return []
+        Without a collective (one rank) and with at most ``_SCALAR_POLL_MAX`` slots in
+        transfer or quarantine, the same poll runs slot by slot in Python
+        (:meth:`_poll_one_rank`), and with none it is ``[]`` at once: the decode loop polls
+        at every step, and the ~25 small torch ops cost ~0.1-0.4 ms per poll on a 2-core
+        host (a fifth of its main thread's samples before)."""
+        if all_reduce_min is None and len(self._room_slot) <= _SCALAR_POLL_MAX:
+            return self._poll_one_rank(now, local_poll) if self._room_slot else []
         t = self.prepare_poll(now, local_poll)
         reduced = all_reduce_min(t) if all_reduce_min is not None else t
         return self.finish_poll(reduced, now)

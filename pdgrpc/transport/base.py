@@ -105,14 +105,17 @@ import dataclasses
 import enum
 import functools
 import json
+import logging
 import uuid
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, NamedTuple, Sequence
 
 from pdgrpc.errors import TransportError
 from pdgrpc.kvpoll import KVPoll
 
 if TYPE_CHECKING:  # torch is a runtime dependency, but keep this module cheap to import
     import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BadDescriptor",
@@ -505,6 +508,15 @@ class RoomTable:
     def __init__(self) -> None:
         self._states: dict[int, RoomStatus] = {}
         self._events: dict[int, asyncio.Event] = {}
+        self._listeners: list[Callable[[int], None]] = []
+
+    def add_listener(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(room)`` each time a room turns terminal (SUCCESS or FAILED),
+        synchronously, from inside whatever update made it so (often the transport's own
+        receive path): keep it short and schedule real work, e.g. with ``call_soon``.
+        Cheaper than a task per room in :meth:`wait` when a server follows every room
+        (the decode scheduler: one less task and loop hop between KV landed and commit)."""
+        self._listeners.append(callback)
 
     def __contains__(self, room: int) -> bool:
         return room in self._states
@@ -532,6 +544,11 @@ class RoomTable:
             ev = self._events.get(room)
             if ev is not None:
                 ev.set()
+            for callback in self._listeners:
+                try:
+                    callback(room)
+                except Exception:  # a listener's bug must not break the transport's update
+                    log.exception("room %d: terminal-state listener %r failed", room, callback)
         return True
 
     def fail(self, room: int, reason: str) -> bool:

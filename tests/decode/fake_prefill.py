@@ -129,6 +129,8 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         pages = engine.alloc_pages(engine.pages_needed(len(prompt.input_ids)))
         assert pages is not None, "fake prefill ran out of pages"
         try:
+            if self.owner.send_delay_s:
+                await asyncio.sleep(self.owner.send_delay_s)
             first = engine.prefill_chunk(PrefillRequest(prompt.input_ids, tuple(pages), prompt.sampling), 0, len(prompt.input_ids))
             assert first is not None
             dst = [p + 100 for p in request.dst_pages] if self.owner.mode == "stray" else list(request.dst_pages)
@@ -162,6 +164,7 @@ class FakePrefill:
         self.method = method
         self.compat_hash = compat_hash if compat_hash is not None else compat_hash_bytes(engine)
         self.mode = "ok"
+        self.send_delay_s = 0.0  # seconds between accepting a handshake and computing + writing
         self.prompts: dict[int, Prompt] = {}
         self.generation: dict[int, int] = {}
         self.workers = [FakeWorker(self, r) for r in range(dp_size)]

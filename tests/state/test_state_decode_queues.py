@@ -3,6 +3,8 @@ quarantine and deadlines, driven the way the decode server drives them."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from pdgrpc.state import (
     SendHandshake,
     identity_reduce,
 )
+from pdgrpc.state.decode_queues import _SCALAR_POLL_MAX
 
 DL = DecodeDeadlines(resolve_dp_rank_s=1, allocate_s=2, bootstrap_s=3, waiting_for_input_s=4, transferring_s=5, abort_lease_s=6)
 
@@ -251,25 +254,80 @@ def test_poll_tensor_has_the_same_shape_when_idle() -> None:
         q.finish_poll(torch.zeros(4, 3, dtype=torch.int64), 0.0)
 
 
-def test_one_rank_with_nothing_in_flight_skips_the_tensor_poll_but_a_collective_never_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    q, b = make()
+def test_one_rank_polls_without_the_poll_tensor_but_a_collective_always_builds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, b = make(num_slots=_SCALAR_POLL_MAX + 2, num_pages=64)
     built: list[float] = []
     real = q.prepare_poll
     monkeypatch.setattr(q, "prepare_poll", lambda now, local_poll=None: built.append(now) or real(now, local_poll))
-    assert q.poll_transfers(0.1) == [] and built == []  # one rank, idle: nothing to build
+    assert q.poll_transfers(0.1) == [] and built == []  # one rank, idle
     reduced: list[torch.Tensor] = []
     assert q.poll_transfers(0.2, lambda t: reduced.append(t) or t) == [] and built == [0.2] and len(reduced) == 1
-    hs = admit(q, 42)  # in transfer now: every poll looks, and commits
+    hs = admit(q, 42)
     b.write_row(hs.slot, MetadataRow(7), 42)
     q.on_local_status(42, KVPoll.SUCCESS)
-    assert [type(o) for o in q.poll_transfers(0.3)] == [Committed] and built == [0.2, 0.3]
-    hs = admit(q, 43, now=0.4)
-    q.on_local_status(43, KVPoll.FAILED)
-    assert [type(o) for o in q.poll_transfers(0.5)] == [Aborted] and q.pages.num_quarantined == 2
-    assert q.poll_transfers(0.6) == [] and built[-1] == 0.6  # quarantined: still polled (lease, ack)
-    assert q.on_abort_ack(43)
-    assert q.poll_transfers(0.7) == [] and q.pages.num_quarantined == 0  # the release came from a poll
-    assert q.poll_transfers(0.8) == [] and built[-1] == 0.7  # idle again
+    assert [type(o) for o in q.poll_transfers(0.3)] == [Committed] and built == [0.2]  # slot by slot
+    for room in range(100, 100 + _SCALAR_POLL_MAX + 1):
+        q.add(NewRequest(room, "p:1", 2, dp_rank=0), 0.4)
+    assert len(q.prealloc(0.4)) == _SCALAR_POLL_MAX + 1
+    assert q.poll_transfers(0.5) == [] and built == [0.2, 0.5]  # many in flight: the tensor ops
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_rank_poll_acts_exactly_like_the_tensor_poll(seed: int) -> None:
+    """Two queues get the same random events (admissions, transport reports, metadata
+    rows landing, corrupt rows, cancels, acks, time passing); one is polled slot by slot
+    (poll_transfers with one rank), the other with prepare_poll + finish_poll. Every poll
+    must give the same outcomes and leave the same states, slots and pages."""
+    rng = random.Random(seed)
+    pair = [make(num_slots=6, num_pages=12) for _ in range(2)]
+    next_room, now = 1, 0.0
+    open_rooms: dict[int, int] = {}  # room -> slot, rooms that got a handshake
+    for _ in range(60):
+        now += rng.choice([0.0, 0.01, 0.1, 0.3, 1.5])
+        op = rng.random()
+        if op < 0.2:
+            for _ in range(rng.randint(1, 3)):
+                fake = rng.random() < 0.15
+                for q, _b in pair:
+                    q.add(NewRequest(next_room, "p:1", 1 + next_room % 3, dp_rank=0, fake=fake), now)
+                next_room += 1
+            got = [q.prealloc(now) for q, _b in pair]
+            assert got[0] == got[1]
+            open_rooms.update((hs.room, hs.slot) for hs in got[0])
+        elif op < 0.4 and open_rooms:
+            room = rng.choice(sorted(open_rooms))
+            status = rng.choice([KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING, KVPoll.SUCCESS, KVPoll.FAILED])
+            for q, _b in pair:
+                q.on_local_status(room, status)
+        elif op < 0.5 and open_rooms:
+            room = rng.choice(sorted(open_rooms))
+            landed = room if rng.random() < 0.8 else room + 10_000  # a corrupt row now and then
+            for _q, b in pair:
+                b.write_row(open_rooms[room], MetadataRow(3), landed)
+        elif op < 0.65 and open_rooms:  # a transfer completes: row, then KV success
+            room = rng.choice(sorted(open_rooms))
+            for q, b in pair:
+                b.write_row(open_rooms[room], MetadataRow(5), room)
+                q.on_local_status(room, KVPoll.SUCCESS)
+        elif op < 0.75 and open_rooms:
+            room = rng.choice(sorted(open_rooms))
+            assert pair[0][0].cancel(room, now) == pair[1][0].cancel(room, now)
+        elif op < 0.85 and open_rooms:
+            room = rng.choice(sorted(open_rooms))
+            assert pair[0][0].on_abort_ack(room) == pair[1][0].on_abort_ack(room)
+        one = pair[0][0].poll_transfers(now)
+        other = pair[1][0].finish_poll(pair[1][0].prepare_poll(now), now)
+        assert one == other
+        for o in one:
+            if isinstance(o, Committed):
+                open_rooms.pop(o.room, None)
+                for q, _b in pair:
+                    q.release_pages(o.pages)
+        a, b2 = pair[0][0], pair[1][0]
+        for room in range(1, next_room):
+            assert a.state_of(room) == b2.state_of(room)
+        assert (a.slots.num_free, a.pages.num_free, a.pages.num_quarantined) == (b2.slots.num_free, b2.pages.num_free, b2.pages.num_quarantined)
+        assert pair[0][1].room_column().tolist() == pair[1][1].room_column().tolist()
 
 
 def two_ranks() -> tuple[list[DecodeQueues], list[MetadataBuffers]]:

@@ -140,6 +140,27 @@ async def test_room_wait_is_bounded_and_wakes_on_terminal() -> None:
     assert (await t.wait(1, 10)).state is KVPoll.SUCCESS
 
 
+def test_listeners_hear_each_room_turn_terminal_once_and_a_broken_one_harms_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    t = RoomTable()
+    heard: list[int] = []
+
+    def broken(room: int) -> None:
+        raise RuntimeError("listener bug")
+
+    t.add_listener(broken)
+    t.add_listener(heard.append)
+    for room in (1, 2, 3):
+        t.create(room, KVPoll.WAITING_FOR_INPUT)
+    t.set(1, KVPoll.TRANSFERRING)
+    assert heard == []  # not terminal
+    assert t.set(1, KVPoll.SUCCESS) and heard == [1]
+    assert not t.fail(1, "late") and heard == [1]  # terminal sticks: no second call
+    assert t.fail(2, "peer died") and heard == [1, 2]
+    assert not t.set(4, KVPoll.SUCCESS) and heard == [1, 2]  # untracked
+    assert t.status(2).reason == "peer died"  # the broken listener did not stop the update
+    assert "listener bug" in caplog.text and "room 1" in caplog.text
+
+
 # -- regions and page lists -------------------------------------------------------------
 def test_memory_region_validation() -> None:
     with pytest.raises(ConfigError, match="contiguous"):

@@ -1,0 +1,41 @@
+"""A transfer that lands commits at once: the transport's news wakes the decode, not the
+loop's periodic poll.
+
+An in-process decode server whose loop would otherwise look again only after a minute
+(``idle_poll_s=60``) against the fake prefill, which writes the KV and the metadata row
+a while after it accepted the handshake (so the handshake's own wake-up finds nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from pdgrpc.decode import DecodeScheduler, SchedulerConfig, start_decode_server
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.transport.tcp import TcpTransport
+from pdgrpc.v1 import decode_pb2_grpc
+from tests.decode.fake_prefill import FakePrefill
+from tests.decode.test_deadlines import CFG, wait_idle
+from tests.decode.test_decode_server import collect, make_request
+
+
+async def test_landed_kv_commits_without_waiting_for_the_next_periodic_poll() -> None:
+    server = await start_decode_server(DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, SchedulerConfig(idle_poll_s=60.0)))
+    prefill = await FakePrefill(ReferenceEngine(CFG)).start()
+    try:
+        prefill.send_delay_s = 0.3
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            start = time.monotonic()
+            msgs = await asyncio.wait_for(collect(stub, make_request(prefill, "hello there", 3)), 20)
+            took = time.monotonic() - start
+        assert [len(m.token_ids) for m in msgs] == [1, 1, 1] and msgs[-1].finish_reason == "length"
+        assert msgs[0].bytes_transferred > 0  # the first token came through the transfer
+        assert took < 20  # a minute if only the periodic poll noticed the transfer
+        await wait_idle(server)
+    finally:
+        await prefill.stop()
+        await server.stop(grace=0)
