@@ -65,6 +65,8 @@ class WorkerHandle:
     alive: bool = True
     exit_code: int | None = None
     calls: set = dataclasses.field(default_factory=set)  # in-flight forwarded calls
+    # Set by _watch once it has handled the exit (logged the calls in flight, cancelled them).
+    gone: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def queue_length(self) -> int:
@@ -140,20 +142,22 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 request_event(log, room, "failed", reason=f"registering dp rank: {exc}")
                 code = getattr(exc, "code", C.UNAVAILABLE)
                 await _abort(context, code if isinstance(code, grpc.StatusCode) else C.UNAVAILABLE, f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}")
-        request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register)
-        fwd = prefill_pb2.PrefillRequest()
-        fwd.CopyFrom(request)
-        fwd.routed_dp_rank = d.rank
+        request.routed_dp_rank = d.rank  # ours to change: forwarded as it is, no copy
         timeout = context.time_remaining()
         calls: list[tuple[WorkerHandle, grpc.aio.UnaryUnaryCall]] = []  # type: ignore[type-arg]
         for w in group:
             assert w.stub is not None
-            call = w.stub.Prefill(fwd, timeout=timeout)
+            call = w.stub.Prefill(request, timeout=timeout)
             w.calls.add(call)
             calls.append((w, call))
-        tasks = [asyncio.ensure_future(self._forward(room, w, call)) for w, call in calls]
+        request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register)
+        tasks: list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]] = []
         try:
-            results = await self._gather(calls, tasks)
+            if len(calls) == 1:  # one worker (TP 1): no fan-out to watch, no task per call
+                results = [await self._forward(room, *calls[0])]
+            else:
+                tasks = [asyncio.ensure_future(self._forward(room, w, call)) for w, call in calls]
+                results = await self._gather(calls, tasks)
         except asyncio.CancelledError:
             # The caller went away: let every worker release everything.
             for w, call in calls:
@@ -218,10 +222,11 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             return _Failed(C.UNAVAILABLE, f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})", dead=True)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (C.UNAVAILABLE, C.CANCELLED, C.UNKNOWN) and w.proc.returncode is None:
-                # The connection may break a moment before the process exit is noticed.
+            if exc.code() in (C.UNAVAILABLE, C.CANCELLED, C.UNKNOWN) and not w.gone.is_set():
+                # The connection may break a moment before the exit is noticed: let _watch
+                # handle it first, so its log counts this request among the lost ones.
                 try:
-                    await asyncio.wait_for(asyncio.shield(w.proc.wait()), 1.0)
+                    await asyncio.wait_for(asyncio.shield(w.gone.wait()), 1.0)
                 except asyncio.TimeoutError:
                     pass
             if not w.alive or w.proc.returncode is not None:
@@ -310,14 +315,17 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             pass
         w.exit_code = await w.proc.wait()
         w.alive = False
-        if self.stopping:
-            return
-        log.error(
-            "prefill worker %s (pid %d) exited with code %s; failing its %d in-flight request(s)",
-            w.name, w.proc.pid, w.exit_code, len(w.calls),
-        )
-        for call in list(w.calls):
-            call.cancel()
+        try:
+            if self.stopping:
+                return
+            log.error(
+                "prefill worker %s (pid %d) exited with code %s; failing its %d in-flight request(s)",
+                w.name, w.proc.pid, w.exit_code, len(w.calls),
+            )
+            for call in list(w.calls):
+                call.cancel()
+        finally:
+            w.gone.set()
         if not any(all(x.alive for x in g) for g in self.groups) and self.server is not None:
             # Nothing left to serve: exit non-zero so a supervisor (or the cluster
             # launcher) notices, instead of answering UNAVAILABLE forever.
