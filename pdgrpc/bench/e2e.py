@@ -6,8 +6,9 @@ disaggregated cluster (``servers/1p1d.toml`` by default) per transport. Same eng
 and prefill chunk size everywhere. Then:
 
 * **TTFT**: ``--ttft-requests`` prompts of ``--prompt-tokens`` tokens, one request at a
-  time, each prompt sent to every system in turn (so load from other programs hits all
-  of them alike). TTFT is measured by the client: call start to first streamed message.
+  time, each prompt sent to every system in turn, in a new (seeded) order each time (so
+  load from other programs, and each system's wind-down after a request, hits all of
+  them alike). TTFT is measured by the client: call start to first streamed message.
   p50 and p99 per system; for each transport the overhead vs colocated as a ratio and in
   ms. Target: p50 overhead < 5 ms for 512-token prompts over rdma on loopback.
 * **tokens/s**: ``--throughput-requests`` requests, ``--concurrency`` in flight, each
@@ -68,11 +69,16 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-async def _ttft(stubs: dict[str, GenerateServiceStub], prompts: list[list[int]], warmup: int) -> dict[str, list[Completion]]:
+async def _ttft(stubs: dict[str, GenerateServiceStub], prompts: list[list[int]], warmup: int, rng: random.Random) -> dict[str, list[Completion]]:
     out: dict[str, list[Completion]] = {name: [] for name in stubs}
+    names = list(stubs)
     for i, ids in enumerate(prompts):
-        for name, stub in stubs.items():
-            c = await generate(stub, input_ids=ids, max_new_tokens=2, timeout=60)
+        # A new order for every prompt: a request starts while the system before it still
+        # winds down its last one (logs, the prefill's reply, a decode step), and in a
+        # fixed order one system would always follow the busiest.
+        rng.shuffle(names)
+        for name in names:
+            c = await generate(stubs[name], input_ids=ids, max_new_tokens=2, timeout=60)
             if i >= warmup:
                 out[name].append(c)
     return out
@@ -115,7 +121,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         channels = {n: await stack.enter_async_context(grpc.aio.insecure_channel(c.router_address)) for n, c in systems.items()}
         stubs = {n: GenerateServiceStub(ch) for n, ch in channels.items()}
         print(f"measuring TTFT: {args.ttft_requests} x {args.prompt_tokens}-token prompts per system ...", flush=True)
-        ttft = await _ttft(stubs, ttft_prompts, args.warmup)
+        ttft = await _ttft(stubs, ttft_prompts, args.warmup, rng)
         base_ids = [c.token_ids for c in ttft[BASELINE]]
         for name, done in ttft.items():
             if [c.token_ids for c in done] != base_ids:
