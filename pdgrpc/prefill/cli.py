@@ -42,7 +42,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-write-bytes", type=int, default=1 << 20, metavar="BYTES",
         help="hold completed pages back until this many KV bytes are pending (or the prompt is done), then "
         "write them at once: each write has a fixed cost (messages, waking the decode) that outweighs "
-        "overlapping small pieces with compute. 0 writes after every chunk. Default: %(default)s",
+        "overlapping small pieces with compute (and the compute thread wakes the server only when a write "
+        "is due). 0 writes after every chunk. Default: %(default)s",
     )
     g.add_argument(
         "--handshake-timeout", type=float, default=30.0,
