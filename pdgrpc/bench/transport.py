@@ -55,8 +55,10 @@ What bounds the ratios on a small host (measured on the 2-core CI machine, 32 Mi
 * UCX 1.21 moves every scatter/gather (iov) message between two processes on one host
   as "fragmented copy-in copy-out" through its sysv segments (``UCX_PROTO_INFO=y``
   shows it); only contiguous messages get the one-copy cma path. Both processes copy,
-  in parallel, which is why large contiguous transfers still beat the raw baseline. ``--cases`` picks which cases run
-(head-sliced always brings the contiguous case it is compared with).
+  in parallel, which is why large contiguous transfers still beat the raw baseline.
+
+``--cases`` picks which cases run (head-sliced always brings the contiguous case it is
+compared with).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class DecodeScheduler:
         self._running: list[Job] = []
         self._prefill_locally: list[Job] = []  # fake transfers: compute the prompt's KV here
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._key_room: dict[int, int] = {}  # transport room -> room, until released
+        self._poll_pending = False  # a transport room ended; _transfer_ended is scheduled
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
@@ -217,7 +217,6 @@ class DecodeScheduler:
             self.queues.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)), prefill_tp)
         self.queues.add(NewRequest(room, prefill_address, n_pages, rank, fake=not self.transport.moves_bytes), now)
         self._room_keys[room] = self._keys(room, prefill_tp)
-        self._key_room.update((key, room) for key in self._room_keys[room])
         self._jobs[room] = job
         how = "routed" if routed_dp_rank is not None else ("local rule" if rank is not None else "query bootstrap")
         request_event(
@@ -294,11 +293,7 @@ class DecodeScheduler:
             for hs, prompt_pages in advertised:
                 if prompt_pages is not None:
                     self._send_handshake(hs, prompt_pages)
-        for outcome in outcomes:
-            if isinstance(outcome, Committed):
-                self._on_committed(outcome, now)
-            else:
-                self._on_aborted(outcome)
+        self._act_on(outcomes, now)
         if self._prefill_locally or self._running:
             await self._compute()
             return True
@@ -429,11 +424,14 @@ class DecodeScheduler:
 
     def _on_transport_terminal(self, key: int) -> None:
         """The transport's listener: a transport room landed or failed. Acted on at the
-        next turn of the loop, outside the transport's own receive path."""
-        if key in self._key_room and not self._closing:
+        next turn of the loop, outside the transport's own receive path, once for all
+        the rooms that ended until then (a lost peer fails many at once)."""
+        if not self._poll_pending and not self._closing:
+            self._poll_pending = True
             asyncio.get_running_loop().call_soon(self._transfer_ended)
 
     def _transfer_ended(self) -> None:
+        self._poll_pending = False
         if self._closing:
             return
         if self.tp is None:
@@ -448,7 +446,10 @@ class DecodeScheduler:
         slots in transfer or quarantine, and a job committed here joins ``_running`` for
         the next step."""
         now = time.monotonic()
-        for outcome in self.queues.poll_transfers(now, local_poll=self._local_poll):
+        self._act_on(self.queues.poll_transfers(now, local_poll=self._local_poll), now)
+
+    def _act_on(self, outcomes: list[Any], now: float) -> None:
+        for outcome in outcomes:
             if isinstance(outcome, Committed):
                 self._on_committed(outcome, now)
             else:
@@ -549,7 +550,6 @@ class DecodeScheduler:
 
     def _release_transport(self, room: int) -> None:
         for key in self._room_keys.pop(room, [room]):
-            self._key_room.pop(key, None)
             self.transport.release(key)
 
     def _fail(self, job: Job, status: Failed, reason: AnyAbortReason) -> None:

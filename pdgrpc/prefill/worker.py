@@ -918,24 +918,25 @@ class PrefillWorker:
             loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
 
         min_pages = -(-self.config.min_write_bytes // self._page_nbytes)  # pages worth a write
-        unposted = [0, 0.0]  # complete pages at the last post, compute seconds since it
+        posted_pages, unposted_s = 0, 0.0  # complete pages at the last post, compute seconds since it
 
         def step(start: int) -> None:
+            nonlocal posted_pages, unposted_s
             if entry.closing:  # the request ended (abort, failure, shutdown): stop here
                 return stop()
             end = min(n, start + chunk)
             try:
                 token, secs = self._lead_chunk(entry.room, req, start, end)
             except BaseException as exc:
-                post((end, None, unposted[1], exc))
+                post((end, None, unposted_s, exc))
                 return stop()
-            unposted[1] += secs
+            unposted_s += secs
             if end == n:
                 entry.computed_all = True
             complete = end // self.page_size
-            if end == n or complete - unposted[0] >= min_pages:
-                post((end, token, unposted[1], None))
-                unposted[0], unposted[1] = complete, 0.0
+            if end == n or complete - posted_pages >= min_pages:
+                post((end, token, unposted_s, None))
+                posted_pages, unposted_s = complete, 0.0
             if end == n:
                 return stop()
             try:

@@ -21,10 +21,11 @@ worker that imported it measured ~20% more CPU per prompt, but a later standalon
 (the reference prefill in a thread, with and without the module) showed no difference:
 that spread was most likely glibc malloc's, see :mod:`pdgrpc.engine.malloc`. The C API
 path stays because it loads nothing but UCX itself (no C++ runtime, no second worker
-wrapper to keep in step). A receive's iov entries
-point straight into the destination tensors, so payload lands where it belongs with no
-copy made by pdgrpc (UCX itself moves sub-8 KiB messages through its shared-memory
-eager buffers and zero-copies larger ones with cma).
+wrapper to keep in step).
+
+A receive's iov entries point straight into the destination tensors, so payload lands
+where it belongs with no copy made by pdgrpc (UCX itself moves sub-8 KiB messages
+through its shared-memory eager buffers and zero-copies larger ones with cma).
 
 Progress ("blocking" mode, driven by the loop): one task per worker calls
 ``worker.progress()``, yielding to the loop between rounds, for as long as progress
