@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "bootstrap": "pdgrpc.bench.bootstrap",
     "state": "pdgrpc.bench.state",
     "transport": "pdgrpc.bench.transport",
+    "link": "pdgrpc.bench.link",
     "e2e": "pdgrpc.bench.e2e",
 }
 

@@ -7,7 +7,8 @@
 * Serves ``PrefillService``: picks the dp rank (:mod:`pdgrpc.prefill.dispatch`), registers
   room -> rank with bootstrap when decode must query (batched,
   :mod:`pdgrpc.prefill.registrar`) **before** forwarding, then forwards the request to the
-  worker and relays its answer or its status unchanged. ``GetStats`` sums the workers'.
+  worker over its link (:mod:`pdgrpc.prefill.link`: a socketpair, not gRPC) and relays its
+  answer or its status unchanged. ``GetStats`` sums the workers' (over gRPC).
 * Embeds ``BootstrapService`` on its own port unless ``--bootstrap`` names an external one.
 * A worker that exits is logged with its exit code; the requests it held fail with
   UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
@@ -24,6 +25,7 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 import sys
 from typing import Awaitable, Callable, Mapping, NoReturn, cast
 
@@ -37,6 +39,8 @@ from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, ServerAbortReason, derived_metrics_port, start_metrics_from_args
 from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
+from pdgrpc.prefill.errors import WorkerLinkLost
+from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
 from pdgrpc.prefill.registrar import DpRankRegistrar
 from pdgrpc.prefill.services import PREFILL_SERVICE
 from pdgrpc.prefill.worker_main import READY
@@ -60,17 +64,18 @@ class WorkerHandle:
     proc: asyncio.subprocess.Process
     tp_rank: int = 0
     tp_size: int = 1
+    link: ControllerLink | None = None  # Prefill calls travel here
     address: str = ""
-    stub: prefill_pb2_grpc.PrefillServiceStub | None = None
+    stub: prefill_pb2_grpc.PrefillServiceStub | None = None  # GetStats
     alive: bool = True
     exit_code: int | None = None
-    calls: set = dataclasses.field(default_factory=set)  # in-flight forwarded calls
-    # Set by _watch once it has handled the exit (logged the calls in flight, cancelled them).
+    in_flight: int = 0  # forwarded requests not answered yet
+    # Set by _watch once it has handled the exit (logged the calls in flight, closed the link).
     gone: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def queue_length(self) -> int:
-        return len(self.calls)
+        return self.in_flight
 
     @property
     def name(self) -> str:
@@ -143,31 +148,23 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 code = getattr(exc, "code", C.UNAVAILABLE)
                 await _abort(context, code if isinstance(code, grpc.StatusCode) else C.UNAVAILABLE, f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}")
         request.routed_dp_rank = d.rank  # ours to change: forwarded as it is, no copy
-        timeout = context.time_remaining()
-        calls: list[tuple[WorkerHandle, grpc.aio.UnaryUnaryCall]] = []  # type: ignore[type-arg]
+        # No deadline is forwarded: when ours passes, grpc cancels this handler, and
+        # cancelling a link call cancels the worker's (as does a caller that goes away).
         for w in group:
-            assert w.stub is not None
-            call = w.stub.Prefill(request, timeout=timeout)
-            w.calls.add(call)
-            calls.append((w, call))
+            w.in_flight += 1
         request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register)
         tasks: list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]] = []
         try:
-            if len(calls) == 1:  # one worker (TP 1): no fan-out to watch, no task per call
-                results = [await self._forward(room, *calls[0])]
+            if len(group) == 1:  # one worker (TP 1): no fan-out to watch, no task per call
+                results = [await self._forward(room, group[0], request)]
             else:
-                tasks = [asyncio.ensure_future(self._forward(room, w, call)) for w, call in calls]
-                results = await self._gather(calls, tasks)
-        except asyncio.CancelledError:
-            # The caller went away: let every worker release everything.
-            for w, call in calls:
-                call.cancel()
-            raise
+                tasks = [asyncio.ensure_future(self._forward(room, w, request)) for w in group]
+                results = await self._gather(tasks)
         finally:
             for t in tasks:
                 t.cancel()
-            for w, call in calls:
-                w.calls.discard(call)
+            for w in group:
+                w.in_flight -= 1
         failure = next((r for r in results if isinstance(r, _Failed)), None)
         if failure is not None:
             if failure.dead:
@@ -185,46 +182,30 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             compute_seconds=max(r.compute_seconds for r in resps),
         )
 
-    async def _gather(
-        self, calls: list[tuple[WorkerHandle, "grpc.aio.UnaryUnaryCall"]], tasks: "list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]]"  # type: ignore[type-arg]
-    ) -> "list[prefill_pb2.PrefillResponse | _Failed]":
+    async def _gather(self, tasks: "list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]]") -> "list[prefill_pb2.PrefillResponse | _Failed]":
         """Every worker's answer; on the first failure the other calls are cancelled and
-        the answer is ``[failure]`` (the first non-CANCELLED failure when there is one)."""
-        failure: _Failed | None = None
+        the answer is ``[failure]``."""
         pending = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for t in tasks:
-                if t not in done or t.cancelled():
-                    continue
-                r = t.result()
-                if isinstance(r, _Failed) and (failure is None or (failure.code is C.CANCELLED and r.code is not C.CANCELLED)):
-                    failure = r
-            if failure is not None and pending:
-                for (w, call), t in zip(calls, tasks):
-                    if t in pending:
-                        call.cancel()
-        if failure is not None:
-            return [failure]
+            failure = next((r for t in tasks if t in done and isinstance(r := t.result(), _Failed)), None)
+            if failure is not None:
+                for t in pending:
+                    t.cancel()  # cancels that worker's call
+                return [failure]
         return [t.result() for t in tasks]
 
-    async def _forward(self, room: int, w: WorkerHandle, call: "grpc.aio.UnaryUnaryCall") -> "prefill_pb2.PrefillResponse | _Failed":  # type: ignore[type-arg]
+    async def _forward(self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest) -> "prefill_pb2.PrefillResponse | _Failed":
         """One worker's answer to a forwarded Prefill (a failure as :class:`_Failed`)."""
+        assert w.link is not None
         try:
-            return cast(prefill_pb2.PrefillResponse, await call)
-        except asyncio.CancelledError:
-            if w.alive:
-                # Cancelled by the fan-out (a sibling failed) or the caller went away.
-                if call.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                    return _Failed(C.CANCELLED, f"room {room}: cancelled")
-                raise
-            # _watch cancelled the call because the worker died: that is this request's answer.
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            return _Failed(C.UNAVAILABLE, f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})", dead=True)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (C.UNAVAILABLE, C.CANCELLED, C.UNKNOWN) and not w.gone.is_set():
-                # The connection may break a moment before the exit is noticed: let _watch
-                # handle it first, so its log counts this request among the lost ones.
+            return await w.link.prefill(request)
+        except LinkCallFailed as exc:
+            return _Failed(exc.code, exc.message)
+        except WorkerLinkLost:
+            if not w.gone.is_set():
+                # The socket closes a moment before the exit is noticed: let _watch handle
+                # it first, so its log counts this request among the lost ones.
                 try:
                     await asyncio.wait_for(asyncio.shield(w.gone.wait()), 1.0)
                 except asyncio.TimeoutError:
@@ -232,7 +213,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             if not w.alive or w.proc.returncode is not None:
                 w.exit_code = w.proc.returncode
                 return _Failed(C.UNAVAILABLE, f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})", dead=True)
-            return _Failed(exc.code(), exc.details() or "")
+            return _Failed(C.UNAVAILABLE, f"room {room}: the link to prefill worker {w.name} broke (see the log); it is stopping")
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         total = common_pb2.ResourceStats()
@@ -266,13 +247,23 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                     *self._worker_metrics_argv(1 + rank * tp_size + tp),
                     *common,
                 ]
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                argv += ["--link-fd", str(theirs.fileno())]
                 # Own session: a terminal's Ctrl-C reaches the controller only, which drains its
                 # requests first and then stops the workers in order (they also exit on their own
                 # if the controller dies).
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
-                )
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                        pass_fds=(theirs.fileno(),),
+                    )
+                except BaseException:
+                    ours.close()
+                    raise
+                finally:
+                    theirs.close()
                 w = WorkerHandle(rank, proc, tp, tp_size)
+                w.link = await ControllerLink.open(ours, w.name)
                 group.append(w)
                 self.workers.append(w)
             self.groups.append(group)
@@ -320,11 +311,11 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 return
             log.error(
                 "prefill worker %s (pid %d) exited with code %s; failing its %d in-flight request(s)",
-                w.name, w.proc.pid, w.exit_code, len(w.calls),
+                w.name, w.proc.pid, w.exit_code, w.in_flight,
             )
-            for call in list(w.calls):
-                call.cancel()
         finally:
+            if w.link is not None:
+                w.link.close_socket()  # fails the calls in flight (the exit closed it already)
             w.gone.set()
         if not any(all(x.alive for x in g) for g in self.groups) and self.server is not None:
             # Nothing left to serve: exit non-zero so a supervisor (or the cluster
@@ -347,6 +338,9 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 await w.proc.wait()
         for t in self._watchers:
             t.cancel()
+        for w in self.workers:
+            if w.link is not None:
+                w.link.close_socket()
         await self.pool.close()
 
 

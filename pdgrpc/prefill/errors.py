@@ -17,7 +17,7 @@ from pdgrpc.metrics.catalog import ServerAbortReason
 if TYPE_CHECKING:
     from pdgrpc.metrics.reasons import AnyAbortReason
 
-__all__ = ["RequestFailed"]
+__all__ = ["RequestFailed", "WorkerLinkLost"]
 
 
 class RequestFailed(PdgrpcError):
@@ -29,3 +29,8 @@ class RequestFailed(PdgrpcError):
         self.code = code
         self.message = message
         self.reason = reason
+
+
+class WorkerLinkLost(PdgrpcError):
+    """The controller's link to a worker closed: the worker died (or broke the protocol,
+    and then stops)."""

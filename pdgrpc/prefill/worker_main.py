@@ -2,10 +2,12 @@
 
 ``python -m pdgrpc.prefill.worker_main --dp-rank R --dp-size N --bootstrap ADDR ...``:
 builds the engine and the transport, serves PrefillService (worker level) and
-HandshakeService on its own grpc.aio server, registers with bootstrap (transfer address =
-this server, transport endpoint = the transport descriptor), prints one line
-``PDGRPC_WORKER_READY {json}`` to stdout for the controller, and serves until SIGTERM --
-or until its controller is gone (a worker never outlives the process that started it).
+HandshakeService on its own grpc.aio server, and the controller's Prefill calls on the
+socket its controller passed (``--link-fd``, :mod:`pdgrpc.prefill.link`), registers with
+bootstrap (transfer address = this server, transport endpoint = the transport
+descriptor), prints one line ``PDGRPC_WORKER_READY {json}`` to stdout for the controller,
+and serves until SIGTERM -- or until its controller is gone (a worker never outlives the
+process that started it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 from typing import Awaitable, TypeVar
 
@@ -28,6 +31,7 @@ from pdgrpc.bootstrap.client import BootstrapClient  # noqa: E402
 from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
 from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments  # noqa: E402
+from pdgrpc.prefill.link import WorkerLinkServer  # noqa: E402
 from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WorkerPrefillServicer  # noqa: E402
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
@@ -39,6 +43,8 @@ log = logging.getLogger("pdgrpc.prefill.worker")
 READY = "PDGRPC_WORKER_READY"
 
 T = TypeVar("T")
+
+_GRACE_S = 5.0  # on SIGTERM, how long requests in flight may still run
 
 _LB = {
     "round_robin": bootstrap_pb2.LOAD_BALANCE_METHOD_ROUND_ROBIN,
@@ -61,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, required=True)
     p.add_argument("--force-dp-rank-query", action="store_true")
+    p.add_argument(
+        "--link-fd", type=int, default=None,
+        help="inherited Unix socket on which the controller sends Prefill calls (set by the controller; "
+        "without it the worker is reached over gRPC only)",
+    )
     add_worker_arguments(p)
     # Not in add_worker_arguments: each worker gets its own port from the controller
     # (derived_metrics_port), not the controller's flag passed through.
@@ -171,6 +182,16 @@ async def _main(ns: argparse.Namespace) -> int:
         port=0,
         what=f"pdgrpc prefill worker {name}",
     )
+    link: WorkerLinkServer | None = None
+    if ns.link_fd is not None:
+        # Closed by the controller (it died): stop, as the parent watch would a moment later.
+        link = await WorkerLinkServer.open(socket.socket(fileno=ns.link_fd), name, worker.prefill, on_lost=orphaned.set)
+
+        async def _drain_link() -> None:
+            assert link is not None
+            await link.close(grace=_GRACE_S, cancel=False)
+
+        server.on_stop(_drain_link)
     client = BootstrapClient(ns.bootstrap)
     info = bootstrap_pb2.WorkerInfo(
         dp_rank=ns.dp_rank, tp_rank=ns.tp_rank, pp_rank=0, transfer_address=server.address,
@@ -183,6 +204,8 @@ async def _main(ns: argparse.Namespace) -> int:
         reg = None
     if reg is None:
         watcher.cancel()
+        if link is not None:
+            await link.close()
         await server.stop(0)
         metrics.unbind()
         stop_metrics()
@@ -200,8 +223,10 @@ async def _main(ns: argparse.Namespace) -> int:
     stop_on_broken = asyncio.ensure_future(worker.broken.wait())
     stop_on_broken.add_done_callback(lambda f: None if f.cancelled() else asyncio.ensure_future(server.stop(1.0)))
     try:
-        await serve_until_signal(server, grace=5.0)
+        await serve_until_signal(server, grace=_GRACE_S)
     finally:
+        if link is not None:
+            await link.close()  # calls still running after the grace are cancelled
         watcher.cancel()
         stop_on_orphan.cancel()
         stop_on_broken.cancel()

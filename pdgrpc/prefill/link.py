@@ -1,0 +1,263 @@
+"""The link between the DP controller and one of its workers: Prefill calls over a socketpair.
+
+The controller starts each worker and hands it one end of a Unix ``socketpair`` (``--link-fd``);
+every ``Prefill`` it dispatches travels that socket instead of a gRPC call to the worker's
+server. Why: this hop is private to two processes of one instance, and on it a ``grpc.aio``
+unary round trip costs ~0.3 ms on a 2-core host against ~0.07 ms for the same two protobuf
+messages framed on a Unix socket (``python -m pdgrpc.bench link``). A request crosses it
+before its compute starts, and the reply crosses it while the decode sends the first token.
+The worker still serves ``PrefillService`` over gRPC for anyone who calls it directly, and
+the controller still reads its stats that way.
+
+Frames, both ways: a 13-byte header ``<IBQ`` (payload length in bytes, kind, call id), then
+the payload:
+
+========  ======================  ==================================================
+kind      direction               payload
+========  ======================  ==================================================
+CALL      controller -> worker    ``PrefillRequest``
+CANCEL    controller -> worker    empty: the caller gave up (cancel, deadline); the
+                                  worker cancels the call as a cancelled RPC would
+REPLY     worker -> controller    ``PrefillResponse``
+FAIL      worker -> controller    status code (u8, ``grpc.StatusCode`` value), then
+                                  the status message in UTF-8
+========  ======================  ==================================================
+
+No deadline travels: the controller's own RPC deadline cancels its handler, which sends
+CANCEL. When the socket closes, each side knows the other is gone: the controller fails
+the calls in flight with :class:`~pdgrpc.prefill.errors.WorkerLinkLost` (the worker died),
+the worker cancels every call it runs and stops (its controller died). A frame that breaks
+these rules closes the link, logged, with the same effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from typing import Awaitable, Callable, cast
+
+import grpc
+
+from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
+from pdgrpc.v1 import prefill_pb2
+
+__all__ = ["ControllerLink", "WorkerLinkServer", "LinkCallFailed"]
+
+log = logging.getLogger("pdgrpc.prefill.link")
+
+_HEAD = struct.Struct("<IBQ")
+CALL, CANCEL, REPLY, FAIL = 1, 2, 3, 4
+# Far above any real request (a 1M-token prompt is ~5 MB): a larger length is a broken peer.
+MAX_PAYLOAD = 256 * 1024 * 1024
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class LinkCallFailed(RequestFailed):
+    """The worker answered a call with a status (its ``RequestFailed``, carried over)."""
+
+
+def _frame(kind: int, call_id: int, payload: bytes = b"") -> bytes:
+    return _HEAD.pack(len(payload), kind, call_id) + payload
+
+
+class _Framed(asyncio.Protocol):
+    """Splits the byte stream into frames; a subclass handles each one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos = 0
+        while len(buf) - pos >= _HEAD.size:
+            length, kind, call_id = _HEAD.unpack_from(buf, pos)
+            if length > MAX_PAYLOAD:
+                self._broken(f"frame of {length} bytes (limit {MAX_PAYLOAD})")
+                return
+            end = pos + _HEAD.size + length
+            if len(buf) < end:
+                break
+            payload = bytes(buf[pos + _HEAD.size : end])
+            pos = end
+            try:
+                self._frame(kind, call_id, payload)
+            except Exception as exc:  # a payload that does not parse, an unknown kind
+                self._broken(f"bad frame (kind {kind}, call {call_id}): {exc!r}")
+                return
+        del buf[:pos]
+
+    def _broken(self, why: str) -> None:
+        log.error("%s: closing the link: %s", self.name, why)
+        self._buf.clear()
+        self.close_socket()
+
+    def _send(self, data: bytes) -> None:
+        if self._transport is not None and not self._closed:
+            self._transport.write(data)
+
+    def close_socket(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+
+class ControllerLink(_Framed):
+    """The controller's end: :meth:`prefill` sends a call and waits for its answer."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._calls: dict[int, asyncio.Future[prefill_pb2.PrefillResponse]] = {}
+        self._next_id = 0
+        self.lost = asyncio.Event()  # set once the socket closed (the worker is gone)
+
+    @classmethod
+    async def open(cls, sock: socket.socket, name: str) -> ControllerLink:
+        loop = asyncio.get_running_loop()
+        _, link = await loop.connect_accepted_socket(lambda: cls(name), sock)
+        return link
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    async def prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        """The worker's answer; raises :class:`LinkCallFailed` with the worker's status, or
+        :class:`WorkerLinkLost` if the link closes first. Cancelling the caller cancels the
+        worker's call."""
+        if self._closed:
+            raise WorkerLinkLost(f"the link to prefill worker {self.name} is closed")
+        self._next_id += 1
+        call_id = self._next_id
+        fut: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(_frame(CALL, call_id, request.SerializeToString()))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self._calls.pop(call_id, None) is not None:
+                self._send(_frame(CANCEL, call_id))
+            raise
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
+        if kind not in (REPLY, FAIL):
+            raise ValueError(f"kind {kind} is not one a worker sends")
+        if kind == REPLY:
+            answer: prefill_pb2.PrefillResponse | LinkCallFailed = prefill_pb2.PrefillResponse.FromString(payload)
+        else:
+            code = _CODES.get(payload[0], grpc.StatusCode.UNKNOWN) if payload else grpc.StatusCode.UNKNOWN
+            answer = LinkCallFailed(code, payload[1:].decode(errors="replace"))
+        fut = self._calls.pop(call_id, None)
+        if fut is None or fut.done():
+            return  # an answer to a call the caller already gave up on
+        if isinstance(answer, LinkCallFailed):
+            fut.set_exception(answer)
+        else:
+            fut.set_result(answer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(WorkerLinkLost(f"the link to prefill worker {self.name} closed"))
+        self.lost.set()
+
+
+class WorkerLinkServer(_Framed):
+    """The worker's end: runs each call as a task of ``prefill`` and answers it."""
+
+    def __init__(
+        self,
+        name: str,
+        prefill: Callable[[prefill_pb2.PrefillRequest], Awaitable[prefill_pb2.PrefillResponse]],
+        on_lost: Callable[[], None] = lambda: None,
+    ) -> None:
+        super().__init__(name)
+        self._prefill = prefill
+        self._on_lost = on_lost
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._accepting = True
+
+    @classmethod
+    async def open(
+        cls,
+        sock: socket.socket,
+        name: str,
+        prefill: Callable[[prefill_pb2.PrefillRequest], Awaitable[prefill_pb2.PrefillResponse]],
+        on_lost: Callable[[], None] = lambda: None,
+    ) -> WorkerLinkServer:
+        loop = asyncio.get_running_loop()
+        _, server = await loop.connect_accepted_socket(lambda: cls(name, prefill, on_lost), sock)
+        return server
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def close(self, grace: float = 0.0, cancel: bool = True) -> None:
+        """Answer new calls UNAVAILABLE from now on, let the calls in flight finish for
+        ``grace`` s, then (``cancel``) cancel the rest and close the socket."""
+        self._accepting = False
+        if self._tasks and grace > 0:
+            await asyncio.wait(list(self._tasks.values()), timeout=grace)
+        if not cancel:
+            return
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.close_socket()
+
+    def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
+        if kind == CALL:
+            request = prefill_pb2.PrefillRequest.FromString(payload)
+            if call_id in self._tasks:
+                raise ValueError(f"call id {call_id} is already in flight")
+            if not self._accepting:
+                self._send(_fail(call_id, grpc.StatusCode.UNAVAILABLE, f"room {request.bootstrap_room}: prefill worker {self.name} is stopping"))
+                return
+            self._tasks[call_id] = asyncio.ensure_future(self._serve(call_id, request))
+        elif kind == CANCEL:
+            task = self._tasks.get(call_id)
+            if task is not None:
+                task.cancel()
+        else:
+            raise ValueError(f"kind {kind} is not one a controller sends")
+
+    async def _serve(self, call_id: int, request: prefill_pb2.PrefillRequest) -> None:
+        try:
+            resp = await self._prefill(request)
+            self._send(_frame(REPLY, call_id, resp.SerializeToString()))
+        except RequestFailed as exc:
+            self._send(_fail(call_id, exc.code, exc.message))
+        except asyncio.CancelledError:
+            pass  # the controller cancelled it (or is gone): nobody waits for an answer
+        except Exception as exc:  # prefill maps its own failures; this is a bug, answered anyway
+            log.exception("%s: room=%d: the link call failed", self.name, request.bootstrap_room)
+            self._send(_fail(call_id, grpc.StatusCode.INTERNAL, f"room {request.bootstrap_room}: prefill failed: {exc!r}"))
+        finally:
+            self._tasks.pop(call_id, None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        for task in self._tasks.values():
+            task.cancel()
+        self._on_lost()
+
+
+def _fail(call_id: int, code: grpc.StatusCode, message: str) -> bytes:
+    return _frame(FAIL, call_id, bytes([code.value[0]]) + message.encode())

@@ -1,0 +1,195 @@
+"""The controller <-> worker link (:mod:`pdgrpc.prefill.link`) over a real socketpair.
+
+Both ends run in one loop; the worker's ``prefill`` is a stand-in, so each test controls
+when and how a call ends. What the controller relies on: answers reach the right caller,
+the worker's status arrives unchanged, cancelling a caller cancels the worker's call,
+a closed socket fails every call in flight (and tells the worker to stop), and bytes
+that break the framing close the link instead of being guessed at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
+from pdgrpc.prefill.link import MAX_PAYLOAD, ControllerLink, LinkCallFailed, WorkerLinkServer
+from pdgrpc.v1 import prefill_pb2
+
+
+class _Worker:
+    """``prefill`` that waits until the test releases the room (or fails it)."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, asyncio.Event] = {}
+        self.release: dict[int, asyncio.Future[None]] = {}
+        self.cancelled: list[int] = []
+
+    def _of(self, room: int) -> asyncio.Future[None]:
+        if room not in self.release:
+            self.release[room] = asyncio.get_running_loop().create_future()
+            self.started[room] = asyncio.Event()
+        return self.release[room]
+
+    async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        fut = self._of(req.bootstrap_room)
+        self.started[req.bootstrap_room].set()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.cancelled.append(req.bootstrap_room)
+            raise
+        return prefill_pb2.PrefillResponse(dp_rank=3, prompt_tokens=len(req.input_ids), bytes_transferred=req.bootstrap_room)
+
+    async def wait_started(self, room: int) -> None:
+        self._of(room)
+        await asyncio.wait_for(self.started[room].wait(), 5)
+
+
+async def _pair(worker: _Worker) -> tuple[ControllerLink, WorkerLinkServer, asyncio.Event]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    lost = asyncio.Event()
+    server = await WorkerLinkServer.open(b, "dp0", worker.prefill, on_lost=lost.set)
+    link = await ControllerLink.open(a, "dp0")
+    return link, server, lost
+
+
+def _req(room: int, n: int = 5) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(bootstrap_room=room, input_ids=list(range(n)))
+
+
+async def test_each_answer_reaches_its_own_caller() -> None:
+    w = _Worker()
+    link, server, _ = await _pair(w)
+    calls = {room: asyncio.ensure_future(link.prefill(_req(room, room))) for room in (11, 12, 13)}
+    for room in calls:
+        await w.wait_started(room)
+    assert link.in_flight == 3 and server.in_flight == 3
+    for room in (13, 11, 12):  # answered out of order
+        w.release[room].set_result(None)
+        resp = await asyncio.wait_for(calls[room], 5)
+        assert (resp.bytes_transferred, resp.prompt_tokens, resp.dp_rank) == (room, room, 3)
+    assert link.in_flight == 0 and server.in_flight == 0
+    link.close_socket()
+
+
+async def test_the_workers_status_arrives_unchanged() -> None:
+    w = _Worker()
+    link, server, _ = await _pair(w)
+    call = asyncio.ensure_future(link.prefill(_req(21)))
+    await w.wait_started(21)
+    w.release[21].set_exception(RequestFailed(grpc.StatusCode.FAILED_PRECONDITION, "room 21: pages gone — ünïcode kept"))
+    with pytest.raises(LinkCallFailed) as ei:
+        await asyncio.wait_for(call, 5)
+    assert ei.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert ei.value.message == "room 21: pages gone — ünïcode kept"
+    # A bug in the worker is an INTERNAL answer, and the link keeps serving.
+    call = asyncio.ensure_future(link.prefill(_req(22)))
+    await w.wait_started(22)
+    w.release[22].set_exception(ZeroDivisionError("oops"))
+    with pytest.raises(LinkCallFailed) as ei:
+        await asyncio.wait_for(call, 5)
+    assert ei.value.code is grpc.StatusCode.INTERNAL and "ZeroDivisionError" in ei.value.message
+    call = asyncio.ensure_future(link.prefill(_req(23)))
+    await w.wait_started(23)
+    w.release[23].set_result(None)
+    assert (await asyncio.wait_for(call, 5)).bytes_transferred == 23
+    link.close_socket()
+
+
+async def test_cancelling_the_caller_cancels_the_workers_call_only() -> None:
+    w = _Worker()
+    link, server, lost = await _pair(w)
+    doomed = asyncio.ensure_future(link.prefill(_req(31)))
+    other = asyncio.ensure_future(link.prefill(_req(32)))
+    await w.wait_started(31)
+    await w.wait_started(32)
+    doomed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    for _ in range(100):
+        if w.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert w.cancelled == [31]
+    assert server.in_flight == 1 and not lost.is_set()
+    w.release[32].set_result(None)
+    assert (await asyncio.wait_for(other, 5)).bytes_transferred == 32
+    link.close_socket()
+
+
+async def test_a_closed_link_fails_every_call_and_stops_the_worker() -> None:
+    w = _Worker()
+    link, server, lost = await _pair(w)
+    calls = [asyncio.ensure_future(link.prefill(_req(room))) for room in (41, 42)]
+    for room in (41, 42):
+        await w.wait_started(room)
+    server.close_socket()  # what the worker's exit does to the controller's end
+    for call in calls:
+        with pytest.raises(WorkerLinkLost, match="dp0"):
+            await asyncio.wait_for(call, 5)
+    assert link.lost.is_set() and link.in_flight == 0
+    with pytest.raises(WorkerLinkLost, match="closed"):
+        await link.prefill(_req(43))
+    # The worker side: its calls were cancelled, and it was told to stop.
+    await asyncio.wait_for(lost.wait(), 5)
+    await asyncio.sleep(0)
+    assert sorted(w.cancelled) == [41, 42] and server.in_flight == 0
+
+
+async def test_the_controller_going_away_cancels_the_workers_calls() -> None:
+    w = _Worker()
+    link, server, lost = await _pair(w)
+    asyncio.ensure_future(link.prefill(_req(51)))
+    await w.wait_started(51)
+    link.close_socket()
+    await asyncio.wait_for(lost.wait(), 5)
+    for _ in range(100):
+        if w.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert w.cancelled == [51]
+
+
+async def test_a_stopping_worker_lets_calls_finish_and_refuses_new_ones() -> None:
+    w = _Worker()
+    link, server, _ = await _pair(w)
+    running = asyncio.ensure_future(link.prefill(_req(61)))
+    await w.wait_started(61)
+    draining = asyncio.ensure_future(server.close(grace=5.0, cancel=False))
+    with pytest.raises(LinkCallFailed) as ei:
+        await asyncio.wait_for(link.prefill(_req(62)), 5)
+    assert ei.value.code is grpc.StatusCode.UNAVAILABLE and "room 62" in ei.value.message and "stopping" in ei.value.message
+    w.release[61].set_result(None)
+    assert (await asyncio.wait_for(running, 5)).bytes_transferred == 61
+    await asyncio.wait_for(draining, 5)
+    # After the grace: what still runs is cancelled and the socket closes.
+    late = asyncio.ensure_future(link.prefill(_req(63)))
+    with pytest.raises(LinkCallFailed):
+        await asyncio.wait_for(late, 5)
+    await server.close(grace=0.0)
+    await asyncio.wait_for(link.lost.wait(), 5)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        (MAX_PAYLOAD + 1).to_bytes(4, "little") + bytes([3]) + (1).to_bytes(8, "little"),  # absurd length
+        (4).to_bytes(4, "little") + bytes([9]) + (1).to_bytes(8, "little") + b"abcd",  # unknown kind
+        (3).to_bytes(4, "little") + bytes([3]) + (1).to_bytes(8, "little") + b"\xff\xff\xff",  # REPLY that is not a message
+    ],
+    ids=["oversized", "unknown-kind", "unparsable"],
+)
+async def test_a_frame_that_breaks_the_protocol_closes_the_link(garbage: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = await ControllerLink.open(a, "dp7")
+    call = asyncio.ensure_future(link.prefill(_req(71)))
+    await asyncio.sleep(0.01)
+    b.sendall(garbage)
+    with pytest.raises(WorkerLinkLost):
+        await asyncio.wait_for(call, 5)
+    assert "dp7: closing the link" in caplog.text
+    b.close()
