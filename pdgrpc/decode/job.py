@@ -53,6 +53,9 @@ class SchedulerConfig:
     query_interval_s: float = 0.05  # at most one QueryDpRanks per prefill per interval
     rpc_timeout_s: float = 5.0  # bootstrap calls and AbortRoom
     idle_poll_s: float = 0.02  # loop period while requests wait (deadlines, dp queries)
+    # How long a decode step that serves only requests whose first token the Decode stream
+    # is still sending waits for those sends (see DecodeScheduler._compute). 0: never.
+    first_token_wait_s: float = 0.002
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,6 +89,8 @@ class Job:
     generated: int = 0
     cancelled: bool = False
     finished: bool = False  # the last message (tokens with finish_reason, or Failed) is queued
+    # Set by the Decode stream once its first message is sent (or the stream ended).
+    first_sent: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def position(self) -> int:

@@ -64,9 +64,12 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
                     transfer_seconds=item.transfer_seconds,
                     top_logprobs=[common_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in item.top],
                 )
+                # grpc resumes the generator once the message is written to the connection.
+                job.first_sent.set()
                 if item.finish_reason:
                     return
         finally:
+            job.first_sent.set()  # nobody waits for a stream that ended
             if not job.finished:  # the client cancelled (or the stream broke): abort it
                 self.scheduler.cancel(job.room, "client cancelled the Decode call")
 

@@ -152,7 +152,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         # cancelling a link call cancels the worker's (as does a caller that goes away).
         for w in group:
             w.in_flight += 1
-        request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register)
+        request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register, defer=True)
         tasks: list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]] = []
         try:
             if len(group) == 1:  # one worker (TP 1): no fan-out to watch, no task per call

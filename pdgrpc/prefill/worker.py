@@ -501,9 +501,10 @@ class PrefillWorker:
         assert task is not None
         entry = _Active(room, task)
         self._active[room] = entry
+        # Deferred: written once _run has handed the first chunk to the compute thread.
         request_event(
             log, room, "admitted", request_id=req.request_id or "-", tokens=len(ids), dp_rank=self.config.dp_rank,
-            **({"tp_rank": self.tp_rank} if self.tp_size > 1 else {}),
+            defer=True, **({"tp_rank": self.tp_rank} if self.tp_size > 1 else {}),
         )
         try:
             resp = await self._run(entry, ids, sampling)

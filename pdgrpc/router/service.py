@@ -190,12 +190,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, remaining)
-        request_event(
-            log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids),
-            max_new_tokens=sampling.max_new_tokens, prefill=prefill.address, decode=decode,
-            routed_dp_rank="-" if routed is None else routed,
-        )
-
         prefill_req = prefill_pb2.PrefillRequest(
             bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling
         )
@@ -212,6 +206,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # Both at once: the decode's handshake overlaps the prefill's compute.
         prefill_call = prefill_stub.Prefill(prefill_req, timeout=timeout)
         decode_call = decode_stub.Decode(decode_req, timeout=timeout)
+        # Deferred: both calls' sends are queued on the loop and go out before this line.
+        request_event(
+            log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids),
+            max_new_tokens=sampling.max_new_tokens, prefill=prefill.address, decode=decode,
+            routed_dp_rank="-" if routed is None else routed, defer=True,
+        )
         prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
         self.active += 1
         outcome = "cancelled by client"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 import pytest
@@ -82,6 +83,31 @@ def test_request_event_line_starts_with_room(caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.INFO):
         request_event(logging.getLogger("t"), 42, "failed", reason="handshake timed out")
     assert caplog.records[-1].getMessage() == "room=42 failed reason='handshake timed out'"
+
+
+async def test_deferred_request_events_wait_for_queued_work_and_keep_their_order(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("t")
+    seen: list[str] = []
+    with caplog.at_level(logging.INFO):
+        asyncio.get_running_loop().call_soon(lambda: seen.append(f"send ran; lines so far: {len(caplog.records)}"))
+        request_event(log, 1, "admitted", defer=True)
+        request_event(log, 1, "dispatched", rank=0, defer=True)
+        assert caplog.records == []  # nothing written yet
+        await asyncio.sleep(0)
+        assert seen == ["send ran; lines so far: 0"]  # the work queued first ran first
+        assert [r.getMessage() for r in caplog.records] == ["room=1 admitted", "room=1 dispatched rank=0"]
+        # A line logged at once first writes the deferred ones: a process's lines keep their order.
+        request_event(log, 2, "admitted", defer=True)
+        request_event(log, 2, "failed", reason="too long")
+        assert [r.getMessage() for r in caplog.records][2:] == ["room=2 admitted", "room=2 failed reason='too long'"]
+        await asyncio.sleep(0)
+        assert len(caplog.records) == 4  # not written twice
+
+
+def test_a_deferred_request_event_without_a_loop_is_written_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        request_event(logging.getLogger("t"), 3, "admitted", defer=True)
+    assert [r.getMessage() for r in caplog.records] == ["room=3 admitted"]
 
 
 def test_metadata_row_holds_the_most_top_logprobs_a_request_may_ask_for() -> None:
