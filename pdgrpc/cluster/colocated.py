@@ -36,6 +36,7 @@ from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.logs import setup_logging
+from pdgrpc.serving.threads import lower_thread_priority
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("pdgrpc.colocated")
@@ -55,13 +56,15 @@ class _Job:
 
 
 class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: ReferenceEngine, chunk_tokens: int) -> None:
+    def __init__(self, engine: ReferenceEngine, chunk_tokens: int, compute_nice: int = 0) -> None:
         self.engine = engine
         self.chunk_tokens = chunk_tokens
         self._pending: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
         self._wake = asyncio.Event()
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="engine", initializer=lower_thread_priority, initargs=(compute_nice,)
+        )
         self._task = asyncio.ensure_future(self._loop())
 
     async def close(self) -> None:
@@ -179,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(ns: argparse.Namespace) -> int:
-    server_impl = ColocatedServer(ReferenceEngine(engine_config_from_args(ns)), ns.chunk_size)
+    server_impl = ColocatedServer(ReferenceEngine(engine_config_from_args(ns)), ns.chunk_size, ns.compute_nice)
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))],

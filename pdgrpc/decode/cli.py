@@ -94,6 +94,7 @@ def scheduler_config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         ),
         query_interval_s=ns.dp_rank_query_interval,
         rpc_timeout_s=ns.rpc_timeout,
+        compute_nice=ns.compute_nice,
     )
 
 

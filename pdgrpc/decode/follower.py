@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import ctypes
 import logging
 import signal
@@ -46,6 +47,7 @@ from pdgrpc.serving import (  # noqa: E402
     setup_logging,
     tune_malloc_from_args,
 )
+from pdgrpc.serving.threads import lower_thread_priority  # noqa: E402
 from pdgrpc.serving.tp import senders_of, transfer_room  # noqa: E402
 from pdgrpc.state import Aborted, Committed, MetadataBuffers, SendHandshake  # noqa: E402
 from pdgrpc.transport.base import RoomGrant, UnknownRoom  # noqa: E402
@@ -70,6 +72,10 @@ class Follower:
         self.info: dict[int, tuple[int, int]] = {}  # room -> (prompt pages, prefill tp size)
         self.keys: dict[int, list[int]] = {}  # room -> this rank's transport rooms
         self.committed: list[int] = []  # rooms in commit order (the TP fault test reads the log)
+        # The engine's steps, niced as rank 0's (the group computes in lock step).
+        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="decode-compute", initializer=lower_thread_priority, initargs=(config.compute_nice,)
+        )
 
     def stats(self) -> dict[str, int]:
         return queue_stats(self.queues, self.queues.num_requests, len(self.transport.rooms))
@@ -143,9 +149,9 @@ class Follower:
                 entries, now = arg
                 self.sync(entries, now)
             elif kind == "step":
-                await asyncio.to_thread(self.engine.decode_step, arg)
+                await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.decode_step, arg)
             elif kind == "prefill":
-                await asyncio.to_thread(prefill_locally, self.engine, arg)
+                await asyncio.get_running_loop().run_in_executor(self._engine_thread, prefill_locally, self.engine, arg)
             elif kind == "stop":
                 log.info("decode TP rank %d: stop from rank 0", self.rank)
                 return 0

@@ -56,6 +56,7 @@ class SchedulerConfig:
     # How long a decode step that serves only requests whose first token the Decode stream
     # is still sending waits for those sends (see DecodeScheduler._compute). 0: never.
     first_token_wait_s: float = 0.002
+    compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
 
 
 @dataclasses.dataclass(eq=False)

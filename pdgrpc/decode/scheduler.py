@@ -28,6 +28,7 @@ the prefill acknowledged the abort (or the lease ran out), which the queues deci
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable
@@ -46,6 +47,7 @@ from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
+from pdgrpc.serving.threads import lower_thread_priority
 from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, DpConfig, MetadataBuffers
 from pdgrpc.state import NewRequest, QueryDpRanks, SendHandshake, resolve_locally
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, senders_of, transfer_room
@@ -110,6 +112,10 @@ class DecodeScheduler:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
+        # Every engine call runs here, one at a time (the engine is not thread-safe).
+        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="decode-compute", initializer=lower_thread_priority, initargs=(config.compute_nice,)
+        )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in (*engine.kv_buffers().k, *engine.kv_buffers().v))
 
     # -- life cycle ---------------------------------------------------------------------
@@ -122,6 +128,7 @@ class DecodeScheduler:
         if self.tp is not None:  # every rank's descriptor, for the handshakes sent on its behalf
             self.handshaker.descriptors = tuple(await asyncio.to_thread(self.tp.all_gather, self.descriptor))
         self.transport.rooms.add_listener(self._on_transport_terminal)
+        self._engine_thread.submit(lambda: None)  # the compute thread starts (and is reniced) now
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
 
     async def close(self, abort_wait_s: float = 1.0) -> None:
@@ -151,6 +158,7 @@ class DecodeScheduler:
                 await asyncio.wait_for(asyncio.to_thread(self.tp.broadcast, ("stop", None)), 10.0)
             except (TpGroupBroken, asyncio.TimeoutError) as exc:
                 log.warning("could not tell the other TP ranks to stop: %s", exc)
+        self._engine_thread.shutdown(wait=False)  # a step still running (TP group stuck) must not block the exit
         await self.transport.close()
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
@@ -648,7 +656,7 @@ class DecodeScheduler:
     async def _in_step_thread(self, fn: Any, arg: Any) -> Any:
         """Run a compute step in a worker thread; None when the TP group broke."""
         try:
-            return await asyncio.to_thread(fn, arg)
+            return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, arg)
         except TpGroupBroken as exc:
             self.rank_lost(str(exc))
             return None

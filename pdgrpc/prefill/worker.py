@@ -48,6 +48,7 @@ from pdgrpc.metrics import PrefillMetrics, ServerAbortReason
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, row_from_token, sampling_from_proto
+from pdgrpc.serving.threads import lower_thread_priority
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, heads_of, receivers_of, senders_of, transfer_room
 from pdgrpc.state.config import SenderDeadlines
 from pdgrpc.state.outcomes import AbortReason
@@ -92,6 +93,7 @@ class WorkerConfig:
     drain_timeout_s: float = 5.0  # a failed room's queued sends, before its pages are freed
     early_handshakes: int = 4096  # handshakes kept before their Prefill RPC (count)
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
+    compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -227,7 +229,8 @@ class PrefillWorker:
         # overhead +1.5-3 ms. What helped is waking the loop less (see _start_compute):
         # the thread's chunks then take what colocated ones do, but for the first.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"prefill{config.dp_rank}.{config.tp_rank}-compute"
+            1, thread_name_prefix=f"prefill{config.dp_rank}.{config.tp_rank}-compute",
+            initializer=lower_thread_priority, initargs=(config.compute_nice,),
         )
         self.completed = 0  # requests finished successfully (count)
         self.failed = 0
@@ -262,6 +265,7 @@ class PrefillWorker:
         # controller sees the dp rank is gone, instead of a worker that only refuses work.
         self.broken = asyncio.Event()
         self.descriptor = await self.transport.register(self._regions)
+        self._executor.submit(lambda: None)  # the compute thread starts (and is reniced) now
         if self.tp_size > 1 and not self.leader:
             self._follower = threading.Thread(
                 target=self._follow, name=f"prefill{self.config.dp_rank}.{self.tp_rank}-follow", daemon=True
@@ -640,6 +644,7 @@ class PrefillWorker:
         import torch.distributed as dist
 
         cfg = self.config
+        lower_thread_priority(cfg.compute_nice)  # as the leader's: the group computes in lock step
         while True:
             box: list[Any] = [None]
             try:

@@ -157,6 +157,7 @@ async def _main(ns: argparse.Namespace) -> int:
             handshake_timeout_s=ns.handshake_timeout,
             transfer_timeout_s=ns.transfer_timeout,
             page_wait_s=ns.page_wait_timeout,
+            compute_nice=ns.compute_nice,
         ),
         metrics=metrics,
     )

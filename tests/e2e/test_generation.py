@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -124,6 +126,43 @@ async def test_outputs_equal_colocated_generation(cluster, router, before):
         assert after.delta(before, "pdgrpc_dp_rank_registrations_total", role, outcome="error") == 0, role
     if registers:
         assert after.total("pdgrpc_dp_rank_queries_total", "decode", outcome="ok") > before.total("pdgrpc_dp_rank_queries_total", "decode", outcome="ok")
+
+
+def _thread_nices(pid: int) -> list[int]:
+    """The nice value of every thread of ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    out = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            out.append(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that ended meanwhile
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"\nPPid:\t{pid}\n" in status.read_text():
+                kids.append(int(status.parent.name))
+        except OSError:
+            pass
+    return kids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--compute-nice sets per-thread nice values on Linux only")
+async def test_engine_compute_threads_yield_to_the_serving_threads(cluster, router):
+    # Every engine process has its compute thread at the default --compute-nice (10) and
+    # everything else (loop, gRPC) at the process's own 0, before and after requests.
+    await generate(router, input_ids=[256, 72, 105], max_new_tokens=2, timeout=60)
+    engines = [p.pid for p in cluster.procs.values() if p.spec.role == "decode"]
+    for p in cluster.procs.values():
+        if p.spec.role == "prefill":
+            engines += _children(p.pid)  # the DP workers (the controller computes nothing)
+    assert engines
+    for pid in engines:
+        nices = _thread_nices(pid)
+        assert 10 in nices and nices.count(0) >= 1 and set(nices) <= {0, 10}, (pid, nices)
 
 
 async def expect_error(router, **kwargs) -> grpc.aio.AioRpcError:

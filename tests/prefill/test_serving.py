@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import logging
 
 import pytest
@@ -123,3 +124,29 @@ def test_metadata_row_holds_the_most_top_logprobs_a_request_may_ask_for() -> Non
     row = bufs.read_row(1)
     assert (row.output_id, row.output_token_logprob_value, row.top_logprobs_indices, row.top_logprobs_values) == (7, -0.25, ids, vals)
     assert bufs.room(1) == 99 and bufs.room(0) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux only")
+def test_lower_thread_priority_renices_only_the_calling_thread() -> None:
+    import os
+    import threading
+
+    from pdgrpc.serving.threads import lower_thread_priority
+
+    def nice_of(tid: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+
+    me = threading.get_native_id()
+    before = nice_of(me)
+    seen: dict[str, int] = {}
+
+    def run(n: int, key: str) -> None:
+        lower_thread_priority(n)
+        seen[key] = nice_of(threading.get_native_id())
+
+    for n, key in ((7, "seven"), (0, "zero"), (40, "capped")):
+        t = threading.Thread(target=run, args=(n, key))
+        t.start()
+        t.join()
+    assert seen == {"seven": before + 7, "zero": before, "capped": 19}
+    assert nice_of(me) == before  # the caller's thread (the loop's, in a server) is untouched
