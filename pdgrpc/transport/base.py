@@ -130,6 +130,7 @@ __all__ = [
     "Transport",
     "UnknownRoom",
     "WriteOp",
+    "after_reactions",
     "WriteOps",
     "check_source_ops",
 ]
@@ -498,6 +499,21 @@ class Peer:
 class RoomStatus:
     state: KVPoll
     reason: str | None = None  # set when state is FAILED
+
+
+def after_reactions(callback: Callable[..., object], *args: object) -> None:
+    """Run ``callback(*args)`` on the running loop once the reactions to a room that just
+    turned terminal have run: a listener (:meth:`RoomTable.add_listener`) schedules its
+    reaction for the loop's next turn, and what that reaction wakes (a task awaiting it)
+    runs on the turn after; ``callback`` runs after both.
+
+    For a receiver's ACK: it wakes the sender, whose reply to its own caller reaches the
+    same client as the receiver's first token, on a small host at the same moment and
+    competing for the same cores; the token is what the client waits for. Measured (2
+    cores, 1p1d over rdma, 512-token prompts, side by side): ACK at once or one turn
+    later, TTFT overhead 5.60 / 5.50 ms; after the reactions, 5.06 ms."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(loop.call_soon, callback, *args)
 
 
 class RoomTable:

@@ -97,6 +97,7 @@ from pdgrpc.transport._ucx import (
 )
 from pdgrpc.transport.base import (
     BadDescriptor,
+    after_reactions,
     Descriptor,
     MemoryRegion,
     Peer,
@@ -851,8 +852,12 @@ class RdmaTransport(Transport):
         region.flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
         rr.meta = None
         self.rooms.set(room, KVPoll.SUCCESS)
+        if conn_id in self._recv_conns:
+            after_reactions(self._ack, conn_id, room)  # the receiver's commit goes first
+
+    def _ack(self, conn_id: int, room: int) -> None:
         conn = self._recv_conns.get(conn_id)
-        if conn is not None:
+        if conn is not None:  # not lost meanwhile (its endpoint would be gone)
             self._reply(conn, ACK, ROOM_BODY.pack(room))
 
     async def drain(self, room: int, timeout: float) -> bool:

@@ -51,6 +51,7 @@ from pdgrpc.errors import ConfigError, PeerFailure, TransportError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport.base import (
     BadDescriptor,
+    after_reactions,
     Descriptor,
     MemoryRegion,
     Peer,
@@ -691,7 +692,7 @@ class TcpTransport(Transport):
             view, staged, conn = rr.meta
             view[:] = staged
             if self.rooms.set(room, KVPoll.SUCCESS):
-                conn.send([HEADER.pack(ACK, 0, room, 0, 0)])
+                after_reactions(conn.send, [HEADER.pack(ACK, 0, room, 0, 0)])  # the receiver's commit goes first
 
     # -- sender ------------------------------------------------------------------------
     async def write(

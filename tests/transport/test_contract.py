@@ -21,6 +21,7 @@ from pdgrpc.transport.base import (
     UnknownRoom,
     WriteOp,
     WriteOps,
+    after_reactions,
 )
 from pdgrpc.transport.pages import (
     METADATA_REGION_ID,
@@ -159,6 +160,36 @@ def test_listeners_hear_each_room_turn_terminal_once_and_a_broken_one_harms_noth
     assert not t.set(4, KVPoll.SUCCESS) and heard == [1, 2]  # untracked
     assert t.status(2).reason == "peer died"  # the broken listener did not stop the update
     assert "listener bug" in caplog.text and "room 1" in caplog.text
+
+
+async def test_after_reactions_runs_after_what_a_listener_scheduled_and_what_that_woke() -> None:
+    # The decode's shape: a listener schedules a poll, the poll commits and wakes the task
+    # that sends the first token; a receiver's ACK (after_reactions) must come after both.
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    t = RoomTable()
+    order: list[str] = []
+    first_token: asyncio.Future[None] = loop.create_future()
+
+    async def stream() -> None:
+        await first_token
+        order.append("token sent")
+
+    def poll() -> None:
+        order.append("committed")
+        first_token.set_result(None)
+
+    task = asyncio.ensure_future(stream())
+    await asyncio.sleep(0)  # the stream waits for its token
+    t.add_listener(lambda room: loop.call_soon(poll))
+    t.create(7, KVPoll.TRANSFERRING)
+    t.set(7, KVPoll.SUCCESS)
+    after_reactions(order.append, "ack")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    await task
+    assert order == ["committed", "token sent", "ack"]
 
 
 # -- regions and page lists -------------------------------------------------------------
