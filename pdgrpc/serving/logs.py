@@ -51,9 +51,12 @@ def _fmt(v: Any) -> str:
 # Lines deferred by request_event(defer=True), oldest first: written on the loop's next
 # turn, or before any line logged sooner, so a process's lines keep their order.
 _deferred: collections.deque[tuple[logging.Logger, int, str, int, dict[str, Any]]] = collections.deque()
+_flush_on: asyncio.AbstractEventLoop | None = None  # the loop a _write_deferred is queued on
 
 
 def _write_deferred() -> None:
+    global _flush_on
+    _flush_on = None
     while _deferred:
         logger, room, what, level, fields = _deferred.popleft()
         _write(logger, room, what, level, fields)
@@ -82,7 +85,9 @@ def request_event(logger: logging.Logger, room: int, what: str, *, level: int = 
         except RuntimeError:  # no loop in this thread: nothing to let go first
             loop = None
         if loop is not None:
-            if not _deferred:
+            global _flush_on
+            if _flush_on is not loop:  # (a loop that closed with lines queued never wrote them)
+                _flush_on = loop
                 loop.call_soon(_write_deferred)
             _deferred.append((logger, room, what, level, fields))
             return

@@ -41,7 +41,9 @@ Who calls which hook, and when
     both sides. Sender: ``TRANSFERRING`` after the first ``write``, ``SUCCESS`` once the
     receiver acknowledged the metadata row. Receiver: ``WAITING_FOR_INPUT`` after
     ``advertise``, ``TRANSFERRING`` once bytes arrive, ``SUCCESS`` once the metadata row
-    landed (after all pages). Either side: ``FAILED`` with ``status(room).reason``. A room
+    landed (after all pages); its acknowledgement to the sender goes out after the
+    reactions that landing set off (:func:`after_reactions`), so the receiver's own
+    reply to its client goes first. Either side: ``FAILED`` with ``status(room).reason``. A room
     only moves forward, ``FAILED`` always wins, terminal states stick. Polling a room the
     transport does not know raises :class:`UnknownRoom`. :meth:`Transport.wait` is an
     awaitable convenience over the same table.
