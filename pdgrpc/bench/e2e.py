@@ -10,7 +10,10 @@ and prefill chunk size everywhere. Then:
   load from other programs, and each system's wind-down after a request, hits all of
   them alike). TTFT is measured by the client: call start to first streamed message.
   p50 and p99 per system; for each transport the overhead vs colocated as a ratio and in
-  ms. Target: p50 overhead < 5 ms for 512-token prompts over rdma on loopback.
+  ms (the difference of the p50s), and the median of the per-prompt differences
+  (``ttft_overhead_paired_p50``: each prompt's disaggregated TTFT minus its colocated one,
+  measured moments apart, so a host whose speed drifts during the run moves both).
+  Target: p50 overhead < 5 ms for 512-token prompts over rdma on loopback.
 * **tokens/s**: ``--throughput-requests`` requests, ``--concurrency`` in flight, each
   generating exactly ``--max-new-tokens`` tokens; generated tokens / wall time.
 
@@ -157,6 +160,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"{case_ttft}/{name}", "ttft_p99", p99, "ms", base_p99, p99 / base_p99),
             Result(f"{case_ttft}/{name}", "ttft_p50_overhead", p50 - base_p50, "ms"),
             Result(f"{case_ttft}/{name}", "ttft_p99_overhead", p99 - base_p99, "ms"),
+            Result(
+                f"{case_ttft}/{name}", "ttft_overhead_paired_p50",
+                statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, ttft[BASELINE])) * 1e3, "ms",
+            ),
             # Client TTFT minus the router's own (arrival -> first token): what the extra
             # hop through the router costs, as opposed to prefill compute and KV transfer.
             Result(f"{case_ttft}/{name}", "router_hop_p50", _pct([c.client_ttft_seconds - c.ttft_seconds for c in done], 0.5) * 1e3, "ms"),
