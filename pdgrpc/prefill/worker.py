@@ -456,7 +456,8 @@ class PrefillWorker:
         vocab = self.engine.tokenizer.vocab_size
         try:
             sampling = sampling_from_proto(req.sampling)
-            bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
+            # max() first: a Python loop over every id costs ~0.1 ms right on the request's path.
+            bad = next((i for i, t in enumerate(ids) if t >= vocab), None) if ids and max(ids) >= vocab else None
             if bad is not None:
                 raise EngineError(f"input_ids[{bad}] = {ids[bad]} is not a token id in [0, {vocab})")
             self.engine.validate_request(ids, max(1, req.sampling.max_new_tokens))

@@ -152,7 +152,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def _input_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         if request.input_ids:
-            bad = next((i for i, t in enumerate(request.input_ids) if t >= VOCAB_SIZE), None)
+            ids = request.input_ids
+            # max() first: a Python loop over every id costs ~0.1 ms right on the request's path.
+            bad = next((i for i, t in enumerate(ids) if t >= VOCAB_SIZE), None) if max(ids) >= VOCAB_SIZE else None
             if bad is not None:
                 raise _Failure(
                     grpc.StatusCode.INVALID_ARGUMENT,
