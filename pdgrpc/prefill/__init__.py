@@ -7,5 +7,7 @@
 * :mod:`~pdgrpc.prefill.worker` -- one worker's request driver over the pure
   :class:`~pdgrpc.state.prefill_sender.PrefillSender`; :mod:`~pdgrpc.prefill.services`
   its gRPC servicers; :mod:`~pdgrpc.prefill.worker_main` the worker process.
+* :mod:`~pdgrpc.prefill.link` -- how the controller sends Prefill calls to its workers
+  (framed protobuf over a socketpair; process-private, not gRPC).
 * :mod:`~pdgrpc.prefill.mailbox` -- handshakes that arrive before their Prefill RPC.
 """
