@@ -100,6 +100,9 @@ async def _serve(fd: int) -> None:
         async def Prefill(self, request: prefill_pb2.PrefillRequest, context: object) -> prefill_pb2.PrefillResponse:
             return await prefill(request)
 
+        async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: object) -> prefill_pb2.GetStatsResponse:
+            return prefill_pb2.GetStatsResponse()
+
     done = asyncio.Event()
     await WorkerLinkServer.open(socket.socket(fileno=fd), "bench", prefill, on_lost=done.set)
     server = await start_server(
