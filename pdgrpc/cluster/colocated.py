@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import sys
@@ -36,7 +35,7 @@ from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.logs import setup_logging
-from pdgrpc.serving.threads import lower_thread_priority
+from pdgrpc.serving.threads import compute_executor
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("pdgrpc.colocated")
@@ -62,9 +61,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         self._pending: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
         self._wake = asyncio.Event()
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="engine", initializer=lower_thread_priority, initargs=(compute_nice,)
-        )
+        self._thread = compute_executor("engine", compute_nice)
         self._task = asyncio.ensure_future(self._loop())
 
     async def close(self) -> None:

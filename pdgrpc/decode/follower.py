@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import ctypes
 import logging
 import signal
@@ -47,7 +46,7 @@ from pdgrpc.serving import (  # noqa: E402
     setup_logging,
     tune_malloc_from_args,
 )
-from pdgrpc.serving.threads import lower_thread_priority  # noqa: E402
+from pdgrpc.serving.threads import compute_executor  # noqa: E402
 from pdgrpc.serving.tp import senders_of, transfer_room  # noqa: E402
 from pdgrpc.state import Aborted, Committed, MetadataBuffers, SendHandshake  # noqa: E402
 from pdgrpc.transport.base import RoomGrant, UnknownRoom  # noqa: E402
@@ -73,9 +72,7 @@ class Follower:
         self.keys: dict[int, list[int]] = {}  # room -> this rank's transport rooms
         self.committed: list[int] = []  # rooms in commit order (the TP fault test reads the log)
         # The engine's steps, niced as rank 0's (the group computes in lock step).
-        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="decode-compute", initializer=lower_thread_priority, initargs=(config.compute_nice,)
-        )
+        self._engine_thread = compute_executor("decode-compute", config.compute_nice)
 
     def stats(self) -> dict[str, int]:
         return queue_stats(self.queues, self.queues.num_requests, len(self.transport.rooms))

@@ -28,7 +28,6 @@ the prefill acknowledged the abort (or the lease ran out), which the queues deci
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable
@@ -47,7 +46,7 @@ from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
-from pdgrpc.serving.threads import lower_thread_priority
+from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, DpConfig, MetadataBuffers
 from pdgrpc.state import NewRequest, QueryDpRanks, SendHandshake, resolve_locally
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, senders_of, transfer_room
@@ -113,9 +112,7 @@ class DecodeScheduler:
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
         # Every engine call runs here, one at a time (the engine is not thread-safe).
-        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="decode-compute", initializer=lower_thread_priority, initargs=(config.compute_nice,)
-        )
+        self._engine_thread = compute_executor("decode-compute", config.compute_nice)
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in (*engine.kv_buffers().k, *engine.kv_buffers().v))
 
     # -- life cycle ---------------------------------------------------------------------

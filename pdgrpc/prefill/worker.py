@@ -48,7 +48,7 @@ from pdgrpc.metrics import PrefillMetrics, ServerAbortReason
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, row_from_token, sampling_from_proto
-from pdgrpc.serving.threads import lower_thread_priority
+from pdgrpc.serving.threads import compute_executor, lower_thread_priority
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, heads_of, receivers_of, senders_of, transfer_room
 from pdgrpc.state.config import SenderDeadlines
 from pdgrpc.state.outcomes import AbortReason
@@ -228,10 +228,7 @@ class PrefillWorker:
         # post per chunk; colocated 27.3), and every round trip added 0.5-0.8 ms: TTFT
         # overhead +1.5-3 ms. What helped is waking the loop less (see _start_compute):
         # the thread's chunks then take what colocated ones do, but for the first.
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"prefill{config.dp_rank}.{config.tp_rank}-compute",
-            initializer=lower_thread_priority, initargs=(config.compute_nice,),
-        )
+        self._executor = compute_executor(f"prefill{config.dp_rank}.{config.tp_rank}-compute", config.compute_nice)
         self.completed = 0  # requests finished successfully (count)
         self.failed = 0
         # TP: every rank reserves scratch pages for one whole prompt (a follower computes

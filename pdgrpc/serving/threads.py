@@ -16,14 +16,21 @@ thread, when the thread starts.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import sys
 import threading
 
-__all__ = ["lower_thread_priority"]
+__all__ = ["compute_executor", "lower_thread_priority"]
 
 log = logging.getLogger("pdgrpc.serving")
+
+
+def compute_executor(name: str, nice: int) -> concurrent.futures.ThreadPoolExecutor:
+    """One thread for an engine's calls (engines are not thread-safe), ``nice`` levels
+    below the serving threads once it starts (on its first submit)."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_thread_priority, initargs=(nice,))
 
 
 def lower_thread_priority(nice: int) -> None:

@@ -132,8 +132,8 @@ __all__ = [
     "Transport",
     "UnknownRoom",
     "WriteOp",
-    "after_reactions",
     "WriteOps",
+    "after_reactions",
     "check_source_ops",
 ]
 

@@ -97,7 +97,6 @@ from pdgrpc.transport._ucx import (
 )
 from pdgrpc.transport.base import (
     BadDescriptor,
-    after_reactions,
     Descriptor,
     MemoryRegion,
     Peer,
@@ -105,6 +104,7 @@ from pdgrpc.transport.base import (
     Transport,
     WriteOp,
     WriteOps,
+    after_reactions,
 )
 from pdgrpc.transport._ucx_liveness import RawLiveness
 
@@ -852,8 +852,7 @@ class RdmaTransport(Transport):
         region.flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
         rr.meta = None
         self.rooms.set(room, KVPoll.SUCCESS)
-        if conn_id in self._recv_conns:
-            after_reactions(self._ack, conn_id, room)  # the receiver's commit goes first
+        after_reactions(self._ack, conn_id, room)  # the receiver's commit goes first
 
     def _ack(self, conn_id: int, room: int) -> None:
         conn = self._recv_conns.get(conn_id)

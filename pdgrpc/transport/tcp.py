@@ -51,7 +51,6 @@ from pdgrpc.errors import ConfigError, PeerFailure, TransportError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport.base import (
     BadDescriptor,
-    after_reactions,
     Descriptor,
     MemoryRegion,
     Peer,
@@ -61,6 +60,7 @@ from pdgrpc.transport.base import (
     Transport,
     WriteOp,
     WriteOps,
+    after_reactions,
     check_source_ops,
 )
 

@@ -48,6 +48,21 @@ class _Worker:
         self._of(room)
         await asyncio.wait_for(self.started[room].wait(), 5)
 
+    async def wait_cancelled(self) -> list[int]:
+        """The rooms whose call was cancelled, once there is one (bounded: 1 s)."""
+        for _ in range(100):
+            if self.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        return self.cancelled
+
+
+async def _started(link: ControllerLink, w: _Worker, room: int) -> asyncio.Future[prefill_pb2.PrefillResponse]:
+    """A call of ``room`` that the worker is running."""
+    call = asyncio.ensure_future(link.prefill(_req(room)))
+    await w.wait_started(room)
+    return call
+
 
 async def _pair(worker: _Worker) -> tuple[ControllerLink, WorkerLinkServer, asyncio.Event]:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -79,22 +94,19 @@ async def test_each_answer_reaches_its_own_caller() -> None:
 async def test_the_workers_status_arrives_unchanged() -> None:
     w = _Worker()
     link, server, _ = await _pair(w)
-    call = asyncio.ensure_future(link.prefill(_req(21)))
-    await w.wait_started(21)
+    call = await _started(link, w, 21)
     w.release[21].set_exception(RequestFailed(grpc.StatusCode.FAILED_PRECONDITION, "room 21: pages gone — ünïcode kept"))
     with pytest.raises(LinkCallFailed) as ei:
         await asyncio.wait_for(call, 5)
     assert ei.value.code is grpc.StatusCode.FAILED_PRECONDITION
     assert ei.value.message == "room 21: pages gone — ünïcode kept"
     # A bug in the worker is an INTERNAL answer, and the link keeps serving.
-    call = asyncio.ensure_future(link.prefill(_req(22)))
-    await w.wait_started(22)
+    call = await _started(link, w, 22)
     w.release[22].set_exception(ZeroDivisionError("oops"))
     with pytest.raises(LinkCallFailed) as ei:
         await asyncio.wait_for(call, 5)
     assert ei.value.code is grpc.StatusCode.INTERNAL and "ZeroDivisionError" in ei.value.message
-    call = asyncio.ensure_future(link.prefill(_req(23)))
-    await w.wait_started(23)
+    call = await _started(link, w, 23)
     w.release[23].set_result(None)
     assert (await asyncio.wait_for(call, 5)).bytes_transferred == 23
     link.close_socket()
@@ -103,18 +115,12 @@ async def test_the_workers_status_arrives_unchanged() -> None:
 async def test_cancelling_the_caller_cancels_the_workers_call_only() -> None:
     w = _Worker()
     link, server, lost = await _pair(w)
-    doomed = asyncio.ensure_future(link.prefill(_req(31)))
-    other = asyncio.ensure_future(link.prefill(_req(32)))
-    await w.wait_started(31)
-    await w.wait_started(32)
+    doomed = await _started(link, w, 31)
+    other = await _started(link, w, 32)
     doomed.cancel()
     with pytest.raises(asyncio.CancelledError):
         await doomed
-    for _ in range(100):
-        if w.cancelled:
-            break
-        await asyncio.sleep(0.01)
-    assert w.cancelled == [31]
+    assert await w.wait_cancelled() == [31]
     assert server.in_flight == 1 and not lost.is_set()
     w.release[32].set_result(None)
     assert (await asyncio.wait_for(other, 5)).bytes_transferred == 32
@@ -124,9 +130,7 @@ async def test_cancelling_the_caller_cancels_the_workers_call_only() -> None:
 async def test_a_closed_link_fails_every_call_and_stops_the_worker() -> None:
     w = _Worker()
     link, server, lost = await _pair(w)
-    calls = [asyncio.ensure_future(link.prefill(_req(room))) for room in (41, 42)]
-    for room in (41, 42):
-        await w.wait_started(room)
+    calls = [await _started(link, w, room) for room in (41, 42)]
     server.close_socket()  # what the worker's exit does to the controller's end
     for call in calls:
         with pytest.raises(WorkerLinkLost, match="dp0"):
@@ -143,22 +147,16 @@ async def test_a_closed_link_fails_every_call_and_stops_the_worker() -> None:
 async def test_the_controller_going_away_cancels_the_workers_calls() -> None:
     w = _Worker()
     link, server, lost = await _pair(w)
-    asyncio.ensure_future(link.prefill(_req(51)))
-    await w.wait_started(51)
+    await _started(link, w, 51)
     link.close_socket()
     await asyncio.wait_for(lost.wait(), 5)
-    for _ in range(100):
-        if w.cancelled:
-            break
-        await asyncio.sleep(0.01)
-    assert w.cancelled == [51]
+    assert await w.wait_cancelled() == [51]
 
 
 async def test_a_stopping_worker_lets_calls_finish_and_refuses_new_ones() -> None:
     w = _Worker()
     link, server, _ = await _pair(w)
-    running = asyncio.ensure_future(link.prefill(_req(61)))
-    await w.wait_started(61)
+    running = await _started(link, w, 61)
     draining = asyncio.ensure_future(server.close(grace=5.0, cancel=False))
     with pytest.raises(LinkCallFailed) as ei:
         await asyncio.wait_for(link.prefill(_req(62)), 5)
