@@ -105,7 +105,9 @@ class ReferenceEngine(Engine):
     driven with the same calls in the same order.
     """
 
-    def __init__(self, config: EngineConfig = EngineConfig(), all_reduce: AllReduce | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig = EngineConfig(), all_reduce: AllReduce | None = None, *, kv_pool: KVBuffers | None = None
+    ) -> None:
         if config.tp_size > 1 and all_reduce is None:
             raise ConfigError(f"ReferenceEngine: tp_size={config.tp_size} needs an all_reduce")
         self.config = config
@@ -125,9 +127,20 @@ class ReferenceEngine(Engine):
         )
         self._kv_quant = exact.kv_format(config.kv_dtype)
         # Zero-filled: stale rows are masked anyway, but zeros make dumps readable.
-        alloc = host_zeros if config.kv_huge_pages else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
-        self._k = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
-        self._v = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
+        if kv_pool is not None:  # memory someone else owns (e.g. shared with a compute process)
+            for t in kv_pool.k + kv_pool.v:
+                if tuple(t.shape) != self._layout.pool_shape or t.dtype != self._layout.dtype or not t.is_contiguous():
+                    raise ConfigError(
+                        f"ReferenceEngine: kv_pool tensors must be contiguous {self._layout.pool_shape} "
+                        f"{self._layout.dtype}, got {tuple(t.shape)} {t.dtype}"
+                    )
+            if len(kv_pool.k) != m.num_layers or len(kv_pool.v) != m.num_layers:
+                raise ConfigError(f"ReferenceEngine: kv_pool needs {m.num_layers} K and V tensors")
+            self._k, self._v = list(kv_pool.k), list(kv_pool.v)
+        else:
+            alloc = host_zeros if config.kv_huge_pages else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+            self._k = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
+            self._v = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
         self._pages = PageAllocator(config.num_pages)
         self._tokenizer = ByteTokenizer()
 

@@ -66,6 +66,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "for the other ranks before it fails. Default: %(default)s",
     )
     g.add_argument(
+        "--compute-in", choices=("process", "thread"), default="process",
+        help="where a worker runs the engine's forward pass: 'process' (a child process over a KV pool in shared "
+        "memory, so the worker's gRPC and transport work never waits on the compute for the interpreter) or "
+        "'thread' (a thread of the worker). With --tp-size > 1 always 'thread' (the TP group lives in the "
+        "worker). Default: %(default)s",
+    )
+    g.add_argument(
         "--compute-threads", type=int, default=1,
         help="torch intra-op threads per worker (results do not depend on it). Default: %(default)s",
     )

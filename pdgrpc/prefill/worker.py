@@ -45,6 +45,7 @@ from pdgrpc.engine.base import PrefillRequest as EnginePrefill
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import PrefillMetrics, ServerAbortReason
+from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, row_from_token, sampling_from_proto
@@ -152,6 +153,7 @@ class _Active:
     keys: list[int] = dataclasses.field(default_factory=list)  # transport keys used
     followed: _Followed | None = None  # TP follower only
     computed_all: bool = False  # TP leader: every chunk was issued and computed
+    job: int = 0  # the compute process's job id (--compute-in process)
     abort_reason: str | None = None
     closing: bool = False
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -193,7 +195,8 @@ class PrefillWorker:
     """
 
     def __init__(
-        self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None
+        self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None,
+        compute: "ComputeProcess | None" = None,
     ) -> None:
         self.engine = engine
         # Each request this worker ran is counted here once, in prefill(); the controller
@@ -221,13 +224,9 @@ class PrefillWorker:
         self._mailbox: Mailbox[Destination | RequestFailed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)
         self._active: dict[int, _Active] = {}
         self._pages_freed = asyncio.Event()
-        # The compute runs on a thread of this process, beside the loop. Tried and dropped
-        # (2-core CI host, 1p1d over rdma, 512-token prompts): the engine in a process of
-        # its own over a shared-memory KV pool, each chunk one round trip over a socket.
-        # The forward pass was no faster there (29.4 ms vs 29.0-29.8 in the thread, with a
-        # post per chunk; colocated 27.3), and every round trip added 0.5-0.8 ms: TTFT
-        # overhead +1.5-3 ms. What helped is waking the loop less (see _start_compute):
-        # the thread's chunks then take what colocated ones do, but for the first.
+        # The compute runs in ``compute`` (a process of its own over the shared KV pool,
+        # see pdgrpc.prefill.compute_process) when given, else on a thread of this process.
+        self._cproc = compute
         self._executor = compute_executor(f"prefill{config.dp_rank}.{config.tp_rank}-compute", config.compute_nice)
         self.completed = 0  # requests finished successfully (count)
         self.failed = 0
@@ -248,6 +247,17 @@ class PrefillWorker:
         self._stopped = False
 
     @property
+    def broken_reason(self) -> str:
+        """Why :attr:`broken` is set (the TP group or the compute process failed)."""
+        return self._broken or "the TP group is broken"
+
+    def _compute_lost(self, why: str) -> None:
+        # A worker without its compute can only fail requests: exit (non-zero) instead,
+        # so the controller sees the dp rank is gone.
+        self._broken = why
+        self.broken.set()
+
+    @property
     def leader(self) -> bool:
         return self.tp_rank == 0
 
@@ -262,7 +272,10 @@ class PrefillWorker:
         # controller sees the dp rank is gone, instead of a worker that only refuses work.
         self.broken = asyncio.Event()
         self.descriptor = await self.transport.register(self._regions)
-        self._executor.submit(lambda: None)  # the compute thread starts (and is reniced) now
+        if self._cproc is not None:
+            self._cproc.on_lost = self._compute_lost
+        else:
+            self._executor.submit(lambda: None)  # the compute thread starts (and is reniced) now
         if self.tp_size > 1 and not self.leader:
             self._follower = threading.Thread(
                 target=self._follow, name=f"prefill{self.config.dp_rank}.{self.tp_rank}-follow", daemon=True
@@ -297,6 +310,8 @@ class PrefillWorker:
                 log.error("tp%d: the follower thread did not stop (no stop command from tp rank 0)", self.tp_rank)
         await self.transport.close()
         self._executor.shutdown(wait=True)
+        if self._cproc is not None:
+            await asyncio.to_thread(self._cproc.close)
 
     # ---- stats -----------------------------------------------------------------------
 
@@ -551,6 +566,8 @@ class PrefillWorker:
     async def _finish(self, entry: _Active) -> None:
         """Every path ends here: no compute in flight, rooms released, pages freed."""
         entry.closing = True
+        if self._cproc is not None and entry.job and entry.compute is not None and not entry.compute.done():
+            self._cproc.cancel(entry.job)  # it stops after the chunk in progress
         while entry.compute is not None and not entry.compute.done():
             try:
                 await asyncio.shield(entry.compute)
@@ -922,6 +939,24 @@ class PrefillWorker:
             loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
 
         min_pages = -(-self.config.min_write_bytes // self._page_nbytes)  # pages worth a write
+        if self._cproc is not None:
+            def post_from_child(end: int, token: SampledToken | None, secs: float, err: BaseException | None) -> None:
+                if err is None and end == n:
+                    entry.computed_all = True
+                if isinstance(err, ComputeProcessLost):
+                    err = RequestFailed(C.UNAVAILABLE, f"room {entry.room}: {err}", ServerAbortReason.INTERNAL_ERROR)
+                out.put_nowait((n if end < 0 else end, token, secs, err))
+
+            def child_stopped() -> None:
+                if not stopped.done():
+                    stopped.set_result(None)
+
+            try:
+                entry.job = self._cproc.submit(req, chunk, min_pages, self.page_size, post_from_child, child_stopped)
+            except ComputeProcessLost as exc:
+                stopped.set_result(None)
+                raise RequestFailed(C.UNAVAILABLE, f"room {entry.room}: {exc}") from None
+            return out
         posted_pages, unposted_s = 0, 0.0  # complete pages at the last post, compute seconds since it
 
         def step(start: int) -> None:

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from pdgrpc.bootstrap.client import BootstrapClient  # noqa: E402
 from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
+from pdgrpc.prefill.compute_process import ComputeProcess  # noqa: E402
 from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments  # noqa: E402
 from pdgrpc.prefill.link import WorkerLinkServer  # noqa: E402
@@ -141,7 +142,15 @@ def _init_tp(ns: argparse.Namespace) -> ReferenceEngine:
 
 async def _main(ns: argparse.Namespace) -> int:
     name = worker_name(ns)
-    engine = _init_tp(ns)
+    compute: ComputeProcess | None = None
+    if ns.compute_in == "process" and ns.tp_size == 1:
+        config = engine_config_from_args(ns)
+        compute = await ComputeProcess.start(
+            config, name=f"prefill {name}", nice=ns.compute_nice, malloc_keep_bytes=ns.malloc_keep_mib << 20
+        )
+        engine = ReferenceEngine(config, kv_pool=compute.kv)
+    else:
+        engine = _init_tp(ns)
     transport = create_transport(ns)
     metrics = PrefillMetrics(transport=transport.name)
     metrics.set_info(dp_rank=ns.dp_rank, dp_size=ns.dp_size)
@@ -160,6 +169,7 @@ async def _main(ns: argparse.Namespace) -> int:
             compute_nice=ns.compute_nice,
         ),
         metrics=metrics,
+        compute=compute,
     )
     descriptor = await worker.start()
     # Live gauges: the worker's own allocator and transport, read at scrape time.
@@ -237,7 +247,7 @@ async def _main(ns: argparse.Namespace) -> int:
         metrics.unbind()
         stop_metrics()
     if worker.broken.is_set():
-        log.error("%s: exiting: the TP group is broken", name)
+        log.error("%s: exiting: %s", name, worker.broken_reason)
         return 1
     return 0
 

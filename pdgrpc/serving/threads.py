@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 
-__all__ = ["compute_executor", "lower_thread_priority"]
+__all__ = ["compute_executor", "lower_process_priority", "lower_thread_priority"]
 
 log = logging.getLogger("pdgrpc.serving")
 
@@ -46,3 +46,23 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError as exc:
         log.warning("--compute-nice %d: cannot renice compute thread %d: %s", nice, tid, exc)
+
+
+def lower_process_priority(nice: int) -> None:
+    """Add ``nice`` to every thread of this process (a process that only computes, such
+    as a prefill worker's compute process; threads it starts later inherit the value
+    from their creator). Never raises."""
+    if nice <= 0:
+        return
+    lower_thread_priority(nice)
+    if not sys.platform.startswith("linux"):
+        return
+    me = threading.get_native_id()
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        if tid == me:
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except OSError as exc:  # a thread that ended meanwhile, or not ours to renice
+            log.debug("--compute-nice %d: cannot renice thread %d: %s", nice, tid, exc)

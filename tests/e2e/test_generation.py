@@ -152,17 +152,22 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--compute-nice sets per-thread nice values on Linux only")
 async def test_engine_compute_threads_yield_to_the_serving_threads(cluster, router):
-    # Every engine process has its compute thread at the default --compute-nice (10) and
-    # everything else (loop, gRPC) at the process's own 0, before and after requests.
+    # The decode has its compute thread at the default --compute-nice (10) and everything
+    # else (loop, gRPC) at the process's own 0. A prefill worker computes in a child
+    # process of its own (--compute-in process): the child runs at 10 throughout, the
+    # worker (loop, gRPC, transport) at 0. Before and after requests.
     await generate(router, input_ids=[256, 72, 105], max_new_tokens=2, timeout=60)
-    engines = [p.pid for p in cluster.procs.values() if p.spec.role == "decode"]
-    for p in cluster.procs.values():
-        if p.spec.role == "prefill":
-            engines += _children(p.pid)  # the DP workers (the controller computes nothing)
-    assert engines
-    for pid in engines:
+    decodes = [p.pid for p in cluster.procs.values() if p.spec.role == "decode"]
+    workers = [w for p in cluster.procs.values() if p.spec.role == "prefill" for w in _children(p.pid)]
+    assert decodes and workers
+    for pid in decodes:
         nices = _thread_nices(pid)
         assert 10 in nices and nices.count(0) >= 1 and set(nices) <= {0, 10}, (pid, nices)
+    for pid in workers:
+        assert set(_thread_nices(pid)) == {0}, (pid, _thread_nices(pid))
+        computes = _children(pid)
+        assert len(computes) == 1, (pid, computes)  # one compute process per worker
+        assert set(_thread_nices(computes[0])) == {10}, (computes[0], _thread_nices(computes[0]))
 
 
 async def expect_error(router, **kwargs) -> grpc.aio.AioRpcError:

@@ -1,0 +1,257 @@
+"""A prefill worker's compute process (``--compute-in process``): a real child process over
+a KV pool in shared memory. It must compute exactly what the engine computes in-process,
+take turns between prompts chunk by chunk, stop a cancelled prompt, and report its own
+death to every prompt in flight. The last test kills the compute process of a real
+prefill worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+import pytest
+import torch
+
+from pdgrpc.engine.base import PrefillRequest, SamplingParams
+from pdgrpc.engine.errors import InvalidRequest
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.errors import ConfigError
+from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost
+from pdgrpc.v1 import prefill_pb2
+from tests.prefill.fake_decode import FakeDecode
+from tests.prefill.harness import CONFIG, new_room, prefill_stub, prompt, request, run_one
+from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, pid_alive
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Posts:
+    """Collects a job's posts and its stop."""
+
+    def __init__(self, name: str = "", log: list[tuple[str, int]] | None = None) -> None:
+        self.name = name
+        self.items: list[tuple[int, Any, float, BaseException | None]] = []
+        self.stopped = asyncio.Event()
+        self.log = log
+
+    def post(self, end: int, token: Any, secs: float, err: BaseException | None) -> None:
+        self.items.append((end, token, secs, err))
+        if self.log is not None:
+            self.log.append((self.name, end))
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    async def wait(self) -> None:
+        await asyncio.wait_for(self.stopped.wait(), 60)
+
+
+@pytest.fixture
+async def cp() -> AsyncIterator[ComputeProcess]:
+    c = await ComputeProcess.start(CONFIG, name="test")
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _kv(engine: ReferenceEngine, pages: list[int]) -> list[torch.Tensor]:
+    b = engine.kv_buffers()
+    return [t[pages].clone() for t in b.k + b.v]
+
+
+async def test_computes_what_the_engine_computes_in_process(cp: ComputeProcess) -> None:
+    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)  # the worker's view of the shared pool
+    ref = ReferenceEngine(CONFIG)
+    ids = tuple(prompt(50, 7))
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    pages = local.alloc_pages(local.pages_needed(len(ids)))
+    ref_pages = ref.alloc_pages(ref.pages_needed(len(ids)))
+    assert pages is not None and ref_pages is not None
+    expected = None
+    for start in range(0, len(ids), 16):
+        expected = ref.prefill_chunk(PrefillRequest(ids, tuple(ref_pages), sampling), start, min(len(ids), start + 16))
+    p = Posts()
+    # min_pages 0: every chunk is posted, each with its end and only the last with a token.
+    cp.submit(PrefillRequest(ids, tuple(pages), sampling), 16, 0, CONFIG.page_size, p.post, p.stop)
+    await p.wait()
+    assert [(end, err) for end, _, _, err in p.items] == [(16, None), (32, None), (48, None), (50, None)]
+    assert [tok is None for _, tok, _, _ in p.items] == [True, True, True, False]
+    assert p.items[-1][1] == expected
+    assert all(secs > 0 for _, _, secs, _ in p.items)
+    # The child wrote the KV into the memory the worker (and its transport) sees.
+    for got, want in zip(_kv(local, pages), _kv(ref, ref_pages)):
+        assert torch.equal(got, want)
+
+
+async def test_posts_only_what_the_worker_acts_on(cp: ComputeProcess) -> None:
+    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
+    ids = tuple(prompt(60, 8))
+    pages = local.alloc_pages(local.pages_needed(len(ids)))
+    assert pages is not None
+    p = Posts()
+    # 10 pages (40 tokens) per write: posts at 48 (12 complete pages) and at the end,
+    # each carrying the compute seconds since the post before.
+    cp.submit(PrefillRequest(ids, tuple(pages)), 16, 10, CONFIG.page_size, p.post, p.stop)
+    await p.wait()
+    assert [end for end, *_ in p.items] == [48, 60]
+
+
+async def test_prompts_take_turns_chunk_by_chunk(cp: ComputeProcess) -> None:
+    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
+    order: list[tuple[str, int]] = []
+    jobs = []
+    for name, seed in (("a", 1), ("b", 2)):
+        ids = tuple(prompt(48, seed))
+        pages = local.alloc_pages(local.pages_needed(48))
+        assert pages is not None
+        p = Posts(name, order)
+        jobs.append(p)
+        cp.submit(PrefillRequest(ids, tuple(pages)), 16, 0, CONFIG.page_size, p.post, p.stop)
+    for p in jobs:
+        await p.wait()
+    # The first chunk of "a" may run before "b" arrives; after that they alternate.
+    assert sorted(order) == [("a", 16), ("a", 32), ("a", 48), ("b", 16), ("b", 32), ("b", 48)]
+    assert order.index(("b", 16)) < order.index(("a", 48))
+    assert order.index(("a", 32)) < order.index(("b", 48))
+
+
+async def test_a_cancelled_prompt_stops_and_says_so(cp: ComputeProcess) -> None:
+    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
+    ids = tuple(prompt(64, 9))
+    pages = local.alloc_pages(local.pages_needed(64))
+    assert pages is not None
+    p = Posts()
+    job = cp.submit(PrefillRequest(ids, tuple(pages)), 4, 0, CONFIG.page_size, p.post, p.stop)
+    while not p.items:
+        await asyncio.sleep(0.001)
+    cp.cancel(job)
+    await p.wait()
+    assert len(p.items) < 16 and p.items[-1][0] < 64  # stopped before the last of 16 chunks
+    # The process serves the next prompt as usual.
+    q = Posts()
+    cp.submit(PrefillRequest(ids, tuple(pages)), 32, 0, CONFIG.page_size, q.post, q.stop)
+    await q.wait()
+    assert [end for end, *_ in q.items] == [32, 64]
+
+
+async def test_an_engine_error_fails_that_prompt_only(cp: ComputeProcess) -> None:
+    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
+    p = Posts()
+    cp.submit(PrefillRequest(tuple(prompt(8, 1)), (CONFIG.num_pages + 5, 1)), 16, 0, CONFIG.page_size, p.post, p.stop)
+    await p.wait()
+    [(end, token, _, err)] = p.items
+    assert token is None and isinstance(err, InvalidRequest) and "outside the pool" in str(err)
+    ok = Posts()
+    pages = local.alloc_pages(2)
+    assert pages is not None
+    cp.submit(PrefillRequest(tuple(prompt(8, 1)), tuple(pages)), 16, 0, CONFIG.page_size, ok.post, ok.stop)
+    await ok.wait()
+    assert ok.items[-1][0] == 8 and ok.items[-1][3] is None and ok.items[-1][1] is not None
+
+
+async def test_its_death_fails_the_prompts_in_flight_and_later_ones(cp: ComputeProcess) -> None:
+    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
+    lost: list[str] = []
+    cp.on_lost = lost.append
+    pages = local.alloc_pages(16)
+    assert pages is not None
+    p = Posts()
+    cp.submit(PrefillRequest(tuple(prompt(64, 4)), tuple(pages)), 4, 0, CONFIG.page_size, p.post, p.stop)
+    while not p.items:
+        await asyncio.sleep(0.001)
+    assert cp.proc is not None
+    os.kill(cp.proc.pid, signal.SIGKILL)
+    await p.wait()
+    end, token, _, err = p.items[-1]
+    assert isinstance(err, ComputeProcessLost) and f"compute process {cp.proc.pid} is gone" in str(err)
+    assert "exit code -9" in str(err)
+    assert lost == [str(err)]
+    with pytest.raises(ComputeProcessLost):
+        cp.submit(PrefillRequest(tuple(prompt(4, 1)), tuple(pages)), 4, 0, CONFIG.page_size, p.post, p.stop)
+
+
+async def test_close_ends_the_child() -> None:
+    c = await ComputeProcess.start(CONFIG, name="test")
+    assert c.proc is not None and pid_alive(c.proc.pid)
+    c.close()
+    assert c.proc.returncode == 0
+
+
+def test_the_engine_refuses_a_pool_of_the_wrong_shape() -> None:
+    bad = ReferenceEngine(CONFIG.__class__(**{**CONFIG.__dict__, "num_pages": CONFIG.num_pages * 2})).kv_buffers()
+    with pytest.raises(ConfigError, match="kv_pool tensors must be contiguous"):
+        ReferenceEngine(CONFIG, kv_pool=bad)
+
+
+# ---- a real prefill worker ----------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"\nPPid:\t{pid}\n" in status.read_text():
+                kids.append(int(status.parent.name))
+        except OSError:
+            pass
+    return kids
+
+
+async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(tmp_path: Path) -> None:
+    p = PrefillProc(
+        [*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "2", "--load-balance-method", "round_robin",
+         "--handshake-timeout", "30"],
+        tmp_path, "cp",
+    )
+    d = FakeDecode(CONFIG, transport="fake")
+    await d.start()
+    ch, stub = await prefill_stub(p)
+    try:
+        worker = p.worker_pids[1]
+        [compute] = _children(worker)
+        # Held by dp1 waiting for a handshake that never comes: its prompt is computing or
+        # computed; the compute process dies under it.
+        room = new_room()
+        held = asyncio.ensure_future(stub.Prefill(request(room, prompt(60, 2), routed=1), timeout=60))
+        deadline = time.monotonic() + 15
+        while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
+            assert time.monotonic() < deadline, "the request never reached worker dp1"
+            await asyncio.sleep(0.02)
+        os.kill(compute, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await asyncio.wait_for(held, 30)
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+        # The worker exits non-zero, saying why; its controller sees the rank gone.
+        deadline = time.monotonic() + 30
+        while pid_alive(worker):
+            assert time.monotonic() < deadline, "the worker outlived its compute process"
+            await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 15
+        while not re.search(r"prefill worker dp1 \(pid \d+\) exited with code 1", p.log()):
+            assert time.monotonic() < deadline, p.log()[-3000:]
+            await asyncio.sleep(0.1)
+        assert re.search(rf"dp1: exiting: prefill dp1: compute process {compute} is gone", p.log())
+        # dp0 (and its compute process) keeps serving.
+        for i in range(2):
+            resp, r = await run_one(p, d, prompt(20, 10 + i), SamplingParams(), query=True)
+            assert resp.dp_rank == 0 and resp.prompt_tokens == 20
+            d.free(r)
+        # A worker killed outright takes its compute process with it (PR_SET_PDEATHSIG).
+        survivor = p.worker_pids[0]
+        [survivor_compute] = _children(survivor)
+        os.kill(survivor, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while pid_alive(survivor_compute):
+            assert time.monotonic() < deadline, "a compute process outlived its worker"
+            await asyncio.sleep(0.1)
+    finally:
+        await ch.close()
+        await d.close()
+        p.stop()
