@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -160,6 +160,20 @@ class _Active:
 
 
 _SHUTDOWN = "prefill worker shutting down"  # abort_reason set by close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _FinalWrite:
+    """A prompt's last write (pages ``src`` -> ``dst`` and the metadata row), planned
+    ahead: one send per destination."""
+
+    src: list[int]
+    dst: list[int]
+    sends: list[Callable[[], Awaitable[None]]]
+    nbytes: int  # KV and metadata bytes the sends queue
+
+    def covers(self, src: list[int], dst: list[int]) -> bool:
+        return src == self.src and dst == self.dst
 
 
 class _Oversize(RequestFailed):
@@ -838,6 +852,7 @@ class PrefillWorker:
         logged_transferring = False
         held_src: list[int] = []  # completed pages not written yet (min_write_bytes)
         held_dst: list[int] = []
+        final = self._prepare_final_write(entry, outs, n_pages, dests[0].dst_pages)
         while done < n:
             end, token, secs, err = await chunks.get()
             if err is not None:
@@ -865,11 +880,20 @@ class PrefillWorker:
                     # the machine to move on.
                     actions += sender.handle(PagesWritten(len(action.src)), time.monotonic())
                 elif isinstance(action, WriteMetadata):
+                    assert token is not None
+                    if final is not None and final.covers(held_src, held_dst):
+                        # Planned during the compute: only the sends are left.
+                        self.send_rows.write_row(entry.pages[0], row_from_token(token), room)
+                        first_write = first_write or time.perf_counter()
+                        for send in final.sends:
+                            await send()
+                        sent_bytes += final.nbytes
+                        held_src, held_dst = [], []
+                        continue
                     if held_src:
                         first_write = first_write or time.perf_counter()
                         sent_bytes += await self._write_pages(outs, held_src, held_dst)
                         held_src, held_dst = [], []
-                    assert token is not None
                     local = entry.pages[0]
                     self.send_rows.write_row(local, row_from_token(token), room)
                     first_write = first_write or time.perf_counter()
@@ -900,6 +924,24 @@ class PrefillWorker:
             transfer_seconds=time.perf_counter() - first_write,
             compute_seconds=compute_s,
         )
+
+    def _prepare_final_write(self, entry: _Active, outs: list[_Out], n_pages: int, dst_pages: Sequence[int]) -> "_FinalWrite | None":
+        """The prompt's one write (all its pages, then the metadata row), planned now,
+        while the compute process computes: when the whole prompt's KV is below
+        ``min_write_bytes`` nothing is written before the last chunk, and the checks and
+        message planning (~0.3 ms of numpy right after a compute, caches cold) are then
+        off the path to the first token. Not with the compute on a thread of this
+        process, whose Python it would stop instead (measured: no gain)."""
+        if self._cproc is None or n_pages * self._page_nbytes >= self.config.min_write_bytes:
+            return None
+        src, dst = list(entry.pages[:n_pages]), list(dst_pages[:n_pages])
+        sends, nbytes = [], 0
+        for o in outs:
+            ops = o.ops(src, dst if o is outs[0] else [o.page_of[p] for p in src])
+            meta = metadata_op(self._meta_src, entry.pages[0], o.meta_dst, o.dest.dst_slot)
+            sends.append(self.transport.prepare_write(o.peer, o.key, ops, metadata=meta))
+            nbytes += ops.nbytes + meta.length
+        return _FinalWrite(src, dst, sends, nbytes)
 
     async def _write_pages(self, outs: list[_Out], src: list[int], dst: list[int]) -> int:
         """Write pages ``src`` (to ``dst`` on the first destination) to every destination;

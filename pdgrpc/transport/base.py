@@ -109,7 +109,7 @@ import functools
 import json
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Iterable, NamedTuple, Sequence
 
 from pdgrpc.errors import TransportError
 from pdgrpc.kvpoll import KVPoll
@@ -646,6 +646,17 @@ class Transport(abc.ABC):
     ) -> None:
         """Queue ``ops`` for ``room`` to ``peer``; with ``metadata``, also the room's
         metadata row, which lands after everything written for the room before it."""
+
+    def prepare_write(
+        self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None
+    ) -> Callable[[], Awaitable[None]]:
+        """Do now what :meth:`write` can do before the bytes exist (check ``ops``
+        against the registered regions, plan the messages) and return a function that
+        sends when called -- exactly ``write(peer, room, ops, metadata=metadata)`` at that
+        moment, the metadata row read then. For a sender that knows its last write
+        while the data is still being computed. Raises what :meth:`write` raises for
+        bad ops. Default: nothing ahead of time."""
+        return functools.partial(self.write, peer, room, ops, metadata=metadata)
 
     # -- both sides ----------------------------------------------------------------------
     def poll(self, room: int) -> KVPoll:

@@ -213,6 +213,21 @@ class _PeerServer:
         await self.t.write(peer, room, ops, metadata=mop)
         return len(ops)
 
+    async def cmd_prepare_then_write(self, peer_id: str, room: int, src_pages: Sequence[int], dst_pages: Sequence[int],
+                                     meta: tuple[int, int]) -> int:
+        """``write_pages`` through ``prepare_write``: prepared while the source row still
+        holds another room's id, the room's id stamped in only before the send (a
+        prepared write must read the row when it is sent). Returns #ops."""
+        peer = self.peers[peer_id]
+        ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), src_pages, dst_pages)
+        self._stamp(meta[0], room + 1)
+        mop = metadata_op(self.regions[-1], meta[0], peer.descriptor.region(METADATA_REGION_ID), meta[1])
+        send = self.t.prepare_write(peer, room, ops, metadata=mop)
+        await asyncio.sleep(0.01)  # "the compute": the loop runs meanwhile
+        self._stamp(meta[0], room)
+        await send()
+        return len(ops)
+
     async def cmd_write_pages_many(self, peer_id: str, writes: Sequence[tuple[Any, ...]]) -> int:
         """Several ``write_pages`` in order, in one command (keeps the pipe quiet when
         a test interleaves hundreds of rooms). ``writes``: ``(room, src, dst, meta)``."""

@@ -217,6 +217,27 @@ class TransportConformance:
         finally:
             await _close(recv.t)
 
+    async def test_prepared_write_sends_what_write_would(self) -> None:
+        """``prepare_write`` ahead, the send later: the same pages land, and the row is
+        the one in the source slot at send time, not at prepare time."""
+        layout = Layout(layers=4, pages=32, slots=4)
+        recv = await self._local(layout, None)
+        try:
+            async with self._peer(layout, self.seed) as sender:
+                await sender.call("connect", recv.descriptor)
+                src, dst = [3, 4, 5, 11, 20], [30, 1, 2, 17, 8]
+                recv.t.advertise(RoomGrant.of(77, dst, slot=2))
+                await sender.call("prepare_then_write", sender_peer(recv), 77, src, dst, (1, 2))
+                [st] = (await self._wait_local(recv.t, [77])).values()
+                assert st.state is KVPoll.SUCCESS, st
+                assert [s for s, _ in await sender.call("wait", [77], WAIT_S)] == [KVPoll.SUCCESS]
+                if not self._moves_bytes():
+                    return
+                self._check_pages(recv, src, dst)
+                assert torch.equal(recv.row(2), _expected_row(layout, self.seed, 1, 77))
+        finally:
+            await _close(recv.t)
+
     async def test_metadata_row_lands_last(self) -> None:
         """Whenever a room's row is visible, all of that room's pages are already there."""
         self._require_bytes()
