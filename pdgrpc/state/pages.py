@@ -9,7 +9,12 @@ No late write can then land in a page that a new request owns.
 
 Allocation is all-or-nothing and deterministic (a LIFO free list: ranks that apply the same
 alloc/free sequence get the same pages): ``alloc(n)`` returns ``None`` when
-fewer than ``n`` pages are free, and the caller waits.
+fewer than ``n`` pages are free, and the caller waits. Freed pages go back so that they
+are handed out again in the order they were held: a request that got a contiguous
+ascending run returns it, and the next one gets an ascending run too. (Pushed back as
+they came, every other request got its run descending, and a transport cannot merge a
+descending run into one op: a 512-token prompt's KV then moved as 128 page-sized pieces
+instead of 4 runs.)
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class PageAllocator:
         self._check_used(pages, "free")
         for p in pages:
             self._state[p] = _FREE
-        self._free.extend(pages)
+        self._free.extend(reversed(pages))  # reallocated in the order they were held
 
     def quarantine(self, owner: int, pages: Iterable[int]) -> None:
         """Hold ``pages`` (in use by ``owner``) until :meth:`release` of ``owner``."""
@@ -71,7 +76,7 @@ class PageAllocator:
             raise SlotError(f"release({owner}): owner has no quarantined pages") from None
         for p in pages:
             self._state[p] = _FREE
-        self._free.extend(pages)
+        self._free.extend(reversed(pages))
         self._num_quarantined -= len(pages)
         return pages
 

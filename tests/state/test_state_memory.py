@@ -125,6 +125,22 @@ def test_pages_all_or_nothing_and_quarantine() -> None:
     assert p.num_free == 5 and p.alloc(5) is not None
 
 
+def test_freed_pages_come_back_in_the_order_they_were_held() -> None:
+    # A request that held an ascending run hands the next request an ascending run, so a
+    # transport moves each region's share of a prompt as one op; pushed back as they came,
+    # every other request got its pages descending (one op per page).
+    p = PageAllocator(64)
+    for _ in range(4):
+        run = p.alloc(32)
+        assert run is not None and list(run) == sorted(run) and run[-1] - run[0] == 31
+        p.free(run)
+    held = p.alloc(8)
+    assert held is not None
+    p.quarantine(5, held)
+    p.release(5)
+    assert p.alloc(8) == held
+
+
 @pytest.mark.parametrize(
     "op, msg",
     [
