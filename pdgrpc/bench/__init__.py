@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "state": "pdgrpc.bench.state",
     "transport": "pdgrpc.bench.transport",
     "link": "pdgrpc.bench.link",
+    "compute": "pdgrpc.bench.compute",
     "e2e": "pdgrpc.bench.e2e",
 }
 
