@@ -50,12 +50,12 @@ import time
 from typing import Awaitable, Callable
 
 from pdgrpc.bench.report import Result
-from pdgrpc.rpc.tuning import apply_grpc_defaults
+from pdgrpc.rpc.tuning import grpc_tuning_in_force
 
-# Like every pdgrpc entry point, run gRPC with pdgrpc's settings (client here, and the
-# server subprocess, which inherits the environment). PDGRPC_GRPC_DEFAULTS=0 measures
-# grpc's own defaults instead. Must happen before grpc is imported.
-GRPC_DEFAULTS = apply_grpc_defaults()
+# Like every pdgrpc entry point, gRPC runs with pdgrpc's settings (client here, and the
+# server subprocess, which inherits the environment): ``python -m pdgrpc.bench`` applies
+# them before grpc is imported. PDGRPC_GRPC_DEFAULTS=0 measures grpc's own defaults.
+GRPC_DEFAULTS = grpc_tuning_in_force()
 
 DESCRIPTION = "BootstrapService: single-room and batched latency, rooms/s, RSS of 1M rooms, pause while they expire"
 

@@ -6,7 +6,8 @@ controller reached its workers before :mod:`pdgrpc.prefill.link`) and on the lin
 socketpair the parent hands it, as the controller does. The parent sends the same
 ``--prompt-tokens`` request over each in turn (interleaved) and reports the round trip's
 p50 and p99 per way, with the link as a ratio of gRPC (the baseline). Both processes run
-on uvloop with pdgrpc's gRPC settings, as the servers do.
+on uvloop with pdgrpc's gRPC settings, as the servers do (``python -m pdgrpc.bench``
+applies them here, the peer applies its own).
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ import sys
 import time
 
 from pdgrpc.bench.report import Result
-from pdgrpc.rpc.tuning import apply_grpc_defaults
-
-apply_grpc_defaults()  # before grpc is imported (in the functions below)
 
 DESCRIPTION = "controller -> worker Prefill round trip: the socketpair link vs a grpc.aio unary call (baseline), same process pair"
 
@@ -117,6 +115,9 @@ async def _serve(fd: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--serve"] or len(sys.argv) != 3:
         sys.exit("usage: python -m pdgrpc.bench.link --serve FD (started by python -m pdgrpc.bench link)")
+    from pdgrpc.rpc.tuning import apply_grpc_defaults
+
+    apply_grpc_defaults()  # as the worker it stands in for; before grpc is imported
     from pdgrpc.rpc.server import run as _run_loop
 
     _run_loop(_serve(int(sys.argv[2])))

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -32,6 +33,7 @@ from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS, grpc_tuning_wanted
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.logs import setup_logging
@@ -202,4 +204,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Like every server, with pdgrpc's gRPC settings (pdgrpc.rpc.tuning): the baseline must
+    # not be the one server without them (it was, whenever its parent had not set them,
+    # and bench e2e then compared tuned disaggregated servers with an untuned baseline).
+    # gRPC reads them when it is imported, which importing pdgrpc.cluster already did:
+    # start again with them in the environment (once; nothing has started yet).
+    if grpc_tuning_wanted():
+        os.environ["GRPC_EXPERIMENTS"] = GRPC_EXPERIMENTS
+        os.execv(sys.executable, [sys.executable, "-m", "pdgrpc.cluster.colocated", *sys.argv[1:]])
     sys.exit(main())

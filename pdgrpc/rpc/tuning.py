@@ -22,6 +22,18 @@ import sys
 GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 
+def grpc_tuning_in_force() -> bool:
+    """Whether this process runs (or, if grpc is not imported yet, will run) gRPC with
+    pdgrpc's ``GRPC_EXPERIMENTS``."""
+    return os.environ.get("GRPC_EXPERIMENTS") == GRPC_EXPERIMENTS
+
+
+def grpc_tuning_wanted() -> bool:
+    """Whether :func:`apply_grpc_defaults` would set ``GRPC_EXPERIMENTS`` (the user set
+    neither it nor ``PDGRPC_GRPC_DEFAULTS=0``)."""
+    return os.environ.get("PDGRPC_GRPC_DEFAULTS", "1") != "0" and "GRPC_EXPERIMENTS" not in os.environ
+
+
 def apply_grpc_defaults() -> bool:
     """Set pdgrpc's ``GRPC_EXPERIMENTS`` for this process (and its children) if the
     user has not. Returns whether the setting is in force for this process."""
