@@ -27,6 +27,7 @@ import asyncio
 import random
 import statistics
 import time
+from typing import Any
 
 from pdgrpc.bench.report import Result
 
@@ -104,7 +105,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, list[float]]:
         shared.free_pages(pages)
         return done.result()
 
-    async def work(until: "asyncio.Future[object]") -> None:
+    async def work(until: "asyncio.Future[Any]") -> None:
         # The loop's work, in bursts spread over a prompt's usual compute time.
         per = args.loop_work_ms / 1e3 / max(1, args.loop_bursts)
         for _ in range(args.loop_bursts if args.loop_work_ms > 0 else 0):
