@@ -103,11 +103,19 @@ def _pool_bytes(layout: KVLayout) -> int:
     return -(-_region_bytes(layout) // _ALIGN) * _ALIGN * 2 * layout.num_layers
 
 
-def shared_kv_pool(layout: KVLayout, fd: int) -> tuple[KVBuffers, mmap.mmap]:
+def shared_kv_pool(layout: KVLayout, fd: int, huge_pages: bool = False) -> tuple[KVBuffers, mmap.mmap]:
     """The pool's tensors over the shared memory ``fd``: ``k[0..L)`` then ``v[0..L)``,
-    each region 2 MiB-aligned. Keep the returned mapping alive as long as the tensors."""
+    each region 2 MiB-aligned. Keep the returned mapping alive as long as the tensors.
+    ``huge_pages`` (``--kv-huge-pages``) asks for transparent huge pages, which Linux
+    gives shared memory only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
+    allows it (``advise`` or ``always``)."""
     total = _pool_bytes(layout)
     region = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # not for shared memory here: ordinary pages
+            pass
     whole = torch.frombuffer(region, dtype=torch.uint8)
     per, nbytes = total // (2 * layout.num_layers), _region_bytes(layout)
     views = [whole[i * per : i * per + nbytes].view(layout.dtype).view(layout.pool_shape) for i in range(2 * layout.num_layers)]
@@ -161,7 +169,7 @@ class ComputeProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             os.ftruncate(memfd, _pool_bytes(self.layout))
-            self.kv, self._map = shared_kv_pool(self.layout, memfd)
+            self.kv, self._map = shared_kv_pool(self.layout, memfd, config.kv_huge_pages)
             for t in self.kv.k + self.kv.v:
                 t.zero_()  # fault the pool in now, not during the first prompt
             self.proc = subprocess.Popen(
@@ -352,7 +360,7 @@ def _serve(sock: socket.socket, kv_fd: int) -> int:
         if keep:
             keep_freed_memory(keep)
         lower_process_priority(nice)
-        kv, _map = shared_kv_pool(layout, kv_fd)
+        kv, _map = shared_kv_pool(layout, kv_fd, config.kv_huge_pages)
         os.close(kv_fd)
         engine = ReferenceEngine(config, kv_pool=kv)
     except BaseException as exc:

@@ -78,7 +78,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allocate the KV pool in transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE): transfers of many "
         "MiB over rdma get up to ~2x faster (UCX pins memory page by page); no difference measured at 512-token "
-        "prompts. Memory placement only: prefill and decode need not agree. Default: off",
+        "prompts. A prefill worker's pool with --compute-in process is shared memory, which gets huge pages only "
+        "where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows. Memory placement only: prefill and decode "
+        "need not agree. Default: off",
     )
     g.add_argument(
         "--malloc-keep-mib",

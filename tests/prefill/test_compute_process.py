@@ -7,6 +7,7 @@ prefill worker."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import signal
@@ -177,6 +178,28 @@ async def test_its_death_fails_the_prompts_in_flight_and_later_ones(cp: ComputeP
         cp.submit(PrefillRequest(tuple(prompt(4, 1)), tuple(pages)), 4, 0, CONFIG.page_size, p.post, p.stop)
 
 
+async def test_kv_huge_pages_still_computes_the_same() -> None:
+    # --kv-huge-pages asks for huge pages on the shared pool (granted only where the host
+    # allows them for shared memory); the pool and the results must not change.
+    config = dataclasses.replace(CONFIG, kv_huge_pages=True)
+    c = await ComputeProcess.start(config, name="test")
+    try:
+        local = ReferenceEngine(config, kv_pool=c.kv)
+        ref = ReferenceEngine(CONFIG)
+        ids = tuple(prompt(30, 3))
+        pages, ref_pages = local.alloc_pages(8), ref.alloc_pages(8)
+        assert pages is not None and ref_pages is not None
+        expected = ref.prefill_chunk(PrefillRequest(ids, tuple(ref_pages)), 0, 30)
+        p = Posts()
+        c.submit(PrefillRequest(ids, tuple(pages)), 64, 0, CONFIG.page_size, p.post, p.stop)
+        await p.wait()
+        assert p.items[-1][1] == expected
+        for got, want in zip(_kv(local, pages), _kv(ref, ref_pages)):
+            assert torch.equal(got, want)
+    finally:
+        c.close()
+
+
 async def test_close_ends_the_child() -> None:
     c = await ComputeProcess.start(CONFIG, name="test")
     assert c.proc is not None and pid_alive(c.proc.pid)
@@ -185,7 +208,7 @@ async def test_close_ends_the_child() -> None:
 
 
 def test_the_engine_refuses_a_pool_of_the_wrong_shape() -> None:
-    bad = ReferenceEngine(CONFIG.__class__(**{**CONFIG.__dict__, "num_pages": CONFIG.num_pages * 2})).kv_buffers()
+    bad = ReferenceEngine(dataclasses.replace(CONFIG, num_pages=CONFIG.num_pages * 2)).kv_buffers()
     with pytest.raises(ConfigError, match="kv_pool tensors must be contiguous"):
         ReferenceEngine(CONFIG, kv_pool=bad)
 
