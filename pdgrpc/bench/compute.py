@@ -128,7 +128,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, list[float]]:
                     out[w].append(dt)
     finally:
         executor.shutdown(wait=True)
-        cp.close()
+        await cp.aclose()
     return out
 
 

@@ -303,12 +303,25 @@ class ComputeProcess:
                 pass
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the child: EOF on its socket, SIGKILL after ``timeout``."""
+        """Stop the child: EOF on its socket, SIGKILL after ``timeout``. Blocks while the
+        child exits (it finishes the chunk in progress): on a running loop, use
+        :meth:`aclose`."""
+        self._close_socket()
+        self._reap(timeout)
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """:meth:`close` without blocking the loop."""
+        self._close_socket()
+        await asyncio.to_thread(self._reap, timeout)
+
+    def _close_socket(self) -> None:
         if self.lost is None:
             self.lost = f"{self.name}: compute process closed"
         self._unwatch()
         if self._sock is not None:
             self._sock.close()
+
+    def _reap(self, timeout: float) -> None:
         if self.proc is not None:
             try:
                 self.proc.wait(timeout)

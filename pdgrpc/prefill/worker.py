@@ -325,7 +325,7 @@ class PrefillWorker:
         await self.transport.close()
         self._executor.shutdown(wait=True)
         if self._cproc is not None:
-            await asyncio.to_thread(self._cproc.close)
+            await self._cproc.aclose()
 
     # ---- stats -----------------------------------------------------------------------
 

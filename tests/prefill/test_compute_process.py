@@ -59,7 +59,7 @@ async def cp() -> AsyncIterator[ComputeProcess]:
     try:
         yield c
     finally:
-        c.close()
+        await c.aclose()
 
 
 def _kv(engine: ReferenceEngine, pages: list[int]) -> list[torch.Tensor]:
@@ -197,14 +197,20 @@ async def test_kv_huge_pages_still_computes_the_same() -> None:
         for got, want in zip(_kv(local, pages), _kv(ref, ref_pages)):
             assert torch.equal(got, want)
     finally:
-        c.close()
+        await c.aclose()
 
 
 async def test_close_ends_the_child() -> None:
-    c = await ComputeProcess.start(CONFIG, name="test")
-    assert c.proc is not None and pid_alive(c.proc.pid)
-    c.close()
-    assert c.proc.returncode == 0
+    for how in ("close", "aclose"):
+        c = await ComputeProcess.start(CONFIG, name="test")
+        assert c.proc is not None and pid_alive(c.proc.pid)
+        if how == "close":
+            c.close()
+        else:
+            await c.aclose()
+        assert c.proc.returncode == 0
+        with pytest.raises(ComputeProcessLost, match="closed"):
+            c.submit(PrefillRequest((1,), (0,)), 4, 0, CONFIG.page_size, lambda *a: None, lambda: None)
 
 
 def test_the_engine_refuses_a_pool_of_the_wrong_shape() -> None:
