@@ -140,10 +140,24 @@ def _init_tp(ns: argparse.Namespace) -> ReferenceEngine:
     )
 
 
+def compute_in(ns: argparse.Namespace) -> str:
+    """Where this worker computes: ``--compute-in``, unless that cannot be had here
+    (said in the log)."""
+    if ns.compute_in != "process":
+        return "thread"
+    if ns.tp_size > 1:
+        log.info("%s: --compute-in process: a TP rank computes on a thread (its gloo group lives in the worker)", worker_name(ns))
+        return "thread"
+    if not hasattr(os, "memfd_create"):
+        log.info("%s: --compute-in process needs memfd_create (Linux); computing on a thread", worker_name(ns))
+        return "thread"
+    return "process"
+
+
 async def _main(ns: argparse.Namespace) -> int:
     name = worker_name(ns)
     compute: ComputeProcess | None = None
-    if ns.compute_in == "process" and ns.tp_size == 1:
+    if compute_in(ns) == "process":
         config = engine_config_from_args(ns)
         compute = await ComputeProcess.start(
             config, name=f"prefill {name}", nice=ns.compute_nice, malloc_keep_bytes=ns.malloc_keep_mib << 20

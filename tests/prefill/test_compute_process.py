@@ -284,3 +284,27 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
         await ch.close()
         await d.close()
         p.stop()
+
+
+@pytest.mark.parametrize(
+    "flags, memfd, want, said",
+    [
+        ([], True, "process", None),
+        (["--compute-in", "thread"], True, "thread", None),
+        (["--tp-size", "2", "--tp-rank", "1"], True, "thread", "its gloo group lives in the worker"),
+        ([], False, "thread", "needs memfd_create (Linux)"),
+    ],
+)
+def test_where_a_worker_computes(flags: list[str], memfd: bool, want: str, said: str | None,
+                                 monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from pdgrpc.prefill import worker_main
+
+    if not memfd:
+        monkeypatch.delattr(os, "memfd_create", raising=False)
+    ns = worker_main.build_parser().parse_args(
+        ["--dp-rank", "0", "--dp-size", "1", "--bootstrap", "127.0.0.1:1", "--load-balance-method", "round_robin", *flags]
+    )
+    with caplog.at_level("INFO", logger="pdgrpc.prefill"):
+        assert worker_main.compute_in(ns) == want
+    if said is not None:
+        assert said in caplog.text
