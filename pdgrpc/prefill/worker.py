@@ -937,19 +937,24 @@ class PrefillWorker:
         src, dst = list(entry.pages[:n_pages]), list(dst_pages[:n_pages])
         sends, nbytes = [], 0
         for o in outs:
-            ops = o.ops(src, dst if o is outs[0] else [o.page_of[p] for p in src])
+            ops = self._ops_to(o, outs, src, dst)
             meta = metadata_op(self._meta_src, entry.pages[0], o.meta_dst, o.dest.dst_slot)
             sends.append(self.transport.prepare_write(o.peer, o.key, ops, metadata=meta))
             nbytes += ops.nbytes + meta.length
         return _FinalWrite(src, dst, sends, nbytes)
+
+    @staticmethod
+    def _ops_to(o: _Out, outs: list[_Out], src: list[int], dst: list[int]) -> WriteOps:
+        """The ops writing pages ``src`` to destination ``o``: to ``dst`` on the first
+        destination, to the pages its own handshake granted on the others."""
+        return o.ops(src, dst if o is outs[0] else [o.page_of[p] for p in src])
 
     async def _write_pages(self, outs: list[_Out], src: list[int], dst: list[int]) -> int:
         """Write pages ``src`` (to ``dst`` on the first destination) to every destination;
         the bytes queued."""
         sent = 0
         for o in outs:
-            d = dst if o is outs[0] else [o.page_of[p] for p in src]
-            ops = o.ops(src, d)
+            ops = self._ops_to(o, outs, src, dst)
             await self.transport.write(o.peer, o.key, ops)
             sent += ops.nbytes  # one numpy sum, not a Python loop per op
         return sent

@@ -39,8 +39,8 @@ def apply_grpc_defaults() -> bool:
     user has not. Returns whether the setting is in force for this process."""
     if os.environ.get("PDGRPC_GRPC_DEFAULTS", "1") == "0":
         return False
-    if "GRPC_EXPERIMENTS" not in os.environ:
+    if grpc_tuning_wanted():
         if "grpc" in sys.modules:
             return False  # too late: grpc has read its configuration
         os.environ["GRPC_EXPERIMENTS"] = GRPC_EXPERIMENTS
-    return os.environ["GRPC_EXPERIMENTS"] == GRPC_EXPERIMENTS
+    return grpc_tuning_in_force()

@@ -43,9 +43,13 @@ def lower_thread_priority(nice: int) -> None:
         return
     tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        _renice(tid, nice)
     except OSError as exc:
         log.warning("--compute-nice %d: cannot renice compute thread %d: %s", nice, tid, exc)
+
+
+def _renice(tid: int, nice: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def lower_process_priority(nice: int) -> None:
@@ -63,6 +67,6 @@ def lower_process_priority(nice: int) -> None:
         if tid == me:
             continue
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+            _renice(tid, nice)
         except OSError as exc:  # a thread that ended meanwhile, or not ours to renice
             log.debug("--compute-nice %d: cannot renice thread %d: %s", nice, tid, exc)

@@ -39,6 +39,7 @@ from tests.e2e.harness import (
     skip_unless_transport,
     wait_nothing_held,
 )
+from tests.prefill.procs import child_pids
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -139,17 +140,6 @@ def _thread_nices(pid: int) -> list[int]:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"\nPPid:\t{pid}\n" in status.read_text():
-                kids.append(int(status.parent.name))
-        except OSError:
-            pass
-    return kids
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--compute-nice sets per-thread nice values on Linux only")
 async def test_engine_compute_threads_yield_to_the_serving_threads(cluster, router):
     # The decode has its compute thread at the default --compute-nice (10) and everything
@@ -158,14 +148,14 @@ async def test_engine_compute_threads_yield_to_the_serving_threads(cluster, rout
     # worker (loop, gRPC, transport) at 0. Before and after requests.
     await generate(router, input_ids=[256, 72, 105], max_new_tokens=2, timeout=60)
     decodes = [p.pid for p in cluster.procs.values() if p.spec.role == "decode"]
-    workers = [w for p in cluster.procs.values() if p.spec.role == "prefill" for w in _children(p.pid)]
+    workers = [w for p in cluster.procs.values() if p.spec.role == "prefill" for w in child_pids(p.pid)]
     assert decodes and workers
     for pid in decodes:
         nices = _thread_nices(pid)
         assert 10 in nices and nices.count(0) >= 1 and set(nices) <= {0, 10}, (pid, nices)
     for pid in workers:
         assert set(_thread_nices(pid)) == {0}, (pid, _thread_nices(pid))
-        computes = _children(pid)
+        computes = child_pids(pid)
         assert len(computes) == 1, (pid, computes)  # one compute process per worker
         assert set(_thread_nices(computes[0])) == {10}, (computes[0], _thread_nices(computes[0]))
 

@@ -83,6 +83,20 @@ async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: Sampl
         await ch.close()
 
 
+async def hold_on_dp1(
+    stub: prefill_pb2_grpc.PrefillServiceStub, ids: list[int]
+) -> "tuple[int, asyncio.Future[prefill_pb2.PrefillResponse]]":
+    """A Prefill pinned to dp1 that will wait there for a handshake nobody sends: its room
+    and call, once the worker holds it (the instance reports an active request)."""
+    room = new_room()
+    held = asyncio.ensure_future(stub.Prefill(request(room, ids, routed=1), timeout=60))
+    deadline = time.monotonic() + 15
+    while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
+        assert time.monotonic() < deadline, "the request never reached worker dp1"
+        await asyncio.sleep(0.02)
+    return room, held
+
+
 def assert_landed_bit_exact(d: FakeDecode, r: Room, ids: list[int], sampling: SamplingParams) -> None:
     """The decode's pages hold exactly the KV a local prefill of ``ids`` computes, and its
     metadata row the same first token and logprobs, with the room written."""

@@ -36,6 +36,18 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (read from /proc; Linux)."""
+    kids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"\nPPid:\t{pid}\n" in status.read_text():
+                kids.append(int(status.parent.name))
+        except OSError:
+            pass  # a process that ended meanwhile
+    return kids
+
+
 class Proc:
     def __init__(self, argv: list[str], log_dir: Path, name: str) -> None:
         self.out_path = log_dir / f"{name}.out"

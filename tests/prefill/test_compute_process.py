@@ -24,10 +24,9 @@ from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError
 from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost
-from pdgrpc.v1 import prefill_pb2
 from tests.prefill.fake_decode import FakeDecode
-from tests.prefill.harness import CONFIG, new_room, prefill_stub, prompt, request, run_one
-from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, pid_alive
+from tests.prefill.harness import CONFIG, hold_on_dp1, prefill_stub, prompt, run_one
+from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, child_pids, pid_alive
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -222,17 +221,6 @@ def test_the_engine_refuses_a_pool_of_the_wrong_shape() -> None:
 # ---- a real prefill worker ----------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"\nPPid:\t{pid}\n" in status.read_text():
-                kids.append(int(status.parent.name))
-        except OSError:
-            pass
-    return kids
-
-
 async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(tmp_path: Path) -> None:
     p = PrefillProc(
         [*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "2", "--load-balance-method", "round_robin",
@@ -244,15 +232,10 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
     ch, stub = await prefill_stub(p)
     try:
         worker = p.worker_pids[1]
-        [compute] = _children(worker)
+        [compute] = child_pids(worker)
         # Held by dp1 waiting for a handshake that never comes: its prompt is computing or
         # computed; the compute process dies under it.
-        room = new_room()
-        held = asyncio.ensure_future(stub.Prefill(request(room, prompt(60, 2), routed=1), timeout=60))
-        deadline = time.monotonic() + 15
-        while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
-            assert time.monotonic() < deadline, "the request never reached worker dp1"
-            await asyncio.sleep(0.02)
+        _, held = await hold_on_dp1(stub, prompt(60, 2))
         os.kill(compute, signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await asyncio.wait_for(held, 30)
@@ -274,7 +257,7 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
             d.free(r)
         # A worker killed outright takes its compute process with it (PR_SET_PDEATHSIG).
         survivor = p.worker_pids[0]
-        [survivor_compute] = _children(survivor)
+        [survivor_compute] = child_pids(survivor)
         os.kill(survivor, signal.SIGKILL)
         deadline = time.monotonic() + 15
         while pid_alive(survivor_compute):

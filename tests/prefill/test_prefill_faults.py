@@ -20,7 +20,7 @@ from pdgrpc.engine.base import SamplingParams
 from pdgrpc.v1 import prefill_pb2
 from tests.prefill.fake_decode import FakeDecode
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, pid_alive
-from tests.prefill.harness import CONFIG, new_room, prefill_stub, prompt, request, run_one
+from tests.prefill.harness import CONFIG, hold_on_dp1, new_room, prefill_stub, prompt, request, run_one
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,12 +47,7 @@ async def test_worker_death_fails_its_requests_and_the_rest_keeps_serving(fake_r
         resp, r = await run_one(fake_rr, d, prompt(9, 1), SamplingParams(), query=True)
         assert resp.prompt_tokens == 9
         d.free(r)
-        room = new_room()
-        held = asyncio.ensure_future(stub.Prefill(request(room, prompt(12, 2), routed=1), timeout=60))
-        deadline = time.monotonic() + 15
-        while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
-            assert time.monotonic() < deadline, "the request never reached worker dp1"
-            await asyncio.sleep(0.02)
+        room, held = await hold_on_dp1(stub, prompt(12, 2))
         os.kill(fake_rr.worker_pids[1], signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await asyncio.wait_for(held, 15)
