@@ -275,20 +275,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         read: asyncio.Future | None = None
         try:
             while True:
-                if read is None:
-                    read = asyncio.ensure_future(decode_call.read())
-                waiting: set[asyncio.Future] = {read}
-                if not prefill_fut.done():
-                    waiting.add(prefill_fut)
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if prefill_fut.done() and prefill_fut.exception() is not None and not read.done():
-                    read.cancel()
-                    raise prefill_fut.exception()  # type: ignore[misc]
-                if not read.done():
-                    continue  # the prefill finished fine; keep waiting for the same read
                 try:
-                    msg = read.result()
-                    read = None
+                    if read is None and prefill_fut.done():
+                        # The prefill has replied (normally before the first token), so
+                        # nothing is left to race: read directly. A task and a wait per
+                        # message cost the relay loop time on every token.
+                        msg = await decode_call.read()
+                    else:
+                        if read is None:
+                            read = asyncio.ensure_future(decode_call.read())
+                        if not prefill_fut.done():
+                            await asyncio.wait({read, prefill_fut}, return_when=asyncio.FIRST_COMPLETED)
+                            if prefill_fut.done() and prefill_fut.exception() is not None and not read.done():
+                                read.cancel()
+                                raise prefill_fut.exception()  # type: ignore[misc]
+                            if not read.done():
+                                continue  # the prefill finished fine; keep waiting for the same read
+                        msg = await read
+                        read = None
                 except grpc.RpcError as exc:
                     raise await self._decode_failure(exc, decode_address, prefill_fut) from None
                 if msg is grpc.aio.EOF:
