@@ -271,9 +271,12 @@ class DecodeScheduler:
                 continue
             q = self.queues
             timeout = self.config.idle_poll_s if (q.num_requests or q.num_quarantined) else 1.0
+            # asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own,
+            # which costs two more loop passes between a KV landing and its first token.
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     async def _iteration(self) -> bool:
