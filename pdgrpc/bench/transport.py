@@ -280,13 +280,13 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             recv = await stack.enter_async_context(PeerProcess(backend, layout=layout, seed=None, options=options))
             peer = await sender.connect(recv.descriptor)
             targets = {"": (recv, peer, region_pairs(regions, peer.descriptor.regions),
-                            peer.descriptor.region(METADATA_REGION_ID))}
+                            peer.descriptor.require_region(METADATA_REGION_ID))}
             if "head-sliced" in kinds:
                 recv_tp2 = await stack.enter_async_context(
                     PeerProcess(backend, layout=tp2_layout, seed=None, options=options))
                 peer_tp2 = await sender.connect(recv_tp2.descriptor)
                 targets["head-sliced"] = (recv_tp2, peer_tp2, region_pairs(regions, peer_tp2.descriptor.regions),
-                                          peer_tp2.descriptor.region(METADATA_REGION_ID))
+                                          peer_tp2.descriptor.require_region(METADATA_REGION_ID))
             room = 1
             # Warm-up pass (untimed): one write of every page of each receiver's pool.
             # The receivers' pools are fresh zero pages (first touch faults them in,

@@ -442,6 +442,14 @@ class Descriptor:
                 return r
         return None
 
+    def require_region(self, region_id: int) -> RegionInfo:
+        """:meth:`region`, for a region the caller cannot do without: raises
+        :class:`BadDescriptor` when this descriptor does not advertise it."""
+        r = self.region(region_id)
+        if r is None:
+            raise BadDescriptor(f"{self.backend} descriptor of {self.instance_id} has no region {region_id}")
+        return r
+
     def region_map(self) -> dict[int, RegionInfo]:
         return {r.region_id: r for r in self.regions}
 

@@ -209,7 +209,7 @@ class _PeerServer:
         mop = None
         if meta is not None:
             self._stamp(meta[0], room)
-            mop = metadata_op(self.regions[-1], meta[0], peer.descriptor.region(METADATA_REGION_ID), meta[1])
+            mop = metadata_op(self.regions[-1], meta[0], peer.descriptor.require_region(METADATA_REGION_ID), meta[1])
         await self.t.write(peer, room, ops, metadata=mop)
         return len(ops)
 
@@ -221,7 +221,7 @@ class _PeerServer:
         peer = self.peers[peer_id]
         ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), src_pages, dst_pages)
         self._stamp(meta[0], room + 1)
-        mop = metadata_op(self.regions[-1], meta[0], peer.descriptor.region(METADATA_REGION_ID), meta[1])
+        mop = metadata_op(self.regions[-1], meta[0], peer.descriptor.require_region(METADATA_REGION_ID), meta[1])
         send = self.t.prepare_write(peer, room, ops, metadata=mop)
         await asyncio.sleep(0.01)  # "the compute": the loop runs meanwhile
         self._stamp(meta[0], room)

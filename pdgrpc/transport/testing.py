@@ -160,7 +160,7 @@ class TransportConformance:
             assert {r.region_id: r.nbytes for r in d.regions} == {
                 rid: layout.region_nbytes(rid) for rid in layout.region_ids()
             }
-            assert d.region(METADATA_REGION_ID).item_bytes == layout.row_bytes
+            assert d.require_region(METADATA_REGION_ID).item_bytes == layout.row_bytes
             with pytest.raises(TransportError):
                 a.t.poll(987654321)  # never seen
         finally:
@@ -467,7 +467,7 @@ class TransportConformance:
                 pass
             else:
                 await send.t.write(again, 409, page_ops(pairs, [0], [0]),
-                                   metadata=metadata_op(send.regions[-1], 0, again.descriptor.region(METADATA_REGION_ID), 0))
+                                   metadata=metadata_op(send.regions[-1], 0, again.descriptor.require_region(METADATA_REGION_ID), 0))
                 st = (await self._wait_local(send.t, [409], FAIL_DEADLINE_S * 5))[409]
                 assert st.state is KVPoll.FAILED, f"a write to a dead peer ended {st}"
             # a fresh receiver process works
@@ -475,7 +475,7 @@ class TransportConformance:
                 peer = await send.t.connect(fresh.descriptor)
                 await fresh.call("advertise", 410, [5, 6], 2)
                 await send.t.write(peer, 410, page_ops(pairs, [20, 21], [5, 6]),
-                                   metadata=metadata_op(send.regions[-1], 2, peer.descriptor.region(METADATA_REGION_ID), 2))
+                                   metadata=metadata_op(send.regions[-1], 2, peer.descriptor.require_region(METADATA_REGION_ID), 2))
                 assert (await self._wait_local(send.t, [410]))[410].state is KVPoll.SUCCESS
                 [(state, reason)] = await fresh.call("wait", [410], WAIT_S)
                 assert state == KVPoll.SUCCESS, reason
@@ -503,7 +503,7 @@ class TransportConformance:
                 peer2 = await send.t.connect(recv.descriptor)
                 await recv.call("advertise", 502, [4, 5], 1)
                 await send.t.write(peer2, 502, page_ops(pairs, [7, 8], [4, 5]),
-                                   metadata=metadata_op(send.regions[-1], 1, peer2.descriptor.region(METADATA_REGION_ID), 1))
+                                   metadata=metadata_op(send.regions[-1], 1, peer2.descriptor.require_region(METADATA_REGION_ID), 1))
                 assert (await self._wait_local(send.t, [502]))[502].state is KVPoll.SUCCESS
                 [(state, reason)] = await recv.call("wait", [502], WAIT_S)
                 assert state == KVPoll.SUCCESS, reason
@@ -591,7 +591,7 @@ class TransportConformance:
             await recv.call("advertise", 701, [0, 1], 0)
             await recv.call("advertise", 702, [2], 1)  # left open: close must fail it
             await send.t.write(peer, 701, page_ops(pairs, [0, 1], [0, 1]),
-                               metadata=metadata_op(send.regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0))
+                               metadata=metadata_op(send.regions[-1], 0, peer.descriptor.require_region(METADATA_REGION_ID), 0))
             assert (await self._wait_local(send.t, [701]))[701].state is KVPoll.SUCCESS
             await send.t.write(peer, 702, page_ops(pairs, [3], [2]))  # no metadata: still open
             await _close(send.t)

@@ -81,6 +81,9 @@ def test_descriptor_round_trip() -> None:
     d = Descriptor("tcp", "abc123", b"127.0.0.1:5555", (KV, META), liveness="127.0.0.1:6666")
     assert Descriptor.from_bytes(d.to_bytes()) == d
     assert d.region(METADATA_REGION_ID) == META and d.region(99) is None
+    assert d.require_region(METADATA_REGION_ID) == META
+    with pytest.raises(BadDescriptor, match="no region 99"):
+        d.require_region(99)
 
 
 @pytest.mark.parametrize(
