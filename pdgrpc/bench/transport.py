@@ -136,7 +136,7 @@ def _raw_tcp_receiver(conn: multiprocessing.connection.Connection, max_bytes: in
     s, _ = lsock.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = np.zeros(max_bytes, dtype=np.uint8)
-    view = memoryview(buf)
+    view = buf.data  # memoryview(buf); numpy's stubs declare ndarray.__buffer__ only for Python 3.12+
     last = 0
     while True:
         head = s.recv(8, socket.MSG_WAITALL)
@@ -180,7 +180,7 @@ class _RawTcp:
     def once(self, n: int) -> float:
         t0 = time.perf_counter()
         self._sock.sendall(n.to_bytes(8, "little"))
-        self._sock.sendall(memoryview(self._src)[:n])
+        self._sock.sendall(self._src.data[:n])
         if self._sock.recv(1) != b"!":
             raise RuntimeError("raw tcp receiver did not acknowledge")
         self._last = n
@@ -189,7 +189,7 @@ class _RawTcp:
     def close(self) -> None:
         try:
             self._sock.close()
-            if not self._conn.poll(60) or self._conn.recv() != digest(memoryview(self._src)[: self._last]):
+            if not self._conn.poll(60) or self._conn.recv() != digest(self._src.data[: self._last]):
                 raise RuntimeError("raw tcp baseline: received bytes differ from those sent")
         finally:
             self._proc.join(10)

@@ -99,7 +99,8 @@ class Layout:
             flats[region_id] = flat
             return flat
 
-        ks, vs = [], []
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
         for layer in range(self.layers):
             for kv, out in ((0, ks), (1, vs)):
                 out.append(make(2 * layer + kv).view(dt).view(self.pages, *self.page_shape))
@@ -123,7 +124,7 @@ def resource_counts() -> dict[str, int]:
 
 def digest(view: memoryview | torch.Tensor) -> str:
     if isinstance(view, torch.Tensor):
-        view = memoryview(view.contiguous().view(torch.uint8).reshape(-1).numpy())
+        view = view.contiguous().view(torch.uint8).reshape(-1).numpy().data  # ndarray.data == memoryview(ndarray), which numpy types only for 3.12+
     return hashlib.sha256(view).hexdigest()
 
 
@@ -264,7 +265,7 @@ class _PeerServer:
         self.t.fail_peer(instance_id, reason)
 
     async def cmd_digest(self, region_id: int, start: int = 0, end: int | None = None) -> str:
-        return digest(memoryview(self.flats[region_id].numpy())[start:end])
+        return digest(self.flats[region_id].numpy().data[start:end])
 
     async def cmd_digest_pages(self, region_ids: Sequence[int], pages: Sequence[int]) -> str:
         """Digest of the listed pages (items) of each region, regions then pages in order."""
@@ -272,7 +273,7 @@ class _PeerServer:
         return digest(torch.cat(parts))
 
     async def cmd_read(self, region_id: int, start: int, end: int) -> bytes:
-        return bytes(memoryview(self.flats[region_id].numpy())[start:end])
+        return bytes(self.flats[region_id].numpy().data[start:end])
 
     async def cmd_close(self) -> dict[str, int]:
         await self.t.close()

@@ -739,7 +739,7 @@ class TcpTransport(Transport):
             # per region: ~1.5 ms for a head-sliced transfer's ~25k ops); it still
             # names the first offender when anything is wrong
             rid = a[:, 0]
-            ok = ((rid >= 0) & (rid < len(self._kind_lut))).all()
+            ok = bool(((rid >= 0) & (rid < len(self._kind_lut))).all())
             if ok:
                 end = a[:, 1] + a[:, 4]
                 ok = not ((self._kind_lut[rid] == _KIND_NONE) | (a[:, 1] < 0) | (a[:, 3] < 0) | (a[:, 4] <= 0)

@@ -372,7 +372,7 @@ class TransportConformance:
                     assert reason, room
                 # nothing landed outside what was granted, and nothing at all for rooms
                 # whose every op was bad
-                allowed = {rid: set() for rid in layout.region_ids()}
+                allowed: dict[int, set[int]] = {rid: set() for rid in layout.region_ids()}
                 for room in (good, mixed, bad_slot):  # rooms with at least one valid page op
                     pages, slot = grants[room]
                     for rid in layout.kv_region_ids():
@@ -555,7 +555,7 @@ class TransportConformance:
                 st = (await self._wait_local(recv.t, [601], 240))[601]
                 assert st.state is KVPoll.SUCCESS, st
                 for rid in layout.kv_region_ids():
-                    assert digest(recv.flats[rid].numpy()) == await sender.call("digest", rid), f"region {rid} differs"
+                    assert digest(recv.flats[rid]) == await sender.call("digest", rid), f"region {rid} differs"
         finally:
             await _close(recv.t)
 
