@@ -361,8 +361,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         for kind in CASES:
             if (tokens, kind) not in timings:
                 continue
-            lat = statistics.median(timings[(tokens, kind)])
-            gbps = moved[(tokens, kind)] / lat / 1e9
+            med = statistics.median(timings[(tokens, kind)])  # seconds
+            gbps = moved[(tokens, kind)] / med / 1e9
             gbps_by_kind[kind] = gbps
             if kind == "head-sliced":
                 continue  # moves other byte counts than the baseline; compared below
@@ -370,7 +370,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             b_gbps = nb / b_lat / 1e9
             case = f"{backend} {_size(tokens)} {kind} ({nb / 2**20:.0f} MiB)"
             results.append(Result(case, f"throughput vs {base_name}", gbps, "GB/s", b_gbps, gbps / b_gbps))
-            results.append(Result(case, f"latency vs {base_name}", lat * 1e3, "ms", b_lat * 1e3, lat / b_lat))
+            results.append(Result(case, f"latency vs {base_name}", med * 1e3, "ms", b_lat * 1e3, med / b_lat))
         for kind, vs in (("scattered", "contiguous"), ("head-sliced", "whole-page")):
             if kind in gbps_by_kind and "contiguous" in gbps_by_kind:
                 results.append(
