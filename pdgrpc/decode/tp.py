@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdgrpc.errors import PdgrpcError
+from pdgrpc.errors import ConfigError, PdgrpcError
 
 if TYPE_CHECKING:
     from pdgrpc.state import DecodeQueues
@@ -70,10 +70,18 @@ class TpGroup:
             raise TpGroupBroken(f"TP rank {self.rank}/{self.size}: {what} failed (a rank died or hung): {exc}") from exc
 
     def broadcast(self, cmd: Command | None = None) -> Command:
-        """Rank 0 sends ``cmd``; every other rank returns what rank 0 sent."""
-        box: list[Any] = [pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else None]
+        """Rank 0 sends ``cmd``; every other rank returns what rank 0 sent (its ``cmd``
+        is ignored). Rank 0 must pass a command: the followers unpack what they get."""
+        if self.rank == 0:
+            if cmd is None:
+                raise ConfigError(f"TP rank 0/{self.size}: broadcast needs a command to send")
+            box: list[Any] = [pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)]
+            self._guard("broadcast", self._dist.broadcast_object_list, box, 0)
+            return cmd
+        box = [None]
         self._guard("broadcast", self._dist.broadcast_object_list, box, 0)
-        return cmd if self.rank == 0 else pickle.loads(box[0])  # type: ignore[no-any-return]
+        received: Command = pickle.loads(box[0])
+        return received
 
     def all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
