@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from typing import Any
 
 from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError
 from pdgrpc.cluster.topology import TRANSPORTS, load_topology, servers_dir
@@ -50,7 +51,8 @@ async def _main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(s, on_signal, s)
     print(f"starting {cluster.describe()}", flush=True)
     start = asyncio.ensure_future(cluster.start())
-    await asyncio.wait([start, stop], return_when=asyncio.FIRST_COMPLETED)
+    starting: list[asyncio.Future[Any]] = [start, stop]  # a start and a signal: no common result type
+    await asyncio.wait(starting, return_when=asyncio.FIRST_COMPLETED)
     if not start.done():  # interrupted while starting
         start.cancel()
         await asyncio.gather(start, return_exceptions=True)
@@ -63,7 +65,8 @@ async def _main(args: argparse.Namespace) -> int:
         return 1
     print(f"{cluster.describe()}\nrouter (GenerateService) listening on {cluster.router_address}\nCtrl-C to stop", flush=True)
     died = asyncio.ensure_future(cluster.wait_failure())
-    await asyncio.wait([died, stop], return_when=asyncio.FIRST_COMPLETED)
+    running: list[asyncio.Future[Any]] = [died, stop]
+    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if died.done():
         print(f"cluster stopping: {died.result()}", file=sys.stderr)

@@ -71,7 +71,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         await asyncio.gather(self._task, return_exceptions=True)
         self._thread.shutdown(wait=True)
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
         arrived = time.perf_counter()
         try:
             ids = tuple(request.input_ids) if request.input_ids else tuple(self.engine.tokenizer.encode(request.prompt))

@@ -983,7 +983,7 @@ class PrefillWorker:
             loop.call_soon_threadsafe(out.put_nowait, item)
 
         def stop() -> None:
-            loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+            loop.call_soon_threadsafe(lambda: None if stopped.done() else stopped.set_result(None))
 
         min_pages = -(-self.config.min_write_bytes // self._page_nbytes)  # pages worth a write
         if self._cproc is not None:

@@ -174,7 +174,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # ---- the RPC ------------------------------------------------------------------------
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
         arrived = time.perf_counter()
         room = draw_room()
         request_id = request.request_id or f"r{room:016x}"
