@@ -17,7 +17,9 @@ test: setup
 gen: setup
 	$(PY) scripts/gen_protos.py
 
+# The whole package in mypy's default mode (files in pyproject.toml), then state and metrics strictly.
 typecheck: setup
+	$(PY) -m mypy
 	$(PY) -m mypy --strict pdgrpc/state pdgrpc/metrics
 
 clean:
