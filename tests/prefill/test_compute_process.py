@@ -66,6 +66,13 @@ def _kv(engine: ReferenceEngine, pages: list[int]) -> list[torch.Tensor]:
     return [t[pages].clone() for t in b.k + b.v]
 
 
+def _request(local: ReferenceEngine, n: int, seed: int) -> PrefillRequest:
+    """An ``n``-token prompt and pages for it, allocated from the worker's view of the pool."""
+    pages = local.alloc_pages(local.pages_needed(n))
+    assert pages is not None
+    return PrefillRequest(tuple(prompt(n, seed)), tuple(pages))
+
+
 async def test_computes_what_the_engine_computes_in_process(cp: ComputeProcess) -> None:
     local = ReferenceEngine(CONFIG, kv_pool=cp.kv)  # the worker's view of the shared pool
     ref = ReferenceEngine(CONFIG)
@@ -91,14 +98,11 @@ async def test_computes_what_the_engine_computes_in_process(cp: ComputeProcess) 
 
 
 async def test_posts_only_what_the_worker_acts_on(cp: ComputeProcess) -> None:
-    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
-    ids = tuple(prompt(60, 8))
-    pages = local.alloc_pages(local.pages_needed(len(ids)))
-    assert pages is not None
+    req = _request(ReferenceEngine(CONFIG, kv_pool=cp.kv), 60, 8)
     p = Posts()
     # 10 pages (40 tokens) per write: posts at 48 (12 complete pages) and at the end,
     # each carrying the compute seconds since the post before.
-    cp.submit(PrefillRequest(ids, tuple(pages)), 16, 10, CONFIG.page_size, p.post, p.stop)
+    cp.submit(req, 16, 10, CONFIG.page_size, p.post, p.stop)
     await p.wait()
     assert [end for end, *_ in p.items] == [48, 60]
 
@@ -108,12 +112,9 @@ async def test_prompts_take_turns_chunk_by_chunk(cp: ComputeProcess) -> None:
     order: list[tuple[str, int]] = []
     jobs = []
     for name, seed in (("a", 1), ("b", 2)):
-        ids = tuple(prompt(48, seed))
-        pages = local.alloc_pages(local.pages_needed(48))
-        assert pages is not None
         p = Posts(name, order)
         jobs.append(p)
-        cp.submit(PrefillRequest(ids, tuple(pages)), 16, 0, CONFIG.page_size, p.post, p.stop)
+        cp.submit(_request(local, 48, seed), 16, 0, CONFIG.page_size, p.post, p.stop)
     for p in jobs:
         await p.wait()
     # The first chunk of "a" may run before "b" arrives; after that they alternate.
@@ -123,12 +124,9 @@ async def test_prompts_take_turns_chunk_by_chunk(cp: ComputeProcess) -> None:
 
 
 async def test_a_cancelled_prompt_stops_and_says_so(cp: ComputeProcess) -> None:
-    local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
-    ids = tuple(prompt(64, 9))
-    pages = local.alloc_pages(local.pages_needed(64))
-    assert pages is not None
+    req = _request(ReferenceEngine(CONFIG, kv_pool=cp.kv), 64, 9)
     p = Posts()
-    job = cp.submit(PrefillRequest(ids, tuple(pages)), 4, 0, CONFIG.page_size, p.post, p.stop)
+    job = cp.submit(req, 4, 0, CONFIG.page_size, p.post, p.stop)
     while not p.items:
         await asyncio.sleep(0.001)
     cp.cancel(job)
@@ -136,7 +134,7 @@ async def test_a_cancelled_prompt_stops_and_says_so(cp: ComputeProcess) -> None:
     assert len(p.items) < 16 and p.items[-1][0] < 64  # stopped before the last of 16 chunks
     # The process serves the next prompt as usual.
     q = Posts()
-    cp.submit(PrefillRequest(ids, tuple(pages)), 32, 0, CONFIG.page_size, q.post, q.stop)
+    cp.submit(req, 32, 0, CONFIG.page_size, q.post, q.stop)
     await q.wait()
     assert [end for end, *_ in q.items] == [32, 64]
 
