@@ -95,10 +95,13 @@ class Follower:
                 log.error("room=%d: transport refused the grant on TP rank %d: %s", hs.room, self.rank, exc)
                 self.queues.on_local_status(hs.room, KVPoll.FAILED)
 
-    def _ended(self, room: int) -> None:
+    def _ended(self, room: int, abort_message: str | None = None) -> None:
         self.info.pop(room, None)
         for key in self.keys.pop(room, ()):
-            self.transport.release(key)
+            if abort_message is None:
+                self.transport.release(key)
+            else:  # a write that comes later is refused with the cause (see the scheduler)
+                self.transport.release_because(key, abort_message)
 
     def _local_poll(self, room: int) -> KVPoll:
         keys = self.keys.get(room)
@@ -124,11 +127,11 @@ class Follower:
             elif name in ("tick", "cancel"):
                 for a in [result] if isinstance(result, Aborted) else (result or []):
                     if isinstance(a, Aborted):
-                        self._ended(a.room)
+                        self._ended(a.room, a.message)
         t = self.queues.prepare_poll(now, self._local_poll)
         reduced = self.tp.all_reduce_min(t)
         for outcome in self.queues.finish_poll(reduced, now):
-            self._ended(outcome.room)
+            self._ended(outcome.room, outcome.message if isinstance(outcome, Aborted) else None)
             if isinstance(outcome, Committed):
                 self.committed.append(outcome.room)
                 request_event(log, outcome.room, "committed", tp_rank=self.rank, slot=outcome.slot, seq=len(self.committed))

@@ -510,10 +510,11 @@ class DecodeScheduler:
 
     def _on_aborted(self, a: Aborted) -> None:
         job = self._jobs.get(a.room)
-        self._release_transport(a.room)
         if job is None:
+            self._release_transport(a.room, a.message)
             return
         status = self._status_of(job, a)
+        self._release_transport(a.room, status.message)
         request_event(
             log, a.room, "aborted", level=logging.WARNING, state=a.state, reason=a.reason.name,
             status=status.code.name, message=status.message, quarantined=a.awaiting_ack,
@@ -557,9 +558,14 @@ class DecodeScheduler:
             request_event(log, job.room, "abort acknowledged; quarantine released", workers=len(job.contacted))
             self._wake.set()
 
-    def _release_transport(self, room: int) -> None:
+    def _release_transport(self, room: int, abort_message: str | None = None) -> None:
+        """Release ``room``'s transport rooms; an aborted room's message goes into the
+        refusal of any write that comes for it later, so the prefill reports the cause."""
         for key in self._room_keys.pop(room, [room]):
-            self.transport.release(key)
+            if abort_message is None:
+                self.transport.release(key)
+            else:
+                self.transport.release_because(key, abort_message)
 
     def _fail(self, job: Job, status: Failed, reason: AnyAbortReason) -> None:
         if job.finished:

@@ -51,6 +51,9 @@ Who calls which hook, and when
 ``release(room)`` -- both sides, when the state machine is done with a room (committed,
     aborted, timed out). The receiver stops accepting writes for it (so a late write can
     never land in pages that now belong to another request) and forgets it.
+    ``release_because(room, reason)`` (base class, for an aborted room) also keeps the
+    reason for a while: a backend refuses a later write with
+    :meth:`RoomTable.refusal`, so its sender reports why the room ended.
 
 ``fail_peer(instance_id, reason)`` -- the control plane, when its own liveness signal
     (bootstrap lease expired, heartbeat missed) says a peer is gone. Every non-terminal
@@ -103,6 +106,7 @@ import abc
 import asyncio
 import base64
 import bisect
+import collections
 import dataclasses
 import enum
 import functools
@@ -531,10 +535,15 @@ class RoomTable:
     terminal states stick, waiters wake on terminal states. Not thread-safe: touch it
     from the transport's event loop only."""
 
+    # Release reasons kept for late writes: a bounded number, the newest (a write comes
+    # late by the sender's reaction time, not by thousands of rooms).
+    RELEASE_REASONS_KEPT = 4096
+
     def __init__(self) -> None:
         self._states: dict[int, RoomStatus] = {}
         self._events: dict[int, asyncio.Event] = {}
         self._listeners: list[Callable[[int], None]] = []
+        self._release_reasons: collections.OrderedDict[int, str] = collections.OrderedDict()
 
     def add_listener(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(room)`` each time a room turns terminal (SUCCESS or FAILED),
@@ -585,6 +594,26 @@ class RoomTable:
             return self._states[room]
         except KeyError:
             raise UnknownRoom(f"room {room} is not tracked by this transport") from None
+
+    def note_release(self, room: int, reason: str) -> None:
+        """Remember why ``room`` is being released, for :meth:`refusal`."""
+        self._release_reasons[room] = reason
+        self._release_reasons.move_to_end(room)
+        while len(self._release_reasons) > self.RELEASE_REASONS_KEPT:
+            self._release_reasons.popitem(last=False)
+
+    def release_reason(self, room: int) -> str | None:
+        """The reason noted for ``room``'s release, if any (and still kept)."""
+        return self._release_reasons.get(room)
+
+    def refusal(self, room: int) -> str:
+        """Why a receiver refuses a write for ``room``, which it does not track. A room
+        released for a noted reason says so: a sender whose write was a moment late then
+        reports the cause (say, the decode found the metadata corrupt on another TP
+        rank), not only that the room is gone."""
+        why = self.release_reason(room)
+        text = f"room {room} is not advertised here (never, or already released)"
+        return text if why is None else f"{text}; it was released because: {why}"
 
     def discard(self, room: int) -> None:
         self._states.pop(room, None)
@@ -680,6 +709,13 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def release(self, room: int) -> None:
         """Forget ``room``; a receiver rejects any later write for it."""
+
+    def release_because(self, room: int, reason: str) -> None:
+        """:meth:`release`, for a room ended early (aborted): a write for it that comes
+        afterwards is refused with ``reason`` in the refusal (:meth:`RoomTable.refusal`),
+        so its sender reports why the room ended."""
+        self.rooms.note_release(room, reason)
+        self.release(room)
 
     @abc.abstractmethod
     def fail_peer(self, instance_id: str, reason: str) -> None:

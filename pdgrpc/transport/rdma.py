@@ -791,7 +791,7 @@ class RdmaTransport(Transport):
         rr = self._recv_rooms.get(room)
         reason = None
         if rr is None or room not in self.rooms:
-            reason = f"room {room} is not advertised (unknown or released)"
+            reason = self.rooms.refusal(room)
         elif self.rooms.status(room).state.is_terminal:
             reason = f"room {room} is already {self.rooms.status(room).state.name}"
         else:
@@ -856,7 +856,7 @@ class RdmaTransport(Transport):
         rr = self._recv_rooms.get(room)
         region = self._regions.get(region_id)
         if rr is None or room not in self.rooms:
-            reason: str | None = f"room {room} is not advertised (unknown or released)"
+            reason: str | None = self.rooms.refusal(room)
         elif self.rooms.status(room).state.is_terminal:
             reason = f"room {room} is already {self.rooms.status(room).state.name}"
         elif len(row) != length:
@@ -920,10 +920,11 @@ class RdmaTransport(Transport):
             for token in list(rr.tokens):
                 self._worker.cancel(token)
             open_room = room in self.rooms and not self.rooms.status(room).state.is_terminal
+            why = self.rooms.release_reason(room)
             for conn_id in rr.pending:
                 conn = self._recv_conns.get(conn_id)
                 if conn is not None and open_room:
-                    self._nack(conn, room, f"room {room} was released by the receiver")
+                    self._nack(conn, room, f"room {room} was released by the receiver" + (f": {why}" if why else ""))
         sroom = self._send_rooms.pop(room, None)
         if sroom is not None:
             sroom.conn.rooms.discard(room)

@@ -606,7 +606,7 @@ class TcpTransport(Transport):
         rr = self._recv.get(room)
         reason: str | None = None
         if rr is None:
-            reason = f"room {room} is not advertised here (never, or already released)"
+            reason = self.rooms.refusal(room)
         else:
             rr.peers.add(conn.peer_id or "")
             state = self.rooms.status(room).state

@@ -338,7 +338,7 @@ class TransportConformance:
                 }
                 for room, (pages, slot) in grants.items():
                     recv.t.advertise(RoomGrant.of(room, pages, slot))
-                recv.t.release(late)
+                recv.t.release_because(late, "aborted by the test: its metadata row was corrupt")
                 before = recv.snapshot()
                 w = lambda dst_region, dst_off, n, src_off=0: (0, src_off, dst_region, dst_off, n)  # noqa: E731
                 bad_writes = {
@@ -370,6 +370,9 @@ class TransportConformance:
                 for room, (state, reason) in sent.items():
                     assert state == KVPoll.FAILED, (room, state, reason)
                     assert reason, room
+                # a write that came after an abort says why the room was released
+                assert "its metadata row was corrupt" in sent[late][1], sent[late]
+                assert "its metadata row was corrupt" not in sent[unknown][1], sent[unknown]
                 # nothing landed outside what was granted, and nothing at all for rooms
                 # whose every op was bad
                 allowed: dict[int, set[int]] = {rid: set() for rid in layout.region_ids()}

@@ -12,7 +12,11 @@ prefill) and how to misbehave (``mode``):
 * ``"hang"``     -- never answer the handshake;
 * ``"hold"``     -- accept the handshake and never write (a prefill still computing);
 * ``"stray"``    -- write the pages 100 pages away from where decode said (the decode's
-  transport must reject the write and fail the room).
+  transport must reject the write and fail the room);
+* ``"late"``     -- accept the handshake, write only once the decode's AbortRoom came (a
+  prefill rank whose write trails the decode's abort).
+
+Each room's final status as the sender saw it is kept in ``FakeWorker.sent``.
 
 ``transport="fake"`` builds workers on the fake backend; they accept handshakes and
 write nothing (the fake backend moves no bytes).
@@ -38,6 +42,7 @@ from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout, row_from
 from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 from pdgrpc.transport import registry
+from pdgrpc.transport.base import RoomStatus
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import bootstrap_pb2_grpc as bpb_grpc
 from pdgrpc.v1 import handshake_pb2 as hpb
@@ -81,6 +86,7 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         self.aborts: list[hpb.AbortRoomRequest] = []
         self.got_handshake = asyncio.Event()
         self.got_abort = asyncio.Event()
+        self.sent: dict[int, RoomStatus] = {}  # room -> the sender's final status
         self.rpc: RpcServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._send = MetadataBuffers(_SEND_SLOTS, metadata_layout())
@@ -131,6 +137,8 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         try:
             if self.owner.send_delay_s:
                 await asyncio.sleep(self.owner.send_delay_s)
+            if self.owner.mode == "late":
+                await self.got_abort.wait()
             first = engine.prefill_chunk(PrefillRequest(prompt.input_ids, tuple(pages), prompt.sampling), 0, len(prompt.input_ids))
             assert first is not None
             dst = [p + 100 for p in request.dst_pages] if self.owner.mode == "stray" else list(request.dst_pages)
@@ -141,7 +149,7 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             meta_dst = peer.descriptor.region(METADATA_REGION_ID)
             meta = metadata_op(self.regions[-1], slot, meta_dst, request.dst_slot)
             await self.transport.write(peer, room, ops, metadata=meta)
-            await self.transport.wait(room, 10.0)
+            self.sent[room] = await self.transport.wait(room, 10.0)
         finally:
             self.transport.release(room)
             engine.free_pages(pages)

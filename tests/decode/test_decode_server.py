@@ -23,6 +23,7 @@ from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import Scrape, scrape
 from pdgrpc.serving import engine_config_from_args, sampling_to_proto
 from pdgrpc.v1 import bootstrap_pb2 as bpb
@@ -237,6 +238,27 @@ async def test_client_cancel_sends_abort_room_and_frees_everything(stub: decode_
     assert "cancel" in prefill.workers[0].aborts[0].reason
     await assert_nothing_held(stub)
     assert await outcomes.changed() == {"aborted": 1, "aborted:cancelled": 1}
+
+
+async def test_a_write_after_the_abort_is_refused_naming_the_abort(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill) -> None:
+    # A prefill (or one of its TP ranks) whose write comes a moment after the decode
+    # aborted the room learns why the room ended, not only that it is gone: that is the
+    # reason the prefill reports, and the client reads.
+    prefill.mode = "late"
+    req = make_request(prefill, "abort me first", 8)
+    call = stub.Decode(req, timeout=60)
+    await asyncio.wait_for(prefill.workers[0].got_handshake.wait(), 10)
+    call.cancel()
+    await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
+    worker = prefill.workers[0]
+    for _ in range(500):
+        if req.bootstrap_room in worker.sent:
+            break
+        await asyncio.sleep(0.02)
+    st = worker.sent[req.bootstrap_room]
+    assert st.state is KVPoll.FAILED, st
+    assert "released because" in (st.reason or "") and "cancelled" in (st.reason or ""), st.reason
+    await assert_nothing_held(stub)
 
 
 async def test_dp_rank_resolved_through_query_missing_then_found(stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine) -> None:
