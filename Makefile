@@ -22,5 +22,10 @@ typecheck: setup
 	$(PY) -m mypy
 	$(PY) -m mypy --strict pdgrpc/state pdgrpc/metrics
 
+# One benchmark, e.g. `make bench BENCH=e2e` (python -m pdgrpc.bench --help lists them).
+BENCH ?= state
+bench: setup
+	$(PY) -m pdgrpc.bench $(BENCH) $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache
