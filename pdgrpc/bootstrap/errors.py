@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdgrpc.errors import BootstrapError, CompatibilityError
 
 
-class InvalidRequest(BootstrapError, ValueError):
+class InvalidBootstrapRequest(BootstrapError, ValueError):
     """Malformed request: room 0, dp rank out of range, batch over the limit, bad sizes.
     → ``INVALID_ARGUMENT``."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pdgrpc.bootstrap.errors import InvalidRequest, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
@@ -34,12 +34,12 @@ def _show(info: pb.ParallelInfo, field: str) -> str:
 
 
 def check_parallel_info(info: pb.ParallelInfo) -> None:
-    """Raise :class:`InvalidRequest` unless ``info`` is usable on its own."""
+    """Raise :class:`InvalidBootstrapRequest` unless ``info`` is usable on its own."""
     for field in ("tp_size", "dp_size", "pp_size", "page_size"):
         if getattr(info, field) < 1:
-            raise InvalidRequest(f"parallel_info.{field} must be >= 1, got {getattr(info, field)}")
+            raise InvalidBootstrapRequest(f"parallel_info.{field} must be >= 1, got {getattr(info, field)}")
     if info.load_balance_method == pb.LOAD_BALANCE_METHOD_UNSPECIFIED:
-        raise InvalidRequest("parallel_info.load_balance_method must be set (it is LOAD_BALANCE_METHOD_UNSPECIFIED)")
+        raise InvalidBootstrapRequest("parallel_info.load_balance_method must be set (it is LOAD_BALANCE_METHOD_UNSPECIFIED)")
 
 
 class WorkerRegistry:
@@ -82,9 +82,9 @@ class WorkerRegistry:
                     raise TopologyMismatch(field, _show(self._info, field), _show(info, field))
         for rank, size in (("dp_rank", info.dp_size), ("tp_rank", info.tp_size), ("pp_rank", info.pp_size)):
             if getattr(worker, rank) >= size:
-                raise InvalidRequest(f"worker.{rank} {getattr(worker, rank)} is outside [0, {size})")
+                raise InvalidBootstrapRequest(f"worker.{rank} {getattr(worker, rank)} is outside [0, {size})")
         if not worker.transfer_address:
-            raise InvalidRequest("worker.transfer_address must be set (host:port of its handshake service)")
+            raise InvalidBootstrapRequest("worker.transfer_address must be set (host:port of its handshake service)")
         if self._info is None:
             self._info = pb.ParallelInfo()
             self._info.CopyFrom(info)
@@ -112,11 +112,11 @@ class WorkerRegistry:
         info = self._info
         assert info is not None
         if dp_rank >= info.dp_size:
-            raise InvalidRequest(f"dp_rank {dp_rank} is outside [0, dp_size={info.dp_size})")
+            raise InvalidBootstrapRequest(f"dp_rank {dp_rank} is outside [0, dp_size={info.dp_size})")
         wanted = set(tp_ranks)
         for tp in wanted:
             if tp >= info.tp_size:
-                raise InvalidRequest(f"tp_rank {tp} is outside [0, tp_size={info.tp_size})")
+                raise InvalidBootstrapRequest(f"tp_rank {tp} is outside [0, tp_size={info.tp_size})")
         return [
             self._workers[(dp_rank, tp, pp)]
             for tp in range(info.tp_size)

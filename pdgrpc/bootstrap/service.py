@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from pdgrpc.bootstrap import wire
-from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
 from pdgrpc.errors import PdgrpcError
@@ -39,7 +39,7 @@ _SMALL_BATCH = 16  # rooms; smaller calls use the generated classes, larger the 
 _SMALL_MESSAGE = 256  # bytes; ditto for requests
 
 STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidBootstrapRequest: grpc.StatusCode.INVALID_ARGUMENT,
     RoomConflict: grpc.StatusCode.ALREADY_EXISTS,
     TopologyMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     WorkersPending: grpc.StatusCode.UNAVAILABLE,
@@ -91,7 +91,7 @@ class BootstrapServicer:
             n = len(rooms)
             self._check_batch(n)
             result = self.table.register(rooms, ranks, self.clock(), dp_size=self.registry.dp_size)
-        except (InvalidRequest, RoomConflict) as exc:
+        except (InvalidBootstrapRequest, RoomConflict) as exc:
             self.metrics.on_dp_rank_registration_failed(n)
             await _abort(context, exc)
         self.metrics.on_dp_rank_registration(n)
@@ -110,7 +110,7 @@ class BootstrapServicer:
                 return pb.QueryDpRanksResponse(entries=entries, missing_rooms=missing).SerializeToString()
             found_a, ranks_a, missing_a = self.table.query_array(np.array(rooms, np.uint64), self.clock())
             self.metrics.on_dp_rank_query(len(rooms), missing=len(missing_a))
-        except InvalidRequest as exc:
+        except InvalidBootstrapRequest as exc:
             self.metrics.on_dp_rank_query_failed(len(rooms))
             await _abort(context, exc)
         if request.found_ranks_only:  # packed arrays: protobuf's C encoder is fast for these
@@ -119,12 +119,12 @@ class BootstrapServicer:
 
     def _check_batch(self, n: int) -> None:
         if n > self.table.max_batch:
-            raise InvalidRequest(f"batch of {n} rooms is over the limit of {self.table.max_batch} per call; split it")
+            raise InvalidBootstrapRequest(f"batch of {n} rooms is over the limit of {self.table.max_batch} per call; split it")
 
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext) -> pb.RegisterWorkerResponse:
         try:
             generation, registered, expected = self.registry.register(request.worker, request.parallel_info)
-        except (InvalidRequest, TopologyMismatch) as exc:
+        except (InvalidBootstrapRequest, TopologyMismatch) as exc:
             await _abort(context, exc)
         w = request.worker
         log.info(
@@ -144,7 +144,7 @@ class BootstrapServicer:
     async def GetWorkers(self, request: pb.GetWorkersRequest, context: grpc.aio.ServicerContext) -> pb.GetWorkersResponse:
         try:
             workers = self.registry.workers(request.dp_rank, request.tp_ranks)
-        except (InvalidRequest, WorkersPending) as exc:
+        except (InvalidBootstrapRequest, WorkersPending) as exc:
             await _abort(context, exc)
         return pb.GetWorkersResponse(workers=workers)
 

@@ -42,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict
 
 W = 16  # slots per bucket (_find_many relies on 16: one row of matches = two uint64 words)
 _M64 = (1 << 64) - 1
@@ -94,11 +94,11 @@ class RoomTable:
         """``seed`` fixes the hash (tests); ``ring_records`` sizes the ring (default: the
         power of two >= 2 * max_rooms; at least max_batch)."""
         if not ttl > 0:
-            raise InvalidRequest(f"ttl must be > 0 seconds, got {ttl}")
+            raise InvalidBootstrapRequest(f"ttl must be > 0 seconds, got {ttl}")
         if not 1 <= max_rooms <= 1 << 30:
-            raise InvalidRequest(f"max_rooms must be in [1, 2**30], got {max_rooms}")
+            raise InvalidBootstrapRequest(f"max_rooms must be in [1, 2**30], got {max_rooms}")
         if not 1 <= max_batch <= max_rooms:
-            raise InvalidRequest(f"max_batch must be in [1, max_rooms={max_rooms}], got {max_batch}")
+            raise InvalidBootstrapRequest(f"max_batch must be in [1, max_rooms={max_rooms}], got {max_batch}")
         self.ttl = float(ttl)
         self.max_rooms = max_rooms
         self.max_batch = max_batch
@@ -143,14 +143,14 @@ class RoomTable:
     ) -> RegisterResult:
         """Register ``rooms[i] → ranks[i]``, all or none.
 
-        Raises :class:`InvalidRequest` (room 0, batch over ``max_batch``, a rank outside
+        Raises :class:`InvalidBootstrapRequest` (room 0, batch over ``max_batch``, a rank outside
         ``[0, dp_size)`` when ``dp_size`` is given) or :class:`RoomConflict` (a room
         registered, here or earlier in the same batch, with a different rank).
         Re-registering with the same rank renews the room's TTL.
         """
         n = len(rooms)
         if n != len(ranks):
-            raise InvalidRequest(f"{n} rooms but {len(ranks)} ranks")
+            raise InvalidBootstrapRequest(f"{n} rooms but {len(ranks)} ranks")
         self._check_batch(n)
         now = self._advance(now)
         if n <= _SMALL:
@@ -160,7 +160,7 @@ class RoomTable:
     def query(self, rooms: Sequence[int] | np.ndarray, now: float) -> tuple[list[int], list[int], list[int]]:
         """Look rooms up: ``(found_rooms, their_ranks, missing_rooms)``, each in request
         order. Unknown or expired rooms are missing, not an error; room 0 and batches
-        over ``max_batch`` raise :class:`InvalidRequest`."""
+        over ``max_batch`` raise :class:`InvalidBootstrapRequest`."""
         n = len(rooms)
         self._check_batch(n)
         if n <= _SMALL:
@@ -169,7 +169,7 @@ class RoomTable:
             missing: list[int] = []
             for room in rooms:
                 if room == 0:
-                    raise InvalidRequest("bootstrap_room 0 is invalid: 0 means not written")
+                    raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
                 s = self._find(room)
                 if s >= 0 and self._alive(s, now):
                     found.append(room)
@@ -184,7 +184,7 @@ class RoomTable:
         """:meth:`query` on and to numpy arrays (uint64 rooms; uint32 ranks)."""
         self._check_batch(len(keys))
         if not keys.all():
-            raise InvalidRequest("bootstrap_room 0 is invalid: 0 means not written")
+            raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
         slots = self._find_many(keys)
         hit = slots >= 0
         hs = slots[hit]
@@ -210,7 +210,7 @@ class RoomTable:
 
     def _check_batch(self, n: int) -> None:
         if n > self.max_batch:
-            raise InvalidRequest(f"batch of {n} rooms is over the limit of {self.max_batch} per call; split it")
+            raise InvalidBootstrapRequest(f"batch of {n} rooms is over the limit of {self.max_batch} per call; split it")
 
     def _advance(self, now: float) -> float:
         # The ring is kept in time order, so time never runs backwards here.
@@ -395,7 +395,7 @@ class RoomTable:
         n = len(keys)
         if not keys.all():
             i = int(np.argmin(keys != 0))
-            raise InvalidRequest(f"entries[{i}]: bootstrap_room 0 is invalid: 0 means not written")
+            raise InvalidBootstrapRequest(f"entries[{i}]: bootstrap_room 0 is invalid: 0 means not written")
         bad = (ranks < 0) | (ranks > _M32) if dp_size is None else (ranks < 0) | (ranks >= dp_size)
         if bad.any():
             i = int(np.argmax(bad))
@@ -437,10 +437,10 @@ class RoomTable:
     @staticmethod
     def _check_entry(room: int, rank: int, dp_size: int | None) -> None:
         if room == 0:
-            raise InvalidRequest("bootstrap_room 0 is invalid: 0 means not written")
+            raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
         if not 0 <= room <= _M64:
-            raise InvalidRequest(f"bootstrap_room {room} is not a uint64")
+            raise InvalidBootstrapRequest(f"bootstrap_room {room} is not a uint64")
         if dp_size is not None and not 0 <= rank < dp_size:
-            raise InvalidRequest(f"bootstrap_room {room}: dp_rank {rank} is outside [0, dp_size={dp_size})")
+            raise InvalidBootstrapRequest(f"bootstrap_room {room}: dp_rank {rank} is outside [0, dp_size={dp_size})")
         if not 0 <= rank <= _M32:
-            raise InvalidRequest(f"bootstrap_room {room}: dp_rank {rank} is not a uint32")
+            raise InvalidBootstrapRequest(f"bootstrap_room {room}: dp_rank {rank} is not a uint32")

@@ -17,10 +17,10 @@ from typing import Iterable
 
 from pdgrpc.errors import ConfigError, SlotError
 
-__all__ = ["PageAllocator"]
+__all__ = ["FifoPageAllocator"]
 
 
-class PageAllocator:
+class FifoPageAllocator:
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ConfigError(f"num_pages must be > 0, got {num_pages}")

@@ -30,7 +30,7 @@ from pdgrpc.engine.base import (
 )
 from pdgrpc.engine.layout import KVLayout, kv_dtype_from_name
 from pdgrpc.engine.model import AllReduce, ModelConfig, ModelShard, SegmentBatch
-from pdgrpc.engine.pages import PageAllocator
+from pdgrpc.engine.pages import FifoPageAllocator
 from pdgrpc.engine.sampling import sample_rows
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import ConfigError
@@ -141,7 +141,7 @@ class ReferenceEngine(Engine):
             alloc = host_zeros if config.kv_huge_pages else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
             self._k = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
             self._v = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
-        self._pages = PageAllocator(config.num_pages)
+        self._pages = FifoPageAllocator(config.num_pages)
         self._tokenizer = ByteTokenizer()
 
     # ---- identity and layout ----------------------------------------------------------

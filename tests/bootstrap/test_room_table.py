@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdgrpc.bootstrap.errors import InvalidRequest, RoomConflict
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict
 from pdgrpc.bootstrap.table import W, RoomTable
 
 
@@ -55,19 +55,19 @@ def test_register_then_query_batch(n: int) -> None:
 def test_room_zero_is_refused_and_changes_nothing(n: int) -> None:
     t = RoomTable(max_rooms=100, max_batch=64)
     rooms = list(range(1, n)) + [0]
-    with pytest.raises(InvalidRequest, match="0 means not written"):
+    with pytest.raises(InvalidBootstrapRequest, match="0 means not written"):
         t.register(rooms, [0] * n, now=0)
     assert len(t) == 0
-    with pytest.raises(InvalidRequest, match="0 means not written"):
+    with pytest.raises(InvalidBootstrapRequest, match="0 means not written"):
         t.query(rooms, now=0)
 
 
 @pytest.mark.parametrize("n", [1, 40])
 def test_batch_over_the_limit_is_refused(n: int) -> None:
     t = RoomTable(max_rooms=100, max_batch=n)
-    with pytest.raises(InvalidRequest, match=f"limit of {n}"):
+    with pytest.raises(InvalidBootstrapRequest, match=f"limit of {n}"):
         t.register(list(range(1, n + 2)), [0] * (n + 1), now=0)
-    with pytest.raises(InvalidRequest, match=f"limit of {n}"):
+    with pytest.raises(InvalidBootstrapRequest, match=f"limit of {n}"):
         t.query(list(range(1, n + 2)), now=0)
     assert len(t) == 0
 
@@ -76,7 +76,7 @@ def test_batch_over_the_limit_is_refused(n: int) -> None:
 def test_rank_range_checked_only_once_dp_size_is_known(n: int) -> None:
     t = RoomTable(max_rooms=100, max_batch=64)
     rooms = list(range(1, n + 1))
-    with pytest.raises(InvalidRequest, match=r"dp_rank 7 is outside \[0, dp_size=4\)"):
+    with pytest.raises(InvalidBootstrapRequest, match=r"dp_rank 7 is outside \[0, dp_size=4\)"):
         t.register(rooms, [1] * (n - 1) + [7], now=0, dp_size=4)
     assert len(t) == 0
     t.register(rooms, [1] * (n - 1) + [7], now=0)  # topology unknown: accepted
@@ -180,11 +180,11 @@ def test_renewals_cannot_grow_memory() -> None:
 
 
 def test_validates_configuration() -> None:
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidBootstrapRequest):
         RoomTable(ttl=0)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidBootstrapRequest):
         RoomTable(max_rooms=10, max_batch=11)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidBootstrapRequest):
         RoomTable(max_rooms=0, max_batch=1)
 
 
@@ -250,16 +250,16 @@ class Model:
 
     def query(self, rooms: list[int], now: float) -> tuple[list[int], list[int], list[int]]:
         if len(rooms) > self.max_batch or 0 in rooms:
-            raise InvalidRequest("")
+            raise InvalidBootstrapRequest("")
         found = [r for r in rooms if r in self.rooms and self.rooms[r][2] + self.ttl > now]
         return found, [self.rooms[r][0] for r in found], [r for r in rooms if r not in found]
 
     def register(self, rooms: list[int], ranks: list[int], now: float, dp_size: int | None) -> tuple[int, int, int]:
         if len(rooms) > self.max_batch:
-            raise InvalidRequest("")
+            raise InvalidBootstrapRequest("")
         self.now = now = max(now, self.now)
         if any(r == 0 or (dp_size is not None and k >= dp_size) for r, k in zip(rooms, ranks)):
-            raise InvalidRequest("")
+            raise InvalidBootstrapRequest("")
         want: dict[int, int] = {}
         for r, k in zip(rooms, ranks):
             if want.setdefault(r, k) != k:
@@ -320,7 +320,7 @@ def test_matches_reference_model(ops: list, ttl: float, max_rooms: int, small_ri
             rooms, ranks = [pool[i] for i, _ in args], [k for _, k in args]
             try:
                 want = m.register(rooms, ranks, now, dp_size)
-            except (InvalidRequest, RoomConflict) as exc:
+            except (InvalidBootstrapRequest, RoomConflict) as exc:
                 with pytest.raises(type(exc)):
                     t.register(rooms, ranks, now, dp_size=dp_size)
             else:
@@ -330,8 +330,8 @@ def test_matches_reference_model(ops: list, ttl: float, max_rooms: int, small_ri
             rooms = [pool[i] for i in args]
             try:
                 want_q = m.query(rooms, now)
-            except InvalidRequest:
-                with pytest.raises(InvalidRequest):
+            except InvalidBootstrapRequest:
+                with pytest.raises(InvalidBootstrapRequest):
                     t.query(rooms, now)
             else:
                 assert t.query(rooms, now) == want_q

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdgrpc.bootstrap.errors import InvalidRequest, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
@@ -80,7 +80,7 @@ def test_restart_bumps_generation_and_replaces_entry() -> None:
 )
 def test_invalid_registrations(w: pb.WorkerInfo, i: pb.ParallelInfo, match: str) -> None:
     r = WorkerRegistry()
-    with pytest.raises(InvalidRequest, match=match):
+    with pytest.raises(InvalidBootstrapRequest, match=match):
         r.register(w, i)
     assert r.info is None
 
@@ -88,7 +88,7 @@ def test_invalid_registrations(w: pb.WorkerInfo, i: pb.ParallelInfo, match: str)
 def test_get_workers_checks_ranks() -> None:
     r = WorkerRegistry()
     r.register(worker(0, 0), info(dp_size=1, tp_size=1))
-    with pytest.raises(InvalidRequest, match="dp_rank 1"):
+    with pytest.raises(InvalidBootstrapRequest, match="dp_rank 1"):
         r.workers(1)
-    with pytest.raises(InvalidRequest, match="tp_rank 3"):
+    with pytest.raises(InvalidBootstrapRequest, match="tp_rank 3"):
         r.workers(0, [3])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdgrpc.engine.pages import PageAllocator
+from pdgrpc.engine.pages import FifoPageAllocator
 from pdgrpc.errors import ConfigError, SlotError
 
 
 def test_exhaustion_returns_none_and_takes_nothing() -> None:
-    a = PageAllocator(5)
+    a = FifoPageAllocator(5)
     got = a.alloc(3)
     assert got is not None and len(set(got)) == 3
     assert a.alloc(3) is None
@@ -19,7 +19,7 @@ def test_exhaustion_returns_none_and_takes_nothing() -> None:
 
 
 def test_freed_pages_come_back_and_reuse_is_fifo() -> None:
-    a = PageAllocator(4)
+    a = FifoPageAllocator(4)
     first = a.alloc(4)
     assert first is not None
     a.free([first[2], first[0]])
@@ -28,7 +28,7 @@ def test_freed_pages_come_back_and_reuse_is_fifo() -> None:
 
 
 def test_double_free_and_foreign_pages_raise_and_change_nothing() -> None:
-    a = PageAllocator(4)
+    a = FifoPageAllocator(4)
     pages = a.alloc(2)
     assert pages is not None
     a.free([pages[0]])
@@ -45,6 +45,6 @@ def test_double_free_and_foreign_pages_raise_and_change_nothing() -> None:
 
 def test_bad_sizes_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="num_pages"):
-        PageAllocator(0)
+        FifoPageAllocator(0)
     with pytest.raises(ConfigError, match="n must be >= 0"):
-        PageAllocator(2).alloc(-1)
+        FifoPageAllocator(2).alloc(-1)
