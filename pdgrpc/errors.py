@@ -8,9 +8,40 @@ narrower subclasses in their own modules; the branches below are the shared ones
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module loads before grpc is configured
+    import grpc
+
+    from pdgrpc.metrics.reasons import AnyAbortReason
+
 
 class PdgrpcError(Exception):
     """Base class of every error pdgrpc raises."""
+
+
+class RequestFailed(PdgrpcError):
+    """The one outcome of a request that ends without (further) output, from the transport
+    up to the router: ``code`` (the gRPC status its caller gets), ``reason`` (why, for
+    ``pdgrpc_aborts_total``: a :class:`~pdgrpc.state.outcomes.AbortReason` or a
+    :class:`~pdgrpc.metrics.catalog.ServerAbortReason`) and ``message`` (for people).
+
+    Raised where a request is refused or fails, queued where a stream reads it, and turned
+    into the RPC's status at the servicer. Decisions read ``code`` and ``reason``, never
+    the text of ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: AnyAbortReason | None = None) -> None:
+        super().__init__(message)
+        if reason is None:
+            from pdgrpc.metrics.catalog import ServerAbortReason
+
+            reason = ServerAbortReason.INTERNAL_ERROR
+        self.code = code
+        self.message = message
+        self.reason: AnyAbortReason = reason
+
+    def __repr__(self) -> str:
+        return f"RequestFailed({self.code.name}, {self.message!r}, {self.reason!r})"
 
 
 class ConfigError(PdgrpcError, ValueError):

@@ -39,7 +39,7 @@ from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, ServerAbortReason, derived_metrics_port, start_metrics_from_args
 from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
-from pdgrpc.prefill.errors import WorkerLinkLost
+from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
 from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
 from pdgrpc.prefill.registrar import DpRankRegistrar
 from pdgrpc.prefill.services import PREFILL_SERVICE
@@ -80,13 +80,6 @@ class WorkerHandle:
     @property
     def name(self) -> str:
         return f"dp{self.rank}" if self.tp_size == 1 else f"dp{self.rank}.tp{self.tp_rank}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    code: grpc.StatusCode
-    message: str
-    dead: bool = False  # the worker died
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -153,7 +146,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         for w in group:
             w.in_flight += 1
         request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register, defer=True)
-        tasks: list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]] = []
+        tasks: list[asyncio.Future[prefill_pb2.PrefillResponse | RequestFailed]] = []
         try:
             if len(group) == 1:  # one worker (TP 1): no fan-out to watch, no task per call
                 results = [await self._forward(room, group[0], request)]
@@ -165,10 +158,11 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 t.cancel()
             for w in group:
                 w.in_flight -= 1
-        failure = next((r for r in results if isinstance(r, _Failed)), None)
+        failure = next((r for r in results if isinstance(r, RequestFailed)), None)
         if failure is not None:
-            if failure.dead:
-                self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
+            # A worker counts the failures it answers; a dead worker's requests are counted here.
+            if failure.reason is ServerAbortReason.PEER_FAILURE and not isinstance(failure, LinkCallFailed):
+                self.metrics.on_abort(failure.reason)
                 request_event(log, room, "failed", reason=failure.message)
             await _abort(context, failure.code, failure.message)
         resps = cast("list[prefill_pb2.PrefillResponse]", results)
@@ -182,26 +176,26 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             compute_seconds=max(r.compute_seconds for r in resps),
         )
 
-    async def _gather(self, tasks: "list[asyncio.Future[prefill_pb2.PrefillResponse | _Failed]]") -> "list[prefill_pb2.PrefillResponse | _Failed]":
+    async def _gather(self, tasks: "list[asyncio.Future[prefill_pb2.PrefillResponse | RequestFailed]]") -> "list[prefill_pb2.PrefillResponse | RequestFailed]":
         """Every worker's answer; on the first failure the other calls are cancelled and
         the answer is ``[failure]``."""
         pending = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failure = next((r for t in tasks if t in done and isinstance(r := t.result(), _Failed)), None)
+            failure = next((r for t in tasks if t in done and isinstance(r := t.result(), RequestFailed)), None)
             if failure is not None:
                 for t in pending:
                     t.cancel()  # cancels that worker's call
                 return [failure]
         return [t.result() for t in tasks]
 
-    async def _forward(self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest) -> "prefill_pb2.PrefillResponse | _Failed":
-        """One worker's answer to a forwarded Prefill (a failure as :class:`_Failed`)."""
+    async def _forward(self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest) -> "prefill_pb2.PrefillResponse | RequestFailed":
+        """One worker's answer to a forwarded Prefill (a failure as :class:`RequestFailed`)."""
         assert w.link is not None
         try:
             return await w.link.prefill(request)
         except LinkCallFailed as exc:
-            return _Failed(exc.code, exc.message)
+            return exc
         except WorkerLinkLost:
             if not w.gone.is_set():
                 # The socket closes a moment before the exit is noticed: let _watch handle
@@ -212,8 +206,9 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                     pass
             if not w.alive or w.proc.returncode is not None:
                 w.exit_code = w.proc.returncode
-                return _Failed(C.UNAVAILABLE, f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})", dead=True)
-            return _Failed(C.UNAVAILABLE, f"room {room}: the link to prefill worker {w.name} broke (see the log); it is stopping")
+                died = f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})"
+                return RequestFailed(C.UNAVAILABLE, died, ServerAbortReason.PEER_FAILURE)
+            return RequestFailed(C.UNAVAILABLE, f"room {room}: the link to prefill worker {w.name} broke (see the log); it is stopping")
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         total = common_pb2.ResourceStats()

@@ -36,6 +36,7 @@ from typing import Sequence
 import grpc
 
 from pdgrpc.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
+from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
@@ -110,17 +111,6 @@ class RouterConfig:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
 
 
-class _Failure(Exception):
-    """A request failed upstream; ``code`` and ``message`` go to the client, ``cause``
-    (which side failed) to ``pdgrpc_aborts_total``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, cause: ServerAbortReason = ServerAbortReason.DECODE_ERROR) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.cause = cause
-
-
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
     # An upstream CANCELLED the client did not ask for (a server shutting down) would read
     # as "you cancelled" to the client; it is an aborted request.
@@ -156,7 +146,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             # max() first: a Python loop over every id costs ~0.1 ms right on the request's path.
             bad = next((i for i, t in enumerate(ids) if t >= VOCAB_SIZE), None) if max(ids) >= VOCAB_SIZE else None
             if bad is not None:
-                raise _Failure(
+                raise RequestFailed(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"input_ids[{bad}] = {request.input_ids[bad]} is not a token id in [0, {VOCAB_SIZE})",
                 )
@@ -180,7 +170,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         request_id = request.request_id or f"r{room:016x}"
         try:
             input_ids = self._input_ids(request)
-        except _Failure as f:
+        except RequestFailed as f:
             self.metrics.on_refused()
             request_event(log, room, "refused", level=logging.WARNING, request_id=request_id, reason=f.message)
             await context.abort(f.code, f.message)
@@ -230,9 +220,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 prefill_dp_rank="-" if reply is None else reply.dp_rank,
                 bytes_transferred="-" if reply is None else reply.bytes_transferred,
             )
-        except _Failure as f:
+        except RequestFailed as f:
             outcome = "failed"
-            self.metrics.on_abort(f.cause)
+            self.metrics.on_abort(f.reason)
             request_event(log, room, "failed", level=logging.WARNING, request_id=request_id, code=f.code.name, reason=f.message)
             await context.abort(f.code, f.message)
         finally:
@@ -256,7 +246,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return await call
         except grpc.RpcError as exc:
             code, details = _describe(exc)
-            raise _Failure(_client_code(code), f"prefill {address} failed: {code.name}: {details}", ServerAbortReason.PREFILL_ERROR) from None
+            message = f"prefill {address} failed: {code.name}: {details}"
+            raise RequestFailed(_client_code(code), message, ServerAbortReason.PREFILL_ERROR) from None
 
     async def _relay(
         self,
@@ -268,7 +259,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         decode_address: str,
     ) -> int:
         """Forward the decode's messages to the client until the stream ends; raise
-        :class:`_Failure` as soon as either side fails. Returns the token count."""
+        :class:`~pdgrpc.errors.RequestFailed` as soon as either side fails. Returns the token count."""
         text = self._tokenizer.stream_decoder()
         first = True
         count = 0
@@ -297,7 +288,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     raise await self._decode_failure(exc, decode_address, prefill_fut) from None
                 if msg is grpc.aio.EOF:
                     if first:
-                        raise _Failure(grpc.StatusCode.INTERNAL, f"decode {decode_address} ended the stream without a token")
+                        message = f"decode {decode_address} ended the stream without a token"
+                        raise RequestFailed(grpc.StatusCode.INTERNAL, message, ServerAbortReason.DECODE_ERROR)
                     return count
                 out = generate_pb2.GenerateResponse(
                     token_ids=msg.token_ids, text=text.feed(msg.token_ids), finish_reason=msg.finish_reason
@@ -323,7 +315,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     @staticmethod
     async def _decode_failure(
         exc: grpc.RpcError, address: str, prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse]
-    ) -> _Failure:
+    ) -> RequestFailed:
         code, details = _describe(exc)
         decode_msg = f"decode {address} failed: {code.name}: {details}"
         # A decode that failed because its prefill did reports less than the prefill: give
@@ -332,9 +324,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await asyncio.wait({prefill_fut}, timeout=_CAUSE_WINDOW_S)
         if prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None:
             cause = prefill_fut.exception()
-            assert isinstance(cause, _Failure)
-            return _Failure(cause.code, f"{cause.message} (and {decode_msg})", ServerAbortReason.PREFILL_ERROR)
-        return _Failure(_client_code(code), decode_msg)
+            assert isinstance(cause, RequestFailed)
+            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", ServerAbortReason.PREFILL_ERROR)
+        return RequestFailed(_client_code(code), decode_msg, ServerAbortReason.DECODE_ERROR)
 
 
 def service_names() -> Sequence[str]:
