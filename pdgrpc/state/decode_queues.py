@@ -22,9 +22,10 @@ quarantined slots/pages (acked or lease expired on *every* rank). The driver mus
 rank 0 broadcasts its scheduling input); if ranks still disagree on which room a slot
 holds, the poll detects it and aborts that request with ``TP_DESYNC`` instead of hanging.
 
-**Cost.** Per request event: O(1) dict/bytearray work. Per poll: a fixed number of tensor
-ops over all slots (no Python loop over the queue) plus Python work only for the slots
-whose reduced state changed, in admission order.
+**Cost.** Per request event: O(1) dict/bytearray work. One rank's poll: the per-slot rule
+(:meth:`DecodeQueues._votes`) for the slots whose vote may have changed (all slots in use
+when they are few: microseconds, no tensor; else a fixed number of tensor ops picks
+them). With a collective: the rule for every slot in use, one tensor each way.
 
 **Abort safety.** A request aborted after its handshake was sent keeps its slot and pages
 in quarantine: a late write from the prefill lands in memory nobody else owns. They return
@@ -72,9 +73,9 @@ Outcome = Union[Committed, Aborted]
 
 # Per-slot modes.
 _FREE, _TRANSFER, _QUARANTINE = 0, 1, 2
-# One rank polls slot by slot in Python up to this many slots in transfer or quarantine,
-# and with the tensor ops above it (their cost does not grow with the slot count).
-_SCALAR_POLL_MAX = 16
+# One rank's poll looks at every slot in use up to this many, and above it lets a few
+# tensor ops pick the slots that changed (~0.1 ms of ops against ~1 us per slot).
+_SCAN_ALL_MAX = 64
 _S = DecodeState
 
 
@@ -126,7 +127,7 @@ class DecodeQueues:
 
         n = buffers.num_slots
         # Per-slot state in Python buffers (cheap scalar writes per event) with torch views
-        # over the same memory (one vector op per poll step).
+        # over the same memory (for _candidates).
         self._mode = bytearray(n)
         self._local = bytearray(n)  # this rank's KVPoll
         self._reason = bytearray([REASON_NONE]) * n  # this rank's failure reason
@@ -141,7 +142,6 @@ class DecodeQueues:
         self._next_seq = 0
         self._mode_t = torch.frombuffer(self._mode, dtype=torch.uint8)
         self._local_t = torch.frombuffer(self._local, dtype=torch.uint8)
-        self._reason_t = torch.frombuffer(self._reason, dtype=torch.uint8)
         self._prev_t = torch.frombuffer(self._prev, dtype=torch.uint8)
         self._fake_t = torch.frombuffer(self._fake, dtype=torch.uint8)
         self._acked_t = torch.frombuffer(self._acked, dtype=torch.uint8)
@@ -153,7 +153,6 @@ class DecodeQueues:
         lut[KVPoll.BOOTSTRAPPING] = AbortReason.BOOTSTRAP_TIMEOUT
         lut[KVPoll.WAITING_FOR_INPUT] = AbortReason.WAITING_FOR_INPUT_TIMEOUT
         lut[KVPoll.TRANSFERRING] = AbortReason.TRANSFER_TIMEOUT
-        self._timeout_lut = torch.tensor(lut, dtype=torch.int64)
         self._timeout_reason = tuple(lut)
 
     # -- admission and dp rank --------------------------------------------------------
@@ -290,59 +289,110 @@ class DecodeQueues:
         return Aborted(r.room, reason, message, state.name, awaiting_ack=False)
 
     # -- the transfer poll ----------------------------------------------------------------
+    def poll_transfers(
+        self,
+        now: float,
+        all_reduce_min: AllReduceMin | None = None,
+        local_poll: Callable[[int], KVPoll] | None = None,
+    ) -> list[Outcome]:
+        """local poll -> metadata gate -> all-reduce MIN -> act.
+
+        With a collective (TP > 1) this is :meth:`prepare_poll`, the reduce and
+        :meth:`finish_poll`; call it on every rank at every step, also when nothing is in
+        flight (the collective must match). One rank has nothing to reduce: its own votes
+        are acted on directly, with no tensor (the decode loop polls whenever a transfer
+        lands, on the first token's path)."""
+        if all_reduce_min is not None:
+            return self.finish_poll(all_reduce_min(self.prepare_poll(now, local_poll)), now)
+        if not self._room_slot:
+            return []
+        self._apply_local_poll(local_poll)
+        votes = [(slot, s, reason, False) for slot, s, reason in self._votes(now, self._candidates(now))]
+        return self._act_on_votes(votes, now)
+
     def prepare_poll(self, now: float, local_poll: Callable[[int], KVPoll] | None = None) -> torch.Tensor:
-        """Steps 1-2: this rank's gated states as the ``int64[4, num_slots]`` poll tensor.
+        """Steps 1-2: this rank's votes as the ``int64[4, num_slots]`` poll tensor (the
+        same shape whatever the queue holds; a free slot votes SUCCESS for no room).
 
         ``local_poll(room)``, if given, is asked for every room in transfer (convenient; the
         O(1)-per-event path is :meth:`on_local_status` as reports arrive)."""
-        if local_poll is not None:
-            for room, slot in list(self._room_slot.items()):
-                if self._mode[slot] == _TRANSFER:
-                    self.on_local_status(room, local_poll(room))
-        mode = self._mode_t
-        transfer = mode == _TRANSFER
-        quarantine = mode == _QUARANTINE
-        expected = self._expected_t
-        gated, corrupt = transfer_poll.apply_metadata_gate(
-            self._local_t.long(), self.buffers.room_column(), expected, transfer & (self._fake_t == 0)
-        )
-        reason = self._reason_t.long()
-        reason = torch.where(corrupt, torch.clamp(reason, max=int(AbortReason.METADATA_CORRUPTION)), reason)
-        # Overdue in a transfer state (not already failed, not ready to commit).
-        overdue = transfer & (self._deadline_t < now) & (gated > KVPoll.FAILED) & (gated < KVPoll.SUCCESS)
-        reason = torch.where(overdue, torch.minimum(reason, self._timeout_lut[self._prev_t.long()]), reason)
-        gated = torch.where(overdue, int(KVPoll.FAILED), gated)
-        # Quarantined slots vote "release" (1) when acked or their lease is over here.
-        release = ((self._acked_t != 0) | (self._deadline_t < now)).long()
-        gated = torch.where(quarantine, release, gated)
-        gated = torch.where(mode == _FREE, int(KVPoll.SUCCESS), gated)
-        rooms = torch.where(mode != _FREE, expected, 0)
-        return torch.stack([gated, reason, rooms, -rooms])
+        self._apply_local_poll(local_poll)
+        n = self.buffers.num_slots
+        states, reasons, rooms = [int(KVPoll.SUCCESS)] * n, [REASON_NONE] * n, [0] * n
+        for slot, s, reason in self._votes(now, self._room_slot.values()):
+            states[slot], reasons[slot], rooms[slot] = s, reason, self._expected[slot]
+        t = torch.tensor([states, reasons, rooms, rooms], dtype=torch.int64)
+        t[NEG_ROOM].neg_()
+        return t
 
     def finish_poll(self, reduced: torch.Tensor, now: float) -> list[Outcome]:
         """Step 4: act on the all-reduced poll tensor; identical on every rank."""
         if reduced.shape != (POLL_ROWS, self.buffers.num_slots):
             raise StateError(f"reduced poll tensor has shape {tuple(reduced.shape)}, expected {(POLL_ROWS, self.buffers.num_slots)}")
-        mode = self._mode_t
-        transfer = mode == _TRANSFER
-        st = reduced[STATE]
-        desync = transfer & (reduced[ROOM] != -reduced[NEG_ROOM])
-        changed = transfer & ((st != self._prev_t.long()) | desync)
-        released = (mode == _QUARANTINE) & (st == 1)
-        idx = torch.nonzero(changed | released).flatten()
-        if idx.numel() == 0:
+        if not self._room_slot:
             return []
+        rows = reduced.tolist()
+        states, reasons, rooms, neg_rooms = rows[STATE], rows[REASON], rows[ROOM], rows[NEG_ROOM]
+        votes = [(slot, states[slot], reasons[slot], rooms[slot] != -neg_rooms[slot]) for slot in self._room_slot.values()]
+        return self._act_on_votes(votes, now)
+
+    def _apply_local_poll(self, local_poll: Callable[[int], KVPoll] | None) -> None:
+        if local_poll is not None:
+            for room, slot in list(self._room_slot.items()):
+                if self._mode[slot] == _TRANSFER:
+                    self.on_local_status(room, local_poll(room))
+
+    def _candidates(self, now: float) -> Iterable[int]:
+        """One rank: the slots whose vote may differ from their last state, in admission
+        order. Few slots in use: all of them. Many: a fixed number of tensor ops over all
+        slots picks them (a vote changes only with a new local state, a deadline passed,
+        a row holding another room, or a quarantine acked or over), so a poll's Python
+        work follows what changed, not the queue length."""
+        if len(self._room_slot) <= _SCAN_ALL_MAX:
+            return self._room_slot.values()
+        mode, deadline_passed = self._mode_t, self._deadline_t < now
+        landed = self.buffers.room_column()
+        corrupt = (self._fake_t == 0) & (landed != 0) & (landed != self._expected_t)
+        moved = (self._local_t != self._prev_t) | deadline_passed | corrupt
+        released = (self._acked_t != 0) | deadline_passed
+        idx = torch.nonzero(((mode == _TRANSFER) & moved) | ((mode == _QUARANTINE) & released)).flatten()
         if idx.numel() > 1:
-            idx = idx[torch.argsort(self._seq_t[idx])]  # admission order: same on every rank
-        states = st[idx].tolist()
-        reasons = reduced[REASON][idx].tolist()
-        desyncs = desync[idx].tolist()
+            idx = idx[torch.argsort(self._seq_t[idx])]
+        slots: list[int] = idx.tolist()
+        return slots
+
+    def _votes(self, now: float, slots: Iterable[int]) -> list[tuple[int, int, int]]:
+        """This rank's ``(slot, state, reason)`` for ``slots`` (in transfer or quarantine).
+        In transfer: its KVPoll after the metadata gate and its deadline (FAILED, with the
+        reason, when either fails it). Quarantined: 1 to release it (acked, or its lease
+        is over here), else 0."""
+        out: list[tuple[int, int, int]] = []
+        mode, local, reasons, fake, prev, deadline = self._mode, self._local, self._reason, self._fake, self._prev, self._deadline
+        room_of_slot, expected = self.buffers.room, self._expected
+        for slot in slots:
+            if mode[slot] == _QUARANTINE:
+                out.append((slot, 1 if self._acked[slot] or deadline[slot] < now else 0, REASON_NONE))
+                continue
+            s, reason = local[slot], reasons[slot]
+            if not fake[slot]:
+                s, corrupt = transfer_poll.metadata_gate(s, room_of_slot(slot), expected[slot])
+                if corrupt:
+                    reason = min(reason, AbortReason.METADATA_CORRUPTION)
+            if deadline[slot] < now and KVPoll.FAILED < s < KVPoll.SUCCESS:
+                s, reason = KVPoll.FAILED, min(reason, self._timeout_reason[prev[slot]])
+            out.append((slot, s, reason))
+        return out
+
+    def _act_on_votes(self, votes: list[tuple[int, int, int, bool]], now: float) -> list[Outcome]:
+        """Release quarantined slots voted free; advance, commit or abort the slots in
+        transfer whose (reduced) state changed or whose ranks disagree on the room."""
         out: list[Outcome] = []
-        for slot, s, reason, bad in zip(idx.tolist(), states, reasons, desyncs):
+        for slot, s, reason, desync in votes:
             if self._mode[slot] == _QUARANTINE:
-                self._release(slot)
-            else:
-                self._act(slot, s, reason, bad, now, out)
+                if s == 1:
+                    self._release(slot)
+            elif desync or s != self._prev[slot]:
+                self._act(slot, s, reason, desync, now, out)
         return out
 
     def _act(self, slot: int, s: int, reason: int, desync: bool, now: float, out: list[Outcome]) -> None:
@@ -363,56 +413,6 @@ class DecodeQueues:
             else:
                 self._prev[slot] = s
                 self._deadline[slot] = r.deadline
-
-    def _poll_one_rank(self, now: float, local_poll: Callable[[int], KVPoll] | None) -> list[Outcome]:
-        """The poll of one rank (no collective), slot by slot in Python: the same gate,
-        deadlines and actions as :meth:`prepare_poll` + :meth:`finish_poll`, for the few
-        slots in transfer or quarantine. A decode loop polls whenever a transfer lands; on
-        a 2-core host the ~25 tensor ops cost ~0.08 ms hot and ~0.3 ms right after a
-        prefill's compute has evicted the caches, on the TTFT path; this costs a few
-        microseconds per slot. ``tests/state`` checks both give the same outcomes."""
-        if local_poll is not None:
-            for room, slot in list(self._room_slot.items()):
-                if self._mode[slot] == _TRANSFER:
-                    self.on_local_status(room, local_poll(room))
-        out: list[Outcome] = []
-        for slot in sorted(self._room_slot.values(), key=self._seq.__getitem__):
-            if self._mode[slot] == _QUARANTINE:
-                if self._acked[slot] or self._deadline[slot] < now:
-                    self._release(slot)
-                continue
-            s, reason = self._local[slot], self._reason[slot]
-            if not self._fake[slot]:  # the metadata gate
-                landed = self.buffers.room(slot)
-                if landed != 0 and landed != self._expected[slot]:
-                    s, reason = KVPoll.FAILED, min(reason, AbortReason.METADATA_CORRUPTION)
-                elif landed == 0 and s == KVPoll.SUCCESS:
-                    s = KVPoll.TRANSFERRING
-            if self._deadline[slot] < now and KVPoll.FAILED < s < KVPoll.SUCCESS:
-                s, reason = KVPoll.FAILED, min(reason, self._timeout_reason[self._prev[slot]])
-            if s != self._prev[slot]:
-                self._act(slot, s, reason, False, now, out)
-        return out
-
-    def poll_transfers(
-        self,
-        now: float,
-        all_reduce_min: AllReduceMin | None = None,
-        local_poll: Callable[[int], KVPoll] | None = None,
-    ) -> list[Outcome]:
-        """local poll -> metadata gate -> all-reduce MIN -> act. Call it on every rank at
-        every step, also when nothing is in flight (the collective must match).
-
-        Without a collective (one rank) and with at most ``_SCALAR_POLL_MAX`` slots in
-        transfer or quarantine, the same poll runs slot by slot in Python
-        (:meth:`_poll_one_rank`), and with none it is ``[]`` at once: the decode loop polls
-        at every step, and the ~25 small torch ops cost ~0.1-0.4 ms per poll on a 2-core
-        host (a fifth of its main thread's samples before)."""
-        if all_reduce_min is None and len(self._room_slot) <= _SCALAR_POLL_MAX:
-            return self._poll_one_rank(now, local_poll) if self._room_slot else []
-        t = self.prepare_poll(now, local_poll)
-        reduced = all_reduce_min(t) if all_reduce_min is not None else t
-        return self.finish_poll(reduced, now)
 
     def _commit(self, slot: int, r: DecodeRequest, now: float) -> Committed:
         room = r.room

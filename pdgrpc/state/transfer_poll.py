@@ -1,9 +1,9 @@
-"""The vectorized steps of the decode transfer poll (one tensor op per step, all slots).
+"""The steps of the decode transfer poll, and the poll tensor TP ranks reduce.
 
 The poll runs, on every TP rank, in this order (DESIGN.md step 6):
 
 1. local poll: each rank's transport state per slot;
-2. :func:`apply_metadata_gate` — SUCCESS becomes TRANSFERRING while the slot's room is
+2. :func:`metadata_gate` — SUCCESS becomes TRANSFERRING while the slot's room is
    still 0, and a non-zero room that is not the expected one is FAILED (corruption);
 3. all-reduce MIN across TP ranks (:data:`AllReduceMin`, injected);
 4. act on the reduced states, identically on every rank.
@@ -27,7 +27,7 @@ import torch
 
 from pdgrpc.kvpoll import KVPoll
 
-__all__ = ["AllReduceMin", "NEG_ROOM", "POLL_ROWS", "REASON", "ROOM", "STATE", "apply_metadata_gate", "identity_reduce"]
+__all__ = ["AllReduceMin", "NEG_ROOM", "POLL_ROWS", "REASON", "ROOM", "STATE", "identity_reduce", "metadata_gate"]
 
 STATE, REASON, ROOM, NEG_ROOM = 0, 1, 2, 3
 POLL_ROWS = 4
@@ -42,18 +42,14 @@ def identity_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def apply_metadata_gate(
-    states: torch.Tensor, slot_rooms: torch.Tensor, expected: torch.Tensor, checked: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate local states on the metadata rows.
+def metadata_gate(state: int, landed_room: int, expected_room: int) -> tuple[int, bool]:
+    """Gate one slot's local state on its metadata row: ``(gated state, corrupt)``.
 
-    ``states``: int64 local KVPoll per slot; ``slot_rooms``: int64 bootstrap_room read from
-    each row; ``expected``: the room each slot was allocated for; ``checked``: bool, the slots
-    to gate (in transfer and not fake). Returns ``(gated, corrupt)``.
-    """
-    landed = slot_rooms != 0
-    corrupt = checked & landed & (slot_rooms != expected)
-    not_landed = checked & ~landed & (states == int(KVPoll.SUCCESS))
-    gated = torch.where(not_landed, int(KVPoll.TRANSFERRING), states)
-    gated = torch.where(corrupt, int(KVPoll.FAILED), gated)
-    return gated, corrupt
+    ``landed_room``: the bootstrap_room read from the slot's row (0: not written yet);
+    ``expected_room``: the room the slot was allocated for. A row holding another room is
+    corruption (FAILED); SUCCESS waits as TRANSFERRING until the row has landed."""
+    if landed_room != 0 and landed_room != expected_room:
+        return KVPoll.FAILED, True
+    if landed_room == 0 and state == KVPoll.SUCCESS:
+        return KVPoll.TRANSFERRING, False
+    return state, False

@@ -160,22 +160,24 @@ class Cluster:
 
     def _poll_gate_after_reduce(self) -> list[list[Committed | Aborted]]:
         """The broken order some peers shipped: reduce the raw states, then gate locally."""
-        real_gate = transfer_poll.apply_metadata_gate
+        real_gate = transfer_poll.metadata_gate
 
-        def no_gate(states: torch.Tensor, rooms: torch.Tensor, expected: torch.Tensor, checked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return states, torch.zeros_like(checked)
+        def no_gate(state: int, landed: int, expected: int) -> tuple[int, bool]:
+            return state, False
 
-        transfer_poll.apply_metadata_gate = no_gate
+        transfer_poll.metadata_gate = no_gate  # type: ignore[assignment]
         try:
             tensors = [q.prepare_poll(self.now) for q in self.ranks]
         finally:
-            transfer_poll.apply_metadata_gate = real_gate
+            transfer_poll.metadata_gate = real_gate  # type: ignore[assignment]
         reduced = torch.stack(tensors).amin(dim=0)
         out = []
         for q, b in zip(self.ranks, self.buffers):
             mine = reduced.clone()
-            in_use = mine[2] != 0
-            mine[0], _ = real_gate(mine[0], b.room_column(), mine[2], in_use)
+            for slot in range(b.num_slots):
+                expected = int(mine[2][slot])
+                if expected != 0:
+                    mine[0][slot] = real_gate(int(mine[0][slot]), b.room(slot), expected)[0]
             out.append(q.finish_poll(mine, self.now))
         return out
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdgrpc.errors import ConfigError, StateError
+from pdgrpc.state import decode_queues
 from pdgrpc.state import (
     AbortReason,
     Aborted,
@@ -25,7 +26,6 @@ from pdgrpc.state import (
     SendHandshake,
     identity_reduce,
 )
-from pdgrpc.state.decode_queues import _SCALAR_POLL_MAX
 
 DL = DecodeDeadlines(resolve_dp_rank_s=1, allocate_s=2, bootstrap_s=3, waiting_for_input_s=4, transferring_s=5, abort_lease_s=6)
 
@@ -255,7 +255,8 @@ def test_poll_tensor_has_the_same_shape_when_idle() -> None:
 
 
 def test_one_rank_polls_without_the_poll_tensor_but_a_collective_always_builds_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    q, b = make(num_slots=_SCALAR_POLL_MAX + 2, num_pages=64)
+    many = 20
+    q, b = make(num_slots=many + 2, num_pages=64)
     built: list[float] = []
     real = q.prepare_poll
     monkeypatch.setattr(q, "prepare_poll", lambda now, local_poll=None: built.append(now) or real(now, local_poll))
@@ -266,18 +267,23 @@ def test_one_rank_polls_without_the_poll_tensor_but_a_collective_always_builds_i
     b.write_row(hs.slot, MetadataRow(7), 42)
     q.on_local_status(42, KVPoll.SUCCESS)
     assert [type(o) for o in q.poll_transfers(0.3)] == [Committed] and built == [0.2]  # slot by slot
-    for room in range(100, 100 + _SCALAR_POLL_MAX + 1):
+    for room in range(100, 100 + many):
         q.add(NewRequest(room, "p:1", 2, dp_rank=0), 0.4)
-    assert len(q.prealloc(0.4)) == _SCALAR_POLL_MAX + 1
-    assert q.poll_transfers(0.5) == [] and built == [0.2, 0.5]  # many in flight: the tensor ops
+    assert len(q.prealloc(0.4)) == many
+    assert q.poll_transfers(0.5) == [] and built == [0.2]  # many in flight: still no tensor
+    assert q.poll_transfers(0.6, identity_reduce) == [] and built == [0.2, 0.6]
 
 
+@pytest.mark.parametrize("pick_changed", [False, True], ids=["every-slot", "changed-slots"])
 @pytest.mark.parametrize("seed", range(40))
-def test_one_rank_poll_acts_exactly_like_the_tensor_poll(seed: int) -> None:
+def test_one_rank_poll_acts_exactly_like_the_tensor_poll(seed: int, pick_changed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two queues get the same random events (admissions, transport reports, metadata
-    rows landing, corrupt rows, cancels, acks, time passing); one is polled slot by slot
-    (poll_transfers with one rank), the other with prepare_poll + finish_poll. Every poll
-    must give the same outcomes and leave the same states, slots and pages."""
+    rows landing, corrupt rows, cancels, acks, time passing); one is polled as one rank
+    (poll_transfers: every slot in use, or only those the tensor ops pick as changed), the
+    other with prepare_poll + finish_poll. Every poll must give the same outcomes and
+    leave the same states, slots and pages."""
+    if pick_changed:
+        monkeypatch.setattr(decode_queues, "_SCAN_ALL_MAX", 0)
     rng = random.Random(seed)
     pair = [make(num_slots=6, num_pages=12) for _ in range(2)]
     next_room, now = 1, 0.0
