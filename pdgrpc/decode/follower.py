@@ -31,26 +31,16 @@ apply_grpc_defaults()
 from pdgrpc.decode.cli import build_parser as decode_parser  # noqa: E402
 from pdgrpc.decode.cli import scheduler_config_from_args, wrap_test_faults  # noqa: E402
 from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
-from pdgrpc.decode.scheduler import make_queues, prefill_locally, queue_stats, sink_region  # noqa: E402
+from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally  # noqa: E402
 from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, TpGroup, TpGroupBroken  # noqa: E402
 from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
 from pdgrpc.engine.tp import torch_distributed_all_reduce  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.kvpoll import KVPoll  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
-from pdgrpc.serving import (  # noqa: E402
-    create_transport,
-    engine_config_from_args,
-    metadata_layout,
-    request_event,
-    setup_logging,
-    tune_malloc_from_args,
-)
+from pdgrpc.serving import create_transport, engine_config_from_args, request_event, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.threads import compute_executor  # noqa: E402
-from pdgrpc.serving.tp import senders_of, transfer_room  # noqa: E402
-from pdgrpc.state import Aborted, Committed, MetadataBuffers, SendHandshake  # noqa: E402
-from pdgrpc.transport.base import RoomGrant, UnknownRoom  # noqa: E402
-from pdgrpc.transport.pages import kv_regions, metadata_region  # noqa: E402
+from pdgrpc.state import Aborted, Committed, SendHandshake  # noqa: E402
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -63,54 +53,38 @@ class Follower:
             engine_config_from_args(ns, tp_rank=tp.rank, tp_size=tp.size), all_reduce=torch_distributed_all_reduce()
         )
         self.transport = wrap_test_faults(create_transport(ns), tp.rank)
-        self.buffers = MetadataBuffers(ns.num_slots, metadata_layout())
-        self.sink = self.buffers.tensor.clone().zero_()
-        self.queues = make_queues(self.buffers, self.engine.num_pages, config)
+        self.queues = make_queues(make_buffers(ns.num_slots), self.engine.num_pages, config)
+        self.transfers = RankTransfers(self.transport, self.engine, self.queues, tp.rank, tp.size)
         self.metrics = DecodeMetrics(transport=self.transport.name)
         self.metrics.set_info(tp_rank=tp.rank, tp_size=tp.size)
         self.info: dict[int, tuple[int, int]] = {}  # room -> (prompt pages, prefill tp size)
-        self.keys: dict[int, list[int]] = {}  # room -> this rank's transport rooms
         self.committed: list[int] = []  # rooms in commit order (the TP fault test reads the log)
         # The engine's steps, niced as rank 0's (the group computes in lock step).
         self._engine_thread = compute_executor("decode-compute", config.compute_nice)
 
     def stats(self) -> dict[str, int]:
-        return queue_stats(self.queues, self.queues.num_requests, len(self.transport.rooms))
+        return self.transfers.stats(self.queues.num_requests)
 
     async def start(self) -> None:
-        kv = self.engine.kv_buffers()
-        regions = [*kv_regions(kv.k, kv.v), metadata_region(self.buffers.tensor), sink_region(self.sink)]
-        descriptor = await self.transport.register(regions)
+        descriptor = await self.transfers.register()
         await asyncio.to_thread(self.tp.all_gather, descriptor)
 
     # -- replay -------------------------------------------------------------------------
     def _advertise(self, hs: SendHandshake) -> None:
         prompt_pages, prefill_tp = self.info.get(hs.room, (len(hs.pages), 1))
-        keys = [transfer_room(hs.room, p, self.rank) for p in senders_of(self.rank, self.tp.size, prefill_tp)]
-        self.keys[hs.room] = keys
-        for key in keys:
-            try:
-                self.transport.advertise(RoomGrant.of(key, hs.pages[:prompt_pages], hs.slot))
-            except PdgrpcError as exc:  # the local poll then reports it FAILED: all ranks abort it
-                log.error("room=%d: transport refused the grant on TP rank %d: %s", hs.room, self.rank, exc)
-                self.queues.on_local_status(hs.room, KVPoll.FAILED)
+        self.transfers.track(hs.room, prefill_tp)
+        try:
+            self.transfers.advertise(hs.room, hs.pages[:prompt_pages], hs.slot)
+        except PdgrpcError as exc:  # the local poll then reports it FAILED: all ranks abort it
+            log.error("room=%d: transport refused the grant on TP rank %d: %s", hs.room, self.rank, exc)
+            self.queues.on_local_status(hs.room, KVPoll.FAILED)
 
     def _ended(self, room: int, abort_message: str | None = None) -> None:
         self.info.pop(room, None)
-        for key in self.keys.pop(room, ()):
-            if abort_message is None:
-                self.transport.release(key)
-            else:  # a write that comes later is refused with the cause (see the scheduler)
-                self.transport.release_because(key, abort_message)
+        self.transfers.release(room, abort_message)
 
     def _local_poll(self, room: int) -> KVPoll:
-        keys = self.keys.get(room)
-        if not keys:
-            return KVPoll.FAILED
-        try:
-            return min(self.transport.status(k).state for k in keys)
-        except UnknownRoom:
-            return KVPoll.FAILED
+        return self.transfers.status(room)[0]
 
     def sync(self, entries: list[tuple[str, tuple[Any, ...]]], now: float) -> None:
         for name, args in entries:

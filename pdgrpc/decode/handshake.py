@@ -22,8 +22,10 @@ from typing import Final
 
 import grpc
 
-from pdgrpc.decode.job import DecodeFailure, Failed, Job
+from pdgrpc.decode.job import Job
 from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.errors import RequestFailed
+from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
@@ -79,16 +81,16 @@ class Handshaker:
             for p in senders_of(d, self.tp_size, tp_p):
                 w = by_rank.get(p)
                 if w is None:
-                    raise DecodeFailure(
+                    raise RequestFailed(
                         grpc.StatusCode.UNAVAILABLE,
                         f"bootstrap {job.prefill.address} lists no worker for dp rank {job.dp_rank} tp rank {p} (tp_size {tp_p})",
                     )
                 out.append((w, d))
         return out
 
-    async def handshake(self, job: Job, prompt_pages: tuple[int, ...], deadline: float) -> str | Failed | None:
-        """:data:`ACCEPTED` once every worker of the dp rank accepted; a :class:`Failed`
-        when one refused; ``None`` when the deadline passed or the request ended first.
+    async def handshake(self, job: Job, prompt_pages: tuple[int, ...], deadline: float) -> str | RequestFailed | None:
+        """:data:`ACCEPTED` once every worker of the dp rank accepted; a
+        :class:`~pdgrpc.errors.RequestFailed` (reason ``prefill_error``) when one refused; ``None`` when the deadline passed or the request ended first.
         Records the workers sent a handshake in ``job.contacted`` and the last retryable
         error in ``job.last_error``."""
         addr, dp_rank = job.prefill.address, job.dp_rank
@@ -103,10 +105,10 @@ class Handshaker:
             try:
                 workers = await self.directory.workers(addr, dp_rank)
                 if not workers:
-                    raise DecodeFailure(grpc.StatusCode.UNAVAILABLE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
                 for w in workers:
                     if w.transport != self.transport_name:
-                        raise DecodeFailure(
+                        raise RequestFailed(
                             grpc.StatusCode.FAILED_PRECONDITION,
                             f"transport mismatch: prefill worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} uses "
                             f"{w.transport!r}, this decode uses {self.transport_name!r}",
@@ -133,16 +135,16 @@ class Handshaker:
                         accepted.add((_worker_key(w), d))
                 if errors:  # a refusal decides; otherwise any error (all are retryable)
                     raise next((e for e in errors if e.code not in _RETRYABLE), errors[0])
-            except DecodeFailure as exc:
+            except RequestFailed as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    return Failed(exc.code, f"room {job.room}: {exc.message}")
+                    return RequestFailed(exc.code, f"room {job.room}: {exc.message}", ServerAbortReason.PREFILL_ERROR)
                 job.last_error = exc.message
             except RpcError as exc:
                 job.last_error = str(exc)
                 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     return None  # the bootstrap deadline is up
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    return Failed(exc.code, f"room {job.room}: handshake refused: {exc}")
+                    return RequestFailed(exc.code, f"room {job.room}: handshake refused: {exc}", ServerAbortReason.PREFILL_ERROR)
             else:
                 request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt)
                 return ACCEPTED

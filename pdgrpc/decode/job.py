@@ -1,5 +1,6 @@
-"""What the decode scheduler keeps per request (:class:`Job`) and what it hands the
-Decode stream (:class:`Tokens`, :class:`Failed`)."""
+"""What the decode scheduler keeps per request (:class:`Job`), what it hands the Decode
+stream (:class:`Tokens`, or a :class:`~pdgrpc.errors.RequestFailed` that ends it), and the
+status an abort of the decode machines ends a request with (:func:`abort_status`)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,11 @@ import grpc
 
 from pdgrpc.decode.prefills import PrefillInfo
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.errors import PdgrpcError
-from pdgrpc.metrics.catalog import ServerAbortReason
-from pdgrpc.state import DecodeDeadlines
+from pdgrpc.errors import RequestFailed
+from pdgrpc.state import AbortReason, Aborted, DecodeDeadlines
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 
-__all__ = ["DecodeFailure", "Failed", "Job", "SchedulerConfig", "Tokens"]
-
-
-class DecodeFailure(PdgrpcError):
-    """A request ends with this gRPC status (``code``) and ``message``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
+__all__ = ["Job", "SchedulerConfig", "Tokens", "abort_status"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +28,6 @@ class Tokens:
     bytes_transferred: int = 0  # set on the first message
     transfer_seconds: float = 0.0  # set on the first message
     top: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()  # per token: (ids, logprobs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    """The request ended without (further) output: the call ends with this status."""
-
-    code: grpc.StatusCode
-    message: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +53,7 @@ class Job:
     max_new_tokens: int
     prefill: PrefillInfo
     num_pages: int
-    out: "asyncio.Queue[Tokens | Failed]"
+    out: "asyncio.Queue[Tokens | RequestFailed]"
     admitted_at: float
     # Filled in as the request goes.
     dp_rank: int | None = None
@@ -80,16 +63,17 @@ class Job:
     handshaken: bool = False  # every worker of the dp rank accepted the handshake
     contacted: list[bpb.WorkerInfo] = dataclasses.field(default_factory=list)  # sent a handshake
     handshake_task: "asyncio.Task[None] | None" = None
-    last_error: str = ""  # last handshake problem, for the deadline message
-    override: Failed | None = None  # a status decided by the driver (e.g. handshake refused)
-    abort_cause: ServerAbortReason | None = None  # with override: the metrics' abort reason
-    transport_reason: str | None = None
+    # How it ends when the driver decided it (handshake refused, grant refused, bad dp
+    # rank): the abort that follows ends the request with this, not the machines' reason.
+    failure: RequestFailed | None = None
+    last_error: str = ""  # last handshake problem, named when the bootstrap deadline passes
+    transport_error: str | None = None  # the transport's reason for the first FAILED it reported
     # Running (after commit).
     running: bool = False
     last_token: int = 0
     generated: int = 0
     cancelled: bool = False
-    finished: bool = False  # the last message (tokens with finish_reason, or Failed) is queued
+    finished: bool = False  # the last message (tokens with finish_reason, or RequestFailed) is queued
     # Set by the Decode stream once its first message is sent (or the stream ended).
     first_sent: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
@@ -97,3 +81,35 @@ class Job:
     def position(self) -> int:
         """Position of ``last_token`` (the prompt holds positions [0, len))."""
         return len(self.input_ids) + self.generated - 1
+
+
+_PHASE = {
+    AbortReason.RESOLVE_DP_RANK_TIMEOUT: "resolving the prefill dp rank (QueryDpRanks found no entry)",
+    AbortReason.ALLOCATE_TIMEOUT: "waiting for free KV pages and a metadata slot",
+    AbortReason.BOOTSTRAP_TIMEOUT: "bootstrap (handshake with the prefill worker not accepted)",
+    AbortReason.WAITING_FOR_INPUT_TIMEOUT: "waiting for the prefill to send KV",
+    AbortReason.TRANSFER_TIMEOUT: "transferring KV and metadata",
+}
+_CODE = {
+    AbortReason.METADATA_CORRUPTION: grpc.StatusCode.ABORTED,
+    AbortReason.CANCELLED: grpc.StatusCode.CANCELLED,
+    AbortReason.TP_DESYNC: grpc.StatusCode.INTERNAL,
+}
+
+
+def abort_status(job: Job, a: Aborted) -> RequestFailed:
+    """The status ``job`` ends with when the decode machines aborted it: the driver's own
+    :attr:`Job.failure` if it decided one, else one by the machines' reason (a deadline
+    is DEADLINE_EXCEEDED naming the phase)."""
+    if job.failure is not None:
+        return job.failure
+    r = a.reason
+    if r is AbortReason.TRANSFER_FAILED:
+        return RequestFailed(grpc.StatusCode.ABORTED, f"{a.message}: {job.transport_error or 'transport failure'}", r)
+    code = _CODE.get(r)
+    if code is not None:
+        return RequestFailed(code, a.message, r)
+    msg = f"{a.message}: phase {_PHASE.get(r, r.name)}"
+    if job.last_error and r is AbortReason.BOOTSTRAP_TIMEOUT:
+        msg += f"; last error: {job.last_error}"
+    return RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, msg, r)

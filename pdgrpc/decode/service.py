@@ -18,10 +18,10 @@ from typing import AsyncIterator
 
 import grpc
 
-from pdgrpc.decode.job import DecodeFailure, Failed, Job
+from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
-from pdgrpc.errors import EngineError
+from pdgrpc.errors import EngineError, RequestFailed
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
@@ -45,7 +45,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         try:
             job = await self._admit(request)
-        except DecodeFailure as exc:
+        except RequestFailed as exc:
             self.scheduler.metrics.on_refused()
             request_event(log, request.bootstrap_room, "refused", status=exc.code.name, message=exc.message)
             await context.abort(exc.code, exc.message)
@@ -53,7 +53,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         try:
             while True:
                 item = await job.out.get()
-                if isinstance(item, Failed):
+                if isinstance(item, RequestFailed):
                     await context.abort(item.code, item.message)
                     return  # abort() raises; not reached
                 yield decode_pb2.DecodeResponse(
@@ -78,11 +78,11 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         bad = grpc.StatusCode.INVALID_ARGUMENT
         room = request.bootstrap_room
         if not 0 < room < _ROOM_LIMIT:
-            raise DecodeFailure(bad, f"bootstrap_room must be in [1, 2**63), got {room}")
+            raise RequestFailed(bad, f"bootstrap_room must be in [1, 2**63), got {room}")
         if not request.prefill_bootstrap_address:
-            raise DecodeFailure(bad, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
+            raise RequestFailed(bad, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
         if not request.HasField("sampling"):
-            raise DecodeFailure(bad, "sampling is not set (it must equal the one sent to the prefill)")
+            raise RequestFailed(bad, "sampling is not set (it must equal the one sent to the prefill)")
         ids = tuple(request.input_ids)
         max_new = int(request.sampling.max_new_tokens)
         try:
@@ -90,7 +90,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             engine.validate_request(ids, max_new)
             engine.tokenizer.check_ids(ids, "input_ids")  # type: ignore[attr-defined]
         except (InvalidRequest, EngineError) as exc:
-            raise DecodeFailure(bad, str(exc).replace("token_ids", "input_ids")) from None
+            raise RequestFailed(bad, str(exc).replace("token_ids", "input_ids")) from None
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         return await self.scheduler.submit(
             room, request.request_id, ids, sampling, max_new, request.prefill_bootstrap_address, routed

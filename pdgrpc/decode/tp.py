@@ -22,14 +22,14 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterable, Mapping, TypeVar
 
 import torch
 
 from pdgrpc.errors import ConfigError, PdgrpcError
+from pdgrpc.state import Aborted, DecodeDeadlines, DecodeQueues, MetadataBuffers, NewRequest, QueryDpRanks, SendHandshake
 
-if TYPE_CHECKING:
-    from pdgrpc.state import DecodeQueues
+_T = TypeVar("_T")
 
 log = logging.getLogger("pdgrpc.decode.tp")
 
@@ -100,13 +100,13 @@ class TpGroup:
             pass
 
 
-class ReplicatedQueues:
-    """Rank 0's :class:`DecodeQueues`: the mutating calls in :data:`REPLAYED` are applied
-    and logged; everything else passes through. :meth:`take_log` hands over the calls
+class ReplicatedQueues(DecodeQueues):
+    """Rank 0's :class:`DecodeQueues`: the calls in :data:`REPLAYED` are applied, then
+    logged (a call that raises is not replayed). :meth:`take_log` hands over the calls
     since the last take, for the next broadcast."""
 
-    def __init__(self, queues: "DecodeQueues") -> None:
-        self._q = queues
+    def __init__(self, buffers: MetadataBuffers, num_pages: int, deadlines: DecodeDeadlines, query_interval_s: float) -> None:
+        super().__init__(buffers, num_pages, deadlines, query_interval_s)
         self._log: list[tuple[str, tuple[Any, ...]]] = []
 
     def note(self, name: str, *args: Any) -> None:
@@ -117,17 +117,34 @@ class ReplicatedQueues:
         out, self._log = self._log, []
         return out
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._q, name)
-        if name not in REPLAYED:
-            return attr
+    def _logged(self, name: str, args: tuple[Any, ...], result: _T) -> _T:
+        self._log.append((name, tuple(_frozen(a) for a in args)))
+        return result
 
-        def logged(*args: Any) -> Any:
-            result = attr(*args)  # first: a call that raises is not replayed
-            self._log.append((name, tuple(_frozen(a) for a in args)))
-            return result
+    def add(self, req: NewRequest, now: float) -> None:
+        self._logged("add", (req, now), super().add(req, now))
 
-        return logged
+    def poll_dp_ranks(self, now: float) -> list[QueryDpRanks]:
+        return self._logged("poll_dp_ranks", (now,), super().poll_dp_ranks(now))
+
+    def on_dp_ranks(self, prefill_address: str, answers: Mapping[int, int | None], now: float) -> int:
+        return self._logged("on_dp_ranks", (prefill_address, answers, now), super().on_dp_ranks(prefill_address, answers, now))
+
+    def cancel(self, room: int, now: float, message: str = "cancelled") -> Aborted | None:
+        return self._logged("cancel", (room, now, message), super().cancel(room, now, message))
+
+    def on_abort_ack(self, room: int) -> bool:
+        return self._logged("on_abort_ack", (room,), super().on_abort_ack(room))
+
+    def release_pages(self, pages: Iterable[int]) -> None:
+        pages = tuple(pages)
+        self._logged("release_pages", (pages,), super().release_pages(pages))
+
+    def tick(self, now: float) -> list[Aborted]:
+        return self._logged("tick", (now,), super().tick(now))
+
+    def prealloc(self, now: float) -> list[SendHandshake]:
+        return self._logged("prealloc", (now,), super().prealloc(now))
 
 
 def _frozen(a: Any) -> Any:

@@ -86,6 +86,7 @@ class NewRequest:
     num_pages: int  # KV pages to allocate for the prompt
     dp_rank: int | None = None  # explicit prefill dp rank, when the router pinned one
     fake: bool = False  # fake transfer: no metadata row is written, the gate is skipped
+    dp: DpConfig = DpConfig()  # that prefill instance's dp size and rank rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,18 +105,18 @@ class DecodeQueues:
         self,
         buffers: MetadataBuffers,
         num_pages: int,
-        dp: DpConfig | None = None,
         deadlines: DecodeDeadlines | None = None,
+        query_interval_s: float = DpConfig.query_interval_s,
     ) -> None:
+        """``query_interval_s``: at most one QueryDpRanks per prefill address per interval."""
         self.buffers = buffers
-        self.dp = dp if dp is not None else DpConfig()
         self.deadlines = deadlines if deadlines is not None else DecodeDeadlines()
         self.slots = SlotAllocator(buffers)
         self.pages = PageAllocator(num_pages)
         self._limits = state_limits(self.deadlines)
         self._requests: dict[int, DecodeRequest] = {}
         self._spec: dict[int, NewRequest] = {}
-        self._resolver = DpRankResolver(self.dp)
+        self._resolver = DpRankResolver(query_interval_s)
         self._prealloc: collections.deque[int] = collections.deque()
         # (deadline, room) per pre-transfer state; one limit per state keeps each FIFO
         # sorted by deadline, so tick() only looks at the heads.
@@ -164,12 +165,12 @@ class DecodeQueues:
             raise StateError(f"room {room} is already in use on this decode")
         if not 0 < req.num_pages <= self.pages.num_pages:
             raise ConfigError(f"NewRequest.num_pages must be in [1, {self.pages.num_pages}], got {req.num_pages}")
-        rank = resolve_locally(room, req.dp_rank, self.dp)
+        rank = resolve_locally(room, req.dp_rank, req.dp)
         r = DecodeRequest(room, now, self._limits, rank)
         self._requests[room] = r
         self._spec[room] = req
         if rank is None:
-            self._resolver.add(room, req.prefill_address)
+            self._resolver.add(room, req.prefill_address, req.dp.dp_size)
         else:
             self._prealloc.append(room)
         self._timers[r.state].append((r.deadline, room))

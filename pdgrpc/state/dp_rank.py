@@ -50,22 +50,29 @@ class QueryDpRanks:
 
 
 class DpRankResolver:
-    """Pending rooms per prefill address, with a per-address query throttle."""
+    """Pending rooms per prefill address, with a per-address query throttle: at most one
+    query per address per ``query_interval_s``. Each room is checked against the dp size
+    of its own prefill instance (one decode serves instances of different sizes)."""
 
-    def __init__(self, cfg: DpConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, query_interval_s: float = DpConfig.query_interval_s) -> None:
+        if not query_interval_s > 0:
+            raise ConfigError(f"query_interval_s must be a positive number of seconds, got {query_interval_s!r}")
+        self.query_interval_s = query_interval_s
         self._pending: dict[str, dict[int, None]] = {}  # address -> rooms, insertion-ordered
         self._address_of: dict[int, str] = {}
+        self._dp_size: dict[int, int] = {}
         self._last_sent: dict[str, float] = {}
 
-    def add(self, room: int, prefill_address: str) -> None:
+    def add(self, room: int, prefill_address: str, dp_size: int) -> None:
         self._pending.setdefault(prefill_address, {})[room] = None
         self._address_of[room] = prefill_address
+        self._dp_size[room] = dp_size
 
     def remove(self, room: int) -> None:
         addr = self._address_of.pop(room, None)
         if addr is None:
             return
+        del self._dp_size[room]
         rooms = self._pending[addr]
         del rooms[room]
         if not rooms:
@@ -76,7 +83,7 @@ class DpRankResolver:
         out: list[QueryDpRanks] = []
         for addr, rooms in self._pending.items():
             last = self._last_sent.get(addr)
-            if last is not None and now - last < self.cfg.query_interval_s:
+            if last is not None and now - last < self.query_interval_s:
                 continue
             self._last_sent[addr] = now
             out.append(QueryDpRanks(addr, tuple(rooms)))
@@ -85,12 +92,13 @@ class DpRankResolver:
     def on_answer(self, prefill_address: str, ranks: Mapping[int, int | None]) -> list[tuple[int, int]]:
         """Apply an answer (room -> rank, None = not known yet). Returns the (room, rank)
         pairs resolved now. Rooms not pending (answered twice, aborted) are ignored. A rank
-        outside [0, dp_size) is refused before anything is applied."""
+        outside [0, dp_size) of a pending room is refused before anything is applied."""
         for room, rank in ranks.items():
-            if rank is not None and (not isinstance(rank, int) or not 0 <= rank < self.cfg.dp_size):
+            dp_size = self._dp_size.get(room)
+            if rank is not None and dp_size is not None and (not isinstance(rank, int) or not 0 <= rank < dp_size):
                 raise BootstrapError(
                     f"QueryDpRanks answer from {prefill_address}: room {room} has dp rank {rank!r}, "
-                    f"outside [0, {self.cfg.dp_size})"
+                    f"outside [0, {dp_size})"
                 )
         pending = self._pending.get(prefill_address)
         if not pending:

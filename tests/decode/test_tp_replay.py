@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdgrpc.decode.job import SchedulerConfig
-from pdgrpc.decode.scheduler import make_queues
+from pdgrpc.decode.rank import make_queues
 from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, ReplicatedQueues
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.serving.metadata import metadata_layout, row_from_token
@@ -21,9 +21,13 @@ from pdgrpc.state import Aborted, Committed, MetadataBuffers, NewRequest
 
 
 class Rank:
-    def __init__(self) -> None:
+    def __init__(self, leader: bool = False) -> None:
         self.buffers = MetadataBuffers(4, metadata_layout())
-        self.queues = make_queues(self.buffers, 32, SchedulerConfig())
+        config = SchedulerConfig()
+        if leader:
+            self.queues = ReplicatedQueues(self.buffers, 32, config.deadlines, config.query_interval_s)
+        else:
+            self.queues = make_queues(self.buffers, 32, config)
         self.local: dict[int, KVPoll] = {}
 
     def poll(self, room: int) -> KVPoll:
@@ -59,8 +63,8 @@ def key(outcomes: list) -> list[tuple]:
 
 
 def test_replayed_calls_allocate_and_commit_identically_even_when_one_rank_lags() -> None:
-    leader, follower = Rank(), Rank()
-    lq = ReplicatedQueues(leader.queues)
+    leader, follower = Rank(leader=True), Rank()
+    lq = leader.queues
     now = 100.0
     for room in (11, 12, 13):
         lq.note(ROOM_INFO, room, 1, 1)
@@ -89,8 +93,8 @@ def test_replayed_calls_allocate_and_commit_identically_even_when_one_rank_lags(
 
 
 def test_a_room_corrupted_on_one_rank_aborts_on_every_rank_and_only_that_room() -> None:
-    leader, follower = Rank(), Rank()
-    lq = ReplicatedQueues(leader.queues)
+    leader, follower = Rank(leader=True), Rank()
+    lq = leader.queues
     now = 5.0
     for room in (21, 22):
         lq.add(NewRequest(room, "p:1", 1, 0), now)
@@ -108,8 +112,8 @@ def test_a_room_corrupted_on_one_rank_aborts_on_every_rank_and_only_that_room() 
 
 
 def test_only_state_changing_calls_are_logged_and_a_refused_call_is_not() -> None:
-    leader = Rank()
-    lq = ReplicatedQueues(leader.queues)
+    leader = Rank(leader=True)
+    lq = leader.queues
     lq.add(NewRequest(31, "p:1", 1, 0), 1.0)
     with pytest.raises(Exception):
         lq.add(NewRequest(31, "p:1", 1, 0), 1.0)  # duplicate room: raises, nothing to replay

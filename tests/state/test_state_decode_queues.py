@@ -30,9 +30,9 @@ from pdgrpc.state import (
 DL = DecodeDeadlines(resolve_dp_rank_s=1, allocate_s=2, bootstrap_s=3, waiting_for_input_s=4, transferring_s=5, abort_lease_s=6)
 
 
-def make(num_slots: int = 4, num_pages: int = 16, dp: DpConfig | None = None) -> tuple[DecodeQueues, MetadataBuffers]:
+def make(num_slots: int = 4, num_pages: int = 16, query_interval_s: float = 0.05) -> tuple[DecodeQueues, MetadataBuffers]:
     b = MetadataBuffers(num_slots)
-    return DecodeQueues(b, num_pages, dp=dp, deadlines=DL), b
+    return DecodeQueues(b, num_pages, deadlines=DL, query_interval_s=query_interval_s), b
 
 
 def admit(q: DecodeQueues, room: int, now: float = 0.0, pages: int = 2, fake: bool = False) -> SendHandshake:
@@ -167,9 +167,10 @@ def test_head_of_line_waits_for_pages_so_ranks_stay_identical() -> None:
 
 
 def test_dp_rank_query_path() -> None:
-    q, _ = make(dp=DpConfig(dp_size=2, follow_bootstrap_room=False, query_interval_s=0.5))
-    q.add(NewRequest(10, "p:1", 1), 0.0)
-    q.add(NewRequest(11, "p:1", 1), 0.0)
+    q, _ = make(query_interval_s=0.5)
+    dp = DpConfig(dp_size=2, follow_bootstrap_room=False)
+    q.add(NewRequest(10, "p:1", 1, dp=dp), 0.0)
+    q.add(NewRequest(11, "p:1", 1, dp=dp), 0.0)
     assert q.state_of(10) is DecodeState.RESOLVING_DP_RANK and q.prealloc(0.0) == []
     assert q.poll_dp_ranks(0.0) == [QueryDpRanks("p:1", (10, 11))]
     assert q.poll_dp_ranks(0.1) == []
@@ -183,8 +184,8 @@ def test_dp_rank_query_path() -> None:
 
 
 def test_strict_follow_bootstrap_room_computes_the_rank() -> None:
-    q, _ = make(dp=DpConfig(dp_size=4))
-    q.add(NewRequest(10, "p", 1), 0.0)
+    q, _ = make()
+    q.add(NewRequest(10, "p", 1, dp=DpConfig(dp_size=4)), 0.0)
     (hs,) = q.prealloc(0.0)
     assert hs.dp_rank == 2 and q.poll_dp_ranks(0.0) == []
 

@@ -35,15 +35,15 @@ def test_dp_config_validation(kwargs: dict[str, float], field: str) -> None:
 
 
 def test_queries_are_batched_per_address_and_throttled() -> None:
-    r = DpRankResolver(DpConfig(dp_size=4, follow_bootstrap_room=False, query_interval_s=1.0))
+    r = DpRankResolver(query_interval_s=1.0)
     for room in (1, 2, 3):
-        r.add(room, "a")
-    r.add(9, "b")
+        r.add(room, "a", 4)
+    r.add(9, "b", 4)
     assert r.poll(0.0) == [QueryDpRanks("a", (1, 2, 3)), QueryDpRanks("b", (9,))]
     # The decode loop polls every iteration; no address is asked again within the interval.
     for t in (0.0, 0.1, 0.5, 0.999):
         assert r.poll(t) == []
-    r.add(4, "a")
+    r.add(4, "a", 4)
     assert r.poll(0.9) == []
     assert r.on_answer("a", {1: 3, 2: None, 3: 0, 77: 1}) == [(1, 3), (3, 0)]  # 2 unknown yet, 77 not ours
     assert r.is_pending(2) and not r.is_pending(1)
@@ -53,9 +53,9 @@ def test_queries_are_batched_per_address_and_throttled() -> None:
 
 
 def test_bad_answer_is_refused_before_anything_is_applied() -> None:
-    r = DpRankResolver(DpConfig(dp_size=2, follow_bootstrap_room=False))
-    r.add(1, "a")
-    r.add(2, "a")
+    r = DpRankResolver()
+    r.add(1, "a", 2)
+    r.add(2, "a", 2)
     with pytest.raises(BootstrapError, match="room 2 has dp rank 5"):
         r.on_answer("a", {1: 0, 2: 5})
     assert r.is_pending(1) and r.is_pending(2)

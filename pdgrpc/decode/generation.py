@@ -1,0 +1,180 @@
+"""The running half of the decode scheduler: first tokens, decode steps, and how a
+request ends (finished or failed).
+
+:class:`Generation` is a base of :class:`~pdgrpc.decode.scheduler.DecodeScheduler`; the
+scheduler moves committed requests into ``_running`` (or ``_prefill_locally`` for fake
+transfers) and calls :meth:`Generation._compute` once per loop iteration. Every engine
+call runs on the one compute thread, one at a time (the engine is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from pdgrpc.decode.job import Job, SchedulerConfig, Tokens
+from pdgrpc.decode.rank import prefill_locally
+from pdgrpc.decode.tp import TpGroup, TpGroupBroken
+from pdgrpc.engine.base import DecodeRequest as EngineDecodeRequest
+from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, stop_reason
+from pdgrpc.errors import RequestFailed
+from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
+from pdgrpc.serving.logs import request_event
+from pdgrpc.state import AbortReason, DecodeQueues
+
+log = logging.getLogger("pdgrpc.decode")
+
+__all__ = ["Generation"]
+
+
+class Generation:
+    engine: Engine
+    queues: DecodeQueues
+    tp: TpGroup | None
+    config: SchedulerConfig
+    metrics: DecodeMetrics
+    _jobs: dict[int, Job]
+    _running: list[Job]
+    _prefill_locally: list[Job]
+    _engine_thread: concurrent.futures.ThreadPoolExecutor
+
+    def rank_lost(self, why: str) -> None:
+        raise NotImplementedError
+
+    # -- how a request ends ----------------------------------------------------------------
+    def _emit_first(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float) -> None:
+        job.generated = 1
+        job.last_token = first.token_id
+        reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_id)
+        job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first)))
+        if reason is not None:
+            self._finish(job, reason)
+        else:
+            self._running.append(job)
+
+    def _fail(self, job: Job, failure: RequestFailed) -> None:
+        if job.finished:
+            return
+        self.metrics.on_abort(failure.reason)  # exactly once per request: `finished` guards it
+        job.finished = True
+        self._jobs.pop(job.room, None)
+        job.out.put_nowait(failure)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        self.metrics.on_finished()
+        job.finished = True
+        self._jobs.pop(job.room, None)
+        self.queues.release_pages(job.pages)
+        request_event(log, job.room, "finished", reason=reason, tokens=job.generated)
+
+    def _cancelled(self, job: Job) -> None:
+        self.queues.release_pages(job.pages)
+        self._fail(job, RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED))
+
+    def _drop_cancelled_running(self) -> None:
+        keep = []
+        for job in self._running:
+            if job.cancelled:
+                request_event(log, job.room, "cancelled while generating", tokens=job.generated)
+                self._cancelled(job)
+            else:
+                keep.append(job)
+        self._running = keep
+
+    def _crash(self, job: Job, exc: BaseException) -> None:
+        self.queues.release_pages(job.pages)
+        failure = RequestFailed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}", ServerAbortReason.INTERNAL_ERROR)
+        self._fail(job, failure)
+
+    # -- compute ---------------------------------------------------------------------------
+    async def _compute(self) -> None:
+        """Local prefills (fake transfers), then one decode step over every running request,
+        in a worker thread so the loop keeps serving RPCs and transport callbacks."""
+        if self._prefill_locally:
+            jobs, self._prefill_locally = self._prefill_locally, []
+            firsts = await self._in_step_thread(self._prefill_jobs, jobs)
+            if firsts is None:
+                return
+            for job, first in zip(jobs, firsts):
+                if isinstance(first, BaseException):
+                    self._crash(job, first)
+                elif job.cancelled:
+                    self._cancelled(job)
+                else:
+                    self._emit_first(job, first, 0, time.monotonic() - job.handshake_sent_at)
+        batch = [j for j in self._running if not j.cancelled]
+        if not batch:
+            return
+        await self._await_first_tokens_sent(batch)
+        batch = [j for j in batch if not j.cancelled]
+        if not batch:
+            return
+        reqs = [EngineDecodeRequest(j.last_token, j.position, j.pages, j.sampling) for j in batch]
+        try:
+            toks = await self._in_step_thread(self._decode_step, reqs)
+            if toks is None:
+                return
+        except Exception as exc:  # an engine bug must not wedge the server: fail the batch
+            log.exception("decode step over %d requests failed", len(batch))
+            for job in batch:
+                self._crash(job, exc)
+            self._running = [j for j in self._running if not j.finished]
+            return
+        eos = self.engine.tokenizer.eos_token_id
+        for job, tok in zip(batch, toks):
+            if job.cancelled:
+                continue  # dropped (and its pages freed) at the top of the next iteration
+            job.generated += 1
+            job.last_token = tok.token_id
+            reason = stop_reason(tok.token_id, job.generated, job.max_new_tokens, job.sampling, eos)
+            job.out.put_nowait(Tokens((tok.token_id,), (tok.logprob,), reason or "", top=_top(tok)))
+            if reason is not None:
+                self._finish(job, reason)
+        self._running = [j for j in self._running if not j.finished]
+
+    async def _await_first_tokens_sent(self, batch: list[Job]) -> None:
+        """Hold a step that serves only requests whose first token is still being sent.
+
+        The step's Python holds the GIL for most of a step, and gRPC needs it to send, so a
+        step started right after a commit delays the first token's send (about 0.7 ms on a
+        2-core host; docs/performance.md). Its tokens cannot reach these clients before
+        their first one anyway; a batch with a request already streaming does not wait (its
+        next token would be late). Bounded by ``first_token_wait_s``.
+        """
+        wait_s = self.config.first_token_wait_s
+        if wait_s <= 0 or any(j.first_sent.is_set() for j in batch):
+            return
+        pending = [asyncio.ensure_future(j.first_sent.wait()) for j in batch]
+        try:
+            await asyncio.wait(pending, timeout=wait_s)
+        finally:
+            for f in pending:
+                f.cancel()
+
+    async def _in_step_thread(self, fn: Any, arg: Any) -> Any:
+        """Run a compute step in a worker thread; None when the TP group broke."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, arg)
+        except TpGroupBroken as exc:
+            self.rank_lost(str(exc))
+            return None
+
+    def _decode_step(self, reqs: list[EngineDecodeRequest]) -> list[SampledToken]:
+        if self.tp is not None:  # the other ranks run the same step (the engine all-reduces)
+            self.tp.broadcast(("step", reqs))
+        return self.engine.decode_step(reqs)
+
+    def _prefill_jobs(self, jobs: list[Job]) -> list[SampledToken | BaseException]:
+        reqs = [PrefillRequest(job.input_ids, job.pages, job.sampling) for job in jobs]
+        if self.tp is not None:
+            self.tp.broadcast(("prefill", reqs))
+        return prefill_locally(self.engine, reqs)
+
+
+def _top(tok: SampledToken) -> tuple[tuple[tuple[int, ...], tuple[float, ...]]]:
+    return ((tuple(tok.top_ids), tuple(tok.top_logprobs)),)

@@ -1,0 +1,118 @@
+"""What every TP rank of a decode instance does for the transfers, the same way.
+
+Rank 0 (:class:`~pdgrpc.decode.scheduler.DecodeScheduler`) and the other ranks
+(:class:`~pdgrpc.decode.follower.Follower`) each hold a :class:`RankTransfers`: this
+rank's metadata rows (and the sink rows, see :mod:`pdgrpc.serving.tp`), its decode
+queues, and its transport rooms per request (one per prefill rank that writes to it).
+Each rank advertises its own grants, polls its own transport and releases its own rooms
+through it, so the rule for each lives here once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.serving.metadata import metadata_layout
+from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, senders_of, transfer_room
+from pdgrpc.state import DecodeQueues, MetadataBuffers
+from pdgrpc.transport.base import MemoryRegion, RegionKind, RoomGrant, Transport, UnknownRoom
+from pdgrpc.transport.pages import kv_regions, metadata_region
+
+__all__ = ["RankTransfers", "make_buffers", "make_queues", "prefill_locally"]
+
+UNTRACKED = "the transport no longer tracks the room"
+
+
+def make_buffers(num_slots: int) -> MetadataBuffers:
+    return MetadataBuffers(num_slots, metadata_layout())
+
+
+def make_queues(buffers: MetadataBuffers, num_pages: int, config: SchedulerConfig) -> DecodeQueues:
+    """The decode queues as every rank builds them (identical, for the TP replay)."""
+    return DecodeQueues(buffers, num_pages, config.deadlines, config.query_interval_s)
+
+
+class RankTransfers:
+    """One decode rank's rows, queues and transport rooms (see the module doc)."""
+
+    def __init__(self, transport: Transport, engine: Engine, queues: DecodeQueues, rank: int = 0, tp_size: int = 1) -> None:
+        self.transport = transport
+        self.engine = engine
+        self.queues = queues
+        self.buffers = queues.buffers
+        self.rank, self.tp_size = rank, tp_size
+        # Rows written by the prefill ranks that are not this rank's designated metadata
+        # writer (TP sizes differ): the same slot, never read (pdgrpc.serving.tp).
+        self.sink = torch.zeros_like(self.buffers.tensor)
+        self._keys: dict[int, list[int]] = {}  # transport rooms per room, until released
+
+    async def register(self) -> bytes:
+        """Register the KV pool, the metadata rows and the sink rows; this rank's descriptor."""
+        kv = self.engine.kv_buffers()
+        sink = MemoryRegion(METADATA_SINK_REGION_ID, self.sink, RegionKind.METADATA, "metadata-sink")
+        return await self.transport.register([*kv_regions(kv.k, kv.v), metadata_region(self.buffers.tensor), sink])
+
+    def track(self, room: int, prefill_tp: int) -> None:
+        """``room``'s transport rooms on this rank: one per prefill rank it waits for."""
+        if prefill_tp == 1 and self.tp_size == 1:
+            self._keys[room] = [room]
+        else:
+            self._keys[room] = [transfer_room(room, p, self.rank) for p in senders_of(self.rank, self.tp_size, prefill_tp)]
+
+    def keys(self, room: int) -> list[int]:
+        return self._keys.get(room) or [room]
+
+    def advertise(self, room: int, prompt_pages: tuple[int, ...], slot: int) -> None:
+        """Grant ``room``'s writers the prompt's pages and the slot (before the handshake:
+        a prefill that writes at once finds the grant). Raises what the transport raises."""
+        for key in self.keys(room):
+            self.transport.advertise(RoomGrant.of(key, prompt_pages, slot))
+
+    def status(self, room: int) -> tuple[KVPoll, str | None]:
+        """This rank's transport state of ``room`` (its least advanced transport room) and,
+        when FAILED, the transport's reason."""
+        try:
+            st = min((self.transport.status(k) for k in self.keys(room)), key=lambda s: s.state)
+        except UnknownRoom:
+            return KVPoll.FAILED, UNTRACKED
+        if st.state is KVPoll.FAILED:
+            return KVPoll.FAILED, st.reason or "no reason given"
+        return st.state, None
+
+    def release(self, room: int, abort_message: str | None = None) -> None:
+        """Release ``room``'s transport rooms; an aborted room's message goes into the
+        refusal of any write that comes for it later, so the prefill reports the cause."""
+        for key in self._keys.pop(room, ()):
+            if abort_message is None:
+                self.transport.release(key)
+            else:
+                self.transport.release_because(key, abort_message)
+
+    def stats(self, active_requests: int) -> dict[str, int]:
+        """What this rank holds (GetStats, the live metrics), read from its queues."""
+        q = self.queues
+        return dict(
+            active_requests=active_requests,
+            slots_in_use=q.slots.num_slots - q.slots.num_free,
+            slots_total=q.slots.num_slots,
+            pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined,
+            pages_quarantined=q.pages.num_quarantined,
+            pages_total=q.pages.num_pages,
+            transport_rooms=len(self.transport.rooms),
+        )
+
+
+def prefill_locally(engine: Engine, reqs: list[PrefillRequest]) -> list[SampledToken | BaseException]:
+    """Fake transfers: compute each prompt's KV here (every TP rank, in the same order)."""
+    out: list[SampledToken | BaseException] = []
+    for req in reqs:
+        try:
+            tok = engine.prefill_chunk(req, 0, len(req.token_ids))
+            assert tok is not None
+            out.append(tok)
+        except Exception as exc:
+            out.append(exc)
+    return out
