@@ -11,10 +11,8 @@ Allocation is all-or-nothing and deterministic (a LIFO free list: ranks that app
 alloc/free sequence get the same pages): ``alloc(n)`` returns ``None`` when
 fewer than ``n`` pages are free, and the caller waits. Freed pages go back so that they
 are handed out again in the order they were held: a request that got a contiguous
-ascending run returns it, and the next one gets an ascending run too. (Pushed back as
-they came, every other request got its run descending, and a transport cannot merge a
-descending run into one op: a 512-token prompt's KV then moved as 128 page-sized pieces
-instead of 4 runs.)
+ascending run returns it, and the next one gets an ascending run too, which a transport
+sends as one op (a descending run is one op per page; docs/performance.md).
 """
 
 from __future__ import annotations

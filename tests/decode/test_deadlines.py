@@ -24,6 +24,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2_grpc
 from tests.decode.fake_prefill import FakePrefill
 from tests.decode.test_decode_server import ENGINE_FLAGS, collect, make_request
+from tests.eventually import eventually_async
 
 SHORT = 0.5  # seconds: the deadline under test
 CFG = engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS))
@@ -51,12 +52,11 @@ async def expect_deadline(server: DecodeServer, prefill: FakePrefill, phase_word
 
 
 async def wait_idle(server: DecodeServer) -> None:
-    for _ in range(200):  # bounded: 10 s
+    def idle() -> bool:
         s = server.scheduler.stats()
-        if not (s["active_requests"] or s["slots_in_use"] or s["pages_in_use"] or s["pages_quarantined"] or s["transport_rooms"]):
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail(f"decode still holds {server.scheduler.stats()}")
+        return not (s["active_requests"] or s["slots_in_use"] or s["pages_in_use"] or s["pages_quarantined"] or s["transport_rooms"])
+
+    await eventually_async(idle, 10, 0.05, lambda: f"decode still holds {server.scheduler.stats()}")
 
 
 async def scrape_decode(server: DecodeServer) -> Scrape:

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -29,6 +28,7 @@ from pdgrpc.serving import engine_config_from_args, sampling_to_proto
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill, Prompt
+from tests.eventually import eventually, eventually_async
 
 ENGINE_FLAGS = ["--model-size", "tiny", "--page-size", "16", "--num-pages", "256", "--max-prompt-tokens", "512", "--max-seq-len", "1024"]
 DECODE_FLAGS = [
@@ -49,17 +49,15 @@ def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
-        deadline = time.monotonic() + STARTUP_S
-        address = None
-        while address is None:
+
+        def listening() -> str | None:
             text = log_path.read_text(errors="replace")
             m = re.search(r"pdgrpc decode listening on (\S+:\d+)", text)
-            if m:
-                address = m.group(1)
-            elif proc.poll() is not None or time.monotonic() > deadline:
+            if m is None and proc.poll() is not None:
                 pytest.fail(f"decode server did not start (exit {proc.poll()}):\n{text}")
-            else:
-                time.sleep(0.1)
+            return m.group(1) if m else None
+
+        address = eventually(listening, STARTUP_S, 0.1, lambda: f"decode server did not start:\n{log_path.read_text(errors='replace')}")
         yield address, str(log_path)
     finally:
         proc.terminate()
@@ -73,13 +71,11 @@ def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
 @pytest.fixture(scope="module")
 def metrics_address(decode_proc: tuple[str, str]) -> str:
     """The decode process's metrics endpoint (port 0: read from its log line)."""
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        m = re.search(r"pdgrpc decode metrics on http://(\S+:\d+)/metrics", open(decode_proc[1], errors="replace").read())
-        if m:
-            return m.group(1)
-        assert time.monotonic() < deadline, "the decode never logged its metrics endpoint"
-        time.sleep(0.05)
+
+    def logged() -> re.Match[str] | None:
+        return re.search(r"pdgrpc decode metrics on http://(\S+:\d+)/metrics", open(decode_proc[1], errors="replace").read())
+
+    return eventually(logged, STARTUP_S, 0.05, "the decode never logged its metrics endpoint").group(1)
 
 
 @pytest.fixture
@@ -153,16 +149,16 @@ async def collect(stub: decode_pb2_grpc.DecodeServiceStub, req: decode_pb2.Decod
 
 async def assert_nothing_held(stub: decode_pb2_grpc.DecodeServiceStub) -> None:
     """Poll GetStats (bounded) until the decode holds nothing; fail showing what it holds."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
-        held = {f: getattr(s, f) for f in ("active_requests", "slots_in_use", "pages_in_use", "pages_quarantined", "transport_rooms")}
-        if not any(held.values()):
-            assert s.slots_total == 8 and s.pages_total == 256
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"decode still holds {held} after {SETTLE_S} s")
-        await asyncio.sleep(0.05)
+    held: dict[str, int] = {}
+
+    async def nothing_held() -> prefill_pb2.GetStatsResponse | None:
+        r = await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)
+        held.clear()
+        held.update({f: getattr(r.stats, f) for f in ("active_requests", "slots_in_use", "pages_in_use", "pages_quarantined", "transport_rooms")})
+        return None if any(held.values()) else r
+
+    s = (await eventually_async(nothing_held, SETTLE_S, 0.05, lambda: f"decode still holds {held}")).stats
+    assert s.slots_total == 8 and s.pages_total == 256
 
 
 PROMPTS = [
@@ -251,10 +247,7 @@ async def test_a_write_after_the_abort_is_refused_naming_the_abort(stub: decode_
     call.cancel()
     await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 10)
     worker = prefill.workers[0]
-    for _ in range(500):
-        if req.bootstrap_room in worker.sent:
-            break
-        await asyncio.sleep(0.02)
+    await eventually_async(lambda: req.bootstrap_room in worker.sent, 10, what="the fake prefill never sent the room")
     st = worker.sent[req.bootstrap_room]
     assert st.state is KVPoll.FAILED, st
     assert "released because" in (st.reason or "") and "cancelled" in (st.reason or ""), st.reason

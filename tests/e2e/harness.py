@@ -27,6 +27,7 @@ from pdgrpc.metrics import Scrape, scrape
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.transport import registry
 from pdgrpc.v1 import common_pb2
+from tests.eventually import eventually_async
 
 TOPOLOGIES = ("1p1d", "prefill-dp2-round-robin", "prefill-dp2-follow-room")
 TRANSPORTS = ("tcp", "rdma")
@@ -110,18 +111,16 @@ async def wait_nothing_held(cluster: Cluster, timeout: float = 20.0) -> None:
     """Poll every prefill's and decode's GetStats until nothing is held (bounded); then,
     when the cluster serves metrics, the live gauges scraped over HTTP must say the same."""
     deadline = time.monotonic() + timeout
-    while True:
+    held: dict[str, dict[str, int]] = {}
+
+    async def nothing_held() -> bool:
         cluster.check()
         stats = await cluster.all_stats()
-        held = {
-            name: {f: getattr(s, f) for f in HELD_FIELDS if getattr(s, f)} for name, s in stats.items()
-        }
-        held = {k: v for k, v in held.items() if v}
-        if not held:
-            break
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still held {timeout:.0f} s after the last request: {held}")
-        await asyncio.sleep(0.1)
+        held.clear()
+        held.update({name: h for name, s in stats.items() if (h := {f: getattr(s, f) for f in HELD_FIELDS if getattr(s, f)})})
+        return not held
+
+    await eventually_async(nothing_held, timeout, 0.1, lambda: f"still held after the last request: {held}")
     if cluster.metrics_endpoints():
         await wait_metrics_idle(cluster, max(1.0, deadline - time.monotonic()))
 
@@ -149,10 +148,11 @@ async def wait_metrics_idle(cluster: Cluster, timeout: float = 10.0) -> dict[str
     """Scrape every metrics endpoint over HTTP until each live gauge of IDLE_GAUGES reads 0
     (bounded: the router's count drops a moment after its last stream closed). Also
     checks, per endpoint, that the aborts by reason add up to the aborted requests."""
-    deadline = time.monotonic() + timeout
-    while True:
+    busy: dict[str, dict[str, float]] = {}
+
+    async def idle() -> dict[str, Scrape] | None:
         scrapes = await read_metrics(cluster)
-        busy = {}
+        busy.clear()
         for endpoint, s in scrapes.items():
             kind = _gauge_kind(cluster, endpoint)
             if kind is None:
@@ -161,13 +161,12 @@ async def wait_metrics_idle(cluster: Cluster, timeout: float = 10.0) -> dict[str
             nonzero = {g: v for g, v in values.items() if v != 0}
             if nonzero:
                 busy[endpoint] = nonzero
-        if not busy:
-            for endpoint, s in scrapes.items():
-                check_abort_sum(endpoint, s)
-            return scrapes
-        if time.monotonic() > deadline:
-            raise AssertionError(f"metrics still show resources in use {timeout:.0f} s after the last request: {busy}")
-        await asyncio.sleep(0.1)
+        return None if busy else scrapes
+
+    scrapes = await eventually_async(idle, timeout, 0.1, lambda: f"metrics still show resources in use after the last request: {busy}")
+    for endpoint, s in scrapes.items():
+        check_abort_sum(endpoint, s)
+    return scrapes
 
 
 def check_abort_sum(endpoint: str, s: Scrape) -> None:

@@ -29,6 +29,7 @@ from pdgrpc.cluster.topology import parse_topology, servers_dir
 from pdgrpc.errors import ConfigError
 from pdgrpc.metrics import scrape
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -146,11 +147,7 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"left behind: {[p for p in pids if _alive(p)]}")
-        time.sleep(0.1)
+    eventually(lambda: not any(_alive(p) for p in pids), timeout, 0.1, lambda: f"left behind: {[p for p in pids if _alive(p)]}")
 
 
 def test_cli_serves_then_stops_everything_on_sigint(tmp_path):

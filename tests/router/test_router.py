@@ -17,6 +17,7 @@ import pytest
 from pdgrpc.metrics import scrape, start_metrics_server
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, draw_room, parse_prefill, service_names
 from pdgrpc.rpc.server import start_server
+from tests.eventually import eventually_async
 from pdgrpc.v1 import (
     common_pb2,
     decode_pb2,
@@ -283,11 +284,7 @@ async def wait_for(cond, timeout: float) -> None:
     """Poll ``cond`` until true. The bound only keeps a broken router from hanging the
     test (without the router's cancel, the scripted side waits for an hour); it is not a
     speed check -- the machine may be loaded."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(0.01)
+    await eventually_async(cond, timeout, 0.01)
 
 
 async def test_metrics_count_each_request_once_by_how_it_ended(cluster):
