@@ -34,7 +34,7 @@ from typing import Any, Awaitable
 
 import grpc
 
-from pdgrpc.decode.generation import Generation, _top
+from pdgrpc.decode.generation import Generation
 from pdgrpc.decode.handshake import ACCEPTED, Handshaker
 from pdgrpc.decode.job import Job, SchedulerConfig, abort_status
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo

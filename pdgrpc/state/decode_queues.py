@@ -237,10 +237,6 @@ class DecodeQueues:
         if new == 0 and self._reason[slot] == REASON_NONE:
             self._reason[slot] = AbortReason.TRANSFER_FAILED
 
-    def on_local_statuses(self, reports: Iterable[tuple[int, KVPoll]]) -> None:
-        for room, status in reports:
-            self.on_local_status(room, status)
-
     # -- aborts -------------------------------------------------------------------------
     def cancel(self, room: int, now: float, message: str = "cancelled") -> Aborted | None:
         """Abort ``room``. Before its handshake the abort is immediate (returned). After
@@ -485,10 +481,6 @@ class DecodeQueues:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
-
-    @property
-    def num_in_transfer(self) -> int:
-        return sum(1 for s in self._room_slot.values() if self._mode[s] == _TRANSFER)
 
     @property
     def num_quarantined(self) -> int:
