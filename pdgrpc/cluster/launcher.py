@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
@@ -52,6 +51,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from pdgrpc.cluster.topology import ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.serving.children import die_with_parent_in_own_group
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["ChildDied", "Cluster", "ClusterError", "Proc"]
@@ -116,21 +116,6 @@ def free_port_block(n: int, tries: int = 100, exclude: set[int] | None = None) -
 
 
 _METRICS_ROLES = ("bootstrap", "prefill", "decode", "router")  # the servers with --metrics-port
-
-
-# Loaded here, not in the child: between fork and exec only async-signal-safe work is
-# safe (a dlopen there could wait forever on a lock another parent thread held).
-try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:  # not glibc Linux: children just won't die with the launcher
-    _LIBC = None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()  # its own process group: stop() can kill the child and its children at once
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _metrics_children(spec: ProcessSpec) -> list[str]:
@@ -342,7 +327,7 @@ class Cluster:
                     log.flush()
                     proc.process = await asyncio.create_subprocess_exec(
                         *proc.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                        env=self._env, preexec_fn=_die_with_parent,
+                        env=self._env, preexec_fn=die_with_parent_in_own_group,
                     )
                 self._watchers.append(asyncio.ensure_future(self._watch(proc)))
             await self._wait_healthy()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import signal
 import sys
@@ -38,6 +37,7 @@ from pdgrpc.engine.tp import torch_distributed_all_reduce  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.kvpoll import KVPoll  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
+from pdgrpc.serving.children import die_with_parent  # noqa: E402
 from pdgrpc.serving import create_transport, engine_config_from_args, request_event, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.threads import compute_executor  # noqa: E402
 from pdgrpc.state import Aborted, Committed, SendHandshake  # noqa: E402
@@ -172,7 +172,7 @@ def cli(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     setup_logging(ns.log_level, f"decode.tp{ns.tp_rank}")
     tune_malloc_from_args(ns)
-    _die_with_parent()
+    die_with_parent()
     try:
         return asyncio.run(main(ns))
     except PdgrpcError as exc:
@@ -181,13 +181,6 @@ def cli(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("%s", exc)
         return 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not glibc Linux: rank 0's "stop" (or a broken group) still ends it
-        pass
 
 
 if __name__ == "__main__":

@@ -2,16 +2,11 @@
 
 Why
 ---
-The worker serves gRPC (Prefill, Handshake), the controller link and the transport on
-its asyncio loop. With the compute on a thread of the same process, CPython runs one
-of them at a time, and the reference model's forward pass is mostly Python between
-short torch ops. Every bit of the loop's work during a prompt (the decode's handshake,
-the destination it delivers, log lines) then stops the compute for as long as it runs.
-Measured on the 2-core CI host (1p1d over rdma, 512-token prompts): the loop ran 1.5 ms
-of Python during each prompt's compute, and the compute took 1.3 ms longer than the
-same compute in the colocated server. In a process of its own the compute shares no
-interpreter with the loop; the loop's work runs on the other core. (SGLang keeps its
-scheduler out of its HTTP server's process for the same reason.)
+The worker serves gRPC, the controller link and the transport on its asyncio loop; with
+the compute on a thread of the same process, every bit of the loop's work during a prompt
+stops the reference model's (mostly Python) forward pass for as long as it runs. In a
+process of its own the compute shares no interpreter with the loop (1.3 ms of TTFT per
+512-token prompt on a 2-core host; docs/performance.md, "Prefill").
 
 How
 ---
@@ -22,9 +17,8 @@ Nothing is copied. One message per prompt goes to the child (its ids, pages and
 sampling, the chunk size and when to post); the child computes chunk after chunk,
 taking turns between prompts chunk by chunk as the compute thread does, and posts a
 chunk back only when the worker has something to do with it (``min_write_bytes`` of
-completed pages, or the last chunk). A single-message-per-chunk design, each chunk one
-round trip, measured +1.5-3 ms of TTFT instead (the child idled during every round
-trip).
+completed pages, or the last chunk: :class:`~pdgrpc.state.chunk_posting.ChunkPosting`).
+One round trip per chunk would leave the child idle during each (docs/performance.md).
 
 Messages are pickled, each preceded by its length (``<I``), over a Unix socketpair:
 
@@ -45,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import ctypes
 import dataclasses
 import logging
 import mmap
@@ -60,13 +53,19 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import grpc
 import torch
 
 from pdgrpc.engine.base import KVBuffers, PrefillRequest, SampledToken
 from pdgrpc.engine.errors import EngineError
 from pdgrpc.engine.layout import KVLayout
+from pdgrpc.metrics.catalog import ServerAbortReason
+from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob, uncancellable
+from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.serving.children import die_with_parent
+from pdgrpc.state.chunk_posting import ChunkPosting
 
-__all__ = ["ComputeProcess", "ComputeProcessLost", "kv_layout_for", "shared_kv_pool"]
+__all__ = ["ComputeProcess", "ComputeProcessLost", "ProcessCompute", "kv_layout_for", "shared_kv_pool"]
 
 log = logging.getLogger("pdgrpc.prefill")
 
@@ -122,13 +121,6 @@ def shared_kv_pool(layout: KVLayout, fd: int, huge_pages: bool = False) -> tuple
     return KVBuffers(k=tuple(views[: layout.num_layers]), v=tuple(views[layout.num_layers :])), region
 
 
-def _die_with_parent() -> None:  # in the child, between fork and exec
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _frame(msg: Any) -> bytes:
     body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     return _LEN.pack(len(body)) + body
@@ -175,7 +167,7 @@ class ComputeProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pdgrpc.prefill.compute_process", "--sock-fd", str(theirs.fileno()),
                  "--kv-fd", str(memfd), "--name", name],
-                pass_fds=(memfd, theirs.fileno()), preexec_fn=_die_with_parent,
+                pass_fds=(memfd, theirs.fileno()), preexec_fn=die_with_parent,
             )
         except BaseException:
             ours.close()
@@ -330,6 +322,60 @@ class ComputeProcess:
                 self.proc.wait()
 
 
+@dataclasses.dataclass(eq=False)
+class _ProcessJob(ComputeJob):
+    job: int = 0  # the child's job id
+    stopped: "asyncio.Future[None] | None" = None  # resolves once the child is done with the pages
+
+
+class ProcessCompute(Compute):
+    """``--compute-in process``: the :class:`Compute` over a started :class:`ComputeProcess`.
+    Its last write is planned while the child computes (the loop's Python is then off the
+    compute's path)."""
+
+    plans_final_write = True
+
+    def __init__(self, cproc: ComputeProcess, chunk_size: int, min_pages: int, page_size: int) -> None:
+        super().__init__()
+        self.cproc, self.chunk_size, self.min_pages, self.page_size = cproc, chunk_size, min_pages, page_size
+
+    async def start(self) -> None:
+        self.cproc.on_lost = self._break
+
+    def begin(self, room: int, request: PrefillRequest) -> ComputeJob:
+        n = len(request.token_ids)
+        job = _ProcessJob(room, stopped=asyncio.get_running_loop().create_future())
+        stopped = job.stopped
+        assert stopped is not None
+
+        def post(end: int, token: SampledToken | None, secs: float, err: BaseException | None) -> None:
+            if err is None and end == n:
+                job.computed_all = True
+            if isinstance(err, ComputeProcessLost):
+                err = RequestFailed(grpc.StatusCode.UNAVAILABLE, f"room {room}: {err}", ServerAbortReason.INTERNAL_ERROR)
+            job.posts.put_nowait(ChunkPost(n if end < 0 else end, token, secs, err))
+
+        def child_stopped() -> None:
+            if not stopped.done():
+                stopped.set_result(None)
+
+        try:
+            job.job = self.cproc.submit(request, self.chunk_size, self.min_pages, self.page_size, post, child_stopped)
+        except ComputeProcessLost as exc:
+            stopped.set_result(None)
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"room {room}: {exc}") from None
+        return job
+
+    async def finish(self, room: int, job: ComputeJob | None) -> None:
+        if isinstance(job, _ProcessJob) and job.stopped is not None:
+            if job.job and not job.stopped.done():
+                self.cproc.cancel(job.job)  # it stops after the chunk in progress
+            await uncancellable(job.stopped)
+
+    async def close(self) -> None:
+        await self.cproc.aclose()
+
+
 def _read_frame(sock: socket.socket) -> Any:
     head = _read_exact(sock, _LEN.size)
     return pickle.loads(_read_exact(sock, _LEN.unpack(head)[0]))
@@ -356,8 +402,9 @@ class _ChildJob:
     min_pages: int
     page_size: int
     start: int = 0
-    posted_pages: int = 0
-    unposted_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.posting = ChunkPosting(len(self.request.token_ids), self.page_size, self.min_pages)
 
 
 def _serve(sock: socket.socket, kv_fd: int) -> int:
@@ -415,14 +462,10 @@ def _serve(sock: socket.socket, kv_fd: int) -> int:
             except Exception:
                 err = EngineError(f"{type(exc).__name__}: {exc}")
             jobs.popleft()
-            sock.sendall(_frame(("post", j.job, end, None, j.unposted_s, err)) + _frame(("stopped", j.job)))
+            sock.sendall(_frame(("post", j.job, end, None, j.posting.failed(), err)) + _frame(("stopped", j.job)))
             continue
-        j.unposted_s += time.perf_counter() - t
-        complete = end // j.page_size
-        out = b""
-        if end == n or complete - j.posted_pages >= j.min_pages:
-            out = _frame(("post", j.job, end, token, j.unposted_s, None))
-            j.posted_pages, j.unposted_s = complete, 0.0
+        due = j.posting.computed(end, time.perf_counter() - t)
+        out = b"" if due is None else _frame(("post", j.job, end, token, due, None))
         jobs.popleft()
         if end == n:
             out += _frame(("stopped", j.job))

@@ -36,11 +36,11 @@ class DecodeDeadlines:
 
 @dataclasses.dataclass(frozen=True)
 class SenderDeadlines:
-    """Seconds a prefill sender may spend in each non-terminal state."""
+    """Seconds a prefill sender may spend in each phase (pdgrpc.state.prefill_sender)."""
 
-    waiting_for_destination_s: float = 30.0
-    waiting_for_input_s: float = 600.0
-    transferring_s: float = 120.0
+    waiting_for_destination_s: float = 30.0  # until the decode's handshake
+    waiting_for_input_s: float = 600.0  # until the next chunk is computed (restarted by each chunk)
+    transferring_s: float = 120.0  # from the last chunk until the decode acknowledges the metadata row
 
     def __post_init__(self) -> None:
         _positive(self, *(f.name for f in dataclasses.fields(self)))

@@ -2,17 +2,29 @@
 
 ::
 
-    WAITING_FOR_DESTINATION --DestinationReceived--> WAITING_FOR_INPUT
-    WAITING_FOR_INPUT --ChunkDone--> TRANSFERRING --ChunkDone/PagesWritten--> TRANSFERRING
+    WAITING_FOR_DESTINATION --DestinationReceived--> WAITING_FOR_INPUT (or FAILED: bad destination)
+    WAITING_FOR_INPUT --ChunkDone--> TRANSFERRING, or SENDING_METADATA on the last chunk
+    TRANSFERRING --ChunkDone/PagesWritten--> TRANSFERRING
     TRANSFERRING --(last chunk seen, every page write completed)--> SENDING_METADATA
     SENDING_METADATA --MetadataWritten--> SUCCESS
     (any non-terminal) --Fail--> FAILED
 
-After each prefill chunk the sender emits a :class:`WritePages` action for the pages that
-the chunk **completed**; a partially filled last page is held back until the final chunk
-(a later chunk would add tokens to it, and decode must never see a half-written page as
-final). The metadata row goes **last**, only after every page write has completed, as a
-:class:`WriteMetadata` action (the driver writes the payload, then ``bootstrap_room``).
+Which pages go when. After each chunk the pages that chunks **completed** and that are
+not written yet are *pending*; they go as one :class:`WritePages` once there are at least
+``min_write_pages`` of them (every write has a fixed cost that small pieces do not earn
+back). A partially filled last page is held back until the final chunk: a later chunk
+adds tokens to it, and decode must never see a half-written page as final.
+
+Metadata last. On the final chunk the pages still pending (the partial page included)
+go *with* the metadata row as one :class:`WriteMetadata`: the transport lands a row after
+every earlier write of its room, the row's ``bootstrap_room`` last. If earlier page
+writes are still outstanding, the rest of the pages go as a :class:`WritePages` and the
+row waits for :class:`PagesWritten` of every one.
+
+Deadlines (``deadline``, enforced by the driver through :meth:`PrefillSender.tick`): the
+handshake (``waiting_for_destination_s``); the compute, from the destination or from the
+previous chunk to the next chunk (``waiting_for_input_s``, restarted by each chunk); the
+wire, from the last chunk to the decode's acknowledgement of the row (``transferring_s``).
 
 :meth:`PrefillSender.create` applies the dp rules first: under strict
 ``follow_bootstrap_room`` a request whose actual rank differs from ``room % dp_size`` (an
@@ -48,6 +60,7 @@ __all__ = [
     "SENDER_TRANSITIONS",
     "WriteMetadata",
     "WritePages",
+    "write_pages_for",
 ]
 
 
@@ -89,14 +102,14 @@ class ChunkDone:
 
 @dataclasses.dataclass(frozen=True)
 class PagesWritten:
-    """The transport completed ``count`` page writes."""
+    """The transport completed (for an ordered transport: queued) ``count`` page writes."""
 
     count: int
 
 
 @dataclasses.dataclass(frozen=True)
 class MetadataWritten:
-    """The metadata row (room last) landed."""
+    """The metadata row (room last) landed: the decode acknowledged the transfer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +139,13 @@ class WritePages:
 
 @dataclasses.dataclass(frozen=True)
 class WriteMetadata:
-    """Write this request's metadata row into decode slot ``slot``: payload, then the room."""
+    """The final write: local pages ``src`` into decode pages ``dst`` (possibly none),
+    then this request's metadata row into decode slot ``slot`` (payload, then the room)."""
 
     room: int
     slot: int
+    src: tuple[int, ...] = ()
+    dst: tuple[int, ...] = ()
 
 
 SenderAction = Union[RegisterDpRank, WritePages, WriteMetadata]
@@ -138,7 +154,7 @@ T = SenderState
 _NON_TERMINAL = (T.WAITING_FOR_DESTINATION, T.WAITING_FOR_INPUT, T.TRANSFERRING, T.SENDING_METADATA)
 SENDER_TRANSITIONS: dict[tuple[SenderState, type], frozenset[SenderState]] = {
     (T.WAITING_FOR_DESTINATION, DestinationReceived): frozenset({T.WAITING_FOR_INPUT, T.FAILED}),
-    (T.WAITING_FOR_INPUT, ChunkDone): frozenset({T.TRANSFERRING}),
+    (T.WAITING_FOR_INPUT, ChunkDone): frozenset({T.TRANSFERRING, T.SENDING_METADATA}),
     (T.TRANSFERRING, ChunkDone): frozenset({T.TRANSFERRING, T.SENDING_METADATA}),
     (T.TRANSFERRING, PagesWritten): frozenset({T.TRANSFERRING, T.SENDING_METADATA}),
     (T.SENDING_METADATA, MetadataWritten): frozenset({T.SUCCESS}),
@@ -154,19 +170,22 @@ _POLL = {
     T.SUCCESS: KVPoll.SUCCESS,
     T.FAILED: KVPoll.FAILED,
 }
-_TIMEOUT = {
-    T.WAITING_FOR_DESTINATION: SenderFailReason.WAITING_FOR_DESTINATION_TIMEOUT,
-    T.WAITING_FOR_INPUT: SenderFailReason.WAITING_FOR_INPUT_TIMEOUT,
-    T.TRANSFERRING: SenderFailReason.TRANSFER_TIMEOUT,
-    T.SENDING_METADATA: SenderFailReason.TRANSFER_TIMEOUT,
-}
+
+
+def write_pages_for(min_write_bytes: int, page_nbytes: int) -> int:
+    """``min_write_bytes`` in whole pages of ``page_nbytes`` (rounded up): the
+    ``min_write_pages`` of a sender, and when a compute posts a chunk."""
+    if page_nbytes <= 0:
+        raise ConfigError(f"page_nbytes must be > 0, got {page_nbytes}")
+    return -(-max(0, min_write_bytes) // page_nbytes)
 
 
 class PrefillSender:
     """One request on one prefill rank. Build it with :meth:`create`."""
 
     def __init__(
-        self, room: int, src_pages: tuple[int, ...], num_tokens: int, page_size: int, now: float, deadlines: SenderDeadlines
+        self, room: int, src_pages: tuple[int, ...], num_tokens: int, page_size: int, now: float, deadlines: SenderDeadlines,
+        min_write_pages: int = 1,
     ) -> None:
         if room <= 0:
             raise ConfigError(f"room must be > 0, got {room}")
@@ -174,6 +193,8 @@ class PrefillSender:
             raise ConfigError(f"page_size must be > 0, got {page_size}")
         if num_tokens <= 0:
             raise ConfigError(f"num_tokens must be > 0, got {num_tokens}")
+        if min_write_pages < 0:
+            raise ConfigError(f"min_write_pages must be >= 0, got {min_write_pages}")
         needed = -(-num_tokens // page_size)
         if len(src_pages) != needed:
             raise ConfigError(f"src_pages has {len(src_pages)} pages, {num_tokens} tokens at page_size {page_size} need {needed}")
@@ -182,6 +203,7 @@ class PrefillSender:
         self.num_tokens = num_tokens
         self.page_size = page_size
         self.deadlines = deadlines
+        self.min_write_pages = min_write_pages
         self.state = T.WAITING_FOR_DESTINATION
         self.deadline = now + deadlines.waiting_for_destination_s
         self.dst_pages: tuple[int, ...] = ()
@@ -205,9 +227,10 @@ class PrefillSender:
         method_follows_room: bool = True,
         dp: DpConfig | None = None,
         deadlines: SenderDeadlines | None = None,
+        min_write_pages: int = 1,
     ) -> tuple["PrefillSender", list[SenderAction]]:
         """A sender plus its first actions, after the dp rules (see the module docstring)."""
-        s = cls(room, src_pages, num_tokens, page_size, now, deadlines or SenderDeadlines())
+        s = cls(room, src_pages, num_tokens, page_size, now, deadlines or SenderDeadlines(), min_write_pages)
         try:
             decision = check_prefill_dispatch(room, dp_rank, method_follows_room, dp or DpConfig())
         except DpRankConflict as exc:
@@ -223,7 +246,22 @@ class PrefillSender:
     def poll(self) -> KVPoll:
         return _POLL[self.state]
 
+    def planned_final_write(self) -> WriteMetadata | None:
+        """The :class:`WriteMetadata` the final chunk will emit, when it is known now:
+        the destination is in and no chunk before the last can complete
+        ``min_write_pages`` pages, so the whole prompt goes in that one write (a driver
+        may plan its messages while the prompt computes). None otherwise."""
+        if self.state is not T.WAITING_FOR_INPUT or self.slot is None:
+            return None
+        most_before_last = (self.num_tokens - 1) // self.page_size  # complete pages any earlier chunk can hold
+        if most_before_last > 0 and most_before_last >= max(1, self.min_write_pages):
+            return None
+        return WriteMetadata(self.room, self.slot, self.src_pages, self.dst_pages)
+
     def handle(self, event: SenderEvent, now: float) -> list[SenderAction]:
+        """Apply ``event``; the actions the driver must carry out, in order. An event the
+        state does not accept raises :class:`~pdgrpc.errors.IllegalTransition` and
+        changes nothing."""
         if (self.state, type(event)) not in SENDER_TRANSITIONS:
             raise IllegalTransition(f"room {self.room}: sender event {type(event).__name__} is not allowed in state {self.state.name}")
         if isinstance(event, Fail):
@@ -246,23 +284,36 @@ class PrefillSender:
         return []
 
     def tick(self, now: float) -> Fail | None:
+        """The timer event: past :attr:`deadline`, fail with the phase's timeout reason
+        and return that failure; None while in time (or terminal)."""
         if self.is_terminal or now <= self.deadline:
             return None
-        ev = Fail(_TIMEOUT[self.state], f"room {self.room}: deadline exceeded in state {self.state.name}")
+        ev = Fail(self._timeout_reason(), f"room {self.room}: deadline exceeded in state {self.state.name}")
         self.handle(ev, now)
         return ev
 
     # -- internals ------------------------------------------------------------------------
+    def _computing(self) -> bool:
+        return self.state is T.WAITING_FOR_INPUT or (self.state is T.TRANSFERRING and not self.last_chunk_seen)
+
+    def _timeout_reason(self) -> SenderFailReason:
+        if self.state is T.WAITING_FOR_DESTINATION:
+            return SenderFailReason.WAITING_FOR_DESTINATION_TIMEOUT
+        return SenderFailReason.WAITING_FOR_INPUT_TIMEOUT if self._computing() else SenderFailReason.TRANSFER_TIMEOUT
+
     def _enter(self, state: SenderState, now: float) -> None:
-        if state is not self.state:
-            self.state = state
-            d = self.deadlines
-            limit = {
-                T.WAITING_FOR_INPUT: d.waiting_for_input_s,
-                T.TRANSFERRING: d.transferring_s,
-                T.SENDING_METADATA: d.transferring_s,
-            }.get(state)
-            self.deadline = now + limit if limit is not None else float("inf")
+        self.state = state
+        self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        """Start the current phase's deadline at ``now``."""
+        d = self.deadlines
+        if self.is_terminal:
+            self.deadline = float("inf")
+        elif self.state is T.WAITING_FOR_DESTINATION:
+            self.deadline = now + d.waiting_for_destination_s
+        else:
+            self.deadline = now + (d.waiting_for_input_s if self._computing() else d.transferring_s)
 
     def _destination(self, ev: DestinationReceived, now: float) -> list[SenderAction]:
         if len(ev.dst_pages) != len(self.src_pages) or ev.slot < 0:
@@ -291,19 +342,37 @@ class PrefillSender:
             )
         self.tokens_done = ev.tokens_done
         self.last_chunk_seen = ev.last
-        # Completed pages only; the final chunk also releases the partial last page.
-        upto = len(self.src_pages) if ev.last else ev.tokens_done // self.page_size
-        actions: list[SenderAction] = []
-        if upto > self.pages_sent:
-            sl = slice(self.pages_sent, upto)
-            actions.append(WritePages(self.room, self.src_pages[sl], self.dst_pages[sl]))
-            self.pages_sent = upto
-        self._enter(T.TRANSFERRING, now)
-        return actions + self._maybe_metadata(now)
+        self.state = T.TRANSFERRING
+        if ev.last:
+            # Every page still pending goes now, the partial last page included.
+            rest = self._take(len(self.src_pages))
+            if self.pages_written == self.pages_sent - len(rest[0]):
+                # Nothing outstanding: the pages and the row in one write, the row last.
+                self.pages_written = self.pages_sent
+                self._enter(T.SENDING_METADATA, now)
+                assert self.slot is not None
+                return [WriteMetadata(self.room, self.slot, *rest)]
+            self._arm(now)
+            return [WritePages(self.room, *rest)] if rest[0] else []
+        self._arm(now)
+        complete = ev.tokens_done // self.page_size  # the partial page stays back
+        if complete - self.pages_sent > 0 and complete - self.pages_sent >= self.min_write_pages:
+            return [WritePages(self.room, *self._take(complete))]
+        return []
+
+    def _take(self, upto: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The pending pages up to page ``upto`` (local, destination); now sent."""
+        sl = slice(self.pages_sent, upto)
+        self.pages_sent = max(self.pages_sent, upto)
+        return self.src_pages[sl], self.dst_pages[sl]
 
     def _maybe_metadata(self, now: float) -> list[SenderAction]:
-        if self.last_chunk_seen and self.pages_written == self.pages_sent and self.state is T.TRANSFERRING:
-            self._enter(T.SENDING_METADATA, now)
-            assert self.slot is not None
-            return [WriteMetadata(self.room, self.slot)]
-        return []
+        # While chunks still compute, a completed write leaves the compute deadline alone.
+        if self.state is not T.TRANSFERRING or self._computing():
+            return []
+        if self.pages_written < self.pages_sent:
+            self._arm(now)  # a completed write is progress on the wire
+            return []
+        self._enter(T.SENDING_METADATA, now)
+        assert self.slot is not None
+        return [WriteMetadata(self.room, self.slot)]

@@ -1,0 +1,94 @@
+"""Where a prefill worker's forward pass runs: one interface, one implementation per mode.
+
+* :class:`~pdgrpc.prefill.compute_thread.ThreadCompute` -- a thread of the worker process
+  (``--compute-in thread``, TP 1);
+* :class:`~pdgrpc.prefill.compute_process.ProcessCompute` -- a child process over the
+  shared KV pool (``--compute-in process``, TP 1);
+* :class:`~pdgrpc.prefill.compute_tp.TpLeaderCompute` / :class:`~pdgrpc.prefill.compute_tp.TpFollowerCompute`
+  -- a TP group computing in lock step (tp rank 0 decides, the others follow).
+
+The driver begins a room's compute with :meth:`Compute.begin`, reads the chunks the
+compute posts (:class:`ChunkPost`, when :class:`~pdgrpc.state.chunk_posting.ChunkPosting`
+says so) from the job's queue, and ends it with :meth:`Compute.finish`, which returns only
+once nothing computes into the room's pages any more.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+from typing import Any, Awaitable, Callable, NamedTuple
+
+from pdgrpc.engine.base import PrefillRequest, SampledToken
+
+__all__ = ["ChunkPost", "Compute", "ComputeJob", "uncancellable"]
+
+
+class ChunkPost(NamedTuple):
+    """The prompt is computed up to token ``end``; ``token`` on the last chunk; ``seconds``
+    of compute since the previous post; ``error`` when a chunk failed (the job stops)."""
+
+    end: int
+    token: SampledToken | None
+    seconds: float
+    error: BaseException | None
+
+
+@dataclasses.dataclass(eq=False)
+class ComputeJob:
+    """One room's compute as the driver sees it."""
+
+    room: int
+    posts: "asyncio.Queue[ChunkPost]" = dataclasses.field(default_factory=asyncio.Queue)
+    computed_all: bool = False  # every chunk was computed (set by the compute)
+
+
+class Compute(abc.ABC):
+    """One worker's compute. ``on_broken(why)`` (set by the worker, called on any thread)
+    reports that the compute cannot serve any more (a TP collective failed, the compute
+    process died): the worker then exits non-zero so its controller sees a dead rank."""
+
+    plans_final_write = False  # the driver plans a prompt's last write while it computes
+    reserved_pages: tuple[int, ...] = ()  # KV pages the compute keeps for itself (TP scratch)
+    broken: str | None = None
+
+    def __init__(self) -> None:
+        self.on_broken: Callable[[str], None] = lambda why: None
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            self.on_broken(why)
+
+    async def start(self) -> None:
+        """Called on the worker's running loop before the first :meth:`begin`."""
+
+    @abc.abstractmethod
+    def begin(self, room: int, request: PrefillRequest) -> ComputeJob:
+        """Start computing ``request`` (its pages are the room's) chunk by chunk. Raises
+        :class:`~pdgrpc.prefill.errors.RequestFailed` when it cannot start."""
+
+    @abc.abstractmethod
+    async def finish(self, room: int, job: ComputeJob | None) -> None:
+        """The room ended (``job`` is None when :meth:`begin` was never called or failed):
+        stop its compute and return once nothing writes into its pages. Completes even
+        when the calling task is cancelled meanwhile."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop, after every room finished."""
+
+
+async def uncancellable(waitable: "Awaitable[Any]") -> None:
+    """Wait for ``waitable`` to complete, through any number of cancellations of the
+    caller (compute still writing into pages must be waited for, whatever ended the
+    request); an exception of ``waitable`` ends the wait."""
+    fut = asyncio.ensure_future(waitable)
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            continue
+        except Exception:
+            break

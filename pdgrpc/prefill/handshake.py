@@ -1,0 +1,132 @@
+"""A decode's handshake, checked against this prefill rank (no I/O).
+
+:func:`check_handshake` turns a ``HandshakeRequest`` into a :class:`Destination` or raises
+:class:`~pdgrpc.prefill.errors.RequestFailed` with the status the proto documents
+(INVALID_ARGUMENT for a malformed field, FAILED_PRECONDITION for a decode that cannot
+pair with this rank) and a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import grpc
+
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, senders_of
+from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, RegionKind
+from pdgrpc.transport.pages import METADATA_REGION_ID, region_pairs
+from pdgrpc.v1 import handshake_pb2
+
+__all__ = ["Destination", "LocalEnd", "check_handshake"]
+
+C = grpc.StatusCode
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """A validated handshake: where one room's pages and metadata row go."""
+
+    room: int
+    dst_pages: tuple[int, ...]
+    dst_slot: int
+    descriptor: bytes
+    parsed: Descriptor
+    decode_tp_rank: int = 0
+    decode_tp_size: int = 1
+    wants_metadata: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalEnd:
+    """What a handshake must match on this prefill rank."""
+
+    transport: str  # the transport's name
+    compat_hash: bytes
+    tp_rank: int
+    tp_size: int
+    num_kv_heads: int  # of the whole model
+    head_bytes: int  # one KV head of one token page, one layer
+    regions: Sequence[MemoryRegion]  # registered: KV regions, then the metadata rows
+    row_bytes: int  # one metadata row
+
+
+def _hex(b: bytes) -> str:
+    return "0x" + b.hex() if b else "(empty)"
+
+
+def _check_pairing(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> None:
+    room = req.bootstrap_room
+    if req.transport != local.transport:
+        raise RequestFailed(
+            C.FAILED_PRECONDITION,
+            f"room {room}: transport mismatch: decode uses {req.transport!r}, this prefill worker uses {local.transport!r}",
+        )
+    if req.compatibility_hash != local.compat_hash:
+        raise RequestFailed(
+            C.FAILED_PRECONDITION,
+            f"room {room}: compatibility_hash mismatch: decode has {_hex(req.compatibility_hash)}, "
+            f"prefill has {_hex(local.compat_hash)} (model, page size, KV dtype/layout or protocol differ)",
+        )
+    tp_d, d = req.decode_tp_size or 1, req.decode_tp_rank  # size 0: an old client, TP 1
+    try:
+        check_tp_sizes(local.tp_size, tp_d)
+        if d >= tp_d:
+            raise PdgrpcError("decode_tp_rank must be < decode_tp_size")
+        ok = local.tp_rank in senders_of(d, tp_d, local.tp_size)
+        why = "it does not write to that decode rank"
+    except PdgrpcError as exc:
+        ok, why = False, str(exc)
+    if not ok:
+        raise RequestFailed(
+            C.FAILED_PRECONDITION,
+            f"room {room}: decode_tp_rank={d} / decode_tp_size={req.decode_tp_size}: this prefill worker is "
+            f"tp_rank {local.tp_rank} of tp_size {local.tp_size}; {why}",
+        )
+
+
+def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Destination:
+    room = req.bootstrap_room
+    if room == 0:
+        raise RequestFailed(C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
+    _check_pairing(req, local)
+    tp_d, d = req.decode_tp_size or 1, req.decode_tp_rank
+    if not req.dst_pages:
+        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages is empty")
+    try:
+        parsed = Descriptor.from_bytes(req.transport_descriptor)
+    except BadDescriptor as exc:
+        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: transport_descriptor: {exc}") from None
+    meta = parsed.region_map().get(METADATA_REGION_ID if req.wants_metadata else METADATA_SINK_REGION_ID)
+    if meta is None or meta.kind is not RegionKind.METADATA:
+        what = "metadata region" if req.wants_metadata else "metadata sink region (wants_metadata is false)"
+        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: transport_descriptor has no {what}")
+    if meta.item_bytes != local.row_bytes:
+        raise RequestFailed(
+            C.FAILED_PRECONDITION,
+            f"room {room}: metadata row size mismatch: decode rows are {meta.item_bytes} B, prefill rows are {local.row_bytes} B",
+        )
+    if req.dst_slot >= meta.num_items:
+        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_slot {req.dst_slot} outside the decode's {meta.num_items} slots")
+    try:
+        pairs = region_pairs(local.regions, parsed.regions)
+    except PdgrpcError as exc:
+        raise RequestFailed(C.FAILED_PRECONDITION, f"room {room}: KV regions: {exc}") from None
+    heads = local.num_kv_heads // tp_d
+    for src, dst in pairs:
+        if dst.item_bytes != heads * local.head_bytes:
+            raise RequestFailed(
+                C.FAILED_PRECONDITION,
+                f"room {room}: KV page size mismatch in {src.name!r}: decode {dst.item_bytes} B, expected "
+                f"{heads * local.head_bytes} B ({heads} heads of decode tp rank {d} of {tp_d}; prefill pages are {src.item_bytes} B)",
+            )
+    limit = min((r.num_items for r in parsed.regions if r.kind is RegionKind.KV), default=0)
+    bad = next((p for p in req.dst_pages if p >= limit), None)
+    if bad is not None:
+        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {bad} outside the decode's pool of {limit} pages")
+    return Destination(
+        room, tuple(req.dst_pages), req.dst_slot, bytes(req.transport_descriptor), parsed,
+        decode_tp_rank=d, decode_tp_size=tp_d, wants_metadata=req.wants_metadata,
+    )
