@@ -1,4 +1,4 @@
-"""What the prefill worker's compute thread tells its loop, without processes or sockets.
+"""What the prefill worker's compute thread tells its driver, without processes or sockets.
 
 Every chunk posted to the loop wakes it, and the loop's Python then competes with the
 compute for the GIL. So a chunk is posted only when the loop can write something (the
@@ -14,7 +14,8 @@ import pytest
 
 from pdgrpc.engine.base import PrefillRequest, SamplingParams
 from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig, _Active
+from pdgrpc.prefill.compute_thread import ThreadCompute
+from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
 from pdgrpc.transport import registry
 from tests.prefill.harness import CONFIG, prompt
 
@@ -29,30 +30,28 @@ async def _posts(min_write_pages: float, fail_at: int | None = None) -> list[tup
     worker = PrefillWorker(
         engine, registry.create("fake"), WorkerConfig(chunk_size=CHUNK, min_write_bytes=int(min_write_pages * page_bytes))
     )
+    compute = worker.compute
+    assert isinstance(compute, ThreadCompute)
     if fail_at is not None:
-        real = worker._lead_chunk
+        real = compute.compute_chunk
 
         def failing(room: int, req: PrefillRequest, start: int, end: int):  # type: ignore[no-untyped-def]
             if start == fail_at:
                 raise RuntimeError("engine blew up")
             return real(room, req, start, end)
 
-        worker._lead_chunk = failing  # type: ignore[method-assign]
-    task = asyncio.current_task()
-    assert task is not None
+        compute.compute_chunk = failing  # type: ignore[method-assign]
     pages = engine.alloc_pages(engine.pages_needed(N))
     assert pages is not None
-    entry = _Active(room=9, task=task, pages=pages)
-    out = worker._start_compute(entry, PrefillRequest(tuple(prompt(N, 1)), tuple(pages), SamplingParams()), N)
+    job = compute.begin(9, PrefillRequest(tuple(prompt(N, 1)), tuple(pages), SamplingParams()))
     posts = []
     while True:
-        end, token, secs, err = await asyncio.wait_for(out.get(), 30)
+        end, token, secs, err = await asyncio.wait_for(job.posts.get(), 30)
         posts.append((end, token is not None, secs, err))
         if err is not None or end == N:
             break
-    assert entry.compute is not None
-    await asyncio.wait_for(entry.compute, 30)  # the thread is done with the pages
-    worker._executor.shutdown(wait=True)
+    await asyncio.wait_for(compute.finish(9, job), 30)  # the thread is done with the pages
+    await compute.close()
     return posts
 
 

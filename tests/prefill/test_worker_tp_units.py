@@ -14,6 +14,7 @@ import dataclasses
 
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.engine.tp import identity_all_reduce
+from pdgrpc.prefill.compute_thread import ThreadCompute
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig, _Active
 from pdgrpc.transport import registry
 from tests.prefill.harness import CONFIG
@@ -24,12 +25,13 @@ async def _broadcasts_when_finishing_an_uncomputed_room(tp_rank: int) -> list[tu
     engine = ReferenceEngine(dataclasses.replace(CONFIG, tp_rank=tp_rank, tp_size=2), all_reduce=identity_all_reduce)
     worker = PrefillWorker(engine, registry.create("fake"), WorkerConfig(tp_rank=tp_rank, tp_size=2))
     sent: list[tuple] = []
-    worker._broadcast = sent.append  # type: ignore[method-assign]  # record instead of a collective
+    worker.compute.broadcast = sent.append  # type: ignore[attr-defined]  # record instead of a collective
     task = asyncio.current_task()
     assert task is not None
     entry = _Active(room=7, task=task)  # never computed here; on a follower: never followed
     await worker._finish(entry)
-    worker._executor.shutdown(wait=True)  # whatever _finish queued for the compute thread has run
+    if isinstance(worker.compute, ThreadCompute):
+        worker.compute.executor.shutdown(wait=True)  # whatever _finish queued for the compute thread has run
     return sent
 
 
