@@ -1,0 +1,100 @@
+"""One room driven in-process: a PrefillWorker and a fake decode with real tcp transports
+in the test's loop, no processes. The worker carries out what the room's sender decides
+and enforces the sender's deadlines."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+import grpc
+import pytest
+
+from pdgrpc.engine.base import PrefillRequest, SampledToken, SamplingParams
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.prefill.compute_thread import ThreadCompute
+from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
+from pdgrpc.state.outcomes import AbortReason
+from pdgrpc.transport import registry
+from tests.prefill.fake_decode import FakeDecode, KVPoll
+from tests.prefill.harness import CONFIG, assert_landed_bit_exact, new_room, prompt, request
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[FakeDecode]:
+    d = FakeDecode(CONFIG, "tcp")
+    await d.start()
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+async def _worker(**config: object) -> PrefillWorker:
+    w = PrefillWorker(ReferenceEngine(CONFIG), registry.create("tcp"), WorkerConfig(**config))  # type: ignore[arg-type]
+    await w.start()
+    return w
+
+
+def _held(w: PrefillWorker) -> tuple[int, int, int]:
+    s = w.stats()
+    return s.active_requests, s.pages_in_use, s.transport_rooms
+
+
+@pytest.mark.parametrize("min_write_bytes", [0, 1 << 30], ids=["write-each-chunk", "one-final-write"])
+async def test_the_prompt_lands_bit_exact_whatever_the_write_batching(decode: FakeDecode, min_write_bytes: int) -> None:
+    w = await _worker(chunk_size=6, min_write_bytes=min_write_bytes)
+    try:
+        ids, room = prompt(30, 5), new_room()
+        r = decode.allocate(room, len(ids))
+        w.handshake(decode.handshake_request(r))
+        resp = await w.prefill(request(room, ids))
+        assert (await decode.wait(r)).state is KVPoll.SUCCESS
+        assert_landed_bit_exact(decode, r, ids, SamplingParams())
+        assert resp.prompt_tokens == 30 and resp.bytes_transferred > 0
+        assert _held(w) == (0, 0, 0)
+    finally:
+        await w.close()
+
+
+async def test_a_compute_slower_than_its_deadline_fails_the_room_and_frees_it(decode: FakeDecode) -> None:
+    w = await _worker(chunk_size=6, compute_timeout_s=0.5)
+    compute = w.compute
+    assert isinstance(compute, ThreadCompute)
+    real = compute.compute_chunk
+
+    def slow(room: int, req: PrefillRequest, start: int, end: int) -> tuple[SampledToken | None, float]:
+        time.sleep(1.0)  # on the compute thread: the loop stays free to see the deadline pass
+        return real(room, req, start, end)
+
+    compute.compute_chunk = slow  # type: ignore[method-assign]
+    try:
+        ids, room = prompt(30, 6), new_room()
+        r = decode.allocate(room, len(ids))
+        w.handshake(decode.handshake_request(r))
+        t = time.monotonic()
+        with pytest.raises(RequestFailed) as ei:
+            await w.prefill(request(room, ids))
+        assert ei.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no prefill chunk computed within 0.5 s" in ei.value.message
+        assert ei.value.reason is AbortReason.WAITING_FOR_INPUT_TIMEOUT
+        # failed at the deadline, then waited only for the chunk in flight (not the prompt)
+        assert time.monotonic() - t < 2.5
+        assert _held(w) == (0, 0, 0)
+    finally:
+        await w.close()
+
+
+async def test_no_handshake_fails_at_the_senders_deadline(decode: FakeDecode) -> None:
+    w = await _worker(handshake_timeout_s=0.3)
+    try:
+        with pytest.raises(RequestFailed) as ei:
+            await w.prefill(request(new_room(), prompt(10, 7)))
+        assert ei.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and ei.value.reason is AbortReason.BOOTSTRAP_TIMEOUT
+        assert "no decode handshake within 0.3 s" in ei.value.message
+        assert _held(w) == (0, 0, 0)
+    finally:
+        await w.close()
