@@ -8,9 +8,7 @@ to the worker. What is fake is the scheduling: the test says which room goes whe
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 
 import grpc
 import torch
@@ -29,6 +27,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import bootstrap_pb2_grpc as bpb_grpc
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
+from tests.eventually import eventually_async
 
 
 @dataclasses.dataclass
@@ -98,14 +97,10 @@ class FakeDecode:
         stub = self.bootstrap_stub(bootstrap)
         rank = room % dp_size
         if query:
-            deadline = time.monotonic() + timeout
-            while True:
-                res = await stub.QueryDpRanks(bpb.QueryDpRanksRequest(bootstrap_rooms=[room]), timeout=5)
-                if res.entries:
-                    rank = res.entries[0].dp_rank
-                    break
-                assert time.monotonic() < deadline, f"room {room} never registered with bootstrap"
-                await asyncio.sleep(0.02)
+            async def entries() -> list[bpb.DpRankEntry]:
+                return list((await stub.QueryDpRanks(bpb.QueryDpRanksRequest(bootstrap_rooms=[room]), timeout=5)).entries)
+
+            rank = (await eventually_async(entries, timeout, what=f"room {room} registered with bootstrap"))[0].dp_rank
         return (await self.workers(bootstrap, rank))[0].transfer_address
 
     async def workers(self, bootstrap: str, rank: int) -> list[bpb.WorkerInfo]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import grpc
 
@@ -13,7 +12,8 @@ from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.serving import engine_config_from_args, sampling_to_proto
-from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
+from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
 
@@ -46,14 +46,14 @@ async def assert_settles_to_zero(p: PrefillProc, dp_size: int = 2) -> None:
     """The instance's own GetStats (summed over workers) reaches all-zero usage, bounded."""
     ch, stub = await prefill_stub(p)
     try:
-        deadline = time.monotonic() + SETTLE_S
-        while True:
-            s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
-            if (s.active_requests, s.pages_in_use, s.transport_rooms) == (0, 0, 0):
-                assert s.pages_total == dp_size * CONFIG.num_pages
-                return
-            assert time.monotonic() < deadline, f"prefill still holds resources: {s}"
-            await asyncio.sleep(0.05)
+        last: list[common_pb2.ResourceStats] = []
+
+        async def idle() -> bool:
+            last[:] = [(await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats]
+            return (last[0].active_requests, last[0].pages_in_use, last[0].transport_rooms) == (0, 0, 0)
+
+        await eventually_async(idle, SETTLE_S, what="prefill released everything", interval=0.05)
+        assert last[0].pages_total == dp_size * CONFIG.num_pages
     finally:
         await ch.close()
 
@@ -83,6 +83,10 @@ async def run_one(p: PrefillProc, d: FakeDecode, ids: list[int], sampling: Sampl
         await ch.close()
 
 
+async def active_requests(stub: prefill_pb2_grpc.PrefillServiceStub) -> int:
+    return (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests
+
+
 async def hold_on_dp1(
     stub: prefill_pb2_grpc.PrefillServiceStub, ids: list[int]
 ) -> "tuple[int, asyncio.Future[prefill_pb2.PrefillResponse]]":
@@ -90,10 +94,7 @@ async def hold_on_dp1(
     and call, once the worker holds it (the instance reports an active request)."""
     room = new_room()
     held = asyncio.ensure_future(stub.Prefill(request(room, ids, routed=1), timeout=60))
-    deadline = time.monotonic() + 15
-    while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
-        assert time.monotonic() < deadline, "the request never reached worker dp1"
-        await asyncio.sleep(0.02)
+    await eventually_async(lambda: active_requests(stub), 15, what="the request reached worker dp1")
     return room, held
 
 

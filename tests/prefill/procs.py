@@ -12,8 +12,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.eventually import eventually
 
 STARTUP_S = 90.0
 
@@ -62,14 +63,17 @@ class Proc:
 
     def wait_for(self, pattern: str, source: str = "out") -> re.Match[str]:
         path = self.out_path if source == "out" else self.log_path
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            m = re.search(pattern, path.read_text(errors="replace"))
-            if m:
-                return m
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"process did not print {pattern!r} (exit {self.proc.poll()}):\n{self.log()[-4000:]}")
-            time.sleep(0.05)
+        def printed() -> re.Match[str] | bool | None:
+            # an exited process prints nothing more: stop waiting for it
+            return re.search(pattern, path.read_text(errors="replace")) or self.proc.poll() is not None
+
+        try:
+            m = eventually(printed, STARTUP_S, interval=0.05)
+        except AssertionError:
+            m = None
+        if not isinstance(m, re.Match):
+            raise RuntimeError(f"process did not print {pattern!r} (exit {self.proc.poll()}):\n{self.log()[-4000:]}")
+        return m
 
     def stop(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import re
 import signal
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -24,6 +23,7 @@ from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError
 from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost
+from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode
 from tests.prefill.harness import CONFIG, hold_on_dp1, prefill_stub, prompt, run_one
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, child_pids, pid_alive
@@ -127,8 +127,7 @@ async def test_a_cancelled_prompt_stops_and_says_so(cp: ComputeProcess) -> None:
     req = _request(ReferenceEngine(CONFIG, kv_pool=cp.kv), 64, 9)
     p = Posts()
     job = cp.submit(req, 4, 0, CONFIG.page_size, p.post, p.stop)
-    while not p.items:
-        await asyncio.sleep(0.001)
+    await eventually_async(lambda: p.items, 30, what="a chunk posted", interval=0.001)
     cp.cancel(job)
     await p.wait()
     assert len(p.items) < 16 and p.items[-1][0] < 64  # stopped before the last of 16 chunks
@@ -162,8 +161,7 @@ async def test_its_death_fails_the_prompts_in_flight_and_later_ones(cp: ComputeP
     assert pages is not None
     p = Posts()
     cp.submit(PrefillRequest(tuple(prompt(64, 4)), tuple(pages)), 4, 0, CONFIG.page_size, p.post, p.stop)
-    while not p.items:
-        await asyncio.sleep(0.001)
+    await eventually_async(lambda: p.items, 30, what="a chunk posted", interval=0.001)
     assert cp.proc is not None
     os.kill(cp.proc.pid, signal.SIGKILL)
     await p.wait()
@@ -239,14 +237,9 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
             await asyncio.wait_for(held, 30)
         assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
         # The worker exits non-zero, saying why; its controller sees the rank gone.
-        deadline = time.monotonic() + 30
-        while pid_alive(worker):
-            assert time.monotonic() < deadline, "the worker outlived its compute process"
-            await asyncio.sleep(0.1)
-        deadline = time.monotonic() + 15
-        while not re.search(r"prefill worker dp1 \(pid \d+\) exited with code 1", p.log()):
-            assert time.monotonic() < deadline, p.log()[-3000:]
-            await asyncio.sleep(0.1)
+        await eventually_async(lambda: not pid_alive(worker), 30, what="the worker exits with its compute process", interval=0.1)
+        await eventually_async(lambda: re.search(r"prefill worker dp1 \(pid \d+\) exited with code 1", p.log()), 15,
+                         what="the controller reports the worker's exit", interval=0.1)
         assert re.search(rf"dp1: exiting: prefill dp1: compute process {compute} is gone", p.log())
         # dp0 (and its compute process) keeps serving.
         for i in range(2):
@@ -257,10 +250,7 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
         survivor = p.worker_pids[0]
         [survivor_compute] = child_pids(survivor)
         os.kill(survivor, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while pid_alive(survivor_compute):
-            assert time.monotonic() < deadline, "a compute process outlived its worker"
-            await asyncio.sleep(0.1)
+        await eventually_async(lambda: not pid_alive(survivor_compute), 15, what="the compute process dies with its worker", interval=0.1)
     finally:
         await ch.close()
         await d.close()

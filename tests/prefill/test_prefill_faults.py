@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import signal
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -18,6 +17,7 @@ import pytest
 
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.v1 import prefill_pb2
+from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, pid_alive
 from tests.prefill.harness import CONFIG, hold_on_dp1, new_room, prefill_stub, prompt, request, run_one
@@ -76,10 +76,7 @@ async def test_workers_exit_when_the_controller_is_killed(fake_rr: PrefillProc) 
     assert pid_alive(survivor)
     fake_rr.proc.kill()  # no SIGTERM, no chance to stop its workers
     fake_rr.proc.wait(10)
-    deadline = time.monotonic() + 15
-    while pid_alive(survivor):
-        assert time.monotonic() < deadline, "a worker outlived its controller"
-        await asyncio.sleep(0.1)
+    await eventually_async(lambda: not pid_alive(survivor), 15, what="the worker exits with its controller", interval=0.1)
 
 
 def test_controller_exits_nonzero_when_no_worker_is_left(tmp_path: Path) -> None:

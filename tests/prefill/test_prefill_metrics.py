@@ -9,12 +9,10 @@ registered it must report SERVING and print its ready line.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import sys
-import time
 
 import grpc
 import pytest
@@ -23,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdgrpc.cluster.launcher import free_port, free_port_block
 from pdgrpc.metrics import scrape
 
+from tests.eventually import eventually_async
 from tests.prefill.procs import ENGINE_FLAGS, STARTUP_S, Proc, pid_alive
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,10 +41,10 @@ async def _status(address: str, service: str = "") -> int | None:
 
 
 async def _wait_status(address: str, want: int, service: str = "") -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while (got := await _status(address, service)) != want:
-        assert time.monotonic() < deadline, f"health of {service or 'the server'} is {got}, never {want}"
-        await asyncio.sleep(0.1)
+    async def reached() -> bool:
+        return await _status(address, service) == want
+
+    await eventually_async(reached, STARTUP_S, what=f"health of {service or 'the server'} is {want}", interval=0.1)
 
 
 async def test_not_serving_until_every_worker_is_ready_then_serving_with_metrics_per_process(tmp_path) -> None:

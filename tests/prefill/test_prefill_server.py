@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -27,8 +26,9 @@ from pdgrpc.serving import compat_hash_bytes, metadata_layout
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import prefill_pb2
+from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, reference_prefill
-from tests.prefill.harness import CONFIG, SETTLE_S, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
+from tests.prefill.harness import CONFIG, SETTLE_S, active_requests, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
 from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
 
 CHUNK = 6  # not a multiple of the 4-token page: chunks end mid-page
@@ -223,10 +223,7 @@ async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode,
         (w,) = await decode.workers(rr.bootstrap, 0)
         hs = decode.stub(w.transfer_address)
         # Wait until the worker holds the request (its pages show up in the stats).
-        deadline = time.monotonic() + SETTLE_S
-        while (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats.active_requests == 0:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: active_requests(stub), SETTLE_S, what="the worker holds the request")
         ans = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=room, reason="client cancelled"), timeout=30)
         assert ans.was_active
         # AbortRoom returned: the request is over, nothing of it is held any more.

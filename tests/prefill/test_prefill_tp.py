@@ -20,7 +20,8 @@ import torch
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.serving.tp import heads_of, transfer_room
 from pdgrpc.v1 import bootstrap_pb2 as bpb
-from pdgrpc.v1 import prefill_pb2
+from pdgrpc.v1 import common_pb2, prefill_pb2
+from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, reference_prefill
 from tests.prefill.harness import CONFIG, SETTLE_S, new_room, prefill_stub, prompt, request
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, pid_alive
@@ -85,15 +86,15 @@ async def tp2_decode() -> AsyncIterator[list[FakeDecode]]:
 async def settles_to_zero(p: PrefillProc, workers: int) -> None:
     ch, stub = await prefill_stub(p)
     try:
-        deadline = asyncio.get_running_loop().time() + SETTLE_S
-        while True:
-            s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
-            if (s.active_requests, s.pages_in_use, s.transport_rooms) == (0, 0, 0):
-                scratch = SCRATCH if workers > 1 else 0
-                assert s.pages_total == workers * (NUM_PAGES - scratch)
-                return
-            assert asyncio.get_running_loop().time() < deadline, f"prefill still holds resources: {s}"
-            await asyncio.sleep(0.05)
+        last: list[common_pb2.ResourceStats] = []
+
+        async def idle() -> bool:
+            last[:] = [(await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats]
+            return (last[0].active_requests, last[0].pages_in_use, last[0].transport_rooms) == (0, 0, 0)
+
+        await eventually_async(idle, SETTLE_S, what="prefill released everything", interval=0.05)
+        scratch = SCRATCH if workers > 1 else 0
+        assert last[0].pages_total == workers * (NUM_PAGES - scratch)
     finally:
         await ch.close()
 
