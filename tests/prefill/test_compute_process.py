@@ -239,7 +239,7 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
         # The worker exits non-zero, saying why; its controller sees the rank gone.
         await eventually_async(lambda: not pid_alive(worker), 30, what="the worker exits with its compute process", interval=0.1)
         await eventually_async(lambda: re.search(r"prefill worker dp1 \(pid \d+\) exited with code 1", p.log()), 15,
-                         what="the controller reports the worker's exit", interval=0.1)
+                               what="the controller reports the worker's exit", interval=0.1)
         assert re.search(rf"dp1: exiting: prefill dp1: compute process {compute} is gone", p.log())
         # dp0 (and its compute process) keeps serving.
         for i in range(2):
