@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import statistics
 import time
@@ -60,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--throughput-prompt-tokens", type=int, default=128, help="prompt length of the tokens/s requests (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per tokens/s request (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
+    p.add_argument(
+        "--baseline-tree", metavar="PATH", default=None,
+        help="also start each disaggregated cluster from another checkout of pdgrpc (its servers import pdgrpc from "
+        "PATH, e.g. a `git worktree` of an older commit), so two builds are compared side by side in one run; "
+        "its systems are named NAME@baseline",
+    )
 
 
 def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
@@ -100,6 +107,14 @@ async def _throughput(stub: GenerateServiceStub, prompts: list[list[int]], max_n
     return time.perf_counter() - start, sum(counts)
 
 
+def _tree_env(tree: str) -> dict[str, str]:
+    """Environment whose Python imports ``pdgrpc`` from ``tree`` rather than this checkout."""
+    root = os.path.abspath(tree)
+    if not os.path.isfile(os.path.join(root, "pdgrpc", "__init__.py")):
+        raise PdgrpcError(f"--baseline-tree {tree}: no pdgrpc package there (expected {root}/pdgrpc/__init__.py)")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+
+
 async def _run(args: argparse.Namespace) -> list[Result]:
     transports = []
     for t in [t.strip() for t in args.transports.split(",") if t.strip()]:
@@ -114,6 +129,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     systems: dict[str, Cluster] = {BASELINE: Cluster(load_topology("colocated"))}
     for t in transports:
         systems[f"{topology.name}-{t}"] = Cluster(topology, transport=t)
+        if args.baseline_tree:
+            systems[f"{topology.name}-{t}@baseline"] = Cluster(topology, transport=t, extra_env=_tree_env(args.baseline_tree))
     rng = random.Random(args.seed)
     ttft_prompts = _prompts(args.warmup + args.ttft_requests, args.prompt_tokens, rng)
     tput_prompts = _prompts(args.throughput_requests, args.throughput_prompt_tokens, rng)
