@@ -185,7 +185,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             # hop through the router costs, as opposed to prefill compute and KV transfer.
             Result(f"{case_ttft}/{name}", "router_hop_p50", _pct([c.client_ttft_seconds - c.ttft_seconds for c in done], 0.5) * 1e3, "ms"),
             Result(f"{case_ttft}/{name}", "kv_bytes_per_request", kv_bytes, "B"),
-            Result(f"{case_ttft}/{name}", "kv_rate_handshake_to_commit_p50", gbps, "GB/s"),
+            Result(f"{case_ttft}/{name}", "kv_rate_data_plane_p50", gbps, "GB/s"),
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
     return results

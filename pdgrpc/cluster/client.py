@@ -27,14 +27,16 @@ class Completion:
     client_ttft_seconds: float  # as this client saw it (call start -> first message)
     total_seconds: float  # call start -> end of stream (client side)
     bytes_transferred: int
-    transfer_seconds: float
+    transfer_seconds: float  # the decode's handshake -> commit (includes the prefill's compute)
     bootstrap_room: int
     messages: int
+    data_plane_seconds: float = 0.0  # the first KV byte's arrival at the decode -> commit
 
     @property
     def gbps(self) -> float:
-        """KV transfer rate, GB/s (10**9 bytes per second); 0 when nothing was timed."""
-        return self.bytes_transferred / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
+        """Data-plane rate, GB/s (10**9 bytes per second): bytes over
+        ``data_plane_seconds``; 0 when nothing was timed."""
+        return self.bytes_transferred / self.data_plane_seconds / 1e9 if self.data_plane_seconds > 0 else 0.0
 
 
 async def generate(
@@ -84,5 +86,5 @@ async def generate(
         token_ids=tuple(ids), text="".join(text), finish_reason=finish,
         ttft_seconds=first.ttft_seconds, client_ttft_seconds=first_at - start, total_seconds=end - start,
         bytes_transferred=first.bytes_transferred, transfer_seconds=first.transfer_seconds,
-        bootstrap_room=first.bootstrap_room, messages=count,
+        bootstrap_room=first.bootstrap_room, messages=count, data_plane_seconds=first.data_plane_seconds,
     )

@@ -4,7 +4,8 @@ Starts ``servers/1p1d.toml`` (one prefill, one decode, one router; real processe
 127.0.0.1) with the ``rdma`` transport -- or ``tcp``, saying why, only when the rdma
 backend cannot be loaded here -- sends a handful of prompts through the router, and prints
 each generated text with its time to first token, the KV bytes moved from prefill to
-decode and the transfer rate. Each output is also checked against colocated generation
+decode, the data-plane time (the first KV byte's arrival at the decode to its commit) and
+rate, and the handshake-to-commit time (which includes the prefill's compute). Each output is also checked against colocated generation
 (the same engine run in this process): they must be equal token for token. Stops the
 cluster and exits 0; any failure exits non-zero with the reason.
 """
@@ -53,8 +54,10 @@ def show(i: int, prompt: str, c: Completion, exact: bool) -> None:
     print(f"[{i}] prompt: {shown!r}  ({len(prompt.encode()) + 1} tokens)")
     print(f"    output: {c.text!r}")
     print(
-        f"    TTFT {c.ttft_seconds * 1e3:.1f} ms | KV {c.bytes_transferred:,} bytes, handshake to commit {c.transfer_seconds * 1e3:.2f} ms"
-        f" = {c.gbps:.3f} GB/s | {len(c.token_ids)} tokens ({c.finish_reason})"
+        f"    TTFT {c.ttft_seconds * 1e3:.1f} ms | KV {c.bytes_transferred:,} bytes"
+        f" | data plane {c.data_plane_seconds * 1e3:.3f} ms = {c.gbps:.3f} GB/s"
+        f" | handshake to commit (incl. prefill compute) {c.transfer_seconds * 1e3:.2f} ms"
+        f" | {len(c.token_ids)} tokens ({c.finish_reason})"
         f" | room {c.bootstrap_room:#x} | equals colocated: {'yes' if exact else 'NO'}",
         flush=True,
     )

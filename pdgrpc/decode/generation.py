@@ -47,11 +47,11 @@ class Generation:
         raise NotImplementedError
 
     # -- how a request ends ----------------------------------------------------------------
-    def _emit_first(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float) -> None:
+    def _emit_first(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float, data_plane_s: float = 0.0) -> None:
         job.generated = 1
         job.last_token = first.token_id
         reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_id)
-        job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first)))
+        job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first), data_plane_s))
         if reason is not None:
             self._finish(job, reason)
         else:

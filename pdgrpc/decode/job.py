@@ -28,6 +28,7 @@ class Tokens:
     bytes_transferred: int = 0  # set on the first message
     transfer_seconds: float = 0.0  # set on the first message
     top: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()  # per token: (ids, logprobs)
+    data_plane_seconds: float = 0.0  # set on the first message: first KV byte arrived -> commit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,12 @@ class RankTransfers:
             return KVPoll.FAILED, st.reason or "no reason given"
         return st.state, None
 
+    def transfer_started(self, room: int) -> float | None:
+        """``time.monotonic()`` when the first KV byte for ``room`` arrived on this rank
+        (the earliest of its transport rooms), or None."""
+        times = [t for t in (self.transport.transfer_started(k) for k in self.keys(room)) if t is not None]
+        return min(times) if times else None
+
     def release(self, room: int, abort_message: str | None = None) -> None:
         """Release ``room``'s transport rooms; an aborted room's message goes into the
         refusal of any write that comes for it later, so the prefill reports the cause."""

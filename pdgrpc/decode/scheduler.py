@@ -448,8 +448,11 @@ class DecodeScheduler(Generation):
     # -- outcomes ------------------------------------------------------------------------------
     def _on_committed(self, c: Committed, now: float) -> None:
         job = self._jobs[c.room]
+        started = self.transfers.transfer_started(c.room)
         self._release_transport(c.room)
         transfer_s = now - job.handshake_sent_at
+        # The data plane's share: the first KV byte's arrival to the commit.
+        data_plane_s = 0.0 if started is None else max(0.0, now - started)
         if c.row is None:  # fake transport: nothing was written; compute the prompt's KV here
             self.metrics.on_transfer(0, transfer_s)
             request_event(log, c.room, "committed (fake transfer: prefilling locally)", transfer_s=f"{transfer_s:.4f}")
@@ -464,9 +467,12 @@ class DecodeScheduler(Generation):
         nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes * self.tp_size + self.buffers.layout.row_bytes
         self.metrics.on_transfer(nbytes, transfer_s)
         job.running = True
-        self._emit_first(job, first, nbytes, transfer_s)
+        self._emit_first(job, first, nbytes, transfer_s, data_plane_s)
         # After the stream's wake-up: the first token goes out before this line is written.
-        request_event(log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes, transfer_s=f"{transfer_s:.4f}", defer=True)
+        request_event(
+            log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes,
+            transfer_s=f"{transfer_s:.4f}", data_plane_s=f"{data_plane_s:.5f}", defer=True,
+        )
 
     def _on_aborted(self, a: Aborted) -> None:
         job = self._jobs.get(a.room)

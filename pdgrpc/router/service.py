@@ -302,6 +302,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     self.metrics.on_first_token(out.ttft_seconds)
                     out.bytes_transferred = msg.bytes_transferred
                     out.transfer_seconds = msg.transfer_seconds
+                    out.data_plane_seconds = msg.data_plane_seconds
                     out.bootstrap_room = room
                 count += len(msg.token_ids)
                 self.metrics.on_tokens(len(msg.token_ids))

@@ -112,6 +112,7 @@ import enum
 import functools
 import json
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Iterable, NamedTuple, Sequence
 
@@ -543,6 +544,7 @@ class RoomTable:
         self._states: dict[int, RoomStatus] = {}
         self._events: dict[int, asyncio.Event] = {}
         self._listeners: list[Callable[[int], None]] = []
+        self._started: dict[int, float] = {}  # room -> time.monotonic() it reached TRANSFERRING
         self._release_reasons: collections.OrderedDict[int, str] = collections.OrderedDict()
 
     def add_listener(self, callback: Callable[[int], None]) -> None:
@@ -564,7 +566,14 @@ class RoomTable:
 
     def create(self, room: int, state: KVPoll) -> None:
         """Start tracking ``room`` (no-op if already tracked)."""
+        if room not in self._states and state is KVPoll.TRANSFERRING:
+            self._started[room] = time.monotonic()
         self._states.setdefault(room, RoomStatus(state))
+
+    def transfer_started(self, room: int) -> float | None:
+        """When ``room`` first reached TRANSFERRING (``time.monotonic()``): the first
+        byte written (sender) or arrived (receiver). None if it has not, or is untracked."""
+        return self._started.get(room)
 
     def set(self, room: int, state: KVPoll, reason: str | None = None) -> bool:
         """Move ``room`` to ``state`` if that is forward (or FAILED). Returns whether
@@ -575,6 +584,8 @@ class RoomTable:
         if state is not KVPoll.FAILED and state <= cur.state:
             return False
         self._states[room] = RoomStatus(state, reason if state is KVPoll.FAILED else None)
+        if state is KVPoll.TRANSFERRING or (state is KVPoll.SUCCESS and room not in self._started):
+            self._started[room] = time.monotonic()
         if state.is_terminal:
             ev = self._events.get(room)
             if ev is not None:
@@ -617,6 +628,7 @@ class RoomTable:
 
     def discard(self, room: int) -> None:
         self._states.pop(room, None)
+        self._started.pop(room, None)
         ev = self._events.pop(room, None)
         if ev is not None:
             ev.set()  # wake waiters; they see UnknownRoom
@@ -701,6 +713,11 @@ class Transport(abc.ABC):
 
     def status(self, room: int) -> RoomStatus:
         return self.rooms.status(room)
+
+    def transfer_started(self, room: int) -> float | None:
+        """``time.monotonic()`` when ``room``'s first byte was written (sender) or
+        arrived (receiver); None before that or for an untracked room."""
+        return self.rooms.transfer_started(room)
 
     async def wait(self, room: int, timeout: float) -> RoomStatus:
         """Wait (bounded) until ``room`` is terminal; returns its status either way."""

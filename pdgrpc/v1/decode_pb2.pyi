@@ -75,12 +75,20 @@ class DecodeResponse(_message.Message):
     BYTES_TRANSFERRED_FIELD_NUMBER: _builtins.int
     TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    DATA_PLANE_SECONDS_FIELD_NUMBER: _builtins.int
     finish_reason: _builtins.str
     """Set on the last message: "eos" or "length"."""
     bytes_transferred: _builtins.int
     """KV bytes received for this request (bytes); set on the first message."""
     transfer_seconds: _builtins.float
-    """From handshake to commit of the transferred KV (seconds); set on the first message."""
+    """From handshake to commit of the transferred KV (seconds): includes the prefill's
+    compute; set on the first message.
+    """
+    data_plane_seconds: _builtins.float
+    """Data-plane time of the transferred KV (seconds): from the first KV byte's arrival at
+    the decode to the commit; bytes_transferred / data_plane_seconds is the transport's
+    rate for this request. 0 when no bytes moved (fake transport). Set on the first message.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous message (token ids)."""
@@ -105,10 +113,11 @@ class DecodeResponse(_message.Message):
         bytes_transferred: _builtins.int = ...,
         transfer_seconds: _builtins.float = ...,
         top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
+        data_plane_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

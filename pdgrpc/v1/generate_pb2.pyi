@@ -72,6 +72,7 @@ class GenerateResponse(_message.Message):
     BYTES_TRANSFERRED_FIELD_NUMBER: _builtins.int
     TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
     BOOTSTRAP_ROOM_FIELD_NUMBER: _builtins.int
+    DATA_PLANE_SECONDS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The same tokens as text (may be empty while a UTF-8 sequence is incomplete)."""
     finish_reason: _builtins.str
@@ -81,9 +82,16 @@ class GenerateResponse(_message.Message):
     bytes_transferred: _builtins.int
     """KV bytes moved from prefill to decode (bytes); set on the first message."""
     transfer_seconds: _builtins.float
-    """KV transfer time (seconds); set on the first message."""
+    """From the decode's handshake to its commit of the KV (seconds): includes the
+    prefill's compute, so it is not a transport figure; set on the first message.
+    """
     bootstrap_room: _builtins.int
     """The bootstrap room the router drew; set on the first message."""
+    data_plane_seconds: _builtins.float
+    """Data-plane time of the KV transfer (seconds): from the first KV byte's arrival at the
+    decode to the commit; bytes_transferred / data_plane_seconds is the transport's rate.
+    0 when no bytes moved (fake transport). Set on the first message.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous message (token ids)."""
@@ -98,10 +106,11 @@ class GenerateResponse(_message.Message):
         bytes_transferred: _builtins.int = ...,
         transfer_seconds: _builtins.float = ...,
         bootstrap_room: _builtins.int = ...,
+        data_plane_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "bytes_transferred", b"bytes_transferred", "finish_reason", b"finish_reason", "text", b"text", "token_ids", b"token_ids", "transfer_seconds", b"transfer_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "bytes_transferred", b"bytes_transferred", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "text", b"text", "token_ids", b"token_ids", "transfer_seconds", b"transfer_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

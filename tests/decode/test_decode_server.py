@@ -185,6 +185,8 @@ async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeSer
         pages = -(-len(req.input_ids) // 16)
         assert msgs[0].bytes_transferred >= pages * page_bytes
         assert msgs[0].transfer_seconds > 0
+        # The data plane's share (first KV byte -> commit) is part of handshake -> commit.
+        assert 0 < msgs[0].data_plane_seconds <= msgs[0].transfer_seconds
         assert all(not m.finish_reason for m in msgs[:-1])
     await assert_nothing_held(stub)
     assert await outcomes.changed() == {"finished": len(PROMPTS)}

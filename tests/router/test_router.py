@@ -90,6 +90,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
                         finish_reason="length" if last else "",
                         bytes_transferred=8192 if i == 0 else 0,
                         transfer_seconds=0.002 if i == 0 else 0.0,
+                        data_plane_seconds=0.0005 if i == 0 else 0.0,
                     )
                 )
         except asyncio.CancelledError:
@@ -142,6 +143,7 @@ async def test_streams_tokens_and_sends_both_sides_the_same_request(cluster):
     assert "".join(m.text for m in out) == "hé!"
     first = out[0]
     assert first.ttft_seconds > 0 and first.bytes_transferred == 8192 and first.transfer_seconds == pytest.approx(0.002)
+    assert first.data_plane_seconds == pytest.approx(0.0005)
     assert first.bootstrap_room != 0 and all(m.bootstrap_room == 0 for m in out[1:])
     assert out[-1].finish_reason == "length"
     (p,), (d,) = prefill.requests, decodes[0].requests

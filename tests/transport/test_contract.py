@@ -134,6 +134,25 @@ def test_room_states_move_forward_failed_wins_terminal_sticks() -> None:
         t.status(1)
 
 
+def test_transfer_started_is_when_the_room_first_moved_bytes() -> None:
+    import time
+
+    t = RoomTable()
+    t.create(1, KVPoll.WAITING_FOR_INPUT)
+    assert t.transfer_started(1) is None  # advertised, nothing arrived yet
+    before = time.monotonic()
+    t.set(1, KVPoll.TRANSFERRING)
+    started = t.transfer_started(1)
+    assert started is not None and before <= started <= time.monotonic()
+    t.set(1, KVPoll.SUCCESS)
+    assert t.transfer_started(1) == started  # the first byte's time, not the last one's
+    t.create(2, KVPoll.WAITING_FOR_INPUT)
+    t.set(2, KVPoll.SUCCESS)  # a backend that skips TRANSFERRING still gets a time
+    assert t.transfer_started(2) is not None
+    t.discard(1)
+    assert t.transfer_started(1) is None and t.transfer_started(99) is None
+
+
 async def test_room_wait_is_bounded_and_wakes_on_terminal() -> None:
     import asyncio
 
