@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates or reuses .venv at the repo root and installs pdgrpc with its test and ucx
-# extras. Idempotent: when nothing the install depends on has changed, it returns in
+# Creates or reuses .venv at the repo root and installs pdgrpc with its test, ucx and
+# plot extras. Idempotent: when nothing the install depends on has changed, it returns in
 # well under a second (a stamp file records a hash of the inputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +29,8 @@ $PIP install -q --upgrade pip
 # torch first and pinned exactly: an unpinned torch resolves to a multi-GB CUDA build.
 echo "setup: installing torch==2.13.0 (CPU wheel)"
 $PIP install -q "torch==2.13.0"
-echo "setup: installing pdgrpc[test,ucx] (editable)"
-$PIP install -q -e ".[test,ucx]"
+echo "setup: installing pdgrpc[test,ucx,plot] (editable)"
+$PIP install -q -e ".[test,ucx,plot]"
 # Example third-party plugins (each its own tiny package) used by the tests.
 for ex in examples/*/; do
   if [ -f "$ex/pyproject.toml" ]; then

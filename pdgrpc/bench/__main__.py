@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from pdgrpc.bench import BENCHMARKS
+from pdgrpc.bench.plot import PlotUnavailable
+from pdgrpc.bench.plot import require as require_plot
 from pdgrpc.bench.report import format_table, write_json
 from pdgrpc.rpc.tuning import apply_grpc_defaults
 
@@ -33,14 +35,25 @@ def main(argv: list[str] | None = None) -> int:
         modules[name] = mod
         p = sub.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION)
         p.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON to PATH")
+        if hasattr(mod, "PLOT"):
+            p.add_argument("--plot", type=Path, metavar="PATH.png",
+                           help=f"also draw a PNG to PATH: {mod.PLOT} (needs pdgrpc[plot])")
         mod.add_arguments(p)
     args = parser.parse_args(argv)
     mod = modules[args.benchmark]
+    if getattr(args, "plot", None) is not None:
+        try:  # before the run: a long benchmark must not end without its picture
+            require_plot()
+        except PlotUnavailable as exc:
+            print(f"python -m pdgrpc.bench {args.benchmark}: {exc}", file=sys.stderr)
+            return 2
     results = mod.run(args)
     print(format_table(results))
     if args.json is not None:
         write_json(args.json, args.benchmark, results)
         print(f"wrote {args.json}")
+    if getattr(args, "plot", None) is not None:
+        print(f"wrote {args.plot}")
     return 0
 
 

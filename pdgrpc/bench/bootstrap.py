@@ -58,6 +58,7 @@ from pdgrpc.rpc.tuning import grpc_tuning_in_force
 GRPC_DEFAULTS = grpc_tuning_in_force()
 
 DESCRIPTION = "BootstrapService: single-room and batched latency, rooms/s, RSS of 1M rooms, pause while they expire"
+PLOT = "QueryDpRanks latency by batch size (1, 32, 1024 rooms), beside the health-check floor"
 
 _LISTEN = re.compile(r"listening on ([\w.:\[\]-]+):(\d+)")
 
@@ -194,6 +195,11 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace) -> list[R
             await call(i)
         cpu[name] = ((_cpu_ns(os.getpid()) - c0) / n_cpu / 1e3, (server.cpu_ns() - s0) / n_cpu / 1e3)
     base50 = _pct(samples["ping (health Check)"], 0.5) * 1e3
+    if getattr(args, "plot", None) is not None:
+        from pdgrpc.bench.plot import bootstrap_figure
+
+        ms = {case: (_pct(xs, 0.5) * 1e3, _pct(xs, 0.99) * 1e3) for case, xs in samples.items()}
+        bootstrap_figure(args.plot, {n: ms[f"query {n} room" + ("s" if n > 1 else "")] for n in (1, 32, 1024)}, ms["ping (health Check)"])
     base_cpu = cpu["ping (health Check)"]
     for case, xs in samples.items():
         p50 = _pct(xs, 0.5) * 1e3

@@ -47,6 +47,7 @@ DESCRIPTION = (
     "(target: p50 TTFT overhead < 5 ms for 512-token prompts over rdma on loopback)"
 )
 
+PLOT = "TTFT distributions (CDF), disaggregated per transport vs colocated"
 BASELINE = "colocated"
 
 
@@ -188,6 +189,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"{case_ttft}/{name}", "kv_rate_data_plane_p50", gbps, "GB/s"),
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
+    if getattr(args, "plot", None) is not None:
+        from pdgrpc.bench.plot import e2e_figure
+
+        e2e_figure(args.plot, {n: [c.client_ttft_seconds * 1e3 for c in done] for n, done in ttft.items()}, args.prompt_tokens)
     return results
 
 

@@ -85,6 +85,7 @@ from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
 
 DESCRIPTION = "KV transfer GB/s and latency of a transport (tcp|rdma) between two processes vs a raw baseline"
+PLOT = "GB/s by size: contiguous, scattered and head-sliced beside the raw baseline"
 TOKENS_PER_PAGE = 16
 KV_HEADS = 2  # per page of the sender's pool (TP 1); the head-sliced receiver holds half
 HEAD_DIM = 64
@@ -383,4 +384,17 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                         gbps_by_kind[kind] / gbps_by_kind["contiguous"],
                     )
                 )
+    if getattr(args, "plot", None) is not None:
+        from pdgrpc.bench.plot import transport_figure
+
+        def rate(tokens: int, kind: str) -> float | None:
+            t = timings.get((tokens, kind))
+            return moved[(tokens, kind)] / statistics.median(t) / 1e9 if t else None
+
+        sizes = [nbytes[t] for t in args.tokens]
+        transport_figure(
+            args.plot, backend, base_name, sizes,
+            {kind: [rate(t, kind) for t in args.tokens] for kind in CASES},
+            [nb / base[nb] / 1e9 for nb in sizes],
+        )
     return results

@@ -1,0 +1,67 @@
+"""``python -m pdgrpc.bench NAME --plot PATH.png`` draws what the table says: a PNG whose
+``Series`` text chunk names each line it holds, in legend order."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pdgrpc.bench.plot import bootstrap_figure, e2e_figure, transport_figure
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _series(path: Path) -> list[str]:
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] >= 300 and im.size[1] >= 200
+        im.load()
+        return im.text["Series"].splitlines()
+
+
+def test_a_tiny_bootstrap_run_draws_latency_by_batch_beside_the_health_check_floor(tmp_path: Path) -> None:
+    png = tmp_path / "pics" / "bootstrap.png"  # a missing folder is created
+    out = subprocess.run(
+        [sys.executable, "-m", "pdgrpc.bench", "bootstrap", "--iterations", "30", "--warmup", "5",
+         "--throughput-rooms", "200", "--batch", "100", "--memory-rooms", "0", "--plot", str(png)],
+        capture_output=True, text=True, timeout=110, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"wrote {png}" in out.stdout
+    assert _series(png) == ["QueryDpRanks p50", "QueryDpRanks p99", "health Check p50 (floor)", "health Check p99"]
+
+
+def test_transport_picture_has_each_case_beside_the_raw_baseline(tmp_path: Path) -> None:
+    png = tmp_path / "transport.png"
+    transport_figure(
+        png, "rdma", "raw ucxx tag send/recv", [12 << 20, 96 << 20],
+        {"contiguous": [7.3, 15.6], "scattered": [7.2, 8.0], "head-sliced": [None, 6.0]}, [22.0, 14.0],
+    )
+    assert _series(png) == ["rdma contiguous", "rdma scattered", "rdma head-sliced", "raw baseline (raw ucxx tag send/recv)"]
+
+
+def test_e2e_picture_has_one_ttft_cdf_per_system(tmp_path: Path) -> None:
+    png = tmp_path / "e2e.png"
+    e2e_figure(png, {"colocated": [30.0, 29.0, 31.5], "1p1d-rdma": [34.0, 35.5, 33.9]}, 512)
+    assert _series(png) == ["colocated (p50 30.0 ms)", "1p1d-rdma (p50 34.0 ms)"]
+
+
+def test_without_matplotlib_plot_says_how_to_get_it_before_running(tmp_path: Path) -> None:
+    # matplotlib made unimportable in a child; the bench must refuse at once, not after its run
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from pdgrpc.bench.__main__ import main\n"
+        "sys.exit(main(['transport', '--plot', 'x.png']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2
+    assert "--plot needs matplotlib: pip install 'pdgrpc[plot]'" in out.stderr
+    assert "throughput" not in out.stdout and not (tmp_path / "x.png").exists()
+
+
+def test_benches_that_do_not_draw_offer_no_plot_flag() -> None:
+    out = subprocess.run([sys.executable, "-m", "pdgrpc.bench", "state", "--plot", "x.png"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments: --plot" in out.stderr
