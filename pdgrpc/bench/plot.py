@@ -80,7 +80,8 @@ def e2e_figure(path: Path, ttft_ms: Mapping[str, Sequence[float]], prompt_tokens
         ys = sorted(xs)
         n = len(ys)
         if n:
-            ax.step(ys, [(i + 1) / n for i in range(n)], where="post", label=f"{name} (p50 {ys[n // 2]:.1f} ms)")
+            p50 = ys[round(0.5 * (n - 1))]  # the table's rule (bench e2e's _pct)
+            ax.step(ys, [(i + 1) / n for i in range(n)], where="post", label=f"{name} (p50 {p50:.1f} ms)")
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)

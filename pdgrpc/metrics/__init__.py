@@ -3,8 +3,8 @@
 Three pieces, each in its own module:
 
 * :mod:`~pdgrpc.metrics.catalog` -- every metric as data (name, type, help with unit,
-  labels, which roles record it). ``python -m pdgrpc.metrics`` prints it as the README
-  table.
+  labels, which roles record it). ``python -m pdgrpc.metrics`` prints it as the
+  table in docs/metrics.md.
 * :mod:`~pdgrpc.metrics.roles` -- the facade a server records through:
   :class:`DecodeMetrics`, :class:`PrefillMetrics`, :class:`BootstrapMetrics`,
   :class:`RouterMetrics`. Events (``on_abort(reason)``, ``on_transfer(bytes, seconds)``,

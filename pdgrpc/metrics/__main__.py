@@ -1,4 +1,4 @@
-"""``python -m pdgrpc.metrics``: print the metric table (Markdown) for the README."""
+"""``python -m pdgrpc.metrics``: print the metric table (Markdown) for docs/metrics.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 which server roles record it.
 
 This table is the single source of truth. :mod:`pdgrpc.metrics.families` builds the
-prometheus-client objects from it, the README table is generated from it
+prometheus-client objects from it, the table in docs/metrics.md is generated from it
 (``python -m pdgrpc.metrics``), and the lint test checks its names against the Prometheus
 conventions, so a metric cannot be added in one place and forgotten in another.
 
@@ -265,7 +265,7 @@ def by_name(name: str) -> MetricSpec:
 
 
 def markdown_table() -> str:
-    """The README's metric table, generated from :data:`CATALOG`."""
+    """The metric table of docs/metrics.md, generated from :data:`CATALOG`."""
     lines = [
         "| metric | type | labels | recorded by | meaning |",
         "|---|---|---|---|---|",

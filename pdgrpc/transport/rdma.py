@@ -69,7 +69,7 @@ the CPU the other side needs, see :mod:`._ucx`). UCX itself is
 configured through the usual ``UCX_*`` environment variables (``UCX_TLS`` etc.);
 nothing is forced. One of them breaks this protocol: with ``UCX_MM_SEG_SIZE`` raised to
 64K, UCX 1.21 completes every iov receive over shared memory as truncated. The rooms then
-fail cleanly ("did not arrive intact"), but none succeeds. The README says to leave it
+fail cleanly ("did not arrive intact"), but none succeeds. docs/transports.md says to leave it
 at its default.
 """
 

@@ -1,5 +1,5 @@
 """Names, units and labels follow the Prometheus conventions, and what a server exposes
-is exactly what the catalog (and so the README) documents."""
+is exactly what the catalog (and so docs/metrics.md) documents."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def test_an_abort_reason_outside_the_vocabulary_is_refused(bad) -> None:
     assert m.registry.get_sample_value("pdgrpc_requests_total", {"role": "decode", "state": "aborted"}) == 0
 
 
-@pytest.mark.parametrize("readme_path", ["pdgrpc/metrics/README.md", "README.md"])
+@pytest.mark.parametrize("readme_path", ["pdgrpc/metrics/README.md", "docs/metrics.md"])
 def test_readme_lists_every_metric_as_generated(readme_path: str) -> None:
     readme = (pathlib.Path(__file__).parents[2] / readme_path).read_text()
     assert markdown_table() in readme, "regenerate the table: python -m pdgrpc.metrics"
