@@ -22,7 +22,7 @@ from typing import Sequence
 
 from pdgrpc.errors import ConfigError, PdgrpcError
 
-__all__ = ["ETCD_PACKAGE_HINT", "EtcdProcess", "find_etcd"]
+__all__ = ["ETCD_PACKAGE_HINT", "EtcdProcess", "etcd_argv", "etcd_healthy", "find_etcd"]
 
 ETCD_PACKAGE_HINT = "install the Debian package etcd-server (scripts/setup.sh does so when run as root)"
 
@@ -69,15 +69,7 @@ class EtcdProcess:
         return f"etcd://{self.host}:{self.client_port}"
 
     def argv(self) -> list[str]:
-        client = f"http://{self.host}:{self.client_port}"
-        peer = f"http://{self.host}:{self.peer_port}"
-        return [
-            *self.prefix, self.binary, "--name", "pdgrpc", "--data-dir", str(self.data_dir / "member-data"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"pdgrpc={peer}", "--initial-cluster-state", "new",
-            "--log-level", "warn",
-        ]
+        return [*self.prefix, *etcd_argv(self.binary, self.host, self.client_port, self.peer_port, self.data_dir / "member-data")]
 
     def start(self, ready_timeout: float = 20.0, wait: bool = True) -> None:
         with open(self.log_path, "ab") as log:
@@ -123,6 +115,24 @@ class EtcdProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def etcd_argv(binary: str, host: str, client_port: int, peer_port: int, data_dir: Path) -> list[str]:
+    """A single-member etcd listening on ``host`` (plain http: tests and the launcher run it
+    on loopback or on a subnet private to their network namespaces)."""
+    client = f"http://{host}:{client_port}"
+    peer = f"http://{host}:{peer_port}"
+    return [
+        binary, "--name", "pdgrpc", "--data-dir", str(data_dir),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"pdgrpc={peer}", "--initial-cluster-state", "new", "--log-level", "warn",
+    ]
+
+
+def etcd_healthy(host: str, port: int) -> bool:
+    """Whether etcd on ``host:port`` answers its /health as healthy (reachable from here)."""
+    return _health(host, port)
 
 
 def _health(host: str, port: int) -> bool:

@@ -36,9 +36,11 @@ def skip_unless_multihost() -> None:
 class Agent:
     """``python -m pdgrpc.cluster.agent`` on one host, driven over its pipes."""
 
-    def __init__(self, hosts: NetworkHosts, host: str) -> None:
+    def __init__(self, hosts: NetworkHosts | str, host: str = "") -> None:
+        """On ``host`` of ``hosts``, or in the network namespace named ``hosts``."""
+        prefix = ["ip", "netns", "exec", hosts] if isinstance(hosts, str) else hosts.exec_prefix(host)
         self.proc = subprocess.Popen(
-            [*hosts.exec_prefix(host), sys.executable, "-m", "pdgrpc.cluster.agent"],
+            [*prefix, sys.executable, "-m", "pdgrpc.cluster.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
 

@@ -11,7 +11,11 @@ The tcp run also stops etcd under load and starts it again.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -25,13 +29,14 @@ from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
 from pdgrpc.engine.model import ModelConfig
 from pdgrpc.serving.flags import MODEL_SIZES
 from tests.e2e.harness import skip_unless_transport
-from tests.e2e.multihost import TTL, Agent, Server, hosts_with_etcd, wait_serving
+from tests.e2e.multihost import TTL, Agent, Server, hosts_with_etcd, skip_unless_multihost, wait_serving
 from tests.eventually import eventually
 
 pytestmark = pytest.mark.timeout(240)
 
 PROMPTS = [list(range(1, 6)), list(range(10, 40)), list(range(50, 120))]  # below a page, two pages, over four
 MAX_NEW = 6
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +139,54 @@ def test_across_hosts_with_discovery(net: tuple[NetworkHosts, EtcdProcess, Path]
         agent.close()
         for s in reversed(servers):
             s.stop()
+
+
+def test_the_launcher_places_a_topology_on_hosts(tmp_path: Path) -> None:
+    """``python -m pdgrpc.cluster servers/multihost.toml`` makes the hosts, runs etcd and
+    the servers on them, routes over both decodes, and removes the hosts on SIGINT."""
+    skip_unless_multihost()
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "pdgrpc.cluster", "servers/multihost.toml", "--transport", "tcp", "--log-dir", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    agent = None
+    hosts: dict[str, dict[str, str]] = {}
+    try:
+        assert cli.stdout is not None
+        router = ""
+        for line in cli.stdout:
+            if line.startswith("hosts: "):
+                hosts = json.loads(line[len("hosts: "):])
+            if line.startswith("router (GenerateService) listening on "):
+                router = line.split()[-1]
+                break
+        assert router.startswith(hosts["h1"]["address"] + ":"), (router, hosts, cli.stderr.read() if cli.poll() is not None else "")
+        agent = Agent(hosts["h1"]["netns"])
+        both = {hosts["h3"]["address"], hosts["h4"]["address"]}
+
+        def chosen() -> set[str]:
+            return {line.split("decode=")[1].split()[0].rpartition(":")[0]
+                    for line in (tmp_path / "router.log").read_text().splitlines() if " admitted" in line}
+
+        def one_more() -> bool:  # healthy comes a moment before registered: ask until both took one
+            r = agent.ask(op="generate", address=router, prompt="hello there", max_new_tokens=4)  # type: ignore[union-attr]
+            assert r["ok"] or r["code"] == "UNAVAILABLE", r
+            return chosen() == both
+
+        eventually(one_more, timeout=30, interval=0.1, what=lambda: f"decodes chosen: {chosen()} of {both}")
+        agent.close()
+        agent = None
+        cli.send_signal(signal.SIGINT)
+        out, err = cli.communicate(timeout=60)
+        assert cli.returncode == 0, err
+        assert "cluster stopped" in out
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not any(h["netns"] in listed for h in hosts.values()), listed
+    finally:
+        if agent is not None:
+            agent.close()
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+        for h in hosts.values():  # whatever the launcher left after a failure
+            subprocess.run(["ip", "netns", "del", h["netns"]], capture_output=True)
