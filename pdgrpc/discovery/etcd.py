@@ -133,9 +133,11 @@ class Registration:
                 while True:
                     if self.lease_id is None:
                         lease = await client.lease(self.ttl)
-                        await client.put(self.key.encode(), self.instance.to_json(), lease=lease.id)
+                        # Before the put: a close() that comes while the put is in flight
+                        # (its key may already be visible) still revokes this lease.
                         self.lease_id = lease.id
                         self.leases_granted += 1
+                        await client.put(self.key.encode(), self.instance.to_json(), lease=lease.id)
                         log.info("discovery: registered %s at %s (lease %x, ttl %d s, generation %d)",
                                  self.key, self.instance.address, lease.id, self.ttl, self.instance.generation)
                         self.registered.set()

@@ -74,6 +74,24 @@ async def test_clean_shutdown_revokes_the_lease_at_once(etcd: EtcdProcess) -> No
         await w.close()
 
 
+async def test_close_revokes_even_while_the_registering_put_is_in_flight(etcd: EtcdProcess) -> None:
+    # The key is visible to watchers before the put's reply reaches the registrant; a
+    # close() at that moment must still revoke (found by bench multihost: 10 s leftovers).
+    w = _watch(etcd, "race")
+    try:
+        for i in range(5):
+            reg = Registration(parse_discovery_url(etcd.url), instance_key("race", "decode", f"d{i}"), _decode(f"d{i}"), ttl=30)
+            reg.start()
+            version = w.view.version
+            while f"d{i}" not in _live(w):
+                assert await w.wait_changed(version, 10)
+                version = w.view.version
+            await reg.close()
+            await eventually_async(lambda: _live(w) == [], timeout=5, what=f"d{i} still listed after close()")
+    finally:
+        await w.close()
+
+
 async def test_keepalive_outlives_the_ttl_and_bad_values_are_ignored(etcd: EtcdProcess, caplog: pytest.LogCaptureFixture) -> None:
     import aetcd
 
