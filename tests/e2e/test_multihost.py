@@ -6,7 +6,8 @@ One test per transport walks the whole story on one set of processes (starting t
 the expensive part): outputs equal colocated generation; the decode's log names a writer
 on another host; the decode is SIGKILLed while a second decode starts on h4, the router
 drops the first once its lease ends and sends traffic to the second without a restart.
-The tcp run also stops etcd under load and starts it again.
+The tcp run also stops etcd under load and starts it again, and SIGSTOPs the prefill past
+its lease (it re-registers after SIGCONT; nothing is routed to it meanwhile).
 """
 
 from __future__ import annotations
@@ -133,6 +134,24 @@ def test_across_hosts_with_discovery(net: tuple[NetworkHosts, EtcdProcess, Path]
                 assert s.proc.poll() is None, f"{s.name} exited during the etcd outage:\n{s.log()[-2000:]}"
                 assert s.log().count("unreachable") == 1, f"{s.name}: the outage is logged once"
             assert router.log().count(" left ") == left, "nobody left the router's view"
+            r = agent.ask(op="generate", address=router.address, input_ids=PROMPTS[2], max_new_tokens=MAX_NEW)
+            assert r["ok"] and r["token_ids"] == expected[2], r
+
+            # SIGSTOP the prefill (controller and workers) past its TTL: its lease lapses, the
+            # router drops it and routes nothing there; after SIGCONT it registers again.
+            routed = router.log().count(" admitted")
+            prefill.signal(signal.SIGSTOP)
+            try:
+                eventually(lambda: "prefill prefill1 left" in router.log(), timeout=TTL + 10, interval=0.05,
+                           what="the router never dropped the stopped prefill")
+                r = agent.ask(op="generate", address=router.address, input_ids=PROMPTS[0], max_new_tokens=MAX_NEW)
+                assert not r["ok"] and r["code"] == "UNAVAILABLE" and "no live prefill" in r["details"], r
+                assert router.log().count(" admitted") == routed, "nothing was routed to the stopped prefill"
+            finally:
+                prefill.signal(signal.SIGCONT)
+            eventually(lambda: router.log().count("prefill prefill1 joined") == 2, timeout=15, interval=0.05,
+                       what="the prefill never registered again")
+            assert "lapsed" in prefill.log()
             r = agent.ask(op="generate", address=router.address, input_ids=PROMPTS[2], max_new_tokens=MAX_NEW)
             assert r["ok"] and r["token_ids"] == expected[2], r
     finally:
