@@ -4,6 +4,7 @@ gives each process (no namespaces are made here)."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
@@ -62,3 +63,20 @@ def test_each_process_runs_on_its_host_with_discovery_flags(tmp_path) -> None:
     # A router with static lists keeps them, even with an etcd in the topology.
     spec = load_topology("1p1d").router
     assert discovery_flags(load_topology("multihost"), spec, "10.77.0.1:2379") == []
+
+
+def test_hosts_made_half_way_are_removed_when_making_the_rest_fails() -> None:
+    from pdgrpc.cluster.netns import NetnsUnavailable, netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    hosts = NetworkHosts(["h1", "h2", "h3"])
+    subprocess.run(["ip", "netns", "add", hosts.netns("h2")], check=True)  # h2's name is taken
+    try:
+        with pytest.raises(NetnsUnavailable, match=hosts.netns("h2")):
+            hosts.create()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert hosts.bridge_netns not in listed and hosts.netns("h1") not in listed
+    finally:
+        subprocess.run(["ip", "netns", "del", hosts.netns("h2")])
