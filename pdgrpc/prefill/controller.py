@@ -238,6 +238,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                     "--dp-rank", str(rank), "--dp-size", str(self.ns.dp_size),
                     *(["--tp-rank", str(tp), "--tp-size", str(tp_size), *dist] if tp_size > 1 else []),
                     "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
+                    *(["--advertise-host", self.ns.advertise_host] if getattr(self.ns, "advertise_host", "") else []),
                     "--load-balance-method", self.ns.load_balance_method,
                     *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
                     *self._worker_metrics_argv(1 + rank * tp_size + tp),

@@ -67,13 +67,15 @@ class Server:
 
     def __init__(
         self, hosts: NetworkHosts, host: str, role: str, log_dir: Path, name: str, transport: str, *extra: str,
-        cluster: str = CLUSTER,
+        cluster: str = CLUSTER, wildcard: bool = False,
     ) -> None:
+        """``wildcard``: listen on 0.0.0.0 and advertise the host's address (--advertise-host)."""
         ip = hosts.address(host)
         self.name = name
         self.host = host
         self.address = f"{ip}:{SERVER_PORT}"
-        argv = [*hosts.exec_prefix(host), sys.executable, "-m", f"pdgrpc.{role}", "--host", ip, "--port", str(SERVER_PORT)]
+        listen = ["--host", "0.0.0.0", "--advertise-host", ip] if wildcard else ["--host", ip]
+        argv = [*hosts.exec_prefix(host), sys.executable, "-m", f"pdgrpc.{role}", *listen, "--port", str(SERVER_PORT)]
         if role in ("prefill", "decode"):
             argv += ["--transport", transport, "--transport-host", ip, *ENGINE]
         argv += ["--discovery", f"etcd://{hosts.address('h1')}:{ETCD_PORT}", "--cluster-name", cluster]

@@ -65,14 +65,15 @@ def test_across_hosts_with_discovery(net: tuple[NetworkHosts, EtcdProcess, Path]
     cluster = f"mh-{transport}"
     servers: list[Server] = []
 
-    def start(host: str, role: str, name: str) -> Server:
-        s = Server(hosts, host, role, logs, name, transport, cluster=cluster)
+    def start(host: str, role: str, name: str, wildcard: bool = False) -> Server:
+        s = Server(hosts, host, role, logs, name, transport, cluster=cluster, wildcard=wildcard)
         servers.append(s)
         return s
 
     agent = Agent(hosts, "h1")
     try:
-        prefill = start("h2", "prefill", "prefill1")
+        # Over tcp the prefill listens on every interface and advertises its host's address.
+        prefill = start("h2", "prefill", "prefill1", wildcard=transport == "tcp")
         decode = start("h3", "decode", "decode1")
         router = start("h1", "router", "router")
         expected = _reference()
