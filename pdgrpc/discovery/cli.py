@@ -26,7 +26,6 @@ __all__ = [
     "add_discovery_arguments",
     "advertised_address",
     "check_discovery_args",
-    "compat_hash_from_engine_args",
     "register_on",
     "registration_from_args",
 ]
@@ -109,19 +108,6 @@ def advertised_address(ns: argparse.Namespace, bound: str) -> str:
     except ValueError:
         pass  # a DNS name
     return f"{host}:{port}"
-
-
-def compat_hash_from_engine_args(ns: argparse.Namespace) -> str:
-    """The compatibility hash the engine flags describe, without building the engine (a
-    prefill controller runs no engine; its workers do, with the same flags)."""
-    from pdgrpc.engine.layout import KVLayout, compat_hash
-    from pdgrpc.serving.flags import engine_config_from_args
-
-    cfg = engine_config_from_args(ns)
-    m = cfg.model
-    layout = KVLayout(num_layers=m.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
-                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, kv_dtype=cfg.kv_dtype)
-    return compat_hash(layout, m.model_id)
 
 
 def registration_from_args(
