@@ -13,7 +13,7 @@ import ipaddress
 import time
 from typing import TYPE_CHECKING
 
-from pdgrpc.discovery.etcd import Registration, parse_discovery_url
+from pdgrpc.discovery.etcd import Registration, load_client, parse_discovery_url
 from pdgrpc.discovery.record import Instance, check_name, instance_key
 from pdgrpc.errors import ConfigError
 
@@ -84,6 +84,7 @@ def check_discovery_args(ns: argparse.Namespace) -> None:
     if not ns.discovery:
         return
     parse_discovery_url(ns.discovery)
+    load_client()  # a missing client fails here, naming what to install
     check_name(ns.cluster_name, "--cluster-name")
     if getattr(ns, "instance_id", ""):
         check_name(ns.instance_id, "--instance-id")

@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from pdgrpc.discovery.record import Instance, MembershipView
-from pdgrpc.errors import ConfigError, TransportUnavailable
+from pdgrpc.errors import ConfigError
 
 __all__ = ["Registration", "Watcher", "parse_discovery_url", "load_client"]
 
@@ -50,11 +50,11 @@ def parse_discovery_url(url: str) -> tuple[tuple[str, int], ...]:
 
 
 def load_client() -> Any:
-    """The :mod:`aetcd` module, or TransportUnavailable-style error saying what to install."""
+    """The :mod:`aetcd` module, or ConfigError saying what to install."""
     try:
         import aetcd
     except ImportError as exc:  # pragma: no cover - the etcd extra is not installed
-        raise TransportUnavailable(f"--discovery etcd needs the aetcd package: pip install 'pdgrpc[etcd]' ({exc})") from None
+        raise ConfigError(f"--discovery etcd needs the aetcd package: pip install 'pdgrpc[etcd]' ({exc})") from None
     return aetcd
 
 
@@ -186,7 +186,6 @@ class Watcher:
         endpoints: tuple[tuple[str, int], ...],
         view: MembershipView,
         probe_s: float = 2.0,
-        on_change: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
         self._ep = _Endpoints(endpoints)
         self.view = view
