@@ -174,6 +174,37 @@ def test_a_bootstrap_server_registers_and_revokes_on_sigterm(etcd: EtcdProcess, 
     asyncio.run(scenario())
 
 
+def test_a_restarted_instance_reappears_with_a_new_generation(etcd: EtcdProcess, tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "pdgrpc.bootstrap", "--host", "127.0.0.1", "--port", "0", "--discovery", etcd.url,
+            "--cluster-name", "restart", "--instance-id", "b1", "--discovery-ttl", "30"]
+
+    async def scenario() -> None:
+        w = _watch(etcd, "restart")
+        procs = []
+        try:
+            generations = []
+            for run in range(2):
+                with open(tmp_path / f"bootstrap{run}.log", "wb") as log:
+                    procs.append(subprocess.Popen(argv, stdout=log, stderr=log))
+
+                def registered() -> bool:
+                    live = w.view.instances("bootstrap")
+                    return len(live) == 1 and live[0].generation not in generations
+
+                await eventually_async(registered, timeout=30, what=lambda: (tmp_path / f"bootstrap{run}.log").read_text())
+                generations.append(w.view.instances("bootstrap")[0].generation)
+                procs[-1].kill()  # no revoke: the restart replaces the key under its own lease
+                procs[-1].wait()
+            assert generations[1] > generations[0]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+            await w.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
