@@ -12,8 +12,8 @@ apply_grpc_defaults()  # before grpc is imported (below)
 
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server  # noqa: E402
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S  # noqa: E402
-from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args  # noqa: E402
+from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import StopSignal, run, serve_until_signal  # noqa: E402
 

@@ -198,6 +198,8 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         bootstrap = p.get("bootstrap")
         if bootstrap is not None and (role != "prefill" or not isinstance(bootstrap, str)):
             raise _fail(pw, "bootstrap = \"<bootstrap process name>\" is only for prefill processes")
+        if role == "etcd" and p.get("args"):
+            raise _fail(pw, "an etcd process takes no args (the launcher sets its ports and data dir)")
         if role != "router" and ("prefill" in p or "decode" in p):
             raise _fail(pw, "prefill/decode lists are only for router processes")
         procs.append(

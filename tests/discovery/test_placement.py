@@ -26,6 +26,7 @@ HOSTS = {h: {"netns": f"x-{h}", "address": f"10.77.0.{i}"} for i, h in enumerate
         ({"network": {"mask": "x"}, "process": []}, "[network] takes subnet"),
         ({"network": {}, "process": [{"name": "r", "role": "router", "host": "H-1"}]}, "host must be 1-8 lower-case"),
         ({"process": [{"name": "r", "role": "router"}]}, "(or an etcd process to discover them)"),
+        ({"process": [{"name": "e", "role": "etcd", "args": {"x": 1}}]}, "an etcd process takes no args"),
         ({"network": {}, "process": [{"name": "e", "role": "etcd", "host": "h1"}, {"name": "f", "role": "etcd", "host": "h1"},
                                       {"name": "r", "role": "router", "host": "h1"}]}, "at most one etcd process"),
     ],
