@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ __all__ = [
     "register_on",
     "registration_from_args",
 ]
+
+log = logging.getLogger("pdgrpc.discovery")
 
 DEFAULT_TTL_S = 10
 DEFAULT_CLUSTER = "default"
@@ -92,6 +95,15 @@ def check_discovery_args(ns: argparse.Namespace) -> None:
         _advertise_host(ns)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _advertise_host(ns: argparse.Namespace) -> str:
     host = ns.advertise_host or ns.host
     if host in _WILDCARDS:
@@ -131,6 +143,12 @@ def registration_from_args(
     if not ns.discovery:
         return None
     address = advertised_address(ns, bound)
+    data_host = getattr(ns, "transport_host", None)
+    if data_host is not None and _is_loopback(data_host) and not _is_loopback(_advertise_host(ns)):
+        log.warning(
+            "discovery: this %s is advertised at %s, but its data plane at --transport-host %s: peers on other "
+            "hosts cannot reach that; give --transport-host an address they can", role, address, data_host,
+        )
     if role == "prefill" and (not bootstrap or bootstrap == bound):
         bootstrap = address
     instance_id = ns.instance_id or f"{_advertise_host(ns).strip('[]').replace(':', '.')}-{bound.rpartition(':')[2]}"

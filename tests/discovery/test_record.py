@@ -99,3 +99,26 @@ def test_router_routes_only_to_live_instances_of_the_view() -> None:
     assert {servicer._pick()[1] for _ in range(4)} == {"10.0.0.2:7002"}
     prefill, _ = servicer._pick()
     assert (prefill.address, prefill.bootstrap) == ("10.0.0.2:7001", "10.0.0.2:7001")
+
+
+def test_a_data_plane_left_on_loopback_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    import argparse
+
+    from pdgrpc.discovery.cli import add_discovery_arguments, registration_from_args
+    from pdgrpc.serving.flags import add_transport_arguments
+
+    parser = argparse.ArgumentParser()
+    add_transport_arguments(parser)
+    add_discovery_arguments(parser, "decode")
+    caplog.set_level(logging.WARNING, "pdgrpc.discovery")
+    common = ["--discovery", "etcd://10.0.0.1:2379", "--transport", "tcp"]
+    ns = parser.parse_args([*common, "--advertise-host", "10.0.0.3"])
+    ns.host = "0.0.0.0"
+    reg = registration_from_args(ns, "decode", "0.0.0.0:7000", transport="tcp", compat_hash="ab")
+    assert reg is not None and reg.instance.address == "10.0.0.3:7000" and reg.instance.instance_id == "10.0.0.3-7000"
+    assert any("--transport-host 127.0.0.1" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    ns = parser.parse_args([*common, "--advertise-host", "10.0.0.3", "--transport-host", "10.0.0.3"])
+    ns.host = "0.0.0.0"
+    registration_from_args(ns, "decode", "0.0.0.0:7000", transport="tcp", compat_hash="ab")
+    assert not caplog.records
