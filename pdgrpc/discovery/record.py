@@ -149,6 +149,7 @@ class MembershipView:
         self._entries: dict[str, _Entry] = {}
         self._skipped: set[str] = set()  # digests of (key, value) already logged as skipped
         self.version = 0  # bumped on every change of the routable set (for waiters and tests)
+        self._cache: tuple[int, dict[str, list[Instance]]] = (-1, {})  # instances() per role, at a version
 
     # ---- feeding ---------------------------------------------------------------------------
 
@@ -221,7 +222,17 @@ class MembershipView:
         return oldest.compat_hash, oldest.transport
 
     def instances(self, role: str) -> list[Instance]:
-        """Live, compatible instances of ``role``, in key order (stable for round robin)."""
+        """Live, compatible instances of ``role``, in key order (stable for round robin).
+        Computed once per change of the view: the router asks on every request."""
+        version, by_role = self._cache
+        if version != self.version:
+            by_role = {}
+            self._cache = (self.version, by_role)
+        if role not in by_role:
+            by_role[role] = self._instances(role)
+        return list(by_role[role])
+
+    def _instances(self, role: str) -> list[Instance]:
         ref = self.reference()
         out = []
         for key in sorted(self._entries):
