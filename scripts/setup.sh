@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates or reuses .venv at the repo root and installs pdgrpc with its test, ucx and
-# plot extras. Idempotent: when nothing the install depends on has changed, it returns in
+# Creates or reuses .venv at the repo root and installs pdgrpc with the extras its tests
+# use (EXTRAS below). Idempotent: when nothing the install depends on has changed, it returns in
 # well under a second (a stamp file records a hash of the inputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,12 +8,28 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.pdgrpc-installed
+# The optional extras the test suite needs (pyproject.toml says what each one is for).
+EXTRAS=test,ucx,plot,etcd
 # Everything that changes what gets installed.
 inputs_hash=$(cat pyproject.toml scripts/setup.sh $(ls examples/*/pyproject.toml 2>/dev/null) interop/node/package.json interop/node/package-lock.json | sha256sum | cut -d' ' -f1)
 # The JavaScript interop client's dependencies (tests/bootstrap/test_interop_node.py);
 # only where node and npm exist: without node that test is skipped.
 HAVE_NPM=0
 if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then HAVE_NPM=1; fi
+
+# Debian packages for the multi-host tests (tests/discovery, tests/e2e/test_multihost.py):
+# etcd-server (a real etcd) and iproute2 (`ip netns`). Installed only where missing, only as
+# root, and only in CI (CI=true) or when asked (PDGRPC_INSTALL_DEBS=1); elsewhere those tests
+# skip saying which package to install. Checked on every run, so no stamp covers it.
+debs=()
+command -v etcd >/dev/null 2>&1 || debs+=(etcd-server)
+command -v ip >/dev/null 2>&1 || debs+=(iproute2)
+if [ ${#debs[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && { [ "${CI:-}" = true ] || [ "${PDGRPC_INSTALL_DEBS:-}" = 1 ]; } \
+  && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing Debian packages ${debs[*]}"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${debs[@]}"
+fi
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$VENV/bin/python" ] \
   && { [ "$HAVE_NPM" = 0 ] || [ -d interop/node/node_modules ]; }; then
@@ -29,8 +45,8 @@ $PIP install -q --upgrade pip
 # torch first and pinned exactly: an unpinned torch resolves to a multi-GB CUDA build.
 echo "setup: installing torch==2.13.0 (CPU wheel)"
 $PIP install -q "torch==2.13.0"
-echo "setup: installing pdgrpc[test,ucx,plot] (editable)"
-$PIP install -q -e ".[test,ucx,plot]"
+echo "setup: installing pdgrpc[$EXTRAS] (editable)"
+$PIP install -q -e ".[$EXTRAS]"
 # Example third-party plugins (each its own tiny package) used by the tests.
 for ex in examples/*/; do
   if [ -f "$ex/pyproject.toml" ]; then

@@ -12,6 +12,7 @@ apply_grpc_defaults()  # before grpc is imported (below)
 
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server  # noqa: E402
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S  # noqa: E402
+from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import StopSignal, run, serve_until_signal  # noqa: E402
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
+    add_discovery_arguments(p, "bootstrap")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity, to stderr (default: %(default)s)")
     return p
 
@@ -70,6 +72,7 @@ async def _main(args: argparse.Namespace) -> None:
         metrics.unbind()
         await server.stop(0)
         raise
+    register_on(server.rpc, registration_from_args(args, "bootstrap", f"{args.host}:{server.rpc.port}"))
     try:
         await serve_until_signal(server.rpc, grace=args.grace, stop=stop)
     finally:
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        check_discovery_args(args)
         run(_main(args))
     except (PdgrpcError, OSError) as exc:  # a bad flag value (max_batch > max_rooms), a port in use
         logging.getLogger("pdgrpc.bootstrap").error("%s", exc)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
+from pdgrpc.cluster.hosts import HOSTS_ENV
 from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError
+from pdgrpc.cluster.netns import NetnsUnavailable, NetworkHosts, remove_stale
 from pdgrpc.cluster.topology import TRANSPORTS, load_topology, servers_dir
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.server import run
@@ -79,11 +84,30 @@ async def _main(args: argparse.Namespace) -> int:
     return code
 
 
+def _on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
+    """Make the topology's hosts (network namespaces), run this command again on the front
+    door's host with the host map in the environment, and remove the hosts afterwards
+    (also after a failure or a signal)."""
+
+    topology = load_topology(args.topology)
+    remove_stale()
+    with NetworkHosts(topology.hosts, topology.subnet) as hosts:
+        print(f"hosts: {json.dumps(hosts.describe())}", flush=True)
+        env = {**os.environ, HOSTS_ENV: json.dumps(hosts.describe())}
+        child = subprocess.Popen([*hosts.exec_prefix(topology.router.host), sys.executable, "-m", "pdgrpc.cluster", *argv], env=env)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda signum, _frame: child.send_signal(signum))
+        return child.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if load_topology(args.topology).subnet and HOSTS_ENV not in os.environ:
+            return _on_hosts(args, argv)
         return run(_main(args))
-    except (ConfigError, ChildDied) as exc:
+    except (ConfigError, ChildDied, NetnsUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -49,7 +49,9 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from pdgrpc.cluster.hosts import HostMap, discovery_flags, hosts_from_env, place
 from pdgrpc.cluster.topology import ProcessSpec, Topology, TRANSPORTS, flags, load_topology
+from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, etcd_argv, etcd_healthy, find_etcd
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.serving.children import die_with_parent_in_own_group
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -148,12 +150,13 @@ class Proc:
     argv: list[str]
     log_path: Path
     process: asyncio.subprocess.Process | None = None
+    ip: str = HOST  # its host's address (127.0.0.1 without [network])
     # Metrics endpoints ("" for the process itself, "dp<r>" for a prefill's dp workers).
     metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def address(self) -> str:
-        return f"{HOST}:{self.port}"
+        return f"{self.ip}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -192,8 +195,11 @@ class Cluster:
         extra_env: dict[str, str] | None = None,
         python: str = sys.executable,
         metrics: bool | None = None,
+        hosts: HostMap | None = None,
     ) -> None:
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        # With [network]: host -> netns and address (pdgrpc.cluster.hosts); the launcher runs on the front door's host.
+        self.hosts = hosts if hosts is not None else hosts_from_env(self.topology)
         self.metrics = self.topology.metrics if metrics is None else metrics
         self.transport = transport or self.topology.transport
         if self.transport not in TRANSPORTS:
@@ -218,7 +224,15 @@ class Cluster:
         for spec in self.topology.processes:
             port = free_port(taken)
             taken.add(port)
-            proc = self.procs[spec.name] = Proc(spec, port, [], self.log_dir / f"{spec.name}.log")
+            ip, _ = place(spec, self.hosts, HOST)
+            proc = self.procs[spec.name] = Proc(spec, port, [], self.log_dir / f"{spec.name}.log", ip=ip)
+            if spec.role == "etcd":
+                peer = free_port(taken)
+                taken.add(peer)
+                binary = find_etcd()
+                if binary is None:
+                    raise ClusterError(f"topology {self.topology.name!r} runs etcd, but there is none here: {ETCD_PACKAGE_HINT}")
+                proc.argv = etcd_argv(binary, ip, port, peer, self.log_dir / f"{spec.name}-data")
             if self.metrics and spec.role in _METRICS_ROLES:
                 children = _metrics_children(spec)
                 base = free_port_block(1 + len(children), exclude=taken)
@@ -227,7 +241,9 @@ class Cluster:
                 for offset, key in enumerate(children, start=1):
                     proc.metrics_ports[key] = base + offset  # derived_metrics_port(base, offset)
         for proc in self.procs.values():
-            proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
+            if proc.spec.role != "etcd":
+                proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
+            proc.argv = [*place(proc.spec, self.hosts, HOST)[1], *proc.argv]
 
     # ---- addresses ----------------------------------------------------------------------
 
@@ -249,13 +265,13 @@ class Cluster:
             key = f"tp{tp_rank}"
         else:
             key = ""
-        return f"{HOST}:{ports[key]}"
+        return f"{self.procs[name].ip}:{ports[key]}"
 
     def metrics_endpoints(self, role: str | None = None) -> dict[str, str]:
         """Every metrics endpoint (``HOST:PORT``), by ``name`` or ``name/dp<r>`` (a prefill's
         workers), optionally of one role only; empty when metrics are off."""
         return {
-            name if key == "" else f"{name}/{key}": f"{HOST}:{port}"
+            name if key == "" else f"{name}/{key}": f"{proc.ip}:{port}"
             for name, proc in self.procs.items()
             if role is None or proc.spec.role == role
             for key, port in proc.metrics_ports.items()
@@ -267,11 +283,15 @@ class Cluster:
 
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
-        out = ["--host", HOST, "--port", str(proc.port)]
+        out = ["--host", proc.ip, "--port", str(proc.port)]
         if "" in proc.metrics_ports:
-            out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", HOST]
+            out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", proc.ip]
         if spec.role in ("prefill", "decode"):
             out += ["--transport", self.transport, *flags(self.topology.engine)]
+            if proc.ip != HOST:  # on a host: the data plane listens on (and advertises) the host's address
+                out += ["--transport-host", proc.ip]
+        etcd = self.topology.etcd
+        out += discovery_flags(self.topology, spec, None if etcd is None else self.address(etcd.name))
         if spec.role == "colocated":
             out += flags(self.topology.engine)
         if spec.role == "prefill" and spec.bootstrap:
@@ -360,6 +380,8 @@ class Cluster:
             await asyncio.sleep(0.2)
 
     async def _serving(self, proc: Proc) -> bool:
+        if proc.spec.role == "etcd":
+            return await asyncio.to_thread(etcd_healthy, proc.ip, proc.port)
         # A prefill controller reports NOT_SERVING until its DP workers are ready; its ready
         # line (printed at the same moment) is checked too, as the documented signal.
         if proc.spec.role == "prefill" and not proc.log_has_line(_PREFILL_READY):
@@ -384,7 +406,7 @@ class Cluster:
     async def stop(self) -> None:
         """Stop every process: SIGTERM (router first), then SIGKILL after ``grace`` s."""
         self._stopping = True
-        order = sorted(self.procs.values(), key=lambda p: {"router": 0, "colocated": 0, "decode": 1, "prefill": 2, "bootstrap": 3}[p.spec.role])
+        order = sorted(self.procs.values(), key=lambda p: {"router": 0, "colocated": 0, "decode": 1, "prefill": 2, "bootstrap": 3, "etcd": 4}[p.spec.role])
         for proc in order:
             if proc.process is not None and proc.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -446,5 +468,5 @@ class Cluster:
             lines.append(f"  {p.spec.name:<12} {p.spec.role:<9} {p.address}{pid}")
             for key, port in p.metrics_ports.items():
                 what = "metrics" if key == "" else f"metrics {key}"
-                lines.append(f"  {'':<12} {'':<9} {what}: http://{HOST}:{port}/metrics")
+                lines.append(f"  {'':<12} {'':<9} {what}: http://{p.ip}:{port}/metrics")
         return "\n".join(lines)

@@ -26,6 +26,19 @@ Format (TOML, read with :mod:`tomllib`)::
     prefill = ["prefill"]           # router only: the prefill and decode processes it routes to
     decode = ["decode"]
 
+Across hosts (see docs/multihost.md): a ``[network]`` table turns on hosts made as network
+namespaces, ``host = "h2"`` places a process on one, and a process of role ``etcd`` runs a
+real etcd; then every server registers there (``--discovery``) and a router without
+``prefill``/``decode`` lists routes to whatever is registered::
+
+    [network]
+    subnet = "10.77.0.0/24"         # private /24; host i of the sorted host names gets .i
+
+    [[process]]
+    name = "etcd"
+    role = "etcd"
+    host = "h1"
+
 Each ``args`` (and ``[engine]``) entry becomes ``--key value``; ``true`` becomes a bare
 ``--key``, ``false`` is left out, a list repeats the flag. The launcher adds ``--host``,
 ``--port`` and, for prefill and decode, ``--transport`` itself.
@@ -47,7 +60,7 @@ else:  # pragma: no cover - Python 3.10 needs the backport (pyproject: tomli; py
 
 __all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
 
-ROLES = ("bootstrap", "prefill", "decode", "router", "colocated")
+ROLES = ("bootstrap", "prefill", "decode", "router", "colocated", "etcd")
 FRONT_DOORS = ("router", "colocated")  # what clients call: GenerateService
 TRANSPORTS = ("rdma", "tcp", "fake")
 
@@ -62,6 +75,7 @@ class ProcessSpec:
     bootstrap: str | None = None  # prefill: name of a separate bootstrap process
     prefill: tuple[str, ...] = ()  # router: prefill process names
     decode: tuple[str, ...] = ()  # router: decode process names
+    host: str = ""  # with [network]: the host (network namespace) it runs on
 
     @property
     def module(self) -> str:
@@ -78,6 +92,16 @@ class Topology:
     processes: tuple[ProcessSpec, ...]
     path: Path | None = None
     metrics: bool = False  # give every server a --metrics-port
+    subnet: str = ""  # with [network]: the hosts' private /24; "" = everything on 127.0.0.1
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The hosts the processes are placed on, sorted (empty without [network])."""
+        return tuple(sorted({p.host for p in self.processes if p.host}))
+
+    @property
+    def etcd(self) -> ProcessSpec | None:
+        return next((p for p in self.processes if p.role == "etcd"), None)
 
     def process(self, name: str) -> ProcessSpec:
         for p in self.processes:
@@ -139,7 +163,7 @@ def _check_args(where: str, args: Any) -> dict[str, Any]:
 def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None) -> Topology:
     """Validate a parsed topology table; raises :class:`ConfigError` naming the bad field."""
     where = str(path or name)
-    known = {"description", "transport", "engine", "env", "process", "metrics"}
+    known = {"description", "transport", "engine", "env", "process", "metrics", "network"}
     unknown = set(data) - known
     if unknown:
         raise _fail(where, f"unknown top-level keys {sorted(unknown)} (expected {sorted(known)})")
@@ -153,6 +177,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
     env = data.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise _fail(where, "[env] must be a table of NAME = \"value\" strings")
+    subnet = _network(where, data.get("network"))
     raw = data.get("process", [])
     if not isinstance(raw, list) or not raw:
         raise _fail(where, "needs at least one [[process]]")
@@ -161,7 +186,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         pw = f"{where} process[{i}]"
         if not isinstance(p, dict):
             raise _fail(pw, "must be a table")
-        extra = set(p) - {"name", "role", "args", "bootstrap", "prefill", "decode"}
+        extra = set(p) - {"name", "role", "args", "bootstrap", "prefill", "decode", "host"}
         if extra:
             raise _fail(pw, f"unknown keys {sorted(extra)}")
         pname, role = p.get("name"), p.get("role")
@@ -173,6 +198,8 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         bootstrap = p.get("bootstrap")
         if bootstrap is not None and (role != "prefill" or not isinstance(bootstrap, str)):
             raise _fail(pw, "bootstrap = \"<bootstrap process name>\" is only for prefill processes")
+        if role == "etcd" and p.get("args"):
+            raise _fail(pw, "an etcd process takes no args (the launcher sets its ports and data dir)")
         if role != "router" and ("prefill" in p or "decode" in p):
             raise _fail(pw, "prefill/decode lists are only for router processes")
         procs.append(
@@ -183,6 +210,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
                 bootstrap=bootstrap,
                 prefill=_str_list(pw, p.get("prefill", []), "prefill"),
                 decode=_str_list(pw, p.get("decode", []), "decode"),
+                host=_host(pw, p.get("host", ""), subnet),
             )
         )
     roles = {p.name: p.role for p in procs}
@@ -193,11 +221,15 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         if p.bootstrap is not None and roles.get(p.bootstrap) != "bootstrap":
             raise _fail(pw, f"bootstrap = {p.bootstrap!r} is not a bootstrap process of this topology")
         if p.role == "router":
-            if not p.prefill or not p.decode:
-                raise _fail(pw, "a router needs prefill = [...] and decode = [...]")
+            if (not p.prefill or not p.decode) and not any(q.role == "etcd" for q in procs):
+                raise _fail(pw, "a router needs prefill = [...] and decode = [...] (or an etcd process to discover them)")
             for ref, want in [(r, "prefill") for r in p.prefill] + [(r, "decode") for r in p.decode]:
                 if roles.get(ref) != want:
                     raise _fail(pw, f"{ref!r} is not a {want} process of this topology")
+    if subnet and any(not p.host for p in procs):
+        raise _fail(where, "with [network], every process needs host = \"<host name>\"")
+    if len([p for p in procs if p.role == "etcd"]) > 1:
+        raise _fail(where, "at most one etcd process")
     if len([p for p in procs if p.role in FRONT_DOORS]) != 1:
         raise _fail(where, "needs exactly one router (or colocated) process: the cluster's front door")
     return Topology(
@@ -209,7 +241,29 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         processes=tuple(procs),
         path=path,
         metrics=metrics,
+        subnet=subnet,
     )
+
+
+def _network(where: str, table: Any) -> str:
+    if table is None:
+        return ""
+    if not isinstance(table, dict) or set(table) - {"subnet"}:
+        raise _fail(where, f"[network] takes subnet = \"10.x.y.0/24\" only, got {table!r}")
+    subnet = table.get("subnet", "10.77.0.0/24")
+    if not isinstance(subnet, str):
+        raise _fail(where, f"[network] subnet must be a string, got {subnet!r}")
+    return subnet
+
+
+def _host(where: str, host: Any, subnet: str) -> str:
+    if host == "":
+        return ""
+    if not subnet:
+        raise _fail(where, "host = ... needs a [network] table (hosts are network namespaces)")
+    if not isinstance(host, str) or not host.isalnum() or not host[:1].isalpha() or len(host) > 8 or host != host.lower():
+        raise _fail(where, f"host must be 1-8 lower-case letters and digits starting with a letter, got {host!r}")
+    return host
 
 
 def servers_dir() -> Path:

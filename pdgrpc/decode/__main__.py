@@ -14,6 +14,7 @@ apply_grpc_defaults()  # before grpc is imported (below): see pdgrpc.rpc.tuning
 from pdgrpc.decode.cli import build_parser, scheduler_config_from_args, wrap_test_faults  # noqa: E402
 from pdgrpc.decode.scheduler import DecodeScheduler  # noqa: E402
 from pdgrpc.decode.service import start_decode_server  # noqa: E402
+from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args  # noqa: E402
 from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
 from pdgrpc.errors import ConfigError, PdgrpcError  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
@@ -102,6 +103,10 @@ async def _serve(
         "decode ready: transport=%s slots=%d pages=%d page_size=%d tp_size=%d compat_hash=%s",
         transport.name, ns.num_slots, engine.num_pages, engine.kv_layout.page_size, ns.tp_size, scheduler.compat_hash.hex()[:16],
     )
+    register_on(server.rpc, registration_from_args(
+        ns, "decode", f"{ns.host}:{server.rpc.port}", transport=transport.name, tp_size=ns.tp_size,
+        compat_hash=engine.compat_hash(),
+    ))
     try:
         await serve_until_signal(server.rpc)
     finally:
@@ -131,6 +136,7 @@ def cli(argv: list[str] | None = None) -> int:
     setup_logging(ns.log_level, "decode")
     tune_malloc_from_args(ns)
     try:
+        check_discovery_args(ns)
         return run(main(ns))
     except PdgrpcError as exc:  # bad flag values, transport unavailable: one clear line
         logging.getLogger("pdgrpc.decode").error("%s", exc)

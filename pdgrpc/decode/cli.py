@@ -8,6 +8,7 @@ import argparse
 import os
 
 from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 from pdgrpc.state import DecodeDeadlines
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_metrics_arguments(p)
     add_logging_arguments(p)
+    add_discovery_arguments(p, "decode")
     return p
 
 

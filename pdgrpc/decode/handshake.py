@@ -146,7 +146,8 @@ class Handshaker:
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
                     return RequestFailed(exc.code, f"room {job.room}: handshake refused: {exc}", ServerAbortReason.PREFILL_ERROR)
             else:
-                request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt)
+                request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt,
+                              writers=",".join(w.transfer_address for w in job.contacted))
                 return ACCEPTED
             # UNAVAILABLE: the worker restarted or moved: refetch its endpoints, retry.
             self.directory.invalidate(addr, f"handshake for room {job.room}: {job.last_error}")

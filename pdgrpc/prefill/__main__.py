@@ -15,6 +15,7 @@ from pdgrpc.rpc.tuning import apply_grpc_defaults  # noqa: E402
 # controller starts inherit it too.
 apply_grpc_defaults()
 
+from pdgrpc.discovery.cli import check_discovery_args
 from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.rpc.server import run
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_config_from_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
         registry.load(ns.transport)  # a missing backend names what to install
+        check_discovery_args(ns)
     except (ConfigError, TransportUnavailable) as exc:
         parser.error(str(exc))
     setup_logging(ns.log_level, "prefill")

@@ -36,6 +36,7 @@ from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
 from pdgrpc.bootstrap.table import RoomTable
+from pdgrpc.discovery.cli import register_on, registration_from_args
 from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, ServerAbortReason, derived_metrics_port, start_metrics_from_args
 from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
@@ -237,6 +238,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                     "--dp-rank", str(rank), "--dp-size", str(self.ns.dp_size),
                     *(["--tp-rank", str(tp), "--tp-size", str(tp_size), *dist] if tp_size > 1 else []),
                     "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
+                    *(["--advertise-host", self.ns.advertise_host] if getattr(self.ns, "advertise_host", "") else []),
                     "--load-balance-method", self.ns.load_balance_method,
                     *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
                     *self._worker_metrics_argv(1 + rank * tp_size + tp),
@@ -433,6 +435,13 @@ async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServ
         await controller.registrar.close() if controller.registrar else None
 
     server.on_stop(_stop_workers)
+    if ns.discovery:
+        # The hash the workers' engines registered with bootstrap: the one decodes check.
+        info = await client.wait_parallel_info(wait_for=30.0)
+        register_on(server, registration_from_args(
+            ns, "prefill", f"{ns.host}:{server.port}", transport=ns.transport, bootstrap=ns.bootstrap,
+            dp_size=ns.dp_size, tp_size=getattr(ns, "tp_size", 1), compat_hash=info.parallel_info.compatibility_hash.hex(),
+        ))
     await serve_until_signal(server, grace=ns.grace)
     await controller.stop_workers()
     log.info("prefill stopped")

@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bootstrap", required=True, help="HOST:PORT of the BootstrapService to register with")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    p.add_argument(
+        "--advertise-host", default="",
+        help="host part of the HandshakeService address registered with bootstrap (decodes on other hosts dial it); "
+        "default: --host (127.0.0.1 when --host is a wildcard)",
+    )
     p.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, required=True)
     p.add_argument("--force-dp-rank-query", action="store_true")
     p.add_argument(
@@ -219,7 +224,8 @@ async def _main(ns: argparse.Namespace) -> int:
         server.on_stop(_drain_link)
     client = BootstrapClient(ns.bootstrap)
     info = bootstrap_pb2.WorkerInfo(
-        dp_rank=ns.dp_rank, tp_rank=ns.tp_rank, pp_rank=0, transfer_address=server.address,
+        dp_rank=ns.dp_rank, tp_rank=ns.tp_rank, pp_rank=0,
+        transfer_address=f"{ns.advertise_host}:{server.port}" if ns.advertise_host else server.address,
         transport=transport.name, transport_endpoint=descriptor,
     )
     try:

@@ -12,6 +12,9 @@ apply_grpc_defaults()  # before grpc is imported (below): see pdgrpc.rpc.tuning
 
 # Nothing here imports torch (tests/router checks it): the router starts in well under a
 # second and holds no tensor.
+from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args  # noqa: E402
+from pdgrpc.discovery.etcd import Watcher, parse_discovery_url  # noqa: E402
+from pdgrpc.discovery.record import MembershipView, cluster_prefix  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.router.service import GenerateServicer, RouterConfig, parse_prefill, service_names  # noqa: E402
@@ -53,12 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
+    add_discovery_arguments(p, "router")
     return p
 
 
 async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     metrics = RouterMetrics()
-    servicer = GenerateServicer(config, metrics=metrics)
+    watcher = None
+    if args.discovery:
+        watcher = Watcher(parse_discovery_url(args.discovery), MembershipView(cluster_prefix(args.cluster_name)))
+        watcher.start()
+    servicer = GenerateServicer(config, metrics=metrics, view=None if watcher is None else watcher.view)
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
@@ -72,16 +80,21 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
         await servicer.close()
         raise
     log = logging.getLogger("pdgrpc.router")
-    log.info(
-        "routing to prefill %s; decode %s",
-        ", ".join(p.address if p.bootstrap == p.address else f"{p.address} (bootstrap {p.bootstrap})" for p in config.prefills),
-        ", ".join(config.decodes),
-    )
+    if watcher is not None:
+        log.info("routing to the live instances under %s in etcd %s", watcher.view.prefix, args.discovery)
+    else:
+        log.info(
+            "routing to prefill %s; decode %s",
+            ", ".join(p.address if p.bootstrap == p.address else f"{p.address} (bootstrap {p.bootstrap})" for p in config.prefills),
+            ", ".join(config.decodes),
+        )
     try:
         await serve_until_signal(server, grace=args.grace)
     finally:
         # Only now: in-flight requests used these channels until the grace period ended.
         await servicer.close()
+        if watcher is not None:
+            await watcher.close()
         metrics.unbind()
         stop_metrics()
     log.info("stopped")
@@ -91,10 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.discovery and (args.prefill or args.decode):
+            raise ValueError("--discovery takes the backends from etcd: leave out --prefill and --decode")
+        check_discovery_args(args)
         config = RouterConfig(
             prefills=tuple(parse_prefill(s) for s in args.prefill),
             decodes=tuple(args.decode),
             request_timeout=args.request_timeout,
+            discovery=bool(args.discovery),
         )
     except ValueError as exc:
         parser.error(str(exc))

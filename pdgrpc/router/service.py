@@ -35,6 +35,7 @@ from typing import Sequence
 
 import grpc
 
+from pdgrpc.discovery.record import MembershipView
 from pdgrpc.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
@@ -99,12 +100,13 @@ class RouterConfig:
     prefills: tuple[PrefillBackend, ...]
     decodes: tuple[str, ...]
     request_timeout: float = 300.0  # seconds; caps every request (client deadlines cap it further)
+    discovery: bool = False  # backends come from etcd (--discovery); the static lists may be empty
 
     def __post_init__(self) -> None:
-        if not self.prefills:
-            raise ValueError("the router needs at least one --prefill")
-        if not self.decodes:
-            raise ValueError("the router needs at least one --decode")
+        if not self.prefills and not self.discovery:
+            raise ValueError("the router needs at least one --prefill (or --discovery)")
+        if not self.decodes and not self.discovery:
+            raise ValueError("the router needs at least one --decode (or --discovery)")
         for d in self.decodes:
             _check_address(d, "--decode")
         if not self.request_timeout > 0:
@@ -126,12 +128,18 @@ def _describe(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Routes each ``Generate`` to one prefill and one decode; see the module doc."""
 
-    def __init__(self, config: RouterConfig, pool: ChannelPool | None = None, metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, pool: ChannelPool | None = None, metrics: RouterMetrics | None = None,
+        view: MembershipView | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self._pool = pool or ChannelPool()
         self._prefills = itertools.cycle(config.prefills)
         self._decodes = itertools.cycle(config.decodes)
+        # With discovery: the live view from etcd, read on every request (round robin by count).
+        self._view = view
+        self._turn = 0
         self._tokenizer = ByteTokenizer()
         self.active = 0  # requests in flight (for logs and tests)
 
@@ -162,6 +170,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         return sampling
 
+    def _pick(self) -> tuple[PrefillBackend, str]:
+        """The prefill and decode for the next request: round robin over the static lists,
+        or over the live, compatible instances of the discovery view."""
+        if self._view is None:
+            return next(self._prefills), next(self._decodes)
+        prefills = self._view.instances("prefill")
+        decodes = self._view.instances("decode")
+        for role, live in (("prefill", prefills), ("decode", decodes)):
+            if not live:
+                raise RequestFailed(
+                    grpc.StatusCode.UNAVAILABLE, f"no live {role} instance is registered in etcd under {self._view.prefix}"
+                )
+        self._turn += 1
+        p = prefills[self._turn % len(prefills)]
+        return PrefillBackend(p.address, p.bootstrap), decodes[self._turn % len(decodes)].address
+
     # ---- the RPC ------------------------------------------------------------------------
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
@@ -170,13 +194,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         request_id = request.request_id or f"r{room:016x}"
         try:
             input_ids = self._input_ids(request)
+            prefill, decode = self._pick()
         except RequestFailed as f:
             self.metrics.on_refused()
             request_event(log, room, "refused", level=logging.WARNING, request_id=request_id, reason=f.message)
             await context.abort(f.code, f.message)
             return
         sampling = self._sampling(request)
-        prefill, decode = next(self._prefills), next(self._decodes)
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         timeout = self.config.request_timeout
         remaining = context.time_remaining()

@@ -1,0 +1,169 @@
+"""The discovery flags every server takes, and what they build.
+
+``--discovery etcd://HOST:PORT[,...]`` turns discovery on; ``--discovery-ttl`` (lease
+seconds), ``--cluster-name`` (the key prefix), ``--instance-id`` (the key's last
+segment) and ``--advertise-host`` (the host part of the address peers are told) shape it.
+Without ``--discovery`` nothing here runs and the static flags work as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from pdgrpc.discovery.etcd import Registration, load_client, parse_discovery_url
+from pdgrpc.discovery.record import Instance, check_name, instance_key
+from pdgrpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pdgrpc.rpc.server import RpcServer
+
+__all__ = [
+    "DEFAULT_CLUSTER",
+    "DEFAULT_TTL_S",
+    "add_discovery_arguments",
+    "advertised_address",
+    "check_discovery_args",
+    "register_on",
+    "registration_from_args",
+]
+
+log = logging.getLogger("pdgrpc.discovery")
+
+DEFAULT_TTL_S = 10
+DEFAULT_CLUSTER = "default"
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _ttl(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole seconds, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 second, got {value}")
+    return value
+
+
+def add_discovery_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    """Add the discovery flags to a server's parser (``role``: prefill, decode, router, bootstrap)."""
+    g = parser.add_argument_group("discovery (etcd; off unless --discovery is given)")
+    what = (
+        "watch the cluster's prefix in etcd and route to the live, compatible prefill and decode instances "
+        "registered there (no --prefill/--decode needed)"
+        if role == "router" else
+        "register this instance in etcd under a lease, so routers find it; the lease is revoked on a clean shutdown"
+    )
+    g.add_argument("--discovery", metavar="etcd://HOST:PORT[,HOST:PORT...]", default="", help=f"{what}. Default: off")
+    g.add_argument(
+        "--cluster-name", default=DEFAULT_CLUSTER, metavar="NAME",
+        help="keys live under /pdgrpc/NAME/<role>/<instance id>; instances of other clusters are not seen. "
+        "Default: %(default)s",
+    )
+    if role == "router":
+        return
+    g.add_argument(
+        "--discovery-ttl", type=_ttl, default=DEFAULT_TTL_S, metavar="SECONDS",
+        help="lease time to live: a dead instance stops receiving new requests within this time; "
+        "keep-alive renews it every third of it. Default: %(default)s",
+    )
+    g.add_argument(
+        "--instance-id", default="", metavar="ID",
+        help="this instance's name in etcd (a restart under the same id reappears with a new generation). "
+        "Default: <advertise host>-<port>",
+    )
+    g.add_argument(
+        "--advertise-host", default="", metavar="HOST",
+        help="host part of the gRPC address written to etcd: an address routers and peers can reach. "
+        "Needed when --host is a wildcard (0.0.0.0). Default: --host",
+    )
+
+
+def check_discovery_args(ns: argparse.Namespace) -> None:
+    """Validate the discovery flags early (ConfigError naming the flag)."""
+    if not ns.discovery:
+        return
+    parse_discovery_url(ns.discovery)
+    load_client()  # a missing client fails here, naming what to install
+    check_name(ns.cluster_name, "--cluster-name")
+    if getattr(ns, "instance_id", ""):
+        check_name(ns.instance_id, "--instance-id")
+    if hasattr(ns, "advertise_host"):
+        _advertise_host(ns)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _advertise_host(ns: argparse.Namespace) -> str:
+    host = ns.advertise_host or ns.host
+    if host in _WILDCARDS:
+        raise ConfigError(f"--advertise-host: --host is {ns.host!r} (a wildcard); give the address peers reach this host at")
+    return host
+
+
+def advertised_address(ns: argparse.Namespace, bound: str) -> str:
+    """``bound`` (HOST:PORT a server listens on) with the advertised host in front."""
+    host = _advertise_host(ns)
+    port = bound.rpartition(":")[2]
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass  # a DNS name
+    return f"{host}:{port}"
+
+
+def registration_from_args(
+    ns: argparse.Namespace,
+    role: str,
+    bound: str,
+    *,
+    transport: str = "",
+    bootstrap: str = "",
+    dp_size: int = 1,
+    tp_size: int = 1,
+    compat_hash: str = "",
+) -> Registration | None:
+    """The :class:`Registration` the flags ask for (not started), or None without ``--discovery``.
+
+    ``bound`` is the address the server listens on; its port is advertised with
+    ``--advertise-host`` (or ``--host``). ``bootstrap`` (prefill) is advertised as given,
+    except that an embedded bootstrap (the same address as ``bound``) gets the advertised
+    address too."""
+    if not ns.discovery:
+        return None
+    address = advertised_address(ns, bound)
+    data_host = getattr(ns, "transport_host", None)
+    if data_host is not None and _is_loopback(data_host) and not _is_loopback(_advertise_host(ns)):
+        log.warning(
+            "discovery: this %s is advertised at %s, but its data plane at --transport-host %s: peers on other "
+            "hosts cannot reach that; give --transport-host an address they can", role, address, data_host,
+        )
+    if role == "prefill" and (not bootstrap or bootstrap == bound):
+        bootstrap = address
+    instance_id = ns.instance_id or f"{_advertise_host(ns).strip('[]').replace(':', '.')}-{bound.rpartition(':')[2]}"
+    instance = Instance(
+        role=role, instance_id=instance_id, address=address, transport=transport, bootstrap=bootstrap,
+        dp_size=dp_size, tp_size=tp_size, compat_hash=compat_hash, generation=time.time_ns() // 1000,
+    )
+    instance.check()
+    return Registration(parse_discovery_url(ns.discovery), instance_key(ns.cluster_name, role, instance_id), instance, ns.discovery_ttl)
+
+
+def register_on(server: "RpcServer", registration: Registration | None) -> None:
+    """Start ``registration`` (if any) and revoke its lease as soon as ``server`` begins
+    to stop (before the grace period: routers stop choosing it at once)."""
+    if registration is None:
+        return
+    registration.start()
+    server.on_stop(registration.close)

@@ -1,0 +1,277 @@
+"""The etcd side of discovery: an instance's registration under a lease, and a prefix watch.
+
+Both run as background tasks over :mod:`aetcd` (asyncio, etcd v3 API on grpc.aio) and
+survive etcd outages:
+
+* :class:`Registration` grants a lease of ``ttl`` seconds, puts the instance's key under
+  it, and renews it every ``ttl / 3``. When a renewal finds the lease gone (the process
+  was stopped for longer than the TTL, or etcd lost it) it grants a new lease and puts
+  the key again. :meth:`Registration.close` revokes the lease at once (clean shutdown).
+* :class:`Watcher` lists the prefix, then watches it from the listing's revision; each
+  (re)connection lists again, so deletes missed while etcd was away still apply.
+  Meanwhile a probe (every ``probe_s``) catches a watch stream that hangs silently.
+
+While etcd is unreachable both keep what they had (the instance keeps serving, the
+router keeps its last view), retry with capped exponential backoff over every endpoint in
+turn, and log the outage once, then once more when etcd is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from pdgrpc.discovery.record import Instance, MembershipView
+from pdgrpc.errors import ConfigError
+
+__all__ = ["Registration", "Watcher", "parse_discovery_url", "load_client"]
+
+log = logging.getLogger("pdgrpc.discovery")
+
+BACKOFF_FIRST_S = 0.2
+BACKOFF_CAP_S = 5.0
+_CALL_TIMEOUT_S = 3  # one etcd call (grant, put, renew, list) may take this long
+
+
+def parse_discovery_url(url: str) -> tuple[tuple[str, int], ...]:
+    """``etcd://HOST:PORT[,HOST:PORT...]`` -> endpoints; ConfigError naming ``--discovery``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme != "etcd":
+        raise ConfigError(f"--discovery {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
+    out = []
+    for item in rest.rstrip("/").split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--discovery {url!r}: {item!r} is not HOST:PORT")
+        out.append((host.strip("[]"), int(port)))
+    return tuple(out)
+
+
+def load_client() -> Any:
+    """The :mod:`aetcd` module, or ConfigError saying what to install."""
+    try:
+        import aetcd
+    except ImportError as exc:  # pragma: no cover - the etcd extra is not installed
+        raise ConfigError(f"--discovery etcd needs the aetcd package: pip install 'pdgrpc[etcd]' ({exc})") from None
+    return aetcd
+
+
+class _Outage:
+    """Logs an etcd outage once when it starts and once when it ends; computes backoff."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.down = False
+        self.delay = BACKOFF_FIRST_S
+
+    def failed(self, endpoint: tuple[str, int], exc: BaseException) -> float:
+        if not self.down:
+            self.down = True
+            log.warning("discovery: %s: etcd at %s:%d unreachable (%s: %s); keeping the last state and retrying "
+                        "every <= %.0f s", self.what, *endpoint, type(exc).__name__, exc, BACKOFF_CAP_S)
+        delay, self.delay = self.delay, min(self.delay * 2, BACKOFF_CAP_S)
+        return delay
+
+    def ok(self, endpoint: tuple[str, int]) -> None:
+        if self.down:
+            log.warning("discovery: %s: etcd at %s:%d reachable again", self.what, *endpoint)
+        self.down = False
+        self.delay = BACKOFF_FIRST_S
+
+
+class _Endpoints:
+    def __init__(self, endpoints: tuple[tuple[str, int], ...]) -> None:
+        if not endpoints:
+            raise ConfigError("--discovery needs at least one etcd endpoint")
+        self._all = endpoints
+        self._i = 0
+        self._aetcd = load_client()
+
+    @property
+    def current(self) -> tuple[str, int]:
+        return self._all[self._i]
+
+    def client(self) -> Any:
+        host, port = self.current
+        return self._aetcd.Client(host=host, port=port, timeout=_CALL_TIMEOUT_S)
+
+    def rotate(self) -> None:
+        self._i = (self._i + 1) % len(self._all)
+
+
+async def _close(client: Any) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.close(), _CALL_TIMEOUT_S)
+
+
+class Registration:
+    """Keeps ``key`` -> ``instance`` in etcd under a lease while it runs; see the module doc."""
+
+    def __init__(self, endpoints: tuple[tuple[str, int], ...], key: str, instance: Instance, ttl: int) -> None:
+        if ttl < 1:
+            raise ConfigError(f"--discovery-ttl must be >= 1 second, got {ttl}")
+        self._ep = _Endpoints(endpoints)
+        self.key = key
+        self.instance = instance
+        self.ttl = ttl
+        self.lease_id: int | None = None
+        self.leases_granted = 0  # how many leases this registration took (re-registrations + 1)
+        self.registered = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._client: Any = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        outage = _Outage(f"registration of {self.key}")
+        while True:
+            self._client = client = self._ep.client()
+            try:
+                while True:
+                    if self.lease_id is None:
+                        lease = await client.lease(self.ttl)
+                        # Before the put: a close() that comes while the put is in flight
+                        # (its key may already be visible) still revokes this lease.
+                        self.lease_id = lease.id
+                        self.leases_granted += 1
+                        await client.put(self.key.encode(), self.instance.to_json(), lease=lease.id)
+                        log.info("discovery: registered %s at %s (lease %x, ttl %d s, generation %d)",
+                                 self.key, self.instance.address, lease.id, self.ttl, self.instance.generation)
+                        self.registered.set()
+                        outage.ok(self._ep.current)
+                        await asyncio.sleep(max(self.ttl / 3, 0.3))
+                    reply = await client.refresh_lease(self.lease_id)
+                    outage.ok(self._ep.current)
+                    if reply is None or reply.TTL <= 0:
+                        log.warning("discovery: lease %x of %s lapsed (process stopped or etcd lost it); "
+                                    "registering again with a new lease", self.lease_id, self.key)
+                        self.lease_id = None
+                        self.registered.clear()
+                    else:
+                        await asyncio.sleep(max(self.ttl / 3, 0.3))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                delay = outage.failed(self._ep.current, exc)
+                await _close(client)
+                self._ep.rotate()
+                await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        """Stop renewing and revoke the lease now, so watchers see the instance leave at once."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        client, lease_id = self._client, self.lease_id
+        if client is not None and lease_id is not None:
+            try:
+                await asyncio.wait_for(client.revoke_lease(lease_id), _CALL_TIMEOUT_S)
+                log.info("discovery: revoked lease %x of %s", lease_id, self.key)
+            except Exception as exc:
+                log.warning("discovery: could not revoke lease %x of %s (%s); it ends within %d s",
+                            lease_id, self.key, exc, self.ttl)
+        if client is not None:
+            await _close(client)
+
+
+class Watcher:
+    """Feeds a :class:`MembershipView` from etcd; see the module doc."""
+
+    def __init__(
+        self,
+        endpoints: tuple[tuple[str, int], ...],
+        view: MembershipView,
+        probe_s: float = 2.0,
+    ) -> None:
+        self._ep = _Endpoints(endpoints)
+        self.view = view
+        self.probe_s = probe_s
+        self.synced = asyncio.Event()  # set once the first listing landed
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def wait_changed(self, version: int, timeout: float) -> bool:
+        """Wait until the view's version differs from ``version``; False on timeout."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.view.version != version), timeout)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _run(self) -> None:
+        outage = _Outage(f"watch of {self.view.prefix}")
+        prefix = self.view.prefix.encode()
+        while True:
+            client = self._ep.client()
+            try:
+                listing = await client.get_prefix(prefix)
+                self.view.reset((kv.key.decode(errors="replace"), kv.value, kv.create_revision) for kv in listing)
+                self.synced.set()
+                await self._notify()
+                outage.ok(self._ep.current)
+                watch = await client.watch_prefix(prefix, start_revision=listing.header.revision + 1)
+                probe = asyncio.ensure_future(self._probe(client))
+                try:
+                    await self._consume(watch, probe)
+                finally:
+                    probe.cancel()
+                    with contextlib.suppress(BaseException):
+                        await probe
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), 1.0)
+            except asyncio.CancelledError:
+                await _close(client)
+                raise
+            except Exception as exc:
+                delay = outage.failed(self._ep.current, exc)
+                await _close(client)
+                self._ep.rotate()
+                await asyncio.sleep(delay)
+
+    async def _consume(self, watch: Any, probe: asyncio.Future[None]) -> None:
+        events = watch.__aiter__()
+        while True:
+            nxt = asyncio.ensure_future(events.__anext__())
+            try:
+                await asyncio.wait({nxt, probe}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not nxt.done():
+                    nxt.cancel()
+                    with contextlib.suppress(BaseException):
+                        await nxt
+            if nxt.cancelled():
+                probe.result()  # raises: the probe failed
+                raise ConnectionError("etcd probe ended")  # pragma: no cover - the probe never returns
+            try:
+                event = nxt.result()  # raises when the stream broke
+            except StopAsyncIteration:
+                raise ConnectionError("etcd ended the watch") from None
+            key = event.kv.key.decode(errors="replace")
+            if event.kind == "PUT":
+                self.view.put(key, event.kv.value, event.kv.create_revision)
+            else:
+                self.view.delete(key)
+            await self._notify()
+
+    async def _probe(self, client: Any) -> None:
+        while True:
+            await asyncio.sleep(self.probe_s)
+            await client.status()  # raises when etcd is gone; the watch is restarted then
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

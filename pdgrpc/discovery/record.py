@@ -1,0 +1,252 @@
+"""What one instance writes to etcd, and the router's view of all of them (pure: no I/O).
+
+Key layout::
+
+    /pdgrpc/<cluster name>/<role>/<instance id>   ->   JSON record (one per instance)
+
+The value (:class:`Instance`) holds the instance's gRPC address, its bootstrap address
+(prefill only), transport, parallel sizes, compatibility hash and generation. The key is
+attached to the instance's lease: when the lease ends (clean shutdown revokes it, a dead
+process stops renewing it) etcd deletes the key and every watcher sees the delete.
+
+:class:`MembershipView` applies etcd's puts and deletes and answers "which prefills and
+decodes may take a request now". It skips, and logs once per distinct bad value:
+
+* a value that is not a record of this format (malformed JSON, a foreign writer, a key
+  whose role or instance id disagrees with the record);
+* an instance whose compatibility hash or transport differs from the cluster's
+  reference, which is the oldest live instance's (lowest etcd create revision): prefill
+  and decode exchange KV only when both agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+from typing import Iterable, Mapping
+
+from pdgrpc.errors import ConfigError
+
+__all__ = [
+    "FORMAT",
+    "ROLES",
+    "Instance",
+    "MembershipView",
+    "check_name",
+    "instance_key",
+    "cluster_prefix",
+]
+
+log = logging.getLogger("pdgrpc.discovery")
+
+FORMAT = 1  # the record's format version: a record of another format is skipped
+ROLES = ("prefill", "decode", "bootstrap")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(value: str, what: str) -> str:
+    """``value`` when it is a name fit for an etcd key segment, else ConfigError naming ``what``."""
+    if not _NAME.match(value):
+        raise ConfigError(
+            f"{what} {value!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+def cluster_prefix(cluster: str) -> str:
+    """``/pdgrpc/<cluster>/``: the prefix a router watches."""
+    return f"/pdgrpc/{check_name(cluster, '--cluster-name')}/"
+
+
+def instance_key(cluster: str, role: str, instance_id: str) -> str:
+    if role not in ROLES:
+        raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
+    return f"{cluster_prefix(cluster)}{role}/{check_name(instance_id, '--instance-id')}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    """One registered server instance (the JSON value under its key)."""
+
+    role: str
+    instance_id: str
+    address: str  # HOST:PORT of its gRPC server (PrefillService / DecodeService / BootstrapService)
+    transport: str = ""  # data-plane backend name; "" for a bootstrap
+    bootstrap: str = ""  # prefill: HOST:PORT of its BootstrapService (its own address when embedded)
+    dp_size: int = 1
+    tp_size: int = 1
+    compat_hash: str = ""  # hex digest of model, KV layout and protocol version; "" for a bootstrap
+    generation: int = 0  # differs on every start of the instance (microseconds since the epoch)
+
+    def to_json(self) -> bytes:
+        doc = {"format": FORMAT, **dataclasses.asdict(self)}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Instance":
+        """Parse and validate a record; ConfigError saying what is wrong."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError("not a JSON object")
+        if doc.get("format") != FORMAT:
+            raise ConfigError(f"format {doc.get('format')!r} is not {FORMAT}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(doc) - set(fields) - {"format"}
+        if unknown:
+            raise ConfigError(f"unknown fields {sorted(unknown)}")
+        values: dict[str, object] = {}
+        for name, f in fields.items():
+            if name not in doc:
+                if f.default is dataclasses.MISSING:
+                    raise ConfigError(f"field {name!r} is missing")
+                continue
+            want = int if f.type in ("int", int) else str
+            v = doc[name]
+            if type(v) is not want:
+                raise ConfigError(f"field {name!r} must be a {want.__name__}, got {v!r}")
+            values[name] = v
+        inst = cls(**values)  # type: ignore[arg-type]
+        inst.check()
+        return inst
+
+    def check(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role {self.role!r} is not one of {ROLES}")
+        check_name(self.instance_id, "instance_id")
+        for name in ("address", "bootstrap") if self.role == "prefill" else ("address",):
+            _check_address(getattr(self, name), name)
+        if self.dp_size < 1 or self.tp_size < 1:
+            raise ConfigError(f"dp_size and tp_size must be >= 1, got {self.dp_size} and {self.tp_size}")
+        if self.role != "bootstrap" and (not self.transport or not self.compat_hash):
+            raise ConfigError(f"a {self.role} record needs transport and compat_hash")
+
+
+def _check_address(addr: str, field: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"field {field!r}: {addr!r} is not HOST:PORT")
+    if host in ("0.0.0.0", "::", "[::]"):
+        raise ConfigError(f"field {field!r}: {addr!r} is a wildcard, not an address peers can reach")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    instance: Instance
+    create_revision: int
+
+
+class MembershipView:
+    """The live instances under one cluster prefix, fed by etcd puts and deletes."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._entries: dict[str, _Entry] = {}
+        self._skipped: set[str] = set()  # digests of (key, value) already logged as skipped
+        self.version = 0  # bumped on every change of the routable set (for waiters and tests)
+        self._cache: tuple[int, dict[str, list[Instance]]] = (-1, {})  # instances() per role, at a version
+
+    # ---- feeding ---------------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes, create_revision: int) -> None:
+        where = self._parse_key(key)
+        try:
+            if where is None:
+                raise ConfigError("key is not /pdgrpc/<cluster>/<role>/<instance id>")
+            inst = Instance.from_json(value)
+            if (inst.role, inst.instance_id) != where:
+                raise ConfigError(f"record says {inst.role}/{inst.instance_id}, key says {where[0]}/{where[1]}")
+        except ConfigError as exc:
+            self._skip(key, value, f"ignored: {exc}")
+            self._remove(key)  # a key overwritten with garbage no longer names a live instance
+            return
+        old = self._entries.get(key)
+        self._entries[key] = _Entry(inst, create_revision)
+        if old is None or old.instance != inst:
+            self.version += 1
+            what = "joined" if old is None else f"changed (generation {old.instance.generation} -> {inst.generation})"
+            log.info("discovery: %s %s %s at %s (generation %d)", inst.role, inst.instance_id, what, inst.address, inst.generation)
+
+    def delete(self, key: str) -> None:
+        entry = self._entries.get(key)
+        if self._remove(key) and entry is not None:
+            log.info("discovery: %s %s left (lease ended or key deleted)", entry.instance.role, entry.instance.instance_id)
+
+    def reset(self, items: Iterable[tuple[str, bytes, int]]) -> None:
+        """Replace the whole view with a fresh listing (after a reconnect: deletes missed
+        while the watch was down are applied by their absence here)."""
+        items = list(items)
+        keys = {k for k, _, _ in items}
+        for key in [k for k in self._entries if k not in keys]:
+            self.delete(key)
+        for key, value, rev in items:
+            self.put(key, value, rev)
+
+    def _remove(self, key: str) -> bool:
+        if self._entries.pop(key, None) is None:
+            return False
+        self.version += 1
+        return True
+
+    def _parse_key(self, key: str) -> tuple[str, str] | None:
+        if not key.startswith(self.prefix):
+            return None
+        parts = key[len(self.prefix):].split("/")
+        if len(parts) != 2 or parts[0] not in ROLES or not _NAME.match(parts[1]):
+            return None
+        return parts[0], parts[1]
+
+    def _skip(self, key: str, value: bytes, why: str) -> None:
+        digest = hashlib.sha256(key.encode() + b"\0" + value).hexdigest()
+        if digest in self._skipped:
+            return
+        if len(self._skipped) > 4096:  # bounded: a writer flooding the prefix cannot grow it forever
+            self._skipped.clear()
+        self._skipped.add(digest)
+        log.warning("discovery: key %s %s", key, why)
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def reference(self) -> tuple[str, str] | None:
+        """``(compat_hash, transport)`` every routable prefill and decode must have: the
+        oldest live prefill or decode's (lowest create revision, then key)."""
+        workers = [(e.create_revision, k, e.instance) for k, e in self._entries.items() if e.instance.role != "bootstrap"]
+        if not workers:
+            return None
+        _, _, oldest = min(workers, key=lambda t: (t[0], t[1]))
+        return oldest.compat_hash, oldest.transport
+
+    def instances(self, role: str) -> list[Instance]:
+        """Live, compatible instances of ``role``, in key order (stable for round robin).
+        Computed once per change of the view: the router asks on every request."""
+        version, by_role = self._cache
+        if version != self.version:
+            by_role = {}
+            self._cache = (self.version, by_role)
+        if role not in by_role:
+            by_role[role] = self._instances(role)
+        return list(by_role[role])
+
+    def _instances(self, role: str) -> list[Instance]:
+        ref = self.reference()
+        out = []
+        for key in sorted(self._entries):
+            inst = self._entries[key].instance
+            if inst.role != role:
+                continue
+            if role != "bootstrap" and ref is not None and (inst.compat_hash, inst.transport) != ref:
+                self._skip(key, inst.to_json(), (
+                    f"ignored: compatibility hash {inst.compat_hash[:12]} / transport {inst.transport} differs from "
+                    f"the cluster's {ref[0][:12]} / {ref[1]} (its oldest live instance's)"
+                ))
+                continue
+            out.append(inst)
+        return out
+
+    def snapshot(self) -> Mapping[str, Instance]:
+        return {k: e.instance for k, e in self._entries.items()}
