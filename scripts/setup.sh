@@ -29,8 +29,10 @@ $PIP install -q --upgrade pip
 # torch first and pinned exactly: an unpinned torch resolves to a multi-GB CUDA build.
 echo "setup: installing torch==2.13.0 (CPU wheel)"
 $PIP install -q "torch==2.13.0"
-echo "setup: installing pdgrpc[test,ucx] (editable)"
-$PIP install -q -e ".[test,ucx]"
+echo "setup: installing pdgrpc[test,ucx,tls] (editable)"
+$PIP install -q -e ".[test,ucx,tls]"
+# Pinned exactly for the tests (the tls extra asks only for a floor).
+$PIP install -q "cryptography==50.0.2"
 # Example third-party plugins (each its own tiny package) used by the tests.
 for ex in examples/*/; do
   if [ -f "$ex/pyproject.toml" ]; then

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from pdgrpc.metrics import add_metrics_arguments
+from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 
 __all__ = ["LOAD_BALANCE_METHODS", "build_parser", "add_worker_arguments", "worker_argv"]
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_arguments(p)
     # Controller only (not in add_worker_arguments): each worker gets its own port.
     add_metrics_arguments(p)
+    add_security_arguments(p)  # passed to the workers by security_argv
     return p
 
 
