@@ -31,8 +31,6 @@ import random
 import statistics
 import time
 
-import grpc
-
 from pdgrpc.bench.report import Result
 from pdgrpc.cluster.client import Completion, generate
 from pdgrpc.cluster.launcher import Cluster
@@ -138,7 +136,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     async with contextlib.AsyncExitStack() as stack:
         print(f"starting {', '.join(systems)} ...", flush=True)
         await asyncio.gather(*(stack.enter_async_context(c) for c in systems.values()))
-        channels = {n: await stack.enter_async_context(grpc.aio.insecure_channel(c.router_address)) for n, c in systems.items()}
+        channels = {n: await stack.enter_async_context(c.client_channel()) for n, c in systems.items()}
         stubs = {n: GenerateServiceStub(ch) for n, ch in channels.items()}
         print(f"measuring TTFT: {args.ttft_requests} x {args.prompt_tokens}-token prompts per system ...", flush=True)
         ttft = await _ttft(stubs, ttft_prompts, args.warmup, rng)

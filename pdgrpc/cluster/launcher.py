@@ -2,8 +2,8 @@
 
 ::
 
-    async with Cluster("1p1d", transport="tcp") as c:
-        stub = GenerateServiceStub(grpc.aio.insecure_channel(c.router_address))
+    async with Cluster("1p1d", transport="tcp", tls="auto") as c:
+        stub = GenerateServiceStub(c.client_channel())   # presents the cluster's client credentials
         ...
         stats = await c.stats("decode")        # the server's own ResourceStats
 
@@ -12,6 +12,13 @@
   decode and router also serves Prometheus metrics on a free port
   (:meth:`Cluster.metrics_endpoints`); a prefill with ``dp-size`` N gets N + 1 consecutive
   ports: its controller's, then one per dp worker (``--metrics-port`` base + 1 + rank).
+* With ``tls="auto"`` (``--tls auto``, or ``tls = "auto"`` under ``[security]``) the
+  launcher makes a throwaway CA in ``LOG_DIR/security`` and one certificate per process
+  (its name is the certificate's common name): every process serves mTLS and presents its
+  certificate on its own calls. ``auth_token="auto"`` writes a random bearer token there
+  that every process requires and sends. :attr:`Cluster.client_security` is what a client
+  of the cluster presents (certificate ``client``, the token); :meth:`Cluster.client_channel`
+  opens a channel with it.
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
   ``start_timeout``. A process that exits meanwhile fails the start with its log tail.
@@ -49,8 +56,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from pdgrpc.cluster.topology import ProcessSpec, Topology, TRANSPORTS, flags, load_topology
+from pdgrpc.cluster.topology import SECURITY_MODES, ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.rpc.certs import CertFiles, issue, make_ca, write_token
+from pdgrpc.rpc.security import Security
 from pdgrpc.serving.children import die_with_parent_in_own_group
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -192,8 +201,15 @@ class Cluster:
         extra_env: dict[str, str] | None = None,
         python: str = sys.executable,
         metrics: bool | None = None,
+        tls: str | None = None,
+        auth_token: str | None = None,
     ) -> None:
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        self.tls = tls or self.topology.tls
+        self.auth_token = auth_token or self.topology.auth_token
+        for flag, value in (("tls", self.tls), ("auth_token", self.auth_token)):
+            if value not in SECURITY_MODES:
+                raise ClusterError(f"{flag} must be one of {SECURITY_MODES}, got {value!r}")
         self.metrics = self.topology.metrics if metrics is None else metrics
         self.transport = transport or self.topology.transport
         if self.transport not in TRANSPORTS:
@@ -205,12 +221,46 @@ class Cluster:
         self.grace = grace
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
+        self._certs: dict[str, CertFiles] = {}
+        self.client_security = self._make_security()
         self.procs: dict[str, Proc] = {}
         self._assign_ports()
         self._stopping = False
         self._died: asyncio.Future[Proc] | None = None
         self._watchers: list[asyncio.Task[None]] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _make_security(self) -> Security:
+        """Certificates and token for ``tls``/``auth_token`` "auto"; the client's settings."""
+        directory = self.log_dir / "security"
+        self._ca: CertFiles | None = None
+        self._token: Path | None = None
+        if self.tls == "auto":
+            self._ca = make_ca(directory)
+            for spec in self.topology.processes:
+                self._certs[spec.name] = issue(self._ca, directory, spec.name)
+            self._certs["client"] = issue(self._ca, directory, "client")
+        if self.auth_token == "auto":
+            self._token = write_token(directory / "token")
+        client = self._certs.get("client")
+        return Security(
+            cert=None if client is None else client.cert, key=None if client is None else client.key,
+            ca=None if self._ca is None else self._ca.cert, token_file=self._token,
+        )
+
+    def _security_flags(self, name: str) -> list[str]:
+        out: list[str] = []
+        cert = self._certs.get(name)
+        if cert is not None and self._ca is not None:
+            out += ["--tls-cert", str(cert.cert), "--tls-key", str(cert.key), "--tls-ca", str(self._ca.cert)]
+        if self._token is not None:
+            out += ["--auth-token-file", str(self._token)]
+        return out
+
+    def client_channel(self, target: str | None = None) -> grpc.aio.Channel:
+        """A new channel to ``target`` (default: the router) with :attr:`client_security`;
+        the caller closes it."""
+        return self.client_security.channel(target or self.router_address)
 
     def _assign_ports(self) -> None:
         """Fresh, pairwise distinct ports for every process (and metrics endpoint)."""
@@ -267,7 +317,7 @@ class Cluster:
 
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
-        out = ["--host", HOST, "--port", str(proc.port)]
+        out = ["--host", HOST, "--port", str(proc.port), *self._security_flags(spec.name)]
         if "" in proc.metrics_ports:
             out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", HOST]
         if spec.role in ("prefill", "decode"):
@@ -415,7 +465,7 @@ class Cluster:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = self.client_security.channel(address)
         return ch
 
     def channel(self, name: str) -> grpc.aio.Channel:
@@ -440,7 +490,8 @@ class Cluster:
         return dict(zip(names, await asyncio.gather(*(self.stats(n) for n in names))))
 
     def describe(self) -> str:
-        lines = [f"topology {self.topology.name} (transport {self.transport}); logs in {self.log_dir}"]
+        security = "" if self.tls == self.auth_token == "off" else f", tls {self.tls}, auth token {self.auth_token}"
+        lines = [f"topology {self.topology.name} (transport {self.transport}{security}); logs in {self.log_dir}"]
         for p in self.procs.values():
             pid = "" if p.pid is None else f"  pid {p.pid}"
             lines.append(f"  {p.spec.name:<12} {p.spec.role:<9} {p.address}{pid}")

@@ -14,6 +14,11 @@ Format (TOML, read with :mod:`tomllib`)::
     [env]                           # extra environment for every process (optional)
     UCX_TLS = "tcp,sm,self"
 
+    [security]                      # optional (docs/security.md); the launcher's
+    tls = "auto"                    # --tls/--auth-token override: "auto" = a throwaway CA
+    auth-token = "auto"             # and one certificate per process (mTLS) / a random
+                                    # token in the run directory; "off" (default) = none
+
     [[process]]
     name = "prefill"                # unique; logs and GetStats are per name
     role = "prefill"                # bootstrap | prefill | decode | router | colocated
@@ -48,6 +53,7 @@ else:  # pragma: no cover - Python 3.10 needs the backport (pyproject: tomli; py
 __all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
 
 ROLES = ("bootstrap", "prefill", "decode", "router", "colocated")
+SECURITY_MODES = ("off", "auto")  # [security] tls / auth-token, and the launcher's --tls / --auth-token
 FRONT_DOORS = ("router", "colocated")  # what clients call: GenerateService
 TRANSPORTS = ("rdma", "tcp", "fake")
 
@@ -78,6 +84,8 @@ class Topology:
     processes: tuple[ProcessSpec, ...]
     path: Path | None = None
     metrics: bool = False  # give every server a --metrics-port
+    tls: str = "off"  # [security] tls: "auto" or "off"
+    auth_token: str = "off"  # [security] auth-token: "auto" or "off"
 
     def process(self, name: str) -> ProcessSpec:
         for p in self.processes:
@@ -131,7 +139,7 @@ def _check_args(where: str, args: Any) -> dict[str, Any]:
         items = v if isinstance(v, list) else [v]
         if not all(isinstance(i, (str, int, float, bool)) for i in items):
             raise _fail(where, f"flag {k!r} has a value that is not a string, number or boolean: {v!r}")
-        if k in ("host", "port", "transport", "metrics-port", "metrics-host"):
+        if k in ("host", "port", "transport", "metrics-port", "metrics-host", "tls-cert", "tls-key", "tls-ca", "auth-token-file"):
             raise _fail(where, f"flag --{k} is set by the launcher; remove it from args")
     return dict(args)
 
@@ -139,7 +147,7 @@ def _check_args(where: str, args: Any) -> dict[str, Any]:
 def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None) -> Topology:
     """Validate a parsed topology table; raises :class:`ConfigError` naming the bad field."""
     where = str(path or name)
-    known = {"description", "transport", "engine", "env", "process", "metrics"}
+    known = {"description", "transport", "engine", "env", "process", "metrics", "security"}
     unknown = set(data) - known
     if unknown:
         raise _fail(where, f"unknown top-level keys {sorted(unknown)} (expected {sorted(known)})")
@@ -150,6 +158,12 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
     if not isinstance(metrics, bool):
         raise _fail(where, f"metrics must be true or false, got {metrics!r}")
     engine = _check_args(f"{where} [engine]", data.get("engine", {}))
+    security = data.get("security", {})
+    if not isinstance(security, dict) or set(security) - {"tls", "auth-token"}:
+        raise _fail(where, f"[security] takes tls and auth-token, got {security!r}")
+    for key, value in security.items():
+        if value not in SECURITY_MODES:
+            raise _fail(where, f"[security] {key} must be one of {SECURITY_MODES}, got {value!r}")
     env = data.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise _fail(where, "[env] must be a table of NAME = \"value\" strings")
@@ -209,6 +223,8 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         processes=tuple(procs),
         path=path,
         metrics=metrics,
+        tls=security.get("tls", "off"),
+        auth_token=security.get("auth-token", "off"),
     )
 
 

@@ -151,7 +151,9 @@ class Security:
 
     def client_interceptors(self) -> list[Any]:
         token = self.token
-        return [_TokenSend(token)] if token else []
+        if not token:
+            return []
+        return [kind(token) for kind in (_TokenSendUnaryUnary, _TokenSendUnaryStream, _TokenSendStreamUnary, _TokenSendStreamStream)]
 
 
 _INSTALLED = Security()
@@ -227,13 +229,9 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         return _deny(handler)
 
 
-class _TokenSend(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds ``authorization: Bearer <token>`` to every call."""
+class _TokenSend:
+    """Adds ``authorization: Bearer <token>`` to a call's metadata (one subclass per call
+    kind below: a grpc.aio channel files each interceptor under the first kind it is)."""
 
     def __init__(self, token: str) -> None:
         self._header = (AUTH_HEADER, _BEARER + token)
@@ -242,15 +240,23 @@ class _TokenSend(
         metadata = grpc.aio.Metadata(*(d.metadata or ()), self._header)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
 
+
+class _TokenSendUnaryUnary(_TokenSend, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _TokenSendUnaryStream(_TokenSend, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _TokenSendStreamUnary(_TokenSend, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
+
+class _TokenSendStreamStream(_TokenSend, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 

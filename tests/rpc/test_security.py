@@ -40,7 +40,7 @@ class Pki:
         self.wrong_token = write_token(root / "wrong-token")
 
     def client(self, cert: CertFiles | None, token: Path | None = None) -> Security:
-        return Security(cert=cert and cert.cert, key=cert and cert.key, ca=self.ca.cert, token_file=token)
+        return Security(cert=None if cert is None else cert.cert, key=None if cert is None else cert.key, ca=self.ca.cert, token_file=token)
 
 
 @pytest.fixture(scope="module")
