@@ -18,7 +18,9 @@
   certificate on its own calls. ``auth_token="auto"`` writes a random bearer token there
   that every process requires and sends. :attr:`Cluster.client_security` is what a client
   of the cluster presents (certificate ``client``, the token); :meth:`Cluster.client_channel`
-  opens a channel with it.
+  opens a channel with it. A router whose args set ``public-tls-cert`` serves clients
+  server-only TLS: pass ``public_ca`` (its certificate's CA) and the router's clients
+  trust that and present nothing.
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
   ``start_timeout``. A process that exits meanwhile fails the start with its log tail.
@@ -203,8 +205,12 @@ class Cluster:
         metrics: bool | None = None,
         tls: str | None = None,
         auth_token: str | None = None,
+        public_ca: str | Path | None = None,
     ) -> None:
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        # The CA of the router's public certificate (its args set public-tls-cert): clients
+        # of the router, the health checks included, trust it and present nothing.
+        self.public_ca = None if public_ca is None else Path(public_ca)
         self.tls = tls or self.topology.tls
         self.auth_token = auth_token or self.topology.auth_token
         for flag, value in (("tls", self.tls), ("auth_token", self.auth_token)):
@@ -260,7 +266,12 @@ class Cluster:
     def client_channel(self, target: str | None = None) -> grpc.aio.Channel:
         """A new channel to ``target`` (default: the router) with :attr:`client_security`;
         the caller closes it."""
-        return self.client_security.channel(target or self.router_address)
+        return self._security_for(target or self.router_address).channel(target or self.router_address)
+
+    def _security_for(self, address: str) -> Security:
+        if self.public_ca is not None and address == self.router_address:
+            return Security(ca=self.public_ca)
+        return self.client_security
 
     def _assign_ports(self) -> None:
         """Fresh, pairwise distinct ports for every process (and metrics endpoint)."""
@@ -465,7 +476,7 @@ class Cluster:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = self.client_security.channel(address)
+            ch = self._channels[address] = self._security_for(address).channel(address)
         return ch
 
     def channel(self, name: str) -> grpc.aio.Channel:

@@ -11,6 +11,7 @@ controller and to the worker), Decode and AbortRoom calls without the token.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdgrpc.cluster import Cluster
+from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.engine.colocated import generate as colocated_generate
@@ -59,7 +60,7 @@ async def refused(channel: grpc.aio.Channel, rpc: str = "generate", target: str 
 
 
 async def test_tls_auto_cluster_serves_and_refuses_outsiders(tmp_path: Path) -> None:
-    async with Cluster("1p1d", transport="tcp", tls="auto", auth_token="auto", log_dir=tmp_path / "run") as c:
+    async with Cluster("1p1d", transport="tcp", tls="auto", auth_token="auto", log_dir=tmp_path / "run", start_timeout=60) as c:
         engine = reference_engine(c.topology)
         async with c.client_channel() as ch:
             done = await generate(GenerateServiceStub(ch), prompt="Secure hello", max_new_tokens=8, timeout=60)
@@ -91,6 +92,32 @@ async def test_tls_auto_cluster_serves_and_refuses_outsiders(tmp_path: Path) -> 
             again = await generate(GenerateServiceStub(ch), prompt="Secure hello", max_new_tokens=8, timeout=60)
         assert again.token_ids == ref.token_ids
         c.check()
+
+
+async def test_router_public_port_serves_server_only_tls(tmp_path: Path) -> None:
+    """The router's GenerateService with --public-tls-cert: a client presenting nothing but
+    trust in the router's certificate is served, while inside the cluster the router's
+    calls still need the cluster's certificates and token (mTLS everywhere else)."""
+    public_ca = make_ca(tmp_path / "public")
+    public = issue(public_ca, tmp_path / "public", "router.example")
+    topology = load_topology("1p1d")
+    procs = tuple(
+        dataclasses.replace(p, args={**p.args, "public-tls-cert": str(public.cert), "public-tls-key": str(public.key)})
+        if p.role == "router" else p
+        for p in topology.processes
+    )
+    topology = dataclasses.replace(topology, processes=procs)
+    async with Cluster(
+        topology, transport="tcp", tls="auto", auth_token="auto", log_dir=tmp_path / "run", public_ca=public_ca.cert, start_timeout=60
+    ) as c:
+        anonymous = Security(ca=public_ca.cert)  # no client certificate, no token
+        async with anonymous.channel(c.router_address) as ch:
+            done = await generate(GenerateServiceStub(ch), prompt="public", max_new_tokens=4, timeout=60)
+        (ref,) = colocated_generate(reference_engine(c.topology), ["public"], 4)
+        assert done.token_ids == ref.token_ids
+        assert await refused(grpc.aio.insecure_channel(c.router_address)) is grpc.StatusCode.UNAVAILABLE
+        # The decode behind it is not public: the same anonymous client is refused there.
+        assert await refused(Security(ca=c.client_security.ca).channel(c.address("decode")), "decode") is grpc.StatusCode.UNAVAILABLE
 
 
 def test_cluster_cli_tls_auto_flag_is_documented() -> None:
