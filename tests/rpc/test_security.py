@@ -144,3 +144,25 @@ def test_bootstrap_cli_refuses_an_open_non_loopback_port() -> None:
     )
     assert proc.returncode == 2
     assert "refusing to listen on '0.0.0.0' without TLS or a token" in proc.stderr
+
+
+def test_bad_security_flags_are_named(tmp_path: Path) -> None:
+    import argparse
+
+    from pdgrpc.cluster.topology import parse_topology
+    from pdgrpc.rpc.security import add_security_arguments, security_from_args
+
+    p = argparse.ArgumentParser()
+    add_security_arguments(p)
+    with pytest.raises(ConfigError, match="--tls-cert and --tls-key go together"):
+        security_from_args(p.parse_args(["--tls-cert", str(tmp_path / "c.pem")]))
+    missing = tmp_path / "nope.pem"
+    with pytest.raises(ConfigError, match=f"--tls-ca: cannot read '{missing}'"):
+        security_from_args(p.parse_args(["--tls-ca", str(missing)]))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="--auth-token-file .* is empty"):
+        security_from_args(p.parse_args(["--auth-token-file", str(tmp_path / "empty")]))
+    process = [{"name": "r", "role": "colocated"}]
+    with pytest.raises(ConfigError, match=r"\[security\] tls must be one of \('off', 'auto'\), got 'yes'"):
+        parse_topology({"process": process, "security": {"tls": "yes"}}, "t")
+    assert parse_topology({"process": process, "security": {"tls": "auto", "auth-token": "auto"}}, "t").tls == "auto"
