@@ -58,9 +58,9 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from pdgrpc.cluster.credentials import ClusterCredentials
 from pdgrpc.cluster.topology import SECURITY_MODES, ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.errors import PdgrpcError
-from pdgrpc.rpc.certs import CertFiles, issue, make_ca, write_token
 from pdgrpc.rpc.security import Security
 from pdgrpc.serving.children import die_with_parent_in_own_group
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -227,41 +227,16 @@ class Cluster:
         self.grace = grace
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
-        self._certs: dict[str, CertFiles] = {}
-        self.client_security = self._make_security()
+        self.credentials = ClusterCredentials(
+            self.log_dir / "security", [p.name for p in self.topology.processes], tls=self.tls == "auto", token=self.auth_token == "auto"
+        )
+        self.client_security = self.credentials.client
         self.procs: dict[str, Proc] = {}
         self._assign_ports()
         self._stopping = False
         self._died: asyncio.Future[Proc] | None = None
         self._watchers: list[asyncio.Task[None]] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _make_security(self) -> Security:
-        """Certificates and token for ``tls``/``auth_token`` "auto"; the client's settings."""
-        directory = self.log_dir / "security"
-        self._ca: CertFiles | None = None
-        self._token: Path | None = None
-        if self.tls == "auto":
-            self._ca = make_ca(directory)
-            for spec in self.topology.processes:
-                self._certs[spec.name] = issue(self._ca, directory, spec.name)
-            self._certs["client"] = issue(self._ca, directory, "client")
-        if self.auth_token == "auto":
-            self._token = write_token(directory / "token")
-        client = self._certs.get("client")
-        return Security(
-            cert=None if client is None else client.cert, key=None if client is None else client.key,
-            ca=None if self._ca is None else self._ca.cert, token_file=self._token,
-        )
-
-    def _security_flags(self, name: str) -> list[str]:
-        out: list[str] = []
-        cert = self._certs.get(name)
-        if cert is not None and self._ca is not None:
-            out += ["--tls-cert", str(cert.cert), "--tls-key", str(cert.key), "--tls-ca", str(self._ca.cert)]
-        if self._token is not None:
-            out += ["--auth-token-file", str(self._token)]
-        return out
 
     def client_channel(self, target: str | None = None) -> grpc.aio.Channel:
         """A new channel to ``target`` (default: the router) with :attr:`client_security`;
@@ -328,7 +303,7 @@ class Cluster:
 
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
-        out = ["--host", HOST, "--port", str(proc.port), *self._security_flags(spec.name)]
+        out = ["--host", HOST, "--port", str(proc.port), *self.credentials.flags(spec.name)]
         if "" in proc.metrics_ports:
             out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", HOST]
         if spec.role in ("prefill", "decode"):
