@@ -484,4 +484,9 @@ class Cluster:
             for key, port in p.metrics_ports.items():
                 what = "metrics" if key == "" else f"metrics {key}"
                 lines.append(f"  {'':<12} {'':<9} {what}: http://{HOST}:{port}/metrics")
+        c = self.client_security
+        if c.cert is not None or c.token_file is not None:
+            shown = [f"{flag} {path}" for flag, path in (("--tls-cert", c.cert), ("--tls-key", c.key), ("--tls-ca", c.ca),
+                                                         ("--auth-token-file", c.token_file)) if path is not None]
+            lines.append(f"  clients present: {' '.join(shown)}")
         return "\n".join(lines)
