@@ -228,7 +228,8 @@ class Cluster:
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
         self.credentials = ClusterCredentials(
-            self.log_dir / "security", [p.name for p in self.topology.processes], tls=self.tls == "auto", token=self.auth_token == "auto"
+            self.log_dir / "security", [p.name for p in self.topology.processes], tls=self.tls == "auto",
+            token=self.auth_token == "auto", files=self.topology.security_files,
         )
         self.client_security = self.credentials.client
         self.procs: dict[str, Proc] = {}

@@ -17,7 +17,10 @@ Format (TOML, read with :mod:`tomllib`)::
     [security]                      # optional (docs/security.md); the launcher's
     tls = "auto"                    # --tls/--auth-token override: "auto" = a throwaway CA
     auth-token = "auto"             # and one certificate per process (mTLS) / a random
-                                    # token in the run directory; "off" (default) = none
+                                    # token in the run directory; "off" (default) = none.
+                                    # Or files every process (and the launcher) uses:
+                                    # tls-cert, tls-key, tls-ca, auth-token-file (paths
+                                    # relative to the topology file)
 
     [[process]]
     name = "prefill"                # unique; logs and GetStats are per name
@@ -53,7 +56,8 @@ else:  # pragma: no cover - Python 3.10 needs the backport (pyproject: tomli; py
 __all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
 
 ROLES = ("bootstrap", "prefill", "decode", "router", "colocated")
-SECURITY_MODES = ("off", "auto")  # [security] tls / auth-token, and the launcher's --tls / --auth-token
+SECURITY_MODES = ("off", "auto")
+_SECURITY_FILES = ("tls-cert", "tls-key", "tls-ca", "auth-token-file")  # [security] keys naming files  # [security] tls / auth-token, and the launcher's --tls / --auth-token
 FRONT_DOORS = ("router", "colocated")  # what clients call: GenerateService
 TRANSPORTS = ("rdma", "tcp", "fake")
 
@@ -86,6 +90,7 @@ class Topology:
     metrics: bool = False  # give every server a --metrics-port
     tls: str = "off"  # [security] tls: "auto" or "off"
     auth_token: str = "off"  # [security] auth-token: "auto" or "off"
+    security_files: Mapping[str, Path] = dataclasses.field(default_factory=dict)  # [security] tls-cert, ... -> file
 
     def process(self, name: str) -> ProcessSpec:
         for p in self.processes:
@@ -159,11 +164,22 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         raise _fail(where, f"metrics must be true or false, got {metrics!r}")
     engine = _check_args(f"{where} [engine]", data.get("engine", {}))
     security = data.get("security", {})
-    if not isinstance(security, dict) or set(security) - {"tls", "auth-token"}:
-        raise _fail(where, f"[security] takes tls and auth-token, got {security!r}")
+    if not isinstance(security, dict) or set(security) - {"tls", "auth-token", *_SECURITY_FILES}:
+        raise _fail(where, f"[security] takes tls, auth-token, {', '.join(_SECURITY_FILES)}; got {security!r}")
+    files: dict[str, Path] = {}
     for key, value in security.items():
-        if value not in SECURITY_MODES:
+        if key in _SECURITY_FILES:
+            if not isinstance(value, str) or not value:
+                raise _fail(where, f"[security] {key} must be a file path, got {value!r}")
+            files[key] = (path.parent if path is not None else Path.cwd()) / value
+        elif value not in SECURITY_MODES:
             raise _fail(where, f"[security] {key} must be one of {SECURITY_MODES}, got {value!r}")
+    if ("tls-cert" in files) != ("tls-key" in files):
+        raise _fail(where, "[security] tls-cert and tls-key go together")
+    if security.get("tls") == "auto" and {"tls-cert", "tls-ca"} & set(files):
+        raise _fail(where, "[security] tls = \"auto\" makes its own certificates: drop tls-cert/tls-key/tls-ca, or tls")
+    if security.get("auth-token") == "auto" and "auth-token-file" in files:
+        raise _fail(where, "[security] auth-token = \"auto\" makes its own token: drop auth-token-file, or auth-token")
     env = data.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise _fail(where, "[env] must be a table of NAME = \"value\" strings")
@@ -225,6 +241,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         metrics=metrics,
         tls=security.get("tls", "off"),
         auth_token=security.get("auth-token", "off"),
+        security_files=files,
     )
 
 

@@ -166,3 +166,27 @@ def test_bad_security_flags_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\[security\] tls must be one of \('off', 'auto'\), got 'yes'"):
         parse_topology({"process": process, "security": {"tls": "yes"}}, "t")
     assert parse_topology({"process": process, "security": {"tls": "auto", "auth-token": "auto"}}, "t").tls == "auto"
+
+
+def test_topology_security_files_go_to_every_process(pki: Pki, tmp_path: Path) -> None:
+    from pdgrpc.cluster import Cluster
+    from pdgrpc.cluster.topology import parse_topology
+    from pdgrpc.errors import ConfigError as Bad
+
+    table = {
+        "tls-cert": str(pki.worker.cert), "tls-key": str(pki.worker.key), "tls-ca": str(pki.ca.cert),
+        "auth-token-file": str(pki.token),
+    }
+    procs = [{"name": "d", "role": "decode"}, {"name": "p", "role": "prefill"},
+             {"name": "r", "role": "router", "prefill": ["p"], "decode": ["d"]}]
+    topology = parse_topology({"process": procs, "security": table}, "t", tmp_path / "t.toml")
+    cluster = Cluster(topology, transport="fake", log_dir=tmp_path / "run")
+    for proc in cluster.procs.values():
+        argv = " ".join(proc.argv)
+        assert f"--tls-cert {pki.worker.cert} --tls-key {pki.worker.key} --tls-ca {pki.ca.cert} --auth-token-file {pki.token}" in argv
+    c = cluster.client_security
+    assert (c.cert, c.key, c.ca, c.token_file) == (pki.worker.cert, pki.worker.key, pki.ca.cert, pki.token)
+    with pytest.raises(Bad, match="tls-cert and tls-key go together"):
+        parse_topology({"process": procs, "security": {"tls-cert": "a.pem"}}, "t")
+    with pytest.raises(Bad, match='tls = "auto" makes its own certificates'):
+        parse_topology({"process": procs, "security": {"tls": "auto", "tls-ca": "ca.pem"}}, "t")
