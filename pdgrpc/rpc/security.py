@@ -303,6 +303,8 @@ def security_from_args(ns: argparse.Namespace) -> Security:
         cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca, token_file=ns.auth_token_file, insecure=ns.insecure,
         public_cert=getattr(ns, "public_tls_cert", None), public_key=getattr(ns, "public_tls_key", None),
     )
+    if security.ca is not None and security.cert is None:
+        raise ConfigError("--tls-ca needs --tls-cert and --tls-key: this process serves too, and would serve plaintext")
     for path, flag in ((security.cert, "--tls-cert"), (security.key, "--tls-key"), (security.ca, "--tls-ca"),
                        (security.public_cert, "--public-tls-cert"), (security.public_key, "--public-tls-key")):
         if path is not None:

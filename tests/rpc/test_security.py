@@ -156,9 +156,11 @@ def test_bad_security_flags_are_named(tmp_path: Path) -> None:
     add_security_arguments(p)
     with pytest.raises(ConfigError, match="--tls-cert and --tls-key go together"):
         security_from_args(p.parse_args(["--tls-cert", str(tmp_path / "c.pem")]))
+    with pytest.raises(ConfigError, match="--tls-ca needs --tls-cert and --tls-key"):
+        security_from_args(p.parse_args(["--tls-ca", str(tmp_path / "ca.pem")]))
     missing = tmp_path / "nope.pem"
-    with pytest.raises(ConfigError, match=f"--tls-ca: cannot read '{missing}'"):
-        security_from_args(p.parse_args(["--tls-ca", str(missing)]))
+    with pytest.raises(ConfigError, match=f"--tls-cert: cannot read '{missing}'"):
+        security_from_args(p.parse_args(["--tls-cert", str(missing), "--tls-key", str(missing)]))
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="--auth-token-file .* is empty"):
         security_from_args(p.parse_args(["--auth-token-file", str(tmp_path / "empty")]))
