@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "link": "pdgrpc.bench.link",
     "compute": "pdgrpc.bench.compute",
     "e2e": "pdgrpc.bench.e2e",
+    "security": "pdgrpc.bench.security",
 }
 
 __all__ = ["BENCHMARKS", "Result", "format_table", "write_json"]
