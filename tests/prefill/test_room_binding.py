@@ -101,6 +101,22 @@ async def test_forged_handshake_neither_steals_kv_nor_blocks_the_real_decode(
         assert attacker.rows.room(fake.slot) == 0
         victim.free(real)
         attacker.free(fake)
+
+        # 3. A forgery before the Prefill RPC claiming another decode TP size, the real
+        #    handshake only after the Prefill RPC: the forgery's TP size binds nothing.
+        room, secret = new_room(), draw_secret()
+        real, fake = victim.allocate(room, len(ids)), attacker.allocate(room, len(ids))
+        with pytest.raises(grpc.aio.AioRpcError):  # refused (its pages do not fit TP 2), yet it was seen
+            await attacker.stub(worker).Handshake(attacker.handshake_request(fake, decode_tp_size=2), timeout=10)
+        req = request(room, ids, GREEDY)
+        req.room_secret = secret
+        call = asyncio.ensure_future(stub.Prefill(req, timeout=60))
+        await eventually_async(lambda: active_requests(stub), 15, what="the worker holds the request")
+        await victim.stub(worker).Handshake(signed(victim, real, secret), timeout=10)
+        await call
+        assert (await victim.wait(real, 30)).state is KVPoll.SUCCESS
+        victim.free(real)
+        attacker.free(fake)
     finally:
         await ch.close()
     await assert_settles_to_zero(prefill, dp_size=1)

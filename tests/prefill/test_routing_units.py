@@ -114,3 +114,10 @@ async def test_mailbox_sift_drops_unproven_early_handshakes_and_puts_aborts_firs
     assert await box.wait(5, 1.0) == "abort"
     assert await box.wait(5, 1.0) == "real"
     assert box.sift(6, lambda h: False) == 0  # nothing held for the room: nothing dropped
+    # A dropped forgery's decode TP size binds nothing: a later real handshake says another.
+    box.deliver(7, "forged", key=(0, b""), group=2)
+    assert box.sift(7, lambda h: h != "forged") == 1
+    waiting = asyncio.ensure_future(box.wait(7, 1.0))
+    await asyncio.sleep(0)
+    box.deliver(7, "real", key=(0, b"ok"), group=1)
+    assert await waiting == "real"
