@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.pdgrpc-installed
 # The optional extras the test suite needs (pyproject.toml says what each one is for).
-EXTRAS=test,ucx,plot,etcd
+EXTRAS=test,ucx,plot,etcd,tls
 # Everything that changes what gets installed.
 inputs_hash=$(cat pyproject.toml scripts/setup.sh $(ls examples/*/pyproject.toml 2>/dev/null) interop/node/package.json interop/node/package-lock.json | sha256sum | cut -d' ' -f1)
 # The JavaScript interop client's dependencies (tests/bootstrap/test_interop_node.py);
@@ -47,6 +47,8 @@ echo "setup: installing torch==2.13.0 (CPU wheel)"
 $PIP install -q "torch==2.13.0"
 echo "setup: installing pdgrpc[$EXTRAS] (editable)"
 $PIP install -q -e ".[$EXTRAS]"
+# Pinned exactly for the tests (the tls extra asks only for a floor).
+$PIP install -q "cryptography==50.0.2"
 # Example third-party plugins (each its own tiny package) used by the tests.
 for ex in examples/*/; do
   if [ -f "$ex/pyproject.toml" ]; then

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "compute": "pdgrpc.bench.compute",
     "e2e": "pdgrpc.bench.e2e",
     "multihost": "pdgrpc.bench.multihost",
+    "security": "pdgrpc.bench.security",
 }
 
 __all__ = ["BENCHMARKS", "Result", "format_table", "write_json"]

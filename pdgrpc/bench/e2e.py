@@ -17,6 +17,13 @@ and prefill chunk size everywhere. Then:
 * **tokens/s**: ``--throughput-requests`` requests, ``--concurrency`` in flight, each
   generating exactly ``--max-new-tokens`` tokens; generated tokens / wall time.
 
+With ``--security plain,tls`` (any of ``plain``, ``tls``, ``token``, ``tls+token``) each
+transport's cluster runs once per mode, side by side in the same run: ``tls`` is
+``--tls auto`` (mTLS on every gRPC hop, a throwaway CA), ``token`` is ``--auth-token auto``
+(the bearer token on every call). A secured system ``NAME+MODE`` is also reported against
+its plaintext twin ``NAME`` (``ttft_p50_vs_plain``, ``kv_rate_vs_plain``): the control
+plane's cost, and whether the data plane (which TLS does not touch) lost throughput.
+
 Every disaggregated output is compared with the colocated one for the same prompt; a
 difference aborts the benchmark (numbers for wrong output mean nothing).
 """
@@ -30,8 +37,6 @@ import os
 import random
 import statistics
 import time
-
-import grpc
 
 from pdgrpc.bench.report import Result
 from pdgrpc.cluster.client import Completion, generate
@@ -49,6 +54,8 @@ DESCRIPTION = (
 
 PLOT = "TTFT distributions (CDF), disaggregated per transport vs colocated"
 BASELINE = "colocated"
+# --security mode -> the launcher's (tls, auth_token)
+_SECURITY = {"plain": ("off", "off"), "tls": ("auto", "off"), "token": ("off", "auto"), "tls+token": ("auto", "auto")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight for tokens/s (default: %(default)s)")
     p.add_argument("--throughput-prompt-tokens", type=int, default=128, help="prompt length of the tokens/s requests (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per tokens/s request (default: %(default)s)")
+    p.add_argument(
+        "--security", default="plain",
+        help="comma-separated gRPC security modes to run each cluster in, side by side: plain, tls (--tls auto: "
+        "mTLS everywhere), token (--auth-token auto), tls+token (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
     p.add_argument(
         "--baseline-tree", metavar="PATH", default=None,
@@ -126,10 +138,17 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             print(f"note: skipping transport {t}: {exc}", flush=True)
     if not transports:
         raise PdgrpcError("no transport to benchmark")
+    modes = [m.strip() for m in args.security.split(",") if m.strip()]
+    bad = [m for m in modes if m not in _SECURITY]
+    if bad or not modes:
+        raise PdgrpcError(f"--security: unknown mode(s) {bad or modes}; choose from {sorted(_SECURITY)}")
     topology = load_topology(args.topology)
     systems: dict[str, Cluster] = {BASELINE: Cluster(load_topology("colocated"))}
     for t in transports:
-        systems[f"{topology.name}-{t}"] = Cluster(topology, transport=t)
+        for mode in modes:
+            tls, token = _SECURITY[mode]
+            suffix = "" if mode == "plain" else f"+{mode}"
+            systems[f"{topology.name}-{t}{suffix}"] = Cluster(topology, transport=t, tls=tls, auth_token=token)
         if args.baseline_tree:
             systems[f"{topology.name}-{t}@baseline"] = Cluster(topology, transport=t, extra_env=_tree_env(args.baseline_tree))
     rng = random.Random(args.seed)
@@ -139,7 +158,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     async with contextlib.AsyncExitStack() as stack:
         print(f"starting {', '.join(systems)} ...", flush=True)
         await asyncio.gather(*(stack.enter_async_context(c) for c in systems.values()))
-        channels = {n: await stack.enter_async_context(grpc.aio.insecure_channel(c.router_address)) for n, c in systems.items()}
+        channels = {n: await stack.enter_async_context(c.client_channel()) for n, c in systems.items()}
         stubs = {n: GenerateServiceStub(ch) for n, ch in channels.items()}
         print(f"measuring TTFT: {args.ttft_requests} x {args.prompt_tokens}-token prompts per system ...", flush=True)
         ttft = await _ttft(stubs, ttft_prompts, args.warmup, rng)
@@ -189,6 +208,14 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"{case_ttft}/{name}", "kv_rate_data_plane_p50", gbps, "GB/s"),
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
+        plain = name.split("+", 1)[0]
+        if plain != name and plain in ttft:  # a secured system: against its plaintext twin
+            plain_p50 = _pct([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3
+            plain_gbps = statistics.median(c.gbps for c in ttft[plain])
+            results += [
+                Result(f"{case_ttft}/{name}", "ttft_p50_vs_plain", p50, "ms", plain_p50, p50 / plain_p50),
+                Result(f"{case_ttft}/{name}", "kv_rate_vs_plain", gbps, "GB/s", plain_gbps, gbps / plain_gbps if plain_gbps else 0.0),
+            ]
     if getattr(args, "plot", None) is not None:
         from pdgrpc.bench.plot import e2e_figure
 

@@ -16,6 +16,7 @@ from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, 
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import StopSignal, run, serve_until_signal  # noqa: E402
+from pdgrpc.rpc.security import add_security_arguments, install, security_from_args  # noqa: E402
 
 DESCRIPTION = """\
 The bootstrap service of one prefill instance (gRPC, pdgrpc.v1.BootstrapService).
@@ -27,7 +28,7 @@ Logs "pdgrpc bootstrap listening on HOST:PORT" once it accepts calls."""
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.bootstrap", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on; 0.0.0.0 = every IPv4 interface, 127.0.0.1 = this machine only (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 = this machine only, 0.0.0.0 = every IPv4 interface (then TLS or a token is required, or --insecure) (default: %(default)s)")
     p.add_argument("--port", type=int, default=8998, help="TCP port to listen on; 0 picks a free one, printed in the log line (default: %(default)s)")
     p.add_argument(
         "--dp-rank-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_discovery_arguments(p, "bootstrap")
+    add_security_arguments(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity, to stderr (default: %(default)s)")
     return p
 
@@ -87,7 +89,12 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        install(security_from_args(args))
+    except PdgrpcError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         check_discovery_args(args)

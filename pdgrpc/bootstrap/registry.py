@@ -6,6 +6,10 @@
 * A worker is identified by its ``(dp_rank, tp_rank, pp_rank)`` slot. Registering a
   slot again (a restart) replaces the entry and bumps the slot's ``generation``
   (1, 2, ...), which clients compare to drop connections cached for the old process.
+* With an ``owner`` (the caller's authenticated identity: its certificate's name under
+  mTLS, else its host), a slot may be registered again only by the identity that first
+  registered it; another is refused with :class:`SlotTaken`, so a registration can never
+  redirect a live slot to someone else's address.
 * :meth:`parallel_info` and :meth:`workers` raise :class:`WorkersPending` ("k of n
   workers registered") until every slot of the topology has registered.
 
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, SlotTaken, TopologyMismatch, WorkersPending
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
@@ -49,6 +53,7 @@ class WorkerRegistry:
         self._info: pb.ParallelInfo | None = None
         self._workers: dict[Slot, pb.WorkerInfo] = {}
         self._generations: dict[Slot, int] = {}
+        self._owners: dict[Slot, str] = {}
 
     @property
     def info(self) -> pb.ParallelInfo | None:
@@ -73,8 +78,9 @@ class WorkerRegistry:
     def complete(self) -> bool:
         return self._info is not None and self.registered == self.expected
 
-    def register(self, worker: pb.WorkerInfo, info: pb.ParallelInfo) -> tuple[int, int, int]:
-        """Record ``worker``; returns ``(generation, registered, expected)``."""
+    def register(self, worker: pb.WorkerInfo, info: pb.ParallelInfo, owner: str | None = None) -> tuple[int, int, int]:
+        """Record ``worker``, registered by ``owner`` (None: nobody's checked); returns
+        ``(generation, registered, expected)``."""
         check_parallel_info(info)
         if self._info is not None:
             for field in (f.name for f in pb.ParallelInfo.DESCRIPTOR.fields):
@@ -85,10 +91,15 @@ class WorkerRegistry:
                 raise InvalidBootstrapRequest(f"worker.{rank} {getattr(worker, rank)} is outside [0, {size})")
         if not worker.transfer_address:
             raise InvalidBootstrapRequest("worker.transfer_address must be set (host:port of its handshake service)")
+        slot = (worker.dp_rank, worker.tp_rank, worker.pp_rank)
+        holder = self._owners.get(slot)
+        if owner is not None and holder is not None and holder != owner:
+            raise SlotTaken(slot, holder, owner)
         if self._info is None:
             self._info = pb.ParallelInfo()
             self._info.CopyFrom(info)
-        slot = (worker.dp_rank, worker.tp_rank, worker.pp_rank)
+        if owner is not None:
+            self._owners[slot] = owner
         generation = self._generations.get(slot, 0) + 1
         self._generations[slot] = generation
         entry = pb.WorkerInfo()

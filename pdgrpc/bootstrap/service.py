@@ -24,11 +24,12 @@ import grpc
 import numpy as np
 
 from pdgrpc.bootstrap import wire
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, SlotTaken, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import BootstrapMetrics
+from pdgrpc.rpc.security import current, peer_identity
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
@@ -43,6 +44,7 @@ STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {
     RoomConflict: grpc.StatusCode.ALREADY_EXISTS,
     TopologyMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     WorkersPending: grpc.StatusCode.UNAVAILABLE,
+    SlotTaken: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -67,8 +69,12 @@ class BootstrapServicer:
         registry: WorkerRegistry,
         clock: Callable[[], float] = time.monotonic,
         metrics: BootstrapMetrics | None = None,
+        owners: bool | None = None,
     ) -> None:
         self.table = table
+        # Whether a slot is bound to the identity that registered it (SlotTaken for any
+        # other): on by default where callers are authenticated (pdgrpc.rpc.security).
+        self.owners = current().authenticated if owners is None else owners
         self.registry = registry
         self.clock = clock
         # Calls are counted here; table size, expirations and evictions are read from the
@@ -123,8 +129,9 @@ class BootstrapServicer:
 
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext) -> pb.RegisterWorkerResponse:
         try:
-            generation, registered, expected = self.registry.register(request.worker, request.parallel_info)
-        except (InvalidBootstrapRequest, TopologyMismatch) as exc:
+            owner = peer_identity(context) if self.owners else None
+            generation, registered, expected = self.registry.register(request.worker, request.parallel_info, owner)
+        except (InvalidBootstrapRequest, TopologyMismatch, SlotTaken) as exc:
             await _abort(context, exc)
         w = request.worker
         log.info(

@@ -14,7 +14,7 @@ from typing import Any
 from pdgrpc.cluster.hosts import HOSTS_ENV
 from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError
 from pdgrpc.cluster.netns import NetnsUnavailable, NetworkHosts, remove_stale
-from pdgrpc.cluster.topology import TRANSPORTS, load_topology, servers_dir
+from pdgrpc.cluster.topology import SECURITY_MODES, TRANSPORTS, load_topology, servers_dir
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.server import run
 
@@ -38,13 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="every server serves Prometheus metrics on a free port (listed once the cluster runs); "
         "also on when the topology says metrics = true",
     )
+    p.add_argument(
+        "--tls", choices=SECURITY_MODES,
+        help="'auto': a throwaway CA and one certificate per process in LOG_DIR/security; every process serves "
+        "mTLS and presents its certificate (clients use security/client.pem, client.key, ca.pem). "
+        "Default: the topology's [security] tls, else off",
+    )
+    p.add_argument(
+        "--auth-token", choices=SECURITY_MODES,
+        help="'auto': a random bearer token in LOG_DIR/security/token that every process requires and sends. "
+        "Default: the topology's [security] auth-token, else off",
+    )
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS", help="how long processes may take to exit after SIGTERM before SIGKILL (default: %(default)s)")
     return p
 
 
 async def _main(args: argparse.Namespace) -> int:
     cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir,
-                      start_timeout=args.start_timeout, grace=args.grace, metrics=True if args.metrics else None)
+                      start_timeout=args.start_timeout, grace=args.grace, metrics=True if args.metrics else None,
+                      tls=args.tls, auth_token=args.auth_token)
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[int] = loop.create_future()
 

@@ -2,7 +2,7 @@
 
 Used by the demo, the end-to-end tests and ``bench e2e``::
 
-    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+    async with cluster.client_channel() as ch:
         done = await generate(GenerateServiceStub(ch), prompt="Hello", max_new_tokens=16)
         print(done.text, done.ttft_seconds, done.bytes_transferred)
 """

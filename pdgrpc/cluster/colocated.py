@@ -32,6 +32,7 @@ from pdgrpc.engine.colocated import prefill as prefill_chunks
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
+from pdgrpc.rpc.security import add_security_arguments, install, security_from_args
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS, grpc_tuning_wanted
 from pdgrpc.serving.convert import sampling_from_proto
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
     add_engine_arguments(p)
     add_logging_arguments(p)
+    add_security_arguments(p)
     return p
 
 
@@ -193,7 +195,12 @@ async def _main(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        install(security_from_args(ns))
+    except PdgrpcError as exc:
+        parser.error(str(exc))
     setup_logging(ns.log_level, "colocated")
     tune_malloc_from_args(ns)
     try:

@@ -72,7 +72,7 @@ async def main_async(args: argparse.Namespace) -> int:
     async with Cluster(topology, transport=transport) as cluster:
         print(f"{cluster.describe()}\nall healthy after {time.perf_counter() - t0:.1f} s; router at {cluster.router_address}\n", flush=True)
         failures = 0
-        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        async with cluster.client_channel() as channel:
             stub = GenerateServiceStub(channel)
             for i, prompt in enumerate(PROMPTS, 1):
                 c = await generate(stub, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS, timeout=60)

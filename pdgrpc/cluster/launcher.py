@@ -2,8 +2,8 @@
 
 ::
 
-    async with Cluster("1p1d", transport="tcp") as c:
-        stub = GenerateServiceStub(grpc.aio.insecure_channel(c.router_address))
+    async with Cluster("1p1d", transport="tcp", tls="auto") as c:
+        stub = GenerateServiceStub(c.client_channel())   # presents the cluster's client credentials
         ...
         stats = await c.stats("decode")        # the server's own ResourceStats
 
@@ -12,6 +12,15 @@
   decode and router also serves Prometheus metrics on a free port
   (:meth:`Cluster.metrics_endpoints`); a prefill with ``dp-size`` N gets N + 1 consecutive
   ports: its controller's, then one per dp worker (``--metrics-port`` base + 1 + rank).
+* With ``tls="auto"`` (``--tls auto``, or ``tls = "auto"`` under ``[security]``) the
+  launcher makes a throwaway CA in ``LOG_DIR/security`` and one certificate per process
+  (its name is the certificate's common name): every process serves mTLS and presents its
+  certificate on its own calls. ``auth_token="auto"`` writes a random bearer token there
+  that every process requires and sends. :attr:`Cluster.client_security` is what a client
+  of the cluster presents (certificate ``client``, the token); :meth:`Cluster.client_channel`
+  opens a channel with it. A router whose args set ``public-tls-cert`` serves clients
+  server-only TLS: pass ``public_ca`` (its certificate's CA) and the router's clients
+  trust that and present nothing.
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
   ``start_timeout``. A process that exits meanwhile fails the start with its log tail.
@@ -49,10 +58,12 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from pdgrpc.cluster.credentials import ClusterCredentials
 from pdgrpc.cluster.hosts import HostMap, discovery_flags, hosts_from_env, place
-from pdgrpc.cluster.topology import ProcessSpec, Topology, TRANSPORTS, flags, load_topology
+from pdgrpc.cluster.topology import SECURITY_MODES, ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, etcd_argv, etcd_healthy, find_etcd
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.rpc.security import Security
 from pdgrpc.serving.children import die_with_parent_in_own_group
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -196,10 +207,21 @@ class Cluster:
         python: str = sys.executable,
         metrics: bool | None = None,
         hosts: HostMap | None = None,
+        tls: str | None = None,
+        auth_token: str | None = None,
+        public_ca: str | Path | None = None,
     ) -> None:
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
         # With [network]: host -> netns and address (pdgrpc.cluster.hosts); the launcher runs on the front door's host.
         self.hosts = hosts if hosts is not None else hosts_from_env(self.topology)
+        # The CA of the router's public certificate (its args set public-tls-cert): clients
+        # of the router, the health checks included, trust it and present nothing.
+        self.public_ca = None if public_ca is None else Path(public_ca)
+        self.tls = tls or self.topology.tls
+        self.auth_token = auth_token or self.topology.auth_token
+        for flag, value in (("tls", self.tls), ("auth_token", self.auth_token)):
+            if value not in SECURITY_MODES:
+                raise ClusterError(f"{flag} must be one of {SECURITY_MODES}, got {value!r}")
         self.metrics = self.topology.metrics if metrics is None else metrics
         self.transport = transport or self.topology.transport
         if self.transport not in TRANSPORTS:
@@ -211,12 +233,27 @@ class Cluster:
         self.grace = grace
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
+        self.credentials = ClusterCredentials(
+            self.log_dir / "security", [p.name for p in self.topology.processes], tls=self.tls == "auto",
+            token=self.auth_token == "auto", files=self.topology.security_files,
+        )
+        self.client_security = self.credentials.client
         self.procs: dict[str, Proc] = {}
         self._assign_ports()
         self._stopping = False
         self._died: asyncio.Future[Proc] | None = None
         self._watchers: list[asyncio.Task[None]] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def client_channel(self, target: str | None = None) -> grpc.aio.Channel:
+        """A new channel to ``target`` (default: the router) with :attr:`client_security`;
+        the caller closes it."""
+        return self._security_for(target or self.router_address).channel(target or self.router_address)
+
+    def _security_for(self, address: str) -> Security:
+        if self.public_ca is not None and address == self.router_address:
+            return Security(ca=self.public_ca)
+        return self.client_security
 
     def _assign_ports(self) -> None:
         """Fresh, pairwise distinct ports for every process (and metrics endpoint)."""
@@ -283,7 +320,11 @@ class Cluster:
 
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
-        out = ["--host", proc.ip, "--port", str(proc.port)]
+        out = ["--host", proc.ip, "--port", str(proc.port), *self.credentials.flags(spec.name)]
+        if proc.ip != HOST and not self.credentials.flags(spec.name):
+            # A [network] host is a namespace on the launcher's private bridge; without
+            # [security] its servers listen there in plaintext, which they refuse unless told.
+            out.append("--insecure")
         if "" in proc.metrics_ports:
             out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", proc.ip]
         if spec.role in ("prefill", "decode"):
@@ -437,7 +478,7 @@ class Cluster:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = self._security_for(address).channel(address)
         return ch
 
     def channel(self, name: str) -> grpc.aio.Channel:
@@ -462,11 +503,17 @@ class Cluster:
         return dict(zip(names, await asyncio.gather(*(self.stats(n) for n in names))))
 
     def describe(self) -> str:
-        lines = [f"topology {self.topology.name} (transport {self.transport}); logs in {self.log_dir}"]
+        security = "" if self.tls == self.auth_token == "off" else f", tls {self.tls}, auth token {self.auth_token}"
+        lines = [f"topology {self.topology.name} (transport {self.transport}{security}); logs in {self.log_dir}"]
         for p in self.procs.values():
             pid = "" if p.pid is None else f"  pid {p.pid}"
             lines.append(f"  {p.spec.name:<12} {p.spec.role:<9} {p.address}{pid}")
             for key, port in p.metrics_ports.items():
                 what = "metrics" if key == "" else f"metrics {key}"
                 lines.append(f"  {'':<12} {'':<9} {what}: http://{p.ip}:{port}/metrics")
+        c = self.client_security
+        if c.cert is not None or c.token_file is not None:
+            shown = [f"{flag} {path}" for flag, path in (("--tls-cert", c.cert), ("--tls-key", c.key), ("--tls-ca", c.ca),
+                                                         ("--auth-token-file", c.token_file)) if path is not None]
+            lines.append(f"  clients present: {' '.join(shown)}")
         return "\n".join(lines)

@@ -14,6 +14,14 @@ Format (TOML, read with :mod:`tomllib`)::
     [env]                           # extra environment for every process (optional)
     UCX_TLS = "tcp,sm,self"
 
+    [security]                      # optional (docs/security.md); the launcher's
+    tls = "auto"                    # --tls/--auth-token override: "auto" = a throwaway CA
+    auth-token = "auto"             # and one certificate per process (mTLS) / a random
+                                    # token in the run directory; "off" (default) = none.
+                                    # Or files every process (and the launcher) uses:
+                                    # tls-cert, tls-key, tls-ca, auth-token-file (paths
+                                    # relative to the topology file)
+
     [[process]]
     name = "prefill"                # unique; logs and GetStats are per name
     role = "prefill"                # bootstrap | prefill | decode | router | colocated
@@ -61,6 +69,8 @@ else:  # pragma: no cover - Python 3.10 needs the backport (pyproject: tomli; py
 __all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
 
 ROLES = ("bootstrap", "prefill", "decode", "router", "colocated", "etcd")
+SECURITY_MODES = ("off", "auto")  # [security] tls / auth-token, and the launcher's --tls / --auth-token
+_SECURITY_FILES = ("tls-cert", "tls-key", "tls-ca", "auth-token-file")  # [security] keys naming files
 FRONT_DOORS = ("router", "colocated")  # what clients call: GenerateService
 TRANSPORTS = ("rdma", "tcp", "fake")
 
@@ -92,6 +102,9 @@ class Topology:
     processes: tuple[ProcessSpec, ...]
     path: Path | None = None
     metrics: bool = False  # give every server a --metrics-port
+    tls: str = "off"  # [security] tls: "auto" or "off"
+    auth_token: str = "off"  # [security] auth-token: "auto" or "off"
+    security_files: Mapping[str, Path] = dataclasses.field(default_factory=dict)  # [security] tls-cert, ... -> file
     subnet: str = ""  # with [network]: the hosts' private /24; "" = everything on 127.0.0.1
 
     @property
@@ -155,7 +168,7 @@ def _check_args(where: str, args: Any) -> dict[str, Any]:
         items = v if isinstance(v, list) else [v]
         if not all(isinstance(i, (str, int, float, bool)) for i in items):
             raise _fail(where, f"flag {k!r} has a value that is not a string, number or boolean: {v!r}")
-        if k in ("host", "port", "transport", "metrics-port", "metrics-host"):
+        if k in ("host", "port", "transport", "metrics-port", "metrics-host", "tls-cert", "tls-key", "tls-ca", "auth-token-file"):
             raise _fail(where, f"flag --{k} is set by the launcher; remove it from args")
     return dict(args)
 
@@ -163,7 +176,7 @@ def _check_args(where: str, args: Any) -> dict[str, Any]:
 def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None) -> Topology:
     """Validate a parsed topology table; raises :class:`ConfigError` naming the bad field."""
     where = str(path or name)
-    known = {"description", "transport", "engine", "env", "process", "metrics", "network"}
+    known = {"description", "transport", "engine", "env", "process", "metrics", "network", "security"}
     unknown = set(data) - known
     if unknown:
         raise _fail(where, f"unknown top-level keys {sorted(unknown)} (expected {sorted(known)})")
@@ -174,6 +187,23 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
     if not isinstance(metrics, bool):
         raise _fail(where, f"metrics must be true or false, got {metrics!r}")
     engine = _check_args(f"{where} [engine]", data.get("engine", {}))
+    security = data.get("security", {})
+    if not isinstance(security, dict) or set(security) - {"tls", "auth-token", *_SECURITY_FILES}:
+        raise _fail(where, f"[security] takes tls, auth-token, {', '.join(_SECURITY_FILES)}; got {security!r}")
+    files: dict[str, Path] = {}
+    for key, value in security.items():
+        if key in _SECURITY_FILES:
+            if not isinstance(value, str) or not value:
+                raise _fail(where, f"[security] {key} must be a file path, got {value!r}")
+            files[key] = (path.parent if path is not None else Path.cwd()) / value
+        elif value not in SECURITY_MODES:
+            raise _fail(where, f"[security] {key} must be one of {SECURITY_MODES}, got {value!r}")
+    if ("tls-cert" in files) != ("tls-key" in files):
+        raise _fail(where, "[security] tls-cert and tls-key go together")
+    if security.get("tls") == "auto" and {"tls-cert", "tls-ca"} & set(files):
+        raise _fail(where, "[security] tls = \"auto\" makes its own certificates: drop tls-cert/tls-key/tls-ca, or tls")
+    if security.get("auth-token") == "auto" and "auth-token-file" in files:
+        raise _fail(where, "[security] auth-token = \"auto\" makes its own token: drop auth-token-file, or auth-token")
     env = data.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise _fail(where, "[env] must be a table of NAME = \"value\" strings")
@@ -242,6 +272,9 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         path=path,
         metrics=metrics,
         subnet=subnet,
+        tls=security.get("tls", "off"),
+        auth_token=security.get("auth-token", "off"),
+        security_files=files,
     )
 
 

@@ -17,6 +17,7 @@ from pdgrpc.decode.service import start_decode_server  # noqa: E402
 from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args  # noqa: E402
 from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
 from pdgrpc.errors import ConfigError, PdgrpcError  # noqa: E402
+from pdgrpc.rpc.security import install, security_from_args  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal  # noqa: E402
 from pdgrpc.serving.rendezvous import dist_init_method  # noqa: E402
@@ -131,8 +132,13 @@ async def _stop_on_fatal(scheduler: DecodeScheduler, rpc: "object") -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # the other TP ranks get the same flags
+    try:
+        install(security_from_args(ns))
+    except PdgrpcError as exc:
+        parser.error(str(exc))
     setup_logging(ns.log_level, "decode")
     tune_malloc_from_args(ns)
     try:

@@ -11,6 +11,7 @@ from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
+from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.state import DecodeDeadlines
 from pdgrpc.transport.base import Transport
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="TCP port of the gRPC server; 0 picks a free one, printed in the log line (default: %(default)s)")
     add_engine_arguments(p)
     add_transport_arguments(p)
+    add_security_arguments(p)
     g = p.add_argument_group("scheduling")
     g.add_argument(
         "--tp-size", type=int, default=1, metavar="N",

@@ -30,6 +30,7 @@ from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.room_proof import abort_proof, handshake_proof
 from pdgrpc.serving.tp import designated_sender, senders_of
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
@@ -171,6 +172,8 @@ class Handshaker:
             # theirs into the sink region (pdgrpc.serving.tp).
             wants_metadata=w.tp_rank == designated_sender(d, self.tp_size, tp_p),
         )
+        if job.room_secret:
+            req.room_proof = handshake_proof(job.room_secret, req)
         stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
         try:
             resp = await stub.Handshake(req, timeout=max(0.001, timeout))
@@ -187,6 +190,8 @@ class Handshaker:
         """AbortRoom to every worker sent a handshake for ``job``, at once; True when all
         acknowledged (none of them will write into the room again)."""
         request = hpb.AbortRoomRequest(bootstrap_room=job.room, reason=reason[:1000])
+        if job.room_secret:
+            request.room_proof = abort_proof(job.room_secret, job.room)
 
         async def tell(w: bpb.WorkerInfo) -> bool:
             stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))

@@ -58,6 +58,8 @@ class Job:
     admitted_at: float
     # Filled in as the request goes.
     dp_rank: int | None = None
+    # DecodeRequest.room_secret: signs this request's Handshake and AbortRoom calls.
+    room_secret: bytes = dataclasses.field(default=b"", repr=False)
     slot: int | None = None
     pages: tuple[int, ...] = ()
     handshake_sent_at: float = 0.0

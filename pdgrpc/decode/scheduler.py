@@ -166,6 +166,7 @@ class DecodeScheduler(Generation):
         max_new_tokens: int,
         prefill_address: str,
         routed_dp_rank: int | None,
+        room_secret: bytes = b"",
     ) -> Job:
         """Admit a request (fields already validated by the servicer) or raise RequestFailed."""
         if self._closing:
@@ -203,7 +204,10 @@ class DecodeScheduler(Generation):
         except PdgrpcError as exc:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"routed_dp_rank: {exc}") from None
         now = time.monotonic()
-        job = Job(room, request_id, input_ids, sampling, max_new_tokens, prefill, n_pages, asyncio.Queue(), now, dp_rank=rank)
+        job = Job(
+            room, request_id, input_ids, sampling, max_new_tokens, prefill, n_pages, asyncio.Queue(), now, dp_rank=rank,
+            room_secret=room_secret,
+        )
         if self._replicated is not None:  # the other ranks advertise their own grants for it
             self._replicated.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)), prefill_tp)
         self.queues.add(NewRequest(room, prefill_address, n_pages, rank, not self.transport.moves_bytes, prefill.dp), now)

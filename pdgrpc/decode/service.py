@@ -94,7 +94,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             raise RequestFailed(bad, str(exc).replace("token_ids", "input_ids")) from None
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         return await self.scheduler.submit(
-            room, request.request_id, ids, sampling, max_new, request.prefill_bootstrap_address, routed
+            room, request.request_id, ids, sampling, max_new, request.prefill_bootstrap_address, routed, bytes(request.room_secret)
         )
 
     async def GetStats(  # noqa: N802 - gRPC method name

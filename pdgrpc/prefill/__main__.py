@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import logging
 import sys
 
 # The controller only fork+execs its workers; gRPC's fork handlers have nothing to do and
@@ -18,6 +19,7 @@ apply_grpc_defaults()
 from pdgrpc.discovery.cli import check_discovery_args
 from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
+from pdgrpc.rpc.security import install, security_from_args
 from pdgrpc.rpc.server import run
 from pdgrpc.serving import engine_config_from_args, setup_logging
 from pdgrpc.transport import registry
@@ -36,12 +38,17 @@ def main(argv: list[str] | None = None) -> int:
         engine_config_from_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
         registry.load(ns.transport)  # a missing backend names what to install
         check_discovery_args(ns)
+        install(security_from_args(ns))
     except (ConfigError, TransportUnavailable) as exc:
         parser.error(str(exc))
     setup_logging(ns.log_level, "prefill")
     from pdgrpc.prefill.controller import main_async  # after logging: imports torch
 
-    return run(main_async(ns))
+    try:
+        return run(main_async(ns))
+    except ConfigError as exc:  # e.g. a non-loopback --host with neither TLS nor a token
+        logging.getLogger("pdgrpc.prefill").error("%s", exc)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
+from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 
 __all__ = ["LOAD_BALANCE_METHODS", "build_parser", "add_worker_arguments", "worker_argv"]
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Controller only (not in add_worker_arguments): each worker gets its own port.
     add_metrics_arguments(p)
     add_discovery_arguments(p, "prefill")
+    add_security_arguments(p)  # passed to the workers by security_argv
     return p
 
 

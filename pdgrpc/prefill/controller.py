@@ -46,6 +46,7 @@ from pdgrpc.prefill.registrar import DpRankRegistrar
 from pdgrpc.prefill.services import PREFILL_SERVICE
 from pdgrpc.prefill.worker_main import READY
 from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.security import security_argv
 from pdgrpc.rpc.server import RpcServer, serve_until_signal, start_server
 from pdgrpc.serving import request_event
 from pdgrpc.serving.rendezvous import dist_init_method
@@ -242,6 +243,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                     "--load-balance-method", self.ns.load_balance_method,
                     *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
                     *self._worker_metrics_argv(1 + rank * tp_size + tp),
+                    *security_argv(self.ns),
                     *common,
                 ]
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -15,12 +15,13 @@ import grpc
 
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.serving.room_proof import verify
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, senders_of
 from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, RegionKind
 from pdgrpc.transport.pages import METADATA_REGION_ID, region_pairs
 from pdgrpc.v1 import handshake_pb2
 
-__all__ = ["Destination", "LocalEnd", "check_handshake"]
+__all__ = ["Destination", "LocalEnd", "Signed", "check_handshake"]
 
 C = grpc.StatusCode
 
@@ -37,6 +38,23 @@ class Destination:
     decode_tp_rank: int = 0
     decode_tp_size: int = 1
     wants_metadata: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Signed:
+    """A handshake's outcome (or an abort's tombstone) with what proves its sender.
+
+    ``message`` is what the sender signed (:mod:`pdgrpc.serving.room_proof`), ``proof``
+    the HMAC it sent. A room whose Prefill carries a secret takes only the items whose
+    proof verifies under it; one without a secret takes every item."""
+
+    item: "Destination | RequestFailed"
+    message: bytes
+    proof: bytes
+    abort: bool = False  # an AbortRoom that came before the Prefill RPC
+
+    def genuine(self, secret: bytes) -> bool:
+        return not secret or verify(secret, self.message, self.proof)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,6 +142,24 @@ class Mailbox(Generic[T]):
         finally:
             claim.waiter = None
 
+    def sift(self, room: int, keep: Callable[[T], bool], first: Callable[[T], bool] = lambda _: False) -> int:
+        """Drop ``room``'s early handshakes that fail ``keep`` and move those that pass
+        ``first`` to the front (in arrival order otherwise); returns how many were dropped.
+        Their keys stay taken (the driver keys them so that this never blocks another); the
+        room's group is forgotten when any is dropped (a dropped one may have set it; those
+        kept, being checked only now, were delivered without one)."""
+        entry = self._early.get(room)
+        if entry is None:
+            return 0
+        items = entry[1]
+        kept = sorted((i for i in items if keep(i)), key=lambda i: not first(i))
+        dropped = len(items) - len(kept)
+        items[:] = kept
+        keys = self._keys.get(room)
+        if dropped and keys is not None:
+            self._keys[room] = (None, keys[1])
+        return dropped
+
     def discard(self, room: int) -> bool:
         """Forget early handshakes for ``room`` (decode aborted before Prefill came)."""
         if self._early.pop(room, None) is None:

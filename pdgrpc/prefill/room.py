@@ -29,7 +29,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import ServerAbortReason
 from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.prefill.handshake import Destination
+from pdgrpc.prefill.handshake import Destination, Signed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, Mailbox
 from pdgrpc.serving import request_event, row_from_token
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, heads_of, receivers_of, transfer_room
@@ -62,7 +62,7 @@ class Sending:
 
     transport: Transport
     compute: Compute
-    mailbox: "Mailbox[Destination | RequestFailed]"
+    mailbox: "Mailbox[Signed]"  # every item genuine for its room (PrefillWorker checks)
     send_rows: MetadataBuffers
     regions: Sequence[MemoryRegion]  # registered: KV regions, then the metadata rows
     page_size: int  # tokens
@@ -166,7 +166,7 @@ class RoomDriver:
         need: range | None = None
         while need is None or len(got) < len(need):
             try:
-                dest = await self.s.mailbox.wait(self.room, max(0.0, sender.deadline - time.monotonic()))
+                dest = (await self.s.mailbox.wait(self.room, max(0.0, sender.deadline - time.monotonic()))).item
             except asyncio.TimeoutError:
                 fail = sender.tick(time.monotonic())
                 if fail is None:

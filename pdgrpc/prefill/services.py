@@ -53,7 +53,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
         if request.bootstrap_room == 0:
             await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
         try:
-            was_active = await self.worker.abort_room(request.bootstrap_room, request.reason)
+            was_active = await self.worker.abort_room(request.bootstrap_room, request.reason, bytes(request.room_proof))
         except RequestFailed as exc:
             await abort_with(context, exc)
         return handshake_pb2.AbortRoomResponse(was_active=was_active)

@@ -34,10 +34,11 @@ from pdgrpc.prefill.compute_process import ComputeProcess, ProcessCompute
 from pdgrpc.prefill.compute_thread import SHUTDOWN, ThreadCompute
 from pdgrpc.prefill.compute_tp import TpFollowerCompute, TpLeaderCompute
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.prefill.handshake import Destination, LocalEnd, check_handshake
+from pdgrpc.prefill.handshake import Destination, LocalEnd, Signed, check_handshake
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.prefill.room import RoomDriver, Sending
 from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, sampling_from_proto
+from pdgrpc.serving.room_proof import abort_message, handshake_message, verify
 from pdgrpc.serving.tp import heads_of
 from pdgrpc.state.config import SenderDeadlines
 from pdgrpc.state.metadata import MetadataBuffers
@@ -97,6 +98,7 @@ class _Active:
     driver: RoomDriver | None = None
     abort_reason: str | None = None
     closing: bool = False
+    secret: bytes = b""  # PrefillRequest.room_secret: Handshake/AbortRoom must prove it
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
@@ -140,7 +142,7 @@ class PrefillWorker:
                               layout.head_bytes, self._regions, self._regions[-1].item_bytes)
         self.descriptor = b""
         self.generation = 0  # set from bootstrap's RegisterWorker answer
-        self._mailbox: Mailbox[Destination | RequestFailed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)
+        self._mailbox: Mailbox[Signed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)
         self._sending = Sending(
             transport, self.compute, self._mailbox, self.send_rows, self._regions, self.page_size, min_pages, self.heads,
             layout.num_kv_heads, layout.head_bytes, self.tp_rank, self.tp_size, config.deadlines, config.chunk_size,
@@ -224,13 +226,30 @@ class PrefillWorker:
         """Validate and deliver a handshake. A refused handshake fails this RPC *and*
         the room's Prefill RPC (waiting now or arriving later) with the same status."""
         room = req.bootstrap_room
+        message, proof = handshake_message(req), bytes(req.room_proof)
+        entry = self._active.get(room) if room else None
+        if entry is not None and entry.secret and not verify(entry.secret, message, proof):
+            # Refused before it touches the room: the real decode's handshake still gets in.
+            request_event(log, room, "handshake refused", level=logging.WARNING, reason="room_proof does not verify")
+            raise RequestFailed(
+                C.PERMISSION_DENIED,
+                f"room {room}: room_proof does not verify under the room's secret (not the decode the router chose)",
+            )
         try:
             dest: Destination | RequestFailed = check_handshake(req, self.local)
         except RequestFailed as exc:
             dest = exc
         tp_d = req.decode_tp_size or 1
+        # Before its Prefill RPC a room's secret is unknown: a signed handshake is kept
+        # unchecked (its key includes the proof, and it fixes no decode_tp_size), so a forged
+        # one can neither collide with the real one nor refuse it; the Prefill RPC sifts them.
+        checked = entry is not None or not proof
         try:
-            handed = self._mailbox.deliver(room, dest, key=req.decode_tp_rank, group=tp_d) if room else False
+            handed = (
+                self._mailbox.deliver(room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof), group=tp_d if checked else None)
+                if room
+                else False
+            )
         except DuplicateHandshake as exc:
             raise RequestFailed(C.ALREADY_EXISTS, f"{exc} (decode_tp_rank {req.decode_tp_rank})") from None
         except GroupMismatch as exc:
@@ -250,10 +269,16 @@ class PrefillWorker:
         )
         return handshake_pb2.HandshakeResponse(generation=self.generation)
 
-    async def abort_room(self, room: int, reason: str) -> bool:
-        """Stop the room; return once nothing of ours for it can still be written."""
-        was_active = self._mailbox.discard(room)
+    async def abort_room(self, room: int, reason: str, proof: bytes = b"") -> bool:
+        """Stop the room; return once nothing of ours for it can still be written. A room
+        whose Prefill carries a secret is stopped only with a ``proof`` of it."""
         entry = self._active.get(room)
+        if entry is not None and entry.secret and not verify(entry.secret, abort_message(room), proof):
+            request_event(log, room, "abort refused", level=logging.WARNING, reason="room_proof does not verify")
+            raise RequestFailed(
+                C.PERMISSION_DENIED, f"room {room}: room_proof does not verify under the room's secret (AbortRoom refused)"
+            )
+        was_active = False
         if entry is not None:
             was_active = True
             entry.abort_reason = reason or "no reason given"
@@ -266,10 +291,11 @@ class PrefillWorker:
         else:
             # The Prefill RPC has not arrived (or already ended): leave a bounded tombstone
             # so one that arrives later fails at once instead of waiting for a handshake.
+            # Its proof cannot be checked yet: early handshakes stay, and the Prefill RPC
+            # takes the tombstone first only if it is genuine.
+            failure = RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}")
             try:
-                self._mailbox.deliver(
-                    room, RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}"), key="abort"
-                )
+                self._mailbox.deliver(room, Signed(failure, abort_message(room), proof, abort=True), key=("abort", proof))
             except (DuplicateHandshake, MailboxFull, GroupMismatch):
                 pass
         request_event(log, room, "abort", reason=reason, was_active=was_active)
@@ -333,8 +359,13 @@ class PrefillWorker:
             raise
         task = asyncio.current_task()
         assert task is not None
-        entry = _Active(room, task)
+        entry = _Active(room, task, secret=bytes(req.room_secret))
         self._active[room] = entry
+        # Handshakes and aborts that came before this RPC: keep only those proving the
+        # secret (all of them when there is none), a genuine abort first.
+        forged = self._mailbox.sift(room, lambda s: s.genuine(entry.secret), first=lambda s: s.abort)
+        if forged:
+            request_event(log, room, "dropped early messages whose room_proof does not verify", level=logging.WARNING, count=forged)
         # Deferred: written once _run has handed the first chunk to the compute thread.
         request_event(
             log, room, "admitted", request_id=req.request_id or "-", tokens=len(ids), dp_rank=self.config.dp_rank,

@@ -18,6 +18,7 @@ from pdgrpc.discovery.record import MembershipView, cluster_prefix  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.router.service import GenerateServicer, RouterConfig, parse_prefill, service_names  # noqa: E402
+from pdgrpc.rpc.security import add_security_arguments, current, install, security_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
 from pdgrpc.serving.logs import add_logging_arguments, setup_logging  # noqa: E402
 from pdgrpc.v1 import generate_pb2_grpc  # noqa: E402
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arguments(p)
     add_logging_arguments(p)
     add_discovery_arguments(p, "router")
+    add_security_arguments(p, public=True)
     return p
 
 
@@ -70,7 +72,7 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
-        host=args.host, port=args.port, what="pdgrpc router",
+        host=args.host, port=args.port, what="pdgrpc router", security=current().public(),
     )
     metrics.bind(lambda: {"active_requests": servicer.active})  # the servicer's own count
     try:
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout=args.request_timeout,
             discovery=bool(args.discovery),
         )
+        install(security_from_args(args))
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level, "router")

@@ -7,7 +7,8 @@ What one ``Generate`` does::
            <--tokens---------- router <--tokens------------- decode
 
 1. Pick a prefill and a decode (round robin over each list), draw ``bootstrap_room``
-   (random 63-bit from :mod:`secrets`, never 0: 0 means "not written" in a metadata row).
+   (random 63-bit from :mod:`secrets`, never 0: 0 means "not written" in a metadata row)
+   and the room's secret, which only these two get (:mod:`pdgrpc.serving.room_proof`).
 2. Start ``Prefill`` and ``Decode`` at once: decode allocates pages and handshakes with
    the prefill worker while the prefill computes, so neither waits for the other.
 3. Relay the decode's stream, turning token ids into text deltas with an incremental
@@ -41,6 +42,7 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -206,12 +208,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, remaining)
+        # Goes to exactly these two peers: the decode proves it to the prefill in its
+        # Handshake and AbortRoom calls (pdgrpc.serving.room_proof).
+        secret = draw_secret()
         prefill_req = prefill_pb2.PrefillRequest(
-            bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling
+            bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling, room_secret=secret
         )
         decode_req = decode_pb2.DecodeRequest(
             bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling,
-            prefill_bootstrap_address=prefill.bootstrap,
+            prefill_bootstrap_address=prefill.bootstrap, room_secret=secret,
         )
         if routed is not None:
             prefill_req.routed_dp_rank = routed

@@ -7,6 +7,9 @@
 * :mod:`pdgrpc.rpc.errors` — ``grpc.RpcError`` → pdgrpc's exception tree, by status code.
 * :mod:`pdgrpc.rpc.retry` — capped exponential backoff with full jitter.
 * :mod:`pdgrpc.rpc.tuning` — process-wide gRPC settings for pdgrpc's entry points.
+* :mod:`pdgrpc.rpc.security` — TLS, mTLS and the bearer token of every server and client
+  (:class:`Security`, the ``--tls-*`` / ``--auth-token-file`` / ``--insecure`` flags);
+  :mod:`pdgrpc.rpc.certs` — a throwaway CA and certificates (``--tls auto``).
 
 Names are imported lazily, so ``import pdgrpc.rpc.tuning`` does not import grpc.
 """
@@ -21,6 +24,7 @@ _EXPORTS = {
     "ChannelPool": "pdgrpc.rpc.channels",
     "RpcError": "pdgrpc.rpc.errors",
     "RpcServer": "pdgrpc.rpc.server",
+    "Security": "pdgrpc.rpc.security",
     "StopSignal": "pdgrpc.rpc.server",
     "map_rpc_error": "pdgrpc.rpc.errors",
     "run": "pdgrpc.rpc.server",
@@ -33,6 +37,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from pdgrpc.rpc.channels import ChannelPool, shared_pool
     from pdgrpc.rpc.errors import RpcError, map_rpc_error
     from pdgrpc.rpc.retry import Backoff
+    from pdgrpc.rpc.security import Security
     from pdgrpc.rpc.server import RpcServer, StopSignal, run, serve_until_signal, start_server
 
 __all__ = sorted(_EXPORTS)

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import grpc
 
+from pdgrpc.rpc.security import Security, current
+
 # Reconnect quickly after a peer (re)starts: the default first backoff is 1 s growing to
 # 120 s, which would make a client that started before its server wait for minutes.
 DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
@@ -35,11 +37,15 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
 
 
 class ChannelPool:
-    """Insecure ``grpc.aio`` channels keyed by target (``host:port``)."""
+    """``grpc.aio`` channels keyed by target (``host:port``), with ``security``'s
+    credentials (default: the process's, :func:`pdgrpc.rpc.security.current`, read at
+    each channel's creation)."""
 
     def __init__(
-        self, options: Sequence[tuple[str, int | str]] = DEFAULT_OPTIONS, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+        self, options: Sequence[tuple[str, int | str]] = DEFAULT_OPTIONS, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        security: Security | None = None,
     ) -> None:
+        self._security = security
         self._options = tuple(options)
         self._interceptors = list(interceptors)  # e.g. metrics, tracing (and tests)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -49,7 +55,7 @@ class ChannelPool:
         """The channel for ``target``, created on first use."""
         channel = self._channels.get(target)
         if channel is None:
-            channel = grpc.aio.insecure_channel(target, options=self._options, interceptors=self._interceptors or None)
+            channel = (self._security or current()).channel(target, self._options, self._interceptors)
             self._channels[target] = channel
             self.created += 1
         return channel

@@ -20,6 +20,8 @@ Each server gets:
   (a server started with ``serving=False`` reports ``NOT_SERVING`` until
   :meth:`RpcServer.set_serving`: e.g. a prefill controller whose workers still start);
 * server reflection, listing the named services (``grpcurl``, ``grpc_cli`` work);
+* the process's security (:mod:`pdgrpc.rpc.security`, or ``security=``): TLS or mTLS,
+  a bearer-token check; a non-loopback ``host`` with neither is refused unless insecure;
 * one INFO log line ``<what> listening on <host>:<port> (...)``;
 * graceful shutdown: :func:`serve_until_signal` stops on SIGTERM or SIGINT, letting
   in-flight calls finish for ``grace`` seconds.
@@ -37,6 +39,8 @@ from typing import Any, Callable, Coroutine, Iterable, Sequence, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdgrpc.rpc.security import Security, current
 
 log = logging.getLogger("pdgrpc.rpc")
 
@@ -128,12 +132,16 @@ async def start_server(
     options: Sequence[tuple[str, int | str]] = DEFAULT_SERVER_OPTIONS,
     what: str = "pdgrpc server",
     serving: bool = True,
+    security: Security | None = None,
 ) -> RpcServer:
     """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
     and reflection. ``port=0`` picks a free port (``RpcServer.port``). ``serving=False``:
     health reports NOT_SERVING (calls are still answered) until ``set_serving()``."""
     services = list(services)
-    server = grpc.aio.server(options=list(options))
+    security = security or current()
+    security.check_listen(host, what)
+    credentials = security.server_credentials()
+    server = grpc.aio.server(options=list(options), interceptors=security.server_interceptors() or None)
     names = []
     for name, add in services:
         add(server)
@@ -143,7 +151,7 @@ async def start_server(
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(bind)
+        bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
     except RuntimeError as exc:  # grpc's way of saying "bind failed" (the reason is only on stderr)
         raise OSError(f"{what}: cannot bind {bind} (address in use, or not an address of this host)") from exc
     if bound == 0:
@@ -153,7 +161,9 @@ async def start_server(
     for name in ("", *names):
         await health_servicer.set(name, status)
     rpc = RpcServer(server, health_servicer, host, bound, names)
-    log.info("%s listening on %s (grpc.aio on %s; services: %s)", what, f"{host}:{bound}", loop_name(), ", ".join(names))
+    tls = "plaintext" if credentials is None else "mTLS" if security.ca is not None else "TLS"
+    auth = ", bearer token" if security.token_file is not None else ""
+    log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names))
     return rpc
 
 

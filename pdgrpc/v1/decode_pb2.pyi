@@ -29,6 +29,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PREFILL_BOOTSTRAP_ADDRESS_FIELD_NUMBER: _builtins.int
     ROUTED_DP_RANK_FIELD_NUMBER: _builtins.int
+    ROOM_SECRET_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The request's bootstrap room, the same one sent to the prefill (never 0)."""
     request_id: _builtins.str
@@ -37,6 +38,10 @@ class DecodeRequest(_message.Message):
     """host:port of the prefill instance's BootstrapService."""
     routed_dp_rank: _builtins.int
     """The prefill dp rank, when the router pinned one (skips resolution)."""
+    room_secret: _builtins.bytes
+    """The per-request secret the router also gave the prefill (32 random bytes; empty =
+    none). Decode proves knowledge of it in each Handshake and AbortRoom (room_proof).
+    """
     @_builtins.property
     def input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids (at least one); decode sizes its page allocation from them."""
@@ -54,10 +59,11 @@ class DecodeRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         prefill_bootstrap_address: _builtins.str = ...,
         routed_dp_rank: _builtins.int | None = ...,
+        room_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "bootstrap_room", b"bootstrap_room", "input_ids", b"input_ids", "prefill_bootstrap_address", b"prefill_bootstrap_address", "request_id", b"request_id", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "bootstrap_room", b"bootstrap_room", "input_ids", b"input_ids", "prefill_bootstrap_address", b"prefill_bootstrap_address", "request_id", b"request_id", "room_secret", b"room_secret", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routed_dp_rank: _TypeAlias = _typing.Literal["routed_dp_rank"]  # noqa: Y015
     _WhichOneofArgType__routed_dp_rank: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank"]  # noqa: Y015

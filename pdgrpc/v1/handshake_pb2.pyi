@@ -34,6 +34,7 @@ class HandshakeRequest(_message.Message):
     DECODE_TP_RANK_FIELD_NUMBER: _builtins.int
     DECODE_TP_SIZE_FIELD_NUMBER: _builtins.int
     WANTS_METADATA_FIELD_NUMBER: _builtins.int
+    ROOM_PROOF_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The request's bootstrap room (never 0)."""
     dst_slot: _builtins.int
@@ -50,6 +51,13 @@ class HandshakeRequest(_message.Message):
     """Decode tensor-parallel size, >= 1."""
     wants_metadata: _builtins.bool
     """Whether this decode rank must receive the metadata row."""
+    room_proof: _builtins.bytes
+    """HMAC-SHA256 (32 bytes) under the request's room_secret over this handshake's room,
+    pages, slot, decode tp rank/size, wants_metadata and transport descriptor
+    (pdgrpc.serving.room_proof). Empty when the Prefill carries no room_secret. A worker
+    whose Prefill for the room carries a secret refuses a handshake without a valid proof
+    (PERMISSION_DENIED) and never lets one displace the real handshake.
+    """
     @_builtins.property
     def dst_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Decode page indices for the prompt's KV, in token order (page i holds tokens
@@ -68,10 +76,11 @@ class HandshakeRequest(_message.Message):
         decode_tp_rank: _builtins.int = ...,
         decode_tp_size: _builtins.int = ...,
         wants_metadata: _builtins.bool = ...,
+        room_proof: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "transport", b"transport", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "room_proof", b"room_proof", "transport", b"transport", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -105,19 +114,26 @@ class AbortRoomRequest(_message.Message):
 
     BOOTSTRAP_ROOM_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ROOM_PROOF_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The room to abort (never 0)."""
     reason: _builtins.str
     """Why decode gave up (free text for logs)."""
+    room_proof: _builtins.bytes
+    """HMAC-SHA256 (32 bytes) under the request's room_secret over the room
+    (pdgrpc.serving.room_proof). Without a valid proof a worker whose Prefill for the
+    room carries a secret refuses the abort (PERMISSION_DENIED) and changes nothing.
+    """
     def __init__(
         self,
         *,
         bootstrap_room: _builtins.int = ...,
         reason: _builtins.str = ...,
+        room_proof: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "reason", b"reason", "room_proof", b"room_proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

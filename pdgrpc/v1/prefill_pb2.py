@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdgrpc.v1 import common_pb2 as pdgrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdgrpc/v1/prefill.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\"\xac\x01\n\x0ePrefillRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12\x1b\n\x0erouted_dp_rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_routed_dp_rank\"\x87\x01\n\x0fPrefillResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x62ytes_transferred\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\"\x11\n\x0fGetStatsRequest\";\n\x10GetStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.pdgrpc.v1.ResourceStats2\x97\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdgrpc.v1.PrefillRequest\x1a\x1a.pdgrpc.v1.PrefillResponse\x12\x43\n\x08GetStats\x12\x1a.pdgrpc.v1.GetStatsRequest\x1a\x1b.pdgrpc.v1.GetStatsResponseBD\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdgrpc/v1/prefill.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\"\xc1\x01\n\x0ePrefillRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12\x1b\n\x0erouted_dp_rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0broom_secret\x18\x06 \x01(\x0c\x42\x11\n\x0f_routed_dp_rank\"\x87\x01\n\x0fPrefillResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x62ytes_transferred\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\"\x11\n\x0fGetStatsRequest\";\n\x10GetStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.pdgrpc.v1.ResourceStats2\x97\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdgrpc.v1.PrefillRequest\x1a\x1a.pdgrpc.v1.PrefillResponse\x12\x43\n\x08GetStats\x12\x1a.pdgrpc.v1.GetStatsRequest\x1a\x1b.pdgrpc.v1.GetStatsResponseBD\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.pdgrpc.v1P\001Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1'
   _globals['_PREFILLREQUEST']._serialized_start=63
-  _globals['_PREFILLREQUEST']._serialized_end=235
-  _globals['_PREFILLRESPONSE']._serialized_start=238
-  _globals['_PREFILLRESPONSE']._serialized_end=373
-  _globals['_GETSTATSREQUEST']._serialized_start=375
-  _globals['_GETSTATSREQUEST']._serialized_end=392
-  _globals['_GETSTATSRESPONSE']._serialized_start=394
-  _globals['_GETSTATSRESPONSE']._serialized_end=453
-  _globals['_PREFILLSERVICE']._serialized_start=456
-  _globals['_PREFILLSERVICE']._serialized_end=607
+  _globals['_PREFILLREQUEST']._serialized_end=256
+  _globals['_PREFILLRESPONSE']._serialized_start=259
+  _globals['_PREFILLRESPONSE']._serialized_end=394
+  _globals['_GETSTATSREQUEST']._serialized_start=396
+  _globals['_GETSTATSREQUEST']._serialized_end=413
+  _globals['_GETSTATSRESPONSE']._serialized_start=415
+  _globals['_GETSTATSRESPONSE']._serialized_end=474
+  _globals['_PREFILLSERVICE']._serialized_start=477
+  _globals['_PREFILLSERVICE']._serialized_end=628
 # @@protoc_insertion_point(module_scope)

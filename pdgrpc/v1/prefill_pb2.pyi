@@ -28,12 +28,19 @@ class PrefillRequest(_message.Message):
     INPUT_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     ROUTED_DP_RANK_FIELD_NUMBER: _builtins.int
+    ROOM_SECRET_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The request's bootstrap room, drawn by the router (random 63-bit, never 0)."""
     request_id: _builtins.str
     """Caller's request id, for logs."""
     routed_dp_rank: _builtins.int
     """Pin the request to this dp rank, overriding the load-balance method."""
+    room_secret: _builtins.bytes
+    """Per-request secret the router drew with the room (32 random bytes; empty = none).
+    It goes only to the prefill and decode the router chose; the prefill then accepts a
+    Handshake or AbortRoom for this room only with room_proof made from it
+    (docs/security.md). Never logged, never returned.
+    """
     @_builtins.property
     def input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids (at least one)."""
@@ -50,10 +57,11 @@ class PrefillRequest(_message.Message):
         input_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         routed_dp_rank: _builtins.int | None = ...,
+        room_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "bootstrap_room", b"bootstrap_room", "input_ids", b"input_ids", "request_id", b"request_id", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "bootstrap_room", b"bootstrap_room", "input_ids", b"input_ids", "request_id", b"request_id", "room_secret", b"room_secret", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routed_dp_rank: _TypeAlias = _typing.Literal["routed_dp_rank"]  # noqa: Y015
     _WhichOneofArgType__routed_dp_rank: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank"]  # noqa: Y015

@@ -102,3 +102,22 @@ async def test_mailbox_keeps_early_handshakes_bounded_and_refuses_duplicates() -
     assert box.discard(5) and not box.discard(5)
     with pytest.raises(asyncio.TimeoutError):
         await box.wait(6, timeout=0.05)
+
+
+async def test_mailbox_sift_drops_unproven_early_handshakes_and_puts_aborts_first() -> None:
+    box: Mailbox[str] = Mailbox(capacity=4, ttl_s=10.0)
+    # Keys carry the proof, so a forgery never makes the real handshake a duplicate.
+    box.deliver(5, "forged", key=(0, b"x"))
+    box.deliver(5, "real", key=(0, b"ok"))
+    box.deliver(5, "abort", key=("abort", b"ok"))
+    assert box.sift(5, lambda h: h != "forged", first=lambda h: h == "abort") == 1
+    assert await box.wait(5, 1.0) == "abort"
+    assert await box.wait(5, 1.0) == "real"
+    assert box.sift(6, lambda h: False) == 0  # nothing held for the room: nothing dropped
+    # A dropped forgery's decode TP size binds nothing: a later real handshake says another.
+    box.deliver(7, "forged", key=(0, b""), group=2)
+    assert box.sift(7, lambda h: h != "forged") == 1
+    waiting = asyncio.ensure_future(box.wait(7, 1.0))
+    await asyncio.sleep(0)
+    box.deliver(7, "real", key=(0, b"ok"), group=1)
+    assert await waiting == "real"

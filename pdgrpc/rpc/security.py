@@ -1,0 +1,324 @@
+"""TLS, mTLS and a bearer token for every pdgrpc gRPC server and client.
+
+What each process presents, and to whom, is in docs/security.md. In short:
+
+* ``--tls-cert``/``--tls-key``: the process serves TLS with this certificate and presents
+  it, as a client certificate, on every call it makes inside the cluster.
+* ``--tls-ca``: the CA that peers' certificates must chain to. A server given it asks
+  every client for a certificate (mTLS); a client checks servers against it (else
+  against the system roots).
+* ``--auth-token-file``: a shared bearer token (for clusters without a PKI). Servers
+  refuse a call without ``authorization: Bearer <token>`` with UNAUTHENTICATED; clients
+  send it on every call. ``grpc.health.v1.Health`` stays open (load-balancer probes).
+* ``--insecure``: allow a listener on an address other than loopback with neither TLS
+  nor a token (logged as a warning at start-up). Without it such a server refuses to start.
+* ``--public-tls-cert``/``--public-tls-key`` (router): the public ``GenerateService``
+  serves server-only TLS with this certificate; no client certificate, no token. Its
+  calls inside the cluster still use the flags above.
+
+Certificates and keys are PEM files; grpc's own SSL credentials do the TLS. A process's
+entry point calls :func:`install` once with :func:`security_from_args`; :func:`start_server`
+(``pdgrpc.rpc.server``) and :class:`~pdgrpc.rpc.channels.ChannelPool` use the installed
+:class:`Security` unless given another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hmac
+import ipaddress
+import logging
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+import grpc
+
+from pdgrpc.errors import ConfigError
+
+__all__ = [
+    "AUTH_HEADER",
+    "Security",
+    "add_security_arguments",
+    "current",
+    "install",
+    "is_loopback",
+    "peer_identity",
+    "security_argv",
+    "security_from_args",
+]
+
+log = logging.getLogger("pdgrpc.rpc.security")
+
+AUTH_HEADER = "authorization"
+_BEARER = "Bearer "
+# Open without a token: probes (kubelets, load balancers) carry none, and health says nothing secret.
+_OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """One process's gRPC security settings (see the module doc). ``Security()`` is plaintext
+    without a token, allowed on loopback only."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    token_file: Path | None = None
+    insecure: bool = False
+    public_cert: Path | None = None
+    public_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+        if (self.public_cert is None) != (self.public_key is None):
+            raise ConfigError("--public-tls-cert and --public-tls-key go together: give both or neither")
+        if self.token_file is not None and not self.token:
+            raise ConfigError(f"--auth-token-file {str(self.token_file)!r} is empty")
+
+    @property
+    def tls(self) -> bool:
+        return self.cert is not None
+
+    @property
+    def token(self) -> str:
+        """The bearer token ('' when none); surrounding whitespace is not part of it."""
+        if self.token_file is None:
+            return ""
+        return _read(self.token_file, "--auth-token-file").decode("utf-8", "replace").strip()
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether a server with these settings refuses callers that prove nothing."""
+        return (self.tls and self.ca is not None) or self.token_file is not None
+
+    def public(self) -> "Security":
+        """The settings of the router's public port: server-only TLS when a public
+        certificate is given, else the same as inside the cluster."""
+        if self.public_cert is None:
+            return self
+        return Security(cert=self.public_cert, key=self.public_key, insecure=self.insecure)
+
+    # ---- servers ------------------------------------------------------------------------
+
+    def server_credentials(self) -> Any:
+        """``grpc.ServerCredentials`` for TLS (None: plaintext)."""
+        if self.cert is None or self.key is None:
+            return None
+        pair = [(_read(self.key, "--tls-key"), _read(self.cert, "--tls-cert"))]
+        if self.ca is None:
+            return grpc.ssl_server_credentials(pair)
+        return grpc.ssl_server_credentials(pair, root_certificates=_read(self.ca, "--tls-ca"), require_client_auth=True)
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        token = self.token
+        return [_TokenCheck(token)] if token else []
+
+    def check_listen(self, host: str, what: str) -> None:
+        """Refuse a non-loopback listener that is neither encrypted nor authenticated
+        (unless ``insecure``); warn when ``insecure`` lets one start."""
+        if is_loopback(host) or self.tls or self.token_file is not None:
+            return
+        if not self.insecure:
+            raise ConfigError(
+                f"{what}: refusing to listen on {host!r} without TLS or a token: give --tls-cert/--tls-key "
+                "(and --tls-ca for client certificates) or --auth-token-file, listen on 127.0.0.1, "
+                "or pass --insecure to accept anyone on the network"
+            )
+        log.warning("%s: listening on %s with neither TLS nor a token (--insecure): anyone who can reach it can call it", what, host)
+
+    # ---- clients ------------------------------------------------------------------------
+
+    def channel(self, target: str, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
+        """A ``grpc.aio`` channel to ``target`` presenting these credentials."""
+        chain = [*interceptors, *self.client_interceptors()]
+        if self.tls or self.ca is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(self.ca, "--tls-ca") if self.ca is not None else None,
+                private_key=_read(self.key, "--tls-key") if self.key is not None else None,
+                certificate_chain=_read(self.cert, "--tls-cert") if self.cert is not None else None,
+            )
+            return grpc.aio.secure_channel(target, creds, options=list(options), interceptors=chain or None)
+        return grpc.aio.insecure_channel(target, options=list(options), interceptors=chain or None)
+
+    def client_interceptors(self) -> list[Any]:
+        token = self.token
+        if not token:
+            return []
+        return [kind(token) for kind in (_TokenSendUnaryUnary, _TokenSendUnaryStream, _TokenSendStreamUnary, _TokenSendStreamStream)]
+
+
+_INSTALLED = Security()
+
+
+def install(security: Security) -> None:
+    """Make ``security`` this process's default (servers and channel pools)."""
+    global _INSTALLED
+    _INSTALLED = security
+
+
+def current() -> Security:
+    """This process's default :class:`Security` (plaintext, loopback only, until :func:`install`)."""
+    return _INSTALLED
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def peer_identity(context: grpc.aio.ServicerContext) -> str:
+    """Who called: the client certificate's subject (``cn:<common name>``) under mTLS,
+    else the peer's host (``host:<address>``, port left out)."""
+    auth = context.auth_context() or {}
+    names = auth.get("x509_common_name") or auth.get("x509_subject_alternative_name")
+    if names:
+        return "cn:" + b",".join(sorted(names)).decode("utf-8", "replace")
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0] if kind in ("ipv4", "ipv6") else rest
+    return f"host:{host.strip('[]')}"
+
+
+# ---- the token ----------------------------------------------------------------------------
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = f"missing or wrong bearer token (send '{AUTH_HEADER}: Bearer <token>'; see --auth-token-file)"
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every call without the bearer token (except health)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = (_BEARER + token).encode()
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method in _OPEN_METHODS:
+            return handler
+        got = next((v for k, v in details.invocation_metadata or () if k == AUTH_HEADER), "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got), self._expected):
+            return handler
+        return _deny(handler)
+
+
+class _TokenSend:
+    """Adds ``authorization: Bearer <token>`` to a call's metadata (one subclass per call
+    kind below: a grpc.aio channel files each interceptor under the first kind it is)."""
+
+    def __init__(self, token: str) -> None:
+        self._header = (AUTH_HEADER, _BEARER + token)
+
+    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(d.metadata or ()), self._header)
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+
+
+class _TokenSendUnaryUnary(_TokenSend, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _TokenSendUnaryStream(_TokenSend, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _TokenSendStreamUnary(_TokenSend, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+class _TokenSendStreamStream(_TokenSend, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+# ---- flags -------------------------------------------------------------------------------
+
+_FLAGS = (
+    ("tls_cert", "--tls-cert"),
+    ("tls_key", "--tls-key"),
+    ("tls_ca", "--tls-ca"),
+    ("auth_token_file", "--auth-token-file"),
+)
+
+
+def add_security_arguments(parser: argparse.ArgumentParser, *, public: bool = False) -> None:
+    """Add ``--tls-cert``, ``--tls-key``, ``--tls-ca``, ``--auth-token-file``, ``--insecure``
+    (and, with ``public``, the router's ``--public-tls-cert``/``--public-tls-key``)."""
+    g = parser.add_argument_group("security (docs/security.md)")
+    g.add_argument("--tls-cert", type=Path, metavar="PEM", help="this process's certificate (chain): served, and presented as the client certificate on calls inside the cluster")
+    g.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument(
+        "--tls-ca", type=Path, metavar="PEM",
+        help="CA certificate(s) peers must chain to; turns on client-certificate checks (mTLS) on this server, "
+        "and is what this process checks servers against",
+    )
+    g.add_argument(
+        "--auth-token-file", type=Path, metavar="FILE",
+        help="file holding a shared bearer token: calls without it are refused (UNAUTHENTICATED; health checks "
+        "excepted), and this process sends it on its own calls",
+    )
+    g.add_argument(
+        "--insecure", action="store_true",
+        help="allow listening on a non-loopback address with neither TLS nor a token (a warning is logged). "
+        "Without it such a server refuses to start",
+    )
+    if public:
+        g.add_argument("--public-tls-cert", type=Path, metavar="PEM", help="certificate of the public GenerateService: server-only TLS (clients present nothing)")
+        g.add_argument("--public-tls-key", type=Path, metavar="PEM", help="the private key of --public-tls-cert")
+
+
+def security_from_args(ns: argparse.Namespace) -> Security:
+    """The :class:`Security` the flags describe; ConfigError naming a bad flag or file."""
+    security = Security(
+        cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca, token_file=ns.auth_token_file, insecure=ns.insecure,
+        public_cert=getattr(ns, "public_tls_cert", None), public_key=getattr(ns, "public_tls_key", None),
+    )
+    if security.ca is not None and security.cert is None:
+        raise ConfigError("--tls-ca needs --tls-cert and --tls-key: this process serves too, and would serve plaintext")
+    for path, flag in ((security.cert, "--tls-cert"), (security.key, "--tls-key"), (security.ca, "--tls-ca"),
+                       (security.public_cert, "--public-tls-cert"), (security.public_key, "--public-tls-key")):
+        if path is not None:
+            _read(path, flag)
+    return security
+
+
+def security_argv(ns: argparse.Namespace) -> list[str]:
+    """The security flags of ``ns`` again, for a child process (a prefill worker)."""
+    out: list[str] = []
+    for dest, flag in _FLAGS:
+        value = getattr(ns, dest, None)
+        if value is not None:
+            out += [flag, str(value)]
+    if getattr(ns, "insecure", False):
+        out.append("--insecure")
+    return out

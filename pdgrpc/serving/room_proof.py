@@ -1,0 +1,76 @@
+"""Per-request secrets: proof that a Handshake or AbortRoom comes from the chosen decode.
+
+The router draws a secret with each room (:func:`draw_secret`) and gives it to the one
+prefill and the one decode it chose (``PrefillRequest.room_secret``,
+``DecodeRequest.room_secret``), over the authenticated control plane. The decode signs
+each ``HandshakeRequest`` (:func:`handshake_proof`) and ``AbortRoomRequest``
+(:func:`abort_proof`) with it; a prefill worker whose Prefill carries the secret checks
+the proof before the message may change anything (:func:`verify`).
+
+A proof is HMAC-SHA256 under the secret over a canonical encoding of what the message
+asks for: for a handshake the room, destination pages, slot, decode tp rank and size,
+``wants_metadata`` and the transport descriptor (where the KV goes), so a forger can
+neither redirect the KV nor reuse a proof for another decode rank; for an abort the room.
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+
+from pdgrpc.v1 import handshake_pb2
+
+__all__ = ["SECRET_BYTES", "abort_message", "abort_proof", "draw_secret", "handshake_message", "handshake_proof", "sign", "verify"]
+
+SECRET_BYTES = 32
+
+_HANDSHAKE = b"pdgrpc.v1 handshake\0"
+_ABORT = b"pdgrpc.v1 abort\0"
+
+
+def draw_secret() -> bytes:
+    """A fresh per-request secret (32 bytes from :mod:`secrets`)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
+    pages = req.dst_pages
+    return b"".join(
+        (
+            _HANDSHAKE,
+            struct.pack(
+                "<QIIII?I", req.bootstrap_room, req.dst_slot, req.decode_tp_rank, req.decode_tp_size, len(pages),
+                req.wants_metadata, len(req.transport_descriptor),
+            ),
+            struct.pack(f"<{len(pages)}I", *pages),
+            bytes(req.transport_descriptor),
+        )
+    )
+
+
+def abort_message(room: int) -> bytes:
+    """What an ``AbortRoomRequest``'s proof signs."""
+    return _ABORT + struct.pack("<Q", room)
+
+
+def sign(secret: bytes, message: bytes) -> bytes:
+    """HMAC-SHA256 of ``message`` under ``secret``."""
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def handshake_proof(secret: bytes, req: handshake_pb2.HandshakeRequest) -> bytes:
+    """The ``room_proof`` of ``req`` under ``secret`` (its own room_proof is ignored)."""
+    return sign(secret, handshake_message(req))
+
+
+def abort_proof(secret: bytes, room: int) -> bytes:
+    """The ``room_proof`` of an ``AbortRoomRequest`` for ``room`` under ``secret``."""
+    return sign(secret, abort_message(room))
+
+
+def verify(secret: bytes, message: bytes, proof: bytes) -> bool:
+    """Whether ``proof`` is ``message``'s HMAC under ``secret`` (constant-time compare)."""
+    return hmac.compare_digest(sign(secret, message), proof)
