@@ -75,7 +75,10 @@ class Server:
         self.host = host
         self.address = f"{ip}:{SERVER_PORT}"
         listen = ["--host", "0.0.0.0", "--advertise-host", ip] if wildcard else ["--host", ip]
-        argv = [*hosts.exec_prefix(host), sys.executable, "-m", f"pdgrpc.{role}", *listen, "--port", str(SERVER_PORT)]
+        # The hosts are namespaces on a bridge this test made; --insecure acknowledges listening
+        # there in plaintext (docs/security.md covers the secured setup).
+        argv = [*hosts.exec_prefix(host), sys.executable, "-m", f"pdgrpc.{role}", *listen, "--port", str(SERVER_PORT),
+                "--insecure"]
         if role in ("prefill", "decode"):
             argv += ["--transport", transport, "--transport-host", ip, *ENGINE]
         argv += ["--discovery", f"etcd://{hosts.address('h1')}:{ETCD_PORT}", "--cluster-name", cluster]
