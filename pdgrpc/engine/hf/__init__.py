@@ -1,0 +1,20 @@
+"""Hugging Face decoder checkpoints on pdgrpc's paged KV cache (``--model PATH``).
+
+- :mod:`pdgrpc.engine.hf.config` -- ``config.json`` / ``generation_config.json`` ->
+  :class:`HFConfig`; the supported architectures (torch-free).
+- :mod:`pdgrpc.engine.hf.tokenizer` -- ``tokenizer.json`` through ``tokenizers``, incremental
+  detokenizing (torch-free: the router uses it).
+- :mod:`pdgrpc.engine.hf.weights` -- ``*.safetensors``, memory-mapped, checked against the
+  config and sliced per TP rank.
+- :mod:`pdgrpc.engine.hf.model` -- the forward pass over the paged KV pool.
+- :mod:`pdgrpc.engine.hf.engine` -- :class:`HFEngine`, the :class:`~pdgrpc.engine.base.Engine`.
+
+Only ``safetensors`` and ``tokenizers`` are needed at run time (``pip install 'pdgrpc[hf]'``),
+not ``transformers``. Submodules load on first use: importing this package loads no torch.
+"""
+
+from __future__ import annotations
+
+from pdgrpc.engine.hf.config import ARCHITECTURES, HFConfig, load_config
+
+__all__ = ["ARCHITECTURES", "HFConfig", "load_config"]

@@ -1,0 +1,127 @@
+"""A checkpoint's tokenizer: ``tokenizer.json`` through the ``tokenizers`` library.
+
+Torch-free (the router tokenizes text prompts with it). Encoding applies the
+tokenizer's own post-processor (a Llama ``tokenizer.json`` prepends BOS there; a Qwen one
+adds nothing), as ``transformers`` does with ``add_special_tokens=True``. EOS ids come
+from ``generation_config.json`` (else ``config.json``, else ``tokenizer_config.json``'s
+``eos_token``). :class:`HFStreamDecoder` turns generated ids into text pieces that never
+split a UTF-8 character (nor a byte-fallback sequence) between two pieces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from pdgrpc.engine.errors import InvalidRequest
+from pdgrpc.engine.hf.config import HFConfig, load_config, read_json
+from pdgrpc.errors import ConfigError, EngineError
+
+__all__ = ["HFStreamDecoder", "HFTokenizer", "load_tokenizer"]
+
+
+def _special(tok_cfg: dict[str, Any], key: str) -> str | None:
+    value = tok_cfg.get(key)
+    if isinstance(value, dict):  # transformers 4.x AddedToken form
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFStreamDecoder:
+    """Incremental detokenizer: decodes a sliding window of ids and emits only text that
+    is final (no trailing U+FFFD from an incomplete byte sequence)."""
+
+    def __init__(self, tokenizer: "HFTokenizer") -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # first id of the decoding window
+        self._read = 0  # ids before this have been emitted
+
+    def feed(self, token_ids: Iterable[int]) -> str:
+        self._ids.extend(token_ids)
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left, incomplete sequences as replacement characters."""
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(before) :]
+
+
+class HFTokenizer:
+    """The :class:`~pdgrpc.engine.base.Tokenizer` of a checkpoint directory."""
+
+    def __init__(self, config: HFConfig) -> None:
+        try:
+            import tokenizers
+        except ImportError:
+            raise ConfigError("--model needs the 'tokenizers' package: pip install 'pdgrpc[hf]'") from None
+        path = config.path / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: file not found (the checkpoint's tokenizer)")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a plain Exception on a bad file
+            raise ConfigError(f"{path}: not a valid tokenizer ({exc})") from None
+        tc_path = config.path / "tokenizer_config.json"
+        self.tokenizer_config: dict[str, Any] = read_json(tc_path) if tc_path.exists() else {}
+        self.name = config.name
+        self.vocab_size = config.vocab_size
+        if self._tok.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+            raise ConfigError(
+                f"{path}: the tokenizer has {self._tok.get_vocab_size(with_added_tokens=True)} tokens, more than "
+                f"config.json's vocab_size = {config.vocab_size}"
+            )
+        eos = config.eos_token_ids
+        if not eos:
+            name = _special(self.tokenizer_config, "eos_token")
+            tid = self._tok.token_to_id(name) if name else None
+            eos = (tid,) if tid is not None else ()
+        if not eos:
+            raise ConfigError(f"{config.path}: no EOS token id in generation_config.json, config.json or tokenizer_config.json")
+        self.eos_token_ids = frozenset(eos)
+        self.eos_token_id = eos[0]
+        bos = config.bos_token_id
+        self.bos_token_id = bos if bos is not None else -1  # -1: this tokenizer has no BOS
+        self.chat_template: str | None = self.tokenizer_config.get("chat_template") if isinstance(
+            self.tokenizer_config.get("chat_template"), str) else None
+
+    def encode(self, text: str | bytes, add_bos: bool = True) -> list[int]:
+        if isinstance(text, (bytes, bytearray, memoryview)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise EngineError(f"encode: prompt is not UTF-8 ({exc.reason} at {exc.start})") from None
+        if not isinstance(text, str):
+            raise EngineError(f"encode: text must be str or bytes, got {type(text).__name__}")
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_bos).ids
+        return ids
+
+    def special_token(self, key: str) -> str | None:
+        """``bos_token``, ``eos_token``, ... as ``tokenizer_config.json`` names them."""
+        return _special(self.tokenizer_config, key)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)
+        return text
+
+    def stream_decoder(self) -> HFStreamDecoder:
+        return HFStreamDecoder(self)
+
+    def check_ids(self, token_ids: Sequence[int], field: str) -> None:
+        vocab = self.vocab_size
+        if set(map(type, token_ids)) <= {int} and (not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab)):
+            return
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequest(f"{field}[{i}] = {t!r} is not a token id in [0, {vocab})")
+
+
+def load_tokenizer(model_dir: str | Path) -> HFTokenizer:
+    return HFTokenizer(load_config(model_dir))
