@@ -11,3 +11,38 @@ os.environ.setdefault("UCX_LOG_LEVEL", "error")
 # handlers on, a forked child can abort before exec (see pdgrpc/cluster/launcher.py).
 # Set before anything imports grpc.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+
+# ---- tiny random Hugging Face checkpoints (built once per session, offline) --------------
+
+import pytest  # noqa: E402
+
+# Llama 3.1-style rope scaling; original context 256 so that the scaling bends frequencies
+# inside the prompt lengths the tests use.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256}
+HF_ARCHS = {
+    # name -> build_checkpoint keyword arguments
+    "llama": dict(arch="llama", rope_scaling=LLAMA3_ROPE, max_shard_size="100KB"),  # sharded, with an index
+    "llama-tied": dict(arch="llama", tie_word_embeddings=True),
+    "qwen2": dict(arch="qwen2"),
+    "mistral": dict(arch="mistral"),
+    "qwen3": dict(arch="qwen3"),
+}
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """``hf_checkpoint(name)`` -> directory of the tiny random checkpoint ``name`` (see
+    HF_ARCHS), built with transformers on first use and shared by the whole session."""
+    pytest.importorskip("transformers", reason="the hf tests build checkpoints with transformers (the test extra)")
+    from pdgrpc.engine.hf.build import build_checkpoint
+
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_checkpoint(tmp_path_factory.mktemp(f"ckpt-{name}"), **HF_ARCHS[name])
+        return built[name]
+
+    return get

@@ -29,14 +29,16 @@ import grpc
 
 from pdgrpc.engine.base import DecodeRequest, InvalidRequest, PrefillRequest, SampledToken, SamplingParams, stop_reason
 from pdgrpc.engine.colocated import prefill as prefill_chunks
-from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.engine.base import Engine
+from pdgrpc.serving.engines import build_engine
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
 from pdgrpc.rpc.security import add_security_arguments, install, security_from_args
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS, grpc_tuning_wanted
 from pdgrpc.serving.convert import sampling_from_proto
-from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, engine_config_from_args, tune_malloc_from_args
+from pdgrpc.serving.prompts import request_ids
+from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, tune_malloc_from_args
 from pdgrpc.serving.logs import setup_logging
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
@@ -58,7 +60,7 @@ class _Job:
 
 
 class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: ReferenceEngine, chunk_tokens: int, compute_nice: int = 0) -> None:
+    def __init__(self, engine: Engine, chunk_tokens: int, compute_nice: int = 0) -> None:
         self.engine = engine
         self.chunk_tokens = chunk_tokens
         self._pending: collections.deque[_Job] = collections.deque()
@@ -75,10 +77,9 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
         arrived = time.perf_counter()
         try:
-            ids = tuple(request.input_ids) if request.input_ids else tuple(self.engine.tokenizer.encode(request.prompt))
+            ids = tuple(request_ids(request, self.engine.tokenizer))
             sampling = sampling_from_proto(request.sampling)
             max_new = request.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-            self.engine.tokenizer.check_ids(ids, "input_ids")
             self.engine.validate_request(ids, max_new)
         except EngineError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -114,7 +115,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
     def _emit(self, job: _Job, tok: SampledToken) -> bool:
         """Queue a token for the client; True when the job is finished (pages freed)."""
         job.tokens.append(tok.token_id)
-        reason = stop_reason(tok.token_id, len(job.tokens), job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_id)
+        reason = stop_reason(tok.token_id, len(job.tokens), job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_ids)
         job.out.put_nowait((tok, reason or ""))
         if reason is not None:
             self._finish(job)
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(ns: argparse.Namespace) -> int:
-    server_impl = ColocatedServer(ReferenceEngine(engine_config_from_args(ns)), ns.chunk_size, ns.compute_nice)
+    server_impl = ColocatedServer(build_engine(ns), ns.chunk_size, ns.compute_nice)
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))],

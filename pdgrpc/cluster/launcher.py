@@ -344,6 +344,8 @@ class Cluster:
                 out += ["--prefill", self.address(name) + extra]
             for name in spec.decode:
                 out += ["--decode", self.address(name)]
+            if self.topology.engine.get("model"):  # the router tokenizes with the served checkpoint's tokenizer
+                out += ["--model", str(self.topology.engine["model"])]
         return out + flags(spec.args)
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Disaggregated output must equal colocated output token for token, so tests and
 ``bench e2e`` build the reference from the *same* ``[engine]`` table the servers get,
-through the same flag parser (:func:`pdgrpc.serving.engine_config_from_args`).
+through the same flag parser and :func:`pdgrpc.serving.engines.build_engine` (the
+reference engine, or the checkpoint of ``model = "PATH"``).
 """
 
 from __future__ import annotations
@@ -10,20 +11,26 @@ from __future__ import annotations
 import argparse
 
 from pdgrpc.cluster.topology import Topology, flags
-from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+from pdgrpc.engine.base import Engine
+from pdgrpc.engine.reference import EngineConfig
+from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.flags import add_engine_arguments, engine_config_from_args
 
-__all__ = ["engine_config", "reference_engine"]
+__all__ = ["engine_args", "engine_config", "reference_engine"]
+
+
+def engine_args(topology: Topology, **overrides: object) -> argparse.Namespace:
+    """The engine flags of the topology's ``[engine]`` table (plus ``overrides``, flag
+    names with ``-``), parsed."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    return parser.parse_args(flags({**topology.engine, **overrides}))
 
 
 def engine_config(topology: Topology, **overrides: object) -> EngineConfig:
-    """The :class:`EngineConfig` of the topology's ``[engine]`` table (plus ``overrides``,
-    flag names with ``-``)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_arguments(parser)
-    ns = parser.parse_args(flags({**topology.engine, **overrides}))
-    return engine_config_from_args(ns)
+    """The reference engine's :class:`EngineConfig` of the topology's ``[engine]`` table."""
+    return engine_config_from_args(engine_args(topology, **overrides))
 
 
-def reference_engine(topology: Topology, **overrides: object) -> ReferenceEngine:
-    return ReferenceEngine(engine_config(topology, **overrides))
+def reference_engine(topology: Topology, **overrides: object) -> Engine:
+    return build_engine(engine_args(topology, **overrides))

@@ -15,13 +15,14 @@ from pdgrpc.decode.cli import build_parser, scheduler_config_from_args, wrap_tes
 from pdgrpc.decode.scheduler import DecodeScheduler  # noqa: E402
 from pdgrpc.decode.service import start_decode_server  # noqa: E402
 from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args  # noqa: E402
-from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
+from pdgrpc.engine.base import Engine  # noqa: E402
 from pdgrpc.errors import ConfigError, PdgrpcError  # noqa: E402
 from pdgrpc.rpc.security import install, security_from_args  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal  # noqa: E402
 from pdgrpc.serving.rendezvous import dist_init_method  # noqa: E402
-from pdgrpc.serving import create_transport, engine_config_from_args, setup_logging, tune_malloc_from_args  # noqa: E402
+from pdgrpc.serving import create_transport, setup_logging, tune_malloc_from_args  # noqa: E402
+from pdgrpc.serving.engines import build_engine, check_engine_args  # noqa: E402
 from pdgrpc.transport.base import Transport  # noqa: E402
 
 
@@ -53,7 +54,7 @@ async def main(ns: argparse.Namespace) -> int:
     tp = None
     procs: list[asyncio.subprocess.Process] = []
     if ns.tp_size > 1:
-        engine_config_from_args(ns, tp_rank=0, tp_size=ns.tp_size)  # bad sizes fail here, before any process starts
+        check_engine_args(ns, tp_size=ns.tp_size)  # bad sizes fail here, before any process starts
         from pdgrpc.decode.tp import TpGroup
 
         procs, init = await _start_ranks(ns)
@@ -65,9 +66,9 @@ async def main(ns: argparse.Namespace) -> int:
             raise
         from pdgrpc.engine.tp import torch_distributed_all_reduce
 
-        engine = ReferenceEngine(engine_config_from_args(ns, tp_rank=0, tp_size=ns.tp_size), all_reduce=torch_distributed_all_reduce())
+        engine = build_engine(ns, tp_rank=0, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
     else:
-        engine = ReferenceEngine(engine_config_from_args(ns))
+        engine = build_engine(ns)
     transport = wrap_test_faults(create_transport(ns), 0)
     metrics = DecodeMetrics(transport=transport.name)
     metrics.set_info(tp_rank=0, tp_size=ns.tp_size)
@@ -86,7 +87,7 @@ async def main(ns: argparse.Namespace) -> int:
 
 
 async def _serve(
-    ns: argparse.Namespace, engine: ReferenceEngine, transport: Transport, scheduler: DecodeScheduler,
+    ns: argparse.Namespace, engine: Engine, transport: Transport, scheduler: DecodeScheduler,
     metrics: DecodeMetrics, procs: list[asyncio.subprocess.Process],
 ) -> int:
     server = await start_decode_server(scheduler, ns.host, ns.port)

@@ -33,13 +33,13 @@ from pdgrpc.decode.cli import scheduler_config_from_args, wrap_test_faults  # no
 from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally  # noqa: E402
 from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, TpGroup, TpGroupBroken  # noqa: E402
-from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
 from pdgrpc.engine.tp import torch_distributed_all_reduce  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.kvpoll import KVPoll  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
 from pdgrpc.serving.children import die_with_parent  # noqa: E402
-from pdgrpc.serving import create_transport, engine_config_from_args, request_event, setup_logging, tune_malloc_from_args  # noqa: E402
+from pdgrpc.serving.engines import build_engine  # noqa: E402
+from pdgrpc.serving import create_transport, request_event, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.threads import compute_executor  # noqa: E402
 from pdgrpc.state import Aborted, Committed, SendHandshake  # noqa: E402
 
@@ -50,9 +50,7 @@ class Follower:
     def __init__(self, ns: argparse.Namespace, config: SchedulerConfig, tp: TpGroup) -> None:
         self.tp = tp
         self.rank = tp.rank
-        self.engine = ReferenceEngine(
-            engine_config_from_args(ns, tp_rank=tp.rank, tp_size=tp.size), all_reduce=torch_distributed_all_reduce()
-        )
+        self.engine = build_engine(ns, tp_rank=tp.rank, tp_size=tp.size, all_reduce=torch_distributed_all_reduce())
         self.transport = wrap_test_faults(create_transport(ns), tp.rank)
         self.queues = make_queues(make_buffers(ns.num_slots), self.engine.num_pages, config)
         self.transfers = RankTransfers(self.transport, self.engine, self.queues, tp.rank, tp.size)

@@ -50,7 +50,7 @@ class Generation:
     def _emit_first(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float, data_plane_s: float = 0.0) -> None:
         job.generated = 1
         job.last_token = first.token_id
-        reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_id)
+        reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_ids)
         job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first), data_plane_s))
         if reason is not None:
             self._finish(job, reason)
@@ -125,7 +125,7 @@ class Generation:
                 self._crash(job, exc)
             self._running = [j for j in self._running if not j.finished]
             return
-        eos = self.engine.tokenizer.eos_token_id
+        eos = self.engine.tokenizer.eos_token_ids
         for job, tok in zip(batch, toks):
             if job.cancelled:
                 continue  # dropped (and its pages freed) at the top of the next iteration

@@ -192,7 +192,8 @@ class DecodeScheduler(Generation):
             raise RequestFailed(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"compatibility hash mismatch: prefill {prefill_address} has {theirs.hex() or '(empty)'}, "
-                f"this decode has {self.compat_hash.hex()} (model, page size, KV dtype or layout differ)",
+                f"this decode has {self.compat_hash.hex()} serving {self.engine.model_id} "
+                "(model, page size, KV dtype or layout differ; the prefill logs its model at start-up)",
             )
         prefill_tp = max(1, int(prefill.info.tp_size))
         try:

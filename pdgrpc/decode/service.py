@@ -89,7 +89,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         try:
             sampling = sampling_from_proto(request.sampling)
             engine.validate_request(ids, max_new)
-            engine.tokenizer.check_ids(ids, "input_ids")  # type: ignore[attr-defined]
+            engine.tokenizer.check_ids(ids, "input_ids")
         except (InvalidRequest, EngineError) as exc:
             raise RequestFailed(bad, str(exc).replace("token_ids", "input_ids")) from None
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Protocol, Sequence
+from typing import AbstractSet, Iterable, Protocol, Sequence
 
 import torch
 
@@ -67,6 +67,7 @@ __all__ = [
     "PrefillRequest",
     "SampledToken",
     "SamplingParams",
+    "StreamDecoder",
     "Tokenizer",
     "stop_reason",
 ]
@@ -148,22 +149,43 @@ class KVBuffers:
     v: tuple[torch.Tensor, ...]
 
 
+class StreamDecoder(Protocol):
+    """Incremental detokenizer: text pieces that never split a UTF-8 character."""
+
+    def feed(self, token_ids: Iterable[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
 class Tokenizer(Protocol):
     bos_token_id: int
     eos_token_id: int
     vocab_size: int
 
+    @property
+    def eos_token_ids(self) -> AbstractSet[int]:
+        """Every id that ends generation (``eos_token_id`` among them)."""
+
     def encode(self, text: str | bytes, add_bos: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
+    def stream_decoder(self) -> StreamDecoder: ...
 
-def stop_reason(token_id: int, num_generated: int, max_new_tokens: int, sampling: SamplingParams, eos_token_id: int) -> str | None:
+    def check_ids(self, token_ids: Sequence[int], field: str) -> None:
+        """Raise InvalidRequest naming ``field[i]`` unless every id is in the vocabulary."""
+
+
+def stop_reason(
+    token_id: int, num_generated: int, max_new_tokens: int, sampling: SamplingParams, eos_token_id: int | AbstractSet[int]
+) -> str | None:
     """Why generation stops after a token, or ``None`` to go on. ``num_generated``
     counts generated tokens including this one. Shared by colocated and disaggregated
     decoding so both stop at the same token: ``"eos"`` (EOS sampled, kept in the output,
-    unless ``sampling.ignore_eos``) or ``"length"`` (``max_new_tokens`` reached)."""
-    if token_id == eos_token_id and not sampling.ignore_eos:
+    unless ``sampling.ignore_eos``) or ``"length"`` (``max_new_tokens`` reached).
+    ``eos_token_id`` is one id or the set of them (a checkpoint may have several)."""
+    is_eos = token_id == eos_token_id if isinstance(eos_token_id, int) else token_id in eos_token_id
+    if is_eos and not sampling.ignore_eos:
         return "eos"
     if num_generated >= max_new_tokens:
         return "length"

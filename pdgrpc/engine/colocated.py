@@ -118,7 +118,7 @@ def generate(
 
     def step_done(r: _Running, tok: SampledToken) -> bool:
         r.tokens.append(tok)
-        reason = stop_reason(tok.token_id, len(r.tokens), max_new_tokens, r.sampling, engine.tokenizer.eos_token_id)
+        reason = stop_reason(tok.token_id, len(r.tokens), max_new_tokens, r.sampling, engine.tokenizer.eos_token_ids)
         if reason is not None:
             finish(r, reason)
         return reason is not None

@@ -41,6 +41,7 @@ class StreamDecoder:
 class ByteTokenizer:
     bos_token_id = BOS_ID
     eos_token_id = EOS_ID
+    eos_token_ids = frozenset({EOS_ID})
     vocab_size = VOCAB_SIZE
 
     def encode(self, text: str | bytes, add_bos: bool = True) -> list[int]:

@@ -21,7 +21,8 @@ from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.rpc.security import install, security_from_args
 from pdgrpc.rpc.server import run
-from pdgrpc.serving import engine_config_from_args, setup_logging
+from pdgrpc.serving import setup_logging
+from pdgrpc.serving.engines import check_engine_args
 from pdgrpc.transport import registry
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.tp_size < 1:
         parser.error(f"--tp-size must be >= 1, got {ns.tp_size}")
     try:
-        engine_config_from_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
+        check_engine_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
         registry.load(ns.transport)  # a missing backend names what to install
         check_discovery_args(ns)
         install(security_from_args(ns))

@@ -69,6 +69,7 @@ class LocalEnd:
     head_bytes: int  # one KV head of one token page, one layer
     regions: Sequence[MemoryRegion]  # registered: KV regions, then the metadata rows
     row_bytes: int  # one metadata row
+    model_id: str = ""  # the engine's model identity (a checkpoint names its directory), for refusals
 
 
 def _hex(b: bytes) -> str:
@@ -86,7 +87,8 @@ def _check_pairing(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> None
         raise RequestFailed(
             C.FAILED_PRECONDITION,
             f"room {room}: compatibility_hash mismatch: decode has {_hex(req.compatibility_hash)}, "
-            f"prefill has {_hex(local.compat_hash)} (model, page size, KV dtype/layout or protocol differ)",
+            f"prefill has {_hex(local.compat_hash)} serving {local.model_id or '(unnamed)'} "
+            "(model, page size, KV dtype/layout or protocol differ)",
         )
     tp_d, d = req.decode_tp_size or 1, req.decode_tp_rank  # size 0: an old client, TP 1
     try:

@@ -139,7 +139,7 @@ class PrefillWorker:
         min_pages = write_pages_for(config.min_write_bytes, page_nbytes)
         self.compute = self._make_compute(compute, min_pages)
         self.local = LocalEnd(transport.name, self.compat_hash, self.tp_rank, self.tp_size, layout.num_kv_heads,
-                              layout.head_bytes, self._regions, self._regions[-1].item_bytes)
+                              layout.head_bytes, self._regions, self._regions[-1].item_bytes, engine.model_id)
         self.descriptor = b""
         self.generation = 0  # set from bootstrap's RegisterWorker answer
         self._mailbox: Mailbox[Signed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)

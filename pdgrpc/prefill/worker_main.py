@@ -28,6 +28,7 @@ apply_grpc_defaults()  # before grpc is imported (below): see pdgrpc.rpc.tuning
 import torch  # noqa: E402
 
 from pdgrpc.bootstrap.client import BootstrapClient  # noqa: E402
+from pdgrpc.engine.base import Engine  # noqa: E402
 from pdgrpc.engine.reference import ReferenceEngine  # noqa: E402
 from pdgrpc.prefill.compute_process import ComputeProcess  # noqa: E402
 from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
@@ -39,6 +40,7 @@ from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E40
 from pdgrpc.rpc.security import add_security_arguments, install, security_from_args  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging, tune_malloc_from_args  # noqa: E402
+from pdgrpc.serving.engines import build_engine, uses_checkpoint  # noqa: E402
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("pdgrpc.prefill.worker")
@@ -126,10 +128,10 @@ def worker_name(ns: argparse.Namespace) -> str:
     return f"dp{ns.dp_rank}" if ns.tp_size == 1 else f"dp{ns.dp_rank}.tp{ns.tp_rank}"
 
 
-def _init_tp(ns: argparse.Namespace) -> ReferenceEngine:
+def _init_tp(ns: argparse.Namespace) -> Engine:
     """The engine of this rank; with --tp-size > 1 after joining the dp group's gloo world."""
     if ns.tp_size == 1:
-        return ReferenceEngine(engine_config_from_args(ns))
+        return build_engine(ns)
     import datetime
 
     import torch.distributed as dist
@@ -143,15 +145,16 @@ def _init_tp(ns: argparse.Namespace) -> ReferenceEngine:
         timeout=datetime.timedelta(seconds=ns.dist_timeout),
     )
     log.info("%s joined the TP group at %s (%d ranks)", worker_name(ns), ns.dist_init, ns.tp_size)
-    return ReferenceEngine(
-        engine_config_from_args(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size), all_reduce=torch_distributed_all_reduce()
-    )
+    return build_engine(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
 
 
 def compute_in(ns: argparse.Namespace) -> str:
     """Where this worker computes: ``--compute-in``, unless that cannot be had here
     (said in the log)."""
     if ns.compute_in != "process":
+        return "thread"
+    if uses_checkpoint(ns):
+        log.info("%s: --compute-in process: a --model engine computes on a thread", worker_name(ns))
         return "thread"
     if ns.tp_size > 1:
         log.info("%s: --compute-in process: a TP rank computes on a thread (its gloo group lives in the worker)", worker_name(ns))
@@ -167,6 +170,7 @@ async def _main(ns: argparse.Namespace) -> int:
     compute: ComputeProcess | None = None
     if compute_in(ns) == "process":
         config = engine_config_from_args(ns)
+        engine: Engine
         compute = await ComputeProcess.start(
             config, name=f"prefill {name}", nice=ns.compute_nice, malloc_keep_bytes=ns.malloc_keep_mib << 20
         )

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout", type=float, default=300.0, metavar="SECONDS",
         help="deadline of the Prefill and Decode calls of one request (a client's own, shorter deadline wins) (default: %(default)s)",
     )
+    p.add_argument(
+        "--model", metavar="PATH", default="",
+        help="the checkpoint directory the prefills and decodes serve (their --model): text prompts and chat "
+        "messages are tokenized here with its tokenizer.json and chat template. Default: the reference engine's "
+        "byte tokenizer",
+    )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
@@ -114,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             decodes=tuple(args.decode),
             request_timeout=args.request_timeout,
             discovery=bool(args.discovery),
+            model=args.model,
         )
         install(security_from_args(args))
+        if args.model:  # a missing or bad tokenizer fails at start-up, naming the file
+            from pdgrpc.engine.hf.tokenizer import load_tokenizer
+
+            load_tokenizer(args.model)
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level, "router")

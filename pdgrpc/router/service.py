@@ -32,17 +32,19 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import grpc
 
 from pdgrpc.discovery.record import MembershipView
-from pdgrpc.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
+from pdgrpc.engine.errors import InvalidRequest
+from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
+from pdgrpc.serving.prompts import request_ids
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -103,6 +105,7 @@ class RouterConfig:
     decodes: tuple[str, ...]
     request_timeout: float = 300.0  # seconds; caps every request (client deadlines cap it further)
     discovery: bool = False  # backends come from etcd (--discovery); the static lists may be empty
+    model: str = ""  # checkpoint directory whose tokenizer encodes prompts ("": the byte tokenizer)
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -142,7 +145,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # With discovery: the live view from etcd, read on every request (round robin by count).
         self._view = view
         self._turn = 0
-        self._tokenizer = ByteTokenizer()
+        self._tokenizer: Any = ByteTokenizer()
+        if config.model:  # the checkpoint's tokenizer (torch-free: tokenizers only)
+            from pdgrpc.engine.hf.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(config.model)
         self.active = 0  # requests in flight (for logs and tests)
 
     async def close(self) -> None:
@@ -151,18 +158,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     # ---- request checks -----------------------------------------------------------------
 
     def _input_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
-        if request.input_ids:
-            ids = request.input_ids
-            # max() first: a Python loop over every id costs ~0.1 ms right on the request's path.
-            bad = next((i for i, t in enumerate(ids) if t >= VOCAB_SIZE), None) if max(ids) >= VOCAB_SIZE else None
-            if bad is not None:
-                raise RequestFailed(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"input_ids[{bad}] = {request.input_ids[bad]} is not a token id in [0, {VOCAB_SIZE})",
-                )
-            return list(request.input_ids)
-        # The byte tokenizer prepends BOS, so even an empty prompt has a token to prefill.
-        return self._tokenizer.encode(request.prompt)
+        # Text and chat messages are tokenized here, in the router (see pdgrpc.serving.prompts).
+        try:
+            return request_ids(request, self._tokenizer)
+        except InvalidRequest as exc:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     @staticmethod
     def _sampling(request: generate_pb2.GenerateRequest) -> common_pb2.SamplingParams:

@@ -28,6 +28,7 @@ from pdgrpc.engine.malloc import keep_freed_memory
 from pdgrpc.engine.model import ModelConfig
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
 from pdgrpc.engine.reference import EngineConfig
+from pdgrpc.serving.engines import add_model_arguments
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 
@@ -57,7 +58,8 @@ _D = EngineConfig()
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the reference-engine flags (``--model-size``, ``--model-seed``, ``--page-size``,
     ``--num-pages``, ``--kv-huge-pages``, ``--malloc-keep-mib``, ``--compute-nice``,
-    ``--kv-dtype``, ``--max-prompt-tokens``, ``--max-seq-len``)."""
+    ``--kv-dtype``, ``--max-prompt-tokens``, ``--max-seq-len``), and ``--model``, ``--dtype``,
+    ``--device`` (a checkpoint instead, see :mod:`pdgrpc.serving.engines`)."""
     g = parser.add_argument_group("engine (prefill and decode must agree, except --num-pages)")
     g.add_argument(
         "--model-size",
@@ -121,6 +123,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=_D.max_seq_len,
         help="most tokens (prompt + generated) one request may reach. Default: %(default)s",
     )
+    add_model_arguments(g)
 
 
 def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1) -> EngineConfig:

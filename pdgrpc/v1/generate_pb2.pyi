@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     ROUTED_DP_RANK_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """Prompt text (UTF-8); ignored when input_ids is set."""
     routed_dp_rank: _builtins.int
@@ -42,6 +43,14 @@ class GenerateRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """Sampling parameters; max_new_tokens defaults to 16 when 0."""
 
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """A chat conversation instead of prompt text: the front door renders it with the
+        served checkpoint's chat template (tokenizer_config.json) plus the generation
+        prompt, then tokenizes the text. Ignored when input_ids is set; prompt must be
+        empty when it is set. INVALID_ARGUMENT when the server has no chat template.
+        """
+
     def __init__(
         self,
         *,
@@ -50,16 +59,43 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         routed_dp_rank: _builtins.int | None = ...,
         request_id: _builtins.str = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "input_ids", b"input_ids", "prompt", b"prompt", "request_id", b"request_id", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "input_ids", b"input_ids", "messages", b"messages", "prompt", b"prompt", "request_id", b"request_id", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routed_dp_rank: _TypeAlias = _typing.Literal["routed_dp_rank"]  # noqa: Y015
     _WhichOneofArgType__routed_dp_rank: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_dp_rank) -> _WhichOneofReturnType__routed_dp_rank | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a chat conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """Who speaks: "system", "user", "assistant" (as the chat template expects)."""
+    content: _builtins.str
+    """The turn's text (UTF-8)."""
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):

@@ -49,7 +49,7 @@ def train_tokenizer(path: Path, vocab_size: int, bos: bool) -> dict[str, int]:
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(_CORPUS * 20, trainer)
-    ids = {s: tok.token_to_id(s) for s in specials}
+    ids: dict[str, int] = {s: tok.token_to_id(s) or 0 for s in specials}  # trained in: never None
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", ids["<s>"])])
     tok.save(str(path / "tokenizer.json"))

@@ -1,0 +1,87 @@
+"""Which engine a server runs: the reference engine, or a checkpoint with ``--model PATH``.
+
+Every server that runs an engine (prefill workers, decode ranks, the colocated server, the
+tests' in-process reference) builds it through :func:`build_engine`, so the same flags
+give the same engine -- and the same compatibility hash -- everywhere.
+
+``--model`` selects :class:`~pdgrpc.engine.hf.engine.HFEngine` with ``--dtype`` (weights,
+activations and KV pool) and ``--device``; the reference-engine flags (``--model-size``,
+``--model-seed``, ``--kv-dtype``) then do not apply. ``--page-size``, ``--num-pages``,
+``--max-prompt-tokens`` and ``--max-seq-len`` apply to both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING
+
+from pdgrpc.engine.base import Engine
+from pdgrpc.engine.model import AllReduce
+from pdgrpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pdgrpc.engine.hf.engine import HFEngineConfig
+
+__all__ = ["add_model_arguments", "build_engine", "check_engine_args", "hf_config_from_args", "uses_checkpoint"]
+
+log = logging.getLogger("pdgrpc.serving")
+
+
+def add_model_arguments(g: argparse._ArgumentGroup) -> None:
+    """``--model``, ``--dtype``, ``--device`` (part of the engine flags)."""
+    g.add_argument(
+        "--model", metavar="PATH", default="",
+        help="serve a Hugging Face checkpoint from this local directory (config.json, *.safetensors, tokenizer.json; "
+        "Llama, Mistral, Qwen2, Qwen3) instead of the reference engine. Needs pdgrpc[hf]. Default: the reference engine",
+    )
+    g.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+        help="with --model: dtype of the weights, activations and KV pool (bytes per parameter: 4, 2, 2). "
+        "Default: %(default)s",
+    )
+    g.add_argument("--device", default="cpu", help="with --model: torch device of the weights and KV pool. Default: %(default)s")
+
+
+def uses_checkpoint(ns: argparse.Namespace) -> bool:
+    return bool(getattr(ns, "model", ""))
+
+
+def hf_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, threads: int = 0) -> "HFEngineConfig":
+    from pdgrpc.engine.hf.engine import HFEngineConfig
+
+    return HFEngineConfig(
+        model=ns.model, dtype=ns.dtype, device=ns.device, page_size=ns.page_size, num_pages=ns.num_pages,
+        max_seq_len=ns.max_seq_len, max_prompt_tokens=ns.max_prompt_tokens, tp_rank=tp_rank, tp_size=tp_size,
+        threads=threads,
+    )
+
+
+def check_engine_args(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
+    """Raise ConfigError (naming the file or field) for flags no engine can start with;
+    reads a checkpoint's config, tokenizer and weight headers, not its weights."""
+    if uses_checkpoint(ns):
+        from pdgrpc.engine.hf.engine import check_checkpoint
+
+        check_checkpoint(hf_config_from_args(ns, tp_size=tp_size))
+    else:
+        from pdgrpc.serving.flags import engine_config_from_args
+
+        engine_config_from_args(ns, tp_size=tp_size)
+
+
+def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None, threads: int = 0) -> Engine:
+    """The engine the flags describe (this TP rank of it)."""
+    if uses_checkpoint(ns):
+        from pdgrpc.engine.hf.engine import HFEngine
+
+        try:
+            engine: Engine = HFEngine(hf_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size, threads=threads), all_reduce)
+        except ImportError as exc:
+            raise ConfigError(f"--model needs pdgrpc[hf] (safetensors, tokenizers): {exc}") from None
+        log.info("engine: %s (%s, %s)", engine.model_id, ns.dtype, ns.device)
+        return engine
+    from pdgrpc.engine.reference import ReferenceEngine
+    from pdgrpc.serving.flags import engine_config_from_args
+
+    return ReferenceEngine(engine_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size), all_reduce)
