@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster.topology import Topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.engine.base import SamplingParams
@@ -99,7 +100,12 @@ def prompt_cases(page_size: int, chunk_size: int, n: int = 54, rng_seed: int = 7
 
 def reference_outputs(topology_name: str, cases: list[Case]) -> list[tuple[tuple[int, ...], str]]:
     """Token ids and finish reason of each case, generated colocated in this process."""
-    engine = reference_engine(load_topology(topology_name))
+    return reference_outputs_for(load_topology(topology_name), cases)
+
+
+def reference_outputs_for(topology: Topology, cases: list[Case]) -> list[tuple[tuple[int, ...], str]]:
+    """:func:`reference_outputs` for a topology object (e.g. one with ``model`` set)."""
+    engine = reference_engine(topology)
     out = []
     for c in cases:
         (g,) = colocated_generate(engine, [c.input_ids], c.max_new_tokens, c.sampling)

@@ -71,6 +71,12 @@ def test_chunked_prefill_equals_one_shot_and_tp2_equals_tp1(hf_checkpoint):
         tok = prefill(e, PrefillRequest(prompt, tuple(e.alloc_pages(e.pages_needed(len(prompt))))), chunk)
         assert tok.token_id == whole.token_id and tok.logprob == pytest.approx(whole.logprob, abs=1e-5), chunk
 
+    # Seeded sampling too: the draw is a fraction of the mass, so last-bit differences
+    # between chunkings do not move it (an integer modulus over the mass would).
+    sampled = [SamplingParams(temperature=0.9, seed=s, top_k=k, top_p=p) for s, k, p in [(1, 0, 1.0), (2, 20, 1.0), (3, 0, 0.9)]]
+    runs = [[g.token_ids for g in generate(_engine(path), [prompt] * 3, NEW_TOKENS, sampled, prefill_chunk_tokens=c)] for c in (7, 512)]
+    assert runs[0] == runs[1] and len(set(runs[0])) == 3
+
     reduce = LocalAllReduce(2)
     engines: list = [None, None]
     outs: list = [None, None]

@@ -6,10 +6,12 @@ compatibility hash is the architecture, ``config.json``'s digest and a digest of
 weights' metadata (:func:`~pdgrpc.engine.hf.weights.weights_digest`), with the checkpoint's
 directory name for people.
 
-Determinism: sampling is the reference engine's (keyed by seed and position). The float
-compute itself is not bit-identical across batch shapes (BLAS picks kernels by shape), so
-two runs of a request agree token for token unless two candidates' logits lie within
-rounding of each other (~1e-6 in float32, ~1e-2 in bf16/fp16).
+Determinism: sampling draws are keyed by seed and position, as in the reference engine,
+but taken as a fraction of the probability mass (:mod:`pdgrpc.engine.hf.sampling`). The
+float compute is not bit-identical across batch shapes, chunkings and thread counts (BLAS
+picks kernels by shape), so two runs of a request agree token for token unless a choice
+lies within rounding of a boundary: two greedy candidates' logits within ~1e-6 of each
+other in float32 (~1e-2 in bf16/fp16), or a draw that close to a cumulative boundary.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pdgrpc.engine.hf.tokenizer import HFTokenizer
 from pdgrpc.engine.hf.weights import load_weights, weights_digest
 from pdgrpc.engine.layout import KVLayout, kv_dtype_from_name
 from pdgrpc.engine.pages import FifoPageAllocator
-from pdgrpc.engine.sampling import sample_rows
+from pdgrpc.engine.hf.sampling import sample_float
 from pdgrpc.errors import ConfigError
 
 __all__ = ["HFEngine", "HFEngineConfig"]
@@ -230,14 +232,7 @@ class HFEngine(Engine):
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: Sequence[PrefillRequest | DecodeRequest], positions: list[int]) -> list[SampledToken]:
-        params = [r.sampling for r in requests]
-        if any(p.temperature != 0.0 or p.top_logprobs for p in params):
-            return sample_rows(logits.to(torch.float64).cpu(), params, positions)
-        # Greedy without top logprobs (the common case): argmax, no full sort of the vocabulary.
-        logprobs = torch.log_softmax(logits.to(torch.float64), dim=-1)
-        best = logits.argmax(dim=-1)
-        lp = logprobs.gather(1, best[:, None])[:, 0].to(torch.float32).tolist()
-        return [SampledToken(token_id=t, logprob=v) for t, v in zip(best.tolist(), lp)]
+        return sample_float(logits, [r.sampling for r in requests], positions)
 
 
 def load(model: str | Path, **kwargs: object) -> HFEngine:
