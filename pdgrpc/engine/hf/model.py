@@ -146,9 +146,18 @@ class HFModel:
         B, P = batch.page_table.shape
         T = q.shape[0]
         N = T // B
-        # One gather for every page of every request: [B, P, hkv, S, d] -> [B, hkv, P * S, d].
-        k = k_pool[batch.page_table].transpose(1, 2).reshape(B, self.hkv, -1, self.d)
-        v = v_pool[batch.page_table].transpose(1, 2).reshape(B, self.hkv, -1, self.d)
-        qb = q.view(B, N, self.hq, self.d).transpose(1, 2)  # [B, hq, N, d]
+        hkv, g, d = self.hkv, self.hq // self.hkv, self.d
+        # One gather per pool for every page of every request, straight into head-major
+        # order: [hkv, B * P, S, d] -> a [B, hkv, P * S, d] view (no second copy).
+        flat = batch.page_table.reshape(-1)
+        k = k_pool.transpose(0, 1).index_select(1, flat).view(hkv, B, -1, d).transpose(0, 1)
+        v = v_pool.transpose(0, 1).index_select(1, flat).view(hkv, B, -1, d).transpose(0, 1)
+        if N == 1:
+            # Decode: a KV group's query heads attend to the same keys under the same mask,
+            # so they go in as that group's query rows (no GQA broadcast of K/V).
+            qg = q.view(B, hkv, g, d)
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+            return out.reshape(T, self.hq * d)
+        qb = q.view(B, N, self.hq, d).transpose(1, 2)  # [B, hq, N, d]
         out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(T, self.hq * self.d)
+        return out.transpose(1, 2).reshape(T, self.hq * d)
