@@ -1,0 +1,109 @@
+"""A bad checkpoint stops a server at start-up with a message naming the file or field.
+
+``python -m pdgrpc.prefill`` checks the checkpoint in its controller before any worker
+starts (called in-process here: ``main`` exits 2 through argparse); the decode server is
+run as a real process once. Also: the tokenizer's incremental decoding never splits a
+UTF-8 character, and chat messages render as ``transformers``' ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdgrpc.engine.hf.engine import HFEngineConfig, check_checkpoint
+from pdgrpc.engine.hf.tokenizer import load_tokenizer
+from pdgrpc.errors import ConfigError
+from pdgrpc.prefill.__main__ import main as prefill_main
+from pdgrpc.serving.prompts import request_ids
+from pdgrpc.v1 import generate_pb2
+
+transformers = pytest.importorskip("transformers", reason="builds the checkpoints (test extra)")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _breakages(src: Path, tmp: Path) -> list[tuple[str, Path, str]]:
+    """(what, checkpoint directory, text the refusal must contain)."""
+    out = []
+    d = _copy(src, tmp / "no-config")
+    (d / "config.json").unlink()
+    out.append(("missing config.json", d, "config.json: file not found"))
+    d = _copy(src, tmp / "bad-config")
+    (d / "config.json").write_text("{not json")
+    out.append(("corrupt config.json", d, "config.json: not valid JSON"))
+    d = _copy(src, tmp / "arch")
+    _edit_config(d, architectures=["GPT2LMHeadModel"])
+    out.append(("unsupported architecture", d, "'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"))
+    d = _copy(src, tmp / "shape")
+    _edit_config(d, intermediate_size=96)
+    out.append(("weight shape", d, "weight 'model.layers.0.mlp.gate_proj.weight' has shape [128, 64], config.json implies [96, 64]"))
+    d = _copy(src, tmp / "no-tokenizer")
+    (d / "tokenizer.json").unlink()
+    out.append(("missing tokenizer", d, "tokenizer.json: file not found"))
+    d = _copy(src, tmp / "bad-shard")
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    shard.write_bytes(b"\xff" * 64)
+    out.append(("corrupt weights file", d, f"{shard.name}: not a safetensors file"))
+    d = _copy(src, tmp / "no-shard")
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    out.append(("missing weights file", d, f"{shard.name}: file not found"))
+    return out
+
+
+def test_bad_checkpoints_are_refused_naming_the_file_or_field(hf_checkpoint, tmp_path, capsys):
+    for what, path, message in _breakages(hf_checkpoint("llama"), tmp_path):
+        with pytest.raises(ConfigError) as err:
+            check_checkpoint(HFEngineConfig(str(path)))
+        assert message in str(err.value), what
+        with pytest.raises(SystemExit) as ei:  # the prefill controller, before any worker starts
+            prefill_main(["--model", str(path), "--transport", "tcp"])
+        assert ei.value.code == 2 and message in capsys.readouterr().err, what
+
+
+def test_decode_process_exits_nonzero_on_an_unsupported_architecture(hf_checkpoint, tmp_path):
+    d = _copy(hf_checkpoint("llama"), tmp_path / "arch")
+    _edit_config(d, architectures=["FalconForCausalLM"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdgrpc.decode", "--model", str(d), "--transport", "tcp", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "'FalconForCausalLM' is not supported; supported: LlamaForCausalLM" in proc.stderr + proc.stdout
+
+
+def test_stream_decoding_never_splits_a_character(hf_checkpoint):
+    tok = load_tokenizer(hf_checkpoint("qwen2"))
+    text = "Grüße aus Köln: naïve café, 東京と大阪, こんにちは世界 🙂🚀 ü."
+    ids = tok.encode(text)
+    assert len(ids) > 20
+    stream = tok.stream_decoder()
+    pieces = [stream.feed([t]) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == text == tok.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+    assert any(p == "" for p in pieces[:-1])  # some tokens end mid-character: held back, not split
+
+
+def test_chat_messages_render_as_transformers_does(hf_checkpoint):
+    path = hf_checkpoint("qwen2")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße?"}]
+    req = generate_pb2.GenerateRequest(messages=[generate_pb2.ChatMessage(**m) for m in messages])
+    expected = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert request_ids(req, load_tokenizer(path)) == list(expected)
