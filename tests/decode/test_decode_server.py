@@ -308,6 +308,7 @@ async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.D
             await collect(stub, make_request(p, "other model", 4))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "compatibility hash" in err.value.details() and "01" * 32 in err.value.details()
+        assert f"serving {engine.model_id}" in err.value.details()  # the model this decode serves
         await assert_nothing_held(stub)
         assert await outcomes.changed() == {"refused": 2}  # turned away before taking anything
     finally:

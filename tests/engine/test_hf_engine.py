@@ -90,10 +90,15 @@ def test_chunked_prefill_equals_one_shot_and_tp2_equals_tp1(hf_checkpoint):
         outs[r] = generate(e, [prompt, prompt[:33]], NEW_TOKENS, SamplingParams(), prefill_chunk_tokens=64)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # two rank threads sharing one OpenMP pool would spin against each other
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        torch.set_num_threads(saved)
     tp1 = generate(one_fresh := _engine(path), [prompt, prompt[:33]], NEW_TOKENS, SamplingParams(), prefill_chunk_tokens=64)
     assert one_fresh.num_free_pages == one_fresh.num_pages
     for r in range(2):

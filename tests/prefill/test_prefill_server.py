@@ -267,8 +267,9 @@ async def test_incompatible_handshake_fails_both_rpcs(
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await decode.handshake(w.transfer_address, r, **override)
         assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION and needle in ei.value.details()
-        if "compat" in needle:  # both values are named
+        if "compat" in needle:  # both values are named, and the model this prefill serves
             assert compat_hash_bytes(decode.engine).hex() in ei.value.details()
+            assert f"serving {decode.engine.model_id}" in ei.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as ei2:
             await call
         assert ei2.value.code() is grpc.StatusCode.FAILED_PRECONDITION and needle in ei2.value.details()
