@@ -11,14 +11,16 @@ side by side in one run:
   equal-length prompts; each side's time for ``--new-tokens`` tokens minus its time for
   one token, so the prompts' prefill cancels out.
 
-Each number is the median of ``--repeats`` runs, the two sides interleaved. The ratio is
-pdgrpc / transformers (> 1: pdgrpc is faster). Needs ``transformers`` (the test extra).
+Each time is the best of ``--repeats`` runs, the two sides interleaved run by run: on a
+shared host the least disturbed run is the one that measures the code, and both sides
+get the same chance at it. The ratio is pdgrpc / transformers (> 1: pdgrpc is faster).
+Needs ``transformers`` (the test extra).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import tempfile
 import time
 from typing import Any, Callable
@@ -42,13 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="runs per case and side; the median counts (default: %(default)s)")
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -102,14 +101,13 @@ def run(args: argparse.Namespace) -> list[Result]:
         finally:
             engine.free_pages(p)
 
-    ours_prefill(), hf_generate(prompt, 1)  # warm-up
-    t_ours = t_hf = 0.0
-    times: dict[str, list[float]] = {"ours": [], "hf": []}
+    ours_prefill()  # warm-up
+    hf_generate(prompt, 1)
+    best = {"ours": math.inf, "hf": math.inf}
     for _ in range(args.repeats):
-        times["ours"].append(_median_time(ours_prefill, 1))
-        times["hf"].append(_median_time(lambda: hf_generate(prompt, 1), 1))
-    t_ours, t_hf = statistics.median(times["ours"]), statistics.median(times["hf"])
-    ours_tps, hf_tps = args.prompt_tokens / t_ours, args.prompt_tokens / t_hf
+        best["ours"] = min(best["ours"], _timed(ours_prefill))
+        best["hf"] = min(best["hf"], _timed(lambda: hf_generate(prompt, 1)))
+    ours_tps, hf_tps = args.prompt_tokens / best["ours"], args.prompt_tokens / best["hf"]
     results.append(Result(f"prefill {args.prompt_tokens} tokens", "tokens/s", ours_tps, "tok/s", hf_tps, ours_tps / hf_tps))
 
     # decode at each batch size
@@ -121,15 +119,20 @@ def run(args: argparse.Namespace) -> list[Result]:
             out = generate(engine, lists, new, fixed, prefill_chunk_tokens=args.decode_prompt_tokens)
             assert all(len(o.tokens) == new for o in out)
 
-        ours(2), hf_generate(prompts, 2)  # warm-up
-        spans: dict[str, list[float]] = {"ours": [], "hf": []}
+        def theirs(new: int) -> None:
+            hf_generate(prompts, new)
+
+        ours(2)  # warm-up
+        theirs(2)
+        full = {"ours": math.inf, "hf": math.inf}
+        first = dict(full)
         for _ in range(args.repeats):
-            for side, fn in (("ours", ours), ("hf", lambda n: hf_generate(prompts, n))):
-                full = _median_time(lambda: fn(args.new_tokens), 1)
-                first = _median_time(lambda: fn(1), 1)
-                spans[side].append(max(full - first, 1e-9))
+            for side, fn in (("ours", ours), ("hf", theirs)):
+                full[side] = min(full[side], _timed(lambda: fn(args.new_tokens)))
+                first[side] = min(first[side], _timed(lambda: fn(1)))
         n = b * (args.new_tokens - 1)
-        ours_tps, hf_tps = n / statistics.median(spans["ours"]), n / statistics.median(spans["hf"])
+        ours_tps = n / max(full["ours"] - first["ours"], 1e-9)
+        hf_tps = n / max(full["hf"] - first["hf"], 1e-9)
         results.append(Result(f"decode b{b}", "tokens/s", ours_tps, "tok/s", hf_tps, ours_tps / hf_tps))
     if tmp is not None:
         tmp.cleanup()

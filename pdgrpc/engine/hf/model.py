@@ -106,6 +106,9 @@ class HFModel:
         sin = self.sin[batch.positions][:, None, :]
         one_shot = batch.start == 0 and self.c.sliding_window is None  # the whole prompt in this chunk
         mask = None if one_shot else self._mask(batch, k_pool[0].shape[2])
+        # Pool rows (page * hkv + head) to gather, request by request, head by head, page by page.
+        heads = torch.arange(hkv, device=self.device)
+        kv_rows = (batch.page_table[:, None, :] * hkv + heads[None, :, None]).reshape(-1)
         x = self.w.embed[tokens]
         for li, lw in enumerate(self.w.layers):
             h = self._norm(x, lw.input_norm)
@@ -123,7 +126,7 @@ class HFModel:
                     is_causal=True, scale=self.scale, enable_gqa=True,
                 )[0].transpose(0, 1).reshape(T, hq * d)
             else:
-                attn = self._paged_attention(q, batch, k_pool[li], v_pool[li], mask)
+                attn = self._paged_attention(q, batch, k_pool[li], v_pool[li], mask, kv_rows)
             x = x + self.all_reduce(F.linear(attn, lw.o))
             h = self._norm(x, lw.post_norm)
             gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
@@ -142,16 +145,16 @@ class HFModel:
             mask &= key_pos[None, None, :] > qpos[:, :, None] - self.c.sliding_window
         return mask[:, None]
 
-    def _paged_attention(self, q: torch.Tensor, batch: Batch, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _paged_attention(self, q: torch.Tensor, batch: Batch, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: torch.Tensor | None, kv_rows: torch.Tensor) -> torch.Tensor:
         B, P = batch.page_table.shape
         T = q.shape[0]
         N = T // B
         hkv, g, d = self.hkv, self.hq // self.hkv, self.d
-        # One gather per pool for every page of every request, straight into head-major
-        # order: [hkv, B * P, S, d] -> a [B, hkv, P * S, d] view (no second copy).
-        flat = batch.page_table.reshape(-1)
-        k = k_pool.transpose(0, 1).index_select(1, flat).view(hkv, B, -1, d).transpose(0, 1)
-        v = v_pool.transpose(0, 1).index_select(1, flat).view(hkv, B, -1, d).transpose(0, 1)
+        # One contiguous gather per pool: (page, head) blocks of S rows, in the order
+        # [request, head, page], which is [B, hkv, P * S, d] as it lands (no second copy).
+        S = k_pool.shape[2]
+        k = k_pool.view(-1, S, d).index_select(0, kv_rows).view(B, hkv, P * S, d)
+        v = v_pool.view(-1, S, d).index_select(0, kv_rows).view(B, hkv, P * S, d)
         if N == 1:
             # Decode: a KV group's query heads attend to the same keys under the same mask,
             # so they go in as that group's query rows (no GQA broadcast of K/V).

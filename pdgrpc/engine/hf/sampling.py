@@ -43,12 +43,15 @@ def _choose(row: torch.Tensor, order: torch.Tensor, p: SamplingParams, position:
 def sample_float(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[SampledToken]:
     """One :class:`SampledToken` per row of ``logits`` ``[rows, vocab]``; row ``i`` is
     sampled for the token at ``positions[i]`` with ``params[i]``."""
+    best_t = logits.argmax(dim=-1)  # first maximum: the lowest id among ties
+    if all(p.temperature == 0.0 and not p.top_logprobs for p in params):
+        # Greedy (the common case): no sort, no float64 copy of the vocabulary; the
+        # logprob is the logit minus a float32 logsumexp (relative error ~1e-7).
+        lp = logits.gather(1, best_t[:, None])[:, 0] - torch.logsumexp(logits.float(), dim=-1)
+        return [SampledToken(token_id=t, logprob=v) for t, v in zip(best_t.tolist(), lp.tolist())]
+    best = best_t.tolist()
     logits = logits.to(torch.float64)
     logprobs = torch.log_softmax(logits, dim=-1)
-    best = logits.argmax(dim=-1).tolist()  # first maximum: the lowest id among ties
-    if all(p.temperature == 0.0 and not p.top_logprobs for p in params):  # greedy: no sort
-        lp = logprobs.gather(1, torch.tensor(best, device=logits.device)[:, None])[:, 0].to(torch.float32).tolist()
-        return [SampledToken(token_id=t, logprob=v) for t, v in zip(best, lp)]
     logits, logprobs = logits.cpu(), logprobs.cpu()
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
     out = []
