@@ -3,6 +3,7 @@
 A tiny random Llama checkpoint (llama3 rope scaling, sharded safetensors, BPE tokenizer),
 built offline once per session, served by real processes:
 
+- the colocated server (one process, no transfer);
 - ``1p1d`` over tcp;
 - prefill dp 2 (TP 1) -> decode TP 2 over rdma (dp, different TP sizes, rdma at once);
 - ``tp2`` (prefill TP 2 -> decode TP 2) over tcp.
@@ -45,6 +46,7 @@ def _topology(name: str, model: str, prefill_args: dict | None = None):
 
 
 CLUSTERS = {
+    "colocated": ("colocated", "tcp", None),  # python -m pdgrpc.cluster.colocated --model
     "1p1d-tcp": ("1p1d", "tcp", None),
     "dp2-to-tp2-rdma": ("tp1-to-tp2", "rdma", {"dp-size": 2}),
     "tp2-tcp": ("tp2", "tcp", None),
