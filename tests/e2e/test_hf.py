@@ -25,6 +25,7 @@ import pytest_asyncio
 import torch
 
 from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster.topology import ProcessSpec
 from pdgrpc.cluster.client import generate
 from pdgrpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.harness import Case, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
@@ -37,11 +38,16 @@ NEW_TOKENS = 10
 LENGTHS = (1, 2, 15, 16, 17, 63, 65, 130, 300, 700)  # pages of 16, prefill chunks of 64
 
 
-def _topology(name: str, model: str, prefill_args: dict | None = None):
+def _topology(name: str, model: str, prefill_args: dict | None = None, other_model: str | None = None):
     t = load_topology(name)
     procs = tuple(
         dataclasses.replace(p, args={**p.args, **prefill_args}) if p.role == "prefill" and prefill_args else p for p in t.processes
     )
+    if other_model:  # a decode serving another checkpoint, behind its own router
+        procs += (
+            ProcessSpec("decode-other", "decode", {"num-slots": 4, "model": other_model}),
+            ProcessSpec("router-other", "router", prefill=("prefill",), decode=("decode-other",)),
+        )
     return dataclasses.replace(t, name=f"{name}-hf", engine={**t.engine, "model": model}, processes=procs)
 
 
@@ -60,10 +66,12 @@ def model_dir(hf_checkpoint):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=list(CLUSTERS))
-async def cluster(request, model_dir):
+async def cluster(request, model_dir, hf_checkpoint):
     name, transport, prefill_args = CLUSTERS[request.param]
     skip_unless_transport(transport)
-    async with Cluster(_topology(name, model_dir, prefill_args), transport=transport, start_timeout=180, metrics=True) as c:
+    other = str(hf_checkpoint("llama-tied")) if request.param == "1p1d-tcp" else None
+    topology = _topology(name, model_dir, prefill_args, other)
+    async with Cluster(topology, transport=transport, start_timeout=180, metrics=True) as c:
         yield c
 
 
@@ -121,4 +129,10 @@ async def test_outputs_equal_transformers_and_colocated_and_everything_is_releas
         with pytest.raises(grpc.aio.AioRpcError) as err:  # max-prompt-tokens = 1024 in the [engine] table
             await generate(stub, input_ids=[5] * 1100, max_new_tokens=2)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1100" in err.value.details()
+        if "router-other" in cluster.procs:  # another checkpoint's decode refuses, naming the model it serves
+            other = generate_pb2_grpc.GenerateServiceStub(cluster.channel("router-other"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(other, input_ids=[5] * 10, max_new_tokens=2)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "compatibility hash mismatch" in err.value.details() and "ckpt-llama-tied" in err.value.details()
     await wait_nothing_held(cluster)
