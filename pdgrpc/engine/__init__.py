@@ -9,6 +9,8 @@
   disaggregated serving must reproduce token for token.
 - :mod:`pdgrpc.engine.transfer_sim` -- :func:`copy_pages`, a transfer without a network.
 - :mod:`pdgrpc.engine.tp` -- all-reduce callables for tensor parallelism.
+- :mod:`pdgrpc.engine.hf` -- :class:`~pdgrpc.engine.hf.engine.HFEngine`, a Hugging Face
+  decoder checkpoint from a local directory (``--model PATH``) on the same paged KV pool.
 """
 
 from __future__ import annotations
