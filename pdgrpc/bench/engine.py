@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     longest = max(args.prompt_tokens, args.decode_prompt_tokens + args.new_tokens) + 16
     max_batch = max(args.batches)
     pages = (max_batch + 1) * (longest // 16 + 2)
-    engine = HFEngine(HFEngineConfig(path, dtype=args.dtype, num_pages=pages, max_seq_len=longest + 1, max_prompt_tokens=longest))
+    engine = HFEngine(HFEngineConfig(path, dtype=args.dtype, num_pages=pages, max_seq_len=longest + 1, max_prompt_tokens=longest, threads=0))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     vocab = engine.tokenizer.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -47,7 +47,7 @@ def uses_checkpoint(ns: argparse.Namespace) -> bool:
     return bool(getattr(ns, "model", ""))
 
 
-def hf_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, threads: int = 0) -> "HFEngineConfig":
+def hf_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, threads: int = 1) -> "HFEngineConfig":
     from pdgrpc.engine.hf.engine import HFEngineConfig
 
     return HFEngineConfig(
@@ -70,12 +70,15 @@ def check_engine_args(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
         engine_config_from_args(ns, tp_size=tp_size)
 
 
-def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None, threads: int = 0) -> Engine:
-    """The engine the flags describe (this TP rank of it)."""
+def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None) -> Engine:
+    """The engine the flags describe (this TP rank of it). A checkpoint engine computes on
+    ``--compute-threads`` torch threads where the server has that flag (prefill workers),
+    else on one, like the reference engine."""
     if uses_checkpoint(ns):
         from pdgrpc.engine.hf.engine import HFEngine
 
         try:
+            threads = max(1, int(getattr(ns, "compute_threads", 1)))
             engine: Engine = HFEngine(hf_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size, threads=threads), all_reduce)
         except ImportError as exc:
             raise ConfigError(f"--model needs pdgrpc[hf] (safetensors, tokenizers): {exc}") from None

@@ -46,7 +46,11 @@ class HFEngineConfig:
     max_prompt_tokens: int = 2048
     tp_rank: int = 0
     tp_size: int = 1
-    threads: int = 0  # torch intra-op threads (0: leave torch's setting)
+    # torch intra-op threads, set process-wide at construction (0: leave torch's setting).
+    # 1 like the reference engine: several server processes share a host's cores, and
+    # OpenMP threads of oversubscribed processes spin-wait each other (measured 100x
+    # slower forwards of a tiny model on a loaded 2-core host at 2 threads).
+    threads: int = 1
 
     def __post_init__(self) -> None:
         kv_dtype_from_name(self.dtype)
