@@ -1,0 +1,230 @@
+"""``sglang.grpc.scheduler.SglangScheduler`` served by pdgrpc's prefill and decode servers.
+
+smg, SGLang's model gateway, fronts gRPC workers over this protocol. In its PD mode it
+sends the same ``Generate`` to a prefill and a decode worker at once, with
+``disaggregated_params{bootstrap_host, bootstrap_port, bootstrap_room}``; only the
+decode leg's tokens reach the client, and smg holds the decode stream back until the
+prefill leg's call ends.
+
+* **Prefill leg** (:class:`PrefillLeg`): the request becomes a ``PrefillRequest`` for
+  the controller's own ``Prefill`` handler (same dp-rank choice and registration, same
+  failures), called in-process with this call's context. The call ends with one
+  ``complete`` as soon as the decode acknowledged the metadata row.
+* **Decode leg** (:class:`DecodeLeg`): the request becomes a ``DecodeRequest`` whose
+  prefill bootstrap is ``bootstrap_host:bootstrap_port``, run by the decode's own
+  ``Decode`` handler in-process. Every output token, the first included, goes out as a
+  ``chunk``; then ``complete`` with ``finish_reason`` (``stop``/``length``),
+  ``matched_token_id`` (EOS or a stop token id) and the token counts. A stop token id
+  ends the request early: the inner call is closed, which frees its pages and slot.
+* **Abort(request_id)** cancels that request's ``Generate`` handler, so the inner call
+  is cancelled exactly as when pdgrpc's router cancels (the decode aborts the room and
+  quarantines its pages until the prefill acknowledged; the prefill stops computing).
+  An unknown id is a no-op whose reply says so.
+* ``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads`` and
+  ``GetTokenizer`` describe this worker; ``SubscribeKvEvents`` and the rest answer
+  UNIMPLEMENTED (smg logs a warning and routes without KV events).
+
+Request conversion and rooms: :mod:`pdgrpc.gateway.requests`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from google.protobuf import struct_pb2
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from pdgrpc.errors import RequestFailed
+from pdgrpc.gateway.requests import GatewayRequest, convert
+from pdgrpc.gateway.tokenizer import tokenizer_zip
+from pdgrpc.v1 import decode_pb2, prefill_pb2
+
+__all__ = ["SERVICE_NAME", "DecodeLeg", "PrefillLeg", "WorkerInfo", "add_to_server"]
+
+log = logging.getLogger("pdgrpc.gateway")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+_TOKENIZER_CHUNK = 64 * 1024  # bytes per GetTokenizer message
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """What this worker tells smg about itself."""
+
+    mode: str  # "prefill" | "decode"
+    served_model_name: str
+    transport: str  # pdgrpc transport name; smg requires prefill and decode to agree
+    max_seq_len: int  # tokens
+    max_prompt_tokens: int  # tokens
+    max_running_requests: int  # requests
+    bootstrap_port: int  # the prefill's BootstrapService port (0 on a decode)
+
+
+class _Base(pb_grpc.SglangSchedulerServicer):
+    def __init__(self, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        self.info = info
+        self._active = active
+        self._healthy = healthy
+        self._running: dict[str, asyncio.Task[Any]] = {}  # request_id -> its Generate handler
+        self._started = time.time()
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        ok = self._healthy()
+        return pb.HealthCheckResponse(healthy=ok, message="serving" if ok else "not serving (starting, stopping or a worker is dead)")
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        i = self.info()
+        return pb.GetModelInfoResponse(
+            model_path=i.served_model_name, served_model_name=i.served_model_name, is_generation=True,
+            max_context_length=i.max_seq_len, vocab_size=VOCAB_SIZE, model_type="pdgrpc-reference",
+            eos_token_ids=[EOS_ID], bos_token_id=BOS_ID, max_req_input_len=i.max_prompt_tokens,
+        )
+
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        i = self.info()
+        args = struct_pb2.Struct()
+        args.update({
+            "disaggregation_mode": i.mode,
+            "disaggregation_transfer_backend": f"pdgrpc-{i.transport}",
+            "disaggregation_bootstrap_port": i.bootstrap_port,
+            "max_running_requests": i.max_running_requests,
+            "served_model_name": i.served_model_name,
+            "context_length": i.max_seq_len,
+        })
+        return pb.GetServerInfoResponse(
+            server_args=args, active_requests=self._active(), uptime_seconds=time.time() - self._started,
+            server_type="grpc", sglang_version="pdgrpc",
+        )
+
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        n = self._active()
+        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=n, num_total_reqs=n, max_running_requests=self.info().max_running_requests)
+        return pb.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version="pdgrpc", dp_rank_count=1, loads=[load],
+            aggregate=pb.AggregateMetrics(total_running_reqs=n, total_reqs=n),
+        )
+
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        data, sha = tokenizer_zip()
+        for start in range(0, len(data), _TOKENIZER_CHUNK):
+            end = start + _TOKENIZER_CHUNK
+            yield smg_common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        task = self._running.get(request.request_id)
+        if task is None:
+            return pb.AbortResponse(success=False, message=f"no request {request.request_id!r} is running here; nothing to abort")
+        log.info("abort request %s: %s", request.request_id, request.reason or "(no reason given)")
+        task.cancel()
+        return pb.AbortResponse(success=True, message="aborted")
+
+    def _convert(self, request: Any) -> GatewayRequest:
+        return convert(request, disaggregated=True, max_seq_len=self.info().max_seq_len)
+
+    def _track(self, request_id: str) -> None:
+        if request_id in self._running:
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running here")
+        task = asyncio.current_task()
+        assert task is not None
+        self._running[request_id] = task
+
+
+class PrefillLeg(_Base):
+    """Serves smg's prefill leg on the prefill controller (see the module doc)."""
+
+    def __init__(self, prefill: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        super().__init__(info, active, healthy)
+        self._prefill = prefill  # the controller: Prefill(PrefillRequest, context) -> PrefillResponse
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        try:
+            g = self._convert(request)
+            self._track(g.request_id)
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        try:
+            inner = prefill_pb2.PrefillRequest(
+                bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling
+            )
+            if g.routed_dp_rank is not None:
+                inner.routed_dp_rank = g.routed_dp_rank
+            reply = await self._prefill.Prefill(inner, context)  # aborts the context on failure
+            yield pb.GenerateResponse(
+                request_id=g.request_id,
+                complete=pb.GenerateComplete(finish_reason="stop", prompt_tokens=reply.prompt_tokens or len(g.input_ids)),
+            )
+        finally:
+            self._running.pop(g.request_id, None)
+
+
+class DecodeLeg(_Base):
+    """Serves smg's decode leg on the decode server (see the module doc)."""
+
+    def __init__(self, decode: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        super().__init__(info, active, healthy)
+        self._decode = decode  # the DecodeServicer: Decode(DecodeRequest, context) -> stream
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        try:
+            g = self._convert(request)
+            self._track(g.request_id)
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        inner_req = decode_pb2.DecodeRequest(
+            bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling,
+            prefill_bootstrap_address=g.bootstrap_address,
+        )
+        if g.routed_dp_rank is not None:
+            inner_req.routed_dp_rank = g.routed_dp_rank
+        stream = self._decode.Decode(inner_req, context)
+        prompt = len(g.input_ids)
+        out: list[int] = []
+        logprobs = pb.OutputLogProbs()
+        try:
+            async for msg in stream:
+                ids = list(msg.token_ids)
+                matched = next((i for i, t in enumerate(ids) if t in g.stop_token_ids), None)
+                if matched is not None:
+                    ids = ids[: matched + 1]
+                out += ids
+                chunk = pb.GenerateStreamChunk(token_ids=ids, prompt_tokens=prompt, completion_tokens=len(out))
+                if g.return_logprob:
+                    step = pb.OutputLogProbs(
+                        token_logprobs=list(msg.logprobs)[: len(ids)], token_ids=ids,
+                        top_logprobs=[pb.TopLogProbs(values=t.logprobs, token_ids=t.token_ids) for t in list(msg.top_logprobs)[: len(ids)]],
+                    )
+                    logprobs.MergeFrom(step)
+                    chunk.output_logprobs.CopyFrom(step)
+                yield pb.GenerateResponse(request_id=g.request_id, chunk=chunk)
+                if matched is not None or msg.finish_reason:
+                    done = pb.GenerateComplete(
+                        output_ids=out, prompt_tokens=prompt, completion_tokens=len(out),
+                        finish_reason="length" if matched is None and msg.finish_reason == "length" else "stop",
+                    )
+                    if matched is not None:
+                        done.matched_token_id = ids[-1]
+                    elif msg.finish_reason == "eos":
+                        done.matched_token_id = EOS_ID
+                    if g.return_logprob:
+                        done.output_logprobs.CopyFrom(logprobs)
+                    yield pb.GenerateResponse(request_id=g.request_id, complete=done)
+                    return
+        finally:
+            # A stop token, an Abort or a client that went away: closing the inner stream
+            # runs its clean-up (the room is aborted and its pages freed).
+            await stream.aclose()
+            self._running.pop(g.request_id, None)
+
+
+def add_to_server(servicer: _Base, server: Any) -> None:
+    pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
