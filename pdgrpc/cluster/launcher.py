@@ -326,7 +326,7 @@ class Cluster:
         return {
             name if key == "" else f"{name}/{key}": f"{proc.ip}:{port}"
             for name, proc in self.procs.items()
-            if role is None or proc.spec.role == role
+            if (role is None and proc.spec.role != "smg") or proc.spec.role == role  # smg's are not pdgrpc's
             for key, port in proc.metrics_ports.items()
         }
 

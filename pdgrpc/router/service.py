@@ -32,13 +32,14 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
 from pdgrpc.discovery.record import MembershipView
 from pdgrpc.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
 from pdgrpc.errors import RequestFailed
+from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
@@ -60,11 +61,13 @@ _PREFILL_TAIL_S = 5.0
 _CAUSE_WINDOW_S = 0.5
 
 
-def draw_room() -> int:
-    """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)."""
+def draw_room(randbits: Callable[[int], int] = secrets.randbits) -> int:
+    """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)
+    and never in the band that rooms of requests from smg map to
+    (:data:`pdgrpc.gateway.requests.ROOM_BASE`), so the two never share a room."""
     while True:
-        room = secrets.randbits(63)
-        if room:
+        room = randbits(63)
+        if room and not ROOM_BASE <= room < ROOM_BASE + ROOM_SPAN:
             return room
 
 
