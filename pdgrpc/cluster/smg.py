@@ -13,7 +13,7 @@ The launcher starts ``smg launch --pd-disaggregation --prefill grpc://HOST:PORT
 BOOTSTRAP_PORT --decode grpc://HOST:PORT ...`` (the ``smg`` console script of the
 ``pdgrpc[gateway]`` extra, from the launching interpreter's environment), with every
 listener on 127.0.0.1 (smg binds 0.0.0.0 for HTTP and metrics unless told otherwise), a
-1 s worker health interval and a 5 s shutdown grace period (smg's default is 180 s).
+1 s worker health interval and a 2 s shutdown grace period (smg's default is 180 s).
 ``BOOTSTRAP_PORT`` is the port of the prefill's BootstrapService: its own port when
 bootstrap is embedded, else its bootstrap process's (on the same host). smg passes it to
 both legs of every request, and the decode finds the prefill's bootstrap there.
@@ -35,7 +35,7 @@ from pdgrpc.cluster.topology import ProcessSpec, flags
 __all__ = ["SMG_DEFAULTS", "readiness", "smg_argv", "smg_executable"]
 
 # Flags the launcher sets unless the topology's args set them.
-SMG_DEFAULTS: dict[str, str | int] = {"health-check-interval-secs": 1, "shutdown-grace-period-secs": 5, "log-level": "warn"}
+SMG_DEFAULTS: dict[str, str | int] = {"health-check-interval-secs": 1, "shutdown-grace-period-secs": 2, "log-level": "warn"}
 
 
 def smg_executable(python: str = sys.executable) -> str:

@@ -73,7 +73,7 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         self.info = info
         self._active = active
         self._healthy = healthy
-        self._running: dict[str, asyncio.Task[Any]] = {}  # request_id -> its Generate handler
+        self._running: dict[str, Callable[[str], bool]] = {}  # request_id -> what aborts it (False: too early or late)
         self._started = time.time()
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
@@ -119,22 +119,21 @@ class _Base(pb_grpc.SglangSchedulerServicer):
             yield smg_common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        task = self._running.get(request.request_id)
-        if task is None:
+        abort = self._running.get(request.request_id)
+        if abort is None:
             return pb.AbortResponse(success=False, message=f"no request {request.request_id!r} is running here; nothing to abort")
         log.info("abort request %s: %s", request.request_id, request.reason or "(no reason given)")
-        task.cancel()
+        if not abort(f"request {request.request_id} aborted by Abort: {request.reason or 'no reason given'}"):
+            return pb.AbortResponse(success=False, message=f"request {request.request_id!r} is not admitted yet or already over; nothing aborted")
         return pb.AbortResponse(success=True, message="aborted")
 
     def _convert(self, request: Any) -> GatewayRequest:
         return convert(request, disaggregated=True, max_seq_len=self.info().max_seq_len)
 
-    def _track(self, request_id: str) -> None:
+    def _track(self, request_id: str, abort: Callable[[str], bool]) -> None:
         if request_id in self._running:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running here")
-        task = asyncio.current_task()
-        assert task is not None
-        self._running[request_id] = task
+        self._running[request_id] = abort
 
 
 class PrefillLeg(_Base):
@@ -145,9 +144,18 @@ class PrefillLeg(_Base):
         self._prefill = prefill  # the controller: Prefill(PrefillRequest, context) -> PrefillResponse
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        aborted: list[str] = []
+        # The Prefill runs in its own task so that Abort can cancel it and this handler
+        # still ends the call with a status (grpc sends none for a cancelled handler).
+        work: asyncio.Future[Any] | None = None
+
+        def abort(why: str) -> bool:
+            aborted.append(why)
+            return work is not None and work.cancel()
+
         try:
             g = self._convert(request)
-            self._track(g.request_id)
+            self._track(g.request_id, abort)
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
             return
@@ -157,7 +165,13 @@ class PrefillLeg(_Base):
             )
             if g.routed_dp_rank is not None:
                 inner.routed_dp_rank = g.routed_dp_rank
-            reply = await self._prefill.Prefill(inner, context)  # aborts the context on failure
+            work = asyncio.ensure_future(self._prefill.Prefill(inner, context))  # aborts the context on failure
+            try:
+                reply = await work
+            except asyncio.CancelledError:
+                if not aborted or not work.cancelled():
+                    raise  # the caller went away: grpc ends the call
+                await context.abort(grpc.StatusCode.CANCELLED, aborted[0])
             yield pb.GenerateResponse(
                 request_id=g.request_id,
                 complete=pb.GenerateComplete(finish_reason="stop", prompt_tokens=reply.prompt_tokens or len(g.input_ids)),
@@ -174,9 +188,10 @@ class DecodeLeg(_Base):
         self._decode = decode  # the DecodeServicer: Decode(DecodeRequest, context) -> stream
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        scheduler = self._decode.scheduler
         try:
             g = self._convert(request)
-            self._track(g.request_id)
+            self._track(g.request_id, lambda why: scheduler.end_stream(g.room, grpc.StatusCode.CANCELLED, why))
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
             return
