@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "pdgrpc.bench.e2e",
     "multihost": "pdgrpc.bench.multihost",
     "security": "pdgrpc.bench.security",
+    "gateway": "pdgrpc.bench.gateway",
 }
 
 __all__ = ["BENCHMARKS", "Result", "format_table", "write_json"]

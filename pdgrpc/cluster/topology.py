@@ -24,7 +24,7 @@ Format (TOML, read with :mod:`tomllib`)::
 
     [[process]]
     name = "prefill"                # unique; logs and GetStats are per name
-    role = "prefill"                # bootstrap | prefill | decode | router | colocated | smg
+    role = "prefill"                # bootstrap | prefill | decode | router | colocated | etcd | smg
     bootstrap = "bootstrap"         # prefill only: a bootstrap process's name; omitted = embedded
     args = { dp-size = 2, load-balance = "round_robin" }   # extra flags, --key value
 
