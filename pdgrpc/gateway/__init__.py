@@ -3,7 +3,8 @@
 smg (``pip install 'pdgrpc[gateway]'``) speaks ``sglang.grpc.scheduler.SglangScheduler``
 to its workers; the servers serve it beside pdgrpc's own services when the
 ``smg-grpc-proto`` package is installed (:func:`prefill_service`,
-:func:`decode_service`; ``None`` without it). See ``docs/gateway.md``.
+:func:`decode_service`, and on the colocated server, smg's non-PD worker,
+:func:`colocated_service`; ``None`` without it). See ``docs/gateway.md``.
 
 * :mod:`pdgrpc.gateway.servicer` -- the RPCs, over the servers' own handlers.
 * :mod:`pdgrpc.gateway.requests` -- smg's request -> pdgrpc's, rooms, refused fields.
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdgrpc.rpc.server import ServiceSpec
 
-__all__ = ["DEFAULT_SERVED_MODEL_NAME", "add_gateway_arguments", "available", "decode_service", "prefill_service"]
+__all__ = [
+    "DEFAULT_SERVED_MODEL_NAME", "add_gateway_arguments", "available", "colocated_service", "decode_service", "prefill_service",
+]
 
 DEFAULT_SERVED_MODEL_NAME = "pdgrpc-reference"
 
@@ -76,3 +79,18 @@ def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "Serv
         healthy=lambda: scheduler.fatal is None or not scheduler.fatal.done(),
     )
     return SERVICE_NAME, lambda server: add_to_server(leg, server)
+
+
+def colocated_service(server: Any, ns: argparse.Namespace) -> "ServiceSpec | None":
+    """The SglangScheduler service over a colocated server, smg's non-PD worker (``None`` without the extra)."""
+    if not available():
+        return None
+    from pdgrpc.gateway.servicer import SERVICE_NAME, ColocatedLeg, WorkerInfo, add_to_server
+
+    engine = server.engine
+    fixed = WorkerInfo(
+        mode="null", served_model_name=ns.served_model_name, transport="none", max_seq_len=engine.max_seq_len,
+        max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=engine.num_pages, bootstrap_port=0,
+    )
+    leg = ColocatedLeg(server, lambda: fixed, active=server.active_requests, healthy=lambda: True)
+    return SERVICE_NAME, lambda s: add_to_server(leg, s)

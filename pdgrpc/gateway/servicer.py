@@ -20,6 +20,9 @@ prefill leg's call ends.
   is cancelled exactly as when pdgrpc's router cancels (the decode aborts the room and
   quarantines its pages until the prefill acknowledged; the prefill stops computing).
   An unknown id is a no-op whose reply says so.
+* **Colocated** (:class:`ColocatedLeg`): smg's non-PD worker. The request (without
+  ``disaggregated_params``) runs on the colocated server's own scheduler, streamed the
+  same way as a decode leg.
 * ``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads`` and
   ``GetTokenizer`` describe this worker; ``SubscribeKvEvents`` and the rest answer
   UNIMPLEMENTED (smg logs a warning and routes without KV events).
@@ -45,9 +48,9 @@ from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import GatewayRequest, convert
 from pdgrpc.gateway.tokenizer import tokenizer_zip
-from pdgrpc.v1 import decode_pb2, prefill_pb2
+from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
 
-__all__ = ["SERVICE_NAME", "DecodeLeg", "PrefillLeg", "WorkerInfo", "add_to_server"]
+__all__ = ["SERVICE_NAME", "ColocatedLeg", "DecodeLeg", "PrefillLeg", "WorkerInfo", "add_to_server"]
 
 log = logging.getLogger("pdgrpc.gateway")
 
@@ -59,7 +62,7 @@ _TOKENIZER_CHUNK = 64 * 1024  # bytes per GetTokenizer message
 class WorkerInfo:
     """What this worker tells smg about itself."""
 
-    mode: str  # "prefill" | "decode"
+    mode: str  # "prefill" | "decode" | "null" (colocated)
     served_model_name: str
     transport: str  # pdgrpc transport name; smg requires prefill and decode to agree
     max_seq_len: int  # tokens
@@ -128,7 +131,10 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         return pb.AbortResponse(success=True, message="aborted")
 
     def _convert(self, request: Any) -> GatewayRequest:
-        return convert(request, disaggregated=True, max_seq_len=self.info().max_seq_len)
+        colocated = self.info().mode == "null"
+        if colocated and request.HasField("disaggregated_params"):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "disaggregated_params is set, but this worker is colocated (not a prefill or decode)")
+        return convert(request, disaggregated=not colocated, max_seq_len=self.info().max_seq_len)
 
     def _track(self, request_id: str, abort: Callable[[str], bool]) -> None:
         if request_id in self._running:
@@ -202,42 +208,117 @@ class DecodeLeg(_Base):
         if g.routed_dp_rank is not None:
             inner_req.routed_dp_rank = g.routed_dp_rank
         stream = self._decode.Decode(inner_req, context)
-        prompt = len(g.input_ids)
-        out: list[int] = []
-        logprobs = pb.OutputLogProbs()
+        out = _Stream(g)
         try:
             async for msg in stream:
-                ids = list(msg.token_ids)
-                matched = next((i for i, t in enumerate(ids) if t in g.stop_token_ids), None)
-                if matched is not None:
-                    ids = ids[: matched + 1]
-                out += ids
-                chunk = pb.GenerateStreamChunk(token_ids=ids, prompt_tokens=prompt, completion_tokens=len(out))
-                if g.return_logprob:
-                    step = pb.OutputLogProbs(
-                        token_logprobs=list(msg.logprobs)[: len(ids)], token_ids=ids,
-                        top_logprobs=[pb.TopLogProbs(values=t.logprobs, token_ids=t.token_ids) for t in list(msg.top_logprobs)[: len(ids)]],
-                    )
-                    logprobs.MergeFrom(step)
-                    chunk.output_logprobs.CopyFrom(step)
-                yield pb.GenerateResponse(request_id=g.request_id, chunk=chunk)
-                if matched is not None or msg.finish_reason:
-                    done = pb.GenerateComplete(
-                        output_ids=out, prompt_tokens=prompt, completion_tokens=len(out),
-                        finish_reason="length" if matched is None and msg.finish_reason == "length" else "stop",
-                    )
-                    if matched is not None:
-                        done.matched_token_id = ids[-1]
-                    elif msg.finish_reason == "eos":
-                        done.matched_token_id = EOS_ID
-                    if g.return_logprob:
-                        done.output_logprobs.CopyFrom(logprobs)
-                    yield pb.GenerateResponse(request_id=g.request_id, complete=done)
+                msgs = out.step(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs), msg.finish_reason)
+                for m in msgs:
+                    yield m
+                if len(msgs) == 2:  # complete: over (EOS, length or a stop token id)
                     return
         finally:
             # A stop token, an Abort or a client that went away: closing the inner stream
             # runs its clean-up (the room is aborted and its pages freed).
             await stream.aclose()
+            self._running.pop(g.request_id, None)
+
+
+class _Stream:
+    """Turns output tokens into smg's ``chunk`` messages and the final ``complete``."""
+
+    def __init__(self, g: GatewayRequest) -> None:
+        self.g = g
+        self.out: list[int] = []
+        self.logprobs = pb.OutputLogProbs()
+
+    def step(self, ids: list[int], logprobs: list[float], top: list[Any], finish_reason: str) -> list[Any]:
+        """The messages for ``ids`` generated now (``finish_reason``: pdgrpc's, "" while
+        running); the last of them is ``complete`` once the request is over."""
+        g = self.g
+        matched = next((i for i, t in enumerate(ids) if t in g.stop_token_ids), None)
+        if matched is not None:
+            ids = ids[: matched + 1]
+        self.out += ids
+        prompt = len(g.input_ids)
+        chunk = pb.GenerateStreamChunk(token_ids=ids, prompt_tokens=prompt, completion_tokens=len(self.out))
+        if g.return_logprob:
+            step = pb.OutputLogProbs(
+                token_logprobs=logprobs[: len(ids)], token_ids=ids,
+                top_logprobs=[pb.TopLogProbs(values=t.logprobs, token_ids=t.token_ids) for t in top[: len(ids)]],
+            )
+            self.logprobs.MergeFrom(step)
+            chunk.output_logprobs.CopyFrom(step)
+        msgs = [pb.GenerateResponse(request_id=g.request_id, chunk=chunk)]
+        if matched is None and not finish_reason:
+            return msgs
+        done = pb.GenerateComplete(
+            output_ids=self.out, prompt_tokens=prompt, completion_tokens=len(self.out),
+            finish_reason="length" if matched is None and finish_reason == "length" else "stop",
+        )
+        if matched is not None:
+            done.matched_token_id = ids[-1]
+        elif finish_reason == "eos":
+            done.matched_token_id = EOS_ID
+        if g.return_logprob:
+            done.output_logprobs.CopyFrom(self.logprobs)
+        msgs.append(pb.GenerateResponse(request_id=g.request_id, complete=done))
+        return msgs
+
+
+class ColocatedLeg(_Base):
+    """Serves smg's non-PD requests on the colocated server (see the module doc)."""
+
+    def __init__(self, server: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        super().__init__(info, active, healthy)
+        self._server = server  # ColocatedServer: admit(ids, sampling, max_new) -> job
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        from pdgrpc.cluster.colocated import DONE
+        from pdgrpc.engine.base import InvalidRequest
+        from pdgrpc.errors import EngineError
+        from pdgrpc.serving.convert import sampling_from_proto
+
+        engine = self._server.engine
+        job: Any = None
+
+        def abort(why: str) -> bool:
+            if job is None or job.cancelled:
+                return False
+            job.out.put_nowait(RequestFailed(grpc.StatusCode.CANCELLED, why))
+            return True
+
+        try:
+            g = self._convert(request)
+            sampling = sampling_from_proto(g.sampling)
+            engine.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
+            engine.validate_request(g.input_ids, g.sampling.max_new_tokens)
+            self._track(g.request_id, abort)
+        except (InvalidRequest, EngineError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace("token_ids", "tokenized.input_ids"))
+            return
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        job = self._server.admit(g.input_ids, sampling, g.sampling.max_new_tokens)
+        stream = _Stream(g)
+        try:
+            while True:
+                item = await job.out.get()
+                if item is DONE:
+                    return
+                if isinstance(item, RequestFailed):
+                    await context.abort(item.code, item.message)
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {item}")
+                tok, reason = item
+                top = [common_pb2.TopLogprobs(token_ids=tok.top_ids, logprobs=tok.top_logprobs)]
+                msgs = stream.step([tok.token_id], [tok.logprob], top, reason)
+                for m in msgs:
+                    yield m
+                if len(msgs) == 2:
+                    return
+        finally:
+            job.cancelled = True  # no-op when finished; else the scheduler drops it and frees its pages
             self._running.pop(g.request_id, None)
 
 
