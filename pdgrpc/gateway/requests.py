@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import grpc
 
@@ -64,47 +65,47 @@ def map_room(room: int) -> int:
     return ROOM_BASE + room
 
 
-def _unsupported(req: object, sp: object) -> str | None:
+def _unsupported(req: Any, sp: Any) -> str | None:
     """The first field set to something the engine cannot honour, as ``name (value)``."""
     checks = (
-        ("sampling_params.min_p", getattr(sp, "min_p"), 0.0),
-        ("sampling_params.frequency_penalty", getattr(sp, "frequency_penalty"), 0.0),
-        ("sampling_params.presence_penalty", getattr(sp, "presence_penalty"), 0.0),
-        ("sampling_params.min_new_tokens", getattr(sp, "min_new_tokens"), 0),
+        ("sampling_params.min_p", sp.min_p, 0.0),
+        ("sampling_params.frequency_penalty", sp.frequency_penalty, 0.0),
+        ("sampling_params.presence_penalty", sp.presence_penalty, 0.0),
+        ("sampling_params.min_new_tokens", sp.min_new_tokens, 0),
     )
     for name, value, neutral in checks:
         if value != neutral:
             return f"{name} ({value!r})"
-    rep = getattr(sp, "repetition_penalty")
+    rep = sp.repetition_penalty
     if rep not in (0.0, 1.0):  # 0: unset; 1: neutral
         return f"sampling_params.repetition_penalty ({rep!r})"
-    constraint = sp.WhichOneof("constraint")  # type: ignore[attr-defined]
+    constraint = sp.WhichOneof("constraint")
     if constraint is not None:
         return f"sampling_params.{constraint} (constrained decoding)"
-    if getattr(sp, "n") > 1:
-        return f"sampling_params.n ({getattr(sp, 'n')}; one sample per request)"
-    if len(getattr(sp, "logit_bias")):
+    if sp.n > 1:
+        return f"sampling_params.n ({sp.n}; one sample per request)"
+    if len(sp.logit_bias):
         return "sampling_params.logit_bias"
-    if getattr(sp, "stop"):
+    if sp.stop:
         return "sampling_params.stop (stop strings: smg matches them itself and sends one-token ones as stop_token_ids)"
     for name in ("lora_id", "custom_logit_processor"):
         if getattr(req, name):
             return name
-    if getattr(req, "return_hidden_states"):
+    if req.return_hidden_states:
         return "return_hidden_states"
-    if len(getattr(req, "input_embeds")):
+    if len(req.input_embeds):
         return "input_embeds"
-    if len(getattr(req, "token_ids_logprob")):
+    if len(req.token_ids_logprob):
         return "token_ids_logprob"
-    if getattr(req, "return_logprob") and getattr(req, "logprob_start_len") >= 0:
-        return f"logprob_start_len ({getattr(req, 'logprob_start_len')}; prompt logprobs)"
-    if req.HasField("mm_inputs"):  # type: ignore[attr-defined]
+    if req.return_logprob and req.logprob_start_len >= 0:
+        return f"logprob_start_len ({req.logprob_start_len}; prompt logprobs)"
+    if req.HasField("mm_inputs"):
         return "mm_inputs"
     return None
 
 
-def _seed(sp: object) -> int:
-    custom = getattr(sp, "custom_params")
+def _seed(sp: Any) -> int:
+    custom = sp.custom_params
     if "seed" not in custom.fields:
         return 0
     value = custom["seed"]
@@ -113,46 +114,46 @@ def _seed(sp: object) -> int:
     return int(value)
 
 
-def convert(req: object, *, disaggregated: bool, max_seq_len: int) -> GatewayRequest:
+def convert(req: Any, *, disaggregated: bool, max_seq_len: int) -> GatewayRequest:
     """Check smg's ``GenerateRequest`` ``req`` and convert it (see the module doc).
 
     ``disaggregated``: this worker is a prefill or a decode, so ``disaggregated_params``
     must be there. ``max_seq_len``: caps the default ``max_new_tokens``."""
-    sp = getattr(req, "sampling_params")
+    sp = req.sampling_params
     bad = _unsupported(req, sp)
     if bad is not None:
         raise _bad(f"{bad} is not supported by the pdgrpc engine")
-    ids = tuple(getattr(req, "tokenized").input_ids)
+    ids = tuple(req.tokenized.input_ids)
     if not ids:
         raise _bad("tokenized.input_ids is empty (the prompt needs at least one token)")
     for name in ("temperature", "top_p"):
         v = getattr(sp, name)
         if not math.isfinite(v):
             raise _bad(f"sampling_params.{name} must be finite, got {v!r}")
-    top_k = getattr(sp, "top_k")
+    top_k = sp.top_k
     if top_k < -1:
         raise _bad(f"sampling_params.top_k must be -1 (no cut) or >= 0, got {top_k}")
-    top_n = getattr(req, "top_logprobs_num")
+    top_n = req.top_logprobs_num
     if not 0 <= top_n <= MAX_TOP_LOGPROBS:
         raise _bad(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}")
-    if sp.HasField("max_new_tokens"):  # type: ignore[attr-defined]
-        max_new = int(getattr(sp, "max_new_tokens"))
+    if sp.HasField("max_new_tokens"):
+        max_new = int(sp.max_new_tokens)
         if max_new < 1:
             raise _bad(f"sampling_params.max_new_tokens must be >= 1, got {max_new} (prompt-only scoring is not supported)")
     else:
         max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, max_seq_len - len(ids)))
     sampling = common_pb2.SamplingParams(
-        temperature=float(getattr(sp, "temperature")),
+        temperature=float(sp.temperature),
         top_k=max(0, top_k),
-        top_p=float(getattr(sp, "top_p")),
+        top_p=float(sp.top_p),
         seed=_seed(sp),
-        top_logprobs=top_n if getattr(req, "return_logprob") else 0,
+        top_logprobs=top_n if req.return_logprob else 0,
         max_new_tokens=max_new,
-        ignore_eos=bool(getattr(sp, "ignore_eos")),
+        ignore_eos=bool(sp.ignore_eos),
     )
     room, address = 0, ""
-    if req.HasField("disaggregated_params"):  # type: ignore[attr-defined]
-        dp = getattr(req, "disaggregated_params")
+    if req.HasField("disaggregated_params"):
+        dp = req.disaggregated_params
         room = map_room(dp.bootstrap_room)
         if not dp.bootstrap_host:
             raise _bad("disaggregated_params.bootstrap_host is empty")
@@ -163,18 +164,18 @@ def convert(req: object, *, disaggregated: bool, max_seq_len: int) -> GatewayReq
     elif disaggregated:
         raise _bad("disaggregated_params is not set (a prefill or decode worker needs bootstrap_host, bootstrap_port and bootstrap_room)")
     routed = None
-    if req.HasField("data_parallel_rank"):  # type: ignore[attr-defined]
-        routed = int(getattr(req, "data_parallel_rank"))
+    if req.HasField("data_parallel_rank"):
+        routed = int(req.data_parallel_rank)
         if routed < 0:
             raise _bad(f"data_parallel_rank must be >= 0, got {routed}")
     return GatewayRequest(
-        request_id=getattr(req, "request_id"),
+        request_id=req.request_id,
         room=room,
         input_ids=ids,
         sampling=sampling,
-        stop_token_ids=frozenset(getattr(sp, "stop_token_ids")),
-        return_logprob=bool(getattr(req, "return_logprob")),
+        stop_token_ids=frozenset(sp.stop_token_ids),
+        return_logprob=bool(req.return_logprob),
         bootstrap_address=address,
         routed_dp_rank=routed,
-        stream=bool(getattr(req, "stream")),
+        stream=bool(req.stream),
     )
