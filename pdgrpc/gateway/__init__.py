@@ -8,6 +8,7 @@ to its workers; the servers serve it beside pdgrpc's own services when the
 
 * :mod:`pdgrpc.gateway.servicer` -- the RPCs, over the servers' own handlers.
 * :mod:`pdgrpc.gateway.requests` -- smg's request -> pdgrpc's, rooms, refused fields.
+* :mod:`pdgrpc.gateway.stream` -- output tokens -> smg's messages; stop ids and strings.
 * :mod:`pdgrpc.gateway.tokenizer` -- the byte tokenizer as Hugging Face files.
 """
 

@@ -38,6 +38,8 @@ ROOM_BASE = 1 << 62
 ROOM_SPAN = 1 << 31  # smg's rooms are int32 >= 0
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when max_new_tokens is unset
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # stop strings per request
+MAX_STOP_BYTES = 256  # bytes per stop string
 _SEED_LIMIT = 1 << 64
 
 
@@ -48,6 +50,8 @@ class GatewayRequest:
     input_ids: tuple[int, ...]
     sampling: common_pb2.SamplingParams
     stop_token_ids: frozenset[int]
+    stop_strings: tuple[bytes, ...]  # UTF-8; matched on the output bytes (the tokens are bytes)
+    no_stop_trim: bool  # keep a matched stop string in the output
     return_logprob: bool
     bootstrap_address: str  # "host:port" of the prefill's BootstrapService ("" without disaggregated_params)
     routed_dp_rank: int | None
@@ -86,8 +90,6 @@ def _unsupported(req: Any, sp: Any) -> str | None:
         return f"sampling_params.n ({sp.n}; one sample per request)"
     if len(sp.logit_bias):
         return "sampling_params.logit_bias"
-    if sp.stop:
-        return "sampling_params.stop (stop strings: smg matches them itself and sends one-token ones as stop_token_ids)"
     for name in ("lora_id", "custom_logit_processor"):
         if getattr(req, name):
             return name
@@ -102,6 +104,18 @@ def _unsupported(req: Any, sp: Any) -> str | None:
     if req.HasField("mm_inputs"):
         return "mm_inputs"
     return None
+
+
+def _stop_strings(stop: Any) -> tuple[bytes, ...]:
+    out = []
+    for i, text in enumerate(stop):
+        data = text.encode("utf-8", errors="surrogatepass")
+        if not data or len(data) > MAX_STOP_BYTES:
+            raise _bad(f"sampling_params.stop[{i}] must be 1 to {MAX_STOP_BYTES} bytes of UTF-8, got {len(data)}")
+        out.append(data)
+    if len(out) > MAX_STOP_STRINGS:
+        raise _bad(f"sampling_params.stop has {len(out)} strings, over the limit of {MAX_STOP_STRINGS}")
+    return tuple(out)
 
 
 def _seed(sp: Any) -> int:
@@ -174,6 +188,8 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int) -> GatewayReques
         input_ids=ids,
         sampling=sampling,
         stop_token_ids=frozenset(sp.stop_token_ids),
+        stop_strings=_stop_strings(sp.stop),
+        no_stop_trim=bool(sp.no_stop_trim),
         return_logprob=bool(req.return_logprob),
         bootstrap_address=address,
         routed_dp_rank=routed,

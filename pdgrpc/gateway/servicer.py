@@ -14,8 +14,9 @@ prefill leg's call ends.
   prefill bootstrap is ``bootstrap_host:bootstrap_port``, run by the decode's own
   ``Decode`` handler in-process. Every output token, the first included, goes out as a
   ``chunk``; then ``complete`` with ``finish_reason`` (``stop``/``length``),
-  ``matched_token_id`` (EOS or a stop token id) and the token counts. A stop token id
-  ends the request early: the inner call is closed, which frees its pages and slot.
+  ``matched_token_id`` (EOS or a stop token id) or ``matched_stop_str`` and the token
+  counts (:mod:`pdgrpc.gateway.stream`). A stop ends the request early: the inner call
+  is closed, which frees its pages and slot.
 * **Abort(request_id)** cancels that request's ``Generate`` handler, so the inner call
   is cancelled exactly as when pdgrpc's router cancels (the decode aborts the room and
   quarantines its pages until the prefill acknowledged; the prefill stops computing).
@@ -47,6 +48,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import GatewayRequest, convert
+from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -208,61 +210,19 @@ class DecodeLeg(_Base):
         if g.routed_dp_rank is not None:
             inner_req.routed_dp_rank = g.routed_dp_rank
         stream = self._decode.Decode(inner_req, context)
-        out = _Stream(g)
+        out = OutputStream(g)
         try:
             async for msg in stream:
                 msgs = out.step(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs), msg.finish_reason)
                 for m in msgs:
                     yield m
-                if len(msgs) == 2:  # complete: over (EOS, length or a stop token id)
+                if msgs and msgs[-1].HasField("complete"):  # over: EOS, length or a stop
                     return
         finally:
             # A stop token, an Abort or a client that went away: closing the inner stream
             # runs its clean-up (the room is aborted and its pages freed).
             await stream.aclose()
             self._running.pop(g.request_id, None)
-
-
-class _Stream:
-    """Turns output tokens into smg's ``chunk`` messages and the final ``complete``."""
-
-    def __init__(self, g: GatewayRequest) -> None:
-        self.g = g
-        self.out: list[int] = []
-        self.logprobs = pb.OutputLogProbs()
-
-    def step(self, ids: list[int], logprobs: list[float], top: list[Any], finish_reason: str) -> list[Any]:
-        """The messages for ``ids`` generated now (``finish_reason``: pdgrpc's, "" while
-        running); the last of them is ``complete`` once the request is over."""
-        g = self.g
-        matched = next((i for i, t in enumerate(ids) if t in g.stop_token_ids), None)
-        if matched is not None:
-            ids = ids[: matched + 1]
-        self.out += ids
-        prompt = len(g.input_ids)
-        chunk = pb.GenerateStreamChunk(token_ids=ids, prompt_tokens=prompt, completion_tokens=len(self.out))
-        if g.return_logprob:
-            step = pb.OutputLogProbs(
-                token_logprobs=logprobs[: len(ids)], token_ids=ids,
-                top_logprobs=[pb.TopLogProbs(values=t.logprobs, token_ids=t.token_ids) for t in top[: len(ids)]],
-            )
-            self.logprobs.MergeFrom(step)
-            chunk.output_logprobs.CopyFrom(step)
-        msgs = [pb.GenerateResponse(request_id=g.request_id, chunk=chunk)]
-        if matched is None and not finish_reason:
-            return msgs
-        done = pb.GenerateComplete(
-            output_ids=self.out, prompt_tokens=prompt, completion_tokens=len(self.out),
-            finish_reason="length" if matched is None and finish_reason == "length" else "stop",
-        )
-        if matched is not None:
-            done.matched_token_id = ids[-1]
-        elif finish_reason == "eos":
-            done.matched_token_id = EOS_ID
-        if g.return_logprob:
-            done.output_logprobs.CopyFrom(self.logprobs)
-        msgs.append(pb.GenerateResponse(request_id=g.request_id, complete=done))
-        return msgs
 
 
 class ColocatedLeg(_Base):
@@ -300,7 +260,7 @@ class ColocatedLeg(_Base):
             await context.abort(exc.code, exc.message)
             return
         job = self._server.admit(g.input_ids, sampling, g.sampling.max_new_tokens)
-        stream = _Stream(g)
+        stream = OutputStream(g)
         try:
             while True:
                 item = await job.out.get()
@@ -315,7 +275,7 @@ class ColocatedLeg(_Base):
                 msgs = stream.step([tok.token_id], [tok.logprob], top, reason)
                 for m in msgs:
                     yield m
-                if len(msgs) == 2:
+                if msgs and msgs[-1].HasField("complete"):
                     return
         finally:
             job.cancelled = True  # no-op when finished; else the scheduler drops it and frees its pages

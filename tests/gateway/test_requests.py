@@ -70,7 +70,7 @@ def test_rooms_map_into_a_band_the_router_never_draws():
     "field, value",
     [
         ("min_p", 0.1), ("frequency_penalty", 0.5), ("presence_penalty", -0.5), ("repetition_penalty", 1.2),
-        ("min_new_tokens", 3), ("regex", "a+"), ("json_schema", "{}"), ("n", 2), ("stop", ["xy"]),
+        ("min_new_tokens", 3), ("regex", "a+"), ("json_schema", "{}"), ("n", 2),
     ],
 )
 def test_fields_the_engine_cannot_honour_are_refused_by_name(field, value):
@@ -104,6 +104,8 @@ def test_bad_values_name_their_field():
     assert "max_new_tokens must be >= 1" in refused(request(max_new_tokens=0))
     assert "temperature must be finite" in refused(request(temperature=float("nan")))
     assert "custom_params.seed" in refused(request(custom_params={"seed": 1.5}))
+    assert "sampling_params.stop[1] must be 1 to 256 bytes" in refused(request(stop=["ok", ""]))
+    assert "over the limit of 16" in refused(request(stop=[str(i) for i in range(17)]))
     req = request()
     req.top_logprobs_num = 21
     assert "top_logprobs_num" in refused(req)
