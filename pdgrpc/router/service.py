@@ -61,12 +61,13 @@ _PREFILL_TAIL_S = 5.0
 _CAUSE_WINDOW_S = 0.5
 
 
-def draw_room(randbits: Callable[[int], int] = secrets.randbits) -> int:
+def draw_room(randbits: Callable[[int], int] | None = None) -> int:
     """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)
     and never in the band that rooms of requests from smg map to
     (:data:`pdgrpc.gateway.requests.ROOM_BASE`), so the two never share a room."""
+    draw = randbits or secrets.randbits
     while True:
-        room = randbits(63)
+        room = draw(63)
         if room and not ROOM_BASE <= room < ROOM_BASE + ROOM_SPAN:
             return room
 
