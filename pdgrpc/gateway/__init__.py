@@ -58,9 +58,16 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
 
     leg = PrefillLeg(
         controller, info, active=lambda: sum(w.in_flight for w in controller.workers),
-        healthy=lambda: bool(controller.groups) and not controller.stopping and all(w.alive for w in controller.workers),
+        healthy=lambda: _prefill_ready(controller, ns),
     )
     return SERVICE_NAME, lambda server: add_to_server(leg, server)
+
+
+def _prefill_ready(controller: Any, ns: argparse.Namespace) -> bool:
+    """Every worker started, reported ready (its address) and alive, and no shutdown begun."""
+    workers = controller.workers
+    expected = ns.dp_size * getattr(ns, "tp_size", 1)
+    return len(workers) == expected and not controller.stopping and all(w.alive and w.address for w in workers)
 
 
 def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "ServiceSpec | None":
