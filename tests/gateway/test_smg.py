@@ -81,6 +81,11 @@ def expected_text(ids: tuple[int, ...]) -> str | None:
         return None
 
 
+def of_process(counters: Counters, name: str) -> Counters:
+    """The counters of one process's endpoints (a prefill's controller and its workers)."""
+    return Counters({k: v for k, v in counters.scrapes.items() if k.split("/")[0] == name})
+
+
 OPENAI_REASON = {"eos": "stop", "length": "length"}
 
 CASES = [  # (max_new_tokens, temperature, top_k): temperatures exact in float32 (smg's wire type)
@@ -97,6 +102,7 @@ async def test_generate_returns_the_token_ids_of_colocated_generation(cluster):
     prompts = [(256, *b"The quick brown fox"), (256, *b"KV pages move"), tuple(b"no BOS here"), (256,)]
     cases = [Case(ids, n, temperature=t, top_k=k) for ids in prompts for n, t, k in CASES]
     expected = reference_outputs(cluster.topology.name, cases)
+    before = await Counters.read(cluster)
 
     async def one(c: Case):
         body = {"model": MODEL, "input_ids": list(c.input_ids),
@@ -113,6 +119,12 @@ async def test_generate_returns_the_token_ids_of_colocated_generation(cluster):
             assert out["meta_info"]["matched_stop"] == EOS_ID
         assert out["meta_info"]["completion_tokens"] == len(ids)
     await wait_nothing_held(cluster)
+    # smg spread the requests over every prefill and every decode (2 x 2 in smg-2p2d).
+    after = await Counters.read(cluster)
+    for role in ("prefill", "decode"):
+        for name in [p.name for p in cluster.topology.by_role(role)]:
+            served = of_process(after, name).delta(of_process(before, name), "pdgrpc_requests_total", role, state="finished")
+            assert served > 0, f"{name} served none"
 
 
 async def test_completions_and_chat_return_the_text_of_colocated_generation(cluster):
