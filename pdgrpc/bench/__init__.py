@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "multihost": "pdgrpc.bench.multihost",
     "security": "pdgrpc.bench.security",
     "engine": "pdgrpc.bench.engine",
+    "gateway": "pdgrpc.bench.gateway",
 }
 
 __all__ = ["BENCHMARKS", "Result", "format_table", "write_json"]

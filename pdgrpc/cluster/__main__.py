@@ -80,7 +80,10 @@ async def _main(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"cluster failed to start: {exc}", file=sys.stderr)
         return 1
-    print(f"{cluster.describe()}\nrouter (GenerateService) listening on {cluster.router_address}\nCtrl-C to stop", flush=True)
+    print(f"{cluster.describe()}\nrouter (GenerateService) listening on {cluster.router_address}", flush=True)
+    if cluster.topology.by_role("smg"):
+        print(f"smg (OpenAI API) base URL: {cluster.openai_base_url}", flush=True)
+    print("Ctrl-C to stop", flush=True)
     died = asyncio.ensure_future(cluster.wait_failure())
     running: list[asyncio.Future[Any]] = [died, stop]
     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)

@@ -33,8 +33,9 @@ from pdgrpc.engine.base import Engine
 from pdgrpc.serving.engines import build_engine
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
+from pdgrpc.gateway import add_gateway_arguments, colocated_service
 from pdgrpc.rpc.security import add_security_arguments, install, security_from_args
-from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS, grpc_tuning_wanted
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.prompts import request_ids
@@ -45,7 +46,7 @@ from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("pdgrpc.colocated")
 
-_DONE = object()
+DONE = object()
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ class _Job:
     ids: tuple[int, ...]
     sampling: SamplingParams
     max_new_tokens: int
-    out: asyncio.Queue  # (SampledToken, finish_reason | "") items, then _DONE / an exception
+    out: asyncio.Queue  # (SampledToken, finish_reason | "") items, then DONE / an exception
     pages: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
@@ -84,15 +85,13 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         except EngineError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        job = _Job(ids, sampling, max_new, asyncio.Queue())
-        self._pending.append(job)
-        self._wake.set()
+        job = self.admit(ids, sampling, max_new)
         text = self.engine.tokenizer.stream_decoder()
         first = True
         try:
             while True:
                 item = await job.out.get()
-                if item is _DONE:
+                if item is DONE:
                     return
                 if isinstance(item, Exception):
                     await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {item}")
@@ -107,6 +106,18 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         finally:
             job.cancelled = True  # no-op when finished; else the loop drops it and frees its pages
 
+    def active_requests(self) -> int:
+        """Requests queued or generating."""
+        return len(self._pending) + len(self._running)
+
+    def admit(self, ids: tuple[int, ...], sampling: SamplingParams, max_new_tokens: int) -> _Job:
+        """Queue a checked request. Its ``out`` queue gets ``(SampledToken, finish_reason
+        or "")`` items, then ``DONE`` or an exception; set ``cancelled`` to drop it."""
+        job = _Job(ids, sampling, max_new_tokens, asyncio.Queue())
+        self._pending.append(job)
+        self._wake.set()
+        return job
+
     # ---- scheduler ------------------------------------------------------------------------
 
     async def _engine(self, fn, *args):  # type: ignore[no-untyped-def]
@@ -119,7 +130,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         job.out.put_nowait((tok, reason or ""))
         if reason is not None:
             self._finish(job)
-            job.out.put_nowait(_DONE)
+            job.out.put_nowait(DONE)
             return True
         return False
 
@@ -178,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
     add_engine_arguments(p)
+    add_gateway_arguments(p)
     add_logging_arguments(p)
     add_security_arguments(p)
     return p
@@ -186,9 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
 async def _main(ns: argparse.Namespace) -> int:
     server_impl = ColocatedServer(build_engine(ns), ns.chunk_size, ns.compute_nice)
     (name,) = service_names()
+    services: list[ServiceSpec] = [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))]
+    gateway = colocated_service(server_impl, ns)  # smg's worker protocol (non-PD), with pdgrpc[gateway]
+    if gateway is not None:
+        services.append(gateway)
     server = await start_server(
-        [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))],
-        host=ns.host, port=ns.port, what="pdgrpc colocated",
+        services, host=ns.host, port=ns.port, what="pdgrpc colocated",
     )
     server.on_stop(server_impl.close)
     await serve_until_signal(server)

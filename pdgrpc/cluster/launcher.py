@@ -60,6 +60,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from pdgrpc.cluster.credentials import ClusterCredentials
 from pdgrpc.cluster.hosts import HostMap, discovery_flags, hosts_from_env, place
+from pdgrpc.cluster.smg import readiness, smg_argv
 from pdgrpc.cluster.topology import SECURITY_MODES, ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, etcd_argv, etcd_healthy, find_etcd
 from pdgrpc.errors import PdgrpcError
@@ -270,7 +271,10 @@ class Cluster:
                 if binary is None:
                     raise ClusterError(f"topology {self.topology.name!r} runs etcd, but there is none here: {ETCD_PACKAGE_HINT}")
                 proc.argv = etcd_argv(binary, ip, port, peer, self.log_dir / f"{spec.name}-data")
-            if self.metrics and spec.role in _METRICS_ROLES:
+            if spec.role == "smg":  # smg always gets its metrics port: it binds one either way
+                proc.metrics_ports[""] = smg_metrics = free_port(taken)
+                taken.add(smg_metrics)
+            elif self.metrics and spec.role in _METRICS_ROLES:
                 children = _metrics_children(spec)
                 base = free_port_block(1 + len(children), exclude=taken)
                 taken.update(range(base, base + 1 + len(children)))
@@ -278,7 +282,11 @@ class Cluster:
                 for offset, key in enumerate(children, start=1):
                     proc.metrics_ports[key] = base + offset  # derived_metrics_port(base, offset)
         for proc in self.procs.values():
-            if proc.spec.role != "etcd":
+            if proc.spec.role == "smg":
+                proc.argv = smg_argv(
+                    proc.spec, HOST, proc.port, proc.metrics_ports[""], self.address, self.bootstrap_address, self._python
+                )
+            elif proc.spec.role != "etcd":
                 proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
             proc.argv = [*place(proc.spec, self.hosts, HOST)[1], *proc.argv]
 
@@ -290,6 +298,14 @@ class Cluster:
     @property
     def router_address(self) -> str:
         return self.address(self.topology.router.name)
+
+    @property
+    def openai_base_url(self) -> str:
+        """``http://HOST:PORT/v1`` of the topology's smg process (KeyError without one)."""
+        smg = self.topology.by_role("smg")
+        if not smg:
+            raise KeyError(f"topology {self.topology.name!r} has no smg process")
+        return f"http://{self.address(smg[0].name)}/v1"
 
     def metrics_address(self, name: str, dp_rank: int | None = None, tp_rank: int | None = None) -> str:
         """``HOST:PORT`` of the metrics endpoint of process ``name``: of its dp worker
@@ -310,7 +326,7 @@ class Cluster:
         return {
             name if key == "" else f"{name}/{key}": f"{proc.ip}:{port}"
             for name, proc in self.procs.items()
-            if role is None or proc.spec.role == role
+            if (role is None and proc.spec.role != "smg") or proc.spec.role == role  # smg's are not pdgrpc's
             for key, port in proc.metrics_ports.items()
         }
 
@@ -429,6 +445,8 @@ class Cluster:
         # line (printed at the same moment) is checked too, as the documented signal.
         if proc.spec.role == "prefill" and not proc.log_has_line(_PREFILL_READY):
             return False
+        if proc.spec.role == "smg":
+            return await readiness(HOST, proc.port)
         stub = health_pb2_grpc.HealthStub(self._channel(proc.address))
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
@@ -449,7 +467,7 @@ class Cluster:
     async def stop(self) -> None:
         """Stop every process: SIGTERM (router first), then SIGKILL after ``grace`` s."""
         self._stopping = True
-        order = sorted(self.procs.values(), key=lambda p: {"router": 0, "colocated": 0, "decode": 1, "prefill": 2, "bootstrap": 3, "etcd": 4}[p.spec.role])
+        order = sorted(self.procs.values(), key=lambda p: {"smg": 0, "router": 0, "colocated": 0, "decode": 1, "prefill": 2, "bootstrap": 3, "etcd": 4}[p.spec.role])
         for proc in order:
             if proc.process is not None and proc.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

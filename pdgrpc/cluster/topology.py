@@ -24,14 +24,14 @@ Format (TOML, read with :mod:`tomllib`)::
 
     [[process]]
     name = "prefill"                # unique; logs and GetStats are per name
-    role = "prefill"                # bootstrap | prefill | decode | router | colocated
+    role = "prefill"                # bootstrap | prefill | decode | router | colocated | etcd | smg
     bootstrap = "bootstrap"         # prefill only: a bootstrap process's name; omitted = embedded
     args = { dp-size = 2, load-balance = "round_robin" }   # extra flags, --key value
 
     [[process]]
     name = "router"
     role = "router"
-    prefill = ["prefill"]           # router only: the prefill and decode processes it routes to
+    prefill = ["prefill"]           # router and smg only: the prefill and decode processes it routes to
     decode = ["decode"]
 
 Across hosts (see docs/multihost.md): a ``[network]`` table turns on hosts made as network
@@ -46,6 +46,9 @@ real etcd; then every server registers there (``--discovery``) and a router with
     name = "etcd"
     role = "etcd"
     host = "h1"
+
+A ``role = "smg"`` process puts SGLang's model gateway beside the router, in front of the
+same prefills and decodes (:mod:`pdgrpc.cluster.smg`).
 
 Each ``args`` (and ``[engine]``) entry becomes ``--key value``; ``true`` becomes a bare
 ``--key``, ``false`` is left out, a list repeats the flag. The launcher adds ``--host``,
@@ -68,7 +71,7 @@ else:  # pragma: no cover - Python 3.10 needs the backport (pyproject: tomli; py
 
 __all__ = ["ROLES", "ProcessSpec", "Topology", "flags", "load_topology"]
 
-ROLES = ("bootstrap", "prefill", "decode", "router", "colocated", "etcd")
+ROLES = ("bootstrap", "prefill", "decode", "router", "colocated", "etcd", "smg")
 SECURITY_MODES = ("off", "auto")  # [security] tls / auth-token, and the launcher's --tls / --auth-token
 _SECURITY_FILES = ("tls-cert", "tls-key", "tls-ca", "auth-token-file")  # [security] keys naming files
 FRONT_DOORS = ("router", "colocated")  # what clients call: GenerateService
@@ -83,8 +86,8 @@ class ProcessSpec:
     role: str
     args: Mapping[str, Scalar | list[Scalar]] = dataclasses.field(default_factory=dict)
     bootstrap: str | None = None  # prefill: name of a separate bootstrap process
-    prefill: tuple[str, ...] = ()  # router: prefill process names
-    decode: tuple[str, ...] = ()  # router: decode process names
+    prefill: tuple[str, ...] = ()  # router, smg: prefill process names
+    decode: tuple[str, ...] = ()  # router, smg: decode process names
     host: str = ""  # with [network]: the host (network namespace) it runs on
 
     @property
@@ -230,8 +233,8 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
             raise _fail(pw, "bootstrap = \"<bootstrap process name>\" is only for prefill processes")
         if role == "etcd" and p.get("args"):
             raise _fail(pw, "an etcd process takes no args (the launcher sets its ports and data dir)")
-        if role != "router" and ("prefill" in p or "decode" in p):
-            raise _fail(pw, "prefill/decode lists are only for router processes")
+        if role not in ("router", "smg") and ("prefill" in p or "decode" in p):
+            raise _fail(pw, "prefill/decode lists are only for router and smg processes")
         procs.append(
             ProcessSpec(
                 name=pname,
@@ -250,8 +253,10 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         pw = f"{where} process {p.name!r}"
         if p.bootstrap is not None and roles.get(p.bootstrap) != "bootstrap":
             raise _fail(pw, f"bootstrap = {p.bootstrap!r} is not a bootstrap process of this topology")
-        if p.role == "router":
-            if (not p.prefill or not p.decode) and not any(q.role == "etcd" for q in procs):
+        if p.role == "smg" and (not p.prefill or not p.decode):
+            raise _fail(pw, "a smg needs prefill = [...] and decode = [...]")
+        if p.role in ("router", "smg"):
+            if p.role == "router" and (not p.prefill or not p.decode) and not any(q.role == "etcd" for q in procs):
                 raise _fail(pw, "a router needs prefill = [...] and decode = [...] (or an etcd process to discover them)")
             for ref, want in [(r, "prefill") for r in p.prefill] + [(r, "decode") for r in p.decode]:
                 if roles.get(ref) != want:
@@ -260,6 +265,8 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         raise _fail(where, "with [network], every process needs host = \"<host name>\"")
     if len([p for p in procs if p.role == "etcd"]) > 1:
         raise _fail(where, "at most one etcd process")
+    if len([p for p in procs if p.role == "smg"]) > 1:
+        raise _fail(where, "at most one smg process")
     if len([p for p in procs if p.role in FRONT_DOORS]) != 1:
         raise _fail(where, "needs exactly one router (or colocated) process: the cluster's front door")
     return Topology(

@@ -18,6 +18,7 @@ from pdgrpc.discovery.cli import check_discovery_args, register_on, registration
 from pdgrpc.engine.base import Engine  # noqa: E402
 from pdgrpc.errors import ConfigError, PdgrpcError  # noqa: E402
 from pdgrpc.rpc.security import install, security_from_args  # noqa: E402
+from pdgrpc.gateway import decode_service  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal  # noqa: E402
 from pdgrpc.serving.rendezvous import dist_init_method  # noqa: E402
@@ -90,7 +91,8 @@ async def _serve(
     ns: argparse.Namespace, engine: Engine, transport: Transport, scheduler: DecodeScheduler,
     metrics: DecodeMetrics, procs: list[asyncio.subprocess.Process],
 ) -> int:
-    server = await start_decode_server(scheduler, ns.host, ns.port)
+    # smg's worker protocol beside DecodeService, with pdgrpc[gateway] installed.
+    server = await start_decode_server(scheduler, ns.host, ns.port, extra=lambda d: decode_service(d, ns, transport.name))
     watcher = asyncio.ensure_future(_watch_ranks(procs, scheduler)) if procs else None
     fatal_stop = asyncio.ensure_future(_stop_on_fatal(scheduler, server.rpc))
     # Live gauges read the scheduler's own allocators at scrape time (one source of truth).

@@ -10,6 +10,7 @@ import os
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
+from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.state import DecodeDeadlines
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     add_transport_arguments(p)
     add_security_arguments(p)
+    add_gateway_arguments(p)
     g = p.add_argument_group("scheduling")
     g.add_argument(
         "--tp-size", type=int, default=1, metavar="N",

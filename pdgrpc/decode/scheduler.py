@@ -243,6 +243,16 @@ class DecodeScheduler(Generation):
                 self._on_aborted(aborted)
         self._wake.set()
 
+    def end_stream(self, room: int, code: grpc.StatusCode, message: str) -> bool:
+        """End ``room``'s Decode stream with ``code``/``message`` after the tokens already
+        queued (the stream's end then cancels the request, as a client that went away
+        does). False when no unfinished request has that room."""
+        job = self._jobs.get(room)
+        if job is None or job.finished:
+            return False
+        job.out.put_nowait(RequestFailed(code, message))
+        return True
+
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         return self.transfers.stats(len(self._jobs))

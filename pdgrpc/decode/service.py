@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -22,7 +22,7 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
-from pdgrpc.rpc.server import RpcServer, start_server
+from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -119,14 +119,22 @@ class DecodeServer:
         await self.rpc.stop(grace)
 
 
-async def start_decode_server(scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0) -> DecodeServer:
-    """Start the scheduler and serve DecodeService (plus health and reflection). On
-    stop, in-flight requests end UNAVAILABLE and the transport closes."""
+async def start_decode_server(
+    scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0,
+    extra: Callable[[DecodeServicer], ServiceSpec | None] | None = None,
+) -> DecodeServer:
+    """Start the scheduler and serve DecodeService (plus health and reflection, and
+    ``extra(servicer)`` when it names a service: smg's protocol). On stop, in-flight
+    requests end UNAVAILABLE and the transport closes."""
     await scheduler.start()
     servicer = DecodeServicer(scheduler)
+    services: list[ServiceSpec] = [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(servicer, server))]
+    more = extra(servicer) if extra is not None else None
+    if more is not None:
+        services.append(more)
     try:
         rpc = await start_server(
-            [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(servicer, server))],
+            services,
             host=host,
             port=port,
             what="pdgrpc decode",

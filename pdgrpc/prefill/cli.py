@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from pdgrpc.discovery.cli import add_discovery_arguments
+from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: %(default)s",
     )
     add_worker_arguments(p)
+    add_gateway_arguments(p)  # controller only: the workers do not serve smg
     # Controller only (not in add_worker_arguments): each worker gets its own port.
     add_metrics_arguments(p)
     add_discovery_arguments(p, "prefill")

@@ -37,6 +37,7 @@ from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
 from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.discovery.cli import register_on, registration_from_args
+from pdgrpc.gateway import prefill_service
 from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, ServerAbortReason, derived_metrics_port, start_metrics_from_args
 from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
@@ -373,6 +374,9 @@ async def main_async(ns: argparse.Namespace) -> int:
             RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch), WorkerRegistry(), metrics=bootstrap_metrics
         )
         services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
+    gateway = prefill_service(controller, ns)  # smg's worker protocol, with pdgrpc[gateway]
+    if gateway is not None:
+        services.append(gateway)
     # NOT_SERVING until every worker registered and is ready (set_serving below): a health
     # check that says SERVING must mean a Prefill call can be served.
     server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)

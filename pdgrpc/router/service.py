@@ -32,7 +32,7 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 
@@ -40,6 +40,7 @@ from pdgrpc.discovery.record import MembershipView
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import RequestFailed
+from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
@@ -62,11 +63,14 @@ _PREFILL_TAIL_S = 5.0
 _CAUSE_WINDOW_S = 0.5
 
 
-def draw_room() -> int:
-    """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)."""
+def draw_room(randbits: Callable[[int], int] | None = None) -> int:
+    """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)
+    and never in the band that rooms of requests from smg map to
+    (:data:`pdgrpc.gateway.requests.ROOM_BASE`), so the two never share a room."""
+    draw = randbits or secrets.randbits
     while True:
-        room = secrets.randbits(63)
-        if room:
+        room = draw(63)
+        if room and not ROOM_BASE <= room < ROOM_BASE + ROOM_SPAN:
             return room
 
 

@@ -1,0 +1,104 @@
+"""pdgrpc's prefill and decode servers as gRPC workers behind smg, SGLang's model gateway.
+
+smg (``pip install 'pdgrpc[gateway]'``) speaks ``sglang.grpc.scheduler.SglangScheduler``
+to its workers; the servers serve it beside pdgrpc's own services when the
+``smg-grpc-proto`` package is installed (:func:`prefill_service`,
+:func:`decode_service`, and on the colocated server, smg's non-PD worker,
+:func:`colocated_service`; ``None`` without it). See ``docs/gateway.md``.
+
+* :mod:`pdgrpc.gateway.servicer` -- the RPCs, over the servers' own handlers.
+* :mod:`pdgrpc.gateway.requests` -- smg's request -> pdgrpc's, rooms, refused fields.
+* :mod:`pdgrpc.gateway.stream` -- output tokens -> smg's messages; stop ids and strings.
+* :mod:`pdgrpc.gateway.tokenizer` -- the byte tokenizer as Hugging Face files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdgrpc.rpc.server import ServiceSpec
+
+__all__ = [
+    "DEFAULT_SERVED_MODEL_NAME", "add_gateway_arguments", "available", "colocated_service", "decode_service", "prefill_service",
+]
+
+DEFAULT_SERVED_MODEL_NAME = "pdgrpc-reference"
+
+
+def available() -> bool:
+    """Whether ``smg-grpc-proto`` (the ``gateway`` extra) is installed."""
+    return importlib.util.find_spec("smg_grpc_proto") is not None
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("gateway (smg's SglangScheduler protocol; needs pdgrpc[gateway])")
+    g.add_argument(
+        "--served-model-name", default=DEFAULT_SERVED_MODEL_NAME,
+        help="model id smg shows in /v1/models and matches the OpenAI 'model' field against. Default: %(default)s",
+    )
+
+
+def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | None":
+    """The SglangScheduler service over a prefill controller (``None`` without the extra)."""
+    if not available():
+        return None
+    from pdgrpc.gateway.servicer import SERVICE_NAME, PrefillLeg, WorkerInfo, add_to_server
+
+    def info() -> WorkerInfo:
+        # The bootstrap's port is known once the controller's server is bound.
+        port = controller.bootstrap_address.rpartition(":")[2]
+        return WorkerInfo(
+            mode="prefill", served_model_name=ns.served_model_name, transport=ns.transport, max_seq_len=ns.max_seq_len,
+            max_prompt_tokens=ns.max_prompt_tokens, max_running_requests=ns.num_pages * ns.dp_size,
+            bootstrap_port=int(port) if port.isdigit() else 0,
+        )
+
+    leg = PrefillLeg(
+        controller, info, active=lambda: sum(w.in_flight for w in controller.workers),
+        healthy=lambda: _prefill_ready(controller, ns),
+    )
+    return SERVICE_NAME, lambda server: add_to_server(leg, server)
+
+
+def _prefill_ready(controller: Any, ns: argparse.Namespace) -> bool:
+    """Every worker started, reported ready (its address) and alive, and no shutdown begun."""
+    workers = controller.workers
+    expected = ns.dp_size * getattr(ns, "tp_size", 1)
+    return len(workers) == expected and not controller.stopping and all(w.alive and w.address for w in workers)
+
+
+def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "ServiceSpec | None":
+    """The SglangScheduler service over a decode server's DecodeServicer (``None`` without the extra)."""
+    if not available():
+        return None
+    from pdgrpc.gateway.servicer import SERVICE_NAME, DecodeLeg, WorkerInfo, add_to_server
+
+    scheduler = decode.scheduler
+    engine = scheduler.engine
+    fixed = WorkerInfo(
+        mode="decode", served_model_name=ns.served_model_name, transport=transport, max_seq_len=engine.max_seq_len,
+        max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=ns.num_slots, bootstrap_port=0,
+    )
+    leg = DecodeLeg(
+        decode, lambda: fixed, active=lambda: int(scheduler.stats().get("active_requests", 0)),
+        healthy=lambda: scheduler.fatal is None or not scheduler.fatal.done(),
+    )
+    return SERVICE_NAME, lambda server: add_to_server(leg, server)
+
+
+def colocated_service(server: Any, ns: argparse.Namespace) -> "ServiceSpec | None":
+    """The SglangScheduler service over a colocated server, smg's non-PD worker (``None`` without the extra)."""
+    if not available():
+        return None
+    from pdgrpc.gateway.servicer import SERVICE_NAME, ColocatedLeg, WorkerInfo, add_to_server
+
+    engine = server.engine
+    fixed = WorkerInfo(
+        mode="null", served_model_name=ns.served_model_name, transport="none", max_seq_len=engine.max_seq_len,
+        max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=engine.num_pages, bootstrap_port=0,
+    )
+    leg = ColocatedLeg(server, lambda: fixed, active=server.active_requests, healthy=lambda: True)
+    return SERVICE_NAME, lambda s: add_to_server(leg, s)

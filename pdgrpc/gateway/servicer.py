@@ -1,0 +1,286 @@
+"""``sglang.grpc.scheduler.SglangScheduler`` served by pdgrpc's prefill and decode servers.
+
+smg, SGLang's model gateway, fronts gRPC workers over this protocol. In its PD mode it
+sends the same ``Generate`` to a prefill and a decode worker at once, with
+``disaggregated_params{bootstrap_host, bootstrap_port, bootstrap_room}``; only the
+decode leg's tokens reach the client, and smg holds the decode stream back until the
+prefill leg's call ends.
+
+* **Prefill leg** (:class:`PrefillLeg`): the request becomes a ``PrefillRequest`` for
+  the controller's own ``Prefill`` handler (same dp-rank choice and registration, same
+  failures), called in-process with this call's context. The call ends with one
+  ``complete`` as soon as the decode acknowledged the metadata row.
+* **Decode leg** (:class:`DecodeLeg`): the request becomes a ``DecodeRequest`` whose
+  prefill bootstrap is ``bootstrap_host:bootstrap_port``, run by the decode's own
+  ``Decode`` handler in-process. Every output token, the first included, goes out as a
+  ``chunk``; then ``complete`` with ``finish_reason`` (``stop``/``length``),
+  ``matched_token_id`` (EOS or a stop token id) or ``matched_stop_str`` and the token
+  counts (:mod:`pdgrpc.gateway.stream`). A stop ends the request early: the inner call
+  is closed, which frees its pages and slot.
+* **Abort(request_id)** cancels that request's ``Generate`` handler, so the inner call
+  is cancelled exactly as when pdgrpc's router cancels (the decode aborts the room and
+  quarantines its pages until the prefill acknowledged; the prefill stops computing).
+  An unknown id is a no-op whose reply says so.
+* **Colocated** (:class:`ColocatedLeg`): smg's non-PD worker. The request (without
+  ``disaggregated_params``) runs on the colocated server's own scheduler, streamed the
+  same way as a decode leg.
+* ``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads`` and
+  ``GetTokenizer`` describe this worker; ``SubscribeKvEvents`` and the rest answer
+  UNIMPLEMENTED (smg logs a warning and routes without KV events).
+
+Request conversion and rooms: :mod:`pdgrpc.gateway.requests`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from google.protobuf import struct_pb2
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from pdgrpc.errors import RequestFailed
+from pdgrpc.gateway.requests import GatewayRequest, convert
+from pdgrpc.gateway.stream import OutputStream
+from pdgrpc.gateway.tokenizer import tokenizer_zip
+from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
+
+__all__ = ["SERVICE_NAME", "ColocatedLeg", "DecodeLeg", "PrefillLeg", "WorkerInfo", "add_to_server"]
+
+log = logging.getLogger("pdgrpc.gateway")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+_TOKENIZER_CHUNK = 64 * 1024  # bytes per GetTokenizer message
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """What this worker tells smg about itself."""
+
+    mode: str  # "prefill" | "decode" | "null" (colocated)
+    served_model_name: str
+    transport: str  # pdgrpc transport name; smg requires prefill and decode to agree
+    max_seq_len: int  # tokens
+    max_prompt_tokens: int  # tokens
+    max_running_requests: int  # requests
+    bootstrap_port: int  # the prefill's BootstrapService port (0 on a decode)
+
+
+class _Base(pb_grpc.SglangSchedulerServicer):
+    def __init__(self, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        self.info = info
+        self._active = active
+        self._healthy = healthy
+        self._running: dict[str, Callable[[str], bool]] = {}  # request_id -> what aborts it (False: too early or late)
+        self._started = time.time()
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        ok = self._healthy()
+        return pb.HealthCheckResponse(healthy=ok, message="serving" if ok else "not serving (starting, stopping or a worker is dead)")
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        i = self.info()
+        return pb.GetModelInfoResponse(
+            model_path=i.served_model_name, served_model_name=i.served_model_name, is_generation=True,
+            max_context_length=i.max_seq_len, vocab_size=VOCAB_SIZE, model_type="pdgrpc-reference",
+            eos_token_ids=[EOS_ID], bos_token_id=BOS_ID, max_req_input_len=i.max_prompt_tokens,
+        )
+
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        i = self.info()
+        args = struct_pb2.Struct()
+        args.update({
+            "disaggregation_mode": i.mode,
+            "disaggregation_transfer_backend": f"pdgrpc-{i.transport}",
+            "disaggregation_bootstrap_port": i.bootstrap_port,
+            "max_running_requests": i.max_running_requests,
+            "served_model_name": i.served_model_name,
+            "context_length": i.max_seq_len,
+        })
+        return pb.GetServerInfoResponse(
+            server_args=args, active_requests=self._active(), uptime_seconds=time.time() - self._started,
+            server_type="grpc", sglang_version="pdgrpc",
+        )
+
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        n = self._active()
+        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=n, num_total_reqs=n, max_running_requests=self.info().max_running_requests)
+        return pb.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version="pdgrpc", dp_rank_count=1, loads=[load],
+            aggregate=pb.AggregateMetrics(total_running_reqs=n, total_reqs=n),
+        )
+
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        data, sha = tokenizer_zip()
+        for start in range(0, len(data), _TOKENIZER_CHUNK):
+            end = start + _TOKENIZER_CHUNK
+            yield smg_common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        abort = self._running.get(request.request_id)
+        if abort is None:
+            return pb.AbortResponse(success=False, message=f"no request {request.request_id!r} is running here; nothing to abort")
+        log.info("abort request %s: %s", request.request_id, request.reason or "(no reason given)")
+        if not abort(f"request {request.request_id} aborted by Abort: {request.reason or 'no reason given'}"):
+            return pb.AbortResponse(success=False, message=f"request {request.request_id!r} is not admitted yet or already over; nothing aborted")
+        return pb.AbortResponse(success=True, message="aborted")
+
+    def _convert(self, request: Any) -> GatewayRequest:
+        colocated = self.info().mode == "null"
+        if colocated and request.HasField("disaggregated_params"):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "disaggregated_params is set, but this worker is colocated (not a prefill or decode)")
+        return convert(request, disaggregated=not colocated, max_seq_len=self.info().max_seq_len)
+
+    def _track(self, request_id: str, abort: Callable[[str], bool]) -> None:
+        if request_id in self._running:
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running here")
+        self._running[request_id] = abort
+
+
+class PrefillLeg(_Base):
+    """Serves smg's prefill leg on the prefill controller (see the module doc)."""
+
+    def __init__(self, prefill: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        super().__init__(info, active, healthy)
+        self._prefill = prefill  # the controller: Prefill(PrefillRequest, context) -> PrefillResponse
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        aborted: list[str] = []
+        # The Prefill runs in its own task so that Abort can cancel it and this handler
+        # still ends the call with a status (grpc sends none for a cancelled handler).
+        work: asyncio.Future[Any] | None = None
+
+        def abort(why: str) -> bool:
+            aborted.append(why)
+            return work is not None and work.cancel()
+
+        try:
+            g = self._convert(request)
+            self._track(g.request_id, abort)
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        try:
+            inner = prefill_pb2.PrefillRequest(
+                bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling
+            )
+            if g.routed_dp_rank is not None:
+                inner.routed_dp_rank = g.routed_dp_rank
+            work = asyncio.ensure_future(self._prefill.Prefill(inner, context))  # aborts the context on failure
+            try:
+                reply = await work
+            except asyncio.CancelledError:
+                if not aborted or not work.cancelled():
+                    raise  # the caller went away: grpc ends the call
+                await context.abort(grpc.StatusCode.CANCELLED, aborted[0])
+            yield pb.GenerateResponse(
+                request_id=g.request_id,
+                complete=pb.GenerateComplete(finish_reason="stop", prompt_tokens=reply.prompt_tokens or len(g.input_ids)),
+            )
+        finally:
+            self._running.pop(g.request_id, None)
+
+
+class DecodeLeg(_Base):
+    """Serves smg's decode leg on the decode server (see the module doc)."""
+
+    def __init__(self, decode: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        super().__init__(info, active, healthy)
+        self._decode = decode  # the DecodeServicer: Decode(DecodeRequest, context) -> stream
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        scheduler = self._decode.scheduler
+        try:
+            g = self._convert(request)
+            self._track(g.request_id, lambda why: scheduler.end_stream(g.room, grpc.StatusCode.CANCELLED, why))
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        inner_req = decode_pb2.DecodeRequest(
+            bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling,
+            prefill_bootstrap_address=g.bootstrap_address,
+        )
+        if g.routed_dp_rank is not None:
+            inner_req.routed_dp_rank = g.routed_dp_rank
+        stream = self._decode.Decode(inner_req, context)
+        out = OutputStream(g)
+        try:
+            async for msg in stream:
+                msgs = out.step(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs), msg.finish_reason)
+                for m in msgs:
+                    yield m
+                if msgs and msgs[-1].HasField("complete"):  # over: EOS, length or a stop
+                    return
+        finally:
+            # A stop token, an Abort or a client that went away: closing the inner stream
+            # runs its clean-up (the room is aborted and its pages freed).
+            await stream.aclose()
+            self._running.pop(g.request_id, None)
+
+
+class ColocatedLeg(_Base):
+    """Serves smg's non-PD requests on the colocated server (see the module doc)."""
+
+    def __init__(self, server: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        super().__init__(info, active, healthy)
+        self._server = server  # ColocatedServer: admit(ids, sampling, max_new) -> job
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        from pdgrpc.cluster.colocated import DONE
+        from pdgrpc.engine.base import InvalidRequest
+        from pdgrpc.errors import EngineError
+        from pdgrpc.serving.convert import sampling_from_proto
+
+        engine = self._server.engine
+        job: Any = None
+
+        def abort(why: str) -> bool:
+            if job is None or job.cancelled:
+                return False
+            job.out.put_nowait(RequestFailed(grpc.StatusCode.CANCELLED, why))
+            return True
+
+        try:
+            g = self._convert(request)
+            sampling = sampling_from_proto(g.sampling)
+            engine.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
+            engine.validate_request(g.input_ids, g.sampling.max_new_tokens)
+            self._track(g.request_id, abort)
+        except (InvalidRequest, EngineError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace("token_ids", "tokenized.input_ids"))
+            return
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        job = self._server.admit(g.input_ids, sampling, g.sampling.max_new_tokens)
+        stream = OutputStream(g)
+        try:
+            while True:
+                item = await job.out.get()
+                if item is DONE:
+                    return
+                if isinstance(item, RequestFailed):
+                    await context.abort(item.code, item.message)
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {item}")
+                tok, reason = item
+                top = [common_pb2.TopLogprobs(token_ids=tok.top_ids, logprobs=tok.top_logprobs)]
+                msgs = stream.step([tok.token_id], [tok.logprob], top, reason)
+                for m in msgs:
+                    yield m
+                if msgs and msgs[-1].HasField("complete"):
+                    return
+        finally:
+            job.cancelled = True  # no-op when finished; else the scheduler drops it and frees its pages
+            self._running.pop(g.request_id, None)
+
+
+def add_to_server(servicer: _Base, server: Any) -> None:
+    pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)

@@ -1,0 +1,110 @@
+"""Output tokens -> smg's ``chunk`` messages and the final ``complete`` (pure; no I/O).
+
+:class:`OutputStream` applies what the engine does not: stop token ids and stop strings.
+
+* A **stop token id** ends the request at that token; the token is sent (smg reports it
+  as ``matched_stop``) and ``complete.matched_token_id`` names it.
+* A **stop string** is matched on the output's bytes (the reference engine's tokens are
+  bytes). While the output's tail could still become a stop string, those tokens are
+  held back; once it cannot, they are sent. When one matches, the request ends with
+  ``complete.matched_stop_str``; the string's own tokens are sent only with
+  ``no_stop_trim`` (smg's meaning: keep the stop string in the output).
+* EOS (``finish_reason "eos"``) ends it with ``matched_token_id`` = EOS; ``length`` with
+  ``finish_reason "length"``.
+
+``completion_tokens`` counts the tokens sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from pdgrpc.engine.tokenizer import EOS_ID
+from pdgrpc.gateway.requests import GatewayRequest
+
+__all__ = ["OutputStream"]
+
+
+class OutputStream:
+    def __init__(self, g: GatewayRequest) -> None:
+        self.g = g
+        self.sent: list[int] = []
+        self.logprobs = pb.OutputLogProbs()
+        self._bytes = bytearray()  # the output so far, as bytes (specials have none)
+        self._held: list[tuple[int, float, Any]] = []  # (token, logprob, top) not sent yet
+        self._longest_stop = max((len(s) for s in g.stop_strings), default=0)
+
+    def step(self, ids: Sequence[int], logprobs: Sequence[float], top: Sequence[Any], finish_reason: str) -> list[Any]:
+        """The messages for ``ids`` generated now (``finish_reason``: pdgrpc's, "" while
+        running): a ``chunk`` when there is something to send, and ``complete`` last once
+        the request is over (then it is the last message)."""
+        g = self.g
+        lps = list(logprobs) + [0.0] * (len(ids) - len(logprobs))
+        tops = list(top) + [None] * (len(ids) - len(top))
+        matched_id: int | None = None
+        matched_str: bytes | None = None
+        for t, lp, tp in zip(ids, lps, tops):
+            self._held.append((t, lp, tp))
+            if t < 256:
+                self._bytes.append(t)
+                matched_str = next((s for s in g.stop_strings if self._bytes.endswith(s)), None)
+            if t in g.stop_token_ids:
+                matched_id = t
+            if matched_id is not None or matched_str is not None:
+                break
+        over = matched_id is not None or matched_str is not None or bool(finish_reason)
+        if matched_str is not None and not g.no_stop_trim:
+            del self._held[len(self._held) - self._tokens_for(len(matched_str)):]  # the stop string's own tokens
+        send = self._held if over else self._held[: len(self._held) - self._tokens_for(self._hold_back())]
+        msgs = [self._chunk(send)] if send else []
+        del self._held[: len(send)]
+        if not over:
+            return msgs
+        done = pb.GenerateComplete(
+            output_ids=self.sent, prompt_tokens=len(g.input_ids), completion_tokens=len(self.sent),
+            finish_reason="length" if not (matched_id or matched_str) and finish_reason == "length" else "stop",
+        )
+        if matched_id is not None:
+            done.matched_token_id = matched_id
+        elif matched_str is not None:
+            done.matched_stop_str = matched_str.decode("utf-8", errors="replace")
+        elif finish_reason == "eos":
+            done.matched_token_id = EOS_ID
+        if g.return_logprob:
+            done.output_logprobs.CopyFrom(self.logprobs)
+        msgs.append(pb.GenerateResponse(request_id=g.request_id, complete=done))
+        return msgs
+
+    def _hold_back(self) -> int:
+        """How many trailing output bytes could still start a stop string."""
+        for n in range(min(self._longest_stop - 1, len(self._bytes)), 0, -1):
+            tail = bytes(self._bytes[-n:])
+            if any(s.startswith(tail) for s in self.g.stop_strings):
+                return n
+        return 0
+
+    def _tokens_for(self, nbytes: int) -> int:
+        """How many trailing held tokens hold the last ``nbytes`` output bytes."""
+        count = 0
+        for t, _, _ in reversed(self._held):
+            if nbytes == 0:
+                break
+            count += 1
+            nbytes -= t < 256
+        return count
+
+    def _chunk(self, tokens: list[tuple[int, float, Any]]) -> Any:
+        g = self.g
+        ids = [t for t, _, _ in tokens]
+        self.sent += ids
+        chunk = pb.GenerateStreamChunk(token_ids=ids, prompt_tokens=len(g.input_ids), completion_tokens=len(self.sent))
+        if g.return_logprob:
+            step = pb.OutputLogProbs(
+                token_logprobs=[lp for _, lp, _ in tokens], token_ids=ids,
+                top_logprobs=[pb.TopLogProbs(values=tp.logprobs, token_ids=tp.token_ids) if tp is not None else pb.TopLogProbs() for _, _, tp in tokens],
+            )
+            self.logprobs.MergeFrom(step)
+            chunk.output_logprobs.CopyFrom(step)
+        return pb.GenerateResponse(request_id=g.request_id, chunk=chunk)

@@ -1,0 +1,79 @@
+"""The colocated server as smg's non-PD worker: SglangScheduler over a real gRPC port,
+answered by the same scheduler as its GenerateService (in this process)."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+import pytest
+
+pytest.importorskip("smg_grpc_proto", reason="the gateway extra (pdgrpc[gateway]) is not installed")
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc  # noqa: E402
+
+from pdgrpc.cluster import load_topology  # noqa: E402
+from pdgrpc.cluster.colocated import ColocatedServer  # noqa: E402
+from pdgrpc.cluster.reference import reference_engine  # noqa: E402
+from pdgrpc.engine.base import SamplingParams  # noqa: E402
+from pdgrpc.engine.colocated import generate as colocated_generate  # noqa: E402
+from pdgrpc.gateway import colocated_service  # noqa: E402
+from pdgrpc.rpc.server import start_server  # noqa: E402
+from tests.eventually import eventually_async  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def request(rid: str, ids, max_new: int, temperature: float = 0.0, **extra) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, repetition_penalty=1.0, max_new_tokens=max_new, n=1),
+        logprob_start_len=-1, stream=True, **extra,
+    )
+
+
+async def test_generate_stop_tokens_logprobs_and_abort():
+    topology = load_topology("colocated")
+    impl = ColocatedServer(reference_engine(topology), chunk_tokens=64)
+    server = await start_server([colocated_service(impl, argparse.Namespace(served_model_name="m"))], what="test colocated")
+    reference = reference_engine(topology)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            info = await stub.GetServerInfo(pb.GetServerInfoRequest())
+            assert info.server_args["disaggregation_mode"] == "null"
+            for ids, n, t in [((256, *b"hello"), 12, 0.0), (tuple(b"abc"), 9, 1.25)]:
+                (want,) = colocated_generate(reference, [ids], n, SamplingParams(temperature=t))
+                msgs = [m async for m in stub.Generate(request("a", ids, n, t, return_logprob=True, top_logprobs_num=2))]
+                chunks, done = [m.chunk for m in msgs[:-1]], msgs[-1].complete
+                assert [t for c in chunks for t in c.token_ids] == list(done.output_ids) == list(want.token_ids)
+                assert done.finish_reason == {"eos": "stop", "length": "length"}[want.finish_reason]
+                assert len(done.output_logprobs.token_logprobs) == len(want.token_ids)
+                assert all(len(x.token_ids) == 2 for x in done.output_logprobs.top_logprobs)
+                # The same request with its third token as a stop token id ends there.
+                stop = want.token_ids[2]
+                req = request("b", ids, n, t)
+                req.sampling_params.stop_token_ids.append(stop)
+                done = [m async for m in stub.Generate(req)][-1].complete
+                cut = list(want.token_ids).index(stop) + 1
+                assert list(done.output_ids) == list(want.token_ids[:cut]) and done.matched_token_id == stop
+            # A PD request is refused here; an Abort ends a running request and frees it.
+            req = request("c", (256,), 4)
+            req.disaggregated_params.bootstrap_host = "x"
+            with pytest.raises(grpc.aio.AioRpcError) as info_:
+                [m async for m in stub.Generate(req)]
+            assert info_.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "colocated" in info_.value.details()
+            req = request("long", (256,), 1500)
+            req.sampling_params.ignore_eos = True
+            call = stub.Generate(req)
+            await call.read()
+            assert (await stub.Abort(pb.AbortRequest(request_id="long"))).success
+            with pytest.raises(grpc.aio.AioRpcError) as info_:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert info_.value.code() == grpc.StatusCode.CANCELLED
+            await eventually_async(lambda: impl.active_requests() == 0, 10, 0.05, lambda: "the aborted request is still held")
+    finally:
+        await server.stop(0)
+        await impl.close()

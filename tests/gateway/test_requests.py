@@ -1,0 +1,143 @@
+"""smg's GenerateRequest -> pdgrpc's request (pure): rooms, sampling, refused fields."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import zipfile
+
+import grpc
+import pytest
+
+pytest.importorskip("smg_grpc_proto", reason="the gateway extra (pdgrpc[gateway]) is not installed")
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
+
+from pdgrpc.errors import RequestFailed  # noqa: E402
+from pdgrpc.gateway.requests import DEFAULT_MAX_NEW_TOKENS, ROOM_BASE, convert, map_room  # noqa: E402
+from pdgrpc.gateway.tokenizer import byte_symbols, tokenizer_files, tokenizer_zip  # noqa: E402
+from pdgrpc.router.service import draw_room  # noqa: E402
+
+
+def request(**sampling: object) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(
+        request_id="r1",
+        tokenized=pb.TokenizedInput(input_ids=[256, 104, 105]),
+        sampling_params=pb.SamplingParams(temperature=0.5, top_p=1.0, top_k=-1, repetition_penalty=1.0, max_new_tokens=8, n=1),
+        disaggregated_params=pb.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=4000, bootstrap_room=0),
+        logprob_start_len=-1,
+    )
+    for k, v in sampling.items():
+        if isinstance(v, dict):
+            getattr(req.sampling_params, k).update(v)
+        elif isinstance(v, list):
+            getattr(req.sampling_params, k).extend(v)
+        else:
+            setattr(req.sampling_params, k, v)
+    return req
+
+
+def refused(req: pb.GenerateRequest, disaggregated: bool = True) -> str:
+    with pytest.raises(RequestFailed) as info:
+        convert(req, disaggregated=disaggregated, max_seq_len=2048)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value.message
+
+
+def test_a_plain_request_converts_field_by_field():
+    g = convert(request(stop_token_ids=[10]), disaggregated=True, max_seq_len=2048)
+    assert g.input_ids == (256, 104, 105)
+    assert g.room == ROOM_BASE  # smg's room 0 is mapped, never 0
+    assert g.bootstrap_address == "127.0.0.1:4000"
+    s = g.sampling
+    assert (s.temperature, s.top_k, s.top_p, s.seed, s.max_new_tokens, s.ignore_eos) == (0.5, 0, 1.0, 0, 8, False)
+    assert g.stop_token_ids == frozenset({10})
+
+
+def test_rooms_map_into_a_band_the_router_never_draws():
+    assert map_room(0) == ROOM_BASE and map_room(2**31 - 1) == ROOM_BASE + 2**31 - 1
+    for bad in (-1, 2**31):
+        with pytest.raises(RequestFailed, match="bootstrap_room"):
+            map_room(bad)
+    rng = random.Random(3)
+    rooms = [draw_room(lambda bits: ROOM_BASE + rng.randrange(2**31) if rng.random() < 0.5 else rng.getrandbits(bits)) for _ in range(200)]
+    assert all(r != 0 and not ROOM_BASE <= r < ROOM_BASE + 2**31 for r in rooms)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("min_p", 0.1), ("frequency_penalty", 0.5), ("presence_penalty", -0.5), ("repetition_penalty", 1.2),
+        ("min_new_tokens", 3), ("regex", "a+"), ("json_schema", "{}"), ("n", 2),
+    ],
+)
+def test_fields_the_engine_cannot_honour_are_refused_by_name(field, value):
+    req = request()
+    if isinstance(value, list):
+        getattr(req.sampling_params, field).extend(value)
+    else:
+        setattr(req.sampling_params, field, value)
+    assert f"sampling_params.{field}" in refused(req)
+
+
+def test_request_level_fields_the_engine_cannot_honour_are_refused_by_name():
+    for name, setup in [
+        ("logit_bias", lambda r: r.sampling_params.logit_bias.update({"5": 1.0})),
+        ("lora_id", lambda r: setattr(r, "lora_id", "a")),
+        ("return_hidden_states", lambda r: setattr(r, "return_hidden_states", True)),
+        ("token_ids_logprob", lambda r: r.token_ids_logprob.append(3)),
+        ("logprob_start_len", lambda r: (setattr(r, "return_logprob", True), setattr(r, "logprob_start_len", 0))),
+        ("mm_inputs", lambda r: r.mm_inputs.image_urls.append("x")),
+    ]:
+        req = request()
+        setup(req)
+        assert name in refused(req), name
+
+
+def test_bad_values_name_their_field():
+    req = request()
+    del req.tokenized.input_ids[:]
+    assert "tokenized.input_ids is empty" in refused(req)
+    assert "top_k" in refused(request(top_k=-2))
+    assert "max_new_tokens must be >= 1" in refused(request(max_new_tokens=0))
+    assert "temperature must be finite" in refused(request(temperature=float("nan")))
+    assert "custom_params.seed" in refused(request(custom_params={"seed": 1.5}))
+    assert "sampling_params.stop[1] must be 1 to 256 bytes" in refused(request(stop=["ok", ""]))
+    assert "over the limit of 16" in refused(request(stop=[str(i) for i in range(17)]))
+    req = request()
+    req.top_logprobs_num = 21
+    assert "top_logprobs_num" in refused(req)
+    req = request()
+    req.disaggregated_params.bootstrap_port = 0
+    assert "bootstrap_port" in refused(req)
+
+
+def test_a_disaggregated_worker_needs_disaggregated_params():
+    req = request()
+    req.ClearField("disaggregated_params")
+    assert "disaggregated_params is not set" in refused(req)
+    assert convert(req, disaggregated=False, max_seq_len=2048).room == 0
+
+
+def test_defaults_seed_and_logprobs():
+    req = request(custom_params={"seed": 12345})
+    req.sampling_params.ClearField("max_new_tokens")
+    req.return_logprob, req.top_logprobs_num = True, 3
+    g = convert(req, disaggregated=True, max_seq_len=2048)
+    assert g.sampling.seed == 12345 and g.sampling.top_logprobs == 3 and g.return_logprob
+    assert g.sampling.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert convert(req, disaggregated=True, max_seq_len=10).sampling.max_new_tokens == 7  # capped by the context
+
+
+def test_the_tokenizer_bundle_is_a_byte_tokenizer():
+    symbols = byte_symbols()
+    assert len(set(symbols)) == 256 and all(len(s) == 1 for s in symbols)
+    data, sha = tokenizer_zip()
+    assert hashlib.sha256(data).hexdigest() == sha and tokenizer_zip() == (data, sha)  # deterministic
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert sorted(zf.namelist()) == sorted(tokenizer_files())
+        tok = json.loads(zf.read("tokenizer.json"))
+    assert tok["model"]["vocab"] == {s: i for i, s in enumerate(symbols)}
+    assert [(t["id"], t["special"]) for t in tok["added_tokens"]] == [(256, True), (257, True)]

@@ -1,0 +1,282 @@
+"""End to end with the real smg (pdgrpc[gateway]) in PD mode in front of pdgrpc's servers.
+
+One cluster per (topology, transport): smg-1p1d over tcp, and smg-2p2d (two prefills x
+two decodes) over rdma. Outputs are compared with colocated generation of the same token
+ids (a ReferenceEngine built from the topology's own [engine] table): exact token ids
+always, and the text wherever the output bytes are valid UTF-8 (smg's byte-level decoder
+is deterministic there). smg 1.13.0 forwards no seed, so the sampled cases run at the
+workers' default seed 0, as the reference does.
+
+The protocol tests call the servers' SglangScheduler directly with what smg would never
+send. Prefills run with a shorter --max-prompt-tokens than the decodes, so a prompt
+between the two fails on the prefill leg only (a prefill failure smg must report), and
+with short handshake/waiting deadlines, so the two legs disagreeing on the room ends in
+seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+import pytest_asyncio
+
+pytest.importorskip("smg_grpc_proto", reason="the gateway extra (pdgrpc[gateway]) is not installed")
+
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # noqa: E402
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc  # noqa: E402
+
+from pdgrpc.cluster import Cluster, load_topology  # noqa: E402
+from pdgrpc.cluster.topology import Topology  # noqa: E402
+from pdgrpc.engine.tokenizer import EOS_ID  # noqa: E402
+from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME  # noqa: E402
+from pdgrpc.gateway.tokenizer import tokenizer_zip  # noqa: E402
+from tests.e2e.harness import Case, Counters, reference_outputs, skip_unless_transport, wait_nothing_held  # noqa: E402
+from tests.gateway import smg_http  # noqa: E402
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
+
+PARAMS = [("smg-1p1d", "tcp"), ("smg-2p2d", "rdma")]
+PREFILL_MAX_PROMPT = 200  # the decodes keep the [engine] table's 1024
+MODEL = DEFAULT_SERVED_MODEL_NAME
+
+
+def gateway_topology(name: str) -> Topology:
+    topo = load_topology(name)
+    procs = []
+    for p in topo.processes:
+        if p.role == "prefill":
+            p = dataclasses.replace(p, args={**p.args, "max-prompt-tokens": PREFILL_MAX_PROMPT, "handshake-timeout": 3})
+        elif p.role == "decode":
+            p = dataclasses.replace(p, args={**p.args, "bootstrap-timeout": 3, "waiting-timeout": 4})
+        procs.append(p)
+    return dataclasses.replace(topo, processes=tuple(procs))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=PARAMS, ids=[f"{t}-{x}" for t, x in PARAMS])
+async def cluster(request):
+    name, transport = request.param
+    skip_unless_transport(transport)
+    async with Cluster(gateway_topology(name), transport=transport, start_timeout=180, metrics=True) as c:
+        yield c
+
+
+def base(cluster: Cluster) -> str:
+    return cluster.openai_base_url.removesuffix("/v1")
+
+
+async def call(fn, *args, **kwargs):
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def expected_text(ids: tuple[int, ...]) -> str | None:
+    """The text smg must show for ``ids`` (specials dropped), or None where the bytes are
+    not valid UTF-8 (then only the token ids are compared)."""
+    try:
+        return bytes(t for t in ids if t < 256).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def of_process(counters: Counters, name: str) -> Counters:
+    """The counters of one process's endpoints (a prefill's controller and its workers)."""
+    return Counters({k: v for k, v in counters.scrapes.items() if k.split("/")[0] == name})
+
+
+OPENAI_REASON = {"eos": "stop", "length": "length"}
+
+CASES = [  # (max_new_tokens, temperature, top_k): temperatures exact in float32 (smg's wire type)
+    (12, 0.0, 0), (20, 0.5, 0), (7, 1.25, 20), (1, 0.0, 0), (16, 1.0, 0),
+]
+
+
+async def test_models_lists_the_served_model_name(cluster):
+    status, body = await call(smg_http.get, base(cluster), "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+
+
+async def test_generate_returns_the_token_ids_of_colocated_generation(cluster):
+    prompts = [(256, *b"The quick brown fox"), (256, *b"KV pages move"), tuple(b"no BOS here"), (256,)]
+    cases = [Case(ids, n, temperature=t, top_k=k) for ids in prompts for n, t, k in CASES]
+    expected = reference_outputs(cluster.topology.name, cases)
+    before = await Counters.read(cluster)
+
+    async def one(c: Case):
+        body = {"model": MODEL, "input_ids": list(c.input_ids),
+                "sampling_params": {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k or -1}}
+        return await call(smg_http.post, base(cluster), "/generate", body)
+
+    got = await asyncio.gather(*(one(c) for c in cases))
+    for c, (status, body), (ids, reason) in zip(cases, got, expected):
+        assert status == 200, body
+        (out,) = body
+        assert tuple(out["output_ids"]) == ids, c
+        assert out["meta_info"]["finish_reason"]["type"] == OPENAI_REASON[reason], c
+        if reason == "eos":
+            assert out["meta_info"]["matched_stop"] == EOS_ID
+        assert out["meta_info"]["completion_tokens"] == len(ids)
+    await wait_nothing_held(cluster)
+    # smg spread the requests over every prefill and every decode (2 x 2 in smg-2p2d).
+    after = await Counters.read(cluster)
+    for role in ("prefill", "decode"):
+        for name in [p.name for p in cluster.topology.by_role(role)]:
+            served = of_process(after, name).delta(of_process(before, name), "pdgrpc_requests_total", role, state="finished")
+            assert served > 0, f"{name} served none"
+
+
+async def test_completions_and_chat_return_the_text_of_colocated_generation(cluster):
+    prompts = ["The capital of France is", "Disaggregated serving moves KV pages", "hi"]
+    chat_prompt = [{"role": "user", "content": "hello there"}]
+    chat_ids = tuple(b"user: hello there\nassistant: ")  # the exported chat template; smg adds no BOS
+    cases = [Case(tuple(p.encode()), n, temperature=t, top_k=k) for p in prompts for n, t, k in CASES]
+    chat_cases = [Case(chat_ids, n, temperature=t, top_k=k) for n, t, k in CASES]
+    expected = reference_outputs(cluster.topology.name, cases + chat_cases)
+    texts = 0
+
+    def params(c: Case) -> dict:
+        return {"model": MODEL, "max_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k or -1}
+
+    for i, c in enumerate(cases):
+        ids, reason = expected[i]
+        body = {**params(c), "prompt": bytes(c.input_ids).decode()}
+        (status, full), (s_status, events) = await asyncio.gather(
+            call(smg_http.post, base(cluster), "/v1/completions", body),
+            call(smg_http.stream, base(cluster), "/v1/completions", body),
+        )
+        assert status == 200 and s_status == 200, (full, events)
+        choice = full["choices"][0]
+        assert full["usage"]["completion_tokens"] == len(ids) and full["usage"]["prompt_tokens"] == len(c.input_ids)
+        assert choice["finish_reason"] == OPENAI_REASON[reason] and smg_http.finish_reason(events) == OPENAI_REASON[reason]
+        want = expected_text(ids)
+        if want is not None:
+            texts += 1
+            assert choice["text"] == want, c
+            assert smg_http.streamed_text(events) == want, c
+    for c, (ids, reason) in zip(chat_cases, expected[len(cases):]):
+        status, events = await call(smg_http.stream, base(cluster), "/v1/chat/completions", {**params(c), "messages": chat_prompt})
+        assert status == 200, events
+        assert smg_http.finish_reason(events) == OPENAI_REASON[reason]
+        want = expected_text(ids)
+        if want is not None:
+            texts += 1
+            assert smg_http.streamed_text(events) == want, c
+    assert texts >= len(CASES), "too few outputs were valid UTF-8 for the text checks to mean anything"
+    await wait_nothing_held(cluster)
+
+
+async def test_a_failing_prefill_gives_an_http_error_and_frees_everything(cluster):
+    prompt = "x" * (PREFILL_MAX_PROMPT + 50)  # the decodes accept it, the prefills refuse it
+    status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
+    assert status >= 400, body
+    assert "max_prompt_tokens" in str(body), body
+    await wait_nothing_held(cluster)
+    # and the cluster still serves
+    status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 3})
+    assert status == 200, body
+    await wait_nothing_held(cluster)
+
+
+async def test_a_client_that_disconnects_mid_stream_frees_both_sides(cluster):
+    before = await Counters.read(cluster)
+    body = {"model": MODEL, "prompt": "keep going " * 8, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    status, events = await call(smg_http.stream, base(cluster), "/v1/completions", body, stop_after=3)
+    assert status == 200 and len(events) >= 3 and smg_http.finish_reason(events) is None
+    await wait_nothing_held(cluster, timeout=30)
+    # The decode ended it as cancelled, long before its 1500 tokens.
+    after = await Counters.read(cluster)
+    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:cancelled": 1}
+    assert after.delta(before, "pdgrpc_output_tokens_total", "decode") < 1500
+
+
+# ---- the protocol, called directly ----------------------------------------------------------
+
+
+def stub(cluster: Cluster, name: str) -> pb_grpc.SglangSchedulerStub:
+    return pb_grpc.SglangSchedulerStub(cluster.channel(name))
+
+
+def first(cluster: Cluster, role: str) -> str:
+    return cluster.topology.by_role(role)[0].name
+
+
+def gen_request(cluster: Cluster, rid: str, room: int = 7, ids=(256, 104, 105), max_new: int = 4) -> pb.GenerateRequest:
+    prefill = first(cluster, "prefill")
+    host, _, port = cluster.address(prefill).rpartition(":")
+    return pb.GenerateRequest(
+        request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(top_p=1.0, top_k=-1, repetition_penalty=1.0, max_new_tokens=max_new, n=1),
+        disaggregated_params=pb.DisaggregatedParams(bootstrap_host=host, bootstrap_port=int(port), bootstrap_room=room),
+        logprob_start_len=-1, stream=True,
+    )
+
+
+async def rpc_error(call_) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call_:
+            pass
+    return info.value
+
+
+async def test_info_rpcs_describe_a_consistent_pair(cluster):
+    p, d = stub(cluster, first(cluster, "prefill")), stub(cluster, first(cluster, "decode"))
+    for s in (p, d):
+        assert (await s.HealthCheck(pb.HealthCheckRequest())).healthy
+        info = await s.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.served_model_name == MODEL and list(info.eos_token_ids) == [EOS_ID]
+        loads = await s.GetLoads(pb.GetLoadsRequest())
+        assert loads.aggregate.total_running_reqs == 0
+    ps, ds = (await p.GetServerInfo(pb.GetServerInfoRequest())).server_args, (await d.GetServerInfo(pb.GetServerInfoRequest())).server_args
+    assert (ps["disaggregation_mode"], ds["disaggregation_mode"]) == ("prefill", "decode")
+    assert ps["disaggregation_transfer_backend"] == ds["disaggregation_transfer_backend"] == f"pdgrpc-{cluster.transport}"
+    assert int(ps["disaggregation_bootstrap_port"]) == int(cluster.bootstrap_address(first(cluster, "prefill")).rpartition(":")[2])
+    chunks = [c async for c in p.GetTokenizer(smg_common_pb2.GetTokenizerRequest())]
+    assert b"".join(c.data for c in chunks) == tokenizer_zip()[0] and chunks[-1].sha256 == tokenizer_zip()[1]
+
+
+async def test_bad_requests_are_refused_naming_the_field(cluster):
+    p, d = stub(cluster, first(cluster, "prefill")), stub(cluster, first(cluster, "decode"))
+    reply = await d.Abort(pb.AbortRequest(request_id="never-seen"))
+    assert not reply.success and "nothing to abort" in reply.message
+    for s in (p, d):
+        req = gen_request(cluster, "no-dp")
+        req.ClearField("disaggregated_params")
+        err = await rpc_error(s.Generate(req))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "disaggregated_params" in err.details()
+        req = gen_request(cluster, "unsupported")
+        req.sampling_params.frequency_penalty = 0.5
+        err = await rpc_error(s.Generate(req))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params.frequency_penalty" in err.details()
+        err = await rpc_error(s.Generate(gen_request(cluster, "empty", ids=())))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokenized.input_ids" in err.details()
+        err = await rpc_error(s.Generate(gen_request(cluster, "too-long", max_new=4000)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_seq_len" in err.details(), err.details()
+    await wait_nothing_held(cluster)
+
+
+# Waits out the short deadlines (~4 s): on the first cluster only; the path does not
+# depend on the transport or the topology's size.
+@pytest.mark.parametrize("cluster", PARAMS[:1], ids=[f"{t}-{x}" for t, x in PARAMS[:1]], indirect=True)
+async def test_legs_that_disagree_on_the_room_fail_and_free_everything(cluster):
+    p, d = stub(cluster, first(cluster, "prefill")), stub(cluster, first(cluster, "decode"))
+    p_err, d_err = await asyncio.gather(
+        rpc_error(p.Generate(gen_request(cluster, "split", room=11))),
+        rpc_error(d.Generate(gen_request(cluster, "split", room=12))),
+    )
+    assert p_err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, p_err.details()
+    assert d_err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED), d_err.details()
+    await wait_nothing_held(cluster)
+
+
+async def test_abort_ends_a_running_leg_and_frees_it(cluster):
+    d = stub(cluster, first(cluster, "decode"))
+    leg = d.Generate(gen_request(cluster, "to-abort", room=21))  # no prefill leg: it waits for the KV
+    await asyncio.sleep(0.5)
+    assert (await cluster.stats(first(cluster, "decode"))).active_requests == 1
+    reply = await d.Abort(pb.AbortRequest(request_id="to-abort", reason="test"))
+    assert reply.success
+    err = await rpc_error(leg)
+    assert err.code() == grpc.StatusCode.CANCELLED
+    await wait_nothing_held(cluster)

@@ -1,0 +1,45 @@
+"""The topology's ``smg`` role: validation and the ``smg launch`` command line (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdgrpc.cluster.smg import smg_argv
+from pdgrpc.cluster.topology import load_topology, parse_topology
+from pdgrpc.errors import ConfigError
+
+BASE = {
+    "process": [
+        {"name": "p", "role": "prefill"},
+        {"name": "d", "role": "decode"},
+        {"name": "r", "role": "router", "prefill": ["p"], "decode": ["d"]},
+    ]
+}
+
+
+def topo(*extra: dict) -> dict:
+    return {"process": BASE["process"] + list(extra)}
+
+
+def test_an_smg_process_must_name_its_prefills_and_decodes():
+    with pytest.raises(ConfigError, match="a smg needs prefill"):
+        parse_topology(topo({"name": "g", "role": "smg", "prefill": ["p"]}), "t")
+    with pytest.raises(ConfigError, match="'r' is not a decode process"):
+        parse_topology(topo({"name": "g", "role": "smg", "prefill": ["p"], "decode": ["r"]}), "t")
+    with pytest.raises(ConfigError, match="at most one smg"):
+        g = {"role": "smg", "prefill": ["p"], "decode": ["d"]}
+        parse_topology(topo({"name": "g1", **g}, {"name": "g2", **g}), "t")
+
+
+def test_smg_launch_binds_loopback_and_passes_each_prefills_bootstrap_port(tmp_path):
+    (tmp_path / "smg").touch()
+    t = load_topology("smg-2p2d")
+    spec = t.process("smg")
+    addresses = {"prefill-a": "127.0.0.1:1001", "prefill-b": "127.0.0.1:1002", "decode-a": "127.0.0.1:2001", "decode-b": "127.0.0.1:2002"}
+    argv = smg_argv(spec, "127.0.0.1", 3000, 3001, addresses.__getitem__, addresses.__getitem__, python=str(tmp_path / "python"))
+    assert argv[:3] == [str(tmp_path / "smg"), "launch", "--pd-disaggregation"]
+    joined = " ".join(argv)
+    assert "--host 127.0.0.1 --port 3000 --prometheus-host 127.0.0.1 --prometheus-port 3001" in joined
+    assert "--prefill grpc://127.0.0.1:1001 1001 --prefill grpc://127.0.0.1:1002 1002" in joined
+    assert "--decode grpc://127.0.0.1:2001 --decode grpc://127.0.0.1:2002" in joined
+    assert "--shutdown-grace-period-secs 2" in joined and "--prefill-policy round_robin" in joined

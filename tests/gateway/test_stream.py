@@ -1,0 +1,69 @@
+"""OutputStream: stop token ids, stop strings (held back, trimmed or kept), EOS, length."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("smg_grpc_proto", reason="the gateway extra (pdgrpc[gateway]) is not installed")
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
+
+from pdgrpc.engine.tokenizer import EOS_ID  # noqa: E402
+from pdgrpc.gateway.requests import convert  # noqa: E402
+from pdgrpc.gateway.stream import OutputStream  # noqa: E402
+
+
+def stream(stop=(), stop_ids=(), no_stop_trim=False, logprobs=False) -> OutputStream:
+    req = pb.GenerateRequest(
+        request_id="r", tokenized=pb.TokenizedInput(input_ids=[256]),
+        sampling_params=pb.SamplingParams(top_p=1.0, top_k=-1, max_new_tokens=64, n=1, stop=list(stop), stop_token_ids=list(stop_ids), no_stop_trim=no_stop_trim),
+        logprob_start_len=-1, return_logprob=logprobs,
+    )
+    return OutputStream(convert(req, disaggregated=False, max_seq_len=2048))
+
+
+def feed(s: OutputStream, data: bytes, last: str = "", per_step: int = 1) -> tuple[list[list[int]], pb.GenerateComplete | None]:
+    """Feed ``data`` as byte tokens; the chunks' token ids as sent, and the complete (if any)."""
+    chunks, done = [], None
+    steps = [list(data[i:i + per_step]) for i in range(0, len(data), per_step)]
+    for i, ids in enumerate(steps):
+        for m in s.step(ids, [-1.0] * len(ids), [], last if i == len(steps) - 1 else ""):
+            assert done is None, "nothing follows complete"
+            if m.HasField("complete"):
+                done = m.complete
+            else:
+                chunks.append(list(m.chunk.token_ids))
+        if done is not None:
+            break
+    return chunks, done
+
+
+def test_a_stop_string_split_over_tokens_is_trimmed_and_named():
+    chunks, done = feed(stream(stop=["wor"]), b"hello world")
+    assert bytes(t for c in chunks for t in c) == b"hello "
+    assert done.matched_stop_str == "wor" and done.finish_reason == "stop"
+    assert list(done.output_ids) == list(b"hello ") and done.completion_tokens == 6
+
+
+def test_no_stop_trim_keeps_the_stop_string():
+    chunks, done = feed(stream(stop=["wor"], no_stop_trim=True), b"hello world", per_step=3)
+    assert bytes(done.output_ids) == b"hello wor" and done.matched_stop_str == "wor"
+
+
+def test_a_partial_match_is_held_back_then_released():
+    s = stream(stop=["xyz"])
+    assert feed(s, b"ax")[0] == [[ord("a")]]  # "x" could start "xyz": held
+    chunks, done = feed(s, b"xq")  # "xx": the first x can no longer start it; "xq" neither
+    assert bytes(t for c in chunks for t in c) == b"xxq" and done is None
+    chunks, done = feed(s, b"xy", last="length")  # the end sends what was held
+    assert bytes(t for c in chunks for t in c) == b"xy" and done.finish_reason == "length"
+    assert bytes(done.output_ids) == b"axxqxy"
+
+
+def test_stop_token_ids_and_eos():
+    chunks, done = feed(stream(stop_ids=[ord("l")]), b"hello", per_step=5)
+    assert chunks == [list(b"hel")] and done.matched_token_id == ord("l") and done.finish_reason == "stop"
+    s = stream(logprobs=True)
+    msgs = s.step([104, EOS_ID], [-0.5, -0.25], [], "eos")
+    assert msgs[-1].complete.matched_token_id == EOS_ID and list(msgs[-1].complete.output_ids) == [104, EOS_ID]
+    assert list(msgs[-1].complete.output_logprobs.token_logprobs) == [-0.5, -0.25]
