@@ -81,7 +81,7 @@ class DecodeScheduler(Generation):
         self._replicated = (
             ReplicatedQueues(buffers, engine.num_pages, config.deadlines, config.query_interval_s) if tp is not None else None
         )
-        self.queues: DecodeQueues = self._replicated or make_queues(buffers, engine.num_pages, config)
+        self.queues: DecodeQueues = self._replicated or make_queues(buffers, engine.num_pages, config, engine.tokenizer.vocab_size)
         self.buffers = buffers
         self.transfers = RankTransfers(transport, engine, self.queues, 0, self.tp_size)
         self.directory = directory or PrefillDirectory(timeout=config.rpc_timeout_s, query_interval_s=config.query_interval_s)

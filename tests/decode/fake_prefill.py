@@ -16,6 +16,9 @@ prefill) and how to misbehave (``mode``):
 * ``"late"``     -- accept the handshake, write only once the decode's AbortRoom came (a
   prefill rank whose write trails the decode's abort).
 
+``row_overrides[room]`` replaces fields of that room's metadata row (a bad row: a token id
+outside the vocabulary, a NaN logprob), whatever the mode.
+
 Each room's final status as the sender saw it is kept in ``FakeWorker.sent``.
 
 ``transport="fake"`` builds workers on the fake backend; they accept handshakes and
@@ -145,7 +148,10 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages, dst)
             written_room = room + 1 if self.owner.mode == "corrupt" else room
             slot = len(self.handshakes) % _SEND_SLOTS
-            self._send.write_row(slot, row_from_token(first), written_room)
+            row = row_from_token(first)
+            if room in self.owner.row_overrides:  # a prefill writing a bad row for this room
+                row = dataclasses.replace(row, **self.owner.row_overrides[room])
+            self._send.write_row(slot, row, written_room)
             meta_dst = peer.descriptor.region(METADATA_REGION_ID)
             meta = metadata_op(self.regions[-1], slot, meta_dst, request.dst_slot)
             await self.transport.write(peer, room, ops, metadata=meta)
@@ -174,6 +180,7 @@ class FakePrefill:
         self.mode = "ok"
         self.send_delay_s = 0.0  # seconds between accepting a handshake and computing + writing
         self.prompts: dict[int, Prompt] = {}
+        self.row_overrides: dict[int, dict[str, object]] = {}  # room -> MetadataRow fields written instead
         self.generation: dict[int, int] = {}
         self.workers = [FakeWorker(self, r) for r in range(dp_size)]
         self.bootstrap: BootstrapServer | None = None

@@ -342,3 +342,33 @@ async def test_restarted_prefill_worker_is_not_reused(stub: decode_pb2_grpc.Deco
     assert [h.bootstrap_room for h in new.handshakes] == [req.bootstrap_room]
     assert [h.bootstrap_room for h in old.handshakes] == [first.bootstrap_room]
     await assert_nothing_held(stub)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"output_id": 1000}, "output_id 1000"),
+        ({"output_token_logprob_value": float("nan")}, "output_token_logprob_value nan"),
+        ({"top_logprobs_indices": (5000,) * 20}, "top_logprobs_indices"),
+    ],
+)
+async def test_a_bad_metadata_row_fails_only_its_request(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes, override: dict[str, object], named: str
+) -> None:
+    """Audit: a row with output_id=1000 (outside the vocabulary) was committed and the next
+    decode step failed every request in its batch. The row is checked before commit: the
+    bad request alone is aborted, naming the field, and the others finish correctly."""
+    good = [make_request(prefill, text, n, s) for text, n, s in PROMPTS[:3]]
+    bad = make_request(prefill, "a prefill writes garbage", 8)
+    prefill.row_overrides[bad.bootstrap_room] = override
+    expected = [generate(prefill.engine, [tuple(r.input_ids)], n, s)[0] for r, (_, n, s) in zip(good, PROMPTS)]
+    results = await asyncio.gather(*(collect(stub, r) for r in [*good, bad]), return_exceptions=True)
+    for req, msgs, want in zip(good, results, expected):
+        assert not isinstance(msgs, BaseException), f"room {req.bootstrap_room}: {msgs}"
+        assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
+    err = results[-1]
+    assert isinstance(err, grpc.aio.AioRpcError), err
+    assert err.code() == grpc.StatusCode.ABORTED
+    assert "metadata row" in err.details() and named in err.details(), err.details()
+    await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"finished": 3, "aborted": 1, "aborted:metadata_corruption": 1}
