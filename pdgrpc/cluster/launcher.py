@@ -344,6 +344,8 @@ class Cluster:
                 out += ["--prefill", self.address(name) + extra]
             for name in spec.decode:
                 out += ["--decode", self.address(name)]
+            if "max-prompt-tokens" in self.topology.engine:  # refused at the router, not after forwarding
+                out += ["--max-prompt-tokens", str(self.topology.engine["max-prompt-tokens"])]
         return out + flags(spec.args)
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -46,11 +46,14 @@ from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
 
 log = logging.getLogger("pdgrpc.router")
 
 DEFAULT_MAX_NEW_TOKENS = 16  # generate.proto: max_new_tokens defaults to 16 when 0
+# The engines' default --max-prompt-tokens (EngineConfig; tests/router checks they agree).
+# Not imported: the router imports no torch.
+DEFAULT_MAX_PROMPT_TOKENS = 2048
 
 # How long, after the decode stream ended, the router waits for the prefill's reply
 # before cancelling it (the prefill replies once the decode acknowledged the KV, which
@@ -103,6 +106,9 @@ class RouterConfig:
     decodes: tuple[str, ...]
     request_timeout: float = 300.0  # seconds; caps every request (client deadlines cap it further)
     discovery: bool = False  # backends come from etcd (--discovery); the static lists may be empty
+    # Longest prompt forwarded (tokens): the engines' --max-prompt-tokens. A longer one is
+    # refused here, before a prefill or decode spends anything on it.
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -113,6 +119,8 @@ class RouterConfig:
             _check_address(d, "--decode")
         if not self.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -150,7 +158,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # ---- request checks -----------------------------------------------------------------
 
+    def _too_long(self, n: int, at_least: bool = False) -> RequestFailed:
+        limit = self.config.max_prompt_tokens
+        return RequestFailed(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt has {'at least ' if at_least else ''}{n} tokens, over max_prompt_tokens={limit} "
+            "(the router's --max-prompt-tokens)",
+        )
+
     def _input_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        # Checked before anything walks the prompt: a 16 M-token request costs nothing here.
+        limit = self.config.max_prompt_tokens
+        if len(request.input_ids) > limit:
+            raise self._too_long(len(request.input_ids))
+        if not request.input_ids and len(request.prompt) >= limit:
+            # The byte tokenizer gives at least one token per character, plus BOS.
+            raise self._too_long(len(request.prompt) + 1, at_least=True)
         if request.input_ids:
             ids = request.input_ids
             # max() first: a Python loop over every id costs ~0.1 ms right on the request's path.
@@ -162,7 +185,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
             return list(request.input_ids)
         # The byte tokenizer prepends BOS, so even an empty prompt has a token to prefill.
-        return self._tokenizer.encode(request.prompt)
+        encoded = self._tokenizer.encode(request.prompt)
+        if len(encoded) > limit:
+            raise self._too_long(len(encoded))
+        return encoded
 
     @staticmethod
     def _sampling(request: generate_pb2.GenerateRequest) -> common_pb2.SamplingParams:
