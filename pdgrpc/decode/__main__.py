@@ -89,7 +89,7 @@ async def _serve(
     ns: argparse.Namespace, engine: ReferenceEngine, transport: Transport, scheduler: DecodeScheduler,
     metrics: DecodeMetrics, procs: list[asyncio.subprocess.Process],
 ) -> int:
-    server = await start_decode_server(scheduler, ns.host, ns.port)
+    server = await start_decode_server(scheduler, ns.host, ns.port, ns.max_decodes_per_client)
     watcher = asyncio.ensure_future(_watch_ranks(procs, scheduler)) if procs else None
     fatal_stop = asyncio.ensure_future(_stop_on_fatal(scheduler, server.rpc))
     # Live gauges read the scheduler's own allocators at scrape time (one source of truth).

@@ -34,6 +34,7 @@ ENGINE_FLAGS = ["--model-size", "tiny", "--page-size", "16", "--num-pages", "256
 DECODE_FLAGS = [
     *ENGINE_FLAGS, "--transport", "tcp", "--num-slots", "8",
     "--bootstrap-timeout", "1.5", "--resolve-timeout", "10", "--abort-lease", "60", "--dp-rank-query-interval", "0.05",
+    "--max-decodes-per-client", "6",
 ]
 STARTUP_S = 60.0
 SETTLE_S = 15.0
@@ -372,3 +373,38 @@ async def test_a_bad_metadata_row_fails_only_its_request(
     assert "metadata row" in err.details() and named in err.details(), err.details()
     await assert_nothing_held(stub)
     assert await outcomes.changed() == {"finished": 3, "aborted": 1, "aborted:metadata_corruption": 1}
+
+
+async def test_one_client_cannot_hold_more_than_its_share_of_decode_calls(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes
+) -> None:
+    """Audit: 8 direct Decode calls with no prefill behind them pinned all 1024 pages for up
+    to the 600 s waiting timeout. One client may hold --max-decodes-per-client calls (6
+    here); one more is refused naming the limit, and a slot frees as soon as one ends."""
+    prefill.mode = "hold"  # handshake accepted, KV never comes
+    held = [stub.Decode(make_request(prefill, f"hold {i}", 4), timeout=60) for i in range(6)]
+
+    async def admitted() -> bool:
+        return (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats.active_requests == 6
+
+    await eventually_async(admitted, 15, 0.05, "6 held Decode calls admitted")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub, make_request(prefill, "one too many", 4))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit 6 per client, --max-decodes-per-client" in err.value.details()
+    held.pop().cancel()
+    prefill.mode = "ok"
+
+    async def served() -> list[decode_pb2.DecodeResponse] | None:
+        try:
+            return await collect(stub, make_request(prefill, "after one ended", 4))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            return None
+
+    assert await eventually_async(served, 15, 0.05, "a Decode call admitted once one ended")
+    for call in held:
+        call.cancel()
+    await assert_nothing_held(stub)
+    changed = await outcomes.changed()
+    assert changed.get("finished") == 1 and changed.get("aborted:cancelled") == 6 and changed.get("refused", 0) >= 1, changed
