@@ -424,7 +424,9 @@ async def main_async(ns: argparse.Namespace) -> int:
         # Same registry: the embedded bootstrap is served on the controller's endpoint.
         bootstrap_metrics = BootstrapMetrics(metrics.registry)
         embedded = BootstrapServicer(
-            RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch), WorkerRegistry(), metrics=bootstrap_metrics
+            RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch),
+            WorkerRegistry(expect=(ns.dp_size, getattr(ns, "tp_size", 1), 1)),  # its own workers' sizes only
+            metrics=bootstrap_metrics,
         )
         services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
     # NOT_SERVING until every worker registered and is ready (set_serving below): a health

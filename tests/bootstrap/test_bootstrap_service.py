@@ -62,6 +62,7 @@ async def test_dp_rank_range_is_checked_once_topology_is_known(client: Bootstrap
     early = rooms(n, seed=2)
     await client.register_dp_ranks({r: 7 for r in early})  # no worker yet: any rank is accepted
     await client.register_worker(worker(0), parallel_info(dp=2))
+    await client.register_worker(worker(1), parallel_info(dp=2))  # complete: the topology is fixed
     late = rooms(n, seed=3)
     with pytest.raises(InvalidArgument, match=r"dp_rank 2 is outside \[0, dp_size=2\)"):
         await client.register_dp_ranks({**{r: 1 for r in late[:-1]}, late[-1]: 2})
