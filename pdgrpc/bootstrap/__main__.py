@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-rooms", type=int, default=DEFAULT_MAX_ROOMS, metavar="N",
-        help="hard cap on rooms held; past it the oldest are evicted (and counted). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
+        help="hard cap on rooms held; at the cap new rooms are refused with RESOURCE_EXHAUSTED until rooms expire (live rooms are never evicted for new ones). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
     )
     p.add_argument(
         "--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",

@@ -13,7 +13,7 @@ from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap.service import SERVICE_NAME, BootstrapConfig, BootstrapServer
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.rpc.channels import ChannelPool
-from pdgrpc.rpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from pdgrpc.rpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from pdgrpc.v1 import bootstrap_pb2 as pb
 from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
 
@@ -106,16 +106,19 @@ async def test_rooms_expire_after_ttl_and_are_swept(client: BootstrapClient, ser
 
 
 @pytest.mark.parametrize("config", [BootstrapConfig(ttl=100.0, max_rooms=1000, max_batch=500)])
-async def test_hard_cap_evicts_oldest_first_and_counts(client: BootstrapClient, server: BootstrapServer, clock: FakeClock) -> None:
+async def test_at_the_cap_new_rooms_are_refused_and_live_rooms_kept(client: BootstrapClient, server: BootstrapServer, clock: FakeClock) -> None:
     batches = [rooms(500, seed=10 + i) for i in range(5)]
-    for b in batches:
+    for b in batches[:2]:
         clock.advance(1)
         await client.register_dp_ranks({r: 0 for r in b})
-    assert len(server.table) == 1000 and server.table.stats.evicted == 1500
-    for b in batches[:3]:
-        assert len((await client.query_dp_ranks(b)).rooms) == 0
-    for b in batches[3:]:
+    for b in batches[2:]:
+        with pytest.raises(ResourceExhausted, match="1000 live rooms of max_rooms=1000; refusing 500 new room"):
+            await client.register_dp_ranks({r: 0 for r in b})
+    assert len(server.table) == 1000 and server.table.stats.evicted == 0
+    for b in batches[:2]:
         assert len((await client.query_dp_ranks(b)).rooms) == 500
+    clock.advance(100)  # the live rooms expire: registrations succeed again
+    await client.register_dp_ranks({r: 0 for r in batches[2]})
 
 
 async def test_workers_topology_and_generations(client: BootstrapClient) -> None:

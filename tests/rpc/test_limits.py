@@ -67,12 +67,13 @@ async def test_undecodable_generate_is_invalid_argument(router: RpcServer, body:
     assert (await _raw_stream(router.address, "/pdgrpc.v1.GenerateService/Generate", b"")).code() is not grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_undecodable_unary_request_is_invalid_argument(bootstrap: BootstrapServer) -> None:
+@pytest.mark.parametrize("method", ["QueryDpRanks", "RegisterDpRanks"])  # RegisterDpRanks parses raw bytes itself
+async def test_undecodable_unary_request_is_invalid_argument(bootstrap: BootstrapServer, method: str) -> None:
     async with grpc.aio.insecure_channel(bootstrap.address) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await ch.unary_unary("/pdgrpc.v1.BootstrapService/QueryDpRanks")(b"\x0a\xff\xff\xff\xff", timeout=10)
+            await ch.unary_unary(f"/pdgrpc.v1.BootstrapService/{method}")(b"\x0a\xff\xff\xff\xff", timeout=10)
     assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
-    assert "QueryDpRanks" in ei.value.details()
+    assert method in ei.value.details()
 
 
 async def test_message_over_the_limit_is_refused_before_parsing(router: RpcServer) -> None:
