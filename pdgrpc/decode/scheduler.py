@@ -88,7 +88,9 @@ class DecodeScheduler(Generation):
         self.compat_hash = compat_hash_bytes(engine)
         self.descriptor = b""
         # Its descriptor is filled in by start(), once the transport registered the pools.
-        self.handshaker = Handshaker(self.directory, transport.name, b"", self.compat_hash, config.rpc_timeout_s)
+        self.handshaker = Handshaker(
+            self.directory, transport.name, b"", self.compat_hash, config.rpc_timeout_s, config.deadlines.abort_lease_s
+        )
         self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
         self._reserved: set[int] = set()  # rooms being admitted (awaiting prefill info)
