@@ -129,6 +129,12 @@ def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
     return grpc.StatusCode.ABORTED if code == grpc.StatusCode.CANCELLED else code
 
 
+def _upstream_reason(code: grpc.StatusCode, otherwise: ServerAbortReason) -> ServerAbortReason:
+    # UNAVAILABLE: the prefill or decode (or a worker behind it) is gone or unreachable --
+    # a peer failure, not an error of the request (issue 16: a dead worker's requests).
+    return ServerAbortReason.PEER_FAILURE if code == grpc.StatusCode.UNAVAILABLE else otherwise
+
+
 def _describe(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
@@ -302,7 +308,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except grpc.RpcError as exc:
             code, details = _describe(exc)
             message = f"prefill {address} failed: {code.name}: {details}"
-            raise RequestFailed(_client_code(code), message, ServerAbortReason.PREFILL_ERROR) from None
+            raise RequestFailed(_client_code(code), message, _upstream_reason(code, ServerAbortReason.PREFILL_ERROR)) from None
 
     async def _relay(
         self,
@@ -381,8 +387,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None:
             cause = prefill_fut.exception()
             assert isinstance(cause, RequestFailed)
-            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", ServerAbortReason.PREFILL_ERROR)
-        return RequestFailed(_client_code(code), decode_msg, ServerAbortReason.DECODE_ERROR)
+            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", cause.reason)
+        return RequestFailed(_client_code(code), decode_msg, _upstream_reason(code, ServerAbortReason.DECODE_ERROR))
 
 
 def service_names() -> Sequence[str]:
