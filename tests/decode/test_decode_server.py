@@ -29,6 +29,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill, Prompt
 from tests.eventually import eventually, eventually_async
+from tests.fuzz_messages import fuzz
 
 ENGINE_FLAGS = ["--model-size", "tiny", "--page-size", "16", "--num-pages", "256", "--max-prompt-tokens", "512", "--max-seq-len", "1024"]
 DECODE_FLAGS = [
@@ -408,3 +409,20 @@ async def test_one_client_cannot_hold_more_than_its_share_of_decode_calls(
     await assert_nothing_held(stub)
     changed = await outcomes.changed()
     assert changed.get("finished") == 1 and changed.get("aborted:cancelled") == 6 and changed.get("refused", 0) >= 1, changed
+
+
+def test_fuzzed_requests_never_crash_the_decode(decode_proc: tuple[str, str], metrics_address: str) -> None:
+    """Fuzzing (issue 16): DecodeService requests, valid and mutated, against the live
+    decode: no UNKNOWN or INTERNAL, still SERVING, and nothing held afterwards."""
+    with grpc.insecure_channel(decode_proc[0]) as ch:
+        fuzz(ch, ["pdgrpc.v1.DecodeService"], max_examples=40)
+        stub = decode_pb2_grpc.DecodeServiceStub(ch)
+
+        def idle() -> bool:
+            s = stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5).stats
+            return (s.active_requests, s.slots_in_use, s.pages_in_use, s.pages_quarantined, s.transport_rooms) == (0,) * 5
+
+        eventually(idle, SETTLE_S, 0.05, "the decode released everything after fuzzing")
+    s = scrape(metrics_address)
+    for gauge in ("pdgrpc_metadata_slots_in_use", "pdgrpc_kv_pages_in_use", "pdgrpc_kv_pages_quarantined"):
+        assert s.value(gauge, role="decode") == 0, gauge

@@ -27,6 +27,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import prefill_pb2
 from tests.eventually import eventually_async
+from tests.fuzz_messages import fuzz
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, reference_prefill
 from tests.prefill.harness import CONFIG, SETTLE_S, active_requests, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
 from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
@@ -392,3 +393,14 @@ async def test_refused_handshake_is_not_stored_and_names_the_limit(
     assert resp.dp_rank == 1 and (await decode.wait(r)).state is KVPoll.SUCCESS
     decode.free(r)
     await assert_settles_to_zero(rr)
+
+
+def test_fuzzed_requests_never_crash_the_prefill(rr: PrefillProc) -> None:
+    """Fuzzing (issue 16): PrefillService and BootstrapService requests to the controller,
+    HandshakeService and PrefillService requests to a worker, valid and mutated: no
+    UNKNOWN or INTERNAL, still SERVING, and nothing held afterwards."""
+    with grpc.insecure_channel(rr.address) as ch:
+        fuzz(ch, ["pdgrpc.v1.PrefillService", "pdgrpc.v1.BootstrapService"], max_examples=30)
+    with grpc.insecure_channel(rr.worker_addresses[0]) as ch:
+        fuzz(ch, ["pdgrpc.v1.HandshakeService", "pdgrpc.v1.PrefillService"], max_examples=30)
+    asyncio.run(assert_settles_to_zero(rr))

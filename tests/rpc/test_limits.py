@@ -67,11 +67,18 @@ async def test_undecodable_generate_is_invalid_argument(router: RpcServer, body:
     assert (await _raw_stream(router.address, "/pdgrpc.v1.GenerateService/Generate", b"")).code() is not grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.parametrize("method", ["QueryDpRanks", "RegisterDpRanks"])  # RegisterDpRanks parses raw bytes itself
-async def test_undecodable_unary_request_is_invalid_argument(bootstrap: BootstrapServer, method: str) -> None:
+@pytest.mark.parametrize(
+    "method, body",
+    [
+        ("QueryDpRanks", b"\x0a\xff\xff\xff\xff"),
+        ("RegisterDpRanks", b"\x0a\xff\xff\xff\xff"),  # it parses raw bytes itself
+        ("GetParallelInfo", b"\x00\x00\x00"),  # found by tests/rpc/test_fuzz.py: UNKNOWN before
+    ],
+)
+async def test_undecodable_unary_request_is_invalid_argument(bootstrap: BootstrapServer, method: str, body: bytes) -> None:
     async with grpc.aio.insecure_channel(bootstrap.address) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await ch.unary_unary(f"/pdgrpc.v1.BootstrapService/{method}")(b"\x0a\xff\xff\xff\xff", timeout=10)
+            await ch.unary_unary(f"/pdgrpc.v1.BootstrapService/{method}")(body, timeout=10)
     assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
     assert method in ei.value.details()
 
