@@ -222,9 +222,10 @@ class MetadataBuffers:
         for name, values in (("top_logprobs_values", row.top_logprobs_values), ("top_logprobs_indices", row.top_logprobs_indices)):
             if len(values) > lay.top_k:
                 raise ConfigError(f"{name} has {len(values)} entries, the row holds top_k={lay.top_k}")
+            # Zeroed even when empty: a reused send row must not carry another request's entries.
+            col = self.field(name)[slot]
+            col.zero_()
             if values:
-                col = self.field(name)[slot]
-                col.zero_()
                 col[: len(values)] = torch.tensor(values, dtype=col.dtype)
         if row.hidden_state is not None:
             if not lay.hidden_size:

@@ -121,7 +121,9 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             await asyncio.Event().wait()  # until the decode gives up and cancels the call
         peer = await self.transport.connect(request.transport_descriptor)
         if mode != "hold" and self.transport.moves_bytes:
-            task = asyncio.ensure_future(self._prefill_and_send(request, peer))
+            # Its own send row, chosen now: rooms computed at once must not share one.
+            slot = (len(self.handshakes) - 1) % _SEND_SLOTS
+            task = asyncio.ensure_future(self._prefill_and_send(request, peer, slot))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return hpb.HandshakeResponse(generation=self.owner.generation[self.dp_rank])
@@ -131,7 +133,7 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         self.got_abort.set()
         return hpb.AbortRoomResponse(was_active=any(h.bootstrap_room == request.bootstrap_room for h in self.handshakes))
 
-    async def _prefill_and_send(self, request: hpb.HandshakeRequest, peer) -> None:  # type: ignore[no-untyped-def]
+    async def _prefill_and_send(self, request: hpb.HandshakeRequest, peer, slot: int) -> None:  # type: ignore[no-untyped-def]
         engine = self.owner.engine
         room = request.bootstrap_room
         prompt = self.owner.prompts[room]
@@ -147,7 +149,6 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             dst = [p + 100 for p in request.dst_pages] if self.owner.mode == "stray" else list(request.dst_pages)
             ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages, dst)
             written_room = room + 1 if self.owner.mode == "corrupt" else room
-            slot = len(self.handshakes) % _SEND_SLOTS
             row = row_from_token(first)
             if room in self.owner.row_overrides:  # a prefill writing a bad row for this room
                 row = dataclasses.replace(row, **self.owner.row_overrides[room])
