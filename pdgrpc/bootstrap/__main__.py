@@ -10,6 +10,7 @@ from pdgrpc.rpc.tuning import apply_grpc_defaults
 
 apply_grpc_defaults()  # before grpc is imported (below)
 
+from pdgrpc.bootstrap.registry import WorkerRegistry  # noqa: E402
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server  # noqa: E402
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S  # noqa: E402
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args  # noqa: E402
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-rooms", type=int, default=DEFAULT_MAX_ROOMS, metavar="N",
-        help="hard cap on rooms held; past it the oldest are evicted (and counted). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
+        help="hard cap on rooms held; at the cap new rooms are refused with RESOURCE_EXHAUSTED until rooms expire (live rooms are never evicted for new ones). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
     )
     p.add_argument(
         "--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expire-budget", type=int, default=16384, metavar="N",
         help="records one expiry step may free before yielding to calls; bounds the pause an expiry wave causes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--topology", default="", metavar="DP,TP,PP",
+        help="the prefill instance's dp_size,tp_size,pp_size: workers announcing other sizes are refused from the start. "
+        "Unset: the first complete, consistent registration fixes the topology (default: unset)",
     )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
@@ -65,7 +71,7 @@ async def _main(args: argparse.Namespace) -> None:
     )
     stop = StopSignal()  # from now on SIGTERM/SIGINT stop us gracefully, even mid start-up
     metrics = BootstrapMetrics()
-    server = await start_bootstrap_server(args.host, args.port, config, metrics=metrics)
+    server = await start_bootstrap_server(args.host, args.port, config, metrics=metrics, registry=WorkerRegistry(_topology(args.topology)))
     table = server.table
     metrics.bind_table(lambda: table.stats)  # read at scrape time: the table's own totals
     try:
@@ -88,12 +94,23 @@ async def _main(args: argparse.Namespace) -> None:
     )
 
 
+def _topology(text: str) -> tuple[int, int, int] | None:
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 3 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+        raise ValueError(f"--topology {text!r}: expected DP,TP,PP (three integers >= 1)")
+    dp, tp, pp = (int(x) for x in parts)
+    return dp, tp, pp
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         install(security_from_args(args))
-    except PdgrpcError as exc:
+        _topology(args.topology)
+    except (PdgrpcError, ValueError) as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -27,6 +27,20 @@ class RoomConflict(BootstrapError):
         )
 
 
+class RoomTableFull(BootstrapError):
+    """The room table holds ``max_rooms`` live rooms: new ones are refused (live rooms are
+    never evicted for them). → ``RESOURCE_EXHAUSTED``."""
+
+    def __init__(self, live: int, max_rooms: int, new: int) -> None:
+        self.live = live
+        self.max_rooms = max_rooms
+        self.new = new
+        super().__init__(
+            f"room table is full: {live} live rooms of max_rooms={max_rooms}; refusing {new} new room(s) "
+            "(nothing in this batch was registered; rooms free as they expire)"
+        )
+
+
 class TopologyMismatch(BootstrapError, CompatibilityError):
     """A worker's parallel info disagrees with the instance's. → ``FAILED_PRECONDITION``."""
 

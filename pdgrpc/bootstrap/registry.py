@@ -1,8 +1,15 @@
 """The registry of one prefill instance's workers. Pure: no I/O, no clock.
 
-* The first :meth:`WorkerRegistry.register` fixes the instance's :class:`ParallelInfo`
-  (topology and KV format). A later worker whose parallel info differs in any field is
-  refused with :class:`TopologyMismatch` naming the field and both values.
+* The instance's :class:`ParallelInfo` (topology and KV format) is fixed by the **first
+  complete, consistent registration**: workers are grouped by the parallel info they
+  announce, and the first group in which every slot of its topology has registered
+  wins. Until then nothing is refused for its topology, so a stray or hostile first
+  registrant (``dp_size=7``) cannot lock the real workers out; at most
+  :data:`MAX_CANDIDATES` different topologies are pending at once (a new one drops the
+  one that was updated least recently). Once fixed, a worker whose parallel info differs
+  in any field is refused with :class:`TopologyMismatch` naming the field and both values.
+* ``expect`` (the ``(dp_size, tp_size, pp_size)`` from flags or config, e.g. the prefill
+  controller's own for its embedded bootstrap) refuses any other sizes from the start.
 * A worker is identified by its ``(dp_rank, tp_rank, pp_rank)`` slot. Registering a
   slot again (a restart) replaces the entry and bumps the slot's ``generation``
   (1, 2, ...), which clients compare to drop connections cached for the old process.
@@ -24,6 +31,22 @@ from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, SlotTaken, Topology
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
+MAX_CANDIDATES = 16  # different topologies pending before one is complete (count)
+_SIZES = ("dp_size", "tp_size", "pp_size")
+
+
+class _Candidate:
+    """Workers that announced one parallel info, while no topology is fixed."""
+
+    def __init__(self, info: pb.ParallelInfo) -> None:
+        self.info = pb.ParallelInfo()
+        self.info.CopyFrom(info)
+        self.workers: dict[Slot, pb.WorkerInfo] = {}
+        self.owners: dict[Slot, str] = {}
+
+    @property
+    def expected(self) -> int:
+        return self.info.dp_size * self.info.tp_size * self.info.pp_size
 
 
 def _show(info: pb.ParallelInfo, field: str) -> str:
@@ -49,29 +72,45 @@ def check_parallel_info(info: pb.ParallelInfo) -> None:
 class WorkerRegistry:
     """Workers of one prefill instance; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, expect: tuple[int, int, int] | None = None) -> None:
+        """``expect``: the (dp_size, tp_size, pp_size) the instance must have (None: any)."""
+        self.expect = expect
         self._info: pb.ParallelInfo | None = None
         self._workers: dict[Slot, pb.WorkerInfo] = {}
         self._generations: dict[Slot, int] = {}
         self._owners: dict[Slot, str] = {}
+        # Pending topologies (serialized parallel info -> its workers), least recently
+        # updated first; empty once the topology is fixed.
+        self._candidates: dict[bytes, _Candidate] = {}
 
     @property
     def info(self) -> pb.ParallelInfo | None:
-        """The instance's parallel info once the first worker has registered."""
+        """The instance's parallel info once it is fixed (see the module docstring)."""
         return self._info
 
     @property
     def dp_size(self) -> int | None:
         return self._info.dp_size if self._info is not None else None
 
+    def _leading(self) -> _Candidate | None:
+        """While no topology is fixed: the pending one with the most workers."""
+        return max(self._candidates.values(), key=lambda c: len(c.workers), default=None)
+
     @property
     def expected(self) -> int | None:
-        """Workers the topology has: dp_size * tp_size * pp_size (None before the first)."""
+        """Workers the topology has: dp_size * tp_size * pp_size (while none is fixed: the
+        leading pending one's; None before the first registration)."""
         i = self._info
-        return None if i is None else i.dp_size * i.tp_size * i.pp_size
+        if i is None:
+            lead = self._leading()
+            return None if lead is None else lead.expected
+        return i.dp_size * i.tp_size * i.pp_size
 
     @property
     def registered(self) -> int:
+        if self._info is None:
+            lead = self._leading()
+            return 0 if lead is None else len(lead.workers)
         return len(self._workers)
 
     @property
@@ -82,6 +121,10 @@ class WorkerRegistry:
         """Record ``worker``, registered by ``owner`` (None: nobody's checked); returns
         ``(generation, registered, expected)``."""
         check_parallel_info(info)
+        if self.expect is not None:
+            for field, want in zip(_SIZES, self.expect):
+                if getattr(info, field) != want:
+                    raise TopologyMismatch(field, str(want), _show(info, field))
         if self._info is not None:
             for field in (f.name for f in pb.ParallelInfo.DESCRIPTOR.fields):
                 if getattr(self._info, field) != getattr(info, field):
@@ -92,23 +135,40 @@ class WorkerRegistry:
         if not worker.transfer_address:
             raise InvalidBootstrapRequest("worker.transfer_address must be set (host:port of its handshake service)")
         slot = (worker.dp_rank, worker.tp_rank, worker.pp_rank)
-        holder = self._owners.get(slot)
+        key = info.SerializeToString(deterministic=True)
+        cand = None if self._info is not None else self._candidates.get(key)
+        owners = self._owners if self._info is not None else (cand.owners if cand is not None else {})
+        holder = owners.get(slot)
         if owner is not None and holder is not None and holder != owner:
             raise SlotTaken(slot, holder, owner)
-        if self._info is None:
-            self._info = pb.ParallelInfo()
-            self._info.CopyFrom(info)
-        if owner is not None:
-            self._owners[slot] = owner
         generation = self._generations.get(slot, 0) + 1
         self._generations[slot] = generation
         entry = pb.WorkerInfo()
         entry.CopyFrom(worker)
         entry.generation = generation
-        self._workers[slot] = entry
-        expected = self.expected
-        assert expected is not None
-        return generation, self.registered, expected
+        if self._info is not None:
+            self._workers[slot] = entry
+            if owner is not None:
+                self._owners[slot] = owner
+            return generation, self.registered, self.expected or 0
+        # No topology fixed yet: slots are owned within their announced topology only, so
+        # a first registrant with another topology owns nothing of the real one.
+        if cand is None:
+            cand = _Candidate(info)
+            while len(self._candidates) >= MAX_CANDIDATES:
+                del self._candidates[next(iter(self._candidates))]
+        self._candidates.pop(key, None)
+        self._candidates[key] = cand  # now the most recently updated
+        for other in self._candidates.values():  # a slot belongs to the topology it last announced
+            if other is not cand:
+                other.workers.pop(slot, None)
+        cand.workers[slot] = entry
+        if owner is not None:
+            cand.owners[slot] = owner
+        if len(cand.workers) == cand.expected:  # the first complete one fixes the topology
+            self._info, self._workers, self._owners = cand.info, cand.workers, cand.owners
+            self._candidates.clear()
+        return generation, len(cand.workers), cand.expected
 
     def parallel_info(self) -> pb.ParallelInfo:
         """The instance's parallel info; :class:`WorkersPending` until all registered."""

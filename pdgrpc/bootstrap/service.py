@@ -20,11 +20,12 @@ import time
 from typing import Callable, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 import numpy as np
 
 from pdgrpc.bootstrap import wire
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, SlotTaken, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull, SlotTaken, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
 from pdgrpc.errors import PdgrpcError
@@ -42,6 +43,7 @@ _SMALL_MESSAGE = 256  # bytes; ditto for requests
 STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {
     InvalidBootstrapRequest: grpc.StatusCode.INVALID_ARGUMENT,
     RoomConflict: grpc.StatusCode.ALREADY_EXISTS,
+    RoomTableFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TopologyMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     WorkersPending: grpc.StatusCode.UNAVAILABLE,
     SlotTaken: grpc.StatusCode.PERMISSION_DENIED,
@@ -97,7 +99,10 @@ class BootstrapServicer:
             n = len(rooms)
             self._check_batch(n)
             result = self.table.register(rooms, ranks, self.clock(), dp_size=self.registry.dp_size)
-        except (InvalidBootstrapRequest, RoomConflict) as exc:
+        except DecodeError as exc:  # raw bytes: pdgrpc.rpc.limits' interceptor does not parse them
+            self.metrics.on_dp_rank_registration_failed(n)
+            await _abort(context, InvalidBootstrapRequest(f"RegisterDpRanks: the request is not a valid pdgrpc.v1.RegisterDpRanksRequest: {exc}"))
+        except (InvalidBootstrapRequest, RoomConflict, RoomTableFull) as exc:
             self.metrics.on_dp_rank_registration_failed(n)
             await _abort(context, exc)
         self.metrics.on_dp_rank_registration(n)

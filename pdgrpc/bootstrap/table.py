@@ -1,5 +1,12 @@
 """The room → prefill dp-rank table: TTL, a hard cap, incremental expiry. Pure.
 
+At the cap (``max_rooms`` live rooms) a batch with new rooms is refused whole with
+:class:`~pdgrpc.bootstrap.errors.RoomTableFull` (RESOURCE_EXHAUSTED); live rooms are never
+evicted to make space. Evicting the oldest let a client that registers junk rooms push a
+live room of another out (issue 16's audit: 120k bogus rooms evicted a live one from a
+100k-room table in 0.5 s); refusing confines the harm to new registrations, which succeed
+again as rooms expire. Size ``max_rooms`` for the rooms registered within one TTL.
+
 No I/O, no threads, no clock: every call that depends on time takes ``now`` (seconds,
 any monotonic origin). The server calls :meth:`RoomTable.expire` from a background task
 in small steps; tests call it directly with a fake ``now``.
@@ -42,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull
 
 W = 16  # slots per bucket (_find_many relies on 16: one row of matches = two uint64 words)
 _M64 = (1 << 64) - 1
@@ -58,7 +65,7 @@ DEFAULT_MAX_BATCH = 65536
 class RegisterResult:
     added: int  # rooms new to the table
     unchanged: int  # rooms already registered with the same rank (TTL renewed)
-    evicted: int  # live rooms this call evicted to stay under max_rooms
+    evicted: int  # live rooms this call evicted (only when renewals filled the ring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +74,7 @@ class TableStats:
     max_rooms: int
     registered: int  # registrations accepted, ever (renewals included)
     expired: int  # rooms removed because their TTL passed
-    evicted: int  # live rooms removed to honour max_rooms (oldest first)
+    evicted: int  # live rooms removed because renewals filled the ring (oldest first)
     pending_records: int  # ring records not yet popped (size + stale renewals)
 
 
@@ -347,16 +354,23 @@ class RoomTable:
         self._pop_head(records - free, now)
         return True
 
-    def _make_room(self, new: int, now: float) -> None:
-        """Pop the oldest records until ``new`` more rooms fit under max_rooms. Rooms this
-        call renewed are safe: their records were just appended, and the batch fits."""
-        while self._size + new > self.max_rooms:
-            self._pop_head(min(self._size + new - self.max_rooms, self._tail - self._head), now)
+    def _check_room(self, new: int, now: float) -> None:
+        """Raise :class:`RoomTableFull` unless ``new`` more rooms fit under max_rooms once
+        the rooms already expired are swept. Live rooms are never evicted for new ones: a
+        client registering junk rooms must not push out another's live room."""
+        if self._size + new <= self.max_rooms:
+            return
+        while self._head < self._tail and self.expire(now) > 0:
+            if self._size + new <= self.max_rooms:
+                return
+        if self._size + new > self.max_rooms:
+            raise RoomTableFull(self._size, self.max_rooms, new)
 
     # Registering a batch, both paths: (1) validate; (2) classify every room as renewed or
     # new, freeing rooms that expired but were not swept yet, and raise on a conflict —
     # nothing visible has changed yet; (3) make ring space (if that evicted a room being
-    # renewed, classify again); (4) renew, so renewed rooms are the newest; (5) evict the
+    # renewed, classify again); (4) refuse the batch if its new rooms do not fit under
+# max_rooms once expired rooms are swept; (5) renew, so renewed rooms are the newest;
     # oldest rooms until the new ones fit under max_rooms; (6) insert the new rooms.
 
     def _register_small(self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, dp_size: int | None) -> RegisterResult:
@@ -386,8 +400,8 @@ class RoomTable:
                     renew.append(s)
             if not self._ring_space(len(want), now):
                 break
+        self._check_room(len(new), now)
         self._append(np.asarray(renew, np.int64), now)
-        self._make_room(len(new), now)
         self._append(np.asarray([self._insert_one(room, want[room]) for room in new], np.int64), now)
         return RegisterResult(len(new), len(rooms) - len(new), self._evicted - evicted_before)
 
@@ -428,8 +442,8 @@ class RoomTable:
             if not self._ring_space(len(keys), now):
                 break
         new = len(keys) - len(hit_idx)
+        self._check_room(new, now)
         self._append(hs, now)
-        self._make_room(new, now)
         if new:
             self._append(self._insert_many(keys[~hit], ranks[~hit]), now)
         return RegisterResult(new, n - new, self._evicted - evicted_before)

@@ -362,6 +362,8 @@ class Cluster:
                 out += ["--decode", self.address(name)]
             if self.topology.engine.get("model"):  # the router tokenizes with the served checkpoint's tokenizer
                 out += ["--model", str(self.topology.engine["model"])]
+            if "max-prompt-tokens" in self.topology.engine:  # refused at the router, not after forwarding
+                out += ["--max-prompt-tokens", str(self.topology.engine["max-prompt-tokens"])]
         return out + flags(spec.args)
 
     # ---- lifecycle ----------------------------------------------------------------------

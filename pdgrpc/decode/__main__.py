@@ -92,7 +92,9 @@ async def _serve(
     metrics: DecodeMetrics, procs: list[asyncio.subprocess.Process],
 ) -> int:
     # smg's worker protocol beside DecodeService, with pdgrpc[gateway] installed.
-    server = await start_decode_server(scheduler, ns.host, ns.port, extra=lambda d: decode_service(d, ns, transport.name))
+    server = await start_decode_server(
+        scheduler, ns.host, ns.port, extra=lambda d: decode_service(d, ns, transport.name), max_per_client=ns.max_decodes_per_client
+    )
     watcher = asyncio.ensure_future(_watch_ranks(procs, scheduler)) if procs else None
     fatal_stop = asyncio.ensure_future(_stop_on_fatal(scheduler, server.rpc))
     # Live gauges read the scheduler's own allocators at scrape time (one source of truth).

@@ -8,6 +8,7 @@ import argparse
 import os
 
 from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.gateway import add_gateway_arguments
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--num-slots", type=int, default=256, metavar="N",
         help="metadata slots: at most this many transfers in flight; more requests wait for a slot (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-decodes-per-client", type=int, default=DEFAULT_MAX_DECODES_PER_CLIENT, metavar="N",
+        help="most Decode calls one client host may have open at once; more are refused with RESOURCE_EXHAUSTED "
+        "(a router is one client: keep it above the router's requests in flight) (default: %(default)s)",
     )
     g.add_argument(
         "--dp-rank-query-interval", type=float, default=0.05, metavar="SECONDS",

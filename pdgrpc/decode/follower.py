@@ -52,7 +52,7 @@ class Follower:
         self.rank = tp.rank
         self.engine = build_engine(ns, tp_rank=tp.rank, tp_size=tp.size, all_reduce=torch_distributed_all_reduce())
         self.transport = wrap_test_faults(create_transport(ns), tp.rank)
-        self.queues = make_queues(make_buffers(ns.num_slots), self.engine.num_pages, config)
+        self.queues = make_queues(make_buffers(ns.num_slots), self.engine.num_pages, config, self.engine.tokenizer.vocab_size)
         self.transfers = RankTransfers(self.transport, self.engine, self.queues, tp.rank, tp.size)
         self.metrics = DecodeMetrics(transport=self.transport.name)
         self.metrics.set_info(tp_rank=tp.rank, tp_size=tp.size)

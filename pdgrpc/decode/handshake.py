@@ -10,7 +10,9 @@ another registration generation than the one cached is a restarted process: the 
 is dropped so nothing about the old one is reused.
 
 :meth:`Handshaker.abort_room` tells the workers that were sent a handshake to stop
-writing into the room (their OK is the ack that frees the quarantined pages).
+writing into the room (their OK is the ack that frees the quarantined pages). A worker
+that cannot be reached counts as acknowledged once bootstrap shows its slot registered by
+a newer generation (its controller restarted it: the old process is gone).
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ class Handshaker:
         descriptor: bytes,
         compat_hash: bytes,
         rpc_timeout_s: float,
+        replaced_wait_s: float = 30.0,
     ) -> None:
+        """``replaced_wait_s``: how long an unreachable worker's replacement is looked for
+        (the abort lease: past it the quarantine ends anyway)."""
+        self.replaced_wait_s = replaced_wait_s
         self.directory = directory
         self.transport_name = transport_name
         self.descriptor = descriptor
@@ -199,10 +205,34 @@ class Handshaker:
                 await stub.AbortRoom(request, timeout=self.rpc_timeout_s)
                 return True
             except grpc.RpcError as exc:
+                unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE if callable(getattr(exc, "code", None)) else False
                 request_event(
-                    log, job.room, "AbortRoom failed (pages stay quarantined until the lease ends)", level=logging.WARNING,
-                    worker=w.transfer_address, error=map_rpc_error(exc, method="AbortRoom", target=w.transfer_address),
+                    log, job.room, "AbortRoom failed (pages stay quarantined until the lease ends or the worker is replaced)",
+                    level=logging.WARNING, worker=w.transfer_address,
+                    error=map_rpc_error(exc, method="AbortRoom", target=w.transfer_address),
                 )
+                if unreachable and await self._replaced(job, w):
+                    request_event(log, job.room, "prefill worker replaced (new generation): its old process cannot write",
+                                  worker=w.transfer_address, generation=w.generation)
+                    return True
                 return False
 
         return all(await asyncio.gather(*(tell(w) for w in job.contacted)))
+
+    async def _replaced(self, job: Job, w: bpb.WorkerInfo) -> bool:
+        """Whether bootstrap shows a newer registration of ``w``'s slot within
+        ``replaced_wait_s``: the unreachable worker's process is gone, since its
+        controller starts a replacement only once the old process has exited (and a dead
+        process's connections are closed, so none of its bytes can still land)."""
+        deadline = time.monotonic() + self.replaced_wait_s
+        address = job.prefill.address
+        while time.monotonic() < deadline:
+            self.directory.invalidate(address, f"worker dp_rank={w.dp_rank} unreachable for AbortRoom")
+            try:
+                now = await self.directory.workers(address, w.dp_rank)
+            except (RpcError, asyncio.TimeoutError):
+                now = []
+            if any(x.tp_rank == w.tp_rank and x.pp_rank == w.pp_rank and x.generation > w.generation for x in now):
+                return True
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return False

@@ -30,9 +30,10 @@ def make_buffers(num_slots: int) -> MetadataBuffers:
     return MetadataBuffers(num_slots, metadata_layout())
 
 
-def make_queues(buffers: MetadataBuffers, num_pages: int, config: SchedulerConfig) -> DecodeQueues:
-    """The decode queues as every rank builds them (identical, for the TP replay)."""
-    return DecodeQueues(buffers, num_pages, config.deadlines, config.query_interval_s)
+def make_queues(buffers: MetadataBuffers, num_pages: int, config: SchedulerConfig, vocab_size: int | None = None) -> DecodeQueues:
+    """The decode queues as every rank builds them (identical, for the TP replay).
+    ``vocab_size``: landed metadata rows are checked against it before commit."""
+    return DecodeQueues(buffers, num_pages, config.deadlines, config.query_interval_s, vocab_size=vocab_size)
 
 
 class RankTransfers:

@@ -81,14 +81,16 @@ class DecodeScheduler(Generation):
         self._replicated = (
             ReplicatedQueues(buffers, engine.num_pages, config.deadlines, config.query_interval_s) if tp is not None else None
         )
-        self.queues: DecodeQueues = self._replicated or make_queues(buffers, engine.num_pages, config)
+        self.queues: DecodeQueues = self._replicated or make_queues(buffers, engine.num_pages, config, engine.tokenizer.vocab_size)
         self.buffers = buffers
         self.transfers = RankTransfers(transport, engine, self.queues, 0, self.tp_size)
         self.directory = directory or PrefillDirectory(timeout=config.rpc_timeout_s, query_interval_s=config.query_interval_s)
         self.compat_hash = compat_hash_bytes(engine)
         self.descriptor = b""
         # Its descriptor is filled in by start(), once the transport registered the pools.
-        self.handshaker = Handshaker(self.directory, transport.name, b"", self.compat_hash, config.rpc_timeout_s)
+        self.handshaker = Handshaker(
+            self.directory, transport.name, b"", self.compat_hash, config.rpc_timeout_s, config.deadlines.abort_lease_s
+        )
         self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
         self._reserved: set[int] = set()  # rooms being admitted (awaiting prefill info)

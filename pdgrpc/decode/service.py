@@ -12,6 +12,7 @@ acked). ``GetStats`` reads the live state.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from typing import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
+from pdgrpc.rpc.limits import peer_host
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
@@ -36,11 +38,39 @@ _ROOM_LIMIT = 1 << 63
 __all__ = ["DecodeServer", "DecodeServicer", "SERVICE_NAME", "start_decode_server"]
 
 
+DEFAULT_MAX_DECODES_PER_CLIENT = 512
+
+
 class DecodeServicer(dpb_grpc.DecodeServiceServicer):
-    def __init__(self, scheduler: DecodeScheduler) -> None:
+    """``max_per_client``: most ``Decode`` calls one client (its host) may have open at
+    once; one more is refused with RESOURCE_EXHAUSTED naming the limit, so no one caller
+    holds the whole pool (issue 16's audit pinned all 1024 pages with 8 direct calls)."""
+
+    def __init__(self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT) -> None:
         self.scheduler = scheduler
+        self.max_per_client = max_per_client
+        self._open: collections.Counter[str] = collections.Counter()  # client host -> Decode calls open
 
     async def Decode(  # noqa: N802 - gRPC method name
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        client = peer_host(context)
+        if self._open[client] >= self.max_per_client:
+            self.scheduler.metrics.on_refused()
+            message = (f"client {client} already has {self._open[client]} Decode calls open "
+                       f"(limit {self.max_per_client} per client, --max-decodes-per-client)")
+            request_event(log, request.bootstrap_room, "refused", status="RESOURCE_EXHAUSTED", message=message)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self._open[client] += 1
+        try:
+            async for item in self._decode(request, context):
+                yield item
+        finally:
+            self._open[client] -= 1
+            if self._open[client] <= 0:
+                del self._open[client]
+
+    async def _decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         try:
@@ -122,12 +152,13 @@ class DecodeServer:
 async def start_decode_server(
     scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0,
     extra: Callable[[DecodeServicer], ServiceSpec | None] | None = None,
+    max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT,
 ) -> DecodeServer:
     """Start the scheduler and serve DecodeService (plus health and reflection, and
     ``extra(servicer)`` when it names a service: smg's protocol). On stop, in-flight
     requests end UNAVAILABLE and the transport closes."""
     await scheduler.start()
-    servicer = DecodeServicer(scheduler)
+    servicer = DecodeServicer(scheduler, max_per_client)
     services: list[ServiceSpec] = [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(servicer, server))]
     more = extra(servicer) if extra is not None else None
     if more is not None:

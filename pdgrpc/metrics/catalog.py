@@ -174,7 +174,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "pdgrpc_bootstrap_rooms_capacity", "gauge",
-        "Most room entries the bootstrap table holds before it evicts the oldest (count, --max-rooms).",
+        "Most live room entries the bootstrap table holds; past it new rooms are refused (count, --max-rooms).",
         _R, (_B,), field="max_rooms",
     ),
     MetricSpec(
@@ -184,8 +184,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "pdgrpc_bootstrap_rooms_evicted_total", "counter",
-        "Live room entries evicted from the bootstrap table to stay under its capacity, oldest first (count); "
-        "non-zero means --max-rooms is too small for the request rate times the TTL.",
+        "Live room entries evicted from the bootstrap table, oldest first, because renewals filled its record ring (count); "
+        "the cap itself refuses new rooms instead.",
         _R, (_B,), field="evicted",
     ),
     # ---- events: recorded through the role facades ------------------------------------

@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-start-timeout", type=float, default=120.0,
         help="seconds to wait for every worker to start and register. Default: %(default)s",
     )
+    g.add_argument(
+        "--worker-respawn-max-backoff", type=float, default=30.0, metavar="SECONDS",
+        help="a TP 1 worker that dies is started again, the delay between tries doubling from 0.5 s up to this; "
+        "0: never (the controller exits once no worker is left). Default: %(default)s",
+    )
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-size", type=int, default=1, help="number of worker processes (dp ranks). Default: %(default)s")
     d.add_argument(

@@ -12,7 +12,10 @@
 * Embeds ``BootstrapService`` on its own port unless ``--bootstrap`` names an external one.
 * A worker that exits is logged with its exit code; the requests it held fail with
   UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
-  and shortest_queue skip it). When no worker is left the controller exits with code 1.
+  and shortest_queue skip it) until it serves again: a TP 1 worker is started again,
+  with a backoff doubling from 0.5 s up to ``--worker-respawn-max-backoff``, so the
+  instance heals without a person. With respawn off (``0``, or TP > 1), the controller
+  exits with code 1 when no worker is left.
   On SIGTERM the controller stops accepting requests, lets
   in-flight ones finish (``--grace``), then stops the workers (SIGTERM, then SIGKILL).
 """
@@ -228,42 +231,47 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
 
     # ---- workers ----------------------------------------------------------------------
 
+    async def _spawn(self, rank: int, tp: int, dist: list[str]) -> WorkerHandle:
+        """Start one worker process (not yet ready: see :meth:`_await_ready`)."""
+        tp_size = getattr(self.ns, "tp_size", 1)
+        argv = [
+            sys.executable, "-m", "pdgrpc.prefill.worker_main",
+            "--dp-rank", str(rank), "--dp-size", str(self.ns.dp_size),
+            *(["--tp-rank", str(tp), "--tp-size", str(tp_size), *dist] if tp_size > 1 else []),
+            "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
+            *(["--advertise-host", self.ns.advertise_host] if getattr(self.ns, "advertise_host", "") else []),
+            "--load-balance-method", self.ns.load_balance_method,
+            *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
+            *self._worker_metrics_argv(1 + rank * tp_size + tp),
+            *security_argv(self.ns),
+            *worker_argv(self.ns),
+        ]
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv += ["--link-fd", str(theirs.fileno())]
+        # Own session: a terminal's Ctrl-C reaches the controller only, which drains its
+        # requests first and then stops the workers in order (they also exit on their own
+        # if the controller dies).
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        w = WorkerHandle(rank, proc, tp, tp_size)
+        w.link = await ControllerLink.open(ours, w.name)
+        return w
+
     async def start_workers(self) -> None:
-        common = worker_argv(self.ns)
         tp_size = getattr(self.ns, "tp_size", 1)
         for rank in range(self.ns.dp_size):
             dist = ["--dist-init", dist_init_method()] if tp_size > 1 else []
             group: list[WorkerHandle] = []
             for tp in range(tp_size):
-                argv = [
-                    sys.executable, "-m", "pdgrpc.prefill.worker_main",
-                    "--dp-rank", str(rank), "--dp-size", str(self.ns.dp_size),
-                    *(["--tp-rank", str(tp), "--tp-size", str(tp_size), *dist] if tp_size > 1 else []),
-                    "--bootstrap", self.bootstrap_address, "--host", self.ns.host,
-                    *(["--advertise-host", self.ns.advertise_host] if getattr(self.ns, "advertise_host", "") else []),
-                    "--load-balance-method", self.ns.load_balance_method,
-                    *(["--force-dp-rank-query"] if self.ns.force_dp_rank_query else []),
-                    *self._worker_metrics_argv(1 + rank * tp_size + tp),
-                    *security_argv(self.ns),
-                    *common,
-                ]
-                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                argv += ["--link-fd", str(theirs.fileno())]
-                # Own session: a terminal's Ctrl-C reaches the controller only, which drains its
-                # requests first and then stops the workers in order (they also exit on their own
-                # if the controller dies).
-                try:
-                    proc = await asyncio.create_subprocess_exec(
-                        *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                        pass_fds=(theirs.fileno(),),
-                    )
-                except BaseException:
-                    ours.close()
-                    raise
-                finally:
-                    theirs.close()
-                w = WorkerHandle(rank, proc, tp, tp_size)
-                w.link = await ControllerLink.open(ours, w.name)
+                w = await self._spawn(rank, tp, dist)
                 group.append(w)
                 self.workers.append(w)
             self.groups.append(group)
@@ -278,6 +286,49 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         if pending:
             raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s")
         self._watchers = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
+
+    @property
+    def respawns(self) -> bool:
+        """Whether a dead worker is started again: TP 1 workers (a TP group would have to
+        rendezvous again as a whole), unless ``--worker-respawn-max-backoff 0``."""
+        return getattr(self.ns, "tp_size", 1) == 1 and getattr(self.ns, "worker_respawn_max_backoff", 0.0) > 0
+
+    async def _respawn(self, dead: WorkerHandle) -> None:
+        """Start ``dead``'s rank again until a worker is ready; the delay between tries
+        doubles from 0.5 s up to ``--worker-respawn-max-backoff``. The new worker
+        registers with bootstrap (a new generation), so decodes notice the restart."""
+        delay, cap = 0.5, float(self.ns.worker_respawn_max_backoff)
+        attempt = 0
+        while not self.stopping:
+            await asyncio.sleep(delay)
+            attempt += 1
+            if self.stopping:
+                return
+            log.warning("prefill worker %s: starting it again (attempt %d)", dead.name, attempt)
+            w: WorkerHandle | None = None
+            try:
+                w = await self._spawn(dead.rank, dead.tp_rank, [])
+                await asyncio.wait_for(self._await_ready(w), self.ns.worker_start_timeout)
+            except (Exception, asyncio.TimeoutError) as exc:
+                log.error("prefill worker %s did not start again: %s; next try in %.1f s", dead.name, exc, min(delay * 2, cap))
+                if w is not None:
+                    if w.proc.returncode is None:
+                        w.proc.kill()
+                    await w.proc.wait()
+                    if w.link is not None:
+                        w.link.close_socket()
+                delay = min(delay * 2, cap)
+                continue
+            if self.stopping:  # stop_workers already ran: this one is ours to stop
+                w.proc.kill()
+                await w.proc.wait()
+                return
+            self.workers[self.workers.index(dead)] = w
+            group = self.groups[dead.rank]
+            group[group.index(dead)] = w
+            self._watchers.append(asyncio.ensure_future(self._watch(w)))
+            log.info("prefill worker %s serves again (pid %d)", w.name, w.proc.pid)
+            return
 
     def _worker_metrics_argv(self, index: int) -> list[str]:
         port = derived_metrics_port(getattr(self.ns, "metrics_port", None), index)
@@ -317,6 +368,9 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             if w.link is not None:
                 w.link.close_socket()  # fails the calls in flight (the exit closed it already)
             w.gone.set()
+        if self.respawns:
+            self._watchers.append(asyncio.ensure_future(self._respawn(w)))
+            return
         if not any(all(x.alive for x in g) for g in self.groups) and self.server is not None:
             # Nothing left to serve: exit non-zero so a supervisor (or the cluster
             # launcher) notices, instead of answering UNAVAILABLE forever.
@@ -371,7 +425,9 @@ async def main_async(ns: argparse.Namespace) -> int:
         # Same registry: the embedded bootstrap is served on the controller's endpoint.
         bootstrap_metrics = BootstrapMetrics(metrics.registry)
         embedded = BootstrapServicer(
-            RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch), WorkerRegistry(), metrics=bootstrap_metrics
+            RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch),
+            WorkerRegistry(expect=(ns.dp_size, getattr(ns, "tp_size", 1), 1)),  # its own workers' sizes only
+            metrics=bootstrap_metrics,
         )
         services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
     gateway = prefill_service(controller, ns)  # smg's worker protocol, with pdgrpc[gateway]

@@ -8,6 +8,7 @@ pair with this rank) and a message naming the field.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -69,6 +70,7 @@ class LocalEnd:
     head_bytes: int  # one KV head of one token page, one layer
     regions: Sequence[MemoryRegion]  # registered: KV regions, then the metadata rows
     row_bytes: int  # one metadata row
+    max_pages: int  # most dst_pages one handshake may carry: the pages of the longest prompt
     model_id: str = ""  # the engine's model identity (a checkpoint names its directory), for refusals
 
 
@@ -111,10 +113,22 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
     room = req.bootstrap_room
     if room == 0:
         raise RequestFailed(C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
+    n = len(req.dst_pages)  # O(1): nothing below walks an oversized list
+    if n > local.max_pages:
+        raise RequestFailed(
+            C.INVALID_ARGUMENT,
+            f"room {room}: dst_pages: {n} pages, over the limit of {local.max_pages} per handshake "
+            "(the pages of the longest prompt this prefill accepts)",
+        )
     _check_pairing(req, local)
     tp_d, d = req.decode_tp_size or 1, req.decode_tp_rank
-    if not req.dst_pages:
+    if not n:
         raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages is empty")
+    pages = tuple(req.dst_pages)
+    if len(set(pages)) != n:
+        counts = collections.Counter(pages)
+        dup = next(p for p in pages if counts[p] > 1)
+        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {dup} appears more than once")
     try:
         parsed = Descriptor.from_bytes(req.transport_descriptor)
     except BadDescriptor as exc:
@@ -143,10 +157,12 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
                 f"{heads * local.head_bytes} B ({heads} heads of decode tp rank {d} of {tp_d}; prefill pages are {src.item_bytes} B)",
             )
     limit = min((r.num_items for r in parsed.regions if r.kind is RegionKind.KV), default=0)
-    bad = next((p for p in req.dst_pages if p >= limit), None)
+    if n > limit:
+        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: {n} pages do not fit the decode's pool of {limit} pages")
+    bad = next((p for p in pages if p >= limit), None)
     if bad is not None:
         raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {bad} outside the decode's pool of {limit} pages")
     return Destination(
-        room, tuple(req.dst_pages), req.dst_slot, bytes(req.transport_descriptor), parsed,
+        room, pages, req.dst_slot, bytes(req.transport_descriptor), parsed,
         decode_tp_rank=d, decode_tp_size=tp_d, wants_metadata=req.wants_metadata,
     )

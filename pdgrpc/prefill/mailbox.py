@@ -13,6 +13,12 @@ racing for one room. A TP prefill rank waits for several handshakes per room (on
 every decode rank it writes to); the driver calls :meth:`Mailbox.wait` once per handshake.
 Every handshake of a room may carry a ``group`` value (the decode TP size): a later one
 with another value is refused with :class:`GroupMismatch`.
+
+Bounds: at most ``capacity`` rooms hold early handshakes, and at most ``per_peer`` of them
+come from one peer (the caller's address), so one client cannot fill the mailbox for the
+others. A refused handshake is never stored (:meth:`Mailbox.refuse`): it reaches a Prefill
+RPC already claiming its room, else it is dropped, and it takes no key, so it cannot block
+the room's real handshake.
 """
 
 from __future__ import annotations
@@ -57,11 +63,16 @@ class _Claim(Generic[T]):
 class Mailbox(Generic[T]):
     """Room -> handshake(s) rendezvous on one event loop."""
 
-    def __init__(self, capacity: int = 4096, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, capacity: int = 4096, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic, per_peer: int | None = None
+    ) -> None:
         self.capacity = capacity
+        self.per_peer = per_peer if per_peer is not None else capacity
         self.ttl_s = ttl_s
         self._clock = clock
         self._early: collections.OrderedDict[int, tuple[float, list[T]]] = collections.OrderedDict()
+        self._peer_of: dict[int, str] = {}  # room with early handshakes -> the peer that sent the first
+        self._by_peer: collections.Counter[str] = collections.Counter()  # peer -> rooms in _early
         self._claims: dict[int, _Claim[T]] = {}  # rooms a Prefill RPC has claimed
         self._keys: dict[int, tuple[object, set[object]]] = {}  # room -> (group, keys delivered)
 
@@ -77,6 +88,7 @@ class Mailbox(Generic[T]):
             if t >= cutoff:
                 break
             del self._early[room]
+            self._unpeer(room)
             if room not in self._claims:
                 self._keys.pop(room, None)
 
@@ -85,10 +97,32 @@ class Mailbox(Generic[T]):
         entry = self._keys.get(room)
         return None if entry is None else entry[0]
 
-    def deliver(self, room: int, handshake: T, key: object = 0, group: object = None) -> bool:
+    def _unpeer(self, room: int) -> None:
+        peer = self._peer_of.pop(room, None)
+        if peer is not None:
+            self._by_peer[peer] -= 1
+            if self._by_peer[peer] <= 0:
+                del self._by_peer[peer]
+
+    def refuse(self, room: int, failure: T) -> bool:
+        """A refused handshake: hand ``failure`` to the Prefill RPC that claimed ``room``
+        (returns True), unless one is already queued for it; else drop it (False). Never
+        stored, never takes a key."""
+        claim = self._claims.get(room)
+        if claim is None:
+            return False
+        if claim.waiter is not None and not claim.waiter.done():
+            claim.waiter.set_result(failure)
+            return True
+        if claim.items:
+            return False
+        claim.items.append(failure)
+        return True
+
+    def deliver(self, room: int, handshake: T, key: object = 0, group: object = None, peer: str = "") -> bool:
         """Hand ``handshake`` to the Prefill RPC waiting for ``room`` (returns True), or keep
-        it until one comes (False). Raises :class:`DuplicateHandshake` / :class:`MailboxFull`
-        / :class:`GroupMismatch`."""
+        it until one comes (False). ``peer``: who sent it (counted against ``per_peer``).
+        Raises :class:`DuplicateHandshake` / :class:`MailboxFull` / :class:`GroupMismatch`."""
         self._expire()
         entry = self._keys.get(room)
         if entry is not None:
@@ -97,10 +131,16 @@ class Mailbox(Generic[T]):
             if group is not None and entry[0] is not None and group != entry[0]:
                 raise GroupMismatch(room, entry[0], group)
         claim = self._claims.get(room)
-        if claim is None and room not in self._early and len(self._early) >= self.capacity:
-            raise MailboxFull(
-                f"room {room}: {len(self._early)} handshakes already wait for their Prefill RPC (capacity {self.capacity})"
-            )
+        if claim is None and room not in self._early:
+            if len(self._early) >= self.capacity:
+                raise MailboxFull(
+                    f"room {room}: {len(self._early)} handshakes already wait for their Prefill RPC (capacity {self.capacity})"
+                )
+            if self._by_peer[peer] >= self.per_peer:
+                raise MailboxFull(
+                    f"room {room}: {self._by_peer[peer]} handshakes from this peer already wait for their Prefill RPC "
+                    f"(limit {self.per_peer} per peer)"
+                )
         if entry is None:
             entry = (group, set())
         elif entry[0] is None and group is not None:
@@ -117,20 +157,29 @@ class Mailbox(Generic[T]):
             self._early[room][1].append(handshake)
         else:
             self._early[room] = (self._clock(), [handshake])
+            self._peer_of[room] = peer
+            self._by_peer[peer] += 1
         return False
 
-    async def wait(self, room: int, timeout: float) -> T:
-        """The next handshake for ``room`` (early or arriving within ``timeout`` seconds);
-        raises ``TimeoutError`` when none comes. The first call claims the room; call
-        :meth:`done` when the room is finished."""
+    def claim(self, room: int) -> _Claim[T]:
+        """Claim ``room`` for its Prefill RPC (idempotent): early handshakes move to it, and
+        from now on a refused handshake for the room reaches it. :meth:`done` ends it."""
         self._expire()
         claim = self._claims.get(room)
         if claim is None:
             claim = self._claims[room] = _Claim()
             early = self._early.pop(room, None)
             if early is not None:
+                self._unpeer(room)
                 claim.items.extend(early[1])
             self._keys.setdefault(room, (None, set()))
+        return claim
+
+    async def wait(self, room: int, timeout: float) -> T:
+        """The next handshake for ``room`` (early or arriving within ``timeout`` seconds);
+        raises ``TimeoutError`` when none comes. The first call claims the room; call
+        :meth:`done` when the room is finished."""
+        claim = self.claim(room)
         if claim.items:
             return claim.items.popleft()
         if claim.waiter is not None:
@@ -164,6 +213,7 @@ class Mailbox(Generic[T]):
         """Forget early handshakes for ``room`` (decode aborted before Prefill came)."""
         if self._early.pop(room, None) is None:
             return False
+        self._unpeer(room)
         if room not in self._claims:
             self._keys.pop(room, None)
         return True

@@ -11,6 +11,7 @@ from typing import NoReturn
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.rpc.limits import peer_host
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.v1 import handshake_pb2, handshake_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -45,7 +46,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
 
     async def Handshake(self, request: handshake_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.HandshakeResponse:
         try:
-            return self.worker.handshake(request)
+            return self.worker.handshake(request, peer_host(context))
         except RequestFailed as exc:
             await abort_with(context, exc)
 
@@ -53,7 +54,9 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
         if request.bootstrap_room == 0:
             await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
         try:
-            was_active = await self.worker.abort_room(request.bootstrap_room, request.reason, bytes(request.room_proof))
+            was_active = await self.worker.abort_room(
+                request.bootstrap_room, request.reason, bytes(request.room_proof), peer_host(context)
+            )
         except RequestFailed as exc:
             await abort_with(context, exc)
         return handshake_pb2.AbortRoomResponse(was_active=was_active)

@@ -75,6 +75,7 @@ class WorkerConfig:
     drain_timeout_s: float = 5.0  # a failed room's queued sends, before its pages are freed
     early_handshakes: int = 4096  # handshakes kept before their Prefill RPC (count)
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
+    early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's host)
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
 
     def __post_init__(self) -> None:
@@ -139,10 +140,13 @@ class PrefillWorker:
         min_pages = write_pages_for(config.min_write_bytes, page_nbytes)
         self.compute = self._make_compute(compute, min_pages)
         self.local = LocalEnd(transport.name, self.compat_hash, self.tp_rank, self.tp_size, layout.num_kv_heads,
-                              layout.head_bytes, self._regions, self._regions[-1].item_bytes, engine.model_id)
+                              layout.head_bytes, self._regions, self._regions[-1].item_bytes,
+                              engine.pages_needed(engine.max_prompt_tokens), engine.model_id)
         self.descriptor = b""
         self.generation = 0  # set from bootstrap's RegisterWorker answer
-        self._mailbox: Mailbox[Signed] = Mailbox(config.early_handshakes, config.early_handshake_ttl_s)
+        self._mailbox: Mailbox[Signed] = Mailbox(
+            config.early_handshakes, config.early_handshake_ttl_s, per_peer=config.early_handshakes_per_peer
+        )
         self._sending = Sending(
             transport, self.compute, self._mailbox, self.send_rows, self._regions, self.page_size, min_pages, self.heads,
             layout.num_kv_heads, layout.head_bytes, self.tp_rank, self.tp_size, config.deadlines, config.chunk_size,
@@ -222,9 +226,11 @@ class PrefillWorker:
 
     # ---- handshake --------------------------------------------------------------------
 
-    def handshake(self, req: handshake_pb2.HandshakeRequest) -> handshake_pb2.HandshakeResponse:
-        """Validate and deliver a handshake. A refused handshake fails this RPC *and*
-        the room's Prefill RPC (waiting now or arriving later) with the same status."""
+    def handshake(self, req: handshake_pb2.HandshakeRequest, peer: str = "") -> handshake_pb2.HandshakeResponse:
+        """Validate and deliver a handshake (``peer``: the caller, for the mailbox's
+        per-peer cap). A refused handshake fails this RPC, and the room's Prefill RPC when
+        one already claims the room; it is never stored, so it cannot take the room's
+        handshake from the real decode nor fill the mailbox."""
         room = req.bootstrap_room
         message, proof = handshake_message(req), bytes(req.room_proof)
         entry = self._active.get(room) if room else None
@@ -236,9 +242,12 @@ class PrefillWorker:
                 f"room {room}: room_proof does not verify under the room's secret (not the decode the router chose)",
             )
         try:
-            dest: Destination | RequestFailed = check_handshake(req, self.local)
+            dest = check_handshake(req, self.local)
         except RequestFailed as exc:
-            dest = exc
+            request_event(log, room, "handshake refused", reason=exc.message)
+            if room:
+                self._mailbox.refuse(room, Signed(exc, message, proof))
+            raise
         tp_d = req.decode_tp_size or 1
         # Before its Prefill RPC a room's secret is unknown: a signed handshake is kept
         # unchecked (its key includes the proof, and it fixes no decode_tp_size), so a forged
@@ -246,7 +255,9 @@ class PrefillWorker:
         checked = entry is not None or not proof
         try:
             handed = (
-                self._mailbox.deliver(room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof), group=tp_d if checked else None)
+                self._mailbox.deliver(
+                    room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof), group=tp_d if checked else None, peer=peer
+                )
                 if room
                 else False
             )
@@ -260,18 +271,16 @@ class PrefillWorker:
             ) from None
         except MailboxFull as exc:
             raise RequestFailed(C.RESOURCE_EXHAUSTED, str(exc)) from None
-        if isinstance(dest, RequestFailed):
-            request_event(log, room, "handshake refused", reason=dest.message)
-            raise dest
         request_event(
             log, room, "handshake", pages=len(dest.dst_pages), slot=dest.dst_slot, prefill_waiting=handed,
             decode_tp=f"{dest.decode_tp_rank}/{dest.decode_tp_size}",
         )
         return handshake_pb2.HandshakeResponse(generation=self.generation)
 
-    async def abort_room(self, room: int, reason: str, proof: bytes = b"") -> bool:
+    async def abort_room(self, room: int, reason: str, proof: bytes = b"", peer: str = "") -> bool:
         """Stop the room; return once nothing of ours for it can still be written. A room
-        whose Prefill carries a secret is stopped only with a ``proof`` of it."""
+        whose Prefill carries a secret is stopped only with a ``proof`` of it. ``peer``:
+        the caller, for the mailbox's per-peer cap on the tombstone."""
         entry = self._active.get(room)
         if entry is not None and entry.secret and not verify(entry.secret, abort_message(room), proof):
             request_event(log, room, "abort refused", level=logging.WARNING, reason="room_proof does not verify")
@@ -295,7 +304,9 @@ class PrefillWorker:
             # takes the tombstone first only if it is genuine.
             failure = RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}")
             try:
-                self._mailbox.deliver(room, Signed(failure, abort_message(room), proof, abort=True), key=("abort", proof))
+                self._mailbox.deliver(
+                    room, Signed(failure, abort_message(room), proof, abort=True), key=("abort", proof), peer=peer
+                )
             except (DuplicateHandshake, MailboxFull, GroupMismatch):
                 pass
         request_event(log, room, "abort", reason=reason, was_active=was_active)
@@ -366,6 +377,7 @@ class PrefillWorker:
         forged = self._mailbox.sift(room, lambda s: s.genuine(entry.secret), first=lambda s: s.abort)
         if forged:
             request_event(log, room, "dropped early messages whose room_proof does not verify", level=logging.WARNING, count=forged)
+        self._mailbox.claim(room)  # with _active, no await between: a refused handshake reaches it
         # Deferred: written once _run has handed the first chunk to the compute thread.
         request_event(
             log, room, "admitted", request_id=req.request_id or "-", tokens=len(ids), dp_rank=self.config.dp_rank,

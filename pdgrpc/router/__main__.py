@@ -17,7 +17,7 @@ from pdgrpc.discovery.etcd import Watcher, parse_discovery_url  # noqa: E402
 from pdgrpc.discovery.record import MembershipView, cluster_prefix  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
-from pdgrpc.router.service import GenerateServicer, RouterConfig, parse_prefill, service_names  # noqa: E402
+from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_prefill, service_names  # noqa: E402
 from pdgrpc.rpc.security import add_security_arguments, current, install, security_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
 from pdgrpc.serving.logs import add_logging_arguments, setup_logging  # noqa: E402
@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the checkpoint directory the prefills and decodes serve (their --model): text prompts and chat "
         "messages are tokenized here with its tokenizer.json and chat template. Default: the reference engine's "
         "byte tokenizer",
+    )
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS, metavar="TOKENS",
+        help="longest prompt forwarded; set it to the engines' --max-prompt-tokens: a longer prompt is refused "
+        "with INVALID_ARGUMENT before any prefill or decode sees it (default: %(default)s)",
     )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
@@ -121,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout=args.request_timeout,
             discovery=bool(args.discovery),
             model=args.model,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
         install(security_from_args(args))
         if args.model:  # a missing or bad tokenizer fails at start-up, naming the file

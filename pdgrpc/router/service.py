@@ -49,11 +49,14 @@ from pdgrpc.serving.prompts import request_ids
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
 
 log = logging.getLogger("pdgrpc.router")
 
 DEFAULT_MAX_NEW_TOKENS = 16  # generate.proto: max_new_tokens defaults to 16 when 0
+# The engines' default --max-prompt-tokens (EngineConfig; tests/router checks they agree).
+# Not imported: the router imports no torch.
+DEFAULT_MAX_PROMPT_TOKENS = 2048
 
 # How long, after the decode stream ended, the router waits for the prefill's reply
 # before cancelling it (the prefill replies once the decode acknowledged the KV, which
@@ -110,6 +113,9 @@ class RouterConfig:
     request_timeout: float = 300.0  # seconds; caps every request (client deadlines cap it further)
     discovery: bool = False  # backends come from etcd (--discovery); the static lists may be empty
     model: str = ""  # checkpoint directory whose tokenizer encodes prompts ("": the byte tokenizer)
+    # Longest prompt forwarded (tokens): the engines' --max-prompt-tokens. A longer one is
+    # refused here, before a prefill or decode spends anything on it.
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -120,12 +126,20 @@ class RouterConfig:
             _check_address(d, "--decode")
         if not self.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
     # An upstream CANCELLED the client did not ask for (a server shutting down) would read
     # as "you cancelled" to the client; it is an aborted request.
     return grpc.StatusCode.ABORTED if code == grpc.StatusCode.CANCELLED else code
+
+
+def _upstream_reason(code: grpc.StatusCode, otherwise: ServerAbortReason) -> ServerAbortReason:
+    # UNAVAILABLE: the prefill or decode (or a worker behind it) is gone or unreachable --
+    # a peer failure, not an error of the request (issue 16: a dead worker's requests).
+    return ServerAbortReason.PEER_FAILURE if code == grpc.StatusCode.UNAVAILABLE else otherwise
 
 
 def _describe(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -161,12 +175,28 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # ---- request checks -----------------------------------------------------------------
 
+    def _too_long(self, n: int, at_least: bool = False) -> RequestFailed:
+        limit = self.config.max_prompt_tokens
+        return RequestFailed(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt has {'at least ' if at_least else ''}{n} tokens, over max_prompt_tokens={limit} "
+            "(the router's --max-prompt-tokens)",
+        )
+
     def _input_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
-        # Text and chat messages are tokenized here, in the router (see pdgrpc.serving.prompts).
+        # Checked before anything walks the prompt: a 16 M-token request costs nothing here.
+        limit = self.config.max_prompt_tokens
+        if len(request.input_ids) > limit:
+            raise self._too_long(len(request.input_ids))
+        # Text and chat messages are tokenized here, in the router (see pdgrpc.serving.prompts);
+        # the message size limit (pdgrpc.rpc.limits) bounds what that costs.
         try:
-            return request_ids(request, self._tokenizer)
+            ids = request_ids(request, self._tokenizer)
         except InvalidRequest as exc:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if len(ids) > limit:
+            raise self._too_long(len(ids))
+        return ids
 
     @staticmethod
     def _sampling(request: generate_pb2.GenerateRequest) -> common_pb2.SamplingParams:
@@ -280,7 +310,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except grpc.RpcError as exc:
             code, details = _describe(exc)
             message = f"prefill {address} failed: {code.name}: {details}"
-            raise RequestFailed(_client_code(code), message, ServerAbortReason.PREFILL_ERROR) from None
+            raise RequestFailed(_client_code(code), message, _upstream_reason(code, ServerAbortReason.PREFILL_ERROR)) from None
 
     async def _relay(
         self,
@@ -359,8 +389,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None:
             cause = prefill_fut.exception()
             assert isinstance(cause, RequestFailed)
-            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", ServerAbortReason.PREFILL_ERROR)
-        return RequestFailed(_client_code(code), decode_msg, ServerAbortReason.DECODE_ERROR)
+            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", cause.reason)
+        return RequestFailed(_client_code(code), decode_msg, _upstream_reason(code, ServerAbortReason.DECODE_ERROR))
 
 
 def service_names() -> Sequence[str]:

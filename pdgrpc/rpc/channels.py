@@ -19,6 +19,7 @@ from typing import Sequence
 
 import grpc
 
+from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES
 from pdgrpc.rpc.security import Security, current
 
 # Reconnect quickly after a peer (re)starts: the default first backoff is 1 s growing to
@@ -27,9 +28,9 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    # Batched replies can be large (65,536 rooms ≈ 1 MB); never the 4 MB default's problem.
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # The servers' limit (pdgrpc.rpc.limits): batched replies are about 1 MB.
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Notice a dead peer on an idle connection.
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),

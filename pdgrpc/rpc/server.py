@@ -24,7 +24,9 @@ Each server gets:
   a bearer-token check; a non-loopback ``host`` with neither is refused unless insecure;
 * one INFO log line ``<what> listening on <host>:<port> (...)``;
 * graceful shutdown: :func:`serve_until_signal` stops on SIGTERM or SIGINT, letting
-  in-flight calls finish for ``grace`` seconds.
+  in-flight calls finish for ``grace`` seconds;
+* the bounds of :mod:`pdgrpc.rpc.limits`: a message size sized to the largest legitimate
+  request, and INVALID_ARGUMENT for a request that does not parse.
 
 :func:`run` runs a coroutine on uvloop when it is installed, else on asyncio's loop.
 """
@@ -40,16 +42,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, UndecodableIsInvalidArgument
 from pdgrpc.rpc.security import Security, current
 
 log = logging.getLogger("pdgrpc.rpc")
 
 T = TypeVar("T")
 
-# Large batches (65,536 rooms ≈ 1 MB) must fit; the default limit is 4 MB.
+# Sized to the largest legitimate message: see pdgrpc.rpc.limits.
 DEFAULT_SERVER_OPTIONS: tuple[tuple[str, int | str], ...] = (
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Let clients keep idle connections alive with pings every 30 s.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -141,7 +144,11 @@ async def start_server(
     security = security or current()
     security.check_listen(host, what)
     credentials = security.server_credentials()
-    server = grpc.aio.server(options=list(options), interceptors=security.server_interceptors() or None)
+    # The security's checks first; then undecodable requests end INVALID_ARGUMENT
+    # (pdgrpc.rpc.limits), on every server.
+    server = grpc.aio.server(
+        options=list(options), interceptors=[*security.server_interceptors(), UndecodableIsInvalidArgument()]
+    )
     names = []
     for name, add in services:
         add(server)

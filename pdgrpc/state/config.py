@@ -26,7 +26,10 @@ class DecodeDeadlines:
     resolve_dp_rank_s: float = 30.0  # waiting for a QueryDpRanks answer
     allocate_s: float = 600.0  # waiting for free KV pages + a metadata slot
     bootstrap_s: float = 30.0  # handshake sent, prefill not yet ready for input
-    waiting_for_input_s: float = 600.0  # prefill ready, no KV byte written yet (prefill queueing)
+    # Prefill ready, no KV byte written yet (prefill queueing). As long as a prefill keeps a
+    # handshake whose Prefill RPC has not come (its early-handshake TTL): a caller that
+    # never sends the Prefill holds pages no longer than that.
+    waiting_for_input_s: float = 60.0
     transferring_s: float = 120.0  # KV arriving, or done while metadata has not landed
     abort_lease_s: float = 30.0  # aborted request's slot/pages held for the prefill's ack at most this long
 

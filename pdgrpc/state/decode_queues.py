@@ -59,7 +59,7 @@ from pdgrpc.state.decode_request import (
     timeout_message,
 )
 from pdgrpc.state.dp_rank import DpRankResolver, QueryDpRanks, resolve_locally
-from pdgrpc.state.metadata import MetadataBuffers
+from pdgrpc.state.metadata import MetadataBuffers, row_problem
 from pdgrpc.state.outcomes import REASON_NONE, AbortReason, Aborted, Committed
 from pdgrpc.state.pages import PageAllocator
 from pdgrpc.state.poll import advance_code
@@ -107,8 +107,14 @@ class DecodeQueues:
         num_pages: int,
         deadlines: DecodeDeadlines | None = None,
         query_interval_s: float = DpConfig.query_interval_s,
+        vocab_size: int | None = None,
     ) -> None:
-        """``query_interval_s``: at most one QueryDpRanks per prefill address per interval."""
+        """``query_interval_s``: at most one QueryDpRanks per prefill address per interval.
+        ``vocab_size``: a landed metadata row is checked against it before commit
+        (:func:`~pdgrpc.state.metadata.row_problem`); a bad row aborts its request alone
+        as METADATA_CORRUPTION. None: rows are not checked."""
+        self.vocab_size = vocab_size
+        self._bad_row: dict[int, str] = {}  # slot -> why its landed row was refused
         self.buffers = buffers
         self.deadlines = deadlines if deadlines is not None else DecodeDeadlines()
         self.slots = SlotAllocator(buffers)
@@ -375,6 +381,12 @@ class DecodeQueues:
                 s, corrupt = transfer_poll.metadata_gate(s, room_of_slot(slot), expected[slot])
                 if corrupt:
                     reason = min(reason, AbortReason.METADATA_CORRUPTION)
+                elif s == KVPoll.SUCCESS and self.vocab_size is not None:
+                    # Before the all-reduce, like the gate: every TP rank then aborts it together.
+                    why = row_problem(self.buffers.read_row(slot), self.vocab_size)
+                    if why is not None:
+                        self._bad_row[slot] = why
+                        s, reason = KVPoll.FAILED, min(reason, AbortReason.METADATA_CORRUPTION)
             if deadline[slot] < now and KVPoll.FAILED < s < KVPoll.SUCCESS:
                 s, reason = KVPoll.FAILED, min(reason, self._timeout_reason[prev[slot]])
             out.append((slot, s, reason))
@@ -424,9 +436,12 @@ class DecodeQueues:
 
     def _abort_in_transfer(self, slot: int, r: DecodeRequest, reason: AbortReason, now: float) -> Aborted:
         room, state = r.room, r.state
+        bad_row = self._bad_row.pop(slot, None)
         if reason is AbortReason.METADATA_CORRUPTION:
             found = self.buffers.room(slot)
-            if found not in (0, room):
+            if bad_row is not None and found == room:
+                msg = f"room {room}: metadata row refused: {bad_row} (slot {slot})"
+            elif found not in (0, room):
                 msg = f"bootstrap_room mismatch: expected {room}, found {found} in slot {slot}"
             else:
                 msg = f"bootstrap_room mismatch in slot {slot} (expected {room}) detected on another TP rank"

@@ -31,6 +31,7 @@ so a row is copied byte for byte.
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 import sys
 from typing import Iterator
@@ -45,7 +46,7 @@ if sys.byteorder != "little":  # pragma: no cover - no supported platform is big
 FIELD_ALIGN = 64
 _ROOM_MAX = (1 << 63) - 1
 
-__all__ = ["FIELD_ALIGN", "MetadataBuffers", "MetadataField", "MetadataLayout", "MetadataRow"]
+__all__ = ["FIELD_ALIGN", "MetadataBuffers", "MetadataField", "MetadataLayout", "MetadataRow", "row_problem"]
 
 
 def _pad(nbytes: int) -> int:
@@ -80,6 +81,26 @@ class MetadataRow:
     top_logprobs_values: tuple[float, ...] = ()
     top_logprobs_indices: tuple[int, ...] = ()
     hidden_state: torch.Tensor | None = None
+
+
+def row_problem(row: MetadataRow, vocab_size: int) -> str | None:
+    """Why ``row`` cannot be committed (it came from another process: untrusted), or None.
+
+    The first token and every top-logprob index must be a token id in ``[0, vocab_size)``;
+    the first token's logprob must be finite; top logprobs must not be NaN or +inf (a
+    token the sampler filtered out has logprob -inf). Unused top-k entries are zeros."""
+    if not 0 <= row.output_id < vocab_size:
+        return f"output_id {row.output_id} is not a token id in [0, {vocab_size})"
+    v = row.output_token_logprob_value
+    if not math.isfinite(v):
+        return f"output_token_logprob_value {v} is not finite"
+    bad_idx = next((i for i in row.top_logprobs_indices if not 0 <= i < vocab_size), None)
+    if bad_idx is not None:
+        return f"top_logprobs_indices holds {bad_idx}, not a token id in [0, {vocab_size})"
+    bad_val = next((x for x in row.top_logprobs_values if math.isnan(x) or x == math.inf), None)
+    if bad_val is not None:
+        return f"top_logprobs_values holds {bad_val}"
+    return None
 
 
 class MetadataLayout:
@@ -201,9 +222,10 @@ class MetadataBuffers:
         for name, values in (("top_logprobs_values", row.top_logprobs_values), ("top_logprobs_indices", row.top_logprobs_indices)):
             if len(values) > lay.top_k:
                 raise ConfigError(f"{name} has {len(values)} entries, the row holds top_k={lay.top_k}")
+            # Zeroed even when empty: a reused send row must not carry another request's entries.
+            col = self.field(name)[slot]
+            col.zero_()
             if values:
-                col = self.field(name)[slot]
-                col.zero_()
                 col[: len(values)] = torch.tensor(values, dtype=col.dtype)
         if row.hidden_state is not None:
             if not lay.hidden_size:

@@ -336,9 +336,9 @@ class RegisterWorkerResponse(_message.Message):
     generation: _builtins.int
     """The generation assigned to this registration (1 for the first, +1 per restart)."""
     registered_workers: _builtins.int
-    """Workers registered so far, including this one (count)."""
+    """Workers registered so far with this worker's topology, including this one (count)."""
     expected_workers: _builtins.int
-    """Workers the topology expects: dp_size * tp_size * pp_size (count)."""
+    """Workers this worker's topology expects: dp_size * tp_size * pp_size (count)."""
     def __init__(
         self,
         *,

@@ -41,10 +41,12 @@ class BootstrapServiceStub:
     """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
     room again with the same rank is idempotent and renews its TTL. An entry lives for
     the server's TTL (default 120 s) after its last registration; past the server's cap
-    on rooms, the oldest entries are evicted. The dp_rank range is checked once a
-    worker has fixed the topology (registrations may come before any worker).
+    on rooms, a batch with new rooms is refused (live rooms are never evicted). The
+    dp_rank range is checked once the workers' first complete registration has fixed
+    the topology (registrations may come before it).
     INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
     ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
+    RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
     """
     QueryDpRanks: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryDpRanksRequest, _bootstrap_pb2.QueryDpRanksResponse]
     """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
@@ -52,12 +54,14 @@ class BootstrapServiceStub:
     INVALID_ARGUMENT: a room of 0, or a batch over the limit.
     """
     RegisterWorker: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.RegisterWorkerRequest, _bootstrap_pb2.RegisterWorkerResponse]
-    """One prefill worker registers its endpoints; the first registration fixes the topology.
+    """One prefill worker registers its endpoints. The first complete, consistent set of
+    registrations (every slot of one announced topology) fixes the topology; until then
+    differing announcements wait side by side (a server may also expect sizes from config).
     Registering the same (dp, tp, pp) slot again (a restart) replaces it and bumps its generation.
     INVALID_ARGUMENT: a rank outside its size, a size or page_size of 0, no
     transfer_address, or LOAD_BALANCE_METHOD_UNSPECIFIED.
-    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's (the
-    message names the field and both values).
+    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's fixed or
+    expected one (the message names the field and both values).
     """
     GetParallelInfo: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.GetParallelInfoRequest, _bootstrap_pb2.GetParallelInfoResponse]
     """The instance's parallel info. UNAVAILABLE ("k of n workers registered") until every
@@ -78,10 +82,12 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
     """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
     room again with the same rank is idempotent and renews its TTL. An entry lives for
     the server's TTL (default 120 s) after its last registration; past the server's cap
-    on rooms, the oldest entries are evicted. The dp_rank range is checked once a
-    worker has fixed the topology (registrations may come before any worker).
+    on rooms, a batch with new rooms is refused (live rooms are never evicted). The
+    dp_rank range is checked once the workers' first complete registration has fixed
+    the topology (registrations may come before it).
     INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
     ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
+    RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
     """
     QueryDpRanks: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryDpRanksRequest, _bootstrap_pb2.QueryDpRanksResponse]  # type: ignore[assignment]
     """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
@@ -89,12 +95,14 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
     INVALID_ARGUMENT: a room of 0, or a batch over the limit.
     """
     RegisterWorker: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.RegisterWorkerRequest, _bootstrap_pb2.RegisterWorkerResponse]  # type: ignore[assignment]
-    """One prefill worker registers its endpoints; the first registration fixes the topology.
+    """One prefill worker registers its endpoints. The first complete, consistent set of
+    registrations (every slot of one announced topology) fixes the topology; until then
+    differing announcements wait side by side (a server may also expect sizes from config).
     Registering the same (dp, tp, pp) slot again (a restart) replaces it and bumps its generation.
     INVALID_ARGUMENT: a rank outside its size, a size or page_size of 0, no
     transfer_address, or LOAD_BALANCE_METHOD_UNSPECIFIED.
-    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's (the
-    message names the field and both values).
+    FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's fixed or
+    expected one (the message names the field and both values).
     """
     GetParallelInfo: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.GetParallelInfoRequest, _bootstrap_pb2.GetParallelInfoResponse]  # type: ignore[assignment]
     """The instance's parallel info. UNAVAILABLE ("k of n workers registered") until every
@@ -118,10 +126,12 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
         room again with the same rank is idempotent and renews its TTL. An entry lives for
         the server's TTL (default 120 s) after its last registration; past the server's cap
-        on rooms, the oldest entries are evicted. The dp_rank range is checked once a
-        worker has fixed the topology (registrations may come before any worker).
+        on rooms, a batch with new rooms is refused (live rooms are never evicted). The
+        dp_rank range is checked once the workers' first complete registration has fixed
+        the topology (registrations may come before it).
         INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
         ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
+        RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
         """
 
     @_abc_1.abstractmethod
@@ -141,12 +151,14 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _bootstrap_pb2.RegisterWorkerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_bootstrap_pb2.RegisterWorkerResponse, _abc.Awaitable[_bootstrap_pb2.RegisterWorkerResponse]]:
-        """One prefill worker registers its endpoints; the first registration fixes the topology.
+        """One prefill worker registers its endpoints. The first complete, consistent set of
+        registrations (every slot of one announced topology) fixes the topology; until then
+        differing announcements wait side by side (a server may also expect sizes from config).
         Registering the same (dp, tp, pp) slot again (a restart) replaces it and bumps its generation.
         INVALID_ARGUMENT: a rank outside its size, a size or page_size of 0, no
         transfer_address, or LOAD_BALANCE_METHOD_UNSPECIFIED.
-        FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's (the
-        message names the field and both values).
+        FAILED_PRECONDITION: the worker's parallel info disagrees with the instance's fixed or
+        expected one (the message names the field and both values).
         """
 
     @_abc_1.abstractmethod

@@ -13,7 +13,7 @@ from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap.service import SERVICE_NAME, BootstrapConfig, BootstrapServer
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.rpc.channels import ChannelPool
-from pdgrpc.rpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from pdgrpc.rpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from pdgrpc.v1 import bootstrap_pb2 as pb
 from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
 
@@ -62,6 +62,7 @@ async def test_dp_rank_range_is_checked_once_topology_is_known(client: Bootstrap
     early = rooms(n, seed=2)
     await client.register_dp_ranks({r: 7 for r in early})  # no worker yet: any rank is accepted
     await client.register_worker(worker(0), parallel_info(dp=2))
+    await client.register_worker(worker(1), parallel_info(dp=2))  # complete: the topology is fixed
     late = rooms(n, seed=3)
     with pytest.raises(InvalidArgument, match=r"dp_rank 2 is outside \[0, dp_size=2\)"):
         await client.register_dp_ranks({**{r: 1 for r in late[:-1]}, late[-1]: 2})
@@ -105,16 +106,19 @@ async def test_rooms_expire_after_ttl_and_are_swept(client: BootstrapClient, ser
 
 
 @pytest.mark.parametrize("config", [BootstrapConfig(ttl=100.0, max_rooms=1000, max_batch=500)])
-async def test_hard_cap_evicts_oldest_first_and_counts(client: BootstrapClient, server: BootstrapServer, clock: FakeClock) -> None:
+async def test_at_the_cap_new_rooms_are_refused_and_live_rooms_kept(client: BootstrapClient, server: BootstrapServer, clock: FakeClock) -> None:
     batches = [rooms(500, seed=10 + i) for i in range(5)]
-    for b in batches:
+    for b in batches[:2]:
         clock.advance(1)
         await client.register_dp_ranks({r: 0 for r in b})
-    assert len(server.table) == 1000 and server.table.stats.evicted == 1500
-    for b in batches[:3]:
-        assert len((await client.query_dp_ranks(b)).rooms) == 0
-    for b in batches[3:]:
+    for b in batches[2:]:
+        with pytest.raises(ResourceExhausted, match="1000 live rooms of max_rooms=1000; refusing 500 new room"):
+            await client.register_dp_ranks({r: 0 for r in b})
+    assert len(server.table) == 1000 and server.table.stats.evicted == 0
+    for b in batches[:2]:
         assert len((await client.query_dp_ranks(b)).rooms) == 500
+    clock.advance(100)  # the live rooms expire: registrations succeed again
+    await client.register_dp_ranks({r: 0 for r in batches[2]})
 
 
 async def test_workers_topology_and_generations(client: BootstrapClient) -> None:
@@ -126,16 +130,20 @@ async def test_workers_topology_and_generations(client: BootstrapClient) -> None
         await client.get_parallel_info()
     with pytest.raises(Unavailable, match="1 of 2 workers registered"):
         await client.get_workers(0)
-    with pytest.raises(FailedPrecondition) as e:
-        await client.register_worker(worker(1), parallel_info(dp=2, page_size=32))
-    assert "parallel_info.page_size" in e.value.details and "16" in e.value.details and "32" in e.value.details
+    # Before a topology is complete, another one is pending, not refused: the first
+    # complete registration fixes it (a bogus first registrant cannot lock workers out).
+    odd = await client.register_worker(worker(1), parallel_info(dp=2, page_size=32))
+    assert (odd.registered_workers, odd.expected_workers) == (1, 2)
     await client.register_worker(worker(1), parallel_info(dp=2))
     info = await client.get_parallel_info()
     assert info.parallel_info == parallel_info(dp=2) and info.registered_workers == info.expected_workers == 2
+    with pytest.raises(FailedPrecondition) as e:
+        await client.register_worker(worker(1), parallel_info(dp=2, page_size=32))
+    assert "parallel_info.page_size" in e.value.details and "16" in e.value.details and "32" in e.value.details
     restarted = await client.register_worker(worker(1, address="10.9.9.9:7000"), parallel_info(dp=2))
-    assert restarted.generation == 2
+    assert restarted.generation == 3  # slot 1's third registration (the odd one counts)
     (w,) = await client.get_workers(1)
-    assert (w.transfer_address, w.generation) == ("10.9.9.9:7000", 2)
+    assert (w.transfer_address, w.generation) == ("10.9.9.9:7000", 3)
     with pytest.raises(InvalidArgument, match="dp_rank 5"):
         await client.get_workers(5)
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull
 from pdgrpc.bootstrap.table import W, RoomTable
 
 
@@ -142,31 +142,36 @@ def test_an_expired_room_may_be_registered_again_with_another_rank() -> None:
 
 
 @pytest.mark.parametrize("batch", [1, 50])
-def test_hard_cap_evicts_oldest_first_and_counts(batch: int) -> None:
+def test_at_the_cap_new_rooms_are_refused_and_live_ones_kept(batch: int) -> None:
+    """Audit (issue 16): 120k bogus rooms evicted a live room from a 100k-room table. At the
+    cap a batch with new rooms is refused whole, naming the limit; live rooms stay."""
     t = RoomTable(ttl=100, max_rooms=100, max_batch=50)
     rooms = list(range(1, 301))
-    for i in range(0, 300, batch):
+    for i in range(0, 100, batch):
         t.register(rooms[i : i + batch], [0] * batch, now=i / 100)
-        assert len(t) <= 100
-    assert t.stats.evicted == 200 and len(t) == 100
-    assert sorted(q(t, rooms, 3.0)) == rooms[200:]  # the newest 100 survive
+    for i in range(100, 300, batch):
+        with pytest.raises(RoomTableFull, match=f"100 live rooms of max_rooms=100; refusing {batch} new room"):
+            t.register(rooms[i : i + batch], [0] * batch, now=1.0)
+    assert t.stats.evicted == 0 and len(t) == 100
+    assert sorted(q(t, rooms, 3.0)) == rooms[:100]  # every live room survives
     check_invariants(t)
 
 
-def test_cap_eviction_never_drops_a_room_the_batch_renews() -> None:
+def test_at_the_cap_renewals_still_work_and_nothing_of_a_refused_batch_lands() -> None:
     t = RoomTable(ttl=100, max_rooms=4, max_batch=4)
     t.register([1, 2, 3, 4], [0, 0, 0, 0], now=0)
-    res = t.register([1, 5], [0, 0], now=1)  # 1 is the oldest, and renewed here
-    assert (res.added, res.unchanged, res.evicted) == (1, 1, 1)
-    assert sorted(q(t, [1, 2, 3, 4, 5], 1)) == [1, 3, 4, 5]
+    with pytest.raises(RoomTableFull):
+        t.register([1, 5], [0, 0], now=1)  # 1 renewed, 5 new: all or none
+    assert sorted(q(t, [1, 2, 3, 4, 5], 1)) == [1, 2, 3, 4]
+    assert t.register([1, 2], [0, 0], now=1).unchanged == 2
     check_invariants(t)
 
 
-def test_cap_counts_expired_rooms_as_expired_not_evicted() -> None:
+def test_at_the_cap_expired_rooms_make_space() -> None:
     t = RoomTable(ttl=1, max_rooms=3, max_batch=3)
     t.register([1, 2, 3], [0, 0, 0], now=0)
     res = t.register([4, 5], [0, 0], now=5)
-    assert res.evicted == 0 and t.stats.expired == 2
+    assert res.evicted == 0 and res.added == 2 and t.stats.expired == 3
 
 
 def test_renewals_cannot_grow_memory() -> None:
@@ -278,10 +283,12 @@ class Model:
             if len(want) <= self.ring_cap - len(self.ring):
                 break
             self._pop(len(want) - (self.ring_cap - len(self.ring)), now)
+        if len(self.rooms) + len(new) > self.max_rooms:
+            self.expire(now)
+            if len(self.rooms) + len(new) > self.max_rooms:
+                raise RoomTableFull(len(self.rooms), self.max_rooms, len(new))
         for r in renew:
             self._append(r, want[r], now)
-        while len(self.rooms) + len(new) > self.max_rooms:
-            self._pop(min(len(self.rooms) + len(new) - self.max_rooms, len(self.ring)), now)
         for r in new:
             self._append(r, want[r], now)
         return len(new), len(rooms) - len(new), self.evicted - evicted_before
@@ -320,7 +327,7 @@ def test_matches_reference_model(ops: list, ttl: float, max_rooms: int, small_ri
             rooms, ranks = [pool[i] for i, _ in args], [k for _, k in args]
             try:
                 want = m.register(rooms, ranks, now, dp_size)
-            except (InvalidBootstrapRequest, RoomConflict) as exc:
+            except (InvalidBootstrapRequest, RoomConflict, RoomTableFull) as exc:
                 with pytest.raises(type(exc)):
                     t.register(rooms, ranks, now, dp_size=dp_size)
             else:

@@ -1,11 +1,12 @@
-"""WorkerRegistry, pure: topology fixed by the first worker, generations, completeness."""
+"""WorkerRegistry, pure: topology fixed by the first complete registration, generations,
+completeness."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
-from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.registry import MAX_CANDIDATES, WorkerRegistry
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 
@@ -33,8 +34,9 @@ def test_pending_until_every_worker_registered() -> None:
             r.parallel_info()
         with pytest.raises(WorkersPending):
             r.workers(0)
-    assert r.dp_size == 2
+    assert r.dp_size is None  # not fixed until complete
     r.register(worker(1, 1), info())
+    assert r.dp_size == 2
     assert r.parallel_info() == info()
     assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
     assert [w.tp_rank for w in r.workers(0, [1])] == [1]
@@ -52,11 +54,42 @@ def test_pending_until_every_worker_registered() -> None:
 )
 def test_disagreeing_topology_names_field_and_both_values(field: str, value: object, shown: str) -> None:
     r = WorkerRegistry()
-    r.register(worker(0, 0), info())
+    for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info())
     with pytest.raises(TopologyMismatch) as e:
         r.register(worker(0, 1), info(**{field: value}))
     assert f"parallel_info.{field}" in str(e.value) and shown in str(e.value)
-    assert r.registered == 1
+    assert r.registered == 4
+
+
+def test_a_bogus_first_registrant_cannot_lock_the_real_workers_out() -> None:
+    """Audit (issue 16): a standalone bootstrap let the first registrant fix the topology
+    (dp_size=7) and then refused the real workers. The first complete registration wins."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0, "evil:1"), info(dp_size=7))
+    for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info())
+    assert r.parallel_info() == info()
+    assert [w.transfer_address for w in r.workers(0)] == ["h:00", "h:01"]
+    with pytest.raises(TopologyMismatch, match="dp_size disagrees: the instance has 2, this worker has 7"):
+        r.register(worker(3, 0, "evil:1"), info(dp_size=7))
+
+
+def test_many_bogus_topologies_stay_bounded() -> None:
+    r = WorkerRegistry()
+    for n in range(3, 3 + 4 * MAX_CANDIDATES):
+        r.register(worker(0, 0, f"evil:{n}"), info(dp_size=n))
+    assert len(r._candidates) == MAX_CANDIDATES
+    for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info())
+    assert r.parallel_info() == info() and not r._candidates
+
+
+def test_expected_sizes_refuse_any_other_topology_from_the_start() -> None:
+    r = WorkerRegistry(expect=(2, 2, 1))
+    with pytest.raises(TopologyMismatch, match="dp_size disagrees: the instance has 2, this worker has 7"):
+        r.register(worker(0, 0), info(dp_size=7))
+    assert r.registered == 0
 
 
 def test_restart_bumps_generation_and_replaces_entry() -> None:

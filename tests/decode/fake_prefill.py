@@ -16,6 +16,9 @@ prefill) and how to misbehave (``mode``):
 * ``"late"``     -- accept the handshake, write only once the decode's AbortRoom came (a
   prefill rank whose write trails the decode's abort).
 
+``row_overrides[room]`` replaces fields of that room's metadata row (a bad row: a token id
+outside the vocabulary, a NaN logprob), whatever the mode.
+
 Each room's final status as the sender saw it is kept in ``FakeWorker.sent``.
 
 ``transport="fake"`` builds workers on the fake backend; they accept handshakes and
@@ -118,7 +121,9 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             await asyncio.Event().wait()  # until the decode gives up and cancels the call
         peer = await self.transport.connect(request.transport_descriptor)
         if mode != "hold" and self.transport.moves_bytes:
-            task = asyncio.ensure_future(self._prefill_and_send(request, peer))
+            # Its own send row, chosen now: rooms computed at once must not share one.
+            slot = (len(self.handshakes) - 1) % _SEND_SLOTS
+            task = asyncio.ensure_future(self._prefill_and_send(request, peer, slot))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return hpb.HandshakeResponse(generation=self.owner.generation[self.dp_rank])
@@ -128,7 +133,7 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         self.got_abort.set()
         return hpb.AbortRoomResponse(was_active=any(h.bootstrap_room == request.bootstrap_room for h in self.handshakes))
 
-    async def _prefill_and_send(self, request: hpb.HandshakeRequest, peer) -> None:  # type: ignore[no-untyped-def]
+    async def _prefill_and_send(self, request: hpb.HandshakeRequest, peer, slot: int) -> None:  # type: ignore[no-untyped-def]
         engine = self.owner.engine
         room = request.bootstrap_room
         prompt = self.owner.prompts[room]
@@ -144,8 +149,10 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             dst = [p + 100 for p in request.dst_pages] if self.owner.mode == "stray" else list(request.dst_pages)
             ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages, dst)
             written_room = room + 1 if self.owner.mode == "corrupt" else room
-            slot = len(self.handshakes) % _SEND_SLOTS
-            self._send.write_row(slot, row_from_token(first), written_room)
+            row = row_from_token(first)
+            if room in self.owner.row_overrides:  # a prefill writing a bad row for this room
+                row = dataclasses.replace(row, **self.owner.row_overrides[room])
+            self._send.write_row(slot, row, written_room)
             meta_dst = peer.descriptor.region(METADATA_REGION_ID)
             meta = metadata_op(self.regions[-1], slot, meta_dst, request.dst_slot)
             await self.transport.write(peer, room, ops, metadata=meta)
@@ -174,6 +181,7 @@ class FakePrefill:
         self.mode = "ok"
         self.send_delay_s = 0.0  # seconds between accepting a handshake and computing + writing
         self.prompts: dict[int, Prompt] = {}
+        self.row_overrides: dict[int, dict[str, object]] = {}  # room -> MetadataRow fields written instead
         self.generation: dict[int, int] = {}
         self.workers = [FakeWorker(self, r) for r in range(dp_size)]
         self.bootstrap: BootstrapServer | None = None

@@ -29,11 +29,13 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill, Prompt
 from tests.eventually import eventually, eventually_async
+from tests.fuzz_messages import fuzz
 
 ENGINE_FLAGS = ["--model-size", "tiny", "--page-size", "16", "--num-pages", "256", "--max-prompt-tokens", "512", "--max-seq-len", "1024"]
 DECODE_FLAGS = [
     *ENGINE_FLAGS, "--transport", "tcp", "--num-slots", "8",
     "--bootstrap-timeout", "1.5", "--resolve-timeout", "10", "--abort-lease", "60", "--dp-rank-query-interval", "0.05",
+    "--max-decodes-per-client", "6",
 ]
 STARTUP_S = 60.0
 SETTLE_S = 15.0
@@ -343,3 +345,85 @@ async def test_restarted_prefill_worker_is_not_reused(stub: decode_pb2_grpc.Deco
     assert [h.bootstrap_room for h in new.handshakes] == [req.bootstrap_room]
     assert [h.bootstrap_room for h in old.handshakes] == [first.bootstrap_room]
     await assert_nothing_held(stub)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"output_id": 1000}, "output_id 1000"),
+        ({"output_token_logprob_value": float("nan")}, "output_token_logprob_value nan"),
+        ({"top_logprobs_indices": (5000,) * 20}, "top_logprobs_indices"),
+    ],
+)
+async def test_a_bad_metadata_row_fails_only_its_request(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes, override: dict[str, object], named: str
+) -> None:
+    """Audit: a row with output_id=1000 (outside the vocabulary) was committed and the next
+    decode step failed every request in its batch. The row is checked before commit: the
+    bad request alone is aborted, naming the field, and the others finish correctly."""
+    good = [make_request(prefill, text, n, s) for text, n, s in PROMPTS[:3]]
+    bad = make_request(prefill, "a prefill writes garbage", 8)
+    prefill.row_overrides[bad.bootstrap_room] = override
+    expected = [generate(prefill.engine, [tuple(r.input_ids)], n, s)[0] for r, (_, n, s) in zip(good, PROMPTS)]
+    results = await asyncio.gather(*(collect(stub, r) for r in [*good, bad]), return_exceptions=True)
+    for req, msgs, want in zip(good, results, expected):
+        assert not isinstance(msgs, BaseException), f"room {req.bootstrap_room}: {msgs}"
+        assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
+    err = results[-1]
+    assert isinstance(err, grpc.aio.AioRpcError), err
+    assert err.code() == grpc.StatusCode.ABORTED
+    assert "metadata row" in err.details() and named in err.details(), err.details()
+    await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"finished": 3, "aborted": 1, "aborted:metadata_corruption": 1}
+
+
+async def test_one_client_cannot_hold_more_than_its_share_of_decode_calls(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes
+) -> None:
+    """Audit: 8 direct Decode calls with no prefill behind them pinned all 1024 pages for up
+    to the 600 s waiting timeout. One client may hold --max-decodes-per-client calls (6
+    here); one more is refused naming the limit, and a slot frees as soon as one ends."""
+    prefill.mode = "hold"  # handshake accepted, KV never comes
+    held = [stub.Decode(make_request(prefill, f"hold {i}", 4), timeout=60) for i in range(6)]
+
+    async def admitted() -> bool:
+        return (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats.active_requests == 6
+
+    await eventually_async(admitted, 15, 0.05, "6 held Decode calls admitted")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub, make_request(prefill, "one too many", 4))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit 6 per client, --max-decodes-per-client" in err.value.details()
+    held.pop().cancel()
+    prefill.mode = "ok"
+
+    async def served() -> list[decode_pb2.DecodeResponse] | None:
+        try:
+            return await collect(stub, make_request(prefill, "after one ended", 4))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            return None
+
+    assert await eventually_async(served, 15, 0.05, "a Decode call admitted once one ended")
+    for call in held:
+        call.cancel()
+    await assert_nothing_held(stub)
+    changed = await outcomes.changed()
+    assert changed.get("finished") == 1 and changed.get("aborted:cancelled") == 6 and changed.get("refused", 0) >= 1, changed
+
+
+def test_fuzzed_requests_never_crash_the_decode(decode_proc: tuple[str, str], metrics_address: str) -> None:
+    """Fuzzing (issue 16): DecodeService requests, valid and mutated, against the live
+    decode: no UNKNOWN or INTERNAL, still SERVING, and nothing held afterwards."""
+    with grpc.insecure_channel(decode_proc[0]) as ch:
+        fuzz(ch, ["pdgrpc.v1.DecodeService"], max_examples=40)
+        stub = decode_pb2_grpc.DecodeServiceStub(ch)
+
+        def idle() -> bool:
+            s = stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5).stats
+            return (s.active_requests, s.slots_in_use, s.pages_in_use, s.pages_quarantined, s.transport_rooms) == (0,) * 5
+
+        eventually(idle, SETTLE_S, 0.05, "the decode released everything after fuzzing")
+    s = scrape(metrics_address)
+    for gauge in ("pdgrpc_metadata_slots_in_use", "pdgrpc_kv_pages_in_use", "pdgrpc_kv_pages_quarantined"):
+        assert s.value(gauge, role="decode") == 0, gauge

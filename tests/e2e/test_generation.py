@@ -175,17 +175,18 @@ async def expect_error(router, **kwargs) -> grpc.aio.AioRpcError:
     return err.value
 
 
-async def test_prompt_over_the_prefill_limit_is_refused(cluster, router, before):
+async def test_prompt_over_the_engine_limit_is_refused_by_the_router(cluster, router, before):
     limit = int(cluster.topology.engine_value("max-prompt-tokens", 2048))
     err = await expect_error(router, input_ids=[256] + [97] * limit)  # limit + 1 tokens
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prefill" in err.details() and f"max_prompt_tokens={limit}" in err.details()
+    assert f"max_prompt_tokens={limit} (the router's --max-prompt-tokens)" in err.details()
     await wait_nothing_held(cluster)
     after = await Counters.read(cluster)
-    # The prefill turned it away before taking anything; the router saw the prefill fail.
-    assert after.requests(before, "prefill") == {"finished": 0, "aborted": 0, "refused": 1}
-    assert after.requests(before, "router") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:prefill_error": 1}
-    assert after.delta(before, "pdgrpc_requests_total", "decode", state="finished") == 0
+    # The router refused it before forwarding (the launcher gave it the engine's limit):
+    # neither the prefill nor the decode saw it.
+    assert after.requests(before, "router") == {"finished": 0, "aborted": 0, "refused": 1}
+    assert after.requests(before, "prefill") == {"finished": 0, "aborted": 0, "refused": 0}
+    assert after.delta(before, "pdgrpc_requests_total", "decode", state="refused") == 0
 
 
 async def test_client_cancel_mid_stream_releases_both_sides(cluster, router, before):

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from pdgrpc.bootstrap.errors import RoomTableFull
 from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.metrics import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RouterMetrics, ServerAbortReason
 from pdgrpc.metrics.reasons import ABORT_REASON_LABELS
@@ -96,10 +97,12 @@ def test_bootstrap_table_size_expirations_and_evictions(serve) -> None:
     s = scrape()
     assert s.value("pdgrpc_bootstrap_rooms", role="bootstrap") == 3
     assert s.value("pdgrpc_bootstrap_rooms_capacity", role="bootstrap") == 4
-    table.register([4, 5, 6], [1, 1, 1], now=1.0)  # over the cap: the two oldest are evicted
+    table.register([4], [1], now=1.0)
+    with pytest.raises(RoomTableFull):
+        table.register([5, 6], [1, 1], now=1.0)  # over the cap: refused, nothing evicted
     s = scrape()
     assert s.value("pdgrpc_bootstrap_rooms", role="bootstrap") == 4
-    assert s.value("pdgrpc_bootstrap_rooms_evicted_total", role="bootstrap") == 2
+    assert s.value("pdgrpc_bootstrap_rooms_evicted_total", role="bootstrap") == 0
     assert s.value("pdgrpc_bootstrap_rooms_expired_total", role="bootstrap") == 0
     table.expire(now=100.0)
     s = scrape()

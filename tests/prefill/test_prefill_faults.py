@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 def fake_rr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefillProc]:
     p = PrefillProc(
         [*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "2", "--load-balance-method", "round_robin",
-         "--handshake-timeout", "30"],
+         "--handshake-timeout", "30", "--worker-respawn-max-backoff", "0"],  # stays dead: routing around it
         tmp_path_factory.mktemp("faults"), "fake_rr",
     )
     try:
@@ -80,10 +80,34 @@ async def test_workers_exit_when_the_controller_is_killed(fake_rr: PrefillProc) 
 
 
 def test_controller_exits_nonzero_when_no_worker_is_left(tmp_path: Path) -> None:
-    p = PrefillProc([*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "1"], tmp_path, "solo")
+    p = PrefillProc([*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "1", "--worker-respawn-max-backoff", "0"], tmp_path, "solo")
     try:
         os.kill(p.worker_pids[0], signal.SIGKILL)
         assert p.proc.wait(30) == 1
         assert "every prefill worker is gone; stopping the controller" in p.log()
     finally:
         p.stop()
+
+
+async def test_a_killed_worker_is_started_again_and_the_instance_serves(tmp_path: Path) -> None:
+    """Audit (issue 16): a dp-1 prefill controller exited when its worker died, and the
+    instance stayed down until a person restarted it. Now the controller starts the
+    worker again (capped backoff) and the instance serves again, over real tcp."""
+    p = PrefillProc([*ENGINE_FLAGS, "--transport", "tcp", "--dp-size", "1"], tmp_path, "respawn")
+    d = FakeDecode(CONFIG)
+    await d.start()
+    try:
+        resp, r = await run_one(p, d, prompt(9, 1), SamplingParams(), query=False, dp_size=1)
+        d.free(r)
+        os.kill(p.worker_pids[0], signal.SIGKILL)
+        await eventually_async(
+            lambda: "prefill worker dp0 serves again" in p.log() or None, 60, what="the worker started again", interval=0.1
+        )
+        assert p.proc.poll() is None  # the controller never exited
+        resp, r = await run_one(p, d, prompt(7, 2), SamplingParams(), query=False, dp_size=1)
+        assert resp.prompt_tokens == 7 and resp.dp_rank == 0
+        d.free(r)
+    finally:
+        await d.close()
+        assert p.stop() == 0, p.log()[-3000:]
+    assert re.search(r"prefill worker dp0 \(pid \d+\) exited with code -9", p.log())

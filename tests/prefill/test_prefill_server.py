@@ -27,6 +27,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import prefill_pb2
 from tests.eventually import eventually_async
+from tests.fuzz_messages import fuzz
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, reference_prefill
 from tests.prefill.harness import CONFIG, SETTLE_S, active_requests, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
 from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
@@ -264,6 +265,8 @@ async def test_incompatible_handshake_fails_both_rpcs(
     try:
         call = asyncio.ensure_future(stub.Prefill(request(room, ids, routed=1), timeout=60))
         (w,) = await decode.workers(rr.bootstrap, 1)
+        # A refused handshake is not stored: it fails a Prefill RPC that already holds the room.
+        await eventually_async(lambda: active_requests(stub), 15, what="the request reached worker dp1")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await decode.handshake(w.transfer_address, r, **override)
         assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION and needle in ei.value.details()
@@ -358,3 +361,47 @@ async def test_a_burst_larger_than_the_pool_waits_for_pages_instead_of_failing(r
     finally:
         await big.close()
     await assert_settles_to_zero(rr)
+
+
+@pytest.mark.parametrize(
+    "pages, needle",
+    [
+        # Audit: 20 M-page handshakes grew a worker by 535 MiB and blocked its loop.
+        ([0] * 2_000_000, "dst_pages: 2000000 pages, over the limit of 16 per handshake"),
+        ([3, 5, 3], "dst_pages: page 3 appears more than once"),
+    ],
+    ids=["too-many-pages", "duplicate-page"],
+)
+async def test_refused_handshake_is_not_stored_and_names_the_limit(
+    rr: PrefillProc, decode: FakeDecode, pages: list[int], needle: str
+) -> None:
+    """A refused early handshake is not kept: the real decode's handshake for the same room
+    is still accepted afterwards (audit: refused handshakes were stored, and their junk
+    filled the mailbox and took the room's one handshake)."""
+    ids = prompt(9, 7)
+    room = new_room()
+    r = decode.allocate(room, len(ids))
+    (w,) = await decode.workers(rr.bootstrap, 1)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await decode.handshake(w.transfer_address, r, dst_pages=pages)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.details(), ei.value.details()
+    await decode.handshake(w.transfer_address, r)  # the real one: accepted
+    ch, stub = await prefill_stub(rr)
+    try:
+        resp = await stub.Prefill(request(room, ids, routed=1), timeout=60)
+    finally:
+        await ch.close()
+    assert resp.dp_rank == 1 and (await decode.wait(r)).state is KVPoll.SUCCESS
+    decode.free(r)
+    await assert_settles_to_zero(rr)
+
+
+def test_fuzzed_requests_never_crash_the_prefill(rr: PrefillProc) -> None:
+    """Fuzzing (issue 16): PrefillService and BootstrapService requests to the controller,
+    HandshakeService and PrefillService requests to a worker, valid and mutated: no
+    UNKNOWN or INTERNAL, still SERVING, and nothing held afterwards."""
+    with grpc.insecure_channel(rr.address) as ch:
+        fuzz(ch, ["pdgrpc.v1.PrefillService", "pdgrpc.v1.BootstrapService"], max_examples=30)
+    with grpc.insecure_channel(rr.worker_addresses[0]) as ch:
+        fuzz(ch, ["pdgrpc.v1.HandshakeService", "pdgrpc.v1.PrefillService"], max_examples=30)
+    asyncio.run(assert_settles_to_zero(rr))

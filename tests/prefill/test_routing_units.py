@@ -121,3 +121,24 @@ async def test_mailbox_sift_drops_unproven_early_handshakes_and_puts_aborts_firs
     await asyncio.sleep(0)
     box.deliver(7, "real", key=(0, b"ok"), group=1)
     assert await waiting == "real"
+
+
+async def test_mailbox_caps_early_handshakes_per_peer_and_never_stores_refusals() -> None:
+    """Audit: 4,100 junk handshakes filled a worker's mailbox, and refused ones were kept.
+    One peer holds at most ``per_peer`` rooms (the refusal names the limit); another peer
+    still gets in; a refusal reaches only a Prefill that claims its room, and never takes
+    the room's handshake from the real decode."""
+    box: Mailbox[str] = Mailbox(capacity=8, ttl_s=10.0, per_peer=2)
+    box.deliver(1, "a", peer="10.0.0.9")
+    box.deliver(2, "b", peer="10.0.0.9")
+    with pytest.raises(MailboxFull, match="limit 2 per peer"):
+        box.deliver(3, "c", peer="10.0.0.9")
+    assert box.deliver(3, "c", peer="10.0.0.1") is False  # another peer is not affected
+    assert await box.wait(1, timeout=1) == "a"  # claimed: no longer counts against its peer
+    box.deliver(4, "d", peer="10.0.0.9")
+    assert box.refuse(5, "refused") is False and len(box) == 3  # nobody claims room 5: dropped
+    assert box.deliver(5, "real") is False  # the refusal took no key
+    box.claim(6)
+    assert box.refuse(6, "refused") is True
+    assert box.refuse(6, "refused again") is False  # one queued refusal per claim, no more
+    assert await box.wait(6, timeout=1) == "refused"

@@ -341,3 +341,22 @@ async def test_metrics_count_each_request_once_by_how_it_ended(cluster):
     finally:
         router.metrics.unbind()
         stop()
+
+
+async def test_a_dead_upstream_is_counted_as_a_peer_failure(cluster):
+    """Audit (issue 16): the requests of a killed prefill worker were counted as cancelled.
+    An upstream that answers UNAVAILABLE (its worker died) is counted as peer_failure."""
+    stub, prefill, decodes, *_, router = cluster
+    port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
+    try:
+        prefill.fail = (grpc.StatusCode.UNAVAILABLE, "room 1: prefill worker dp0 died (exit code -9)")
+        for d in decodes:
+            d.wait_forever = True  # only the prefill's failure can end this request
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "dp0 died" in err.value.details()
+        s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+        assert s.value("pdgrpc_aborts_total", reason="peer_failure", role="router") == 1
+        assert s.value("pdgrpc_aborts_total", reason="cancelled", role="router") == 0
+    finally:
+        stop()

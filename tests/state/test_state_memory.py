@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from pdgrpc.errors import ConfigError, SlotError
 from pdgrpc.state import MetadataBuffers, MetadataLayout, MetadataRow, PageAllocator, SlotAllocator
-from pdgrpc.state.metadata import FIELD_ALIGN
+from pdgrpc.state.metadata import FIELD_ALIGN, row_problem
 
 
 @pytest.mark.parametrize("top_k, hidden", [(16, 0), (0, 0), (20, 0), (16, 4096), (5, 3)])
@@ -58,6 +60,24 @@ def test_row_round_trip_and_views_share_memory() -> None:
     other = MetadataBuffers(4, b.layout)
     other.row(0).copy_(b.row(2))
     assert other.read_row(0).output_id == 123 and other.room(0) == 555
+
+
+def test_a_reused_row_carries_no_top_logprobs_of_the_previous_request() -> None:
+    """A send row is reused: a row without top logprobs must not keep the last one's."""
+    b = MetadataBuffers(2, MetadataLayout(top_k=4))
+    b.write_row(0, MetadataRow(5, top_logprobs_values=(-1.0, -2.0), top_logprobs_indices=(5000, 9)), 1)
+    b.write_row(0, MetadataRow(6), 2)
+    got = b.read_row(0)
+    assert got.top_logprobs_indices == (0, 0, 0, 0) and got.top_logprobs_values == (0.0,) * 4
+
+
+def test_row_problem_names_what_cannot_be_committed() -> None:
+    assert row_problem(MetadataRow(5, output_token_logprob_value=-0.1, top_logprobs_values=(-0.1, -math.inf), top_logprobs_indices=(5, 7)), 10) is None
+    assert row_problem(MetadataRow(10), 10) == "output_id 10 is not a token id in [0, 10)"
+    assert row_problem(MetadataRow(-1), 10) == "output_id -1 is not a token id in [0, 10)"
+    assert row_problem(MetadataRow(1, output_token_logprob_value=math.inf), 10) == "output_token_logprob_value inf is not finite"
+    assert row_problem(MetadataRow(1, top_logprobs_indices=(3, 11)), 10) == "top_logprobs_indices holds 11, not a token id in [0, 10)"
+    assert row_problem(MetadataRow(1, top_logprobs_values=(math.nan,)), 10) == "top_logprobs_values holds nan"
 
 
 def test_payload_alone_leaves_the_row_unwritten() -> None:
