@@ -188,6 +188,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         limit = self.config.max_prompt_tokens
         if len(request.input_ids) > limit:
             raise self._too_long(len(request.input_ids))
+        if isinstance(self._tokenizer, ByteTokenizer) and not request.input_ids and len(request.prompt) >= limit:
+            # The byte tokenizer gives at least one token per character, plus BOS.
+            raise self._too_long(len(request.prompt) + 1, at_least=True)
         # Text and chat messages are tokenized here, in the router (see pdgrpc.serving.prompts);
         # the message size limit (pdgrpc.rpc.limits) bounds what that costs.
         try:
