@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -87,7 +88,7 @@ from typing import Any, Awaitable, Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from pdgrpc.errors import ConfigError, PeerFailure, TransportError
+from pdgrpc.errors import ConfigError, PeerFailure, TransportError, UnauthorizedWrite
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport._ucx import (
     FULL_MASK,
@@ -107,8 +108,8 @@ from pdgrpc.transport.base import (
     Transport,
     WriteOp,
     WriteOps,
-    after_reactions,
 )
+from pdgrpc.transport.receiver import MessageType, Receiver, ReceiveRoom, Refusal
 from pdgrpc.transport._ucx_liveness import RawLiveness
 
 log = logging.getLogger("pdgrpc.transport.rdma")
@@ -119,7 +120,9 @@ KIND_MASK = 0xF << KIND_SHIFT
 KIND_CTRL, KIND_REPLY, KIND_DATA = 1, 2, 3
 CONN_BITS = 28
 
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = range(1, 8)
+HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = (
+    MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
+    MessageType.ACK, MessageType.NACK)
 COMMON = struct.Struct("<B3xIQ")  # type, conn, seq
 HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address)
 HELLO_OK_BODY = struct.Struct("<IH2x")  # assigned conn id, len(receiver id)
@@ -128,6 +131,7 @@ WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
 OP_DTYPE = np.dtype([("region", "<u2"), ("pad", "V6"), ("offset", "<u8"), ("length", "<u8")])
 META_BODY = struct.Struct("<QQH6xQQ")  # room, kv bytes before, region, offset, length
 ROOM_BODY = struct.Struct("<Q")
+NACK_BODY = struct.Struct("<QB7x")  # room, refusal code (0: not a refused write); then the reason
 
 CTRL_BUF = 256 * 1024  # largest control message
 CTRL_POSTED = 8  # control receives kept posted per kind
@@ -195,12 +199,12 @@ class _RecvConn:
 
 
 class _RecvRoom:
-    def __init__(self, grant: RoomGrant) -> None:
-        self.grant = grant
+    """What rdma keeps per open room besides the receiver core's state."""
+
+    def __init__(self, core: ReceiveRoom) -> None:
+        self.core = core
         self.pending: dict[int, int] = {}  # conn id -> data receives outstanding
-        self.landed: dict[int, int] = {}  # conn id -> bytes landed
         self.tokens: set[int] = set()
-        self.meta: tuple[int, int, _Region, int, bytes] | None = None  # conn, kv bytes, region, offset, row
         self.nacked = False
         self.released = False
 
@@ -262,8 +266,6 @@ class RdmaTransport(Transport):
         # region id -> base address / size (-1: not registered), for vectorised lookups
         self._ptr_table = np.zeros(1 << 16, dtype=np.uint64)
         self._size_table = np.full(1 << 16, -1, dtype=np.int64)
-        self._item_table = np.ones(1 << 16, dtype=np.uint64)  # bytes per page / row
-        self._meta_table = np.zeros(1 << 16, dtype=bool)  # metadata-kind region
         self._started = False
         self._closed = False
         # sender side
@@ -276,6 +278,7 @@ class RdmaTransport(Transport):
         # receiver side
         self._recv_conns: dict[int, _RecvConn] = {}
         self._recv_rooms: dict[int, _RecvRoom] = {}
+        self._recv = Receiver(self.rooms)
         self._conn_ids = itertools.count(1)
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
         self._ctrl_bufs: list[torch.Tensor] = []
@@ -342,8 +345,7 @@ class RdmaTransport(Transport):
             reg = self._regions[r.region_id] = _Region(r)
             self._ptr_table[r.region_id] = reg.ptr
             self._size_table[r.region_id] = reg.info.nbytes
-            self._item_table[r.region_id] = max(1, reg.info.item_bytes)
-            self._meta_table[r.region_id] = reg.info.kind.value == "metadata"
+            self._recv.add_region(reg.info)
         await self._liveness.start()
         return self._descriptor().to_bytes()
 
@@ -627,15 +629,15 @@ class RdmaTransport(Transport):
         if typ == ACK:
             self.rooms.set(room, KVPoll.SUCCESS)
         elif typ == NACK:
-            reason = body[ROOM_BODY.size :].decode(errors="replace")
-            self.rooms.fail(room, f"receiver rejected room {room}: {reason}")
+            _, code = NACK_BODY.unpack_from(body)
+            reason = body[NACK_BODY.size :].decode(errors="replace")
+            self.rooms.fail(room, f"receiver rejected room {room}: {reason}", Refusal.from_code(code))
 
     # -- receiver --------------------------------------------------------------------
     def advertise(self, grant: RoomGrant) -> None:
         if self._closed:
             raise TransportError("rdma transport is closed")
-        self._recv_rooms[grant.room] = _RecvRoom(grant)
-        self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
+        self._recv_rooms[grant.room] = _RecvRoom(self._recv.advertise(grant))
 
     def _reply(self, conn: _RecvConn, typ: int, body: bytes) -> None:
         msg = COMMON.pack(typ, conn.sender_local, 0) + body
@@ -652,14 +654,14 @@ class RdmaTransport(Transport):
         except UcxError as exc:
             log.warning("rdma: reply to sender %s failed: %s", conn.sender_id, exc)
 
-    def _nack(self, conn: _RecvConn | None, room: int, reason: str) -> None:
+    def _nack(self, conn: _RecvConn | None, room: int, reason: str, refusal: Refusal | None = None) -> None:
         rr = self._recv_rooms.get(room)
         if rr is not None:
             if rr.nacked:
                 return
             rr.nacked = True
         if conn is not None:
-            self._reply(conn, NACK, ROOM_BODY.pack(room) + reason.encode()[:4096])
+            self._reply(conn, NACK, NACK_BODY.pack(room, int(refusal or 0)) + reason.encode()[:4096])
 
     def _on_ctrl(self, msg: bytes) -> None:
         typ, conn_id, seq = COMMON.unpack_from(msg)
@@ -729,47 +731,6 @@ class RdmaTransport(Transport):
         ops = np.frombuffer(msg, dtype=OP_DTYPE, count=n_ops, offset=off)
         return room, first, counts, ops
 
-    def _authorize(self, grant: RoomGrant, ops: np.ndarray) -> str | None:
-        """None if every op lands inside what ``grant`` allows, else the reason for
-        the first op that does not (vectorised; the reason text comes from
-        :meth:`RoomGrant.check`, the one authority on what a grant allows)."""
-        # One pass over all ops (per-region table lookups), not one numpy round per
-        # region: with 48 KV regions the per-region loop cost ~1 ms per WRITE, most of
-        # a small transfer's latency.
-        regions = ops["region"].astype(np.int64)
-        offs = ops["offset"]
-        lens = ops["length"]
-        sizes = self._size_table[regions]
-        size = np.maximum(sizes, 0).astype(np.uint64)
-        inside = (sizes >= 0) & (lens > 0) & (lens <= size) & (offs <= size - np.minimum(lens, size))
-        ib = self._item_table[regions]
-        first = offs // ib
-        last = (offs + np.maximum(lens, np.uint64(1)) - np.uint64(1)) // ib
-        is_meta = self._meta_table[regions]
-        runs = grant.page_runs
-        if runs:
-            starts = np.asarray([a for a, _ in runs], dtype=np.uint64)
-            ends = np.asarray([b for _, b in runs], dtype=np.uint64)
-            idx = np.searchsorted(starts, first, side="right") - 1
-            safe = np.clip(idx, 0, len(runs) - 1)
-            good_kv = (idx >= 0) & (first >= starts[safe]) & (last < ends[safe])
-        else:
-            good_kv = np.zeros(len(ops), dtype=bool)
-        if grant.slot is not None:
-            good_meta = (first == last) & (first == np.uint64(grant.slot))
-        else:
-            good_meta = np.zeros(len(ops), dtype=bool)
-        ok = inside & np.where(is_meta, good_meta, good_kv)
-        bad = np.flatnonzero(~ok)
-        if not len(bad):
-            return None
-        rid, o, n = int(regions[bad[0]]), int(offs[bad[0]]), int(lens[bad[0]])
-        reg = self._regions.get(rid)
-        reason = grant.check(reg.info if reg is not None else None, o, n)
-        if reg is None:
-            return f"{reason} {rid}"
-        return reason or f"write of {n} bytes at {o} into {reg.info.name!r} is not allowed for room {grant.room}"
-
     def _drain(self, conn_id: int, tag_or_seq: int) -> None:
         """Receive (and drop) one data message into scratch: keeps UCX's unexpected
         queue from filling with payload nobody will take; the pool is never touched."""
@@ -788,24 +749,15 @@ class RdmaTransport(Transport):
 
     def _on_write(self, conn: _RecvConn, msg: bytes) -> None:
         room, first, counts, ops = self._parse_write(msg)
-        rr = self._recv_rooms.get(room)
-        reason = None
-        if rr is None or room not in self.rooms:
-            reason = self.rooms.refusal(room)
-        elif self.rooms.status(room).state.is_terminal:
-            reason = f"room {room} is already {self.rooms.status(room).state.name}"
-        else:
-            reason = self._authorize(rr.grant, ops)
-        if reason is not None:
+        try:
+            self._recv.accept(room, conn.sender_id, ops["region"], ops["offset"], ops["length"])
+        except UnauthorizedWrite as exc:
             for i in range(len(counts)):
                 self._drain(conn.conn_id, first + i)
-            if rr is not None and room in self.rooms:
-                self.rooms.fail(room, reason)
-            self._nack(conn, room, reason)
+            self._nack(conn, room, str(exc), exc.refusal)
             return
-        assert rr is not None
+        rr = self._recv_rooms[room]
         conn.rooms.add(room)
-        self.rooms.set(room, KVPoll.TRANSFERRING)
         # iov rows {destination address, length}: every byte goes straight into the
         # granted pages, which _authorize has just checked.
         iov = np.empty((len(ops), 2), dtype=np.uint64)
@@ -836,8 +788,7 @@ class RdmaTransport(Transport):
                 self.rooms.fail(room, reason)
                 self._nack(conn, room, reason)
                 return
-            rr.landed[conn.conn_id] = rr.landed.get(conn.conn_id, 0) + nbytes
-            self._maybe_complete(room, rr)
+            self._recv.landed(room, rr.core, nbytes)
 
         rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + 1
         try:
@@ -853,42 +804,21 @@ class RdmaTransport(Transport):
     def _on_meta(self, conn: _RecvConn, msg: bytes) -> None:
         room, kv_bytes, region_id, offset, length = META_BODY.unpack_from(msg, COMMON.size)
         row = msg[COMMON.size + META_BODY.size :]
-        rr = self._recv_rooms.get(room)
-        region = self._regions.get(region_id)
-        if rr is None or room not in self.rooms:
-            reason: str | None = self.rooms.refusal(room)
-        elif self.rooms.status(room).state.is_terminal:
-            reason = f"room {room} is already {self.rooms.status(room).state.name}"
-        elif len(row) != length:
-            reason = f"metadata row of {len(row)} bytes announced as {length}"
-        else:
-            reason = rr.grant.check(region.info if region is not None else None, offset, length)
-            if reason is not None and region is None:
-                reason = f"{reason} {region_id}"
-        if reason is not None:
-            if rr is not None and room in self.rooms:
-                self.rooms.fail(room, reason)
-            self._nack(conn, room, reason)
+        try:
+            core = self._recv.accept(room, conn.sender_id, [region_id], [offset], [length], metadata=True)
+            if len(row) != length:
+                raise self._recv.refuse(room, Refusal.MALFORMED, f"metadata row of {len(row)} bytes announced as {length}")
+        except UnauthorizedWrite as exc:
+            self._nack(conn, room, str(exc), exc.refusal)
             return
-        assert rr is not None and region is not None
         conn.rooms.add(room)
-        self.rooms.set(room, KVPoll.TRANSFERRING)
-        rr.meta = (conn.conn_id, kv_bytes, region, offset, row)
-        self._maybe_complete(room, rr)
+        flat = self._regions[region_id].flat
 
-    def _maybe_complete(self, room: int, rr: _RecvRoom) -> None:
-        if rr.meta is None:
-            return
-        conn_id, kv_bytes, region, offset, row = rr.meta
-        if rr.pending.get(conn_id, 0) or rr.landed.get(conn_id, 0) < kv_bytes:
-            return
-        if room not in self.rooms or self.rooms.status(room).state.is_terminal:
-            return
-        # Every page the sender wrote before the row has landed: now the row.
-        region.flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
-        rr.meta = None
-        self.rooms.set(room, KVPoll.SUCCESS)
-        after_reactions(self._ack, conn_id, room)  # the receiver's commit goes first
+        def commit() -> None:  # every page the sender wrote before the row has landed: now the row
+            flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
+
+        self._recv.stage_metadata(room, core, kv_bytes, commit=commit,
+                                  ack=functools.partial(self._ack, conn.conn_id, room))
 
     def _ack(self, conn_id: int, room: int) -> None:
         conn = self._recv_conns.get(conn_id)
@@ -911,6 +841,7 @@ class RdmaTransport(Transport):
 
     def release(self, room: int) -> None:
         rr = self._recv_rooms.pop(room, None)
+        self._recv.release(room)
         if rr is not None:
             rr.released = True
         if rr is not None and rr.tokens:
@@ -924,7 +855,8 @@ class RdmaTransport(Transport):
             for conn_id in rr.pending:
                 conn = self._recv_conns.get(conn_id)
                 if conn is not None and open_room:
-                    self._nack(conn, room, f"room {room} was released by the receiver" + (f": {why}" if why else ""))
+                    self._nack(conn, room, f"room {room} was released by the receiver" + (f": {why}" if why else ""),
+                               Refusal.UNKNOWN_ROOM)
         sroom = self._send_rooms.pop(room, None)
         if sroom is not None:
             sroom.conn.rooms.discard(room)
@@ -1001,6 +933,7 @@ class RdmaTransport(Transport):
         self._send_by_local.clear()
         self._send_rooms.clear()
         self._recv_rooms.clear()
+        self._recv.clear()
         # UCX's worker and context (and their file descriptors) go away when the last
         # Python object pointing at them does; completion closures form reference
         # cycles, so collect them now rather than at some later GC.

@@ -49,27 +49,29 @@ import torch
 
 from pdgrpc.errors import ConfigError, PeerFailure, TransportError
 from pdgrpc.kvpoll import KVPoll
+from pdgrpc.errors import UnauthorizedWrite
 from pdgrpc.transport.base import (
     BadDescriptor,
     Descriptor,
     MemoryRegion,
     Peer,
-    RegionInfo,
     RegionKind,
     RoomGrant,
     Transport,
     WriteOp,
     WriteOps,
-    after_reactions,
     check_source_ops,
 )
+from pdgrpc.transport.receiver import MessageType, Receiver, Refusal
 
 HEADER = struct.Struct("<B3xIQQQ")
 OP = struct.Struct("<H6xQQ")
 OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
                      "offsets": [0, 8, 16], "itemsize": 24})  # same layout as OP
 _KIND_NONE, _KIND_KV, _KIND_META = 0, 1, 2
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = range(1, 8)
+HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = (
+    MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
+    MessageType.ACK, MessageType.NACK)
 MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
 _IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
 _IOV_BYTES = 4 << 20
@@ -251,7 +253,7 @@ class _Conn:
             if payload_len > MAX_CONTROL_BYTES:
                 return self.lose(f"control frame of {payload_len} bytes")
             body = bytearray(payload_len)
-            self._expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body)))
+            self._expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body), aux))
         elif ftype == HELLO_OK:
             if not self.hello.done():
                 self.hello.set_result("")
@@ -262,7 +264,7 @@ class _Conn:
         else:
             self.lose(f"unknown frame type {ftype}")
 
-    def _got_control(self, ftype: int, room: int, body: bytes) -> None:
+    def _got_control(self, ftype: int, room: int, body: bytes, aux: int = 0) -> None:
         text = body.decode("utf-8", "replace")
         if ftype == HELLO:
             self.owner._on_hello(self, text)
@@ -271,7 +273,7 @@ class _Conn:
                 self.hello.set_exception(PeerFailure(f"peer refused the connection: {text}"))
             return self.lose(f"peer refused the connection: {text}")
         elif ftype == NACK:
-            self.owner._on_nack(self, room, text)
+            self.owner._on_nack(self, room, text, Refusal.from_code(aux))
         if not self.closed:
             self._expect_header()
 
@@ -298,9 +300,9 @@ class _Conn:
         if not self._writing:
             self._flush()
 
-    def send_control(self, ftype: int, room: int, text: str) -> None:
+    def send_control(self, ftype: int, room: int, text: str, aux: int = 0) -> None:
         body = text.encode()[:MAX_CONTROL_BYTES]
-        self.send([HEADER.pack(ftype, 0, room, len(body), 0), body])
+        self.send([HEADER.pack(ftype, 0, room, len(body), aux), body])
 
     def _flush(self) -> None:
         frames = self._frames
@@ -375,17 +377,6 @@ class _Link:
         return c
 
 
-class _RecvRoom:
-    __slots__ = ("grant", "received", "expected", "meta", "peers")
-
-    def __init__(self, grant: RoomGrant) -> None:
-        self.grant = grant
-        self.received = 0
-        self.expected: int | None = None
-        self.meta: tuple[memoryview, bytearray, _Conn] | None = None
-        self.peers: set[str] = set()
-
-
 class TcpTransport(Transport):
     """Options: ``host`` to listen on (default 127.0.0.1), ``port`` (0: any),
     ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
@@ -417,16 +408,14 @@ class TcpTransport(Transport):
         self._listener: socket.socket | None = None
         self._endpoint = b""
         self._regions: dict[int, MemoryRegion] = {}
-        self._infos: dict[int, RegionInfo] = {}
         self._views: dict[int, memoryview] = {}
-        # region id -> kind / size / item size, for vectorized authorization
+        # region id -> kind / size, for checking the source side of a write in one pass
         self._kind_lut = np.zeros(1 << 16, dtype=np.int8)
         self._nbytes_lut = np.zeros(1 << 16, dtype=np.int64)
-        self._item_lut = np.ones(1 << 16, dtype=np.int64)
+        self._recv = Receiver(self.rooms)
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Future[None]] = {}
         self._room_link: dict[int, str] = {}
-        self._recv: dict[int, _RecvRoom] = {}
         self._incoming: set[_Conn] = set()
         self._scratch: memoryview | None = None
         self._closed = False
@@ -461,7 +450,7 @@ class TcpTransport(Transport):
 
     # -- set-up ----------------------------------------------------------------------
     def _descriptor(self) -> Descriptor:
-        return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self._infos.values()))
+        return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self._recv.regions.infos.values()))
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -485,10 +474,9 @@ class TcpTransport(Transport):
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
             self._views[r.region_id] = byte_view(r.tensor)
             self._regions[r.region_id] = r
-            self._infos[r.region_id] = r.info()
+            self._recv.add_region(r.info())
             self._kind_lut[r.region_id] = _KIND_META if r.kind is RegionKind.METADATA else _KIND_KV
             self._nbytes_lut[r.region_id] = r.nbytes
-            self._item_lut[r.region_id] = r.item_bytes
         if self._listener is None:
             try:
                 lsock, self._endpoint = self._listen()
@@ -580,12 +568,7 @@ class TcpTransport(Transport):
 
     # -- receiver ----------------------------------------------------------------------
     def advertise(self, grant: RoomGrant) -> None:
-        if grant.room in self._recv:
-            raise ConfigError(f"room {grant.room} is already advertised; release it first")
-        if grant.room in self.rooms:
-            raise ConfigError(f"room {grant.room} is in use by this transport")
-        self._recv[grant.room] = _RecvRoom(grant)
-        self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
+        self._recv.advertise(grant)
 
     def _on_hello(self, conn: _Conn, text: str) -> None:
         sender, _, expected = text.partition(" ")
@@ -598,34 +581,17 @@ class TcpTransport(Transport):
 
     def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
         ops = np.frombuffer(table, dtype=OP_DTYPE)
+        if (ops["offset"] > 2**62).any() or (ops["length"] > 2**62).any() or int(ops["length"].sum()) != payload_len:
+            return conn.lose("frame payload length does not match its op table")
         regions = ops["region"].astype(np.int64)
         offsets = ops["offset"].astype(np.int64)
         lengths = ops["length"].astype(np.int64)
-        if (ops["offset"] > 2**62).any() or (ops["length"] > 2**62).any() or int(lengths.sum()) != payload_len:
-            return conn.lose("frame payload length does not match its op table")
-        rr = self._recv.get(room)
-        reason: str | None = None
-        if rr is None:
-            reason = self.rooms.refusal(room)
-        else:
-            rr.peers.add(conn.peer_id or "")
-            state = self.rooms.status(room).state
-            if state is KVPoll.SUCCESS:
-                reason = f"write to room {room} after its metadata row landed"
-            elif state is KVPoll.FAILED:
-                reason = f"room {room} already failed"
-            elif ftype == META and (rr.meta is not None or len(ops) != 1):
-                reason = f"second or malformed metadata frame for room {room}"
-            else:
-                reason = self._authorize(rr.grant, ftype, regions, offsets, lengths)
-        if reason is not None:
-            if rr is not None:
-                self.rooms.fail(room, f"unauthorized write: {reason}")
-            conn.send_control(NACK, room, f"unauthorized write: {reason}")
+        try:
+            rr = self._recv.accept(room, conn.peer_id or "", regions, offsets, lengths, metadata=ftype == META)
+        except UnauthorizedWrite as exc:
+            conn.send_control(NACK, room, str(exc), int(exc.refusal))
             conn._expect_discard(payload_len, conn._expect_header)
             return
-        assert rr is not None
-        self.rooms.set(room, KVPoll.TRANSFERRING)
         views = self._views
         if ftype == WRITE:
             # every op was authorized above; adjacent ones are filled as one buffer
@@ -634,8 +600,7 @@ class TcpTransport(Transport):
             ends = np.cumsum(lengths).tolist()
 
             def landed() -> None:
-                rr.received += payload_len
-                self._try_commit(room, rr)
+                self._recv.landed(room, rr, payload_len)
                 conn._expect_header()
 
             conn.receive_payload(room, rr, bufs, landed, ends)
@@ -643,56 +608,15 @@ class TcpTransport(Transport):
             r, o, n = int(regions[0]), int(offsets[0]), int(lengths[0])
             staged = bytearray(n)  # one small row, kept aside until the pages are in
 
+            def commit() -> None:
+                views[r][o : o + n] = staged
+
             def staged_in() -> None:
-                rr.meta = (views[r][o : o + n], staged, conn)
-                rr.expected = aux
-                self._try_commit(room, rr)
+                ack = functools.partial(conn.send, [HEADER.pack(ACK, 0, room, 0, 0)])
+                self._recv.stage_metadata(room, rr, aux, commit=commit, ack=ack)
                 conn._expect_header()
 
             conn.receive_payload(room, rr, [memoryview(staged)], staged_in)
-
-    def _authorize(self, grant: RoomGrant, ftype: int, regions: np.ndarray, offsets: np.ndarray,
-                   lengths: np.ndarray) -> str | None:
-        """Vectorized over a frame's ops; the first offending op gets an exact reason."""
-        kind = self._kind_lut[regions]
-        want = _KIND_META if ftype == META else _KIND_KV
-        bad = kind != want
-        if not bad.any():
-            bad = (lengths <= 0) | (offsets + lengths > self._nbytes_lut[regions])
-        if not bad.any():
-            item = self._item_lut[regions]
-            first = offsets // item
-            last = (offsets + lengths - 1) // item
-            if ftype == META:
-                bad = (first != (-1 if grant.slot is None else grant.slot)) | (last != first)
-            else:
-                starts, ends = grant.runs_array()
-                if not len(starts):
-                    bad = np.ones(len(first), dtype=bool)
-                else:
-                    idx = np.searchsorted(starts, first, side="right") - 1
-                    bad = (idx < 0) | (last >= ends[np.maximum(idx, 0)])
-        if not bad.any():
-            return None
-        j = int(bad.argmax())
-        rid, off, n = int(regions[j]), int(offsets[j]), int(lengths[j])
-        info = self._infos.get(rid)
-        if info is None:
-            return f"region {rid} is not registered here"
-        if (info.kind is RegionKind.METADATA) != (ftype == META):
-            return f"{'metadata' if ftype == META else 'page'} write into {info.kind.value} region {info.name!r}"
-        return grant.check(info, off, n) or f"write of {n} bytes at {off} into {info.name!r} not allowed"
-
-    def _try_commit(self, room: int, rr: _RecvRoom) -> None:
-        if self._recv.get(room) is not rr or rr.expected is None or rr.meta is None:
-            return
-        if rr.received > rr.expected:
-            self.rooms.fail(room, f"received {rr.received} KV bytes, sender announced {rr.expected}")
-        elif rr.received == rr.expected:
-            view, staged, conn = rr.meta
-            view[:] = staged
-            if self.rooms.set(room, KVPoll.SUCCESS):
-                after_reactions(conn.send, [HEADER.pack(ACK, 0, room, 0, 0)])  # the receiver's commit goes first
 
     # -- sender ------------------------------------------------------------------------
     async def write(
@@ -753,9 +677,9 @@ class TcpTransport(Transport):
         if self._room_link.get(room) == conn.peer_id:
             self.rooms.set(room, KVPoll.SUCCESS)
 
-    def _on_nack(self, conn: _Conn, room: int, reason: str) -> None:
+    def _on_nack(self, conn: _Conn, room: int, reason: str, refusal: Refusal | None) -> None:
         if self._room_link.get(room) == conn.peer_id:
-            self.rooms.fail(room, f"receiver rejected the transfer: {reason}")
+            self.rooms.fail(room, f"receiver rejected the transfer: {reason}", refusal)
 
     # -- both sides --------------------------------------------------------------------
     def _on_conn_lost(self, conn: _Conn, reason: str) -> None:
@@ -778,7 +702,7 @@ class TcpTransport(Transport):
 
     def release(self, room: int) -> None:
         self.rooms.discard(room)
-        self._recv.pop(room, None)
+        self._recv.release(room)
         iid = self._room_link.pop(room, None)
         if iid is not None and iid in self._links:
             link = self._links[iid]
@@ -792,7 +716,7 @@ class TcpTransport(Transport):
         for conn in [c for c in self._incoming if c.peer_id == instance_id]:
             conn.close()
             self._incoming.discard(conn)
-        self.rooms.fail_all(reason, [room for room, rr in self._recv.items() if instance_id in rr.peers])
+        self.rooms.fail_all(reason, self._recv.rooms_of(instance_id))
 
     async def close(self) -> None:
         if self._closed:
