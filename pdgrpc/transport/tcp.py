@@ -35,21 +35,15 @@ peer listening on the same port is never mistaken for the old one.
 from __future__ import annotations
 
 import asyncio
-import bisect
-import collections
 import functools
 import ipaddress
-import itertools
 import socket
-import struct
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
-import torch
 
-from pdgrpc.errors import ConfigError, PeerFailure, TransportError
+from pdgrpc.errors import ConfigError, PeerFailure, TransportError, UnauthorizedWrite
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.errors import UnauthorizedWrite
 from pdgrpc.transport.base import (
     BadDescriptor,
     Descriptor,
@@ -62,302 +56,15 @@ from pdgrpc.transport.base import (
     WriteOps,
     check_source_ops,
 )
-from pdgrpc.transport.receiver import MessageType, Receiver, Refusal
+from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.tcp_conn import (
+    ACK, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_OPS_PER_FRAME, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
+    _Conn, _frame_buffers, _merge_adjacent, byte_view,
+)
 
-HEADER = struct.Struct("<B3xIQQQ")
-OP = struct.Struct("<H6xQQ")
-OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
-                     "offsets": [0, 8, 16], "itemsize": 24})  # same layout as OP
+__all__ = ["TcpTransport", "byte_view"]
+
 _KIND_NONE, _KIND_KV, _KIND_META = 0, 1, 2
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = (
-    MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
-    MessageType.ACK, MessageType.NACK)
-MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
-_IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
-_IOV_BYTES = 4 << 20
-MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
-_SCRATCH = 1 << 20
-_READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
-_STRIDED_MIN = 128  # slices in one region before a strided numpy view pays off (~10 us fixed cost)
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable flat byte memoryview over a contiguous CPU tensor's storage."""
-    if tensor.device.type != "cpu":
-        raise ConfigError(f"tcp transport needs CPU tensors, got one on {tensor.device}")
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
-
-
-def _merge_adjacent(regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Coalesce consecutive ``(region, offset, length)`` byte ranges that continue one
-    another in the same region into one range (vectorized). The payload of a frame is
-    the ops' bytes back to back, so one side's adjacent ranges can travel as one buffer
-    whatever the other side's layout: a head-sliced transfer has one op per page, but
-    its receiver's (TP 1 -> TP 2) or its sender's (TP 2 -> TP 1) pages are contiguous."""
-    if len(lengths) < 2:
-        return regions, offsets, lengths
-    new = np.empty(len(lengths), dtype=bool)
-    new[0] = True
-    np.not_equal(regions[1:], regions[:-1], out=new[1:])
-    new[1:] |= offsets[1:] != offsets[:-1] + lengths[:-1]
-    if new.all():
-        return regions, offsets, lengths
-    starts = np.flatnonzero(new)
-    return regions[starts], offsets[starts], np.add.reduceat(lengths, starts)
-
-
-def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
-                   views: dict[int, memoryview]) -> tuple[list[memoryview], list[int]]:
-    """Header, op table and the source slices of one WRITE frame (gather list, adjacent
-    slices merged), with cumulative sizes."""
-    regions, offsets, lengths = _merge_adjacent(chunk[:, 0], chunk[:, 1], chunk[:, 4])
-    bufs: list[Any] = [memoryview(hdr), memoryview(table).cast("B")]  # type: ignore[arg-type]
-    if len(lengths) < _STRIDED_MIN:
-        bufs += [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
-    else:
-        _add_slices(bufs, regions, offsets, lengths, views)
-    ends = np.cumsum(np.concatenate(([len(hdr), table.nbytes], lengths))).tolist()
-    return bufs, ends
-
-
-def _add_slices(bufs: list[Any], regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-                views: dict[int, memoryview]) -> None:
-    """Append the byte slices ``views[region][offset : offset + length]`` to ``bufs``.
-    Each same-region group of equal-length slices at a constant stride (a head-sliced
-    transfer's source: one block per page) of at least ``_STRIDED_MIN`` slices becomes
-    the rows of one strided numpy view, about half the cost per slice of slicing a
-    memoryview."""
-    cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
-    for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(regions)]):
-        r = int(regions[a])
-        if b - a >= _STRIDED_MIN:
-            n, o = int(lengths[a]), offsets[a:b]
-            step = int(o[1] - o[0])
-            if step >= n and (lengths[a:b] == n).all() and (o[1:] - o[:-1] == step).all():
-                # numpy checks that the strided extent lies inside the region's buffer
-                bufs.extend(np.ndarray((b - a, n), np.uint8, views[r], int(o[0]), (step, 1)))
-                continue
-        v = views[r]
-        bufs += [v[o : o + n] for o, n in zip(offsets[a:b].tolist(), lengths[a:b].tolist())]
-
-
-class _Conn:
-    """One socket, driven by event-loop reader/writer callbacks (no tasks, no threads)."""
-
-    def __init__(self, owner: "TcpTransport", sock: socket.socket, peer_id: str | None) -> None:
-        self.owner = owner
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.loop = owner._loop
-        self.peer_id = peer_id
-        self.closed = False
-        self.hello: asyncio.Future[str] = self.loop.create_future()
-        # Outgoing frames: (buffers, cumulative sizes), or a callable that builds them
-        # only when the socket can take the frame -- a scattered transfer is ~100k page
-        # slices, and holding them all as live memoryviews makes the garbage
-        # collector's work grow with the queue.
-        self._frames: collections.deque[Any] = collections.deque()
-        self._fidx = 0  # first buffer of the head frame not fully sent
-        self._fpos = 0  # bytes of the head frame sent
-        self._writing = False
-        self._hdr = bytearray(HEADER.size)
-        self._iovs: list[memoryview] = []
-        self._ends: list[int] = []
-        self._total = 0
-        self._pos = 0
-        self._idx = 0
-        self._on_done: Callable[[], None] = self._got_header
-        self._guard_room: int | None = None  # room whose granted pages we are filling
-        self._guard_ref: object = None
-        self.loop.add_reader(self.fd, self._on_readable)
-        self._expect_header()
-
-    # -- reading -------------------------------------------------------------------
-    def _expect(self, bufs: list[memoryview], on_done: Callable[[], None], ends: list[int] | None = None) -> None:
-        """Read into ``bufs`` in order, then call ``on_done``. ``ends`` (cumulative
-        sizes) lets progress be tracked with a bisect instead of a per-buffer loop."""
-        if ends is None:
-            bufs = [b for b in bufs if len(b)]
-            ends = list(itertools.accumulate(len(b) for b in bufs))
-        self._iovs = bufs
-        self._ends = ends
-        self._total = ends[-1] if ends else 0
-        self._pos = 0
-        self._idx = 0
-        self._on_done = on_done
-
-    def _expect_header(self) -> None:
-        self._guard_room = None
-        self._expect([memoryview(self._hdr)], self._got_header, [HEADER.size])
-
-    def _expect_discard(self, nbytes: int, then: Callable[[], None]) -> None:
-        self._guard_room = None
-        scratch = self.owner._scratch_view()
-        bufs = []
-        while nbytes > 0:
-            n = min(nbytes, len(scratch))
-            bufs.append(scratch[:n])
-            nbytes -= n
-        self._expect(bufs, then)
-
-    def _on_readable(self) -> None:
-        for _ in range(_READS_PER_CALLBACK):
-            if self.closed:
-                return
-            while self._pos == self._total:  # zero-length expectation: done at once
-                self._on_done()
-                if self.closed:
-                    return
-            if self._guard_room is not None and self.owner._recv.get(self._guard_room) is not self._guard_ref:
-                # The room was released mid-payload: its pages may already belong to
-                # another request, so drop the rest of this frame's bytes.
-                self._expect_discard(self._total - self._pos, self._expect_header)
-            iovs, ends, i = self._iovs, self._ends, self._idx
-            skip = self._pos - (ends[i - 1] if i else 0)
-            first = iovs[i][skip:] if skip else iovs[i]
-            try:
-                if i + 1 == len(iovs):
-                    n = self.sock.recv_into(first)
-                else:
-                    n = self.sock.recvmsg_into([first, *iovs[i + 1 : i + _IOV_BATCH]])[0]
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.lose(f"connection error: {exc!r}")
-                return
-            if n == 0:
-                self.lose("connection closed by peer")
-                return
-            self._pos += n
-            if self._pos < self._total:
-                self._idx = bisect.bisect_right(ends, self._pos, i)
-            else:
-                self._on_done()
-
-    def _got_header(self) -> None:
-        ftype, n_ops, room, payload_len, aux = HEADER.unpack(self._hdr)
-        if ftype in (WRITE, META):
-            if self.peer_id is None:
-                return self.lose("data frame before HELLO")
-            if n_ops == 0 or n_ops > MAX_OPS_PER_FRAME:
-                return self.lose(f"bad op count {n_ops}")
-            table = bytearray(n_ops * OP.size)
-            self._expect(
-                [memoryview(table)], lambda: self.owner._on_data_frame(self, ftype, room, table, payload_len, aux)
-            )
-        elif ftype in (HELLO, HELLO_REFUSED, NACK):
-            if payload_len > MAX_CONTROL_BYTES:
-                return self.lose(f"control frame of {payload_len} bytes")
-            body = bytearray(payload_len)
-            self._expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body), aux))
-        elif ftype == HELLO_OK:
-            if not self.hello.done():
-                self.hello.set_result("")
-            self._expect_header()
-        elif ftype == ACK:
-            self.owner._on_ack(self, room)
-            self._expect_header()
-        else:
-            self.lose(f"unknown frame type {ftype}")
-
-    def _got_control(self, ftype: int, room: int, body: bytes, aux: int = 0) -> None:
-        text = body.decode("utf-8", "replace")
-        if ftype == HELLO:
-            self.owner._on_hello(self, text)
-        elif ftype == HELLO_REFUSED:
-            if not self.hello.done():
-                self.hello.set_exception(PeerFailure(f"peer refused the connection: {text}"))
-            return self.lose(f"peer refused the connection: {text}")
-        elif ftype == NACK:
-            self.owner._on_nack(self, room, text, Refusal.from_code(aux))
-        if not self.closed:
-            self._expect_header()
-
-    def receive_payload(self, room: int, ref: object, views: list[memoryview], then: Callable[[], None],
-                        ends: list[int] | None = None) -> None:
-        self._expect(views, then, ends)
-        self._guard_room, self._guard_ref = room, ref
-
-    # -- writing -------------------------------------------------------------------
-    def send(self, bufs: Sequence[bytes | memoryview]) -> None:
-        if self.closed:
-            return
-        views = [b if type(b) is memoryview else memoryview(b) for b in bufs]
-        self._frames.append((views, list(itertools.accumulate(len(b) for b in views))))
-        if not self._writing:
-            self._flush()
-
-    def send_later(self, make: Callable[[], tuple[list[memoryview], list[int]]]) -> None:
-        """Queue a frame whose buffers (and their cumulative sizes) ``make()`` builds
-        when the socket is ready for it."""
-        if self.closed:
-            return
-        self._frames.append(make)
-        if not self._writing:
-            self._flush()
-
-    def send_control(self, ftype: int, room: int, text: str, aux: int = 0) -> None:
-        body = text.encode()[:MAX_CONTROL_BYTES]
-        self.send([HEADER.pack(ftype, 0, room, len(body), aux), body])
-
-    def _flush(self) -> None:
-        frames = self._frames
-        while frames:
-            head = frames[0]
-            if callable(head):
-                head = frames[0] = head()
-            bufs, ends = head
-            i, pos = self._fidx, self._fpos
-            skip = pos - (ends[i - 1] if i else 0)
-            j = min(i + _IOV_BATCH, len(bufs))
-            batch = [bufs[i][skip:] if skip else bufs[i], *bufs[i + 1 : j]]
-            try:
-                n = self.sock.sendmsg(batch)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self.lose(f"send failed: {exc!r}")
-                return
-            pos += n
-            if pos == ends[-1]:
-                frames.popleft()
-                self._fidx = self._fpos = 0
-                continue
-            self._fpos = pos
-            self._fidx = bisect.bisect_right(ends, pos, i)
-            if pos < ends[j - 1]:
-                break  # the socket took less than offered: wait until it is writable
-        if frames and not self._writing:
-            self.loop.add_writer(self.fd, self._flush)
-            self._writing = True
-        elif not frames and self._writing:
-            self.loop.remove_writer(self.fd)
-            self._writing = False
-
-    # -- teardown ------------------------------------------------------------------
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.loop.remove_reader(self.fd)
-        if self._writing:
-            self.loop.remove_writer(self.fd)
-        self._frames.clear()
-        self._iovs = []
-        self.sock.close()
-        if not self.hello.done():
-            self.hello.set_exception(PeerFailure("connection closed during handshake"))
-            self.hello.exception()  # mark retrieved: nobody may be waiting any more
-
-    def lose(self, reason: str) -> None:
-        if self.closed:
-            return
-        self.close()
-        self.owner._on_conn_lost(self, reason)
 
 
 class _Link:
@@ -420,8 +127,13 @@ class TcpTransport(Transport):
         self._scratch: memoryview | None = None
         self._closed = False
 
-    # -- overridable socket plumbing (a unix-socket variant swaps these) -------------
-    def _listen(self) -> tuple[socket.socket, bytes]:
+    # -- socket hooks: public, for variants that make their sockets another way -------
+    # (``examples/pdgrpc-unix`` overrides listen_socket and peer_address for AF_UNIX)
+    def listen_socket(self) -> tuple[socket.socket, bytes]:
+        """Create, bind and listen the socket peers connect to; return it and the
+        endpoint bytes advertised in the descriptor (what :meth:`peer_address` parses on
+        the other side). Called once, by the first :meth:`register`. Default: TCP on
+        ``host:port``."""
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -432,16 +144,20 @@ class TcpTransport(Transport):
         host, port = s.getsockname()[:2]
         return s, f"{host}:{port}".encode()
 
-    def _address(self, endpoint: bytes) -> tuple[int, Any]:
-        """``(family, sockaddr)`` for a peer's endpoint bytes (no DNS: no threads)."""
-        host, _, port = endpoint.decode().rpartition(":")
+    def peer_address(self, endpoint: bytes) -> tuple[int, Any]:
+        """``(family, sockaddr)`` to connect to for a peer's endpoint bytes (untrusted:
+        raise :class:`BadDescriptor` for anything malformed). Default: ``ip:port``, no
+        DNS (no threads)."""
+        host, _, port = endpoint.decode(errors="replace").rpartition(":")
         try:
             ip = ipaddress.ip_address(host.strip("[]"))
             return (socket.AF_INET6 if ip.version == 6 else socket.AF_INET), (str(ip), int(port))
         except ValueError:
             raise BadDescriptor(f"tcp endpoint {endpoint!r} is not 'ip:port'") from None
 
-    def _tune(self, sock: socket.socket) -> None:
+    def tune_socket(self, sock: socket.socket) -> None:
+        """Set options on every connected socket, accepted or opened (already
+        non-blocking). Default: ``TCP_NODELAY`` on TCP sockets, ``sockbuf`` buffers."""
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._sockbuf:
@@ -479,7 +195,7 @@ class TcpTransport(Transport):
             self._nbytes_lut[r.region_id] = r.nbytes
         if self._listener is None:
             try:
-                lsock, self._endpoint = self._listen()
+                lsock, self._endpoint = self.listen_socket()
             except OSError as exc:
                 raise TransportError(f"{self.name} transport cannot listen: {exc}") from None
             lsock.setblocking(False)
@@ -498,7 +214,7 @@ class TcpTransport(Transport):
                 return
             try:
                 sock.setblocking(False)
-                self._tune(sock)
+                self.tune_socket(sock)
             except OSError:
                 sock.close()  # the peer sees the connection drop and fails its own rooms
                 continue
@@ -541,7 +257,7 @@ class TcpTransport(Transport):
             fut.set_result(None)
 
     async def _open(self, d: Descriptor) -> _Conn:
-        family, addr = self._address(d.endpoint)
+        family, addr = self.peer_address(d.endpoint)
         where = d.endpoint.decode(errors="replace")
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -549,7 +265,7 @@ class TcpTransport(Transport):
             raise TransportError(f"cannot create a socket for {self.name} peer at {where}: {exc}") from None
         try:
             sock.setblocking(False)
-            self._tune(sock)
+            self.tune_socket(sock)
             await asyncio.wait_for(self._loop.sock_connect(sock, addr), self._connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
@@ -736,5 +452,5 @@ class TcpTransport(Transport):
 
     def _scratch_view(self) -> memoryview:
         if self._scratch is None:
-            self._scratch = memoryview(bytearray(_SCRATCH))
+            self._scratch = memoryview(bytearray(SCRATCH_BYTES))
         return self._scratch
