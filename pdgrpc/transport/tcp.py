@@ -58,8 +58,8 @@ from pdgrpc.transport.base import (
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
 from pdgrpc.transport.tcp_conn import (
-    ACK, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_OPS_PER_FRAME, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
-    _Conn, _frame_buffers, _merge_adjacent, byte_view,
+    ACK, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
+    _Conn, _frame_buffers, _merge_adjacent, byte_view, frame_chunks,
 )
 
 __all__ = ["TcpTransport", "byte_view"]
@@ -298,7 +298,7 @@ class TcpTransport(Transport):
     def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
         ops = np.frombuffer(table, dtype=OP_DTYPE)
         if (ops["offset"] > 2**62).any() or (ops["length"] > 2**62).any() or int(ops["length"].sum()) != payload_len:
-            return conn.lose("frame payload length does not match its op table")
+            return conn.protocol_error("frame payload length does not match its op table")
         regions = ops["region"].astype(np.int64)
         offsets = ops["offset"].astype(np.int64)
         lengths = ops["length"].astype(np.int64)
@@ -308,6 +308,7 @@ class TcpTransport(Transport):
             conn.send_control(NACK, room, str(exc), int(exc.refusal))
             conn._expect_discard(payload_len, conn._expect_header)
             return
+        conn.rooms.add(room)
         views = self._views
         if ftype == WRITE:
             # every op was authorized above; adjacent ones are filled as one buffer
@@ -350,8 +351,7 @@ class TcpTransport(Transport):
         sent = link.sent.get(room, 0)
         views = self._views
         arr = WriteOps.of(ops).array
-        for i in range(0, len(arr), MAX_OPS_PER_FRAME):
-            chunk = arr[i : i + MAX_OPS_PER_FRAME]
+        for chunk in frame_chunks(arr):
             table = np.zeros(len(chunk), dtype=OP_DTYPE)
             table["region"] = chunk[:, 2]
             table["offset"] = chunk[:, 3]
@@ -388,6 +388,8 @@ class TcpTransport(Transport):
                 check_source_ops(wops, self._regions)
         if metadata is not None:
             check_source_ops([metadata], self._regions)
+            if metadata.length > MAX_FRAME_PAYLOAD:
+                raise ConfigError(f"tcp: metadata row of {metadata.length} bytes exceeds {MAX_FRAME_PAYLOAD} bytes")
 
     def _on_ack(self, conn: _Conn, room: int) -> None:
         if self._room_link.get(room) == conn.peer_id:
@@ -399,11 +401,17 @@ class TcpTransport(Transport):
 
     # -- both sides --------------------------------------------------------------------
     def _on_conn_lost(self, conn: _Conn, reason: str) -> None:
-        self._incoming.discard(conn)
         peer = conn.peer_id
-        if peer is None:
+        if conn in self._incoming:
+            # An accepted connection proves nothing about who is behind it: its loss
+            # fails only the rooms written through it, never every room of the peer id
+            # it claimed (the real peer may be fine on its own connections).
+            self._incoming.discard(conn)
+            self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}",
+                                [r for r in conn.rooms if self._recv.get(r) is not None])
             return
-        self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")
+        if peer is not None:  # our own connection to a peer we handshaked with
+            self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")
 
     def _drop_link(self, link: _Link, reason: str) -> None:
         link.alive = False
@@ -418,7 +426,9 @@ class TcpTransport(Transport):
 
     def release(self, room: int) -> None:
         self.rooms.discard(room)
-        self._recv.release(room)
+        if self._recv.release(room) is not None:
+            for conn in self._incoming:
+                conn.rooms.discard(room)
         iid = self._room_link.pop(room, None)
         if iid is not None and iid in self._links:
             link = self._links[iid]

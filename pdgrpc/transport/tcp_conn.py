@@ -8,9 +8,10 @@ import asyncio
 import bisect
 import collections
 import itertools
+import logging
 import socket
 import struct
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +22,8 @@ from pdgrpc.transport.receiver import MessageType, Refusal
 if TYPE_CHECKING:
     from pdgrpc.transport.tcp import TcpTransport
 
+log = logging.getLogger("pdgrpc.transport.tcp")
+
 HEADER = struct.Struct("<B3xIQQQ")
 OP = struct.Struct("<H6xQQ")
 OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
@@ -29,6 +32,7 @@ HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = (
     MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
     MessageType.ACK, MessageType.NACK)
 MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
+MAX_FRAME_PAYLOAD = 256 << 20  # bytes of payload in one frame; a frame announcing more is a protocol error
 _IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
 _IOV_BYTES = 4 << 20
 MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
@@ -64,6 +68,29 @@ def _merge_adjacent(regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarra
         return regions, offsets, lengths
     starts = np.flatnonzero(new)
     return regions[starts], offsets[starts], np.add.reduceat(lengths, starts)
+
+
+def frame_chunks(arr: np.ndarray) -> Iterator[np.ndarray]:
+    """Write ops (rows of :class:`~pdgrpc.transport.base.WriteOps`) cut into frames of at
+    most ``MAX_OPS_PER_FRAME`` ops and ``MAX_FRAME_PAYLOAD`` bytes; an op longer than the
+    byte limit is split into pieces that continue one another."""
+    if len(arr) and int(arr[:, 4].max()) > MAX_FRAME_PAYLOAD:
+        pieces = -(-arr[:, 4] // MAX_FRAME_PAYLOAD)
+        rows = np.repeat(arr, pieces, axis=0)
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        k = np.arange(len(rows)) - first  # piece index within its op
+        skip = k * MAX_FRAME_PAYLOAD
+        rows[:, 1] += skip
+        rows[:, 3] += skip
+        rows[:, 4] = np.minimum(rows[:, 4] - skip, MAX_FRAME_PAYLOAD)
+        arr = rows
+    ends = np.cumsum(arr[:, 4])
+    i, n = 0, len(arr)
+    while i < n:
+        base = int(ends[i - 1]) if i else 0
+        j = min(i + MAX_OPS_PER_FRAME, int(np.searchsorted(ends, base + MAX_FRAME_PAYLOAD, side="right")))
+        yield arr[i : max(j, i + 1)]
+        i = max(j, i + 1)
 
 
 def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
@@ -111,6 +138,7 @@ class _Conn:
         self.loop = owner._loop
         self.peer_id = peer_id
         self.closed = False
+        self.rooms: set[int] = set()  # rooms written through this (accepted) connection
         self.hello: asyncio.Future[str] = self.loop.create_future()
         # Outgoing frames: (buffers, cumulative sizes), or a callable that builds them
         # only when the socket can take the frame -- a scattered transfer is ~100k page
@@ -151,14 +179,13 @@ class _Conn:
         self._expect([memoryview(self._hdr)], self._got_header, [HEADER.size])
 
     def _expect_discard(self, nbytes: int, then: Callable[[], None]) -> None:
+        """Read ``nbytes`` and drop them, one scratch buffer at a time (O(1) memory
+        whatever ``nbytes`` says), then call ``then``."""
         self._guard_room = None
         scratch = self.owner._scratch_view()
-        bufs = []
-        while nbytes > 0:
-            n = min(nbytes, len(scratch))
-            bufs.append(scratch[:n])
-            nbytes -= n
-        self._expect(bufs, then)
+        n = min(nbytes, len(scratch))
+        rest = nbytes - n
+        self._expect([scratch[:n]], (lambda: self._expect_discard(rest, then)) if rest else then, [n])
 
     def _on_readable(self) -> None:
         for _ in range(_READS_PER_CALLBACK):
@@ -198,16 +225,19 @@ class _Conn:
         ftype, n_ops, room, payload_len, aux = HEADER.unpack(self._hdr)
         if ftype in (WRITE, META):
             if self.peer_id is None:
-                return self.lose("data frame before HELLO")
+                return self.protocol_error("data frame before HELLO")
             if n_ops == 0 or n_ops > MAX_OPS_PER_FRAME:
-                return self.lose(f"bad op count {n_ops}")
+                return self.protocol_error(f"{n_ops} ops in one frame (limit {MAX_OPS_PER_FRAME})")
+            if payload_len > MAX_FRAME_PAYLOAD:
+                return self.protocol_error(
+                    f"frame payload of {payload_len} bytes exceeds the limit of {MAX_FRAME_PAYLOAD} bytes")
             table = bytearray(n_ops * OP.size)
             self._expect(
                 [memoryview(table)], lambda: self.owner._on_data_frame(self, ftype, room, table, payload_len, aux)
             )
         elif ftype in (HELLO, HELLO_REFUSED, NACK):
             if payload_len > MAX_CONTROL_BYTES:
-                return self.lose(f"control frame of {payload_len} bytes")
+                return self.protocol_error(f"control frame of {payload_len} bytes (limit {MAX_CONTROL_BYTES})")
             body = bytearray(payload_len)
             self._expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body), aux))
         elif ftype == HELLO_OK:
@@ -218,7 +248,7 @@ class _Conn:
             self.owner._on_ack(self, room)
             self._expect_header()
         else:
-            self.lose(f"unknown frame type {ftype}")
+            self.protocol_error(f"unknown frame type {ftype}")
 
     def _got_control(self, ftype: int, room: int, body: bytes, aux: int = 0) -> None:
         text = body.decode("utf-8", "replace")
@@ -308,6 +338,11 @@ class _Conn:
         if not self.hello.done():
             self.hello.set_exception(PeerFailure("connection closed during handshake"))
             self.hello.exception()  # mark retrieved: nobody may be waiting any more
+
+    def protocol_error(self, reason: str) -> None:
+        """The peer broke the wire format: log it (naming the limit or rule) and close."""
+        log.warning("tcp: closing a connection from %s: %s", self.peer_id or "a peer before HELLO", reason)
+        self.lose(f"protocol error: {reason}")
 
     def lose(self, reason: str) -> None:
         if self.closed:
