@@ -22,12 +22,15 @@ descriptor to the conformance suite.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 import time
 from typing import Callable
 
 from pdgrpc.errors import ConfigError
+
+log = logging.getLogger("pdgrpc.transport.liveness")
 
 _MAGIC = b"PDGL"
 _BEAT = b"."
@@ -140,8 +143,16 @@ class _Link:
         peer = self.peer or (self.expect or "")
         was_closed = self.closed
         self.close()
-        if not was_closed and peer and not self.owner.closed:
-            self.owner.on_lost(peer, reason)
+        if was_closed or not peer or self.owner.closed:
+            return
+        if not self.watched and self.owner.live_link(peer) is not None:
+            # An accepted link only claims its id: its loss says nothing about a peer
+            # that is still up on another link (a forged hello, then a close, must not
+            # drop the real peer).
+            log.warning("liveness: a link claiming %s closed (%s); %s is still live on another link",
+                        peer, reason, peer)
+            return
+        self.owner.on_lost(peer, reason)
 
 
 class Liveness:
@@ -248,12 +259,17 @@ class Liveness:
             link.lost(f"peer {peer_instance_id} at {address} did not answer the liveness hello")
         return link.peer_info if not link.closed else None
 
-    def peer_info(self, peer_instance_id: str) -> bytes | None:
-        """``info`` announced by a live peer with that instance id (on any link)."""
+    def live_link(self, peer_instance_id: str) -> "_Link | None":
+        """A live link on which a peer announced that instance id, if any."""
         for link in self.links:
             if link.peer == peer_instance_id and not link.closed and link.ready.done():
-                return link.peer_info
+                return link
         return None
+
+    def peer_info(self, peer_instance_id: str) -> bytes | None:
+        """``info`` announced by a live peer with that instance id (on any link)."""
+        link = self.live_link(peer_instance_id)
+        return None if link is None else link.peer_info
 
     def unwatch(self, peer_instance_id: str) -> None:
         link = self.watching.pop(peer_instance_id, None)

@@ -39,7 +39,7 @@ from pdgrpc.transport._ucx import FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_T
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.rdma_wire import (
-    ACK, COMMON, CONN_BITS, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
+    ACK, COMMON, CONN_BITS, EARLY_MAX, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
     KIND_SHIFT, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_BODY, RecvConn,
     RecvRoom, Region, ctrl_tag, data_tag,
 )
@@ -107,8 +107,14 @@ class RdmaReceiver:
                 self._drain_write(conn_id, msg)
             return
         if seq != conn.next_seq:
-            if seq > conn.next_seq:
+            # Messages can overtake one another (eager vs rendezvous); keep those from
+            # the near future, a bounded number: anything beyond is not a live sender's.
+            if conn.next_seq < seq <= conn.next_seq + EARLY_MAX and len(conn.early) < EARLY_MAX:
                 conn.early[seq] = msg
+            elif seq > conn.next_seq and not conn.early_dropped:
+                conn.early_dropped = True
+                log.warning("rdma: connection %d from %s: control message %d dropped (more than %d ahead of %d)",
+                            conn.conn_id, conn.sender_id, seq, EARLY_MAX, conn.next_seq)
             return
         while True:
             conn.next_seq += 1

@@ -57,6 +57,7 @@ MAX_OPS_PER_WRITE = 4096  # keeps a WRITE message well under CTRL_BUF
 MAX_ROW = CTRL_BUF - COMMON.size - META_BODY.size
 SCRATCH = 1 << 20  # drain buffer for rejected payloads
 CLOSE_SEND_GRACE_S = 1.0  # close(): how long in-flight sends to live peers may finish
+EARLY_MAX = 1024  # control messages kept per connection ahead of a missing one (and how far ahead)
 
 
 def ctrl_tag(kind: int) -> int:
@@ -112,6 +113,7 @@ class RecvConn:
         self.ep = ep
         self.next_seq = 1
         self.early: dict[int, bytes] = {}  # control messages that arrived out of order
+        self.early_dropped = False  # one warning per connection
         self.rooms: set[int] = set()
         self.tokens: set[int] = set()
 
