@@ -37,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import logging
 import socket
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -49,7 +51,6 @@ from pdgrpc.transport.base import (
     Descriptor,
     MemoryRegion,
     Peer,
-    RegionKind,
     RoomGrant,
     Transport,
     WriteOp,
@@ -57,6 +58,7 @@ from pdgrpc.transport.base import (
     check_source_ops,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, tend
 from pdgrpc.transport.tcp_conn import (
     ACK, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
     _Conn, _frame_buffers, _merge_adjacent, byte_view, frame_chunks,
@@ -64,7 +66,7 @@ from pdgrpc.transport.tcp_conn import (
 
 __all__ = ["TcpTransport", "byte_view"]
 
-_KIND_NONE, _KIND_KV, _KIND_META = 0, 1, 2
+log = logging.getLogger("pdgrpc.transport.tcp")
 
 
 class _Link:
@@ -87,7 +89,11 @@ class _Link:
 class TcpTransport(Transport):
     """Options: ``host`` to listen on (default 127.0.0.1), ``port`` (0: any),
     ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
-    ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default)."""
+    ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default), and the
+    bounds of :class:`~pdgrpc.transport.tcp_limits.TcpLimits`: ``hello_timeout``,
+    ``max_connections``, ``max_connections_per_address``, ``heartbeat_interval`` and
+    ``heartbeat_lease`` (a peer that sends nothing, not even its heartbeat, for the lease
+    is lost: a hung process fails its rooms within it)."""
 
     name = "tcp"
 
@@ -99,13 +105,23 @@ class TcpTransport(Transport):
         connections: int = 1,
         connect_timeout: float = 5.0,
         sockbuf: int = 4 << 20,
+        hello_timeout: float = TcpLimits.hello_timeout,
+        max_connections: int = TcpLimits.max_connections,
+        max_connections_per_address: int = TcpLimits.max_connections_per_address,
+        heartbeat_interval: float = TcpLimits.heartbeat_interval,
+        heartbeat_lease: float = TcpLimits.heartbeat_lease,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise ConfigError(f"{self.name} transport: unknown option(s) {sorted(unknown)}")
         if connections < 1:
             raise ConfigError(f"{self.name} transport: connections must be >= 1, got {connections}")
+        self._limits = TcpLimits(hello_timeout, max_connections, max_connections_per_address,
+                                 heartbeat_interval, heartbeat_lease)
         super().__init__()
+        self._gate = AcceptGate(self._limits)
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._last_tick = time.monotonic()
         self._host = host
         self._port = port
         self._nconn = connections
@@ -116,9 +132,6 @@ class TcpTransport(Transport):
         self._endpoint = b""
         self._regions: dict[int, MemoryRegion] = {}
         self._views: dict[int, memoryview] = {}
-        # region id -> kind / size, for checking the source side of a write in one pass
-        self._kind_lut = np.zeros(1 << 16, dtype=np.int8)
-        self._nbytes_lut = np.zeros(1 << 16, dtype=np.int64)
         self._recv = Receiver(self.rooms)
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Future[None]] = {}
@@ -178,6 +191,8 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
         if self._bound_loop is None:
             self._bound_loop = loop
+            self._last_tick = time.monotonic()
+            self._tick_handle = loop.call_later(self._limits.heartbeat_interval, self._tick)
         elif self._bound_loop is not loop:
             raise TransportError(f"{self.name} transport is bound to another event loop")
         if self._closed:
@@ -191,8 +206,6 @@ class TcpTransport(Transport):
             self._views[r.region_id] = byte_view(r.tensor)
             self._regions[r.region_id] = r
             self._recv.add_region(r.info())
-            self._kind_lut[r.region_id] = _KIND_META if r.kind is RegionKind.METADATA else _KIND_KV
-            self._nbytes_lut[r.region_id] = r.nbytes
         if self._listener is None:
             try:
                 lsock, self._endpoint = self.listen_socket()
@@ -204,21 +217,53 @@ class TcpTransport(Transport):
         return self._descriptor().to_bytes()
 
     def _on_accept(self) -> None:
-        assert self._listener is not None
+        listener = self._listener
+        assert listener is not None
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in RESOURCE_ERRNOS:  # stop accepting a while: the listener stays readable
+                    pause = self._gate.next_backoff()
+                    log.warning("tcp: cannot accept (%s); accepting again in %.2f s", exc.strerror, pause)
+                    self._loop.remove_reader(listener.fileno())
+                    self._loop.call_later(pause, self._resume_accept, listener)
                 return
+            address = addr[0] if isinstance(addr, tuple) else ""
+            refusal = self._gate.admit(address)
+            if refusal is not None:
+                log.warning("tcp: refusing a connection from %s: %s", address or "a local peer", refusal)
+                sock.close()
+                continue
             try:
                 sock.setblocking(False)
                 self.tune_socket(sock)
             except OSError:
+                self._gate.release(address)
                 sock.close()  # the peer sees the connection drop and fails its own rooms
                 continue
-            self._incoming.add(_Conn(self, sock, None))
+            self._incoming.add(_Conn(self, sock, None, remote=address))
+
+    def _resume_accept(self, listener: socket.socket) -> None:
+        if self._listener is listener and not self._closed:
+            self._loop.add_reader(listener.fileno(), self._on_accept)
+
+    def _tick(self) -> None:
+        """Every ``heartbeat_interval``: close accepted connections that never said HELLO,
+        lose connections that heard nothing for the lease, PING quiet ones."""
+        if self._closed:
+            return
+        lim, now = self._limits, time.monotonic()
+        # A late tick means this loop was busy, not that the peers went quiet: the bytes
+        # they sent may be unread in the socket buffers. Judge silence on the next one.
+        judge = now - self._last_tick < lim.heartbeat_lease / 2
+        self._last_tick = now
+        conns = [*self._incoming, *(c for link in self._links.values() for c in link.conns)]
+        for c in conns if judge else ():
+            tend(c, lim, now)
+        self._tick_handle = self._loop.call_later(lim.heartbeat_interval, self._tick)
 
     async def connect(self, descriptor: bytes) -> Peer:
         self._ensure_loop()
@@ -372,20 +417,7 @@ class TcpTransport(Transport):
             )
 
     def _check_src(self, ops: Sequence[WriteOp], metadata: WriteOp | None) -> None:
-        wops = WriteOps.of(ops)
-        a = wops.array
-        if len(a):
-            # one pass over the region lookup tables (check_source_ops scans the ops once
-            # per region: ~1.5 ms for a head-sliced transfer's ~25k ops); it still
-            # names the first offender when anything is wrong
-            rid = a[:, 0]
-            ok = bool(((rid >= 0) & (rid < len(self._kind_lut))).all())
-            if ok:
-                end = a[:, 1] + a[:, 4]
-                ok = not ((self._kind_lut[rid] == _KIND_NONE) | (a[:, 1] < 0) | (a[:, 3] < 0) | (a[:, 4] <= 0)
-                          | (end > self._nbytes_lut[rid])).any()
-            if not ok:
-                check_source_ops(wops, self._regions)
+        check_source_ops(WriteOps.of(ops), self._regions)
         if metadata is not None:
             check_source_ops([metadata], self._regions)
             if metadata.length > MAX_FRAME_PAYLOAD:
@@ -448,6 +480,8 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
         if self._listener is not None:
             self._loop.remove_reader(self._listener.fileno())
             self._listener.close()

@@ -11,6 +11,7 @@ import itertools
 import logging
 import socket
 import struct
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -26,11 +27,12 @@ log = logging.getLogger("pdgrpc.transport.tcp")
 
 HEADER = struct.Struct("<B3xIQQQ")
 OP = struct.Struct("<H6xQQ")
+PING_FRAME = HEADER.pack(MessageType.PING, 0, 0, 0, 0)
 OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
                      "offsets": [0, 8, 16], "itemsize": 24})  # same layout as OP
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = (
+HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK, PING = (
     MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
-    MessageType.ACK, MessageType.NACK)
+    MessageType.ACK, MessageType.NACK, MessageType.PING)
 MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
 MAX_FRAME_PAYLOAD = 256 << 20  # bytes of payload in one frame; a frame announcing more is a protocol error
 _IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
@@ -131,7 +133,8 @@ def _add_slices(bufs: list[Any], regions: np.ndarray, offsets: np.ndarray, lengt
 class _Conn:
     """One socket, driven by event-loop reader/writer callbacks (no tasks, no threads)."""
 
-    def __init__(self, owner: "TcpTransport", sock: socket.socket, peer_id: str | None) -> None:
+    def __init__(self, owner: "TcpTransport", sock: socket.socket, peer_id: str | None, *,
+                 remote: str | None = None) -> None:
         self.owner = owner
         self.sock = sock
         self.fd = sock.fileno()
@@ -139,6 +142,8 @@ class _Conn:
         self.peer_id = peer_id
         self.closed = False
         self.rooms: set[int] = set()  # rooms written through this (accepted) connection
+        self.remote = remote  # the remote address of an accepted connection; None for our own
+        self.opened = self.last_recv = self.last_sent = time.monotonic()
         self.hello: asyncio.Future[str] = self.loop.create_future()
         # Outgoing frames: (buffers, cumulative sizes), or a callable that builds them
         # only when the socket can take the frame -- a scattered transfer is ~100k page
@@ -215,6 +220,7 @@ class _Conn:
             if n == 0:
                 self.lose("connection closed by peer")
                 return
+            self.last_recv = time.monotonic()
             self._pos += n
             if self._pos < self._total:
                 self._idx = bisect.bisect_right(ends, self._pos, i)
@@ -246,6 +252,8 @@ class _Conn:
             self._expect_header()
         elif ftype == ACK:
             self.owner._on_ack(self, room)
+            self._expect_header()
+        elif ftype == PING:
             self._expect_header()
         else:
             self.protocol_error(f"unknown frame type {ftype}")
@@ -308,6 +316,7 @@ class _Conn:
             except OSError as exc:
                 self.lose(f"send failed: {exc!r}")
                 return
+            self.last_sent = time.monotonic()
             pos += n
             if pos == ends[-1]:
                 frames.popleft()
@@ -325,10 +334,17 @@ class _Conn:
             self._writing = False
 
     # -- teardown ------------------------------------------------------------------
+    @property
+    def sending(self) -> bool:
+        """Frames are queued (the heartbeat waits: they count as life once they go)."""
+        return bool(self._frames)
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.remote is not None:
+            self.owner._gate.release(self.remote)
         self.loop.remove_reader(self.fd)
         if self._writing:
             self.loop.remove_writer(self.fd)

@@ -113,3 +113,125 @@ async def test_a_connection_claiming_the_real_peers_id_cannot_fail_it() -> None:
         assert (await p.recv.wait(room, 30)).state is KVPoll.SUCCESS
         assert (await p.send.wait(room, 30)).state is KVPoll.SUCCESS
         assert await p.transfer() is KVPoll.SUCCESS
+
+
+# -- bounded resources ---------------------------------------------------------------------
+async def test_a_connection_that_never_says_hello_is_closed() -> None:
+    recv = registry.create("tcp", hello_timeout=0.3)
+    desc = await recv.register(LAYOUT.build(None)[0])
+    try:
+        idle = RawClient(desc)
+        try:
+            assert await idle.closed_by_peer(timeout=30)
+        finally:
+            idle.close()
+    finally:
+        await recv.close()
+
+
+async def test_connections_are_capped_per_listener_and_per_address() -> None:
+    recv = registry.create("tcp", max_connections=4, max_connections_per_address=3)
+    desc = await recv.register(LAYOUT.build(None)[0])
+    clients = [RawClient(desc) for _ in range(3)]
+    try:
+        for c in clients:
+            assert await c.hello() == MessageType.HELLO_OK  # accepted and served
+        extra = RawClient(desc)  # a 4th from the same address
+        clients.append(extra)
+        assert await extra.closed_by_peer()
+        for c in clients:
+            c.close()
+        await eventually_async(lambda: len(recv._incoming) == 0, what="the receiver saw the clients go")
+        send = registry.create("tcp")
+        regions, _ = LAYOUT.build(5)
+        await send.register(regions)
+        try:
+            peer = await send.connect(desc)  # room again once the junk left
+            recv.advertise(RoomGrant.of(5, [1], slot=0))
+            pairs = region_pairs(regions, peer.descriptor.regions)
+            meta = metadata_op(regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+            await send.write(peer, 5, page_ops(pairs, [0], [1]), metadata=meta)
+            assert (await send.wait(5, 30)).state is KVPoll.SUCCESS
+        finally:
+            await send.close()
+    finally:
+        for c in clients:
+            c.close()
+        await recv.close()
+
+
+async def test_out_of_file_descriptors_the_listener_backs_off_instead_of_spinning() -> None:
+    import errno
+
+    recv = registry.create("tcp")
+    desc = await recv.register(LAYOUT.build(None)[0])
+    real = recv._listener
+    calls = 0
+
+    class Exhausted:  # the listener as it behaves at the fd limit: readable, accept fails
+        def fileno(self) -> int:
+            return real.fileno()
+
+        def accept(self):
+            nonlocal calls
+            calls += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def close(self) -> None:
+            real.close()
+
+    recv._listener = Exhausted()
+    waiting = RawClient(desc)  # keeps the listener readable
+    try:
+        await asyncio.sleep(0.5)  # the scenario: half a second at the fd limit
+        assert 1 <= calls <= 20, f"accept tried {calls} times in 0.5 s"
+    finally:
+        waiting.close()
+        await recv.close()
+
+
+# -- heartbeat -------------------------------------------------------------------------------
+async def test_a_hung_receiver_fails_the_senders_rooms_within_the_lease() -> None:
+    import os
+    import signal
+
+    from pdgrpc.transport.peerproc import PeerProcess
+
+    options = {"heartbeat_interval": 0.1, "heartbeat_lease": 1.0}
+    regions, _ = LAYOUT.build(5)
+    send = registry.create("tcp", **options)
+    await send.register(regions)
+    recv = PeerProcess("tcp", layout=LAYOUT, options=options)
+    await recv.start()
+    try:
+        peer = await send.connect(recv.descriptor)
+        await recv.call("advertise", 21, [1, 2], 0)
+        os.kill(recv.pid, signal.SIGSTOP)  # sockets stay open: only the heartbeat can tell
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        await send.write(peer, 21, page_ops(pairs, [0, 1], [1, 2]))
+        st = await send.wait(21, 30)
+        assert st.state is KVPoll.FAILED and "heartbeat" in (st.reason or ""), st
+        os.kill(recv.pid, signal.SIGCONT)
+    finally:
+        os.kill(recv.pid, signal.SIGCONT)
+        await recv.stop()
+        await send.close()
+
+
+async def test_an_idle_connection_outlives_the_lease() -> None:
+    options = {"heartbeat_interval": 0.05, "heartbeat_lease": 0.3}
+    recv, send = registry.create("tcp", **options), registry.create("tcp", **options)
+    regions, _ = LAYOUT.build(5)
+    desc = await recv.register(LAYOUT.build(None)[0])
+    await send.register(regions)
+    try:
+        peer = await send.connect(desc)
+        await asyncio.sleep(1.0)  # the scenario: idle for three leases
+        recv.advertise(RoomGrant.of(8, [1], slot=0))
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        meta = metadata_op(regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+        await send.write(peer, 8, page_ops(pairs, [0], [1]), metadata=meta)
+        assert (await send.wait(8, 30)).state is KVPoll.SUCCESS
+    finally:
+        await send.close()
+        await recv.close()
