@@ -18,24 +18,21 @@ endpoint is dropped, and the next ``connect`` builds a fresh one. Connections ar
 by the peer's instance id (a fresh id per process start), so a restarted peer never
 gets a cached endpoint.
 
-Options: ``zero_copy_min`` (bytes per data message: a message is closed once the ops
-in it reach this size; default 16 MiB), ``iov_max`` (ops per data message, default
-4096), ``connect_timeout``
-(seconds, default 5), ``liveness_interval`` / ``liveness_lease`` (seconds; defaults 0.5 /
-5: a peer that *dies* is noticed in milliseconds because its kernel closes the liveness
-socket; the lease only catches a hung peer or host, and must outlast the longest time
-either side's event loop can be busy, e.g. hashing a large buffer on a loaded machine),
-``host`` (the liveness listen address, advertised in the descriptor: use an address
-peers can reach; default 127.0.0.1), ``progress_spin_s`` (how long the UCX worker keeps
-busy-polling after the last completion, and only while a transfer of its own is
-pending, before sleeping on its epoll descriptor; default 0: on a host whose cores are
-all busy (2 cores: the peer process and the engine's compute thread) any spin steals
-the CPU the other side needs, see :mod:`._ucx`). UCX itself is
-configured through the usual ``UCX_*`` environment variables (``UCX_TLS`` etc.);
-nothing is forced. One of them breaks this protocol: with ``UCX_MM_SEG_SIZE`` raised to
-64K, UCX 1.21 completes every iov receive over shared memory as truncated. The rooms then
-fail cleanly ("did not arrive intact"), but none succeeds. docs/transports.md says to leave it
-at its default.
+Options (seconds, bytes, counts):
+
+* ``zero_copy_min`` (16 MiB): a data message closes once its ops reach this size;
+* ``iov_max`` (4096): ops per data message; ``connect_timeout`` (5);
+* ``liveness_interval`` / ``liveness_lease`` (0.5 / 5): a peer that dies is noticed in
+  milliseconds (its kernel closes the liveness socket); the lease catches a hung peer
+  and must outlast the longest time either side's loop can be busy;
+* ``host`` (127.0.0.1): the liveness listen address, advertised to peers;
+* ``progress_spin_s`` (0): busy-polling after the last completion while a transfer is
+  pending; on a host whose cores are all busy any spin steals the peer's CPU.
+
+UCX reads its usual ``UCX_*`` variables; nothing is forced. Leave ``UCX_MM_SEG_SIZE`` at
+its default: raised to 64K, UCX 1.21 completes every iov receive over shared memory as
+truncated (the rooms fail cleanly, "did not arrive intact", but none succeeds; see
+docs/transports.md).
 """
 
 from __future__ import annotations
@@ -54,7 +51,9 @@ import torch
 from pdgrpc.errors import ConfigError, PeerFailure, TransportError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
-from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, Peer, Transport, WriteOp, WriteOps
+from pdgrpc.transport.base import (
+    BadDescriptor, Descriptor, MemoryRegion, Peer, RegionInfo, Transport, WriteOp, WriteOps, check_source_ops,
+)
 from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.rdma_recv import RdmaReceiver
 from pdgrpc.transport.rdma_wire import (
@@ -106,7 +105,7 @@ class RdmaTransport(RdmaReceiver, Transport):
         self._regions: dict[int, Region] = {}
         # region id -> base address / size (-1: not registered), for vectorised lookups
         self._ptr_table = np.zeros(1 << 16, dtype=np.uint64)
-        self._size_table = np.full(1 << 16, -1, dtype=np.int64)
+        self._infos: dict[int, RegionInfo] = {}
         self._started = False
         self._closed = False
         # sender side
@@ -185,7 +184,7 @@ class RdmaTransport(RdmaReceiver, Transport):
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
             reg = self._regions[r.region_id] = Region(r)
             self._ptr_table[r.region_id] = reg.ptr
-            self._size_table[r.region_id] = reg.info.nbytes
+            self._infos[r.region_id] = reg.info
             self._recv.add_region(reg.info)
         await self._liveness.start()
         return self._descriptor().to_bytes()
@@ -331,20 +330,9 @@ class RdmaTransport(RdmaReceiver, Transport):
             table = ops.array if isinstance(ops, WriteOps) else WriteOps.of(ops).array
         except OverflowError:
             raise ConfigError(f"rdma write for room {room}: an offset or length does not fit in 63 bits") from None
-        checks = table if metadata is None else np.vstack([table, np.array(
-            [[metadata.src_region, metadata.src_offset, metadata.dst_region, metadata.dst_offset, metadata.length]],
-            dtype=np.int64)])
-        sizes = self._size_table[checks[:, 0]]
-        bad = np.flatnonzero((sizes < 0) | (checks[:, 1] + checks[:, 4] > sizes))
-        if len(bad):
-            r, o, _, _, n = (int(x) for x in checks[bad[0]])
-            src = self._regions.get(r)
-            if src is None:
-                raise ConfigError(f"rdma write for room {room}: source region {r} is not registered")
-            raise ConfigError(
-                f"rdma write for room {room}: source bytes [{o}, {o + n}) outside region {src.info.name!r} "
-                f"of {src.info.nbytes} bytes"
-            )
+        check_source_ops(WriteOps(table), self._infos)
+        if metadata is not None:
+            check_source_ops([metadata], self._infos)
         if metadata is not None and metadata.length > MAX_ROW:
             raise ConfigError(f"rdma: metadata row of {metadata.length} bytes exceeds the {MAX_ROW}-byte limit")
         return [p for i in range(0, len(table), MAX_OPS_PER_WRITE)

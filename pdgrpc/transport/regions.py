@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple, Sequence
 
 from pdgrpc.errors import TransportError
 
@@ -165,7 +165,7 @@ class WriteOps(Sequence[WriteOp]):
         return int(self.array[:, 4].sum()) if len(self) else 0
 
 
-def check_source_ops(ops: Iterable[WriteOp], regions: "dict[int, MemoryRegion]") -> None:
+def check_source_ops(ops: Iterable[WriteOp], regions: "Mapping[int, MemoryRegion | RegionInfo]") -> None:
     """Raise :class:`~pdgrpc.errors.ConfigError` naming the field if an op's source
     side is not inside a registered local region (a caller bug, not a peer's fault)."""
     from pdgrpc.errors import ConfigError

@@ -235,3 +235,12 @@ async def test_an_idle_connection_outlives_the_lease() -> None:
     finally:
         await send.close()
         await recv.close()
+
+
+@pytest.mark.parametrize("bad", [{"hello_timeout": 0}, {"max_connections": 0}, {"max_connections_per_address": 1.5},
+                                 {"heartbeat_interval": 5, "heartbeat_lease": 5}, {"heartbeat_lease": float("nan")}])
+def test_bad_limits_are_refused_naming_the_option(bad: dict) -> None:
+    from pdgrpc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=sorted(bad)[0]):
+        registry.create("tcp", **bad)
