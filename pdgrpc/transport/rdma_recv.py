@@ -196,7 +196,7 @@ class RdmaReceiver:
         rr = self._recv_rooms[room]
         conn.rooms.add(room)
         # iov rows {destination address, length}: every byte goes straight into the
-        # granted pages, which _authorize has just checked.
+        # granted pages, which the receiver core has just authorized.
         iov = np.empty((len(ops), 2), dtype=np.uint64)
         iov[:, 0] = self._ptr_table[ops["region"].astype(np.int64)] + ops["offset"]
         iov[:, 1] = ops["length"]

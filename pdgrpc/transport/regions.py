@@ -112,7 +112,7 @@ class WriteOp(NamedTuple):
     A ``NamedTuple`` (immutable, attribute access, cheap to build): a scattered 32k-token
     transfer is ~100k ops, so construction does not validate. Senders validate their
     side with :func:`check_source_ops`; receivers authorize the destination side against
-    the room's grant (:meth:`RoomGrant.check`), which is the check that matters.
+    the room's grant (:meth:`pdgrpc.transport.receiver.RegionTable.authorize`), the check that matters.
     """
 
     src_region: int
