@@ -434,11 +434,10 @@ class TcpTransport(Transport):
     # -- both sides --------------------------------------------------------------------
     def _on_conn_lost(self, conn: _Conn, reason: str) -> None:
         peer = conn.peer_id
-        if conn in self._incoming:
+        if conn.remote is not None:
             # An accepted connection proves nothing about who is behind it: its loss
             # fails only the rooms written through it, never every room of the peer id
             # it claimed (the real peer may be fine on its own connections).
-            self._incoming.discard(conn)
             self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}",
                                 [r for r in conn.rooms if self._recv.get(r) is not None])
             return

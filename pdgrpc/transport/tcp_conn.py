@@ -345,6 +345,7 @@ class _Conn:
         self.closed = True
         if self.remote is not None:
             self.owner._gate.release(self.remote)
+            self.owner._incoming.discard(self)
         self.loop.remove_reader(self.fd)
         if self._writing:
             self.loop.remove_writer(self.fd)

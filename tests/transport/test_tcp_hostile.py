@@ -244,3 +244,56 @@ def test_bad_limits_are_refused_naming_the_option(bad: dict) -> None:
 
     with pytest.raises(ConfigError, match=sorted(bad)[0]):
         registry.create("tcp", **bad)
+
+
+# -- fuzz --------------------------------------------------------------------------------------
+def _fuzz_streams():
+    from hypothesis import strategies as st
+
+    def frame(ftype: int, n_ops: int, room: int, payload: int, aux: int, tail: bytes) -> bytes:
+        return HEADER.pack(ftype, n_ops, room, payload, aux) + tail
+
+    header_like = st.builds(frame, st.integers(0, 12), st.integers(0, 600), st.sampled_from([0, 1, 99, 101, 2**63]),
+                            st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.binary(max_size=96))
+    return st.tuples(st.booleans(), st.lists(st.one_of(header_like, st.binary(max_size=64)), max_size=4))
+
+
+@pytest.mark.timeout(300)
+def test_arbitrary_byte_streams_harm_nobody() -> None:
+    # Random streams (after a HELLO or not) against a live receiver with an open room: no
+    # exception escapes, no byte lands outside the granted pages, the real peer still works.
+    import torch
+    from hypothesis import given, settings
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(_fuzz_streams())
+    def check(case: tuple[bool, list[bytes]]) -> None:
+        say_hello, chunks = case
+
+        async def run() -> None:
+            async with Pair() as p:
+                flats = {r.region_id: r.tensor.detach().reshape(-1).view(torch.uint8).clone() for r in p.recv_regions}
+                p.recv.advertise(RoomGrant.of(99, [5], slot=2))  # a room the stream may aim at
+                client = RawClient(p.descriptor)
+                try:
+                    if say_hello:
+                        await client.hello()
+                    for chunk in chunks:
+                        await client.send(chunk)
+                except OSError:
+                    pass  # the receiver closed the connection mid-stream: what it should do
+                finally:
+                    client.close()
+                await eventually_async(lambda: len(p.recv._incoming) == 1, what="the fuzzing connection gone")
+                assert await p.transfer() is KVPoll.SUCCESS
+                for r in p.recv_regions:
+                    now = r.tensor.detach().reshape(-1).view(torch.uint8)
+                    ib = r.item_bytes
+                    changed = {i // ib for i in torch.nonzero(now != flats[r.region_id]).flatten().tolist()}
+                    # transfer() wrote pages 2, 3 and slot 1; the stream may only hit room 99's page 5, slot 2
+                    allowed = {1, 2} if r.region_id == METADATA_REGION_ID else {2, 3, 5}
+                    assert changed <= allowed, (r.name, sorted(changed))
+
+        asyncio.run(run())
+
+    check()
