@@ -110,7 +110,7 @@ def test_room_states_move_forward_failed_wins_terminal_sticks() -> None:
 def test_transfer_started_is_when_the_room_first_moved_bytes() -> None:
     import time
 
-    t = RoomTable()
+    t = RoomStates()
     t.create(1, KVPoll.WAITING_FOR_INPUT)
     assert t.transfer_started(1) is None  # advertised, nothing arrived yet
     before = time.monotonic()
