@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # annotations only: this module loads before grpc is configur
     import grpc
 
     from pdgrpc.metrics.reasons import AnyAbortReason
+    from pdgrpc.transport.receiver import Refusal
 
 
 class PdgrpcError(Exception):
@@ -82,8 +83,14 @@ class PeerFailure(TransportError):
 
 
 class UnauthorizedWrite(TransportError):
-    """A write outside what the receiver advertised for the room (unknown room, page
-    outside the advertised set, or offset/length outside a registered region)."""
+    """A receiver refused a write: outside what it advertised for the room (unknown
+    room, page outside the advertised set, offset/length outside a registered region),
+    or for a room already finished. ``refusal`` says which
+    (:class:`pdgrpc.transport.receiver.Refusal`); the message names the offending op."""
+
+    def __init__(self, refusal: "Refusal", message: str) -> None:
+        super().__init__(f"unauthorized write: {message}")
+        self.refusal = refusal
 
 
 class EngineError(PdgrpcError):

@@ -11,7 +11,7 @@ from pdgrpc.rpc.tuning import apply_grpc_defaults
 
 apply_grpc_defaults()  # before grpc is imported (below): see pdgrpc.rpc.tuning
 
-from pdgrpc.decode.cli import build_parser, scheduler_config_from_args, wrap_test_faults  # noqa: E402
+from pdgrpc.decode.cli import build_parser, scheduler_config_from_args  # noqa: E402
 from pdgrpc.decode.scheduler import DecodeScheduler  # noqa: E402
 from pdgrpc.decode.service import start_decode_server  # noqa: E402
 from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args  # noqa: E402
@@ -70,7 +70,7 @@ async def main(ns: argparse.Namespace) -> int:
         engine = build_engine(ns, tp_rank=0, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
     else:
         engine = build_engine(ns)
-    transport = wrap_test_faults(create_transport(ns), 0)
+    transport = create_transport(ns, tp_rank=0)
     metrics = DecodeMetrics(transport=transport.name)
     metrics.set_info(tp_rank=0, tp_size=ns.tp_size)
     scheduler = DecodeScheduler(engine, transport, ns.num_slots, config, metrics=metrics, tp=tp)

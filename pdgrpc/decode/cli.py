@@ -5,7 +5,6 @@ hook. Shared by rank 0 (``python -m pdgrpc.decode``) and the other TP ranks
 from __future__ import annotations
 
 import argparse
-import os
 
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
@@ -15,9 +14,8 @@ from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.state import DecodeDeadlines
-from pdgrpc.transport.base import Transport
 
-__all__ = ["DESCRIPTION", "build_parser", "scheduler_config_from_args", "wrap_test_faults"]
+__all__ = ["DESCRIPTION", "build_parser", "scheduler_config_from_args"]
 
 DESCRIPTION = """\
 A pdgrpc decode server (gRPC, pdgrpc.v1.DecodeService).
@@ -108,16 +106,3 @@ def scheduler_config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         rpc_timeout_s=ns.rpc_timeout,
         compute_nice=ns.compute_nice,
     )
-
-
-def wrap_test_faults(transport: Transport, tp_rank: int) -> Transport:
-    """Test hook: PDGRPC_TEST_FAULTS (JSON, see pdgrpc.transport.faults) wraps the
-    transport, on every rank or only on rank PDGRPC_TEST_FAULTS_TP_RANK."""
-    if not os.environ.get("PDGRPC_TEST_FAULTS"):
-        return transport
-    only = os.environ.get("PDGRPC_TEST_FAULTS_TP_RANK", "")
-    if only and int(only) != tp_rank:
-        return transport
-    from pdgrpc.transport.faults import wrap_from_env
-
-    return wrap_from_env(transport)

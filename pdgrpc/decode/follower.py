@@ -29,7 +29,7 @@ apply_grpc_defaults()
 
 from pdgrpc.decode.cli import build_parser as decode_parser  # noqa: E402
 from pdgrpc.rpc.security import install, security_from_args  # noqa: E402
-from pdgrpc.decode.cli import scheduler_config_from_args, wrap_test_faults  # noqa: E402
+from pdgrpc.decode.cli import scheduler_config_from_args  # noqa: E402
 from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally  # noqa: E402
 from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, TpGroup, TpGroupBroken  # noqa: E402
@@ -51,7 +51,7 @@ class Follower:
         self.tp = tp
         self.rank = tp.rank
         self.engine = build_engine(ns, tp_rank=tp.rank, tp_size=tp.size, all_reduce=torch_distributed_all_reduce())
-        self.transport = wrap_test_faults(create_transport(ns), tp.rank)
+        self.transport = create_transport(ns, tp_rank=tp.rank)
         self.queues = make_queues(make_buffers(ns.num_slots), self.engine.num_pages, config, self.engine.tokenizer.vocab_size)
         self.transfers = RankTransfers(self.transport, self.engine, self.queues, tp.rank, tp.size)
         self.metrics = DecodeMetrics(transport=self.transport.name)

@@ -40,7 +40,7 @@ from pdgrpc.state.prefill_sender import (
     ChunkDone, DestinationReceived, Fail, MetadataWritten, PagesWritten, PrefillSender, SenderAction, SenderFailReason,
     SenderState, WriteMetadata, WritePages,
 )
-from pdgrpc.transport.base import MemoryRegion, Peer, Transport, WriteOp, WriteOps
+from pdgrpc.transport.base import MemoryRegion, Peer, RoomStatus, Transport, WriteOp, WriteOps
 from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_op, page_ops, region_pairs
 from pdgrpc.v1 import prefill_pb2
 
@@ -50,10 +50,11 @@ log = logging.getLogger("pdgrpc.prefill.worker")
 C = grpc.StatusCode
 
 
-def transfer_failed_reason(reason: str | None) -> "AbortReason | ServerAbortReason":
-    # The transports name a write outside the decode's grant "rejected" in the room's
-    # failure reason (the receiver NACKs it); anything else is a transfer failure.
-    return ServerAbortReason.REJECTED_WRITE if reason and "reject" in reason.lower() else AbortReason.TRANSFER_FAILED
+def transfer_failed_reason(status: RoomStatus) -> "AbortReason | ServerAbortReason":
+    """A room the decode's receiver refused a write for (its ``NACK`` carries a
+    :class:`~pdgrpc.transport.receiver.Refusal`) counts as a rejected write; any other
+    failure as a transfer failure."""
+    return ServerAbortReason.REJECTED_WRITE if status.refusal is not None else AbortReason.TRANSFER_FAILED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +202,7 @@ class RoomDriver:
                 st = self.s.transport.status(o.key)
                 if st.state is KVPoll.FAILED:
                     sender.handle(Fail(SenderFailReason.TRANSFER_FAILED, str(st.reason)), time.monotonic())
-                    raise RequestFailed(C.ABORTED, f"room {self.room}: transfer failed: {st.reason}", transfer_failed_reason(st.reason))
+                    raise RequestFailed(C.ABORTED, f"room {self.room}: transfer failed: {st.reason}", transfer_failed_reason(st))
 
     async def _acknowledged(self, sender: PrefillSender) -> None:
         """Wait for every destination's SUCCESS (the metadata row landed) by the deadline."""
@@ -210,7 +211,7 @@ class RoomDriver:
             if status.state is KVPoll.FAILED:
                 sender.handle(Fail(SenderFailReason.TRANSFER_FAILED, str(status.reason)), time.monotonic())
                 raise RequestFailed(C.ABORTED, f"room {self.room}: transfer failed{self._to(o)}: {status.reason}",
-                                    transfer_failed_reason(status.reason))
+                                    transfer_failed_reason(status))
             if status.state is not KVPoll.SUCCESS:
                 fail = Fail(SenderFailReason.TRANSFER_TIMEOUT, f"room {self.room}: no acknowledgement of the metadata row")
                 sender.handle(fail, time.monotonic())

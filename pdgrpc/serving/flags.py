@@ -183,17 +183,20 @@ def add_transport_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def transport_options_from_args(ns: argparse.Namespace, cls: type[Transport]) -> dict[str, Any]:
-    """Keyword options for backend ``cls``: only those its constructor takes."""
+def transport_options_from_args(ns: argparse.Namespace, cls: type[Transport], tp_rank: int = 0) -> dict[str, Any]:
+    """Keyword options for backend ``cls``: only those its constructor takes (``host``:
+    ``--transport-host``; ``tp_rank``: the TP rank of the process it serves)."""
     params = inspect.signature(cls.__init__).parameters
     opts: dict[str, Any] = {}
     if "host" in params:
         opts["host"] = ns.transport_host
+    if "tp_rank" in params:
+        opts["tp_rank"] = tp_rank
     return opts
 
 
-def create_transport(ns: argparse.Namespace) -> Transport:
+def create_transport(ns: argparse.Namespace, tp_rank: int = 0) -> Transport:
     """Instantiate the backend ``--transport`` names (TransportUnavailable with an install hint if it cannot load)."""
     cls = registry.load(ns.transport)
-    return cls(**transport_options_from_args(ns, cls))
+    return cls(**transport_options_from_args(ns, cls, tp_rank))
 

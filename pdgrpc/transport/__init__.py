@@ -1,8 +1,11 @@
 """The data plane: pluggable transports that move KV pages and metadata rows from a
 prefill process into a decode process's memory.
 
-* :mod:`~pdgrpc.transport.base` -- the plugin contract (who calls which hook, when) and
-  its data types (regions, descriptors, write ops, room grants, room states);
+* :mod:`~pdgrpc.transport.base` -- the plugin contract (who calls which hook, when);
+  its data types live in :mod:`~pdgrpc.transport.regions` (regions, write ops),
+  :mod:`~pdgrpc.transport.descriptor` and :mod:`~pdgrpc.transport.rooms` (room states);
+* :mod:`~pdgrpc.transport.receiver` -- the receiver core every byte-moving backend
+  drives: room grants, the grant check, byte accounting, metadata-last commit, refusals;
 * :mod:`~pdgrpc.transport.registry` -- backends by name: built-ins (``fake``, ``tcp``,
   ``rdma``), the ``pdgrpc.transports`` entry-point group, ``"module:Class"``;
 * :mod:`~pdgrpc.transport.pages` -- page lists -> coalesced write ops;
@@ -11,7 +14,8 @@ prefill process into a decode process's memory.
 * :mod:`~pdgrpc.transport.liveness` -- heartbeat side channel for backends that cannot
   see a dead peer themselves;
 * :mod:`~pdgrpc.transport.testing` -- the conformance suite for backend authors, with
-  :mod:`~pdgrpc.transport.peerproc` (a peer in a separate OS process).
+  :mod:`~pdgrpc.transport.peerproc` (a peer in a separate OS process), and
+  :mod:`~pdgrpc.transport.testing.faults` (a fault-injecting wrapper tests load by name).
 
 Importing this package is cheap: no backend (and no UCX) is imported until asked for.
 """

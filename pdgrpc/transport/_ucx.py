@@ -4,8 +4,8 @@ Why not ucxx's own asyncio layer: it keeps one process-wide context whose progre
 tasks outlive ``ucxx.reset()`` and are bound to the first event loop, and its requests
 are awaited by spinning ``asyncio.sleep(0)`` per request, which costs one loop round
 per pending request (256 concurrent rooms would spin 256 coroutines). It also has no
-scatter/gather: a scattered page list would need one tag message per page, and
-measured here that is 0.25–0.9 GB/s against ~10 GB/s for one IOV message.
+scatter/gather: a scattered page list would need one tag message per page (0.25-0.9
+GB/s against ~10 GB/s for one IOV message).
 
 So this module takes only the UCX libraries from the ucxx distribution (the
 ``libucx`` wheel's loader, which also honours ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY``)
@@ -15,13 +15,8 @@ worker address, ``ucp_worker_progress`` / ``ucp_worker_arm`` / its epoll fd), en
 from worker addresses (``ucp_ep_create`` / non-blocking ``ucp_ep_close_nbx``; ucxx's
 endpoint close progresses until the peer confirms, which never ends when the peer is
 hung) and tag sends and receives (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx``),
-with ``ucp_dt_make_iov()`` when a message has several pieces. It used to create the
-context and worker through ucxx's Cython module (``ucxx._lib.libucxx``); a prefill
-worker that imported it measured ~20% more CPU per prompt, but a later standalone check
-(the reference prefill in a thread, with and without the module) showed no difference:
-that spread was most likely glibc malloc's, see :mod:`pdgrpc.engine.malloc`. The C API
-path stays because it loads nothing but UCX itself (no C++ runtime, no second worker
-wrapper to keep in step).
+with ``ucp_dt_make_iov()`` when a message has several pieces. The C API path loads
+nothing but UCX itself (no C++ runtime, no second worker wrapper to keep in step).
 
 A receive's iov entries point straight into the destination tensors, so payload lands
 where it belongs with no copy made by pdgrpc (UCX itself moves sub-8 KiB messages
@@ -33,14 +28,9 @@ keeps finding work; once a round finds nothing it arms the worker and sleeps on 
 epoll file descriptor (with a bounded safety timeout), so an idle transport costs ~no
 CPU. Optionally (``spin_s`` > 0) it keeps busy-polling up to ``spin_s`` after the last
 completion, but only while a send or data receive is pending — never because of the
-always-posted control receives. The default is no spin, measured here on 2 cores: a
-50 ms spin after *every* completion (the earlier default) made both processes of a
-transfer burn a core each between steps, which on a 2-core host starved the peer
-that had the real work (the receiver doing UCX's cma copies) and the prefill's
-compute thread: 8k scattered pages took 430 ms with it and 21 ms without; e2e TTFT
-overhead went from +51..62 ms to ~+12 ms. Spinning only while a transfer is pending
-measured the same as no spin for the transfer bench, so it stays available as an
-option for hosts with cores to spare. Completions are recorded
+always-posted control receives. The default is no spin: on a 2-core host a spin
+starves the peer that has the real work (8k scattered pages: 430 ms with a 50 ms spin
+after every completion, 21 ms without; docs/performance.md, "Transport"). Completions are recorded
 by a C callback and handed to Python callbacks after ``progress()`` returns, never from
 inside UCX.
 
@@ -55,247 +45,25 @@ import ctypes
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence, Union
+from typing import Any
 
 import numpy as np
 
-from pdgrpc.errors import TransportError, TransportUnavailable
+from pdgrpc.errors import TransportUnavailable
+from pdgrpc.transport._ucx_api import (
+    _DATATYPE_CONTIG_BYTES, _DATATYPE_IOV, _EP_CLOSE_FLAG_FORCE, _EP_PARAM_FIELD_ERR_HANDLING_MODE,
+    _EP_PARAM_FIELD_REMOTE_ADDRESS, _ERR_HANDLING_MODE_NONE, _OP_ATTR_FIELD_CALLBACK, _OP_ATTR_FIELD_DATATYPE,
+    _OP_ATTR_FIELD_FLAGS, _OP_ATTR_FIELD_USER_DATA, _OP_ATTR_FLAG_NO_IMM_CMPL, _PARKED, _RECV_CB, _SEND_CB,
+    FULL_MASK, INSTALL_HINT, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_INPROGRESS, UCS_OK, Completion,
+    Pieces, UcxError, _check, _create_worker, _destroy, _EpParams, _Iov, _Param, _status_of, api,
+)
 
-INSTALL_HINT = "pip install 'pdgrpc[ucx]'"
+__all__ = [
+    "FULL_MASK", "INSTALL_HINT", "UCS_ERR_CANCELED", "UCS_ERR_MESSAGE_TRUNCATED", "UCS_OK", "Completion", "Pieces",
+    "UcxError", "UcxWorker", "api",
+]
 
-UCS_OK = 0
-UCS_INPROGRESS = 1
-UCS_ERR_MESSAGE_TRUNCATED = -9
-UCS_ERR_CANCELED = -16
-_ERR_LAST = -100
-_OP_ATTR_FIELD_CALLBACK = 1 << 1
-_OP_ATTR_FIELD_USER_DATA = 1 << 2
-_OP_ATTR_FIELD_DATATYPE = 1 << 3
-_OP_ATTR_FIELD_FLAGS = 1 << 4
-_EP_CLOSE_FLAG_FORCE = 1 << 0
-_OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16
-_DATATYPE_IOV = 2  # ucp_dt_make_iov()
-_DATATYPE_CONTIG_BYTES = (1 << 3) | 0  # ucp_dt_make_contig(1)
-FULL_MASK = (1 << 64) - 1
-
-# (status, received length, sender tag) -> None; length/tag are 0 for sends.
-Completion = Callable[[int, int, int], None]
-# A message's memory: (address, nbytes) pieces, or an (n, 2) uint64 array of them.
-Pieces = Union[Sequence[tuple[int, int]], "np.ndarray[Any, Any]"]
-
-
-class UcxError(TransportError):
-    """A UCX call failed (mapped into pdgrpc's tree; carries the UCX status)."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Param(ctypes.Structure):
-    # ucp_request_param_t (ucp.h, UCX >= 1.10); layout checked against the 1.21 header.
-    _fields_ = [
-        ("op_attr_mask", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("request", ctypes.c_void_p),
-        ("cb", ctypes.c_void_p),
-        ("datatype", ctypes.c_uint64),
-        ("user_data", ctypes.c_void_p),
-        ("reply_buffer", ctypes.c_void_p),
-        ("memory_type", ctypes.c_int),
-        ("recv_info", ctypes.c_void_p),
-        ("memh", ctypes.c_void_p),
-    ]
-
-
-class _SockAddr(ctypes.Structure):
-    _fields_ = [("addr", ctypes.c_void_p), ("addrlen", ctypes.c_uint32)]
-
-
-class _EpParams(ctypes.Structure):
-    # ucp_ep_params_t (ucp_def.h, UCX 1.21)
-    _fields_ = [
-        ("field_mask", ctypes.c_uint64),
-        ("address", ctypes.c_void_p),
-        ("err_mode", ctypes.c_int),
-        ("err_handler_cb", ctypes.c_void_p),
-        ("err_handler_arg", ctypes.c_void_p),
-        ("user_data", ctypes.c_void_p),
-        ("flags", ctypes.c_uint),
-        ("sockaddr", _SockAddr),
-        ("conn_request", ctypes.c_void_p),
-        ("name", ctypes.c_char_p),
-        ("local_sockaddr", _SockAddr),
-    ]
-
-
-_EP_PARAM_FIELD_REMOTE_ADDRESS = 1 << 0
-_EP_PARAM_FIELD_ERR_HANDLING_MODE = 1 << 1
-_ERR_HANDLING_MODE_NONE = 0
-
-
-class _Iov(ctypes.Structure):
-    _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
-class _TagRecvInfo(ctypes.Structure):
-    _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
-
-
-_SEND_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
-_RECV_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_TagRecvInfo), ctypes.c_void_p)
-
-
-class _Api:
-    """The libucp functions this module calls."""
-
-    # set from libucp by __init__ (the "ucp_" prefix dropped)
-    get_version: Any
-    config_read: Any
-    config_release: Any
-    init_version: Any
-    cleanup: Any
-    worker_create: Any
-    worker_destroy: Any
-    worker_get_address: Any
-    worker_release_address: Any
-    worker_get_efd: Any
-    worker_arm: Any
-    worker_progress: Any
-
-    def __init__(self) -> None:
-        try:
-            import libucx  # type: ignore[import-untyped]
-        except ImportError as exc:
-            raise TransportUnavailable(
-                f"the rdma transport needs the UCX libraries (the libucx wheel that ucxx installs), which are "
-                f"missing ({exc}); install them with: {INSTALL_HINT}"
-            ) from None
-        try:
-            loaded = libucx.load_library()
-        except OSError as exc:
-            raise TransportUnavailable(f"cannot load the UCX libraries: {exc}; reinstall with: {INSTALL_HINT}") from None
-        names = [getattr(x, "_name", "") or "" for x in loaded or []]
-        path = next((n for n in names if "libucp" in n), None) or self._loaded_libucp()
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as exc:
-            raise TransportUnavailable(f"cannot open libucp ({path}): {exc}; reinstall with: {INSTALL_HINT}") from None
-        P = ctypes.POINTER(_Param)
-        vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
-        pvp, ci, cu = ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint
-        for name, args, res in (
-            ("ucp_get_version", [ctypes.POINTER(cu)] * 3, None),
-            ("ucp_config_read", [ctypes.c_char_p, ctypes.c_char_p, pvp], ci),
-            ("ucp_config_release", [vp], None),
-            ("ucp_init_version", [cu, cu, vp, vp, pvp], ci),
-            ("ucp_cleanup", [vp], None),
-            ("ucp_worker_create", [vp, vp, pvp], ci),
-            ("ucp_worker_destroy", [vp], None),
-            ("ucp_worker_get_address", [vp, pvp, ctypes.POINTER(sz)], ci),
-            ("ucp_worker_release_address", [vp, vp], None),
-            ("ucp_worker_get_efd", [vp, ctypes.POINTER(ci)], ci),
-            ("ucp_worker_arm", [vp], ci),
-            ("ucp_worker_progress", [vp], cu),
-        ):
-            fn = getattr(lib, name)
-            fn.argtypes = args
-            fn.restype = res
-            setattr(self, name[4:], fn)
-        self.tag_send_nbx = lib.ucp_tag_send_nbx
-        self.tag_send_nbx.argtypes = [vp, vp, sz, u64, P]
-        self.tag_send_nbx.restype = vp
-        self.tag_recv_nbx = lib.ucp_tag_recv_nbx
-        self.tag_recv_nbx.argtypes = [vp, vp, sz, u64, u64, P]
-        self.tag_recv_nbx.restype = vp
-        self.request_cancel = lib.ucp_request_cancel
-        self.request_cancel.argtypes = [vp, vp]
-        self.request_cancel.restype = None
-        self.request_free = lib.ucp_request_free
-        self.request_free.argtypes = [vp]
-        self.request_free.restype = None
-        self.ep_create = lib.ucp_ep_create
-        self.ep_create.argtypes = [vp, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
-        self.ep_create.restype = ctypes.c_int
-        self.ep_close_nbx = lib.ucp_ep_close_nbx
-        self.ep_close_nbx.argtypes = [vp, P]
-        self.ep_close_nbx.restype = vp
-
-    @staticmethod
-    def _loaded_libucp() -> str:
-        """The libucp already in this process (wheel or system), if the loader did not
-        name it: one library instance for everything."""
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    if "libucp.so" in line:
-                        return line.split(None, 5)[-1].strip()
-        except OSError:
-            pass
-        return "libucp.so.0"
-
-
-def _check(status: int, what: str) -> None:
-    if status != UCS_OK:
-        raise TransportUnavailable(f"cannot initialise UCX: {what} failed with status {status}")
-
-
-_FEATURE_TAG, _FEATURE_WAKEUP = 1 << 0, 1 << 4
-_PARAM_FIELD_FEATURES = 1 << 0
-
-
-def _create_worker(api: "_Api") -> tuple[int, int]:
-    """A UCX context (tag + wakeup features; configuration from ``UCX_*`` variables)
-    and one single-threaded worker on it: ``(ucp_context_h, ucp_worker_h)``."""
-    major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
-    api.get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
-    config = ctypes.c_void_p()
-    _check(api.config_read(None, None, ctypes.byref(config)), "ucp_config_read")
-    # ucp_params_t / ucp_worker_params_t: UCX reads only the fields field_mask names
-    # (the first two u64 here); the rest of each buffer stays zero.
-    params = (ctypes.c_uint64 * 64)(_PARAM_FIELD_FEATURES, _FEATURE_TAG | _FEATURE_WAKEUP)
-    context = ctypes.c_void_p()
-    try:
-        _check(api.init_version(major.value, minor.value, ctypes.addressof(params), config, ctypes.byref(context)),
-               "ucp_init")
-    finally:
-        api.config_release(config)
-    worker_params = (ctypes.c_uint64 * 64)()  # field_mask 0: defaults (single-threaded)
-    worker = ctypes.c_void_p()
-    status = api.worker_create(context, ctypes.addressof(worker_params), ctypes.byref(worker))
-    if status != UCS_OK or not worker.value:
-        api.cleanup(context)
-        _check(status or -1, "ucp_worker_create")
-    assert context.value is not None and worker.value is not None
-    return context.value, worker.value
-
-
-def _destroy(api: "_Api", context: int | None, worker: int | None) -> None:
-    if worker:
-        api.worker_destroy(worker)
-    if context:
-        api.cleanup(context)
-
-
-_API: _Api | None = None
-_PARKED: list[Any] = []  # workers that could not be destroyed safely (see UcxWorker.close)
-
-
-def api() -> _Api:
-    global _API
-    if _API is None:
-        _API = _Api()
-    return _API
-
-
-def _status_of(ptr: int | None) -> int:
-    """UCS_PTR_STATUS for a returned ``ucs_status_ptr_t``."""
-    if ptr is None:
-        return UCS_OK
-    signed = ptr - (1 << 64) if ptr >= (1 << 63) else ptr
-    if _ERR_LAST <= signed < 0:
-        return signed
-    return UCS_INPROGRESS
+log = logging.getLogger("pdgrpc.transport.rdma")
 
 
 class UcxWorker:

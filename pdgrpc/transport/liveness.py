@@ -1,217 +1,290 @@
-"""Peer liveness for backends whose data channel cannot notice a dead peer.
+"""Peer liveness on a side channel, for backends whose data path cannot see a dead peer
+(``rdma``: UCX endpoint error handling is off).
 
-UCX endpoints created with error handling off (the fast shared-memory path) never
-report that the process at the other end died: pending requests just never complete.
-This module gives such a backend a tiny side channel whose verdict is routed into
-:meth:`pdgrpc.transport.base.Transport.fail_peer`:
+Each transport instance runs one :class:`Liveness`: a listener whose ``host:port``
+travels in :attr:`Descriptor.liveness`, plus one outgoing link per watched peer. A link
+starts with a ``PDGL`` hello naming the instance id and carrying an opaque ``info`` blob
+(``!H`` length + bytes after the id), then one heartbeat byte every ``interval``; a peer
+is lost when the socket closes (its process died: the kernel closes it) or nothing
+arrives for ``lease`` seconds (it hangs).
 
-* every transport instance runs one :class:`Liveness`; ``await start()`` returns its
-  ``host:port``, which the backend puts in :attr:`Descriptor.liveness`;
-* when a sender connects to a receiver it calls ``await watch(peer_id, address)``: a TCP
-  connection is opened to the receiver's liveness port, both ends say their instance id,
-  and both send one heartbeat byte every ``interval`` seconds;
-* either end declares the other lost when the connection closes (a killed process's
-  sockets are closed by its kernel at once, so this takes milliseconds on one host) or
-  when nothing arrives for ``lease`` seconds (a hung or unreachable host). The callback
-  ``on_lost(peer_instance_id, reason)`` runs once per connection, on the event loop.
+The rdma backend puts its UCX worker address in ``info``, so each side checks that the
+worker address it is about to hand to UCX is the one the live peer process announces
+for itself: UCX aborts the whole process on a malformed address, so an address taken
+from untrusted bytes never reaches it unchecked.
 
-So the receiver learns about a dead sender, and the sender about a dead receiver,
-without any cooperation from the data channel. ``watch`` of a peer whose liveness port
-answers with another instance id (it restarted) reports it lost immediately.
-
-The control plane may also call ``fail_peer`` directly from its own signal (bootstrap
-lease); the two are independent.
+Raw non-blocking sockets with reader callbacks and timers, not asyncio streams: no task
+per link, and under uvloop the first stream transport makes uvloop keep a private
+``/dev/null`` descriptor for the life of the process, which looks like a leaked
+descriptor to the conformance suite.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
+import socket
 import struct
-from typing import Awaitable, Callable, TypeVar
+import time
+from typing import Callable
 
 from pdgrpc.errors import ConfigError
 
+log = logging.getLogger("pdgrpc.transport.liveness")
+
 _MAGIC = b"PDGL"
 _BEAT = b"."
+_HELLO_HEAD = 6  # magic + u16 length
 OnLost = Callable[[str, str], None]
-T = TypeVar("T")
 
 
-def _hello(instance_id: str) -> bytes:
+def _hello(instance_id: str, info: bytes) -> bytes:
     raw = instance_id.encode()
-    return _MAGIC + struct.pack("!H", len(raw)) + raw
+    return _MAGIC + struct.pack("!H", len(raw)) + raw + struct.pack("!H", len(info)) + info
 
 
-async def _bounded(aw: Awaitable[T], timeout: float) -> T:
-    """``await aw`` for at most ``timeout`` s (raises ``asyncio.TimeoutError``).
+class _Link:
+    """One liveness connection (accepted, or opened by ``watch``)."""
 
-    Not ``asyncio.wait_for``: before Python 3.12 it can swallow a cancellation when the
-    awaited operation completes at the same moment, which with a steady heartbeat made
-    ``close()`` hang."""
-    task = asyncio.ensure_future(aw)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if not done:
-        raise asyncio.TimeoutError()
-    return task.result()
+    def __init__(self, owner: "Liveness", sock: socket.socket, expect: str | None, watched: bool) -> None:
+        self.owner = owner
+        self.sock = sock
+        self.expect = expect  # instance id the peer must announce (watch side)
+        self.watched = watched
+        self.peer = ""  # known once the peer's hello arrived
+        self.peer_info = b""
+        self.buf = b""
+        self.last_seen = time.monotonic()
+        self.ready: asyncio.Future[None] = owner.loop.create_future()
+        self.timer: asyncio.TimerHandle | None = None
+        self.closed = False
+        owner.loop.add_reader(sock.fileno(), self.on_readable)
+        self.timer = owner.loop.call_later(owner.interval, self.on_tick)
 
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            pass  # a full buffer still means the connection is alive; skip this beat
+        except OSError as exc:
+            self.lost(f"liveness connection lost: {exc!r}")
 
-async def _read_hello(reader: asyncio.StreamReader, timeout: float) -> str:
-    head = await _bounded(reader.readexactly(6), timeout)
-    if head[:4] != _MAGIC:
-        raise ConnectionError("not a pdgrpc liveness peer")
-    (n,) = struct.unpack("!H", head[4:])
-    return (await _bounded(reader.readexactly(n), timeout)).decode()
+    def on_readable(self) -> None:
+        try:
+            data = self.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.lost(f"liveness connection lost: {exc!r}")
+            return
+        if not data:
+            self.lost("liveness connection closed (peer exited or died)")
+            return
+        self.last_seen = time.monotonic()
+        if self.peer:
+            return  # heartbeat bytes: only their arrival matters
+        self.buf += data
+        if len(self.buf) < _HELLO_HEAD:
+            return
+        if self.buf[:4] != _MAGIC:
+            self.lost("not a pdgrpc liveness peer")
+            return
+        (n,) = struct.unpack("!H", self.buf[4:6])
+        if len(self.buf) < _HELLO_HEAD + n + 2:
+            return
+        (m,) = struct.unpack("!H", self.buf[_HELLO_HEAD + n : _HELLO_HEAD + n + 2])
+        if len(self.buf) < _HELLO_HEAD + n + 2 + m:
+            return
+        try:
+            peer = self.buf[_HELLO_HEAD : _HELLO_HEAD + n].decode()
+        except UnicodeDecodeError:
+            self.lost("liveness hello is not valid UTF-8")
+            return
+        self.peer_info = self.buf[_HELLO_HEAD + n + 2 : _HELLO_HEAD + n + 2 + m]
+        self.buf = b""
+        if self.expect is not None and peer != self.expect:
+            self.peer = self.expect
+            self.lost(f"liveness port belongs to instance {peer}, not {self.expect} (restarted)")
+            return
+        self.peer = peer
+        if not self.watched:
+            self.send(_hello(self.owner.instance_id, self.owner.info))
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    def on_tick(self) -> None:
+        if self.closed:
+            return
+        if time.monotonic() - self.last_seen > self.owner.lease:
+            self.lost(f"no heartbeat for {self.owner.lease:.1f} s")
+            return
+        if self.peer:
+            self.send(_BEAT)
+        self.timer = self.owner.loop.call_later(self.owner.interval, self.on_tick)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+        try:
+            self.owner.loop.remove_reader(self.sock.fileno())
+        except (ValueError, OSError):
+            pass
+        self.sock.close()
+        if not self.ready.done():
+            self.ready.set_result(None)
+        self.owner.links.discard(self)
+        if self.watched and self.owner.watching.get(self.expect or "") is self:
+            del self.owner.watching[self.expect or ""]
+
+    def lost(self, reason: str) -> None:
+        peer = self.peer or (self.expect or "")
+        was_closed = self.closed
+        self.close()
+        if was_closed or not peer or self.owner.closed:
+            return
+        if not self.watched and self.owner.live_link(peer) is not None:
+            # An accepted link only claims its id: its loss says nothing about a peer
+            # that is still up on another link (a forged hello, then a close, must not
+            # drop the real peer).
+            log.warning("liveness: a link claiming %s closed (%s); %s is still live on another link",
+                        peer, reason, peer)
+            return
+        self.owner.on_lost(peer, reason)
 
 
 class Liveness:
-    """One per transport instance: a heartbeat server plus outgoing watches."""
+    """One per transport instance: a heartbeat listener plus outgoing watches.
 
-    def __init__(
-        self,
-        instance_id: str,
-        on_lost: OnLost,
-        *,
-        host: str = "127.0.0.1",
-        interval: float = 0.25,
-        lease: float = 1.5,
-    ) -> None:
+    ``await start()`` returns ``host:port`` for :attr:`Descriptor.liveness`;
+    ``await watch(peer_id, address)`` returns once the peer answered with the expected
+    id (or, if it cannot be reached or is another instance, after ``on_lost`` ran);
+    ``on_lost(peer_instance_id, reason)`` runs once per link, on the event loop.
+    """
+
+    def __init__(self, instance_id: str, on_lost: OnLost, *, info: bytes = b"", host: str = "127.0.0.1",
+                 interval: float = 0.25, lease: float = 1.5) -> None:
         if not 0 < interval < lease:
             raise ConfigError(f"liveness: need 0 < interval ({interval}) < lease ({lease})")
+        if len(info) > 0xFFFF:
+            raise ConfigError(f"liveness: info of {len(info)} bytes does not fit the hello")
         self.instance_id = instance_id
-        self._on_lost = on_lost
-        self._host = host
-        self._interval = interval
-        self._lease = lease
-        self._server: asyncio.Server | None = None
+        self.info = info
+        self.on_lost = on_lost
+        self.host = host
+        self.interval = interval
+        self.lease = lease
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
+        self.listener: socket.socket | None = None
+        self.links: set[_Link] = set()
+        self.watching: dict[str, _Link] = {}
+        self.closed = False
         self._address = ""
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._watching: dict[str, asyncio.Task[None]] = {}
-        self._closed = False
 
     @property
     def address(self) -> str:
         return self._address
 
     async def start(self) -> str:
-        """Listen (idempotent); returns ``host:port`` for the descriptor."""
-        if self._server is None:
-            self._server = await asyncio.start_server(self._serve, self._host, 0)
-            port = self._server.sockets[0].getsockname()[1]
-            self._address = f"{self._host}:{port}"
+        if self.listener is None:
+            self.loop = asyncio.get_running_loop()
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            ls = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                ls.bind((self.host, 0))
+                ls.listen(64)
+                ls.setblocking(False)
+            except OSError:
+                ls.close()
+                raise
+            self.listener = ls
+            self.loop.add_reader(ls.fileno(), self._on_accept)
+            port = ls.getsockname()[1]
+            self._address = f"[{self.host}]:{port}" if family == socket.AF_INET6 else f"{self.host}:{port}"
         return self._address
 
-    async def watch(self, peer_instance_id: str, address: str) -> None:
-        """Start heartbeating with ``peer_instance_id`` at ``address`` (idempotent).
+    def _on_accept(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            self.links.add(_Link(self, sock, None, watched=False))
 
-        Returns once the peer answered with the expected id; if it cannot be reached or
-        is another instance, ``on_lost`` is called and this returns normally."""
-        if self._closed or peer_instance_id in self._watching:
-            return
-        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._watch(peer_instance_id, address, ready))
-        self._watching[peer_instance_id] = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        await asyncio.shield(ready)
+    async def watch(self, peer_instance_id: str, address: str) -> bytes | None:
+        """Returns the peer's ``info`` once it answered as ``peer_instance_id``; None if
+        it could not be reached or is another instance (``on_lost`` has run then)."""
+        if self.closed:
+            return None
+        existing = self.watching.get(peer_instance_id)
+        if existing is not None:
+            await asyncio.wait_for(asyncio.shield(existing.ready), self.lease)
+            return existing.peer_info if not existing.closed else None
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        host, _, port_s = address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            self.on_lost(peer_instance_id, f"peer {peer_instance_id}: cannot open a liveness socket: {exc!r}")
+            return None
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(self.loop.sock_connect(sock, (host, int(port_s))), self.lease)
+        except (OSError, ValueError, asyncio.TimeoutError) as exc:
+            sock.close()
+            self.on_lost(peer_instance_id, f"peer {peer_instance_id} unreachable at {address}: {exc!r}")
+            return None
+        except BaseException:
+            sock.close()
+            raise
+        if self.closed:
+            sock.close()
+            return None
+        link = _Link(self, sock, peer_instance_id, watched=True)
+        self.links.add(link)
+        self.watching[peer_instance_id] = link
+        link.send(_hello(self.instance_id, self.info))
+        try:
+            await asyncio.wait_for(asyncio.shield(link.ready), self.lease)
+        except asyncio.TimeoutError:
+            link.lost(f"peer {peer_instance_id} at {address} did not answer the liveness hello")
+        return link.peer_info if not link.closed else None
+
+    def live_link(self, peer_instance_id: str) -> "_Link | None":
+        """A live link on which a peer announced that instance id, if any."""
+        for link in self.links:
+            if link.peer == peer_instance_id and not link.closed and link.ready.done():
+                return link
+        return None
+
+    def peer_info(self, peer_instance_id: str) -> bytes | None:
+        """``info`` announced by a live peer with that instance id (on any link)."""
+        link = self.live_link(peer_instance_id)
+        return None if link is None else link.peer_info
 
     def unwatch(self, peer_instance_id: str) -> None:
-        task = self._watching.pop(peer_instance_id, None)
-        if task is not None:
-            task.cancel()
+        link = self.watching.pop(peer_instance_id, None)
+        if link is not None:
+            link.close()
 
     async def close(self) -> None:
-        self._closed = True
-        if self._server is not None:
-            self._server.close()
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
-            self._server = None
-        self._watching.clear()
-
-    # -- internals -------------------------------------------------------------------
-    def _lost(self, peer: str, reason: str) -> None:
-        if not self._closed:
-            self._on_lost(peer, reason)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)  # type: ignore[arg-type]
-        peer = ""
-        try:
-            peer = await _read_hello(reader, self._lease)
-            writer.write(_hello(self.instance_id))
-            reason = await self._beat(reader, writer)
-            self._lost(peer, reason)
-        except asyncio.CancelledError:
-            pass
-        except (OSError, EOFError, ConnectionError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
-            if peer:
-                self._lost(peer, f"liveness connection failed: {exc!r}")
-        finally:
-            writer.close()
-            self._tasks.discard(task)  # type: ignore[arg-type]
-
-    async def _watch(self, peer: str, address: str, ready: asyncio.Future[None]) -> None:
-        writer: asyncio.StreamWriter | None = None
-        try:
-            host, _, port = address.rpartition(":")
-            reader, w = await _bounded(asyncio.open_connection(host, int(port)), self._lease)
-            writer = w
-            w.write(_hello(self.instance_id))
-            got = await _read_hello(reader, self._lease)
-            if got != peer:
-                raise ConnectionError(f"liveness port {address} belongs to instance {got}, not {peer} (restarted)")
-            ready.set_result(None)
-            reason = await self._beat(reader, w)
-            self._lost(peer, reason)
-        except asyncio.CancelledError:
-            pass
-        except (OSError, EOFError, ConnectionError, asyncio.TimeoutError, ValueError, UnicodeDecodeError) as exc:
-            self._lost(peer, f"peer {peer} unreachable at {address}: {exc!r}")
-        finally:
-            if not ready.done():
-                ready.set_result(None)
-            if writer is not None:
-                writer.close()
-            if self._watching.get(peer) is asyncio.current_task():
-                del self._watching[peer]
-
-    async def _beat(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
-        """Heartbeat until the peer is lost; returns why."""
-
-        async def send() -> None:
-            while True:
-                writer.write(_BEAT)
-                await writer.drain()
-                await asyncio.sleep(self._interval)
-
-        sender = asyncio.create_task(send())
-        try:
-            while True:
-                try:
-                    data = await _bounded(reader.read(64), self._lease)
-                except asyncio.TimeoutError:
-                    return f"no heartbeat for {self._lease:.1f} s"
-                except OSError as exc:
-                    return f"liveness connection lost: {exc!r}"
-                if not data:
-                    return "liveness connection closed (peer exited or died)"
-                if sender.done():
-                    return "liveness connection lost while sending"
-        finally:
-            sender.cancel()
-            with contextlib.suppress(BaseException):
-                await sender
+        self.closed = True
+        for link in list(self.links):
+            link.close()
+        self.watching.clear()
+        if self.listener is not None:
+            try:
+                self.loop.remove_reader(self.listener.fileno())
+            except (ValueError, OSError):
+                pass
+            self.listener.close()
+            self.listener = None

@@ -2,19 +2,12 @@
 
 Why: between processes on one host, UCX moves a rendezvous message with one
 ``process_vm_readv`` (cma), and a socket ``recv_into`` copies into the pool; both walk
-and pin the buffers page by page. Measured here (two processes, 2 cores, UCX 1.21 over
-shared memory), one 96 MiB tag message took 10.6 ms between ``torch.zeros`` buffers (4 KiB
-pages) and 5.8 ms between huge-page buffers; 12 MiB as 48 scatter/gather pieces 0.77 ms
-vs 0.50 ms. ``torch.zeros`` never asks for huge pages, and with the common kernel setting
-``transparent_hugepage=madvise`` a buffer gets them only if it asks.
-
-Engines opt in (the reference engine with ``--kv-huge-pages``). An earlier measurement
-had a prefill worker's compute ~20% slower on a huge-page pool; that was glibc malloc
-page-faulting the compute's temporaries, which varied from process to process (see
-:mod:`pdgrpc.engine.malloc`). With malloc tuned, the compute is the same on either
-pool (512-token prefill 25.9-26.9 vs 25.9-26.1 ms) and so is end-to-end TTFT at 512
-tokens (0.5 MiB of KV per request), so the default stays what every allocator gives.
-The transport benchmark registers huge-page regions unless told ``--no-huge-pages``.
+and pin the buffers page by page, which huge pages make cheaper (one 96 MiB message:
+10.6 ms on 4 KiB pages, 5.8 ms on huge pages; history in docs/performance.md,
+"Transport"). ``torch.zeros`` never asks for huge pages, and with the common kernel
+setting ``transparent_hugepage=madvise`` a buffer gets them only if it asks. Engines opt
+in (the reference engine with ``--kv-huge-pages``); the transport benchmark registers
+huge-page regions unless told ``--no-huge-pages``.
 
 :func:`host_zeros` asks: an anonymous mapping aligned to 2 MiB, advised
 ``MADV_HUGEPAGE``, then touched (zeroed) once so the page faults happen at start-up

@@ -5,40 +5,11 @@ descriptor (``Descriptor.endpoint``). That lets UCX choose the best path per pee
 memory between processes on one host (sysv/posix eager, cma zero-copy rendezvous) and
 RDMA verbs between hosts when UCX was built with them. Endpoint error handling is off
 (it would force UCX off the fast shared-memory transports), so peer death is detected by
-:mod:`pdgrpc.transport.liveness`'s heartbeat protocol (a side channel whose address
-is ``Descriptor.liveness``; implemented on raw sockets in :mod:`._ucx_liveness`) and routed into :meth:`RdmaTransport.fail_peer`, which cancels
+:mod:`pdgrpc.transport.liveness` (a heartbeat side channel whose address is
+``Descriptor.liveness``) and routed into :meth:`RdmaTransport.fail_peer`, which cancels
 the pending UCX requests of that peer.
 
-Protocol (all UCX tag messages; tags are ``kind:4 | conn:28 | seq:32``)
------------------------------------------------------------------------
-``CTRL`` (to a receiver; all senders share the tag, the body says who) and ``REPLY``
-(to a sender) carry small little-endian control messages, each starting with
-``type u8 | pad 3 | conn u32 | seq u64``:
-
-* ``HELLO`` (sender -> receiver): the sender's local connection id, instance ids, and
-  its own worker address (for replies). ``HELLO_OK`` assigns the receiver-side
-  connection id that the sender then puts in every tag; ``HELLO_REFUSED`` says why not.
-* ``WRITE``: room, the sequence number of its first data message, how many ops each
-  data message carries, then the op table (``region u16 | pad 6 | offset u64 |
-  length u64``, destination side). The data messages (tag ``DATA | conn | seq``) follow:
-  consecutive ops are batched into scatter/gather messages of about ``zero_copy_min``
-  bytes and at most ``iov_max`` ops each (UCX moves large ones by zero-copy rendezvous).
-* ``META``: the room, the number of KV bytes the sender wrote for the room before it,
-  the destination of the metadata row, and the row itself (inline).
-* ``ACK`` / ``NACK`` (receiver -> sender): the room's metadata row landed / the room
-  failed on the receiver, with the reason.
-
-Receiver-side authorization: a ``WRITE`` is checked op by op against the room's
-:class:`~pdgrpc.transport.base.RoomGrant` *before* any receive is posted. Only then are
-receives posted, with iov entries pointing into exactly the granted destination bytes.
-If any op is not allowed the room fails with the reason, the sender is NACKed, and the
-write's data messages are received into a small scratch buffer (so they do not pile up
-in UCX's unexpected queue) and dropped: nothing lands in the pool.
-
-Metadata last: the row is kept aside (in its control message) and copied into the slot
-only once every data message of the room that the sender wrote before it has landed;
-then the room is ``SUCCESS`` on the receiver and the ``ACK`` makes it ``SUCCESS`` on the
-sender. Control messages are processed in per-connection sequence order.
+Wire format: :mod:`.rdma_wire`. Receiver side (authorization, metadata last): :mod:`.rdma_recv`.
 
 Peer failure: the liveness channel closes within milliseconds when a peer process dies
 (its kernel closes the socket) and misses heartbeats if a host hangs; either way every
@@ -47,182 +18,55 @@ endpoint is dropped, and the next ``connect`` builds a fresh one. Connections ar
 by the peer's instance id (a fresh id per process start), so a restarted peer never
 gets a cached endpoint.
 
-Release: a released room's not-yet-matched receives are cancelled (and drained to
-scratch), so a late write cannot land in pages reused by another request. A receive
-that UCX already matched finishes into the pages it was authorized for (a network
-transfer in flight cannot be recalled); the decode side reuses an aborted request's
-pages only after the sender acknowledged the abort or its lease expired (DESIGN.md).
+Options (seconds, bytes, counts):
 
-Options: ``zero_copy_min`` (bytes per data message: a message is closed once the ops
-in it reach this size; default 16 MiB), ``iov_max`` (ops per data message, default
-4096), ``connect_timeout``
-(seconds, default 5), ``liveness_interval`` / ``liveness_lease`` (seconds; defaults 0.5 /
-5: a peer that *dies* is noticed in milliseconds because its kernel closes the liveness
-socket; the lease only catches a hung peer or host, and must outlast the longest time
-either side's event loop can be busy, e.g. hashing a large buffer on a loaded machine),
-``host`` (the liveness listen address, advertised in the descriptor: use an address
-peers can reach; default 127.0.0.1), ``progress_spin_s`` (how long the UCX worker keeps
-busy-polling after the last completion, and only while a transfer of its own is
-pending, before sleeping on its epoll descriptor; default 0: on a host whose cores are
-all busy (2 cores: the peer process and the engine's compute thread) any spin steals
-the CPU the other side needs, see :mod:`._ucx`). UCX itself is
-configured through the usual ``UCX_*`` environment variables (``UCX_TLS`` etc.);
-nothing is forced. One of them breaks this protocol: with ``UCX_MM_SEG_SIZE`` raised to
-64K, UCX 1.21 completes every iov receive over shared memory as truncated. The rooms then
-fail cleanly ("did not arrive intact"), but none succeeds. docs/transports.md says to leave it
-at its default.
+* ``zero_copy_min`` (16 MiB): a data message closes once its ops reach this size;
+* ``iov_max`` (4096): ops per data message; ``connect_timeout`` (5);
+* ``liveness_interval`` / ``liveness_lease`` (0.5 / 5): a peer that dies is noticed in
+  milliseconds (its kernel closes the liveness socket); the lease catches a hung peer
+  and must outlast the longest time either side's loop can be busy;
+* ``host`` (127.0.0.1): the liveness listen address, advertised to peers;
+* ``progress_spin_s`` (0): busy-polling after the last completion while a transfer is
+  pending; on a host whose cores are all busy any spin steals the peer's CPU.
+
+UCX reads its usual ``UCX_*`` variables; nothing is forced. Leave ``UCX_MM_SEG_SIZE`` at
+its default: raised to 64K, UCX 1.21 completes every iov receive over shared memory as
+truncated (the rooms fail cleanly, "did not arrive intact", but none succeeds; see
+docs/transports.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import itertools
 import logging
 import struct
 import time
-from typing import Any, Awaitable, Callable, NamedTuple, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 import torch
 
 from pdgrpc.errors import ConfigError, PeerFailure, TransportError
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.transport._ucx import (
-    FULL_MASK,
-    UCS_ERR_CANCELED,
-    UCS_ERR_MESSAGE_TRUNCATED,
-    UCS_OK,
-    Pieces,
-    UcxError,
-    UcxWorker,
-)
+from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
 from pdgrpc.transport.base import (
-    BadDescriptor,
-    Descriptor,
-    MemoryRegion,
-    Peer,
-    RoomGrant,
-    Transport,
-    WriteOp,
-    WriteOps,
-    after_reactions,
+    BadDescriptor, Descriptor, MemoryRegion, Peer, RegionInfo, Transport, WriteOp, WriteOps, check_source_ops,
 )
-from pdgrpc.transport._ucx_liveness import RawLiveness
+from pdgrpc.transport.liveness import Liveness
+from pdgrpc.transport.rdma_recv import RdmaReceiver
+from pdgrpc.transport.rdma_wire import (
+    COMMON, CTRL_BUF, CTRL_POSTED, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_CTRL, KIND_MASK,
+    KIND_REPLY, MAX_OPS_PER_WRITE, MAX_ROW, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, ACK, WRITE,
+    WRITE_BODY, CLOSE_SEND_GRACE_S, ctrl_tag, data_tag, plan_chunk, Plan, RecvConn, RecvRoom, Region, SendConn, SendRoom,
+)
+from pdgrpc.transport.receiver import Receiver, Refusal
 
 log = logging.getLogger("pdgrpc.transport.rdma")
 
-# -- wire format ------------------------------------------------------------------------
-KIND_SHIFT = 60
-KIND_MASK = 0xF << KIND_SHIFT
-KIND_CTRL, KIND_REPLY, KIND_DATA = 1, 2, 3
-CONN_BITS = 28
 
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = range(1, 8)
-COMMON = struct.Struct("<B3xIQ")  # type, conn, seq
-HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address)
-HELLO_OK_BODY = struct.Struct("<IH2x")  # assigned conn id, len(receiver id)
-WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
-# then n messages x u32 (ops in each data message), then the op table:
-OP_DTYPE = np.dtype([("region", "<u2"), ("pad", "V6"), ("offset", "<u8"), ("length", "<u8")])
-META_BODY = struct.Struct("<QQH6xQQ")  # room, kv bytes before, region, offset, length
-ROOM_BODY = struct.Struct("<Q")
-
-CTRL_BUF = 256 * 1024  # largest control message
-CTRL_POSTED = 8  # control receives kept posted per kind
-MAX_OPS_PER_WRITE = 4096  # keeps a WRITE message well under CTRL_BUF
-MAX_ROW = CTRL_BUF - COMMON.size - META_BODY.size
-SCRATCH = 1 << 20  # drain buffer for rejected payloads
-CLOSE_SEND_GRACE_S = 1.0  # close(): how long in-flight sends to live peers may finish
-
-
-def ctrl_tag(kind: int) -> int:
-    return kind << KIND_SHIFT
-
-
-def data_tag(conn: int, seq: int) -> int:
-    return (KIND_DATA << KIND_SHIFT) | (conn << 32) | (seq & 0xFFFFFFFF)
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type != "cpu":
-        raise ConfigError(
-            f"rdma transport: this build registers host memory only; got a tensor on {tensor.device}"
-        )
-    flat = tensor.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-class _Region:
-    __slots__ = ("info", "flat", "ptr")
-
-    def __init__(self, region: MemoryRegion) -> None:
-        self.flat = _flat_bytes(region.tensor)
-        self.ptr = self.flat.data_ptr()
-        self.info = region.info()
-
-
-# -- per-connection / per-room state ----------------------------------------------------
-class _SendConn:
-    """Sender side of one connection (to one receiver instance)."""
-
-    def __init__(self, local_id: int, desc: Descriptor, ep: Any) -> None:
-        self.local_id = local_id
-        self.desc = desc
-        self.ep = ep
-        self.remote_id = 0  # assigned by the receiver's HELLO_OK
-        self.ctrl_seq = 0
-        self.data_seq = 0
-        self.hello: asyncio.Future[tuple[bool, int, str]] | None = None
-        self.rooms: set[int] = set()
-        self.tokens: set[int] = set()
-        self.dead = False
-
-
-class _RecvConn:
-    """Receiver side of one connection (from one sender instance)."""
-
-    def __init__(self, conn_id: int, sender_id: str, sender_local: int, ep: Any) -> None:
-        self.conn_id = conn_id
-        self.sender_id = sender_id
-        self.sender_local = sender_local  # the sender's id for this connection (in replies)
-        self.ep = ep
-        self.next_seq = 1
-        self.early: dict[int, bytes] = {}  # control messages that arrived out of order
-        self.rooms: set[int] = set()
-        self.tokens: set[int] = set()
-
-
-class _RecvRoom:
-    def __init__(self, grant: RoomGrant) -> None:
-        self.grant = grant
-        self.pending: dict[int, int] = {}  # conn id -> data receives outstanding
-        self.landed: dict[int, int] = {}  # conn id -> bytes landed
-        self.tokens: set[int] = set()
-        self.meta: tuple[int, int, _Region, int, bytes] | None = None  # conn, kv bytes, region, offset, row
-        self.nacked = False
-        self.released = False
-
-
-class _SendRoom:
-    def __init__(self, conn: _SendConn) -> None:
-        self.conn = conn
-        self.kv_bytes = 0
-        self.tokens: set[int] = set()
-
-
-class _Plan(NamedTuple):
-    """One WRITE's data messages, checked and planned (sequence numbers come at send)."""
-
-    counts: list[int]  # ops per data message
-    n_ops: int
-    table_bytes: bytes  # the WRITE body after its header: counts, then the op table
-    iov: np.ndarray  # (n_ops, 2) uint64 {source address, length}
-    nbytes: int
-
-
-class RdmaTransport(Transport):
+class RdmaTransport(RdmaReceiver, Transport):
     """The ``rdma`` backend (UCX). See the module docstring."""
 
     name = "rdma"
@@ -255,27 +99,26 @@ class RdmaTransport(Transport):
         if progress_spin_s < 0:
             raise ConfigError(f"rdma: progress_spin_s must be >= 0, got {progress_spin_s}")
         self._worker = UcxWorker(spin_s=progress_spin_s)  # raises TransportUnavailable (with the install hint)
-        self._liveness = RawLiveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
+        self._liveness = Liveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
                                   interval=liveness_interval, lease=liveness_lease)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._regions: dict[int, _Region] = {}
+        self._regions: dict[int, Region] = {}
         # region id -> base address / size (-1: not registered), for vectorised lookups
         self._ptr_table = np.zeros(1 << 16, dtype=np.uint64)
-        self._size_table = np.full(1 << 16, -1, dtype=np.int64)
-        self._item_table = np.ones(1 << 16, dtype=np.uint64)  # bytes per page / row
-        self._meta_table = np.zeros(1 << 16, dtype=bool)  # metadata-kind region
+        self._infos: dict[int, RegionInfo] = {}
         self._started = False
         self._closed = False
         # sender side
-        self._send_conns: dict[str, _SendConn] = {}  # peer instance id -> connection
-        self._send_by_local: dict[int, _SendConn] = {}
+        self._send_conns: dict[str, SendConn] = {}  # peer instance id -> connection
+        self._send_by_local: dict[int, SendConn] = {}
         self._connecting: dict[str, asyncio.Future[None]] = {}
         self._lost_while_connecting: dict[str, str] = {}
-        self._send_rooms: dict[int, _SendRoom] = {}
+        self._send_rooms: dict[int, SendRoom] = {}
         self._local_ids = itertools.count(1)
         # receiver side
-        self._recv_conns: dict[int, _RecvConn] = {}
-        self._recv_rooms: dict[int, _RecvRoom] = {}
+        self._recv_conns: dict[int, RecvConn] = {}
+        self._recv_rooms: dict[int, RecvRoom] = {}
+        self._recv = Receiver(self.rooms)
         self._conn_ids = itertools.count(1)
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
         self._ctrl_bufs: list[torch.Tensor] = []
@@ -339,11 +182,10 @@ class RdmaTransport(Transport):
         for r in regions:
             if r.region_id in self._regions:
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
-            reg = self._regions[r.region_id] = _Region(r)
+            reg = self._regions[r.region_id] = Region(r)
             self._ptr_table[r.region_id] = reg.ptr
-            self._size_table[r.region_id] = reg.info.nbytes
-            self._item_table[r.region_id] = max(1, reg.info.item_bytes)
-            self._meta_table[r.region_id] = reg.info.kind.value == "metadata"
+            self._infos[r.region_id] = reg.info
+            self._recv.add_region(reg.info)
         await self._liveness.start()
         return self._descriptor().to_bytes()
 
@@ -390,7 +232,7 @@ class RdmaTransport(Transport):
         if not 16 <= len(address) <= 65535 or (address[0] & 0x0F) != (own[0] & 0x0F):
             raise BadDescriptor(f"{what} carries no valid UCX worker address ({len(address)} bytes)")
 
-    async def _handshake(self, d: Descriptor) -> _SendConn:
+    async def _handshake(self, d: Descriptor) -> SendConn:
         # Liveness first: a dead peer's port refuses at once, before any UCX endpoint
         # is pointed at a worker that no longer exists, and the live peer tells us its
         # worker address, which must be the descriptor's.
@@ -408,7 +250,7 @@ class RdmaTransport(Transport):
         except UcxError as exc:
             self._liveness.unwatch(d.instance_id)
             raise PeerFailure(f"rdma peer {d.instance_id}: {exc}") from None
-        conn = _SendConn(next(self._local_ids), d, ep)
+        conn = SendConn(next(self._local_ids), d, ep)
         self._send_by_local[conn.local_id] = conn
         conn.hello = asyncio.get_running_loop().create_future()
         sid, tid = self.instance_id.encode(), d.instance_id.encode()
@@ -436,12 +278,12 @@ class RdmaTransport(Transport):
                 self._drop_send_conn(conn)
                 self._liveness.unwatch(d.instance_id)
 
-    def _send_ctrl(self, conn: _SendConn, msg: bytes, room_id: int | None, room: _SendRoom | None) -> None:
+    def _send_ctrl(self, conn: SendConn, msg: bytes, room_id: int | None, room: SendRoom | None) -> None:
         buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
         self._send(conn, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_CTRL), room_id, room, buf)
 
-    def _send(self, conn: _SendConn, pieces: Pieces, tag: int, room_id: int | None,
-              room: _SendRoom | None, keep: Any) -> None:
+    def _send(self, conn: SendConn, pieces: Pieces, tag: int, room_id: int | None,
+              room: SendRoom | None, keep: Any) -> None:
         token_box: list[int] = []
 
         def done(status: int, length: int, _tag: int) -> None:
@@ -478,7 +320,7 @@ class RdmaTransport(Transport):
 
         return send
 
-    def _plan(self, room: int, ops: Sequence[WriteOp], metadata: WriteOp | None) -> list[_Plan]:
+    def _plan(self, room: int, ops: Sequence[WriteOp], metadata: WriteOp | None) -> list[Plan]:
         """Check ``ops`` (and ``metadata``) against the registered regions and plan the
         data messages; raises :class:`ConfigError` for an op outside its region."""
         self._ensure_started()
@@ -488,25 +330,15 @@ class RdmaTransport(Transport):
             table = ops.array if isinstance(ops, WriteOps) else WriteOps.of(ops).array
         except OverflowError:
             raise ConfigError(f"rdma write for room {room}: an offset or length does not fit in 63 bits") from None
-        checks = table if metadata is None else np.vstack([table, np.array(
-            [[metadata.src_region, metadata.src_offset, metadata.dst_region, metadata.dst_offset, metadata.length]],
-            dtype=np.int64)])
-        sizes = self._size_table[checks[:, 0]]
-        bad = np.flatnonzero((sizes < 0) | (checks[:, 1] + checks[:, 4] > sizes))
-        if len(bad):
-            r, o, _, _, n = (int(x) for x in checks[bad[0]])
-            src = self._regions.get(r)
-            if src is None:
-                raise ConfigError(f"rdma write for room {room}: source region {r} is not registered")
-            raise ConfigError(
-                f"rdma write for room {room}: source bytes [{o}, {o + n}) outside region {src.info.name!r} "
-                f"of {src.info.nbytes} bytes"
-            )
+        check_source_ops(WriteOps(table), self._infos)
+        if metadata is not None:
+            check_source_ops([metadata], self._infos)
         if metadata is not None and metadata.length > MAX_ROW:
             raise ConfigError(f"rdma: metadata row of {metadata.length} bytes exceeds the {MAX_ROW}-byte limit")
-        return [p for i in range(0, len(table), MAX_OPS_PER_WRITE) if (p := self._plan_chunk(table[i : i + MAX_OPS_PER_WRITE]))]
+        return [p for i in range(0, len(table), MAX_OPS_PER_WRITE)
+                if (p := plan_chunk(table[i : i + MAX_OPS_PER_WRITE], self._ptr_table, self._zc_min, self._iov_max))]
 
-    def _send_planned(self, peer: Peer, room: int, plans: list[_Plan], metadata: WriteOp | None) -> None:
+    def _send_planned(self, peer: Peer, room: int, plans: list[Plan], metadata: WriteOp | None) -> None:
         self.rooms.create(room, KVPoll.TRANSFERRING)
         conn = self._send_conns.get(peer.instance_id)
         sroom = self._send_rooms.get(room)
@@ -514,7 +346,7 @@ class RdmaTransport(Transport):
             self.rooms.fail(room, f"no live connection to rdma peer {peer.instance_id} (connect again)")
             return
         if sroom is None:
-            sroom = self._send_rooms[room] = _SendRoom(conn)
+            sroom = self._send_rooms[room] = SendRoom(conn)
             conn.rooms.add(room)
         elif sroom.conn is not conn:
             self.rooms.fail(room, f"room {room} is already being written to another peer")
@@ -534,35 +366,7 @@ class RdmaTransport(Transport):
         except PeerFailure as exc:
             self.rooms.fail(room, str(exc))
 
-    def _plan_chunk(self, table: np.ndarray) -> "_Plan | None":
-        # Plan the data messages: consecutive ops share one scatter/gather message
-        # until it holds ``zero_copy_min`` bytes or ``iov_max`` ops (vectorised: a new
-        # message starts where an op's start offset crosses into the next
-        # zero_copy_min window, or at every iov_max-th op within a window).
-        # Measured here (two processes, shared memory, 2 cores): one UCX rendezvous
-        # per 256 KiB-8 MiB op cost 2-3x the raw baseline at 96-384 MiB, while a
-        # few large iov messages reach it (UCX zero-copies iov rendezvous too): the
-        # per-message handshake, not the bytes, was the cost.
-        lens = table[:, 4]
-        n = len(lens)
-        if n == 0:
-            return None
-        window = (np.cumsum(lens) - lens) // self._zc_min
-        starts = np.flatnonzero(np.r_[True, window[1:] != window[:-1]])
-        rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-        key = window * (n + 1) + rank // self._iov_max
-        counts = np.diff(np.r_[np.flatnonzero(np.r_[True, key[1:] != key[:-1]]), n]).tolist()
-        if not counts:
-            return None
-        ops = np.zeros(len(table), dtype=OP_DTYPE)
-        ops["region"], ops["offset"], ops["length"] = table[:, 2], table[:, 3], table[:, 4]
-        # iov rows {source address, length}, read in place by UCX
-        iov = np.empty((len(table), 2), dtype=np.uint64)
-        iov[:, 0] = self._ptr_table[table[:, 0]] + table[:, 1].astype(np.uint64)
-        iov[:, 1] = table[:, 4]
-        return _Plan(counts, len(table), np.asarray(counts, dtype="<u4").tobytes() + ops.tobytes(), iov, int(lens.sum()))
-
-    def _send_plan(self, conn: _SendConn, room: int, sroom: _SendRoom, plan: _Plan) -> None:
+    def _send_plan(self, conn: SendConn, room: int, sroom: SendRoom, plan: Plan) -> None:
         conn.ctrl_seq += 1
         first = conn.data_seq
         conn.data_seq += len(plan.counts)
@@ -572,31 +376,8 @@ class RdmaTransport(Transport):
             plan.table_bytes,
         ])
         self._send_ctrl(conn, msg, room, sroom)
-        # Each message goes out as its iov rows, read in place by UCX. Measured
-        # alternative (2-core host, 8k/32k tokens of scattered 4 KiB pages): gathering
-        # each message into a contiguous staging buffer on the sender first (torch
-        # index_select, then one contiguous zero-copy message) was 2x slower (41 vs
-        # 18 ms, 92 vs 64 ms), and also scattering out of a bounce buffer on the
-        # receiver 5-7x slower: UCX's iov rendezvous already copies page by page
-        # without the extra pass over the bytes.
-        # Also measured and not kept (same bench, old and new alternated in one
-        # session, 2 cores; UCX_PROTO_INFO shows every iov message, either side, goes
-        # "fragmented copy-in copy-out" over sysv, contiguous ones cma zero-copy):
-        # * merging address-adjacent rows (sender by source, receiver by destination,
-        #   after authorization): head-sliced 8k/32k 0.46/0.44x whole-page with it vs
-        #   0.47-0.48/0.43x without -- the fragmented copy does not care how many
-        #   entries feed it;
-        # * staging strided head slices with one numpy strided copy per run, sent
-        #   contiguously: 32k head-sliced 35 ms vs 28 ms without (the extra pass);
-        # * one contiguous message per op (iov_max=1; cma zero-copy each): 8k/32k
-        #   contiguous 19/62 ms vs 6.7/24 ms as iov messages;
-        # * the receiver pulling with process_vm_readv itself (one-copy, iov on both
-        #   sides, after authorizing), in a standalone test: 12 MiB as 48 pieces
-        #   0.49 ms (UCX's iov path: ~0.8 ms), 96/384 MiB contiguous 5.9/23.8 ms (about
-        #   the same as UCX), random 4 KiB pages 4.5-5.4 GB/s (the kernel pins every
-        #   piece; UCX: ~8). A second, same-host-only data path for ~0.3 ms at 1k
-        #   tokens was not worth its failure modes;
-        # * progress_spin_s 0.5/2 ms: 1k/8k no faster (the peer loses the core).
+        # Each message goes out as its iov rows, read in place by UCX: staging into a
+        # contiguous buffer first was 2x slower (docs/performance.md, "Transport").
         k = 0
         for i, c in enumerate(plan.counts):
             self._send(conn, plan.iov[k : k + c], data_tag(conn.remote_id, first + i), room, sroom, plan.iov)
@@ -627,273 +408,9 @@ class RdmaTransport(Transport):
         if typ == ACK:
             self.rooms.set(room, KVPoll.SUCCESS)
         elif typ == NACK:
-            reason = body[ROOM_BODY.size :].decode(errors="replace")
-            self.rooms.fail(room, f"receiver rejected room {room}: {reason}")
-
-    # -- receiver --------------------------------------------------------------------
-    def advertise(self, grant: RoomGrant) -> None:
-        if self._closed:
-            raise TransportError("rdma transport is closed")
-        self._recv_rooms[grant.room] = _RecvRoom(grant)
-        self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
-
-    def _reply(self, conn: _RecvConn, typ: int, body: bytes) -> None:
-        msg = COMMON.pack(typ, conn.sender_local, 0) + body
-        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
-        token_box: list[int] = []
-
-        def done(status: int, length: int, tag: int) -> None:
-            if token_box:
-                conn.tokens.discard(token_box[0])
-
-        try:
-            token_box.append(self._worker.send(conn.ep, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_REPLY), done, buf))
-            conn.tokens.add(token_box[0])
-        except UcxError as exc:
-            log.warning("rdma: reply to sender %s failed: %s", conn.sender_id, exc)
-
-    def _nack(self, conn: _RecvConn | None, room: int, reason: str) -> None:
-        rr = self._recv_rooms.get(room)
-        if rr is not None:
-            if rr.nacked:
-                return
-            rr.nacked = True
-        if conn is not None:
-            self._reply(conn, NACK, ROOM_BODY.pack(room) + reason.encode()[:4096])
-
-    def _on_ctrl(self, msg: bytes) -> None:
-        typ, conn_id, seq = COMMON.unpack_from(msg)
-        if typ == HELLO:
-            self._on_hello(conn_id, msg[COMMON.size :])
-            return
-        conn = self._recv_conns.get(conn_id)
-        if conn is None:
-            # Unknown or dropped connection (its peer was failed): drain its payload
-            # so it cannot linger, answer nothing.
-            if typ == WRITE:
-                self._drain_write(conn_id, msg)
-            return
-        if seq != conn.next_seq:
-            if seq > conn.next_seq:
-                conn.early[seq] = msg
-            return
-        while True:
-            conn.next_seq += 1
-            if typ == WRITE:
-                self._on_write(conn, msg)
-            elif typ == META:
-                self._on_meta(conn, msg)
-            nxt = conn.early.pop(conn.next_seq, None)
-            if nxt is None or conn.conn_id not in self._recv_conns:
-                return
-            msg = nxt
-            typ = msg[0]
-
-    def _on_hello(self, sender_local: int, body: bytes) -> None:
-        ns, nt, na = HELLO_BODY.unpack_from(body)
-        off = HELLO_BODY.size
-        sender_id = body[off : off + ns].decode()
-        target = body[off + ns : off + ns + nt].decode()
-        addr = body[off + ns + nt : off + ns + nt + na]
-        if self._liveness.peer_info(sender_id) != addr:
-            # Only a sender whose liveness link is up, announcing this same worker
-            # address, gets an endpoint (and a reply); anything else is dropped.
-            log.warning("rdma: HELLO from %s ignored: no live liveness link announcing its worker address", sender_id)
-            return
-        try:
-            ep = self._worker.endpoint(addr)
-        except UcxError as exc:
-            log.warning("rdma: cannot answer HELLO from %s: %s", sender_id, exc)
-            return
-        conn_id = next(self._conn_ids) & ((1 << CONN_BITS) - 1)
-        conn = _RecvConn(conn_id, sender_id, sender_local, ep)
-        if target != self.instance_id:
-            self._reply(conn, HELLO_REFUSED, f"this is instance {self.instance_id}, not {target}".encode())
-            self._worker.drop_endpoint(ep)  # the reply is flushed by the bounded close
-            return
-        self._recv_conns[conn_id] = conn
-        rid = self.instance_id.encode()
-        self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid)) + rid)
-
-    @staticmethod
-    def _parse_write(msg: bytes) -> tuple[int, int, list[int], np.ndarray]:
-        """(room, first data seq, ops per data message, op table) of a WRITE."""
-        room, first, n_msgs, n_ops = WRITE_BODY.unpack_from(msg, COMMON.size)
-        off = COMMON.size + WRITE_BODY.size
-        if n_msgs > n_ops or len(msg) < off + 4 * n_msgs + OP_DTYPE.itemsize * n_ops:
-            raise ValueError("WRITE is shorter than its op table")
-        counts = np.frombuffer(msg, dtype="<u4", count=n_msgs, offset=off).tolist()
-        off += 4 * n_msgs
-        if sum(counts) != n_ops or (n_msgs and min(counts) == 0):
-            raise ValueError("WRITE op table does not match its counts")
-        ops = np.frombuffer(msg, dtype=OP_DTYPE, count=n_ops, offset=off)
-        return room, first, counts, ops
-
-    def _authorize(self, grant: RoomGrant, ops: np.ndarray) -> str | None:
-        """None if every op lands inside what ``grant`` allows, else the reason for
-        the first op that does not (vectorised; the reason text comes from
-        :meth:`RoomGrant.check`, the one authority on what a grant allows)."""
-        # One pass over all ops (per-region table lookups), not one numpy round per
-        # region: with 48 KV regions the per-region loop cost ~1 ms per WRITE, most of
-        # a small transfer's latency.
-        regions = ops["region"].astype(np.int64)
-        offs = ops["offset"]
-        lens = ops["length"]
-        sizes = self._size_table[regions]
-        size = np.maximum(sizes, 0).astype(np.uint64)
-        inside = (sizes >= 0) & (lens > 0) & (lens <= size) & (offs <= size - np.minimum(lens, size))
-        ib = self._item_table[regions]
-        first = offs // ib
-        last = (offs + np.maximum(lens, np.uint64(1)) - np.uint64(1)) // ib
-        is_meta = self._meta_table[regions]
-        runs = grant.page_runs
-        if runs:
-            starts = np.asarray([a for a, _ in runs], dtype=np.uint64)
-            ends = np.asarray([b for _, b in runs], dtype=np.uint64)
-            idx = np.searchsorted(starts, first, side="right") - 1
-            safe = np.clip(idx, 0, len(runs) - 1)
-            good_kv = (idx >= 0) & (first >= starts[safe]) & (last < ends[safe])
-        else:
-            good_kv = np.zeros(len(ops), dtype=bool)
-        if grant.slot is not None:
-            good_meta = (first == last) & (first == np.uint64(grant.slot))
-        else:
-            good_meta = np.zeros(len(ops), dtype=bool)
-        ok = inside & np.where(is_meta, good_meta, good_kv)
-        bad = np.flatnonzero(~ok)
-        if not len(bad):
-            return None
-        rid, o, n = int(regions[bad[0]]), int(offs[bad[0]]), int(lens[bad[0]])
-        reg = self._regions.get(rid)
-        reason = grant.check(reg.info if reg is not None else None, o, n)
-        if reg is None:
-            return f"{reason} {rid}"
-        return reason or f"write of {n} bytes at {o} into {reg.info.name!r} is not allowed for room {grant.room}"
-
-    def _drain(self, conn_id: int, tag_or_seq: int) -> None:
-        """Receive (and drop) one data message into scratch: keeps UCX's unexpected
-        queue from filling with payload nobody will take; the pool is never touched."""
-        def done(status: int, length: int, tag: int) -> None:
-            pass
-
-        with contextlib.suppress(UcxError):
-            tag = tag_or_seq if tag_or_seq >> KIND_SHIFT == KIND_DATA else data_tag(conn_id, tag_or_seq)
-            self._worker.recv([(self._scratch.data_ptr(), SCRATCH)], tag, FULL_MASK, done, self._scratch)
-
-    def _drain_write(self, conn_id: int, msg: bytes) -> None:
-        with contextlib.suppress(struct.error, ValueError):
-            _room, first, counts, _ops = self._parse_write(msg)
-            for i in range(len(counts)):
-                self._drain(conn_id, first + i)
-
-    def _on_write(self, conn: _RecvConn, msg: bytes) -> None:
-        room, first, counts, ops = self._parse_write(msg)
-        rr = self._recv_rooms.get(room)
-        reason = None
-        if rr is None or room not in self.rooms:
-            reason = self.rooms.refusal(room)
-        elif self.rooms.status(room).state.is_terminal:
-            reason = f"room {room} is already {self.rooms.status(room).state.name}"
-        else:
-            reason = self._authorize(rr.grant, ops)
-        if reason is not None:
-            for i in range(len(counts)):
-                self._drain(conn.conn_id, first + i)
-            if rr is not None and room in self.rooms:
-                self.rooms.fail(room, reason)
-            self._nack(conn, room, reason)
-            return
-        assert rr is not None
-        conn.rooms.add(room)
-        self.rooms.set(room, KVPoll.TRANSFERRING)
-        # iov rows {destination address, length}: every byte goes straight into the
-        # granted pages, which _authorize has just checked.
-        iov = np.empty((len(ops), 2), dtype=np.uint64)
-        iov[:, 0] = self._ptr_table[ops["region"].astype(np.int64)] + ops["offset"]
-        iov[:, 1] = ops["length"]
-        k = 0
-        for i, c in enumerate(counts):
-            rows = iov[k : k + c]
-            self._post_data(conn, room, rr, rows, int(rows[:, 1].sum()), data_tag(conn.conn_id, first + i), iov)
-            k += c
-
-    def _post_data(self, conn: _RecvConn, room: int, rr: _RecvRoom, pieces: np.ndarray, nbytes: int,
-                   tag: int, keep: Any) -> None:
-        token_box: list[int] = []
-
-        def done(status: int, length: int, _tag: int) -> None:
-            token = token_box[0]
-            conn.tokens.discard(token)
-            rr.tokens.discard(token)
-            rr.pending[conn.conn_id] -= 1
-            if status == UCS_ERR_CANCELED:
-                if rr.released and conn.conn_id in self._recv_conns:
-                    self._drain(conn.conn_id, tag)  # the sender's message still comes
-                return
-            if status != UCS_OK or length != nbytes:
-                why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
-                reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
-                self.rooms.fail(room, reason)
-                self._nack(conn, room, reason)
-                return
-            rr.landed[conn.conn_id] = rr.landed.get(conn.conn_id, 0) + nbytes
-            self._maybe_complete(room, rr)
-
-        rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + 1
-        try:
-            token = self._worker.recv(pieces, tag, FULL_MASK, done, keep)
-        except UcxError as exc:
-            rr.pending[conn.conn_id] -= 1
-            self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
-            return
-        token_box.append(token)
-        conn.tokens.add(token)
-        rr.tokens.add(token)
-
-    def _on_meta(self, conn: _RecvConn, msg: bytes) -> None:
-        room, kv_bytes, region_id, offset, length = META_BODY.unpack_from(msg, COMMON.size)
-        row = msg[COMMON.size + META_BODY.size :]
-        rr = self._recv_rooms.get(room)
-        region = self._regions.get(region_id)
-        if rr is None or room not in self.rooms:
-            reason: str | None = self.rooms.refusal(room)
-        elif self.rooms.status(room).state.is_terminal:
-            reason = f"room {room} is already {self.rooms.status(room).state.name}"
-        elif len(row) != length:
-            reason = f"metadata row of {len(row)} bytes announced as {length}"
-        else:
-            reason = rr.grant.check(region.info if region is not None else None, offset, length)
-            if reason is not None and region is None:
-                reason = f"{reason} {region_id}"
-        if reason is not None:
-            if rr is not None and room in self.rooms:
-                self.rooms.fail(room, reason)
-            self._nack(conn, room, reason)
-            return
-        assert rr is not None and region is not None
-        conn.rooms.add(room)
-        self.rooms.set(room, KVPoll.TRANSFERRING)
-        rr.meta = (conn.conn_id, kv_bytes, region, offset, row)
-        self._maybe_complete(room, rr)
-
-    def _maybe_complete(self, room: int, rr: _RecvRoom) -> None:
-        if rr.meta is None:
-            return
-        conn_id, kv_bytes, region, offset, row = rr.meta
-        if rr.pending.get(conn_id, 0) or rr.landed.get(conn_id, 0) < kv_bytes:
-            return
-        if room not in self.rooms or self.rooms.status(room).state.is_terminal:
-            return
-        # Every page the sender wrote before the row has landed: now the row.
-        region.flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
-        rr.meta = None
-        self.rooms.set(room, KVPoll.SUCCESS)
-        after_reactions(self._ack, conn_id, room)  # the receiver's commit goes first
-
-    def _ack(self, conn_id: int, room: int) -> None:
-        conn = self._recv_conns.get(conn_id)
-        if conn is not None:  # not lost meanwhile (its endpoint would be gone)
-            self._reply(conn, ACK, ROOM_BODY.pack(room))
+            _, code = NACK_BODY.unpack_from(body)
+            reason = body[NACK_BODY.size :].decode(errors="replace")
+            self.rooms.fail(room, f"receiver rejected room {room}: {reason}", Refusal.from_code(code))
 
     async def drain(self, room: int, timeout: float) -> bool:
         # A receive the receiver's UCX already matched completes into the pages it was
@@ -911,6 +428,7 @@ class RdmaTransport(Transport):
 
     def release(self, room: int) -> None:
         rr = self._recv_rooms.pop(room, None)
+        self._recv.release(room)
         if rr is not None:
             rr.released = True
         if rr is not None and rr.tokens:
@@ -924,7 +442,8 @@ class RdmaTransport(Transport):
             for conn_id in rr.pending:
                 conn = self._recv_conns.get(conn_id)
                 if conn is not None and open_room:
-                    self._nack(conn, room, f"room {room} was released by the receiver" + (f": {why}" if why else ""))
+                    self._nack(conn, room, f"room {room} was released by the receiver" + (f": {why}" if why else ""),
+                               Refusal.UNKNOWN_ROOM)
         sroom = self._send_rooms.pop(room, None)
         if sroom is not None:
             sroom.conn.rooms.discard(room)
@@ -944,7 +463,7 @@ class RdmaTransport(Transport):
         for rconn in [c for c in self._recv_conns.values() if c.sender_id == instance_id]:
             self._drop_recv_conn(rconn, reason)
 
-    def _drop_send_conn(self, conn: _SendConn, reason: str = "connection dropped", *, peer_lost: bool = True) -> None:
+    def _drop_send_conn(self, conn: SendConn, reason: str = "connection dropped", *, peer_lost: bool = True) -> None:
         conn.dead = True
         self._send_by_local.pop(conn.local_id, None)
         for room in list(conn.rooms):
@@ -965,15 +484,6 @@ class RdmaTransport(Transport):
         for token in list(conn.tokens):
             self._worker.abandon(token)
         conn.tokens.clear()
-
-    def _drop_recv_conn(self, conn: _RecvConn, reason: str, *, peer_lost: bool = True) -> None:
-        self._recv_conns.pop(conn.conn_id, None)
-        for room in list(conn.rooms):
-            self.rooms.fail(room, reason)
-        for token in list(conn.tokens):
-            self._worker.cancel(token)  # tag receives: UCX cancels these for real
-        self._worker.drop_endpoint(conn.ep, force=peer_lost)
-        conn.ep = None
 
     async def close(self) -> None:
         if self._closed:
@@ -1001,6 +511,7 @@ class RdmaTransport(Transport):
         self._send_by_local.clear()
         self._send_rooms.clear()
         self._recv_rooms.clear()
+        self._recv.clear()
         # UCX's worker and context (and their file descriptors) go away when the last
         # Python object pointing at them does; completion closures form reference
         # cycles, so collect them now rather than at some later GC.

@@ -35,327 +35,38 @@ peer listening on the same port is never mistaken for the old one.
 from __future__ import annotations
 
 import asyncio
-import bisect
-import collections
 import functools
 import ipaddress
-import itertools
+import logging
 import socket
-import struct
-from typing import Any, Callable, Sequence
+import time
+from typing import Any, Sequence
 
 import numpy as np
-import torch
 
-from pdgrpc.errors import ConfigError, PeerFailure, TransportError
+from pdgrpc.errors import ConfigError, PeerFailure, TransportError, UnauthorizedWrite
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport.base import (
     BadDescriptor,
     Descriptor,
     MemoryRegion,
     Peer,
-    RegionInfo,
-    RegionKind,
     RoomGrant,
     Transport,
     WriteOp,
     WriteOps,
-    after_reactions,
     check_source_ops,
 )
+from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, tend
+from pdgrpc.transport.tcp_conn import (
+    ACK, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
+    _Conn, _frame_buffers, _merge_adjacent, byte_view, frame_chunks,
+)
 
-HEADER = struct.Struct("<B3xIQQQ")
-OP = struct.Struct("<H6xQQ")
-OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
-                     "offsets": [0, 8, 16], "itemsize": 24})  # same layout as OP
-_KIND_NONE, _KIND_KV, _KIND_META = 0, 1, 2
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = range(1, 8)
-MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
-_IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
-_IOV_BYTES = 4 << 20
-MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
-_SCRATCH = 1 << 20
-_READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
-_STRIDED_MIN = 128  # slices in one region before a strided numpy view pays off (~10 us fixed cost)
+__all__ = ["TcpTransport", "byte_view"]
 
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable flat byte memoryview over a contiguous CPU tensor's storage."""
-    if tensor.device.type != "cpu":
-        raise ConfigError(f"tcp transport needs CPU tensors, got one on {tensor.device}")
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
-
-
-def _merge_adjacent(regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Coalesce consecutive ``(region, offset, length)`` byte ranges that continue one
-    another in the same region into one range (vectorized). The payload of a frame is
-    the ops' bytes back to back, so one side's adjacent ranges can travel as one buffer
-    whatever the other side's layout: a head-sliced transfer has one op per page, but
-    its receiver's (TP 1 -> TP 2) or its sender's (TP 2 -> TP 1) pages are contiguous."""
-    if len(lengths) < 2:
-        return regions, offsets, lengths
-    new = np.empty(len(lengths), dtype=bool)
-    new[0] = True
-    np.not_equal(regions[1:], regions[:-1], out=new[1:])
-    new[1:] |= offsets[1:] != offsets[:-1] + lengths[:-1]
-    if new.all():
-        return regions, offsets, lengths
-    starts = np.flatnonzero(new)
-    return regions[starts], offsets[starts], np.add.reduceat(lengths, starts)
-
-
-def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
-                   views: dict[int, memoryview]) -> tuple[list[memoryview], list[int]]:
-    """Header, op table and the source slices of one WRITE frame (gather list, adjacent
-    slices merged), with cumulative sizes."""
-    regions, offsets, lengths = _merge_adjacent(chunk[:, 0], chunk[:, 1], chunk[:, 4])
-    bufs: list[Any] = [memoryview(hdr), memoryview(table).cast("B")]  # type: ignore[arg-type]
-    if len(lengths) < _STRIDED_MIN:
-        bufs += [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
-    else:
-        _add_slices(bufs, regions, offsets, lengths, views)
-    ends = np.cumsum(np.concatenate(([len(hdr), table.nbytes], lengths))).tolist()
-    return bufs, ends
-
-
-def _add_slices(bufs: list[Any], regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-                views: dict[int, memoryview]) -> None:
-    """Append the byte slices ``views[region][offset : offset + length]`` to ``bufs``.
-    Each same-region group of equal-length slices at a constant stride (a head-sliced
-    transfer's source: one block per page) of at least ``_STRIDED_MIN`` slices becomes
-    the rows of one strided numpy view, about half the cost per slice of slicing a
-    memoryview."""
-    cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
-    for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(regions)]):
-        r = int(regions[a])
-        if b - a >= _STRIDED_MIN:
-            n, o = int(lengths[a]), offsets[a:b]
-            step = int(o[1] - o[0])
-            if step >= n and (lengths[a:b] == n).all() and (o[1:] - o[:-1] == step).all():
-                # numpy checks that the strided extent lies inside the region's buffer
-                bufs.extend(np.ndarray((b - a, n), np.uint8, views[r], int(o[0]), (step, 1)))
-                continue
-        v = views[r]
-        bufs += [v[o : o + n] for o, n in zip(offsets[a:b].tolist(), lengths[a:b].tolist())]
-
-
-class _Conn:
-    """One socket, driven by event-loop reader/writer callbacks (no tasks, no threads)."""
-
-    def __init__(self, owner: "TcpTransport", sock: socket.socket, peer_id: str | None) -> None:
-        self.owner = owner
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.loop = owner._loop
-        self.peer_id = peer_id
-        self.closed = False
-        self.hello: asyncio.Future[str] = self.loop.create_future()
-        # Outgoing frames: (buffers, cumulative sizes), or a callable that builds them
-        # only when the socket can take the frame -- a scattered transfer is ~100k page
-        # slices, and holding them all as live memoryviews makes the garbage
-        # collector's work grow with the queue.
-        self._frames: collections.deque[Any] = collections.deque()
-        self._fidx = 0  # first buffer of the head frame not fully sent
-        self._fpos = 0  # bytes of the head frame sent
-        self._writing = False
-        self._hdr = bytearray(HEADER.size)
-        self._iovs: list[memoryview] = []
-        self._ends: list[int] = []
-        self._total = 0
-        self._pos = 0
-        self._idx = 0
-        self._on_done: Callable[[], None] = self._got_header
-        self._guard_room: int | None = None  # room whose granted pages we are filling
-        self._guard_ref: object = None
-        self.loop.add_reader(self.fd, self._on_readable)
-        self._expect_header()
-
-    # -- reading -------------------------------------------------------------------
-    def _expect(self, bufs: list[memoryview], on_done: Callable[[], None], ends: list[int] | None = None) -> None:
-        """Read into ``bufs`` in order, then call ``on_done``. ``ends`` (cumulative
-        sizes) lets progress be tracked with a bisect instead of a per-buffer loop."""
-        if ends is None:
-            bufs = [b for b in bufs if len(b)]
-            ends = list(itertools.accumulate(len(b) for b in bufs))
-        self._iovs = bufs
-        self._ends = ends
-        self._total = ends[-1] if ends else 0
-        self._pos = 0
-        self._idx = 0
-        self._on_done = on_done
-
-    def _expect_header(self) -> None:
-        self._guard_room = None
-        self._expect([memoryview(self._hdr)], self._got_header, [HEADER.size])
-
-    def _expect_discard(self, nbytes: int, then: Callable[[], None]) -> None:
-        self._guard_room = None
-        scratch = self.owner._scratch_view()
-        bufs = []
-        while nbytes > 0:
-            n = min(nbytes, len(scratch))
-            bufs.append(scratch[:n])
-            nbytes -= n
-        self._expect(bufs, then)
-
-    def _on_readable(self) -> None:
-        for _ in range(_READS_PER_CALLBACK):
-            if self.closed:
-                return
-            while self._pos == self._total:  # zero-length expectation: done at once
-                self._on_done()
-                if self.closed:
-                    return
-            if self._guard_room is not None and self.owner._recv.get(self._guard_room) is not self._guard_ref:
-                # The room was released mid-payload: its pages may already belong to
-                # another request, so drop the rest of this frame's bytes.
-                self._expect_discard(self._total - self._pos, self._expect_header)
-            iovs, ends, i = self._iovs, self._ends, self._idx
-            skip = self._pos - (ends[i - 1] if i else 0)
-            first = iovs[i][skip:] if skip else iovs[i]
-            try:
-                if i + 1 == len(iovs):
-                    n = self.sock.recv_into(first)
-                else:
-                    n = self.sock.recvmsg_into([first, *iovs[i + 1 : i + _IOV_BATCH]])[0]
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.lose(f"connection error: {exc!r}")
-                return
-            if n == 0:
-                self.lose("connection closed by peer")
-                return
-            self._pos += n
-            if self._pos < self._total:
-                self._idx = bisect.bisect_right(ends, self._pos, i)
-            else:
-                self._on_done()
-
-    def _got_header(self) -> None:
-        ftype, n_ops, room, payload_len, aux = HEADER.unpack(self._hdr)
-        if ftype in (WRITE, META):
-            if self.peer_id is None:
-                return self.lose("data frame before HELLO")
-            if n_ops == 0 or n_ops > MAX_OPS_PER_FRAME:
-                return self.lose(f"bad op count {n_ops}")
-            table = bytearray(n_ops * OP.size)
-            self._expect(
-                [memoryview(table)], lambda: self.owner._on_data_frame(self, ftype, room, table, payload_len, aux)
-            )
-        elif ftype in (HELLO, HELLO_REFUSED, NACK):
-            if payload_len > MAX_CONTROL_BYTES:
-                return self.lose(f"control frame of {payload_len} bytes")
-            body = bytearray(payload_len)
-            self._expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body)))
-        elif ftype == HELLO_OK:
-            if not self.hello.done():
-                self.hello.set_result("")
-            self._expect_header()
-        elif ftype == ACK:
-            self.owner._on_ack(self, room)
-            self._expect_header()
-        else:
-            self.lose(f"unknown frame type {ftype}")
-
-    def _got_control(self, ftype: int, room: int, body: bytes) -> None:
-        text = body.decode("utf-8", "replace")
-        if ftype == HELLO:
-            self.owner._on_hello(self, text)
-        elif ftype == HELLO_REFUSED:
-            if not self.hello.done():
-                self.hello.set_exception(PeerFailure(f"peer refused the connection: {text}"))
-            return self.lose(f"peer refused the connection: {text}")
-        elif ftype == NACK:
-            self.owner._on_nack(self, room, text)
-        if not self.closed:
-            self._expect_header()
-
-    def receive_payload(self, room: int, ref: object, views: list[memoryview], then: Callable[[], None],
-                        ends: list[int] | None = None) -> None:
-        self._expect(views, then, ends)
-        self._guard_room, self._guard_ref = room, ref
-
-    # -- writing -------------------------------------------------------------------
-    def send(self, bufs: Sequence[bytes | memoryview]) -> None:
-        if self.closed:
-            return
-        views = [b if type(b) is memoryview else memoryview(b) for b in bufs]
-        self._frames.append((views, list(itertools.accumulate(len(b) for b in views))))
-        if not self._writing:
-            self._flush()
-
-    def send_later(self, make: Callable[[], tuple[list[memoryview], list[int]]]) -> None:
-        """Queue a frame whose buffers (and their cumulative sizes) ``make()`` builds
-        when the socket is ready for it."""
-        if self.closed:
-            return
-        self._frames.append(make)
-        if not self._writing:
-            self._flush()
-
-    def send_control(self, ftype: int, room: int, text: str) -> None:
-        body = text.encode()[:MAX_CONTROL_BYTES]
-        self.send([HEADER.pack(ftype, 0, room, len(body), 0), body])
-
-    def _flush(self) -> None:
-        frames = self._frames
-        while frames:
-            head = frames[0]
-            if callable(head):
-                head = frames[0] = head()
-            bufs, ends = head
-            i, pos = self._fidx, self._fpos
-            skip = pos - (ends[i - 1] if i else 0)
-            j = min(i + _IOV_BATCH, len(bufs))
-            batch = [bufs[i][skip:] if skip else bufs[i], *bufs[i + 1 : j]]
-            try:
-                n = self.sock.sendmsg(batch)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self.lose(f"send failed: {exc!r}")
-                return
-            pos += n
-            if pos == ends[-1]:
-                frames.popleft()
-                self._fidx = self._fpos = 0
-                continue
-            self._fpos = pos
-            self._fidx = bisect.bisect_right(ends, pos, i)
-            if pos < ends[j - 1]:
-                break  # the socket took less than offered: wait until it is writable
-        if frames and not self._writing:
-            self.loop.add_writer(self.fd, self._flush)
-            self._writing = True
-        elif not frames and self._writing:
-            self.loop.remove_writer(self.fd)
-            self._writing = False
-
-    # -- teardown ------------------------------------------------------------------
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.loop.remove_reader(self.fd)
-        if self._writing:
-            self.loop.remove_writer(self.fd)
-        self._frames.clear()
-        self._iovs = []
-        self.sock.close()
-        if not self.hello.done():
-            self.hello.set_exception(PeerFailure("connection closed during handshake"))
-            self.hello.exception()  # mark retrieved: nobody may be waiting any more
-
-    def lose(self, reason: str) -> None:
-        if self.closed:
-            return
-        self.close()
-        self.owner._on_conn_lost(self, reason)
+log = logging.getLogger("pdgrpc.transport.tcp")
 
 
 class _Link:
@@ -375,21 +86,14 @@ class _Link:
         return c
 
 
-class _RecvRoom:
-    __slots__ = ("grant", "received", "expected", "meta", "peers")
-
-    def __init__(self, grant: RoomGrant) -> None:
-        self.grant = grant
-        self.received = 0
-        self.expected: int | None = None
-        self.meta: tuple[memoryview, bytearray, _Conn] | None = None
-        self.peers: set[str] = set()
-
-
 class TcpTransport(Transport):
     """Options: ``host`` to listen on (default 127.0.0.1), ``port`` (0: any),
     ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
-    ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default)."""
+    ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default), and the
+    bounds of :class:`~pdgrpc.transport.tcp_limits.TcpLimits`: ``hello_timeout``,
+    ``max_connections``, ``max_connections_per_address``, ``heartbeat_interval`` and
+    ``heartbeat_lease`` (a peer that sends nothing, not even its heartbeat, for the lease
+    is lost: a hung process fails its rooms within it)."""
 
     name = "tcp"
 
@@ -401,13 +105,23 @@ class TcpTransport(Transport):
         connections: int = 1,
         connect_timeout: float = 5.0,
         sockbuf: int = 4 << 20,
+        hello_timeout: float = TcpLimits.hello_timeout,
+        max_connections: int = TcpLimits.max_connections,
+        max_connections_per_address: int = TcpLimits.max_connections_per_address,
+        heartbeat_interval: float = TcpLimits.heartbeat_interval,
+        heartbeat_lease: float = TcpLimits.heartbeat_lease,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise ConfigError(f"{self.name} transport: unknown option(s) {sorted(unknown)}")
         if connections < 1:
             raise ConfigError(f"{self.name} transport: connections must be >= 1, got {connections}")
+        self._limits = TcpLimits(hello_timeout, max_connections, max_connections_per_address,
+                                 heartbeat_interval, heartbeat_lease)
         super().__init__()
+        self._gate = AcceptGate(self._limits)
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._last_tick = time.monotonic()
         self._host = host
         self._port = port
         self._nconn = connections
@@ -417,22 +131,22 @@ class TcpTransport(Transport):
         self._listener: socket.socket | None = None
         self._endpoint = b""
         self._regions: dict[int, MemoryRegion] = {}
-        self._infos: dict[int, RegionInfo] = {}
         self._views: dict[int, memoryview] = {}
-        # region id -> kind / size / item size, for vectorized authorization
-        self._kind_lut = np.zeros(1 << 16, dtype=np.int8)
-        self._nbytes_lut = np.zeros(1 << 16, dtype=np.int64)
-        self._item_lut = np.ones(1 << 16, dtype=np.int64)
+        self._recv = Receiver(self.rooms)
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Future[None]] = {}
         self._room_link: dict[int, str] = {}
-        self._recv: dict[int, _RecvRoom] = {}
         self._incoming: set[_Conn] = set()
         self._scratch: memoryview | None = None
         self._closed = False
 
-    # -- overridable socket plumbing (a unix-socket variant swaps these) -------------
-    def _listen(self) -> tuple[socket.socket, bytes]:
+    # -- socket hooks: public, for variants that make their sockets another way -------
+    # (``examples/pdgrpc-unix`` overrides listen_socket and peer_address for AF_UNIX)
+    def listen_socket(self) -> tuple[socket.socket, bytes]:
+        """Create, bind and listen the socket peers connect to; return it and the
+        endpoint bytes advertised in the descriptor (what :meth:`peer_address` parses on
+        the other side). Called once, by the first :meth:`register`. Default: TCP on
+        ``host:port``."""
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -443,16 +157,20 @@ class TcpTransport(Transport):
         host, port = s.getsockname()[:2]
         return s, f"{host}:{port}".encode()
 
-    def _address(self, endpoint: bytes) -> tuple[int, Any]:
-        """``(family, sockaddr)`` for a peer's endpoint bytes (no DNS: no threads)."""
-        host, _, port = endpoint.decode().rpartition(":")
+    def peer_address(self, endpoint: bytes) -> tuple[int, Any]:
+        """``(family, sockaddr)`` to connect to for a peer's endpoint bytes (untrusted:
+        raise :class:`BadDescriptor` for anything malformed). Default: ``ip:port``, no
+        DNS (no threads)."""
+        host, _, port = endpoint.decode(errors="replace").rpartition(":")
         try:
             ip = ipaddress.ip_address(host.strip("[]"))
             return (socket.AF_INET6 if ip.version == 6 else socket.AF_INET), (str(ip), int(port))
         except ValueError:
             raise BadDescriptor(f"tcp endpoint {endpoint!r} is not 'ip:port'") from None
 
-    def _tune(self, sock: socket.socket) -> None:
+    def tune_socket(self, sock: socket.socket) -> None:
+        """Set options on every connected socket, accepted or opened (already
+        non-blocking). Default: ``TCP_NODELAY`` on TCP sockets, ``sockbuf`` buffers."""
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._sockbuf:
@@ -461,7 +179,7 @@ class TcpTransport(Transport):
 
     # -- set-up ----------------------------------------------------------------------
     def _descriptor(self) -> Descriptor:
-        return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self._infos.values()))
+        return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self._recv.regions.infos.values()))
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -473,6 +191,8 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
         if self._bound_loop is None:
             self._bound_loop = loop
+            self._last_tick = time.monotonic()
+            self._tick_handle = loop.call_later(self._limits.heartbeat_interval, self._tick)
         elif self._bound_loop is not loop:
             raise TransportError(f"{self.name} transport is bound to another event loop")
         if self._closed:
@@ -485,13 +205,10 @@ class TcpTransport(Transport):
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
             self._views[r.region_id] = byte_view(r.tensor)
             self._regions[r.region_id] = r
-            self._infos[r.region_id] = r.info()
-            self._kind_lut[r.region_id] = _KIND_META if r.kind is RegionKind.METADATA else _KIND_KV
-            self._nbytes_lut[r.region_id] = r.nbytes
-            self._item_lut[r.region_id] = r.item_bytes
+            self._recv.add_region(r.info())
         if self._listener is None:
             try:
-                lsock, self._endpoint = self._listen()
+                lsock, self._endpoint = self.listen_socket()
             except OSError as exc:
                 raise TransportError(f"{self.name} transport cannot listen: {exc}") from None
             lsock.setblocking(False)
@@ -500,21 +217,53 @@ class TcpTransport(Transport):
         return self._descriptor().to_bytes()
 
     def _on_accept(self) -> None:
-        assert self._listener is not None
+        listener = self._listener
+        assert listener is not None
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in RESOURCE_ERRNOS:  # stop accepting a while: the listener stays readable
+                    pause = self._gate.next_backoff()
+                    log.warning("tcp: cannot accept (%s); accepting again in %.2f s", exc.strerror, pause)
+                    self._loop.remove_reader(listener.fileno())
+                    self._loop.call_later(pause, self._resume_accept, listener)
                 return
+            address = addr[0] if isinstance(addr, tuple) else ""
+            refusal = self._gate.admit(address)
+            if refusal is not None:
+                log.warning("tcp: refusing a connection from %s: %s", address or "a local peer", refusal)
+                sock.close()
+                continue
             try:
                 sock.setblocking(False)
-                self._tune(sock)
+                self.tune_socket(sock)
             except OSError:
+                self._gate.release(address)
                 sock.close()  # the peer sees the connection drop and fails its own rooms
                 continue
-            self._incoming.add(_Conn(self, sock, None))
+            self._incoming.add(_Conn(self, sock, None, remote=address))
+
+    def _resume_accept(self, listener: socket.socket) -> None:
+        if self._listener is listener and not self._closed:
+            self._loop.add_reader(listener.fileno(), self._on_accept)
+
+    def _tick(self) -> None:
+        """Every ``heartbeat_interval``: close accepted connections that never said HELLO,
+        lose connections that heard nothing for the lease, PING quiet ones."""
+        if self._closed:
+            return
+        lim, now = self._limits, time.monotonic()
+        # A late tick means this loop was busy, not that the peers went quiet: the bytes
+        # they sent may be unread in the socket buffers. Judge silence on the next one.
+        judge = now - self._last_tick < lim.heartbeat_lease / 2
+        self._last_tick = now
+        conns = [*self._incoming, *(c for link in self._links.values() for c in link.conns)]
+        for c in conns if judge else ():
+            tend(c, lim, now)
+        self._tick_handle = self._loop.call_later(lim.heartbeat_interval, self._tick)
 
     async def connect(self, descriptor: bytes) -> Peer:
         self._ensure_loop()
@@ -553,7 +302,7 @@ class TcpTransport(Transport):
             fut.set_result(None)
 
     async def _open(self, d: Descriptor) -> _Conn:
-        family, addr = self._address(d.endpoint)
+        family, addr = self.peer_address(d.endpoint)
         where = d.endpoint.decode(errors="replace")
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -561,7 +310,7 @@ class TcpTransport(Transport):
             raise TransportError(f"cannot create a socket for {self.name} peer at {where}: {exc}") from None
         try:
             sock.setblocking(False)
-            self._tune(sock)
+            self.tune_socket(sock)
             await asyncio.wait_for(self._loop.sock_connect(sock, addr), self._connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
@@ -580,12 +329,7 @@ class TcpTransport(Transport):
 
     # -- receiver ----------------------------------------------------------------------
     def advertise(self, grant: RoomGrant) -> None:
-        if grant.room in self._recv:
-            raise ConfigError(f"room {grant.room} is already advertised; release it first")
-        if grant.room in self.rooms:
-            raise ConfigError(f"room {grant.room} is in use by this transport")
-        self._recv[grant.room] = _RecvRoom(grant)
-        self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
+        self._recv.advertise(grant)
 
     def _on_hello(self, conn: _Conn, text: str) -> None:
         sender, _, expected = text.partition(" ")
@@ -598,34 +342,18 @@ class TcpTransport(Transport):
 
     def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
         ops = np.frombuffer(table, dtype=OP_DTYPE)
+        if (ops["offset"] > 2**62).any() or (ops["length"] > 2**62).any() or int(ops["length"].sum()) != payload_len:
+            return conn.protocol_error("frame payload length does not match its op table")
         regions = ops["region"].astype(np.int64)
         offsets = ops["offset"].astype(np.int64)
         lengths = ops["length"].astype(np.int64)
-        if (ops["offset"] > 2**62).any() or (ops["length"] > 2**62).any() or int(lengths.sum()) != payload_len:
-            return conn.lose("frame payload length does not match its op table")
-        rr = self._recv.get(room)
-        reason: str | None = None
-        if rr is None:
-            reason = self.rooms.refusal(room)
-        else:
-            rr.peers.add(conn.peer_id or "")
-            state = self.rooms.status(room).state
-            if state is KVPoll.SUCCESS:
-                reason = f"write to room {room} after its metadata row landed"
-            elif state is KVPoll.FAILED:
-                reason = f"room {room} already failed"
-            elif ftype == META and (rr.meta is not None or len(ops) != 1):
-                reason = f"second or malformed metadata frame for room {room}"
-            else:
-                reason = self._authorize(rr.grant, ftype, regions, offsets, lengths)
-        if reason is not None:
-            if rr is not None:
-                self.rooms.fail(room, f"unauthorized write: {reason}")
-            conn.send_control(NACK, room, f"unauthorized write: {reason}")
+        try:
+            rr = self._recv.accept(room, conn.peer_id or "", regions, offsets, lengths, metadata=ftype == META)
+        except UnauthorizedWrite as exc:
+            conn.send_control(NACK, room, str(exc), int(exc.refusal))
             conn._expect_discard(payload_len, conn._expect_header)
             return
-        assert rr is not None
-        self.rooms.set(room, KVPoll.TRANSFERRING)
+        conn.rooms.add(room)
         views = self._views
         if ftype == WRITE:
             # every op was authorized above; adjacent ones are filled as one buffer
@@ -634,8 +362,7 @@ class TcpTransport(Transport):
             ends = np.cumsum(lengths).tolist()
 
             def landed() -> None:
-                rr.received += payload_len
-                self._try_commit(room, rr)
+                self._recv.landed(room, rr, payload_len)
                 conn._expect_header()
 
             conn.receive_payload(room, rr, bufs, landed, ends)
@@ -643,56 +370,15 @@ class TcpTransport(Transport):
             r, o, n = int(regions[0]), int(offsets[0]), int(lengths[0])
             staged = bytearray(n)  # one small row, kept aside until the pages are in
 
+            def commit() -> None:
+                views[r][o : o + n] = staged
+
             def staged_in() -> None:
-                rr.meta = (views[r][o : o + n], staged, conn)
-                rr.expected = aux
-                self._try_commit(room, rr)
+                ack = functools.partial(conn.send, [HEADER.pack(ACK, 0, room, 0, 0)])
+                self._recv.stage_metadata(room, rr, aux, commit=commit, ack=ack)
                 conn._expect_header()
 
             conn.receive_payload(room, rr, [memoryview(staged)], staged_in)
-
-    def _authorize(self, grant: RoomGrant, ftype: int, regions: np.ndarray, offsets: np.ndarray,
-                   lengths: np.ndarray) -> str | None:
-        """Vectorized over a frame's ops; the first offending op gets an exact reason."""
-        kind = self._kind_lut[regions]
-        want = _KIND_META if ftype == META else _KIND_KV
-        bad = kind != want
-        if not bad.any():
-            bad = (lengths <= 0) | (offsets + lengths > self._nbytes_lut[regions])
-        if not bad.any():
-            item = self._item_lut[regions]
-            first = offsets // item
-            last = (offsets + lengths - 1) // item
-            if ftype == META:
-                bad = (first != (-1 if grant.slot is None else grant.slot)) | (last != first)
-            else:
-                starts, ends = grant.runs_array()
-                if not len(starts):
-                    bad = np.ones(len(first), dtype=bool)
-                else:
-                    idx = np.searchsorted(starts, first, side="right") - 1
-                    bad = (idx < 0) | (last >= ends[np.maximum(idx, 0)])
-        if not bad.any():
-            return None
-        j = int(bad.argmax())
-        rid, off, n = int(regions[j]), int(offsets[j]), int(lengths[j])
-        info = self._infos.get(rid)
-        if info is None:
-            return f"region {rid} is not registered here"
-        if (info.kind is RegionKind.METADATA) != (ftype == META):
-            return f"{'metadata' if ftype == META else 'page'} write into {info.kind.value} region {info.name!r}"
-        return grant.check(info, off, n) or f"write of {n} bytes at {off} into {info.name!r} not allowed"
-
-    def _try_commit(self, room: int, rr: _RecvRoom) -> None:
-        if self._recv.get(room) is not rr or rr.expected is None or rr.meta is None:
-            return
-        if rr.received > rr.expected:
-            self.rooms.fail(room, f"received {rr.received} KV bytes, sender announced {rr.expected}")
-        elif rr.received == rr.expected:
-            view, staged, conn = rr.meta
-            view[:] = staged
-            if self.rooms.set(room, KVPoll.SUCCESS):
-                after_reactions(conn.send, [HEADER.pack(ACK, 0, room, 0, 0)])  # the receiver's commit goes first
 
     # -- sender ------------------------------------------------------------------------
     async def write(
@@ -710,8 +396,7 @@ class TcpTransport(Transport):
         sent = link.sent.get(room, 0)
         views = self._views
         arr = WriteOps.of(ops).array
-        for i in range(0, len(arr), MAX_OPS_PER_FRAME):
-            chunk = arr[i : i + MAX_OPS_PER_FRAME]
+        for chunk in frame_chunks(arr):
             table = np.zeros(len(chunk), dtype=OP_DTYPE)
             table["region"] = chunk[:, 2]
             table["offset"] = chunk[:, 3]
@@ -732,38 +417,32 @@ class TcpTransport(Transport):
             )
 
     def _check_src(self, ops: Sequence[WriteOp], metadata: WriteOp | None) -> None:
-        wops = WriteOps.of(ops)
-        a = wops.array
-        if len(a):
-            # one pass over the region lookup tables (check_source_ops scans the ops once
-            # per region: ~1.5 ms for a head-sliced transfer's ~25k ops); it still
-            # names the first offender when anything is wrong
-            rid = a[:, 0]
-            ok = bool(((rid >= 0) & (rid < len(self._kind_lut))).all())
-            if ok:
-                end = a[:, 1] + a[:, 4]
-                ok = not ((self._kind_lut[rid] == _KIND_NONE) | (a[:, 1] < 0) | (a[:, 3] < 0) | (a[:, 4] <= 0)
-                          | (end > self._nbytes_lut[rid])).any()
-            if not ok:
-                check_source_ops(wops, self._regions)
+        check_source_ops(WriteOps.of(ops), self._regions)
         if metadata is not None:
             check_source_ops([metadata], self._regions)
+            if metadata.length > MAX_FRAME_PAYLOAD:
+                raise ConfigError(f"tcp: metadata row of {metadata.length} bytes exceeds {MAX_FRAME_PAYLOAD} bytes")
 
     def _on_ack(self, conn: _Conn, room: int) -> None:
         if self._room_link.get(room) == conn.peer_id:
             self.rooms.set(room, KVPoll.SUCCESS)
 
-    def _on_nack(self, conn: _Conn, room: int, reason: str) -> None:
+    def _on_nack(self, conn: _Conn, room: int, reason: str, refusal: Refusal | None) -> None:
         if self._room_link.get(room) == conn.peer_id:
-            self.rooms.fail(room, f"receiver rejected the transfer: {reason}")
+            self.rooms.fail(room, f"receiver rejected the transfer: {reason}", refusal)
 
     # -- both sides --------------------------------------------------------------------
     def _on_conn_lost(self, conn: _Conn, reason: str) -> None:
-        self._incoming.discard(conn)
         peer = conn.peer_id
-        if peer is None:
+        if conn.remote is not None:
+            # An accepted connection proves nothing about who is behind it: its loss
+            # fails only the rooms written through it, never every room of the peer id
+            # it claimed (the real peer may be fine on its own connections).
+            self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}",
+                                [r for r in conn.rooms if self._recv.get(r) is not None])
             return
-        self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")
+        if peer is not None:  # our own connection to a peer we handshaked with
+            self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")
 
     def _drop_link(self, link: _Link, reason: str) -> None:
         link.alive = False
@@ -778,7 +457,9 @@ class TcpTransport(Transport):
 
     def release(self, room: int) -> None:
         self.rooms.discard(room)
-        self._recv.pop(room, None)
+        if self._recv.release(room) is not None:
+            for conn in self._incoming:
+                conn.rooms.discard(room)
         iid = self._room_link.pop(room, None)
         if iid is not None and iid in self._links:
             link = self._links[iid]
@@ -792,12 +473,14 @@ class TcpTransport(Transport):
         for conn in [c for c in self._incoming if c.peer_id == instance_id]:
             conn.close()
             self._incoming.discard(conn)
-        self.rooms.fail_all(reason, [room for room, rr in self._recv.items() if instance_id in rr.peers])
+        self.rooms.fail_all(reason, self._recv.rooms_of(instance_id))
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
         if self._listener is not None:
             self._loop.remove_reader(self._listener.fileno())
             self._listener.close()
@@ -812,5 +495,5 @@ class TcpTransport(Transport):
 
     def _scratch_view(self) -> memoryview:
         if self._scratch is None:
-            self._scratch = memoryview(bytearray(_SCRATCH))
+            self._scratch = memoryview(bytearray(SCRATCH_BYTES))
         return self._scratch

@@ -6,7 +6,7 @@ equal to colocated TP 1 generation, and afterwards every rank's metrics endpoint
 over HTTP, reads zero slots, pages and transport rooms in use.
 
 The fault test runs a TP 2 decode whose rank 1 transport delays every metadata row and
-corrupts the room of the third one (PDGRPC_TEST_FAULTS, see pdgrpc.transport.faults):
+corrupts the room of the third one (``tests.e2e.faulty``, loaded by ``--transport``):
 the ranks must still commit the same rooms in the same order, never hang, and the
 corrupted request -- only that one -- must fail on every rank.
 """
@@ -14,21 +14,25 @@ corrupted request -- only that one -- must fail on every rank.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
-import json
 import os
 import re
 import signal
+from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
 
 from pdgrpc.cluster import Cluster
+from pdgrpc.cluster.topology import load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.v1 import generate_pb2_grpc
 
 from tests.e2e.harness import TRANSPORTS, generate_all, prompt_cases, read_metrics, reference_outputs, skip_unless_transport, wait_nothing_held
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -94,9 +98,15 @@ def _commit_sequences(log_text: str) -> dict[str, list[int]]:
 
 
 async def test_tp2_decode_with_a_slow_and_a_corrupting_rank_stays_in_lock_step(tmp_path):
-    faults = {"delay_metadata_s": 0.2, "corrupt_nth_room": 3}
-    env = {"PDGRPC_TEST_FAULTS": json.dumps(faults), "PDGRPC_TEST_FAULTS_TP_RANK": "1"}
-    async with Cluster("tp2", transport="tcp", log_dir=tmp_path, start_timeout=180, metrics=True, extra_env=env) as cluster:
+    # The decode (both ranks) loads the fault-injecting wrapper by name; the prefill is plain tcp.
+    topology = load_topology("tp2")
+    procs = tuple(
+        dataclasses.replace(p, args={**p.args, "transport": "tests.e2e.faulty:SlowCorruptingRank1"}) if p.role == "decode" else p
+        for p in topology.processes
+    )
+    topology = dataclasses.replace(topology, processes=procs)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))}
+    async with Cluster(topology, transport="tcp", log_dir=tmp_path, start_timeout=180, metrics=True, extra_env=env) as cluster:
         async with grpc.aio.insecure_channel(cluster.router_address) as channel:
             router = generate_pb2_grpc.GenerateServiceStub(channel)
 

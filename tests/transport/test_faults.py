@@ -1,11 +1,9 @@
-"""``pdgrpc.transport.faults``: the fault-injection wrapper over a real tcp transport pair
+"""``pdgrpc.transport.testing.faults``: the fault-injection wrapper over a real tcp transport pair
 with real KV tensors and real metadata rows (``MetadataBuffers``)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
 
 import pytest
@@ -16,7 +14,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.state.metadata import MetadataBuffers, MetadataLayout, MetadataRow
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomGrant, Transport, UnknownRoom
-from pdgrpc.transport.faults import ENV_VAR, FaultyTransport, wrap_from_env
+from pdgrpc.transport.testing.faults import FaultyTransport
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 
 LAYERS, PAGES, SLOTS = 2, 16, 4
@@ -207,36 +205,12 @@ def test_bad_arguments(bad) -> None:
         FaultyTransport(registry.create("fake"), **bad)
 
 
-# ----------------------------------------------------------------------------- environment
+# ----------------------------------------------------------------------------- by name
 
 
-def test_wrap_from_env(monkeypatch, caplog) -> None:
-    t = registry.create("fake")
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    assert wrap_from_env(t) is t
-    monkeypatch.setenv(ENV_VAR, "")
-    assert wrap_from_env(t) is t
-    monkeypatch.setenv(ENV_VAR, json.dumps({"delay_metadata_s": 0.3, "corrupt_nth_room": 3}))
-    with caplog.at_level(logging.WARNING, logger="pdgrpc.transport.faults"):
-        w = wrap_from_env(t)
-    assert isinstance(w, FaultyTransport) and w.inner is t
-    assert w.delay_metadata_s == 0.3 and w.corrupt_nth_room == 3
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("pdgrpc transport test faults active:" in r.getMessage() for r in warnings), caplog.text
-    monkeypatch.setenv(ENV_VAR, '{"delay_metadata_s": 1}')
-    w = wrap_from_env(t)
-    assert w.delay_metadata_s == 1.0 and w.corrupt_nth_room == 0
-
-
-@pytest.mark.parametrize("text, match", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON object"),
-    ('{"delay_metadata_s": 0.1, "explode": true}', "unknown key.*explode"),
-    ('{"delay_metadata_s": -0.1}', "delay_metadata_s"),
-    ('{"corrupt_nth_room": "third"}', "corrupt_nth_room"),
-])
-def test_wrap_from_env_rejects_bad_values(monkeypatch, text, match) -> None:
-    monkeypatch.setenv(ENV_VAR, text)
-    with pytest.raises(ConfigError, match=match) as info:
-        wrap_from_env(registry.create("fake"))
-    assert ENV_VAR in str(info.value)
+def test_a_test_loads_a_configured_wrapper_by_name_through_the_registry() -> None:
+    cls = registry.load("tests.e2e.faulty:SlowCorruptingRank1")
+    rank0, rank1 = cls(host="127.0.0.1", tp_rank=0), cls(host="127.0.0.1", tp_rank=1)
+    assert isinstance(rank1, FaultyTransport) and rank1.name == "tcp"
+    assert (rank0.delay_metadata_s, rank0.corrupt_nth_room) == (0.0, 0)
+    assert (rank1.delay_metadata_s, rank1.corrupt_nth_room) == (0.2, 3)

@@ -87,10 +87,10 @@ async def test_unknown_option_is_a_config_error() -> None:
 
 
 def test_missing_ucx_libraries_raise_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdgrpc.transport import _ucx
+    from pdgrpc.transport import _ucx_api
 
     monkeypatch.setitem(sys.modules, "libucx", None)  # import now fails
-    monkeypatch.setattr(_ucx, "_API", None)
+    monkeypatch.setattr(_ucx_api, "_API", None)
     with pytest.raises(TransportUnavailable, match=r"pip install 'pdgrpc\[ucx\]'"):
         registry.create("rdma")
 

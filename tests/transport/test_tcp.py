@@ -125,3 +125,23 @@ async def test_junk_on_the_socket_drops_only_that_connection(junk: bytes) -> Non
     finally:
         await a.close()
         await b.close()
+
+
+def test_writes_are_cut_into_frames_under_both_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The receiver refuses a frame announcing more than MAX_FRAME_PAYLOAD bytes, so the
+    # sender cuts ops (and an op itself) to fit; the pieces cover every byte once, in order.
+    import numpy as np
+
+    from pdgrpc.transport import tcp_conn
+
+    monkeypatch.setattr(tcp_conn, "MAX_FRAME_PAYLOAD", 100)
+    monkeypatch.setattr(tcp_conn, "MAX_OPS_PER_FRAME", 3)
+    ops = np.array([[0, 0, 1, 0, 250], [0, 250, 1, 1000, 30], [0, 300, 1, 2000, 60]]
+                   + [[0, 400 + i, 1, 3000 + i, 1] for i in range(5)], dtype=np.int64)
+    frames = list(tcp_conn.frame_chunks(ops))
+    assert all(len(f) <= 3 and int(f[:, 4].sum()) <= 100 for f in frames)
+    rows = np.concatenate(frames)
+    src = [(o, o + n) for o, n in zip(rows[:, 1].tolist(), rows[:, 4].tolist())]
+    dst = [(o, o + n) for o, n in zip(rows[:, 3].tolist(), rows[:, 4].tolist())]
+    assert src[:3] == [(0, 100), (100, 200), (200, 250)] and dst[:3] == [(0, 100), (100, 200), (200, 250)]
+    assert int(rows[:, 4].sum()) == int(ops[:, 4].sum()) and rows[3:].tolist() == ops[1:].tolist()

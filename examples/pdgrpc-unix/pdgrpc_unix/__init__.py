@@ -2,7 +2,8 @@
 
 It moves KV pages between processes on one host over Unix domain sockets. The framing,
 authorization, metadata ordering and failure handling come from pdgrpc's ``tcp``
-backend; this package only changes how sockets are made (``_listen`` / ``_address``)
+backend; this package only changes how sockets are made, through ``TcpTransport``'s public
+socket hooks (``listen_socket`` / ``peer_address``),
 and names its socket in Linux's abstract namespace (no file to clean up, even when
 the process is killed). It is registered through the ``pdgrpc.transports``
 entry point in ``pyproject.toml`` and proves itself with pdgrpc's conformance suite
@@ -33,7 +34,7 @@ class UnixTransport(TcpTransport):
                 raise ConfigError(f"unix transport: option {opt!r} does not apply (it listens on a unix socket)")
         super().__init__(**options)
 
-    def _listen(self) -> tuple[socket.socket, bytes]:
+    def listen_socket(self) -> tuple[socket.socket, bytes]:
         # Abstract namespace: a leading NUL; the name is unique per transport instance.
         name = f"pdgrpc-{self.instance_id}"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -41,7 +42,7 @@ class UnixTransport(TcpTransport):
         s.listen(128)
         return s, ("@" + name).encode()
 
-    def _address(self, endpoint: bytes) -> tuple[int, Any]:
+    def peer_address(self, endpoint: bytes) -> tuple[int, Any]:
         name = endpoint.decode(errors="replace")
         if not name.startswith("@pdgrpc-"):
             raise BadDescriptor(f"unix endpoint {name!r} is not an abstract pdgrpc socket name")

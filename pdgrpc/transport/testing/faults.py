@@ -24,17 +24,16 @@ only what the *receiver* side reports changes (rooms this instance advertised):
     :attr:`FaultyTransport.corrupted_rooms`. A room that fails, is released first or has
     no slot is not corrupted.
 
-Servers opt in through the environment (:func:`wrap_from_env`), e.g.
-``PDGRPC_TEST_FAULTS='{"delay_metadata_s": 0.3, "corrupt_nth_room": 3}'``.
+Test-only: nothing in the servers loads it by itself. A test loads a subclass through
+the transport registry's ``module:Class`` names (``--transport tests.e2e.faulty:...``),
+whose constructor picks the inner backend and the faults; see ``tests/e2e/faulty.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import os
 import time
 from typing import Any, Sequence
 
@@ -43,16 +42,14 @@ import torch
 from pdgrpc.errors import ConfigError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.state.metadata import FIELD_ALIGN
-from pdgrpc.transport.base import MemoryRegion, Peer, RoomGrant, RoomStatus, RoomTable, Transport, WriteOp
+from pdgrpc.transport.base import MemoryRegion, Peer, RoomGrant, RoomStates, RoomStatus, Transport, WriteOp
 from pdgrpc.transport.pages import METADATA_REGION_ID
 
-__all__ = ["ENV_VAR", "FaultyTransport", "wrap_from_env"]
+__all__ = ["FaultyTransport"]
 
-ENV_VAR = "PDGRPC_TEST_FAULTS"
-_KEYS = ("delay_metadata_s", "corrupt_nth_room")
 _ROOM_BYTES = 8  # bootstrap_room is an int64
 
-log = logging.getLogger("pdgrpc.transport.faults")
+log = logging.getLogger("pdgrpc.transport.testing.faults")
 
 
 class _Room:
@@ -108,7 +105,7 @@ class FaultyTransport(Transport):
         return self._inner.instance_id
 
     @property
-    def rooms(self) -> RoomTable:  # type: ignore[override]
+    def rooms(self) -> RoomStates:  # type: ignore[override]
         return self._inner.rooms
 
     def __getattr__(self, attr: str) -> Any:
@@ -208,29 +205,3 @@ class FaultyTransport(Transport):
         self.corrupted_rooms.append(room)
         log.warning("pdgrpc transport test faults: room %d slot %d: bootstrap_room %d overwritten with %d",
                     room, rr.slot, old, new)
-
-
-def wrap_from_env(transport: Transport) -> Transport:
-    """``transport`` wrapped in a :class:`FaultyTransport` configured by the JSON object
-    in ``$PDGRPC_TEST_FAULTS`` (keys ``delay_metadata_s``, ``corrupt_nth_room``), or
-    ``transport`` itself when the variable is unset or empty."""
-    text = os.environ.get(ENV_VAR, "").strip()
-    if not text:
-        return transport
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"{ENV_VAR}: not valid JSON ({exc}): {text!r}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{ENV_VAR}: must be a JSON object like "
-                          f'{{"delay_metadata_s": 0.3, "corrupt_nth_room": 3}}, got {text!r}')
-    unknown = sorted(set(doc) - set(_KEYS))
-    if unknown:
-        raise ConfigError(f"{ENV_VAR}: unknown key(s) {unknown}; known: {list(_KEYS)}")
-    try:
-        wrapped = FaultyTransport(transport, **doc)
-    except ConfigError as exc:
-        raise ConfigError(f"{ENV_VAR}: {exc}") from None
-    log.warning("pdgrpc transport test faults active: %s on %s transport %s",
-                json.dumps(doc, sort_keys=True), transport.name, transport.instance_id)
-    return wrapped

@@ -1,0 +1,272 @@
+"""The receiver side of the ``rdma`` backend (a mixin of
+:class:`~pdgrpc.transport.rdma.RdmaTransport`): HELLOs, WRITE and META control
+messages, posting receives straight into the granted bytes, ACK/NACK replies. The rules
+(grant check, byte accounting, metadata last) are :mod:`pdgrpc.transport.receiver`'s.
+
+Receiver-side authorization: a ``WRITE`` is checked op by op against the room's
+:class:`~pdgrpc.transport.base.RoomGrant` *before* any receive is posted. Only then are
+receives posted, with iov entries pointing into exactly the granted destination bytes.
+If any op is not allowed the room fails with the reason, the sender is NACKed, and the
+write's data messages are received into a small scratch buffer (so they do not pile up
+in UCX's unexpected queue) and dropped: nothing lands in the pool.
+
+Metadata last: the row is kept aside (in its control message) and copied into the slot
+only once every data message of the room that the sender wrote before it has landed;
+then the room is ``SUCCESS`` on the receiver and the ``ACK`` makes it ``SUCCESS`` on the
+sender. Control messages are processed in per-connection sequence order.
+
+Release: a released room's not-yet-matched receives are cancelled (and drained to
+scratch), so a late write cannot land in pages reused by another request. A receive
+that UCX already matched finishes into the pages it was authorized for (a network
+transfer in flight cannot be recalled); the decode side reuses an aborted request's
+pages only after the sender acknowledged the abort or its lease expired (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdgrpc.errors import TransportError, UnauthorizedWrite
+from pdgrpc.transport._ucx import FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, UcxError, UcxWorker
+from pdgrpc.transport.base import RoomGrant
+from pdgrpc.transport.liveness import Liveness
+from pdgrpc.transport.rdma_wire import (
+    ACK, COMMON, CONN_BITS, EARLY_MAX, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
+    KIND_SHIFT, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_BODY, RecvConn,
+    RecvRoom, Region, ctrl_tag, data_tag,
+)
+from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.rooms import RoomStates
+
+log = logging.getLogger("pdgrpc.transport.rdma")
+
+
+class RdmaReceiver:
+    """Receiver half of :class:`~pdgrpc.transport.rdma.RdmaTransport` (which sets these)."""
+
+    instance_id: str
+    rooms: RoomStates
+    _worker: UcxWorker
+    _liveness: Liveness
+    _closed: bool
+    _regions: dict[int, Region]
+    _recv: Receiver
+    _recv_conns: dict[int, RecvConn]
+    _recv_rooms: dict[int, RecvRoom]
+    _conn_ids: "itertools.count[int]"
+    _scratch: torch.Tensor
+    _ptr_table: np.ndarray  # region id -> base address
+
+    def advertise(self, grant: RoomGrant) -> None:
+        if self._closed:
+            raise TransportError("rdma transport is closed")
+        self._recv_rooms[grant.room] = RecvRoom(self._recv.advertise(grant))
+
+    def _reply(self, conn: RecvConn, typ: int, body: bytes) -> None:
+        msg = COMMON.pack(typ, conn.sender_local, 0) + body
+        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        token_box: list[int] = []
+
+        def done(status: int, length: int, tag: int) -> None:
+            if token_box:
+                conn.tokens.discard(token_box[0])
+
+        try:
+            token_box.append(self._worker.send(conn.ep, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_REPLY), done, buf))
+            conn.tokens.add(token_box[0])
+        except UcxError as exc:
+            log.warning("rdma: reply to sender %s failed: %s", conn.sender_id, exc)
+
+    def _nack(self, conn: RecvConn | None, room: int, reason: str, refusal: Refusal | None = None) -> None:
+        rr = self._recv_rooms.get(room)
+        if rr is not None:
+            if rr.nacked:
+                return
+            rr.nacked = True
+        if conn is not None:
+            self._reply(conn, NACK, NACK_BODY.pack(room, int(refusal or 0)) + reason.encode()[:4096])
+
+    def _on_ctrl(self, msg: bytes) -> None:
+        typ, conn_id, seq = COMMON.unpack_from(msg)
+        if typ == HELLO:
+            self._on_hello(conn_id, msg[COMMON.size :])
+            return
+        conn = self._recv_conns.get(conn_id)
+        if conn is None:
+            # Unknown or dropped connection (its peer was failed): drain its payload
+            # so it cannot linger, answer nothing.
+            if typ == WRITE:
+                self._drain_write(conn_id, msg)
+            return
+        if seq != conn.next_seq:
+            # Messages can overtake one another (eager vs rendezvous); keep those from
+            # the near future, a bounded number: anything beyond is not a live sender's.
+            if conn.next_seq < seq <= conn.next_seq + EARLY_MAX and len(conn.early) < EARLY_MAX:
+                conn.early[seq] = msg
+            elif seq > conn.next_seq and not conn.early_dropped:
+                conn.early_dropped = True
+                log.warning("rdma: connection %d from %s: control message %d dropped (more than %d ahead of %d)",
+                            conn.conn_id, conn.sender_id, seq, EARLY_MAX, conn.next_seq)
+            return
+        while True:
+            conn.next_seq += 1
+            if typ == WRITE:
+                self._on_write(conn, msg)
+            elif typ == META:
+                self._on_meta(conn, msg)
+            nxt = conn.early.pop(conn.next_seq, None)
+            if nxt is None or conn.conn_id not in self._recv_conns:
+                return
+            msg = nxt
+            typ = msg[0]
+
+    def _on_hello(self, sender_local: int, body: bytes) -> None:
+        ns, nt, na = HELLO_BODY.unpack_from(body)
+        off = HELLO_BODY.size
+        sender_id = body[off : off + ns].decode()
+        target = body[off + ns : off + ns + nt].decode()
+        addr = body[off + ns + nt : off + ns + nt + na]
+        if self._liveness.peer_info(sender_id) != addr:
+            # Only a sender whose liveness link is up, announcing this same worker
+            # address, gets an endpoint (and a reply); anything else is dropped.
+            log.warning("rdma: HELLO from %s ignored: no live liveness link announcing its worker address", sender_id)
+            return
+        try:
+            ep = self._worker.endpoint(addr)
+        except UcxError as exc:
+            log.warning("rdma: cannot answer HELLO from %s: %s", sender_id, exc)
+            return
+        conn_id = next(self._conn_ids) & ((1 << CONN_BITS) - 1)
+        conn = RecvConn(conn_id, sender_id, sender_local, ep)
+        if target != self.instance_id:
+            self._reply(conn, HELLO_REFUSED, f"this is instance {self.instance_id}, not {target}".encode())
+            self._worker.drop_endpoint(ep)  # the reply is flushed by the bounded close
+            return
+        self._recv_conns[conn_id] = conn
+        rid = self.instance_id.encode()
+        self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid)) + rid)
+
+    @staticmethod
+    def _parse_write(msg: bytes) -> tuple[int, int, list[int], np.ndarray]:
+        """(room, first data seq, ops per data message, op table) of a WRITE."""
+        room, first, n_msgs, n_ops = WRITE_BODY.unpack_from(msg, COMMON.size)
+        off = COMMON.size + WRITE_BODY.size
+        if n_msgs > n_ops or len(msg) < off + 4 * n_msgs + OP_DTYPE.itemsize * n_ops:
+            raise ValueError("WRITE is shorter than its op table")
+        counts = np.frombuffer(msg, dtype="<u4", count=n_msgs, offset=off).tolist()
+        off += 4 * n_msgs
+        if sum(counts) != n_ops or (n_msgs and min(counts) == 0):
+            raise ValueError("WRITE op table does not match its counts")
+        ops = np.frombuffer(msg, dtype=OP_DTYPE, count=n_ops, offset=off)
+        return room, first, counts, ops
+
+    def _drain(self, conn_id: int, tag_or_seq: int) -> None:
+        """Receive (and drop) one data message into scratch: keeps UCX's unexpected
+        queue from filling with payload nobody will take; the pool is never touched."""
+        def done(status: int, length: int, tag: int) -> None:
+            pass
+
+        with contextlib.suppress(UcxError):
+            tag = tag_or_seq if tag_or_seq >> KIND_SHIFT == KIND_DATA else data_tag(conn_id, tag_or_seq)
+            self._worker.recv([(self._scratch.data_ptr(), SCRATCH)], tag, FULL_MASK, done, self._scratch)
+
+    def _drain_write(self, conn_id: int, msg: bytes) -> None:
+        with contextlib.suppress(struct.error, ValueError):
+            _room, first, counts, _ops = self._parse_write(msg)
+            for i in range(len(counts)):
+                self._drain(conn_id, first + i)
+
+    def _on_write(self, conn: RecvConn, msg: bytes) -> None:
+        room, first, counts, ops = self._parse_write(msg)
+        try:
+            self._recv.accept(room, conn.sender_id, ops["region"], ops["offset"], ops["length"])
+        except UnauthorizedWrite as exc:
+            for i in range(len(counts)):
+                self._drain(conn.conn_id, first + i)
+            self._nack(conn, room, str(exc), exc.refusal)
+            return
+        rr = self._recv_rooms[room]
+        conn.rooms.add(room)
+        # iov rows {destination address, length}: every byte goes straight into the
+        # granted pages, which the receiver core has just authorized.
+        iov = np.empty((len(ops), 2), dtype=np.uint64)
+        iov[:, 0] = self._ptr_table[ops["region"].astype(np.int64)] + ops["offset"]
+        iov[:, 1] = ops["length"]
+        k = 0
+        for i, c in enumerate(counts):
+            rows = iov[k : k + c]
+            self._post_data(conn, room, rr, rows, int(rows[:, 1].sum()), data_tag(conn.conn_id, first + i), iov)
+            k += c
+
+    def _post_data(self, conn: RecvConn, room: int, rr: RecvRoom, pieces: np.ndarray, nbytes: int,
+                   tag: int, keep: Any) -> None:
+        token_box: list[int] = []
+
+        def done(status: int, length: int, _tag: int) -> None:
+            token = token_box[0]
+            conn.tokens.discard(token)
+            rr.tokens.discard(token)
+            rr.pending[conn.conn_id] -= 1
+            if status == UCS_ERR_CANCELED:
+                if rr.released and conn.conn_id in self._recv_conns:
+                    self._drain(conn.conn_id, tag)  # the sender's message still comes
+                return
+            if status != UCS_OK or length != nbytes:
+                why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
+                reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
+                self.rooms.fail(room, reason)
+                self._nack(conn, room, reason)
+                return
+            self._recv.landed(room, rr.core, nbytes)
+
+        rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + 1
+        try:
+            token = self._worker.recv(pieces, tag, FULL_MASK, done, keep)
+        except UcxError as exc:
+            rr.pending[conn.conn_id] -= 1
+            self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
+            return
+        token_box.append(token)
+        conn.tokens.add(token)
+        rr.tokens.add(token)
+
+    def _on_meta(self, conn: RecvConn, msg: bytes) -> None:
+        room, kv_bytes, region_id, offset, length = META_BODY.unpack_from(msg, COMMON.size)
+        row = msg[COMMON.size + META_BODY.size :]
+        try:
+            core = self._recv.accept(room, conn.sender_id, [region_id], [offset], [length], metadata=True)
+            if len(row) != length:
+                raise self._recv.refuse(room, Refusal.MALFORMED, f"metadata row of {len(row)} bytes announced as {length}")
+        except UnauthorizedWrite as exc:
+            self._nack(conn, room, str(exc), exc.refusal)
+            return
+        conn.rooms.add(room)
+        flat = self._regions[region_id].flat
+
+        def commit() -> None:  # every page the sender wrote before the row has landed: now the row
+            flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
+
+        self._recv.stage_metadata(room, core, kv_bytes, commit=commit,
+                                  ack=functools.partial(self._ack, conn.conn_id, room))
+
+    def _ack(self, conn_id: int, room: int) -> None:
+        conn = self._recv_conns.get(conn_id)
+        if conn is not None:  # not lost meanwhile (its endpoint would be gone)
+            self._reply(conn, ACK, ROOM_BODY.pack(room))
+
+    def _drop_recv_conn(self, conn: RecvConn, reason: str, *, peer_lost: bool = True) -> None:
+        self._recv_conns.pop(conn.conn_id, None)
+        for room in list(conn.rooms):
+            self.rooms.fail(room, reason)
+        for token in list(conn.tokens):
+            self._worker.cancel(token)  # tag receives: UCX cancels these for real
+        self._worker.drop_endpoint(conn.ep, force=peer_lost)
+        conn.ep = None

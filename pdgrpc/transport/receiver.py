@@ -1,0 +1,302 @@
+"""The receiver core every byte-moving backend shares: what a room was granted, whether a
+write may land (one vectorised grant check), how many bytes landed, and when the
+metadata row may be committed (only after every KV byte the sender wrote before it).
+
+A backend drives it with plain calls and moves the bytes itself; nothing here does I/O::
+
+    core = Receiver(transport.rooms)
+    core.add_region(info)                         # register()
+    core.advertise(RoomGrant.of(room, pages, slot))
+    rr = core.accept(room, peer_id, regions, offsets, lengths)   # raises UnauthorizedWrite
+    ... receive the payload into the authorized bytes ...
+    core.landed(rr, nbytes)                       # may commit the row and call ack()
+    core.stage_metadata(rr, kv_bytes_before, commit=copy_row, ack=send_ack)
+
+A refused write raises :class:`~pdgrpc.errors.UnauthorizedWrite` carrying a
+:class:`Refusal`; the room (if tracked) has already failed with the same refusal, and
+the backend drops the payload and tells the sender (``NACK`` with the refusal's code).
+The sender's room then fails with that :class:`Refusal` in its
+:class:`~pdgrpc.transport.rooms.RoomStatus`, so callers decide on the enum, never on
+the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from pdgrpc.errors import UnauthorizedWrite
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport.regions import RegionInfo, RegionKind
+from pdgrpc.transport.rooms import RoomStates, after_reactions
+
+__all__ = ["MessageType", "Receiver", "ReceiveRoom", "Refusal", "RegionTable", "RoomGrant"]
+
+
+class MessageType(enum.IntEnum):
+    """Message types of the built-in wire protocols (tcp frames, rdma control messages)."""
+
+    HELLO = 1  # sender -> receiver: instance ids (and backend data)
+    HELLO_OK = 2
+    HELLO_REFUSED = 3
+    WRITE = 4  # pages for a room: op table, then payload
+    META = 5  # the room's metadata row, with the KV bytes written before it
+    ACK = 6  # receiver -> sender: the metadata row landed
+    NACK = 7  # receiver -> sender: the room failed there (a refusal code, then the reason)
+    PING = 8  # either way: still alive (tcp heartbeat)
+
+
+class Refusal(enum.IntEnum):
+    """Why a receiver refused a write. The value travels in ``NACK`` (0: the room failed
+    at the receiver for another reason, not a refused write)."""
+
+    UNKNOWN_ROOM = 1  # never advertised, or already released
+    ROOM_CLOSED = 2  # the room is already terminal (row landed, or failed)
+    UNKNOWN_REGION = 3  # destination region not registered here
+    WRONG_KIND = 4  # page bytes into a metadata region, or a row into a KV region
+    OUTSIDE_REGION = 5  # bytes past the region's end (or an empty / negative range)
+    OUTSIDE_GRANT = 6  # a page the room was not granted
+    WRONG_SLOT = 7  # a metadata slot the room was not granted (or none was)
+    MALFORMED = 8  # a second row, or a row whose size disagrees with its header
+    BYTE_COUNT = 9  # more KV bytes landed than the sender announced before its row
+
+    @classmethod
+    def from_code(cls, code: int) -> "Refusal | None":
+        try:
+            return cls(code)
+        except ValueError:
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoomGrant:
+    """What a receiver allows for one room: these page indices in every KV region and
+    this slot in every metadata region (``slot=None``: no metadata row for this room,
+    e.g. an intermediate TP rank). Build with :meth:`of`, which sorts and dedups."""
+
+    room: int
+    pages: tuple[int, ...]
+    slot: int | None = None
+
+    @classmethod
+    def of(cls, room: int, pages: Iterable[int], slot: int | None = None) -> "RoomGrant":
+        from pdgrpc.errors import ConfigError
+
+        ps = tuple(sorted(set(int(p) for p in pages)))
+        if ps and ps[0] < 0:
+            raise ConfigError(f"RoomGrant.pages must be >= 0, got {ps[0]}")
+        if slot is not None and slot < 0:
+            raise ConfigError(f"RoomGrant.slot must be >= 0, got {slot}")
+        if not 0 < room < 2**63:
+            raise ConfigError(f"RoomGrant.room must be in [1, 2**63), got {room}")
+        return cls(room, ps, slot)
+
+    @property
+    def page_runs(self) -> tuple[tuple[int, int], ...]:
+        """Maximal runs of consecutive pages as ``(first, last_exclusive)``."""
+        runs: list[tuple[int, int]] = []
+        for p in self.pages:
+            if runs and runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], p + 1)
+            else:
+                runs.append((p, p + 1))
+        return tuple(runs)
+
+    def runs_array(self) -> tuple[Any, Any]:
+        """Page runs as ``(starts, ends_exclusive)`` int64 arrays (cached)."""
+        cached = self.__dict__.get("_runs_np")
+        if cached is None:
+            runs = self.page_runs
+            cached = (np.array([a for a, _ in runs], dtype=np.int64), np.array([b for _, b in runs], dtype=np.int64))
+            object.__setattr__(self, "_runs_np", cached)
+        return cached
+
+
+_HUGE = 1 << 62  # offsets and lengths above this are outside any region (and would overflow int64 sums)
+
+
+class RegionTable:
+    """The registered regions as lookup tables indexed by region id, so a write's ops are
+    checked against a grant in one vectorised pass (one numpy round per write, not per
+    region: with 48 KV regions a per-region loop costs ~1 ms per write)."""
+
+    def __init__(self) -> None:
+        self.infos: dict[int, RegionInfo] = {}
+        self._kind = np.zeros(1 << 16, dtype=np.int8)  # 0 none, 1 KV, 2 metadata
+        self._nbytes = np.zeros(1 << 16, dtype=np.int64)
+        self._item = np.ones(1 << 16, dtype=np.int64)
+
+    def add(self, info: RegionInfo) -> None:
+        self.infos[info.region_id] = info
+        self._kind[info.region_id] = 2 if info.kind is RegionKind.METADATA else 1
+        self._nbytes[info.region_id] = info.nbytes
+        self._item[info.region_id] = info.item_bytes
+
+    def authorize(self, grant: RoomGrant, regions: Any, offsets: Any, lengths: Any, *, metadata: bool = False) -> None:
+        """Raise :class:`~pdgrpc.errors.UnauthorizedWrite` unless every op
+        ``(regions[i], offsets[i], lengths[i])`` (destination side) lands inside what
+        ``grant`` allows: page bytes (``metadata=False``) only in KV regions and the
+        granted pages, a row (``metadata=True``) only in a metadata region's granted
+        slot. The first offending op is named in the message."""
+        regions = np.asarray(regions).astype(np.int64)
+        offs_in, lens_in = np.asarray(offsets), np.asarray(lengths)
+        if len(regions) == 0:
+            return
+        huge = (offs_in > _HUGE) | (lens_in > _HUGE) | (offs_in < 0)
+        offs = np.where(huge, 0, offs_in).astype(np.int64)
+        lens = np.where(huge, 0, lens_in).astype(np.int64)
+        rid_ok = (regions >= 0) & (regions < len(self._kind))
+        rids = np.where(rid_ok, regions, 0)
+        kind = np.where(rid_ok, self._kind[rids], 0)
+        want = 2 if metadata else 1
+        item = self._item[rids]
+        first = offs // item
+        last = (offs + np.maximum(lens, 1) - 1) // item
+        bad = huge | (kind != want) | (lens <= 0) | (offs + lens > self._nbytes[rids])
+        if metadata:
+            slot = -1 if grant.slot is None else grant.slot
+            bad |= (first != slot) | (last != first)
+        else:
+            starts, ends = grant.runs_array()
+            if len(starts):
+                idx = np.searchsorted(starts, first, side="right") - 1
+                bad |= (idx < 0) | (last >= ends[np.maximum(idx, 0)])
+            else:
+                bad |= True
+        if not bad.any():
+            return
+        j = int(bad.argmax())
+        refusal, text = self._why(grant, int(regions[j]), int(offs_in[j]), int(lens_in[j]), metadata)
+        raise UnauthorizedWrite(refusal, text)
+
+    def _why(self, grant: RoomGrant, rid: int, off: int, n: int, metadata: bool) -> tuple[Refusal, str]:
+        """The refusal and its message for one op the vectorised check refused."""
+        info = self.infos.get(rid)
+        if info is None:
+            return Refusal.UNKNOWN_REGION, f"destination region {rid} is not registered here"
+        if (info.kind is RegionKind.METADATA) != metadata:
+            what = "metadata row" if metadata else "page"
+            return Refusal.WRONG_KIND, f"{what} write into {info.kind.value} region {info.name!r}"
+        if off < 0 or n <= 0 or off + n > info.nbytes:
+            return Refusal.OUTSIDE_REGION, f"bytes [{off}, {off + n}) outside region {info.name!r} of {info.nbytes} bytes"
+        first, last = off // info.item_bytes, (off + n - 1) // info.item_bytes
+        if metadata:
+            if grant.slot is None:
+                return Refusal.WRONG_SLOT, (
+                    f"room {grant.room} was granted no metadata slot (write into {info.name!r} slot {first})")
+            return Refusal.WRONG_SLOT, (
+                f"metadata write into slots {first}..{last} of {info.name!r}; room {grant.room} was granted slot {grant.slot}")
+        pages = np.arange(first, last + 1)
+        missing = pages[~np.isin(pages, np.asarray(grant.pages, dtype=np.int64))]
+        bad = int(missing[0]) if len(missing) else first
+        return Refusal.OUTSIDE_GRANT, f"page {bad} of {info.name!r} is outside the pages granted to room {grant.room}"
+
+
+class ReceiveRoom:
+    """One advertised room at the receiver: its grant, the peers that wrote to it, the
+    KV bytes landed, and the metadata row once it arrived (committed last)."""
+
+    __slots__ = ("grant", "peers", "received", "expected", "commit", "ack")
+
+    def __init__(self, grant: RoomGrant) -> None:
+        self.grant = grant
+        self.peers: set[str] = set()
+        self.received = 0  # KV bytes landed
+        self.expected: int | None = None  # KV bytes the sender wrote before its row
+        self.commit: Callable[[], None] | None = None  # copies the staged row into its slot
+        self.ack: Callable[[], None] | None = None
+
+
+class Receiver:
+    """Grants, write authorization, byte accounting and the metadata-last commit, over a
+    backend's :class:`~pdgrpc.transport.rooms.RoomStates`. See the module docstring."""
+
+    def __init__(self, rooms: RoomStates) -> None:
+        self.rooms = rooms
+        self.regions = RegionTable()
+        self._open: dict[int, ReceiveRoom] = {}
+
+    def add_region(self, info: RegionInfo) -> None:
+        self.regions.add(info)
+
+    def advertise(self, grant: RoomGrant) -> ReceiveRoom:
+        from pdgrpc.errors import ConfigError
+
+        if grant.room in self._open or grant.room in self.rooms:
+            raise ConfigError(f"room {grant.room} is already in use by this transport; release it first")
+        rr = self._open[grant.room] = ReceiveRoom(grant)
+        self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
+        return rr
+
+    def get(self, room: int) -> ReceiveRoom | None:
+        """The open room, or None once released (a backend compares identities to tell a
+        room released mid-payload)."""
+        return self._open.get(room)
+
+    def release(self, room: int) -> ReceiveRoom | None:
+        return self._open.pop(room, None)
+
+    def clear(self) -> None:
+        self._open.clear()
+
+    def rooms_of(self, peer_id: str) -> list[int]:
+        """Open rooms that ``peer_id`` wrote to."""
+        return [room for room, rr in self._open.items() if peer_id in rr.peers]
+
+    def accept(self, room: int, peer_id: str, regions: Any, offsets: Any, lengths: Any, *,
+               metadata: bool = False) -> ReceiveRoom:
+        """Authorize one write (or, with ``metadata``, the row's single op) from
+        ``peer_id`` for ``room``. Returns the room, now TRANSFERRING, when every op
+        lands inside its grant; otherwise fails the room (if open) and raises
+        :class:`~pdgrpc.errors.UnauthorizedWrite`."""
+        rr = self._open.get(room)
+        try:
+            if rr is None:
+                raise UnauthorizedWrite(Refusal.UNKNOWN_ROOM, self.rooms.refusal(room))
+            rr.peers.add(peer_id)
+            state = self.rooms.status(room).state
+            if state.is_terminal:
+                raise UnauthorizedWrite(Refusal.ROOM_CLOSED, f"room {room} is already {state.name}")
+            if metadata and (rr.commit is not None or len(regions) != 1):
+                raise UnauthorizedWrite(Refusal.MALFORMED, f"second or malformed metadata row for room {room}")
+            self.regions.authorize(rr.grant, regions, offsets, lengths, metadata=metadata)
+        except UnauthorizedWrite as exc:
+            if rr is not None:
+                self.rooms.fail(room, str(exc), exc.refusal)
+            raise
+        self.rooms.set(room, KVPoll.TRANSFERRING)
+        return rr
+
+    def refuse(self, room: int, refusal: Refusal, text: str) -> UnauthorizedWrite:
+        """Fail ``room`` (if open) for a refusal the backend found itself (say, a row whose
+        size disagrees with its header); returns the error to report."""
+        exc = UnauthorizedWrite(refusal, text)
+        if room in self._open:
+            self.rooms.fail(room, str(exc), refusal)
+        return exc
+
+    def landed(self, room: int, rr: ReceiveRoom, nbytes: int) -> None:
+        """``nbytes`` KV bytes of ``room`` landed in its granted pages."""
+        rr.received += nbytes
+        self._try_commit(room, rr)
+
+    def stage_metadata(self, room: int, rr: ReceiveRoom, kv_bytes: int, *, commit: Callable[[], None],
+                       ack: Callable[[], None]) -> None:
+        """The row arrived (kept aside by the backend); ``commit()`` copies it into the
+        slot once ``kv_bytes`` KV bytes landed, then the room is SUCCESS and ``ack()``
+        runs after the reactions to that (:func:`after_reactions`)."""
+        rr.expected, rr.commit, rr.ack = kv_bytes, commit, ack
+        self._try_commit(room, rr)
+
+    def _try_commit(self, room: int, rr: ReceiveRoom) -> None:
+        if self._open.get(room) is not rr or rr.expected is None or rr.commit is None:
+            return
+        if rr.received > rr.expected:
+            self.rooms.fail(room, f"received {rr.received} KV bytes, sender announced {rr.expected}", Refusal.BYTE_COUNT)
+        elif rr.received == rr.expected and not self.rooms.status(room).state.is_terminal:
+            rr.commit()
+            if self.rooms.set(room, KVPoll.SUCCESS) and rr.ack is not None:
+                after_reactions(rr.ack)  # the receiver's own commit goes first

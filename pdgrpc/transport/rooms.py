@@ -1,0 +1,169 @@
+"""Per-room state every backend keeps: :class:`RoomStates` (forward-only transitions,
+FAILED wins, terminal states stick) and the :class:`RoomStatus` that ``poll`` and
+``status`` report."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from pdgrpc.errors import TransportError
+from pdgrpc.kvpoll import KVPoll
+
+if TYPE_CHECKING:
+    from pdgrpc.transport.receiver import Refusal
+
+log = logging.getLogger("pdgrpc.transport.base")
+
+__all__ = ["RoomStates", "RoomStatus", "UnknownRoom", "after_reactions"]
+
+
+class UnknownRoom(TransportError):
+    """``poll``/``status`` for a room this transport does not track."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoomStatus:
+    """A room's state; ``reason`` (text, for people) is set when FAILED, and
+    ``refusal`` too when the failure is a receiver refusing a write (decisions use
+    ``refusal``, never the text)."""
+
+    state: KVPoll
+    reason: str | None = None
+    refusal: "Refusal | None" = None
+
+
+def after_reactions(callback: Callable[..., object], *args: object) -> None:
+    """Run ``callback(*args)`` on the running loop once the reactions to a room that just
+    turned terminal have run: a listener (:meth:`RoomStates.add_listener`) schedules its
+    reaction for the loop's next turn, and what that reaction wakes (a task awaiting it)
+    runs on the turn after; ``callback`` runs after both.
+
+    For a receiver's ACK: it wakes the sender, whose reply to its own caller reaches the
+    same client as the receiver's first token, competing for the same cores; the token is
+    what the client waits for (about 0.5 ms of TTFT on a 2-core host; see
+    docs/performance.md, "Transport")."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(loop.call_soon, callback, *args)
+
+
+class RoomStates:
+    """Per-room state shared by backends: forward-only transitions, FAILED wins,
+    terminal states stick, waiters wake on terminal states. Not thread-safe: touch it
+    from the transport's event loop only."""
+
+    # Release reasons kept for late writes: a bounded number, the newest (a write comes
+    # late by the sender's reaction time, not by thousands of rooms).
+    RELEASE_REASONS_KEPT = 4096
+
+    def __init__(self) -> None:
+        self._states: dict[int, RoomStatus] = {}
+        self._events: dict[int, asyncio.Event] = {}
+        self._listeners: list[Callable[[int], None]] = []
+        self._started: dict[int, float] = {}  # room -> time.monotonic() it reached TRANSFERRING
+        self._release_reasons: collections.OrderedDict[int, str] = collections.OrderedDict()
+
+    def add_listener(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(room)`` each time a room turns terminal (SUCCESS or FAILED),
+        synchronously, from inside whatever update made it so (often the transport's own
+        receive path): keep it short and schedule real work, e.g. with ``call_soon``.
+        Cheaper than a task per room in :meth:`wait` when a server follows every room."""
+        self._listeners.append(callback)
+
+    def __contains__(self, room: int) -> bool:
+        return room in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def rooms(self) -> list[int]:
+        return list(self._states)
+
+    def create(self, room: int, state: KVPoll) -> None:
+        """Start tracking ``room`` (no-op if already tracked)."""
+        if room not in self._states and state is KVPoll.TRANSFERRING:
+            self._started[room] = time.monotonic()
+        self._states.setdefault(room, RoomStatus(state))
+
+    def transfer_started(self, room: int) -> float | None:
+        """When ``room`` first reached TRANSFERRING (``time.monotonic()``): the first
+        byte written (sender) or arrived (receiver). None if it has not, or is untracked."""
+        return self._started.get(room)
+
+    def set(self, room: int, state: KVPoll, reason: str | None = None, refusal: "Refusal | None" = None) -> bool:
+        """Move ``room`` to ``state`` if that is forward (or FAILED). Returns whether
+        the state changed. Untracked rooms are ignored (released rooms stay released)."""
+        cur = self._states.get(room)
+        if cur is None or cur.state.is_terminal:
+            return False
+        if state is not KVPoll.FAILED and state <= cur.state:
+            return False
+        failed = state is KVPoll.FAILED
+        self._states[room] = RoomStatus(state, reason if failed else None, refusal if failed else None)
+        if state is KVPoll.TRANSFERRING or (state is KVPoll.SUCCESS and room not in self._started):
+            self._started[room] = time.monotonic()
+        if state.is_terminal:
+            ev = self._events.get(room)
+            if ev is not None:
+                ev.set()
+            for callback in self._listeners:
+                try:
+                    callback(room)
+                except Exception:  # a listener's bug must not break the transport's update
+                    log.exception("room %d: terminal-state listener %r failed", room, callback)
+        return True
+
+    def fail(self, room: int, reason: str, refusal: "Refusal | None" = None) -> bool:
+        return self.set(room, KVPoll.FAILED, reason, refusal)
+
+    def status(self, room: int) -> RoomStatus:
+        try:
+            return self._states[room]
+        except KeyError:
+            raise UnknownRoom(f"room {room} is not tracked by this transport") from None
+
+    def note_release(self, room: int, reason: str) -> None:
+        """Remember why ``room`` is being released, for :meth:`refusal`."""
+        self._release_reasons[room] = reason
+        self._release_reasons.move_to_end(room)
+        while len(self._release_reasons) > self.RELEASE_REASONS_KEPT:
+            self._release_reasons.popitem(last=False)
+
+    def release_reason(self, room: int) -> str | None:
+        """The reason noted for ``room``'s release, if any (and still kept)."""
+        return self._release_reasons.get(room)
+
+    def refusal(self, room: int) -> str:
+        """Why a receiver refuses a write for ``room``, which it does not track. A room
+        released for a noted reason says so: a sender whose write was a moment late then
+        reports the cause (say, the decode found the metadata corrupt on another TP
+        rank), not only that the room is gone."""
+        why = self.release_reason(room)
+        text = f"room {room} is not advertised here (never, or already released)"
+        return text if why is None else f"{text}; it was released because: {why}"
+
+    def discard(self, room: int) -> None:
+        self._states.pop(room, None)
+        self._started.pop(room, None)
+        ev = self._events.pop(room, None)
+        if ev is not None:
+            ev.set()  # wake waiters; they see UnknownRoom
+
+    def fail_all(self, reason: str, rooms: Iterable[int] | None = None) -> None:
+        for room in list(self._states if rooms is None else rooms):
+            self.fail(room, reason)
+
+    async def wait(self, room: int, timeout: float) -> RoomStatus:
+        st = self.status(room)
+        if st.state.is_terminal:
+            return st
+        ev = self._events.setdefault(room, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.status(room)

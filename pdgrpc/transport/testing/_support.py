@@ -1,0 +1,130 @@
+"""Shared pieces of the conformance suite: the local side of a check, seeded region
+contents, and the helpers every check uses."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Any, ClassVar, Sequence
+
+import pytest
+import torch
+
+from pdgrpc.transport import registry
+from pdgrpc.transport.base import Transport
+from pdgrpc.transport.pages import METADATA_REGION_ID
+from pdgrpc.transport.peerproc import ROOM_FIELD_BYTES, Layout, PeerProcess
+
+FAIL_DEADLINE_S = 2.0  # a dead peer's in-flight rooms must be FAILED this soon
+WAIT_S = 60.0  # bound on any wait for something that should happen (not a speed target)
+MEASURED: list[tuple[str, str, float]] = []  # (backend, what, seconds)
+
+
+class _Local:
+    """This process's side: a transport over a freshly built layout."""
+
+    def __init__(self, backend: str, options: dict[str, Any], layout: Layout, seed: int | None) -> None:
+        self.layout = layout
+        self.seed = seed
+        self.regions, self.flats = layout.build(seed)
+        self.t: Transport = registry.create(backend, **options)
+        self.descriptor = b""
+
+    async def start(self) -> "_Local":
+        self.descriptor = await self.t.register(self.regions)
+        return self
+
+    def page_bytes(self, region_id: int, page: int) -> torch.Tensor:
+        ib = self.layout.item_bytes(region_id)
+        return self.flats[region_id][page * ib : (page + 1) * ib]
+
+    def row(self, slot: int) -> torch.Tensor:
+        return self.page_bytes(METADATA_REGION_ID, slot)
+
+    def snapshot(self) -> dict[int, torch.Tensor]:
+        return {r: f.clone() for r, f in self.flats.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _source(layout: Layout, region_id: int, seed: int) -> torch.Tensor:
+    """A seeded region's content (cached: checks compare many pages of few regions)."""
+    return layout.source_bytes(region_id, seed)
+
+
+def _expected_row(layout: Layout, seed: int, src_slot: int, room: int) -> torch.Tensor:
+    rb = layout.row_bytes
+    row = layout.source_bytes(METADATA_REGION_ID, seed)[src_slot * rb : (src_slot + 1) * rb].clone()
+    row[-ROOM_FIELD_BYTES:] = torch.tensor([room], dtype=torch.int64).view(torch.uint8)
+    return row
+
+
+def _row_room(row: torch.Tensor) -> int:
+    return int(row[-ROOM_FIELD_BYTES:].clone().view(torch.int64)[0])
+
+
+class ConformanceBase:
+    """Settings and helpers of :class:`~pdgrpc.transport.testing.TransportConformance`."""
+
+    backend: ClassVar[str] = ""
+    options: ClassVar[dict[str, Any]] = {}
+    seed: ClassVar[int] = 1234
+
+    # ------------------------------------------------------------------ helpers
+    def _backend(self) -> str:
+        if not self.backend:
+            pytest.skip("TransportConformance subclass did not set `backend`")
+        return self.backend
+
+    def _moves_bytes(self) -> bool:
+        return registry.load(self._backend()).moves_bytes
+
+    def _require_bytes(self) -> None:
+        if not self._moves_bytes():
+            pytest.skip(f"backend {self.backend!r} moves no bytes (moves_bytes = False); data checks do not apply")
+
+    async def _local(self, layout: Layout, seed: int | None) -> _Local:
+        return await _Local(self._backend(), dict(self.options), layout, seed).start()
+
+    def _peer(self, layout: Layout, seed: int | None) -> PeerProcess:
+        return PeerProcess(self._backend(), layout=layout, seed=seed, options=dict(self.options))
+
+    def _check_pages(self, local: _Local, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
+        lay = local.layout
+        for rid in lay.kv_region_ids():
+            src = _source(lay, rid, self.seed)
+            ib = lay.item_bytes(rid)
+            for s, d in zip(src_pages, dst_pages):
+                got = local.page_bytes(rid, d)
+                assert torch.equal(got, src[s * ib : (s + 1) * ib]), (
+                    f"region {rid}: destination page {d} does not hold source page {s}"
+                )
+
+    @staticmethod
+    async def _wait_local(t: Transport, rooms: Sequence[int], timeout: float = WAIT_S) -> dict[int, Any]:
+        deadline = time.monotonic() + timeout
+        out = {}
+        for r in rooms:
+            out[r] = await t.wait(r, max(0.0, deadline - time.monotonic()))
+        return out
+
+
+def sender_peer(recv: _Local) -> str:
+    """The instance id a sender process uses to address ``recv`` (after connect)."""
+    return recv.t.instance_id
+
+
+async def _close(t: Transport, timeout: float = 30.0) -> None:
+    """Close a transport, bounded: a backend whose close hangs fails the test."""
+    try:
+        await asyncio.wait_for(t.close(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"{type(t).__name__}.close() did not finish within {timeout} s") from None
+
+
+async def _until(cond: Any, timeout: float = WAIT_S, step: float = 0.002) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(step)

@@ -1,0 +1,27 @@
+"""Fault-injecting transports the e2e tests load by name, through the registry's
+``module:Class`` spelling (``--transport tests.e2e.faulty:SlowCorruptingRank1``): the
+servers know nothing about faults. Each class picks its inner backend and faults in its
+constructor, which takes what :func:`pdgrpc.serving.create_transport` passes (``host``,
+``tp_rank``)."""
+
+from __future__ import annotations
+
+import logging
+
+from pdgrpc.transport.tcp import TcpTransport
+from pdgrpc.transport.testing.faults import FaultyTransport
+
+log = logging.getLogger("pdgrpc.transport.testing.faults")
+
+
+class SlowCorruptingRank1(FaultyTransport):
+    """tcp; on TP rank 1 only, every metadata row is seen 0.2 s late and the third
+    advertised room's row gets a wrong ``bootstrap_room``."""
+
+    FAULTS = {"delay_metadata_s": 0.2, "corrupt_nth_room": 3}
+
+    def __init__(self, *, host: str = "127.0.0.1", tp_rank: int = 0) -> None:
+        faults = self.FAULTS if tp_rank == 1 else {}
+        super().__init__(TcpTransport(host=host), **faults)  # type: ignore[arg-type]
+        if faults:
+            log.warning("pdgrpc transport test faults active: %s on tp rank %d", faults, tp_rank)

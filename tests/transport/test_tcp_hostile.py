@@ -1,0 +1,299 @@
+"""The tcp receiver against a hostile client on its listener (issue 16's audit): malformed
+frames close that connection and harm no one else; frames are bounded; a claimed
+identity never fails the real peer's rooms."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport import registry
+from pdgrpc.transport.base import RoomGrant
+from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
+from pdgrpc.transport.peerproc import Layout
+from pdgrpc.transport.receiver import MessageType
+from pdgrpc.transport.tcp_conn import HEADER, MAX_FRAME_PAYLOAD
+
+from tests.eventually import eventually_async
+from tests.transport.raw_tcp import RawClient
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYOUT = Layout(layers=2, pages=16, slots=4)
+
+
+class Pair:
+    """A receiver and a well-behaved sender in this process, both tcp."""
+
+    async def __aenter__(self) -> "Pair":
+        self.recv_regions, _ = LAYOUT.build(seed=None)
+        self.send_regions, _ = LAYOUT.build(seed=5)
+        self.recv = registry.create("tcp")
+        self.send = registry.create("tcp")
+        self.descriptor = await self.recv.register(self.recv_regions)
+        await self.send.register(self.send_regions)
+        self.peer = await self.send.connect(self.descriptor)
+        self.next_room = 100
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.send.close()
+        await self.recv.close()
+
+    async def transfer(self) -> KVPoll:
+        """One room, two pages and the row, from the real sender; its receiver state."""
+        room = self.next_room = self.next_room + 1
+        self.recv.advertise(RoomGrant.of(room, [2, 3], slot=1))
+        pairs = region_pairs(self.send_regions, self.peer.descriptor.regions)
+        meta = metadata_op(self.send_regions[-1], 0, self.peer.descriptor.region(METADATA_REGION_ID), 1)
+        await self.send.write(self.peer, room, page_ops(pairs, [0, 1], [2, 3]), metadata=meta)
+        st = await self.recv.wait(room, 30)
+        self.recv.release(room)
+        await self.send.wait(room, 30)
+        self.send.release(room)
+        return st.state
+
+
+MALFORMED = {
+    "unknown frame type": lambda c: c.send(HEADER.pack(99, 0, 0, 0, 0)),
+    "data frame before HELLO": lambda c: c.write_frame(7, [(0, 0, 16)]),
+    "control frame over 64 KiB": lambda c: c.send(HEADER.pack(MessageType.HELLO, 0, 0, 1 << 20, 0)),
+}
+
+
+@pytest.mark.parametrize("what", sorted(MALFORMED))
+async def test_a_malformed_frame_closes_only_that_connection(what: str) -> None:
+    async with Pair() as p:
+        client = RawClient(p.descriptor)
+        try:
+            await MALFORMED[what](client)
+            assert await client.closed_by_peer(), what
+        finally:
+            client.close()
+        assert await p.transfer() is KVPoll.SUCCESS
+
+
+@pytest.mark.parametrize("payload", [MAX_FRAME_PAYLOAD + 1, 1 << 40, 1 << 62], ids=["cap+1", "2^40", "2^62"])
+async def test_a_frame_announcing_more_than_the_cap_is_refused_without_reading_it(payload: int) -> None:
+    # The audit's 56-byte frame: one op announcing 2^62 bytes for a room that does not
+    # exist. The receiver must close the connection (naming the limit in its log), not
+    # plan to discard the payload, and keep serving the real peer.
+    async with Pair() as p:
+        client = RawClient(p.descriptor)
+        try:
+            assert await client.hello() == MessageType.HELLO_OK
+            await client.write_frame(12345, [(0, 0, payload)])
+            assert await client.closed_by_peer()
+        finally:
+            client.close()
+        assert await p.transfer() is KVPoll.SUCCESS
+        assert await asyncio.wait_for(asyncio.sleep(0), 1) is None  # the loop is free
+
+
+async def test_a_connection_claiming_the_real_peers_id_cannot_fail_it() -> None:
+    # The audit: claim the prefill's instance id (public through GetWorkers) in HELLO,
+    # then disconnect. The receiver must not take that for the real peer's death.
+    async with Pair() as p:
+        room = 77
+        p.recv.advertise(RoomGrant.of(room, [2, 3], slot=1))
+        pairs = region_pairs(p.send_regions, p.peer.descriptor.regions)
+        await p.send.write(p.peer, room, page_ops(pairs, [0], [2]))  # pages in flight, no row yet
+        while p.recv.poll(room) is KVPoll.WAITING_FOR_INPUT:
+            await asyncio.sleep(0.001)
+        for _ in range(3):
+            imposter = RawClient(p.descriptor)
+            assert await imposter.hello(claimed_id=p.send.instance_id) == MessageType.HELLO_OK
+            imposter.close()
+        await eventually_async(lambda: len(p.recv._incoming) == 1, what="the receiver saw the imposters go")
+        assert p.recv.poll(room) is KVPoll.TRANSFERRING
+        meta = metadata_op(p.send_regions[-1], 0, p.peer.descriptor.region(METADATA_REGION_ID), 1)
+        await p.send.write(p.peer, room, page_ops(pairs, [1], [3]), metadata=meta)
+        assert (await p.recv.wait(room, 30)).state is KVPoll.SUCCESS
+        assert (await p.send.wait(room, 30)).state is KVPoll.SUCCESS
+        assert await p.transfer() is KVPoll.SUCCESS
+
+
+# -- bounded resources ---------------------------------------------------------------------
+async def test_a_connection_that_never_says_hello_is_closed() -> None:
+    recv = registry.create("tcp", hello_timeout=0.3)
+    desc = await recv.register(LAYOUT.build(None)[0])
+    try:
+        idle = RawClient(desc)
+        try:
+            assert await idle.closed_by_peer(timeout=30)
+        finally:
+            idle.close()
+    finally:
+        await recv.close()
+
+
+async def test_connections_are_capped_per_listener_and_per_address() -> None:
+    recv = registry.create("tcp", max_connections=4, max_connections_per_address=3)
+    desc = await recv.register(LAYOUT.build(None)[0])
+    clients = [RawClient(desc) for _ in range(3)]
+    try:
+        for c in clients:
+            assert await c.hello() == MessageType.HELLO_OK  # accepted and served
+        extra = RawClient(desc)  # a 4th from the same address
+        clients.append(extra)
+        assert await extra.closed_by_peer()
+        for c in clients:
+            c.close()
+        await eventually_async(lambda: len(recv._incoming) == 0, what="the receiver saw the clients go")
+        send = registry.create("tcp")
+        regions, _ = LAYOUT.build(5)
+        await send.register(regions)
+        try:
+            peer = await send.connect(desc)  # room again once the junk left
+            recv.advertise(RoomGrant.of(5, [1], slot=0))
+            pairs = region_pairs(regions, peer.descriptor.regions)
+            meta = metadata_op(regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+            await send.write(peer, 5, page_ops(pairs, [0], [1]), metadata=meta)
+            assert (await send.wait(5, 30)).state is KVPoll.SUCCESS
+        finally:
+            await send.close()
+    finally:
+        for c in clients:
+            c.close()
+        await recv.close()
+
+
+async def test_out_of_file_descriptors_the_listener_backs_off_instead_of_spinning() -> None:
+    import errno
+
+    recv = registry.create("tcp")
+    desc = await recv.register(LAYOUT.build(None)[0])
+    real = recv._listener
+    calls = 0
+
+    class Exhausted:  # the listener as it behaves at the fd limit: readable, accept fails
+        def fileno(self) -> int:
+            return real.fileno()
+
+        def accept(self):
+            nonlocal calls
+            calls += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def close(self) -> None:
+            real.close()
+
+    recv._listener = Exhausted()
+    waiting = RawClient(desc)  # keeps the listener readable
+    try:
+        await asyncio.sleep(0.5)  # the scenario: half a second at the fd limit
+        assert 1 <= calls <= 20, f"accept tried {calls} times in 0.5 s"
+    finally:
+        waiting.close()
+        await recv.close()
+
+
+# -- heartbeat -------------------------------------------------------------------------------
+async def test_a_hung_receiver_fails_the_senders_rooms_within_the_lease() -> None:
+    import os
+    import signal
+
+    from pdgrpc.transport.peerproc import PeerProcess
+
+    options = {"heartbeat_interval": 0.1, "heartbeat_lease": 1.0}
+    regions, _ = LAYOUT.build(5)
+    send = registry.create("tcp", **options)
+    await send.register(regions)
+    recv = PeerProcess("tcp", layout=LAYOUT, options=options)
+    await recv.start()
+    try:
+        peer = await send.connect(recv.descriptor)
+        await recv.call("advertise", 21, [1, 2], 0)
+        os.kill(recv.pid, signal.SIGSTOP)  # sockets stay open: only the heartbeat can tell
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        await send.write(peer, 21, page_ops(pairs, [0, 1], [1, 2]))
+        st = await send.wait(21, 30)
+        assert st.state is KVPoll.FAILED and "heartbeat" in (st.reason or ""), st
+        os.kill(recv.pid, signal.SIGCONT)
+    finally:
+        os.kill(recv.pid, signal.SIGCONT)
+        await recv.stop()
+        await send.close()
+
+
+async def test_an_idle_connection_outlives_the_lease() -> None:
+    options = {"heartbeat_interval": 0.05, "heartbeat_lease": 0.3}
+    recv, send = registry.create("tcp", **options), registry.create("tcp", **options)
+    regions, _ = LAYOUT.build(5)
+    desc = await recv.register(LAYOUT.build(None)[0])
+    await send.register(regions)
+    try:
+        peer = await send.connect(desc)
+        await asyncio.sleep(1.0)  # the scenario: idle for three leases
+        recv.advertise(RoomGrant.of(8, [1], slot=0))
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        meta = metadata_op(regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+        await send.write(peer, 8, page_ops(pairs, [0], [1]), metadata=meta)
+        assert (await send.wait(8, 30)).state is KVPoll.SUCCESS
+    finally:
+        await send.close()
+        await recv.close()
+
+
+@pytest.mark.parametrize("bad", [{"hello_timeout": 0}, {"max_connections": 0}, {"max_connections_per_address": 1.5},
+                                 {"heartbeat_interval": 5, "heartbeat_lease": 5}, {"heartbeat_lease": float("nan")}])
+def test_bad_limits_are_refused_naming_the_option(bad: dict) -> None:
+    from pdgrpc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=sorted(bad)[0]):
+        registry.create("tcp", **bad)
+
+
+# -- fuzz --------------------------------------------------------------------------------------
+def _fuzz_streams():
+    from hypothesis import strategies as st
+
+    def frame(ftype: int, n_ops: int, room: int, payload: int, aux: int, tail: bytes) -> bytes:
+        return HEADER.pack(ftype, n_ops, room, payload, aux) + tail
+
+    header_like = st.builds(frame, st.integers(0, 12), st.integers(0, 600), st.sampled_from([0, 1, 99, 101, 2**63]),
+                            st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.binary(max_size=96))
+    return st.tuples(st.booleans(), st.lists(st.one_of(header_like, st.binary(max_size=64)), max_size=4))
+
+
+@pytest.mark.timeout(300)
+def test_arbitrary_byte_streams_harm_nobody() -> None:
+    # Random streams (after a HELLO or not) against a live receiver with an open room: no
+    # exception escapes, no byte lands outside the granted pages, the real peer still works.
+    import torch
+    from hypothesis import given, settings
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(_fuzz_streams())
+    def check(case: tuple[bool, list[bytes]]) -> None:
+        say_hello, chunks = case
+
+        async def run() -> None:
+            async with Pair() as p:
+                flats = {r.region_id: r.tensor.detach().reshape(-1).view(torch.uint8).clone() for r in p.recv_regions}
+                p.recv.advertise(RoomGrant.of(99, [5], slot=2))  # a room the stream may aim at
+                client = RawClient(p.descriptor)
+                try:
+                    if say_hello:
+                        await client.hello()
+                    for chunk in chunks:
+                        await client.send(chunk)
+                except OSError:
+                    pass  # the receiver closed the connection mid-stream: what it should do
+                finally:
+                    client.close()
+                await eventually_async(lambda: len(p.recv._incoming) == 1, what="the fuzzing connection gone")
+                assert await p.transfer() is KVPoll.SUCCESS
+                for r in p.recv_regions:
+                    now = r.tensor.detach().reshape(-1).view(torch.uint8)
+                    ib = r.item_bytes
+                    changed = {i // ib for i in torch.nonzero(now != flats[r.region_id]).flatten().tolist()}
+                    # transfer() wrote pages 2, 3 and slot 1; the stream may only hit room 99's page 5, slot 2
+                    allowed = {1, 2} if r.region_id == METADATA_REGION_ID else {2, 3, 5}
+                    assert changed <= allowed, (r.name, sorted(changed))
+
+        asyncio.run(run())
+
+    check()
