@@ -118,7 +118,7 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
         raise RequestFailed(
             C.INVALID_ARGUMENT,
             f"room {room}: dst_pages: {n} pages, over the limit of {local.max_pages} per handshake "
-            "(the pages of the longest prompt this prefill accepts)",
+            "(the pages of max_prompt_tokens, the longest prompt this prefill accepts)",
         )
     _check_pairing(req, local)
     tp_d, d = req.decode_tp_size or 1, req.decode_tp_rank
