@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from pdgrpc.transport import registry
 from pdgrpc.transport.tcp import TcpTransport
 from pdgrpc.transport.testing.faults import FaultyTransport
 from pdgrpc.transport.testing.transfer_faults import FailingTransfers
@@ -35,6 +36,15 @@ class FailsFivePercent(FailingTransfers):
     SEED = 16
     PROBABILITY = 0.05
 
+    BACKEND = "tcp"
+
     def __init__(self, *, host: str = "127.0.0.1", tp_rank: int = 0) -> None:
-        super().__init__(TcpTransport(host=host), seed=self.SEED, probability=self.PROBABILITY)
-        log.warning("pdgrpc transport test faults active: %.0f%% of transfers fail, seed %d", 100 * self.PROBABILITY, self.SEED)
+        super().__init__(registry.create(self.BACKEND, host=host), seed=self.SEED, probability=self.PROBABILITY)
+        log.warning("pdgrpc transport test faults active: %.0f%% of %s transfers fail, seed %d",
+                    100 * self.PROBABILITY, self.BACKEND, self.SEED)
+
+
+class FailsFivePercentRdma(FailsFivePercent):
+    """:class:`FailsFivePercent` over rdma."""
+
+    BACKEND = "rdma"

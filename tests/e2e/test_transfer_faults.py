@@ -1,13 +1,20 @@
 """Injected transfer faults under load (issue 16), as SGLang tests its PD with
 ``DISAGGREGATION_TEST_FAILURE_PROB``.
 
-A real 1p1d cluster whose prefill loads ``tests.e2e.faulty:FailsFivePercent`` by name
-(the servers know nothing about faults): about 5% of the rooms it sends fail, at seeded
-random points -- before the first page, mid-pages, before the metadata row, after it.
-400 requests, 64 in flight, go through the router. Every request that was not hit must
-come back token for token equal to colocated generation; every hit one must end with a
-clear gRPC error naming the fault (not a hang, not UNKNOWN); afterwards GetStats on the
-prefill and the decode must read nothing held, within a short bound.
+A real 1p1d cluster (tcp, and rdma) whose prefill loads ``tests.e2e.faulty:FailsFivePercent``
+by name (the servers know nothing about faults): about 5% of the rooms it sends fail, at
+seeded random points -- before the first page, mid-pages, before the metadata row, after
+it. 400 requests, 64 in flight, go through the router. Every request that was not hit
+must come back token for token equal to colocated generation; every request hit before
+its row landed must end with a clear gRPC error naming the fault (ABORTED: not a hang,
+not UNKNOWN); a request hit after its row may also finish (the decode has every byte),
+and then with the right tokens. Afterwards GetStats on the prefill and the decode must
+read nothing held within 3 s.
+
+Which room is hit, and where, is a function of the seed (in the test id) and the room
+alone (``transfer_faults.fault_point``); the rooms are the router's random draw, so the
+requests hit differ between runs while the rate and the points do not. The prefill's log
+lists every hit (room, point, seed), and a failure message repeats them.
 """
 
 from __future__ import annotations
@@ -53,13 +60,16 @@ def _cases(n_distinct: int = 24, rng_seed: int = 16) -> list[Case]:
     return out
 
 
-@pytest.mark.parametrize("transport", ["tcp"])
+WRAPPERS = {"tcp": "tests.e2e.faulty:FailsFivePercent", "rdma": "tests.e2e.faulty:FailsFivePercentRdma"}
+
+
+@pytest.mark.parametrize("transport", list(WRAPPERS), ids=[f"{t}-seed{FailsFivePercent.SEED}" for t in WRAPPERS])
 async def test_five_percent_of_transfers_fail_the_rest_equal_colocated(transport, tmp_path):
     skip_unless_transport(transport)
     seed = FailsFivePercent.SEED
     topology = load_topology("1p1d")
     procs = tuple(
-        dataclasses.replace(p, args={**p.args, "transport": "tests.e2e.faulty:FailsFivePercent"}) if p.role == "prefill" else p
+        dataclasses.replace(p, args={**p.args, "transport": WRAPPERS[transport]}) if p.role == "prefill" else p
         for p in topology.processes
     )
     topology = dataclasses.replace(topology, processes=procs)
