@@ -76,7 +76,7 @@ async def test_five_percent_of_transfers_fail_the_rest_equal_colocated(transport
     cases = _cases()
     reference = reference_outputs_for(topology, cases)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))}
-    async with Cluster(topology, transport=transport, log_dir=tmp_path, start_timeout=120, extra_env=env) as cluster:
+    async with Cluster(topology, transport=transport, log_dir=tmp_path, start_timeout=120, metrics=True, extra_env=env) as cluster:
         async with grpc.aio.insecure_channel(cluster.router_address) as channel:
             router = generate_pb2_grpc.GenerateServiceStub(channel)
             gate = asyncio.Semaphore(IN_FLIGHT)
