@@ -33,7 +33,7 @@ from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.v1 import generate_pb2_grpc
 from tests.e2e.faulty import FailsFivePercent
-from tests.e2e.harness import Case, reference_outputs_for, skip_unless_transport, wait_nothing_held
+from tests.e2e.harness import Case, Counters, reference_outputs_for, skip_unless_transport, wait_nothing_held
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -90,6 +90,7 @@ async def test_five_percent_of_transfers_fail_the_rest_equal_colocated(transport
             results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(REQUESTS)), return_exceptions=True), 150)
         # Nothing held on the prefill or the decode within a short bound of the last request.
         await wait_nothing_held(cluster, timeout=3.0)
+        counters = await Counters.read(cluster)
         log_text = (tmp_path / "prefill.log").read_text()
     hits = {int(m.group(1)): m.group(2) for m in HIT.finditer(log_text)}
     assert {int(m.group(3)) for m in HIT.finditer(log_text)} <= {seed}
@@ -108,6 +109,8 @@ async def test_five_percent_of_transfers_fail_the_rest_equal_colocated(transport
     # the row may still finish: the decode has every byte and the row (it must then be right).
     assert set(failed_rooms) <= set(hits), why
     assert {r for r, point in hits.items() if point != "after_row"} <= set(failed_rooms), why
+    # The prefill counts each hit room once as a transfer failure, whatever the decode did.
+    assert counters.total("pdgrpc_aborts_total", "prefill", reason="transfer_failed") == len(hits), why
     for i, r in enumerate(results):
         if i not in failed:
             assert hits.get(r.bootstrap_room, "after_row") == "after_row", (i, why)
