@@ -43,7 +43,7 @@ class _SlowSender(FaultyTransport):
     # A replacement worker (any but the first built where $PDGRPC_TEST_MARKER_DIR points)
     # starts this much later, as a real model's load would: the test then tells "freed
     # because the peer died" from "freed because the replacement registered".
-    RESTART_DELAY_S = 3.0
+    RESTART_DELAY_S = 2.0
 
     def __init__(self, inner: Transport) -> None:
         super().__init__(inner)
@@ -66,17 +66,44 @@ class _SlowSender(FaultyTransport):
         await super().write(peer, room, (), metadata=metadata)
 
 
+# Test leases: a stopped peer is lost after LEASE_S of silence (default 5 s).
+LEASE_S = 1.5
+HEARTBEAT_S = 0.25
+
+
+def _tcp(host: str) -> Transport:
+    return TcpTransport(host=host, heartbeat_interval=HEARTBEAT_S, heartbeat_lease=LEASE_S)
+
+
+def _rdma(host: str) -> Transport:
+    from pdgrpc.transport.rdma import RdmaTransport
+
+    return RdmaTransport(host=host, liveness_interval=HEARTBEAT_S, liveness_lease=LEASE_S)
+
+
 class SlowSenderTcp(_SlowSender):
-    """:class:`_SlowSender` over tcp."""
+    """:class:`_SlowSender` over tcp with the test lease."""
 
     def __init__(self, *, host: str = "127.0.0.1") -> None:
-        super().__init__(TcpTransport(host=host))
+        super().__init__(_tcp(host))
 
 
 class SlowSenderRdma(_SlowSender):
-    """:class:`_SlowSender` over rdma (UCX)."""
+    """:class:`_SlowSender` over rdma (UCX) with the test lease."""
 
     def __init__(self, *, host: str = "127.0.0.1") -> None:
-        from pdgrpc.transport.rdma import RdmaTransport
+        super().__init__(_rdma(host))
 
-        super().__init__(RdmaTransport(host=host))
+
+class ShortLeaseTcp(FaultyTransport):
+    """tcp with the test lease, nothing else changed."""
+
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        super().__init__(_tcp(host))
+
+
+class ShortLeaseRdma(FaultyTransport):
+    """rdma with the test lease, nothing else changed."""
+
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        super().__init__(_rdma(host))
