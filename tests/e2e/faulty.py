@@ -6,9 +6,14 @@ constructor, which takes what :func:`pdgrpc.serving.create_transport` passes (``
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
+from typing import Sequence
 
 from pdgrpc.transport import registry
+from pdgrpc.transport.base import Peer, Transport, WriteOp
 from pdgrpc.transport.tcp import TcpTransport
 from pdgrpc.transport.testing.faults import FaultyTransport
 from pdgrpc.transport.testing.transfer_faults import FailingTransfers
@@ -48,3 +53,80 @@ class FailsFivePercentRdma(FailsFivePercent):
     """:class:`FailsFivePercent` over rdma."""
 
     BACKEND = "rdma"
+
+
+class _SlowSender(FaultyTransport):
+    """A sender whose transfers stall in the middle: a write that carries the metadata
+    row sends its pages at once, logs ``slow sender: room=R pages sent, row held``, and
+    sends the row ``ROW_DELAY_S`` later. A test that sees the line knows the decode has
+    the room's first bytes but not its row, and can kill a process right there.
+    Receiving is untouched."""
+
+    ROW_DELAY_S = 1.5
+    # A replacement worker (any but the first built where $PDGRPC_TEST_MARKER_DIR points)
+    # starts this much later, as a real model's load would: the test then tells "freed
+    # because the peer died" from "freed because the replacement registered".
+    RESTART_DELAY_S = 2.0
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        marker_dir = os.environ.get("PDGRPC_TEST_MARKER_DIR")
+        if marker_dir:
+            marker = os.path.join(marker_dir, "slow-sender-started")
+            if os.path.exists(marker):
+                log.warning("slow sender: a replacement; starting %.1f s late", self.RESTART_DELAY_S)
+                time.sleep(self.RESTART_DELAY_S)
+            else:
+                open(marker, "w").close()
+
+    async def write(self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None) -> None:
+        if metadata is None or not ops:
+            await super().write(peer, room, ops, metadata=metadata)
+            return
+        await super().write(peer, room, ops)
+        log.warning("slow sender: room=%d pages sent, row held", room)
+        await asyncio.sleep(self.ROW_DELAY_S)
+        await super().write(peer, room, (), metadata=metadata)
+
+
+# Test leases: a stopped peer is lost after LEASE_S of silence (default 5 s).
+LEASE_S = 1.5
+HEARTBEAT_S = 0.25
+
+
+def _tcp(host: str) -> Transport:
+    return TcpTransport(host=host, heartbeat_interval=HEARTBEAT_S, heartbeat_lease=LEASE_S)
+
+
+def _rdma(host: str) -> Transport:
+    from pdgrpc.transport.rdma import RdmaTransport
+
+    return RdmaTransport(host=host, liveness_interval=HEARTBEAT_S, liveness_lease=LEASE_S)
+
+
+class SlowSenderTcp(_SlowSender):
+    """:class:`_SlowSender` over tcp with the test lease."""
+
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        super().__init__(_tcp(host))
+
+
+class SlowSenderRdma(_SlowSender):
+    """:class:`_SlowSender` over rdma (UCX) with the test lease."""
+
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        super().__init__(_rdma(host))
+
+
+class ShortLeaseTcp(FaultyTransport):
+    """tcp with the test lease, nothing else changed."""
+
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        super().__init__(_tcp(host))
+
+
+class ShortLeaseRdma(FaultyTransport):
+    """rdma with the test lease, nothing else changed."""
+
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        super().__init__(_rdma(host))

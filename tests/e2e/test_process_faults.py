@@ -1,0 +1,215 @@
+"""Process faults (issue 16), over tcp and over rdma, with real server processes from the
+cluster launcher: a prefill worker or the decode is killed with SIGKILL while a request's
+KV is on its way, and the survivor must free what it held within 2 s.
+
+The prefill loads a test-only transport wrapper by name (``tests.e2e.faulty:SlowSender*``)
+that sends a room's pages, logs it, and holds its metadata row back for 1.5 s: the kill
+lands after the first bytes reached the decode and before the room completes. A
+replacement prefill worker starts 3 s late (as a real model's load would, only shorter),
+so "freed because the peer died" is told apart from "freed once the replacement
+registered". One cluster per transport; the decode is killed
+last, since the cluster does not restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster.client import generate
+from pdgrpc.v1 import generate_pb2_grpc
+from tests.e2e.faulty import HEARTBEAT_S, LEASE_S
+from tests.e2e.harness import HELD_FIELDS, skip_unless_transport
+from tests.eventually import eventually_async
+from tests.prefill.procs import child_pids
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parents[2]
+# The issue's functional bound: what a dead peer held is free again this soon.
+FREE_WITHIN_S = 2.0
+# The prefill's and the decode's transports, by the cluster's transport.
+WRAPPERS = {"tcp": "tests.e2e.faulty:SlowSenderTcp", "rdma": "tests.e2e.faulty:SlowSenderRdma"}
+DECODE_WRAPPERS = {"tcp": "tests.e2e.faulty:ShortLeaseTcp", "rdma": "tests.e2e.faulty:ShortLeaseRdma"}
+PROMPT = (256, *b"disaggregated serving moves KV pages")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(WRAPPERS))
+async def cluster(request, tmp_path_factory):
+    transport = request.param
+    skip_unless_transport(transport)
+    topology = load_topology("1p1d")
+    procs = tuple(
+        dataclasses.replace(p, args={**p.args, "transport": WRAPPERS[transport], "worker-respawn-max-backoff": 1})
+        if p.role == "prefill"
+        else dataclasses.replace(p, args={**p.args, "transport": DECODE_WRAPPERS[transport]}) if p.role == "decode" else p
+        for p in topology.processes
+    )
+    topology = dataclasses.replace(topology, processes=procs)
+    log_dir = tmp_path_factory.mktemp(f"procfaults-{transport}")
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+        "PDGRPC_TEST_MARKER_DIR": str(log_dir),
+    }
+    async with Cluster(topology, transport=transport, log_dir=log_dir, start_timeout=180, extra_env=env) as c:
+        yield c
+
+
+def _log(cluster: Cluster, name: str) -> str:
+    return cluster.procs[name].log_path.read_text(errors="replace")
+
+
+async def _mid_transfer(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub) -> asyncio.Task:
+    """Start a request; return once its pages are sent and its row is held back."""
+    before = len(re.findall(r"slow sender: room=\d+ pages sent", _log(cluster, "prefill")))
+    task = asyncio.ensure_future(generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60))
+
+    def writing() -> bool:
+        return len(re.findall(r"slow sender: room=\d+ pages sent", _log(cluster, "prefill"))) > before or task.done()
+
+    await eventually_async(writing, 60, 0.02, "the prefill sent the pages and holds the row")
+    assert not task.done(), task.result()
+    return task
+
+
+async def _held(cluster: Cluster, name: str, seen: dict) -> bool:
+    stats = await cluster.stats(name)
+    seen.clear()
+    seen.update({f: getattr(stats, f) for f in HELD_FIELDS if getattr(stats, f)})
+    return not seen
+
+
+async def _kill_prefill_worker_mid_transfer(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub) -> int:
+    task = await _mid_transfer(cluster, router)
+    (worker,) = child_pids(cluster.procs["prefill"].pid)
+    os.kill(worker, signal.SIGKILL)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await asyncio.wait_for(task, 30)
+    assert ei.value.code() is grpc.StatusCode.UNAVAILABLE, ei.value
+    return worker
+
+
+async def _serves_again(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub, expected: tuple[int, ...]) -> None:
+    """Without intervention the controller starts the worker again, and it serves."""
+    async def serves() -> bool:
+        try:
+            again = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
+            return False
+        assert again.token_ids == expected
+        return True
+
+    await eventually_async(serves, 60, 0.5, "the prefill serves again after its worker was killed")
+
+
+# Per cluster: the prefill worker the xfail test killed, and the tokens PROMPT got before.
+_KILLED: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+
+async def _kill_once(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub) -> tuple[int, tuple[int, ...]]:
+    first = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60)
+    _KILLED[id(cluster)] = (await _kill_prefill_worker_mid_transfer(cluster, router), first.token_ids)
+    return _KILLED[id(cluster)]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "gap: both transports see the dead writer within ms (tcp: 'connection closed by peer', "
+    "rdma: 'liveness connection closed') and fail the room, but the decode still quarantines "
+    "its slot and pages until bootstrap shows the replacement worker (or --abort-lease): "
+    "the transports have no 'this writer can no longer write' signal for the decode to use"
+))
+async def test_prefill_worker_sigkill_mid_transfer_frees_the_decode_within_2s(cluster):
+    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        router = generate_pb2_grpc.GenerateServiceStub(ch)
+        await _kill_once(cluster, router)
+        seen: dict = {}
+        await eventually_async(
+            lambda: _held(cluster, "decode", seen), FREE_WITHIN_S, 0.05,
+            lambda: f"decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound)",
+        )
+
+
+async def test_prefill_worker_sigkill_mid_transfer_then_the_prefill_serves_again(cluster):
+    # Continues from the kill of the test above (one restart per cluster); run alone, it kills.
+    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        router = generate_pb2_grpc.GenerateServiceStub(ch)
+        worker, expected = _KILLED.get(id(cluster)) or await _kill_once(cluster, router)
+        await _serves_again(cluster, router, expected)
+        assert child_pids(cluster.procs["prefill"].pid) != [worker]
+        seen: dict = {}
+        # Bounded by the replacement's registration (which ends the quarantine), not the lease.
+        await eventually_async(lambda: _held(cluster, "decode", seen), 10, 0.1, lambda: f"decode still holds: {seen}")
+        await eventually_async(lambda: _held(cluster, "prefill", seen), 10, 0.1, lambda: f"prefill still holds: {seen}")
+        cluster.check()
+
+
+async def _sigstop_mid_transfer(cluster: Cluster, pid: int, survivor: str) -> None:
+    """Stop ``pid`` mid-transfer for twice the lease: ``survivor``'s request and room end
+    within the lease (plus a heartbeat's slack); after SIGCONT the cluster serves again
+    and holds nothing."""
+    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        router = generate_pb2_grpc.GenerateServiceStub(ch)
+        first = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60)
+        task = await _mid_transfer(cluster, router)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            rooms: dict = {}
+
+            async def room_ended() -> bool:
+                stats = await cluster.stats(survivor)
+                rooms.clear()
+                rooms.update({f: getattr(stats, f) for f in ("active_requests", "transport_rooms") if getattr(stats, f)})
+                return not rooms
+
+            await eventually_async(
+                room_ended, LEASE_S + 2 * HEARTBEAT_S + 0.5, 0.05,
+                lambda: f"{survivor} still has the stopped peer's room after the lease ({LEASE_S} s): {rooms}",
+            )
+            await asyncio.sleep(max(0.0, 2 * LEASE_S - (LEASE_S + 2 * HEARTBEAT_S)))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(task, 30)
+        await _serves_again(cluster, router, first.token_ids)
+        seen: dict = {}
+        await eventually_async(lambda: _held(cluster, "decode", seen), 10, 0.1, lambda: f"decode still holds: {seen}")
+        await eventually_async(lambda: _held(cluster, "prefill", seen), 10, 0.1, lambda: f"prefill still holds: {seen}")
+        cluster.check()
+
+
+async def test_prefill_worker_sigstop_longer_than_the_lease(cluster):
+    (worker,) = child_pids(cluster.procs["prefill"].pid)
+    await _sigstop_mid_transfer(cluster, worker, "decode")
+
+
+async def test_decode_sigstop_longer_than_the_lease(cluster):
+    pid = cluster.procs["decode"].pid
+    assert pid is not None
+    await _sigstop_mid_transfer(cluster, pid, "prefill")
+
+
+async def test_decode_sigkill_mid_transfer_frees_the_prefill(cluster):
+    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        router = generate_pb2_grpc.GenerateServiceStub(ch)
+        task = await _mid_transfer(cluster, router)
+        assert (await cluster.stats("prefill")).transport_rooms == 1
+        decode_pid = cluster.procs["decode"].pid
+        assert decode_pid is not None
+        os.kill(decode_pid, signal.SIGKILL)
+        seen: dict = {}
+        await eventually_async(
+            lambda: _held(cluster, "prefill", seen), FREE_WITHIN_S, 0.05,
+            lambda: f"prefill still holds after the decode's SIGKILL: {seen} (the issue's bound)",
+        )
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(task, 30)
