@@ -34,7 +34,7 @@ from pdgrpc.serving.engines import build_engine
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
 from pdgrpc.gateway import add_gateway_arguments, colocated_service
-from pdgrpc.rpc.security import add_security_arguments, install, security_from_args
+from pdgrpc.rpc.security import add_security_arguments, install_from_args
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS, grpc_tuning_wanted
 from pdgrpc.serving.convert import sampling_from_proto
@@ -213,10 +213,7 @@ async def _main(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    try:
-        install(security_from_args(ns))
-    except PdgrpcError as exc:
-        parser.error(str(exc))
+    install_from_args(parser, ns)
     setup_logging(ns.log_level, "colocated")
     tune_malloc_from_args(ns)
     try:

@@ -17,7 +17,7 @@ from pdgrpc.decode.service import start_decode_server  # noqa: E402
 from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args  # noqa: E402
 from pdgrpc.engine.base import Engine  # noqa: E402
 from pdgrpc.errors import ConfigError, PdgrpcError  # noqa: E402
-from pdgrpc.rpc.security import install, security_from_args  # noqa: E402
+from pdgrpc.rpc.security import install_from_args  # noqa: E402
 from pdgrpc.gateway import decode_service  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal  # noqa: E402
@@ -140,10 +140,7 @@ def cli(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # the other TP ranks get the same flags
-    try:
-        install(security_from_args(ns))
-    except PdgrpcError as exc:
-        parser.error(str(exc))
+    install_from_args(parser, ns)
     setup_logging(ns.log_level, "decode")
     tune_malloc_from_args(ns)
     try:

@@ -28,7 +28,7 @@ from pdgrpc.rpc.tuning import apply_grpc_defaults
 apply_grpc_defaults()
 
 from pdgrpc.decode.cli import build_parser as decode_parser  # noqa: E402
-from pdgrpc.rpc.security import install, security_from_args  # noqa: E402
+from pdgrpc.rpc.security import install_from_args  # noqa: E402
 from pdgrpc.decode.cli import scheduler_config_from_args  # noqa: E402
 from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally  # noqa: E402
@@ -170,10 +170,7 @@ async def main(ns: argparse.Namespace) -> int:
 def cli(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    try:
-        install(security_from_args(ns))
-    except PdgrpcError as exc:
-        parser.error(str(exc))
+    install_from_args(parser, ns)
     setup_logging(ns.log_level, f"decode.tp{ns.tp_rank}")
     tune_malloc_from_args(ns)
     die_with_parent()

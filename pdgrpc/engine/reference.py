@@ -31,6 +31,7 @@ from pdgrpc.engine.base import (
 from pdgrpc.engine.layout import KVLayout, kv_dtype_from_name
 from pdgrpc.engine.model import AllReduce, ModelConfig, ModelShard, SegmentBatch
 from pdgrpc.engine.pages import FifoPageAllocator
+from pdgrpc.engine.pooled import PooledEngine
 from pdgrpc.engine.sampling import sample_rows
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import ConfigError
@@ -97,13 +98,15 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.tp_size={self.tp_size} must divide model.{field}={getattr(self.model, field)}")
 
 
-class ReferenceEngine(Engine):
+class ReferenceEngine(PooledEngine):
     """The tiny reference transformer as an :class:`Engine` (one TP rank of it).
 
     ``all_reduce`` sums partial results across the TP group (see
     :mod:`pdgrpc.engine.tp`); leave it out for TP=1. Every rank of a group must be
     driven with the same calls in the same order.
     """
+
+    config: EngineConfig
 
     def __init__(
         self, config: EngineConfig = EngineConfig(), all_reduce: AllReduce | None = None, *, kv_pool: KVBuffers | None = None
@@ -151,35 +154,8 @@ class ReferenceEngine(Engine):
         return self.config.model.model_id
 
     @property
-    def kv_layout(self) -> KVLayout:
-        return self._layout
-
-    def kv_buffers(self) -> KVBuffers:
-        return KVBuffers(k=tuple(self._k), v=tuple(self._v))
-
-    @property
     def tokenizer(self) -> ByteTokenizer:
         return self._tokenizer
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.config.max_prompt_tokens
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.config.max_seq_len
-
-    # ---- pages ----------------------------------------------------------------------------
-
-    def alloc_pages(self, n: int) -> list[int] | None:
-        return self._pages.alloc(n)
-
-    def free_pages(self, pages: Sequence[int]) -> None:
-        self._pages.free(pages)
-
-    @property
-    def num_free_pages(self) -> int:
-        return self._pages.num_free
 
     # ---- compute --------------------------------------------------------------------------
 

@@ -37,8 +37,7 @@ from pdgrpc.prefill.link import WorkerLinkServer  # noqa: E402
 from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WorkerPrefillServicer  # noqa: E402
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
-from pdgrpc.rpc.security import add_security_arguments, install, security_from_args  # noqa: E402
-from pdgrpc.errors import PdgrpcError  # noqa: E402
+from pdgrpc.rpc.security import add_security_arguments, install_from_args  # noqa: E402
 from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.engines import build_engine, uses_checkpoint  # noqa: E402
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc  # noqa: E402
@@ -282,10 +281,7 @@ async def _main(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    try:
-        install(security_from_args(ns))
-    except PdgrpcError as exc:
-        parser.error(str(exc))
+    install_from_args(parser, ns)
     setup_logging(ns.log_level, f"prefill.{worker_name(ns)}")
     tune_malloc_from_args(ns)
     torch.set_num_threads(max(1, ns.compute_threads))

@@ -34,7 +34,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
-from pdgrpc.errors import ConfigError
+from pdgrpc.errors import ConfigError, PdgrpcError
 
 __all__ = [
     "AUTH_HEADER",
@@ -42,6 +42,7 @@ __all__ = [
     "add_security_arguments",
     "current",
     "install",
+    "install_from_args",
     "is_loopback",
     "peer_identity",
     "security_argv",
@@ -310,6 +311,15 @@ def security_from_args(ns: argparse.Namespace) -> Security:
         if path is not None:
             _read(path, flag)
     return security
+
+
+def install_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Install the :class:`Security` the flags describe for this process; a bad flag or
+    file ends the program through ``parser.error`` with the flag named."""
+    try:
+        install(security_from_args(ns))
+    except PdgrpcError as exc:
+        parser.error(str(exc))
 
 
 def security_argv(ns: argparse.Namespace) -> list[str]:

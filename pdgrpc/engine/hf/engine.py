@@ -29,6 +29,7 @@ from pdgrpc.engine.hf.tokenizer import HFTokenizer
 from pdgrpc.engine.hf.weights import load_weights, weights_digest
 from pdgrpc.engine.layout import KVLayout, kv_dtype_from_name
 from pdgrpc.engine.pages import FifoPageAllocator
+from pdgrpc.engine.pooled import PooledEngine
 from pdgrpc.engine.hf.sampling import sample_float
 from pdgrpc.errors import ConfigError
 
@@ -85,8 +86,10 @@ def check_checkpoint(config: HFEngineConfig) -> HFConfig:
     return c
 
 
-class HFEngine(Engine):
+class HFEngine(PooledEngine):
     """One TP rank of a checkpoint. ``all_reduce`` sums partial results over the TP group."""
+
+    config: HFEngineConfig
 
     def __init__(self, config: HFEngineConfig, all_reduce: AllReduce | None = None) -> None:
         if config.tp_size > 1 and all_reduce is None:
@@ -124,35 +127,8 @@ class HFEngine(Engine):
         return self.hf.name
 
     @property
-    def kv_layout(self) -> KVLayout:
-        return self._layout
-
-    def kv_buffers(self) -> KVBuffers:
-        return KVBuffers(k=tuple(self._k), v=tuple(self._v))
-
-    @property
     def tokenizer(self) -> HFTokenizer:
         return self._tokenizer
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.config.max_prompt_tokens
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.config.max_seq_len
-
-    # ---- pages ----------------------------------------------------------------------------
-
-    def alloc_pages(self, n: int) -> list[int] | None:
-        return self._pages.alloc(n)
-
-    def free_pages(self, pages: Sequence[int]) -> None:
-        self._pages.free(pages)
-
-    @property
-    def num_free_pages(self) -> int:
-        return self._pages.num_free
 
     # ---- compute --------------------------------------------------------------------------
 
