@@ -100,6 +100,14 @@ class _Endpoints:
     def rotate(self) -> None:
         self._i = (self._i + 1) % len(self._all)
 
+    async def fail_over(self, outage: "_Outage", client: Any, exc: Exception) -> None:
+        """After a failed call: log it through ``outage``, drop ``client``, move to the next
+        endpoint and wait out the back-off."""
+        delay = outage.failed(self.current, exc)
+        await _close(client)
+        self.rotate()
+        await asyncio.sleep(delay)
+
 
 async def _close(client: Any) -> None:
     with contextlib.suppress(Exception):
@@ -155,10 +163,7 @@ class Registration:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                delay = outage.failed(self._ep.current, exc)
-                await _close(client)
-                self._ep.rotate()
-                await asyncio.sleep(delay)
+                await self._ep.fail_over(outage, client, exc)
 
     async def close(self) -> None:
         """Stop renewing and revoke the lease now, so watchers see the instance leave at once."""
@@ -235,10 +240,7 @@ class Watcher:
                 await _close(client)
                 raise
             except Exception as exc:
-                delay = outage.failed(self._ep.current, exc)
-                await _close(client)
-                self._ep.rotate()
-                await asyncio.sleep(delay)
+                await self._ep.fail_over(outage, client, exc)
 
     async def _consume(self, watch: Any, probe: asyncio.Future[None]) -> None:
         events = watch.__aiter__()
