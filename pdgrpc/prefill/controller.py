@@ -47,7 +47,7 @@ from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, No
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
 from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
 from pdgrpc.prefill.registrar import DpRankRegistrar
-from pdgrpc.prefill.services import PREFILL_SERVICE
+from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
 from pdgrpc.prefill.worker_main import READY
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
@@ -417,7 +417,8 @@ async def main_async(ns: argparse.Namespace) -> int:
     metrics = PrefillMetrics(transport=ns.transport)
     metrics.set_info(dp_size=ns.dp_size)
     controller = Controller(ns, metrics)
-    services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(controller, s))]
+    wire = WirePrefillServicer(controller, metrics.on_refused)  # smg's leg (below) calls controller itself
+    services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s))]
     embedded: BootstrapServicer | None = None
     bootstrap_metrics: BootstrapMetrics | None = None
     if not ns.bootstrap:
