@@ -61,7 +61,7 @@ async def restart_group(ctl: Controller, rank: int) -> None:
                 new.append(await ctl._spawn(rank, tp, dist))
             await asyncio.wait_for(asyncio.gather(*(ctl._await_ready(w) for w in new)), ctl.ns.worker_start_timeout)
         except (Exception, asyncio.TimeoutError) as exc:
-            log.error("prefill %s did not start again: %s; next try in %.1f s", what, exc or type(exc).__name__, min(delay * 2, cap))
+            log.error("prefill %s did not start again: %s; next try in %.1f s", what, str(exc) or type(exc).__name__, min(delay * 2, cap))
             await _discard(new)
             delay = min(delay * 2, cap)
             continue
