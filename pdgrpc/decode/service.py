@@ -7,6 +7,11 @@ ends -- normally, with an error, or cancelled by the client (the router cancels 
 the prefill side failed) -- the ``finally`` hands the room back to the scheduler, which
 aborts whatever is still in flight (AbortRoom to the prefill, pages quarantined until
 acked). ``GetStats`` reads the live state.
+
+Over gRPC the service is :class:`WireDecodeServicer`: a ``Decode`` without its
+``room_secret`` is refused with INVALID_ARGUMENT naming the field. In-process callers
+whose protocol has no secret (smg's decode leg, :mod:`pdgrpc.gateway`) call
+:class:`DecodeServicer` itself.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pdgrpc.rpc.limits import peer_host
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
 from pdgrpc.v1 import decode_pb2_grpc as dpb_grpc
 
@@ -35,7 +41,7 @@ log = logging.getLogger("pdgrpc.decode")
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 _ROOM_LIMIT = 1 << 63
 
-__all__ = ["DecodeServer", "DecodeServicer", "SERVICE_NAME", "start_decode_server"]
+__all__ = ["DecodeServer", "DecodeServicer", "SERVICE_NAME", "WireDecodeServicer", "start_decode_server"]
 
 
 DEFAULT_MAX_DECODES_PER_CLIENT = 512
@@ -134,6 +140,30 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         return prefill_pb2.GetStatsResponse(stats=common_pb2.ResourceStats(**self.scheduler.stats()))
 
 
+class WireDecodeServicer(dpb_grpc.DecodeServiceServicer):
+    """``DecodeService`` as served over gRPC: :class:`DecodeServicer`'s, once the request
+    carries its ``room_secret`` (:func:`pdgrpc.serving.room_proof.secret_problem`)."""
+
+    def __init__(self, inner: DecodeServicer) -> None:
+        self.inner = inner
+
+    async def Decode(  # noqa: N802 - gRPC method name
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        problem = secret_problem(bytes(request.room_secret))
+        if problem is not None:
+            self.inner.scheduler.metrics.on_refused()
+            request_event(log, request.bootstrap_room, "refused", status="INVALID_ARGUMENT", message=problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        async for item in self.inner.Decode(request, context):
+            yield item
+
+    async def GetStats(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.GetStatsResponse:
+        return await self.inner.GetStats(request, context)
+
+
 @dataclasses.dataclass
 class DecodeServer:
     """A running decode server: ``address``, ``scheduler``, ``stop()``."""
@@ -159,7 +189,8 @@ async def start_decode_server(
     requests end UNAVAILABLE and the transport closes."""
     await scheduler.start()
     servicer = DecodeServicer(scheduler, max_per_client)
-    services: list[ServiceSpec] = [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(servicer, server))]
+    wire = WireDecodeServicer(servicer)
+    services: list[ServiceSpec] = [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(wire, server))]
     more = extra(servicer) if extra is not None else None
     if more is not None:
         services.append(more)

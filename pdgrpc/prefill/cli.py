@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--worker-respawn-max-backoff", type=float, default=30.0, metavar="SECONDS",
-        help="a TP 1 worker that dies is started again, the delay between tries doubling from 0.5 s up to this; "
-        "0: never (the controller exits once no worker is left). Default: %(default)s",
+        help="a worker that dies is started again with the rest of its dp rank's tp group (a gloo group cannot take "
+        "one rank back), the delay between tries doubling from 0.5 s up to this; 0: never (the controller exits once "
+        "no dp rank is left). Default: %(default)s",
     )
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-size", type=int, default=1, help="number of worker processes (dp ranks). Default: %(default)s")

@@ -12,10 +12,11 @@
 * Embeds ``BootstrapService`` on its own port unless ``--bootstrap`` names an external one.
 * A worker that exits is logged with its exit code; the requests it held fail with
   UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
-  and shortest_queue skip it) until it serves again: a TP 1 worker is started again,
-  with a backoff doubling from 0.5 s up to ``--worker-respawn-max-backoff``, so the
-  instance heals without a person. With respawn off (``0``, or TP > 1), the controller
-  exits with code 1 when no worker is left.
+  and shortest_queue skip it) until it serves again: its dp rank's workers (the whole tp
+  group) are started again, with a backoff doubling from 0.5 s up to
+  ``--worker-respawn-max-backoff`` (:mod:`pdgrpc.prefill.respawn`), so the instance heals
+  without a person. With respawn off (``0``), the controller exits with code 1 when no
+  dp rank is left.
   On SIGTERM the controller stops accepting requests, lets
   in-flight ones finish (``--grace``), then stops the workers (SIGTERM, then SIGKILL).
 """
@@ -30,7 +31,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import Awaitable, Callable, Mapping, NoReturn, cast
+from typing import NoReturn, cast
 
 import grpc
 
@@ -46,8 +47,9 @@ from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
 from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
-from pdgrpc.prefill.registrar import DpRankRegistrar
-from pdgrpc.prefill.services import PREFILL_SERVICE
+from pdgrpc.prefill.registrar import DpRankRegistrar, counted
+from pdgrpc.prefill.respawn import restart_group
+from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
 from pdgrpc.prefill.worker_main import READY
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
@@ -62,6 +64,10 @@ __all__ = ["Controller", "main_async"]
 
 C = grpc.StatusCode
 READY_LINE = "PDGRPC_READY"
+# How long a tp group's ABORTED or UNAVAILABLE answer waits for a rank's death to show:
+# a peer's death reaches the survivors (through the decode's abort) as soon as the
+# controller sees the dead worker's link close.
+DEATH_WINDOW_S = 0.25
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,6 +115,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         self.server: RpcServer | None = None
         self.exit_code = 0
         self._watchers: list[asyncio.Task[None]] = []
+        self._restarting: set[int] = set()  # dp ranks whose tp group restart_group is starting again
 
     # ---- PrefillService -----------------------------------------------------------
 
@@ -165,6 +172,10 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             for w in group:
                 w.in_flight -= 1
         failure = next((r for r in results if isinstance(r, RequestFailed)), None)
+        if isinstance(failure, LinkCallFailed) and len(group) > 1 and failure.code in (C.ABORTED, C.UNAVAILABLE):
+            # A rank's death fails the others' part of the room too (the decode aborts it,
+            # the gloo group breaks), often before the death is noticed: name the death.
+            failure = await self._group_death(room, group) or failure
         if failure is not None:
             # A worker counts the failures it answers; a dead worker's requests are counted here.
             if failure.reason is ServerAbortReason.PEER_FAILURE and not isinstance(failure, LinkCallFailed):
@@ -203,18 +214,36 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         except LinkCallFailed as exc:
             return exc
         except WorkerLinkLost:
-            if not w.gone.is_set():
-                # The socket closes a moment before the exit is noticed: let _watch handle
-                # it first, so its log counts this request among the lost ones.
-                try:
-                    await asyncio.wait_for(asyncio.shield(w.gone.wait()), 1.0)
-                except asyncio.TimeoutError:
-                    pass
-            if not w.alive or w.proc.returncode is not None:
-                w.exit_code = w.proc.returncode
-                died = f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})"
-                return RequestFailed(C.UNAVAILABLE, died, ServerAbortReason.PEER_FAILURE)
-            return RequestFailed(C.UNAVAILABLE, f"room {room}: the link to prefill worker {w.name} broke (see the log); it is stopping")
+            return await self._lost(room, w)
+
+    async def _lost(self, room: int, w: WorkerHandle) -> RequestFailed:
+        """What ``room`` fails with once the link to ``w`` closed."""
+        if not w.gone.is_set():
+            # The socket closes a moment before the exit is noticed: let _watch handle
+            # it first, so its log counts this request among the lost ones.
+            try:
+                await asyncio.wait_for(asyncio.shield(w.gone.wait()), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        if not w.alive or w.proc.returncode is not None:
+            w.exit_code = w.proc.returncode
+            died = f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})"
+            return RequestFailed(C.UNAVAILABLE, died, ServerAbortReason.PEER_FAILURE)
+        return RequestFailed(C.UNAVAILABLE, f"room {room}: the link to prefill worker {w.name} broke (see the log); it is stopping")
+
+    async def _group_death(self, room: int, group: list[WorkerHandle]) -> RequestFailed | None:
+        """The failure a dead worker of ``group`` gives ``room``, if one's link closed or
+        closes within :data:`DEATH_WINDOW_S`."""
+        lost = {w.link.lost: w for w in group if w.link is not None}
+        if not any(e.is_set() for e in lost):
+            waits = [asyncio.ensure_future(e.wait()) for e in lost]
+            try:
+                await asyncio.wait(waits, timeout=DEATH_WINDOW_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in waits:
+                    t.cancel()
+        dead = next((w for e, w in lost.items() if e.is_set()), None)
+        return None if dead is None else await self._lost(room, dead)
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         total = common_pb2.ResourceStats()
@@ -285,50 +314,23 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             t.result()  # a worker that exited before it was ready
         if pending:
             raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s")
-        self._watchers = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
+        self.watch(self.workers)
 
     @property
     def respawns(self) -> bool:
-        """Whether a dead worker is started again: TP 1 workers (a TP group would have to
-        rendezvous again as a whole), unless ``--worker-respawn-max-backoff 0``."""
-        return getattr(self.ns, "tp_size", 1) == 1 and getattr(self.ns, "worker_respawn_max_backoff", 0.0) > 0
+        """Whether a dead worker's dp rank (its whole tp group) is started again
+        (:mod:`pdgrpc.prefill.respawn`), unless ``--worker-respawn-max-backoff 0``."""
+        return getattr(self.ns, "worker_respawn_max_backoff", 0.0) > 0
 
-    async def _respawn(self, dead: WorkerHandle) -> None:
-        """Start ``dead``'s rank again until a worker is ready; the delay between tries
-        doubles from 0.5 s up to ``--worker-respawn-max-backoff``. The new worker
-        registers with bootstrap (a new generation), so decodes notice the restart."""
-        delay, cap = 0.5, float(self.ns.worker_respawn_max_backoff)
-        attempt = 0
-        while not self.stopping:
-            await asyncio.sleep(delay)
-            attempt += 1
-            if self.stopping:
-                return
-            log.warning("prefill worker %s: starting it again (attempt %d)", dead.name, attempt)
-            w: WorkerHandle | None = None
-            try:
-                w = await self._spawn(dead.rank, dead.tp_rank, [])
-                await asyncio.wait_for(self._await_ready(w), self.ns.worker_start_timeout)
-            except (Exception, asyncio.TimeoutError) as exc:
-                log.error("prefill worker %s did not start again: %s; next try in %.1f s", dead.name, exc, min(delay * 2, cap))
-                if w is not None:
-                    if w.proc.returncode is None:
-                        w.proc.kill()
-                    await w.proc.wait()
-                    if w.link is not None:
-                        w.link.close_socket()
-                delay = min(delay * 2, cap)
-                continue
-            if self.stopping:  # stop_workers already ran: this one is ours to stop
-                w.proc.kill()
-                await w.proc.wait()
-                return
-            self.workers[self.workers.index(dead)] = w
-            group = self.groups[dead.rank]
-            group[group.index(dead)] = w
-            self._watchers.append(asyncio.ensure_future(self._watch(w)))
-            log.info("prefill worker %s serves again (pid %d)", w.name, w.proc.pid)
-            return
+    def watch(self, workers: list[WorkerHandle]) -> None:
+        """Handle each of ``workers``' exits from now on (:meth:`_watch`)."""
+        self._watchers.extend(asyncio.ensure_future(self._watch(w)) for w in workers)
+
+    async def _restart(self, rank: int) -> None:
+        try:
+            await restart_group(self, rank)
+        finally:
+            self._restarting.discard(rank)
 
     def _worker_metrics_argv(self, index: int) -> list[str]:
         port = derived_metrics_port(getattr(self.ns, "metrics_port", None), index)
@@ -360,7 +362,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             if self.stopping:
                 return
-            log.error(
+            log.log(
+                logging.INFO if w.rank in self._restarting else logging.ERROR,  # INFO: stopped by its group's restart
                 "prefill worker %s (pid %d) exited with code %s; failing its %d in-flight request(s)",
                 w.name, w.proc.pid, w.exit_code, w.in_flight,
             )
@@ -369,7 +372,9 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 w.link.close_socket()  # fails the calls in flight (the exit closed it already)
             w.gone.set()
         if self.respawns:
-            self._watchers.append(asyncio.ensure_future(self._respawn(w)))
+            if w.rank not in self._restarting:  # the group's other workers are killed by the restart
+                self._restarting.add(w.rank)
+                self._watchers.append(asyncio.ensure_future(self._restart(w.rank)))
             return
         if not any(all(x.alive for x in g) for g in self.groups) and self.server is not None:
             # Nothing left to serve: exit non-zero so a supervisor (or the cluster
@@ -398,26 +403,12 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         await self.pool.close()
 
 
-def _counted(register: Callable[[Mapping[int, int]], Awaitable[object]], metrics: PrefillMetrics) -> Callable[[Mapping[int, int]], Awaitable[object]]:
-    """``register`` (one batched RegisterDpRanks), counted by outcome and batch size."""
-
-    async def counted(rooms: Mapping[int, int]) -> object:
-        try:
-            result = await register(rooms)
-        except Exception:
-            metrics.on_dp_rank_registration_failed(len(rooms))
-            raise
-        metrics.on_dp_rank_registration(len(rooms))
-        return result
-
-    return counted
-
-
 async def main_async(ns: argparse.Namespace) -> int:
     metrics = PrefillMetrics(transport=ns.transport)
     metrics.set_info(dp_size=ns.dp_size)
     controller = Controller(ns, metrics)
-    services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(controller, s))]
+    wire = WirePrefillServicer(controller, metrics.on_refused)  # smg's leg (below) calls controller itself
+    services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s))]
     embedded: BootstrapServicer | None = None
     bootstrap_metrics: BootstrapMetrics | None = None
     if not ns.bootstrap:
@@ -461,7 +452,7 @@ async def main_async(ns: argparse.Namespace) -> int:
 async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServer, metrics: PrefillMetrics) -> int:
     embedded = not ns.bootstrap
     client = BootstrapClient(controller.bootstrap_address)
-    controller.registrar = DpRankRegistrar(_counted(client.register_dp_ranks, metrics), window_s=ns.dp_register_window_ms / 1000.0)
+    controller.registrar = DpRankRegistrar(counted(client.register_dp_ranks, metrics), window_s=ns.dp_register_window_ms / 1000.0)
     # A SIGTERM/SIGINT while workers start must stop them too (serve_until_signal's
     # handlers are not installed yet).
     loop = asyncio.get_running_loop()

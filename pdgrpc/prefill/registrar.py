@@ -11,9 +11,12 @@ the batch its room was in.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
 
-__all__ = ["DpRankRegistrar"]
+if TYPE_CHECKING:
+    from pdgrpc.metrics import PrefillMetrics
+
+__all__ = ["DpRankRegistrar", "counted"]
 
 RegisterFn = Callable[[Mapping[int, int]], Awaitable[object]]
 
@@ -69,3 +72,18 @@ class DpRankRegistrar:
             self._flusher.cancel()
             self._flusher = None
         self._flush_now()
+
+
+def counted(register: Callable[[Mapping[int, int]], Awaitable[object]], metrics: PrefillMetrics) -> Callable[[Mapping[int, int]], Awaitable[object]]:
+    """``register`` (one batched RegisterDpRanks), counted by outcome and batch size."""
+
+    async def counted_register(rooms: Mapping[int, int]) -> object:
+        try:
+            result = await register(rooms)
+        except Exception:
+            metrics.on_dp_rank_registration_failed(len(rooms))
+            raise
+        metrics.on_dp_rank_registration(len(rooms))
+        return result
+
+    return counted_register

@@ -2,20 +2,31 @@
 
 Thin adapters: they call :class:`~pdgrpc.prefill.worker.PrefillWorker` and turn its
 :class:`~pdgrpc.prefill.errors.RequestFailed` into the RPC status.
+
+:class:`WirePrefillServicer` is what the controller and each worker serve PrefillService
+as: a ``Prefill`` without its ``room_secret`` is refused with INVALID_ARGUMENT naming the
+field. The controller's own link to its workers, and smg's prefill leg calling the
+controller in-process (its protocol carries no secret, :mod:`pdgrpc.gateway`), do not
+pass through it.
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
+import logging
+from typing import Callable, NoReturn, Protocol
 
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.rpc.limits import peer_host
 from pdgrpc.prefill.worker import PrefillWorker
+from pdgrpc.serving.room_proof import secret_problem
+from pdgrpc.serving.logs import request_event
 from pdgrpc.v1 import handshake_pb2, handshake_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["HANDSHAKE_SERVICE", "PREFILL_SERVICE", "HandshakeServicer", "WorkerPrefillServicer", "abort_with"]
+__all__ = ["HANDSHAKE_SERVICE", "PREFILL_SERVICE", "HandshakeServicer", "WirePrefillServicer", "WorkerPrefillServicer", "abort_with"]
+
+log = logging.getLogger("pdgrpc.prefill")
 
 PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 HANDSHAKE_SERVICE = handshake_pb2.DESCRIPTOR.services_by_name["HandshakeService"].full_name
@@ -38,6 +49,33 @@ class WorkerPrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         return prefill_pb2.GetStatsResponse(stats=self.worker.stats())
+
+
+class PrefillHandlers(Protocol):
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse: ...  # noqa: N802
+
+    async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse: ...  # noqa: N802
+
+
+class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """PrefillService over gRPC: ``inner``'s, once a ``Prefill`` carries its
+    ``room_secret`` (:func:`pdgrpc.serving.room_proof.secret_problem`); ``refused``
+    counts one that does not."""
+
+    def __init__(self, inner: PrefillHandlers, refused: Callable[[], None]) -> None:
+        self.inner = inner
+        self.refused = refused
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        problem = secret_problem(bytes(request.room_secret))
+        if problem is not None:
+            self.refused()
+            request_event(log, request.bootstrap_room, "rejected", reason=problem)
+            await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, problem))
+        return await self.inner.Prefill(request, context)
+
+    async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
+        return await self.inner.GetStats(request, context)
 
 
 class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):

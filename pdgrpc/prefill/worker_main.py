@@ -34,7 +34,7 @@ from pdgrpc.prefill.compute_process import ComputeProcess  # noqa: E402
 from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
 from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments  # noqa: E402
 from pdgrpc.prefill.link import WorkerLinkServer  # noqa: E402
-from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WorkerPrefillServicer  # noqa: E402
+from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WirePrefillServicer, WorkerPrefillServicer  # noqa: E402
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
 from pdgrpc.rpc.security import add_security_arguments, install_from_args  # noqa: E402
@@ -209,9 +209,10 @@ async def _main(ns: argparse.Namespace) -> int:
     # it is still registering (bootstrap registration retries for a while).
     orphaned = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
+    wire = WirePrefillServicer(WorkerPrefillServicer(worker), metrics.on_refused)
     server = await start_server(
         [
-            (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(WorkerPrefillServicer(worker), s)),
+            (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s)),
             (HANDSHAKE_SERVICE, lambda s: handshake_pb2_grpc.add_HandshakeServiceServicer_to_server(HandshakeServicer(worker), s)),
         ],
         host=ns.host,

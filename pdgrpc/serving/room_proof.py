@@ -11,7 +11,11 @@ A proof is HMAC-SHA256 under the secret over a canonical encoding of what the me
 asks for: for a handshake the room, destination pages, slot, decode tp rank and size,
 ``wants_metadata`` and the transport descriptor (where the KV goes), so a forger can
 neither redirect the KV nor reuse a proof for another decode rank; for an abort the room.
-Pure: no I/O, no clock.
+A ``Prefill`` or ``Decode`` that reaches a server over gRPC without a secret of
+:data:`SECRET_BYTES` bytes is refused (:func:`secret_problem`): without one, the prefill
+would accept any handshake for the room. smg's PD legs, whose protocol carries no
+secret, call the servers' handlers in-process and are the one path without it
+(docs/security.md). Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import struct
 
 from pdgrpc.v1 import handshake_pb2
 
-__all__ = ["SECRET_BYTES", "abort_message", "abort_proof", "draw_secret", "handshake_message", "handshake_proof", "sign", "verify"]
+__all__ = [
+    "SECRET_BYTES", "abort_message", "abort_proof", "draw_secret", "handshake_message", "handshake_proof", "secret_problem", "sign",
+    "verify",
+]
 
 SECRET_BYTES = 32
 
@@ -34,6 +41,16 @@ _ABORT = b"pdgrpc.v1 abort\0"
 def draw_secret() -> bytes:
     """A fresh per-request secret (32 bytes from :mod:`secrets`)."""
     return secrets.token_bytes(SECRET_BYTES)
+
+
+def secret_problem(secret: bytes) -> str | None:
+    """Why ``secret`` cannot be a request's ``room_secret`` (``None`` when it can)."""
+    if len(secret) == SECRET_BYTES:
+        return None
+    if not secret:
+        return (f"room_secret is empty: a Prefill or Decode must carry the {SECRET_BYTES}-byte secret its router "
+                "drew with the room (docs/security.md)")
+    return f"room_secret must be {SECRET_BYTES} bytes, got {len(secret)}"
 
 
 def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:

@@ -16,6 +16,7 @@ import pytest
 
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.serving import sampling_to_proto
+from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.eventually import eventually_async
 from tests.prefill.harness import new_room, prompt
@@ -45,7 +46,7 @@ async def test_quarantine_ends_once_the_dead_prefill_worker_is_replaced(tmp_path
             ids = prompt(20, 3)
             call = stub.Decode(decode_pb2.DecodeRequest(
                 bootstrap_room=new_room(), input_ids=ids, sampling=sampling_to_proto(SamplingParams(), 4),
-                prefill_bootstrap_address=prefill.bootstrap,
+                prefill_bootstrap_address=prefill.bootstrap, room_secret=draw_secret(),
             ), timeout=120)
             await eventually_async(lambda: _holding(stub), 30, what="the decode holds pages")
             os.kill(prefill.worker_pids[0], signal.SIGKILL)

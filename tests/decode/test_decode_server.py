@@ -25,6 +25,7 @@ from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import Scrape, scrape
 from pdgrpc.serving import engine_config_from_args, sampling_to_proto
+from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill, Prompt
@@ -139,6 +140,7 @@ def make_request(prefill: FakePrefill, prompt: str, max_new: int, sampling: Samp
     room = next(_next_room)
     ids = tuple(prefill.engine.tokenizer.encode(prompt))
     prefill.prompts[room] = Prompt(ids, sampling)
+    kw.setdefault("room_secret", draw_secret())
     return decode_pb2.DecodeRequest(
         bootstrap_room=room, request_id=f"r{room}", input_ids=ids, sampling=sampling_to_proto(sampling, max_new),
         prefill_bootstrap_address=prefill.address, **kw,  # type: ignore[arg-type]
@@ -315,6 +317,23 @@ async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.D
         assert await outcomes.changed() == {"refused": 2}  # turned away before taking anything
     finally:
         await p.stop()
+
+
+async def test_a_decode_without_its_room_secret_is_refused(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
+    """Issue 16: a Decode with no room_secret (or a short one) would send an unsigned
+    handshake, so anyone could drive the decode at any prefill; it is refused, naming the
+    field, before it takes a page or a slot. The router's path (a secret) is served."""
+    for secret in (b"", b"short"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, make_request(prefill, "no secret", 4, room_secret=secret))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "room_secret" in err.value.details()
+    assert not prefill.workers[0].handshakes  # nothing reached the prefill
+    assert await outcomes.changed() == {"refused": 2}
+    req = make_request(prefill, "with a secret", 4)
+    msgs = await collect(stub, req)
+    assert [t for m in msgs for t in m.token_ids] == list(generate(prefill.engine, [tuple(req.input_ids)], 4)[0].token_ids)
+    await assert_nothing_held(stub)
 
 
 async def test_write_outside_the_grant_fails_the_transfer(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:

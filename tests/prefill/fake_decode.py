@@ -4,11 +4,16 @@ Real parts: a transport *receiver* (the backend under test) holding a KV pool wi
 decode's layout and metadata rows of the shared layout, and real gRPC calls --
 ``QueryDpRanks`` / ``GetWorkers`` to the prefill's bootstrap, ``Handshake`` / ``AbortRoom``
 to the worker. What is fake is the scheduling: the test says which room goes where.
+
+Like the router, the tests give each room a secret (:func:`room_secret`, derived from the
+room so that the ``Prefill`` a test sends and the fake decode's handshake agree); the
+fake decode signs its handshakes with it unless a test passes its own ``room_proof``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import grpc
 import torch
@@ -22,12 +27,23 @@ from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomGrant, RoomStatus, Transport
 from pdgrpc.transport.base import MemoryRegion, RegionKind
 from pdgrpc.transport.pages import kv_regions, metadata_region
+from pdgrpc.serving.room_proof import abort_proof, handshake_proof
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import bootstrap_pb2_grpc as bpb_grpc
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
 from tests.eventually import eventually_async
+
+
+def room_secret(room: int) -> bytes:
+    """The tests' per-room secret (32 bytes, as the router draws them)."""
+    return hashlib.sha256(b"pdgrpc tests: room secret %d" % room).digest()
+
+
+def abort_request(room: int, reason: str) -> hpb.AbortRoomRequest:
+    """An ``AbortRoom`` for ``room`` with the chosen decode's proof."""
+    return hpb.AbortRoomRequest(bootstrap_room=room, reason=reason, room_proof=abort_proof(room_secret(room), room))
 
 
 @dataclasses.dataclass
@@ -121,7 +137,10 @@ class FakeDecode:
             decode_tp_rank=self.tp_rank, decode_tp_size=self.tp_size, wants_metadata=True,
         )
         fields.update(override)
-        return hpb.HandshakeRequest(**fields)  # type: ignore[arg-type]
+        req = hpb.HandshakeRequest(**fields)  # type: ignore[arg-type]
+        if "room_proof" not in override:  # signed like the chosen decode signs it
+            req.room_proof = handshake_proof(room_secret(req.bootstrap_room), req)
+        return req
 
     async def handshake(self, worker: str, r: Room, **override: object) -> hpb.HandshakeResponse:
         r.worker = worker

@@ -14,7 +14,7 @@ from pdgrpc.prefill.cli import build_parser
 from pdgrpc.serving import engine_config_from_args, sampling_to_proto
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually_async
-from tests.prefill.fake_decode import FakeDecode, KVPoll, Room
+from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, room_secret
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
 
 CONFIG: EngineConfig = engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS))
@@ -36,7 +36,9 @@ async def prefill_stub(p: PrefillProc) -> tuple[grpc.aio.Channel, prefill_pb2_gr
 
 
 def request(room: int, ids: list[int], sampling: SamplingParams = SamplingParams(), routed: int | None = None) -> prefill_pb2.PrefillRequest:
-    r = prefill_pb2.PrefillRequest(bootstrap_room=room, request_id=f"t{room}", input_ids=ids, sampling=sampling_to_proto(sampling, 4))
+    r = prefill_pb2.PrefillRequest(
+        bootstrap_room=room, request_id=f"t{room}", input_ids=ids, sampling=sampling_to_proto(sampling, 4), room_secret=room_secret(room)
+    )
     if routed is not None:
         r.routed_dp_rank = routed
     return r

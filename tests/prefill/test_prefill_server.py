@@ -24,11 +24,10 @@ from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.metrics import scrape
 from pdgrpc.serving import compat_hash_bytes, metadata_layout
 from pdgrpc.v1 import bootstrap_pb2 as bpb
-from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import prefill_pb2
 from tests.eventually import eventually_async
 from tests.fuzz_messages import fuzz
-from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, reference_prefill
+from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, abort_request, reference_prefill
 from tests.prefill.harness import CONFIG, SETTLE_S, active_requests, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one
 from tests.prefill.procs import ENGINE_FLAGS, BootstrapProc, PrefillProc, pid_alive
 
@@ -225,7 +224,7 @@ async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode,
         hs = decode.stub(w.transfer_address)
         # Wait until the worker holds the request (its pages show up in the stats).
         await eventually_async(lambda: active_requests(stub), SETTLE_S, what="the worker holds the request")
-        ans = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=room, reason="client cancelled"), timeout=30)
+        ans = await hs.AbortRoom(abort_request(room, "client cancelled"), timeout=30)
         assert ans.was_active
         # AbortRoom returned: the request is over, nothing of it is held any more.
         s = (await stub.GetStats(prefill_pb2.GetStatsRequest())).stats
@@ -235,7 +234,7 @@ async def test_abort_room_stops_the_request(rr: PrefillProc, decode: FakeDecode,
         assert ei.value.code() is grpc.StatusCode.ABORTED and "client cancelled" in ei.value.details()
         # Decode gives up before the Prefill RPC arrives: the late Prefill fails at once.
         late = new_room()
-        unknown = await hs.AbortRoom(hpb.AbortRoomRequest(bootstrap_room=late, reason="decode timed out"), timeout=30)
+        unknown = await hs.AbortRoom(abort_request(late, "decode timed out"), timeout=30)
         assert not unknown.was_active
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await stub.Prefill(request(late, prompt(5, 4), routed=0), timeout=HANDSHAKE_TIMEOUT / 2)

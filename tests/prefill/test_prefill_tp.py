@@ -22,7 +22,7 @@ from pdgrpc.serving.tp import heads_of, transfer_room
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import common_pb2, prefill_pb2
 from tests.eventually import eventually_async
-from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, reference_prefill
+from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, abort_request, reference_prefill
 from tests.prefill.harness import CONFIG, SETTLE_S, new_room, prefill_stub, prompt, request
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, pid_alive
 
@@ -251,8 +251,6 @@ async def test_many_concurrent_requests_in_lock_step(tp2: PrefillProc, tp1_decod
 
 
 async def test_abort_on_one_tp_rank_fails_the_request_and_the_group_keeps_serving(tp2: PrefillProc, tp1_decode: FakeDecode) -> None:
-    from pdgrpc.v1 import handshake_pb2 as hpb
-
     ids = prompt(30, 6)
     room = new_room()
     r = tp1_decode.allocate(room, len(ids), keys=[transfer_room(room, p_, 0) for p_ in (0, 1)])
@@ -263,7 +261,7 @@ async def test_abort_on_one_tp_rank_fails_the_request_and_the_group_keeps_servin
         await tp1_decode.handshake(workers[0].transfer_address, r)  # rank 0 only
         await asyncio.sleep(0.2)
         await tp1_decode.stub(workers[1].transfer_address).AbortRoom(
-            hpb.AbortRoomRequest(bootstrap_room=room, reason="decode gave up"), timeout=10)
+            abort_request(room, "decode gave up"), timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await call
         assert ei.value.code() is grpc.StatusCode.ABORTED and "decode gave up" in ei.value.details(), ei.value.details()

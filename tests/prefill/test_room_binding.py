@@ -18,9 +18,12 @@ import pytest
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.serving.room_proof import abort_proof, draw_secret, handshake_proof
 from pdgrpc.v1 import handshake_pb2 as hpb
+from pdgrpc.v1 import prefill_pb2_grpc
 from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room
-from tests.prefill.harness import CONFIG, active_requests, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request
+from tests.prefill.harness import (
+    CONFIG, active_requests, assert_landed_bit_exact, assert_settles_to_zero, new_room, prefill_stub, prompt, request, run_one,
+)
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,7 +54,7 @@ async def decodes() -> AsyncIterator[tuple[FakeDecode, FakeDecode]]:
 
 
 def signed(d: FakeDecode, r: Room, secret: bytes) -> hpb.HandshakeRequest:
-    req = d.handshake_request(r)
+    req = d.handshake_request(r, room_proof=b"")
     req.room_proof = handshake_proof(secret, req)
     return req
 
@@ -68,7 +71,7 @@ async def test_forged_handshake_neither_steals_kv_nor_blocks_the_real_decode(
         #    the real handshake after it; the Prefill then arrives with the secret.
         room, secret = new_room(), draw_secret()
         real, fake = victim.allocate(room, len(ids)), attacker.allocate(room, len(ids))
-        await attacker.stub(worker).Handshake(attacker.handshake_request(fake), timeout=10)
+        await attacker.stub(worker).Handshake(attacker.handshake_request(fake, room_proof=b""), timeout=10)
         await attacker.stub(worker).Handshake(signed(attacker, fake, draw_secret()), timeout=10)
         await victim.stub(worker).Handshake(signed(victim, real, secret), timeout=10)
         req = request(room, ids, GREEDY)
@@ -89,7 +92,7 @@ async def test_forged_handshake_neither_steals_kv_nor_blocks_the_real_decode(
         call = asyncio.ensure_future(stub.Prefill(req, timeout=60))
         await eventually_async(lambda: active_requests(stub), 15, what="the worker holds the request")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await attacker.stub(worker).Handshake(attacker.handshake_request(fake), timeout=10)
+            await attacker.stub(worker).Handshake(attacker.handshake_request(fake, room_proof=b""), timeout=10)
         assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED and "room_proof" in ei.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await attacker.stub(worker).AbortRoom(hpb.AbortRoomRequest(bootstrap_room=room, reason="forged"), timeout=10)
@@ -107,7 +110,7 @@ async def test_forged_handshake_neither_steals_kv_nor_blocks_the_real_decode(
         room, secret = new_room(), draw_secret()
         real, fake = victim.allocate(room, len(ids)), attacker.allocate(room, len(ids))
         with pytest.raises(grpc.aio.AioRpcError):  # refused (its pages do not fit TP 2), yet it was seen
-            await attacker.stub(worker).Handshake(attacker.handshake_request(fake, decode_tp_size=2), timeout=10)
+            await attacker.stub(worker).Handshake(attacker.handshake_request(fake, decode_tp_size=2, room_proof=b""), timeout=10)
         req = request(room, ids, GREEDY)
         req.room_secret = secret
         call = asyncio.ensure_future(stub.Prefill(req, timeout=60))
@@ -150,4 +153,27 @@ async def test_only_a_proven_abort_stops_a_room(prefill: PrefillProc, decodes: t
         assert ei.value.code() is grpc.StatusCode.ABORTED and "decode timed out" in ei.value.details()
     finally:
         await ch.close()
+    await assert_settles_to_zero(prefill, dp_size=1)
+
+
+async def test_a_prefill_without_its_room_secret_is_refused(prefill: PrefillProc, decodes: tuple[FakeDecode, FakeDecode]) -> None:
+    """Issue 16: a Prefill with no room_secret would accept any handshake for its room, so
+    whoever reached the port could send a request's KV anywhere. Sent to the controller or
+    straight to a worker, it is refused naming the field; with the secret it is served."""
+    victim, _ = decodes
+    ids = prompt(5, 3)
+    (worker,) = prefill.worker_addresses
+    for address in (prefill.address, worker):
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = prefill_pb2_grpc.PrefillServiceStub(ch)
+            for secret in (b"", b"short"):
+                req = request(new_room(), ids, GREEDY)
+                req.room_secret = secret
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await stub.Prefill(req, timeout=10)
+                assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (address, ei.value)
+                assert "room_secret" in ei.value.details()
+    resp, r = await run_one(prefill, victim, ids, GREEDY, query=False, dp_size=1)
+    assert resp.prompt_tokens == len(ids)
+    victim.free(r)
     await assert_settles_to_zero(prefill, dp_size=1)
