@@ -9,8 +9,7 @@ the proof before the message may change anything (:func:`verify`).
 
 A proof is HMAC-SHA256 under the secret over a canonical encoding of what the message
 asks for: for a handshake the room, destination pages, slot, decode tp rank and size,
-``wants_metadata``, the transport descriptor (where the KV goes) and the transport
-credential (what the worker proves on its data-plane connections), so a forger can
+``wants_metadata`` and the transport descriptor (where the KV goes), so a forger can
 neither redirect the KV nor reuse a proof for another decode rank; for an abort the room.
 Pure: no I/O, no clock.
 """
@@ -48,8 +47,6 @@ def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
             ),
             struct.pack(f"<{len(pages)}I", *pages),
             bytes(req.transport_descriptor),
-            # the data-plane credential (only when present: an old decode's message is unchanged)
-            struct.pack("<I", len(req.transport_credential)) + req.transport_credential if req.transport_credential else b"",
         )
     )
 

@@ -64,8 +64,8 @@ class HandshakeRequest(_message.Message):
     transport instance (the instance id in the worker's registered transport endpoint;
     pdgrpc.transport.peerauth). The worker proves it, answering a fresh nonce, on every
     data-plane connection to the decode (tcp HELLO, rdma liveness link and HELLO); the
-    decode refuses connections without that proof. Never sent anywhere but here; covered
-    by room_proof when non-empty. Empty from an old decode.
+    decode refuses connections without that proof. Never sent anywhere but here (it
+    names this worker: useless to any other). Empty from an old decode.
     """
     @_builtins.property
     def dst_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
