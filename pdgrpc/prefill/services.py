@@ -11,7 +11,7 @@ from typing import NoReturn
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.rpc.limits import peer_host
+from pdgrpc.rpc.security import peer_identity
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.v1 import handshake_pb2, handshake_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -46,7 +46,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
 
     async def Handshake(self, request: handshake_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.HandshakeResponse:
         try:
-            return self.worker.handshake(request, peer_host(context))
+            return self.worker.handshake(request, peer_identity(context))
         except RequestFailed as exc:
             await abort_with(context, exc)
 
@@ -55,7 +55,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
             await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
         try:
             was_active = await self.worker.abort_room(
-                request.bootstrap_room, request.reason, bytes(request.room_proof), peer_host(context)
+                request.bootstrap_room, request.reason, bytes(request.room_proof), peer_identity(context)
             )
         except RequestFailed as exc:
             await abort_with(context, exc)
