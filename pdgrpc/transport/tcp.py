@@ -63,9 +63,9 @@ from pdgrpc.transport.base import (
 )
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.receiver import Receiver, Refusal
-from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, tend
+from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, on_hello, tend
 from pdgrpc.transport.tcp_conn import (
-    ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
+    ACK, CHALLENGE, HEADER, HELLO, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
     _Conn, _frame_buffers, _merge_adjacent, byte_view, frame_chunks,
 )
 
@@ -344,32 +344,7 @@ class TcpTransport(Transport):
         self._recv.advertise(grant)
 
     def _on_hello(self, conn: _Conn, text: str) -> None:
-        if conn.remote is None or conn.peer_id is not None:
-            return conn.protocol_error("unexpected HELLO")
-        sender, expected, answer = (text.split(" ") + ["", ""])[:3]
-        if expected != self.instance_id or not sender:
-            return self._refuse(conn, f"this is instance {self.instance_id}, not {expected!r}")
-        try:
-            proof = bytes.fromhex(answer)
-        except ValueError:
-            proof = b""
-        if not self.verify_proof(b"tcp", conn.nonce, sender, proof):
-            log.warning("tcp: refusing a connection from %s claiming to be %s: its proof of identity does not verify",
-                        conn.remote or "a local peer", sender)
-            return self._refuse(conn, f"the proof of identity for {sender!r} does not verify (no credential from "
-                                      "this receiver's control plane)")
-        refusal = self._gate.prove(conn.remote or "", sender)
-        if refusal is not None:
-            log.warning("tcp: refusing a connection from %s: %s", sender, refusal)
-            return self._refuse(conn, refusal)
-        conn.peer_id = sender
-        self.writers.opened(sender)
-        conn.send([HEADER.pack(HELLO_OK, 0, 0, 0, 0)])
-
-    def _refuse(self, conn: _Conn, reason: str) -> None:
-        """Refuse a connection's HELLO: tell it why, close it; nothing else changes."""
-        conn.send_control(HELLO_REFUSED, 0, reason)
-        self._loop.call_soon(conn.close)
+        on_hello(self, conn, text)
 
     def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
         ops = np.frombuffer(table, dtype=OP_DTYPE)
