@@ -9,9 +9,9 @@ Roles
 * For each writer (a prefill worker's transport, named by its instance id) the receiver
   issues a **credential** ``C = HMAC(key, writer_id, receiver_id)`` (:func:`credential`).
   The decode sends it to that worker inside its ``HandshakeRequest``
-  (``transport_credential``), over the control plane (TLS/mTLS when configured, and
-  covered by the request's ``room_proof``). Nothing public (``GetWorkers``, descriptors)
-  carries a key or a credential.
+  (``transport_credential``), over the control plane (TLS/mTLS when configured). It names
+  its writer, so it is useless to anyone else. Nothing public (``GetWorkers``,
+  descriptors) carries a key or a credential.
 * Each data-plane connection the writer opens (tcp connection, rdma liveness link) starts
   with a fresh **nonce** from the receiver (:func:`new_nonce`); the writer answers with
   ``proof = HMAC(C, channel, nonce, writer_id, receiver_id)`` (:func:`proof`), and the
