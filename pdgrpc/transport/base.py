@@ -109,6 +109,7 @@ import functools
 import uuid
 from typing import Any, Awaitable, Callable, ClassVar, Sequence
 
+from pdgrpc.errors import PeerFailure
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.descriptor import DESCRIPTOR_VERSION, Descriptor, Peer
@@ -183,6 +184,15 @@ class Transport(abc.ABC):
         process issues it directly (a process cannot be impersonated to itself: tests and
         benchmarks that run both ends in one process need no control plane)."""
         return self.credentials.get(receiver_id) or peerauth.known_credential(receiver_id, self.instance_id)
+
+    def require_credential(self, receiver_id: str) -> bytes:
+        """:meth:`credential_for`, for a connect that cannot do without one: raises
+        :class:`~pdgrpc.errors.PeerFailure` naming what is missing."""
+        cred = self.credential_for(receiver_id)
+        if not cred:
+            raise PeerFailure(f"{self.name}: no data-plane credential for peer {receiver_id} (its handshake "
+                              "carried no transport_credential: a decode that predates it?)")
+        return cred
 
     def verify_proof(self, channel: bytes, nonce: bytes, writer_id: str, answer: bytes) -> bool:
         """Receiver: whether ``answer`` to ``nonce`` proves ``writer_id``'s credential."""

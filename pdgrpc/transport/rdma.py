@@ -239,6 +239,7 @@ class RdmaTransport(RdmaReceiver, Transport):
         # Liveness first: a dead peer's port refuses at once, before any UCX endpoint
         # is pointed at a worker that no longer exists, and the live peer tells us its
         # worker address, which must be the descriptor's.
+        cred = self.require_credential(d.instance_id)
         info = await self._liveness.watch(d.instance_id, d.liveness)
         lost = self._lost_while_connecting.get(d.instance_id)
         if info is None or lost is not None:
@@ -259,7 +260,7 @@ class RdmaTransport(RdmaReceiver, Transport):
         sid, tid = self.instance_id.encode(), d.instance_id.encode()
         addr = self._worker.address
         # Bound to the proven liveness link: the proof answers that link's challenge.
-        proof = peerauth.proof(self.credential_for(d.instance_id), HELLO_CHANNEL,
+        proof = peerauth.proof(cred, HELLO_CHANNEL,
                                self._liveness.challenge_of(d.instance_id), self.instance_id, d.instance_id)
         msg = (COMMON.pack(HELLO, conn.local_id, 0) + HELLO_BODY.pack(len(sid), len(tid), len(addr))
                + sid + tid + addr + proof)

@@ -328,7 +328,7 @@ class TcpTransport(Transport):
         conn = _Conn(self, sock, None)
         try:
             nonce = await asyncio.wait_for(asyncio.shield(conn.challenge), self._connect_timeout)
-            answer = peerauth.proof(self.credential_for(d.instance_id), b"tcp", nonce, self.instance_id, d.instance_id)
+            answer = peerauth.proof(self.require_credential(d.instance_id), b"tcp", nonce, self.instance_id, d.instance_id)
             conn.send_control(HELLO, 0, f"{self.instance_id} {d.instance_id} {answer.hex()}")
             await asyncio.wait_for(asyncio.shield(conn.hello), self._connect_timeout)
         except asyncio.TimeoutError:

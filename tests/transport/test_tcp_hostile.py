@@ -140,6 +140,8 @@ async def test_a_sender_without_the_receivers_credential_cannot_connect() -> Non
     desc = await recv.register(LAYOUT.build(None)[0])
     try:
         async with PeerProcess("tcp", layout=LAYOUT, seed=3) as sender:
+            with pytest.raises(Exception, match="no data-plane credential"):
+                await sender.call("connect", desc, b"")
             with pytest.raises(Exception, match="proof of identity"):
                 await sender.call("connect", desc, b"\x00" * 32)
             assert recv.writers.open[sender.instance_id] == 0
