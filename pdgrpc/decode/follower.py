@@ -66,7 +66,9 @@ class Follower:
 
     async def start(self) -> None:
         descriptor = await self.transfers.register()
-        await asyncio.to_thread(self.tp.all_gather, descriptor)
+        # With its data-plane key: rank 0 issues this rank's credentials in the handshakes
+        # it sends on its behalf (the key stays inside the decode instance).
+        await asyncio.to_thread(self.tp.all_gather, (descriptor, self.transport.auth_key))
 
     # -- replay -------------------------------------------------------------------------
     def _advertise(self, hs: SendHandshake) -> None:

@@ -11,8 +11,11 @@ is dropped so nothing about the old one is reused.
 
 :meth:`Handshaker.abort_room` tells the workers that were sent a handshake to stop
 writing into the room (their OK is the ack that frees the quarantined pages). A worker
-that cannot be reached counts as acknowledged once bootstrap shows its slot registered by
-a newer generation (its controller restarted it: the old process is gone).
+that cannot be reached counts as acknowledged once this decode's transport confirms it can
+no longer write (its process is gone and its data-plane connections drained:
+``Transport.writer_gone``), or once bootstrap shows its slot registered by a newer
+generation (its controller restarted it: the old process is gone). A worker that merely
+hangs is neither: its pages wait for the abort lease.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Final
+from typing import Callable, Final
 
 import grpc
 
@@ -34,6 +37,9 @@ from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import abort_proof, handshake_proof
 from pdgrpc.serving.tp import designated_sender, senders_of
+from pdgrpc.transport import peerauth
+from pdgrpc.transport.descriptor import Descriptor
+from pdgrpc.transport.regions import BadDescriptor
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
@@ -72,6 +78,32 @@ class Handshaker:
         # TP > 1: every decode rank's descriptor, by rank (handshakes are sent for all of
         # them from rank 0); empty for TP 1 (``descriptor`` is the only one).
         self.descriptors: tuple[bytes, ...] = ()
+        # The data-plane keys (pdgrpc.transport.peerauth) of this rank / of every rank.
+        self.key = b""
+        self.keys: tuple[bytes, ...] = ()
+        self._ids: dict[bytes, str] = {}  # descriptor bytes -> transport instance id
+        # This rank's Transport.writer_gone (the scheduler sets it).
+        self.writer_gone: Callable[[str], bool] = lambda writer: False
+
+    def instance_of(self, descriptor: bytes) -> str:
+        """The transport instance id a descriptor names ("" when it does not parse)."""
+        iid = self._ids.get(descriptor)
+        if iid is None:
+            try:
+                iid = Descriptor.from_bytes(descriptor).instance_id
+            except BadDescriptor:
+                iid = ""
+            if len(self._ids) >= 4096:
+                self._ids.clear()
+            self._ids[descriptor] = iid
+        return iid
+
+    def credential(self, w: bpb.WorkerInfo, d: int) -> bytes:
+        """The data-plane credential decode rank ``d`` issues to prefill worker ``w``."""
+        key = self.keys[d] if self.keys else self.key
+        writer = self.instance_of(w.transport_endpoint)
+        receiver = self.instance_of(self.descriptors[d] if self.descriptors else self.descriptor)
+        return peerauth.credential(key, writer, receiver) if key and writer and receiver else b""
 
     @property
     def tp_size(self) -> int:
@@ -177,6 +209,7 @@ class Handshaker:
             # Exactly one sender per decode rank writes the gated row; the others write
             # theirs into the sink region (pdgrpc.serving.tp).
             wants_metadata=w.tp_rank == designated_sender(d, self.tp_size, tp_p),
+            transport_credential=self.credential(w, d),
         )
         if job.room_secret:
             req.room_proof = handshake_proof(job.room_secret, req)
@@ -200,6 +233,10 @@ class Handshaker:
             request.room_proof = abort_proof(job.room_secret, job.room)
 
         async def tell(w: bpb.WorkerInfo) -> bool:
+            if self._writer_gone(w):
+                request_event(log, job.room, "prefill worker gone (the transport confirmed it can no longer write)",
+                              worker=w.transfer_address)
+                return True
             stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
             try:
                 await stub.AbortRoom(request, timeout=self.rpc_timeout_s)
@@ -219,20 +256,34 @@ class Handshaker:
 
         return all(await asyncio.gather(*(tell(w) for w in job.contacted)))
 
+    def _writer_gone(self, w: bpb.WorkerInfo) -> bool:
+        """Whether this decode's transport confirmed that ``w`` can no longer write into
+        it: it proved its identity on the data plane, and every such connection ended from
+        its side (its process is gone) and was drained (Transport.writer_gone). Used with
+        decode TP 1 only: rank 0 cannot see the other ranks' transports."""
+        writer = self.instance_of(w.transport_endpoint)
+        return self.tp_size == 1 and bool(writer) and self.writer_gone(writer)
+
     async def _replaced(self, job: Job, w: bpb.WorkerInfo) -> bool:
-        """Whether bootstrap shows a newer registration of ``w``'s slot within
-        ``replaced_wait_s``: the unreachable worker's process is gone, since its
-        controller starts a replacement only once the old process has exited (and a dead
-        process's connections are closed, so none of its bytes can still land)."""
+        """Whether, within ``replaced_wait_s``, the transport confirms the unreachable
+        worker gone (:meth:`_writer_gone`) or bootstrap shows a newer registration of its
+        slot: the worker's process is gone, since its controller starts a replacement
+        only once the old process has exited (and a dead process's connections are
+        closed, so none of its bytes can still land)."""
         deadline = time.monotonic() + self.replaced_wait_s
         address = job.prefill.address
+        next_query = time.monotonic()
         while time.monotonic() < deadline:
-            self.directory.invalidate(address, f"worker dp_rank={w.dp_rank} unreachable for AbortRoom")
-            try:
-                now = await self.directory.workers(address, w.dp_rank)
-            except (RpcError, asyncio.TimeoutError):
-                now = []
-            if any(x.tp_rank == w.tp_rank and x.pp_rank == w.pp_rank and x.generation > w.generation for x in now):
+            if self._writer_gone(w):
                 return True
-            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= next_query:
+                next_query = time.monotonic() + 0.5
+                self.directory.invalidate(address, f"worker dp_rank={w.dp_rank} unreachable for AbortRoom")
+                try:
+                    now = await self.directory.workers(address, w.dp_rank)
+                except (RpcError, asyncio.TimeoutError):
+                    now = []
+                if any(x.tp_rank == w.tp_rank and x.pp_rank == w.pp_rank and x.generation > w.generation for x in now):
+                    return True
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return False

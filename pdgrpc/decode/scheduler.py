@@ -110,8 +110,12 @@ class DecodeScheduler(Generation):
         self.fatal = asyncio.get_running_loop().create_future()
         self.descriptor = await self.transfers.register()
         self.handshaker.descriptor = self.descriptor
-        if self.tp is not None:  # every rank's descriptor, for the handshakes sent on its behalf
-            self.handshaker.descriptors = tuple(await asyncio.to_thread(self.tp.all_gather, self.descriptor))
+        self.handshaker.key = self.transport.auth_key
+        self.handshaker.writer_gone = self.transport.writer_gone
+        if self.tp is not None:  # every rank's descriptor and key, for the handshakes sent on its behalf
+            ranks = await asyncio.to_thread(self.tp.all_gather, (self.descriptor, self.transport.auth_key))
+            self.handshaker.descriptors = tuple(d for d, _ in ranks)
+            self.handshaker.keys = tuple(k for _, k in ranks)
         self.transport.rooms.add_listener(self._on_transport_terminal)
         self._engine_thread.submit(lambda: None)  # the compute thread starts (and is reniced) now
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")

@@ -28,7 +28,7 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
-from pdgrpc.rpc.limits import peer_host
+from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
@@ -48,19 +48,20 @@ DEFAULT_MAX_DECODES_PER_CLIENT = 512
 
 
 class DecodeServicer(dpb_grpc.DecodeServiceServicer):
-    """``max_per_client``: most ``Decode`` calls one client (its host) may have open at
+    """``max_per_client``: most ``Decode`` calls one client (its mTLS identity, else its
+    host: :func:`~pdgrpc.rpc.security.peer_identity`) may have open at
     once; one more is refused with RESOURCE_EXHAUSTED naming the limit, so no one caller
     holds the whole pool (issue 16's audit pinned all 1024 pages with 8 direct calls)."""
 
     def __init__(self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT) -> None:
         self.scheduler = scheduler
         self.max_per_client = max_per_client
-        self._open: collections.Counter[str] = collections.Counter()  # client host -> Decode calls open
+        self._open: collections.Counter[str] = collections.Counter()  # client identity -> Decode calls open
 
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        client = peer_host(context)
+        client = peer_identity(context)  # its certificate's name under mTLS, else its host
         if self._open[client] >= self.max_per_client:
             self.scheduler.metrics.on_refused()
             message = (f"client {client} already has {self._open[client]} Decode calls open "

@@ -18,6 +18,7 @@ from pdgrpc.errors import PdgrpcError
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.serving.room_proof import verify
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, senders_of
+from pdgrpc.transport import peerauth
 from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, RegionKind
 from pdgrpc.transport.pages import METADATA_REGION_ID, region_pairs
 from pdgrpc.v1 import handshake_pb2
@@ -39,6 +40,7 @@ class Destination:
     decode_tp_rank: int = 0
     decode_tp_size: int = 1
     wants_metadata: bool = True
+    credential: bytes = b""  # what the decode's transport issued to this worker's (peerauth)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,11 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
         counts = collections.Counter(pages)
         dup = next(p for p in pages if counts[p] > 1)
         raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {dup} appears more than once")
+    if len(req.transport_credential) not in (0, peerauth.CREDENTIAL_BYTES):
+        raise RequestFailed(
+            C.INVALID_ARGUMENT,
+            f"room {room}: transport_credential: {len(req.transport_credential)} bytes (want {peerauth.CREDENTIAL_BYTES} or none)",
+        )
     try:
         parsed = Descriptor.from_bytes(req.transport_descriptor)
     except BadDescriptor as exc:
@@ -165,4 +172,5 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
     return Destination(
         room, pages, req.dst_slot, bytes(req.transport_descriptor), parsed,
         decode_tp_rank=d, decode_tp_size=tp_d, wants_metadata=req.wants_metadata,
+        credential=bytes(req.transport_credential),
     )

@@ -277,6 +277,8 @@ class RoomDriver:
                 C.INVALID_ARGUMENT, f"room {room}: decode tp rank {d} gave {len(dest.dst_pages)} dst_pages, the prompt needs {n_pages}",
                 ServerAbortReason.DECODE_ERROR,
             )
+        if dest.credential:  # the handshake that carries it was accepted as genuine
+            s.transport.set_credential(dest.parsed.instance_id, dest.credential)
         try:
             peer = await s.transport.connect(dest.descriptor)
         except PdgrpcError as exc:

@@ -18,7 +18,7 @@ from typing import Callable, NoReturn, Protocol
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.rpc.limits import peer_host
+from pdgrpc.rpc.security import peer_identity
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.serving.logs import request_event
@@ -84,7 +84,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
 
     async def Handshake(self, request: handshake_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.HandshakeResponse:
         try:
-            return self.worker.handshake(request, peer_host(context))
+            return self.worker.handshake(request, peer_identity(context))
         except RequestFailed as exc:
             await abort_with(context, exc)
 
@@ -93,7 +93,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
             await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
         try:
             was_active = await self.worker.abort_room(
-                request.bootstrap_room, request.reason, bytes(request.room_proof), peer_host(context)
+                request.bootstrap_room, request.reason, bytes(request.room_proof), peer_identity(context)
             )
         except RequestFailed as exc:
             await abort_with(context, exc)

@@ -75,7 +75,7 @@ class WorkerConfig:
     drain_timeout_s: float = 5.0  # a failed room's queued sends, before its pages are freed
     early_handshakes: int = 4096  # handshakes kept before their Prefill RPC (count)
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
-    early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's host)
+    early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's mTLS identity, else its host)
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
 
     def __post_init__(self) -> None:

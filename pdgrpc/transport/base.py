@@ -63,6 +63,18 @@ Who calls which hook, and when
     :mod:`pdgrpc.transport.liveness` (a tiny heartbeat side channel whose address travels
     in :attr:`Descriptor.liveness`) and route its verdict into this same hook.
 
+Data-plane identity (:mod:`pdgrpc.transport.peerauth`) -- a receiver's
+    ``issue_credential(writer_id)`` is what the control plane carries to the writer (the
+    decode's ``HandshakeRequest.transport_credential``); the writer hands it to its own
+    transport with ``set_credential(receiver_id, credential)`` before ``connect``. A
+    backend's connections and liveness links answer a receiver-chosen nonce with a proof of
+    it; the receiver takes a connection's identity only once the proof verifies, and only
+    proven connections may fail a peer's rooms. ``writer_gone(writer_id)`` (receiver) says
+    whether the transport has confirmed that writer can no longer write here (every
+    proven connection of its ended from its side and was drained); the decode then ends
+    the quarantine of an aborted room's pages without waiting for the lease. Default
+    (a backend that cannot tell): False.
+
 ``close()`` -- both sides at shutdown. Fails every non-terminal room, closes every
     connection, and leaves no task, thread or file descriptor behind.
 
@@ -97,7 +109,9 @@ import functools
 import uuid
 from typing import Any, Awaitable, Callable, ClassVar, Sequence
 
+from pdgrpc.errors import PeerFailure
 from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport import peerauth
 from pdgrpc.transport.descriptor import DESCRIPTOR_VERSION, Descriptor, Peer
 from pdgrpc.transport.receiver import Refusal, RoomGrant
 from pdgrpc.transport.regions import (
@@ -149,6 +163,45 @@ class Transport(abc.ABC):
     def __init__(self) -> None:
         self.instance_id: str = new_instance_id()
         self.rooms = RoomStates()
+        self.auth_key: bytes = peerauth.new_key()  # receiver: never leaves this process
+        self.credentials = peerauth.CredentialStore()  # writer: what receivers issued to it
+        self.writers = peerauth.WriterTable()  # receiver: proven connections per writer
+        peerauth.remember_key(self.instance_id, self.auth_key)
+
+    # -- data-plane identity (pdgrpc.transport.peerauth) ---------------------------------
+    def issue_credential(self, writer_id: str) -> bytes:
+        """Receiver: the credential the writer ``writer_id`` proves on its connections here;
+        send it to that writer over the authenticated control plane only."""
+        return peerauth.credential(self.auth_key, writer_id, self.instance_id)
+
+    def set_credential(self, receiver_id: str, credential: bytes) -> None:
+        """Writer: the credential receiver ``receiver_id`` issued to this instance (it came
+        over the control plane); used by the next ``connect`` to that receiver."""
+        self.credentials.put(receiver_id, credential)
+
+    def credential_for(self, receiver_id: str) -> bytes:
+        """Writer: the credential to prove to ``receiver_id``. A receiver in this same
+        process issues it directly (a process cannot be impersonated to itself: tests and
+        benchmarks that run both ends in one process need no control plane)."""
+        return self.credentials.get(receiver_id) or peerauth.known_credential(receiver_id, self.instance_id)
+
+    def require_credential(self, receiver_id: str) -> bytes:
+        """:meth:`credential_for`, for a connect that cannot do without one: raises
+        :class:`~pdgrpc.errors.PeerFailure` naming what is missing."""
+        cred = self.credential_for(receiver_id)
+        if not cred:
+            raise PeerFailure(f"{self.name}: no data-plane credential for peer {receiver_id} (its handshake "
+                              "carried no transport_credential: a decode that predates it?)")
+        return cred
+
+    def verify_proof(self, channel: bytes, nonce: bytes, writer_id: str, answer: bytes) -> bool:
+        """Receiver: whether ``answer`` to ``nonce`` proves ``writer_id``'s credential."""
+        return peerauth.verify(self.auth_key, channel, nonce, writer_id, self.instance_id, answer)
+
+    def writer_gone(self, writer_id: str) -> bool:
+        """Receiver: whether the transport confirmed ``writer_id`` can no longer write
+        here (see the module docstring). Backends that cannot tell return False."""
+        return self.writers.gone(writer_id)
 
     # -- set-up -----------------------------------------------------------------------
     @abc.abstractmethod

@@ -2,10 +2,18 @@
 (``rdma``: UCX endpoint error handling is off).
 
 Each transport instance runs one :class:`Liveness`: a listener whose ``host:port``
-travels in :attr:`Descriptor.liveness`, plus one outgoing link per watched peer. A link
-starts with a ``PDGL`` hello naming the instance id and carrying an opaque ``info`` blob
-(``!H`` length + bytes after the id), then one heartbeat byte every ``interval``; a peer
-is lost when the socket closes (its process died: the kernel closes it) or nothing
+travels in :attr:`Descriptor.liveness`, plus one outgoing link per watched peer. The
+listener opens every accepted link with a ``PDGN`` challenge (a fresh 16-byte nonce, then
+its own instance id, ``!H`` length + bytes: a watcher that finds another instance there
+reports the peer restarted and proves nothing to it). The
+watching side answers with a ``PDGL`` hello naming its instance id, carrying an opaque
+``info`` blob and a proof (each ``!H`` length + bytes): the nonce signed with the
+credential the listening side issued to it over the control plane
+(:mod:`pdgrpc.transport.peerauth`). The listener takes the id only once the proof
+verifies; a link that fails it is closed and reported to nobody, so a claimed id (ids are
+public) can neither drop a peer nor keep a dead one looking alive. The listener answers
+with its own hello (no proof), then both send one heartbeat byte every ``interval``; a
+peer is lost when the socket closes (its process died: the kernel closes it) or nothing
 arrives for ``lease`` seconds (it hangs).
 
 The rdma backend puts its UCX worker address in ``info``, so each side checks that the
@@ -29,18 +37,40 @@ import time
 from typing import Callable
 
 from pdgrpc.errors import ConfigError
+from pdgrpc.transport import peerauth
 
 log = logging.getLogger("pdgrpc.transport.liveness")
 
 _MAGIC = b"PDGL"
+_CHALLENGE = b"PDGN"
 _BEAT = b"."
-_HELLO_HEAD = 6  # magic + u16 length
+_CHALLENGE_LEN = len(_CHALLENGE) + peerauth.NONCE_BYTES
+_MAX_HELLO = 3 * 0xFFFF + 12  # a longer hello is not a pdgrpc peer's
+CHANNEL = b"liveness"  # the peerauth channel name of these links
 OnLost = Callable[[str, str], None]
 
 
-def _hello(instance_id: str, info: bytes) -> bytes:
+def _hello(instance_id: str, info: bytes, proof: bytes = b"") -> bytes:
     raw = instance_id.encode()
-    return _MAGIC + struct.pack("!H", len(raw)) + raw + struct.pack("!H", len(info)) + info
+    return (_MAGIC + struct.pack("!H", len(raw)) + raw + struct.pack("!H", len(info)) + info
+            + struct.pack("!H", len(proof)) + proof)
+
+
+def _parse_hello(buf: bytes) -> tuple[str, bytes, bytes, int] | None:
+    """(instance id, info, proof, bytes used) of a complete hello at the start of ``buf``;
+    None while incomplete. Raises ValueError for bytes that are not a hello."""
+    if buf[:4] != _MAGIC[: len(buf[:4])]:
+        raise ValueError("not a pdgrpc liveness peer")
+    fields, off = [], 4
+    for _ in range(3):
+        if len(buf) < off + 2:
+            return None
+        (n,) = struct.unpack_from("!H", buf, off)
+        if len(buf) < off + 2 + n:
+            return None
+        fields.append(buf[off + 2 : off + 2 + n])
+        off += 2 + n
+    return fields[0].decode(), fields[1], fields[2], off
 
 
 class _Link:
@@ -51,8 +81,9 @@ class _Link:
         self.sock = sock
         self.expect = expect  # instance id the peer must announce (watch side)
         self.watched = watched
-        self.peer = ""  # known once the peer's hello arrived
+        self.peer = ""  # known once the peer's hello arrived (accepted links: and proven)
         self.peer_info = b""
+        self.nonce = b""  # the challenge: sent (accepted link) or received (watched link)
         self.buf = b""
         self.last_seen = time.monotonic()
         self.ready: asyncio.Future[None] = owner.loop.create_future()
@@ -60,6 +91,10 @@ class _Link:
         self.closed = False
         owner.loop.add_reader(sock.fileno(), self.on_readable)
         self.timer = owner.loop.call_later(owner.interval, self.on_tick)
+        if not watched:
+            self.nonce = peerauth.new_nonce()
+            me = owner.instance_id.encode()
+            self.send(_CHALLENGE + self.nonce + struct.pack("!H", len(me)) + me)
 
     def send(self, data: bytes) -> None:
         try:
@@ -75,37 +110,56 @@ class _Link:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            self.lost(f"liveness connection lost: {exc!r}")
+            self.lost(f"liveness connection lost: {exc!r}", by_peer=True)
             return
         if not data:
-            self.lost("liveness connection closed (peer exited or died)")
+            self.lost("liveness connection closed (peer exited or died)", by_peer=True)
             return
         self.last_seen = time.monotonic()
         if self.peer:
             return  # heartbeat bytes: only their arrival matters
         self.buf += data
-        if len(self.buf) < _HELLO_HEAD:
-            return
-        if self.buf[:4] != _MAGIC:
-            self.lost("not a pdgrpc liveness peer")
-            return
-        (n,) = struct.unpack("!H", self.buf[4:6])
-        if len(self.buf) < _HELLO_HEAD + n + 2:
-            return
-        (m,) = struct.unpack("!H", self.buf[_HELLO_HEAD + n : _HELLO_HEAD + n + 2])
-        if len(self.buf) < _HELLO_HEAD + n + 2 + m:
-            return
+        if self.watched and not self.nonce:
+            if len(self.buf) < _CHALLENGE_LEN + 2:
+                return
+            (n,) = struct.unpack_from("!H", self.buf, _CHALLENGE_LEN)
+            if self.buf[:4] != _CHALLENGE:
+                self.lost("not a pdgrpc liveness peer (no challenge)")
+                return
+            if len(self.buf) < _CHALLENGE_LEN + 2 + n:
+                return
+            nonce, who = self.buf[4:_CHALLENGE_LEN], self.buf[_CHALLENGE_LEN + 2 : _CHALLENGE_LEN + 2 + n]
+            self.buf = self.buf[_CHALLENGE_LEN + 2 + n :]
+            if who.decode(errors="replace") != self.expect:
+                self.peer = self.expect or ""
+                self.lost(f"liveness port belongs to instance {who.decode(errors='replace')}, not {self.expect} (restarted)")
+                return
+            self.nonce = nonce
+            assert self.expect is not None
+            self.send(_hello(self.owner.instance_id, self.owner.info, self.owner.prove(self.expect, self.nonce)))
         try:
-            peer = self.buf[_HELLO_HEAD : _HELLO_HEAD + n].decode()
-        except UnicodeDecodeError:
-            self.lost("liveness hello is not valid UTF-8")
+            parsed = _parse_hello(self.buf)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.lost(f"bad liveness hello: {exc}")
             return
-        self.peer_info = self.buf[_HELLO_HEAD + n + 2 : _HELLO_HEAD + n + 2 + m]
+        if parsed is None:
+            if len(self.buf) > _MAX_HELLO:
+                self.lost("liveness hello too long")
+            return
+        peer, info, proof, _used = parsed
         self.buf = b""
         if self.expect is not None and peer != self.expect:
             self.peer = self.expect
             self.lost(f"liveness port belongs to instance {peer}, not {self.expect} (restarted)")
             return
+        if not self.watched:
+            if not self.owner.verify(self.nonce, peer, proof):
+                log.warning("liveness: closing a link claiming to be %s: its proof of identity does not verify", peer)
+                self.close()  # proven nothing: reported to nobody
+                return
+            if self.owner.writers is not None:
+                self.owner.writers.opened(peer)
+        self.peer_info = info
         self.peer = peer
         if not self.watched:
             self.send(_hello(self.owner.instance_id, self.owner.info))
@@ -122,10 +176,13 @@ class _Link:
             self.send(_BEAT)
         self.timer = self.owner.loop.call_later(self.owner.interval, self.on_tick)
 
-    def close(self) -> None:
+    def close(self, *, by_peer: bool = False) -> None:
+        """Close the link; ``by_peer``: the peer ended it (EOF, reset)."""
         if self.closed:
             return
         self.closed = True
+        if not self.watched and self.peer and self.owner.writers is not None:
+            self.owner.writers.closed(self.peer, by_peer=by_peer)
         if self.timer is not None:
             self.timer.cancel()
         try:
@@ -139,16 +196,16 @@ class _Link:
         if self.watched and self.owner.watching.get(self.expect or "") is self:
             del self.owner.watching[self.expect or ""]
 
-    def lost(self, reason: str) -> None:
+    def lost(self, reason: str, *, by_peer: bool = False) -> None:
+        # An accepted link has a peer only once its proof verified: one that never
+        # proved anything is reported to nobody.
         peer = self.peer or (self.expect or "")
         was_closed = self.closed
-        self.close()
+        self.close(by_peer=by_peer)
         if was_closed or not peer or self.owner.closed:
             return
         if not self.watched and self.owner.live_link(peer) is not None:
-            # An accepted link only claims its id: its loss says nothing about a peer
-            # that is still up on another link (a forged hello, then a close, must not
-            # drop the real peer).
+            # The peer (proven) is still up on another link: a link it replaced.
             log.warning("liveness: a link claiming %s closed (%s); %s is still live on another link",
                         peer, reason, peer)
             return
@@ -161,16 +218,28 @@ class Liveness:
     ``await start()`` returns ``host:port`` for :attr:`Descriptor.liveness`;
     ``await watch(peer_id, address)`` returns once the peer answered with the expected
     id (or, if it cannot be reached or is another instance, after ``on_lost`` ran);
-    ``on_lost(peer_instance_id, reason)`` runs once per link, on the event loop.
+    ``on_lost(peer_instance_id, reason)`` runs once per proven link, on the event loop.
+
+    Identity (:mod:`pdgrpc.transport.peerauth`): ``key`` verifies the peers that link
+    here (default: a fresh one, known in this process); ``credential_for(peer_id)`` is
+    what this side proves when it watches ``peer_id`` (default: what this process knows);
+    ``writers`` (optional) counts the proven accepted links per peer.
     """
 
     def __init__(self, instance_id: str, on_lost: OnLost, *, info: bytes = b"", host: str = "127.0.0.1",
-                 interval: float = 0.25, lease: float = 1.5) -> None:
+                 interval: float = 0.25, lease: float = 1.5, key: bytes | None = None,
+                 credential_for: Callable[[str], bytes] | None = None,
+                 writers: peerauth.WriterTable | None = None) -> None:
         if not 0 < interval < lease:
             raise ConfigError(f"liveness: need 0 < interval ({interval}) < lease ({lease})")
         if len(info) > 0xFFFF:
             raise ConfigError(f"liveness: info of {len(info)} bytes does not fit the hello")
         self.instance_id = instance_id
+        self.key = key if key is not None else peerauth.new_key()
+        if key is None:
+            peerauth.remember_key(instance_id, self.key)
+        self.credential_for = credential_for or (lambda peer: peerauth.known_credential(peer, instance_id))
+        self.writers = writers
         self.info = info
         self.on_lost = on_lost
         self.host = host
@@ -182,6 +251,15 @@ class Liveness:
         self.watching: dict[str, _Link] = {}
         self.closed = False
         self._address = ""
+
+    def prove(self, peer_id: str, nonce: bytes) -> bytes:
+        """This side's answer to ``peer_id``'s challenge."""
+        cred = self.credential_for(peer_id)
+        return peerauth.proof(cred, CHANNEL, nonce, self.instance_id, peer_id) if cred else b""
+
+    def verify(self, nonce: bytes, peer_id: str, answer: bytes) -> bool:
+        """Whether an accepted link's hello proves ``peer_id``."""
+        return peerauth.verify(self.key, CHANNEL, nonce, peer_id, self.instance_id, answer)
 
     @property
     def address(self) -> str:
@@ -251,8 +329,7 @@ class Liveness:
             return None
         link = _Link(self, sock, peer_instance_id, watched=True)
         self.links.add(link)
-        self.watching[peer_instance_id] = link
-        link.send(_hello(self.instance_id, self.info))
+        self.watching[peer_instance_id] = link  # the hello goes out once the challenge came
         try:
             await asyncio.wait_for(asyncio.shield(link.ready), self.lease)
         except asyncio.TimeoutError:
@@ -265,6 +342,20 @@ class Liveness:
             if link.peer == peer_instance_id and not link.closed and link.ready.done():
                 return link
         return None
+
+    def proven_link(self, peer_instance_id: str, info: bytes) -> "_Link | None":
+        """A live accepted link on which ``peer_instance_id`` proved its identity and
+        announced ``info``, if any."""
+        for link in self.links:
+            if (not link.watched and link.peer == peer_instance_id and link.peer_info == info
+                    and not link.closed and link.ready.done()):
+                return link
+        return None
+
+    def challenge_of(self, peer_instance_id: str) -> bytes:
+        """The nonce ``peer_instance_id`` challenged our watching link with (b"" if none)."""
+        link = self.watching.get(peer_instance_id)
+        return link.nonce if link is not None else b""
 
     def peer_info(self, peer_instance_id: str) -> bytes | None:
         """``info`` announced by a live peer with that instance id (on any link)."""

@@ -33,8 +33,8 @@ from typing import Any, Sequence
 import torch
 
 from pdgrpc.errors import TransportError
-from pdgrpc.transport import registry
-from pdgrpc.transport.base import MemoryRegion, Peer, RoomGrant, Transport, WriteOp
+from pdgrpc.transport import peerauth, registry
+from pdgrpc.transport.base import Descriptor, MemoryRegion, Peer, RoomGrant, Transport, WriteOp
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 from pdgrpc.transport.memory import host_zeros
 
@@ -150,7 +150,8 @@ class _PeerServer:
         self.baseline = resource_counts()
         self.transport = registry.create(self.backend, **self.options)
         desc = await self.transport.register(self.regions)
-        self.conn.send(("ready", desc, self.transport.instance_id))
+        # The parent spawned this process: it may hand out this receiver's credentials.
+        self.conn.send(("ready", desc, self.transport.instance_id, self.transport.auth_key))
         tasks: set[asyncio.Task[None]] = set()
         loop.add_reader(self.conn.fileno(), self._on_command, tasks)
         # uvloop's add_reader makes the fd non-blocking; Connection.recv/send of a message
@@ -189,7 +190,9 @@ class _PeerServer:
         assert self.transport is not None
         return self.transport
 
-    async def cmd_connect(self, descriptor: bytes) -> str:
+    async def cmd_connect(self, descriptor: bytes, credential: bytes = b"") -> str:
+        if credential:
+            self.t.set_credential(Descriptor.from_bytes(descriptor).instance_id, credential)
         peer = await self.t.connect(descriptor)
         self.peers[peer.instance_id] = peer
         return peer.instance_id
@@ -371,6 +374,7 @@ class PeerProcess:
             while self._conn.poll():
                 msg = self._conn.recv()
                 if msg[0] == "ready":
+                    peerauth.remember_key(msg[2], msg[3])
                     if self._ready is not None and not self._ready.done():
                         self._ready.set_result((msg[1], msg[2]))
                 elif msg[0] == "error":
@@ -404,6 +408,11 @@ class PeerProcess:
         if self._dead or self._conn is None:
             raise PeerDied(f"peer process is not running (call {method})")
         assert self._loop is not None
+        if method == "connect" and len(args) == 1:
+            # A receiver this process spawned or holds: hand its credential along, as the
+            # control plane would (pdgrpc.transport.peerauth).
+            with contextlib.suppress(Exception):
+                args = (args[0], peerauth.known_credential(Descriptor.from_bytes(args[0]).instance_id, self.instance_id))
         call_id = next(self._ids)
         fut = self._loop.create_future()
         self._pending[call_id] = fut

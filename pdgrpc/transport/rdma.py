@@ -54,12 +54,13 @@ from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, Uc
 from pdgrpc.transport.base import (
     BadDescriptor, Descriptor, MemoryRegion, Peer, RegionInfo, Transport, WriteOp, WriteOps, check_source_ops,
 )
+from pdgrpc.transport import peerauth
 from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.rdma_recv import RdmaReceiver
 from pdgrpc.transport.rdma_wire import (
     COMMON, CTRL_BUF, CTRL_POSTED, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_CTRL, KIND_MASK,
     KIND_REPLY, MAX_OPS_PER_WRITE, MAX_ROW, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, ACK, WRITE,
-    WRITE_BODY, CLOSE_SEND_GRACE_S, ctrl_tag, data_tag, plan_chunk, Plan, RecvConn, RecvRoom, Region, SendConn, SendRoom,
+    WRITE_BODY, CLOSE_SEND_GRACE_S, HELLO_CHANNEL, ctrl_tag, data_tag, plan_chunk, Plan, RecvConn, RecvRoom, Region, SendConn, SendRoom,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
 
@@ -100,7 +101,8 @@ class RdmaTransport(RdmaReceiver, Transport):
             raise ConfigError(f"rdma: progress_spin_s must be >= 0, got {progress_spin_s}")
         self._worker = UcxWorker(spin_s=progress_spin_s)  # raises TransportUnavailable (with the install hint)
         self._liveness = Liveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
-                                  interval=liveness_interval, lease=liveness_lease)
+                                  interval=liveness_interval, lease=liveness_lease, key=self.auth_key,
+                                  credential_for=self.credential_for, writers=self.writers)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._regions: dict[int, Region] = {}
         # region id -> base address / size (-1: not registered), for vectorised lookups
@@ -118,6 +120,7 @@ class RdmaTransport(RdmaReceiver, Transport):
         # receiver side
         self._recv_conns: dict[int, RecvConn] = {}
         self._recv_rooms: dict[int, RecvRoom] = {}
+        self._draining: list[RecvConn] = []
         self._recv = Receiver(self.rooms)
         self._conn_ids = itertools.count(1)
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
@@ -236,6 +239,7 @@ class RdmaTransport(RdmaReceiver, Transport):
         # Liveness first: a dead peer's port refuses at once, before any UCX endpoint
         # is pointed at a worker that no longer exists, and the live peer tells us its
         # worker address, which must be the descriptor's.
+        cred = self.require_credential(d.instance_id)
         info = await self._liveness.watch(d.instance_id, d.liveness)
         lost = self._lost_while_connecting.get(d.instance_id)
         if info is None or lost is not None:
@@ -255,7 +259,11 @@ class RdmaTransport(RdmaReceiver, Transport):
         conn.hello = asyncio.get_running_loop().create_future()
         sid, tid = self.instance_id.encode(), d.instance_id.encode()
         addr = self._worker.address
-        msg = COMMON.pack(HELLO, conn.local_id, 0) + HELLO_BODY.pack(len(sid), len(tid), len(addr)) + sid + tid + addr
+        # Bound to the proven liveness link: the proof answers that link's challenge.
+        proof = peerauth.proof(cred, HELLO_CHANNEL,
+                               self._liveness.challenge_of(d.instance_id), self.instance_id, d.instance_id)
+        msg = (COMMON.pack(HELLO, conn.local_id, 0) + HELLO_BODY.pack(len(sid), len(tid), len(addr))
+               + sid + tid + addr + proof)
         ok = False
         try:
             self._send_ctrl(conn, msg, None, None)

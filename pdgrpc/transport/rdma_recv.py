@@ -29,7 +29,7 @@ import functools
 import itertools
 import logging
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -38,8 +38,9 @@ from pdgrpc.errors import TransportError, UnauthorizedWrite
 from pdgrpc.transport._ucx import FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, UcxError, UcxWorker
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.liveness import Liveness
+from pdgrpc.transport.peerauth import WriterTable
 from pdgrpc.transport.rdma_wire import (
-    ACK, COMMON, CONN_BITS, EARLY_MAX, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
+    ACK, COMMON, CONN_BITS, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
     KIND_SHIFT, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_BODY, RecvConn,
     RecvRoom, Region, ctrl_tag, data_tag,
 )
@@ -61,9 +62,13 @@ class RdmaReceiver:
     _recv: Receiver
     _recv_conns: dict[int, RecvConn]
     _recv_rooms: dict[int, RecvRoom]
+    _draining: list[RecvConn]  # dropped connections whose receives have not all completed
+    writers: WriterTable  # Transport's
     _conn_ids: "itertools.count[int]"
     _scratch: torch.Tensor
     _ptr_table: np.ndarray  # region id -> base address
+
+    verify_proof: Callable[[bytes, bytes, str, bytes], bool]  # Transport's
 
     def advertise(self, grant: RoomGrant) -> None:
         if self._closed:
@@ -134,10 +139,15 @@ class RdmaReceiver:
         sender_id = body[off : off + ns].decode()
         target = body[off + ns : off + ns + nt].decode()
         addr = body[off + ns + nt : off + ns + nt + na]
-        if self._liveness.peer_info(sender_id) != addr:
-            # Only a sender whose liveness link is up, announcing this same worker
+        proof = body[off + ns + nt + na :]
+        link = self._liveness.proven_link(sender_id, addr)
+        if link is None:
+            # Only a sender whose proven liveness link is up, announcing this same worker
             # address, gets an endpoint (and a reply); anything else is dropped.
-            log.warning("rdma: HELLO from %s ignored: no live liveness link announcing its worker address", sender_id)
+            log.warning("rdma: HELLO from %s ignored: no proven liveness link announcing its worker address", sender_id)
+            return
+        if not self.verify_proof(HELLO_CHANNEL, link.nonce, sender_id, proof):
+            log.warning("rdma: HELLO from %s ignored: its proof of identity does not verify", sender_id)
             return
         try:
             ep = self._worker.endpoint(addr)
@@ -270,3 +280,13 @@ class RdmaReceiver:
             self._worker.cancel(token)  # tag receives: UCX cancels these for real
         self._worker.drop_endpoint(conn.ep, force=peer_lost)
         conn.ep = None
+        self._draining = [c for c in self._draining if c.tokens] + ([conn] if conn.tokens else [])
+
+    def writer_gone(self, writer_id: str) -> bool:
+        """The writer proved itself on a liveness link, every such link ended from its side
+        (EOF: its process is gone), its UCX endpoints here were force-closed and every
+        receive posted for it completed or was cancelled: nothing of it can still land."""
+        if not self.writers.gone(writer_id) or any(c.sender_id == writer_id for c in self._recv_conns.values()):
+            return False
+        self._draining = [c for c in self._draining if c.tokens]
+        return not any(c.sender_id == writer_id for c in self._draining)

@@ -6,8 +6,9 @@ Protocol (all UCX tag messages; tags are ``kind:4 | conn:28 | seq:32``)
 (to a sender) carry small little-endian control messages, each starting with
 ``type u8 | pad 3 | conn u32 | seq u64``:
 
-* ``HELLO`` (sender -> receiver): the sender's local connection id, instance ids, and
-  its own worker address (for replies). ``HELLO_OK`` assigns the receiver-side
+* ``HELLO`` (sender -> receiver): the sender's local connection id, instance ids, its
+  own worker address (for replies), and a proof of the receiver-issued credential
+  answering the challenge of the sender's liveness link (:mod:`.peerauth`). ``HELLO_OK`` assigns the receiver-side
   connection id that the sender then puts in every tag; ``HELLO_REFUSED`` says why not.
 * ``WRITE``: room, the sequence number of its first data message, how many ops each
   data message carries, then the op table (``region u16 | pad 6 | offset u64 |
@@ -42,7 +43,8 @@ HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = (
     MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
     MessageType.ACK, MessageType.NACK)
 COMMON = struct.Struct("<B3xIQ")  # type, conn, seq
-HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address)
+HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address); then those, then the proof
+HELLO_CHANNEL = b"rdma-hello"  # the peerauth channel name of a HELLO's proof
 HELLO_OK_BODY = struct.Struct("<IH2x")  # assigned conn id, len(receiver id)
 WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
 # then n messages x u32 (ops in each data message), then the op table:

@@ -47,6 +47,7 @@ class MessageType(enum.IntEnum):
     ACK = 6  # receiver -> sender: the metadata row landed
     NACK = 7  # receiver -> sender: the room failed there (a refusal code, then the reason)
     PING = 8  # either way: still alive (tcp heartbeat)
+    CHALLENGE = 9  # receiver -> sender, first on a connection: the nonce its HELLO must answer
 
 
 class Refusal(enum.IntEnum):

@@ -28,8 +28,12 @@ landed; then the room is ``SUCCESS`` and the sender gets an ``ACK``.
 
 Liveness: a peer that exits or is killed closes its sockets (the kernel does it), which
 the other side sees at once as EOF/reset; every non-terminal room involving that peer
-fails. Each connection starts with a ``HELLO`` naming both instance ids, so a restarted
-peer listening on the same port is never mistaken for the old one.
+fails. Each connection starts with the receiver's ``CHALLENGE`` (a fresh nonce) and the
+sender's ``HELLO`` naming both instance ids and answering the nonce with a proof of the
+credential the receiver issued to it (:mod:`pdgrpc.transport.peerauth`), so a restarted
+peer listening on the same port is never mistaken for the old one, and a connection
+that merely claims an instance id (ids are public) is refused and closed before it can
+send a byte of data or affect anyone's rooms.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ from pdgrpc.transport.base import (
     WriteOps,
     check_source_ops,
 )
+from pdgrpc.transport import peerauth
 from pdgrpc.transport.receiver import Receiver, Refusal
-from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, tend
+from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, on_hello, tend
 from pdgrpc.transport.tcp_conn import (
-    ACK, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
+    ACK, CHALLENGE, HEADER, HELLO, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
     _Conn, _frame_buffers, _merge_adjacent, byte_view, frame_chunks,
 )
 
@@ -91,7 +96,8 @@ class TcpTransport(Transport):
     ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
     ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default), and the
     bounds of :class:`~pdgrpc.transport.tcp_limits.TcpLimits`: ``hello_timeout``,
-    ``max_connections``, ``max_connections_per_address``, ``heartbeat_interval`` and
+    ``max_connections``, ``max_connections_per_address`` (before the proof),
+    ``max_connections_per_peer`` (proven), ``heartbeat_interval`` and
     ``heartbeat_lease`` (a peer that sends nothing, not even its heartbeat, for the lease
     is lost: a hung process fails its rooms within it)."""
 
@@ -108,6 +114,7 @@ class TcpTransport(Transport):
         hello_timeout: float = TcpLimits.hello_timeout,
         max_connections: int = TcpLimits.max_connections,
         max_connections_per_address: int = TcpLimits.max_connections_per_address,
+        max_connections_per_peer: int = TcpLimits.max_connections_per_peer,
         heartbeat_interval: float = TcpLimits.heartbeat_interval,
         heartbeat_lease: float = TcpLimits.heartbeat_lease,
         **unknown: Any,
@@ -117,7 +124,7 @@ class TcpTransport(Transport):
         if connections < 1:
             raise ConfigError(f"{self.name} transport: connections must be >= 1, got {connections}")
         self._limits = TcpLimits(hello_timeout, max_connections, max_connections_per_address,
-                                 heartbeat_interval, heartbeat_lease)
+                                 heartbeat_interval, heartbeat_lease, max_connections_per_peer)
         super().__init__()
         self._gate = AcceptGate(self._limits)
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -244,7 +251,10 @@ class TcpTransport(Transport):
                 self._gate.release(address)
                 sock.close()  # the peer sees the connection drop and fails its own rooms
                 continue
-            self._incoming.add(_Conn(self, sock, None, remote=address))
+            conn = _Conn(self, sock, None, remote=address)
+            self._incoming.add(conn)
+            conn.nonce = peerauth.new_nonce()
+            conn.send([HEADER.pack(CHALLENGE, 0, 0, len(conn.nonce), 0), conn.nonce])
 
     def _resume_accept(self, listener: socket.socket) -> None:
         if self._listener is listener and not self._closed:
@@ -316,8 +326,10 @@ class TcpTransport(Transport):
             sock.close()
             raise PeerFailure(f"cannot connect to {self.name} peer {d.instance_id} at {where}: {exc!r}") from None
         conn = _Conn(self, sock, None)
-        conn.send_control(HELLO, 0, f"{self.instance_id} {d.instance_id}")
         try:
+            nonce = await asyncio.wait_for(asyncio.shield(conn.challenge), self._connect_timeout)
+            answer = peerauth.proof(self.require_credential(d.instance_id), b"tcp", nonce, self.instance_id, d.instance_id)
+            conn.send_control(HELLO, 0, f"{self.instance_id} {d.instance_id} {answer.hex()}")
             await asyncio.wait_for(asyncio.shield(conn.hello), self._connect_timeout)
         except asyncio.TimeoutError:
             conn.close()
@@ -332,13 +344,7 @@ class TcpTransport(Transport):
         self._recv.advertise(grant)
 
     def _on_hello(self, conn: _Conn, text: str) -> None:
-        sender, _, expected = text.partition(" ")
-        if expected != self.instance_id or not sender:
-            conn.send_control(HELLO_REFUSED, 0, f"this is instance {self.instance_id}, not {expected!r}")
-            self._loop.call_soon(conn.close)
-            return
-        conn.peer_id = sender
-        conn.send([HEADER.pack(HELLO_OK, 0, 0, 0, 0)])
+        on_hello(self, conn, text)
 
     def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
         ops = np.frombuffer(table, dtype=OP_DTYPE)
@@ -435,11 +441,13 @@ class TcpTransport(Transport):
     def _on_conn_lost(self, conn: _Conn, reason: str) -> None:
         peer = conn.peer_id
         if conn.remote is not None:
-            # An accepted connection proves nothing about who is behind it: its loss
-            # fails only the rooms written through it, never every room of the peer id
-            # it claimed (the real peer may be fine on its own connections).
-            self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}",
-                                [r for r in conn.rooms if self._recv.get(r) is not None])
+            # Only a proven connection has rooms or a peer (peer_id is set after the
+            # proof). Its loss fails the rooms written through it; once the writer has no
+            # proven connection left and ended them itself, it is gone: all its rooms fail.
+            rooms = [r for r in conn.rooms if self._recv.get(r) is not None]
+            if peer is not None and self.writers.gone(peer):
+                rooms += self._recv.rooms_of(peer)
+            self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}", rooms)
             return
         if peer is not None:  # our own connection to a peer we handshaked with
             self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")

@@ -30,9 +30,9 @@ OP = struct.Struct("<H6xQQ")
 PING_FRAME = HEADER.pack(MessageType.PING, 0, 0, 0, 0)
 OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
                      "offsets": [0, 8, 16], "itemsize": 24})  # same layout as OP
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK, PING = (
+HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK, PING, CHALLENGE = (
     MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
-    MessageType.ACK, MessageType.NACK, MessageType.PING)
+    MessageType.ACK, MessageType.NACK, MessageType.PING, MessageType.CHALLENGE)
 MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
 MAX_FRAME_PAYLOAD = 256 << 20  # bytes of payload in one frame; a frame announcing more is a protocol error
 _IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
@@ -139,12 +139,14 @@ class _Conn:
         self.sock = sock
         self.fd = sock.fileno()
         self.loop = owner._loop
-        self.peer_id = peer_id
+        self.peer_id = peer_id  # accepted: set only once the HELLO's proof verified
+        self.nonce = b""  # accepted: the challenge sent to the peer
         self.closed = False
         self.rooms: set[int] = set()  # rooms written through this (accepted) connection
         self.remote = remote  # the remote address of an accepted connection; None for our own
         self.opened = self.last_recv = self.last_sent = time.monotonic()
         self.hello: asyncio.Future[str] = self.loop.create_future()
+        self.challenge: asyncio.Future[bytes] = self.loop.create_future()  # our own: the peer's nonce
         # Outgoing frames: (buffers, cumulative sizes), or a callable that builds them
         # only when the socket can take the frame -- a scattered transfer is ~100k page
         # slices, and holding them all as live memoryviews makes the garbage
@@ -215,10 +217,10 @@ class _Conn:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self.lose(f"connection error: {exc!r}")
+                self.lose(f"connection error: {exc!r}", by_peer=True)
                 return
             if n == 0:
-                self.lose("connection closed by peer")
+                self.lose("connection closed by peer", by_peer=True)
                 return
             self.last_recv = time.monotonic()
             self._pos += n
@@ -241,7 +243,7 @@ class _Conn:
             self._expect(
                 [memoryview(table)], lambda: self.owner._on_data_frame(self, ftype, room, table, payload_len, aux)
             )
-        elif ftype in (HELLO, HELLO_REFUSED, NACK):
+        elif ftype in (HELLO, HELLO_REFUSED, NACK, CHALLENGE):
             if payload_len > MAX_CONTROL_BYTES:
                 return self.protocol_error(f"control frame of {payload_len} bytes (limit {MAX_CONTROL_BYTES})")
             body = bytearray(payload_len)
@@ -259,12 +261,19 @@ class _Conn:
             self.protocol_error(f"unknown frame type {ftype}")
 
     def _got_control(self, ftype: int, room: int, body: bytes, aux: int = 0) -> None:
+        if ftype == CHALLENGE:
+            if self.remote is not None or self.challenge.done():
+                return self.protocol_error("unexpected CHALLENGE")
+            self.challenge.set_result(body)
+            return self._expect_header()
         text = body.decode("utf-8", "replace")
         if ftype == HELLO:
             self.owner._on_hello(self, text)
         elif ftype == HELLO_REFUSED:
-            if not self.hello.done():
-                self.hello.set_exception(PeerFailure(f"peer refused the connection: {text}"))
+            for fut in (self.hello, self.challenge):
+                if not fut.done():
+                    fut.set_exception(PeerFailure(f"peer refused the connection: {text}"))
+                    fut.exception()  # whoever awaits it still gets it
             return self.lose(f"peer refused the connection: {text}")
         elif ftype == NACK:
             self.owner._on_nack(self, room, text, Refusal.from_code(aux))
@@ -314,7 +323,7 @@ class _Conn:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                self.lose(f"send failed: {exc!r}")
+                self.lose(f"send failed: {exc!r}", by_peer=True)
                 return
             self.last_sent = time.monotonic()
             pos += n
@@ -339,32 +348,37 @@ class _Conn:
         """Frames are queued (the heartbeat waits: they count as life once they go)."""
         return bool(self._frames)
 
-    def close(self) -> None:
+    def close(self, *, by_peer: bool = False) -> None:
+        """Close the socket; ``by_peer``: the peer ended the connection (EOF, reset), so
+        for a proven writer nothing more of it can arrive (peerauth.WriterTable)."""
         if self.closed:
             return
         self.closed = True
         if self.remote is not None:
-            self.owner._gate.release(self.remote)
+            self.owner._gate.release(self.remote, self.peer_id)
             self.owner._incoming.discard(self)
+            if self.peer_id is not None:
+                self.owner.writers.closed(self.peer_id, by_peer=by_peer)
         self.loop.remove_reader(self.fd)
         if self._writing:
             self.loop.remove_writer(self.fd)
         self._frames.clear()
         self._iovs = []
         self.sock.close()
-        if not self.hello.done():
-            self.hello.set_exception(PeerFailure("connection closed during handshake"))
-            self.hello.exception()  # mark retrieved: nobody may be waiting any more
+        for fut in (self.hello, self.challenge):
+            if not fut.done():
+                fut.set_exception(PeerFailure("connection closed during handshake"))
+                fut.exception()  # mark retrieved: nobody may be waiting any more
 
     def protocol_error(self, reason: str) -> None:
         """The peer broke the wire format: log it (naming the limit or rule) and close."""
         log.warning("tcp: closing a connection from %s: %s", self.peer_id or "a peer before HELLO", reason)
         self.lose(f"protocol error: {reason}")
 
-    def lose(self, reason: str) -> None:
+    def lose(self, reason: str, *, by_peer: bool = False) -> None:
         if self.closed:
             return
-        self.close()
+        self.close(by_peer=by_peer)
         self.owner._on_conn_lost(self, reason)
 
 

@@ -1,6 +1,8 @@
 """What bounds the ``tcp`` backend's connections: caps on accepted connections (per
-listener and per remote address), the HELLO deadline, the heartbeat, and the back-off
-when the process runs out of file descriptors. Each refusal is logged naming its limit."""
+listener; per remote address until the HELLO's proof, then per proven peer instance, so
+many workers behind one host each get their own share), the HELLO deadline and its proof
+of identity, the heartbeat, and the back-off when the process runs out of file
+descriptors. Each refusal is logged naming its limit."""
 
 from __future__ import annotations
 
@@ -9,9 +11,13 @@ import dataclasses
 import errno
 import logging
 import math
+from typing import TYPE_CHECKING
 
 from pdgrpc.errors import ConfigError
-from pdgrpc.transport.tcp_conn import PING_FRAME, _Conn
+from pdgrpc.transport.tcp_conn import HEADER, HELLO_OK, HELLO_REFUSED, PING_FRAME, _Conn
+
+if TYPE_CHECKING:
+    from pdgrpc.transport.tcp import TcpTransport
 
 log = logging.getLogger("pdgrpc.transport.tcp")
 
@@ -27,16 +33,17 @@ class TcpLimits:
 
     hello_timeout: float = 5.0  # an accepted connection must say HELLO within this
     max_connections: int = 1024  # accepted connections per listener
-    max_connections_per_address: int = 256  # accepted connections per remote address
+    max_connections_per_address: int = 256  # accepted connections per remote address, not yet proven
     heartbeat_interval: float = 0.5  # a connection that sent nothing this long sends a PING
     heartbeat_lease: float = 5.0  # a connection that received nothing this long is lost
+    max_connections_per_peer: int = 64  # proven connections per peer instance (its identity)
 
     def __post_init__(self) -> None:
         for name in ("hello_timeout", "heartbeat_interval", "heartbeat_lease"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"tcp transport: {name} must be a number of seconds > 0, got {v!r}")
-        for name in ("max_connections", "max_connections_per_address"):
+        for name in ("max_connections", "max_connections_per_address", "max_connections_per_peer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"tcp transport: {name} must be an int >= 1, got {v!r}")
@@ -46,13 +53,15 @@ class TcpLimits:
 
 
 class AcceptGate:
-    """Counts accepted connections per remote address, says whether one more may stay,
-    and paces accept() while the process is out of descriptors."""
+    """Counts accepted connections (per remote address until proven, then per proven
+    peer), says whether one more may stay, and paces accept() while the process is out
+    of descriptors."""
 
     def __init__(self, limits: TcpLimits) -> None:
         self.limits = limits
         self.total = 0
         self.per_address: collections.Counter[str] = collections.Counter()
+        self.per_peer: collections.Counter[str] = collections.Counter()
         self.backoff = 0.0
 
     def admit(self, address: str) -> str | None:
@@ -69,11 +78,29 @@ class AcceptGate:
         self.backoff = 0.0
         return None
 
-    def release(self, address: str) -> None:
+    def prove(self, address: str, peer: str) -> str | None:
+        """A connection from ``address`` proved it is ``peer``: it moves from the address's
+        count to the peer's. The refusal (naming the limit) if the peer has too many."""
+        lim = self.limits
+        if self.per_peer[peer] >= lim.max_connections_per_peer:
+            return f"{self.per_peer[peer]} connections of {peer} (max_connections_per_peer {lim.max_connections_per_peer})"
+        self._drop(self.per_address, address)
+        self.per_peer[peer] += 1
+        return None
+
+    def release(self, address: str, peer: str | None = None) -> None:
+        """A connection closed: ``peer`` once it proved who it is, else its ``address``."""
         self.total -= 1
-        self.per_address[address] -= 1
-        if self.per_address[address] <= 0:
-            del self.per_address[address]
+        if peer is None:
+            self._drop(self.per_address, address)
+        else:
+            self._drop(self.per_peer, peer)
+
+    @staticmethod
+    def _drop(counter: "collections.Counter[str]", key: str) -> None:
+        counter[key] -= 1
+        if counter[key] <= 0:
+            del counter[key]
 
     def next_backoff(self) -> float:
         """Seconds to stop accepting after a resource error (doubling, capped)."""
@@ -92,3 +119,37 @@ def tend(c: _Conn, lim: TcpLimits, now: float) -> None:
         c.lose(f"no heartbeat for {lim.heartbeat_lease:g} s (heartbeat_lease)")
     elif c.peer_id is not None and now - c.last_sent >= lim.heartbeat_interval and not c.sending:
         c.send([PING_FRAME])
+
+
+def on_hello(owner: "TcpTransport", conn: _Conn, text: str) -> None:
+    """An accepted connection's HELLO (``"<sender id> <this id> <proof hex>"``): the
+    connection takes the sender's identity only if the proof answers its CHALLENGE with
+    the credential this receiver issued to that sender (:mod:`pdgrpc.transport.peerauth`)
+    and the sender is under ``max_connections_per_peer``. Otherwise HELLO_REFUSED (naming
+    why) and close: nothing else changes."""
+    if conn.remote is None or conn.peer_id is not None:
+        return conn.protocol_error("unexpected HELLO")
+    sender, expected, answer = (text.split(" ") + ["", ""])[:3]
+    if expected != owner.instance_id or not sender:
+        return _refuse(conn, f"this is instance {owner.instance_id}, not {expected!r}")
+    try:
+        proof = bytes.fromhex(answer)
+    except ValueError:
+        proof = b""
+    if not owner.verify_proof(b"tcp", conn.nonce, sender, proof):
+        log.warning("tcp: refusing a connection from %s claiming to be %s: its proof of identity does not verify",
+                    conn.remote or "a local peer", sender)
+        return _refuse(conn, f"the proof of identity for {sender!r} does not verify (no credential from "
+                             "this receiver's control plane)")
+    refusal = owner._gate.prove(conn.remote or "", sender)
+    if refusal is not None:
+        log.warning("tcp: refusing a connection from %s: %s", sender, refusal)
+        return _refuse(conn, refusal)
+    conn.peer_id = sender
+    owner.writers.opened(sender)
+    conn.send([HEADER.pack(HELLO_OK, 0, 0, 0, 0)])
+
+
+def _refuse(conn: _Conn, reason: str) -> None:
+    conn.send_control(HELLO_REFUSED, 0, reason)
+    conn.loop.call_soon(conn.close)

@@ -35,6 +35,7 @@ class HandshakeRequest(_message.Message):
     DECODE_TP_SIZE_FIELD_NUMBER: _builtins.int
     WANTS_METADATA_FIELD_NUMBER: _builtins.int
     ROOM_PROOF_FIELD_NUMBER: _builtins.int
+    TRANSPORT_CREDENTIAL_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The request's bootstrap room (never 0)."""
     dst_slot: _builtins.int
@@ -58,6 +59,14 @@ class HandshakeRequest(_message.Message):
     whose Prefill for the room carries a secret refuses a handshake without a valid proof
     (PERMISSION_DENIED) and never lets one displace the real handshake.
     """
+    transport_credential: _builtins.bytes
+    """HMAC-SHA256 (32 bytes) the decode rank's transport issued to this prefill worker's
+    transport instance (the instance id in the worker's registered transport endpoint;
+    pdgrpc.transport.peerauth). The worker proves it, answering a fresh nonce, on every
+    data-plane connection to the decode (tcp HELLO, rdma liveness link and HELLO); the
+    decode refuses connections without that proof. Never sent anywhere but here (it
+    names this worker: useless to any other). Empty from an old decode.
+    """
     @_builtins.property
     def dst_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Decode page indices for the prompt's KV, in token order (page i holds tokens
@@ -77,10 +86,11 @@ class HandshakeRequest(_message.Message):
         decode_tp_size: _builtins.int = ...,
         wants_metadata: _builtins.bool = ...,
         room_proof: _builtins.bytes = ...,
+        transport_credential: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "room_proof", b"room_proof", "transport", b"transport", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "room_proof", b"room_proof", "transport", b"transport", "transport_credential", b"transport_credential", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,6 +43,7 @@ from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout, row_from_token
 from pdgrpc.state.metadata import MetadataBuffers
+from pdgrpc.transport.descriptor import Descriptor
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomStatus
@@ -119,6 +120,9 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
         mode = self.owner.mode
         if mode == "hang":
             await asyncio.Event().wait()  # until the decode gives up and cancels the call
+        if request.transport_credential:  # as a real prefill worker does (pdgrpc.transport.peerauth)
+            self.transport.set_credential(Descriptor.from_bytes(request.transport_descriptor).instance_id,
+                                          request.transport_credential)
         peer = await self.transport.connect(request.transport_descriptor)
         if mode != "hold" and self.transport.moves_bytes:
             # Its own send row, chosen now: rooms computed at once must not share one.

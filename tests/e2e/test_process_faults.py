@@ -122,12 +122,6 @@ async def _kill_once(cluster: Cluster, router: generate_pb2_grpc.GenerateService
     return _KILLED[id(cluster)]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "gap: both transports see the dead writer within ms (tcp: 'connection closed by peer', "
-    "rdma: 'liveness connection closed') and fail the room, but the decode still quarantines "
-    "its slot and pages until bootstrap shows the replacement worker (or --abort-lease): "
-    "the transports have no 'this writer can no longer write' signal for the decode to use"
-))
 async def test_prefill_worker_sigkill_mid_transfer_frees_the_decode_within_2s(cluster):
     async with grpc.aio.insecure_channel(cluster.router_address) as ch:
         router = generate_pb2_grpc.GenerateServiceStub(ch)

@@ -24,7 +24,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.serving import compat_hash_bytes, metadata_layout
 from pdgrpc.state.metadata import MetadataBuffers, MetadataRow
 from pdgrpc.transport import registry
-from pdgrpc.transport.base import RoomGrant, RoomStatus, Transport
+from pdgrpc.transport.base import BadDescriptor, Descriptor, RoomGrant, RoomStatus, Transport
 from pdgrpc.transport.base import MemoryRegion, RegionKind
 from pdgrpc.transport.pages import kv_regions, metadata_region
 from pdgrpc.serving.room_proof import abort_proof, handshake_proof
@@ -44,6 +44,29 @@ def room_secret(room: int) -> bytes:
 def abort_request(room: int, reason: str) -> hpb.AbortRoomRequest:
     """An ``AbortRoom`` for ``room`` with the chosen decode's proof."""
     return hpb.AbortRoomRequest(bootstrap_room=room, reason=reason, room_proof=abort_proof(room_secret(room), room))
+
+
+# Bootstrap addresses of the prefills this test process started (tests.prefill.procs
+# adds them): where a fake decode looks up a worker's transport instance id.
+KNOWN_BOOTSTRAPS: list[str] = []
+
+
+class _CredentialingStub:
+    """A ``HandshakeService`` stub that, like decode, puts the data-plane credential for
+    the worker it calls into each ``Handshake`` that carries none."""
+
+    def __init__(self, owner: "FakeDecode", address: str) -> None:
+        self._owner = owner
+        self._stub = hpb_grpc.HandshakeServiceStub(owner.channel(address))
+        self._address = address
+        self.AbortRoom = self._stub.AbortRoom
+
+    async def Handshake(self, request: hpb.HandshakeRequest, **kwargs: object) -> hpb.HandshakeResponse:  # noqa: N802
+        if not request.transport_credential and self._owner.transport.moves_bytes:
+            writer = await self._owner.writer_id(self._address)
+            if writer:
+                request.transport_credential = self._owner.transport.issue_credential(writer)
+        return await self._stub.Handshake(request, **kwargs)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass
@@ -92,8 +115,23 @@ class FakeDecode:
             self._channels[address] = grpc.aio.insecure_channel(address)
         return self._channels[address]
 
-    def stub(self, address: str) -> hpb_grpc.HandshakeServiceStub:
-        return hpb_grpc.HandshakeServiceStub(self.channel(address))
+    def stub(self, address: str) -> "_CredentialingStub":
+        return _CredentialingStub(self, address)
+
+    async def writer_id(self, address: str) -> str:
+        """The transport instance id of the prefill worker at ``address``, from the
+        bootstraps of the prefills this test process started (as decode learns it)."""
+        for bootstrap in reversed(KNOWN_BOOTSTRAPS):
+            try:
+                stub = self.bootstrap_stub(bootstrap)
+                info = await stub.GetParallelInfo(bpb.GetParallelInfoRequest(), timeout=5)
+                for rank in range(max(1, info.parallel_info.dp_size)):
+                    for w in (await stub.GetWorkers(bpb.GetWorkersRequest(dp_rank=rank), timeout=5)).workers:
+                        if w.transfer_address == address:
+                            return Descriptor.from_bytes(w.transport_endpoint).instance_id
+            except (grpc.RpcError, BadDescriptor):
+                continue
+        return ""
 
     # -- a room's life on the decode side ---------------------------------------------------
 

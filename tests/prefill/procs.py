@@ -95,6 +95,9 @@ class PrefillProc(Proc):
             raise
         self.address: str = info["address"]
         self.bootstrap: str = info["bootstrap"]
+        from tests.prefill.fake_decode import KNOWN_BOOTSTRAPS
+
+        KNOWN_BOOTSTRAPS.append(self.bootstrap)
         self.worker_addresses: list[str] = info["workers"]
         self.worker_pids: list[int] = info["worker_pids"]
 

@@ -363,16 +363,17 @@ async def test_a_burst_larger_than_the_pool_waits_for_pages_instead_of_failing(r
 
 
 @pytest.mark.parametrize(
-    "pages, needle",
+    "override, needle",
     [
         # Audit: 20 M-page handshakes grew a worker by 535 MiB and blocked its loop.
-        ([0] * 2_000_000, "dst_pages: 2000000 pages, over the limit of 16 per handshake"),
-        ([3, 5, 3], "dst_pages: page 3 appears more than once"),
+        ({"dst_pages": [0] * 2_000_000}, "dst_pages: 2000000 pages, over the limit of 16 per handshake"),
+        ({"dst_pages": [3, 5, 3]}, "dst_pages: page 3 appears more than once"),
+        ({"transport_credential": b"short"}, "transport_credential: 5 bytes (want 32 or none)"),
     ],
-    ids=["too-many-pages", "duplicate-page"],
+    ids=["too-many-pages", "duplicate-page", "bad-credential"],
 )
 async def test_refused_handshake_is_not_stored_and_names_the_limit(
-    rr: PrefillProc, decode: FakeDecode, pages: list[int], needle: str
+    rr: PrefillProc, decode: FakeDecode, override: dict, needle: str
 ) -> None:
     """A refused early handshake is not kept: the real decode's handshake for the same room
     is still accepted afterwards (audit: refused handshakes were stored, and their junk
@@ -382,7 +383,7 @@ async def test_refused_handshake_is_not_stored_and_names_the_limit(
     r = decode.allocate(room, len(ids))
     (w,) = await decode.workers(rr.bootstrap, 1)
     with pytest.raises(grpc.aio.AioRpcError) as ei:
-        await decode.handshake(w.transfer_address, r, dst_pages=pages)
+        await decode.handshake(w.transfer_address, r, **override)
     assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.details(), ei.value.details()
     await decode.handshake(w.transfer_address, r)  # the real one: accepted
     ch, stub = await prefill_stub(rr)

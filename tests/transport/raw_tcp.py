@@ -1,11 +1,13 @@
 """A raw tcp-transport client for tests: speaks the wire format by hand, so a test can
-send what no well-behaved sender would (malformed frames, claimed identities)."""
+send what no well-behaved sender would (malformed frames, claimed identities, wrong
+proofs of identity)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
+from pdgrpc.transport import peerauth
 from pdgrpc.transport.descriptor import Descriptor
 from pdgrpc.transport.receiver import MessageType
 from pdgrpc.transport.tcp_conn import HEADER, OP
@@ -19,13 +21,28 @@ class RawClient:
         host, _, port = d.endpoint.decode().rpartition(":")
         self.target = d.instance_id
         self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.nonce: bytes | None = None  # the receiver's CHALLENGE, once read
+
+    async def challenge(self) -> bytes:
+        """The nonce of the receiver's CHALLENGE (the first frame on every connection)."""
+        if self.nonce is None:
+            ftype, _n, _room, payload_len, _aux = HEADER.unpack(await self.recv_exactly(HEADER.size))
+            assert ftype == MessageType.CHALLENGE, ftype
+            self.nonce = await self.recv_exactly(payload_len)
+        return self.nonce
 
     async def send(self, data: bytes) -> None:
         await asyncio.to_thread(self.sock.sendall, data)
 
-    async def hello(self, claimed_id: str = "raw-client") -> int:
-        """HELLO claiming ``claimed_id``; returns the answer's frame type."""
-        body = f"{claimed_id} {self.target}".encode()
+    async def hello(self, claimed_id: str = "raw-client", credential: bytes | None = None, nonce: bytes | None = None) -> int:
+        """HELLO claiming ``claimed_id``, answering the challenge (or ``nonce``, to replay
+        an old one) with ``credential`` (default: the one the receiver would issue, known
+        when it lives in this process; ``b""``: no credential); returns the answer's
+        frame type."""
+        got = await self.challenge()
+        cred = peerauth.known_credential(self.target, claimed_id) if credential is None else credential
+        answer = peerauth.proof(cred, b"tcp", got if nonce is None else nonce, claimed_id, self.target) if cred else b""
+        body = f"{claimed_id} {self.target} {answer.hex()}".encode()
         await self.send(HEADER.pack(MessageType.HELLO, 0, 0, len(body), 0) + body)
         head = await self.recv_exactly(HEADER.size)
         ftype, _n, _room, payload_len, _aux = HEADER.unpack(head)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from pdgrpc.errors import ConfigError
+from pdgrpc.transport import peerauth
 from pdgrpc.transport.liveness import Liveness
 
 CHILD = """
@@ -20,7 +21,7 @@ import asyncio, sys
 from pdgrpc.transport.liveness import Liveness
 async def main():
     live = Liveness(sys.argv[1], lambda peer, why: None, interval=0.1, lease=0.6)
-    print(await live.start(), flush=True)
+    print(await live.start(), live.key.hex(), flush=True)
     await asyncio.sleep(3600)
 asyncio.run(main())
 """
@@ -28,11 +29,14 @@ asyncio.run(main())
 
 class _Child:
     def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, instance_id], stdout=subprocess.PIPE, text=True)
 
     async def address(self) -> str:
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 60)
-        return line.strip()
+        address, key = line.split()
+        peerauth.remember_key(self.instance_id, bytes.fromhex(key))  # as the control plane would tell us
+        return address
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -105,6 +109,20 @@ async def test_close_leaves_no_tasks() -> None:
     await other.close()
     await asyncio.sleep(0.01)
     assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+
+async def test_a_link_without_the_credential_is_closed_and_reported_to_nobody() -> None:
+    lost_b: list[tuple[str, str]] = []
+    b = Liveness("B", lambda p, why: lost_b.append((p, why)), interval=0.05, lease=0.3)
+    forger = Liveness("A", lambda p, why: None, interval=0.05, lease=0.3,
+                      credential_for=lambda peer: peerauth.credential(b"\x00" * 32, "A", peer))  # a wrong key's
+    try:
+        assert await forger.watch("B", await b.start()) is None  # B closed the link
+        await asyncio.sleep(0.6)  # two leases: nothing reported, for a link that proved nothing
+        assert lost_b == [] and b.proven_link("A", b"") is None
+    finally:
+        await forger.close()
+        await b.close()
 
 
 def test_lease_must_exceed_interval() -> None:

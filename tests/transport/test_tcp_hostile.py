@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.transport import registry
+from pdgrpc.transport import peerauth, registry
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout
@@ -92,9 +92,22 @@ async def test_a_frame_announcing_more_than_the_cap_is_refused_without_reading_i
         assert await asyncio.wait_for(asyncio.sleep(0), 1) is None  # the loop is free
 
 
-async def test_a_connection_claiming_the_real_peers_id_cannot_fail_it() -> None:
-    # The audit: claim the prefill's instance id (public through GetWorkers) in HELLO,
-    # then disconnect. The receiver must not take that for the real peer's death.
+IMPOSTERS = {
+    # claims the id (public through GetWorkers), has no credential (the audit's HELLO)
+    "no proof": lambda c, me: c.hello(claimed_id=me, credential=b""),
+    # a credential this receiver issued, but to another writer
+    "another writer's credential": lambda c, me: c.hello(
+        claimed_id=me, credential=peerauth.known_credential(c.target, "someone-else")),
+    # the real credential, answering an old nonce (a replayed HELLO)
+    "replayed proof": lambda c, me: c.hello(claimed_id=me, nonce=b"\x01" * 16),
+}
+
+
+@pytest.mark.parametrize("how", sorted(IMPOSTERS))
+async def test_a_connection_claiming_the_real_peers_id_is_refused_and_changes_nothing(how: str) -> None:
+    # The audit: claim the prefill's instance id in HELLO, then disconnect. Without the
+    # credential the receiver issued to that peer (over the control plane) the HELLO is
+    # refused, the connection closed, and the real peer's room goes on.
     async with Pair() as p:
         room = 77
         p.recv.advertise(RoomGrant.of(room, [2, 3], slot=1))
@@ -104,14 +117,46 @@ async def test_a_connection_claiming_the_real_peers_id_cannot_fail_it() -> None:
             await asyncio.sleep(0.001)
         for _ in range(3):
             imposter = RawClient(p.descriptor)
-            assert await imposter.hello(claimed_id=p.send.instance_id) == MessageType.HELLO_OK
-            imposter.close()
+            try:
+                assert await IMPOSTERS[how](imposter, p.send.instance_id) == MessageType.HELLO_REFUSED
+                assert await imposter.closed_by_peer()
+            finally:
+                imposter.close()
         await eventually_async(lambda: len(p.recv._incoming) == 1, what="the receiver saw the imposters go")
         assert p.recv.poll(room) is KVPoll.TRANSFERRING
+        assert not p.recv.writer_gone(p.send.instance_id)
         meta = metadata_op(p.send_regions[-1], 0, p.peer.descriptor.region(METADATA_REGION_ID), 1)
         await p.send.write(p.peer, room, page_ops(pairs, [1], [3]), metadata=meta)
         assert (await p.recv.wait(room, 30)).state is KVPoll.SUCCESS
         assert (await p.send.wait(room, 30)).state is KVPoll.SUCCESS
+        assert await p.transfer() is KVPoll.SUCCESS
+
+
+async def test_a_sender_without_the_receivers_credential_cannot_connect() -> None:
+    # A writer in another process that never got a credential over the control plane.
+    from pdgrpc.transport.peerproc import PeerProcess
+
+    recv = registry.create("tcp")
+    desc = await recv.register(LAYOUT.build(None)[0])
+    try:
+        async with PeerProcess("tcp", layout=LAYOUT, seed=3) as sender:
+            with pytest.raises(Exception, match="no data-plane credential"):
+                await sender.call("connect", desc, b"")
+            with pytest.raises(Exception, match="proof of identity"):
+                await sender.call("connect", desc, b"\x00" * 32)
+            assert recv.writers.open[sender.instance_id] == 0
+    finally:
+        await recv.close()
+
+
+async def test_a_writer_whose_connections_end_is_gone_until_it_proves_itself_again() -> None:
+    async with Pair() as p:
+        iid = p.send.instance_id
+        assert not p.recv.writer_gone(iid)
+        p.send.fail_peer(p.recv.instance_id, "test: drop the connection")  # the writer closes its side
+        await eventually_async(lambda: p.recv.writer_gone(iid), what="the receiver saw the writer's connection end")
+        p.peer = await p.send.connect(p.descriptor)
+        assert not p.recv.writer_gone(iid)
         assert await p.transfer() is KVPoll.SUCCESS
 
 
@@ -130,15 +175,20 @@ async def test_a_connection_that_never_says_hello_is_closed() -> None:
 
 
 async def test_connections_are_capped_per_listener_and_per_address() -> None:
-    recv = registry.create("tcp", max_connections=4, max_connections_per_address=3)
+    recv = registry.create("tcp", max_connections=5, max_connections_per_address=3)
     desc = await recv.register(LAYOUT.build(None)[0])
-    clients = [RawClient(desc) for _ in range(3)]
+    clients = [RawClient(desc) for _ in range(3)]  # not proven yet: they count for the address
     try:
         for c in clients:
-            assert await c.hello() == MessageType.HELLO_OK  # accepted and served
-        extra = RawClient(desc)  # a 4th from the same address
+            assert await c.challenge()  # accepted and served
+        extra = RawClient(desc)  # a 4th unproven one from the same address
         clients.append(extra)
         assert await extra.closed_by_peer()
+        assert await clients[0].hello(claimed_id="w0") == MessageType.HELLO_OK  # proven: the address has room again
+        clients.append(RawClient(desc))
+        assert await clients[-1].hello(claimed_id="w1") == MessageType.HELLO_OK
+        clients.append(RawClient(desc))  # the 6th on a listener capped at 5
+        assert await clients[-1].closed_by_peer()
         for c in clients:
             c.close()
         await eventually_async(lambda: len(recv._incoming) == 0, what="the receiver saw the clients go")
@@ -154,6 +204,25 @@ async def test_connections_are_capped_per_listener_and_per_address() -> None:
             assert (await send.wait(5, 30)).state is KVPoll.SUCCESS
         finally:
             await send.close()
+    finally:
+        for c in clients:
+            c.close()
+        await recv.close()
+
+
+async def test_proven_connections_are_capped_per_peer_not_per_address() -> None:
+    # Many workers behind one host: the per-address cap counts only connections that
+    # have not proven who they are; proven ones count against their own peer's cap.
+    recv = registry.create("tcp", max_connections_per_address=2, max_connections_per_peer=2)
+    desc = await recv.register(LAYOUT.build(None)[0])
+    clients: list[RawClient] = []
+    try:
+        for who in ["worker-0", "worker-1", "worker-2", "worker-3", "worker-0"]:
+            clients.append(RawClient(desc))
+            assert await clients[-1].hello(claimed_id=who) == MessageType.HELLO_OK
+        clients.append(RawClient(desc))
+        assert await clients[-1].hello(claimed_id="worker-0") == MessageType.HELLO_REFUSED  # its 3rd
+        assert await clients[-1].closed_by_peer()
     finally:
         for c in clients:
             c.close()

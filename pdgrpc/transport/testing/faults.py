@@ -130,6 +130,15 @@ class FaultyTransport(Transport):
     async def connect(self, descriptor: bytes) -> Peer:
         return await self._inner.connect(descriptor)
 
+    def set_credential(self, receiver_id: str, credential: bytes) -> None:
+        self._inner.set_credential(receiver_id, credential)
+
+    def issue_credential(self, writer_id: str) -> bytes:
+        return self._inner.issue_credential(writer_id)
+
+    def writer_gone(self, writer_id: str) -> bool:
+        return self._inner.writer_gone(writer_id)
+
     def advertise(self, grant: RoomGrant) -> None:
         self._inner.advertise(grant)
         self._advertised += 1
