@@ -194,10 +194,22 @@ class RoomTable:
             raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
         slots = self._find_many(keys)
         hit = slots >= 0
-        hs = slots[hit]
-        alive = hit
-        alive[hit] = self._ring_time[self._seq[hs] & self._rmask] + self.ttl > now
-        return keys[alive], self._rank[slots[alive]], keys[~alive]
+        if hit.all():  # the usual case: every room is in the table
+            hs = slots
+            alive = self._alive_many(slots, now)
+        else:
+            hs = slots[hit]
+            alive = hit
+            alive[hit] = self._alive_many(hs, now)
+        if alive.all():
+            return keys, np.take(self._rank, hs), keys[:0]
+        return keys[alive], np.take(self._rank, slots[alive]), keys[~alive]
+
+    def _alive_many(self, slots: np.ndarray, now: float) -> np.ndarray:
+        # np.take rather than fancy indexing: several times faster on random rows.
+        seq = np.take(self._seq, slots) & np.uint32(self._rmask)
+        alive: np.ndarray = np.take(self._ring_time, seq) + self.ttl > now
+        return alive
 
     def expire(self, now: float, budget: int = 16384) -> int:
         """Free rooms whose TTL has passed, looking at no more than ``budget`` records.
@@ -247,11 +259,16 @@ class RoomTable:
 
     def _find_many(self, keys: np.ndarray) -> np.ndarray:
         home = self._home_many(keys)
-        eq = self._keys2d[home] == keys[:, None]
+        # np.take gathers the 1,024 random 128-byte rows of a query several times faster
+        # than fancy indexing (self._keys2d[home]), which copies row by row.
+        eq = np.take(self._keys2d, home, axis=0) == keys[:, None]
         words = eq.view(np.uint64)  # each row of 16 bools is two 8-byte words: any() in one OR
         hit = (words[:, 0] | words[:, 1]) != 0
-        slots = np.where(hit, home * W + eq.argmax(axis=1), -1)
-        for i in np.flatnonzero(~hit & (self._ovf[home] > 0)).tolist():  # rare: probed past home
+        slots = home * W + eq.argmax(axis=1)
+        if hit.all():
+            return slots
+        slots[~hit] = -1
+        for i in np.flatnonzero(~hit & (np.take(self._ovf, home) > 0)).tolist():  # rare: probed past home
             slots[i] = self._find(int(keys[i]))
         return slots
 
