@@ -56,6 +56,7 @@ _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 _SMALL = 16  # batches up to this size take the per-room (pure Python) path: less overhead
 
+MISSING_RANK = 0xFFFFFFFF  # lookup()'s rank of a room not (yet) known: never a dp rank
 DEFAULT_TTL_S = 120.0
 DEFAULT_MAX_ROOMS = 1 << 20
 DEFAULT_MAX_BATCH = 65536
@@ -186,6 +187,34 @@ class RoomTable:
             return found, ranks, missing
         found_a, ranks_a, missing_a = self.query_array(np.asarray(rooms, np.uint64), now)
         return found_a.tolist(), ranks_a.tolist(), missing_a.tolist()
+
+    def lookup(self, keys: np.ndarray, now: float) -> np.ndarray:
+        """The dp rank of each room of ``keys`` (uint64), in order, as uint32;
+        :data:`MISSING_RANK` for rooms not known or expired. Room 0 and batches over
+        ``max_batch`` raise :class:`InvalidBootstrapRequest`."""
+        self._check_batch(len(keys))
+        if not keys.all():
+            raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
+        if len(keys) <= _SMALL:  # per room in Python: a tenth of numpy's fixed cost
+            out = []
+            for room in keys.tolist():
+                s = self._find(room)
+                out.append(int(self._rank[s]) if s >= 0 and self._alive(s, now) else MISSING_RANK)
+            return np.array(out, np.uint32)
+        slots = self._find_many(keys)
+        hit = slots >= 0
+        if hit.all():  # the usual case: every room is in the table
+            ranks: np.ndarray = np.take(self._rank, slots)
+            alive = self._alive_many(slots, now)
+            if not alive.all():
+                ranks[~alive] = MISSING_RANK
+            return ranks
+        ranks = np.full(len(keys), MISSING_RANK, np.uint32)
+        where = np.flatnonzero(hit)
+        hs = slots[where]
+        alive = self._alive_many(hs, now)
+        ranks[where[alive]] = np.take(self._rank, hs[alive])
+        return ranks
 
     def query_array(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`query` on and to numpy arrays (uint64 rooms; uint32 ranks)."""
