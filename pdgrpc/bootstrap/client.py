@@ -237,8 +237,16 @@ class BootstrapClient:
             packed = keys if isinstance(keys, bytes) else keys.tobytes()
             request = pb.QueryDpRanksRequest(packed_rooms=packed, packed_reply=True)
             reply = await self._call("QueryDpRanks", self.stub.QueryDpRanks(request, timeout=self._t(timeout)))
-            if len(reply.packed_dp_ranks) == 4 * len(rooms):
-                return QueryResult.packed(rooms, np.frombuffer(reply.packed_dp_ranks, "<u4"))
+            n = len(rooms)
+            if len(reply.packed_dp_ranks) == 4 * n:
+                if n > 16:
+                    return QueryResult.packed(rooms, np.frombuffer(reply.packed_dp_ranks, "<u4"))
+                ranks = list(struct.unpack(f"<{n}I", reply.packed_dp_ranks))
+                if MISSING_RANK not in ranks:
+                    return QueryResult(rooms, ranks, [], requested=rooms)
+                found = [(r, k) for r, k in zip(rooms, ranks) if k != MISSING_RANK]
+                missing = [r for r, k in zip(rooms, ranks) if k == MISSING_RANK]
+                return QueryResult([r for r, _ in found], [k for _, k in found], missing, requested=rooms)
             self.packed = False  # a server that predates the packed form saw no rooms
         try:
             request = pb.QueryDpRanksRequest(bootstrap_rooms=rooms, found_ranks_only=True)

@@ -196,11 +196,7 @@ class RoomTable:
         if not keys.all():
             raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
         if len(keys) <= _SMALL:  # per room in Python: a tenth of numpy's fixed cost
-            out = []
-            for room in keys.tolist():
-                s = self._find(room)
-                out.append(int(self._rank[s]) if s >= 0 and self._alive(s, now) else MISSING_RANK)
-            return np.array(out, np.uint32)
+            return np.array(self.lookup_rooms(keys.tolist(), now), np.uint32)
         slots = self._find_many(keys)
         hit = slots >= 0
         if hit.all():  # the usual case: every room is in the table
@@ -215,6 +211,17 @@ class RoomTable:
         alive = self._alive_many(hs, now)
         ranks[where[alive]] = np.take(self._rank, hs[alive])
         return ranks
+
+    def lookup_rooms(self, rooms: Sequence[int], now: float) -> list[int]:
+        """:meth:`lookup` of a few rooms, per room in Python (no numpy call at all)."""
+        self._check_batch(len(rooms))
+        out = []
+        for room in rooms:
+            if room == 0:
+                raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
+            s = self._find(room)
+            out.append(int(self._rank[s]) if s >= 0 and self._alive(s, now) else MISSING_RANK)
+        return out
 
     def query_array(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`query` on and to numpy arrays (uint64 rooms; uint32 ranks)."""

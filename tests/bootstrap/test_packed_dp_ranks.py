@@ -61,9 +61,9 @@ async def test_per_entry_messages_of_older_clients_are_still_answered(client: Bo
     assert list(found_only.found_dp_ranks) == list(want.values()) and list(found_only.missing_rooms) == extra
     assert not found_only.packed_dp_ranks
     # Registered the old way, read the new way (and the client's QueryResult agrees).
-    result = await client.query_dp_ranks([*want, *extra])
+    result = await client.query_dp_ranks([*extra, *want])
     assert result.ranks == want and result.missing == extra
-    assert result.rank_array.tolist() == [*want.values(), MISSING_RANK]
+    assert result.rank_array.tolist() == [MISSING_RANK, *want.values()]  # request order
 
 
 @pytest.mark.parametrize(
