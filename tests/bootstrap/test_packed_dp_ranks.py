@@ -129,3 +129,16 @@ async def test_the_client_falls_back_to_entries_with_a_server_that_predates_pack
     fresh = BootstrapClient(older_server.address, pool=pool, timeout=5.0)  # a query first, this time
     result = await fresh.query_dp_ranks([*unknown, *want])
     assert result.ranks == want and result.missing == unknown and fresh.packed is False
+
+
+@pytest.mark.parametrize("n", [4, 300])  # the per-room path and the numpy one
+def test_lookup_answers_in_request_order_with_missing_for_unknown_and_expired(n: int) -> None:
+    from pdgrpc.bootstrap.table import MISSING_RANK as MISSING
+
+    table = RoomTable(ttl=10.0, max_rooms=4096, max_batch=1024, seed=1)
+    early, late, unknown = rooms(n, seed=10), rooms(n, seed=11), rooms(n, seed=12)
+    table.register(early, [r % 5 for r in early], now=0.0)
+    table.register(late, [r % 7 for r in late], now=5.0)
+    asked = [x for triple in zip(late, early, unknown) for x in triple]  # interleaved
+    got = table.lookup(np.array(asked, np.uint64), now=12.0).tolist()  # early ones expired at 10
+    assert got == [x for r in late for x in (r % 7, MISSING, MISSING)]
