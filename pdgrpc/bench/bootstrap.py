@@ -15,6 +15,11 @@ channel. Cases:
 * ``register batches of B``: rooms/s, batches sent back to back (prebuilt requests
   through the generated stub; then through ``BootstrapClient``, encoding included).
 * ``memory``: server RSS holding ``--memory-rooms`` rooms, and its growth from empty.
+* ``--peer-python PATH``: SGLang's Python and Rust bootstrap servers and an aiohttp
+  client run under PATH (:mod:`pdgrpc.bench.bootstrap_peer`); the latency cases then run
+  in ``--rounds`` rounds, pdgrpc and each SGLang server in turn, and the p50 rows are
+  medians of the rounds' p50s. Extra rows compare each case with each SGLang server:
+  p50, p50 above the system's own empty call (``GET /health`` there), CPU per call.
 * ``expiry``: the same rooms expire (short TTL) while the client keeps calling; the
   worst and p99 call during the wave and, for comparison, before it; and the server's
   own report of its longest expiry step (the longest the event loop was kept from
@@ -29,8 +34,10 @@ What limits a single-room call is gRPC itself: a unary ``grpc.aio`` round trip c
 CPU/call rows), on two cores shared by both processes and their completion-queue
 threads; the room table adds ≈1-5 µs. What helped: disabling gRPC's EventEngine
 client/listener (:mod:`pdgrpc.rpc.tuning`, -15-25 % latency and CPU), uvloop (a few
-%), packed answers for large queries (``found_ranks_only``: -30 % at 1,024 rooms),
-numpy encoding of registration batches (:mod:`pdgrpc.bootstrap.wire`). Message size
+%), packed answers for large queries (``found_ranks_only``: -30 % at 1,024 rooms;
+then the ``packed_rooms``/``packed_reply`` arrays, -11 % more, and ``np.take`` in the
+room table), packed registration batches (2-3x less server CPU per room than the numpy
+varint codec of :mod:`pdgrpc.bootstrap.wire`). Message size
 matters little (8 KB in, 14 KB out: +25-50 µs CPU per side). A sync stub costs less
 client CPU than the aio one, but would block the caller's event loop. At 1,024 rooms
 the server's remaining cost is mostly cache misses in the 56 MB table.
@@ -44,11 +51,13 @@ import gc
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
 from typing import Awaitable, Callable
 
+from pdgrpc.bench.bootstrap_peer import SYSTEMS, PeerError, Peers, rounds_order
 from pdgrpc.bench.report import Result
 from pdgrpc.rpc.tuning import grpc_tuning_in_force
 
@@ -67,9 +76,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=2000, help="calls per latency case (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=300, help="untimed calls before each latency case (default: %(default)s)")
     p.add_argument("--batch", type=int, default=65536, help="rooms per RegisterDpRanks call in the throughput case (default: %(default)s)")
-    p.add_argument("--throughput-rooms", type=int, default=1 << 20, help="rooms registered in the throughput case (default: %(default)s)")
+    p.add_argument(
+        "--throughput-rooms", type=int, default=14 * 65536,
+        help="rooms registered in the throughput case; with the latency cases' rooms they fit the server's default "
+        "cap of 1,048,576 live rooms, which is raised when they do not (default: %(default)s)",
+    )
     p.add_argument("--memory-rooms", type=int, default=1_000_000, help="rooms for the memory and expiry cases; 0 skips them (default: %(default)s)")
     p.add_argument("--expiry-ttl", type=float, default=8.0, help="TTL (s) of the server in the memory and expiry cases (default: %(default)s)")
+    p.add_argument(
+        "--peer-python", metavar="PATH",
+        help="also run SGLang's Python and Rust bootstrap servers, with an aiohttp client, under this Python "
+        "(one that has sglang, aiohttp and uvloop importable), and report pdgrpc's ratios to them",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="with --peer-python: rounds, each system in turn; medians of the rounds' p50s (default: %(default)s)")
 
 
 class ServerProcess:
@@ -152,7 +171,7 @@ def _rooms(rng: random.Random, n: int) -> list[int]:
     return [rng.getrandbits(63) | 1 for _ in range(n)]
 
 
-async def _main_cases(server: ServerProcess, args: argparse.Namespace) -> list[Result]:
+async def _main_cases(server: ServerProcess, args: argparse.Namespace, peers: Peers | None = None) -> list[Result]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pdgrpc.bootstrap.client import BootstrapClient
@@ -169,7 +188,7 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace) -> list[R
     known = _rooms(rng, 65536)
     for i in range(0, len(known), 16384):
         await client.register_dp_ranks({r: r % 8 for r in known[i : i + 16384]})
-    fresh = _rooms(rng, it + wu)
+    fresh = _rooms(rng, it + wu * max(1, args.rounds))
     sets = {n: [rng.sample(known, n) for _ in range(64)] for n in (32, 1024)}
 
     async def query(i: int, n: int) -> None:
@@ -183,18 +202,24 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace) -> list[R
         "query 32 rooms": lambda i: query(i, 32),
         "query 1024 rooms": lambda i: query(i, 1024),
     }
-    samples = await _interleaved(cases, it, wu)
+    if peers is None:
+        samples = await _interleaved(cases, it, wu)
+        p50 = {case: _pct(xs, 0.5) for case, xs in samples.items()}
+    else:  # rounds, each system in turn (rotated), so that machine load falls on all alike
+        samples, per_round = await _peer_rounds(cases, peers, args)
+        p50 = {case: statistics.median(x["pdgrpc"] for x in per_round[case]) for case in cases}
     # CPU per call, client and server processes (all threads): what each call costs,
     # whatever else runs on the machine. Fresh rooms for register: offset past the above.
     cpu: dict[str, tuple[float, float]] = {}
     n_cpu = max(200, it // 4)
+    start = len(fresh)
     fresh += _rooms(rng, n_cpu)
     for name, call in cases.items():
         c0, s0 = _cpu_ns(os.getpid()), server.cpu_ns()
-        for i in range(it + wu, it + wu + n_cpu):
+        for i in range(start, start + n_cpu):
             await call(i)
         cpu[name] = ((_cpu_ns(os.getpid()) - c0) / n_cpu / 1e3, (server.cpu_ns() - s0) / n_cpu / 1e3)
-    base50 = _pct(samples["ping (health Check)"], 0.5) * 1e3
+    base50 = p50["ping (health Check)"] * 1e3
     if getattr(args, "plot", None) is not None:
         from pdgrpc.bench.plot import bootstrap_figure
 
@@ -202,12 +227,14 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace) -> list[R
         bootstrap_figure(args.plot, {n: ms[f"query {n} room" + ("s" if n > 1 else "")] for n in (1, 32, 1024)}, ms["ping (health Check)"])
     base_cpu = cpu["ping (health Check)"]
     for case, xs in samples.items():
-        p50 = _pct(xs, 0.5) * 1e3
+        p50_ms = p50[case] * 1e3
         ping = case.startswith("ping")
-        results.append(Result(case, "p50", p50, "ms", None if ping else base50, None if ping else p50 / base50))
+        results.append(Result(case, "p50", p50_ms, "ms", None if ping else base50, None if ping else p50_ms / base50))
         results.append(Result(case, "p99", _pct(xs, 0.99) * 1e3, "ms"))
         for side, value, base in (("client", cpu[case][0], base_cpu[0]), ("server", cpu[case][1], base_cpu[1])):
             results.append(Result(case, f"CPU/call {side}", value, "us", None if ping else base, None if ping else value / base))
+    if peers is not None:
+        results += _peer_results(peers, per_round, cpu, n_cpu)
 
     total, batch = args.throughput_rooms, args.batch
     rooms = _rooms(rng, total)
@@ -230,6 +257,60 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace) -> list[R
     results.append(Result(label, "server CPU/room", (server.cpu_ns() - s0) / total / 1e3, "us"))
     await pool.close()
     return results
+
+
+async def _peer_rounds(
+    cases: dict[str, Callable[[int], Awaitable[object]]], peers: Peers, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    """``--rounds`` rounds; in each, pdgrpc and both SGLang servers in turn (rotated)
+    run ``iterations / rounds`` calls of every case. Returns pdgrpc's samples (for p99)
+    and, per case, each round's p50 (s) by system."""
+    per = max(1, args.iterations // args.rounds)
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    per_round: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+    done = 0
+    for r in range(args.rounds):
+        got: dict[str, dict[str, list[float]]] = {}
+        warm = args.warmup if r == 0 else max(1, args.warmup // 10)
+        for system in rounds_order(["pdgrpc", *SYSTEMS], r):
+            if system == "pdgrpc":
+                shifted: dict[str, Callable[[int], Awaitable[object]]] = {n: _shift(c, done) for n, c in cases.items()}
+                got[system] = await _interleaved(shifted, per, warm)
+                done += per + warm
+            else:
+                got[system] = peers.run(system, per, warm)
+        for name in cases:
+            samples[name] += got["pdgrpc"][name]
+            per_round[name].append({system: _pct(xs[name], 0.5) for system, xs in got.items()})
+    return samples, per_round
+
+
+def _shift(call: Callable[[int], Awaitable[object]], by: int) -> Callable[[int], Awaitable[object]]:
+    """``call`` with its index moved past the calls made so far (fresh rooms stay fresh)."""
+    return lambda i: call(by + i)
+
+
+def _peer_results(
+    peers: Peers, per_round: dict[str, list[dict[str, float]]], cpu: dict[str, tuple[float, float]], n_cpu: int
+) -> list[Result]:
+    """pdgrpc against each SGLang server: p50 (median of the rounds' p50s), p50 above
+    each system's own empty call (what the call adds to its transport's floor), and CPU
+    per call on each side. ``value`` is pdgrpc's, ``baseline`` SGLang's."""
+    out: list[Result] = []
+    for system in SYSTEMS:
+        peer_cpu = peers.cpu(system, n_cpu)
+        med = {name: {s: statistics.median(x[s] for x in rounds) * 1e3 for s in ("pdgrpc", system)} for name, rounds in per_round.items()}
+        floor = med["ping (health Check)"]
+        for name in per_round:
+            ours, theirs = med[name]["pdgrpc"], med[name][system]
+            out.append(Result(name, f"p50 vs {system}", ours, "ms", theirs, ours / theirs))
+            if not name.startswith("ping"):
+                ours_up, theirs_up = ours - floor["pdgrpc"], theirs - floor[system]
+                ratio = ours_up / theirs_up if theirs_up > 0 else None
+                out.append(Result(name, f"p50 above empty call vs {system}", ours_up, "ms", theirs_up, ratio))
+            for side, k in (("client", 0), ("server", 1)):
+                out.append(Result(name, f"CPU/call {side} vs {system}", cpu[name][k], "us", peer_cpu[name][k], cpu[name][k] / peer_cpu[name][k]))
+    return out
 
 
 async def _memory_cases(server: ServerProcess, args: argparse.Namespace) -> list[Result]:
@@ -304,11 +385,24 @@ def run(args: argparse.Namespace) -> list[Result]:
     )
 
     results: list[Result] = []
-    server = ServerProcess()
+    peers = None
+    if args.peer_python:
+        try:
+            peers = Peers(args.peer_python, fresh_rooms=(args.iterations + args.warmup) * (args.rounds + 1) + max(200, args.iterations // 4) * 2)
+        except PeerError as exc:
+            raise SystemExit(f"python -m pdgrpc.bench bootstrap: {exc}") from exc
+        print(f"beside SGLang {peers.version}: CommonKVBootstrapServer (aiohttp, uvloop) and the Rust server's registry, "
+              "one aiohttp client on uvloop (keep-alive)", flush=True)
+    # Every room of the main cases stays live (TTL 120 s): the latency cases' 65,536
+    # known rooms and fresh single rooms, and the throughput case's.
+    live = 65536 + (args.iterations + args.warmup) * (args.rounds + 2) + args.throughput_rooms
+    server = ServerProcess(*(["--max-rooms", str(live)] if live > 1 << 20 else []))
     try:
-        results += run_loop(_main_cases(server, args))
+        results += run_loop(_main_cases(server, args, peers))
     finally:
         server.stop()
+        if peers is not None:
+            peers.close()
     if args.memory_rooms:
         max_rooms = max(1 << 20, args.memory_rooms)
         server = ServerProcess("--dp-rank-ttl", str(args.expiry_ttl), "--max-rooms", str(max_rooms), "--sweep-interval", "0.5")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import struct
 import time
 from typing import Awaitable, Callable, Iterable, Mapping, TypeVar
 
@@ -30,6 +31,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdgrpc.bootstrap import wire
+from pdgrpc.bootstrap.table import MISSING_RANK
 from pdgrpc.errors import BootstrapError, ConfigError
 from pdgrpc.rpc.channels import ChannelPool, shared_pool
 from pdgrpc.rpc.errors import RpcError, Unavailable, map_rpc_error
@@ -48,19 +50,27 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
 _NUMPY_ENCODE_FROM = 32
 
 
-def _encode_register(entries: Mapping[int, int] | Iterable[tuple[int, int]]) -> bytes:
-    """``RegisterDpRanksRequest`` bytes for ``entries`` (a mapping or (room, rank) pairs)."""
+def _register_arrays(entries: Mapping[int, int] | Iterable[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(rooms as uint64, ranks as uint32) of ``entries`` (a mapping or (room, rank) pairs)."""
     pairs = list(entries.items() if isinstance(entries, Mapping) else entries)
     try:
-        if len(pairs) < _NUMPY_ENCODE_FROM:
-            return pb.RegisterDpRanksRequest(entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in pairs]).SerializeToString()
         rooms = np.fromiter((r for r, _ in pairs), np.uint64, len(pairs))
         ranks = np.fromiter((k for _, k in pairs), np.int64, len(pairs))
     except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"bootstrap rooms must be uint64 and dp ranks uint32: {exc}") from exc
     if len(ranks) and (ranks.min() < 0 or ranks.max() > 0xFFFFFFFF):
         raise ConfigError("dp ranks must be uint32")
-    return wire.encode_entries(rooms, ranks.astype(np.uint32))
+    return rooms, ranks.astype(np.uint32)
+
+
+def _encode_register(rooms: np.ndarray, ranks: np.ndarray, packed: bool) -> bytes:
+    """``RegisterDpRanksRequest`` bytes: packed fields (servers that know them), else
+    entries (the numpy codec for large batches)."""
+    if packed:
+        return pb.RegisterDpRanksRequest(packed_rooms=rooms.astype("<u8").tobytes(), packed_dp_ranks=ranks.astype("<u4").tobytes()).SerializeToString()
+    if len(rooms) < _NUMPY_ENCODE_FROM:
+        return pb.RegisterDpRanksRequest(entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in zip(rooms.tolist(), ranks.tolist())]).SerializeToString()
+    return wire.encode_entries(rooms, ranks)
 
 
 class BootstrapUnavailable(BootstrapError, Unavailable):
@@ -71,16 +81,69 @@ class QueryResult:
     """What :meth:`BootstrapClient.query_dp_ranks` learned.
 
     ``rooms[i]`` is served by prefill dp rank ``dp_ranks[i]``; ``missing`` rooms are not
-    known (yet): ask again later. ``ranks`` is the same as a dict, built on first use.
+    known (yet): ask again later. ``ranks`` is the same as a dict. From a packed answer
+    the lists are built on first use; ``rank_array`` is the answer as it came: the dp
+    rank of every requested room, in request order, ``MISSING_RANK`` where not known.
     """
 
-    __slots__ = ("rooms", "dp_ranks", "missing", "_ranks")
+    __slots__ = ("_requested", "_rank_array", "_rooms", "_dp_ranks", "_missing", "_ranks")
 
-    def __init__(self, rooms: list[int], dp_ranks: list[int], missing: list[int]) -> None:
-        self.rooms = rooms
-        self.dp_ranks = dp_ranks
-        self.missing = missing
+    def __init__(self, rooms: list[int] | None, dp_ranks: list[int] | None, missing: list[int] | None, *,
+                 requested: list[int] | None = None, rank_array: np.ndarray | None = None) -> None:
+        self._rooms = rooms
+        self._dp_ranks = dp_ranks
+        self._missing = missing
+        self._requested = requested
+        self._rank_array = rank_array
         self._ranks: dict[int, int] | None = None
+
+    @classmethod
+    def packed(cls, requested: list[int], rank_array: np.ndarray) -> "QueryResult":
+        return cls(None, None, None, requested=requested, rank_array=rank_array)
+
+    def _unpack(self) -> None:
+        assert self._requested is not None and self._rank_array is not None
+        known = self._rank_array != MISSING_RANK
+        if known.all():  # the usual case
+            self._rooms, self._dp_ranks, self._missing = self._requested, self._rank_array.tolist(), []
+        else:
+            rooms = np.array(self._requested, np.uint64)
+            self._rooms, self._dp_ranks = rooms[known].tolist(), self._rank_array[known].tolist()
+            self._missing = rooms[~known].tolist()
+
+    @property
+    def rooms(self) -> list[int]:
+        """Rooms found, in request order."""
+        if self._rooms is None:
+            self._unpack()
+        assert self._rooms is not None
+        return self._rooms
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """The dp rank of each room of ``rooms``."""
+        if self._dp_ranks is None:
+            self._unpack()
+        assert self._dp_ranks is not None
+        return self._dp_ranks
+
+    @property
+    def missing(self) -> list[int]:
+        """Rooms not (yet) known, in request order."""
+        if self._missing is None:
+            self._unpack()
+        assert self._missing is not None
+        return self._missing
+
+    @property
+    def rank_array(self) -> np.ndarray:
+        """The dp rank of every requested room, in request order (uint32),
+        ``MISSING_RANK`` for rooms not known."""
+        if self._rank_array is None:
+            found = dict(zip(self.rooms, self.dp_ranks))
+            order = list(found) + self.missing if self._requested is None else self._requested
+            self._rank_array = np.array([found.get(r, MISSING_RANK) for r in order], np.uint32)
+        return self._rank_array
 
     @property
     def ranks(self) -> dict[int, int]:
@@ -116,6 +179,9 @@ class BootstrapClient:
         self._register_bytes: grpc.aio.UnaryUnaryMultiCallable | None = None
         self._channel: grpc.aio.Channel | None = None
         self.retries = 0  # registration attempts that failed with UNAVAILABLE and were retried
+        # Whether the server reads the packed fields: assumed until an answer shows
+        # otherwise (a server that predates them ignores them), then entries are sent.
+        self.packed = True
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -149,13 +215,39 @@ class BootstrapClient:
         """Register room → dp rank for a batch, all or none (retried on UNAVAILABLE).
         Raises ``InvalidArgument`` (room 0, rank out of range, batch too large) or
         ``AlreadyExists`` (a room is registered with another rank)."""
-        data = _encode_register(entries)
+        rooms, ranks = _register_arrays(entries)
         register = self._register_raw()
+        if self.packed and len(rooms):
+            data = _encode_register(rooms, ranks, packed=True)
+            reply = await self._retrying("RegisterDpRanks", lambda t: register(data, timeout=t), timeout)
+            if reply.packed_rooms_read == len(rooms):
+                return reply
+            self.packed = False  # a server that predates the packed form registered nothing
+        data = _encode_register(rooms, ranks, packed=False)
         return await self._retrying("RegisterDpRanks", lambda t: register(data, timeout=t), timeout)
 
     async def query_dp_ranks(self, rooms: Iterable[int], *, timeout: float | None = None) -> QueryResult:
         """Look up the dp rank of a batch of rooms; unknown rooms come back in ``missing``."""
         rooms = rooms.tolist() if isinstance(rooms, np.ndarray) else list(rooms)
+        if self.packed and rooms:
+            try:
+                keys = np.array(rooms, "<u8") if len(rooms) > 16 else struct.pack(f"<{len(rooms)}Q", *rooms)
+            except (TypeError, ValueError, OverflowError, struct.error) as exc:
+                raise ConfigError(f"bootstrap rooms must be uint64: {exc}") from exc
+            packed = keys if isinstance(keys, bytes) else keys.tobytes()
+            request = pb.QueryDpRanksRequest(packed_rooms=packed, packed_reply=True)
+            reply = await self._call("QueryDpRanks", self.stub.QueryDpRanks(request, timeout=self._t(timeout)))
+            n = len(rooms)
+            if len(reply.packed_dp_ranks) == 4 * n:
+                if n > 16:
+                    return QueryResult.packed(rooms, np.frombuffer(reply.packed_dp_ranks, "<u4"))
+                ranks = list(struct.unpack(f"<{n}I", reply.packed_dp_ranks))
+                if MISSING_RANK not in ranks:
+                    return QueryResult(rooms, ranks, [], requested=rooms)
+                found = [(r, k) for r, k in zip(rooms, ranks) if k != MISSING_RANK]
+                missing = [r for r, k in zip(rooms, ranks) if k == MISSING_RANK]
+                return QueryResult([r for r, _ in found], [k for _, k in found], missing, requested=rooms)
+            self.packed = False  # a server that predates the packed form saw no rooms
         try:
             request = pb.QueryDpRanksRequest(bootstrap_rooms=rooms, found_ranks_only=True)
         except (TypeError, ValueError) as exc:
@@ -239,4 +331,4 @@ class BootstrapClient:
         self._register_bytes = None
 
 
-__all__ = ["BootstrapClient", "BootstrapUnavailable", "QueryResult", "RpcError"]
+__all__ = ["MISSING_RANK", "BootstrapClient", "BootstrapUnavailable", "QueryResult", "RpcError"]

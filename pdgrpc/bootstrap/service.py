@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import struct
 import time
 from typing import Callable, NoReturn
 
@@ -27,7 +28,7 @@ import numpy as np
 from pdgrpc.bootstrap import wire
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull, SlotTaken, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
-from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
+from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, MISSING_RANK, RoomTable
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import BootstrapMetrics
 from pdgrpc.rpc.security import current, peer_identity
@@ -86,18 +87,28 @@ class BootstrapServicer:
     async def RegisterDpRanks(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
         n = 0  # rooms in the call, once decoded (a call that did not decode counts 0)
         try:
-            fast = wire.decode_register_request(data) if len(data) > _SMALL_MESSAGE else None
+            # Entries from clients that predate the packed form: large batches through
+            # the numpy codec (they start with field 1's tag, 0x0A).
+            fast = wire.decode_register_request(data) if len(data) > _SMALL_MESSAGE and data[0] == 0x0A else None
             rooms: np.ndarray | list[int]
             ranks: np.ndarray | list[int]
+            packed = 0
             if fast is not None:
                 rooms, ranks = fast
             else:
-                entries = pb.RegisterDpRanksRequest.FromString(data).entries
-                self._check_batch(len(entries))
-                rooms = [e.bootstrap_room for e in entries]
-                ranks = [e.dp_rank for e in entries]
+                request = pb.RegisterDpRanksRequest.FromString(data)
+                if request.packed_rooms or request.packed_dp_ranks:
+                    rooms, ranks = _unpack_register(request)
+                    packed = len(rooms)
+                else:
+                    entries = request.entries
+                    self._check_batch(len(entries))
+                    rooms = [e.bootstrap_room for e in entries]
+                    ranks = [e.dp_rank for e in entries]
             n = len(rooms)
             self._check_batch(n)
+            if n and (int(ranks.max()) if isinstance(ranks, np.ndarray) else max(ranks)) == MISSING_RANK:  # packed answers use it for "not known"
+                raise InvalidBootstrapRequest(f"dp_rank {MISSING_RANK} is invalid: packed answers use it for a room not known")
             result = self.table.register(rooms, ranks, self.clock(), dp_size=self.registry.dp_size)
         except DecodeError as exc:  # raw bytes: pdgrpc.rpc.limits' interceptor does not parse them
             self.metrics.on_dp_rank_registration_failed(n)
@@ -106,9 +117,11 @@ class BootstrapServicer:
             self.metrics.on_dp_rank_registration_failed(n)
             await _abort(context, exc)
         self.metrics.on_dp_rank_registration(n)
-        return pb.RegisterDpRanksResponse(added=result.added, unchanged=result.unchanged)
+        return pb.RegisterDpRanksResponse(added=result.added, unchanged=result.unchanged, packed_rooms_read=packed)
 
     async def QueryDpRanks(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bytes:
+        if request.packed_rooms or request.packed_reply:
+            return await self._query_packed(request, context)
         rooms = request.bootstrap_rooms
         try:
             self._check_batch(len(rooms))
@@ -127,6 +140,42 @@ class BootstrapServicer:
         if request.found_ranks_only:  # packed arrays: protobuf's C encoder is fast for these
             return pb.QueryDpRanksResponse(found_dp_ranks=ranks_a.tolist(), missing_rooms=missing_a.tolist()).SerializeToString()
         return wire.encode_query_response(found_a, ranks_a, missing_a)
+
+    async def _query_packed(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """QueryDpRanks with packed rooms in, or a packed answer out, or both."""
+        n = len(request.bootstrap_rooms)
+        data = request.packed_rooms
+        if request.packed_reply and not n and len(data) <= 8 * _SMALL_BATCH and len(data) % 8 == 0:
+            # A few rooms: struct and per-room Python, no numpy call at all.
+            n = len(data) // 8
+            try:
+                small = self.table.lookup_rooms(struct.unpack(f"<{n}Q", data), self.clock())
+            except InvalidBootstrapRequest as exc:
+                self.metrics.on_dp_rank_query_failed(n)
+                await _abort(context, exc)
+            self.metrics.on_dp_rank_query(n, missing=small.count(MISSING_RANK))
+            return pb.QueryDpRanksResponse(packed_dp_ranks=struct.pack(f"<{n}I", *small)).SerializeToString()
+        try:
+            if request.packed_rooms:
+                if n:
+                    raise InvalidBootstrapRequest("QueryDpRanksRequest: set bootstrap_rooms or packed_rooms, not both")
+                keys = _le_array(request.packed_rooms, "QueryDpRanksRequest.packed_rooms", "<u8")
+            else:
+                keys = np.array(request.bootstrap_rooms, np.uint64)
+            n = len(keys)
+            self._check_batch(n)
+            ranks = self.table.lookup(keys, self.clock())
+            missing = ranks == MISSING_RANK
+            self.metrics.on_dp_rank_query(n, missing=int(np.count_nonzero(missing)))
+        except InvalidBootstrapRequest as exc:
+            self.metrics.on_dp_rank_query_failed(n)
+            await _abort(context, exc)
+        if request.packed_reply:
+            return pb.QueryDpRanksResponse(packed_dp_ranks=ranks.astype("<u4").tobytes()).SerializeToString()
+        found = ~missing  # packed rooms in, the answer of found_ranks_only or entries out
+        if request.found_ranks_only:
+            return pb.QueryDpRanksResponse(found_dp_ranks=ranks[found].tolist(), missing_rooms=keys[missing].tolist()).SerializeToString()
+        return wire.encode_query_response(keys[found], ranks[found], keys[missing])
 
     def _check_batch(self, n: int) -> None:
         if n > self.table.max_batch:
@@ -159,6 +208,28 @@ class BootstrapServicer:
         except (InvalidBootstrapRequest, WorkersPending) as exc:
             await _abort(context, exc)
         return pb.GetWorkersResponse(workers=workers)
+
+
+def _le_array(data: bytes, field: str, dtype: str) -> np.ndarray:
+    """A packed little-endian field as an array (no copy); INVALID_ARGUMENT naming
+    ``field`` if its length is not a whole number of items."""
+    size = np.dtype(dtype).itemsize
+    if len(data) % size:
+        raise InvalidBootstrapRequest(f"{field}: {len(data)} bytes is not a multiple of {size} (little-endian, {size} bytes per room)")
+    return np.frombuffer(data, dtype)
+
+
+def _unpack_register(request: pb.RegisterDpRanksRequest) -> tuple[np.ndarray, np.ndarray]:
+    """(rooms, ranks) of a packed RegisterDpRanksRequest, checked."""
+    if request.entries:
+        raise InvalidBootstrapRequest("RegisterDpRanksRequest: set entries or packed_rooms with packed_dp_ranks, not both")
+    rooms = _le_array(request.packed_rooms, "RegisterDpRanksRequest.packed_rooms", "<u8")
+    ranks = _le_array(request.packed_dp_ranks, "RegisterDpRanksRequest.packed_dp_ranks", "<u4")
+    if len(rooms) != len(ranks):
+        raise InvalidBootstrapRequest(
+            f"RegisterDpRanksRequest: packed_rooms holds {len(rooms)} rooms but packed_dp_ranks {len(ranks)} ranks"
+        )
+    return rooms, ranks
 
 
 def add_bootstrap_servicer(servicer: BootstrapServicer, server: grpc.aio.Server) -> None:

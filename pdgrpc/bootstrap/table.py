@@ -56,6 +56,7 @@ _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 _SMALL = 16  # batches up to this size take the per-room (pure Python) path: less overhead
 
+MISSING_RANK = 0xFFFFFFFF  # lookup()'s rank of a room not (yet) known: never a dp rank
 DEFAULT_TTL_S = 120.0
 DEFAULT_MAX_ROOMS = 1 << 20
 DEFAULT_MAX_BATCH = 65536
@@ -187,6 +188,41 @@ class RoomTable:
         found_a, ranks_a, missing_a = self.query_array(np.asarray(rooms, np.uint64), now)
         return found_a.tolist(), ranks_a.tolist(), missing_a.tolist()
 
+    def lookup(self, keys: np.ndarray, now: float) -> np.ndarray:
+        """The dp rank of each room of ``keys`` (uint64), in order, as uint32;
+        :data:`MISSING_RANK` for rooms not known or expired. Room 0 and batches over
+        ``max_batch`` raise :class:`InvalidBootstrapRequest`."""
+        self._check_batch(len(keys))
+        if not keys.all():
+            raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
+        if len(keys) <= _SMALL:  # per room in Python: a tenth of numpy's fixed cost
+            return np.array(self.lookup_rooms(keys.tolist(), now), np.uint32)
+        slots = self._find_many(keys)
+        hit = slots >= 0
+        if hit.all():  # the usual case: every room is in the table
+            ranks: np.ndarray = np.take(self._rank, slots)
+            alive = self._alive_many(slots, now)
+            if not alive.all():
+                ranks[~alive] = MISSING_RANK
+            return ranks
+        ranks = np.full(len(keys), MISSING_RANK, np.uint32)
+        where = np.flatnonzero(hit)
+        hs = slots[where]
+        alive = self._alive_many(hs, now)
+        ranks[where[alive]] = np.take(self._rank, hs[alive])
+        return ranks
+
+    def lookup_rooms(self, rooms: Sequence[int], now: float) -> list[int]:
+        """:meth:`lookup` of a few rooms, per room in Python (no numpy call at all)."""
+        self._check_batch(len(rooms))
+        out = []
+        for room in rooms:
+            if room == 0:
+                raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
+            s = self._find(room)
+            out.append(int(self._rank[s]) if s >= 0 and self._alive(s, now) else MISSING_RANK)
+        return out
+
     def query_array(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`query` on and to numpy arrays (uint64 rooms; uint32 ranks)."""
         self._check_batch(len(keys))
@@ -194,10 +230,22 @@ class RoomTable:
             raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
         slots = self._find_many(keys)
         hit = slots >= 0
-        hs = slots[hit]
-        alive = hit
-        alive[hit] = self._ring_time[self._seq[hs] & self._rmask] + self.ttl > now
-        return keys[alive], self._rank[slots[alive]], keys[~alive]
+        if hit.all():  # the usual case: every room is in the table
+            hs = slots
+            alive = self._alive_many(slots, now)
+        else:
+            hs = slots[hit]
+            alive = hit
+            alive[hit] = self._alive_many(hs, now)
+        if alive.all():
+            return keys, np.take(self._rank, hs), keys[:0]
+        return keys[alive], np.take(self._rank, slots[alive]), keys[~alive]
+
+    def _alive_many(self, slots: np.ndarray, now: float) -> np.ndarray:
+        # np.take rather than fancy indexing: several times faster on random rows.
+        seq = np.take(self._seq, slots) & np.uint32(self._rmask)
+        alive: np.ndarray = np.take(self._ring_time, seq) + self.ttl > now
+        return alive
 
     def expire(self, now: float, budget: int = 16384) -> int:
         """Free rooms whose TTL has passed, looking at no more than ``budget`` records.
@@ -247,11 +295,16 @@ class RoomTable:
 
     def _find_many(self, keys: np.ndarray) -> np.ndarray:
         home = self._home_many(keys)
-        eq = self._keys2d[home] == keys[:, None]
+        # np.take gathers the 1,024 random 128-byte rows of a query several times faster
+        # than fancy indexing (self._keys2d[home]), which copies row by row.
+        eq = np.take(self._keys2d, home, axis=0) == keys[:, None]
         words = eq.view(np.uint64)  # each row of 16 bools is two 8-byte words: any() in one OR
         hit = (words[:, 0] | words[:, 1]) != 0
-        slots = np.where(hit, home * W + eq.argmax(axis=1), -1)
-        for i in np.flatnonzero(~hit & (self._ovf[home] > 0)).tolist():  # rare: probed past home
+        slots = home * W + eq.argmax(axis=1)
+        if hit.all():
+            return slots
+        slots[~hit] = -1
+        for i in np.flatnonzero(~hit & (np.take(self._ovf, home) > 0)).tolist():  # rare: probed past home
             slots[i] = self._find(int(keys[i]))
         return slots
 

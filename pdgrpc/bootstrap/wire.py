@@ -3,10 +3,13 @@
 Building or reading 1,024 ``DpRankEntry`` sub-messages one Python object at a time costs
 ~0.2 ms each way, as much as the whole gRPC round trip; these functions do it with a
 few numpy operations. They write ordinary protobuf wire format that any protobuf
-library reads, so nothing changes for clients in other languages. Used for:
-``RegisterDpRanksRequest`` (encoded by :class:`BootstrapClient`, decoded by the
-server) and ``QueryDpRanksResponse.entries`` (encoded by the server for clients that
-do not ask for ``found_ranks_only``, the packed form that needs no codec at all).
+library reads, so nothing changes for clients in other languages. Used where the
+per-entry messages are still spoken: ``RegisterDpRanksRequest.entries`` (decoded by the
+server; encoded by :class:`BootstrapClient` for a server that predates the packed
+fields) and ``QueryDpRanksResponse.entries`` (encoded by the server for clients that ask
+for neither ``found_ranks_only`` nor ``packed_reply``). The packed fields
+(``packed_rooms``, ``packed_dp_ranks``: little-endian arrays in ``bytes``) need no codec
+at all: ``np.frombuffer`` reads them.
 
 Layout written (and the only one the fast decoder accepts) for each entry::
 

@@ -84,6 +84,17 @@ class RegisterDpRanksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
+    PACKED_ROOMS_FIELD_NUMBER: _builtins.int
+    PACKED_DP_RANKS_FIELD_NUMBER: _builtins.int
+    packed_rooms: _builtins.bytes
+    """The packed form, cheaper to build and to read for large batches: the rooms as
+    little-endian uint64, 8 bytes per room (bytes; length a multiple of 8). Give either
+    entries or packed_rooms with packed_dp_ranks, not both.
+    """
+    packed_dp_ranks: _builtins.bytes
+    """The prefill dp rank of each room of packed_rooms, in the same order, as
+    little-endian uint32: 4 bytes per room, each in [0, dp_size).
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DpRankEntry]:
         """Rooms to register; at most the server's max batch (default 65,536) per call."""
@@ -92,10 +103,12 @@ class RegisterDpRanksRequest(_message.Message):
         self,
         *,
         entries: _abc.Iterable[Global___DpRankEntry] | None = ...,
+        packed_rooms: _builtins.bytes = ...,
+        packed_dp_ranks: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "packed_dp_ranks", b"packed_dp_ranks", "packed_rooms", b"packed_rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -107,19 +120,25 @@ class RegisterDpRanksResponse(_message.Message):
 
     ADDED_FIELD_NUMBER: _builtins.int
     UNCHANGED_FIELD_NUMBER: _builtins.int
+    PACKED_ROOMS_READ_FIELD_NUMBER: _builtins.int
     added: _builtins.int
     """Entries newly added by this call (count)."""
     unchanged: _builtins.int
     """Entries that were already registered with the same rank (count); their TTL is renewed."""
+    packed_rooms_read: _builtins.int
+    """Rooms the server read from packed_rooms (count). A server that predates the packed
+    form leaves it 0: a client that sent packed rooms then sends entries instead.
+    """
     def __init__(
         self,
         *,
         added: _builtins.int = ...,
         unchanged: _builtins.int = ...,
+        packed_rooms_read: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["added", b"added", "unchanged", b"unchanged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added", b"added", "packed_rooms_read", b"packed_rooms_read", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -131,10 +150,20 @@ class QueryDpRanksRequest(_message.Message):
 
     BOOTSTRAP_ROOMS_FIELD_NUMBER: _builtins.int
     FOUND_RANKS_ONLY_FIELD_NUMBER: _builtins.int
+    PACKED_ROOMS_FIELD_NUMBER: _builtins.int
+    PACKED_REPLY_FIELD_NUMBER: _builtins.int
     found_ranks_only: _builtins.bool
     """When true, the response lists the found rooms' ranks in found_dp_ranks instead of
     entries: a packed array is several times cheaper to build and to read than a
     message per room, which matters at 1,000+ rooms per call.
+    """
+    packed_rooms: _builtins.bytes
+    """The packed form of bootstrap_rooms: little-endian uint64, 8 bytes per room (bytes;
+    length a multiple of 8). Give one or the other, not both.
+    """
+    packed_reply: _builtins.bool
+    """When true, the response carries only packed_dp_ranks: one array in request order,
+    read with one buffer operation instead of a message or a list entry per room.
     """
     @_builtins.property
     def bootstrap_rooms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -145,10 +174,12 @@ class QueryDpRanksRequest(_message.Message):
         *,
         bootstrap_rooms: _abc.Iterable[_builtins.int] | None = ...,
         found_ranks_only: _builtins.bool = ...,
+        packed_rooms: _builtins.bytes = ...,
+        packed_reply: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_rooms", b"bootstrap_rooms", "found_ranks_only", b"found_ranks_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_rooms", b"bootstrap_rooms", "found_ranks_only", b"found_ranks_only", "packed_reply", b"packed_reply", "packed_rooms", b"packed_rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -161,6 +192,12 @@ class QueryDpRanksResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     MISSING_ROOMS_FIELD_NUMBER: _builtins.int
     FOUND_DP_RANKS_FIELD_NUMBER: _builtins.int
+    PACKED_DP_RANKS_FIELD_NUMBER: _builtins.int
+    packed_dp_ranks: _builtins.bytes
+    """Only when the request set packed_reply: the dp rank of every requested room, in
+    request order, as little-endian uint32 (4 bytes per room); 0xFFFFFFFF for a room not
+    (yet) known. A server that predates packed_reply leaves it empty.
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DpRankEntry]:
         """Rooms found, with their dp rank (empty when the request set found_ranks_only)."""
@@ -181,10 +218,11 @@ class QueryDpRanksResponse(_message.Message):
         entries: _abc.Iterable[Global___DpRankEntry] | None = ...,
         missing_rooms: _abc.Iterable[_builtins.int] | None = ...,
         found_dp_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        packed_dp_ranks: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "found_dp_ranks", b"found_dp_ranks", "missing_rooms", b"missing_rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "found_dp_ranks", b"found_dp_ranks", "missing_rooms", b"missing_rooms", "packed_dp_ranks", b"packed_dp_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

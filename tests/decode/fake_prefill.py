@@ -31,13 +31,14 @@ import asyncio
 import dataclasses
 
 import grpc
+import numpy as np
 
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap import service as bootstrap_service
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer
-from pdgrpc.bootstrap.table import RoomTable
+from pdgrpc.bootstrap.table import MISSING_RANK, RoomTable
 from pdgrpc.engine.base import PrefillRequest, SamplingParams
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.rpc.server import RpcServer, start_server
@@ -74,7 +75,13 @@ class RecordingBootstrap(BootstrapServicer):
         resp = await super().QueryDpRanks(request, context)
         # The servicer may answer pre-serialized bytes (its fast path for large batches).
         msg = bpb.QueryDpRanksResponse.FromString(resp) if isinstance(resp, (bytes, bytearray)) else resp
-        self.queries.append((list(request.bootstrap_rooms), list(msg.missing_rooms)))
+        asked = list(request.bootstrap_rooms) or np.frombuffer(request.packed_rooms, "<u8").tolist()
+        if request.packed_reply:  # one rank per room asked, MISSING_RANK where not known
+            ranks = np.frombuffer(msg.packed_dp_ranks, "<u4").tolist()
+            missing = [room for room, rank in zip(asked, ranks) if rank == MISSING_RANK]
+        else:
+            missing = list(msg.missing_rooms)
+        self.queries.append((asked, missing))
         self.queried.set()
         return resp
 
