@@ -3,7 +3,13 @@
 JSON format (``--json PATH``)::
 
     {"benchmark": NAME, "results": [{"case", "metric", "value", "unit"
-                                      [, "baseline_value", "ratio"]}, ...]}
+                                      [, "baseline_value", "ratio"]
+                                      [, "min", "max", "samples"]}, ...]}
+
+``samples``: where a benchmark reports a spread, the measurements ``value`` summarises
+(its median), in order, with their ``min`` and ``max``; the table then shows min and max
+columns. What one sample is (an iteration, a repeat of a whole case) is the benchmark's
+to say.
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ class Result:
     # Same metric measured on the baseline in the same run, and value / baseline_value.
     baseline_value: float | None = None
     ratio: float | None = None
+    # The measurements ``value`` summarises, in the same unit (see the module docstring).
+    samples: tuple[float, ...] | None = None
+
+    @property
+    def min_value(self) -> float | None:
+        return min(self.samples) if self.samples else None
+
+    @property
+    def max_value(self) -> float | None:
+        return max(self.samples) if self.samples else None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"case": self.case, "metric": self.metric, "value": self.value, "unit": self.unit}
@@ -30,6 +46,8 @@ class Result:
             d["baseline_value"] = self.baseline_value
         if self.ratio is not None:
             d["ratio"] = self.ratio
+        if self.samples:
+            d["min"], d["max"], d["samples"] = self.min_value, self.max_value, list(self.samples)
         return d
 
 
@@ -42,9 +60,12 @@ def _fmt(v: float | None) -> str:
 
 
 def format_table(results: Sequence[Result]) -> str:
-    header = ("case", "metric", "value", "unit", "baseline", "ratio")
+    spread = any(r.samples for r in results)  # min/max columns only where some row has them
+    header: tuple[str, ...] = ("case", "metric", "value") + (("min", "max") if spread else ()) \
+        + ("unit", "baseline", "ratio")
     rows = [header] + [
-        (r.case, r.metric, _fmt(r.value), r.unit, _fmt(r.baseline_value), _fmt(r.ratio)) for r in results
+        (r.case, r.metric, _fmt(r.value)) + ((_fmt(r.min_value), _fmt(r.max_value)) if spread else ())
+        + (r.unit, _fmt(r.baseline_value), _fmt(r.ratio)) for r in results
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []

@@ -27,6 +27,14 @@ One iteration = build the ops from the page lists, ``write`` pages + metadata ro
 until the sender's room is SUCCESS (the receiver acknowledged the row, which lands after
 every page). Latency is the median iteration; GB/s = bytes / latency / 1e9.
 
+Spread: each row also carries min and max (table columns, JSON ``min``/``max``/
+``samples``). With ``--repeat 1`` (the default) the samples are the iterations; with
+``--repeat N`` every case, and its raw baseline, runs N times in the one run (warm-up
+iterations included) and the samples are the N repeats' medians, the row's value their
+median. A row ``..., slowest repeat`` then gives each repeat's ratio against the raw
+baseline of the same repeat, its value the lowest: a case that is fast only some of the
+time shows in one run (issue 19).
+
 Baselines, same byte count, two processes, median of as many iterations:
 
 * ``tcp`` (and other socket backends): one plain blocking TCP socket per direction,
@@ -54,8 +62,10 @@ What bounds the ratios on a small host (measured on the 2-core CI machine, 32 Mi
   with a 1-page write; the rest is UCX's iov path (below).
 * UCX 1.21 moves every scatter/gather (iov) message between two processes on one host
   as "fragmented copy-in copy-out" through its sysv segments (``UCX_PROTO_INFO=y``
-  shows it); only contiguous messages get the one-copy cma path. Both processes copy,
-  in parallel, which is why large contiguous transfers still beat the raw baseline.
+  shows it); only contiguous messages get the one-copy cma path. The contiguous case's
+  per-region runs (256 KiB and up) therefore travel as contiguous messages (the rdma
+  option ``contiguous_min``): copy-in copy-out needs both processes on a core at once
+  and made this case 2-20x slower whenever the host was busy (issue 19).
 
 ``--cases`` picks which cases run (head-sliced always brings the contiguous case it is
 compared with).
@@ -66,6 +76,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import random
@@ -99,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--iterations", type=int, default=5, help="timed iterations per case (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per case")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every case and its raw baseline N times in this run; min/median/max over the repeats")
     parser.add_argument("--connections", type=int, default=None, help="tcp: sockets per peer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -200,10 +213,10 @@ class _RawTcp:
             self._conn.close()
 
 
-def _ucx_baseline(sizes: list[int], iterations: int, warmup: int) -> dict[int, float]:
+def _ucx_baseline(sizes: list[int], iterations: int, warmup: int) -> dict[int, list[float]]:
     from pdgrpc.bench import _ucx_baseline  # imports nothing of UCX in this process
 
-    return {r.nbytes: r.latency_s for r in _ucx_baseline.run_baselines(sizes, iterations, warmup=warmup)}
+    return {r.nbytes: list(r.latencies_s) for r in _ucx_baseline.run_baselines(sizes, iterations, warmup=warmup)}
 
 
 # ----------------------------------------------------------------------------- backend
@@ -224,6 +237,9 @@ def _size(tokens: int) -> str:
 
 async def _run(args: argparse.Namespace) -> list[Result]:
     backend = args.backend
+    repeats = getattr(args, "repeat", 1)
+    if repeats < 1 or args.iterations < 1:
+        raise SystemExit(f"bench transport: --repeat and --iterations must be >= 1, got {repeats} and {args.iterations}")
     kinds = set(getattr(args, "cases", CASES))
     if "head-sliced" in kinds:
         kinds.add("contiguous")
@@ -260,21 +276,21 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     moved = {(t, k): nbytes[t] // KV_HEADS * (KV_HEADS - half) if k == "head-sliced" else nbytes[t]
              for t, together, _, _ in cases for k in together}
 
-    # rdma: the ucxx baseline runs first in its own two processes (they own their UCX
-    # workers). Socket backends: the raw socket sender/receiver stay alive and each raw
-    # iteration runs right before the backend's, so both see the same machine load.
-    base_lat: dict[int, list[float]] = {nb: [] for nb in nbytes.values()}
+    # rdma: the ucxx baseline runs at the start of each repeat in its own two processes
+    # (they own their UCX workers). Socket backends: the raw socket sender/receiver stay
+    # alive and each raw iteration runs right before the backend's, so both see the same
+    # machine load. base_lat[nbytes][repeat]: the raw latencies of that repeat.
+    base_lat: dict[int, list[list[float]]] = {nb: [[] for _ in range(repeats)] for nb in nbytes.values()}
     raw: _RawTcp | None = None
     if backend == "rdma":
         base_name = "raw ucxx tag send/recv"
-        ucx = _ucx_baseline(sorted(set(nbytes.values())), args.iterations, args.warmup)
     else:
         base_name = "raw tcp socket recv_into"
         raw = _RawTcp(max(nbytes.values()))
 
     regions, flats = layout.build(args.seed)  # sender memory, filled
     sender = registry.create(backend, **options)
-    timings: dict[tuple[int, str], list[float]] = {}
+    timings: dict[tuple[int, str], list[list[float]]] = {}  # (tokens, kind) -> latencies of each repeat
     try:
         await sender.register(regions)
         async with contextlib.AsyncExitStack() as stack:
@@ -310,13 +326,19 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                     raise RuntimeError(f"{backend}: warm-up transfer ({kind or 'whole pages'}) ended {st}")
                 sender.release(room)
                 await target.call("release", room)
-            for tokens, together, src, dst in cases:
+            for rep_i, (case_i, (tokens, together, src, dst)) in itertools.product(range(repeats), enumerate(cases)):
+                if backend == "rdma" and case_i == 0:  # a repeat starts with its raw baseline
+                    # in a thread: the loop keeps answering the peers' liveness heartbeats
+                    ucx = await asyncio.to_thread(_ucx_baseline, sorted(set(nbytes.values())), args.iterations,
+                                                  args.warmup)
+                    for nb, lats in ucx.items():
+                        base_lat[nb][rep_i] = lats
                 lat: dict[str, list[float]] = {kind: [] for kind in together}
                 for i in range(args.warmup + args.iterations):
                     if raw is not None and together[0] == base_kind:
                         b = raw.once(nbytes[tokens])
                         if i >= args.warmup:
-                            base_lat[nbytes[tokens]].append(b)
+                            base_lat[nbytes[tokens]][rep_i].append(b)
                     for kind in together:
                         target, target_peer, pairs, dst_meta = targets.get(kind, targets[""])
                         room += 1
@@ -340,20 +362,29 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                     # bit-exact check of the last iteration (outside the timing)
                     target = targets.get(kind, targets[""])[0]
                     first = half * head_bytes if kind == "head-sliced" else 0  # bytes of each page that moved
-                    want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[src, first:].reshape(-1)
-                                             for r in layout.kv_region_ids()]))
+                    # in a thread, like the receiver's: 384 MiB of sha256 can outlast the
+                    # liveness lease on a busy host if it holds the loop
+                    want = await asyncio.to_thread(lambda: digest(torch.cat(
+                        [flats[r].view(-1, layout.page_bytes)[src, first:].reshape(-1) for r in layout.kv_region_ids()])))
                     got = await target.call("digest_pages", layout.kv_region_ids(), dst, timeout=300)
                     if got != want:
                         raise RuntimeError(f"{backend}: {tokens} tokens ({kind}): destination pages differ from the source")
-                    timings[(tokens, kind)] = lat[kind]
+                    timings.setdefault((tokens, kind), []).append(lat[kind])
                     if args.verbose:
-                        print(f"{tokens} tokens {kind}: " + " ".join(f"{x * 1e3:.1f}" for x in lat[kind]) + " ms",
-                              file=sys.stderr)
+                        print(f"{tokens} tokens {kind}" + (f" (repeat {rep_i + 1})" if repeats > 1 else "") + ": "
+                              + " ".join(f"{x * 1e3:.1f}" for x in lat[kind]) + " ms", file=sys.stderr)
     finally:
         await sender.close()
         if raw is not None:
             raw.close()
-    base = {nb: statistics.median(v) for nb, v in base_lat.items()} if raw is not None else ucx
+    def medians(runs: list[list[float]]) -> list[float]:
+        """The samples of a case: its iterations (one repeat) or each repeat's median."""
+        return list(runs[0]) if repeats == 1 else [statistics.median(r) for r in runs]
+
+    def median_latency(runs: list[list[float]]) -> float:
+        return statistics.median(runs[0]) if repeats == 1 else statistics.median(medians(runs))
+
+    base = {nb: median_latency(runs) for nb, runs in base_lat.items()}
 
     results: list[Result] = []
     for tokens in args.tokens:
@@ -362,16 +393,25 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         for kind in CASES:
             if (tokens, kind) not in timings:
                 continue
-            med = statistics.median(timings[(tokens, kind)])  # seconds
+            runs = timings[(tokens, kind)]
+            med = median_latency(runs)  # seconds
             gbps = moved[(tokens, kind)] / med / 1e9
             gbps_by_kind[kind] = gbps
             if kind == "head-sliced":
                 continue  # moves other byte counts than the baseline; compared below
             b_lat = base[nb]
             b_gbps = nb / b_lat / 1e9
+            lats = medians(runs)
             case = f"{backend} {_size(tokens)} {kind} ({nb / 2**20:.0f} MiB)"
-            results.append(Result(case, f"throughput vs {base_name}", gbps, "GB/s", b_gbps, gbps / b_gbps))
-            results.append(Result(case, f"latency vs {base_name}", med * 1e3, "ms", b_lat * 1e3, med / b_lat))
+            results.append(Result(case, f"throughput vs {base_name}", gbps, "GB/s", b_gbps, gbps / b_gbps,
+                                  tuple(nb / x / 1e9 for x in lats)))
+            results.append(Result(case, f"latency vs {base_name}", med * 1e3, "ms", b_lat * 1e3, med / b_lat,
+                                  tuple(x * 1e3 for x in lats)))
+            if repeats > 1:
+                # each repeat against the raw baseline of the same repeat; the value is the slowest
+                per = tuple(statistics.median(b) / statistics.median(r) for r, b in zip(runs, base_lat[nb]))
+                results.append(Result(case, f"throughput vs {base_name}, slowest repeat", min(per), "x",
+                                      samples=per))
         for kind, vs in (("scattered", "contiguous"), ("head-sliced", "whole-page")):
             if kind in gbps_by_kind and "contiguous" in gbps_by_kind:
                 results.append(
@@ -389,7 +429,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
 
         def rate(tokens: int, kind: str) -> float | None:
             t = timings.get((tokens, kind))
-            return moved[(tokens, kind)] / statistics.median(t) / 1e9 if t else None
+            return moved[(tokens, kind)] / median_latency(t) / 1e9 if t else None
 
         sizes = [nbytes[t] for t in args.tokens]
         transport_figure(

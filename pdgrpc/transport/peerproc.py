@@ -271,9 +271,11 @@ class _PeerServer:
         return digest(self.flats[region_id].numpy().data[start:end])
 
     async def cmd_digest_pages(self, region_ids: Sequence[int], pages: Sequence[int]) -> str:
-        """Digest of the listed pages (items) of each region, regions then pages in order."""
+        """Digest of the listed pages (items) of each region, regions then pages in order.
+        Computed in a thread: hundreds of MiB take seconds on a busy host, and the loop
+        must keep answering the transport's liveness heartbeats meanwhile."""
         parts = [self.flats[r].view(-1, self.layout.item_bytes(r))[list(pages)].reshape(-1) for r in region_ids]
-        return digest(torch.cat(parts))
+        return await asyncio.to_thread(lambda: digest(torch.cat(parts)))
 
     async def cmd_read(self, region_id: int, start: int, end: int) -> bytes:
         return bytes(self.flats[region_id].numpy().data[start:end])

@@ -21,6 +21,10 @@ gets a cached endpoint.
 Options (seconds, bytes, counts):
 
 * ``zero_copy_min`` (16 MiB): a data message closes once its ops reach this size;
+* ``contiguous_min`` (256 KiB; 0: never): an op of at least this many bytes travels as
+  a contiguous message of its own. On one host UCX moves it with one ``process_vm_readv``
+  by the receiver (cma); an iov message goes as copy-in copy-out through shared memory,
+  which needs both processes on a core at once and collapses on a busy host (issue 19);
 * ``iov_max`` (4096): ops per data message; ``connect_timeout`` (5);
 * ``liveness_interval`` / ``liveness_lease`` (0.5 / 5): a peer that dies is noticed in
   milliseconds (its kernel closes the liveness socket); the lease catches a hung peer
@@ -43,31 +47,32 @@ import itertools
 import logging
 import struct
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from pdgrpc.errors import ConfigError, PeerFailure, TransportError
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
+from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, UcxError, UcxWorker
 from pdgrpc.transport.base import (
-    BadDescriptor, Descriptor, MemoryRegion, Peer, RegionInfo, Transport, WriteOp, WriteOps, check_source_ops,
+    BadDescriptor, Descriptor, MemoryRegion, Peer, RegionInfo, Transport,
 )
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.rdma_recv import RdmaReceiver
+from pdgrpc.transport.rdma_send import RdmaSender
 from pdgrpc.transport.rdma_wire import (
     COMMON, CTRL_BUF, CTRL_POSTED, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_CTRL, KIND_MASK,
-    KIND_REPLY, MAX_OPS_PER_WRITE, MAX_ROW, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, ACK, WRITE,
-    WRITE_BODY, CLOSE_SEND_GRACE_S, HELLO_CHANNEL, ctrl_tag, data_tag, plan_chunk, Plan, RecvConn, RecvRoom, Region, SendConn, SendRoom,
+    KIND_REPLY, MAX_OPS_PER_WRITE, NACK, NACK_BODY, ROOM_BODY, SCRATCH, ACK, CLOSE_SEND_GRACE_S, HELLO_CHANNEL, ctrl_tag,
+    RecvConn, RecvRoom, Region, SendConn, SendRoom,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
 
 log = logging.getLogger("pdgrpc.transport.rdma")
 
 
-class RdmaTransport(RdmaReceiver, Transport):
+class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
     """The ``rdma`` backend (UCX). See the module docstring."""
 
     name = "rdma"
@@ -76,6 +81,7 @@ class RdmaTransport(RdmaReceiver, Transport):
         self,
         *,
         zero_copy_min: int = 16 << 20,
+        contiguous_min: int = 256 << 10,
         iov_max: int = 4096,
         connect_timeout: float = 5.0,
         liveness_interval: float = 0.5,
@@ -87,14 +93,17 @@ class RdmaTransport(RdmaReceiver, Transport):
         super().__init__()
         if unknown:
             raise ConfigError(
-                f"rdma transport: unknown option(s) {', '.join(sorted(unknown))}; known: zero_copy_min, iov_max, "
+                f"rdma transport: unknown option(s) {', '.join(sorted(unknown))}; known: zero_copy_min, contiguous_min, iov_max, "
                 "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s"
             )
         if zero_copy_min < 1 or not 1 <= iov_max <= MAX_OPS_PER_WRITE:
             raise ConfigError(f"rdma: need zero_copy_min >= 1 and 1 <= iov_max <= {MAX_OPS_PER_WRITE}, got {zero_copy_min}, {iov_max}")
         if connect_timeout <= 0:
             raise ConfigError(f"rdma: connect_timeout must be > 0, got {connect_timeout}")
+        if contiguous_min < 0:
+            raise ConfigError(f"rdma: contiguous_min must be >= 0 (0: never), got {contiguous_min}")
         self._zc_min = int(zero_copy_min)
+        self._contiguous_min = int(contiguous_min) or None
         self._iov_max = int(iov_max)
         self._connect_timeout = float(connect_timeout)
         if progress_spin_s < 0:
@@ -285,112 +294,6 @@ class RdmaTransport(RdmaReceiver, Transport):
             if not ok:
                 self._drop_send_conn(conn)
                 self._liveness.unwatch(d.instance_id)
-
-    def _send_ctrl(self, conn: SendConn, msg: bytes, room_id: int | None, room: SendRoom | None) -> None:
-        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
-        self._send(conn, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_CTRL), room_id, room, buf)
-
-    def _send(self, conn: SendConn, pieces: Pieces, tag: int, room_id: int | None,
-              room: SendRoom | None, keep: Any) -> None:
-        token_box: list[int] = []
-
-        def done(status: int, length: int, _tag: int) -> None:
-            if token_box:
-                conn.tokens.discard(token_box[0])
-                if room is not None:
-                    room.tokens.discard(token_box[0])
-            if status not in (UCS_OK, UCS_ERR_CANCELED) and room_id is not None:
-                self.rooms.fail(room_id, f"UCX send to peer {conn.desc.instance_id} failed (status {status})")
-
-        try:
-            token = self._worker.send(conn.ep, pieces, tag, done, keep)
-        except UcxError as exc:
-            raise PeerFailure(f"rdma peer {conn.desc.instance_id}: {exc}") from None
-        token_box.append(token)
-        conn.tokens.add(token)
-        if room is not None:
-            room.tokens.add(token)
-
-    # -- write (sender) ------------------------------------------------------------------
-    async def write(self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None) -> None:
-        self._send_planned(peer, room, self._plan(room, ops, metadata), metadata)
-
-    def prepare_write(
-        self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None
-    ) -> Callable[[], Awaitable[None]]:
-        # Checking the ops against the regions and planning the data messages is numpy
-        # work worth ~0.3 ms right after a compute (cold caches); done here, while the
-        # data is still being computed, the send is only the UCX calls.
-        plans = self._plan(room, ops, metadata)
-
-        async def send() -> None:
-            self._send_planned(peer, room, plans, metadata)
-
-        return send
-
-    def _plan(self, room: int, ops: Sequence[WriteOp], metadata: WriteOp | None) -> list[Plan]:
-        """Check ``ops`` (and ``metadata``) against the registered regions and plan the
-        data messages; raises :class:`ConfigError` for an op outside its region."""
-        self._ensure_started()
-        # One row per op: src region, src offset, dst region, dst offset, length.
-        try:
-            # WriteOps carries its ops as one int64 array already: no per-op Python work.
-            table = ops.array if isinstance(ops, WriteOps) else WriteOps.of(ops).array
-        except OverflowError:
-            raise ConfigError(f"rdma write for room {room}: an offset or length does not fit in 63 bits") from None
-        check_source_ops(WriteOps(table), self._infos)
-        if metadata is not None:
-            check_source_ops([metadata], self._infos)
-        if metadata is not None and metadata.length > MAX_ROW:
-            raise ConfigError(f"rdma: metadata row of {metadata.length} bytes exceeds the {MAX_ROW}-byte limit")
-        return [p for i in range(0, len(table), MAX_OPS_PER_WRITE)
-                if (p := plan_chunk(table[i : i + MAX_OPS_PER_WRITE], self._ptr_table, self._zc_min, self._iov_max))]
-
-    def _send_planned(self, peer: Peer, room: int, plans: list[Plan], metadata: WriteOp | None) -> None:
-        self.rooms.create(room, KVPoll.TRANSFERRING)
-        conn = self._send_conns.get(peer.instance_id)
-        sroom = self._send_rooms.get(room)
-        if conn is None or conn.dead:
-            self.rooms.fail(room, f"no live connection to rdma peer {peer.instance_id} (connect again)")
-            return
-        if sroom is None:
-            sroom = self._send_rooms[room] = SendRoom(conn)
-            conn.rooms.add(room)
-        elif sroom.conn is not conn:
-            self.rooms.fail(room, f"room {room} is already being written to another peer")
-            return
-        if self.rooms.status(room).state.is_terminal:
-            return  # failed already (NACK, peer lost): nothing more is sent for it
-        try:
-            for plan in plans:
-                self._send_plan(conn, room, sroom, plan)
-            if metadata is not None:
-                src = self._regions[metadata.src_region]
-                row = src.flat[metadata.src_offset : metadata.src_offset + metadata.length].numpy().tobytes()
-                conn.ctrl_seq += 1
-                msg = COMMON.pack(META, conn.remote_id, conn.ctrl_seq) + META_BODY.pack(
-                    room, sroom.kv_bytes, metadata.dst_region, metadata.dst_offset, metadata.length) + row
-                self._send_ctrl(conn, msg, room, sroom)
-        except PeerFailure as exc:
-            self.rooms.fail(room, str(exc))
-
-    def _send_plan(self, conn: SendConn, room: int, sroom: SendRoom, plan: Plan) -> None:
-        conn.ctrl_seq += 1
-        first = conn.data_seq
-        conn.data_seq += len(plan.counts)
-        msg = b"".join([
-            COMMON.pack(WRITE, conn.remote_id, conn.ctrl_seq),
-            WRITE_BODY.pack(room, first & 0xFFFFFFFF, len(plan.counts), plan.n_ops),
-            plan.table_bytes,
-        ])
-        self._send_ctrl(conn, msg, room, sroom)
-        # Each message goes out as its iov rows, read in place by UCX: staging into a
-        # contiguous buffer first was 2x slower (docs/performance.md, "Transport").
-        k = 0
-        for i, c in enumerate(plan.counts):
-            self._send(conn, plan.iov[k : k + c], data_tag(conn.remote_id, first + i), room, sroom, plan.iov)
-            k += c
-        sroom.kv_bytes += plan.nbytes
 
     # -- replies (sender) ----------------------------------------------------------------
     def _on_reply(self, msg: bytes) -> None:

@@ -14,7 +14,8 @@ Protocol (all UCX tag messages; tags are ``kind:4 | conn:28 | seq:32``)
   data message carries, then the op table (``region u16 | pad 6 | offset u64 |
   length u64``, destination side). The data messages (tag ``DATA | conn | seq``) follow:
   consecutive ops are batched into scatter/gather messages of about ``zero_copy_min``
-  bytes and at most ``iov_max`` ops each (UCX moves large ones by zero-copy rendezvous).
+  bytes and at most ``iov_max`` ops each, except that an op of ``contiguous_min`` bytes
+  or more travels alone, as one contiguous message (see :func:`plan_chunk`).
 * ``META``: the room, the number of KV bytes the sender wrote for the room before it,
   the destination of the metadata row, and the row itself (inline).
 * ``ACK`` / ``NACK`` (receiver -> sender): the room's metadata row landed / the room
@@ -148,23 +149,36 @@ class Plan(NamedTuple):
     nbytes: int
 
 
-def plan_chunk(table: np.ndarray, ptr_table: np.ndarray, zc_min: int, iov_max: int) -> "Plan | None":
+def plan_chunk(table: np.ndarray, ptr_table: np.ndarray, zc_min: int, iov_max: int,
+               contiguous_min: int | None = None) -> "Plan | None":
     """One WRITE's data messages for ``table`` (rows: src region, src offset, dst region,
-    dst offset, length); ``ptr_table`` maps a region id to its base address."""
-    # Plan the data messages: consecutive ops share one scatter/gather message
-    # until it holds ``zero_copy_min`` bytes or ``iov_max`` ops (vectorised: a new
-    # message starts where an op's start offset crosses into the next
-    # zero_copy_min window, or at every iov_max-th op within a window).
-    # Few large iov messages, not one rendezvous per op: the per-message handshake,
-    # not the bytes, is the cost (2-3x at 96-384 MiB; docs/performance.md).
+    dst offset, length); ``ptr_table`` maps a region id to its base address.
+
+    Consecutive ops share one scatter/gather message until it holds ``zc_min`` bytes or
+    ``iov_max`` ops: few large iov messages, not one rendezvous per op, because the
+    per-message handshake, not the bytes, is the cost of small ops (2-3x at 96-384 MiB;
+    docs/performance.md). An op of ``contiguous_min`` bytes or more (``None``: never)
+    is a message of its own: UCX moves a contiguous message between two processes on one
+    host with one ``process_vm_readv`` by the receiver (cma), but every iov message as
+    fragmented copy-in copy-out through shared memory, which needs both processes on a
+    core at once and ran 2-20x slower whenever the host was busy (issue 19,
+    docs/performance.md, "rdma steadiness")."""
     lens = table[:, 4]
     n = len(lens)
     if n == 0:
         return None
+    # Vectorised: a message starts where an op's start offset crosses into the next
+    # zc_min window, at an op that travels alone and right after one, and at every
+    # iov_max-th op within a run of ops that share messages.
     window = (np.cumsum(lens) - lens) // zc_min
-    starts = np.flatnonzero(np.r_[True, window[1:] != window[:-1]])
+    brk = np.r_[True, window[1:] != window[:-1]]
+    if contiguous_min is not None:
+        alone = lens >= contiguous_min
+        brk |= alone
+        brk[1:] |= alone[:-1]
+    starts = np.flatnonzero(brk)
     rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-    key = window * (n + 1) + rank // iov_max
+    key = (np.cumsum(brk) - 1) * (n + 1) + rank // iov_max
     counts = np.diff(np.r_[np.flatnonzero(np.r_[True, key[1:] != key[:-1]]), n]).tolist()
     if not counts:
         return None

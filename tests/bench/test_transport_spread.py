@@ -1,0 +1,61 @@
+"""``python -m pdgrpc.bench transport`` shows a case's spread in one run: min and max
+beside the median (table and JSON), over the iterations or, with ``--repeat N``, over N
+whole repeats of the case and its raw baseline, plus each repeat's ratio against the raw
+baseline of the same repeat (issue 19)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdgrpc.bench import transport as bench
+from pdgrpc.bench.report import Result
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_repeat_reports_each_repeat_and_the_slowest_ratio_in_table_and_json(tmp_path: Path) -> None:
+    out_json = tmp_path / "t.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pdgrpc.bench", "transport", "--backend", "tcp", "--tokens", "256", "--layers", "2",
+         "--iterations", "2", "--warmup", "0", "--repeat", "3", "--cases", "contiguous", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    header = out.stdout.splitlines()[0].split()
+    assert header[:5] == ["case", "metric", "value", "min", "max"]
+    rows = {r["metric"]: r for r in json.loads(out_json.read_text())["results"]}
+    thr = rows["throughput vs raw tcp socket recv_into"]
+    assert len(thr["samples"]) == 3 and thr["min"] == min(thr["samples"]) and thr["max"] == max(thr["samples"])
+    assert thr["min"] <= thr["value"] <= thr["max"] and thr["baseline_value"] > 0
+    slowest = rows["throughput vs raw tcp socket recv_into, slowest repeat"]
+    assert slowest["unit"] == "x" and len(slowest["samples"]) == 3 and slowest["value"] == min(slowest["samples"]) > 0
+
+
+def _run(*argv: str) -> list[Result]:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.run(parser.parse_args(["--tokens", "256", "--layers", "2", "--warmup", "0", "--cases", "contiguous",
+                                        *argv]))
+
+
+def test_without_repeat_the_spread_is_over_the_iterations() -> None:
+    results = _run("--backend", "tcp", "--iterations", "3")
+    [thr] = [r for r in results if r.metric == "throughput vs raw tcp socket recv_into"]
+    assert thr.samples is not None and len(thr.samples) == 3  # one per iteration
+    assert thr.min_value is not None and thr.max_value is not None and thr.min_value <= thr.value <= thr.max_value
+    assert not any(r.metric.endswith("slowest repeat") for r in results)  # no repeats asked for
+
+
+def test_rdma_repeats_run_the_raw_ucxx_baseline_once_per_repeat() -> None:
+    pytest.importorskip("ucxx", reason="the rdma bench and its raw baseline need the ucx extra: pip install 'pdgrpc[ucx]'")
+    results = _run("--backend", "rdma", "--iterations", "2", "--repeat", "2")
+    [thr] = [r for r in results if r.metric == "throughput vs raw ucxx tag send/recv"]
+    assert thr.samples is not None and len(thr.samples) == 2 and thr.baseline_value
+    [slowest] = [r for r in results if r.metric == "throughput vs raw ucxx tag send/recv, slowest repeat"]
+    assert slowest.samples is not None and len(slowest.samples) == 2 and slowest.value == min(slowest.samples) > 0
