@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Linear", "make_linear"]
+__all__ = ["Linear", "make_linear", "onednn_usable"]
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -46,11 +46,11 @@ class _OneDNNLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def _onednn_usable(weight: torch.Tensor) -> bool:
+def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has oneDNN's linear for ``dtype`` on ``device``."""
     return (
-        weight.device.type == "cpu"
-        and weight.dtype in _ONEDNN_DTYPES
-        and weight.dim() == 2
+        device.type == "cpu"
+        and dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -60,7 +60,7 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     """The projection by ``weight`` ``[out, in]`` in the fastest layout this device offers;
     the result no longer references ``weight`` when its layout changed."""
-    if not _onednn_usable(weight):
+    if weight.dim() != 2 or not onednn_usable(weight.device, weight.dtype):
         return Linear(weight, bias)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from pdgrpc.engine.hf import attention
 from pdgrpc.engine.hf.config import HFConfig
 from pdgrpc.engine.hf.linear import Linear, make_linear
 from pdgrpc.engine.hf.weights import ModelWeights
@@ -114,6 +115,10 @@ class HFModel:
         self.cos = emb.cos().to(device=device, dtype=self.dtype)
         self.sin = emb.sin().to(device=device, dtype=self.dtype)
         self.scale = c.head_dim**-0.5
+        # One-shot prefill attention by oneDNN in query blocks where it applies (CPU float32).
+        self.tri: torch.Tensor | None = None
+        if attention.usable(device, self.dtype):
+            self.tri = torch.ones(attention.BLOCK, attention.BLOCK, dtype=torch.bool, device=device).triu(1)[:, None, :]
         self.eps = c.rms_norm_eps
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -149,7 +154,9 @@ class HFModel:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k_pool[li][batch.write_pages, :, batch.write_rows, :] = k
             v_pool[li][batch.write_pages, :, batch.write_rows, :] = v
-            if one_shot:
+            if one_shot and self.tri is not None and T >= attention.MIN_TOKENS:
+                attn = attention.causal_attention(q, k, v, self.scale, self.tri)
+            elif one_shot:
                 attn = F.scaled_dot_product_attention(
                     q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                     is_causal=True, scale=self.scale, enable_gqa=True,
