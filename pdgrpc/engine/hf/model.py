@@ -4,7 +4,10 @@ Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) share it: em
 -> layers of [RMSNorm -> attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
 residual] -> RMSNorm -> LM head. Numerics follow ``transformers``: RMSNorm in float32 and
 cast back, RoPE tables in float32 (``llama3`` and ``linear`` scaling included), attention
-through ``scaled_dot_product_attention``, matmuls in the model dtype.
+through ``scaled_dot_product_attention``, matmuls in the model dtype. On CPU the kernels
+differ, not the arithmetic: projections run through oneDNN (:mod:`~pdgrpc.engine.hf.linear`)
+and a float32 prompt of 128+ tokens in one chunk attends by oneDNN matmuls in query
+blocks (:mod:`~pdgrpc.engine.hf.attention`).
 
 Attention reads K/V back from the pool (HND pages: ``[page, kv_head, row, head_dim]``),
 so what a transfer moved is exactly what decode attends to. One call per layer gathers
