@@ -11,16 +11,19 @@ side by side in one run:
   equal-length prompts; each side's time for ``--new-tokens`` tokens minus its time for
   one token, so the prompts' prefill cancels out.
 
-Each time is the best of ``--repeats`` runs, the two sides interleaved run by run: on a
-shared host the least disturbed run is the one that measures the code, and both sides
-get the same chance at it. The ratio is pdgrpc / transformers (> 1: pdgrpc is faster).
-Needs ``transformers`` (the test extra).
+The two sides run interleaved, round by round, ``--repeats`` rounds. Each case's main
+row is the best of the rounds on each side: on a shared host the least disturbed run is
+the one that measures the code, and both sides get the same chance at it. Three more
+rows per case give the ratio round by round (``round ratio p50/min/max``: each round's
+two sides ran back to back, so they saw about the same load) -- the spread says how far
+the host's load moved the result. The ratio is pdgrpc / transformers (> 1: pdgrpc is
+faster). Needs ``transformers`` (the test extra).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import tempfile
 import time
 from typing import Any, Callable
@@ -41,13 +44,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-prompt-tokens", type=int, default=128, help="decode cases: prompt length (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="decode cases: generated tokens (default: %(default)s)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode batch sizes (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="runs per case and side; the median counts (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds per case, the two sides interleaved (default: %(default)s)")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _rows(case: str, best: dict[str, float], rounds: dict[str, list[float]], work: float) -> list[Result]:
+    """The best-of row and the per-round ratio rows of one case: each side's best seconds
+    and its seconds round by round, for ``work`` tokens."""
+    best_ours, best_hf = work / best["ours"], work / best["hf"]
+    ratios = sorted(h / o for o, h in zip(rounds["ours"], rounds["hf"]))
+    return [
+        Result(case, "tokens/s", best_ours, "tok/s", best_hf, best_ours / best_hf),
+        Result(case, "round ratio p50", statistics.median(ratios), "x"),
+        Result(case, "round ratio min", ratios[0], "x"),
+        Result(case, "round ratio max", ratios[-1], "x"),
+    ]
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -103,12 +119,12 @@ def run(args: argparse.Namespace) -> list[Result]:
 
     ours_prefill()  # warm-up
     hf_generate(prompt, 1)
-    best = {"ours": math.inf, "hf": math.inf}
+    rounds: dict[str, list[float]] = {"ours": [], "hf": []}
     for _ in range(args.repeats):
-        best["ours"] = min(best["ours"], _timed(ours_prefill))
-        best["hf"] = min(best["hf"], _timed(lambda: hf_generate(prompt, 1)))
-    ours_tps, hf_tps = args.prompt_tokens / best["ours"], args.prompt_tokens / best["hf"]
-    results.append(Result(f"prefill {args.prompt_tokens} tokens", "tokens/s", ours_tps, "tok/s", hf_tps, ours_tps / hf_tps))
+        rounds["ours"].append(_timed(ours_prefill))
+        rounds["hf"].append(_timed(lambda: hf_generate(prompt, 1)))
+    best = {side: min(times) for side, times in rounds.items()}
+    results += _rows(f"prefill {args.prompt_tokens} tokens", best, rounds, args.prompt_tokens)
 
     # decode at each batch size
     for b in args.batches:
@@ -124,16 +140,19 @@ def run(args: argparse.Namespace) -> list[Result]:
 
         ours(2)  # warm-up
         theirs(2)
-        full = {"ours": math.inf, "hf": math.inf}
-        first = dict(full)
+        # Decode time: a run of --new-tokens tokens minus a run of one. Best: each side's
+        # best full run minus its best one-token run; per round: that round's full run
+        # minus the best one-token run (a round's own short run, disturbed, could exceed
+        # its full run on a loaded host).
+        full: dict[str, list[float]] = {"ours": [], "hf": []}
+        first: dict[str, list[float]] = {"ours": [], "hf": []}
         for _ in range(args.repeats):
             for side, fn in (("ours", ours), ("hf", theirs)):
-                full[side] = min(full[side], _timed(lambda: fn(args.new_tokens)))
-                first[side] = min(first[side], _timed(lambda: fn(1)))
-        n = b * (args.new_tokens - 1)
-        ours_tps = n / max(full["ours"] - first["ours"], 1e-9)
-        hf_tps = n / max(full["hf"] - first["hf"], 1e-9)
-        results.append(Result(f"decode b{b}", "tokens/s", ours_tps, "tok/s", hf_tps, ours_tps / hf_tps))
+                full[side].append(_timed(lambda: fn(args.new_tokens)))
+                first[side].append(_timed(lambda: fn(1)))
+        best = {side: max(min(full[side]) - min(first[side]), 1e-9) for side in full}
+        per_round = {side: [max(f - min(first[side]), 1e-9) for f in full[side]] for side in full}
+        results += _rows(f"decode b{b}", best, per_round, b * (args.new_tokens - 1))
     if tmp is not None:
         tmp.cleanup()
     return results

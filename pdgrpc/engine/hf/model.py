@@ -4,7 +4,10 @@ Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) share it: em
 -> layers of [RMSNorm -> attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
 residual] -> RMSNorm -> LM head. Numerics follow ``transformers``: RMSNorm in float32 and
 cast back, RoPE tables in float32 (``llama3`` and ``linear`` scaling included), attention
-through ``scaled_dot_product_attention``, matmuls in the model dtype.
+through ``scaled_dot_product_attention``, matmuls in the model dtype. On CPU the kernels
+differ, not the arithmetic: projections run through oneDNN (:mod:`~pdgrpc.engine.hf.linear`)
+and a float32 prompt of 128+ tokens in one chunk attends by oneDNN matmuls in query
+blocks (:mod:`~pdgrpc.engine.hf.attention`).
 
 Attention reads K/V back from the pool (HND pages: ``[page, kv_head, row, head_dim]``),
 so what a transfer moved is exactly what decode attends to. One call per layer gathers
@@ -24,7 +27,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from pdgrpc.engine.hf import attention
 from pdgrpc.engine.hf.config import HFConfig
+from pdgrpc.engine.hf.linear import Linear, make_linear
 from pdgrpc.engine.hf.weights import ModelWeights
 
 __all__ = ["AllReduce", "Batch", "HFModel", "rope_inv_freq"]
@@ -68,14 +73,42 @@ class Batch:
     write_rows: torch.Tensor  # [T] row in that page
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One layer's weights as the forward pass uses them: norms as tensors, projections
+    as :class:`~pdgrpc.engine.hf.linear.Linear` (laid out for their kernel)."""
+
+    input_norm: torch.Tensor
+    qkv: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
 class HFModel:
-    """One TP rank of the model, computing over the pool tensors it is given."""
+    """One TP rank of the model, computing over the pool tensors it is given.
+
+    It keeps the weights it is built from only in the layout its kernels want
+    (:func:`~pdgrpc.engine.hf.linear.make_linear`): the caller drops ``w`` after."""
 
     def __init__(
         self, c: HFConfig, w: ModelWeights, max_positions: int, device: torch.device, tp_size: int = 1,
         all_reduce: AllReduce | None = None,
     ) -> None:
-        self.c, self.w = c, w
+        self.c = c
+        self.embed, self.norm = w.embed, w.norm
+        # A tied head shares the embedding's memory: it stays a plain tensor (no second copy).
+        self.lm_head = Linear(w.lm_head, None) if w.lm_head is w.embed else make_linear(w.lm_head)
+        self.layers = tuple(
+            _Layer(
+                input_norm=lw.input_norm, qkv=make_linear(lw.qkv, lw.qkv_bias), q_norm=lw.q_norm, k_norm=lw.k_norm,
+                o=make_linear(lw.o), post_norm=lw.post_norm, gate_up=make_linear(lw.gate_up), down=make_linear(lw.down),
+            )
+            for lw in w.layers
+        )
         self.hq, self.hkv, self.d = c.num_heads // tp_size, c.num_kv_heads // tp_size, c.head_dim
         self.all_reduce: AllReduce = all_reduce or (lambda t: t)
         self.dtype = w.embed.dtype
@@ -85,6 +118,10 @@ class HFModel:
         self.cos = emb.cos().to(device=device, dtype=self.dtype)
         self.sin = emb.sin().to(device=device, dtype=self.dtype)
         self.scale = c.head_dim**-0.5
+        # One-shot prefill attention by oneDNN in query blocks where it applies (CPU float32).
+        self.tri: torch.Tensor | None = None
+        if attention.usable(device, self.dtype):
+            self.tri = torch.ones(attention.BLOCK, attention.BLOCK, dtype=torch.bool, device=device).triu(1)[:, None, :]
         self.eps = c.rms_norm_eps
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -109,10 +146,10 @@ class HFModel:
         # Pool rows (page * hkv + head) to gather, request by request, head by head, page by page.
         heads = torch.arange(hkv, device=self.device)
         kv_rows = (batch.page_table[:, None, :] * hkv + heads[None, :, None]).reshape(-1)
-        x = self.w.embed[tokens]
-        for li, lw in enumerate(self.w.layers):
+        x = self.embed[tokens]
+        for li, lw in enumerate(self.layers):
             h = self._norm(x, lw.input_norm)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            qkv = lw.qkv(h)
             q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
             q, k, v = q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
             if lw.q_norm is not None and lw.k_norm is not None:
@@ -120,20 +157,22 @@ class HFModel:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k_pool[li][batch.write_pages, :, batch.write_rows, :] = k
             v_pool[li][batch.write_pages, :, batch.write_rows, :] = v
-            if one_shot:
+            if one_shot and self.tri is not None and T >= attention.MIN_TOKENS:
+                attn = attention.causal_attention(q, k, v, self.scale, self.tri)
+            elif one_shot:
                 attn = F.scaled_dot_product_attention(
                     q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                     is_causal=True, scale=self.scale, enable_gqa=True,
                 )[0].transpose(0, 1).reshape(T, hq * d)
             else:
                 attn = self._paged_attention(q, batch, k_pool[li], v_pool[li], mask, kv_rows)
-            x = x + self.all_reduce(F.linear(attn, lw.o))
+            x = x + self.all_reduce(lw.o(attn))
             h = self._norm(x, lw.post_norm)
-            gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
-            x = x + self.all_reduce(F.linear(F.silu(gate) * up, lw.down))
+            gate, up = lw.gate_up(h).chunk(2, dim=-1)
+            x = x + self.all_reduce(lw.down(F.silu(gate) * up))
         if rows is not None:
             x = x[rows]
-        return F.linear(self._norm(x, self.w.norm), self.w.lm_head).float()
+        return self.lm_head(self._norm(x, self.norm)).float()
 
     def _mask(self, batch: Batch, page_size: int) -> torch.Tensor:
         """``[B, 1, N, L]`` bool: which cached keys each new token attends to."""
