@@ -83,6 +83,10 @@ class CudaChunkReady(ChunkReady):
     def done(self) -> bool:
         return bool(self.event.query())
 
+    def synchronize(self) -> None:
+        """Block this thread until this event (not the device) completed."""
+        self.event.synchronize()
+
     async def wait(self) -> None:
         await poll_until(self.event.query)
 
