@@ -251,9 +251,14 @@ class StagedReceive:
             self._wait_blocking(ready)
             self.pool.release(j)
             i = self.pool.try_acquire()
+        try:
+            buf = self.pool.buffer(i)
+        except BaseException:
+            self.pool.release(i)
+            raise
         self._current = i
         n = self.pieces[self._next].nbytes
-        return memoryview(self.pool.buffer(i).numpy()).cast("B")[:n]  # type: ignore[arg-type]
+        return memoryview(buf.numpy()).cast("B")[:n]  # type: ignore[arg-type]
 
     def piece_received(self) -> None:
         i = self._current
@@ -272,6 +277,11 @@ class StagedReceive:
     def _reap(self) -> None:
         while self._copying and self._copying[0][1].done():
             self.pool.release(self._copying.popleft()[0])
+
+    def reap_all(self) -> bool:
+        """Return the buffers of finished copies; True once every copy finished."""
+        self._reap()
+        return not self._copying and self._current is None
 
     async def landed(self) -> None:
         """Every piece's copy into the device finished (buffers returned to the pool)."""
