@@ -76,3 +76,26 @@ def test_backend_that_moves_host_only_refuses_cuda_regions() -> None:
     with pytest.raises(ConfigError, match=r"unix transport cannot register k0: it is cuda memory and this backend "
                                           r"moves host \(needs staging\)"):
         check_registrable("unix", MemoryKind.CUDA, HOST_ONLY, "k0", "needs staging")
+
+
+def test_rdma_registers_cuda_only_with_a_cuda_enabled_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdgrpc.transport import rdma_wire
+
+    kv = MemoryRegion(0, torch.zeros(4, 64))
+    meta = MemoryRegion(0xFFFF, torch.zeros(4, 64), RegionKind.METADATA)
+    rdma_wire.check_region_memory(kv)  # host memory: always
+    monkeypatch.setattr(rdma_wire, "memory_kind", lambda t: MemoryKind.CUDA)
+    monkeypatch.setattr(rdma_wire, "ucx_moves_cuda", lambda: False)
+    with pytest.raises(ConfigError, match=r"rdma transport cannot register kv0: it is cuda memory .*CUDA-enabled libucx"):
+        rdma_wire.check_region_memory(kv)
+    monkeypatch.setattr(rdma_wire, "ucx_moves_cuda", lambda: True)
+    rdma_wire.check_region_memory(kv)
+    with pytest.raises(ConfigError, match="metadata rows stay on the host"):
+        rdma_wire.check_region_memory(meta)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_ucx_moves_no_cuda_without_cuda() -> None:
+    from pdgrpc.transport.rdma_wire import ucx_moves_cuda
+
+    assert ucx_moves_cuda() is False
