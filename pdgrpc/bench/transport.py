@@ -57,6 +57,11 @@ What bounds the ratios on a small host (measured on the 2-core CI machine, 32 Mi
   shows it); only contiguous messages get the one-copy cma path. Both processes copy,
   in parallel, which is why large contiguous transfers still beat the raw baseline.
 
+``--device cuda[:N]`` puts both sides' KV regions in GPU memory (metadata rows stay on
+the host) and compares with a CUDA IPC ``copy_`` of the same bytes between two processes
+(:mod:`pdgrpc.bench._cuda_baseline`); targets there (issue 20): >= 0.8x raw from 8k
+tokens up, scattered >= 0.5x contiguous.
+
 ``--cases`` picks which cases run (head-sliced always brings the contiguous case it is
 compared with).
 """
@@ -78,6 +83,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdgrpc.bench._cuda_baseline import BASELINE_NAME as CUDA_BASELINE
+from pdgrpc.bench._cuda_baseline import add_device_argument, ipc_copy_baseline, placed, resolve_bench_device
 from pdgrpc.bench.report import Result
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
@@ -110,9 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-huge-pages", dest="huge_pages", action="store_false",
         help="put both sides' regions in ordinary 4 KiB pages (torch.zeros) instead of transparent huge pages "
         "(what an engine started with --kv-huge-pages registers); the raw baseline is unaffected")
+    add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> list[Result]:
+    resolve_bench_device(args)  # --device cuda without CUDA: one line naming the flag, exit 2
     try:
         import uvloop
 
@@ -237,6 +246,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     # the head-sliced receiver: TP rank 1 of 2, holding heads [H/2, H)
     tp2_layout = Layout(layers=args.layers, pages=2 * max_pages, huge_pages=huge,
                         page_shape=(KV_HEADS - half, TOKENS_PER_PAGE, HEAD_DIM), slots=4)
+    device = resolve_bench_device(args)
+    layout, tp2_layout = placed(layout, device), placed(tp2_layout, device)
     options: dict[str, Any] = {}
     if args.connections is not None:
         options["connections"] = args.connections
@@ -265,7 +276,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     # iteration runs right before the backend's, so both see the same machine load.
     base_lat: dict[int, list[float]] = {nb: [] for nb in nbytes.values()}
     raw: _RawTcp | None = None
-    if backend == "rdma":
+    if device != "cpu":  # GPU memory: the baseline is a device-to-device copy between the processes
+        base_name = CUDA_BASELINE
+        ucx = ipc_copy_baseline(sorted(set(nbytes.values())), args.iterations, args.warmup, device)
+    elif backend == "rdma":
         base_name = "raw ucxx tag send/recv"
         ucx = _ucx_baseline(sorted(set(nbytes.values())), args.iterations, args.warmup)
     else:
