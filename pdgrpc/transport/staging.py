@@ -293,11 +293,13 @@ class StagedReceive:
             self.pool.release(i)
 
     def abandon(self) -> None:
-        """The connection is gone: give back the buffer a piece was being read into (the
-        copies already started still finish; :meth:`landed` then returns their buffers)."""
+        """Stop here (the room was released, or the connection is gone): the buffer a piece
+        was being read into goes back now, those of copies still running once they finish."""
         if self._current is not None:
             self.pool.release(self._current)
             self._current = None
+        while self._copying:
+            self.pool.release_after(*self._copying.popleft())
         self._next = len(self.pieces)
 
 

@@ -126,7 +126,11 @@ class TcpDevice:
         loop = conn.loop
 
         def next_piece() -> None:
-            view = rx.next_buffer()
+            try:
+                view = rx.next_buffer()
+            except Exception as exc:  # e.g. pinned memory could not be allocated
+                rx.abandon()
+                return conn.lose(f"tcp: staging a frame into device memory failed: {exc!r}")
             conn._expect([view], functools.partial(got_piece, len(view)), [len(view)])
 
         def got_piece(n: int) -> None:
@@ -135,7 +139,11 @@ class TcpDevice:
             if not still_granted():  # released mid-frame: drop the rest, copy nothing more
                 rx.abandon()
                 return conn._expect_discard(remaining, conn._expect_header) if remaining else conn._expect_header()
-            rx.piece_received()
+            try:
+                rx.piece_received()
+            except Exception as exc:  # the copy into device memory could not be queued
+                rx.abandon()
+                return conn.lose(f"tcp: copying a frame into device memory failed: {exc!r}")
             if not rx.all_received:
                 return next_piece()
             conn._expect_header()

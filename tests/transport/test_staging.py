@@ -195,3 +195,20 @@ def test_staged_receive_lands_only_after_every_copy() -> None:
 
     assert asyncio.run(main()) is False
     assert torch.equal(dst[0], payload) and pool.free_count == 2
+
+
+def test_abandoned_receive_returns_its_buffers_once_their_copies_finish() -> None:
+    """A room released mid-frame: the buffer being read comes back at once, one still
+    copying into the device only when that copy finished (never reused under it)."""
+    gate = Gate()
+    pieces = _pieces(3, size=16)
+    pool = _pool(2)
+    rx = StagedReceive(pieces, pool, lambda piece, buf: gate)
+    rx.next_buffer()
+    rx.piece_received()  # piece 0 is copying
+    rx.next_buffer()  # piece 1 is being read when the room is released
+    rx.abandon()
+    assert pool.try_acquire() is not None  # the buffer piece 1 was read into
+    assert pool.try_acquire() is None  # piece 0's is still under its copy
+    gate.ev.set()
+    assert pool.try_acquire() is not None

@@ -140,6 +140,13 @@ async def test_staged_room_released_mid_frame_receives_no_more_bytes() -> None:
         assert total < layout.kv_bytes // 2, "the whole room had landed before the release; nothing was tested"
         for r in dst:
             assert torch.equal(dst[r], at_release[r]), f"bytes landed in region {r} after its room was released"
+        # the connection's staging buffers came back: the next room on it lands whole
+        b.advertise(RoomGrant.of(78, [0, 1], slot=1))
+        meta = metadata_op(src_regions[-1], 1, peer.descriptor.region(METADATA_REGION_ID), 1)
+        await a.write(peer, 78, page_ops(region_pairs(src_regions, peer.descriptor.regions), [7, 9], [0, 1]), metadata=meta)
+        assert (await b.wait(78, 60)).state is KVPoll.SUCCESS
+        pb = layout.page_bytes
+        assert torch.equal(dst[1][: 2 * pb], torch.cat([layout.source_bytes(1, 5)[p * pb : (p + 1) * pb] for p in (7, 9)]))
     finally:
         await a.close()
         await b.close()
