@@ -33,15 +33,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import statistics
 import time
 
+from pdgrpc.bench._cuda_baseline import resolve_bench_device
 from pdgrpc.bench.report import Result
 from pdgrpc.cluster.client import Completion, generate
 from pdgrpc.cluster.launcher import Cluster
-from pdgrpc.cluster.topology import load_topology
+from pdgrpc.cluster.topology import Topology, load_topology
 from pdgrpc.errors import PdgrpcError, TransportUnavailable
 from pdgrpc.rpc.server import run as run_loop
 from pdgrpc.transport import registry
@@ -74,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "mTLS everywhere), token (--auth-token auto), tls+token (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
+    p.add_argument("--device", default="cpu",
+                   help="engine device of every server, the colocated baseline included: cpu or cuda[:N] "
+                   "(default: %(default)s)")
     p.add_argument(
         "--baseline-tree", metavar="PATH", default=None,
         help="also start each disaggregated cluster from another checkout of pdgrpc (its servers import pdgrpc from "
@@ -142,8 +147,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     bad = [m for m in modes if m not in _SECURITY]
     if bad or not modes:
         raise PdgrpcError(f"--security: unknown mode(s) {bad or modes}; choose from {sorted(_SECURITY)}")
-    topology = load_topology(args.topology)
-    systems: dict[str, Cluster] = {BASELINE: Cluster(load_topology("colocated"))}
+    device = getattr(args, "device", "cpu")
+    topology = _on_device(load_topology(args.topology), device)
+    systems: dict[str, Cluster] = {BASELINE: Cluster(_on_device(load_topology("colocated"), device))}
     for t in transports:
         for mode in modes:
             tls, token = _SECURITY[mode]
@@ -224,4 +230,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
 
 
 def run(args: argparse.Namespace) -> list[Result]:
+    resolve_bench_device(args, "e2e")  # --device cuda without CUDA: one line naming the flag, exit 2
     return run_loop(_run(args))
+
+
+def _on_device(topology: Topology, device: str) -> Topology:
+    """Every engine of ``topology`` (prefill, decode, colocated) on ``device``."""
+    return topology if device == "cpu" else dataclasses.replace(topology, engine={**topology.engine, "device": device})

@@ -67,6 +67,11 @@ What bounds the ratios on a small host (measured on the 2-core CI machine, 32 Mi
   option ``contiguous_min``): copy-in copy-out needs both processes on a core at once
   and made this case 2-20x slower whenever the host was busy (issue 19).
 
+``--device cuda[:N]`` puts both sides' KV regions in GPU memory (metadata rows stay on
+the host) and compares with a CUDA IPC ``copy_`` of the same bytes between two processes
+(:mod:`pdgrpc.bench._cuda_baseline`); targets there (issue 20): >= 0.8x raw from 8k
+tokens up, scattered >= 0.5x contiguous.
+
 ``--cases`` picks which cases run (head-sliced always brings the contiguous case it is
 compared with).
 """
@@ -89,6 +94,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdgrpc.bench._cuda_baseline import BASELINE_NAME as CUDA_BASELINE
+from pdgrpc.bench._cuda_baseline import add_device_argument, ipc_copy_baseline, placed, resolve_bench_device
 from pdgrpc.bench.report import Result
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
@@ -123,9 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-huge-pages", dest="huge_pages", action="store_false",
         help="put both sides' regions in ordinary 4 KiB pages (torch.zeros) instead of transparent huge pages "
         "(what an engine started with --kv-huge-pages registers); the raw baseline is unaffected")
+    add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> list[Result]:
+    resolve_bench_device(args)  # --device cuda without CUDA: one line naming the flag, exit 2
     try:
         import uvloop
 
@@ -253,6 +262,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     # the head-sliced receiver: TP rank 1 of 2, holding heads [H/2, H)
     tp2_layout = Layout(layers=args.layers, pages=2 * max_pages, huge_pages=huge,
                         page_shape=(KV_HEADS - half, TOKENS_PER_PAGE, HEAD_DIM), slots=4)
+    device = resolve_bench_device(args)
+    layout, tp2_layout = placed(layout, device), placed(tp2_layout, device)
     options: dict[str, Any] = {}
     if args.connections is not None:
         options["connections"] = args.connections
@@ -282,7 +293,12 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     # machine load. base_lat[nbytes][repeat]: the raw latencies of that repeat.
     base_lat: dict[int, list[list[float]]] = {nb: [[] for _ in range(repeats)] for nb in nbytes.values()}
     raw: _RawTcp | None = None
-    if backend == "rdma":
+    if device != "cpu":  # GPU memory: the baseline is a device-to-device copy between the processes
+        base_name = CUDA_BASELINE
+        for nb, lats in ipc_copy_baseline(sorted(set(nbytes.values())), args.iterations, args.warmup, device).items():
+            for rep in base_lat[nb]:
+                rep.extend(lats)  # measured once; every repeat compares against it
+    elif backend == "rdma":
         base_name = "raw ucxx tag send/recv"
     else:
         base_name = "raw tcp socket recv_into"
@@ -327,7 +343,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 sender.release(room)
                 await target.call("release", room)
             for rep_i, (case_i, (tokens, together, src, dst)) in itertools.product(range(repeats), enumerate(cases)):
-                if backend == "rdma" and case_i == 0:  # a repeat starts with its raw baseline
+                if backend == "rdma" and device == "cpu" and case_i == 0:  # a repeat starts with its raw baseline
                     # in a thread: the loop keeps answering the peers' liveness heartbeats
                     ucx = await asyncio.to_thread(_ucx_baseline, sorted(set(nbytes.values())), args.iterations,
                                                   args.warmup)

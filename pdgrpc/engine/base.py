@@ -31,8 +31,10 @@ Who calls which hook, and when
     ``[0, c1), [c1, c2), ... [ck, len)`` of one prompt. Fills the KV of tokens
     ``[start, end)`` into the request's pages (those before ``start`` must already be
     there). After each chunk the pages :func:`~pdgrpc.engine.layout.newly_complete_pages`
-    names may be sent. On the last chunk returns the first generated token as a
-    :class:`SampledToken` (it goes into the metadata row); otherwise ``None``.
+    names may be sent, once the :meth:`Engine.chunk_ready` signal recorded after the chunk
+    resolved (a GPU may still be writing them when the call returns). On the last chunk
+    returns the first generated token as a :class:`SampledToken` (it goes into the
+    metadata row); otherwise ``None``.
 
 ``decode_step(batch)`` -- the decode server (and colocated generation), once per
     scheduler iteration over every running request. Each :class:`DecodeRequest` gives the
@@ -51,12 +53,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import AbstractSet, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Iterable, Protocol, Sequence
 
 import torch
 
 from pdgrpc.engine.layout import KVLayout, compat_hash, pages_for_tokens
 from pdgrpc.engine.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from pdgrpc.engine.device import ChunkReady
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -273,6 +278,15 @@ class Engine(abc.ABC):
     def prefill_chunk(self, request: PrefillRequest, start: int, end: int) -> SampledToken | None:
         """Fill the KV of tokens ``[start, end)``; on the last chunk (``end ==
         len(token_ids)``) return the first generated token, else ``None``."""
+
+    def chunk_ready(self) -> "ChunkReady":
+        """Called on the compute thread right after :meth:`prefill_chunk`: a signal that
+        resolves once the device finished writing that chunk's pages, which the prefill
+        server awaits before it sends them (:mod:`pdgrpc.engine.device`). The default is
+        for engines whose ``prefill_chunk`` returns with the pages written (the CPU)."""
+        from pdgrpc.engine.device import READY
+
+        return READY
 
     @abc.abstractmethod
     def decode_step(self, batch: Sequence[DecodeRequest]) -> list[SampledToken]:

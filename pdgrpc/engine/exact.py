@@ -41,6 +41,7 @@ times values below 2**52 for contexts <= 2**16 tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -158,4 +159,10 @@ def softmax_weights(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> t
     m.masked_fill_(~torch.isfinite(m), 0.0)
     # (max - s) in table steps; masked entries become +inf and clamp to the final 0 entry.
     gap.neg_().add_(m).round_().clamp_(max=len(_ATTN_TABLE) - 1)
-    return _ATTN_TABLE[gap.to(torch.int64)]
+    return _attn_table(gap.device)[gap.to(torch.int64)]
+
+
+@functools.lru_cache(maxsize=8)
+def _attn_table(device: torch.device) -> torch.Tensor:
+    """:data:`_ATTN_TABLE` on ``device`` (the same values: copied, not recomputed)."""
+    return _ATTN_TABLE.to(device)

@@ -207,6 +207,16 @@ class SegmentBatch:
     positions: torch.Tensor
     max_rows: int
 
+    def to(self, device: torch.device) -> "SegmentBatch":
+        """This batch with its index tensors on ``device`` (itself on the CPU)."""
+        if device.type == "cpu":
+            return self
+        move = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
+        return dataclasses.replace(
+            self, page_table=move(self.page_table), seq_lens=move(self.seq_lens), seg_of=move(self.seg_of),
+            row_of=move(self.row_of), positions=move(self.positions),
+        )
+
     @staticmethod
     def build(segments: list[tuple[list[int], int, int]]) -> "SegmentBatch":
         """From ``(pages, start_position, num_tokens)`` per segment."""
@@ -242,7 +252,10 @@ class _ShardLayer:
 class ModelShard:
     """One TP rank's slice of the model, computing over paged K/V pool tensors."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         if not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
         for field in ("num_heads", "num_kv_heads", "intermediate_size"):
@@ -262,17 +275,20 @@ class ModelShard:
         n_inter = cfg.intermediate_size // tp_size
         ms = slice(tp_rank * n_inter, (tp_rank + 1) * n_inter)
 
+        self.device = device
+
         def t(w: torch.Tensor) -> torch.Tensor:  # stored transposed: activations @ w_t
-            return w.t().contiguous()
+            return w.t().contiguous().to(device)
 
         self.layers = [
             _ShardLayer(t(lw.wq[qs]), t(lw.wk[ks]), t(lw.wv[ks]), t(lw.wo[:, qs]), t(lw.w_gate[ms]), t(lw.w_up[ms]), t(lw.w_down[:, ms]))
             for lw in weights.layers
         ]
-        self.embed = weights.embed
+        self.embed = weights.embed.to(device)
         self.lm_head_t = t(weights.lm_head)
-        self.lm_bias = weights.lm_bias
-        self.cos, self.sin = _rope_table(d, cfg.rope_theta, max_positions)
+        self.lm_bias = weights.lm_bias.to(device)
+        cos, sin = _rope_table(d, cfg.rope_theta, max_positions)
+        self.cos, self.sin = cos.to(device), sin.to(device)
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -316,7 +332,8 @@ class ModelShard:
         _, hkv, page_size, d = k_pool.shape
         group = q.shape[1] // hkv
         L = batch.page_table.shape[1] * page_size
-        key_pos = torch.arange(L)
+        dev = q.device
+        key_pos = torch.arange(L, device=dev)
         in_seq = key_pos[None, :] < batch.seq_lens[:, None]  # [B, L]
         stale = ~in_seq[:, None, :, None]
 
@@ -328,9 +345,9 @@ class ModelShard:
 
         k, v = gather(k_pool), gather(v_pool)
         # Queries padded to [B, N] so every segment is one batched matmul.
-        qp = torch.zeros((B, N, q.shape[1], d), dtype=torch.float64)
+        qp = torch.zeros((B, N, q.shape[1], d), dtype=torch.float64, device=dev)
         qp[batch.seg_of, batch.row_of] = q
-        qpos = torch.full((B, N), -1, dtype=torch.int64)
+        qpos = torch.full((B, N), -1, dtype=torch.int64, device=dev)
         qpos[batch.seg_of, batch.row_of] = batch.positions
         # Query heads sharing a KV head become extra rows: [B, hkv, group * N, d], so each
         # matmul is a plain batched one over (request, KV head) with no broadcast copies.

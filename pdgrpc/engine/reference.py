@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from pdgrpc.engine import exact
+from pdgrpc.engine.device import ChunkReady, chunk_ready_on, resolve_device
 from pdgrpc.engine.base import (
     DecodeRequest,
     Engine,
@@ -76,6 +77,10 @@ class EngineConfig:
     # changed with them (see transport.memory). Memory placement only: peers need not
     # agree on it.
     kv_huge_pages: bool = False
+    # Where the weights, the KV pool and the compute live: "cpu" or "cuda[:N]"
+    # (pdgrpc.engine.device). Placement only: the fixed-point arithmetic gives the same
+    # tokens on either, and peers need not agree on it.
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
@@ -85,6 +90,8 @@ class EngineConfig:
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"EngineConfig.{field} must be a positive int, got {v!r}")
         kv_dtype_from_name(self.kv_dtype)
+        if resolve_device(self.device).type != "cpu" and self.kv_huge_pages:
+            raise ConfigError("--kv-huge-pages applies to a host KV pool; it cannot be combined with --device cuda")
         if self.max_prompt_tokens >= self.max_seq_len:
             raise ConfigError(
                 f"EngineConfig.max_prompt_tokens ({self.max_prompt_tokens}) must be < max_seq_len ({self.max_seq_len})"
@@ -116,7 +123,8 @@ class ReferenceEngine(PooledEngine):
         self.config = config
         if config.intra_op_threads:  # first: building the weights is the first heavy work
             torch.set_num_threads(config.intra_op_threads)
-        self._shard = ModelShard(config.model, config.max_seq_len, config.tp_rank, config.tp_size, all_reduce)
+        self.device = resolve_device(config.device)
+        self._shard = ModelShard(config.model, config.max_seq_len, config.tp_rank, config.tp_size, all_reduce, self.device)
         m = config.model
         self._layout = KVLayout(
             num_layers=m.num_layers,
@@ -132,16 +140,18 @@ class ReferenceEngine(PooledEngine):
         # Zero-filled: stale rows are masked anyway, but zeros make dumps readable.
         if kv_pool is not None:  # memory someone else owns (e.g. shared with a compute process)
             for t in kv_pool.k + kv_pool.v:
-                if tuple(t.shape) != self._layout.pool_shape or t.dtype != self._layout.dtype or not t.is_contiguous():
+                if (tuple(t.shape) != self._layout.pool_shape or t.dtype != self._layout.dtype or not t.is_contiguous()
+                        or t.device != self.device):
                     raise ConfigError(
                         f"ReferenceEngine: kv_pool tensors must be contiguous {self._layout.pool_shape} "
-                        f"{self._layout.dtype}, got {tuple(t.shape)} {t.dtype}"
+                        f"{self._layout.dtype} on {self.device}, got {tuple(t.shape)} {t.dtype} on {t.device}"
                     )
             if len(kv_pool.k) != m.num_layers or len(kv_pool.v) != m.num_layers:
                 raise ConfigError(f"ReferenceEngine: kv_pool needs {m.num_layers} K and V tensors")
             self._k, self._v = list(kv_pool.k), list(kv_pool.v)
         else:
-            alloc = host_zeros if config.kv_huge_pages else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+            dev = self.device
+            alloc = host_zeros if config.kv_huge_pages else (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=dev))
             self._k = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
             self._v = [alloc(self._layout.pool_shape, self._layout.dtype) for _ in range(m.num_layers)]
         self._pages = FifoPageAllocator(config.num_pages)
@@ -215,13 +225,19 @@ class ReferenceEngine(PooledEngine):
         finally:
             self.free_pages(pages)
 
+    def chunk_ready(self) -> ChunkReady:
+        return chunk_ready_on(self.device)
+
     def _forward(self, token_ids: Sequence[int], batch: SegmentBatch, rows: list[int]) -> torch.Tensor:
+        """Float64 logits of ``rows``, on the CPU (sampling runs there whatever the device)."""
+        dev = self.device
         with torch.no_grad(), _intra_op_threads(self.config.intra_op_threads):
-            return self._shard.forward(
-                torch.tensor(list(token_ids), dtype=torch.int64),
-                batch,
+            logits = self._shard.forward(
+                torch.tensor(list(token_ids), dtype=torch.int64).to(dev, non_blocking=True),
+                batch.to(dev),
                 self._k,
                 self._v,
                 self._kv_quant,
-                torch.tensor(rows, dtype=torch.int64),
+                torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
             )
+        return logits if dev.type == "cpu" or not rows else logits.cpu()

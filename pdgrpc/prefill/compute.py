@@ -21,18 +21,22 @@ import dataclasses
 from typing import Any, Awaitable, Callable, NamedTuple
 
 from pdgrpc.engine.base import PrefillRequest, SampledToken
+from pdgrpc.engine.device import READY, ChunkReady
 
 __all__ = ["ChunkPost", "Compute", "ComputeJob", "uncancellable"]
 
 
 class ChunkPost(NamedTuple):
     """The prompt is computed up to token ``end``; ``token`` on the last chunk; ``seconds``
-    of compute since the previous post; ``error`` when a chunk failed (the job stops)."""
+    of compute since the previous post; ``error`` when a chunk failed (the job stops);
+    ``ready`` resolves once the device finished writing those pages (the engine's
+    :meth:`~pdgrpc.engine.base.Engine.chunk_ready`; already resolved on the CPU)."""
 
     end: int
     token: SampledToken | None
     seconds: float
     error: BaseException | None
+    ready: ChunkReady = READY
 
 
 @dataclasses.dataclass(eq=False)

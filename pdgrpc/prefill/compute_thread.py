@@ -76,7 +76,7 @@ class ThreadCompute(Compute):
                 job.computed_all = True
             due = rule.computed(end, secs)
             if due is not None:
-                post(ChunkPost(end, token, due, None))
+                post(ChunkPost(end, token, due, None, self.engine.chunk_ready()))
             if end == n:
                 return stop()
             try:

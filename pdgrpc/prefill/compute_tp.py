@@ -237,4 +237,4 @@ class TpFollowerCompute(Compute):
             if fut is not None:
                 fut.set_result(None)
         if fr is not None:
-            fr.post(ChunkPost(end, tok, time.perf_counter() - t, err))
+            fr.post(ChunkPost(end, tok, time.perf_counter() - t, err, self.engine.chunk_ready()))

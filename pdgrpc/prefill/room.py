@@ -135,6 +135,8 @@ class RoomDriver:
             if post.end <= sender.tokens_done:
                 continue
             compute_s += post.seconds
+            if not post.ready.done():  # a GPU still writing the chunk's pages: wait, never block
+                await post.ready.wait()
             self._token = post.token
             self._check_transport(sender)
             await self._execute(sender.handle(ChunkDone(post.end, last=post.end == n), time.monotonic()))

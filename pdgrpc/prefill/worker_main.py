@@ -155,6 +155,9 @@ def compute_in(ns: argparse.Namespace) -> str:
     if uses_checkpoint(ns):
         log.info("%s: --compute-in process: a --model engine computes on a thread", worker_name(ns))
         return "thread"
+    if getattr(ns, "device", "cpu") != "cpu":
+        log.info("%s: --compute-in process: a --device %s pool is not shared memory; computing on a thread", worker_name(ns), ns.device)
+        return "thread"
     if ns.tp_size > 1:
         log.info("%s: --compute-in process: a TP rank computes on a thread (its gloo group lives in the worker)", worker_name(ns))
         return "thread"

@@ -4,8 +4,9 @@ Every server that runs an engine (prefill workers, decode ranks, the colocated s
 tests' in-process reference) builds it through :func:`build_engine`, so the same flags
 give the same engine -- and the same compatibility hash -- everywhere.
 
+``--device`` places either engine (weights, compute, KV pool) on ``cpu`` or ``cuda[:N]``.
 ``--model`` selects :class:`~pdgrpc.engine.hf.engine.HFEngine` with ``--dtype`` (weights,
-activations and KV pool) and ``--device``; the reference-engine flags (``--model-size``,
+activations and KV pool); the reference-engine flags (``--model-size``,
 ``--model-seed``, ``--kv-dtype``) then do not apply. ``--page-size``, ``--num-pages``,
 ``--max-prompt-tokens`` and ``--max-seq-len`` apply to both.
 """
@@ -40,7 +41,11 @@ def add_model_arguments(g: argparse._ArgumentGroup) -> None:
         help="with --model: dtype of the weights, activations and KV pool (bytes per parameter: 4, 2, 2). "
         "Default: %(default)s",
     )
-    g.add_argument("--device", default="cpu", help="with --model: torch device of the weights and KV pool. Default: %(default)s")
+    g.add_argument(
+        "--device", default="cpu",
+        help="torch device of the weights, compute and KV pool: cpu, cuda or cuda:N (metadata rows stay in host "
+        "memory; see docs/gpu.md). Default: %(default)s",
+    )
 
 
 def uses_checkpoint(ns: argparse.Namespace) -> bool:

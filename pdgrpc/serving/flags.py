@@ -139,6 +139,7 @@ def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size
         tp_rank=tp_rank,
         tp_size=tp_size,
         kv_huge_pages=getattr(ns, "kv_huge_pages", False),
+        device=getattr(ns, "device", "cpu"),
     )
 
 

@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import json
 
+from pdgrpc.transport.memkind import MemoryProfile, check_peer_memory
 from pdgrpc.transport.regions import BadDescriptor, RegionInfo, RegionKind
 
 __all__ = ["DESCRIPTOR_VERSION", "Descriptor", "Peer"]
@@ -23,7 +24,9 @@ class Descriptor:
     connection-cache key and the generation that tells a restarted peer apart.
     ``endpoint`` is backend-specific (``host:port``, a UCX worker address, ...).
     ``liveness`` is the optional ``host:port`` of a :mod:`pdgrpc.transport.liveness`
-    side channel ("" when the backend does not use one).
+    side channel ("" when the backend does not use one). Each region says its memory
+    kind; a peer whose memory cannot work with ours is refused when its descriptor is
+    parsed (:mod:`pdgrpc.transport.memkind`).
     """
 
     backend: str
@@ -31,6 +34,14 @@ class Descriptor:
     endpoint: bytes
     regions: tuple[RegionInfo, ...] = ()
     liveness: str = ""
+    # Memory kinds the backend instance moves; empty: host plus its regions' kinds (a
+    # backend that registered a region moves its memory). See transport.memkind.
+    moves: tuple[str, ...] = ()
+
+    def memory_profile(self) -> MemoryProfile:
+        kinds = frozenset(r.memory for r in self.regions)
+        moves = frozenset(self.moves) if self.moves else frozenset({"host"}) | kinds
+        return MemoryProfile(kinds, moves)
 
     def region(self, region_id: int) -> RegionInfo | None:
         for r in self.regions:
@@ -58,9 +69,13 @@ class Descriptor:
             "liveness": self.liveness,
             "regions": [
                 [r.region_id, r.name, r.kind.value, r.nbytes, r.item_bytes, base64.b64encode(r.backend_data).decode()]
+                + ([] if r.memory == "host" else [r.memory])  # host-only descriptors stay as before
                 for r in self.regions
             ],
         }
+        moves = self.memory_profile().moves
+        if moves != {"host"}:
+            doc["moves"] = sorted(moves)
         return b"PDGT" + json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -72,15 +87,19 @@ class Descriptor:
             if doc["v"] != DESCRIPTOR_VERSION:
                 raise BadDescriptor(f"descriptor version {doc['v']} unsupported (want {DESCRIPTOR_VERSION})")
             regions = tuple(
-                RegionInfo(int(i), str(n), RegionKind(k), int(nb), int(ib), base64.b64decode(bd))
-                for i, n, k, nb, ib, bd in doc["regions"]
+                RegionInfo(int(i), str(n), RegionKind(k), int(nb), int(ib), base64.b64decode(bd), str(mem[0]) if mem else "host")
+                for i, n, k, nb, ib, bd, *mem in doc["regions"]
             )
+            moves = doc.get("moves", [])
+            if not isinstance(moves, list) or not all(isinstance(m, str) for m in moves):
+                raise BadDescriptor("malformed descriptor: 'moves' must be a list of memory kinds")
             d = cls(
                 backend=str(doc["backend"]),
                 instance_id=str(doc["instance_id"]),
                 endpoint=base64.b64decode(doc["endpoint"]),
                 regions=regions,
                 liveness=str(doc.get("liveness", "")),
+                moves=tuple(moves),
             )
         except BadDescriptor:
             raise
@@ -88,6 +107,7 @@ class Descriptor:
             raise BadDescriptor(f"malformed descriptor: {exc!r}") from None
         if len({r.region_id for r in regions}) != len(regions):
             raise BadDescriptor("descriptor lists a region_id twice")
+        check_peer_memory(d.memory_profile(), d.instance_id)
         if not d.instance_id:
             raise BadDescriptor("descriptor has an empty instance_id")
         return d

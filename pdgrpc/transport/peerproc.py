@@ -57,6 +57,7 @@ class Layout:
     slots: int = 16
     row_bytes: int = 256
     huge_pages: bool = True  # regions in transparent huge pages (transport.memory.host_zeros)
+    device: str = "cpu"  # where the KV regions live ("cuda": GPU memory); metadata rows stay on the host
 
     @property
     def page_bytes(self) -> int:
@@ -93,7 +94,10 @@ class Layout:
 
         def make(region_id: int) -> torch.Tensor:
             n = self.region_nbytes(region_id)
-            flat = host_zeros((n,), torch.uint8) if self.huge_pages else torch.zeros(n, dtype=torch.uint8)
+            if self.device != "cpu" and region_id != METADATA_REGION_ID:
+                flat = torch.zeros(n, dtype=torch.uint8, device=self.device)
+            else:
+                flat = host_zeros((n,), torch.uint8) if self.huge_pages else torch.zeros(n, dtype=torch.uint8)
             if seed is not None:
                 flat.copy_(self.source_bytes(region_id, seed))
             flats[region_id] = flat
@@ -124,7 +128,7 @@ def resource_counts() -> dict[str, int]:
 
 def digest(view: memoryview | torch.Tensor) -> str:
     if isinstance(view, torch.Tensor):
-        view = view.contiguous().view(torch.uint8).reshape(-1).numpy().data  # ndarray.data == memoryview(ndarray), which numpy types only for 3.12+
+        view = view.contiguous().view(torch.uint8).reshape(-1).cpu().numpy().data  # ndarray.data == memoryview(ndarray), which numpy types only for 3.12+
     return hashlib.sha256(view).hexdigest()
 
 
@@ -268,7 +272,7 @@ class _PeerServer:
         self.t.fail_peer(instance_id, reason)
 
     async def cmd_digest(self, region_id: int, start: int = 0, end: int | None = None) -> str:
-        return digest(self.flats[region_id].numpy().data[start:end])
+        return digest(self.flats[region_id][start:end])
 
     async def cmd_digest_pages(self, region_ids: Sequence[int], pages: Sequence[int]) -> str:
         """Digest of the listed pages (items) of each region, regions then pages in order.
@@ -278,7 +282,7 @@ class _PeerServer:
         return await asyncio.to_thread(lambda: digest(torch.cat(parts)))
 
     async def cmd_read(self, region_id: int, start: int, end: int) -> bytes:
-        return bytes(self.flats[region_id].numpy().data[start:end])
+        return bytes(self.flats[region_id][start:end].cpu().numpy().data)
 
     async def cmd_close(self) -> dict[str, int]:
         await self.t.close()

@@ -33,6 +33,8 @@ import torch
 
 from pdgrpc.errors import ConfigError
 from pdgrpc.transport.base import Descriptor, MemoryRegion
+from pdgrpc.transport.memkind import MemoryKind, check_registrable, memory_kind
+from pdgrpc.transport.regions import RegionKind
 from pdgrpc.transport.receiver import MessageType, ReceiveRoom
 
 KIND_SHIFT = 60
@@ -72,18 +74,45 @@ def data_tag(conn: int, seq: int) -> int:
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type != "cpu":
-        raise ConfigError(
-            f"rdma transport: this build registers host memory only; got a tensor on {tensor.device}"
-        )
     flat = tensor.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def ucx_moves_cuda() -> bool:
+    """Whether the ``libucx`` in use ships its CUDA transports (``libuct_cuda``, as the
+    ``-cu12`` wheels do) and this process can use CUDA: then UCX detects CUDA pointers in
+    a message's iov and moves them (``cuda_ipc`` / ``cuda_copy`` / GPUDirect RDMA)."""
+    import os
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import libucx  # type: ignore[import-untyped]
+    except ImportError:
+        return False
+    lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "ucx")
+    return os.path.isdir(lib) and any(n.startswith("libuct_cuda.so") for n in os.listdir(lib))
+
+
+def check_region_memory(region: MemoryRegion) -> None:
+    """Raise :class:`ConfigError` for a region this build cannot register: device memory
+    other than CUDA, CUDA memory without a CUDA-enabled UCX, metadata rows off the host."""
+    kind = memory_kind(region.tensor)
+    if kind is MemoryKind.HOST:
+        return
+    if region.kind is RegionKind.METADATA:
+        raise ConfigError(f"rdma transport: metadata region {region.label} must be host memory "
+                          f"(metadata rows stay on the host), got a tensor on {region.tensor.device}")
+    moves = {MemoryKind.HOST, MemoryKind.CUDA} if ucx_moves_cuda() else {MemoryKind.HOST}
+    check_registrable("rdma", kind, moves, region.label,
+                      "needs a CUDA-enabled libucx (pip install 'pdgrpc[ucx]', ucxx-cu12) and a visible CUDA device")
 
 
 class Region:
     __slots__ = ("info", "flat", "ptr")
 
     def __init__(self, region: MemoryRegion) -> None:
+        check_region_memory(region)
         self.flat = flat_bytes(region.tensor)
         self.ptr = self.flat.data_ptr()
         self.info = region.info()

@@ -36,7 +36,8 @@ class RegionInfo:
 
     ``item_bytes`` is the size of one page (KV) or one row (metadata): the byte stride
     of the region's first dimension. ``backend_data`` is backend-specific (e.g. a remote
-    key); empty for backends that need nothing.
+    key); empty for backends that need nothing. ``memory`` is the memory kind of the
+    tensor (``"host"`` or ``"cuda"``, see :mod:`pdgrpc.transport.memkind`).
     """
 
     region_id: int
@@ -45,6 +46,7 @@ class RegionInfo:
     nbytes: int
     item_bytes: int
     backend_data: bytes = b""
+    memory: str = "host"
 
     def __post_init__(self) -> None:
         if not 0 <= self.region_id <= _MAX_REGION_ID:
@@ -101,8 +103,15 @@ class MemoryRegion:
     def item_bytes(self) -> int:
         return self.nbytes // self.tensor.shape[0]
 
+    @functools.cached_property
+    def memory(self) -> str:
+        """``"host"`` or ``"cuda"`` (:func:`pdgrpc.transport.memkind.memory_kind`)."""
+        from pdgrpc.transport.memkind import memory_kind
+
+        return memory_kind(self.tensor).value
+
     def info(self, backend_data: bytes = b"") -> RegionInfo:
-        return RegionInfo(self.region_id, self.name, self.kind, self.nbytes, self.item_bytes, backend_data)
+        return RegionInfo(self.region_id, self.name, self.kind, self.nbytes, self.item_bytes, backend_data, self.memory)
 
 
 class WriteOp(NamedTuple):

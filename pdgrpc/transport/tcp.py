@@ -63,6 +63,7 @@ from pdgrpc.transport.base import (
 )
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.tcp_device import TcpDevice
 from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, on_hello, tend
 from pdgrpc.transport.tcp_conn import (
     ACK, CHALLENGE, HEADER, HELLO, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
@@ -139,6 +140,7 @@ class TcpTransport(Transport):
         self._endpoint = b""
         self._regions: dict[int, MemoryRegion] = {}
         self._views: dict[int, memoryview] = {}
+        self._dev = TcpDevice()
         self._recv = Receiver(self.rooms)
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Future[None]] = {}
@@ -210,7 +212,8 @@ class TcpTransport(Transport):
         for r in regions:
             if r.region_id in self._regions and self._regions[r.region_id] is not r:
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
-            self._views[r.region_id] = byte_view(r.tensor)
+            if not self._dev.add(r):  # device memory is staged (tcp_device); host memory is read in place
+                self._views[r.region_id] = byte_view(r.tensor)
             self._regions[r.region_id] = r
             self._recv.add_region(r.info())
         if self._listener is None:
@@ -361,6 +364,9 @@ class TcpTransport(Transport):
             return
         conn.rooms.add(room)
         views = self._views
+        if ftype == WRITE and self._dev.touches(regions):
+            return self._dev.receive(conn, lambda: self._recv.get(room) is rr, *_merge_adjacent(regions, offsets, lengths),
+                                     functools.partial(self._recv.landed, room, rr, payload_len))
         if ftype == WRITE:
             # every op was authorized above; adjacent ones are filled as one buffer
             regions, offsets, lengths = _merge_adjacent(regions, offsets, lengths)
@@ -402,7 +408,9 @@ class TcpTransport(Transport):
         sent = link.sent.get(room, 0)
         views = self._views
         arr = WriteOps.of(ops).array
-        for chunk in frame_chunks(arr):
+        staged = self._dev.touches(arr[:, 0])  # device sources go through pinned buffers (tcp_device)
+        sent += await self._dev.write(link.conn, room, arr) if staged else 0
+        for chunk in () if staged else frame_chunks(arr):
             table = np.zeros(len(chunk), dtype=OP_DTYPE)
             table["region"] = chunk[:, 2]
             table["offset"] = chunk[:, 3]

@@ -152,6 +152,8 @@ class _Conn:
         # slices, and holding them all as live memoryviews makes the garbage
         # collector's work grow with the queue.
         self._frames: collections.deque[Any] = collections.deque()
+        self.on_close: list[Callable[[], None]] = []  # called once when the connection closes
+        self.staging: Any = None  # staging buffers of device regions (pdgrpc.transport.tcp_device)
         self._fidx = 0  # first buffer of the head frame not fully sent
         self._fpos = 0  # bytes of the head frame sent
         self._writing = False
@@ -286,11 +288,13 @@ class _Conn:
         self._guard_room, self._guard_ref = room, ref
 
     # -- writing -------------------------------------------------------------------
-    def send(self, bufs: Sequence[bytes | memoryview]) -> None:
+    def send(self, bufs: Sequence[bytes | memoryview], on_sent: Callable[[], None] | None = None) -> None:
+        """Queue a frame; ``on_sent()`` once the socket took all of it (never if closed first)."""
         if self.closed:
             return
         views = [b if type(b) is memoryview else memoryview(b) for b in bufs]
-        self._frames.append((views, list(itertools.accumulate(len(b) for b in views))))
+        ends = list(itertools.accumulate(len(b) for b in views))
+        self._frames.append((views, ends) if on_sent is None else (views, ends, on_sent))
         if not self._writing:
             self._flush()
 
@@ -313,7 +317,7 @@ class _Conn:
             head = frames[0]
             if callable(head):
                 head = frames[0] = head()
-            bufs, ends = head
+            bufs, ends = head[0], head[1]
             i, pos = self._fidx, self._fpos
             skip = pos - (ends[i - 1] if i else 0)
             j = min(i + _IOV_BATCH, len(bufs))
@@ -330,6 +334,8 @@ class _Conn:
             if pos == ends[-1]:
                 frames.popleft()
                 self._fidx = self._fpos = 0
+                if len(head) > 2:  # send(..., on_sent=): the socket took the whole frame
+                    head[2]()
                 continue
             self._fpos = pos
             self._fidx = bisect.bisect_right(ends, pos, i)
@@ -365,6 +371,8 @@ class _Conn:
         self._frames.clear()
         self._iovs = []
         self.sock.close()
+        for cb in self.on_close:
+            cb()
         for fut in (self.hello, self.challenge):
             if not fut.done():
                 fut.set_exception(PeerFailure("connection closed during handshake"))

@@ -98,3 +98,52 @@ async def test_no_handshake_fails_at_the_senders_deadline(decode: FakeDecode) ->
         assert _held(w) == (0, 0, 0)
     finally:
         await w.close()
+
+
+async def test_a_chunk_is_sent_only_once_the_device_finished_writing_it(decode: FakeDecode) -> None:
+    """The engine's chunk-ready signal (a CUDA event on a GPU) gates every write: while it
+    is unresolved nothing is sent, yet the event loop stays free; once it resolves the
+    prompt lands whole."""
+    import asyncio
+    import threading
+
+    from pdgrpc.engine.device import ChunkReady, poll_until
+
+    device_done = threading.Event()
+
+    class Pending(ChunkReady):
+        def done(self) -> bool:
+            return device_done.is_set()
+
+        async def wait(self) -> None:
+            await poll_until(self.done)
+
+    class GpuLike(ReferenceEngine):
+        def chunk_ready(self) -> ChunkReady:
+            return Pending()
+
+    w = PrefillWorker(GpuLike(CONFIG), registry.create("tcp"), WorkerConfig(chunk_size=6, min_write_bytes=0))
+    await w.start()
+    writes = 0
+    real_write = w.transport.write
+
+    async def counting_write(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal writes
+        writes += 1
+        return await real_write(*args, **kwargs)
+
+    w.transport.write = counting_write  # type: ignore[method-assign]
+    try:
+        ids, room = prompt(30, 8), new_room()
+        r = decode.allocate(room, len(ids))
+        w.handshake(decode.handshake_request(r))
+        task = asyncio.create_task(w.prefill(request(room, ids)))
+        await asyncio.sleep(0.5)  # every chunk computed by now; the loop kept running meanwhile
+        assert writes == 0 and not task.done()
+        device_done.set()
+        resp = await asyncio.wait_for(task, 30)
+        assert writes >= 1 and resp.prompt_tokens == 30
+        assert (await decode.wait(r)).state is KVPoll.SUCCESS
+        assert_landed_bit_exact(decode, r, ids, SamplingParams())
+    finally:
+        await w.close()

@@ -46,7 +46,9 @@ async def _posts(min_write_pages: float, fail_at: int | None = None) -> list[tup
     job = compute.begin(9, PrefillRequest(tuple(prompt(N, 1)), tuple(pages), SamplingParams()))
     posts = []
     while True:
-        end, token, secs, err = await asyncio.wait_for(job.posts.get(), 30)
+        post = await asyncio.wait_for(job.posts.get(), 30)
+        end, token, secs, err = post.end, post.token, post.seconds, post.error
+        assert post.ready.done()  # a CPU engine's pages are written when the chunk returns
         posts.append((end, token is not None, secs, err))
         if err is not None or end == N:
             break

@@ -9,7 +9,7 @@ import pytest
 
 from pdgrpc.errors import TransportUnavailable
 from pdgrpc.transport import registry
-from pdgrpc.transport.testing import MEASURED, TransportConformance
+from pdgrpc.transport.testing import MEASURED, CudaTransportConformance, TransportConformance
 
 
 def _skip_unless_loadable(name: str) -> Callable[[type], type]:
@@ -60,6 +60,29 @@ class TestExamplePluginConformance(TransportConformance):
     """examples/pdgrpc-unix, found through the pdgrpc.transports entry point."""
 
     backend = "unix"
+
+
+# -- the data checks with KV regions in GPU memory (skipped without a CUDA device) ------
+class TestTcpCudaConformance(CudaTransportConformance):
+    backend = "tcp"
+
+
+class TestTcpCudaToHostConformance(CudaTransportConformance):
+    """This process's regions on the GPU, the peer process's on the host."""
+
+    backend = "tcp"
+    peer_device = "cpu"
+
+
+@_skip_unless_loadable("rdma")
+class TestRdmaCudaConformance(CudaTransportConformance):
+    backend = "rdma"
+
+
+@_skip_unless_loadable("rdma")
+class TestRdmaCudaToHostConformance(CudaTransportConformance):
+    backend = "rdma"
+    peer_device = "cpu"
 
 
 def teardown_module() -> None:

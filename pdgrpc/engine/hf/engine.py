@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from pdgrpc.engine.base import DecodeRequest, Engine, InvalidRequest, KVBuffers, PrefillRequest, SampledToken
+from pdgrpc.engine.device import ChunkReady, chunk_ready_on, resolve_device
 from pdgrpc.engine.hf.config import HFConfig, load_config
 from pdgrpc.engine.hf.model import AllReduce, Batch, HFModel
 from pdgrpc.engine.hf.tokenizer import HFTokenizer
@@ -63,10 +64,7 @@ class HFEngineConfig:
             raise ConfigError(f"--max-prompt-tokens ({self.max_prompt_tokens}) must be < --max-seq-len ({self.max_seq_len})")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-        try:
-            torch.device(self.device)
-        except RuntimeError as exc:
-            raise ConfigError(f"--device {self.device!r}: {exc}") from None
+        resolve_device(self.device)
 
 
 def check_checkpoint(config: HFEngineConfig) -> HFConfig:
@@ -98,7 +96,7 @@ class HFEngine(PooledEngine):
         if config.threads:
             torch.set_num_threads(config.threads)
         c = self.hf = check_checkpoint(config)
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         dtype = kv_dtype_from_name(config.dtype)
         self._tokenizer = HFTokenizer(c)
         self._model_id = f"hf:{c.architecture}:{c.path.name}:config={c.digest[:16]}:weights={weights_digest(c)[:16]}"
@@ -206,13 +204,16 @@ class HFEngine(PooledEngine):
         finally:
             self.free_pages(pages)
 
+    def chunk_ready(self) -> ChunkReady:
+        return chunk_ready_on(self.device)
+
     def _forward(self, tokens: torch.Tensor, batch: Batch, rows: torch.Tensor | None) -> torch.Tensor:
         with torch.inference_mode():
             return self._model.forward(tokens, batch, self._k, self._v, rows)
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: Sequence[PrefillRequest | DecodeRequest], positions: list[int]) -> list[SampledToken]:
-        return sample_float(logits, [r.sampling for r in requests], positions)
+        return sample_float(logits.cpu(), [r.sampling for r in requests], positions)  # a few rows: sampled on the CPU
 
 
 def load(model: str | Path, **kwargs: object) -> HFEngine:

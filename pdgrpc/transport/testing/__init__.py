@@ -33,6 +33,10 @@ clean close):
 * a >= 256 MiB transfer arrives bit-exact;
 * ``close`` leaves no asyncio task, thread or file descriptor behind, in either process.
 
+:class:`CudaTransportConformance` runs the data checks with the KV regions in GPU memory
+(both sides, or one side with ``peer_device = "cpu"``); it skips, saying so, where torch
+sees no CUDA device.
+
 Measured failure-detection times are appended to :data:`MEASURED` (printed by pytest's
 ``-s``), so CI logs show how close to the deadline a backend runs.
 """
@@ -308,4 +312,21 @@ class TransportConformance(FailureChecks):
             await _close(recv.t)
 
 
-__all__ = ["FAIL_DEADLINE_S", "MEASURED", "TransportConformance"]
+class CudaTransportConformance(TransportConformance):
+    """The data checks with KV regions in GPU memory (``device = "cuda"``; metadata rows
+    stay in host memory). Set ``peer_device = "cpu"`` to prove that a GPU-memory side and
+    a host-memory side work together. Skipped, with the reason, where torch sees no CUDA
+    device; they run wherever it does."""
+
+    pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    device = "cuda"
+    # not collected: they do not depend on where the bytes live (the host run covers them)
+    test_registry_and_descriptor = None  # type: ignore[assignment]
+    test_sender_killed_mid_transfer_fails_receiver_rooms = None  # type: ignore[assignment]
+    test_receiver_killed_mid_transfer_fails_sender_rooms = None  # type: ignore[assignment]
+    test_fail_peer_hook_on_sender = None  # type: ignore[assignment]
+    test_fail_peer_hook_on_receiver = None  # type: ignore[assignment]
+    test_close_leaves_nothing_behind = None  # type: ignore[assignment]
+
+
+__all__ = ["FAIL_DEADLINE_S", "MEASURED", "CudaTransportConformance", "TransportConformance"]

@@ -4,6 +4,7 @@ contents, and the helpers every check uses."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from typing import Any, ClassVar, Sequence
@@ -36,8 +37,9 @@ class _Local:
         return self
 
     def page_bytes(self, region_id: int, page: int) -> torch.Tensor:
+        """A page's (or row's) bytes, as a host tensor whatever memory the region is in."""
         ib = self.layout.item_bytes(region_id)
-        return self.flats[region_id][page * ib : (page + 1) * ib]
+        return self.flats[region_id][page * ib : (page + 1) * ib].cpu()
 
     def row(self, slot: int) -> torch.Tensor:
         return self.page_bytes(METADATA_REGION_ID, slot)
@@ -69,6 +71,10 @@ class ConformanceBase:
     backend: ClassVar[str] = ""
     options: ClassVar[dict[str, Any]] = {}
     seed: ClassVar[int] = 1234
+    # Where both sides' KV regions live: "cpu", or "cuda" for the CUDA variant of the
+    # data checks (metadata rows stay in host memory either way).
+    device: ClassVar[str] = "cpu"
+    peer_device: ClassVar[str] = ""  # the other process's KV regions ("": same as device)
 
     # ------------------------------------------------------------------ helpers
     def _backend(self) -> str:
@@ -83,11 +89,16 @@ class ConformanceBase:
         if not self._moves_bytes():
             pytest.skip(f"backend {self.backend!r} moves no bytes (moves_bytes = False); data checks do not apply")
 
+    @staticmethod
+    def _placed(layout: Layout, device: str) -> Layout:
+        return layout if device == "cpu" else dataclasses.replace(layout, device=device, huge_pages=False)
+
     async def _local(self, layout: Layout, seed: int | None) -> _Local:
-        return await _Local(self._backend(), dict(self.options), layout, seed).start()
+        return await _Local(self._backend(), dict(self.options), self._placed(layout, self.device), seed).start()
 
     def _peer(self, layout: Layout, seed: int | None) -> PeerProcess:
-        return PeerProcess(self._backend(), layout=layout, seed=seed, options=dict(self.options))
+        placed = self._placed(layout, self.peer_device or self.device)
+        return PeerProcess(self._backend(), layout=placed, seed=seed, options=dict(self.options))
 
     def _check_pages(self, local: _Local, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
         lay = local.layout
