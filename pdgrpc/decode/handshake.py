@@ -13,6 +13,10 @@ is dropped so nothing about the old one is reused.
 writing into the room (their OK is the ack that frees the quarantined pages). A worker
 that cannot be reached counts as acknowledged once bootstrap shows its slot registered by
 a newer generation (its controller restarted it: the old process is gone).
+
+:meth:`Handshaker.watch` holds ``WatchRoom`` on those workers until one says the room's
+prefill failed (then the request fails at once: smg, for one, does not cancel the decode
+leg when its prefill leg fails) or that it ended otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
-from pdgrpc.serving.room_proof import abort_proof, handshake_proof
+from pdgrpc.serving.room_proof import abort_proof, handshake_proof, watch_proof
 from pdgrpc.serving.tp import designated_sender, senders_of
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import handshake_pb2 as hpb
@@ -218,6 +222,45 @@ class Handshaker:
                 return False
 
         return all(await asyncio.gather(*(tell(w) for w in job.contacted)))
+
+    async def watch(self, job: Job, wait_s: float) -> RequestFailed | None:
+        """WatchRoom on every worker sent a handshake for ``job`` until the request runs or
+        ends: the failure (reason ``prefill_error``) of the first that says the room's
+        prefill failed; None when none did (or one cannot be watched: an older prefill, an
+        error; the request's own deadlines still bound it)."""
+        request = hpb.WatchRoomRequest(bootstrap_room=job.room, max_wait_ms=max(0, int(wait_s * 1000)))
+        if job.room_secret:
+            request.room_proof = watch_proof(job.room_secret, job.room)
+
+        async def one(w: bpb.WorkerInfo) -> RequestFailed | None:
+            stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
+            while not job.finished and not job.running:
+                try:
+                    resp = await stub.WatchRoom(request, timeout=wait_s + self.rpc_timeout_s)
+                except grpc.RpcError as exc:
+                    request_event(log, job.room, "WatchRoom failed (the request's deadlines still bound it)", level=logging.DEBUG,
+                                  worker=w.transfer_address, error=map_rpc_error(exc, method="WatchRoom", target=w.transfer_address))
+                    return None
+                if resp.outcome == hpb.ROOM_OUTCOME_FAILED:
+                    code = next((c for c in grpc.StatusCode if c.value[0] == resp.code), grpc.StatusCode.ABORTED)
+                    return RequestFailed(
+                        code if code != grpc.StatusCode.OK else grpc.StatusCode.ABORTED,
+                        f"room {job.room}: the prefill failed ({code.name}): {resp.reason}", ServerAbortReason.PREFILL_ERROR,
+                    )
+                if resp.outcome != hpb.ROOM_OUTCOME_PENDING:
+                    return None
+            return None
+
+        tasks = [asyncio.ensure_future(one(w)) for w in job.contacted]
+        try:
+            for done in asyncio.as_completed(tasks):
+                failure = await done
+                if failure is not None:
+                    return failure
+            return None
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def _replaced(self, job: Job, w: bpb.WorkerInfo) -> bool:
         """Whether bootstrap shows a newer registration of ``w``'s slot within

@@ -19,6 +19,7 @@ __all__ = ["HANDSHAKE_SERVICE", "PREFILL_SERVICE", "HandshakeServicer", "WorkerP
 
 PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 HANDSHAKE_SERVICE = handshake_pb2.DESCRIPTOR.services_by_name["HandshakeService"].full_name
+MAX_WATCH_MS = 10_000  # longest a WatchRoom call is held (handshake.proto)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: RequestFailed) -> NoReturn:
@@ -60,3 +61,13 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
         except RequestFailed as exc:
             await abort_with(context, exc)
         return handshake_pb2.AbortRoomResponse(was_active=was_active)
+
+    async def WatchRoom(self, request: handshake_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.WatchRoomResponse:
+        if request.bootstrap_room == 0:
+            await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
+        try:
+            return await self.worker.watch_room(
+                request.bootstrap_room, bytes(request.room_proof), min(request.max_wait_ms, MAX_WATCH_MS) / 1000
+            )
+        except RequestFailed as exc:
+            await abort_with(context, exc)
