@@ -275,7 +275,7 @@ async def test_info_rpcs_describe_a_consistent_pair(cluster):
         assert loads.aggregate.total_running_reqs == 0
     ps, ds = (await p.GetServerInfo(pb.GetServerInfoRequest())).server_args, (await d.GetServerInfo(pb.GetServerInfoRequest())).server_args
     assert (ps["disaggregation_mode"], ds["disaggregation_mode"]) == ("prefill", "decode")
-    assert ps["disaggregation_transfer_backend"] == ds["disaggregation_transfer_backend"] == f"pdgrpc-{cluster.transport}"
+    assert ps["disaggregation_transfer_backend"] == ds["disaggregation_transfer_backend"] == f"pdgrpc-{WRAPPERS[cluster.transport]}"
     assert int(ps["disaggregation_bootstrap_port"]) == int(cluster.bootstrap_address(first(cluster, "prefill")).rpartition(":")[2])
     chunks = [c async for c in p.GetTokenizer(smg_common_pb2.GetTokenizerRequest())]
     assert b"".join(c.data for c in chunks) == tokenizer_zip()[0] and chunks[-1].sha256 == tokenizer_zip()[1]
