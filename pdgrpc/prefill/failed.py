@@ -26,7 +26,9 @@ from typing import Callable
 
 import grpc
 
+from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.serving.room_proof import verify, watch_message
+from pdgrpc.v1 import handshake_pb2
 
 __all__ = ["Failure", "FailedRooms", "TooManyWatches"]
 
@@ -94,6 +96,34 @@ class FailedRooms:
         failure's, else ``secret``; no secret: anything goes)."""
         key = failure.secret if failure is not None else secret
         return not key or verify(key, watch_message(room), proof)
+
+    async def answer(
+        self, room: int, proof: bytes, secret: bytes, live: Callable[[], bool], max_wait_s: float
+    ) -> handshake_pb2.WatchRoomResponse:
+        """``WatchRoom`` for ``room``: FAILED when it failed here, else wait (up to
+        ``max_wait_s``) while ``live()`` (its Prefill runs, or its handshake waits for one)
+        and answer PENDING or NOT_FAILED. ``secret``: the room's, when its Prefill runs.
+        Raises :class:`RequestFailed`: PERMISSION_DENIED for a proof that does not verify,
+        RESOURCE_EXHAUSTED past ``max_watches``."""
+        denied = RequestFailed(
+            grpc.StatusCode.PERMISSION_DENIED, f"room {room}: room_proof does not verify under the room's secret (WatchRoom refused)"
+        )
+        if not self.proves(self.get(room), secret, room, proof):
+            raise denied
+        if self.get(room) is None and max_wait_s > 0 and live():
+            try:
+                await self.watch(room, max_wait_s)
+            except TooManyWatches as exc:
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"room {room}: {exc}") from None
+        failure = self.get(room)
+        if failure is None:
+            outcome = handshake_pb2.ROOM_OUTCOME_PENDING if live() else handshake_pb2.ROOM_OUTCOME_NOT_FAILED
+            return handshake_pb2.WatchRoomResponse(outcome=outcome)
+        if not self.proves(failure, b"", room, proof):
+            raise denied
+        return handshake_pb2.WatchRoomResponse(
+            outcome=handshake_pb2.ROOM_OUTCOME_FAILED, reason=failure.reason[:1000], code=failure.code.value[0]
+        )
 
     async def watch(self, room: int, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``room`` to end here; True when it ended."""

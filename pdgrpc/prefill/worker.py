@@ -34,7 +34,7 @@ from pdgrpc.prefill.compute_process import ComputeProcess, ProcessCompute
 from pdgrpc.prefill.compute_thread import SHUTDOWN, ThreadCompute
 from pdgrpc.prefill.compute_tp import TpFollowerCompute, TpLeaderCompute
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.prefill.failed import FailedRooms, Failure, TooManyWatches
+from pdgrpc.prefill.failed import FailedRooms, Failure
 from pdgrpc.prefill.handshake import Destination, LocalEnd, Signed, check_handshake
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.prefill.room import RoomDriver, Sending
@@ -328,25 +328,10 @@ class PrefillWorker:
         """Whether ``room``'s prefill failed here, waiting up to ``max_wait_s`` for it to
         end (:mod:`pdgrpc.prefill.failed`)."""
         entry = self._active.get(room)
-        secret = entry.secret if entry is not None else b""
-        if not self.failed_rooms.proves(self.failed_rooms.get(room), secret, room, proof):
-            raise RequestFailed(C.PERMISSION_DENIED, f"room {room}: room_proof does not verify under the room's secret (WatchRoom refused)")
-        live = entry is not None or self._mailbox.holds(room)
-        if self.failed_rooms.get(room) is None and live and max_wait_s > 0:
-            try:
-                await self.failed_rooms.watch(room, max_wait_s)
-            except TooManyWatches as exc:
-                raise RequestFailed(C.RESOURCE_EXHAUSTED, f"room {room}: {exc}") from None
-            live = room in self._active or self._mailbox.holds(room)
-        failure = self.failed_rooms.get(room)
-        if failure is not None:
-            if not self.failed_rooms.proves(failure, b"", room, proof):
-                raise RequestFailed(C.PERMISSION_DENIED, f"room {room}: room_proof does not verify under the room's secret (WatchRoom refused)")
-            return handshake_pb2.WatchRoomResponse(
-                outcome=handshake_pb2.ROOM_OUTCOME_FAILED, reason=failure.reason[:1000], code=failure.code.value[0]
-            )
-        outcome = handshake_pb2.ROOM_OUTCOME_PENDING if live else handshake_pb2.ROOM_OUTCOME_NOT_FAILED
-        return handshake_pb2.WatchRoomResponse(outcome=outcome)
+        return await self.failed_rooms.answer(
+            room, proof, entry.secret if entry is not None else b"", lambda: room in self._active or self._mailbox.holds(room),
+            max_wait_s,
+        )
 
     def _record_failure(self, room: int, failure: Failure) -> None:
         """``room``'s prefill failed and stopped: tell its decode (Handshake, WatchRoom)."""

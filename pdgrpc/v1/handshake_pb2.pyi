@@ -206,7 +206,7 @@ class WatchRoomRequest(_message.Message):
     room_proof: _builtins.bytes
     """HMAC-SHA256 (32 bytes) under the request's room_secret over the room
     (pdgrpc.serving.room_proof.watch_proof). Checked whenever the worker knows the room's
-    secret; a watch that does not verify learns nothing about the room.
+    secret (its Prefill runs, or it failed): one that does not verify is refused.
     """
     def __init__(
         self,
