@@ -32,6 +32,7 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.prefills import PrefillDirectory
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics.catalog import ServerAbortReason
+from pdgrpc.state import AbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
@@ -225,7 +226,8 @@ class Handshaker:
 
     async def watch(self, job: Job, wait_s: float) -> RequestFailed | None:
         """WatchRoom on every worker sent a handshake for ``job`` until the request runs or
-        ends: the failure (reason ``prefill_error``) of the first that says the room's
+        ends: the failure (reason ``prefill_error``; ``cancelled`` for a prefill its
+        caller cancelled) of the first that says the room's
         prefill failed; None when none did (or one cannot be watched: an older prefill, an
         error; the request's own deadlines still bound it)."""
         request = hpb.WatchRoomRequest(bootstrap_room=job.room, max_wait_ms=max(0, int(wait_s * 1000)))
@@ -243,10 +245,11 @@ class Handshaker:
                     return None
                 if resp.outcome == hpb.ROOM_OUTCOME_FAILED:
                     code = next((c for c in grpc.StatusCode if c.value[0] == resp.code), grpc.StatusCode.ABORTED)
-                    return RequestFailed(
-                        code if code != grpc.StatusCode.OK else grpc.StatusCode.ABORTED,
-                        f"room {job.room}: the prefill failed ({code.name}): {resp.reason}", ServerAbortReason.PREFILL_ERROR,
-                    )
+                    if code == grpc.StatusCode.OK:
+                        code = grpc.StatusCode.ABORTED
+                    # A prefill cancelled by its caller: the same caller is cancelling this leg.
+                    why = AbortReason.CANCELLED if code == grpc.StatusCode.CANCELLED else ServerAbortReason.PREFILL_ERROR
+                    return RequestFailed(code, f"room {job.room}: the prefill failed ({code.name}): {resp.reason}", why)
                 if resp.outcome != hpb.ROOM_OUTCOME_PENDING:
                     return None
             return None
