@@ -74,7 +74,8 @@ class Generation:
 
     def _cancelled(self, job: Job) -> None:
         self.queues.release_pages(job.pages)
-        self._fail(job, RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED))
+        # job.failure: the driver decided how it ends (the prefill leg failed: WatchRoom).
+        self._fail(job, job.failure or RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED))
 
     def _drop_cancelled_running(self) -> None:
         keep = []

@@ -16,6 +16,10 @@ no longer write (its process is gone and its data-plane connections drained:
 ``Transport.writer_gone``), or once bootstrap shows its slot registered by a newer
 generation (its controller restarted it: the old process is gone). A worker that merely
 hangs is neither: its pages wait for the abort lease.
+
+:meth:`Handshaker.watch` holds ``WatchRoom`` on those workers until one says the room's
+prefill failed (then the request fails at once: smg, for one, does not cancel the decode
+leg when its prefill leg fails) or that it ended otherwise.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.prefills import PrefillDirectory
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics.catalog import ServerAbortReason
+from pdgrpc.state import AbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
-from pdgrpc.serving.room_proof import abort_proof, handshake_proof
+from pdgrpc.serving.room_proof import abort_proof, handshake_proof, watch_proof
 from pdgrpc.serving.tp import designated_sender, senders_of
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.descriptor import Descriptor
@@ -263,6 +268,47 @@ class Handshaker:
         decode TP 1 only: rank 0 cannot see the other ranks' transports."""
         writer = self.instance_of(w.transport_endpoint)
         return self.tp_size == 1 and bool(writer) and self.writer_gone(writer)
+
+    async def watch(self, job: Job, wait_s: float) -> RequestFailed | None:
+        """WatchRoom on every worker sent a handshake for ``job`` until the request runs or
+        ends: the failure (reason ``prefill_error``; ``cancelled`` for a prefill its
+        caller cancelled) of the first that says the room's
+        prefill failed; None when none did (or one cannot be watched: an older prefill, an
+        error; the request's own deadlines still bound it)."""
+        request = hpb.WatchRoomRequest(bootstrap_room=job.room, max_wait_ms=max(0, int(wait_s * 1000)))
+        if job.room_secret:
+            request.room_proof = watch_proof(job.room_secret, job.room)
+
+        async def one(w: bpb.WorkerInfo) -> RequestFailed | None:
+            stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
+            while not job.finished and not job.running:
+                try:
+                    resp = await stub.WatchRoom(request, timeout=wait_s + self.rpc_timeout_s)
+                except grpc.RpcError as exc:
+                    request_event(log, job.room, "WatchRoom failed (the request's deadlines still bound it)", level=logging.DEBUG,
+                                  worker=w.transfer_address, error=map_rpc_error(exc, method="WatchRoom", target=w.transfer_address))
+                    return None
+                if resp.outcome == hpb.ROOM_OUTCOME_FAILED:
+                    code = next((c for c in grpc.StatusCode if c.value[0] == resp.code), grpc.StatusCode.ABORTED)
+                    if code == grpc.StatusCode.OK:
+                        code = grpc.StatusCode.ABORTED
+                    # A prefill cancelled by its caller: the same caller is cancelling this leg.
+                    why = AbortReason.CANCELLED if code == grpc.StatusCode.CANCELLED else ServerAbortReason.PREFILL_ERROR
+                    return RequestFailed(code, f"room {job.room}: the prefill failed ({code.name}): {resp.reason}", why)
+                if resp.outcome != hpb.ROOM_OUTCOME_PENDING:
+                    return None
+            return None
+
+        tasks = [asyncio.ensure_future(one(w)) for w in job.contacted]
+        try:
+            for done in asyncio.as_completed(tasks):
+                failure = await done
+                if failure is not None:
+                    return failure
+            return None
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def _replaced(self, job: Job, w: bpb.WorkerInfo) -> bool:
         """Whether, within ``replaced_wait_s``, the transport confirms the unreachable

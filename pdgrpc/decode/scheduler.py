@@ -461,10 +461,24 @@ class DecodeScheduler(Generation):
         if result is ACCEPTED:
             job.handshaken = True
             self._wake.set()
+            asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
         elif isinstance(result, RequestFailed):  # refused: the request ends with the prefill's status
             job.failure = result
             self.cancel(job.room, result.message)
         # else: gave up at the deadline (the poll aborts the request) or the request ended
+
+    def _start_watch(self, job: Job) -> None:
+        """The room's KV has not landed soon after the handshake: watch its prefill."""
+        if not (job.running or job.finished or job.cancelled or self._closing):
+            self._spawn(self._watch(job), f"watch-room {job.room}")
+
+    async def _watch(self, job: Job) -> None:
+        failure = await self.handshaker.watch(job, self.config.watch_wait_s)
+        if failure is None or job.finished or job.cancelled:
+            return
+        request_event(log, job.room, "prefill failed", level=logging.WARNING, message=failure.message)
+        job.failure = failure
+        self.cancel(job.room, failure.message)
 
     # -- outcomes ------------------------------------------------------------------------------
     def _on_committed(self, c: Committed, now: float) -> None:

@@ -15,6 +15,14 @@ number), and inside a band, ``[2**62, 2**62 + 2**31)``, from which
 :func:`pdgrpc.router.service.draw_room` never draws, so a gateway request never shares a
 room with a router request on the same prefill.
 
+**Room secret.** smg sends no per-request secret, but both legs get the same
+``request_id``, which smg draws at random (``cmpl-`` + 24 random characters + a UUIDv7)
+and sends to those two workers only. Both legs use ``room_secret(request_id)``
+(SHA-256 under a fixed prefix) as the request's ``room_secret``, so the decode's
+Handshake, AbortRoom and WatchRoom calls prove the room as a router request's do: a
+party that never saw the request cannot take, abort or watch its room. An empty
+``request_id`` gives no secret (the room is then unbound, as without one).
+
 **Seed.** smg 1.13.0's ``SamplingParams`` has no seed field and it does not forward an
 OpenAI ``seed``; a raw client may put an integer ``seed`` in ``custom_params``. Without
 one, sampling uses seed 0: a request at temperature > 0 is still reproducible, and it
@@ -24,6 +32,7 @@ gives the same tokens as pdgrpc's router and colocated server at seed 0.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Any
 
@@ -32,7 +41,7 @@ import grpc
 from pdgrpc.errors import RequestFailed
 from pdgrpc.v1 import common_pb2
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ROOM_BASE", "GatewayRequest", "convert", "map_room"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ROOM_BASE", "GatewayRequest", "convert", "map_room", "room_secret"]
 
 ROOM_BASE = 1 << 62
 ROOM_SPAN = 1 << 31  # smg's rooms are int32 >= 0
@@ -56,6 +65,17 @@ class GatewayRequest:
     bootstrap_address: str  # "host:port" of the prefill's BootstrapService ("" without disaggregated_params)
     routed_dp_rank: int | None
     stream: bool
+    room_secret: bytes = dataclasses.field(default=b"", repr=False)  # both legs sign with it (see the module doc)
+
+
+_SECRET_PREFIX = b"pdgrpc.v1 smg room secret\0"
+
+
+def room_secret(request_id: str) -> bytes:
+    """The ``room_secret`` both legs of smg's request ``request_id`` use (see the module doc)."""
+    if not request_id:
+        return b""
+    return hashlib.sha256(_SECRET_PREFIX + request_id.encode("utf-8", errors="surrogatepass")).digest()
 
 
 def _bad(message: str) -> RequestFailed:
@@ -194,4 +214,5 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int) -> GatewayReques
         bootstrap_address=address,
         routed_dp_rank=routed,
         stream=bool(req.stream),
+        room_secret=room_secret(req.request_id) if room else b"",
     )

@@ -169,7 +169,8 @@ class PrefillLeg(_Base):
             return
         try:
             inner = prefill_pb2.PrefillRequest(
-                bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling
+                bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling,
+                room_secret=g.room_secret,
             )
             if g.routed_dp_rank is not None:
                 inner.routed_dp_rank = g.routed_dp_rank
@@ -205,7 +206,7 @@ class DecodeLeg(_Base):
             return
         inner_req = decode_pb2.DecodeRequest(
             bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling,
-            prefill_bootstrap_address=g.bootstrap_address,
+            prefill_bootstrap_address=g.bootstrap_address, room_secret=g.room_secret,
         )
         if g.routed_dp_rank is not None:
             inner_req.routed_dp_rank = g.routed_dp_rank

@@ -209,6 +209,10 @@ class Mailbox(Generic[T]):
             self._keys[room] = (None, keys[1])
         return dropped
 
+    def holds(self, room: int) -> bool:
+        """Whether ``room`` has early handshakes kept or a Prefill RPC claiming it."""
+        return room in self._claims or room in self._early
+
     def discard(self, room: int) -> bool:
         """Forget early handshakes for ``room`` (decode aborted before Prefill came)."""
         if self._early.pop(room, None) is None:

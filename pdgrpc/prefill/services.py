@@ -6,8 +6,8 @@ Thin adapters: they call :class:`~pdgrpc.prefill.worker.PrefillWorker` and turn 
 :class:`WirePrefillServicer` is what the controller and each worker serve PrefillService
 as: a ``Prefill`` without its ``room_secret`` is refused with INVALID_ARGUMENT naming the
 field. The controller's own link to its workers, and smg's prefill leg calling the
-controller in-process (its protocol carries no secret, :mod:`pdgrpc.gateway`), do not
-pass through it.
+controller in-process (its protocol carries no secret: both legs derive one from smg's
+request id, :mod:`pdgrpc.gateway.requests`), do not pass through it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ log = logging.getLogger("pdgrpc.prefill")
 
 PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 HANDSHAKE_SERVICE = handshake_pb2.DESCRIPTOR.services_by_name["HandshakeService"].full_name
+MAX_WATCH_MS = 10_000  # longest a WatchRoom call is held (handshake.proto)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: RequestFailed) -> NoReturn:
@@ -98,3 +99,13 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
         except RequestFailed as exc:
             await abort_with(context, exc)
         return handshake_pb2.AbortRoomResponse(was_active=was_active)
+
+    async def WatchRoom(self, request: handshake_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.WatchRoomResponse:
+        if request.bootstrap_room == 0:
+            await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
+        try:
+            return await self.worker.watch_room(
+                request.bootstrap_room, bytes(request.room_proof), min(request.max_wait_ms, MAX_WATCH_MS) / 1000
+            )
+        except RequestFailed as exc:
+            await abort_with(context, exc)

@@ -34,6 +34,7 @@ from pdgrpc.prefill.compute_process import ComputeProcess, ProcessCompute
 from pdgrpc.prefill.compute_thread import SHUTDOWN, ThreadCompute
 from pdgrpc.prefill.compute_tp import TpFollowerCompute, TpLeaderCompute
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.failed import FailedRooms, Failure
 from pdgrpc.prefill.handshake import Destination, LocalEnd, Signed, check_handshake
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.prefill.room import RoomDriver, Sending
@@ -77,6 +78,9 @@ class WorkerConfig:
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
     early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's mTLS identity, else its host)
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
+    failed_rooms: int = 4096  # rooms remembered as failed, for Handshake and WatchRoom (count)
+    failed_room_ttl_s: float = 60.0  # and for how long (seconds)
+    max_watches: int = 4096  # WatchRoom calls held at once (count)
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -100,6 +104,7 @@ class _Active:
     abort_reason: str | None = None
     closing: bool = False
     secret: bytes = b""  # PrefillRequest.room_secret: Handshake/AbortRoom must prove it
+    failure: Failure | None = None  # how it failed (recorded for the decode once it stopped)
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
@@ -152,6 +157,7 @@ class PrefillWorker:
             layout.num_kv_heads, layout.head_bytes, self.tp_rank, self.tp_size, config.deadlines, config.chunk_size,
         )
         self._active: dict[int, _Active] = {}
+        self.failed_rooms = FailedRooms(config.failed_rooms, config.failed_room_ttl_s, config.max_watches)
         self._pages_freed = asyncio.Event()
         self.completed = 0  # requests finished successfully (count)
         self.failed = 0
@@ -233,6 +239,10 @@ class PrefillWorker:
         handshake from the real decode nor fill the mailbox."""
         room = req.bootstrap_room
         message, proof = handshake_message(req), bytes(req.room_proof)
+        failure = self.failed_rooms.get(room) if room else None
+        if failure is not None and (not failure.secret or verify(failure.secret, message, proof)):
+            request_event(log, room, "handshake refused", reason="the room's prefill failed")
+            raise RequestFailed(C.ABORTED, f"room {room}: the prefill of this room failed here: {failure.reason}")
         entry = self._active.get(room) if room else None
         if entry is not None and entry.secret and not verify(entry.secret, message, proof):
             # Refused before it touches the room: the real decode's handshake still gets in.
@@ -297,6 +307,8 @@ class PrefillWorker:
                 await asyncio.wait_for(entry.finished.wait(), self.config.abort_wait_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(C.DEADLINE_EXCEEDED, f"room {room}: driver did not stop within {self.config.abort_wait_s} s") from None
+        elif self.failed_rooms.get(room) is not None:
+            pass  # failed and stopped here: nothing to stop, nothing to remember
         else:
             # The Prefill RPC has not arrived (or already ended): leave a bounded tombstone
             # so one that arrives later fails at once instead of waiting for a handshake.
@@ -311,6 +323,20 @@ class PrefillWorker:
                 pass
         request_event(log, room, "abort", reason=reason, was_active=was_active)
         return was_active
+
+    async def watch_room(self, room: int, proof: bytes, max_wait_s: float) -> handshake_pb2.WatchRoomResponse:
+        """Whether ``room``'s prefill failed here, waiting up to ``max_wait_s`` for it to
+        end (:mod:`pdgrpc.prefill.failed`)."""
+        entry = self._active.get(room)
+        return await self.failed_rooms.answer(
+            room, proof, entry.secret if entry is not None else b"", lambda: room in self._active or self._mailbox.holds(room),
+            max_wait_s,
+        )
+
+    def _record_failure(self, room: int, failure: Failure) -> None:
+        """``room``'s prefill failed and stopped: tell its decode (Handshake, WatchRoom)."""
+        self._mailbox.discard(room)  # early handshakes for it will never be taken
+        self.failed_rooms.record(room, failure)
 
     # ---- prefill -----------------------------------------------------------------------
 
@@ -367,6 +393,8 @@ class PrefillWorker:
         except RequestFailed as exc:
             self.metrics.on_refused()
             request_event(log, room, "rejected", code=exc.code.name, reason=exc.message)
+            if room and exc.code != C.ALREADY_EXISTS:  # a duplicate must not fail the running room
+                self._record_failure(room, Failure(exc.code, exc.message, bytes(req.room_secret)))
             raise
         task = asyncio.current_task()
         assert task is not None
@@ -398,27 +426,32 @@ class PrefillWorker:
             if entry.abort_reason is None:
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by the caller")
+                entry.failure = Failure(C.CANCELLED, f"room {room}: the prefill was cancelled by its caller", entry.secret)
                 raise
             # abort_reason is set by AbortRoom (decode gave up) or by close() (shutdown).
             self.metrics.on_abort(ServerAbortReason.SHUTDOWN if entry.abort_reason == SHUTDOWN else ServerAbortReason.DECODE_ERROR)
             task.uncancel()
             request_event(log, room, "aborted", reason=entry.abort_reason)
+            entry.failure = Failure(C.ABORTED, f"room {room}: aborted: {entry.abort_reason}", entry.secret)
             raise RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {entry.abort_reason}") from None
         except _Oversize as exc:
             # Larger than the whole pool: it took nothing and never could, so it is refused.
             self.failed += 1
             self.metrics.on_refused()
             request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
+            entry.failure = Failure(exc.code, exc.message, entry.secret)
             raise
         except RequestFailed as exc:
             self.failed += 1
             self.metrics.on_abort(exc.reason)
             request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
+            entry.failure = Failure(exc.code, exc.message, entry.secret)
             raise
         except Exception as exc:  # a bug or an engine failure: fail the request, keep serving
             self.failed += 1
             self.metrics.on_abort(ServerAbortReason.INTERNAL_ERROR)
             log.exception("room=%d failed unexpectedly", room)
+            entry.failure = Failure(C.INTERNAL, f"room {room}: prefill failed: {exc!r}", entry.secret)
             raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {exc!r}") from None
         finally:
             await self._finish(entry)
@@ -459,6 +492,10 @@ class PrefillWorker:
             entry.pages = []
             self._pages_freed.set()  # wake requests waiting for pages
         self._active.pop(entry.room, None)
+        if entry.failure is not None:
+            self._record_failure(entry.room, entry.failure)
+        else:
+            self.failed_rooms.ended(entry.room)
         entry.finished.set()
 
     def _succeeded(self, key: int) -> bool:

@@ -10,11 +10,12 @@ the proof before the message may change anything (:func:`verify`).
 A proof is HMAC-SHA256 under the secret over a canonical encoding of what the message
 asks for: for a handshake the room, destination pages, slot, decode tp rank and size,
 ``wants_metadata`` and the transport descriptor (where the KV goes), so a forger can
-neither redirect the KV nor reuse a proof for another decode rank; for an abort the room.
+neither redirect the KV nor reuse a proof for another decode rank; for an abort and for a
+watch (``WatchRoom``: did the room's prefill fail?) the room, each under its own prefix.
 A ``Prefill`` or ``Decode`` that reaches a server over gRPC without a secret of
 :data:`SECRET_BYTES` bytes is refused (:func:`secret_problem`): without one, the prefill
 would accept any handshake for the room. smg's PD legs, whose protocol carries no
-secret, call the servers' handlers in-process and are the one path without it
+secret, derive theirs from smg's request id and call the servers' handlers in-process
 (docs/security.md). Pure: no I/O, no clock.
 """
 
@@ -29,13 +30,14 @@ from pdgrpc.v1 import handshake_pb2
 
 __all__ = [
     "SECRET_BYTES", "abort_message", "abort_proof", "draw_secret", "handshake_message", "handshake_proof", "secret_problem", "sign",
-    "verify",
+    "verify", "watch_message", "watch_proof",
 ]
 
 SECRET_BYTES = 32
 
 _HANDSHAKE = b"pdgrpc.v1 handshake\0"
 _ABORT = b"pdgrpc.v1 abort\0"
+_WATCH = b"pdgrpc.v1 watch\0"
 
 
 def draw_secret() -> bytes:
@@ -71,6 +73,16 @@ def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
 def abort_message(room: int) -> bytes:
     """What an ``AbortRoomRequest``'s proof signs."""
     return _ABORT + struct.pack("<Q", room)
+
+
+def watch_message(room: int) -> bytes:
+    """What a ``WatchRoomRequest``'s proof signs."""
+    return _WATCH + struct.pack("<Q", room)
+
+
+def watch_proof(secret: bytes, room: int) -> bytes:
+    """The ``room_proof`` of a ``WatchRoomRequest`` for ``room`` under ``secret``."""
+    return sign(secret, watch_message(room))
 
 
 def sign(secret: bytes, message: bytes) -> bytes:

@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -20,6 +21,36 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _RoomOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoomOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoomOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROOM_OUTCOME_UNSPECIFIED: _RoomOutcome.ValueType  # 0
+    ROOM_OUTCOME_PENDING: _RoomOutcome.ValueType  # 1
+    """Still waiting for its Prefill, or computing / transferring, at max_wait_ms."""
+    ROOM_OUTCOME_FAILED: _RoomOutcome.ValueType  # 2
+    """The room's Prefill failed here (reason in the response); nothing of it will be
+    written into the decode's pages any more.
+    """
+    ROOM_OUTCOME_NOT_FAILED: _RoomOutcome.ValueType  # 3
+    """Not failed: it finished, or this worker does not know it (never came, or long gone)."""
+
+class RoomOutcome(_RoomOutcome, metaclass=_RoomOutcomeEnumTypeWrapper):
+    """What a watched room came to on this worker."""
+
+ROOM_OUTCOME_UNSPECIFIED: RoomOutcome.ValueType  # 0
+ROOM_OUTCOME_PENDING: RoomOutcome.ValueType  # 1
+"""Still waiting for its Prefill, or computing / transferring, at max_wait_ms."""
+ROOM_OUTCOME_FAILED: RoomOutcome.ValueType  # 2
+"""The room's Prefill failed here (reason in the response); nothing of it will be
+written into the decode's pages any more.
+"""
+ROOM_OUTCOME_NOT_FAILED: RoomOutcome.ValueType  # 3
+"""Not failed: it finished, or this worker does not know it (never came, or long gone)."""
+Global___RoomOutcome: _TypeAlias = RoomOutcome  # noqa: Y015
 
 @_typing.final
 class HandshakeRequest(_message.Message):
@@ -168,3 +199,64 @@ class AbortRoomResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortRoomResponse: _TypeAlias = AbortRoomResponse  # noqa: Y015
+
+@_typing.final
+class WatchRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOTSTRAP_ROOM_FIELD_NUMBER: _builtins.int
+    MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    ROOM_PROOF_FIELD_NUMBER: _builtins.int
+    bootstrap_room: _builtins.int
+    """The room to watch (never 0)."""
+    max_wait_ms: _builtins.int
+    """Longest the worker holds the call before it answers PENDING, in milliseconds
+    (0: answer at once; the worker caps it at 10000).
+    """
+    room_proof: _builtins.bytes
+    """HMAC-SHA256 (32 bytes) under the request's room_secret over the room
+    (pdgrpc.serving.room_proof.watch_proof). Checked whenever the worker knows the room's
+    secret (its Prefill runs, or it failed): one that does not verify is refused.
+    """
+    def __init__(
+        self,
+        *,
+        bootstrap_room: _builtins.int = ...,
+        max_wait_ms: _builtins.int = ...,
+        room_proof: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "max_wait_ms", b"max_wait_ms", "room_proof", b"room_proof"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomRequest: _TypeAlias = WatchRoomRequest  # noqa: Y015
+
+@_typing.final
+class WatchRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    outcome: Global___RoomOutcome.ValueType
+    """What the room came to."""
+    reason: _builtins.str
+    """Why the prefill failed (ROOM_OUTCOME_FAILED only; free text, at most 1000 characters)."""
+    code: _builtins.int
+    """The prefill failure's gRPC status code (grpc.StatusCode value; ROOM_OUTCOME_FAILED only)."""
+    def __init__(
+        self,
+        *,
+        outcome: Global___RoomOutcome.ValueType = ...,
+        reason: _builtins.str = ...,
+        code: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "outcome", b"outcome", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomResponse: _TypeAlias = WatchRoomResponse  # noqa: Y015

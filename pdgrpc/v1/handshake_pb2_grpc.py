@@ -44,6 +44,11 @@ class HandshakeServiceStub:
                 request_serializer=pdgrpc_dot_v1_dot_handshake__pb2.AbortRoomRequest.SerializeToString,
                 response_deserializer=pdgrpc_dot_v1_dot_handshake__pb2.AbortRoomResponse.FromString,
                 _registered_method=True)
+        self.WatchRoom = channel.unary_unary(
+                '/pdgrpc.v1.HandshakeService/WatchRoom',
+                request_serializer=pdgrpc_dot_v1_dot_handshake__pb2.WatchRoomRequest.SerializeToString,
+                response_deserializer=pdgrpc_dot_v1_dot_handshake__pb2.WatchRoomResponse.FromString,
+                _registered_method=True)
 
 
 class HandshakeServiceServicer:
@@ -66,6 +71,19 @@ class HandshakeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchRoom(self, request, context):
+        """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
+        prefill failed. The decode calls it for a handshaken room whose KV has not landed
+        soon after the handshake, so that a prefill that fails (compute error, refusal,
+        broken transfer) ends the decode's side at once rather than at its waiting deadline.
+        A Handshake for a room whose prefill already failed is refused with ABORTED.
+        PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
+        verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandshakeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +96,11 @@ def add_HandshakeServiceServicer_to_server(servicer, server):
                     servicer.AbortRoom,
                     request_deserializer=pdgrpc_dot_v1_dot_handshake__pb2.AbortRoomRequest.FromString,
                     response_serializer=pdgrpc_dot_v1_dot_handshake__pb2.AbortRoomResponse.SerializeToString,
+            ),
+            'WatchRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatchRoom,
+                    request_deserializer=pdgrpc_dot_v1_dot_handshake__pb2.WatchRoomRequest.FromString,
+                    response_serializer=pdgrpc_dot_v1_dot_handshake__pb2.WatchRoomResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +157,33 @@ class HandshakeService:
             '/pdgrpc.v1.HandshakeService/AbortRoom',
             pdgrpc_dot_v1_dot_handshake__pb2.AbortRoomRequest.SerializeToString,
             pdgrpc_dot_v1_dot_handshake__pb2.AbortRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdgrpc.v1.HandshakeService/WatchRoom',
+            pdgrpc_dot_v1_dot_handshake__pb2.WatchRoomRequest.SerializeToString,
+            pdgrpc_dot_v1_dot_handshake__pb2.WatchRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,

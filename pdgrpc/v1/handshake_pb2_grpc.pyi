@@ -43,6 +43,15 @@ class HandshakeServiceStub:
     """Decode gave up on the room (abort, timeout, client cancel). Once this returns OK the
     worker will never write into the room's pages again, so decode may reuse them.
     """
+    WatchRoom: _grpc.UnaryUnaryMultiCallable[_handshake_pb2.WatchRoomRequest, _handshake_pb2.WatchRoomResponse]
+    """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
+    prefill failed. The decode calls it for a handshaken room whose KV has not landed
+    soon after the handshake, so that a prefill that fails (compute error, refusal,
+    broken transfer) ends the decode's side at once rather than at its waiting deadline.
+    A Handshake for a room whose prefill already failed is refused with ABORTED.
+    PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
+    verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
+    """
 
 @_typing.type_check_only
 class HandshakeServiceAsyncStub(HandshakeServiceStub):
@@ -55,6 +64,15 @@ class HandshakeServiceAsyncStub(HandshakeServiceStub):
     AbortRoom: _aio.UnaryUnaryMultiCallable[_handshake_pb2.AbortRoomRequest, _handshake_pb2.AbortRoomResponse]  # type: ignore[assignment]
     """Decode gave up on the room (abort, timeout, client cancel). Once this returns OK the
     worker will never write into the room's pages again, so decode may reuse them.
+    """
+    WatchRoom: _aio.UnaryUnaryMultiCallable[_handshake_pb2.WatchRoomRequest, _handshake_pb2.WatchRoomResponse]  # type: ignore[assignment]
+    """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
+    prefill failed. The decode calls it for a handshaken room whose KV has not landed
+    soon after the handshake, so that a prefill that fails (compute error, refusal,
+    broken transfer) ends the decode's side at once rather than at its waiting deadline.
+    A Handshake for a room whose prefill already failed is refused with ABORTED.
+    PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
+    verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
     """
 
 class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -77,6 +95,21 @@ class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_handshake_pb2.AbortRoomResponse, _abc.Awaitable[_handshake_pb2.AbortRoomResponse]]:
         """Decode gave up on the room (abort, timeout, client cancel). Once this returns OK the
         worker will never write into the room's pages again, so decode may reuse them.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchRoom(
+        self,
+        request: _handshake_pb2.WatchRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_handshake_pb2.WatchRoomResponse, _abc.Awaitable[_handshake_pb2.WatchRoomResponse]]:
+        """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
+        prefill failed. The decode calls it for a handshaken room whose KV has not landed
+        soon after the handshake, so that a prefill that fails (compute error, refusal,
+        broken transfer) ends the decode's side at once rather than at its waiting deadline.
+        A Handshake for a room whose prefill already failed is refused with ABORTED.
+        PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
+        verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
         """
 
 def add_HandshakeServiceServicer_to_server(servicer: HandshakeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

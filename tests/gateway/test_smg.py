@@ -1,7 +1,7 @@
 """End to end with the real smg (pdgrpc[gateway]) in PD mode in front of pdgrpc's servers.
 
-One cluster per (topology, transport): smg-1p1d over tcp, and smg-2p2d (two prefills x
-two decodes) over rdma. Outputs are compared with colocated generation of the same token
+One cluster per (topology, transport): smg-1p1d over tcp and over rdma, and smg-2p2d
+(two prefills x two decodes) over rdma. Outputs are compared with colocated generation of the same token
 ids (a ReferenceEngine built from the topology's own [engine] table): exact token ids
 always, and the text wherever the output bytes are valid UTF-8 (smg's byte-level decoder
 is deterministic there). smg 1.13.0 forwards no seed, so the sampled cases run at the
@@ -11,13 +11,17 @@ The protocol tests call the servers' SglangScheduler directly with what smg woul
 send. Prefills run with a shorter --max-prompt-tokens than the decodes, so a prompt
 between the two fails on the prefill leg only (a prefill failure smg must report), and
 with short handshake/waiting deadlines, so the two legs disagreeing on the room ends in
-seconds.
+seconds. Every prefill and decode runs its transport through
+``tests.gateway.faulty:FailsLongPrompts*``: a prompt of ``MIN_PAGES`` pages or more fails
+mid-transfer on the prefill leg, after the decode's handshake (shorter ones are untouched).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+from pathlib import Path
 
 import grpc
 import pytest
@@ -36,22 +40,31 @@ from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME  # noqa: E402
 from pdgrpc.gateway.tokenizer import tokenizer_zip  # noqa: E402
 from tests.e2e.harness import Case, Counters, reference_outputs, skip_unless_transport, wait_nothing_held  # noqa: E402
 from tests.gateway import smg_http  # noqa: E402
+from tests.gateway.faulty import MIN_PAGES  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 
-PARAMS = [("smg-1p1d", "tcp"), ("smg-2p2d", "rdma")]
+PARAMS = [("smg-1p1d", "tcp"), ("smg-1p1d", "rdma"), ("smg-2p2d", "rdma")]
 PREFILL_MAX_PROMPT = 200  # the decodes keep the [engine] table's 1024
+WRAPPERS = {"tcp": "tests.gateway.faulty:FailsLongPromptsTcp", "rdma": "tests.gateway.faulty:FailsLongPromptsRdma"}
+# A failed prefill leg frees everything on every server this soon (the issue's bound); the
+# decodes' own waiting deadline (4 s) is longer, so only the prefill's signal meets it.
+FREE_WITHIN_S = 2.0
 MODEL = DEFAULT_SERVED_MODEL_NAME
+REPO = Path(__file__).resolve().parents[2]
 
 
-def gateway_topology(name: str) -> Topology:
+def gateway_topology(name: str, transport: str) -> Topology:
     topo = load_topology(name)
     procs = []
+    wrapper = WRAPPERS[transport]
     for p in topo.processes:
         if p.role == "prefill":
-            p = dataclasses.replace(p, args={**p.args, "max-prompt-tokens": PREFILL_MAX_PROMPT, "handshake-timeout": 3})
+            p = dataclasses.replace(
+                p, args={**p.args, "max-prompt-tokens": PREFILL_MAX_PROMPT, "handshake-timeout": 3, "transport": wrapper}
+            )
         elif p.role == "decode":
-            p = dataclasses.replace(p, args={**p.args, "bootstrap-timeout": 3, "waiting-timeout": 4})
+            p = dataclasses.replace(p, args={**p.args, "bootstrap-timeout": 3, "waiting-timeout": 4, "transport": wrapper})
         procs.append(p)
     return dataclasses.replace(topo, processes=tuple(procs))
 
@@ -60,7 +73,8 @@ def gateway_topology(name: str) -> Topology:
 async def cluster(request):
     name, transport = request.param
     skip_unless_transport(transport)
-    async with Cluster(gateway_topology(name), transport=transport, start_timeout=180, metrics=True) as c:
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    async with Cluster(gateway_topology(name, transport), transport=transport, start_timeout=180, metrics=True, extra_env=env) as c:
         yield c
 
 
@@ -167,13 +181,44 @@ async def test_completions_and_chat_return_the_text_of_colocated_generation(clus
     await wait_nothing_held(cluster)
 
 
-async def test_a_failing_prefill_gives_an_http_error_and_frees_everything(cluster):
+async def test_a_prefill_that_refuses_gives_an_http_error_and_frees_everything_at_once(cluster):
     prompt = "x" * (PREFILL_MAX_PROMPT + 50)  # the decodes accept it, the prefills refuse it
+    before = await Counters.read(cluster)
     status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
     assert status >= 400, body
     assert "max_prompt_tokens" in str(body), body
-    await wait_nothing_held(cluster)
+    # smg aborts no leg: the decode ends its leg because the prefill said the room failed.
+    await wait_nothing_held(cluster, timeout=FREE_WITHIN_S)
+    after = await Counters.read(cluster)
+    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:prefill_error": 1}
     # and the cluster still serves
+    status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 3})
+    assert status == 200, body
+    await wait_nothing_held(cluster)
+
+
+async def test_a_prefill_that_fails_at_its_start_fails_the_decode_leg_at_once(cluster):
+    # Fits the pages a handshake may carry (13 pages of 16) but not --max-prompt-tokens:
+    # the handshake is accepted (early or not), then the prefill refuses the prompt.
+    prompt = "z" * (PREFILL_MAX_PROMPT + 5)
+    before = await Counters.read(cluster)
+    status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
+    assert status >= 400 and "max_prompt_tokens" in str(body), body
+    await wait_nothing_held(cluster, timeout=FREE_WITHIN_S)
+    after = await Counters.read(cluster)
+    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:prefill_error": 1}
+
+
+async def test_a_prefill_that_fails_mid_transfer_gives_an_http_error_and_frees_everything_at_once(cluster):
+    prompt = "y" * (MIN_PAGES * 16 + 20)  # under the prefills' limit; fails mid-transfer (tests.gateway.faulty)
+    before = await Counters.read(cluster)
+    status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
+    assert status >= 400, body
+    assert "injected transfer fault" in str(body), body
+    await wait_nothing_held(cluster, timeout=FREE_WITHIN_S)
+    after = await Counters.read(cluster)
+    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:prefill_error": 1}
+    assert after.requests(before, "prefill")["aborted"] == 1
     status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 3})
     assert status == 200, body
     await wait_nothing_held(cluster)
@@ -230,7 +275,7 @@ async def test_info_rpcs_describe_a_consistent_pair(cluster):
         assert loads.aggregate.total_running_reqs == 0
     ps, ds = (await p.GetServerInfo(pb.GetServerInfoRequest())).server_args, (await d.GetServerInfo(pb.GetServerInfoRequest())).server_args
     assert (ps["disaggregation_mode"], ds["disaggregation_mode"]) == ("prefill", "decode")
-    assert ps["disaggregation_transfer_backend"] == ds["disaggregation_transfer_backend"] == f"pdgrpc-{cluster.transport}"
+    assert ps["disaggregation_transfer_backend"] == ds["disaggregation_transfer_backend"] == f"pdgrpc-{WRAPPERS[cluster.transport]}"
     assert int(ps["disaggregation_bootstrap_port"]) == int(cluster.bootstrap_address(first(cluster, "prefill")).rpartition(":")[2])
     chunks = [c async for c in p.GetTokenizer(smg_common_pb2.GetTokenizerRequest())]
     assert b"".join(c.data for c in chunks) == tokenizer_zip()[0] and chunks[-1].sha256 == tokenizer_zip()[1]
