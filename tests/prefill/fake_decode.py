@@ -60,6 +60,7 @@ class _CredentialingStub:
         self._stub = hpb_grpc.HandshakeServiceStub(owner.channel(address))
         self._address = address
         self.AbortRoom = self._stub.AbortRoom
+        self.WatchRoom = self._stub.WatchRoom
 
     async def Handshake(self, request: hpb.HandshakeRequest, **kwargs: object) -> hpb.HandshakeResponse:  # noqa: N802
         if not request.transport_credential and self._owner.transport.moves_bytes:
