@@ -9,7 +9,7 @@ to its workers; the servers serve it beside pdgrpc's own services when the
 * :mod:`pdgrpc.gateway.servicer` -- the RPCs, over the servers' own handlers.
 * :mod:`pdgrpc.gateway.requests` -- smg's request -> pdgrpc's, rooms, refused fields.
 * :mod:`pdgrpc.gateway.stream` -- output tokens -> smg's messages; stop ids and strings.
-* :mod:`pdgrpc.gateway.tokenizer` -- the byte tokenizer as Hugging Face files.
+* :mod:`pdgrpc.gateway.tokenizer` -- the engine's tokenizer files as ``GetTokenizer``'s zip.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
     if not available():
         return None
     from pdgrpc.gateway.servicer import SERVICE_NAME, PrefillLeg, WorkerInfo, add_to_server
+    from pdgrpc.serving.engines import served_tokenizer
+
+    tokenizer = served_tokenizer(ns)  # the workers' engine runs in their own processes
 
     def info() -> WorkerInfo:
         # The bootstrap's port is known once the controller's server is bound.
@@ -53,7 +56,7 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
         return WorkerInfo(
             mode="prefill", served_model_name=ns.served_model_name, transport=ns.transport, max_seq_len=ns.max_seq_len,
             max_prompt_tokens=ns.max_prompt_tokens, max_running_requests=ns.num_pages * ns.dp_size,
-            bootstrap_port=int(port) if port.isdigit() else 0,
+            bootstrap_port=int(port) if port.isdigit() else 0, tokenizer=tokenizer,
         )
 
     leg = PrefillLeg(
@@ -81,6 +84,7 @@ def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "Serv
     fixed = WorkerInfo(
         mode="decode", served_model_name=ns.served_model_name, transport=transport, max_seq_len=engine.max_seq_len,
         max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=ns.num_slots, bootstrap_port=0,
+        tokenizer=engine.tokenizer,
     )
     leg = DecodeLeg(
         decode, lambda: fixed, active=lambda: int(scheduler.stats().get("active_requests", 0)),
@@ -99,6 +103,7 @@ def colocated_service(server: Any, ns: argparse.Namespace) -> "ServiceSpec | Non
     fixed = WorkerInfo(
         mode="null", served_model_name=ns.served_model_name, transport="none", max_seq_len=engine.max_seq_len,
         max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=engine.num_pages, bootstrap_port=0,
+        tokenizer=engine.tokenizer,
     )
     leg = ColocatedLeg(server, lambda: fixed, active=server.active_requests, healthy=lambda: True)
     return SERVICE_NAME, lambda s: add_to_server(leg, s)
