@@ -163,9 +163,10 @@ class StreamDecoder(Protocol):
 
 
 class Tokenizer(Protocol):
-    bos_token_id: int
+    bos_token_id: int  # -1: none
     eos_token_id: int
-    vocab_size: int
+    vocab_size: int  # the model's: ids in [0, vocab_size) are valid
+    model_type: str  # config.json's model_type (what a gateway reports)
 
     @property
     def eos_token_ids(self) -> AbstractSet[int]:
@@ -179,6 +180,17 @@ class Tokenizer(Protocol):
 
     def check_ids(self, token_ids: Sequence[int], field: str) -> None:
         """Raise InvalidRequest naming ``field[i]`` unless every id is in the vocabulary."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the output text (none for special tokens); stop
+        strings are matched on these."""
+
+    def hf_files(self) -> dict[str, bytes]:
+        """This tokenizer as Hugging Face files, name -> content (``tokenizer.json``,
+        ``tokenizer_config.json`` with the chat template, ...), for front ends that
+        tokenize themselves (smg). Raises
+        :class:`~pdgrpc.engine.tokenizer_files.TokenizerFilesError` naming a file that
+        is missing or cannot be served."""
 
 
 def stop_reason(

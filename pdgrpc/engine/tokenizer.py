@@ -43,6 +43,17 @@ class ByteTokenizer:
     eos_token_id = EOS_ID
     eos_token_ids = frozenset({EOS_ID})
     vocab_size = VOCAB_SIZE
+    model_type = "pdgrpc-reference"
+
+    def hf_files(self) -> dict[str, bytes]:
+        """This tokenizer as Hugging Face files (:mod:`pdgrpc.engine.tokenizer_files`)."""
+        from pdgrpc.engine.tokenizer_files import byte_tokenizer_files
+
+        return byte_tokenizer_files(BOS_ID, EOS_ID, VOCAB_SIZE, self.model_type)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The output bytes of one token (none for BOS and EOS)."""
+        return bytes((token_id,)) if 0 <= token_id < 256 else b""
 
     def encode(self, text: str | bytes, add_bos: bool = True) -> list[int]:
         if isinstance(text, str):

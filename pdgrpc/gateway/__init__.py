@@ -9,13 +9,14 @@ to its workers; the servers serve it beside pdgrpc's own services when the
 * :mod:`pdgrpc.gateway.servicer` -- the RPCs, over the servers' own handlers.
 * :mod:`pdgrpc.gateway.requests` -- smg's request -> pdgrpc's, rooms, refused fields.
 * :mod:`pdgrpc.gateway.stream` -- output tokens -> smg's messages; stop ids and strings.
-* :mod:`pdgrpc.gateway.tokenizer` -- the byte tokenizer as Hugging Face files.
+* :mod:`pdgrpc.gateway.tokenizer` -- the engine's tokenizer files as ``GetTokenizer``'s zip.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_SERVED_MODEL_NAME", "add_gateway_arguments", "available", "colocated_service", "decode_service", "prefill_service",
+    "served_model_name",
 ]
 
 DEFAULT_SERVED_MODEL_NAME = "pdgrpc-reference"
@@ -36,9 +38,18 @@ def available() -> bool:
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("gateway (smg's SglangScheduler protocol; needs pdgrpc[gateway])")
     g.add_argument(
-        "--served-model-name", default=DEFAULT_SERVED_MODEL_NAME,
-        help="model id smg shows in /v1/models and matches the OpenAI 'model' field against. Default: %(default)s",
+        "--served-model-name", default="",
+        help="model id smg shows in /v1/models and matches the OpenAI 'model' field against. Default: the checkpoint "
+        f"directory's name with --model, else {DEFAULT_SERVED_MODEL_NAME}",
     )
+
+
+def served_model_name(ns: argparse.Namespace) -> str:
+    """``--served-model-name``, else the checkpoint directory's name, else the reference engine's."""
+    if getattr(ns, "served_model_name", ""):
+        return str(ns.served_model_name)
+    model = getattr(ns, "model", "")
+    return Path(model).resolve().name if model else DEFAULT_SERVED_MODEL_NAME
 
 
 def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | None":
@@ -46,14 +57,18 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
     if not available():
         return None
     from pdgrpc.gateway.servicer import SERVICE_NAME, PrefillLeg, WorkerInfo, add_to_server
+    from pdgrpc.serving.engines import served_tokenizer
+
+    tokenizer = served_tokenizer(ns)  # the workers' engine runs in their own processes
+    name = served_model_name(ns)
 
     def info() -> WorkerInfo:
         # The bootstrap's port is known once the controller's server is bound.
         port = controller.bootstrap_address.rpartition(":")[2]
         return WorkerInfo(
-            mode="prefill", served_model_name=ns.served_model_name, transport=ns.transport, max_seq_len=ns.max_seq_len,
+            mode="prefill", served_model_name=name, transport=ns.transport, max_seq_len=ns.max_seq_len,
             max_prompt_tokens=ns.max_prompt_tokens, max_running_requests=ns.num_pages * ns.dp_size,
-            bootstrap_port=int(port) if port.isdigit() else 0,
+            bootstrap_port=int(port) if port.isdigit() else 0, tokenizer=tokenizer,
         )
 
     leg = PrefillLeg(
@@ -79,8 +94,9 @@ def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "Serv
     scheduler = decode.scheduler
     engine = scheduler.engine
     fixed = WorkerInfo(
-        mode="decode", served_model_name=ns.served_model_name, transport=transport, max_seq_len=engine.max_seq_len,
+        mode="decode", served_model_name=served_model_name(ns), transport=transport, max_seq_len=engine.max_seq_len,
         max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=ns.num_slots, bootstrap_port=0,
+        tokenizer=engine.tokenizer,
     )
     leg = DecodeLeg(
         decode, lambda: fixed, active=lambda: int(scheduler.stats().get("active_requests", 0)),
@@ -97,8 +113,9 @@ def colocated_service(server: Any, ns: argparse.Namespace) -> "ServiceSpec | Non
 
     engine = server.engine
     fixed = WorkerInfo(
-        mode="null", served_model_name=ns.served_model_name, transport="none", max_seq_len=engine.max_seq_len,
+        mode="null", served_model_name=served_model_name(ns), transport="none", max_seq_len=engine.max_seq_len,
         max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=engine.num_pages, bootstrap_port=0,
+        tokenizer=engine.tokenizer,
     )
     leg = ColocatedLeg(server, lambda: fixed, active=server.active_requests, healthy=lambda: True)
     return SERVICE_NAME, lambda s: add_to_server(leg, s)

@@ -25,7 +25,8 @@ prefill leg's call ends.
   ``disaggregated_params``) runs on the colocated server's own scheduler, streamed the
   same way as a decode leg.
 * ``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads`` and
-  ``GetTokenizer`` describe this worker; ``SubscribeKvEvents`` and the rest answer
+  ``GetTokenizer`` describe this worker (model facts and tokenizer files come from the
+  engine's tokenizer, :class:`~pdgrpc.engine.base.Tokenizer`, whatever the engine); ``SubscribeKvEvents`` and the rest answer
   UNIMPLEMENTED (smg logs a warning and routes without KV events).
 
 Request conversion and rooms: :mod:`pdgrpc.gateway.requests`.
@@ -37,7 +38,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 from google.protobuf import struct_pb2
@@ -45,14 +46,17 @@ from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from pdgrpc.engine.tokenizer_files import TokenizerFilesError
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import GatewayRequest, convert
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
 
-__all__ = ["SERVICE_NAME", "ColocatedLeg", "DecodeLeg", "PrefillLeg", "WorkerInfo", "add_to_server"]
+if TYPE_CHECKING:
+    from pdgrpc.engine.base import Tokenizer
+
+__all__ = ["SERVICE_NAME", "ColocatedLeg", "DecodeLeg", "PrefillLeg", "WorkerInfo", "add_to_server", "model_info"]
 
 log = logging.getLogger("pdgrpc.gateway")
 
@@ -71,6 +75,22 @@ class WorkerInfo:
     max_prompt_tokens: int  # tokens
     max_running_requests: int  # requests
     bootstrap_port: int  # the prefill's BootstrapService port (0 on a decode)
+    tokenizer: "Tokenizer"  # the served model's: ids, vocabulary, EOS, files for GetTokenizer
+
+
+def model_info(i: WorkerInfo) -> Any:
+    """``GetModelInfoResponse`` of a worker: the served model's vocabulary, EOS and BOS ids and
+    type from its tokenizer, the context from the engine. ``tokenizer_path`` stays empty, so
+    smg fetches the tokenizer through ``GetTokenizer`` rather than from a path of this host."""
+    tok = i.tokenizer
+    reply = pb.GetModelInfoResponse(
+        model_path=i.served_model_name, served_model_name=i.served_model_name, is_generation=True,
+        max_context_length=i.max_seq_len, vocab_size=tok.vocab_size, model_type=tok.model_type,
+        eos_token_ids=sorted(tok.eos_token_ids), max_req_input_len=i.max_prompt_tokens,
+    )
+    if tok.bos_token_id >= 0:
+        reply.bos_token_id = tok.bos_token_id
+    return reply
 
 
 class _Base(pb_grpc.SglangSchedulerServicer):
@@ -86,12 +106,7 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         return pb.HealthCheckResponse(healthy=ok, message="serving" if ok else "not serving (starting, stopping or a worker is dead)")
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        i = self.info()
-        return pb.GetModelInfoResponse(
-            model_path=i.served_model_name, served_model_name=i.served_model_name, is_generation=True,
-            max_context_length=i.max_seq_len, vocab_size=VOCAB_SIZE, model_type="pdgrpc-reference",
-            eos_token_ids=[EOS_ID], bos_token_id=BOS_ID, max_req_input_len=i.max_prompt_tokens,
-        )
+        return model_info(self.info())
 
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         i = self.info()
@@ -118,7 +133,11 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         )
 
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
-        data, sha = tokenizer_zip()
+        try:  # reads and compresses files: off the event loop
+            data, sha = await asyncio.to_thread(lambda: tokenizer_zip(self.info().tokenizer.hf_files()))
+        except TokenizerFilesError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"GetTokenizer: {exc}")
+            return
         for start in range(0, len(data), _TOKENIZER_CHUNK):
             end = start + _TOKENIZER_CHUNK
             yield smg_common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
@@ -211,7 +230,7 @@ class DecodeLeg(_Base):
         if g.routed_dp_rank is not None:
             inner_req.routed_dp_rank = g.routed_dp_rank
         stream = self._decode.Decode(inner_req, context)
-        out = OutputStream(g)
+        out = OutputStream(g, self.info().tokenizer)
         try:
             async for msg in stream:
                 msgs = out.step(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs), msg.finish_reason)
@@ -261,7 +280,7 @@ class ColocatedLeg(_Base):
             await context.abort(exc.code, exc.message)
             return
         job = self._server.admit(g.input_ids, sampling, g.sampling.max_new_tokens)
-        stream = OutputStream(g)
+        stream = OutputStream(g, self.info().tokenizer)
         try:
             while True:
                 item = await job.out.get()

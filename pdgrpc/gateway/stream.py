@@ -4,12 +4,14 @@
 
 * A **stop token id** ends the request at that token; the token is sent (smg reports it
   as ``matched_stop``) and ``complete.matched_token_id`` names it.
-* A **stop string** is matched on the output's bytes (the reference engine's tokens are
-  bytes). While the output's tail could still become a stop string, those tokens are
+* A **stop string** is matched on the output's bytes (each token's, from the served
+  tokenizer's ``token_bytes``: a byte for the reference engine, the vocabulary's piece
+  for a checkpoint; special tokens have none). While the output's tail could still become a stop string, those tokens are
   held back; once it cannot, they are sent. When one matches, the request ends with
   ``complete.matched_stop_str``; the string's own tokens are sent only with
   ``no_stop_trim`` (smg's meaning: keep the stop string in the output).
-* EOS (``finish_reason "eos"``) ends it with ``matched_token_id`` = EOS; ``length`` with
+* EOS (``finish_reason "eos"``) ends it with ``matched_token_id`` = the EOS id the engine
+  sampled (a checkpoint may have several); ``length`` with
   ``finish_reason "length"``.
 
 ``completion_tokens`` counts the tokens sent.
@@ -17,19 +19,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from pdgrpc.engine.tokenizer import EOS_ID
 from pdgrpc.gateway.requests import GatewayRequest
+
+if TYPE_CHECKING:
+    from pdgrpc.engine.base import Tokenizer
 
 __all__ = ["OutputStream"]
 
 
 class OutputStream:
-    def __init__(self, g: GatewayRequest) -> None:
+    def __init__(self, g: GatewayRequest, tokenizer: "Tokenizer") -> None:
         self.g = g
+        self._tok = tokenizer
+        self._last: int | None = None  # the last token generated
         self.sent: list[int] = []
         self.logprobs = pb.OutputLogProbs()
         self._bytes = bytearray()  # the output so far, as bytes (specials have none)
@@ -45,18 +51,21 @@ class OutputStream:
         tops = list(top) + [None] * (len(ids) - len(top))
         matched_id: int | None = None
         matched_str: bytes | None = None
+        match_at = 0  # where matched_str starts in the output bytes
         for t, lp, tp in zip(ids, lps, tops):
             self._held.append((t, lp, tp))
-            if t < 256:
-                self._bytes.append(t)
-                matched_str = next((s for s in g.stop_strings if self._bytes.endswith(s)), None)
+            self._last = t
+            piece = self._tok.token_bytes(t) if g.stop_strings else b""
+            if piece:
+                self._bytes += piece
+                matched_str, match_at = self._find_stop(len(piece))
             if t in g.stop_token_ids:
                 matched_id = t
             if matched_id is not None or matched_str is not None:
                 break
         over = matched_id is not None or matched_str is not None or bool(finish_reason)
         if matched_str is not None and not g.no_stop_trim:
-            del self._held[len(self._held) - self._tokens_for(len(matched_str)):]  # the stop string's own tokens
+            del self._held[len(self._held) - self._tokens_for(len(self._bytes) - match_at):]  # the stop string's own tokens
         send = self._held if over else self._held[: len(self._held) - self._tokens_for(self._hold_back())]
         msgs = [self._chunk(send)] if send else []
         del self._held[: len(send)]
@@ -70,12 +79,23 @@ class OutputStream:
             done.matched_token_id = matched_id
         elif matched_str is not None:
             done.matched_stop_str = matched_str.decode("utf-8", errors="replace")
-        elif finish_reason == "eos":
-            done.matched_token_id = EOS_ID
+        elif finish_reason == "eos" and self._last is not None:
+            done.matched_token_id = self._last  # the engine stops right after an EOS id
         if g.return_logprob:
             done.output_logprobs.CopyFrom(self.logprobs)
         msgs.append(pb.GenerateResponse(request_id=g.request_id, complete=done))
         return msgs
+
+    def _find_stop(self, new: int) -> tuple[bytes | None, int]:
+        """The first stop string that ends within the last ``new`` output bytes, and where
+        it starts (a token of several bytes may end past it)."""
+        found: tuple[bytes | None, int] = (None, len(self._bytes))
+        for s in self.g.stop_strings:
+            start = max(0, len(self._bytes) - new - len(s) + 1)
+            at = self._bytes.find(s, start)
+            if at >= 0 and at + len(s) <= len(self._bytes) and at < found[1]:
+                found = (s, at)
+        return found
 
     def _hold_back(self) -> int:
         """How many trailing output bytes could still start a stop string."""
@@ -89,10 +109,10 @@ class OutputStream:
         """How many trailing held tokens hold the last ``nbytes`` output bytes."""
         count = 0
         for t, _, _ in reversed(self._held):
-            if nbytes == 0:
+            if nbytes <= 0:
                 break
             count += 1
-            nbytes -= t < 256
+            nbytes -= len(self._tok.token_bytes(t))
         return count
 
     def _chunk(self, tokens: list[tuple[int, float, Any]]) -> Any:

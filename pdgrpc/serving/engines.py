@@ -17,14 +17,16 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from pdgrpc.engine.base import Engine
+from pdgrpc.engine.base import Engine, Tokenizer
 from pdgrpc.engine.model import AllReduce
 from pdgrpc.errors import ConfigError
 
 if TYPE_CHECKING:
     from pdgrpc.engine.hf.engine import HFEngineConfig
 
-__all__ = ["add_model_arguments", "build_engine", "check_engine_args", "hf_config_from_args", "uses_checkpoint"]
+__all__ = [
+    "add_model_arguments", "build_engine", "check_engine_args", "hf_config_from_args", "served_tokenizer", "uses_checkpoint",
+]
 
 log = logging.getLogger("pdgrpc.serving")
 
@@ -50,6 +52,19 @@ def add_model_arguments(g: argparse._ArgumentGroup) -> None:
 
 def uses_checkpoint(ns: argparse.Namespace) -> bool:
     return bool(getattr(ns, "model", ""))
+
+
+def served_tokenizer(ns: argparse.Namespace) -> Tokenizer:
+    """The tokenizer of the engine the flags describe, without building the engine
+    (torch-free): the checkpoint's with ``--model``, else the byte tokenizer. For servers
+    that run no engine in their own process (the prefill controller)."""
+    if uses_checkpoint(ns):
+        from pdgrpc.engine.hf.tokenizer import load_tokenizer
+
+        return load_tokenizer(ns.model)
+    from pdgrpc.engine.tokenizer import ByteTokenizer
+
+    return ByteTokenizer()
 
 
 def hf_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, threads: int = 1) -> "HFEngineConfig":

@@ -17,7 +17,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 
 from pdgrpc.errors import RequestFailed  # noqa: E402
 from pdgrpc.gateway.requests import DEFAULT_MAX_NEW_TOKENS, ROOM_BASE, convert, map_room  # noqa: E402
-from pdgrpc.gateway.tokenizer import byte_symbols, tokenizer_files, tokenizer_zip  # noqa: E402
+from pdgrpc.engine.tokenizer import ByteTokenizer  # noqa: E402
+from pdgrpc.engine.tokenizer_files import byte_symbols  # noqa: E402
+from pdgrpc.gateway.tokenizer import tokenizer_zip  # noqa: E402
 from pdgrpc.router.service import draw_room  # noqa: E402
 
 
@@ -134,10 +136,11 @@ def test_defaults_seed_and_logprobs():
 def test_the_tokenizer_bundle_is_a_byte_tokenizer():
     symbols = byte_symbols()
     assert len(set(symbols)) == 256 and all(len(s) == 1 for s in symbols)
-    data, sha = tokenizer_zip()
-    assert hashlib.sha256(data).hexdigest() == sha and tokenizer_zip() == (data, sha)  # deterministic
+    files = ByteTokenizer().hf_files()
+    data, sha = tokenizer_zip(files)
+    assert hashlib.sha256(data).hexdigest() == sha and tokenizer_zip(ByteTokenizer().hf_files()) == (data, sha)  # deterministic
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        assert sorted(zf.namelist()) == sorted(tokenizer_files())
+        assert sorted(zf.namelist()) == sorted(files)
         tok = json.loads(zf.read("tokenizer.json"))
     assert tok["model"]["vocab"] == {s: i for i, s in enumerate(symbols)}
     assert [(t["id"], t["special"]) for t in tok["added_tokens"]] == [(256, True), (257, True)]

@@ -35,7 +35,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc  # noq
 
 from pdgrpc.cluster import Cluster, load_topology  # noqa: E402
 from pdgrpc.cluster.topology import Topology  # noqa: E402
-from pdgrpc.engine.tokenizer import EOS_ID  # noqa: E402
+from pdgrpc.engine.tokenizer import EOS_ID, ByteTokenizer  # noqa: E402
 from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME  # noqa: E402
 from pdgrpc.gateway.tokenizer import tokenizer_zip  # noqa: E402
 from tests.e2e.harness import Case, Counters, reference_outputs, skip_unless_transport, wait_nothing_held  # noqa: E402
@@ -278,7 +278,8 @@ async def test_info_rpcs_describe_a_consistent_pair(cluster):
     assert ps["disaggregation_transfer_backend"] == ds["disaggregation_transfer_backend"] == f"pdgrpc-{WRAPPERS[cluster.transport]}"
     assert int(ps["disaggregation_bootstrap_port"]) == int(cluster.bootstrap_address(first(cluster, "prefill")).rpartition(":")[2])
     chunks = [c async for c in p.GetTokenizer(smg_common_pb2.GetTokenizerRequest())]
-    assert b"".join(c.data for c in chunks) == tokenizer_zip()[0] and chunks[-1].sha256 == tokenizer_zip()[1]
+    data, sha = tokenizer_zip(ByteTokenizer().hf_files())
+    assert b"".join(c.data for c in chunks) == data and chunks[-1].sha256 == sha
 
 
 async def test_bad_requests_are_refused_naming_the_field(cluster):

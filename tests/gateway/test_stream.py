@@ -8,7 +8,7 @@ pytest.importorskip("smg_grpc_proto", reason="the gateway extra (pdgrpc[gateway]
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 
-from pdgrpc.engine.tokenizer import EOS_ID  # noqa: E402
+from pdgrpc.engine.tokenizer import EOS_ID, ByteTokenizer  # noqa: E402
 from pdgrpc.gateway.requests import convert  # noqa: E402
 from pdgrpc.gateway.stream import OutputStream  # noqa: E402
 
@@ -19,7 +19,7 @@ def stream(stop=(), stop_ids=(), no_stop_trim=False, logprobs=False) -> OutputSt
         sampling_params=pb.SamplingParams(top_p=1.0, top_k=-1, max_new_tokens=64, n=1, stop=list(stop), stop_token_ids=list(stop_ids), no_stop_trim=no_stop_trim),
         logprob_start_len=-1, return_logprob=logprobs,
     )
-    return OutputStream(convert(req, disaggregated=False, max_seq_len=2048))
+    return OutputStream(convert(req, disaggregated=False, max_seq_len=2048), ByteTokenizer())
 
 
 def feed(s: OutputStream, data: bytes, last: str = "", per_step: int = 1) -> tuple[list[list[int]], pb.GenerateComplete | None]:

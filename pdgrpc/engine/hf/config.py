@@ -84,6 +84,7 @@ class HFConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     digest: str  # sha256 of config.json's canonical JSON
+    model_type: str = ""  # config.json's model_type ("llama", "qwen2", ...)
 
     @property
     def name(self) -> str:
@@ -213,4 +214,5 @@ def load_config(model_dir: str | Path) -> HFConfig:
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=eos,
         digest=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
+        model_type=cfg["model_type"] if isinstance(cfg.get("model_type"), str) else "",
     )

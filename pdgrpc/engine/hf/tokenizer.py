@@ -4,7 +4,10 @@ Torch-free (the router tokenizes text prompts with it). Encoding applies the
 tokenizer's own post-processor (a Llama ``tokenizer.json`` prepends BOS there; a Qwen one
 adds nothing), as ``transformers`` does with ``add_special_tokens=True``. EOS ids come
 from ``generation_config.json`` (else ``config.json``, else ``tokenizer_config.json``'s
-``eos_token``). :class:`HFStreamDecoder` turns generated ids into text pieces that never
+``eos_token``). ``hf_files()`` is the directory's tokenizer files, for front ends that
+tokenize themselves (smg); ``token_bytes`` maps a token to its output bytes through the
+vocabulary (byte-level BPE's symbol map, SentencePiece's ``▁`` and ``<0xNN>``).
+:class:`HFStreamDecoder` turns generated ids into text pieces that never
 split a UTF-8 character (nor a byte-fallback sequence) between two pieces.
 """
 
@@ -15,6 +18,7 @@ from typing import Any, Iterable, Sequence
 
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.hf.config import HFConfig, load_config, read_json
+from pdgrpc.engine.tokenizer_files import byte_symbols, read_tokenizer_files
 from pdgrpc.errors import ConfigError, EngineError
 
 __all__ = ["HFStreamDecoder", "HFTokenizer", "load_tokenizer"]
@@ -72,7 +76,10 @@ class HFTokenizer:
         tc_path = config.path / "tokenizer_config.json"
         self.tokenizer_config: dict[str, Any] = read_json(tc_path) if tc_path.exists() else {}
         self.name = config.name
+        self.path = config.path
         self.vocab_size = config.vocab_size
+        self.model_type = config.model_type or config.architecture
+        self._token_bytes: list[bytes] | None = None  # built on first use
         if self._tok.get_vocab_size(with_added_tokens=True) > config.vocab_size:
             raise ConfigError(
                 f"{path}: the tokenizer has {self._tok.get_vocab_size(with_added_tokens=True)} tokens, more than "
@@ -113,6 +120,35 @@ class HFTokenizer:
 
     def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self)
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The checkpoint's tokenizer files (:func:`~pdgrpc.engine.tokenizer_files.read_tokenizer_files`)."""
+        return read_tokenizer_files(self.path)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The output bytes of one token: none for special tokens and ids past the tokenizer."""
+        if self._token_bytes is None:
+            self._token_bytes = self._bytes_table()
+        return self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+
+    def _bytes_table(self) -> list[bytes]:
+        import tokenizers
+
+        unbyte = {sym: b for b, sym in enumerate(byte_symbols())}
+        byte_level = isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel)
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        table: list[bytes] = []
+        for i in range(self._tok.get_vocab_size(with_added_tokens=True)):
+            piece = self._tok.id_to_token(i)
+            if piece is None or i in special:
+                table.append(b"")
+            elif byte_level and all(c in unbyte for c in piece):
+                table.append(bytes(unbyte[c] for c in piece))
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+                table.append(bytes((int(piece[3:5], 16),)))
+            else:
+                table.append(piece.replace("\u2581", " ").encode("utf-8"))
+        return table
 
     def check_ids(self, token_ids: Sequence[int], field: str) -> None:
         vocab = self.vocab_size
