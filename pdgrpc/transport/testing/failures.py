@@ -11,7 +11,7 @@ import torch
 
 from pdgrpc.errors import PeerFailure
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.transport.base import Peer, RoomGrant
+from pdgrpc.transport.base import Peer, RoomGrant, Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest, resource_counts
 from pdgrpc.transport.testing._support import (
@@ -20,6 +20,20 @@ from pdgrpc.transport.testing._support import (
 
 
 class FailureChecks(ConformanceBase):
+    async def _kill_then_rooms_fail(self, proc: PeerProcess, killed: str, t: Transport, side: str,
+                                    rooms: list[int]) -> None:
+        """SIGKILL the ``killed`` side's process; ``t``'s in-flight ``rooms`` must all be
+        FAILED, each with a reason, within :data:`FAIL_DEADLINE_S` (the time is recorded
+        in :data:`MEASURED`)."""
+        killed_at = time.monotonic()
+        proc.kill()
+        await proc.wait_dead()
+        await _until(lambda: all(t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
+        took = time.monotonic() - killed_at
+        MEASURED.append((self.backend, f"{side} notices killed {killed}", took))
+        assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the {killed} was killed"
+        assert all(t.status(r).reason for r in rooms)
+
     async def _check_room_lands(self, send: _Local, peer: Peer, recv: PeerProcess, room: int,
                                 src: list[int], dst: list[int], slot: int, region: int) -> None:
         """``room`` written from this process to the receiver process ``recv`` (through
@@ -55,14 +69,7 @@ class FailureChecks(ConformanceBase):
                                       list(range(i * 8, i * 8 + 8)), None)
                 if self._moves_bytes():
                     await _until(lambda: all(recv.t.poll(r) is KVPoll.TRANSFERRING for r in rooms))
-                    killed_at = time.monotonic()
-                    sender.kill()
-                    await sender.wait_dead()
-                    await _until(lambda: all(recv.t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
-                    took = time.monotonic() - killed_at
-                    MEASURED.append((self.backend, "receiver notices killed sender", took))
-                    assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the sender was killed"
-                    assert all(recv.t.status(r).reason for r in rooms)
+                    await self._kill_then_rooms_fail(sender, "sender", recv.t, "receiver", rooms)
                 else:
                     sender.kill()
                     await sender.wait_dead()
@@ -95,14 +102,7 @@ class FailureChecks(ConformanceBase):
                     await recv.call("advertise", room, list(range(i * 8, i * 8 + 8)), i)
                     await send.t.write(peer, room, page_ops(pairs, range(8), range(i * 8, i * 8 + 8)))
                     assert send.t.poll(room) is KVPoll.TRANSFERRING
-                killed_at = time.monotonic()
-                recv.kill()
-                await recv.wait_dead()
-                await _until(lambda: all(send.t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
-                took = time.monotonic() - killed_at
-                MEASURED.append((self.backend, "sender notices killed receiver", took))
-                assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the receiver was killed"
-                assert all(send.t.status(r).reason for r in rooms)
+                await self._kill_then_rooms_fail(recv, "receiver", send.t, "sender", rooms)
                 dead_descriptor = recv.descriptor
             finally:
                 await recv.stop()
