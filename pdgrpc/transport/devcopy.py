@@ -7,7 +7,8 @@ layer). One ``copy_`` per range would cost a launch each, so ranges of one regio
 share an alignment ``unit`` (their offsets' and lengths' greatest common divisor, at
 least :data:`MIN_UNIT` bytes) move as rows of the region viewed ``[-1, unit]``: one
 ``index_select`` (or ``index_copy_``) and one contiguous copy per region. Fewer ranges,
-or odd alignments, are copied one by one.
+or odd alignments, are copied one by one. Both directions walk the piece the same way
+(:func:`_copy`); they differ only in which side of each copy is the source.
 
 The copies are queued on the device's current stream and a
 :class:`~pdgrpc.engine.device.ChunkReady` recorded after them is returned. The receiver
@@ -21,7 +22,7 @@ unit tests use.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -33,6 +34,12 @@ __all__ = ["MIN_UNIT", "gather_into", "scatter_from"]
 
 MIN_UNIT = 64  # below this, rows are too small for an index copy to pay off
 _FEW = 8  # ranges of one region copied one by one up to this many
+
+# One range: (its bytes in the region, its bytes in the buffer).
+CopyRange = Callable[[torch.Tensor, torch.Tensor], None]
+# Many aligned ranges: (the region viewed [-1, unit], the ranges' row indices on its
+# device, their bytes back to back in the buffer).
+CopyRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def _groups(piece: Piece) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
@@ -57,42 +64,48 @@ def _rows(offsets: np.ndarray, lengths: np.ndarray, nbytes: int) -> tuple[int, n
     return unit, first + np.arange(int(counts.sum()))
 
 
-def gather_into(regions: Mapping[int, torch.Tensor], piece: Piece, buf: torch.Tensor) -> ChunkReady:
-    """Start copying the piece's ranges of ``regions`` (flat uint8 tensors) into
-    ``buf[:piece.nbytes]``, back to back."""
+def _copy(regions: Mapping[int, torch.Tensor], piece: Piece, buf: torch.Tensor,
+          one: CopyRange, rows: CopyRows) -> ChunkReady:
+    """Walk the piece's ranges of ``regions`` (flat uint8 tensors) against
+    ``buf[:piece.nbytes]``, back to back, copying each group with ``rows`` where it is
+    aligned and ``one`` range at a time where it is not."""
     device = torch.device("cpu")
     for r, offs, lens, at in _groups(piece):
         flat = regions[r]
         device = flat.device
-        n = int(lens.sum())
         plan = _rows(offs, lens, flat.numel())
         if plan is None:
             for o, k in zip(offs.tolist(), lens.tolist()):
-                buf[at : at + k].copy_(flat[o : o + k], non_blocking=True)
+                one(flat[o : o + k], buf[at : at + k])
                 at += k
             continue
-        unit, rows = plan
-        idx = torch.from_numpy(rows).to(device, non_blocking=True)
-        picked = flat.view(-1, unit).index_select(0, idx)
-        buf[at : at + n].copy_(picked.view(-1), non_blocking=True)
+        unit, idx = plan
+        rows(flat.view(-1, unit), torch.from_numpy(idx).to(device, non_blocking=True), buf[at : at + int(lens.sum())])
     return chunk_ready_on(device)
+
+
+def _gather_range(region: torch.Tensor, buf: torch.Tensor) -> None:
+    buf.copy_(region, non_blocking=True)
+
+
+def _gather_rows(table: torch.Tensor, idx: torch.Tensor, buf: torch.Tensor) -> None:
+    buf.copy_(table.index_select(0, idx).view(-1), non_blocking=True)
+
+
+def _scatter_range(region: torch.Tensor, buf: torch.Tensor) -> None:
+    region.copy_(buf, non_blocking=True)
+
+
+def _scatter_rows(table: torch.Tensor, idx: torch.Tensor, buf: torch.Tensor) -> None:
+    table.index_copy_(0, idx, buf.to(table.device, non_blocking=True).view(-1, table.shape[1]))
+
+
+def gather_into(regions: Mapping[int, torch.Tensor], piece: Piece, buf: torch.Tensor) -> ChunkReady:
+    """Start copying the piece's ranges of ``regions`` (flat uint8 tensors) into
+    ``buf[:piece.nbytes]``, back to back."""
+    return _copy(regions, piece, buf, _gather_range, _gather_rows)
 
 
 def scatter_from(regions: Mapping[int, torch.Tensor], piece: Piece, buf: torch.Tensor) -> ChunkReady:
     """Start copying ``buf[:piece.nbytes]`` into the piece's ranges of ``regions``."""
-    device = torch.device("cpu")
-    for r, offs, lens, at in _groups(piece):
-        flat = regions[r]
-        device = flat.device
-        n = int(lens.sum())
-        plan = _rows(offs, lens, flat.numel())
-        if plan is None:
-            for o, k in zip(offs.tolist(), lens.tolist()):
-                flat[o : o + k].copy_(buf[at : at + k], non_blocking=True)
-                at += k
-            continue
-        unit, rows = plan
-        idx = torch.from_numpy(rows).to(device, non_blocking=True)
-        src = buf[at : at + n].to(device, non_blocking=True).view(-1, unit)
-        flat.view(-1, unit).index_copy_(0, idx, src)
-    return chunk_ready_on(device)
+    return _copy(regions, piece, buf, _scatter_range, _scatter_rows)

@@ -34,65 +34,39 @@ credential the receiver issued to it (:mod:`pdgrpc.transport.peerauth`), so a re
 peer listening on the same port is never mistaken for the old one, and a connection
 that merely claims an instance id (ids are public) is refused and closed before it can
 send a byte of data or affect anyone's rooms.
+
+This module makes the sockets and the connections, and ends them; the rest lives in
+:mod:`~pdgrpc.transport.tcp_conn` (frames on one connection),
+:mod:`~pdgrpc.transport.tcp_send` and :mod:`~pdgrpc.transport.tcp_recv` (the two sides
+of a transfer), :mod:`~pdgrpc.transport.tcp_limits` (bounds on connections) and
+:mod:`~pdgrpc.transport.tcp_device` (device memory, staged).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import ipaddress
 import logging
 import socket
 import time
 from typing import Any, Sequence
 
-import numpy as np
-
-from pdgrpc.errors import ConfigError, PeerFailure, TransportError, UnauthorizedWrite
-from pdgrpc.kvpoll import KVPoll
-from pdgrpc.transport.base import (
-    BadDescriptor,
-    Descriptor,
-    MemoryRegion,
-    Peer,
-    RoomGrant,
-    Transport,
-    WriteOp,
-    WriteOps,
-    check_source_ops,
-)
+from pdgrpc.errors import ConfigError, PeerFailure, TransportError
+from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, Peer, Transport
 from pdgrpc.transport import peerauth
-from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.receiver import Receiver
 from pdgrpc.transport.tcp_device import TcpDevice
 from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, on_hello, tend
-from pdgrpc.transport.tcp_conn import (
-    ACK, CHALLENGE, HEADER, HELLO, MAX_FRAME_PAYLOAD, META, NACK, OP, OP_DTYPE, SCRATCH_BYTES, WRITE,
-    _Conn, _frame_buffers, _merge_adjacent, byte_view, frame_chunks,
-)
+from pdgrpc.transport.tcp_conn import CHALLENGE, HEADER, HELLO, SCRATCH_BYTES, _Conn, byte_view
+from pdgrpc.transport.tcp_recv import TcpReceiver
+from pdgrpc.transport.tcp_send import TcpSender, _Link
 
 __all__ = ["TcpTransport", "byte_view"]
 
 log = logging.getLogger("pdgrpc.transport.tcp")
 
 
-class _Link:
-    """The sender's connections to one peer instance."""
-
-    def __init__(self, peer: Peer, conns: list[_Conn]) -> None:
-        self.peer = peer
-        self.conns = conns
-        self.next = 0
-        self.rooms: set[int] = set()
-        self.sent: dict[int, int] = {}
-        self.alive = True
-
-    def conn(self) -> _Conn:
-        c = self.conns[self.next % len(self.conns)]
-        self.next += 1
-        return c
-
-
-class TcpTransport(Transport):
+class TcpTransport(TcpSender, TcpReceiver, Transport):
     """Options: ``host`` to listen on (default 127.0.0.1), ``port`` (0: any),
     ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
     ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default), and the
@@ -342,108 +316,9 @@ class TcpTransport(Transport):
             raise
         return conn
 
-    # -- receiver ----------------------------------------------------------------------
-    def advertise(self, grant: RoomGrant) -> None:
-        self._recv.advertise(grant)
-
+    # -- receiver: the HELLO (data frames: tcp_recv) -----------------------------------
     def _on_hello(self, conn: _Conn, text: str) -> None:
         on_hello(self, conn, text)
-
-    def _on_data_frame(self, conn: _Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
-        ops = np.frombuffer(table, dtype=OP_DTYPE)
-        if (ops["offset"] > 2**62).any() or (ops["length"] > 2**62).any() or int(ops["length"].sum()) != payload_len:
-            return conn.protocol_error("frame payload length does not match its op table")
-        regions = ops["region"].astype(np.int64)
-        offsets = ops["offset"].astype(np.int64)
-        lengths = ops["length"].astype(np.int64)
-        try:
-            rr = self._recv.accept(room, conn.peer_id or "", regions, offsets, lengths, metadata=ftype == META)
-        except UnauthorizedWrite as exc:
-            conn.send_control(NACK, room, str(exc), int(exc.refusal))
-            conn._expect_discard(payload_len, conn._expect_header)
-            return
-        conn.rooms.add(room)
-        views = self._views
-        if ftype == WRITE and self._dev.touches(regions):
-            return self._dev.receive(conn, lambda: self._recv.get(room) is rr, *_merge_adjacent(regions, offsets, lengths),
-                                     functools.partial(self._recv.landed, room, rr, payload_len))
-        if ftype == WRITE:
-            # every op was authorized above; adjacent ones are filled as one buffer
-            regions, offsets, lengths = _merge_adjacent(regions, offsets, lengths)
-            bufs = [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
-            ends = np.cumsum(lengths).tolist()
-
-            def landed() -> None:
-                self._recv.landed(room, rr, payload_len)
-                conn._expect_header()
-
-            conn.receive_payload(room, rr, bufs, landed, ends)
-        else:
-            r, o, n = int(regions[0]), int(offsets[0]), int(lengths[0])
-            staged = bytearray(n)  # one small row, kept aside until the pages are in
-
-            def commit() -> None:
-                views[r][o : o + n] = staged
-
-            def staged_in() -> None:
-                ack = functools.partial(conn.send, [HEADER.pack(ACK, 0, room, 0, 0)])
-                self._recv.stage_metadata(room, rr, aux, commit=commit, ack=ack)
-                conn._expect_header()
-
-            conn.receive_payload(room, rr, [memoryview(staged)], staged_in)
-
-    # -- sender ------------------------------------------------------------------------
-    async def write(
-        self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None
-    ) -> None:
-        self._ensure_loop()
-        self._check_src(ops, metadata)
-        self.rooms.create(room, KVPoll.TRANSFERRING)
-        link = self._links.get(peer.instance_id)
-        if link is None or not link.alive:
-            self.rooms.fail(room, f"peer {peer.instance_id} is not connected (failed or never connected)")
-            return
-        self._room_link[room] = peer.instance_id
-        link.rooms.add(room)
-        sent = link.sent.get(room, 0)
-        views = self._views
-        arr = WriteOps.of(ops).array
-        staged = self._dev.touches(arr[:, 0])  # device sources go through pinned buffers (tcp_device)
-        sent += await self._dev.write(link.conn, room, arr) if staged else 0
-        for chunk in () if staged else frame_chunks(arr):
-            table = np.zeros(len(chunk), dtype=OP_DTYPE)
-            table["region"] = chunk[:, 2]
-            table["offset"] = chunk[:, 3]
-            table["length"] = chunk[:, 4]
-            total = int(chunk[:, 4].sum())
-            hdr = HEADER.pack(WRITE, len(chunk), room, total, 0)
-            link.conn().send_later(functools.partial(_frame_buffers, hdr, table, chunk, views))
-            sent += total
-        link.sent[room] = sent
-        if metadata is not None:
-            m = metadata
-            link.conn().send(
-                [
-                    HEADER.pack(META, 1, room, m.length, sent),
-                    OP.pack(m.dst_region, m.dst_offset, m.length),
-                    views[m.src_region][m.src_offset : m.src_offset + m.length],
-                ]
-            )
-
-    def _check_src(self, ops: Sequence[WriteOp], metadata: WriteOp | None) -> None:
-        check_source_ops(WriteOps.of(ops), self._regions)
-        if metadata is not None:
-            check_source_ops([metadata], self._regions)
-            if metadata.length > MAX_FRAME_PAYLOAD:
-                raise ConfigError(f"tcp: metadata row of {metadata.length} bytes exceeds {MAX_FRAME_PAYLOAD} bytes")
-
-    def _on_ack(self, conn: _Conn, room: int) -> None:
-        if self._room_link.get(room) == conn.peer_id:
-            self.rooms.set(room, KVPoll.SUCCESS)
-
-    def _on_nack(self, conn: _Conn, room: int, reason: str, refusal: Refusal | None) -> None:
-        if self._room_link.get(room) == conn.peer_id:
-            self.rooms.fail(room, f"receiver rejected the transfer: {reason}", refusal)
 
     # -- both sides --------------------------------------------------------------------
     def _on_conn_lost(self, conn: _Conn, reason: str) -> None:

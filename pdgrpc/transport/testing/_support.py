@@ -75,6 +75,16 @@ class ConformanceBase:
     # data checks (metadata rows stay in host memory either way).
     device: ClassVar[str] = "cpu"
     peer_device: ClassVar[str] = ""  # the other process's KV regions ("": same as device)
+    # Checks a variant does not collect (method names), because its settings cannot
+    # change their outcome: the plain run covers them.
+    leave_out: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls.leave_out:
+            if not name.startswith("test_") or not hasattr(cls, name):
+                raise TypeError(f"{cls.__name__}.leave_out names {name!r}, which is no check of the suite")
+            setattr(cls, name, None)
 
     # ------------------------------------------------------------------ helpers
     def _backend(self) -> str:

@@ -11,15 +11,47 @@ import torch
 
 from pdgrpc.errors import PeerFailure
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.transport.base import RoomGrant
+from pdgrpc.transport.base import Peer, RoomGrant, Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.peerproc import Layout, digest, resource_counts
+from pdgrpc.transport.peerproc import Layout, PeerProcess, digest, resource_counts
 from pdgrpc.transport.testing._support import (
-    FAIL_DEADLINE_S, MEASURED, WAIT_S, ConformanceBase, _close, _until, sender_peer,
+    FAIL_DEADLINE_S, MEASURED, WAIT_S, ConformanceBase, _close, _Local, _until, sender_peer,
 )
 
 
 class FailureChecks(ConformanceBase):
+    async def _kill_then_rooms_fail(self, proc: PeerProcess, killed: str, t: Transport, side: str,
+                                    rooms: list[int]) -> None:
+        """SIGKILL the ``killed`` side's process; ``t``'s in-flight ``rooms`` must all be
+        FAILED, each with a reason, within :data:`FAIL_DEADLINE_S` (the time is recorded
+        in :data:`MEASURED`)."""
+        killed_at = time.monotonic()
+        proc.kill()
+        await proc.wait_dead()
+        await _until(lambda: all(t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
+        took = time.monotonic() - killed_at
+        MEASURED.append((self.backend, f"{side} notices killed {killed}", took))
+        assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the {killed} was killed"
+        assert all(t.status(r).reason for r in rooms)
+
+    async def _check_room_lands(self, send: _Local, peer: Peer, recv: PeerProcess, room: int,
+                                src: list[int], dst: list[int], slot: int, region: int) -> None:
+        """``room`` written from this process to the receiver process ``recv`` (through
+        ``peer``): pages ``src`` into ``dst`` and row ``slot`` into slot ``slot``. Both
+        sides end it SUCCESS, and ``region``'s destination pages hold the source pages."""
+        pairs = region_pairs(send.regions, peer.descriptor.regions)
+        await recv.call("advertise", room, dst, slot)
+        await send.t.write(peer, room, page_ops(pairs, src, dst),
+                           metadata=metadata_op(send.regions[-1], slot, peer.descriptor.require_region(METADATA_REGION_ID), slot))
+        assert (await self._wait_local(send.t, [room]))[room].state is KVPoll.SUCCESS
+        [(state, reason)] = await recv.call("wait", [room], WAIT_S)
+        assert state == KVPoll.SUCCESS, reason
+        if self._moves_bytes():
+            pb = send.layout.page_bytes
+            source = send.layout.source_bytes(region, self.seed)
+            for s, d in zip(src, dst):
+                assert await recv.call("digest", region, d * pb, (d + 1) * pb) == digest(source[s * pb : (s + 1) * pb])
+
     # ------------------------------------------------------------------ failures
     async def test_sender_killed_mid_transfer_fails_receiver_rooms(self) -> None:
         layout = Layout(layers=4, pages=64, slots=8)
@@ -37,14 +69,7 @@ class FailureChecks(ConformanceBase):
                                       list(range(i * 8, i * 8 + 8)), None)
                 if self._moves_bytes():
                     await _until(lambda: all(recv.t.poll(r) is KVPoll.TRANSFERRING for r in rooms))
-                    killed_at = time.monotonic()
-                    sender.kill()
-                    await sender.wait_dead()
-                    await _until(lambda: all(recv.t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
-                    took = time.monotonic() - killed_at
-                    MEASURED.append((self.backend, "receiver notices killed sender", took))
-                    assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the sender was killed"
-                    assert all(recv.t.status(r).reason for r in rooms)
+                    await self._kill_then_rooms_fail(sender, "sender", recv.t, "receiver", rooms)
                 else:
                     sender.kill()
                     await sender.wait_dead()
@@ -77,14 +102,7 @@ class FailureChecks(ConformanceBase):
                     await recv.call("advertise", room, list(range(i * 8, i * 8 + 8)), i)
                     await send.t.write(peer, room, page_ops(pairs, range(8), range(i * 8, i * 8 + 8)))
                     assert send.t.poll(room) is KVPoll.TRANSFERRING
-                killed_at = time.monotonic()
-                recv.kill()
-                await recv.wait_dead()
-                await _until(lambda: all(send.t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
-                took = time.monotonic() - killed_at
-                MEASURED.append((self.backend, "sender notices killed receiver", took))
-                assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the receiver was killed"
-                assert all(send.t.status(r).reason for r in rooms)
+                await self._kill_then_rooms_fail(recv, "receiver", send.t, "sender", rooms)
                 dead_descriptor = recv.descriptor
             finally:
                 await recv.stop()
@@ -101,17 +119,7 @@ class FailureChecks(ConformanceBase):
                 assert st.state is KVPoll.FAILED, f"a write to a dead peer ended {st}"
             # a fresh receiver process works
             async with self._peer(layout, None) as fresh:
-                peer = await send.t.connect(fresh.descriptor)
-                await fresh.call("advertise", 410, [5, 6], 2)
-                await send.t.write(peer, 410, page_ops(pairs, [20, 21], [5, 6]),
-                                   metadata=metadata_op(send.regions[-1], 2, peer.descriptor.require_region(METADATA_REGION_ID), 2))
-                assert (await self._wait_local(send.t, [410]))[410].state is KVPoll.SUCCESS
-                [(state, reason)] = await fresh.call("wait", [410], WAIT_S)
-                assert state == KVPoll.SUCCESS, reason
-                if self._moves_bytes():
-                    pb = layout.page_bytes
-                    src = layout.source_bytes(0, self.seed)
-                    assert await fresh.call("digest", 0, 5 * pb, 7 * pb) == digest(src[20 * pb : 22 * pb])
+                await self._check_room_lands(send, await send.t.connect(fresh.descriptor), fresh, 410, [20, 21], [5, 6], 2, 0)
         finally:
             await _close(send.t)
 
@@ -129,17 +137,7 @@ class FailureChecks(ConformanceBase):
                 send.t.fail_peer(peer.instance_id, "bootstrap lease expired")
                 st = send.t.status(501)
                 assert st.state is KVPoll.FAILED and "lease expired" in (st.reason or ""), st
-                peer2 = await send.t.connect(recv.descriptor)
-                await recv.call("advertise", 502, [4, 5], 1)
-                await send.t.write(peer2, 502, page_ops(pairs, [7, 8], [4, 5]),
-                                   metadata=metadata_op(send.regions[-1], 1, peer2.descriptor.require_region(METADATA_REGION_ID), 1))
-                assert (await self._wait_local(send.t, [502]))[502].state is KVPoll.SUCCESS
-                [(state, reason)] = await recv.call("wait", [502], WAIT_S)
-                assert state == KVPoll.SUCCESS, reason
-                if self._moves_bytes():
-                    pb = layout.page_bytes
-                    src = layout.source_bytes(1, self.seed)
-                    assert await recv.call("digest", 1, 4 * pb, 6 * pb) == digest(src[7 * pb : 9 * pb])
+                await self._check_room_lands(send, await send.t.connect(recv.descriptor), recv, 502, [7, 8], [4, 5], 1, 1)
         finally:
             await _close(send.t)
 
