@@ -137,7 +137,7 @@ class RoomTable:
         self._seq_v = self._seq.data
         self._ovf_v = self._ovf.data
         self._ring_slot_v = self._ring_slot.data
-        self._ring_time_v = self._ring_time.data.cast("d")
+        self._ring_time_v = self._ring_time.data.cast("B").cast("d")
         self._head = 0  # absolute index of the oldest record
         self._tail = 0  # absolute index of the next record
         self._size = 0
