@@ -225,11 +225,14 @@ class RoomTable:
         """:meth:`lookup` of a few rooms, per room in Python (no numpy call at all)."""
         self._check_batch(len(rooms))
         out = []
-        rank, seq, times, rmask, ttl = self._rank_v, self._seq_v, self._ring_time_v, self._rmask, self.ttl
+        keys, rank, seq, times = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v
+        mult, shift, rmask, ttl = self._mult, self._shift, self._rmask, self.ttl
         for room in rooms:
             if room == 0:
                 raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
-            s = self._find(room)
+            base = (((room * mult) & _M64) >> shift) * W  # the home bucket (_home), inlined
+            row = keys[base : base + W].tolist()
+            s = base + row.index(room) if room in row else self._find(room)
             out.append(rank[s] if s >= 0 and times[seq[s] & rmask] + ttl > now else MISSING_RANK)
         return out
 
