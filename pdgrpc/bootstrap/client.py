@@ -72,7 +72,7 @@ def _pack(values: list[int], code: str, what: str) -> bytes:
         raise ConfigError(f"{what} must be {'uint64' if code == 'Q' else 'uint32'}: {exc}") from exc
 
 
-def _unpack_ranks(requested: list[int], data: bytes) -> "QueryResult":
+def _unpack_ranks(requested: list[int], data: bytes) -> QueryResult:
     """The answer of a packed query: one uint32 per requested room, ``MISSING_RANK``
     where not known."""
     n = len(requested)
