@@ -37,7 +37,10 @@ client/listener (:mod:`pdgrpc.rpc.tuning`, -15-25 % latency and CPU), uvloop (a 
 %), packed answers for large queries (``found_ranks_only``: -30 % at 1,024 rooms;
 then the ``packed_rooms``/``packed_reply`` arrays, -11 % more, and ``np.take`` in the
 room table), packed registration batches (2-3x less server CPU per room than the numpy
-varint codec of :mod:`pdgrpc.bootstrap.wire`). Message size
+varint codec of :mod:`pdgrpc.bootstrap.wire`), no numpy call in calls of up to 64 rooms
+(struct, lists, memoryviews: numpy's code is cold between calls; -40-60 µs for 32 rooms
+or one registration), handlers wrapped once instead of a per-call ``grpc.aio``
+interceptor (-30-57 µs server CPU per call). Message size
 matters little (8 KB in, 14 KB out: +25-50 µs CPU per side). A sync stub costs less
 client CPU than the aio one, but would block the caller's event loop. At 1,024 rooms
 the server's remaining cost is mostly cache misses in the 56 MB table.

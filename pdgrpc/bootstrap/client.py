@@ -40,6 +40,7 @@ from pdgrpc.v1 import bootstrap_pb2 as pb
 from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RETRY_FOR_S = 30.0
@@ -48,29 +49,51 @@ DEFAULT_RETRY_FOR_S = 30.0
 _SERVICE = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
 # Below this size the generated classes are faster than the numpy codec's fixed cost.
 _NUMPY_ENCODE_FROM = 32
+# Up to this many rooms, packed fields are written and read with struct and lists, no
+# numpy call: numpy's code is cold between two calls, and its fixed cost is then most of
+# what a call of a few dozen rooms costs the client (issue 19).
+_STRUCT_ROOMS = 64
 
 
-def _register_arrays(entries: Mapping[int, int] | Iterable[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(rooms as uint64, ranks as uint32) of ``entries`` (a mapping or (room, rank) pairs)."""
-    pairs = list(entries.items() if isinstance(entries, Mapping) else entries)
+def _pack(values: list[int], code: str, what: str) -> bytes:
+    """``values`` as a packed little-endian field (``code``: ``Q`` uint64, ``I``
+    uint32); ConfigError naming ``what`` for a value out of range."""
+    n = len(values)
     try:
-        rooms = np.fromiter((r for r, _ in pairs), np.uint64, len(pairs))
-        ranks = np.fromiter((k for _, k in pairs), np.int64, len(pairs))
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ConfigError(f"bootstrap rooms must be uint64 and dp ranks uint32: {exc}") from exc
-    if len(ranks) and (ranks.min() < 0 or ranks.max() > 0xFFFFFFFF):
-        raise ConfigError("dp ranks must be uint32")
-    return rooms, ranks.astype(np.uint32)
+        if n <= _STRUCT_ROOMS:
+            return struct.pack(f"<{n}{code}", *values)
+        if code == "Q":
+            return np.array(values, "<u8").tobytes()
+        wide = np.array(values, np.int64)
+        if wide.min() < 0 or wide.max() > 0xFFFFFFFF:
+            raise ValueError("a value outside [0, 2**32)")
+        return wide.astype("<u4").tobytes()
+    except (TypeError, ValueError, OverflowError, struct.error) as exc:
+        raise ConfigError(f"{what} must be {'uint64' if code == 'Q' else 'uint32'}: {exc}") from exc
 
 
-def _encode_register(rooms: np.ndarray, ranks: np.ndarray, packed: bool) -> bytes:
-    """``RegisterDpRanksRequest`` bytes: packed fields (servers that know them), else
-    entries (the numpy codec for large batches)."""
-    if packed:
-        return pb.RegisterDpRanksRequest(packed_rooms=rooms.astype("<u8").tobytes(), packed_dp_ranks=ranks.astype("<u4").tobytes()).SerializeToString()
-    if len(rooms) < _NUMPY_ENCODE_FROM:
-        return pb.RegisterDpRanksRequest(entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in zip(rooms.tolist(), ranks.tolist())]).SerializeToString()
-    return wire.encode_entries(rooms, ranks)
+def _unpack_ranks(requested: list[int], data: bytes) -> QueryResult:
+    """The answer of a packed query: one uint32 per requested room, ``MISSING_RANK``
+    where not known."""
+    n = len(requested)
+    if n > _STRUCT_ROOMS:
+        return QueryResult.packed(requested, np.frombuffer(data, "<u4"))
+    ranks = list(struct.unpack(f"<{n}I", data))
+    if MISSING_RANK not in ranks:
+        return QueryResult(requested, ranks, [], requested=requested)
+    found = [(r, k) for r, k in zip(requested, ranks) if k != MISSING_RANK]
+    missing = [r for r, k in zip(requested, ranks) if k == MISSING_RANK]
+    return QueryResult([r for r, _ in found], [k for _, k in found], missing, requested=requested)
+
+
+def _entries_request(rooms: bytes, ranks: bytes) -> bytes:
+    """The per-entry ``RegisterDpRanksRequest`` (for a server that predates the packed
+    fields) of packed rooms and ranks: the numpy codec for large batches."""
+    n = len(rooms) // 8
+    if n < _NUMPY_ENCODE_FROM:
+        entries = [pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in zip(struct.unpack(f"<{n}Q", rooms), struct.unpack(f"<{n}I", ranks))]
+        return pb.RegisterDpRanksRequest(entries=entries).SerializeToString()
+    return wire.encode_entries(np.frombuffer(rooms, "<u8"), np.frombuffer(ranks, "<u4"))
 
 
 class BootstrapUnavailable(BootstrapError, Unavailable):
@@ -215,39 +238,55 @@ class BootstrapClient:
         """Register room → dp rank for a batch, all or none (retried on UNAVAILABLE).
         Raises ``InvalidArgument`` (room 0, rank out of range, batch too large) or
         ``AlreadyExists`` (a room is registered with another rank)."""
-        rooms, ranks = _register_arrays(entries)
+        if isinstance(entries, Mapping):
+            rooms, ranks = list(entries.keys()), list(entries.values())
+        else:
+            pairs = list(entries)
+            rooms, ranks = [r for r, _ in pairs], [k for _, k in pairs]
+        packed_rooms = _pack(rooms, "Q", "bootstrap rooms")
+        packed_ranks = _pack(ranks, "I", "dp ranks")
         register = self._register_raw()
-        if self.packed and len(rooms):
-            data = _encode_register(rooms, ranks, packed=True)
-            reply = await self._retrying("RegisterDpRanks", lambda t: register(data, timeout=t), timeout)
-            if reply.packed_rooms_read == len(rooms):
-                return reply
-            self.packed = False  # a server that predates the packed form registered nothing
-        data = _encode_register(rooms, ranks, packed=False)
-        return await self._retrying("RegisterDpRanks", lambda t: register(data, timeout=t), timeout)
+
+        def send(data: bytes) -> Awaitable[pb.RegisterDpRanksResponse]:
+            return self._retrying("RegisterDpRanks", lambda t: register(data, timeout=t), timeout)
+
+        return await self._packed_or_entries(
+            len(rooms),
+            lambda: send(pb.RegisterDpRanksRequest(packed_rooms=packed_rooms, packed_dp_ranks=packed_ranks).SerializeToString()),
+            lambda reply: reply if reply.packed_rooms_read == len(rooms) else None,
+            lambda: send(_entries_request(packed_rooms, packed_ranks)),
+        )
 
     async def query_dp_ranks(self, rooms: Iterable[int], *, timeout: float | None = None) -> QueryResult:
         """Look up the dp rank of a batch of rooms; unknown rooms come back in ``missing``."""
         rooms = rooms.tolist() if isinstance(rooms, np.ndarray) else list(rooms)
-        if self.packed and rooms:
-            try:
-                keys = np.array(rooms, "<u8") if len(rooms) > 16 else struct.pack(f"<{len(rooms)}Q", *rooms)
-            except (TypeError, ValueError, OverflowError, struct.error) as exc:
-                raise ConfigError(f"bootstrap rooms must be uint64: {exc}") from exc
-            packed = keys if isinstance(keys, bytes) else keys.tobytes()
-            request = pb.QueryDpRanksRequest(packed_rooms=packed, packed_reply=True)
-            reply = await self._call("QueryDpRanks", self.stub.QueryDpRanks(request, timeout=self._t(timeout)))
-            n = len(rooms)
-            if len(reply.packed_dp_ranks) == 4 * n:
-                if n > 16:
-                    return QueryResult.packed(rooms, np.frombuffer(reply.packed_dp_ranks, "<u4"))
-                ranks = list(struct.unpack(f"<{n}I", reply.packed_dp_ranks))
-                if MISSING_RANK not in ranks:
-                    return QueryResult(rooms, ranks, [], requested=rooms)
-                found = [(r, k) for r, k in zip(rooms, ranks) if k != MISSING_RANK]
-                missing = [r for r, k in zip(rooms, ranks) if k == MISSING_RANK]
-                return QueryResult([r for r, _ in found], [k for _, k in found], missing, requested=rooms)
+        n = len(rooms)
+
+        def read(reply: pb.QueryDpRanksResponse) -> QueryResult | None:
+            return _unpack_ranks(rooms, reply.packed_dp_ranks) if len(reply.packed_dp_ranks) == 4 * n else None
+
+        def packed() -> Awaitable[pb.QueryDpRanksResponse]:
+            request = pb.QueryDpRanksRequest(packed_rooms=_pack(rooms, "Q", "bootstrap rooms"), packed_reply=True)
+            return self._call("QueryDpRanks", self.stub.QueryDpRanks(request, timeout=self._t(timeout)))
+
+        return await self._packed_or_entries(n, packed, read, lambda: self._query_entries(rooms, timeout))
+
+    async def _packed_or_entries(
+        self, n: int, packed: Callable[[], Awaitable[R]], read: Callable[[R], T | None], entries: Callable[[], Awaitable[T]]
+    ) -> T:
+        """A batched call of ``n`` rooms: in the packed form while the server reads it,
+        else (and for good, once an answer shows the server ignored the packed fields,
+        as one that predates them does) in the per-entry form. Empty batches take the
+        per-entry form: their answer cannot tell the two servers apart."""
+        if self.packed and n:
+            got = read(await packed())
+            if got is not None:
+                return got
             self.packed = False  # a server that predates the packed form saw no rooms
+        return await entries()
+
+    async def _query_entries(self, rooms: list[int], timeout: float | None) -> QueryResult:
+        """QueryDpRanks in the per-entry form (``bootstrap_rooms``, ``found_ranks_only``)."""
         try:
             request = pb.QueryDpRanksRequest(bootstrap_rooms=rooms, found_ranks_only=True)
         except (TypeError, ValueError) as exc:

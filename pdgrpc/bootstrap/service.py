@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import struct
 import time
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,6 +40,10 @@ log = logging.getLogger("pdgrpc.bootstrap")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
 _SMALL_BATCH = 16  # rooms; smaller calls use the generated classes, larger the numpy codec
 _SMALL_MESSAGE = 256  # bytes; ditto for requests
+# Packed calls of up to this many rooms are read and answered with struct and lists, no
+# numpy call: between two calls numpy's code is cold, and its fixed cost (~20 numpy
+# calls) is then most of a 32-room call's (issue 19). Larger ones take the numpy path.
+_STRUCT_ROOMS = 64
 
 STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {
     InvalidBootstrapRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -90,8 +94,8 @@ class BootstrapServicer:
             # Entries from clients that predate the packed form: large batches through
             # the numpy codec (they start with field 1's tag, 0x0A).
             fast = wire.decode_register_request(data) if len(data) > _SMALL_MESSAGE and data[0] == 0x0A else None
-            rooms: np.ndarray | list[int]
-            ranks: np.ndarray | list[int]
+            rooms: np.ndarray | Sequence[int]
+            ranks: np.ndarray | Sequence[int]
             packed = 0
             if fast is not None:
                 rooms, ranks = fast
@@ -145,7 +149,7 @@ class BootstrapServicer:
         """QueryDpRanks with packed rooms in, or a packed answer out, or both."""
         n = len(request.bootstrap_rooms)
         data = request.packed_rooms
-        if request.packed_reply and not n and len(data) <= 8 * _SMALL_BATCH and len(data) % 8 == 0:
+        if request.packed_reply and not n and len(data) <= 8 * _STRUCT_ROOMS and len(data) % 8 == 0:
             # A few rooms: struct and per-room Python, no numpy call at all.
             n = len(data) // 8
             try:
@@ -219,10 +223,15 @@ def _le_array(data: bytes, field: str, dtype: str) -> np.ndarray:
     return np.frombuffer(data, dtype)
 
 
-def _unpack_register(request: pb.RegisterDpRanksRequest) -> tuple[np.ndarray, np.ndarray]:
-    """(rooms, ranks) of a packed RegisterDpRanksRequest, checked."""
+def _unpack_register(request: pb.RegisterDpRanksRequest) -> tuple[np.ndarray | Sequence[int], np.ndarray | Sequence[int]]:
+    """(rooms, ranks) of a packed RegisterDpRanksRequest, checked: tuples for a few
+    rooms (struct), arrays beyond."""
     if request.entries:
         raise InvalidBootstrapRequest("RegisterDpRanksRequest: set entries or packed_rooms with packed_dp_ranks, not both")
+    data, ranks_data = request.packed_rooms, request.packed_dp_ranks
+    n = len(data) // 8
+    if len(data) <= 8 * _STRUCT_ROOMS and len(data) == 8 * n and len(ranks_data) == 4 * n:
+        return struct.unpack(f"<{n}Q", data), struct.unpack(f"<{n}I", ranks_data)
     rooms = _le_array(request.packed_rooms, "RegisterDpRanksRequest.packed_rooms", "<u8")
     ranks = _le_array(request.packed_dp_ranks, "RegisterDpRanksRequest.packed_dp_ranks", "<u4")
     if len(rooms) != len(ranks):

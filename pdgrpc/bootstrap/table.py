@@ -129,6 +129,15 @@ class RoomTable:
         self._rmask = nring - 1
         self._ring_slot = np.zeros(nring, np.uint32)
         self._ring_time = np.zeros(nring, np.float64)
+        # The per-room paths (calls of a few rooms) go through memoryviews of the same
+        # arrays: plain Python ints and floats, none of numpy's per-call machinery, whose
+        # code is cold between two calls of a server that also runs gRPC.
+        self._keys_v = self._keys.data
+        self._rank_v = self._rank.data
+        self._seq_v = self._seq.data
+        self._ovf_v = self._ovf.data
+        self._ring_slot_v = self._ring_slot.data
+        self._ring_time_v = self._ring_time.data.cast("B").cast("d")
         self._head = 0  # absolute index of the oldest record
         self._tail = 0  # absolute index of the next record
         self._size = 0
@@ -181,7 +190,7 @@ class RoomTable:
                 s = self._find(room)
                 if s >= 0 and self._alive(s, now):
                     found.append(room)
-                    ranks.append(int(self._rank[s]))
+                    ranks.append(self._rank_v[s])
                 else:
                     missing.append(room)
             return found, ranks, missing
@@ -216,11 +225,15 @@ class RoomTable:
         """:meth:`lookup` of a few rooms, per room in Python (no numpy call at all)."""
         self._check_batch(len(rooms))
         out = []
+        keys, rank, seq, times = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v
+        mult, shift, rmask, ttl = self._mult, self._shift, self._rmask, self.ttl
         for room in rooms:
             if room == 0:
                 raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
-            s = self._find(room)
-            out.append(int(self._rank[s]) if s >= 0 and self._alive(s, now) else MISSING_RANK)
+            base = (((room * mult) & _M64) >> shift) * W  # the home bucket (_home), inlined
+            row = keys[base : base + W].tolist()
+            s = base + row.index(room) if room in row else self._find(room)
+            out.append(rank[s] if s >= 0 and times[seq[s] & rmask] + ttl > now else MISSING_RANK)
         return out
 
     def query_array(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -274,7 +287,7 @@ class RoomTable:
         return self._now
 
     def _alive(self, slot: int, now: float) -> bool:
-        return bool(self._ring_time[int(self._seq[slot]) & self._rmask] + self.ttl > now)
+        return self._ring_time_v[self._seq_v[slot] & self._rmask] + self.ttl > now
 
     def _home(self, room: int) -> int:
         return ((room * self._mult) & _M64) >> self._shift
@@ -285,11 +298,12 @@ class RoomTable:
     def _find(self, room: int) -> int:
         """Slot of ``room`` or -1 (expired rooms not yet swept are still found)."""
         b = self._home(room)
+        keys = self._keys_v
         while True:
-            row: list[int] = self._keys2d[b].tolist()
+            row: list[int] = keys[b * W : b * W + W].tolist()
             if room in row:
                 return b * W + row.index(room)
-            if not self._ovf[b]:
+            if not self._ovf_v[b]:
                 return -1
             b = (b + 1) & self._bmask
 
@@ -311,17 +325,17 @@ class RoomTable:
     def _insert_one(self, room: int, rank: int) -> int:
         h = b = self._home(room)
         while True:
-            row: list[int] = self._keys2d[b].tolist()
+            row: list[int] = self._keys_v[b * W : b * W + W].tolist()
             if 0 in row:
                 break
             b = (b + 1) & self._bmask
         j = h
         while j != b:
-            self._ovf[j] += 1
+            self._ovf_v[j] += 1
             j = (j + 1) & self._bmask
         s = b * W + row.index(0)
-        self._keys[s] = room
-        self._rank[s] = rank
+        self._keys_v[s] = room
+        self._rank_v[s] = rank
         self._size += 1
         return s
 
@@ -363,15 +377,15 @@ class RoomTable:
         self._keys[slots] = 0
         self._size -= len(slots)
 
-    def _append(self, slots: np.ndarray, now: float) -> None:
+    def _append(self, slots: np.ndarray | list[int], now: float) -> None:
         m = len(slots)
         assert self._tail - self._head + m <= len(self._ring_slot), "ring space not reserved"
-        if m <= 2:  # single-room calls: scalar stores beat array set-up
-            for s in slots.tolist():
+        if isinstance(slots, list):  # a few rooms: scalar stores beat array set-up
+            for s in slots:
                 seq = self._tail
-                self._ring_slot[seq & self._rmask] = s
-                self._ring_time[seq & self._rmask] = now
-                self._seq[s] = seq & _M32
+                self._ring_slot_v[seq & self._rmask] = s
+                self._ring_time_v[seq & self._rmask] = now
+                self._seq_v[s] = seq & _M32
                 self._tail += 1
             self._registered += m
             return
@@ -447,15 +461,15 @@ class RoomTable:
             for room, s in slots.items():
                 if s < 0:
                     new.append(room)
-                elif int(self._rank[s]) != want[room]:
-                    raise RoomConflict(room, int(self._rank[s]), want[room])
+                elif self._rank_v[s] != want[room]:
+                    raise RoomConflict(room, self._rank_v[s], want[room])
                 else:
                     renew.append(s)
             if not self._ring_space(len(want), now):
                 break
         self._check_room(len(new), now)
-        self._append(np.asarray(renew, np.int64), now)
-        self._append(np.asarray([self._insert_one(room, want[room]) for room in new], np.int64), now)
+        self._append(renew, now)
+        self._append([self._insert_one(room, want[room]) for room in new], now)
         return RegisterResult(len(new), len(rooms) - len(new), self._evicted - evicted_before)
 
     def _register_many(self, keys: np.ndarray, ranks: np.ndarray, now: float, dp_size: int | None) -> RegisterResult:

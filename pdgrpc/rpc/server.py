@@ -144,17 +144,18 @@ async def start_server(
     security = security or current()
     security.check_listen(host, what)
     credentials = security.server_credentials()
-    # The security's checks first; then undecodable requests end INVALID_ARGUMENT
-    # (pdgrpc.rpc.limits), on every server.
-    server = grpc.aio.server(
-        options=list(options), interceptors=[*security.server_interceptors(), UndecodableIsInvalidArgument()]
-    )
+    # The security's checks (an interceptor only where a token is set). Undecodable
+    # requests end INVALID_ARGUMENT (pdgrpc.rpc.limits): every service is added through
+    # a view that wraps its handlers once, not through a per-call interceptor.
+    interceptors = security.server_interceptors()
+    server = grpc.aio.server(options=list(options), interceptors=interceptors or None)
+    parsing = UndecodableIsInvalidArgument(server)
     names = []
     for name, add in services:
-        add(server)
+        add(parsing)  # stands for the server: see UndecodableIsInvalidArgument
         names.append(name)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, parsing)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:

@@ -14,7 +14,7 @@ from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, PrefillBackend, RouterConfig, service_names
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES
 from pdgrpc.rpc.server import RpcServer, start_server
-from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
+from pdgrpc.v1 import bootstrap_pb2, generate_pb2, generate_pb2_grpc
 
 # Nothing listens here: a request the router forwarded would fail UNAVAILABLE, not
 # INVALID_ARGUMENT naming the limit.
@@ -81,6 +81,29 @@ async def test_undecodable_unary_request_is_invalid_argument(bootstrap: Bootstra
             await ch.unary_unary(f"/pdgrpc.v1.BootstrapService/{method}")(body, timeout=10)
     assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
     assert method in ei.value.details()
+
+
+async def test_a_service_added_as_a_generic_handler_refuses_undecodable_requests_too() -> None:
+    """Handlers are wrapped as services add them: the generic-handler way as well as the
+    registered-method one (tested above through the bootstrap)."""
+
+    async def echo(request: bootstrap_pb2.GetWorkersRequest, context: grpc.aio.ServicerContext) -> bootstrap_pb2.GetWorkersRequest:
+        return request
+
+    message = bootstrap_pb2.GetWorkersRequest
+    handlers = {"Echo": grpc.unary_unary_rpc_method_handler(echo, request_deserializer=message.FromString, response_serializer=message.SerializeToString)}
+    server = await start_server([("test.Echo", lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", handlers),)))])
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            call = ch.unary_unary("/test.Echo/Echo")
+            good = message(dp_rank=3).SerializeToString()
+            assert await call(good, timeout=10) == good
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call(b"\x00\x00\x00", timeout=10)
+    finally:
+        await server.stop(0)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+    assert "/test.Echo/Echo: the request is not a valid pdgrpc.v1.GetWorkersRequest" in (ei.value.details() or "")
 
 
 async def test_message_over_the_limit_is_refused_before_parsing(router: RpcServer) -> None:
