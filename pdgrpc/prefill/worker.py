@@ -333,6 +333,17 @@ class PrefillWorker:
             max_wait_s,
         )
 
+    def refused_by_controller(self, room: int, code: grpc.StatusCode, message: str, secret: bytes) -> None:
+        """The controller refused ``room`` before any worker saw it, and the decode looks
+        for it here: refuse its handshake and answer its WatchRoom as for a failure here
+        (:mod:`pdgrpc.prefill.notices`). A room that runs here is not the refused one's to fail."""
+        if not room or room in self._active:
+            return
+        request_event(log, room, "refused by the controller", code=code.name, reason=message)
+        # Only the early handshakes that prove the refused request's secret are dropped.
+        self._mailbox.sift(room, lambda s: bool(secret) and not s.genuine(secret))
+        self.failed_rooms.record(room, Failure(code, message, secret))
+
     def _record_failure(self, room: int, failure: Failure) -> None:
         """``room``'s prefill failed and stopped: tell its decode (Handshake, WatchRoom)."""
         self._mailbox.discard(room)  # early handshakes for it will never be taken
