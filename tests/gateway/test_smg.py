@@ -342,7 +342,8 @@ async def _decode_free(cluster: Cluster, name: str, seen: dict) -> bool:
 # is dead and not started again yet), so no worker can tell the decode: the controller
 # records the failure with its bootstrap, where the decode, whose handshake finds no
 # worker, asks. On the first cluster only: the notice travels the control plane alone.
-# Last in the file: it kills the prefill's worker and waits until the prefill serves again.
+# Last in the file: it kills the prefill's worker (smg then keeps the prefill out of its
+# rotation for a while).
 @pytest.mark.parametrize("cluster", PARAMS[:1], ids=[f"{t}-{x}" for t, x in PARAMS[:1]], indirect=True)
 async def test_a_prefill_leg_refused_by_the_controller_fails_the_decode_leg_at_once(cluster):
     prefill, decode = first(cluster, "prefill"), first(cluster, "decode")
@@ -359,14 +360,16 @@ async def test_a_prefill_leg_refused_by_the_controller_fails_the_decode_leg_at_o
     assert status >= 500 and ("no live prefill worker" in str(body) or "is dead" in str(body)), body
     # Well before the decode's own deadlines (bootstrap 3 s, waiting 4 s).
     seen: dict = {}
-    await eventually_async(lambda: _decode_free(cluster, decode, seen), FREE_WITHIN_S, 0.05, lambda: f"the decode still holds {seen}" + cluster.procs[decode].log_tail(60))
+    await eventually_async(lambda: _decode_free(cluster, decode, seen), FREE_WITHIN_S, 0.05, lambda: f"the decode still holds {seen}")
 
-    async def serves() -> bool:
-        status, _ = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 3})
-        return status == 200
+    # The controller starts the worker again; then nothing is held anywhere. (smg itself
+    # may keep the prefill out of its rotation for a while: its retries opened its circuit
+    # breaker. Hence last in the file.)
+    async def serves_again() -> bool:
+        return (await p.HealthCheck(pb.HealthCheckRequest())).healthy
 
-    await eventually_async(serves, 90, 0.5, "the prefill serves again once its worker is started again")
+    await eventually_async(serves_again, 60, 0.2, "the prefill's worker is started again")
     await wait_nothing_held(cluster)
     got = of_process(await Counters.read(cluster), decode).requests(before, "decode")
-    # Every decode leg smg sent while the worker was dead ended as a prefill error.
-    assert got["finished"] >= 1 and got["aborted"] >= 1 and got["aborted"] == got.get("aborted:prefill_error"), got
+    # Every decode leg smg sent (smg retries a failed request) ended as a prefill error.
+    assert got["finished"] == 0 and got["aborted"] >= 1 and got["aborted"] == got.get("aborted:prefill_error"), got
