@@ -10,6 +10,8 @@
   worker over its link (:mod:`pdgrpc.prefill.link`: a socketpair, not gRPC) and relays its
   answer or its status unchanged. ``GetStats`` sums the workers' (over gRPC).
 * Embeds ``BootstrapService`` on its own port unless ``--bootstrap`` names an external one.
+* A request it fails itself, before or instead of a worker's answer, is told to its
+  decode (:mod:`pdgrpc.prefill.notices`).
 * A worker that exits is logged with its exit code; the requests it held fail with
   UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
   and shortest_queue skip it) until it serves again: its dp rank's workers (the whole tp
@@ -47,7 +49,7 @@ from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
 from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
-from pdgrpc.prefill.notices import FailureNotices, NotForwarded
+from pdgrpc.prefill.notices import FailureNotices, NotForwarded, notices_for
 from pdgrpc.prefill.registrar import DpRankRegistrar, counted
 from pdgrpc.prefill.respawn import restart_group
 from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
@@ -198,9 +200,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             compute_seconds=max(r.compute_seconds for r in resps),
         )
 
-    async def _refuse(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                      message: str, forwarded: bool = False) -> NoReturn:
-        """Fail ``request`` here (no worker answered it): tell its decode first (:mod:`pdgrpc.prefill.notices`)."""
+    async def _refuse(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, forwarded: bool = False) -> NoReturn:
+        """Fail ``request`` here, no worker answered it: tell its decode first (:mod:`pdgrpc.prefill.notices`)."""
         if self.notices is not None:
             self.notices.failed(request, code, message, forwarded)
         await _abort(context, code, message)
@@ -442,7 +443,7 @@ async def main_async(ns: argparse.Namespace) -> int:
     # check that says SERVING must mean a Prefill call can be served.
     server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)
     controller.server = server
-    controller.notices = _notices(controller, embedded, ns.bootstrap)
+    controller.notices = notices_for(controller.dispatcher.dp, lambda: controller.groups, embedded, ns.bootstrap)
     if embedded is not None:
         table = embedded.table
         assert bootstrap_metrics is not None
@@ -462,14 +463,6 @@ async def main_async(ns: argparse.Namespace) -> int:
         if bootstrap_metrics is not None:
             bootstrap_metrics.unbind()
         stop_metrics()
-
-
-def _notices(controller: Controller, embedded: BootstrapServicer | None, external: str) -> FailureNotices:
-    """Failure notices whose records go to the embedded bootstrap, else to ``external``."""
-    if embedded is not None:
-        b = embedded
-        return FailureNotices(controller.dispatcher.dp, lambda: controller.groups, local=lambda rs: b.failures.record(rs, b.clock()))
-    return FailureNotices(controller.dispatcher.dp, lambda: controller.groups, remote=BootstrapClient(external).record_room_failures)
 
 
 async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServer, metrics: PrefillMetrics) -> int:

@@ -30,13 +30,15 @@ from typing import Awaitable, Callable, Protocol, Sequence
 
 import grpc
 
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.service import BootstrapServicer
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.serving.room_proof import failure_tag
 from pdgrpc.state import DpConfig, resolve_locally
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import prefill_pb2
 
-__all__ = ["FailureNotices", "MAX_IN_FLIGHT", "NotForwarded"]
+__all__ = ["FailureNotices", "MAX_IN_FLIGHT", "NotForwarded", "notices_for"]
 
 log = logging.getLogger("pdgrpc.prefill")
 
@@ -127,3 +129,14 @@ class FailureNotices:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+
+
+def notices_for(
+    dp: DpConfig, groups: Callable[[], Sequence[Sequence[_Worker]]], embedded: BootstrapServicer | None, external: str
+) -> FailureNotices:
+    """Notices whose records go to the ``embedded`` bootstrap in-process, else over gRPC
+    to the bootstrap at ``external``."""
+    if embedded is not None:
+        b = embedded
+        return FailureNotices(dp, groups, local=lambda records: b.failures.record(records, b.clock()))
+    return FailureNotices(dp, groups, remote=BootstrapClient(external).record_room_failures)
