@@ -152,7 +152,7 @@ class PrefillDirectory:
         if not keys or address in self._no_failures:
             return {}
         try:
-            found = await self.client(address).query_room_failures(keys)
+            found = await self.client(address).query_room_failures(keys, timeout=min(self.timeout, 1.0))  # a failure path: brief
         except RpcError as exc:
             if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                 self._no_failures.add(address)
