@@ -56,6 +56,10 @@ log = logging.getLogger("pdgrpc.decode")
 
 __all__ = ["DecodeScheduler"]
 
+# A room still without a dp rank this long after admission: ask whether its prefill's
+# controller refused it (a controller records that within milliseconds).
+ASK_FAILURES_AFTER_S = 0.1
+
 class DecodeScheduler(Generation):
     def __init__(
         self,
@@ -388,10 +392,11 @@ class DecodeScheduler(Generation):
                 request_event(log, room, "dp rank resolved", prefill=addr, dp_rank=rank)
         if moved:
             self._wake.set()
-        missing = {room: self._jobs[room].room_secret for room, r in good.items() if r is None and room in self._jobs}
+        missing = {room: job.room_secret for room, r in good.items() if r is None and (job := self._jobs.get(room)) is not None}
         if missing:
             log.debug("QueryDpRanks to %s: %d of %d rooms not registered yet", addr, len(missing), len(query.rooms))
-            # Never registered: the prefill's controller may have refused them (pdgrpc.prefill.notices).
+            # Still not registered: the prefill's controller may have refused them (pdgrpc.prefill.notices).
+            missing = {room: s for room, s in missing.items() if now - self._jobs[room].admitted_at >= ASK_FAILURES_AFTER_S}
             for room, (failure, never_forwarded) in (await self.directory.room_failures(addr, missing)).items():
                 job = self._jobs.get(room)
                 if job is not None and not job.finished and not job.cancelled and job.dp_rank is None:

@@ -44,6 +44,7 @@ log = logging.getLogger("pdgrpc.prefill")
 
 MAX_IN_FLIGHT = 256  # RecordRoomFailures calls in flight to an external bootstrap (count)
 MAX_REASON_CHARS = 1000  # characters of the status message sent on
+MAX_SECRET_BYTES = 255  # a link frame's secret (a u8 length; room secrets are 32 bytes)
 
 
 class NotForwarded(RequestFailed):
@@ -99,7 +100,7 @@ class FailureNotices:
         self.sent += 1
         rank = self.decode_rank(request)
         groups = self._groups()
-        if rank is not None and rank < len(groups):
+        if rank is not None and rank < len(groups) and len(secret) <= MAX_SECRET_BYTES:
             for w in groups[rank]:
                 link = w.link
                 if w.alive and link is not None:
