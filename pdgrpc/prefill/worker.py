@@ -334,14 +334,12 @@ class PrefillWorker:
         )
 
     def refused_by_controller(self, room: int, code: grpc.StatusCode, message: str, secret: bytes) -> None:
-        """The controller refused ``room`` before any worker saw it, and the decode looks
-        for it here: refuse its handshake and answer its WatchRoom as for a failure here
-        (:mod:`pdgrpc.prefill.notices`). A room that runs here is not the refused one's to fail."""
+        """The controller refused ``room``, whose decode looks for it here: fail it as if it
+        failed here (:mod:`pdgrpc.prefill.notices`), unless a Prefill for it runs here."""
         if not room or room in self._active:
             return
         request_event(log, room, "refused by the controller", code=code.name, reason=message)
-        # Only the early handshakes that prove the refused request's secret are dropped.
-        self._mailbox.sift(room, lambda s: bool(secret) and not s.genuine(secret))
+        self._mailbox.sift(room, lambda s: bool(secret) and not s.genuine(secret))  # drop only the refused one's
         self.failed_rooms.record(room, Failure(code, message, secret))
 
     def _record_failure(self, room: int, failure: Failure) -> None:

@@ -14,6 +14,7 @@ with short handshake/waiting deadlines, so the two legs disagreeing on the room 
 seconds. Every prefill and decode runs its transport through
 ``tests.gateway.faulty:FailsLongPrompts*``: a prompt of ``MIN_PAGES`` pages or more fails
 mid-transfer on the prefill leg, after the decode's handshake (shorter ones are untouched).
+The last test kills the prefill's worker, so that its controller refuses the prefill leg.
 """
 
 from __future__ import annotations
