@@ -26,8 +26,7 @@ from pdgrpc.bootstrap.client import BootstrapClient, RpcError
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.serving.room_proof import failure_tag
-from pdgrpc.state import AbortReason
-from pdgrpc.state import DpConfig
+from pdgrpc.state import AbortReason, DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 
 log = logging.getLogger("pdgrpc.decode.prefills")

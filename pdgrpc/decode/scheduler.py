@@ -60,6 +60,7 @@ __all__ = ["DecodeScheduler"]
 # controller refused it (a controller records that within milliseconds).
 ASK_FAILURES_AFTER_S = 0.1
 
+
 class DecodeScheduler(Generation):
     def __init__(
         self,
