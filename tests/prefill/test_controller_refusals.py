@@ -5,7 +5,8 @@ A real prefill process (dp 2, follow_bootstrap_room, tcp) and a fake decode. A r
 dp rank other than ``room % dp_size`` is refused by the controller (FAILED_PRECONDITION);
 the decode, which handshakes with the routed rank, is told by that rank's worker
 (Handshake ABORTED, WatchRoom FAILED) and by the bootstrap's failure record, each only
-under the room's secret.
+under the room's secret. And in-process: a notice under another secret leaves the real
+decode's early handshake alone.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ import grpc
 import pytest
 
 from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
+from pdgrpc.transport import registry
 from pdgrpc.serving.room_proof import draw_secret, watch_proof
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
-from tests.prefill.fake_decode import FakeDecode, room_secret
+from tests.prefill.fake_decode import FakeDecode, KVPoll, room_secret
 from tests.prefill.harness import CONFIG, assert_settles_to_zero, new_room, prefill_stub, prompt, request
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
 
@@ -90,26 +95,30 @@ async def test_a_refused_room_fails_its_decodes_handshake_and_watch_at_once(pref
     await assert_settles_to_zero(prefill)
 
 
-async def test_a_refusal_of_another_requests_room_leaves_the_real_one_alone(prefill: PrefillProc, decode: FakeDecode) -> None:
-    """A caller that refuses itself a room it does not own (its own secret) neither drops
-    the real decode's early handshake nor fails the real room."""
-    room = new_room()
-    ids = prompt(9, 4)
-    rank = room % 2
-    worker = prefill.worker_addresses[rank]
-    real = decode.allocate(room, len(ids))
-    await decode.handshake(worker, real)
-    ch, prefills = await prefill_stub(prefill)
+async def test_a_notice_under_another_secret_leaves_the_real_decodes_handshake(decode: FakeDecode) -> None:
+    """A worker told that the controller refused a room under *another* secret (a caller
+    that sent a Prefill for a room it does not own) keeps the real decode's early
+    handshake, and the real Prefill lands; a notice under the room's own secret drops it
+    and refuses the handshake from then on."""
+    w = PrefillWorker(ReferenceEngine(CONFIG), registry.create("tcp"), WorkerConfig(handshake_timeout_s=3.0))
+    await w.start()
     try:
-        forged = request(room, ids, routed=rank ^ 1)
-        forged.room_secret = draw_secret()
-        with pytest.raises(grpc.aio.AioRpcError):
-            await prefills.Prefill(forged, timeout=30)
-        # The real request (its route agrees) still finds its handshake and lands.
-        reply = await prefills.Prefill(request(room, ids), timeout=60)
-        assert reply.dp_rank == rank
+        ids, room = prompt(9, 4), new_room()
+        real = decode.allocate(room, len(ids))
+        w.handshake(decode.handshake_request(real))  # before its Prefill, signed under the room's secret
+        w.refused_by_controller(room, grpc.StatusCode.FAILED_PRECONDITION, "someone else's refusal", draw_secret())
+        await w.prefill(request(room, ids))
+        assert (await decode.wait(real, 30)).state is KVPoll.SUCCESS
+        decode.free(real)
+
+        other = new_room()
+        told = decode.allocate(other, len(ids))
+        w.handshake(decode.handshake_request(told))
+        w.refused_by_controller(other, grpc.StatusCode.UNAVAILABLE, "no live prefill worker", room_secret(other))
+        with pytest.raises(RequestFailed) as refused:
+            w.handshake(decode.handshake_request(told))
+        assert refused.value.code == grpc.StatusCode.ABORTED and "no live prefill worker" in refused.value.message
+        decode.free(told)
+        assert w.stats().active_requests == 0 and w.stats().pages_in_use == 0
     finally:
-        await ch.close()
-    assert (await decode.wait(real, 30)).state.name == "SUCCESS"
-    decode.free(real)
-    await assert_settles_to_zero(prefill)
+        await w.close()
