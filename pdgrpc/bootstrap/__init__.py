@@ -4,6 +4,8 @@
   oldest-first eviction, incremental expiry, bounded memory.
 * :mod:`~pdgrpc.bootstrap.registry` — :class:`WorkerRegistry`, pure: topology fixed by
   the first worker, generations on re-registration.
+* :mod:`~pdgrpc.bootstrap.failures` — :class:`RoomFailures`, pure: rooms whose prefill
+  failed in the prefill's controller, found only by a tag under the room's secret.
 * :mod:`~pdgrpc.bootstrap.service` — the grpc.aio servicer and
   :func:`start_bootstrap_server`.
 * :mod:`~pdgrpc.bootstrap.client` — :class:`BootstrapClient` (pooled channel, deadlines,

@@ -327,6 +327,20 @@ class BootstrapClient:
         response = await self._call("GetWorkers", self.stub.GetWorkers(request, timeout=self._t(timeout)))
         return list(response.workers)
 
+    # --------------------------------------------------------------- room failures
+
+    async def record_room_failures(self, failures: Iterable[pb.RoomFailure], *, timeout: float | None = None) -> int:
+        """Record rooms whose prefill failed in the controller (:mod:`pdgrpc.bootstrap.failures`)."""
+        request = pb.RecordRoomFailuresRequest(failures=list(failures))
+        response = await self._call("RecordRoomFailures", self.stub.RecordRoomFailures(request, timeout=self._t(timeout)))
+        return int(response.recorded)
+
+    async def query_room_failures(self, keys: Iterable[pb.RoomFailureKey], *, timeout: float | None = None) -> list[pb.RoomFailure]:
+        """The failure records of ``keys`` (room and tag); an older server raises UNIMPLEMENTED."""
+        request = pb.QueryRoomFailuresRequest(keys=list(keys))
+        response = await self._call("QueryRoomFailures", self.stub.QueryRoomFailures(request, timeout=self._t(timeout)))
+        return list(response.failures)
+
     # --------------------------------------------------------------- health
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 import numpy as np
 
 from pdgrpc.bootstrap import wire
+from pdgrpc.bootstrap.failures import RoomFailures
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull, SlotTaken, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, MISSING_RANK, RoomTable
@@ -87,6 +88,21 @@ class BootstrapServicer:
         # Calls are counted here; table size, expirations and evictions are read from the
         # table itself at scrape time (whoever serves the endpoint calls bind_table).
         self.metrics = metrics or BootstrapMetrics()
+        self.failures = RoomFailures()  # rooms whose prefill failed in its controller
+
+    async def RecordRoomFailures(self, request: pb.RecordRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.RecordRoomFailuresResponse:
+        try:
+            n = self.failures.record(request.failures, self.clock())
+        except InvalidBootstrapRequest as exc:
+            await _abort(context, exc)
+        return pb.RecordRoomFailuresResponse(recorded=n)
+
+    async def QueryRoomFailures(self, request: pb.QueryRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.QueryRoomFailuresResponse:
+        try:
+            found = self.failures.query(request.keys, self.clock())
+        except InvalidBootstrapRequest as exc:
+            await _abort(context, exc)
+        return pb.QueryRoomFailuresResponse(failures=found)
 
     async def RegisterDpRanks(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
         n = 0  # rooms in the call, once decoded (a call that did not decode counts 0)
@@ -259,6 +275,14 @@ def add_bootstrap_servicer(servicer: BootstrapServicer, server: grpc.aio.Server)
         ),
         "GetWorkers": grpc.unary_unary_rpc_method_handler(
             servicer.GetWorkers, request_deserializer=pb.GetWorkersRequest.FromString, response_serializer=pb.GetWorkersResponse.SerializeToString
+        ),
+        "RecordRoomFailures": grpc.unary_unary_rpc_method_handler(
+            servicer.RecordRoomFailures, request_deserializer=pb.RecordRoomFailuresRequest.FromString,
+            response_serializer=pb.RecordRoomFailuresResponse.SerializeToString,
+        ),
+        "QueryRoomFailures": grpc.unary_unary_rpc_method_handler(
+            servicer.QueryRoomFailures, request_deserializer=pb.QueryRoomFailuresRequest.FromString,
+            response_serializer=pb.QueryRoomFailuresResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -9,6 +9,10 @@ a malformed field) ends the request with its status. A worker whose answer carri
 another registration generation than the one cached is a restarted process: the cache
 is dropped so nothing about the old one is reused.
 
+:meth:`Handshaker.handshake` also asks the prefill's bootstrap, when a worker does not
+answer, whether the prefill's controller refused the room (:mod:`pdgrpc.prefill.notices`):
+with no live worker, that is the only one who knows.
+
 :meth:`Handshaker.abort_room` tells the workers that were sent a handshake to stop
 writing into the room (their OK is the ack that frees the quarantined pages). A worker
 that cannot be reached counts as acknowledged once this decode's transport confirms it can
@@ -32,10 +36,9 @@ from typing import Callable, Final
 import grpc
 
 from pdgrpc.decode.job import Job
-from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.decode.prefills import PrefillDirectory, prefill_failure
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics.catalog import ServerAbortReason
-from pdgrpc.state import AbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
@@ -193,7 +196,13 @@ class Handshaker:
                 request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt,
                               writers=",".join(w.transfer_address for w in job.contacted))
                 return ACCEPTED
-            # UNAVAILABLE: the worker restarted or moved: refetch its endpoints, retry.
+            # UNAVAILABLE: the worker restarted or moved, or is dead. The prefill's controller
+            # may have refused the room for it (pdgrpc.prefill.notices): ask its bootstrap.
+            failed = (await self.directory.room_failures(addr, {job.room: job.room_secret})).get(job.room)
+            if failed is not None:
+                job.never_forwarded = failed[1]
+                return failed[0]
+            # Else refetch its endpoints, retry.
             self.directory.invalidate(addr, f"handshake for room {job.room}: {job.last_error}")
             request_event(log, job.room, "handshake retry", level=logging.WARNING, attempt=attempt, error=job.last_error)
             await asyncio.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
@@ -238,6 +247,8 @@ class Handshaker:
             request.room_proof = abort_proof(job.room_secret, job.room)
 
         async def tell(w: bpb.WorkerInfo) -> bool:
+            if job.never_forwarded:
+                return True  # no worker got the room's Prefill: none writes into it
             if self._writer_gone(w):
                 request_event(log, job.room, "prefill worker gone (the transport confirmed it can no longer write)",
                               worker=w.transfer_address)
@@ -289,12 +300,7 @@ class Handshaker:
                                   worker=w.transfer_address, error=map_rpc_error(exc, method="WatchRoom", target=w.transfer_address))
                     return None
                 if resp.outcome == hpb.ROOM_OUTCOME_FAILED:
-                    code = next((c for c in grpc.StatusCode if c.value[0] == resp.code), grpc.StatusCode.ABORTED)
-                    if code == grpc.StatusCode.OK:
-                        code = grpc.StatusCode.ABORTED
-                    # A prefill cancelled by its caller: the same caller is cancelling this leg.
-                    why = AbortReason.CANCELLED if code == grpc.StatusCode.CANCELLED else ServerAbortReason.PREFILL_ERROR
-                    return RequestFailed(code, f"room {job.room}: the prefill failed ({code.name}): {resp.reason}", why)
+                    return prefill_failure(job.room, resp.code, resp.reason)
                 if resp.outcome != hpb.ROOM_OUTCOME_PENDING:
                     return None
             return None

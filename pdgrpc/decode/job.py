@@ -74,6 +74,9 @@ class Job:
     # How it ends when the driver decided it (handshake refused, grant refused, bad dp
     # rank): the abort that follows ends the request with this, not the machines' reason.
     failure: RequestFailed | None = None
+    # The prefill's controller forwarded the request to no worker (pdgrpc.prefill.notices):
+    # nothing can land in the pages, so the abort frees them without a worker's ack.
+    never_forwarded: bool = False
     last_error: str = ""  # last handshake problem, named when the bootstrap deadline passes
     transport_error: str | None = None  # the transport's reason for the first FAILED it reported
     # Running (after commit).

@@ -9,6 +9,8 @@ instance changed -- a handshake answered with another generation, or a worker th
 longer answers -- so connections and endpoints of a restarted prefill are never reused
 (a peer's "stale connection" bug). Every call goes through one pooled channel per
 address (:class:`~pdgrpc.bootstrap.client.BootstrapClient`), never a connection per call.
+:meth:`PrefillDirectory.room_failures` asks whether rooms failed in the prefill's
+controller (:mod:`pdgrpc.prefill.notices`).
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ import dataclasses
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
-from pdgrpc.bootstrap.client import BootstrapClient
-from pdgrpc.state import DpConfig
+import grpc
+
+from pdgrpc.bootstrap.client import BootstrapClient, RpcError
+from pdgrpc.errors import RequestFailed
+from pdgrpc.metrics.catalog import ServerAbortReason
+from pdgrpc.serving.room_proof import failure_tag
+from pdgrpc.state import AbortReason, DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 
 log = logging.getLogger("pdgrpc.decode.prefills")
 
-__all__ = ["PrefillInfo", "PrefillDirectory"]
+__all__ = ["PrefillInfo", "PrefillDirectory", "prefill_failure"]
 
 T = TypeVar("T")
 
@@ -40,6 +47,18 @@ class PrefillInfo:
     @property
     def dp_size(self) -> int:
         return self.info.dp_size
+
+
+def prefill_failure(room: int, code: int, reason: str) -> RequestFailed:
+    """What a request ends with when its prefill reports ``code`` (a ``grpc.StatusCode``
+    value) and ``reason``: that code (ABORTED for OK or one unknown), abort reason
+    ``prefill_error``, or ``cancelled`` for a prefill its caller cancelled."""
+    status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.ABORTED)
+    if status == grpc.StatusCode.OK:
+        status = grpc.StatusCode.ABORTED
+    # A prefill cancelled by its caller: the same caller is cancelling this leg.
+    why = AbortReason.CANCELLED if status == grpc.StatusCode.CANCELLED else ServerAbortReason.PREFILL_ERROR
+    return RequestFailed(status, f"room {room}: the prefill failed ({status.name}): {reason}", why)
 
 
 def dp_config_of(info: bpb.ParallelInfo, query_interval_s: float) -> DpConfig:
@@ -62,6 +81,7 @@ class PrefillDirectory:
         self._workers: dict[tuple[str, int], list[bpb.WorkerInfo]] = {}
         # One in-flight fetch per key: a burst of requests for a new prefill costs one call.
         self._inflight: dict[object, asyncio.Future[Any]] = {}
+        self._no_failures: set[str] = set()  # addresses whose bootstrap has no QueryRoomFailures
 
     def client(self, address: str) -> BootstrapClient:
         c = self._clients.get(address)
@@ -121,6 +141,23 @@ class PrefillDirectory:
         answers: dict[int, int | None] = {room: None for room in rooms}
         answers.update(result.ranks)
         return answers
+
+    async def room_failures(self, address: str, secrets: dict[int, bytes]) -> dict[int, tuple[RequestFailed, bool]]:
+        """Rooms of ``secrets`` (room -> its secret) whose prefill failed in the controller
+        of ``address`` (:mod:`pdgrpc.bootstrap.failures`): the failure their request ends
+        with, and whether no worker got the request (``never_forwarded``). Empty when none
+        did, or the bootstrap cannot say (an error; an older server is not asked again)."""
+        keys = [bpb.RoomFailureKey(bootstrap_room=r, tag=failure_tag(s, r)) for r, s in secrets.items() if s]
+        if not keys or address in self._no_failures:
+            return {}
+        try:
+            found = await self.client(address).query_room_failures(keys, timeout=min(self.timeout, 1.0))  # a failure path: brief
+        except RpcError as exc:
+            if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                self._no_failures.add(address)
+            log.debug("QueryRoomFailures to %s failed: %s", address, exc)
+            return {}
+        return {f.key.bootstrap_room: (prefill_failure(f.key.bootstrap_room, f.code, f.reason), f.never_forwarded) for f in found}
 
     async def _once(self, key: object, fetch: Callable[[], Awaitable[T]]) -> T:
         fut: asyncio.Future[T] | None = self._inflight.get(key)

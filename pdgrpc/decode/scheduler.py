@@ -56,6 +56,11 @@ log = logging.getLogger("pdgrpc.decode")
 
 __all__ = ["DecodeScheduler"]
 
+# A room still without a dp rank this long after admission: ask whether its prefill's
+# controller refused it (a controller records that within milliseconds).
+ASK_FAILURES_AFTER_S = 0.1
+
+
 class DecodeScheduler(Generation):
     def __init__(
         self,
@@ -388,9 +393,17 @@ class DecodeScheduler(Generation):
                 request_event(log, room, "dp rank resolved", prefill=addr, dp_rank=rank)
         if moved:
             self._wake.set()
-        missing = sum(1 for r in good.values() if r is None)
+        missing = {room: job.room_secret for room, r in good.items() if r is None and (job := self._jobs.get(room)) is not None}
         if missing:
-            log.debug("QueryDpRanks to %s: %d of %d rooms not registered yet", addr, missing, len(query.rooms))
+            log.debug("QueryDpRanks to %s: %d of %d rooms not registered yet", addr, len(missing), len(query.rooms))
+            # Still not registered: the prefill's controller may have refused them (pdgrpc.prefill.notices).
+            missing = {room: s for room, s in missing.items() if now - self._jobs[room].admitted_at >= ASK_FAILURES_AFTER_S}
+            for room, (failure, never_forwarded) in (await self.directory.room_failures(addr, missing)).items():
+                job = self._jobs.get(room)
+                if job is not None and not job.finished and not job.cancelled and job.dp_rank is None:
+                    request_event(log, room, "prefill failed", level=logging.WARNING, message=failure.message)
+                    job.failure, job.never_forwarded = failure, never_forwarded
+                    self.cancel(room, failure.message)
 
     # -- handshake ------------------------------------------------------------------------------
     def _start_handshake(self, hs: SendHandshake, now: float) -> None:

@@ -10,6 +10,8 @@
   worker over its link (:mod:`pdgrpc.prefill.link`: a socketpair, not gRPC) and relays its
   answer or its status unchanged. ``GetStats`` sums the workers' (over gRPC).
 * Embeds ``BootstrapService`` on its own port unless ``--bootstrap`` names an external one.
+* A request it fails itself, before or instead of a worker's answer, is told to its
+  decode (:mod:`pdgrpc.prefill.notices`).
 * A worker that exits is logged with its exit code; the requests it held fail with
   UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
   and shortest_queue skip it) until it serves again: its dp rank's workers (the whole tp
@@ -47,6 +49,7 @@ from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
 from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
+from pdgrpc.prefill.notices import FailureNotices, NotForwarded, notices_for
 from pdgrpc.prefill.registrar import DpRankRegistrar, counted
 from pdgrpc.prefill.respawn import restart_group
 from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
@@ -111,6 +114,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         self.pool = ChannelPool()
         self.bootstrap_address = ns.bootstrap
         self.registrar: DpRankRegistrar | None = None
+        self.notices: FailureNotices | None = None  # tells a refused room's decode
         self.stopping = False
         self.server: RpcServer | None = None
         self.exit_code = 0
@@ -131,19 +135,19 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         except InvalidRoute as exc:
             self.metrics.on_refused()
             request_event(log, room, "rejected", reason=str(exc))
-            await _abort(context, C.INVALID_ARGUMENT, f"room {room}: {exc}")
+            await self._refuse(request, context, C.INVALID_ARGUMENT, f"room {room}: {exc}")
         except DpRankConflict as exc:
             self.metrics.on_abort(ServerAbortReason.DP_RANK_CONFLICT)
             request_event(log, room, "rejected", reason=str(exc))
-            await _abort(context, C.FAILED_PRECONDITION, str(exc))
+            await self._refuse(request, context, C.FAILED_PRECONDITION, str(exc))
         except NoLiveRank as exc:
             self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
-            await _abort(context, C.UNAVAILABLE, f"room {room}: {exc}")
+            await self._refuse(request, context, C.UNAVAILABLE, f"room {room}: {exc}")
         group = self.groups[d.rank]
         dead = next((w for w in group if not w.alive), None)
         if dead is not None:
             self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
-            await _abort(context, C.UNAVAILABLE, f"room {room}: prefill worker {dead.name} is dead (exit code {dead.exit_code})")
+            await self._refuse(request, context, C.UNAVAILABLE, f"room {room}: prefill worker {dead.name} is dead (exit code {dead.exit_code})")
         if d.register:
             assert self.registrar is not None
             try:
@@ -152,7 +156,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
                 request_event(log, room, "failed", reason=f"registering dp rank: {exc}")
                 code = getattr(exc, "code", C.UNAVAILABLE)
-                await _abort(context, code if isinstance(code, grpc.StatusCode) else C.UNAVAILABLE, f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}")
+                await self._refuse(request, context, code if isinstance(code, grpc.StatusCode) else C.UNAVAILABLE, f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}")
         request.routed_dp_rank = d.rank  # ours to change: forwarded as it is, no copy
         # No deadline is forwarded: when ours passes, grpc cancels this handler, and
         # cancelling a link call cancels the worker's (as does a caller that goes away).
@@ -178,10 +182,13 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             failure = await self._group_death(room, group) or failure
         if failure is not None:
             # A worker counts the failures it answers; a dead worker's requests are counted here.
-            if failure.reason is ServerAbortReason.PEER_FAILURE and not isinstance(failure, LinkCallFailed):
+            if isinstance(failure, LinkCallFailed):  # the worker answered: it tells the decode itself
+                await _abort(context, failure.code, failure.message)
+            if failure.reason is ServerAbortReason.PEER_FAILURE:
                 self.metrics.on_abort(failure.reason)
                 request_event(log, room, "failed", reason=failure.message)
-            await _abort(context, failure.code, failure.message)
+            unsent = isinstance(failure, NotForwarded) and len(group) == 1  # a tp group's others got it
+            await self._refuse(request, context, failure.code, failure.message, forwarded=not unsent)
         resps = cast("list[prefill_pb2.PrefillResponse]", results)
         if len(resps) == 1:
             return resps[0]
@@ -192,6 +199,12 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             transfer_seconds=max(r.transfer_seconds for r in resps),
             compute_seconds=max(r.compute_seconds for r in resps),
         )
+
+    async def _refuse(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, forwarded: bool = False) -> NoReturn:
+        """Fail ``request`` here, no worker answered it: tell its decode first (:mod:`pdgrpc.prefill.notices`)."""
+        if self.notices is not None:
+            self.notices.failed(request, code, message, forwarded)
+        await _abort(context, code, message)
 
     async def _gather(self, tasks: "list[asyncio.Future[prefill_pb2.PrefillResponse | RequestFailed]]") -> "list[prefill_pb2.PrefillResponse | RequestFailed]":
         """Every worker's answer; on the first failure the other calls are cancelled and
@@ -209,12 +222,14 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
     async def _forward(self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest) -> "prefill_pb2.PrefillResponse | RequestFailed":
         """One worker's answer to a forwarded Prefill (a failure as :class:`RequestFailed`)."""
         assert w.link is not None
+        sent = not w.link.lost.is_set()  # a closed link sends nothing
         try:
             return await w.link.prefill(request)
         except LinkCallFailed as exc:
             return exc
         except WorkerLinkLost:
-            return await self._lost(room, w)
+            lost = await self._lost(room, w)
+            return lost if sent else NotForwarded(lost.code, lost.message, lost.reason)
 
     async def _lost(self, room: int, w: WorkerHandle) -> RequestFailed:
         """What ``room`` fails with once the link to ``w`` closed."""
@@ -428,6 +443,7 @@ async def main_async(ns: argparse.Namespace) -> int:
     # check that says SERVING must mean a Prefill call can be served.
     server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)
     controller.server = server
+    controller.notices = notices_for(controller.dispatcher.dp, lambda: controller.groups, embedded, ns.bootstrap)
     if embedded is not None:
         table = embedded.table
         assert bootstrap_metrics is not None
@@ -486,6 +502,7 @@ async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServ
 
     async def _stop_workers() -> None:
         await controller.registrar.close() if controller.registrar else None
+        await controller.notices.close() if controller.notices else None
 
     server.on_stop(_stop_workers)
     if ns.discovery:

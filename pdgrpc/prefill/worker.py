@@ -333,6 +333,15 @@ class PrefillWorker:
             max_wait_s,
         )
 
+    def refused_by_controller(self, room: int, code: grpc.StatusCode, message: str, secret: bytes) -> None:
+        """The controller refused ``room``, whose decode looks for it here: fail it as if it
+        failed here (:mod:`pdgrpc.prefill.notices`), unless a Prefill for it runs here."""
+        if not room or room in self._active:
+            return
+        request_event(log, room, "refused by the controller", code=code.name, reason=message)
+        self._mailbox.sift(room, lambda s: bool(secret) and not s.genuine(secret))  # drop only the refused one's
+        self.failed_rooms.record(room, Failure(code, message, secret))
+
     def _record_failure(self, room: int, failure: Failure) -> None:
         """``room``'s prefill failed and stopped: tell its decode (Handshake, WatchRoom)."""
         self._mailbox.discard(room)  # early handshakes for it will never be taken

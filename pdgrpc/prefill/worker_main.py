@@ -225,7 +225,9 @@ async def _main(ns: argparse.Namespace) -> int:
     link: WorkerLinkServer | None = None
     if ns.link_fd is not None:
         # Closed by the controller (it died): stop, as the parent watch would a moment later.
-        link = await WorkerLinkServer.open(socket.socket(fileno=ns.link_fd), name, worker.prefill, on_lost=orphaned.set)
+        link = await WorkerLinkServer.open(
+            socket.socket(fileno=ns.link_fd), name, worker.prefill, on_lost=orphaned.set, on_failed=worker.refused_by_controller
+        )
 
         async def _drain_link() -> None:
             assert link is not None

@@ -12,6 +12,9 @@ asks for: for a handshake the room, destination pages, slot, decode tp rank and 
 ``wants_metadata`` and the transport descriptor (where the KV goes), so a forger can
 neither redirect the KV nor reuse a proof for another decode rank; for an abort and for a
 watch (``WatchRoom``: did the room's prefill fail?) the room, each under its own prefix.
+A room whose prefill failed in its controller is recorded with its bootstrap under a
+tag (:func:`failure_tag`, the room under a fourth prefix): only a holder of the secret
+can make a record its decode finds, or find one.
 A ``Prefill`` or ``Decode`` that reaches a server over gRPC without a secret of
 :data:`SECRET_BYTES` bytes is refused (:func:`secret_problem`): without one, the prefill
 would accept any handshake for the room. smg's PD legs, whose protocol carries no
@@ -29,7 +32,7 @@ import struct
 from pdgrpc.v1 import handshake_pb2
 
 __all__ = [
-    "SECRET_BYTES", "abort_message", "abort_proof", "draw_secret", "handshake_message", "handshake_proof", "secret_problem", "sign",
+    "SECRET_BYTES", "abort_message", "abort_proof", "draw_secret", "failure_tag", "handshake_message", "handshake_proof", "secret_problem", "sign",
     "verify", "watch_message", "watch_proof",
 ]
 
@@ -38,6 +41,7 @@ SECRET_BYTES = 32
 _HANDSHAKE = b"pdgrpc.v1 handshake\0"
 _ABORT = b"pdgrpc.v1 abort\0"
 _WATCH = b"pdgrpc.v1 watch\0"
+_FAILED = b"pdgrpc.v1 room failed\0"
 
 
 def draw_secret() -> bytes:
@@ -83,6 +87,11 @@ def watch_message(room: int) -> bytes:
 def watch_proof(secret: bytes, room: int) -> bytes:
     """The ``room_proof`` of a ``WatchRoomRequest`` for ``room`` under ``secret``."""
     return sign(secret, watch_message(room))
+
+
+def failure_tag(secret: bytes, room: int) -> bytes:
+    """The tag of ``room``'s failure record with its bootstrap (``RoomFailureKey.tag``)."""
+    return sign(secret, _FAILED + struct.pack("<Q", room))
 
 
 def sign(secret: bytes, message: bytes) -> bytes:

@@ -484,3 +484,155 @@ class GetWorkersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetWorkersResponse: _TypeAlias = GetWorkersResponse  # noqa: Y015
+
+@_typing.final
+class RoomFailureKey(_message.Message):
+    """Which room a failure record is about, and the proof that its writer holds the room's secret."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOTSTRAP_ROOM_FIELD_NUMBER: _builtins.int
+    TAG_FIELD_NUMBER: _builtins.int
+    bootstrap_room: _builtins.int
+    """The request's bootstrap room: random 63-bit id, never 0."""
+    tag: _builtins.bytes
+    """HMAC-SHA256 under the room's secret of "pdgrpc.v1 room failed\\0" followed by the room
+    as little-endian uint64 (32 bytes; pdgrpc.serving.room_proof.failure_tag).
+    """
+    def __init__(
+        self,
+        *,
+        bootstrap_room: _builtins.int = ...,
+        tag: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "tag", b"tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomFailureKey: _TypeAlias = RoomFailureKey  # noqa: Y015
+
+@_typing.final
+class RoomFailure(_message.Message):
+    """One room whose prefill failed in its controller."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    NEVER_FORWARDED_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The gRPC status code the prefill answered (grpc.StatusCode value, e.g. 14 = UNAVAILABLE)."""
+    reason: _builtins.str
+    """The prefill's status message (UTF-8, at most 1,000 characters are kept)."""
+    never_forwarded: _builtins.bool
+    """True when the controller forwarded the request to no worker: nothing of the room can
+    land in the decode's pages, which it may free without a worker's AbortRoom ack.
+    """
+    @_builtins.property
+    def key(self) -> Global___RoomFailureKey:
+        """The room and its tag."""
+
+    def __init__(
+        self,
+        *,
+        key: Global___RoomFailureKey | None = ...,
+        code: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        never_forwarded: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "key", b"key", "never_forwarded", b"never_forwarded", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomFailure: _TypeAlias = RoomFailure  # noqa: Y015
+
+@_typing.final
+class RecordRoomFailuresRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAILURES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomFailure]:
+        """Failures to record; at most 1,024 per call."""
+
+    def __init__(
+        self,
+        *,
+        failures: _abc.Iterable[Global___RoomFailure] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordRoomFailuresRequest: _TypeAlias = RecordRoomFailuresRequest  # noqa: Y015
+
+@_typing.final
+class RecordRoomFailuresResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDED_FIELD_NUMBER: _builtins.int
+    recorded: _builtins.int
+    """Records stored by this call (count)."""
+    def __init__(
+        self,
+        *,
+        recorded: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recorded", b"recorded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordRoomFailuresResponse: _TypeAlias = RecordRoomFailuresResponse  # noqa: Y015
+
+@_typing.final
+class QueryRoomFailuresRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomFailureKey]:
+        """Rooms to look up, each with its tag; at most 1,024 per call."""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[Global___RoomFailureKey] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueryRoomFailuresRequest: _TypeAlias = QueryRoomFailuresRequest  # noqa: Y015
+
+@_typing.final
+class QueryRoomFailuresResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAILURES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomFailure]:
+        """The records found, in request order; a key without a record is left out."""
+
+    def __init__(
+        self,
+        *,
+        failures: _abc.Iterable[Global___RoomFailure] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueryRoomFailuresResponse: _TypeAlias = QueryRoomFailuresResponse  # noqa: Y015

@@ -60,6 +60,16 @@ class BootstrapServiceStub:
                 request_serializer=pdgrpc_dot_v1_dot_bootstrap__pb2.GetWorkersRequest.SerializeToString,
                 response_deserializer=pdgrpc_dot_v1_dot_bootstrap__pb2.GetWorkersResponse.FromString,
                 _registered_method=True)
+        self.RecordRoomFailures = channel.unary_unary(
+                '/pdgrpc.v1.BootstrapService/RecordRoomFailures',
+                request_serializer=pdgrpc_dot_v1_dot_bootstrap__pb2.RecordRoomFailuresRequest.SerializeToString,
+                response_deserializer=pdgrpc_dot_v1_dot_bootstrap__pb2.RecordRoomFailuresResponse.FromString,
+                _registered_method=True)
+        self.QueryRoomFailures = channel.unary_unary(
+                '/pdgrpc.v1.BootstrapService/QueryRoomFailures',
+                request_serializer=pdgrpc_dot_v1_dot_bootstrap__pb2.QueryRoomFailuresRequest.SerializeToString,
+                response_deserializer=pdgrpc_dot_v1_dot_bootstrap__pb2.QueryRoomFailuresResponse.FromString,
+                _registered_method=True)
 
 
 class BootstrapServiceServicer:
@@ -121,6 +131,27 @@ class BootstrapServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordRoomFailures(self, request, context):
+        """A prefill controller records rooms whose prefill failed before any prefill worker saw
+        them (no live dp rank, a refused dispatch, a failed registration): no worker can
+        refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+        record is found only by its tag, an HMAC under the room's secret, so a caller without
+        the secret can neither fail a room nor learn that one failed. The server keeps the
+        last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
+        INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 records.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryRoomFailures(self, request, context):
+        """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+        INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BootstrapServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +179,16 @@ def add_BootstrapServiceServicer_to_server(servicer, server):
                     servicer.GetWorkers,
                     request_deserializer=pdgrpc_dot_v1_dot_bootstrap__pb2.GetWorkersRequest.FromString,
                     response_serializer=pdgrpc_dot_v1_dot_bootstrap__pb2.GetWorkersResponse.SerializeToString,
+            ),
+            'RecordRoomFailures': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordRoomFailures,
+                    request_deserializer=pdgrpc_dot_v1_dot_bootstrap__pb2.RecordRoomFailuresRequest.FromString,
+                    response_serializer=pdgrpc_dot_v1_dot_bootstrap__pb2.RecordRoomFailuresResponse.SerializeToString,
+            ),
+            'QueryRoomFailures': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryRoomFailures,
+                    request_deserializer=pdgrpc_dot_v1_dot_bootstrap__pb2.QueryRoomFailuresRequest.FromString,
+                    response_serializer=pdgrpc_dot_v1_dot_bootstrap__pb2.QueryRoomFailuresResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -286,6 +327,60 @@ class BootstrapService:
             '/pdgrpc.v1.BootstrapService/GetWorkers',
             pdgrpc_dot_v1_dot_bootstrap__pb2.GetWorkersRequest.SerializeToString,
             pdgrpc_dot_v1_dot_bootstrap__pb2.GetWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordRoomFailures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdgrpc.v1.BootstrapService/RecordRoomFailures',
+            pdgrpc_dot_v1_dot_bootstrap__pb2.RecordRoomFailuresRequest.SerializeToString,
+            pdgrpc_dot_v1_dot_bootstrap__pb2.RecordRoomFailuresResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryRoomFailures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdgrpc.v1.BootstrapService/QueryRoomFailures',
+            pdgrpc_dot_v1_dot_bootstrap__pb2.QueryRoomFailuresRequest.SerializeToString,
+            pdgrpc_dot_v1_dot_bootstrap__pb2.QueryRoomFailuresResponse.FromString,
             options,
             channel_credentials,
             insecure,

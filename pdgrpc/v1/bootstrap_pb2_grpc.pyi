@@ -72,6 +72,19 @@ class BootstrapServiceStub:
     UNAVAILABLE until every worker has registered.
     INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
     """
+    RecordRoomFailures: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.RecordRoomFailuresRequest, _bootstrap_pb2.RecordRoomFailuresResponse]
+    """A prefill controller records rooms whose prefill failed before any prefill worker saw
+    them (no live dp rank, a refused dispatch, a failed registration): no worker can
+    refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+    record is found only by its tag, an HMAC under the room's secret, so a caller without
+    the secret can neither fail a room nor learn that one failed. The server keeps the
+    last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
+    INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 records.
+    """
+    QueryRoomFailures: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryRoomFailuresRequest, _bootstrap_pb2.QueryRoomFailuresResponse]
+    """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+    INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
+    """
 
 @_typing.type_check_only
 class BootstrapServiceAsyncStub(BootstrapServiceStub):
@@ -112,6 +125,19 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
     """The endpoints of the workers of one prefill dp rank (what a decode rank talks to).
     UNAVAILABLE until every worker has registered.
     INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
+    """
+    RecordRoomFailures: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.RecordRoomFailuresRequest, _bootstrap_pb2.RecordRoomFailuresResponse]  # type: ignore[assignment]
+    """A prefill controller records rooms whose prefill failed before any prefill worker saw
+    them (no live dp rank, a refused dispatch, a failed registration): no worker can
+    refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+    record is found only by its tag, an HMAC under the room's secret, so a caller without
+    the secret can neither fail a room nor learn that one failed. The server keeps the
+    last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
+    INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 records.
+    """
+    QueryRoomFailures: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryRoomFailuresRequest, _bootstrap_pb2.QueryRoomFailuresResponse]  # type: ignore[assignment]
+    """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+    INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
     """
 
 class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -180,6 +206,31 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         """The endpoints of the workers of one prefill dp rank (what a decode rank talks to).
         UNAVAILABLE until every worker has registered.
         INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordRoomFailures(
+        self,
+        request: _bootstrap_pb2.RecordRoomFailuresRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_bootstrap_pb2.RecordRoomFailuresResponse, _abc.Awaitable[_bootstrap_pb2.RecordRoomFailuresResponse]]:
+        """A prefill controller records rooms whose prefill failed before any prefill worker saw
+        them (no live dp rank, a refused dispatch, a failed registration): no worker can
+        refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+        record is found only by its tag, an HMAC under the room's secret, so a caller without
+        the secret can neither fail a room nor learn that one failed. The server keeps the
+        last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
+        INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 records.
+        """
+
+    @_abc_1.abstractmethod
+    def QueryRoomFailures(
+        self,
+        request: _bootstrap_pb2.QueryRoomFailuresRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_bootstrap_pb2.QueryRoomFailuresResponse, _abc.Awaitable[_bootstrap_pb2.QueryRoomFailuresResponse]]:
+        """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+        INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
         """
 
 def add_BootstrapServiceServicer_to_server(servicer: BootstrapServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

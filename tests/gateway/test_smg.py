@@ -14,6 +14,7 @@ with short handshake/waiting deadlines, so the two legs disagreeing on the room 
 seconds. Every prefill and decode runs its transport through
 ``tests.gateway.faulty:FailsLongPrompts*``: a prompt of ``MIN_PAGES`` pages or more fails
 mid-transfer on the prefill leg, after the decode's handshake (shorter ones are untouched).
+The last test kills the prefill's worker, so that its controller refuses the prefill leg.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 from pathlib import Path
 
 import grpc
@@ -38,9 +40,11 @@ from pdgrpc.cluster.topology import Topology  # noqa: E402
 from pdgrpc.engine.tokenizer import EOS_ID, ByteTokenizer  # noqa: E402
 from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME  # noqa: E402
 from pdgrpc.gateway.tokenizer import tokenizer_zip  # noqa: E402
-from tests.e2e.harness import Case, Counters, reference_outputs, skip_unless_transport, wait_nothing_held  # noqa: E402
+from tests.e2e.harness import HELD_FIELDS, Case, Counters, reference_outputs, skip_unless_transport, wait_nothing_held  # noqa: E402
+from tests.eventually import eventually_async  # noqa: E402
 from tests.gateway import smg_http  # noqa: E402
 from tests.gateway.faulty import MIN_PAGES  # noqa: E402
+from tests.prefill.procs import child_pids, pid_alive  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 
@@ -326,3 +330,47 @@ async def test_abort_ends_a_running_leg_and_frees_it(cluster):
     err = await rpc_error(leg)
     assert err.code() == grpc.StatusCode.CANCELLED
     await wait_nothing_held(cluster)
+
+
+async def _decode_free(cluster: Cluster, name: str, seen: dict) -> bool:
+    stats = await cluster.stats(name)
+    seen.clear()
+    seen.update({f: getattr(stats, f) for f in HELD_FIELDS if getattr(stats, f)})
+    return not seen
+
+
+# The prefill's controller refuses a leg before any worker sees it (here its only worker
+# is dead and not started again yet), so no worker can tell the decode: the controller
+# records the failure with its bootstrap, where the decode, whose handshake finds no
+# worker, asks. On the first cluster only: the notice travels the control plane alone.
+# Last in the file: it kills the prefill's worker (smg then keeps the prefill out of its
+# rotation for a while).
+@pytest.mark.parametrize("cluster", PARAMS[:1], ids=[f"{t}-{x}" for t, x in PARAMS[:1]], indirect=True)
+async def test_a_prefill_leg_refused_by_the_controller_fails_the_decode_leg_at_once(cluster):
+    prefill, decode = first(cluster, "prefill"), first(cluster, "decode")
+    before = of_process(await Counters.read(cluster), decode)
+    (worker,) = child_pids(cluster.procs[prefill].pid)
+    os.kill(worker, signal.SIGKILL)
+    p = stub(cluster, prefill)
+
+    async def noticed() -> bool:
+        return not pid_alive(worker) and not (await p.HealthCheck(pb.HealthCheckRequest())).healthy
+
+    await eventually_async(noticed, 5, 0.01, "the controller notices its worker died")
+    status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": "no worker", "max_tokens": 8})
+    assert status >= 500 and ("no live prefill worker" in str(body) or "is dead" in str(body)), body
+    # Well before the decode's own deadlines (bootstrap 3 s, waiting 4 s).
+    seen: dict = {}
+    await eventually_async(lambda: _decode_free(cluster, decode, seen), FREE_WITHIN_S, 0.05, lambda: f"the decode still holds {seen}")
+
+    # The controller starts the worker again; then nothing is held anywhere. (smg itself
+    # may keep the prefill out of its rotation for a while: its retries opened its circuit
+    # breaker. Hence last in the file.)
+    async def serves_again() -> bool:
+        return (await p.HealthCheck(pb.HealthCheckRequest())).healthy
+
+    await eventually_async(serves_again, 60, 0.2, "the prefill's worker is started again")
+    await wait_nothing_held(cluster)
+    got = of_process(await Counters.read(cluster), decode).requests(before, "decode")
+    # Every decode leg smg sent (smg retries a failed request) ended as a prefill error.
+    assert got["finished"] == 0 and got["aborted"] >= 1 and got["aborted"] == got.get("aborted:prefill_error"), got

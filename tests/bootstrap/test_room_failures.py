@@ -1,0 +1,83 @@
+"""Rooms whose prefill failed in its controller (RecordRoomFailures / QueryRoomFailures,
+issue 17): a decode finds the record under its room's secret, and nothing made or asked
+without the secret fails a room or tells whether one failed."""
+
+from __future__ import annotations
+
+import secrets
+
+import grpc
+import pytest
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.failures import MAX_BATCH, RoomFailures
+from pdgrpc.bootstrap.service import BootstrapServer
+from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.metrics.catalog import ServerAbortReason
+from pdgrpc.rpc.errors import InvalidArgument
+from pdgrpc.serving.room_proof import draw_secret, failure_tag
+from pdgrpc.v1 import bootstrap_pb2 as pb
+
+ROOM = 4242
+
+
+def record(room: int, secret: bytes, reason: str = "no live prefill worker", never_forwarded: bool = True) -> pb.RoomFailure:
+    key = pb.RoomFailureKey(bootstrap_room=room, tag=failure_tag(secret, room))
+    return pb.RoomFailure(key=key, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=reason, never_forwarded=never_forwarded)
+
+
+async def test_the_decode_finds_its_rooms_failure_under_the_rooms_secret(server: BootstrapServer, client: BootstrapClient) -> None:
+    secret = draw_secret()
+    assert await client.record_room_failures([record(ROOM, secret)]) == 1
+    directory = PrefillDirectory()
+    found = await directory.room_failures(server.address, {ROOM: secret, ROOM + 1: draw_secret()})
+    (failure, never_forwarded) = found[ROOM]
+    assert set(found) == {ROOM} and never_forwarded
+    assert failure.code == grpc.StatusCode.UNAVAILABLE and "no live prefill worker" in failure.message
+    assert failure.reason is ServerAbortReason.PREFILL_ERROR
+
+
+async def test_a_record_or_a_query_without_the_secret_changes_and_learns_nothing(
+    server: BootstrapServer, client: BootstrapClient
+) -> None:
+    secret, forger = draw_secret(), draw_secret()
+    directory = PrefillDirectory()
+    # Forged records for the room: under another secret, and a random tag.
+    forged = pb.RoomFailure(key=pb.RoomFailureKey(bootstrap_room=ROOM, tag=secrets.token_bytes(32)), code=10, reason="forged")
+    await client.record_room_failures([record(ROOM, forger, "forged"), forged])
+    assert await directory.room_failures(server.address, {ROOM: secret}) == {}  # the room's decode finds nothing
+    # The genuine record is found beside them, and a caller without the secret learns nothing of it.
+    await client.record_room_failures([record(ROOM, secret)])
+    assert set(await directory.room_failures(server.address, {ROOM: secret})) == {ROOM}
+    assert await client.query_room_failures([pb.RoomFailureKey(bootstrap_room=ROOM, tag=secrets.token_bytes(32))]) == []
+    # A tag is bound to its room: the right tag with another room finds nothing.
+    assert await client.query_room_failures([pb.RoomFailureKey(bootstrap_room=ROOM + 1, tag=failure_tag(secret, ROOM))]) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "field"),
+    [
+        (pb.RoomFailureKey(bootstrap_room=0, tag=bytes(32)), "bootstrap_room"),
+        (pb.RoomFailureKey(bootstrap_room=ROOM, tag=b"short"), "tag"),
+    ],
+)
+async def test_bad_keys_are_refused_naming_the_field(client: BootstrapClient, key: pb.RoomFailureKey, field: str) -> None:
+    with pytest.raises(InvalidArgument, match=field):
+        await client.query_room_failures([key])
+    with pytest.raises(InvalidArgument, match=field):
+        await client.record_room_failures([pb.RoomFailure(key=key)])
+    with pytest.raises(InvalidArgument, match="limit"):
+        await client.query_room_failures([pb.RoomFailureKey(bootstrap_room=ROOM, tag=bytes(32))] * (MAX_BATCH + 1))
+
+
+def test_the_records_are_bounded_in_count_and_age() -> None:
+    table = RoomFailures(capacity=2, ttl_s=10.0)
+    s = [draw_secret() for _ in range(3)]
+    table.record([record(1, s[0]), record(2, s[1]), record(3, s[2])], now=0.0)
+    assert len(table) == 2
+    assert table.query([record(1, s[0]).key], now=0.0) == []  # the oldest went first
+    assert len(table.query([record(3, s[2]).key], now=5.0)) == 1
+    assert table.query([record(3, s[2]).key], now=10.5) == [] and len(table) == 0  # expired
+    # A long reason is cut.
+    table.record([record(4, s[0], reason="x" * 5000)], now=11.0)
+    assert len(table.query([record(4, s[0]).key], now=11.0)[0].reason) == 1000
