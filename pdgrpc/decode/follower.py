@@ -41,7 +41,7 @@ from pdgrpc.serving.children import die_with_parent  # noqa: E402
 from pdgrpc.serving.engines import build_engine  # noqa: E402
 from pdgrpc.serving import create_transport, request_event, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.threads import compute_executor  # noqa: E402
-from pdgrpc.state import Aborted, Committed, SendHandshake  # noqa: E402
+from pdgrpc.state import AbortReason, Aborted, Committed, SendHandshake  # noqa: E402
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -84,8 +84,9 @@ class Follower:
         self.info.pop(room, None)
         self.transfers.release(room, abort_message)
 
-    def _local_poll(self, room: int) -> KVPoll:
-        return self.transfers.status(room)[0]
+    def _local_poll(self, room: int) -> tuple[KVPoll, AbortReason]:
+        state, _, why = self.transfers.status(room)
+        return state, why
 
     def sync(self, entries: list[tuple[str, tuple[Any, ...]]], now: float) -> None:
         for name, args in entries:

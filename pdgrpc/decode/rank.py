@@ -17,7 +17,7 @@ from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.serving.metadata import metadata_layout
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, senders_of, transfer_room
-from pdgrpc.state import DecodeQueues, MetadataBuffers
+from pdgrpc.state import AbortReason, DecodeQueues, MetadataBuffers
 from pdgrpc.transport.base import MemoryRegion, RegionKind, RoomGrant, Transport, UnknownRoom
 from pdgrpc.transport.pages import kv_regions, metadata_region
 
@@ -72,16 +72,18 @@ class RankTransfers:
         for key in self.keys(room):
             self.transport.advertise(RoomGrant.of(key, prompt_pages, slot))
 
-    def status(self, room: int) -> tuple[KVPoll, str | None]:
+    def status(self, room: int) -> tuple[KVPoll, str | None, AbortReason]:
         """This rank's transport state of ``room`` (its least advanced transport room) and,
-        when FAILED, the transport's reason."""
+        when FAILED, the transport's reason and the abort reason it means
+        (``PEER_FAILURE`` when the transport failed it because its peer is gone)."""
         try:
             st = min((self.transport.status(k) for k in self.keys(room)), key=lambda s: s.state)
         except UnknownRoom:
-            return KVPoll.FAILED, UNTRACKED
+            return KVPoll.FAILED, UNTRACKED, AbortReason.TRANSFER_FAILED
         if st.state is KVPoll.FAILED:
-            return KVPoll.FAILED, st.reason or "no reason given"
-        return st.state, None
+            why = AbortReason.PEER_FAILURE if st.peer_lost else AbortReason.TRANSFER_FAILED
+            return KVPoll.FAILED, st.reason or "no reason given", why
+        return st.state, None, AbortReason.TRANSFER_FAILED
 
     def transfer_started(self, room: int) -> float | None:
         """``time.monotonic()`` when the first KV byte for ``room`` arrived on this rank

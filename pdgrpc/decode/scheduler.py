@@ -49,7 +49,7 @@ from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.serving.tp import check_tp_sizes
-from pdgrpc.state import Aborted, Committed, DecodeQueues, NewRequest, Outcome, QueryDpRanks, SendHandshake, resolve_locally
+from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, QueryDpRanks, SendHandshake, resolve_locally
 from pdgrpc.transport.base import Transport
 
 log = logging.getLogger("pdgrpc.decode")
@@ -339,19 +339,19 @@ class DecodeScheduler(Generation):
         self._closing = True
         self._wake.set()
 
-    def _local_poll(self, room: int) -> KVPoll:
-        """This rank's view of ``room`` for the transfer poll. Until every prefill worker
-        accepted the handshake the room counts as BOOTSTRAPPING, so the bootstrap
-        deadline covers an unanswered handshake."""
-        state, why = self.transfers.status(room)
+    def _local_poll(self, room: int) -> tuple[KVPoll, AbortReason]:
+        """This rank's view of ``room`` for the transfer poll (and why, when FAILED).
+        Until every prefill worker accepted the handshake the room counts as
+        BOOTSTRAPPING, so the bootstrap deadline covers an unanswered handshake."""
+        state, text, why = self.transfers.status(room)
         job = self._jobs.get(room)
         if job is None:
-            return state
+            return state, why
         if state is KVPoll.FAILED:
             if job.transport_error is None:
-                job.transport_error = why
-            return state
-        return state if job.handshaken else min(state, KVPoll.BOOTSTRAPPING)
+                job.transport_error = text
+            return state, why
+        return (state if job.handshaken else min(state, KVPoll.BOOTSTRAPPING)), why
 
     # -- dp ranks -----------------------------------------------------------------------------
     async def _query_dp_ranks(self, query: QueryDpRanks) -> None:

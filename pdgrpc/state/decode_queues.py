@@ -9,7 +9,7 @@ out the returned actions. One instance per TP rank.
     q.poll_dp_ranks(now)          -> [QueryDpRanks]   (throttled per prefill address)
     q.on_dp_ranks(addr, answers)  # answers from bootstrap
     q.prealloc(now)               -> [SendHandshake]  (pages + slot, when both are free)
-    q.on_local_status(room, s)    # this rank's transport reported a KVPoll for the room
+    q.on_local_status(room, s[, why])  # this rank's transport reported a KVPoll for the room
     q.poll_transfers(now, all_reduce_min) -> [Committed | Aborted]
     q.cancel(room, now) / q.on_abort_ack(room) / q.tick(now) / q.release_pages(pages)
 
@@ -66,10 +66,12 @@ from pdgrpc.state.poll import advance_code
 from pdgrpc.state.slots import SlotAllocator
 from pdgrpc.state.transfer_poll import NEG_ROOM, POLL_ROWS, REASON, ROOM, STATE, AllReduceMin
 
-__all__ = ["DecodeQueues", "NewRequest", "Outcome", "SendHandshake"]
+__all__ = ["DecodeQueues", "LocalPoll", "NewRequest", "Outcome", "SendHandshake"]
 
 _ROOM_MAX = (1 << 63) - 1
 Outcome = Union[Committed, Aborted]
+# A rank's transport state of a room: a KVPoll, or (KVPoll, why it FAILED).
+LocalPoll = Callable[[int], Union[KVPoll, "tuple[KVPoll, AbortReason]"]]
 
 # Per-slot modes.
 _FREE, _TRANSFER, _QUARANTINE = 0, 1, 2
@@ -232,16 +234,18 @@ class DecodeQueues:
         return out
 
     # -- transport reports --------------------------------------------------------------
-    def on_local_status(self, room: int, status: KVPoll) -> None:
+    def on_local_status(self, room: int, status: KVPoll, why: AbortReason = AbortReason.TRANSFER_FAILED) -> None:
         """This rank's transport state for ``room``: forward only, FAILED wins, and a report
-        for a room not in transfer (committed, aborted, unknown) is ignored."""
+        for a room not in transfer (committed, aborted, unknown) is ignored. ``why``: the
+        reason a FAILED report aborts it with (``PEER_FAILURE`` when the transport failed
+        it because its peer is gone); of several reasons the most specific (smallest)
+        wins, as across TP ranks, so a peer's death outranks a cancel that followed it."""
         slot = self._room_slot.get(room)
         if slot is None or self._mode[slot] != _TRANSFER:
             return
-        new = advance_code(self._local[slot], status)
-        self._local[slot] = new
-        if new == 0 and self._reason[slot] == REASON_NONE:
-            self._reason[slot] = AbortReason.TRANSFER_FAILED
+        self._local[slot] = advance_code(self._local[slot], status)
+        if status == KVPoll.FAILED:
+            self._reason[slot] = min(self._reason[slot], why)
 
     # -- aborts -------------------------------------------------------------------------
     def cancel(self, room: int, now: float, message: str = "cancelled") -> Aborted | None:
@@ -296,7 +300,7 @@ class DecodeQueues:
         self,
         now: float,
         all_reduce_min: AllReduceMin | None = None,
-        local_poll: Callable[[int], KVPoll] | None = None,
+        local_poll: LocalPoll | None = None,
     ) -> list[Outcome]:
         """local poll -> metadata gate -> all-reduce MIN -> act.
 
@@ -313,12 +317,13 @@ class DecodeQueues:
         votes = [(slot, s, reason, False) for slot, s, reason in self._votes(now, self._candidates(now))]
         return self._act_on_votes(votes, now)
 
-    def prepare_poll(self, now: float, local_poll: Callable[[int], KVPoll] | None = None) -> torch.Tensor:
+    def prepare_poll(self, now: float, local_poll: LocalPoll | None = None) -> torch.Tensor:
         """Steps 1-2: this rank's votes as the ``int64[4, num_slots]`` poll tensor (the
         same shape whatever the queue holds; a free slot votes SUCCESS for no room).
 
         ``local_poll(room)``, if given, is asked for every room in transfer (convenient; the
-        O(1)-per-event path is :meth:`on_local_status` as reports arrive)."""
+        O(1)-per-event path is :meth:`on_local_status` as reports arrive): a KVPoll, or a
+        ``(KVPoll, why)`` pair as :meth:`on_local_status` takes them."""
         self._apply_local_poll(local_poll)
         n = self.buffers.num_slots
         states, reasons, rooms = [int(KVPoll.SUCCESS)] * n, [REASON_NONE] * n, [0] * n
@@ -339,11 +344,15 @@ class DecodeQueues:
         votes = [(slot, states[slot], reasons[slot], rooms[slot] != -neg_rooms[slot]) for slot in self._room_slot.values()]
         return self._act_on_votes(votes, now)
 
-    def _apply_local_poll(self, local_poll: Callable[[int], KVPoll] | None) -> None:
+    def _apply_local_poll(self, local_poll: LocalPoll | None) -> None:
         if local_poll is not None:
             for room, slot in list(self._room_slot.items()):
                 if self._mode[slot] == _TRANSFER:
-                    self.on_local_status(room, local_poll(room))
+                    got = local_poll(room)
+                    if isinstance(got, tuple):
+                        self.on_local_status(room, *got)
+                    else:
+                        self.on_local_status(room, got)
 
     def _candidates(self, now: float) -> Iterable[int]:
         """One rank: the slots whose vote may differ from their last state, in admission
@@ -449,6 +458,8 @@ class DecodeQueues:
             msg = f"room {room}: {self._cancel_msg.get(room, 'cancelled on another TP rank')} in state {state.name}"
         elif reason is AbortReason.TRANSFER_FAILED:
             msg = f"room {room}: transfer failed in state {state.name}"
+        elif reason is AbortReason.PEER_FAILURE:
+            msg = f"room {room}: peer failed in state {state.name}"
         elif reason is AbortReason.TP_DESYNC:
             msg = f"room {room}: TP ranks disagree on the room held by slot {slot} (in state {state.name})"
         else:

@@ -120,6 +120,27 @@ def test_transport_failure_aborts_and_quarantines_until_ack() -> None:
     assert hs.room == 43
 
 
+def test_a_dead_peer_aborts_as_peer_failure() -> None:
+    """The issue: "A peer's death is counted as peer_failure". The transport says why the
+    room failed (its peer is gone); the abort carries it, quarantined like any other."""
+    q, _ = make(num_slots=2, num_pages=4)
+    admit(q, 42)
+    admit(q, 43)
+    q.on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    q.on_local_status(43, KVPoll.FAILED)  # no reason given: a transfer error
+    a, b = q.poll_transfers(0.1)
+    assert isinstance(a, Aborted) and a.reason is AbortReason.PEER_FAILURE and a.awaiting_ack
+    assert "peer failed in state BOOTSTRAPPING" in a.message and q.is_quarantined(42)
+    assert isinstance(b, Aborted) and b.reason is AbortReason.TRANSFER_FAILED
+
+
+def test_local_poll_may_name_the_failure() -> None:
+    q, _ = make()
+    admit(q, 42)
+    (out,) = q.poll_transfers(0.1, identity_reduce, local_poll=lambda room: (KVPoll.FAILED, AbortReason.PEER_FAILURE))
+    assert isinstance(out, Aborted) and out.reason is AbortReason.PEER_FAILURE
+
+
 def test_quarantine_lease_expires_without_ack() -> None:
     q, _ = make(num_slots=1, num_pages=2)
     admit(q, 42)
@@ -370,6 +391,19 @@ def test_tp_reason_priority_is_the_same_on_every_rank() -> None:
     assert [o.reason for o in a] == [o.reason for o in b] == [AbortReason.METADATA_CORRUPTION]  # type: ignore[union-attr]
     assert "expected 42, found 4242 in slot 0" in a[0].message  # type: ignore[union-attr]
     assert "detected on another TP rank" in b[0].message  # type: ignore[union-attr]
+
+
+def test_tp_a_dead_peer_outranks_a_transfer_error_and_a_cancel() -> None:
+    """One rank's transport saw the peer die, the other only a broken transfer and a
+    cancel (the router gave up on the request): every rank counts a peer failure."""
+    qs, _ = two_ranks()
+    for q in qs:
+        admit(q, 42)
+    qs[0].on_local_status(42, KVPoll.FAILED)
+    qs[0].cancel(42, 0.0)
+    qs[1].on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    a, b = lockstep(qs, 0.1)
+    assert [o.reason for o in a] == [o.reason for o in b] == [AbortReason.PEER_FAILURE]  # type: ignore[union-attr]
 
 
 def test_tp_desync_is_detected_instead_of_hanging() -> None:
