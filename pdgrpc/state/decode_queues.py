@@ -12,6 +12,7 @@ out the returned actions. One instance per TP rank.
     q.on_local_status(room, s[, why])  # this rank's transport reported a KVPoll for the room
     q.poll_transfers(now, all_reduce_min) -> [Committed | Aborted]
     q.cancel(room, now) / q.on_abort_ack(room) / q.tick(now) / q.release_pages(pages)
+    q.on_writers_gone(room)       # this rank's transport: the room's writers cannot write here
 
 **TP lock-step.** Everything that changes which slot or page a request gets is decided
 from the reduced poll tensor, so every rank makes the same decision at the same poll:
@@ -29,7 +30,8 @@ them). With a collective: the rule for every slot in use, one tensor each way.
 
 **Abort safety.** A request aborted after its handshake was sent keeps its slot and pages
 in quarantine: a late write from the prefill lands in memory nobody else owns. They return
-to the pools once every rank saw the prefill's ack (:meth:`on_abort_ack`) or the lease
+to the pools once every rank saw the prefill's ack (:meth:`on_abort_ack`) or its own
+transport confirmed the writers gone (:meth:`on_writers_gone`), or the lease
 (``DecodeDeadlines.abort_lease_s``) expired. Freeing a slot zeroes its room first.
 """
 
@@ -75,6 +77,9 @@ LocalPoll = Callable[[int], Union[KVPoll, "tuple[KVPoll, AbortReason]"]]
 
 # Per-slot modes.
 _FREE, _TRANSFER, _QUARANTINE = 0, 1, 2
+# Why a quarantined slot may be released (its _acked value): the prefill acked the abort
+# (replayed: every rank), or this rank's transport confirmed the writers gone (this rank).
+_ACKED, _GONE = 1, 2
 # One rank's poll looks at every slot in use up to this many, and above it lets a few
 # tensor ops pick the slots that changed (~0.1 ms of ops against ~1 us per slot).
 _SCAN_ALL_MAX = 64
@@ -270,7 +275,19 @@ class DecodeQueues:
         slot = self._room_slot.get(room)
         if slot is None or self._mode[slot] != _QUARANTINE:
             return False
-        self._acked[slot] = 1
+        self._acked[slot] = _ACKED
+        return True
+
+    def on_writers_gone(self, room: int) -> bool:
+        """This rank's transport confirmed that none of ``room``'s writers can still write
+        here (their processes are gone, their connections drained). Not replayed: each
+        rank tells its own, and a quarantined slot is released at the poll where every
+        rank has this or the ack (the MIN over ranks). False when ``room`` is not
+        quarantined."""
+        slot = self._room_slot.get(room)
+        if slot is None or self._mode[slot] != _QUARANTINE:
+            return False
+        self._acked[slot] = self._acked[slot] or _GONE
         return True
 
     def tick(self, now: float) -> list[Aborted]:
@@ -376,8 +393,8 @@ class DecodeQueues:
     def _votes(self, now: float, slots: Iterable[int]) -> list[tuple[int, int, int]]:
         """This rank's ``(slot, state, reason)`` for ``slots`` (in transfer or quarantine).
         In transfer: its KVPoll after the metadata gate and its deadline (FAILED, with the
-        reason, when either fails it). Quarantined: 1 to release it (acked, or its lease
-        is over here), else 0."""
+        reason, when either fails it). Quarantined: 1 to release it (acked, its writers
+        gone here, or its lease over here), else 0."""
         out: list[tuple[int, int, int]] = []
         mode, local, reasons, fake, prev, deadline = self._mode, self._local, self._reason, self._fake, self._prev, self._deadline
         room_of_slot, expected = self.buffers.room, self._expected

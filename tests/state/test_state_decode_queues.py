@@ -406,6 +406,34 @@ def test_tp_a_dead_peer_outranks_a_transfer_error_and_a_cancel() -> None:
     assert [o.reason for o in a] == [o.reason for o in b] == [AbortReason.PEER_FAILURE]  # type: ignore[union-attr]
 
 
+def test_writers_gone_on_one_rank_release_nothing_until_every_rank_says_so() -> None:
+    """Self-healing with TP: a quarantined room's pages are reused once every rank's
+    transport confirmed its writers gone (or the prefill acked), never on one rank's word."""
+    qs, _ = two_ranks()
+    for q in qs:
+        admit(q, 42, pages=16)
+        q.on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    assert [type(o) for out in lockstep(qs, 0.1) for o in out] == [Aborted, Aborted]
+    assert qs[0].on_writers_gone(42) and not qs[0].on_writers_gone(777)
+    assert lockstep(qs, 0.2) == [[], []] and all(q.is_quarantined(42) for q in qs)
+    for q in qs:
+        q.add(NewRequest(43, "p:1", 16, dp_rank=0), 0.3)
+        assert q.prealloc(0.3) == []  # every page still quarantined
+    assert qs[1].on_writers_gone(42)
+    assert lockstep(qs, 0.4) == [[], []]
+    assert not any(q.is_quarantined(42) for q in qs)
+    assert [[hs.room for hs in q.prealloc(0.5)] for q in qs] == [[43], [43]]
+
+
+def test_writers_gone_releases_a_single_rank_at_its_next_poll() -> None:
+    q, _ = make(num_slots=1, num_pages=2)
+    admit(q, 42)
+    q.on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    q.poll_transfers(0.1)
+    assert q.on_writers_gone(42)
+    assert q.poll_transfers(0.2) == [] and not q.is_quarantined(42) and q.is_idle()
+
+
 def test_tp_desync_is_detected_instead_of_hanging() -> None:
     qs, bufs = two_ranks()
     admit(qs[0], 42)
