@@ -32,7 +32,7 @@ from pdgrpc.rpc.security import install_from_args  # noqa: E402
 from pdgrpc.decode.cli import scheduler_config_from_args  # noqa: E402
 from pdgrpc.decode.job import SchedulerConfig  # noqa: E402
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally  # noqa: E402
-from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, TpGroup, TpGroupBroken  # noqa: E402
+from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, ROOM_WRITERS, TpGroup, TpGroupBroken  # noqa: E402
 from pdgrpc.engine.tp import torch_distributed_all_reduce  # noqa: E402
 from pdgrpc.errors import PdgrpcError  # noqa: E402
 from pdgrpc.kvpoll import KVPoll  # noqa: E402
@@ -41,7 +41,7 @@ from pdgrpc.serving.children import die_with_parent  # noqa: E402
 from pdgrpc.serving.engines import build_engine  # noqa: E402
 from pdgrpc.serving import create_transport, request_event, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.threads import compute_executor  # noqa: E402
-from pdgrpc.state import Aborted, Committed, SendHandshake  # noqa: E402
+from pdgrpc.state import AbortReason, Aborted, Committed, SendHandshake  # noqa: E402
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -84,14 +84,19 @@ class Follower:
         self.info.pop(room, None)
         self.transfers.release(room, abort_message)
 
-    def _local_poll(self, room: int) -> KVPoll:
-        return self.transfers.status(room)[0]
+    def _local_poll(self, room: int) -> tuple[KVPoll, AbortReason]:
+        state, _, why = self.transfers.status(room)
+        return state, why
 
     def sync(self, entries: list[tuple[str, tuple[Any, ...]]], now: float) -> None:
         for name, args in entries:
             if name == ROOM_INFO:
                 room, prompt_pages, prefill_tp = args
                 self.info[room] = (prompt_pages, prefill_tp)
+                continue
+            if name == ROOM_WRITERS:
+                room, per_rank = args
+                self.transfers.watch_writers(room, per_rank[self.rank])
                 continue
             if name not in REPLAYED:
                 raise PdgrpcError(f"TP replay: {name!r} is not a replayed call")
@@ -103,6 +108,7 @@ class Follower:
                 for a in [result] if isinstance(result, Aborted) else (result or []):
                     if isinstance(a, Aborted):
                         self._ended(a.room, a.message)
+        self.transfers.check_writers()
         t = self.queues.prepare_poll(now, self._local_poll)
         reduced = self.tp.all_reduce_min(t)
         for outcome in self.queues.finish_poll(reduced, now):

@@ -19,7 +19,10 @@ that cannot be reached counts as acknowledged once this decode's transport confi
 no longer write (its process is gone and its data-plane connections drained:
 ``Transport.writer_gone``), or once bootstrap shows its slot registered by a newer
 generation (its controller restarted it: the old process is gone). A worker that merely
-hangs is neither: its pages wait for the abort lease.
+hangs is neither: its pages wait for the abort lease. Whatever the decode's TP size, every
+rank also follows the room's writers on its own transport and the quarantine ends once all
+ranks confirmed them gone (:meth:`Handshaker.writers_by_rank`,
+:meth:`pdgrpc.decode.rank.RankTransfers.check_writers`).
 
 :meth:`Handshaker.watch` holds ``WatchRoom`` on those workers until one says the room's
 prefill failed (then the request fails at once: smg, for one, does not cancel the decode
@@ -90,8 +93,10 @@ class Handshaker:
         self.key = b""
         self.keys: tuple[bytes, ...] = ()
         self._ids: dict[bytes, str] = {}  # descriptor bytes -> transport instance id
-        # This rank's Transport.writer_gone (the scheduler sets it).
+        # This rank's Transport.writer_gone, and whether a room is still quarantined (the
+        # scheduler sets both; an unreachable worker is no longer waited for once not).
         self.writer_gone: Callable[[str], bool] = lambda writer: False
+        self.quarantined: Callable[[int], bool] = lambda room: True
 
     def instance_of(self, descriptor: bytes) -> str:
         """The transport instance id a descriptor names ("" when it does not parse)."""
@@ -272,11 +277,24 @@ class Handshaker:
 
         return all(await asyncio.gather(*(tell(w) for w in job.contacted)))
 
+    def writers_by_rank(self, job: Job) -> tuple[tuple[str, ...], ...]:
+        """Per decode rank, the transport instance ids of the workers sent a handshake for
+        ``job`` that write to that rank ("" for a descriptor that does not parse)."""
+        tp_p = max(1, int(job.prefill.info.tp_size))
+        return tuple(
+            tuple(
+                self.instance_of(w.transport_endpoint) for w in job.contacted
+                if self.tp_size == 1 and tp_p == 1 or w.tp_rank in senders_of(d, self.tp_size, tp_p)
+            )
+            for d in range(self.tp_size)
+        )
+
     def _writer_gone(self, w: bpb.WorkerInfo) -> bool:
         """Whether this decode's transport confirmed that ``w`` can no longer write into
         it: it proved its identity on the data plane, and every such connection ended from
         its side (its process is gone) and was drained (Transport.writer_gone). Used with
-        decode TP 1 only: rank 0 cannot see the other ranks' transports."""
+        decode TP 1 only: rank 0 cannot see the other ranks' transports (with TP > 1 each
+        rank's own poll votes on its writers: RankTransfers.check_writers)."""
         writer = self.instance_of(w.transport_endpoint)
         return self.tp_size == 1 and bool(writer) and self.writer_gone(writer)
 
@@ -325,7 +343,7 @@ class Handshaker:
         deadline = time.monotonic() + self.replaced_wait_s
         address = job.prefill.address
         next_query = time.monotonic()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.quarantined(job.room):
             if self._writer_gone(w):
                 return True
             if time.monotonic() >= next_query:

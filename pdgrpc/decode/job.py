@@ -117,6 +117,8 @@ def abort_status(job: Job, a: Aborted) -> RequestFailed:
     r = a.reason
     if r is AbortReason.TRANSFER_FAILED:
         return RequestFailed(grpc.StatusCode.ABORTED, f"{a.message}: {job.transport_error or 'transport failure'}", r)
+    if r is AbortReason.PEER_FAILURE:  # the prefill process or its connection died
+        return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{a.message}: {job.transport_error or 'peer lost'}", r)
     code = _CODE.get(r)
     if code is not None:
         return RequestFailed(code, a.message, r)

@@ -10,6 +10,8 @@ through it, so the rule for each lives here once.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from pdgrpc.decode.job import SchedulerConfig
@@ -17,7 +19,7 @@ from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.serving.metadata import metadata_layout
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, senders_of, transfer_room
-from pdgrpc.state import DecodeQueues, MetadataBuffers
+from pdgrpc.state import AbortReason, DecodeQueues, MetadataBuffers
 from pdgrpc.transport.base import MemoryRegion, RegionKind, RoomGrant, Transport, UnknownRoom
 from pdgrpc.transport.pages import kv_regions, metadata_region
 
@@ -49,6 +51,9 @@ class RankTransfers:
         # writer (TP sizes differ): the same slot, never read (pdgrpc.serving.tp).
         self.sink = torch.zeros_like(self.buffers.tensor)
         self._keys: dict[int, list[int]] = {}  # transport rooms per room, until released
+        # Quarantined rooms -> the transport instance ids of the prefill workers that may
+        # still write into them on this rank (until the transport confirms them gone).
+        self._writers: dict[int, tuple[str, ...]] = {}
 
     async def register(self) -> bytes:
         """Register the KV pool, the metadata rows and the sink rows; this rank's descriptor."""
@@ -72,16 +77,18 @@ class RankTransfers:
         for key in self.keys(room):
             self.transport.advertise(RoomGrant.of(key, prompt_pages, slot))
 
-    def status(self, room: int) -> tuple[KVPoll, str | None]:
+    def status(self, room: int) -> tuple[KVPoll, str | None, AbortReason]:
         """This rank's transport state of ``room`` (its least advanced transport room) and,
-        when FAILED, the transport's reason."""
+        when FAILED, the transport's reason and the abort reason it means
+        (``PEER_FAILURE`` when the transport failed it because its peer is gone)."""
         try:
             st = min((self.transport.status(k) for k in self.keys(room)), key=lambda s: s.state)
         except UnknownRoom:
-            return KVPoll.FAILED, UNTRACKED
+            return KVPoll.FAILED, UNTRACKED, AbortReason.TRANSFER_FAILED
         if st.state is KVPoll.FAILED:
-            return KVPoll.FAILED, st.reason or "no reason given"
-        return st.state, None
+            why = AbortReason.PEER_FAILURE if st.peer_lost else AbortReason.TRANSFER_FAILED
+            return KVPoll.FAILED, st.reason or "no reason given", why
+        return st.state, None, AbortReason.TRANSFER_FAILED
 
     def transfer_started(self, room: int) -> float | None:
         """``time.monotonic()`` when the first KV byte for ``room`` arrived on this rank
@@ -97,6 +104,27 @@ class RankTransfers:
                 self.transport.release(key)
             else:
                 self.transport.release_because(key, abort_message)
+
+    def watch_writers(self, room: int, writers: Iterable[str]) -> None:
+        """``room`` is quarantined and ``writers`` (transport instance ids) are who could
+        still write into it on this rank; :meth:`check_writers` follows them. A writer
+        whose id is unknown ("") can never be confirmed gone: the room then waits for
+        the ack or the lease."""
+        ids = tuple(writers)
+        if ids and all(ids):
+            self._writers[room] = ids
+
+    def check_writers(self) -> None:
+        """Tell the queues each quarantined room whose writers this rank's transport
+        confirmed gone (``Transport.writer_gone``: process gone, connections drained).
+        Every rank calls it before its poll; the pages are reused once every rank agrees
+        (:meth:`~pdgrpc.state.DecodeQueues.on_writers_gone`)."""
+        for room, ids in list(self._writers.items()):
+            if not self.queues.is_quarantined(room):
+                del self._writers[room]  # released meanwhile (acked, lease)
+            elif all(self.transport.writer_gone(w) for w in ids):
+                self.queues.on_writers_gone(room)
+                del self._writers[room]
 
     def stats(self, active_requests: int) -> dict[str, int]:
         """What this rank holds (GetStats, the live metrics), read from its queues."""

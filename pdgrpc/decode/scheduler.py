@@ -39,7 +39,7 @@ from pdgrpc.decode.handshake import ACCEPTED, Handshaker
 from pdgrpc.decode.job import Job, SchedulerConfig, abort_status
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
-from pdgrpc.decode.tp import ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
+from pdgrpc.decode.tp import ROOM_INFO, ROOM_WRITERS, ReplicatedQueues, TpGroup, TpGroupBroken
 from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
@@ -49,7 +49,7 @@ from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.serving.tp import check_tp_sizes
-from pdgrpc.state import Aborted, Committed, DecodeQueues, NewRequest, Outcome, QueryDpRanks, SendHandshake, resolve_locally
+from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, QueryDpRanks, SendHandshake, resolve_locally
 from pdgrpc.transport.base import Transport
 
 log = logging.getLogger("pdgrpc.decode")
@@ -117,6 +117,7 @@ class DecodeScheduler(Generation):
         self.handshaker.descriptor = self.descriptor
         self.handshaker.key = self.transport.auth_key
         self.handshaker.writer_gone = self.transport.writer_gone
+        self.handshaker.quarantined = self.queues.is_quarantined
         if self.tp is not None:  # every rank's descriptor and key, for the handshakes sent on its behalf
             ranks = await asyncio.to_thread(self.tp.all_gather, (self.descriptor, self.transport.auth_key))
             self.handshaker.descriptors = tuple(d for d, _ in ranks)
@@ -301,6 +302,7 @@ class DecodeScheduler(Generation):
         for query in q.poll_dp_ranks(now):
             self._spawn(self._query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
         handshakes = q.prealloc(now)
+        self.transfers.check_writers()
         if self.tp is None:
             for hs in handshakes:
                 self._start_handshake(hs, now)
@@ -344,19 +346,19 @@ class DecodeScheduler(Generation):
         self._closing = True
         self._wake.set()
 
-    def _local_poll(self, room: int) -> KVPoll:
-        """This rank's view of ``room`` for the transfer poll. Until every prefill worker
-        accepted the handshake the room counts as BOOTSTRAPPING, so the bootstrap
-        deadline covers an unanswered handshake."""
-        state, why = self.transfers.status(room)
+    def _local_poll(self, room: int) -> tuple[KVPoll, AbortReason]:
+        """This rank's view of ``room`` for the transfer poll (and why, when FAILED).
+        Until every prefill worker accepted the handshake the room counts as
+        BOOTSTRAPPING, so the bootstrap deadline covers an unanswered handshake."""
+        state, text, why = self.transfers.status(room)
         job = self._jobs.get(room)
         if job is None:
-            return state
+            return state, why
         if state is KVPoll.FAILED:
             if job.transport_error is None:
-                job.transport_error = why
-            return state
-        return state if job.handshaken else min(state, KVPoll.BOOTSTRAPPING)
+                job.transport_error = text
+            return state, why
+        return (state if job.handshaken else min(state, KVPoll.BOOTSTRAPPING)), why
 
     # -- dp ranks -----------------------------------------------------------------------------
     async def _query_dp_ranks(self, query: QueryDpRanks) -> None:
@@ -542,6 +544,12 @@ class DecodeScheduler(Generation):
         and pages (else the lease does)."""
         if job.handshake_task is not None:  # never let AbortRoom overtake the Handshake
             await asyncio.gather(job.handshake_task, return_exceptions=True)
+        # Every rank follows the writers too: once each rank's transport confirms them
+        # gone, the quarantine ends without the ack (a SIGKILLed worker never sends one).
+        writers = self.handshaker.writers_by_rank(job)
+        self.transfers.watch_writers(job.room, writers[0])
+        if self._replicated is not None:
+            self._replicated.note(ROOM_WRITERS, job.room, writers)
         if await self.handshaker.abort_room(job, reason) and self.queues.on_abort_ack(job.room):
             request_event(log, job.room, "abort acknowledged; quarantine released", workers=len(job.contacted))
             self._wake.set()

@@ -33,13 +33,16 @@ _T = TypeVar("_T")
 
 log = logging.getLogger("pdgrpc.decode.tp")
 
-__all__ = ["REPLAYED", "ROOM_INFO", "Command", "ReplicatedQueues", "TpGroup", "TpGroupBroken"]
+__all__ = ["REPLAYED", "ROOM_INFO", "ROOM_WRITERS", "Command", "ReplicatedQueues", "TpGroup", "TpGroupBroken"]
 
 # Calls of DecodeQueues that change its state and are replayed on every rank.
 # (poll_dp_ranks too: it advances the dp-rank resolver's throttle and in-flight state,
 # which on_dp_ranks reads.)
 REPLAYED = ("add", "poll_dp_ranks", "on_dp_ranks", "cancel", "on_abort_ack", "release_pages", "tick", "prealloc")
 ROOM_INFO = "room_info"  # a log entry for the followers only: (room, prompt_pages, prefill_tp_size)
+# A log entry for the followers only: (room, writer instance ids per decode rank) of a
+# quarantined room (pdgrpc.decode.rank.RankTransfers.watch_writers).
+ROOM_WRITERS = "room_writers"
 
 
 class TpGroupBroken(PdgrpcError):

@@ -72,7 +72,9 @@ class ServerAbortReason(str, enum.Enum):
     servers use those wherever they fit (the prefill's "no handshake in time" is
     ``bootstrap_timeout``, a client that went away is ``cancelled``) and these only for
     what that list cannot say. Together they are the ``reason`` label's vocabulary
-    (:data:`pdgrpc.metrics.reasons.ABORT_REASON_LABELS`)."""
+    (:data:`pdgrpc.metrics.reasons.ABORT_REASON_LABELS`). ``PEER_FAILURE`` is in both
+    lists with one label and one meaning (:data:`pdgrpc.metrics.reasons.SAME_CAUSE`):
+    servers outside the decode machines (a prefill controller, the router) name it here."""
 
     PEER_FAILURE = "peer_failure"  # the other process or its connection died (worker exit, transport peer gone)
     REJECTED_WRITE = "rejected_write"  # the receiver rejected a write outside the pages/slot it advertised
@@ -198,7 +200,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "pdgrpc_aborts_total", "counter",
         "Requests aborted on this server (count), by reason: the decode state machine's AbortReason "
-        "(metadata_corruption, transfer_failed, tp_desync, cancelled, one *_timeout per state) or a "
+        "(metadata_corruption, peer_failure, transfer_failed, tp_desync, cancelled, one *_timeout per state) or a "
         "server-side cause (peer_failure, rejected_write, dp_rank_conflict, prefill_error, decode_error, "
         "internal_error, shutdown).",
         ("role", "reason"), (_P, _D, _X),

@@ -18,9 +18,14 @@ from typing import Union
 from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.state.outcomes import AbortReason
 
-__all__ = ["ABORT_REASON_LABELS", "AnyAbortReason", "abort_label"]
+__all__ = ["ABORT_REASON_LABELS", "AnyAbortReason", "SAME_CAUSE", "abort_label"]
 
 AnyAbortReason = Union[AbortReason, ServerAbortReason]
+
+# Server causes that the decode machines also name, with the same meaning and label: a
+# peer's death is ``peer_failure`` wherever it is seen (a prefill controller whose worker
+# died, a decode whose transport lost the writer).
+SAME_CAUSE: frozenset[ServerAbortReason] = frozenset({ServerAbortReason.PEER_FAILURE})
 
 
 def abort_label(reason: AnyAbortReason) -> str:
@@ -34,5 +39,5 @@ def abort_label(reason: AnyAbortReason) -> str:
 
 
 ABORT_REASON_LABELS: tuple[str, ...] = tuple(abort_label(r) for r in AbortReason) + tuple(
-    abort_label(r) for r in ServerAbortReason
+    abort_label(r) for r in ServerAbortReason if r not in SAME_CAUSE
 )

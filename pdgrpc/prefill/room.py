@@ -52,9 +52,12 @@ C = grpc.StatusCode
 
 def transfer_failed_reason(status: RoomStatus) -> "AbortReason | ServerAbortReason":
     """A room the decode's receiver refused a write for (its ``NACK`` carries a
-    :class:`~pdgrpc.transport.receiver.Refusal`) counts as a rejected write; any other
-    failure as a transfer failure."""
-    return ServerAbortReason.REJECTED_WRITE if status.refusal is not None else AbortReason.TRANSFER_FAILED
+    :class:`~pdgrpc.transport.receiver.Refusal`) counts as a rejected write, one whose
+    decode is gone (process or connection died) as a peer failure; any other failure as
+    a transfer failure."""
+    if status.refusal is not None:
+        return ServerAbortReason.REJECTED_WRITE
+    return ServerAbortReason.PEER_FAILURE if status.peer_lost else AbortReason.TRANSFER_FAILED
 
 
 @dataclasses.dataclass(frozen=True)

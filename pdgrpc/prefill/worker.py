@@ -260,13 +260,16 @@ class PrefillWorker:
             raise
         tp_d = req.decode_tp_size or 1
         # Before its Prefill RPC a room's secret is unknown: a signed handshake is kept
-        # unchecked (its key includes the proof, and it fixes no decode_tp_size), so a forged
-        # one can neither collide with the real one nor refuse it; the Prefill RPC sifts them.
+        # unchecked (its key includes the proof and what it signs, and it fixes no
+        # decode_tp_size), so a forged one -- also a copy of the real one with a field
+        # swapped -- can neither collide with the real one nor refuse it; the Prefill RPC
+        # sifts them.
         checked = entry is not None or not proof
         try:
             handed = (
                 self._mailbox.deliver(
-                    room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof), group=tp_d if checked else None, peer=peer
+                    room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof, message), group=tp_d if checked else None,
+                    peer=peer
                 )
                 if room
                 else False

@@ -9,8 +9,10 @@ the proof before the message may change anything (:func:`verify`).
 
 A proof is HMAC-SHA256 under the secret over a canonical encoding of what the message
 asks for: for a handshake the room, destination pages, slot, decode tp rank and size,
-``wants_metadata`` and the transport descriptor (where the KV goes), so a forger can
-neither redirect the KV nor reuse a proof for another decode rank; for an abort and for a
+``wants_metadata``, the transport descriptor (where the KV goes) and the data-plane
+credential the decode issued (what the worker proves to it), so a forger can neither
+redirect the KV, nor reuse a proof for another decode rank, nor swap the credential so
+that the worker fails to prove itself to the real decode; for an abort and for a
 watch (``WatchRoom``: did the room's prefill fail?) the room, each under its own prefix.
 A room whose prefill failed in its controller is recorded with its bootstrap under a
 tag (:func:`failure_tag`, the room under a fourth prefix): only a holder of the secret
@@ -60,6 +62,8 @@ def secret_problem(secret: bytes) -> str | None:
 
 
 def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
+    """What a ``HandshakeRequest``'s proof signs (every field but the proof, the transport
+    name and the compatibility hash, which a worker checks against its own)."""
     pages = req.dst_pages
     return b"".join(
         (
@@ -70,6 +74,8 @@ def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
             ),
             struct.pack(f"<{len(pages)}I", *pages),
             bytes(req.transport_descriptor),
+            struct.pack("<I", len(req.transport_credential)),
+            bytes(req.transport_credential),
         )
     )
 

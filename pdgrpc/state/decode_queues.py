@@ -9,9 +9,10 @@ out the returned actions. One instance per TP rank.
     q.poll_dp_ranks(now)          -> [QueryDpRanks]   (throttled per prefill address)
     q.on_dp_ranks(addr, answers)  # answers from bootstrap
     q.prealloc(now)               -> [SendHandshake]  (pages + slot, when both are free)
-    q.on_local_status(room, s)    # this rank's transport reported a KVPoll for the room
+    q.on_local_status(room, s[, why])  # this rank's transport reported a KVPoll for the room
     q.poll_transfers(now, all_reduce_min) -> [Committed | Aborted]
     q.cancel(room, now) / q.on_abort_ack(room) / q.tick(now) / q.release_pages(pages)
+    q.on_writers_gone(room)       # this rank's transport: the room's writers cannot write here
 
 **TP lock-step.** Everything that changes which slot or page a request gets is decided
 from the reduced poll tensor, so every rank makes the same decision at the same poll:
@@ -29,7 +30,8 @@ them). With a collective: the rule for every slot in use, one tensor each way.
 
 **Abort safety.** A request aborted after its handshake was sent keeps its slot and pages
 in quarantine: a late write from the prefill lands in memory nobody else owns. They return
-to the pools once every rank saw the prefill's ack (:meth:`on_abort_ack`) or the lease
+to the pools once every rank saw the prefill's ack (:meth:`on_abort_ack`) or its own
+transport confirmed the writers gone (:meth:`on_writers_gone`), or the lease
 (``DecodeDeadlines.abort_lease_s``) expired. Freeing a slot zeroes its room first.
 """
 
@@ -66,13 +68,18 @@ from pdgrpc.state.poll import advance_code
 from pdgrpc.state.slots import SlotAllocator
 from pdgrpc.state.transfer_poll import NEG_ROOM, POLL_ROWS, REASON, ROOM, STATE, AllReduceMin
 
-__all__ = ["DecodeQueues", "NewRequest", "Outcome", "SendHandshake"]
+__all__ = ["DecodeQueues", "LocalPoll", "NewRequest", "Outcome", "SendHandshake"]
 
 _ROOM_MAX = (1 << 63) - 1
 Outcome = Union[Committed, Aborted]
+# A rank's transport state of a room: a KVPoll, or (KVPoll, why it FAILED).
+LocalPoll = Callable[[int], Union[KVPoll, "tuple[KVPoll, AbortReason]"]]
 
 # Per-slot modes.
 _FREE, _TRANSFER, _QUARANTINE = 0, 1, 2
+# Why a quarantined slot may be released (its _acked value): the prefill acked the abort
+# (replayed: every rank), or this rank's transport confirmed the writers gone (this rank).
+_ACKED, _GONE = 1, 2
 # One rank's poll looks at every slot in use up to this many, and above it lets a few
 # tensor ops pick the slots that changed (~0.1 ms of ops against ~1 us per slot).
 _SCAN_ALL_MAX = 64
@@ -232,16 +239,18 @@ class DecodeQueues:
         return out
 
     # -- transport reports --------------------------------------------------------------
-    def on_local_status(self, room: int, status: KVPoll) -> None:
+    def on_local_status(self, room: int, status: KVPoll, why: AbortReason = AbortReason.TRANSFER_FAILED) -> None:
         """This rank's transport state for ``room``: forward only, FAILED wins, and a report
-        for a room not in transfer (committed, aborted, unknown) is ignored."""
+        for a room not in transfer (committed, aborted, unknown) is ignored. ``why``: the
+        reason a FAILED report aborts it with (``PEER_FAILURE`` when the transport failed
+        it because its peer is gone); of several reasons the most specific (smallest)
+        wins, as across TP ranks, so a peer's death outranks a cancel that followed it."""
         slot = self._room_slot.get(room)
         if slot is None or self._mode[slot] != _TRANSFER:
             return
-        new = advance_code(self._local[slot], status)
-        self._local[slot] = new
-        if new == 0 and self._reason[slot] == REASON_NONE:
-            self._reason[slot] = AbortReason.TRANSFER_FAILED
+        self._local[slot] = advance_code(self._local[slot], status)
+        if status == KVPoll.FAILED:
+            self._reason[slot] = min(self._reason[slot], why)
 
     # -- aborts -------------------------------------------------------------------------
     def cancel(self, room: int, now: float, message: str = "cancelled") -> Aborted | None:
@@ -266,7 +275,19 @@ class DecodeQueues:
         slot = self._room_slot.get(room)
         if slot is None or self._mode[slot] != _QUARANTINE:
             return False
-        self._acked[slot] = 1
+        self._acked[slot] = _ACKED
+        return True
+
+    def on_writers_gone(self, room: int) -> bool:
+        """This rank's transport confirmed that none of ``room``'s writers can still write
+        here (their processes are gone, their connections drained). Not replayed: each
+        rank tells its own, and a quarantined slot is released at the poll where every
+        rank has this or the ack (the MIN over ranks). False when ``room`` is not
+        quarantined."""
+        slot = self._room_slot.get(room)
+        if slot is None or self._mode[slot] != _QUARANTINE:
+            return False
+        self._acked[slot] = self._acked[slot] or _GONE
         return True
 
     def tick(self, now: float) -> list[Aborted]:
@@ -296,7 +317,7 @@ class DecodeQueues:
         self,
         now: float,
         all_reduce_min: AllReduceMin | None = None,
-        local_poll: Callable[[int], KVPoll] | None = None,
+        local_poll: LocalPoll | None = None,
     ) -> list[Outcome]:
         """local poll -> metadata gate -> all-reduce MIN -> act.
 
@@ -313,12 +334,13 @@ class DecodeQueues:
         votes = [(slot, s, reason, False) for slot, s, reason in self._votes(now, self._candidates(now))]
         return self._act_on_votes(votes, now)
 
-    def prepare_poll(self, now: float, local_poll: Callable[[int], KVPoll] | None = None) -> torch.Tensor:
+    def prepare_poll(self, now: float, local_poll: LocalPoll | None = None) -> torch.Tensor:
         """Steps 1-2: this rank's votes as the ``int64[4, num_slots]`` poll tensor (the
         same shape whatever the queue holds; a free slot votes SUCCESS for no room).
 
         ``local_poll(room)``, if given, is asked for every room in transfer (convenient; the
-        O(1)-per-event path is :meth:`on_local_status` as reports arrive)."""
+        O(1)-per-event path is :meth:`on_local_status` as reports arrive): a KVPoll, or a
+        ``(KVPoll, why)`` pair as :meth:`on_local_status` takes them."""
         self._apply_local_poll(local_poll)
         n = self.buffers.num_slots
         states, reasons, rooms = [int(KVPoll.SUCCESS)] * n, [REASON_NONE] * n, [0] * n
@@ -339,11 +361,15 @@ class DecodeQueues:
         votes = [(slot, states[slot], reasons[slot], rooms[slot] != -neg_rooms[slot]) for slot in self._room_slot.values()]
         return self._act_on_votes(votes, now)
 
-    def _apply_local_poll(self, local_poll: Callable[[int], KVPoll] | None) -> None:
+    def _apply_local_poll(self, local_poll: LocalPoll | None) -> None:
         if local_poll is not None:
             for room, slot in list(self._room_slot.items()):
                 if self._mode[slot] == _TRANSFER:
-                    self.on_local_status(room, local_poll(room))
+                    got = local_poll(room)
+                    if isinstance(got, tuple):
+                        self.on_local_status(room, *got)
+                    else:
+                        self.on_local_status(room, got)
 
     def _candidates(self, now: float) -> Iterable[int]:
         """One rank: the slots whose vote may differ from their last state, in admission
@@ -367,8 +393,8 @@ class DecodeQueues:
     def _votes(self, now: float, slots: Iterable[int]) -> list[tuple[int, int, int]]:
         """This rank's ``(slot, state, reason)`` for ``slots`` (in transfer or quarantine).
         In transfer: its KVPoll after the metadata gate and its deadline (FAILED, with the
-        reason, when either fails it). Quarantined: 1 to release it (acked, or its lease
-        is over here), else 0."""
+        reason, when either fails it). Quarantined: 1 to release it (acked, its writers
+        gone here, or its lease over here), else 0."""
         out: list[tuple[int, int, int]] = []
         mode, local, reasons, fake, prev, deadline = self._mode, self._local, self._reason, self._fake, self._prev, self._deadline
         room_of_slot, expected = self.buffers.room, self._expected
@@ -449,6 +475,8 @@ class DecodeQueues:
             msg = f"room {room}: {self._cancel_msg.get(room, 'cancelled on another TP rank')} in state {state.name}"
         elif reason is AbortReason.TRANSFER_FAILED:
             msg = f"room {room}: transfer failed in state {state.name}"
+        elif reason is AbortReason.PEER_FAILURE:
+            msg = f"room {room}: peer failed in state {state.name}"
         elif reason is AbortReason.TP_DESYNC:
             msg = f"room {room}: TP ranks disagree on the room held by slot {slot} (in state {state.name})"
         else:

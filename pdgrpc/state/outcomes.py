@@ -18,14 +18,17 @@ class AbortReason(enum.IntEnum):
     rank reports the same, most specific reason."""
 
     METADATA_CORRUPTION = 1  # the slot holds another request's bootstrap_room
-    TRANSFER_FAILED = 2  # the transport reported FAILED for the room
-    TP_DESYNC = 3  # TP ranks disagree on which room a slot holds (driver bug)
-    CANCELLED = 4  # the caller aborted it (client gone, prefill aborted, shutdown)
-    RESOLVE_DP_RANK_TIMEOUT = 5
-    ALLOCATE_TIMEOUT = 6
-    BOOTSTRAP_TIMEOUT = 7
-    WAITING_FOR_INPUT_TIMEOUT = 8
-    TRANSFER_TIMEOUT = 9
+    # The transport failed the room because its peer is gone (process or connection
+    # died, heartbeat stopped): the same cause, and label, as ServerAbortReason.PEER_FAILURE.
+    PEER_FAILURE = 2
+    TRANSFER_FAILED = 3  # the transport reported FAILED for the room (any other cause)
+    TP_DESYNC = 4  # TP ranks disagree on which room a slot holds (driver bug)
+    CANCELLED = 5  # the caller aborted it (client gone, prefill aborted, shutdown)
+    RESOLVE_DP_RANK_TIMEOUT = 6
+    ALLOCATE_TIMEOUT = 7
+    BOOTSTRAP_TIMEOUT = 8
+    WAITING_FOR_INPUT_TIMEOUT = 9
+    TRANSFER_TIMEOUT = 10
 
 
 # "No failure on this rank": larger than every reason, so MIN ignores it.

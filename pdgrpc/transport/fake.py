@@ -66,7 +66,7 @@ class FakeTransport(Transport):
 
     def fail_peer(self, instance_id: str, reason: str) -> None:
         self._peers.pop(instance_id, None)
-        self.rooms.fail_all(reason, [r for r, p in self._room_peer.items() if p == instance_id])
+        self.rooms.fail_all(reason, [r for r, p in self._room_peer.items() if p == instance_id], peer_lost=True)
 
     async def close(self) -> None:
         self._closed = True

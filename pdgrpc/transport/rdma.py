@@ -378,7 +378,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         conn.dead = True
         self._send_by_local.pop(conn.local_id, None)
         for room in list(conn.rooms):
-            self.rooms.fail(room, reason)
+            self.rooms.fail(room, reason, peer_lost=peer_lost)
         for token in list(conn.tokens):
             self._worker.cancel(token)
         if conn.hello is not None and not conn.hello.done():

@@ -275,7 +275,7 @@ class RdmaReceiver:
     def _drop_recv_conn(self, conn: RecvConn, reason: str, *, peer_lost: bool = True) -> None:
         self._recv_conns.pop(conn.conn_id, None)
         for room in list(conn.rooms):
-            self.rooms.fail(room, reason)
+            self.rooms.fail(room, reason, peer_lost=peer_lost)
         for token in list(conn.tokens):
             self._worker.cancel(token)  # tag receives: UCX cancels these for real
         self._worker.drop_endpoint(conn.ep, force=peer_lost)

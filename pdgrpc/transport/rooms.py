@@ -29,12 +29,15 @@ class UnknownRoom(TransportError):
 @dataclasses.dataclass(frozen=True)
 class RoomStatus:
     """A room's state; ``reason`` (text, for people) is set when FAILED, and
-    ``refusal`` too when the failure is a receiver refusing a write (decisions use
-    ``refusal``, never the text)."""
+    ``refusal`` too when the failure is a receiver refusing a write. ``peer_lost``:
+    the room failed because its peer is gone (its process or connection died, its
+    heartbeat stopped, or ``fail_peer`` declared it gone), not because of a transfer
+    error. Decisions use ``refusal`` and ``peer_lost``, never the text."""
 
     state: KVPoll
     reason: str | None = None
     refusal: "Refusal | None" = None
+    peer_lost: bool = False
 
 
 def after_reactions(callback: Callable[..., object], *args: object) -> None:
@@ -94,7 +97,9 @@ class RoomStates:
         byte written (sender) or arrived (receiver). None if it has not, or is untracked."""
         return self._started.get(room)
 
-    def set(self, room: int, state: KVPoll, reason: str | None = None, refusal: "Refusal | None" = None) -> bool:
+    def set(
+        self, room: int, state: KVPoll, reason: str | None = None, refusal: "Refusal | None" = None, *, peer_lost: bool = False
+    ) -> bool:
         """Move ``room`` to ``state`` if that is forward (or FAILED). Returns whether
         the state changed. Untracked rooms are ignored (released rooms stay released)."""
         cur = self._states.get(room)
@@ -103,7 +108,7 @@ class RoomStates:
         if state is not KVPoll.FAILED and state <= cur.state:
             return False
         failed = state is KVPoll.FAILED
-        self._states[room] = RoomStatus(state, reason if failed else None, refusal if failed else None)
+        self._states[room] = RoomStatus(state, reason if failed else None, refusal if failed else None, failed and peer_lost)
         if state is KVPoll.TRANSFERRING or (state is KVPoll.SUCCESS and room not in self._started):
             self._started[room] = time.monotonic()
         if state.is_terminal:
@@ -117,8 +122,10 @@ class RoomStates:
                     log.exception("room %d: terminal-state listener %r failed", room, callback)
         return True
 
-    def fail(self, room: int, reason: str, refusal: "Refusal | None" = None) -> bool:
-        return self.set(room, KVPoll.FAILED, reason, refusal)
+    def fail(self, room: int, reason: str, refusal: "Refusal | None" = None, *, peer_lost: bool = False) -> bool:
+        """Fail ``room`` (see :meth:`set`); ``peer_lost``: because its peer is gone
+        (:attr:`RoomStatus.peer_lost`)."""
+        return self.set(room, KVPoll.FAILED, reason, refusal, peer_lost=peer_lost)
 
     def status(self, room: int) -> RoomStatus:
         try:
@@ -153,9 +160,9 @@ class RoomStates:
         if ev is not None:
             ev.set()  # wake waiters; they see UnknownRoom
 
-    def fail_all(self, reason: str, rooms: Iterable[int] | None = None) -> None:
+    def fail_all(self, reason: str, rooms: Iterable[int] | None = None, *, peer_lost: bool = False) -> None:
         for room in list(self._states if rooms is None else rooms):
-            self.fail(room, reason)
+            self.fail(room, reason, peer_lost=peer_lost)
 
     async def wait(self, room: int, timeout: float) -> RoomStatus:
         st = self.status(room)

@@ -330,18 +330,18 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
             rooms = [r for r in conn.rooms if self._recv.get(r) is not None]
             if peer is not None and self.writers.gone(peer):
                 rooms += self._recv.rooms_of(peer)
-            self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}", rooms)
+            self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}", rooms, peer_lost=True)
             return
         if peer is not None:  # our own connection to a peer we handshaked with
             self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")
 
-    def _drop_link(self, link: _Link, reason: str) -> None:
+    def _drop_link(self, link: _Link, reason: str, *, peer_lost: bool = True) -> None:
         link.alive = False
         if self._links.get(link.peer.instance_id) is link:
             del self._links[link.peer.instance_id]
         for c in link.conns:
             c.close()
-        self.rooms.fail_all(reason, link.rooms)
+        self.rooms.fail_all(reason, link.rooms, peer_lost=peer_lost)
         for room in link.rooms:
             if self._room_link.get(room) == link.peer.instance_id:
                 del self._room_link[room]
@@ -364,7 +364,7 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         for conn in [c for c in self._incoming if c.peer_id == instance_id]:
             conn.close()
             self._incoming.discard(conn)
-        self.rooms.fail_all(reason, self._recv.rooms_of(instance_id))
+        self.rooms.fail_all(reason, self._recv.rooms_of(instance_id), peer_lost=True)
 
     async def close(self) -> None:
         if self._closed:
@@ -377,7 +377,7 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
             self._listener.close()
             self._listener = None
         for link in list(self._links.values()):
-            self._drop_link(link, f"{self.name} transport closed")
+            self._drop_link(link, f"{self.name} transport closed", peer_lost=False)
         for conn in list(self._incoming):
             conn.close()
         self._incoming.clear()

@@ -85,8 +85,8 @@ class HandshakeRequest(_message.Message):
     """Whether this decode rank must receive the metadata row."""
     room_proof: _builtins.bytes
     """HMAC-SHA256 (32 bytes) under the request's room_secret over this handshake's room,
-    pages, slot, decode tp rank/size, wants_metadata and transport descriptor
-    (pdgrpc.serving.room_proof). Empty when the Prefill carries no room_secret. A worker
+    pages, slot, decode tp rank/size, wants_metadata, transport descriptor and
+    transport_credential (pdgrpc.serving.room_proof). Empty when the Prefill carries no room_secret. A worker
     whose Prefill for the room carries a secret refuses a handshake without a valid proof
     (PERMISSION_DENIED) and never lets one displace the real handshake.
     """

@@ -26,6 +26,7 @@ import pytest_asyncio
 
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
+from pdgrpc.metrics import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from tests.e2e.faulty import HEARTBEAT_S, LEASE_S
 from tests.e2e.harness import HELD_FIELDS, skip_unless_transport
@@ -60,7 +61,7 @@ async def cluster(request, tmp_path_factory):
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
         "PDGRPC_TEST_MARKER_DIR": str(log_dir),
     }
-    async with Cluster(topology, transport=transport, log_dir=log_dir, start_timeout=180, extra_env=env) as c:
+    async with Cluster(topology, transport=transport, log_dir=log_dir, start_timeout=180, metrics=True, extra_env=env) as c:
         yield c
 
 
@@ -131,6 +132,10 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_the_decode_within_2s(cl
             lambda: _held(cluster, "decode", seen), FREE_WITHIN_S, 0.05,
             lambda: f"decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound)",
         )
+        # "A peer's death is counted as peer_failure" (the issue), on the decode too.
+        counters = await asyncio.to_thread(scrape, cluster.metrics_address("decode"))
+        aborts = {r: counters.value("pdgrpc_aborts_total", role="decode", reason=r) for r in ("peer_failure", "transfer_failed", "cancelled")}
+        assert aborts == {"peer_failure": 1, "transfer_failed": 0, "cancelled": 0}, aborts
 
 
 async def test_prefill_worker_sigkill_mid_transfer_then_the_prefill_serves_again(cluster):

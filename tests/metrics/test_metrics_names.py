@@ -21,7 +21,7 @@ from pdgrpc.metrics import (
     markdown_table,
 )
 from pdgrpc.metrics.catalog import LABEL_NAMES
-from pdgrpc.metrics.reasons import ABORT_REASON_LABELS, abort_label
+from pdgrpc.metrics.reasons import ABORT_REASON_LABELS, SAME_CAUSE, abort_label
 from pdgrpc.state import AbortReason
 
 from pdgrpc.metrics import Scrape
@@ -113,8 +113,10 @@ def test_exposition_matches_the_catalog_exactly() -> None:
 
 def test_abort_vocabulary_is_every_abort_reason_plus_the_server_causes() -> None:
     assert ABORT_REASON_LABELS[: len(AbortReason)] == tuple(r.name.lower() for r in AbortReason)
-    assert ABORT_REASON_LABELS[len(AbortReason) :] == tuple(r.value for r in ServerAbortReason)
+    assert ABORT_REASON_LABELS[len(AbortReason) :] == tuple(r.value for r in ServerAbortReason if r not in SAME_CAUSE)
     assert len(set(ABORT_REASON_LABELS)) == len(ABORT_REASON_LABELS), "a server cause shadows an AbortReason"
+    # A cause both name is one label: the same meaning, counted in one place.
+    assert all(abort_label(r) == abort_label(AbortReason[r.name]) for r in SAME_CAUSE)
     assert all(_SNAKE.match(label) for label in ABORT_REASON_LABELS)
     assert abort_label(AbortReason.WAITING_FOR_INPUT_TIMEOUT) == "waiting_for_input_timeout"
 

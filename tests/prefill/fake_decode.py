@@ -66,7 +66,13 @@ class _CredentialingStub:
         if not request.transport_credential and self._owner.transport.moves_bytes:
             writer = await self._owner.writer_id(self._address)
             if writer:
+                # The proof covers the credential: one made under a secret this fake decode
+                # knows is made again, as decode signs after adding the credential.
+                secret = self._owner.secrets.get(request.bootstrap_room) or room_secret(request.bootstrap_room)
+                resign = request.room_proof == handshake_proof(secret, request)
                 request.transport_credential = self._owner.transport.issue_credential(writer)
+                if resign:
+                    request.room_proof = handshake_proof(secret, request)
         return await self._stub.Handshake(request, **kwargs)  # type: ignore[arg-type]
 
 
@@ -98,6 +104,8 @@ class FakeDecode:
         self.descriptor = b""
         self._free_slots = list(range(num_slots))
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Rooms whose handshakes a test signs under its own secret (not room_secret(room)).
+        self.secrets: dict[int, bytes] = {}
 
     async def start(self) -> None:
         bufs = self.engine.kv_buffers()

@@ -54,6 +54,9 @@ async def decodes() -> AsyncIterator[tuple[FakeDecode, FakeDecode]]:
 
 
 def signed(d: FakeDecode, r: Room, secret: bytes) -> hpb.HandshakeRequest:
+    """``r``'s handshake signed under ``secret`` (its stub adds the credential and signs
+    again, as decode signs after adding it)."""
+    d.secrets[r.room] = secret
     req = d.handshake_request(r, room_proof=b"")
     req.room_proof = handshake_proof(secret, req)
     return req
@@ -235,6 +238,63 @@ async def test_a_failed_room_is_told_to_its_decode_only(prefill: PrefillProc, de
         await victim.stub(worker).Handshake(signed(victim, real, secret), timeout=10)
         await call
         assert (await held).outcome == hpb.ROOM_OUTCOME_NOT_FAILED
+        victim.free(real)
+    finally:
+        await ch.close()
+    await assert_settles_to_zero(prefill, dp_size=1)
+
+
+async def test_a_handshake_whose_credential_was_swapped_after_signing_is_refused(
+    prefill: PrefillProc, decodes: tuple[FakeDecode, FakeDecode]
+) -> None:
+    """The data-plane credential is part of what the room proof signs: a genuine handshake
+    whose ``transport_credential`` was replaced after the chosen decode signed it (the
+    worker would then fail to prove itself to the real decode) is refused, before or
+    during the Prefill RPC, and changes nothing; the genuine one is served."""
+    victim, attacker = decodes
+    ids = prompt(6, 4)
+    (worker,) = prefill.worker_addresses
+    writer = await victim.writer_id(worker)
+    assert writer
+    ch, stub = await prefill_stub(prefill)
+
+    def genuine_and_swapped(r: Room, secret: bytes) -> tuple[hpb.HandshakeRequest, hpb.HandshakeRequest]:
+        genuine = victim.handshake_request(r, transport_credential=victim.transport.issue_credential(writer), room_proof=b"")
+        genuine.room_proof = handshake_proof(secret, genuine)
+        swapped = hpb.HandshakeRequest()
+        swapped.CopyFrom(genuine)
+        swapped.transport_credential = attacker.transport.issue_credential(writer)  # well-formed, not the victim's
+        return genuine, swapped
+
+    try:
+        # 1. Before the Prefill RPC: the swapped copy comes first and is held unverified.
+        room, secret = new_room(), draw_secret()
+        real = victim.allocate(room, len(ids))
+        genuine, swapped = genuine_and_swapped(real, secret)
+        await victim.stub(worker).Handshake(swapped, timeout=10)
+        await victim.stub(worker).Handshake(genuine, timeout=10)
+        req = request(room, ids, GREEDY)
+        req.room_secret = secret
+        await stub.Prefill(req, timeout=60)
+        assert (await victim.wait(real, 30)).state is KVPoll.SUCCESS
+        assert_landed_bit_exact(victim, real, ids, GREEDY)
+        victim.free(real)
+
+        # 2. While the Prefill RPC waits: refused at once; the genuine one then lands.
+        room = new_room()
+        real = victim.allocate(room, len(ids))
+        genuine, swapped = genuine_and_swapped(real, secret)
+        req = request(room, ids, GREEDY)
+        req.room_secret = secret
+        call = asyncio.ensure_future(stub.Prefill(req, timeout=60))
+        await eventually_async(lambda: active_requests(stub), 15, what="the worker holds the request")
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await victim.stub(worker).Handshake(swapped, timeout=10)
+        assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED and "room_proof" in ei.value.details()
+        await victim.stub(worker).Handshake(genuine, timeout=10)
+        await call
+        assert (await victim.wait(real, 30)).state is KVPoll.SUCCESS
+        assert_landed_bit_exact(victim, real, ids, GREEDY)
         victim.free(real)
     finally:
         await ch.close()

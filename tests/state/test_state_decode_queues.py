@@ -120,6 +120,27 @@ def test_transport_failure_aborts_and_quarantines_until_ack() -> None:
     assert hs.room == 43
 
 
+def test_a_dead_peer_aborts_as_peer_failure() -> None:
+    """The issue: "A peer's death is counted as peer_failure". The transport says why the
+    room failed (its peer is gone); the abort carries it, quarantined like any other."""
+    q, _ = make(num_slots=2, num_pages=4)
+    admit(q, 42)
+    admit(q, 43)
+    q.on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    q.on_local_status(43, KVPoll.FAILED)  # no reason given: a transfer error
+    a, b = q.poll_transfers(0.1)
+    assert isinstance(a, Aborted) and a.reason is AbortReason.PEER_FAILURE and a.awaiting_ack
+    assert "peer failed in state BOOTSTRAPPING" in a.message and q.is_quarantined(42)
+    assert isinstance(b, Aborted) and b.reason is AbortReason.TRANSFER_FAILED
+
+
+def test_local_poll_may_name_the_failure() -> None:
+    q, _ = make()
+    admit(q, 42)
+    (out,) = q.poll_transfers(0.1, identity_reduce, local_poll=lambda room: (KVPoll.FAILED, AbortReason.PEER_FAILURE))
+    assert isinstance(out, Aborted) and out.reason is AbortReason.PEER_FAILURE
+
+
 def test_quarantine_lease_expires_without_ack() -> None:
     q, _ = make(num_slots=1, num_pages=2)
     admit(q, 42)
@@ -370,6 +391,47 @@ def test_tp_reason_priority_is_the_same_on_every_rank() -> None:
     assert [o.reason for o in a] == [o.reason for o in b] == [AbortReason.METADATA_CORRUPTION]  # type: ignore[union-attr]
     assert "expected 42, found 4242 in slot 0" in a[0].message  # type: ignore[union-attr]
     assert "detected on another TP rank" in b[0].message  # type: ignore[union-attr]
+
+
+def test_tp_a_dead_peer_outranks_a_transfer_error_and_a_cancel() -> None:
+    """One rank's transport saw the peer die, the other only a broken transfer and a
+    cancel (the router gave up on the request): every rank counts a peer failure."""
+    qs, _ = two_ranks()
+    for q in qs:
+        admit(q, 42)
+    qs[0].on_local_status(42, KVPoll.FAILED)
+    qs[0].cancel(42, 0.0)
+    qs[1].on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    a, b = lockstep(qs, 0.1)
+    assert [o.reason for o in a] == [o.reason for o in b] == [AbortReason.PEER_FAILURE]  # type: ignore[union-attr]
+
+
+def test_writers_gone_on_one_rank_release_nothing_until_every_rank_says_so() -> None:
+    """Self-healing with TP: a quarantined room's pages are reused once every rank's
+    transport confirmed its writers gone (or the prefill acked), never on one rank's word."""
+    qs, _ = two_ranks()
+    for q in qs:
+        admit(q, 42, pages=16)
+        q.on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    assert [type(o) for out in lockstep(qs, 0.1) for o in out] == [Aborted, Aborted]
+    assert qs[0].on_writers_gone(42) and not qs[0].on_writers_gone(777)
+    assert lockstep(qs, 0.2) == [[], []] and all(q.is_quarantined(42) for q in qs)
+    for q in qs:
+        q.add(NewRequest(43, "p:1", 16, dp_rank=0), 0.3)
+        assert q.prealloc(0.3) == []  # every page still quarantined
+    assert qs[1].on_writers_gone(42)
+    assert lockstep(qs, 0.4) == [[], []]
+    assert not any(q.is_quarantined(42) for q in qs)
+    assert [[hs.room for hs in q.prealloc(0.5)] for q in qs] == [[43], [43]]
+
+
+def test_writers_gone_releases_a_single_rank_at_its_next_poll() -> None:
+    q, _ = make(num_slots=1, num_pages=2)
+    admit(q, 42)
+    q.on_local_status(42, KVPoll.FAILED, AbortReason.PEER_FAILURE)
+    q.poll_transfers(0.1)
+    assert q.on_writers_gone(42)
+    assert q.poll_transfers(0.2) == [] and not q.is_quarantined(42) and q.is_idle()
 
 
 def test_tp_desync_is_detected_instead_of_hanging() -> None:

@@ -23,7 +23,8 @@ class FailureChecks(ConformanceBase):
     async def _kill_then_rooms_fail(self, proc: PeerProcess, killed: str, t: Transport, side: str,
                                     rooms: list[int]) -> None:
         """SIGKILL the ``killed`` side's process; ``t``'s in-flight ``rooms`` must all be
-        FAILED, each with a reason, within :data:`FAIL_DEADLINE_S` (the time is recorded
+        FAILED, each with a reason and typed as a lost peer (``peer_lost``: the decode
+        counts it ``peer_failure``), within :data:`FAIL_DEADLINE_S` (the time is recorded
         in :data:`MEASURED`)."""
         killed_at = time.monotonic()
         proc.kill()
@@ -33,6 +34,7 @@ class FailureChecks(ConformanceBase):
         MEASURED.append((self.backend, f"{side} notices killed {killed}", took))
         assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the {killed} was killed"
         assert all(t.status(r).reason for r in rooms)
+        assert all(t.status(r).peer_lost for r in rooms), [t.status(r) for r in rooms]
 
     async def _check_room_lands(self, send: _Local, peer: Peer, recv: PeerProcess, room: int,
                                 src: list[int], dst: list[int], slot: int, region: int) -> None:
@@ -136,7 +138,7 @@ class FailureChecks(ConformanceBase):
                 await send.t.write(peer, 501, page_ops(pairs, [0, 1], [0, 1]))
                 send.t.fail_peer(peer.instance_id, "bootstrap lease expired")
                 st = send.t.status(501)
-                assert st.state is KVPoll.FAILED and "lease expired" in (st.reason or ""), st
+                assert st.state is KVPoll.FAILED and "lease expired" in (st.reason or "") and st.peer_lost, st
                 await self._check_room_lands(send, await send.t.connect(recv.descriptor), recv, 502, [7, 8], [4, 5], 1, 1)
         finally:
             await _close(send.t)
@@ -158,7 +160,7 @@ class FailureChecks(ConformanceBase):
                 await _until(lambda: all(recv.t.poll(r) is KVPoll.TRANSFERRING for r in (511, 512)))
                 recv.t.fail_peer(a.instance_id, "prefill lease expired")
                 st = recv.t.status(511)
-                assert st.state is KVPoll.FAILED and "lease expired" in (st.reason or ""), st
+                assert st.state is KVPoll.FAILED and "lease expired" in (st.reason or "") and st.peer_lost, st
                 assert recv.t.poll(512) is KVPoll.TRANSFERRING
                 await b.call("write_pages", sender_peer(recv), 512, [], [], (1, 1))
                 assert (await self._wait_local(recv.t, [512]))[512].state is KVPoll.SUCCESS

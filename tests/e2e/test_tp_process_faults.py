@@ -1,0 +1,95 @@
+"""Issue 16, self-healing with a TP 2 decode: "SIGKILL of the prefill worker mid-transfer:
+the decode's pages and slots are free within 2 s".
+
+A real cluster from ``servers/tp1-to-tp2`` (a TP 1 prefill writing each of the decode's
+two TP ranks, processes joined over gloo), over tcp and rdma. The prefill loads the
+test-only slow sender (``tests.e2e.faulty:SlowSender*``), which holds a room's metadata
+row back 1.5 s, so the kill lands after the first bytes reached both decode ranks. The
+replacement worker starts late (``RESTART_DELAY_S``), so the quarantine can only end
+this soon because every decode rank's transport confirmed the dead writer gone: rank 0
+alone cannot see the other rank's transport, and no ack can come from a dead process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.metrics import scrape
+from pdgrpc.v1 import generate_pb2_grpc
+from pdgrpc.cluster.client import generate
+from tests.e2e.harness import skip_unless_transport
+from tests.e2e.test_process_faults import DECODE_WRAPPERS, FREE_WITHIN_S, PROMPT, WRAPPERS, _held, _mid_transfer, _serves_again
+from tests.eventually import eventually_async
+from tests.prefill.procs import child_pids
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(WRAPPERS))
+async def cluster(request, tmp_path_factory):
+    transport = request.param
+    skip_unless_transport(transport)
+    topology = load_topology("tp1-to-tp2")
+    procs = tuple(
+        dataclasses.replace(p, args={**p.args, "transport": WRAPPERS[transport], "worker-respawn-max-backoff": 1})
+        if p.role == "prefill"
+        else dataclasses.replace(p, args={**p.args, "transport": DECODE_WRAPPERS[transport]}) if p.role == "decode" else p
+        for p in topology.processes
+    )
+    topology = dataclasses.replace(topology, processes=procs)
+    log_dir = tmp_path_factory.mktemp(f"tpfaults-{transport}")
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+        "PDGRPC_TEST_MARKER_DIR": str(log_dir),
+    }
+    async with Cluster(topology, transport=transport, log_dir=log_dir, start_timeout=180, metrics=True, extra_env=env) as c:
+        yield c
+
+
+def _follower_holds(cluster: Cluster) -> dict[str, float]:
+    """What decode TP rank 1 holds, from its own live gauges."""
+    s = scrape(cluster.metrics_address("decode", tp_rank=1))
+    gauges = ("pdgrpc_kv_pages_quarantined", "pdgrpc_metadata_slots_in_use")
+    return {g: v for g in gauges if (v := s.value(g, role="decode"))}
+
+
+async def test_prefill_worker_sigkill_mid_transfer_frees_a_tp2_decode_within_2s(cluster):
+    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        router = generate_pb2_grpc.GenerateServiceStub(ch)
+        first = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60)
+        task = await _mid_transfer(cluster, router)
+        (worker,) = child_pids(cluster.procs["prefill"].pid)
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await asyncio.wait_for(task, 30)
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE, ei.value
+        seen: dict = {}
+
+        async def free() -> bool:
+            if not await _held(cluster, "decode", seen):
+                return False
+            seen.update(await asyncio.to_thread(_follower_holds, cluster))
+            return not seen
+
+        await eventually_async(
+            free, FREE_WITHIN_S, 0.05,
+            lambda: f"TP 2 decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound)",
+        )
+        counters = await asyncio.to_thread(scrape, cluster.metrics_address("decode"))  # rank 0 counts outcomes
+        assert counters.value("pdgrpc_aborts_total", role="decode", reason="peer_failure") == 1
+        # The reused pages serve the next requests once the replacement registered.
+        await _serves_again(cluster, router, tuple(first.token_ids))
+        for name in ("decode", "prefill"):
+            await eventually_async(lambda: _held(cluster, name, seen), 10, 0.1, lambda: f"{name} still holds: {seen}")
+        cluster.check()
