@@ -12,6 +12,7 @@ from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
+from pdgrpc.rpc.open_calls import limit_arg
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.state import DecodeDeadlines
 
@@ -61,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="metadata slots: at most this many transfers in flight; more requests wait for a slot (default: %(default)s)",
     )
     g.add_argument(
-        "--max-decodes-per-client", type=int, default=DEFAULT_MAX_DECODES_PER_CLIENT, metavar="N",
-        help="most Decode calls one client host may have open at once; more are refused with RESOURCE_EXHAUSTED "
+        "--max-decodes-per-client", type=limit_arg, default=DEFAULT_MAX_DECODES_PER_CLIENT, metavar="N",
+        help="most Decode calls one client (its mTLS certificate's name, else its host) may have open at once; more are refused with RESOURCE_EXHAUSTED "
         "(a router is one client: keep it above the router's requests in flight) (default: %(default)s)",
     )
     g.add_argument(

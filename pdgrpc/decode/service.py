@@ -17,7 +17,6 @@ whose protocol has no secret (smg's decode leg, :mod:`pdgrpc.gateway`) call
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 from typing import AsyncIterator, Callable
@@ -28,6 +27,7 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
+from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
 from pdgrpc.serving.convert import sampling_from_proto
@@ -44,7 +44,7 @@ _ROOM_LIMIT = 1 << 63
 __all__ = ["DecodeServer", "DecodeServicer", "SERVICE_NAME", "WireDecodeServicer", "start_decode_server"]
 
 
-DEFAULT_MAX_DECODES_PER_CLIENT = 512
+DEFAULT_MAX_DECODES_PER_CLIENT = DEFAULT_PER_CLIENT
 
 
 class DecodeServicer(dpb_grpc.DecodeServiceServicer):
@@ -55,27 +55,24 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
 
     def __init__(self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT) -> None:
         self.scheduler = scheduler
-        self.max_per_client = max_per_client
-        self._open: collections.Counter[str] = collections.Counter()  # client identity -> Decode calls open
+        self.open_calls = OpenCalls(max_per_client, "Decode", "--max-decodes-per-client")
 
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         client = peer_identity(context)  # its certificate's name under mTLS, else its host
-        if self._open[client] >= self.max_per_client:
+        try:
+            self.open_calls.acquire(client)
+        except TooManyOpenCalls as exc:
             self.scheduler.metrics.on_refused()
-            message = (f"client {client} already has {self._open[client]} Decode calls open "
-                       f"(limit {self.max_per_client} per client, --max-decodes-per-client)")
-            request_event(log, request.bootstrap_room, "refused", status="RESOURCE_EXHAUSTED", message=message)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        self._open[client] += 1
+            request_event(log, request.bootstrap_room, "refused", status="RESOURCE_EXHAUSTED", message=str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return  # abort() raises; not reached
         try:
             async for item in self._decode(request, context):
                 yield item
         finally:
-            self._open[client] -= 1
-            if self._open[client] <= 0:
-                del self._open[client]
+            self.open_calls.release(client)
 
     async def _decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext

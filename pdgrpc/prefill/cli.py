@@ -12,6 +12,7 @@ import argparse
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
+from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 
@@ -47,6 +48,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "write them at once: each write has a fixed cost (messages, waking the decode) that outweighs "
         "overlapping small pieces with compute (and the compute thread wakes the server only when a write "
         "is due). 0 writes after every chunk. Default: %(default)s",
+    )
+    g.add_argument(
+        "--max-prefills-per-client", type=limit_arg, default=DEFAULT_PER_CLIENT, metavar="N",
+        help="most Prefill calls one client (its mTLS certificate's name, else its host) may have open at once, "
+        "at the controller and at each worker; more are refused with RESOURCE_EXHAUSTED (a router is one client: "
+        "keep it above the router's requests in flight). Default: %(default)s",
     )
     g.add_argument(
         "--handshake-timeout", type=float, default=30.0,

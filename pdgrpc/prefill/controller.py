@@ -422,7 +422,7 @@ async def main_async(ns: argparse.Namespace) -> int:
     metrics = PrefillMetrics(transport=ns.transport)
     metrics.set_info(dp_size=ns.dp_size)
     controller = Controller(ns, metrics)
-    wire = WirePrefillServicer(controller, metrics.on_refused)  # smg's leg (below) calls controller itself
+    wire = WirePrefillServicer(controller, metrics.on_refused, ns.max_prefills_per_client)  # smg's leg (below) calls controller itself
     services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s))]
     embedded: BootstrapServicer | None = None
     bootstrap_metrics: BootstrapMetrics | None = None

@@ -18,6 +18,7 @@ from typing import Callable, NoReturn, Protocol
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.serving.room_proof import secret_problem
@@ -60,12 +61,15 @@ class PrefillHandlers(Protocol):
 
 class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     """PrefillService over gRPC: ``inner``'s, once a ``Prefill`` carries its
-    ``room_secret`` (:func:`pdgrpc.serving.room_proof.secret_problem`); ``refused``
-    counts one that does not."""
+    ``room_secret`` (:func:`pdgrpc.serving.room_proof.secret_problem`) and its client has
+    fewer than ``max_per_client`` open (:class:`~pdgrpc.rpc.open_calls.OpenCalls`: each
+    open call holds a room); ``refused`` counts one that does not."""
 
-    def __init__(self, inner: PrefillHandlers, refused: Callable[[], None]) -> None:
+    def __init__(self, inner: PrefillHandlers, refused: Callable[[], None],
+                 max_per_client: int = DEFAULT_PER_CLIENT) -> None:
         self.inner = inner
         self.refused = refused
+        self.open_calls = OpenCalls(max_per_client, "Prefill", "--max-prefills-per-client")
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         problem = secret_problem(bytes(request.room_secret))
@@ -73,7 +77,17 @@ class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self.refused()
             request_event(log, request.bootstrap_room, "rejected", reason=problem)
             await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, problem))
-        return await self.inner.Prefill(request, context)
+        client = peer_identity(context)  # its certificate's name under mTLS, else its host
+        try:
+            self.open_calls.acquire(client)
+        except TooManyOpenCalls as exc:
+            self.refused()
+            request_event(log, request.bootstrap_room, "refused", status="RESOURCE_EXHAUSTED", message=str(exc))
+            await abort_with(context, RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
+        try:
+            return await self.inner.Prefill(request, context)
+        finally:
+            self.open_calls.release(client)
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         return await self.inner.GetStats(request, context)

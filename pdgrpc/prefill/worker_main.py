@@ -212,7 +212,7 @@ async def _main(ns: argparse.Namespace) -> int:
     # it is still registering (bootstrap registration retries for a while).
     orphaned = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
-    wire = WirePrefillServicer(WorkerPrefillServicer(worker), metrics.on_refused)
+    wire = WirePrefillServicer(WorkerPrefillServicer(worker), metrics.on_refused, ns.max_prefills_per_client)
     server = await start_server(
         [
             (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s)),

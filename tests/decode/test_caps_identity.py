@@ -47,10 +47,10 @@ async def test_decode_calls_per_client_count_per_certificate_not_per_host() -> N
         yield "served"
 
     servicer._decode = one_item  # type: ignore[method-assign]
-    servicer._open["cn:alice"] = 1  # alice already has her one call open
+    servicer.open_calls.open["cn:alice"] = 1  # alice already has her one call open
     with pytest.raises(_Refused, match="cn:alice already has 1 Decode calls open"):
         await _first(servicer, _Context("10.0.0.5", "alice"))
     assert await _first(servicer, _Context("10.0.0.5", "bob")) == "served"  # same host, another identity
-    servicer._open["host:10.0.0.9"] = 1
+    servicer.open_calls.open["host:10.0.0.9"] = 1
     with pytest.raises(_Refused, match="host:10.0.0.9"):  # no certificate: its host is its identity
         await _first(servicer, _Context("10.0.0.9", None))

@@ -1,0 +1,63 @@
+"""Per-client caps on open calls: no one caller holds what every caller shares.
+
+An open ``Decode`` holds a decode slot and pages; an open ``Prefill`` holds a room on the
+prefill (waiting for its handshake and pages, then computing and transferring). Without a
+cap, one client -- or an attacker with a valid token -- could hold all of them (issue 16's
+audit pinned a decode's 1024 pages with 8 calls). :class:`OpenCalls` counts each client's
+open calls; one past the limit is refused with RESOURCE_EXHAUSTED naming the limit and
+the flag that sets it. A client is who it proved to be: its mTLS certificate's name, else
+its host (:func:`pdgrpc.rpc.security.peer_identity`). A router is one client, so its
+limit must stay above its own requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+__all__ = ["DEFAULT_PER_CLIENT", "OpenCalls", "TooManyOpenCalls", "limit_arg"]
+
+DEFAULT_PER_CLIENT = 512  # open calls per client, the default of each server's flag
+
+
+def limit_arg(text: str) -> int:
+    """argparse type of a per-client limit flag: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of calls, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class TooManyOpenCalls(Exception):
+    """A client is at its limit; the message names the limit and its flag."""
+
+
+class OpenCalls:
+    """``limit`` open ``rpc`` calls per client, set by ``flag`` (for the refusal)."""
+
+    def __init__(self, limit: int, rpc: str, flag: str) -> None:
+        if limit < 1:
+            raise ValueError(f"{flag} must be at least 1, got {limit}")
+        self.limit = limit
+        self.rpc = rpc
+        self.flag = flag
+        self.open: collections.Counter[str] = collections.Counter()  # client -> calls open
+
+    def acquire(self, client: str) -> None:
+        """Count one more open call of ``client``; :class:`TooManyOpenCalls` (nothing
+        counted) when it already has ``limit`` open. Each acquire is paired with one
+        :meth:`release` when the call ends, however it ends."""
+        if self.open[client] >= self.limit:
+            raise TooManyOpenCalls(
+                f"client {client} already has {self.open[client]} {self.rpc} calls open "
+                f"(limit {self.limit} per client, {self.flag})"
+            )
+        self.open[client] += 1
+
+    def release(self, client: str) -> None:
+        self.open[client] -= 1
+        if self.open[client] <= 0:
+            del self.open[client]
