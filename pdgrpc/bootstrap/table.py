@@ -64,6 +64,10 @@ class RegisterResult:
     evicted: int  # live rooms this call evicted (only when renewals filled the ring)
 
 
+_ADDED_ONE = RegisterResult(1, 0, 0)  # results of a one-room call (frozen: shared)
+_RENEWED_ONE = RegisterResult(0, 1, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class TableStats:
     size: int  # rooms stored (live, or expired and not yet swept)
@@ -142,6 +146,8 @@ class RoomTable(RoomSlots):
             raise InvalidBootstrapRequest(f"{n} rooms but {len(ranks)} ranks")
         self._check_batch(n)
         now = self._advance(now)
+        if n == 1:
+            return self._register_one(int(rooms[0]), int(ranks[0]), now, dp_size)
         if n <= _SMALL:
             return self._register_small(rooms, ranks, now, dp_size)
         return self._register_many(np.asarray(rooms, np.uint64), np.asarray(ranks, np.int64), now, dp_size)
@@ -323,6 +329,45 @@ class RoomTable(RoomSlots):
     # renewed, classify again); (4) refuse the batch if its new rooms do not fit under
     # max_rooms once expired rooms are swept; (5) renew, so renewed rooms are the newest;
     # (6) insert the new rooms.
+
+    def _register_one(self, room: int, rank: int, now: float, dp_size: int | None) -> RegisterResult:
+        """One room, in the usual cases: a new room where there is space, or a live room
+        renewed; steps (3)-(4) need nothing then. Anything else (an expired room not yet
+        swept, a full ring, a full table) goes through :meth:`_register_small`."""
+        if not (0 < room <= _M64 and 0 <= rank <= _M32 and (dp_size is None or rank < dp_size)):
+            self._check_entry(room, rank, dp_size)  # raises, naming what is wrong
+        b = ((room * self._mult) & _M64) >> self._shift  # the home bucket (_home), inlined
+        base = b * W
+        row: list[int] = self._keys_v[base : base + W].tolist()
+        s = base + row.index(room) if room in row else self._find(room) if self._ovf_v[b] else -1
+        tail = self._tail
+        if tail - self._head > self._rmask:  # the ring is full
+            return self._register_small((room,), (rank,), now, dp_size)
+        if s >= 0:
+            if not self._alive(s, now):
+                return self._register_small((room,), (rank,), now, dp_size)
+            old = self._rank_v[s]
+            if old != rank:
+                raise RoomConflict(room, old, rank)
+            result = _RENEWED_ONE
+        elif self._size >= self.max_rooms:
+            return self._register_small((room,), (rank,), now, dp_size)
+        elif 0 in row:  # a free slot in the home bucket: no overflow count to touch
+            s = base + row.index(0)
+            self._keys_v[s] = room
+            self._rank_v[s] = rank
+            self._size += 1
+            result = _ADDED_ONE
+        else:
+            s = self._insert_one(room, rank)
+            result = _ADDED_ONE
+        i = tail & self._rmask
+        self._ring_slot_v[i] = s
+        self._ring_time_v[i] = now
+        self._seq_v[s] = tail & _M32
+        self._tail = tail + 1
+        self._registered += 1
+        return result
 
     def _register_small(self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, dp_size: int | None) -> RegisterResult:
         pairs = [(int(room), int(rank)) for room, rank in zip(rooms, ranks)]
