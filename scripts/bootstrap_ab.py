@@ -10,7 +10,9 @@ trees take turns (rotated each round) so that load from other processes falls on
 alike. A client times the cases round-robin (empty call = health ``Check``, register 1
 room, query 1 and 32 rooms), then the CPU time 200 more calls of each cost its own
 process and the server's. ``--token``: servers and clients run with
-``--auth-token-file`` (a fresh token). Printed: per case and tree, the median over
+``--auth-token-file`` (a fresh token). ``--alternate``: servers only: one client, from
+this tree, calls the servers in turn call by call (order flipped every call), and
+reads each server's CPU time around each call. Printed: per case and tree, the median over
 rounds of p50 / client CPU / server CPU per call, and p50 above the empty call.
 Used for the measurements in docs/performance.md (issue 19).
 """
@@ -89,6 +91,61 @@ async def _client(address: str, server_pid: int, iterations: int, warmup: int, s
     return out
 
 
+async def _alternate(servers: dict[str, tuple[subprocess.Popen[str], str]], rounds: int, iterations: int, token_file: str | None) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdgrpc.bootstrap.client import BootstrapClient
+    from pdgrpc.rpc.channels import ChannelPool
+    from pdgrpc.rpc.security import Security, install
+
+    if token_file:
+        install(Security(token_file=Path(token_file)))
+    rng = random.Random(1)
+    known = [rng.getrandbits(63) | 1 for _ in range(4096)]
+    sets = [rng.sample(known, 32) for _ in range(64)]
+    fresh = [rng.getrandbits(63) | 1 for _ in range(iterations * (rounds + 1) * 4 + 10)]
+    clients = {}
+    for name, (proc, address) in servers.items():
+        client = BootstrapClient(address, pool=ChannelPool(), timeout=30)
+        await client.register_dp_ranks({r: r % 8 for r in known})
+        clients[name] = (client, health_pb2_grpc.HealthStub(client.channel), proc.pid)
+    ping = health_pb2.HealthCheckRequest()
+    cases = {
+        "empty call": lambda c, h, i: h.Check(ping, timeout=5),
+        "register 1 room": lambda c, h, i: c.register_dp_ranks({fresh[i]: 1}),
+        "query 1 room": lambda c, h, i: c.query_dp_ranks([known[i % len(known)]]),
+        "query 32 rooms": lambda c, h, i: c.query_dp_ranks(sets[i % 64]),
+    }
+    names = list(clients)
+    p50s: dict[str, dict[str, list[float]]] = {k: {n: [] for n in names} for k in cases}
+    cpu: dict[str, dict[str, list[float]]] = {k: {n: [] for n in names} for k in cases}
+    clock, j = time.perf_counter, 0
+    for r in range(rounds + 1):  # round 0 warms up
+        for case, call in cases.items():
+            xs: dict[str, list[float]] = {n: [] for n in names}
+            for i in range(iterations):
+                j += 1
+                for n in names if i % 2 else names[::-1]:
+                    client, health, pid = clients[n]
+                    s0 = _cpu_ns(pid)
+                    t0 = clock()
+                    await call(client, health, j)
+                    xs[n].append(clock() - t0)
+                    if r:
+                        cpu[case][n].append((_cpu_ns(pid) - s0) / 1e3)
+            if r:
+                for n in names:
+                    p50s[case][n].append(sorted(xs[n])[iterations // 2] * 1e6)
+    print(f"{rounds} rounds x {iterations} calls per case, servers called in turn call by call"
+          f"{' (token on)' if token_file else ''}: p50 (median of rounds) / server CPU per call (mean; median), µs")
+    print("| case | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for case in cases:
+        print(f"| {case} | " + " | ".join(f"{statistics.median(p50s[case][n]):.0f} / {statistics.mean(cpu[case][n]):.0f}; {statistics.median(cpu[case][n]):.0f}" for n in names) + " |")
+    for n in names:
+        print(n, "empty call p50 per round:", [round(x) for x in p50s["empty call"][n]])
+
+
 def _start_server(tree: str, token_file: str | None) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "pdgrpc.bootstrap", "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"]
     if token_file:
@@ -109,6 +166,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--token", action="store_true", help="servers and clients with --auth-token-file")
+    p.add_argument("--alternate", action="store_true", help="servers only: one client from this tree calls them in turn, call by call")
     p.add_argument("--client", nargs=5, metavar=("ADDRESS", "PID", "ITERATIONS", "WARMUP", "SEED"), help=argparse.SUPPRESS)
     p.add_argument("--token-file", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -127,6 +185,17 @@ def main() -> None:
     servers = {name: _start_server(tree, token_file) for name, tree in trees.items()}
     rounds: dict[str, list[dict[str, list[float]]]] = {name: [] for name in trees}
     names = list(trees)
+    if args.alternate:
+        import uvloop
+
+        try:
+            uvloop.run(_alternate(servers, args.rounds, args.iterations, token_file))
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+            if token_file:
+                os.unlink(token_file)
+        return
     try:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
