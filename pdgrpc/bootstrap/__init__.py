@@ -1,7 +1,8 @@
 """The bootstrap service: prefill workers' registry and the room → prefill dp-rank table.
 
-* :mod:`~pdgrpc.bootstrap.table` — :class:`RoomTable`, pure: TTL, hard cap with
-  oldest-first eviction, incremental expiry, bounded memory.
+* :mod:`~pdgrpc.bootstrap.table` — :class:`RoomTable`, pure: TTL, hard cap (new rooms
+  refused past it), incremental expiry, bounded memory; its slots (the hash table) are
+  :mod:`~pdgrpc.bootstrap.room_slots`.
 * :mod:`~pdgrpc.bootstrap.registry` — :class:`WorkerRegistry`, pure: topology fixed by
   the first worker, generations on re-registration.
 * :mod:`~pdgrpc.bootstrap.failures` — :class:`RoomFailures`, pure: rooms whose prefill

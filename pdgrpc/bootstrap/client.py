@@ -86,6 +86,18 @@ def _unpack_ranks(requested: list[int], data: bytes) -> QueryResult:
     return QueryResult([r for r, _ in found], [k for _, k in found], missing, requested=requested)
 
 
+def _packed_register_request(rooms: list[int], ranks: list[int]) -> bytes:
+    """The packed ``RegisterDpRanksRequest`` of ``rooms[i] → ranks[i]``; ConfigError for
+    a value out of range. One room: written by one ``struct`` call (:mod:`.wire`)."""
+    if len(rooms) == 1:
+        try:
+            return wire.encode_one_room(rooms[0], ranks[0])
+        except struct.error:
+            pass  # _pack names the value that is out of range
+    packed_rooms = _pack(rooms, "Q", "bootstrap rooms")
+    return pb.RegisterDpRanksRequest(packed_rooms=packed_rooms, packed_dp_ranks=_pack(ranks, "I", "dp ranks")).SerializeToString()
+
+
 def _entries_request(rooms: bytes, ranks: bytes) -> bytes:
     """The per-entry ``RegisterDpRanksRequest`` (for a server that predates the packed
     fields) of packed rooms and ranks: the numpy codec for large batches."""
@@ -243,8 +255,7 @@ class BootstrapClient:
         else:
             pairs = list(entries)
             rooms, ranks = [r for r, _ in pairs], [k for _, k in pairs]
-        packed_rooms = _pack(rooms, "Q", "bootstrap rooms")
-        packed_ranks = _pack(ranks, "I", "dp ranks")
+        request = _packed_register_request(rooms, ranks)
         register = self._register_raw()
 
         def send(data: bytes) -> Awaitable[pb.RegisterDpRanksResponse]:
@@ -252,9 +263,9 @@ class BootstrapClient:
 
         return await self._packed_or_entries(
             len(rooms),
-            lambda: send(pb.RegisterDpRanksRequest(packed_rooms=packed_rooms, packed_dp_ranks=packed_ranks).SerializeToString()),
+            lambda: send(request),
             lambda reply: reply if reply.packed_rooms_read == len(rooms) else None,
-            lambda: send(_entries_request(packed_rooms, packed_ranks)),
+            lambda: send(_entries_request(_pack(rooms, "Q", "bootstrap rooms"), _pack(ranks, "I", "dp ranks"))),
         )
 
     async def query_dp_ranks(self, rooms: Iterable[int], *, timeout: float | None = None) -> QueryResult:

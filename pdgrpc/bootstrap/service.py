@@ -113,7 +113,11 @@ class BootstrapServicer:
             rooms: np.ndarray | Sequence[int]
             ranks: np.ndarray | Sequence[int]
             packed = 0
-            if fast is not None:
+            one = wire.decode_one_room(data)  # the commonest call: one struct.unpack
+            if one is not None:
+                rooms, ranks = (one[0],), (one[1],)
+                packed = 1
+            elif fast is not None:
                 rooms, ranks = fast
             else:
                 request = pb.RegisterDpRanksRequest.FromString(data)

@@ -21,13 +21,9 @@ operations are vectorised.
 
 Layout
 ------
-* **Hash table**: ``capacity = 2 * max_rooms`` slots (rounded up to a power of two),
-  grouped in buckets of ``W = 16`` slots (128 bytes of keys). A room lives in its home
-  bucket (a keyed multiply-shift hash) or, if that is full, in the next bucket with a
-  free slot; ``overflow[b]`` counts the rooms that probed past bucket ``b``, so a lookup
-  stops at the first bucket that holds the room or has ``overflow == 0``. Key 0 marks a
-  free slot (room 0 is invalid). Deleting a room just clears its slot and decrements
-  the counters it incremented: no tombstones, no rehash, ever. Load stays <= 50 %.
+* **Hash table** (:class:`~pdgrpc.bootstrap.room_slots.RoomSlots`, the storage half):
+  ``2 * max_rooms`` slots in buckets of 16, open addressing with per-bucket overflow
+  counts, no tombstones, load <= 50 %.
 * **Ring of registrations**, in time order: (slot, time) per registration, plus the
   slot's ``seq`` (the ring index of its latest registration, mod 2**32). Expiry and
   eviction pop from the head; a record whose slot has been re-registered since
@@ -44,14 +40,13 @@ microseconds of vectorised work.
 from __future__ import annotations
 
 import dataclasses
-import random
 from typing import Sequence
 
 import numpy as np
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull
+from pdgrpc.bootstrap.room_slots import W, RoomSlots, pow2_at_least
 
-W = 16  # slots per bucket (_find_many relies on 16: one row of matches = two uint64 words)
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 _SMALL = 16  # batches up to this size take the per-room (pure Python) path: less overhead
@@ -69,6 +64,10 @@ class RegisterResult:
     evicted: int  # live rooms this call evicted (only when renewals filled the ring)
 
 
+_ADDED_ONE = RegisterResult(1, 0, 0)  # results of a one-room call (frozen: shared)
+_RENEWED_ONE = RegisterResult(0, 1, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class TableStats:
     size: int  # rooms stored (live, or expired and not yet swept)
@@ -79,11 +78,7 @@ class TableStats:
     pending_records: int  # ring records not yet popped (size + stale renewals)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-class RoomTable:
+class RoomTable(RoomSlots):
     """room → dp rank with TTL and a hard cap; see the module docstring for the layout.
 
     All-or-none: a call that raises has changed nothing visible (it may have dropped
@@ -110,37 +105,18 @@ class RoomTable:
         self.ttl = float(ttl)
         self.max_rooms = max_rooms
         self.max_batch = max_batch
-        nbuckets = max(2, _pow2_at_least(-(-2 * max_rooms // W)))
-        self._nb = nbuckets
-        self._bmask = nbuckets - 1
-        self._shift = 64 - (nbuckets.bit_length() - 1)
-        # Keyed hash: rooms are client-chosen, so the multiplier is secret and odd.
-        rng = random.Random(seed) if seed is not None else random.SystemRandom()
-        self._mult = rng.getrandbits(64) | 1
-        self._mult_np = np.uint64(self._mult)
-        self._shift_np = np.uint64(self._shift)
-        cap = nbuckets * W
-        self._keys = np.zeros(cap, np.uint64)
-        self._keys2d = self._keys.reshape(nbuckets, W)
-        self._rank = np.zeros(cap, np.uint32)
-        self._seq = np.zeros(cap, np.uint32)
-        self._ovf = np.zeros(nbuckets, np.uint32)
-        nring = _pow2_at_least(max(max_batch, ring_records or 2 * max_rooms))
+        super().__init__(max_rooms, seed)
+        self._seq = np.zeros(len(self._keys), np.uint32)
+        nring = pow2_at_least(max(max_batch, ring_records or 2 * max_rooms))
         self._rmask = nring - 1
         self._ring_slot = np.zeros(nring, np.uint32)
         self._ring_time = np.zeros(nring, np.float64)
-        # The per-room paths (calls of a few rooms) go through memoryviews of the same
-        # arrays: plain Python ints and floats, none of numpy's per-call machinery, whose
-        # code is cold between two calls of a server that also runs gRPC.
-        self._keys_v = self._keys.data
-        self._rank_v = self._rank.data
+        # Memoryviews for the per-room paths, as in RoomSlots: plain Python ints and floats.
         self._seq_v = self._seq.data
-        self._ovf_v = self._ovf.data
         self._ring_slot_v = self._ring_slot.data
         self._ring_time_v = self._ring_time.data.cast("B").cast("d")
         self._head = 0  # absolute index of the oldest record
         self._tail = 0  # absolute index of the next record
-        self._size = 0
         self._now = float("-inf")
         self._registered = 0
         self._expired = 0
@@ -170,6 +146,8 @@ class RoomTable:
             raise InvalidBootstrapRequest(f"{n} rooms but {len(ranks)} ranks")
         self._check_batch(n)
         now = self._advance(now)
+        if n == 1:
+            return self._register_one(int(rooms[0]), int(ranks[0]), now, dp_size)
         if n <= _SMALL:
             return self._register_small(rooms, ranks, now, dp_size)
         return self._register_many(np.asarray(rooms, np.uint64), np.asarray(ranks, np.int64), now, dp_size)
@@ -289,94 +267,6 @@ class RoomTable:
     def _alive(self, slot: int, now: float) -> bool:
         return self._ring_time_v[self._seq_v[slot] & self._rmask] + self.ttl > now
 
-    def _home(self, room: int) -> int:
-        return ((room * self._mult) & _M64) >> self._shift
-
-    def _home_many(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys * self._mult_np) >> self._shift_np).astype(np.int64)
-
-    def _find(self, room: int) -> int:
-        """Slot of ``room`` or -1 (expired rooms not yet swept are still found)."""
-        b = self._home(room)
-        keys = self._keys_v
-        while True:
-            row: list[int] = keys[b * W : b * W + W].tolist()
-            if room in row:
-                return b * W + row.index(room)
-            if not self._ovf_v[b]:
-                return -1
-            b = (b + 1) & self._bmask
-
-    def _find_many(self, keys: np.ndarray) -> np.ndarray:
-        home = self._home_many(keys)
-        # np.take gathers the 1,024 random 128-byte rows of a query several times faster
-        # than fancy indexing (self._keys2d[home]), which copies row by row.
-        eq = np.take(self._keys2d, home, axis=0) == keys[:, None]
-        words = eq.view(np.uint64)  # each row of 16 bools is two 8-byte words: any() in one OR
-        hit = (words[:, 0] | words[:, 1]) != 0
-        slots = home * W + eq.argmax(axis=1)
-        if hit.all():
-            return slots
-        slots[~hit] = -1
-        for i in np.flatnonzero(~hit & (np.take(self._ovf, home) > 0)).tolist():  # rare: probed past home
-            slots[i] = self._find(int(keys[i]))
-        return slots
-
-    def _insert_one(self, room: int, rank: int) -> int:
-        h = b = self._home(room)
-        while True:
-            row: list[int] = self._keys_v[b * W : b * W + W].tolist()
-            if 0 in row:
-                break
-            b = (b + 1) & self._bmask
-        j = h
-        while j != b:
-            self._ovf_v[j] += 1
-            j = (j + 1) & self._bmask
-        s = b * W + row.index(0)
-        self._keys_v[s] = room
-        self._rank_v[s] = rank
-        self._size += 1
-        return s
-
-    def _insert_many(self, keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-        """Insert rooms known to be absent and distinct; returns their slots."""
-        m = len(keys)
-        home = self._home_many(keys)
-        order = np.argsort(home, kind="stable")
-        hs = home[order]
-        new_group = np.empty(m, bool)
-        new_group[0] = True
-        np.not_equal(hs[1:], hs[:-1], out=new_group[1:])
-        starts = np.flatnonzero(new_group)
-        index_in_group = np.arange(m) - starts[np.cumsum(new_group) - 1]
-        # The i-th room of a bucket group takes the bucket's i-th free slot, if any.
-        free_before = np.cumsum(self._keys2d[hs] == 0, axis=1)
-        fits = index_in_group < free_before[:, -1]
-        col = np.argmax(free_before > index_in_group[:, None], axis=1)
-        slots = np.empty(m, np.int64)
-        slots[order] = np.where(fits, hs * W + col, -1)
-        placed = slots >= 0
-        ps = slots[placed]
-        self._keys[ps] = keys[placed]
-        self._rank[ps] = ranks[placed]
-        self._size += len(ps)
-        for i in np.flatnonzero(~placed).tolist():  # rare: home bucket full
-            slots[i] = self._insert_one(int(keys[i]), int(ranks[i]))
-        return slots
-
-    def _delete(self, slots: np.ndarray) -> None:
-        keys = self._keys[slots]
-        home = self._home_many(keys)
-        bucket = slots // W
-        for i in np.flatnonzero(home != bucket).tolist():  # rare: undo the overflow counts
-            j, b = int(home[i]), int(bucket[i])
-            while j != b:
-                self._ovf[j] -= 1
-                j = (j + 1) & self._bmask
-        self._keys[slots] = 0
-        self._size -= len(slots)
-
     def _append(self, slots: np.ndarray | list[int], now: float) -> None:
         m = len(slots)
         assert self._tail - self._head + m <= len(self._ring_slot), "ring space not reserved"
@@ -437,8 +327,47 @@ class RoomTable:
     # new, freeing rooms that expired but were not swept yet, and raise on a conflict —
     # nothing visible has changed yet; (3) make ring space (if that evicted a room being
     # renewed, classify again); (4) refuse the batch if its new rooms do not fit under
-# max_rooms once expired rooms are swept; (5) renew, so renewed rooms are the newest;
-    # oldest rooms until the new ones fit under max_rooms; (6) insert the new rooms.
+    # max_rooms once expired rooms are swept; (5) renew, so renewed rooms are the newest;
+    # (6) insert the new rooms.
+
+    def _register_one(self, room: int, rank: int, now: float, dp_size: int | None) -> RegisterResult:
+        """One room, in the usual cases: a new room where there is space, or a live room
+        renewed; steps (3)-(4) need nothing then. Anything else (an expired room not yet
+        swept, a full ring, a full table) goes through :meth:`_register_small`."""
+        if not (0 < room <= _M64 and 0 <= rank <= _M32 and (dp_size is None or rank < dp_size)):
+            self._check_entry(room, rank, dp_size)  # raises, naming what is wrong
+        b = ((room * self._mult) & _M64) >> self._shift  # the home bucket (_home), inlined
+        base = b * W
+        row: list[int] = self._keys_v[base : base + W].tolist()
+        s = base + row.index(room) if room in row else self._find(room) if self._ovf_v[b] else -1
+        tail = self._tail
+        if tail - self._head > self._rmask:  # the ring is full
+            return self._register_small((room,), (rank,), now, dp_size)
+        if s >= 0:
+            if not self._alive(s, now):
+                return self._register_small((room,), (rank,), now, dp_size)
+            old = self._rank_v[s]
+            if old != rank:
+                raise RoomConflict(room, old, rank)
+            result = _RENEWED_ONE
+        elif self._size >= self.max_rooms:
+            return self._register_small((room,), (rank,), now, dp_size)
+        elif 0 in row:  # a free slot in the home bucket: no overflow count to touch
+            s = base + row.index(0)
+            self._keys_v[s] = room
+            self._rank_v[s] = rank
+            self._size += 1
+            result = _ADDED_ONE
+        else:
+            s = self._insert_one(room, rank)
+            result = _ADDED_ONE
+        i = tail & self._rmask
+        self._ring_slot_v[i] = s
+        self._ring_time_v[i] = now
+        self._seq_v[s] = tail & _M32
+        self._tail = tail + 1
+        self._registered += 1
+        return result
 
     def _register_small(self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, dp_size: int | None) -> RegisterResult:
         pairs = [(int(room), int(rank)) for room, rank in zip(rooms, ranks)]

@@ -23,9 +23,19 @@ generated classes. A layout that passes the checks is, byte for byte, what a
 sequential protobuf parser reads, so the fast path never disagrees with the slow one.
 Packed repeated fields (``bootstrap_rooms``, ``missing_rooms``, ``found_dp_ranks``)
 are left to protobuf's C parser and serializer, which are fast for them already.
+
+A packed ``RegisterDpRanksRequest`` of one room (:func:`encode_one_room`,
+:func:`decode_one_room`) is 16 bytes of one fixed layout, what protobuf writes for it::
+
+    0x1A 0x08 room (8 bytes, little-endian)  0x22 0x04 rank (4 bytes, little-endian)
+
+(``packed_rooms``, field 3, then ``packed_dp_ranks``, field 4). One ``struct`` call
+reads or writes it: a tenth of the generated class's cost for the commonest call.
 """
 
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 
@@ -139,3 +149,24 @@ def decode_register_request(data: bytes) -> tuple[np.ndarray, np.ndarray] | None
     if got is None or got[2] != len(data):
         return None
     return got[0], got[1]
+
+
+_ONE_ROOM = struct.Struct("<2sQ2sI")
+_ONE_ROOM_TAGS = (b"\x1a\x08", b"\x22\x04")  # packed_rooms, 8 bytes; packed_dp_ranks, 4 bytes
+
+
+def encode_one_room(room: int, rank: int) -> bytes:
+    """The packed ``RegisterDpRanksRequest`` of ``room → rank`` (see the module doc);
+    ``struct.error`` if either is out of range (uint64, uint32)."""
+    return _ONE_ROOM.pack(_ONE_ROOM_TAGS[0], room, _ONE_ROOM_TAGS[1], rank)
+
+
+def decode_one_room(data: bytes) -> tuple[int, int] | None:
+    """``(room, rank)`` of a packed one-room ``RegisterDpRanksRequest`` in exactly the
+    layout :func:`encode_one_room` writes; ``None`` for any other message."""
+    if len(data) != 16:
+        return None
+    rooms_tag, room, ranks_tag, rank = _ONE_ROOM.unpack(data)
+    if rooms_tag != _ONE_ROOM_TAGS[0] or ranks_tag != _ONE_ROOM_TAGS[1]:
+        return None
+    return room, rank

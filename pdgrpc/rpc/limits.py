@@ -22,11 +22,11 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-__all__ = ["MAX_MESSAGE_BYTES", "UndecodableIsInvalidArgument", "parse_or_abort", "peer_host"]
+__all__ = ["MAX_MESSAGE_BYTES", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort", "peer_host"]
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
@@ -95,14 +95,19 @@ def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
     return handler
 
 
+HandlerWrapper = Callable[[grpc.RpcMethodHandler, str], grpc.RpcMethodHandler]
+"""Makes ``(handler, "/service/method")`` into the handler the server runs."""
+
+
 class _ParsingGenericHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
-    """A generic handler whose handlers go through :func:`parse_or_abort` (made once per
-    method, then reused)."""
+    """A generic handler whose handlers go through ``wrap`` (made once per method, then
+    reused)."""
 
     _CACHED_METHODS = 1024  # a generic handler may answer any method name: bound the cache
 
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+    def __init__(self, inner: grpc.GenericRpcHandler, wrap: HandlerWrapper) -> None:
         self._inner = inner
+        self._wrap = wrap
         self._made: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -112,28 +117,36 @@ class _ParsingGenericHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
         made = self._made.get(details.method)
         if made is not None and made[0] is handler:
             return made[1]
-        parsing = parse_or_abort(handler, details.method)
+        wrapped = self._wrap(handler, details.method)
         if len(self._made) < self._CACHED_METHODS:
-            self._made[details.method] = (handler, parsing)
-        return parsing
+            self._made[details.method] = (handler, wrapped)
+        return wrapped
 
 
 class UndecodableIsInvalidArgument:
     """Stands for a ``grpc.aio.Server`` while services add their handlers to it (the
     ``add_..._to_server`` functions): every handler added through it parses its own
-    request (:func:`parse_or_abort`). Wrapping handlers once, as they are added, costs a
-    call nothing a ``grpc.aio`` interceptor does (a coroutine chain and new handler
-    objects on every call: 47-65 µs on an empty call here, issue 19)."""
+    request (:func:`parse_or_abort`), and then goes through ``outer`` when given (the
+    bearer-token check of :mod:`pdgrpc.rpc.security`, which so runs before parsing).
+    Wrapping handlers once, as they are added, costs a call nothing a ``grpc.aio``
+    interceptor does (a coroutine chain and new handler objects on every call: 47-65 µs
+    on an empty call here, issue 19)."""
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(self, server: grpc.aio.Server, outer: HandlerWrapper | None = None) -> None:
         self._server = server
+        self._outer = outer
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """``handler`` of ``method`` (``/service/name``) as the server runs it."""
+        parsing = parse_or_abort(handler, method)
+        return parsing if self._outer is None else self._outer(parsing, method)
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_ParsingGenericHandler(h) for h in handlers))
+        self._server.add_generic_rpc_handlers(tuple(_ParsingGenericHandler(h, self.wrap) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        parsing = {name: parse_or_abort(h, f"/{service}/{name}") for name, h in handlers.items()}
-        self._server.add_registered_method_handlers(service, parsing)
+        wrapped = {name: self.wrap(h, f"/{service}/{name}") for name, h in handlers.items()}
+        self._server.add_registered_method_handlers(service, wrapped)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._server, name)

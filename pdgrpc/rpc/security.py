@@ -27,14 +27,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hmac
+import inspect
 import ipaddress
 import logging
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
 from pdgrpc.errors import ConfigError, PdgrpcError
+from pdgrpc.rpc.limits import HandlerWrapper
 
 __all__ = [
     "AUTH_HEADER",
@@ -45,6 +47,7 @@ __all__ = [
     "install_from_args",
     "is_loopback",
     "peer_identity",
+    "require_token",
     "security_argv",
     "security_from_args",
 ]
@@ -119,9 +122,15 @@ class Security:
             return grpc.ssl_server_credentials(pair)
         return grpc.ssl_server_credentials(pair, root_certificates=_read(self.ca, "--tls-ca"), require_client_auth=True)
 
-    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+    def server_handler_wrapper(self) -> HandlerWrapper | None:
+        """What a server wraps each of its handlers in, once, as they are added (see
+        ``pdgrpc.rpc.limits.UndecodableIsInvalidArgument``): the bearer-token check
+        where a token is set, else nothing (None)."""
         token = self.token
-        return [_TokenCheck(token)] if token else []
+        if not token:
+            return None
+        expected = (_BEARER + token).encode()
+        return lambda handler, method: require_token(handler, method, expected)
 
     def check_listen(self, host: str, what: str) -> None:
         """Refuse a non-loopback listener that is neither encrypted nor authenticated
@@ -197,37 +206,69 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str:
 # ---- the token ----------------------------------------------------------------------------
 
 
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    message = f"missing or wrong bearer token (send '{AUTH_HEADER}: Bearer <token>'; see --auth-token-file)"
+_DENIED = f"missing or wrong bearer token (send '{AUTH_HEADER}: Bearer <token>'; see --auth-token-file)"
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+def _token_ok(context: grpc.aio.ServicerContext, expected: bytes) -> bool:
+    """Whether the call's first ``authorization`` value is ``expected`` (constant time)."""
+    got: str | bytes = next((v for k, v in context.invocation_metadata() or () if k == AUTH_HEADER), "")
+    return hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got), expected)
+
+
+def _checking(behaviour: Callable[..., Any], expected: bytes, parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:
+    """``behaviour`` (a handler's function, of any kind grpc.aio runs) refusing, with
+    UNAUTHENTICATED, a call without the token before it runs or reads a request;
+    ``parse``: the unary request's deserializer, run after the check."""
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if not _token_ok(context, expected):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            async for item in behaviour(request if parse is None else parse(request), context):
+                yield item
+
+        return stream
+    if inspect.iscoroutinefunction(behaviour):
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not _token_ok(context, expected):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            return await behaviour(request if parse is None else parse(request), context)
+
+        return call
+    # Synchronous handlers (grpc.aio runs them on a thread; health's List is one).
+    if inspect.isgeneratorfunction(behaviour):
+
+        def sync_stream(request: Any, context: Any) -> Iterator[Any]:
+            if not _token_ok(context, expected):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            yield from behaviour(request if parse is None else parse(request), context)
+
+        return sync_stream
+
+    def sync_call(request: Any, context: Any) -> Any:
+        if not _token_ok(context, expected):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        return behaviour(request if parse is None else parse(request), context)
+
+    return sync_call
+
+
+def require_token(handler: grpc.RpcMethodHandler, method: str, expected: bytes) -> grpc.RpcMethodHandler:
+    """``handler`` of ``method`` (``/service/name``) refusing, with UNAUTHENTICATED, every
+    call whose ``authorization`` metadata is not ``expected`` (``Bearer <token>``, as
+    bytes), before anything reads its request: a unary request is parsed after the
+    check. Health (:data:`_OPEN_METHODS`) stays open."""
+    if handler is None or method in _OPEN_METHODS:
+        return handler
+    parse, out = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(_checking(handler.stream_stream, expected, None), parse, out)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(_checking(handler.stream_unary, expected, None), parse, out)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
-
-
-class _TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses, with UNAUTHENTICATED, every call without the bearer token (except health)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = (_BEARER + token).encode()
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method in _OPEN_METHODS:
-            return handler
-        got = next((v for k, v in details.invocation_metadata or () if k == AUTH_HEADER), "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got), self._expected):
-            return handler
-        return _deny(handler)
+        return grpc.unary_stream_rpc_method_handler(_checking(handler.unary_stream, expected, parse), None, out)
+    return grpc.unary_unary_rpc_method_handler(_checking(handler.unary_unary, expected, parse), None, out)
 
 
 class _TokenSend:

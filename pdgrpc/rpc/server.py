@@ -40,7 +40,7 @@ from typing import Any, Callable, Coroutine, Iterable, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, UndecodableIsInvalidArgument
 from pdgrpc.rpc.security import Security, current
@@ -144,19 +144,21 @@ async def start_server(
     security = security or current()
     security.check_listen(host, what)
     credentials = security.server_credentials()
-    # The security's checks (an interceptor only where a token is set). Undecodable
-    # requests end INVALID_ARGUMENT (pdgrpc.rpc.limits): every service is added through
-    # a view that wraps its handlers once, not through a per-call interceptor.
-    interceptors = security.server_interceptors()
-    server = grpc.aio.server(options=list(options), interceptors=interceptors or None)
-    parsing = UndecodableIsInvalidArgument(server)
+    # No per-call interceptor: every service (health and reflection too) is added
+    # through a view that wraps its handlers once: undecodable requests end
+    # INVALID_ARGUMENT (pdgrpc.rpc.limits), and where a token is set, calls without it
+    # end UNAUTHENTICATED before their request is parsed (pdgrpc.rpc.security).
+    server = grpc.aio.server(options=list(options))
+    wrapping = UndecodableIsInvalidArgument(server, security.server_handler_wrapper())
     names = []
     for name, add in services:
-        add(parsing)  # stands for the server: see UndecodableIsInvalidArgument
+        add(wrapping)  # stands for the server: see UndecodableIsInvalidArgument
         names.append(name)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, parsing)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, wrapping)
+    # What reflection.enable_server_reflection does for a grpc.aio server, through the view.
+    reflecting = reflection.aio.ReflectionServicer([*names, health.SERVICE_NAME, reflection.SERVICE_NAME])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflecting, wrapping)
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)

@@ -164,8 +164,10 @@ async def test_bad_arguments_fail_before_any_call() -> None:
         await c.register_dp_ranks({r: 2**32 for r in range(1, 100)})
     with pytest.raises(ConfigError):
         await c.query_dp_ranks([2**64])
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="dp ranks must be uint32"):
         await c.register_dp_ranks({1: 2**32})
+    with pytest.raises(ConfigError, match="bootstrap rooms must be uint64"):
+        await c.register_dp_ranks({2**64: 0})
     with pytest.raises(ConfigError):
         await c.query_dp_ranks([-1] * 100)
     assert pool.created == 0

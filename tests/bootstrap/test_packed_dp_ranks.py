@@ -30,8 +30,9 @@ def le(values: list[int], dtype: str) -> bytes:
     return np.array(values, dtype).tobytes()
 
 
-# 3 and 62 rooms (64 asked, with the unknown ones): struct and lists on both sides; 300: numpy.
-@pytest.mark.parametrize("n", [3, 62, 300])
+# 1 room: its own 16-byte layout (pdgrpc.bootstrap.wire); 3 and 62 rooms (64 asked, with
+# the unknown ones): struct and lists on both sides; 300: numpy.
+@pytest.mark.parametrize("n", [1, 3, 62, 300])
 async def test_packed_register_and_query_over_the_generated_stub(client: BootstrapClient, n: int) -> None:
     stub = pb_grpc.BootstrapServiceStub(client.channel)
     want = {r: r % 4 for r in rooms(n)}
@@ -78,6 +79,7 @@ async def test_per_entry_messages_of_older_clients_are_still_answered(client: Bo
         (pb.RegisterDpRanksRequest(packed_rooms=le([5], "<u8"), packed_dp_ranks=le([MISSING_RANK], "<u4")), f"dp_rank {MISSING_RANK} is invalid"),
         (pb.QueryDpRanksRequest(packed_rooms=le([5, 0], "<u8"), packed_reply=True), "0 means not written"),
         (pb.RegisterDpRanksRequest(packed_rooms=le([5, 0], "<u8"), packed_dp_ranks=le([1, 1], "<u4")), "0 means not written"),
+        (pb.RegisterDpRanksRequest(packed_rooms=le([0], "<u8"), packed_dp_ranks=le([1], "<u4")), "0 means not written"),
     ],
 )
 async def test_bad_packed_fields_are_invalid_argument_and_change_nothing(
@@ -119,7 +121,7 @@ async def older_server() -> AsyncIterator[RpcServer]:
         await rpc.stop(0.5)
 
 
-@pytest.mark.parametrize("n", [3, 62, 300])
+@pytest.mark.parametrize("n", [1, 3, 62, 300])
 async def test_the_client_falls_back_to_entries_with_a_server_that_predates_packed_fields(older_server: RpcServer, pool: ChannelPool, n: int) -> None:
     client = BootstrapClient(older_server.address, pool=pool, timeout=5.0)
     want = {r: r % 4 for r in rooms(n, seed=4)}

@@ -184,6 +184,20 @@ def test_renewals_cannot_grow_memory() -> None:
     check_invariants(t)
 
 
+def test_one_room_renewals_that_fill_the_ring_evict_the_oldest_live_room() -> None:
+    """Calls of one room take their own path; when renewals have filled the ring, the
+    next call evicts the oldest live room (counted), as a batch's would."""
+    t = RoomTable(ttl=1000, max_rooms=8, max_batch=1, ring_records=8)
+    for room in (1, 2, 3, 4):
+        t.register([room], [0], now=0)
+    for i in range(4):  # the ring's 8 records: rooms 1-4, then 4 renewed four times
+        assert t.register([4], [0], now=i).unchanged == 1
+    res = t.register([4], [0], now=5)
+    assert (res.added, res.unchanged, res.evicted) == (0, 1, 1)
+    assert q(t, [1, 2, 3, 4], 5) == {2: 0, 3: 0, 4: 0} and t.stats.evicted == 1
+    check_invariants(t)
+
+
 def test_validates_configuration() -> None:
     with pytest.raises(InvalidBootstrapRequest):
         RoomTable(ttl=0)
@@ -294,9 +308,9 @@ class Model:
         return len(new), len(rooms) - len(new), self.evicted - evicted_before
 
 
-def op_lists(min_batch: int) -> st.SearchStrategy[list]:
-    batch = st.lists(st.tuples(st.sampled_from(range(40)), st.integers(0, 3)), min_size=min_batch, max_size=24)
-    rooms = st.lists(st.sampled_from(range(40)), min_size=min_batch, max_size=24)
+def op_lists(min_batch: int, max_batch: int = 24) -> st.SearchStrategy[list]:
+    batch = st.lists(st.tuples(st.sampled_from(range(40)), st.integers(0, 3)), min_size=min_batch, max_size=max_batch)
+    rooms = st.lists(st.sampled_from(range(40)), min_size=min_batch, max_size=max_batch)
     return st.lists(
         st.one_of(
             st.tuples(st.just("register"), batch, st.floats(0, 3), st.sampled_from([None, 3, 4])),
@@ -309,7 +323,8 @@ def op_lists(min_batch: int) -> st.SearchStrategy[list]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ops=st.one_of(op_lists(0), op_lists(17)),  # 17+: every batch takes the numpy path
+    # 17+: every batch takes the numpy path; exactly 1: every call takes the one-room path
+    ops=st.one_of(op_lists(0), op_lists(17), op_lists(1, 1)),
     ttl=st.sampled_from([1.0, 5.0]),
     max_rooms=st.sampled_from([6, 24, 100]),
     small_ring=st.booleans(),  # a ring that renewals fill up: exercises its evictions

@@ -67,3 +67,22 @@ def test_corrupted_bytes_never_decode_to_a_wrong_answer(es: list[tuple[int, int]
         assert ref is not None
         assert got[0].tolist() == [e.bootstrap_room for e in ref.entries]
         assert got[1].tolist() == [e.dp_rank for e in ref.entries]
+
+
+@settings(max_examples=150, deadline=None)
+@given(r=st.one_of(room, st.just(0)), k=rank)
+def test_one_room_request_is_protobuf_byte_for_byte_and_decodes_back(r: int, k: int) -> None:
+    data = wire.encode_one_room(r, k)
+    want = pb.RegisterDpRanksRequest(packed_rooms=r.to_bytes(8, "little"), packed_dp_ranks=k.to_bytes(4, "little"))
+    assert data == want.SerializeToString()
+    assert wire.decode_one_room(data) == (r, k)
+
+
+def test_one_room_decoder_declines_every_other_layout() -> None:
+    rooms, ranks = (7).to_bytes(8, "little"), (1).to_bytes(4, "little")
+    swapped = pb.RegisterDpRanksRequest(packed_dp_ranks=ranks).SerializeToString() + pb.RegisterDpRanksRequest(packed_rooms=rooms).SerializeToString()
+    two_ranks = pb.RegisterDpRanksRequest(packed_rooms=rooms[:6], packed_dp_ranks=ranks * 1 + b"\0\0").SerializeToString()
+    entries = pb.RegisterDpRanksRequest(entries=[pb.DpRankEntry(bootstrap_room=2**62, dp_rank=2**20)]).SerializeToString()
+    for data in (swapped, two_ranks, entries, b"", wire.encode_one_room(7, 1)[:15]):
+        assert wire.decode_one_room(data) is None, data.hex()
+    assert len(swapped) == 16 and len(two_ranks) == 16

@@ -192,3 +192,80 @@ def test_topology_security_files_go_to_every_process(pki: Pki, tmp_path: Path) -
         parse_topology({"process": procs, "security": {"tls-cert": "a.pem"}}, "t")
     with pytest.raises(Bad, match='tls = "auto" makes its own certificates'):
         parse_topology({"process": procs, "security": {"tls": "auto", "tls-ca": "ca.pem"}}, "t")
+
+
+async def test_token_is_checked_on_every_kind_of_call_before_its_request_is_read(pki: Pki) -> None:
+    """The token check wraps each handler (issue 19: no per-call interceptor): unary,
+    streaming, synchronous and reflection calls without the token end UNAUTHENTICATED
+    without running the handler, even when their bytes do not parse; health stays open."""
+    ran: list[str] = []
+
+    async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        ran.append("unary")
+        return request
+
+    async def server_stream(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        ran.append("server stream")
+        yield request
+
+    async def bidi(requests, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        ran.append("bidi")
+        async for r in requests:
+            yield r
+
+    def sync_unary(request: pb.GetWorkersRequest, context: grpc.ServicerContext) -> pb.GetWorkersRequest:
+        ran.append("sync")
+        return request
+
+    parse, out = pb.GetWorkersRequest.FromString, pb.GetWorkersRequest.SerializeToString
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary, parse, out),
+        "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream, parse, out),
+        "Bidi": grpc.stream_stream_rpc_method_handler(bidi, parse, out),
+        "Sync": grpc.unary_unary_rpc_method_handler(sync_unary, parse, out),
+    }
+    add = lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Kinds", handlers),))  # noqa: E731
+    server = await start_server([("test.Kinds", add)], host="127.0.0.1", port=0, security=Security(token_file=pki.token))
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def codes(security: Security | None, payload: bytes) -> dict[str, grpc.StatusCode]:
+        got = {}
+        channel = grpc.aio.insecure_channel(server.address) if security is None else security.channel(server.address)
+        async with channel:
+            calls = {
+                "Unary": lambda: channel.unary_unary("/test.Kinds/Unary")(payload, timeout=5),
+                "Sync": lambda: channel.unary_unary("/test.Kinds/Sync")(payload, timeout=5),
+                "ServerStream": lambda: _drain(channel.unary_stream("/test.Kinds/ServerStream")(payload, timeout=5)),
+                "Bidi": lambda: _drain(channel.stream_stream("/test.Kinds/Bidi")(iter([payload]), timeout=5)),
+                "reflection": lambda: _drain(
+                    reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                ),
+            }
+            for name, start in calls.items():
+                try:
+                    await start()
+                    got[name] = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as exc:
+                    got[name] = exc.code()
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        return got
+
+    try:
+        garbage = b"\xff\xff\xff"  # not a GetWorkersRequest
+        valid = pb.GetWorkersRequest(dp_rank=1).SerializeToString()
+        for security in (None, Security(token_file=pki.wrong_token)):
+            for payload in (valid, garbage):
+                assert set((await codes(security, payload)).values()) == {grpc.StatusCode.UNAUTHENTICATED}
+        assert ran == []
+        assert set((await codes(Security(token_file=pki.token), valid)).values()) == {grpc.StatusCode.OK}
+        assert sorted(ran) == ["bidi", "server stream", "sync", "unary"]
+        got = await codes(Security(token_file=pki.token), garbage)
+        assert got["Unary"] is got["ServerStream"] is grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await server.stop(0)
+
+
+async def _drain(call: object) -> None:
+    async for _ in call:  # type: ignore[attr-defined]
+        pass
