@@ -1,7 +1,8 @@
 """The prefill server (``python -m pdgrpc.prefill``).
 
-* :mod:`~pdgrpc.prefill.controller` -- the DP controller process: PrefillService front
-  door, embedded BootstrapService, worker processes.
+* :mod:`~pdgrpc.prefill.controller` -- the DP controller: PrefillService front door,
+  worker processes; :mod:`~pdgrpc.prefill.controller_main` its process (servers,
+  embedded BootstrapService, ready line, signals).
 * :mod:`~pdgrpc.prefill.dispatch` / :mod:`~pdgrpc.prefill.registrar` -- dp rank choice
   and batched room -> rank registration.
 * :mod:`~pdgrpc.prefill.worker` -- one worker: validation, pages, its rooms;
