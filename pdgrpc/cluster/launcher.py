@@ -40,7 +40,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -59,11 +58,12 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from pdgrpc.cluster.credentials import ClusterCredentials
+from pdgrpc.cluster.errors import ChildDied, ClusterError
 from pdgrpc.cluster.hosts import HostMap, discovery_flags, hosts_from_env, place
+from pdgrpc.cluster.ports import HOST, METRICS_ROLES, free_port, free_port_block, metrics_children
 from pdgrpc.cluster.smg import readiness, smg_argv
 from pdgrpc.cluster.topology import SECURITY_MODES, ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, etcd_argv, etcd_healthy, find_etcd
-from pdgrpc.errors import PdgrpcError
 from pdgrpc.rpc.security import Security
 from pdgrpc.serving.children import die_with_parent_in_own_group
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -72,77 +72,8 @@ __all__ = ["ChildDied", "Cluster", "ClusterError", "Proc"]
 
 log = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 _TAIL_LINES = 40
 _PREFILL_READY = "PDGRPC_READY "  # python -m pdgrpc.prefill prints it once every worker serves
-
-
-class ClusterError(PdgrpcError):
-    """The cluster could not start or stop as asked."""
-
-
-class ChildDied(ClusterError):
-    """A cluster process exited while the cluster was meant to run."""
-
-    def __init__(self, proc: "Proc") -> None:
-        self.proc = proc
-        super().__init__(
-            f"{proc.spec.role} process {proc.spec.name!r} (pid {proc.pid}) exited with code {proc.returncode}; "
-            f"last lines of {proc.log_path}:\n{proc.log_tail()}"
-        )
-
-
-def free_port(exclude: set[int] | None = None, tries: int = 100) -> int:
-    """A port free right now and not in ``exclude`` (the ports already handed out for
-    the same cluster: the kernel may return a just-released port again). Bound then
-    released: another program may take it before the child binds it, which
-    :meth:`Cluster.start` survives by retrying with fresh ports."""
-    for _ in range(tries):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if exclude is None or port not in exclude:
-            return port
-    raise ClusterError(f"no free port on {HOST} outside the {len(exclude or ())} already taken after {tries} tries")
-
-
-def free_port_block(n: int, tries: int = 100, exclude: set[int] | None = None) -> int:
-    """The first of ``n`` consecutive ports that are free right now and not in
-    ``exclude`` (same caveat as :func:`free_port`): a prefill derives its workers'
-    metrics ports from its own."""
-    for _ in range(tries):
-        base = free_port(exclude)
-        if base + n > 65536 or (exclude and any(p in exclude for p in range(base, base + n))):
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((HOST, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise ClusterError(f"no {n} consecutive free ports on {HOST} after {tries} tries")
-
-
-_METRICS_ROLES = ("bootstrap", "prefill", "decode", "router")  # the servers with --metrics-port
-
-
-def _metrics_children(spec: ProcessSpec) -> list[str]:
-    """The child processes with their own metrics endpoint, in port-offset order: a
-    prefill's workers (``dp<r>``, or ``dp<r>.tp<t>`` with TP) at ``1 + r * tp + t``, a
-    decode's TP ranks ``tp<r>`` (r >= 1) at ``r``."""
-    tp = int(str(spec.args.get("tp-size", 1)))
-    if spec.role == "prefill":
-        dp = int(str(spec.args.get("dp-size", 1)))
-        return [f"dp{r}" if tp == 1 else f"dp{r}.tp{t}" for r in range(dp) for t in range(tp)]
-    if spec.role == "decode":
-        return [f"tp{r}" for r in range(1, tp)]
-    return []
 
 
 # What a server prints when its port is taken: gRPC's bind failure (pdgrpc.rpc.server)
@@ -274,8 +205,8 @@ class Cluster:
             if spec.role == "smg":  # smg always gets its metrics port: it binds one either way
                 proc.metrics_ports[""] = smg_metrics = free_port(taken)
                 taken.add(smg_metrics)
-            elif self.metrics and spec.role in _METRICS_ROLES:
-                children = _metrics_children(spec)
+            elif self.metrics and spec.role in METRICS_ROLES:
+                children = metrics_children(spec)
                 base = free_port_block(1 + len(children), exclude=taken)
                 taken.update(range(base, base + 1 + len(children)))
                 proc.metrics_ports[""] = base

@@ -3,7 +3,9 @@
 * :mod:`pdgrpc.decode.scheduler` -- the asyncio driver over the pure decode machines
   (:class:`~pdgrpc.state.DecodeQueues`): dp-rank resolution, prealloc, handshake,
   transfer poll, commit/abort; :mod:`pdgrpc.decode.generation` -- its running half
-  (decode steps with ``engine.decode_step``, how a request finishes or fails).
+  (decode steps with ``engine.decode_step``, how a request finishes or fails);
+  :mod:`pdgrpc.decode.prefill_calls` -- its calls to the prefill side (dp-rank queries,
+  handshake, WatchRoom, AbortRoom).
 * :mod:`pdgrpc.decode.rank` -- what every TP rank does for the transfers (its rows,
   queues, grants, local poll and release), shared by rank 0 and the followers.
 * :mod:`pdgrpc.decode.handshake` -- the client of the prefill workers' HandshakeService

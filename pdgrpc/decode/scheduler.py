@@ -11,8 +11,8 @@ Each iteration of :meth:`DecodeScheduler._run`, in this order::
                                       -> Aborted  (status to the client, AbortRoom to prefill)
     engine.decode_step(running)      in a worker thread; one token per running request
 
-Network calls (bootstrap queries, handshakes and AbortRoom through
-:class:`~pdgrpc.decode.handshake.Handshaker`) run as their own tasks and feed their
+Network calls (bootstrap queries, handshakes, WatchRoom and AbortRoom:
+:class:`~pdgrpc.decode.prefill_calls.PrefillCalls`) run as their own tasks and feed their
 results back into the pure state; the loop itself never waits on the network.
 Only the scheduler task touches the engine, and :class:`~pdgrpc.state.DecodeQueues` is
 only touched by synchronous code on the loop, so no lock is needed.
@@ -35,11 +35,12 @@ from typing import Any, Awaitable
 import grpc
 
 from pdgrpc.decode.generation import Generation
-from pdgrpc.decode.handshake import ACCEPTED, Handshaker
+from pdgrpc.decode.handshake import Handshaker
 from pdgrpc.decode.job import Job, SchedulerConfig, abort_status
+from pdgrpc.decode.prefill_calls import PrefillCalls
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
-from pdgrpc.decode.tp import ROOM_INFO, ROOM_WRITERS, ReplicatedQueues, TpGroup, TpGroupBroken
+from pdgrpc.decode.tp import ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
 from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
@@ -49,19 +50,15 @@ from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.serving.tp import check_tp_sizes
-from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, QueryDpRanks, SendHandshake, resolve_locally
+from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, resolve_locally
 from pdgrpc.transport.base import Transport
 
 log = logging.getLogger("pdgrpc.decode")
 
 __all__ = ["DecodeScheduler"]
 
-# A room still without a dp rank this long after admission: ask whether its prefill's
-# controller refused it (a controller records that within milliseconds).
-ASK_FAILURES_AFTER_S = 0.1
 
-
-class DecodeScheduler(Generation):
+class DecodeScheduler(PrefillCalls, Generation):
     def __init__(
         self,
         engine: Engine,
@@ -360,83 +357,7 @@ class DecodeScheduler(Generation):
             return state, why
         return (state if job.handshaken else min(state, KVPoll.BOOTSTRAPPING)), why
 
-    # -- dp ranks -----------------------------------------------------------------------------
-    async def _query_dp_ranks(self, query: QueryDpRanks) -> None:
-        addr = query.prefill_address
-        try:
-            answers = await self.directory.query_dp_ranks(addr, query.rooms)
-        except RpcError as exc:
-            self.metrics.on_dp_rank_query_failed(len(query.rooms))
-            log.warning("QueryDpRanks to %s for %d rooms failed (asked again next interval): %s", addr, len(query.rooms), exc)
-            return
-        self.metrics.on_dp_rank_query(len(query.rooms), missing=sum(1 for r in answers.values() if r is None))
-        now = time.monotonic()
-        good: dict[int, int | None] = {}
-        for room, rank in answers.items():
-            job = self._jobs.get(room)
-            if job is None:
-                continue
-            if rank is not None and not 0 <= rank < job.prefill.dp_size:
-                job.failure = RequestFailed(
-                    grpc.StatusCode.INTERNAL,
-                    f"room {room}: bootstrap {addr} answered dp rank {rank}, outside [0, {job.prefill.dp_size})",
-                    ServerAbortReason.INTERNAL_ERROR,
-                )
-                self.cancel(room, job.failure.message)
-                continue
-            good[room] = rank
-        if self._closing:
-            return
-        moved = self.queues.on_dp_ranks(addr, good, now)
-        for room, rank in good.items():
-            job = self._jobs.get(room)
-            if rank is not None and job is not None:
-                job.dp_rank = rank
-                request_event(log, room, "dp rank resolved", prefill=addr, dp_rank=rank)
-        if moved:
-            self._wake.set()
-        missing = {room: job.room_secret for room, r in good.items() if r is None and (job := self._jobs.get(room)) is not None}
-        if missing:
-            log.debug("QueryDpRanks to %s: %d of %d rooms not registered yet", addr, len(missing), len(query.rooms))
-            # Still not registered: the prefill's controller may have refused them (pdgrpc.prefill.notices).
-            missing = {room: s for room, s in missing.items() if now - self._jobs[room].admitted_at >= ASK_FAILURES_AFTER_S}
-            for room, (failure, never_forwarded) in (await self.directory.room_failures(addr, missing)).items():
-                job = self._jobs.get(room)
-                if job is not None and not job.finished and not job.cancelled and job.dp_rank is None:
-                    request_event(log, room, "prefill failed", level=logging.WARNING, message=failure.message)
-                    job.failure, job.never_forwarded = failure, never_forwarded
-                    self.cancel(room, failure.message)
-
-    # -- handshake ------------------------------------------------------------------------------
-    def _start_handshake(self, hs: SendHandshake, now: float) -> None:
-        prompt_pages = self._advertise(hs, now)
-        if prompt_pages is not None:
-            self._send_handshake(hs, prompt_pages)
-
-    def _advertise(self, hs: SendHandshake, now: float) -> tuple[int, ...] | None:
-        """Record the allocation and advertise the grants; the prompt's pages, or None
-        when the transport refused (the request is then cancelled)."""
-        job = self._jobs[hs.room]
-        job.slot, job.pages, job.dp_rank = hs.slot, hs.pages, hs.dp_rank
-        job.handshake_sent_at = now
-        prompt_pages = hs.pages[: self.engine.pages_needed(len(job.input_ids))]
-        try:
-            self.transfers.advertise(hs.room, prompt_pages, hs.slot)
-        except PdgrpcError as exc:
-            job.failure = RequestFailed(
-                grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}", ServerAbortReason.INTERNAL_ERROR
-            )
-            self.cancel(hs.room, job.failure.message)
-            return None
-        request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), dp_rank=hs.dp_rank)
-        return prompt_pages
-
-    def _send_handshake(self, hs: SendHandshake, prompt_pages: tuple[int, ...]) -> None:
-        job = self._jobs.get(hs.room)
-        if job is None or job.finished:
-            return
-        job.handshake_task = self._spawn(self._handshake(job, prompt_pages), f"handshake {hs.room}")
-
+    # -- transport reports --------------------------------------------------------------------
     def _on_transport_terminal(self, key: int) -> None:
         """The transport's listener: a transport room landed or failed. Acted on at the
         next turn of the loop, outside the transport's own receive path, once for all
@@ -469,31 +390,6 @@ class DecodeScheduler(Generation):
                 self._on_committed(outcome, now)
             else:
                 self._on_aborted(outcome)
-
-    async def _handshake(self, job: Job, prompt_pages: tuple[int, ...]) -> None:
-        deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
-        result = await self.handshaker.handshake(job, prompt_pages, deadline)
-        if result is ACCEPTED:
-            job.handshaken = True
-            self._wake.set()
-            asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
-        elif isinstance(result, RequestFailed):  # refused: the request ends with the prefill's status
-            job.failure = result
-            self.cancel(job.room, result.message)
-        # else: gave up at the deadline (the poll aborts the request) or the request ended
-
-    def _start_watch(self, job: Job) -> None:
-        """The room's KV has not landed soon after the handshake: watch its prefill."""
-        if not (job.running or job.finished or job.cancelled or self._closing):
-            self._spawn(self._watch(job), f"watch-room {job.room}")
-
-    async def _watch(self, job: Job) -> None:
-        failure = await self.handshaker.watch(job, self.config.watch_wait_s)
-        if failure is None or job.finished or job.cancelled:
-            return
-        request_event(log, job.room, "prefill failed", level=logging.WARNING, message=failure.message)
-        job.failure = failure
-        self.cancel(job.room, failure.message)
 
     # -- outcomes ------------------------------------------------------------------------------
     def _on_committed(self, c: Committed, now: float) -> None:
@@ -538,21 +434,6 @@ class DecodeScheduler(Generation):
         self._fail(job, status)
         if a.awaiting_ack:
             self._spawn(self._abort_room(job, status.message), f"abort-room {a.room}")
-
-    async def _abort_room(self, job: Job, reason: str) -> None:
-        """AbortRoom to the prefill worker(s); their ack releases the quarantined slot
-        and pages (else the lease does)."""
-        if job.handshake_task is not None:  # never let AbortRoom overtake the Handshake
-            await asyncio.gather(job.handshake_task, return_exceptions=True)
-        # Every rank follows the writers too: once each rank's transport confirms them
-        # gone, the quarantine ends without the ack (a SIGKILLed worker never sends one).
-        writers = self.handshaker.writers_by_rank(job)
-        self.transfers.watch_writers(job.room, writers[0])
-        if self._replicated is not None:
-            self._replicated.note(ROOM_WRITERS, job.room, writers)
-        if await self.handshaker.abort_room(job, reason) and self.queues.on_abort_ack(job.room):
-            request_event(log, job.room, "abort acknowledged; quarantine released", workers=len(job.contacted))
-            self._wake.set()
 
     def _release_transport(self, room: int, abort_message: str | None = None) -> None:
         self.transfers.release(room, abort_message)

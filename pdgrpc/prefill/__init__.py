@@ -1,10 +1,12 @@
 """The prefill server (``python -m pdgrpc.prefill``).
 
-* :mod:`~pdgrpc.prefill.controller` -- the DP controller process: PrefillService front
-  door, embedded BootstrapService, worker processes.
+* :mod:`~pdgrpc.prefill.controller` -- the DP controller: PrefillService front door,
+  worker processes; :mod:`~pdgrpc.prefill.controller_main` its process (servers,
+  embedded BootstrapService, ready line, signals).
 * :mod:`~pdgrpc.prefill.dispatch` / :mod:`~pdgrpc.prefill.registrar` -- dp rank choice
   and batched room -> rank registration.
-* :mod:`~pdgrpc.prefill.worker` -- one worker: validation, pages, its rooms;
+* :mod:`~pdgrpc.prefill.worker` -- one worker: validation, pages, its rooms, with its
+  settings in :mod:`~pdgrpc.prefill.worker_config`;
   :mod:`~pdgrpc.prefill.room` a room's driver, which carries out what the pure
   :class:`~pdgrpc.state.prefill_sender.PrefillSender` decides;
   :mod:`~pdgrpc.prefill.handshake` the handshake check; :mod:`~pdgrpc.prefill.services`

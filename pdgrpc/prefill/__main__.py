@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TransportUnavailable) as exc:
         parser.error(str(exc))
     setup_logging(ns.log_level, "prefill")
-    from pdgrpc.prefill.controller import main_async  # after logging: imports torch
+    from pdgrpc.prefill.controller_main import main_async  # after logging: imports torch
 
     try:
         return run(main_async(ns))

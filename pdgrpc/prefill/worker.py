@@ -38,10 +38,10 @@ from pdgrpc.prefill.failed import FailedRooms, Failure
 from pdgrpc.prefill.handshake import Destination, LocalEnd, Signed, check_handshake
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.prefill.room import RoomDriver, Sending
+from pdgrpc.prefill.worker_config import WorkerConfig
 from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, sampling_from_proto
 from pdgrpc.serving.room_proof import abort_message, handshake_message, verify
 from pdgrpc.serving.tp import heads_of
-from pdgrpc.state.config import SenderDeadlines
 from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefill_sender import write_pages_for
@@ -54,45 +54,6 @@ log = logging.getLogger("pdgrpc.prefill.worker")
 __all__ = ["Destination", "PrefillWorker", "WorkerConfig"]
 
 C = grpc.StatusCode
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerConfig:
-    dp_rank: int = 0
-    tp_rank: int = 0
-    tp_size: int = 1
-    tp_room_wait_s: float = 5.0  # TP follower: a chunk command waiting for its room's Prefill RPC
-    lost_rooms: int = 4096  # TP follower: rooms remembered as computed without us (count)
-    chunk_size: int = 512  # prompt tokens per prefill chunk
-    # Completed pages are held back until at least this many KV bytes are pending (or the
-    # prompt is done): every write has a fixed cost (messages, peer wake-ups) that costs
-    # more than the overlap with compute wins for small pieces.
-    min_write_bytes: int = 1 << 20
-    handshake_timeout_s: float = 30.0  # Prefill RPC waiting for the decode's handshake
-    compute_timeout_s: float = 600.0  # waiting for the next computed chunk (queue + compute)
-    transfer_timeout_s: float = 60.0  # last chunk computed -> decode's acknowledgement
-    page_wait_s: float = 30.0  # waiting for free KV pages when the pool is short
-    abort_wait_s: float = 60.0  # AbortRoom waiting for the room's driver to stop
-    drain_timeout_s: float = 5.0  # a failed room's queued sends, before its pages are freed
-    early_handshakes: int = 4096  # handshakes kept before their Prefill RPC (count)
-    early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
-    early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's mTLS identity, else its host)
-    compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
-    failed_rooms: int = 4096  # rooms remembered as failed, for Handshake and WatchRoom (count)
-    failed_room_ttl_s: float = 60.0  # and for how long (seconds)
-    max_watches: int = 4096  # WatchRoom calls held at once (count)
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.min_write_bytes < 0:
-            raise ValueError(f"min_write_bytes must be >= 0, got {self.min_write_bytes}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-
-    @property
-    def deadlines(self) -> SenderDeadlines:
-        return SenderDeadlines(self.handshake_timeout_s, self.compute_timeout_s, self.transfer_timeout_s)
 
 
 @dataclasses.dataclass(eq=False)

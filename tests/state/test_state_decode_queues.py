@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdgrpc.errors import ConfigError, StateError
-from pdgrpc.state import decode_queues
+from pdgrpc.state import decode_transfers
 from pdgrpc.state import (
     AbortReason,
     Aborted,
@@ -305,7 +305,7 @@ def test_one_rank_poll_acts_exactly_like_the_tensor_poll(seed: int, pick_changed
     other with prepare_poll + finish_poll. Every poll must give the same outcomes and
     leave the same states, slots and pages."""
     if pick_changed:
-        monkeypatch.setattr(decode_queues, "_SCAN_ALL_MAX", 0)
+        monkeypatch.setattr(decode_transfers, "_SCAN_ALL_MAX", 0)
     rng = random.Random(seed)
     pair = [make(num_slots=6, num_pages=12) for _ in range(2)]
     next_room, now = 1, 0.0

@@ -1,0 +1,144 @@
+"""The prefill controller process: its servers, its startup and its shutdown.
+
+:func:`main_async` runs ``python -m pdgrpc.prefill`` (:mod:`pdgrpc.prefill.__main__`):
+
+* Serves ``PrefillService`` through a :class:`~pdgrpc.prefill.controller.Controller`
+  (smg's worker protocol too, with ``pdgrpc[gateway]``), and embeds ``BootstrapService``
+  on the same port unless ``--bootstrap`` names an external one.
+* Starts the worker processes and waits until every one reported ready (it registered
+  with bootstrap). Until then its gRPC health reports NOT_SERVING (the embedded
+  BootstrapService alone is SERVING, since the workers register with it); then SERVING,
+  and the ready line ``PDGRPC_READY {json}`` on stdout.
+* On SIGTERM stops accepting requests, lets in-flight ones finish (``--grace``), then
+  stops the workers (SIGTERM, then SIGKILL). A signal while the workers start stops them
+  too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
+from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
+from pdgrpc.bootstrap.table import RoomTable
+from pdgrpc.discovery.cli import register_on, registration_from_args
+from pdgrpc.gateway import prefill_service
+from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, start_metrics_from_args
+from pdgrpc.prefill.controller import Controller
+from pdgrpc.prefill.notices import notices_for
+from pdgrpc.prefill.registrar import DpRankRegistrar, counted
+from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
+from pdgrpc.rpc.server import RpcServer, serve_until_signal, start_server
+from pdgrpc.v1 import prefill_pb2_grpc
+
+log = logging.getLogger("pdgrpc.prefill")
+
+__all__ = ["READY_LINE", "main_async"]
+
+READY_LINE = "PDGRPC_READY"
+
+
+async def main_async(ns: argparse.Namespace) -> int:
+    metrics = PrefillMetrics(transport=ns.transport)
+    metrics.set_info(dp_size=ns.dp_size)
+    controller = Controller(ns, metrics)
+    wire = WirePrefillServicer(controller, metrics.on_refused, ns.max_prefills_per_client)  # smg's leg (below) calls controller itself
+    services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s))]
+    embedded: BootstrapServicer | None = None
+    bootstrap_metrics: BootstrapMetrics | None = None
+    if not ns.bootstrap:
+        cfg = BootstrapConfig(ttl=ns.bootstrap_ttl)
+        # Same registry: the embedded bootstrap is served on the controller's endpoint.
+        bootstrap_metrics = BootstrapMetrics(metrics.registry)
+        embedded = BootstrapServicer(
+            RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch),
+            WorkerRegistry(expect=(ns.dp_size, getattr(ns, "tp_size", 1), 1)),  # its own workers' sizes only
+            metrics=bootstrap_metrics,
+        )
+        services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
+    gateway = prefill_service(controller, ns)  # smg's worker protocol, with pdgrpc[gateway]
+    if gateway is not None:
+        services.append(gateway)
+    # NOT_SERVING until every worker registered and is ready (set_serving below): a health
+    # check that says SERVING must mean a Prefill call can be served.
+    server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)
+    controller.server = server
+    controller.notices = notices_for(controller.dispatcher.dp, lambda: controller.groups, embedded, ns.bootstrap)
+    if embedded is not None:
+        table = embedded.table
+        assert bootstrap_metrics is not None
+        bootstrap_metrics.bind_table(lambda: table.stats)
+        BootstrapServer(server, embedded, BootstrapConfig(ttl=ns.bootstrap_ttl))  # runs the expiry sweeper
+        controller.bootstrap_address = server.address
+        # The embedded bootstrap works from the start (the workers register with it).
+        await server.set_serving([BOOTSTRAP_SERVICE])
+    try:
+        stop_metrics = start_metrics_from_args(ns, metrics.registry, "prefill")
+    except BaseException:
+        await server.stop(0)
+        raise
+    try:
+        return await _serve(ns, controller, server, metrics)
+    finally:
+        if bootstrap_metrics is not None:
+            bootstrap_metrics.unbind()
+        stop_metrics()
+
+
+async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServer, metrics: PrefillMetrics) -> int:
+    embedded = not ns.bootstrap
+    client = BootstrapClient(controller.bootstrap_address)
+    controller.registrar = DpRankRegistrar(counted(client.register_dp_ranks, metrics), window_s=ns.dp_register_window_ms / 1000.0)
+    # A SIGTERM/SIGINT while workers start must stop them too (serve_until_signal's
+    # handlers are not installed yet).
+    loop = asyncio.get_running_loop()
+    starting = asyncio.ensure_future(controller.start_workers())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, starting.cancel)
+    try:
+        await starting
+    except (Exception, asyncio.CancelledError) as exc:
+        log.error("%s", exc if not isinstance(exc, asyncio.CancelledError) else "stopped while workers were starting")
+        await controller.stop_workers()
+        await server.stop(0)
+        return 1
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info(
+        "prefill ready: %d dp rank(s) x %d tp rank(s), %s, transport %s, bootstrap %s (%s)",
+        ns.dp_size, getattr(ns, "tp_size", 1), ns.load_balance_method, ns.transport, controller.bootstrap_address,
+        "embedded" if embedded else "external",
+    )
+    await server.set_serving()
+    print(
+        READY_LINE,
+        json.dumps({
+            "address": server.address, "bootstrap": controller.bootstrap_address,
+            "workers": [w.address for w in controller.workers], "worker_pids": [w.proc.pid for w in controller.workers],
+        }),
+        flush=True,
+    )
+
+    async def _stop_workers() -> None:
+        await controller.registrar.close() if controller.registrar else None
+        await controller.notices.close() if controller.notices else None
+
+    server.on_stop(_stop_workers)
+    if ns.discovery:
+        # The hash the workers' engines registered with bootstrap: the one decodes check.
+        info = await client.wait_parallel_info(wait_for=30.0)
+        register_on(server, registration_from_args(
+            ns, "prefill", f"{ns.host}:{server.port}", transport=ns.transport, bootstrap=ns.bootstrap,
+            dp_size=ns.dp_size, tp_size=getattr(ns, "tp_size", 1), compat_hash=info.parallel_info.compatibility_hash.hex(),
+        ))
+    await serve_until_signal(server, grace=ns.grace)
+    await controller.stop_workers()
+    log.info("prefill stopped")
+    return controller.exit_code
