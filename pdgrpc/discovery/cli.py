@@ -14,6 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from pdgrpc.argtypes import whole_number
 from pdgrpc.discovery.etcd import Registration, load_client, parse_discovery_url
 from pdgrpc.discovery.record import Instance, check_name, instance_key
 from pdgrpc.errors import ConfigError
@@ -38,14 +39,7 @@ DEFAULT_CLUSTER = "default"
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
-def _ttl(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole seconds, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 second, got {value}")
-    return value
+_ttl = whole_number(1, "seconds")
 
 
 def add_discovery_arguments(parser: argparse.ArgumentParser, role: str) -> None:

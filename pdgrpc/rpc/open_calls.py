@@ -12,23 +12,16 @@ limit must stay above its own requests in flight.
 
 from __future__ import annotations
 
-import argparse
 import collections
+
+from pdgrpc.argtypes import whole_number
 
 __all__ = ["DEFAULT_PER_CLIENT", "OpenCalls", "TooManyOpenCalls", "limit_arg"]
 
 DEFAULT_PER_CLIENT = 512  # open calls per client, the default of each server's flag
 
 
-def limit_arg(text: str) -> int:
-    """argparse type of a per-client limit flag: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of calls, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+limit_arg = whole_number(1, "calls")  # argparse type of the per-client limit flags
 
 
 class TooManyOpenCalls(Exception):

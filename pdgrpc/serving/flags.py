@@ -24,6 +24,7 @@ import inspect
 import logging
 from typing import Any
 
+from pdgrpc.argtypes import whole_number
 from pdgrpc.engine.malloc import keep_freed_memory
 from pdgrpc.engine.model import ModelConfig
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
@@ -150,14 +151,7 @@ def _nice_value(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_non_negative_int = whole_number(0)
 
 
 def tune_malloc_from_args(ns: argparse.Namespace) -> None:

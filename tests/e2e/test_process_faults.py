@@ -14,11 +14,13 @@ last, since the cluster does not restart it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import re
 import signal
 from pathlib import Path
+from typing import AsyncIterator
 
 import grpc
 import pytest
@@ -44,11 +46,11 @@ DECODE_WRAPPERS = {"tcp": "tests.e2e.faulty:ShortLeaseTcp", "rdma": "tests.e2e.f
 PROMPT = (256, *b"disaggregated serving moves KV pages")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(WRAPPERS))
-async def cluster(request, tmp_path_factory):
-    transport = request.param
-    skip_unless_transport(transport)
-    topology = load_topology("1p1d")
+@contextlib.asynccontextmanager
+async def faulty_cluster(transport: str, topology_name: str, log_dir: Path) -> AsyncIterator[Cluster]:
+    """``topology_name`` over ``transport`` with the test-only slow sender on the prefill
+    (respawning its worker after 1 s at most) and the short-lease receiver on the decode."""
+    topology = load_topology(topology_name)
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "transport": WRAPPERS[transport], "worker-respawn-max-backoff": 1})
         if p.role == "prefill"
@@ -56,12 +58,18 @@ async def cluster(request, tmp_path_factory):
         for p in topology.processes
     )
     topology = dataclasses.replace(topology, processes=procs)
-    log_dir = tmp_path_factory.mktemp(f"procfaults-{transport}")
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
         "PDGRPC_TEST_MARKER_DIR": str(log_dir),
     }
     async with Cluster(topology, transport=transport, log_dir=log_dir, start_timeout=180, metrics=True, extra_env=env) as c:
+        yield c
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(WRAPPERS))
+async def cluster(request, tmp_path_factory):
+    skip_unless_transport(request.param)
+    async with faulty_cluster(request.param, "1p1d", tmp_path_factory.mktemp(f"procfaults-{request.param}")) as c:
         yield c
 
 

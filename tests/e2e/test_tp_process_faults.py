@@ -13,47 +13,29 @@ alone cannot see the other rank's transport, and no ack can come from a dead pro
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
-from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
 
-from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster import Cluster
 from pdgrpc.metrics import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from pdgrpc.cluster.client import generate
 from tests.e2e.harness import skip_unless_transport
-from tests.e2e.test_process_faults import DECODE_WRAPPERS, FREE_WITHIN_S, PROMPT, WRAPPERS, _held, _mid_transfer, _serves_again
+from tests.e2e.test_process_faults import FREE_WITHIN_S, PROMPT, WRAPPERS, _held, _mid_transfer, _serves_again, faulty_cluster
 from tests.eventually import eventually_async
 from tests.prefill.procs import child_pids
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(WRAPPERS))
 async def cluster(request, tmp_path_factory):
-    transport = request.param
-    skip_unless_transport(transport)
-    topology = load_topology("tp1-to-tp2")
-    procs = tuple(
-        dataclasses.replace(p, args={**p.args, "transport": WRAPPERS[transport], "worker-respawn-max-backoff": 1})
-        if p.role == "prefill"
-        else dataclasses.replace(p, args={**p.args, "transport": DECODE_WRAPPERS[transport]}) if p.role == "decode" else p
-        for p in topology.processes
-    )
-    topology = dataclasses.replace(topology, processes=procs)
-    log_dir = tmp_path_factory.mktemp(f"tpfaults-{transport}")
-    env = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
-        "PDGRPC_TEST_MARKER_DIR": str(log_dir),
-    }
-    async with Cluster(topology, transport=transport, log_dir=log_dir, start_timeout=180, metrics=True, extra_env=env) as c:
+    skip_unless_transport(request.param)
+    async with faulty_cluster(request.param, "tp1-to-tp2", tmp_path_factory.mktemp(f"tpfaults-{request.param}")) as c:
         yield c
 
 

@@ -1,0 +1,26 @@
+"""argparse types shared by the servers' flags: a bad value is a CLI error naming the
+flag (argparse adds it), never a traceback at start-up."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+__all__ = ["whole_number"]
+
+
+def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
+    """The argparse type of an integer flag of at least ``minimum``; ``unit`` (plural,
+    e.g. "seconds") names what it counts in the errors."""
+    what = f"whole {unit}" if unit else "a whole number"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{' ' + unit if unit else ''}, got {value}")
+        return value
+
+    return parse
