@@ -114,8 +114,9 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
                                   credential_for=self.credential_for, writers=self.writers)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._regions: dict[int, Region] = {}
-        # region id -> base address / size (-1: not registered), for vectorised lookups
+        # region id -> base address / size in bytes (-1: not registered), for vectorised lookups
         self._ptr_table = np.zeros(1 << 16, dtype=np.uint64)
+        self._size_table = np.full(1 << 16, -1, dtype=np.int64)
         self._infos: dict[int, RegionInfo] = {}
         self._started = False
         self._closed = False
@@ -196,6 +197,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
             reg = self._regions[r.region_id] = Region(r)
             self._ptr_table[r.region_id] = reg.ptr
+            self._size_table[r.region_id] = reg.info.nbytes
             self._infos[r.region_id] = reg.info
             self._recv.add_region(reg.info)
         await self._liveness.start()

@@ -25,6 +25,7 @@ pages only after the sender acknowledged the abort or its lease expired (DESIGN.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import itertools
 import logging
@@ -35,7 +36,9 @@ import numpy as np
 import torch
 
 from pdgrpc.errors import TransportError, UnauthorizedWrite
-from pdgrpc.transport._ucx import FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, UcxError, UcxWorker
+from pdgrpc.transport._ucx import (
+    FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, Pieces, UcxError, UcxWorker,
+)
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.peerauth import WriterTable
@@ -77,7 +80,7 @@ class RdmaReceiver:
 
     def _reply(self, conn: RecvConn, typ: int, body: bytes) -> None:
         msg = COMMON.pack(typ, conn.sender_local, 0) + body
-        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        buf = ctypes.create_string_buffer(msg, len(msg))
         token_box: list[int] = []
 
         def done(status: int, length: int, tag: int) -> None:
@@ -85,7 +88,7 @@ class RdmaReceiver:
                 conn.tokens.discard(token_box[0])
 
         try:
-            token_box.append(self._worker.send(conn.ep, [(buf.data_ptr(), len(msg))], ctrl_tag(KIND_REPLY), done, buf))
+            token_box.append(self._worker.send(conn.ep, [(ctypes.addressof(buf), len(msg))], ctrl_tag(KIND_REPLY), done, buf))
             conn.tokens.add(token_box[0])
         except UcxError as exc:
             log.warning("rdma: reply to sender %s failed: %s", conn.sender_id, exc)
@@ -210,13 +213,20 @@ class RdmaReceiver:
         iov = np.empty((len(ops), 2), dtype=np.uint64)
         iov[:, 0] = self._ptr_table[ops["region"].astype(np.int64)] + ops["offset"]
         iov[:, 1] = ops["length"]
+        if len(counts) == len(ops):
+            # One op per message (runs of contiguous_min bytes and up): plain (address,
+            # length) pairs, no per-message numpy work on the path before data flows.
+            for i, (addr, n) in enumerate(iov.tolist()):
+                self._post_data(conn, room, rr, [(addr, n)], n, data_tag(conn.conn_id, first + i), None)
+            return
+        per_msg = np.asarray(counts, dtype=np.int64)
+        sizes = np.add.reduceat(iov[:, 1], np.cumsum(per_msg) - per_msg).tolist()
         k = 0
         for i, c in enumerate(counts):
-            rows = iov[k : k + c]
-            self._post_data(conn, room, rr, rows, int(rows[:, 1].sum()), data_tag(conn.conn_id, first + i), iov)
+            self._post_data(conn, room, rr, iov[k : k + c], sizes[i], data_tag(conn.conn_id, first + i), iov)
             k += c
 
-    def _post_data(self, conn: RecvConn, room: int, rr: RecvRoom, pieces: np.ndarray, nbytes: int,
+    def _post_data(self, conn: RecvConn, room: int, rr: RecvRoom, pieces: Pieces, nbytes: int,
                    tag: int, keep: Any) -> None:
         token_box: list[int] = []
 
@@ -259,10 +269,10 @@ class RdmaReceiver:
             self._nack(conn, room, str(exc), exc.refusal)
             return
         conn.rooms.add(room)
-        flat = self._regions[region_id].flat
+        dst = self._regions[region_id].ptr + offset  # host memory, [offset, offset + length) authorized above
 
         def commit() -> None:  # every page the sender wrote before the row has landed: now the row
-            flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
+            ctypes.memmove(dst, row, len(row))
 
         self._recv.stage_metadata(room, core, kv_bytes, commit=commit,
                                   ack=functools.partial(self._ack, conn.conn_id, room))

@@ -196,21 +196,22 @@ def plan_chunk(table: np.ndarray, ptr_table: np.ndarray, zc_min: int, iov_max: i
     n = len(lens)
     if n == 0:
         return None
-    # Vectorised: a message starts where an op's start offset crosses into the next
-    # zc_min window, at an op that travels alone and right after one, and at every
-    # iov_max-th op within a run of ops that share messages.
-    window = (np.cumsum(lens) - lens) // zc_min
-    brk = np.r_[True, window[1:] != window[:-1]]
-    if contiguous_min is not None:
-        alone = lens >= contiguous_min
-        brk |= alone
-        brk[1:] |= alone[:-1]
-    starts = np.flatnonzero(brk)
-    rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-    key = (np.cumsum(brk) - 1) * (n + 1) + rank // iov_max
-    counts = np.diff(np.r_[np.flatnonzero(np.r_[True, key[1:] != key[:-1]]), n]).tolist()
-    if not counts:
-        return None
+    if contiguous_min is not None and int(lens.min()) >= contiguous_min:
+        counts = [1] * n  # every op travels alone (the contiguous case): nothing to batch
+    else:
+        # Vectorised: a message starts where an op's start offset crosses into the next
+        # zc_min window, at an op that travels alone and right after one, and at every
+        # iov_max-th op within a run of ops that share messages.
+        window = (np.cumsum(lens) - lens) // zc_min
+        brk = np.r_[True, window[1:] != window[:-1]]
+        if contiguous_min is not None:
+            alone = lens >= contiguous_min
+            brk |= alone
+            brk[1:] |= alone[:-1]
+        starts = np.flatnonzero(brk)
+        rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+        key = (np.cumsum(brk) - 1) * (n + 1) + rank // iov_max
+        counts = np.diff(np.r_[np.flatnonzero(np.r_[True, key[1:] != key[:-1]]), n]).tolist()
     ops = np.zeros(len(table), dtype=OP_DTYPE)
     ops["region"], ops["offset"], ops["length"] = table[:, 2], table[:, 3], table[:, 4]
     # iov rows {source address, length}, read in place by UCX

@@ -65,3 +65,32 @@ async def test_a_write_mixing_long_runs_and_single_pages_is_bit_exact() -> None:
             assert await recv.call("digest_pages", layout.kv_region_ids(), dst) == want
     finally:
         await send.close()
+
+
+async def test_a_write_of_long_runs_only_lands_bit_exact_row_included() -> None:
+    # Every op travels alone (the contiguous case: one op per message on both sides),
+    # and the metadata row is committed after them.
+    layout = Layout(layers=2, pages=96, page_shape=(2, 16, 64), slots=4)
+    regions, flats = layout.build(12)
+    pages = list(range(0, 24))
+    assert plan_chunk(_table([24 * layout.page_bytes] * 4), np.zeros(1 << 16, dtype=np.uint64), 16 << 20, 4096,
+                      64 << 10).counts == [1, 1, 1, 1]  # type: ignore[union-attr]
+    send = registry.create("rdma", contiguous_min=64 << 10)
+    await send.register(regions)
+    try:
+        async with PeerProcess("rdma", layout=layout) as recv:
+            peer = await send.connect(recv.descriptor)
+            dst = list(range(50, 74))
+            await recv.call("advertise", 3, dst, 2)
+            ops = page_ops(region_pairs(regions, peer.descriptor.regions), pages, dst)
+            dmeta = peer.descriptor.region(METADATA_REGION_ID)
+            await send.write(peer, 3, ops, metadata=metadata_op(regions[-1], 1, dmeta, 2))
+            assert (await send.wait(3, WAIT_S)).state is KVPoll.SUCCESS
+            want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[pages].reshape(-1)
+                                     for r in layout.kv_region_ids()]))
+            assert await recv.call("digest_pages", layout.kv_region_ids(), dst) == want
+            row = layout.row_bytes
+            assert await recv.call("read", METADATA_REGION_ID, 2 * row, 3 * row) == \
+                flats[METADATA_REGION_ID][row : 2 * row].numpy().tobytes()
+    finally:
+        await send.close()
