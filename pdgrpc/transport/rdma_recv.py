@@ -269,10 +269,13 @@ class RdmaReceiver:
             self._nack(conn, room, str(exc), exc.refusal)
             return
         conn.rooms.add(room)
-        dst = self._regions[region_id].ptr + offset  # host memory, [offset, offset + length) authorized above
+        region = self._regions[region_id]  # [offset, offset + length) authorized above
 
         def commit() -> None:  # every page the sender wrote before the row has landed: now the row
-            ctypes.memmove(dst, row, len(row))
+            if region.info.memory == "host":
+                ctypes.memmove(region.ptr + offset, row, len(row))
+            else:  # device memory: a pointer the CPU must not write through
+                region.flat[offset : offset + len(row)].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
 
         self._recv.stage_metadata(room, core, kv_bytes, commit=commit,
                                   ack=functools.partial(self._ack, conn.conn_id, room))
