@@ -31,6 +31,7 @@ from typing import Awaitable, Callable, Protocol, Sequence
 import grpc
 
 from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.failures import MAX_REASON_CHARS
 from pdgrpc.bootstrap.service import BootstrapServicer
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.serving.room_proof import failure_tag
@@ -43,7 +44,6 @@ __all__ = ["FailureNotices", "MAX_IN_FLIGHT", "NotForwarded", "notices_for"]
 log = logging.getLogger("pdgrpc.prefill")
 
 MAX_IN_FLIGHT = 256  # RecordRoomFailures calls in flight to an external bootstrap (count)
-MAX_REASON_CHARS = 1000  # characters of the status message sent on
 MAX_SECRET_BYTES = 255  # a link frame's secret (a u8 length; room secrets are 32 bytes)
 
 
@@ -129,7 +129,6 @@ class FailureNotices:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
 
 
 def notices_for(

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.e2e.harness import skip_unless_transport
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("bench", [["transport", "--backend", "rdma"], ["transport", "--backend", "tcp"], ["e2e"]])
@@ -23,13 +25,7 @@ def test_device_cuda_without_cuda_is_one_clear_line(bench: list[str]) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["tcp", "rdma"])
 def test_bench_transport_on_the_gpu_reports_against_the_ipc_baseline(backend: str) -> None:
-    from pdgrpc.transport import registry
-    from pdgrpc.errors import TransportUnavailable
-
-    try:
-        registry.load(backend)
-    except TransportUnavailable as exc:
-        pytest.skip(f"transport {backend!r} is not importable here: {exc}")
+    skip_unless_transport(backend)
     out = subprocess.run(
         [sys.executable, "-m", "pdgrpc.bench", "transport", "--backend", backend, "--device", "cuda", "--tokens", "1024",
          "--layers", "4", "--iterations", "2", "--warmup", "1", "--cases", "contiguous", "scattered"],

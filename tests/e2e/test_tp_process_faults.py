@@ -13,8 +13,6 @@ alone cannot see the other rank's transport, and no ack can come from a dead pro
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import grpc
 import pytest
@@ -25,9 +23,10 @@ from pdgrpc.metrics import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from pdgrpc.cluster.client import generate
 from tests.e2e.harness import skip_unless_transport
-from tests.e2e.test_process_faults import FREE_WITHIN_S, PROMPT, WRAPPERS, _held, _mid_transfer, _serves_again, faulty_cluster
+from tests.e2e.test_process_faults import (
+    FREE_WITHIN_S, PROMPT, WRAPPERS, _held, _kill_prefill_worker_mid_transfer, _serves_again, faulty_cluster,
+)
 from tests.eventually import eventually_async
-from tests.prefill.procs import child_pids
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
@@ -50,12 +49,7 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_a_tp2_decode_within_2s(
     async with grpc.aio.insecure_channel(cluster.router_address) as ch:
         router = generate_pb2_grpc.GenerateServiceStub(ch)
         first = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60)
-        task = await _mid_transfer(cluster, router)
-        (worker,) = child_pids(cluster.procs["prefill"].pid)
-        os.kill(worker, signal.SIGKILL)
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await asyncio.wait_for(task, 30)
-        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE, ei.value
+        await _kill_prefill_worker_mid_transfer(cluster, router)
         seen: dict = {}
 
         async def free() -> bool:
