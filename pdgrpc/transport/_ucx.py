@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -55,11 +56,12 @@ from pdgrpc.transport._ucx_api import (
     _EP_PARAM_FIELD_REMOTE_ADDRESS, _ERR_HANDLING_MODE_NONE, _OP_ATTR_FIELD_CALLBACK, _OP_ATTR_FIELD_DATATYPE,
     _OP_ATTR_FIELD_FLAGS, _OP_ATTR_FIELD_USER_DATA, _OP_ATTR_FLAG_NO_IMM_CMPL, _PARKED, _RECV_CB, _SEND_CB,
     FULL_MASK, INSTALL_HINT, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_INPROGRESS, UCS_OK, Completion,
-    Pieces, UcxError, _check, _create_worker, _destroy, _EpParams, _Iov, _Param, _status_of, api,
+    Pieces, UcxError, _check, _create_worker, _destroy, _EpParams, _Iov, _Param, _status_of, _TagRecvInfo, api,
 )
+from pdgrpc.transport._ucx_batch import Batch, BatchCompletion
 
 __all__ = [
-    "FULL_MASK", "INSTALL_HINT", "UCS_ERR_CANCELED", "UCS_ERR_MESSAGE_TRUNCATED", "UCS_OK", "Completion", "Pieces",
+    "BatchCompletion", "FULL_MASK", "INSTALL_HINT", "UCS_ERR_CANCELED", "UCS_ERR_MESSAGE_TRUNCATED", "UCS_OK", "Completion", "Pieces",
     "UcxError", "UcxWorker", "api",
 ]
 
@@ -111,6 +113,10 @@ class UcxWorker:
         self._closing: set[int] = set()  # tokens of endpoint-close requests
         self._background: set[int] = set()  # always-posted receives: never a reason to spin
         self._abandoned: dict[int, tuple[int, Completion, Any]] = {}
+        self._batches: dict[int, Batch] = {}  # token -> batch, until every request of it is complete
+        self._polling: dict[int, Batch] = {}  # batches whose last request completed before the others
+        self._batch_param = ctypes.pointer(_Param())  # reused by every batch's posts
+        self._test_info = _TagRecvInfo()
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -120,13 +126,15 @@ class UcxWorker:
 
     @property
     def inflight(self) -> int:
-        """Everything UCX still owes a completion for (requests and endpoint closes)."""
-        return len(self._inflight)
+        """Everything UCX still owes a completion for (requests, batches and endpoint
+        closes)."""
+        return len(self._inflight) + len(self._polling)
 
     @property
     def inflight_requests(self) -> int:
-        """Tag sends and receives in flight (endpoint closes not counted)."""
-        return len(self._inflight) - len(self._closing)
+        """Tag sends and receives in flight, a batch counted once (endpoint closes not
+        counted)."""
+        return len(self._inflight) + len(self._polling) - len(self._closing)
 
     async def close(self, timeout: float = 5.0, destroy_timeout: float = 5.0) -> None:
         """Cancel everything in flight, wait (bounded) for the cancellations, stop the
@@ -137,15 +145,15 @@ class UcxWorker:
         worker parked (and its fds kept) under a full test run on 2 cores."""
         if self._closed:
             return
-        for token in list(self._inflight):
+        for token in [*self._inflight, *self._polling]:
             if token not in self._closing:
                 self.cancel(token)
         for ep in list(self._endpoints):
             self.drop_endpoint(ep)
         deadline = time.monotonic() + timeout
-        while (self._inflight or self._abandoned) and time.monotonic() < deadline:
+        while (self._inflight or self._abandoned or self._polling) and time.monotonic() < deadline:
             self._progress_once()
-            if self._inflight or self._abandoned:
+            if self._inflight or self._abandoned or self._polling:
                 await asyncio.sleep(0.001)
         self._closed = True
         if self._task is not None:
@@ -156,7 +164,7 @@ class UcxWorker:
                 pass
             self._task = None
         self._set_reader(False)
-        if self._closing or self._abandoned or self._inflight:
+        if self._closing or self._abandoned or self._inflight or self._polling:
             # UCX still owes completions (an endpoint close a hung peer never
             # confirms, a rendezvous send it never answered). Destroying the worker
             # now can block inside UCX waiting for them, so it is parked instead: a
@@ -164,8 +172,9 @@ class UcxWorker:
             # never a hung event loop.
             logging.getLogger("pdgrpc.transport.rdma").warning(
                 "UCX worker parked at close: %d endpoint closes and %d requests still pending",
-                len(self._closing), len(self._inflight) + len(self._abandoned) - len(self._closing))
-            _PARKED.append((self._worker, self._context, self._inflight, self._abandoned, self._send_cb, self._recv_cb))
+                len(self._closing), len(self._inflight) + len(self._abandoned) + len(self._polling) - len(self._closing))
+            _PARKED.append((self._worker, self._context, self._inflight, self._abandoned, self._batches, self._send_cb,
+                            self._recv_cb))
             self._worker = self._context = None
             return
         api_, context, worker = self._api, self._context, self._worker
@@ -254,9 +263,74 @@ class UcxWorker:
             self._background.add(token)
         return token
 
+    def send_batch(self, ep: int, runs: Sequence[Sequence[int]], tags: list[int], cb: BatchCompletion,
+                   keep: Any) -> int:
+        """One tag send per ``(address, nbytes)`` run, run ``i`` tagged ``tags[i]``, as one
+        batch (:mod:`pdgrpc.transport._ucx_batch`): ``cb`` runs once, with every message's
+        ``(status, 0)``. Returns one token for cancel()."""
+        if ep not in self._endpoints:
+            raise UcxError("UCX endpoint is closed")
+        return self._post_batch(True, ep, runs, tags, cb, keep)
+
+    def recv_batch(self, runs: Sequence[Sequence[int]], tags: list[int], cb: BatchCompletion, keep: Any) -> int:
+        """:meth:`send_batch` for receives (exact tags); lengths are the received ones."""
+        return self._post_batch(False, self.handle, runs, tags, cb, keep)
+
+    def _post_batch(self, is_send: bool, target: int, runs: Sequence[Sequence[int]], tags: list[int],
+                    cb: BatchCompletion, keep: Any) -> int:
+        if self._closed or self._worker is None:
+            raise UcxError("UCX worker is closed")
+        if not runs or len(runs) != len(tags):
+            raise ValueError("a batch needs one tag per run, and at least one run")
+        token = self._next_token
+        self._next_token += 1
+        batch = Batch(not is_send, cb, keep)
+        status = batch.post(self._api, target, runs, tags, FULL_MASK, self._batch_param, token,
+                            self._send_cb_ptr if is_send else self._recv_cb_ptr)
+        if status != UCS_INPROGRESS:
+            # Those already posted are cancelled where UCX can (receives) and freed once
+            # complete; nobody is called back for them.
+            batch.abandoned = True
+            self._batches[token] = self._polling[token] = batch
+            self.cancel(token)
+            raise UcxError(f"UCX {'send' if is_send else 'receive'} failed with status {status}", status)
+        ptr = batch.ptrs[-1]
+        assert ptr is not None
+        self._batches[token] = batch
+        self._inflight[token] = (ptr, functools.partial(self._on_batch_last, token), keep)
+        self.kick()
+        return token
+
+    def _on_batch_last(self, token: int, status: int, length: int, _tag: int) -> None:
+        batch = self._batches.get(token)
+        if batch is not None:
+            batch.done(len(batch.ptrs) - 1, status, length)
+            self._settle(token, batch)
+
+    def _settle(self, token: int, batch: Batch) -> bool:
+        """Test the batch's other requests; once all are complete, forget it and call its
+        owner back (unless abandoned). True when it is over."""
+        if not batch.settle(self._api, self._test_info):
+            self._polling[token] = batch
+            return False
+        self._polling.pop(token, None)
+        self._batches.pop(token, None)
+        if not batch.abandoned:
+            try:
+                batch.cb(batch.results)
+            except Exception:  # a callback bug must not stop progress for everyone
+                log.exception("batch completion callback failed")
+        return True
+
     def cancel(self, token: int) -> None:
-        """Cancel a pending request; its callback then runs with UCS_ERR_CANCELED (or
-        UCS_OK if it had already completed)."""
+        """Cancel a pending request (or every pending request of a batch); its callback
+        then runs with UCS_ERR_CANCELED (or UCS_OK if it had already completed)."""
+        batch = self._batches.get(token) if self._worker is not None else None
+        if batch is not None:
+            for ptr in batch.pending():
+                self._api.request_cancel(self.handle, ptr)
+            self.kick()
+            return
         entry = self._inflight.get(token)
         if entry is not None and self._worker is not None:
             self._api.request_cancel(self.handle, entry[0])
@@ -270,6 +344,9 @@ class UcxWorker:
         entry = self._inflight.pop(token, None)
         if entry is not None:
             self._abandoned[token] = entry
+        batch = self._batches.get(token)
+        if batch is not None:
+            batch.abandoned = True
 
     def _post(self, is_send: bool, target: int, pieces: Pieces, tag: int, mask: int,
               cb: Completion, keep: Any) -> int:
@@ -328,8 +405,12 @@ class UcxWorker:
         self._done.append((user_data or 0, status, length, tag))
 
     def _dispatch(self) -> bool:
+        settled = False
+        if self._polling:
+            for token, batch in list(self._polling.items()):
+                settled |= self._settle(token, batch)
         if not self._done:
-            return False
+            return settled
         done, self._done = self._done, []
         for token, status, length, tag in done:
             entry = self._inflight.pop(token, None)
@@ -339,15 +420,17 @@ class UcxWorker:
                 gone = self._abandoned.pop(token, None)
                 if gone is not None:
                     self._api.request_free(gone[0])
+                    left = self._batches.get(token)
+                    if left is not None:  # abandoned: free the rest once complete, call nobody
+                        left.done(len(left.ptrs) - 1, status, length)
+                        self._settle(token, left)
                 continue
             ptr, cb, _keep = entry
             self._api.request_free(ptr)
             try:
                 cb(status, length, tag)
             except Exception:  # a callback bug must not stop progress for everyone
-                import logging
-
-                logging.getLogger("pdgrpc.transport.rdma").exception("completion callback failed")
+                log.exception("completion callback failed")
         return True
 
     # -- progress -------------------------------------------------------------------
@@ -368,15 +451,21 @@ class UcxWorker:
     def _progress_once(self) -> bool:
         if self._worker is None:
             return False
-        progress = self._api.worker_progress
-        while progress(self._worker):
-            pass
-        return self._dispatch()
+        # Completions are handed over after each progress call that made some: a row
+        # that came with a write's data is then handled before the data's copies flush
+        # the caches, not after them.
+        progress, worker, dispatched = self._api.worker_progress, self._worker, False
+        while progress(worker):
+            if self._done:
+                dispatched |= self._dispatch()
+                if self._worker is None:
+                    return dispatched
+        return self._dispatch() or dispatched
 
     def _busy(self) -> bool:
         """A transfer is pending: a send or data receive (not an always-posted
         control receive, not an endpoint close)."""
-        return len(self._inflight) > len(self._closing) + len(self._background)
+        return len(self._inflight) + len(self._polling) > len(self._closing) + len(self._background)
 
     def _set_reader(self, on: bool) -> None:
         if self._loop is None or on == self._reader_on:

@@ -164,6 +164,12 @@ class _Api:
         self.request_free = lib.ucp_request_free
         self.request_free.argtypes = [vp]
         self.request_free.restype = None
+        self.request_check_status = lib.ucp_request_check_status
+        self.request_check_status.argtypes = [vp]
+        self.request_check_status.restype = ctypes.c_int8  # ucs_status_t is a packed (1-byte) enum
+        self.tag_recv_request_test = lib.ucp_tag_recv_request_test
+        self.tag_recv_request_test.argtypes = [vp, ctypes.POINTER(_TagRecvInfo)]
+        self.tag_recv_request_test.restype = ctypes.c_int8
         self.ep_create = lib.ucp_ep_create
         self.ep_create.argtypes = [vp, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
         self.ep_create.restype = ctypes.c_int

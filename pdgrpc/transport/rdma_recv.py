@@ -30,7 +30,7 @@ import functools
 import itertools
 import logging
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -214,10 +214,10 @@ class RdmaReceiver:
         iov[:, 0] = self._ptr_table[ops["region"].astype(np.int64)] + ops["offset"]
         iov[:, 1] = ops["length"]
         if len(counts) == len(ops):
-            # One op per message (runs of contiguous_min bytes and up): plain (address,
-            # length) pairs, no per-message numpy work on the path before data flows.
-            for i, (addr, n) in enumerate(iov.tolist()):
-                self._post_data(conn, room, rr, [(addr, n)], n, data_tag(conn.conn_id, first + i), None)
+            # One op per message (runs of contiguous_min bytes and up): one batch of
+            # plain (address, length) receives that completes as one.
+            runs = iov.tolist()
+            self._post_runs(conn, room, rr, runs, [data_tag(conn.conn_id, first + i) for i in range(len(runs))])
             return
         per_msg = np.asarray(counts, dtype=np.int64)
         sizes = np.add.reduceat(iov[:, 1], np.cumsum(per_msg) - per_msg).tolist()
@@ -252,6 +252,44 @@ class RdmaReceiver:
             token = self._worker.recv(pieces, tag, FULL_MASK, done, keep)
         except UcxError as exc:
             rr.pending[conn.conn_id] -= 1
+            self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
+            return
+        token_box.append(token)
+        conn.tokens.add(token)
+        rr.tokens.add(token)
+
+    def _post_runs(self, conn: RecvConn, room: int, rr: RecvRoom, runs: Sequence[Sequence[int]],
+                   tags: list[int]) -> None:
+        """Receive one contiguous message per run, as one batch (:meth:`_post_data`'s
+        rules, with one completion for all of them)."""
+        token_box: list[int] = []
+
+        def done(results: list[tuple[int, int]]) -> None:
+            token = token_box[0]
+            conn.tokens.discard(token)
+            rr.tokens.discard(token)
+            rr.pending[conn.conn_id] -= len(runs)
+            landed = 0
+            for (_addr, nbytes), tag, (status, length) in zip(runs, tags, results):
+                if status == UCS_OK and length == nbytes:
+                    landed += nbytes
+                elif status == UCS_ERR_CANCELED:
+                    if rr.released and conn.conn_id in self._recv_conns:
+                        self._drain(conn.conn_id, tag)  # the sender's message still comes
+                else:
+                    why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
+                    reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
+                    self.rooms.fail(room, reason)
+                    self._nack(conn, room, reason)
+                    return
+            if landed:
+                self._recv.landed(room, rr.core, landed)
+
+        rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + len(runs)
+        try:
+            token = self._worker.recv_batch(runs, tags, done, None)
+        except UcxError as exc:
+            rr.pending[conn.conn_id] -= len(runs)
             self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
             return
         token_box.append(token)

@@ -64,6 +64,27 @@ class RdmaSender:
         if room is not None:
             room.tokens.add(token)
 
+    def _send_runs(self, conn: SendConn, runs: Sequence[Sequence[int]], tags: list[int], room_id: int,
+                   room: SendRoom) -> None:
+        """:meth:`_send` for one contiguous message per run, completing as one batch."""
+        token_box: list[int] = []
+
+        def done(results: list[tuple[int, int]]) -> None:
+            if token_box:
+                conn.tokens.discard(token_box[0])
+                room.tokens.discard(token_box[0])
+            bad = next((status for status, _ in results if status not in (UCS_OK, UCS_ERR_CANCELED)), None)
+            if bad is not None:
+                self.rooms.fail(room_id, f"UCX send to peer {conn.desc.instance_id} failed (status {bad})")
+
+        try:
+            token = self._worker.send_batch(conn.ep, runs, tags, done, None)
+        except UcxError as exc:
+            raise PeerFailure(f"rdma peer {conn.desc.instance_id}: {exc}") from None
+        token_box.append(token)
+        conn.tokens.add(token)
+        room.tokens.add(token)
+
     async def write(self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None) -> None:
         self._send_planned(peer, room, self._plan(room, ops, metadata), metadata)
 
@@ -149,10 +170,10 @@ class RdmaSender:
         ])
         self._send_ctrl(conn, msg, room, sroom)
         if len(plan.counts) == plan.n_ops:
-            # One op per message (runs of contiguous_min bytes and up): plain (address,
-            # length) pairs, no per-message numpy work.
-            for i, (addr, n) in enumerate(plan.iov.tolist()):
-                self._send(conn, [(addr, n)], data_tag(conn.remote_id, first + i), room, sroom, None)
+            # One op per message (runs of contiguous_min bytes and up): one batch of
+            # plain (address, length) sends that completes as one.
+            runs = plan.iov.tolist()
+            self._send_runs(conn, runs, [data_tag(conn.remote_id, first + i) for i in range(len(runs))], room, sroom)
             sroom.kv_bytes += plan.nbytes
             return
         # Each message goes out as its iov rows, read in place by UCX: staging into a

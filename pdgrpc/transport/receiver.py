@@ -22,6 +22,7 @@ the text.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 from typing import Any, Callable, Iterable
@@ -115,8 +116,23 @@ class RoomGrant:
             object.__setattr__(self, "_runs_np", cached)
         return cached
 
+    def runs_lists(self) -> tuple[list[int], list[int]]:
+        """Page runs as ``(starts, ends_exclusive)`` Python lists (cached), for
+        :meth:`RegionTable.authorize`'s few-op path."""
+        cached = self.__dict__.get("_runs_py")
+        if cached is None:
+            runs = self.page_runs
+            cached = ([a for a, _ in runs], [b for _, b in runs])
+            object.__setattr__(self, "_runs_py", cached)
+        return cached
+
 
 _HUGE = 1 << 62  # offsets and lengths above this are outside any region (and would overflow int64 sums)
+# Writes of at most this many ops are checked op by op in Python; longer ones in one numpy
+# pass. Right after a wake-up (cold caches) a numpy pass costs ~90 us whatever its length,
+# so a metadata row or a contiguous write's few dozen runs are cheaper one by one
+# (docs/performance.md, "rdma steadiness").
+_FEW_OPS = 64
 
 
 class RegionTable:
@@ -129,9 +145,11 @@ class RegionTable:
         self._kind = np.zeros(1 << 16, dtype=np.int8)  # 0 none, 1 KV, 2 metadata
         self._nbytes = np.zeros(1 << 16, dtype=np.int64)
         self._item = np.ones(1 << 16, dtype=np.int64)
+        self._few: dict[int, tuple[int, int, int]] = {}  # region id -> (kind, nbytes, item bytes)
 
     def add(self, info: RegionInfo) -> None:
         self.infos[info.region_id] = info
+        self._few[info.region_id] = (2 if info.kind is RegionKind.METADATA else 1, info.nbytes, info.item_bytes)
         self._kind[info.region_id] = 2 if info.kind is RegionKind.METADATA else 1
         self._nbytes[info.region_id] = info.nbytes
         self._item[info.region_id] = info.item_bytes
@@ -142,6 +160,9 @@ class RegionTable:
         ``grant`` allows: page bytes (``metadata=False``) only in KV regions and the
         granted pages, a row (``metadata=True``) only in a metadata region's granted
         slot. The first offending op is named in the message."""
+        if len(regions) <= _FEW_OPS:
+            self._authorize_few(grant, _as_list(regions), _as_list(offsets), _as_list(lengths), metadata)
+            return
         regions = np.asarray(regions).astype(np.int64)
         offs_in, lens_in = np.asarray(offsets), np.asarray(lengths)
         if len(regions) == 0:
@@ -173,6 +194,27 @@ class RegionTable:
         refusal, text = self._why(grant, int(regions[j]), int(offs_in[j]), int(lens_in[j]), metadata)
         raise UnauthorizedWrite(refusal, text)
 
+    def _authorize_few(self, grant: RoomGrant, regions: list[int], offsets: list[int], lengths: list[int],
+                       metadata: bool) -> None:
+        """:meth:`authorize` op by op, with the same verdicts and messages."""
+        want = 2 if metadata else 1
+        slot = -1 if grant.slot is None else grant.slot
+        starts, ends = grant.runs_lists()
+        few = self._few
+        for rid, off, n in zip(regions, offsets, lengths):
+            entry = few.get(rid)
+            if entry is not None and entry[0] == want and off >= 0 and n > 0 and off + n <= entry[1]:
+                first, last = off // entry[2], (off + n - 1) // entry[2]
+                if metadata:
+                    if first == slot and last == first:
+                        continue
+                else:
+                    i = bisect.bisect_right(starts, first) - 1
+                    if i >= 0 and last < ends[i]:
+                        continue
+            refusal, text = self._why(grant, int(rid), int(off), int(n), metadata)
+            raise UnauthorizedWrite(refusal, text)
+
     def _why(self, grant: RoomGrant, rid: int, off: int, n: int, metadata: bool) -> tuple[Refusal, str]:
         """The refusal and its message for one op the vectorised check refused."""
         info = self.infos.get(rid)
@@ -194,6 +236,10 @@ class RegionTable:
         missing = pages[~np.isin(pages, np.asarray(grant.pages, dtype=np.int64))]
         bad = int(missing[0]) if len(missing) else first
         return Refusal.OUTSIDE_GRANT, f"page {bad} of {info.name!r} is outside the pages granted to room {grant.room}"
+
+
+def _as_list(values: Any) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
 
 
 class ReceiveRoom:

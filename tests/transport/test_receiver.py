@@ -96,6 +96,35 @@ def test_grant_check_matches_page_membership(pages: set[int], first: int, count:
     assert refused != allowed
 
 
+_OP = st.tuples(st.sampled_from([0, 1, 7, 99, -1]), st.integers(-2 * PB, 40 * PB) | st.just(2**63 - 1),
+                st.integers(-1, 3 * PB) | st.just(2**62 + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pages=st.sets(st.integers(0, 40), max_size=30), slot=st.none() | st.integers(0, 9),
+       ops=st.lists(_OP, min_size=1, max_size=70), metadata=st.booleans())
+def test_op_by_op_and_vectorised_checks_give_the_same_verdict(
+        pages: set[int], slot: int | None, ops: list[tuple[int, int, int]], metadata: bool) -> None:
+    """Writes of up to ``_FEW_OPS`` ops are checked in Python, longer ones with numpy: the
+    two must accept the same writes and name the same first offending op, same refusal,
+    same words."""
+    import pdgrpc.transport.receiver as receiver_mod
+
+    t = table(KV, META, RegionInfo(1, "layer0.v", RegionKind.KV, 32 * PB, PB))
+    g = RoomGrant.of(3, pages, slot)
+    cols = [np.array([op[i] for op in ops], dtype=np.int64) for i in range(3)]
+    verdicts = []
+    for few in (0, 10**6):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(receiver_mod, "_FEW_OPS", few)
+            try:
+                t.authorize(g, *cols, metadata=metadata)
+                verdicts.append(None)
+            except UnauthorizedWrite as exc:
+                verdicts.append((exc.refusal, str(exc)))
+    assert verdicts[0] == verdicts[1]
+
+
 # -- the receiver: accept, account, commit last ------------------------------------------------
 def receiver() -> Receiver:
     r = Receiver(RoomStates())

@@ -1,0 +1,138 @@
+"""UCX batches (pdgrpc.transport._ucx_batch through UcxWorker.send_batch/recv_batch):
+one completion per batch, in posting order, whatever order the messages land in; a
+truncated or cancelled message is reported at its own index; a cancelled or closed
+batch leaves nothing pending. Two real UCX workers in this process, talking over
+UCX's shared-memory transports."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import pytest
+
+pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
+
+from pdgrpc.transport._ucx import (  # noqa: E402  (after the importorskip)
+    UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, UcxWorker,
+)
+
+SIZES = [100, 1 << 20, 7, 300_000]  # eager and rendezvous messages mixed
+TAGS = [0x51, 0x52, 0x53, 0x54]
+
+
+class Pair:
+    def __init__(self) -> None:
+        self.tx = UcxWorker()
+        self.rx = UcxWorker()
+
+    async def __aenter__(self) -> "Pair":
+        self.tx.start()
+        self.rx.start()
+        self.ep = self.tx.endpoint(self.rx.address)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.tx.close()
+        await self.rx.close()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    async with Pair() as p:
+        yield p
+
+
+def runs_of(bufs: list[np.ndarray]) -> list[tuple[int, int]]:
+    return [(b.ctypes.data, b.nbytes) for b in bufs]
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+
+
+async def test_a_batch_completes_once_with_every_message_in_order(pair: Pair) -> None:
+    rng = np.random.default_rng(1)
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
+    dst = [np.zeros(n, dtype=np.uint8) for n in SIZES]
+    got: list[list[tuple[int, int]]] = []
+    sent: list[list[tuple[int, int]]] = []
+    pair.rx.recv_batch(runs_of(dst), TAGS, got.append, dst)
+    pair.tx.send_batch(pair.ep, runs_of(src), TAGS, sent.append, src)
+    await until(lambda: bool(got and sent))
+    await asyncio.sleep(0.05)  # a second completion would come now
+    assert got == [[(UCS_OK, n) for n in SIZES]]
+    assert sent == [[(UCS_OK, 0)] * len(SIZES)]
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst))
+    assert pair.rx.inflight_requests == 0 and pair.tx.inflight_requests == 0
+
+
+async def test_a_batch_whose_last_message_lands_first_waits_for_the_others(pair: Pair) -> None:
+    """Only the last request calls back; the others are tested then and, when still
+    pending, after each progress round until they land."""
+    src = [np.full(n, i + 1, dtype=np.uint8) for i, n in enumerate(SIZES)]
+    dst = [np.zeros(n, dtype=np.uint8) for n in SIZES]
+    got: list[list[tuple[int, int]]] = []
+    pair.rx.recv_batch(runs_of(dst), TAGS, got.append, dst)
+    pair.tx.send(pair.ep, runs_of(src[-1:]), TAGS[-1], lambda *a: None, src)
+    await until(lambda: bool(dst[-1].all()))
+    await asyncio.sleep(0.05)
+    assert got == [], "the batch completed before its other messages landed"
+    assert pair.rx.inflight_requests == 1
+    for i in range(len(SIZES) - 1):
+        pair.tx.send(pair.ep, runs_of(src[i : i + 1]), TAGS[i], lambda *a: None, src)
+    await until(lambda: bool(got))
+    assert got == [[(UCS_OK, n) for n in SIZES]]
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst))
+    assert pair.rx.inflight_requests == 0
+
+
+async def test_a_truncated_message_is_reported_at_its_index(pair: Pair) -> None:
+    dst = [np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)]
+    src = [np.ones(64, dtype=np.uint8), np.ones(128, dtype=np.uint8)]  # the second is too long
+    got: list[list[tuple[int, int]]] = []
+    pair.rx.recv_batch(runs_of(dst), TAGS[:2], got.append, dst)
+    pair.tx.send_batch(pair.ep, runs_of(src), TAGS[:2], lambda r: None, src)
+    await until(lambda: bool(got))
+    [[first, second]] = got
+    assert first == (UCS_OK, 64)
+    assert second[0] == UCS_ERR_MESSAGE_TRUNCATED
+
+
+async def test_a_cancelled_batch_completes_once_and_leaves_nothing_pending(pair: Pair) -> None:
+    dst = [np.zeros(n, dtype=np.uint8) for n in SIZES]
+    got: list[list[tuple[int, int]]] = []
+    token = pair.rx.recv_batch(runs_of(dst), TAGS, got.append, dst)
+    await asyncio.sleep(0.01)
+    pair.rx.cancel(token)
+    await until(lambda: bool(got))
+    await asyncio.sleep(0.05)
+    assert got == [[(UCS_ERR_CANCELED, 0)] * len(SIZES)]
+    assert pair.rx.inflight == 0
+
+
+async def test_closing_a_worker_with_a_pending_batch_frees_it() -> None:
+    from pdgrpc.transport._ucx_api import _PARKED
+
+    parked = len(_PARKED)
+    async with Pair() as p:
+        dst = [np.zeros(n, dtype=np.uint8) for n in SIZES]
+        got: list[list[tuple[int, int]]] = []
+        p.rx.recv_batch(runs_of(dst), TAGS, got.append, dst)
+        await asyncio.sleep(0.01)
+    assert got == [[(UCS_ERR_CANCELED, 0)] * len(SIZES)]
+    assert len(_PARKED) == parked, "the worker was parked with the batch still pending"
+
+
+async def test_a_batch_needs_one_tag_per_run(pair: Pair) -> None:
+    buf = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(ValueError, match="one tag per run"):
+        pair.rx.recv_batch(runs_of([buf]), [], lambda r: None, buf)
+    with pytest.raises(ValueError, match="one tag per run"):
+        pair.rx.recv_batch([], [], lambda r: None, buf)
+    assert pair.rx.inflight == 0
