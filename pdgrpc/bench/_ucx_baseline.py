@@ -9,9 +9,12 @@ backend carries them in its handshake descriptor) and create endpoints with
 UCX pick shared memory (sysv/posix eager, cma zero-copy rendezvous) on one host and RDMA
 verbs between hosts. Both run ucxx's public asyncio API in ``blocking`` progress mode.
 
-One iteration: the sender ``send``s ``nbytes`` with ``force_tag=True`` and waits for an
-8-byte acknowledgement that the receiver sends once its ``recv`` into a preallocated
-buffer has completed. The iteration's latency is send-start → ack-received, so it is the
+One iteration: both processes are told to go at once; the receiver zeroes its buffer
+and posts its ``recv``, the sender ``send``s ``nbytes`` with ``force_tag=True`` and waits
+for an 8-byte acknowledgement that the receiver sends once its ``recv`` has completed.
+The zeroing overlaps the sender's start, as it did when the two looped on their own
+(on an idle 2-core host it is ~1.4 ms of a 96 MiB iteration's ~7.2 ms;
+docs/performance.md, "rdma steadiness"). The iteration's latency is send-start → ack-received, so it is the
 same "write until the receiver has the bytes and the sender knows it" span that a
 transport benchmark times for its backend. Throughput is ``nbytes / median latency``
 in GB/s (10**9 bytes per second). The received bytes are compared with what was sent
@@ -23,8 +26,9 @@ work, so the caller may already run its own UCX worker (or none).
 
 API
 ---
-:func:`run_baseline` — one size; :func:`run_baselines` — several sizes with one pair of
-processes (spawning costs ~1 s, so a benchmark with many cases should use this one).
+:class:`RawUcx` — the pair kept alive, one iteration per :meth:`RawUcx.once` (a benchmark
+alternates these with its backend's iterations); :func:`run_baselines` — several sizes
+with one pair of processes; :func:`run_baseline` — one size.
 ``python -m pdgrpc.bench._ucx_baseline --mib 4 64 256`` prints the numbers.
 
 Environment: UCX settings come from the environment as usual (``UCX_TLS`` etc.); nothing
@@ -34,6 +38,7 @@ is forced here, so a user's ``UCX_TLS`` always applies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import multiprocessing
@@ -46,7 +51,7 @@ from typing import Any, Sequence
 
 from pdgrpc.errors import TransportError, TransportUnavailable
 
-__all__ = ["BaselineResult", "run_baseline", "run_baselines"]
+__all__ = ["BaselineResult", "RawUcx", "run_baseline", "run_baselines"]
 
 INSTALL_HINT = "pip install 'pdgrpc[ucx]'"
 _DATA_TAG = 0x5044_4752_0000_0001  # arbitrary fixed tags: only these two processes use them
@@ -76,8 +81,9 @@ def _pattern(nbytes: int) -> Any:
     return (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
 
 
-def _child(role: str, conn: multiprocessing.connection.Connection, sizes: list[int], iterations: int, warmup: int) -> None:
-    """Body of the sender (``role == "send"``) and receiver (``"recv"``) processes."""
+def _child(role: str, conn: multiprocessing.connection.Connection, max_bytes: int) -> None:
+    """Body of the sender (``role == "send"``) and receiver (``"recv"``) processes: one
+    iteration per ``("once", nbytes)`` command, a bytes check per ``("check", nbytes)``."""
     import asyncio
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -89,31 +95,29 @@ def _child(role: str, conn: multiprocessing.connection.Connection, sizes: list[i
         conn.send(ucxx.get_worker_address().tobytes())
         peer = ucxx.get_ucx_address_from_buffer(conn.recv())
         ep = await ucxx.create_endpoint_from_worker_address(peer, endpoint_error_handling=False)
-        biggest = max(sizes)
-        buf = _pattern(biggest) if role == "send" else np.zeros(biggest, dtype=np.uint8)
+        buf = _pattern(max_bytes) if role == "send" else np.zeros(max_bytes, dtype=np.uint8)
         ack = np.zeros(8, dtype=np.uint8)
-        out: list[Any] = []
-        for nbytes in sizes:
+        conn.send("ready")
+        # The next command is read blocking, holding the loop: ucxx's progress would
+        # otherwise keep a core busy between iterations (measured: ~95% of one each),
+        # taking it from the backend whose iterations alternate with these.
+        while (cmd := conn.recv()) is not None:
+            what, nbytes = cmd
             view = buf[:nbytes]
-            lat: list[float] = []
-            for i in range(warmup + iterations):
-                if role == "send":
-                    t0 = time.perf_counter()
-                    await asyncio.gather(
-                        ep.send(view, tag=_DATA_TAG, force_tag=True),
-                        ep.recv(ack, tag=_ACK_TAG, force_tag=True),
-                    )
-                    if i >= warmup:
-                        lat.append(time.perf_counter() - t0)
-                else:
-                    view[:] = 0
-                    await ep.recv(view, tag=_DATA_TAG, force_tag=True)
-                    await ep.send(ack, tag=_ACK_TAG, force_tag=True)
-            if role == "send":
-                out.append(lat)
+            if what == "check":
+                conn.send(bool(np.array_equal(view, _pattern(nbytes))))
+            elif role == "send":
+                t0 = time.perf_counter()
+                await asyncio.gather(
+                    ep.send(view, tag=_DATA_TAG, force_tag=True),
+                    ep.recv(ack, tag=_ACK_TAG, force_tag=True),
+                )
+                conn.send(time.perf_counter() - t0)
             else:
-                out.append(bool(np.array_equal(view, _pattern(nbytes))))
-        conn.send(out)
+                view[:] = 0
+                await ep.recv(view, tag=_DATA_TAG, force_tag=True)
+                await ep.send(ack, tag=_ACK_TAG, force_tag=True)
+                conn.send(True)
         await ep.close()
 
     try:
@@ -123,6 +127,81 @@ def _child(role: str, conn: multiprocessing.connection.Connection, sizes: list[i
         raise
     finally:
         ucxx.reset()
+
+
+class RawUcx:
+    """The raw ucxx sender and receiver, kept alive and driven one iteration at a time,
+    so a benchmark can alternate their iterations with a backend's: on a shared machine
+    load then hits both alike. Raises :class:`~pdgrpc.errors.TransportUnavailable` when
+    ucxx is missing and :class:`~pdgrpc.errors.TransportError` if a process fails or
+    times out."""
+
+    def __init__(self, max_bytes: int, *, timeout_s: float = 120.0) -> None:
+        from pdgrpc.errors import ConfigError
+
+        if max_bytes <= 0:
+            raise ConfigError(f"max_bytes must be a positive byte count, got {max_bytes}")
+        _require_ucxx()
+        self._timeout_s = timeout_s
+        mp = multiprocessing.get_context("spawn")  # never fork: UCX state must not be shared
+        self._conns: dict[str, multiprocessing.connection.Connection] = {}
+        self._procs: dict[str, Any] = {}
+        for role in ("send", "recv"):
+            parent, child = mp.Pipe()
+            self._conns[role] = parent
+            self._procs[role] = mp.Process(target=_child, args=(role, child, max_bytes), name=f"ucx-baseline-{role}",
+                                           daemon=True)
+        try:
+            for p in self._procs.values():
+                p.start()
+            addr_send, addr_recv = self._get("send"), self._get("recv")
+            self._conns["send"].send(addr_recv)
+            self._conns["recv"].send(addr_send)
+            self._get("send"), self._get("recv")  # "ready": endpoints up, buffers allocated
+        except BaseException:
+            self.close()
+            raise
+
+    def _get(self, role: str) -> Any:
+        conn = self._conns[role]
+        if not conn.poll(self._timeout_s):
+            raise TransportError(f"raw UCX baseline: the {role} process gave no answer within {self._timeout_s:.0f} s")
+        try:
+            msg = conn.recv()
+        except EOFError:
+            raise TransportError(
+                f"raw UCX baseline: the {role} process exited early (exit code {self._procs[role].exitcode})") from None
+        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+            raise TransportError(f"raw UCX baseline: the {role} process failed: {msg[1]}")
+        return msg
+
+    def once(self, nbytes: int) -> float:
+        """One iteration of ``nbytes``: seconds from the send's start until the
+        receiver's acknowledgement reached the sender."""
+        self._conns["recv"].send(("once", nbytes))
+        self._conns["send"].send(("once", nbytes))
+        latency, _ = self._get("send"), self._get("recv")
+        return float(latency)
+
+    def check(self, nbytes: int) -> None:
+        """Raise unless the last iteration's ``nbytes`` arrived as sent."""
+        self._conns["recv"].send(("check", nbytes))
+        if self._get("recv") is not True:
+            raise TransportError(f"raw UCX baseline: the {nbytes} bytes received differ from those sent")
+
+    def close(self) -> None:
+        for role, p in self._procs.items():
+            if p.pid is not None:
+                with contextlib.suppress(OSError):
+                    self._conns[role].send(None)
+        for p in self._procs.values():
+            if p.pid is not None:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        for c in self._conns.values():
+            c.close()
 
 
 def run_baselines(sizes: Sequence[int], iterations: int = 5, *, warmup: int = 1, timeout_s: float = 120.0) -> list[BaselineResult]:
@@ -141,51 +220,16 @@ def run_baselines(sizes: Sequence[int], iterations: int = 5, *, warmup: int = 1,
         raise ConfigError(f"sizes must be positive byte counts, got {sizes!r}")
     if iterations < 1 or warmup < 0:
         raise ConfigError(f"need iterations >= 1 and warmup >= 0, got {iterations} and {warmup}")
-    _require_ucxx()
-
-    mp = multiprocessing.get_context("spawn")  # never fork: UCX state must not be shared
-    conns: dict[str, multiprocessing.connection.Connection] = {}
-    procs: dict[str, Any] = {}
-    for role in ("send", "recv"):
-        parent, child = mp.Pipe()
-        conns[role] = parent
-        procs[role] = mp.Process(target=_child, args=(role, child, sizes, iterations, warmup), name=f"ucx-baseline-{role}", daemon=True)
-    deadline = time.monotonic() + timeout_s
-
-    def get(role: str) -> Any:
-        left = deadline - time.monotonic()
-        if left <= 0 or not conns[role].poll(left):
-            raise TransportError(f"raw UCX baseline: the {role} process gave no answer within {timeout_s:.0f} s")
-        try:
-            msg = conns[role].recv()
-        except EOFError:
-            raise TransportError(f"raw UCX baseline: the {role} process exited early (exit code {procs[role].exitcode})") from None
-        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
-            raise TransportError(f"raw UCX baseline: the {role} process failed: {msg[1]}")
-        return msg
-
-    try:
-        for p in procs.values():
-            p.start()
-        addr_send, addr_recv = get("send"), get("recv")
-        conns["send"].send(addr_recv)
-        conns["recv"].send(addr_send)
-        latencies, intact = get("send"), get("recv")
-    finally:
-        for p in procs.values():
-            if p.pid is not None:
-                p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        for c in conns.values():
-            c.close()
+    raw = RawUcx(max(sizes), timeout_s=timeout_s)
     results = []
-    for nbytes, lat, ok in zip(sizes, latencies, intact):
-        if not ok:
-            raise TransportError(f"raw UCX baseline: the {nbytes} bytes received differ from those sent")
-        med = statistics.median(lat)
-        results.append(BaselineResult(nbytes=nbytes, gbps=nbytes / med / 1e9, latency_s=med, latencies_s=tuple(lat)))
+    try:
+        for nbytes in sizes:
+            lat = [raw.once(nbytes) for _ in range(warmup + iterations)][warmup:]
+            raw.check(nbytes)
+            med = statistics.median(lat)
+            results.append(BaselineResult(nbytes=nbytes, gbps=nbytes / med / 1e9, latency_s=med, latencies_s=tuple(lat)))
+    finally:
+        raw.close()
     return results
 
 

@@ -41,7 +41,11 @@ Baselines, same byte count, two processes, median of as many iterations:
   ``sendall`` of one contiguous buffer, the receiver ``recv_into`` a preallocated buffer
   then replies one byte (same socket buffer sizes and TCP_NODELAY as the backend).
 * ``rdma``: plain ``ucxx`` tag send/recv between worker-address endpoints
-  (:mod:`pdgrpc.bench._ucx_baseline`, imported only for this backend).
+  (:class:`pdgrpc.bench._ucx_baseline.RawUcx`; ucxx is imported only in its two
+  processes).
+
+Both raw pairs stay alive for the whole run, and each raw iteration runs right before
+the backend's, so a spell of load on a shared machine hits both alike.
 
 After timing, the last transfer of each case is checked bit-exact (digests of the
 destination pages against the source pages) so a backend that moves nothing cannot
@@ -96,6 +100,7 @@ import torch
 
 from pdgrpc.bench._cuda_baseline import BASELINE_NAME as CUDA_BASELINE
 from pdgrpc.bench._cuda_baseline import add_device_argument, ipc_copy_baseline, placed, resolve_bench_device
+from pdgrpc.bench._ucx_baseline import RawUcx  # imports nothing of UCX in this process
 from pdgrpc.bench.report import Result
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
@@ -222,12 +227,6 @@ class _RawTcp:
             self._conn.close()
 
 
-def _ucx_baseline(sizes: list[int], iterations: int, warmup: int) -> dict[int, list[float]]:
-    from pdgrpc.bench import _ucx_baseline  # imports nothing of UCX in this process
-
-    return {r.nbytes: list(r.latencies_s) for r in _ucx_baseline.run_baselines(sizes, iterations, warmup=warmup)}
-
-
 # ----------------------------------------------------------------------------- backend
 
 
@@ -287,12 +286,12 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     moved = {(t, k): nbytes[t] // KV_HEADS * (KV_HEADS - half) if k == "head-sliced" else nbytes[t]
              for t, together, _, _ in cases for k in together}
 
-    # rdma: the ucxx baseline runs at the start of each repeat in its own two processes
-    # (they own their UCX workers). Socket backends: the raw socket sender/receiver stay
-    # alive and each raw iteration runs right before the backend's, so both see the same
-    # machine load. base_lat[nbytes][repeat]: the raw latencies of that repeat.
+    # The raw baseline's two processes stay alive (rdma: a ucxx sender and receiver, which
+    # own their UCX workers; socket backends: a plain socket pair) and each raw iteration
+    # runs right before the backend's, so both see the same machine load.
+    # base_lat[nbytes][repeat]: the raw latencies of that repeat.
     base_lat: dict[int, list[list[float]]] = {nb: [[] for _ in range(repeats)] for nb in nbytes.values()}
-    raw: _RawTcp | None = None
+    raw: _RawTcp | RawUcx | None = None
     if device != "cpu":  # GPU memory: the baseline is a device-to-device copy between the processes
         base_name = CUDA_BASELINE
         for nb, lats in ipc_copy_baseline(sorted(set(nbytes.values())), args.iterations, args.warmup, device).items():
@@ -300,6 +299,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 rep.extend(lats)  # measured once; every repeat compares against it
     elif backend == "rdma":
         base_name = "raw ucxx tag send/recv"
+        raw = RawUcx(max(nbytes.values()))
     else:
         base_name = "raw tcp socket recv_into"
         raw = _RawTcp(max(nbytes.values()))
@@ -343,12 +343,6 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 sender.release(room)
                 await target.call("release", room)
             for rep_i, (case_i, (tokens, together, src, dst)) in itertools.product(range(repeats), enumerate(cases)):
-                if backend == "rdma" and device == "cpu" and case_i == 0:  # a repeat starts with its raw baseline
-                    # in a thread: the loop keeps answering the peers' liveness heartbeats
-                    ucx = await asyncio.to_thread(_ucx_baseline, sorted(set(nbytes.values())), args.iterations,
-                                                  args.warmup)
-                    for nb, lats in ucx.items():
-                        base_lat[nb][rep_i] = lats
                 lat: dict[str, list[float]] = {kind: [] for kind in together}
                 for i in range(args.warmup + args.iterations):
                     if raw is not None and together[0] == base_kind:
@@ -374,6 +368,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                             lat[kind].append(t1 - t0)
                         sender.release(room)
                         await target.call("release", room)  # the bytes stay: checked below
+                if isinstance(raw, RawUcx) and together[0] == base_kind:
+                    # the raw baseline's last bytes, outside the timing too; in a thread, so
+                    # the loop keeps answering the peers' liveness heartbeats meanwhile
+                    await asyncio.to_thread(raw.check, nbytes[tokens])
                 for kind in together:
                     # bit-exact check of the last iteration (outside the timing)
                     target = targets.get(kind, targets[""])[0]

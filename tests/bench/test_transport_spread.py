@@ -52,7 +52,7 @@ def test_without_repeat_the_spread_is_over_the_iterations() -> None:
     assert not any(r.metric.endswith("slowest repeat") for r in results)  # no repeats asked for
 
 
-def test_rdma_repeats_run_the_raw_ucxx_baseline_once_per_repeat() -> None:
+def test_rdma_repeats_compare_each_repeat_with_its_own_raw_ucxx_iterations() -> None:
     pytest.importorskip("ucxx", reason="the rdma bench and its raw baseline need the ucx extra: pip install 'pdgrpc[ucx]'")
     results = _run("--backend", "rdma", "--iterations", "2", "--repeat", "2")
     [thr] = [r for r in results if r.metric == "throughput vs raw ucxx tag send/recv"]
