@@ -1,6 +1,8 @@
 """The receiver core every byte-moving backend shares: what a room was granted, whether a
-write may land (one vectorised grant check), how many bytes landed, and when the
+write may land (the grant check), how many bytes landed, and when the
 metadata row may be committed (only after every KV byte the sender wrote before it).
+A write of a few ops is checked op by op, a longer one in one numpy pass; both give the
+same verdicts and messages.
 
 A backend drives it with plain calls and moves the bytes itself; nothing here does I/O::
 
