@@ -42,8 +42,8 @@ docs/transports.md).
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
-import itertools
 import logging
 import struct
 import time
@@ -65,7 +65,7 @@ from pdgrpc.transport.rdma_send import RdmaSender
 from pdgrpc.transport.rdma_wire import (
     COMMON, CTRL_BUF, CTRL_POSTED, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_CTRL, KIND_MASK,
     KIND_REPLY, MAX_OPS_PER_WRITE, NACK, NACK_BODY, ROOM_BODY, SCRATCH, ACK, CLOSE_SEND_GRACE_S, HELLO_CHANNEL, ctrl_tag,
-    RecvConn, RecvRoom, Region, SendConn, SendRoom,
+    RecvConn, RecvRoom, Region, SendConn, SendRoom, new_id,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
 
@@ -126,13 +126,12 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         self._connecting: dict[str, asyncio.Future[None]] = {}
         self._lost_while_connecting: dict[str, str] = {}
         self._send_rooms: dict[int, SendRoom] = {}
-        self._local_ids = itertools.count(1)
         # receiver side
         self._recv_conns: dict[int, RecvConn] = {}
         self._recv_rooms: dict[int, RecvRoom] = {}
         self._draining: list[RecvConn] = []
         self._recv = Receiver(self.rooms)
-        self._conn_ids = itertools.count(1)
+        self._dropped: collections.OrderedDict[int, int] = collections.OrderedDict()  # conn id -> key
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
         self._ctrl_bufs: list[torch.Tensor] = []
 
@@ -265,7 +264,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         except UcxError as exc:
             self._liveness.unwatch(d.instance_id)
             raise PeerFailure(f"rdma peer {d.instance_id}: {exc}") from None
-        conn = SendConn(next(self._local_ids), d, ep)
+        conn = SendConn(new_id(32, self._send_by_local), d, ep)
         self._send_by_local[conn.local_id] = conn
         conn.hello = asyncio.get_running_loop().create_future()
         sid, tid = self.instance_id.encode(), d.instance_id.encode()
@@ -273,13 +272,14 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         # Bound to the proven liveness link: the proof answers that link's challenge.
         proof = peerauth.proof(cred, HELLO_CHANNEL,
                                self._liveness.challenge_of(d.instance_id), self.instance_id, d.instance_id)
-        msg = (COMMON.pack(HELLO, conn.local_id, 0) + HELLO_BODY.pack(len(sid), len(tid), len(addr))
+        msg = (COMMON.pack(HELLO, conn.local_id, 0, conn.reply_key) + HELLO_BODY.pack(len(sid), len(tid), len(addr))
                + sid + tid + addr + proof)
         ok = False
         try:
             self._send_ctrl(conn, msg, None, None)
             try:
-                accepted, remote_id, reason = await asyncio.wait_for(asyncio.shield(conn.hello), self._connect_timeout)
+                accepted, remote_id, remote_key, reason = await asyncio.wait_for(asyncio.shield(conn.hello),
+                                                                                  self._connect_timeout)
             except asyncio.TimeoutError:
                 raise PeerFailure(
                     f"rdma peer {d.instance_id} did not answer the handshake within {self._connect_timeout:.1f} s"
@@ -289,7 +289,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
             lost = self._lost_while_connecting.get(d.instance_id)
             if lost is not None or conn.dead:
                 raise PeerFailure(f"rdma peer {d.instance_id} was lost while connecting: {lost}")
-            conn.remote_id = remote_id
+            conn.remote_id, conn.remote_key = remote_id, remote_key
             ok = True
             return conn
         finally:
@@ -299,19 +299,19 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
 
     # -- replies (sender) ----------------------------------------------------------------
     def _on_reply(self, msg: bytes) -> None:
-        typ, local_id, _seq = COMMON.unpack_from(msg)
+        typ, local_id, _seq, key = COMMON.unpack_from(msg)
         conn = self._send_by_local.get(local_id)
-        if conn is None:
-            return
+        if conn is None or key != conn.reply_key:
+            return  # not this connection's receiver (a forger that guessed the id): no effect
         body = msg[COMMON.size :]
         if typ in (HELLO_OK, HELLO_REFUSED):
             if typ == HELLO_OK:
-                remote_id, n = HELLO_OK_BODY.unpack_from(body)
+                remote_id, n, remote_key = HELLO_OK_BODY.unpack_from(body)
                 rid = body[HELLO_OK_BODY.size : HELLO_OK_BODY.size + n].decode()
                 ok = rid == conn.desc.instance_id
-                result = (ok, remote_id, "" if ok else f"answered as instance {rid}")
+                result = (ok, remote_id, remote_key, "" if ok else f"answered as instance {rid}")
             else:
-                result = (False, 0, body.decode(errors="replace"))
+                result = (False, 0, 0, body.decode(errors="replace"))
             if conn.hello is not None and not conn.hello.done():
                 conn.hello.set_result(result)
             return
@@ -384,7 +384,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         for token in list(conn.tokens):
             self._worker.cancel(token)
         if conn.hello is not None and not conn.hello.done():
-            conn.hello.set_result((False, 0, reason))
+            conn.hello.set_result((False, 0, 0, reason))
         if not peer_lost:  # our own shutdown, the peer is fine: flush and say goodbye
             self._worker.drop_endpoint(conn.ep)
             conn.ep = None

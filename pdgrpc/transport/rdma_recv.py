@@ -24,10 +24,10 @@ pages only after the sender acknowledged the abort or its lease expired (DESIGN.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
-import itertools
 import logging
 import struct
 from typing import Any, Callable, Sequence
@@ -43,9 +43,9 @@ from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.peerauth import WriterTable
 from pdgrpc.transport.rdma_wire import (
-    ACK, COMMON, CONN_BITS, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
+    ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
     KIND_SHIFT, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_BODY, RecvConn,
-    RecvRoom, Region, ctrl_tag, data_tag,
+    RecvRoom, Region, ctrl_tag, data_tag, new_id,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
 from pdgrpc.transport.rooms import RoomStates
@@ -67,7 +67,7 @@ class RdmaReceiver:
     _recv_rooms: dict[int, RecvRoom]
     _draining: list[RecvConn]  # dropped connections whose receives have not all completed
     writers: WriterTable  # Transport's
-    _conn_ids: "itertools.count[int]"
+    _dropped: "collections.OrderedDict[int, int]"  # dropped connections: conn id -> key (bounded)
     _scratch: torch.Tensor
     _ptr_table: np.ndarray  # region id -> base address
 
@@ -79,7 +79,7 @@ class RdmaReceiver:
         self._recv_rooms[grant.room] = RecvRoom(self._recv.advertise(grant))
 
     def _reply(self, conn: RecvConn, typ: int, body: bytes) -> None:
-        msg = COMMON.pack(typ, conn.sender_local, 0) + body
+        msg = COMMON.pack(typ, conn.sender_local, 0, conn.reply_key) + body
         buf = ctypes.create_string_buffer(msg, len(msg))
         token_box: list[int] = []
 
@@ -103,15 +103,16 @@ class RdmaReceiver:
             self._reply(conn, NACK, NACK_BODY.pack(room, int(refusal or 0)) + reason.encode()[:4096])
 
     def _on_ctrl(self, msg: bytes) -> None:
-        typ, conn_id, seq = COMMON.unpack_from(msg)
+        typ, conn_id, seq, key = COMMON.unpack_from(msg)
         if typ == HELLO:
-            self._on_hello(conn_id, msg[COMMON.size :])
+            self._on_hello(conn_id, key, msg[COMMON.size :])
             return
         conn = self._recv_conns.get(conn_id)
-        if conn is None:
-            # Unknown or dropped connection (its peer was failed): drain its payload
-            # so it cannot linger, answer nothing.
-            if typ == WRITE:
+        if conn is None or key != conn.key:
+            # A dropped connection (its peer was failed): drain its payload so it cannot
+            # linger, answer nothing. Anything else (an unknown id, a wrong key: a
+            # forger guessing) is dropped without a trace.
+            if conn is None and typ == WRITE and self._dropped.get(conn_id) == key:
                 self._drain_write(conn_id, msg)
             return
         if seq != conn.next_seq:
@@ -136,7 +137,7 @@ class RdmaReceiver:
             msg = nxt
             typ = msg[0]
 
-    def _on_hello(self, sender_local: int, body: bytes) -> None:
+    def _on_hello(self, sender_local: int, reply_key: int, body: bytes) -> None:
         ns, nt, na = HELLO_BODY.unpack_from(body)
         off = HELLO_BODY.size
         sender_id = body[off : off + ns].decode()
@@ -157,15 +158,15 @@ class RdmaReceiver:
         except UcxError as exc:
             log.warning("rdma: cannot answer HELLO from %s: %s", sender_id, exc)
             return
-        conn_id = next(self._conn_ids) & ((1 << CONN_BITS) - 1)
-        conn = RecvConn(conn_id, sender_id, sender_local, ep)
+        conn_id = new_id(CONN_BITS, self._recv_conns.keys() | self._dropped.keys())
+        conn = RecvConn(conn_id, sender_id, sender_local, reply_key, ep)
         if target != self.instance_id:
             self._reply(conn, HELLO_REFUSED, f"this is instance {self.instance_id}, not {target}".encode())
             self._worker.drop_endpoint(ep)  # the reply is flushed by the bounded close
             return
         self._recv_conns[conn_id] = conn
         rid = self.instance_id.encode()
-        self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid)) + rid)
+        self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid), conn.key) + rid)
 
     @staticmethod
     def _parse_write(msg: bytes) -> tuple[int, int, list[int], np.ndarray]:
@@ -325,6 +326,9 @@ class RdmaReceiver:
 
     def _drop_recv_conn(self, conn: RecvConn, reason: str, *, peer_lost: bool = True) -> None:
         self._recv_conns.pop(conn.conn_id, None)
+        self._dropped[conn.conn_id] = conn.key
+        while len(self._dropped) > DROPPED_MAX:
+            self._dropped.popitem(last=False)
         for room in list(conn.rooms):
             self.rooms.fail(room, reason, peer_lost=peer_lost)
         for token in list(conn.tokens):

@@ -153,7 +153,7 @@ class RdmaSender:
                 src = self._regions[metadata.src_region]
                 row = src.flat[metadata.src_offset : metadata.src_offset + metadata.length].numpy().tobytes()
                 conn.ctrl_seq += 1
-                msg = COMMON.pack(META, conn.remote_id, conn.ctrl_seq) + META_BODY.pack(
+                msg = COMMON.pack(META, conn.remote_id, conn.ctrl_seq, conn.remote_key) + META_BODY.pack(
                     room, sroom.kv_bytes, metadata.dst_region, metadata.dst_offset, metadata.length) + row
                 self._send_ctrl(conn, msg, room, sroom)
         except PeerFailure as exc:
@@ -164,7 +164,7 @@ class RdmaSender:
         first = conn.data_seq
         conn.data_seq += len(plan.counts)
         msg = b"".join([
-            COMMON.pack(WRITE, conn.remote_id, conn.ctrl_seq),
+            COMMON.pack(WRITE, conn.remote_id, conn.ctrl_seq, conn.remote_key),
             WRITE_BODY.pack(room, first & 0xFFFFFFFF, len(plan.counts), plan.n_ops),
             plan.table_bytes,
         ])

@@ -4,12 +4,23 @@ Protocol (all UCX tag messages; tags are ``kind:4 | conn:28 | seq:32``)
 -----------------------------------------------------------------------
 ``CTRL`` (to a receiver; all senders share the tag, the body says who) and ``REPLY``
 (to a sender) carry small little-endian control messages, each starting with
-``type u8 | pad 3 | conn u32 | seq u64``:
+``type u8 | pad 3 | conn u32 | seq u64 | key u64``.
+
+UCX matches tags, not senders: anything that reaches a worker's address can send it a
+tagged message. So connection ids are random, and every control message carries its
+connection's key, drawn at random by the side that receives on it: the sender's in its
+``HELLO`` (replies must echo it), the receiver's in ``HELLO_OK`` (``WRITE`` and
+``META`` must carry it). A message whose key is not its connection's is dropped
+unanswered, so a forger that guesses a connection id and sequence number still cannot
+write a metadata row, announce a write, or complete or fail a room. The keys travel
+inside UCX messages between the two proven peers; they are not secret from an on-path
+observer of the data plane, which is not encrypted (docs/security.md).
 
 * ``HELLO`` (sender -> receiver): the sender's local connection id, instance ids, its
   own worker address (for replies), and a proof of the receiver-issued credential
   answering the challenge of the sender's liveness link (:mod:`.peerauth`). ``HELLO_OK`` assigns the receiver-side
-  connection id that the sender then puts in every tag; ``HELLO_REFUSED`` says why not.
+  connection id that the sender then puts in every tag, and the connection's key;
+  ``HELLO_REFUSED`` says why not.
 * ``WRITE``: room, the sequence number of its first data message, how many ops each
   data message carries, then the op table (``region u16 | pad 6 | offset u64 |
   length u64``, destination side). The data messages (tag ``DATA | conn | seq``) follow:
@@ -25,6 +36,7 @@ Protocol (all UCX tag messages; tags are ``kind:4 | conn:28 | seq:32``)
 from __future__ import annotations
 
 import asyncio
+import secrets
 import struct
 from typing import Any, NamedTuple
 
@@ -45,10 +57,10 @@ CONN_BITS = 28
 HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK = (
     MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
     MessageType.ACK, MessageType.NACK)
-COMMON = struct.Struct("<B3xIQ")  # type, conn, seq
+COMMON = struct.Struct("<B3xIQQ")  # type, conn, seq, the connection's key
 HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address); then those, then the proof
 HELLO_CHANNEL = b"rdma-hello"  # the peerauth channel name of a HELLO's proof
-HELLO_OK_BODY = struct.Struct("<IH2x")  # assigned conn id, len(receiver id)
+HELLO_OK_BODY = struct.Struct("<IH2xQ")  # assigned conn id, len(receiver id), the connection's key
 WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
 # then n messages x u32 (ops in each data message), then the op table:
 OP_DTYPE = np.dtype([("region", "<u2"), ("pad", "V6"), ("offset", "<u8"), ("length", "<u8")])
@@ -63,6 +75,19 @@ MAX_ROW = CTRL_BUF - COMMON.size - META_BODY.size
 SCRATCH = 1 << 20  # drain buffer for rejected payloads
 CLOSE_SEND_GRACE_S = 1.0  # close(): how long in-flight sends to live peers may finish
 EARLY_MAX = 1024  # control messages kept per connection ahead of a missing one (and how far ahead)
+DROPPED_MAX = 256  # dropped connections remembered, so their in-flight writes are drained
+
+
+def new_id(bits: int, taken: Any) -> int:
+    """A random non-zero ``bits``-bit id not in ``taken``."""
+    while (i := secrets.randbits(bits)) == 0 or i in taken:
+        pass
+    return i
+
+
+def new_key() -> int:
+    """A random 64-bit connection key."""
+    return secrets.randbits(64)
 
 
 def ctrl_tag(kind: int) -> int:
@@ -126,10 +151,12 @@ class SendConn:
         self.local_id = local_id
         self.desc = desc
         self.ep = ep
+        self.reply_key = new_key()  # sent in HELLO; every reply must carry it
         self.remote_id = 0  # assigned by the receiver's HELLO_OK
+        self.remote_key = 0  # the receiver's key for this connection (HELLO_OK), in every WRITE / META
         self.ctrl_seq = 0
         self.data_seq = 0
-        self.hello: asyncio.Future[tuple[bool, int, str]] | None = None
+        self.hello: asyncio.Future[tuple[bool, int, int, str]] | None = None  # ok, remote id, remote key, why not
         self.rooms: set[int] = set()
         self.tokens: set[int] = set()
         self.dead = False
@@ -138,10 +165,12 @@ class SendConn:
 class RecvConn:
     """Receiver side of one connection (from one sender instance)."""
 
-    def __init__(self, conn_id: int, sender_id: str, sender_local: int, ep: Any) -> None:
+    def __init__(self, conn_id: int, sender_id: str, sender_local: int, reply_key: int, ep: Any) -> None:
         self.conn_id = conn_id
+        self.key = new_key()  # sent in HELLO_OK; every WRITE / META must carry it
         self.sender_id = sender_id
         self.sender_local = sender_local  # the sender's id for this connection (in replies)
+        self.reply_key = reply_key  # the sender's key (its HELLO), in every reply
         self.ep = ep
         self.next_seq = 1
         self.early: dict[int, bytes] = {}  # control messages that arrived out of order

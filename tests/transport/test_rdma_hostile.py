@@ -1,7 +1,9 @@
 """The rdma receiver against forged input (issue 16's audit): a forged liveness hello
 naming the real sender (its id and worker address are public) is closed for want of a
 proof; it neither drops the real sender, nor hides its death; control messages from the
-future are kept only up to a bound."""
+future are kept only up to a bound. UCX matches tags, not senders, so anything that
+reaches a worker can send it control messages: one without its connection's key
+(a forger that guessed the connection id and sequence number) changes nothing."""
 
 from __future__ import annotations
 
@@ -131,13 +133,97 @@ async def test_control_messages_from_the_future_are_kept_only_up_to_a_bound() ->
     try:
         [conn] = recv._recv_conns.values()
         for k in range(2 * EARLY_MAX):  # what a forger with the (guessable) conn id can send
-            recv._on_ctrl(COMMON.pack(WRITE, conn.conn_id, conn.next_seq + 5 + k) + b"\0" * 64)
+            recv._on_ctrl(COMMON.pack(WRITE, conn.conn_id, conn.next_seq + 5 + k, conn.key) + b"\0" * 64)
         assert len(conn.early) <= EARLY_MAX
         pairs = region_pairs(send_regions, peer.descriptor.regions)
         recv.advertise(RoomGrant.of(9, [2], slot=0))
         meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
         await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=meta)
         assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+    finally:
+        await send.close()
+        await recv.close()
+
+
+async def test_a_forged_metadata_row_from_an_unproven_ucx_endpoint_changes_nothing() -> None:
+    """Before connection keys, an endpoint that never said HELLO could commit a row of
+    its choosing into a room (SUCCESS, forged output) by guessing the connection id (1)
+    and the next sequence number."""
+    import numpy as np
+    import torch
+
+    from pdgrpc.transport._ucx import UcxWorker
+    from pdgrpc.transport.rdma_wire import COMMON, KIND_CTRL, META, META_BODY, ctrl_tag
+
+    recv, send, send_regions, peer, desc = await _pair()
+    forger = UcxWorker()
+    forger.start()
+    try:
+        [conn] = recv._recv_conns.values()
+        recv.advertise(RoomGrant.of(9, [2], slot=1))
+        meta = peer.descriptor.region(METADATA_REGION_ID)
+        row = b"\x41" * meta.item_bytes
+        ep = forger.endpoint(peer.descriptor.endpoint)
+        for key in (0, conn.key ^ 1):  # what a forger without the key can send
+            msg = np.frombuffer(bytearray(
+                COMMON.pack(META, conn.conn_id, conn.next_seq, key)
+                + META_BODY.pack(9, 0, METADATA_REGION_ID, meta.item_bytes, len(row)) + row), dtype=np.uint8)
+            sent: list[int] = []
+            forger.send(ep, [(msg.ctypes.data, msg.nbytes)], ctrl_tag(KIND_CTRL), lambda s, n, t: sent.append(s), msg)
+            await eventually_async(lambda: sent == [0], timeout=10)
+        await asyncio.sleep(0.2)  # the receiver has had the messages
+        assert recv.rooms.status(9).state is KVPoll.WAITING_FOR_INPUT
+        slot = recv._regions[METADATA_REGION_ID].flat[meta.item_bytes : 2 * meta.item_bytes]
+        assert not bool(slot.eq(0x41).all())
+        # the real sender's write still lands, its row with it
+        pairs = region_pairs(send_regions, peer.descriptor.regions)
+        await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=metadata_op(send_regions[-1], 0, meta, 1))
+        assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+        want = send_regions[-1].tensor.reshape(-1).view(torch.uint8)[: meta.item_bytes]
+        assert torch.equal(slot, want)
+    finally:
+        await forger.close()
+        await send.close()
+        await recv.close()
+
+
+async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> None:
+    """A WRITE naming a connection that does not exist (or a dropped one, without its
+    key) is dropped: no receives are posted for the messages it announces."""
+    import numpy as np
+
+    from pdgrpc.transport.rdma_wire import COMMON, OP_DTYPE, WRITE, WRITE_BODY
+
+    recv, send, _send_regions, _peer, _desc = await _pair()
+    try:
+        [conn] = recv._recv_conns.values()
+        before = recv._worker.inflight_requests
+        n = 4096
+        ops = np.zeros(n, dtype=OP_DTYPE)
+        body = WRITE_BODY.pack(9, 1, n, n) + np.ones(n, dtype="<u4").tobytes() + ops.tobytes()
+        for conn_id, key in ((conn.conn_id ^ 1, conn.key), (conn.conn_id, conn.key ^ 1), (0, 0)):
+            recv._on_ctrl(COMMON.pack(WRITE, conn_id, conn.next_seq, key) + body)
+        assert recv._worker.inflight_requests == before
+        assert conn.early == {}
+    finally:
+        await send.close()
+        await recv.close()
+
+
+async def test_a_forged_reply_changes_no_room_on_the_sender() -> None:
+    from pdgrpc.transport.rdma_wire import ACK, COMMON, NACK, NACK_BODY, ROOM_BODY
+
+    recv, send, _send_regions, _peer, _desc = await _pair()
+    try:
+        [conn] = send._send_conns.values()
+        conn.rooms.add(5)
+        send.rooms.create(5, KVPoll.TRANSFERRING)
+        for key in (0, conn.reply_key ^ 1):
+            send._on_reply(COMMON.pack(ACK, conn.local_id, 0, key) + ROOM_BODY.pack(5))
+            send._on_reply(COMMON.pack(NACK, conn.local_id, 0, key) + NACK_BODY.pack(5, 0) + b"forged")
+        assert send.rooms.status(5).state is KVPoll.TRANSFERRING
+        send._on_reply(COMMON.pack(ACK, conn.local_id, 0, conn.reply_key) + ROOM_BODY.pack(5))  # the real one
+        assert send.rooms.status(5).state is KVPoll.SUCCESS
     finally:
         await send.close()
         await recv.close()
