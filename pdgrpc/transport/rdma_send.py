@@ -45,9 +45,23 @@ class RdmaSender:
 
     def _send(self, conn: SendConn, pieces: Pieces, tag: int, room_id: int | None,
               room: SendRoom | None, keep: Any) -> None:
+        self._track(conn, room_id, room, lambda finish: self._worker.send(
+            conn.ep, pieces, tag, lambda status, _n, _tag: finish(status), keep))
+
+    def _send_runs(self, conn: SendConn, runs: Sequence[Sequence[int]], tags: list[int], room_id: int,
+                   room: SendRoom) -> None:
+        """:meth:`_send` for one contiguous message per run, completing as one batch."""
+        self._track(conn, room_id, room, lambda finish: self._worker.send_batch(
+            conn.ep, runs, tags, lambda results: finish(next(
+                (status for status, _ in results if status not in (UCS_OK, UCS_ERR_CANCELED)), UCS_OK)), None))
+
+    def _track(self, conn: SendConn, room_id: int | None, room: SendRoom | None,
+               post: Callable[[Callable[[int], None]], int]) -> None:
+        """Post a send (or batch) through ``post(finish)``, keeping its token with the
+        connection and room until ``finish(status)``; a failed send fails the room."""
         token_box: list[int] = []
 
-        def done(status: int, length: int, _tag: int) -> None:
+        def finish(status: int) -> None:
             if token_box:
                 conn.tokens.discard(token_box[0])
                 if room is not None:
@@ -56,34 +70,13 @@ class RdmaSender:
                 self.rooms.fail(room_id, f"UCX send to peer {conn.desc.instance_id} failed (status {status})")
 
         try:
-            token = self._worker.send(conn.ep, pieces, tag, done, keep)
+            token = post(finish)
         except UcxError as exc:
             raise PeerFailure(f"rdma peer {conn.desc.instance_id}: {exc}") from None
         token_box.append(token)
         conn.tokens.add(token)
         if room is not None:
             room.tokens.add(token)
-
-    def _send_runs(self, conn: SendConn, runs: Sequence[Sequence[int]], tags: list[int], room_id: int,
-                   room: SendRoom) -> None:
-        """:meth:`_send` for one contiguous message per run, completing as one batch."""
-        token_box: list[int] = []
-
-        def done(results: list[tuple[int, int]]) -> None:
-            if token_box:
-                conn.tokens.discard(token_box[0])
-                room.tokens.discard(token_box[0])
-            bad = next((status for status, _ in results if status not in (UCS_OK, UCS_ERR_CANCELED)), None)
-            if bad is not None:
-                self.rooms.fail(room_id, f"UCX send to peer {conn.desc.instance_id} failed (status {bad})")
-
-        try:
-            token = self._worker.send_batch(conn.ep, runs, tags, done, None)
-        except UcxError as exc:
-            raise PeerFailure(f"rdma peer {conn.desc.instance_id}: {exc}") from None
-        token_box.append(token)
-        conn.tokens.add(token)
-        room.tokens.add(token)
 
     async def write(self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None) -> None:
         self._send_planned(peer, room, self._plan(room, ops, metadata), metadata)
