@@ -92,8 +92,9 @@ class _TagRecvInfo(ctypes.Structure):
     _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
 
 
-_SEND_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
-_RECV_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_TagRecvInfo), ctypes.c_void_p)
+_STATUS = ctypes.c_int8  # ucs_status_t (ucs/type/status.h): a packed enum, one signed byte
+_SEND_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, _STATUS, ctypes.c_void_p)
+_RECV_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, _STATUS, ctypes.POINTER(_TagRecvInfo), ctypes.c_void_p)
 
 
 class _Api:
@@ -133,19 +134,21 @@ class _Api:
             raise TransportUnavailable(f"cannot open libucp ({path}): {exc}; reinstall with: {INSTALL_HINT}") from None
         P = ctypes.POINTER(_Param)
         vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
-        pvp, ci, cu = ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint
+        # ucs_status_t is a packed enum: one signed byte, so that is what is read back
+        # (as a wider int the bytes above it are whatever the callee left there)
+        pvp, st, cu = ctypes.POINTER(ctypes.c_void_p), _STATUS, ctypes.c_uint
         for name, args, res in (
             ("ucp_get_version", [ctypes.POINTER(cu)] * 3, None),
-            ("ucp_config_read", [ctypes.c_char_p, ctypes.c_char_p, pvp], ci),
+            ("ucp_config_read", [ctypes.c_char_p, ctypes.c_char_p, pvp], st),
             ("ucp_config_release", [vp], None),
-            ("ucp_init_version", [cu, cu, vp, vp, pvp], ci),
+            ("ucp_init_version", [cu, cu, vp, vp, pvp], st),
             ("ucp_cleanup", [vp], None),
-            ("ucp_worker_create", [vp, vp, pvp], ci),
+            ("ucp_worker_create", [vp, vp, pvp], st),
             ("ucp_worker_destroy", [vp], None),
-            ("ucp_worker_get_address", [vp, pvp, ctypes.POINTER(sz)], ci),
+            ("ucp_worker_get_address", [vp, pvp, ctypes.POINTER(sz)], st),
             ("ucp_worker_release_address", [vp, vp], None),
-            ("ucp_worker_get_efd", [vp, ctypes.POINTER(ci)], ci),
-            ("ucp_worker_arm", [vp], ci),
+            ("ucp_worker_get_efd", [vp, ctypes.POINTER(ctypes.c_int)], st),
+            ("ucp_worker_arm", [vp], st),
             ("ucp_worker_progress", [vp], cu),
         ):
             fn = getattr(lib, name)
@@ -166,13 +169,13 @@ class _Api:
         self.request_free.restype = None
         self.request_check_status = lib.ucp_request_check_status
         self.request_check_status.argtypes = [vp]
-        self.request_check_status.restype = ctypes.c_int8  # ucs_status_t is a packed (1-byte) enum
+        self.request_check_status.restype = _STATUS
         self.tag_recv_request_test = lib.ucp_tag_recv_request_test
         self.tag_recv_request_test.argtypes = [vp, ctypes.POINTER(_TagRecvInfo)]
-        self.tag_recv_request_test.restype = ctypes.c_int8
+        self.tag_recv_request_test.restype = _STATUS
         self.ep_create = lib.ucp_ep_create
         self.ep_create.argtypes = [vp, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
-        self.ep_create.restype = ctypes.c_int
+        self.ep_create.restype = _STATUS
         self.ep_close_nbx = lib.ucp_ep_close_nbx
         self.ep_close_nbx.argtypes = [vp, P]
         self.ep_close_nbx.restype = vp
