@@ -12,7 +12,9 @@ connection's key, drawn at random by the side that receives on it: the sender's 
 ``HELLO`` (replies must echo it), the receiver's in ``HELLO_OK`` (``WRITE`` and
 ``META`` must carry it). A message whose key is not its connection's is dropped
 unanswered, so a forger that guesses a connection id and sequence number still cannot
-write a metadata row, announce a write, or complete or fail a room. The keys travel
+write a metadata row, announce a write, or complete or fail a room. Data messages
+carry no key (a tag has no room for one); a connection's data sequence starts at a
+random number, so their tags hold 60 random bits. The keys travel
 inside UCX messages between the two proven peers; they are not secret from an on-path
 observer of the data plane, which is not encrypted (docs/security.md).
 
@@ -155,7 +157,10 @@ class SendConn:
         self.remote_id = 0  # assigned by the receiver's HELLO_OK
         self.remote_key = 0  # the receiver's key for this connection (HELLO_OK), in every WRITE / META
         self.ctrl_seq = 0
-        self.data_seq = 0
+        # Data messages carry no key; their tags are DATA | conn | seq. Starting the
+        # sequence at a random number leaves a forger that learned the (random)
+        # connection id still 32 bits to guess.
+        self.data_seq = secrets.randbits(32)
         self.hello: asyncio.Future[tuple[bool, int, int, str]] | None = None  # ok, remote id, remote key, why not
         self.rooms: set[int] = set()
         self.tokens: set[int] = set()

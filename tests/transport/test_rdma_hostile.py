@@ -227,3 +227,42 @@ async def test_a_forged_reply_changes_no_room_on_the_sender() -> None:
     finally:
         await send.close()
         await recv.close()
+
+
+async def test_data_messages_from_an_unproven_endpoint_do_not_land_even_with_the_connection_id() -> None:
+    """Data messages carry no key: a write's receives match tags ``DATA | conn | seq``.
+    A forger that learned the connection id (it is random, so this one is handed it)
+    and sprays data messages for the first sequence numbers must still not land a byte:
+    a connection's data sequence starts at a random number."""
+    import numpy as np
+    import torch
+
+    from pdgrpc.transport._ucx import UcxWorker
+    from pdgrpc.transport.rdma_wire import data_tag
+
+    recv, send, send_regions, peer, desc = await _pair()
+    forger = UcxWorker()
+    forger.start()
+    try:
+        [conn] = recv._recv_conns.values()
+        pairs = region_pairs(send_regions, peer.descriptor.regions)
+        ops = page_ops(pairs, [0], [2])  # one page of each KV region: one message per region pair
+        junk = np.full(max(op.length for op in ops), 0x41, dtype=np.uint8)
+        ep = forger.endpoint(peer.descriptor.endpoint)
+        sent: list[int] = []
+        for seq in range(256):  # every sequence number a fresh connection's first writes use
+            forger.send(ep, [(junk.ctypes.data, ops[0].length)], data_tag(conn.conn_id, seq),
+                        lambda s, n, t: sent.append(s), junk)
+        await eventually_async(lambda: len(sent) == 256, timeout=10)
+        recv.advertise(RoomGrant.of(9, [2], slot=0))
+        meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+        await send.write(peer, 9, ops, metadata=meta)
+        assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+        for op in ops:  # the receiver's page 2 of every region holds the sender's page 0
+            want = send_regions[op.src_region].tensor.reshape(-1).view(torch.uint8)[op.src_offset : op.src_offset + op.length]
+            got = recv._regions[op.dst_region].flat[op.dst_offset : op.dst_offset + op.length]
+            assert torch.equal(got, want), f"forged bytes landed in region {op.dst_region}"
+    finally:
+        await forger.close()
+        await send.close()
+        await recv.close()
