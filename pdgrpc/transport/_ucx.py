@@ -8,31 +8,24 @@ scatter/gather: a scattered page list would need one tag message per page (0.25-
 GB/s against ~10 GB/s for one IOV message).
 
 So this module takes only the UCX libraries from the ucxx distribution (the
-``libucx`` wheel's loader, which also honours ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY``)
-and does everything through UCX's C API, called with :mod:`ctypes` on that
-``libucp``: context and worker (``ucp_init_version`` / ``ucp_worker_create``, the
-worker address, ``ucp_worker_progress`` / ``ucp_worker_arm`` / its epoll fd), endpoints
-from worker addresses (``ucp_ep_create`` / non-blocking ``ucp_ep_close_nbx``; ucxx's
-endpoint close progresses until the peer confirms, which never ends when the peer is
-hung) and tag sends and receives (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx``),
-with ``ucp_dt_make_iov()`` when a message has several pieces. The C API path loads
-nothing but UCX itself (no C++ runtime, no second worker wrapper to keep in step).
+``libucx`` wheel's loader, which honours ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY``) and
+calls UCX's C API with :mod:`ctypes`: context and worker, progress / arm / epoll fd,
+endpoints from worker addresses (non-blocking ``ucp_ep_close_nbx``: ucxx's close waits
+for a hung peer forever), tag sends and receives (``ucp_dt_make_iov()`` for several
+pieces). It loads nothing but UCX itself (no C++ runtime, no second wrapper).
 
 A receive's iov entries point straight into the destination tensors, so payload lands
 where it belongs with no copy made by pdgrpc (UCX itself moves sub-8 KiB messages
 through its shared-memory eager buffers and zero-copies larger ones with cma).
 
 Progress ("blocking" mode, driven by the loop): one task per worker calls
-``worker.progress()``, yielding to the loop between rounds, for as long as progress
-keeps finding work; once a round finds nothing it arms the worker and sleeps on UCX's
-epoll file descriptor (with a bounded safety timeout), so an idle transport costs ~no
-CPU. Optionally (``spin_s`` > 0) it keeps busy-polling up to ``spin_s`` after the last
-completion, but only while a send or data receive is pending — never because of the
-always-posted control receives. The default is no spin: on a 2-core host a spin
-starves the peer that has the real work (8k scattered pages: 430 ms with a 50 ms spin
-after every completion, 21 ms without; docs/performance.md, "Transport"). Completions are recorded
-by a C callback and handed to Python callbacks after ``progress()`` returns, never from
-inside UCX.
+``worker.progress()``, yielding to the loop between rounds, while progress finds work;
+then it arms the worker and sleeps on UCX's epoll file descriptor (with a bounded
+safety timeout), so an idle transport costs ~no CPU. Optionally (``spin_s`` > 0) it
+busy-polls up to ``spin_s`` after the last completion while a send or data receive is
+pending. The default is no spin: on a 2-core host a spin starves the peer that has the
+real work (docs/performance.md, "Transport"). Completions are recorded by a C callback
+and handed to Python callbacks after ``progress()`` returns, never from inside UCX.
 
 Every request is posted with ``UCP_OP_ATTR_FLAG_NO_IMM_CMPL`` so it always completes
 through that one path, and can be cancelled (``ucp_request_cancel``) until it does.
@@ -321,6 +314,12 @@ class UcxWorker:
             except Exception:  # a callback bug must not stop progress for everyone
                 log.exception("batch completion callback failed")
         return True
+
+    def probe(self, tag: int, mask: int) -> int | None:
+        """The sender tag of the first unexpected message matching ``tag``/``mask`` (left
+        in the queue), or None."""
+        found = self._worker is not None and self._api.tag_probe_nb(self.handle, tag, mask, 0, self._test_info)
+        return int(self._test_info.sender_tag) if found else None
 
     def cancel(self, token: int) -> None:
         """Cancel a pending request (or every pending request of a batch); its callback

@@ -173,6 +173,9 @@ class _Api:
         self.tag_recv_request_test = lib.ucp_tag_recv_request_test
         self.tag_recv_request_test.argtypes = [vp, ctypes.POINTER(_TagRecvInfo)]
         self.tag_recv_request_test.restype = _STATUS
+        self.tag_probe_nb = lib.ucp_tag_probe_nb
+        self.tag_probe_nb.argtypes = [vp, u64, u64, ctypes.c_int, ctypes.POINTER(_TagRecvInfo)]
+        self.tag_probe_nb.restype = vp
         self.ep_create = lib.ucp_ep_create
         self.ep_create.argtypes = [vp, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
         self.ep_create.restype = _STATUS

@@ -64,7 +64,7 @@ from pdgrpc.transport.rdma_recv import RdmaReceiver
 from pdgrpc.transport.rdma_send import RdmaSender
 from pdgrpc.transport.rdma_wire import (
     COMMON, CTRL_BUF, CTRL_POSTED, HELLO, HELLO_BODY, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_CTRL, KIND_MASK,
-    KIND_REPLY, MAX_OPS_PER_WRITE, NACK, NACK_BODY, ROOM_BODY, SCRATCH, ACK, CLOSE_SEND_GRACE_S, HELLO_CHANNEL, ctrl_tag,
+    KIND_REPLY, MAX_OPS_PER_WRITE, SWEEP_S, NACK, NACK_BODY, ROOM_BODY, SCRATCH, ACK, CLOSE_SEND_GRACE_S, HELLO_CHANNEL, ctrl_tag,
     RecvConn, RecvRoom, Region, SendConn, SendRoom, new_id,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
@@ -132,6 +132,9 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         self._draining: list[RecvConn] = []
         self._recv = Receiver(self.rooms)
         self._dropped: collections.OrderedDict[int, int] = collections.OrderedDict()  # conn id -> key
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._swept = 0  # stray messages dropped from UCX's unexpected queue
+        self._swept_warned = False
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
         self._ctrl_bufs: list[torch.Tensor] = []
 
@@ -143,6 +146,12 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         requests were cancelled — receives by ``ucp_request_cancel``, sends by a forced
         endpoint close or, for rendezvous sends UCX keeps, by abandoning them)."""
         return max(0, self._worker.inflight_requests - (2 * CTRL_POSTED if self._started and not self._closed else 0))
+
+    @property
+    def stray_messages(self) -> int:
+        """Messages dropped from UCX's unexpected queue that were for nobody here (a kind
+        the protocol does not use, or data of no connection): see ``_sweep``."""
+        return self._swept
 
     @property
     def worker_address(self) -> bytes:
@@ -169,6 +178,19 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
                     buf = torch.empty(CTRL_BUF, dtype=torch.uint8)
                     self._ctrl_bufs.append(buf)
                     self._post_ctrl(kind, buf)
+            self._sweeper = loop.call_later(SWEEP_S, self._sweep_tick)
+
+    def _sweep_tick(self) -> None:
+        if self._closed:
+            return
+        dropped = self._sweep()
+        if dropped:
+            self._swept += dropped
+            if not self._swept_warned:
+                self._swept_warned = True
+                log.warning("rdma: dropped %d stray UCX messages that no connection of this transport sent "
+                            "(counted in stray_messages; warned once)", dropped)
+        self._sweeper = self._loop.call_later(SWEEP_S, self._sweep_tick) if self._loop is not None else None
 
     def _post_ctrl(self, kind: int, buf: torch.Tensor) -> None:
         if self._closed:
@@ -419,6 +441,8 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
             self._drop_recv_conn(rconn, "rdma transport closed", peer_lost=False)
         await self._liveness.close()
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         await self._worker.close()
         self._ctrl_bufs.clear()
         self._send_by_local.clear()

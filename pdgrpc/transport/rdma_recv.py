@@ -44,7 +44,7 @@ from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.peerauth import WriterTable
 from pdgrpc.transport.rdma_wire import (
     ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
-    KIND_SHIFT, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_BODY, RecvConn,
+    KIND_MASK, KIND_SHIFT, META, META_BODY, SWEEP_MAX, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_BODY, RecvConn,
     RecvRoom, Region, ctrl_tag, data_tag, new_id,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
@@ -191,6 +191,30 @@ class RdmaReceiver:
         with contextlib.suppress(UcxError):
             tag = tag_or_seq if tag_or_seq >> KIND_SHIFT == KIND_DATA else data_tag(conn_id, tag_or_seq)
             self._worker.recv([(self._scratch.data_ptr(), SCRATCH)], tag, FULL_MASK, done, self._scratch)
+
+    def _sweep(self) -> int:
+        """Receive into scratch (and drop) what sits in UCX's unexpected queue for nobody:
+        messages of a kind this protocol does not use, and data messages of no
+        connection, live or recently dropped. Anything that reaches the worker's address
+        can send such messages, and UCX keeps each one (up to its eager size) until a
+        receive takes it. A data message of a live connection may be waiting for its
+        WRITE; the sweep stops at the first one and tries again next time. Returns how
+        many were dropped."""
+        def done(status: int, length: int, tag: int) -> None:
+            pass
+
+        known = self._recv_conns.keys() | self._dropped.keys()
+        dropped = 0
+        for kind in (0, *range(KIND_DATA + 1, 16), KIND_DATA):
+            while dropped < SWEEP_MAX and (tag := self._worker.probe(kind << KIND_SHIFT, KIND_MASK)) is not None:
+                if kind == KIND_DATA and (tag >> 32) & ((1 << CONN_BITS) - 1) in known:
+                    break
+                try:
+                    self._worker.recv([(self._scratch.data_ptr(), SCRATCH)], tag, FULL_MASK, done, self._scratch)
+                except UcxError:
+                    return dropped
+                dropped += 1
+        return dropped
 
     def _drain_write(self, conn_id: int, msg: bytes) -> None:
         with contextlib.suppress(struct.error, ValueError):

@@ -266,3 +266,49 @@ async def test_data_messages_from_an_unproven_endpoint_do_not_land_even_with_the
         await forger.close()
         await send.close()
         await recv.close()
+
+
+async def test_stray_messages_for_nobody_are_dropped_from_ucxs_queue() -> None:
+    """UCX keeps every message nobody posted a receive for. An unproven endpoint sends
+    messages of kinds the protocol does not use and data messages of connections that do
+    not exist: the receiver's sweep drops them all (its memory stays bounded), and the
+    real sender's writes still land."""
+    import random
+
+    import numpy as np
+
+    from pdgrpc.transport._ucx import UcxWorker
+    from pdgrpc.transport.rdma_wire import KIND_DATA, KIND_SHIFT
+
+    recv, send, send_regions, peer, desc = await _pair()
+    forger = UcxWorker()
+    forger.start()
+    try:
+        [conn] = recv._recv_conns.values()
+        rng = random.Random(5)
+        junk = np.full(512, 0x41, dtype=np.uint8)
+        ep = forger.endpoint(peer.descriptor.endpoint)
+        sent: list[int] = []
+        n = 2000
+        for i in range(n):
+            if i % 2:
+                kind = rng.choice([0, *range(KIND_DATA + 1, 16)])
+                tag = (kind << KIND_SHIFT) | rng.getrandbits(KIND_SHIFT)
+            else:  # data of a connection that does not exist
+                other = rng.choice([c for c in range(1, 64) if c != conn.conn_id])
+                tag = (KIND_DATA << KIND_SHIFT) | (other << 32) | rng.getrandbits(32)
+            forger.send(ep, [(junk.ctypes.data, junk.nbytes)], tag, lambda s, k, t: sent.append(s), junk)
+        await eventually_async(lambda: len(sent) == n, timeout=10)
+        await eventually_async(lambda: recv.stray_messages == n, timeout=10,
+                               what=lambda: f"{recv.stray_messages} of {n} dropped")
+        assert recv._worker.probe(0, 0) is None  # nothing left in UCX's unexpected queue
+        recv.advertise(RoomGrant.of(9, [2], slot=0))
+        pairs = region_pairs(send_regions, peer.descriptor.regions)
+        meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+        await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=meta)
+        assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+        assert recv.stray_messages == n
+    finally:
+        await forger.close()
+        await send.close()
+        await recv.close()
