@@ -253,73 +253,75 @@ class RdmaReceiver:
 
     def _post_data(self, conn: RecvConn, room: int, rr: RecvRoom, pieces: Pieces, nbytes: int,
                    tag: int, keep: Any) -> None:
-        token_box: list[int] = []
+        def post(untrack: Callable[[], None]) -> int:
+            def done(status: int, length: int, _tag: int) -> None:
+                untrack()
+                if landed := self._arrived(conn, room, rr, status, length, nbytes, tag):
+                    self._recv.landed(room, rr.core, landed)
 
-        def done(status: int, length: int, _tag: int) -> None:
-            token = token_box[0]
-            conn.tokens.discard(token)
-            rr.tokens.discard(token)
-            rr.pending[conn.conn_id] -= 1
-            if status == UCS_ERR_CANCELED:
-                if rr.released and conn.conn_id in self._recv_conns:
-                    self._drain(conn.conn_id, tag)  # the sender's message still comes
-                return
-            if status != UCS_OK or length != nbytes:
-                why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
-                reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
-                self.rooms.fail(room, reason)
-                self._nack(conn, room, reason)
-                return
-            self._recv.landed(room, rr.core, nbytes)
+            return self._worker.recv(pieces, tag, FULL_MASK, done, keep)
 
-        rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + 1
-        try:
-            token = self._worker.recv(pieces, tag, FULL_MASK, done, keep)
-        except UcxError as exc:
-            rr.pending[conn.conn_id] -= 1
-            self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
-            return
-        token_box.append(token)
-        conn.tokens.add(token)
-        rr.tokens.add(token)
+        self._track_receives(conn, room, rr, 1, post)
 
     def _post_runs(self, conn: RecvConn, room: int, rr: RecvRoom, runs: Sequence[Sequence[int]],
                    tags: list[int]) -> None:
         """Receive one contiguous message per run, as one batch (:meth:`_post_data`'s
         rules, with one completion for all of them)."""
+        def post(untrack: Callable[[], None]) -> int:
+            def done(results: list[tuple[int, int]]) -> None:
+                untrack()
+                total = 0
+                for (_addr, nbytes), tag, (status, length) in zip(runs, tags, results):
+                    landed = self._arrived(conn, room, rr, status, length, nbytes, tag)
+                    if landed is None:
+                        return
+                    total += landed
+                if total:
+                    self._recv.landed(room, rr.core, total)
+
+            return self._worker.recv_batch(runs, tags, done, None)
+
+        self._track_receives(conn, room, rr, len(runs), post)
+
+    def _track_receives(self, conn: RecvConn, room: int, rr: RecvRoom, count: int,
+                        post: Callable[[Callable[[], None]], int]) -> None:
+        """Post ``count`` data receives through ``post(untrack)``, keeping their token with
+        the connection and room until the completion calls ``untrack()``; a receive
+        UCX refuses fails the room."""
         token_box: list[int] = []
 
-        def done(results: list[tuple[int, int]]) -> None:
-            token = token_box[0]
-            conn.tokens.discard(token)
-            rr.tokens.discard(token)
-            rr.pending[conn.conn_id] -= len(runs)
-            landed = 0
-            for (_addr, nbytes), tag, (status, length) in zip(runs, tags, results):
-                if status == UCS_OK and length == nbytes:
-                    landed += nbytes
-                elif status == UCS_ERR_CANCELED:
-                    if rr.released and conn.conn_id in self._recv_conns:
-                        self._drain(conn.conn_id, tag)  # the sender's message still comes
-                else:
-                    why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
-                    reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
-                    self.rooms.fail(room, reason)
-                    self._nack(conn, room, reason)
-                    return
-            if landed:
-                self._recv.landed(room, rr.core, landed)
+        def untrack() -> None:
+            conn.tokens.discard(token_box[0])
+            rr.tokens.discard(token_box[0])
+            rr.pending[conn.conn_id] -= count
 
-        rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + len(runs)
+        rr.pending[conn.conn_id] = rr.pending.get(conn.conn_id, 0) + count
         try:
-            token = self._worker.recv_batch(runs, tags, done, None)
+            token = post(untrack)
         except UcxError as exc:
-            rr.pending[conn.conn_id] -= len(runs)
+            rr.pending[conn.conn_id] -= count
             self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
             return
         token_box.append(token)
         conn.tokens.add(token)
         rr.tokens.add(token)
+
+    def _arrived(self, conn: RecvConn, room: int, rr: RecvRoom, status: int, length: int, nbytes: int,
+                 tag: int) -> int | None:
+        """One data message's outcome: the bytes that landed; 0 for a cancelled one (the
+        sender's message still comes, so a released room's is drained); None when it
+        did not arrive intact, which fails the room and NACKs the sender."""
+        if status == UCS_OK and length == nbytes:
+            return nbytes
+        if status == UCS_ERR_CANCELED:
+            if rr.released and conn.conn_id in self._recv_conns:
+                self._drain(conn.conn_id, tag)
+            return 0
+        why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
+        reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
+        self.rooms.fail(room, reason)
+        self._nack(conn, room, reason)
+        return None
 
     def _on_meta(self, conn: RecvConn, msg: bytes) -> None:
         room, kv_bytes, region_id, offset, length = META_BODY.unpack_from(msg, COMMON.size)

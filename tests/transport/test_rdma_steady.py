@@ -44,53 +44,45 @@ def test_a_negative_contiguous_min_is_refused_naming_the_option() -> None:
         registry.create("rdma", contiguous_min=-1)
 
 
-async def test_a_write_mixing_long_runs_and_single_pages_is_bit_exact() -> None:
-    # 4 KiB pages; runs of 24 pages (96 KiB) travel alone with contiguous_min=64 KiB
-    layout = Layout(layers=2, pages=96, page_shape=(2, 16, 64), slots=4)
-    regions, flats = layout.build(11)
+async def _write_and_check(layout: Layout, seed: int, src: list[int], dst: list[int], room: int,
+                           row_slots: tuple[int, int]) -> None:
+    """Write pages ``src`` into a peer process's pages ``dst`` (row slot ``row_slots[0]``
+    into ``row_slots[1]``) with contiguous_min 64 KiB; assert the room succeeded and
+    the destination pages equal the source pages."""
+    regions, flats = layout.build(seed)
     send = registry.create("rdma", contiguous_min=64 << 10)
     await send.register(regions)
     try:
         async with PeerProcess("rdma", layout=layout) as recv:
             peer = await send.connect(recv.descriptor)
-            src = list(range(0, 24)) + [40, 30, 50] + list(range(60, 84))
-            dst = list(range(70, 94)) + [0, 5, 9] + list(range(10, 34))
-            await recv.call("advertise", 2, dst, 0)
+            await recv.call("advertise", room, dst, row_slots[1])
             ops = page_ops(region_pairs(regions, peer.descriptor.regions), src, dst)
             dmeta = peer.descriptor.region(METADATA_REGION_ID)
-            await send.write(peer, 2, ops, metadata=metadata_op(regions[-1], 0, dmeta, 0))
-            assert (await send.wait(2, WAIT_S)).state is KVPoll.SUCCESS
+            await send.write(peer, room, ops, metadata=metadata_op(regions[-1], row_slots[0], dmeta, row_slots[1]))
+            assert (await send.wait(room, WAIT_S)).state is KVPoll.SUCCESS
             want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[src].reshape(-1)
                                      for r in layout.kv_region_ids()]))
             assert await recv.call("digest_pages", layout.kv_region_ids(), dst) == want
+            row = layout.row_bytes
+            s0, s1 = row_slots
+            assert await recv.call("read", METADATA_REGION_ID, s1 * row, (s1 + 1) * row) == \
+                flats[METADATA_REGION_ID][s0 * row : (s0 + 1) * row].numpy().tobytes()
     finally:
         await send.close()
+
+
+async def test_a_write_mixing_long_runs_and_single_pages_is_bit_exact() -> None:
+    # 4 KiB pages; runs of 24 pages (96 KiB) travel alone with contiguous_min=64 KiB
+    layout = Layout(layers=2, pages=96, page_shape=(2, 16, 64), slots=4)
+    src = list(range(0, 24)) + [40, 30, 50] + list(range(60, 84))
+    dst = list(range(70, 94)) + [0, 5, 9] + list(range(10, 34))
+    await _write_and_check(layout, 11, src, dst, room=2, row_slots=(0, 0))
 
 
 async def test_a_write_of_long_runs_only_lands_bit_exact_row_included() -> None:
     # Every op travels alone (the contiguous case: one op per message on both sides),
     # and the metadata row is committed after them.
     layout = Layout(layers=2, pages=96, page_shape=(2, 16, 64), slots=4)
-    regions, flats = layout.build(12)
-    pages = list(range(0, 24))
     assert plan_chunk(_table([24 * layout.page_bytes] * 4), np.zeros(1 << 16, dtype=np.uint64), 16 << 20, 4096,
                       64 << 10).counts == [1, 1, 1, 1]  # type: ignore[union-attr]
-    send = registry.create("rdma", contiguous_min=64 << 10)
-    await send.register(regions)
-    try:
-        async with PeerProcess("rdma", layout=layout) as recv:
-            peer = await send.connect(recv.descriptor)
-            dst = list(range(50, 74))
-            await recv.call("advertise", 3, dst, 2)
-            ops = page_ops(region_pairs(regions, peer.descriptor.regions), pages, dst)
-            dmeta = peer.descriptor.region(METADATA_REGION_ID)
-            await send.write(peer, 3, ops, metadata=metadata_op(regions[-1], 1, dmeta, 2))
-            assert (await send.wait(3, WAIT_S)).state is KVPoll.SUCCESS
-            want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[pages].reshape(-1)
-                                     for r in layout.kv_region_ids()]))
-            assert await recv.call("digest_pages", layout.kv_region_ids(), dst) == want
-            row = layout.row_bytes
-            assert await recv.call("read", METADATA_REGION_ID, 2 * row, 3 * row) == \
-                flats[METADATA_REGION_ID][row : 2 * row].numpy().tobytes()
-    finally:
-        await send.close()
+    await _write_and_check(layout, 12, list(range(0, 24)), list(range(50, 74)), room=3, row_slots=(1, 2))
