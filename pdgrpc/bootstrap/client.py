@@ -119,9 +119,11 @@ class QueryResult:
     known (yet): ask again later. ``ranks`` is the same as a dict. From a packed answer
     the lists are built on first use; ``rank_array`` is the answer as it came: the dp
     rank of every requested room, in request order, ``MISSING_RANK`` where not known.
+    ``instance_id`` is the answering bootstrap's instance id (0 from a server that
+    predates it): another value than before from the same address means it restarted.
     """
 
-    __slots__ = ("_requested", "_rank_array", "_rooms", "_dp_ranks", "_missing", "_ranks")
+    __slots__ = ("_requested", "_rank_array", "_rooms", "_dp_ranks", "_missing", "_ranks", "instance_id")
 
     def __init__(self, rooms: list[int] | None, dp_ranks: list[int] | None, missing: list[int] | None, *,
                  requested: list[int] | None = None, rank_array: np.ndarray | None = None) -> None:
@@ -131,6 +133,7 @@ class QueryResult:
         self._requested = requested
         self._rank_array = rank_array
         self._ranks: dict[int, int] | None = None
+        self.instance_id = 0
 
     @classmethod
     def packed(cls, requested: list[int], rank_array: np.ndarray) -> "QueryResult":
@@ -274,7 +277,11 @@ class BootstrapClient:
         n = len(rooms)
 
         def read(reply: pb.QueryDpRanksResponse) -> QueryResult | None:
-            return _unpack_ranks(rooms, reply.packed_dp_ranks) if len(reply.packed_dp_ranks) == 4 * n else None
+            if len(reply.packed_dp_ranks) != 4 * n:
+                return None
+            result = _unpack_ranks(rooms, reply.packed_dp_ranks)
+            result.instance_id = reply.instance_id
+            return result
 
         def packed() -> Awaitable[pb.QueryDpRanksResponse]:
             request = pb.QueryDpRanksRequest(packed_rooms=_pack(rooms, "Q", "bootstrap rooms"), packed_reply=True)
@@ -305,14 +312,17 @@ class BootstrapClient:
         reply = await self._call("QueryDpRanks", self.stub.QueryDpRanks(request, timeout=self._t(timeout)))
         missing = list(reply.missing_rooms)
         if reply.entries:  # a server that does not know found_ranks_only
-            return QueryResult([e.bootstrap_room for e in reply.entries], [e.dp_rank for e in reply.entries], missing)
-        if missing:
-            gone = set(missing)
-            rooms = [r for r in rooms if r not in gone]
-        ranks = list(reply.found_dp_ranks)
-        if len(ranks) != len(rooms):
-            raise BootstrapError(f"QueryDpRanks on {self.address}: {len(ranks)} ranks for {len(rooms)} found rooms")
-        return QueryResult(rooms, ranks, missing)
+            result = QueryResult([e.bootstrap_room for e in reply.entries], [e.dp_rank for e in reply.entries], missing)
+        else:
+            if missing:
+                gone = set(missing)
+                rooms = [r for r in rooms if r not in gone]
+            ranks = list(reply.found_dp_ranks)
+            if len(ranks) != len(rooms):
+                raise BootstrapError(f"QueryDpRanks on {self.address}: {len(ranks)} ranks for {len(rooms)} found rooms")
+            result = QueryResult(rooms, ranks, missing)
+        result.instance_id = reply.instance_id
+        return result
 
     # --------------------------------------------------------------- workers
 
@@ -334,9 +344,14 @@ class BootstrapClient:
 
     async def get_workers(self, dp_rank: int, tp_ranks: Iterable[int] = (), *, timeout: float | None = None) -> list[pb.WorkerInfo]:
         """The workers of prefill ``dp_rank`` (all tp ranks, or ``tp_ranks``)."""
+        return list((await self.get_workers_response(dp_rank, tp_ranks, timeout=timeout)).workers)
+
+    async def get_workers_response(
+        self, dp_rank: int, tp_ranks: Iterable[int] = (), *, timeout: float | None = None
+    ) -> pb.GetWorkersResponse:
+        """:meth:`get_workers`'s whole answer, with the bootstrap's ``instance_id``."""
         request = pb.GetWorkersRequest(dp_rank=dp_rank, tp_ranks=list(tp_ranks))
-        response = await self._call("GetWorkers", self.stub.GetWorkers(request, timeout=self._t(timeout)))
-        return list(response.workers)
+        return await self._call("GetWorkers", self.stub.GetWorkers(request, timeout=self._t(timeout)))
 
     # --------------------------------------------------------------- room failures
 

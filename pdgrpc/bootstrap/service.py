@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import struct
 import time
 from typing import Callable, NoReturn, Sequence
@@ -89,6 +90,12 @@ class BootstrapServicer:
         # table itself at scrape time (whoever serves the endpoint calls bind_table).
         self.metrics = metrics or BootstrapMetrics()
         self.failures = RoomFailures()  # rooms whose prefill failed in its controller
+        # Drawn once per process: a client that sees another value from this address knows
+        # the instance restarted and drops what it cached (pdgrpc.decode.prefills).
+        self.instance_id = secrets.randbits(64) | 1
+        # QueryDpRanks answers are built as bytes; protobuf reads a field appended to a
+        # message as part of it, so the id goes on the end of each (field 5, fixed64).
+        self._instance_field = b"\x29" + struct.pack("<Q", self.instance_id)
 
     async def RecordRoomFailures(self, request: pb.RecordRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.RecordRoomFailuresResponse:
         try:
@@ -144,6 +151,9 @@ class BootstrapServicer:
         return pb.RegisterDpRanksResponse(added=result.added, unchanged=result.unchanged, packed_rooms_read=packed)
 
     async def QueryDpRanks(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bytes:
+        return await self._query(request, context) + self._instance_field
+
+    async def _query(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bytes:
         if request.packed_rooms or request.packed_reply:
             return await self._query_packed(request, context)
         rooms = request.bootstrap_rooms
@@ -224,14 +234,14 @@ class BootstrapServicer:
         except WorkersPending as exc:
             await _abort(context, exc)
         n = self.registry.registered
-        return pb.GetParallelInfoResponse(parallel_info=info, registered_workers=n, expected_workers=n)
+        return pb.GetParallelInfoResponse(parallel_info=info, registered_workers=n, expected_workers=n, instance_id=self.instance_id)
 
     async def GetWorkers(self, request: pb.GetWorkersRequest, context: grpc.aio.ServicerContext) -> pb.GetWorkersResponse:
         try:
             workers = self.registry.workers(request.dp_rank, request.tp_ranks)
         except (InvalidBootstrapRequest, WorkersPending) as exc:
             await _abort(context, exc)
-        return pb.GetWorkersResponse(workers=workers)
+        return pb.GetWorkersResponse(workers=workers, instance_id=self.instance_id)
 
 
 def _le_array(data: bytes, field: str, dtype: str) -> np.ndarray:

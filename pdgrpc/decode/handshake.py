@@ -39,7 +39,7 @@ from typing import Callable, Final
 import grpc
 
 from pdgrpc.decode.job import Job
-from pdgrpc.decode.prefills import PrefillDirectory, prefill_failure
+from pdgrpc.decode.prefills import PrefillDirectory, prefill_failure, restart_failure
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.rpc.channels import shared_pool
@@ -155,7 +155,9 @@ class Handshaker:
             if deadline - time.monotonic() <= 0:
                 return None
             try:
-                workers = await self.directory.workers(addr, dp_rank)
+                workers, instance = await self.directory.workers(addr, dp_rank)
+                if job.prefill.restarted(instance):  # admitted under the instance before: its prefill is lost
+                    return restart_failure(job.room, addr)
                 if not workers:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
                 for w in workers:
@@ -350,7 +352,7 @@ class Handshaker:
                 next_query = time.monotonic() + 0.5
                 self.directory.invalidate(address, f"worker dp_rank={w.dp_rank} unreachable for AbortRoom")
                 try:
-                    now = await self.directory.workers(address, w.dp_rank)
+                    now, _ = await self.directory.workers(address, w.dp_rank)
                 except (RpcError, asyncio.TimeoutError):
                     now = []
                 if any(x.tp_rank == w.tp_rank and x.pp_rank == w.pp_rank and x.generation > w.generation for x in now):

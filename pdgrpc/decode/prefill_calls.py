@@ -20,7 +20,7 @@ import grpc
 
 from pdgrpc.decode.handshake import ACCEPTED, Handshaker
 from pdgrpc.decode.job import Job, SchedulerConfig
-from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.decode.prefills import PrefillDirectory, restart_failure
 from pdgrpc.decode.rank import RankTransfers
 from pdgrpc.decode.tp import ROOM_WRITERS, ReplicatedQueues
 from pdgrpc.engine.base import Engine
@@ -62,7 +62,7 @@ class PrefillCalls:
     async def _query_dp_ranks(self, query: QueryDpRanks) -> None:
         addr = query.prefill_address
         try:
-            answers = await self.directory.query_dp_ranks(addr, query.rooms)
+            answers, instance = await self.directory.query_dp_ranks(addr, query.rooms)
         except RpcError as exc:
             self.metrics.on_dp_rank_query_failed(len(query.rooms))
             log.warning("QueryDpRanks to %s for %d rooms failed (asked again next interval): %s", addr, len(query.rooms), exc)
@@ -73,6 +73,11 @@ class PrefillCalls:
         for room, rank in answers.items():
             job = self._jobs.get(room)
             if job is None:
+                continue
+            if job.prefill.restarted(instance):  # admitted under the instance before: its prefill is lost
+                job.failure = restart_failure(room, addr)
+                request_event(log, room, "prefill restarted", level=logging.WARNING, prefill=addr, instance=f"{instance:016x}")
+                self.cancel(room, job.failure.message)
                 continue
             if rank is not None and not 0 <= rank < job.prefill.dp_size:
                 job.failure = RequestFailed(

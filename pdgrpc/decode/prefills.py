@@ -5,9 +5,12 @@ DecodeRequest).
 Per address it caches the instance's ParallelInfo (dp size, load-balance method,
 force-query, compatibility hash) and, per dp rank, the workers' endpoints with their
 registration **generation**. A cache entry is dropped as soon as anything says the
-instance changed -- a handshake answered with another generation, or a worker that no
-longer answers -- so connections and endpoints of a restarted prefill are never reused
-(a peer's "stale connection" bug). Every call goes through one pooled channel per
+instance changed -- a handshake answered with another generation, a worker that no
+longer answers, a bootstrap answering with another **instance id**, or the connection
+to the bootstrap dropped since the info was fetched -- so connections, endpoints and
+parallel info of a restarted prefill are never reused (a peer's "stale connection"
+bug). Rooms admitted under the previous instance fail with :func:`restart_failure`:
+their prefill went down with it. Every call goes through one pooled channel per
 address (:class:`~pdgrpc.bootstrap.client.BootstrapClient`), never a connection per call.
 :meth:`PrefillDirectory.room_failures` asks whether rooms failed in the prefill's
 controller (:mod:`pdgrpc.prefill.notices`).
@@ -31,7 +34,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 
 log = logging.getLogger("pdgrpc.decode.prefills")
 
-__all__ = ["PrefillInfo", "PrefillDirectory", "prefill_failure"]
+__all__ = ["PrefillInfo", "PrefillDirectory", "prefill_failure", "restart_failure"]
 
 T = TypeVar("T")
 
@@ -43,10 +46,27 @@ class PrefillInfo:
     address: str
     info: bpb.ParallelInfo
     dp: DpConfig  # how decode resolves this instance's dp ranks
+    instance_id: int = 0  # the bootstrap's instance id when the info was fetched; 0: not told
 
     @property
     def dp_size(self) -> int:
         return self.info.dp_size
+
+    def restarted(self, instance_id: int) -> bool:
+        """Whether an answer carrying ``instance_id`` came from another instance than
+        this info (never when either side does not say)."""
+        return bool(self.instance_id and instance_id and instance_id != self.instance_id)
+
+
+def restart_failure(room: int, address: str) -> RequestFailed:
+    """What a request admitted under a prefill instance that has since restarted ends with:
+    UNAVAILABLE, so that the caller sends it again (both legs)."""
+    return RequestFailed(
+        grpc.StatusCode.UNAVAILABLE,
+        f"room {room}: the prefill at {address} restarted after this request was admitted "
+        "(its bootstrap answers with another instance id); the request's prefill was lost with it, send the request again",
+        ServerAbortReason.PREFILL_ERROR,
+    )
 
 
 def prefill_failure(room: int, code: int, reason: str) -> RequestFailed:
@@ -78,7 +98,7 @@ class PrefillDirectory:
         self.query_interval_s = query_interval_s
         self._clients: dict[str, BootstrapClient] = {}
         self._info: dict[str, PrefillInfo] = {}
-        self._workers: dict[tuple[str, int], list[bpb.WorkerInfo]] = {}
+        self._workers: dict[tuple[str, int], tuple[list[bpb.WorkerInfo], int]] = {}
         # One in-flight fetch per key: a burst of requests for a new prefill costs one call.
         self._inflight: dict[object, asyncio.Future[Any]] = {}
         self._no_failures: set[str] = set()  # addresses whose bootstrap has no QueryRoomFailures
@@ -94,35 +114,45 @@ class PrefillDirectory:
         still registering (UNAVAILABLE), for at most ``wait_for`` seconds."""
         cached = self._info.get(address)
         if cached is not None:
-            return cached
+            state = self.client(address).channel.get_state(try_to_connect=False)
+            if state == grpc.ChannelConnectivity.READY:
+                return cached
+            # The connection the info came over dropped: the instance may have restarted
+            # (with other parallel info) since. One GetParallelInfo tells.
+            self.invalidate(address, f"connection to its bootstrap dropped since the info was fetched ({state.name})")
 
         async def fetch() -> PrefillInfo:
             resp = await self.client(address).wait_parallel_info(wait_for=wait_for)
-            info = PrefillInfo(address, resp.parallel_info, dp_config_of(resp.parallel_info, self.query_interval_s))
+            info = PrefillInfo(
+                address, resp.parallel_info, dp_config_of(resp.parallel_info, self.query_interval_s), int(resp.instance_id)
+            )
             self._info[address] = info
             log.info(
-                "prefill %s: dp_size=%d tp_size=%d method=%s force_query=%s",
+                "prefill %s: dp_size=%d tp_size=%d method=%s force_query=%s instance=%016x",
                 address,
                 info.info.dp_size,
                 info.info.tp_size,
                 bpb.LoadBalanceMethod.Name(info.info.load_balance_method),
                 info.info.force_dp_rank_query,
+                info.instance_id,
             )
             return info
 
         return await self._once(("info", address), fetch)
 
-    async def workers(self, address: str, dp_rank: int) -> list[bpb.WorkerInfo]:
-        """The workers (every tp rank) of prefill ``dp_rank``; cached until invalidated."""
+    async def workers(self, address: str, dp_rank: int) -> tuple[list[bpb.WorkerInfo], int]:
+        """The workers (every tp rank) of prefill ``dp_rank``, and the instance id of the
+        bootstrap that listed them; cached until invalidated."""
         key = (address, dp_rank)
         cached = self._workers.get(key)
         if cached is not None:
             return cached
 
-        async def fetch() -> list[bpb.WorkerInfo]:
-            ws = await self.client(address).get_workers(dp_rank)
-            self._workers[key] = ws
-            return ws
+        async def fetch() -> tuple[list[bpb.WorkerInfo], int]:
+            resp = await self.client(address).get_workers_response(dp_rank)
+            self._seen(address, int(resp.instance_id))
+            got = self._workers[key] = (list(resp.workers), int(resp.instance_id))
+            return got
 
         return await self._once(("workers", key), fetch)
 
@@ -135,12 +165,21 @@ class PrefillDirectory:
         if dropped:
             log.info("prefill %s: dropped cached info and workers (%s)", address, why)
 
-    async def query_dp_ranks(self, address: str, rooms: tuple[int, ...]) -> dict[int, int | None]:
-        """One batched QueryDpRanks: room -> dp rank, None for rooms not known yet."""
+    def _seen(self, address: str, instance_id: int) -> None:
+        """An answer from ``address`` carried ``instance_id``: drop the cache if the
+        instance restarted since it was filled."""
+        cached = self._info.get(address)
+        if cached is not None and cached.restarted(instance_id):
+            self.invalidate(address, f"its bootstrap restarted: instance {instance_id:016x}, cached {cached.instance_id:016x}")
+
+    async def query_dp_ranks(self, address: str, rooms: tuple[int, ...]) -> tuple[dict[int, int | None], int]:
+        """One batched QueryDpRanks: room -> dp rank, None for rooms not known yet; and
+        the answering bootstrap's instance id."""
         result = await self.client(address).query_dp_ranks(rooms)
+        self._seen(address, result.instance_id)
         answers: dict[int, int | None] = {room: None for room in rooms}
         answers.update(result.ranks)
-        return answers
+        return answers, result.instance_id
 
     async def room_failures(self, address: str, secrets: dict[int, bytes]) -> dict[int, tuple[RequestFailed, bool]]:
         """Rooms of ``secrets`` (room -> its secret) whose prefill failed in the controller

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdgrpc/v1/bootstrap.proto\x12\tpdgrpc.v1\"6\n\x0b\x44pRankEntry\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\"p\n\x16RegisterDpRanksRequest\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.DpRankEntry\x12\x14\n\x0cpacked_rooms\x18\x03 \x01(\x0c\x12\x17\n\x0fpacked_dp_ranks\x18\x04 \x01(\x0c\"V\n\x17RegisterDpRanksResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x01(\r\x12\x11\n\tunchanged\x18\x02 \x01(\r\x12\x19\n\x11packed_rooms_read\x18\x03 \x01(\r\"t\n\x13QueryDpRanksRequest\x12\x17\n\x0f\x62ootstrap_rooms\x18\x01 \x03(\x04\x12\x18\n\x10\x66ound_ranks_only\x18\x02 \x01(\x08\x12\x14\n\x0cpacked_rooms\x18\x03 \x01(\x0c\x12\x14\n\x0cpacked_reply\x18\x04 \x01(\x08\"\x87\x01\n\x14QueryDpRanksResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.DpRankEntry\x12\x15\n\rmissing_rooms\x18\x02 \x03(\x04\x12\x16\n\x0e\x66ound_dp_ranks\x18\x03 \x03(\r\x12\x17\n\x0fpacked_dp_ranks\x18\x04 \x01(\x0c\"\xed\x01\n\x0cParallelInfo\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\r\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x07 \x01(\x0c\x12\x39\n\x13load_balance_method\x18\x08 \x01(\x0e\x32\x1c.pdgrpc.v1.LoadBalanceMethod\x12\x1b\n\x13\x66orce_dp_rank_query\x18\t \x01(\x08\"\x9c\x01\n\nWorkerInfo\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x1a\n\x12transport_endpoint\x18\x06 \x01(\x0c\x12\x12\n\ngeneration\x18\x07 \x01(\x04\"n\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.pdgrpc.v1.WorkerInfo\x12.\n\rparallel_info\x18\x02 \x01(\x0b\x32\x17.pdgrpc.v1.ParallelInfo\"b\n\x16RegisterWorkerResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x1a\n\x12registered_workers\x18\x02 \x01(\r\x12\x18\n\x10\x65xpected_workers\x18\x03 \x01(\r\"\x18\n\x16GetParallelInfoRequest\"\x7f\n\x17GetParallelInfoResponse\x12.\n\rparallel_info\x18\x01 \x01(\x0b\x32\x17.pdgrpc.v1.ParallelInfo\x12\x1a\n\x12registered_workers\x18\x02 \x01(\r\x12\x18\n\x10\x65xpected_workers\x18\x03 \x01(\r\"6\n\x11GetWorkersRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x10\n\x08tp_ranks\x18\x02 \x03(\r\"<\n\x12GetWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.pdgrpc.v1.WorkerInfo\"5\n\x0eRoomFailureKey\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\x0c\"l\n\x0bRoomFailure\x12&\n\x03key\x18\x01 \x01(\x0b\x32\x19.pdgrpc.v1.RoomFailureKey\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x17\n\x0fnever_forwarded\x18\x04 \x01(\x08\"E\n\x19RecordRoomFailuresRequest\x12(\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.RoomFailure\".\n\x1aRecordRoomFailuresResponse\x12\x10\n\x08recorded\x18\x01 \x01(\r\"C\n\x18QueryRoomFailuresRequest\x12\'\n\x04keys\x18\x01 \x03(\x0b\x32\x19.pdgrpc.v1.RoomFailureKey\"E\n\x19QueryRoomFailuresResponse\x12(\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.RoomFailure*\xb4\x01\n\x11LoadBalanceMethod\x12#\n\x1fLOAD_BALANCE_METHOD_UNSPECIFIED\x10\x00\x12#\n\x1fLOAD_BALANCE_METHOD_ROUND_ROBIN\x10\x01\x12-\n)LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM\x10\x02\x12&\n\"LOAD_BALANCE_METHOD_SHORTEST_QUEUE\x10\x03\x32\xfc\x04\n\x10\x42ootstrapService\x12X\n\x0fRegisterDpRanks\x12!.pdgrpc.v1.RegisterDpRanksRequest\x1a\".pdgrpc.v1.RegisterDpRanksResponse\x12O\n\x0cQueryDpRanks\x12\x1e.pdgrpc.v1.QueryDpRanksRequest\x1a\x1f.pdgrpc.v1.QueryDpRanksResponse\x12U\n\x0eRegisterWorker\x12 .pdgrpc.v1.RegisterWorkerRequest\x1a!.pdgrpc.v1.RegisterWorkerResponse\x12X\n\x0fGetParallelInfo\x12!.pdgrpc.v1.GetParallelInfoRequest\x1a\".pdgrpc.v1.GetParallelInfoResponse\x12I\n\nGetWorkers\x12\x1c.pdgrpc.v1.GetWorkersRequest\x1a\x1d.pdgrpc.v1.GetWorkersResponse\x12\x61\n\x12RecordRoomFailures\x12$.pdgrpc.v1.RecordRoomFailuresRequest\x1a%.pdgrpc.v1.RecordRoomFailuresResponse\x12^\n\x11QueryRoomFailures\x12#.pdgrpc.v1.QueryRoomFailuresRequest\x1a$.pdgrpc.v1.QueryRoomFailuresResponseBD\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdgrpc/v1/bootstrap.proto\x12\tpdgrpc.v1\"6\n\x0b\x44pRankEntry\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\"p\n\x16RegisterDpRanksRequest\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.DpRankEntry\x12\x14\n\x0cpacked_rooms\x18\x03 \x01(\x0c\x12\x17\n\x0fpacked_dp_ranks\x18\x04 \x01(\x0c\"V\n\x17RegisterDpRanksResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x01(\r\x12\x11\n\tunchanged\x18\x02 \x01(\r\x12\x19\n\x11packed_rooms_read\x18\x03 \x01(\r\"t\n\x13QueryDpRanksRequest\x12\x17\n\x0f\x62ootstrap_rooms\x18\x01 \x03(\x04\x12\x18\n\x10\x66ound_ranks_only\x18\x02 \x01(\x08\x12\x14\n\x0cpacked_rooms\x18\x03 \x01(\x0c\x12\x14\n\x0cpacked_reply\x18\x04 \x01(\x08\"\x9c\x01\n\x14QueryDpRanksResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.DpRankEntry\x12\x15\n\rmissing_rooms\x18\x02 \x03(\x04\x12\x16\n\x0e\x66ound_dp_ranks\x18\x03 \x03(\r\x12\x17\n\x0fpacked_dp_ranks\x18\x04 \x01(\x0c\x12\x13\n\x0binstance_id\x18\x05 \x01(\x06\"\xed\x01\n\x0cParallelInfo\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\r\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x07 \x01(\x0c\x12\x39\n\x13load_balance_method\x18\x08 \x01(\x0e\x32\x1c.pdgrpc.v1.LoadBalanceMethod\x12\x1b\n\x13\x66orce_dp_rank_query\x18\t \x01(\x08\"\x9c\x01\n\nWorkerInfo\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x1a\n\x12transport_endpoint\x18\x06 \x01(\x0c\x12\x12\n\ngeneration\x18\x07 \x01(\x04\"n\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.pdgrpc.v1.WorkerInfo\x12.\n\rparallel_info\x18\x02 \x01(\x0b\x32\x17.pdgrpc.v1.ParallelInfo\"b\n\x16RegisterWorkerResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x1a\n\x12registered_workers\x18\x02 \x01(\r\x12\x18\n\x10\x65xpected_workers\x18\x03 \x01(\r\"\x18\n\x16GetParallelInfoRequest\"\x94\x01\n\x17GetParallelInfoResponse\x12.\n\rparallel_info\x18\x01 \x01(\x0b\x32\x17.pdgrpc.v1.ParallelInfo\x12\x1a\n\x12registered_workers\x18\x02 \x01(\r\x12\x18\n\x10\x65xpected_workers\x18\x03 \x01(\r\x12\x13\n\x0binstance_id\x18\x04 \x01(\x06\"6\n\x11GetWorkersRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x10\n\x08tp_ranks\x18\x02 \x03(\r\"Q\n\x12GetWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.pdgrpc.v1.WorkerInfo\x12\x13\n\x0binstance_id\x18\x02 \x01(\x06\"5\n\x0eRoomFailureKey\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\x0c\"l\n\x0bRoomFailure\x12&\n\x03key\x18\x01 \x01(\x0b\x32\x19.pdgrpc.v1.RoomFailureKey\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x17\n\x0fnever_forwarded\x18\x04 \x01(\x08\"E\n\x19RecordRoomFailuresRequest\x12(\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.RoomFailure\".\n\x1aRecordRoomFailuresResponse\x12\x10\n\x08recorded\x18\x01 \x01(\r\"C\n\x18QueryRoomFailuresRequest\x12\'\n\x04keys\x18\x01 \x03(\x0b\x32\x19.pdgrpc.v1.RoomFailureKey\"E\n\x19QueryRoomFailuresResponse\x12(\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x16.pdgrpc.v1.RoomFailure*\xb4\x01\n\x11LoadBalanceMethod\x12#\n\x1fLOAD_BALANCE_METHOD_UNSPECIFIED\x10\x00\x12#\n\x1fLOAD_BALANCE_METHOD_ROUND_ROBIN\x10\x01\x12-\n)LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM\x10\x02\x12&\n\"LOAD_BALANCE_METHOD_SHORTEST_QUEUE\x10\x03\x32\xfc\x04\n\x10\x42ootstrapService\x12X\n\x0fRegisterDpRanks\x12!.pdgrpc.v1.RegisterDpRanksRequest\x1a\".pdgrpc.v1.RegisterDpRanksResponse\x12O\n\x0cQueryDpRanks\x12\x1e.pdgrpc.v1.QueryDpRanksRequest\x1a\x1f.pdgrpc.v1.QueryDpRanksResponse\x12U\n\x0eRegisterWorker\x12 .pdgrpc.v1.RegisterWorkerRequest\x1a!.pdgrpc.v1.RegisterWorkerResponse\x12X\n\x0fGetParallelInfo\x12!.pdgrpc.v1.GetParallelInfoRequest\x1a\".pdgrpc.v1.GetParallelInfoResponse\x12I\n\nGetWorkers\x12\x1c.pdgrpc.v1.GetWorkersRequest\x1a\x1d.pdgrpc.v1.GetWorkersResponse\x12\x61\n\x12RecordRoomFailures\x12$.pdgrpc.v1.RecordRoomFailuresRequest\x1a%.pdgrpc.v1.RecordRoomFailuresResponse\x12^\n\x11QueryRoomFailures\x12#.pdgrpc.v1.QueryRoomFailuresRequest\x1a$.pdgrpc.v1.QueryRoomFailuresResponseBD\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +32,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdgrpc.v1.bootstrap_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.pdgrpc.v1P\001Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1'
-  _globals['_LOADBALANCEMETHOD']._serialized_start=1863
-  _globals['_LOADBALANCEMETHOD']._serialized_end=2043
+  _globals['_LOADBALANCEMETHOD']._serialized_start=1927
+  _globals['_LOADBALANCEMETHOD']._serialized_end=2107
   _globals['_DPRANKENTRY']._serialized_start=40
   _globals['_DPRANKENTRY']._serialized_end=94
   _globals['_REGISTERDPRANKSREQUEST']._serialized_start=96
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUERYDPRANKSREQUEST']._serialized_start=298
   _globals['_QUERYDPRANKSREQUEST']._serialized_end=414
   _globals['_QUERYDPRANKSRESPONSE']._serialized_start=417
-  _globals['_QUERYDPRANKSRESPONSE']._serialized_end=552
-  _globals['_PARALLELINFO']._serialized_start=555
-  _globals['_PARALLELINFO']._serialized_end=792
-  _globals['_WORKERINFO']._serialized_start=795
-  _globals['_WORKERINFO']._serialized_end=951
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=953
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1063
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1065
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1163
-  _globals['_GETPARALLELINFOREQUEST']._serialized_start=1165
-  _globals['_GETPARALLELINFOREQUEST']._serialized_end=1189
-  _globals['_GETPARALLELINFORESPONSE']._serialized_start=1191
-  _globals['_GETPARALLELINFORESPONSE']._serialized_end=1318
-  _globals['_GETWORKERSREQUEST']._serialized_start=1320
-  _globals['_GETWORKERSREQUEST']._serialized_end=1374
-  _globals['_GETWORKERSRESPONSE']._serialized_start=1376
-  _globals['_GETWORKERSRESPONSE']._serialized_end=1436
-  _globals['_ROOMFAILUREKEY']._serialized_start=1438
-  _globals['_ROOMFAILUREKEY']._serialized_end=1491
-  _globals['_ROOMFAILURE']._serialized_start=1493
-  _globals['_ROOMFAILURE']._serialized_end=1601
-  _globals['_RECORDROOMFAILURESREQUEST']._serialized_start=1603
-  _globals['_RECORDROOMFAILURESREQUEST']._serialized_end=1672
-  _globals['_RECORDROOMFAILURESRESPONSE']._serialized_start=1674
-  _globals['_RECORDROOMFAILURESRESPONSE']._serialized_end=1720
-  _globals['_QUERYROOMFAILURESREQUEST']._serialized_start=1722
-  _globals['_QUERYROOMFAILURESREQUEST']._serialized_end=1789
-  _globals['_QUERYROOMFAILURESRESPONSE']._serialized_start=1791
-  _globals['_QUERYROOMFAILURESRESPONSE']._serialized_end=1860
-  _globals['_BOOTSTRAPSERVICE']._serialized_start=2046
-  _globals['_BOOTSTRAPSERVICE']._serialized_end=2682
+  _globals['_QUERYDPRANKSRESPONSE']._serialized_end=573
+  _globals['_PARALLELINFO']._serialized_start=576
+  _globals['_PARALLELINFO']._serialized_end=813
+  _globals['_WORKERINFO']._serialized_start=816
+  _globals['_WORKERINFO']._serialized_end=972
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=974
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1084
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1086
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1184
+  _globals['_GETPARALLELINFOREQUEST']._serialized_start=1186
+  _globals['_GETPARALLELINFOREQUEST']._serialized_end=1210
+  _globals['_GETPARALLELINFORESPONSE']._serialized_start=1213
+  _globals['_GETPARALLELINFORESPONSE']._serialized_end=1361
+  _globals['_GETWORKERSREQUEST']._serialized_start=1363
+  _globals['_GETWORKERSREQUEST']._serialized_end=1417
+  _globals['_GETWORKERSRESPONSE']._serialized_start=1419
+  _globals['_GETWORKERSRESPONSE']._serialized_end=1500
+  _globals['_ROOMFAILUREKEY']._serialized_start=1502
+  _globals['_ROOMFAILUREKEY']._serialized_end=1555
+  _globals['_ROOMFAILURE']._serialized_start=1557
+  _globals['_ROOMFAILURE']._serialized_end=1665
+  _globals['_RECORDROOMFAILURESREQUEST']._serialized_start=1667
+  _globals['_RECORDROOMFAILURESREQUEST']._serialized_end=1736
+  _globals['_RECORDROOMFAILURESRESPONSE']._serialized_start=1738
+  _globals['_RECORDROOMFAILURESRESPONSE']._serialized_end=1784
+  _globals['_QUERYROOMFAILURESREQUEST']._serialized_start=1786
+  _globals['_QUERYROOMFAILURESREQUEST']._serialized_end=1853
+  _globals['_QUERYROOMFAILURESRESPONSE']._serialized_start=1855
+  _globals['_QUERYROOMFAILURESRESPONSE']._serialized_end=1924
+  _globals['_BOOTSTRAPSERVICE']._serialized_start=2110
+  _globals['_BOOTSTRAPSERVICE']._serialized_end=2746
 # @@protoc_insertion_point(module_scope)

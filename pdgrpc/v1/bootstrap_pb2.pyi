@@ -193,10 +193,17 @@ class QueryDpRanksResponse(_message.Message):
     MISSING_ROOMS_FIELD_NUMBER: _builtins.int
     FOUND_DP_RANKS_FIELD_NUMBER: _builtins.int
     PACKED_DP_RANKS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     packed_dp_ranks: _builtins.bytes
     """Only when the request set packed_reply: the dp rank of every requested room, in
     request order, as little-endian uint32 (4 bytes per room); 0xFFFFFFFF for a room not
     (yet) known. A server that predates packed_reply leaves it empty.
+    """
+    instance_id: _builtins.int
+    """The bootstrap's instance id: a random nonzero number drawn when the bootstrap
+    starts (unitless). Another value from the same address means the prefill instance
+    restarted: what a client cached about it (parallel info, workers) is stale, and the
+    rooms it was asked to prefill before are lost. 0 from a server that predates it.
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DpRankEntry]:
@@ -219,10 +226,11 @@ class QueryDpRanksResponse(_message.Message):
         missing_rooms: _abc.Iterable[_builtins.int] | None = ...,
         found_dp_ranks: _abc.Iterable[_builtins.int] | None = ...,
         packed_dp_ranks: _builtins.bytes = ...,
+        instance_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "found_dp_ranks", b"found_dp_ranks", "missing_rooms", b"missing_rooms", "packed_dp_ranks", b"packed_dp_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "found_dp_ranks", b"found_dp_ranks", "instance_id", b"instance_id", "missing_rooms", b"missing_rooms", "packed_dp_ranks", b"packed_dp_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -414,10 +422,17 @@ class GetParallelInfoResponse(_message.Message):
     PARALLEL_INFO_FIELD_NUMBER: _builtins.int
     REGISTERED_WORKERS_FIELD_NUMBER: _builtins.int
     EXPECTED_WORKERS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     registered_workers: _builtins.int
     """Workers registered (count); equals expected_workers when this call succeeds."""
     expected_workers: _builtins.int
     """Workers the topology expects (count)."""
+    instance_id: _builtins.int
+    """The bootstrap's instance id: a random nonzero number drawn when the bootstrap
+    starts (unitless). Another value from the same address means the prefill instance
+    restarted: what a client cached about it (parallel info, workers) is stale, and the
+    rooms it was asked to prefill before are lost. 0 from a server that predates it.
+    """
     @_builtins.property
     def parallel_info(self) -> Global___ParallelInfo:
         """The instance's parallel info."""
@@ -428,10 +443,11 @@ class GetParallelInfoResponse(_message.Message):
         parallel_info: Global___ParallelInfo | None = ...,
         registered_workers: _builtins.int = ...,
         expected_workers: _builtins.int = ...,
+        instance_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["parallel_info", b"parallel_info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_workers", b"expected_workers", "parallel_info", b"parallel_info", "registered_workers", b"registered_workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_workers", b"expected_workers", "instance_id", b"instance_id", "parallel_info", b"parallel_info", "registered_workers", b"registered_workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -468,6 +484,13 @@ class GetWorkersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKERS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.int
+    """The bootstrap's instance id: a random nonzero number drawn when the bootstrap
+    starts (unitless). Another value from the same address means the prefill instance
+    restarted: what a client cached about it (parallel info, workers) is stale, and the
+    rooms it was asked to prefill before are lost. 0 from a server that predates it.
+    """
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerInfo]:
         """Matching workers, ordered by (tp_rank, pp_rank)."""
@@ -476,10 +499,11 @@ class GetWorkersResponse(_message.Message):
         self,
         *,
         workers: _abc.Iterable[Global___WorkerInfo] | None = ...,
+        instance_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

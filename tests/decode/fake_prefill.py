@@ -183,8 +183,10 @@ class FakePrefill:
         method: int = bpb.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM,
         compat_hash: bytes | None = None,
         transport: str = "tcp",
+        port: int = 0,
     ) -> None:
         self.engine = engine
+        self.port = port  # the bootstrap's port; 0 picks a free one
         self.transport = transport
         self.dp_size = dp_size
         self.method = method
@@ -209,6 +211,7 @@ class FakePrefill:
         rpc = await start_server(
             [(BOOTSTRAP_SERVICE, lambda server: add(self.recorder, server))],
             what="fake prefill bootstrap",
+            port=self.port,
         )
         self.bootstrap = BootstrapServer(rpc, self.recorder, BootstrapConfig())
         for w in self.workers:

@@ -367,6 +367,76 @@ async def test_restarted_prefill_worker_is_not_reused(stub: decode_pb2_grpc.Deco
 
 
 @pytest.mark.parametrize(
+    "before",
+    [
+        pytest.param({"dp_size": 2, "method": bpb.LOAD_BALANCE_METHOD_ROUND_ROBIN}, id="was-dp2-round-robin"),
+        pytest.param({"compat_hash": b"\x01" * 32}, id="was-incompatible"),
+    ],
+)
+async def test_a_prefill_restarted_at_the_same_address_is_asked_again(
+    stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine, before: dict[str, object]
+) -> None:
+    """A prefill instance restarts at the same bootstrap address with other parallel info
+    (CI flake: a later test's fake prefill got an earlier one's port). The decode used to
+    keep the first instance's info for good: it queried dp ranks the new instance never
+    registers (every request timed out resolving), or refused every request as
+    incompatible. The first request to the new instance must be served."""
+    old = await FakePrefill(engine, **before).start()  # type: ignore[arg-type]
+    port = old.bootstrap.port if old.bootstrap is not None else 0
+    try:
+        first = make_request(old, "to the old instance", 3, routed_dp_rank=0)
+        try:
+            await collect(stub, first)  # the decode caches the old instance's info (refused when incompatible)
+        except grpc.aio.AioRpcError as exc:
+            assert "compatibility hash mismatch" in (exc.details() or ""), exc
+    finally:
+        await old.stop()
+    new = await FakePrefill(engine, port=port).start()
+    try:
+        assert new.address == old.address
+        req = make_request(new, "to the new instance", 5)
+        msgs = await asyncio.wait_for(collect(stub, req), 30)
+        assert [t for m in msgs for t in m.token_ids] == list(generate(engine, [tuple(req.input_ids)], 5)[0].token_ids)
+        assert [h.bootstrap_room for h in new.workers[0].handshakes] == [req.bootstrap_room]
+        await assert_nothing_held(stub)
+    finally:
+        await new.stop()
+
+
+async def test_a_room_waiting_for_its_dp_rank_fails_when_its_prefill_restarts(
+    stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine, outcomes: Outcomes
+) -> None:
+    """The prefill a request was sent to restarts (same address) while the decode waits
+    for the room's dp rank: the request's prefill is lost, so the decode ends it at once
+    with UNAVAILABLE naming the restart (the caller sends it again) instead of waiting
+    out its deadline; the next request goes to the new instance."""
+    old = await FakePrefill(engine, dp_size=2, method=bpb.LOAD_BALANCE_METHOD_ROUND_ROBIN).start()
+    try:
+        lost = make_request(old, "sent before the restart", 4)
+        task = asyncio.ensure_future(collect(stub, lost))
+        while not any(lost.bootstrap_room in missing for _, missing in old.recorder.queries):
+            old.recorder.queried.clear()
+            await asyncio.wait_for(old.recorder.queried.wait(), 10)
+    finally:
+        await old.stop()
+    new = await FakePrefill(engine, dp_size=2, method=bpb.LOAD_BALANCE_METHOD_ROUND_ROBIN, port=old.bootstrap.port if old.bootstrap else 0).start()
+    try:
+        new.prompts.update(old.prompts)  # even had it been told about the room, its first prefill is gone
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(task, 9)  # under the 10 s resolve deadline
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "restarted after this request was admitted" in err.value.details(), err.value.details()
+        assert not new.workers[0].handshakes and not new.workers[1].handshakes
+        req = make_request(new, "sent after the restart", 5, routed_dp_rank=1)
+        msgs = await collect(stub, req)
+        assert [t for m in msgs for t in m.token_ids] == list(generate(engine, [tuple(req.input_ids)], 5)[0].token_ids)
+        await assert_nothing_held(stub)
+        assert await outcomes.changed() == {"aborted": 1, "aborted:prefill_error": 1, "finished": 1}
+    finally:
+        await new.stop()
+
+
+@pytest.mark.parametrize(
     ("override", "named"),
     [
         ({"output_id": 1000}, "output_id 1000"),

@@ -1,0 +1,89 @@
+"""PrefillDirectory against real bootstrap servers on 127.0.0.1: what it caches about a
+prefill instance is dropped once the instance restarts at the same address, whichever
+way the decode learns of it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+
+from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
+from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.rpc.channels import ChannelPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bootstrap"))
+from bootstrap_helpers import parallel_info, worker  # noqa: E402
+
+
+async def start(port: int, dp: int) -> BootstrapServer:
+    """A bootstrap on ``port`` with all ``dp`` workers (round robin) registered, over a
+    channel of their own (the directory's stays as the restart left it)."""
+    srv = await start_bootstrap_server("127.0.0.1", port)
+    pool = ChannelPool()
+    try:
+        client = BootstrapClient(srv.address, pool=pool)
+        for r in range(dp):
+            await client.register_worker(worker(r, address=f"10.0.{dp}.{r}:7000"), parallel_info(dp=dp))
+    finally:
+        await pool.close()
+    return srv
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[BootstrapServer]]:
+    running: list[BootstrapServer] = []
+    try:
+        yield running
+    finally:
+        for s in running:
+            await s.stop(grace=0.1)
+
+
+async def restart(servers: list[BootstrapServer], dp: int) -> BootstrapServer:
+    """Stop the running instance and start another, with ``dp`` ranks, on its port."""
+    old = servers.pop()
+    await old.stop(grace=0.1)
+    new = await start(old.port, dp)
+    servers.append(new)
+    assert new.servicer.instance_id != old.servicer.instance_id
+    return new
+
+
+async def test_every_answer_names_the_instance(servers: list[BootstrapServer]) -> None:
+    servers.append(await start(0, 2))
+    d = PrefillDirectory(timeout=2.0)
+    addr, want = servers[0].address, servers[0].servicer.instance_id
+    assert (await d.parallel_info(addr, wait_for=2.0)).instance_id == want
+    assert (await d.workers(addr, 1))[1] == want
+    assert (await d.query_dp_ranks(addr, (5, 6)))[1] == want
+
+
+async def test_a_query_answered_by_a_new_instance_drops_the_cached_info(servers: list[BootstrapServer]) -> None:
+    servers.append(await start(0, 2))
+    d = PrefillDirectory(timeout=2.0)
+    addr = servers[0].address
+    before = await d.parallel_info(addr, wait_for=2.0)
+    await d.workers(addr, 1)
+    new = await restart(servers, 1)
+    answers, instance = await d.query_dp_ranks(addr, (5,))  # reconnects: the channel is READY again
+    assert answers == {5: None} and instance == new.servicer.instance_id
+    assert before.restarted(instance) and not before.restarted(before.instance_id) and not before.restarted(0)
+    after = await d.parallel_info(addr, wait_for=2.0)
+    assert (after.dp_size, after.instance_id) == (1, new.servicer.instance_id)
+    workers, instance = await d.workers(addr, 0)  # the cached workers went with the info
+    assert [w.transfer_address for w in workers] == ["10.0.1.0:7000"] and instance == new.servicer.instance_id
+
+
+async def test_cached_info_is_fetched_again_after_the_connection_dropped(servers: list[BootstrapServer]) -> None:
+    servers.append(await start(0, 2))
+    d = PrefillDirectory(timeout=2.0)
+    addr = servers[0].address
+    assert (await d.parallel_info(addr, wait_for=2.0)).dp_size == 2
+    assert await d.parallel_info(addr, wait_for=2.0) is await d.parallel_info(addr, wait_for=2.0)  # cached while connected
+    new = await restart(servers, 1)
+    after = await d.parallel_info(addr, wait_for=2.0)
+    assert (after.dp_size, after.instance_id) == (1, new.servicer.instance_id)
