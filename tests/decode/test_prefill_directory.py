@@ -4,15 +4,22 @@ way the decode learns of it."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from pathlib import Path
 from typing import AsyncIterator
 
+import grpc
 import pytest
 
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
+from pdgrpc.decode.handshake import Handshaker
+from pdgrpc.decode.job import Job
 from pdgrpc.decode.prefills import PrefillDirectory
+from pdgrpc.engine.base import SamplingParams
+from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bootstrap"))
@@ -87,3 +94,21 @@ async def test_cached_info_is_fetched_again_after_the_connection_dropped(servers
     new = await restart(servers, 1)
     after = await d.parallel_info(addr, wait_for=2.0)
     assert (after.dp_size, after.instance_id) == (1, new.servicer.instance_id)
+
+
+async def test_a_handshake_for_a_room_of_the_previous_instance_is_not_sent(servers: list[BootstrapServer]) -> None:
+    """A room admitted (dp rank known, pages allocated) before its prefill restarted: the
+    workers the new instance lists never get its handshake; it ends UNAVAILABLE."""
+    servers.append(await start(0, 1))
+    d = PrefillDirectory(timeout=2.0)
+    addr = servers[0].address
+    before = await d.parallel_info(addr, wait_for=2.0)
+    new = await restart(servers, 1)
+    job = Job(7, "r7", (256, 65), SamplingParams(), 4, before, 1, asyncio.Queue(), 0.0, dp_rank=0)
+    job.slot = 0
+    handshaker = Handshaker(d, "fake", b"", b"", rpc_timeout_s=2.0)
+    got = await handshaker.handshake(job, (0,), time.monotonic() + 5.0)
+    assert isinstance(got, RequestFailed) and got.code == grpc.StatusCode.UNAVAILABLE, got
+    assert f"room 7: the prefill at {addr} restarted after this request was admitted" in got.message
+    assert job.contacted == []
+    assert (await d.parallel_info(addr, wait_for=2.0)).instance_id == new.servicer.instance_id
