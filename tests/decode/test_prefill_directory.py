@@ -5,9 +5,7 @@ way the decode learns of it."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -21,9 +19,7 @@ from pdgrpc.decode.prefills import PrefillDirectory
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bootstrap"))
-from bootstrap_helpers import parallel_info, worker  # noqa: E402
+from tests.bootstrap.bootstrap_helpers import parallel_info, worker
 
 
 async def start(port: int, dp: int) -> BootstrapServer:
