@@ -223,24 +223,29 @@ class BootstrapClient:
 
     @property
     def channel(self) -> grpc.aio.Channel:
-        """The pooled channel (taken from the pool on first use, in the running loop)."""
-        if self._channel is None:
-            pool = self._pool if self._pool is not None else shared_pool()
-            self._channel = pool.get(self.address)
-        return self._channel
+        """The pooled channel, asked of the pool (in the running loop) at every call: the
+        pool may have closed the one this client used before (it evicts the least
+        recently used), and then hands out a new one."""
+        pool = self._pool if self._pool is not None else shared_pool()
+        channel = pool.get(self.address)
+        if channel is not self._channel:
+            self._channel, self._stub, self._register_bytes = channel, None, None
+        return channel
 
     @property
     def stub(self) -> pb_grpc.BootstrapServiceStub:
         """The generated stub on the pooled channel."""
+        channel = self.channel
         if self._stub is None:
-            self._stub = pb_grpc.BootstrapServiceStub(self.channel)
+            self._stub = pb_grpc.BootstrapServiceStub(channel)
         return self._stub
 
     def _register_raw(self) -> grpc.aio.UnaryUnaryMultiCallable:
         """RegisterDpRanks taking the request as bytes, so that large batches can be
         encoded by the numpy codec (:mod:`.wire`)."""
+        channel = self.channel
         if self._register_bytes is None:
-            self._register_bytes = self.channel.unary_unary(
+            self._register_bytes = channel.unary_unary(
                 f"/{_SERVICE}/RegisterDpRanks", request_serializer=None, response_deserializer=pb.RegisterDpRanksResponse.FromString, _registered_method=True
             )
         return self._register_bytes

@@ -19,6 +19,7 @@ controller (:mod:`pdgrpc.prefill.notices`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
@@ -28,6 +29,7 @@ import grpc
 from pdgrpc.bootstrap.client import BootstrapClient, RpcError
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics.catalog import ServerAbortReason
+from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.room_proof import failure_tag
 from pdgrpc.state import AbortReason, DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
@@ -37,6 +39,9 @@ log = logging.getLogger("pdgrpc.decode.prefills")
 __all__ = ["PrefillInfo", "PrefillDirectory", "prefill_failure", "restart_failure"]
 
 T = TypeVar("T")
+
+# Prefill bootstrap addresses one decode keeps a client and answers for (count).
+MAX_PREFILLS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +98,37 @@ def dp_config_of(info: bpb.ParallelInfo, query_interval_s: float) -> DpConfig:
 class PrefillDirectory:
     """Cached ParallelInfo and workers per prefill bootstrap address (one event loop)."""
 
-    def __init__(self, *, timeout: float = 5.0, query_interval_s: float = 0.05) -> None:
+    def __init__(
+        self, *, timeout: float = 5.0, query_interval_s: float = 0.05, max_prefills: int = MAX_PREFILLS, pool: ChannelPool | None = None
+    ) -> None:
         self.timeout = timeout
         self.query_interval_s = query_interval_s
-        self._clients: dict[str, BootstrapClient] = {}
+        self.max_prefills = max_prefills
+        self._pool = pool  # None: the running loop's shared pool
+        # Least recently used first: past max_prefills the first address is forgotten.
+        self._clients: collections.OrderedDict[str, BootstrapClient] = collections.OrderedDict()
         self._info: dict[str, PrefillInfo] = {}
         self._workers: dict[tuple[str, int], tuple[list[bpb.WorkerInfo], int]] = {}
         # One in-flight fetch per key: a burst of requests for a new prefill costs one call.
         self._inflight: dict[object, asyncio.Future[Any]] = {}
         self._no_failures: set[str] = set()  # addresses whose bootstrap has no QueryRoomFailures
 
+    def __len__(self) -> int:
+        """Prefill addresses the directory holds a client for (at most ``max_prefills``)."""
+        return len(self._clients)
+
     def client(self, address: str) -> BootstrapClient:
         c = self._clients.get(address)
-        if c is None:
-            c = self._clients[address] = BootstrapClient(address, timeout=self.timeout)
+        if c is not None:
+            self._clients.move_to_end(address)
+            return c
+        c = self._clients[address] = BootstrapClient(address, timeout=self.timeout, pool=self._pool)
+        if len(self._clients) > self.max_prefills:
+            # Every Decode call names an address: a caller cycling through them must not
+            # grow the decode. A request still using the forgotten one keeps its own info.
+            gone, _ = self._clients.popitem(last=False)
+            self.invalidate(gone, f"over {self.max_prefills} prefill addresses, least recently used")
+            self._no_failures.discard(gone)
         return c
 
     async def parallel_info(self, address: str, *, wait_for: float) -> PrefillInfo:

@@ -9,11 +9,17 @@ connection. Clients therefore take their channel from a :class:`ChannelPool`::
 
 ``grpc.aio`` channels belong to the event loop they were created on, so
 :func:`shared_pool` keeps one pool per loop (and forgets it with the loop).
+
+A pool holds at most ``max_channels`` channels. The addresses a server dials come partly
+from its callers (a decode dials every ``prefill_bootstrap_address`` it is sent, and the
+workers those bootstraps list), so past the bound the least recently used channel is
+closed: its calls still in flight get :data:`EVICT_GRACE_S` to finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import weakref
 from typing import Sequence
 
@@ -37,28 +43,45 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
 )
 
 
+# Channels one pool keeps (count): far above the bootstraps and workers of a large
+# deployment, small enough that a caller naming new addresses cannot exhaust the process.
+DEFAULT_MAX_CHANNELS = 4096
+# Seconds an evicted channel's calls in flight get before it is closed under them.
+EVICT_GRACE_S = 10.0
+
+
 class ChannelPool:
     """``grpc.aio`` channels keyed by target (``host:port``), with ``security``'s
     credentials (default: the process's, :func:`pdgrpc.rpc.security.current`, read at
-    each channel's creation)."""
+    each channel's creation); at most ``max_channels``, least recently used evicted."""
 
     def __init__(
         self, options: Sequence[tuple[str, int | str]] = DEFAULT_OPTIONS, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-        security: Security | None = None,
+        security: Security | None = None, max_channels: int = DEFAULT_MAX_CHANNELS,
     ) -> None:
+        if max_channels < 1:
+            raise ValueError(f"max_channels must be at least 1, got {max_channels}")
         self._security = security
         self._options = tuple(options)
         self._interceptors = list(interceptors)  # e.g. metrics, tracing (and tests)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.max_channels = max_channels
+        self._channels: collections.OrderedDict[str, grpc.aio.Channel] = collections.OrderedDict()  # least recently used first
+        self._evicted: dict[grpc.aio.Channel, asyncio.Task[None]] = {}  # evicted channels being closed
         self.created = 0  # channels ever created (tests and metrics)
 
     def get(self, target: str) -> grpc.aio.Channel:
         """The channel for ``target``, created on first use."""
         channel = self._channels.get(target)
-        if channel is None:
-            channel = (self._security or current()).channel(target, self._options, self._interceptors)
-            self._channels[target] = channel
-            self.created += 1
+        if channel is not None:
+            self._channels.move_to_end(target)
+            return channel
+        channel = (self._security or current()).channel(target, self._options, self._interceptors)
+        self._channels[target] = channel
+        self.created += 1
+        if len(self._channels) > self.max_channels:
+            _, evicted = self._channels.popitem(last=False)
+            task = self._evicted[evicted] = asyncio.ensure_future(evicted.close(grace=EVICT_GRACE_S))
+            task.add_done_callback(lambda _: self._evicted.pop(evicted, None))
         return channel
 
     def __contains__(self, target: str) -> bool:
@@ -74,9 +97,13 @@ class ChannelPool:
             await channel.close()
 
     async def close(self) -> None:
-        """Close every channel; the pool stays usable and reopens on demand."""
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
+        """Close every channel, evicted ones still in their grace included; the pool stays
+        usable and reopens on demand."""
+        channels, self._channels = list(self._channels.values()), collections.OrderedDict()
+        evicted, self._evicted = self._evicted, {}
+        for task in evicted.values():
+            task.cancel()
+        for channel in [*channels, *evicted]:
             await channel.close()
 
 

@@ -217,3 +217,26 @@ async def test_query_results_keep_request_order_and_duplicates(servicer_class: A
     finally:
         await pool.close()
         await server.stop(0)
+
+
+async def test_a_client_whose_channel_the_pool_evicted_takes_a_new_one(server: Any) -> None:
+    """The pool closes its least recently used channel past max_channels; a client that
+    kept that channel would fail every later call with 'Channel is closed'."""
+    pool = ChannelPool(max_channels=1)
+    try:
+        c = BootstrapClient(server.address, pool=pool, timeout=3.0)
+        await c.register_dp_ranks({5: 1})
+        await c.register_dp_ranks({r: 0 for r in range(10, 200)})  # the raw RegisterDpRanks callable too
+        first = c.channel
+        pool.get("127.0.0.1:1")  # evicts it
+        for _ in range(500):
+            if first.get_state() == grpc.ChannelConnectivity.SHUTDOWN:
+                break
+            await asyncio.sleep(0.01)
+        assert first.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+        assert (await c.query_dp_ranks([5])).ranks == {5: 1}
+        assert (await c.register_dp_ranks({6: 0})).added == 1
+        assert await c.health() == "SERVING"
+        assert c.channel is not first and c.channel is pool.get(server.address)
+    finally:
+        await pool.close()

@@ -19,7 +19,8 @@ from pdgrpc.decode.prefills import PrefillDirectory
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
-from tests.bootstrap.bootstrap_helpers import parallel_info, worker
+from pdgrpc.rpc.errors import RpcError
+from tests.bootstrap.bootstrap_helpers import free_port, parallel_info, worker
 
 
 async def start(port: int, dp: int) -> BootstrapServer:
@@ -108,3 +109,17 @@ async def test_a_handshake_for_a_room_of_the_previous_instance_is_not_sent(serve
     assert f"room 7: the prefill at {addr} restarted after this request was admitted" in got.message
     assert job.contacted == []
     assert (await d.parallel_info(addr, wait_for=2.0)).instance_id == new.servicer.instance_id
+
+
+async def test_the_directory_holds_at_most_max_prefills_addresses() -> None:
+    """Every Decode call names its prefill's address; the directory kept a client (and its
+    answers) for each distinct one for good. It forgets the least recently used."""
+    pool = ChannelPool()
+    try:
+        d = PrefillDirectory(timeout=0.2, max_prefills=3, pool=pool)
+        for _ in range(8):
+            with pytest.raises(RpcError):
+                await d.parallel_info(f"127.0.0.1:{free_port()}", wait_for=0.05)  # nobody listens there
+        assert len(d) == 3
+    finally:
+        await pool.close()

@@ -21,6 +21,7 @@ from pdgrpc.errors import PdgrpcError
 from pdgrpc.rpc import errors as rpc_errors
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.server import loop_name, run, start_server
+from tests.eventually import eventually_async
 
 SLOW = "test.v1.SlowService"
 
@@ -106,6 +107,28 @@ async def test_channel_pool_reuses_and_discards() -> None:
     assert "127.0.0.1:1" not in pool and pool.get("127.0.0.1:1") is not a
     await pool.close()
     assert len(pool) == 0
+
+
+async def test_channel_pool_keeps_at_most_max_channels_closing_the_least_recently_used() -> None:
+    """A decode dials the addresses its callers name (prefill_bootstrap_address) and those
+    their bootstraps list; each distinct one used to keep a channel for good, so a caller
+    cycling through addresses grew the process without bound."""
+    pool = ChannelPool(max_channels=3)
+    kept = pool.get("127.0.0.1:1")
+    evicted = pool.get("127.0.0.1:2")
+    for port in range(3, 50):
+        pool.get(f"127.0.0.1:{port}")
+        assert pool.get("127.0.0.1:1") is kept  # used all along: never the one closed
+    assert len(pool) == 3 and "127.0.0.1:2" not in pool and "127.0.0.1:49" in pool
+    await eventually_async(
+        lambda: evicted.get_state() == grpc.ChannelConnectivity.SHUTDOWN or None, 5.0, 0.01, "the evicted channel was never closed"
+    )
+    assert kept.get_state() != grpc.ChannelConnectivity.SHUTDOWN
+    assert pool.get("127.0.0.1:2") is not evicted and pool.created == 50
+    await pool.close()
+    assert kept.get_state() == grpc.ChannelConnectivity.SHUTDOWN and len(pool) == 0
+    with pytest.raises(ValueError, match="max_channels"):
+        ChannelPool(max_channels=0)
 
 
 class FakeRpcError(grpc.RpcError):
