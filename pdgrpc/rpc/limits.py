@@ -53,19 +53,22 @@ def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
     parse = handler.request_deserializer
     name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
     what = name.full_name if name is not None else "request message"
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
     out = handler.response_serializer
+
+    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:  # any parser failure is the caller's bytes
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid {what}: {exc}")
+            raise AssertionError("unreachable") from exc  # context.abort raises
+
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
         if not inspect.iscoroutinefunction(inner_uu):
             return handler
 
         async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                request = parse(raw)
-            except Exception as exc:  # any parser failure is the caller's bytes
-                await context.abort(invalid, f"{method}: the request is not a valid {what}: {exc}")
-            return await inner_uu(request, context)
+            return await inner_uu(await parsed(raw, context), context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=out)
     inner_us = handler.unary_stream
@@ -74,22 +77,14 @@ def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
     if inspect.isasyncgenfunction(inner_us):
 
         async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                request = parse(raw)
-            except Exception as exc:
-                await context.abort(invalid, f"{method}: the request is not a valid {what}: {exc}")
-            async for item in inner_us(request, context):
+            async for item in inner_us(await parsed(raw, context), context):
                 yield item
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=out)
     if inspect.iscoroutinefunction(inner_us):  # a handler writing with context.write()
 
         async def unary_stream_writer(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                request = parse(raw)
-            except Exception as exc:
-                await context.abort(invalid, f"{method}: the request is not a valid {what}: {exc}")
-            return await inner_us(request, context)
+            return await inner_us(await parsed(raw, context), context)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream_writer, response_serializer=out)
     return handler
