@@ -148,7 +148,8 @@ class PrefillDirectory:
             info = PrefillInfo(
                 address, resp.parallel_info, dp_config_of(resp.parallel_info, self.query_interval_s), int(resp.instance_id)
             )
-            self._info[address] = info
+            if address in self._clients:  # not forgotten (max_prefills) while the call ran
+                self._info[address] = info
             log.info(
                 "prefill %s: dp_size=%d tp_size=%d method=%s force_query=%s instance=%016x",
                 address,
@@ -173,7 +174,9 @@ class PrefillDirectory:
         async def fetch() -> tuple[list[bpb.WorkerInfo], int]:
             resp = await self.client(address).get_workers_response(dp_rank)
             self._seen(address, int(resp.instance_id))
-            got = self._workers[key] = (list(resp.workers), int(resp.instance_id))
+            got = (list(resp.workers), int(resp.instance_id))
+            if address in self._clients:
+                self._workers[key] = got
             return got
 
         return await self._once(("workers", key), fetch)
