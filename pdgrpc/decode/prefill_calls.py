@@ -58,6 +58,12 @@ class PrefillCalls:
     def _spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
         raise NotImplementedError
 
+    def _end_with(self, job: Job, failure: RequestFailed) -> None:
+        """End ``job`` with ``failure`` (its status and abort reason) once its cancel takes
+        effect (:meth:`Generation._fail` then sends it)."""
+        job.failure = failure
+        self.cancel(job.room, failure.message)
+
     # -- dp ranks -----------------------------------------------------------------------------
     async def _query_dp_ranks(self, query: QueryDpRanks) -> None:
         addr = query.prefill_address
@@ -75,17 +81,15 @@ class PrefillCalls:
             if job is None:
                 continue
             if job.prefill.restarted(instance):  # admitted under the instance before: its prefill is lost
-                job.failure = restart_failure(room, addr)
                 request_event(log, room, "prefill restarted", level=logging.WARNING, prefill=addr, instance=f"{instance:016x}")
-                self.cancel(room, job.failure.message)
+                self._end_with(job, restart_failure(room, addr))
                 continue
             if rank is not None and not 0 <= rank < job.prefill.dp_size:
-                job.failure = RequestFailed(
+                self._end_with(job, RequestFailed(
                     grpc.StatusCode.INTERNAL,
                     f"room {room}: bootstrap {addr} answered dp rank {rank}, outside [0, {job.prefill.dp_size})",
                     ServerAbortReason.INTERNAL_ERROR,
-                )
-                self.cancel(room, job.failure.message)
+                ))
                 continue
             good[room] = rank
         if self._closing:
@@ -107,8 +111,8 @@ class PrefillCalls:
                 job = self._jobs.get(room)
                 if job is not None and not job.finished and not job.cancelled and job.dp_rank is None:
                     request_event(log, room, "prefill failed", level=logging.WARNING, message=failure.message)
-                    job.failure, job.never_forwarded = failure, never_forwarded
-                    self.cancel(room, failure.message)
+                    job.never_forwarded = never_forwarded
+                    self._end_with(job, failure)
 
     # -- handshake ------------------------------------------------------------------------------
     def _start_handshake(self, hs: SendHandshake, now: float) -> None:
@@ -126,10 +130,9 @@ class PrefillCalls:
         try:
             self.transfers.advertise(hs.room, prompt_pages, hs.slot)
         except PdgrpcError as exc:
-            job.failure = RequestFailed(
+            self._end_with(job, RequestFailed(
                 grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}", ServerAbortReason.INTERNAL_ERROR
-            )
-            self.cancel(hs.room, job.failure.message)
+            ))
             return None
         request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), dp_rank=hs.dp_rank)
         return prompt_pages
@@ -148,8 +151,7 @@ class PrefillCalls:
             self._wake.set()
             asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
         elif isinstance(result, RequestFailed):  # refused: the request ends with the prefill's status
-            job.failure = result
-            self.cancel(job.room, result.message)
+            self._end_with(job, result)
         # else: gave up at the deadline (the poll aborts the request) or the request ended
 
     def _start_watch(self, job: Job) -> None:
@@ -162,8 +164,7 @@ class PrefillCalls:
         if failure is None or job.finished or job.cancelled:
             return
         request_event(log, job.room, "prefill failed", level=logging.WARNING, message=failure.message)
-        job.failure = failure
-        self.cancel(job.room, failure.message)
+        self._end_with(job, failure)
 
     # -- abort ----------------------------------------------------------------------------------
     async def _abort_room(self, job: Job, reason: str) -> None:
