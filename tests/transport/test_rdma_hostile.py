@@ -8,8 +8,10 @@ reaches a worker can send it control messages: one without its connection's key
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -27,15 +29,22 @@ pytestmark = pytest.mark.timeout(120)
 LAYOUT = Layout(layers=2, pages=16, slots=4)
 
 
-async def _pair():  # -> (recv, send, send_regions, peer, recv descriptor)
+@contextlib.asynccontextmanager
+async def _paired() -> AsyncIterator[tuple[Any, Any, Any, Any, bytes]]:
+    """A connected rdma pair, closed on the way out: (recv, send, send_regions, peer,
+    recv descriptor)."""
     recv_regions, _ = LAYOUT.build(None)
     send_regions, _ = LAYOUT.build(7)
     # a long lease: whatever is closed in these tests is closed for a reason, not for silence
     recv, send = registry.create("rdma", liveness_lease=30.0), registry.create("rdma", liveness_lease=30.0)
-    desc = await recv.register(recv_regions)
-    await send.register(send_regions)
-    peer = await send.connect(desc)
-    return recv, send, send_regions, peer, desc
+    try:
+        desc = await recv.register(recv_regions)
+        await send.register(send_regions)
+        peer = await send.connect(desc)
+        yield recv, send, send_regions, peer, desc
+    finally:
+        await send.close()
+        await recv.close()
 
 
 def _forged_liveness_hello(address: str, claimed_id: str, info: bytes, proof: bytes = b"\x00" * 32) -> socket.socket:
@@ -65,8 +74,7 @@ def _closed_by_peer(s: socket.socket, timeout: float = 5.0) -> bool:
 
 
 async def test_a_forged_liveness_hello_is_closed_and_does_not_drop_the_real_sender() -> None:
-    recv, send, send_regions, peer, desc = await _pair()
-    try:
+    async with _paired() as (recv, send, send_regions, peer, desc):
         pairs = region_pairs(send_regions, peer.descriptor.regions)
         meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 1)
         room = 41
@@ -88,9 +96,6 @@ async def test_a_forged_liveness_hello_is_closed_and_does_not_drop_the_real_send
         meta2 = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 2)
         await send.write(peer, room + 1, page_ops(pairs, [0], [4]), metadata=meta2)
         assert (await send.wait(room + 1, 30)).state is KVPoll.SUCCESS
-    finally:
-        await send.close()
-        await recv.close()
 
 
 async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> None:
@@ -129,8 +134,7 @@ async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> No
 async def test_control_messages_from_the_future_are_kept_only_up_to_a_bound() -> None:
     from pdgrpc.transport.rdma_wire import COMMON, EARLY_MAX, WRITE
 
-    recv, send, send_regions, peer, desc = await _pair()
-    try:
+    async with _paired() as (recv, send, send_regions, peer, desc):
         [conn] = recv._recv_conns.values()
         for k in range(2 * EARLY_MAX):  # what a forger with the (guessable) conn id can send
             recv._on_ctrl(COMMON.pack(WRITE, conn.conn_id, conn.next_seq + 5 + k, conn.key) + b"\0" * 64)
@@ -140,9 +144,6 @@ async def test_control_messages_from_the_future_are_kept_only_up_to_a_bound() ->
         meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
         await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=meta)
         assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
-    finally:
-        await send.close()
-        await recv.close()
 
 
 async def test_a_forged_metadata_row_from_an_unproven_ucx_endpoint_changes_nothing() -> None:
@@ -155,36 +156,34 @@ async def test_a_forged_metadata_row_from_an_unproven_ucx_endpoint_changes_nothi
     from pdgrpc.transport._ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import COMMON, KIND_CTRL, META, META_BODY, ctrl_tag
 
-    recv, send, send_regions, peer, desc = await _pair()
-    forger = UcxWorker()
-    forger.start()
-    try:
-        [conn] = recv._recv_conns.values()
-        recv.advertise(RoomGrant.of(9, [2], slot=1))
-        meta = peer.descriptor.region(METADATA_REGION_ID)
-        row = b"\x41" * meta.item_bytes
-        ep = forger.endpoint(peer.descriptor.endpoint)
-        for key in (0, conn.key ^ 1):  # what a forger without the key can send
-            msg = np.frombuffer(bytearray(
-                COMMON.pack(META, conn.conn_id, conn.next_seq, key)
-                + META_BODY.pack(9, 0, METADATA_REGION_ID, meta.item_bytes, len(row)) + row), dtype=np.uint8)
-            sent: list[int] = []
-            forger.send(ep, [(msg.ctypes.data, msg.nbytes)], ctrl_tag(KIND_CTRL), lambda s, n, t: sent.append(s), msg)
-            await eventually_async(lambda: sent == [0], timeout=10)
-        await asyncio.sleep(0.2)  # the receiver has had the messages
-        assert recv.rooms.status(9).state is KVPoll.WAITING_FOR_INPUT
-        slot = recv._regions[METADATA_REGION_ID].flat[meta.item_bytes : 2 * meta.item_bytes]
-        assert not bool(slot.eq(0x41).all())
-        # the real sender's write still lands, its row with it
-        pairs = region_pairs(send_regions, peer.descriptor.regions)
-        await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=metadata_op(send_regions[-1], 0, meta, 1))
-        assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
-        want = send_regions[-1].tensor.reshape(-1).view(torch.uint8)[: meta.item_bytes]
-        assert torch.equal(slot, want)
-    finally:
-        await forger.close()
-        await send.close()
-        await recv.close()
+    async with _paired() as (recv, send, send_regions, peer, desc):
+        forger = UcxWorker()
+        forger.start()
+        try:
+            [conn] = recv._recv_conns.values()
+            recv.advertise(RoomGrant.of(9, [2], slot=1))
+            meta = peer.descriptor.region(METADATA_REGION_ID)
+            row = b"\x41" * meta.item_bytes
+            ep = forger.endpoint(peer.descriptor.endpoint)
+            for key in (0, conn.key ^ 1):  # what a forger without the key can send
+                msg = np.frombuffer(bytearray(
+                    COMMON.pack(META, conn.conn_id, conn.next_seq, key)
+                    + META_BODY.pack(9, 0, METADATA_REGION_ID, meta.item_bytes, len(row)) + row), dtype=np.uint8)
+                sent: list[int] = []
+                forger.send(ep, [(msg.ctypes.data, msg.nbytes)], ctrl_tag(KIND_CTRL), lambda s, n, t: sent.append(s), msg)
+                await eventually_async(lambda: sent == [0], timeout=10)
+            await asyncio.sleep(0.2)  # the receiver has had the messages
+            assert recv.rooms.status(9).state is KVPoll.WAITING_FOR_INPUT
+            slot = recv._regions[METADATA_REGION_ID].flat[meta.item_bytes : 2 * meta.item_bytes]
+            assert not bool(slot.eq(0x41).all())
+            # the real sender's write still lands, its row with it
+            pairs = region_pairs(send_regions, peer.descriptor.regions)
+            await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=metadata_op(send_regions[-1], 0, meta, 1))
+            assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+            want = send_regions[-1].tensor.reshape(-1).view(torch.uint8)[: meta.item_bytes]
+            assert torch.equal(slot, want)
+        finally:
+            await forger.close()
 
 
 async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> None:
@@ -194,8 +193,7 @@ async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> No
 
     from pdgrpc.transport.rdma_wire import COMMON, OP_DTYPE, WRITE, WRITE_BODY
 
-    recv, send, _send_regions, _peer, _desc = await _pair()
-    try:
+    async with _paired() as (recv, send, _send_regions, _peer, _desc):
         [conn] = recv._recv_conns.values()
         before = recv._worker.inflight_requests
         n = 4096
@@ -205,16 +203,12 @@ async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> No
             recv._on_ctrl(COMMON.pack(WRITE, conn_id, conn.next_seq, key) + body)
         assert recv._worker.inflight_requests == before
         assert conn.early == {}
-    finally:
-        await send.close()
-        await recv.close()
 
 
 async def test_a_forged_reply_changes_no_room_on_the_sender() -> None:
     from pdgrpc.transport.rdma_wire import ACK, COMMON, NACK, NACK_BODY, ROOM_BODY
 
-    recv, send, _send_regions, _peer, _desc = await _pair()
-    try:
+    async with _paired() as (recv, send, _send_regions, _peer, _desc):
         [conn] = send._send_conns.values()
         conn.rooms.add(5)
         send.rooms.create(5, KVPoll.TRANSFERRING)
@@ -224,9 +218,6 @@ async def test_a_forged_reply_changes_no_room_on_the_sender() -> None:
         assert send.rooms.status(5).state is KVPoll.TRANSFERRING
         send._on_reply(COMMON.pack(ACK, conn.local_id, 0, conn.reply_key) + ROOM_BODY.pack(5))  # the real one
         assert send.rooms.status(5).state is KVPoll.SUCCESS
-    finally:
-        await send.close()
-        await recv.close()
 
 
 async def test_data_messages_from_an_unproven_endpoint_do_not_land_even_with_the_connection_id() -> None:
@@ -240,32 +231,30 @@ async def test_data_messages_from_an_unproven_endpoint_do_not_land_even_with_the
     from pdgrpc.transport._ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import data_tag
 
-    recv, send, send_regions, peer, desc = await _pair()
-    forger = UcxWorker()
-    forger.start()
-    try:
-        [conn] = recv._recv_conns.values()
-        pairs = region_pairs(send_regions, peer.descriptor.regions)
-        ops = page_ops(pairs, [0], [2])  # one page of each KV region: one message per region pair
-        junk = np.full(max(op.length for op in ops), 0x41, dtype=np.uint8)
-        ep = forger.endpoint(peer.descriptor.endpoint)
-        sent: list[int] = []
-        for seq in range(256):  # every sequence number a fresh connection's first writes use
-            forger.send(ep, [(junk.ctypes.data, ops[0].length)], data_tag(conn.conn_id, seq),
-                        lambda s, n, t: sent.append(s), junk)
-        await eventually_async(lambda: len(sent) == 256, timeout=10)
-        recv.advertise(RoomGrant.of(9, [2], slot=0))
-        meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
-        await send.write(peer, 9, ops, metadata=meta)
-        assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
-        for op in ops:  # the receiver's page 2 of every region holds the sender's page 0
-            want = send_regions[op.src_region].tensor.reshape(-1).view(torch.uint8)[op.src_offset : op.src_offset + op.length]
-            got = recv._regions[op.dst_region].flat[op.dst_offset : op.dst_offset + op.length]
-            assert torch.equal(got, want), f"forged bytes landed in region {op.dst_region}"
-    finally:
-        await forger.close()
-        await send.close()
-        await recv.close()
+    async with _paired() as (recv, send, send_regions, peer, desc):
+        forger = UcxWorker()
+        forger.start()
+        try:
+            [conn] = recv._recv_conns.values()
+            pairs = region_pairs(send_regions, peer.descriptor.regions)
+            ops = page_ops(pairs, [0], [2])  # one page of each KV region: one message per region pair
+            junk = np.full(max(op.length for op in ops), 0x41, dtype=np.uint8)
+            ep = forger.endpoint(peer.descriptor.endpoint)
+            sent: list[int] = []
+            for seq in range(256):  # every sequence number a fresh connection's first writes use
+                forger.send(ep, [(junk.ctypes.data, ops[0].length)], data_tag(conn.conn_id, seq),
+                            lambda s, n, t: sent.append(s), junk)
+            await eventually_async(lambda: len(sent) == 256, timeout=10)
+            recv.advertise(RoomGrant.of(9, [2], slot=0))
+            meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+            await send.write(peer, 9, ops, metadata=meta)
+            assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+            for op in ops:  # the receiver's page 2 of every region holds the sender's page 0
+                want = send_regions[op.src_region].tensor.reshape(-1).view(torch.uint8)[op.src_offset : op.src_offset + op.length]
+                got = recv._regions[op.dst_region].flat[op.dst_offset : op.dst_offset + op.length]
+                assert torch.equal(got, want), f"forged bytes landed in region {op.dst_region}"
+        finally:
+            await forger.close()
 
 
 async def test_stray_messages_for_nobody_are_dropped_from_ucxs_queue() -> None:
@@ -280,35 +269,33 @@ async def test_stray_messages_for_nobody_are_dropped_from_ucxs_queue() -> None:
     from pdgrpc.transport._ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import KIND_DATA, KIND_SHIFT
 
-    recv, send, send_regions, peer, desc = await _pair()
-    forger = UcxWorker()
-    forger.start()
-    try:
-        [conn] = recv._recv_conns.values()
-        rng = random.Random(5)
-        junk = np.full(512, 0x41, dtype=np.uint8)
-        ep = forger.endpoint(peer.descriptor.endpoint)
-        sent: list[int] = []
-        n = 2000
-        for i in range(n):
-            if i % 2:
-                kind = rng.choice([0, *range(KIND_DATA + 1, 16)])
-                tag = (kind << KIND_SHIFT) | rng.getrandbits(KIND_SHIFT)
-            else:  # data of a connection that does not exist
-                other = rng.choice([c for c in range(1, 64) if c != conn.conn_id])
-                tag = (KIND_DATA << KIND_SHIFT) | (other << 32) | rng.getrandbits(32)
-            forger.send(ep, [(junk.ctypes.data, junk.nbytes)], tag, lambda s, k, t: sent.append(s), junk)
-        await eventually_async(lambda: len(sent) == n, timeout=10)
-        await eventually_async(lambda: recv.stray_messages == n, timeout=10,
-                               what=lambda: f"{recv.stray_messages} of {n} dropped")
-        assert recv._worker.probe(0, 0) is None  # nothing left in UCX's unexpected queue
-        recv.advertise(RoomGrant.of(9, [2], slot=0))
-        pairs = region_pairs(send_regions, peer.descriptor.regions)
-        meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
-        await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=meta)
-        assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
-        assert recv.stray_messages == n
-    finally:
-        await forger.close()
-        await send.close()
-        await recv.close()
+    async with _paired() as (recv, send, send_regions, peer, desc):
+        forger = UcxWorker()
+        forger.start()
+        try:
+            [conn] = recv._recv_conns.values()
+            rng = random.Random(5)
+            junk = np.full(512, 0x41, dtype=np.uint8)
+            ep = forger.endpoint(peer.descriptor.endpoint)
+            sent: list[int] = []
+            n = 2000
+            for i in range(n):
+                if i % 2:
+                    kind = rng.choice([0, *range(KIND_DATA + 1, 16)])
+                    tag = (kind << KIND_SHIFT) | rng.getrandbits(KIND_SHIFT)
+                else:  # data of a connection that does not exist
+                    other = rng.choice([c for c in range(1, 64) if c != conn.conn_id])
+                    tag = (KIND_DATA << KIND_SHIFT) | (other << 32) | rng.getrandbits(32)
+                forger.send(ep, [(junk.ctypes.data, junk.nbytes)], tag, lambda s, k, t: sent.append(s), junk)
+            await eventually_async(lambda: len(sent) == n, timeout=10)
+            await eventually_async(lambda: recv.stray_messages == n, timeout=10,
+                                   what=lambda: f"{recv.stray_messages} of {n} dropped")
+            assert recv._worker.probe(0, 0) is None  # nothing left in UCX's unexpected queue
+            recv.advertise(RoomGrant.of(9, [2], slot=0))
+            pairs = region_pairs(send_regions, peer.descriptor.regions)
+            meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
+            await send.write(peer, 9, page_ops(pairs, [0], [2]), metadata=meta)
+            assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+            assert recv.stray_messages == n
+        finally:
+            await forger.close()
