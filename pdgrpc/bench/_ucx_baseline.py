@@ -9,17 +9,21 @@ backend carries them in its handshake descriptor) and create endpoints with
 UCX pick shared memory (sysv/posix eager, cma zero-copy rendezvous) on one host and RDMA
 verbs between hosts. Both run ucxx's public asyncio API in ``blocking`` progress mode.
 
-One iteration: both processes are told to go at once; the receiver zeroes its buffer
-and posts its ``recv``, the sender ``send``s ``nbytes`` with ``force_tag=True`` and waits
-for an 8-byte acknowledgement that the receiver sends once its ``recv`` has completed.
-The zeroing overlaps the sender's start, as it did when the two looped on their own
-(on an idle 2-core host it is ~1.4 ms of a 96 MiB iteration's ~7.2 ms;
-docs/performance.md, "rdma steadiness"). The iteration's latency is send-start → ack-received, so it is the
-same "write until the receiver has the bytes and the sender knows it" span that a
-transport benchmark times for its backend. Throughput is ``nbytes / median latency``
-in GB/s (10**9 bytes per second). The received bytes are compared with what was sent
-after the timed iterations (outside the timing), so a baseline that moved nothing
-cannot report a number.
+One iteration: the receiver posts its ``recv`` and says so; only then is the sender
+told to go: it ``send``s ``nbytes`` with ``force_tag=True`` and waits for an 8-byte
+acknowledgement that the receiver sends once its ``recv`` has completed. The
+iteration's latency is send-start → ack-received, so it is the same "write until the
+receiver has the bytes and the sender knows it" span that a transport benchmark times
+for its backend (whose receiver has likewise advertised its room before the clock
+starts). Throughput is ``nbytes / median latency`` in GB/s (10**9 bytes per second).
+
+Nothing but the transfer runs inside that span. The receiver used to zero its buffer
+right before each ``recv``, in a race with the sender's start: whether the memset
+(~1.2 ms of a 96 MiB iteration) fell inside the span or before it decided the
+iteration's time, so the baseline itself was bimodal (5.8-6.2 or 7.0-7.4 ms at 96 MiB
+on the 2-core host; docs/performance.md, "rdma steadiness"). :meth:`RawUcx.check`
+instead zeroes the buffer, runs one more, untimed iteration into it and compares the
+bytes, so a baseline that moved nothing still cannot report a number.
 
 Nothing here imports ``ucxx`` in the calling process: the two children do all the UCX
 work, so the caller may already run its own UCX worker (or none).
@@ -56,6 +60,7 @@ __all__ = ["BaselineResult", "RawUcx", "run_baseline", "run_baselines"]
 INSTALL_HINT = "pip install 'pdgrpc[ucx]'"
 _DATA_TAG = 0x5044_4752_0000_0001  # arbitrary fixed tags: only these two processes use them
 _ACK_TAG = 0x5044_4752_0000_0002
+_CHUNK = 16 << 20  # bytes compared at a time, so a check of 384 MiB builds no GiB of pattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,17 +78,21 @@ def _require_ucxx() -> None:
         raise TransportUnavailable(f"the raw UCX baseline needs ucxx, which is not installed: {INSTALL_HINT}")
 
 
-def _pattern(nbytes: int) -> Any:
+def _pattern(nbytes: int, start: int = 0) -> Any:
+    """Bytes ``[start, start + nbytes)`` of the sent pattern."""
     import numpy as np
 
     # A byte pattern that differs at every offset modulo 251, so a shifted or truncated
     # transfer cannot compare equal.
-    return (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+    return (np.arange(start, start + nbytes, dtype=np.uint64) % 251).astype(np.uint8)
 
 
 def _child(role: str, conn: multiprocessing.connection.Connection, max_bytes: int) -> None:
     """Body of the sender (``role == "send"``) and receiver (``"recv"``) processes: one
-    iteration per ``("once", nbytes)`` command, a bytes check per ``("check", nbytes)``."""
+    iteration per ``("once", nbytes)`` command (the receiver answers ``"posted"`` once
+    its receive is up, then ``True`` when the bytes are in), and on the receiver a
+    memset per ``("zero", nbytes)`` and a comparison with the sent pattern per
+    ``("compare", nbytes)``."""
     import asyncio
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -95,7 +104,10 @@ def _child(role: str, conn: multiprocessing.connection.Connection, max_bytes: in
         conn.send(ucxx.get_worker_address().tobytes())
         peer = ucxx.get_ucx_address_from_buffer(conn.recv())
         ep = await ucxx.create_endpoint_from_worker_address(peer, endpoint_error_handling=False)
-        buf = _pattern(max_bytes) if role == "send" else np.zeros(max_bytes, dtype=np.uint8)
+        buf = np.zeros(max_bytes, dtype=np.uint8)
+        if role == "send":
+            for at in range(0, max_bytes, _CHUNK):
+                buf[at:at + _CHUNK] = _pattern(min(_CHUNK, max_bytes - at), at)
         ack = np.zeros(8, dtype=np.uint8)
         conn.send("ready")
         # The next command is read blocking, holding the loop: ucxx's progress would
@@ -104,8 +116,12 @@ def _child(role: str, conn: multiprocessing.connection.Connection, max_bytes: in
         while (cmd := conn.recv()) is not None:
             what, nbytes = cmd
             view = buf[:nbytes]
-            if what == "check":
-                conn.send(bool(np.array_equal(view, _pattern(nbytes))))
+            if what == "zero":
+                view[:] = 0
+                conn.send(True)
+            elif what == "compare":
+                conn.send(all(np.array_equal(view[at:at + _CHUNK], _pattern(min(_CHUNK, nbytes - at), at))
+                              for at in range(0, nbytes, _CHUNK)))
             elif role == "send":
                 t0 = time.perf_counter()
                 await asyncio.gather(
@@ -114,8 +130,10 @@ def _child(role: str, conn: multiprocessing.connection.Connection, max_bytes: in
                 )
                 conn.send(time.perf_counter() - t0)
             else:
-                view[:] = 0
-                await ep.recv(view, tag=_DATA_TAG, force_tag=True)
+                received = asyncio.ensure_future(ep.recv(view, tag=_DATA_TAG, force_tag=True))
+                await asyncio.sleep(0)  # the task's first step posts the receive
+                conn.send("posted")
+                await received
                 await ep.send(ack, tag=_ACK_TAG, force_tag=True)
                 conn.send(True)
         await ep.close()
@@ -179,13 +197,19 @@ class RawUcx:
         """One iteration of ``nbytes``: seconds from the send's start until the
         receiver's acknowledgement reached the sender."""
         self._conns["recv"].send(("once", nbytes))
+        if (posted := self._get("recv")) != "posted":
+            raise TransportError(f"raw UCX baseline: the receiver answered {posted!r} instead of posting its receive")
         self._conns["send"].send(("once", nbytes))
         latency, _ = self._get("send"), self._get("recv")
         return float(latency)
 
     def check(self, nbytes: int) -> None:
-        """Raise unless the last iteration's ``nbytes`` arrived as sent."""
-        self._conns["recv"].send(("check", nbytes))
+        """Zero the receiver's first ``nbytes``, move them once more (untimed) and raise
+        unless they arrived as sent."""
+        self._conns["recv"].send(("zero", nbytes))
+        self._get("recv")
+        self.once(nbytes)
+        self._conns["recv"].send(("compare", nbytes))
         if self._get("recv") is not True:
             raise TransportError(f"raw UCX baseline: the {nbytes} bytes received differ from those sent")
 

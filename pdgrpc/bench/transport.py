@@ -33,7 +33,12 @@ Spread: each row also carries min and max (table columns, JSON ``min``/``max``/
 iterations included) and the samples are the N repeats' medians, the row's value their
 median. A row ``..., slowest repeat`` then gives each repeat's ratio against the raw
 baseline of the same repeat, its value the lowest: a case that is fast only some of the
-time shows in one run (issue 19).
+time shows in one run (issue 19). ``--control`` times a second raw pair right after the
+first in every iteration and reports it like a backend (rows ``control: 2nd raw pair
+...``): the spread that a backend exactly as fast as raw would show in the same run. On
+the 2-core CI host its slowest repeat of 5 ranges 0.83-1.02, so a single run's slowest
+repeat cannot resolve a gap of 10%. ``--verbose`` prints every iteration, the raw
+baseline's included.
 
 Baselines, same byte count, two processes, median of as many iterations:
 
@@ -132,6 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cases to run (head-sliced also runs contiguous, its baseline)")
     parser.add_argument("--verbose", action="store_true", help="print every iteration's latency (to stderr)")
     parser.add_argument(
+        "--control", action="store_true",
+        help="also time a second raw baseline pair, alternating with the first, and report its ratio against the "
+        "first like the backend's: the spread a backend exactly as fast as raw would show in this run (CPU only)")
+    parser.add_argument(
         "--no-huge-pages", dest="huge_pages", action="store_false",
         help="put both sides' regions in ordinary 4 KiB pages (torch.zeros) instead of transparent huge pages "
         "(what an engine started with --kv-huge-pages registers); the raw baseline is unaffected")
@@ -139,6 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[Result]:
+    if getattr(args, "control", False) and str(getattr(args, "device", "cpu")) != "cpu":
+        raise SystemExit(f"bench transport: --control repeats the raw pair of a CPU run; with --device {args.device} "
+                         "the baseline is a CUDA IPC copy measured once, with no pair to repeat")
     resolve_bench_device(args)  # --device cuda without CUDA: one line naming the flag, exit 2
     try:
         import uvloop
@@ -292,6 +304,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     # base_lat[nbytes][repeat]: the raw latencies of that repeat.
     base_lat: dict[int, list[list[float]]] = {nb: [[] for _ in range(repeats)] for nb in nbytes.values()}
     raw: _RawTcp | RawUcx | None = None
+    control: _RawTcp | RawUcx | None = None  # --control: a second raw pair, timed like a backend
+    control_lat: dict[int, list[list[float]]] = {nb: [[] for _ in range(repeats)] for nb in nbytes.values()}
     if device != "cpu":  # GPU memory: the baseline is a device-to-device copy between the processes
         base_name = CUDA_BASELINE
         for nb, lats in ipc_copy_baseline(sorted(set(nbytes.values())), args.iterations, args.warmup, device).items():
@@ -303,6 +317,12 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     else:
         base_name = "raw tcp socket recv_into"
         raw = _RawTcp(max(nbytes.values()))
+    if getattr(args, "control", False) and raw is not None:
+        try:
+            control = type(raw)(max(nbytes.values()))
+        except BaseException:
+            raw.close()
+            raise
 
     regions, flats = layout.build(args.seed)  # sender memory, filled
     sender = registry.create(backend, **options)
@@ -349,6 +369,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                         b = raw.once(nbytes[tokens])
                         if i >= args.warmup:
                             base_lat[nbytes[tokens]][rep_i].append(b)
+                        if control is not None:
+                            c = control.once(nbytes[tokens])
+                            if i >= args.warmup:
+                                control_lat[nbytes[tokens]][rep_i].append(c)
                     for kind in together:
                         target, target_peer, pairs, dst_meta = targets.get(kind, targets[""])
                         room += 1
@@ -372,6 +396,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                     # the raw baseline's last bytes, outside the timing too; in a thread, so
                     # the loop keeps answering the peers' liveness heartbeats meanwhile
                     await asyncio.to_thread(raw.check, nbytes[tokens])
+                    if isinstance(control, RawUcx):
+                        await asyncio.to_thread(control.check, nbytes[tokens])
                 for kind in together:
                     # bit-exact check of the last iteration (outside the timing)
                     target = targets.get(kind, targets[""])[0]
@@ -387,10 +413,15 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                     if args.verbose:
                         print(f"{tokens} tokens {kind}" + (f" (repeat {rep_i + 1})" if repeats > 1 else "") + ": "
                               + " ".join(f"{x * 1e3:.1f}" for x in lat[kind]) + " ms", file=sys.stderr)
+                if args.verbose and raw is not None and together[0] == base_kind:
+                    print(f"{tokens} tokens {base_name}" + (f" (repeat {rep_i + 1})" if repeats > 1 else "") + ": "
+                          + " ".join(f"{x * 1e3:.1f}" for x in base_lat[nbytes[tokens]][rep_i]) + " ms", file=sys.stderr)
     finally:
         await sender.close()
-        if raw is not None:
-            raw.close()
+        with contextlib.ExitStack() as closing:  # every pair is closed even if one's bytes check fails
+            for pair in (raw, control):
+                if pair is not None:
+                    closing.callback(pair.close)
     def medians(runs: list[list[float]]) -> list[float]:
         """The samples of a case: its iterations (one repeat) or each repeat's median."""
         return list(runs[0]) if repeats == 1 else [statistics.median(r) for r in runs]
@@ -424,6 +455,17 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             if repeats > 1:
                 # each repeat against the raw baseline of the same repeat; the value is the slowest
                 per = tuple(statistics.median(b) / statistics.median(r) for r, b in zip(runs, base_lat[nb]))
+                results.append(Result(case, f"throughput vs {base_name}, slowest repeat", min(per), "x",
+                                      samples=per))
+        if control is not None and control_lat[nb][0]:
+            # the second raw pair, read exactly like a backend's case
+            c_runs = control_lat[nb]
+            c_lat, b_lat = median_latency(c_runs), base[nb]
+            case = f"control: 2nd raw pair {_size(tokens)} ({nb / 2**20:.0f} MiB)"
+            results.append(Result(case, f"throughput vs {base_name}", nb / c_lat / 1e9, "GB/s", nb / b_lat / 1e9,
+                                  b_lat / c_lat, tuple(nb / x / 1e9 for x in medians(c_runs))))
+            if repeats > 1:
+                per = tuple(statistics.median(b) / statistics.median(r) for r, b in zip(c_runs, base_lat[nb]))
                 results.append(Result(case, f"throughput vs {base_name}, slowest repeat", min(per), "x",
                                       samples=per))
         for kind, vs in (("scattered", "contiguous"), ("head-sliced", "whole-page")):

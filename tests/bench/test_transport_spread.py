@@ -59,3 +59,24 @@ def test_rdma_repeats_compare_each_repeat_with_its_own_raw_ucxx_iterations() -> 
     assert thr.samples is not None and len(thr.samples) == 2 and thr.baseline_value
     [slowest] = [r for r in results if r.metric == "throughput vs raw ucxx tag send/recv, slowest repeat"]
     assert slowest.samples is not None and len(slowest.samples) == 2 and slowest.value == min(slowest.samples) > 0
+
+
+def test_control_times_a_second_raw_pair_like_a_backend() -> None:
+    """``--control``: a second raw pair, alternating with the first, gets the same rows a
+    backend gets (its throughput against the first pair, and its slowest repeat), so a run
+    shows what spread a backend exactly as fast as raw would have shown in it."""
+    results = _run("--backend", "tcp", "--iterations", "2", "--repeat", "2", "--control")
+    control = [r for r in results if r.case.startswith("control: 2nd raw pair 256 tok")]
+    by_metric = {r.metric: r for r in control}
+    thr = by_metric["throughput vs raw tcp socket recv_into"]
+    assert thr.unit == "GB/s" and thr.value > 0 and thr.baseline_value and thr.ratio == pytest.approx(
+        thr.value / thr.baseline_value, rel=1e-6)
+    assert thr.samples is not None and len(thr.samples) == 2  # one per repeat
+    slowest = by_metric["throughput vs raw tcp socket recv_into, slowest repeat"]
+    assert slowest.samples is not None and len(slowest.samples) == 2 and slowest.value == min(slowest.samples) > 0
+    assert not any(r.case.startswith("control") for r in _run("--backend", "tcp", "--iterations", "1"))
+
+
+def test_control_is_refused_where_the_baseline_has_no_pair() -> None:
+    with pytest.raises(SystemExit, match="--control repeats the raw pair of a CPU run"):
+        _run("--backend", "tcp", "--iterations", "1", "--control", "--device", "cuda")
