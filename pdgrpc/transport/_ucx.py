@@ -21,11 +21,13 @@ through its shared-memory eager buffers and zero-copies larger ones with cma).
 Progress ("blocking" mode, driven by the loop): one task per worker calls
 ``worker.progress()``, yielding to the loop between rounds, while progress finds work;
 then it arms the worker and sleeps on UCX's epoll file descriptor (with a bounded
-safety timeout), so an idle transport costs ~no CPU. Optionally (``spin_s`` > 0) it
-busy-polls up to ``spin_s`` after the last completion while a send or data receive is
-pending. The default is no spin: on a 2-core host a spin starves the peer that has the
-real work (docs/performance.md, "Transport"). Completions are recorded by a C callback
-and handed to Python callbacks after ``progress()`` returns, never from inside UCX.
+safety timeout), so an idle transport costs ~no CPU. While a large send batch is being
+read it polls once per loop tick instead, unarmed, so the receiver need not wake it per
+message (:mod:`pdgrpc.transport._ucx_quiet`). Optionally (``spin_s`` > 0) it busy-polls
+up to ``spin_s`` after the last completion while a send or data receive is pending. The
+default is no spin: on a 2-core host a spin starves the peer that has the real work
+(docs/performance.md, "Transport"). Completions are recorded by a C callback and handed
+to Python callbacks after ``progress()`` returns, never from inside UCX.
 
 Every request is posted with ``UCP_OP_ATTR_FLAG_NO_IMM_CMPL`` so it always completes
 through that one path, and can be cancelled (``ucp_request_cancel``) until it does.
@@ -41,17 +43,17 @@ import threading
 import time
 from typing import Any, Sequence
 
-import numpy as np
-
 from pdgrpc.errors import TransportUnavailable
 from pdgrpc.transport._ucx_api import (
-    _DATATYPE_CONTIG_BYTES, _DATATYPE_IOV, _EP_CLOSE_FLAG_FORCE, _EP_PARAM_FIELD_ERR_HANDLING_MODE,
+    _EP_CLOSE_FLAG_FORCE, _EP_PARAM_FIELD_ERR_HANDLING_MODE,
     _EP_PARAM_FIELD_REMOTE_ADDRESS, _ERR_HANDLING_MODE_NONE, _OP_ATTR_FIELD_CALLBACK, _OP_ATTR_FIELD_DATATYPE,
     _OP_ATTR_FIELD_FLAGS, _OP_ATTR_FIELD_USER_DATA, _OP_ATTR_FLAG_NO_IMM_CMPL, _PARKED, _RECV_CB, _SEND_CB,
     FULL_MASK, INSTALL_HINT, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_INPROGRESS, UCS_OK, Completion,
-    Pieces, UcxError, _check, _create_worker, _destroy, _EpParams, _Iov, _Param, _status_of, _TagRecvInfo, api,
+    Pieces, UcxError, _check, _create_worker, _destroy, _EpParams, _Param, _status_of, _TagRecvInfo, api,
+    message_buffer,
 )
 from pdgrpc.transport._ucx_batch import Batch, BatchCompletion
+from pdgrpc.transport._ucx_quiet import TICK_S as QUIET_TICK_S, QuietSends
 
 __all__ = [
     "BatchCompletion", "FULL_MASK", "INSTALL_HINT", "UCS_ERR_CANCELED", "UCS_ERR_MESSAGE_TRUNCATED", "UCS_OK", "Completion", "Pieces",
@@ -69,7 +71,7 @@ class UcxWorker:
     for exactly that long.
     """
 
-    def __init__(self, *, spin_s: float = 0.0, idle_timeout_s: float = 0.05) -> None:
+    def __init__(self, *, spin_s: float = 0.0, idle_timeout_s: float = 0.05, quiet_sends: bool = True) -> None:
         self._api = api()
         self._context: int | None
         self._worker: int | None
@@ -88,6 +90,8 @@ class UcxWorker:
         self.handle: int = self._worker  # type: ignore[assignment]  # set just above
         self._spin_s = spin_s
         self._idle_timeout_s = idle_timeout_s
+        self._quiet = QuietSends() if quiet_sends else None  # see pdgrpc.transport._ucx_quiet
+        self._receiving: set[int] = set()  # tokens of data receives (not background ones) in flight
         # token -> (request pointer, callback, keepalive)
         self._inflight: dict[int, tuple[int, Completion, Any]] = {}
         self._next_token = 1
@@ -131,11 +135,9 @@ class UcxWorker:
 
     async def close(self, timeout: float = 5.0, destroy_timeout: float = 5.0) -> None:
         """Cancel everything in flight, wait (bounded) for the cancellations, stop the
-        progress task, close endpoints and release the worker.
-
-        ``timeout`` is generous because a send to a live but busy peer (a loaded host)
-        completes only when that peer progresses: with 1 s, the conformance suite saw a
-        worker parked (and its fds kept) under a full test run on 2 cores."""
+        progress task, close endpoints and release the worker. ``timeout`` is generous:
+        a send to a live but busy peer completes only when that peer progresses (with
+        1 s, a full test run on 2 cores saw workers parked, their fds kept)."""
         if self._closed:
             return
         for token in [*self._inflight, *self._polling]:
@@ -196,10 +198,8 @@ class UcxWorker:
     # -- endpoints ------------------------------------------------------------------
     def endpoint(self, address: bytes) -> int:
         """An endpoint (``ucp_ep_h``) to the worker at ``address``, error handling off
-        (the fast shared-memory path; peer death is detected by the liveness side
-        channel). Created through the C API rather than ucxx's ``UCXEndpoint`` so that
-        closing it never blocks: ucxx closes endpoints by progressing until the peer
-        confirms, which never happens when the peer is hung."""
+        (the fast shared-memory path; the liveness side channel notices a dead peer).
+        Not ucxx's ``UCXEndpoint``, whose close waits for a hung peer forever."""
         if self._closed or self._worker is None:
             raise UcxError("UCX worker is closed")
         raw = ctypes.create_string_buffer(bytes(address), len(address))
@@ -225,6 +225,8 @@ class UcxWorker:
         if ep is None or ep not in self._endpoints or self._worker is None:
             return
         self._endpoints.remove(ep)
+        if self._quiet is not None:
+            self._quiet.forget(ep)
         token = self._next_token
         self._next_token += 1
         param = _Param()
@@ -252,8 +254,7 @@ class UcxWorker:
         ``background``: a receive kept posted for whatever comes (control messages);
         it does not make the progress task spin."""
         token = self._post(False, self.handle, pieces, tag, mask, cb, keep)
-        if background:
-            self._background.add(token)
+        (self._background if background else self._receiving).add(token)
         return token
 
     def send_batch(self, ep: int, runs: Sequence[Sequence[int]], tags: list[int], cb: BatchCompletion,
@@ -263,11 +264,16 @@ class UcxWorker:
         ``(status, 0)``. Returns one token for cancel()."""
         if ep not in self._endpoints:
             raise UcxError("UCX endpoint is closed")
-        return self._post_batch(True, ep, runs, tags, cb, keep)
+        token = self._post_batch(True, ep, runs, tags, cb, keep)
+        if self._quiet is not None:
+            self._quiet.posted(token, ep, sum(n for _, n in runs), time.monotonic())
+        return token
 
     def recv_batch(self, runs: Sequence[Sequence[int]], tags: list[int], cb: BatchCompletion, keep: Any) -> int:
         """:meth:`send_batch` for receives (exact tags); lengths are the received ones."""
-        return self._post_batch(False, self.handle, runs, tags, cb, keep)
+        token = self._post_batch(False, self.handle, runs, tags, cb, keep)
+        self._receiving.add(token)
+        return token
 
     def _post_batch(self, is_send: bool, target: int, runs: Sequence[Sequence[int]], tags: list[int],
                     cb: BatchCompletion, keep: Any) -> int:
@@ -308,6 +314,10 @@ class UcxWorker:
             return False
         self._polling.pop(token, None)
         self._batches.pop(token, None)
+        self._receiving.discard(token)
+        if self._quiet is not None and not batch.recv:
+            self._quiet.finished(token, not batch.abandoned and all(st == UCS_OK for st, _ in batch.results),
+                                 time.monotonic())
         if not batch.abandoned:
             try:
                 batch.cb(batch.results)
@@ -341,6 +351,7 @@ class UcxWorker:
         close). Its callback is never run; if UCX ever completes it, the request is
         freed then, and its buffers stay referenced until that or :meth:`close`."""
         entry = self._inflight.pop(token, None)
+        self._receiving.discard(token)
         if entry is not None:
             self._abandoned[token] = entry
         batch = self._batches.get(token)
@@ -357,27 +368,7 @@ class UcxWorker:
         param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE \
             | _OP_ATTR_FLAG_NO_IMM_CMPL
         param.user_data = token
-        iov: Any = None
-        if isinstance(pieces, np.ndarray):
-            # (n, 2) uint64 rows {address, length}: the exact layout of ucp_dt_iov_t,
-            # so UCX reads the array in place (no per-entry Python work).
-            if pieces.ndim != 2 or pieces.shape[1] != 2 or pieces.dtype != np.uint64 \
-                    or not pieces.flags.c_contiguous or len(pieces) == 0:
-                raise ValueError("iov array must be a non-empty C-contiguous (n, 2) uint64 array")
-            if len(pieces) == 1:
-                param.datatype = _DATATYPE_CONTIG_BYTES
-                buf, count = int(pieces[0, 0]), int(pieces[0, 1])
-            else:
-                iov = pieces
-                param.datatype = _DATATYPE_IOV
-                buf, count = pieces.ctypes.data, len(pieces)
-        elif len(pieces) == 1:
-            param.datatype = _DATATYPE_CONTIG_BYTES
-            buf, count = pieces[0]
-        else:
-            iov = (_Iov * len(pieces))(*[_Iov(a, n) for a, n in pieces])
-            param.datatype = _DATATYPE_IOV
-            buf, count = ctypes.addressof(iov), len(pieces)
+        param.datatype, buf, count, iov = message_buffer(pieces)
         if is_send:
             param.cb = self._send_cb_ptr
             ptr = self._api.tag_send_nbx(target, buf, count, tag, ctypes.byref(param))
@@ -415,6 +406,8 @@ class UcxWorker:
             entry = self._inflight.pop(token, None)
             self._closing.discard(token)
             self._background.discard(token)
+            if token not in self._batches:  # a batch is receiving until all its requests are settled
+                self._receiving.discard(token)
             if entry is None:
                 gone = self._abandoned.pop(token, None)
                 if gone is not None:
@@ -475,25 +468,33 @@ class UcxWorker:
             self._loop.remove_reader(self._fd)
         self._reader_on = on
 
+    async def _sleep(self, timeout: float, *, armed: bool) -> None:
+        """Until ``timeout``, kick(), or (``armed``) UCX's epoll fd fires."""
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._wake = fut
+        self._set_reader(armed)
+        timer = self._loop.call_later(timeout, self._on_timer)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._wake = None
+            self._set_reader(False)
+
     async def _progress_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while not self._closed:
             if self._progress_once():
                 self._last_activity = time.monotonic()
             elif self._worker is not None and (
                     not self._busy() or time.monotonic() - self._last_activity > self._spin_s):
+                if self._quiet is not None and not self._receiving and self._quiet.quiet(time.monotonic()):
+                    # a large send batch is being read: poll next tick, unarmed (_ucx_quiet)
+                    await self._sleep(QUIET_TICK_S, armed=False)
+                    continue
                 # Idle: arm the worker and sleep until its epoll fd fires. arm() is
                 # False when events are pending, in which case we progress again.
                 if self._api.worker_arm(self._worker) == UCS_OK:  # else UCS_ERR_BUSY: events pending
-                    fut: asyncio.Future[None] = loop.create_future()
-                    self._wake = fut
-                    self._set_reader(True)
-                    timer = loop.call_later(self._idle_timeout_s, self._on_timer)
-                    try:
-                        await fut
-                    finally:
-                        timer.cancel()
-                        self._wake = None
-                        self._set_reader(False)
+                    await self._sleep(self._idle_timeout_s, armed=True)
                     continue
             await asyncio.sleep(0)

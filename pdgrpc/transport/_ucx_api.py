@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Callable, Sequence, Union
 
-import numpy as np  # noqa: F401  (the Pieces alias names it)
+import numpy as np
 
 from pdgrpc.errors import TransportError, TransportUnavailable
 
@@ -86,6 +86,26 @@ _ERR_HANDLING_MODE_NONE = 0
 
 class _Iov(ctypes.Structure):
     _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def message_buffer(pieces: Pieces) -> tuple[int, int, int, Any]:
+    """``(datatype, buffer, count, keepalive)`` of a tag message made of ``pieces``: one
+    piece is a contiguous message (buffer = its address, count = its bytes), several an
+    iov message (buffer = the address of their ``ucp_dt_iov_t`` table, count = entries).
+    ``keepalive`` is that table (None for one piece): it must outlive the request."""
+    if isinstance(pieces, np.ndarray):
+        # (n, 2) uint64 rows {address, length}: the exact layout of ucp_dt_iov_t, so
+        # UCX reads the array in place (no per-entry Python work).
+        if pieces.ndim != 2 or pieces.shape[1] != 2 or pieces.dtype != np.uint64 \
+                or not pieces.flags.c_contiguous or len(pieces) == 0:
+            raise ValueError("iov array must be a non-empty C-contiguous (n, 2) uint64 array")
+        if len(pieces) == 1:
+            return _DATATYPE_CONTIG_BYTES, int(pieces[0, 0]), int(pieces[0, 1]), None
+        return _DATATYPE_IOV, pieces.ctypes.data, len(pieces), pieces
+    if len(pieces) == 1:
+        return _DATATYPE_CONTIG_BYTES, int(pieces[0][0]), int(pieces[0][1]), None
+    table = (_Iov * len(pieces))(*[_Iov(a, n) for a, n in pieces])
+    return _DATATYPE_IOV, ctypes.addressof(table), len(pieces), table
 
 
 class _TagRecvInfo(ctypes.Structure):

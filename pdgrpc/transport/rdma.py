@@ -31,7 +31,11 @@ Options (seconds, bytes, counts):
   and must outlast the longest time either side's loop can be busy;
 * ``host`` (127.0.0.1): the liveness listen address, advertised to peers;
 * ``progress_spin_s`` (0): busy-polling after the last completion while a transfer is
-  pending; on a host whose cores are all busy any spin steals the peer's CPU.
+  pending; on a host whose cores are all busy any spin steals the peer's CPU;
+* ``quiet_sends`` (1; 0: off): while a large write's data is being read, the sender
+  polls once per loop tick instead of asking to be woken for every message the
+  receiver has read, which spares the receiver one wake-up signal per message
+  (:mod:`pdgrpc.transport._ucx_quiet`).
 
 UCX reads its usual ``UCX_*`` variables; nothing is forced. Leave ``UCX_MM_SEG_SIZE`` at
 its default: raised to 64K, UCX 1.21 completes every iov receive over shared memory as
@@ -88,13 +92,14 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         liveness_lease: float = 5.0,
         host: str = "127.0.0.1",
         progress_spin_s: float = 0.0,
+        quiet_sends: bool | int = True,
         **unknown: Any,
     ) -> None:
         super().__init__()
         if unknown:
             raise ConfigError(
                 f"rdma transport: unknown option(s) {', '.join(sorted(unknown))}; known: zero_copy_min, contiguous_min, iov_max, "
-                "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s"
+                "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s, quiet_sends"
             )
         if zero_copy_min < 1 or not 1 <= iov_max <= MAX_OPS_PER_WRITE:
             raise ConfigError(f"rdma: need zero_copy_min >= 1 and 1 <= iov_max <= {MAX_OPS_PER_WRITE}, got {zero_copy_min}, {iov_max}")
@@ -108,7 +113,10 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         self._connect_timeout = float(connect_timeout)
         if progress_spin_s < 0:
             raise ConfigError(f"rdma: progress_spin_s must be >= 0, got {progress_spin_s}")
-        self._worker = UcxWorker(spin_s=progress_spin_s)  # raises TransportUnavailable (with the install hint)
+        if quiet_sends not in (0, 1):  # True, False, or the 0 / 1 of --option quiet_sends=N
+            raise ConfigError(f"rdma: quiet_sends must be 1 (on) or 0 (off), got {quiet_sends!r}")
+        # raises TransportUnavailable (with the install hint)
+        self._worker = UcxWorker(spin_s=progress_spin_s, quiet_sends=bool(quiet_sends))
         self._liveness = Liveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
                                   interval=liveness_interval, lease=liveness_lease, key=self.auth_key,
                                   credential_for=self.credential_for, writers=self.writers)

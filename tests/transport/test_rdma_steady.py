@@ -86,3 +86,43 @@ async def test_a_write_of_long_runs_only_lands_bit_exact_row_included() -> None:
     assert plan_chunk(_table([24 * layout.page_bytes] * 4), np.zeros(1 << 16, dtype=np.uint64), 16 << 20, 4096,
                       64 << 10).counts == [1, 1, 1, 1]  # type: ignore[union-attr]
     await _write_and_check(layout, 12, list(range(0, 24)), list(range(50, 74)), room=3, row_slots=(1, 2))
+
+
+def test_quiet_sends_takes_on_or_off_and_refuses_anything_else() -> None:
+    with pytest.raises(ConfigError, match="quiet_sends must be 1 .on. or 0 .off., got 2"):
+        registry.create("rdma", quiet_sends=2)
+    with pytest.raises(ConfigError, match="known: .*quiet_sends"):
+        registry.create("rdma", quiet_send=1)
+
+
+@pytest.mark.parametrize("quiet", [1, 0], ids=["quiet-sends", "armed-sends"])
+async def test_back_to_back_large_writes_land_bit_exact_with_or_without_quiet_sends(quiet: int) -> None:
+    """Writes of 1 MiB runs (contiguous messages, one batch per write): with quiet_sends
+    (the default) the first write teaches the sender the peer's rate, from which later
+    writes' quiet windows are sized (their timing: tests/transport/test_ucx_quiet.py),
+    and both writes land bit-exact either way."""
+    layout = Layout(layers=2, pages=512, page_shape=(2, 16, 64), slots=4)  # 4 KiB pages, 2 MiB regions
+    regions, flats = layout.build(21)
+    send = registry.create("rdma", quiet_sends=quiet)
+    await send.register(regions)
+    try:
+        async with PeerProcess("rdma", layout=layout) as recv:
+            peer = await send.connect(recv.descriptor)
+            pairs = region_pairs(regions, peer.descriptor.regions)
+            dmeta = peer.descriptor.region(METADATA_REGION_ID)
+            for room, (src, dst) in enumerate([(range(0, 256), range(256, 512)), (range(256, 512), range(0, 256))],
+                                              start=5):
+                await recv.call("advertise", room, list(dst), 0)
+                await send.write(peer, room, page_ops(pairs, list(src), list(dst)),
+                                 metadata=metadata_op(regions[-1], 0, dmeta, 0))
+                if room == 6:  # the first write taught the sender how fast this peer reads
+                    window = send._worker._quiet  # type: ignore[attr-defined]
+                    assert (window is not None and bool(window._fastest)) is bool(quiet)
+                assert (await send.wait(room, WAIT_S)).state is KVPoll.SUCCESS
+                want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[list(src)].reshape(-1)
+                                         for r in layout.kv_region_ids()]))
+                assert await recv.call("digest_pages", layout.kv_region_ids(), list(dst)) == want
+                send.release(room)
+                await recv.call("release", room)
+    finally:
+        await send.close()

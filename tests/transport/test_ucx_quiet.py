@@ -1,0 +1,203 @@
+"""The quiet window of a sender's UCX worker (pdgrpc.transport._ucx_quiet): while a
+large send batch is being read, the sender polls once per loop tick instead of asking
+UCX to wake it for every message read, and goes back to sleeping armed in time for the
+end of the batch. The policy is pure and tested without a socket; the worker's use of it
+with two real UCX workers over shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdgrpc.transport._ucx_quiet import MARGIN_S, MIN_BYTES, QuietSends
+
+MiB = 1 << 20
+
+
+# -- the policy, no socket ---------------------------------------------------------------
+
+def test_the_first_batch_to_an_endpoint_opens_no_window() -> None:
+    q = QuietSends()
+    q.posted(1, ep=7, nbytes=96 * MiB, now=10.0)
+    assert not q.quiet(10.0)  # nothing known yet about how fast this peer reads
+
+
+def test_a_window_ends_a_margin_before_a_batch_as_fast_as_the_fastest_seen() -> None:
+    q = QuietSends()
+    q.posted(1, ep=7, nbytes=96 * MiB, now=10.0)
+    q.finished(1, ok=True, now=10.006)  # 96 MiB in 6 ms
+    q.posted(2, ep=7, nbytes=96 * MiB, now=20.0)
+    end = 20.006 - MARGIN_S
+    assert q.quiet(20.0) and q.quiet(end - 1e-4) and not q.quiet(end + 1e-4)
+    q.posted(3, ep=7, nbytes=48 * MiB, now=30.0)  # half the bytes: half the expected time
+    assert q.quiet(30.0) and not q.quiet(30.003 - MARGIN_S + 1e-4)
+
+
+def test_the_fastest_batch_sets_the_rate_not_the_latest() -> None:
+    q = QuietSends()
+    q.posted(1, ep=7, nbytes=96 * MiB, now=0.0)
+    q.finished(1, ok=True, now=0.006)
+    q.posted(2, ep=7, nbytes=96 * MiB, now=1.0)
+    q.finished(2, ok=True, now=1.060)  # a slow spell: 10x longer
+    q.posted(3, ep=7, nbytes=96 * MiB, now=2.0)
+    assert not q.quiet(2.006 - MARGIN_S + 1e-4)  # still the 6 ms batch's window
+
+
+def test_small_failed_and_other_endpoints_batches_teach_nothing() -> None:
+    q = QuietSends()
+    q.posted(1, ep=7, nbytes=MIN_BYTES - 1, now=0.0)
+    q.finished(1, ok=True, now=0.000001)  # tiny and fast: would make every window huge
+    q.posted(2, ep=7, nbytes=96 * MiB, now=1.0)
+    q.finished(2, ok=False, now=1.001)  # failed (cancelled, peer lost)
+    q.posted(3, ep=8, nbytes=96 * MiB, now=2.0)
+    q.finished(3, ok=True, now=2.006)  # another peer
+    q.posted(4, ep=7, nbytes=96 * MiB, now=3.0)
+    assert not q.quiet(3.0)
+
+
+def test_a_small_batch_opens_no_window_and_the_window_closes_with_the_last_batch() -> None:
+    q = QuietSends()
+    q.posted(1, ep=7, nbytes=96 * MiB, now=0.0)
+    q.finished(1, ok=True, now=0.006)
+    q.posted(2, ep=7, nbytes=MiB, now=1.0)  # expected 62 us: shorter than the margin
+    assert not q.quiet(1.0)
+    q.posted(3, ep=7, nbytes=96 * MiB, now=2.0)
+    assert q.quiet(2.001)
+    q.finished(2, ok=True, now=2.001)
+    assert q.quiet(2.001)  # batch 3 is still being read
+    q.finished(3, ok=True, now=2.002)  # faster than expected: nothing of ours in flight
+    assert not q.quiet(2.002)
+
+
+def test_a_closed_endpoint_is_forgotten() -> None:
+    q = QuietSends()
+    q.posted(1, ep=7, nbytes=96 * MiB, now=0.0)
+    q.finished(1, ok=True, now=0.006)
+    q.forget(7)
+    q.posted(2, ep=7, nbytes=96 * MiB, now=1.0)  # a new endpoint may reuse the handle
+    assert not q.quiet(1.0)
+    q.finished(99, ok=True, now=2.0)  # unknown token: ignored
+
+
+# -- the worker, two real UCX workers ------------------------------------------------------
+
+ucx = pytest.importorskip("pdgrpc.transport._ucx", reason="needs the ucx extra: pip install 'pdgrpc[ucx]'")
+pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra")
+
+
+class _CountingApi:
+    """The worker's UCX API with ``worker_arm`` counted: how often it asked to be woken."""
+
+    def __init__(self, api: Any) -> None:
+        self._api, self.arms = api, 0
+
+    def worker_arm(self, worker: int) -> int:
+        self.arms += 1
+        return int(self._api.worker_arm(worker))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+
+class Pair:
+    def __init__(self) -> None:
+        self.tx = ucx.UcxWorker()
+        self.rx = ucx.UcxWorker()
+
+    async def __aenter__(self) -> "Pair":
+        self.tx.start()
+        self.rx.start()
+        self.ep = self.tx.endpoint(self.rx.address)
+        self.back = self.rx.endpoint(self.tx.address)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.tx.close()
+        await self.rx.close()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    async with Pair() as p:
+        yield p
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.001)
+
+
+def _runs(bufs: list[np.ndarray]) -> list[tuple[int, int]]:
+    return [(b.ctypes.data, b.nbytes) for b in bufs]
+
+
+async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0) -> tuple[list[Any], list[Any]]:
+    """Send ``n`` runs of 2 MiB; the receiver posts its receives ``received_after`` s later."""
+    src = [np.full(2 * MiB, i + 1, dtype=np.uint8) for i in range(n)]
+    dst = [np.zeros(2 * MiB, dtype=np.uint8) for _ in range(n)]
+    tags = list(range(tag0, tag0 + n))
+    sent: list[Any] = []
+    got: list[Any] = []
+    pair.tx.send_batch(pair.ep, _runs(src), tags, sent.append, src)
+    await asyncio.sleep(received_after)
+    pair.rx.recv_batch(_runs(dst), tags, got.append, dst)
+    await until(lambda: bool(sent and got))
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst))
+    return sent, got
+
+
+async def test_a_sender_in_its_window_polls_unarmed_and_still_sees_its_batch_end(pair: Pair) -> None:
+    counting = _CountingApi(pair.tx._api)
+    pair.tx._api = counting
+    await _batch(pair, 8, 0x100)  # learns this endpoint's rate
+    assert pair.tx._quiet._fastest.get(pair.ep)
+    pair.tx._quiet._fastest[pair.ep] = 10.0 / (16 * MiB)  # as if 16 MiB took 10 s: a long window
+    counting.arms = 0
+    t0 = time.monotonic()
+    sent, got = await _batch(pair, 8, 0x200, received_after=0.05)
+    assert time.monotonic() - t0 < 5.0  # seen at a tick, not at the end of the 10 s window
+    assert sent == [[(ucx.UCS_OK, 0)] * 8] and got == [[(ucx.UCS_OK, 2 * MiB)] * 8]
+    assert counting.arms == 0  # not once asked to be woken while the batch was read
+
+
+async def test_without_a_window_the_sender_sleeps_armed(pair: Pair) -> None:
+    counting = _CountingApi(pair.tx._api)
+    pair.tx._api = counting
+    pair.tx._quiet = None  # quiet_sends off
+    await _batch(pair, 8, 0x100, received_after=0.05)
+    assert counting.arms > 0
+
+
+async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair) -> None:
+    """A worker that also receives data must not leave it waiting for ticks: posting a
+    receive ends the quiet sleep, and a worker with one pending sleeps armed."""
+    await _batch(pair, 4, 0x100)
+    counting = _CountingApi(pair.tx._api)
+    pair.tx._api = counting
+    pair.tx._quiet._fastest[pair.ep] = 10.0 / (8 * MiB)
+    src = [np.full(2 * MiB, 9, dtype=np.uint8) for _ in range(4)]
+    sent: list[Any] = []
+    pair.tx.send_batch(pair.ep, _runs(src), [0x300 + i for i in range(4)], sent.append, src)
+    await asyncio.sleep(0.02)
+    assert pair.tx._quiet.quiet(time.monotonic()) and counting.arms == 0  # the window is open
+    reply = np.zeros(64, dtype=np.uint8)
+    replies: list[Any] = []
+    pair.tx.recv([(reply.ctypes.data, reply.nbytes)], 0x999, ucx.FULL_MASK,
+                 lambda status, length, tag: replies.append((status, length)), reply)
+    await asyncio.sleep(0.02)
+    assert counting.arms > 0  # sleeping armed for the reply despite the window
+    note = np.full(64, 5, dtype=np.uint8)
+    pair.rx.send(pair.back, [(note.ctypes.data, note.nbytes)], 0x999, lambda *a: None, note)
+    await until(lambda: bool(replies), timeout=5.0)
+    assert replies == [(ucx.UCS_OK, 64)] and bytes(reply) == bytes(note)
+    dst = [np.zeros(2 * MiB, dtype=np.uint8) for _ in range(4)]
+    got: list[Any] = []
+    pair.rx.recv_batch(_runs(dst), [0x300 + i for i in range(4)], got.append, dst)
+    await until(lambda: bool(sent and got))
