@@ -66,9 +66,9 @@ What bounds the ratios on a small host (measured on the 2-core CI machine, 32 Mi
   breaks the hardware prefetcher. No transport can do better than the memory system;
   rdma measured 0.50x / 0.47x at 8k / 32k (its contiguous case runs at memcpy speed).
 * 1k tokens against raw ucxx: 12 MiB fit in L3, so the raw single-message baseline runs
-  cache-hot (~23 GB/s, 0.55 ms), while a pdgrpc write of the same bytes is 48 pieces,
-  a WRITE/META/ACK exchange and an authorization check, ~0.4 ms of fixed cost measured
-  with a 1-page write; the rest is UCX's iov path (below).
+  cache-hot (~15 GB/s, 0.8 ms), while a pdgrpc write of the same bytes is 48 messages of
+  256 KiB (one rendezvous each), a WRITE/META/ACK exchange and an authorization check:
+  0.5-0.8 ms of per-write cost around the data (docs/performance.md, "rdma steadiness").
 * UCX 1.21 moves every scatter/gather (iov) message between two processes on one host
   as "fragmented copy-in copy-out" through its sysv segments (``UCX_PROTO_INFO=y``
   shows it); only contiguous messages get the one-copy cma path. The contiguous case's

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 __all__ = ["QuietSends"]
 
-TICK_S = 0.0005  # asked of the loop per poll; asyncio and libuv round it up to ~1 ms
+# Asked of the loop per poll. Both loops time in whole milliseconds: asyncio's epoll
+# rounds a timeout up, but uvloop rounds a delay to the nearest one, and under 0.5 ms
+# runs the callback at once, which would make every poll a spin.
+TICK_S = 0.001
 MARGIN_S = 0.0015  # the window ends this long before the batch's expected end
 MIN_BYTES = 1 << 20  # batches below this teach nothing about the fabric's rate
 

@@ -91,14 +91,19 @@ pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries o
 
 
 class _CountingApi:
-    """The worker's UCX API with ``worker_arm`` counted: how often it asked to be woken."""
+    """The worker's UCX API with ``worker_arm`` (how often it asked to be woken) and
+    ``worker_progress`` counted."""
 
     def __init__(self, api: Any) -> None:
-        self._api, self.arms = api, 0
+        self._api, self.arms, self.progress = api, 0, 0
 
     def worker_arm(self, worker: int) -> int:
         self.arms += 1
         return int(self._api.worker_arm(worker))
+
+    def worker_progress(self, worker: int) -> int:
+        self.progress += 1
+        return int(self._api.worker_progress(worker))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._api, name)
@@ -138,14 +143,16 @@ def _runs(bufs: list[np.ndarray]) -> list[tuple[int, int]]:
     return [(b.ctypes.data, b.nbytes) for b in bufs]
 
 
-async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0) -> tuple[list[Any], list[Any]]:
-    """Send ``n`` runs of 2 MiB; the receiver posts its receives ``received_after`` s later."""
+async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0,
+                 on_sent: Callable[[], None] = lambda: None) -> tuple[list[Any], list[Any]]:
+    """Send ``n`` runs of 2 MiB; the receiver posts its receives ``received_after`` s
+    later. ``on_sent`` runs when the send batch completes."""
     src = [np.full(2 * MiB, i + 1, dtype=np.uint8) for i in range(n)]
     dst = [np.zeros(2 * MiB, dtype=np.uint8) for _ in range(n)]
     tags = list(range(tag0, tag0 + n))
     sent: list[Any] = []
     got: list[Any] = []
-    pair.tx.send_batch(pair.ep, _runs(src), tags, sent.append, src)
+    pair.tx.send_batch(pair.ep, _runs(src), tags, lambda r: (sent.append(r), on_sent()), src)
     await asyncio.sleep(received_after)
     pair.rx.recv_batch(_runs(dst), tags, got.append, dst)
     await until(lambda: bool(sent and got))
@@ -160,11 +167,13 @@ async def test_a_sender_in_its_window_polls_unarmed_and_still_sees_its_batch_end
     assert pair.tx._quiet._fastest.get(pair.ep)
     pair.tx._quiet._fastest[pair.ep] = 10.0 / (16 * MiB)  # as if 16 MiB took 10 s: a long window
     counting.arms = 0
+    arms_while_read: list[int] = []
     t0 = time.monotonic()
-    sent, got = await _batch(pair, 8, 0x200, received_after=0.05)
+    sent, got = await _batch(pair, 8, 0x200, received_after=0.05, on_sent=lambda: arms_while_read.append(counting.arms))
     assert time.monotonic() - t0 < 5.0  # seen at a tick, not at the end of the 10 s window
     assert sent == [[(ucx.UCS_OK, 0)] * 8] and got == [[(ucx.UCS_OK, 2 * MiB)] * 8]
-    assert counting.arms == 0  # not once asked to be woken while the batch was read
+    assert arms_while_read == [0]  # not once asked to be woken while the batch was read
+    assert not pair.tx._quiet.quiet(time.monotonic())  # nothing in flight: the window closed
 
 
 async def test_without_a_window_the_sender_sleeps_armed(pair: Pair) -> None:
@@ -201,3 +210,35 @@ async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair) -> N
     got: list[Any] = []
     pair.rx.recv_batch(_runs(dst), [0x300 + i for i in range(4)], got.append, dst)
     await until(lambda: bool(sent and got))
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_window_polls_once_per_tick_not_in_a_spin(loop: str) -> None:
+    """uvloop runs a callback due in under 0.5 ms at once: a tick that short would turn
+    the window into a busy-poll. 200 ms of window: about 200 polls, not thousands."""
+    factory = None
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop", reason="uvloop is optional")
+        factory = uvloop.new_event_loop
+
+    async def main() -> int:
+        async with Pair() as pair:
+            await _batch(pair, 4, 0x100)
+            pair.tx._quiet._fastest[pair.ep] = 10.0 / (8 * MiB)
+            counting = _CountingApi(pair.tx._api)
+            pair.tx._api = counting
+            src = [np.full(2 * MiB, 3, dtype=np.uint8) for _ in range(4)]
+            sent: list[Any] = []
+            pair.tx.send_batch(pair.ep, _runs(src), [0x400 + i for i in range(4)], sent.append, src)
+            await asyncio.sleep(0.2)
+            polls = counting.progress
+            assert counting.arms == 0 and pair.tx._quiet.quiet(time.monotonic())
+            dst = [np.zeros(2 * MiB, dtype=np.uint8) for _ in range(4)]
+            got: list[Any] = []
+            pair.rx.recv_batch(_runs(dst), [0x400 + i for i in range(4)], got.append, dst)
+            await until(lambda: bool(sent and got))
+            return polls
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        polls = runner.run(main())
+    assert 20 <= polls <= 1000, polls  # a tick of ~1 ms (and the loop's own slack), not a spin
