@@ -7,8 +7,7 @@ UCX's shared-memory transports."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -16,44 +15,18 @@ import pytest
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 
 from pdgrpc.transport._ucx import (  # noqa: E402  (after the importorskip)
-    UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, UcxWorker,
+    UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK,
 )
+from tests.transport.ucx_pair import Pair, runs_of, until  # noqa: E402
 
 SIZES = [100, 1 << 20, 7, 300_000]  # eager and rendezvous messages mixed
 TAGS = [0x51, 0x52, 0x53, 0x54]
-
-
-class Pair:
-    def __init__(self) -> None:
-        self.tx = UcxWorker()
-        self.rx = UcxWorker()
-
-    async def __aenter__(self) -> "Pair":
-        self.tx.start()
-        self.rx.start()
-        self.ep = self.tx.endpoint(self.rx.address)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.tx.close()
-        await self.rx.close()
 
 
 @pytest.fixture
 async def pair() -> AsyncIterator[Pair]:
     async with Pair() as p:
         yield p
-
-
-def runs_of(bufs: list[np.ndarray]) -> list[tuple[int, int]]:
-    return [(b.ctypes.data, b.nbytes) for b in bufs]
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.002)
 
 
 async def test_a_batch_completes_once_with_every_message_in_order(pair: Pair) -> None:

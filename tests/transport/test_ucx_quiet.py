@@ -88,6 +88,7 @@ def test_a_closed_endpoint_is_forgotten() -> None:
 
 ucx = pytest.importorskip("pdgrpc.transport._ucx", reason="needs the ucx extra: pip install 'pdgrpc[ucx]'")
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra")
+from tests.transport.ucx_pair import Pair, runs_of, until  # noqa: E402  (after the importorskips)
 
 
 class _CountingApi:
@@ -109,38 +110,10 @@ class _CountingApi:
         return getattr(self._api, name)
 
 
-class Pair:
-    def __init__(self) -> None:
-        self.tx = ucx.UcxWorker()
-        self.rx = ucx.UcxWorker()
-
-    async def __aenter__(self) -> "Pair":
-        self.tx.start()
-        self.rx.start()
-        self.ep = self.tx.endpoint(self.rx.address)
-        self.back = self.rx.endpoint(self.tx.address)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.tx.close()
-        await self.rx.close()
-
-
 @pytest.fixture
 async def pair() -> AsyncIterator[Pair]:
     async with Pair() as p:
         yield p
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.001)
-
-
-def _runs(bufs: list[np.ndarray]) -> list[tuple[int, int]]:
-    return [(b.ctypes.data, b.nbytes) for b in bufs]
 
 
 async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0,
@@ -152,9 +125,9 @@ async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0,
     tags = list(range(tag0, tag0 + n))
     sent: list[Any] = []
     got: list[Any] = []
-    pair.tx.send_batch(pair.ep, _runs(src), tags, lambda r: (sent.append(r), on_sent()), src)
+    pair.tx.send_batch(pair.ep, runs_of(src), tags, lambda r: (sent.append(r), on_sent()), src)
     await asyncio.sleep(received_after)
-    pair.rx.recv_batch(_runs(dst), tags, got.append, dst)
+    pair.rx.recv_batch(runs_of(dst), tags, got.append, dst)
     await until(lambda: bool(sent and got))
     assert all(np.array_equal(a, b) for a, b in zip(src, dst))
     return sent, got
@@ -193,7 +166,7 @@ async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair) -> N
     pair.tx._quiet._fastest[pair.ep] = 10.0 / (8 * MiB)
     src = [np.full(2 * MiB, 9, dtype=np.uint8) for _ in range(4)]
     sent: list[Any] = []
-    pair.tx.send_batch(pair.ep, _runs(src), [0x300 + i for i in range(4)], sent.append, src)
+    pair.tx.send_batch(pair.ep, runs_of(src), [0x300 + i for i in range(4)], sent.append, src)
     await asyncio.sleep(0.02)
     assert pair.tx._quiet.quiet(time.monotonic()) and counting.arms == 0  # the window is open
     reply = np.zeros(64, dtype=np.uint8)
@@ -208,7 +181,7 @@ async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair) -> N
     assert replies == [(ucx.UCS_OK, 64)] and bytes(reply) == bytes(note)
     dst = [np.zeros(2 * MiB, dtype=np.uint8) for _ in range(4)]
     got: list[Any] = []
-    pair.rx.recv_batch(_runs(dst), [0x300 + i for i in range(4)], got.append, dst)
+    pair.rx.recv_batch(runs_of(dst), [0x300 + i for i in range(4)], got.append, dst)
     await until(lambda: bool(sent and got))
 
 
@@ -229,13 +202,13 @@ def test_a_window_polls_once_per_tick_not_in_a_spin(loop: str) -> None:
             pair.tx._api = counting
             src = [np.full(2 * MiB, 3, dtype=np.uint8) for _ in range(4)]
             sent: list[Any] = []
-            pair.tx.send_batch(pair.ep, _runs(src), [0x400 + i for i in range(4)], sent.append, src)
+            pair.tx.send_batch(pair.ep, runs_of(src), [0x400 + i for i in range(4)], sent.append, src)
             await asyncio.sleep(0.2)
             polls = counting.progress
             assert counting.arms == 0 and pair.tx._quiet.quiet(time.monotonic())
             dst = [np.zeros(2 * MiB, dtype=np.uint8) for _ in range(4)]
             got: list[Any] = []
-            pair.rx.recv_batch(_runs(dst), [0x400 + i for i in range(4)], got.append, dst)
+            pair.rx.recv_batch(runs_of(dst), [0x400 + i for i in range(4)], got.append, dst)
             await until(lambda: bool(sent and got))
             return polls
 

@@ -1,0 +1,44 @@
+"""Two real UCX workers in this process, talking over UCX's shared-memory transports:
+the fixture of the ``_ucx`` worker tests (batches, quiet windows)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from pdgrpc.transport._ucx import UcxWorker
+
+
+class Pair:
+    """A sender worker ``tx`` with endpoint ``ep`` to a receiver worker ``rx``, which
+    has endpoint ``back`` to ``tx``."""
+
+    def __init__(self) -> None:
+        self.tx = UcxWorker()
+        self.rx = UcxWorker()
+
+    async def __aenter__(self) -> "Pair":
+        self.tx.start()
+        self.rx.start()
+        self.ep = self.tx.endpoint(self.rx.address)
+        self.back = self.rx.endpoint(self.tx.address)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.tx.close()
+        await self.rx.close()
+
+
+def runs_of(bufs: list[np.ndarray]) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of each buffer."""
+    return [(b.ctypes.data, b.nbytes) for b in bufs]
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.001)
