@@ -27,6 +27,7 @@ from pdgrpc.engine.base import Engine
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc.errors import RpcError
+from pdgrpc.serving.failure_log import FailureLog
 from pdgrpc.serving.logs import request_event
 from pdgrpc.state import DecodeQueues, QueryDpRanks, SendHandshake
 
@@ -51,6 +52,7 @@ class PrefillCalls:
     _jobs: dict[int, Job]
     _closing: bool
     _wake: asyncio.Event
+    _query_failures: FailureLog
 
     def cancel(self, room: int, message: str) -> None:
         raise NotImplementedError
@@ -71,8 +73,9 @@ class PrefillCalls:
             answers, instance = await self.directory.query_dp_ranks(addr, query.rooms)
         except RpcError as exc:
             self.metrics.on_dp_rank_query_failed(len(query.rooms))
-            log.warning("QueryDpRanks to %s for %d rooms failed (asked again next interval): %s", addr, len(query.rooms), exc)
+            self._query_failures.failed(addr, f"{len(query.rooms)} rooms: {exc}")
             return
+        self._query_failures.succeeded(addr)
         self.metrics.on_dp_rank_query(len(query.rooms), missing=sum(1 for r in answers.values() if r is None))
         now = time.monotonic()
         good: dict[int, int | None] = {}

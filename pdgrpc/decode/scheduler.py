@@ -46,6 +46,7 @@ from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc.errors import RpcError
+from pdgrpc.serving.failure_log import FailureLog
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.threads import compute_executor
@@ -101,6 +102,7 @@ class DecodeScheduler(PrefillCalls, Generation):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poll_pending = False  # a transport room ended; _transfer_ended is scheduled
         self._wake = asyncio.Event()
+        self._query_failures = FailureLog(log, "QueryDpRanks")  # one line per failing bootstrap per 10 s
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
         # Every engine call runs here, one at a time (the engine is not thread-safe).

@@ -70,8 +70,13 @@ class RecordingBootstrap(BootstrapServicer):
         super().__init__(RoomTable(ttl=cfg.ttl, max_rooms=1024, max_batch=1024), WorkerRegistry())
         self.queries: list[tuple[list[int], list[int]]] = []
         self.queried = asyncio.Event()
+        self.failing = False  # answer every QueryDpRanks UNAVAILABLE (a bootstrap going down)
+        self.failed = 0  # QueryDpRanks calls answered so
 
     async def QueryDpRanks(self, request: bpb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> bpb.QueryDpRanksResponse:  # noqa: N802
+        if self.failing:
+            self.failed += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "bootstrap is going down")
         resp = await super().QueryDpRanks(request, context)
         # The servicer may answer pre-serialized bytes (its fast path for large batches).
         msg = bpb.QueryDpRanksResponse.FromString(resp) if isinstance(resp, (bytes, bytearray)) else resp
