@@ -77,7 +77,8 @@ class Job:
     # The prefill's controller forwarded the request to no worker (pdgrpc.prefill.notices):
     # nothing can land in the pages, so the abort frees them without a worker's ack.
     never_forwarded: bool = False
-    last_error: str = ""  # last handshake problem, named when the bootstrap deadline passes
+    # The last failed QueryDpRanks or handshake, named when the deadline of its phase passes.
+    last_error: str = ""
     transport_error: str | None = None  # the transport's reason for the first FAILED it reported
     # Running (after commit).
     running: bool = False
@@ -122,7 +123,10 @@ def abort_status(job: Job, a: Aborted) -> RequestFailed:
     code = _CODE.get(r)
     if code is not None:
         return RequestFailed(code, a.message, r)
-    msg = f"{a.message}: phase {_PHASE.get(r, r.name)}"
-    if job.last_error and r is AbortReason.BOOTSTRAP_TIMEOUT:
+    phase = _PHASE.get(r, r.name)
+    if job.last_error and r is AbortReason.RESOLVE_DP_RANK_TIMEOUT:
+        phase = phase.replace(" (QueryDpRanks found no entry)", "")  # it did not answer: the error says why
+    msg = f"{a.message}: phase {phase}"
+    if job.last_error and r in (AbortReason.BOOTSTRAP_TIMEOUT, AbortReason.RESOLVE_DP_RANK_TIMEOUT):
         msg += f"; last error: {job.last_error}"
     return RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, msg, r)

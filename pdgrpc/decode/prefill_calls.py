@@ -74,6 +74,9 @@ class PrefillCalls:
         except RpcError as exc:
             self.metrics.on_dp_rank_query_failed(len(query.rooms))
             self._query_failures.failed(addr, f"{len(query.rooms)} rooms: {exc}")
+            for room in query.rooms:
+                if (job := self._jobs.get(room)) is not None:
+                    job.last_error = str(exc)
             return
         self._query_failures.succeeded(addr)
         self.metrics.on_dp_rank_query(len(query.rooms), missing=sum(1 for r in answers.values() if r is None))
@@ -83,6 +86,7 @@ class PrefillCalls:
             job = self._jobs.get(room)
             if job is None:
                 continue
+            job.last_error = ""  # answered: a failure before is no longer why it waits
             if job.prefill.restarted(instance):  # admitted under the instance before: its prefill is lost
                 request_event(log, room, "prefill restarted", level=logging.WARNING, prefill=addr, instance=f"{instance:016x}")
                 self._end_with(job, restart_failure(room, addr))
