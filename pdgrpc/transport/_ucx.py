@@ -250,9 +250,8 @@ class UcxWorker:
 
     def recv(self, pieces: Pieces, tag: int, mask: int, cb: Completion, keep: Any, *,
              background: bool = False) -> int:
-        """Post a tag receive into ``pieces`` on the worker (any sender).
-        ``background``: a receive kept posted for whatever comes (control messages);
-        it does not make the progress task spin."""
+        """Post a tag receive into ``pieces`` on the worker (any sender). ``background``:
+        kept posted for whatever comes (control messages): never a reason to spin."""
         token = self._post(False, self.handle, pieces, tag, mask, cb, keep)
         (self._background if background else self._receiving).add(token)
         return token
@@ -354,9 +353,10 @@ class UcxWorker:
         self._receiving.discard(token)
         if entry is not None:
             self._abandoned[token] = entry
-        batch = self._batches.get(token)
-        if batch is not None:
+        if (batch := self._batches.get(token)) is not None:
             batch.abandoned = True
+            if self._quiet is not None and not batch.recv:  # nothing to wait quietly for
+                self._quiet.finished(token, False, time.monotonic())
 
     def _post(self, is_send: bool, target: int, pieces: Pieces, tag: int, mask: int,
               cb: Completion, keep: Any) -> int:

@@ -215,3 +215,22 @@ def test_a_window_polls_once_per_tick_not_in_a_spin(loop: str) -> None:
     with asyncio.Runner(loop_factory=factory) as runner:
         polls = runner.run(main())
     assert 20 <= polls <= 1000, polls  # a tick of ~1 ms (and the loop's own slack), not a spin
+
+
+async def test_a_batch_abandoned_in_its_window_closes_the_window(pair: Pair) -> None:
+    """A receiver that hangs never reads the batch, and UCX cannot cancel a rendezvous
+    send (with error handling off, not even by a forced endpoint close): the transport
+    abandons it. The worker then has nothing to poll quietly for, and sleeps armed."""
+    await _batch(pair, 4, 0x100)
+    pair.tx._quiet._fastest[pair.ep] = 10.0 / (8 * MiB)
+    src = [np.full(2 * MiB, 4, dtype=np.uint8) for _ in range(4)]
+    sent: list[Any] = []
+    token = pair.tx.send_batch(pair.ep, runs_of(src), [0x500 + i for i in range(4)], sent.append, src)
+    await asyncio.sleep(0.02)
+    assert pair.tx._quiet.quiet(time.monotonic()) and not sent
+    counting = _CountingApi(pair.tx._api)
+    pair.tx._api = counting
+    pair.tx.abandon(token)
+    assert not pair.tx._quiet.quiet(time.monotonic()) and not pair.tx._quiet._started
+    await asyncio.sleep(0.02)
+    assert counting.arms > 0 and not sent  # armed again; an abandoned batch calls nobody back
