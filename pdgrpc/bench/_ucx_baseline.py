@@ -207,7 +207,8 @@ class RawUcx:
         """Zero the receiver's first ``nbytes``, move them once more (untimed) and raise
         unless they arrived as sent."""
         self._conns["recv"].send(("zero", nbytes))
-        self._get("recv")
+        if self._get("recv") is not True:
+            raise TransportError("raw UCX baseline: the receiver did not zero its buffer")
         self.once(nbytes)
         self._conns["recv"].send(("compare", nbytes))
         if self._get("recv") is not True:

@@ -96,7 +96,7 @@ class Job:
 
 
 _PHASE = {
-    AbortReason.RESOLVE_DP_RANK_TIMEOUT: "resolving the prefill dp rank (QueryDpRanks found no entry)",
+    AbortReason.RESOLVE_DP_RANK_TIMEOUT: "resolving the prefill dp rank",
     AbortReason.ALLOCATE_TIMEOUT: "waiting for free KV pages and a metadata slot",
     AbortReason.BOOTSTRAP_TIMEOUT: "bootstrap (handshake with the prefill worker not accepted)",
     AbortReason.WAITING_FOR_INPUT_TIMEOUT: "waiting for the prefill to send KV",
@@ -123,10 +123,9 @@ def abort_status(job: Job, a: Aborted) -> RequestFailed:
     code = _CODE.get(r)
     if code is not None:
         return RequestFailed(code, a.message, r)
-    phase = _PHASE.get(r, r.name)
-    if job.last_error and r is AbortReason.RESOLVE_DP_RANK_TIMEOUT:
-        phase = phase.replace(" (QueryDpRanks found no entry)", "")  # it did not answer: the error says why
-    msg = f"{a.message}: phase {phase}"
+    msg = f"{a.message}: phase {_PHASE.get(r, r.name)}"
     if job.last_error and r in (AbortReason.BOOTSTRAP_TIMEOUT, AbortReason.RESOLVE_DP_RANK_TIMEOUT):
         msg += f"; last error: {job.last_error}"
+    elif r is AbortReason.RESOLVE_DP_RANK_TIMEOUT:  # the bootstrap answered, without the room
+        msg += " (QueryDpRanks found no entry)"
     return RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, msg, r)

@@ -6,6 +6,7 @@ bimodal, issue 19), and its bytes check still catches a transfer that moved too 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -15,9 +16,8 @@ from pdgrpc.errors import TransportError
 
 pytestmark = pytest.mark.timeout(120)
 
-needs_ucxx = pytest.mark.skipif(
-    __import__("importlib.util").util.find_spec("ucxx") is None,
-    reason="the raw UCX baseline needs the ucx extra: pip install 'pdgrpc[ucx]'")
+needs_ucxx = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                                reason="the raw UCX baseline needs the ucx extra: pip install 'pdgrpc[ucx]'")
 
 
 class _Pipe:
