@@ -23,9 +23,14 @@ Memory: both sides' regions are in transparent huge pages
 rdma this matters: UCX's one-copy shared-memory path pins both buffers page by page
 (measured here: 96 MiB contiguous 6.6 ms on huge pages vs 10.9 ms on 4 KiB pages).
 
-One iteration = build the ops from the page lists, ``write`` pages + metadata row, wait
-until the sender's room is SUCCESS (the receiver acknowledged the row, which lands after
-every page). Latency is the median iteration; GB/s = bytes / latency / 1e9.
+One iteration (``--write prepared``, the default) = build the ops from the page lists and
+``prepare_write`` pages + metadata row, untimed, as a prefill does for its final write
+while the prompt computes (over rdma the WRITE is announced then and the receiver posts
+its receives, as the raw baseline's receiver posts its receive before its timer); then,
+timed, the prepared send and the wait until the sender's room is SUCCESS (the receiver
+acknowledged the row, which lands after every page). ``--write direct`` times the ops,
+``write`` and the wait, as for an earlier chunk's write (rows say "direct write").
+Latency is the median iteration; GB/s = bytes / latency / 1e9.
 
 Spread: each row also carries min and max (table columns, JSON ``min``/``max``/
 ``samples``). With ``--repeat 1`` (the default) the samples are the iterations; with
@@ -91,24 +96,22 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
-import multiprocessing.connection
 import random
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from pdgrpc.bench._cuda_baseline import BASELINE_NAME as CUDA_BASELINE
 from pdgrpc.bench._cuda_baseline import add_device_argument, ipc_copy_baseline, placed, resolve_bench_device
+from pdgrpc.bench._tcp_baseline import RawTcp
 from pdgrpc.bench._ucx_baseline import RawUcx  # imports nothing of UCX in this process
 from pdgrpc.bench.report import Result
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
+from pdgrpc.transport.base import WriteOps
 from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
 
@@ -118,7 +121,6 @@ TOKENS_PER_PAGE = 16
 KV_HEADS = 2  # per page of the sender's pool (TP 1); the head-sliced receiver holds half
 HEAD_DIM = 64
 CASES = ("contiguous", "scattered", "head-sliced")
-SOCKBUF = 4 << 20  # the tcp backend's default; the raw baseline uses the same
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
                         help="cases to run (head-sliced also runs contiguous, its baseline)")
     parser.add_argument("--verbose", action="store_true", help="print every iteration's latency (to stderr)")
+    parser.add_argument(
+        "--write", choices=("prepared", "direct"), default="prepared",
+        help="prepared (default): build the ops and call prepare_write before the timer, as a prefill does for its "
+        "final write while the prompt computes (rdma announces the write then and the receiver posts its receives, "
+        "as the raw baseline's receiver does before its timer); timed: the send to the ACK. direct: build the ops "
+        "and call write() inside the timer, as for an earlier chunk")
     parser.add_argument(
         "--control", action="store_true",
         help="also time a second raw baseline pair, alternating with the first, and report its ratio against the "
@@ -162,83 +170,6 @@ def run(args: argparse.Namespace) -> list[Result]:
         return runner.run(_run(args))
 
 
-# ----------------------------------------------------------------------------- raw tcp
-
-
-def _raw_tcp_receiver(conn: multiprocessing.connection.Connection, max_bytes: int) -> None:
-    """Child: accept one connection; per round read an 8-byte size, ``recv_into`` that
-    many bytes into a preallocated buffer, reply one byte. Reports a digest at the end."""
-    lsock = socket.socket()
-    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)  # before listen: inherited, sets the window
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(1)
-    conn.send(lsock.getsockname()[1])
-    s, _ = lsock.accept()
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = np.zeros(max_bytes, dtype=np.uint8)
-    view = buf.data  # memoryview(buf); numpy's stubs declare ndarray.__buffer__ only for Python 3.12+
-    last = 0
-    while True:
-        head = s.recv(8, socket.MSG_WAITALL)
-        if len(head) < 8:
-            break
-        n = int.from_bytes(head, "little")
-        got = 0
-        while got < n:
-            k = s.recv_into(view[got:n])
-            if k == 0:
-                raise ConnectionError("sender went away")
-            got += k
-        last = n
-        s.sendall(b"!")
-    conn.send(digest(view[:last]))
-    s.close()
-    lsock.close()
-
-
-class _RawTcp:
-    """The raw socket baseline, kept alive so its iterations can alternate with the
-    backend's: on a shared machine, load then hits both the same way."""
-
-    def __init__(self, max_bytes: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_raw_tcp_receiver, args=(child, max_bytes), daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(60):
-            raise RuntimeError("raw tcp receiver did not start")
-        port = self._conn.recv()
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)  # before connect, like the backend
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.connect(("127.0.0.1", port))
-        self._sock = s
-        self._src = (np.arange(max_bytes, dtype=np.uint32) % 251).astype(np.uint8)
-        self._last = 0
-
-    def once(self, n: int) -> float:
-        t0 = time.perf_counter()
-        self._sock.sendall(n.to_bytes(8, "little"))
-        self._sock.sendall(self._src.data[:n])
-        if self._sock.recv(1) != b"!":
-            raise RuntimeError("raw tcp receiver did not acknowledge")
-        self._last = n
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        try:
-            self._sock.close()
-            if not self._conn.poll(60) or self._conn.recv() != digest(self._src.data[: self._last]):
-                raise RuntimeError("raw tcp baseline: received bytes differ from those sent")
-        finally:
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
-            self._conn.close()
-
-
 # ----------------------------------------------------------------------------- backend
 
 
@@ -253,6 +184,16 @@ def _parse_value(text: str) -> Any:
 
 def _size(tokens: int) -> str:
     return f"{tokens // 1024}k tok" if tokens % 1024 == 0 else f"{tokens} tok"
+
+
+async def _until_posted(target: PeerProcess, room: int) -> None:
+    """A prepared write: wait (bounded) until the receiver posted the room's receives, as
+    it does while a prompt computes; a backend that does not say is not waited for."""
+    for _ in range(500):
+        posted = await target.call("receives_posted", room)
+        if posted is None or posted > 0:
+            return
+        await asyncio.sleep(0.001)
 
 
 async def _run(args: argparse.Namespace) -> list[Result]:
@@ -303,8 +244,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     # runs right before the backend's, so both see the same machine load.
     # base_lat[nbytes][repeat]: the raw latencies of that repeat.
     base_lat: dict[int, list[list[float]]] = {nb: [[] for _ in range(repeats)] for nb in nbytes.values()}
-    raw: _RawTcp | RawUcx | None = None
-    control: _RawTcp | RawUcx | None = None  # --control: a second raw pair, timed like a backend
+    raw: RawTcp | RawUcx | None = None
+    control: RawTcp | RawUcx | None = None  # --control: a second raw pair, timed like a backend
     control_lat: dict[int, list[list[float]]] = {nb: [[] for _ in range(repeats)] for nb in nbytes.values()}
     if device != "cpu":  # GPU memory: the baseline is a device-to-device copy between the processes
         base_name = CUDA_BASELINE
@@ -316,13 +257,21 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         raw = RawUcx(max(nbytes.values()))
     else:
         base_name = "raw tcp socket recv_into"
-        raw = _RawTcp(max(nbytes.values()))
+        raw = RawTcp(max(nbytes.values()))
     if getattr(args, "control", False) and raw is not None:
         try:
             control = type(raw)(max(nbytes.values()))
         except BaseException:
             raw.close()
             raise
+
+    prepared = getattr(args, "write", "prepared") == "prepared"
+
+    def ops_of(kind: str, pairs: Any, src: list[int], dst: list[int]) -> WriteOps:
+        if kind == "head-sliced":
+            return head_slice_ops(pairs, src, dst, src_heads=(0, KV_HEADS), dst_heads=(half, KV_HEADS),
+                                  heads=(half, KV_HEADS), head_bytes=head_bytes)
+        return page_ops(pairs, src, dst)
 
     regions, flats = layout.build(args.seed)  # sender memory, filled
     sender = registry.create(backend, **options)
@@ -377,13 +326,15 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                         target, target_peer, pairs, dst_meta = targets.get(kind, targets[""])
                         room += 1
                         await target.call("advertise", room, dst, 0)
-                        t0 = time.perf_counter()
-                        if kind == "head-sliced":
-                            ops = head_slice_ops(pairs, src, dst, src_heads=(0, KV_HEADS), dst_heads=(half, KV_HEADS),
-                                                 heads=(half, KV_HEADS), head_bytes=head_bytes)
+                        meta = metadata_op(regions[-1], 0, dst_meta, 0)
+                        if prepared:  # a prefill's final write: prepared while the prompt computes
+                            send = sender.prepare_write(target_peer, room, ops_of(kind, pairs, src, dst), metadata=meta)
+                            await _until_posted(target, room)
+                            t0 = time.perf_counter()
+                            await send()
                         else:
-                            ops = page_ops(pairs, src, dst)
-                        await sender.write(target_peer, room, ops, metadata=metadata_op(regions[-1], 0, dst_meta, 0))
+                            t0 = time.perf_counter()
+                            await sender.write(target_peer, room, ops_of(kind, pairs, src, dst), metadata=meta)
                         st = await sender.wait(room, 300)
                         t1 = time.perf_counter()
                         if st.state is not KVPoll.SUCCESS:
@@ -447,7 +398,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             b_lat = base[nb]
             b_gbps = nb / b_lat / 1e9
             lats = medians(runs)
-            case = f"{backend} {_size(tokens)} {kind} ({nb / 2**20:.0f} MiB)"
+            case = f"{backend} {_size(tokens)} {kind} ({nb / 2**20:.0f} MiB{'' if prepared else ', direct write'})"
             results.append(Result(case, f"throughput vs {base_name}", gbps, "GB/s", b_gbps, gbps / b_gbps,
                                   tuple(nb / x / 1e9 for x in lats)))
             results.append(Result(case, f"latency vs {base_name}", med * 1e3, "ms", b_lat * 1e3, med / b_lat,

@@ -262,6 +262,15 @@ class _PeerServer:
             await self.t.wait(r, max(0.0, deadline - time.monotonic()))
         return await self.cmd_status(rooms)
 
+    async def cmd_transfer_started(self, room: int) -> float | None:
+        return self.t.transfer_started(room)
+
+    async def cmd_receives_posted(self, room: int) -> int | None:
+        """How many data receives the transport has posted for ``room`` (None: the
+        backend does not say; see ``RdmaTransport.receives_posted``)."""
+        count = getattr(self.t, "receives_posted", None)
+        return None if count is None else int(count(room))
+
     async def cmd_release(self, room: int) -> None:
         self.t.release(room)
 

@@ -35,7 +35,10 @@ Options (seconds, bytes, counts):
 * ``quiet_sends`` (1; 0: off): while a large write's data is being read, the sender
   polls once per loop tick instead of asking to be woken for every message the
   receiver has read, which spares the receiver one wake-up signal per message
-  (:mod:`pdgrpc.transport._ucx_quiet`).
+  (:mod:`pdgrpc.transport._ucx_quiet`);
+* ``write_ahead`` (1; 0: off): ``prepare_write`` sends its WRITEs at once, so the
+  receiver checks them and posts its receives while the sender's data is computed
+  (``WRITE_AHEAD`` in :mod:`pdgrpc.transport.rdma_wire`); off, the WRITEs go with the data.
 
 UCX reads its usual ``UCX_*`` variables; nothing is forced. Leave ``UCX_MM_SEG_SIZE`` at
 its default: raised to 64K, UCX 1.21 completes every iov receive over shared memory as
@@ -93,13 +96,14 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         host: str = "127.0.0.1",
         progress_spin_s: float = 0.0,
         quiet_sends: bool | int = True,
+        write_ahead: bool | int = True,
         **unknown: Any,
     ) -> None:
         super().__init__()
         if unknown:
             raise ConfigError(
                 f"rdma transport: unknown option(s) {', '.join(sorted(unknown))}; known: zero_copy_min, contiguous_min, iov_max, "
-                "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s, quiet_sends"
+                "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s, quiet_sends, write_ahead"
             )
         if zero_copy_min < 1 or not 1 <= iov_max <= MAX_OPS_PER_WRITE:
             raise ConfigError(f"rdma: need zero_copy_min >= 1 and 1 <= iov_max <= {MAX_OPS_PER_WRITE}, got {zero_copy_min}, {iov_max}")
@@ -115,6 +119,9 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
             raise ConfigError(f"rdma: progress_spin_s must be >= 0, got {progress_spin_s}")
         if quiet_sends not in (0, 1):  # True, False, or the 0 / 1 of --option quiet_sends=N
             raise ConfigError(f"rdma: quiet_sends must be 1 (on) or 0 (off), got {quiet_sends!r}")
+        if write_ahead not in (0, 1):
+            raise ConfigError(f"rdma: write_ahead must be 1 (on) or 0 (off), got {write_ahead!r}")
+        self._write_ahead = bool(write_ahead)
         # raises TransportUnavailable (with the install hint)
         self._worker = UcxWorker(spin_s=progress_spin_s, quiet_sends=bool(quiet_sends))
         self._liveness = Liveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
@@ -154,6 +161,12 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         requests were cancelled — receives by ``ucp_request_cancel``, sends by a forced
         endpoint close or, for rendezvous sends UCX keeps, by abandoning them)."""
         return max(0, self._worker.inflight_requests - (2 * CTRL_POSTED if self._started and not self._closed else 0))
+
+    def receives_posted(self, room: int) -> int:
+        """Data receives posted for ``room`` that have not completed (a diagnostic: a
+        write announced ahead by ``prepare_write`` has them up before its bytes exist)."""
+        rr = self._recv_rooms.get(room)
+        return 0 if rr is None else sum(rr.pending.values())
 
     @property
     def stray_messages(self) -> int:

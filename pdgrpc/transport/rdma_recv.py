@@ -44,7 +44,7 @@ from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.peerauth import WriterTable
 from pdgrpc.transport.rdma_wire import (
     ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
-    KIND_MASK, KIND_SHIFT, META, META_BODY, SWEEP_MAX, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_BODY, RecvConn,
+    KIND_MASK, KIND_SHIFT, META, META_BODY, SWEEP_MAX, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_AHEAD, WRITE_BODY, RecvConn,
     RecvRoom, Region, ctrl_tag, data_tag, new_id,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
@@ -169,9 +169,9 @@ class RdmaReceiver:
         self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid), conn.key) + rid)
 
     @staticmethod
-    def _parse_write(msg: bytes) -> tuple[int, int, list[int], np.ndarray]:
-        """(room, first data seq, ops per data message, op table) of a WRITE."""
-        room, first, n_msgs, n_ops = WRITE_BODY.unpack_from(msg, COMMON.size)
+    def _parse_write(msg: bytes) -> tuple[int, int, list[int], np.ndarray, int]:
+        """(room, first data seq, ops per data message, op table, flags) of a WRITE."""
+        room, first, n_msgs, n_ops, flags = WRITE_BODY.unpack_from(msg, COMMON.size)
         off = COMMON.size + WRITE_BODY.size
         if n_msgs > n_ops or len(msg) < off + 4 * n_msgs + OP_DTYPE.itemsize * n_ops:
             raise ValueError("WRITE is shorter than its op table")
@@ -180,7 +180,7 @@ class RdmaReceiver:
         if sum(counts) != n_ops or (n_msgs and min(counts) == 0):
             raise ValueError("WRITE op table does not match its counts")
         ops = np.frombuffer(msg, dtype=OP_DTYPE, count=n_ops, offset=off)
-        return room, first, counts, ops
+        return room, first, counts, ops, flags
 
     def _drain(self, conn_id: int, tag_or_seq: int) -> None:
         """Receive (and drop) one data message into scratch: keeps UCX's unexpected
@@ -218,14 +218,17 @@ class RdmaReceiver:
 
     def _drain_write(self, conn_id: int, msg: bytes) -> None:
         with contextlib.suppress(struct.error, ValueError):
-            _room, first, counts, _ops = self._parse_write(msg)
+            _room, first, counts, _ops, _flags = self._parse_write(msg)
             for i in range(len(counts)):
                 self._drain(conn_id, first + i)
 
     def _on_write(self, conn: RecvConn, msg: bytes) -> None:
-        room, first, counts, ops = self._parse_write(msg)
+        room, first, counts, ops, flags = self._parse_write(msg)
         try:
-            self._recv.accept(room, conn.sender_id, ops["region"], ops["offset"], ops["length"])
+            # Announced ahead (WRITE_AHEAD): the receives go up now, during the sender's
+            # compute; the room turns TRANSFERRING when the bytes land, not before.
+            self._recv.accept(room, conn.sender_id, ops["region"], ops["offset"], ops["length"],
+                              start=not flags & WRITE_AHEAD)
         except UnauthorizedWrite as exc:
             for i in range(len(counts)):
                 self._drain(conn.conn_id, first + i)
@@ -242,7 +245,13 @@ class RdmaReceiver:
             # One op per message (runs of contiguous_min bytes and up): one batch of
             # plain (address, length) receives that completes as one.
             runs = iov.tolist()
-            self._post_runs(conn, room, rr, runs, [data_tag(conn.conn_id, first + i) for i in range(len(runs))])
+            tags = [data_tag(conn.conn_id, first + i) for i in range(len(runs))]
+            if flags & WRITE_AHEAD and len(runs) > 1:
+                # The first run alone: its landing, one run into the data, turns the room
+                # TRANSFERRING (the batch's one completion comes with its last run).
+                self._post_data(conn, room, rr, iov[:1], runs[0][1], tags[0], iov)
+                runs, tags = runs[1:], tags[1:]
+            self._post_runs(conn, room, rr, runs, tags)
             return
         per_msg = np.asarray(counts, dtype=np.int64)
         sizes = np.add.reduceat(iov[:, 1], np.cumsum(per_msg) - per_msg).tolist()

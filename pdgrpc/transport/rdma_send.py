@@ -15,7 +15,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
 from pdgrpc.transport.base import Peer, RegionInfo, WriteOp, WriteOps, check_source_ops
 from pdgrpc.transport.rdma_wire import (
-    COMMON, KIND_CTRL, MAX_OPS_PER_WRITE, MAX_ROW, META, META_BODY, WRITE, WRITE_BODY, Plan, Region, SendConn,
+    COMMON, KIND_CTRL, MAX_OPS_PER_WRITE, MAX_ROW, META, META_BODY, WRITE, WRITE_AHEAD, WRITE_BODY, Plan, Region, SendConn,
     SendRoom, ctrl_tag, data_tag, plan_chunk,
 )
 from pdgrpc.transport.rooms import RoomStates
@@ -34,6 +34,7 @@ class RdmaSender:
     _zc_min: int
     _iov_max: int
     _contiguous_min: int | None
+    _write_ahead: bool
     _worker: UcxWorker
 
     def _ensure_started(self) -> None:
@@ -86,11 +87,18 @@ class RdmaSender:
     ) -> Callable[[], Awaitable[None]]:
         # Checking the ops against the regions and planning the data messages is numpy
         # work worth ~0.3 ms right after a compute (cold caches); done here, while the
-        # data is still being computed, the send is only the UCX calls.
+        # data is still being computed, the send is only the UCX calls. The WRITEs go
+        # out now too (flagged WRITE_AHEAD): the receiver checks the grant and posts its
+        # receives during the compute, so the data moves as soon as it is sent, as it
+        # does into a receive posted in advance (docs/performance.md, "Seventh pass").
         plans = self._plan(room, ops, metadata)
+        announced = self._announce(peer, room, plans)
 
         async def send() -> None:
-            self._send_planned(peer, room, plans, metadata)
+            if announced is None:
+                self._send_planned(peer, room, plans, metadata)
+            else:
+                self._send_announced(peer, room, announced, metadata)
 
         return send
 
@@ -124,50 +132,106 @@ class RdmaSender:
                 return
         check_source_ops(WriteOps(table), self._infos)
 
-    def _send_planned(self, peer: Peer, room: int, plans: list[Plan], metadata: WriteOp | None) -> None:
-        self.rooms.create(room, KVPoll.TRANSFERRING)
+    def _room_on(self, peer: Peer, room: int, state: KVPoll) -> tuple[SendConn, SendRoom] | None:
+        """The live connection to ``peer`` and ``room``'s send state on it, the room
+        tracked (from ``state``); None when the room failed or is not writable now."""
+        self.rooms.create(room, state)
+        if state is KVPoll.TRANSFERRING:
+            self.rooms.set(room, state)  # announced ahead (WAITING_FOR_INPUT) until now
         conn = self._send_conns.get(peer.instance_id)
         sroom = self._send_rooms.get(room)
         if conn is None or conn.dead:
             self.rooms.fail(room, f"no live connection to rdma peer {peer.instance_id} (connect again)")
-            return
+            return None
         if sroom is None:
             sroom = self._send_rooms[room] = SendRoom(conn)
             conn.rooms.add(room)
         elif sroom.conn is not conn:
             self.rooms.fail(room, f"room {room} is already being written to another peer")
-            return
+            return None
         if self.rooms.status(room).state.is_terminal:
-            return  # failed already (NACK, peer lost): nothing more is sent for it
+            return None  # failed already (NACK, peer lost): nothing more is sent for it
+        return conn, sroom
+
+    def _announce(self, peer: Peer, room: int, plans: list[Plan]) -> "list[tuple[Plan, int]] | None":
+        """Send ``plans``' WRITEs now, ahead of their data; returns each plan with its
+        first data sequence number, or None to leave everything to the send (no live
+        connection yet, or the room is already busy elsewhere: the send reports it)."""
+        conn = self._send_conns.get(peer.instance_id)
+        sroom = self._send_rooms.get(room)
+        if not (plans and self._write_ahead) or conn is None or conn.dead or (sroom is not None and sroom.conn is not conn):
+            return None
+        if room in self.rooms and self.rooms.status(room).state.is_terminal:
+            return None
+        got = self._room_on(peer, room, KVPoll.WAITING_FOR_INPUT)
+        if got is None:
+            return None
+        conn, sroom = got
+        try:
+            return [(plan, self._send_write(conn, room, sroom, plan, WRITE_AHEAD)) for plan in plans]
+        except PeerFailure as exc:
+            self.rooms.fail(room, str(exc))
+            return []
+
+    def _send_planned(self, peer: Peer, room: int, plans: list[Plan], metadata: WriteOp | None) -> None:
+        got = self._room_on(peer, room, KVPoll.TRANSFERRING)
+        if got is None:
+            return
+        conn, sroom = got
         try:
             for plan in plans:
-                self._send_plan(conn, room, sroom, plan)
-            if metadata is not None:
-                src = self._regions[metadata.src_region]
-                row = src.flat[metadata.src_offset : metadata.src_offset + metadata.length].numpy().tobytes()
-                conn.ctrl_seq += 1
-                msg = COMMON.pack(META, conn.remote_id, conn.ctrl_seq, conn.remote_key) + META_BODY.pack(
-                    room, sroom.kv_bytes, metadata.dst_region, metadata.dst_offset, metadata.length) + row
-                self._send_ctrl(conn, msg, room, sroom)
+                self._send_data(conn, room, sroom, plan, self._send_write(conn, room, sroom, plan, 0))
+            self._send_meta(conn, room, sroom, metadata)
         except PeerFailure as exc:
             self.rooms.fail(room, str(exc))
 
-    def _send_plan(self, conn: SendConn, room: int, sroom: SendRoom, plan: Plan) -> None:
+    def _send_announced(self, peer: Peer, room: int, announced: list[tuple[Plan, int]],
+                        metadata: WriteOp | None) -> None:
+        """The data of WRITEs sent ahead by :meth:`prepare_write`, then the row, on the
+        connection that carried the WRITEs (a new one to the same peer has other ids)."""
+        got = self._room_on(peer, room, KVPoll.TRANSFERRING)
+        if got is None:
+            return
+        conn, sroom = got
+        try:
+            for plan, first in announced:
+                self._send_data(conn, room, sroom, plan, first)
+            self._send_meta(conn, room, sroom, metadata)
+        except PeerFailure as exc:
+            self.rooms.fail(room, str(exc))
+
+    def _send_meta(self, conn: SendConn, room: int, sroom: SendRoom, metadata: WriteOp | None) -> None:
+        if metadata is None:
+            return
+        src = self._regions[metadata.src_region]
+        row = src.flat[metadata.src_offset : metadata.src_offset + metadata.length].numpy().tobytes()
+        conn.ctrl_seq += 1
+        msg = COMMON.pack(META, conn.remote_id, conn.ctrl_seq, conn.remote_key) + META_BODY.pack(
+            room, sroom.kv_bytes, metadata.dst_region, metadata.dst_offset, metadata.length) + row
+        self._send_ctrl(conn, msg, room, sroom)
+
+    def _send_write(self, conn: SendConn, room: int, sroom: SendRoom, plan: Plan, flags: int) -> int:
+        """Send ``plan``'s WRITE, counting its bytes as written before the room's row;
+        returns the sequence number of its first data message."""
         conn.ctrl_seq += 1
         first = conn.data_seq
         conn.data_seq += len(plan.counts)
         msg = b"".join([
             COMMON.pack(WRITE, conn.remote_id, conn.ctrl_seq, conn.remote_key),
-            WRITE_BODY.pack(room, first & 0xFFFFFFFF, len(plan.counts), plan.n_ops),
+            WRITE_BODY.pack(room, first & 0xFFFFFFFF, len(plan.counts), plan.n_ops, flags),
             plan.table_bytes,
         ])
         self._send_ctrl(conn, msg, room, sroom)
+        sroom.kv_bytes += plan.nbytes
+        return first
+
+    def _send_data(self, conn: SendConn, room: int, sroom: SendRoom, plan: Plan, first: int) -> None:
+        """Send ``plan``'s data messages, numbered from ``first``."""
         if len(plan.counts) == plan.n_ops:
             # One op per message (runs of contiguous_min bytes and up): one batch of
             # plain (address, length) sends that completes as one.
             runs = plan.iov.tolist()
             self._send_runs(conn, runs, [data_tag(conn.remote_id, first + i) for i in range(len(runs))], room, sroom)
-            sroom.kv_bytes += plan.nbytes
             return
         # Each message goes out as its iov rows, read in place by UCX: staging into a
         # contiguous buffer first was 2x slower (docs/performance.md, "Transport").
@@ -175,4 +239,3 @@ class RdmaSender:
         for i, c in enumerate(plan.counts):
             self._send(conn, plan.iov[k : k + c], data_tag(conn.remote_id, first + i), room, sroom, plan.iov)
             k += c
-        sroom.kv_bytes += plan.nbytes

@@ -24,11 +24,15 @@ observer of the data plane, which is not encrypted (docs/security.md).
   connection id that the sender then puts in every tag, and the connection's key;
   ``HELLO_REFUSED`` says why not.
 * ``WRITE``: room, the sequence number of its first data message, how many ops each
-  data message carries, then the op table (``region u16 | pad 6 | offset u64 |
+  data message carries, flags, then the op table (``region u16 | pad 6 | offset u64 |
   length u64``, destination side). The data messages (tag ``DATA | conn | seq``) follow:
   consecutive ops are batched into scatter/gather messages of about ``zero_copy_min``
   bytes and at most ``iov_max`` ops each, except that an op of ``contiguous_min`` bytes
   or more travels alone, as one contiguous message (see :func:`plan_chunk`).
+  With the ``WRITE_AHEAD`` flag the WRITE is announced by ``prepare_write`` while the
+  sender still computes the bytes: the receiver checks it and posts its receives at
+  once, the data messages come when the sender calls the prepared send, and the room
+  turns TRANSFERRING when its first bytes land, not at the announcement.
 * ``META``: the room, the number of KV bytes the sender wrote for the room before it,
   the destination of the metadata row, and the row itself (inline).
 * ``ACK`` / ``NACK`` (receiver -> sender): the room's metadata row landed / the room
@@ -63,7 +67,8 @@ COMMON = struct.Struct("<B3xIQQ")  # type, conn, seq, the connection's key
 HELLO_BODY = struct.Struct("<HHI")  # len(sender id), len(target id), len(worker address); then those, then the proof
 HELLO_CHANNEL = b"rdma-hello"  # the peerauth channel name of a HELLO's proof
 HELLO_OK_BODY = struct.Struct("<IH2xQ")  # assigned conn id, len(receiver id), the connection's key
-WRITE_BODY = struct.Struct("<QIII4x")  # room, first data seq, n messages, n ops
+WRITE_BODY = struct.Struct("<QIIII")  # room, first data seq, n messages, n ops, flags
+WRITE_AHEAD = 1  # flag: announced ahead of its data (prepare_write); the data follows later
 # then n messages x u32 (ops in each data message), then the op table:
 OP_DTYPE = np.dtype([("region", "<u2"), ("pad", "V6"), ("offset", "<u8"), ("length", "<u8")])
 META_BODY = struct.Struct("<QQH6xQQ")  # room, kv bytes before, region, offset, length

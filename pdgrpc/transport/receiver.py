@@ -296,11 +296,12 @@ class Receiver:
         return [room for room, rr in self._open.items() if peer_id in rr.peers]
 
     def accept(self, room: int, peer_id: str, regions: Any, offsets: Any, lengths: Any, *,
-               metadata: bool = False) -> ReceiveRoom:
+               metadata: bool = False, start: bool = True) -> ReceiveRoom:
         """Authorize one write (or, with ``metadata``, the row's single op) from
         ``peer_id`` for ``room``. Returns the room, now TRANSFERRING, when every op
         lands inside its grant; otherwise fails the room (if open) and raises
-        :class:`~pdgrpc.errors.UnauthorizedWrite`."""
+        :class:`~pdgrpc.errors.UnauthorizedWrite`. With ``start=False`` (a write
+        announced ahead of its bytes) the room stays as it is until bytes land."""
         rr = self._open.get(room)
         try:
             if rr is None:
@@ -316,7 +317,8 @@ class Receiver:
             if rr is not None:
                 self.rooms.fail(room, str(exc), exc.refusal)
             raise
-        self.rooms.set(room, KVPoll.TRANSFERRING)
+        if start:
+            self.rooms.set(room, KVPoll.TRANSFERRING)
         return rr
 
     def refuse(self, room: int, refusal: Refusal, text: str) -> UnauthorizedWrite:
@@ -328,7 +330,9 @@ class Receiver:
         return exc
 
     def landed(self, room: int, rr: ReceiveRoom, nbytes: int) -> None:
-        """``nbytes`` KV bytes of ``room`` landed in its granted pages."""
+        """``nbytes`` KV bytes of ``room`` landed in its granted pages (the room is
+        TRANSFERRING from then on, if a write announced ahead left it waiting)."""
+        self.rooms.set(room, KVPoll.TRANSFERRING)
         rr.received += nbytes
         self._try_commit(room, rr)
 

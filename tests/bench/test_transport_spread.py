@@ -80,3 +80,25 @@ def test_control_times_a_second_raw_pair_like_a_backend() -> None:
 def test_control_is_refused_where_the_baseline_has_no_pair() -> None:
     with pytest.raises(SystemExit, match="--control repeats the raw pair of a CPU run"):
         _run("--backend", "tcp", "--iterations", "1", "--control", "--device", "cuda")
+
+
+def test_a_direct_write_run_says_so_in_its_rows() -> None:
+    direct = [r.case for r in _run("--backend", "tcp", "--iterations", "1", "--write", "direct")]
+    assert direct and all("direct write" in case for case in direct if case.startswith("tcp "))
+    assert not any("direct write" in r.case for r in _run("--backend", "tcp", "--iterations", "1"))
+
+
+def test_prepared_rdma_writes_are_timed_once_the_receiver_posted_its_receives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (``--write prepared``): over rdma the WRITE goes out at prepare time and
+    the timer starts only once the receiver process has the room's receives up."""
+    pytest.importorskip("ucxx", reason="the rdma bench and its raw baseline need the ucx extra: pip install 'pdgrpc[ucx]'")
+    seen: list[int] = []
+    until_posted = bench._until_posted
+
+    async def spy(target: bench.PeerProcess, room: int) -> None:
+        await until_posted(target, room)
+        seen.append(await target.call("receives_posted", room))
+
+    monkeypatch.setattr(bench, "_until_posted", spy)
+    _run("--backend", "rdma", "--iterations", "3")
+    assert len(seen) == 3 and all(n > 0 for n in seen), seen

@@ -198,7 +198,7 @@ async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> No
         before = recv._worker.inflight_requests
         n = 4096
         ops = np.zeros(n, dtype=OP_DTYPE)
-        body = WRITE_BODY.pack(9, 1, n, n) + np.ones(n, dtype="<u4").tobytes() + ops.tobytes()
+        body = WRITE_BODY.pack(9, 1, n, n, 0) + np.ones(n, dtype="<u4").tobytes() + ops.tobytes()
         for conn_id, key in ((conn.conn_id ^ 1, conn.key), (conn.conn_id, conn.key ^ 1), (0, 0)):
             recv._on_ctrl(COMMON.pack(WRITE, conn_id, conn.next_seq, key) + body)
         assert recv._worker.inflight_requests == before
