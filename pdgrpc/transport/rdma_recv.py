@@ -226,7 +226,8 @@ class RdmaReceiver:
         room, first, counts, ops, flags = self._parse_write(msg)
         try:
             # Announced ahead (WRITE_AHEAD): the receives go up now, during the sender's
-            # compute; the room turns TRANSFERRING when the bytes land, not before.
+            # compute; the room turns TRANSFERRING with the data: when the row, sent right
+            # behind the data, arrives, or when bytes land, whichever comes first.
             self._recv.accept(room, conn.sender_id, ops["region"], ops["offset"], ops["length"],
                               start=not flags & WRITE_AHEAD)
         except UnauthorizedWrite as exc:
@@ -245,13 +246,7 @@ class RdmaReceiver:
             # One op per message (runs of contiguous_min bytes and up): one batch of
             # plain (address, length) receives that completes as one.
             runs = iov.tolist()
-            tags = [data_tag(conn.conn_id, first + i) for i in range(len(runs))]
-            if flags & WRITE_AHEAD and len(runs) > 1:
-                # The first run alone: its landing, one run into the data, turns the room
-                # TRANSFERRING (the batch's one completion comes with its last run).
-                self._post_data(conn, room, rr, iov[:1], runs[0][1], tags[0], iov)
-                runs, tags = runs[1:], tags[1:]
-            self._post_runs(conn, room, rr, runs, tags)
+            self._post_runs(conn, room, rr, runs, [data_tag(conn.conn_id, first + i) for i in range(len(runs))])
             return
         per_msg = np.asarray(counts, dtype=np.int64)
         sizes = np.add.reduceat(iov[:, 1], np.cumsum(per_msg) - per_msg).tolist()

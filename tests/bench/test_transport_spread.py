@@ -95,9 +95,10 @@ def test_prepared_rdma_writes_are_timed_once_the_receiver_posted_its_receives(mo
     seen: list[int] = []
     until_posted = bench._until_posted
 
-    async def spy(target: bench.PeerProcess, room: int) -> None:
-        await until_posted(target, room)
+    async def spy(target: bench.PeerProcess, room: int) -> bool:
+        posted = await until_posted(target, room)
         seen.append(await target.call("receives_posted", room))
+        return posted
 
     monkeypatch.setattr(bench, "_until_posted", spy)
     _run("--backend", "rdma", "--iterations", "3")

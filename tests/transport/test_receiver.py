@@ -183,6 +183,18 @@ async def test_the_row_commits_only_after_every_announced_kv_byte_landed() -> No
     assert r.rooms_of("p") == [5] and r.rooms_of("q") == []
 
 
+def test_a_write_announced_ahead_leaves_the_room_waiting_until_its_bytes_land() -> None:
+    r = receiver()
+    rr = r.advertise(RoomGrant.of(5, [1, 2], slot=3))
+    assert r.accept(5, "p", [0], [PB], [2 * PB], start=False) is rr  # checked, receives posted
+    assert r.rooms.status(5).state is KVPoll.WAITING_FOR_INPUT and r.rooms.transfer_started(5) is None
+    r.landed(5, rr, PB)  # the first run landed: the transfer started
+    assert r.rooms.status(5).state is KVPoll.TRANSFERRING and r.rooms.transfer_started(5) is not None
+    with pytest.raises(UnauthorizedWrite):  # refused ahead of the data, just as at write time
+        r.accept(5, "p", [0], [5 * PB], [PB], start=False)
+    assert r.rooms.status(5).refusal is Refusal.OUTSIDE_GRANT
+
+
 def test_more_bytes_than_announced_fail_the_room_and_a_second_row_is_refused() -> None:
     r = receiver()
     rr = r.advertise(RoomGrant.of(5, [1, 2], slot=3))
