@@ -65,7 +65,7 @@ class Refusal(enum.IntEnum):
     OUTSIDE_GRANT = 6  # a page the room was not granted
     WRONG_SLOT = 7  # a metadata slot the room was not granted (or none was)
     MALFORMED = 8  # a second row, or a row whose size disagrees with its header
-    BYTE_COUNT = 9  # more KV bytes landed than the sender announced before its row
+    BYTE_COUNT = 9  # more KV bytes landed than announced before the row, or written than granted
 
     @classmethod
     def from_code(cls, code: int) -> "Refusal | None":
@@ -248,11 +248,13 @@ class ReceiveRoom:
     """One advertised room at the receiver: its grant, the peers that wrote to it, the
     KV bytes landed, and the metadata row once it arrived (committed last)."""
 
-    __slots__ = ("grant", "peers", "received", "expected", "commit", "ack")
+    __slots__ = ("grant", "peers", "received", "expected", "commit", "ack", "accepted", "capacity")
 
-    def __init__(self, grant: RoomGrant) -> None:
+    def __init__(self, grant: RoomGrant, capacity: int = 0) -> None:
         self.grant = grant
         self.peers: set[str] = set()
+        self.capacity = capacity  # KV bytes the grant holds: its pages in every KV region
+        self.accepted = 0  # KV bytes of the writes accepted so far (announced, not all landed)
         self.received = 0  # KV bytes landed
         self.expected: int | None = None  # KV bytes the sender wrote before its row
         self.commit: Callable[[], None] | None = None  # copies the staged row into its slot
@@ -276,7 +278,8 @@ class Receiver:
 
         if grant.room in self._open or grant.room in self.rooms:
             raise ConfigError(f"room {grant.room} is already in use by this transport; release it first")
-        rr = self._open[grant.room] = ReceiveRoom(grant)
+        page_bytes = sum(i.item_bytes for i in self.regions.infos.values() if i.kind is RegionKind.KV)
+        rr = self._open[grant.room] = ReceiveRoom(grant, len(grant.pages) * page_bytes)
         self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
         return rr
 
@@ -313,6 +316,14 @@ class Receiver:
             if metadata and (rr.commit is not None or len(regions) != 1):
                 raise UnauthorizedWrite(Refusal.MALFORMED, f"second or malformed metadata row for room {room}")
             self.regions.authorize(rr.grant, regions, offsets, lengths, metadata=metadata)
+            if not metadata:
+                # Every granted byte is written once (TP senders write disjoint head
+                # slices), so a room's writes never add up to more than its grant: this
+                # bounds what a sender can make the receiver hold posted for one room.
+                rr.accepted += int(np.asarray(lengths, dtype=np.int64).sum())
+                if rr.accepted > rr.capacity:
+                    raise UnauthorizedWrite(Refusal.BYTE_COUNT, f"writes for room {room} add up to {rr.accepted} KV "
+                                            f"bytes, more than the {rr.capacity} its grant holds")
         except UnauthorizedWrite as exc:
             if rr is not None:
                 self.rooms.fail(room, str(exc), exc.refusal)

@@ -195,6 +195,23 @@ def test_a_write_announced_ahead_leaves_the_room_waiting_until_its_bytes_land() 
     assert r.rooms.status(5).refusal is Refusal.OUTSIDE_GRANT
 
 
+def test_writes_adding_up_to_more_than_the_grant_are_refused() -> None:
+    """Each granted byte is written once, so a sender cannot make the receiver hold more
+    posted writes for a room than its grant (here 2 pages of one KV region)."""
+    r = receiver()
+    r.advertise(RoomGrant.of(5, [1, 2], slot=3))
+    r.accept(5, "p", [0], [PB], [2 * PB])  # the whole grant
+    with pytest.raises(UnauthorizedWrite, match="add up to 12288 KV bytes, more than the 8192") as err:
+        r.accept(5, "p", [0], [2 * PB], [PB])  # page 2 again
+    assert err.value.refusal is Refusal.BYTE_COUNT and r.rooms.status(5).refusal is Refusal.BYTE_COUNT
+    # a many-op write is counted the same way (the vectorised path)
+    r.advertise(RoomGrant.of(6, range(32)))
+    r.accept(6, "p", np.zeros(100, dtype=np.uint16), np.arange(100, dtype=np.uint64) % 32 * PB,
+             np.full(100, 64, dtype=np.uint64))
+    with pytest.raises(UnauthorizedWrite):
+        r.accept(6, "p", [0] * 2, [0, PB], [32 * PB - 6400 - PB, PB + 1])
+
+
 def test_more_bytes_than_announced_fail_the_room_and_a_second_row_is_refused() -> None:
     r = receiver()
     rr = r.advertise(RoomGrant.of(5, [1, 2], slot=3))
