@@ -161,10 +161,8 @@ class RdmaSender:
         sroom = self._send_rooms.get(room)
         if not (plans and self._write_ahead) or conn is None or conn.dead or (sroom is not None and sroom.conn is not conn):
             return None
-        if room in self.rooms and self.rooms.status(room).state.is_terminal:
-            return None
         got = self._room_on(peer, room, KVPoll.WAITING_FOR_INPUT)
-        if got is None:
+        if got is None:  # failed already (a NACK, the peer lost): the send reports it
             return None
         conn, sroom = got
         try:

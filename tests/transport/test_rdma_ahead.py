@@ -18,7 +18,7 @@ import torch
 from pdgrpc.errors import ConfigError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
-from pdgrpc.transport.base import Transport
+from pdgrpc.transport.base import MemoryRegion, Peer, Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
 from pdgrpc.transport.receiver import Refusal
@@ -30,7 +30,8 @@ LAYOUT = Layout(layers=2, pages=48, page_shape=(16, 2, 64), slots=4)  # 4 KiB pa
 
 
 @contextlib.asynccontextmanager
-async def _pair(seed: int = 5, **options: int) -> AsyncIterator[tuple[Transport, PeerProcess, list[torch.Tensor], object, list]]:
+async def _pair(seed: int = 5, **options: int) -> AsyncIterator[
+        tuple[Transport, PeerProcess, dict[int, torch.Tensor], Peer, list[MemoryRegion]]]:
     """An in-process rdma sender with filled source pages, and a receiver process."""
     regions, flats = LAYOUT.build(seed)
     send = registry.create("rdma", contiguous_min=16 << 10, **options)
@@ -52,7 +53,7 @@ async def _posted(recv: PeerProcess, room: int) -> int:
     return 0
 
 
-def _pages_digest(flats: list[torch.Tensor], pages: list[int]) -> str:
+def _pages_digest(flats: dict[int, torch.Tensor], pages: list[int]) -> str:
     return digest(torch.cat([flats[r].view(-1, LAYOUT.page_bytes)[pages].reshape(-1) for r in LAYOUT.kv_region_ids()]))
 
 
@@ -65,9 +66,9 @@ async def test_the_receives_go_up_at_prepare_and_the_bytes_read_at_send_land() -
     src, dst = list(range(4, 16)) + [30, 31], list(range(20, 32)) + [2, 40]
     async with _pair() as (send, recv, flats, peer, regions):
         await recv.call("advertise", 7, dst, 1)
-        ops = page_ops(region_pairs(regions, peer.descriptor.regions), src, dst)  # type: ignore[attr-defined]
-        dmeta = peer.descriptor.require_region(METADATA_REGION_ID)  # type: ignore[attr-defined]
-        prepared = send.prepare_write(peer, 7, ops, metadata=metadata_op(regions[-1], 0, dmeta, 1))  # type: ignore[arg-type]
+        ops = page_ops(region_pairs(regions, peer.descriptor.regions), src, dst)
+        dmeta = peer.descriptor.require_region(METADATA_REGION_ID)
+        prepared = send.prepare_write(peer, 7, ops, metadata=metadata_op(regions[-1], 0, dmeta, 1))
         # "the compute": the receiver posted its receives, and neither side calls the
         # room started yet
         assert await _posted(recv, 7) > 0
@@ -95,12 +96,12 @@ async def test_a_chunk_written_between_the_announcement_and_its_send_is_counted(
     first, last = list(range(0, 8)), list(range(8, 20))
     async with _pair(seed=9) as (send, recv, flats, peer, regions):
         await recv.call("advertise", 8, first + last, 0)
-        pairs = region_pairs(regions, peer.descriptor.regions)  # type: ignore[attr-defined]
-        dmeta = peer.descriptor.require_region(METADATA_REGION_ID)  # type: ignore[attr-defined]
-        prepared = send.prepare_write(peer, 8, page_ops(pairs, last, last),  # type: ignore[arg-type]
+        pairs = region_pairs(regions, peer.descriptor.regions)
+        dmeta = peer.descriptor.require_region(METADATA_REGION_ID)
+        prepared = send.prepare_write(peer, 8, page_ops(pairs, last, last),
                                       metadata=metadata_op(regions[-1], 0, dmeta, 0))
         assert await _posted(recv, 8) > 0
-        await send.write(peer, 8, page_ops(pairs, first, first))  # type: ignore[arg-type]
+        await send.write(peer, 8, page_ops(pairs, first, first))
         await prepared()
         assert (await send.wait(8, WAIT_S)).state is KVPoll.SUCCESS
         assert await recv.call("digest_pages", LAYOUT.kv_region_ids(), first + last) == \
@@ -110,8 +111,8 @@ async def test_a_chunk_written_between_the_announcement_and_its_send_is_counted(
 async def test_a_refused_announcement_fails_the_room_before_any_byte_is_sent() -> None:
     async with _pair() as (send, recv, flats, peer, regions):
         await recv.call("advertise", 9, [0, 1, 2], 0)
-        ops = page_ops(region_pairs(regions, peer.descriptor.regions), [5, 6, 7], [0, 1, 30])  # type: ignore[attr-defined]
-        prepared = send.prepare_write(peer, 9, ops)  # type: ignore[arg-type]
+        ops = page_ops(region_pairs(regions, peer.descriptor.regions), [5, 6, 7], [0, 1, 30])
+        prepared = send.prepare_write(peer, 9, ops)
         st = await send.wait(9, WAIT_S)  # the NACK comes during "the compute"
         assert st.state is KVPoll.FAILED and st.refusal is Refusal.OUTSIDE_GRANT, st
         assert "page 30" in (st.reason or ""), st.reason
@@ -125,9 +126,9 @@ async def test_a_refused_announcement_fails_the_room_before_any_byte_is_sent() -
 async def test_a_room_released_after_its_announcement_takes_none_of_the_late_bytes() -> None:
     dst = list(range(10, 22))
     async with _pair() as (send, recv, flats, peer, regions):
-        pairs = region_pairs(regions, peer.descriptor.regions)  # type: ignore[attr-defined]
+        pairs = region_pairs(regions, peer.descriptor.regions)
         await recv.call("advertise", 10, dst, 0)
-        prepared = send.prepare_write(peer, 10, page_ops(pairs, dst, dst))  # type: ignore[arg-type]
+        prepared = send.prepare_write(peer, 10, page_ops(pairs, dst, dst))
         assert await _posted(recv, 10) > 0
         await recv.call("release", 10)  # the decode aborted the request meanwhile
         st = await send.wait(10, WAIT_S)
@@ -139,8 +140,8 @@ async def test_a_room_released_after_its_announcement_takes_none_of_the_late_byt
         # the connection goes on: the same pages, granted to the next room, fill
         send.release(10)
         await recv.call("advertise", 11, dst, 0)
-        await send.write(peer, 11, page_ops(pairs, dst, dst),  # type: ignore[arg-type]
-                         metadata=metadata_op(regions[-1], 0, peer.descriptor.require_region(METADATA_REGION_ID), 0))  # type: ignore[attr-defined]
+        await send.write(peer, 11, page_ops(pairs, dst, dst),
+                         metadata=metadata_op(regions[-1], 0, peer.descriptor.require_region(METADATA_REGION_ID), 0))
         assert (await send.wait(11, WAIT_S)).state is KVPoll.SUCCESS
         assert await recv.call("digest_pages", LAYOUT.kv_region_ids(), dst) == _pages_digest(flats, dst)
 
@@ -154,8 +155,8 @@ async def test_with_write_ahead_off_the_write_goes_out_with_its_data() -> None:
     src = dst = list(range(0, 10))
     async with _pair(write_ahead=0) as (send, recv, flats, peer, regions):
         await recv.call("advertise", 12, dst, 0)
-        prepared = send.prepare_write(peer, 12, page_ops(region_pairs(regions, peer.descriptor.regions), src, dst),  # type: ignore[attr-defined,arg-type]
-                                      metadata=metadata_op(regions[-1], 0, peer.descriptor.require_region(METADATA_REGION_ID), 0))  # type: ignore[attr-defined]
+        prepared = send.prepare_write(peer, 12, page_ops(region_pairs(regions, peer.descriptor.regions), src, dst),
+                                      metadata=metadata_op(regions[-1], 0, peer.descriptor.require_region(METADATA_REGION_ID), 0))
         await asyncio.sleep(0.2)
         assert await recv.call("receives_posted", 12) == 0 and await _state(recv, 12) is KVPoll.WAITING_FOR_INPUT
         await prepared()
