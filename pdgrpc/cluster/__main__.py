@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.cluster", description=DESCRIPTION)
     p.add_argument("topology", help="topology file (servers/1p1d.toml) or name (1p1d)")
     p.add_argument("--transport", choices=TRANSPORTS, help="KV transport for every prefill and decode (default: the topology's)")
-    p.add_argument("--log-dir", help="directory for the processes' logs (default: a fresh temporary directory)")
+    p.add_argument("--log-dir", help="directory for the processes' logs (default: a fresh temporary directory, kept after the cluster stops)")
     p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS", help="how long to wait for every process to be healthy (default: %(default)s)")
     p.add_argument(
         "--metrics", action="store_true",
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir,
+    cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir, keep_logs=True,
                       start_timeout=args.start_timeout, grace=args.grace, metrics=True if args.metrics else None,
                       tls=args.tls, auth_token=args.auth_token)
     loop = asyncio.get_running_loop()
@@ -95,7 +95,7 @@ async def _main(args: argparse.Namespace) -> int:
         died.cancel()
         print(f"{signal.Signals(stop.result()).name}: stopping the cluster", flush=True)
     await cluster.stop()
-    print("cluster stopped", flush=True)
+    print(f"cluster stopped; logs in {cluster.log_dir}", flush=True)
     return code
 
 

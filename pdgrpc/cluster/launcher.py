@@ -7,7 +7,11 @@
         ...
         stats = await c.stats("decode")        # the server's own ResourceStats
 
-* Every process gets a free port on 127.0.0.1 and its own log file (``log_dir``).
+* Every process gets a free port on 127.0.0.1 and its own log file (``log_dir``). Without
+  ``log_dir`` the logs go to a fresh temporary directory, which :meth:`Cluster.stop`
+  removes after a clean run (``keep_logs=True`` keeps it); a run that failed (a start
+  that did not come up, a child that died, an error in the ``async with`` body) keeps
+  it and logs where.
 * With ``metrics=True`` (or ``metrics = true`` in the topology) every bootstrap, prefill,
   decode and router also serves Prometheus metrics on a free port
   (:meth:`Cluster.metrics_endpoints`); a prefill with ``dp-size`` N gets N + 1 consecutive
@@ -39,6 +43,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -133,6 +138,7 @@ class Cluster:
         *,
         transport: str | None = None,
         log_dir: str | Path | None = None,
+        keep_logs: bool = False,
         start_timeout: float = 180.0,
         grace: float = 10.0,
         extra_env: dict[str, str] | None = None,
@@ -158,7 +164,12 @@ class Cluster:
         self.transport = transport or self.topology.transport
         if self.transport not in TRANSPORTS:
             raise ClusterError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        # A directory of the launcher's own goes when the cluster stops cleanly (with the
+        # throwaway CA's key in it), unless keep_logs; a failed run keeps it, since its
+        # errors name the log files. A given log_dir belongs to the caller and stays.
         self._own_log_dir = log_dir is None
+        self.keep_logs = keep_logs
+        self._failed = False
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"pdgrpc-{self.topology.name}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_timeout = start_timeout
@@ -303,7 +314,9 @@ class Cluster:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:
+            self._failed = True
         await self.stop()
 
     async def start(self, port_retries: int = 3) -> None:
@@ -344,6 +357,7 @@ class Cluster:
                 self._watchers.append(asyncio.ensure_future(self._watch(proc)))
             await self._wait_healthy()
         except BaseException:
+            self._failed = True
             await self.stop()
             raise
 
@@ -412,6 +426,15 @@ class Cluster:
         channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             await ch.close()
+        self._tidy_logs()
+
+    def _tidy_logs(self) -> None:
+        if not self._own_log_dir or not self.log_dir.exists():
+            return
+        if self.keep_logs or self._failed or (self._died is not None and self._died.done()):
+            log.info("topology %r: logs kept in %s", self.topology.name, self.log_dir)
+        else:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     async def _reap(self, proc: Proc) -> None:
         if proc.process is None:

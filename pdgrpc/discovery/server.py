@@ -51,8 +51,10 @@ class EtcdProcess:
         self.client_port = client_port
         self.peer_port = peer_port
         self._own_dir = data_dir is None
+        self._failed = False  # a start that did not come up keeps the log its error names
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="pdgrpc-etcd-"))
         self.prefix = list(prefix)
+        self._own_log = log_path is None
         self.log_path = log_path or self.data_dir.with_suffix(".log")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -82,10 +84,12 @@ class EtcdProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                self._failed = True
                 raise PdgrpcError(f"etcd exited with code {self.proc.returncode}; see {self.log_path}")
             if self._healthy():
                 return
             time.sleep(0.1)
+        self._failed = True
         raise PdgrpcError(f"etcd not ready on {self.host}:{self.client_port} within {timeout:.0f} s; see {self.log_path}")
 
     def _healthy(self) -> bool:
@@ -106,9 +110,13 @@ class EtcdProcess:
             self.proc.wait()
 
     def close(self) -> None:
+        """Stop etcd for good. A data dir of its own goes, and a log of its own with it
+        unless etcd failed (the error named the log)."""
         self.stop(signal.SIGKILL)
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+            if self._own_log and not self._failed:
+                self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "EtcdProcess":
         return self
