@@ -253,6 +253,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_X,),
     ),
     MetricSpec(
+        "pdgrpc_retries_total", "counter",
+        "Requests sent again, with a fresh room, to another prefill or decode because the call to one failed "
+        "UNAVAILABLE (gone, unreachable, a worker died) before the first token (count); each request ends once "
+        "in pdgrpc_requests_total however often it went again.",
+        _R, (_X,),
+    ),
+    MetricSpec(
         "pdgrpc_server_info", "info",
         "Constant 1; labels describe this server process (role, transport, dp/tp rank and size, pdgrpc version).",
         _R, _ALL,

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt forwarded; set it to the engines' --max-prompt-tokens: a longer prompt is refused "
         "with INVALID_ARGUMENT before any prefill or decode sees it (default: %(default)s)",
     )
+    p.add_argument(
+        "--retries", type=int, default=1, metavar="N",
+        help="times a request is sent again, with a fresh room, to another prefill or decode when its call to one "
+        "fails UNAVAILABLE (gone, unreachable, a worker died) before the first token reached the client; never "
+        "after a token (0: never; default: %(default)s)",
+    )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             discovery=bool(args.discovery),
             model=args.model,
             max_prompt_tokens=args.max_prompt_tokens,
+            retries=args.retries,
         )
         install(security_from_args(args))
         if args.model:  # a missing or bad tokenizer fails at start-up, naming the file

@@ -19,6 +19,13 @@ What one ``Generate`` does::
    and the client gets the prefill's status code with a message naming the prefill. A
    failed decode cancels the prefill call likewise. A client that cancels (or whose
    deadline passes) cancels both calls, so both sides release everything.
+5. A call that fails UNAVAILABLE (its server is gone or unreachable, or a worker behind
+   it died) before the first token reached the client is retried: the request goes
+   again, with a fresh room and secret, to another instance of that role (the other
+   side is picked afresh too), after the failed attempt's calls are cancelled; up to
+   ``retries`` times (``--retries``, default 1) and within the request's deadline. No
+   other failure is retried, nor any after the first token (its output would repeat),
+   nor one with no other instance to go to.
 
 The prefill's status wins when both fail: a decode that sees its prefill abort reports a
 generic ABORTED, while the prefill knows the cause (e.g. the prompt is too long).
@@ -116,6 +123,10 @@ class RouterConfig:
     # Longest prompt forwarded (tokens): the engines' --max-prompt-tokens. A longer one is
     # refused here, before a prefill or decode spends anything on it.
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    # Times a request is sent again, with a fresh room, to another instance of the role
+    # whose call failed UNAVAILABLE (gone, unreachable, its worker died) before the first
+    # token reached the client. After a token nothing is retried: output would repeat.
+    retries: int = 1
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -128,6 +139,18 @@ class RouterConfig:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.retries < 0:
+            raise ValueError(f"--retries must be >= 0, got {self.retries}")
+
+
+class _BeforeFirstToken(Exception):
+    """``failure`` ended an attempt before any token reached the client, so the request
+    may go again; ``role`` is the side that failed (``prefill`` or ``decode``)."""
+
+    def __init__(self, failure: RequestFailed) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+        self.role = "decode"
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -245,6 +268,75 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, remaining)
+        deadline = time.monotonic() + timeout
+        self.active += 1
+        outcome = "cancelled by client"
+        try:
+            for attempt in itertools.count():
+                try:
+                    tokens, reply = await self._attempt(
+                        context, arrived, room, request_id, input_ids, sampling, routed, prefill, decode,
+                        deadline - time.monotonic(),
+                    )
+                    break
+                except _BeforeFirstToken as b:
+                    again = None
+                    retryable = b.failure.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                    if retryable and attempt < self.config.retries:
+                        again = self._another(b.role, prefill, decode)
+                    if again is None:
+                        raise b.failure from None
+                    prefill, decode = again
+                    self.metrics.on_retry()
+                    new_room = draw_room()
+                    request_event(
+                        log, room, f"retrying on prefill {prefill.address} and decode {decode}", level=logging.WARNING,
+                        request_id=request_id, failed=b.role, reason=b.failure.message, next_room=new_room,
+                    )
+                    room = new_room
+            outcome = "finished"
+            self.metrics.on_finished()
+            request_event(
+                log, room, "finished", request_id=request_id, tokens=tokens,
+                seconds=f"{time.perf_counter() - arrived:.3f}",
+                prefill_dp_rank="-" if reply is None else reply.dp_rank,
+                bytes_transferred="-" if reply is None else reply.bytes_transferred,
+            )
+        except RequestFailed as f:
+            outcome = "failed"
+            self.metrics.on_abort(f.reason)
+            request_event(log, room, "failed", level=logging.WARNING, request_id=request_id, code=f.code.name, reason=f.message)
+            await context.abort(f.code, f.message)
+        finally:
+            self.active -= 1
+            if outcome == "cancelled by client":
+                self.metrics.on_abort(AbortReason.CANCELLED)
+                request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
+
+    def _another(self, role: str, prefill: PrefillBackend, decode: str) -> tuple[PrefillBackend, str] | None:
+        """A prefill and decode for a retry whose ``role`` instance is not the one that
+        failed; None when there is no other instance of that role."""
+        if self._view is not None:
+            n = len(self._view.instances(role))
+        else:
+            n = len(self.config.prefills if role == "prefill" else self.config.decodes)
+        for _ in range(n):
+            try:
+                p, d = self._pick()
+            except RequestFailed:  # no live instance left in the discovery view
+                return None
+            if (p.address != prefill.address) if role == "prefill" else (d != decode):
+                return p, d
+        return None
+
+    async def _attempt(
+        self, context: grpc.aio.ServicerContext, arrived: float, room: int, request_id: str, input_ids: list[int],
+        sampling: common_pb2.SamplingParams, routed: int | None, prefill: PrefillBackend, decode: str, timeout: float,
+    ) -> tuple[int, prefill_pb2.PrefillResponse | None]:
+        """One prefill call and one decode call for ``room``, the decode's tokens relayed to
+        the client: the token count and the prefill's reply (None if it had not come).
+        Raises :class:`_BeforeFirstToken` for a failure before the first token, else
+        :class:`~pdgrpc.errors.RequestFailed`. Both calls are over when it returns."""
         # Goes to exactly these two peers: the decode proves it to the prefill in its
         # Handshake and AbortRoom calls (pdgrpc.serving.room_proof).
         secret = draw_secret()
@@ -271,28 +363,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             routed_dp_rank="-" if routed is None else routed, defer=True,
         )
         prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
-        self.active += 1
-        outcome = "cancelled by client"
         try:
-            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode)
-            outcome = "finished"
-            self.metrics.on_finished()
+            try:
+                tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode)
+            except _BeforeFirstToken as b:
+                failed = prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None
+                b.role = "prefill" if failed else "decode"
+                raise
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
-            request_event(
-                log, room, "finished", request_id=request_id, tokens=tokens,
-                seconds=f"{time.perf_counter() - arrived:.3f}",
-                prefill_dp_rank="-" if reply is None else reply.dp_rank,
-                bytes_transferred="-" if reply is None else reply.bytes_transferred,
-            )
-        except RequestFailed as f:
-            outcome = "failed"
-            self.metrics.on_abort(f.reason)
-            request_event(log, room, "failed", level=logging.WARNING, request_id=request_id, code=f.code.name, reason=f.message)
-            await context.abort(f.code, f.message)
+            return tokens, reply
         finally:
-            self.active -= 1
             # Whatever happened (success, failure, client cancel), nothing stays open upstream:
             # a cancelled Decode aborts the room and frees its pages; a cancelled Prefill
             # stops computing and releases its worker's pages.
@@ -302,9 +384,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 prefill_fut.cancel()
             elif not prefill_fut.cancelled():
                 prefill_fut.exception()  # retrieved: a failure already handled is not "never retrieved"
-            if outcome == "cancelled by client":
-                self.metrics.on_abort(AbortReason.CANCELLED)
-                request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
 
     @staticmethod
     async def _await_prefill(call: grpc.aio.UnaryUnaryCall, address: str) -> prefill_pb2.PrefillResponse:
@@ -373,6 +452,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 count += len(msg.token_ids)
                 self.metrics.on_tokens(len(msg.token_ids))
                 await context.write(out)
+        except RequestFailed as f:
+            if first:
+                raise _BeforeFirstToken(f) from None
+            raise
         finally:
             # A read still pending when we stop (client gone, prefill failed) would
             # otherwise end with an unretrieved exception once the call is cancelled.
