@@ -326,6 +326,7 @@ class Cluster:
         dies because another program took its port in between, the whole cluster is
         stopped and started again on fresh ports, up to ``port_retries`` times."""
         for attempt in range(port_retries + 1):
+            self._failed = False  # a lost port race that the next attempt recovers is no failure
             try:
                 await self._start_once()
                 return

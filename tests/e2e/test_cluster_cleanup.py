@@ -76,3 +76,15 @@ def test_an_etcd_in_its_own_directory_leaves_nothing_and_a_failed_one_keeps_its_
             clash.start(ready_timeout=20)
         clash.close()
     assert clash.log_path.exists() and str(clash.log_path) in str(err.value)
+
+
+async def test_a_start_that_recovered_from_a_port_race_leaves_nothing_either(own_tmp: Path) -> None:
+    cluster = Cluster("colocated", start_timeout=120)
+    taken = cluster.procs["colocated"].port
+    with socket.socket() as squatter:  # another program took the port it picked
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        async with cluster:
+            assert cluster.procs["colocated"].port != taken
+            assert (cluster.log_dir / "colocated.attempt1.log").exists()
+    assert list(own_tmp.iterdir()) == []
