@@ -147,10 +147,10 @@ class _BeforeFirstToken(Exception):
     """``failure`` ended an attempt before any token reached the client, so the request
     may go again; ``role`` is the side that failed (``prefill`` or ``decode``)."""
 
-    def __init__(self, failure: RequestFailed) -> None:
+    def __init__(self, failure: RequestFailed, role: str) -> None:
         super().__init__(failure.message)
         self.failure = failure
-        self.role = "decode"
+        self.role = role
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -364,12 +364,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
         prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
         try:
-            try:
-                tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode)
-            except _BeforeFirstToken as b:
-                failed = prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None
-                b.role = "prefill" if failed else "decode"
-                raise
+            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode)
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
@@ -453,8 +448,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.metrics.on_tokens(len(msg.token_ids))
                 await context.write(out)
         except RequestFailed as f:
-            if first:
-                raise _BeforeFirstToken(f) from None
+            if first:  # the prefill's failure is the cause when it failed too (_decode_failure)
+                prefill_failed = prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None
+                raise _BeforeFirstToken(f, "prefill" if prefill_failed else "decode") from None
             raise
         finally:
             # A read still pending when we stop (client gone, prefill failed) would
