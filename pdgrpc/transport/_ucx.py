@@ -39,7 +39,6 @@ import asyncio
 import ctypes
 import functools
 import logging
-import threading
 import time
 from typing import Any, Sequence
 
@@ -50,10 +49,11 @@ from pdgrpc.transport._ucx_api import (
     _OP_ATTR_FIELD_FLAGS, _OP_ATTR_FIELD_USER_DATA, _OP_ATTR_FLAG_NO_IMM_CMPL, _PARKED, _RECV_CB, _SEND_CB,
     FULL_MASK, INSTALL_HINT, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_INPROGRESS, UCS_OK, Completion,
     Pieces, UcxError, _check, _create_worker, _destroy, _EpParams, _Param, _status_of, _TagRecvInfo, api,
-    message_buffer,
+    destroy_off_loop, message_buffer,
 )
 from pdgrpc.transport._ucx_batch import Batch, BatchCompletion
 from pdgrpc.transport._ucx_quiet import TICK_S as QUIET_TICK_S, QuietSends
+from pdgrpc.transport.rooms import after_acks
 
 __all__ = [
     "BatchCompletion", "FULL_MASK", "INSTALL_HINT", "UCS_ERR_CANCELED", "UCS_ERR_MESSAGE_TRUNCATED", "UCS_OK", "Completion", "Pieces",
@@ -112,6 +112,7 @@ class UcxWorker:
         self._abandoned: dict[int, tuple[int, Completion, Any]] = {}
         self._batches: dict[int, Batch] = {}  # token -> batch, until every request of it is complete
         self._polling: dict[int, Batch] = {}  # batches whose last request completed before the others
+        self._settled: list[Batch] = []  # batches over, whose requests are freed after the ACKs (_release_settled)
         self._batch_param = ctypes.pointer(_Param())  # reused by every batch's posts
         self._test_info = _TagRecvInfo()
 
@@ -151,6 +152,7 @@ class UcxWorker:
             if self._inflight or self._abandoned or self._polling:
                 await asyncio.sleep(0.001)
         self._closed = True
+        self._release_settled()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -172,28 +174,9 @@ class UcxWorker:
                             self._recv_cb))
             self._worker = self._context = None
             return
-        api_, context, worker = self._api, self._context, self._worker
-        # Destroy the worker and context off the loop thread: ucp_worker_destroy tears
-        # down endpoints and can wait on a transport that a departed peer left behind
-        # (seen rarely with shared memory on a loaded host). Normally this takes
-        # milliseconds and the thread is gone before close() returns.
+        context, worker = self._context, self._worker
         self._worker = self._context = None
-        finished = threading.Event()
-
-        def destroy() -> None:
-            _destroy(api_, context, worker)
-            finished.set()
-
-        t = threading.Thread(target=destroy, name="pdgrpc-ucx-destroy", daemon=True)
-        t.start()
-        deadline = time.monotonic() + destroy_timeout
-        while not finished.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-        if finished.is_set():
-            t.join(1.0)
-        else:
-            logging.getLogger("pdgrpc.transport.rdma").warning(
-                "UCX worker destruction still blocked after %.1f s; left to a daemon thread", destroy_timeout)
+        await destroy_off_loop(self._api, context, worker, destroy_timeout)
 
     # -- endpoints ------------------------------------------------------------------
     def endpoint(self, address: bytes) -> int:
@@ -322,7 +305,19 @@ class UcxWorker:
                 batch.cb(batch.results)
             except Exception:  # a callback bug must not stop progress for everyone
                 log.exception("batch completion callback failed")
+        self._settled.append(batch)
+        if len(self._settled) == 1:
+            after_acks(self._release_settled)
         return True
+
+    def _release_settled(self) -> None:
+        """Free the requests of the batches settled since the last call: after the ACKs
+        their completions led to (:func:`~pdgrpc.transport.rooms.after_acks`), which
+        these ~50 ctypes calls would otherwise delay."""
+        if self._worker is not None:  # a parked worker keeps them
+            for batch in self._settled:
+                batch.release(self._api)
+        self._settled.clear()
 
     def probe(self, tag: int, mask: int) -> int | None:
         """The sender tag of the first unexpected message matching ``tag``/``mask`` (left

@@ -4,7 +4,11 @@ headers), loaded once from the ``libucx`` wheel."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import logging
+import threading
+import time
 from typing import Any, Callable, Sequence, Union
 
 import numpy as np
@@ -257,6 +261,30 @@ def _destroy(api: "_Api", context: int | None, worker: int | None) -> None:
         api.worker_destroy(worker)
     if context:
         api.cleanup(context)
+
+
+async def destroy_off_loop(api: "_Api", context: int | None, worker: int | None, timeout: float) -> None:
+    """Destroy ``worker`` and ``context`` off the loop thread: ``ucp_worker_destroy`` tears
+    down endpoints and can wait on a transport that a departed peer left behind (seen
+    rarely with shared memory on a loaded host). Normally this takes milliseconds and the
+    thread is gone before this returns; after ``timeout`` seconds it is left to finish
+    (a daemon thread), with a warning."""
+    finished = threading.Event()
+
+    def destroy() -> None:
+        _destroy(api, context, worker)
+        finished.set()
+
+    t = threading.Thread(target=destroy, name="pdgrpc-ucx-destroy", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout
+    while not finished.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)
+    if finished.is_set():
+        t.join(1.0)
+    else:
+        logging.getLogger("pdgrpc.transport.rdma").warning(
+            "UCX worker destruction still blocked after %.1f s; left to a daemon thread", timeout)
 
 
 _API: _Api | None = None

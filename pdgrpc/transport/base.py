@@ -117,7 +117,7 @@ from pdgrpc.transport.receiver import Refusal, RoomGrant
 from pdgrpc.transport.regions import (
     BadDescriptor, MemoryRegion, RegionInfo, RegionKind, WriteOp, WriteOps, check_source_ops,
 )
-from pdgrpc.transport.rooms import RoomStates, RoomStatus, UnknownRoom, after_reactions
+from pdgrpc.transport.rooms import RoomStates, RoomStatus, UnknownRoom, after_acks, after_reactions
 
 __all__ = [
     "DESCRIPTOR_VERSION",
@@ -135,6 +135,7 @@ __all__ = [
     "UnknownRoom",
     "WriteOp",
     "WriteOps",
+    "after_acks",
     "after_reactions",
     "check_source_ops",
 ]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import gc
 import logging
 import struct
@@ -75,6 +76,7 @@ from pdgrpc.transport.rdma_wire import (
     RecvConn, RecvRoom, Region, SendConn, SendRoom, new_id,
 )
 from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.rooms import after_acks
 
 log = logging.getLogger("pdgrpc.transport.rdma")
 
@@ -151,7 +153,8 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         self._swept = 0  # stray messages dropped from UCX's unexpected queue
         self._swept_warned = False
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
-        self._ctrl_bufs: list[torch.Tensor] = []
+        self._ctrl_bufs: list[ctypes.Array[ctypes.c_char]] = []
+        self._ctrl_posted = 0  # control receives posted now (each goes up again after the ACKs it leads to)
 
     # -- descriptor ----------------------------------------------------------------------
     @property
@@ -160,7 +163,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         receives (a diagnostic: 0 on an idle transport, and again once a failed peer's
         requests were cancelled — receives by ``ucp_request_cancel``, sends by a forced
         endpoint close or, for rendezvous sends UCX keeps, by abandoning them)."""
-        return max(0, self._worker.inflight_requests - (2 * CTRL_POSTED if self._started and not self._closed else 0))
+        return max(0, self._worker.inflight_requests - self._ctrl_posted)
 
     def receives_posted(self, room: int) -> int:
         """Data receives posted for ``room`` that have not completed (a diagnostic: a
@@ -196,7 +199,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
             self._worker.start()
             for kind in (KIND_CTRL, KIND_REPLY):
                 for _ in range(CTRL_POSTED):
-                    buf = torch.empty(CTRL_BUF, dtype=torch.uint8)
+                    buf = ctypes.create_string_buffer(CTRL_BUF)
                     self._ctrl_bufs.append(buf)
                     self._post_ctrl(kind, buf)
             self._sweeper = loop.call_later(SWEEP_S, self._sweep_tick)
@@ -213,24 +216,30 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
                             "(counted in stray_messages; warned once)", dropped)
         self._sweeper = self._loop.call_later(SWEEP_S, self._sweep_tick) if self._loop is not None else None
 
-    def _post_ctrl(self, kind: int, buf: torch.Tensor) -> None:
+    def _post_ctrl(self, kind: int, buf: ctypes.Array[ctypes.c_char]) -> None:
         if self._closed:
             return
+        address = ctypes.addressof(buf)
 
         def done(status: int, length: int, tag: int) -> None:
+            # A sender's ACK and a receiver's row are handled here, each on the way to an
+            # ACK: on a host whose caches the data just flushed every object touched
+            # costs, so the message is one copy out of the buffer, and the receive goes up
+            # again after the ACK (docs/performance.md, "Ninth pass").
+            self._ctrl_posted -= 1
             if status == UCS_ERR_CANCELED or self._closed:
                 return
             if status == UCS_OK:
-                msg = buf[:length].numpy().tobytes()
                 try:
-                    (self._on_ctrl if kind == KIND_CTRL else self._on_reply)(msg)
+                    (self._on_ctrl if kind == KIND_CTRL else self._on_reply)(ctypes.string_at(address, length))
                 except (struct.error, ValueError, UnicodeDecodeError) as exc:
                     log.warning("rdma: dropped a malformed control message: %r", exc)
             else:
                 log.warning("rdma: control receive failed with UCX status %d", status)
-            self._post_ctrl(kind, buf)
+            after_acks(self._post_ctrl, kind, buf)
 
-        self._worker.recv([(buf.data_ptr(), CTRL_BUF)], ctrl_tag(kind), KIND_MASK, done, buf, background=True)
+        self._worker.recv([(address, CTRL_BUF)], ctrl_tag(kind), KIND_MASK, done, buf, background=True)
+        self._ctrl_posted += 1
 
     async def register(self, regions: Sequence[MemoryRegion]) -> bytes:
         self._ensure_started()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdgrpc.transport.base")
 
-__all__ = ["RoomStates", "RoomStatus", "UnknownRoom", "after_reactions"]
+__all__ = ["RoomStates", "RoomStatus", "UnknownRoom", "after_acks", "after_reactions"]
 
 
 class UnknownRoom(TransportError):
@@ -54,6 +54,20 @@ def after_reactions(callback: Callable[..., object], *args: object) -> None:
     loop.call_soon(loop.call_soon, callback, *args)
 
 
+def after_acks(callback: Callable[..., object], *args: object) -> None:
+    """Run ``callback(*args)`` on the running loop after everything :func:`after_reactions`
+    has queued so far, and everything it queues later in this loop turn: for housekeeping
+    on the way to a receiver's ACK (freeing a batch's UCX requests, re-posting a control
+    receive) that must not delay it. On a host whose caches a transfer just flushed, that
+    housekeeping costs ~40 us (docs/performance.md, "Ninth pass")."""
+    asyncio.get_running_loop().call_soon(after_reactions, callback, *args)
+
+
+def _resolve(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class RoomStates:
     """Per-room state shared by backends: forward-only transitions, FAILED wins,
     terminal states stick, waiters wake on terminal states. Not thread-safe: touch it
@@ -65,7 +79,10 @@ class RoomStates:
 
     def __init__(self) -> None:
         self._states: dict[int, RoomStatus] = {}
-        self._events: dict[int, asyncio.Event] = {}
+        # room -> futures of the tasks in wait(), resolved when the room turns terminal
+        # or is discarded: one loop turn from the update to the waiter (an Event
+        # under asyncio.wait_for takes three)
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._listeners: list[Callable[[int], None]] = []
         self._started: dict[int, float] = {}  # room -> time.monotonic() it reached TRANSFERRING
         self._release_reasons: collections.OrderedDict[int, str] = collections.OrderedDict()
@@ -112,9 +129,7 @@ class RoomStates:
         if state is KVPoll.TRANSFERRING or (state is KVPoll.SUCCESS and room not in self._started):
             self._started[room] = time.monotonic()
         if state.is_terminal:
-            ev = self._events.get(room)
-            if ev is not None:
-                ev.set()
+            self._wake(room)
             for callback in self._listeners:
                 try:
                     callback(room)
@@ -156,9 +171,7 @@ class RoomStates:
     def discard(self, room: int) -> None:
         self._states.pop(room, None)
         self._started.pop(room, None)
-        ev = self._events.pop(room, None)
-        if ev is not None:
-            ev.set()  # wake waiters; they see UnknownRoom
+        self._wake(room)  # waiters see UnknownRoom
 
     def fail_all(self, reason: str, rooms: Iterable[int] | None = None, *, peer_lost: bool = False) -> None:
         for room in list(self._states if rooms is None else rooms):
@@ -168,9 +181,20 @@ class RoomStates:
         st = self.status(room)
         if st.state.is_terminal:
             return st
-        ev = self._events.setdefault(room, asyncio.Event())
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._waiters.setdefault(room, [])
+        waiters.append(fut)
+        timer = fut.get_loop().call_later(timeout, _resolve, fut)
         try:
-            await asyncio.wait_for(ev.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            await fut
+        finally:
+            timer.cancel()
+            if self._waiters.get(room) is waiters:  # not woken: timed out or cancelled
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiters[room]
         return self.status(room)
+
+    def _wake(self, room: int) -> None:
+        for fut in self._waiters.pop(room, ()):
+            _resolve(fut)

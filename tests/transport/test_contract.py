@@ -21,6 +21,7 @@ from pdgrpc.transport.base import (
     UnknownRoom,
     WriteOp,
     WriteOps,
+    after_acks,
     after_reactions,
 )
 from pdgrpc.transport.pages import (
@@ -136,6 +137,49 @@ async def test_room_wait_is_bounded_and_wakes_on_terminal() -> None:
     assert (await t.wait(1, 10)).state is KVPoll.SUCCESS
 
 
+async def test_a_room_waiter_resumes_on_the_loop_turn_after_the_update() -> None:
+    # The sender's wait() returns on the loop's next turn after the ACK's update: every
+    # further turn lets the transport's progress task run a UCX round first (~10 us
+    # each on a host whose caches the transfer just flushed).
+    import asyncio
+
+    t = RoomStates()
+    t.create(1, KVPoll.TRANSFERRING)
+    got: list[KVPoll] = []
+
+    async def waiter() -> None:
+        got.append((await t.wait(1, 10)).state)
+
+    task = asyncio.ensure_future(waiter())
+    await asyncio.sleep(0)  # waiting now
+    t.set(1, KVPoll.SUCCESS)
+    await asyncio.sleep(0)
+    assert got == [KVPoll.SUCCESS]
+    await task
+
+
+async def test_room_waiters_that_time_out_or_are_cancelled_leave_nothing_behind() -> None:
+    import asyncio
+
+    t = RoomStates()
+    t.create(1, KVPoll.TRANSFERRING)
+    for _ in range(100):
+        assert (await t.wait(1, 0)).state is KVPoll.TRANSFERRING
+    task = asyncio.ensure_future(t.wait(1, 10))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert t._waiters == {}  # nothing kept per wait that ended without the room finishing
+    # a discarded room wakes its waiters, who find it gone
+    task = asyncio.ensure_future(t.wait(1, 10))
+    await asyncio.sleep(0)
+    t.discard(1)
+    with pytest.raises(UnknownRoom):
+        await task
+    assert t._waiters == {}
+
+
 def test_listeners_hear_each_room_turn_terminal_once_and_a_broken_one_harms_nothing(caplog: pytest.LogCaptureFixture) -> None:
     t = RoomStates()
     heard: list[int] = []
@@ -185,6 +229,21 @@ async def test_after_reactions_runs_after_what_a_listener_scheduled_and_what_tha
         await asyncio.sleep(0)
     await task
     assert order == ["committed", "token sent", "ack"]
+
+
+async def test_after_acks_runs_after_every_ack_queued_before_it_or_in_the_same_turn() -> None:
+    # A receiver's row re-posts its control receive mid-transfer, before the data's
+    # landing queues the ACK; both come from one progress round (one loop turn). The
+    # re-post, and a batch's frees queued right after the ACK, wait for the ACK.
+    import asyncio
+
+    order: list[str] = []
+    after_acks(order.append, "row's receive re-posted")
+    after_reactions(order.append, "ack")
+    after_acks(order.append, "requests freed")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert order == ["ack", "row's receive re-posted", "requests freed"]
 
 
 # -- regions and page lists -------------------------------------------------------------

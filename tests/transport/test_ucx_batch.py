@@ -65,6 +65,31 @@ async def test_a_batch_whose_last_message_lands_first_waits_for_the_others(pair:
     assert pair.rx.inflight_requests == 0
 
 
+async def test_a_batch_frees_each_request_once_after_calling_its_owner_back(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner (a receiver about to ACK) hears first; the requests tested complete are
+    freed after it, each exactly once."""
+    src = [np.full(n, 7, dtype=np.uint8) for n in SIZES]
+    dst = [np.zeros(n, dtype=np.uint8) for n in SIZES]
+    events: list[tuple[str, int]] = []
+    api, real_free = pair.rx._api, pair.rx._api.request_free
+
+    def free(ptr: int) -> None:
+        events.append(("free", ptr))
+        real_free(ptr)
+
+    monkeypatch.setattr(api, "request_free", free)
+    token = pair.rx.recv_batch(runs_of(dst), TAGS, lambda results: events.append(("owner", 0)), dst)
+    ptrs = list(pair.rx._batches[token].ptrs)
+    pair.tx.send_batch(pair.ep, runs_of(src), TAGS, lambda r: None, src)
+    await until(lambda: ("owner", 0) in events and sum(e[1] in ptrs for e in events) == len(ptrs))
+    await asyncio.sleep(0.05)  # a second free would come now
+    mine = [e for e in events if e == ("owner", 0) or e[1] in ptrs]
+    assert sorted(p for what, p in mine if what == "free") == sorted(ptrs)  # each once, none left
+    assert mine.index(("owner", 0)) <= 1  # only the request whose completion called back, before
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst))
+
+
 async def test_a_truncated_message_is_reported_at_its_index(pair: Pair) -> None:
     dst = [np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)]
     src = [np.ones(64, dtype=np.uint8), np.ones(128, dtype=np.uint8)]  # the second is too long
