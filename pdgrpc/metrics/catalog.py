@@ -260,6 +260,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_X,),
     ),
     MetricSpec(
+        "pdgrpc_ejections_total", "counter",
+        "Times a prefill or decode instance was ejected: passed over by new requests and retries for the "
+        "router's --eject-s seconds because a call to it failed UNAVAILABLE (count).",
+        _R, (_X,),
+    ),
+    MetricSpec(
         "pdgrpc_server_info", "info",
         "Constant 1; labels describe this server process (role, transport, dp/tp rank and size, pdgrpc version).",
         _R, _ALL,

@@ -250,11 +250,17 @@ class RouterMetrics(_RequestsMixin):
         self._ttft = self._fam.histogram("pdgrpc_time_to_first_token_seconds").labels(self.role.value)
         self._tokens = self._fam.counter("pdgrpc_output_tokens_total").labels(self.role.value)
         self._retries = self._fam.counter("pdgrpc_retries_total").labels(self.role.value)
+        self._ejections = self._fam.counter("pdgrpc_ejections_total").labels(self.role.value)
 
     def on_retry(self) -> None:
         """A request went again to another prefill or decode after its call to one failed
         UNAVAILABLE before its first token."""
         self._retries.inc()
+
+    def on_eject(self) -> None:
+        """A prefill or decode instance is passed over for a while: a call to it failed
+        UNAVAILABLE."""
+        self._ejections.inc()
 
     def on_first_token(self, seconds: float) -> None:
         """The first token of a request reached the client ``seconds`` after it arrived."""

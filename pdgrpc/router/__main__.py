@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         "fails UNAVAILABLE (gone, unreachable, a worker died) before the first token reached the client; never "
         "after a token (0: never; default: %(default)s)",
     )
+    p.add_argument(
+        "--eject-s", type=float, default=5.0, metavar="SECONDS",
+        help="how long a prefill or decode whose call failed UNAVAILABLE is passed over when requests (and retries) "
+        "pick their instances; when every instance of a role is passed over, requests go to them anyway, and a "
+        "success ends it early (0: never; default: %(default)s)",
+    )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             max_prompt_tokens=args.max_prompt_tokens,
             retries=args.retries,
+            eject_s=args.eject_s,
         )
         install(security_from_args(args))
         if args.model:  # a missing or bad tokenizer fails at start-up, naming the file

@@ -26,6 +26,8 @@ What one ``Generate`` does::
    ``retries`` times (``--retries``, default 1) and within the request's deadline. No
    other failure is retried, nor any after the first token (its output would repeat),
    nor one with no other instance to go to.
+6. An instance whose call failed UNAVAILABLE is then passed over for ``eject_s`` seconds
+   (``--eject-s``): see :mod:`pdgrpc.router.ejection`.
 
 The prefill's status wins when both fail: a decode that sees its prefill abort reports a
 generic ABORTED, while the prefill knows the cause (e.g. the prompt is too long).
@@ -49,6 +51,7 @@ from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
+from pdgrpc.router.ejection import Ejections
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
@@ -127,6 +130,9 @@ class RouterConfig:
     # whose call failed UNAVAILABLE (gone, unreachable, its worker died) before the first
     # token reached the client. After a token nothing is retried: output would repeat.
     retries: int = 1
+    # Seconds an instance whose call failed UNAVAILABLE is passed over by new requests and
+    # retries (pdgrpc.router.ejection); 0: never.
+    eject_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -141,6 +147,8 @@ class RouterConfig:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.retries < 0:
             raise ValueError(f"--retries must be >= 0, got {self.retries}")
+        if not 0 <= self.eject_s <= 3600:
+            raise ValueError(f"--eject-s must be between 0 and 3600 seconds, got {self.eject_s}")
 
 
 class _BeforeFirstToken(Exception):
@@ -181,11 +189,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self._pool = pool or ChannelPool()
-        self._prefills = itertools.cycle(config.prefills)
-        self._decodes = itertools.cycle(config.decodes)
         # With discovery: the live view from etcd, read on every request (round robin by count).
         self._view = view
         self._turn = 0
+        self._ejections = Ejections(config.eject_s)
         self._tokenizer: Any = ByteTokenizer()
         if config.model:  # the checkpoint's tokenizer (torch-free: tokenizers only)
             from pdgrpc.engine.hf.tokenizer import load_tokenizer
@@ -234,19 +241,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def _pick(self) -> tuple[PrefillBackend, str]:
         """The prefill and decode for the next request: round robin over the static lists,
-        or over the live, compatible instances of the discovery view."""
+        or over the live, compatible instances of the discovery view, passing over the
+        ejected ones (:mod:`pdgrpc.router.ejection`) unless every instance of the role is."""
         if self._view is None:
-            return next(self._prefills), next(self._decodes)
-        prefills = self._view.instances("prefill")
-        decodes = self._view.instances("decode")
-        for role, live in (("prefill", prefills), ("decode", decodes)):
-            if not live:
-                raise RequestFailed(
-                    grpc.StatusCode.UNAVAILABLE, f"no live {role} instance is registered in etcd under {self._view.prefix}"
-                )
-        self._turn += 1
-        p = prefills[self._turn % len(prefills)]
-        return PrefillBackend(p.address, p.bootstrap), decodes[self._turn % len(decodes)].address
+            prefills, decodes = self.config.prefills, self.config.decodes
+        else:
+            prefills = tuple(PrefillBackend(p.address, p.bootstrap) for p in self._view.instances("prefill"))
+            decodes = tuple(d.address for d in self._view.instances("decode"))
+            for role, live in (("prefill", prefills), ("decode", decodes)):
+                if not live:
+                    raise RequestFailed(
+                        grpc.StatusCode.UNAVAILABLE, f"no live {role} instance is registered in etcd under {self._view.prefix}"
+                    )
+        turn, self._turn, choose = self._turn, self._turn + 1, self._ejections.choose
+        return choose("prefill", prefills, [p.address for p in prefills], turn), choose("decode", decodes, decodes, turn)
+
+    def _eject(self, role: str, address: str, reason: str) -> None:
+        if self._ejections.eject(role, address):
+            self.metrics.on_eject()
+            log.warning("ejecting %s %s for %.1f s: %s", role, address, self._ejections.seconds, reason)
+
+    def _recovered(self, prefill: PrefillBackend, decode: str) -> None:
+        for role, address in (("prefill", prefill.address), ("decode", decode)):
+            if self._ejections.recovered(role, address):
+                log.info("%s %s answered again; no longer ejected", role, address)
 
     # ---- the RPC ------------------------------------------------------------------------
 
@@ -278,8 +296,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         context, arrived, room, request_id, input_ids, sampling, routed, prefill, decode,
                         deadline - time.monotonic(),
                     )
+                    self._recovered(prefill, decode)
                     break
                 except _BeforeFirstToken as b:
+                    if b.failure.code == grpc.StatusCode.UNAVAILABLE:
+                        self._eject(b.role, prefill.address if b.role == "prefill" else decode, b.failure.message)
                     again = None
                     retryable = b.failure.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
                     if retryable and attempt < self.config.retries:

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.timeout(90)
 def test_help_explains_every_flag():
     out = subprocess.run([sys.executable, "-m", "pdgrpc.router", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for flag in ("--prefill", "--decode", "--host", "--port", "--request-timeout", "--grace", "--log-level", "--metrics-port", "--metrics-host"):
+    for flag in ("--prefill", "--decode", "--host", "--port", "--request-timeout", "--grace", "--log-level", "--metrics-port", "--metrics-host",
+                 "--retries", "--eject-s"):
         assert flag in out.stdout
     assert "bootstrap=HOST:PORT" in out.stdout
 
@@ -37,6 +38,9 @@ def test_help_explains_every_flag():
 def test_missing_backends_are_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "pdgrpc.router", "--decode", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "at least one --prefill" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "pdgrpc.router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+                          "--eject-s", "-5"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--eject-s must be between 0 and 3600 seconds, got -5.0" in out.stderr
 
 
 async def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0():

@@ -159,3 +159,52 @@ async def test_other_failures_are_not_retried(up):
 def test_retries_must_not_be_negative():
     with pytest.raises(ValueError, match="--retries must be >= 0"):
         RouterConfig(prefills=(PrefillBackend("127.0.0.1:5", DEAD),), decodes=("127.0.0.1:6",), retries=-1)
+
+
+async def test_a_dead_instance_costs_one_retry_while_it_is_ejected(up, caplog):
+    """After a call to it fails UNAVAILABLE, an instance is passed over by the next
+    requests (``--eject-s``); without ejection every request meets it first."""
+    caplog.set_level(logging.INFO, logger="pdgrpc.router")
+    up.decodes[1].gap = 0.2  # no token before the dead prefill's failure is known
+    for eject_s, retries in ((30.0, 1), (0.0, 4)):
+        router, stub = await up.router([DEAD, up.p_addrs[1]], up.d_addrs[1:], eject_s=eject_s)
+        port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
+        try:
+            for _ in range(4):
+                out = await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="hi")))
+                assert [list(m.token_ids) for m in out] == [[104], [105]]
+            s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+            assert s.value("pdgrpc_retries_total", role="router") == retries
+            assert s.value("pdgrpc_ejections_total", role="router") == (1 if eject_s else 0)
+        finally:
+            stop()
+    assert caplog.text.count(f"ejecting prefill {DEAD} for 30.0 s") == 1
+
+    # A dead decode likewise.
+    router, stub = await up.router(up.p_addrs[1:], [DEAD, up.d_addrs[0]])
+    for _ in range(3):
+        out = await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="hi")))
+        assert [list(m.token_ids) for m in out] == [[104], [105]]
+    assert f"ejecting decode {DEAD} for 5.0 s" in caplog.text
+    assert len(up.decodes[0].requests) == 3  # every request, the first one's retry included
+
+
+async def test_when_every_instance_is_ejected_requests_still_go_and_a_success_readmits(up, caplog):
+    caplog.set_level(logging.INFO, logger="pdgrpc.router")
+    up.prefills[0].fail = (grpc.StatusCode.UNAVAILABLE, "room 1: prefill worker dp0 died (exit code -9)")
+    up.decodes[0].gap = 0.2
+    router, stub = await up.router(up.p_addrs[:1], up.d_addrs[:1], eject_s=30.0)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # ejected, and nowhere else to go
+        await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    up.prefills[0].fail = None  # its worker is back
+    out = await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+    assert [list(m.token_ids) for m in out] == [[104], [105]]
+    assert len(up.prefills[0].requests) == 2
+    assert f"prefill {up.p_addrs[0]} answered again; no longer ejected" in caplog.text
+
+
+def test_eject_s_is_bounded():
+    for bad in (-1.0, 3601.0, float("nan")):
+        with pytest.raises(ValueError, match="--eject-s must be between 0 and 3600 seconds"):
+            RouterConfig(prefills=(PrefillBackend("127.0.0.1:5", DEAD),), decodes=("127.0.0.1:6",), eject_s=bad)

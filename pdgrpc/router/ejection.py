@@ -1,0 +1,57 @@
+"""Which prefill and decode instances the router passes over for now.
+
+A call that fails UNAVAILABLE (the instance is gone, unreachable, or lost a worker)
+ejects its instance for ``seconds``: new requests and retries pick among the others, so
+a dead instance costs one failed attempt rather than every n-th request's. When every
+instance of a role is ejected, requests go to them anyway (one of them may be back, and
+a request has nowhere else to go), and a success from an ejected instance ends its
+ejection early. Pure: the clock is a parameter; :class:`~pdgrpc.router.service.GenerateServicer`
+logs and counts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence, TypeVar
+
+__all__ = ["Ejections"]
+
+T = TypeVar("T")
+
+
+class Ejections:
+    """Ejected ``(role, address)`` pairs and when each ejection ends. At most one entry per
+    instance that failed within the last ``seconds``: bounded by the instances known."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds  # how long an ejection lasts; 0: never eject
+        self._clock = clock
+        self._until: dict[tuple[str, str], float] = {}  # (role, address) -> clock() when it ends
+
+    def eject(self, role: str, address: str) -> bool:
+        """Pass ``address`` over from now for ``seconds`` (again, if it already was).
+        True when it was not ejected before."""
+        if self.seconds <= 0:
+            return False
+        now = self._clock()
+        for key in [k for k, until in self._until.items() if until <= now]:
+            del self._until[key]
+        fresh = (role, address) not in self._until
+        self._until[(role, address)] = now + self.seconds
+        return fresh
+
+    def recovered(self, role: str, address: str) -> bool:
+        """A call to ``address`` succeeded: it is no longer ejected. True if it was."""
+        return self._until.pop((role, address), None) is not None
+
+    def ejected(self, role: str, address: str) -> bool:
+        return self._until.get((role, address), 0.0) > self._clock()
+
+    def choose(self, role: str, items: Sequence[T], addresses: Sequence[str], turn: int) -> T:
+        """``turn``'s pick of a round robin over ``items`` (whose addresses are
+        ``addresses``), over those not ejected; over all of them when every one is."""
+        if not self._until:
+            return items[turn % len(items)]
+        ready = [i for i, a in enumerate(addresses) if not self.ejected(role, a)]
+        pool = ready or range(len(items))
+        return items[pool[turn % len(pool)]]
