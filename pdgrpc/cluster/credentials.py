@@ -1,7 +1,7 @@
 """What a local cluster's processes and clients present (``[security]``, ``--tls auto``).
 
 :class:`ClusterCredentials` either makes, in the cluster's run directory, a throwaway CA
-and one certificate per process (its name is the certificate's common name, which
+(whose key is deleted once it has signed) and one certificate per process (its name is the certificate's common name, which
 bootstrap sees as its identity) plus one for clients, and/or a random bearer token
 (:mod:`pdgrpc.rpc.certs`); or uses the files a topology's ``[security]`` table names
 (``tls-cert``, ``tls-key``, ``tls-ca``, ``auth-token-file``: the same for every process
@@ -34,6 +34,10 @@ class ClusterCredentials:
             made = make_ca(directory)
             self.ca = made.cert
             self.certs = {name: issue(made, directory, name) for name in names}
+            # The CA's key has signed every certificate the cluster will use: it goes now,
+            # so a run directory kept afterwards (the CLI's, a failed run's) holds no key
+            # that could mint a certificate the cluster trusts.
+            made.key.unlink()
         elif "tls-cert" in files:
             shared = CertFiles(files["tls-cert"], files["tls-key"])
             self.certs = {name: shared for name in names}

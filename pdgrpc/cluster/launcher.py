@@ -18,8 +18,8 @@
   ports: its controller's, then one per dp worker (``--metrics-port`` base + 1 + rank).
 * With ``tls="auto"`` (``--tls auto``, or ``tls = "auto"`` under ``[security]``) the
   launcher makes a throwaway CA in ``LOG_DIR/security`` and one certificate per process
-  (its name is the certificate's common name): every process serves mTLS and presents its
-  certificate on its own calls. ``auth_token="auto"`` writes a random bearer token there
+  (its name is the certificate's common name), then deletes the CA's key: every process
+  serves mTLS and presents its certificate on its own calls. ``auth_token="auto"`` writes a random bearer token there
   that every process requires and sends. :attr:`Cluster.client_security` is what a client
   of the cluster presents (certificate ``client``, the token); :meth:`Cluster.client_channel`
   opens a channel with it. A router whose args set ``public-tls-cert`` serves clients
@@ -165,7 +165,7 @@ class Cluster:
         if self.transport not in TRANSPORTS:
             raise ClusterError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         # A directory of the launcher's own goes when the cluster stops cleanly (with the
-        # throwaway CA's key in it), unless keep_logs; a failed run keeps it, since its
+        # processes' keys in it), unless keep_logs; a failed run keeps it, since its
         # errors name the log files. A given log_dir belongs to the caller and stays.
         self._own_log_dir = log_dir is None
         self.keep_logs = keep_logs

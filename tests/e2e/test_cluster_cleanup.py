@@ -36,8 +36,17 @@ async def test_a_clean_run_leaves_no_logs_and_no_keys_behind(own_tmp: Path) -> N
     async with Cluster("colocated", tls="auto", start_timeout=120) as cluster:
         log_dir = cluster.log_dir
         assert log_dir.parent == own_tmp
-        assert (log_dir / "colocated.log").exists() and (log_dir / "security" / "ca.key").exists()
+        assert (log_dir / "colocated.log").exists() and (log_dir / "security" / "colocated.key").exists()
     assert list(own_tmp.iterdir()) == []
+
+
+async def test_the_throwaway_ca_key_is_gone_once_the_certificates_are_issued(tmp_path: Path) -> None:
+    # Kept run directories (the CLI's, a failed run's) hold no key that could mint a
+    # certificate the cluster trusts: only the certificates and each holder's own key.
+    async with Cluster("colocated", tls="auto", log_dir=tmp_path / "run", start_timeout=120) as cluster:
+        security = cluster.log_dir / "security"
+        assert not (security / "ca.key").exists() and (security / "ca.pem").exists()
+        assert {p.name for p in security.glob("*.key")} == {"colocated.key", "client.key"}
 
 
 async def test_a_failed_run_keeps_its_logs_and_says_where(own_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
