@@ -154,7 +154,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         self._swept_warned = False
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
         self._ctrl_bufs: list[ctypes.Array[ctypes.c_char]] = []
-        self._ctrl_posted = 0  # control receives posted now (each goes up again after the ACKs it leads to)
+        self._ctrl_posted = {KIND_CTRL: 0, KIND_REPLY: 0}  # control receives posted now, per kind
 
     # -- descriptor ----------------------------------------------------------------------
     @property
@@ -163,7 +163,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
         receives (a diagnostic: 0 on an idle transport, and again once a failed peer's
         requests were cancelled — receives by ``ucp_request_cancel``, sends by a forced
         endpoint close or, for rendezvous sends UCX keeps, by abandoning them)."""
-        return max(0, self._worker.inflight_requests - self._ctrl_posted)
+        return max(0, self._worker.inflight_requests - sum(self._ctrl_posted.values()))
 
     def receives_posted(self, room: int) -> int:
         """Data receives posted for ``room`` that have not completed (a diagnostic: a
@@ -225,8 +225,9 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
             # A sender's ACK and a receiver's row are handled here, each on the way to an
             # ACK: on a host whose caches the data just flushed every object touched
             # costs, so the message is one copy out of the buffer, and the receive goes up
-            # again after the ACK (docs/performance.md, "Ninth pass").
-            self._ctrl_posted -= 1
+            # again after the ACK (docs/performance.md, "Ninth pass"); at once in a burst
+            # that has taken half of them, whose messages wait in UCX until it does.
+            self._ctrl_posted[kind] -= 1
             if status == UCS_ERR_CANCELED or self._closed:
                 return
             if status == UCS_OK:
@@ -236,10 +237,13 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
                     log.warning("rdma: dropped a malformed control message: %r", exc)
             else:
                 log.warning("rdma: control receive failed with UCX status %d", status)
-            after_acks(self._post_ctrl, kind, buf)
+            if self._ctrl_posted[kind] >= CTRL_POSTED // 2:
+                after_acks(self._post_ctrl, kind, buf)
+            else:
+                self._post_ctrl(kind, buf)
 
         self._worker.recv([(address, CTRL_BUF)], ctrl_tag(kind), KIND_MASK, done, buf, background=True)
-        self._ctrl_posted += 1
+        self._ctrl_posted[kind] += 1
 
     async def register(self, regions: Sequence[MemoryRegion]) -> bytes:
         self._ensure_started()
