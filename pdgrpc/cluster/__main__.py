@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tls", choices=SECURITY_MODES,
-        help="'auto': a throwaway CA (its key deleted once it has signed) and one certificate per process in LOG_DIR/security; every process serves "
-        "mTLS and presents its certificate (clients use security/client.pem, client.key, ca.pem). "
+        help="'auto': a throwaway CA (its key deleted once it has signed) and one certificate per process in "
+        "LOG_DIR/security; every process serves mTLS and presents its certificate "
+        "(clients use security/client.pem, client.key, ca.pem). "
         "Default: the topology's [security] tls, else off",
     )
     p.add_argument(

@@ -1,9 +1,9 @@
 """What a local cluster's processes and clients present (``[security]``, ``--tls auto``).
 
 :class:`ClusterCredentials` either makes, in the cluster's run directory, a throwaway CA
-(whose key is deleted once it has signed) and one certificate per process (its name is the certificate's common name, which
-bootstrap sees as its identity) plus one for clients, and/or a random bearer token
-(:mod:`pdgrpc.rpc.certs`); or uses the files a topology's ``[security]`` table names
+(whose key is deleted once it has signed) and one certificate per process (its name is
+the certificate's common name, which bootstrap sees as its identity) plus one for
+clients, and/or a random bearer token (:mod:`pdgrpc.rpc.certs`); or uses the files a topology's ``[security]`` table names
 (``tls-cert``, ``tls-key``, ``tls-ca``, ``auth-token-file``: the same for every process
 and for the launcher's own calls). :meth:`~ClusterCredentials.flags` are a process's
 security flags, :attr:`~ClusterCredentials.client` what a client of the cluster presents.

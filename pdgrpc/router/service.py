@@ -299,11 +299,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     self._recovered(prefill, decode)
                     break
                 except _BeforeFirstToken as b:
-                    if b.failure.code == grpc.StatusCode.UNAVAILABLE:
+                    unavailable = b.failure.code == grpc.StatusCode.UNAVAILABLE
+                    if unavailable:
                         self._eject(b.role, prefill.address if b.role == "prefill" else decode, b.failure.message)
                     again = None
-                    retryable = b.failure.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
-                    if retryable and attempt < self.config.retries:
+                    if unavailable and time.monotonic() < deadline and attempt < self.config.retries:
                         again = self._another(b.role, prefill, decode)
                     if again is None:
                         raise b.failure from None
