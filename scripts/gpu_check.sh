@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check of issue 20, in one shot, on a machine with an NVIDIA GPU (docs/gpu.md).
 # From the repo root: `bash scripts/gpu_check.sh`; results go under $OUT (default
-# ./gpu-check-out), seven files: env.txt, tests.txt, transport_rdma.txt (with
+# ./gpu-check-out), at most eight files: env.txt, tests.txt, tests_detail.txt (only when a
+# test failed: the failures again, with UCX's log), transport_rdma.txt (with
 # UCX_PROTO_INFO=y), proto_gpu_to_host.txt, transport_tcp.txt, e2e.txt, summary.txt.
-# Every step has its own time limit; the limits add up to 8 minutes (480 s).
+# Every step has its own time limit; the limits add up to 9 minutes (540 s).
 # Wheels the machine lacks travel in .whl/ (scripts/gpu_wheels.sh, run beforehand).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,7 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.txt, no
   timeout -k 10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
   echo "$name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+  return $rc
 }
 
 {
@@ -32,16 +34,26 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.txt, no
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))"
   $PY -c "from pdgrpc.transport.rdma_wire import ucx_moves_cuda; print('libucx with CUDA transports:', ucx_moves_cuda())"
   echo "UCX_TLS=$UCX_TLS"
+  # What UCX itself sees: its version and the CUDA transports it could load
+  ucx=$($PY -c "import libucx, os; print(os.path.dirname(libucx.__file__))" 2>/dev/null) \
+    && LD_LIBRARY_PATH=$ucx/lib:$ucx/lib/ucx timeout 30 "$ucx/bin/ucx_info" -v \
+    && LD_LIBRARY_PATH=$ucx/lib:$ucx/lib/ucx UCX_TLS=all timeout 30 "$ucx/bin/ucx_info" -d | grep -E "Transport:|Device:" | sort | uniq -c
 } > "$OUT/env.txt" 2>&1
 
 # 1. The CUDA test set (and the CPU unit tests of the same pieces, now with CUDA present).
-step tests 230 $PY -m pytest -p no:cacheprovider -q -rs --timeout 200 \
-  tests/engine/test_device.py tests/transport/test_memkind.py tests/transport/test_staging.py \
-  tests/transport/test_tcp_staged.py tests/bench/test_device.py tests/e2e/test_cuda.py \
-  "tests/transport/test_conformance.py::TestTcpCudaConformance" \
-  "tests/transport/test_conformance.py::TestRdmaCudaConformance" \
-  "tests/transport/test_conformance.py::TestTcpCudaToHostConformance::test_round_trip_random_page_lists" \
+tests=(
+  tests/engine/test_device.py tests/transport/test_memkind.py tests/transport/test_staging.py
+  tests/transport/test_tcp_staged.py tests/bench/test_device.py tests/e2e/test_cuda.py
+  "tests/transport/test_conformance.py::TestTcpCudaConformance"
+  "tests/transport/test_conformance.py::TestRdmaCudaConformance"
+  "tests/transport/test_conformance.py::TestTcpCudaToHostConformance::test_round_trip_random_page_lists"
   "tests/transport/test_conformance.py::TestRdmaCudaToHostConformance::test_round_trip_random_page_lists"
+)
+cache=(-o cache_dir=/tmp/pdgrpc-pytest-cache)
+if ! step tests 230 $PY -m pytest "${cache[@]}" -v -rs --durations=10 --timeout 200 "${tests[@]}"; then
+  # the failures again, alone, with UCX's own log
+  step tests_detail 60 env UCX_LOG_LEVEL=info $PY -m pytest "${cache[@]}" -x -s -v --lf --timeout 50 "${tests[@]}"
+fi
 
 # 2. Which protocol UCX picks, GPU memory to host memory (one round trip, UCX_PROTO_INFO=y).
 step proto_gpu_to_host 40 env UCX_PROTO_INFO=y $PY -m pytest -p no:cacheprovider -q -s --timeout 35 \
