@@ -42,8 +42,10 @@ time shows in one run (issue 19). ``--control`` times a second raw pair right af
 first in every iteration and reports it like a backend (rows ``control: 2nd raw pair
 ...``): the spread that a backend exactly as fast as raw would show in the same run. On
 the 2-core CI host its slowest repeat of 5 ranges 0.83-1.02, so a single run's slowest
-repeat cannot resolve a gap of 10%. ``--verbose`` prints every iteration, the raw
-baseline's included.
+repeat cannot resolve a gap of 10%. The median of a run's 15 iterations (the default)
+mostly can: two raw pairs read 0.97-1.06x of each other there, against 0.89-1.16x with
+5 iterations (docs/performance.md, "Tenth pass"). ``--verbose`` prints every iteration,
+the raw baseline's included.
 
 Baselines, same byte count, two processes, median of as many iterations:
 
@@ -127,7 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="tcp", help="transport name (tcp, rdma, or any registered backend)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768], help="tokens per transfer")
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--iterations", type=int, default=5, help="timed iterations per case (median reported)")
+    parser.add_argument("--iterations", type=int, default=15,
+                        help="timed iterations per case, the median reported (default: %(default)s; the median of 5 "
+                        "is too coarse for a 10%% margin: two raw pairs read 0.89-1.16x of each other with it)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per case")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run every case and its raw baseline N times in this run; min/median/max over the repeats")
