@@ -98,19 +98,23 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
             raise
 
 
+async def serve_prefill(prefill: ScriptedPrefill):
+    """``prefill`` on a real gRPC server (127.0.0.1, a free port)."""
+    return await start_server(
+        [("pdgrpc.v1.PrefillService", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s))])
+
+
+async def serve_decode(decode: ScriptedDecode):
+    """``decode`` on a real gRPC server (127.0.0.1, a free port)."""
+    return await start_server(
+        [("pdgrpc.v1.DecodeService", lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s))])
+
+
 @pytest.fixture
 async def cluster():
     prefill, decodes = ScriptedPrefill(), [ScriptedDecode(), ScriptedDecode()]
-    p_srv = await start_server(
-        [("pdgrpc.v1.PrefillService", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s))]
-    )
-    d_srvs = []
-    for d in decodes:
-        d_srvs.append(
-            await start_server(
-                [("pdgrpc.v1.DecodeService", lambda s, d=d: decode_pb2_grpc.add_DecodeServiceServicer_to_server(d, s))]
-            )
-        )
+    p_srv = await serve_prefill(prefill)
+    d_srvs = [await serve_decode(d) for d in decodes]
     router = GenerateServicer(
         RouterConfig(
             prefills=(PrefillBackend(p_srv.address, "127.0.0.1:1"),), decodes=tuple(s.address for s in d_srvs)

@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdgrpc.metrics import scrape
 from pdgrpc.rpc.server import start_server
-from pdgrpc.v1 import decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
+from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
-from tests.router.test_router import ScriptedDecode, ScriptedPrefill
+from tests.router.test_router import ScriptedDecode, ScriptedPrefill, serve_decode, serve_prefill
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -47,8 +47,7 @@ async def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0():
     prefill, decode = ScriptedPrefill(), ScriptedDecode()
     decode.messages = [[104 + i] for i in range(10)]
     decode.gap = 0.1
-    p_srv = await start_server([("p", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s))])
-    d_srv = await start_server([("d", lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s))])
+    p_srv, d_srv = await serve_prefill(prefill), await serve_decode(decode)
     router = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pdgrpc.router", "--port", "0", "--prefill", p_srv.address, "--decode", d_srv.address,
         "--grace", "10", stderr=asyncio.subprocess.PIPE,
@@ -120,8 +119,7 @@ def test_the_router_does_not_import_torch():
 
 async def test_metrics_endpoint_of_the_router_process():
     prefill, decode = ScriptedPrefill(), ScriptedDecode()
-    p_srv = await start_server([("p", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s))])
-    d_srv = await start_server([("d", lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s))])
+    p_srv, d_srv = await serve_prefill(prefill), await serve_decode(decode)
     router = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pdgrpc.router", "--port", "0", "--prefill", p_srv.address, "--decode", d_srv.address,
         "--metrics-port", "0", stderr=asyncio.subprocess.PIPE,

@@ -14,8 +14,8 @@ import pytest
 from pdgrpc.metrics import scrape, start_metrics_server
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names
 from pdgrpc.rpc.server import start_server
-from pdgrpc.v1 import decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
-from tests.router.test_router import ScriptedDecode, ScriptedPrefill, collect, wait_for
+from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
+from tests.router.test_router import ScriptedDecode, ScriptedPrefill, collect, serve_decode, serve_prefill, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,11 +37,11 @@ class Upstreams:
 
     async def start(self) -> None:
         for p in self.prefills:
-            srv = await start_server([("pdgrpc.v1.PrefillService", lambda s, p=p: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(p, s))])
+            srv = await serve_prefill(p)
             self.servers.append(srv)
             self.p_addrs.append(srv.address)
         for d in self.decodes:
-            srv = await start_server([("pdgrpc.v1.DecodeService", lambda s, d=d: decode_pb2_grpc.add_DecodeServiceServicer_to_server(d, s))])
+            srv = await serve_decode(d)
             self.servers.append(srv)
             self.d_addrs.append(srv.address)
 
