@@ -3,10 +3,11 @@
 :class:`ClusterCredentials` either makes, in the cluster's run directory, a throwaway CA
 (whose key is deleted once it has signed) and one certificate per process (its name is
 the certificate's common name, which bootstrap sees as its identity) plus one for
-clients, and/or a random bearer token (:mod:`pdgrpc.rpc.certs`); or uses the files a topology's ``[security]`` table names
-(``tls-cert``, ``tls-key``, ``tls-ca``, ``auth-token-file``: the same for every process
-and for the launcher's own calls). :meth:`~ClusterCredentials.flags` are a process's
-security flags, :attr:`~ClusterCredentials.client` what a client of the cluster presents.
+clients, and/or a random bearer token (:mod:`pdgrpc.rpc.certs`); or uses the files a
+topology's ``[security]`` table names (``tls-cert``, ``tls-key``, ``tls-ca``,
+``auth-token-file``: the same for every process and for the launcher's own calls).
+:meth:`~ClusterCredentials.flags` are a process's security flags,
+:attr:`~ClusterCredentials.client` what a client of the cluster presents.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ class ClusterCredentials:
         if tls:
             made = make_ca(directory)
             self.ca = made.cert
-            self.certs = {name: issue(made, directory, name) for name in names}
-            # The CA's key has signed every certificate the cluster will use: it goes now,
-            # so a run directory kept afterwards (the CLI's, a failed run's) holds no key
-            # that could mint a certificate the cluster trusts.
-            made.key.unlink()
+            try:
+                self.certs = {name: issue(made, directory, name) for name in names}
+            finally:
+                # Once it has signed (or failed to), the CA's key goes, so a run directory
+                # kept afterwards (the CLI's, a failed run's) holds no key that could mint
+                # a certificate the cluster trusts.
+                made.key.unlink(missing_ok=True)
         elif "tls-cert" in files:
             shared = CertFiles(files["tls-cert"], files["tls-key"])
             self.certs = {name: shared for name in names}

@@ -20,11 +20,12 @@
   launcher makes a throwaway CA in ``LOG_DIR/security`` and one certificate per process
   (its name is the certificate's common name), then deletes the CA's key: every process
   serves mTLS and presents its certificate on its own calls. ``auth_token="auto"`` writes
-  a random bearer token there that every process requires and sends. :attr:`Cluster.client_security` is what a client
-  of the cluster presents (certificate ``client``, the token); :meth:`Cluster.client_channel`
-  opens a channel with it. A router whose args set ``public-tls-cert`` serves clients
-  server-only TLS: pass ``public_ca`` (its certificate's CA) and the router's clients
-  trust that and present nothing.
+  a random bearer token there that every process requires and sends.
+  :attr:`Cluster.client_security` is what a client of the cluster presents (certificate
+  ``client``, the token); :meth:`Cluster.client_channel` opens a channel with it. A
+  router whose args set ``public-tls-cert`` serves clients server-only TLS: pass
+  ``public_ca`` (its certificate's CA) and the router's clients trust that and present
+  nothing.
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
   ``start_timeout``. A process that exits meanwhile fails the start with its log tail.

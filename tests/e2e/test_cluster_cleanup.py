@@ -97,3 +97,22 @@ async def test_a_start_that_recovered_from_a_port_race_leaves_nothing_either(own
             assert cluster.procs["colocated"].port != taken
             assert (cluster.log_dir / "colocated.attempt1.log").exists()
     assert list(own_tmp.iterdir()) == []
+
+
+def test_the_throwaway_ca_key_is_gone_when_issuing_a_certificate_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run that fails while issuing keeps its directory for the logs: no CA key in it.
+    import pdgrpc.cluster.credentials as credentials
+    from pdgrpc.errors import ConfigError
+
+    real_issue = credentials.issue
+
+    def issue(ca, directory, name):  # the second certificate fails
+        if name != "a":
+            raise ConfigError(f"cannot issue {name}")
+        return real_issue(ca, directory, name)
+
+    monkeypatch.setattr(credentials, "issue", issue)
+    with pytest.raises(ConfigError, match="cannot issue b"):
+        credentials.ClusterCredentials(tmp_path, ["a", "b"], tls=True, token=False)
+    assert (tmp_path / "ca.pem").exists() and not list(tmp_path.glob("ca*.key"))
