@@ -17,11 +17,8 @@ receiver has the bytes and the sender knows it" span that a transport benchmark 
 for its backend (whose receiver has likewise advertised its room before the clock
 starts). Throughput is ``nbytes / median latency`` in GB/s (10**9 bytes per second).
 
-Nothing but the transfer runs inside that span. The receiver used to zero its buffer
-right before each ``recv``, in a race with the sender's start: whether the memset
-(~1.2 ms of a 96 MiB iteration) fell inside the span or before it decided the
-iteration's time, so the baseline itself was bimodal (5.8-6.2 or 7.0-7.4 ms at 96 MiB
-on the 2-core host; docs/performance.md, "rdma steadiness"). :meth:`RawUcx.check`
+Nothing but the transfer runs inside that span: a memset of the buffer before each
+``recv`` would race the sender's start and make the baseline bimodal. :meth:`RawUcx.check`
 instead zeroes the buffer, runs one more, untimed iteration into it and compares the
 bytes, so a baseline that moved nothing still cannot report a number.
 
@@ -111,8 +108,8 @@ def _child(role: str, conn: multiprocessing.connection.Connection, max_bytes: in
         ack = np.zeros(8, dtype=np.uint8)
         conn.send("ready")
         # The next command is read blocking, holding the loop: ucxx's progress would
-        # otherwise keep a core busy between iterations (measured: ~95% of one each),
-        # taking it from the backend whose iterations alternate with these.
+        # otherwise keep a core busy between iterations, taking it from the backend
+        # whose iterations alternate with these.
         while (cmd := conn.recv()) is not None:
             what, nbytes = cmd
             view = buf[:nbytes]

@@ -25,25 +25,14 @@ channel. Cases:
   own report of its longest expiry step (the longest the event loop was kept from
   serving calls by expiry: worst calls beyond it are other processes' doing).
 
-Targets (issue 2, set by SGLang's HTTP bootstrap measured on the same 2-core machine):
+Targets (set by SGLang's HTTP bootstrap measured on the same 2-core machine):
 single-room p50 < 0.45 ms, 1024-room query p50 < 1 ms, >= 200k rooms/s in batches,
 1M rooms well under 200 MB RSS, no expiry pause over 10 ms.
 
-What limits a single-room call is gRPC itself: a unary ``grpc.aio`` round trip costs
-≈120-130 µs of client CPU and ≈170-200 µs of server CPU (measured with this bench's
-CPU/call rows), on two cores shared by both processes and their completion-queue
-threads; the room table adds ≈1-5 µs. What helped: disabling gRPC's EventEngine
-client/listener (:mod:`pdgrpc.rpc.tuning`, -15-25 % latency and CPU), uvloop (a few
-%), packed answers for large queries (``found_ranks_only``: -30 % at 1,024 rooms;
-then the ``packed_rooms``/``packed_reply`` arrays, -11 % more, and ``np.take`` in the
-room table), packed registration batches (2-3x less server CPU per room than the numpy
-varint codec of :mod:`pdgrpc.bootstrap.wire`), no numpy call in calls of up to 64 rooms
-(struct, lists, memoryviews: numpy's code is cold between calls; -40-60 µs for 32 rooms
-or one registration), handlers wrapped once instead of a per-call ``grpc.aio``
-interceptor (-30-57 µs server CPU per call). Message size
-matters little (8 KB in, 14 KB out: +25-50 µs CPU per side). A sync stub costs less
-client CPU than the aio one, but would block the caller's event loop. At 1,024 rooms
-the server's remaining cost is mostly cache misses in the 56 MB table.
+What limits a single-room call is gRPC itself: the CPU of a unary ``grpc.aio`` round
+trip on both sides (this bench's CPU/call rows) dwarfs the room table's share. A sync
+stub costs less client CPU than the aio one, but would block the caller's event loop.
+At 1,024 rooms the server's remaining cost is mostly cache misses in the room table.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ case's); the row ``head-sliced vs whole-page`` compares it with the contiguous c
 Memory: both sides' regions are in transparent huge pages
 (:func:`~pdgrpc.transport.memory.host_zeros`, what an engine started with
 ``--kv-huge-pages`` registers); ``--no-huge-pages`` puts them in ordinary pages. Over
-rdma this matters: UCX's one-copy shared-memory path pins both buffers page by page
-(measured here: 96 MiB contiguous 6.6 ms on huge pages vs 10.9 ms on 4 KiB pages).
+rdma this matters: UCX's one-copy shared-memory path pins both buffers page by page.
 
 One iteration (``--write prepared``, the default) = build the ops from the page lists and
 ``prepare_write`` pages + metadata row, untimed, as a prefill does for its final write
@@ -38,14 +37,12 @@ Spread: each row also carries min and max (table columns, JSON ``min``/``max``/
 iterations included) and the samples are the N repeats' medians, the row's value their
 median. A row ``..., slowest repeat`` then gives each repeat's ratio against the raw
 baseline of the same repeat, its value the lowest: a case that is fast only some of the
-time shows in one run (issue 19). ``--control`` times a second raw pair right after the
+time shows in one run. ``--control`` times a second raw pair right after the
 first in every iteration and reports it like a backend (rows ``control: 2nd raw pair
-...``): the spread that a backend exactly as fast as raw would show in the same run. On
-the 2-core CI host its slowest repeat of 5 ranges 0.83-1.02, so a single run's slowest
-repeat cannot resolve a gap of 10%. The median of a run's 15 iterations (the default)
-mostly can: two raw pairs read 0.97-1.06x of each other there, against 0.89-1.16x with
-5 iterations (docs/performance.md, "Tenth pass"). ``--verbose`` prints every iteration,
-the raw baseline's included.
+...``): the spread that a backend exactly as fast as raw would show in the same run.
+On a small shared host a single run's slowest repeat cannot resolve a gap of 10%; the
+median of a run's 15 iterations (the default) is what mostly can, so compare medians.
+``--verbose`` prints every iteration, the raw baseline's included.
 
 Baselines, same byte count, two processes, median of as many iterations:
 
@@ -61,31 +58,29 @@ the backend's, so a spell of load on a shared machine hits both alike.
 
 After timing, the last transfer of each case is checked bit-exact (digests of the
 destination pages against the source pages) so a backend that moves nothing cannot
-report a number. Targets (issue 4): >= 0.9x raw from 4 MiB up; scattered >= 0.8x
+report a number. Targets: >= 0.9x raw from 4 MiB up; scattered >= 0.8x
 contiguous; head-sliced >= 0.7x whole-page (contiguous) GB/s. Numbers from a shared
 or loaded machine are noisy; compare ratios.
 
-What bounds the ratios on a small host (measured on the 2-core CI machine, 32 MiB L3):
+What bounds the ratios on a small host:
 
-* scattered vs contiguous: a single-threaded C ``memcpy`` of the same page lists inside
-  one process (no transport at all, huge pages, best of 5) moves random 4 KiB pages at
-  0.34x (1k tokens), 0.54x (8k) and 0.64x (32k) of its contiguous speed: every page
-  breaks the hardware prefetcher. No transport can do better than the memory system;
-  rdma measured 0.50x / 0.47x at 8k / 32k (its contiguous case runs at memcpy speed).
+* scattered vs contiguous: every random page breaks the hardware prefetcher, so even a
+  single-threaded C ``memcpy`` of the same page lists inside one process moves scattered
+  pages well below its contiguous speed. No transport can do better than the memory
+  system.
 * 1k tokens against raw ucxx: 12 MiB fit in L3, so the raw single-message baseline runs
-  cache-hot (~15 GB/s, 0.8 ms), while a pdgrpc write of the same bytes is 48 messages of
-  256 KiB (one rendezvous each), a WRITE/META/ACK exchange and an authorization check:
-  0.5-0.8 ms of per-write cost around the data (docs/performance.md, "rdma steadiness").
+  cache-hot, while a pdgrpc write of the same bytes is 48 messages of 256 KiB (one
+  rendezvous each), a WRITE/META/ACK exchange and an authorization check around the data.
 * UCX 1.21 moves every scatter/gather (iov) message between two processes on one host
   as "fragmented copy-in copy-out" through its sysv segments (``UCX_PROTO_INFO=y``
   shows it); only contiguous messages get the one-copy cma path. The contiguous case's
   per-region runs (256 KiB and up) therefore travel as contiguous messages (the rdma
   option ``contiguous_min``): copy-in copy-out needs both processes on a core at once
-  and made this case 2-20x slower whenever the host was busy (issue 19).
+  and collapses whenever the host is busy.
 
 ``--device cuda[:N]`` puts both sides' KV regions in GPU memory (metadata rows stay on
 the host) and compares with a CUDA IPC ``copy_`` of the same bytes between two processes
-(:mod:`pdgrpc.bench._cuda_baseline`); targets there (issue 20): >= 0.8x raw from 8k
+(:mod:`pdgrpc.bench._cuda_baseline`); targets there: >= 0.8x raw from 8k
 tokens up, scattered >= 0.5x contiguous.
 
 ``--cases`` picks which cases run (head-sliced always brings the contiguous case it is
@@ -302,9 +297,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             # Warm-up pass (untimed): one write of every page of each receiver's pool.
             # The receivers' pools are fresh zero pages (first touch faults them in,
             # like an engine's pool touched at start-up) and UCX sets up its
-            # shared-memory paths on first use; measured here, without this pass the
-            # first case's iterations took 6-28 ms instead of ~1.5 ms (12 MiB), which
-            # made "1k contiguous" read 0.03-0.05x raw.
+            # shared-memory paths on first use; without this pass the first case's
+            # iterations would time that set-up, not the transfer.
             everything = list(range(layout.pages))
             for kind, (target, target_peer, pairs, dst_meta) in targets.items():
                 room += 1

@@ -51,7 +51,7 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
 _NUMPY_ENCODE_FROM = 32
 # Up to this many rooms, packed fields are written and read with struct and lists, no
 # numpy call: numpy's code is cold between two calls, and its fixed cost is then most of
-# what a call of a few dozen rooms costs the client (issue 19).
+# what a call of a few dozen rooms costs the client.
 _STRUCT_ROOMS = 64
 
 

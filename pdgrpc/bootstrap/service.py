@@ -43,8 +43,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
 _SMALL_BATCH = 16  # rooms; smaller calls use the generated classes, larger the numpy codec
 _SMALL_MESSAGE = 256  # bytes; ditto for requests
 # Packed calls of up to this many rooms are read and answered with struct and lists, no
-# numpy call: between two calls numpy's code is cold, and its fixed cost (~20 numpy
-# calls) is then most of a 32-room call's (issue 19). Larger ones take the numpy path.
+# numpy call: between two calls numpy's code is cold, and its fixed cost (a score of numpy
+# calls) is then most of a 32-room call's. Larger ones take the numpy path.
 _STRUCT_ROOMS = 64
 
 STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {

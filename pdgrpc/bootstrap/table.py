@@ -3,8 +3,8 @@
 At the cap (``max_rooms`` live rooms) a batch with new rooms is refused whole with
 :class:`~pdgrpc.bootstrap.errors.RoomTableFull` (RESOURCE_EXHAUSTED); live rooms are never
 evicted to make space. Evicting the oldest let a client that registers junk rooms push a
-live room of another out (issue 16's audit: 120k bogus rooms evicted a live one from a
-100k-room table in 0.5 s); refusing confines the harm to new registrations, which succeed
+live room of another out within moments; refusing confines the harm to new registrations,
+which succeed
 again as rooms expire. Size ``max_rooms`` for the rooms registered within one TTL.
 
 No I/O, no threads, no clock: every call that depends on time takes ``now`` (seconds,
@@ -14,7 +14,7 @@ in small steps; tests call it directly with a fake ``now``.
 Why not a dict
 --------------
 A ``dict`` of a million 63-bit rooms costs ~140 MB after churn (int objects, dummy
-slots, a 3x growth step) and its resize stops the process for 0.1-0.2 s. This table
+slots, a 3x growth step) and its resize stops the process. This table
 preallocates flat numpy arrays sized from ``max_rooms``, so it never resizes, costs a
 fixed ~56 bytes per room of capacity (pages are touched as rooms arrive), and batch
 operations are vectorised.

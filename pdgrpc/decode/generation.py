@@ -142,8 +142,8 @@ class Generation:
         """Hold a step that serves only requests whose first token is still being sent.
 
         The step's Python holds the GIL for most of a step, and gRPC needs it to send, so a
-        step started right after a commit delays the first token's send (about 0.7 ms on a
-        2-core host; docs/performance.md). Its tokens cannot reach these clients before
+        step started right after a commit delays the first token's send. Its tokens cannot
+        reach these clients before
         their first one anyway; a batch with a request already streaming does not wait (its
         next token would be late). Bounded by ``first_token_wait_s``.
         """

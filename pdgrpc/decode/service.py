@@ -51,7 +51,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     """``max_per_client``: most ``Decode`` calls one client (its mTLS identity, else its
     host: :func:`~pdgrpc.rpc.security.peer_identity`) may have open at
     once; one more is refused with RESOURCE_EXHAUSTED naming the limit, so no one caller
-    holds the whole pool (issue 16's audit pinned all 1024 pages with 8 direct calls)."""
+    holds the whole pool (a handful of direct calls can pin every page)."""
 
     def __init__(self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT) -> None:
         self.scheduler = scheduler

@@ -4,12 +4,10 @@ Why: glibc serves every allocation above its mmap threshold (128 KiB at start, r
 on the fly up to 32 MiB) with a fresh ``mmap`` and hands it back with ``munmap`` on
 free, and it returns the top of the heap to the kernel once more than the trim
 threshold is free there. A forward pass allocates and frees the same large temporaries
-again and again, so each one page-faults its memory in anew. Measured on the 2-core CI
-host, the reference model (tiny, float32, one intra-op thread) prefilling a 512-token
-prompt in 64-token chunks: 37-41 ms as glibc starts, 27-29 ms with the mmap threshold at
-its 32 MiB ceiling and freed memory kept, in the main thread and in a compute thread
-alike. The spread between processes was also what made one server's compute look
-20% slower than another's in earlier measurements.
+again and again, so each one page-faults its memory in anew. With the mmap threshold
+at its 32 MiB ceiling and freed memory kept, the temporaries are reused instead, in the
+main thread and in a compute thread alike, and two processes' computes run at the same
+speed.
 
 :func:`keep_freed_memory` applies that (``mallopt``) once per process; the servers
 that host an engine call it at start-up (``--malloc-keep-mib``, default 256; 0 leaves

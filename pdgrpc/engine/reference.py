@@ -72,10 +72,9 @@ class EngineConfig:
     # later, each engine call switches for its duration and restores it.
     intra_op_threads: int = 1
     # KV pool in transparent huge pages (pdgrpc.transport.memory.host_zeros). Off by
-    # default: transfers of large page runs over rdma are up to ~2x faster from and
-    # into huge pages, but neither this model's compute nor e2e TTFT at 512 tokens
-    # changed with them (see transport.memory). Memory placement only: peers need not
-    # agree on it.
+    # default: transfers of large page runs over rdma are faster from and into huge
+    # pages, but neither this model's compute nor e2e TTFT at 512 tokens changes with
+    # them (see transport.memory). Memory placement only: peers need not agree on it.
     kv_huge_pages: bool = False
     # Where the weights, the KV pool and the compute live: "cpu" or "cuda[:N]"
     # (pdgrpc.engine.device). Placement only: the fixed-point arithmetic gives the same

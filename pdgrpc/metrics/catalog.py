@@ -92,8 +92,8 @@ class Outcome(str, enum.Enum):
     ERROR = "error"
 
 
-# Transfer latency: a few pages over shared memory take ~100 us, a long prompt over a slow
-# tcp link or a stalled prefill takes tens of seconds (the default transfer deadline is 60 s).
+# Transfer latency spans a few pages over shared memory up to a long prompt over a slow tcp
+# link or a stalled prefill, so the buckets reach the default transfer deadline (60 s).
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,

@@ -5,8 +5,8 @@ Why
 The worker serves gRPC, the controller link and the transport on its asyncio loop; with
 the compute on a thread of the same process, every bit of the loop's work during a prompt
 stops the reference model's (mostly Python) forward pass for as long as it runs. In a
-process of its own the compute shares no interpreter with the loop (1.3 ms of TTFT per
-512-token prompt on a 2-core host; docs/performance.md, "Prefill").
+process of its own the compute shares no interpreter with the loop, so neither waits
+for the other's GIL.
 
 How
 ---
@@ -18,7 +18,7 @@ sampling, the chunk size and when to post); the child computes chunk after chunk
 taking turns between prompts chunk by chunk as the compute thread does, and posts a
 chunk back only when the worker has something to do with it (``min_write_bytes`` of
 completed pages, or the last chunk: :class:`~pdgrpc.state.chunk_posting.ChunkPosting`).
-One round trip per chunk would leave the child idle during each (docs/performance.md).
+One round trip per chunk would leave the child idle during each.
 
 Messages are pickled, each preceded by its length (``<I``), over a Unix socketpair:
 

@@ -3,8 +3,8 @@
 The controller starts each worker and hands it one end of a Unix ``socketpair`` (``--link-fd``);
 every ``Prefill`` it dispatches travels that socket instead of a gRPC call to the worker's
 server. Why: this hop is private to two processes of one instance, and on it a ``grpc.aio``
-unary round trip costs ~0.3 ms on a 2-core host against ~0.07 ms for the same two protobuf
-messages framed on a Unix socket (``python -m pdgrpc.bench link``). A request crosses it
+unary round trip costs several times what the same two protobuf messages framed on a Unix
+socket cost (``python -m pdgrpc.bench link`` compares them). A request crosses it
 before its compute starts, and the reply crosses it while the decode sends the first token.
 The worker still serves ``PrefillService`` over gRPC for anyone who calls it directly, and
 the controller still reads its stats that way.

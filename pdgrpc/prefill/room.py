@@ -265,7 +265,7 @@ class RoomDriver:
 
     def _prepare(self, plan: WriteMetadata) -> tuple[list[Callable[[], Awaitable[None]]], int]:
         """The final write's sends, planned now while the prompt computes: the checks and
-        message planning (~0.3 ms right after a compute, caches cold) leave the path to
+        message planning, slow right after a compute with cold caches, leave the path to
         the first token."""
         sends, nbytes = [], 0
         for o in self._outs:

@@ -169,7 +169,7 @@ def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
 
 def _upstream_reason(code: grpc.StatusCode, otherwise: ServerAbortReason) -> ServerAbortReason:
     # UNAVAILABLE: the prefill or decode (or a worker behind it) is gone or unreachable --
-    # a peer failure, not an error of the request (issue 16: a dead worker's requests).
+    # a peer failure, not an error of the request (a dead worker's requests end this way).
     return ServerAbortReason.PEER_FAILURE if code == grpc.StatusCode.UNAVAILABLE else otherwise
 
 

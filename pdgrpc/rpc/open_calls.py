@@ -2,8 +2,8 @@
 
 An open ``Decode`` holds a decode slot and pages; an open ``Prefill`` holds a room on the
 prefill (waiting for its handshake and pages, then computing and transferring). Without a
-cap, one client -- or an attacker with a valid token -- could hold all of them (issue 16's
-audit pinned a decode's 1024 pages with 8 calls). :class:`OpenCalls` counts each client's
+cap, one client -- or an attacker with a valid token -- could hold all of them (a handful
+of calls can pin every page of a decode's pool). :class:`OpenCalls` counts each client's
 open calls; one past the limit is refused with RESOURCE_EXHAUSTED naming the limit and
 the flag that sets it. A client is who it proved to be: its mTLS certificate's name, else
 its host (:func:`pdgrpc.rpc.security.peer_identity`). A router is one client, so its

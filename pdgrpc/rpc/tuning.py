@@ -3,10 +3,9 @@
 gRPC reads ``GRPC_EXPERIMENTS`` once, when ``grpc`` is imported. Since grpcio 1.6x,
 sockets are served by EventEngine threads, and every unary call hops between the
 EventEngine thread, the completion-queue poller and the event loop. On a 2-core
-machine those hops are most of a loopback round trip: turning the EventEngine client
-and listener off (the poller then does the socket work itself, as gRPC did for years)
-cut the p50 of a ``grpc.aio`` unary ping-pong between two processes from ≈0.36 ms to
-≈0.28 ms here (see ``python -m pdgrpc.bench bootstrap``).
+machine those hops are most of a loopback round trip, so the EventEngine client and
+listener are turned off: the poller then does the socket work itself, as gRPC did for
+years (``python -m pdgrpc.bench bootstrap`` shows the round trip with and without).
 
 :func:`apply_grpc_defaults` sets it unless the user already set ``GRPC_EXPERIMENTS``
 (any value, even empty, wins) or ``PDGRPC_GRPC_DEFAULTS=0``. It only helps when called

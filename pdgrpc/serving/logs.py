@@ -73,8 +73,8 @@ def request_event(logger: logging.Logger, room: int, what: str, *, level: int = 
     ``defer``: write the line on the running loop's next turn, after the callbacks already
     queued -- for a line logged just after the caller started latency-critical work that
     runs on the loop (a call whose send is queued, a stream woken with its first token):
-    right after a compute a line costs ~0.1 ms of Python, and the request should not wait
-    for it. A line logged without ``defer`` first writes the deferred ones, so the order
+    right after a compute a line's Python runs with cold caches, and the request should
+    not wait for it. A line logged without ``defer`` first writes the deferred ones, so the order
     of a process's lines never changes.
     """
     if not logger.isEnabledFor(level):

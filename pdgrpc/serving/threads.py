@@ -5,9 +5,8 @@ and gRPC's threads, and on a small host it shares its core with the other server
 request's path. When both want a core at once, Linux's scheduler picks by nice value:
 with the compute at +10, the short serving work (an RPC, a KV transfer, the first
 token's send) runs first and the compute takes the rest, instead of the serving work
-queueing behind a time slice of compute. The total CPU stays the same. Measured side by
-side on the 2-core CI host (1p1d over rdma, 512-token prompts): TTFT overhead -0.2 to
--0.4 ms at nice 10-19; colocated serving unchanged.
+queueing behind a time slice of compute. The total CPU stays the same, and colocated
+serving, which has no such serving work beside its compute, is unchanged.
 
 Linux only (a thread's nice value is per thread there); elsewhere it is a no-op, logged.
 Raising a nice value needs no privilege; lowering it back would, so it is set once per

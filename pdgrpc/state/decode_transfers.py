@@ -50,7 +50,7 @@ FREE, TRANSFER, QUARANTINE = 0, 1, 2
 # (replayed: every rank), or this rank's transport confirmed the writers gone (this rank).
 _ACKED, _GONE = 1, 2
 # One rank's poll looks at every slot in use up to this many, and above it lets a few
-# tensor ops pick the slots that changed (~0.1 ms of ops against ~1 us per slot).
+# tensor ops pick the slots that changed: their fixed cost pays off only for many slots.
 _SCAN_ALL_MAX = 64
 _S = DecodeState
 

@@ -12,7 +12,7 @@ alloc/free sequence get the same pages): ``alloc(n)`` returns ``None`` when
 fewer than ``n`` pages are free, and the caller waits. Freed pages go back so that they
 are handed out again in the order they were held: a request that got a contiguous
 ascending run returns it, and the next one gets an ascending run too, which a transport
-sends as one op (a descending run is one op per page; docs/performance.md).
+sends as one op (a descending run is one op per page).
 """
 
 from __future__ import annotations

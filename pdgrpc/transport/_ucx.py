@@ -25,8 +25,8 @@ safety timeout), so an idle transport costs ~no CPU. While a large send batch is
 read it polls once per loop tick instead, unarmed, so the receiver need not wake it per
 message (:mod:`pdgrpc.transport._ucx_quiet`). Optionally (``spin_s`` > 0) it busy-polls
 up to ``spin_s`` after the last completion while a send or data receive is pending. The
-default is no spin: on a 2-core host a spin starves the peer that has the real work
-(docs/performance.md, "Transport"). Completions are recorded by a C callback and handed
+default is no spin: on a small host a spin starves the peer that has the real work.
+Completions are recorded by a C callback and handed
 to Python callbacks after ``progress()`` returns, never from inside UCX.
 
 Every request is posted with ``UCP_OP_ATTR_FLAG_NO_IMM_CMPL`` so it always completes
@@ -137,8 +137,8 @@ class UcxWorker:
     async def close(self, timeout: float = 5.0, destroy_timeout: float = 5.0) -> None:
         """Cancel everything in flight, wait (bounded) for the cancellations, stop the
         progress task, close endpoints and release the worker. ``timeout`` is generous:
-        a send to a live but busy peer completes only when that peer progresses (with
-        1 s, a full test run on 2 cores saw workers parked, their fds kept)."""
+        a send to a live but busy peer completes only when that peer progresses, and a
+        worker closed before its sends end stays parked with its fds."""
         if self._closed:
             return
         for token in [*self._inflight, *self._polling]:

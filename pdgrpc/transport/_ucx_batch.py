@@ -3,8 +3,8 @@
 A write's data messages go one per contiguous run (an 8k-token transfer of a 24-layer
 model is 48 runs of 2 MiB). With a UCX completion callback on every message, each
 message costs the receiver a ctypes callback from inside ``ucp_worker_progress``, a
-dispatch and a Python completion on the thread that also does the copies, ~5-8 us of
-CPU per message after a wake-up (docs/performance.md, "rdma steadiness").
+dispatch and a Python completion on the thread that also does the copies, all with the
+caches cold after a wake-up.
 
 A batch posts all its messages with one reused parameter block, and only the last
 carries the completion callback. When that callback has run, the other requests are
@@ -13,8 +13,8 @@ are complete already, since one sender's messages are matched and fetched in ord
 Any still pending are tested again after every progress round until none is left. The
 caller's callback runs once, with every message's ``(status, length)`` in posting
 order. The requests found complete are freed later (:meth:`Batch.release`, after the
-ACKs that callback leads to): right after a transfer, with the caches flushed by its
-data, each ctypes call costs ~1.5 us.
+ACKs that callback leads to): right after a transfer the caches are flushed by its
+data, and every ctypes call on the way to the ACK delays it.
 """
 
 from __future__ import annotations

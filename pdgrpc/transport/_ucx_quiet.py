@@ -17,8 +17,7 @@ to the fabric and never outlasts a batch that runs as fast as the fastest seen. 
 first batch to an endpoint, small batches and workers with data receives pending
 (whose messages must not wait for a tick) keep the armed sleep.
 
-Measured on one host (docs/performance.md, "rdma steadiness", sixth pass), where the
-signal is a socket message sent by the receiver. Between hosts over verbs it is a
+On one host the signal is a socket message sent by the receiver. Between hosts over verbs it is a
 completion event of the sender's own NIC: there the window saves the sender's
 wake-ups, not the receiver's CPU.
 """

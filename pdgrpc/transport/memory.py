@@ -2,9 +2,9 @@
 
 Why: between processes on one host, UCX moves a rendezvous message with one
 ``process_vm_readv`` (cma), and a socket ``recv_into`` copies into the pool; both walk
-and pin the buffers page by page, which huge pages make cheaper (one 96 MiB message:
-10.6 ms on 4 KiB pages, 5.8 ms on huge pages; history in docs/performance.md,
-"Transport"). ``torch.zeros`` never asks for huge pages, and with the common kernel
+and pin the buffers page by page, which huge pages make cheaper (``python -m
+pdgrpc.bench transport --backend rdma`` with and without ``--no-huge-pages`` shows it).
+``torch.zeros`` never asks for huge pages, and with the common kernel
 setting ``transparent_hugepage=madvise`` a buffer gets them only if it asks. Engines opt
 in (the reference engine with ``--kv-huge-pages``); the transport benchmark registers
 huge-page regions unless told ``--no-huge-pages``.

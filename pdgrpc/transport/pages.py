@@ -90,11 +90,11 @@ def page_ops(
 ) -> WriteOps:
     """Ops copying ``src_pages`` -> ``dst_pages`` for every ``(src, dst)`` region pair
     (typically every layer's K and V), one op per run per pair, region by region.
-    Page sizes must match per pair. Built with numpy: ~100k ops cost milliseconds."""
+    Page sizes must match per pair. Built with numpy, so that ~100k ops stay cheap."""
     s, d, n = _runs_np(src_pages, dst_pages)
-    # One (P, 4) table of the pairs, then the (P, runs, 5) ops by broadcasting: with
-    # 48 region pairs a per-pair block of numpy assignments cost ~0.35 ms per call,
-    # which a small transfer (or a prefill chunk) paid on every write.
+    # One (P, 4) table of the pairs, then the (P, runs, 5) ops by broadcasting: a
+    # per-pair block of numpy assignments costs per region pair, which a small transfer
+    # (or a prefill chunk) would pay on every write.
     meta = np.array([(src.region_id, src.item_bytes, dst.region_id, dst.item_bytes) for src, dst in pairs],
                     dtype=np.int64).reshape(-1, 4)
     bad = np.flatnonzero(meta[:, 1] != meta[:, 3])

@@ -24,7 +24,7 @@ Options (seconds, bytes, counts):
 * ``contiguous_min`` (256 KiB; 0: never): an op of at least this many bytes travels as
   a contiguous message of its own. On one host UCX moves it with one ``process_vm_readv``
   by the receiver (cma); an iov message goes as copy-in copy-out through shared memory,
-  which needs both processes on a core at once and collapses on a busy host (issue 19);
+  which needs both processes on a core at once and collapses on a busy host;
 * ``iov_max`` (4096): ops per data message; ``connect_timeout`` (5);
 * ``liveness_interval`` / ``liveness_lease`` (0.5 / 5): a peer that dies is noticed in
   milliseconds (its kernel closes the liveness socket); the lease catches a hung peer
@@ -225,7 +225,7 @@ class RdmaTransport(RdmaSender, RdmaReceiver, Transport):
             # A sender's ACK and a receiver's row are handled here, each on the way to an
             # ACK: on a host whose caches the data just flushed every object touched
             # costs, so the message is one copy out of the buffer, and the receive goes up
-            # again after the ACK (docs/performance.md, "Ninth pass"); at once in a burst
+            # again after the ACK; at once in a burst
             # that has taken half of them, whose messages wait in UCX until it does.
             self._ctrl_posted[kind] -= 1
             if status == UCS_ERR_CANCELED or self._closed:

@@ -86,11 +86,11 @@ class RdmaSender:
         self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None
     ) -> Callable[[], Awaitable[None]]:
         # Checking the ops against the regions and planning the data messages is numpy
-        # work worth ~0.3 ms right after a compute (cold caches); done here, while the
+        # work, slow right after a compute (cold caches); done here, while the
         # data is still being computed, the send is only the UCX calls. The WRITEs go
         # out now too (flagged WRITE_AHEAD): the receiver checks the grant and posts its
         # receives during the compute, so the data moves as soon as it is sent, as it
-        # does into a receive posted in advance (docs/performance.md, "Seventh pass").
+        # does into a receive posted in advance.
         plans = self._plan(room, ops, metadata)
         announced = self._announce(peer, room, plans)
 
@@ -232,7 +232,7 @@ class RdmaSender:
             self._send_runs(conn, runs, [data_tag(conn.remote_id, first + i) for i in range(len(runs))], room, sroom)
             return
         # Each message goes out as its iov rows, read in place by UCX: staging into a
-        # contiguous buffer first was 2x slower (docs/performance.md, "Transport").
+        # contiguous buffer first would add a copy of every byte.
         k = 0
         for i, c in enumerate(plan.counts):
             self._send(conn, plan.iov[k : k + c], data_tag(conn.remote_id, first + i), room, sroom, plan.iov)

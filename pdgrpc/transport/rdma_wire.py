@@ -226,13 +226,12 @@ def plan_chunk(table: np.ndarray, ptr_table: np.ndarray, zc_min: int, iov_max: i
 
     Consecutive ops share one scatter/gather message until it holds ``zc_min`` bytes or
     ``iov_max`` ops: few large iov messages, not one rendezvous per op, because the
-    per-message handshake, not the bytes, is the cost of small ops (2-3x at 96-384 MiB;
-    docs/performance.md). An op of ``contiguous_min`` bytes or more (``None``: never)
+    per-message handshake, not the bytes, is the cost of small ops. An op of
+    ``contiguous_min`` bytes or more (``None``: never)
     is a message of its own: UCX moves a contiguous message between two processes on one
     host with one ``process_vm_readv`` by the receiver (cma), but every iov message as
     fragmented copy-in copy-out through shared memory, which needs both processes on a
-    core at once and ran 2-20x slower whenever the host was busy (issue 19,
-    docs/performance.md, "rdma steadiness")."""
+    core at once and so collapses whenever the host is busy."""
     lens = table[:, 4]
     n = len(lens)
     if n == 0:

@@ -131,16 +131,15 @@ class RoomGrant:
 
 _HUGE = 1 << 62  # offsets and lengths above this are outside any region (and would overflow int64 sums)
 # Writes of at most this many ops are checked op by op in Python; longer ones in one numpy
-# pass. Right after a wake-up (cold caches) a numpy pass costs ~90 us whatever its length,
-# so a metadata row or a contiguous write's few dozen runs are cheaper one by one
-# (docs/performance.md, "rdma steadiness").
+# pass. Right after a wake-up (cold caches) a numpy pass has a large fixed cost whatever
+# its length, so a metadata row or a contiguous write's few dozen runs are cheaper one by one.
 _FEW_OPS = 64
 
 
 class RegionTable:
     """The registered regions as lookup tables indexed by region id, so a write's ops are
     checked against a grant in one vectorised pass (one numpy round per write, not per
-    region: with 48 KV regions a per-region loop costs ~1 ms per write)."""
+    region: a model has dozens of KV regions)."""
 
     def __init__(self) -> None:
         self.infos: dict[int, RegionInfo] = {}

@@ -94,7 +94,7 @@ class MemoryRegion:
         return self.name or f"region {self.region_id}"
 
     # Cached: a registered tensor keeps its shape, and ``page_ops`` asks for every
-    # region pair on every write (48 pairs: ~20 us of torch calls per write).
+    # region pair on every write (torch calls per pair would add up per write).
     @functools.cached_property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()

@@ -48,8 +48,7 @@ def after_reactions(callback: Callable[..., object], *args: object) -> None:
 
     For a receiver's ACK: it wakes the sender, whose reply to its own caller reaches the
     same client as the receiver's first token, competing for the same cores; the token is
-    what the client waits for (about 0.5 ms of TTFT on a 2-core host; see
-    docs/performance.md, "Transport")."""
+    what the client waits for, so the token goes first."""
     loop = asyncio.get_running_loop()
     loop.call_soon(loop.call_soon, callback, *args)
 
@@ -58,8 +57,8 @@ def after_acks(callback: Callable[..., object], *args: object) -> None:
     """Run ``callback(*args)`` on the running loop after everything :func:`after_reactions`
     has queued so far, and everything it queues later in this loop turn: for housekeeping
     on the way to a receiver's ACK (freeing a batch's UCX requests, re-posting a control
-    receive) that must not delay it. On a host whose caches a transfer just flushed, that
-    housekeeping costs ~40 us (docs/performance.md, "Ninth pass")."""
+    receive) that must not delay it: on a host whose caches a transfer just flushed, that
+    housekeeping is slow."""
     asyncio.get_running_loop().call_soon(after_reactions, callback, *args)
 
 

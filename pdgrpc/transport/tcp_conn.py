@@ -40,7 +40,7 @@ _IOV_BYTES = 4 << 20
 MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
 SCRATCH_BYTES = 1 << 20  # discard buffer for refused or released payload
 _READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
-_STRIDED_MIN = 128  # slices in one region before a strided numpy view pays off (~10 us fixed cost)
+_STRIDED_MIN = 128  # slices in one region before a strided numpy view pays off its fixed cost
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -50,8 +50,8 @@ class HFEngineConfig:
     tp_size: int = 1
     # torch intra-op threads, set process-wide at construction (0: leave torch's setting).
     # 1 like the reference engine: several server processes share a host's cores, and
-    # OpenMP threads of oversubscribed processes spin-wait each other (measured 100x
-    # slower forwards of a tiny model on a loaded 2-core host at 2 threads).
+    # OpenMP threads of oversubscribed processes spin-wait each other, and a loaded
+    # host's forwards then crawl.
     threads: int = 1
 
     def __post_init__(self) -> None:

@@ -6,8 +6,7 @@ On CPU, float32 and bfloat16 weights are reordered into oneDNN's blocked layout
 (``torch.ops.mkldnn._linear_pointwise``); the plain ``[out, in]`` copy is dropped, so
 this costs no memory. Why: ``F.linear`` on CPU runs MKL's sgemm, which on AMD hosts
 takes an AVX2 path even where AVX-512 is there; oneDNN picks its kernels by the
-instruction set. Measured on the 2-core AMD EPYC (AVX-512) CI host, one thread, the
-bench checkpoint's shapes: 2.3-2.8x faster for 16 to 1,024 rows, even at 1 row. Both
+instruction set, and is faster at the bench checkpoint's shapes from 1 row up. Both
 are float32 arithmetic (no reduced-precision mode); they differ only in summation
 order, ~1e-6 of an output of the bench checkpoint.
 
