@@ -25,7 +25,7 @@ rank 0 broadcasts its scheduling input); if ranks still disagree on which room a
 holds, the poll detects it and aborts that request with ``TP_DESYNC`` instead of hanging.
 
 **Cost.** Per request event: O(1) dict/bytearray work. One rank's poll: the per-slot rule
-(:meth:`~pdgrpc.state.decode_transfers.TransferStage._votes`) for the slots whose vote
+(``TransferStage._votes``) for the slots whose vote
 may have changed (all slots in use when they are few: microseconds, no tensor; else a
 fixed number of tensor ops picks them). With a collective: the rule for every slot in
 use, one tensor each way.
@@ -43,10 +43,13 @@ import collections
 import dataclasses
 from typing import Iterable, Mapping
 
+import torch
+
 from pdgrpc.errors import ConfigError, StateError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.state.config import DecodeDeadlines, DpConfig
 from pdgrpc.state.decode_request import (
+    TIMEOUT_REASON,
     Abort,
     DecodeRequest,
     DecodeState,
@@ -55,12 +58,13 @@ from pdgrpc.state.decode_request import (
     state_limits,
     timeout_message,
 )
-from pdgrpc.state.decode_transfers import QUARANTINE, TRANSFER, LocalPoll, Outcome, TransferStage
+from pdgrpc.state.decode_transfers import LocalPoll, Outcome, TransferStage
 from pdgrpc.state.dp_rank import DpRankResolver, QueryDpRanks, resolve_locally
 from pdgrpc.state.metadata import MetadataBuffers
-from pdgrpc.state.outcomes import REASON_NONE, AbortReason, Aborted
+from pdgrpc.state.outcomes import AbortReason, Aborted
 from pdgrpc.state.pages import PageAllocator
 from pdgrpc.state.slots import SlotAllocator
+from pdgrpc.state.transfer_poll import AllReduceMin
 
 __all__ = ["DecodeQueues", "LocalPoll", "NewRequest", "Outcome", "SendHandshake"]
 
@@ -89,7 +93,7 @@ class SendHandshake:
     pages: tuple[int, ...]
 
 
-class DecodeQueues(TransferStage):
+class DecodeQueues:
     def __init__(
         self,
         buffers: MetadataBuffers,
@@ -102,8 +106,6 @@ class DecodeQueues(TransferStage):
         ``vocab_size``: a landed metadata row is checked against it before commit
         (:func:`~pdgrpc.state.metadata.row_problem`); a bad row aborts its request alone
         as METADATA_CORRUPTION. None: rows are not checked."""
-        self.vocab_size = vocab_size
-        self._bad_row: dict[int, str] = {}  # slot -> why its landed row was refused
         self.buffers = buffers
         self.deadlines = deadlines if deadlines is not None else DecodeDeadlines()
         self.slots = SlotAllocator(buffers)
@@ -119,15 +121,14 @@ class DecodeQueues(TransferStage):
             _S.RESOLVING_DP_RANK: collections.deque(),
             _S.WAITING_FOR_MEMORY: collections.deque(),
         }
-        self._cancel_msg: dict[int, str] = {}
-        self._init_slots(buffers.num_slots)
+        self._transfers = TransferStage(buffers, self.slots, self.pages, self._limits, self.deadlines.abort_lease_s, vocab_size)
 
     # -- admission and dp rank --------------------------------------------------------
     def add(self, req: NewRequest, now: float) -> None:
         room = req.room
         if not isinstance(room, int) or not 0 < room <= _ROOM_MAX:
             raise ConfigError(f"NewRequest.room must be in [1, 2**63), got {room!r}")
-        if room in self._requests or room in self._room_slot:
+        if room in self._requests or self._transfers.slot_of(room) is not None:
             raise StateError(f"room {room} is already in use on this decode")
         if not 0 < req.num_pages <= self.pages.num_pages:
             raise ConfigError(f"NewRequest.num_pages must be in [1, {self.pages.num_pages}], got {req.num_pages}")
@@ -175,18 +176,8 @@ class DecodeQueues(TransferStage):
             assert slot is not None and got is not None
             queue.popleft()
             r.handle(MemoryAllocated(slot, got), now)
-            self._mode[slot] = TRANSFER
-            self._local[slot] = KVPoll.BOOTSTRAPPING
-            self._prev[slot] = KVPoll.BOOTSTRAPPING
-            self._reason[slot] = REASON_NONE
-            self._fake[slot] = spec.fake
-            self._acked[slot] = 0
-            self._expected[slot] = room
-            self._seq[slot] = self._next_seq
-            self._next_seq += 1
-            self._deadline[slot] = r.deadline
-            self._slot_room[slot] = room
-            self._room_slot[room] = slot
+            del requests[room], self._spec[room]
+            self._transfers.start(r, spec.fake)
             assert r.dp_rank is not None
             out.append(SendHandshake(room, spec.prefill_address, r.dp_rank, slot, got))
         return out
@@ -197,15 +188,11 @@ class DecodeQueues(TransferStage):
         it, the abort is folded into the next poll so that every TP rank aborts it at the
         same poll (returned from :meth:`poll_transfers`). Unknown/finished rooms: no-op."""
         r = self._requests.get(room)
-        if r is None:
-            return None
-        if r.state in (_S.RESOLVING_DP_RANK, _S.WAITING_FOR_MEMORY):
+        if r is not None:
             self._resolver.remove(room)
             return self._finish_abort(r, AbortReason.CANCELLED, f"room {room}: {message} in state {r.state.name}", now)
-        slot = self._room_slot[room]
-        self._local[slot] = KVPoll.FAILED
-        self._reason[slot] = min(self._reason[slot], AbortReason.CANCELLED)
-        self._cancel_msg[room] = message
+        if self._transfers.request(room) is not None:
+            self._transfers.cancel(room, message)
         return None
 
     def tick(self, now: float) -> list[Aborted]:
@@ -220,7 +207,7 @@ class DecodeQueues(TransferStage):
                     continue  # moved on since
                 self._resolver.remove(room)
                 msg = timeout_message(state, self._limits[state], room)
-                out.append(self._finish_abort(r, _TIMEOUT[state], msg, now))
+                out.append(self._finish_abort(r, TIMEOUT_REASON[state], msg, now))
         return out
 
     def _finish_abort(self, r: DecodeRequest, reason: AbortReason, message: str, now: float) -> Aborted:
@@ -235,42 +222,68 @@ class DecodeQueues(TransferStage):
         """Return a committed request's pages once the engine is done with them."""
         self.pages.free(pages)
 
+    # -- the transfer stage ---------------------------------------------------------------
+    def on_local_status(self, room: int, status: KVPoll, why: AbortReason = AbortReason.TRANSFER_FAILED) -> None:
+        """This rank's transport state of ``room`` (:meth:`TransferStage.on_local_status`)."""
+        self._transfers.on_local_status(room, status, why)
+
+    def on_abort_ack(self, room: int) -> bool:
+        """The prefill acknowledged ``room``'s abort (:meth:`TransferStage.on_abort_ack`)."""
+        return self._transfers.on_abort_ack(room)
+
+    def on_writers_gone(self, room: int) -> bool:
+        """This rank's transport confirmed ``room``'s writers gone (not replayed)."""
+        return self._transfers.on_writers_gone(room)
+
+    def poll_transfers(
+        self, now: float, all_reduce_min: AllReduceMin | None = None, local_poll: LocalPoll | None = None
+    ) -> list[Outcome]:
+        """local poll -> metadata gate -> all-reduce MIN -> act.
+
+        With a collective (TP > 1) this is :meth:`prepare_poll`, the reduce and
+        :meth:`finish_poll`; call it on every rank at every step, also when nothing is in
+        flight (the collective must match). One rank has nothing to reduce."""
+        if all_reduce_min is not None:
+            return self.finish_poll(all_reduce_min(self.prepare_poll(now, local_poll)), now)
+        return self._transfers.poll_transfers(now, local_poll)
+
+    def prepare_poll(self, now: float, local_poll: LocalPoll | None = None) -> torch.Tensor:
+        """This rank's votes as the poll tensor, for the all-reduce."""
+        return self._transfers.prepare_poll(now, local_poll)
+
+    def finish_poll(self, reduced: torch.Tensor, now: float) -> list[Outcome]:
+        """Act on the all-reduced poll tensor; identical on every rank."""
+        return self._transfers.finish_poll(reduced, now)
+
     # -- introspection ------------------------------------------------------------------
     def state_of(self, room: int) -> DecodeState | None:
         """The request's state, or None once it has ended (terminal requests are dropped)."""
-        r = self._requests.get(room)
+        r = self._requests.get(room) or self._transfers.request(room)
         return r.state if r is not None else None
 
     def deadline_of(self, room: int) -> float | None:
-        r = self._requests.get(room)
+        r = self._requests.get(room) or self._transfers.request(room)
         return r.deadline if r is not None else None
 
     def slot_of(self, room: int) -> int | None:
-        return self._room_slot.get(room)
+        return self._transfers.slot_of(room)
 
     def is_quarantined(self, room: int) -> bool:
-        slot = self._room_slot.get(room)
-        return slot is not None and self._mode[slot] == QUARANTINE
+        return self._transfers.is_quarantined(room)
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + self._transfers.num_requests
 
     @property
     def num_quarantined(self) -> int:
-        return sum(1 for s in self._room_slot.values() if self._mode[s] == QUARANTINE)
+        return self._transfers.num_quarantined
 
     def is_idle(self) -> bool:
         """No request tracked, every slot and page free."""
         return (
             not self._requests
-            and not self._room_slot
+            and not self._transfers.holds_slots
             and self.slots.num_free == self.slots.num_slots
             and self.pages.num_free == self.pages.num_pages
         )
-
-
-_TIMEOUT = {
-    _S.RESOLVING_DP_RANK: AbortReason.RESOLVE_DP_RANK_TIMEOUT,
-    _S.WAITING_FOR_MEMORY: AbortReason.ALLOCATE_TIMEOUT,
-}

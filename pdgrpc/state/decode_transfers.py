@@ -1,24 +1,23 @@
 """The transfer stage of the decode queues: the slots in transfer or quarantine, the
 reports on them, and the transfer poll that commits or aborts them.
 
-:class:`TransferStage` is the base of :class:`~pdgrpc.state.decode_queues.DecodeQueues`,
-which fills its slots (prealloc) and reads them; see that module for the TP lock-step
-rules, the poll's cost and abort safety. One rank's poll, or with a collective
-:meth:`~TransferStage.prepare_poll`, the reduce and :meth:`~TransferStage.finish_poll`,
-runs the steps of :mod:`pdgrpc.state.transfer_poll`. Pure: no I/O, time is an argument.
+:class:`~pdgrpc.state.decode_queues.DecodeQueues` owns one :class:`TransferStage` and
+hands it each request that got its slot and pages (:meth:`TransferStage.start`); see that
+module for the TP lock-step rules, the poll's cost and abort safety. One rank's poll, or
+with a collective :meth:`~TransferStage.prepare_poll`, the reduce and
+:meth:`~TransferStage.finish_poll`, runs the steps of :mod:`pdgrpc.state.transfer_poll`.
+Pure: no I/O, time is an argument.
 """
 
 from __future__ import annotations
 
 import array
-from typing import TYPE_CHECKING, Callable, Iterable, Union
+from typing import Callable, Iterable, Union
 
 import torch
 
 from pdgrpc.errors import StateError
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.state import transfer_poll
-from pdgrpc.state.config import DecodeDeadlines
 from pdgrpc.state.decode_request import (
     Abort,
     DecodeRequest,
@@ -33,10 +32,7 @@ from pdgrpc.state.outcomes import REASON_NONE, AbortReason, Aborted, Committed
 from pdgrpc.state.pages import PageAllocator
 from pdgrpc.state.poll import advance_code
 from pdgrpc.state.slots import SlotAllocator
-from pdgrpc.state.transfer_poll import NEG_ROOM, POLL_ROWS, REASON, ROOM, STATE, AllReduceMin
-
-if TYPE_CHECKING:
-    from pdgrpc.state.decode_queues import NewRequest
+from pdgrpc.state.transfer_poll import NEG_ROOM, POLL_ROWS, REASON, ROOM, STATE, metadata_gate
 
 __all__ = ["FREE", "LocalPoll", "Outcome", "QUARANTINE", "TRANSFER", "TransferStage"]
 
@@ -56,19 +52,28 @@ _S = DecodeState
 
 
 class TransferStage:
-    buffers: MetadataBuffers
-    deadlines: DecodeDeadlines
-    slots: SlotAllocator
-    pages: PageAllocator
-    vocab_size: int | None
-    _bad_row: dict[int, str]  # slot -> why its landed row was refused
-    _limits: dict[DecodeState, float]
-    _requests: dict[int, DecodeRequest]
-    _spec: dict[int, NewRequest]
-    _cancel_msg: dict[int, str]
+    """The requests between their handshake and their commit or abort, and the slots of
+    aborted ones in quarantine. ``slots`` and ``pages``: the pools :class:`DecodeQueues`
+    allocates from; this stage frees into them. ``limits``: each state's deadline, for
+    the timeout messages. ``vocab_size``: a landed row is checked against it (None: not)."""
 
-    def _init_slots(self, n: int) -> None:
-        """The per-slot state of ``n`` slots, all free."""
+    def __init__(
+        self,
+        buffers: MetadataBuffers,
+        slots: SlotAllocator,
+        pages: PageAllocator,
+        limits: dict[DecodeState, float],
+        abort_lease_s: float,
+        vocab_size: int | None,
+    ) -> None:
+        self.buffers, self.slots, self.pages = buffers, slots, pages
+        self.vocab_size = vocab_size
+        self._limits = limits
+        self._abort_lease_s = abort_lease_s
+        self._requests: dict[int, DecodeRequest] = {}  # room -> request, while in transfer
+        self._cancel_msg: dict[int, str] = {}
+        self._bad_row: dict[int, str] = {}  # slot -> why its landed row was refused
+        n = buffers.num_slots
         # Per-slot state in Python buffers (cheap scalar writes per event) with torch views
         # over the same memory (for _candidates).
         self._mode = bytearray(n)
@@ -97,6 +102,56 @@ class TransferStage:
         lut[KVPoll.WAITING_FOR_INPUT] = AbortReason.WAITING_FOR_INPUT_TIMEOUT
         lut[KVPoll.TRANSFERRING] = AbortReason.TRANSFER_TIMEOUT
         self._timeout_reason = tuple(lut)
+
+    # -- entering and leaving ---------------------------------------------------------------
+    def start(self, r: DecodeRequest, fake: bool) -> None:
+        """``r`` got its slot and pages (BOOTSTRAPPING): its transfer starts now."""
+        slot, room = r.slot, r.room
+        assert slot is not None
+        self._requests[room] = r
+        self._mode[slot] = TRANSFER
+        self._local[slot] = KVPoll.BOOTSTRAPPING
+        self._prev[slot] = KVPoll.BOOTSTRAPPING
+        self._reason[slot] = REASON_NONE
+        self._fake[slot] = fake
+        self._acked[slot] = 0
+        self._expected[slot] = room
+        self._seq[slot] = self._next_seq
+        self._next_seq += 1
+        self._deadline[slot] = r.deadline
+        self._slot_room[slot] = room
+        self._room_slot[room] = slot
+
+    def cancel(self, room: int, message: str) -> None:
+        """Fold a cancel of ``room`` (in transfer) into the next poll, so that every TP
+        rank aborts it at the same poll."""
+        slot = self._room_slot[room]
+        self._local[slot] = KVPoll.FAILED
+        self._reason[slot] = min(self._reason[slot], AbortReason.CANCELLED)
+        self._cancel_msg[room] = message
+
+    # -- introspection ------------------------------------------------------------------------
+    def request(self, room: int) -> DecodeRequest | None:
+        return self._requests.get(room)
+
+    def slot_of(self, room: int) -> int | None:
+        return self._room_slot.get(room)
+
+    def is_quarantined(self, room: int) -> bool:
+        slot = self._room_slot.get(room)
+        return slot is not None and self._mode[slot] == QUARANTINE
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(1 for s in self._room_slot.values() if self._mode[s] == QUARANTINE)
+
+    @property
+    def holds_slots(self) -> bool:
+        return bool(self._room_slot)
 
     # -- reports on rooms in transfer or quarantine -------------------------------------
     def on_local_status(self, room: int, status: KVPoll, why: AbortReason = AbortReason.TRANSFER_FAILED) -> None:
@@ -134,21 +189,10 @@ class TransferStage:
         return True
 
     # -- the transfer poll ----------------------------------------------------------------
-    def poll_transfers(
-        self,
-        now: float,
-        all_reduce_min: AllReduceMin | None = None,
-        local_poll: LocalPoll | None = None,
-    ) -> list[Outcome]:
-        """local poll -> metadata gate -> all-reduce MIN -> act.
-
-        With a collective (TP > 1) this is :meth:`prepare_poll`, the reduce and
-        :meth:`finish_poll`; call it on every rank at every step, also when nothing is in
-        flight (the collective must match). One rank has nothing to reduce: its own votes
-        are acted on directly, with no tensor (the decode loop polls whenever a transfer
+    def poll_transfers(self, now: float, local_poll: LocalPoll | None = None) -> list[Outcome]:
+        """One rank, no collective: local poll -> metadata gate -> act. Its own votes are
+        acted on directly, with no tensor (the decode loop polls whenever a transfer
         lands, on the first token's path)."""
-        if all_reduce_min is not None:
-            return self.finish_poll(all_reduce_min(self.prepare_poll(now, local_poll)), now)
         if not self._room_slot:
             return []
         self._apply_local_poll(local_poll)
@@ -225,7 +269,7 @@ class TransferStage:
                 continue
             s, reason = local[slot], reasons[slot]
             if not fake[slot]:
-                s, corrupt = transfer_poll.metadata_gate(s, room_of_slot(slot), expected[slot])
+                s, corrupt = metadata_gate(s, room_of_slot(slot), expected[slot])
                 if corrupt:
                     reason = min(reason, AbortReason.METADATA_CORRUPTION)
                 elif s == KVPoll.SUCCESS and self.vocab_size is not None:
@@ -278,7 +322,6 @@ class TransferStage:
         self.slots.free(slot)  # zeroes the room
         del self._room_slot[room]
         del self._requests[room]
-        del self._spec[room]
         return Committed(room, slot, r.pages, row)
 
     def _abort_in_transfer(self, slot: int, r: DecodeRequest, reason: AbortReason, now: float) -> Aborted:
@@ -305,11 +348,10 @@ class TransferStage:
         self._cancel_msg.pop(room, None)
         r.handle(Abort(reason, msg), now)
         del self._requests[room]
-        del self._spec[room]
         # Quarantine: the prefill may still write into this slot and these pages.
         self._mode[slot] = QUARANTINE
         self._acked[slot] = 0
-        self._deadline[slot] = now + self.deadlines.abort_lease_s
+        self._deadline[slot] = now + self._abort_lease_s
         self.pages.quarantine(room, r.pages)
         return Aborted(room, reason, msg, state.name, awaiting_ack=True)
 

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.state import transfer_poll
+from pdgrpc.state import decode_transfers
 from pdgrpc.state import (
     AbortReason,
     Aborted,
@@ -160,16 +160,16 @@ class Cluster:
 
     def _poll_gate_after_reduce(self) -> list[list[Committed | Aborted]]:
         """The broken order some peers shipped: reduce the raw states, then gate locally."""
-        real_gate = transfer_poll.metadata_gate
+        real_gate = decode_transfers.metadata_gate
 
         def no_gate(state: int, landed: int, expected: int) -> tuple[int, bool]:
             return state, False
 
-        transfer_poll.metadata_gate = no_gate  # type: ignore[assignment]
+        decode_transfers.metadata_gate = no_gate  # type: ignore[assignment]
         try:
             tensors = [q.prepare_poll(self.now) for q in self.ranks]
         finally:
-            transfer_poll.metadata_gate = real_gate  # type: ignore[assignment]
+            decode_transfers.metadata_gate = real_gate  # type: ignore[assignment]
         reduced = torch.stack(tensors).amin(dim=0)
         out = []
         for q, b in zip(self.ranks, self.buffers):

@@ -25,11 +25,11 @@ from pdgrpc.state import (
     NewRequest,
     PrefillSender,
     SenderState,
+    decode_transfers,
     dp_rank,
     metadata,
     pages,
     prefill_sender,
-    transfer_poll,
 )
 from pdgrpc.state.dp_rank import DispatchDecision, resolve_locally
 from state_sim import Cluster, Violation, token_of
@@ -172,13 +172,13 @@ def test_corruption_injected_in_slot_detected_every_time(seed: int) -> None:
 
 
 def test_corruption_injected_in_slot_detects_missing_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = transfer_poll.metadata_gate
+    real = decode_transfers.metadata_gate
 
     def gate_without_room_check(state: int, landed: int, expected: int) -> tuple[int, bool]:
         gated, corrupt = real(state, landed, expected)  # keep the "not landed" half of the gate
         return (state, False) if corrupt else (gated, False)
 
-    monkeypatch.setattr(transfer_poll, "metadata_gate", gate_without_room_check)
+    monkeypatch.setattr(decode_transfers, "metadata_gate", gate_without_room_check)
     results, corrupted, emitted = corruption_scenario(1)
     assert any(isinstance(results[r], Committed) for r in corrupted), "corrupted rows get committed"
     assert any(token != token_of(room) for room, token in emitted), "another request's token is emitted"
