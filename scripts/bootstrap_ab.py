@@ -14,7 +14,6 @@ process and the server's. ``--token``: servers and clients run with
 this tree, calls the servers in turn call by call (order flipped every call), and
 reads each server's CPU time around each call. Printed: per case and tree, the median over
 rounds of p50 / client CPU / server CPU per call, and p50 above the empty call.
-Used for the measurements in docs/performance.md (issue 19).
 """
 
 from __future__ import annotations

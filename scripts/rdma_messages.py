@@ -10,8 +10,7 @@ regions). One iteration: the receiver posts one batch of receives, then the send
 posts one batch of sends and times until the batch completes (every message's
 rendezvous acknowledged: the receiver has the bytes). The layouts alternate iteration
 by iteration, so load from other processes falls on all of them alike. Printed: median,
-min and max per layout (the first two iterations are warm-up). Used for
-docs/performance.md, "rdma steadiness" (issue 19).
+min and max per layout (the first two iterations are warm-up).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the token calls ``QueryDpRanks`` with one room on each in turn, call by call (or
 flipped every call), so that load from other processes falls on all three alike.
 Printed: per server, the median over rounds of the p50 wall time and of the median
 process CPU time per call (client and server are in the same process and the client
-is the same, so differences are the servers'). Used for docs/performance.md (issue 19).
+is the same, so differences are the servers').
 """
 
 from __future__ import annotations
