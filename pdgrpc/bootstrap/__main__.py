@@ -1,125 +1,14 @@
-"""``python -m pdgrpc.bootstrap``: run the bootstrap service until SIGTERM/SIGINT."""
+"""``python -m pdgrpc.bootstrap``: run the bootstrap service until SIGTERM/SIGINT (:mod:`pdgrpc.bootstrap.server`)."""
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
-from pdgrpc.rpc.tuning import apply_grpc_defaults
-
-apply_grpc_defaults()  # before grpc is imported (below)
-
-from pdgrpc.bootstrap.registry import WorkerRegistry  # noqa: E402
-from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server  # noqa: E402
-from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S  # noqa: E402
-from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args  # noqa: E402
-from pdgrpc.errors import PdgrpcError  # noqa: E402
-from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args  # noqa: E402
-from pdgrpc.rpc.server import StopSignal, run, serve_until_signal  # noqa: E402
-from pdgrpc.rpc.security import add_security_arguments, install, security_from_args  # noqa: E402
-
-DESCRIPTION = """\
-The bootstrap service of one prefill instance (gRPC, pdgrpc.v1.BootstrapService).
-Prefill workers register their endpoints and parallel info at start-up (the first
-registration fixes the topology); prefill registers room -> dp rank in batches;
-decode queries them in batches. Also serves grpc.health.v1 and server reflection.
-Logs "pdgrpc bootstrap listening on HOST:PORT" once it accepts calls."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdgrpc.bootstrap", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 = this machine only, 0.0.0.0 = every IPv4 interface (then TLS or a token is required, or --insecure) (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8998, help="TCP port to listen on; 0 picks a free one, printed in the log line (default: %(default)s)")
-    p.add_argument(
-        "--dp-rank-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
-        help="how long a room -> dp rank entry lives after its last registration; re-registering the same rank renews it (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-rooms", type=int, default=DEFAULT_MAX_ROOMS, metavar="N",
-        help="hard cap on rooms held; at the cap new rooms are refused with RESOURCE_EXHAUSTED until rooms expire (live rooms are never evicted for new ones). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
-        help="most rooms one RegisterDpRanks or QueryDpRanks call may carry; larger calls fail with INVALID_ARGUMENT. At most --max-rooms (default: %(default)s)",
-    )
-    p.add_argument("--sweep-interval", type=float, default=1.0, metavar="SECONDS", help="how often expired rooms are freed; queries never see an expired room whatever this is (default: %(default)s)")
-    p.add_argument(
-        "--expire-budget", type=int, default=16384, metavar="N",
-        help="records one expiry step may free before yielding to calls; bounds the pause an expiry wave causes (default: %(default)s)",
-    )
-    p.add_argument(
-        "--topology", default="", metavar="DP,TP,PP",
-        help="the prefill instance's dp_size,tp_size,pp_size: workers announcing other sizes are refused from the start. "
-        "Unset: the first complete, consistent registration fixes the topology (default: unset)",
-    )
-    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
-    add_metrics_arguments(p)
-    add_discovery_arguments(p, "bootstrap")
-    add_security_arguments(p)
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity, to stderr (default: %(default)s)")
-    return p
-
-
-async def _main(args: argparse.Namespace) -> None:
-    config = BootstrapConfig(
-        ttl=args.dp_rank_ttl,
-        max_rooms=args.max_rooms,
-        max_batch=args.max_batch,
-        sweep_interval=args.sweep_interval,
-        expire_budget=args.expire_budget,
-    )
-    stop = StopSignal()  # from now on SIGTERM/SIGINT stop us gracefully, even mid start-up
-    metrics = BootstrapMetrics()
-    server = await start_bootstrap_server(args.host, args.port, config, metrics=metrics, registry=WorkerRegistry(_topology(args.topology)))
-    table = server.table
-    metrics.bind_table(lambda: table.stats)  # read at scrape time: the table's own totals
-    try:
-        stop_metrics = start_metrics_from_args(args, metrics.registry, "bootstrap")
-    except BaseException:
-        metrics.unbind()
-        await server.stop(0)
-        raise
-    register_on(server.rpc, registration_from_args(args, "bootstrap", f"{args.host}:{server.rpc.port}"))
-    try:
-        await serve_until_signal(server.rpc, grace=args.grace, stop=stop)
-    finally:
-        metrics.unbind()
-        stop_metrics()
-    stats = server.table.stats
-    logging.getLogger("pdgrpc.bootstrap").info(
-        "stopped: %d rooms held, %d registered, %d expired, %d evicted; %d expiry steps, longest %.2f ms (%.2f ms CPU)",
-        stats.size, stats.registered, stats.expired, stats.evicted,
-        server.sweep_steps, server.longest_sweep_step_s * 1e3, server.longest_sweep_step_cpu_s * 1e3,
-    )
-
-
-def _topology(text: str) -> tuple[int, int, int] | None:
-    if not text:
-        return None
-    parts = text.split(",")
-    if len(parts) != 3 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
-        raise ValueError(f"--topology {text!r}: expected DP,TP,PP (three integers >= 1)")
-    dp, tp, pp = (int(x) for x in parts)
-    return dp, tp, pp
+from pdgrpc.serving.launch import launch
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        install(security_from_args(args))
-        _topology(args.topology)
-    except (PdgrpcError, ValueError) as exc:
-        parser.error(str(exc))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        check_discovery_args(args)
-        run(_main(args))
-    except (PdgrpcError, OSError) as exc:  # a bad flag value (max_batch > max_rooms), a port in use
-        logging.getLogger("pdgrpc.bootstrap").error("%s", exc)
-        return 2
-    return 0
+    return launch("pdgrpc.bootstrap.server", argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""The router as a process (``python -m pdgrpc.router``): its flags, start-up and shutdown.
+
+Nothing here imports torch (tests/router checks it): the router starts in well under a
+second and holds no tensor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args
+from pdgrpc.discovery.etcd import Watcher, parse_discovery_url
+from pdgrpc.discovery.record import MembershipView, cluster_prefix
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
+from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_prefill, service_names
+from pdgrpc.rpc.security import add_security_arguments, current
+from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.serving.launch import Role
+from pdgrpc.serving.logs import add_logging_arguments
+from pdgrpc.v1 import generate_pb2_grpc
+
+DESCRIPTION = """\
+The router: clients call pdgrpc.v1.GenerateService here. For each request it draws a
+random bootstrap room, sends the prompt to a prefill instance (PrefillService) and a
+decode instance (DecodeService) at the same time, and streams the decode's tokens back
+with their text. A failure on either side cancels the other and reaches the client as a
+gRPC error naming the side that failed; a client that cancels gets both sides to release
+the request. Also serves grpc.health.v1 and server reflection; logs one line per
+request event (room=<room> ...)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pdgrpc.router", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 = every IPv4 interface (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port for GenerateService; 0 picks a free one, printed in the log line (default: %(default)s)")
+    p.add_argument(
+        "--prefill", action="append", default=[], metavar="HOST:PORT[,bootstrap=HOST:PORT]",
+        help="a prefill instance's PrefillService address; repeat for several (requests go round robin). "
+        "Its BootstrapService is assumed on the same address (bootstrap embedded in the prefill); "
+        "add ',bootstrap=HOST:PORT' when the instance uses a separate `python -m pdgrpc.bootstrap`. "
+        "Decode resolves the prefill's dp rank and workers there.",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="HOST:PORT",
+        help="a decode instance's DecodeService address; repeat for several (requests go round robin)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=300.0, metavar="SECONDS",
+        help="deadline of the Prefill and Decode calls of one request (a client's own, shorter deadline wins) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--model", metavar="PATH", default="",
+        help="the checkpoint directory the prefills and decodes serve (their --model): text prompts and chat "
+        "messages are tokenized here with its tokenizer.json and chat template. Default: the reference engine's "
+        "byte tokenizer",
+    )
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS, metavar="TOKENS",
+        help="longest prompt forwarded; set it to the engines' --max-prompt-tokens: a longer prompt is refused "
+        "with INVALID_ARGUMENT before any prefill or decode sees it (default: %(default)s)",
+    )
+    p.add_argument(
+        "--retries", type=int, default=1, metavar="N",
+        help="times a request is sent again, with a fresh room, to another prefill or decode when its call to one "
+        "fails UNAVAILABLE (gone, unreachable, a worker died) before the first token reached the client; never "
+        "after a token (0: never; default: %(default)s)",
+    )
+    p.add_argument(
+        "--eject-s", type=float, default=5.0, metavar="SECONDS",
+        help="how long a prefill or decode whose call failed UNAVAILABLE is passed over when requests (and retries) "
+        "pick their instances; when every instance of a role is passed over, requests go to them anyway, and a "
+        "success ends it early (0: never; default: %(default)s)",
+    )
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
+    add_metrics_arguments(p)
+    add_logging_arguments(p)
+    add_discovery_arguments(p, "router")
+    add_security_arguments(p, public=True)
+    return p
+
+
+async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
+    metrics = RouterMetrics()
+    watcher = None
+    if args.discovery:
+        watcher = Watcher(parse_discovery_url(args.discovery), MembershipView(cluster_prefix(args.cluster_name)))
+        watcher.start()
+    servicer = GenerateServicer(config, metrics=metrics, view=None if watcher is None else watcher.view)
+    (name,) = service_names()
+    server = await start_server(
+        [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
+        host=args.host, port=args.port, what="pdgrpc router", security=current().public(),
+    )
+    metrics.bind(lambda: {"active_requests": servicer.active})  # the servicer's own count
+    try:
+        stop_metrics = start_metrics_from_args(args, metrics.registry, "router")
+    except BaseException:
+        await server.stop(0)
+        await servicer.close()
+        raise
+    log = logging.getLogger("pdgrpc.router")
+    if watcher is not None:
+        log.info("routing to the live instances under %s in etcd %s", watcher.view.prefix, args.discovery)
+    else:
+        log.info(
+            "routing to prefill %s; decode %s",
+            ", ".join(p.address if p.bootstrap == p.address else f"{p.address} (bootstrap {p.bootstrap})" for p in config.prefills),
+            ", ".join(config.decodes),
+        )
+    try:
+        await serve_until_signal(server, grace=args.grace)
+    finally:
+        # Only now: in-flight requests used these channels until the grace period ended.
+        await servicer.close()
+        if watcher is not None:
+            await watcher.close()
+        metrics.unbind()
+        stop_metrics()
+    log.info("stopped")
+
+
+def _config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefills=tuple(parse_prefill(s) for s in args.prefill),
+        decodes=tuple(args.decode),
+        request_timeout=args.request_timeout,
+        discovery=bool(args.discovery),
+        model=args.model,
+        max_prompt_tokens=args.max_prompt_tokens,
+        retries=args.retries,
+        eject_s=args.eject_s,
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.discovery and (args.prefill or args.decode):
+        raise ValueError("--discovery takes the backends from etcd: leave out --prefill and --decode")
+    check_discovery_args(args)
+    _config(args)
+    if args.model:  # a missing or bad tokenizer fails at start-up, naming the file
+        from pdgrpc.engine.hf.tokenizer import load_tokenizer
+
+        load_tokenizer(args.model)
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        run(_main(args, _config(args)))
+    except (PdgrpcError, OSError) as exc:  # a port in use
+        logging.getLogger("pdgrpc.router").error("%s", exc)
+        return 2
+    return 0
+
+
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda args: "router", check=check)

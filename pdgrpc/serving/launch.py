@@ -1,0 +1,75 @@
+"""How every pdgrpc server process starts: :func:`launch`.
+
+A role's entry point (``python -m pdgrpc.router``, a console script) is a ``main`` that
+calls :func:`launch` with the name of the module holding the role's :class:`Role`.
+:func:`launch` sets the process environment first, because gRPC reads it once, when it is
+imported; only then does it import the role, parse its flags, and install security and
+logging. An entry point therefore imports nothing that loads grpc or torch itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+from typing import Callable
+
+from pdgrpc.rpc.tuning import apply_grpc_defaults
+
+__all__ = ["Role", "launch", "prepare_environment"]
+
+
+def _accept(ns: argparse.Namespace) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """What :func:`launch` needs of a server role; its module names it ``ROLE``."""
+
+    build_parser: Callable[[], argparse.ArgumentParser]
+    # Runs the process once everything is installed; returns the exit status.
+    serve: Callable[[argparse.Namespace], int]
+    # The tag every log line of the process carries (``router``, ``prefill.dp0``).
+    log_name: Callable[[argparse.Namespace], str]
+    # Flag checks beyond argparse's: a ValueError or PdgrpcError ends the program with
+    # exit status 2 and the message, before anything starts.
+    check: Callable[[argparse.Namespace], None] = _accept
+
+
+def prepare_environment() -> None:
+    """Set the environment every pdgrpc process runs with; effective only before grpc is
+    imported, and inherited by the processes this one starts."""
+    # pdgrpc processes start children only by fork+exec: gRPC's fork handlers have
+    # nothing to do there, and in a child forked with a preexec_fn they restart gRPC's
+    # poller thread, which dies (SIGABRT) once the child closes its inherited fds.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    apply_grpc_defaults()
+
+
+def launch(module: str, argv: list[str] | None = None) -> int:
+    """Run the role that ``module`` holds as this process, with command line ``argv``
+    (default ``sys.argv[1:]``); returns the exit status."""
+    prepare_environment()
+    # Imported here, after the environment is set: these modules load grpc (and the
+    # role perhaps torch), which read their settings once.
+    role = importlib.import_module(module).ROLE
+    if not isinstance(role, Role):
+        raise TypeError(f"{module}.ROLE is not a pdgrpc.serving.launch.Role")
+    from pdgrpc.errors import PdgrpcError
+    from pdgrpc.rpc.security import install, security_from_args
+    from pdgrpc.serving.logs import setup_logging
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = role.build_parser()
+    ns = parser.parse_args(args)
+    ns.argv = args  # as given: a role that starts copies of itself passes them on
+    try:
+        role.check(ns)
+        install(security_from_args(ns))
+    except (PdgrpcError, ValueError) as exc:
+        parser.error(str(exc))
+    setup_logging(ns.log_level, role.log_name(ns))
+    return role.serve(ns)

@@ -1,0 +1,60 @@
+"""Every server entry point sets the environment before grpc loads, as ``python -m`` and as a
+console script: gRPC reads GRPC_EXPERIMENTS and GRPC_ENABLE_FORK_SUPPORT once, on import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS
+
+# module run by `python -m`, its console-script function, whether it may import torch
+ENTRY_POINTS = [
+    ("pdgrpc.bootstrap", "pdgrpc.bootstrap.__main__:main", False),
+    ("pdgrpc.router", "pdgrpc.router.__main__:main", False),
+]
+
+# Records the environment at the moment anything first imports grpc, then prints it with
+# the torch modules loaded by the end of the run.
+_PROBE = """
+import importlib.abc, json, os, runpy, sys
+seen = {}
+class Probe(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "grpc" and not seen:
+            seen.update({k: os.environ.get(k) for k in ("GRPC_EXPERIMENTS", "GRPC_ENABLE_FORK_SUPPORT")})
+        return None
+sys.meta_path.insert(0, Probe())
+how, target = sys.argv[1], sys.argv[2]
+try:
+    if how == "module":
+        sys.argv = [target, "--help"]
+        runpy.run_module(target, run_name="__main__")
+    else:
+        module, func = target.split(":")
+        getattr(importlib.import_module(module), func)(["--help"])
+except SystemExit:
+    pass
+print(json.dumps({"at_grpc_import": seen, "torch": "torch" in sys.modules}))
+"""
+
+
+def _run(how: str, target: str) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "PDGRPC_GRPC_DEFAULTS", "GRPC_ENABLE_FORK_SUPPORT")}
+    out = subprocess.run([sys.executable, "-c", _PROBE, how, target], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("module, script, torch", ENTRY_POINTS, ids=[e[0] for e in ENTRY_POINTS])
+@pytest.mark.parametrize("how", ["module", "script"])
+def test_the_environment_is_set_before_grpc_is_imported(module: str, script: str, torch: bool, how: str) -> None:
+    result = _run(how, module if how == "module" else script)
+    assert result["at_grpc_import"] == {"GRPC_EXPERIMENTS": GRPC_EXPERIMENTS, "GRPC_ENABLE_FORK_SUPPORT": "false"}
+    if not torch:
+        assert result["torch"] is False
