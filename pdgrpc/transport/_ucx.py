@@ -4,8 +4,8 @@ Why not ucxx's own asyncio layer: it keeps one process-wide context whose progre
 tasks outlive ``ucxx.reset()`` and are bound to the first event loop, and its requests
 are awaited by spinning ``asyncio.sleep(0)`` per request, which costs one loop round
 per pending request (256 concurrent rooms would spin 256 coroutines). It also has no
-scatter/gather: a scattered page list would need one tag message per page (0.25-0.9
-GB/s against ~10 GB/s for one IOV message).
+scatter/gather: a scattered page list would need one tag message per page, each with
+its own rendezvous, where one IOV message carries them all.
 
 So this module takes only the UCX libraries from the ucxx distribution (the
 ``libucx`` wheel's loader, which honours ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY``) and
