@@ -1,19 +1,19 @@
-"""The running half of the decode scheduler: first tokens, decode steps, and how a
-request ends (finished or failed).
+"""The generation loop of the decode: first tokens, decode steps, and how a request ends
+(finished or failed).
 
-:class:`Generation` is a base of :class:`~pdgrpc.decode.scheduler.DecodeScheduler`; the
-scheduler moves committed requests into ``_running`` (or ``_prefill_locally`` for fake
-transfers) and calls :meth:`Generation._compute` once per loop iteration. Every engine
-call runs on the one compute thread, one at a time (the engine is not thread-safe).
+The scheduler (:class:`~pdgrpc.decode.scheduler.DecodeScheduler`) builds one
+:class:`Generation` and hands it each committed request (:meth:`Generation.start`, or
+:meth:`Generation.prefill_here` for fake transfers), then calls
+:meth:`Generation.compute` once per loop iteration. Every engine call runs on the one
+compute thread, one at a time (the engine is not thread-safe).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import grpc
 
@@ -25,7 +25,8 @@ from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, stop_reason
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.serving.logs import request_event
-from pdgrpc.state import AbortReason, DecodeQueues
+from pdgrpc.serving.threads import compute_executor
+from pdgrpc.state import AbortReason
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -33,21 +34,41 @@ __all__ = ["Generation"]
 
 
 class Generation:
-    engine: Engine
-    queues: DecodeQueues
-    tp: TpGroup | None
-    config: SchedulerConfig
-    metrics: DecodeMetrics
-    _jobs: dict[int, Job]
-    _running: list[Job]
-    _prefill_locally: list[Job]
-    _engine_thread: concurrent.futures.ThreadPoolExecutor
+    """The committed requests and the engine's steps over them. ``release_pages``: hands a
+    request's pages back to the decode queues; ``ended``: the request sent its last
+    message; ``rank_lost``: a TP collective failed (this instance cannot go on)."""
 
-    def rank_lost(self, why: str) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        engine: Engine,
+        tp: TpGroup | None,
+        config: SchedulerConfig,
+        metrics: DecodeMetrics,
+        release_pages: Callable[[Iterable[int]], None],
+        ended: Callable[[Job], None],
+        rank_lost: Callable[[str], None],
+    ) -> None:
+        self.engine, self.tp, self.config, self.metrics = engine, tp, config, metrics
+        self._release_pages, self._ended, self._rank_lost = release_pages, ended, rank_lost
+        self.running: list[Job] = []
+        self._prefill_locally: list[Job] = []  # fake transfers: compute the prompt's KV here
+        # Every engine call runs here, one at a time (the engine is not thread-safe).
+        self._engine_thread = compute_executor("decode-compute", config.compute_nice)
 
-    # -- how a request ends ----------------------------------------------------------------
-    def _emit_first(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float, data_plane_s: float = 0.0) -> None:
+    @property
+    def busy(self) -> bool:
+        """Something to compute at the next :meth:`compute`."""
+        return bool(self._prefill_locally or self.running)
+
+    def start_thread(self) -> None:
+        self._engine_thread.submit(lambda: None)  # the compute thread starts (and is reniced) now
+
+    def shutdown(self) -> None:
+        self._engine_thread.shutdown(wait=False)  # a step still running (TP group stuck) must not block the exit
+
+    # -- how a request starts and ends -----------------------------------------------------
+    def start(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float, data_plane_s: float = 0.0) -> None:
+        """Send ``job``'s first token; it runs from the next step unless that token ended it."""
         job.generated = 1
         job.last_token = first.token_id
         reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_ids)
@@ -55,45 +76,51 @@ class Generation:
         if reason is not None:
             self._finish(job, reason)
         else:
-            self._running.append(job)
+            self.running.append(job)
 
-    def _fail(self, job: Job, failure: RequestFailed) -> None:
+    def prefill_here(self, job: Job) -> None:
+        """Fake transfer: the next :meth:`compute` computes the prompt's KV here first."""
+        self._prefill_locally.append(job)
+
+    def fail(self, job: Job, failure: RequestFailed) -> None:
+        """End ``job`` with ``failure`` (its last message); no-op once it ended."""
         if job.finished:
             return
         self.metrics.on_abort(failure.reason)  # exactly once per request: `finished` guards it
         job.finished = True
-        self._jobs.pop(job.room, None)
+        self._ended(job)
         job.out.put_nowait(failure)
 
     def _finish(self, job: Job, reason: str) -> None:
         self.metrics.on_finished()
         job.finished = True
-        self._jobs.pop(job.room, None)
-        self.queues.release_pages(job.pages)
+        self._ended(job)
+        self._release_pages(job.pages)
         request_event(log, job.room, "finished", reason=reason, tokens=job.generated)
 
     def _cancelled(self, job: Job) -> None:
-        self.queues.release_pages(job.pages)
+        self._release_pages(job.pages)
         # job.failure: the driver decided how it ends (the prefill leg failed: WatchRoom).
-        self._fail(job, job.failure or RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED))
+        self.fail(job, job.failure or RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED))
 
-    def _drop_cancelled_running(self) -> None:
+    def drop_cancelled(self) -> None:
+        """End the running requests that were cancelled since the last step."""
         keep = []
-        for job in self._running:
+        for job in self.running:
             if job.cancelled:
                 request_event(log, job.room, "cancelled while generating", tokens=job.generated)
                 self._cancelled(job)
             else:
                 keep.append(job)
-        self._running = keep
+        self.running = keep
 
     def _crash(self, job: Job, exc: BaseException) -> None:
-        self.queues.release_pages(job.pages)
+        self._release_pages(job.pages)
         failure = RequestFailed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}", ServerAbortReason.INTERNAL_ERROR)
-        self._fail(job, failure)
+        self.fail(job, failure)
 
     # -- compute ---------------------------------------------------------------------------
-    async def _compute(self) -> None:
+    async def compute(self) -> None:
         """Local prefills (fake transfers), then one decode step over every running request,
         in a worker thread so the loop keeps serving RPCs and transport callbacks."""
         if self._prefill_locally:
@@ -107,8 +134,8 @@ class Generation:
                 elif job.cancelled:
                     self._cancelled(job)
                 else:
-                    self._emit_first(job, first, 0, time.monotonic() - job.handshake_sent_at)
-        batch = [j for j in self._running if not j.cancelled]
+                    self.start(job, first, 0, time.monotonic() - job.handshake_sent_at)
+        batch = [j for j in self.running if not j.cancelled]
         if not batch:
             return
         await self._await_first_tokens_sent(batch)
@@ -124,7 +151,7 @@ class Generation:
             log.exception("decode step over %d requests failed", len(batch))
             for job in batch:
                 self._crash(job, exc)
-            self._running = [j for j in self._running if not j.finished]
+            self.running = [j for j in self.running if not j.finished]
             return
         eos = self.engine.tokenizer.eos_token_ids
         for job, tok in zip(batch, toks):
@@ -136,7 +163,7 @@ class Generation:
             job.out.put_nowait(Tokens((tok.token_id,), (tok.logprob,), reason or "", top=_top(tok)))
             if reason is not None:
                 self._finish(job, reason)
-        self._running = [j for j in self._running if not j.finished]
+        self.running = [j for j in self.running if not j.finished]
 
     async def _await_first_tokens_sent(self, batch: list[Job]) -> None:
         """Hold a step that serves only requests whose first token is still being sent.
@@ -162,7 +189,7 @@ class Generation:
         try:
             return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, arg)
         except TpGroupBroken as exc:
-            self.rank_lost(str(exc))
+            self._rank_lost(str(exc))
             return None
 
     def _decode_step(self, reqs: list[EngineDecodeRequest]) -> list[SampledToken]:

@@ -1,12 +1,12 @@
-"""The decode scheduler's calls to the prefill side: dp-rank queries to its bootstrap,
-the handshake to its workers, WatchRoom and AbortRoom.
+"""The decode's calls to the prefill side: dp-rank queries to its bootstrap, the
+handshake to its workers, WatchRoom and AbortRoom.
 
-:class:`PrefillCalls` is a base of :class:`~pdgrpc.decode.scheduler.DecodeScheduler`.
-Each call runs as its own task (:meth:`DecodeScheduler._spawn`) through
+The scheduler builds one :class:`PrefillCalls` and starts each call as its own task
+(:meth:`CallsHost.spawn`). A call goes through
 :class:`~pdgrpc.decode.prefills.PrefillDirectory` or
 :class:`~pdgrpc.decode.handshake.Handshaker`, and feeds its result back into the pure
-queues or cancels the request with the prefill's status; the scheduler's loop never waits
-on the network.
+queues or ends the request with the prefill's status (:meth:`CallsHost.end_with`); the
+scheduler's loop never waits on the network.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
 
@@ -23,7 +23,6 @@ from pdgrpc.decode.job import Job, SchedulerConfig
 from pdgrpc.decode.prefills import PrefillDirectory, restart_failure
 from pdgrpc.decode.rank import RankTransfers
 from pdgrpc.decode.tp import ROOM_WRITERS, ReplicatedQueues
-from pdgrpc.engine.base import Engine
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc.errors import RpcError
@@ -33,41 +32,52 @@ from pdgrpc.state import DecodeQueues, QueryDpRanks, SendHandshake
 
 log = logging.getLogger("pdgrpc.decode")
 
-__all__ = ["ASK_FAILURES_AFTER_S", "PrefillCalls"]
+__all__ = ["ASK_FAILURES_AFTER_S", "CallsHost", "PrefillCalls"]
 
 # A room still without a dp rank this long after admission: ask whether its prefill's
 # controller refused it (a controller records that within milliseconds).
 ASK_FAILURES_AFTER_S = 0.1
 
 
+class CallsHost(Protocol):
+    """What the calls need from the scheduler that owns the requests."""
+
+    @property
+    def closing(self) -> bool: ...
+
+    def job(self, room: int) -> Job | None:
+        """The unfinished request with ``room``, or None."""
+
+    def end_with(self, job: Job, failure: RequestFailed) -> None:
+        """End ``job`` with ``failure`` once its cancel takes effect."""
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]": ...
+
+    def wake(self) -> None:
+        """Run the scheduler's loop now: the queues moved."""
+
+
 class PrefillCalls:
-    engine: Engine
-    queues: DecodeQueues
-    config: SchedulerConfig
-    metrics: DecodeMetrics
-    directory: PrefillDirectory
-    handshaker: Handshaker
-    transfers: RankTransfers
-    _replicated: ReplicatedQueues | None
-    _jobs: dict[int, Job]
-    _closing: bool
-    _wake: asyncio.Event
-    _query_failures: FailureLog
+    """``pages_needed(tokens)``: the KV pages a prompt of that many tokens fills."""
 
-    def cancel(self, room: int, message: str) -> None:
-        raise NotImplementedError
-
-    def _spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
-        raise NotImplementedError
-
-    def _end_with(self, job: Job, failure: RequestFailed) -> None:
-        """End ``job`` with ``failure`` (its status and abort reason) once its cancel takes
-        effect (:meth:`Generation._fail` then sends it)."""
-        job.failure = failure
-        self.cancel(job.room, failure.message)
+    def __init__(
+        self,
+        host: CallsHost,
+        queues: DecodeQueues,
+        transfers: RankTransfers,
+        directory: PrefillDirectory,
+        handshaker: Handshaker,
+        config: SchedulerConfig,
+        metrics: DecodeMetrics,
+        pages_needed: Callable[[int], int],
+    ) -> None:
+        self.host, self.queues, self.transfers = host, queues, transfers
+        self.directory, self.handshaker = directory, handshaker
+        self.config, self.metrics, self.pages_needed = config, metrics, pages_needed
+        self._query_failures = FailureLog(log, "QueryDpRanks")  # one line per failing bootstrap per 10 s
 
     # -- dp ranks -----------------------------------------------------------------------------
-    async def _query_dp_ranks(self, query: QueryDpRanks) -> None:
+    async def query_dp_ranks(self, query: QueryDpRanks) -> None:
         addr = query.prefill_address
         try:
             answers, instance = await self.directory.query_dp_ranks(addr, query.rooms)
@@ -75,7 +85,7 @@ class PrefillCalls:
             self.metrics.on_dp_rank_query_failed(len(query.rooms))
             self._query_failures.failed(addr, f"{len(query.rooms)} rooms: {exc}")
             for room in query.rooms:
-                if (job := self._jobs.get(room)) is not None:
+                if (job := self.host.job(room)) is not None:
                     job.last_error = str(exc)
             return
         self._query_failures.succeeded(addr)
@@ -83,98 +93,99 @@ class PrefillCalls:
         now = time.monotonic()
         good: dict[int, int | None] = {}
         for room, rank in answers.items():
-            job = self._jobs.get(room)
+            job = self.host.job(room)
             if job is None:
                 continue
             job.last_error = ""  # answered: a failure before is no longer why it waits
             if job.prefill.restarted(instance):  # admitted under the instance before: its prefill is lost
                 request_event(log, room, "prefill restarted", level=logging.WARNING, prefill=addr, instance=f"{instance:016x}")
-                self._end_with(job, restart_failure(room, addr))
+                self.host.end_with(job, restart_failure(room, addr))
                 continue
             if rank is not None and not 0 <= rank < job.prefill.dp_size:
-                self._end_with(job, RequestFailed(
+                self.host.end_with(job, RequestFailed(
                     grpc.StatusCode.INTERNAL,
                     f"room {room}: bootstrap {addr} answered dp rank {rank}, outside [0, {job.prefill.dp_size})",
                     ServerAbortReason.INTERNAL_ERROR,
                 ))
                 continue
             good[room] = rank
-        if self._closing:
+        if self.host.closing:
             return
         moved = self.queues.on_dp_ranks(addr, good, now)
         for room, rank in good.items():
-            job = self._jobs.get(room)
+            job = self.host.job(room)
             if rank is not None and job is not None:
                 job.dp_rank = rank
                 request_event(log, room, "dp rank resolved", prefill=addr, dp_rank=rank)
         if moved:
-            self._wake.set()
-        missing = {room: job.room_secret for room, r in good.items() if r is None and (job := self._jobs.get(room)) is not None}
+            self.host.wake()
+        missing = {room: job.room_secret for room, r in good.items() if r is None and (job := self.host.job(room)) is not None}
         if missing:
             log.debug("QueryDpRanks to %s: %d of %d rooms not registered yet", addr, len(missing), len(query.rooms))
             # Still not registered: the prefill's controller may have refused them (pdgrpc.prefill.notices).
-            missing = {room: s for room, s in missing.items() if now - self._jobs[room].admitted_at >= ASK_FAILURES_AFTER_S}
+            missing = {room: s for room, s in missing.items() if (j := self.host.job(room)) is not None and now - j.admitted_at >= ASK_FAILURES_AFTER_S}
             for room, (failure, never_forwarded) in (await self.directory.room_failures(addr, missing)).items():
-                job = self._jobs.get(room)
+                job = self.host.job(room)
                 if job is not None and not job.finished and not job.cancelled and job.dp_rank is None:
                     request_event(log, room, "prefill failed", level=logging.WARNING, message=failure.message)
                     job.never_forwarded = never_forwarded
-                    self._end_with(job, failure)
+                    self.host.end_with(job, failure)
 
     # -- handshake ------------------------------------------------------------------------------
-    def _start_handshake(self, hs: SendHandshake, now: float) -> None:
-        prompt_pages = self._advertise(hs, now)
+    def start_handshake(self, hs: SendHandshake, now: float) -> None:
+        prompt_pages = self.advertise(hs, now)
         if prompt_pages is not None:
-            self._send_handshake(hs, prompt_pages)
+            self.send_handshake(hs, prompt_pages)
 
-    def _advertise(self, hs: SendHandshake, now: float) -> tuple[int, ...] | None:
+    def advertise(self, hs: SendHandshake, now: float) -> tuple[int, ...] | None:
         """Record the allocation and advertise the grants; the prompt's pages, or None
         when the transport refused (the request is then cancelled)."""
-        job = self._jobs[hs.room]
+        job = self.host.job(hs.room)
+        assert job is not None
         job.slot, job.pages, job.dp_rank = hs.slot, hs.pages, hs.dp_rank
         job.handshake_sent_at = now
-        prompt_pages = hs.pages[: self.engine.pages_needed(len(job.input_ids))]
+        prompt_pages = hs.pages[: self.pages_needed(len(job.input_ids))]
         try:
             self.transfers.advertise(hs.room, prompt_pages, hs.slot)
         except PdgrpcError as exc:
-            self._end_with(job, RequestFailed(
+            self.host.end_with(job, RequestFailed(
                 grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}", ServerAbortReason.INTERNAL_ERROR
             ))
             return None
         request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), dp_rank=hs.dp_rank)
         return prompt_pages
 
-    def _send_handshake(self, hs: SendHandshake, prompt_pages: tuple[int, ...]) -> None:
-        job = self._jobs.get(hs.room)
+    def send_handshake(self, hs: SendHandshake, prompt_pages: tuple[int, ...]) -> None:
+        job = self.host.job(hs.room)
         if job is None or job.finished:
             return
-        job.handshake_task = self._spawn(self._handshake(job, prompt_pages), f"handshake {hs.room}")
+        job.handshake_task = self.host.spawn(self._handshake(job, prompt_pages), f"handshake {hs.room}")
 
     async def _handshake(self, job: Job, prompt_pages: tuple[int, ...]) -> None:
         deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
         result = await self.handshaker.handshake(job, prompt_pages, deadline)
         if result is ACCEPTED:
             job.handshaken = True
-            self._wake.set()
+            self.host.wake()
             asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
         elif isinstance(result, RequestFailed):  # refused: the request ends with the prefill's status
-            self._end_with(job, result)
+            self.host.end_with(job, result)
         # else: gave up at the deadline (the poll aborts the request) or the request ended
 
     def _start_watch(self, job: Job) -> None:
         """The room's KV has not landed soon after the handshake: watch its prefill."""
-        if not (job.running or job.finished or job.cancelled or self._closing):
-            self._spawn(self._watch(job), f"watch-room {job.room}")
+        if not (job.running or job.finished or job.cancelled or self.host.closing):
+            self.host.spawn(self._watch(job), f"watch-room {job.room}")
 
     async def _watch(self, job: Job) -> None:
         failure = await self.handshaker.watch(job, self.config.watch_wait_s)
         if failure is None or job.finished or job.cancelled:
             return
         request_event(log, job.room, "prefill failed", level=logging.WARNING, message=failure.message)
-        self._end_with(job, failure)
+        self.host.end_with(job, failure)
 
     # -- abort ----------------------------------------------------------------------------------
-    async def _abort_room(self, job: Job, reason: str) -> None:
+    async def abort_room(self, job: Job, reason: str) -> None:
         """AbortRoom to the prefill worker(s); their ack releases the quarantined slot
         and pages (else the lease does)."""
         if job.handshake_task is not None:  # never let AbortRoom overtake the Handshake
@@ -183,8 +194,8 @@ class PrefillCalls:
         # gone, the quarantine ends without the ack (a SIGKILLed worker never sends one).
         writers = self.handshaker.writers_by_rank(job)
         self.transfers.watch_writers(job.room, writers[0])
-        if self._replicated is not None:
-            self._replicated.note(ROOM_WRITERS, job.room, writers)
+        if isinstance(self.queues, ReplicatedQueues):
+            self.queues.note(ROOM_WRITERS, job.room, writers)
         if await self.handshaker.abort_room(job, reason) and self.queues.on_abort_ack(job.room):
             request_event(log, job.room, "abort acknowledged; quarantine released", workers=len(job.contacted))
-            self._wake.set()
+            self.host.wake()

@@ -11,9 +11,11 @@ Each iteration of :meth:`DecodeScheduler._run`, in this order::
                                       -> Aborted  (status to the client, AbortRoom to prefill)
     engine.decode_step(running)      in a worker thread; one token per running request
 
-Network calls (bootstrap queries, handshakes, WatchRoom and AbortRoom:
+The scheduler is built from two parts, each given what it needs at construction: the
+network calls to the prefill (bootstrap queries, handshakes, WatchRoom and AbortRoom:
 :class:`~pdgrpc.decode.prefill_calls.PrefillCalls`) run as their own tasks and feed their
-results back into the pure state; the loop itself never waits on the network.
+results back into the pure state, so the loop itself never waits on the network; the
+generation loop (:class:`~pdgrpc.decode.generation.Generation`) runs the engine.
 Only the scheduler task touches the engine, and :class:`~pdgrpc.state.DecodeQueues` is
 only touched by synchronous code on the loop, so no lock is needed.
 
@@ -46,10 +48,8 @@ from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc.errors import RpcError
-from pdgrpc.serving.failure_log import FailureLog
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
-from pdgrpc.serving.threads import compute_executor
 from pdgrpc.serving.tp import check_tp_sizes
 from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, resolve_locally
 from pdgrpc.transport.base import Transport
@@ -59,7 +59,7 @@ log = logging.getLogger("pdgrpc.decode")
 __all__ = ["DecodeScheduler"]
 
 
-class DecodeScheduler(PrefillCalls, Generation):
+class DecodeScheduler:
     def __init__(
         self,
         engine: Engine,
@@ -74,7 +74,7 @@ class DecodeScheduler(PrefillCalls, Generation):
         # TP > 1: this is rank 0; the other ranks replay its queue calls (pdgrpc.decode.tp).
         self.tp = tp
         self.tp_size = tp.size if tp is not None else 1
-        # Outcomes are counted where they are decided (_finish, _fail, the dp-rank query);
+        # Outcomes are counted where they are decided (Generation, the dp-rank query);
         # the live gauges come from stats() at scrape time, never from counters here.
         self.metrics = metrics or DecodeMetrics(transport=transport.name)
         self.transport = transport
@@ -97,16 +97,17 @@ class DecodeScheduler(PrefillCalls, Generation):
         self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
         self._reserved: set[int] = set()  # rooms being admitted (awaiting prefill info)
-        self._running: list[Job] = []
-        self._prefill_locally: list[Job] = []  # fake transfers: compute the prompt's KV here
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poll_pending = False  # a transport room ended; _transfer_ended is scheduled
         self._wake = asyncio.Event()
-        self._query_failures = FailureLog(log, "QueryDpRanks")  # one line per failing bootstrap per 10 s
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
-        # Every engine call runs here, one at a time (the engine is not thread-safe).
-        self._engine_thread = compute_executor("decode-compute", config.compute_nice)
+        self.calls = PrefillCalls(
+            self, self.queues, self.transfers, self.directory, self.handshaker, config, self.metrics, engine.pages_needed
+        )
+        self.generation = Generation(
+            engine, tp, config, self.metrics, self.queues.release_pages, self._ended, self.rank_lost
+        )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in (*engine.kv_buffers().k, *engine.kv_buffers().v))
 
     # -- life cycle ---------------------------------------------------------------------
@@ -122,7 +123,7 @@ class DecodeScheduler(PrefillCalls, Generation):
             self.handshaker.descriptors = tuple(d for d, _ in ranks)
             self.handshaker.keys = tuple(k for _, k in ranks)
         self.transport.rooms.add_listener(self._on_transport_terminal)
-        self._engine_thread.submit(lambda: None)  # the compute thread starts (and is reniced) now
+        self.generation.start_thread()
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
 
     async def close(self, abort_wait_s: float = 1.0) -> None:
@@ -136,11 +137,11 @@ class DecodeScheduler(PrefillCalls, Generation):
         aborts = []
         for job in list(self._jobs.values()):
             msg = f"room {job.room}: decode server is shutting down"
-            self._fail(job, RequestFailed(grpc.StatusCode.UNAVAILABLE, msg, ServerAbortReason.SHUTDOWN))
+            self.generation.fail(job, RequestFailed(grpc.StatusCode.UNAVAILABLE, msg, ServerAbortReason.SHUTDOWN))
             if job.handshake_task is not None:
                 job.handshake_task.cancel()
             if job.slot is not None:  # a prefill may be writing for it: best effort
-                aborts.append(asyncio.ensure_future(self._abort_room(job, msg)))
+                aborts.append(asyncio.ensure_future(self.calls.abort_room(job, msg)))
         if aborts:
             await asyncio.wait(aborts, timeout=abort_wait_s)
         tasks = [*aborts, *self._tasks]
@@ -152,10 +153,30 @@ class DecodeScheduler(PrefillCalls, Generation):
                 await asyncio.wait_for(asyncio.to_thread(self.tp.broadcast, ("stop", None)), 10.0)
             except (TpGroupBroken, asyncio.TimeoutError) as exc:
                 log.warning("could not tell the other TP ranks to stop: %s", exc)
-        self._engine_thread.shutdown(wait=False)  # a step still running (TP group stuck) must not block the exit
+        self.generation.shutdown()
         await self.transport.close()
 
-    def _spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
+    # -- what the prefill calls need (CallsHost) ------------------------------------------------
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def job(self, room: int) -> Job | None:
+        return self._jobs.get(room)
+
+    def end_with(self, job: Job, failure: RequestFailed) -> None:
+        """End ``job`` with ``failure`` (its status and abort reason) once its cancel takes
+        effect (:meth:`Generation.fail` then sends it)."""
+        job.failure = failure
+        self.cancel(job.room, failure.message)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _ended(self, job: Job) -> None:
+        self._jobs.pop(job.room, None)
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._tasks.add(task)
@@ -248,7 +269,7 @@ class DecodeScheduler(PrefillCalls, Generation):
             return
         job.cancelled = True
         request_event(log, room, "cancel requested", why=message)
-        if not job.running and job not in self._prefill_locally:
+        if not job.running:
             aborted = self.queues.cancel(room, time.monotonic(), message)
             if aborted is not None:
                 self._on_aborted(aborted)
@@ -295,28 +316,28 @@ class DecodeScheduler(PrefillCalls, Generation):
         """One pass over the machines; True when it computed (more work is likely)."""
         q = self.queues
         now = time.monotonic()
-        self._drop_cancelled_running()
+        self.generation.drop_cancelled()
         for aborted in q.tick(now):
             self._on_aborted(aborted)
         for query in q.poll_dp_ranks(now):
-            self._spawn(self._query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
+            self.spawn(self.calls.query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
         handshakes = q.prealloc(now)
         self.transfers.check_writers()
         if self.tp is None:
             for hs in handshakes:
-                self._start_handshake(hs, now)
+                self.calls.start_handshake(hs, now)
             outcomes = q.poll_transfers(now, local_poll=self._local_poll)
         else:
-            advertised = [(hs, self._advertise(hs, now)) for hs in handshakes]
+            advertised = [(hs, self.calls.advertise(hs, now)) for hs in handshakes]
             outcomes = self._tp_poll(now)
             # Only now: every rank has replayed prealloc and advertised its grants, so a
             # prefill rank that writes at once finds them.
             for hs, prompt_pages in advertised:
                 if prompt_pages is not None:
-                    self._send_handshake(hs, prompt_pages)
+                    self.calls.send_handshake(hs, prompt_pages)
         self._act_on(outcomes, now)
-        if self._prefill_locally or self._running:
-            await self._compute()
+        if self.generation.busy:
+            await self.generation.compute()
             return True
         return False
 
@@ -381,7 +402,7 @@ class DecodeScheduler(PrefillCalls, Generation):
         landed room commits and its first token goes out now rather than after the loop
         wakes up and runs a whole iteration. The loop still runs the decode steps. Safe
         between iterations and while one awaits its compute step: the poll touches only
-        slots in transfer or quarantine, and a job committed here joins ``_running`` for
+        slots in transfer or quarantine, and a job committed here joins the generation's running requests for
         the next step."""
         now = time.monotonic()
         self._act_on(self.queues.poll_transfers(now, local_poll=self._local_poll), now)
@@ -405,7 +426,7 @@ class DecodeScheduler(PrefillCalls, Generation):
             self.metrics.on_transfer(0, transfer_s)
             request_event(log, c.room, "committed (fake transfer: prefilling locally)", transfer_s=f"{transfer_s:.4f}")
             job.running = True
-            self._prefill_locally.append(job)
+            self.generation.prefill_here(job)
             return
         row = c.row
         # The row holds top_k (20) entries; the request asked for sampling.top_logprobs of them.
@@ -415,7 +436,7 @@ class DecodeScheduler(PrefillCalls, Generation):
         nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes * self.tp_size + self.buffers.layout.row_bytes
         self.metrics.on_transfer(nbytes, transfer_s)
         job.running = True
-        self._emit_first(job, first, nbytes, transfer_s, data_plane_s)
+        self.generation.start(job, first, nbytes, transfer_s, data_plane_s)
         # After the stream's wake-up: the first token goes out before this line is written.
         request_event(
             log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes,
@@ -433,9 +454,9 @@ class DecodeScheduler(PrefillCalls, Generation):
             log, a.room, "aborted", level=logging.WARNING, state=a.state, reason=a.reason.name,
             status=status.code.name, message=status.message, quarantined=a.awaiting_ack,
         )
-        self._fail(job, status)
+        self.generation.fail(job, status)
         if a.awaiting_ack:
-            self._spawn(self._abort_room(job, status.message), f"abort-room {a.room}")
+            self.spawn(self.calls.abort_room(job, status.message), f"abort-room {a.room}")
 
     def _release_transport(self, room: int, abort_message: str | None = None) -> None:
         self.transfers.release(room, abort_message)
