@@ -8,13 +8,13 @@ narrower subclasses in their own modules; the branches below are the shared ones
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: this module loads before grpc is configured
-    import grpc
+from pdgrpc.reasons import AnyAbortReason, ServerAbortReason
 
-    from pdgrpc.metrics.reasons import AnyAbortReason
-    from pdgrpc.transport.receiver import Refusal
+if TYPE_CHECKING:  # an annotation only: this module loads before grpc is configured
+    import grpc
 
 
 class PdgrpcError(Exception):
@@ -24,8 +24,8 @@ class PdgrpcError(Exception):
 class RequestFailed(PdgrpcError):
     """The one outcome of a request that ends without (further) output, from the transport
     up to the router: ``code`` (the gRPC status its caller gets), ``reason`` (why, for
-    ``pdgrpc_aborts_total``: a :class:`~pdgrpc.state.outcomes.AbortReason` or a
-    :class:`~pdgrpc.metrics.catalog.ServerAbortReason`) and ``message`` (for people).
+    ``pdgrpc_aborts_total``: a :class:`~pdgrpc.reasons.AbortReason` or a
+    :class:`~pdgrpc.reasons.ServerAbortReason`) and ``message`` (for people).
 
     Raised where a request is refused or fails, queued where a stream reads it, and turned
     into the RPC's status at the servicer. Decisions read ``code`` and ``reason``, never
@@ -34,8 +34,6 @@ class RequestFailed(PdgrpcError):
     def __init__(self, code: grpc.StatusCode, message: str, reason: AnyAbortReason | None = None) -> None:
         super().__init__(message)
         if reason is None:
-            from pdgrpc.metrics.catalog import ServerAbortReason
-
             reason = ServerAbortReason.INTERNAL_ERROR
         self.code = code
         self.message = message
@@ -78,17 +76,43 @@ class TransportUnavailable(TransportError):
     missing; the message carries the install hint)."""
 
 
+class BadDescriptor(TransportError):
+    """A peer descriptor could not be parsed or is inconsistent (untrusted input)."""
+
+
 class PeerFailure(TransportError):
     """The peer disconnected, died, or stopped answering its liveness checks."""
+
+
+class Refusal(enum.IntEnum):
+    """Why a receiver refused a write. The value travels in ``NACK`` (0: the room failed
+    at the receiver for another reason, not a refused write)."""
+
+    UNKNOWN_ROOM = 1  # never advertised, or already released
+    ROOM_CLOSED = 2  # the room is already terminal (row landed, or failed)
+    UNKNOWN_REGION = 3  # destination region not registered here
+    WRONG_KIND = 4  # page bytes into a metadata region, or a row into a KV region
+    OUTSIDE_REGION = 5  # bytes past the region's end (or an empty / negative range)
+    OUTSIDE_GRANT = 6  # a page the room was not granted
+    WRONG_SLOT = 7  # a metadata slot the room was not granted (or none was)
+    MALFORMED = 8  # a second row, or a row whose size disagrees with its header
+    BYTE_COUNT = 9  # more KV bytes landed than announced before the row, or written than granted
+
+    @classmethod
+    def from_code(cls, code: int) -> "Refusal | None":
+        try:
+            return cls(code)
+        except ValueError:
+            return None
 
 
 class UnauthorizedWrite(TransportError):
     """A receiver refused a write: outside what it advertised for the room (unknown
     room, page outside the advertised set, offset/length outside a registered region),
-    or for a room already finished. ``refusal`` says which
-    (:class:`pdgrpc.transport.receiver.Refusal`); the message names the offending op."""
+    or for a room already finished. ``refusal`` says which; the message names the
+    offending op."""
 
-    def __init__(self, refusal: "Refusal", message: str) -> None:
+    def __init__(self, refusal: Refusal, message: str) -> None:
         super().__init__(f"unauthorized write: {message}")
         self.refusal = refusal
 

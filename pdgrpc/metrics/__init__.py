@@ -16,18 +16,14 @@ Three pieces, each in its own module:
 * :mod:`~pdgrpc.metrics.scrape` -- :func:`scrape` reads an endpoint back over HTTP
   (tests, e2e checks).
 
-The abort vocabulary (:mod:`~pdgrpc.metrics.reasons`) imports :mod:`pdgrpc.state.outcomes`
-(torch-free: :mod:`pdgrpc.state` loads its tensor modules lazily); it loads only with a
-facade that records aborts (the bootstrap's does not). No facade imports torch, so the
-router and the bootstrap start without it.
+The abort vocabulary is :mod:`pdgrpc.reasons` (torch-free, at the bottom of the package).
+No facade imports torch, so the router and the bootstrap start without it.
 
 Each server owns a :class:`prometheus_client.CollectorRegistry` (the facade creates
 one); nothing here touches prometheus-client's process-global registry.
 """
 
-from typing import Any
-
-from pdgrpc.metrics.catalog import CATALOG, MetricSpec, RequestState, Role, ServerAbortReason, markdown_table
+from pdgrpc.metrics.catalog import CATALOG, MetricSpec, RequestState, Role, markdown_table
 from pdgrpc.metrics.endpoint import (
     add_metrics_arguments,
     derived_metrics_port,
@@ -37,6 +33,7 @@ from pdgrpc.metrics.endpoint import (
 from pdgrpc.metrics.live import ResourceGauges
 from pdgrpc.metrics.roles import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RoleMetrics, RouterMetrics
 from pdgrpc.metrics.scrape import Scrape, scrape
+from pdgrpc.reasons import ABORT_REASON_LABELS, ServerAbortReason, abort_label
 
 __all__ = [
     "ABORT_REASON_LABELS",
@@ -61,12 +58,3 @@ __all__ = [
     "start_metrics_server",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # The abort vocabulary needs pdgrpc.state: loaded on first use only, so that
-    # `from pdgrpc.metrics import BootstrapMetrics` keeps the bootstrap as light as it is.
-    if name in ("ABORT_REASON_LABELS", "abort_label"):
-        from pdgrpc.metrics import reasons
-
-        return getattr(reasons, name)
-    raise AttributeError(f"module 'pdgrpc.metrics' has no attribute {name!r}")

@@ -27,6 +27,8 @@ import dataclasses
 import enum
 from typing import Literal
 
+from pdgrpc.reasons import ServerAbortReason
+
 __all__ = [
     "BATCH_BUCKETS",
     "CATALOG",
@@ -62,27 +64,6 @@ class RequestState(str, enum.Enum):
     FINISHED = "finished"
     ABORTED = "aborted"
     REFUSED = "refused"
-
-
-class ServerAbortReason(str, enum.Enum):
-    """Abort causes that happen outside the decode state machines.
-
-    The decode machines' own reasons are :class:`pdgrpc.state.outcomes.AbortReason`
-    (corruption, transfer failed, TP desync, cancelled, one timeout per state); the
-    servers use those wherever they fit (the prefill's "no handshake in time" is
-    ``bootstrap_timeout``, a client that went away is ``cancelled``) and these only for
-    what that list cannot say. Together they are the ``reason`` label's vocabulary
-    (:data:`pdgrpc.metrics.reasons.ABORT_REASON_LABELS`). ``PEER_FAILURE`` is in both
-    lists with one label and one meaning (:data:`pdgrpc.metrics.reasons.SAME_CAUSE`):
-    servers outside the decode machines (a prefill controller, the router) name it here."""
-
-    PEER_FAILURE = "peer_failure"  # the other process or its connection died (worker exit, transport peer gone)
-    REJECTED_WRITE = "rejected_write"  # the receiver rejected a write outside the pages/slot it advertised
-    DP_RANK_CONFLICT = "dp_rank_conflict"  # routed dp rank contradicts strict follow_bootstrap_room
-    PREFILL_ERROR = "prefill_error"  # the prefill failed or refused the request (seen by decode, router)
-    DECODE_ERROR = "decode_error"  # the decode failed or aborted the request (seen by prefill, router)
-    INTERNAL_ERROR = "internal_error"  # an unexpected exception here (engine failure, bug)
-    SHUTDOWN = "shutdown"  # the server stopped while the request was in flight
 
 
 class Outcome(str, enum.Enum):

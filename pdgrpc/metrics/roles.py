@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry
 
 from pdgrpc.metrics.catalog import Outcome, RequestState, Role
 from pdgrpc.metrics.families import Families, families_of
 from pdgrpc.metrics.live import SnapshotFn
-
-if TYPE_CHECKING:  # the bootstrap facade must not import pdgrpc.state
-    from pdgrpc.metrics.reasons import AnyAbortReason
+from pdgrpc.reasons import ABORT_REASON_LABELS, AnyAbortReason, abort_label
 
 __all__ = ["BootstrapMetrics", "DecodeMetrics", "PrefillMetrics", "RoleMetrics", "RouterMetrics"]
 
@@ -100,101 +97,85 @@ class RoleMetrics:
         self._fam.info.labels(self.role.value).info(dict(self._info_fields))
 
 
-class _RequestsMixin(RoleMetrics):
-    """Servers that see requests end: terminal states and aborts by reason."""
+class RequestCounters:
+    """Terminal states and aborts by reason, for a role that sees requests end."""
 
-    def _init_requests(self) -> None:
-        from pdgrpc.metrics import reasons  # pdgrpc.state.outcomes (torch-free): only servers that record aborts
-
-        role = self.role.value
-        requests = self._fam.counter("pdgrpc_requests_total")
-        self._finished = requests.labels(role, RequestState.FINISHED.value)
-        self._aborted = requests.labels(role, RequestState.ABORTED.value)
-        self._refused = requests.labels(role, RequestState.REFUSED.value)
-        aborts = self._fam.counter("pdgrpc_aborts_total")
-        self._aborts = {label: aborts.labels(role, label) for label in reasons.ABORT_REASON_LABELS}
-        self._abort_label: Callable[[AnyAbortReason], str] = reasons.abort_label
+    def __init__(self, fam: Families, role: Role) -> None:
+        requests = fam.counter("pdgrpc_requests_total")
+        self._finished = requests.labels(role.value, RequestState.FINISHED.value)
+        self._aborted = requests.labels(role.value, RequestState.ABORTED.value)
+        self._refused = requests.labels(role.value, RequestState.REFUSED.value)
+        aborts = fam.counter("pdgrpc_aborts_total")
+        self._aborts = {label: aborts.labels(role.value, label) for label in ABORT_REASON_LABELS}
 
     def on_finished(self) -> None:
-        """An admitted request completed normally on this server."""
         self._finished.inc()
 
     def on_refused(self) -> None:
-        """A request was turned away at admission, before it took any resource (invalid
-        argument, duplicate room, incompatible peer, shutting down)."""
         self._refused.inc()
 
     def on_abort(self, reason: AnyAbortReason) -> None:
-        """An admitted request ended without completing. Counts it as ``aborted`` and
-        under ``reason``; call it exactly once per request (where the request's end is
-        decided, not in every layer that sees the failure)."""
-        self._aborts[self._abort_label(reason)].inc()
+        self._aborts[abort_label(reason)].inc()
         self._aborted.inc()
 
 
-class _TransferMixin(_RequestsMixin):
-    def _init_transfer(self, transport: str) -> None:
+class TransferCounters:
+    """Bytes and latency of completed KV transfers over one transport backend."""
+
+    def __init__(self, fam: Families, role: Role, transport: str) -> None:
         if not isinstance(transport, str) or not _TRANSPORT.fullmatch(transport):
             raise ValueError(f"transport must be the backend's short name (e.g. 'tcp'), got {transport!r}")
-        self.transport = transport
-        self._bytes = self._fam.counter("pdgrpc_transfer_bytes_total").labels(self.role.value, transport)
-        self._latency = self._fam.histogram("pdgrpc_transfer_seconds").labels(self.role.value, transport)
-        self.set_info(transport=transport)
+        self._bytes = fam.counter("pdgrpc_transfer_bytes_total").labels(role.value, transport)
+        self._latency = fam.histogram("pdgrpc_transfer_seconds").labels(role.value, transport)
 
     def on_transfer(self, nbytes: int, seconds: float) -> None:
-        """One request's KV transfer completed: ``nbytes`` over the data plane (pages and
-        metadata row) in ``seconds``. A fake transfer moved no bytes: pass 0 bytes and it
-        still counts its latency."""
         self._bytes.inc(_count("nbytes", nbytes))
         self._latency.observe(_seconds("seconds", seconds))
 
 
-class _DpQueryMixin(RoleMetrics):
-    def _init_dp_queries(self) -> None:
-        role = self.role.value
-        queries = self._fam.counter("pdgrpc_dp_rank_queries_total")
-        self._query_ok = queries.labels(role, Outcome.OK.value)
-        self._query_error = queries.labels(role, Outcome.ERROR.value)
-        self._query_batch = self._fam.histogram("pdgrpc_dp_rank_query_batch_size").labels(role)
-        self._query_missing = self._fam.counter("pdgrpc_dp_rank_query_rooms_missing_total").labels(role)
+class BatchCalls:
+    """One batched bootstrap call kind (QueryDpRanks or RegisterDpRanks): calls by
+    outcome and batch sizes."""
 
-    def on_dp_rank_query(self, batch_size: int, *, missing: int = 0) -> None:
-        """A QueryDpRanks call for ``batch_size`` rooms succeeded; ``missing`` of them had
-        no entry yet."""
+    def __init__(self, fam: Families, role: Role, calls: str, batch_size: str) -> None:
+        counter = fam.counter(calls)
+        self._ok = counter.labels(role.value, Outcome.OK.value)
+        self._error = counter.labels(role.value, Outcome.ERROR.value)
+        self._batch = fam.histogram(batch_size).labels(role.value)
+
+    def on_ok(self, batch_size: int) -> None:
+        self._ok.inc()
+        self._batch.observe(_count("batch_size", batch_size))
+
+    def on_failed(self, batch_size: int) -> None:
+        self._error.inc()
+        self._batch.observe(_count("batch_size", batch_size))
+
+
+class DpQueryCounters:
+    """QueryDpRanks calls, their batch sizes, and rooms that had no entry yet."""
+
+    def __init__(self, fam: Families, role: Role) -> None:
+        self._calls = BatchCalls(fam, role, "pdgrpc_dp_rank_queries_total", "pdgrpc_dp_rank_query_batch_size")
+        self._missing = fam.counter("pdgrpc_dp_rank_query_rooms_missing_total").labels(role.value)
+
+    def on_query(self, batch_size: int, missing: int) -> None:
         _count("batch_size", batch_size)
         if not 0 <= _count("missing", missing) <= batch_size:
             raise ValueError(f"missing ({missing}) must be within [0, batch_size={batch_size}]")
-        self._query_ok.inc()
-        self._query_batch.observe(batch_size)
+        self._calls.on_ok(batch_size)
         if missing:
-            self._query_missing.inc(missing)
+            self._missing.inc(missing)
 
-    def on_dp_rank_query_failed(self, batch_size: int) -> None:
-        """A QueryDpRanks call for ``batch_size`` rooms failed (RPC error, invalid batch)."""
-        self._query_error.inc()
-        self._query_batch.observe(_count("batch_size", batch_size))
+    def on_failed(self, batch_size: int) -> None:
+        self._calls.on_failed(batch_size)
 
 
-class _DpRegisterMixin(RoleMetrics):
-    def _init_dp_registrations(self) -> None:
-        role = self.role.value
-        regs = self._fam.counter("pdgrpc_dp_rank_registrations_total")
-        self._reg_ok = regs.labels(role, Outcome.OK.value)
-        self._reg_error = regs.labels(role, Outcome.ERROR.value)
-        self._reg_batch = self._fam.histogram("pdgrpc_dp_rank_registration_batch_size").labels(role)
-
-    def on_dp_rank_registration(self, batch_size: int) -> None:
-        """A RegisterDpRanks call for ``batch_size`` rooms succeeded."""
-        self._reg_ok.inc()
-        self._reg_batch.observe(_count("batch_size", batch_size))
-
-    def on_dp_rank_registration_failed(self, batch_size: int) -> None:
-        """A RegisterDpRanks call for ``batch_size`` rooms failed (RPC error, conflict)."""
-        self._reg_error.inc()
-        self._reg_batch.observe(_count("batch_size", batch_size))
+def _registrations(fam: Families, role: Role) -> BatchCalls:
+    return BatchCalls(fam, role, "pdgrpc_dp_rank_registrations_total", "pdgrpc_dp_rank_registration_batch_size")
 
 
-class DecodeMetrics(_TransferMixin, _DpQueryMixin):
+class DecodeMetrics(RoleMetrics):
     """Decode server (one per TP rank process). Live: active requests, metadata slots,
     KV pages in use / quarantined / total, transport rooms (``bind(scheduler.stats)``)."""
 
@@ -202,12 +183,44 @@ class DecodeMetrics(_TransferMixin, _DpQueryMixin):
 
     def __init__(self, registry: CollectorRegistry | None = None, *, transport: str) -> None:
         super().__init__(registry)
-        self._init_requests()
-        self._init_transfer(transport)
-        self._init_dp_queries()
+        self._requests = RequestCounters(self._fam, self.role)
+        self._transfers = TransferCounters(self._fam, self.role, transport)
+        self._queries = DpQueryCounters(self._fam, self.role)
+        self.transport = transport
+        self.set_info(transport=transport)
+
+    def on_finished(self) -> None:
+        """An admitted request completed normally on this server."""
+        self._requests.on_finished()
+
+    def on_refused(self) -> None:
+        """A request was turned away at admission, before it took any resource (invalid
+        argument, duplicate room, incompatible peer, shutting down)."""
+        self._requests.on_refused()
+
+    def on_abort(self, reason: AnyAbortReason) -> None:
+        """An admitted request ended without completing. Counts it as ``aborted`` and
+        under ``reason``; call it exactly once per request (where the request's end is
+        decided, not in every layer that sees the failure)."""
+        self._requests.on_abort(reason)
+
+    def on_transfer(self, nbytes: int, seconds: float) -> None:
+        """One request's KV transfer completed: ``nbytes`` over the data plane (pages and
+        metadata row) in ``seconds``. A fake transfer moved no bytes: pass 0 bytes and it
+        still counts its latency."""
+        self._transfers.on_transfer(nbytes, seconds)
+
+    def on_dp_rank_query(self, batch_size: int, *, missing: int = 0) -> None:
+        """A QueryDpRanks call for ``batch_size`` rooms succeeded; ``missing`` of them had
+        no entry yet."""
+        self._queries.on_query(batch_size, missing)
+
+    def on_dp_rank_query_failed(self, batch_size: int) -> None:
+        """A QueryDpRanks call for ``batch_size`` rooms failed (RPC error, invalid batch)."""
+        self._queries.on_failed(batch_size)
 
 
-class PrefillMetrics(_TransferMixin, _DpRegisterMixin):
+class PrefillMetrics(RoleMetrics):
     """Prefill: the DP controller (dispatch, registrations, requests that end in the
     controller) and each worker process (pages, transfers, requests it ran), each with
     its own endpoint. Live (workers): active requests, KV pages, transport rooms
@@ -217,12 +230,38 @@ class PrefillMetrics(_TransferMixin, _DpRegisterMixin):
 
     def __init__(self, registry: CollectorRegistry | None = None, *, transport: str) -> None:
         super().__init__(registry)
-        self._init_requests()
-        self._init_transfer(transport)
-        self._init_dp_registrations()
+        self._requests = RequestCounters(self._fam, self.role)
+        self._transfers = TransferCounters(self._fam, self.role, transport)
+        self._registrations = _registrations(self._fam, self.role)
+        self.transport = transport
+        self.set_info(transport=transport)
+
+    def on_finished(self) -> None:
+        """An admitted request completed normally on this server."""
+        self._requests.on_finished()
+
+    def on_refused(self) -> None:
+        """A request was turned away at admission, before it took any resource."""
+        self._requests.on_refused()
+
+    def on_abort(self, reason: AnyAbortReason) -> None:
+        """An admitted request ended without completing (see :meth:`DecodeMetrics.on_abort`)."""
+        self._requests.on_abort(reason)
+
+    def on_transfer(self, nbytes: int, seconds: float) -> None:
+        """One request's KV transfer completed: ``nbytes`` in ``seconds``."""
+        self._transfers.on_transfer(nbytes, seconds)
+
+    def on_dp_rank_registration(self, batch_size: int) -> None:
+        """A RegisterDpRanks call for ``batch_size`` rooms succeeded."""
+        self._registrations.on_ok(batch_size)
+
+    def on_dp_rank_registration_failed(self, batch_size: int) -> None:
+        """A RegisterDpRanks call for ``batch_size`` rooms failed (RPC error, conflict)."""
+        self._registrations.on_failed(batch_size)
 
 
-class BootstrapMetrics(_DpQueryMixin, _DpRegisterMixin):
+class BootstrapMetrics(RoleMetrics):
     """Bootstrap service (standalone, or embedded in a prefill controller's registry).
     Live: table size, capacity, expired and evicted rooms (``bind_table``)."""
 
@@ -230,8 +269,25 @@ class BootstrapMetrics(_DpQueryMixin, _DpRegisterMixin):
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         super().__init__(registry)
-        self._init_dp_queries()
-        self._init_dp_registrations()
+        self._queries = DpQueryCounters(self._fam, self.role)
+        self._registrations = _registrations(self._fam, self.role)
+
+    def on_dp_rank_query(self, batch_size: int, *, missing: int = 0) -> None:
+        """A QueryDpRanks call for ``batch_size`` rooms was answered; ``missing`` of them
+        had no entry yet."""
+        self._queries.on_query(batch_size, missing)
+
+    def on_dp_rank_query_failed(self, batch_size: int) -> None:
+        """A QueryDpRanks call for ``batch_size`` rooms failed (invalid batch)."""
+        self._queries.on_failed(batch_size)
+
+    def on_dp_rank_registration(self, batch_size: int) -> None:
+        """A RegisterDpRanks call for ``batch_size`` rooms succeeded."""
+        self._registrations.on_ok(batch_size)
+
+    def on_dp_rank_registration_failed(self, batch_size: int) -> None:
+        """A RegisterDpRanks call for ``batch_size`` rooms failed (conflict)."""
+        self._registrations.on_failed(batch_size)
 
     def bind_table(self, stats: SnapshotFn) -> None:
         """``stats`` returns the room table's :class:`~pdgrpc.bootstrap.table.TableStats`
@@ -239,18 +295,30 @@ class BootstrapMetrics(_DpQueryMixin, _DpRegisterMixin):
         self.bind(stats)
 
 
-class RouterMetrics(_RequestsMixin):
+class RouterMetrics(RoleMetrics):
     """Router. Live: active requests (``bind(lambda: {"active_requests": servicer.active})``)."""
 
     role = Role.ROUTER
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         super().__init__(registry)
-        self._init_requests()
+        self._requests = RequestCounters(self._fam, self.role)
         self._ttft = self._fam.histogram("pdgrpc_time_to_first_token_seconds").labels(self.role.value)
         self._tokens = self._fam.counter("pdgrpc_output_tokens_total").labels(self.role.value)
         self._retries = self._fam.counter("pdgrpc_retries_total").labels(self.role.value)
         self._ejections = self._fam.counter("pdgrpc_ejections_total").labels(self.role.value)
+
+    def on_finished(self) -> None:
+        """A request completed normally."""
+        self._requests.on_finished()
+
+    def on_refused(self) -> None:
+        """A request was turned away at admission."""
+        self._requests.on_refused()
+
+    def on_abort(self, reason: AnyAbortReason) -> None:
+        """A request ended without completing (see :meth:`DecodeMetrics.on_abort`)."""
+        self._requests.on_abort(reason)
 
     def on_retry(self) -> None:
         """A request went again to another prefill or decode after its call to one failed

@@ -28,7 +28,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Iterable
 
-from pdgrpc.errors import ConfigError
+from pdgrpc.errors import BadDescriptor, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -95,8 +95,6 @@ def negotiate(local: MemoryProfile, peer: MemoryProfile, peer_name: str) -> str:
 
 def check_peer_memory(peer: MemoryProfile, peer_name: str) -> None:
     """The peer half of :func:`negotiate`: what a descriptor may say about its memory."""
-    from pdgrpc.transport.regions import BadDescriptor
-
     unknown = sorted((peer.kinds | peer.moves) - _KNOWN)
     if unknown:
         raise BadDescriptor(

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from pdgrpc.errors import UnauthorizedWrite
+from pdgrpc.errors import ConfigError, Refusal, UnauthorizedWrite
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport.regions import RegionInfo, RegionKind
 from pdgrpc.transport.rooms import RoomStates, after_reactions
@@ -53,28 +53,6 @@ class MessageType(enum.IntEnum):
     CHALLENGE = 9  # receiver -> sender, first on a connection: the nonce its HELLO must answer
 
 
-class Refusal(enum.IntEnum):
-    """Why a receiver refused a write. The value travels in ``NACK`` (0: the room failed
-    at the receiver for another reason, not a refused write)."""
-
-    UNKNOWN_ROOM = 1  # never advertised, or already released
-    ROOM_CLOSED = 2  # the room is already terminal (row landed, or failed)
-    UNKNOWN_REGION = 3  # destination region not registered here
-    WRONG_KIND = 4  # page bytes into a metadata region, or a row into a KV region
-    OUTSIDE_REGION = 5  # bytes past the region's end (or an empty / negative range)
-    OUTSIDE_GRANT = 6  # a page the room was not granted
-    WRONG_SLOT = 7  # a metadata slot the room was not granted (or none was)
-    MALFORMED = 8  # a second row, or a row whose size disagrees with its header
-    BYTE_COUNT = 9  # more KV bytes landed than announced before the row, or written than granted
-
-    @classmethod
-    def from_code(cls, code: int) -> "Refusal | None":
-        try:
-            return cls(code)
-        except ValueError:
-            return None
-
-
 @dataclasses.dataclass(frozen=True)
 class RoomGrant:
     """What a receiver allows for one room: these page indices in every KV region and
@@ -87,8 +65,6 @@ class RoomGrant:
 
     @classmethod
     def of(cls, room: int, pages: Iterable[int], slot: int | None = None) -> "RoomGrant":
-        from pdgrpc.errors import ConfigError
-
         ps = tuple(sorted(set(int(p) for p in pages)))
         if ps and ps[0] < 0:
             raise ConfigError(f"RoomGrant.pages must be >= 0, got {ps[0]}")
@@ -273,8 +249,6 @@ class Receiver:
         self.regions.add(info)
 
     def advertise(self, grant: RoomGrant) -> ReceiveRoom:
-        from pdgrpc.errors import ConfigError
-
         if grant.room in self._open or grant.room in self.rooms:
             raise ConfigError(f"room {grant.room} is already in use by this transport; release it first")
         page_bytes = sum(i.item_bytes for i in self.regions.infos.values() if i.kind is RegionKind.KV)

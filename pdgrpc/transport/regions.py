@@ -9,7 +9,8 @@ import enum
 import functools
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple, Sequence
 
-from pdgrpc.errors import TransportError
+from pdgrpc.errors import BadDescriptor, ConfigError
+from pdgrpc.transport.memkind import memory_kind
 
 if TYPE_CHECKING:  # torch is a runtime dependency, but keep this module cheap to import
     import torch
@@ -17,10 +18,6 @@ if TYPE_CHECKING:  # torch is a runtime dependency, but keep this module cheap t
 __all__ = ["BadDescriptor", "MemoryRegion", "RegionInfo", "RegionKind", "WriteOp", "WriteOps", "check_source_ops"]
 
 _MAX_REGION_ID = 0xFFFF  # region ids fit 16 bits so backends can use fixed headers
-
-
-class BadDescriptor(TransportError):
-    """A peer descriptor could not be parsed or is inconsistent (untrusted input)."""
 
 
 class RegionKind(str, enum.Enum):
@@ -78,8 +75,6 @@ class MemoryRegion:
     name: str = ""
 
     def __post_init__(self) -> None:
-        from pdgrpc.errors import ConfigError
-
         if not 0 <= self.region_id <= _MAX_REGION_ID:
             raise ConfigError(f"MemoryRegion.region_id must be in [0, {_MAX_REGION_ID}], got {self.region_id}")
         if self.tensor.dim() < 1 or self.tensor.shape[0] < 1:
@@ -106,7 +101,6 @@ class MemoryRegion:
     @functools.cached_property
     def memory(self) -> str:
         """``"host"`` or ``"cuda"`` (:func:`pdgrpc.transport.memkind.memory_kind`)."""
-        from pdgrpc.transport.memkind import memory_kind
 
         return memory_kind(self.tensor).value
 
@@ -177,8 +171,6 @@ class WriteOps(Sequence[WriteOp]):
 def check_source_ops(ops: Iterable[WriteOp], regions: "Mapping[int, MemoryRegion | RegionInfo]") -> None:
     """Raise :class:`~pdgrpc.errors.ConfigError` naming the field if an op's source
     side is not inside a registered local region (a caller bug, not a peer's fault)."""
-    from pdgrpc.errors import ConfigError
-
     if isinstance(ops, WriteOps):  # vectorised: one pass over a size table, first offender reported
         import numpy as np
 

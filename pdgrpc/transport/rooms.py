@@ -9,13 +9,10 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
-from pdgrpc.errors import TransportError
+from pdgrpc.errors import Refusal, TransportError
 from pdgrpc.kvpoll import KVPoll
-
-if TYPE_CHECKING:
-    from pdgrpc.transport.receiver import Refusal
 
 log = logging.getLogger("pdgrpc.transport.base")
 
@@ -36,7 +33,7 @@ class RoomStatus:
 
     state: KVPoll
     reason: str | None = None
-    refusal: "Refusal | None" = None
+    refusal: Refusal | None = None
     peer_lost: bool = False
 
 
@@ -114,7 +111,7 @@ class RoomStates:
         return self._started.get(room)
 
     def set(
-        self, room: int, state: KVPoll, reason: str | None = None, refusal: "Refusal | None" = None, *, peer_lost: bool = False
+        self, room: int, state: KVPoll, reason: str | None = None, refusal: Refusal | None = None, *, peer_lost: bool = False
     ) -> bool:
         """Move ``room`` to ``state`` if that is forward (or FAILED). Returns whether
         the state changed. Untracked rooms are ignored (released rooms stay released)."""
@@ -136,7 +133,7 @@ class RoomStates:
                     log.exception("room %d: terminal-state listener %r failed", room, callback)
         return True
 
-    def fail(self, room: int, reason: str, refusal: "Refusal | None" = None, *, peer_lost: bool = False) -> bool:
+    def fail(self, room: int, reason: str, refusal: Refusal | None = None, *, peer_lost: bool = False) -> bool:
         """Fail ``room`` (see :meth:`set`); ``peer_lost``: because its peer is gone
         (:attr:`RoomStatus.peer_lost`)."""
         return self.set(room, KVPoll.FAILED, reason, refusal, peer_lost=peer_lost)

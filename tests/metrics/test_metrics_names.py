@@ -21,7 +21,7 @@ from pdgrpc.metrics import (
     markdown_table,
 )
 from pdgrpc.metrics.catalog import LABEL_NAMES
-from pdgrpc.metrics.reasons import ABORT_REASON_LABELS, SAME_CAUSE, abort_label
+from pdgrpc.reasons import ABORT_REASON_LABELS, SAME_CAUSE, abort_label
 from pdgrpc.state import AbortReason
 
 from pdgrpc.metrics import Scrape

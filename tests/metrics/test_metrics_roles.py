@@ -11,7 +11,7 @@ import pytest
 from pdgrpc.bootstrap.errors import RoomTableFull
 from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.metrics import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RouterMetrics, ServerAbortReason
-from pdgrpc.metrics.reasons import ABORT_REASON_LABELS
+from pdgrpc.reasons import ABORT_REASON_LABELS
 from pdgrpc.state import AbortReason, NewRequest
 from pdgrpc.v1 import common_pb2
 
