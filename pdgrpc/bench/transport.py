@@ -18,7 +18,7 @@ region, half a page each). GB/s counts the bytes actually moved (half the contig
 case's); the row ``head-sliced vs whole-page`` compares it with the contiguous case.
 
 Memory: both sides' regions are in transparent huge pages
-(:func:`~pdgrpc.transport.memory.host_zeros`, what an engine started with
+(:func:`~pdgrpc.engine.memory.host_zeros`, what an engine started with
 ``--kv-huge-pages`` registers); ``--no-huge-pages`` puts them in ordinary pages. Over
 rdma this matters: UCX's one-copy shared-memory path pins both buffers page by page.
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from pdgrpc.engine import exact
+import pdgrpc.engine.exact as exact
 from pdgrpc.engine.tokenizer import EOS_ID, VOCAB_SIZE
 from pdgrpc.errors import ConfigError
 

@@ -111,7 +111,7 @@ from typing import Any, Awaitable, Callable, ClassVar, Sequence
 
 from pdgrpc.errors import PeerFailure
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.transport import peerauth
+import pdgrpc.transport.peerauth as peerauth
 from pdgrpc.transport.descriptor import DESCRIPTOR_VERSION, Descriptor, Peer
 from pdgrpc.transport.receiver import Refusal, RoomGrant
 from pdgrpc.transport.regions import (
