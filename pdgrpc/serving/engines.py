@@ -20,34 +20,16 @@ from typing import TYPE_CHECKING
 from pdgrpc.engine.base import Engine, Tokenizer
 from pdgrpc.engine.model import AllReduce
 from pdgrpc.errors import ConfigError
+from pdgrpc.serving.flags import engine_config_from_args
 
 if TYPE_CHECKING:
     from pdgrpc.engine.hf.engine import HFEngineConfig
 
 __all__ = [
-    "add_model_arguments", "build_engine", "check_engine_args", "hf_config_from_args", "served_tokenizer", "uses_checkpoint",
+    "build_engine", "check_engine_args", "hf_config_from_args", "served_tokenizer", "uses_checkpoint",
 ]
 
 log = logging.getLogger("pdgrpc.serving")
-
-
-def add_model_arguments(g: argparse._ArgumentGroup) -> None:
-    """``--model``, ``--dtype``, ``--device`` (part of the engine flags)."""
-    g.add_argument(
-        "--model", metavar="PATH", default="",
-        help="serve a Hugging Face checkpoint from this local directory (config.json, *.safetensors, tokenizer.json; "
-        "Llama, Mistral, Qwen2, Qwen3) instead of the reference engine. Needs pdgrpc[hf]. Default: the reference engine",
-    )
-    g.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-        help="with --model: dtype of the weights, activations and KV pool (bytes per parameter: 4, 2, 2). "
-        "Default: %(default)s",
-    )
-    g.add_argument(
-        "--device", default="cpu",
-        help="torch device of the weights, compute and KV pool: cpu, cuda or cuda:N (metadata rows stay in host "
-        "memory; see docs/gpu.md). Default: %(default)s",
-    )
 
 
 def uses_checkpoint(ns: argparse.Namespace) -> bool:
@@ -85,8 +67,6 @@ def check_engine_args(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
 
         check_checkpoint(hf_config_from_args(ns, tp_size=tp_size))
     else:
-        from pdgrpc.serving.flags import engine_config_from_args
-
         engine_config_from_args(ns, tp_size=tp_size)
 
 
@@ -105,6 +85,5 @@ def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, 
         log.info("engine: %s (%s, %s)", engine.model_id, ns.dtype, ns.device)
         return engine
     from pdgrpc.engine.reference import ReferenceEngine
-    from pdgrpc.serving.flags import engine_config_from_args
 
     return ReferenceEngine(engine_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size), all_reduce)

@@ -29,7 +29,6 @@ from pdgrpc.engine.malloc import keep_freed_memory
 from pdgrpc.engine.model import ModelConfig
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
 from pdgrpc.engine.reference import EngineConfig
-from pdgrpc.serving.engines import add_model_arguments
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 
@@ -125,6 +124,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="most tokens (prompt + generated) one request may reach. Default: %(default)s",
     )
     add_model_arguments(g)
+
+
+def add_model_arguments(g: argparse._ArgumentGroup) -> None:
+    """``--model``, ``--dtype``, ``--device`` (part of the engine flags)."""
+    g.add_argument(
+        "--model", metavar="PATH", default="",
+        help="serve a Hugging Face checkpoint from this local directory (config.json, *.safetensors, tokenizer.json; "
+        "Llama, Mistral, Qwen2, Qwen3) instead of the reference engine. Needs pdgrpc[hf]. Default: the reference engine",
+    )
+    g.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+        help="with --model: dtype of the weights, activations and KV pool (bytes per parameter: 4, 2, 2). "
+        "Default: %(default)s",
+    )
+    g.add_argument(
+        "--device", default="cpu",
+        help="torch device of the weights, compute and KV pool: cpu, cuda or cuda:N (metadata rows stay in host "
+        "memory; see docs/gpu.md). Default: %(default)s",
+    )
 
 
 def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1) -> EngineConfig:
