@@ -64,7 +64,7 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from pdgrpc.cluster.credentials import ClusterCredentials
-from pdgrpc.cluster.errors import ChildDied, ClusterError
+from pdgrpc.cluster.errors import ClusterError
 from pdgrpc.cluster.hosts import HostMap, discovery_flags, hosts_from_env, place
 from pdgrpc.cluster.ports import HOST, METRICS_ROLES, free_port, free_port_block, metrics_children
 from pdgrpc.cluster.smg import readiness, smg_argv
@@ -128,6 +128,17 @@ class Proc:
         except OSError as exc:
             return f"(no log: {exc})"
         return "\n".join(text.splitlines()[-lines:])
+
+
+class ChildDied(ClusterError):
+    """A cluster process exited while the cluster was meant to run."""
+
+    def __init__(self, proc: Proc) -> None:
+        self.proc = proc
+        super().__init__(
+            f"{proc.spec.role} process {proc.spec.name!r} (pid {proc.pid}) exited with code {proc.returncode}; "
+            f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+        )
 
 
 class Cluster:

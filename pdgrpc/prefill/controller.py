@@ -265,8 +265,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
 
     # ---- workers ----------------------------------------------------------------------
 
-    async def _spawn(self, rank: int, tp: int, dist: list[str]) -> WorkerHandle:
-        """Start one worker process (not yet ready: see :meth:`_await_ready`)."""
+    async def spawn(self, rank: int, tp: int, dist: list[str]) -> WorkerHandle:
+        """Start one worker process (not yet ready: see :meth:`await_ready`)."""
         tp_size = getattr(self.ns, "tp_size", 1)
         argv = [
             sys.executable, "-m", "pdgrpc.prefill.worker_main",
@@ -305,11 +305,11 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             dist = ["--dist-init", dist_init_method()] if tp_size > 1 else []
             group: list[WorkerHandle] = []
             for tp in range(tp_size):
-                w = await self._spawn(rank, tp, dist)
+                w = await self.spawn(rank, tp, dist)
                 group.append(w)
                 self.workers.append(w)
             self.groups.append(group)
-        tasks = [asyncio.ensure_future(self._await_ready(w)) for w in self.workers]
+        tasks = [asyncio.ensure_future(self.await_ready(w)) for w in self.workers]
         try:
             done, pending = await asyncio.wait(tasks, timeout=self.ns.worker_start_timeout, return_when=asyncio.FIRST_EXCEPTION)
         finally:
@@ -343,7 +343,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             return []
         return ["--metrics-port", str(port), "--metrics-host", self.ns.metrics_host]
 
-    async def _await_ready(self, w: WorkerHandle) -> None:
+    async def await_ready(self, w: WorkerHandle) -> None:
         assert w.proc.stdout is not None
         while True:
             line = await w.proc.stdout.readline()

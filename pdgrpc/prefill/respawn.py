@@ -14,16 +14,14 @@ again, requests for its rank fail with UNAVAILABLE naming a dead worker.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from pdgrpc.serving.rendezvous import dist_init_method
 
-if TYPE_CHECKING:
-    from pdgrpc.prefill.controller import Controller, WorkerHandle
-
-__all__ = ["FIRST_DELAY_S", "restart_group"]
+__all__ = ["FIRST_DELAY_S", "Worker", "WorkerGroups", "restart_group"]
 
 log = logging.getLogger("pdgrpc.prefill")
 
@@ -31,7 +29,42 @@ FIRST_DELAY_S = 0.5
 _EXIT_HANDLED_S = 10.0  # bound on waiting for the controller to handle a killed worker's exit
 
 
-async def restart_group(ctl: Controller, rank: int) -> None:
+class _Link(Protocol):
+    def close_socket(self) -> None: ...
+
+
+class Worker(Protocol):
+    """One worker process as the controller tracks it."""
+
+    @property
+    def proc(self) -> asyncio.subprocess.Process: ...
+    @property
+    def gone(self) -> asyncio.Event: ...  # set once the controller handled its exit
+    @property
+    def name(self) -> str: ...
+    @property
+    def link(self) -> _Link | None: ...
+
+
+W = TypeVar("W", bound=Worker)
+
+
+class WorkerGroups(Protocol[W]):
+    """What :func:`restart_group` needs from the controller: its workers, dp-major and by
+    group, and how to start, await and watch one."""
+
+    ns: argparse.Namespace  # --worker-respawn-max-backoff, --worker-start-timeout
+    workers: list[W]
+    groups: list[list[W]]
+
+    @property
+    def stopping(self) -> bool: ...
+    async def spawn(self, rank: int, tp: int, dist: list[str]) -> W: ...
+    async def await_ready(self, w: W) -> None: ...
+    def watch(self, workers: list[W]) -> None: ...
+
+
+async def restart_group(ctl: WorkerGroups[W], rank: int) -> None:
     """Start dp rank ``rank``'s workers again (see the module doc); returns once they serve,
     or when the controller stops."""
     old = list(ctl.groups[rank])
@@ -54,12 +87,12 @@ async def restart_group(ctl: Controller, rank: int) -> None:
             return
         what = f"dp rank {rank}" + (f" ({tp_size} tp ranks)" if tp_size > 1 else "")
         log.warning("prefill %s: starting it again (attempt %d)", what, attempt)
-        new: list[WorkerHandle] = []
+        new: list[W] = []
         try:
             dist = ["--dist-init", dist_init_method()] if tp_size > 1 else []
             for tp in range(tp_size):
-                new.append(await ctl._spawn(rank, tp, dist))
-            await asyncio.wait_for(asyncio.gather(*(ctl._await_ready(w) for w in new)), ctl.ns.worker_start_timeout)
+                new.append(await ctl.spawn(rank, tp, dist))
+            await asyncio.wait_for(asyncio.gather(*(ctl.await_ready(w) for w in new)), ctl.ns.worker_start_timeout)
         except (Exception, asyncio.TimeoutError) as exc:
             log.error("prefill %s did not start again: %s; next try in %.1f s", what, str(exc) or type(exc).__name__, min(delay * 2, cap))
             await _discard(new)
@@ -79,7 +112,7 @@ async def restart_group(ctl: Controller, rank: int) -> None:
         return
 
 
-async def _discard(workers: list[WorkerHandle]) -> None:
+async def _discard(workers: list[W]) -> None:
     """Kill and reap workers that never joined the instance."""
     for w in workers:
         if w.proc.returncode is None:
