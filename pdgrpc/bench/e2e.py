@@ -16,6 +16,11 @@ and prefill chunk size everywhere. Then:
   Target: p50 overhead < 5 ms for 512-token prompts over rdma on loopback.
 * **tokens/s**: ``--throughput-requests`` requests, ``--concurrency`` in flight, each
   generating exactly ``--max-new-tokens`` tokens; generated tokens / wall time.
+* **where the TTFT goes**: every disaggregated server traces (``--trace file:DIR``, one
+  file per process) only the requests whose ``traceparent`` says so
+  (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with each
+  measured TTFT request. ``span_p50_ms/<hop>`` is the p50 of that hop's span over those
+  requests (:mod:`pdgrpc.rpc.tracing` names the hops), so every run shows the breakdown.
 
 With ``--security plain,tls`` (any of ``plain``, ``tls``, ``token``, ``tls+token``) each
 transport's cluster runs once per mode, side by side in the same run: ``tls`` is
@@ -36,8 +41,13 @@ import contextlib
 import dataclasses
 import os
 import random
+import secrets
+import shutil
 import statistics
+import tempfile
 import time
+from collections import defaultdict
+from pathlib import Path
 
 from pdgrpc.bench._cuda_baseline import resolve_bench_device
 from pdgrpc.bench.report import Result
@@ -46,6 +56,7 @@ from pdgrpc.cluster.launcher import Cluster
 from pdgrpc.cluster.topology import Topology, load_topology
 from pdgrpc.errors import PdgrpcError, TransportUnavailable
 from pdgrpc.rpc.server import run as run_loop
+from pdgrpc.rpc.tracing import read_spans
 from pdgrpc.transport import registry
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 
@@ -97,7 +108,17 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-async def _ttft(stubs: dict[str, GenerateServiceStub], prompts: list[list[int]], warmup: int, rng: random.Random) -> dict[str, list[Completion]]:
+def _trace_env(directory: Path) -> dict[str, str]:
+    """Environment of a traced cluster: spans as JSON lines under ``directory``, only of
+    requests whose ``traceparent`` asks for it, leaving the processes in batches."""
+    return {"PDGRPC_TRACE": f"file:{directory}", "OTEL_TRACES_SAMPLER": "parentbased_always_off", "OTEL_BSP_SCHEDULE_DELAY": "500"}
+
+
+async def _ttft(
+    stubs: dict[str, GenerateServiceStub], prompts: list[list[int]], warmup: int, rng: random.Random,
+    traced: dict[str, list[str]],
+) -> dict[str, list[Completion]]:
+    """The measured requests of each system; a system in ``traced`` gets its trace ids."""
     out: dict[str, list[Completion]] = {name: [] for name in stubs}
     names = list(stubs)
     for i, ids in enumerate(prompts):
@@ -106,10 +127,27 @@ async def _ttft(stubs: dict[str, GenerateServiceStub], prompts: list[list[int]],
         # fixed order one system would always follow the busiest.
         rng.shuffle(names)
         for name in names:
-            c = await generate(stubs[name], input_ids=ids, max_new_tokens=2, timeout=60)
+            metadata = None
+            if i >= warmup and name in traced:  # a sampled trace of the bench's own
+                trace_id = secrets.token_hex(16)
+                traced[name].append(trace_id)
+                metadata = (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
+            c = await generate(stubs[name], input_ids=ids, max_new_tokens=2, timeout=60, metadata=metadata)
             if i >= warmup:
                 out[name].append(c)
     return out
+
+
+def span_p50s(spans: list[dict], trace_ids: list[str]) -> dict[str, float]:
+    """Per span name, the p50 over the traces ``trace_ids`` of its duration in ms (the
+    longest, where a trace holds several: tp ranks run in parallel)."""
+    wanted = set(trace_ids)
+    per: dict[str, dict[str, float]] = defaultdict(dict)
+    for s in spans:
+        if s["trace_id"] in wanted:
+            ms = (s["end_ns"] - s["start_ns"]) / 1e6
+            per[s["name"]][s["trace_id"]] = max(ms, per[s["name"]].get(s["trace_id"], 0.0))
+    return {name: _pct(list(d.values()), 0.5) for name, d in sorted(per.items())}
 
 
 async def _throughput(stub: GenerateServiceStub, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[float, int]:
@@ -150,34 +188,43 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     device = getattr(args, "device", "cpu")
     topology = _on_device(load_topology(args.topology), device)
     systems: dict[str, Cluster] = {BASELINE: Cluster(_on_device(load_topology("colocated"), device))}
+    spans_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-bench-spans-"))
     for t in transports:
         for mode in modes:
             tls, token = _SECURITY[mode]
-            suffix = "" if mode == "plain" else f"+{mode}"
-            systems[f"{topology.name}-{t}{suffix}"] = Cluster(topology, transport=t, tls=tls, auth_token=token)
+            name = f"{topology.name}-{t}" + ("" if mode == "plain" else f"+{mode}")
+            systems[name] = Cluster(topology, transport=t, tls=tls, auth_token=token, extra_env=_trace_env(spans_dir / name))
         if args.baseline_tree:
-            systems[f"{topology.name}-{t}@baseline"] = Cluster(topology, transport=t, extra_env=_tree_env(args.baseline_tree))
+            name = f"{topology.name}-{t}@baseline"
+            env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
+            systems[name] = Cluster(topology, transport=t, extra_env=env)
+    traced: dict[str, list[str]] = {name: [] for name in systems if name != BASELINE}
     rng = random.Random(args.seed)
     ttft_prompts = _prompts(args.warmup + args.ttft_requests, args.prompt_tokens, rng)
     tput_prompts = _prompts(args.throughput_requests, args.throughput_prompt_tokens, rng)
 
-    async with contextlib.AsyncExitStack() as stack:
-        print(f"starting {', '.join(systems)} ...", flush=True)
-        await asyncio.gather(*(stack.enter_async_context(c) for c in systems.values()))
-        channels = {n: await stack.enter_async_context(c.client_channel()) for n, c in systems.items()}
-        stubs = {n: GenerateServiceStub(ch) for n, ch in channels.items()}
-        print(f"measuring TTFT: {args.ttft_requests} x {args.prompt_tokens}-token prompts per system ...", flush=True)
-        ttft = await _ttft(stubs, ttft_prompts, args.warmup, rng)
-        base_ids = [c.token_ids for c in ttft[BASELINE]]
-        for name, done in ttft.items():
-            if [c.token_ids for c in done] != base_ids:
-                raise PdgrpcError(f"{name}: outputs differ from colocated generation; not reporting its numbers")
-        tput: dict[str, tuple[float, int]] = {}
-        for name, stub in stubs.items():
-            print(f"measuring tokens/s on {name}: {args.throughput_requests} requests, {args.concurrency} in flight ...", flush=True)
-            tput[name] = await _throughput(stub, tput_prompts, args.max_new_tokens, args.concurrency)
-        for c in systems.values():
-            c.check()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            print(f"starting {', '.join(systems)} ...", flush=True)
+            await asyncio.gather(*(stack.enter_async_context(c) for c in systems.values()))
+            channels = {n: await stack.enter_async_context(c.client_channel()) for n, c in systems.items()}
+            stubs = {n: GenerateServiceStub(ch) for n, ch in channels.items()}
+            print(f"measuring TTFT: {args.ttft_requests} x {args.prompt_tokens}-token prompts per system ...", flush=True)
+            ttft = await _ttft(stubs, ttft_prompts, args.warmup, rng, traced)
+            base_ids = [c.token_ids for c in ttft[BASELINE]]
+            for name, done in ttft.items():
+                if [c.token_ids for c in done] != base_ids:
+                    raise PdgrpcError(f"{name}: outputs differ from colocated generation; not reporting its numbers")
+            tput: dict[str, tuple[float, int]] = {}
+            for name, stub in stubs.items():
+                print(f"measuring tokens/s on {name}: {args.throughput_requests} requests, {args.concurrency} in flight ...", flush=True)
+                tput[name] = await _throughput(stub, tput_prompts, args.max_new_tokens, args.concurrency)
+            for c in systems.values():
+                c.check()
+        # Read once the clusters stopped: a server exports what it still holds as it exits.
+        hops = {name: span_p50s(list(read_spans(spans_dir / name)), ids) for name, ids in traced.items()}
+    finally:
+        shutil.rmtree(spans_dir, ignore_errors=True)
 
     results: list[Result] = []
     base_p50 = _pct([c.client_ttft_seconds for c in ttft[BASELINE]], 0.5) * 1e3
@@ -214,6 +261,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"{case_ttft}/{name}", "kv_rate_data_plane_p50", gbps, "GB/s"),
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
+        results += [Result(f"{case_ttft}/{name}", f"span_p50_ms/{hop}", ms, "ms") for hop, ms in hops[name].items()]
         plain = name.split("+", 1)[0]
         if plain != name and plain in ttft:  # a secured system: against its plaintext twin
             plain_p50 = _pct([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3

@@ -53,8 +53,10 @@ async def generate(
     routed_dp_rank: int | None = None,
     request_id: str = "",
     timeout: float | None = 120.0,
+    metadata: Sequence[tuple[str, str]] | None = None,
 ) -> Completion:
-    """Run one Generate to the end; raises ``grpc.aio.AioRpcError`` on failure."""
+    """Run one Generate to the end; raises ``grpc.aio.AioRpcError`` on failure. ``metadata``:
+    sent with the call (a W3C ``traceparent`` makes the request's spans part of that trace)."""
     request = generate_pb2.GenerateRequest(
         prompt=prompt,
         input_ids=list(input_ids),
@@ -73,7 +75,7 @@ async def generate(
     finish = ""
     first = None
     count = 0
-    async for msg in stub.Generate(request, timeout=timeout):
+    async for msg in stub.Generate(request, timeout=timeout, metadata=metadata):
         if first is None:
             first, first_at = msg, time.perf_counter()
         ids += msg.token_ids

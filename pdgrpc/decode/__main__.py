@@ -21,6 +21,7 @@ from pdgrpc.rpc.security import install_from_args  # noqa: E402
 from pdgrpc.gateway import decode_service  # noqa: E402
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal  # noqa: E402
+from pdgrpc.rpc.tracing import setup_tracing  # noqa: E402
 from pdgrpc.serving.rendezvous import dist_init_method  # noqa: E402
 from pdgrpc.serving import create_transport, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.engines import build_engine, check_engine_args  # noqa: E402
@@ -142,6 +143,7 @@ def cli(argv: list[str] | None = None) -> int:
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # the other TP ranks get the same flags
     install_from_args(parser, ns)
     setup_logging(ns.log_level, "decode")
+    setup_tracing(ns.trace, "decode")
     tune_malloc_from_args(ns)
     try:
         check_discovery_args(ns)

@@ -14,6 +14,7 @@ from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 from pdgrpc.rpc.open_calls import limit_arg
 from pdgrpc.rpc.security import add_security_arguments
+from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.state import DecodeDeadlines
 
 __all__ = ["DESCRIPTION", "build_parser", "scheduler_config_from_args"]
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_metrics_arguments(p)
     add_logging_arguments(p)
+    add_tracing_arguments(p)
     add_discovery_arguments(p, "decode")
     return p
 

@@ -236,7 +236,7 @@ class Handshaker:
             req.room_proof = handshake_proof(job.room_secret, req)
         stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
         try:
-            resp = await stub.Handshake(req, timeout=max(0.001, timeout))
+            resp = await stub.Handshake(req, timeout=max(0.001, timeout), metadata=None if job.trace is None else job.trace.metadata())
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, method="Handshake", target=w.transfer_address) from exc
         if resp.generation != w.generation:

@@ -12,6 +12,7 @@ import grpc
 from pdgrpc.decode.prefills import PrefillInfo
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.errors import RequestFailed
+from pdgrpc.rpc import tracing
 from pdgrpc.state import AbortReason, Aborted, DecodeDeadlines
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 
@@ -88,6 +89,7 @@ class Job:
     finished: bool = False  # the last message (tokens with finish_reason, or RequestFailed) is queued
     # Set by the Decode stream once its first message is sent (or the stream ended).
     first_sent: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    trace: tracing.Hops | None = None  # the Decode call's span while tracing is on
 
     @property
     def position(self) -> int:

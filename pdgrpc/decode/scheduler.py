@@ -47,6 +47,7 @@ from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
+from pdgrpc.rpc import tracing
 from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
@@ -420,6 +421,8 @@ class DecodeScheduler:
         started = self.transfers.transfer_started(c.room)
         self._release_transport(c.room)
         transfer_s = now - job.handshake_sent_at
+        if job.trace is not None:  # from the first KV byte
+            job.trace.hop("decode.commit", None if started is None else tracing.ns_of(started))
         # The data plane's share: the first KV byte's arrival to the commit.
         data_plane_s = 0.0 if started is None else max(0.0, now - started)
         if c.row is None:  # fake transport: nothing was written; compute the prompt's KV here

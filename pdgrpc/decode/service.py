@@ -27,6 +27,7 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
+from pdgrpc.rpc import tracing
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
@@ -77,9 +78,14 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     async def _decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        # Until the first token is sent; the handshake's span and the hops below are its children.
+        trace = tracing.server("decode", context.invocation_metadata()) if tracing.enabled else None
         try:
             job = await self._admit(request)
+            job.trace = trace
         except RequestFailed as exc:
+            if trace is not None:
+                trace.end(exc.message)
             self.scheduler.metrics.on_refused()
             request_event(log, request.bootstrap_room, "refused", status=exc.code.name, message=exc.message)
             await context.abort(exc.code, exc.message)
@@ -101,9 +107,15 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
                 )
                 # grpc resumes the generator once the message is written to the connection.
                 job.first_sent.set()
+                if trace is not None:
+                    trace.hop("first_token")
+                    trace.end()
+                    trace = None
                 if item.finish_reason:
                     return
         finally:
+            if trace is not None:
+                trace.end("ended before the first token")
             job.first_sent.set()  # nobody waits for a stream that ended
             if not job.finished:  # the client cancelled (or the stream broke): abort it
                 self.scheduler.cancel(job.room, "client cancelled the Decode call")

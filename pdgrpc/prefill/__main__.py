@@ -21,6 +21,7 @@ from pdgrpc.errors import ConfigError, TransportUnavailable
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.rpc.security import install, security_from_args
 from pdgrpc.rpc.server import run
+from pdgrpc.rpc.tracing import setup_tracing
 from pdgrpc.serving import setup_logging
 from pdgrpc.serving.engines import check_engine_args
 from pdgrpc.transport import registry
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TransportUnavailable) as exc:
         parser.error(str(exc))
     setup_logging(ns.log_level, "prefill")
+    setup_tracing(ns.trace, "prefill")
     from pdgrpc.prefill.controller_main import main_async  # after logging: imports torch
 
     try:

@@ -14,6 +14,7 @@ from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
 from pdgrpc.rpc.security import add_security_arguments
+from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
 
 __all__ = ["LOAD_BALANCE_METHODS", "build_parser", "add_worker_arguments", "worker_argv"]
@@ -89,6 +90,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_transport_arguments(parser)
     add_logging_arguments(parser)
+    add_tracing_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,6 +48,7 @@ from pdgrpc.prefill.worker_main import READY
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
 from pdgrpc.rpc.server import RpcServer
+from pdgrpc.rpc import tracing
 from pdgrpc.serving import request_event
 from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -115,6 +116,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         room = request.bootstrap_room
+        span = tracing.server("controller.dispatch", context.invocation_metadata()) if tracing.enabled else None
         if room == 0:
             await _abort(context, C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
@@ -153,12 +155,16 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         for w in group:
             w.in_flight += 1
         request_event(log, room, "dispatched", dp_rank=d.rank, routed=routed is not None, registered=d.register, defer=True)
+        trace = b""
+        if span is not None:  # the workers' spans are its children
+            trace = span.pack()
+            span.end()
         tasks: list[asyncio.Future[prefill_pb2.PrefillResponse | RequestFailed]] = []
         try:
             if len(group) == 1:  # one worker (TP 1): no fan-out to watch, no task per call
-                results = [await self._forward(room, group[0], request)]
+                results = [await self._forward(room, group[0], request, trace)]
             else:
-                tasks = [asyncio.ensure_future(self._forward(room, w, request)) for w in group]
+                tasks = [asyncio.ensure_future(self._forward(room, w, request, trace)) for w in group]
                 results = await self._gather(tasks)
         finally:
             for t in tasks:
@@ -209,12 +215,15 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 return [failure]
         return [t.result() for t in tasks]
 
-    async def _forward(self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest) -> "prefill_pb2.PrefillResponse | RequestFailed":
-        """One worker's answer to a forwarded Prefill (a failure as :class:`RequestFailed`)."""
+    async def _forward(
+        self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest, trace: bytes = b""
+    ) -> "prefill_pb2.PrefillResponse | RequestFailed":
+        """One worker's answer to a forwarded Prefill (a failure as :class:`RequestFailed`);
+        ``trace``: the packed span context the worker's spans go under."""
         assert w.link is not None
         sent = not w.link.lost.is_set()  # a closed link sends nothing
         try:
-            return await w.link.prefill(request)
+            return await w.link.prefill(request, trace)
         except LinkCallFailed as exc:
             return exc
         except WorkerLinkLost:

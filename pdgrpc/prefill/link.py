@@ -16,6 +16,10 @@ the payload:
 kind      direction               payload
 ========  ======================  ==================================================
 CALL      controller -> worker    ``PrefillRequest``
+TRACED    controller -> worker    a CALL with its trace: the controller's span
+                                  context (:data:`~pdgrpc.rpc.tracing.CONTEXT_BYTES`
+                                  bytes, :func:`~pdgrpc.rpc.tracing.unpack`), then
+                                  the ``PrefillRequest``
 CANCEL    controller -> worker    empty: the caller gave up (cancel, deadline); the
                                   worker cancels the call as a cancelled RPC would
 REPLY     worker -> controller    ``PrefillResponse``
@@ -41,11 +45,13 @@ import asyncio
 import logging
 import socket
 import struct
+import time
 from typing import Awaitable, Callable, cast
 
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
+from pdgrpc.rpc import tracing
 from pdgrpc.v1 import prefill_pb2
 
 __all__ = ["ControllerLink", "WorkerLinkServer", "LinkCallFailed"]
@@ -53,7 +59,7 @@ __all__ = ["ControllerLink", "WorkerLinkServer", "LinkCallFailed"]
 log = logging.getLogger("pdgrpc.prefill.link")
 
 _HEAD = struct.Struct("<IBQ")
-CALL, CANCEL, REPLY, FAIL, FAILED = 1, 2, 3, 4, 5
+CALL, CANCEL, REPLY, FAIL, FAILED, TRACED = 1, 2, 3, 4, 5, 6
 _FAILED_HEAD = struct.Struct("<QBB")
 # Far above any real request (a 1M-token prompt is ~5 MB): a larger length is a broken peer.
 MAX_PAYLOAD = 256 * 1024 * 1024
@@ -137,17 +143,20 @@ class ControllerLink(_Framed):
     def in_flight(self) -> int:
         return len(self._calls)
 
-    async def prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def prefill(self, request: prefill_pb2.PrefillRequest, trace: bytes = b"") -> prefill_pb2.PrefillResponse:
         """The worker's answer; raises :class:`LinkCallFailed` with the worker's status, or
         :class:`WorkerLinkLost` if the link closes first. Cancelling the caller cancels the
-        worker's call."""
+        worker's call. ``trace``: the caller's packed span context (a TRACED frame)."""
         if self._closed:
             raise WorkerLinkLost(f"the link to prefill worker {self.name} is closed")
         self._next_id += 1
         call_id = self._next_id
         fut: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send(_frame(CALL, call_id, request.SerializeToString()))
+        if trace:
+            self._send(_frame(TRACED, call_id, trace + request.SerializeToString()))
+        else:
+            self._send(_frame(CALL, call_id, request.SerializeToString()))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -237,14 +246,15 @@ class WorkerLinkServer(_Framed):
         self.close_socket()
 
     def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
-        if kind == CALL:
-            request = prefill_pb2.PrefillRequest.FromString(payload)
+        if kind == CALL or kind == TRACED:
+            trace = payload[: tracing.CONTEXT_BYTES] if kind == TRACED else b""
+            request = prefill_pb2.PrefillRequest.FromString(payload[len(trace) :] if trace else payload)
             if call_id in self._tasks:
                 raise ValueError(f"call id {call_id} is already in flight")
             if not self._accepting:
                 self._send(_fail(call_id, grpc.StatusCode.UNAVAILABLE, f"room {request.bootstrap_room}: prefill worker {self.name} is stopping"))
                 return
-            self._tasks[call_id] = asyncio.ensure_future(self._serve(call_id, request))
+            self._tasks[call_id] = asyncio.ensure_future(self._serve(call_id, request, trace, time.time_ns() if trace else 0))
         elif kind == CANCEL:
             task = self._tasks.get(call_id)
             if task is not None:
@@ -260,7 +270,9 @@ class WorkerLinkServer(_Framed):
         else:
             raise ValueError(f"kind {kind} is not one a controller sends")
 
-    async def _serve(self, call_id: int, request: prefill_pb2.PrefillRequest) -> None:
+    async def _serve(self, call_id: int, request: prefill_pb2.PrefillRequest, trace: bytes = b"", arrived_ns: int = 0) -> None:
+        # Its own task: the span is the current one of everything this call runs.
+        hops = tracing.serve("worker", tracing.unpack(trace), arrived_ns) if trace and tracing.enabled else None
         try:
             resp = await self._prefill(request)
             self._send(_frame(REPLY, call_id, resp.SerializeToString()))
@@ -273,6 +285,8 @@ class WorkerLinkServer(_Framed):
             self._send(_fail(call_id, grpc.StatusCode.INTERNAL, f"room {request.bootstrap_room}: prefill failed: {exc!r}"))
         finally:
             self._tasks.pop(call_id, None)
+            if hops is not None:
+                hops.end()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True

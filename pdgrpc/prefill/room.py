@@ -31,6 +31,7 @@ from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.handshake import Destination, Signed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, Mailbox
+from pdgrpc.rpc import tracing
 from pdgrpc.serving import request_event, row_from_token
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, heads_of, receivers_of, transfer_room
 from pdgrpc.state.config import SenderDeadlines
@@ -112,6 +113,8 @@ class RoomDriver:
         s, room, n = self.s, self.room, len(ids)
         # Compute starts now, not once the handshake is in: the prompt's KV does not
         # depend on where it goes, and the handshake usually lands during chunk 1.
+        if tracing.enabled:
+            tracing.hop("worker.queue")
         self.job = job = s.compute.begin(room, EnginePrefill(tuple(ids), self.pages, sampling))
         sender, _ = PrefillSender.create(room, self.pages, n, s.page_size, time.monotonic(), deadlines=s.deadlines,
                                          min_write_pages=s.min_write_pages)
@@ -138,6 +141,8 @@ class RoomDriver:
             if post.end <= sender.tokens_done:
                 continue
             compute_s += post.seconds
+            if tracing.enabled and post.end == n:
+                tracing.hop("compute")
             if not post.ready.done():  # a GPU still writing the chunk's pages: wait, never block
                 await post.ready.wait()
             self._token = post.token
@@ -147,6 +152,8 @@ class RoomDriver:
                 logged_transferring = True
                 request_event(log, room, "transferring", chunk_tokens=s.chunk_size, chunks=-(-n // s.chunk_size), level=logging.DEBUG)
         await self._acknowledged(sender)
+        if tracing.enabled:
+            tracing.hop("transfer")
         assert self.first_write is not None
         return prefill_pb2.PrefillResponse(
             prompt_tokens=n, bytes_transferred=self.sent_bytes, transfer_seconds=time.perf_counter() - self.first_write,

@@ -19,6 +19,7 @@ import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
+from pdgrpc.rpc import tracing
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.serving.room_proof import secret_problem
@@ -98,10 +99,17 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
         self.worker = worker
 
     async def Handshake(self, request: handshake_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.HandshakeResponse:
+        span = tracing.server("handshake", context.invocation_metadata()) if tracing.enabled else None
         try:
             return self.worker.handshake(request, peer_identity(context))
         except RequestFailed as exc:
+            if span is not None:
+                span.end(exc.message)
+                span = None
             await abort_with(context, exc)
+        finally:
+            if span is not None:
+                span.end()
 
     async def AbortRoom(self, request: handshake_pb2.AbortRoomRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.AbortRoomResponse:
         if request.bootstrap_room == 0:

@@ -38,6 +38,7 @@ from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, Handshak
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig  # noqa: E402
 from pdgrpc.rpc.server import run, serve_until_signal, start_server  # noqa: E402
 from pdgrpc.rpc.security import add_security_arguments, install_from_args  # noqa: E402
+from pdgrpc.rpc.tracing import setup_tracing  # noqa: E402
 from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, setup_logging, tune_malloc_from_args  # noqa: E402
 from pdgrpc.serving.engines import build_engine, uses_checkpoint  # noqa: E402
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc  # noqa: E402
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     install_from_args(parser, ns)
     setup_logging(ns.log_level, f"prefill.{worker_name(ns)}")
+    setup_tracing(ns.trace, f"prefill.{worker_name(ns)}")
     tune_malloc_from_args(ns)
     torch.set_num_threads(max(1, ns.compute_threads))
     return run(_main(ns))

@@ -16,6 +16,7 @@ from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_f
 from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_prefill, service_names
 from pdgrpc.rpc.security import add_security_arguments, current
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.logs import add_logging_arguments
 from pdgrpc.v1 import generate_pb2_grpc
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
+    add_tracing_arguments(p)
     add_discovery_arguments(p, "router")
     add_security_arguments(p, public=True)
     return p

@@ -52,6 +52,7 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.router.ejection import Ejections
+from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
@@ -270,6 +271,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
         arrived = time.perf_counter()
+        # Until the first token reached the client; the prefill and decode spans are its children.
+        trace = tracing.server("router", context.invocation_metadata()) if tracing.enabled else None
         room = draw_room()
         request_id = request.request_id or f"r{room:016x}"
         try:
@@ -278,6 +281,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except RequestFailed as f:
             self.metrics.on_refused()
             request_event(log, room, "refused", level=logging.WARNING, request_id=request_id, reason=f.message)
+            if trace is not None:
+                trace.end(f.message)
             await context.abort(f.code, f.message)
             return
         sampling = self._sampling(request)
@@ -294,7 +299,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 try:
                     tokens, reply = await self._attempt(
                         context, arrived, room, request_id, input_ids, sampling, routed, prefill, decode,
-                        deadline - time.monotonic(),
+                        deadline - time.monotonic(), trace,
                     )
                     self._recovered(prefill, decode)
                     break
@@ -327,9 +332,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             outcome = "failed"
             self.metrics.on_abort(f.reason)
             request_event(log, room, "failed", level=logging.WARNING, request_id=request_id, code=f.code.name, reason=f.message)
+            if trace is not None and trace.span.is_recording():
+                trace.end(f.message)
             await context.abort(f.code, f.message)
         finally:
             self.active -= 1
+            if trace is not None and trace.span.is_recording():  # cancelled before the first token
+                trace.end(outcome)
             if outcome == "cancelled by client":
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
@@ -353,9 +362,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _attempt(
         self, context: grpc.aio.ServicerContext, arrived: float, room: int, request_id: str, input_ids: list[int],
         sampling: common_pb2.SamplingParams, routed: int | None, prefill: PrefillBackend, decode: str, timeout: float,
+        trace: tracing.Hops | None = None,
     ) -> tuple[int, prefill_pb2.PrefillResponse | None]:
         """One prefill call and one decode call for ``room``, the decode's tokens relayed to
         the client: the token count and the prefill's reply (None if it had not come).
+        ``trace``: the request's span, the parent of both calls', ended at the first token.
         Raises :class:`_BeforeFirstToken` for a failure before the first token, else
         :class:`~pdgrpc.errors.RequestFailed`. Both calls are over when it returns."""
         # Goes to exactly these two peers: the decode proves it to the prefill in its
@@ -375,8 +386,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._pool.get(prefill.address))
         decode_stub = decode_pb2_grpc.DecodeServiceStub(self._pool.get(decode))
         # Both at once: the decode's handshake overlaps the prefill's compute.
-        prefill_call = prefill_stub.Prefill(prefill_req, timeout=timeout)
-        decode_call = decode_stub.Decode(decode_req, timeout=timeout)
+        metadata = None if trace is None else trace.metadata()
+        prefill_call = prefill_stub.Prefill(prefill_req, timeout=timeout, metadata=metadata)
+        decode_call = decode_stub.Decode(decode_req, timeout=timeout, metadata=metadata)
         # Deferred: both calls' sends are queued on the loop and go out before this line.
         request_event(
             log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids),
@@ -385,7 +397,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
         prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
         try:
-            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode)
+            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode, trace)
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
@@ -418,6 +430,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse],
         decode_call: grpc.aio.UnaryStreamCall,
         decode_address: str,
+        trace: tracing.Hops | None = None,
     ) -> int:
         """Forward the decode's messages to the client until the stream ends; raise
         :class:`~pdgrpc.errors.RequestFailed` as soon as either side fails. Returns the token count."""
@@ -468,6 +481,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 count += len(msg.token_ids)
                 self.metrics.on_tokens(len(msg.token_ids))
                 await context.write(out)
+                if trace is not None and trace.span.is_recording():  # the first token is out
+                    trace.end()
         except RequestFailed as f:
             if first:  # the prefill's failure is the cause when it failed too (_decode_failure)
                 prefill_failed = prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None

@@ -60,6 +60,7 @@ def launch(module: str, argv: list[str] | None = None) -> int:
         raise TypeError(f"{module}.ROLE is not a pdgrpc.serving.launch.Role")
     from pdgrpc.errors import PdgrpcError
     from pdgrpc.rpc.security import install, security_from_args
+    from pdgrpc.rpc.tracing import setup_tracing
     from pdgrpc.serving.logs import setup_logging
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -72,4 +73,6 @@ def launch(module: str, argv: list[str] | None = None) -> int:
     except (PdgrpcError, ValueError) as exc:
         parser.error(str(exc))
     setup_logging(ns.log_level, role.log_name(ns))
+    if hasattr(ns, "trace"):  # the role took --trace (pdgrpc.rpc.tracing)
+        setup_tracing(ns.trace, role.log_name(ns))
     return role.serve(ns)

@@ -191,3 +191,35 @@ async def test_a_frame_that_breaks_the_protocol_closes_the_link(garbage: bytes, 
         await asyncio.wait_for(call, 5)
     assert "dp7: closing the link" in caplog.text
     b.close()
+
+
+async def test_a_traced_call_runs_under_the_controllers_span_in_the_worker(tmp_path, monkeypatch) -> None:
+    """The span context crosses the link (a TRACED frame): the worker's span and the hops
+    its call records are children of the controller's span, in the same trace."""
+    from pdgrpc.rpc import tracing
+
+    monkeypatch.setattr(tracing, "enabled", False)  # restored after the test: tracing is process-wide
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
+    tracing.setup_tracing(f"file:{tmp_path}", "test")
+
+    async def prefill(req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        tracing.hop("compute")
+        return prefill_pb2.PrefillResponse(prompt_tokens=len(req.input_ids))
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    server = await WorkerLinkServer.open(b, "dp0", prefill)
+    link = await ControllerLink.open(a, "dp0")
+    try:
+        caller = tracing.server("controller.dispatch", None)
+        assert (await link.prefill(_req(81), caller.pack())).prompt_tokens == 5
+        assert (await link.prefill(_req(82))).prompt_tokens == 5  # untraced: a plain CALL, no span
+        caller.end()
+    finally:
+        link.close_socket()
+        await server.close()
+        tracing.shutdown()
+    spans = {s["name"]: s for s in tracing.read_spans(tmp_path)}
+    assert sorted(spans) == ["compute", "controller.dispatch", "worker"]
+    assert spans["worker"]["parent_id"] == spans["controller.dispatch"]["span_id"]
+    assert spans["compute"]["parent_id"] == spans["worker"]["span_id"]
+    assert len({s["trace_id"] for s in spans.values()}) == 1
