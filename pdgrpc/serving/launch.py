@@ -3,8 +3,8 @@
 A role's entry point (``python -m pdgrpc.router``, a console script) is a ``main`` that
 calls :func:`launch` with the name of the module holding the role's :class:`Role`.
 :func:`launch` sets the process environment first, because gRPC reads it once, when it is
-imported; only then does it import the role, parse its flags, and install security and
-logging. An entry point therefore imports nothing that loads grpc or torch itself.
+imported; only then does it import the role, parse its flags, and install security,
+logging and tracing. An entry point therefore imports nothing that loads grpc or torch itself.
 """
 
 from __future__ import annotations
