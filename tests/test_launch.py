@@ -16,6 +16,7 @@ from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS
 ENTRY_POINTS = [
     ("pdgrpc.bootstrap", "pdgrpc.bootstrap.__main__:main", False),
     ("pdgrpc.router", "pdgrpc.router.__main__:main", False),
+    ("pdgrpc.colocated", "pdgrpc.colocated.__main__:main", True),
 ]
 
 # Records the environment at the moment anything first imports grpc, then prints it with

@@ -92,7 +92,7 @@ class ProcessSpec:
 
     @property
     def module(self) -> str:
-        return "pdgrpc.cluster.colocated" if self.role == "colocated" else f"pdgrpc.{self.role}"
+        return f"pdgrpc.{self.role}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,10 +250,9 @@ class ColocatedLeg(_Base):
 
     def __init__(self, server: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
         super().__init__(info, active, healthy)
-        self._server = server  # ColocatedServer: admit(ids, sampling, max_new) -> job
+        self._server = server  # pdgrpc.colocated.server.ColocatedServer: admit(ids, sampling, max_new) -> Job
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
-        from pdgrpc.cluster.colocated import DONE
         from pdgrpc.engine.base import InvalidRequest
         from pdgrpc.errors import EngineError
         from pdgrpc.serving.convert import sampling_from_proto
@@ -264,7 +263,7 @@ class ColocatedLeg(_Base):
         def abort(why: str) -> bool:
             if job is None or job.cancelled:
                 return False
-            job.out.put_nowait(RequestFailed(grpc.StatusCode.CANCELLED, why))
+            job.fail(RequestFailed(grpc.StatusCode.CANCELLED, why))
             return True
 
         try:
@@ -282,21 +281,17 @@ class ColocatedLeg(_Base):
         job = self._server.admit(g.input_ids, sampling, g.sampling.max_new_tokens)
         stream = OutputStream(g, self.info().tokenizer)
         try:
-            while True:
-                item = await job.out.get()
-                if item is DONE:
-                    return
-                if isinstance(item, RequestFailed):
-                    await context.abort(item.code, item.message)
-                if isinstance(item, Exception):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {item}")
-                tok, reason = item
+            async for tok, reason in job.stream():
                 top = [common_pb2.TopLogprobs(token_ids=tok.top_ids, logprobs=tok.top_logprobs)]
                 msgs = stream.step([tok.token_id], [tok.logprob], top, reason)
                 for m in msgs:
                     yield m
                 if msgs and msgs[-1].HasField("complete"):
                     return
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - the engine failed this request
+            await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {exc}")
         finally:
             job.cancelled = True  # no-op when finished; else the scheduler drops it and frees its pages
             self._running.pop(g.request_id, None)

@@ -56,7 +56,7 @@ from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
-from pdgrpc.serving.prompts import request_ids
+from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -64,7 +64,6 @@ __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBacken
 
 log = logging.getLogger("pdgrpc.router")
 
-DEFAULT_MAX_NEW_TOKENS = 16  # generate.proto: max_new_tokens defaults to 16 when 0
 # The engines' default --max-prompt-tokens (EngineConfig; tests/router checks they agree).
 # Not imported: the router imports no torch.
 DEFAULT_MAX_PROMPT_TOKENS = 2048

@@ -17,8 +17,9 @@ from typing import Any, Sequence
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.errors import EngineError
 
-__all__ = ["render_chat", "request_ids"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "render_chat", "request_ids"]
 
+DEFAULT_MAX_NEW_TOKENS = 16  # generate.proto: max_new_tokens defaults to 16 when 0
 MAX_MESSAGES = 1024  # messages per request; more is refused
 
 

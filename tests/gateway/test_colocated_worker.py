@@ -14,7 +14,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc  # noqa: E402
 
 from pdgrpc.cluster import load_topology  # noqa: E402
-from pdgrpc.cluster.colocated import ColocatedServer  # noqa: E402
+from pdgrpc.colocated.server import ColocatedServer  # noqa: E402
 from pdgrpc.cluster.reference import reference_engine  # noqa: E402
 from pdgrpc.engine.base import SamplingParams  # noqa: E402
 from pdgrpc.engine.colocated import generate as colocated_generate  # noqa: E402

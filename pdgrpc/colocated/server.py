@@ -1,4 +1,4 @@
-"""``python -m pdgrpc.cluster.colocated``: GenerateService served by one colocated engine.
+"""``python -m pdgrpc.colocated``: GenerateService served by one colocated engine.
 
 The baseline that ``bench e2e`` compares disaggregated serving with: the same
 ``GenerateService`` a client calls on the router, answered by a single process that runs
@@ -21,51 +21,68 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import os
-import sys
 import time
+from typing import AsyncIterator
 
 import grpc
 
-from pdgrpc.engine.base import DecodeRequest, InvalidRequest, PrefillRequest, SampledToken, SamplingParams, stop_reason
+from pdgrpc.engine.base import (
+    DecodeRequest, Engine, InvalidRequest, PrefillRequest, SampledToken, SamplingParams, stop_reason,
+)
 from pdgrpc.engine.colocated import prefill as prefill_chunks
-from pdgrpc.engine.base import Engine
-from pdgrpc.serving.engines import build_engine
 from pdgrpc.errors import EngineError, PdgrpcError
-from pdgrpc.router.service import DEFAULT_MAX_NEW_TOKENS, service_names
 from pdgrpc.gateway import add_gateway_arguments, colocated_service
-from pdgrpc.rpc.security import add_security_arguments, install_from_args
+from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
-from pdgrpc.rpc.tuning import GRPC_EXPERIMENTS, grpc_tuning_wanted
 from pdgrpc.serving.convert import sampling_from_proto
-from pdgrpc.serving.prompts import request_ids
+from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, tune_malloc_from_args
-from pdgrpc.serving.logs import setup_logging
+from pdgrpc.serving.launch import Role
+from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
+__all__ = ["ROLE", "ColocatedServer", "Job", "build_parser", "serve"]
+
 log = logging.getLogger("pdgrpc.colocated")
 
-DONE = object()
+_DONE = object()
 
 
 @dataclasses.dataclass
-class _Job:
+class Job:
+    """One admitted request. Read its tokens with :meth:`stream`; set ``cancelled`` to
+    drop it (its pages are freed at the scheduler's next iteration)."""
+
     ids: tuple[int, ...]
     sampling: SamplingParams
     max_new_tokens: int
-    out: asyncio.Queue  # (SampledToken, finish_reason | "") items, then DONE / an exception
+    out: asyncio.Queue  # (SampledToken, finish_reason | "") items, then _DONE / an exception
     pages: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
+
+    async def stream(self) -> AsyncIterator[tuple[SampledToken, str]]:
+        """``(token, finish_reason or "")`` until the request ends; raises what failed it."""
+        while True:
+            item = await self.out.get()
+            if item is _DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def fail(self, exc: Exception) -> None:
+        """End the stream with ``exc`` (raised to its reader)."""
+        self.out.put_nowait(exc)
 
 
 class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, engine: Engine, chunk_tokens: int, compute_nice: int = 0) -> None:
         self.engine = engine
         self.chunk_tokens = chunk_tokens
-        self._pending: collections.deque[_Job] = collections.deque()
-        self._running: list[_Job] = []
+        self._pending: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
         self._wake = asyncio.Event()
         self._thread = compute_executor("engine", compute_nice)
         self._task = asyncio.ensure_future(self._loop())
@@ -89,13 +106,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         text = self.engine.tokenizer.stream_decoder()
         first = True
         try:
-            while True:
-                item = await job.out.get()
-                if item is DONE:
-                    return
-                if isinstance(item, Exception):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {item}")
-                tok, reason = item
+            async for tok, reason in job.stream():
                 msg = generate_pb2.GenerateResponse(token_ids=[tok.token_id], text=text.feed([tok.token_id]), finish_reason=reason)
                 if reason:
                     msg.text += text.flush()
@@ -103,6 +114,8 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
                     first = False
                     msg.ttft_seconds = time.perf_counter() - arrived
                 await context.write(msg)
+        except Exception as exc:  # noqa: BLE001 - the engine failed this request
+            await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {exc}")
         finally:
             job.cancelled = True  # no-op when finished; else the loop drops it and frees its pages
 
@@ -110,10 +123,9 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         """Requests queued or generating."""
         return len(self._pending) + len(self._running)
 
-    def admit(self, ids: tuple[int, ...], sampling: SamplingParams, max_new_tokens: int) -> _Job:
-        """Queue a checked request. Its ``out`` queue gets ``(SampledToken, finish_reason
-        or "")`` items, then ``DONE`` or an exception; set ``cancelled`` to drop it."""
-        job = _Job(ids, sampling, max_new_tokens, asyncio.Queue())
+    def admit(self, ids: tuple[int, ...], sampling: SamplingParams, max_new_tokens: int) -> Job:
+        """Queue a checked request; read it with :meth:`Job.stream`."""
+        job = Job(ids, sampling, max_new_tokens, asyncio.Queue())
         self._pending.append(job)
         self._wake.set()
         return job
@@ -123,18 +135,18 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
     async def _engine(self, fn, *args):  # type: ignore[no-untyped-def]
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    def _emit(self, job: _Job, tok: SampledToken) -> bool:
+    def _emit(self, job: Job, tok: SampledToken) -> bool:
         """Queue a token for the client; True when the job is finished (pages freed)."""
         job.tokens.append(tok.token_id)
         reason = stop_reason(tok.token_id, len(job.tokens), job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_ids)
         job.out.put_nowait((tok, reason or ""))
         if reason is not None:
             self._finish(job)
-            job.out.put_nowait(DONE)
+            job.out.put_nowait(_DONE)
             return True
         return False
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         if job.pages:
             self.engine.free_pages(job.pages)
             job.pages = []
@@ -159,7 +171,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
                 if pages is None:
                     if not self._running:
                         self._pending.popleft()
-                        job.out.put_nowait(InvalidRequest("the request needs more KV pages than the pool has"))
+                        job.fail(InvalidRequest("the request needs more KV pages than the pool has"))
                         continue
                     break
                 self._pending.popleft()
@@ -168,7 +180,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
                     first = await self._engine(prefill_chunks, self.engine, PrefillRequest(job.ids, tuple(pages), job.sampling), self.chunk_tokens)
                 except Exception as exc:  # noqa: BLE001 - reported to that client
                     self._finish(job)
-                    job.out.put_nowait(exc)
+                    job.fail(exc)
                     continue
                 if not self._emit(job, first):
                     self._running.append(job)
@@ -184,7 +196,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdgrpc.cluster.colocated", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m pdgrpc.colocated", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
@@ -195,41 +207,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _main(ns: argparse.Namespace) -> int:
+async def _main(ns: argparse.Namespace) -> None:
     server_impl = ColocatedServer(build_engine(ns), ns.chunk_size, ns.compute_nice)
-    (name,) = service_names()
+    name = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
     services: list[ServiceSpec] = [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))]
     gateway = colocated_service(server_impl, ns)  # smg's worker protocol (non-PD), with pdgrpc[gateway]
     if gateway is not None:
         services.append(gateway)
-    server = await start_server(
-        services, host=ns.host, port=ns.port, what="pdgrpc colocated",
-    )
+    server = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc colocated")
     server.on_stop(server_impl.close)
     await serve_until_signal(server)
+
+
+def serve(ns: argparse.Namespace) -> int:
+    tune_malloc_from_args(ns)
+    try:
+        run(_main(ns))
+    except (PdgrpcError, OSError) as exc:  # a port in use
+        log.error("%s", exc)
+        return 2
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    install_from_args(parser, ns)
-    setup_logging(ns.log_level, "colocated")
-    tune_malloc_from_args(ns)
-    try:
-        return run(_main(ns))
-    except (PdgrpcError, OSError) as exc:
-        log.error("%s", exc)
-        return 2
-
-
-if __name__ == "__main__":
-    # Like every server, with pdgrpc's gRPC settings (pdgrpc.rpc.tuning): the baseline must
-    # not be the one server without them (it was, whenever its parent had not set them,
-    # and bench e2e then compared tuned disaggregated servers with an untuned baseline).
-    # gRPC reads them when it is imported, which importing pdgrpc.cluster already did:
-    # start again with them in the environment (once; nothing has started yet).
-    if grpc_tuning_wanted():
-        os.environ["GRPC_EXPERIMENTS"] = GRPC_EXPERIMENTS
-        os.execv(sys.executable, [sys.executable, "-m", "pdgrpc.cluster.colocated", *sys.argv[1:]])
-    sys.exit(main())
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: "colocated")
