@@ -331,12 +331,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             outcome = "failed"
             self.metrics.on_abort(f.reason)
             request_event(log, room, "failed", level=logging.WARNING, request_id=request_id, code=f.code.name, reason=f.message)
-            if trace is not None and trace.span.is_recording():
+            if trace is not None:
                 trace.end(f.message)
             await context.abort(f.code, f.message)
         finally:
             self.active -= 1
-            if trace is not None and trace.span.is_recording():  # cancelled before the first token
+            if trace is not None:  # still open: cancelled before the first token
                 trace.end(outcome)
             if outcome == "cancelled by client":
                 self.metrics.on_abort(AbortReason.CANCELLED)
@@ -480,7 +480,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 count += len(msg.token_ids)
                 self.metrics.on_tokens(len(msg.token_ids))
                 await context.write(out)
-                if trace is not None and trace.span.is_recording():  # the first token is out
+                if trace is not None:  # the first token is out (later: a no-op)
                     trace.end()
         except RequestFailed as f:
             if first:  # the prefill's failure is the cause when it failed too (_decode_failure)

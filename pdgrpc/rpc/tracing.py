@@ -19,9 +19,16 @@ One request is one trace. A server reads the W3C ``traceparent`` of the call it 
 sends its own span's ``traceparent`` on the calls it makes for the request
 (:meth:`Hops.metadata`): router -> prefill controller and decode, decode -> prefill worker
 handshake. Between a prefill controller and its worker the span context travels in the
-link frame (:func:`pack`, :func:`unpack`). Within a process, :class:`Hops` cuts the time
-since the request arrived into consecutive hops (``worker.queue``, ``compute``,
-``transfer``; ``decode.commit``, ``first_token``), each a child span.
+link frame (:meth:`Hops.pack`, :func:`unpack`). Within a process, :class:`Hops` cuts the
+time since the request arrived into consecutive hops (``worker.queue``, ``compute``,
+``transfer``; ``decode.commit``, ``first_token``), each a child span. A sampled parent's
+children are sampled; a request without a parent is sampled as ``OTEL_TRACES_SAMPLER``
+says.
+
+On the request's path a span is only its ids and times: the SDK's span objects, which
+cost tens of microseconds each, are made on the event loop's next turn after the span
+ends (:meth:`Hops.end`), with the ids and times recorded, so tracing a request does not
+delay it.
 
 Off, nothing of this runs: callers test the module flag :data:`enabled` first, so a
 request allocates no span and reads no metadata, and OpenTelemetry is never imported.
@@ -30,18 +37,20 @@ request allocates no span and reads no metadata, and OpenTelemetry is never impo
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextvars
 import json
 import os
+import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.sdk.trace.sampling import Sampler
+    from opentelemetry.trace import Tracer
 
 __all__ = [
     "CONTEXT_BYTES",
@@ -49,10 +58,11 @@ __all__ = [
     "add_tracing_arguments",
     "enabled",
     "hop",
-    "pack",
     "read_spans",
+    "serve",
     "server",
     "setup_tracing",
+    "shutdown",
     "unpack",
 ]
 
@@ -66,9 +76,10 @@ _TRACEPARENT = "traceparent"
 _MODES = ("off", "otlp", "console", "file:DIR")
 
 _tracer: "Tracer | None" = None
+_sampler: "Sampler | None" = None
+_ids: Any = None  # the provider's id generator (_PresetIds), once tracing is on
 _shutdown: Any = None
 _api: Any = None  # opentelemetry.trace, once tracing is on
-_propagator: Any = None  # the W3C trace context propagator, once tracing is on
 # The hops of the request the current task serves (set by the task that serves it).
 _current: "contextvars.ContextVar[Hops | None]" = contextvars.ContextVar("pdgrpc_trace_hops", default=None)
 
@@ -107,7 +118,7 @@ def setup_tracing(value: str | None, service: str) -> None:
     carry ``service`` (e.g. ``prefill.dp0``) unless ``OTEL_SERVICE_NAME`` is set. Call
     once, at start-up; with tracing off it does nothing and imports nothing. Exits with a
     line naming the extra to install when OpenTelemetry is missing."""
-    global enabled, _tracer, _shutdown, _api, _propagator
+    global enabled, _tracer, _sampler, _ids, _shutdown, _api
     mode = choice(value)
     if mode == "off" or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return
@@ -118,12 +129,12 @@ def setup_tracing(value: str | None, service: str) -> None:
     except ImportError as exc:
         raise SystemExit(f"--trace {mode}: OpenTelemetry is not installed (pip install opentelemetry-sdk): {exc}") from None
     attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: f"pdgrpc.{service}"}
-    provider = TracerProvider(resource=Resource.create({**attrs, "pdgrpc.process": service}))
+    _ids = _preset_ids()
+    provider = TracerProvider(resource=Resource.create({**attrs, "pdgrpc.process": service}), id_generator=_ids)
     provider.add_span_processor(BatchSpanProcessor(_exporter(mode, service)))
     import opentelemetry.trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    _api, _propagator = opentelemetry.trace, TraceContextTextMapPropagator()
+    _api, _sampler = opentelemetry.trace, provider.sampler
     _tracer = provider.get_tracer("pdgrpc")
     _shutdown = provider.shutdown
     enabled = True
@@ -194,6 +205,26 @@ def read_spans(directory: str | Path) -> Iterator[dict[str, Any]]:
                     yield json.loads(line)
 
 
+def _preset_ids() -> Any:
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class PresetIds(RandomIdGenerator):
+        """The ids a span was given on the request's path, when the SDK makes it later."""
+
+        trace_id = 0
+        span_id = 0
+
+        def generate_span_id(self) -> int:
+            span_id, self.span_id = self.span_id, 0
+            return span_id or super().generate_span_id()
+
+        def generate_trace_id(self) -> int:
+            trace_id, self.trace_id = self.trace_id, 0
+            return trace_id or super().generate_trace_id()
+
+    return PresetIds()
+
+
 # ---- the request path (only with `enabled`) -------------------------------------------
 
 
@@ -202,64 +233,107 @@ def ns_of(monotonic_s: float) -> int:
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
+def _span_id() -> int:
+    return random.getrandbits(64) or 1
+
+
 class Hops:
     """A request's span in this process, and the end of its last hop: :meth:`hop` records
-    the time since then as a child span."""
+    the time since then as a child span. Unsampled, it records nothing and passes the
+    decision on."""
 
-    __slots__ = ("span", "mark")
+    __slots__ = ("name", "trace_id", "span_id", "parent_id", "sampled", "recording", "start", "mark", "hops")
 
-    def __init__(self, span: "Span", mark: int) -> None:
-        self.span = span
-        self.mark = mark  # ns since the epoch
+    def __init__(self, name: str, trace_id: int, parent_id: int, sampled: bool, start: int) -> None:
+        self.name = name
+        self.trace_id = trace_id
+        self.span_id = _span_id()
+        self.parent_id = parent_id  # 0: the root of its trace
+        self.sampled = sampled
+        self.recording = sampled  # sampled, and not ended yet
+        self.start = start  # ns since the epoch
+        self.mark = start  # the end of the last hop
+        self.hops: list[tuple[str, int, int]] = []
 
     def hop(self, name: str, start: int | None = None) -> None:
         """A child span ``name`` from ``start`` (default: the last hop's end) to now."""
         now = time.time_ns()
-        begin = self.mark if start is None else start
-        assert _tracer is not None
-        _tracer.start_span(name, _api.set_span_in_context(self.span), start_time=begin).end(end_time=now)
+        if self.recording:
+            self.hops.append((name, self.mark if start is None else start, now))
         self.mark = now
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC metadata making this span the parent of the call it goes with."""
-        c = self.span.get_span_context()
-        return ((_TRACEPARENT, f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"),)
+        return ((_TRACEPARENT, f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.sampled else '00'}"),)
 
     def pack(self) -> bytes:
         """This span's context in :data:`CONTEXT_BYTES` bytes (:func:`unpack`)."""
-        c = self.span.get_span_context()
-        return c.trace_id.to_bytes(16, "big") + c.span_id.to_bytes(8, "big") + bytes((int(c.trace_flags) & 0xFF,))
+        return self.trace_id.to_bytes(16, "big") + self.span_id.to_bytes(8, "big") + (b"\x01" if self.sampled else b"\x00")
 
     def end(self, error: str | None = None) -> None:
+        """The span ends now (with ``error``: as failed); its SDK spans are made on the
+        loop's next turn."""
+        if not self.recording:
+            return
+        self.recording = False
+        end = time.time_ns()
+        try:
+            asyncio.get_running_loop().call_soon(self._emit, end, error)
+        except RuntimeError:  # no loop in this thread
+            self._emit(end, error)
+
+    def _emit(self, end: int, error: str | None) -> None:
+        assert _tracer is not None
+        api = _api
+        parent = None
+        if self.parent_id:
+            remote = api.SpanContext(self.trace_id, self.parent_id, True, api.TraceFlags(api.TraceFlags.SAMPLED))
+            parent = api.set_span_in_context(api.NonRecordingSpan(remote))
+        else:
+            _ids.trace_id = self.trace_id
+        _ids.span_id = self.span_id
+        span = _tracer.start_span(self.name, parent, kind=api.SpanKind.SERVER, start_time=self.start)
+        inside = api.set_span_in_context(span)
+        for name, begin, finish in self.hops:
+            _tracer.start_span(name, inside, start_time=begin).end(end_time=finish)
         if error is not None:
-            self.span.set_status(_api.Status(_api.StatusCode.ERROR, error))
-        self.span.end()
+            span.set_status(api.Status(api.StatusCode.ERROR, error))
+        span.end(end_time=end)
 
 
-def _start(name: str, parent: "Context | None", start: int | None = None) -> Hops:
-    assert _tracer is not None
-    begin = time.time_ns() if start is None else start
-    return Hops(_tracer.start_span(name, parent, kind=_api.SpanKind.SERVER, start_time=begin), begin)
+def _root(name: str, start: int) -> Hops:
+    trace_id = random.getrandbits(128) or 1
+    assert _sampler is not None
+    sampled = _sampler.should_sample(None, trace_id, name).decision.is_sampled()
+    return Hops(name, trace_id, 0, sampled, start)
 
 
 def server(name: str, metadata: Sequence[tuple[str, Any]] | None, start: int | None = None) -> Hops:
     """The span ``name`` of a call this process serves, under the ``traceparent`` in the
-    call's ``metadata`` (``context.invocation_metadata()``) when it carries one."""
-    carrier = {k: v for k, v in metadata or () if k in (_TRACEPARENT, "tracestate")}
-    parent = _propagator.extract(carrier) if carrier else None
-    return _start(name, parent, start)
+    call's ``metadata`` (``context.invocation_metadata()``) when it carries a valid one."""
+    begin = time.time_ns() if start is None else start
+    value = next((v for k, v in metadata or () if k == _TRACEPARENT), None)
+    if isinstance(value, str):
+        parts = value.strip().split("-")
+        try:
+            if len(parts) >= 4 and parts[0] != "ff" and len(parts[1]) == 32 and len(parts[2]) == 16 and len(parts[3]) == 2:
+                trace_id, parent_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+                if trace_id and parent_id:
+                    return Hops(name, trace_id, parent_id, bool(flags & 1), begin)
+        except ValueError:  # not hex: as if none came
+            pass
+    return _root(name, begin)
 
 
-def unpack(data: bytes) -> "Context":
-    """A span context :meth:`Hops.pack` packed, as the parent of spans of this process."""
-    ctx = _api.SpanContext(int.from_bytes(data[:16], "big"), int.from_bytes(data[16:24], "big"), True, _api.TraceFlags(data[24]))
-    return _api.set_span_in_context(_api.NonRecordingSpan(ctx))
+def unpack(data: bytes) -> tuple[int, int, bool]:
+    """The span context :meth:`Hops.pack` packed: trace id, span id, sampled."""
+    return int.from_bytes(data[:16], "big"), int.from_bytes(data[16:24], "big"), bool(data[24] & 1)
 
 
-def serve(name: str, parent: "Context", start: int) -> Hops:
-    """Open span ``name`` (from ``start``) under ``parent`` for the request the current
-    task serves, so :func:`hop` reaches it from anywhere in the task."""
-    hops = _start(name, parent, start)
+def serve(name: str, parent: tuple[int, int, bool], start: int) -> Hops:
+    """Open span ``name`` (from ``start``) under ``parent`` (:func:`unpack`) for the
+    request the current task serves, so :func:`hop` reaches it from anywhere in the task."""
+    hops = Hops(name, parent[0], parent[1], parent[2], start)
     _current.set(hops)
     return hops
 

@@ -217,6 +217,7 @@ async def test_a_traced_call_runs_under_the_controllers_span_in_the_worker(tmp_p
     finally:
         link.close_socket()
         await server.close()
+        await asyncio.sleep(0)  # spans are made on the loop's next turn
         tracing.shutdown()
     spans = {s["name"]: s for s in tracing.read_spans(tmp_path)}
     assert sorted(spans) == ["compute", "controller.dispatch", "worker"]

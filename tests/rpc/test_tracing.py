@@ -1,0 +1,89 @@
+"""``--trace`` and the W3C trace context (:mod:`pdgrpc.rpc.tracing`), in one process: what
+a caller's ``traceparent`` makes of a server's spans, and the flag's refusals."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from pdgrpc.rpc import tracing
+
+TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.fixture
+def spans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Tracing on into ``tmp_path``; call the fixture's value for the spans written so far."""
+    for name in ("enabled", "_tracer", "_sampler", "_ids", "_shutdown", "_api"):
+        monkeypatch.setattr(tracing, name, getattr(tracing, name))  # restored after the test
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    tracing.setup_tracing(f"file:{tmp_path}", "test")
+
+    def written() -> dict[str, dict[str, Any]]:
+        tracing.shutdown()
+        return {s["name"]: s for s in tracing.read_spans(tmp_path)}
+
+    yield written
+
+
+async def _served(metadata: Any) -> tracing.Hops:
+    h = tracing.server("decode", metadata)
+    h.hop("first_token")
+    h.end()
+    await asyncio.sleep(0)  # spans are made on the loop's next turn
+    return h
+
+
+async def test_a_sampled_traceparent_is_the_parent_of_the_server_span(spans: Any) -> None:
+    h = await _served((("user-agent", "x"), ("traceparent", f"00-{TRACE}-{PARENT}-01")))
+    got = spans()
+    assert got["decode"]["trace_id"] == TRACE and got["decode"]["parent_id"] == PARENT
+    assert got["first_token"]["parent_id"] == got["decode"]["span_id"]
+    assert h.metadata() == (("traceparent", f"00-{TRACE}-{got['decode']['span_id']}-01"),)
+
+
+async def test_an_unsampled_traceparent_records_nothing_and_says_so_downstream(spans: Any) -> None:
+    h = await _served((("traceparent", f"00-{TRACE}-{PARENT}-00"),))
+    assert spans() == {}
+    assert h.metadata()[0][1].startswith(f"00-{TRACE}-") and h.metadata()[0][1].endswith("-00")
+
+
+@pytest.mark.parametrize("bad", [f"00-{TRACE}-{PARENT}", f"00-{'0' * 32}-{PARENT}-01", f"00-{TRACE}-xyz{PARENT[3:]}-01", "garbage"])
+async def test_a_malformed_traceparent_starts_a_trace_of_its_own(spans: Any, bad: str) -> None:
+    await _served((("traceparent", bad),))
+    got = spans()
+    assert got["decode"]["parent_id"] is None and got["decode"]["trace_id"] != TRACE
+
+
+def test_the_flag_takes_the_environment_and_refuses_an_unknown_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = argparse.ArgumentParser()
+    tracing.add_tracing_arguments(p)
+    monkeypatch.delenv(tracing.ENV, raising=False)
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    assert p.parse_args([]).trace == "off"
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert p.parse_args([]).trace == "console"
+    monkeypatch.setenv(tracing.ENV, "file:/tmp/spans")
+    assert p.parse_args([]).trace == "file:/tmp/spans"
+    assert p.parse_args(["--trace", "off"]).trace == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--trace", "jaeger"])
+    with pytest.raises(ValueError, match="otlp, console, file:DIR"):
+        tracing.choice("file:")
+
+
+def test_off_the_servers_never_import_opentelemetry() -> None:
+    code = (
+        "import sys; import pdgrpc.router.service, pdgrpc.prefill.controller, pdgrpc.decode.service; "
+        "from pdgrpc.rpc import tracing; tracing.setup_tracing('off', 'x'); "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
