@@ -27,6 +27,7 @@ from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state import AbortReason
+from pdgrpc.state.decode_fate import Fail, Finish
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -84,30 +85,29 @@ class Generation:
 
     def fail(self, job: Job, failure: RequestFailed) -> None:
         """End ``job`` with ``failure`` (its last message); no-op once it ended."""
-        if job.finished:
+        if job.fate.ended:
             return
-        self.metrics.on_abort(failure.reason)  # exactly once per request: `finished` guards it
-        job.finished = True
+        self.metrics.on_abort(failure.reason)  # exactly once per request: its fate guards it
+        job.fate.handle(Fail(failure))
         self._ended(job)
         job.out.put_nowait(failure)
 
     def _finish(self, job: Job, reason: str) -> None:
         self.metrics.on_finished()
-        job.finished = True
+        job.fate.handle(Finish())
         self._ended(job)
         self._release_pages(job.pages)
         request_event(log, job.room, "finished", reason=reason, tokens=job.generated)
 
     def _cancelled(self, job: Job) -> None:
         self._release_pages(job.pages)
-        # job.failure: the driver decided how it ends (the prefill leg failed: WatchRoom).
-        self.fail(job, job.failure or RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED))
+        self.fail(job, job.fate.outcome(RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED)))
 
     def drop_cancelled(self) -> None:
         """End the running requests that were cancelled since the last step."""
         keep = []
         for job in self.running:
-            if job.cancelled:
+            if job.fate.ending:
                 request_event(log, job.room, "cancelled while generating", tokens=job.generated)
                 self._cancelled(job)
             else:
@@ -131,15 +131,15 @@ class Generation:
             for job, first in zip(jobs, firsts):
                 if isinstance(first, BaseException):
                     self._crash(job, first)
-                elif job.cancelled:
+                elif job.fate.ending:
                     self._cancelled(job)
                 else:
                     self.start(job, first, 0, time.monotonic() - job.handshake_sent_at)
-        batch = [j for j in self.running if not j.cancelled]
+        batch = [j for j in self.running if not j.fate.ending]
         if not batch:
             return
         await self._await_first_tokens_sent(batch)
-        batch = [j for j in batch if not j.cancelled]
+        batch = [j for j in batch if not j.fate.ending]
         if not batch:
             return
         reqs = [EngineDecodeRequest(j.last_token, j.position, j.pages, j.sampling) for j in batch]
@@ -151,11 +151,11 @@ class Generation:
             log.exception("decode step over %d requests failed", len(batch))
             for job in batch:
                 self._crash(job, exc)
-            self.running = [j for j in self.running if not j.finished]
+            self.running = [j for j in self.running if not j.fate.ended]
             return
         eos = self.engine.tokenizer.eos_token_ids
         for job, tok in zip(batch, toks):
-            if job.cancelled:
+            if job.fate.ending:
                 continue  # dropped (and its pages freed) at the top of the next iteration
             job.generated += 1
             job.last_token = tok.token_id
@@ -163,7 +163,7 @@ class Generation:
             job.out.put_nowait(Tokens((tok.token_id,), (tok.logprob,), reason or "", top=_top(tok)))
             if reason is not None:
                 self._finish(job, reason)
-        self.running = [j for j in self.running if not j.finished]
+        self.running = [j for j in self.running if not j.fate.ended]
 
     async def _await_first_tokens_sent(self, batch: list[Job]) -> None:
         """Hold a step that serves only requests whose first token is still being sent.

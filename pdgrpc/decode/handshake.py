@@ -48,6 +48,7 @@ from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import abort_proof, handshake_proof, watch_proof
 from pdgrpc.serving.tp import designated_sender, senders_of
+from pdgrpc.state.decode_fate import CallFailed, FateState, NeverForwarded
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.descriptor import Descriptor
 from pdgrpc.transport.regions import BadDescriptor
@@ -143,14 +144,14 @@ class Handshaker:
     async def handshake(self, job: Job, prompt_pages: tuple[int, ...], deadline: float) -> str | RequestFailed | None:
         """:data:`ACCEPTED` once every worker of the dp rank accepted; a
         :class:`~pdgrpc.errors.RequestFailed` (reason ``prefill_error``) when one refused; ``None`` when the deadline passed or the request ended first.
-        Records the workers sent a handshake in ``job.contacted`` and the last retryable
-        error in ``job.last_error``."""
+        Records the workers sent a handshake in ``job.contacted`` and tells the request's
+        fate each retryable error."""
         addr, dp_rank = job.prefill.address, job.dp_rank
         assert dp_rank is not None
         backoff = Backoff(initial=0.05, maximum=1.0)
         accepted: set[tuple[tuple[int, int, int], int]] = set()
         attempt = 0
-        while not job.finished and not job.cancelled:
+        while job.fate.state is FateState.WAITING:
             attempt += 1
             if deadline - time.monotonic() <= 0:
                 return None
@@ -192,9 +193,9 @@ class Handshaker:
             except RequestFailed as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
                     return RequestFailed(exc.code, f"room {job.room}: {exc.message}", ServerAbortReason.PREFILL_ERROR)
-                job.last_error = exc.message
+                job.fate.handle(CallFailed(exc.message))
             except RpcError as exc:
-                job.last_error = str(exc)
+                job.fate.handle(CallFailed(str(exc)))
                 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     return None  # the bootstrap deadline is up
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
@@ -207,11 +208,12 @@ class Handshaker:
             # may have refused the room for it (pdgrpc.prefill.notices): ask its bootstrap.
             failed = (await self.directory.room_failures(addr, {job.room: job.room_secret})).get(job.room)
             if failed is not None:
-                job.never_forwarded = failed[1]
+                if failed[1]:
+                    job.fate.handle(NeverForwarded())
                 return failed[0]
             # Else refetch its endpoints, retry.
-            self.directory.invalidate(addr, f"handshake for room {job.room}: {job.last_error}")
-            request_event(log, job.room, "handshake retry", level=logging.WARNING, attempt=attempt, error=job.last_error)
+            self.directory.invalidate(addr, f"handshake for room {job.room}: {job.fate.last_error}")
+            request_event(log, job.room, "handshake retry", level=logging.WARNING, attempt=attempt, error=job.fate.last_error)
             await asyncio.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
         return None
 
@@ -254,7 +256,7 @@ class Handshaker:
             request.room_proof = abort_proof(job.room_secret, job.room)
 
         async def tell(w: bpb.WorkerInfo) -> bool:
-            if job.never_forwarded:
+            if job.fate.never_forwarded:
                 return True  # no worker got the room's Prefill: none writes into it
             if self._writer_gone(w):
                 request_event(log, job.room, "prefill worker gone (the transport confirmed it can no longer write)",
@@ -312,7 +314,7 @@ class Handshaker:
 
         async def one(w: bpb.WorkerInfo) -> RequestFailed | None:
             stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
-            while not job.finished and not job.running:
+            while job.fate.in_queues:
                 try:
                     resp = await stub.WatchRoom(request, timeout=wait_s + self.rpc_timeout_s)
                 except grpc.RpcError as exc:

@@ -14,6 +14,7 @@ from pdgrpc.engine.base import SamplingParams
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc import tracing
 from pdgrpc.state import AbortReason, Aborted, DecodeDeadlines
+from pdgrpc.state.decode_fate import DecodeFate
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 
 __all__ = ["Job", "SchedulerConfig", "Tokens", "abort_status"]
@@ -69,24 +70,13 @@ class Job:
     slot: int | None = None
     pages: tuple[int, ...] = ()
     handshake_sent_at: float = 0.0
-    handshaken: bool = False  # every worker of the dp rank accepted the handshake
     contacted: list[bpb.WorkerInfo] = dataclasses.field(default_factory=list)  # sent a handshake
     handshake_task: "asyncio.Task[None] | None" = None
-    # How it ends when the driver decided it (handshake refused, grant refused, bad dp
-    # rank): the abort that follows ends the request with this, not the machines' reason.
-    failure: RequestFailed | None = None
-    # The prefill's controller forwarded the request to no worker (pdgrpc.prefill.notices):
-    # nothing can land in the pages, so the abort frees them without a worker's ack.
-    never_forwarded: bool = False
-    # The last failed QueryDpRanks or handshake, named when the deadline of its phase passes.
-    last_error: str = ""
-    transport_error: str | None = None  # the transport's reason for the first FAILED it reported
+    # Everything that decides how it ends: drivers feed it events and do what it says.
+    fate: DecodeFate = dataclasses.field(default_factory=DecodeFate)
     # Running (after commit).
-    running: bool = False
     last_token: int = 0
     generated: int = 0
-    cancelled: bool = False
-    finished: bool = False  # the last message (tokens with finish_reason, or RequestFailed) is queued
     # Set by the Decode stream once its first message is sent (or the stream ended).
     first_sent: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     trace: tracing.Hops | None = None  # the Decode call's span while tracing is on
@@ -111,23 +101,25 @@ _CODE = {
 }
 
 
-def abort_status(job: Job, a: Aborted) -> RequestFailed:
-    """The status ``job`` ends with when the decode machines aborted it: the driver's own
-    :attr:`Job.failure` if it decided one, else one by the machines' reason (a deadline
-    is DEADLINE_EXCEEDED naming the phase)."""
-    if job.failure is not None:
-        return job.failure
+def abort_status(fate: DecodeFate, a: Aborted) -> RequestFailed:
+    """The status a request ends with when the decode machines aborted it: what its
+    ``fate`` decided, else one by the machines' reason (a deadline is DEADLINE_EXCEEDED
+    naming the phase)."""
+    return fate.outcome(_by_reason(fate, a))
+
+
+def _by_reason(fate: DecodeFate, a: Aborted) -> RequestFailed:
     r = a.reason
     if r is AbortReason.TRANSFER_FAILED:
-        return RequestFailed(grpc.StatusCode.ABORTED, f"{a.message}: {job.transport_error or 'transport failure'}", r)
+        return RequestFailed(grpc.StatusCode.ABORTED, f"{a.message}: {fate.transport_error or 'transport failure'}", r)
     if r is AbortReason.PEER_FAILURE:  # the prefill process or its connection died
-        return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{a.message}: {job.transport_error or 'peer lost'}", r)
+        return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{a.message}: {fate.transport_error or 'peer lost'}", r)
     code = _CODE.get(r)
     if code is not None:
         return RequestFailed(code, a.message, r)
     msg = f"{a.message}: phase {_PHASE.get(r, r.name)}"
-    if job.last_error and r in (AbortReason.BOOTSTRAP_TIMEOUT, AbortReason.RESOLVE_DP_RANK_TIMEOUT):
-        msg += f"; last error: {job.last_error}"
+    if fate.last_error and r in (AbortReason.BOOTSTRAP_TIMEOUT, AbortReason.RESOLVE_DP_RANK_TIMEOUT):
+        msg += f"; last error: {fate.last_error}"
     elif r is AbortReason.RESOLVE_DP_RANK_TIMEOUT:  # the bootstrap answered, without the room
         msg += " (QueryDpRanks found no entry)"
     return RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, msg, r)

@@ -29,6 +29,7 @@ from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.failure_log import FailureLog
 from pdgrpc.serving.logs import request_event
 from pdgrpc.state import DecodeQueues, QueryDpRanks, SendHandshake
+from pdgrpc.state.decode_fate import CallAnswered, CallFailed, FateState, HandshakeAccepted, NeverForwarded
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -86,7 +87,7 @@ class PrefillCalls:
             self._query_failures.failed(addr, f"{len(query.rooms)} rooms: {exc}")
             for room in query.rooms:
                 if (job := self.host.job(room)) is not None:
-                    job.last_error = str(exc)
+                    job.fate.handle(CallFailed(str(exc)))
             return
         self._query_failures.succeeded(addr)
         self.metrics.on_dp_rank_query(len(query.rooms), missing=sum(1 for r in answers.values() if r is None))
@@ -96,7 +97,7 @@ class PrefillCalls:
             job = self.host.job(room)
             if job is None:
                 continue
-            job.last_error = ""  # answered: a failure before is no longer why it waits
+            job.fate.handle(CallAnswered())
             if job.prefill.restarted(instance):  # admitted under the instance before: its prefill is lost
                 request_event(log, room, "prefill restarted", level=logging.WARNING, prefill=addr, instance=f"{instance:016x}")
                 self.host.end_with(job, restart_failure(room, addr))
@@ -126,9 +127,10 @@ class PrefillCalls:
             missing = {room: s for room, s in missing.items() if (j := self.host.job(room)) is not None and now - j.admitted_at >= ASK_FAILURES_AFTER_S}
             for room, (failure, never_forwarded) in (await self.directory.room_failures(addr, missing)).items():
                 job = self.host.job(room)
-                if job is not None and not job.finished and not job.cancelled and job.dp_rank is None:
+                if job is not None and job.fate.live and job.dp_rank is None:
                     request_event(log, room, "prefill failed", level=logging.WARNING, message=failure.message)
-                    job.never_forwarded = never_forwarded
+                    if never_forwarded:
+                        job.fate.handle(NeverForwarded())
                     self.host.end_with(job, failure)
 
     # -- handshake ------------------------------------------------------------------------------
@@ -157,7 +159,7 @@ class PrefillCalls:
 
     def send_handshake(self, hs: SendHandshake, prompt_pages: tuple[int, ...]) -> None:
         job = self.host.job(hs.room)
-        if job is None or job.finished:
+        if job is None or job.fate.ended:
             return
         job.handshake_task = self.host.spawn(self._handshake(job, prompt_pages), f"handshake {hs.room}")
 
@@ -165,7 +167,7 @@ class PrefillCalls:
         deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
         result = await self.handshaker.handshake(job, prompt_pages, deadline)
         if result is ACCEPTED:
-            job.handshaken = True
+            job.fate.handle(HandshakeAccepted())
             self.host.wake()
             asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
         elif isinstance(result, RequestFailed):  # refused: the request ends with the prefill's status
@@ -174,12 +176,12 @@ class PrefillCalls:
 
     def _start_watch(self, job: Job) -> None:
         """The room's KV has not landed soon after the handshake: watch its prefill."""
-        if not (job.running or job.finished or job.cancelled or self.host.closing):
+        if job.fate.state is FateState.HANDSHAKEN and not self.host.closing:
             self.host.spawn(self._watch(job), f"watch-room {job.room}")
 
     async def _watch(self, job: Job) -> None:
         failure = await self.handshaker.watch(job, self.config.watch_wait_s)
-        if failure is None or job.finished or job.cancelled:
+        if failure is None or not job.fate.live:
             return
         request_event(log, job.room, "prefill failed", level=logging.WARNING, message=failure.message)
         self.host.end_with(job, failure)

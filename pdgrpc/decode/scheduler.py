@@ -52,7 +52,8 @@ from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.tp import check_tp_sizes
-from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, resolve_locally
+from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, SendHandshake, resolve_locally
+from pdgrpc.state.decode_fate import Cancel, Commit, TransportFailed
 from pdgrpc.transport.base import Transport
 
 log = logging.getLogger("pdgrpc.decode")
@@ -168,8 +169,7 @@ class DecodeScheduler:
     def end_with(self, job: Job, failure: RequestFailed) -> None:
         """End ``job`` with ``failure`` (its status and abort reason) once its cancel takes
         effect (:meth:`Generation.fail` then sends it)."""
-        job.failure = failure
-        self.cancel(job.room, failure.message)
+        self._cancel(job, Cancel(failure), failure.message)
 
     def wake(self) -> None:
         self._wake.set()
@@ -266,12 +266,16 @@ class DecodeScheduler:
         """Abort ``room`` (the client went away). Takes effect at once before the
         handshake, at the next poll during the transfer, before the next step when running."""
         job = self._jobs.get(room)
-        if job is None or job.finished:
+        if job is not None:
+            self._cancel(job, Cancel(), message)
+
+    def _cancel(self, job: Job, event: Cancel, message: str) -> None:
+        if job.fate.ended:
             return
-        job.cancelled = True
-        request_event(log, room, "cancel requested", why=message)
-        if not job.running:
-            aborted = self.queues.cancel(room, time.monotonic(), message)
+        job.fate.handle(event)
+        request_event(log, job.room, "cancel requested", why=message)
+        if job.fate.in_queues:
+            aborted = self.queues.cancel(job.room, time.monotonic(), message)
             if aborted is not None:
                 self._on_aborted(aborted)
         self._wake.set()
@@ -281,7 +285,7 @@ class DecodeScheduler:
         queued (the stream's end then cancels the request, as a client that went away
         does). False when no unfinished request has that room."""
         job = self._jobs.get(room)
-        if job is None or job.finished:
+        if job is None or job.fate.ended:
             return False
         job.out.put_nowait(RequestFailed(code, message))
         return True
@@ -322,25 +326,30 @@ class DecodeScheduler:
             self._on_aborted(aborted)
         for query in q.poll_dp_ranks(now):
             self.spawn(self.calls.query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
-        handshakes = q.prealloc(now)
-        self.transfers.check_writers()
-        if self.tp is None:
-            for hs in handshakes:
-                self.calls.start_handshake(hs, now)
-            outcomes = q.poll_transfers(now, local_poll=self._local_poll)
-        else:
-            advertised = [(hs, self.calls.advertise(hs, now)) for hs in handshakes]
-            outcomes = self._tp_poll(now)
-            # Only now: every rank has replayed prealloc and advertised its grants, so a
-            # prefill rank that writes at once finds them.
-            for hs, prompt_pages in advertised:
-                if prompt_pages is not None:
-                    self.calls.send_handshake(hs, prompt_pages)
-        self._act_on(outcomes, now)
+        self._poll(now, q.prealloc(now))
         if self.generation.busy:
             await self.generation.compute()
             return True
         return False
+
+    def _poll(self, now: float, handshakes: list[SendHandshake]) -> None:
+        """The one place the decode polls its transfers: each loop iteration (with the
+        handshakes prealloc just made) and, on one rank, whenever a transport room ends.
+        The grants of new handshakes are advertised before the poll; with TP > 1 their
+        handshakes go out after it, once every rank has replayed prealloc and advertised
+        its own grants, so a prefill rank that writes at once finds them."""
+        self.transfers.check_writers()
+        if self.tp is None:
+            for hs in handshakes:
+                self.calls.start_handshake(hs, now)
+            outcomes = self.queues.poll_transfers(now, local_poll=self._local_poll)
+        else:
+            advertised = [(hs, self.calls.advertise(hs, now)) for hs in handshakes]
+            outcomes = self._tp_poll(now)
+            for hs, prompt_pages in advertised:
+                if prompt_pages is not None:
+                    self.calls.send_handshake(hs, prompt_pages)
+        self._act_on(outcomes, now)
 
     def _tp_poll(self, now: float) -> list[Outcome]:
         """Broadcast the queue calls since the last poll, then poll collectively: every
@@ -369,17 +378,14 @@ class DecodeScheduler:
 
     def _local_poll(self, room: int) -> tuple[KVPoll, AbortReason]:
         """This rank's view of ``room`` for the transfer poll (and why, when FAILED).
-        Until every prefill worker accepted the handshake the room counts as
-        BOOTSTRAPPING, so the bootstrap deadline covers an unanswered handshake."""
+        The request's fate decides what it votes (:meth:`DecodeFate.vote`)."""
         state, text, why = self.transfers.status(room)
         job = self._jobs.get(room)
         if job is None:
             return state, why
         if state is KVPoll.FAILED:
-            if job.transport_error is None:
-                job.transport_error = text
-            return state, why
-        return (state if job.handshaken else min(state, KVPoll.BOOTSTRAPPING)), why
+            job.fate.handle(TransportFailed(text))
+        return job.fate.vote(state), why
 
     # -- transport reports --------------------------------------------------------------------
     def _on_transport_terminal(self, key: int) -> None:
@@ -394,19 +400,14 @@ class DecodeScheduler:
         self._poll_pending = False
         if self._closing:
             return
+        # One rank (no collective to keep in step) polls right away, so a landed room
+        # commits and its first token goes out without waiting for a whole iteration. Safe
+        # while an iteration awaits its compute step: the poll touches only slots in
+        # transfer or quarantine, and a job committed here runs from the next step. TP: the
+        # collective poll runs in the loop, on every rank together.
         if self.tp is None:
-            self._poll_now()
-        self._wake.set()  # TP: the collective poll runs in the loop, on every rank together
-
-    def _poll_now(self) -> None:
-        """One rank (no collective to keep in step): the transfer poll right away, so a
-        landed room commits and its first token goes out now rather than after the loop
-        wakes up and runs a whole iteration. The loop still runs the decode steps. Safe
-        between iterations and while one awaits its compute step: the poll touches only
-        slots in transfer or quarantine, and a job committed here joins the generation's running requests for
-        the next step."""
-        now = time.monotonic()
-        self._act_on(self.queues.poll_transfers(now, local_poll=self._local_poll), now)
+            self._poll(time.monotonic(), [])
+        self._wake.set()
 
     def _act_on(self, outcomes: list[Outcome], now: float) -> None:
         for outcome in outcomes:
@@ -428,7 +429,7 @@ class DecodeScheduler:
         if c.row is None:  # fake transport: nothing was written; compute the prompt's KV here
             self.metrics.on_transfer(0, transfer_s)
             request_event(log, c.room, "committed (fake transfer: prefilling locally)", transfer_s=f"{transfer_s:.4f}")
-            job.running = True
+            job.fate.handle(Commit())
             self.generation.prefill_here(job)
             return
         row = c.row
@@ -438,7 +439,7 @@ class DecodeScheduler:
         # Every rank received the same share: the request's KV is tp_size times this rank's.
         nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes * self.tp_size + self.buffers.layout.row_bytes
         self.metrics.on_transfer(nbytes, transfer_s)
-        job.running = True
+        job.fate.handle(Commit())
         self.generation.start(job, first, nbytes, transfer_s, data_plane_s)
         # After the stream's wake-up: the first token goes out before this line is written.
         request_event(
@@ -451,7 +452,7 @@ class DecodeScheduler:
         if job is None:
             self._release_transport(a.room, a.message)
             return
-        status = abort_status(job, a)
+        status = abort_status(job.fate, a)
         self._release_transport(a.room, status.message)
         request_event(
             log, a.room, "aborted", level=logging.WARNING, state=a.state, reason=a.reason.name,

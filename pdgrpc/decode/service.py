@@ -117,7 +117,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             if trace is not None:
                 trace.end("ended before the first token")
             job.first_sent.set()  # nobody waits for a stream that ended
-            if not job.finished:  # the client cancelled (or the stream broke): abort it
+            if not job.fate.ended:  # the client cancelled (or the stream broke): abort it
                 self.scheduler.cancel(job.room, "client cancelled the Decode call")
 
     async def _admit(self, request: decode_pb2.DecodeRequest) -> Job:
