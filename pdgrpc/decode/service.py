@@ -78,7 +78,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     async def _decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        # Until the first token is sent; the handshake's span and the hops below are its children.
+        # Until the first token is handed to gRPC; the handshake's span and the hops below are its children.
         trace = tracing.server("decode", context.invocation_metadata()) if tracing.enabled else None
         try:
             job = await self._admit(request)
@@ -96,6 +96,10 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
                 if isinstance(item, RequestFailed):
                     await context.abort(item.code, item.message)
                     return  # abort() raises; not reached
+                if trace is not None:  # handed to gRPC now (it resumes us only once written)
+                    trace.hop("first_token")
+                    trace.end()
+                    trace = None
                 yield decode_pb2.DecodeResponse(
                     token_ids=item.token_ids,
                     logprobs=item.logprobs,
@@ -107,10 +111,6 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
                 )
                 # grpc resumes the generator once the message is written to the connection.
                 job.first_sent.set()
-                if trace is not None:
-                    trace.hop("first_token")
-                    trace.end()
-                    trace = None
                 if item.finish_reason:
                     return
         finally:
