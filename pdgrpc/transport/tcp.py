@@ -35,8 +35,9 @@ peer listening on the same port is never mistaken for the old one, and a connect
 that merely claims an instance id (ids are public) is refused and closed before it can
 send a byte of data or affect anyone's rooms.
 
-This module makes the sockets and the connections, and ends them; the rest lives in
-:mod:`~pdgrpc.transport.tcp_conn` (frames on one connection),
+This module makes the sockets, holds the parts and ends them:
+:mod:`~pdgrpc.transport.tcp_wire` (the frame format),
+:mod:`~pdgrpc.transport.tcp_conn` (one connection),
 :mod:`~pdgrpc.transport.tcp_send` and :mod:`~pdgrpc.transport.tcp_recv` (the two sides
 of a transfer), :mod:`~pdgrpc.transport.tcp_limits` (bounds on connections) and
 :mod:`~pdgrpc.transport.tcp_device` (device memory, staged).
@@ -52,21 +53,21 @@ import time
 from typing import Any, Sequence
 
 from pdgrpc.errors import ConfigError, PeerFailure, TransportError
-from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, Peer, Transport
 from pdgrpc.transport import peerauth
-from pdgrpc.transport.receiver import Receiver
+from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, Peer, RoomGrant, Transport, WriteOp
+from pdgrpc.transport.tcp_conn import Conn, ConnEvents
 from pdgrpc.transport.tcp_device import TcpDevice
-from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, on_hello, tend
-from pdgrpc.transport.tcp_conn import CHALLENGE, HEADER, HELLO, SCRATCH_BYTES, _Conn, byte_view
+from pdgrpc.transport.tcp_limits import RESOURCE_ERRNOS, AcceptGate, TcpLimits, tend
 from pdgrpc.transport.tcp_recv import TcpReceiver
-from pdgrpc.transport.tcp_send import TcpSender, _Link
+from pdgrpc.transport.tcp_send import TcpSender
+from pdgrpc.transport.tcp_wire import HELLO, byte_view
 
 __all__ = ["TcpTransport", "byte_view"]
 
 log = logging.getLogger("pdgrpc.transport.tcp")
 
 
-class TcpTransport(TcpSender, TcpReceiver, Transport):
+class TcpTransport(Transport):
     """Options: ``host`` to listen on (default 127.0.0.1), ``port`` (0: any),
     ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
     ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default), and the
@@ -74,7 +75,11 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
     ``max_connections``, ``max_connections_per_address`` (before the proof),
     ``max_connections_per_peer`` (proven), ``heartbeat_interval`` and
     ``heartbeat_lease`` (a peer that sends nothing, not even its heartbeat, for the lease
-    is lost: a hung process fails its rooms within it)."""
+    is lost: a hung process fails its rooms within it). ``device`` (not an option: for
+    tests) stages device regions in place of the default :class:`TcpDevice`.
+
+    The work is done by :attr:`sender` (links to peers, writes) and :attr:`receiver`
+    (accepted connections, grants); this class makes their sockets and delegates."""
 
     name = "tcp"
 
@@ -92,6 +97,7 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         max_connections_per_peer: int = TcpLimits.max_connections_per_peer,
         heartbeat_interval: float = TcpLimits.heartbeat_interval,
         heartbeat_lease: float = TcpLimits.heartbeat_lease,
+        device: TcpDevice | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -106,7 +112,6 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         self._last_tick = time.monotonic()
         self._host = host
         self._port = port
-        self._nconn = connections
         self._connect_timeout = connect_timeout
         self._sockbuf = sockbuf
         self._bound_loop: asyncio.AbstractEventLoop | None = None
@@ -114,15 +119,12 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         self._endpoint = b""
         self._regions: dict[int, MemoryRegion] = {}
         self._views: dict[int, memoryview] = {}
-        self._dev = TcpDevice()
-        self._recv = Receiver(self.rooms)
-        self._links: dict[str, _Link] = {}
-        self._connecting: dict[str, asyncio.Future[None]] = {}
-        self._room_link: dict[int, str] = {}
-        self._incoming: set[_Conn] = set()
-        self._scratch: memoryview | None = None
+        self._device = TcpDevice() if device is None else device
+        self.receiver = TcpReceiver(self.rooms, self._views, self._device, self._gate, self.writers,
+                                    self.instance_id, self.verify_proof, self.name)
+        self.sender = TcpSender(self.rooms, self._regions, self._views, self._device, self._dial, connections,
+                                self.fail_peer, self.name)
         self._closed = False
-
     # -- socket hooks: public, for variants that make their sockets another way -------
     # (``examples/pdgrpc-unix`` overrides listen_socket and peer_address for AF_UNIX)
     def listen_socket(self) -> tuple[socket.socket, bytes]:
@@ -162,7 +164,7 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
 
     # -- set-up ----------------------------------------------------------------------
     def _descriptor(self) -> Descriptor:
-        return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self._recv.regions.infos.values()))
+        return Descriptor(self.name, self.instance_id, self._endpoint, tuple(self.receiver.region_infos()))
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -186,10 +188,10 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         for r in regions:
             if r.region_id in self._regions and self._regions[r.region_id] is not r:
                 raise ConfigError(f"region_id {r.region_id} ({r.name!r}) is already registered")
-            if not self._dev.add(r):  # device memory is staged (tcp_device); host memory is read in place
+            if not self._device.add(r):  # device memory is staged (tcp_device); host memory is read in place
                 self._views[r.region_id] = byte_view(r.tensor)
             self._regions[r.region_id] = r
-            self._recv.add_region(r.info())
+            self.receiver.add_region(r.info())
         if self._listener is None:
             try:
                 lsock, self._endpoint = self.listen_socket()
@@ -228,10 +230,7 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
                 self._gate.release(address)
                 sock.close()  # the peer sees the connection drop and fails its own rooms
                 continue
-            conn = _Conn(self, sock, None, remote=address)
-            self._incoming.add(conn)
-            conn.nonce = peerauth.new_nonce()
-            conn.send([HEADER.pack(CHALLENGE, 0, 0, len(conn.nonce), 0), conn.nonce])
+            self.receiver.accepted(sock, self._loop, address)
 
     def _resume_accept(self, listener: socket.socket) -> None:
         if self._listener is listener and not self._closed:
@@ -247,7 +246,7 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         # they sent may be unread in the socket buffers. Judge silence on the next one.
         judge = now - self._last_tick < lim.heartbeat_lease / 2
         self._last_tick = now
-        conns = [*self._incoming, *(c for link in self._links.values() for c in link.conns)]
+        conns = [*self.receiver.connections, *self.sender.connections()]
         for c in conns if judge else ():
             tend(c, lim, now)
         self._tick_handle = self._loop.call_later(lim.heartbeat_interval, self._tick)
@@ -257,38 +256,10 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         d = Descriptor.from_bytes(descriptor)
         if d.backend != self.name:
             raise BadDescriptor(f"descriptor is for transport {d.backend!r}, this is {self.name!r}")
-        link = self._links.get(d.instance_id)
-        if link is not None and link.alive:
-            return link.peer
-        pending = self._connecting.get(d.instance_id)
-        if pending is not None:
-            await asyncio.shield(pending)
-            return await self.connect(descriptor)
-        # A different instance at the same endpoint is a restarted peer: the old
-        # connection (if any survived) must not be used again.
-        for old in [lk for lk in self._links.values() if lk.peer.descriptor.endpoint == d.endpoint]:
-            self._drop_link(old, f"peer at {d.endpoint.decode(errors='replace')} restarted as {d.instance_id}")
-        fut = self._loop.create_future()
-        self._connecting[d.instance_id] = fut
-        conns: list[_Conn] = []
-        try:
-            for _ in range(self._nconn):
-                conns.append(await self._open(d))
-            peer = Peer(d.instance_id, d)
-            link = _Link(peer, conns)
-            for c in conns:
-                c.peer_id = d.instance_id
-            self._links[d.instance_id] = link
-            return peer
-        except BaseException:
-            for c in conns:
-                c.close()
-            raise
-        finally:
-            del self._connecting[d.instance_id]
-            fut.set_result(None)
+        return await self.sender.connect(d)
 
-    async def _open(self, d: Descriptor) -> _Conn:
+    async def _dial(self, d: Descriptor, events: ConnEvents) -> Conn:
+        """One connection to the peer ``d``, its handshake done (the sender's ``dial``)."""
         family, addr = self.peer_address(d.endpoint)
         where = d.endpoint.decode(errors="replace")
         try:
@@ -302,7 +273,7 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
             raise PeerFailure(f"cannot connect to {self.name} peer {d.instance_id} at {where}: {exc!r}") from None
-        conn = _Conn(self, sock, None)
+        conn = Conn(sock, self._loop, events)
         try:
             nonce = await asyncio.wait_for(asyncio.shield(conn.challenge), self._connect_timeout)
             answer = peerauth.proof(self.require_credential(d.instance_id), b"tcp", nonce, self.instance_id, d.instance_id)
@@ -316,55 +287,24 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
             raise
         return conn
 
-    # -- receiver: the HELLO (data frames: tcp_recv) -----------------------------------
-    def _on_hello(self, conn: _Conn, text: str) -> None:
-        on_hello(self, conn, text)
+    # -- the contract: each side does its part ---------------------------------------------
+    def advertise(self, grant: RoomGrant) -> None:
+        self.receiver.advertise(grant)
 
-    # -- both sides --------------------------------------------------------------------
-    def _on_conn_lost(self, conn: _Conn, reason: str) -> None:
-        peer = conn.peer_id
-        if conn.remote is not None:
-            # Only a proven connection has rooms or a peer (peer_id is set after the
-            # proof). Its loss fails the rooms written through it; once the writer has no
-            # proven connection left and ended them itself, it is gone: all its rooms fail.
-            rooms = [r for r in conn.rooms if self._recv.get(r) is not None]
-            if peer is not None and self.writers.gone(peer):
-                rooms += self._recv.rooms_of(peer)
-            self.rooms.fail_all(f"{self.name} connection from {peer} lost: {reason}", rooms, peer_lost=True)
-            return
-        if peer is not None:  # our own connection to a peer we handshaked with
-            self.fail_peer(peer, f"{self.name} peer {peer} lost: {reason}")
-
-    def _drop_link(self, link: _Link, reason: str, *, peer_lost: bool = True) -> None:
-        link.alive = False
-        if self._links.get(link.peer.instance_id) is link:
-            del self._links[link.peer.instance_id]
-        for c in link.conns:
-            c.close()
-        self.rooms.fail_all(reason, link.rooms, peer_lost=peer_lost)
-        for room in link.rooms:
-            if self._room_link.get(room) == link.peer.instance_id:
-                del self._room_link[room]
+    async def write(
+        self, peer: Peer, room: int, ops: Sequence[WriteOp], *, metadata: WriteOp | None = None
+    ) -> None:
+        self._ensure_loop()
+        await self.sender.write(peer, room, ops, metadata)
 
     def release(self, room: int) -> None:
         self.rooms.discard(room)
-        if self._recv.release(room) is not None:
-            for conn in self._incoming:
-                conn.rooms.discard(room)
-        iid = self._room_link.pop(room, None)
-        if iid is not None and iid in self._links:
-            link = self._links[iid]
-            link.rooms.discard(room)
-            link.sent.pop(room, None)
+        self.receiver.release(room)
+        self.sender.release(room)
 
     def fail_peer(self, instance_id: str, reason: str) -> None:
-        link = self._links.get(instance_id)
-        if link is not None:
-            self._drop_link(link, reason)
-        for conn in [c for c in self._incoming if c.peer_id == instance_id]:
-            conn.close()
-            self._incoming.discard(conn)
-        self.rooms.fail_all(reason, self._recv.rooms_of(instance_id), peer_lost=True)
+        self.sender.drop(instance_id, reason)
+        self.receiver.fail_peer(instance_id, reason)
 
     async def close(self) -> None:
         if self._closed:
@@ -376,15 +316,6 @@ class TcpTransport(TcpSender, TcpReceiver, Transport):
             self._loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
-        for link in list(self._links.values()):
-            self._drop_link(link, f"{self.name} transport closed", peer_lost=False)
-        for conn in list(self._incoming):
-            conn.close()
-        self._incoming.clear()
+        self.sender.close(f"{self.name} transport closed")
+        self.receiver.close()
         self.rooms.fail_all(f"{self.name} transport closed")
-        self._recv.clear()
-
-    def _scratch_view(self) -> memoryview:
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(SCRATCH_BYTES))
-        return self._scratch

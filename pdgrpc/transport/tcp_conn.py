@@ -1,6 +1,8 @@
-"""The ``tcp`` backend's wire format and connection: one non-blocking socket driven by
-event-loop reader/writer callbacks (no tasks, no threads), and the frame layout the
-:mod:`pdgrpc.transport.tcp` module docstring describes."""
+"""One ``tcp`` connection: a non-blocking socket driven by event-loop reader/writer
+callbacks (no tasks, no threads). It reads frames (:mod:`~pdgrpc.transport.tcp_wire`),
+answers the handshake futures itself and hands every other frame to the
+:class:`ConnEvents` it was built with: the receiver's for accepted connections, the
+sender's for its own."""
 
 from __future__ import annotations
 
@@ -10,143 +12,64 @@ import collections
 import itertools
 import logging
 import socket
-import struct
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-import numpy as np
-import torch
+from pdgrpc.errors import PeerFailure
+from pdgrpc.transport.receiver import Refusal
+from pdgrpc.transport.tcp_wire import (
+    ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_CONTROL_BYTES, MAX_FRAME_PAYLOAD, MAX_OPS_PER_FRAME,
+    META, NACK, OP, PING, WRITE,
+)
 
-from pdgrpc.errors import ConfigError, PeerFailure
-from pdgrpc.transport.receiver import MessageType, Refusal
-
-if TYPE_CHECKING:
-    from pdgrpc.transport.tcp import TcpTransport
+__all__ = ["Conn", "ConnEvents"]
 
 log = logging.getLogger("pdgrpc.transport.tcp")
 
-HEADER = struct.Struct("<B3xIQQQ")
-OP = struct.Struct("<H6xQQ")
-PING_FRAME = HEADER.pack(MessageType.PING, 0, 0, 0, 0)
-OP_DTYPE = np.dtype({"names": ["region", "offset", "length"], "formats": ["<u2", "<u8", "<u8"],
-                     "offsets": [0, 8, 16], "itemsize": 24})  # same layout as OP
-HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK, PING, CHALLENGE = (
-    MessageType.HELLO, MessageType.HELLO_OK, MessageType.HELLO_REFUSED, MessageType.WRITE, MessageType.META,
-    MessageType.ACK, MessageType.NACK, MessageType.PING, MessageType.CHALLENGE)
-MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
-MAX_FRAME_PAYLOAD = 256 << 20  # bytes of payload in one frame; a frame announcing more is a protocol error
 _IOV_BATCH = 256  # buffers per sendmsg/recvmsg_into call (bounded work per syscall)
-_IOV_BYTES = 4 << 20
-MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
-SCRATCH_BYTES = 1 << 20  # discard buffer for refused or released payload
 _READS_PER_CALLBACK = 64  # bound how long one busy socket holds the event loop
-_STRIDED_MIN = 128  # slices in one region before a strided numpy view pays off its fixed cost
+_SCRATCH_BYTES = 1 << 20  # discard buffer for refused or released payload
+_scratch: list[memoryview] = []  # bytes read there are never looked at, so one serves every connection
 
 
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable flat byte memoryview over a contiguous CPU tensor's storage."""
-    if tensor.device.type != "cpu":
-        raise ConfigError(f"tcp transport needs CPU tensors, got one on {tensor.device}")
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+def _scratch_view() -> memoryview:
+    if not _scratch:
+        _scratch.append(memoryview(bytearray(_SCRATCH_BYTES)))
+    return _scratch[0]
 
 
-def _merge_adjacent(regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Coalesce consecutive ``(region, offset, length)`` byte ranges that continue one
-    another in the same region into one range (vectorized). The payload of a frame is
-    the ops' bytes back to back, so one side's adjacent ranges can travel as one buffer
-    whatever the other side's layout: a head-sliced transfer has one op per page, but
-    its receiver's (TP 1 -> TP 2) or its sender's (TP 2 -> TP 1) pages are contiguous."""
-    if len(lengths) < 2:
-        return regions, offsets, lengths
-    new = np.empty(len(lengths), dtype=bool)
-    new[0] = True
-    np.not_equal(regions[1:], regions[:-1], out=new[1:])
-    new[1:] |= offsets[1:] != offsets[:-1] + lengths[:-1]
-    if new.all():
-        return regions, offsets, lengths
-    starts = np.flatnonzero(new)
-    return regions[starts], offsets[starts], np.add.reduceat(lengths, starts)
+class ConnEvents(Protocol):
+    """What a connection reports: its frames (each side answers those meant for it and
+    calls :meth:`Conn.protocol_error` for the others), its close (any way, once) and,
+    after that, its loss (peer gone, error, protocol error)."""
+
+    def data_frame(self, conn: Conn, ftype: int, room: int, table: bytearray, payload_len: int, aux: int) -> None:
+        """A WRITE or META frame's header and op table arrived; its payload is next."""
+
+    def hello(self, conn: Conn, text: str) -> None: ...
+    def ack(self, conn: Conn, room: int) -> None: ...
+    def nack(self, conn: Conn, room: int, reason: str, refusal: Refusal | None) -> None: ...
+    def closed(self, conn: Conn, by_peer: bool) -> None: ...
+    def lost(self, conn: Conn, reason: str) -> None: ...
 
 
-def frame_chunks(arr: np.ndarray) -> Iterator[np.ndarray]:
-    """Write ops (rows of :class:`~pdgrpc.transport.base.WriteOps`) cut into frames of at
-    most ``MAX_OPS_PER_FRAME`` ops and ``MAX_FRAME_PAYLOAD`` bytes; an op longer than the
-    byte limit is split into pieces that continue one another."""
-    if len(arr) and int(arr[:, 4].max()) > MAX_FRAME_PAYLOAD:
-        pieces = -(-arr[:, 4] // MAX_FRAME_PAYLOAD)
-        rows = np.repeat(arr, pieces, axis=0)
-        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-        k = np.arange(len(rows)) - first  # piece index within its op
-        skip = k * MAX_FRAME_PAYLOAD
-        rows[:, 1] += skip
-        rows[:, 3] += skip
-        rows[:, 4] = np.minimum(rows[:, 4] - skip, MAX_FRAME_PAYLOAD)
-        arr = rows
-    ends = np.cumsum(arr[:, 4])
-    i, n = 0, len(arr)
-    while i < n:
-        base = int(ends[i - 1]) if i else 0
-        j = min(i + MAX_OPS_PER_FRAME, int(np.searchsorted(ends, base + MAX_FRAME_PAYLOAD, side="right")))
-        yield arr[i : max(j, i + 1)]
-        i = max(j, i + 1)
-
-
-def _frame_buffers(hdr: bytes, table: np.ndarray, chunk: np.ndarray,
-                   views: dict[int, memoryview]) -> tuple[list[memoryview], list[int]]:
-    """Header, op table and the source slices of one WRITE frame (gather list, adjacent
-    slices merged), with cumulative sizes."""
-    regions, offsets, lengths = _merge_adjacent(chunk[:, 0], chunk[:, 1], chunk[:, 4])
-    bufs: list[Any] = [memoryview(hdr), memoryview(table).cast("B")]  # type: ignore[arg-type]
-    if len(lengths) < _STRIDED_MIN:
-        bufs += [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist())]
-    else:
-        _add_slices(bufs, regions, offsets, lengths, views)
-    ends = np.cumsum(np.concatenate(([len(hdr), table.nbytes], lengths))).tolist()
-    return bufs, ends
-
-
-def _add_slices(bufs: list[Any], regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-                views: dict[int, memoryview]) -> None:
-    """Append the byte slices ``views[region][offset : offset + length]`` to ``bufs``.
-    Each same-region group of equal-length slices at a constant stride (a head-sliced
-    transfer's source: one block per page) of at least ``_STRIDED_MIN`` slices becomes
-    the rows of one strided numpy view, about half the cost per slice of slicing a
-    memoryview."""
-    cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
-    for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(regions)]):
-        r = int(regions[a])
-        if b - a >= _STRIDED_MIN:
-            n, o = int(lengths[a]), offsets[a:b]
-            step = int(o[1] - o[0])
-            if step >= n and (lengths[a:b] == n).all() and (o[1:] - o[:-1] == step).all():
-                # numpy checks that the strided extent lies inside the region's buffer
-                bufs.extend(np.ndarray((b - a, n), np.uint8, views[r], int(o[0]), (step, 1)))
-                continue
-        v = views[r]
-        bufs += [v[o : o + n] for o, n in zip(offsets[a:b].tolist(), lengths[a:b].tolist())]
-
-
-class _Conn:
+class Conn:
     """One socket, driven by event-loop reader/writer callbacks (no tasks, no threads)."""
 
-    def __init__(self, owner: "TcpTransport", sock: socket.socket, peer_id: str | None, *,
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, events: ConnEvents, *,
                  remote: str | None = None) -> None:
-        self.owner = owner
         self.sock = sock
         self.fd = sock.fileno()
-        self.loop = owner._loop
-        self.peer_id = peer_id  # accepted: set only once the HELLO's proof verified
+        self.loop = loop
+        self.events = events
+        self.peer_id: str | None = None  # accepted: set only once the HELLO's proof verified
         self.nonce = b""  # accepted: the challenge sent to the peer
         self.closed = False
         self.rooms: set[int] = set()  # rooms written through this (accepted) connection
         self.remote = remote  # the remote address of an accepted connection; None for our own
         self.opened = self.last_recv = self.last_sent = time.monotonic()
-        self.hello: asyncio.Future[str] = self.loop.create_future()
-        self.challenge: asyncio.Future[bytes] = self.loop.create_future()  # our own: the peer's nonce
+        self.hello: asyncio.Future[str] = loop.create_future()
+        self.challenge: asyncio.Future[bytes] = loop.create_future()  # our own: the peer's nonce
         # Outgoing frames: (buffers, cumulative sizes), or a callable that builds them
         # only when the socket can take the frame -- a scattered transfer is ~100k page
         # slices, and holding them all as live memoryviews makes the garbage
@@ -166,11 +89,12 @@ class _Conn:
         self._on_done: Callable[[], None] = self._got_header
         self._guard_room: int | None = None  # room whose granted pages we are filling
         self._guard_ref: object = None
-        self.loop.add_reader(self.fd, self._on_readable)
-        self._expect_header()
+        self._guard_lookup: Callable[[int], object] = _nothing
+        loop.add_reader(self.fd, self._on_readable)
+        self.next_frame()
 
     # -- reading -------------------------------------------------------------------
-    def _expect(self, bufs: list[memoryview], on_done: Callable[[], None], ends: list[int] | None = None) -> None:
+    def expect(self, bufs: list[memoryview], on_done: Callable[[], None], ends: list[int] | None = None) -> None:
         """Read into ``bufs`` in order, then call ``on_done``. ``ends`` (cumulative
         sizes) lets progress be tracked with a bisect instead of a per-buffer loop."""
         if ends is None:
@@ -183,18 +107,27 @@ class _Conn:
         self._idx = 0
         self._on_done = on_done
 
-    def _expect_header(self) -> None:
+    def next_frame(self) -> None:
+        """Read the next frame's header."""
         self._guard_room = None
-        self._expect([memoryview(self._hdr)], self._got_header, [HEADER.size])
+        self.expect([memoryview(self._hdr)], self._got_header, [HEADER.size])
 
-    def _expect_discard(self, nbytes: int, then: Callable[[], None]) -> None:
+    def discard(self, nbytes: int, then: Callable[[], None]) -> None:
         """Read ``nbytes`` and drop them, one scratch buffer at a time (O(1) memory
         whatever ``nbytes`` says), then call ``then``."""
         self._guard_room = None
-        scratch = self.owner._scratch_view()
+        scratch = _scratch_view()
         n = min(nbytes, len(scratch))
         rest = nbytes - n
-        self._expect([scratch[:n]], (lambda: self._expect_discard(rest, then)) if rest else then, [n])
+        self.expect([scratch[:n]], (lambda: self.discard(rest, then)) if rest else then, [n])
+
+    def receive_payload(self, views: list[memoryview], then: Callable[[], None], ends: list[int], *,
+                        room: int, ref: object, lookup: Callable[[int], object]) -> None:
+        """Read a frame's payload into ``views`` (granted pages), then call ``then``;
+        once ``lookup(room)`` is no longer ``ref`` (the room was released) the rest of
+        the frame is dropped instead."""
+        self.expect(views, then, ends)
+        self._guard_room, self._guard_ref, self._guard_lookup = room, ref, lookup
 
     def _on_readable(self) -> None:
         for _ in range(_READS_PER_CALLBACK):
@@ -204,10 +137,10 @@ class _Conn:
                 self._on_done()
                 if self.closed:
                     return
-            if self._guard_room is not None and self.owner._recv.get(self._guard_room) is not self._guard_ref:
+            if self._guard_room is not None and self._guard_lookup(self._guard_room) is not self._guard_ref:
                 # The room was released mid-payload: its pages may already belong to
                 # another request, so drop the rest of this frame's bytes.
-                self._expect_discard(self._total - self._pos, self._expect_header)
+                self.discard(self._total - self._pos, self.next_frame)
             iovs, ends, i = self._iovs, self._ends, self._idx
             skip = self._pos - (ends[i - 1] if i else 0)
             first = iovs[i][skip:] if skip else iovs[i]
@@ -242,23 +175,24 @@ class _Conn:
                 return self.protocol_error(
                     f"frame payload of {payload_len} bytes exceeds the limit of {MAX_FRAME_PAYLOAD} bytes")
             table = bytearray(n_ops * OP.size)
-            self._expect(
-                [memoryview(table)], lambda: self.owner._on_data_frame(self, ftype, room, table, payload_len, aux)
+            self.expect(
+                [memoryview(table)], lambda: self.events.data_frame(self, ftype, room, table, payload_len, aux)
             )
         elif ftype in (HELLO, HELLO_REFUSED, NACK, CHALLENGE):
             if payload_len > MAX_CONTROL_BYTES:
                 return self.protocol_error(f"control frame of {payload_len} bytes (limit {MAX_CONTROL_BYTES})")
             body = bytearray(payload_len)
-            self._expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body), aux))
+            self.expect([memoryview(body)], lambda: self._got_control(ftype, room, bytes(body), aux))
         elif ftype == HELLO_OK:
             if not self.hello.done():
                 self.hello.set_result("")
-            self._expect_header()
+            self.next_frame()
         elif ftype == ACK:
-            self.owner._on_ack(self, room)
-            self._expect_header()
+            self.events.ack(self, room)
+            if not self.closed:
+                self.next_frame()
         elif ftype == PING:
-            self._expect_header()
+            self.next_frame()
         else:
             self.protocol_error(f"unknown frame type {ftype}")
 
@@ -267,10 +201,10 @@ class _Conn:
             if self.remote is not None or self.challenge.done():
                 return self.protocol_error("unexpected CHALLENGE")
             self.challenge.set_result(body)
-            return self._expect_header()
+            return self.next_frame()
         text = body.decode("utf-8", "replace")
         if ftype == HELLO:
-            self.owner._on_hello(self, text)
+            self.events.hello(self, text)
         elif ftype == HELLO_REFUSED:
             for fut in (self.hello, self.challenge):
                 if not fut.done():
@@ -278,14 +212,9 @@ class _Conn:
                     fut.exception()  # whoever awaits it still gets it
             return self.lose(f"peer refused the connection: {text}")
         elif ftype == NACK:
-            self.owner._on_nack(self, room, text, Refusal.from_code(aux))
+            self.events.nack(self, room, text, Refusal.from_code(aux))
         if not self.closed:
-            self._expect_header()
-
-    def receive_payload(self, room: int, ref: object, views: list[memoryview], then: Callable[[], None],
-                        ends: list[int] | None = None) -> None:
-        self._expect(views, then, ends)
-        self._guard_room, self._guard_ref = room, ref
+            self.next_frame()
 
     # -- writing -------------------------------------------------------------------
     def send(self, bufs: Sequence[bytes | memoryview], on_sent: Callable[[], None] | None = None) -> None:
@@ -360,11 +289,7 @@ class _Conn:
         if self.closed:
             return
         self.closed = True
-        if self.remote is not None:
-            self.owner._gate.release(self.remote, self.peer_id)
-            self.owner._incoming.discard(self)
-            if self.peer_id is not None:
-                self.owner.writers.closed(self.peer_id, by_peer=by_peer)
+        self.events.closed(self, by_peer)
         self.loop.remove_reader(self.fd)
         if self._writing:
             self.loop.remove_writer(self.fd)
@@ -387,6 +312,8 @@ class _Conn:
         if self.closed:
             return
         self.close(by_peer=by_peer)
-        self.owner._on_conn_lost(self, reason)
+        self.events.lost(self, reason)
 
 
+def _nothing(room: int) -> object:
+    return None

@@ -1,7 +1,7 @@
 """The ``tcp`` backend's device (CUDA) regions: KV pages staged through pinned host
 buffers (:mod:`pdgrpc.transport.staging`), since a socket reads and writes host memory.
 
-:class:`TcpDevice` is the narrow hook :class:`~pdgrpc.transport.tcp.TcpTransport` calls:
+:class:`TcpDevice` is the narrow hook the sender and the receiver call:
 
 * ``add(region)`` at registration: keeps each region's flat bytes; says whether the region
   is device memory (no memoryview of it exists then). Metadata rows must be host memory.
@@ -20,7 +20,7 @@ buffers (:mod:`pdgrpc.transport.staging`), since a socket reads and writes host 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,10 +32,8 @@ from pdgrpc.transport.regions import MemoryRegion, RegionKind
 from pdgrpc.transport.staging import (
     PIECE_BYTES, POOL_BUFFERS, Piece, StagedReceive, StagingPool, pinned_empty, split_pieces, stage_out,
 )
-from pdgrpc.transport.tcp_conn import HEADER, MAX_OPS_PER_FRAME, OP_DTYPE, WRITE
-
-if TYPE_CHECKING:
-    from pdgrpc.transport.tcp_conn import _Conn
+from pdgrpc.transport.tcp_conn import Conn
+from pdgrpc.transport.tcp_wire import HEADER, MAX_OPS_PER_FRAME, WRITE, op_table
 
 __all__ = ["TcpDevice"]
 
@@ -73,6 +71,11 @@ class TcpDevice:
         self._table = table
         return True
 
+    @property
+    def send_high_water(self) -> int:
+        """Most staging buffers the sender held at once so far."""
+        return 0 if self._out is None else self._out.high_water
+
     def touches(self, region_ids: np.ndarray) -> bool:
         """Whether any of ``region_ids`` is a device region (vectorized)."""
         if not self.device_ids or not len(region_ids):
@@ -82,7 +85,7 @@ class TcpDevice:
         return bool(self._table[ids[inside]].any())
 
     # -- sender ------------------------------------------------------------------------
-    async def write(self, conn_for: Callable[[], "_Conn"], room: int, arr: np.ndarray) -> int:
+    async def write(self, conn_for: Callable[[], Conn], room: int, arr: np.ndarray) -> int:
         """Send the ops ``arr`` (rows of :class:`~pdgrpc.transport.regions.WriteOps`) as
         staged ``WRITE`` frames; returns the payload bytes queued."""
         if self._out is None:
@@ -99,8 +102,7 @@ class TcpDevice:
             n = len(d.lengths)
             for a in range(0, n, MAX_OPS_PER_FRAME):
                 b = min(n, a + MAX_OPS_PER_FRAME)
-                table = np.zeros(b - a, dtype=OP_DTYPE)
-                table["region"], table["offset"], table["length"] = d.regions[a:b], d.offsets[a:b], d.lengths[a:b]
+                table = op_table(d.regions[a:b], d.offsets[a:b], d.lengths[a:b])
                 size = int(d.lengths[a:b].sum())
                 bufs = [memoryview(HEADER.pack(WRITE, b - a, room, size, 0)), memoryview(table).cast("B"),  # type: ignore[arg-type]
                         view[at : at + size]]
@@ -111,7 +113,7 @@ class TcpDevice:
         return await stage_out(src, self._out, functools.partial(gather_into, self.flats), send)
 
     # -- receiver ----------------------------------------------------------------------
-    def receive(self, conn: "_Conn", still_granted: Callable[[], bool], regions: np.ndarray, offsets: np.ndarray,
+    def receive(self, conn: Conn, still_granted: Callable[[], bool], regions: np.ndarray, offsets: np.ndarray,
                 lengths: np.ndarray, landed: Callable[[], None]) -> None:
         """Read the current frame's payload (destination ranges ``regions``/``offsets``/
         ``lengths``, already authorized) through this connection's staging buffers into
@@ -131,14 +133,14 @@ class TcpDevice:
             except Exception as exc:  # e.g. pinned memory could not be allocated
                 rx.abandon()
                 return conn.lose(f"tcp: staging a frame into device memory failed: {exc!r}")
-            conn._expect([view], functools.partial(got_piece, len(view)), [len(view)])
+            conn.expect([view], functools.partial(got_piece, len(view)), [len(view)])
 
         def got_piece(n: int) -> None:
             nonlocal remaining
             remaining -= n
             if not still_granted():  # released mid-frame: drop the rest, copy nothing more
                 rx.abandon()
-                return conn._expect_discard(remaining, conn._expect_header) if remaining else conn._expect_header()
+                return conn.discard(remaining, conn.next_frame) if remaining else conn.next_frame()
             try:
                 rx.piece_received()
             except Exception as exc:  # the copy into device memory could not be queued
@@ -146,7 +148,7 @@ class TcpDevice:
                 return conn.lose(f"tcp: copying a frame into device memory failed: {exc!r}")
             if not rx.all_received:
                 return next_piece()
-            conn._expect_header()
+            conn.next_frame()
             check_landed()
 
         def check_landed() -> None:
@@ -156,12 +158,12 @@ class TcpDevice:
                 loop.call_later(_LANDED_POLL_S, check_landed)
 
         if not pieces:
-            conn._expect_header()
+            conn.next_frame()
             return landed()
         next_piece()
 
 
-def _sent(conn: "_Conn", release: Callable[[], None]) -> None:
+def _sent(conn: Conn, release: Callable[[], None]) -> None:
     try:
         conn.on_close.remove(release)
     except ValueError:

@@ -1,7 +1,7 @@
 """What bounds the ``tcp`` backend's connections: caps on accepted connections (per
 listener; per remote address until the HELLO's proof, then per proven peer instance, so
-many workers behind one host each get their own share), the HELLO deadline and its proof
-of identity, the heartbeat, and the back-off when the process runs out of file
+many workers behind one host each get their own share), the HELLO deadline, the
+heartbeat, and the back-off when the process runs out of file
 descriptors. Each refusal is logged naming its limit."""
 
 from __future__ import annotations
@@ -9,17 +9,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
-import logging
 import math
-from typing import TYPE_CHECKING
 
 from pdgrpc.errors import ConfigError
-from pdgrpc.transport.tcp_conn import HEADER, HELLO_OK, HELLO_REFUSED, PING_FRAME, _Conn
-
-if TYPE_CHECKING:
-    from pdgrpc.transport.tcp import TcpTransport
-
-log = logging.getLogger("pdgrpc.transport.tcp")
+from pdgrpc.transport.tcp_conn import Conn
+from pdgrpc.transport.tcp_wire import PING_FRAME
 
 # accept() errors that mean "no resources now", not "this connection is bad": the listener
 # stays readable, so accepting again at once would spin the loop at 100% CPU
@@ -108,7 +102,7 @@ class AcceptGate:
         return self.backoff
 
 
-def tend(c: _Conn, lim: TcpLimits, now: float) -> None:
+def tend(c: Conn, lim: TcpLimits, now: float) -> None:
     """One heartbeat round for one connection: close an accepted one that never said
     HELLO, lose one that heard nothing for the lease, PING a quiet one."""
     if c.closed:
@@ -119,37 +113,3 @@ def tend(c: _Conn, lim: TcpLimits, now: float) -> None:
         c.lose(f"no heartbeat for {lim.heartbeat_lease:g} s (heartbeat_lease)")
     elif c.peer_id is not None and now - c.last_sent >= lim.heartbeat_interval and not c.sending:
         c.send([PING_FRAME])
-
-
-def on_hello(owner: "TcpTransport", conn: _Conn, text: str) -> None:
-    """An accepted connection's HELLO (``"<sender id> <this id> <proof hex>"``): the
-    connection takes the sender's identity only if the proof answers its CHALLENGE with
-    the credential this receiver issued to that sender (:mod:`pdgrpc.transport.peerauth`)
-    and the sender is under ``max_connections_per_peer``. Otherwise HELLO_REFUSED (naming
-    why) and close: nothing else changes."""
-    if conn.remote is None or conn.peer_id is not None:
-        return conn.protocol_error("unexpected HELLO")
-    sender, expected, answer = (text.split(" ") + ["", ""])[:3]
-    if expected != owner.instance_id or not sender:
-        return _refuse(conn, f"this is instance {owner.instance_id}, not {expected!r}")
-    try:
-        proof = bytes.fromhex(answer)
-    except ValueError:
-        proof = b""
-    if not owner.verify_proof(b"tcp", conn.nonce, sender, proof):
-        log.warning("tcp: refusing a connection from %s claiming to be %s: its proof of identity does not verify",
-                    conn.remote or "a local peer", sender)
-        return _refuse(conn, f"the proof of identity for {sender!r} does not verify (no credential from "
-                             "this receiver's control plane)")
-    refusal = owner._gate.prove(conn.remote or "", sender)
-    if refusal is not None:
-        log.warning("tcp: refusing a connection from %s: %s", sender, refusal)
-        return _refuse(conn, refusal)
-    conn.peer_id = sender
-    owner.writers.opened(sender)
-    conn.send([HEADER.pack(HELLO_OK, 0, 0, 0, 0)])
-
-
-def _refuse(conn: _Conn, reason: str) -> None:
-    conn.send_control(HELLO_REFUSED, 0, reason)
-    conn.loop.call_soon(conn.close)

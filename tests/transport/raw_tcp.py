@@ -10,7 +10,7 @@ import socket
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.descriptor import Descriptor
 from pdgrpc.transport.receiver import MessageType
-from pdgrpc.transport.tcp_conn import HEADER, OP
+from pdgrpc.transport.tcp_wire import HEADER, OP
 
 
 class RawClient:

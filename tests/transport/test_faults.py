@@ -179,7 +179,7 @@ async def test_delegates_everything_else() -> None:
     assert isinstance(t, Transport)
     assert t.inner is inner and t.name == "tcp" and t.moves_bytes is True
     assert t.instance_id == inner.instance_id and t.rooms is inner.rooms
-    assert t._nconn == inner._nconn  # backend attributes fall through
+    assert t.sender is inner.sender  # backend attributes fall through
     fake = FaultyTransport(registry.create("fake"), delay_metadata_s=0.1)
     assert fake.name == "fake" and fake.moves_bytes is False
     fake.advertise(RoomGrant.of(5, [0], 0))  # fake succeeds at once: delayed too

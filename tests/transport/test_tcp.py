@@ -16,7 +16,7 @@ from pdgrpc.transport import registry
 from pdgrpc.transport.base import Descriptor, RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
-from pdgrpc.transport.tcp_conn import HEADER
+from pdgrpc.transport.tcp_wire import HEADER
 
 
 async def _until(cond, timeout: float = 30.0) -> None:
@@ -136,13 +136,13 @@ def test_writes_are_cut_into_frames_under_both_limits(monkeypatch: pytest.Monkey
     # sender cuts ops (and an op itself) to fit; the pieces cover every byte once, in order.
     import numpy as np
 
-    from pdgrpc.transport import tcp_conn
+    from pdgrpc.transport import tcp_wire
 
-    monkeypatch.setattr(tcp_conn, "MAX_FRAME_PAYLOAD", 100)
-    monkeypatch.setattr(tcp_conn, "MAX_OPS_PER_FRAME", 3)
+    monkeypatch.setattr(tcp_wire, "MAX_FRAME_PAYLOAD", 100)
+    monkeypatch.setattr(tcp_wire, "MAX_OPS_PER_FRAME", 3)
     ops = np.array([[0, 0, 1, 0, 250], [0, 250, 1, 1000, 30], [0, 300, 1, 2000, 60]]
                    + [[0, 400 + i, 1, 3000 + i, 1] for i in range(5)], dtype=np.int64)
-    frames = list(tcp_conn.frame_chunks(ops))
+    frames = list(tcp_wire.frame_chunks(ops))
     assert all(len(f) <= 3 and int(f[:, 4].sum()) <= 100 for f in frames)
     rows = np.concatenate(frames)
     src = [(o, o + n) for o, n in zip(rows[:, 1].tolist(), rows[:, 4].tolist())]

@@ -14,7 +14,7 @@ from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.peerproc import Layout
 from pdgrpc.transport.receiver import MessageType
-from pdgrpc.transport.tcp_conn import HEADER, MAX_FRAME_PAYLOAD
+from pdgrpc.transport.tcp_wire import HEADER, MAX_FRAME_PAYLOAD
 
 from tests.eventually import eventually_async
 from tests.transport.raw_tcp import RawClient
@@ -122,7 +122,7 @@ async def test_a_connection_claiming_the_real_peers_id_is_refused_and_changes_no
                 assert await imposter.closed_by_peer()
             finally:
                 imposter.close()
-        await eventually_async(lambda: len(p.recv._incoming) == 1, what="the receiver saw the imposters go")
+        await eventually_async(lambda: len(p.recv.receiver.connections) == 1, what="the receiver saw the imposters go")
         assert p.recv.poll(room) is KVPoll.TRANSFERRING
         assert not p.recv.writer_gone(p.send.instance_id)
         meta = metadata_op(p.send_regions[-1], 0, p.peer.descriptor.region(METADATA_REGION_ID), 1)
@@ -191,7 +191,7 @@ async def test_connections_are_capped_per_listener_and_per_address() -> None:
         assert await clients[-1].closed_by_peer()
         for c in clients:
             c.close()
-        await eventually_async(lambda: len(recv._incoming) == 0, what="the receiver saw the clients go")
+        await eventually_async(lambda: len(recv.receiver.connections) == 0, what="the receiver saw the clients go")
         send = registry.create("tcp")
         regions, _ = LAYOUT.build(5)
         await send.register(regions)
@@ -231,15 +231,21 @@ async def test_proven_connections_are_capped_per_peer_not_per_address() -> None:
 
 async def test_out_of_file_descriptors_the_listener_backs_off_instead_of_spinning() -> None:
     import errno
+    import socket
 
-    recv = registry.create("tcp")
-    desc = await recv.register(LAYOUT.build(None)[0])
-    real = recv._listener
+    from pdgrpc.transport.tcp import TcpTransport
+
     calls = 0
 
-    class Exhausted:  # the listener as it behaves at the fd limit: readable, accept fails
+    class Exhausted:  # a listener as it behaves at the fd limit: readable, accept fails
+        def __init__(self, real: socket.socket) -> None:
+            self.real = real
+
         def fileno(self) -> int:
-            return real.fileno()
+            return self.real.fileno()
+
+        def setblocking(self, flag: bool) -> None:
+            self.real.setblocking(flag)
 
         def accept(self):
             nonlocal calls
@@ -247,9 +253,15 @@ async def test_out_of_file_descriptors_the_listener_backs_off_instead_of_spinnin
             raise OSError(errno.EMFILE, "Too many open files")
 
         def close(self) -> None:
-            real.close()
+            self.real.close()
 
-    recv._listener = Exhausted()
+    class AtTheLimit(TcpTransport):
+        def listen_socket(self):
+            real, endpoint = super().listen_socket()
+            return Exhausted(real), endpoint
+
+    recv = AtTheLimit()
+    desc = await recv.register(LAYOUT.build(None)[0])
     waiting = RawClient(desc)  # keeps the listener readable
     try:
         await asyncio.sleep(0.5)  # the scenario: half a second at the fd limit
@@ -353,7 +365,7 @@ def test_arbitrary_byte_streams_harm_nobody() -> None:
                     pass  # the receiver closed the connection mid-stream: what it should do
                 finally:
                     client.close()
-                await eventually_async(lambda: len(p.recv._incoming) == 1, what="the fuzzing connection gone")
+                await eventually_async(lambda: len(p.recv.receiver.connections) == 1, what="the fuzzing connection gone")
                 assert await p.transfer() is KVPoll.SUCCESS
                 for r in p.recv_regions:
                     now = r.tensor.detach().reshape(-1).view(torch.uint8)

@@ -35,11 +35,13 @@ class _HostOnly(TcpDevice):
         return False
 
 
-def _tcp(staged: bool, **options: Any) -> Any:
-    t = registry.create("tcp", **options)
+def _device(staged: bool) -> TcpDevice:
     # staged: small pieces that do not divide a page, so ranges split across pieces and frames
-    t._dev = TcpDevice(piece_bytes=3000, buffers=2, alloc=lambda n: torch.zeros(n, dtype=torch.uint8)) if staged else _HostOnly()
-    return t
+    return TcpDevice(piece_bytes=3000, buffers=2, alloc=lambda n: torch.zeros(n, dtype=torch.uint8)) if staged else _HostOnly()
+
+
+def _tcp(staged: bool, **options: Any) -> Any:
+    return registry.create("tcp", device=_device(staged), **options)
 
 
 @pytest.mark.usefixtures("kv_on_device")
@@ -48,7 +50,8 @@ def _tcp(staged: bool, **options: Any) -> Any:
 async def test_staged_pages_arrive_bit_exact_and_the_row_last(send_staged: bool, recv_staged: bool, connections: int) -> None:
     src_regions, src = LAYOUT.build(seed=11)
     dst_regions, dst = LAYOUT.build(seed=None)
-    a, b = _tcp(send_staged, connections=connections), _tcp(recv_staged)
+    send_device = _device(send_staged)
+    a, b = registry.create("tcp", device=send_device, connections=connections), _tcp(recv_staged)
     rng = random.Random(connections)
     try:
         await a.register(src_regions)
@@ -74,7 +77,7 @@ async def test_staged_pages_arrive_bit_exact_and_the_row_last(send_staged: bool,
             rb = LAYOUT.row_bytes
             assert torch.equal(dst[METADATA_REGION_ID][slot * rb : (slot + 1) * rb], src[METADATA_REGION_ID][slot * rb : (slot + 1) * rb])
         if send_staged:
-            assert a._dev._out.high_water <= 2  # never more than the pool's buffers staged
+            assert send_device.send_high_water <= 2  # never more than the pool's buffers staged
     finally:
         await a.close()
         await b.close()
@@ -121,8 +124,8 @@ async def test_staged_room_released_mid_frame_receives_no_more_bytes() -> None:
     layout = Layout(layers=2, pages=256, page_shape=(16, 16, 128), slots=2, huge_pages=False)  # 64 MiB
     src_regions, _ = layout.build(seed=5)
     dst_regions, dst = layout.build(seed=None)
-    a, b = _tcp(False), registry.create("tcp")
-    b._dev = TcpDevice(piece_bytes=1 << 20, buffers=2, alloc=lambda n: torch.zeros(n, dtype=torch.uint8))
+    a = _tcp(False)
+    b = registry.create("tcp", device=TcpDevice(piece_bytes=1 << 20, buffers=2, alloc=lambda n: torch.zeros(n, dtype=torch.uint8)))
     try:
         await a.register(src_regions)
         peer = await a.connect(await b.register(dst_regions))
