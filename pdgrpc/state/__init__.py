@@ -14,7 +14,7 @@ from pdgrpc.state.decode_request import DecodeRequest, DecodeState
 from pdgrpc.state.dp_rank import DpRankConflict, DpRankResolver, QueryDpRanks, check_prefill_dispatch, resolve_locally
 from pdgrpc.state.outcomes import AbortReason, Aborted, Committed
 from pdgrpc.state.pages import PageAllocator
-from pdgrpc.state.poll import RoomStatusTable, advance, combine
+from pdgrpc.state.poll import advance
 from pdgrpc.state.prefill_sender import PrefillSender, SenderState
 
 # The modules that hold tensors (and so import torch) load on first use of one of their
@@ -76,14 +76,12 @@ __all__ = [
     "PageAllocator",
     "PrefillSender",
     "QueryDpRanks",
-    "RoomStatusTable",
     "SendHandshake",
     "SenderDeadlines",
     "SenderState",
     "SlotAllocator",
     "advance",
     "check_prefill_dispatch",
-    "combine",
     "identity_reduce",
     "resolve_locally",
 ]

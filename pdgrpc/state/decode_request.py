@@ -9,8 +9,8 @@
 
 An event the current state does not accept raises :class:`~pdgrpc.errors.IllegalTransition`
 and leaves the state unchanged. Every non-terminal state has a deadline, counted from
-entering it (:class:`~pdgrpc.state.config.DecodeDeadlines`); :meth:`DecodeRequest.tick`
-aborts an overdue request with the reason that names the state.
+entering it (:class:`~pdgrpc.state.config.DecodeDeadlines`); the decode queues abort an
+overdue request with the reason that names the state (:data:`TIMEOUT_REASON`).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def timeout_message(state: DecodeState, limit: float, room: int) -> str:
 class DecodeRequest:
     """One request's decode-side state. Not thread-safe (nothing in pdgrpc.state is)."""
 
-    __slots__ = ("room", "state", "entered_at", "deadline", "dp_rank", "slot", "pages", "abort", "_limits")
+    __slots__ = ("room", "state", "deadline", "dp_rank", "slot", "pages", "abort", "_limits")
 
     def __init__(self, room: int, now: float, limits: dict[DecodeState, float], dp_rank: int | None = None) -> None:
         self.room = room
@@ -136,7 +136,6 @@ class DecodeRequest:
         self.pages: tuple[int, ...] = ()
         self.abort: Abort | None = None
         self.state = S.RESOLVING_DP_RANK
-        self.entered_at = now
         self.deadline = now + limits[S.RESOLVING_DP_RANK]
         if dp_rank is not None:
             self.handle(DpRankResolved(dp_rank), now)
@@ -159,20 +158,8 @@ class DecodeRequest:
         elif isinstance(event, Abort):
             self.abort = event
         self.state = new
-        self.entered_at = now
         self.deadline = now + self._limits[new] if new not in TERMINAL_STATES else float("inf")
         return new
-
-    def overdue(self, now: float) -> bool:
-        return now > self.deadline
-
-    def tick(self, now: float) -> Abort | None:
-        """Abort the request if it is past its state's deadline; returns the Abort applied."""
-        if self.state in TERMINAL_STATES or now <= self.deadline:
-            return None
-        ev = Abort(TIMEOUT_REASON[self.state], timeout_message(self.state, self._limits[self.state], self.room))
-        self.handle(ev, now)
-        return ev
 
     def __repr__(self) -> str:
         return f"DecodeRequest(room={self.room}, state={self.state.name}, slot={self.slot})"

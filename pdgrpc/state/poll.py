@@ -13,24 +13,9 @@ Two rules, both load-bearing (see DESIGN.md, "Poll states"):
 
 from __future__ import annotations
 
-from typing import Iterable
-
-from pdgrpc.errors import StateError
 from pdgrpc.kvpoll import KVPoll
 
-__all__ = ["KVPoll", "RoomStatusTable", "advance", "advance_code", "combine"]
-
-
-def combine(states: Iterable[KVPoll | int]) -> KVPoll:
-    """MIN over the states of one room on every rank. An empty input is a bug, not SUCCESS."""
-    lowest: int | None = None
-    for s in states:
-        v = int(s)
-        if lowest is None or v < lowest:
-            lowest = v
-    if lowest is None:
-        raise StateError("combine() needs at least one rank's state")
-    return KVPoll(lowest)
+__all__ = ["KVPoll", "advance", "advance_code"]
 
 
 def advance_code(cur: int, rep: int) -> int:
@@ -47,39 +32,3 @@ def advance(current: KVPoll | int, reported: KVPoll | int) -> KVPoll:
 
 _BY_CODE = tuple(KVPoll)
 
-
-class RoomStatusTable:
-    """Latest known status per tracked room (a transport's per-room bookkeeping).
-
-    ``track`` starts a room at BOOTSTRAPPING; ``report`` applies :func:`advance`;
-    ``untrack`` forgets it, after which reports for it are ignored.
-    """
-
-    def __init__(self) -> None:
-        self._status: dict[int, KVPoll] = {}
-
-    def track(self, room: int) -> None:
-        if room in self._status:
-            raise StateError(f"room {room} is already tracked")
-        self._status[room] = KVPoll.BOOTSTRAPPING
-
-    def untrack(self, room: int) -> KVPoll | None:
-        return self._status.pop(room, None)
-
-    def report(self, room: int, status: KVPoll) -> KVPoll | None:
-        """Apply a report. Returns the room's new status, or None if the room is untracked."""
-        cur = self._status.get(room)
-        if cur is None:
-            return None
-        new = advance(cur, status)
-        self._status[room] = new
-        return new
-
-    def get(self, room: int) -> KVPoll | None:
-        return self._status.get(room)
-
-    def __contains__(self, room: object) -> bool:
-        return room in self._status
-
-    def __len__(self) -> int:
-        return len(self._status)
