@@ -31,7 +31,7 @@ def _child(role: str, conn: multiprocessing.connection.Connection, layouts: dict
     import torch
 
     from pdgrpc.transport._ucx import UcxWorker
-    from pdgrpc.engine.memory import host_zeros
+    from pdgrpc.host_memory import host_zeros
 
     async def main() -> None:
         worker = UcxWorker()

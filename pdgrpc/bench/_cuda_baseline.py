@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pdgrpc.errors import ConfigError
-from pdgrpc.transport.peerproc import Layout, digest
+from pdgrpc.transport.testing.peer import Layout, digest
 
 __all__ = ["BASELINE_NAME", "add_device_argument", "ipc_copy_baseline", "placed", "resolve_bench_device"]
 
@@ -38,7 +38,7 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
 def resolve_bench_device(args: argparse.Namespace, bench: str = "transport") -> str:
     """``args.device`` checked against this machine; exits 2 with one line naming the flag
     where it cannot be used (e.g. ``--device cuda`` without torch.cuda)."""
-    from pdgrpc.engine.device import resolve_device
+    from pdgrpc.device import resolve_device
 
     spec = getattr(args, "device", "cpu")
     try:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from pdgrpc.transport.peerproc import digest
+from pdgrpc.transport.testing.peer import digest
 
 SOCKBUF = 4 << 20  # the tcp backend's default socket buffer size; the raw baseline uses the same
 

@@ -7,7 +7,7 @@ Data: a KV pool shaped like a small model's -- 24 layers x (K, V), 16-token page
 8k and 32k tokens (12, 96 and 384 MiB), with contiguous pages (one run: one write per
 region) and scattered pages (random source and destination pages: one write per page
 per region). The receiver is a separate process
-(:class:`~pdgrpc.transport.peerproc.PeerProcess`); this process is the sender.
+(:class:`~pdgrpc.transport.testing.peer.PeerProcess`); this process is the sender.
 
 Head-sliced (TP 1 -> TP 2): the same page lists as the contiguous case, but the
 receiver (a second peer process) is TP rank 1 of 2: its pool holds KV heads
@@ -18,7 +18,7 @@ region, half a page each). GB/s counts the bytes actually moved (half the contig
 case's); the row ``head-sliced vs whole-page`` compares it with the contiguous case.
 
 Memory: both sides' regions are in transparent huge pages
-(:func:`~pdgrpc.engine.memory.host_zeros`, what an engine started with
+(:func:`~pdgrpc.host_memory.host_zeros`, what an engine started with
 ``--kv-huge-pages`` registers); ``--no-huge-pages`` puts them in ordinary pages. Over
 rdma this matters: UCX's one-copy shared-memory path pins both buffers page by page.
 
@@ -110,7 +110,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import WriteOps
 from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
+from pdgrpc.transport.testing.peer import Layout, PeerProcess, digest
 
 DESCRIPTION = "KV transfer GB/s and latency of a transport (tcp|rdma) between two processes vs a raw baseline"
 PLOT = "GB/s by size: contiguous, scattered and head-sliced beside the raw baseline"

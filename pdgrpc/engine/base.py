@@ -61,7 +61,7 @@ from pdgrpc.engine.layout import KVLayout, compat_hash, pages_for_tokens
 from pdgrpc.engine.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from pdgrpc.engine.device import ChunkReady
+    from pdgrpc.device import ChunkReady
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -294,9 +294,9 @@ class Engine(abc.ABC):
     def chunk_ready(self) -> "ChunkReady":
         """Called on the compute thread right after :meth:`prefill_chunk`: a signal that
         resolves once the device finished writing that chunk's pages, which the prefill
-        server awaits before it sends them (:mod:`pdgrpc.engine.device`). The default is
+        server awaits before it sends them (:mod:`pdgrpc.device`). The default is
         for engines whose ``prefill_chunk`` returns with the pages written (the CPU)."""
-        from pdgrpc.engine.device import READY
+        from pdgrpc.device import READY
 
         return READY
 

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 import pdgrpc.engine.exact as exact
-from pdgrpc.engine.device import ChunkReady, chunk_ready_on, resolve_device
+from pdgrpc.device import ChunkReady, chunk_ready_on, resolve_device
 from pdgrpc.engine.base import (
     DecodeRequest,
     Engine,
@@ -36,7 +36,7 @@ from pdgrpc.engine.pooled import PooledEngine
 from pdgrpc.engine.sampling import sample_rows
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import ConfigError
-from pdgrpc.engine.memory import host_zeros
+from pdgrpc.host_memory import host_zeros
 
 __all__ = ["EngineConfig", "ReferenceEngine"]
 
@@ -71,13 +71,13 @@ class EngineConfig:
     # sets it process-wide (one engine per server process); if something changes it
     # later, each engine call switches for its duration and restores it.
     intra_op_threads: int = 1
-    # KV pool in transparent huge pages (pdgrpc.engine.memory.host_zeros). Off by
+    # KV pool in transparent huge pages (pdgrpc.host_memory.host_zeros). Off by
     # default: transfers of large page runs over rdma are faster from and into huge
     # pages, but neither this model's compute nor e2e TTFT at 512 tokens changes with
-    # them (see engine.memory). Memory placement only: peers need not agree on it.
+    # them (see pdgrpc.host_memory). Memory placement only: peers need not agree on it.
     kv_huge_pages: bool = False
     # Where the weights, the KV pool and the compute live: "cpu" or "cuda[:N]"
-    # (pdgrpc.engine.device). Placement only: the fixed-point arithmetic gives the same
+    # (pdgrpc.device). Placement only: the fixed-point arithmetic gives the same
     # tokens on either, and peers need not agree on it.
     device: str = "cpu"
 

@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any, Awaitable, Callable, NamedTuple
 
 from pdgrpc.engine.base import PrefillRequest, SampledToken
-from pdgrpc.engine.device import READY, ChunkReady
+from pdgrpc.device import READY, ChunkReady
 
 __all__ = ["ChunkPost", "Compute", "ComputeJob", "uncancellable"]
 

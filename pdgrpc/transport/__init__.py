@@ -14,8 +14,8 @@ prefill process into a decode process's memory.
 * :mod:`~pdgrpc.transport.liveness` -- heartbeat side channel for backends that cannot
   see a dead peer themselves;
 * :mod:`~pdgrpc.transport.testing` -- the conformance suite for backend authors, with
-  :mod:`~pdgrpc.transport.peerproc` (a peer in a separate OS process), and
-  :mod:`~pdgrpc.transport.testing.faults` (a fault-injecting wrapper tests load by name).
+  :mod:`~pdgrpc.transport.testing.peer` (a peer in a separate OS process). Fault-injecting
+  wrappers are test harnesses and live in ``tests/transport``.
 
 Importing this package is cheap: no backend (and no UCX) is imported until asked for.
 """

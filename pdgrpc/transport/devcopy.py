@@ -11,11 +11,11 @@ or odd alignments, are copied one by one. Both directions walk the piece the sam
 (:func:`_copy`); they differ only in which side of each copy is the source.
 
 The copies are queued on the device's current stream and a
-:class:`~pdgrpc.engine.device.ChunkReady` recorded after them is returned. The receiver
+:class:`~pdgrpc.device.ChunkReady` recorded after them is returned. The receiver
 uses the current stream on purpose: whatever the engine later queues on that stream
 (a decode step reading the pages, a reused page being rewritten) runs after the copy, so
 a copy into a released room's pages can never land on top of newer data. On the CPU the
-same code runs synchronously (:data:`~pdgrpc.engine.device.READY`), which is what the
+same code runs synchronously (:data:`~pdgrpc.device.READY`), which is what the
 unit tests use.
 """
 
@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from pdgrpc.engine.device import ChunkReady, chunk_ready_on
+from pdgrpc.device import ChunkReady, chunk_ready_on
 from pdgrpc.transport.staging import Piece
 
 __all__ = ["MIN_UNIT", "gather_into", "scatter_from"]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 import torch
 
-from pdgrpc.engine.device import ChunkReady
+from pdgrpc.device import ChunkReady
 from pdgrpc.errors import TransportError
 
 __all__ = ["Piece", "StagedReceive", "StagingPool", "split_pieces", "stage_out"]

@@ -15,8 +15,8 @@ from typing import Sequence
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Peer, Transport, WriteOp
 from pdgrpc.transport.tcp import TcpTransport
-from pdgrpc.transport.testing.faults import FaultyTransport
-from pdgrpc.transport.testing.transfer_faults import FailingTransfers
+from tests.transport.faults import FaultyTransport
+from tests.transport.transfer_faults import FailingTransfers
 
 log = logging.getLogger("pdgrpc.transport.testing.faults")
 
@@ -36,7 +36,7 @@ class SlowCorruptingRank1(FaultyTransport):
 
 class FailsFivePercent(FailingTransfers):
     """tcp; fails about 5% of the rooms this instance sends, at seeded random points
-    (seed :attr:`SEED`; see :mod:`pdgrpc.transport.testing.transfer_faults`)."""
+    (seed :attr:`SEED`; see :mod:`tests.transport.transfer_faults`)."""
 
     SEED = 16
     PROBABILITY = 0.05

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import MemoryRegion, Peer, RegionKind, WriteOp
-from pdgrpc.transport.testing.faults import FaultyTransport
+from tests.transport.faults import FaultyTransport
 
 log = logging.getLogger("pdgrpc.transport.testing.faults")
 

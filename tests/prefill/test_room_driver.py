@@ -107,7 +107,7 @@ async def test_a_chunk_is_sent_only_once_the_device_finished_writing_it(decode: 
     import asyncio
     import threading
 
-    from pdgrpc.engine.device import ChunkReady, poll_until
+    from pdgrpc.device import ChunkReady, poll_until
 
     device_done = threading.Event()
 

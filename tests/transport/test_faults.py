@@ -1,4 +1,4 @@
-"""``pdgrpc.transport.testing.faults``: the fault-injection wrapper over a real tcp transport pair
+"""``tests.transport.faults``: the fault-injection wrapper over a real tcp transport pair
 with real KV tensors and real metadata rows (``MetadataBuffers``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.state.metadata import MetadataBuffers, MetadataLayout, MetadataRow
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomGrant, Transport, UnknownRoom
-from pdgrpc.transport.testing.faults import FaultyTransport
+from tests.transport.faults import FaultyTransport
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 
 LAYERS, PAGES, SLOTS = 2, 16, 4

@@ -19,7 +19,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Descriptor, RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.peerproc import Layout
+from pdgrpc.transport.testing.peer import Layout
 
 from tests.eventually import eventually_async
 
@@ -102,7 +102,7 @@ async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> No
     # The forger keeps a link claiming the sender's id open while the real sender is
     # SIGKILLed: the receiver must still fail its room at once (not after a lease), and
     # confirm that nothing of the dead writer can land any more.
-    from pdgrpc.transport.peerproc import PeerProcess
+    from pdgrpc.transport.testing.peer import PeerProcess
 
     recv_regions, _ = LAYOUT.build(None)
     recv = registry.create("rdma", liveness_lease=60.0)

@@ -10,7 +10,7 @@ import torch
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_op, region_pairs
-from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
+from pdgrpc.transport.testing.peer import Layout, PeerProcess, digest
 
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 

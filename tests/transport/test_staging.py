@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdgrpc.engine.device import ChunkReady
+from pdgrpc.device import ChunkReady
 from pdgrpc.transport.devcopy import gather_into, scatter_from
 from pdgrpc.transport.staging import Piece, StagedReceive, StagingPool, split_pieces, stage_out
 

@@ -15,7 +15,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Descriptor, RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.peerproc import Layout, PeerProcess, digest
+from pdgrpc.transport.testing.peer import Layout, PeerProcess, digest
 from pdgrpc.transport.tcp_wire import HEADER
 
 

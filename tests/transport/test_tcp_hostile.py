@@ -12,7 +12,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import peerauth, registry
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.peerproc import Layout
+from pdgrpc.transport.testing.peer import Layout
 from pdgrpc.transport.receiver import MessageType
 from pdgrpc.transport.tcp_wire import HEADER, MAX_FRAME_PAYLOAD
 
@@ -134,7 +134,7 @@ async def test_a_connection_claiming_the_real_peers_id_is_refused_and_changes_no
 
 async def test_a_sender_without_the_receivers_credential_cannot_connect() -> None:
     # A writer in another process that never got a credential over the control plane.
-    from pdgrpc.transport.peerproc import PeerProcess
+    from pdgrpc.transport.testing.peer import PeerProcess
 
     recv = registry.create("tcp")
     desc = await recv.register(LAYOUT.build(None)[0])
@@ -276,7 +276,7 @@ async def test_a_hung_receiver_fails_the_senders_rooms_within_the_lease() -> Non
     import os
     import signal
 
-    from pdgrpc.transport.peerproc import PeerProcess
+    from pdgrpc.transport.testing.peer import PeerProcess
 
     options = {"heartbeat_interval": 0.1, "heartbeat_lease": 1.0}
     regions, _ = LAYOUT.build(5)

@@ -18,7 +18,7 @@ from pdgrpc.transport import registry, tcp_device
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.memkind import MemoryKind
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.peerproc import Layout
+from pdgrpc.transport.testing.peer import Layout
 from pdgrpc.transport.tcp_device import TcpDevice
 
 LAYOUT = Layout(layers=2, pages=48, page_shape=(16, 2, 64), slots=4, huge_pages=False)  # 4 KiB pages

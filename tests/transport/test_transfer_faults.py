@@ -1,4 +1,4 @@
-"""``pdgrpc.transport.testing.transfer_faults``: the sender-side wrapper that fails seeded
+"""``tests.transport.transfer_faults``: the sender-side wrapper that fails seeded
 rooms at four points, over a real tcp sender/receiver pair with real KV tensors and
 metadata rows. What the receiver holds after each point is what the e2e test
 (``tests/e2e/test_transfer_faults.py``) relies on."""
@@ -16,7 +16,7 @@ from pdgrpc.state.metadata import MetadataBuffers, MetadataRow
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
-from pdgrpc.transport.testing.transfer_faults import POINTS, FailingTransfers, fault_point
+from tests.transport.transfer_faults import POINTS, FailingTransfers, fault_point
 
 SEED = 16
 PAGES, SLOTS = 16, 4

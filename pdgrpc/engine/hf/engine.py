@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from pdgrpc.engine.base import DecodeRequest, Engine, InvalidRequest, KVBuffers, PrefillRequest, SampledToken
-from pdgrpc.engine.device import ChunkReady, chunk_ready_on, resolve_device
+from pdgrpc.device import ChunkReady, chunk_ready_on, resolve_device
 from pdgrpc.engine.hf.config import HFConfig, load_config
 from pdgrpc.engine.hf.model import AllReduce, Batch, HFModel
 from pdgrpc.engine.hf.tokenizer import HFTokenizer

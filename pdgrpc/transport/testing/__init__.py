@@ -11,7 +11,7 @@ module and naming the backend (a registered name or ``"module:Class"``)::
 
 It needs ``pytest`` and ``pytest-asyncio``. Every test puts the sender and the receiver
 in **separate OS processes**: the test process holds one side, a
-:class:`~pdgrpc.transport.peerproc.PeerProcess` (spawned interpreter) the other.
+:class:`~pdgrpc.transport.testing.peer.PeerProcess` (spawned interpreter) the other.
 
 What is checked (backends with ``moves_bytes = False``, like ``fake``, run only the
 checks that apply: registry, descriptors, room states, concurrency, peer failure hook,
@@ -55,7 +55,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Descriptor, RoomGrant, Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID
-from pdgrpc.transport.peerproc import Layout
+from pdgrpc.transport.testing.peer import Layout
 from pdgrpc.transport.testing._support import (
     FAIL_DEADLINE_S, MEASURED, WAIT_S, _close, _expected_row, _row_room, _source, sender_peer,
 )

@@ -15,7 +15,7 @@ import torch
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID
-from pdgrpc.transport.peerproc import ROOM_FIELD_BYTES, Layout, PeerProcess
+from pdgrpc.transport.testing.peer import ROOM_FIELD_BYTES, Layout, PeerProcess
 
 FAIL_DEADLINE_S = 2.0  # a dead peer's in-flight rooms must be FAILED this soon
 WAIT_S = 60.0  # bound on any wait for something that should happen (not a speed target)

@@ -13,7 +13,7 @@ from pdgrpc.errors import PeerFailure
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport.base import Peer, RoomGrant, Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.peerproc import Layout, PeerProcess, digest, resource_counts
+from pdgrpc.transport.testing.peer import Layout, PeerProcess, digest, resource_counts
 from pdgrpc.transport.testing._support import (
     FAIL_DEADLINE_S, MEASURED, WAIT_S, ConformanceBase, _close, _Local, _until, sender_peer,
 )

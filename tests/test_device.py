@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from pdgrpc.engine.device import READY, chunk_ready_on, poll_until, resolve_device
+from pdgrpc.device import READY, chunk_ready_on, poll_until, resolve_device
 from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
 from pdgrpc.errors import ConfigError
 

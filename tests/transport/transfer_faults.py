@@ -35,7 +35,7 @@ from typing import Sequence
 from pdgrpc.errors import ConfigError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport.base import Peer, Transport, WriteOp
-from pdgrpc.transport.testing.faults import FaultyTransport
+from tests.transport.faults import FaultyTransport
 
 __all__ = ["POINTS", "FailingTransfers"]
 

@@ -1,4 +1,4 @@
-"""Registered host memory: huge-page backed pools (pdgrpc.engine.memory)."""
+"""Registered host memory: huge-page backed pools (pdgrpc.host_memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-from pdgrpc.engine.memory import HUGE_PAGE, host_zeros, huge_page_bytes
+from pdgrpc.host_memory import HUGE_PAGE, host_zeros, huge_page_bytes
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

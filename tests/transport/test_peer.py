@@ -1,4 +1,4 @@
-"""pdgrpc.transport.peerproc, the separate-process peer the conformance suite drives: a
+"""pdgrpc.transport.testing.peer, the separate-process peer the conformance suite drives: a
 command or a reply larger than the pipe's buffer (thousands of ops or rooms) arrives
 whole, instead of the peer taking a half-read message for its parent going away."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdgrpc.errors import TransportError
-from pdgrpc.transport.peerproc import Layout, PeerProcess
+from pdgrpc.transport.testing.peer import Layout, PeerProcess
 
 
 def test_commands_and_replies_larger_than_the_pipe_buffer_arrive_whole() -> None:

@@ -24,7 +24,7 @@ only what the *receiver* side reports changes (rooms this instance advertised):
     :attr:`FaultyTransport.corrupted_rooms`. A room that fails, is released first or has
     no slot is not corrupted.
 
-Test-only: nothing in the servers loads it by itself. A test loads a subclass through
+A test harness: nothing in the servers loads it by itself. A test loads a subclass through
 the transport registry's ``module:Class`` names (``--transport tests.e2e.faulty:...``),
 whose constructor picks the inner backend and the faults; see ``tests/e2e/faulty.py``.
 """

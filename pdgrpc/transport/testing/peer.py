@@ -36,7 +36,7 @@ from pdgrpc.errors import TransportError
 from pdgrpc.transport import peerauth, registry
 from pdgrpc.transport.base import Descriptor, MemoryRegion, Peer, RoomGrant, Transport, WriteOp
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
-from pdgrpc.engine.memory import host_zeros
+from pdgrpc.host_memory import host_zeros
 
 ROOM_FIELD_BYTES = 8  # the last 8 bytes of a metadata row hold the room id (like bootstrap_room)
 
@@ -56,7 +56,7 @@ class Layout:
     dtype: str = "float16"
     slots: int = 16
     row_bytes: int = 256
-    huge_pages: bool = True  # regions in transparent huge pages (engine.memory.host_zeros)
+    huge_pages: bool = True  # regions in transparent huge pages (host_memory.host_zeros)
     device: str = "cpu"  # where the KV regions live ("cuda": GPU memory); metadata rows stay on the host
 
     @property
