@@ -123,6 +123,11 @@ class UcxWorker:
             self._task = self._loop.create_task(self._progress_loop(), name="pdgrpc-ucx-progress")
 
     @property
+    def quiet(self) -> QuietSends | None:
+        """The quiet window of this worker's send batches (None with ``quiet_sends`` off)."""
+        return self._quiet
+
+    @property
     def inflight(self) -> int:
         """Everything UCX still owes a completion for (requests, batches and endpoint
         closes)."""

@@ -68,6 +68,11 @@ class QuietSends:
         """``ep`` is closed: what was learnt about its rate goes with it."""
         self._fastest.pop(ep, None)
 
+    @property
+    def learned(self) -> bool:
+        """Whether a batch taught the rate of some endpoint."""
+        return bool(self._fastest)
+
     def quiet(self, now: float) -> bool:
         """Poll without arming now?"""
         return now < self._until

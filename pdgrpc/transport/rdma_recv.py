@@ -1,5 +1,4 @@
-"""The receiver side of the ``rdma`` backend (a mixin of
-:class:`~pdgrpc.transport.rdma.RdmaTransport`): HELLOs, WRITE and META control
+"""The receiver side of the ``rdma`` backend: HELLOs, WRITE and META control
 messages, posting receives straight into the granted bytes, ACK/NACK replies. The rules
 (grant check, byte accounting, metadata last) are :mod:`pdgrpc.transport.receiver`'s.
 
@@ -30,53 +29,126 @@ import ctypes
 import functools
 import logging
 import struct
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from pdgrpc.errors import TransportError, UnauthorizedWrite
+from pdgrpc.errors import UnauthorizedWrite
 from pdgrpc.transport._ucx import (
     FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, Pieces, UcxError, UcxWorker,
 )
-from pdgrpc.transport.base import RoomGrant
-from pdgrpc.transport.liveness import Liveness
-from pdgrpc.transport.peerauth import WriterTable
+from pdgrpc.transport.base import RegionInfo, RoomGrant
+from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_wire import (
-    ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_DATA, KIND_REPLY,
-    KIND_MASK, KIND_SHIFT, META, META_BODY, SWEEP_MAX, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY, SCRATCH, WRITE, WRITE_AHEAD, WRITE_BODY, RecvConn,
-    RecvRoom, Region, ctrl_tag, data_tag, new_id,
+    ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY,
+    HELLO_REFUSED, KIND_DATA, KIND_MASK, KIND_REPLY, KIND_SHIFT, META, META_BODY, NACK, NACK_BODY, OP_DTYPE, ROOM_BODY,
+    SCRATCH, SWEEP_MAX, WRITE, WRITE_AHEAD, WRITE_BODY, ctrl_tag, data_tag, new_id, new_key,
 )
-from pdgrpc.transport.receiver import Receiver, Refusal
+from pdgrpc.transport.receiver import ReceiveRoom, Receiver, Refusal
 from pdgrpc.transport.rooms import RoomStates
 
 log = logging.getLogger("pdgrpc.transport.rdma")
 
 
+class ProvenLink(Protocol):
+    """A liveness link on which a peer proved its identity."""
+
+    @property
+    def nonce(self) -> bytes: ...
+
+
+class RecvLiveness(Protocol):
+    """What the receiver needs of the liveness channel (:class:`~pdgrpc.transport.liveness.Liveness`)."""
+
+    def proven_link(self, peer_instance_id: str, info: bytes) -> ProvenLink | None: ...
+
+
+class RecvConn:
+    """Receiver side of one connection (from one sender instance)."""
+
+    def __init__(self, conn_id: int, sender_id: str, sender_local: int, reply_key: int, ep: Any) -> None:
+        self.conn_id = conn_id
+        self.key = new_key()  # sent in HELLO_OK; every WRITE / META must carry it
+        self.sender_id = sender_id
+        self.sender_local = sender_local  # the sender's id for this connection (in replies)
+        self.reply_key = reply_key  # the sender's key (its HELLO), in every reply
+        self.ep = ep
+        self.next_seq = 1
+        self.early: dict[int, bytes] = {}  # control messages that arrived out of order
+        self.early_dropped = False  # one warning per connection
+        self.rooms: set[int] = set()
+        self.tokens: set[int] = set()
+
+
+class RecvRoom:
+    """What rdma keeps per open room besides the receiver core's state."""
+
+    def __init__(self, core: ReceiveRoom) -> None:
+        self.core = core
+        self.pending: dict[int, int] = {}  # conn id -> data receives outstanding
+        self.tokens: set[int] = set()
+        self.nacked = False
+        self.released = False
+
+
 class RdmaReceiver:
-    """Receiver half of :class:`~pdgrpc.transport.rdma.RdmaTransport` (which sets these)."""
+    """Accepts writes from senders over UCX into advertised rooms; owns this instance's
+    incoming connections."""
 
-    instance_id: str
-    rooms: RoomStates
-    _worker: UcxWorker
-    _liveness: Liveness
-    _closed: bool
-    _regions: dict[int, Region]
-    _recv: Receiver
-    _recv_conns: dict[int, RecvConn]
-    _recv_rooms: dict[int, RecvRoom]
-    _draining: list[RecvConn]  # dropped connections whose receives have not all completed
-    writers: WriterTable  # Transport's
-    _dropped: "collections.OrderedDict[int, int]"  # dropped connections: conn id -> key (bounded)
-    _scratch: torch.Tensor
-    _ptr_table: np.ndarray  # region id -> base address
+    def __init__(self, worker: UcxWorker, rooms: RoomStates, regions: Regions, liveness: RecvLiveness, *,
+                 instance_id: str, verify_proof: Callable[[bytes, bytes, str, bytes], bool]) -> None:
+        self._worker = worker
+        self._rooms = rooms
+        self._by_region = regions.by_id
+        self._ptr_table = regions.ptrs
+        self._liveness = liveness
+        self._instance_id = instance_id
+        self._verify_proof = verify_proof
+        self._recv = Receiver(rooms)
+        self._recv_conns: dict[int, RecvConn] = {}
+        self._recv_rooms: dict[int, RecvRoom] = {}
+        self._draining: list[RecvConn] = []  # dropped connections whose receives have not all completed
+        self._dropped: collections.OrderedDict[int, int] = collections.OrderedDict()  # conn id -> key (bounded)
+        self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
 
-    verify_proof: Callable[[bytes, bytes, str, bytes], bool]  # Transport's
+    @property
+    def connections(self) -> list[RecvConn]:
+        """The live connections (a diagnostic)."""
+        return list(self._recv_conns.values())
+
+    def receives_posted(self, room: int) -> int:
+        """Data receives posted for ``room`` that have not completed."""
+        rr = self._recv_rooms.get(room)
+        return 0 if rr is None else sum(rr.pending.values())
+
+    def add_region(self, info: RegionInfo) -> None:
+        self._recv.add_region(info)
 
     def advertise(self, grant: RoomGrant) -> None:
-        if self._closed:
-            raise TransportError("rdma transport is closed")
         self._recv_rooms[grant.room] = RecvRoom(self._recv.advertise(grant))
+
+    def release(self, room: int) -> None:
+        """Forget ``room``: its receives not yet matched are cancelled and each sender
+        still writing it is told (NACK), so nothing more lands in its pages."""
+        rr = self._recv_rooms.pop(room, None)
+        self._recv.release(room)
+        if rr is None:
+            return
+        rr.released = True
+        if rr.tokens:
+            # Not-yet-matched receives are cancelled (their callbacks then see
+            # UCS_ERR_CANCELED), so a late write can never land in pages that now
+            # belong to someone else; the sender learns at once that it can stop.
+            for token in list(rr.tokens):
+                self._worker.cancel(token)
+            open_room = room in self._rooms and not self._rooms.status(room).state.is_terminal
+            why = self._rooms.release_reason(room)
+            for conn_id in rr.pending:
+                conn = self._recv_conns.get(conn_id)
+                if conn is not None and open_room:
+                    self._nack(conn, room, f"room {room} was released by the receiver" + (f": {why}" if why else ""),
+                               Refusal.UNKNOWN_ROOM)
 
     def _reply(self, conn: RecvConn, typ: int, body: bytes) -> None:
         msg = COMMON.pack(typ, conn.sender_local, 0, conn.reply_key) + body
@@ -102,7 +174,8 @@ class RdmaReceiver:
         if conn is not None:
             self._reply(conn, NACK, NACK_BODY.pack(room, int(refusal or 0)) + reason.encode()[:4096])
 
-    def _on_ctrl(self, msg: bytes) -> None:
+    def on_ctrl(self, msg: bytes) -> None:
+        """A control message from a sender (HELLO, WRITE, META)."""
         typ, conn_id, seq, key = COMMON.unpack_from(msg)
         if typ == HELLO:
             self._on_hello(conn_id, key, msg[COMMON.size :])
@@ -150,7 +223,7 @@ class RdmaReceiver:
             # address, gets an endpoint (and a reply); anything else is dropped.
             log.warning("rdma: HELLO from %s ignored: no proven liveness link announcing its worker address", sender_id)
             return
-        if not self.verify_proof(HELLO_CHANNEL, link.nonce, sender_id, proof):
+        if not self._verify_proof(HELLO_CHANNEL, link.nonce, sender_id, proof):
             log.warning("rdma: HELLO from %s ignored: its proof of identity does not verify", sender_id)
             return
         try:
@@ -160,12 +233,12 @@ class RdmaReceiver:
             return
         conn_id = new_id(CONN_BITS, self._recv_conns.keys() | self._dropped.keys())
         conn = RecvConn(conn_id, sender_id, sender_local, reply_key, ep)
-        if target != self.instance_id:
-            self._reply(conn, HELLO_REFUSED, f"this is instance {self.instance_id}, not {target}".encode())
+        if target != self._instance_id:
+            self._reply(conn, HELLO_REFUSED, f"this is instance {self._instance_id}, not {target}".encode())
             self._worker.drop_endpoint(ep)  # the reply is flushed by the bounded close
             return
         self._recv_conns[conn_id] = conn
-        rid = self.instance_id.encode()
+        rid = self._instance_id.encode()
         self._reply(conn, HELLO_OK, HELLO_OK_BODY.pack(conn_id, len(rid), conn.key) + rid)
 
     @staticmethod
@@ -192,7 +265,7 @@ class RdmaReceiver:
             tag = tag_or_seq if tag_or_seq >> KIND_SHIFT == KIND_DATA else data_tag(conn_id, tag_or_seq)
             self._worker.recv([(self._scratch.data_ptr(), SCRATCH)], tag, FULL_MASK, done, self._scratch)
 
-    def _sweep(self) -> int:
+    def sweep(self) -> int:
         """Receive into scratch (and drop) what sits in UCX's unexpected queue for nobody:
         messages of a kind this protocol does not use, and data messages of no
         connection, live or recently dropped. Anything that reaches the worker's address
@@ -304,7 +377,7 @@ class RdmaReceiver:
             token = post(untrack)
         except UcxError as exc:
             rr.pending[conn.conn_id] -= count
-            self.rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
+            self._rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
             return
         token_box.append(token)
         conn.tokens.add(token)
@@ -323,7 +396,7 @@ class RdmaReceiver:
             return 0
         why = "truncated" if status == UCS_ERR_MESSAGE_TRUNCATED else f"UCX status {status}"
         reason = f"payload for room {room} did not arrive intact ({why}, {length}/{nbytes} bytes)"
-        self.rooms.fail(room, reason)
+        self._rooms.fail(room, reason)
         self._nack(conn, room, reason)
         return None
 
@@ -338,7 +411,7 @@ class RdmaReceiver:
             self._nack(conn, room, str(exc), exc.refusal)
             return
         conn.rooms.add(room)
-        region = self._regions[region_id]  # [offset, offset + length) authorized above
+        region = self._by_region[region_id]  # [offset, offset + length) authorized above
 
         def commit() -> None:  # every page the sender wrote before the row has landed: now the row
             if region.info.memory == "host":
@@ -354,24 +427,38 @@ class RdmaReceiver:
         if conn is not None:  # not lost meanwhile (its endpoint would be gone)
             self._reply(conn, ACK, ROOM_BODY.pack(room))
 
-    def _drop_recv_conn(self, conn: RecvConn, reason: str, *, peer_lost: bool = True) -> None:
+    def drop_peer(self, instance_id: str, reason: str) -> None:
+        """Fail the rooms ``instance_id`` writes here and drop its connections."""
+        for conn in [c for c in self._recv_conns.values() if c.sender_id == instance_id]:
+            self._drop(conn, reason)
+
+    def _drop(self, conn: RecvConn, reason: str, *, peer_lost: bool = True) -> None:
         self._recv_conns.pop(conn.conn_id, None)
         self._dropped[conn.conn_id] = conn.key
         while len(self._dropped) > DROPPED_MAX:
             self._dropped.popitem(last=False)
         for room in list(conn.rooms):
-            self.rooms.fail(room, reason, peer_lost=peer_lost)
+            self._rooms.fail(room, reason, peer_lost=peer_lost)
         for token in list(conn.tokens):
             self._worker.cancel(token)  # tag receives: UCX cancels these for real
         self._worker.drop_endpoint(conn.ep, force=peer_lost)
         conn.ep = None
         self._draining = [c for c in self._draining if c.tokens] + ([conn] if conn.tokens else [])
 
-    def writer_gone(self, writer_id: str) -> bool:
-        """The writer proved itself on a liveness link, every such link ended from its side
-        (EOF: its process is gone), its UCX endpoints here were force-closed and every
-        receive posted for it completed or was cancelled: nothing of it can still land."""
-        if not self.writers.gone(writer_id) or any(c.sender_id == writer_id for c in self._recv_conns.values()):
+    def holds_nothing_of(self, writer_id: str) -> bool:
+        """No connection from ``writer_id`` is up and every receive posted for it
+        completed or was cancelled: nothing of it can still land."""
+        if any(c.sender_id == writer_id for c in self._recv_conns.values()):
             return False
         self._draining = [c for c in self._draining if c.tokens]
         return not any(c.sender_id == writer_id for c in self._draining)
+
+    def close(self, reason: str) -> None:
+        """Drop every connection (flushed: the peers are fine)."""
+        for conn in list(self._recv_conns.values()):
+            self._drop(conn, reason, peer_lost=False)
+
+    def clear(self) -> None:
+        """Forget every room (once the worker is closed: no completion comes any more)."""
+        self._recv_rooms.clear()
+        self._recv.clear()

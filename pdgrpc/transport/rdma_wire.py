@@ -1,4 +1,4 @@
-"""The ``rdma`` backend's wire format and per-connection / per-room state.
+"""The ``rdma`` backend's wire format: messages, tags, and how a write becomes data messages.
 
 Protocol (all UCX tag messages; tags are ``kind:4 | conn:28 | seq:32``)
 -----------------------------------------------------------------------
@@ -41,19 +41,13 @@ observer of the data plane, which is not encrypted (docs/security.md).
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import struct
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
-from pdgrpc.errors import ConfigError
-from pdgrpc.transport.base import Descriptor, MemoryRegion
-from pdgrpc.transport.memkind import MemoryKind, check_registrable, memory_kind
-from pdgrpc.transport.regions import RegionKind
-from pdgrpc.transport.receiver import MessageType, ReceiveRoom
+from pdgrpc.transport.receiver import MessageType
 
 KIND_SHIFT = 60
 KIND_MASK = 0xF << KIND_SHIFT
@@ -105,108 +99,6 @@ def ctrl_tag(kind: int) -> int:
 
 def data_tag(conn: int, seq: int) -> int:
     return (KIND_DATA << KIND_SHIFT) | (conn << 32) | (seq & 0xFFFFFFFF)
-
-
-def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def ucx_moves_cuda() -> bool:
-    """Whether the ``libucx`` in use ships its CUDA transports (``libuct_cuda``, as the
-    ``-cu12`` wheels do) and this process can use CUDA: then UCX detects CUDA pointers in
-    a message's iov and moves them (``cuda_ipc`` / ``cuda_copy`` / GPUDirect RDMA)."""
-    import os
-
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import libucx  # type: ignore[import-untyped]
-    except ImportError:
-        return False
-    lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "ucx")
-    return os.path.isdir(lib) and any(n.startswith("libuct_cuda.so") for n in os.listdir(lib))
-
-
-def check_region_memory(region: MemoryRegion) -> None:
-    """Raise :class:`ConfigError` for a region this build cannot register: device memory
-    other than CUDA, CUDA memory without a CUDA-enabled UCX, metadata rows off the host."""
-    kind = memory_kind(region.tensor)
-    if kind is MemoryKind.HOST:
-        return
-    if region.kind is RegionKind.METADATA:
-        raise ConfigError(f"rdma transport: metadata region {region.label} must be host memory "
-                          f"(metadata rows stay on the host), got a tensor on {region.tensor.device}")
-    moves = {MemoryKind.HOST, MemoryKind.CUDA} if ucx_moves_cuda() else {MemoryKind.HOST}
-    check_registrable("rdma", kind, moves, region.label,
-                      "needs a CUDA-enabled libucx (pip install 'pdgrpc[ucx]', ucxx-cu12) and a visible CUDA device")
-
-
-class Region:
-    __slots__ = ("info", "flat", "ptr")
-
-    def __init__(self, region: MemoryRegion) -> None:
-        check_region_memory(region)
-        self.flat = flat_bytes(region.tensor)
-        self.ptr = self.flat.data_ptr()
-        self.info = region.info()
-
-
-# -- per-connection / per-room state ----------------------------------------------------
-class SendConn:
-    """Sender side of one connection (to one receiver instance)."""
-
-    def __init__(self, local_id: int, desc: Descriptor, ep: Any) -> None:
-        self.local_id = local_id
-        self.desc = desc
-        self.ep = ep
-        self.reply_key = new_key()  # sent in HELLO; every reply must carry it
-        self.remote_id = 0  # assigned by the receiver's HELLO_OK
-        self.remote_key = 0  # the receiver's key for this connection (HELLO_OK), in every WRITE / META
-        self.ctrl_seq = 0
-        # Data messages carry no key; their tags are DATA | conn | seq. Starting the
-        # sequence at a random number leaves a forger that learned the (random)
-        # connection id still 32 bits to guess.
-        self.data_seq = secrets.randbits(32)
-        self.hello: asyncio.Future[tuple[bool, int, int, str]] | None = None  # ok, remote id, remote key, why not
-        self.rooms: set[int] = set()
-        self.tokens: set[int] = set()
-        self.dead = False
-
-
-class RecvConn:
-    """Receiver side of one connection (from one sender instance)."""
-
-    def __init__(self, conn_id: int, sender_id: str, sender_local: int, reply_key: int, ep: Any) -> None:
-        self.conn_id = conn_id
-        self.key = new_key()  # sent in HELLO_OK; every WRITE / META must carry it
-        self.sender_id = sender_id
-        self.sender_local = sender_local  # the sender's id for this connection (in replies)
-        self.reply_key = reply_key  # the sender's key (its HELLO), in every reply
-        self.ep = ep
-        self.next_seq = 1
-        self.early: dict[int, bytes] = {}  # control messages that arrived out of order
-        self.early_dropped = False  # one warning per connection
-        self.rooms: set[int] = set()
-        self.tokens: set[int] = set()
-
-
-class RecvRoom:
-    """What rdma keeps per open room besides the receiver core's state."""
-
-    def __init__(self, core: ReceiveRoom) -> None:
-        self.core = core
-        self.pending: dict[int, int] = {}  # conn id -> data receives outstanding
-        self.tokens: set[int] = set()
-        self.nacked = False
-        self.released = False
-
-
-class SendRoom:
-    def __init__(self, conn: SendConn) -> None:
-        self.conn = conn
-        self.kv_bytes = 0
-        self.tokens: set[int] = set()
 
 
 class Plan(NamedTuple):

@@ -79,23 +79,23 @@ def test_backend_that_moves_host_only_refuses_cuda_regions() -> None:
 
 
 def test_rdma_registers_cuda_only_with_a_cuda_enabled_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdgrpc.transport import rdma_wire
+    from pdgrpc.transport import rdma_regions
 
     kv = MemoryRegion(0, torch.zeros(4, 64))
     meta = MemoryRegion(0xFFFF, torch.zeros(4, 64), RegionKind.METADATA)
-    rdma_wire.check_region_memory(kv)  # host memory: always
-    monkeypatch.setattr(rdma_wire, "memory_kind", lambda t: MemoryKind.CUDA)
-    monkeypatch.setattr(rdma_wire, "ucx_moves_cuda", lambda: False)
+    rdma_regions.check_region_memory(kv)  # host memory: always
+    monkeypatch.setattr(rdma_regions, "memory_kind", lambda t: MemoryKind.CUDA)
+    monkeypatch.setattr(rdma_regions, "ucx_moves_cuda", lambda: False)
     with pytest.raises(ConfigError, match=r"rdma transport cannot register kv0: it is cuda memory .*CUDA-enabled libucx"):
-        rdma_wire.check_region_memory(kv)
-    monkeypatch.setattr(rdma_wire, "ucx_moves_cuda", lambda: True)
-    rdma_wire.check_region_memory(kv)
+        rdma_regions.check_region_memory(kv)
+    monkeypatch.setattr(rdma_regions, "ucx_moves_cuda", lambda: True)
+    rdma_regions.check_region_memory(kv)
     with pytest.raises(ConfigError, match="metadata rows stay on the host"):
-        rdma_wire.check_region_memory(meta)
+        rdma_regions.check_region_memory(meta)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
 def test_ucx_moves_no_cuda_without_cuda() -> None:
-    from pdgrpc.transport.rdma_wire import ucx_moves_cuda
+    from pdgrpc.transport.rdma_regions import ucx_moves_cuda
 
     assert ucx_moves_cuda() is False

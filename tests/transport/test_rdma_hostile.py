@@ -30,9 +30,9 @@ LAYOUT = Layout(layers=2, pages=16, slots=4)
 
 
 @contextlib.asynccontextmanager
-async def _paired() -> AsyncIterator[tuple[Any, Any, Any, Any, bytes]]:
+async def _paired() -> AsyncIterator[tuple[Any, Any, Any, Any, bytes, Any]]:
     """A connected rdma pair, closed on the way out: (recv, send, send_regions, peer,
-    recv descriptor)."""
+    recv descriptor, recv_regions)."""
     recv_regions, _ = LAYOUT.build(None)
     send_regions, _ = LAYOUT.build(7)
     # a long lease: whatever is closed in these tests is closed for a reason, not for silence
@@ -41,7 +41,7 @@ async def _paired() -> AsyncIterator[tuple[Any, Any, Any, Any, bytes]]:
         desc = await recv.register(recv_regions)
         await send.register(send_regions)
         peer = await send.connect(desc)
-        yield recv, send, send_regions, peer, desc
+        yield recv, send, send_regions, peer, desc, recv_regions
     finally:
         await send.close()
         await recv.close()
@@ -74,7 +74,7 @@ def _closed_by_peer(s: socket.socket, timeout: float = 5.0) -> bool:
 
 
 async def test_a_forged_liveness_hello_is_closed_and_does_not_drop_the_real_sender() -> None:
-    async with _paired() as (recv, send, send_regions, peer, desc):
+    async with _paired() as (recv, send, send_regions, peer, desc, _recv_regions):
         pairs = region_pairs(send_regions, peer.descriptor.regions)
         meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 1)
         room = 41
@@ -117,7 +117,7 @@ async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> No
         await sender.call("write_pages", recv.instance_id, room, [0], [2], None)
         # The page landed (a receive still matched to a sender that dies mid-message may
         # never complete: then the writer is not confirmed gone, and the lease decides).
-        await eventually_async(lambda: recv.poll(room) is KVPoll.TRANSFERRING and not recv._recv_rooms[room].tokens,
+        await eventually_async(lambda: recv.poll(room) is KVPoll.TRANSFERRING and not recv.receives_posted(room),
                                what="the page landed")
         forged = _forged_liveness_hello(Descriptor.from_bytes(desc).liveness, sender.instance_id,
                                         Descriptor.from_bytes(sender.descriptor).endpoint)
@@ -134,10 +134,10 @@ async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> No
 async def test_control_messages_from_the_future_are_kept_only_up_to_a_bound() -> None:
     from pdgrpc.transport.rdma_wire import COMMON, EARLY_MAX, WRITE
 
-    async with _paired() as (recv, send, send_regions, peer, desc):
-        [conn] = recv._recv_conns.values()
+    async with _paired() as (recv, send, send_regions, peer, desc, _recv_regions):
+        [conn] = recv.receiver.connections
         for k in range(2 * EARLY_MAX):  # what a forger with the (guessable) conn id can send
-            recv._on_ctrl(COMMON.pack(WRITE, conn.conn_id, conn.next_seq + 5 + k, conn.key) + b"\0" * 64)
+            recv.receiver.on_ctrl(COMMON.pack(WRITE, conn.conn_id, conn.next_seq + 5 + k, conn.key) + b"\0" * 64)
         assert len(conn.early) <= EARLY_MAX
         pairs = region_pairs(send_regions, peer.descriptor.regions)
         recv.advertise(RoomGrant.of(9, [2], slot=0))
@@ -156,11 +156,11 @@ async def test_a_forged_metadata_row_from_an_unproven_ucx_endpoint_changes_nothi
     from pdgrpc.transport._ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import COMMON, KIND_CTRL, META, META_BODY, ctrl_tag
 
-    async with _paired() as (recv, send, send_regions, peer, desc):
+    async with _paired() as (recv, send, send_regions, peer, desc, recv_regions):
         forger = UcxWorker()
         forger.start()
         try:
-            [conn] = recv._recv_conns.values()
+            [conn] = recv.receiver.connections
             recv.advertise(RoomGrant.of(9, [2], slot=1))
             meta = peer.descriptor.region(METADATA_REGION_ID)
             row = b"\x41" * meta.item_bytes
@@ -174,7 +174,7 @@ async def test_a_forged_metadata_row_from_an_unproven_ucx_endpoint_changes_nothi
                 await eventually_async(lambda: sent == [0], timeout=10)
             await asyncio.sleep(0.2)  # the receiver has had the messages
             assert recv.rooms.status(9).state is KVPoll.WAITING_FOR_INPUT
-            slot = recv._regions[METADATA_REGION_ID].flat[meta.item_bytes : 2 * meta.item_bytes]
+            slot = recv_regions[-1].tensor.reshape(-1).view(torch.uint8)[meta.item_bytes : 2 * meta.item_bytes]
             assert not bool(slot.eq(0x41).all())
             # the real sender's write still lands, its row with it
             pairs = region_pairs(send_regions, peer.descriptor.regions)
@@ -193,30 +193,30 @@ async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> No
 
     from pdgrpc.transport.rdma_wire import COMMON, OP_DTYPE, WRITE, WRITE_BODY
 
-    async with _paired() as (recv, send, _send_regions, _peer, _desc):
-        [conn] = recv._recv_conns.values()
-        before = recv._worker.inflight_requests
+    async with _paired() as (recv, send, _send_regions, _peer, _desc, _recv_regions):
+        [conn] = recv.receiver.connections
+        before = recv.pending_requests
         n = 4096
         ops = np.zeros(n, dtype=OP_DTYPE)
         body = WRITE_BODY.pack(9, 1, n, n, 0) + np.ones(n, dtype="<u4").tobytes() + ops.tobytes()
         for conn_id, key in ((conn.conn_id ^ 1, conn.key), (conn.conn_id, conn.key ^ 1), (0, 0)):
-            recv._on_ctrl(COMMON.pack(WRITE, conn_id, conn.next_seq, key) + body)
-        assert recv._worker.inflight_requests == before
+            recv.receiver.on_ctrl(COMMON.pack(WRITE, conn_id, conn.next_seq, key) + body)
+        assert recv.pending_requests == before
         assert conn.early == {}
 
 
 async def test_a_forged_reply_changes_no_room_on_the_sender() -> None:
     from pdgrpc.transport.rdma_wire import ACK, COMMON, NACK, NACK_BODY, ROOM_BODY
 
-    async with _paired() as (recv, send, _send_regions, _peer, _desc):
-        [conn] = send._send_conns.values()
+    async with _paired() as (recv, send, _send_regions, _peer, _desc, _recv_regions):
+        [conn] = send.sender.connections
         conn.rooms.add(5)
         send.rooms.create(5, KVPoll.TRANSFERRING)
         for key in (0, conn.reply_key ^ 1):
-            send._on_reply(COMMON.pack(ACK, conn.local_id, 0, key) + ROOM_BODY.pack(5))
-            send._on_reply(COMMON.pack(NACK, conn.local_id, 0, key) + NACK_BODY.pack(5, 0) + b"forged")
+            send.sender.on_reply(COMMON.pack(ACK, conn.local_id, 0, key) + ROOM_BODY.pack(5))
+            send.sender.on_reply(COMMON.pack(NACK, conn.local_id, 0, key) + NACK_BODY.pack(5, 0) + b"forged")
         assert send.rooms.status(5).state is KVPoll.TRANSFERRING
-        send._on_reply(COMMON.pack(ACK, conn.local_id, 0, conn.reply_key) + ROOM_BODY.pack(5))  # the real one
+        send.sender.on_reply(COMMON.pack(ACK, conn.local_id, 0, conn.reply_key) + ROOM_BODY.pack(5))  # the real one
         assert send.rooms.status(5).state is KVPoll.SUCCESS
 
 
@@ -231,11 +231,11 @@ async def test_data_messages_from_an_unproven_endpoint_do_not_land_even_with_the
     from pdgrpc.transport._ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import data_tag
 
-    async with _paired() as (recv, send, send_regions, peer, desc):
+    async with _paired() as (recv, send, send_regions, peer, desc, recv_regions):
         forger = UcxWorker()
         forger.start()
         try:
-            [conn] = recv._recv_conns.values()
+            [conn] = recv.receiver.connections
             pairs = region_pairs(send_regions, peer.descriptor.regions)
             ops = page_ops(pairs, [0], [2])  # one page of each KV region: one message per region pair
             junk = np.full(max(op.length for op in ops), 0x41, dtype=np.uint8)
@@ -249,9 +249,10 @@ async def test_data_messages_from_an_unproven_endpoint_do_not_land_even_with_the
             meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
             await send.write(peer, 9, ops, metadata=meta)
             assert (await send.wait(9, 30)).state is KVPoll.SUCCESS
+            by_id = {r.region_id: r for r in recv_regions}
             for op in ops:  # the receiver's page 2 of every region holds the sender's page 0
                 want = send_regions[op.src_region].tensor.reshape(-1).view(torch.uint8)[op.src_offset : op.src_offset + op.length]
-                got = recv._regions[op.dst_region].flat[op.dst_offset : op.dst_offset + op.length]
+                got = by_id[op.dst_region].tensor.reshape(-1).view(torch.uint8)[op.dst_offset : op.dst_offset + op.length]
                 assert torch.equal(got, want), f"forged bytes landed in region {op.dst_region}"
         finally:
             await forger.close()
@@ -269,11 +270,11 @@ async def test_stray_messages_for_nobody_are_dropped_from_ucxs_queue() -> None:
     from pdgrpc.transport._ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import KIND_DATA, KIND_SHIFT
 
-    async with _paired() as (recv, send, send_regions, peer, desc):
+    async with _paired() as (recv, send, send_regions, peer, desc, _recv_regions):
         forger = UcxWorker()
         forger.start()
         try:
-            [conn] = recv._recv_conns.values()
+            [conn] = recv.receiver.connections
             rng = random.Random(5)
             junk = np.full(512, 0x41, dtype=np.uint8)
             ep = forger.endpoint(peer.descriptor.endpoint)
@@ -290,7 +291,7 @@ async def test_stray_messages_for_nobody_are_dropped_from_ucxs_queue() -> None:
             await eventually_async(lambda: len(sent) == n, timeout=10)
             await eventually_async(lambda: recv.stray_messages == n, timeout=10,
                                    what=lambda: f"{recv.stray_messages} of {n} dropped")
-            assert recv._worker.probe(0, 0) is None  # nothing left in UCX's unexpected queue
+            assert recv.worker.probe(0, 0) is None  # nothing left in UCX's unexpected queue
             recv.advertise(RoomGrant.of(9, [2], slot=0))
             pairs = region_pairs(send_regions, peer.descriptor.regions)
             meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)

@@ -116,8 +116,8 @@ async def test_back_to_back_large_writes_land_bit_exact_with_or_without_quiet_se
                 await send.write(peer, room, page_ops(pairs, list(src), list(dst)),
                                  metadata=metadata_op(regions[-1], 0, dmeta, 0))
                 if room == 6:  # the first write taught the sender how fast this peer reads
-                    window = send._worker._quiet  # type: ignore[attr-defined]
-                    assert (window is not None and bool(window._fastest)) is bool(quiet)
+                    window = send.worker.quiet
+                    assert (window is not None and window.learned) is bool(quiet)
                 assert (await send.wait(room, WAIT_S)).state is KVPoll.SUCCESS
                 want = digest(torch.cat([flats[r].view(-1, layout.page_bytes)[list(src)].reshape(-1)
                                          for r in layout.kv_region_ids()]))
