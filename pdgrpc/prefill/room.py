@@ -151,6 +151,8 @@ class RoomDriver:
             if self.first_write is not None and post.end < n and not logged_transferring:
                 logged_transferring = True
                 request_event(log, room, "transferring", chunk_tokens=s.chunk_size, chunks=-(-n // s.chunk_size), level=logging.DEBUG)
+        if tracing.enabled:  # the last write is queued
+            tracing.hop("write")
         await self._acknowledged(sender)
         if tracing.enabled:
             tracing.hop("transfer")

@@ -27,6 +27,7 @@ TREE: dict[str, str | None] = {
     "worker": "controller.dispatch",
     "worker.queue": "worker",
     "compute": "worker",
+    "write": "worker",
     "transfer": "worker",
     "decode": "router",
     "handshake": "decode",
@@ -54,7 +55,8 @@ def _check_tree(spans: dict[str, dict[str, Any]], root_parent: str | None) -> No
         assert spans[name]["parent_id"] == want, f"{name}: parent {spans[name]['parent_id']}, want {parent or root_parent}"
         assert spans[name]["start_ns"] <= spans[name]["end_ns"]
     # The hops within a process follow each other; a call starts after its caller's span.
-    assert spans["worker.queue"]["end_ns"] <= spans["compute"]["end_ns"] <= spans["transfer"]["end_ns"]
+    hops = [spans[n]["end_ns"] for n in ("worker.queue", "compute", "write", "transfer")]
+    assert hops == sorted(hops)
     assert spans["decode.commit"]["end_ns"] <= spans["first_token"]["end_ns"]
     assert spans["router"]["start_ns"] <= spans["decode"]["start_ns"] <= spans["handshake"]["start_ns"]
 
