@@ -15,8 +15,8 @@ Receiver (:class:`StagedReceive`): the socket reads a piece into a free buffer; 
 is in, the host-to-device copy of it starts (``copy_in``) and the socket goes on reading
 the next piece into the next buffer, so the copy of piece ``k`` overlaps the receive of
 ``k + 1``. A buffer is reused only after its copy finished. When every piece is in and
-every copy finished, ``on_landed`` runs (the bytes count as landed only then, so a
-metadata row that waits for them is never committed early).
+every copy finished, the bytes count as landed (only then, so a metadata row that waits
+for them is never committed early).
 
 The copy functions are injected (:mod:`pdgrpc.transport.devcopy` has the CUDA ones and
 their CPU twins), so the ordering, overlap and back-pressure rules here are tested on
@@ -221,16 +221,12 @@ class StagedReceive:
     """One frame's payload received through ``pool`` into device regions (see the module
     docstring). The driver (a socket reader) asks :meth:`next_buffer` for where the next
     piece's bytes go, calls :meth:`piece_received` when they are in, and once
-    :attr:`all_received`, awaits :meth:`landed`."""
+    :attr:`all_received`, polls :meth:`reap_all` until every copy finished."""
 
-    def __init__(self, pieces: list[Piece], pool: StagingPool, copy_in: CopyFn,
-                 wait_blocking: Callable[[ChunkReady], None] | None = None) -> None:
+    def __init__(self, pieces: list[Piece], pool: StagingPool, copy_in: CopyFn) -> None:
         self.pieces = pieces
         self.pool = pool
         self.copy_in = copy_in
-        # With every buffer still copying into the device, the reader waits for the oldest
-        # copy (one piece: well under a millisecond on a GPU) rather than stop reading.
-        self._wait_blocking = wait_blocking or _spin
         self._next = 0
         self._current: int | None = None
         self._copying: collections.deque[tuple[int, ChunkReady]] = collections.deque()
@@ -247,8 +243,9 @@ class StagedReceive:
         while i is None:  # every buffer is still being copied into the device
             if not self._copying:
                 raise TransportError("staging pool exhausted by other receives")
+            # wait for the oldest copy (one piece) rather than stop reading
             j, ready = self._copying.popleft()
-            self._wait_blocking(ready)
+            _spin(ready)
             self.pool.release(j)
             i = self.pool.try_acquire()
         try:
@@ -282,15 +279,6 @@ class StagedReceive:
         """Return the buffers of finished copies; True once every copy finished."""
         self._reap()
         return not self._copying and self._current is None
-
-    async def landed(self) -> None:
-        """Every piece's copy into the device finished (buffers returned to the pool)."""
-        while self._copying:
-            i, ready = self._copying[0]
-            if not ready.done():
-                await ready.wait()
-            self._copying.popleft()
-            self.pool.release(i)
 
     def abandon(self) -> None:
         """Stop here (the room was released, or the connection is gone): the buffer a piece

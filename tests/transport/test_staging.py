@@ -183,17 +183,10 @@ def test_staged_receive_lands_only_after_every_copy() -> None:
         got += len(view)
         rx.piece_received()
     assert len(gates) == 7 and pool.high_water == 2
-
-    async def main() -> bool:
-        task = asyncio.create_task(rx.landed())
-        await asyncio.sleep(0.01)
-        early = task.done()
-        for g in gates:
-            g.ev.set()
-        await asyncio.wait_for(task, 5)
-        return early
-
-    assert asyncio.run(main()) is False
+    assert rx.reap_all() is False  # copies still running: not landed yet
+    for g in gates:
+        g.ev.set()
+    assert rx.reap_all() is True
     assert torch.equal(dst[0], payload) and pool.free_count == 2
 
 
