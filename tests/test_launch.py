@@ -17,6 +17,10 @@ ENTRY_POINTS = [
     ("pdgrpc.bootstrap", "pdgrpc.bootstrap.__main__:main", False),
     ("pdgrpc.router", "pdgrpc.router.__main__:main", False),
     ("pdgrpc.colocated", "pdgrpc.colocated.__main__:main", True),
+    ("pdgrpc.prefill", "pdgrpc.prefill.__main__:main", True),
+    ("pdgrpc.prefill.worker_main", "pdgrpc.prefill.worker_main:main", True),
+    ("pdgrpc.decode", "pdgrpc.decode.__main__:cli", True),
+    ("pdgrpc.decode.follower", "pdgrpc.decode.follower:cli", True),
 ]
 
 # Records the environment at the moment anything first imports grpc, then prints it with

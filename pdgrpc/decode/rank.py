@@ -1,7 +1,7 @@
 """What every TP rank of a decode instance does for the transfers, the same way.
 
 Rank 0 (:class:`~pdgrpc.decode.scheduler.DecodeScheduler`) and the other ranks
-(:class:`~pdgrpc.decode.follower.Follower`) each hold a :class:`RankTransfers`: this
+(:class:`~pdgrpc.decode.follower_server.Follower`) each hold a :class:`RankTransfers`: this
 rank's metadata rows (and the sink rows, see :mod:`pdgrpc.serving.tp`), its decode
 queues, and its transport rooms per request (one per prefill rank that writes to it).
 Each rank advertises its own grants, polls its own transport and releases its own rooms

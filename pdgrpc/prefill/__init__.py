@@ -10,7 +10,7 @@
   :mod:`~pdgrpc.prefill.room` a room's driver, which carries out what the pure
   :class:`~pdgrpc.state.prefill_sender.PrefillSender` decides;
   :mod:`~pdgrpc.prefill.handshake` the handshake check; :mod:`~pdgrpc.prefill.services`
-  the gRPC servicers; :mod:`~pdgrpc.prefill.worker_main` the worker process.
+  the gRPC servicers; :mod:`~pdgrpc.prefill.worker_server` the worker process.
 * :mod:`~pdgrpc.prefill.link` -- how the controller sends Prefill calls to its workers
   (framed protobuf over a socketpair; process-private, not gRPC).
 * :mod:`~pdgrpc.prefill.compute` -- where a worker runs its forward pass, one interface

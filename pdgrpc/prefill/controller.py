@@ -1,6 +1,6 @@
 """The prefill DP controller: starts the worker processes and routes each request.
 
-* Starts ``--dp-size`` worker processes (:mod:`pdgrpc.prefill.worker_main`), each with its
+* Starts ``--dp-size`` worker processes (:mod:`pdgrpc.prefill.worker_server`), each with its
   own gRPC server, and waits until every one reported ready (it registered with bootstrap).
   The process around it -- its servers, health, ready line and signals -- is
   :mod:`pdgrpc.prefill.controller_main`.
@@ -44,7 +44,7 @@ from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
 from pdgrpc.prefill.notices import FailureNotices, NotForwarded
 from pdgrpc.prefill.registrar import DpRankRegistrar
 from pdgrpc.prefill.respawn import restart_group
-from pdgrpc.prefill.worker_main import READY
+from pdgrpc.prefill.worker_server import READY
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
 from pdgrpc.rpc.server import RpcServer

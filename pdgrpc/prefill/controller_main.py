@@ -1,6 +1,6 @@
 """The prefill controller process: its servers, its startup and its shutdown.
 
-:func:`main_async` runs ``python -m pdgrpc.prefill`` (:mod:`pdgrpc.prefill.__main__`):
+:data:`ROLE` is ``python -m pdgrpc.prefill`` (:mod:`pdgrpc.prefill.__main__`):
 
 * Serves ``PrefillService`` through a :class:`~pdgrpc.prefill.controller.Controller`
   (smg's worker protocol too, with ``pdgrpc[gateway]``), and embeds ``BootstrapService``
@@ -27,19 +27,24 @@ from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
 from pdgrpc.bootstrap.table import RoomTable
-from pdgrpc.discovery.cli import register_on, registration_from_args
+from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args
+from pdgrpc.errors import ConfigError
 from pdgrpc.gateway import prefill_service
 from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, start_metrics_from_args
+from pdgrpc.prefill.cli import build_parser
 from pdgrpc.prefill.controller import Controller
 from pdgrpc.prefill.notices import notices_for
 from pdgrpc.prefill.registrar import DpRankRegistrar, counted
 from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
-from pdgrpc.rpc.server import RpcServer, serve_until_signal, start_server
+from pdgrpc.rpc.server import RpcServer, run, serve_until_signal, start_server
+from pdgrpc.serving.engines import check_engine_args
+from pdgrpc.serving.launch import Role
+from pdgrpc.transport import registry
 from pdgrpc.v1 import prefill_pb2_grpc
 
 log = logging.getLogger("pdgrpc.prefill")
 
-__all__ = ["READY_LINE", "main_async"]
+__all__ = ["READY_LINE", "ROLE", "main_async"]
 
 READY_LINE = "PDGRPC_READY"
 
@@ -142,3 +147,26 @@ async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServ
     await controller.stop_workers()
     log.info("prefill stopped")
     return controller.exit_code
+
+
+def check(ns: argparse.Namespace) -> None:
+    if ns.dp_size < 1:
+        raise ConfigError(f"--dp-size must be >= 1, got {ns.dp_size}")
+    if ns.chunk_size < 1:
+        raise ConfigError(f"--chunk-size must be >= 1, got {ns.chunk_size}")
+    if ns.tp_size < 1:
+        raise ConfigError(f"--tp-size must be >= 1, got {ns.tp_size}")
+    check_engine_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
+    registry.load(ns.transport)  # a missing backend names what to install
+    check_discovery_args(ns)
+
+
+def serve(ns: argparse.Namespace) -> int:
+    try:
+        return run(main_async(ns))
+    except ConfigError as exc:  # e.g. a non-loopback --host with neither TLS nor a token
+        log.error("%s", exc)
+        return 2
+
+
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: "prefill", check=check)
