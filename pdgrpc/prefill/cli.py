@@ -158,17 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def worker_argv(ns: argparse.Namespace) -> list[str]:
-    """The pass-through flags for a worker process (everything :func:`add_worker_arguments` adds)."""
+    """The pass-through flags for a worker process (everything :func:`add_worker_arguments`
+    adds). Every worker flag is spelled ``--`` + its dest with dashes, and a flag whose
+    default is a bool is a switch, present when true."""
     probe = argparse.ArgumentParser(add_help=False)
     add_worker_arguments(probe)
     out: list[str] = []
-    for action in probe._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        value = getattr(ns, action.dest)
-        if isinstance(action, argparse._StoreTrueAction):
+    for dest, default in vars(probe.parse_args([])).items():
+        flag, value = "--" + dest.replace("_", "-"), getattr(ns, dest)
+        if isinstance(default, bool):
             if value:
-                out.append(action.option_strings[0])
+                out.append(flag)
         else:
-            out += [action.option_strings[0], str(value)]
+            out += [flag, str(value)]
     return out

@@ -123,11 +123,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=_D.max_seq_len,
         help="most tokens (prompt + generated) one request may reach. Default: %(default)s",
     )
-    add_model_arguments(g)
-
-
-def add_model_arguments(g: argparse._ArgumentGroup) -> None:
-    """``--model``, ``--dtype``, ``--device`` (part of the engine flags)."""
     g.add_argument(
         "--model", metavar="PATH", default="",
         help="serve a Hugging Face checkpoint from this local directory (config.json, *.safetensors, tokenizer.json; "

@@ -48,6 +48,7 @@ def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
     add_worker_arguments(probe)
     back = probe.parse_args(argv)
     assert (back.model_size, back.page_size, back.transport, back.chunk_size) == ("tiny", 8, "tcp", 7)
+    assert vars(back) == {dest: getattr(ns, dest) for dest in vars(back)}
 
 
 def test_kv_huge_pages_reaches_the_workers_and_their_engine_pools() -> None:

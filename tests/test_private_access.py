@@ -1,0 +1,65 @@
+"""No module of pdgrpc reaches into another object's private members: ``x._name`` is read
+or written only where ``x`` is ``self``, ``cls`` or ``super()``, or where ``_name`` is
+defined in the same module (a class's own private state, which the module owns). A
+narrow interface passed in at construction replaces the reach; dunder names are public
+protocol, and torch's operator namespace names its ops with a leading underscore."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# namedtuple's public API, spelled with an underscore so it cannot clash with a field
+PUBLIC = {"_asdict", "_fields", "_field_defaults", "_make", "_replace"}
+
+
+def _defined_private(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def private_reaches(source: str, where: str) -> list[str]:
+    """``where:line: expression`` for each reach into another object's private member."""
+    tree = ast.parse(source, where)
+    own = _defined_private(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name, value = node.attr, node.value
+        if not name.startswith("_") or (name.startswith("__") and name.endswith("__")) or name in PUBLIC or name in own:
+            continue
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+            continue
+        if ast.unparse(value).startswith("torch.ops."):
+            continue
+        found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_objects_private_members() -> None:
+    found = []
+    for f in sorted((REPO / "pdgrpc").rglob("*.py")):
+        if "v1" not in f.relative_to(REPO).parts:
+            found += private_reaches(f.read_text(), str(f.relative_to(REPO)))
+    assert found == [], "pass a narrow interface in at construction instead:\n" + "\n".join(found)
+
+
+def test_the_check_sees_a_reach_and_lets_a_class_use_its_own_state() -> None:
+    source = (
+        "class Pool:\n"
+        "    def __init__(self):\n        self._free = []\n"
+        "    def merge(self, other):\n        self._free += other._free\n"
+        "def drain(conn):\n    return conn._buffer, conn.__class__\n"
+    )
+    assert private_reaches(source, "m.py") == ["m.py:7: conn._buffer"]
