@@ -34,7 +34,7 @@ import logging
 import socket
 import struct
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from pdgrpc.errors import ConfigError
 from pdgrpc.transport import peerauth
@@ -73,11 +73,27 @@ def _parse_hello(buf: bytes) -> tuple[str, bytes, bytes, int] | None:
     return fields[0].decode(), fields[1], fields[2], off
 
 
-class _Link:
-    """One liveness connection (accepted, or opened by ``watch``)."""
+class _LinkEvents(Protocol):
+    """What a link asks of its :class:`Liveness`: the bytes it greets with, whether a
+    proof admits a peer, and what to do when the link closes or is lost."""
 
-    def __init__(self, owner: "Liveness", sock: socket.socket, expect: str | None, watched: bool) -> None:
-        self.owner = owner
+    def challenge(self, nonce: bytes) -> bytes: ...
+    def hello(self, peer: str = "", nonce: bytes = b"") -> bytes: ...
+    def admit(self, nonce: bytes, peer: str, proof: bytes) -> bool: ...
+    def link_closed(self, link: _Link, by_peer: bool) -> None: ...
+    def link_lost(self, link: _Link, peer: str, reason: str) -> None: ...
+
+
+class _Link:
+    """One liveness connection (accepted, or opened by ``watch``): heartbeats every
+    ``interval``, lost after ``lease`` seconds of silence."""
+
+    def __init__(self, events: _LinkEvents, loop: asyncio.AbstractEventLoop, interval: float, lease: float,
+                 sock: socket.socket, expect: str | None, watched: bool) -> None:
+        self.events = events
+        self.loop = loop
+        self.interval = interval
+        self.lease = lease
         self.sock = sock
         self.expect = expect  # instance id the peer must announce (watch side)
         self.watched = watched
@@ -86,15 +102,14 @@ class _Link:
         self.nonce = b""  # the challenge: sent (accepted link) or received (watched link)
         self.buf = b""
         self.last_seen = time.monotonic()
-        self.ready: asyncio.Future[None] = owner.loop.create_future()
+        self.ready: asyncio.Future[None] = loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
-        owner.loop.add_reader(sock.fileno(), self.on_readable)
-        self.timer = owner.loop.call_later(owner.interval, self.on_tick)
+        loop.add_reader(sock.fileno(), self.on_readable)
+        self.timer = loop.call_later(interval, self.on_tick)
         if not watched:
             self.nonce = peerauth.new_nonce()
-            me = owner.instance_id.encode()
-            self.send(_CHALLENGE + self.nonce + struct.pack("!H", len(me)) + me)
+            self.send(events.challenge(self.nonce))
 
     def send(self, data: bytes) -> None:
         try:
@@ -136,7 +151,7 @@ class _Link:
                 return
             self.nonce = nonce
             assert self.expect is not None
-            self.send(_hello(self.owner.instance_id, self.owner.info, self.owner.prove(self.expect, self.nonce)))
+            self.send(self.events.hello(self.expect, self.nonce))
         try:
             parsed = _parse_hello(self.buf)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -152,49 +167,42 @@ class _Link:
             self.peer = self.expect
             self.lost(f"liveness port belongs to instance {peer}, not {self.expect} (restarted)")
             return
-        if not self.watched:
-            if not self.owner.verify(self.nonce, peer, proof):
-                log.warning("liveness: closing a link claiming to be %s: its proof of identity does not verify", peer)
-                self.close()  # proven nothing: reported to nobody
-                return
-            if self.owner.writers is not None:
-                self.owner.writers.opened(peer)
+        if not self.watched and not self.events.admit(self.nonce, peer, proof):
+            log.warning("liveness: closing a link claiming to be %s: its proof of identity does not verify", peer)
+            self.close()  # proven nothing: reported to nobody
+            return
         self.peer_info = info
         self.peer = peer
         if not self.watched:
-            self.send(_hello(self.owner.instance_id, self.owner.info))
+            self.send(self.events.hello())
         if not self.ready.done():
             self.ready.set_result(None)
 
     def on_tick(self) -> None:
         if self.closed:
             return
-        if time.monotonic() - self.last_seen > self.owner.lease:
-            self.lost(f"no heartbeat for {self.owner.lease:.1f} s")
+        if time.monotonic() - self.last_seen > self.lease:
+            self.lost(f"no heartbeat for {self.lease:.1f} s")
             return
         if self.peer:
             self.send(_BEAT)
-        self.timer = self.owner.loop.call_later(self.owner.interval, self.on_tick)
+        self.timer = self.loop.call_later(self.interval, self.on_tick)
 
     def close(self, *, by_peer: bool = False) -> None:
         """Close the link; ``by_peer``: the peer ended it (EOF, reset)."""
         if self.closed:
             return
         self.closed = True
-        if not self.watched and self.peer and self.owner.writers is not None:
-            self.owner.writers.closed(self.peer, by_peer=by_peer)
         if self.timer is not None:
             self.timer.cancel()
         try:
-            self.owner.loop.remove_reader(self.sock.fileno())
+            self.loop.remove_reader(self.sock.fileno())
         except (ValueError, OSError):
             pass
         self.sock.close()
         if not self.ready.done():
             self.ready.set_result(None)
-        self.owner.links.discard(self)
-        if self.watched and self.owner.watching.get(self.expect or "") is self:
-            del self.owner.watching[self.expect or ""]
+        self.events.link_closed(self, by_peer)
 
     def lost(self, reason: str, *, by_peer: bool = False) -> None:
         # An accepted link has a peer only once its proof verified: one that never
@@ -202,14 +210,8 @@ class _Link:
         peer = self.peer or (self.expect or "")
         was_closed = self.closed
         self.close(by_peer=by_peer)
-        if was_closed or not peer or self.owner.closed:
-            return
-        if not self.watched and self.owner.live_link(peer) is not None:
-            # The peer (proven) is still up on another link: a link it replaced.
-            log.warning("liveness: a link claiming %s closed (%s); %s is still live on another link",
-                        peer, reason, peer)
-            return
-        self.owner.on_lost(peer, reason)
+        if not was_closed and peer:
+            self.events.link_lost(self, peer, reason)
 
 
 class Liveness:
@@ -261,6 +263,40 @@ class Liveness:
         """Whether an accepted link's hello proves ``peer_id``."""
         return peerauth.verify(self.key, CHANNEL, nonce, peer_id, self.instance_id, answer)
 
+    # -- what links ask (_LinkEvents) ------------------------------------------------------
+    def challenge(self, nonce: bytes) -> bytes:
+        me = self.instance_id.encode()
+        return _CHALLENGE + nonce + struct.pack("!H", len(me)) + me
+
+    def hello(self, peer: str = "", nonce: bytes = b"") -> bytes:
+        """This side's hello; to a watched ``peer``, with the proof answering its ``nonce``."""
+        return _hello(self.instance_id, self.info, self.prove(peer, nonce) if peer else b"")
+
+    def admit(self, nonce: bytes, peer: str, proof: bytes) -> bool:
+        """An accepted link's hello: whether ``proof`` proves ``peer`` (then it counts as a writer's link)."""
+        if not self.verify(nonce, peer, proof):
+            return False
+        if self.writers is not None:
+            self.writers.opened(peer)
+        return True
+
+    def link_closed(self, link: _Link, by_peer: bool) -> None:
+        if not link.watched and link.peer and self.writers is not None:
+            self.writers.closed(link.peer, by_peer=by_peer)
+        self.links.discard(link)
+        if link.watched and self.watching.get(link.expect or "") is link:
+            del self.watching[link.expect or ""]
+
+    def link_lost(self, link: _Link, peer: str, reason: str) -> None:
+        if self.closed:
+            return
+        if not link.watched and self.live_link(peer) is not None:
+            # The peer (proven) is still up on another link: a link it replaced.
+            log.warning("liveness: a link claiming %s closed (%s); %s is still live on another link",
+                        peer, reason, peer)
+            return
+        self.on_lost(peer, reason)
+
     @property
     def address(self) -> str:
         return self._address
@@ -293,7 +329,7 @@ class Liveness:
             except OSError:
                 return
             sock.setblocking(False)
-            self.links.add(_Link(self, sock, None, watched=False))
+            self.links.add(_Link(self, self.loop, self.interval, self.lease, sock, None, watched=False))
 
     async def watch(self, peer_instance_id: str, address: str) -> bytes | None:
         """Returns the peer's ``info`` once it answered as ``peer_instance_id``; None if
@@ -327,7 +363,7 @@ class Liveness:
         if self.closed:
             sock.close()
             return None
-        link = _Link(self, sock, peer_instance_id, watched=True)
+        link = _Link(self, self.loop, self.interval, self.lease, sock, peer_instance_id, watched=True)
         self.links.add(link)
         self.watching[peer_instance_id] = link  # the hello goes out once the challenge came
         try:
