@@ -44,11 +44,11 @@ from typing import Any, Sequence
 
 from pdgrpc.errors import TransportUnavailable
 from pdgrpc.transport._ucx_api import (
-    _EP_CLOSE_FLAG_FORCE, _EP_PARAM_FIELD_ERR_HANDLING_MODE,
-    _EP_PARAM_FIELD_REMOTE_ADDRESS, _ERR_HANDLING_MODE_NONE, _OP_ATTR_FIELD_CALLBACK, _OP_ATTR_FIELD_DATATYPE,
-    _OP_ATTR_FIELD_FLAGS, _OP_ATTR_FIELD_USER_DATA, _OP_ATTR_FLAG_NO_IMM_CMPL, _PARKED, _RECV_CB, _SEND_CB,
+    EP_CLOSE_FLAG_FORCE, EP_PARAM_FIELD_ERR_HANDLING_MODE,
+    EP_PARAM_FIELD_REMOTE_ADDRESS, ERR_HANDLING_MODE_NONE, OP_ATTR_FIELD_CALLBACK, OP_ATTR_FIELD_DATATYPE,
+    OP_ATTR_FIELD_FLAGS, OP_ATTR_FIELD_USER_DATA, OP_ATTR_FLAG_NO_IMM_CMPL, PARKED, RECV_CB, SEND_CB,
     FULL_MASK, INSTALL_HINT, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_INPROGRESS, UCS_OK, Completion,
-    Pieces, UcxError, _check, _create_worker, _destroy, _EpParams, _Param, _status_of, _TagRecvInfo, api,
+    Api, Pieces, UcxError, check, create_worker, destroy_worker, EpParams, Param, status_of, TagRecvInfo, api,
     destroy_off_loop, message_buffer,
 )
 from pdgrpc.transport._ucx_batch import Batch, BatchCompletion
@@ -71,21 +71,22 @@ class UcxWorker:
     for exactly that long.
     """
 
-    def __init__(self, *, spin_s: float = 0.0, idle_timeout_s: float = 0.05, quiet_sends: bool = True) -> None:
-        self._api = api()
+    def __init__(self, *, spin_s: float = 0.0, idle_timeout_s: float = 0.05, quiet_sends: bool = True,
+                 functions: Api | None = None) -> None:
+        self._api = functions if functions is not None else api()  # the libucp calls (tests count them)
         self._context: int | None
         self._worker: int | None
-        self._context, self._worker = _create_worker(self._api)
+        self._context, self._worker = create_worker(self._api)
         try:
             fd = ctypes.c_int(-1)
-            _check(self._api.worker_get_efd(self._worker, ctypes.byref(fd)), "ucp_worker_get_efd")
+            check(self._api.worker_get_efd(self._worker, ctypes.byref(fd)), "ucp_worker_get_efd")
             self._fd: int = fd.value
             addr, n = ctypes.c_void_p(), ctypes.c_size_t()
-            _check(self._api.worker_get_address(self._worker, ctypes.byref(addr), ctypes.byref(n)), "ucp_worker_get_address")
+            check(self._api.worker_get_address(self._worker, ctypes.byref(addr), ctypes.byref(n)), "ucp_worker_get_address")
             self.address: bytes = ctypes.string_at(addr.value or 0, n.value)
             self._api.worker_release_address(self._worker, addr)
         except TransportUnavailable:
-            _destroy(self._api, self._context, self._worker)
+            destroy_worker(self._api, self._context, self._worker)
             raise
         self.handle: int = self._worker  # type: ignore[assignment]  # set just above
         self._spin_s = spin_s
@@ -96,8 +97,8 @@ class UcxWorker:
         self._inflight: dict[int, tuple[int, Completion, Any]] = {}
         self._next_token = 1
         self._done: list[tuple[int, int, int, int]] = []  # (token, status, length, tag)
-        self._send_cb = _SEND_CB(self._on_send)
-        self._recv_cb = _RECV_CB(self._on_recv)
+        self._send_cb = SEND_CB(self._on_send)
+        self._recv_cb = RECV_CB(self._on_recv)
         self._send_cb_ptr = ctypes.cast(self._send_cb, ctypes.c_void_p).value
         self._recv_cb_ptr = ctypes.cast(self._recv_cb, ctypes.c_void_p).value
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -113,8 +114,8 @@ class UcxWorker:
         self._batches: dict[int, Batch] = {}  # token -> batch, until every request of it is complete
         self._polling: dict[int, Batch] = {}  # batches whose last request completed before the others
         self._settled: list[Batch] = []  # batches over, whose requests are freed after the ACKs (_release_settled)
-        self._batch_param = ctypes.pointer(_Param())  # reused by every batch's posts
-        self._test_info = _TagRecvInfo()
+        self._batch_param = ctypes.pointer(Param())  # reused by every batch's posts
+        self._test_info = TagRecvInfo()
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -126,6 +127,11 @@ class UcxWorker:
     def quiet(self) -> QuietSends | None:
         """The quiet window of this worker's send batches (None with ``quiet_sends`` off)."""
         return self._quiet
+
+    def batch_requests(self, token: int) -> list[int]:
+        """The UCX requests of batch ``token`` not freed yet (a diagnostic)."""
+        batch = self._batches.get(token)
+        return [] if batch is None else [p for p in batch.ptrs if p is not None]
 
     @property
     def inflight(self) -> int:
@@ -175,7 +181,7 @@ class UcxWorker:
             logging.getLogger("pdgrpc.transport.rdma").warning(
                 "UCX worker parked at close: %d endpoint closes and %d requests still pending",
                 len(self._closing), len(self._inflight) + len(self._abandoned) + len(self._polling) - len(self._closing))
-            _PARKED.append((self._worker, self._context, self._inflight, self._abandoned, self._batches, self._send_cb,
+            PARKED.append((self._worker, self._context, self._inflight, self._abandoned, self._batches, self._send_cb,
                             self._recv_cb))
             self._worker = self._context = None
             return
@@ -191,10 +197,10 @@ class UcxWorker:
         if self._closed or self._worker is None:
             raise UcxError("UCX worker is closed")
         raw = ctypes.create_string_buffer(bytes(address), len(address))
-        params = _EpParams()
-        params.field_mask = _EP_PARAM_FIELD_REMOTE_ADDRESS | _EP_PARAM_FIELD_ERR_HANDLING_MODE
+        params = EpParams()
+        params.field_mask = EP_PARAM_FIELD_REMOTE_ADDRESS | EP_PARAM_FIELD_ERR_HANDLING_MODE
         params.address = ctypes.addressof(raw)
-        params.err_mode = _ERR_HANDLING_MODE_NONE
+        params.err_mode = ERR_HANDLING_MODE_NONE
         ep = ctypes.c_void_p()
         status = self._api.ep_create(self.handle, ctypes.byref(params), ctypes.byref(ep))
         if status != UCS_OK or not ep.value:
@@ -217,13 +223,13 @@ class UcxWorker:
             self._quiet.forget(ep)
         token = self._next_token
         self._next_token += 1
-        param = _Param()
-        param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_FLAGS
-        param.flags = _EP_CLOSE_FLAG_FORCE if force else 0
+        param = Param()
+        param.op_attr_mask = OP_ATTR_FIELD_CALLBACK | OP_ATTR_FIELD_USER_DATA | OP_ATTR_FIELD_FLAGS
+        param.flags = EP_CLOSE_FLAG_FORCE if force else 0
         param.user_data = token
         param.cb = self._send_cb_ptr
         ptr = self._api.ep_close_nbx(ep, ctypes.byref(param))
-        if _status_of(ptr) == UCS_INPROGRESS and ptr is not None:
+        if status_of(ptr) == UCS_INPROGRESS and ptr is not None:
             self._inflight[token] = (ptr, lambda status, length, tag: None, None)
             self._closing.add(token)
         self.kick()
@@ -364,9 +370,9 @@ class UcxWorker:
             raise UcxError("UCX worker is closed")
         token = self._next_token
         self._next_token += 1
-        param = _Param()
-        param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE \
-            | _OP_ATTR_FLAG_NO_IMM_CMPL
+        param = Param()
+        param.op_attr_mask = OP_ATTR_FIELD_CALLBACK | OP_ATTR_FIELD_USER_DATA | OP_ATTR_FIELD_DATATYPE \
+            | OP_ATTR_FLAG_NO_IMM_CMPL
         param.user_data = token
         param.datatype, buf, count, iov = message_buffer(pieces)
         if is_send:
@@ -375,7 +381,7 @@ class UcxWorker:
         else:
             param.cb = self._recv_cb_ptr
             ptr = self._api.tag_recv_nbx(target, buf, count, tag, mask, ctypes.byref(param))
-        status = _status_of(ptr)
+        status = status_of(ptr)
         if status != UCS_INPROGRESS:
             # NO_IMM_CMPL: anything but a request pointer is an error.
             raise UcxError(f"UCX {'send' if is_send else 'receive'} failed with status {status}", status)

@@ -22,14 +22,14 @@ UCS_INPROGRESS = 1
 UCS_ERR_MESSAGE_TRUNCATED = -9
 UCS_ERR_CANCELED = -16
 _ERR_LAST = -100
-_OP_ATTR_FIELD_CALLBACK = 1 << 1
-_OP_ATTR_FIELD_USER_DATA = 1 << 2
-_OP_ATTR_FIELD_DATATYPE = 1 << 3
-_OP_ATTR_FIELD_FLAGS = 1 << 4
-_EP_CLOSE_FLAG_FORCE = 1 << 0
-_OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16
+OP_ATTR_FIELD_CALLBACK = 1 << 1
+OP_ATTR_FIELD_USER_DATA = 1 << 2
+OP_ATTR_FIELD_DATATYPE = 1 << 3
+OP_ATTR_FIELD_FLAGS = 1 << 4
+EP_CLOSE_FLAG_FORCE = 1 << 0
+OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16
 _DATATYPE_IOV = 2  # ucp_dt_make_iov()
-_DATATYPE_CONTIG_BYTES = (1 << 3) | 0  # ucp_dt_make_contig(1)
+DATATYPE_CONTIG_BYTES = (1 << 3) | 0  # ucp_dt_make_contig(1)
 FULL_MASK = (1 << 64) - 1
 
 # (status, received length, sender tag) -> None; length/tag are 0 for sends.
@@ -46,7 +46,7 @@ class UcxError(TransportError):
         self.status = status
 
 
-class _Param(ctypes.Structure):
+class Param(ctypes.Structure):
     # ucp_request_param_t (ucp.h, UCX >= 1.10); layout checked against the 1.21 header.
     _fields_ = [
         ("op_attr_mask", ctypes.c_uint32),
@@ -66,7 +66,7 @@ class _SockAddr(ctypes.Structure):
     _fields_ = [("addr", ctypes.c_void_p), ("addrlen", ctypes.c_uint32)]
 
 
-class _EpParams(ctypes.Structure):
+class EpParams(ctypes.Structure):
     # ucp_ep_params_t (ucp_def.h, UCX 1.21)
     _fields_ = [
         ("field_mask", ctypes.c_uint64),
@@ -83,9 +83,9 @@ class _EpParams(ctypes.Structure):
     ]
 
 
-_EP_PARAM_FIELD_REMOTE_ADDRESS = 1 << 0
-_EP_PARAM_FIELD_ERR_HANDLING_MODE = 1 << 1
-_ERR_HANDLING_MODE_NONE = 0
+EP_PARAM_FIELD_REMOTE_ADDRESS = 1 << 0
+EP_PARAM_FIELD_ERR_HANDLING_MODE = 1 << 1
+ERR_HANDLING_MODE_NONE = 0
 
 
 class _Iov(ctypes.Structure):
@@ -104,24 +104,24 @@ def message_buffer(pieces: Pieces) -> tuple[int, int, int, Any]:
                 or not pieces.flags.c_contiguous or len(pieces) == 0:
             raise ValueError("iov array must be a non-empty C-contiguous (n, 2) uint64 array")
         if len(pieces) == 1:
-            return _DATATYPE_CONTIG_BYTES, int(pieces[0, 0]), int(pieces[0, 1]), None
+            return DATATYPE_CONTIG_BYTES, int(pieces[0, 0]), int(pieces[0, 1]), None
         return _DATATYPE_IOV, pieces.ctypes.data, len(pieces), pieces
     if len(pieces) == 1:
-        return _DATATYPE_CONTIG_BYTES, int(pieces[0][0]), int(pieces[0][1]), None
+        return DATATYPE_CONTIG_BYTES, int(pieces[0][0]), int(pieces[0][1]), None
     table = (_Iov * len(pieces))(*[_Iov(a, n) for a, n in pieces])
     return _DATATYPE_IOV, ctypes.addressof(table), len(pieces), table
 
 
-class _TagRecvInfo(ctypes.Structure):
+class TagRecvInfo(ctypes.Structure):
     _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
 
 
 _STATUS = ctypes.c_int8  # ucs_status_t (ucs/type/status.h): a packed enum, one signed byte
-_SEND_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, _STATUS, ctypes.c_void_p)
-_RECV_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, _STATUS, ctypes.POINTER(_TagRecvInfo), ctypes.c_void_p)
+SEND_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, _STATUS, ctypes.c_void_p)
+RECV_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, _STATUS, ctypes.POINTER(TagRecvInfo), ctypes.c_void_p)
 
 
-class _Api:
+class Api:
     """The libucp functions this module calls."""
 
     # set from libucp by __init__ (the "ucp_" prefix dropped)
@@ -156,7 +156,7 @@ class _Api:
             lib = ctypes.CDLL(path)
         except OSError as exc:
             raise TransportUnavailable(f"cannot open libucp ({path}): {exc}; reinstall with: {INSTALL_HINT}") from None
-        P = ctypes.POINTER(_Param)
+        P = ctypes.POINTER(Param)
         vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
         # ucs_status_t is a packed enum: one signed byte, so that is what is read back
         # (as a wider int the bytes above it are whatever the callee left there)
@@ -195,13 +195,13 @@ class _Api:
         self.request_check_status.argtypes = [vp]
         self.request_check_status.restype = _STATUS
         self.tag_recv_request_test = lib.ucp_tag_recv_request_test
-        self.tag_recv_request_test.argtypes = [vp, ctypes.POINTER(_TagRecvInfo)]
+        self.tag_recv_request_test.argtypes = [vp, ctypes.POINTER(TagRecvInfo)]
         self.tag_recv_request_test.restype = _STATUS
         self.tag_probe_nb = lib.ucp_tag_probe_nb
-        self.tag_probe_nb.argtypes = [vp, u64, u64, ctypes.c_int, ctypes.POINTER(_TagRecvInfo)]
+        self.tag_probe_nb.argtypes = [vp, u64, u64, ctypes.c_int, ctypes.POINTER(TagRecvInfo)]
         self.tag_probe_nb.restype = vp
         self.ep_create = lib.ucp_ep_create
-        self.ep_create.argtypes = [vp, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
+        self.ep_create.argtypes = [vp, ctypes.POINTER(EpParams), ctypes.POINTER(ctypes.c_void_p)]
         self.ep_create.restype = _STATUS
         self.ep_close_nbx = lib.ucp_ep_close_nbx
         self.ep_close_nbx.argtypes = [vp, P]
@@ -221,7 +221,7 @@ class _Api:
         return "libucp.so.0"
 
 
-def _check(status: int, what: str) -> None:
+def check(status: int, what: str) -> None:
     if status != UCS_OK:
         raise TransportUnavailable(f"cannot initialise UCX: {what} failed with status {status}")
 
@@ -230,19 +230,19 @@ _FEATURE_TAG, _FEATURE_WAKEUP = 1 << 0, 1 << 4
 _PARAM_FIELD_FEATURES = 1 << 0
 
 
-def _create_worker(api: "_Api") -> tuple[int, int]:
+def create_worker(api: "Api") -> tuple[int, int]:
     """A UCX context (tag + wakeup features; configuration from ``UCX_*`` variables)
     and one single-threaded worker on it: ``(ucp_context_h, ucp_worker_h)``."""
     major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
     api.get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
     config = ctypes.c_void_p()
-    _check(api.config_read(None, None, ctypes.byref(config)), "ucp_config_read")
+    check(api.config_read(None, None, ctypes.byref(config)), "ucp_config_read")
     # ucp_params_t / ucp_worker_params_t: UCX reads only the fields field_mask names
     # (the first two u64 here); the rest of each buffer stays zero.
     params = (ctypes.c_uint64 * 64)(_PARAM_FIELD_FEATURES, _FEATURE_TAG | _FEATURE_WAKEUP)
     context = ctypes.c_void_p()
     try:
-        _check(api.init_version(major.value, minor.value, ctypes.addressof(params), config, ctypes.byref(context)),
+        check(api.init_version(major.value, minor.value, ctypes.addressof(params), config, ctypes.byref(context)),
                "ucp_init")
     finally:
         api.config_release(config)
@@ -251,19 +251,19 @@ def _create_worker(api: "_Api") -> tuple[int, int]:
     status = api.worker_create(context, ctypes.addressof(worker_params), ctypes.byref(worker))
     if status != UCS_OK or not worker.value:
         api.cleanup(context)
-        _check(status or -1, "ucp_worker_create")
+        check(status or -1, "ucp_worker_create")
     assert context.value is not None and worker.value is not None
     return context.value, worker.value
 
 
-def _destroy(api: "_Api", context: int | None, worker: int | None) -> None:
+def destroy_worker(api: "Api", context: int | None, worker: int | None) -> None:
     if worker:
         api.worker_destroy(worker)
     if context:
         api.cleanup(context)
 
 
-async def destroy_off_loop(api: "_Api", context: int | None, worker: int | None, timeout: float) -> None:
+async def destroy_off_loop(api: "Api", context: int | None, worker: int | None, timeout: float) -> None:
     """Destroy ``worker`` and ``context`` off the loop thread: ``ucp_worker_destroy`` tears
     down endpoints and can wait on a transport that a departed peer left behind (seen
     rarely with shared memory on a loaded host). Normally this takes milliseconds and the
@@ -272,7 +272,7 @@ async def destroy_off_loop(api: "_Api", context: int | None, worker: int | None,
     finished = threading.Event()
 
     def destroy() -> None:
-        _destroy(api, context, worker)
+        destroy_worker(api, context, worker)
         finished.set()
 
     t = threading.Thread(target=destroy, name="pdgrpc-ucx-destroy", daemon=True)
@@ -287,18 +287,18 @@ async def destroy_off_loop(api: "_Api", context: int | None, worker: int | None,
             "UCX worker destruction still blocked after %.1f s; left to a daemon thread", timeout)
 
 
-_API: _Api | None = None
-_PARKED: list[Any] = []  # workers that could not be destroyed safely (see UcxWorker.close)
+_API: Api | None = None
+PARKED: list[Any] = []  # workers that could not be destroyed safely (see UcxWorker.close)
 
 
-def api() -> _Api:
+def api() -> Api:
     global _API
     if _API is None:
-        _API = _Api()
+        _API = Api()
     return _API
 
 
-def _status_of(ptr: int | None) -> int:
+def status_of(ptr: int | None) -> int:
     """UCS_PTR_STATUS for a returned ``ucs_status_ptr_t``."""
     if ptr is None:
         return UCS_OK

@@ -23,8 +23,8 @@ import ctypes
 from typing import Any, Callable, Sequence
 
 from pdgrpc.transport._ucx_api import (
-    _DATATYPE_CONTIG_BYTES, _OP_ATTR_FIELD_CALLBACK, _OP_ATTR_FIELD_DATATYPE, _OP_ATTR_FIELD_USER_DATA,
-    _OP_ATTR_FLAG_NO_IMM_CMPL, UCS_INPROGRESS, UCS_OK, _Param, _status_of, _TagRecvInfo,
+    DATATYPE_CONTIG_BYTES, OP_ATTR_FIELD_CALLBACK, OP_ATTR_FIELD_DATATYPE, OP_ATTR_FIELD_USER_DATA,
+    OP_ATTR_FLAG_NO_IMM_CMPL, UCS_INPROGRESS, UCS_OK, Param, status_of, TagRecvInfo,
 )
 
 __all__ = ["Batch", "BatchCompletion"]
@@ -50,23 +50,23 @@ class Batch:
         self.complete: list[int] = []  # requests settle() found complete, not yet freed (release())
 
     def post(self, api: Any, target: int, runs: Sequence[Sequence[int]], tags: Sequence[int], mask: int,
-             param: "ctypes._Pointer[_Param]", token: int, cb_ptr: int | None) -> int:
+             param: "ctypes._Pointer[Param]", token: int, cb_ptr: int | None) -> int:
         """Post one contiguous tag message per run (a send on endpoint ``target`` for a
         send batch, else a receive on worker ``target``), all with ``token`` as user data
         and only the last with the callback ``cb_ptr``. Returns UCS_INPROGRESS, or the
         status of the post that failed (those before it are posted)."""
         p = param.contents
-        p.op_attr_mask = _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE | _OP_ATTR_FLAG_NO_IMM_CMPL
-        p.datatype = _DATATYPE_CONTIG_BYTES
+        p.op_attr_mask = OP_ATTR_FIELD_USER_DATA | OP_ATTR_FIELD_DATATYPE | OP_ATTR_FLAG_NO_IMM_CMPL
+        p.datatype = DATATYPE_CONTIG_BYTES
         p.user_data = token
         p.cb = cb_ptr
         last = len(runs) - 1
         send, recv = api.tag_send_nbx, api.tag_recv_nbx
         for i, ((addr, nbytes), tag) in enumerate(zip(runs, tags)):
             if i == last:  # only the last message calls back
-                p.op_attr_mask |= _OP_ATTR_FIELD_CALLBACK
+                p.op_attr_mask |= OP_ATTR_FIELD_CALLBACK
             ptr = recv(target, addr, nbytes, tag, mask, param) if self.recv else send(target, addr, nbytes, tag, param)
-            status = _status_of(ptr)
+            status = status_of(ptr)
             if status != UCS_INPROGRESS:
                 return status
             self.ptrs.append(ptr)
@@ -81,7 +81,7 @@ class Batch:
             self.results[i] = (status, length)
             self.left -= 1
 
-    def settle(self, api: Any, info: _TagRecvInfo) -> bool:
+    def settle(self, api: Any, info: TagRecvInfo) -> bool:
         """Test the requests not yet known complete, in order, keeping those that are for
         :meth:`release`; stop at the first still in progress. True once none is left."""
         ptrs, results = self.ptrs, self.results

@@ -69,6 +69,11 @@ class QuietSends:
         self._fastest.pop(ep, None)
 
     @property
+    def batches(self) -> int:
+        """Send batches in flight."""
+        return len(self._started)
+
+    @property
     def learned(self) -> bool:
         """Whether a batch taught the rate of some endpoint."""
         return bool(self._fastest)

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 
 from pdgrpc.transport._ucx import (  # noqa: E402  (after the importorskip)
-    UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK,
+    UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, api as ucx_api,
 )
 from tests.transport.ucx_pair import Pair, runs_of, until  # noqa: E402
 
@@ -72,7 +72,8 @@ async def test_a_batch_frees_each_request_once_after_calling_its_owner_back(
     src = [np.full(n, 7, dtype=np.uint8) for n in SIZES]
     dst = [np.zeros(n, dtype=np.uint8) for n in SIZES]
     events: list[tuple[str, int]] = []
-    api, real_free = pair.rx._api, pair.rx._api.request_free
+    api = ucx_api()  # the one table of libucp calls every worker makes
+    real_free = api.request_free
 
     def free(ptr: int) -> None:
         events.append(("free", ptr))
@@ -80,7 +81,7 @@ async def test_a_batch_frees_each_request_once_after_calling_its_owner_back(
 
     monkeypatch.setattr(api, "request_free", free)
     token = pair.rx.recv_batch(runs_of(dst), TAGS, lambda results: events.append(("owner", 0)), dst)
-    ptrs = list(pair.rx._batches[token].ptrs)
+    ptrs = pair.rx.batch_requests(token)
     pair.tx.send_batch(pair.ep, runs_of(src), TAGS, lambda r: None, src)
     await until(lambda: ("owner", 0) in events and sum(e[1] in ptrs for e in events) == len(ptrs))
     await asyncio.sleep(0.05)  # a second free would come now
@@ -115,16 +116,16 @@ async def test_a_cancelled_batch_completes_once_and_leaves_nothing_pending(pair:
 
 
 async def test_closing_a_worker_with_a_pending_batch_frees_it() -> None:
-    from pdgrpc.transport._ucx_api import _PARKED
+    from pdgrpc.transport._ucx_api import PARKED
 
-    parked = len(_PARKED)
+    parked = len(PARKED)
     async with Pair() as p:
         dst = [np.zeros(n, dtype=np.uint8) for n in SIZES]
         got: list[list[tuple[int, int]]] = []
         p.rx.recv_batch(runs_of(dst), TAGS, got.append, dst)
         await asyncio.sleep(0.01)
     assert got == [[(UCS_ERR_CANCELED, 0)] * len(SIZES)]
-    assert len(_PARKED) == parked, "the worker was parked with the batch still pending"
+    assert len(PARKED) == parked, "the worker was parked with the batch still pending"
 
 
 async def test_a_batch_needs_one_tag_per_run(pair: Pair) -> None:

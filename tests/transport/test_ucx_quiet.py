@@ -111,9 +111,23 @@ class _CountingApi:
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
-    async with Pair() as p:
+def counting() -> _CountingApi:
+    return _CountingApi(ucx.api())
+
+
+@pytest.fixture
+async def pair(counting: _CountingApi) -> AsyncIterator[Pair]:
+    async with Pair(tx_functions=counting) as p:
         yield p
+
+
+def _teach(window: QuietSends | None, ep: int, seconds_per_byte: float) -> None:
+    """Make ``window`` believe ``ep`` reads at ``seconds_per_byte`` at best (nothing of
+    it in flight), as one finished batch would."""
+    assert window is not None
+    window.forget(ep)
+    window.posted(-1, ep, MIN_BYTES, 0.0)
+    window.finished(-1, True, MIN_BYTES * seconds_per_byte)
 
 
 async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0,
@@ -133,12 +147,12 @@ async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0,
     return sent, got
 
 
-async def test_a_sender_in_its_window_polls_unarmed_and_still_sees_its_batch_end(pair: Pair) -> None:
-    counting = _CountingApi(pair.tx._api)
-    pair.tx._api = counting
+async def test_a_sender_in_its_window_polls_unarmed_and_still_sees_its_batch_end(
+        pair: Pair, counting: _CountingApi) -> None:
+    window = pair.tx.quiet
     await _batch(pair, 8, 0x100)  # learns this endpoint's rate
-    assert pair.tx._quiet._fastest.get(pair.ep)
-    pair.tx._quiet._fastest[pair.ep] = 10.0 / (16 * MiB)  # as if 16 MiB took 10 s: a long window
+    assert window is not None and window.learned
+    _teach(window, pair.ep, 10.0 / (16 * MiB))  # as if 16 MiB took 10 s: a long window
     counting.arms = 0
     arms_while_read: list[int] = []
     t0 = time.monotonic()
@@ -146,29 +160,28 @@ async def test_a_sender_in_its_window_polls_unarmed_and_still_sees_its_batch_end
     assert time.monotonic() - t0 < 5.0  # seen at a tick, not at the end of the 10 s window
     assert sent == [[(ucx.UCS_OK, 0)] * 8] and got == [[(ucx.UCS_OK, 2 * MiB)] * 8]
     assert arms_while_read == [0]  # not once asked to be woken while the batch was read
-    assert not pair.tx._quiet.quiet(time.monotonic())  # nothing in flight: the window closed
+    assert not window.quiet(time.monotonic())  # nothing in flight: the window closed
 
 
-async def test_without_a_window_the_sender_sleeps_armed(pair: Pair) -> None:
-    counting = _CountingApi(pair.tx._api)
-    pair.tx._api = counting
-    pair.tx._quiet = None  # quiet_sends off
-    await _batch(pair, 8, 0x100, received_after=0.05)
+async def test_without_a_window_the_sender_sleeps_armed(counting: _CountingApi) -> None:
+    async with Pair(tx_functions=counting, quiet_sends=False) as pair:
+        assert pair.tx.quiet is None
+        await _batch(pair, 8, 0x100, received_after=0.05)
     assert counting.arms > 0
 
 
-async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair) -> None:
+async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair, counting: _CountingApi) -> None:
     """A worker that also receives data must not leave it waiting for ticks: posting a
     receive ends the quiet sleep, and a worker with one pending sleeps armed."""
     await _batch(pair, 4, 0x100)
-    counting = _CountingApi(pair.tx._api)
-    pair.tx._api = counting
-    pair.tx._quiet._fastest[pair.ep] = 10.0 / (8 * MiB)
+    window = pair.tx.quiet
+    _teach(window, pair.ep, 10.0 / (8 * MiB))
+    counting.arms = 0
     src = [np.full(2 * MiB, 9, dtype=np.uint8) for _ in range(4)]
     sent: list[Any] = []
     pair.tx.send_batch(pair.ep, runs_of(src), [0x300 + i for i in range(4)], sent.append, src)
     await asyncio.sleep(0.02)
-    assert pair.tx._quiet.quiet(time.monotonic()) and counting.arms == 0  # the window is open
+    assert window is not None and window.quiet(time.monotonic()) and counting.arms == 0  # the window is open
     reply = np.zeros(64, dtype=np.uint8)
     replies: list[Any] = []
     pair.tx.recv([(reply.ctypes.data, reply.nbytes)], 0x999, ucx.FULL_MASK,
@@ -197,17 +210,18 @@ def test_a_window_polls_once_per_tick_not_in_a_spin(loop: str) -> None:
         factory = uvloop.new_event_loop
 
     async def main() -> int:
-        async with Pair() as pair:
+        counting = _CountingApi(ucx.api())
+        async with Pair(tx_functions=counting) as pair:
             await _batch(pair, 4, 0x100)
-            pair.tx._quiet._fastest[pair.ep] = 10.0 / (8 * MiB)
-            counting = _CountingApi(pair.tx._api)
-            pair.tx._api = counting
+            window = pair.tx.quiet
+            _teach(window, pair.ep, 10.0 / (8 * MiB))
+            counting.arms = counting.progress = 0
             src = [np.full(2 * MiB, 3, dtype=np.uint8) for _ in range(4)]
             sent: list[Any] = []
             pair.tx.send_batch(pair.ep, runs_of(src), [0x400 + i for i in range(4)], sent.append, src)
             await asyncio.sleep(0.2)
             polls = counting.progress
-            assert counting.arms == 0 and pair.tx._quiet.quiet(time.monotonic())
+            assert counting.arms == 0 and window is not None and window.quiet(time.monotonic())
             dst = [np.zeros(2 * MiB, dtype=np.uint8) for _ in range(4)]
             got: list[Any] = []
             pair.rx.recv_batch(runs_of(dst), [0x400 + i for i in range(4)], got.append, dst)
@@ -219,20 +233,21 @@ def test_a_window_polls_once_per_tick_not_in_a_spin(loop: str) -> None:
     assert 20 <= polls <= 1000, polls  # a tick of ~1 ms (and the loop's own slack), not a spin
 
 
-async def test_a_batch_abandoned_in_its_window_closes_the_window(pair: Pair) -> None:
+async def test_a_batch_abandoned_in_its_window_closes_the_window(pair: Pair, counting: _CountingApi) -> None:
     """A receiver that hangs never reads the batch, and UCX cannot cancel a rendezvous
     send (with error handling off, not even by a forced endpoint close): the transport
     abandons it. The worker then has nothing to poll quietly for, and sleeps armed."""
     await _batch(pair, 4, 0x100)
-    pair.tx._quiet._fastest[pair.ep] = 10.0 / (8 * MiB)
+    window = pair.tx.quiet
+    assert window is not None
+    _teach(window, pair.ep, 10.0 / (8 * MiB))
     src = [np.full(2 * MiB, 4, dtype=np.uint8) for _ in range(4)]
     sent: list[Any] = []
     token = pair.tx.send_batch(pair.ep, runs_of(src), [0x500 + i for i in range(4)], sent.append, src)
     await asyncio.sleep(0.02)
-    assert pair.tx._quiet.quiet(time.monotonic()) and not sent
-    counting = _CountingApi(pair.tx._api)
-    pair.tx._api = counting
+    assert window.quiet(time.monotonic()) and not sent
+    counting.arms = 0
     pair.tx.abandon(token)
-    assert not pair.tx._quiet.quiet(time.monotonic()) and not pair.tx._quiet._started
+    assert not window.quiet(time.monotonic()) and window.batches == 0
     await asyncio.sleep(0.02)
     assert counting.arms > 0 and not sent  # armed again; an abandoned batch calls nobody back

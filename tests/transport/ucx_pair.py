@@ -7,6 +7,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from typing import Any
+
 import numpy as np
 
 from pdgrpc.transport._ucx import UcxWorker
@@ -14,10 +16,11 @@ from pdgrpc.transport._ucx import UcxWorker
 
 class Pair:
     """A sender worker ``tx`` with endpoint ``ep`` to a receiver worker ``rx``, which
-    has endpoint ``back`` to ``tx``."""
+    has endpoint ``back`` to ``tx``. ``tx_functions``: the libucp calls ``tx`` makes
+    (a wrapper that counts them)."""
 
-    def __init__(self) -> None:
-        self.tx = UcxWorker()
+    def __init__(self, *, tx_functions: Any = None, quiet_sends: bool = True) -> None:
+        self.tx = UcxWorker(functions=tx_functions, quiet_sends=quiet_sends)
         self.rx = UcxWorker()
 
     async def __aenter__(self) -> "Pair":
