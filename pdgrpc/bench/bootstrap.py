@@ -14,6 +14,10 @@ channel. Cases:
   wall time, does not grow when other processes share the cores.
 * ``register batches of B``: rooms/s, batches sent back to back (prebuilt requests
   through the generated stub; then through ``BootstrapClient``, encoding included).
+* ``--wire-forms``: the same calls (and 32-room renewals) in the same rounds, then
+  renewal batches of B, in each wire form of ``pdgrpc.v1`` through the generated stub:
+  a ``DpRankEntry`` per room (``entries``) and parallel repeated fields (``arrays``,
+  the form ``BootstrapClient`` sends).
 * ``memory``: server RSS holding ``--memory-rooms`` rooms, and its growth from empty.
 * ``--peer-python PATH``: SGLang's Python and Rust bootstrap servers and an aiohttp
   client run under PATH (:mod:`pdgrpc.bench.bootstrap_peer`); the latency cases then run
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import os
 import random
@@ -47,9 +52,10 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from pdgrpc.bench.bootstrap_peer import SYSTEMS, PeerError, Peers, rounds_order
+from pdgrpc.bench.procstat import cpu_ns
 from pdgrpc.bench.report import Result
 from pdgrpc.rpc.tuning import grpc_tuning_in_force
 
@@ -81,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(one that has sglang, aiohttp and uvloop importable), and report pdgrpc's ratios to them",
     )
     p.add_argument("--rounds", type=int, default=5, help="with --peer-python: rounds, each system in turn; medians of the rounds' p50s (default: %(default)s)")
+    p.add_argument(
+        "--wire-forms", action="store_true",
+        help="also make each call in both wire forms of pdgrpc.v1 through the generated stub, in the same rounds: "
+        "a DpRankEntry per room ('entries') and parallel repeated fields ('arrays'), each building its request and "
+        "reading its answer; and register renewal batches in each form (not with --peer-python)",
+    )
 
 
 class ServerProcess:
@@ -112,7 +124,7 @@ class ServerProcess:
         raise RuntimeError("no VmRSS")
 
     def cpu_ns(self) -> int:
-        return _cpu_ns(self.proc.pid)
+        return cpu_ns(self.proc.pid)
 
     def stop(self) -> str:
         """SIGTERM, wait, and return the rest of the server's log."""
@@ -123,19 +135,6 @@ class ServerProcess:
             self.proc.kill()
             rest = self.proc.communicate()[1] or ""
         return rest
-
-
-def _cpu_ns(pid: int) -> int:
-    """CPU time used so far by every thread of process ``pid`` (ns, from schedstat):
-    unlike wall time, it does not grow when other processes load the machine."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that just ended
-    return total
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -194,6 +193,8 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace, peers: Pe
         "query 32 rooms": lambda i: query(i, 32),
         "query 1024 rooms": lambda i: query(i, 1024),
     }
+    forms = _wire_forms(client.stub) if args.wire_forms else {}
+    cases.update(_form_cases(forms, known, sets))
     if peers is None:
         samples = await _interleaved(cases, it, wu)
         p50 = {case: _pct(xs, 0.5) for case, xs in samples.items()}
@@ -207,10 +208,10 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace, peers: Pe
     start = len(fresh)
     fresh += _rooms(rng, n_cpu)
     for name, call in cases.items():
-        c0, s0 = _cpu_ns(os.getpid()), server.cpu_ns()
+        c0, s0 = cpu_ns(os.getpid()), server.cpu_ns()
         for i in range(start, start + n_cpu):
             await call(i)
-        cpu[name] = ((_cpu_ns(os.getpid()) - c0) / n_cpu / 1e3, (server.cpu_ns() - s0) / n_cpu / 1e3)
+        cpu[name] = ((cpu_ns(os.getpid()) - c0) / n_cpu / 1e3, (server.cpu_ns() - s0) / n_cpu / 1e3)
     base50 = p50["ping (health Check)"] * 1e3
     if getattr(args, "plot", None) is not None:
         from pdgrpc.bench.plot import bootstrap_figure
@@ -233,7 +234,7 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace, peers: Pe
     chunks = [{r: r & 7 for r in rooms[i : i + batch]} for i in range(0, total, batch)]
     from pdgrpc.v1 import bootstrap_pb2 as pb
 
-    requests = [pb.RegisterDpRanksRequest(entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=k) for r, k in c.items()]) for c in chunks]
+    requests = [pb.RegisterDpRanksRequest(bootstrap_rooms=list(c), dp_ranks=list(c.values())) for c in chunks]
     t0 = time.perf_counter()
     for req in requests:
         await client.stub.RegisterDpRanks(req, timeout=30)
@@ -247,8 +248,65 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace, peers: Pe
     label = f"register batches of {batch} via BootstrapClient"
     results.append(Result(label, "rooms/s", total / dt, "rooms/s"))
     results.append(Result(label, "server CPU/room", (server.cpu_ns() - s0) / total / 1e3, "us"))
+    for form, (register, _) in forms.items():
+        c0, s0, t0 = cpu_ns(os.getpid()), server.cpu_ns(), time.perf_counter()
+        for c in chunks:
+            await register(list(c))  # renewals again; includes building the request
+        dt = time.perf_counter() - t0
+        label = f"register batches of {batch}, {form}"
+        results.append(Result(label, "rooms/s", total / dt, "rooms/s"))
+        results.append(Result(label, "client CPU/room", (cpu_ns(os.getpid()) - c0) / total / 1e3, "us"))
+        results.append(Result(label, "server CPU/room", (server.cpu_ns() - s0) / total / 1e3, "us"))
     await pool.close()
     return results
+
+
+Call = Callable[[list[int]], Awaitable[object]]
+
+
+def _wire_forms(stub: Any) -> dict[str, tuple[Call, Call]]:
+    """(register, query) of rooms in each wire form of ``RegisterDpRanks`` and
+    ``QueryDpRanks``, each call building its request and reading its answer to a dict as
+    a client must. The rank of room ``r`` is ``r % 8``, as the main cases register it."""
+    from pdgrpc.v1 import bootstrap_pb2 as pb
+
+    async def register_entries(rooms: list[int]) -> object:
+        request = pb.RegisterDpRanksRequest(entries=[pb.DpRankEntry(bootstrap_room=r, dp_rank=r % 8) for r in rooms])
+        return await stub.RegisterDpRanks(request, timeout=30)
+
+    async def query_entries(rooms: list[int]) -> dict[int, int]:
+        reply = await stub.QueryDpRanks(pb.QueryDpRanksRequest(bootstrap_rooms=rooms), timeout=30)
+        return {e.bootstrap_room: e.dp_rank for e in reply.entries}
+
+    async def register_arrays(rooms: list[int]) -> object:
+        return await stub.RegisterDpRanks(pb.RegisterDpRanksRequest(bootstrap_rooms=rooms, dp_ranks=[r % 8 for r in rooms]), timeout=30)
+
+    async def query_arrays(rooms: list[int]) -> dict[int, int]:
+        reply = await stub.QueryDpRanks(pb.QueryDpRanksRequest(bootstrap_rooms=rooms, found_ranks_only=True), timeout=30)
+        gone = set(reply.missing_rooms)
+        return dict(zip([r for r in rooms if r not in gone], reply.found_dp_ranks))
+
+    return {"entries": (register_entries, query_entries), "arrays": (register_arrays, query_arrays)}
+
+
+def _form_cases(
+    forms: dict[str, tuple[Call, Call]], known: list[int], sets: dict[int, list[list[int]]]
+) -> dict[str, Callable[[int], Awaitable[object]]]:
+    """The main cases' calls in each wire form, the forms of one call side by side.
+    Single registrations take fresh rooms of their own, ``(salt << 48) + i + 1``;
+    32-room ones renew known rooms."""
+    cases: dict[str, Callable[[int], Awaitable[object]]] = {}
+    calls: dict[str, Callable[[Call, Call, int, int], Awaitable[object]]] = {
+        "register 1 room": lambda register, lookup, salt, i: register([(salt << 48) + i + 1]),
+        "register 32 rooms": lambda register, lookup, salt, i: register(sets[32][i % 64]),
+        "query 1 room": lambda register, lookup, salt, i: lookup([known[i % len(known)]]),
+        "query 32 rooms": lambda register, lookup, salt, i: lookup(sets[32][i % 64]),
+        "query 1024 rooms": lambda register, lookup, salt, i: lookup(sets[1024][i % 64]),
+    }
+    for name, call in calls.items():
+        for salt, (form, (register, lookup)) in enumerate(forms.items(), 1):
+            cases[f"{name}, {form}"] = functools.partial(call, register, lookup, salt)
+    return cases
 
 
 async def _peer_rounds(
@@ -378,6 +436,8 @@ def run(args: argparse.Namespace) -> list[Result]:
 
     results: list[Result] = []
     peers = None
+    if args.peer_python and args.wire_forms:
+        raise SystemExit("python -m pdgrpc.bench bootstrap: --wire-forms and --peer-python are separate runs")
     if args.peer_python:
         try:
             peers = Peers(args.peer_python, fresh_rooms=(args.iterations + args.warmup) * (args.rounds + 1) + max(200, args.iterations // 4) * 2)
@@ -385,10 +445,15 @@ def run(args: argparse.Namespace) -> list[Result]:
             raise SystemExit(f"python -m pdgrpc.bench bootstrap: {exc}") from exc
         print(f"beside SGLang {peers.version}: CommonKVBootstrapServer (aiohttp, uvloop) and the Rust server's registry, "
               "one aiohttp client on uvloop (keep-alive)", flush=True)
-    # Every room of the main cases stays live (TTL 120 s): the latency cases' 65,536
-    # known rooms and fresh single rooms, and the throughput case's.
-    live = 65536 + (args.iterations + args.warmup) * (args.rounds + 2) + args.throughput_rooms
-    server = ServerProcess(*(["--max-rooms", str(live)] if live > 1 << 20 else []))
+    # Every room of the main cases stays live, however long the run takes: the latency
+    # cases' 65,536 known rooms and fresh single rooms (of each wire form too), and the
+    # throughput case's. The table's ring (2 records per room of its cap) holds every
+    # registration, renewals included, so that none evicts a live room.
+    forms = 3 if args.wire_forms else 1
+    calls = (args.iterations + args.warmup) * (args.rounds + 2) + max(200, args.iterations // 4)
+    records = 65536 + calls * forms + args.throughput_rooms * (forms + 1) + (32 * 2 * calls if args.wire_forms else 0)
+    max_rooms = (records + 1) // 2
+    server = ServerProcess("--dp-rank-ttl", "86400", *(["--max-rooms", str(max_rooms)] if max_rooms > 1 << 20 else []))
     try:
         results += run_loop(_main_cases(server, args, peers))
     finally:

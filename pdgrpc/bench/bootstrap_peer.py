@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
+from pdgrpc.bench.procstat import cpu_ns
+
 PEER_SCRIPT = Path(__file__).with_name("sglang_peer.py")
 SYSTEMS = ("SGLang Python", "SGLang Rust")
 _KIND = {"SGLang Python": "python", "SGLang Rust": "rust"}
@@ -69,9 +71,7 @@ class _PeerServer:
         self.port = int(line.split()[1])
 
     def cpu_ns(self) -> int:
-        from pdgrpc.bench.bootstrap import _cpu_ns
-
-        return _cpu_ns(self.proc.pid)
+        return cpu_ns(self.proc.pid)
 
     def stop(self) -> None:
         assert self.proc.stdin is not None

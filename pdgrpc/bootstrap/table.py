@@ -50,8 +50,10 @@ from pdgrpc.bootstrap.room_slots import W, RoomSlots, pow2_at_least
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 _SMALL = 16  # batches up to this size take the per-room (pure Python) path: less overhead
+# Lookups of up to this many rooms go room by room too: numpy's code is cold between two
+# calls, and its fixed cost is then most of what a few dozen lookups cost.
+_FEW_LOOKUPS = 64
 
-MISSING_RANK = 0xFFFFFFFF  # lookup()'s rank of a room not (yet) known: never a dp rank
 DEFAULT_TTL_S = 120.0
 DEFAULT_MAX_ROOMS = 1 << 20
 DEFAULT_MAX_BATCH = 65536
@@ -158,61 +160,26 @@ class RoomTable(RoomSlots):
         over ``max_batch`` raise :class:`InvalidBootstrapRequest`."""
         n = len(rooms)
         self._check_batch(n)
-        if n <= _SMALL:
+        if n <= _FEW_LOOKUPS:
             found: list[int] = []
             ranks: list[int] = []
             missing: list[int] = []
+            keys, rank, seq, times = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v
+            mult, shift, rmask, ttl = self._mult, self._shift, self._rmask, self.ttl
             for room in rooms:
                 if room == 0:
                     raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
-                s = self._find(room)
-                if s >= 0 and self._alive(s, now):
+                base = (((room * mult) & _M64) >> shift) * W  # the home bucket (_home), inlined
+                row = keys[base : base + W].tolist()
+                s = base + row.index(room) if room in row else self._find(room)
+                if s >= 0 and times[seq[s] & rmask] + ttl > now:
                     found.append(room)
-                    ranks.append(self._rank_v[s])
+                    ranks.append(rank[s])
                 else:
                     missing.append(room)
             return found, ranks, missing
         found_a, ranks_a, missing_a = self.query_array(np.asarray(rooms, np.uint64), now)
         return found_a.tolist(), ranks_a.tolist(), missing_a.tolist()
-
-    def lookup(self, keys: np.ndarray, now: float) -> np.ndarray:
-        """The dp rank of each room of ``keys`` (uint64), in order, as uint32;
-        :data:`MISSING_RANK` for rooms not known or expired. Room 0 and batches over
-        ``max_batch`` raise :class:`InvalidBootstrapRequest`."""
-        self._check_batch(len(keys))
-        if not keys.all():
-            raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
-        if len(keys) <= _SMALL:  # per room in Python: a tenth of numpy's fixed cost
-            return np.array(self.lookup_rooms(keys.tolist(), now), np.uint32)
-        slots = self._find_many(keys)
-        hit = slots >= 0
-        if hit.all():  # the usual case: every room is in the table
-            ranks: np.ndarray = np.take(self._rank, slots)
-            alive = self._alive_many(slots, now)
-            if not alive.all():
-                ranks[~alive] = MISSING_RANK
-            return ranks
-        ranks = np.full(len(keys), MISSING_RANK, np.uint32)
-        where = np.flatnonzero(hit)
-        hs = slots[where]
-        alive = self._alive_many(hs, now)
-        ranks[where[alive]] = np.take(self._rank, hs[alive])
-        return ranks
-
-    def lookup_rooms(self, rooms: Sequence[int], now: float) -> list[int]:
-        """:meth:`lookup` of a few rooms, per room in Python (no numpy call at all)."""
-        self._check_batch(len(rooms))
-        out = []
-        keys, rank, seq, times = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v
-        mult, shift, rmask, ttl = self._mult, self._shift, self._rmask, self.ttl
-        for room in rooms:
-            if room == 0:
-                raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
-            base = (((room * mult) & _M64) >> shift) * W  # the home bucket (_home), inlined
-            row = keys[base : base + W].tolist()
-            s = base + row.index(room) if room in row else self._find(room)
-            out.append(rank[s] if s >= 0 and times[seq[s] & rmask] + ttl > now else MISSING_RANK)
-        return out
 
     def query_array(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`query` on and to numpy arrays (uint64 rooms; uint32 ranks)."""

@@ -21,6 +21,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _LoadBalanceMethod:
@@ -86,18 +91,47 @@ class RegisterDpRanksRequest(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     PACKED_ROOMS_FIELD_NUMBER: _builtins.int
     PACKED_DP_RANKS_FIELD_NUMBER: _builtins.int
-    packed_rooms: _builtins.bytes
-    """The packed form, cheaper to build and to read for large batches: the rooms as
-    little-endian uint64, 8 bytes per room (bytes; length a multiple of 8). Give either
-    entries or packed_rooms with packed_dp_ranks, not both.
-    """
-    packed_dp_ranks: _builtins.bytes
-    """The prefill dp rank of each room of packed_rooms, in the same order, as
-    little-endian uint32: 4 bytes per room, each in [0, dp_size).
-    """
+    BOOTSTRAP_ROOMS_FIELD_NUMBER: _builtins.int
+    DP_RANKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_rooms(self) -> _builtins.bytes:
+        """Read by no server: a request with only these registers nothing and answers
+        packed_rooms_read 0, on which the clients that sent them send entries instead.
+        """
+
+    @packed_rooms.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_rooms(self, value: _builtins.bytes) -> None:
+        """Read by no server: a request with only these registers nothing and answers
+        packed_rooms_read 0, on which the clients that sent them send entries instead.
+        """
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_dp_ranks(self) -> _builtins.bytes:
+        """Read by no server."""
+
+    @packed_dp_ranks.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_dp_ranks(self, value: _builtins.bytes) -> None:
+        """Read by no server."""
+
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DpRankEntry]:
-        """Rooms to register; at most the server's max batch (default 65,536) per call."""
+        """Rooms to register, one message per room; at most the server's max batch (default
+        65,536) per call. Give either entries or bootstrap_rooms with dp_ranks, not both.
+        """
+
+    @_builtins.property
+    def bootstrap_rooms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Rooms to register, as one array: the form of pdgrpc's own client, cheaper to build
+        and to read than a message per room.
+        """
+
+    @_builtins.property
+    def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prefill dp rank of each room of bootstrap_rooms, in the same order."""
 
     def __init__(
         self,
@@ -105,10 +139,12 @@ class RegisterDpRanksRequest(_message.Message):
         entries: _abc.Iterable[Global___DpRankEntry] | None = ...,
         packed_rooms: _builtins.bytes = ...,
         packed_dp_ranks: _builtins.bytes = ...,
+        bootstrap_rooms: _abc.Iterable[_builtins.int] | None = ...,
+        dp_ranks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "packed_dp_ranks", b"packed_dp_ranks", "packed_rooms", b"packed_rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_rooms", b"bootstrap_rooms", "dp_ranks", b"dp_ranks", "entries", b"entries", "packed_dp_ranks", b"packed_dp_ranks", "packed_rooms", b"packed_rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,10 +161,16 @@ class RegisterDpRanksResponse(_message.Message):
     """Entries newly added by this call (count)."""
     unchanged: _builtins.int
     """Entries that were already registered with the same rank (count); their TTL is renewed."""
-    packed_rooms_read: _builtins.int
-    """Rooms the server read from packed_rooms (count). A server that predates the packed
-    form leaves it 0: a client that sent packed rooms then sends entries instead.
-    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_rooms_read(self) -> _builtins.int:
+        """Set by no server: always 0."""
+
+    @packed_rooms_read.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_rooms_read(self, value: _builtins.int) -> None:
+        """Set by no server: always 0."""
+
     def __init__(
         self,
         *,
@@ -154,17 +196,33 @@ class QueryDpRanksRequest(_message.Message):
     PACKED_REPLY_FIELD_NUMBER: _builtins.int
     found_ranks_only: _builtins.bool
     """When true, the response lists the found rooms' ranks in found_dp_ranks instead of
-    entries: a packed array is several times cheaper to build and to read than a
-    message per room, which matters at 1,000+ rooms per call.
+    entries: one array, cheaper to build and to read than a message per room (the form
+    of pdgrpc's own client).
     """
-    packed_rooms: _builtins.bytes
-    """The packed form of bootstrap_rooms: little-endian uint64, 8 bytes per room (bytes;
-    length a multiple of 8). Give one or the other, not both.
-    """
-    packed_reply: _builtins.bool
-    """When true, the response carries only packed_dp_ranks: one array in request order,
-    read with one buffer operation instead of a message or a list entry per room.
-    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_rooms(self) -> _builtins.bytes:
+        """Read by no server: a request with only these finds nothing and answers no
+        packed_dp_ranks, on which the clients that sent them send bootstrap_rooms instead.
+        """
+
+    @packed_rooms.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_rooms(self, value: _builtins.bytes) -> None:
+        """Read by no server: a request with only these finds nothing and answers no
+        packed_dp_ranks, on which the clients that sent them send bootstrap_rooms instead.
+        """
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_reply(self) -> _builtins.bool:
+        """Read by no server."""
+
+    @packed_reply.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_reply(self, value: _builtins.bool) -> None:
+        """Read by no server."""
+
     @_builtins.property
     def bootstrap_rooms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Rooms to look up; at most the server's max batch (default 65,536) per call."""
@@ -194,11 +252,16 @@ class QueryDpRanksResponse(_message.Message):
     FOUND_DP_RANKS_FIELD_NUMBER: _builtins.int
     PACKED_DP_RANKS_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    packed_dp_ranks: _builtins.bytes
-    """Only when the request set packed_reply: the dp rank of every requested room, in
-    request order, as little-endian uint32 (4 bytes per room); 0xFFFFFFFF for a room not
-    (yet) known. A server that predates packed_reply leaves it empty.
-    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_dp_ranks(self) -> _builtins.bytes:
+        """Set by no server: always empty."""
+
+    @packed_dp_ranks.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def packed_dp_ranks(self, value: _builtins.bytes) -> None:
+        """Set by no server: always empty."""
+
     instance_id: _builtins.int
     """The bootstrap's instance id: a random nonzero number drawn when the bootstrap
     starts (unitless). Another value from the same address means the prefill instance

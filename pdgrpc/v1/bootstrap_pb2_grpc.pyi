@@ -44,7 +44,8 @@ class BootstrapServiceStub:
     on rooms, a batch with new rooms is refused (live rooms are never evicted). The
     dp_rank range is checked once the workers' first complete registration has fixed
     the topology (registrations may come before it).
-    INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
+    INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), a batch over the limit,
+    entries beside bootstrap_rooms, or bootstrap_rooms and dp_ranks of unequal lengths.
     ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
     RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
     """
@@ -98,7 +99,8 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
     on rooms, a batch with new rooms is refused (live rooms are never evicted). The
     dp_rank range is checked once the workers' first complete registration has fixed
     the topology (registrations may come before it).
-    INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
+    INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), a batch over the limit,
+    entries beside bootstrap_rooms, or bootstrap_rooms and dp_ranks of unequal lengths.
     ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
     RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
     """
@@ -155,7 +157,8 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         on rooms, a batch with new rooms is refused (live rooms are never evicted). The
         dp_rank range is checked once the workers' first complete registration has fixed
         the topology (registrations may come before it).
-        INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), or a batch over the limit.
+        INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), a batch over the limit,
+        entries beside bootstrap_rooms, or bootstrap_rooms and dp_ranks of unequal lengths.
         ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
         RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
         """

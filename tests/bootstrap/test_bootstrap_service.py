@@ -19,7 +19,7 @@ from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
 
 from bootstrap_helpers import FakeClock, parallel_info, worker
 
-SIZES = [3, 300]  # small batches take the generated classes, large ones the numpy codec
+SIZES = [3, 300]  # the room table takes small batches room by room, large ones with numpy
 
 
 def rooms(n: int, seed: int = 0) -> list[int]:

@@ -31,14 +31,13 @@ import asyncio
 import dataclasses
 
 import grpc
-import numpy as np
 
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap import service as bootstrap_service
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer
-from pdgrpc.bootstrap.table import MISSING_RANK, RoomTable
+from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.engine.base import PrefillRequest, SamplingParams
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.rpc.server import RpcServer, start_server
@@ -78,15 +77,7 @@ class RecordingBootstrap(BootstrapServicer):
             self.failed += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "bootstrap is going down")
         resp = await super().QueryDpRanks(request, context)
-        # The servicer may answer pre-serialized bytes (its fast path for large batches).
-        msg = bpb.QueryDpRanksResponse.FromString(resp) if isinstance(resp, (bytes, bytearray)) else resp
-        asked = list(request.bootstrap_rooms) or np.frombuffer(request.packed_rooms, "<u8").tolist()
-        if request.packed_reply:  # one rank per room asked, MISSING_RANK where not known
-            ranks = np.frombuffer(msg.packed_dp_ranks, "<u4").tolist()
-            missing = [room for room, rank in zip(asked, ranks) if rank == MISSING_RANK]
-        else:
-            missing = list(msg.missing_rooms)
-        self.queries.append((asked, missing))
+        self.queries.append((list(request.bootstrap_rooms), list(resp.missing_rooms)))
         self.queried.set()
         return resp
 
