@@ -20,7 +20,10 @@ and prefill chunk size everywhere. Then:
   file per process) only the requests whose ``traceparent`` says so
   (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with each
   measured TTFT request. ``span_p50_ms/<hop>`` is the p50 of that hop's span over those
-  requests (:mod:`pdgrpc.rpc.tracing` names the hops), so every run shows the breakdown.
+  requests (:mod:`pdgrpc.rpc.tracing` names the hops), and ``gap_p50_ms/<a>-><b>`` the
+  p50 of the time between two processes' spans that no span covers (a gRPC call on its
+  way, the link, the KV's first byte, the token's way back), so every run shows the
+  breakdown.
 
 With ``--security plain,tls`` (any of ``plain``, ``tls``, ``token``, ``tls+token``) each
 transport's cluster runs once per mode, side by side in the same run: ``tls`` is
@@ -138,16 +141,36 @@ async def _ttft(
     return out
 
 
-def span_p50s(spans: list[dict], trace_ids: list[str]) -> dict[str, float]:
-    """Per span name, the p50 over the traces ``trace_ids`` of its duration in ms (the
-    longest, where a trace holds several: tp ranks run in parallel)."""
+# Time between two spans of different processes on the way to the first token, which no
+# span covers: (from span, its edge, to span, its edge).
+_GAPS = (
+    ("router", "start", "controller.dispatch", "start"),  # the router's Prefill call reaching the controller
+    ("controller.dispatch", "end", "worker", "start"),  # the link to the worker
+    ("write", "end", "decode.commit", "start"),  # the last write until its first byte lands at the decode
+    ("first_token", "end", "router", "end"),  # the decode's stream to the router, and on to the client
+)
+
+
+def hop_p50s(spans: list[dict], trace_ids: list[str]) -> dict[str, float]:
+    """Over the traces ``trace_ids``, in ms: ``span_p50_ms/<name>``, the p50 of each span's
+    duration (the longest, where a trace holds several: tp ranks run in parallel), and
+    ``gap_p50_ms/<a>-><b>``, the p50 of each of :data:`_GAPS`."""
     wanted = set(trace_ids)
     per: dict[str, dict[str, float]] = defaultdict(dict)
+    edges: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)  # (trace, name) -> earliest start, latest end
     for s in spans:
         if s["trace_id"] in wanted:
             ms = (s["end_ns"] - s["start_ns"]) / 1e6
             per[s["name"]][s["trace_id"]] = max(ms, per[s["name"]].get(s["trace_id"], 0.0))
-    return {name: _pct(list(d.values()), 0.5) for name, d in sorted(per.items())}
+            e = edges[(s["trace_id"], s["name"])]
+            e["start"] = min(s["start_ns"], e.get("start", s["start_ns"]))
+            e["end"] = max(s["end_ns"], e.get("end", s["end_ns"]))
+    out = {f"span_p50_ms/{name}": _pct(list(d.values()), 0.5) for name, d in sorted(per.items())}
+    for a, a_edge, b, b_edge in _GAPS:
+        gaps = [(edges[(t, b)][b_edge] - edges[(t, a)][a_edge]) / 1e6 for t in wanted if (t, a) in edges and (t, b) in edges]
+        if gaps:
+            out[f"gap_p50_ms/{a}->{b}"] = _pct(gaps, 0.5)
+    return out
 
 
 async def _throughput(stub: GenerateServiceStub, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[float, int]:
@@ -222,7 +245,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             for c in systems.values():
                 c.check()
         # Read once the clusters stopped: a server exports what it still holds as it exits.
-        hops = {name: span_p50s(list(read_spans(spans_dir / name)), ids) for name, ids in traced.items()}
+        hops = {name: hop_p50s(list(read_spans(spans_dir / name)), ids) for name, ids in traced.items()}
     finally:
         shutil.rmtree(spans_dir, ignore_errors=True)
 
@@ -261,7 +284,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"{case_ttft}/{name}", "kv_rate_data_plane_p50", gbps, "GB/s"),
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
-        results += [Result(f"{case_ttft}/{name}", f"span_p50_ms/{hop}", ms, "ms") for hop, ms in hops[name].items()]
+        results += [Result(f"{case_ttft}/{name}", metric, ms, "ms") for metric, ms in hops[name].items()]
         plain = name.split("+", 1)[0]
         if plain != name and plain in ttft:  # a secured system: against its plaintext twin
             plain_p50 = _pct([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3

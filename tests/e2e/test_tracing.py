@@ -95,5 +95,7 @@ def test_bench_e2e_json_reports_the_p50_of_every_hop(tmp_path: Path) -> None:
         row = rows.get(f"span_p50_ms/{hop}")
         assert row is not None, f"no span_p50_ms/{hop} row; rows: {sorted(rows)}"
         assert row["unit"] == "ms" and 0 <= row["value"] < 60_000
+    for gap in ("router->controller.dispatch", "controller.dispatch->worker", "write->decode.commit", "first_token->router"):
+        assert f"gap_p50_ms/{gap}" in rows, f"no gap_p50_ms/{gap} row; rows: {sorted(rows)}"
     # A hop inside the request is shorter than the request as the router saw it.
     assert rows["span_p50_ms/compute"]["value"] <= rows["span_p50_ms/router"]["value"]
