@@ -44,6 +44,7 @@ from pdgrpc.serving.room_proof import abort_message, handshake_message, verify
 from pdgrpc.serving.tp import heads_of
 from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.state.outcomes import AbortReason
+from pdgrpc.state.prefill_room import Abort, Close, Failed, PrefillRoom
 from pdgrpc.state.prefill_sender import write_pages_for
 from pdgrpc.transport.base import Transport
 from pdgrpc.transport.pages import kv_regions, metadata_region
@@ -62,11 +63,19 @@ class _Active:
     task: asyncio.Task  # type: ignore[type-arg]
     pages: list[int] = dataclasses.field(default_factory=list)
     driver: RoomDriver | None = None
-    abort_reason: str | None = None
-    closing: bool = False
     secret: bytes = b""  # PrefillRequest.room_secret: Handshake/AbortRoom must prove it
-    failure: Failure | None = None  # how it failed (recorded for the decode once it stopped)
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # How it ends: aborted or not, the failure its decode is told. Drivers feed it events.
+    fate: PrefillRoom[Failure] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fate = PrefillRoom(self.room)
+
+    def stop(self, abort: Abort) -> None:
+        """Abort the room; its driver is cancelled while it still runs."""
+        self.fate.handle(abort)
+        if self.fate.stoppable:
+            self.task.cancel()
 
 
 class _Oversize(RequestFailed):
@@ -164,9 +173,7 @@ class PrefillWorker:
 
     async def close(self) -> None:
         for entry in list(self._active.values()):
-            entry.abort_reason = SHUTDOWN
-            if not entry.closing:
-                entry.task.cancel()
+            entry.stop(Abort(SHUTDOWN, shutdown=True))
         for entry in list(self._active.values()):
             try:
                 await asyncio.wait_for(entry.finished.wait(), self.config.abort_wait_s)
@@ -264,9 +271,7 @@ class PrefillWorker:
         was_active = False
         if entry is not None:
             was_active = True
-            entry.abort_reason = reason or "no reason given"
-            if not entry.closing:
-                entry.task.cancel()
+            entry.stop(Abort(reason or "no reason given"))
             try:
                 await asyncio.wait_for(entry.finished.wait(), self.config.abort_wait_s)
             except asyncio.TimeoutError:
@@ -396,35 +401,36 @@ class PrefillWorker:
             return resp
         except asyncio.CancelledError:
             self.failed += 1
-            if entry.abort_reason is None:
+            abort = entry.fate.abort
+            if abort is None:
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by the caller")
-                entry.failure = Failure(C.CANCELLED, f"room {room}: the prefill was cancelled by its caller", entry.secret)
+                entry.fate.handle(Failed(Failure(C.CANCELLED, f"room {room}: the prefill was cancelled by its caller", entry.secret)))
                 raise
-            # abort_reason is set by AbortRoom (decode gave up) or by close() (shutdown).
-            self.metrics.on_abort(ServerAbortReason.SHUTDOWN if entry.abort_reason == SHUTDOWN else ServerAbortReason.DECODE_ERROR)
+            # AbortRoom (decode gave up) or close() (shutdown) stopped it.
+            self.metrics.on_abort(ServerAbortReason.SHUTDOWN if abort.shutdown else ServerAbortReason.DECODE_ERROR)
             task.uncancel()
-            request_event(log, room, "aborted", reason=entry.abort_reason)
-            entry.failure = Failure(C.ABORTED, f"room {room}: aborted: {entry.abort_reason}", entry.secret)
-            raise RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {entry.abort_reason}") from None
+            request_event(log, room, "aborted", reason=abort.reason)
+            entry.fate.handle(Failed(Failure(C.ABORTED, f"room {room}: aborted: {abort.reason}", entry.secret)))
+            raise RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {abort.reason}") from None
         except _Oversize as exc:
             # Larger than the whole pool: it took nothing and never could, so it is refused.
             self.failed += 1
             self.metrics.on_refused()
             request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
-            entry.failure = Failure(exc.code, exc.message, entry.secret)
+            entry.fate.handle(Failed(Failure(exc.code, exc.message, entry.secret)))
             raise
         except RequestFailed as exc:
             self.failed += 1
             self.metrics.on_abort(exc.reason)
             request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
-            entry.failure = Failure(exc.code, exc.message, entry.secret)
+            entry.fate.handle(Failed(Failure(exc.code, exc.message, entry.secret)))
             raise
         except Exception as exc:  # a bug or an engine failure: fail the request, keep serving
             self.failed += 1
             self.metrics.on_abort(ServerAbortReason.INTERNAL_ERROR)
             log.exception("room=%d failed unexpectedly", room)
-            entry.failure = Failure(C.INTERNAL, f"room {room}: prefill failed: {exc!r}", entry.secret)
+            entry.fate.handle(Failed(Failure(C.INTERNAL, f"room {room}: prefill failed: {exc!r}", entry.secret)))
             raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {exc!r}") from None
         finally:
             await self._finish(entry)
@@ -438,7 +444,7 @@ class PrefillWorker:
 
     async def _finish(self, entry: _Active) -> None:
         """Every path ends here: no compute in flight, rooms released, pages freed."""
-        entry.closing = True
+        entry.fate.handle(Close())
         driver = entry.driver
         await self.compute.finish(entry.room, driver.job if driver is not None else None)
         keys = {entry.room, *(driver.keys if driver is not None else ())}
@@ -465,8 +471,8 @@ class PrefillWorker:
             entry.pages = []
             self._pages_freed.set()  # wake requests waiting for pages
         self._active.pop(entry.room, None)
-        if entry.failure is not None:
-            self._record_failure(entry.room, entry.failure)
+        if entry.fate.failure is not None:
+            self._record_failure(entry.room, entry.fate.failure)
         else:
             self.failed_rooms.ended(entry.room)
         entry.finished.set()
