@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from typing import Any
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-
-from pdgrpc.cluster.client import generate  # noqa: E402
-from pdgrpc.v1 import generate_pb2_grpc  # noqa: E402
+from pdgrpc.cluster.client import generate
+from pdgrpc.v1 import generate_pb2_grpc
 
 __all__ = ["main"]
 

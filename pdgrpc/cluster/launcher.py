@@ -52,16 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# gRPC's fork handlers must stay off in the process that spawns the cluster: children are
-# started with fork() (preexec_fn below), and with fork support on, gRPC restarts its
-# EventEngine poller thread in the forked child, which then hits EBADF in epoll_wait when
-# the child closes its inherited fds before exec -> SIGABRT, the child dies before it
-# ever runs (seen as "router exited with code -6", about one cluster start in ten).
-# Only effective before grpc is imported; tests/conftest.py sets it for the test run.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdgrpc.cluster.credentials import ClusterCredentials
 from pdgrpc.cluster.errors import ClusterError
@@ -71,7 +63,7 @@ from pdgrpc.cluster.smg import readiness, smg_argv
 from pdgrpc.cluster.topology import SECURITY_MODES, ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, etcd_argv, etcd_healthy, find_etcd
 from pdgrpc.rpc.security import Security
-from pdgrpc.serving.children import die_with_parent_in_own_group
+from pdgrpc.serving.children import guarded_argv
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["ChildDied", "Cluster", "ClusterError", "Proc"]
@@ -363,9 +355,11 @@ class Cluster:
                 with open(proc.log_path, "ab") as log:
                     log.write(f"$ {' '.join(proc.argv)}\n".encode())
                     log.flush()
+                    # No preexec_fn: such a start runs no fork handler in the child,
+                    # and gRPC's, when on, kill a child that closes its fds before exec.
                     proc.process = await asyncio.create_subprocess_exec(
-                        *proc.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                        env=self._env, preexec_fn=die_with_parent_in_own_group,
+                        *guarded_argv(proc.argv), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                        env=self._env, start_new_session=True,
                     )
                 self._watchers.append(asyncio.ensure_future(self._watch(proc)))
             await self._wait_healthy()
