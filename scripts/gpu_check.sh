@@ -32,7 +32,7 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.txt, no
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))"
-  $PY -c "from pdgrpc.transport.rdma_wire import ucx_moves_cuda; print('libucx with CUDA transports:', ucx_moves_cuda())"
+  $PY -c "from pdgrpc.transport.rdma_regions import ucx_moves_cuda; print('libucx with CUDA transports:', ucx_moves_cuda())"
   echo "UCX_TLS=$UCX_TLS"
   # What UCX itself sees: its version and the CUDA transports it could load
   ucx=$($PY -c "import libucx, os; print(os.path.dirname(libucx.__file__))" 2>/dev/null) \
