@@ -11,41 +11,8 @@
   :func:`start_bootstrap_server`.
 * :mod:`~pdgrpc.bootstrap.client` — :class:`BootstrapClient` (pooled channel, deadlines,
   retried registration).
-* ``python -m pdgrpc.bootstrap --help`` — the server as a process.
+* :mod:`~pdgrpc.bootstrap.server` — the service as a process (``python -m pdgrpc.bootstrap --help``).
 
-Names are imported lazily, so ``python -m pdgrpc.bootstrap`` can configure gRPC before
-grpc is imported.
+The package itself imports nothing: ``python -m pdgrpc.bootstrap`` loads it before
+:func:`~pdgrpc.serving.launch.launch` has set the environment gRPC reads on import.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-_EXPORTS = {
-    "BootstrapClient": "pdgrpc.bootstrap.client",
-    "BootstrapUnavailable": "pdgrpc.bootstrap.client",
-    "QueryResult": "pdgrpc.bootstrap.client",
-    "WorkerRegistry": "pdgrpc.bootstrap.registry",
-    "BootstrapConfig": "pdgrpc.bootstrap.service",
-    "BootstrapServer": "pdgrpc.bootstrap.service",
-    "BootstrapServicer": "pdgrpc.bootstrap.service",
-    "start_bootstrap_server": "pdgrpc.bootstrap.service",
-    "RegisterResult": "pdgrpc.bootstrap.table",
-    "RoomTable": "pdgrpc.bootstrap.table",
-    "TableStats": "pdgrpc.bootstrap.table",
-}
-
-if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
-    from pdgrpc.bootstrap.client import BootstrapClient, BootstrapUnavailable, QueryResult
-    from pdgrpc.bootstrap.registry import WorkerRegistry
-    from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, start_bootstrap_server
-    from pdgrpc.bootstrap.table import RegisterResult, RoomTable, TableStats
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'pdgrpc.bootstrap' has no attribute {name!r}")

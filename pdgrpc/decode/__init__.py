@@ -15,34 +15,10 @@
 * :mod:`pdgrpc.decode.job` -- per-request bookkeeping, what the Decode stream gets, and
   the status an abort ends a request with.
 * :mod:`pdgrpc.decode.service` -- ``DecodeService`` (Decode stream, GetStats) over grpc.aio.
-* :mod:`pdgrpc.decode.cli` -- the flags (shared by every TP rank); :mod:`pdgrpc.decode.tp` and
-  :mod:`pdgrpc.decode.follower` -- tensor parallelism (rank 0 drives, the other ranks replay).
+* :mod:`pdgrpc.decode.cli` -- the flags (shared by every TP rank); :mod:`pdgrpc.decode.server`
+  -- the server as a process; :mod:`pdgrpc.decode.tp` and :mod:`pdgrpc.decode.follower_server`
+  -- tensor parallelism (rank 0 drives, the other ranks replay).
+
+The package itself imports nothing: ``python -m pdgrpc.decode`` loads it before
+:func:`~pdgrpc.serving.launch.launch` has set the environment gRPC reads on import.
 """
-
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-# Names load on first use (PEP 562), so ``python -m pdgrpc.decode`` (which imports this
-# package before __main__) can configure gRPC before anything imports grpc.
-_EXPORTS = {
-    "SchedulerConfig": "pdgrpc.decode.job",
-    "DecodeScheduler": "pdgrpc.decode.scheduler",
-    "DecodeServer": "pdgrpc.decode.service",
-    "start_decode_server": "pdgrpc.decode.service",
-}
-
-if TYPE_CHECKING:  # for type checkers and IDEs
-    from pdgrpc.decode.job import SchedulerConfig
-    from pdgrpc.decode.scheduler import DecodeScheduler
-    from pdgrpc.decode.service import DecodeServer, start_decode_server
-
-__all__ = ["DecodeScheduler", "DecodeServer", "SchedulerConfig", "start_decode_server"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,9 @@ import time
 
 import grpc
 
-from pdgrpc.decode import DecodeScheduler, SchedulerConfig, start_decode_server
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.service import start_decode_server
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.transport.tcp import TcpTransport
 from pdgrpc.v1 import decode_pb2_grpc

@@ -9,7 +9,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pdgrpc.decode import DecodeScheduler, DecodeServer, SchedulerConfig, start_decode_server
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.service import DecodeServer, start_decode_server
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.serving.room_proof import draw_secret, failure_tag
 from pdgrpc.state import DecodeDeadlines

@@ -13,7 +13,9 @@ from typing import AsyncIterator
 import grpc
 import pytest
 
-from pdgrpc.decode import DecodeScheduler, DecodeServer, SchedulerConfig, start_decode_server
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.service import DecodeServer, start_decode_server
 from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.metrics import Scrape, scrape, start_metrics_server

@@ -13,7 +13,9 @@ import time
 
 import grpc
 
-from pdgrpc.decode import DecodeScheduler, SchedulerConfig, start_decode_server
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.service import start_decode_server
 from pdgrpc.decode.job import Job
 from pdgrpc.decode.prefills import PrefillInfo
 from pdgrpc.engine.base import SamplingParams

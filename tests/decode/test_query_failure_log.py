@@ -9,7 +9,9 @@ import logging
 
 import pytest
 
-from pdgrpc.decode import DecodeScheduler, SchedulerConfig, start_decode_server
+from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.service import start_decode_server
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.serving.failure_log import FailureLog
 from pdgrpc.state import DecodeDeadlines

@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from pdgrpc.decode import DecodeScheduler, start_decode_server
+from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.service import start_decode_server
 from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.serving import engine_config_from_args
