@@ -104,6 +104,8 @@ class TcpTransport(Transport):
             raise ConfigError(f"{self.name} transport: unknown option(s) {sorted(unknown)}")
         if connections < 1:
             raise ConfigError(f"{self.name} transport: connections must be >= 1, got {connections}")
+        if device is not None and not isinstance(device, TcpDevice):
+            raise ConfigError(f"{self.name} transport: device must be a TcpDevice, got {type(device).__name__}")
         self._limits = TcpLimits(hello_timeout, max_connections, max_connections_per_address,
                                  heartbeat_interval, heartbeat_lease, max_connections_per_peer)
         super().__init__()

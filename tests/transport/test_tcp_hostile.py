@@ -75,6 +75,21 @@ async def test_a_malformed_frame_closes_only_that_connection(what: str) -> None:
         assert await p.transfer() is KVPoll.SUCCESS
 
 
+async def test_an_ack_sent_to_the_receiver_ends_no_room_and_closes_that_connection() -> None:
+    # ACK and NACK go from a receiver to its sender; on the receiver's listener they can
+    # only come from a client that means harm, and must not end the room they name.
+    async with Pair() as p:
+        p.recv.advertise(RoomGrant.of(55, [2], slot=1))
+        client = RawClient(p.descriptor)
+        try:
+            await client.send(HEADER.pack(MessageType.ACK, 0, 55, 0, 0))
+            assert await client.closed_by_peer(timeout=5)
+        finally:
+            client.close()
+        assert p.recv.poll(55) is KVPoll.WAITING_FOR_INPUT
+        assert await p.transfer() is KVPoll.SUCCESS
+
+
 @pytest.mark.parametrize("payload", [MAX_FRAME_PAYLOAD + 1, 1 << 40, 1 << 62], ids=["cap+1", "2^40", "2^62"])
 async def test_a_frame_announcing_more_than_the_cap_is_refused_without_reading_it(payload: int) -> None:
     # The audit's 56-byte frame: one op announcing 2^62 bytes for a room that does not

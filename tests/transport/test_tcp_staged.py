@@ -109,6 +109,11 @@ async def test_staged_receive_of_a_released_room_copies_nothing_more() -> None:
         await b.close()
 
 
+def test_a_device_that_is_not_a_stager_is_refused_naming_the_option() -> None:
+    with pytest.raises(ConfigError, match="device must be a TcpDevice"):
+        registry.create("tcp", device="cuda")
+
+
 def test_metadata_rows_must_be_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tcp_device, "memory_kind", lambda t: MemoryKind.CUDA)
     regions, _ = LAYOUT.build(seed=None)
