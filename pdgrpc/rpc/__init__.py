@@ -10,6 +10,8 @@
 * :mod:`pdgrpc.rpc.security` — TLS, mTLS and the bearer token of every server and client
   (:class:`Security`, the ``--tls-*`` / ``--auth-token-file`` / ``--insecure`` flags);
   :mod:`pdgrpc.rpc.certs` — a throwaway CA and certificates (``--tls auto``).
+* :mod:`pdgrpc.rpc.tracing` — OpenTelemetry spans for each hop of a request (``--trace``),
+  under the W3C ``traceparent`` a call carries.
 
 The package itself imports nothing, so :mod:`pdgrpc.rpc.tuning` loads before grpc does.
 """
