@@ -29,7 +29,7 @@ API
 ---
 :class:`RawUcx` — the pair kept alive, one iteration per :meth:`RawUcx.once` (a benchmark
 alternates these with its backend's iterations); :func:`run_baselines` — several sizes
-with one pair of processes; :func:`run_baseline` — one size.
+with one pair of processes.
 ``python -m pdgrpc.bench._ucx_baseline --mib 4 64 256`` prints the numbers.
 
 Environment: UCX settings come from the environment as usual (``UCX_TLS`` etc.); nothing
@@ -52,7 +52,7 @@ from typing import Any, Sequence
 
 from pdgrpc.errors import TransportError, TransportUnavailable
 
-__all__ = ["BaselineResult", "RawUcx", "run_baseline", "run_baselines"]
+__all__ = ["BaselineResult", "RawUcx", "run_baselines"]
 
 INSTALL_HINT = "pip install 'pdgrpc[ucx]'"
 _DATA_TAG = 0x5044_4752_0000_0001  # arbitrary fixed tags: only these two processes use them
@@ -253,16 +253,6 @@ def run_baselines(sizes: Sequence[int], iterations: int = 5, *, warmup: int = 1,
     finally:
         raw.close()
     return results
-
-
-def run_baseline(nbytes: int, iterations: int = 5, *, warmup: int = 1, timeout_s: float = 120.0) -> tuple[float, float]:
-    """Raw ucxx throughput and latency for ``nbytes`` between two processes.
-
-    Returns ``(gbps, latency_s)``: GB/s (10**9 bytes/s) computed from the median
-    latency, and that median latency in seconds (send start → receiver's ack).
-    """
-    r = run_baselines([nbytes], iterations, warmup=warmup, timeout_s=timeout_s)[0]
-    return r.gbps, r.latency_s
 
 
 def main(argv: list[str] | None = None) -> int:

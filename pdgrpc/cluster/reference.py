@@ -12,11 +12,10 @@ import argparse
 
 from pdgrpc.cluster.topology import Topology, flags
 from pdgrpc.engine.base import Engine
-from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.serving.engines import build_engine
-from pdgrpc.serving.flags import add_engine_arguments, engine_config_from_args
+from pdgrpc.serving.flags import add_engine_arguments
 
-__all__ = ["engine_args", "engine_config", "reference_engine"]
+__all__ = ["engine_args", "reference_engine"]
 
 
 def engine_args(topology: Topology, **overrides: object) -> argparse.Namespace:
@@ -25,11 +24,6 @@ def engine_args(topology: Topology, **overrides: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_arguments(parser)
     return parser.parse_args(flags({**topology.engine, **overrides}))
-
-
-def engine_config(topology: Topology, **overrides: object) -> EngineConfig:
-    """The reference engine's :class:`EngineConfig` of the topology's ``[engine]`` table."""
-    return engine_config_from_args(engine_args(topology, **overrides))
 
 
 def reference_engine(topology: Topology, **overrides: object) -> Engine:

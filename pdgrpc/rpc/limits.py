@@ -16,7 +16,6 @@
 * :class:`UndecodableIsInvalidArgument` (services are added to a server through it): a
   request that does not parse (garbage bytes, invalid UTF-8 in a ``string`` field) gets
   ``INVALID_ARGUMENT`` naming the message type, not grpc's ``UNKNOWN``/``INTERNAL``.
-* :func:`peer_host`: the caller's host, the key of per-client caps.
 """
 
 from __future__ import annotations
@@ -26,21 +25,9 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-__all__ = ["MAX_MESSAGE_BYTES", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort", "peer_host"]
+__all__ = ["MAX_MESSAGE_BYTES", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-
-
-def peer_host(context: grpc.aio.ServicerContext) -> str:
-    """The caller's host (``127.0.0.1``, ``::1``, a unix socket path), without its port:
-    one client's calls share it whatever connection they use."""
-    peer = context.peer() or ""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return rest.rpartition(":")[0] or rest
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]") or rest
-    return peer
 
 
 def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

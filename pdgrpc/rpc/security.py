@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
-from pdgrpc.errors import ConfigError, PdgrpcError
+from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.limits import HandlerWrapper
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "add_security_arguments",
     "current",
     "install",
-    "install_from_args",
     "is_loopback",
     "peer_identity",
     "require_token",
@@ -352,15 +351,6 @@ def security_from_args(ns: argparse.Namespace) -> Security:
         if path is not None:
             _read(path, flag)
     return security
-
-
-def install_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """Install the :class:`Security` the flags describe for this process; a bad flag or
-    file ends the program through ``parser.error`` with the flag named."""
-    try:
-        install(security_from_args(ns))
-    except PdgrpcError as exc:
-        parser.error(str(exc))
 
 
 def security_argv(ns: argparse.Namespace) -> list[str]:
