@@ -26,13 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="benchmark", metavar="NAME", required=True)
     modules = {}
     for name, modname in BENCHMARKS.items():
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as exc:
-            if exc.name == modname:
-                continue  # not written yet: not offered
-            raise
-        modules[name] = mod
+        mod = modules[name] = importlib.import_module(modname)
         p = sub.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION)
         p.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON to PATH")
         if hasattr(mod, "PLOT"):

@@ -57,12 +57,6 @@ from typing import Any, Awaitable, Callable
 from pdgrpc.bench.bootstrap_peer import SYSTEMS, PeerError, Peers, rounds_order
 from pdgrpc.bench.procstat import cpu_ns
 from pdgrpc.bench.report import Result
-from pdgrpc.rpc.tuning import grpc_tuning_in_force
-
-# Like every pdgrpc entry point, gRPC runs with pdgrpc's settings (client here, and the
-# server subprocess, which inherits the environment): ``python -m pdgrpc.bench`` applies
-# them before grpc is imported. PDGRPC_GRPC_DEFAULTS=0 measures grpc's own defaults.
-GRPC_DEFAULTS = grpc_tuning_in_force()
 
 DESCRIPTION = "BootstrapService: single-room and batched latency, rooms/s, RSS of 1M rooms, pause while they expire"
 PLOT = "QueryDpRanks latency by batch size (1, 32, 1024 rooms), beside the health-check floor"
