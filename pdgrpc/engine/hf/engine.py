@@ -120,11 +120,6 @@ class HFEngine(PooledEngine):
         return self._model_id
 
     @property
-    def model_name(self) -> str:
-        """The checkpoint as people name it: its directory."""
-        return self.hf.name
-
-    @property
     def tokenizer(self) -> HFTokenizer:
         return self._tokenizer
 
