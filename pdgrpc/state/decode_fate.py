@@ -27,20 +27,9 @@ from pdgrpc.errors import IllegalTransition, RequestFailed
 from pdgrpc.kvpoll import KVPoll
 
 __all__ = [
-    "CallAnswered",
-    "CallFailed",
-    "Cancel",
-    "Commit",
-    "DecodeFate",
-    "Fail",
-    "FateEvent",
-    "FateState",
-    "Finish",
-    "HandshakeAccepted",
-    "NeverForwarded",
-    "TransportFailed",
-    "FATE_TRANSITIONS",
-]
+    "CallAnswered", "CallFailed", "Cancel", "Commit", "DecodeFate", "FATE_TRANSITIONS", "Fail", "FateEvent", "FateState",
+    "Finish", "HandshakeAccepted", "NeverForwarded", "TransportFailed",
+]  # fmt: skip
 
 
 class FateState(enum.Enum):
@@ -55,6 +44,7 @@ class FateState(enum.Enum):
     FAILED = "failed"  # its failure is queued
 
 
+# -- events: what happened to the request ------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class HandshakeAccepted:
     """Every prefill worker of its dp rank accepted the handshake."""
@@ -67,15 +57,14 @@ class Commit:
 
 @dataclasses.dataclass(frozen=True)
 class Cancel:
-    """End it: the client went away (``failure`` None), or the driver learned how it
-    ends (the prefill failed or refused it, a bad answer, a refused grant)."""
+    """End it: the client went away (``failure`` None), or the driver learned how it ends."""
 
     failure: RequestFailed | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Finish:
-    """Its last token is queued (a stop reason)."""
+    """Its last token is queued."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +76,7 @@ class Fail:
 
 @dataclasses.dataclass(frozen=True)
 class CallFailed:
-    """A bootstrap query or a handshake attempt failed with ``error`` (retried)."""
+    """A bootstrap query or a handshake attempt failed (retried); ``error`` names why."""
 
     error: str
 
@@ -99,9 +88,7 @@ class CallAnswered:
 
 @dataclasses.dataclass(frozen=True)
 class TransportFailed:
-    """The transport reported the room FAILED, because of ``why``."""
-
-    why: str | None
+    why: str | None  # the transport's reason for failing the room
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +96,7 @@ class NeverForwarded:
     """The prefill's controller forwarded it to no worker: nothing writes into its pages."""
 
 
-FateEvent = Union[
-    HandshakeAccepted, Commit, Cancel, Finish, Fail, CallFailed, CallAnswered, TransportFailed, NeverForwarded
-]
+FateEvent = Union[HandshakeAccepted, Commit, Cancel, Finish, Fail, CallFailed, CallAnswered, TransportFailed, NeverForwarded]
 
 S = FateState
 _TERMINAL = frozenset({S.FINISHED, S.FAILED})
@@ -170,23 +155,19 @@ class DecodeFate:
 
     # -- what it decides ----------------------------------------------------------------------
     @property
-    def ended(self) -> bool:
-        """Its last message is queued."""
+    def ended(self) -> bool:  # its last message is queued
         return self.state in _TERMINAL
 
     @property
-    def live(self) -> bool:
-        """Not ended, and no end decided."""
+    def live(self) -> bool:  # not ended, and no end decided
         return self.state in (S.WAITING, S.HANDSHAKEN, S.RUNNING)
 
     @property
-    def ending(self) -> bool:
-        """An end was decided and is not carried out yet."""
+    def ending(self) -> bool:  # an end was decided and is not carried out yet
         return self.state in (S.ABORTING, S.STOPPING)
 
     @property
-    def in_queues(self) -> bool:
-        """Before its commit: the decode queues hold it (and carry out its cancel)."""
+    def in_queues(self) -> bool:  # before its commit: the decode queues hold it and carry out its cancel
         return self.state in (S.WAITING, S.HANDSHAKEN, S.ABORTING)
 
     def vote(self, local: KVPoll) -> KVPoll:
@@ -198,6 +179,3 @@ class DecodeFate:
     def outcome(self, otherwise: RequestFailed) -> RequestFailed:
         """The failure it ends with: the one the driver learned, else ``otherwise``."""
         return self.decided if self.decided is not None else otherwise
-
-    def __repr__(self) -> str:
-        return f"DecodeFate({self.state.name})"

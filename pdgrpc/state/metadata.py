@@ -252,11 +252,6 @@ class MetadataBuffers:
         hidden = self.field("hidden_state")[slot].clone() if lay.hidden_size else None
         return MetadataRow(out_id, cached, lp_val, lp_idx, top_vals, top_idx, hidden)
 
-    def read_first_token(self, slot: int) -> int:
-        self._check(slot)
-        v: int = struct.unpack_from("<i", self._mv, slot * self.layout.row_bytes)[0]
-        return v
-
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise SlotError(f"slot {slot} out of range [0, {self.num_slots})")

@@ -92,10 +92,5 @@ class PrefillRoom(Generic[F]):
         return new
 
     @property
-    def stoppable(self) -> bool:
-        """Its driver still runs: an abort cancels it."""
+    def stoppable(self) -> bool:  # its driver still runs: an abort cancels it
         return self.state in (R.RUNNING, R.ABORTING)
-
-    @property
-    def closing(self) -> bool:
-        return self.state is R.CLOSING

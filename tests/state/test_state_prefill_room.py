@@ -59,7 +59,7 @@ def test_its_failure_is_what_its_decode_is_told_once_it_closes() -> None:
     r = room_in(R.ABORTING)
     r.handle(Failed("ABORTED: decode gave up"))
     r.handle(Close())
-    assert r.closing and r.failure == "ABORTED: decode gave up"
+    assert r.state is R.CLOSING and r.failure == "ABORTED: decode gave up"
     ok = room_in(R.RUNNING)
     ok.handle(Close())
-    assert ok.closing and ok.failure is None
+    assert ok.state is R.CLOSING and ok.failure is None
