@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Final
+from typing import Callable, Final, Sequence
 
 import grpc
 
@@ -74,30 +74,35 @@ class Handshaker:
         self,
         directory: PrefillDirectory,
         transport_name: str,
-        descriptor: bytes,
         compat_hash: bytes,
         rpc_timeout_s: float,
         replaced_wait_s: float = 30.0,
+        writer_gone: Callable[[str], bool] = lambda writer: False,
+        quarantined: Callable[[int], bool] = lambda room: True,
     ) -> None:
         """``replaced_wait_s``: how long an unreachable worker's replacement is looked for
-        (the abort lease: past it the quarantine ends anyway)."""
+        (the abort lease: past it the quarantine ends anyway). ``writer_gone``: this rank's
+        Transport.writer_gone; ``quarantined``: whether a room is still quarantined (an
+        unreachable worker is no longer waited for once not)."""
         self.replaced_wait_s = replaced_wait_s
         self.directory = directory
         self.transport_name = transport_name
-        self.descriptor = descriptor
         self.compat_hash = compat_hash
         self.rpc_timeout_s = rpc_timeout_s
-        # TP > 1: every decode rank's descriptor, by rank (handshakes are sent for all of
-        # them from rank 0); empty for TP 1 (``descriptor`` is the only one).
+        self.writer_gone, self.quarantined = writer_gone, quarantined
+        self.descriptor, self.key = b"", b""  # this rank's, and its data-plane key (pdgrpc.transport.peerauth)
+        # TP > 1: every decode rank's descriptor and key, by rank (handshakes are sent for
+        # all of them from rank 0); empty for TP 1.
         self.descriptors: tuple[bytes, ...] = ()
-        # The data-plane keys (pdgrpc.transport.peerauth) of this rank / of every rank.
-        self.key = b""
         self.keys: tuple[bytes, ...] = ()
         self._ids: dict[bytes, str] = {}  # descriptor bytes -> transport instance id
-        # This rank's Transport.writer_gone, and whether a room is still quarantined (the
-        # scheduler sets both; an unreachable worker is no longer waited for once not).
-        self.writer_gone: Callable[[str], bool] = lambda writer: False
-        self.quarantined: Callable[[int], bool] = lambda room: True
+
+    def set_endpoints(self, ranks: Sequence[tuple[bytes, bytes]]) -> None:
+        """Every decode rank's (descriptor, data-plane key), rank 0 (this one) first, once
+        the transports registered their memory."""
+        self.descriptor, self.key = ranks[0]
+        if len(ranks) > 1:
+            self.descriptors, self.keys = tuple(d for d, _ in ranks), tuple(k for _, k in ranks)
 
     def instance_of(self, descriptor: bytes) -> str:
         """The transport instance id a descriptor names ("" when it does not parse)."""

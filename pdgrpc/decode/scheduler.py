@@ -92,9 +92,10 @@ class DecodeScheduler:
         self.directory = directory or PrefillDirectory(timeout=config.rpc_timeout_s, query_interval_s=config.query_interval_s)
         self.compat_hash = compat_hash_bytes(engine)
         self.descriptor = b""
-        # Its descriptor is filled in by start(), once the transport registered the pools.
+        # Its endpoints are set by start(), once the transport registered the pools.
         self.handshaker = Handshaker(
-            self.directory, transport.name, b"", self.compat_hash, config.rpc_timeout_s, config.deadlines.abort_lease_s
+            self.directory, transport.name, self.compat_hash, config.rpc_timeout_s, config.deadlines.abort_lease_s,
+            transport.writer_gone, self.queues.is_quarantined,
         )
         self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
@@ -116,14 +117,10 @@ class DecodeScheduler:
     async def start(self) -> None:
         self.fatal = asyncio.get_running_loop().create_future()
         self.descriptor = await self.transfers.register()
-        self.handshaker.descriptor = self.descriptor
-        self.handshaker.key = self.transport.auth_key
-        self.handshaker.writer_gone = self.transport.writer_gone
-        self.handshaker.quarantined = self.queues.is_quarantined
+        ranks = [(self.descriptor, self.transport.auth_key)]
         if self.tp is not None:  # every rank's descriptor and key, for the handshakes sent on its behalf
-            ranks = await asyncio.to_thread(self.tp.all_gather, (self.descriptor, self.transport.auth_key))
-            self.handshaker.descriptors = tuple(d for d, _ in ranks)
-            self.handshaker.keys = tuple(k for _, k in ranks)
+            ranks = await asyncio.to_thread(self.tp.all_gather, ranks[0])
+        self.handshaker.set_endpoints(ranks)
         self.transport.rooms.add_listener(self._on_transport_terminal)
         self.generation.start_thread()
         self._loop_task = asyncio.create_task(self._run(), name="decode-scheduler")
