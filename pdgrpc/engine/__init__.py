@@ -7,7 +7,6 @@
   transformer with a paged KV cache (no downloads), TP-ready.
 - :mod:`pdgrpc.engine.colocated` -- :func:`generate`, colocated generation: the output
   disaggregated serving must reproduce token for token.
-- :mod:`pdgrpc.engine.transfer_sim` -- :func:`copy_pages`, a transfer without a network.
 - :mod:`pdgrpc.engine.tp` -- all-reduce callables for tensor parallelism.
 - :mod:`pdgrpc.engine.hf` -- :class:`~pdgrpc.engine.hf.engine.HFEngine`, a Hugging Face
   decoder checkpoint from a local directory (``--model PATH``) on the same paged KV pool.
@@ -44,7 +43,6 @@ _EXPORTS = {
     "BOS_ID": "pdgrpc.engine.tokenizer",
     "EOS_ID": "pdgrpc.engine.tokenizer",
     "ByteTokenizer": "pdgrpc.engine.tokenizer",
-    "copy_pages": "pdgrpc.engine.transfer_sim",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
@@ -64,7 +62,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from pdgrpc.engine.model import ModelConfig
     from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
     from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
-    from pdgrpc.engine.transfer_sim import copy_pages
 
 __all__ = [
     "BOS_ID",
@@ -85,7 +82,6 @@ __all__ = [
     "SampledToken",
     "SamplingParams",
     "compat_hash",
-    "copy_pages",
     "generate",
     "newly_complete_pages",
     "pages_for_tokens",

@@ -17,10 +17,10 @@ import threading
 import pytest
 import torch
 
+from local_all_reduce import LocalAllReduce
 from pdgrpc.engine.base import PrefillRequest, SamplingParams
 from pdgrpc.engine.colocated import generate, prefill
 from pdgrpc.engine.hf.engine import HFEngine, HFEngineConfig
-from pdgrpc.engine.tp import LocalAllReduce
 
 transformers = pytest.importorskip("transformers", reason="the reference implementation (test extra)")
 

@@ -11,8 +11,9 @@ from typing import Callable, Sequence, TypeVar
 import pytest
 
 from engine_helpers import PROMPTS, TINY, make_engine, prefill_into
-from pdgrpc.engine import DecodeRequest, Generation, ReferenceEngine, SampledToken, SamplingParams, copy_pages, generate, stop_reason
-from pdgrpc.engine.tp import LocalAllReduce
+from local_all_reduce import LocalAllReduce
+from transfer_sim import copy_pages
+from pdgrpc.engine import DecodeRequest, Generation, ReferenceEngine, SampledToken, SamplingParams, generate, stop_reason
 from pdgrpc.errors import CompatibilityError, ConfigError, EngineError
 
 T = TypeVar("T")

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 
 from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.engine.tp import identity_all_reduce
 from pdgrpc.prefill.compute_thread import ThreadCompute
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig, _Active
 from pdgrpc.transport import registry
@@ -22,7 +21,7 @@ from tests.prefill.harness import CONFIG
 
 async def _broadcasts_when_finishing_an_uncomputed_room(tp_rank: int) -> list[tuple]:
     # this rank's shard of the model; nothing is computed, so no real collective is needed
-    engine = ReferenceEngine(dataclasses.replace(CONFIG, tp_rank=tp_rank, tp_size=2), all_reduce=identity_all_reduce)
+    engine = ReferenceEngine(dataclasses.replace(CONFIG, tp_rank=tp_rank, tp_size=2), all_reduce=lambda t: t)
     worker = PrefillWorker(engine, registry.create("fake"), WorkerConfig(tp_rank=tp_rank, tp_size=2))
     sent: list[tuple] = []
     worker.compute.broadcast = sent.append  # type: ignore[attr-defined]  # record instead of a collective
