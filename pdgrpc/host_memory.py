@@ -22,7 +22,7 @@ import mmap
 
 import torch
 
-__all__ = ["HUGE_PAGE", "host_zeros", "huge_page_bytes"]
+__all__ = ["HUGE_PAGE", "host_zeros"]
 
 HUGE_PAGE = 2 << 20  # x86-64 / aarch64 (4 KiB base pages) PMD size
 _MIN_BYTES = HUGE_PAGE  # smaller buffers cannot hold a huge page anyway
@@ -53,16 +53,3 @@ def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.
     if nbytes < _MIN_BYTES:
         return torch.zeros(tuple(shape), dtype=dtype)
     return _flat(nbytes).view(dtype).view(tuple(shape))
-
-
-def huge_page_bytes() -> int:
-    """Bytes of this process's anonymous memory that the kernel backs with
-    transparent huge pages right now (0 where the kernel does not say)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

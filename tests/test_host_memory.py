@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-from pdgrpc.host_memory import HUGE_PAGE, host_zeros, huge_page_bytes
+from pdgrpc.host_memory import HUGE_PAGE, host_zeros
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -19,6 +19,19 @@ def _thp_mode() -> str:
     except OSError:
         return "absent"
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "absent"
+
+
+def huge_page_bytes() -> int:
+    """Bytes of this process's anonymous memory that the kernel backs with
+    transparent huge pages right now (0 where the kernel does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def test_a_pool_is_zeroed_contiguous_aligned_and_outlives_its_mapping_handle() -> None:
