@@ -40,7 +40,6 @@ __all__ = [
     "Role",
     "ServerAbortReason",
     "TTFT_BUCKETS",
-    "by_name",
     "markdown_table",
 ]
 
@@ -252,13 +251,6 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, _ALL,
     ),
 )
-
-_BY_NAME = {m.name: m for m in CATALOG}
-
-
-def by_name(name: str) -> MetricSpec:
-    return _BY_NAME[name]
-
 
 def markdown_table() -> str:
     """The metric table of docs/metrics.md, generated from :data:`CATALOG`."""
