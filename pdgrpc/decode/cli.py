@@ -11,7 +11,8 @@ from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.gateway import add_gateway_arguments
-from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
+from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
+from pdgrpc.serving.logs import add_logging_arguments
 from pdgrpc.rpc.open_calls import limit_arg
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments

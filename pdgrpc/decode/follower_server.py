@@ -35,7 +35,8 @@ from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args
 from pdgrpc.serving.children import die_with_parent
 from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.launch import Role
-from pdgrpc.serving import create_transport, request_event, tune_malloc_from_args
+from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
+from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state import AbortReason, Aborted, Committed, SendHandshake
 

@@ -18,7 +18,7 @@ from pdgrpc.gateway import decode_service
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args
 from pdgrpc.rpc.server import run, serve_until_signal
 from pdgrpc.serving.rendezvous import dist_init_method
-from pdgrpc.serving import create_transport, tune_malloc_from_args
+from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.engines import build_engine, check_engine_args
 from pdgrpc.serving.launch import Role
 from pdgrpc.transport.base import Transport

@@ -15,7 +15,8 @@ from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
-from pdgrpc.serving import add_engine_arguments, add_logging_arguments, add_transport_arguments
+from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
+from pdgrpc.serving.logs import add_logging_arguments
 
 __all__ = ["LOAD_BALANCE_METHODS", "build_parser", "add_worker_arguments", "worker_argv"]
 

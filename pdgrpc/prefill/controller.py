@@ -49,7 +49,7 @@ from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
 from pdgrpc.rpc.server import RpcServer
 from pdgrpc.rpc import tracing
-from pdgrpc.serving import request_event
+from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 

@@ -32,7 +32,8 @@ from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.handshake import Destination, Signed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, Mailbox
 from pdgrpc.rpc import tracing
-from pdgrpc.serving import request_event, row_from_token
+from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.metadata import row_from_token
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, heads_of, receivers_of, transfer_room
 from pdgrpc.state.config import SenderDeadlines
 from pdgrpc.state.metadata import MetadataBuffers

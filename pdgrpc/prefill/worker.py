@@ -39,7 +39,9 @@ from pdgrpc.prefill.handshake import Destination, LocalEnd, Signed, check_handsh
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.prefill.room import RoomDriver, Sending
 from pdgrpc.prefill.worker_config import WorkerConfig
-from pdgrpc.serving import compat_hash_bytes, metadata_layout, request_event, sampling_from_proto
+from pdgrpc.serving.convert import sampling_from_proto
+from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
 from pdgrpc.serving.room_proof import abort_message, handshake_message, verify
 from pdgrpc.serving.tp import heads_of
 from pdgrpc.state.metadata import MetadataBuffers

@@ -34,7 +34,8 @@ from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, Handshak
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.security import add_security_arguments
-from pdgrpc.serving import compat_hash_bytes, create_transport, engine_config_from_args, tune_malloc_from_args
+from pdgrpc.serving.flags import create_transport, engine_config_from_args, tune_malloc_from_args
+from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.engines import build_engine, uses_checkpoint
 from pdgrpc.serving.launch import Role
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc

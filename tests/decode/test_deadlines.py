@@ -19,7 +19,7 @@ from pdgrpc.decode.service import DecodeServer, start_decode_server
 from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.metrics import Scrape, scrape, start_metrics_server
-from pdgrpc.serving import engine_config_from_args
+from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.state import DecodeDeadlines
 from pdgrpc.transport.tcp import TcpTransport
 from pdgrpc.v1 import bootstrap_pb2 as bpb

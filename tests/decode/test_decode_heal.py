@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.serving import sampling_to_proto
+from pdgrpc.serving.convert import sampling_to_proto
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.eventually import eventually_async

@@ -24,7 +24,8 @@ from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import Scrape, scrape
-from pdgrpc.serving import engine_config_from_args, sampling_to_proto
+from pdgrpc.serving.convert import sampling_to_proto
+from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2

@@ -14,7 +14,7 @@ from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.serving import engine_config_from_args
+from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.transport.fake import FakeTransport
 from pdgrpc.v1 import decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill

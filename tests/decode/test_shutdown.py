@@ -12,7 +12,7 @@ from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.decode.service import start_decode_server
 from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.serving import engine_config_from_args
+from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.transport.tcp import TcpTransport
 from pdgrpc.v1 import decode_pb2_grpc
 from tests.decode.fake_prefill import FakePrefill

@@ -1,7 +1,7 @@
 """Fault-injecting transports the e2e tests load by name, through the registry's
 ``module:Class`` spelling (``--transport tests.e2e.faulty:SlowCorruptingRank1``): the
 servers know nothing about faults. Each class picks its inner backend and faults in its
-constructor, which takes what :func:`pdgrpc.serving.create_transport` passes (``host``,
+constructor, which takes what :func:`pdgrpc.serving.flags.create_transport` passes (``host``,
 ``tp_rank``)."""
 
 from __future__ import annotations

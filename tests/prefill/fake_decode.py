@@ -21,7 +21,7 @@ import torch
 from pdgrpc.engine.base import PrefillRequest, SampledToken, SamplingParams
 from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.serving import compat_hash_bytes, metadata_layout
+from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
 from pdgrpc.state.metadata import MetadataBuffers, MetadataRow
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import BadDescriptor, Descriptor, RoomGrant, RoomStatus, Transport

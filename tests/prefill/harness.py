@@ -11,7 +11,8 @@ import grpc
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.prefill.cli import build_parser
-from pdgrpc.serving import engine_config_from_args, sampling_to_proto
+from pdgrpc.serving.convert import sampling_to_proto
+from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, room_secret

@@ -54,7 +54,7 @@ def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
 def test_kv_huge_pages_reaches_the_workers_and_their_engine_pools() -> None:
     from pdgrpc.engine.reference import ReferenceEngine
     from pdgrpc.prefill.cli import add_worker_arguments
-    from pdgrpc.serving import engine_config_from_args
+    from pdgrpc.serving.flags import engine_config_from_args
     from pdgrpc.host_memory import HUGE_PAGE
 
     probe = argparse.ArgumentParser()

@@ -12,16 +12,9 @@ import pytest
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError, TransportUnavailable
-from pdgrpc.serving import (
-    add_engine_arguments,
-    add_logging_arguments,
-    add_transport_arguments,
-    create_transport,
-    engine_config_from_args,
-    request_event,
-    sampling_from_proto,
-    sampling_to_proto,
-)
+from pdgrpc.serving.convert import sampling_from_proto, sampling_to_proto
+from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments, create_transport, engine_config_from_args
+from pdgrpc.serving.logs import add_logging_arguments, request_event
 from pdgrpc.v1 import common_pb2
 
 
@@ -132,7 +125,7 @@ def test_a_deferred_request_event_without_a_loop_is_written_at_once(caplog: pyte
 
 def test_metadata_row_holds_the_most_top_logprobs_a_request_may_ask_for() -> None:
     from pdgrpc.engine.base import MAX_TOP_LOGPROBS, SampledToken
-    from pdgrpc.serving import metadata_layout, row_from_token
+    from pdgrpc.serving.metadata import metadata_layout, row_from_token
     from pdgrpc.state.metadata import MetadataBuffers
 
     bufs = MetadataBuffers(2, metadata_layout())
