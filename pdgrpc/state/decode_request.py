@@ -126,7 +126,7 @@ def timeout_message(state: DecodeState, limit: float, room: int) -> str:
 class DecodeRequest:
     """One request's decode-side state. Not thread-safe (nothing in pdgrpc.state is)."""
 
-    __slots__ = ("room", "state", "deadline", "dp_rank", "slot", "pages", "abort", "_limits")
+    __slots__ = ("room", "state", "deadline", "dp_rank", "slot", "pages", "_limits")
 
     def __init__(self, room: int, now: float, limits: dict[DecodeState, float], dp_rank: int | None = None) -> None:
         self.room = room
@@ -134,7 +134,6 @@ class DecodeRequest:
         self.dp_rank: int | None = None
         self.slot: int | None = None
         self.pages: tuple[int, ...] = ()
-        self.abort: Abort | None = None
         self.state = S.RESOLVING_DP_RANK
         self.deadline = now + limits[S.RESOLVING_DP_RANK]
         if dp_rank is not None:
@@ -155,8 +154,6 @@ class DecodeRequest:
             self.dp_rank = event.dp_rank
         elif isinstance(event, MemoryAllocated):
             self.slot, self.pages = event.slot, event.pages
-        elif isinstance(event, Abort):
-            self.abort = event
         self.state = new
         self.deadline = now + self._limits[new] if new not in TERMINAL_STATES else float("inf")
         return new
