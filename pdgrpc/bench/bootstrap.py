@@ -56,7 +56,7 @@ from typing import Any, Awaitable, Callable
 
 from pdgrpc.bench.bootstrap_peer import SYSTEMS, PeerError, Peers, rounds_order
 from pdgrpc.bench.procstat import cpu_ns
-from pdgrpc.bench.report import Result
+from pdgrpc.bench.report import Result, percentile
 
 DESCRIPTION = "BootstrapService: single-room and batched latency, rooms/s, RSS of 1M rooms, pause while they expire"
 PLOT = "QueryDpRanks latency by batch size (1, 32, 1024 rooms), beside the health-check floor"
@@ -131,11 +131,6 @@ class ServerProcess:
         return rest
 
 
-def _pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 async def _interleaved(calls: dict[str, Callable[[int], Awaitable[object]]], iterations: int, warmup: int) -> dict[str, list[float]]:
     """Time every case once per round, round after round, so that load from other
     processes on the machine falls on all cases alike."""
@@ -191,7 +186,7 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace, peers: Pe
     cases.update(_form_cases(forms, known, sets))
     if peers is None:
         samples = await _interleaved(cases, it, wu)
-        p50 = {case: _pct(xs, 0.5) for case, xs in samples.items()}
+        p50 = {case: percentile(xs, 0.5) for case, xs in samples.items()}
     else:  # rounds, each system in turn (rotated), so that machine load falls on all alike
         samples, per_round = await _peer_rounds(cases, peers, args)
         p50 = {case: statistics.median(x["pdgrpc"] for x in per_round[case]) for case in cases}
@@ -210,14 +205,14 @@ async def _main_cases(server: ServerProcess, args: argparse.Namespace, peers: Pe
     if getattr(args, "plot", None) is not None:
         from pdgrpc.bench.plot import bootstrap_figure
 
-        ms = {case: (_pct(xs, 0.5) * 1e3, _pct(xs, 0.99) * 1e3) for case, xs in samples.items()}
+        ms = {case: (percentile(xs, 0.5) * 1e3, percentile(xs, 0.99) * 1e3) for case, xs in samples.items()}
         bootstrap_figure(args.plot, {n: ms[f"query {n} room" + ("s" if n > 1 else "")] for n in (1, 32, 1024)}, ms["ping (health Check)"])
     base_cpu = cpu["ping (health Check)"]
     for case, xs in samples.items():
         p50_ms = p50[case] * 1e3
         ping = case.startswith("ping")
         results.append(Result(case, "p50", p50_ms, "ms", None if ping else base50, None if ping else p50_ms / base50))
-        results.append(Result(case, "p99", _pct(xs, 0.99) * 1e3, "ms"))
+        results.append(Result(case, "p99", percentile(xs, 0.99) * 1e3, "ms"))
         for side, value, base in (("client", cpu[case][0], base_cpu[0]), ("server", cpu[case][1], base_cpu[1])):
             results.append(Result(case, f"CPU/call {side}", value, "us", None if ping else base, None if ping else value / base))
     if peers is not None:
@@ -325,7 +320,7 @@ async def _peer_rounds(
                 got[system] = peers.run(system, per, warm)
         for name in cases:
             samples[name] += got["pdgrpc"][name]
-            per_round[name].append({system: _pct(xs[name], 0.5) for system, xs in got.items()})
+            per_round[name].append({system: percentile(xs[name], 0.5) for system, xs in got.items()})
     return samples, per_round
 
 
@@ -408,10 +403,10 @@ async def _memory_cases(server: ServerProcess, args: argparse.Namespace) -> list
     label = f"expiry of {n:,} rooms"
     if quiet:
         results.append(Result(label, "worst call before", max(quiet) * 1e3, "ms"))
-        results.append(Result(label, "p99 call before", _pct(quiet, 0.99) * 1e3, "ms"))
+        results.append(Result(label, "p99 call before", percentile(quiet, 0.99) * 1e3, "ms"))
     results += [
         Result(label, "worst call during", worst * 1e3, "ms"),
-        Result(label, "p99 call during", _pct(samples, 0.99) * 1e3, "ms"),
+        Result(label, "p99 call during", percentile(samples, 0.99) * 1e3, "ms"),
         Result(label, "RSS after", server.rss_mb(), "MB"),
     ]
     await pool.close()

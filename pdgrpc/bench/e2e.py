@@ -53,7 +53,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from pdgrpc.bench._cuda_baseline import resolve_bench_device
-from pdgrpc.bench.report import Result
+from pdgrpc.bench.report import Result, percentile
 from pdgrpc.cluster.client import Completion, generate
 from pdgrpc.cluster.launcher import Cluster
 from pdgrpc.cluster.topology import Topology, load_topology
@@ -104,11 +104,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
     # BOS + printable bytes: distinct prompts, so nothing could be served from a cache.
     return [[256] + [rng.randrange(32, 127) for _ in range(length - 1)] for _ in range(n)]
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def _trace_env(directory: Path) -> dict[str, str]:
@@ -165,11 +160,11 @@ def hop_p50s(spans: list[dict], trace_ids: list[str]) -> dict[str, float]:
             e = edges[(s["trace_id"], s["name"])]
             e["start"] = min(s["start_ns"], e.get("start", s["start_ns"]))
             e["end"] = max(s["end_ns"], e.get("end", s["end_ns"]))
-    out = {f"span_p50_ms/{name}": _pct(list(d.values()), 0.5) for name, d in sorted(per.items())}
+    out = {f"span_p50_ms/{name}": percentile(list(d.values()), 0.5) for name, d in sorted(per.items())}
     for a, a_edge, b, b_edge in _GAPS:
         gaps = [(edges[(t, b)][b_edge] - edges[(t, a)][a_edge]) / 1e6 for t in wanted if (t, a) in edges and (t, b) in edges]
         if gaps:
-            out[f"gap_p50_ms/{a}->{b}"] = _pct(gaps, 0.5)
+            out[f"gap_p50_ms/{a}->{b}"] = percentile(gaps, 0.5)
     return out
 
 
@@ -250,8 +245,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         shutil.rmtree(spans_dir, ignore_errors=True)
 
     results: list[Result] = []
-    base_p50 = _pct([c.client_ttft_seconds for c in ttft[BASELINE]], 0.5) * 1e3
-    base_p99 = _pct([c.client_ttft_seconds for c in ttft[BASELINE]], 0.99) * 1e3
+    base_p50 = percentile([c.client_ttft_seconds for c in ttft[BASELINE]], 0.5) * 1e3
+    base_p99 = percentile([c.client_ttft_seconds for c in ttft[BASELINE]], 0.99) * 1e3
     base_tps = tput[BASELINE][1] / tput[BASELINE][0]
     case_ttft = f"ttft/{args.prompt_tokens}tok"
     results += [
@@ -263,8 +258,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         if name == BASELINE:
             continue
         done = ttft[name]
-        p50 = _pct([c.client_ttft_seconds for c in done], 0.5) * 1e3
-        p99 = _pct([c.client_ttft_seconds for c in done], 0.99) * 1e3
+        p50 = percentile([c.client_ttft_seconds for c in done], 0.5) * 1e3
+        p99 = percentile([c.client_ttft_seconds for c in done], 0.99) * 1e3
         tps = tput[name][1] / tput[name][0]
         gbps = statistics.median(c.gbps for c in done)
         kv_bytes = statistics.median(c.bytes_transferred for c in done)
@@ -279,7 +274,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             ),
             # Client TTFT minus the router's own (arrival -> first token): what the extra
             # hop through the router costs, as opposed to prefill compute and KV transfer.
-            Result(f"{case_ttft}/{name}", "router_hop_p50", _pct([c.client_ttft_seconds - c.ttft_seconds for c in done], 0.5) * 1e3, "ms"),
+            Result(f"{case_ttft}/{name}", "router_hop_p50", percentile([c.client_ttft_seconds - c.ttft_seconds for c in done], 0.5) * 1e3, "ms"),
             Result(f"{case_ttft}/{name}", "kv_bytes_per_request", kv_bytes, "B"),
             Result(f"{case_ttft}/{name}", "kv_rate_data_plane_p50", gbps, "GB/s"),
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
@@ -287,7 +282,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         results += [Result(f"{case_ttft}/{name}", metric, ms, "ms") for metric, ms in hops[name].items()]
         plain = name.split("+", 1)[0]
         if plain != name and plain in ttft:  # a secured system: against its plaintext twin
-            plain_p50 = _pct([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3
+            plain_p50 = percentile([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3
             plain_gbps = statistics.median(c.gbps for c in ttft[plain])
             results += [
                 Result(f"{case_ttft}/{name}", "ttft_p50_vs_plain", p50, "ms", plain_p50, p50 / plain_p50),

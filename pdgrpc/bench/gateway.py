@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from pdgrpc.bench.report import Result
+from pdgrpc.bench.report import Result, percentile
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.launcher import Cluster
 from pdgrpc.cluster.topology import load_topology
@@ -109,11 +109,6 @@ class SmgClient:
                     out += event["output_ids"]
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 async def _ttft(router: GenerateServiceStub, smg: SmgClient, prompts: list[list[int]], warmup: int, rng: random.Random) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {ROUTER: [], SMG: []}
     for i, ids in enumerate(prompts):
@@ -178,7 +173,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         for r in range(args.repeats):
             print(f"round {r + 1}/{args.repeats}: TTFT ({args.ttft_requests} x {args.prompt_tokens} tokens), tokens/s ...", flush=True)
             got = await _ttft(router, smg, prompts(args.warmup + args.ttft_requests, args.prompt_tokens), args.warmup, rng)
-            round_ratios.append(_pct(got[SMG], 0.5) / _pct(got[ROUTER], 0.5))
+            round_ratios.append(percentile(got[SMG], 0.5) / percentile(got[ROUTER], 0.5))
             for name in (ROUTER, SMG):
                 ttft[name] += got[name]
             order = [ROUTER, SMG] if r % 2 == 0 else [SMG, ROUTER]
@@ -188,8 +183,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         cluster.check()
 
     case = f"{args.transport}/{args.prompt_tokens}tok"
-    r50, r99 = _pct(ttft[ROUTER], 0.5) * 1e3, _pct(ttft[ROUTER], 0.99) * 1e3
-    s50, s99 = _pct(ttft[SMG], 0.5) * 1e3, _pct(ttft[SMG], 0.99) * 1e3
+    r50, r99 = percentile(ttft[ROUTER], 0.5) * 1e3, percentile(ttft[ROUTER], 0.99) * 1e3
+    s50, s99 = percentile(ttft[SMG], 0.5) * 1e3, percentile(ttft[SMG], 0.99) * 1e3
     rt, st = statistics.median(tps[ROUTER]), statistics.median(tps[SMG])
     results = [
         Result(f"ttft/{case}/{ROUTER}", "ttft_p50", r50, "ms"),

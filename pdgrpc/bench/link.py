@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from pdgrpc.bench.report import Result
+from pdgrpc.bench.report import Result, percentile
 
 DESCRIPTION = "controller -> worker Prefill round trip: the socketpair link vs a grpc.aio unary call (baseline), same process pair"
 
@@ -28,11 +28,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=2000, help="round trips per way (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=200, help="round trips per way before measuring (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="input_ids in each request (default: %(default)s)")
-
-
-def _pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def _measure(args: argparse.Namespace, grpc_address: str, sock: socket.socket) -> dict[str, list[float]]:
@@ -75,8 +70,8 @@ def run(args: argparse.Namespace) -> list[Result]:
     finally:
         child.terminate()
         child.wait(10)
-    base50, base99 = _pct(samples["grpc"], 0.5) * 1e6, _pct(samples["grpc"], 0.99) * 1e6
-    p50, p99 = _pct(samples["link"], 0.5) * 1e6, _pct(samples["link"], 0.99) * 1e6
+    base50, base99 = percentile(samples["grpc"], 0.5) * 1e6, percentile(samples["grpc"], 0.99) * 1e6
+    p50, p99 = percentile(samples["link"], 0.5) * 1e6, percentile(samples["link"], 0.99) * 1e6
     case = f"prefill/{args.prompt_tokens}tok"
     return [
         Result(f"{case}/grpc", "round_trip_p50", base50, "us"),

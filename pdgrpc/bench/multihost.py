@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from pdgrpc.bench.report import Result
+from pdgrpc.bench.report import Result, percentile
 
 if TYPE_CHECKING:
     from pdgrpc.discovery.server import EtcdProcess
@@ -53,11 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", type=int, default=2, help="lease TTL of the killed registrations, seconds (default: %(default)s)")
     p.add_argument("--requests", type=int, default=40, help="TTFT requests per system (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the TTFT requests (default: %(default)s)")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -155,7 +150,7 @@ async def _convergence(args: argparse.Namespace, etcd: EtcdProcess, hosts: dict[
     out = []
     for case, xs in (("view: join", joins), ("view: leave (revoke)", revokes), (f"view: leave (SIGKILL, ttl {args.lease_ttl} s)", kills)):
         if xs:
-            out += [Result(case, "p50", _pct(xs, 0.5) * 1e3, "ms"), Result(case, "p99", _pct(xs, 0.99) * 1e3, "ms")]
+            out += [Result(case, "p50", percentile(xs, 0.5) * 1e3, "ms"), Result(case, "p99", percentile(xs, 0.99) * 1e3, "ms")]
     return out
 
 
@@ -196,5 +191,5 @@ async def _ttft(args: argparse.Namespace) -> list[Result]:
         case = f"TTFT {args.transport} {args.prompt_tokens} tokens, {name}"
         out.append(Result(case, "p50", p50 * 1e3, "ms", None if name == "loopback" else base * 1e3,
                           None if name == "loopback" else p50 / base))
-        out.append(Result(case, "p99", _pct(samples[name], 0.99) * 1e3, "ms"))
+        out.append(Result(case, "p99", percentile(samples[name], 0.99) * 1e3, "ms"))
     return out

@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0 <= q <= 1) of ``samples``: the sample nearest that rank."""
+    ordered = sorted(samples)
+    return ordered[round(q * (len(ordered) - 1))]
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     case: str
