@@ -25,7 +25,6 @@ class Completion:
     finish_reason: str
     ttft_seconds: float  # as the router measured it (request arrival -> first token)
     client_ttft_seconds: float  # as this client saw it (call start -> first message)
-    total_seconds: float  # call start -> end of stream (client side)
     bytes_transferred: int
     transfer_seconds: float  # the decode's handshake -> commit (includes the prefill's compute)
     bootstrap_room: int
@@ -82,11 +81,10 @@ async def generate(
         text.append(msg.text)
         finish = msg.finish_reason or finish
         count += 1
-    end = time.perf_counter()
     assert first is not None and first_at is not None, "the router ends every successful stream after >= 1 message"
     return Completion(
         token_ids=tuple(ids), text="".join(text), finish_reason=finish,
-        ttft_seconds=first.ttft_seconds, client_ttft_seconds=first_at - start, total_seconds=end - start,
+        ttft_seconds=first.ttft_seconds, client_ttft_seconds=first_at - start,
         bytes_transferred=first.bytes_transferred, transfer_seconds=first.transfer_seconds,
         bootstrap_room=first.bootstrap_room, messages=count, data_plane_seconds=first.data_plane_seconds,
     )
