@@ -95,7 +95,7 @@ class HFEngine(PooledEngine):
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        c = self.hf = check_checkpoint(config)
+        c = check_checkpoint(config)
         self.device = resolve_device(config.device)
         dtype = kv_dtype_from_name(config.dtype)
         self._tokenizer = HFTokenizer(c)
