@@ -24,6 +24,7 @@ import torch
 from pdgrpc.bench.report import Result
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.state import Committed, DecodeDeadlines, DecodeQueues, MetadataBuffers, NewRequest
+from pdgrpc.state.room import Room
 
 DESCRIPTION = "decode queues (pdgrpc.state) at 10k/20k in flight: events/s and per-event cost ratio"
 EVENTS_PER_REQUEST = 7
@@ -49,7 +50,7 @@ def measure(in_flight: int, batch: int, rounds: int) -> tuple[float, float]:
     def admit(n: int) -> None:
         nonlocal next_room
         for _ in range(n):
-            q.add(NewRequest(next_room, "prefill:1", PAGES_PER_REQUEST, dp_rank=0), now)
+            q.add(NewRequest(Room(next_room), "prefill:1", PAGES_PER_REQUEST, dp_rank=0), now)
             next_room += 1
         for hs in q.prealloc(now):
             q.on_local_status(hs.room, KVPoll.WAITING_FOR_INPUT)

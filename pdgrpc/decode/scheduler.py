@@ -54,6 +54,7 @@ from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.tp import check_tp_sizes
 from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, SendHandshake, resolve_locally
 from pdgrpc.state.decode_fate import Cancel, Commit, TransportFailed
+from pdgrpc.state.room import Room
 from pdgrpc.transport.base import Transport
 
 log = logging.getLogger("pdgrpc.decode")
@@ -189,7 +190,7 @@ class DecodeScheduler:
     # -- admission (called from the Decode RPC) -----------------------------------------
     async def submit(
         self,
-        room: int,
+        room: Room,
         request_id: str,
         input_ids: tuple[int, ...],
         sampling: SamplingParams,

@@ -31,7 +31,7 @@ from pdgrpc.rpc import tracing
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
-from pdgrpc.serving.convert import sampling_from_proto
+from pdgrpc.serving.convert import room_from_proto, sampling_from_proto
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -40,7 +40,6 @@ from pdgrpc.v1 import decode_pb2_grpc as dpb_grpc
 log = logging.getLogger("pdgrpc.decode")
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
-_ROOM_LIMIT = 1 << 63
 
 __all__ = ["DecodeServer", "DecodeServicer", "SERVICE_NAME", "WireDecodeServicer", "start_decode_server"]
 
@@ -123,9 +122,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     async def _admit(self, request: decode_pb2.DecodeRequest) -> Job:
         engine = self.scheduler.engine
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        room = request.bootstrap_room
-        if not 0 < room < _ROOM_LIMIT:
-            raise RequestFailed(bad, f"bootstrap_room must be in [1, 2**63), got {room}")
+        room = room_from_proto(request.bootstrap_room)
         if not request.prefill_bootstrap_address:
             raise RequestFailed(bad, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
         if not request.HasField("sampling"):

@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from pdgrpc.errors import RequestFailed
+from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "ROOM_BASE", "GatewayRequest", "convert", "map_room", "room_secret"]
@@ -82,11 +83,12 @@ def _bad(message: str) -> RequestFailed:
     return RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def map_room(room: int) -> int:
-    """smg's ``bootstrap_room`` -> pdgrpc's room (see the module doc)."""
+def map_room(room: int) -> Room:
+    """smg's ``bootstrap_room`` -> pdgrpc's room (see the module doc). smg's room is its
+    own int32 range, checked here; the room it maps to is in range by construction."""
     if not 0 <= room < ROOM_SPAN:
         raise _bad(f"disaggregated_params.bootstrap_room must be in [0, 2**31), got {room}")
-    return ROOM_BASE + room
+    return Room(ROOM_BASE + room)
 
 
 def _unsupported(req: Any, sp: Any) -> str | None:

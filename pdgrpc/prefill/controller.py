@@ -117,8 +117,6 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         room = request.bootstrap_room
         span = tracing.server("controller.dispatch", context.invocation_metadata()) if tracing.enabled else None
-        if room == 0:
-            await _abort(context, C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         try:
             d = self.dispatcher.pick(

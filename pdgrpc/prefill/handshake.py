@@ -113,8 +113,6 @@ def _check_pairing(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> None
 
 def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Destination:
     room = req.bootstrap_room
-    if room == 0:
-        raise RequestFailed(C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
     n = len(req.dst_pages)  # O(1): nothing below walks an oversized list
     if n > local.max_pages:
         raise RequestFailed(

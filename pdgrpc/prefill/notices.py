@@ -94,8 +94,6 @@ class FailureNotices:
         """The controller fails ``request`` with ``code``/``message``: tell its decode.
         ``forwarded``: a worker got the request (and died), so its writes may still land."""
         room, secret = request.bootstrap_room, bytes(request.room_secret)
-        if not room:
-            return
         message = message[:MAX_REASON_CHARS]
         self.sent += 1
         rank = self.decode_rank(request)

@@ -42,6 +42,7 @@ from pdgrpc.state.prefill_sender import (
     ChunkDone, DestinationReceived, Fail, MetadataWritten, PagesWritten, PrefillSender, SenderAction, SenderFailReason,
     SenderState, WriteMetadata, WritePages,
 )
+from pdgrpc.state.room import Room
 from pdgrpc.transport.base import MemoryRegion, Peer, RoomStatus, Transport, WriteOp, WriteOps
 from pdgrpc.transport.pages import METADATA_REGION_ID, head_slice_ops, metadata_op, page_ops, region_pairs
 from pdgrpc.v1 import prefill_pb2
@@ -97,7 +98,7 @@ class _Out:
 class RoomDriver:
     """One room (one Prefill RPC on this rank); :meth:`run` drives it to the decode's ack."""
 
-    def __init__(self, s: Sending, room: int, pages: Sequence[int]) -> None:
+    def __init__(self, s: Sending, room: Room, pages: Sequence[int]) -> None:
         self.s = s
         self.room = room
         self.pages = tuple(pages)

@@ -4,9 +4,10 @@ Thin adapters: they call :class:`~pdgrpc.prefill.worker.PrefillWorker` and turn 
 :class:`~pdgrpc.prefill.errors.RequestFailed` into the RPC status.
 
 :class:`WirePrefillServicer` is what the controller and each worker serve PrefillService
-as: a ``Prefill`` without its ``room_secret`` is refused with INVALID_ARGUMENT naming the
-field. The controller's own link to its workers, and smg's prefill leg calling the
-controller in-process (its protocol carries no secret: both legs derive one from smg's
+as: a ``Prefill`` whose ``bootstrap_room`` is out of range, or without its
+``room_secret``, is refused with INVALID_ARGUMENT naming the field; what is behind it
+trusts the room. The controller's own link to its workers, and smg's prefill leg calling
+the controller in-process (its protocol carries no secret: both legs derive one from smg's
 request id, :mod:`pdgrpc.gateway.requests`), do not pass through it.
 """
 
@@ -22,6 +23,7 @@ from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCall
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.prefill.worker import PrefillWorker
+from pdgrpc.serving.convert import room_from_proto
 from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.serving.logs import request_event
 from pdgrpc.v1 import handshake_pb2, handshake_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -73,11 +75,15 @@ class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.open_calls = OpenCalls(max_per_client, "Prefill", "--max-prefills-per-client")
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
-        problem = secret_problem(bytes(request.room_secret))
-        if problem is not None:
+        try:
+            room_from_proto(request.bootstrap_room)
+            problem = secret_problem(bytes(request.room_secret))
+            if problem is not None:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        except RequestFailed as exc:
             self.refused()
-            request_event(log, request.bootstrap_room, "rejected", reason=problem)
-            await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, problem))
+            request_event(log, request.bootstrap_room, "rejected", reason=exc.message)
+            await abort_with(context, exc)
         client = peer_identity(context)  # its certificate's name under mTLS, else its host
         try:
             self.open_calls.acquire(client)
@@ -101,6 +107,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
     async def Handshake(self, request: handshake_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.HandshakeResponse:
         span = tracing.server("handshake", context.invocation_metadata()) if tracing.enabled else None
         try:
+            room_from_proto(request.bootstrap_room)
             return self.worker.handshake(request, peer_identity(context))
         except RequestFailed as exc:
             if span is not None:
@@ -112,22 +119,18 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
                 span.end()
 
     async def AbortRoom(self, request: handshake_pb2.AbortRoomRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.AbortRoomResponse:
-        if request.bootstrap_room == 0:
-            await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
         try:
             was_active = await self.worker.abort_room(
-                request.bootstrap_room, request.reason, bytes(request.room_proof), peer_identity(context)
+                room_from_proto(request.bootstrap_room), request.reason, bytes(request.room_proof), peer_identity(context)
             )
         except RequestFailed as exc:
             await abort_with(context, exc)
         return handshake_pb2.AbortRoomResponse(was_active=was_active)
 
     async def WatchRoom(self, request: handshake_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.WatchRoomResponse:
-        if request.bootstrap_room == 0:
-            await abort_with(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room must not be 0"))
         try:
             return await self.worker.watch_room(
-                request.bootstrap_room, bytes(request.room_proof), min(request.max_wait_ms, MAX_WATCH_MS) / 1000
+                room_from_proto(request.bootstrap_room), bytes(request.room_proof), min(request.max_wait_ms, MAX_WATCH_MS) / 1000
             )
         except RequestFailed as exc:
             await abort_with(context, exc)

@@ -48,6 +48,7 @@ from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefill_room import Abort, Close, Failed, PrefillRoom
 from pdgrpc.state.prefill_sender import write_pages_for
+from pdgrpc.state.room import Room
 from pdgrpc.transport.base import Transport
 from pdgrpc.transport.pages import kv_regions, metadata_region
 from pdgrpc.v1 import common_pb2, handshake_pb2, prefill_pb2
@@ -61,7 +62,7 @@ C = grpc.StatusCode
 
 @dataclasses.dataclass(eq=False)
 class _Active:
-    room: int
+    room: Room
     task: asyncio.Task  # type: ignore[type-arg]
     pages: list[int] = dataclasses.field(default_factory=list)
     driver: RoomDriver | None = None
@@ -209,11 +210,11 @@ class PrefillWorker:
         handshake from the real decode nor fill the mailbox."""
         room = req.bootstrap_room
         message, proof = handshake_message(req), bytes(req.room_proof)
-        failure = self.failed_rooms.get(room) if room else None
+        failure = self.failed_rooms.get(room)
         if failure is not None and (not failure.secret or verify(failure.secret, message, proof)):
             request_event(log, room, "handshake refused", reason="the room's prefill failed")
             raise RequestFailed(C.ABORTED, f"room {room}: the prefill of this room failed here: {failure.reason}")
-        entry = self._active.get(room) if room else None
+        entry = self._active.get(room)
         if entry is not None and entry.secret and not verify(entry.secret, message, proof):
             # Refused before it touches the room: the real decode's handshake still gets in.
             request_event(log, room, "handshake refused", level=logging.WARNING, reason="room_proof does not verify")
@@ -225,8 +226,7 @@ class PrefillWorker:
             dest = check_handshake(req, self.local)
         except RequestFailed as exc:
             request_event(log, room, "handshake refused", reason=exc.message)
-            if room:
-                self._mailbox.refuse(room, Signed(exc, message, proof))
+            self._mailbox.refuse(room, Signed(exc, message, proof))
             raise
         tp_d = req.decode_tp_size or 1
         # Before its Prefill RPC a room's secret is unknown: a signed handshake is kept
@@ -307,7 +307,7 @@ class PrefillWorker:
     def refused_by_controller(self, room: int, code: grpc.StatusCode, message: str, secret: bytes) -> None:
         """The controller refused ``room``, whose decode looks for it here: fail it as if it
         failed here (:mod:`pdgrpc.prefill.notices`), unless a Prefill for it runs here."""
-        if not room or room in self._active:
+        if room in self._active:
             return
         request_event(log, room, "refused by the controller", code=code.name, reason=message)
         self._mailbox.sift(room, lambda s: bool(secret) and not s.genuine(secret))  # drop only the refused one's
@@ -321,8 +321,6 @@ class PrefillWorker:
     # ---- prefill -----------------------------------------------------------------------
 
     def _validate(self, req: prefill_pb2.PrefillRequest) -> tuple[tuple[int, ...], SamplingParams]:
-        if req.bootstrap_room == 0:
-            raise RequestFailed(C.INVALID_ARGUMENT, "bootstrap_room must not be 0")
         ids = tuple(req.input_ids)
         vocab = self.engine.tokenizer.vocab_size
         try:
@@ -365,7 +363,7 @@ class PrefillWorker:
                 pass
 
     async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
-        room = req.bootstrap_room
+        room = Room(req.bootstrap_room)  # its servicer (or the controller's) checked it
         try:
             ids, sampling = self._validate(req)
             if room in self._active:
@@ -373,7 +371,7 @@ class PrefillWorker:
         except RequestFailed as exc:
             self.metrics.on_refused()
             request_event(log, room, "rejected", code=exc.code.name, reason=exc.message)
-            if room and exc.code != C.ALREADY_EXISTS:  # a duplicate must not fail the running room
+            if exc.code != C.ALREADY_EXISTS:  # a duplicate must not fail the running room
                 self._record_failure(room, Failure(exc.code, exc.message, bytes(req.room_secret)))
             raise
         task = asyncio.current_task()

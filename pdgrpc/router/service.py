@@ -58,6 +58,7 @@ from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids
 from pdgrpc.state.outcomes import AbortReason
+from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
@@ -76,7 +77,7 @@ _PREFILL_TAIL_S = 5.0
 _CAUSE_WINDOW_S = 0.5
 
 
-def draw_room(randbits: Callable[[int], int] | None = None) -> int:
+def draw_room(randbits: Callable[[int], int] | None = None) -> Room:
     """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)
     and never in the band that rooms of requests from smg map to
     (:data:`pdgrpc.gateway.requests.ROOM_BASE`), so the two never share a room."""
@@ -84,7 +85,7 @@ def draw_room(randbits: Callable[[int], int] | None = None) -> int:
     while True:
         room = draw(63)
         if room and not ROOM_BASE <= room < ROOM_BASE + ROOM_SPAN:
-            return room
+            return Room(room)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""SamplingParams: protobuf (``pdgrpc.v1.SamplingParams``) <-> engine dataclass.
+"""Request fields: protobuf (``pdgrpc.v1``) <-> the values the layers below take.
+
+A request's ``bootstrap_room`` becomes a :data:`~pdgrpc.state.room.Room` through
+:func:`room_from_proto`, once, in the servicer that receives it.
+
+SamplingParams: protobuf (``pdgrpc.v1.SamplingParams``) <-> engine dataclass.
 
 The proto's zero values mean "default" (``top_p == 0`` is read as 1, no cut), as its
 comments say. ``max_new_tokens`` is not an engine sampling parameter; the servers read it
@@ -11,10 +16,22 @@ from __future__ import annotations
 
 import math
 
+import grpc
+
 from pdgrpc.engine.base import InvalidRequest, SamplingParams
+from pdgrpc.errors import ConfigError, RequestFailed
+from pdgrpc.state.room import Room, as_room
 from pdgrpc.v1 import common_pb2
 
-__all__ = ["sampling_from_proto", "sampling_to_proto"]
+__all__ = ["room_from_proto", "sampling_from_proto", "sampling_to_proto"]
+
+
+def room_from_proto(value: int, field: str = "bootstrap_room") -> Room:
+    """A request's room, or RequestFailed(INVALID_ARGUMENT) naming ``field``."""
+    try:
+        return as_room(value, field)
+    except ConfigError as exc:
+        raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:

@@ -63,18 +63,18 @@ from pdgrpc.state.dp_rank import DpRankResolver, QueryDpRanks, resolve_locally
 from pdgrpc.state.metadata import MetadataBuffers
 from pdgrpc.state.outcomes import AbortReason, Aborted
 from pdgrpc.state.pages import PageAllocator
+from pdgrpc.state.room import Room
 from pdgrpc.state.slots import SlotAllocator
 from pdgrpc.state.transfer_poll import AllReduceMin
 
 __all__ = ["DecodeQueues", "LocalPoll", "NewRequest", "Outcome", "SendHandshake"]
 
-_ROOM_MAX = (1 << 63) - 1
 _S = DecodeState
 
 
 @dataclasses.dataclass(frozen=True)
 class NewRequest:
-    room: int  # bootstrap_room, random 63-bit, never 0
+    room: Room  # checked where the request entered (as_room)
     prefill_address: str  # the prefill (its bootstrap) serving this request
     num_pages: int  # KV pages to allocate for the prompt
     dp_rank: int | None = None  # explicit prefill dp rank, when the router pinned one
@@ -126,8 +126,6 @@ class DecodeQueues:
     # -- admission and dp rank --------------------------------------------------------
     def add(self, req: NewRequest, now: float) -> None:
         room = req.room
-        if not isinstance(room, int) or not 0 < room <= _ROOM_MAX:
-            raise ConfigError(f"NewRequest.room must be in [1, 2**63), got {room!r}")
         if room in self._requests or self._transfers.slot_of(room) is not None:
             raise StateError(f"room {room} is already in use on this decode")
         if not 0 < req.num_pages <= self.pages.num_pages:

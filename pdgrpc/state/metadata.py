@@ -39,12 +39,12 @@ from typing import Iterator
 import torch
 
 from pdgrpc.errors import ConfigError, SlotError
+from pdgrpc.state.room import Room
 
 if sys.byteorder != "little":  # pragma: no cover - no supported platform is big-endian
     raise ImportError("pdgrpc metadata rows assume a little-endian host")
 
 FIELD_ALIGN = 64
-_ROOM_MAX = (1 << 63) - 1
 
 __all__ = ["FIELD_ALIGN", "MetadataBuffers", "MetadataField", "MetadataLayout", "MetadataRow", "row_problem"]
 
@@ -202,9 +202,8 @@ class MetadataBuffers:
         return v
 
     def write_room(self, slot: int, room: int) -> None:
+        """Set the row's room: a :data:`~pdgrpc.state.room.Room`, or 0 ("not written")."""
         self._check(slot)
-        if not 0 <= room <= _ROOM_MAX:
-            raise ConfigError(f"bootstrap_room must be in [0, 2**63), got {room}")
         self.layout._room.pack_into(self._mv, slot * self.layout.row_bytes + self.layout.room_offset, room)
 
     def clear_room(self, slot: int) -> None:
@@ -232,10 +231,8 @@ class MetadataBuffers:
                 raise ConfigError("hidden_state given but the layout has hidden_size=0")
             self.field("hidden_state")[slot].copy_(row.hidden_state.reshape(-1))
 
-    def write_row(self, slot: int, row: MetadataRow, room: int) -> None:
+    def write_row(self, slot: int, row: MetadataRow, room: Room) -> None:
         """Payload first, ``bootstrap_room`` last (the order a reader relies on)."""
-        if room == 0:
-            raise ConfigError("bootstrap_room must not be 0 (0 means 'not written')")
         self.write_payload(slot, row)
         self.write_room(slot, room)
 

@@ -44,6 +44,7 @@ from pdgrpc.errors import ConfigError, IllegalTransition
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.state.config import DpConfig, SenderDeadlines
 from pdgrpc.state.dp_rank import DpRankConflict, check_prefill_dispatch
+from pdgrpc.state.room import Room
 
 __all__ = [
     "ChunkDone",
@@ -184,11 +185,9 @@ class PrefillSender:
     """One request on one prefill rank. Build it with :meth:`create`."""
 
     def __init__(
-        self, room: int, src_pages: tuple[int, ...], num_tokens: int, page_size: int, now: float, deadlines: SenderDeadlines,
+        self, room: Room, src_pages: tuple[int, ...], num_tokens: int, page_size: int, now: float, deadlines: SenderDeadlines,
         min_write_pages: int = 1,
     ) -> None:
-        if room <= 0:
-            raise ConfigError(f"room must be > 0, got {room}")
         if page_size <= 0:
             raise ConfigError(f"page_size must be > 0, got {page_size}")
         if num_tokens <= 0:
@@ -217,7 +216,7 @@ class PrefillSender:
     @classmethod
     def create(
         cls,
-        room: int,
+        room: Room,
         src_pages: tuple[int, ...],
         num_tokens: int,
         page_size: int,

@@ -59,7 +59,7 @@ class RoomGrant:
     this slot in every metadata region (``slot=None``: no metadata row for this room,
     e.g. an intermediate TP rank). Build with :meth:`of`, which sorts and dedups."""
 
-    room: int
+    room: int  # a room key in [1, 2**63), checked where its room entered (pdgrpc.state.room)
     pages: tuple[int, ...]
     slot: int | None = None
 
@@ -70,8 +70,6 @@ class RoomGrant:
             raise ConfigError(f"RoomGrant.pages must be >= 0, got {ps[0]}")
         if slot is not None and slot < 0:
             raise ConfigError(f"RoomGrant.slot must be >= 0, got {slot}")
-        if not 0 < room < 2**63:
-            raise ConfigError(f"RoomGrant.room must be in [1, 2**63), got {room}")
         return cls(room, ps, slot)
 
     @property

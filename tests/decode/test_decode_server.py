@@ -337,6 +337,26 @@ async def test_a_decode_without_its_room_secret_is_refused(stub: decode_pb2_grpc
     await assert_nothing_held(stub)
 
 
+@pytest.mark.parametrize("room", [0, 2**63, 2**64 - 1])
+async def test_a_room_out_of_range_is_refused_naming_it(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes, room: int
+) -> None:
+    """A room the metadata row cannot hold (or 0, "not written") is refused at the Decode
+    call, before it takes a page or reaches the prefill; the next request is served."""
+    bad = make_request(prefill, "a bad room", 4)
+    bad.bootstrap_room = room
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"bootstrap_room must be in [1, 2**63), got {room}"
+    assert not prefill.workers[0].handshakes
+    await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"refused": 1}
+    req = make_request(prefill, "a good room", 4)
+    msgs = await collect(stub, req)
+    assert [t for m in msgs for t in m.token_ids] == list(generate(prefill.engine, [tuple(req.input_ids)], 4)[0].token_ids)
+
+
 async def test_write_outside_the_grant_fails_the_transfer(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     prefill.mode = "stray"
     req = make_request(prefill, "writes into someone else's pages", 8)

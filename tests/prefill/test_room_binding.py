@@ -182,6 +182,39 @@ async def test_a_prefill_without_its_room_secret_is_refused(prefill: PrefillProc
     await assert_settles_to_zero(prefill, dp_size=1)
 
 
+@pytest.mark.parametrize("room", [0, 2**63])
+async def test_a_room_out_of_range_is_refused_at_every_entry(
+    prefill: PrefillProc, decodes: tuple[FakeDecode, FakeDecode], room: int
+) -> None:
+    """A room a metadata row cannot hold, or 0 ("not written"), is refused naming the
+    field by the controller's and a worker's Prefill and by Handshake, AbortRoom and
+    WatchRoom; it holds nothing, and the next request is served."""
+    victim, _ = decodes
+    ids = prompt(5, 4)
+    (worker,) = prefill.worker_addresses
+    want = f"bootstrap_room must be in [1, 2**63), got {room}"
+    for address in (prefill.address, worker):
+        async with grpc.aio.insecure_channel(address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(request(room, ids, GREEDY), timeout=10)
+            assert (ei.value.code(), ei.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, want), address
+    r = victim.allocate(new_room(), len(ids))
+    hs = victim.stub(worker)
+    for call, msg in (
+        (hs.Handshake, victim.handshake_request(r, bootstrap_room=room)),
+        (hs.AbortRoom, hpb.AbortRoomRequest(bootstrap_room=room, reason="bad room")),
+        (hs.WatchRoom, hpb.WatchRoomRequest(bootstrap_room=room)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call(msg, timeout=10)  # type: ignore[operator]
+        assert (ei.value.code(), ei.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, want), type(msg).__name__
+    victim.free(r)
+    resp, r = await run_one(prefill, victim, ids, GREEDY, query=False, dp_size=1)
+    assert resp.prompt_tokens == len(ids)
+    victim.free(r)
+    await assert_settles_to_zero(prefill, dp_size=1)
+
+
 async def test_a_failed_room_is_told_to_its_decode_only(prefill: PrefillProc, decodes: tuple[FakeDecode, FakeDecode]) -> None:
     """Issue 17: a room whose Prefill failed refuses the decode's Handshake (ABORTED) and
     answers its WatchRoom FAILED; neither tells anyone without the room's secret."""

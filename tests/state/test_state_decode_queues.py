@@ -446,8 +446,6 @@ def test_tp_desync_is_detected_instead_of_hanging() -> None:
 @pytest.mark.parametrize(
     "req, match",
     [
-        (NewRequest(0, "p", 1), "room"),
-        (NewRequest(1 << 63, "p", 1), "room"),
         (NewRequest(5, "p", 0), "num_pages"),
         (NewRequest(5, "p", 17), "num_pages"),
         (NewRequest(5, "p", 1, dp_rank=3), "dp_rank"),

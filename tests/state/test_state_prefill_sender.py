@@ -211,7 +211,7 @@ def test_bad_chunks_raise_and_change_nothing(event: ChunkDone, msg: str) -> None
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"room": 0}, "room"), ({"page_size": 0}, "page_size"), ({"num_tokens": 0}, "num_tokens"), ({"src_pages": (1,)}, "src_pages")],
+    [({"page_size": 0}, "page_size"), ({"num_tokens": 0}, "num_tokens"), ({"src_pages": (1,)}, "src_pages")],
 )
 def test_bad_construction_names_the_field(kwargs: dict[str, object], field: str) -> None:
     args: dict[str, object] = {"room": 5, "src_pages": SRC, "num_tokens": 40, "page_size": 16, "now": 0.0}
