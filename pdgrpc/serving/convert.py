@@ -3,7 +3,7 @@
 A request's ``bootstrap_room`` becomes a :data:`~pdgrpc.state.room.Room` through
 :func:`room_from_proto`, once, in the servicer that receives it.
 
-SamplingParams: protobuf (``pdgrpc.v1.SamplingParams``) <-> engine dataclass.
+SamplingParams: protobuf (``pdgrpc.v1.SamplingParams``) -> engine dataclass.
 
 The proto's zero values mean "default" (``top_p == 0`` is read as 1, no cut), as its
 comments say. ``max_new_tokens`` is not an engine sampling parameter; the servers read it
@@ -23,7 +23,7 @@ from pdgrpc.errors import ConfigError, RequestFailed
 from pdgrpc.state.room import Room, as_room
 from pdgrpc.v1 import common_pb2
 
-__all__ = ["room_from_proto", "sampling_from_proto", "sampling_to_proto"]
+__all__ = ["room_from_proto", "sampling_from_proto"]
 
 
 def room_from_proto(value: int, field: str = "bootstrap_room") -> Room:
@@ -47,16 +47,4 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         seed=int(msg.seed),
         top_logprobs=int(msg.top_logprobs),
         ignore_eos=bool(msg.ignore_eos),
-    )
-
-
-def sampling_to_proto(params: SamplingParams, max_new_tokens: int = 1) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        seed=params.seed,
-        top_logprobs=params.top_logprobs,
-        max_new_tokens=max_new_tokens,
-        ignore_eos=params.ignore_eos,
     )

@@ -15,11 +15,10 @@ import grpc
 import pytest
 
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.serving.convert import sampling_to_proto
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.eventually import eventually_async
-from tests.prefill.harness import new_room, prompt
+from tests.prefill.harness import new_room, prompt, sampling_to_proto
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, Proc
 
 pytestmark = pytest.mark.timeout(180)

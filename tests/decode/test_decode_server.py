@@ -24,7 +24,6 @@ from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import Scrape, scrape
-from pdgrpc.serving.convert import sampling_to_proto
 from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import bootstrap_pb2 as bpb
@@ -32,6 +31,7 @@ from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.decode.fake_prefill import FakePrefill, Prompt
 from tests.eventually import eventually, eventually_async
 from tests.fuzz_messages import fuzz
+from tests.prefill.harness import sampling_to_proto
 
 ENGINE_FLAGS = ["--model-size", "tiny", "--page-size", "16", "--num-pages", "256", "--max-prompt-tokens", "512", "--max-seq-len", "1024"]
 DECODE_FLAGS = [

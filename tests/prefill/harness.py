@@ -11,7 +11,6 @@ import grpc
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.prefill.cli import build_parser
-from pdgrpc.serving.convert import sampling_to_proto
 from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually_async
@@ -34,6 +33,18 @@ def prompt(n: int, seed: int) -> list[int]:
 async def prefill_stub(p: PrefillProc) -> tuple[grpc.aio.Channel, prefill_pb2_grpc.PrefillServiceStub]:
     ch = grpc.aio.insecure_channel(p.address)
     return ch, prefill_pb2_grpc.PrefillServiceStub(ch)
+
+
+def sampling_to_proto(params: SamplingParams, max_new_tokens: int = 1) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        top_logprobs=params.top_logprobs,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=params.ignore_eos,
+    )
 
 
 def request(room: int, ids: list[int], sampling: SamplingParams = SamplingParams(), routed: int | None = None) -> prefill_pb2.PrefillRequest:

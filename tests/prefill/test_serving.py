@@ -12,10 +12,11 @@ import pytest
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError, TransportUnavailable
-from pdgrpc.serving.convert import sampling_from_proto, sampling_to_proto
+from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments, create_transport, engine_config_from_args
 from pdgrpc.serving.logs import add_logging_arguments, request_event
 from pdgrpc.v1 import common_pb2
+from tests.prefill.harness import sampling_to_proto
 
 
 def _parser() -> argparse.ArgumentParser:
