@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,19 @@ def test_the_environment_is_set_before_grpc_is_imported(module: str, script: str
     assert result["at_grpc_import"] == {"GRPC_EXPERIMENTS": GRPC_EXPERIMENTS, "GRPC_ENABLE_FORK_SUPPORT": "false"}
     if not torch:
         assert result["torch"] is False
+
+
+def test_every_server_console_script_is_checked_here() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    servers = {target for name, target in scripts.items() if name not in ("pdgrpc-cluster", "pdgrpc-bench")}
+    assert servers <= {script for _, script, _ in ENTRY_POINTS}
+
+
+def test_no_module_imports_after_code() -> None:
+    # Entry points set the environment through launch(), so no module needs an import
+    # placed after a statement (and a linter exemption for it).
+    root = Path(__file__).resolve().parents[1] / "pdgrpc"
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if "noqa: E402" in p.read_text()]
+    assert offenders == []

@@ -188,23 +188,3 @@ def test_importing_pdgrpc_rpc_and_bootstrap_does_not_import_grpc() -> None:
     code = "import sys, pdgrpc.rpc, pdgrpc.bootstrap, pdgrpc.rpc.tuning; print('grpc' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-
-
-@pytest.mark.parametrize("module", ["pdgrpc.bootstrap", "pdgrpc.prefill", "pdgrpc.prefill.worker_main", "pdgrpc.decode", "pdgrpc.router"])
-def test_every_server_entry_point_applies_the_grpc_defaults_before_grpc_loads(module: str) -> None:
-    # Run as `python -m` does (the package first, then __main__); apply_grpc_defaults gives
-    # up once grpc is imported, so the setting is in force only if nothing imported grpc
-    # before the entry point's first lines: neither the package nor __main__'s imports.
-    code = (
-        "import os, runpy, sys\n"
-        f"sys.argv = [{module!r}, '--help']\n"
-        "try:\n"
-        f"    runpy.run_module({module!r}, run_name='__main__')\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "print('GRPC_EXPERIMENTS=' + str(os.environ.get('GRPC_EXPERIMENTS')))\n"
-    )
-    base = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "PDGRPC_GRPC_DEFAULTS")}
-    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener"
