@@ -6,10 +6,15 @@ Each iteration of :meth:`DecodeScheduler._run`, in this order::
     queues.tick(now)                 pre-transfer deadlines (resolving dp rank, memory)
     queues.poll_dp_ranks(now)        -> batched, throttled QueryDpRanks (background tasks)
     queues.prealloc(now)             -> pages + slot; advertise the grant, THEN handshake
-    queues.poll_transfers(now, ...)  local poll -> metadata gate -> MIN (TP=1: identity)
+    _poll(now, handshakes)           local poll -> metadata gate -> MIN (TP=1: identity)
                                       -> Committed (first token from the slot row)
                                       -> Aborted  (status to the client, AbortRoom to prefill)
     engine.decode_step(running)      in a worker thread; one token per running request
+
+``_poll`` is the one place the decode polls its transfers; with TP 1 a transport room
+that ends runs it at once too, between iterations. Each request's fate
+(:class:`~pdgrpc.state.decode_fate.DecodeFate`) decides how it ends; the scheduler and
+its parts feed it events and do what it says.
 
 The scheduler is built from two parts, each given what it needs at construction: the
 network calls to the prefill (bootstrap queries, handshakes, WatchRoom and AbortRoom:
