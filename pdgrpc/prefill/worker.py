@@ -236,13 +236,8 @@ class PrefillWorker:
         # sifts them.
         checked = entry is not None or not proof
         try:
-            handed = (
-                self._mailbox.deliver(
-                    room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof, message), group=tp_d if checked else None,
-                    peer=peer
-                )
-                if room
-                else False
+            handed = self._mailbox.deliver(
+                room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof, message), group=tp_d if checked else None, peer=peer
             )
         except DuplicateHandshake as exc:
             raise RequestFailed(C.ALREADY_EXISTS, f"{exc} (decode_tp_rank {req.decode_tp_rank})") from None

@@ -29,6 +29,7 @@ but ``decode_tp_rank``/``decode_tp_size`` (in each HandshakeRequest) and the pre
 from __future__ import annotations
 
 from pdgrpc.errors import ConfigError
+from pdgrpc.state.room import ROOM_LIMIT
 
 __all__ = [
     "METADATA_SINK_REGION_ID",
@@ -43,7 +44,7 @@ __all__ = [
 # Region id of a decode rank's sink metadata rows (see the module doc).
 METADATA_SINK_REGION_ID = 0xFFFE
 
-_ROOM_MAX = (1 << 63) - 1
+_ROOM_MAX = ROOM_LIMIT - 1  # a mask: every key it leaves is a room
 _MIX = 0x9E3779B97F4A7C15  # odd: j -> j * _MIX is a bijection mod 2**64
 
 
