@@ -60,9 +60,11 @@ def test_a_plain_request_converts_field_by_field():
 
 def test_rooms_map_into_a_band_the_router_never_draws():
     assert map_room(0) == ROOM_BASE and map_room(2**31 - 1) == ROOM_BASE + 2**31 - 1
-    for bad in (-1, 2**31):
-        with pytest.raises(RequestFailed, match="bootstrap_room"):
+    for bad in (-1, 2**31):  # smg's room is an int32 >= 0: its own range, checked here
+        with pytest.raises(RequestFailed) as err:
             map_room(bad)
+        assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.message == f"disaggregated_params.bootstrap_room must be in [0, 2**31), got {bad}"
     rng = random.Random(3)
     rooms = [draw_room(lambda bits: ROOM_BASE + rng.randrange(2**31) if rng.random() < 0.5 else rng.getrandbits(bits)) for _ in range(200)]
     assert all(r != 0 and not ROOM_BASE <= r < ROOM_BASE + 2**31 for r in rooms)
