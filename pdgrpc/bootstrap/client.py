@@ -9,7 +9,7 @@
   ``retry_for`` seconds have passed; then :class:`BootstrapUnavailable` is raised.
   Registrations are idempotent (same room, same rank; a worker re-registering its slot),
   so a retry is safe. Queries are not retried: callers poll them anyway.
-* Errors are :mod:`pdgrpc.rpc.errors` classes (all ``PdgrpcError``), by status code.
+* Errors are :class:`~pdgrpc.rpc.errors.RpcError` (a ``PdgrpcError``) with the status code.
 
 ::
 
@@ -125,8 +125,8 @@ class BootstrapClient:
         self, entries: Mapping[int, int] | Iterable[tuple[int, int]], *, timeout: float | None = None
     ) -> pb.RegisterDpRanksResponse:
         """Register room → dp rank for a batch, all or none (retried on UNAVAILABLE).
-        Raises ``InvalidArgument`` (room 0, rank out of range, batch too large) or
-        ``AlreadyExists`` (a room is registered with another rank)."""
+        Raises RpcError ``INVALID_ARGUMENT`` (room 0, rank out of range, batch too large)
+        or ``ALREADY_EXISTS`` (a room is registered with another rank)."""
         if isinstance(entries, Mapping):
             rooms, ranks = list(entries.keys()), list(entries.values())
         else:
@@ -162,7 +162,7 @@ class BootstrapClient:
         self, worker: pb.WorkerInfo, parallel_info: pb.ParallelInfo, *, timeout: float | None = None
     ) -> pb.RegisterWorkerResponse:
         """Register one prefill worker (retried on UNAVAILABLE). Raises
-        ``FailedPrecondition`` when its parallel info disagrees with the instance's."""
+        RpcError ``FAILED_PRECONDITION`` when its parallel info disagrees with the instance's."""
         request = pb.RegisterWorkerRequest(worker=worker, parallel_info=parallel_info)
         return await self._retrying("RegisterWorker", lambda t: self.stub.RegisterWorker(request, timeout=t), timeout)
 

@@ -1,7 +1,7 @@
 """Errors the bootstrap service's pure parts (room table, worker registry) raise.
 
-The servicer turns each into the gRPC status named beside it; a client sees them as the
-matching :mod:`pdgrpc.rpc.errors` classes.
+The servicer turns each into the gRPC status named beside it; a client sees an
+:class:`~pdgrpc.rpc.errors.RpcError` with that code.
 """
 
 from __future__ import annotations

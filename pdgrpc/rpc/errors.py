@@ -1,15 +1,17 @@
 """gRPC failures mapped into pdgrpc's exception tree, at the client boundary.
 
 Client code calls :func:`map_rpc_error` wherever it catches ``grpc.RpcError``; callers
-above it see only :class:`RpcError` subclasses (all :class:`~pdgrpc.errors.PdgrpcError`),
-chosen by status code, carrying the code, the server's message, the method and target::
+above it see only :class:`RpcError` (a :class:`~pdgrpc.errors.PdgrpcError`) carrying the
+status code, the server's message, the method and target, and decide by the code::
 
     try:
         await client.register_dp_ranks({room: 3})
-    except AlreadyExists as e:       # the room is registered with another rank
-        ...
-    except PdgrpcError:              # anything else pdgrpc raised
-        ...
+    except RpcError as e:
+        if e.code != grpc.StatusCode.ALREADY_EXISTS:  # the room is registered with another rank
+            raise
+
+:class:`Unavailable` is the one code with a class of its own: it is the one a caller
+retries (with backoff), so it is the one caught apart from the rest.
 """
 
 from __future__ import annotations
@@ -32,53 +34,8 @@ class RpcError(PdgrpcError):
         super().__init__(f"{where}: {code.name}: {details}" if where else f"{code.name}: {details}")
 
 
-class InvalidArgument(RpcError, ValueError):
-    """``INVALID_ARGUMENT``: the request itself is wrong; retrying it cannot help."""
-
-
-class NotFound(RpcError):
-    """``NOT_FOUND``."""
-
-
-class AlreadyExists(RpcError):
-    """``ALREADY_EXISTS``: e.g. a room registered with a different dp rank."""
-
-
-class FailedPrecondition(RpcError):
-    """``FAILED_PRECONDITION``: e.g. a worker's topology disagrees with its instance's."""
-
-
-class ResourceExhausted(RpcError):
-    """``RESOURCE_EXHAUSTED``: e.g. a message over the size limit."""
-
-
 class Unavailable(RpcError):
     """``UNAVAILABLE``: the server is unreachable or not ready yet; retry with backoff."""
-
-
-class DeadlineExceeded(RpcError, TimeoutError):
-    """``DEADLINE_EXCEEDED``: the call's deadline passed before it finished."""
-
-
-class Cancelled(RpcError):
-    """``CANCELLED``."""
-
-
-_BY_CODE: dict[grpc.StatusCode, type[RpcError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.CANCELLED: Cancelled,
-}
-
-
-def error_class(code: grpc.StatusCode) -> type[RpcError]:
-    """The :class:`RpcError` subclass for a status code (``RpcError`` itself for others)."""
-    return _BY_CODE.get(code, RpcError)
 
 
 def map_rpc_error(exc: grpc.RpcError, *, method: str = "", target: str = "") -> RpcError:
@@ -88,4 +45,4 @@ def map_rpc_error(exc: grpc.RpcError, *, method: str = "", target: str = "") -> 
     details = exc.details() if hasattr(exc, "details") else str(exc)
     if code is None:
         code = grpc.StatusCode.UNKNOWN
-    return error_class(code)(code, details or "", method=method, target=target)
+    return (Unavailable if code == grpc.StatusCode.UNAVAILABLE else RpcError)(code, details or "", method=method, target=target)
