@@ -6,7 +6,7 @@
 * **A deadline on every call** (``timeout``, seconds; per call overridable).
 * **Registration is retried on UNAVAILABLE** (server not up yet, restarting, workers
   not all registered) with capped exponential backoff and full jitter, until
-  ``retry_for`` seconds have passed; then :class:`BootstrapUnavailable` is raised.
+  ``retry_for`` seconds have passed; then the last ``Unavailable`` is raised, saying so.
   Registrations are idempotent (same room, same rank; a worker re-registering its slot),
   so a retry is safe. Queries are not retried: callers poll them anyway.
 * Errors are :class:`~pdgrpc.rpc.errors.RpcError` (a ``PdgrpcError``) with the status code.
@@ -49,10 +49,6 @@ def _extend(field: RepeatedScalarFieldContainer[int], values: list[int], what: s
         field.extend(values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{what} must be {kind}: {exc}") from exc
-
-
-class BootstrapUnavailable(BootstrapError, Unavailable):
-    """The bootstrap service stayed UNAVAILABLE through every retry of a registration."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +226,7 @@ class BootstrapClient:
             except Unavailable as exc:
                 delay = self.backoff.delay(attempt, self._rng)
                 if time.monotonic() + delay >= deadline:
-                    raise BootstrapUnavailable(exc.code, f"{exc.details} (gave up after {attempt} attempts)", method=method, target=self.address) from exc
+                    raise Unavailable(exc.code, f"{exc.details} (gave up after {attempt} attempts)", method=method, target=self.address) from exc
                 self.retries += 1
                 await asyncio.sleep(delay)
 
@@ -241,4 +237,4 @@ class BootstrapClient:
         self._stub = None
 
 
-__all__ = ["BootstrapClient", "BootstrapUnavailable", "QueryResult", "RpcError"]
+__all__ = ["BootstrapClient", "QueryResult", "RpcError"]
