@@ -11,14 +11,14 @@ from pdgrpc.bench import BENCHMARKS
 from pdgrpc.bench.plot import PlotUnavailable
 from pdgrpc.bench.plot import require as require_plot
 from pdgrpc.bench.report import format_table, write_json
-from pdgrpc.rpc.tuning import apply_grpc_defaults
+from pdgrpc.serving.launch import prepare_environment
 
 
 def main(argv: list[str] | None = None) -> int:
     # Every benchmark's clients (and the servers it starts, which inherit the setting or
     # apply it themselves) run gRPC with pdgrpc's settings, like the processes measured.
     # gRPC reads them once, when it is imported: before any benchmark module is.
-    apply_grpc_defaults()
+    prepare_environment()
     parser = argparse.ArgumentParser(
         prog="python -m pdgrpc.bench",
         description="Run a pdgrpc benchmark; results print as a table, optionally also as JSON.",

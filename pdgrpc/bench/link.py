@@ -110,9 +110,9 @@ async def _serve(fd: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--serve"] or len(sys.argv) != 3:
         sys.exit("usage: python -m pdgrpc.bench.link --serve FD (started by python -m pdgrpc.bench link)")
-    from pdgrpc.rpc.tuning import apply_grpc_defaults
+    from pdgrpc.serving.launch import prepare_environment
 
-    apply_grpc_defaults()  # as the worker it stands in for; before grpc is imported
+    prepare_environment()  # as the worker it stands in for; before grpc is imported
     from pdgrpc.rpc.server import run as _run_loop
 
     _run_loop(_serve(int(sys.argv[2])))
