@@ -44,10 +44,6 @@ INSTALL_HINTS: dict[str, str] = {
 _RUNTIME: dict[str, str] = {}
 
 
-class DuplicateTransportName(TransportUnavailable):
-    """Two backends claim the same name; pdgrpc refuses to guess which one is meant."""
-
-
 def _entry_points() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -77,7 +73,7 @@ def available() -> list[str]:
 def register(name: str, target: str) -> None:
     """Register ``name`` -> ``"module:Class"`` at run time (tests, embedding apps)."""
     if name in _claims():
-        raise DuplicateTransportName(f"transport name {name!r} is already taken: {_claims()[name]}")
+        raise TransportUnavailable(f"transport name {name!r} is already taken: {_claims()[name]}")
     if ":" not in target:
         from pdgrpc.errors import ConfigError
 
@@ -126,7 +122,7 @@ def load(name: str) -> type[Transport]:
     if not owners:
         raise TransportUnavailable(f"unknown transport {name!r}; available: {', '.join(sorted(claims))}")
     if len(owners) > 1:
-        raise DuplicateTransportName(f"transport name {name!r} is claimed by {len(owners)} backends: {owners}")
+        raise TransportUnavailable(f"transport name {name!r} is claimed by {len(owners)} backends: {owners}")
     target = owners[0].split(" (")[0]
     return _import_target(target, name)
 
