@@ -18,10 +18,9 @@ import os
 from typing import Mapping
 
 from pdgrpc.cluster.topology import ProcessSpec, Topology
-from pdgrpc.discovery.server import etcd_argv
 from pdgrpc.errors import ConfigError
 
-__all__ = ["HOSTS_ENV", "HostMap", "discovery_flags", "etcd_argv", "hosts_from_env", "place"]
+__all__ = ["HOSTS_ENV", "HostMap", "discovery_flags", "hosts_from_env", "place"]
 
 HOSTS_ENV = "PDGRPC_HOSTS"
 HostMap = Mapping[str, Mapping[str, str]]  # host -> {"netns": name, "address": ip}
