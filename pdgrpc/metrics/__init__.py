@@ -13,8 +13,6 @@ Three pieces, each in its own module:
   ``bind(snapshot_callable)`` and so cannot drift.
 * :mod:`~pdgrpc.metrics.endpoint` -- ``--metrics-port`` (:func:`add_metrics_arguments`) and
   the endpoint (:func:`start_metrics_server`, :func:`start_metrics_from_args`).
-* :mod:`~pdgrpc.metrics.scrape` -- :func:`scrape` reads an endpoint back over HTTP
-  (tests, e2e checks).
 
 The abort vocabulary is :mod:`pdgrpc.reasons` (torch-free, at the bottom of the package).
 No facade imports torch, so the router and the bootstrap start without it.
@@ -32,7 +30,6 @@ from pdgrpc.metrics.endpoint import (
 )
 from pdgrpc.metrics.live import ResourceGauges
 from pdgrpc.metrics.roles import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RoleMetrics, RouterMetrics
-from pdgrpc.metrics.scrape import Scrape, scrape
 from pdgrpc.reasons import ABORT_REASON_LABELS, ServerAbortReason, abort_label
 
 __all__ = [
@@ -47,13 +44,11 @@ __all__ = [
     "Role",
     "RoleMetrics",
     "RouterMetrics",
-    "Scrape",
     "ServerAbortReason",
     "abort_label",
     "add_metrics_arguments",
     "derived_metrics_port",
     "markdown_table",
-    "scrape",
     "start_metrics_from_args",
     "start_metrics_server",
 ]

@@ -84,7 +84,7 @@ async def _read_line(stream: asyncio.StreamReader, pattern: str, timeout: float 
 
 async def test_metrics_endpoint_shows_the_table_size_evictions_and_calls() -> None:
     from pdgrpc.errors import PdgrpcError
-    from pdgrpc.metrics import scrape
+    from tests.scrape import scrape
 
     proc = await asyncio.create_subprocess_exec(
         *CMD, "--host", "127.0.0.1", "--port", "0", "--max-rooms", "4", "--max-batch", "4", "--metrics-port", "0",

@@ -18,7 +18,8 @@ from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.decode.service import DecodeServer, start_decode_server
 from pdgrpc.decode.cli import build_parser
 from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.metrics import Scrape, scrape, start_metrics_server
+from pdgrpc.metrics import start_metrics_server
+from tests.scrape import Scrape, scrape
 from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.state import DecodeDeadlines
 from pdgrpc.transport.tcp import TcpTransport

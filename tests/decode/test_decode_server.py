@@ -23,7 +23,7 @@ from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.metrics import Scrape, scrape
+from tests.scrape import Scrape, scrape
 from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import bootstrap_pb2 as bpb

@@ -24,7 +24,7 @@ from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate as colocated_generate
 from pdgrpc.errors import TransportUnavailable
-from pdgrpc.metrics import Scrape, scrape
+from tests.scrape import Scrape, scrape
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.transport import registry
 from pdgrpc.v1 import common_pb2

@@ -27,7 +27,7 @@ from pdgrpc.cluster import Cluster, ClusterError, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.topology import parse_topology, servers_dir
 from pdgrpc.errors import ConfigError
-from pdgrpc.metrics import scrape
+from tests.scrape import scrape
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 from tests.eventually import eventually
 

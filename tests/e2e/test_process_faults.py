@@ -28,7 +28,7 @@ import pytest_asyncio
 
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
-from pdgrpc.metrics import scrape
+from tests.scrape import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from tests.e2e.faulty import HEARTBEAT_S, LEASE_S
 from tests.e2e.harness import HELD_FIELDS, skip_unless_transport

@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from pdgrpc.cluster import Cluster
-from pdgrpc.metrics import scrape
+from tests.scrape import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from pdgrpc.cluster.client import generate
 from tests.e2e.harness import skip_unless_transport

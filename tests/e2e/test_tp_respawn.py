@@ -23,7 +23,7 @@ import pytest
 
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
-from pdgrpc.metrics import scrape
+from tests.scrape import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from tests.e2e.harness import Case, reference_outputs_for, wait_nothing_held
 from tests.eventually import eventually_async

@@ -1,5 +1,5 @@
 """Helpers for the metrics tests: serve a registry on 127.0.0.1 and scrape it over HTTP
-with :func:`pdgrpc.metrics.scrape` (prometheus-client's own parser)."""
+with :func:`tests.scrape.scrape` (prometheus-client's own parser)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdgrpc.metrics import Scrape, scrape, start_metrics_server
+from pdgrpc.metrics import start_metrics_server
+from tests.scrape import Scrape, scrape
 
 
 def scrape_text(port: int, path: str = "/metrics") -> str:

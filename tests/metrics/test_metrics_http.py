@@ -16,13 +16,13 @@ import pytest
 from pdgrpc.metrics import (
     DecodeMetrics,
     RouterMetrics,
-    Scrape,
     add_metrics_arguments,
     derived_metrics_port,
     start_metrics_from_args,
     start_metrics_server,
 )
 from pdgrpc.state import AbortReason
+from tests.scrape import Scrape
 
 from pdgrpc.metrics.endpoint import _Handler
 

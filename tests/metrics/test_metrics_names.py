@@ -24,7 +24,7 @@ from pdgrpc.metrics.catalog import LABEL_NAMES
 from pdgrpc.reasons import ABORT_REASON_LABELS, SAME_CAUSE, abort_label
 from pdgrpc.state import AbortReason
 
-from pdgrpc.metrics import Scrape
+from tests.scrape import Scrape
 
 _SNAKE = re.compile(r"^[a-z][a-z0-9_]*[a-z0-9]$")
 _RESERVED_SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created", "_info")

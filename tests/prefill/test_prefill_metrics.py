@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdgrpc.cluster.launcher import free_port, free_port_block
-from pdgrpc.metrics import scrape
+from tests.scrape import scrape
 
 from tests.eventually import eventually_async
 from tests.prefill.procs import ENGINE_FLAGS, STARTUP_S, Proc, pid_alive

@@ -21,7 +21,7 @@ import pytest
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.cluster.launcher import free_port_block
 from pdgrpc.engine.reference import ReferenceEngine
-from pdgrpc.metrics import scrape
+from tests.scrape import scrape
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import prefill_pb2

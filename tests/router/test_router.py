@@ -14,7 +14,8 @@ import time
 import grpc
 import pytest
 
-from pdgrpc.metrics import scrape, start_metrics_server
+from pdgrpc.metrics import start_metrics_server
+from tests.scrape import scrape
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, draw_room, parse_prefill, service_names
 from pdgrpc.rpc.server import start_server
 from tests.eventually import eventually_async

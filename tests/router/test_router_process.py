@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdgrpc.metrics import scrape
+from tests.scrape import scrape
 from pdgrpc.rpc.server import start_server
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 

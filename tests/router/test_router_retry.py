@@ -11,7 +11,8 @@ import logging
 import grpc
 import pytest
 
-from pdgrpc.metrics import scrape, start_metrics_server
+from pdgrpc.metrics import start_metrics_server
+from tests.scrape import scrape
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names
 from pdgrpc.rpc.server import start_server
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc

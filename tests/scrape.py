@@ -1,4 +1,4 @@
-"""Reading an endpoint back: what tests and the e2e checks use to assert on metrics.
+"""Reading a metrics endpoint back, to assert on what it serves.
 
 ``scrape("127.0.0.1:9200")`` fetches ``/metrics`` over HTTP and parses it with
 prometheus-client's own parser (what a Prometheus server reads), so a check exercises the
