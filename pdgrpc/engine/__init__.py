@@ -35,7 +35,6 @@ _EXPORTS = {
     "PROTOCOL_VERSION": "pdgrpc.engine.layout",
     "KVLayout": "pdgrpc.engine.layout",
     "compat_hash": "pdgrpc.engine.layout",
-    "newly_complete_pages": "pdgrpc.engine.layout",
     "pages_for_tokens": "pdgrpc.engine.layout",
     "ModelConfig": "pdgrpc.engine.model",
     "EngineConfig": "pdgrpc.engine.reference",
@@ -58,7 +57,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
         stop_reason,
     )
     from pdgrpc.engine.colocated import Generation, generate, prefill
-    from pdgrpc.engine.layout import PROTOCOL_VERSION, KVLayout, compat_hash, newly_complete_pages, pages_for_tokens
+    from pdgrpc.engine.layout import PROTOCOL_VERSION, KVLayout, compat_hash, pages_for_tokens
     from pdgrpc.engine.model import ModelConfig
     from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
     from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
@@ -83,7 +82,6 @@ __all__ = [
     "SamplingParams",
     "compat_hash",
     "generate",
-    "newly_complete_pages",
     "pages_for_tokens",
     "prefill",
     "stop_reason",

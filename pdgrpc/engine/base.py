@@ -30,11 +30,12 @@ Who calls which hook, and when
 ``prefill_chunk(request, start, end)`` -- the prefill server, for consecutive chunks
     ``[0, c1), [c1, c2), ... [ck, len)`` of one prompt. Fills the KV of tokens
     ``[start, end)`` into the request's pages (those before ``start`` must already be
-    there). After each chunk the pages :func:`~pdgrpc.engine.layout.newly_complete_pages`
-    names may be sent, once the :meth:`Engine.chunk_ready` signal recorded after the chunk
-    resolved (a GPU may still be writing them when the call returns). On the last chunk
-    returns the first generated token as a :class:`SampledToken` (it goes into the
-    metadata row); otherwise ``None``.
+    there). After each chunk the pages it completed (every page whose last token is in
+    the chunk, and on the last chunk the final partial page) may be sent, once the
+    :meth:`Engine.chunk_ready` signal recorded after the chunk resolved (a GPU may still
+    be writing them when the call returns). On the last chunk returns the first
+    generated token as a :class:`SampledToken` (it goes into the metadata row);
+    otherwise ``None``.
 
 ``decode_step(batch)`` -- the decode server (and colocated generation), once per
     scheduler iteration over every running request. Each :class:`DecodeRequest` gives the

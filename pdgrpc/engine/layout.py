@@ -49,7 +49,6 @@ __all__ = [
     "KVLayout",
     "compat_hash",
     "kv_dtype_from_name",
-    "newly_complete_pages",
     "pages_for_tokens",
 ]
 
@@ -75,19 +74,6 @@ def pages_for_tokens(num_tokens: int, page_size: int) -> int:
     if num_tokens < 0 or page_size <= 0:
         raise ConfigError(f"pages_for_tokens: need num_tokens >= 0 and page_size > 0, got {num_tokens}, {page_size}")
     return -(-num_tokens // page_size)
-
-
-def newly_complete_pages(start: int, end: int, total: int, page_size: int) -> range:
-    """Positions (indices into the request's page list) of the pages that a prefill chunk
-    ``[start, end)`` of a ``total``-token prompt completed: every page whose last token is
-    in the chunk, plus the final partial page when the chunk is the last one. A sender
-    that writes exactly these after each chunk sends every page once, and never a page
-    that a later chunk still changes."""
-    if not (0 <= start < end <= total) or page_size <= 0:
-        raise ConfigError(f"newly_complete_pages: need 0 <= start < end <= total, got {start}, {end}, {total}")
-    first = start // page_size  # the page holding `start` was not complete before this chunk
-    last = pages_for_tokens(end, page_size) if end == total else end // page_size
-    return range(first, last)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""KV layout: pool tensors as documented, head-slice byte ranges, compat hash, page math."""
+"""KV layout: pool tensors as documented, head-slice byte ranges, compat hash."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from pdgrpc.engine import KVLayout, compat_hash, newly_complete_pages
+from pdgrpc.engine import KVLayout, compat_hash
 from pdgrpc.errors import ConfigError
 
 from engine_helpers import TINY, make_engine, prefill_into
@@ -87,16 +85,3 @@ def test_engines_of_different_tp_ranks_share_the_hash_other_seeds_do_not() -> No
 def test_bad_layout_fields_are_named(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field if field != "head_start" else "head range"):
         dataclasses.replace(BASE, **{field: value})
-
-
-@settings(deadline=None)  # no timing assertions: CI boxes are shared
-@given(total=st.integers(1, 200), page_size=st.integers(1, 40), chunk=st.integers(1, 90))
-def test_chunks_report_each_page_once_and_only_when_complete(total: int, page_size: int, chunk: int) -> None:
-    reported: list[int] = []
-    for start in range(0, total, chunk):
-        end = min(total, start + chunk)
-        for j in newly_complete_pages(start, end, total, page_size):
-            # Complete: every token of page j is computed (or the prompt ends inside it).
-            assert min(total, (j + 1) * page_size) <= end
-            reported.append(j)
-    assert reported == list(range(-(-total // page_size)))
