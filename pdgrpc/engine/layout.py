@@ -11,9 +11,10 @@ tensor, each contiguous, of shape::
   range ``[p * page_bytes, (p + 1) * page_bytes)``;
 - inside a page the **head dimension comes first** ("HND": heads, tokens, head dim), so
   the bytes of one KV head in one page are contiguous (``head_bytes`` long), and a
-  head slice ``[h0, h1)`` of a page is *one* contiguous range
-  (:meth:`KVLayout.head_slice_range`). Across pages a head-sliced transfer is therefore
-  a strided range: one ``(h1 - h0) * head_bytes`` block every ``page_bytes``;
+  head slice ``[h0, h1)`` of a page is *one* contiguous range, ``(h1 - h0) * head_bytes``
+  long at ``(h0 - head_start) * head_bytes`` into the page. Across pages a head-sliced
+  transfer is therefore a strided range: one ``(h1 - h0) * head_bytes`` block every
+  ``page_bytes``;
 - token ``t`` of a request lives in page ``pages[t // page_size]`` at row
   ``t % page_size``; rows past the request's length in its last page hold stale bytes
   that readers must mask (the reference engine does).
@@ -139,19 +140,6 @@ class KVLayout:
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         return pages_for_tokens(num_tokens, self.page_size)
-
-    def head_slice_range(self, page: int, head_start: int, head_end: int) -> tuple[int, int]:
-        """``(offset, length)`` in bytes, within any one pool tensor, of global KV heads
-        ``[head_start, head_end)`` of page ``page``. The heads must be held here."""
-        if not 0 <= page < self.num_pages:
-            raise ConfigError(f"head_slice_range: page {page} outside [0, {self.num_pages})")
-        if not self.head_start <= head_start < head_end <= self.head_end:
-            raise ConfigError(
-                f"head_slice_range: heads [{head_start}, {head_end}) not within this pool's "
-                f"[{self.head_start}, {self.head_end})"
-            )
-        offset = page * self.page_bytes + (head_start - self.head_start) * self.head_bytes
-        return offset, (head_end - head_start) * self.head_bytes
 
     def compat_fields(self) -> dict[str, object]:
         """The fields that enter the compatibility hash (no per-instance facts)."""

@@ -11,6 +11,7 @@ from pdgrpc.engine import KVLayout, compat_hash
 from pdgrpc.errors import ConfigError
 
 from engine_helpers import TINY, make_engine, prefill_into
+from transfer_sim import head_slice_range
 
 BASE = KVLayout(num_layers=4, num_pages=64, page_size=16, num_kv_heads=2, head_dim=32, kv_dtype="float32")
 
@@ -45,13 +46,13 @@ def test_head_slice_range_is_the_bytes_of_those_heads_in_that_page() -> None:
     pool = pool.to(torch.bfloat16).reshape(lay.pool_shape)
     flat = pool.view(-1).view(torch.uint8)
     for page, h0, h1 in [(0, 2, 6), (3, 3, 5), (4, 5, 6)]:
-        off, n = lay.head_slice_range(page, h0, h1)
+        off, n = head_slice_range(lay, page, h0, h1)
         expected = pool[page, h0 - 2 : h1 - 2].contiguous().view(-1).view(torch.uint8)
         assert torch.equal(flat[off : off + n], expected)
     with pytest.raises(ConfigError, match=r"heads \[1, 3\) not within this pool's \[2, 6\)"):
-        lay.head_slice_range(0, 1, 3)
+        head_slice_range(lay, 0, 1, 3)
     with pytest.raises(ConfigError, match="page 5 outside"):
-        lay.head_slice_range(5, 2, 3)
+        head_slice_range(lay, 5, 2, 3)
 
 
 def test_compat_hash_covers_every_shared_fact_and_no_per_instance_one() -> None:

@@ -16,13 +16,29 @@ from typing import Sequence
 import torch
 
 from pdgrpc.engine.base import Engine
+from pdgrpc.engine.layout import KVLayout
 from pdgrpc.errors import CompatibilityError, ConfigError
 
-__all__ = ["copy_pages"]
+__all__ = ["copy_pages", "head_slice_range"]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
+
+
+def head_slice_range(layout: KVLayout, page: int, head_start: int, head_end: int) -> tuple[int, int]:
+    """``(offset, length)`` in bytes, within any one pool tensor, of global KV heads
+    ``[head_start, head_end)`` of page ``page`` (the layout's HND rule). The heads must
+    be held there."""
+    if not 0 <= page < layout.num_pages:
+        raise ConfigError(f"head_slice_range: page {page} outside [0, {layout.num_pages})")
+    if not layout.head_start <= head_start < head_end <= layout.head_end:
+        raise ConfigError(
+            f"head_slice_range: heads [{head_start}, {head_end}) not within this pool's "
+            f"[{layout.head_start}, {layout.head_end})"
+        )
+    offset = page * layout.page_bytes + (head_start - layout.head_start) * layout.head_bytes
+    return offset, (head_end - head_start) * layout.head_bytes
 
 
 def copy_pages(src: Engine, src_pages: Sequence[int], dst: Engine, dst_pages: Sequence[int]) -> int:
@@ -46,8 +62,8 @@ def copy_pages(src: Engine, src_pages: Sequence[int], dst: Engine, dst_pages: Se
     for s_pool, d_pool in zip(sb.k + sb.v, db.k + db.v):
         s_bytes, d_bytes = _bytes(s_pool), _bytes(d_pool)
         for sp, dp in zip(src_pages, dst_pages):
-            s_off, n = sl.head_slice_range(sp, h0, h1)
-            d_off, _ = dl.head_slice_range(dp, h0, h1)
+            s_off, n = head_slice_range(sl, sp, h0, h1)
+            d_off, _ = head_slice_range(dl, dp, h0, h1)
             d_bytes[d_off : d_off + n] = s_bytes[s_off : s_off + n]
             copied += n
     return copied
