@@ -62,7 +62,7 @@ from pdgrpc.engine.layout import KVLayout
 from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob, uncancellable
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.serving.children import die_with_parent
+from pdgrpc.serving.children import guarded_argv
 from pdgrpc.state.chunk_posting import ChunkPosting
 
 __all__ = ["ComputeProcess", "ComputeProcessLost", "ProcessCompute", "kv_layout_for", "shared_kv_pool"]
@@ -164,10 +164,11 @@ class ComputeProcess:
             self.kv, self._map = shared_kv_pool(self.layout, memfd, config.kv_huge_pages)
             for t in self.kv.k + self.kv.v:
                 t.zero_()  # fault the pool in now, not during the first prompt
+            # Started without a preexec_fn, so no fork handler (gRPC's) runs in the child.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdgrpc.prefill.compute_process", "--sock-fd", str(theirs.fileno()),
-                 "--kv-fd", str(memfd), "--name", name],
-                pass_fds=(memfd, theirs.fileno()), preexec_fn=die_with_parent,
+                guarded_argv([sys.executable, "-m", "pdgrpc.prefill.compute_process", "--sock-fd", str(theirs.fileno()),
+                              "--kv-fd", str(memfd), "--name", name]),
+                pass_fds=(memfd, theirs.fileno()),
             )
         except BaseException:
             ours.close()
