@@ -214,11 +214,11 @@ class RdmaTransport(Transport):
         handle = self._receiver.on_ctrl if kind == KIND_CTRL else self._sender.on_reply
 
         def done(status: int, length: int, tag: int) -> None:
-            # A sender's ACK and a receiver's row are handled here, each on the way to an
-            # ACK: on a host whose caches the data just flushed every object touched
-            # costs, so the message is one copy out of the buffer, and the receive goes up
-            # again after the ACK; at once in a burst
-            # that has taken half of them, whose messages wait in UCX until it does.
+            # A sender's ACK and a receiver's metadata row are handled here, each on the
+            # way to an ACK, so the message is copied out of the buffer once and handled
+            # at once. The receive goes up again after the ACKs that handling led to,
+            # except in a burst that has taken half the posted receives: then at once,
+            # since the burst's other messages wait in UCX until a receive is posted.
             self._ctrl_posted[kind] -= 1
             if status == UCS_ERR_CANCELED or self._closed:
                 return
