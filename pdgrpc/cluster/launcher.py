@@ -253,19 +253,6 @@ class Cluster:
             raise KeyError(f"topology {self.topology.name!r} has no smg process")
         return f"http://{self.address(smg[0].name)}/v1"
 
-    def metrics_address(self, name: str, dp_rank: int | None = None, tp_rank: int | None = None) -> str:
-        """``HOST:PORT`` of the metrics endpoint of process ``name``: of its dp worker
-        ``dp_rank`` (and ``tp_rank``, with TP) for a prefill, of its TP rank ``tp_rank``
-        for a decode; KeyError when metrics are off or it has none."""
-        ports = self.procs[name].metrics_ports
-        if dp_rank is not None:
-            key = f"dp{dp_rank}" if f"dp{dp_rank}" in ports else f"dp{dp_rank}.tp{tp_rank or 0}"
-        elif tp_rank:
-            key = f"tp{tp_rank}"
-        else:
-            key = ""
-        return f"{self.procs[name].ip}:{ports[key]}"
-
     def metrics_endpoints(self, role: str | None = None) -> dict[str, str]:
         """Every metrics endpoint (``HOST:PORT``), by ``name`` or ``name/dp<r>`` (a prefill's
         workers), optionally of one role only; empty when metrics are off."""

@@ -141,7 +141,7 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_the_decode_within_2s(cl
             lambda: f"decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound)",
         )
         # "A peer's death is counted as peer_failure" (the issue), on the decode too.
-        counters = await asyncio.to_thread(scrape, cluster.metrics_address("decode"))
+        counters = await asyncio.to_thread(scrape, cluster.metrics_endpoints()["decode"])
         aborts = {r: counters.value("pdgrpc_aborts_total", role="decode", reason=r) for r in ("peer_failure", "transfer_failed", "cancelled")}
         assert aborts == {"peer_failure": 1, "transfer_failed": 0, "cancelled": 0}, aborts
 

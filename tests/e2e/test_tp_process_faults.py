@@ -40,7 +40,7 @@ async def cluster(request, tmp_path_factory):
 
 def _follower_holds(cluster: Cluster) -> dict[str, float]:
     """What decode TP rank 1 holds, from its own live gauges."""
-    s = scrape(cluster.metrics_address("decode", tp_rank=1))
+    s = scrape(cluster.metrics_endpoints()["decode/tp1"])
     gauges = ("pdgrpc_kv_pages_quarantined", "pdgrpc_metadata_slots_in_use")
     return {g: v for g in gauges if (v := s.value(g, role="decode"))}
 
@@ -62,7 +62,7 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_a_tp2_decode_within_2s(
             free, FREE_WITHIN_S, 0.05,
             lambda: f"TP 2 decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound)",
         )
-        counters = await asyncio.to_thread(scrape, cluster.metrics_address("decode"))  # rank 0 counts outcomes
+        counters = await asyncio.to_thread(scrape, cluster.metrics_endpoints()["decode"])  # rank 0 counts outcomes
         assert counters.value("pdgrpc_aborts_total", role="decode", reason="peer_failure") == 1
         # The reused pages serve the next requests once the replacement registered.
         await _serves_again(cluster, router, tuple(first.token_ids))

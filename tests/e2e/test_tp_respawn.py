@@ -76,7 +76,7 @@ async def test_a_killed_tp_rank_restarts_its_whole_group_and_the_instance_serves
             assert ei.value.code() is grpc.StatusCode.UNAVAILABLE, ei.value
             assert re.search(r"prefill worker dp0\.tp\d died \(exit code -9\)", ei.value.details()), ei.value.details()
             for name, role in (("prefill", "prefill"), ("router", "router")):  # the controller counts it
-                counters = await asyncio.to_thread(scrape, cluster.metrics_address(name))
+                counters = await asyncio.to_thread(scrape, cluster.metrics_endpoints()[name])
                 assert counters.value("pdgrpc_aborts_total", role=role, reason="peer_failure") == 1, name
 
             async def serves() -> bool:
