@@ -133,9 +133,6 @@ class Topology:
         """The front door: the router, or the colocated server of a colocated topology."""
         return next(p for p in self.processes if p.role in FRONT_DOORS)
 
-    def engine_value(self, key: str, default: Scalar) -> Scalar:
-        return self.engine.get(key, default)
-
 
 def flags(values: Mapping[str, Any]) -> list[str]:
     """``{"dp-size": 2, "verbose": True, "x": [1, 2]}`` -> ``["--dp-size", "2", "--verbose", "--x", "1", "--x", "2"]``."""

@@ -69,7 +69,7 @@ async def router(cluster):
 
 
 def page_and_chunk(cluster: Cluster) -> tuple[int, int]:
-    page = int(cluster.topology.engine_value("page-size", 16))
+    page = int(cluster.topology.engine.get("page-size", 16))
     chunk = int(cluster.topology.by_role("prefill")[0].args.get("chunk-size", 512))
     return page, chunk
 
@@ -181,7 +181,7 @@ async def expect_error(router, **kwargs) -> grpc.aio.AioRpcError:
 
 
 async def test_prompt_over_the_engine_limit_is_refused_by_the_router(cluster, router, before):
-    limit = int(cluster.topology.engine_value("max-prompt-tokens", 2048))
+    limit = int(cluster.topology.engine.get("max-prompt-tokens", 2048))
     err = await expect_error(router, input_ids=[256] + [97] * limit)  # limit + 1 tokens
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"max_prompt_tokens={limit} (the router's --max-prompt-tokens)" in err.details()
@@ -223,7 +223,7 @@ async def test_client_cancel_mid_stream_releases_both_sides(cluster, router, bef
 
 
 async def test_client_cancel_before_the_first_token_releases_both_sides(cluster, router, before):
-    limit = int(cluster.topology.engine_value("max-prompt-tokens", 2048))
+    limit = int(cluster.topology.engine.get("max-prompt-tokens", 2048))
     # The longest prompt allowed: the cancel lands while it is computed and transferred.
     req = generate_pb2.GenerateRequest(input_ids=[256] + [98] * (limit - 1), sampling=common_pb2.SamplingParams(max_new_tokens=4))
     for delay in (0.0, 0.05, 0.2):

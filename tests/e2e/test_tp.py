@@ -54,7 +54,7 @@ def _tp(cluster: Cluster, role: str) -> int:
 
 
 async def test_tp_outputs_equal_colocated_tp1_and_every_rank_ends_idle(cluster):
-    page = int(cluster.topology.engine_value("page-size", 16))
+    page = int(cluster.topology.engine.get("page-size", 16))
     chunk = int(cluster.topology.by_role("prefill")[0].args.get("chunk-size", 512))
     cases = prompt_cases(page, chunk)
     assert len(cases) >= 50
@@ -167,7 +167,7 @@ async def test_dp2_times_tp2_prefill_to_tp2_decode(tmp_path):
         },
         "dp2-tp2",
     )
-    page = int(base.engine_value("page-size", 16))
+    page = int(base.engine.get("page-size", 16))
     cases = prompt_cases(page, 64)[:20]
     expected = reference_outputs("tp2", cases)
     async with Cluster(topology, log_dir=tmp_path, start_timeout=180, metrics=True) as cluster:
