@@ -468,10 +468,6 @@ class Cluster:
         reply = await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5.0)
         return reply.stats
 
-    async def all_stats(self) -> dict[str, common_pb2.ResourceStats]:
-        names = [p.name for p in self.topology.processes if p.role in ("prefill", "decode")]
-        return dict(zip(names, await asyncio.gather(*(self.stats(n) for n in names))))
-
     def describe(self) -> str:
         security = "" if self.tls == self.auth_token == "off" else f", tls {self.tls}, auth token {self.auth_token}"
         lines = [f"topology {self.topology.name} (transport {self.transport}{security}); logs in {self.log_dir}"]

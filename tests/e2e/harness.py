@@ -24,11 +24,11 @@ from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate as colocated_generate
 from pdgrpc.errors import TransportUnavailable
-from tests.scrape import Scrape, scrape
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.transport import registry
 from pdgrpc.v1 import common_pb2
 from tests.eventually import eventually_async
+from tests.scrape import Scrape, scrape
 
 TOPOLOGIES = ("1p1d", "prefill-dp2-round-robin", "prefill-dp2-follow-room")
 TRANSPORTS = ("tcp", "rdma")
@@ -121,7 +121,8 @@ async def wait_nothing_held(cluster: Cluster, timeout: float = 20.0) -> None:
 
     async def nothing_held() -> bool:
         cluster.check()
-        stats = await cluster.all_stats()
+        names = [p.name for p in cluster.topology.processes if p.role in ("prefill", "decode")]
+        stats = dict(zip(names, await asyncio.gather(*(cluster.stats(n) for n in names))))
         held.clear()
         held.update({name: h for name, s in stats.items() if (h := {f: getattr(s, f) for f in HELD_FIELDS if getattr(s, f)})})
         return not held
