@@ -133,11 +133,6 @@ class KVLayout:
         """Bytes of one page of one pool tensor (contiguous); also the page stride."""
         return self.local_kv_heads * self.head_bytes
 
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes of one pool tensor."""
-        return self.num_pages * self.page_bytes
-
     def pages_for_tokens(self, num_tokens: int) -> int:
         return pages_for_tokens(num_tokens, self.page_size)
 

@@ -32,10 +32,6 @@ class FifoPageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
     def alloc(self, n: int) -> list[int] | None:
         """``n`` page indices, or ``None`` when fewer than ``n`` are free (nothing taken)."""
         if n < 0:

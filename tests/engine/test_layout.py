@@ -23,7 +23,7 @@ def test_pool_tensors_are_pages_first_contiguous_and_match_the_layout() -> None:
     for t in bufs.k + bufs.v:
         assert tuple(t.shape) == lay.pool_shape == (10, 2, 16, 32)
         assert t.is_contiguous() and t.dtype == torch.float16
-        assert t.numel() * t.element_size() == lay.pool_bytes == 10 * lay.page_bytes
+        assert t.numel() * t.element_size() == 10 * lay.page_bytes
 
 
 def test_token_t_lands_in_page_t_div_page_size_row_t_mod_page_size() -> None:
