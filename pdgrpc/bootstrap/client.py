@@ -170,14 +170,11 @@ class BootstrapClient:
         """:meth:`get_parallel_info`, retried with backoff while workers are missing."""
         return await self._retrying("GetParallelInfo", lambda t: self.stub.GetParallelInfo(pb.GetParallelInfoRequest(), timeout=t), None, wait_for)
 
-    async def get_workers(self, dp_rank: int, tp_ranks: Iterable[int] = (), *, timeout: float | None = None) -> list[pb.WorkerInfo]:
-        """The workers of prefill ``dp_rank`` (all tp ranks, or ``tp_ranks``)."""
-        return list((await self.get_workers_response(dp_rank, tp_ranks, timeout=timeout)).workers)
-
     async def get_workers_response(
         self, dp_rank: int, tp_ranks: Iterable[int] = (), *, timeout: float | None = None
     ) -> pb.GetWorkersResponse:
-        """:meth:`get_workers`'s whole answer, with the bootstrap's ``instance_id``."""
+        """The workers of prefill ``dp_rank`` (all tp ranks, or ``tp_ranks``), with the
+        bootstrap's ``instance_id``."""
         request = pb.GetWorkersRequest(dp_rank=dp_rank, tp_ranks=list(tp_ranks))
         return await self._call("GetWorkers", self.stub.GetWorkers(request, timeout=self._t(timeout)))
 

@@ -83,7 +83,7 @@ async def test_every_call_carries_a_deadline() -> None:
         await c.register_worker(worker(0), parallel_info(dp=1))
         await c.get_parallel_info()
         await c.wait_parallel_info()
-        await c.get_workers(0)
+        await c.get_workers_response(0)
         await c.register_dp_ranks({5: 0})
         await c.register_dp_ranks({r: 0 for r in range(10, 200)})
         await c.query_dp_ranks([5])

@@ -129,7 +129,7 @@ async def test_workers_topology_and_generations(client: BootstrapClient) -> None
     with pytest.raises(Unavailable, match="1 of 2 workers registered"):
         await client.get_parallel_info()
     with pytest.raises(Unavailable, match="1 of 2 workers registered"):
-        await client.get_workers(0)
+        await client.get_workers_response(0)
     # Before a topology is complete, another one is pending, not refused: the first
     # complete registration fixes it (a bogus first registrant cannot lock workers out).
     odd = await client.register_worker(worker(1), parallel_info(dp=2, page_size=32))
@@ -142,10 +142,10 @@ async def test_workers_topology_and_generations(client: BootstrapClient) -> None
     assert "parallel_info.page_size" in e.value.details and "16" in e.value.details and "32" in e.value.details
     restarted = await client.register_worker(worker(1, address="10.9.9.9:7000"), parallel_info(dp=2))
     assert restarted.generation == 3  # slot 1's third registration (the odd one counts)
-    (w,) = await client.get_workers(1)
+    (w,) = (await client.get_workers_response(1)).workers
     assert (w.transfer_address, w.generation) == ("10.9.9.9:7000", 3)
     with pytest.raises(RpcError, match="INVALID_ARGUMENT: .*dp_rank 5"):
-        await client.get_workers(5)
+        await client.get_workers_response(5)
 
 
 async def test_wait_parallel_info_waits_for_the_last_worker(client: BootstrapClient) -> None:
