@@ -13,8 +13,6 @@ Speed targets are checked here, as ratios against a baseline measured in the sam
 never as timed assertions in the test suite.
 """
 
-from pdgrpc.bench.report import Result, write_json, format_table
-
 BENCHMARKS: dict[str, str] = {
     "bootstrap": "pdgrpc.bench.bootstrap",
     "state": "pdgrpc.bench.state",
@@ -28,4 +26,4 @@ BENCHMARKS: dict[str, str] = {
     "gateway": "pdgrpc.bench.gateway",
 }
 
-__all__ = ["BENCHMARKS", "Result", "format_table", "write_json"]
+__all__ = ["BENCHMARKS"]
