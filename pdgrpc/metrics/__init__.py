@@ -21,15 +21,14 @@ Each server owns a :class:`prometheus_client.CollectorRegistry` (the facade crea
 one); nothing here touches prometheus-client's process-global registry.
 """
 
-from pdgrpc.metrics.catalog import CATALOG, MetricSpec, RequestState, Role, markdown_table
+from pdgrpc.metrics.catalog import CATALOG, Role, markdown_table
 from pdgrpc.metrics.endpoint import (
     add_metrics_arguments,
     derived_metrics_port,
     start_metrics_from_args,
     start_metrics_server,
 )
-from pdgrpc.metrics.live import ResourceGauges
-from pdgrpc.metrics.roles import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RoleMetrics, RouterMetrics
+from pdgrpc.metrics.roles import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RouterMetrics
 from pdgrpc.reasons import ABORT_REASON_LABELS, ServerAbortReason, abort_label
 
 __all__ = [
@@ -37,12 +36,8 @@ __all__ = [
     "BootstrapMetrics",
     "CATALOG",
     "DecodeMetrics",
-    "MetricSpec",
     "PrefillMetrics",
-    "RequestState",
-    "ResourceGauges",
     "Role",
-    "RoleMetrics",
     "RouterMetrics",
     "ServerAbortReason",
     "abort_label",
