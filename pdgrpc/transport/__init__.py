@@ -20,30 +20,6 @@ prefill process into a decode process's memory.
 Importing this package is cheap: no backend (and no UCX) is imported until asked for.
 """
 
-from pdgrpc.transport.base import (
-    Descriptor,
-    MemoryRegion,
-    Peer,
-    RegionKind,
-    RoomGrant,
-    RoomStatus,
-    Transport,
-    WriteOp,
-    WriteOps,
-)
-from pdgrpc.transport.registry import available, create, load
+from pdgrpc.transport.registry import create
 
-__all__ = [
-    "Descriptor",
-    "MemoryRegion",
-    "Peer",
-    "RegionKind",
-    "RoomGrant",
-    "RoomStatus",
-    "Transport",
-    "WriteOp",
-    "WriteOps",
-    "available",
-    "create",
-    "load",
-]
+__all__ = ["create"]
