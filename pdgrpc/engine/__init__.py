@@ -20,22 +20,17 @@ from typing import TYPE_CHECKING, Any
 # Names load on first use (PEP 562): `pdgrpc.engine.tokenizer` (the router's) must
 # not pull in torch through this package's other modules.
 _EXPORTS = {
-    "MAX_TOP_LOGPROBS": "pdgrpc.engine.base",
     "DecodeRequest": "pdgrpc.engine.base",
     "Engine": "pdgrpc.engine.base",
     "InvalidRequest": "pdgrpc.engine.base",
-    "KVBuffers": "pdgrpc.engine.base",
     "PrefillRequest": "pdgrpc.engine.base",
     "SampledToken": "pdgrpc.engine.base",
     "SamplingParams": "pdgrpc.engine.base",
     "stop_reason": "pdgrpc.engine.base",
     "Generation": "pdgrpc.engine.colocated",
     "generate": "pdgrpc.engine.colocated",
-    "prefill": "pdgrpc.engine.colocated",
-    "PROTOCOL_VERSION": "pdgrpc.engine.layout",
     "KVLayout": "pdgrpc.engine.layout",
     "compat_hash": "pdgrpc.engine.layout",
-    "pages_for_tokens": "pdgrpc.engine.layout",
     "ModelConfig": "pdgrpc.engine.model",
     "EngineConfig": "pdgrpc.engine.reference",
     "ReferenceEngine": "pdgrpc.engine.reference",
@@ -46,18 +41,16 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
     from pdgrpc.engine.base import (
-        MAX_TOP_LOGPROBS,
         DecodeRequest,
         Engine,
         InvalidRequest,
-        KVBuffers,
         PrefillRequest,
         SampledToken,
         SamplingParams,
         stop_reason,
     )
-    from pdgrpc.engine.colocated import Generation, generate, prefill
-    from pdgrpc.engine.layout import PROTOCOL_VERSION, KVLayout, compat_hash, pages_for_tokens
+    from pdgrpc.engine.colocated import Generation, generate
+    from pdgrpc.engine.layout import KVLayout, compat_hash
     from pdgrpc.engine.model import ModelConfig
     from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
     from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
@@ -65,15 +58,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
 __all__ = [
     "BOS_ID",
     "EOS_ID",
-    "MAX_TOP_LOGPROBS",
-    "PROTOCOL_VERSION",
     "ByteTokenizer",
     "DecodeRequest",
     "Engine",
     "EngineConfig",
     "Generation",
     "InvalidRequest",
-    "KVBuffers",
     "KVLayout",
     "ModelConfig",
     "PrefillRequest",
@@ -82,8 +72,6 @@ __all__ = [
     "SamplingParams",
     "compat_hash",
     "generate",
-    "pages_for_tokens",
-    "prefill",
     "stop_reason",
 ]
 
