@@ -174,6 +174,10 @@ def _upstream_reason(code: grpc.StatusCode, otherwise: ServerAbortReason) -> Ser
     return ServerAbortReason.PEER_FAILURE if code == grpc.StatusCode.UNAVAILABLE else otherwise
 
 
+def _failed(fut: asyncio.Future[Any]) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is not None
+
+
 def _describe(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
@@ -437,29 +441,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         text = self._tokenizer.stream_decoder()
         first = True
         count = 0
-        read: asyncio.Future | None = None
+        # A prefill that fails cancels the decode call, which ends the pending read: every
+        # message is read straight from the call, with no task or wait racing the two.
+        prefill_fut.add_done_callback(lambda fut: _failed(fut) and decode_call.cancel())
         try:
             while True:
                 try:
-                    if read is None and prefill_fut.done():
-                        # The prefill has replied (normally before the first token), so
-                        # nothing is left to race: read directly. A task and a wait per
-                        # message cost the relay loop time on every token.
-                        msg = await decode_call.read()
-                    else:
-                        if read is None:
-                            read = asyncio.ensure_future(decode_call.read())
-                        if not prefill_fut.done():
-                            await asyncio.wait({read, prefill_fut}, return_when=asyncio.FIRST_COMPLETED)
-                            if prefill_fut.done() and prefill_fut.exception() is not None and not read.done():
-                                read.cancel()
-                                raise prefill_fut.exception()  # type: ignore[misc]
-                            if not read.done():
-                                continue  # the prefill finished fine; keep waiting for the same read
-                        msg = await read
-                        read = None
+                    msg = await decode_call.read()
                 except grpc.RpcError as exc:
                     raise await self._decode_failure(exc, decode_address, prefill_fut) from None
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if _failed(prefill_fut) and (task is None or not task.cancelling()):
+                        raise prefill_fut.exception() from None  # type: ignore[misc]
+                    raise
                 if msg is grpc.aio.EOF:
                     if first:
                         message = f"decode {decode_address} ended the stream without a token"
@@ -485,14 +480,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     trace.end()
         except RequestFailed as f:
             if first:  # the prefill's failure is the cause when it failed too (_decode_failure)
-                prefill_failed = prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None
-                raise _BeforeFirstToken(f, "prefill" if prefill_failed else "decode") from None
+                raise _BeforeFirstToken(f, "prefill" if _failed(prefill_fut) else "decode") from None
             raise
-        finally:
-            # A read still pending when we stop (client gone, prefill failed) would
-            # otherwise end with an unretrieved exception once the call is cancelled.
-            if read is not None and not read.done():
-                read.cancel()
 
     @staticmethod
     async def _decode_failure(
