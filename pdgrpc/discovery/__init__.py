@@ -10,7 +10,3 @@
 The per-request room -> dp rank table is *not* here: it stays in the prefill's bootstrap
 (hundreds of thousands of writes a second; etcd is built for a few thousand).
 """
-
-from pdgrpc.discovery.record import Instance, MembershipView, cluster_prefix, instance_key
-
-__all__ = ["Instance", "MembershipView", "cluster_prefix", "instance_key"]
