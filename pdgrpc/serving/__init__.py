@@ -7,8 +7,8 @@
   decode must build *identical* engines (same compatibility hash), so both take their
   engine from :func:`engine_config_from_args`.
 * :mod:`pdgrpc.serving.logs` -- logging set-up and the one-line-per-request-event helper.
-* :mod:`pdgrpc.serving.convert` -- :class:`pdgrpc.v1.common_pb2.SamplingParams` <->
-  :class:`pdgrpc.engine.base.SamplingParams`.
+* :mod:`pdgrpc.serving.convert` -- a request's room and
+  :class:`pdgrpc.v1.common_pb2.SamplingParams` read from the wire, checked once.
 * :mod:`pdgrpc.serving.metadata` -- the metadata row layout both servers build
   (:func:`metadata_layout`), the row carrying prefill's first token, and the
   compatibility hash as wire bytes (:func:`compat_hash_bytes`).
