@@ -181,14 +181,17 @@ class BootstrapClient:
     # --------------------------------------------------------------- room failures
 
     async def record_room_failures(self, failures: Iterable[pb.RoomFailure], *, timeout: float | None = None) -> int:
-        """Record rooms whose prefill failed in the controller (:mod:`pdgrpc.bootstrap.failures`)."""
+        """Record rooms whose prefill failed (:mod:`pdgrpc.bootstrap.failures`)."""
         request = pb.RecordRoomFailuresRequest(failures=list(failures))
         response = await self._call("RecordRoomFailures", self.stub.RecordRoomFailures(request, timeout=self._t(timeout)))
         return int(response.recorded)
 
-    async def query_room_failures(self, keys: Iterable[pb.RoomFailureKey], *, timeout: float | None = None) -> list[pb.RoomFailure]:
-        """The failure records of ``keys`` (room and tag); an older server raises UNIMPLEMENTED."""
-        request = pb.QueryRoomFailuresRequest(keys=list(keys))
+    async def query_room_failures(
+        self, keys: Iterable[pb.RoomFailureKey], *, max_wait_s: float = 0.0, timeout: float | None = None
+    ) -> list[pb.RoomFailure]:
+        """The failure records of ``keys`` (room and tag), the call held up to
+        ``max_wait_s`` while none has one; an older server raises UNIMPLEMENTED."""
+        request = pb.QueryRoomFailuresRequest(keys=list(keys), max_wait_ms=int(max_wait_s * 1000))
         response = await self._call("QueryRoomFailures", self.stub.QueryRoomFailures(request, timeout=self._t(timeout)))
         return list(response.failures)
 

@@ -1,34 +1,42 @@
-"""Rooms whose prefill failed in the prefill's controller, kept for their decodes (no I/O).
+"""Rooms whose prefill failed, kept for their decodes (no I/O but the held query).
 
-A prefill leg the controller refuses before any worker sees it (no live dp rank, a
-refused dispatch, a failed dp-rank registration) leaves no worker that knows the room,
-so none can refuse the decode's handshake or answer its ``WatchRoom``; behind a gateway
-that does not cancel the decode leg (smg), the decode would wait for its own deadline.
-The controller records the failure here (``RecordRoomFailures``) and the decode asks
-(``QueryRoomFailures``) while its dp-rank query or its handshake gets no answer.
+This is the one way a decode learns that its prefill failed when its gateway does not
+cancel the decode leg (smg). The prefill controller is the authority on a room's fate:
+it dispatched it, it gets every worker's answer and sees a worker die, so it records
+every failure here (``RecordRoomFailures``: refused in the controller, failed on a
+worker, lost with a dead worker). The decode asks (``QueryRoomFailures``) with one held
+call once its KV is late, and while its dp-rank query or its handshake gets no answer;
+a held call is answered the moment one of its keys is recorded.
 
 A record is keyed by its tag, an HMAC under the room's secret
 (:func:`pdgrpc.serving.room_proof.failure_tag`). Without the secret a caller cannot
 compute a tag its decode asks for, so it can neither fail a room nor learn that a room
 failed; a record it makes up is never found and only takes a place in the table. Bounded:
-the last ``capacity`` records younger than ``ttl_s`` (the oldest go first).
+the last ``capacity`` records younger than ``ttl_s`` (the oldest go first), and at most
+``max_watches`` held queries.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
-from typing import Iterable
+from typing import Callable, Iterable
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest
 from pdgrpc.serving.room_proof import SECRET_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
-__all__ = ["MAX_BATCH", "MAX_REASON_CHARS", "RoomFailures"]
+__all__ = ["MAX_BATCH", "MAX_REASON_CHARS", "MAX_WAIT_MS", "RoomFailures", "TooManyWatches"]
 
 MAX_BATCH = 1024  # records or keys per call (bootstrap.proto)
 MAX_REASON_CHARS = 1000  # characters of a reason kept
 TAG_BYTES = SECRET_BYTES  # an HMAC-SHA256
+MAX_WAIT_MS = 10_000  # longest a QueryRoomFailures call is held (bootstrap.proto)
+
+
+class TooManyWatches(Exception):
+    """More QueryRoomFailures calls are held than the server allows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +63,13 @@ def _check_keys(keys: Iterable[pb.RoomFailureKey], what: str) -> list[pb.RoomFai
 class RoomFailures:
     """Tag -> failure record, the last ``capacity`` younger than ``ttl_s`` seconds."""
 
-    def __init__(self, capacity: int = 4096, ttl_s: float = 60.0) -> None:
+    def __init__(self, capacity: int = 4096, ttl_s: float = 60.0, max_watches: int = 4096) -> None:
         self.capacity = capacity
         self.ttl_s = ttl_s
+        self.max_watches = max_watches
         self._records: collections.OrderedDict[bytes, _Record] = collections.OrderedDict()
+        self._watches: dict[bytes, set[asyncio.Future[None]]] = {}  # tag -> held queries
+        self._watching = 0
 
     def __len__(self) -> int:
         return len(self._records)
@@ -80,8 +91,39 @@ class RoomFailures:
             tag = bytes(f.key.tag)
             self._records.pop(tag, None)
             self._records[tag] = _Record(f.key.bootstrap_room, f.code, f.reason[:MAX_REASON_CHARS], f.never_forwarded, now)
+            for fut in self._watches.pop(tag, ()):
+                if not fut.done():
+                    fut.set_result(None)
         self._expire(now)
         return len(failures)
+
+    async def wait(self, keys: Iterable[pb.RoomFailureKey], clock: Callable[[], float], max_wait_s: float) -> list[pb.RoomFailure]:
+        """:meth:`query`, held up to ``max_wait_s`` while no key has a record. Raises
+        :class:`TooManyWatches` past ``max_watches`` held calls."""
+        checked = _check_keys(keys, "QueryRoomFailuresRequest.keys")
+        found = self.query(checked, clock())
+        if found or max_wait_s <= 0 or not checked:
+            return found
+        if self._watching >= self.max_watches:
+            raise TooManyWatches(f"{self._watching} QueryRoomFailures calls are held on this server (limit {self.max_watches})")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        tags = [bytes(k.tag) for k in checked]
+        for tag in tags:
+            self._watches.setdefault(tag, set()).add(fut)
+        self._watching += 1
+        try:
+            await asyncio.wait_for(fut, max_wait_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._watching -= 1
+            for tag in tags:
+                futs = self._watches.get(tag)
+                if futs is not None:
+                    futs.discard(fut)
+                    if not futs:
+                        del self._watches[tag]
+        return self.query(checked, clock())
 
     def query(self, keys: Iterable[pb.RoomFailureKey], now: float) -> list[pb.RoomFailure]:
         """The records of ``keys`` (room and tag both match), in request order."""

@@ -22,7 +22,7 @@ from typing import Callable, NoReturn, Sequence
 
 import grpc
 
-from pdgrpc.bootstrap.failures import RoomFailures
+from pdgrpc.bootstrap.failures import MAX_WAIT_MS, RoomFailures, TooManyWatches
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull, SlotTaken, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
@@ -74,7 +74,7 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
         # Calls are counted here; table size, expirations and evictions are read from the
         # table itself at scrape time (whoever serves the endpoint calls bind_table).
         self.metrics = metrics or BootstrapMetrics()
-        self.failures = RoomFailures()  # rooms whose prefill failed in its controller
+        self.failures = RoomFailures()  # rooms whose prefill failed (the decodes ask here)
         # Drawn once per process: a client that sees another value from this address knows
         # the instance restarted and drops what it cached (pdgrpc.decode.prefills).
         self.instance_id = secrets.randbits(64) | 1
@@ -88,9 +88,11 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
 
     async def QueryRoomFailures(self, request: pb.QueryRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.QueryRoomFailuresResponse:
         try:
-            found = self.failures.query(request.keys, self.clock())
+            found = await self.failures.wait(request.keys, self.clock, min(request.max_wait_ms, MAX_WAIT_MS) / 1000)
         except InvalidBootstrapRequest as exc:
             await _abort(context, exc)
+        except TooManyWatches as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return pb.QueryRoomFailuresResponse(failures=found)
 
     async def RegisterDpRanks(self, request: pb.RegisterDpRanksRequest, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:

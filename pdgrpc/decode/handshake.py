@@ -10,8 +10,7 @@ another registration generation than the one cached is a restarted process: the 
 is dropped so nothing about the old one is reused.
 
 :meth:`Handshaker.handshake` also asks the prefill's bootstrap, when a worker does not
-answer, whether the prefill's controller refused the room (:mod:`pdgrpc.prefill.notices`):
-with no live worker, that is the only one who knows.
+answer, whether the prefill's controller failed the room (:mod:`pdgrpc.prefill.notices`).
 
 :meth:`Handshaker.abort_room` tells the workers that were sent a handshake to stop
 writing into the room (their OK is the ack that frees the quarantined pages). A worker
@@ -23,10 +22,6 @@ hangs is neither: its pages wait for the abort lease. Whatever the decode's TP s
 rank also follows the room's writers on its own transport and the quarantine ends once all
 ranks confirmed them gone (:meth:`Handshaker.writers_by_rank`,
 :meth:`pdgrpc.decode.rank.RankTransfers.check_writers`).
-
-:meth:`Handshaker.watch` holds ``WatchRoom`` on those workers until one says the room's
-prefill failed (then the request fails at once: smg, for one, does not cancel the decode
-leg when its prefill leg fails) or that it ended otherwise.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
-from pdgrpc.serving.room_proof import abort_proof, handshake_proof, watch_proof
+from pdgrpc.serving.room_proof import abort_proof, handshake_proof
 from pdgrpc.serving.tp import designated_sender, senders_of
 from pdgrpc.state.decode_fate import CallFailed, FateState, NeverForwarded
 from pdgrpc.transport import peerauth
@@ -210,8 +205,8 @@ class Handshaker:
                               writers=",".join(w.transfer_address for w in job.contacted))
                 return ACCEPTED
             # UNAVAILABLE: the worker restarted or moved, or is dead. The prefill's controller
-            # may have refused the room for it (pdgrpc.prefill.notices): ask its bootstrap.
-            failed = (await self.directory.room_failures(addr, {job.room: job.room_secret})).get(job.room)
+            # may have failed the room (pdgrpc.prefill.notices): ask its bootstrap.
+            failed = (await self.directory.room_failures(addr, {job.room: job.room_secret}) or {}).get(job.room)
             if failed is not None:
                 if failed[1]:
                     job.fate.handle(NeverForwarded())
@@ -306,42 +301,6 @@ class Handshaker:
         rank's own poll votes on its writers: RankTransfers.check_writers)."""
         writer = self.instance_of(w.transport_endpoint)
         return self.tp_size == 1 and bool(writer) and self.writer_gone(writer)
-
-    async def watch(self, job: Job, wait_s: float) -> RequestFailed | None:
-        """WatchRoom on every worker sent a handshake for ``job`` until the request runs or
-        ends: the failure (reason ``prefill_error``; ``cancelled`` for a prefill its
-        caller cancelled) of the first that says the room's
-        prefill failed; None when none did (or one cannot be watched: an older prefill, an
-        error; the request's own deadlines still bound it)."""
-        request = hpb.WatchRoomRequest(bootstrap_room=job.room, max_wait_ms=max(0, int(wait_s * 1000)))
-        if job.room_secret:
-            request.room_proof = watch_proof(job.room_secret, job.room)
-
-        async def one(w: bpb.WorkerInfo) -> RequestFailed | None:
-            stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
-            while job.fate.in_queues:
-                try:
-                    resp = await stub.WatchRoom(request, timeout=wait_s + self.rpc_timeout_s)
-                except grpc.RpcError as exc:
-                    request_event(log, job.room, "WatchRoom failed (the request's deadlines still bound it)", level=logging.DEBUG,
-                                  worker=w.transfer_address, error=map_rpc_error(exc, method="WatchRoom", target=w.transfer_address))
-                    return None
-                if resp.outcome == hpb.ROOM_OUTCOME_FAILED:
-                    return prefill_failure(job.room, resp.code, resp.reason)
-                if resp.outcome != hpb.ROOM_OUTCOME_PENDING:
-                    return None
-            return None
-
-        tasks = [asyncio.ensure_future(one(w)) for w in job.contacted]
-        try:
-            for done in asyncio.as_completed(tasks):
-                failure = await done
-                if failure is not None:
-                    return failure
-            return None
-        finally:
-            for t in tasks:
-                t.cancel()
 
     async def _replaced(self, job: Job, w: bpb.WorkerInfo) -> bool:
         """Whether, within ``replaced_wait_s``, the transport confirms the unreachable

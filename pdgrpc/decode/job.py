@@ -44,10 +44,11 @@ class SchedulerConfig:
     first_token_wait_s: float = 0.002
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
     # A handshaken room whose KV has not landed this long after the handshake was accepted
-    # starts watching its prefill (WatchRoom): a prefill that fails then ends the request at
-    # once. Transfers that land sooner (the common case) never watch. Seconds.
+    # starts watching its prefill's bootstrap for a failure record (QueryRoomFailures,
+    # held): a prefill that fails then ends the request at once. Transfers that land
+    # sooner (the common case) never watch. Seconds.
     watch_after_s: float = 0.05
-    watch_wait_s: float = 5.0  # each WatchRoom call's max_wait (asked again while pending)
+    watch_wait_s: float = 5.0  # each held call's max_wait (asked again while the room waits)
 
 
 @dataclasses.dataclass(eq=False)

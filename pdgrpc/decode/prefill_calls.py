@@ -1,5 +1,5 @@
-"""The decode's calls to the prefill side: dp-rank queries to its bootstrap, the
-handshake to its workers, WatchRoom and AbortRoom.
+"""The decode's calls to the prefill side: dp-rank queries and failure watches to its
+bootstrap, the handshake to its workers, and AbortRoom.
 
 The scheduler builds one :class:`PrefillCalls` and starts each call as its own task
 (:meth:`CallsHost.spawn`). A call goes through
@@ -125,7 +125,7 @@ class PrefillCalls:
             log.debug("QueryDpRanks to %s: %d of %d rooms not registered yet", addr, len(missing), len(query.rooms))
             # Still not registered: the prefill's controller may have refused them (pdgrpc.prefill.notices).
             missing = {room: s for room, s in missing.items() if (j := self.host.job(room)) is not None and now - j.admitted_at >= ASK_FAILURES_AFTER_S}
-            for room, (failure, never_forwarded) in (await self.directory.room_failures(addr, missing)).items():
+            for room, (failure, never_forwarded) in (await self.directory.room_failures(addr, missing) or {}).items():
                 job = self.host.job(room)
                 if job is not None and job.fate.live and job.dp_rank is None:
                     request_event(log, room, "prefill failed", level=logging.WARNING, message=failure.message)
@@ -176,15 +176,27 @@ class PrefillCalls:
 
     def _start_watch(self, job: Job) -> None:
         """The room's KV has not landed soon after the handshake: watch its prefill."""
-        if job.fate.state is FateState.HANDSHAKEN and not self.host.closing:
+        if job.fate.state is FateState.HANDSHAKEN and job.room_secret and not self.host.closing:
             self.host.spawn(self._watch(job), f"watch-room {job.room}")
 
     async def _watch(self, job: Job) -> None:
-        failure = await self.handshaker.watch(job, self.config.watch_wait_s)
-        if failure is None or not job.fate.live:
+        """Hold QueryRoomFailures on the prefill's bootstrap, where its controller records
+        every failed room, until the room's KV lands or its prefill failed (smg, for one,
+        does not cancel the decode leg when its prefill leg fails)."""
+        while job.fate.in_queues and not self.host.closing:
+            found = await self.directory.room_failures(job.prefill.address, {job.room: job.room_secret}, self.config.watch_wait_s)
+            if found is None:
+                return  # the bootstrap cannot say: the request's own deadlines still bound it
+            failed = found.get(job.room)
+            if failed is None:
+                continue
+            failure, never_forwarded = failed
+            if job.fate.live:
+                request_event(log, job.room, "prefill failed", level=logging.WARNING, message=failure.message)
+                if never_forwarded:
+                    job.fate.handle(NeverForwarded())
+                self.host.end_with(job, failure)
             return
-        request_event(log, job.room, "prefill failed", level=logging.WARNING, message=failure.message)
-        self.host.end_with(job, failure)
 
     # -- abort ----------------------------------------------------------------------------------
     async def abort_room(self, job: Job, reason: str) -> None:

@@ -12,8 +12,8 @@ parallel info of a restarted prefill are never reused (a peer's "stale connectio
 bug). Rooms admitted under the previous instance fail with :func:`restart_failure`:
 their prefill went down with it. Every call goes through one pooled channel per
 address (:class:`~pdgrpc.bootstrap.client.BootstrapClient`), never a connection per call.
-:meth:`PrefillDirectory.room_failures` asks whether rooms failed in the prefill's
-controller (:mod:`pdgrpc.prefill.notices`).
+:meth:`PrefillDirectory.room_failures` asks whether rooms' prefills failed, as their
+prefill's controller records them with its bootstrap (:mod:`pdgrpc.prefill.notices`).
 """
 
 from __future__ import annotations
@@ -206,21 +206,25 @@ class PrefillDirectory:
         answers.update(result.ranks)
         return answers, result.instance_id
 
-    async def room_failures(self, address: str, secrets: dict[int, bytes]) -> dict[int, tuple[RequestFailed, bool]]:
-        """Rooms of ``secrets`` (room -> its secret) whose prefill failed in the controller
-        of ``address`` (:mod:`pdgrpc.bootstrap.failures`): the failure their request ends
-        with, and whether no worker got the request (``never_forwarded``). Empty when none
-        did, or the bootstrap cannot say (an error; an older server is not asked again)."""
+    async def room_failures(
+        self, address: str, secrets: dict[int, bytes], wait_s: float = 0.0
+    ) -> dict[int, tuple[RequestFailed, bool]] | None:
+        """Rooms of ``secrets`` (room -> its secret) whose prefill failed, as recorded
+        with the bootstrap at ``address`` (:mod:`pdgrpc.bootstrap.failures`): the failure
+        their request ends with, and whether no worker got the request
+        (``never_forwarded``). The call is held up to ``wait_s`` while none has a record.
+        None when the bootstrap cannot say (an error; an older server is not asked again)."""
         keys = [bpb.RoomFailureKey(bootstrap_room=r, tag=failure_tag(s, r)) for r, s in secrets.items() if s]
         if not keys or address in self._no_failures:
-            return {}
+            return None
         try:
-            found = await self.client(address).query_room_failures(keys, timeout=min(self.timeout, 1.0))  # a failure path: brief
+            # A failure path: a brief timeout beyond the held wait.
+            found = await self.client(address).query_room_failures(keys, max_wait_s=wait_s, timeout=wait_s + min(self.timeout, 1.0))
         except RpcError as exc:
             if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                 self._no_failures.add(address)
             log.debug("QueryRoomFailures to %s failed: %s", address, exc)
-            return {}
+            return None
         return {f.key.bootstrap_room: (prefill_failure(f.key.bootstrap_room, f.code, f.reason), f.never_forwarded) for f in found}
 
     async def _once(self, key: object, fetch: Callable[[], Awaitable[T]]) -> T:

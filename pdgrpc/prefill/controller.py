@@ -9,8 +9,8 @@
   :mod:`pdgrpc.prefill.registrar`) **before** forwarding, then forwards the request to the
   worker over its link (:mod:`pdgrpc.prefill.link`: a socketpair, not gRPC) and relays its
   answer or its status unchanged. ``GetStats`` sums the workers' (over gRPC).
-* A request it fails itself, before or instead of a worker's answer, is told to its
-  decode (:mod:`pdgrpc.prefill.notices`).
+* Every request that fails -- refused here, failed on a worker, lost with a dead worker,
+  cancelled by its caller -- is recorded for its decode (:mod:`pdgrpc.prefill.notices`).
 * A worker that exits is logged with its exit code; the requests it held fail with
   UNAVAILABLE naming it, and later requests for its rank fail the same way (round_robin
   and shortest_queue skip it) until it serves again: its dp rank's workers (the whole tp
@@ -105,7 +105,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         self.pool = ChannelPool()
         self.bootstrap_address = ns.bootstrap
         self.registrar: DpRankRegistrar | None = None
-        self.notices: FailureNotices | None = None  # tells a refused room's decode
+        self.notices: FailureNotices | None = None  # tells a failed room's decode
         self.stopping = False
         self.server: RpcServer | None = None
         self.exit_code = 0
@@ -164,6 +164,10 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             else:
                 tasks = [asyncio.ensure_future(self._forward(room, w, request, trace)) for w in group]
                 results = await self._gather(tasks)
+        except asyncio.CancelledError:
+            if self.notices is not None:  # its caller gave up: so does its decode
+                self.notices.failed(request, C.CANCELLED, f"room {room}: the prefill's caller cancelled it", forwarded=True)
+            raise
         finally:
             for t in tasks:
                 t.cancel()
@@ -176,9 +180,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             failure = await self._group_death(room, group) or failure
         if failure is not None:
             # A worker counts the failures it answers; a dead worker's requests are counted here.
-            if isinstance(failure, LinkCallFailed):  # the worker answered: it tells the decode itself
-                await _abort(context, failure.code, failure.message)
-            if failure.reason is ServerAbortReason.PEER_FAILURE:
+            if not isinstance(failure, LinkCallFailed) and failure.reason is ServerAbortReason.PEER_FAILURE:
                 self.metrics.on_abort(failure.reason)
                 request_event(log, room, "failed", reason=failure.message)
             unsent = isinstance(failure, NotForwarded) and len(group) == 1  # a tp group's others got it
@@ -195,7 +197,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         )
 
     async def _refuse(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, forwarded: bool = False) -> NoReturn:
-        """Fail ``request`` here, no worker answered it: tell its decode first (:mod:`pdgrpc.prefill.notices`)."""
+        """Fail ``request``: tell its decode first (:mod:`pdgrpc.prefill.notices`)."""
         if self.notices is not None:
             self.notices.failed(request, code, message, forwarded)
         await _abort(context, code, message)

@@ -25,11 +25,6 @@ CANCEL    controller -> worker    empty: the caller gave up (cancel, deadline); 
 REPLY     worker -> controller    ``PrefillResponse``
 FAIL      worker -> controller    status code (u8, ``grpc.StatusCode`` value), then
                                   the status message in UTF-8
-FAILED    controller -> worker    ``<QBB`` room, status code, secret length (bytes),
-                                  the room's secret, then the status message in UTF-8:
-                                  the controller refused the room (call id 0), so the
-                                  worker refuses its decode's handshake and answers its
-                                  ``WatchRoom`` (:mod:`pdgrpc.prefill.notices`)
 ========  ======================  ==================================================
 
 No deadline travels: the controller's own RPC deadline cancels its handler, which sends
@@ -59,8 +54,7 @@ __all__ = ["ControllerLink", "WorkerLinkServer", "LinkCallFailed"]
 log = logging.getLogger("pdgrpc.prefill.link")
 
 _HEAD = struct.Struct("<IBQ")
-CALL, CANCEL, REPLY, FAIL, FAILED, TRACED = 1, 2, 3, 4, 5, 6
-_FAILED_HEAD = struct.Struct("<QBB")
+CALL, CANCEL, REPLY, FAIL, TRACED = 1, 2, 3, 4, 6
 # Far above any real request (a 1M-token prompt is ~5 MB): a larger length is a broken peer.
 MAX_PAYLOAD = 256 * 1024 * 1024
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -166,11 +160,6 @@ class ControllerLink(_Framed):
         finally:
             self._calls.pop(call_id, None)
 
-    def room_failed(self, room: int, code: grpc.StatusCode, message: str, secret: bytes) -> None:
-        """Tell the worker that the controller refused ``room`` (a FAILED frame)."""
-        payload = _FAILED_HEAD.pack(room, code.value[0], len(secret)) + secret + message.encode()[:4000]
-        self._send(_frame(FAILED, 0, payload))
-
     def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
         if kind not in (REPLY, FAIL):
             raise ValueError(f"kind {kind} is not one a worker sends")
@@ -204,12 +193,10 @@ class WorkerLinkServer(_Framed):
         name: str,
         prefill: Callable[[prefill_pb2.PrefillRequest], Awaitable[prefill_pb2.PrefillResponse]],
         on_lost: Callable[[], None] = lambda: None,
-        on_failed: Callable[[int, grpc.StatusCode, str, bytes], None] = lambda room, code, message, secret: None,
     ) -> None:
         super().__init__(name)
         self._prefill = prefill
         self._on_lost = on_lost
-        self._on_failed = on_failed  # (room, code, message, secret) of a FAILED frame
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._accepting = True
 
@@ -220,10 +207,9 @@ class WorkerLinkServer(_Framed):
         name: str,
         prefill: Callable[[prefill_pb2.PrefillRequest], Awaitable[prefill_pb2.PrefillResponse]],
         on_lost: Callable[[], None] = lambda: None,
-        on_failed: Callable[[int, grpc.StatusCode, str, bytes], None] = lambda room, code, message, secret: None,
     ) -> WorkerLinkServer:
         loop = asyncio.get_running_loop()
-        _, server = await loop.connect_accepted_socket(lambda: cls(name, prefill, on_lost, on_failed), sock)
+        _, server = await loop.connect_accepted_socket(lambda: cls(name, prefill, on_lost), sock)
         return server
 
     @property
@@ -259,14 +245,6 @@ class WorkerLinkServer(_Framed):
             task = self._tasks.get(call_id)
             if task is not None:
                 task.cancel()
-        elif kind == FAILED:
-            room, code, n = _FAILED_HEAD.unpack_from(payload)
-            start = _FAILED_HEAD.size
-            secret = payload[start : start + n]
-            if len(secret) != n:
-                raise ValueError(f"FAILED frame: a secret of {n} bytes announced, {len(secret)} present")
-            message = payload[start + n :].decode(errors="replace")
-            self._on_failed(room, _CODES.get(code, grpc.StatusCode.UNKNOWN), message, secret)
         else:
             raise ValueError(f"kind {kind} is not one a controller sends")
 

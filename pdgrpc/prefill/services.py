@@ -34,7 +34,6 @@ log = logging.getLogger("pdgrpc.prefill")
 
 PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 HANDSHAKE_SERVICE = handshake_pb2.DESCRIPTOR.services_by_name["HandshakeService"].full_name
-MAX_WATCH_MS = 10_000  # longest a WatchRoom call is held (handshake.proto)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: RequestFailed) -> NoReturn:
@@ -128,9 +127,11 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
         return handshake_pb2.AbortRoomResponse(was_active=was_active)
 
     async def WatchRoom(self, request: handshake_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext) -> handshake_pb2.WatchRoomResponse:
+        """Deprecated (the decode asks the bootstrap): answered at once, never FAILED."""
         try:
-            return await self.worker.watch_room(
-                room_from_proto(request.bootstrap_room), bytes(request.room_proof), min(request.max_wait_ms, MAX_WATCH_MS) / 1000
-            )
+            live = self.worker.watching(room_from_proto(request.bootstrap_room))
         except RequestFailed as exc:
             await abort_with(context, exc)
+        return handshake_pb2.WatchRoomResponse(
+            outcome=handshake_pb2.ROOM_OUTCOME_PENDING if live else handshake_pb2.ROOM_OUTCOME_NOT_FAILED
+        )

@@ -34,7 +34,6 @@ from pdgrpc.prefill.compute_process import ComputeProcess, ProcessCompute
 from pdgrpc.prefill.compute_thread import SHUTDOWN, ThreadCompute
 from pdgrpc.prefill.compute_tp import TpFollowerCompute, TpLeaderCompute
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.prefill.failed import FailedRooms, Failure
 from pdgrpc.prefill.handshake import Destination, LocalEnd, Signed, check_handshake
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.prefill.room import RoomDriver, Sending
@@ -68,8 +67,8 @@ class _Active:
     driver: RoomDriver | None = None
     secret: bytes = b""  # PrefillRequest.room_secret: Handshake/AbortRoom must prove it
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    # How it ends: aborted or not, the failure its decode is told. Drivers feed it events.
-    fate: PrefillRoom[Failure] = dataclasses.field(init=False)
+    # How it ends: aborted or not, and its failure. Drivers feed it events.
+    fate: PrefillRoom[RequestFailed] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.fate = PrefillRoom(self.room)
@@ -130,7 +129,6 @@ class PrefillWorker:
             layout.num_kv_heads, layout.head_bytes, self.tp_rank, self.tp_size, config.deadlines, config.chunk_size,
         )
         self._active: dict[int, _Active] = {}
-        self.failed_rooms = FailedRooms(config.failed_rooms, config.failed_room_ttl_s, config.max_watches)
         self._pages_freed = asyncio.Event()
         self.completed = 0  # requests finished successfully (count)
         self.failed = 0
@@ -210,10 +208,6 @@ class PrefillWorker:
         handshake from the real decode nor fill the mailbox."""
         room = req.bootstrap_room
         message, proof = handshake_message(req), bytes(req.room_proof)
-        failure = self.failed_rooms.get(room)
-        if failure is not None and (not failure.secret or verify(failure.secret, message, proof)):
-            request_event(log, room, "handshake refused", reason="the room's prefill failed")
-            raise RequestFailed(C.ABORTED, f"room {room}: the prefill of this room failed here: {failure.reason}")
         entry = self._active.get(room)
         if entry is not None and entry.secret and not verify(entry.secret, message, proof):
             # Refused before it touches the room: the real decode's handshake still gets in.
@@ -273,8 +267,6 @@ class PrefillWorker:
                 await asyncio.wait_for(entry.finished.wait(), self.config.abort_wait_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(C.DEADLINE_EXCEEDED, f"room {room}: driver did not stop within {self.config.abort_wait_s} s") from None
-        elif self.failed_rooms.get(room) is not None:
-            pass  # failed and stopped here: nothing to stop, nothing to remember
         else:
             # The Prefill RPC has not arrived (or already ended): leave a bounded tombstone
             # so one that arrives later fails at once instead of waiting for a handshake.
@@ -290,28 +282,10 @@ class PrefillWorker:
         request_event(log, room, "abort", reason=reason, was_active=was_active)
         return was_active
 
-    async def watch_room(self, room: int, proof: bytes, max_wait_s: float) -> handshake_pb2.WatchRoomResponse:
-        """Whether ``room``'s prefill failed here, waiting up to ``max_wait_s`` for it to
-        end (:mod:`pdgrpc.prefill.failed`)."""
-        entry = self._active.get(room)
-        return await self.failed_rooms.answer(
-            room, proof, entry.secret if entry is not None else b"", lambda: room in self._active or self._mailbox.holds(room),
-            max_wait_s,
-        )
-
-    def refused_by_controller(self, room: int, code: grpc.StatusCode, message: str, secret: bytes) -> None:
-        """The controller refused ``room``, whose decode looks for it here: fail it as if it
-        failed here (:mod:`pdgrpc.prefill.notices`), unless a Prefill for it runs here."""
-        if room in self._active:
-            return
-        request_event(log, room, "refused by the controller", code=code.name, reason=message)
-        self._mailbox.sift(room, lambda s: bool(secret) and not s.genuine(secret))  # drop only the refused one's
-        self.failed_rooms.record(room, Failure(code, message, secret))
-
-    def _record_failure(self, room: int, failure: Failure) -> None:
-        """``room``'s prefill failed and stopped: tell its decode (Handshake, WatchRoom)."""
-        self._mailbox.discard(room)  # early handshakes for it will never be taken
-        self.failed_rooms.record(room, failure)
+    def watching(self, room: int) -> bool:
+        """Whether ``room``'s Prefill runs here or a handshake waits for it (the
+        deprecated ``WatchRoom``'s PENDING)."""
+        return room in self._active or self._mailbox.holds(room)
 
     # ---- prefill -----------------------------------------------------------------------
 
@@ -367,7 +341,7 @@ class PrefillWorker:
             self.metrics.on_refused()
             request_event(log, room, "rejected", code=exc.code.name, reason=exc.message)
             if exc.code != C.ALREADY_EXISTS:  # a duplicate must not fail the running room
-                self._record_failure(room, Failure(exc.code, exc.message, bytes(req.room_secret)))
+                self._mailbox.discard(room)  # early handshakes for it will never be taken
             raise
         task = asyncio.current_task()
         assert task is not None
@@ -400,32 +374,32 @@ class PrefillWorker:
             if abort is None:
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by the caller")
-                entry.fate.handle(Failed(Failure(C.CANCELLED, f"room {room}: the prefill was cancelled by its caller", entry.secret)))
+                entry.fate.handle(Failed(RequestFailed(C.CANCELLED, f"room {room}: the prefill was cancelled by its caller")))
                 raise
             # AbortRoom (decode gave up) or close() (shutdown) stopped it.
             self.metrics.on_abort(ServerAbortReason.SHUTDOWN if abort.shutdown else ServerAbortReason.DECODE_ERROR)
             task.uncancel()
             request_event(log, room, "aborted", reason=abort.reason)
-            entry.fate.handle(Failed(Failure(C.ABORTED, f"room {room}: aborted: {abort.reason}", entry.secret)))
+            entry.fate.handle(Failed(RequestFailed(C.ABORTED, f"room {room}: aborted: {abort.reason}")))
             raise RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {abort.reason}") from None
         except _Oversize as exc:
             # Larger than the whole pool: it took nothing and never could, so it is refused.
             self.failed += 1
             self.metrics.on_refused()
             request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
-            entry.fate.handle(Failed(Failure(exc.code, exc.message, entry.secret)))
+            entry.fate.handle(Failed(RequestFailed(exc.code, exc.message)))
             raise
         except RequestFailed as exc:
             self.failed += 1
             self.metrics.on_abort(exc.reason)
             request_event(log, room, "failed", code=exc.code.name, reason=exc.message)
-            entry.fate.handle(Failed(Failure(exc.code, exc.message, entry.secret)))
+            entry.fate.handle(Failed(RequestFailed(exc.code, exc.message)))
             raise
         except Exception as exc:  # a bug or an engine failure: fail the request, keep serving
             self.failed += 1
             self.metrics.on_abort(ServerAbortReason.INTERNAL_ERROR)
             log.exception("room=%d failed unexpectedly", room)
-            entry.fate.handle(Failed(Failure(C.INTERNAL, f"room {room}: prefill failed: {exc!r}", entry.secret)))
+            entry.fate.handle(Failed(RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {exc!r}")))
             raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {exc!r}") from None
         finally:
             await self._finish(entry)
@@ -466,10 +440,6 @@ class PrefillWorker:
             entry.pages = []
             self._pages_freed.set()  # wake requests waiting for pages
         self._active.pop(entry.room, None)
-        if entry.fate.failure is not None:
-            self._record_failure(entry.room, entry.fate.failure)
-        else:
-            self.failed_rooms.ended(entry.room)
         entry.finished.set()
 
     def _succeeded(self, key: int) -> bool:

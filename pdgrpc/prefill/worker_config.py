@@ -36,9 +36,6 @@ class WorkerConfig:
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
     early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's mTLS identity, else its host)
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
-    failed_rooms: int = 4096  # rooms remembered as failed, for Handshake and WatchRoom (count)
-    failed_room_ttl_s: float = 60.0  # and for how long (seconds)
-    max_watches: int = 4096  # WatchRoom calls held at once (count)
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:

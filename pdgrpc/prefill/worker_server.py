@@ -224,7 +224,7 @@ async def _main(ns: argparse.Namespace) -> int:
     if ns.link_fd is not None:
         # Closed by the controller (it died): stop, as the parent watch would a moment later.
         link = await WorkerLinkServer.open(
-            socket.socket(fileno=ns.link_fd), name, worker.prefill, on_lost=orphaned.set, on_failed=worker.refused_by_controller
+            socket.socket(fileno=ns.link_fd), name, worker.prefill, on_lost=orphaned.set
         )
 
         async def _drain_link() -> None:

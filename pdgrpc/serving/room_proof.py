@@ -12,10 +12,9 @@ asks for: for a handshake the room, destination pages, slot, decode tp rank and 
 ``wants_metadata``, the transport descriptor (where the KV goes) and the data-plane
 credential the decode issued (what the worker proves to it), so a forger can neither
 redirect the KV, nor reuse a proof for another decode rank, nor swap the credential so
-that the worker fails to prove itself to the real decode; for an abort and for a
-watch (``WatchRoom``: did the room's prefill fail?) the room, each under its own prefix.
-A room whose prefill failed in its controller is recorded with its bootstrap under a
-tag (:func:`failure_tag`, the room under a fourth prefix): only a holder of the secret
+that the worker fails to prove itself to the real decode; for an abort the room, under
+its own prefix. A room whose prefill failed is recorded with its bootstrap under a
+tag (:func:`failure_tag`, the room under another prefix): only a holder of the secret
 can make a record its decode finds, or find one.
 A ``Prefill`` or ``Decode`` that reaches a server over gRPC without a secret of
 :data:`SECRET_BYTES` bytes is refused (:func:`secret_problem`): without one, the prefill
@@ -35,14 +34,13 @@ from pdgrpc.v1 import handshake_pb2
 
 __all__ = [
     "SECRET_BYTES", "abort_message", "abort_proof", "draw_secret", "failure_tag", "handshake_message", "handshake_proof", "secret_problem", "sign",
-    "verify", "watch_message", "watch_proof",
+    "verify",
 ]
 
 SECRET_BYTES = 32
 
 _HANDSHAKE = b"pdgrpc.v1 handshake\0"
 _ABORT = b"pdgrpc.v1 abort\0"
-_WATCH = b"pdgrpc.v1 watch\0"
 _FAILED = b"pdgrpc.v1 room failed\0"
 
 
@@ -83,16 +81,6 @@ def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
 def abort_message(room: int) -> bytes:
     """What an ``AbortRoomRequest``'s proof signs."""
     return _ABORT + struct.pack("<Q", room)
-
-
-def watch_message(room: int) -> bytes:
-    """What a ``WatchRoomRequest``'s proof signs."""
-    return _WATCH + struct.pack("<Q", room)
-
-
-def watch_proof(secret: bytes, room: int) -> bytes:
-    """The ``room_proof`` of a ``WatchRoomRequest`` for ``room`` under ``secret``."""
-    return sign(secret, watch_message(room))
 
 
 def failure_tag(secret: bytes, room: int) -> bytes:

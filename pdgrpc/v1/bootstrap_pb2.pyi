@@ -602,7 +602,7 @@ Global___RoomFailureKey: _TypeAlias = RoomFailureKey  # noqa: Y015
 
 @_typing.final
 class RoomFailure(_message.Message):
-    """One room whose prefill failed in its controller."""
+    """One room whose prefill failed."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -685,6 +685,9 @@ class QueryRoomFailuresRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEYS_FIELD_NUMBER: _builtins.int
+    MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    max_wait_ms: _builtins.int
+    """Hold the call up to this long (capped at 10,000) while no key has a record; 0 answers at once."""
     @_builtins.property
     def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomFailureKey]:
         """Rooms to look up, each with its tag; at most 1,024 per call."""
@@ -693,10 +696,11 @@ class QueryRoomFailuresRequest(_message.Message):
         self,
         *,
         keys: _abc.Iterable[Global___RoomFailureKey] | None = ...,
+        max_wait_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "max_wait_ms", b"max_wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

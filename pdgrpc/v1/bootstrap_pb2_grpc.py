@@ -133,9 +133,9 @@ class BootstrapServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RecordRoomFailures(self, request, context):
-        """A prefill controller records rooms whose prefill failed before any prefill worker saw
-        them (no live dp rank, a refused dispatch, a failed registration): no worker can
-        refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+        """A prefill controller records every room whose prefill failed: refused in the
+        controller, failed on a worker, or lost with a dead worker. This is how a decode
+        learns that its prefill failed when the gateway does not cancel its leg (smg). A
         record is found only by its tag, an HMAC under the room's secret, so a caller without
         the secret can neither fail a room nor learn that one failed. The server keeps the
         last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
@@ -147,7 +147,10 @@ class BootstrapServiceServicer:
 
     def QueryRoomFailures(self, request, context):
         """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+        With max_wait_ms, a call that finds no record is held until one of its keys is
+        recorded or the wait ends (the decode holds one for a room whose KV is late).
         INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
+        RESOURCE_EXHAUSTED: too many calls are held on this server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -74,9 +74,9 @@ class BootstrapServiceStub:
     INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
     """
     RecordRoomFailures: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.RecordRoomFailuresRequest, _bootstrap_pb2.RecordRoomFailuresResponse]
-    """A prefill controller records rooms whose prefill failed before any prefill worker saw
-    them (no live dp rank, a refused dispatch, a failed registration): no worker can
-    refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+    """A prefill controller records every room whose prefill failed: refused in the
+    controller, failed on a worker, or lost with a dead worker. This is how a decode
+    learns that its prefill failed when the gateway does not cancel its leg (smg). A
     record is found only by its tag, an HMAC under the room's secret, so a caller without
     the secret can neither fail a room nor learn that one failed. The server keeps the
     last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
@@ -84,7 +84,10 @@ class BootstrapServiceStub:
     """
     QueryRoomFailures: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryRoomFailuresRequest, _bootstrap_pb2.QueryRoomFailuresResponse]
     """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+    With max_wait_ms, a call that finds no record is held until one of its keys is
+    recorded or the wait ends (the decode holds one for a room whose KV is late).
     INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
+    RESOURCE_EXHAUSTED: too many calls are held on this server.
     """
 
 @_typing.type_check_only
@@ -129,9 +132,9 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
     INVALID_ARGUMENT: dp_rank or a tp_rank outside the topology.
     """
     RecordRoomFailures: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.RecordRoomFailuresRequest, _bootstrap_pb2.RecordRoomFailuresResponse]  # type: ignore[assignment]
-    """A prefill controller records rooms whose prefill failed before any prefill worker saw
-    them (no live dp rank, a refused dispatch, a failed registration): no worker can
-    refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+    """A prefill controller records every room whose prefill failed: refused in the
+    controller, failed on a worker, or lost with a dead worker. This is how a decode
+    learns that its prefill failed when the gateway does not cancel its leg (smg). A
     record is found only by its tag, an HMAC under the room's secret, so a caller without
     the secret can neither fail a room nor learn that one failed. The server keeps the
     last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
@@ -139,7 +142,10 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
     """
     QueryRoomFailures: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryRoomFailuresRequest, _bootstrap_pb2.QueryRoomFailuresResponse]  # type: ignore[assignment]
     """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+    With max_wait_ms, a call that finds no record is held until one of its keys is
+    recorded or the wait ends (the decode holds one for a room whose KV is late).
     INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
+    RESOURCE_EXHAUSTED: too many calls are held on this server.
     """
 
 class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -217,9 +223,9 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _bootstrap_pb2.RecordRoomFailuresRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_bootstrap_pb2.RecordRoomFailuresResponse, _abc.Awaitable[_bootstrap_pb2.RecordRoomFailuresResponse]]:
-        """A prefill controller records rooms whose prefill failed before any prefill worker saw
-        them (no live dp rank, a refused dispatch, a failed registration): no worker can
-        refuse their decode's handshake, so the decode asks here (QueryRoomFailures). A
+        """A prefill controller records every room whose prefill failed: refused in the
+        controller, failed on a worker, or lost with a dead worker. This is how a decode
+        learns that its prefill failed when the gateway does not cancel its leg (smg). A
         record is found only by its tag, an HMAC under the room's secret, so a caller without
         the secret can neither fail a room nor learn that one failed. The server keeps the
         last 4,096 records for 60 s (the oldest go first); recording a tag again replaces it.
@@ -233,7 +239,10 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_bootstrap_pb2.QueryRoomFailuresResponse, _abc.Awaitable[_bootstrap_pb2.QueryRoomFailuresResponse]]:
         """The records matching a batch of (room, tag) keys; keys with no record are not an error.
+        With max_wait_ms, a call that finds no record is held until one of its keys is
+        recorded or the wait ends (the decode holds one for a room whose KV is late).
         INVALID_ARGUMENT: a room of 0, a tag that is not 32 bytes, or more than 1,024 keys.
+        RESOURCE_EXHAUSTED: too many calls are held on this server.
         """
 
 def add_BootstrapServiceServicer_to_server(servicer: BootstrapServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -72,13 +72,9 @@ class HandshakeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchRoom(self, request, context):
-        """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
-        prefill failed. The decode calls it for a handshaken room whose KV has not landed
-        soon after the handshake, so that a prefill that fails (compute error, refusal,
-        broken transfer) ends the decode's side at once rather than at its waiting deadline.
-        A Handshake for a room whose prefill already failed is refused with ABORTED.
-        PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
-        verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
+        """Deprecated: a decode learns that its prefill failed from the prefill's bootstrap
+        (BootstrapService.QueryRoomFailures with max_wait_ms). Answered at once: PENDING
+        while the room's Prefill runs or its handshake waits on this worker, else NOT_FAILED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

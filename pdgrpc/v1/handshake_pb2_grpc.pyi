@@ -10,6 +10,7 @@ from collections import abc as _abc
 from grpc import aio as _aio
 from pdgrpc.v1 import handshake_pb2 as _handshake_pb2
 import abc as _abc_1
+import builtins as _builtins
 import grpc as _grpc
 import sys
 import typing as _typing
@@ -18,6 +19,11 @@ if sys.version_info >= (3, 11):
     from typing import Self as _Self
 else:
     from typing_extensions import Self as _Self
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 _T = _typing.TypeVar("_T")
 
@@ -43,15 +49,13 @@ class HandshakeServiceStub:
     """Decode gave up on the room (abort, timeout, client cancel). Once this returns OK the
     worker will never write into the room's pages again, so decode may reuse them.
     """
-    WatchRoom: _grpc.UnaryUnaryMultiCallable[_handshake_pb2.WatchRoomRequest, _handshake_pb2.WatchRoomResponse]
-    """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
-    prefill failed. The decode calls it for a handshaken room whose KV has not landed
-    soon after the handshake, so that a prefill that fails (compute error, refusal,
-    broken transfer) ends the decode's side at once rather than at its waiting deadline.
-    A Handshake for a room whose prefill already failed is refused with ABORTED.
-    PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
-    verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
-    """
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def WatchRoom(self) -> _grpc.UnaryUnaryMultiCallable[_handshake_pb2.WatchRoomRequest, _handshake_pb2.WatchRoomResponse]:
+        """Deprecated: a decode learns that its prefill failed from the prefill's bootstrap
+        (BootstrapService.QueryRoomFailures with max_wait_ms). Answered at once: PENDING
+        while the room's Prefill runs or its handshake waits on this worker, else NOT_FAILED.
+        """
 
 @_typing.type_check_only
 class HandshakeServiceAsyncStub(HandshakeServiceStub):
@@ -65,15 +69,13 @@ class HandshakeServiceAsyncStub(HandshakeServiceStub):
     """Decode gave up on the room (abort, timeout, client cancel). Once this returns OK the
     worker will never write into the room's pages again, so decode may reuse them.
     """
-    WatchRoom: _aio.UnaryUnaryMultiCallable[_handshake_pb2.WatchRoomRequest, _handshake_pb2.WatchRoomResponse]  # type: ignore[assignment]
-    """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
-    prefill failed. The decode calls it for a handshaken room whose KV has not landed
-    soon after the handshake, so that a prefill that fails (compute error, refusal,
-    broken transfer) ends the decode's side at once rather than at its waiting deadline.
-    A Handshake for a room whose prefill already failed is refused with ABORTED.
-    PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
-    verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
-    """
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def WatchRoom(self) -> _aio.UnaryUnaryMultiCallable[_handshake_pb2.WatchRoomRequest, _handshake_pb2.WatchRoomResponse]:  # type: ignore[override]
+        """Deprecated: a decode learns that its prefill failed from the prefill's bootstrap
+        (BootstrapService.QueryRoomFailures with max_wait_ms). Answered at once: PENDING
+        while the room's Prefill runs or its handshake waits on this worker, else NOT_FAILED.
+        """
 
 class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -97,19 +99,16 @@ class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
         worker will never write into the room's pages again, so decode may reuse them.
         """
 
+    @_deprecated("""Deprecated: a decode learns that its prefill failed from the prefill's bootstrap\n(BootstrapService.QueryRoomFailures with max_wait_ms). Answered at once: PENDING\nwhile the room's Prefill runs or its handshake waits on this worker, else NOT_FAILED.""")
     @_abc_1.abstractmethod
     def WatchRoom(
         self,
         request: _handshake_pb2.WatchRoomRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_handshake_pb2.WatchRoomResponse, _abc.Awaitable[_handshake_pb2.WatchRoomResponse]]:
-        """Wait (bounded by max_wait_ms) until the room ends on this worker and say whether its
-        prefill failed. The decode calls it for a handshaken room whose KV has not landed
-        soon after the handshake, so that a prefill that fails (compute error, refusal,
-        broken transfer) ends the decode's side at once rather than at its waiting deadline.
-        A Handshake for a room whose prefill already failed is refused with ABORTED.
-        PERMISSION_DENIED: the room's Prefill carries a room_secret and room_proof does not
-        verify under it. RESOURCE_EXHAUSTED: too many watches are held on this worker.
+        """Deprecated: a decode learns that its prefill failed from the prefill's bootstrap
+        (BootstrapService.QueryRoomFailures with max_wait_ms). Answered at once: PENDING
+        while the room's Prefill runs or its handshake waits on this worker, else NOT_FAILED.
         """
 
 def add_HandshakeServiceServicer_to_server(servicer: HandshakeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from pdgrpc.bootstrap.client import BootstrapClient
-from pdgrpc.bootstrap.failures import MAX_BATCH, RoomFailures
+from pdgrpc.bootstrap.failures import MAX_BATCH, RoomFailures, TooManyWatches
 from pdgrpc.bootstrap.service import BootstrapServer
 from pdgrpc.decode.prefills import PrefillDirectory
 from pdgrpc.metrics.catalog import ServerAbortReason
@@ -81,3 +81,30 @@ def test_the_records_are_bounded_in_count_and_age() -> None:
     # A long reason is cut.
     table.record([record(4, s[0], reason="x" * 5000)], now=11.0)
     assert len(table.query([record(4, s[0]).key], now=11.0)[0].reason) == 1000
+
+
+async def test_a_held_query_answers_when_its_room_is_recorded_and_is_bounded(server: BootstrapServer, client: BootstrapClient) -> None:
+    """The decode's held QueryRoomFailures answers the moment its room's failure is
+    recorded (not at the end of its wait); a record under another secret does not wake
+    it; past the cap on held calls a query is refused RESOURCE_EXHAUSTED."""
+    import asyncio
+
+    secret = draw_secret()
+    held = asyncio.ensure_future(client.query_room_failures([record(ROOM + 7, secret).key], max_wait_s=10.0, timeout=20))
+    await asyncio.sleep(0.1)
+    await client.record_room_failures([record(ROOM + 7, draw_secret())])  # someone else's tag
+    await asyncio.sleep(0.1)
+    assert not held.done()
+    await client.record_room_failures([record(ROOM + 7, secret)])
+    found = await asyncio.wait_for(held, 2.0)
+    assert [f.key.bootstrap_room for f in found] == [ROOM + 7]
+    # Nothing recorded: the wait ends empty.
+    assert await client.query_room_failures([record(ROOM + 8, secret).key], max_wait_s=0.05, timeout=5) == []
+
+    table = RoomFailures(max_watches=1)
+    first = asyncio.ensure_future(table.wait([record(ROOM, secret).key], lambda: 0.0, 10.0))
+    await asyncio.sleep(0)
+    with pytest.raises(TooManyWatches, match="limit 1"):
+        await table.wait([record(ROOM + 1, secret).key], lambda: 0.0, 10.0)
+    table.record([record(ROOM, secret)], 0.0)
+    assert len(await first) == 1

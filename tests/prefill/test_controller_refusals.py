@@ -1,12 +1,10 @@
-"""Issue 17: a room the prefill *controller* refuses, before any worker sees it, still
-reaches its decode at once (pdgrpc.prefill.notices).
+"""A room whose prefill fails reaches its decode's held watch on the prefill's bootstrap
+at once (pdgrpc.prefill.notices), whether the controller refused it or a worker failed it.
 
 A real prefill process (dp 2, follow_bootstrap_room, tcp) and a fake decode. A routed
 dp rank other than ``room % dp_size`` is refused by the controller (FAILED_PRECONDITION);
-the decode, which handshakes with the routed rank, is told by that rank's worker
-(Handshake ABORTED, WatchRoom FAILED) and by the bootstrap's failure record, each only
-under the room's secret. And in-process: a notice under another secret leaves the real
-decode's early handshake alone.
+a prompt with a token id outside the vocabulary is refused by the worker. The record is
+found only under the room's secret.
 """
 
 from __future__ import annotations
@@ -19,14 +17,9 @@ import grpc
 import pytest
 
 from pdgrpc.decode.prefills import PrefillDirectory
-from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.prefill.errors import RequestFailed
-from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
-from pdgrpc.transport import registry
-from pdgrpc.serving.room_proof import draw_secret, watch_proof
-from pdgrpc.v1 import handshake_pb2 as hpb
-from pdgrpc.v1 import handshake_pb2_grpc as hpb_grpc
-from tests.prefill.fake_decode import FakeDecode, KVPoll, room_secret
+from pdgrpc.serving.room_proof import draw_secret
+from tests.prefill.fake_decode import FakeDecode, room_secret
 from tests.prefill.harness import CONFIG, assert_settles_to_zero, new_room, prefill_stub, prompt, request
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
 
@@ -54,18 +47,22 @@ async def decode() -> AsyncIterator[FakeDecode]:
         await d.close()
 
 
-async def test_a_refused_room_fails_its_decodes_handshake_and_watch_at_once(prefill: PrefillProc, decode: FakeDecode) -> None:
+async def _held_watch(prefill: PrefillProc, room: int) -> "asyncio.Future[dict[int, tuple[RequestFailed, bool]] | None]":
+    """The decode's held QueryRoomFailures for ``room``, started now."""
+    directory = PrefillDirectory()
+    watch = asyncio.ensure_future(directory.room_failures(prefill.bootstrap, {room: room_secret(room)}, wait_s=10.0))
+    await asyncio.sleep(0.2)
+    assert not watch.done(), "the watch must be held while the room has no record"
+    return watch
+
+
+async def test_a_refused_room_answers_its_decodes_held_watch_at_once(prefill: PrefillProc, decode: FakeDecode) -> None:
     room = new_room()
     other = (room % 2) ^ 1  # not room % dp_size: the controller refuses the route
     ids = prompt(9, 3)
-    worker = prefill.worker_addresses[other]
     early = decode.allocate(room, len(ids))
-    await decode.handshake(worker, early)  # the decode was quicker than the prefill leg
-    wch = grpc.aio.insecure_channel(worker)
-    stub = hpb_grpc.HandshakeServiceStub(wch)
-    watch = asyncio.ensure_future(
-        stub.WatchRoom(hpb.WatchRoomRequest(bootstrap_room=room, max_wait_ms=10_000, room_proof=watch_proof(room_secret(room), room)), timeout=20)
-    )
+    await decode.handshake(prefill.worker_addresses[other], early)  # the decode was quicker than the prefill leg
+    watch = await _held_watch(prefill, room)
     ch, prefills = await prefill_stub(prefill)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -74,51 +71,37 @@ async def test_a_refused_room_fails_its_decodes_handshake_and_watch_at_once(pref
     finally:
         await ch.close()
     # The held watch answers now, with the controller's status.
-    answer = await asyncio.wait_for(watch, 5)
-    assert answer.outcome == hpb.ROOM_OUTCOME_FAILED and answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
-    assert "follow_bootstrap_room" in answer.reason
-    # A handshake for the room (a retry, another decode tp rank) is refused with ABORTED.
-    with pytest.raises(grpc.aio.AioRpcError) as aborted:
-        await decode.handshake(worker, early)
-    assert aborted.value.code() == grpc.StatusCode.ABORTED and "follow_bootstrap_room" in aborted.value.details()
-    # Without the room's secret, the worker tells nothing.
-    with pytest.raises(grpc.aio.AioRpcError) as denied:
-        await stub.WatchRoom(hpb.WatchRoomRequest(bootstrap_room=room, room_proof=watch_proof(draw_secret(), room)), timeout=5)
-    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    await wch.close()
-    # The bootstrap holds the record too, found only under the room's secret.
-    directory = PrefillDirectory()
-    (failure, never_forwarded) = (await directory.room_failures(prefill.bootstrap, {room: room_secret(room)}))[room]
+    found = await asyncio.wait_for(watch, 5)
+    assert found is not None
+    failure, never_forwarded = found[room]
     assert never_forwarded and failure.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert await directory.room_failures(prefill.bootstrap, {room: draw_secret()}) == {}
+    assert "follow_bootstrap_room" in failure.message
+    # Found only under the room's secret.
+    assert await PrefillDirectory().room_failures(prefill.bootstrap, {room: draw_secret()}) == {}
     decode.free(early)
     await assert_settles_to_zero(prefill)
 
 
-async def test_a_notice_under_another_secret_leaves_the_real_decodes_handshake(decode: FakeDecode) -> None:
-    """A worker told that the controller refused a room under *another* secret (a caller
-    that sent a Prefill for a room it does not own) keeps the real decode's early
-    handshake, and the real Prefill lands; a notice under the room's own secret drops it
-    and refuses the handshake from then on."""
-    w = PrefillWorker(ReferenceEngine(CONFIG), registry.create("tcp"), WorkerConfig(handshake_timeout_s=3.0))
-    await w.start()
+async def test_a_room_that_fails_on_a_worker_answers_its_decodes_held_watch(prefill: PrefillProc, decode: FakeDecode) -> None:
+    """The controller records a worker's failure too: the decode learns of every failure
+    from the bootstrap, and the record says a worker got the request."""
+    room = new_room()
+    ids = prompt(9, 3)
+    early = decode.allocate(room, len(ids))
+    await decode.handshake(prefill.worker_addresses[room % 2], early)
+    watch = await _held_watch(prefill, room)
+    bad = request(room, ids)
+    bad.input_ids.append(10**6)  # not a token id: the worker refuses it
+    ch, prefills = await prefill_stub(prefill)
     try:
-        ids, room = prompt(9, 4), new_room()
-        real = decode.allocate(room, len(ids))
-        w.handshake(decode.handshake_request(real))  # before its Prefill, signed under the room's secret
-        w.refused_by_controller(room, grpc.StatusCode.FAILED_PRECONDITION, "someone else's refusal", draw_secret())
-        await w.prefill(request(room, ids))
-        assert (await decode.wait(real, 30)).state is KVPoll.SUCCESS
-        decode.free(real)
-
-        other = new_room()
-        told = decode.allocate(other, len(ids))
-        w.handshake(decode.handshake_request(told))
-        w.refused_by_controller(other, grpc.StatusCode.UNAVAILABLE, "no live prefill worker", room_secret(other))
-        with pytest.raises(RequestFailed) as refused:
-            w.handshake(decode.handshake_request(told))
-        assert refused.value.code == grpc.StatusCode.ABORTED and "no live prefill worker" in refused.value.message
-        decode.free(told)
-        assert w.stats().active_requests == 0 and w.stats().pages_in_use == 0
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await prefills.Prefill(bad, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
     finally:
-        await w.close()
+        await ch.close()
+    found = await asyncio.wait_for(watch, 5)
+    assert found is not None
+    failure, never_forwarded = found[room]
+    assert not never_forwarded and failure.code == grpc.StatusCode.INVALID_ARGUMENT
+    decode.free(early)
+    await assert_settles_to_zero(prefill)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.serving.room_proof import abort_proof, draw_secret, handshake_proof, watch_proof
+from pdgrpc.serving.room_proof import abort_proof, draw_secret, handshake_proof
 from pdgrpc.v1 import handshake_pb2 as hpb
 from pdgrpc.v1 import prefill_pb2_grpc
 from tests.eventually import eventually_async
@@ -212,68 +212,6 @@ async def test_a_room_out_of_range_is_refused_at_every_entry(
     resp, r = await run_one(prefill, victim, ids, GREEDY, query=False, dp_size=1)
     assert resp.prompt_tokens == len(ids)
     victim.free(r)
-    await assert_settles_to_zero(prefill, dp_size=1)
-
-
-async def test_a_failed_room_is_told_to_its_decode_only(prefill: PrefillProc, decodes: tuple[FakeDecode, FakeDecode]) -> None:
-    """Issue 17: a room whose Prefill failed refuses the decode's Handshake (ABORTED) and
-    answers its WatchRoom FAILED; neither tells anyone without the room's secret."""
-    victim, attacker = decodes
-    ids = prompt(7, 3)
-    (worker,) = prefill.worker_addresses
-    ch, stub = await prefill_stub(prefill)
-
-    def watch(room: int, secret: bytes | None, wait_ms: int = 0) -> hpb.WatchRoomRequest:
-        proof = watch_proof(secret, room) if secret else b""
-        return hpb.WatchRoomRequest(bootstrap_room=room, max_wait_ms=wait_ms, room_proof=proof)
-
-    try:
-        # The handshake comes first and is held; a watch on it is pending; then the Prefill
-        # fails (a token id outside the vocabulary) and the held watch answers FAILED.
-        room, secret = new_room(), draw_secret()
-        real = victim.allocate(room, len(ids))
-        await victim.stub(worker).Handshake(signed(victim, real, secret), timeout=10)
-        pending = await victim.stub(worker).WatchRoom(watch(room, secret, 50), timeout=10)
-        assert pending.outcome == hpb.ROOM_OUTCOME_PENDING
-        held = asyncio.ensure_future(victim.stub(worker).WatchRoom(watch(room, secret, 10_000), timeout=20))
-        bad = request(room, (*ids, 10**6), GREEDY)
-        bad.room_secret = secret
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await stub.Prefill(bad, timeout=10)
-        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        failed = await held
-        assert failed.outcome == hpb.ROOM_OUTCOME_FAILED and failed.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        assert "input_ids" in failed.reason
-        # Without the secret: nothing learnt.
-        for forged in (watch(room, None), watch(room, draw_secret())):
-            with pytest.raises(grpc.aio.AioRpcError) as ei:
-                await attacker.stub(worker).WatchRoom(forged, timeout=10)
-            assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
-        # A later handshake for the failed room is refused at once.
-        again = signed(victim, real, secret)
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await victim.stub(worker).Handshake(again, timeout=10)
-        assert ei.value.code() is grpc.StatusCode.ABORTED and "failed" in ei.value.details()
-        victim.free(real)
-
-        # A room that succeeds: its held watch answers NOT_FAILED.
-        room = new_room()
-        real = victim.allocate(room, len(ids))
-        req = request(room, ids, GREEDY)
-        req.room_secret = secret
-        call = asyncio.ensure_future(stub.Prefill(req, timeout=60))
-        await eventually_async(lambda: active_requests(stub), 15, what="the worker holds the request")
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await attacker.stub(worker).WatchRoom(watch(room, None, 10_000), timeout=20)
-        assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
-        held = asyncio.ensure_future(victim.stub(worker).WatchRoom(watch(room, secret, 10_000), timeout=20))
-        await asyncio.sleep(0.1)
-        await victim.stub(worker).Handshake(signed(victim, real, secret), timeout=10)
-        await call
-        assert (await held).outcome == hpb.ROOM_OUTCOME_NOT_FAILED
-        victim.free(real)
-    finally:
-        await ch.close()
     await assert_settles_to_zero(prefill, dp_size=1)
 
 
