@@ -5,7 +5,7 @@
   transfer poll, commit/abort; :mod:`pdgrpc.decode.generation` -- its running half
   (decode steps with ``engine.decode_step``, how a request finishes or fails);
   :mod:`pdgrpc.decode.prefill_calls` -- its calls to the prefill side (dp-rank queries,
-  handshake, WatchRoom, AbortRoom).
+  failure watches, handshake, AbortRoom).
 * :mod:`pdgrpc.decode.rank` -- what every TP rank does for the transfers (its rows,
   queues, grants, local poll and release), shared by rank 0 and the followers.
 * :mod:`pdgrpc.decode.handshake` -- the client of the prefill workers' HandshakeService

@@ -17,7 +17,7 @@ that ends runs it at once too, between iterations. Each request's fate
 its parts feed it events and do what it says.
 
 The scheduler is built from two parts, each given what it needs at construction: the
-network calls to the prefill (bootstrap queries, handshakes, WatchRoom and AbortRoom:
+network calls to the prefill (bootstrap queries and failure watches, handshakes, AbortRoom:
 :class:`~pdgrpc.decode.prefill_calls.PrefillCalls`) run as their own tasks and feed their
 results back into the pure state, so the loop itself never waits on the network; the
 generation loop (:class:`~pdgrpc.decode.generation.Generation`) runs the engine.

@@ -19,8 +19,8 @@ room with a router request on the same prefill.
 ``request_id``, which smg draws at random (``cmpl-`` + 24 random characters + a UUIDv7)
 and sends to those two workers only. Both legs use ``room_secret(request_id)``
 (SHA-256 under a fixed prefix) as the request's ``room_secret``, so the decode's
-Handshake, AbortRoom and WatchRoom calls prove the room as a router request's do: a
-party that never saw the request cannot take, abort or watch its room. An empty
+Handshake and AbortRoom calls and its failure watch prove the room as a router
+request's do: a party that never saw the request cannot take, abort or watch its room. An empty
 ``request_id`` gives no secret (the room is then unbound, as without one).
 
 **Seed.** smg 1.13.0's ``SamplingParams`` has no seed field and it does not forward an
