@@ -9,7 +9,7 @@
 :class:`~pdgrpc.state.prefill_sender.PrefillSender` follows the room's transfer once its
 pages are allocated; this machine follows what decides how the room ends, from its
 admission on: whether an abort stops its driver, what a cancellation of its driver means,
-and the failure its decode is told about. An ``Abort`` once the room failed or closes has
+and the failure it ends with. An ``Abort`` once the room failed or closes has
 nothing left to stop and is ignored; any other event the state does not accept raises
 :class:`~pdgrpc.errors.IllegalTransition` and leaves the state unchanged.
 """
@@ -44,7 +44,7 @@ class Abort:
 
 @dataclasses.dataclass(frozen=True)
 class Failed(Generic[F]):
-    """The room failed with ``failure`` (what its decode is told)."""
+    """The room failed with ``failure``."""
 
     failure: F
 
