@@ -48,7 +48,9 @@ class SchedulerConfig:
     # held): a prefill that fails then ends the request at once. Transfers that land
     # sooner (the common case) never watch. Seconds.
     watch_after_s: float = 0.05
-    watch_wait_s: float = 5.0  # each held call's max_wait (asked again while the room waits)
+    # Each held call's max_wait, asked again while the room waits. Short: nothing ends a
+    # held call when the KV lands, so it holds a place on the bootstrap until then.
+    watch_wait_s: float = 1.0
 
 
 @dataclasses.dataclass(eq=False)
