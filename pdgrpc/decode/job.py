@@ -48,9 +48,9 @@ class SchedulerConfig:
     # held): a prefill that fails then ends the request at once. Transfers that land
     # sooner (the common case) never watch. Seconds.
     watch_after_s: float = 0.05
-    # Each held call's max_wait, asked again while the room waits. Short: nothing ends a
-    # held call when the KV lands, so it holds a place on the bootstrap until then.
-    watch_wait_s: float = 1.0
+    # Each held call's max_wait, asked again while the room waits. The call is cancelled
+    # when the room leaves the queues, so a landed room frees its place on the bootstrap.
+    watch_wait_s: float = 5.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,6 +75,8 @@ class Job:
     handshake_sent_at: float = 0.0
     contacted: list[bpb.WorkerInfo] = dataclasses.field(default_factory=list)  # sent a handshake
     handshake_task: "asyncio.Task[None] | None" = None
+    # The held failure watch on the prefill's bootstrap, while one runs.
+    watch_task: "asyncio.Task[None] | None" = None
     # Everything that decides how it ends: drivers feed it events and do what it says.
     fate: DecodeFate = dataclasses.field(default_factory=DecodeFate)
     # Running (after commit).

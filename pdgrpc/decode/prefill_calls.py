@@ -177,7 +177,15 @@ class PrefillCalls:
     def _start_watch(self, job: Job) -> None:
         """The room's KV has not landed soon after the handshake: watch its prefill."""
         if job.fate.state is FateState.HANDSHAKEN and job.room_secret and not self.host.closing:
-            self.host.spawn(self._watch(job), f"watch-room {job.room}")
+            job.watch_task = self.host.spawn(self._watch(job), f"watch-room {job.room}")
+
+    @staticmethod
+    def stop_watch(job: Job) -> None:
+        """The room left the queues (committed or ended): end its held failure watch, so
+        the call does not keep one of the bootstrap's bounded places."""
+        if job.watch_task is not None:
+            job.watch_task.cancel()
+            job.watch_task = None
 
     async def _watch(self, job: Job) -> None:
         """Hold QueryRoomFailures on the prefill's bootstrap, where its controller records

@@ -178,6 +178,7 @@ class DecodeScheduler:
         self._wake.set()
 
     def _ended(self, job: Job) -> None:
+        self.calls.stop_watch(job)
         self._jobs.pop(job.room, None)
 
     def spawn(self, coro: Awaitable[Any], name: str) -> "asyncio.Task[Any]":
@@ -422,6 +423,7 @@ class DecodeScheduler:
     # -- outcomes ------------------------------------------------------------------------------
     def _on_committed(self, c: Committed, now: float) -> None:
         job = self._jobs[c.room]
+        self.calls.stop_watch(job)
         started = self.transfers.transfer_started(c.room)
         self._release_transport(c.room)
         transfer_s = now - job.handshake_sent_at

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Callable
 
 import grpc
 
@@ -194,6 +195,7 @@ class FakePrefill:
         self.generation: dict[int, int] = {}
         self.workers = [FakeWorker(self, r) for r in range(dp_size)]
         self.bootstrap: BootstrapServer | None = None
+        self.recorder_factory: Callable[[], RecordingBootstrap] = RecordingBootstrap  # the bootstrap servicer to run
 
     @property
     def address(self) -> str:
@@ -201,7 +203,7 @@ class FakePrefill:
         return self.bootstrap.address
 
     async def start(self) -> "FakePrefill":
-        self.recorder = RecordingBootstrap()
+        self.recorder = self.recorder_factory()
         # Register it the way start_bootstrap_server does (its own (de)serializers, if any).
         add = getattr(bootstrap_service, "add_bootstrap_servicer", bpb_grpc.add_BootstrapServiceServicer_to_server)
         rpc = await start_server(
