@@ -138,7 +138,7 @@ class Generation:
         batch = [j for j in self.running if not j.fate.ending]
         if not batch:
             return
-        await self._await_first_tokens_sent(batch)
+        await self.await_first_tokens_sent(batch)
         batch = [j for j in batch if not j.fate.ending]
         if not batch:
             return
@@ -165,7 +165,7 @@ class Generation:
                 self._finish(job, reason)
         self.running = [j for j in self.running if not j.fate.ended]
 
-    async def _await_first_tokens_sent(self, batch: list[Job]) -> None:
+    async def await_first_tokens_sent(self, batch: list[Job]) -> None:
         """Hold a step that serves only requests whose first token is still being sent.
 
         The step's Python holds the GIL for most of a step, and gRPC needs it to send, so a

@@ -40,7 +40,7 @@ class SchedulerConfig:
     rpc_timeout_s: float = 5.0  # bootstrap calls and AbortRoom
     idle_poll_s: float = 0.02  # loop period while requests wait (deadlines, dp queries)
     # How long a decode step that serves only requests whose first token the Decode stream
-    # is still sending waits for those sends (see Generation._await_first_tokens_sent). 0: never.
+    # is still sending waits for those sends (see Generation.await_first_tokens_sent). 0: never.
     first_token_wait_s: float = 0.002
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
     # A handshaken room whose KV has not landed this long after the handshake was accepted

@@ -51,7 +51,7 @@ async def test_a_batch_of_new_requests_waits_until_every_first_token_is_sent() -
     loop = asyncio.get_running_loop()
     loop.call_later(0.05, a.first_sent.set)
     loop.call_later(0.15, b.first_sent.set)
-    took = await _timed(s.generation._await_first_tokens_sent([a, b]))
+    took = await _timed(s.generation.await_first_tokens_sent([a, b]))
     assert 0.14 <= took < 2.0
 
 
@@ -59,26 +59,27 @@ async def test_a_batch_with_a_streaming_request_does_not_wait() -> None:
     s = _scheduler(5.0)
     new, streaming = _job(1), _job(2)
     streaming.first_sent.set()
-    assert await _timed(s.generation._await_first_tokens_sent([new, streaming])) < 0.05
+    assert await _timed(s.generation.await_first_tokens_sent([new, streaming])) < 0.05
 
 
 async def test_the_wait_is_bounded_and_can_be_turned_off() -> None:
     stuck = _job(1)  # a stream that never sends (a client that stopped reading)
-    assert 0.09 <= await _timed(_scheduler(0.1).generation._await_first_tokens_sent([stuck])) < 2.0
-    assert await _timed(_scheduler(0.0).generation._await_first_tokens_sent([stuck])) < 0.05
+    assert 0.09 <= await _timed(_scheduler(0.1).generation.await_first_tokens_sent([stuck])) < 2.0
+    assert await _timed(_scheduler(0.0).generation.await_first_tokens_sent([stuck])) < 0.05
 
 
 async def test_a_new_requests_second_token_is_computed_after_its_first_was_sent() -> None:
     # A generous bound, so that only the send itself decides when the step starts.
-    scheduler = DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, SchedulerConfig(first_token_wait_s=30.0))
+    engine = ReferenceEngine(CFG)
+    scheduler = DecodeScheduler(engine, TcpTransport(), 4, SchedulerConfig(first_token_wait_s=30.0))
     seen: list[tuple[int, bool]] = []  # (tokens generated so far, first token sent) at each step
-    real = scheduler.generation._decode_step
+    real = engine.decode_step
 
     def step(reqs):  # type: ignore[no-untyped-def]
         seen.extend((j.generated, j.first_sent.is_set()) for j in scheduler.generation.running)
         return real(reqs)
 
-    scheduler.generation._decode_step = step  # type: ignore[method-assign]
+    engine.decode_step = step  # type: ignore[method-assign]
     server = await start_decode_server(scheduler)
     prefill = await FakePrefill(ReferenceEngine(CFG)).start()
     try:
