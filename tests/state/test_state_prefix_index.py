@@ -1,0 +1,135 @@
+"""The router's prefix index: longest cached prefix per instance, fed by KV events."""
+
+from __future__ import annotations
+
+import random
+
+from pdgrpc.state.prefix_index import Batch, Block, PrefixIndex, SequenceCursor
+
+PAGE = 4
+
+
+def chain(tokens: list[int], salt: int = 0, page: int = PAGE) -> list[Block]:
+    """The full pages of ``tokens`` as a publisher reports them (hashes are the publisher's own)."""
+    blocks: list[Block] = []
+    parent: int | None = None
+    for start in range(0, len(tokens) - page + 1, page):
+        h = hash((salt, tuple(tokens[: start + page])))
+        blocks.append(Block(h, parent, tuple(tokens[start : start + page])))
+        parent = h
+    return blocks
+
+
+def test_longest_prefix_per_instance() -> None:
+    index = PrefixIndex()
+    shared = list(range(100, 112))  # three pages
+    index.stored("a", chain(shared + [1, 2, 3, 4]))
+    index.stored("b", chain(shared[:8]))
+    prompt = shared + [1, 2, 3, 4, 5, 6]
+    assert index.match(prompt) == {"a": 16, "b": 8}
+    assert index.match([9] * 20) == {"a": 0, "b": 0}
+    assert index.match(shared[:7]) == {"a": 4, "b": 4}  # a partial page never matches
+
+
+def test_content_keys_make_hash_functions_irrelevant() -> None:
+    index = PrefixIndex()
+    tokens = list(range(12))
+    index.stored("a", chain(tokens, salt=1))
+    index.stored("b", chain(tokens, salt=2))  # another hash function, same content
+    assert index.match(tokens + [0]) == {"a": 12, "b": 12}
+
+
+def test_removed_block_cuts_the_prefix_there() -> None:
+    index = PrefixIndex()
+    blocks = chain(list(range(16)))
+    index.stored("a", blocks)
+    index.removed("a", [blocks[2].block_hash])
+    assert index.match(list(range(17))) == {"a": 8}
+    index.removed("a", [12345])  # unknown: ignored
+    index.removed("nobody", [blocks[0].block_hash])
+    assert index.match(list(range(17))) == {"a": 8}
+
+
+def test_cleared_drops_the_instance_and_frees_its_nodes() -> None:
+    index = PrefixIndex()
+    index.stored("a", chain(list(range(16))))
+    index.stored("b", chain(list(range(8))))
+    index.cleared("a")
+    assert index.instances() == ["b"]
+    assert index.match(list(range(17))) == {"b": 8}
+    index.cleared("b")
+    assert index.instances() == [] and index.match(list(range(17))) == {}
+
+
+def test_orphan_and_partial_blocks_are_not_indexed() -> None:
+    index = PrefixIndex()
+    index.stored("a", [Block(7, 999, (1, 2, 3, 4))])  # parent never stored
+    index.stored("a", [Block(8, None, (1, 2))])  # page size is learned from the first block: 4
+    assert index.match([1, 2, 3, 4, 5]) == {"a": 0} and index.block_count("a") == 0
+
+
+def test_page_size_per_instance() -> None:
+    index = PrefixIndex()
+    tokens = list(range(16))
+    index.stored("small", chain(tokens, page=4))
+    index.stored("big", chain(tokens, page=8))
+    assert index.match(tokens[:14]) == {"small": 12, "big": 8}
+
+
+def test_restored_hash_with_other_content_moves() -> None:
+    index = PrefixIndex()
+    index.stored("a", [Block(1, None, (1, 2, 3, 4))])
+    index.stored("a", [Block(1, None, (5, 6, 7, 8))])  # the publisher reused the hash
+    assert index.match([1, 2, 3, 4, 0]) == {"a": 0}
+    assert index.match([5, 6, 7, 8, 0]) == {"a": 4}
+    assert index.block_count("a") == 1
+
+
+def test_random_events_agree_with_a_model() -> None:
+    """Random stores, removals and clears over a few instances and shared prefixes; the
+    index answers as a brute force over each instance's set of live chains does."""
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(50) for _ in range(6 * PAGE)] for _ in range(4)]
+    index = PrefixIndex()
+    live: dict[str, dict[int, Block]] = {}
+    for _ in range(600):
+        inst = rng.choice("abc")
+        op = rng.random()
+        mine = live.setdefault(inst, {})
+        if op < 0.5:
+            p = rng.choice(prefixes)[: rng.randrange(1, 7) * PAGE]
+            blocks = chain(p)  # parents first, as a cache stores them
+            index.stored(inst, blocks)
+            for b in blocks:
+                mine[b.block_hash] = b
+        elif op < 0.9 and mine:
+            gone = rng.sample(sorted(mine), k=min(len(mine), rng.randrange(1, 4)))
+            index.removed(inst, gone)
+            for h in gone:
+                del mine[h]
+        elif op >= 0.97:
+            index.cleared(inst)
+            live[inst] = {}
+        prompt = rng.choice(prefixes) + [999]
+        want = {}
+        for name, blocks in live.items():
+            if name not in index.instances():
+                continue
+            n = 0
+            for b in chain(prompt):
+                if b.block_hash not in blocks:
+                    break
+                n += PAGE
+            want[name] = n
+        assert index.match(prompt) == want
+
+
+def test_cursor_applies_in_order_skips_heartbeats_and_repeats_and_reports_gaps() -> None:
+    c = SequenceCursor()
+    assert c.accept(0, load_only=True) is Batch.SKIP  # a heartbeat before the first batch
+    assert c.accept(41) is Batch.APPLY  # a fresh subscription starts anywhere (a snapshot)
+    assert c.accept(42) is Batch.APPLY
+    assert c.accept(42, load_only=True) is Batch.SKIP
+    assert c.accept(42) is Batch.SKIP  # already applied
+    assert c.accept(44) is Batch.GAP
+    assert c.last == 42
