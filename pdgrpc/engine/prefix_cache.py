@@ -1,0 +1,253 @@
+"""The prefix cache: full KV pages that earlier prompts computed, reused by later prompts.
+
+A page is cached only when it is full; it is named by a hash chain over token ids, so a
+page's name covers the whole prefix up to its last token:
+``block_hash(parent, tokens, salt)`` is blake2b over the parent's name, the page's token
+ids and a salt, read as a signed 64-bit integer (smg's ``block_hash`` is ``int64``). The
+names are the same in every process and on every host, because nothing of Python's
+``hash()`` enters them.
+
+The cache sits over a page pool (an engine's ``alloc_pages``/``free_pages``) and hands out
+:class:`Lease` objects: a prompt's longest cached prefix, locked, plus fresh pages for the
+rest. Rules:
+
+- At most ``(len(prompt) - 1) // page_size`` pages match: the last prompt token is always
+  computed, so the last chunk yields the logits of the first generated token.
+- A page is refcounted while a lease holds it; a held page is never evicted, so a page a
+  request computes from, or a transfer reads, keeps its KV.
+- When the pool runs short, unreferenced cached pages are evicted least recently used
+  first. Released chains enter the LRU order deepest page first, so a prefix's tail goes
+  before its head, and a head stays reachable as long as possible.
+- :meth:`PrefixCache.release` inserts a lease's full pages only when told their KV is
+  complete (``insert=True``); a failed or aborted prompt's pages are freed.
+- Every change of the set of reusable pages goes to the :class:`CacheEvents` sink:
+  ``stored`` (parents first), ``removed`` on eviction, ``cleared`` on :meth:`clear`.
+
+Pure: no clocks, threads or I/O; one caller at a time (an engine's scheduler loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import struct
+from typing import Protocol, Sequence
+
+from pdgrpc.engine.cache_events import CacheEvents, NoCacheEvents, StoredBlock
+from pdgrpc.errors import ConfigError, SlotError
+
+__all__ = ["Lease", "PagePool", "PrefixCache", "block_hash", "block_hashes"]
+
+_ROOT = b"\x00" * 8  # the parent of a prompt's first page
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int], salt: bytes = b"") -> int:
+    """The name of a full page: signed 64-bit, the same in every process."""
+    h = hashlib.blake2b(digest_size=8, person=b"pdgrpc-kv")
+    h.update(_ROOT if parent is None else b"\x01" + struct.pack("<q", parent))
+    h.update(struct.pack("<I", len(salt)))
+    h.update(salt)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def block_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"") -> list[int]:
+    """The names of every full page of ``token_ids``, first page first."""
+    out: list[int] = []
+    parent: int | None = None
+    for i in range(len(token_ids) // page_size):
+        parent = block_hash(parent, token_ids[i * page_size : (i + 1) * page_size], salt)
+        out.append(parent)
+    return out
+
+
+class PagePool(Protocol):
+    """Where the cache takes pages from and returns them to (an engine's pool)."""
+
+    def alloc_pages(self, n: int) -> list[int] | None: ...
+
+    def free_pages(self, pages: Sequence[int]) -> None: ...
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """One prompt's pages: ``pages[:cached_pages]`` hold a cached prefix (shared, never to
+    be written), the rest are the prompt's own. Give it back with :meth:`PrefixCache.release`."""
+
+    pages: tuple[int, ...]
+    cached_pages: int
+    page_size: int
+    token_ids: tuple[int, ...]
+    hashes: tuple[int, ...]  # names of the prompt's full pages
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose KV is already in the pages: compute starts here (page-aligned)."""
+        return self.cached_pages * self.page_size
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    page: int
+    block: StoredBlock
+    refs: int = 0
+    indexed: bool = True  # reusable; False once clear() dropped it while leases held it
+
+
+class PrefixCache:
+    """A prefix cache of full pages over ``pool``, ``page_size`` tokens a page."""
+
+    def __init__(self, pool: PagePool, page_size: int, events: CacheEvents | None = None) -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ConfigError(f"PrefixCache: page_size must be a positive int, got {page_size!r}")
+        self._pool = pool
+        self.page_size = page_size
+        self._events: CacheEvents = events if events is not None else NoCacheEvents()
+        self._index: dict[int, _Entry] = {}  # block hash -> entry (reusable pages)
+        self._shared: dict[int, _Entry] = {}  # page -> entry, for every cached or held-cached page
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced pages, oldest first
+        self.evictions = 0  # pages evicted since construction
+
+    # ---- what it holds ---------------------------------------------------------------
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages holding reusable KV (held by a lease or not)."""
+        return len(self._index)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation may take: the pool's free pages and the evictable cached ones."""
+        return self._pool.num_free_pages + len(self._lru)
+
+    def match(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
+        """How many leading pages of ``token_ids`` are cached (at most all but the last token's)."""
+        return self._match(block_hashes(token_ids[: max(0, len(token_ids) - 1)], self.page_size, salt))
+
+    def _match(self, hashes: Sequence[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._index:
+                break
+            n += 1
+        return n
+
+    # ---- leases ------------------------------------------------------------------------
+
+    def acquire(self, token_ids: Sequence[int], num_pages: int, salt: bytes = b"") -> Lease | None:
+        """Pages for a prompt: its longest cached prefix, locked, and fresh pages up to
+        ``num_pages`` in all, evicting unreferenced cached pages as needed. ``None`` when
+        the pool cannot supply them; nothing is taken then."""
+        ids = tuple(token_ids)
+        if not isinstance(num_pages, int) or num_pages < 0:
+            raise ConfigError(f"acquire: num_pages must be an int >= 0, got {num_pages!r}")
+        hashes = block_hashes(ids, self.page_size, salt)
+        matched = min(self._match(hashes[: max(0, len(ids) - 1) // self.page_size]), num_pages)
+        held = [self._index[h] for h in hashes[:matched]]
+        need = num_pages - matched
+        unheld_matched = sum(1 for e in held if e.refs == 0)
+        if self._pool.num_free_pages + len(self._lru) - unheld_matched < need:
+            return None
+        for e in held:
+            self._hold(e)
+        fresh = self._take(need)
+        assert fresh is not None  # counted above
+        return Lease(tuple(e.page for e in held) + tuple(fresh), matched, self.page_size, ids, tuple(hashes))
+
+    def release(self, lease: Lease, insert: bool) -> None:
+        """Give ``lease`` back. ``insert``: its full pages hold complete KV of its prompt and
+        become reusable; otherwise only the cached prefix it held stays cached."""
+        for i, page in enumerate(lease.pages):  # all or nothing: check before any change
+            e = self._shared.get(page)
+            if i < lease.cached_pages and (e is None or e.refs <= 0):
+                raise SlotError(f"release: page {page} is not held by a lease (released twice?)")
+            if i >= lease.cached_pages and e is not None:
+                raise SlotError(f"release: page {page} is cached, not the lease's own (released twice?)")
+        free: list[int] = []
+        stored: list[StoredBlock] = []
+        done: list[_Entry] = []  # entries to hand back to the LRU order, parents first
+        for i, page in enumerate(lease.pages):
+            if i < lease.cached_pages:
+                done.append(self._shared[page])
+                continue
+            if (not insert or i >= len(lease.hashes) or lease.hashes[i] in self._index
+                    or (i and lease.hashes[i - 1] not in self._index)):
+                # Not complete, not full, an equal page is cached already, or its parent is
+                # gone (clear() during the lease): its own page goes back to the pool.
+                free.append(page)
+                continue
+            parent = lease.hashes[i - 1] if i else None
+            block = StoredBlock(lease.hashes[i], parent, lease.token_ids[i * self.page_size : (i + 1) * self.page_size])
+            e = _Entry(page, block, refs=1)
+            self._index[block.block_hash] = self._shared[page] = e
+            stored.append(block)
+            done.append(e)
+        if stored:
+            self._events.stored(stored)
+        for e in reversed(done):  # the deepest page becomes the oldest: evicted first
+            self._unhold(e, free)
+        if free:
+            self._pool.free_pages(free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` uncached pages, evicting as needed; ``None`` (nothing taken) when short."""
+        if not isinstance(n, int) or n < 0:
+            raise ConfigError(f"alloc: n must be an int >= 0, got {n!r}")
+        if self.num_free_pages < n:
+            return None
+        return self._take(n)
+
+    def clear(self) -> None:
+        """Forget every cached page: unreferenced ones go back to the pool now, held ones
+        when their last lease is released."""
+        free = [page for page in self._lru]
+        for page in free:
+            del self._shared[page]
+        for e in self._index.values():
+            e.indexed = False
+        self._index.clear()
+        self._lru.clear()
+        if free:
+            self._pool.free_pages(free)
+        self._events.cleared()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _hold(self, e: _Entry) -> None:
+        if e.refs == 0:
+            del self._lru[e.page]
+        e.refs += 1
+
+    def _unhold(self, e: _Entry, free: list[int]) -> None:
+        e.refs -= 1
+        if e.refs:
+            return
+        if e.indexed:
+            self._lru[e.page] = None
+        else:
+            del self._shared[e.page]
+            free.append(e.page)
+
+    def _take(self, n: int) -> list[int] | None:
+        short = n - self._pool.num_free_pages
+        if short > 0:
+            self._evict(short)
+        return self._pool.alloc_pages(n)
+
+    def _evict(self, n: int) -> None:
+        gone: list[int] = []
+        pages: list[int] = []
+        for _ in range(min(n, len(self._lru))):
+            page, _ = self._lru.popitem(last=False)
+            e = self._shared.pop(page)
+            del self._index[e.block.block_hash]
+            gone.append(e.block.block_hash)
+            pages.append(page)
+        if pages:
+            self.evictions += len(pages)
+            self._pool.free_pages(pages)
+            self._events.removed(gone)

@@ -1,0 +1,233 @@
+"""The prefix cache: page names, reuse, refcounts, LRU eviction and the events it reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdgrpc.engine.cache_events import StoredBlock
+from pdgrpc.engine.pages import FifoPageAllocator
+from pdgrpc.engine.prefix_cache import Lease, PrefixCache, block_hash, block_hashes
+from pdgrpc.errors import SlotError
+
+PS = 4
+
+
+class Pool:
+    """An engine's page pool, as the cache sees it."""
+
+    def __init__(self, n: int) -> None:
+        self.a = FifoPageAllocator(n)
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        return self.a.alloc(n)
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        self.a.free(pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.a.num_free
+
+
+class Log:
+    """A consumer of the events: the blocks it believes are reusable, checked as they come."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, StoredBlock] = {}
+        self.stored_order: list[int] = []
+        self.gone: list[int] = []
+
+    def stored(self, blocks: Sequence[StoredBlock]) -> None:
+        for b in blocks:
+            assert b.block_hash not in self.live, "stored twice"
+            assert b.parent_hash is None or b.parent_hash in self.live, "child before its parent"
+            assert len(b.token_ids) == PS
+            self.live[b.block_hash] = b
+            self.stored_order.append(b.block_hash)
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        for h in block_hashes:
+            assert self.live.pop(h, None) is not None, "removed a block never stored"
+            self.gone.append(h)
+
+    def cleared(self) -> None:
+        self.live.clear()
+
+
+def test_names_are_deterministic_signed_64_bit_and_chain_their_prefix() -> None:
+    ids = list(range(3, 3 + 3 * PS))
+    hs = block_hashes(ids, PS)
+    assert len(hs) == 3 and all(-(2**63) <= h < 2**63 for h in hs)
+    assert hs[1] == block_hash(hs[0], ids[PS : 2 * PS])
+    # A different first page renames every later page, though their own tokens are equal.
+    other = block_hashes([99] + ids[1:], PS)
+    assert all(a != b for a, b in zip(hs, other))
+    # A salt renames every page; the same salt gives the same names.
+    salted = block_hashes(ids, PS, salt=b"tenant-a")
+    assert salted == block_hashes(ids, PS, salt=b"tenant-a")
+    assert not set(salted) & set(hs) and not set(salted) & set(block_hashes(ids, PS, salt=b"tenant-b"))
+    # Only full pages have names.
+    assert block_hashes(ids[: 2 * PS + 3], PS) == hs[:2]
+    # The same names in another process, whatever its hash seed.
+    code = f"from pdgrpc.engine.prefix_cache import block_hashes; print(block_hashes({ids!r}, {PS}, b'tenant-a'))"
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60)
+        assert out.stdout.strip() == repr(salted)
+
+
+def test_second_prompt_reuses_the_prefix_but_computes_its_last_token() -> None:
+    log = Log()
+    cache = PrefixCache(Pool(16), PS, log)
+    prompt = tuple(range(1, 2 * PS + 1))  # exactly two full pages
+    first = cache.acquire(prompt, 2)
+    assert first is not None and first.cached_pages == 0
+    cache.release(first, insert=True)
+    assert cache.num_cached_pages == 2 and len(log.live) == 2
+    again = cache.acquire(prompt, 2)
+    assert again is not None
+    assert again.cached_pages == 1 and again.cached_tokens == PS  # the last page holds the last token
+    assert again.pages[0] == first.pages[0] and again.pages[1] != first.pages[1]
+    longer = cache.acquire(prompt + (7,), 3)
+    assert longer is not None and longer.pages[:2] == first.pages and longer.cached_tokens == 2 * PS
+    cache.release(again, insert=True)
+    cache.release(longer, insert=True)
+    assert cache.match(prompt + (7, 8)) == 2
+
+
+def test_failed_prompt_inserts_nothing_and_double_release_is_refused() -> None:
+    pool = Pool(8)
+    cache = PrefixCache(pool, PS)
+    lease = cache.acquire(tuple(range(1, 3 * PS)), 3)
+    assert lease is not None
+    cache.release(lease, insert=False)
+    assert cache.num_cached_pages == 0 and pool.num_free_pages == 8
+    with pytest.raises(SlotError):
+        cache.release(lease, insert=False)
+    lease = cache.acquire(tuple(range(1, 3 * PS)), 3)
+    assert lease is not None
+    cache.release(lease, insert=True)
+    with pytest.raises(SlotError, match="released twice"):
+        cache.release(lease, insert=True)
+    assert cache.num_cached_pages == 2
+
+
+def test_eviction_racing_admission_never_takes_a_held_page() -> None:
+    log = Log()
+    pool = Pool(6)
+    cache = PrefixCache(pool, PS, log)
+    a = tuple(range(1, 3 * PS + 1))
+    b = tuple(range(100, 100 + 3 * PS))
+    for prompt in (a, b):
+        lease = cache.acquire(prompt, 3)
+        assert lease is not None
+        cache.release(lease, insert=True)
+    assert pool.num_free_pages == 0 and cache.num_free_pages == 6
+    held = cache.acquire(a + (5,), 4)  # holds a's three pages, evicts one of b's
+    assert held is not None and held.cached_pages == 3 and cache.evictions == 1
+    assert log.gone == [block_hashes(b, PS)[-1]]  # the tail of a chain goes first
+    # Two more pages are evictable (b's head); a's pages are held: three do not fit.
+    assert cache.acquire(tuple(range(200, 200 + 3 * PS)), 3) is None
+    assert cache.num_cached_pages == 5 and cache.evictions == 1  # nothing taken, nothing evicted
+    other = cache.acquire(tuple(range(200, 200 + 2 * PS)), 2)
+    assert other is not None and not set(other.pages) & set(held.pages)
+    assert cache.match(a + (5,)) == 3 and cache.match(b) == 0
+    cache.release(held, insert=True)
+    cache.release(other, insert=True)
+    assert cache.evictions == 3 and set(log.live) == set(block_hashes(a, PS) + block_hashes(tuple(range(200, 200 + 2 * PS)), PS))
+
+
+def test_clear_forgets_everything_and_held_pages_return_on_release() -> None:
+    log = Log()
+    pool = Pool(8)
+    cache = PrefixCache(pool, PS, log)
+    prompt = tuple(range(1, 2 * PS + 2))
+    first = cache.acquire(prompt, 3)
+    assert first is not None
+    cache.release(first, insert=True)
+    held = cache.acquire(prompt, 3)
+    assert held is not None and held.cached_pages == 2
+    cache.clear()
+    assert log.live == {} and cache.num_cached_pages == 0 and cache.match(prompt) == 0
+    cache.release(held, insert=True)  # its cached pages were dropped: nothing is inserted
+    assert pool.num_free_pages == 8 and cache.num_cached_pages == 0
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random leases over a small pool, checked against a model of what each page holds."""
+
+    NUM_PAGES = 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Pool(self.NUM_PAGES)
+        self.log = Log()
+        self.cache = PrefixCache(self.pool, PS, self.log)
+        self.leases: list[Lease] = []
+        self.kv: dict[int, tuple[object, ...]] = {}  # page -> (salt, the prefix whose last page it holds)
+        self.orphans: set[int] = set()  # held pages clear() dropped from the cache
+
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=4 * PS),
+        extra=st.integers(0, 2),
+        salt=st.sampled_from([b"", b"s"]),
+    )
+    def acquire(self, prompt: list[int], extra: int, salt: bytes) -> None:
+        ids = tuple(prompt)
+        need = -(-len(ids) // PS) + extra
+        before = (self.pool.num_free_pages, self.cache.num_cached_pages, self.cache.evictions)
+        lease = self.cache.acquire(ids, need, salt)
+        if lease is None:
+            assert self.cache.num_free_pages < need
+            assert (self.pool.num_free_pages, self.cache.num_cached_pages, self.cache.evictions) == before
+            return
+        assert len(lease.pages) == need and len(set(lease.pages)) == need
+        assert lease.cached_tokens < len(ids)  # the last token is always computed
+        for i in range(lease.cached_pages):  # a match holds exactly this prefix's KV
+            assert self.kv[lease.pages[i]] == (salt,) + ids[: (i + 1) * PS]
+        for i in range(lease.cached_pages, need):  # "compute" the rest
+            self.kv[lease.pages[i]] = (salt,) + ids[: (i + 1) * PS]
+        self.leases.append(lease)
+
+    @precondition(lambda self: self.leases)
+    @rule(i=st.integers(0, 100), insert=st.booleans())
+    def release(self, i: int, insert: bool) -> None:
+        self.cache.release(self.leases.pop(i % len(self.leases)), insert)
+
+    @rule()
+    def clear(self) -> None:
+        self.cache.clear()
+        self.orphans = {p for lease in self.leases for p in lease.pages[: lease.cached_pages]}
+
+    @invariant()
+    def held_pages_are_never_shared_with_another_lease_or_evicted(self) -> None:
+        own = [p for lease in self.leases for p in lease.pages[lease.cached_pages :]]
+        assert len(own) == len(set(own))
+        shared = {p for lease in self.leases for p in lease.pages[: lease.cached_pages]}
+        assert not shared & set(own)
+        # Every page is free, a lease's own, cached, or held after clear() dropped it: none is lost.
+        self.orphans &= shared
+        assert self.pool.num_free_pages + len(own) + self.cache.num_cached_pages + len(self.orphans) == self.NUM_PAGES
+        assert self.cache.num_free_pages <= self.NUM_PAGES - len(own) - len(shared)
+
+    @invariant()
+    def the_event_log_agrees_with_the_cache(self) -> None:
+        assert len(self.log.live) == self.cache.num_cached_pages
+
+    def teardown(self) -> None:
+        for lease in self.leases:
+            self.cache.release(lease, insert=False)
+        self.cache.clear()
+        assert self.pool.num_free_pages == self.NUM_PAGES  # nothing leaked
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, derandomize=True)
