@@ -246,6 +246,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_X,),
     ),
     MetricSpec(
+        "pdgrpc_kv_event_resubscriptions_total", "counter",
+        "Times the router subscribed again to a prefill's KV events (count), by reason: the stream ended, failed, "
+        "or skipped a sequence number (gap); the prefill is dropped from cache_aware routing until its new "
+        "subscription's snapshot arrives.",
+        ("role", "reason"), (_X,),
+    ),
+    MetricSpec(
         "pdgrpc_server_info", "info",
         "Constant 1; labels describe this server process (role, transport, dp/tp rank and size, pdgrpc version).",
         _R, _ALL,

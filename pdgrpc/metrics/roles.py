@@ -307,6 +307,8 @@ class RouterMetrics(RoleMetrics):
         self._tokens = self._fam.counter("pdgrpc_output_tokens_total").labels(self.role.value)
         self._retries = self._fam.counter("pdgrpc_retries_total").labels(self.role.value)
         self._ejections = self._fam.counter("pdgrpc_ejections_total").labels(self.role.value)
+        resubscriptions = self._fam.counter("pdgrpc_kv_event_resubscriptions_total")
+        self._resubscriptions = {r: resubscriptions.labels(self.role.value, r) for r in ("ended", "failed", "gap")}
 
     def on_finished(self) -> None:
         """A request completed normally."""
@@ -329,6 +331,11 @@ class RouterMetrics(RoleMetrics):
         """A prefill or decode instance is passed over for a while: a call to it failed
         UNAVAILABLE."""
         self._ejections.inc()
+
+    def on_kv_events_resubscribe(self, reason: str) -> None:
+        """The router subscribes again to a prefill's KV events: the last subscription
+        ``ended``, ``failed`` or showed a ``gap``."""
+        self._resubscriptions[reason].inc()
 
     def on_first_token(self, seconds: float) -> None:
         """The first token of a request reached the client ``seconds`` after it arrived."""

@@ -47,11 +47,16 @@ class Ejections:
     def ejected(self, role: str, address: str) -> bool:
         return self._until.get((role, address), 0.0) > self._clock()
 
+    def ready(self, role: str, addresses: Sequence[str]) -> list[int]:
+        """The positions in ``addresses`` of those not ejected; all of them when every one is."""
+        if self._until:
+            ready = [i for i, a in enumerate(addresses) if not self.ejected(role, a)]
+            if ready:
+                return ready
+        return list(range(len(addresses)))
+
     def choose(self, role: str, items: Sequence[T], addresses: Sequence[str], turn: int) -> T:
         """``turn``'s pick of a round robin over ``items`` (whose addresses are
         ``addresses``), over those not ejected; over all of them when every one is."""
-        if not self._until:
-            return items[turn % len(items)]
-        ready = [i for i, a in enumerate(addresses) if not self.ejected(role, a)]
-        pool = ready or range(len(items))
+        pool = self.ready(role, addresses)
         return items[pool[turn % len(pool)]]

@@ -12,13 +12,17 @@ from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args
 from pdgrpc.discovery.etcd import Watcher, parse_discovery_url
 from pdgrpc.discovery.record import MembershipView, cluster_prefix
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.gateway import available as gateway_available
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
+from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
 from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_prefill, service_names
+from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import add_security_arguments, current
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.logs import add_logging_arguments
+from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.v1 import generate_pb2_grpc
 
 DESCRIPTION = """\
@@ -75,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         "pick their instances; when every instance of a role is passed over, requests go to them anyway, and a "
         "success ends it early (0: never; default: %(default)s)",
     )
+    p.add_argument(
+        "--policy", choices=POLICIES, default="round_robin",
+        help="which prefill a request goes to: 'round_robin' (in turn), 'least_load' (fewest Prefill calls this "
+        "router has in flight there), 'cache_aware' (the prefill whose prefix cache holds the longest prefix of "
+        "the prompt, learned from each prefill's KV events (SubscribeKvEvents; needs pdgrpc[gateway]), unless "
+        "its load exceeds the least loaded prefill's by more than --cache-aware-margin; else least_load). "
+        "Decodes always go round robin (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cache-aware-margin", type=int, default=DEFAULT_MARGIN, metavar="CALLS",
+        help="under --policy cache_aware: how many more Prefill calls in flight than the least loaded prefill the "
+        "one holding the longest prefix may have and still get the request (default: %(default)s)",
+    )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
@@ -90,7 +107,19 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     if args.discovery:
         watcher = Watcher(parse_discovery_url(args.discovery), MembershipView(cluster_prefix(args.cluster_name)))
         watcher.start()
-    servicer = GenerateServicer(config, metrics=metrics, view=None if watcher is None else watcher.view)
+    index = PrefixIndex() if config.policy == "cache_aware" else None
+    servicer = GenerateServicer(config, metrics=metrics, view=None if watcher is None else watcher.view, index=index)
+    feed = None
+    if index is not None:
+        from pdgrpc.router.kv_events import KvEventFeed  # needs the gateway extra (checked at start-up)
+
+        view = None if watcher is None else watcher.view
+        feed = KvEventFeed(
+            index,
+            (lambda: [p.address for p in config.prefills]) if view is None else (lambda: [p.address for p in view.instances("prefill")]),
+            ChannelPool(), metrics,
+        )
+        feed.start()
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
@@ -102,6 +131,8 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     except BaseException:
         await server.stop(0)
         await servicer.close()
+        if feed is not None:
+            await feed.close()
         raise
     log = logging.getLogger("pdgrpc.router")
     if watcher is not None:
@@ -117,6 +148,8 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     finally:
         # Only now: in-flight requests used these channels until the grace period ended.
         await servicer.close()
+        if feed is not None:
+            await feed.close()
         if watcher is not None:
             await watcher.close()
         metrics.unbind()
@@ -134,6 +167,8 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         retries=args.retries,
         eject_s=args.eject_s,
+        policy=args.policy,
+        cache_aware_margin=args.cache_aware_margin,
     )
 
 
@@ -142,6 +177,8 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("--discovery takes the backends from etcd: leave out --prefill and --decode")
     check_discovery_args(args)
     _config(args)
+    if args.policy == "cache_aware" and not gateway_available():
+        raise ValueError("--policy cache_aware reads the prefills' KV events over smg's protocol: install pdgrpc[gateway]")
     if args.model:  # a missing or bad tokenizer fails at start-up, naming the file
         from pdgrpc.engine.hf.tokenizer import load_tokenizer
 

@@ -52,12 +52,14 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.router.ejection import Ejections
+from pdgrpc.router.policy import DEFAULT_MARGIN, PrefillPolicy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids
 from pdgrpc.state.outcomes import AbortReason
+from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -134,6 +136,11 @@ class RouterConfig:
     # Seconds an instance whose call failed UNAVAILABLE is passed over by new requests and
     # retries (pdgrpc.router.ejection); 0: never.
     eject_s: float = 5.0
+    # Which prefill a request goes to (pdgrpc.router.policy): round_robin, least_load or
+    # cache_aware; and how many more calls in flight than the least loaded instance a
+    # cache_aware pick may have before the least loaded one is taken instead.
+    policy: str = "round_robin"
+    cache_aware_margin: int = DEFAULT_MARGIN
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -150,6 +157,7 @@ class RouterConfig:
             raise ValueError(f"--retries must be >= 0, got {self.retries}")
         if not 0 <= self.eject_s <= 3600:
             raise ValueError(f"--eject-s must be between 0 and 3600 seconds, got {self.eject_s}")
+        PrefillPolicy(self.policy, PrefixIndex(), self.cache_aware_margin)  # names a bad --policy or margin
 
 
 class _BeforeFirstToken(Exception):
@@ -189,9 +197,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def __init__(
         self, config: RouterConfig, pool: ChannelPool | None = None, metrics: RouterMetrics | None = None,
-        view: MembershipView | None = None,
+        view: MembershipView | None = None, index: PrefixIndex | None = None,
     ) -> None:
+        """``index``: the prefills' cached prefixes, which ``cache_aware`` reads (its feed,
+        :class:`~pdgrpc.router.kv_events.KvEventFeed`, keeps it current)."""
         self.config = config
+        self.policy = PrefillPolicy(config.policy, index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
         self._pool = pool or ChannelPool()
         # With discovery: the live view from etcd, read on every request (round robin by count).
@@ -244,10 +255,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         return sampling
 
-    def _pick(self) -> tuple[PrefillBackend, str]:
-        """The prefill and decode for the next request: round robin over the static lists,
-        or over the live, compatible instances of the discovery view, passing over the
-        ejected ones (:mod:`pdgrpc.router.ejection`) unless every instance of the role is."""
+    def _pick(self, prompt: Sequence[int]) -> tuple[PrefillBackend, str]:
+        """The prefill and decode for the next request, among the static lists or the live,
+        compatible instances of the discovery view, passing over the ejected ones
+        (:mod:`pdgrpc.router.ejection`) unless every instance of the role is: the prefill
+        by the policy (``--policy``), the decode round robin."""
         if self._view is None:
             prefills, decodes = self.config.prefills, self.config.decodes
         else:
@@ -258,8 +270,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     raise RequestFailed(
                         grpc.StatusCode.UNAVAILABLE, f"no live {role} instance is registered in etcd under {self._view.prefix}"
                     )
-        turn, self._turn, choose = self._turn, self._turn + 1, self._ejections.choose
-        return choose("prefill", prefills, [p.address for p in prefills], turn), choose("decode", decodes, decodes, turn)
+        turn, self._turn = self._turn, self._turn + 1
+        ready = [prefills[i] for i in self._ejections.ready("prefill", [p.address for p in prefills])]
+        prefill = ready[self.policy.choose([p.address for p in ready], turn, prompt)]
+        return prefill, self._ejections.choose("decode", decodes, decodes, turn)
 
     def _eject(self, role: str, address: str, reason: str) -> None:
         if self._ejections.eject(role, address):
@@ -281,7 +295,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         request_id = request.request_id or f"r{room:016x}"
         try:
             input_ids = self._input_ids(request)
-            prefill, decode = self._pick()
+            prefill, decode = self._pick(input_ids)
         except RequestFailed as f:
             self.metrics.on_refused()
             request_event(log, room, "refused", level=logging.WARNING, request_id=request_id, reason=f.message)
@@ -313,7 +327,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         self._eject(b.role, prefill.address if b.role == "prefill" else decode, b.failure.message)
                     again = None
                     if unavailable and time.monotonic() < deadline and attempt < self.config.retries:
-                        again = self._another(b.role, prefill, decode)
+                        again = self._another(b.role, prefill, decode, input_ids)
                     if again is None:
                         raise b.failure from None
                     prefill, decode = again
@@ -347,7 +361,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
 
-    def _another(self, role: str, prefill: PrefillBackend, decode: str) -> tuple[PrefillBackend, str] | None:
+    def _another(self, role: str, prefill: PrefillBackend, decode: str, prompt: Sequence[int]) -> tuple[PrefillBackend, str] | None:
         """A prefill and decode for a retry whose ``role`` instance is not the one that
         failed; None when there is no other instance of that role."""
         if self._view is not None:
@@ -356,7 +370,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             n = len(self.config.prefills if role == "prefill" else self.config.decodes)
         for _ in range(n):
             try:
-                p, d = self._pick()
+                p, d = self._pick(prompt)
             except RequestFailed:  # no live instance left in the discovery view
                 return None
             if (p.address != prefill.address) if role == "prefill" else (d != decode):
@@ -400,6 +414,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             routed_dp_rank="-" if routed is None else routed, defer=True,
         )
         prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
+        self.policy.started(prefill.address)
+        prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
         try:
             tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode, trace)
             # Normally done already; its reply carries the transfer figures for the log.

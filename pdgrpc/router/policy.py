@@ -1,0 +1,74 @@
+"""Which prefill instance a request goes to (``--policy``). Pure: no I/O, no clock.
+
+* ``round_robin``: the instances in turn.
+* ``least_load``: the instance with the fewest Prefill calls this router has in flight
+  on it; a tie goes to the first in turn.
+* ``cache_aware``: the instance whose prefix cache holds the longest prefix of the
+  prompt (:class:`~pdgrpc.state.prefix_index.PrefixIndex`, fed by the instances' KV
+  events), unless its load exceeds the least loaded instance's by more than ``margin``
+  calls: then, as when nobody holds any of the prompt, ``least_load``. A cached prefix
+  saves its whole prefill, so it outweighs a small queue; the margin bounds how much
+  work piles up on one instance because it holds popular prefixes.
+
+The caller passes the candidates (the instances not ejected) and tells the policy when
+a call starts and ends, so loads count only this router's calls.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pdgrpc.state.prefix_index import PrefixIndex
+
+__all__ = ["DEFAULT_MARGIN", "POLICIES", "PrefillPolicy"]
+
+POLICIES = ("round_robin", "least_load", "cache_aware")
+DEFAULT_MARGIN = 4  # Prefill calls in flight
+
+
+class PrefillPolicy:
+    def __init__(self, name: str, index: PrefixIndex | None = None, margin: int = DEFAULT_MARGIN) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {name!r}")
+        if margin < 0:
+            raise ValueError(f"--cache-aware-margin must be >= 0, got {margin}")
+        if name == "cache_aware" and index is None:
+            raise ValueError("--policy cache_aware needs a prefix index")
+        self.name = name
+        self.margin = margin
+        self._index = index
+        self._in_flight: dict[str, int] = {}
+
+    def load(self, address: str) -> int:
+        return self._in_flight.get(address, 0)
+
+    def started(self, address: str) -> None:
+        """A Prefill call to ``address`` started."""
+        self._in_flight[address] = self.load(address) + 1
+
+    def finished(self, address: str) -> None:
+        """A Prefill call to ``address`` ended, however it ended."""
+        n = self.load(address) - 1
+        if n > 0:
+            self._in_flight[address] = n
+        else:
+            self._in_flight.pop(address, None)
+
+    def choose(self, addresses: Sequence[str], turn: int, prompt: Sequence[int]) -> int:
+        """The position in ``addresses`` (non-empty) of the instance for the request whose
+        turn is ``turn`` (a count of requests) and whose prompt is ``prompt``."""
+        n = len(addresses)
+        if self.name == "round_robin":
+            return turn % n
+        # In turn from ``turn``: ties among equals rotate rather than pile on the first.
+        order = [(turn + k) % n for k in range(n)]
+        least = min(order, key=lambda i: self.load(addresses[i]))
+        if self.name == "least_load" or self._index is None:
+            return least
+        matches = self._index.match(prompt)
+        best = max(order, key=lambda i: (matches.get(addresses[i], 0), -self.load(addresses[i])))
+        if matches.get(addresses[best], 0) == 0:
+            return least
+        if self.load(addresses[best]) - self.load(addresses[least]) > self.margin:
+            return least
+        return best

@@ -1,0 +1,136 @@
+"""The router's KV event feed and ``--policy cache_aware`` against scripted prefills that
+stream KV events over real gRPC (smg's ``SubscribeKvEvents``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+pytest.importorskip("smg_grpc_proto", reason="cache_aware reads KV events over smg's protocol (pdgrpc[gateway])")
+
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # noqa: E402
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as smg_pb2  # noqa: E402
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as smg_pb2_grpc  # noqa: E402
+
+from pdgrpc.metrics import RouterMetrics  # noqa: E402
+from pdgrpc.router.kv_events import KvEventFeed  # noqa: E402
+from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names  # noqa: E402
+from pdgrpc.rpc.channels import ChannelPool  # noqa: E402
+from pdgrpc.rpc.server import start_server  # noqa: E402
+from pdgrpc.state.prefix_index import PrefixIndex  # noqa: E402
+from pdgrpc.v1 import generate_pb2, generate_pb2_grpc, prefill_pb2_grpc  # noqa: E402
+from tests.eventually import eventually_async  # noqa: E402
+from tests.router.test_router import ScriptedDecode, ScriptedPrefill, collect, serve_decode  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+PAGE = 4
+PREFIX = list(range(100, 116))
+
+
+def stored_batch(seq: int, tokens: list[int], load_only: bool = False) -> smg_common_pb2.KvEventBatch:
+    """``tokens``' full pages as one stored event (hashes made up: the index keys by content)."""
+    blocks = [
+        smg_common_pb2.KvBlock(block_hash=1000 + i, token_ids=tokens[i : i + PAGE], block_size=PAGE)
+        for i in range(0, len(tokens) - PAGE + 1, PAGE)
+    ]
+    batch = smg_common_pb2.KvEventBatch(sequence_number=seq)
+    if load_only:
+        batch.load.load_only = True
+    else:
+        batch.events.add(event_id=seq).stored.blocks.extend(blocks)
+    return batch
+
+
+class ScriptedEvents(smg_pb2_grpc.SglangSchedulerServicer):
+    """Each subscription gets ``batches`` (a snapshot of what it holds), then stays open."""
+
+    def __init__(self, batches: list[smg_common_pb2.KvEventBatch]) -> None:
+        self.batches = batches
+        self.subscriptions = 0
+
+    async def SubscribeKvEvents(self, request, context):
+        self.subscriptions += 1
+        for b in self.batches:
+            yield b
+        await asyncio.sleep(3600)
+
+
+async def serve_prefill(prefill: ScriptedPrefill, events: ScriptedEvents):
+    return await start_server([
+        ("pdgrpc.v1.PrefillService", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s)),
+        (smg_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name,
+         lambda s: smg_pb2_grpc.add_SglangSchedulerServicer_to_server(events, s)),
+    ])
+
+
+async def test_the_feed_indexes_batches_and_resubscribes_on_a_gap():
+    events = ScriptedEvents([stored_batch(0, [], load_only=True), stored_batch(7, PREFIX[:8]), stored_batch(9, PREFIX)])
+    server = await serve_prefill(ScriptedPrefill(), events)
+    index, metrics, pool = PrefixIndex(), RouterMetrics(), ChannelPool()
+    feed = KvEventFeed(index, lambda: [server.address], pool, metrics)
+    feed.start()
+    try:
+        # 7 is applied; 9 skips 8: the prefill is dropped and subscribed to again (and
+        # again: the script repeats its gap), never indexed beyond what batch 7 said.
+        await eventually_async(lambda: events.subscriptions >= 2, what="a second subscription after the gap")
+        assert index.match(PREFIX + [1]).get(server.address, 0) in (0, 8)
+        events.batches = [stored_batch(3, PREFIX)]
+        await eventually_async(lambda: index.match(PREFIX + [1]) == {server.address: 16}, what="the fresh snapshot")
+        count = metrics.registry.get_sample_value(
+            "pdgrpc_kv_event_resubscriptions_total", {"role": "router", "reason": "gap"}
+        )
+        assert count is not None and count >= 1
+    finally:
+        await feed.close()
+        await pool.close()
+        await server.stop(0)
+    assert index.instances() == []
+
+
+@pytest.fixture
+async def two_prefills():
+    """Two scripted prefills, the second holding PREFIX; a router with --policy cache_aware."""
+    prefills = [ScriptedPrefill(), ScriptedPrefill()]
+    events = [ScriptedEvents([]), ScriptedEvents([stored_batch(1, PREFIX)])]
+    servers = [await serve_prefill(p, e) for p, e in zip(prefills, events)]
+    decode = ScriptedDecode()
+    d_srv = await serve_decode(decode)
+    index, metrics, pool = PrefixIndex(), RouterMetrics(), ChannelPool()
+    config = RouterConfig(
+        prefills=tuple(PrefillBackend(s.address, s.address) for s in servers), decodes=(d_srv.address,), policy="cache_aware",
+        eject_s=0,
+    )
+    router = GenerateServicer(config, metrics=metrics, index=index)
+    feed = KvEventFeed(index, lambda: [s.address for s in servers], pool, metrics)
+    feed.start()
+    (name,) = service_names()
+    r_srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    channel = grpc.aio.insecure_channel(r_srv.address)
+    try:
+        await eventually_async(lambda: index.match(PREFIX + [1]).get(servers[1].address) == 16, what="the second prefill's blocks")
+        yield generate_pb2_grpc.GenerateServiceStub(channel), prefills, servers, index
+    finally:
+        await channel.close()
+        await feed.close()
+        await pool.close()
+        await router.close()
+        for s in (r_srv, d_srv, *servers):
+            await s.stop(0)
+
+
+async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_drops_a_dead_one(two_prefills):
+    stub, prefills, servers, index = two_prefills
+    for tail in ([1, 2], [3], [4, 5, 6]):
+        await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + tail)))
+    assert [len(p.requests) for p in prefills] == [0, 3]
+    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[7] * 20)))  # nobody holds it: least load
+    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[8] * 20)))
+    assert [len(p.requests) for p in prefills] == [1, 4]
+    # The holder goes away: its stream breaks, it leaves the index, and its prefix goes elsewhere.
+    await servers[1].stop(0)
+    await eventually_async(lambda: servers[1].address not in index.instances(), what="the dead prefill dropped")
+    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [9])))
+    assert len(prefills[0].requests) == 2

@@ -1,0 +1,95 @@
+"""The router's choice of prefill: round robin, least load, cache aware with a load margin."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdgrpc.router.policy import PrefillPolicy
+from pdgrpc.state.prefix_index import Block, PrefixIndex
+
+ADDRS = ["p0:1", "p1:1", "p2:1"]
+PREFIX = list(range(100, 116))  # four pages of 4
+
+
+def cached(index: PrefixIndex, address: str, tokens: list[int]) -> None:
+    parent = None
+    blocks = []
+    for start in range(0, len(tokens) - 3, 4):
+        h = hash((address, start))
+        blocks.append(Block(h, parent, tuple(tokens[start : start + 4])))
+        parent = h
+    index.stored(address, blocks)
+
+
+def busy(policy: PrefillPolicy, address: str, n: int) -> None:
+    for _ in range(n):
+        policy.started(address)
+
+
+def test_round_robin_takes_turns_whatever_the_load() -> None:
+    p = PrefillPolicy("round_robin")
+    busy(p, "p0:1", 10)
+    assert [p.choose(ADDRS, t, PREFIX) for t in range(4)] == [0, 1, 2, 0]
+
+
+def test_least_load_counts_calls_in_flight_and_rotates_ties() -> None:
+    p = PrefillPolicy("least_load")
+    assert [p.choose(ADDRS, t, []) for t in range(3)] == [0, 1, 2]  # all idle: in turn
+    busy(p, "p0:1", 2)
+    busy(p, "p1:1", 1)
+    assert p.choose(ADDRS, 0, []) == 2
+    busy(p, "p2:1", 3)
+    assert p.choose(ADDRS, 0, []) == 1
+    for _ in range(2):
+        p.finished("p0:1")
+    assert p.load("p0:1") == 0 and p.choose(ADDRS, 0, []) == 0
+
+
+def test_cache_aware_goes_to_the_longest_prefix() -> None:
+    index = PrefixIndex()
+    cached(index, "p1:1", PREFIX[:8])
+    cached(index, "p2:1", PREFIX)
+    p = PrefillPolicy("cache_aware", index, margin=2)
+    for turn in range(3):
+        assert p.choose(ADDRS, turn, PREFIX + [1, 2]) == 2
+    busy(p, "p2:1", 2)  # within the margin: still the cache
+    assert p.choose(ADDRS, 0, PREFIX + [1]) == 2
+    p.started("p2:1")  # 3 more than the idle p0 and p1: the least loaded, in turn
+    assert p.choose(ADDRS, 0, PREFIX + [1]) == 0
+    assert p.choose(ADDRS, 1, PREFIX + [1]) == 1
+
+
+def test_cache_aware_equal_prefixes_go_to_the_less_loaded_holder() -> None:
+    index = PrefixIndex()
+    cached(index, "p0:1", PREFIX)
+    cached(index, "p1:1", PREFIX)
+    p = PrefillPolicy("cache_aware", index)
+    busy(p, "p0:1", 1)
+    assert p.choose(ADDRS, 0, PREFIX + [1]) == 1
+
+
+def test_cache_aware_without_a_match_is_least_load() -> None:
+    index = PrefixIndex()
+    cached(index, "p0:1", PREFIX)
+    p = PrefillPolicy("cache_aware", index)
+    busy(p, "p1:1", 1)
+    assert [p.choose(ADDRS, t, [7] * 20) for t in range(3)] == [0, 2, 2]
+
+
+def test_only_candidates_count() -> None:
+    """An ejected instance is not among the candidates, however much it holds."""
+    index = PrefixIndex()
+    cached(index, "p0:1", PREFIX)
+    p = PrefillPolicy("cache_aware", index)
+    assert p.choose(["p1:1", "p2:1"], 0, PREFIX + [1]) in (0, 1)
+    index.cleared("p0:1")  # a prefill that died: dropped at once
+    assert p.choose(ADDRS, 1, PREFIX + [1]) == 1
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [(("fastest",), "--policy"), (("cache_aware", PrefixIndex(), -1), "--cache-aware-margin"), (("cache_aware",), "prefix index")],
+)
+def test_bad_settings_name_the_flag(args: tuple, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        PrefillPolicy(*args)
