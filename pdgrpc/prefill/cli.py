@@ -12,15 +12,15 @@ import argparse
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
+from pdgrpc.prefill.dispatch import CACHE_AWARE_MARGIN, METHODS
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
 from pdgrpc.serving.logs import add_logging_arguments
 
-__all__ = ["LOAD_BALANCE_METHODS", "build_parser", "add_worker_arguments", "worker_argv"]
+__all__ = ["build_parser", "add_worker_arguments", "worker_argv"]
 
-LOAD_BALANCE_METHODS = ("round_robin", "follow_bootstrap_room", "shortest_queue")
 
 DESCRIPTION = """\
 pdgrpc prefill instance: a DP controller serving pdgrpc.v1.PrefillService (plus an embedded
@@ -132,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "compute in lock step over gloo. Default: %(default)s",
     )
     d.add_argument(
-        "--load-balance-method", choices=LOAD_BALANCE_METHODS, default="round_robin",
+        "--load-balance-method", choices=METHODS, default="round_robin",
         help="dp rank for requests without routed_dp_rank: 'round_robin' (in turn), 'follow_bootstrap_room' "
         "(room %% dp_size; decode computes the rank without asking bootstrap), 'shortest_queue' (fewest "
-        "requests in flight). Except under follow_bootstrap_room, every room's rank is registered with "
-        "bootstrap (batched) for decode to query. Default: %(default)s",
+        "requests in flight), 'cache_aware' (the rank whose prefix cache holds the longest prefix of the prompt, "
+        f"unless it has more than {CACHE_AWARE_MARGIN} requests in flight beyond the least busy rank; else the least "
+        "busy). Except under follow_bootstrap_room, every room's rank is registered with bootstrap (batched) for "
+        "decode to query. Default: %(default)s",
     )
     d.add_argument(
         "--force-dp-rank-query", action="store_true",

@@ -120,7 +120,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         try:
             d = self.dispatcher.pick(
-                room, routed, [g[0].queue_length for g in self.groups], [all(w.alive for w in g) for g in self.groups]
+                room, routed, [g[0].queue_length for g in self.groups], [all(w.alive for w in g) for g in self.groups],
+                request.input_ids,
             )
         except InvalidRoute as exc:
             self.metrics.on_refused()

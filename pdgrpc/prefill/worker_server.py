@@ -28,7 +28,8 @@ from pdgrpc.engine.base import Engine
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.prefill.compute_process import ComputeProcess
 from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args
-from pdgrpc.prefill.cli import LOAD_BALANCE_METHODS, add_worker_arguments
+from pdgrpc.prefill.cli import add_worker_arguments
+from pdgrpc.prefill.dispatch import METHODS
 from pdgrpc.prefill.link import WorkerLinkServer
 from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WirePrefillServicer, WorkerPrefillServicer
 from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
@@ -52,6 +53,7 @@ _LB = {
     "round_robin": bootstrap_pb2.LOAD_BALANCE_METHOD_ROUND_ROBIN,
     "follow_bootstrap_room": bootstrap_pb2.LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM,
     "shortest_queue": bootstrap_pb2.LOAD_BALANCE_METHOD_SHORTEST_QUEUE,
+    "cache_aware": bootstrap_pb2.LOAD_BALANCE_METHOD_CACHE_AWARE,
 }
 
 
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="host part of the HandshakeService address registered with bootstrap (decodes on other hosts dial it); "
         "default: --host (127.0.0.1 when --host is a wildcard)",
     )
-    p.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, required=True)
+    p.add_argument("--load-balance-method", choices=METHODS, required=True)
     p.add_argument("--force-dp-rank-query", action="store_true")
     p.add_argument(
         "--link-fd", type=int, default=None,

@@ -6,9 +6,8 @@
 * ``cache_aware``: the instance whose prefix cache holds the longest prefix of the
   prompt (:class:`~pdgrpc.state.prefix_index.PrefixIndex`, fed by the instances' KV
   events), unless its load exceeds the least loaded instance's by more than ``margin``
-  calls: then, as when nobody holds any of the prompt, ``least_load``. A cached prefix
-  saves its whole prefill, so it outweighs a small queue; the margin bounds how much
-  work piles up on one instance because it holds popular prefixes.
+  calls: then, as when nobody holds any of the prompt, ``least_load``
+  (:func:`~pdgrpc.state.prefix_index.cache_aware_choice`).
 
 The caller passes the candidates (the instances not ejected) and tells the policy when
 a call starts and ends, so loads count only this router's calls.
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdgrpc.state.prefix_index import PrefixIndex
+from pdgrpc.state.prefix_index import PrefixIndex, cache_aware_choice, least_loaded
 
 __all__ = ["DEFAULT_MARGIN", "POLICIES", "PrefillPolicy"]
 
@@ -57,18 +56,10 @@ class PrefillPolicy:
     def choose(self, addresses: Sequence[str], turn: int, prompt: Sequence[int]) -> int:
         """The position in ``addresses`` (non-empty) of the instance for the request whose
         turn is ``turn`` (a count of requests) and whose prompt is ``prompt``."""
-        n = len(addresses)
         if self.name == "round_robin":
-            return turn % n
-        # In turn from ``turn``: ties among equals rotate rather than pile on the first.
-        order = [(turn + k) % n for k in range(n)]
-        least = min(order, key=lambda i: self.load(addresses[i]))
+            return turn % len(addresses)
+        loads = [self.load(a) for a in addresses]
         if self.name == "least_load" or self._index is None:
-            return least
+            return least_loaded(loads, turn)
         matches = self._index.match(prompt)
-        best = max(order, key=lambda i: (matches.get(addresses[i], 0), -self.load(addresses[i])))
-        if matches.get(addresses[best], 0) == 0:
-            return least
-        if self.load(addresses[best]) - self.load(addresses[least]) > self.margin:
-            return least
-        return best
+        return cache_aware_choice([matches.get(a, 0) for a in addresses], loads, turn, self.margin)

@@ -42,6 +42,10 @@ class _LoadBalanceMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Loa
     """dp rank = bootstrap_room % dp_size; decode computes it without a query."""
     LOAD_BALANCE_METHOD_SHORTEST_QUEUE: _LoadBalanceMethod.ValueType  # 3
     """The dp rank with the fewest queued requests; decode must query the rank."""
+    LOAD_BALANCE_METHOD_CACHE_AWARE: _LoadBalanceMethod.ValueType  # 4
+    """The dp rank whose prefix cache holds the longest prefix of the prompt; decode must
+    query the rank.
+    """
 
 class LoadBalanceMethod(_LoadBalanceMethod, metaclass=_LoadBalanceMethodEnumTypeWrapper):
     """How a prefill instance's DP controller picks the dp rank for a request that carries
@@ -56,6 +60,10 @@ LOAD_BALANCE_METHOD_FOLLOW_BOOTSTRAP_ROOM: LoadBalanceMethod.ValueType  # 2
 """dp rank = bootstrap_room % dp_size; decode computes it without a query."""
 LOAD_BALANCE_METHOD_SHORTEST_QUEUE: LoadBalanceMethod.ValueType  # 3
 """The dp rank with the fewest queued requests; decode must query the rank."""
+LOAD_BALANCE_METHOD_CACHE_AWARE: LoadBalanceMethod.ValueType  # 4
+"""The dp rank whose prefix cache holds the longest prefix of the prompt; decode must
+query the rank.
+"""
 Global___LoadBalanceMethod: _TypeAlias = LoadBalanceMethod  # noqa: Y015
 
 @_typing.final

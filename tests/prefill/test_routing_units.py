@@ -31,6 +31,33 @@ def test_shortest_queue_picks_fewest_in_flight_lowest_rank_on_ties() -> None:
     assert d.pick(5, None, [0, 0, 0], ALIVE3).register
 
 
+def test_cache_aware_picks_the_rank_holding_the_longest_prefix_within_the_margin() -> None:
+    prompt = list(range(40))
+    held = {1: 16, 2: 32}  # rank -> cached tokens of ``prompt`` (a fake of the merged per-rank view)
+    asked: list[list[int]] = []
+
+    def prefixes(p):
+        asked.append(list(p))
+        return held if p[:16] == prompt[:16] else {}
+
+    d = Dispatcher(3, "cache_aware", prefixes=prefixes)
+    p = d.pick(5, None, [0, 0, 0], ALIVE3, prompt)
+    assert (p.rank, p.register) == (2, True) and asked == [prompt]  # registered with bootstrap, as round robin
+    assert d.pick(5, None, [0, 0, 4], ALIVE3, prompt).rank == 2  # 4 more in flight: within the margin
+    assert d.pick(5, None, [0, 0, 5], ALIVE3, prompt).rank == 0  # over it: the least busy
+    assert d.pick(5, None, [0, 0, 0], [True, True, False], prompt).rank == 1  # a dead rank holds nothing
+    assert d.pick(5, 0, [0, 0, 0], ALIVE3, prompt).rank == 0  # routed_dp_rank still wins
+    # Nobody holds the prompt: the least busy, in turn on a tie.
+    assert sorted(d.pick(5, None, [0, 0, 0], ALIVE3, [99] * 20).rank for _ in range(3)) == [0, 1, 2]
+    assert d.pick(5, None, [3, 1, 2], ALIVE3, [99] * 20).rank == 1
+
+
+def test_cache_aware_without_a_view_is_the_least_busy_rank() -> None:
+    d = Dispatcher(2, "cache_aware")
+    assert [d.pick(5, None, [0, 0], [True, True], [1, 2]).rank for _ in range(3)] == [0, 1, 0]
+    assert d.pick(5, None, [2, 1], [True, True], [1, 2]).rank == 1
+
+
 def test_follow_bootstrap_room_uses_room_mod_dp_without_registration() -> None:
     d = Dispatcher(3, "follow_bootstrap_room")
     for room in (1, 2, 3, 10**18 + 7):
