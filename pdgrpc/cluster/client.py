@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from pdgrpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
@@ -30,6 +30,7 @@ class Completion:
     bootstrap_room: int
     messages: int
     data_plane_seconds: float = 0.0  # the first KV byte's arrival at the decode -> commit
+    seed: int = 0  # the sampling seed the request ran with (sent, else drawn by the server)
 
     @property
     def gbps(self) -> float:
@@ -43,9 +44,10 @@ async def generate(
     *,
     prompt: str = "",
     input_ids: Sequence[int] = (),
+    messages: Sequence[Mapping[str, str]] = (),
     max_new_tokens: int = 16,
     temperature: float = 0.0,
-    seed: int = 0,
+    seed: int | None = None,
     top_k: int = 0,
     top_p: float = 0.0,
     ignore_eos: bool = False,
@@ -53,18 +55,24 @@ async def generate(
     request_id: str = "",
     timeout: float | None = 120.0,
     metadata: Sequence[tuple[str, str]] | None = None,
+    on_message: Callable[[generate_pb2.GenerateResponse], None] | None = None,
 ) -> Completion:
-    """Run one Generate to the end; raises ``grpc.aio.AioRpcError`` on failure. ``metadata``:
-    sent with the call (a W3C ``traceparent`` makes the request's spans part of that trace)."""
+    """Run one Generate to the end; raises ``grpc.aio.AioRpcError`` on failure.
+    ``messages``: a chat conversation (``{"role": ..., "content": ...}`` each) instead of
+    ``prompt``. ``seed``: None lets the server draw one (``Completion.seed`` says which).
+    ``metadata``: sent with the call (a W3C ``traceparent`` makes the request's spans part
+    of that trace). ``on_message``: called with each message as it arrives."""
     request = generate_pb2.GenerateRequest(
         prompt=prompt,
         input_ids=list(input_ids),
+        messages=[generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         sampling=common_pb2.SamplingParams(
-            temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
-            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+            temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
         ),
         request_id=request_id,
     )
+    if seed is not None:
+        request.sampling.seed = seed
     if routed_dp_rank is not None:
         request.routed_dp_rank = routed_dp_rank
     start = time.perf_counter()
@@ -81,10 +89,13 @@ async def generate(
         text.append(msg.text)
         finish = msg.finish_reason or finish
         count += 1
+        if on_message is not None:
+            on_message(msg)
     assert first is not None and first_at is not None, "the router ends every successful stream after >= 1 message"
     return Completion(
         token_ids=tuple(ids), text="".join(text), finish_reason=finish,
         ttft_seconds=first.ttft_seconds, client_ttft_seconds=first_at - start,
         bytes_transferred=first.bytes_transferred, transfer_seconds=first.transfer_seconds,
         bootstrap_room=first.bootstrap_room, messages=count, data_plane_seconds=first.data_plane_seconds,
+        seed=first.seed,
     )

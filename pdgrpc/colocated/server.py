@@ -38,7 +38,7 @@ from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, tune_malloc_from_args
 from pdgrpc.serving.launch import Role
-from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids
+from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
@@ -96,8 +96,9 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         arrived = time.perf_counter()
         try:
             ids = tuple(request_ids(request, self.engine.tokenizer))
-            sampling = sampling_from_proto(request.sampling)
-            max_new = request.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+            seeded = with_seed(request.sampling)
+            sampling = sampling_from_proto(seeded)
+            max_new = seeded.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
             self.engine.validate_request(ids, max_new)
         except EngineError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -113,6 +114,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
                 if first:
                     first = False
                     msg.ttft_seconds = time.perf_counter() - arrived
+                    msg.seed = seeded.seed
                 await context.write(msg)
         except Exception as exc:  # noqa: BLE001 - the engine failed this request
             await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {exc}")

@@ -5,7 +5,9 @@ default, so even an empty prompt has a token to prefill) and ``257`` is EOS (gen
 stops when it is sampled). Any byte string round-trips exactly; text is UTF-8. Generated
 ids need not form valid UTF-8: :meth:`ByteTokenizer.decode` replaces broken sequences, and
 :meth:`ByteTokenizer.stream_decoder` turns a token stream into text pieces without
-splitting a multi-byte character between two pieces.
+splitting a multi-byte character between two pieces. Its chat template is the one its
+Hugging Face form carries (:data:`~pdgrpc.engine.tokenizer_files.CHAT_TEMPLATE`), so the
+router, the colocated server and smg render a conversation alike.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import codecs
 from typing import Iterable, Sequence
 
 from pdgrpc.engine.errors import InvalidRequest
+from pdgrpc.engine.tokenizer_files import CHAT_TEMPLATE
 from pdgrpc.errors import EngineError
 
 __all__ = ["BOS_ID", "EOS_ID", "VOCAB_SIZE", "ByteTokenizer", "StreamDecoder"]
@@ -44,6 +47,7 @@ class ByteTokenizer:
     eos_token_ids = frozenset({EOS_ID})
     vocab_size = VOCAB_SIZE
     model_type = "pdgrpc-reference"
+    chat_template = CHAT_TEMPLATE
 
     def hf_files(self) -> dict[str, bytes]:
         """This tokenizer as Hugging Face files (:mod:`pdgrpc.engine.tokenizer_files`)."""

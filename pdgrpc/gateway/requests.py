@@ -23,10 +23,15 @@ Handshake and AbortRoom calls and its failure watch prove the room as a router
 request's do: a party that never saw the request cannot take, abort or watch its room. An empty
 ``request_id`` gives no secret (the room is then unbound, as without one).
 
-**Seed.** smg 1.13.0's ``SamplingParams`` has no seed field and it does not forward an
-OpenAI ``seed``; a raw client may put an integer ``seed`` in ``custom_params``. Without
-one, sampling uses seed 0: a request at temperature > 0 is still reproducible, and it
-gives the same tokens as pdgrpc's router and colocated server at seed 0.
+**Seed.** smg 1.13.0 forwards no OpenAI ``seed`` (its ``SamplingParams`` has no seed
+field, and it sends no ``custom_params`` either); a raw client may put an integer ``seed``
+in ``custom_params``, which is honoured. A request without one samples with a seed drawn
+from its ``request_id`` (:func:`request_seed`; from its bootstrap room when the id is
+empty): both legs see the same values, so the prefill's first token and the decode's tokens come from one seed; smg
+draws a fresh ``request_id`` for every request, so two requests sample differently; and
+for ``n > 1`` smg sends ``n`` requests whose ids end ``-0``, ``-1``, ..., each with its
+own seed, so the choices differ. A request with neither id nor room (a raw call to a
+colocated worker) gets a random seed.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import secrets
 from typing import Any
 
 import grpc
@@ -42,7 +48,7 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ROOM_BASE", "GatewayRequest", "convert", "map_room", "room_secret"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ROOM_BASE", "GatewayRequest", "convert", "map_room", "request_seed", "room_secret"]
 
 ROOM_BASE = 1 << 62
 ROOM_SPAN = 1 << 31  # smg's rooms are int32 >= 0
@@ -77,6 +83,22 @@ def room_secret(request_id: str) -> bytes:
     if not request_id:
         return b""
     return hashlib.sha256(_SECRET_PREFIX + request_id.encode("utf-8", errors="surrogatepass")).digest()
+
+
+_SEED_PREFIX = b"pdgrpc.v1 smg seed\0"
+
+
+def request_seed(request_id: str, room: int = 0) -> int:
+    """The sampling seed of smg's request ``request_id`` when it names none (see the
+    module doc); ``room`` (smg's ``bootstrap_room``, 0 without one) stands in for an
+    empty ``request_id``."""
+    if request_id:
+        key = request_id.encode("utf-8", errors="surrogatepass")
+    elif room:
+        key = b"\0room" + room.to_bytes(8, "little")
+    else:
+        return secrets.randbits(64)
+    return int.from_bytes(hashlib.sha256(_SEED_PREFIX + key).digest()[:8], "little")
 
 
 def _bad(message: str) -> RequestFailed:
@@ -140,10 +162,11 @@ def _stop_strings(stop: Any) -> tuple[bytes, ...]:
     return tuple(out)
 
 
-def _seed(sp: Any) -> int:
-    custom = sp.custom_params
+def _seed(req: Any) -> int:
+    custom = req.sampling_params.custom_params
     if "seed" not in custom.fields:
-        return 0
+        room = req.disaggregated_params.bootstrap_room if req.HasField("disaggregated_params") else 0
+        return request_seed(req.request_id, room)
     value = custom["seed"]
     if not isinstance(value, float) or not value.is_integer() or not 0 <= value < _SEED_LIMIT:
         raise _bad(f"sampling_params.custom_params.seed must be an integer in [0, 2**64), got {value!r}")
@@ -182,7 +205,7 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int) -> GatewayReques
         temperature=float(sp.temperature),
         top_k=max(0, top_k),
         top_p=float(sp.top_p),
-        seed=_seed(sp),
+        seed=_seed(req),
         top_logprobs=top_n if req.return_logprob else 0,
         max_new_tokens=max_new,
         ignore_eos=bool(sp.ignore_eos),

@@ -8,12 +8,14 @@ What one ``Generate`` does::
 
 1. Pick a prefill and a decode (round robin over each list), draw ``bootstrap_room``
    (random 63-bit from :mod:`secrets`, never 0: 0 means "not written" in a metadata row)
-   and the room's secret, which only these two get (:mod:`pdgrpc.serving.room_proof`).
+   and the room's secret, which only these two get (:mod:`pdgrpc.serving.room_proof`);
+   a request that names no sampling seed gets a random one (:func:`~pdgrpc.serving.prompts.with_seed`).
 2. Start ``Prefill`` and ``Decode`` at once: decode allocates pages and handshakes with
    the prefill worker while the prefill computes, so neither waits for the other.
 3. Relay the decode's stream, turning token ids into text deltas with an incremental
    UTF-8 decoder (a multi-byte character split across two messages is sent whole, with
-   the later message). The first message carries TTFT, KV bytes, transfer time and room.
+   the later message). The first message carries TTFT, KV bytes, transfer time, room and
+   the sampling seed (the caller's, else the one drawn at step 1, once for every attempt).
 4. Failures travel both ways. A failed prefill (refused prompt, dp-rank conflict, transfer
    failure) cancels the decode call -- the decode aborts the room and frees its pages --
    and the client gets the prefill's status code with a message naming the prefill. A
@@ -57,7 +59,7 @@ from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
-from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids
+from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.room import Room
@@ -249,8 +251,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     @staticmethod
     def _sampling(request: generate_pb2.GenerateRequest) -> common_pb2.SamplingParams:
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
+        sampling = with_seed(request.sampling)  # drawn here, once: both legs and every retry sample alike
         if sampling.max_new_tokens == 0:
             sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         return sampling
@@ -417,7 +418,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.policy.started(prefill.address)
         prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
         try:
-            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode, trace)
+            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
@@ -451,6 +452,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         decode_call: grpc.aio.UnaryStreamCall,
         decode_address: str,
         trace: tracing.Hops | None = None,
+        seed: int = 0,
     ) -> int:
         """Forward the decode's messages to the client until the stream ends; raise
         :class:`~pdgrpc.errors.RequestFailed` as soon as either side fails. Returns the token count."""
@@ -489,6 +491,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     out.transfer_seconds = msg.transfer_seconds
                     out.data_plane_seconds = msg.data_plane_seconds
                     out.bootstrap_room = room
+                    out.seed = seed
                 count += len(msg.token_ids)
                 self.metrics.on_tokens(len(msg.token_ids))
                 await context.write(out)

@@ -41,7 +41,11 @@ class SamplingParams(_message.Message):
     top_p: _builtins.float
     """Nucleus cut-off probability, in (0, 1]; 0 is read as 1 (no cut)."""
     seed: _builtins.int
-    """Sampling seed (any 64-bit value)."""
+    """Sampling seed (any 64-bit value; 0 is a seed like any other). Unset: the server the
+    request enters (router, colocated server, smg facade) draws a fresh random seed, once,
+    and returns it in GenerateResponse.seed, so the output replays exactly; prefill and
+    decode sample with the seed they are sent (unset reads as 0).
+    """
     top_logprobs: _builtins.int
     """How many most likely tokens' logprobs to return with each token, in [0, 20]."""
     max_new_tokens: _builtins.int
@@ -54,16 +58,18 @@ class SamplingParams(_message.Message):
         temperature: _builtins.float = ...,
         top_k: _builtins.int = ...,
         top_p: _builtins.float = ...,
-        seed: _builtins.int = ...,
+        seed: _builtins.int | None = ...,
         top_logprobs: _builtins.int = ...,
         max_new_tokens: _builtins.int = ...,
         ignore_eos: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 

@@ -46,7 +46,8 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """A chat conversation instead of prompt text: the front door renders it with the
-        served checkpoint's chat template (tokenizer_config.json) plus the generation
+        served model's chat template (chat_template.jinja, tokenizer_config.json or a GGUF
+        file's metadata) plus the generation
         prompt, then tokenizes the text. Ignored when input_ids is set; prompt must be
         empty when it is set. INVALID_ARGUMENT when the server has no chat template.
         """
@@ -109,6 +110,7 @@ class GenerateResponse(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
     BOOTSTRAP_ROOM_FIELD_NUMBER: _builtins.int
     DATA_PLANE_SECONDS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The same tokens as text (may be empty while a UTF-8 sequence is incomplete)."""
     finish_reason: _builtins.str
@@ -128,6 +130,11 @@ class GenerateResponse(_message.Message):
     decode to the commit; bytes_transferred / data_plane_seconds is the transport's rate.
     0 when no bytes moved (fake transport). Set on the first message.
     """
+    seed: _builtins.int
+    """The sampling seed the request ran with: the caller's, else the one the server drew.
+    Sending it back as sampling.seed with the same prompt and parameters replays the
+    output exactly. Set on the first message.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous message (token ids)."""
@@ -143,10 +150,11 @@ class GenerateResponse(_message.Message):
         transfer_seconds: _builtins.float = ...,
         bootstrap_room: _builtins.int = ...,
         data_plane_seconds: _builtins.float = ...,
+        seed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "bytes_transferred", b"bytes_transferred", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "text", b"text", "token_ids", b"token_ids", "transfer_seconds", b"transfer_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "bytes_transferred", b"bytes_transferred", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "seed", b"seed", "text", b"text", "token_ids", b"token_ids", "transfer_seconds", b"transfer_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

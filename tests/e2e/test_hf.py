@@ -11,13 +11,18 @@ built offline once per session, served by real processes:
 Greedy outputs equal ``transformers``' ``generate()`` on the same directory, seeded
 sampling equals colocated generation with the same engine in this process; a text prompt
 and chat messages are tokenized by the router with the checkpoint's tokenizer and chat
-template; a prompt over the context length is INVALID_ARGUMENT; afterwards every live
-gauge (slots, pages, quarantine, transport rooms) reads 0.
+template (``chat_template.jinja``, where transformers 5 saves it); a prompt over the
+context length is INVALID_ARGUMENT; a request without a seed samples with a fresh one,
+which the first message returns and which replays it; afterwards every live gauge
+(slots, pages, quarantine, transport rooms) reads 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+from pathlib import Path
 
 import grpc
 import pytest
@@ -62,8 +67,16 @@ _EXPECTED: dict[str, list] = {}
 
 
 @pytest.fixture(scope="module")
-def model_dir(hf_checkpoint):
-    return str(hf_checkpoint("llama"))
+def model_dir(hf_checkpoint, tmp_path_factory):
+    """The tiny Llama with its tokenizer saved by transformers 5's ``save_pretrained``: the
+    chat template in ``chat_template.jinja``, none in ``tokenizer_config.json``."""
+    src = Path(hf_checkpoint("llama"))
+    out = tmp_path_factory.mktemp("ckpt-llama-tf5")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    transformers.AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(out))
+    assert (out / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+    return str(out)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=list(CLUSTERS))
@@ -117,7 +130,7 @@ async def test_outputs_equal_transformers_and_colocated_and_everything_is_releas
         done = await generate(stub, prompt=text, max_new_tokens=NEW_TOKENS)
         assert list(done.token_ids) == _transformers_greedy(model_dir, [tuple(tok(text)["input_ids"])])[0]
 
-        # Chat messages: rendered with tokenizer_config.json's template, as transformers does.
+        # Chat messages: rendered with chat_template.jinja's template, as transformers does.
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
         req = generate_pb2.GenerateRequest(
             messages=[generate_pb2.ChatMessage(**m) for m in messages],
@@ -136,4 +149,18 @@ async def test_outputs_equal_transformers_and_colocated_and_everything_is_releas
                 await generate(other, input_ids=[5] * 10, max_new_tokens=2)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "compatibility hash mismatch" in err.value.details() and "ckpt-llama-tied" in err.value.details()
+    await wait_nothing_held(cluster)
+
+
+async def test_unseeded_sampling_differs_and_the_returned_seed_replays_it(cluster):
+    """A request without a seed gets a fresh one, returned on the first message; sending
+    it back replays the output exactly, as does any seed sent (0 included)."""
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        kw = dict(prompt="Once upon a time", max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True)
+        a, b = [await generate(stub, **kw) for _ in range(2)]
+        assert a.seed != b.seed and a.token_ids != b.token_ids
+        assert (await generate(stub, seed=a.seed, **kw)).token_ids == a.token_ids
+        zero = [await generate(stub, seed=0, **kw) for _ in range(2)]
+        assert zero[0].seed == zero[1].seed == 0 and zero[0].token_ids == zero[1].token_ids
     await wait_nothing_held(cluster)

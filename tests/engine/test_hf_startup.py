@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.hf.engine import HFEngineConfig, check_checkpoint
 from pdgrpc.engine.hf.tokenizer import load_tokenizer
 from pdgrpc.errors import ConfigError
@@ -107,3 +108,28 @@ def test_chat_messages_render_as_transformers_does(hf_checkpoint):
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert request_ids(req, load_tokenizer(path)) == list(expected)
+
+
+def test_the_chat_template_is_found_where_transformers_saves_it(hf_checkpoint, tmp_path):
+    """chat_template.jinja (transformers 5) wins over chat_template.json, which wins over
+    tokenizer_config.json; a list of named templates gives its ``default``."""
+    src = Path(hf_checkpoint("qwen2"))
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_tokenizer(path).chat_template == "D"
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": "J"}))
+    assert load_tokenizer(path).chat_template == "J"
+    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert load_tokenizer(path).chat_template == "{{ messages[0]['content'] }}!"
+    req = generate_pb2.GenerateRequest(messages=[generate_pb2.ChatMessage(role="user", content="hi")])
+    assert request_ids(req, load_tokenizer(path)) == load_tokenizer(path).encode("hi!", add_bos=False)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (path / name).unlink()
+    del cfg["chat_template"]
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        request_ids(req, load_tokenizer(path))

@@ -19,6 +19,7 @@ from pdgrpc.cluster.reference import reference_engine  # noqa: E402
 from pdgrpc.engine.base import SamplingParams  # noqa: E402
 from pdgrpc.engine.colocated import generate as colocated_generate  # noqa: E402
 from pdgrpc.gateway import colocated_service  # noqa: E402
+from pdgrpc.gateway.requests import request_seed  # noqa: E402
 from pdgrpc.rpc.server import start_server  # noqa: E402
 from tests.eventually import eventually_async  # noqa: E402
 
@@ -44,7 +45,7 @@ async def test_generate_stop_tokens_logprobs_and_abort():
             info = await stub.GetServerInfo(pb.GetServerInfoRequest())
             assert info.server_args["disaggregation_mode"] == "null"
             for ids, n, t in [((256, *b"hello"), 12, 0.0), (tuple(b"abc"), 9, 1.25)]:
-                (want,) = colocated_generate(reference, [ids], n, SamplingParams(temperature=t))
+                (want,) = colocated_generate(reference, [ids], n, SamplingParams(temperature=t, seed=request_seed("a")))
                 msgs = [m async for m in stub.Generate(request("a", ids, n, t, return_logprob=True, top_logprobs_num=2))]
                 chunks, done = [m.chunk for m in msgs[:-1]], msgs[-1].complete
                 assert [t for c in chunks for t in c.token_ids] == list(done.output_ids) == list(want.token_ids)
@@ -53,7 +54,7 @@ async def test_generate_stop_tokens_logprobs_and_abort():
                 assert all(len(x.token_ids) == 2 for x in done.output_logprobs.top_logprobs)
                 # The same request with its third token as a stop token id ends there.
                 stop = want.token_ids[2]
-                req = request("b", ids, n, t)
+                req = request("a", ids, n, t)  # the same id: the same seed (smg sends none)
                 req.sampling_params.stop_token_ids.append(stop)
                 done = [m async for m in stub.Generate(req)][-1].complete
                 cut = list(want.token_ids).index(stop) + 1

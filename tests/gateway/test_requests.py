@@ -16,7 +16,7 @@ pytest.importorskip("smg_grpc_proto", reason="the gateway extra (pdgrpc[gateway]
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 
 from pdgrpc.errors import RequestFailed  # noqa: E402
-from pdgrpc.gateway.requests import DEFAULT_MAX_NEW_TOKENS, ROOM_BASE, convert, map_room  # noqa: E402
+from pdgrpc.gateway.requests import DEFAULT_MAX_NEW_TOKENS, ROOM_BASE, convert, map_room, request_seed  # noqa: E402
 from pdgrpc.engine.tokenizer import ByteTokenizer  # noqa: E402
 from pdgrpc.engine.tokenizer_files import byte_symbols  # noqa: E402
 from pdgrpc.gateway.tokenizer import tokenizer_zip  # noqa: E402
@@ -54,7 +54,7 @@ def test_a_plain_request_converts_field_by_field():
     assert g.room == ROOM_BASE  # smg's room 0 is mapped, never 0
     assert g.bootstrap_address == "127.0.0.1:4000"
     s = g.sampling
-    assert (s.temperature, s.top_k, s.top_p, s.seed, s.max_new_tokens, s.ignore_eos) == (0.5, 0, 1.0, 0, 8, False)
+    assert (s.temperature, s.top_k, s.top_p, s.seed, s.max_new_tokens, s.ignore_eos) == (0.5, 0, 1.0, request_seed("r1"), 8, False)
     assert g.stop_token_ids == frozenset({10})
 
 
@@ -133,6 +133,24 @@ def test_defaults_seed_and_logprobs():
     assert g.sampling.seed == 12345 and g.sampling.top_logprobs == 3 and g.return_logprob
     assert g.sampling.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
     assert convert(req, disaggregated=True, max_seq_len=10).sampling.max_new_tokens == 7  # capped by the context
+
+
+def test_a_request_without_a_seed_gets_one_from_its_id_equal_on_both_legs():
+    """smg forwards no seed: each request samples with its own, and its two legs agree."""
+    prefill_leg, decode_leg = request(), request()
+    seeds = {convert(r, disaggregated=True, max_seq_len=2048).sampling.seed for r in (prefill_leg, decode_leg)}
+    assert seeds == {request_seed("r1")}
+    other = request()
+    other.request_id = "r1-1"  # smg's second choice of n = 2
+    assert convert(other, disaggregated=True, max_seq_len=2048).sampling.seed not in seeds
+    assert convert(request(custom_params={"seed": 0}), disaggregated=True, max_seq_len=2048).sampling.seed == 0
+    nameless = request()
+    nameless.request_id = ""
+    nameless.disaggregated_params.bootstrap_room = 7
+    assert convert(nameless, disaggregated=True, max_seq_len=2048).sampling.seed == request_seed("", 7) != request_seed("", 8)
+    nameless.ClearField("disaggregated_params")
+    drawn = {convert(nameless, disaggregated=False, max_seq_len=2048).sampling.seed for _ in range(4)}
+    assert len(drawn) == 4  # neither id nor room: a random seed each time
 
 
 def test_the_tokenizer_bundle_is_a_byte_tokenizer():

@@ -4,8 +4,10 @@ One cluster per (topology, transport): smg-1p1d over tcp and over rdma, and smg-
 (two prefills x two decodes) over rdma. Outputs are compared with colocated generation of the same token
 ids (a ReferenceEngine built from the topology's own [engine] table): exact token ids
 always, and the text wherever the output bytes are valid UTF-8 (smg's byte-level decoder
-is deterministic there). smg 1.13.0 forwards no seed, so the sampled cases run at the
-workers' default seed 0, as the reference does.
+is deterministic there). smg 1.13.0 forwards no seed, so each sampled request runs at the
+seed the workers draw from its request id, which smg's reply carries; the reference runs
+at that seed too. Unseeded requests differ from one another, and ``n = 2`` gives two
+different choices.
 
 The protocol tests call the servers' SglangScheduler directly with what smg would never
 send. Prefills run with a shorter --max-prompt-tokens than the decodes, so a prompt
@@ -39,6 +41,7 @@ from pdgrpc.cluster import Cluster, load_topology  # noqa: E402
 from pdgrpc.cluster.topology import Topology  # noqa: E402
 from pdgrpc.engine.tokenizer import EOS_ID, ByteTokenizer  # noqa: E402
 from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME  # noqa: E402
+from pdgrpc.gateway.requests import request_seed  # noqa: E402
 from pdgrpc.gateway.tokenizer import tokenizer_zip  # noqa: E402
 from tests.e2e.harness import HELD_FIELDS, Case, Counters, reference_outputs, skip_unless_transport, wait_nothing_held  # noqa: E402
 from tests.eventually import eventually_async  # noqa: E402
@@ -99,6 +102,12 @@ def expected_text(ids: tuple[int, ...]) -> str | None:
         return None
 
 
+def seeded(c: Case, request_id: str) -> Case:
+    """``c`` at the seed the workers drew for smg's request ``request_id`` (smg forwards no
+    seed; its replies carry the request id)."""
+    return dataclasses.replace(c, seed=request_seed(request_id))
+
+
 def of_process(counters: Counters, name: str) -> Counters:
     """The counters of one process's endpoints (a prefill's controller and its workers)."""
     return Counters({k: v for k, v in counters.scrapes.items() if k.split("/")[0] == name})
@@ -119,7 +128,6 @@ async def test_models_lists_the_served_model_name(cluster):
 async def test_generate_returns_the_token_ids_of_colocated_generation(cluster):
     prompts = [(256, *b"The quick brown fox"), (256, *b"KV pages move"), tuple(b"no BOS here"), (256,)]
     cases = [Case(ids, n, temperature=t, top_k=k) for ids in prompts for n, t, k in CASES]
-    expected = reference_outputs(cluster.topology.name, cases)
     before = await Counters.read(cluster)
 
     async def one(c: Case):
@@ -128,8 +136,9 @@ async def test_generate_returns_the_token_ids_of_colocated_generation(cluster):
         return await call(smg_http.post, base(cluster), "/generate", body)
 
     got = await asyncio.gather(*(one(c) for c in cases))
+    assert all(status == 200 for status, _ in got), got
+    expected = reference_outputs(cluster.topology.name, [seeded(c, body[0]["meta_info"]["id"]) for c, (_, body) in zip(cases, got)])
     for c, (status, body), (ids, reason) in zip(cases, got, expected):
-        assert status == 200, body
         (out,) = body
         assert tuple(out["output_ids"]) == ids, c
         assert out["meta_info"]["finish_reason"]["type"] == OPENAI_REASON[reason], c
@@ -151,37 +160,63 @@ async def test_completions_and_chat_return_the_text_of_colocated_generation(clus
     chat_ids = tuple(b"user: hello there\nassistant: ")  # the exported chat template; smg adds no BOS
     cases = [Case(tuple(p.encode()), n, temperature=t, top_k=k) for p in prompts for n, t, k in CASES]
     chat_cases = [Case(chat_ids, n, temperature=t, top_k=k) for n, t, k in CASES]
-    expected = reference_outputs(cluster.topology.name, cases + chat_cases)
     texts = 0
 
     def params(c: Case) -> dict:
         return {"model": MODEL, "max_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k or -1}
 
-    for i, c in enumerate(cases):
-        ids, reason = expected[i]
+    answers = []  # (case, full reply, streamed events): each request samples with its own id's seed
+    for c in cases:
         body = {**params(c), "prompt": bytes(c.input_ids).decode()}
         (status, full), (s_status, events) = await asyncio.gather(
             call(smg_http.post, base(cluster), "/v1/completions", body),
             call(smg_http.stream, base(cluster), "/v1/completions", body),
         )
         assert status == 200 and s_status == 200, (full, events)
-        choice = full["choices"][0]
-        assert full["usage"]["completion_tokens"] == len(ids) and full["usage"]["prompt_tokens"] == len(c.input_ids)
-        assert choice["finish_reason"] == OPENAI_REASON[reason] and smg_http.finish_reason(events) == OPENAI_REASON[reason]
-        want = expected_text(ids)
-        if want is not None:
-            texts += 1
-            assert choice["text"] == want, c
-            assert smg_http.streamed_text(events) == want, c
-    for c, (ids, reason) in zip(chat_cases, expected[len(cases):]):
+        answers.append((c, full, events))
+    chats = []
+    for c in chat_cases:
         status, events = await call(smg_http.stream, base(cluster), "/v1/chat/completions", {**params(c), "messages": chat_prompt})
         assert status == 200, events
+        chats.append((c, events))
+    runs = [seeded(c, r["id"]) for c, full, events in answers for r in (full, events[0])] + [seeded(c, e[0]["id"]) for c, e in chats]
+    expected = iter(reference_outputs(cluster.topology.name, runs))
+    for c, full, events in answers:
+        (ids, reason), (s_ids, s_reason) = next(expected), next(expected)
+        choice = full["choices"][0]
+        assert full["usage"]["completion_tokens"] == len(ids) and full["usage"]["prompt_tokens"] == len(c.input_ids)
+        assert choice["finish_reason"] == OPENAI_REASON[reason] and smg_http.finish_reason(events) == OPENAI_REASON[s_reason]
+        for got, want in ((choice["text"], expected_text(ids)), (smg_http.streamed_text(events), expected_text(s_ids))):
+            if want is not None:
+                texts += 1
+                assert got == want, c
+    for c, events in chats:
+        ids, reason = next(expected)
         assert smg_http.finish_reason(events) == OPENAI_REASON[reason]
         want = expected_text(ids)
         if want is not None:
             texts += 1
             assert smg_http.streamed_text(events) == want, c
     assert texts >= len(CASES), "too few outputs were valid UTF-8 for the text checks to mean anything"
+    await wait_nothing_held(cluster)
+
+
+async def test_unseeded_requests_and_the_choices_of_n_2_sample_differently(cluster):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 16, "temperature": 1.0}
+    replies = await asyncio.gather(*(call(smg_http.post, base(cluster), "/v1/completions", body) for _ in range(2)))
+    assert all(status == 200 for status, _ in replies), replies
+    texts = [r["choices"][0]["text"] for _, r in replies]
+    assert texts[0] != texts[1]
+    status, reply = await call(smg_http.post, base(cluster), "/v1/completions", {**body, "n": 2})
+    assert status == 200, reply
+    a, b = (c["text"] for c in reply["choices"])
+    assert a != b
+    # smg sends each choice as a request of its own, id suffixed -0, -1: the text of each
+    # is colocated generation at that id's seed.
+    case = Case(tuple(b"hello"), 16, temperature=1.0)
+    want = reference_outputs(cluster.topology.name, [seeded(case, f"{reply['id']}-{i}") for i in range(2)])
+    for text, (ids, _) in zip((a, b), want):
+        assert expected_text(ids) in (text, None)
     await wait_nothing_held(cluster)
 
 

@@ -4,7 +4,8 @@ Torch-free (the router tokenizes text prompts with it). Encoding applies the
 tokenizer's own post-processor (a Llama ``tokenizer.json`` prepends BOS there; a Qwen one
 adds nothing), as ``transformers`` does with ``add_special_tokens=True``. EOS ids come
 from ``generation_config.json`` (else ``config.json``, else ``tokenizer_config.json``'s
-``eos_token``). ``hf_files()`` is the directory's tokenizer files, for front ends that
+``eos_token``). The chat template is the one ``transformers`` loads (:func:`read_chat_template`).
+``hf_files()`` is the directory's tokenizer files, for front ends that
 tokenize themselves (smg); ``token_bytes`` maps a token to its output bytes through the
 vocabulary (byte-level BPE's symbol map, SentencePiece's ``▁`` and ``<0xNN>``).
 :class:`HFStreamDecoder` turns generated ids into text pieces that never
@@ -21,7 +22,7 @@ from pdgrpc.engine.hf.config import HFConfig, load_config, read_json
 from pdgrpc.engine.tokenizer_files import byte_symbols, read_tokenizer_files
 from pdgrpc.errors import ConfigError, EngineError
 
-__all__ = ["HFStreamDecoder", "HFTokenizer", "load_tokenizer"]
+__all__ = ["HFStreamDecoder", "HFTokenizer", "load_tokenizer", "read_chat_template"]
 
 
 def _special(tok_cfg: dict[str, Any], key: str) -> str | None:
@@ -29,6 +30,27 @@ def _special(tok_cfg: dict[str, Any], key: str) -> str | None:
     if isinstance(value, dict):  # transformers 4.x AddedToken form
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def read_chat_template(directory: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """A checkpoint directory's chat template, looked up where ``transformers`` looks:
+    ``chat_template.jinja`` (where transformers 5 saves it), then ``chat_template.json``,
+    then ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named
+    templates whose ``default`` is taken). None when there is none."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{jinja}: cannot read the chat template ({exc})") from None
+    as_json = directory / "chat_template.json"
+    value = read_json(as_json).get("chat_template") if as_json.is_file() else None
+    if value is None:
+        value = tokenizer_config.get("chat_template")
+    if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
 
 
 class HFStreamDecoder:
@@ -96,8 +118,7 @@ class HFTokenizer:
         self.eos_token_id = eos[0]
         bos = config.bos_token_id
         self.bos_token_id = bos if bos is not None else -1  # -1: this tokenizer has no BOS
-        self.chat_template: str | None = self.tokenizer_config.get("chat_template") if isinstance(
-            self.tokenizer_config.get("chat_template"), str) else None
+        self.chat_template = read_chat_template(config.path, self.tokenizer_config)
 
     def encode(self, text: str | bytes, add_bos: bool = True) -> list[int]:
         if isinstance(text, (bytes, bytearray, memoryview)):
