@@ -1,0 +1,105 @@
+"""``python -m pdgrpc.client`` and gRPC server reflection, against a real 1p1d cluster.
+
+The client command runs as a subprocess, the way a user types it: plain text, ``--json``,
+``--stream`` and ``--chat``; its printed seed replays a sampled output exactly. Reflection
+is what ``grpcurl`` relies on: grpc's reflection client lists every server's services,
+and a Generate call built only from the descriptors the router serves (no generated
+code) gets the tokens that the generated client gets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.protobuf import descriptor_pool, message_factory
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from pdgrpc.cluster import Cluster
+from pdgrpc.cluster.client import generate
+from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+from tests.e2e.harness import wait_nothing_held
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster():
+    async with Cluster("1p1d", transport="tcp", start_timeout=120) as c:
+        yield c
+
+
+def client(router: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    return subprocess.run(
+        [sys.executable, "-m", "pdgrpc.client", router, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+
+
+async def test_the_client_command_prints_text_timings_and_a_seed_that_replays(cluster):
+    router = cluster.router_address
+    plain = client(router, "The capital of France is", "--max-new-tokens", "6")
+    assert plain.returncode == 0, plain.stderr
+    text, summary = plain.stdout.rsplit("\n", 2)[-3:-1]
+    assert "6 tokens, finish length; ttft" in summary and "kv " in summary and " GB/s" in summary and "seed " in summary
+
+    full = json.loads(client(router, "The capital of France is", "--max-new-tokens", "6", "--json").stdout)
+    assert full["text"] == text and len(full["token_ids"]) == 6 and full["ttft_seconds"] > 0 and full["bytes_transferred"] > 0
+
+    streamed = client(router, "The capital of France is", "--max-new-tokens", "6", "--stream", "--json")
+    assert streamed.returncode == 0, streamed.stderr
+    *messages, done = [json.loads(line) for line in streamed.stdout.splitlines()]
+    assert "".join(m.get("text", "") for m in messages) == text == done["text"]
+    assert "ttft_seconds" in messages[0] and "seed" in messages[0] and len(messages) == done["messages"]
+
+    sampled = [json.loads(client(router, "hello", "--temperature", "1", "--ignore-eos", "--json").stdout) for _ in range(2)]
+    assert sampled[0]["token_ids"] != sampled[1]["token_ids"]
+    again = json.loads(client(router, "hello", "--temperature", "1", "--ignore-eos", "--json", "--seed", str(sampled[0]["seed"])).stdout)
+    assert again["token_ids"] == sampled[0]["token_ids"] and again["seed"] == sampled[0]["seed"]
+
+    chat = json.loads(client(router, "hello there", "--chat", "--json", "--max-new-tokens", "4").stdout)
+    async with grpc.aio.insecure_channel(router) as channel:  # the byte tokenizer's template, rendered; no BOS
+        want = await generate(GenerateServiceStub(channel), input_ids=list(b"user: hello there\nassistant: "), max_new_tokens=4)
+    assert chat["token_ids"] == list(want.token_ids)
+
+    failed = client("127.0.0.1:1", "hello", "--timeout", "2")
+    assert failed.returncode == 1 and "127.0.0.1:1: UNAVAILABLE" in failed.stderr
+    bad = client(router, "hello", "--max-new-tokens", "0")
+    assert bad.returncode == 2 and "--max-new-tokens" in bad.stderr
+    await wait_nothing_held(cluster)
+
+
+async def test_reflection_describes_every_server_and_drives_a_call(cluster):
+    expected = {
+        "router": "pdgrpc.v1.GenerateService", "prefill": "pdgrpc.v1.PrefillService",
+        "decode": "pdgrpc.v1.DecodeService",
+    }
+    for name, service in expected.items():
+        with grpc.insecure_channel(cluster.address(name)) as channel:
+            db = ProtoReflectionDescriptorDatabase(channel)
+            assert {service, "grpc.health.v1.Health"} <= set(db.get_services()), name
+            pool = descriptor_pool.DescriptorPool(db)
+            assert pool.FindServiceByName(service).methods, name
+
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        method = pool.FindServiceByName("pdgrpc.v1.GenerateService").FindMethodByName("Generate")
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        request = request_cls(prompt="hello", sampling={"max_new_tokens": 5, "seed": 0})
+        call = channel.unary_stream(
+            "/pdgrpc.v1.GenerateService/Generate", request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString,
+        )
+        replies = list(call(request, timeout=30))
+    assert sum(len(r.token_ids) for r in replies) == 5 and replies[0].ttft_seconds > 0 and replies[0].seed == 0
+    assert replies[-1].finish_reason == "length"
+    await wait_nothing_held(cluster)
