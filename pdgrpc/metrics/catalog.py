@@ -170,7 +170,33 @@ CATALOG: tuple[MetricSpec, ...] = (
         "the cap itself refuses new rooms instead.",
         _R, (_B,), field="evicted",
     ),
+    MetricSpec(
+        "pdgrpc_prefix_cache_pages", "gauge",
+        "KV pages the prefix cache holds for reuse, in use by requests or not (count); unused ones are evicted "
+        "when the pool runs short.",
+        _R, (_P,), field="prefix_cache_pages",
+    ),
+    MetricSpec(
+        "pdgrpc_prefix_cache_evictions_total", "counter",
+        "Cached KV pages evicted, least recently used first, to make room for new prompts (count).",
+        _R, (_P,), field="prefix_cache_evictions",
+    ),
     # ---- events: recorded through the role facades ------------------------------------
+    MetricSpec(
+        "pdgrpc_prefill_prompt_tokens_total", "counter",
+        "Prompt tokens of the requests a prefill worker started (count); each is a cache hit or computed.",
+        _R, (_P,),
+    ),
+    MetricSpec(
+        "pdgrpc_prefix_cache_hit_tokens_total", "counter",
+        "Prompt tokens whose KV came from the prefix cache instead of being computed (count).",
+        _R, (_P,),
+    ),
+    MetricSpec(
+        "pdgrpc_prefill_computed_tokens_total", "counter",
+        "Prompt tokens a prefill worker computed: prompt tokens less prefix cache hits (count).",
+        _R, (_P,),
+    ),
     MetricSpec(
         "pdgrpc_requests_total", "counter",
         "Requests that reached a terminal state on this server (count), by state: finished, aborted "

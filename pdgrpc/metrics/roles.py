@@ -233,8 +233,22 @@ class PrefillMetrics(RoleMetrics):
         self._requests = RequestCounters(self._fam, self.role)
         self._transfers = TransferCounters(self._fam, self.role, transport)
         self._registrations = _registrations(self._fam, self.role)
+        label = self.role.value
+        self._prompt_tokens = self._fam.counter("pdgrpc_prefill_prompt_tokens_total").labels(label)
+        self._hit_tokens = self._fam.counter("pdgrpc_prefix_cache_hit_tokens_total").labels(label)
+        self._computed_tokens = self._fam.counter("pdgrpc_prefill_computed_tokens_total").labels(label)
         self.transport = transport
         self.set_info(transport=transport)
+
+    def on_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A worker starts a prompt of ``prompt_tokens``, ``cached_tokens`` of them from
+        the prefix cache."""
+        _count("prompt_tokens", prompt_tokens)
+        if not 0 <= _count("cached_tokens", cached_tokens) <= prompt_tokens:
+            raise ValueError(f"cached_tokens must be <= prompt_tokens={prompt_tokens}, got {cached_tokens}")
+        self._prompt_tokens.inc(prompt_tokens)
+        self._hit_tokens.inc(cached_tokens)
+        self._computed_tokens.inc(prompt_tokens - cached_tokens)
 
     def on_finished(self) -> None:
         """An admitted request completed normally on this server."""

@@ -85,6 +85,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "worker). Default: %(default)s",
     )
     g.add_argument(
+        "--no-prefix-cache", action="store_true",
+        help="compute every prompt in full. By default a worker keeps the KV of the full pages of prompts it "
+        "computed in its pool, and a prompt that starts with the same tokens reuses them and computes only the "
+        "rest (same output token for token); unused cached pages are evicted, least recently used first, when "
+        "the pool runs short. Applies with --tp-size 1.",
+    )
+    g.add_argument(
         "--compute-threads", type=int, default=1,
         help="torch intra-op threads per worker (results do not depend on it). Default: %(default)s",
     )

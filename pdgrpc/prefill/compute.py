@@ -69,9 +69,11 @@ class Compute(abc.ABC):
         """Called on the worker's running loop before the first :meth:`begin`."""
 
     @abc.abstractmethod
-    def begin(self, room: int, request: PrefillRequest) -> ComputeJob:
-        """Start computing ``request`` (its pages are the room's) chunk by chunk. Raises
-        :class:`~pdgrpc.prefill.errors.RequestFailed` when it cannot start."""
+    def begin(self, room: int, request: PrefillRequest, start: int = 0) -> ComputeJob:
+        """Start computing ``request`` (its pages are the room's) chunk by chunk from token
+        ``start`` (page-aligned: the KV of the tokens before it is in the pages already, a
+        cached prefix). Raises :class:`~pdgrpc.prefill.errors.RequestFailed` when it cannot
+        start."""
 
     @abc.abstractmethod
     async def finish(self, room: int, job: ComputeJob | None) -> None:

@@ -22,7 +22,7 @@ One round trip per chunk would leave the child idle during each.
 
 Messages are pickled, each preceded by its length (``<I``), over a Unix socketpair:
 
-* worker -> child: ``("prefill", job, request, chunk_tokens, min_pages, page_size)``,
+* worker -> child: ``("prefill", job, request, chunk_tokens, min_pages, page_size, start)``,
   ``("cancel", job)``;
 * child -> worker: ``("post", job, end, token, seconds, error)``, ``("stopped", job)``
   once the child will not touch the job's pages again.
@@ -199,8 +199,8 @@ class ComputeProcess:
     # ---- jobs ---------------------------------------------------------------------------
 
     def submit(self, request: PrefillRequest, chunk_tokens: int, min_pages: int, page_size: int,
-               post: Post, stopped: Callable[[], None]) -> int:
-        """Compute ``request`` chunk by chunk; ``post(end, token, seconds, error)`` for the
+               post: Post, stopped: Callable[[], None], start: int = 0) -> int:
+        """Compute ``request`` chunk by chunk from token ``start``; ``post(end, token, seconds, error)`` for the
         chunks the worker acts on, ``stopped()`` once the child is done with its pages.
         Returns the job id (for :meth:`cancel`). Raises :class:`ComputeProcessLost`."""
         if self.lost is not None:
@@ -208,7 +208,7 @@ class ComputeProcess:
         job = self._next_job
         self._next_job += 1
         self._jobs[job] = _Job(post, stopped)
-        self._send(("prefill", job, request, chunk_tokens, min_pages, page_size))
+        self._send(("prefill", job, request, chunk_tokens, min_pages, page_size, start))
         return job
 
     def cancel(self, job: int) -> None:
@@ -343,7 +343,7 @@ class ProcessCompute(Compute):
     async def start(self) -> None:
         self.cproc.on_lost = self._break
 
-    def begin(self, room: int, request: PrefillRequest) -> ComputeJob:
+    def begin(self, room: int, request: PrefillRequest, start: int = 0) -> ComputeJob:
         n = len(request.token_ids)
         job = _ProcessJob(room, stopped=asyncio.get_running_loop().create_future())
         stopped = job.stopped
@@ -361,7 +361,7 @@ class ProcessCompute(Compute):
                 stopped.set_result(None)
 
         try:
-            job.job = self.cproc.submit(request, self.chunk_size, self.min_pages, self.page_size, post, child_stopped)
+            job.job = self.cproc.submit(request, self.chunk_size, self.min_pages, self.page_size, post, child_stopped, start)
         except ComputeProcessLost as exc:
             stopped.set_result(None)
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"room {room}: {exc}") from None

@@ -49,7 +49,7 @@ class ThreadCompute(Compute):
         t = time.perf_counter()
         return self.engine.prefill_chunk(req, start, end), time.perf_counter() - t
 
-    def begin(self, room: int, request: PrefillRequest) -> ComputeJob:
+    def begin(self, room: int, request: PrefillRequest, start: int = 0) -> ComputeJob:
         loop = asyncio.get_running_loop()
         job = _ThreadJob(room, stopped=loop.create_future())
         n = len(request.token_ids)
@@ -63,12 +63,12 @@ class ThreadCompute(Compute):
         def stop() -> None:
             loop.call_soon_threadsafe(lambda: None if stopped.done() else stopped.set_result(None))
 
-        def step(start: int) -> None:
+        def step(begin: int) -> None:
             if job.closing:  # the request ended (abort, failure, shutdown): stop here
                 return stop()
-            end = min(n, start + self.chunk_size)
+            end = min(n, begin + self.chunk_size)
             try:
-                token, secs = self.compute_chunk(room, request, start, end)
+                token, secs = self.compute_chunk(room, request, begin, end)
             except BaseException as exc:
                 post(ChunkPost(end, None, rule.failed(), exc))
                 return stop()
@@ -85,7 +85,7 @@ class ThreadCompute(Compute):
                 stop()
 
         try:
-            self.executor.submit(step, 0)
+            self.executor.submit(step, start)
         except RuntimeError:
             stopped.set_result(None)
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"room {room}: {SHUTDOWN}") from None

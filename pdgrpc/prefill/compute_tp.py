@@ -131,8 +131,9 @@ class TpFollowerCompute(Compute):
         self._thread = threading.Thread(target=self._follow, name=self.name.replace("compute", "follow"), daemon=True)
         self._thread.start()
 
-    def begin(self, room: int, request: PrefillRequest) -> ComputeJob:
-        """Let the compute thread write ``room`` into ``request``'s pages."""
+    def begin(self, room: int, request: PrefillRequest, start: int = 0) -> ComputeJob:
+        """Let the compute thread write ``room`` into ``request``'s pages (the chunks, and
+        where they start, come from tp rank 0's commands)."""
         if self.broken is not None:
             raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
         with self._lock:

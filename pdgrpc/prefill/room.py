@@ -8,8 +8,9 @@ the metadata row last, every phase's deadline: the sender. Connecting to the dec
 building the ops of a write, queueing it: this module.
 
 The local send buffer for metadata rows has one row per KV page; a request uses the row
-of its first page, which no other live request can hold (pages are exclusively owned),
-so rows need no allocator of their own.
+of its last page, which no other live request can hold (a cached prefix is shared, but
+the page of a prompt's last token is always the request's own), so rows need no
+allocator of their own.
 """
 
 from __future__ import annotations
@@ -98,10 +99,11 @@ class _Out:
 class RoomDriver:
     """One room (one Prefill RPC on this rank); :meth:`run` drives it to the decode's ack."""
 
-    def __init__(self, s: Sending, room: Room, pages: Sequence[int]) -> None:
+    def __init__(self, s: Sending, room: Room, pages: Sequence[int], cached_tokens: int = 0) -> None:
         self.s = s
         self.room = room
         self.pages = tuple(pages)
+        self.cached_tokens = cached_tokens  # a cached prefix already in the pages: compute starts here
         self.job: ComputeJob | None = None
         self.keys: list[int] = []  # transport keys used
         self.sender: PrefillSender | None = None
@@ -117,7 +119,7 @@ class RoomDriver:
         # depend on where it goes, and the handshake usually lands during chunk 1.
         if tracing.enabled:
             tracing.hop("worker.queue")
-        self.job = job = s.compute.begin(room, EnginePrefill(tuple(ids), self.pages, sampling))
+        self.job = job = s.compute.begin(room, EnginePrefill(tuple(ids), self.pages, sampling), self.cached_tokens)
         sender, _ = PrefillSender.create(room, self.pages, n, s.page_size, time.monotonic(), deadlines=s.deadlines,
                                          min_write_pages=s.min_write_pages)
         self.sender = sender
@@ -247,7 +249,7 @@ class RoomDriver:
                 actions += self.sender.handle(PagesWritten(len(action.src)), time.monotonic())
             elif isinstance(action, WriteMetadata):
                 assert self._token is not None
-                self.s.send_rows.write_row(self.pages[0], row_from_token(self._token), self.room)
+                self.s.send_rows.write_row(self.pages[-1], row_from_token(self._token, self.cached_tokens), self.room)
                 if self._final is not None and self._final[0] == action:
                     _, sends, nbytes = self._final  # planned during the compute: only the sends are left
                     self.first_write = self.first_write or time.perf_counter()
@@ -258,7 +260,7 @@ class RoomDriver:
                     await self._write(action.src, action.dst, metadata_slot=action.slot)
 
     def _meta_op(self, o: _Out) -> WriteOp:
-        return metadata_op(self.s.regions[-1], self.pages[0], o.meta_dst, o.dest.dst_slot)
+        return metadata_op(self.s.regions[-1], self.pages[-1], o.meta_dst, o.dest.dst_slot)
 
     def _ops_to(self, o: _Out, src: Sequence[int], dst: Sequence[int]) -> WriteOps:
         """Pages ``src`` to destination ``o``: to ``dst`` on the first destination, to the

@@ -3,12 +3,16 @@
 One request (one ``Prefill`` RPC)::
 
     validate prompt  -> INVALID_ARGUMENT naming the problem
-    allocate pages   (waits, bounded, while the pool is short)
+    allocate pages   (waits, bounded, while the pool is short); with the prefix cache,
+                     the prompt's longest cached prefix is locked and the rest allocated,
+                     and the compute starts where the cached prefix ends
     drive the room   (pdgrpc.prefill.room over the room's PrefillSender: compute starts,
                       handshake -> destination, chunks -> page writes, last chunk ->
                       the final write with the metadata row, the decode's ack; every
                       phase bounded by the sender's deadline)
     finally:         stop the room's compute, drain and release its transfers, free the pages
+                     (with the prefix cache: a fully computed prompt's full pages become
+                     reusable, whatever became of its transfer; the locks are dropped)
 
 Compute (pdgrpc.prefill.compute) runs off the event loop -- a thread, a child process or
 a TP group -- so the loop keeps driving the transport and answering handshakes while a
@@ -26,6 +30,8 @@ import time
 import grpc
 
 from pdgrpc.engine.base import Engine, SamplingParams
+from pdgrpc.engine.cache_events import CacheEvents
+from pdgrpc.engine.prefix_cache import Lease, PrefixCache
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import PrefillMetrics, ServerAbortReason
@@ -64,6 +70,7 @@ class _Active:
     room: Room
     task: asyncio.Task  # type: ignore[type-arg]
     pages: list[int] = dataclasses.field(default_factory=list)
+    lease: Lease | None = None  # the pages, when the prefix cache handed them out
     driver: RoomDriver | None = None
     secret: bytes = b""  # PrefillRequest.room_secret: Handshake/AbortRoom must prove it
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -90,11 +97,14 @@ class PrefillWorker:
 
     The compute: ``compute`` (a started :class:`ComputeProcess`) when given, else a thread
     of this process; with ``config.tp_size > 1`` a TP group member over the dp group's
-    ``torch.distributed`` world (``engine`` holds this rank's KV heads)."""
+    ``torch.distributed`` world (``engine`` holds this rank's KV heads).
+
+    The prefix cache (``config.prefix_cache``, TP 1) takes its pages from ``engine`` and
+    reports what it stores and evicts to ``cache_events``."""
 
     def __init__(
         self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None,
-        compute: "ComputeProcess | None" = None,
+        compute: "ComputeProcess | None" = None, cache_events: CacheEvents | None = None,
     ) -> None:
         self.engine = engine
         # Each request this worker ran is counted here once, in prefill(); the controller
@@ -116,6 +126,9 @@ class PrefillWorker:
         page_nbytes = sum(t[0].numel() * t.element_size() for t in (*bufs.k, *bufs.v))  # one page, every layer
         min_pages = write_pages_for(config.min_write_bytes, page_nbytes)
         self.compute = self._make_compute(compute, min_pages)
+        # TP: each rank allocates from its own pool, but the leader's commands fix where
+        # every rank's compute starts, so ranks with different caches would disagree.
+        self.prefix_cache = PrefixCache(engine, self.page_size, cache_events) if config.prefix_cache and self.tp_size == 1 else None
         self.local = LocalEnd(transport.name, self.compat_hash, self.tp_rank, self.tp_size, layout.num_kv_heads,
                               layout.head_bytes, self._regions, self._regions[-1].item_bytes,
                               engine.pages_needed(engine.max_prompt_tokens), engine.model_id)
@@ -194,10 +207,23 @@ class PrefillWorker:
         reserved = len(self.compute.reserved_pages)
         return common_pb2.ResourceStats(
             active_requests=len(self._active),
-            pages_in_use=self.engine.num_pages - self.engine.num_free_pages - reserved,
+            pages_in_use=self.engine.num_pages - self._num_free - reserved,
             pages_total=self.engine.num_pages - reserved,
             transport_rooms=len(self.transport.rooms),
         )
+
+    def live_stats(self) -> dict[str, int]:
+        """:meth:`stats` and the prefix cache's pages and evictions, for the live metrics."""
+        stats = self.stats()
+        out = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+        if self.prefix_cache is not None:
+            out.update(prefix_cache_pages=self.prefix_cache.num_cached_pages, prefix_cache_evictions=self.prefix_cache.evictions)
+        return out
+
+    @property
+    def _num_free(self) -> int:
+        """Pages an allocation may take (evictable cached pages included)."""
+        return self.prefix_cache.num_free_pages if self.prefix_cache is not None else self.engine.num_free_pages
 
     # ---- handshake --------------------------------------------------------------------
 
@@ -304,26 +330,35 @@ class PrefillWorker:
             raise RequestFailed(C.INVALID_ARGUMENT, f"room {req.bootstrap_room}: {exc}") from None
         return ids, sampling
 
-    async def _alloc(self, n: int, room: int) -> list[int]:
+    async def _alloc(self, entry: _Active, ids: tuple[int, ...]) -> None:
+        """Pages for the prompt into ``entry`` (its cached prefix locked, with the cache)."""
+        n, room = self.engine.pages_needed(len(ids)), entry.room
         if n > self.capacity:
             raise _Oversize(C.INVALID_ARGUMENT, f"room {room}: prompt needs {n} pages, the pool has {self.capacity}")
         deadline = time.monotonic() + self.config.page_wait_s
         waited = False
         while True:
-            pages = self.engine.alloc_pages(n)
-            if pages is not None:
-                return pages
+            if self.prefix_cache is not None:
+                entry.lease = self.prefix_cache.acquire(ids, n)
+                if entry.lease is not None:
+                    entry.pages = list(entry.lease.pages)
+                    return
+            else:
+                pages = self.engine.alloc_pages(n)
+                if pages is not None:
+                    entry.pages = pages
+                    return
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RequestFailed(
                     C.RESOURCE_EXHAUSTED,
                     f"room {room}: {n} KV pages not free within {self.config.page_wait_s} s "
-                    f"({self.engine.num_free_pages - len(self.compute.reserved_pages)} of {self.capacity} free)",
+                    f"({self._num_free - len(self.compute.reserved_pages)} of {self.capacity} free)",
                     AbortReason.ALLOCATE_TIMEOUT,
                 )
             if not waited:
                 waited = True
-                request_event(log, room, "waiting for pages", need=n, free=self.engine.num_free_pages - len(self.compute.reserved_pages))
+                request_event(log, room, "waiting for pages", need=n, free=self._num_free - len(self.compute.reserved_pages))
             # No await between the failed alloc and clear(): a free cannot slip in between.
             self._pages_freed.clear()
             try:
@@ -405,8 +440,10 @@ class PrefillWorker:
             await self._finish(entry)
 
     async def _run(self, entry: _Active, ids: tuple[int, ...], sampling: SamplingParams) -> prefill_pb2.PrefillResponse:
-        entry.pages = await self._alloc(self.engine.pages_needed(len(ids)), entry.room)
-        entry.driver = RoomDriver(self._sending, entry.room, entry.pages)
+        await self._alloc(entry, ids)
+        cached = entry.lease.cached_tokens if entry.lease is not None else 0
+        self.metrics.on_prompt(len(ids), cached)
+        entry.driver = RoomDriver(self._sending, entry.room, entry.pages, cached)
         resp = await entry.driver.run(ids, sampling)
         resp.dp_rank = self.config.dp_rank
         return resp
@@ -435,7 +472,13 @@ class PrefillWorker:
         self._mailbox.discard(entry.room)
         self._mailbox.done(entry.room)
         # Nothing below awaits: a second cancellation cannot leave the room half-finished.
-        if entry.pages:
+        if entry.lease is not None and self.prefix_cache is not None:
+            # The compute has stopped: a prompt computed to its end holds complete KV,
+            # whatever became of its transfer; a partial one is never reused.
+            self.prefix_cache.release(entry.lease, insert=driver is not None and driver.job is not None and driver.job.computed_all)
+            entry.lease, entry.pages = None, []
+            self._pages_freed.set()
+        elif entry.pages:
             self.engine.free_pages(entry.pages)
             entry.pages = []
             self._pages_freed.set()  # wake requests waiting for pages

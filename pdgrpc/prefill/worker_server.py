@@ -195,13 +195,14 @@ async def _main(ns: argparse.Namespace) -> int:
             transfer_timeout_s=ns.transfer_timeout,
             page_wait_s=ns.page_wait_timeout,
             compute_nice=ns.compute_nice,
+            prefix_cache=not ns.no_prefix_cache,
         ),
         metrics=metrics,
         compute=compute,
     )
     descriptor = await worker.start()
     # Live gauges: the worker's own allocator and transport, read at scrape time.
-    metrics.bind(worker.stats)
+    metrics.bind(worker.live_stats)
     try:
         stop_metrics = start_metrics_from_args(ns, metrics.registry, f"prefill worker {name}")
     except BaseException:
