@@ -126,7 +126,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", metavar="PATH", default="",
         help="serve a Hugging Face checkpoint from this local directory (config.json, *.safetensors, tokenizer.json; "
-        "Llama, Mistral, Qwen2, Qwen3) instead of the reference engine. Needs pdgrpc[hf]. Default: the reference engine",
+        "Llama, Mistral, Qwen2, Qwen3; needs pdgrpc[hf]) or a GGUF file (FILE.gguf: llama, qwen2, qwen3; any "
+        "quantization type the gguf package dequantizes, dequantized to --dtype; tokenizer and chat template from "
+        "its metadata; needs pdgrpc[gguf]) instead of the reference engine. Default: the reference engine",
     )
     g.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32",

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARCH_NAMES", "build_checkpoint", "train_tokenizer"]
+__all__ = ["ARCH_NAMES", "build_checkpoint", "build_gguf", "train_tokenizer"]
 
 # Short names -> (transformers config class, model class).
 ARCH_NAMES = {
@@ -72,14 +72,16 @@ def build_checkpoint(
     max_shard_size: str | None = None,
     seed: int = 0,
     init_std: float = 0.2,
+    tokenizer_vocab_size: int | None = None,
 ) -> Path:
-    """Write a random ``arch`` checkpoint (see :data:`ARCH_NAMES`) to ``path``; returns it."""
+    """Write a random ``arch`` checkpoint (see :data:`ARCH_NAMES`) to ``path``; returns it.
+    The tokenizer has at most ``tokenizer_vocab_size`` tokens (default: ``vocab_size``)."""
     import torch
     import transformers
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    ids = train_tokenizer(out, vocab_size, bos=arch in ("llama", "mistral"))
+    ids = train_tokenizer(out, tokenizer_vocab_size or vocab_size, bos=arch in ("llama", "mistral"))
     bos_id = ids["<s>"]
     eos_id = ids["</s>"] if arch in ("llama", "mistral") else ids["<|im_end|>"]
     config_cls, model_cls = (getattr(transformers, n) for n in ARCH_NAMES[arch])
@@ -112,4 +114,94 @@ def build_checkpoint(
     tok_cfg = {"bos_token": "<s>" if arch in ("llama", "mistral") else None, "eos_token": "</s>" if eos_id == ids["</s>"] else "<|im_end|>",
                "chat_template": CHATML, "model_max_length": max_position_embeddings}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+    return out
+
+
+def _llama_cpp_permute(w: Any, n_head: int) -> Any:
+    """llama.cpp's converter's rotary row order for a ``llama`` query/key projection."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def build_gguf(path: str | Path, arch: str = "llama", quant: str = "Q8_0", **kwargs: Any) -> Path:
+    """Write a random ``arch`` (llama, qwen2 or qwen3) checkpoint as the GGUF file ``path``,
+    as llama.cpp's converter writes one: llama.cpp's tensor names and query/key row order,
+    2-D weights in ``quant`` (a type the ``gguf`` package quantizes: F32, F16, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0), norms and biases in F32, a byte-level BPE tokenizer with its
+    chat template. The ``transformers`` checkpoint it comes from is left beside it
+    (``path`` without the suffix, plus ``-hf``); ``kwargs`` go to :func:`build_checkpoint`."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    out = Path(path)
+    vocab_size = kwargs.pop("vocab_size", 384)  # one row left for GPT-2's <|endoftext|>
+    src = build_checkpoint(out.with_name(out.stem + "-hf"), arch, vocab_size=vocab_size, tokenizer_vocab_size=vocab_size - 1, **kwargs)
+    cfg = json.loads((src / "config.json").read_text())
+    tok = json.loads((src / "tokenizer.json").read_text())
+    tensors: dict[str, Any] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors |= load_file(str(f))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    qtype = gguf.GGMLQuantizationType[quant]
+
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        w.add_rope_dimension_count(head_dim)
+    vocab = {t: i for t, i in tok["model"]["vocab"].items()} | {a["content"]: a["id"] for a in tok["added_tokens"]}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")} | {"<|endoftext|>"}
+    # One entry per embedding row, as llama.cpp pads; GPT-2's <|endoftext|> first, which
+    # transformers' byte-level tokenizer would add otherwise.
+    tokens += ["<|endoftext|>"] + [f"[PAD{i}]" for i in range(len(tokens) + 1, cfg["vocab_size"])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control, 1: normal
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(arch == "llama")
+    w.add_chat_template(CHATML)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight", "model.norm.weight": "output_norm.weight"}
+    layer = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }
+    for name in sorted(tensors):
+        t = tensors[name].astype(np.float32)
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{layer[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv_heads)
+        else:
+            gname = names[name]
+        if t.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(gname, t.astype(np.float16))
+        elif t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quantize(t, qtype), raw_shape=gguf.quant_shape_to_byte_shape(t.shape, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return out

@@ -4,6 +4,8 @@ Reads the files ``transformers`` 4.x writes (``rope_theta``, ``rope_scaling``) a
 5.x writes (``rope_parameters``). Torch-free: the router reads a checkpoint's EOS ids
 and tokenizer without loading torch.
 
+A GGUF file (``--model FILE.gguf``) gives the same fields from its metadata.
+
 A file that is missing or unreadable, an architecture outside :data:`ARCHITECTURES`, or a
 field with a bad value raises :class:`~pdgrpc.errors.ConfigError` naming the file and the
 field.
@@ -18,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pdgrpc.engine.hf.gguf import is_gguf, read_metadata
 from pdgrpc.errors import ConfigError
 
 __all__ = ["ARCHITECTURES", "HFConfig", "RopeScaling", "load_config", "read_json"]
@@ -88,14 +91,19 @@ class HFConfig:
 
     @property
     def name(self) -> str:
-        """How logs and errors name the checkpoint: its directory."""
+        """How logs and errors name the checkpoint: its directory or GGUF file."""
         return str(self.path)
+
+    @property
+    def config_file(self) -> Path:
+        """Where the hyperparameters come from, for error messages: config.json or the GGUF file."""
+        return self.path if is_gguf(self.path) else self.path / "config.json"
 
     def check_tp(self, tp_size: int) -> None:
         for field in ("num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(self, field) % tp_size:
                 raise ConfigError(
-                    f"{self.path / 'config.json'}: --tp-size {tp_size} must divide {field} = {getattr(self, field)}"
+                    f"{self.config_file}: --tp-size {tp_size} must divide {field} = {getattr(self, field)}"
                 )
 
 
@@ -150,13 +158,24 @@ def _eos_ids(value: Any, where: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_config(model_dir: str | Path) -> HFConfig:
-    """Read ``config.json`` (and ``generation_config.json`` where present) of a checkpoint."""
-    path = Path(model_dir)
+def load_config(model: str | Path) -> HFConfig:
+    """Read ``config.json`` (and ``generation_config.json`` where present) of a checkpoint
+    directory, or the metadata of a GGUF file (:mod:`pdgrpc.engine.hf.gguf`)."""
+    path = Path(model)
+    if is_gguf(path):
+        meta = read_metadata(path)
+        meta.check_types()  # a tensor type the gguf package cannot dequantize is refused at once
+        return _parse(path, path, meta.config_dict(), None)
     if not path.is_dir():
-        raise ConfigError(f"--model {path}: not a directory (a checkpoint directory holds config.json, *.safetensors, tokenizer.json)")
-    where = path / "config.json"
-    cfg = read_json(where)
+        raise ConfigError(
+            f"--model {path}: not a directory (a checkpoint directory holds config.json, *.safetensors, tokenizer.json) "
+            "nor a .gguf file"
+        )
+    gen_path = path / "generation_config.json"
+    return _parse(path, path / "config.json", read_json(path / "config.json"), read_json(gen_path) if gen_path.exists() else None)
+
+
+def _parse(path: Path, where: Path, cfg: dict[str, Any], gen: dict[str, Any] | None) -> HFConfig:
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in ARCHITECTURES:
@@ -187,11 +206,8 @@ def load_config(model_dir: str | Path) -> HFConfig:
     if window is not None:
         window = _int({"sliding_window": window}, "sliding_window", where)
     eos = _eos_ids(cfg.get("eos_token_id"), where)
-    gen_path = path / "generation_config.json"
-    if gen_path.exists():
-        gen = read_json(gen_path)
-        if gen.get("eos_token_id") is not None:
-            eos = _eos_ids(gen.get("eos_token_id"), gen_path)
+    if gen is not None and gen.get("eos_token_id") is not None:
+        eos = _eos_ids(gen.get("eos_token_id"), path / "generation_config.json")
     bos = cfg.get("bos_token_id")
     return HFConfig(
         path=path,

@@ -70,15 +70,15 @@ class HFEngineConfig:
 def check_checkpoint(config: HFEngineConfig) -> HFConfig:
     """Everything start-up refuses, without loading the weights: config, tokenizer, the
     weights' names and shapes, TP divisibility, context length."""
-    from pdgrpc.engine.hf.weights import check_files
+    from pdgrpc.engine.hf.weights import check_weights
 
     c = load_config(config.model)
     c.check_tp(config.tp_size)
     HFTokenizer(c)
-    check_files(c)
+    check_weights(c)
     if config.max_seq_len > c.max_position_embeddings:
         raise ConfigError(
-            f"--max-seq-len {config.max_seq_len} exceeds {c.path / 'config.json'} max_position_embeddings = "
+            f"--max-seq-len {config.max_seq_len} exceeds {c.config_file} max_position_embeddings = "
             f"{c.max_position_embeddings}"
         )
     return c

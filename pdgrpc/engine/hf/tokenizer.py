@@ -1,6 +1,7 @@
 """A checkpoint's tokenizer: ``tokenizer.json`` through the ``tokenizers`` library.
 
-Torch-free (the router tokenizes text prompts with it). Encoding applies the
+Torch-free (the router tokenizes text prompts with it). A GGUF file's tokenizer is the
+``tokenizer.json`` its metadata converts to (:mod:`pdgrpc.engine.hf.gguf`). Encoding applies the
 tokenizer's own post-processor (a Llama ``tokenizer.json`` prepends BOS there; a Qwen one
 adds nothing), as ``transformers`` does with ``add_special_tokens=True``. EOS ids come
 from ``generation_config.json`` (else ``config.json``, else ``tokenizer_config.json``'s
@@ -19,6 +20,7 @@ from typing import Any, Iterable, Sequence
 
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.hf.config import HFConfig, load_config, read_json
+from pdgrpc.engine.hf.gguf import is_gguf, read_metadata, tokenizer_json
 from pdgrpc.engine.tokenizer_files import byte_symbols, read_tokenizer_files
 from pdgrpc.errors import ConfigError, EngineError
 
@@ -88,15 +90,21 @@ class HFTokenizer:
             import tokenizers
         except ImportError:
             raise ConfigError("--model needs the 'tokenizers' package: pip install 'pdgrpc[hf]'") from None
-        path = config.path / "tokenizer.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: file not found (the checkpoint's tokenizer)")
-        try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises a plain Exception on a bad file
-            raise ConfigError(f"{path}: not a valid tokenizer ({exc})") from None
-        tc_path = config.path / "tokenizer_config.json"
-        self.tokenizer_config: dict[str, Any] = read_json(tc_path) if tc_path.exists() else {}
+        self.tokenizer_config: dict[str, Any]
+        if is_gguf(config.path):
+            path = config.path
+            text, self.tokenizer_config = tokenizer_json(read_metadata(path))
+            self._tok = tokenizers.Tokenizer.from_str(text)
+        else:
+            path = config.path / "tokenizer.json"
+            if not path.is_file():
+                raise ConfigError(f"{path}: file not found (the checkpoint's tokenizer)")
+            try:
+                self._tok = tokenizers.Tokenizer.from_file(str(path))
+            except Exception as exc:  # tokenizers raises a plain Exception on a bad file
+                raise ConfigError(f"{path}: not a valid tokenizer ({exc})") from None
+            tc_path = config.path / "tokenizer_config.json"
+            self.tokenizer_config = read_json(tc_path) if tc_path.exists() else {}
         self.name = config.name
         self.path = config.path
         self.vocab_size = config.vocab_size
@@ -143,8 +151,9 @@ class HFTokenizer:
         return HFStreamDecoder(self)
 
     def hf_files(self) -> dict[str, bytes]:
-        """The checkpoint's tokenizer files (:func:`~pdgrpc.engine.tokenizer_files.read_tokenizer_files`)."""
-        return read_tokenizer_files(self.path)
+        """The checkpoint's tokenizer files (:func:`~pdgrpc.engine.tokenizer_files.read_tokenizer_files`),
+        or those a GGUF file's metadata converts to."""
+        return read_metadata(self.path).tokenizer_files() if is_gguf(self.path) else read_tokenizer_files(self.path)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The output bytes of one token: none for special tokens and ids past the tokenizer."""
@@ -180,5 +189,5 @@ class HFTokenizer:
                 raise InvalidRequest(f"{field}[{i}] = {t!r} is not a token id in [0, {vocab})")
 
 
-def load_tokenizer(model_dir: str | Path) -> HFTokenizer:
-    return HFTokenizer(load_config(model_dir))
+def load_tokenizer(model: str | Path) -> HFTokenizer:
+    return HFTokenizer(load_config(model))

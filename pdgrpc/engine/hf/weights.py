@@ -6,6 +6,10 @@ slice this rank keeps (``get_slice``), so loading holds one copy of this rank's 
 no full copy of the checkpoint. Q/K/V and gate/up are concatenated into one matrix each
 (one matmul instead of three or two per layer).
 
+A GGUF file's tensors are dequantized with the ``gguf`` package
+(:mod:`pdgrpc.engine.hf.gguf`) and copied out of the file's mapping, which is closed when
+the load ends.
+
 The model identity (:func:`weights_digest`) is a digest of every tensor's name, dtype and
 shape and of each file's size -- the metadata, not every byte.
 """
@@ -21,9 +25,12 @@ from typing import Any
 import torch
 
 from pdgrpc.engine.hf.config import HFConfig, read_json
+from pdgrpc.engine.hf.gguf import GGUFTensors, is_gguf, read_metadata
 from pdgrpc.errors import ConfigError
 
-__all__ = ["LayerWeights", "ModelWeights", "expected_shapes", "load_weights", "weight_files", "weights_digest"]
+__all__ = [
+    "LayerWeights", "ModelWeights", "check_weights", "expected_shapes", "load_weights", "weight_files", "weights_digest",
+]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -118,6 +125,26 @@ def expected_shapes(c: HFConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _check_shapes(config: HFConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every needed tensor of a GGUF file present, with the shape its metadata implies."""
+    for name, shape in expected_shapes(config).items():
+        if name not in shapes:
+            raise ConfigError(f"{config.path}: weight {name!r} is missing from the file")
+        if shapes[name] != shape:
+            raise ConfigError(f"{config.path}: weight {name!r} has shape {list(shapes[name])}, the metadata implies {list(shape)}")
+
+
+def check_weights(config: HFConfig) -> None:
+    """Every needed tensor present, with the shape the config implies, in a type this engine
+    reads (reads headers only)."""
+    if is_gguf(config.path):
+        meta = read_metadata(config.path)
+        _check_shapes(config, meta.shapes)
+        meta.check_types()
+    else:
+        check_files(config)
+
+
 def check_files(config: HFConfig) -> dict[str, Path]:
     """Every needed tensor present, with the shape ``config.json`` implies (reads headers only)."""
     files = weight_files(config)
@@ -141,6 +168,8 @@ def check_files(config: HFConfig) -> dict[str, Path]:
 
 def weights_digest(config: HFConfig) -> str:
     """sha256 over every tensor's name, dtype, shape and file size (the model identity)."""
+    if is_gguf(config.path):
+        return read_metadata(config.path).digest()
     files = weight_files(config)
     h = hashlib.sha256()
     for path in sorted(set(files.values())):
@@ -181,10 +210,34 @@ class _Reader:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
 
+class _GGUFReader:
+    """A GGUF file's tensors, dequantized, as ``dtype`` on ``device`` (each a copy: the
+    file's mapping is released when the load ends)."""
+
+    def __init__(self, tensors: GGUFTensors, dtype: torch.dtype, device: torch.device) -> None:
+        self._tensors = tensors
+        self.dtype, self.device = dtype, device
+
+    def get(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        t = torch.from_numpy(self._tensors.get(name))
+        if rows is not None:
+            t = t[rows]
+        if cols is not None:
+            t = t[:, cols]
+        return t.to(device=self.device, dtype=self.dtype, copy=True).contiguous()
+
+
 def load_weights(c: HFConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> ModelWeights:
     """This rank's weights: query/KV heads and MLP columns ``[r * n / tp, (r + 1) * n / tp)``."""
     c.check_tp(tp_size)
-    r = _Reader(check_files(c), dtype, device)
+    if is_gguf(c.path):
+        check_weights(c)
+        with GGUFTensors(read_metadata(c.path)) as tensors:
+            return _load(c, _GGUFReader(tensors, dtype, device), tp_rank, tp_size)
+    return _load(c, _Reader(check_files(c), dtype, device), tp_rank, tp_size)
+
+
+def _load(c: HFConfig, r: "_Reader | _GGUFReader", tp_rank: int, tp_size: int) -> ModelWeights:
     d = c.head_dim
     nq, nkv, ni = c.num_heads // tp_size, c.num_kv_heads // tp_size, c.intermediate_size // tp_size
     qs = slice(tp_rank * nq * d, (tp_rank + 1) * nq * d)
