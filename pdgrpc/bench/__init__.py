@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "security": "pdgrpc.bench.security",
     "engine": "pdgrpc.bench.engine",
     "gateway": "pdgrpc.bench.gateway",
+    "prefix": "pdgrpc.bench.prefix",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from pdgrpc.errors import PdgrpcError
 
-__all__ = ["PlotUnavailable", "bootstrap_figure", "e2e_figure", "require", "transport_figure"]
+__all__ = ["PlotUnavailable", "bootstrap_figure", "e2e_figure", "prefix_figure", "require", "transport_figure"]
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'pdgrpc[plot]'"
 
@@ -105,3 +105,19 @@ def bootstrap_figure(path: Path, batches: Mapping[int, tuple[float, float]], flo
     ax.set_ylabel("latency (ms)")
     ax.set_ylim(bottom=0)
     _save(fig, ax, path, "bench bootstrap: latency by batch size")
+
+
+def prefix_figure(path: Path, ttft_ms: Mapping[str, Mapping[str, float]]) -> None:
+    """Grouped bars per arm: TTFT p50 and p90 (ms) of each group's first request and of
+    the later ones (``ttft_ms[arm]["ttft_p50/first"]`` and so on)."""
+    plt = require()
+    fig, ax = plt.subplots(figsize=(7.2, 4))
+    arms = list(ttft_ms)
+    metrics = ("ttft_p50/first", "ttft_p90/first", "ttft_p50/later", "ttft_p90/later")
+    width = 0.8 / len(metrics)
+    for i, m in enumerate(metrics):
+        xs = [a + (i - 1.5) * width for a in range(len(arms))]
+        ax.bar(xs, [ttft_ms[arm].get(m, 0.0) for arm in arms], width, label=m.replace("ttft_", "").replace("/", " "))
+    ax.set_xticks(range(len(arms)), [a.split(":")[0] for a in arms])
+    ax.set_ylabel("time to first token (ms)")
+    _save(fig, ax, path, "bench prefix: TTFT by arm, first request of a group vs later ones")

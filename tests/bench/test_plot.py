@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pdgrpc.bench.plot import bootstrap_figure, e2e_figure, transport_figure
+from pdgrpc.bench.plot import bootstrap_figure, e2e_figure, prefix_figure, transport_figure
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,6 +61,13 @@ def test_without_matplotlib_plot_says_how_to_get_it_before_running(tmp_path: Pat
     assert out.returncode == 2
     assert "--plot needs matplotlib: pip install 'pdgrpc[plot]'" in out.stderr
     assert "throughput" not in out.stdout and not (tmp_path / "x.png").exists()
+
+
+def test_prefix_picture_has_first_and_later_ttft_bars_per_arm(tmp_path: Path) -> None:
+    png = tmp_path / "prefix.png"
+    arm = {"ttft_p50/first": 900.0, "ttft_p90/first": 1000.0, "ttft_p50/later": 150.0, "ttft_p90/later": 200.0}
+    prefix_figure(png, {"arm a: cache off": {**arm, "ttft_p50/later": 900.0}, "arm c: cache_aware": arm})
+    assert _series(png) == ["p50 first", "p90 first", "p50 later", "p90 later"]
 
 
 def test_benches_that_do_not_draw_offer_no_plot_flag() -> None:

@@ -1,0 +1,374 @@
+"""``python -m pdgrpc.bench prefix``: prompts that share prefixes, with and without reuse.
+
+The workload is SGLang's generated-shared-prefix shape: ``--groups`` G groups of
+``--questions`` Q questions; each group has one random prefix of ``--prefix-tokens``
+tokens (a range, drawn per group) and each question ``--question-tokens`` more. The G x Q
+requests are shuffled and sent ``--concurrency`` at a time, each generating
+``--max-new-tokens`` tokens greedily. G is larger than the number of prefills (2), so
+where a group's prefix sits matters.
+
+The model is a random-weights Qwen2 checkpoint built here, Qwen2.5-0.5B's width (hidden
+896, 14 query heads, 2 KV heads, MLP 4864) with ``--layers`` layers (24 in the real
+model; fewer by default so a run takes minutes on 2 cores), or ``--model PATH``.
+
+Arms, one cluster each (2 prefills + 1 decode), one after another on the same prompts:
+
+* ``a``: prefix cache off (``--no-prefix-cache``), pdgrpc's router round robin: the baseline;
+* ``b``: cache on, round robin;
+* ``c``: cache on, pdgrpc's router ``--policy cache_aware``;
+* ``d``: cache on, smg's ``cache_aware`` while the prefills serve no KV events (smg's own
+  approximate tree of what it routed);
+* ``e``: cache on, smg's ``cache_aware`` fed by the prefills' KV events.
+
+Per arm: client TTFT p50/p90 of each group's first request (in sending order) and of the
+later ones, the prefill tokens computed, asked for and served from cache (the prefills'
+``pdgrpc_prefill_computed_tokens_total``, ``pdgrpc_prefill_prompt_tokens_total``,
+``pdgrpc_prefix_cache_hit_tokens_total``), the hit rate (hit / asked), the share of
+requests that succeeded and the share whose output equals arm ``a``'s. An arm that needs
+what this build lacks (the cache, KV events, smg) is reported "not available" rather
+than run as something else. Targets: arms ``c`` and ``e`` later-request TTFT p50 at most
+0.2x arm ``a``'s, hit rate at least 1.5x arm ``b``'s; every output equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import random
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdgrpc.bench.gateway import SmgClient
+from pdgrpc.bench.report import Result, percentile
+from pdgrpc.cluster.client import generate
+from pdgrpc.cluster.launcher import Cluster
+from pdgrpc.cluster.topology import Topology, parse_topology
+from pdgrpc.errors import PdgrpcError
+from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME, available as gateway_available
+from pdgrpc.prefill.cli import build_parser as prefill_parser
+from pdgrpc.rpc.server import run as run_loop
+from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+
+DESCRIPTION = (
+    "shared-prefix workload (G groups x Q questions, shuffled) through 2 prefills + 1 decode: cache off, cache on "
+    "round robin, pdgrpc cache_aware, smg cache_aware without and with KV events; TTFT of first and later requests, "
+    "prefill tokens computed, hit rate, output equality (targets: cache_aware later-request TTFT p50 <= 0.2x "
+    "cache off, hit rate >= 1.5x cache on round robin)"
+)
+PLOT = "TTFT p50 and p90 of each group's first request and of the later ones, per arm"
+
+ARMS = {
+    "a": "cache off, round robin",
+    "b": "cache on, round robin",
+    "c": "cache on, pdgrpc cache_aware",
+    "d": "smg cache_aware, no KV events",
+    "e": "smg cache_aware, KV events",
+}
+BASELINE = "a"
+PREFILLS = ("prefill-a", "prefill-b")
+_COUNTERS = {
+    "computed_tokens": "pdgrpc_prefill_computed_tokens_total",
+    "prompt_tokens": "pdgrpc_prefill_prompt_tokens_total",
+    "hit_tokens": "pdgrpc_prefix_cache_hit_tokens_total",
+}
+
+
+def _span(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI, got {text!r}")
+    return a, b
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--groups", type=int, default=4, help="groups of requests sharing a prefix; more than the 2 prefills (default: %(default)s)")
+    p.add_argument("--questions", type=int, default=4, help="requests per group (default: %(default)s)")
+    p.add_argument("--prefix-tokens", type=_span, default=(1024, 2048), metavar="LO-HI", help="shared prefix length, drawn per group (default: 1024-2048)")
+    p.add_argument("--question-tokens", type=_span, default=(64, 128), metavar="LO-HI", help="question length, drawn per request (default: 64-128)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request, greedily (default: %(default)s)")
+    p.add_argument("--arms", default="a,b,c,d,e", help="comma-separated arms to run, of a, b, c, d, e (default: %(default)s)")
+    p.add_argument("--transport", default="tcp", help="KV transport (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="layers of the built checkpoint; Qwen2.5-0.5B has 24 (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the built checkpoint (default: %(default)s)")
+    p.add_argument("--model", metavar="PATH", default="", help="serve this checkpoint instead of building one")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    p.add_argument("--cache-aware-margin", type=int, default=None, metavar="CALLS", help="the router's --cache-aware-margin in arm c (default: the router's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and their order (default: %(default)s)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    group: int
+    question: int
+    input_ids: tuple[int, ...]
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[Request]:
+    """The G x Q requests, shuffled. Token ids avoid the lowest and highest 16 ids, where
+    a built tokenizer keeps its special tokens."""
+    rng = random.Random(args.seed)
+
+    def tokens(span: tuple[int, int]) -> list[int]:
+        return [rng.randrange(16, vocab - 16) for _ in range(rng.randint(*span))]
+
+    out = []
+    for g in range(args.groups):
+        prefix = tokens(args.prefix_tokens)
+        out += [Request(g, q, tuple(prefix + tokens(args.question_tokens))) for q in range(args.questions)]
+    rng.shuffle(out)
+    return out
+
+
+@dataclasses.dataclass
+class Outcome:
+    ttft: float | None = None  # seconds; None: failed
+    token_ids: tuple[int, ...] = ()
+    error: str = ""
+
+
+@dataclasses.dataclass
+class ArmResult:
+    outcomes: dict[tuple[int, int], Outcome]
+    counters: dict[str, float | None]
+
+
+def has_prefix_cache_flag() -> bool:
+    """Whether this build's prefill has a prefix cache to turn off."""
+    return "--no-prefix-cache" in prefill_parser().format_help()
+
+
+def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int) -> Topology:
+    engine: dict[str, Any] = {
+        "model": model, "page-size": args.page_size, "max-prompt-tokens": max_prompt,
+        "max-seq-len": max_prompt + args.max_new_tokens + args.page_size,
+        # Room for every group's prefix and the requests in flight, so nothing is evicted.
+        "num-pages": (args.groups + args.concurrency + 2) * (max_prompt // args.page_size + 2),
+    }
+    prefill_args: dict[str, Any] = {"chunk-size": 512}
+    if arm == "a" and has_prefix_cache_flag():
+        prefill_args["no-prefix-cache"] = True
+    smg = arm in ("d", "e")
+    if smg:  # the name smg's /generate asks for (bench.gateway's client)
+        prefill_args["served-model-name"] = DEFAULT_SERVED_MODEL_NAME
+    processes: list[dict[str, Any]] = [{"name": n, "role": "prefill", "args": prefill_args} for n in PREFILLS]
+    processes.append({"name": "decode", "role": "decode", "args": {"num-slots": 64, **({"served-model-name": DEFAULT_SERVED_MODEL_NAME} if smg else {})}})
+    # A cluster's front door is a router; the smg arms send their requests to smg beside it.
+    router: dict[str, Any] = {"max-prompt-tokens": max_prompt, "policy": "cache_aware" if arm == "c" else "round_robin"}
+    if arm == "c" and args.cache_aware_margin is not None:
+        router["cache-aware-margin"] = args.cache_aware_margin
+    processes.append({"name": "router", "role": "router", "prefill": list(PREFILLS), "decode": ["decode"], "args": router})
+    if smg:
+        processes.append({
+            "name": "smg", "role": "smg", "prefill": list(PREFILLS), "decode": ["decode"],
+            "args": {"prefill-policy": "cache_aware", "decode-policy": "round_robin"},
+        })
+    data = {"description": f"bench prefix arm {arm}: {ARMS[arm]}", "transport": args.transport, "metrics": True, "engine": engine, "process": processes}
+    return parse_topology(data, f"prefix-{arm}")
+
+
+async def events_served(cluster: Cluster) -> bool:
+    """Whether the prefills stream KV events (``SubscribeKvEvents`` answers a batch, or
+    anything but UNIMPLEMENTED, within a second)."""
+    from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as smg_pb2_grpc
+
+    stub = smg_pb2_grpc.SglangSchedulerStub(cluster.channel(PREFILLS[0]))
+    call = stub.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest(), timeout=1.0)
+    try:
+        async for _ in call:
+            return True
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() != grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        call.cancel()
+    return True
+
+
+def _read_counters(endpoints: list[str]) -> dict[str, float | None]:
+    """Each of :data:`_COUNTERS` summed over the prefills' metrics endpoints (None when no
+    endpoint exports it: this build does not count it)."""
+    totals: dict[str, float | None] = {key: None for key in _COUNTERS}
+    for address in endpoints:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for key, name in _COUNTERS.items():
+                    if sample.name == name and sample.labels.get("role") == "prefill":
+                        totals[key] = (totals[key] or 0.0) + sample.value
+    return totals
+
+
+async def _send_all(requests: list[Request], concurrency: int, one: Callable[[int, Request], Awaitable[Outcome]]) -> dict[tuple[int, int], Outcome]:
+    """Every request, in order, ``concurrency`` at a time; ``one(slot, request)``: slot is
+    the sender (0..concurrency-1) running it."""
+    queue: asyncio.Queue[Request] = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+    out: dict[tuple[int, int], Outcome] = {}
+
+    async def sender(slot: int) -> None:
+        while not queue.empty():
+            r = queue.get_nowait()
+            try:
+                out[(r.group, r.question)] = await one(slot, r)
+            except Exception as exc:  # a failed request is counted, not fatal
+                out[(r.group, r.question)] = Outcome(error=f"{type(exc).__name__}: {exc}")
+
+    await asyncio.gather(*(sender(s) for s in range(concurrency)))
+    return out
+
+
+async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list[Request], warmup: list[Request]) -> ArmResult | str:
+    """One arm's outcomes and the prefills' counters over the measured requests, or why
+    it is not available."""
+    cache = has_prefix_cache_flag()
+    if arm != "a" and not cache:
+        return "not available: this build's prefill has no prefix cache (--no-prefix-cache)"
+    if arm in ("d", "e") and not gateway_available():
+        return "not available: smg is not installed (pdgrpc[gateway])"
+    max_prompt = max(len(r.input_ids) for r in requests + warmup)
+    cluster = Cluster(topology(args, model, arm, max_prompt), start_timeout=300)
+    async with contextlib.AsyncExitStack() as stack:
+        print(f"arm {arm} ({ARMS[arm]}): starting ...", flush=True)
+        await stack.enter_async_context(cluster)
+        if arm in ("c", "d", "e"):
+            served = await events_served(cluster)
+            if arm == "c" and not served:
+                return "not available: the prefills serve no KV events (SubscribeKvEvents), which cache_aware reads"
+            if arm == "d" and served:
+                return "not available: the prefills serve KV events, and smg reads them whenever they do (arm e)"
+            if arm == "e" and not served:
+                return "not available: the prefills serve no KV events (SubscribeKvEvents)"
+        endpoints = list(cluster.metrics_endpoints("prefill").values())  # controllers and workers
+        if arm in ("d", "e"):
+            host, _, port = cluster.openai_base_url.removeprefix("http://").removesuffix("/v1").rpartition(":")
+            clients = [SmgClient(host, int(port)) for _ in range(args.concurrency)]
+            stack.push_async_callback(lambda: asyncio.gather(*(c.close() for c in clients)))
+
+            async def one(slot: int, r: Request) -> Outcome:
+                ids, ttft = await clients[slot].generate(list(r.input_ids), args.max_new_tokens, ignore_eos=True)
+                return Outcome(ttft, tuple(ids))
+        else:
+            stub = GenerateServiceStub(await stack.enter_async_context(cluster.client_channel()))
+
+            async def one(slot: int, r: Request) -> Outcome:
+                c = await generate(stub, input_ids=r.input_ids, max_new_tokens=args.max_new_tokens, ignore_eos=True, timeout=600)
+                return Outcome(c.client_ttft_seconds, tuple(c.token_ids))
+
+        await _send_all(warmup, args.concurrency, one)
+        before = await asyncio.to_thread(_read_counters, endpoints)
+        print(f"arm {arm}: {len(requests)} requests, {args.concurrency} in flight ...", flush=True)
+        start = time.perf_counter()
+        outcomes = await _send_all(requests, args.concurrency, one)
+        print(f"arm {arm}: done in {time.perf_counter() - start:.1f} s", flush=True)
+        await asyncio.sleep(0.5)  # the prefills count a request once its KV is sent
+        after = await asyncio.to_thread(_read_counters, endpoints)
+        cluster.check()
+    counters: dict[str, float | None] = {}
+    for key in _COUNTERS:
+        now, then = after[key], before[key]
+        counters[key] = None if now is None else now - (then or 0.0)
+    return ArmResult(outcomes, counters)
+
+
+def summarize(requests: list[Request], results: dict[str, ArmResult | str]) -> list[Result]:
+    firsts: set[tuple[int, int]] = set()
+    seen: set[int] = set()
+    for r in requests:  # sending order
+        if r.group not in seen:
+            seen.add(r.group)
+            firsts.add((r.group, r.question))
+    base = results.get(BASELINE)
+    out: list[Result] = []
+    base_p50: dict[str, float] = {}
+    base_hit: float | None = None
+    for arm, res in results.items():
+        case = f"arm {arm}: {ARMS[arm]}"
+        if isinstance(res, str):
+            print(f"{case}: {res}")
+            continue
+        n = len(requests)
+        ok = {k: o for k, o in res.outcomes.items() if o.ttft is not None}
+        for label, keys in (("first", firsts), ("later", set(res.outcomes) - firsts)):
+            ttfts = [t * 1e3 for k in keys if k in ok and (t := ok[k].ttft) is not None]
+            if not ttfts:
+                continue
+            p50, p90 = percentile(ttfts, 0.5), percentile(ttfts, 0.9)
+            if arm == BASELINE:
+                base_p50[label] = p50
+            ref = base_p50.get(label) if arm != BASELINE else None
+            out.append(Result(case, f"ttft_p50/{label}", p50, "ms", ref, p50 / ref if ref else None, tuple(ttfts)))
+            out.append(Result(case, f"ttft_p90/{label}", p90, "ms"))
+        for key, value in res.counters.items():
+            if value is not None:
+                out.append(Result(case, key, value, "tokens"))
+        hit, asked = res.counters["hit_tokens"], res.counters["prompt_tokens"]
+        if hit is not None and asked:
+            rate = hit / asked
+            if arm == "b":
+                base_hit = rate
+            ref = base_hit if arm in ("c", "d", "e") else None
+            out.append(Result(case, "hit_rate", rate, "", ref, rate / ref if ref else None))
+        out.append(Result(case, "success_rate", len(ok) / n, ""))
+        if isinstance(base, ArmResult):
+            equal = sum(1 for k, o in ok.items() if base.outcomes.get(k) is not None and base.outcomes[k].ttft is not None
+                        and base.outcomes[k].token_ids == o.token_ids)
+            out.append(Result(case, "outputs_equal_to_a", equal / n, ""))
+        failed = [o.error for o in res.outcomes.values() if o.ttft is None]
+        if failed:
+            print(f"{case}: {len(failed)} failed, e.g. {failed[0]}")
+    return out
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise PdgrpcError(f"--arms: unknown arm(s) {bad or arms}; choose from {', '.join(ARMS)}")
+    if args.groups < 1 or args.questions < 1 or args.concurrency < 1 or args.max_new_tokens < 1:
+        raise PdgrpcError("--groups, --questions, --concurrency and --max-new-tokens must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="pdgrpc-bench-prefix-") as tmp:
+        model = args.model
+        vocab = args.vocab_size
+        if not model:
+            from pdgrpc.engine.hf.build import build_checkpoint
+
+            print(f"building a random Qwen2 checkpoint (hidden 896, {args.layers} layers) ...", flush=True)
+            model = str(build_checkpoint(
+                Path(tmp) / "qwen2-0.5b-shape", "qwen2", hidden_size=896, num_layers=args.layers, num_heads=14, num_kv_heads=2,
+                intermediate_size=4864, vocab_size=vocab, max_position_embeddings=8192, init_std=0.02,
+            ))
+        else:
+            from pdgrpc.engine.hf.tokenizer import load_tokenizer
+
+            vocab = load_tokenizer(model).vocab_size
+        requests = workload(args, vocab)
+        wrng = random.Random(args.seed + 1)  # distinct tokens: nothing shared with the workload
+        warmup = [Request(-1, i, tuple(wrng.randrange(16, vocab - 16) for _ in range(64))) for i in range(2)]
+        results: dict[str, ArmResult | str] = {}
+        for arm in arms:
+            results[arm] = run_loop(run_arm(args, arm, model, requests, warmup))
+    rows = summarize(requests, results)
+    if getattr(args, "plot", None) is not None:
+        from pdgrpc.bench.plot import prefix_figure
+
+        ttfts: dict[str, dict[str, float]] = {}
+        for r in rows:
+            if r.metric.startswith("ttft_"):
+                ttfts.setdefault(r.case, {})[r.metric] = r.value
+        prefix_figure(args.plot, ttfts)
+    return rows

@@ -1,0 +1,54 @@
+"""bench prefix: the workload's shape and how arms are summarized (no cluster)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdgrpc.bench import prefix
+from pdgrpc.bench.prefix import ArmResult, Outcome, Request, summarize, workload
+
+
+def args(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    prefix.add_arguments(p)
+    return p.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+def test_workload_is_groups_of_questions_sharing_a_prefix_shuffled() -> None:
+    reqs = workload(args(groups=3, questions=4, prefix_tokens="40-60", question_tokens="5-9"), vocab=512)
+    assert len(reqs) == 12 and sorted((r.group, r.question) for r in reqs) == [(g, q) for g in range(3) for q in range(4)]
+    assert [r.group for r in reqs] != sorted(r.group for r in reqs)  # shuffled
+    heads = set()
+    for g in range(3):
+        prompts = [r.input_ids for r in reqs if r.group == g]
+        assert len({p[:40] for p in prompts}) == 1  # the group's prefix
+        heads.add(prompts[0][:40])
+        assert all(45 <= len(p) <= 69 and min(p) >= 16 and max(p) < 512 - 16 for p in prompts)
+    assert len(heads) == 3  # a prefix per group
+    assert workload(args(groups=3, questions=4), 512) == workload(args(groups=3, questions=4), 512)  # seeded
+
+
+@pytest.mark.parametrize("bad", ["0-5", "9-3", "x"])
+def test_a_bad_span_is_refused_naming_the_flag(bad: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        args(prefix_tokens=bad)
+    assert "--prefix-tokens" in capsys.readouterr().err
+
+
+def test_summary_splits_first_and_later_and_compares_with_arm_a() -> None:
+    reqs = [Request(0, 0, (1,)), Request(1, 0, (2,)), Request(0, 1, (1, 3)), Request(1, 1, (2, 3))]
+    a = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(1.0, (7,)), (1, 1): Outcome(1.0, (8,))},
+                  {"computed_tokens": 400.0, "prompt_tokens": 400.0, "hit_tokens": 0.0})
+    b = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(0.5, (7,)), (1, 1): Outcome(error="boom")},
+                  {"computed_tokens": 300.0, "prompt_tokens": 400.0, "hit_tokens": 100.0})
+    c = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(0.1, (7,)), (1, 1): Outcome(0.1, (0,))},
+                  {"computed_tokens": 200.0, "prompt_tokens": 400.0, "hit_tokens": 200.0})
+    rows = {(r.case.split(":")[0], r.metric): r for r in summarize(reqs, {"a": a, "b": b, "c": c, "e": "not available: no events"})}
+    assert rows[("arm c", "ttft_p50/later")].ratio == pytest.approx(0.1)
+    assert rows[("arm c", "ttft_p50/first")].ratio == pytest.approx(1.0)
+    assert rows[("arm b", "success_rate")].value == 0.75
+    assert rows[("arm c", "outputs_equal_to_a")].value == 0.75  # one output differs
+    assert rows[("arm c", "hit_rate")].value == 0.5 and rows[("arm c", "hit_rate")].ratio == pytest.approx(2.0)
+    assert not any(arm == "arm e" for arm, _ in rows)  # not available: no numbers
