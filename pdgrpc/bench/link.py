@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import AsyncIterator
 
 from pdgrpc.bench.report import Result, percentile
 
@@ -95,6 +96,11 @@ async def _serve(fd: int) -> None:
 
         async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: object) -> prefill_pb2.GetStatsResponse:
             return prefill_pb2.GetStatsResponse()
+
+        async def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: object) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+            none: list[prefill_pb2.KvEventBatch] = []  # no cache here: the stream ends at once
+            for b in none:
+                yield b
 
     done = asyncio.Event()
     await WorkerLinkServer.open(socket.socket(fileno=fd), "bench", prefill, on_lost=done.set)

@@ -73,7 +73,7 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
 
     leg = PrefillLeg(
         controller, info, active=lambda: sum(w.in_flight for w in controller.workers),
-        healthy=lambda: _prefill_ready(controller, ns),
+        healthy=lambda: _prefill_ready(controller, ns), kv_events=controller.kv_events,
     )
     return SERVICE_NAME, lambda server: add_to_server(leg, server)
 

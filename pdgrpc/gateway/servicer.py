@@ -26,8 +26,17 @@ prefill leg's call ends.
   same way as a decode leg.
 * ``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads`` and
   ``GetTokenizer`` describe this worker (model facts and tokenizer files come from the
-  engine's tokenizer, :class:`~pdgrpc.engine.base.Tokenizer`, whatever the engine); ``SubscribeKvEvents`` and the rest answer
-  UNIMPLEMENTED (smg logs a warning and routes without KV events).
+  engine's tokenizer, :class:`~pdgrpc.engine.base.Tokenizer`, whatever the engine).
+* ``SubscribeKvEvents`` (prefill only): the instance's merged prefix cache events
+  (:mod:`pdgrpc.serving.kv_events`) in smg's form -- the replay after
+  ``start_sequence_number`` or a snapshot, then live batches. Each batch carries the
+  ``EngineLoad`` that ``GetLoads`` reports; while no event flows, a ``load_only`` batch
+  repeating the last sequence number goes out when the load changes and at least every
+  :data:`KV_HEARTBEAT_S` (from the subscription on when the subscriber asks for
+  ``load_records_before_first_batch``, else once a first batch went out). A stored chain
+  is one ``KvBlocksStored`` per run of parent-linked blocks; ``block_size`` is the page's.
+  The decode and colocated workers, and the other RPCs, answer UNIMPLEMENTED (smg logs a
+  warning and routes without KV events).
 
 Request conversion and rooms: :mod:`pdgrpc.gateway.requests`.
 """
@@ -51,10 +60,12 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import GatewayRequest, convert
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
+from pdgrpc.state.kv_event_log import Cleared, EventBatch, Removed, Stored, stored_runs
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
 
 if TYPE_CHECKING:
     from pdgrpc.engine.base import Tokenizer
+    from pdgrpc.serving.kv_events import KvEventFeed
 
 __all__ = ["SERVICE_NAME", "ColocatedLeg", "DecodeLeg", "PrefillLeg", "WorkerInfo", "add_to_server", "model_info"]
 
@@ -62,6 +73,10 @@ log = logging.getLogger("pdgrpc.gateway")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 _TOKENIZER_CHUNK = 64 * 1024  # bytes per GetTokenizer message
+# A KV event stream with no event checks the load this often, and sends a load_only batch
+# at least every KV_HEARTBEAT_S: smg reads the worker's load from the stream, not GetLoads.
+KV_IDLE_S = 0.25
+KV_HEARTBEAT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +140,16 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         )
 
     async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        n = self._active()
-        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=n, num_total_reqs=n, max_running_requests=self.info().max_running_requests)
+        n, most = self._load()
+        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=n, num_total_reqs=n, max_running_requests=most)
         return pb.GetLoadsResponse(
             timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version="pdgrpc", dp_rank_count=1, loads=[load],
             aggregate=pb.AggregateMetrics(total_running_reqs=n, total_reqs=n),
         )
+
+    def _load(self) -> tuple[int, int]:
+        """Requests running here, and the most this worker runs at once."""
+        return self._active(), self.info().max_running_requests
 
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
         try:  # reads and compresses files: off the event loop
@@ -166,9 +185,32 @@ class _Base(pb_grpc.SglangSchedulerServicer):
 class PrefillLeg(_Base):
     """Serves smg's prefill leg on the prefill controller (see the module doc)."""
 
-    def __init__(self, prefill: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool]) -> None:
+    def __init__(self, prefill: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool],
+                 kv_events: "KvEventFeed") -> None:
         super().__init__(info, active, healthy)
         self._prefill = prefill  # the controller: Prefill(PrefillRequest, context) -> PrefillResponse
+        self._kv_events = kv_events  # the controller's merged log
+
+    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        sent: int | None = 0 if request.load_records_before_first_batch else None  # last sequence on this stream
+        sample = 0
+        last_load: tuple[int, int] | None = None
+        last_at = 0.0
+        async for batches in self._kv_events.follow(request.start_sequence_number, KV_IDLE_S):
+            load = self._load()
+            now = time.monotonic()
+            if batches:
+                blocks = sum(len(e.blocks) for b in batches if b.snapshot is not None for e in b.events if isinstance(e, Stored))
+                for b in batches:
+                    sample += 1
+                    yield _smg_batch(b, _engine_load(load, sample, load_only=False), blocks)
+                sent, last_load, last_at = batches[-1].sequence_number, load, now
+            elif sent is not None and (load != last_load or now - last_at >= KV_HEARTBEAT_S):
+                sample += 1
+                yield smg_common_pb2.KvEventBatch(
+                    sequence_number=sent, timestamp=time.time(), load=_engine_load(load, sample, load_only=True),
+                )
+                last_load, last_at = load, now
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
         aborted: list[str] = []
@@ -295,6 +337,33 @@ class ColocatedLeg(_Base):
         finally:
             job.cancelled = True  # no-op when finished; else the scheduler drops it and frees its pages
             self._running.pop(g.request_id, None)
+
+
+def _engine_load(load: tuple[int, int], sample: int, load_only: bool) -> Any:
+    running, most = load
+    return smg_common_pb2.EngineLoad(running_requests=running, max_running_requests=most, sample=sample, load_only=load_only)
+
+
+def _smg_batch(b: EventBatch, load: Any, snapshot_blocks: int) -> Any:
+    """``b`` as smg's ``KvEventBatch`` (see the module doc)."""
+    events = []
+    for e in b.events:
+        if isinstance(e, Stored):
+            for run in stored_runs(e.blocks):
+                stored = smg_common_pb2.KvBlocksStored(blocks=[
+                    smg_common_pb2.KvBlock(block_hash=x.block_hash, token_ids=x.token_ids, block_size=len(x.token_ids)) for x in run
+                ])
+                if run[0].parent_hash is not None:
+                    stored.parent_block_hash = run[0].parent_hash
+                events.append(smg_common_pb2.KvCacheEvent(stored=stored))
+        elif isinstance(e, Removed):
+            events.append(smg_common_pb2.KvCacheEvent(removed=smg_common_pb2.KvBlocksRemoved(block_hashes=e.block_hashes)))
+        elif isinstance(e, Cleared):
+            events.append(smg_common_pb2.KvCacheEvent(cleared=smg_common_pb2.KvCacheCleared()))
+    out = smg_common_pb2.KvEventBatch(sequence_number=b.sequence_number, timestamp=b.timestamp, events=events, load=load)
+    if b.snapshot is not None:
+        out.snapshot.CopyFrom(smg_common_pb2.KvSnapshotChunk(index=b.snapshot.index, count=b.snapshot.count, blocks=snapshot_blocks))
+    return out
 
 
 def add_to_server(servicer: _Base, server: Any) -> None:

@@ -9,6 +9,11 @@
   :mod:`pdgrpc.prefill.registrar`) **before** forwarding, then forwards the request to the
   worker over its link (:mod:`pdgrpc.prefill.link`: a socketpair, not gRPC) and relays its
   answer or its status unchanged. ``GetStats`` sums the workers' (over gRPC).
+* ``SubscribeKvEvents`` streams the instance's prefix cache events: it follows each dp
+  rank's worker (tp rank 0; its tp peers hold the same pages) over the same RPC and merges
+  the ranks into one log (:class:`~pdgrpc.state.kv_event_log.KvEventMerge`): a block
+  several ranks hold is stored once and removed with its last holder, and a rank whose
+  worker exits has its blocks removed at once.
 * Every request that fails -- refused here, failed on a worker, lost with a dead worker,
   cancelled by its caller -- is recorded for its decode (:mod:`pdgrpc.prefill.notices`).
 * A worker that exits is logged with its exit code; the requests it held fail with
@@ -32,7 +37,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import NoReturn, cast
+from typing import AsyncIterator, NoReturn, cast
 
 import grpc
 
@@ -49,7 +54,9 @@ from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
 from pdgrpc.rpc.server import RpcServer
 from pdgrpc.rpc import tracing
+from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, serve_kv_events
 from pdgrpc.serving.logs import request_event
+from pdgrpc.state.kv_event_log import KvEventMerge
 from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -58,6 +65,8 @@ log = logging.getLogger("pdgrpc.prefill")
 __all__ = ["Controller"]
 
 C = grpc.StatusCode
+# Between two tries to follow a dp rank's KV events (its worker starting or gone).
+KV_FOLLOW_RETRY_S = 0.2
 # How long a tp group's ABORTED or UNAVAILABLE answer waits for a rank's death to show:
 # a peer's death reaches the survivors (through the decode's abort) as soon as the
 # controller sees the dead worker's link close.
@@ -111,6 +120,9 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         self.exit_code = 0
         self._watchers: list[asyncio.Task[None]] = []
         self._restarting: set[int] = set()  # dp ranks whose tp group restart_group is starting again
+        self.kv_events = KvEventFeed()  # the instance's merged log (built on the serving loop)
+        self.kv_merge = KvEventMerge(self.kv_events.log)
+        self._kv_followers: list[asyncio.Task[None]] = []
 
     # ---- PrefillService -----------------------------------------------------------
 
@@ -273,6 +285,35 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 setattr(total, field.name, getattr(total, field.name) + getattr(s, field.name))
         return prefill_pb2.GetStatsResponse(stats=total)
 
+    async def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+        async for b in serve_kv_events(self.kv_events, request):
+            yield b
+
+    async def _follow_kv_events(self, rank: int) -> None:
+        """Feed dp rank ``rank``'s KV events into the merge for as long as the controller
+        runs; a new worker for the rank (a respawn) is followed from its first batch."""
+        merge = self.kv_merge
+        followed: WorkerHandle | None = None
+        cursor = 0
+        while not self.stopping:
+            w = self.groups[rank][0]
+            if w is not followed:  # a new worker: nothing it holds is known yet
+                if followed is not None:
+                    merge.clear_rank(rank)
+                followed, cursor = w, 0
+            if w.alive and w.stub is not None:
+                try:
+                    call = w.stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(start_sequence_number=cursor))
+                    async for msg in call:
+                        b = batch_from_proto(msg)
+                        if b.snapshot is None and b.sequence_number != cursor + 1:
+                            break  # batches were lost: ask again from the last one applied
+                        merge.apply(rank, b.events)
+                        cursor = b.sequence_number
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("KV events of prefill worker %s: %s", w.name, exc.details())
+            await asyncio.sleep(KV_FOLLOW_RETRY_S)
+
     # ---- workers ----------------------------------------------------------------------
 
     async def spawn(self, rank: int, tp: int, dist: list[str]) -> WorkerHandle:
@@ -330,6 +371,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         if pending:
             raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s")
         self.watch(self.workers)
+        self._kv_followers = [asyncio.ensure_future(self._follow_kv_events(rank)) for rank in range(len(self.groups))]
 
     @property
     def respawns(self) -> bool:
@@ -374,6 +416,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             pass
         w.exit_code = await w.proc.wait()
         w.alive = False
+        if w.tp_rank == 0:
+            self.kv_merge.clear_rank(w.rank)  # its cache is gone with it
         try:
             if self.stopping:
                 return
@@ -410,7 +454,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 log.error("prefill worker %s did not stop within %.0f s; killing it", w.name, timeout)
                 w.proc.kill()
                 await w.proc.wait()
-        for t in self._watchers:
+        for t in [*self._watchers, *self._kv_followers]:
             t.cancel()
         for w in self.workers:
             if w.link is not None:

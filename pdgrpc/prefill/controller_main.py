@@ -74,6 +74,7 @@ async def main_async(ns: argparse.Namespace) -> int:
     # check that says SERVING must mean a Prefill call can be served.
     server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)
     controller.server = server
+    server.on_stop(controller.kv_events.close)
     controller.notices = notices_for(embedded, ns.bootstrap)
     if embedded is not None:
         table = embedded.table

@@ -14,7 +14,7 @@ request id, :mod:`pdgrpc.gateway.requests`), do not pass through it.
 from __future__ import annotations
 
 import logging
-from typing import Callable, NoReturn, Protocol
+from typing import AsyncIterator, Callable, NoReturn, Protocol
 
 import grpc
 
@@ -24,6 +24,7 @@ from pdgrpc.rpc import tracing
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.serving.convert import room_from_proto
+from pdgrpc.serving.kv_events import KvEventFeed, serve_kv_events
 from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.serving.logs import request_event
 from pdgrpc.v1 import handshake_pb2, handshake_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -42,8 +43,9 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: RequestFailed) -> N
 
 
 class WorkerPrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillWorker, kv_events: KvEventFeed) -> None:
         self.worker = worker
+        self.kv_events = kv_events  # this rank's prefix cache's log
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         try:
@@ -54,11 +56,17 @@ class WorkerPrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         return prefill_pb2.GetStatsResponse(stats=self.worker.stats())
 
+    async def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+        async for b in serve_kv_events(self.kv_events, request):
+            yield b
+
 
 class PrefillHandlers(Protocol):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse: ...  # noqa: N802
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse: ...  # noqa: N802
+
+    def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KvEventBatch]: ...  # noqa: N802
 
 
 class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -97,6 +105,10 @@ class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         return await self.inner.GetStats(request, context)
+
+    async def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+        async for b in self.inner.SubscribeKvEvents(request, context):
+            yield b
 
 
 class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):

@@ -38,6 +38,7 @@ from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving.flags import create_transport, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.engines import build_engine, uses_checkpoint
+from pdgrpc.serving.kv_events import KvEventFeed
 from pdgrpc.serving.launch import Role
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
 
@@ -182,6 +183,7 @@ async def _main(ns: argparse.Namespace) -> int:
     transport = create_transport(ns)
     metrics = PrefillMetrics(transport=transport.name)
     metrics.set_info(dp_rank=ns.dp_rank, dp_size=ns.dp_size)
+    kv_events = KvEventFeed()  # this rank's prefix cache reports here; the controller follows it
     worker = PrefillWorker(
         engine,
         transport,
@@ -199,6 +201,7 @@ async def _main(ns: argparse.Namespace) -> int:
         ),
         metrics=metrics,
         compute=compute,
+        cache_events=kv_events,
     )
     descriptor = await worker.start()
     # Live gauges: the worker's own allocator and transport, read at scrape time.
@@ -213,7 +216,7 @@ async def _main(ns: argparse.Namespace) -> int:
     # it is still registering (bootstrap registration retries for a while).
     orphaned = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
-    wire = WirePrefillServicer(WorkerPrefillServicer(worker), metrics.on_refused, ns.max_prefills_per_client)
+    wire = WirePrefillServicer(WorkerPrefillServicer(worker, kv_events), metrics.on_refused, ns.max_prefills_per_client)
     server = await start_server(
         [
             (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s)),
@@ -223,6 +226,7 @@ async def _main(ns: argparse.Namespace) -> int:
         port=0,
         what=f"pdgrpc prefill worker {name}",
     )
+    server.on_stop(kv_events.close)
     link: WorkerLinkServer | None = None
     if ns.link_fd is not None:
         # Closed by the controller (it died): stop, as the parent watch would a moment later.

@@ -141,3 +141,203 @@ class GetStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
+
+@_typing.final
+class SubscribeKvEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_SEQUENCE_NUMBER_FIELD_NUMBER: _builtins.int
+    start_sequence_number: _builtins.int
+    """The last sequence number the subscriber applied (0 = none)."""
+    def __init__(
+        self,
+        *,
+        start_sequence_number: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["start_sequence_number", b"start_sequence_number"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeKvEventsRequest: _TypeAlias = SubscribeKvEventsRequest  # noqa: Y015
+
+@_typing.final
+class KvEventBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_NUMBER_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_INDEX_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_COUNT_FIELD_NUMBER: _builtins.int
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    sequence_number: _builtins.int
+    """One more than the previous batch's. A gap means batches were lost: subscribe again
+    from the last one applied. A number below the subscriber's cursor means the publisher
+    restarted: drop its state and subscribe again from 0.
+    """
+    snapshot_index: _builtins.int
+    """With snapshot_count > 0 this batch is chunk snapshot_index of a snapshot: chunk 0
+    begins with `cleared` (the subscriber drops the publisher's state), the chunks list
+    every live block, parents first, and carry consecutive sequence numbers; live batches
+    continue after the last one.
+    """
+    snapshot_count: _builtins.int
+    """Chunks in the snapshot; 0 on a batch that is not part of one."""
+    timestamp: _builtins.float
+    """When the publisher made the batch (seconds since the epoch)."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvEvent]:
+        """What changed, in order."""
+
+    def __init__(
+        self,
+        *,
+        sequence_number: _builtins.int = ...,
+        events: _abc.Iterable[Global___KvEvent] | None = ...,
+        snapshot_index: _builtins.int = ...,
+        snapshot_count: _builtins.int = ...,
+        timestamp: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "sequence_number", b"sequence_number", "snapshot_count", b"snapshot_count", "snapshot_index", b"snapshot_index", "timestamp", b"timestamp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvEventBatch: _TypeAlias = KvEventBatch  # noqa: Y015
+
+@_typing.final
+class KvEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stored(self) -> Global___KvBlocksStored:
+        """Blocks became reusable."""
+
+    @_builtins.property
+    def removed(self) -> Global___KvBlocksRemoved:
+        """Blocks were evicted."""
+
+    @_builtins.property
+    def cleared(self) -> Global___KvCacheCleared:
+        """Every block is gone."""
+
+    def __init__(
+        self,
+        *,
+        stored: Global___KvBlocksStored | None = ...,
+        removed: Global___KvBlocksRemoved | None = ...,
+        cleared: Global___KvCacheCleared | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stored", "removed", "cleared"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___KvEvent: _TypeAlias = KvEvent  # noqa: Y015
+
+@_typing.final
+class KvBlocksStored(_message.Message):
+    """Blocks that became reusable, parents before children."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvBlock]:
+        """The blocks, parents before children."""
+
+    def __init__(
+        self,
+        *,
+        blocks: _abc.Iterable[Global___KvBlock] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlocksStored: _TypeAlias = KvBlocksStored  # noqa: Y015
+
+@_typing.final
+class KvBlock(_message.Message):
+    """One full KV page of a prompt's prefix."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    PARENT_HASH_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    block_hash: _builtins.int
+    """Hash chain over the prefix's pages (parent hash, this page's tokens, salt)."""
+    parent_hash: _builtins.int
+    """The previous page's block; unset for a prompt's first page."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The page's exact token ids (page_size of them)."""
+
+    def __init__(
+        self,
+        *,
+        block_hash: _builtins.int = ...,
+        parent_hash: _builtins.int | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent_hash", b"_parent_hash", "parent_hash", b"parent_hash"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_hash", b"_parent_hash", "block_hash", b"block_hash", "parent_hash", b"parent_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parent_hash: _TypeAlias = _typing.Literal["parent_hash"]  # noqa: Y015
+    _WhichOneofArgType__parent_hash: _TypeAlias = _typing.Literal["_parent_hash", b"_parent_hash"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent_hash) -> _WhichOneofReturnType__parent_hash | None: ...
+
+Global___KvBlock: _TypeAlias = KvBlock  # noqa: Y015
+
+@_typing.final
+class KvBlocksRemoved(_message.Message):
+    """Blocks evicted: no longer reusable."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The evicted blocks' block_hash."""
+
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlocksRemoved: _TypeAlias = KvBlocksRemoved  # noqa: Y015
+
+@_typing.final
+class KvCacheCleared(_message.Message):
+    """Every block of the publisher is gone (a restart or a flush)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCacheCleared: _TypeAlias = KvCacheCleared  # noqa: Y015

@@ -41,6 +41,12 @@ class PrefillServiceStub:
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.GetStatsRequest, _prefill_pb2.GetStatsResponse]
     """What this prefill instance holds right now (summed over its workers)."""
+    SubscribeKvEvents: _grpc.UnaryStreamMultiCallable[_prefill_pb2.SubscribeKvEventsRequest, _prefill_pb2.KvEventBatch]
+    """The prefix cache's changes: on the controller one stream for the whole instance (its
+    dp ranks merged: a block several ranks hold is stored once and removed with its last
+    holder), on a worker its own rank's. First the batches after start_sequence_number
+    while the log still holds them, else a snapshot; then each new batch as it is made.
+    """
 
 @_typing.type_check_only
 class PrefillServiceAsyncStub(PrefillServiceStub):
@@ -55,6 +61,12 @@ class PrefillServiceAsyncStub(PrefillServiceStub):
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_prefill_pb2.GetStatsRequest, _prefill_pb2.GetStatsResponse]  # type: ignore[assignment]
     """What this prefill instance holds right now (summed over its workers)."""
+    SubscribeKvEvents: _aio.UnaryStreamMultiCallable[_prefill_pb2.SubscribeKvEventsRequest, _prefill_pb2.KvEventBatch]  # type: ignore[assignment]
+    """The prefix cache's changes: on the controller one stream for the whole instance (its
+    dp ranks merged: a block several ranks hold is stored once and removed with its last
+    holder), on a worker its own rank's. First the batches after start_sequence_number
+    while the log still holds them, else a snapshot; then each new batch as it is made.
+    """
 
 class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -78,5 +90,17 @@ class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_pb2.GetStatsResponse, _abc.Awaitable[_prefill_pb2.GetStatsResponse]]:
         """What this prefill instance holds right now (summed over its workers)."""
+
+    @_abc_1.abstractmethod
+    def SubscribeKvEvents(
+        self,
+        request: _prefill_pb2.SubscribeKvEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_prefill_pb2.KvEventBatch], _abc.AsyncIterator[_prefill_pb2.KvEventBatch]]:
+        """The prefix cache's changes: on the controller one stream for the whole instance (its
+        dp ranks merged: a block several ranks hold is stored once and removed with its last
+        holder), on a worker its own rank's. First the batches after start_sequence_number
+        while the log still holds them, else a snapshot; then each new batch as it is made.
+        """
 
 def add_PrefillServiceServicer_to_server(servicer: PrefillServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,6 +24,7 @@ from pdgrpc.engine.hf.build import CHATML, train_tokenizer  # noqa: E402
 from pdgrpc.engine.hf.tokenizer import load_tokenizer  # noqa: E402
 from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer  # noqa: E402
 from pdgrpc.engine.tokenizer_files import TokenizerFilesError, read_tokenizer_files  # noqa: E402
+from pdgrpc.serving.kv_events import KvEventFeed  # noqa: E402
 from pdgrpc.gateway.requests import convert  # noqa: E402
 from pdgrpc.gateway.servicer import PrefillLeg, WorkerInfo, model_info  # noqa: E402
 from pdgrpc.gateway.stream import OutputStream  # noqa: E402
@@ -95,7 +96,7 @@ class Context:
 
 async def test_get_tokenizer_streams_the_bundle_or_says_which_file_is_missing(checkpoint):
     tok = load_tokenizer(checkpoint)
-    leg = PrefillLeg(None, lambda: worker(tok), active=lambda: 0, healthy=lambda: True)
+    leg = PrefillLeg(None, lambda: worker(tok), active=lambda: 0, healthy=lambda: True, kv_events=KvEventFeed())
     chunks = [c async for c in leg.GetTokenizer(smg_common_pb2.GetTokenizerRequest(), Context())]
     assert (b"".join(c.data for c in chunks), chunks[-1].sha256) == tokenizer_zip(tok.hf_files())
     assert all(not c.sha256 for c in chunks[:-1])

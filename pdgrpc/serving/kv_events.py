@@ -1,0 +1,150 @@
+"""A KV event log on an event loop: the prefix cache's sink, its subscribers, its wire form.
+
+:class:`KvEventFeed` holds a :class:`~pdgrpc.state.kv_event_log.KvEventLog` owned by one
+event loop. It is the cache's :class:`~pdgrpc.engine.cache_events.CacheEvents` sink from
+any thread (a call from another thread is handed to the loop, in order), and
+:meth:`KvEventFeed.follow` is what one ``SubscribeKvEvents`` stream sends: the replay or
+snapshot :meth:`~pdgrpc.state.kv_event_log.KvEventLog.subscribe` answers, then each new
+batch; a subscriber that fell out of the ring gets a snapshot again, so it never sees a gap.
+
+:func:`batch_to_proto` and :func:`batch_from_proto` convert to and from
+``pdgrpc.v1.KvEventBatch``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import AsyncIterator, Callable, Sequence
+
+from pdgrpc.engine.cache_events import StoredBlock
+from pdgrpc.state.kv_event_log import (
+    Block, Cleared, EventBatch, KvEvent, KvEventLog, Removed, SnapshotChunk, Stored,
+)
+from pdgrpc.v1 import prefill_pb2
+
+__all__ = ["KvEventFeed", "batch_from_proto", "batch_to_proto", "serve_kv_events"]
+
+
+class KvEventFeed:
+    """See the module doc. Build it on the loop it serves."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+        self._waiters: list[asyncio.Future[None]] = []
+        self._closed = False
+        self.log = KvEventLog(capacity, clock=time.time, on_append=self._wake)
+
+    # ---- CacheEvents: from any thread --------------------------------------------------
+
+    def stored(self, blocks: Sequence[StoredBlock]) -> None:
+        self._call(self.log.stored, list(blocks))
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        self._call(self.log.removed, list(block_hashes))
+
+    def cleared(self) -> None:
+        self._call(self.log.cleared)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        if threading.get_ident() == self._thread:
+            fn(*args)
+        elif not self._loop.is_closed():  # a cache still changing after shutdown tells no one
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # ---- subscribers -------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    async def close(self) -> None:
+        """End every subscriber's stream: a server stopping must not wait its whole grace
+        for streams that never end by themselves."""
+        self._closed = True
+        self._wake()
+
+    async def wait(self, after: int, timeout: float | None = None) -> list[EventBatch]:
+        """The batches after ``after`` (a snapshot when the ring lost some), waiting up to
+        ``timeout`` seconds for one; ``[]`` when none came."""
+        if self.log.last_sequence == after and not self._closed:
+            f: asyncio.Future[None] = self._loop.create_future()
+            self._waiters.append(f)
+            try:
+                await asyncio.wait_for(f, timeout)
+            except asyncio.TimeoutError:
+                return []
+            finally:
+                if f in self._waiters:
+                    self._waiters.remove(f)
+        return self.log.subscribe(after)
+
+    async def follow(self, after: int, idle_s: float | None = None) -> AsyncIterator[list[EventBatch]]:
+        """What one subscriber who applied ``after`` gets: the first answer (possibly
+        ``[]``), then each group of new batches; ``[]`` after each ``idle_s`` without one;
+        until :meth:`close`."""
+        first = self.log.subscribe(after)
+        yield first
+        cursor = first[-1].sequence_number if first else after
+        while not self._closed:
+            batches = await self.wait(cursor, idle_s)
+            if self._closed:
+                return
+            if batches:
+                cursor = batches[-1].sequence_number
+            yield batches
+
+
+def _block_to_proto(b: Block) -> prefill_pb2.KvBlock:
+    out = prefill_pb2.KvBlock(block_hash=b.block_hash, token_ids=b.token_ids)
+    if b.parent_hash is not None:
+        out.parent_hash = b.parent_hash
+    return out
+
+
+def _event_to_proto(e: KvEvent) -> prefill_pb2.KvEvent:
+    if isinstance(e, Stored):
+        return prefill_pb2.KvEvent(stored=prefill_pb2.KvBlocksStored(blocks=[_block_to_proto(b) for b in e.blocks]))
+    if isinstance(e, Removed):
+        return prefill_pb2.KvEvent(removed=prefill_pb2.KvBlocksRemoved(block_hashes=e.block_hashes))
+    return prefill_pb2.KvEvent(cleared=prefill_pb2.KvCacheCleared())
+
+
+def batch_to_proto(b: EventBatch) -> prefill_pb2.KvEventBatch:
+    out = prefill_pb2.KvEventBatch(
+        sequence_number=b.sequence_number, events=[_event_to_proto(e) for e in b.events], timestamp=b.timestamp,
+    )
+    if b.snapshot is not None:
+        out.snapshot_index, out.snapshot_count = b.snapshot.index, b.snapshot.count
+    return out
+
+
+def _event_from_proto(e: prefill_pb2.KvEvent) -> KvEvent | None:
+    kind = e.WhichOneof("event")
+    if kind == "stored":
+        return Stored(tuple(
+            StoredBlock(b.block_hash, b.parent_hash if b.HasField("parent_hash") else None, tuple(b.token_ids))
+            for b in e.stored.blocks
+        ))
+    if kind == "removed":
+        return Removed(tuple(e.removed.block_hashes))
+    if kind == "cleared":
+        return Cleared()
+    return None  # a kind this version does not know
+
+
+def batch_from_proto(b: prefill_pb2.KvEventBatch) -> EventBatch:
+    events = tuple(e for e in map(_event_from_proto, b.events) if e is not None)
+    chunk = SnapshotChunk(b.snapshot_index, b.snapshot_count) if b.snapshot_count else None
+    return EventBatch(b.sequence_number, events, b.timestamp, chunk)
+
+
+async def serve_kv_events(feed: KvEventFeed, request: prefill_pb2.SubscribeKvEventsRequest) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+    """One ``pdgrpc.v1.PrefillService/SubscribeKvEvents`` stream over ``feed``."""
+    async for batches in feed.follow(request.start_sequence_number):
+        for b in batches:
+            yield batch_to_proto(b)

@@ -1,0 +1,185 @@
+"""KV events from a prefill: the feed a cache reports to, and ``SubscribeKvEvents`` on a
+real prefill (controller + 2 worker processes), over pdgrpc's own protocol and smg's.
+
+The merged stream's content (stores once across dp ranks, removals with the last holder,
+a rank's restart) is tested on the pure log in tests/state/test_state_kv_event_log.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from pdgrpc.engine.cache_events import StoredBlock
+from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, batch_to_proto
+from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
+from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def block(h: int, parent: int | None = None) -> StoredBlock:
+    return StoredBlock(h, parent, (h, h + 1, h + 2, h + 3))
+
+
+async def test_a_cache_on_another_thread_reports_in_order() -> None:
+    feed = KvEventFeed()
+    follow = feed.follow(0)
+    assert await follow.__anext__() == []
+
+    def cache() -> None:
+        for h in range(1, 51):
+            feed.stored([block(h, h - 1 if h > 1 else None)])
+        feed.removed([50])
+
+    t = threading.Thread(target=cache)
+    t.start()
+    got = []
+    while len(got) < 51:
+        got += await asyncio.wait_for(follow.__anext__(), 5)
+    t.join()
+    assert [b.sequence_number for b in got] == list(range(1, 52))
+    assert got[-1].events == (Removed((50,)),)
+    assert feed.log.live_blocks == 49
+
+
+async def test_a_subscriber_that_fell_behind_the_ring_gets_a_snapshot_without_a_gap() -> None:
+    feed = KvEventFeed(capacity=4)
+    follow = feed.follow(0)
+    assert await follow.__anext__() == []
+    for h in range(1, 11):  # more than the ring holds, before the subscriber reads
+        feed.stored([block(h)])
+    batches = await asyncio.wait_for(follow.__anext__(), 5)
+    assert batches[0].snapshot is not None and isinstance(batches[0].events[0], Cleared)
+    assert batches[-1].sequence_number == 10
+    feed.removed([3])
+    assert [b.sequence_number for b in await asyncio.wait_for(follow.__anext__(), 5)] == [11]
+
+
+async def test_an_idle_subscriber_hears_nothing_and_close_ends_it() -> None:
+    feed = KvEventFeed()
+    follow = feed.follow(0, idle_s=0.05)
+    assert await follow.__anext__() == []
+    assert await asyncio.wait_for(follow.__anext__(), 5) == []  # idle
+    await feed.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(follow.__anext__(), 5)
+
+
+def test_wire_form_round_trips() -> None:
+    log_feed_batches = [
+        (1, (Stored((block(1), block(2, 1))),)),
+        (2, (Removed((2,)),)),
+        (3, (Cleared(),)),
+    ]
+    from pdgrpc.state.kv_event_log import EventBatch, SnapshotChunk
+
+    for seq, events in log_feed_batches:
+        b = EventBatch(seq, events, 12.5, SnapshotChunk(0, 2) if seq == 3 else None)
+        assert batch_from_proto(batch_to_proto(b)) == b
+
+
+# ---- a real prefill ----------------------------------------------------------------
+
+FLAGS = [*ENGINE_FLAGS, "--transport", "tcp", "--dp-size", "2", "--log-level", "info"]
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefillProc]:
+    p = PrefillProc(FLAGS, tmp_path_factory.mktemp("kv_events"), "kv")
+    try:
+        yield p
+    finally:
+        assert p.stop() == 0, p.log()[-3000:]
+
+
+async def first_batches(address: str, start: int, n: int = 1) -> list[prefill_pb2.KvEventBatch]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = prefill_pb2_grpc.PrefillServiceStub(ch).SubscribeKvEvents(
+            prefill_pb2.SubscribeKvEventsRequest(start_sequence_number=start), timeout=10)
+        out = []
+        async for b in call:
+            out.append(b)
+            if len(out) == n:
+                call.cancel()
+                break
+        return out
+
+
+async def test_a_cursor_from_an_earlier_instance_gets_a_cleared_snapshot(prefill: PrefillProc) -> None:
+    """A subscriber that remembers sequence 50 of an instance that since restarted is told
+    to drop what it holds, on the controller's merged stream and on a worker's."""
+    for address in (prefill.address, prefill.worker_addresses[1]):
+        [b] = await first_batches(address, 50)
+        assert b.snapshot_count == 1 and b.snapshot_index == 0 and b.sequence_number == 0
+        assert [e.WhichOneof("event") for e in b.events] == ["cleared"]
+
+
+async def test_smg_subscriber_gets_load_records_while_idle(prefill: PrefillProc) -> None:
+    pb_grpc = pytest.importorskip("smg_grpc_proto.generated.sglang_scheduler_pb2_grpc", reason="the gateway extra is not installed")
+    from smg_grpc_proto.generated import common_pb2 as smg
+
+    async with grpc.aio.insecure_channel(prefill.address) as ch:
+        stub = pb_grpc.SglangSchedulerStub(ch)
+        call = stub.SubscribeKvEvents(smg.SubscribeKvEventsRequest(load_records_before_first_batch=True), timeout=10)
+        got = []
+        t0 = time.monotonic()
+        async for b in call:
+            got.append((time.monotonic() - t0, b))
+            if len(got) == 2:
+                call.cancel()
+                break
+    (t1, first), (t2, second) = got
+    assert t1 < 1.0  # from the subscription on
+    for b in (first, second):
+        assert b.load.load_only and b.sequence_number == 0 and not b.events
+        assert b.load.max_running_requests == 2 * 64  # --num-pages x --dp-size, as GetLoads says
+        assert b.load.running_requests == 0
+    assert second.load.sample > first.load.sample
+    assert 0.5 < t2 - t1 < 3.0  # a heartbeat while idle
+
+    # without the flag an old subscriber hears nothing before the publisher's first batch
+    async with grpc.aio.insecure_channel(prefill.address) as ch:
+        call = pb_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(smg.SubscribeKvEventsRequest(), timeout=1.5)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for _ in call:
+                pass
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_stopping_the_prefill_ends_its_subscriptions_at_once(tmp_path: Path) -> None:
+    """A subscription ends cleanly as soon as the prefill stops, rather than holding the
+    server for its grace period and ending in an error."""
+    p = PrefillProc(FLAGS, tmp_path, "kv-stop")
+    ended: list[float] = []
+    errors: list[grpc.RpcError] = []
+    try:
+        ch = grpc.insecure_channel(p.address)
+        stream = prefill_pb2_grpc.PrefillServiceStub(ch).SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=60)
+
+        def read() -> None:
+            try:
+                for _ in stream:
+                    pass
+            except grpc.RpcError as exc:
+                errors.append(exc)
+            ended.append(time.monotonic())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        assert p.stop() == 0, p.log()[-3000:]
+        reader.join(10)
+        ch.close()
+    finally:
+        p.stop()
+    assert not errors, errors
+    assert ended and ended[0] - t0 < 2.0, f"the subscription ended {ended[0] - t0:.1f} s after the stop began"
