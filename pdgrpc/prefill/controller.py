@@ -13,7 +13,8 @@
   rank's worker (tp rank 0; its tp peers hold the same pages) over the same RPC and merges
   the ranks into one log (:class:`~pdgrpc.state.kv_event_log.KvEventMerge`): a block
   several ranks hold is stored once and removed with its last holder, and a rank whose
-  worker exits has its blocks removed at once.
+  worker exits has its blocks removed at once. The same events feed a per-rank
+  :class:`~pdgrpc.state.prefix_index.PrefixIndex`, which ``cache_aware`` dispatch reads.
 * Every request that fails -- refused here, failed on a worker, lost with a dead worker,
   cancelled by its caller -- is recorded for its decode (:mod:`pdgrpc.prefill.notices`).
 * A worker that exits is logged with its exit code; the requests it held fail with
@@ -37,7 +38,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import AsyncIterator, NoReturn, cast
+from typing import AsyncIterator, NoReturn, Sequence, cast
 
 import grpc
 
@@ -56,7 +57,8 @@ from pdgrpc.rpc.server import RpcServer
 from pdgrpc.rpc import tracing
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, serve_kv_events
 from pdgrpc.serving.logs import request_event
-from pdgrpc.state.kv_event_log import KvEventMerge
+from pdgrpc.state.kv_event_log import Cleared, KvEvent, KvEventMerge, Removed, Stored
+from pdgrpc.state.prefix_index import Block, PrefixIndex
 from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -108,7 +110,9 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         # Counts only the requests that end here (never forwarded, or their worker died);
         # a worker counts every request it ran, so none is counted twice.
         self.metrics = metrics or PrefillMetrics(transport=ns.transport)
-        self.dispatcher = Dispatcher(ns.dp_size, ns.load_balance_method, ns.force_dp_rank_query)
+        # What each dp rank's cache holds, by content: cache_aware dispatch reads it.
+        self.rank_index = PrefixIndex()
+        self.dispatcher = Dispatcher(ns.dp_size, ns.load_balance_method, ns.force_dp_rank_query, self._cached_prefixes)
         self.workers: list[WorkerHandle] = []  # every worker process, dp-major
         self.groups: list[list[WorkerHandle]] = []  # groups[dp] = its tp ranks' workers
         self.pool = ChannelPool()
@@ -292,14 +296,13 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
     async def _follow_kv_events(self, rank: int) -> None:
         """Feed dp rank ``rank``'s KV events into the merge for as long as the controller
         runs; a new worker for the rank (a respawn) is followed from its first batch."""
-        merge = self.kv_merge
         followed: WorkerHandle | None = None
         cursor = 0
         while not self.stopping:
             w = self.groups[rank][0]
             if w is not followed:  # a new worker: nothing it holds is known yet
                 if followed is not None:
-                    merge.clear_rank(rank)
+                    self._rank_gone(rank)
                 followed, cursor = w, 0
             if w.alive and w.stub is not None:
                 try:
@@ -308,11 +311,29 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                         b = batch_from_proto(msg)
                         if b.snapshot is None and b.sequence_number != cursor + 1:
                             break  # batches were lost: ask again from the last one applied
-                        merge.apply(rank, b.events)
+                        self._rank_events(rank, b.events)
                         cursor = b.sequence_number
                 except grpc.aio.AioRpcError as exc:
                     log.debug("KV events of prefill worker %s: %s", w.name, exc.details())
             await asyncio.sleep(KV_FOLLOW_RETRY_S)
+
+    def _rank_events(self, rank: int, events: "tuple[KvEvent, ...]") -> None:
+        self.kv_merge.apply(rank, events)
+        name = str(rank)
+        for e in events:
+            if isinstance(e, Stored):
+                self.rank_index.stored(name, [Block(b.block_hash, b.parent_hash, b.token_ids) for b in e.blocks])
+            elif isinstance(e, Removed):
+                self.rank_index.removed(name, e.block_hashes)
+            else:
+                self.rank_index.cleared(name)
+
+    def _rank_gone(self, rank: int) -> None:
+        """Dp rank ``rank``'s worker exited or was replaced: its cache is gone with it."""
+        self._rank_events(rank, (Cleared(),))
+
+    def _cached_prefixes(self, prompt: "Sequence[int]") -> dict[int, int]:
+        return {int(name): tokens for name, tokens in self.rank_index.match(prompt).items()}
 
     # ---- workers ----------------------------------------------------------------------
 
@@ -417,7 +438,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         w.exit_code = await w.proc.wait()
         w.alive = False
         if w.tp_rank == 0:
-            self.kv_merge.clear_rank(w.rank)  # its cache is gone with it
+            self._rank_gone(w.rank)
         try:
             if self.stopping:
                 return

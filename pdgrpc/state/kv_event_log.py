@@ -231,16 +231,11 @@ class KvEventMerge:
                 gone = tuple(h for h in e.block_hashes if self._release(rank, h))
                 if gone:
                     out.append(Removed(gone))
-            else:
+            else:  # the rank restarted or flushed: what no other rank holds is gone
                 gone = self._release_all(rank)
                 if gone:
                     out.append(Removed(gone))
         self.log.append(out)
-
-    def clear_rank(self, rank: int) -> None:
-        """Rank ``rank`` is gone (its worker died or restarts): its blocks no other rank
-        holds are removed at once."""
-        self.apply(rank, (Cleared(),))
 
     def _hold(self, rank: int, h: int) -> bool:
         ranks = self._holders.setdefault(h, set())

@@ -8,6 +8,8 @@ a rank's restart) is tested on the pure log in tests/state/test_state_kv_event_l
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -16,10 +18,14 @@ from typing import Iterator
 import grpc
 import pytest
 
+from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.cache_events import StoredBlock
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, batch_to_proto
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
 from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.eventually import eventually_async
+from tests.prefill.fake_decode import FakeDecode
+from tests.prefill.harness import CONFIG, prompt, run_one
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,7 +94,7 @@ def test_wire_form_round_trips() -> None:
 
 # ---- a real prefill ----------------------------------------------------------------
 
-FLAGS = [*ENGINE_FLAGS, "--transport", "tcp", "--dp-size", "2", "--log-level", "info"]
+FLAGS = [*ENGINE_FLAGS, "--transport", "tcp", "--dp-size", "2", "--load-balance-method", "cache_aware", "--log-level", "info"]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +158,95 @@ async def test_smg_subscriber_gets_load_records_while_idle(prefill: PrefillProc)
             async for _ in call:
                 pass
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Subscriber:
+    """What a client subscribed to ``address`` from sequence 0 holds, batch by batch."""
+
+    def __init__(self, address: str) -> None:
+        self.blocks: dict[int, prefill_pb2.KvBlock] = {}
+        self.stored: list[int] = []  # every block hash stored, in order
+        self.removed: list[int] = []
+        self.sequence = 0
+        self._ch = grpc.aio.insecure_channel(address)
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        call = prefill_pb2_grpc.PrefillServiceStub(self._ch).SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest())
+        async for b in call:
+            assert b.sequence_number == self.sequence + 1 or b.snapshot_count, (b.sequence_number, self.sequence)
+            self.sequence = b.sequence_number
+            for e in b.events:
+                kind = e.WhichOneof("event")
+                if kind == "stored":
+                    for x in e.stored.blocks:
+                        self.blocks[x.block_hash] = x
+                        self.stored.append(x.block_hash)
+                elif kind == "removed":
+                    for h in e.removed.block_hashes:
+                        self.blocks.pop(h)
+                        self.removed.append(h)
+                else:
+                    self.blocks.clear()
+
+    def pages(self) -> set[tuple[int, ...]]:
+        return {tuple(x.token_ids) for x in self.blocks.values()}
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await self._ch.close()
+
+
+def pages_of(ids: list[int]) -> set[tuple[int, ...]]:
+    """The full pages of ``ids``, which a cache keeps once its request is done."""
+    n = len(ids) // 4
+    return {tuple(ids[i * 4:(i + 1) * 4]) for i in range(n)}
+
+
+async def test_the_merged_stream_stores_shared_pages_once_and_drops_a_dead_ranks_at_once(prefill: PrefillProc) -> None:
+    """Two dp ranks cache prompts sharing 5 pages: the controller's stream stores each page
+    once, with its exact tokens and its parent, and when rank 0's worker is killed it removes
+    rank 0's own pages at once while the shared ones stay (rank 1 holds them)."""
+    sub = Subscriber(prefill.address)
+    d = FakeDecode(CONFIG)
+    await d.start()
+    try:
+        shared = prompt(21, seed=5)[:21]
+        a = shared[:20] + prompt(11, seed=6)[1:]  # 30 tokens: pages 0-4 shared, 5-6 its own
+        b = shared[:20] + prompt(11, seed=7)[1:]
+        greedy = SamplingParams()
+        await run_one(prefill, d, a, greedy, query=True, routed=0)
+        await run_one(prefill, d, b, greedy, query=True, routed=1)
+        await eventually_async(lambda: sub.pages() == pages_of(a) | pages_of(b), 10, what="both ranks' pages streamed")
+        assert len(sub.stored) == len(set(sub.stored)) == 9  # 5 shared + 2 + 2: each once
+        for x in sub.blocks.values():  # a chain: each page's parent is the page before it
+            i = next(i for i in range(7) if tuple(a[i * 4:(i + 1) * 4]) == tuple(x.token_ids) or tuple(b[i * 4:(i + 1) * 4]) == tuple(x.token_ids))
+            assert x.HasField("parent_hash") == (i > 0)
+            if i:
+                assert tuple(sub.blocks[x.parent_hash].token_ids) in {tuple(a[(i - 1) * 4:i * 4]), tuple(b[(i - 1) * 4:i * 4])}
+
+        # cache_aware dispatch reads the ranks' streams: a prompt continuing b goes to rank 1,
+        # one continuing a to rank 0
+        c = b[:24] + prompt(9, seed=8)[1:]
+        assert (await run_one(prefill, d, c, greedy, query=True))[0].dp_rank == 1
+        e = a[:28] + prompt(5, seed=9)[1:]
+        assert (await run_one(prefill, d, e, greedy, query=True))[0].dp_rank == 0
+        want = pages_of(a) | pages_of(b) | pages_of(c) | pages_of(e)
+        await eventually_async(lambda: sub.pages() == want, 10,
+                               what=lambda: f"the new pages streamed: extra {sub.pages() - want}, missing {want - sub.pages()}")
+        os.kill(prefill.worker_pids[0], signal.SIGKILL)
+        await eventually_async(lambda: sub.pages() == pages_of(b) | pages_of(c), 5, what="rank 0's own pages removed")
+        assert len(sub.removed) == 3  # a's 2 own pages and e's last
+
+        # a late subscriber gets the same state by replay
+        late = Subscriber(prefill.address)
+        try:
+            await eventually_async(lambda: late.pages() == pages_of(b) | pages_of(c), 5, what="a late subscriber caught up")
+        finally:
+            await late.close()
+    finally:
+        await sub.close()
+        await d.close()
 
 
 def test_stopping_the_prefill_ends_its_subscriptions_at_once(tmp_path: Path) -> None:

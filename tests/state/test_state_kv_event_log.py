@@ -186,7 +186,7 @@ def test_merge_clears_only_the_restarted_ranks_blocks() -> None:
     merge.apply(0, [Stored(tuple(chain(1, 2)))])
     merge.apply(1, [Stored(tuple(chain(1, 5)))])
     n = merge.log.last_sequence
-    merge.clear_rank(0)  # its worker died
+    merge.apply(0, [Cleared()])  # its worker died
     evs = events_of(merge.log, n)
     assert evs == [Removed((2,))]  # 1 stays: rank 1 holds it
     assert merge.log.holds(1) and not merge.log.holds(2)
