@@ -173,7 +173,9 @@ def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int) ->
     if smg:
         processes.append({
             "name": "smg", "role": "smg", "prefill": list(PREFILLS), "decode": ["decode"],
-            "args": {"prefill-policy": "cache_aware", "decode-policy": "round_robin"},
+            # A long prompt on 2 busy cores outlasts smg's default silence bounds (seconds),
+            # after which it gives up on a healthy prefill.
+            "args": {"prefill-policy": "cache_aware", "decode-policy": "round_robin", "worker-wedge-secs": 600, "worker-stall-secs": 60},
         })
     data = {"description": f"bench prefix arm {arm}: {ARMS[arm]}", "transport": args.transport, "metrics": True, "engine": engine, "process": processes}
     return parse_topology(data, f"prefix-{arm}")
