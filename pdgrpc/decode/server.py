@@ -19,7 +19,7 @@ from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args
 from pdgrpc.rpc.server import run, serve_until_signal
 from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
-from pdgrpc.serving.engines import build_engine, check_engine_args
+from pdgrpc.serving.engines import build_engine, check_engine_args, engine_limits_argv
 from pdgrpc.serving.launch import Role
 from pdgrpc.transport.base import Transport
 
@@ -31,7 +31,7 @@ async def _start_ranks(ns: argparse.Namespace) -> tuple[list[asyncio.subprocess.
     init = dist_init_method()
     procs = []
     for rank in range(1, ns.tp_size):
-        argv = [sys.executable, "-m", "pdgrpc.decode.follower", *getattr(ns, "argv", []), "--tp-rank", str(rank), "--dist-init", init]
+        argv = [sys.executable, "-m", "pdgrpc.decode.follower", *getattr(ns, "argv", []), *engine_limits_argv(ns), "--tp-rank", str(rank), "--dist-init", init]
         port = derived_metrics_port(ns.metrics_port, rank)
         if port is not None:
             argv += ["--metrics-port", str(port)]

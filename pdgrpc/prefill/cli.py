@@ -179,6 +179,6 @@ def worker_argv(ns: argparse.Namespace) -> list[str]:
         if isinstance(default, bool):
             if value:
                 out.append(flag)
-        else:
+        elif value is not None:  # unset stays unset
             out += [flag, str(value)]
     return out

@@ -24,9 +24,11 @@ from pdgrpc.serving.flags import engine_config_from_args
 
 if TYPE_CHECKING:
     from pdgrpc.engine.hf.engine import HFEngineConfig
+    from pdgrpc.engine.hf.sizing import Sizing
 
 __all__ = [
-    "build_engine", "check_engine_args", "hf_config_from_args", "served_tokenizer", "uses_checkpoint",
+    "apply_engine_defaults", "build_engine", "check_engine_args", "engine_limits_argv", "hf_config_from_args",
+    "served_tokenizer", "uses_checkpoint",
 ]
 
 log = logging.getLogger("pdgrpc.serving")
@@ -49,9 +51,43 @@ def served_tokenizer(ns: argparse.Namespace) -> Tokenizer:
     return ByteTokenizer()
 
 
+def apply_engine_defaults(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
+    """Fill ``--max-seq-len``, ``--max-prompt-tokens`` and ``--num-pages`` where the flags
+    left them unset: the reference engine's defaults, or what the checkpoint and this
+    machine's memory decide (:mod:`pdgrpc.engine.hf.sizing`; :func:`build_engine` logs the
+    sizing). Idempotent: a process that starts others resolves them once and passes them
+    on (:func:`engine_limits_argv`), so a TP group agrees."""
+    if None not in (ns.max_seq_len, ns.max_prompt_tokens, ns.num_pages):
+        return
+    if not uses_checkpoint(ns):
+        cfg = engine_config_from_args(ns, tp_size=tp_size)
+        ns.max_seq_len, ns.max_prompt_tokens, ns.num_pages = cfg.max_seq_len, cfg.max_prompt_tokens, cfg.num_pages
+        return
+    s = _sizing(ns, tp_size)
+    ns.max_seq_len, ns.max_prompt_tokens, ns.num_pages = s.max_seq_len, s.max_prompt_tokens, s.num_pages
+
+
+def _sizing(ns: argparse.Namespace, tp_size: int) -> "Sizing":
+    from pdgrpc.engine.hf.config import load_config
+    from pdgrpc.engine.hf.sizing import DTYPE_BYTES, available_memory, checkpoint_sizing
+
+    return checkpoint_sizing(
+        load_config(ns.model), dtype_bytes=DTYPE_BYTES[ns.dtype], page_size=ns.page_size, tp_size=tp_size,
+        max_seq_len=ns.max_seq_len, max_prompt_tokens=ns.max_prompt_tokens, num_pages=ns.num_pages,
+        available=available_memory(ns.device),
+    )
+
+
+def engine_limits_argv(ns: argparse.Namespace) -> list[str]:
+    """The resolved ``--max-seq-len``, ``--max-prompt-tokens`` and ``--num-pages``, as
+    flags for a process started with this one's other flags (a TP rank)."""
+    return ["--max-seq-len", str(ns.max_seq_len), "--max-prompt-tokens", str(ns.max_prompt_tokens), "--num-pages", str(ns.num_pages)]
+
+
 def hf_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, threads: int = 1) -> "HFEngineConfig":
     from pdgrpc.engine.hf.engine import HFEngineConfig
 
+    apply_engine_defaults(ns, tp_size=tp_size)
     return HFEngineConfig(
         model=ns.model, dtype=ns.dtype, device=ns.device, page_size=ns.page_size, num_pages=ns.num_pages,
         max_seq_len=ns.max_seq_len, max_prompt_tokens=ns.max_prompt_tokens, tp_rank=tp_rank, tp_size=tp_size,
@@ -61,7 +97,9 @@ def hf_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: in
 
 def check_engine_args(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
     """Raise ConfigError (naming the file or field) for flags no engine can start with;
-    reads a checkpoint's config, tokenizer and weight headers, not its weights."""
+    reads a checkpoint's config, tokenizer and weight headers, not its weights. Fills the
+    sizes the flags left unset first (:func:`apply_engine_defaults`)."""
+    apply_engine_defaults(ns, tp_size=tp_size)
     if uses_checkpoint(ns):
         from pdgrpc.engine.hf.engine import check_checkpoint
 
@@ -83,6 +121,7 @@ def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, 
         except ImportError as exc:
             raise ConfigError(f"--model needs pdgrpc[hf] (safetensors, tokenizers): {exc}") from None
         log.info("engine: %s (%s, %s)", engine.model_id, ns.dtype, ns.device)
+        log.info("sizing: %s", _sizing(ns, tp_size).describe())
         return engine
     from pdgrpc.engine.reference import ReferenceEngine
 

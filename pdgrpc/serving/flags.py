@@ -38,6 +38,7 @@ __all__ = [
     "add_logging_arguments",
     "add_transport_arguments",
     "create_transport",
+    "default_max_prompt_tokens",
     "engine_config_from_args",
     "transport_options_from_args",
     "tune_malloc_from_args",
@@ -73,7 +74,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--page-size", type=int, default=_D.page_size, help="tokens per KV page. Default: %(default)s")
     g.add_argument(
-        "--num-pages", type=int, default=_D.num_pages, help="KV pool size of each worker, in pages. Default: %(default)s"
+        "--num-pages", type=int, default=None,
+        help=f"KV pool size of each worker, in pages. Default: {_D.num_pages} for the reference engine; with --model, "
+        "room for two --max-seq-len sequences, capped by a quarter of the memory available after the weights (the "
+        "sizing is logged at start-up)",
     )
     g.add_argument(
         "--kv-huge-pages",
@@ -114,14 +118,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-prompt-tokens",
         type=int,
-        default=_D.max_prompt_tokens,
-        help="longest prompt accepted, in tokens; longer ones are refused with INVALID_ARGUMENT. Default: %(default)s",
+        default=None,
+        help=f"longest prompt accepted, in tokens; longer ones are refused with INVALID_ARGUMENT. Default: "
+        f"{_D.max_prompt_tokens}, or --max-seq-len - 1 when that is less",
     )
     g.add_argument(
         "--max-seq-len",
         type=int,
-        default=_D.max_seq_len,
-        help="most tokens (prompt + generated) one request may reach. Default: %(default)s",
+        default=None,
+        help=f"most tokens (prompt + generated) one request may reach. Default: {_D.max_seq_len} for the reference "
+        "engine; with --model, the checkpoint's max_position_embeddings, capped so that one sequence's KV fits in "
+        "memory",
     )
     g.add_argument(
         "--model", metavar="PATH", default="",
@@ -145,18 +152,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1) -> EngineConfig:
     """The :class:`EngineConfig` the engine flags describe (raises ConfigError naming a bad value)."""
     model = ModelConfig(seed=ns.model_seed, **MODEL_SIZES[ns.model_size])
+    max_seq_len = _D.max_seq_len if ns.max_seq_len is None else ns.max_seq_len
     return EngineConfig(
         model=model,
         page_size=ns.page_size,
-        num_pages=ns.num_pages,
+        num_pages=_D.num_pages if ns.num_pages is None else ns.num_pages,
         kv_dtype=ns.kv_dtype,
-        max_seq_len=ns.max_seq_len,
-        max_prompt_tokens=ns.max_prompt_tokens,
+        max_seq_len=max_seq_len,
+        max_prompt_tokens=default_max_prompt_tokens(max_seq_len) if ns.max_prompt_tokens is None else ns.max_prompt_tokens,
         tp_rank=tp_rank,
         tp_size=tp_size,
         kv_huge_pages=getattr(ns, "kv_huge_pages", False),
         device=getattr(ns, "device", "cpu"),
     )
+
+
+def default_max_prompt_tokens(max_seq_len: int) -> int:
+    """``--max-prompt-tokens`` when unset: the reference engine's default, or less to stay under ``max_seq_len``."""
+    return max(1, min(_D.max_prompt_tokens, max_seq_len - 1))
 
 
 def _nice_value(text: str) -> int:
