@@ -56,6 +56,8 @@ from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME, available as gateway_avail
 from pdgrpc.prefill.cli import build_parser as prefill_parser
 from pdgrpc.rpc.server import run as run_loop
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+from pdgrpc.v1.prefill_pb2 import SubscribeKvEventsRequest
+from pdgrpc.v1.prefill_pb2_grpc import PrefillServiceStub
 
 DESCRIPTION = (
     "shared-prefix workload (G groups x Q questions, shuffled) through 2 prefills + 1 decode: cache off, cache on "
@@ -182,13 +184,10 @@ def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int) ->
 
 
 async def events_served(cluster: Cluster) -> bool:
-    """Whether the prefills stream KV events (``SubscribeKvEvents`` answers a batch, or
-    anything but UNIMPLEMENTED, within a second)."""
-    from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
-    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as smg_pb2_grpc
-
-    stub = smg_pb2_grpc.SglangSchedulerStub(cluster.channel(PREFILLS[0]))
-    call = stub.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest(), timeout=1.0)
+    """Whether the prefills stream KV events: ``SubscribeKvEvents`` answers anything but
+    UNIMPLEMENTED within a second (a snapshot, or a stream left open)."""
+    stub = PrefillServiceStub(cluster.channel(PREFILLS[0]))
+    call = stub.SubscribeKvEvents(SubscribeKvEventsRequest(), timeout=1.0)
     try:
         async for _ in call:
             return True

@@ -57,8 +57,8 @@ from pdgrpc.rpc.server import RpcServer
 from pdgrpc.rpc import tracing
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, serve_kv_events
 from pdgrpc.serving.logs import request_event
-from pdgrpc.state.kv_event_log import Cleared, KvEvent, KvEventMerge, Removed, Stored
-from pdgrpc.state.prefix_index import Block, PrefixIndex
+from pdgrpc.state.kv_event_log import Cleared, KvEvent, KvEventMerge
+from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -319,14 +319,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
 
     def _rank_events(self, rank: int, events: "tuple[KvEvent, ...]") -> None:
         self.kv_merge.apply(rank, events)
-        name = str(rank)
-        for e in events:
-            if isinstance(e, Stored):
-                self.rank_index.stored(name, [Block(b.block_hash, b.parent_hash, b.token_ids) for b in e.blocks])
-            elif isinstance(e, Removed):
-                self.rank_index.removed(name, e.block_hashes)
-            else:
-                self.rank_index.cleared(name)
+        self.rank_index.apply(str(rank), events)
 
     def _rank_gone(self, rank: int) -> None:
         """Dp rank ``rank``'s worker exited or was replaced: its cache is gone with it."""

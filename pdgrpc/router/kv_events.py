@@ -1,15 +1,15 @@
 """The router's feed of the prefills' KV events into its prefix index (``--policy cache_aware``).
 
 One background task per prefill instance subscribes to its merged event stream
-(``SubscribeKvEvents`` of smg's ``SglangScheduler`` protocol, which the prefill serves
-with the ``gateway`` extra) and applies each batch to the
-:class:`~pdgrpc.state.prefix_index.PrefixIndex`, in sequence order
-(:class:`~pdgrpc.state.prefix_index.SequenceCursor`). A fresh subscription starts with a
-snapshot of the instance's live blocks, so any break -- the stream ends or fails, or a
-sequence gap shows batches were missed -- drops the instance from the index at once
-(routing never trusts blocks it may have missed the removal of) and subscribes afresh
-after a backoff that doubles up to :data:`BACKOFF_MAX_S`. Instances that leave the
-router's list (the discovery view) are dropped and their tasks stopped.
+(``pdgrpc.v1.PrefillService/SubscribeKvEvents`` on the address the router sends Prefill
+to) and applies each batch to the :class:`~pdgrpc.state.prefix_index.PrefixIndex`, in
+sequence order (:class:`~pdgrpc.state.prefix_index.SequenceCursor`). A fresh subscription
+starts with a snapshot of the instance's live blocks, so any break -- the stream ends or
+fails, or a sequence number shows lost batches or a restarted publisher -- drops the
+instance from the index at once (routing never trusts blocks whose removal it may have
+missed) and subscribes afresh after a backoff that doubles up to :data:`BACKOFF_MAX_S`.
+Instances that leave the router's list (the discovery view) are dropped and their tasks
+stopped.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import logging
 from typing import Callable, Iterable
 
 import grpc
-from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
-from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as smg_pb2_grpc
 
 from pdgrpc.metrics import RouterMetrics
 from pdgrpc.rpc.channels import ChannelPool
-from pdgrpc.state.prefix_index import Batch, Block, PrefixIndex, SequenceCursor
+from pdgrpc.serving.kv_events import batch_from_proto
+from pdgrpc.state.prefix_index import Batch, PrefixIndex, SequenceCursor
+from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["BACKOFF_MAX_S", "KvEventFeed", "apply_batch"]
+__all__ = ["BACKOFF_MAX_S", "KvEventFollower"]
 
 log = logging.getLogger("pdgrpc.router")
 
@@ -35,25 +35,7 @@ BACKOFF_MAX_S = 5.0
 REFRESH_S = 1.0  # how often the list of instances is read again
 
 
-def apply_batch(index: PrefixIndex, instance: str, batch: smg_common_pb2.KvEventBatch) -> None:
-    """Apply one batch's events, in order. The blocks of one stored event form a chain:
-    the first one's parent is ``parent_block_hash``, each next one's the block before it."""
-    for event in batch.events:
-        kind = event.WhichOneof("data")
-        if kind == "stored":
-            parent = event.stored.parent_block_hash if event.stored.HasField("parent_block_hash") else None
-            blocks = []
-            for b in event.stored.blocks:
-                blocks.append(Block(b.block_hash, parent, tuple(b.token_ids)))
-                parent = b.block_hash
-            index.stored(instance, blocks)
-        elif kind == "removed":
-            index.removed(instance, list(event.removed.block_hashes))
-        elif kind == "cleared":
-            index.cleared(instance)
-
-
-class KvEventFeed:
+class KvEventFollower:
     """Keeps ``index`` current with the events of every address ``addresses()`` lists."""
 
     def __init__(
@@ -93,17 +75,17 @@ class KvEventFeed:
         while True:
             cursor = SequenceCursor()
             reason = "ended"
-            stub = smg_pb2_grpc.SglangSchedulerStub(self._pool.get(address))
-            call = stub.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest())
+            stub = prefill_pb2_grpc.PrefillServiceStub(self._pool.get(address))
+            call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest())
             try:
-                async for batch in call:
-                    verdict = cursor.accept(batch.sequence_number, batch.HasField("load") and batch.load.load_only)
+                async for msg in call:
+                    verdict = cursor.accept(msg.sequence_number)
                     if verdict is Batch.GAP:
                         reason = "gap"
-                        log.warning("KV events of prefill %s skipped from %s to %d; subscribing again", address, cursor.last, batch.sequence_number)
+                        log.warning("KV events of prefill %s went from %s to %d; subscribing again", address, cursor.last, msg.sequence_number)
                         break
                     if verdict is Batch.APPLY:
-                        apply_batch(self._index, address, batch)
+                        self._index.apply(address, batch_from_proto(msg).events)
                         delay = BACKOFF_MIN_S
             except grpc.RpcError as exc:
                 reason = "failed"

@@ -12,8 +12,8 @@ from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args
 from pdgrpc.discovery.etcd import Watcher, parse_discovery_url
 from pdgrpc.discovery.record import MembershipView, cluster_prefix
 from pdgrpc.errors import PdgrpcError
-from pdgrpc.gateway import available as gateway_available
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
+from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
 from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_prefill, service_names
 from pdgrpc.rpc.channels import ChannelPool
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", choices=POLICIES, default="round_robin",
         help="which prefill a request goes to: 'round_robin' (in turn), 'least_load' (fewest Prefill calls this "
         "router has in flight there), 'cache_aware' (the prefill whose prefix cache holds the longest prefix of "
-        "the prompt, learned from each prefill's KV events (SubscribeKvEvents; needs pdgrpc[gateway]), unless "
+        "the prompt, learned from each prefill's KV events (SubscribeKvEvents), unless "
         "its load exceeds the least loaded prefill's by more than --cache-aware-margin; else least_load). "
         "Decodes always go round robin (default: %(default)s)",
     )
@@ -111,10 +111,8 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     servicer = GenerateServicer(config, metrics=metrics, view=None if watcher is None else watcher.view, index=index)
     feed = None
     if index is not None:
-        from pdgrpc.router.kv_events import KvEventFeed  # needs the gateway extra (checked at start-up)
-
         view = None if watcher is None else watcher.view
-        feed = KvEventFeed(
+        feed = KvEventFollower(
             index,
             (lambda: [p.address for p in config.prefills]) if view is None else (lambda: [p.address for p in view.instances("prefill")]),
             ChannelPool(), metrics,
@@ -177,8 +175,6 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("--discovery takes the backends from etcd: leave out --prefill and --decode")
     check_discovery_args(args)
     _config(args)
-    if args.policy == "cache_aware" and not gateway_available():
-        raise ValueError("--policy cache_aware reads the prefills' KV events over smg's protocol: install pdgrpc[gateway]")
     if args.model:  # a missing or bad tokenizer fails at start-up, naming the file
         from pdgrpc.engine.hf.tokenizer import load_tokenizer
 

@@ -202,7 +202,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         view: MembershipView | None = None, index: PrefixIndex | None = None,
     ) -> None:
         """``index``: the prefills' cached prefixes, which ``cache_aware`` reads (its feed,
-        :class:`~pdgrpc.router.kv_events.KvEventFeed`, keeps it current)."""
+        :class:`~pdgrpc.router.kv_events.KvEventFollower`, keeps it current)."""
         self.config = config
         self.policy = PrefillPolicy(config.policy, index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()

@@ -23,18 +23,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
-__all__ = ["Batch", "Block", "PrefixIndex", "SequenceCursor", "cache_aware_choice", "least_loaded"]
+from pdgrpc.state.kv_event_log import Block, KvEvent, Removed, Stored
 
-
-@dataclass(frozen=True)
-class Block:
-    """One full page as an instance reports it: ``parent_hash`` is None for a prompt's first page."""
-
-    block_hash: int
-    parent_hash: int | None
-    token_ids: tuple[int, ...]
+__all__ = ["Batch", "PrefixIndex", "SequenceCursor", "cache_aware_choice", "least_loaded"]
 
 
 @dataclass
@@ -58,6 +51,16 @@ class PrefixIndex:
 
     def block_count(self, instance: str) -> int:
         return len(self._blocks.get(instance, {}))
+
+    def apply(self, instance: str, events: Iterable[KvEvent]) -> None:
+        """``instance``'s events, in order."""
+        for e in events:
+            if isinstance(e, Stored):
+                self.stored(instance, e.blocks)
+            elif isinstance(e, Removed):
+                self.removed(instance, e.block_hashes)
+            else:
+                self.cleared(instance)
 
     def stored(self, instance: str, blocks: Sequence[Block]) -> None:
         """``blocks`` (parents first) became reusable on ``instance``."""
@@ -133,7 +136,7 @@ class Batch(enum.Enum):
 
     APPLY = "apply"
     SKIP = "skip"  # a heartbeat, or a batch already applied
-    GAP = "gap"  # batches were missed: drop the instance and subscribe afresh
+    GAP = "gap"  # batches were missed, or the publisher restarted: drop the instance and subscribe afresh
 
 
 class SequenceCursor:
@@ -141,19 +144,18 @@ class SequenceCursor:
 
     The first batch of a subscription sets the cursor (a fresh subscription starts with a
     snapshot whose first chunk clears the instance, so nothing earlier is needed); each
-    later batch must carry the next number. A ``load_only`` heartbeat repeats the last
-    number and carries no events."""
+    later batch must carry the next number. A repeat of the last number is skipped; a
+    number further back means the publisher restarted, and one further on that batches
+    were lost: either is a :attr:`Batch.GAP`."""
 
     def __init__(self) -> None:
         self.last: int | None = None
 
-    def accept(self, sequence_number: int, load_only: bool = False) -> Batch:
-        if load_only:
-            return Batch.SKIP
+    def accept(self, sequence_number: int) -> Batch:
         if self.last is None or sequence_number == self.last + 1:
             self.last = sequence_number
             return Batch.APPLY
-        if sequence_number <= self.last:
+        if sequence_number == self.last:
             return Batch.SKIP
         return Batch.GAP
 

@@ -1,5 +1,5 @@
-"""The router's KV event feed and ``--policy cache_aware`` against scripted prefills that
-stream KV events over real gRPC (smg's ``SubscribeKvEvents``)."""
+"""The router's KV event follower and ``--policy cache_aware`` against scripted prefills
+that stream KV events over real gRPC (``pdgrpc.v1.PrefillService/SubscribeKvEvents``)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,15 @@ import asyncio
 import grpc
 import pytest
 
-pytest.importorskip("smg_grpc_proto", reason="cache_aware reads KV events over smg's protocol (pdgrpc[gateway])")
-
-from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # noqa: E402
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as smg_pb2  # noqa: E402
-from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as smg_pb2_grpc  # noqa: E402
-
-from pdgrpc.metrics import RouterMetrics  # noqa: E402
-from pdgrpc.router.kv_events import KvEventFeed  # noqa: E402
-from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names  # noqa: E402
-from pdgrpc.rpc.channels import ChannelPool  # noqa: E402
-from pdgrpc.rpc.server import start_server  # noqa: E402
-from pdgrpc.state.prefix_index import PrefixIndex  # noqa: E402
-from pdgrpc.v1 import generate_pb2, generate_pb2_grpc, prefill_pb2_grpc  # noqa: E402
-from tests.eventually import eventually_async  # noqa: E402
-from tests.router.test_router import ScriptedDecode, ScriptedPrefill, collect, serve_decode  # noqa: E402
+from pdgrpc.metrics import RouterMetrics
+from pdgrpc.router.kv_events import KvEventFollower
+from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names
+from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.server import start_server
+from pdgrpc.state.prefix_index import PrefixIndex
+from pdgrpc.v1 import generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.eventually import eventually_async
+from tests.router.test_router import ScriptedDecode, ScriptedPrefill, collect, serve_decode
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,24 +24,24 @@ PAGE = 4
 PREFIX = list(range(100, 116))
 
 
-def stored_batch(seq: int, tokens: list[int], load_only: bool = False) -> smg_common_pb2.KvEventBatch:
+def stored_batch(seq: int, tokens: list[int]) -> prefill_pb2.KvEventBatch:
     """``tokens``' full pages as one stored event (hashes made up: the index keys by content)."""
-    blocks = [
-        smg_common_pb2.KvBlock(block_hash=1000 + i, token_ids=tokens[i : i + PAGE], block_size=PAGE)
-        for i in range(0, len(tokens) - PAGE + 1, PAGE)
-    ]
-    batch = smg_common_pb2.KvEventBatch(sequence_number=seq)
-    if load_only:
-        batch.load.load_only = True
-    else:
-        batch.events.add(event_id=seq).stored.blocks.extend(blocks)
+    blocks = []
+    for i in range(0, len(tokens) - PAGE + 1, PAGE):
+        b = prefill_pb2.KvBlock(block_hash=1000 + i, token_ids=tokens[i : i + PAGE])
+        if i:
+            b.parent_hash = 1000 + i - PAGE
+        blocks.append(b)
+    batch = prefill_pb2.KvEventBatch(sequence_number=seq)
+    batch.events.add().stored.blocks.extend(blocks)
     return batch
 
 
-class ScriptedEvents(smg_pb2_grpc.SglangSchedulerServicer):
-    """Each subscription gets ``batches`` (a snapshot of what it holds), then stays open."""
+class EventingPrefill(ScriptedPrefill):
+    """A scripted prefill whose every subscription gets ``batches``, then stays open."""
 
-    def __init__(self, batches: list[smg_common_pb2.KvEventBatch]) -> None:
+    def __init__(self, batches: list[prefill_pb2.KvEventBatch]) -> None:
+        super().__init__()
         self.batches = batches
         self.subscriptions = 0
 
@@ -58,19 +52,17 @@ class ScriptedEvents(smg_pb2_grpc.SglangSchedulerServicer):
         await asyncio.sleep(3600)
 
 
-async def serve_prefill(prefill: ScriptedPrefill, events: ScriptedEvents):
-    return await start_server([
-        ("pdgrpc.v1.PrefillService", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s)),
-        (smg_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name,
-         lambda s: smg_pb2_grpc.add_SglangSchedulerServicer_to_server(events, s)),
-    ])
+async def serve_prefill(prefill: EventingPrefill):
+    return await start_server(
+        [("pdgrpc.v1.PrefillService", lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s))]
+    )
 
 
-async def test_the_feed_indexes_batches_and_resubscribes_on_a_gap():
-    events = ScriptedEvents([stored_batch(0, [], load_only=True), stored_batch(7, PREFIX[:8]), stored_batch(9, PREFIX)])
-    server = await serve_prefill(ScriptedPrefill(), events)
+async def test_the_follower_indexes_batches_and_resubscribes_on_a_gap():
+    events = EventingPrefill([stored_batch(7, PREFIX[:8]), stored_batch(9, PREFIX)])
+    server = await serve_prefill(events)
     index, metrics, pool = PrefixIndex(), RouterMetrics(), ChannelPool()
-    feed = KvEventFeed(index, lambda: [server.address], pool, metrics)
+    feed = KvEventFollower(index, lambda: [server.address], pool, metrics)
     feed.start()
     try:
         # 7 is applied; 9 skips 8: the prefill is dropped and subscribed to again (and
@@ -93,9 +85,8 @@ async def test_the_feed_indexes_batches_and_resubscribes_on_a_gap():
 @pytest.fixture
 async def two_prefills():
     """Two scripted prefills, the second holding PREFIX; a router with --policy cache_aware."""
-    prefills = [ScriptedPrefill(), ScriptedPrefill()]
-    events = [ScriptedEvents([]), ScriptedEvents([stored_batch(1, PREFIX)])]
-    servers = [await serve_prefill(p, e) for p, e in zip(prefills, events)]
+    prefills = [EventingPrefill([]), EventingPrefill([stored_batch(1, PREFIX)])]
+    servers = [await serve_prefill(p) for p in prefills]
     decode = ScriptedDecode()
     d_srv = await serve_decode(decode)
     index, metrics, pool = PrefixIndex(), RouterMetrics(), ChannelPool()
@@ -104,7 +95,7 @@ async def two_prefills():
         eject_s=0,
     )
     router = GenerateServicer(config, metrics=metrics, index=index)
-    feed = KvEventFeed(index, lambda: [s.address for s in servers], pool, metrics)
+    feed = KvEventFollower(index, lambda: [s.address for s in servers], pool, metrics)
     feed.start()
     (name,) = service_names()
     r_srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])

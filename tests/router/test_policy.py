@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdgrpc.router.policy import PrefillPolicy
-from pdgrpc.state.prefix_index import Block, PrefixIndex
+from pdgrpc.engine.cache_events import StoredBlock as Block
+from pdgrpc.state.prefix_index import PrefixIndex
 
 ADDRS = ["p0:1", "p1:1", "p2:1"]
 PREFIX = list(range(100, 116))  # four pages of 4

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from pdgrpc.state.prefix_index import Batch, Block, PrefixIndex, SequenceCursor
+from pdgrpc.engine.cache_events import StoredBlock as Block
+from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
+from pdgrpc.state.prefix_index import Batch, PrefixIndex, SequenceCursor
 
 PAGE = 4
 
@@ -124,12 +126,20 @@ def test_random_events_agree_with_a_model() -> None:
         assert index.match(prompt) == want
 
 
-def test_cursor_applies_in_order_skips_heartbeats_and_repeats_and_reports_gaps() -> None:
+def test_cursor_applies_in_order_skips_repeats_and_reports_gaps_and_restarts() -> None:
     c = SequenceCursor()
-    assert c.accept(0, load_only=True) is Batch.SKIP  # a heartbeat before the first batch
     assert c.accept(41) is Batch.APPLY  # a fresh subscription starts anywhere (a snapshot)
     assert c.accept(42) is Batch.APPLY
-    assert c.accept(42, load_only=True) is Batch.SKIP
     assert c.accept(42) is Batch.SKIP  # already applied
-    assert c.accept(44) is Batch.GAP
+    assert c.accept(44) is Batch.GAP  # 43 was lost
+    assert c.accept(1) is Batch.GAP  # the publisher restarted
     assert c.last == 42
+
+
+def test_events_apply_in_order() -> None:
+    index = PrefixIndex()
+    blocks = chain(list(range(12)))
+    index.apply("a", [Stored(tuple(blocks)), Removed((blocks[2].block_hash,))])
+    assert index.match(list(range(13))) == {"a": 8}
+    index.apply("a", [Cleared(), Stored(tuple(blocks[:1]))])  # a snapshot: cleared, then the live blocks
+    assert index.match(list(range(13))) == {"a": 4}
