@@ -28,7 +28,7 @@
   nothing.
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
-  ``start_timeout``. A process that exits meanwhile fails the start with its log tail.
+  ``start_timeout``; an smg process starts only then, and is ready when it says so. A process that exits meanwhile fails the start with its log tail.
 * While the cluster runs a watcher notices a child that exits; :meth:`Cluster.check`
   raises :class:`ChildDied` (with the log tail) and :meth:`Cluster.wait_failure` returns it.
 * :meth:`Cluster.stop` sends SIGTERM to the router first (no new requests), then the
@@ -337,23 +337,34 @@ class Cluster:
     async def _start_once(self) -> None:
         loop = asyncio.get_running_loop()
         self._died = loop.create_future()
+        # smg last, once its workers answer: smg's first health check of a worker that is
+        # not up yet fails, and smg then waits out its retry delay before it is ready.
+        first = [p for p in self.procs.values() if p.spec.role != "smg"]
+        last = [p for p in self.procs.values() if p.spec.role == "smg"]
         try:
-            for proc in self.procs.values():
-                with open(proc.log_path, "ab") as log:
-                    log.write(f"$ {' '.join(proc.argv)}\n".encode())
-                    log.flush()
-                    # No preexec_fn: such a start runs no fork handler in the child,
-                    # and gRPC's, when on, kill a child that closes its fds before exec.
-                    proc.process = await asyncio.create_subprocess_exec(
-                        *guarded_argv(proc.argv), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                        env=self._env, start_new_session=True,
-                    )
-                self._watchers.append(asyncio.ensure_future(self._watch(proc)))
-            await self._wait_healthy()
+            for group in (first, last):
+                began = time.monotonic()
+                for proc in group:
+                    await self._spawn(proc)
+                await self._wait_healthy(group)
+            if last:
+                log.info("topology %r: smg ready %.2f s after its start", self.topology.name, time.monotonic() - began)
         except BaseException:
             self._failed = True
             await self.stop()
             raise
+
+    async def _spawn(self, proc: Proc) -> None:
+        with open(proc.log_path, "ab") as log:
+            log.write(f"$ {' '.join(proc.argv)}\n".encode())
+            log.flush()
+            # No preexec_fn: such a start runs no fork handler in the child,
+            # and gRPC's, when on, kill a child that closes its fds before exec.
+            proc.process = await asyncio.create_subprocess_exec(
+                *guarded_argv(proc.argv), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                env=self._env, start_new_session=True,
+            )
+        self._watchers.append(asyncio.ensure_future(self._watch(proc)))
 
     async def _watch(self, proc: Proc) -> None:
         assert proc.process is not None
@@ -361,9 +372,9 @@ class Cluster:
         if not self._stopping and self._died is not None and not self._died.done():
             self._died.set_result(proc)
 
-    async def _wait_healthy(self) -> None:
+    async def _wait_healthy(self, procs: list[Proc]) -> None:
         deadline = time.monotonic() + self.start_timeout
-        waiting = dict(self.procs)
+        waiting = {p.spec.name: p for p in procs}
         while waiting:
             self.check()
             results = await asyncio.gather(*(self._serving(p) for p in waiting.values()))

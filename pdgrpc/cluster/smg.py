@@ -18,7 +18,9 @@ listener on 127.0.0.1 (smg binds 0.0.0.0 for HTTP and metrics unless told otherw
 bootstrap is embedded, else its bootstrap process's (on the same host). smg passes it to
 both legs of every request, and the decode finds the prefill's bootstrap there.
 
-The process is ready when ``GET /readiness`` answers 200 (every worker healthy); its
+The launcher starts smg only once its workers answer their health checks: smg's first
+check of a worker that is not up fails, and smg then waits out its retry delay. The
+process is ready when ``GET /readiness`` answers 200 (every worker healthy); its
 OpenAI-compatible base URL is ``http://HOST:PORT/v1``.
 """
 

@@ -220,6 +220,22 @@ async def test_unseeded_requests_and_the_choices_of_n_2_sample_differently(clust
     await wait_nothing_held(cluster)
 
 
+async def test_what_smg_drops_as_docs_gateway_md_says(cluster):
+    """smg 1.13.0 drops logit_bias and /v1/completions logprobs without an error (the
+    table in docs/gateway.md): when it starts forwarding them, the facade and the docs
+    must change."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    (s1, plain), (s2, biased), (s3, with_logprobs) = await asyncio.gather(
+        call(smg_http.post, base(cluster), "/v1/completions", body),
+        call(smg_http.post, base(cluster), "/v1/completions", {**body, "logit_bias": {"65": 100}}),
+        call(smg_http.post, base(cluster), "/v1/completions", {**body, "logprobs": 2}),
+    )
+    assert s1 == s2 == s3 == 200, (plain, biased, with_logprobs)
+    assert biased["choices"][0]["text"] == plain["choices"][0]["text"] != "A" * 8
+    assert with_logprobs["choices"][0].get("logprobs") is None
+    await wait_nothing_held(cluster)
+
+
 async def test_a_prefill_that_refuses_gives_an_http_error_and_frees_everything_at_once(cluster):
     prompt = "x" * (PREFILL_MAX_PROMPT + 50)  # the decodes accept it, the prefills refuse it
     before = await Counters.read(cluster)
