@@ -1,0 +1,96 @@
+"""pdgrpc's router with ``--policy cache_aware`` in front of 2 real prefills and 1 decode.
+
+The router follows each prefill's ``SubscribeKvEvents`` stream and sends a prompt to the
+prefill whose cache holds its prefix: requests sharing a long prefix land on one prefill
+(its hit metric counts the shared pages; the other prefill is asked nothing), and when
+that prefill is killed the next requests go to the other one without an error. Over tcp
+only: the choice of prefill is the router's, the same whatever carries the KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster.client import generate
+from pdgrpc.cluster.topology import Topology
+from pdgrpc.v1 import generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.e2e.harness import skip_unless_transport
+from tests.scrape import scrape
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+
+PAGE = 16  # smg-2p2d's page size
+PREFIX = [256, *(bytes(range(32, 127)) * 2 + b"! shared system prompt")]  # BOS + 212 bytes: 13 full pages
+NAMES = ("prefill-a", "prefill-b")
+
+
+def topology() -> Topology:
+    """smg-2p2d's prefills, one of its decodes and its router with cache_aware; no smg."""
+    topo = load_topology("smg-2p2d")
+    procs = []
+    for p in topo.processes:
+        if p.role == "router":
+            p = dataclasses.replace(p, decode=("decode-a",), args={**p.args, "policy": "cache_aware"})
+        if p.role != "smg" and p.name != "decode-b":
+            procs.append(p)
+    return dataclasses.replace(topo, processes=tuple(procs))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster():
+    skip_unless_transport("tcp")
+    async with Cluster(topology(), transport="tcp", start_timeout=180, metrics=True) as c:
+        yield c
+
+
+def prefill_counter(cluster: Cluster, name: str, sample: str) -> float:
+    """``sample`` of prefill ``name``'s one worker (dp 1), which counts what it computed."""
+    return scrape(cluster.metrics_endpoints("prefill")[f"{name}/dp0"]).value(sample)
+
+
+async def holds(cluster: Cluster, name: str, pages: int) -> None:
+    """Until prefill ``name``'s event stream shows at least ``pages`` stored blocks (its
+    snapshot): the router, subscribed since it started, has them by then too."""
+    stub = prefill_pb2_grpc.PrefillServiceStub(cluster.channel(name))
+    for _ in range(50):
+        stored = 0
+        call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=0.5)
+        try:
+            async for batch in call:
+                stored += sum(len(e.stored.blocks) for e in batch.events if e.WhichOneof("event") == "stored")
+        except grpc.aio.AioRpcError:
+            pass  # the deadline ends the stream
+        if stored >= pages:
+            await asyncio.sleep(0.5)
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name} never reported {pages} stored pages")
+
+
+async def test_a_shared_prefix_goes_to_its_holder_and_elsewhere_once_it_dies(cluster):
+    async with cluster.client_channel() as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        await generate(stub, input_ids=[*PREFIX, *b" first question?"], max_new_tokens=2)
+        holder = next(n for n in NAMES if prefill_counter(cluster, n, "pdgrpc_prefill_prompt_tokens_total") > 0)
+        other = next(n for n in NAMES if n != holder)
+        shared_pages = len(PREFIX) // PAGE
+        await holds(cluster, holder, shared_pages)
+
+        for i in range(4):
+            await generate(stub, input_ids=[*PREFIX, *f" question number {i}?".encode()], max_new_tokens=2)
+        assert prefill_counter(cluster, holder, "pdgrpc_prefix_cache_hit_tokens_total") >= 4 * shared_pages * PAGE
+        assert prefill_counter(cluster, other, "pdgrpc_prefill_prompt_tokens_total") == 0  # all went to the holder
+
+        os.kill(cluster.procs[holder].pid, signal.SIGKILL)
+        for i in range(3):  # the first may go to the dead one: the router retries it on the other
+            c = await generate(stub, input_ids=[*PREFIX, *f" after the crash {i}?".encode()], max_new_tokens=2)
+            assert len(c.token_ids) == 2
+        assert prefill_counter(cluster, other, "pdgrpc_prefill_prompt_tokens_total") > 0
