@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import time
 import urllib.request
 from pathlib import Path
 
@@ -81,7 +82,12 @@ def smg_total(cluster: Cluster, sample: str) -> float:
 async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_reroutes_when_it_dies(cluster):
     names = ["prefill-a", "prefill-b"]
     first = [256, *PREFIX, *b" first question?"]
-    status, body = await generate(cluster, first)
+    # smg admits a worker once its health probe answered; on a loaded machine the cluster's
+    # readiness can come first
+    deadline = time.monotonic() + 30
+    while (r := await generate(cluster, first))[0] == 503 and "no_available_workers" in str(r[1]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    status, body = r
     assert status == 200, body
     # smg's index learned the prefix's pages from the events of the prefill that ran it
     await eventually_async(lambda: smg_total(cluster, "smg_kv_index_blocks") >= len(first) // PAGE, 10,
