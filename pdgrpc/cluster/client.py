@@ -31,6 +31,7 @@ class Completion:
     messages: int
     data_plane_seconds: float = 0.0  # the first KV byte's arrival at the decode -> commit
     seed: int = 0  # the sampling seed the request ran with (sent, else drawn by the server)
+    cached_tokens: int = 0  # prompt tokens the prefill reused from its prefix cache
 
     @property
     def gbps(self) -> float:
@@ -97,5 +98,5 @@ async def generate(
         ttft_seconds=first.ttft_seconds, client_ttft_seconds=first_at - start,
         bytes_transferred=first.bytes_transferred, transfer_seconds=first.transfer_seconds,
         bootstrap_room=first.bootstrap_room, messages=count, data_plane_seconds=first.data_plane_seconds,
-        seed=first.seed,
+        seed=first.seed, cached_tokens=first.cached_tokens,
     )

@@ -68,12 +68,17 @@ class Generation:
         self._engine_thread.shutdown(wait=False)  # a step still running (TP group stuck) must not block the exit
 
     # -- how a request starts and ends -----------------------------------------------------
-    def start(self, job: Job, first: SampledToken, nbytes: int, transfer_s: float, data_plane_s: float = 0.0) -> None:
-        """Send ``job``'s first token; it runs from the next step unless that token ended it."""
+    def start(
+        self, job: Job, first: SampledToken, nbytes: int, transfer_s: float, data_plane_s: float = 0.0, cached_tokens: int = 0
+    ) -> None:
+        """Send ``job``'s first token; it runs from the next step unless that token ended it.
+        ``cached_tokens``: the prompt tokens the prefill's cache supplied (reported only)."""
         job.generated = 1
         job.last_token = first.token_id
         reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_ids)
-        job.out.put_nowait(Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first), data_plane_s))
+        job.out.put_nowait(
+            Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first), data_plane_s, cached_tokens)
+        )
         if reason is not None:
             self._finish(job, reason)
         else:

@@ -31,6 +31,7 @@ class Tokens:
     transfer_seconds: float = 0.0  # set on the first message
     top: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()  # per token: (ids, logprobs)
     data_plane_seconds: float = 0.0  # set on the first message: first KV byte arrived -> commit
+    cached_tokens: int = 0  # set on the first message: prompt tokens the prefill's cache supplied
 
 
 @dataclasses.dataclass(frozen=True)

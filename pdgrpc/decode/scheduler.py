@@ -445,7 +445,7 @@ class DecodeScheduler:
         nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes * self.tp_size + self.buffers.layout.row_bytes
         self.metrics.on_transfer(nbytes, transfer_s)
         job.fate.handle(Commit())
-        self.generation.start(job, first, nbytes, transfer_s, data_plane_s)
+        self.generation.start(job, first, nbytes, transfer_s, data_plane_s, row.cached_tokens)
         # After the stream's wake-up: the first token goes out before this line is written.
         request_event(
             log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes,

@@ -106,6 +106,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
                     bytes_transferred=item.bytes_transferred,
                     transfer_seconds=item.transfer_seconds,
                     data_plane_seconds=item.data_plane_seconds,
+                    cached_tokens=item.cached_tokens,
                     top_logprobs=[common_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in item.top],
                 )
                 # grpc resumes the generator once the message is written to the connection.

@@ -244,7 +244,9 @@ class PrefillLeg(_Base):
                 await context.abort(grpc.StatusCode.CANCELLED, aborted[0])
             yield pb.GenerateResponse(
                 request_id=g.request_id,
-                complete=pb.GenerateComplete(finish_reason="stop", prompt_tokens=reply.prompt_tokens or len(g.input_ids)),
+                complete=pb.GenerateComplete(
+                    finish_reason="stop", prompt_tokens=reply.prompt_tokens or len(g.input_ids), cached_tokens=reply.cached_tokens
+                ),
             )
         finally:
             self._running.pop(g.request_id, None)
@@ -275,6 +277,7 @@ class DecodeLeg(_Base):
         out = OutputStream(g, self.info().tokenizer)
         try:
             async for msg in stream:
+                out.cached_tokens = out.cached_tokens or msg.cached_tokens  # set on the first message
                 msgs = out.step(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs), msg.finish_reason)
                 for m in msgs:
                     yield m

@@ -14,7 +14,9 @@
   sampled (a checkpoint may have several); ``length`` with
   ``finish_reason "length"``.
 
-``completion_tokens`` counts the tokens sent.
+``completion_tokens`` counts the tokens sent; ``cached_tokens`` (every chunk and
+``complete``) is the prompt tokens the prefill reused from its prefix cache, which the
+caller sets from the first decode message.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class OutputStream:
         self._bytes = bytearray()  # the output so far, as bytes (specials have none)
         self._held: list[tuple[int, float, Any]] = []  # (token, logprob, top) not sent yet
         self._longest_stop = max((len(s) for s in g.stop_strings), default=0)
+        self.cached_tokens = 0  # prompt tokens the prefill's prefix cache supplied
 
     def step(self, ids: Sequence[int], logprobs: Sequence[float], top: Sequence[Any], finish_reason: str) -> list[Any]:
         """The messages for ``ids`` generated now (``finish_reason``: pdgrpc's, "" while
@@ -73,7 +76,7 @@ class OutputStream:
             return msgs
         done = pb.GenerateComplete(
             output_ids=self.sent, prompt_tokens=len(g.input_ids), completion_tokens=len(self.sent),
-            finish_reason="length" if not (matched_id or matched_str) and finish_reason == "length" else "stop",
+            cached_tokens=self.cached_tokens, finish_reason="length" if not (matched_id or matched_str) and finish_reason == "length" else "stop",
         )
         if matched_id is not None:
             done.matched_token_id = matched_id
@@ -119,7 +122,9 @@ class OutputStream:
         g = self.g
         ids = [t for t, _, _ in tokens]
         self.sent += ids
-        chunk = pb.GenerateStreamChunk(token_ids=ids, prompt_tokens=len(g.input_ids), completion_tokens=len(self.sent))
+        chunk = pb.GenerateStreamChunk(
+            token_ids=ids, prompt_tokens=len(g.input_ids), completion_tokens=len(self.sent), cached_tokens=self.cached_tokens
+        )
         if g.return_logprob:
             step = pb.OutputLogProbs(
                 token_logprobs=[lp for _, lp, _ in tokens], token_ids=ids,

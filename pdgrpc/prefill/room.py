@@ -163,7 +163,7 @@ class RoomDriver:
         assert self.first_write is not None
         return prefill_pb2.PrefillResponse(
             prompt_tokens=n, bytes_transferred=self.sent_bytes, transfer_seconds=time.perf_counter() - self.first_write,
-            compute_seconds=compute_s,
+            compute_seconds=compute_s, cached_tokens=self.cached_tokens,
         )
 
     # ---- events --------------------------------------------------------------------------

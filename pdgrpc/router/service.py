@@ -490,6 +490,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     out.bytes_transferred = msg.bytes_transferred
                     out.transfer_seconds = msg.transfer_seconds
                     out.data_plane_seconds = msg.data_plane_seconds
+                    out.cached_tokens = msg.cached_tokens
                     out.bootstrap_room = room
                     out.seed = seed
                 count += len(msg.token_ids)

@@ -82,6 +82,7 @@ class DecodeResponse(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     DATA_PLANE_SECONDS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: _builtins.str
     """Set on the last message: "eos" or "length"."""
     bytes_transferred: _builtins.int
@@ -94,6 +95,10 @@ class DecodeResponse(_message.Message):
     """Data-plane time of the transferred KV (seconds): from the first KV byte's arrival at
     the decode to the commit; bytes_transferred / data_plane_seconds is the transport's
     rate for this request. 0 when no bytes moved (fake transport). Set on the first message.
+    """
+    cached_tokens: _builtins.int
+    """Prompt tokens the prefill took from its prefix cache (tokens), from the metadata row.
+    Set on the first message.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -120,10 +125,11 @@ class DecodeResponse(_message.Message):
         transfer_seconds: _builtins.float = ...,
         top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
         data_plane_seconds: _builtins.float = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "cached_tokens", b"cached_tokens", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

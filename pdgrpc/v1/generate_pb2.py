@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdgrpc.v1 import common_pb2 as pdgrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdgrpc/v1/generate.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\"\xcf\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12\x1b\n\x0erouted_dp_rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.pdgrpc.v1.ChatMessageB\x11\n\x0f_routed_dp_rank\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd7\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x19\n\x11\x62ytes_transferred\x18\x05 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x16\n\x0e\x62ootstrap_room\x18\x07 \x01(\x04\x12\x1a\n\x12\x64\x61ta_plane_seconds\x18\x08 \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x32X\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.pdgrpc.v1.GenerateRequest\x1a\x1b.pdgrpc.v1.GenerateResponse0\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdgrpc/v1/generate.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\"\xcf\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12\x1b\n\x0erouted_dp_rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.pdgrpc.v1.ChatMessageB\x11\n\x0f_routed_dp_rank\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xee\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x19\n\x11\x62ytes_transferred\x18\x05 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x16\n\x0e\x62ootstrap_room\x18\x07 \x01(\x04\x12\x1a\n\x12\x64\x61ta_plane_seconds\x18\x08 \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rcached_tokens\x18\x0b \x01(\r2X\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.pdgrpc.v1.GenerateRequest\x1a\x1b.pdgrpc.v1.GenerateResponse0\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=273
   _globals['_CHATMESSAGE']._serialized_end=317
   _globals['_GENERATERESPONSE']._serialized_start=320
-  _globals['_GENERATERESPONSE']._serialized_end=535
-  _globals['_GENERATESERVICE']._serialized_start=537
-  _globals['_GENERATESERVICE']._serialized_end=625
+  _globals['_GENERATERESPONSE']._serialized_end=558
+  _globals['_GENERATESERVICE']._serialized_start=560
+  _globals['_GENERATESERVICE']._serialized_end=648
 # @@protoc_insertion_point(module_scope)

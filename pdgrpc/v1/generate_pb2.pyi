@@ -111,6 +111,7 @@ class GenerateResponse(_message.Message):
     BOOTSTRAP_ROOM_FIELD_NUMBER: _builtins.int
     DATA_PLANE_SECONDS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The same tokens as text (may be empty while a UTF-8 sequence is incomplete)."""
     finish_reason: _builtins.str
@@ -135,6 +136,10 @@ class GenerateResponse(_message.Message):
     Sending it back as sampling.seed with the same prompt and parameters replays the
     output exactly. Set on the first message.
     """
+    cached_tokens: _builtins.int
+    """Prompt tokens whose KV the prefill reused from its prefix cache instead of computing
+    them (tokens; 0 without a hit). Set on the first message.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous message (token ids)."""
@@ -151,10 +156,11 @@ class GenerateResponse(_message.Message):
         bootstrap_room: _builtins.int = ...,
         data_plane_seconds: _builtins.float = ...,
         seed: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "bytes_transferred", b"bytes_transferred", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "seed", b"seed", "text", b"text", "token_ids", b"token_ids", "transfer_seconds", b"transfer_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "bytes_transferred", b"bytes_transferred", "cached_tokens", b"cached_tokens", "data_plane_seconds", b"data_plane_seconds", "finish_reason", b"finish_reason", "seed", b"seed", "text", b"text", "token_ids", b"token_ids", "transfer_seconds", b"transfer_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

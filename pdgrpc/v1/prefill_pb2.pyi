@@ -78,6 +78,7 @@ class PrefillResponse(_message.Message):
     BYTES_TRANSFERRED_FIELD_NUMBER: _builtins.int
     TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     dp_rank: _builtins.int
     """The dp rank that served the request."""
     prompt_tokens: _builtins.int
@@ -88,6 +89,8 @@ class PrefillResponse(_message.Message):
     """From the first KV write to the decode's acknowledgement of the metadata row (seconds)."""
     compute_seconds: _builtins.float
     """Time spent computing the prefill (seconds)."""
+    cached_tokens: _builtins.int
+    """Prompt tokens whose KV came from the prefix cache instead of being computed (tokens)."""
     def __init__(
         self,
         *,
@@ -96,10 +99,11 @@ class PrefillResponse(_message.Message):
         bytes_transferred: _builtins.int = ...,
         transfer_seconds: _builtins.float = ...,
         compute_seconds: _builtins.float = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "compute_seconds", b"compute_seconds", "dp_rank", b"dp_rank", "prompt_tokens", b"prompt_tokens", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "cached_tokens", b"cached_tokens", "compute_seconds", b"compute_seconds", "dp_rank", b"dp_rank", "prompt_tokens", b"prompt_tokens", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

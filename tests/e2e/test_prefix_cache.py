@@ -18,13 +18,14 @@ import pytest
 import pytest_asyncio
 
 from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.engine.prefix_cache import block_hashes
 from pdgrpc.v1 import generate_pb2_grpc
 from tests.e2e.harness import Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
 PAGE = 16
-POOL_PAGES = 40  # the prefill's pool: a few groups' prefixes, so later groups evict
+POOL_PAGES = 28  # the prefill's pool: fewer pages than the prompts' distinct full pages
 # (chunk size, where the compute runs): mid-page and page-aligned chunks, both compute modes.
 PARAMS = [(24, "process"), (64, "thread")]
 
@@ -66,22 +67,31 @@ def _groups(n_groups: int = 4, per_group: int = 5) -> list[list[Case]]:
 async def test_shared_prefixes_hit_the_cache_and_outputs_equal_a_cold_run(cluster):
     groups = _groups()
     flat = [c for g in groups for c in g]
+    # More distinct full pages than the pool holds: later groups must evict earlier ones.
+    assert len({h for c in flat for h in block_hashes(c.input_ids, PAGE)}) > POOL_PAGES
     expected = dict(zip(flat, reference_outputs_for(cluster.topology, flat)))
     before = await Counters.read(cluster)
+    reported = 0
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         for cases in groups:
             first, _ = await generate_all(stub, cases[:1])  # computes the group's prefix cold
+            await wait_nothing_held(cluster)  # its prefill room ended: its pages are cached
             rest, _ = await generate_all(stub, cases[1:])  # all at once: they share the cached pages
             for c, got in zip(cases, first + rest):
                 assert (got.token_ids, got.finish_reason) == expected[c], c
+            # GenerateResponse.cached_tokens: none for the cold prompt; for the others the
+            # full pages they share with it, all but the page of their last token.
+            assert first[0].cached_tokens == 0
+            for c, got in zip(cases[1:], rest):
+                shared = next((i for i, (a, b) in enumerate(zip(c.input_ids, cases[0].input_ids)) if a != b), len(c.input_ids))
+                assert got.cached_tokens == min(shared, len(c.input_ids) - 1) // PAGE * PAGE, c
+            reported += sum(g.cached_tokens for g in first + rest)
     await wait_nothing_held(cluster)
     after = await Counters.read(cluster)
     prompt = after.delta(before, "pdgrpc_prefill_prompt_tokens_total", "prefill")
     hits = after.delta(before, "pdgrpc_prefix_cache_hit_tokens_total", "prefill")
     computed = after.delta(before, "pdgrpc_prefill_computed_tokens_total", "prefill")
     assert prompt == sum(len(c.input_ids) for c in flat)
-    assert prompt == hits + computed
-    # Every later prompt of a group reuses at least the prefix's full pages but its last.
-    assert hits >= sum((len(g[0].input_ids) // PAGE - 1) * PAGE * (len(g) - 1) for g in groups)
+    assert prompt == hits + computed and hits == reported
     assert after.total("pdgrpc_prefix_cache_evictions_total", "prefill") > 0  # the pool ran short

@@ -236,6 +236,19 @@ async def test_what_smg_drops_as_docs_gateway_md_says(cluster):
     await wait_nothing_held(cluster)
 
 
+async def test_a_repeated_prompt_reports_its_cached_tokens_in_the_usage(cluster):
+    # 60 tokens (smg adds no BOS): a repeat served by the same prefill reuses 3 full pages.
+    prompt = "Prefix caching: the second time, only the last page computes."[:60]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    cached = []
+    for _ in range(4):  # at least two land on one prefill, however smg spreads them
+        status, full = await call(smg_http.post, base(cluster), "/v1/completions", body)
+        assert status == 200, full
+        cached.append((full["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        await wait_nothing_held(cluster)  # the prefill room ended: its pages are cached
+    assert cached[0] == 0 and max(cached) == 48 and set(cached) <= {0, 48}, cached
+
+
 async def test_a_prefill_that_refuses_gives_an_http_error_and_frees_everything_at_once(cluster):
     prompt = "x" * (PREFILL_MAX_PROMPT + 50)  # the decodes accept it, the prefills refuse it
     before = await Counters.read(cluster)

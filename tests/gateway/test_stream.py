@@ -67,3 +67,11 @@ def test_stop_token_ids_and_eos():
     msgs = s.step([104, EOS_ID], [-0.5, -0.25], [], "eos")
     assert msgs[-1].complete.matched_token_id == EOS_ID and list(msgs[-1].complete.output_ids) == [104, EOS_ID]
     assert list(msgs[-1].complete.output_logprobs.token_logprobs) == [-0.5, -0.25]
+
+
+def test_cached_tokens_reach_every_chunk_and_complete() -> None:
+    s = stream()
+    s.cached_tokens = 48  # what the first decode message said the prefill's cache supplied
+    msgs = s.step([65], [-1.0], [], "") + s.step([66], [-1.0], [], "length")
+    assert [m.chunk.cached_tokens for m in msgs if m.HasField("chunk")] == [48, 48]
+    assert msgs[-1].complete.cached_tokens == 48 and msgs[-1].complete.prompt_tokens == 1

@@ -61,7 +61,9 @@ def rr(logs: Path) -> Iterator[PrefillProc]:
 def follow(logs: Path) -> Iterator[PrefillProc]:
     b = BootstrapProc(logs)
     try:
-        p = PrefillProc([*FLAGS, "--load-balance-method", "follow_bootstrap_room", "--bootstrap", b.address], logs, "follow")
+        p = PrefillProc(
+            [*FLAGS, "--load-balance-method", "follow_bootstrap_room", "--bootstrap", b.address, "--no-prefix-cache"], logs, "follow"
+        )
         try:
             yield p
         finally:
@@ -168,6 +170,27 @@ async def test_routed_rank_with_handshake_before_prefill(rr: PrefillProc, decode
     assert decode.row(r).output_id == tok.token_id
     decode.free(r)
     await assert_settles_to_zero(rr)
+
+
+async def test_a_repeated_prefix_is_reused_and_lands_bit_exact(rr: PrefillProc, follow: PrefillProc, decode: FakeDecode) -> None:
+    """Pages of 4, chunks of 6: the second run of a 23-token prompt reuses its first 5
+    pages (the 6th holds the last token, which is always computed) and computes from
+    token 20; a longer prompt with the same start reuses them too. Every run's KV and
+    row equal a cold local prefill; with --no-prefix-cache (``follow``) nothing is reused."""
+    ids = prompt(23, seed=4242)
+    sampling = SamplingParams(temperature=0.8, seed=99, top_logprobs=3)
+    for run, expect in ((ids, 0), (ids, 20), (ids + prompt(9, seed=4343), 20)):
+        resp, r = await run_one(rr, decode, run, sampling, query=False, routed=0)
+        assert resp.cached_tokens == expect
+        assert_landed_bit_exact(decode, r, run, sampling)
+        decode.free(r)
+        await assert_settles_to_zero(rr)  # the room ended: its full pages are cached
+    for _ in range(3):  # over 2 dp ranks (room % 2): one rank runs it twice
+        resp, r = await run_one(follow, decode, ids, sampling, query=False)
+        assert resp.cached_tokens == 0
+        assert_landed_bit_exact(decode, r, ids, sampling)
+        decode.free(r)
+        await assert_settles_to_zero(follow)
 
 
 async def test_concurrent_requests_all_succeed(rr: PrefillProc, decode: FakeDecode, rr_outcomes: Outcomes) -> None:
