@@ -158,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="room -> rank registrations arriving within this window go to bootstrap as one RegisterDpRanks. "
         "Default: %(default)s",
     )
+    k = p.add_argument_group("KV events (SubscribeKvEvents serves them always)")
+    k.add_argument(
+        "--kv-events-zmq", metavar="ENDPOINT", default="",
+        help="also publish the instance's prefix cache events in vLLM's ZMQ format (msgpack KVEventBatch on a PUB "
+        "socket bound here, e.g. tcp://127.0.0.1:5557), as Dynamo, llm-d and AIBrix read them. Needs "
+        "pdgrpc[zmq]. Default: off",
+    )
+    k.add_argument(
+        "--kv-events-zmq-replay", metavar="ENDPOINT", default="",
+        help="with --kv-events-zmq: a ROUTER socket bound here answers a replay request (the first sequence "
+        "wanted, 8 bytes big-endian) with the messages still held. Default: off",
+    )
     add_worker_arguments(p)
     add_gateway_arguments(p)  # controller only: the workers do not serve smg
     # Controller only (not in add_worker_arguments): each worker gets its own port.

@@ -38,6 +38,7 @@ from pdgrpc.prefill.registrar import DpRankRegistrar, counted
 from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
 from pdgrpc.rpc.server import RpcServer, run, serve_until_signal, start_server
 from pdgrpc.serving.engines import check_engine_args
+from pdgrpc.serving.kv_zmq import ZmqKvPublisher, check_zmq_args
 from pdgrpc.serving.launch import Role
 from pdgrpc.transport import registry
 from pdgrpc.v1 import prefill_pb2_grpc
@@ -75,6 +76,13 @@ async def main_async(ns: argparse.Namespace) -> int:
     server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)
     controller.server = server
     server.on_stop(controller.kv_events.close)
+    if ns.kv_events_zmq:
+        try:
+            zmq_events = ZmqKvPublisher(controller.kv_events, ns.kv_events_zmq, ns.kv_events_zmq_replay)
+        except BaseException:
+            await server.stop(0)
+            raise
+        server.on_stop(zmq_events.close)
     controller.notices = notices_for(embedded, ns.bootstrap)
     if embedded is not None:
         table = embedded.table
@@ -160,6 +168,7 @@ def check(ns: argparse.Namespace) -> None:
     check_engine_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
     registry.load(ns.transport)  # a missing backend names what to install
     check_discovery_args(ns)
+    check_zmq_args(ns.kv_events_zmq, ns.kv_events_zmq_replay)
 
 
 def serve(ns: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ a rank's restart) is tested on the pure log in tests/state/test_state_kv_event_l
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ from typing import Iterator
 import grpc
 import pytest
 
+from pdgrpc.cluster.ports import free_port
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.cache_events import StoredBlock
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, batch_to_proto
@@ -95,6 +97,7 @@ def test_wire_form_round_trips() -> None:
 # ---- a real prefill ----------------------------------------------------------------
 
 FLAGS = [*ENGINE_FLAGS, "--transport", "tcp", "--dp-size", "2", "--load-balance-method", "cache_aware", "--log-level", "info"]
+HAS_ZMQ = all(importlib.util.find_spec(m) for m in ("zmq", "msgpack"))
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +206,80 @@ def pages_of(ids: list[int]) -> set[tuple[int, ...]]:
     return {tuple(ids[i * 4:(i + 1) * 4]) for i in range(n)}
 
 
+def zmq_state(messages: list[tuple[int, list]]) -> set[tuple[int, ...]]:
+    """The pages a vLLM ZMQ consumer holds after ``messages`` (sequence, decoded batch)."""
+    pages: dict[int, tuple[int, ...]] = {}
+    for _, (ts, events) in messages:
+        assert ts > 0
+        for e in events:
+            if e[0] == "BlockStored":
+                _, hashes, parent, tokens, size, lora, medium = e
+                assert size == 4 and len(tokens) == size * len(hashes) and medium == "GPU" and lora is None
+                assert parent is None or parent in pages
+                for i, h in enumerate(hashes):
+                    pages[h] = tuple(tokens[i * size:(i + 1) * size])
+            elif e[0] == "BlockRemoved":
+                for h in e[1]:
+                    pages.pop(h)
+            else:
+                assert e == ["AllBlocksCleared"]
+                pages.clear()
+    return set(pages.values())
+
+
+@pytest.mark.skipif(not HAS_ZMQ, reason="--kv-events-zmq needs pdgrpc[zmq] (pyzmq, msgpack), not installed here")
+async def test_zmq_publishes_the_merged_stream_in_vllms_format(tmp_path: Path) -> None:
+    """A vLLM ZMQ consumer replaying from 0 holds what the native stream holds, and then
+    gets each new batch live on the PUB socket, numbered on."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    ports = {free_port(set())}
+    while len(ports) < 2:
+        ports.add(free_port(set()))
+    pub, replay = (f"tcp://127.0.0.1:{port}" for port in ports)
+    flags = [*ENGINE_FLAGS, "--transport", "tcp", "--kv-events-zmq", pub, "--kv-events-zmq-replay", replay]
+    prefill = await asyncio.to_thread(PrefillProc, flags, tmp_path, "zmq")
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    req = ctx.socket(zmq.DEALER)
+    req.connect(replay)
+    d = FakeDecode(CONFIG)
+    await d.start()
+    native = Subscriber(prefill.address)
+    try:
+        ids = prompt(26, seed=11)
+        await run_one(prefill, d, ids, SamplingParams(), query=False, dp_size=1)
+        await eventually_async(lambda: pages_of(ids) <= native.pages(), 10, what="the native stream has the pages")
+        await req.send_multipart((b"", (0).to_bytes(8, "big")))
+        got: list[tuple[int, list]] = []
+        while True:
+            _, seq, payload = await asyncio.wait_for(req.recv_multipart(), 10)
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            got.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+        assert [s for s, _ in got] == list(range(len(got)))
+        assert zmq_state(got) == native.pages()
+
+        more = prompt(18, seed=12)
+        await run_one(prefill, d, more, SamplingParams(), query=False, dp_size=1)
+        live: list[tuple[int, list]] = []
+        while not pages_of(more) <= zmq_state(got + live):
+            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 10)
+            live.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+        assert topic == b"" and live[-1][0] >= len(got)
+    finally:
+        await native.close()
+        await d.close()
+        sub.close(linger=0)
+        req.close(linger=0)
+        ctx.term()
+        assert await asyncio.to_thread(prefill.stop) == 0, prefill.log()[-3000:]
+
+
 async def test_the_merged_stream_stores_shared_pages_once_and_drops_a_dead_ranks_at_once(prefill: PrefillProc) -> None:
     """Two dp ranks cache prompts sharing 5 pages: the controller's stream stores each page
     once, with its exact tokens and its parent, and when rank 0's worker is killed it removes
@@ -278,3 +355,12 @@ def test_stopping_the_prefill_ends_its_subscriptions_at_once(tmp_path: Path) -> 
         p.stop()
     assert not errors, errors
     assert ended and ended[0] - t0 < 2.0, f"the subscription ended {ended[0] - t0:.1f} s after the stop began"
+
+
+def test_a_zmq_replay_endpoint_alone_is_refused_naming_the_flag() -> None:
+    from pdgrpc.errors import ConfigError
+    from pdgrpc.serving.kv_zmq import check_zmq_args
+
+    with pytest.raises(ConfigError, match="--kv-events-zmq-replay needs --kv-events-zmq"):
+        check_zmq_args("", "tcp://127.0.0.1:5558")
+    check_zmq_args("", "")  # off: nothing to check
