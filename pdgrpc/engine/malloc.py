@@ -24,7 +24,7 @@ import os
 
 from pdgrpc.errors import ConfigError
 
-__all__ = ["MMAP_THRESHOLD_MAX", "keep_freed_memory"]
+__all__ = ["MMAP_THRESHOLD_MAX", "keep_freed_memory", "release_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1  # <malloc.h>
 _M_MMAP_THRESHOLD = -3
@@ -59,3 +59,20 @@ def keep_freed_memory(keep_bytes: int) -> str:
     if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) or not mallopt(_M_TRIM_THRESHOLD, trim):
         return "skipped: mallopt refused"
     return "applied"
+
+
+def release_freed_memory() -> bool:
+    """Return every whole free page of the heap to the kernel (glibc's ``malloc_trim(0)``),
+    those between live blocks too: loading a checkpoint frees its plain weights once they
+    are repacked, and the trim threshold only ever returns the heap's top. Call once after
+    a load; False where this is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

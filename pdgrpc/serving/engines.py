@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from pdgrpc.engine.base import Engine, Tokenizer
+from pdgrpc.engine.malloc import release_freed_memory
 from pdgrpc.engine.model import AllReduce
 from pdgrpc.errors import ConfigError
 from pdgrpc.serving.flags import engine_config_from_args
@@ -120,6 +121,7 @@ def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, 
             engine: Engine = HFEngine(hf_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size, threads=threads), all_reduce)
         except ImportError as exc:
             raise ConfigError(f"--model needs pdgrpc[hf] (safetensors, tokenizers): {exc}") from None
+        release_freed_memory()  # the plain weights, freed once repacked for their kernels
         log.info("engine: %s (%s, %s)", engine.model_id, ns.dtype, ns.device)
         log.info("sizing: %s", _sizing(ns, tp_size).describe())
         return engine

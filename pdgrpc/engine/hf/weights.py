@@ -2,8 +2,9 @@
 for one TP rank.
 
 The files are memory-mapped (``safetensors.safe_open``) and each tensor is read as the
-slice this rank keeps (``get_slice``), so loading holds one copy of this rank's weights and
-no full copy of the checkpoint. Q/K/V and gate/up are concatenated into one matrix each
+slice this rank keeps (``get_slice``) and copied out of the mapping, so loading holds one
+copy of this rank's weights and no full copy of the checkpoint; the layers are read as
+they are consumed, and the mappings close after the last. Q/K/V and gate/up are concatenated into one matrix each
 (one matmul instead of three or two per layer).
 
 A GGUF file's tensors are dequantized with the ``gguf`` package
@@ -16,11 +17,12 @@ shape and of each file's size -- the metadata, not every byte.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -54,7 +56,9 @@ class LayerWeights:
 @dataclasses.dataclass(frozen=True)
 class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
-    layers: tuple[LayerWeights, ...]
+    # Read one at a time as iterated (once): a consumer that repacks each layer holds one
+    # plain layer at a time, not the whole model twice.
+    layers: Iterator[LayerWeights]
     norm: torch.Tensor
     lm_head: torch.Tensor  # [vocab, hidden] (the embedding when tied)
 
@@ -207,7 +211,10 @@ class _Reader:
             raise
         except Exception as exc:  # safetensors' errors are not one class
             raise ConfigError(f"{path}: cannot read weight {name!r} ({exc})") from None
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+        return t.to(device=self.device, dtype=self.dtype, copy=True).contiguous()  # no view keeps the file mapped
+
+    def close(self) -> None:
+        self._open.clear()  # safe_open handles: their mappings go with them
 
 
 class _GGUFReader:
@@ -228,30 +235,39 @@ class _GGUFReader:
 
 
 def load_weights(c: HFConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> ModelWeights:
-    """This rank's weights: query/KV heads and MLP columns ``[r * n / tp, (r + 1) * n / tp)``."""
+    """This rank's weights: query/KV heads and MLP columns ``[r * n / tp, (r + 1) * n / tp)``.
+    The layers are read as :attr:`ModelWeights.layers` is iterated; the files close after
+    the last one."""
     c.check_tp(tp_size)
+    files = contextlib.ExitStack()
+    r: _Reader | _GGUFReader
     if is_gguf(c.path):
         check_weights(c)
-        with GGUFTensors(read_metadata(c.path)) as tensors:
-            return _load(c, _GGUFReader(tensors, dtype, device), tp_rank, tp_size)
-    return _load(c, _Reader(check_files(c), dtype, device), tp_rank, tp_size)
+        r = _GGUFReader(files.enter_context(GGUFTensors(read_metadata(c.path))), dtype, device)
+    else:
+        r = _Reader(check_files(c), dtype, device)
+        files.callback(r.close)
+    with files:
+        embed = r.get("model.embed_tokens.weight")
+        lm_head = embed if c.tie_word_embeddings else r.get("lm_head.weight")
+        norm = r.get("model.norm.weight")
+        return ModelWeights(embed=embed, layers=_layers(c, r, tp_rank, tp_size, files.pop_all()), norm=norm, lm_head=lm_head)
 
 
-def _load(c: HFConfig, r: "_Reader | _GGUFReader", tp_rank: int, tp_size: int) -> ModelWeights:
+def _layers(c: HFConfig, r: "_Reader | _GGUFReader", tp_rank: int, tp_size: int, files: contextlib.ExitStack) -> Iterator[LayerWeights]:
     d = c.head_dim
     nq, nkv, ni = c.num_heads // tp_size, c.num_kv_heads // tp_size, c.intermediate_size // tp_size
     qs = slice(tp_rank * nq * d, (tp_rank + 1) * nq * d)
     ks = slice(tp_rank * nkv * d, (tp_rank + 1) * nkv * d)
     ms = slice(tp_rank * ni, (tp_rank + 1) * ni)
-    layers = []
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bias = None
-        if c.qkv_bias:
-            bias = torch.cat([r.get(a + "q_proj.bias", qs), r.get(a + "k_proj.bias", ks), r.get(a + "v_proj.bias", ks)])
-        layers.append(
-            LayerWeights(
+    with files:
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if c.qkv_bias:
+                bias = torch.cat([r.get(a + "q_proj.bias", qs), r.get(a + "k_proj.bias", ks), r.get(a + "v_proj.bias", ks)])
+            yield LayerWeights(
                 input_norm=r.get(p + "input_layernorm.weight"),
                 qkv=torch.cat([r.get(a + "q_proj.weight", qs), r.get(a + "k_proj.weight", ks), r.get(a + "v_proj.weight", ks)]),
                 qkv_bias=bias,
@@ -262,7 +278,3 @@ def _load(c: HFConfig, r: "_Reader | _GGUFReader", tp_rank: int, tp_size: int) -
                 gate_up=torch.cat([r.get(p + "mlp.gate_proj.weight", ms), r.get(p + "mlp.up_proj.weight", ms)]),
                 down=r.get(p + "mlp.down_proj.weight", cols=ms),
             )
-        )
-    embed = r.get("model.embed_tokens.weight")
-    lm_head = embed if c.tie_word_embeddings else r.get("lm_head.weight")
-    return ModelWeights(embed=embed, layers=tuple(layers), norm=r.get("model.norm.weight"), lm_head=lm_head)
