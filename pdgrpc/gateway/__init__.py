@@ -73,7 +73,8 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
 
     leg = PrefillLeg(
         controller, info, active=lambda: sum(w.in_flight for w in controller.workers),
-        healthy=lambda: _prefill_ready(controller, ns), kv_events=controller.kv_events,
+        healthy=lambda: _prefill_ready(controller, ns),
+        kv_events=None if ns.no_smg_kv_events else controller.kv_events,
     )
     return SERVICE_NAME, lambda server: add_to_server(leg, server)
 

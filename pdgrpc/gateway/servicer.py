@@ -35,8 +35,8 @@ prefill leg's call ends.
   :data:`KV_HEARTBEAT_S` (from the subscription on when the subscriber asks for
   ``load_records_before_first_batch``, else once a first batch went out). A stored chain
   is one ``KvBlocksStored`` per run of parent-linked blocks; ``block_size`` is the page's.
-  The decode and colocated workers, and the other RPCs, answer UNIMPLEMENTED (smg logs a
-  warning and routes without KV events).
+  The decode and colocated workers, a prefill started with ``--no-smg-kv-events``, and
+  the other RPCs answer UNIMPLEMENTED (smg logs a warning and routes without KV events).
 
 Request conversion and rooms: :mod:`pdgrpc.gateway.requests`.
 """
@@ -186,12 +186,15 @@ class PrefillLeg(_Base):
     """Serves smg's prefill leg on the prefill controller (see the module doc)."""
 
     def __init__(self, prefill: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool],
-                 kv_events: "KvEventFeed") -> None:
+                 kv_events: "KvEventFeed | None") -> None:
         super().__init__(info, active, healthy)
         self._prefill = prefill  # the controller: Prefill(PrefillRequest, context) -> PrefillResponse
-        self._kv_events = kv_events  # the controller's merged log
+        self._kv_events = kv_events  # the controller's merged log; None: not served to smg (--no-smg-kv-events)
 
     async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        if self._kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not served to smg here (--no-smg-kv-events)")
+            return
         sent: int | None = 0 if request.load_records_before_first_batch else None  # last sequence on this stream
         sample = 0
         last_load: tuple[int, int] | None = None

@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pdgrpc[zmq]. Default: off",
     )
     k.add_argument(
+        "--no-smg-kv-events", action="store_true",
+        help="answer smg's SubscribeKvEvents with UNIMPLEMENTED, so smg's cache_aware policy routes by its own "
+        "approximate tree of what it sent where, not by the prefix cache's events (PrefillService.SubscribeKvEvents "
+        "still serves them)",
+    )
+    k.add_argument(
         "--kv-events-zmq-replay", metavar="ENDPOINT", default="",
         help="with --kv-events-zmq: a ROUTER socket bound here answers a replay request (the first sequence "
         "wanted, 8 bytes big-endian) with the messages still held. Default: off",

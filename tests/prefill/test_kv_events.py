@@ -364,3 +364,30 @@ def test_a_zmq_replay_endpoint_alone_is_refused_naming_the_flag() -> None:
     with pytest.raises(ConfigError, match="--kv-events-zmq-replay needs --kv-events-zmq"):
         check_zmq_args("", "tcp://127.0.0.1:5558")
     check_zmq_args("", "")  # off: nothing to check
+
+
+async def test_no_smg_kv_events_answers_smg_unimplemented() -> None:
+    """``--no-smg-kv-events``: smg hears UNIMPLEMENTED and routes by its own tree."""
+    pytest.importorskip("smg_grpc_proto", reason="the gateway extra is not installed")
+    from smg_grpc_proto.generated import common_pb2 as smg
+
+    from pdgrpc.gateway.servicer import PrefillLeg
+    from pdgrpc.prefill.cli import build_parser
+
+    assert build_parser().parse_args(["--no-smg-kv-events"]).no_smg_kv_events
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        code: grpc.StatusCode | None = None
+
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            self.code = code
+            raise Aborted(details)
+
+    leg = PrefillLeg(None, lambda: None, active=lambda: 0, healthy=lambda: True, kv_events=None)  # type: ignore[arg-type,return-value]
+    ctx = Context()
+    with pytest.raises(Aborted, match="--no-smg-kv-events"):
+        [b async for b in leg.SubscribeKvEvents(smg.SubscribeKvEventsRequest(), ctx)]
+    assert ctx.code == grpc.StatusCode.UNIMPLEMENTED
