@@ -8,9 +8,12 @@
   config and sliced per TP rank.
 - :mod:`pdgrpc.engine.hf.model` -- the forward pass over the paged KV pool.
 - :mod:`pdgrpc.engine.hf.engine` -- :class:`HFEngine`, the :class:`~pdgrpc.engine.base.Engine`.
+- :mod:`pdgrpc.engine.hf.gguf` -- a GGUF file (``--model FILE.gguf``) as a checkpoint.
+- :mod:`pdgrpc.engine.hf.sizing` -- the sizes a checkpoint decides when flags leave them unset.
 
-Only ``safetensors`` and ``tokenizers`` are needed at run time (``pip install 'pdgrpc[hf]'``),
-not ``transformers``. Submodules load on first use: importing this package loads no torch.
+Only ``safetensors`` and ``tokenizers`` are needed at run time for a checkpoint directory
+(``pdgrpc[hf]``), not ``transformers``; a GGUF file needs ``pdgrpc[gguf]``. Submodules
+load on first use: importing this package loads no torch.
 """
 
 from __future__ import annotations
