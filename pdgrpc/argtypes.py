@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["whole_number"]
+__all__ = ["seconds", "whole_number"]
 
 
 def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
@@ -24,3 +24,14 @@ def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def seconds(text: str) -> float:
+    """The argparse type of a duration flag: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value

@@ -58,6 +58,7 @@ class ServerAbortReason(str, enum.Enum):
     DECODE_ERROR = "decode_error"  # the decode failed or aborted the request (seen by prefill, router)
     INTERNAL_ERROR = "internal_error"  # an unexpected exception here (engine failure, bug)
     SHUTDOWN = "shutdown"  # the server stopped while the request was in flight
+    DRAIN_TIMEOUT = "drain_timeout"  # the server drained (SIGTERM, Drain) and its --drain-timeout passed first
 
 
 AnyAbortReason = Union[AbortReason, ServerAbortReason]

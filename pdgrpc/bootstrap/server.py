@@ -13,6 +13,7 @@ from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, 
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.rpc.server import StopSignal, run, serve_until_signal
+from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving.launch import Role
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arguments(p)
     add_discovery_arguments(p, "bootstrap")
     add_security_arguments(p)
+    add_drain_arguments(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity, to stderr (default: %(default)s)")
     return p
 
@@ -79,7 +81,8 @@ async def _main(args: argparse.Namespace) -> None:
         raise
     register_on(server.rpc, registration_from_args(args, "bootstrap", f"{args.host}:{server.rpc.port}"))
     try:
-        await serve_until_signal(server.rpc, grace=args.grace, stop=stop)
+        server.rpc.on_drain(metrics.on_draining)
+        await serve_until_signal(server.rpc, grace=args.grace, stop=stop, drain_timeout=args.drain_timeout)
     finally:
         metrics.unbind()
         stop_metrics()

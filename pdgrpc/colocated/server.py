@@ -32,6 +32,7 @@ from pdgrpc.engine.base import (
 from pdgrpc.engine.colocated import prefill as prefill_chunks
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.gateway import add_gateway_arguments, colocated_service
+from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_arguments(p)
     add_logging_arguments(p)
     add_security_arguments(p)
+    add_drain_arguments(p)
     return p
 
 
@@ -218,7 +220,7 @@ async def _main(ns: argparse.Namespace) -> None:
         services.append(gateway)
     server = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc colocated")
     server.on_stop(server_impl.close)
-    await serve_until_signal(server)
+    await serve_until_signal(server, drain_timeout=ns.drain_timeout)
 
 
 def serve(ns: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
 from pdgrpc.serving.logs import add_logging_arguments
 from pdgrpc.rpc.open_calls import limit_arg
+from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.state import DecodeDeadlines
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     add_transport_arguments(p)
     add_security_arguments(p)
+    add_drain_arguments(p)
     add_gateway_arguments(p)
     g = p.add_argument_group("scheduling")
     g.add_argument(

@@ -111,7 +111,8 @@ async def _serve(
         compat_hash=engine.compat_hash(),
     ))
     try:
-        await serve_until_signal(server.rpc)
+        server.rpc.on_drain(metrics.on_draining)
+        await serve_until_signal(server.rpc, drain_timeout=ns.drain_timeout)
     finally:
         # After the gRPC server (and the scheduler) stopped: the last scrape still saw them.
         metrics.unbind()

@@ -28,6 +28,7 @@ from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
 from pdgrpc.rpc import tracing
+from pdgrpc.rpc.errors import reason_metadata
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
@@ -87,13 +88,13 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
                 trace.end(exc.message)
             self.scheduler.metrics.on_refused()
             request_event(log, request.bootstrap_room, "refused", status=exc.code.name, message=exc.message)
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, trailing_metadata=reason_metadata(exc.reason))
             return  # abort() raises; not reached
         try:
             while True:
                 item = await job.out.get()
                 if isinstance(item, RequestFailed):
-                    await context.abort(item.code, item.message)
+                    await context.abort(item.code, item.message, trailing_metadata=reason_metadata(item.reason))
                     return  # abort() raises; not reached
                 if trace is not None:  # handed to gRPC now (it resumes us only once written)
                     trace.hop("first_token")

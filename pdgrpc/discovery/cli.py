@@ -156,8 +156,8 @@ def registration_from_args(
 
 def register_on(server: "RpcServer", registration: Registration | None) -> None:
     """Start ``registration`` (if any) and revoke its lease as soon as ``server`` begins
-    to stop (before the grace period: routers stop choosing it at once)."""
+    to drain or stop (routers stop choosing it at once)."""
     if registration is None:
         return
     registration.start()
-    server.on_stop(registration.close)
+    server.on_drain(registration.close)

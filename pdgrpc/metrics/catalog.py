@@ -208,7 +208,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Requests aborted on this server (count), by reason: the decode state machine's AbortReason "
         "(metadata_corruption, peer_failure, transfer_failed, tp_desync, cancelled, one *_timeout per state) or a "
         "server-side cause (peer_failure, rejected_write, dp_rank_conflict, prefill_error, decode_error, "
-        "internal_error, shutdown).",
+        "internal_error, shutdown, drain_timeout).",
         ("role", "reason"), (_P, _D, _X),
     ),
     MetricSpec(
@@ -266,6 +266,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_X,),
     ),
     MetricSpec(
+        "pdgrpc_router_migrations_total", "counter",
+        "Running streams the router moved to another prefill and decode after the first token, because the decode "
+        "failed (count), by reason: peer_failure (gone, unreachable, stream reset) or drain_timeout (it drained "
+        "for its --drain-timeout); the stream goes on with prompt + generated tokens and the same seed.",
+        ("role", "reason"), (_X,),
+    ),
+    MetricSpec(
         "pdgrpc_ejections_total", "counter",
         "Times a prefill or decode instance was ejected: passed over by new requests and retries for the "
         "router's --eject-s seconds because a call to it failed UNAVAILABLE (count).",
@@ -277,6 +284,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "or skipped a sequence number (gap); the prefill is dropped from cache_aware routing until its new "
         "subscription's snapshot arrives.",
         ("role", "reason"), (_X,),
+    ),
+    MetricSpec(
+        "pdgrpc_draining", "gauge",
+        "Whether this server drains (a count: 1 after SIGTERM or a DrainService.Drain call, while new requests "
+        "are refused and those in flight finish, up to --drain-timeout; else 0).",
+        _R, _ALL,
     ),
     MetricSpec(
         "pdgrpc_server_info", "info",

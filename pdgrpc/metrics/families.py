@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from pdgrpc.metrics.catalog import CATALOG, MetricSpec
 from pdgrpc.metrics.live import ResourceGauges
@@ -21,7 +21,7 @@ __all__ = ["Families", "families_of"]
 
 
 class Families:
-    """Counters, histograms and the info metric of one registry, by catalog name, plus
+    """Counters, histograms, set gauges and the info metric of one registry, by catalog name, plus
     the registry's :class:`ResourceGauges` (the live metrics)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -29,6 +29,7 @@ class Families:
         # map, and a value that holds its key keeps it alive forever.
         self.counters: dict[str, Counter] = {}
         self.histograms: dict[str, Histogram] = {}
+        self.gauges: dict[str, Gauge] = {}
         self.info: Info | None = None
         for spec in CATALOG:
             if spec.live:
@@ -44,8 +45,8 @@ class Families:
             self.histograms[spec.name] = Histogram(spec.name, spec.help, spec.labels, registry=r, buckets=spec.buckets)
         elif spec.kind == "info":
             self.info = Info(spec.name.removesuffix("_info"), spec.help, spec.labels, registry=r)
-        else:  # pragma: no cover - every non-live gauge would need a home; the catalog has none
-            raise AssertionError(f"{spec.name}: event metrics of kind {spec.kind} are not supported")
+        else:  # a gauge the server sets as its state changes
+            self.gauges[spec.name] = Gauge(spec.name, spec.help, spec.labels, registry=r)
 
     def counter(self, name: str) -> Counter:
         return self.counters[name]

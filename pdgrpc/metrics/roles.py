@@ -28,9 +28,12 @@ from prometheus_client import CollectorRegistry
 from pdgrpc.metrics.catalog import Outcome, RequestState, Role
 from pdgrpc.metrics.families import Families, families_of
 from pdgrpc.metrics.live import SnapshotFn
-from pdgrpc.reasons import ABORT_REASON_LABELS, AnyAbortReason, abort_label
+from pdgrpc.reasons import ABORT_REASON_LABELS, AnyAbortReason, ServerAbortReason, abort_label
 
-__all__ = ["BootstrapMetrics", "DecodeMetrics", "PrefillMetrics", "RoleMetrics", "RouterMetrics"]
+__all__ = ["BootstrapMetrics", "DecodeMetrics", "MIGRATION_REASONS", "PrefillMetrics", "RoleMetrics", "RouterMetrics"]
+
+# Why the router migrates a running stream: the ``reason`` label of pdgrpc_router_migrations_total.
+MIGRATION_REASONS = (ServerAbortReason.PEER_FAILURE, ServerAbortReason.DRAIN_TIMEOUT)
 
 # A transport label value is a backend's short name ("tcp", "rdma", a plugin's name or
 # "module:Class"), never something per request.
@@ -67,6 +70,8 @@ class RoleMetrics:
         self._info_fields: dict[str, str] = {"version": _version()}
         assert self._fam.info is not None
         self._fam.info.labels(self.role.value).info(self._info_fields)
+        self._draining = self._fam.gauges["pdgrpc_draining"].labels(self.role.value)
+        self._draining.set(0)
 
     # ---- live state ---------------------------------------------------------------------
     def bind(self, snapshot: SnapshotFn) -> None:
@@ -78,6 +83,10 @@ class RoleMetrics:
     def unbind(self) -> None:
         """Stop reading the bound snapshot (call before the objects it reads go away)."""
         self._fam.resources.unbind(self.role)
+
+    def on_draining(self) -> None:
+        """The server started to drain (``pdgrpc_draining`` reads 1 from now on)."""
+        self._draining.set(1)
 
     def set_info(
         self,
@@ -323,6 +332,8 @@ class RouterMetrics(RoleMetrics):
         self._ejections = self._fam.counter("pdgrpc_ejections_total").labels(self.role.value)
         resubscriptions = self._fam.counter("pdgrpc_kv_event_resubscriptions_total")
         self._resubscriptions = {r: resubscriptions.labels(self.role.value, r) for r in ("ended", "failed", "gap")}
+        migrations = self._fam.counter("pdgrpc_router_migrations_total")
+        self._migrations = {r: migrations.labels(self.role.value, r.value) for r in MIGRATION_REASONS}
 
     def on_finished(self) -> None:
         """A request completed normally."""
@@ -340,6 +351,11 @@ class RouterMetrics(RoleMetrics):
         """A request went again to another prefill or decode after its call to one failed
         UNAVAILABLE before its first token."""
         self._retries.inc()
+
+    def on_migration(self, reason: ServerAbortReason) -> None:
+        """A running stream went on on another prefill and decode after its decode failed
+        (``reason``: one of :data:`MIGRATION_REASONS`)."""
+        self._migrations[reason].inc()
 
     def on_eject(self) -> None:
         """A prefill or decode instance is passed over for a while: a call to it failed

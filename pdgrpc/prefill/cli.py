@@ -14,6 +14,7 @@ from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.prefill.dispatch import CACHE_AWARE_MARGIN, METHODS
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
+from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Controller only (not in add_worker_arguments): each worker gets its own port.
     add_metrics_arguments(p)
     add_discovery_arguments(p, "prefill")
+    add_drain_arguments(p)
     add_security_arguments(p)  # passed to the workers by security_argv
     return p
 

@@ -152,7 +152,8 @@ async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServ
             ns, "prefill", f"{ns.host}:{server.port}", transport=ns.transport, bootstrap=ns.bootstrap,
             dp_size=ns.dp_size, tp_size=getattr(ns, "tp_size", 1), compat_hash=info.parallel_info.compatibility_hash.hex(),
         ))
-    await serve_until_signal(server, grace=ns.grace)
+    server.on_drain(metrics.on_draining)
+    await serve_until_signal(server, grace=ns.grace, drain_timeout=ns.drain_timeout)
     await controller.stop_workers()
     log.info("prefill stopped")
     return controller.exit_code

@@ -17,6 +17,7 @@ from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
 from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_prefill, service_names
 from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments, current
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.tracing import add_tracing_arguments
@@ -92,12 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="under --policy cache_aware: how many more Prefill calls in flight than the least loaded prefill the "
         "one holding the longest prefix may have and still get the request (default: %(default)s)",
     )
+    p.add_argument(
+        "--migration-limit", type=int, default=1, metavar="N",
+        help="times a request's running stream may move to another prefill and decode when its decode fails after "
+        "the first token (UNAVAILABLE, a peer failure, a reset stream): it goes on with prompt + generated tokens and "
+        "the same seed, so the output is exactly what the first pair would have made (0: never; default: %(default)s)",
+    )
+    p.add_argument(
+        "--migration-max-seq-len", type=int, default=0, metavar="TOKENS",
+        help="longest prompt + generated tokens a stream migrates with, since the new prefill computes them all "
+        "(0: --max-prompt-tokens; default: %(default)s)",
+    )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
     add_tracing_arguments(p)
     add_discovery_arguments(p, "router")
     add_security_arguments(p, public=True)
+    add_drain_arguments(p)
     return p
 
 
@@ -142,7 +155,8 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
             ", ".join(config.decodes),
         )
     try:
-        await serve_until_signal(server, grace=args.grace)
+        server.on_drain(metrics.on_draining)
+        await serve_until_signal(server, grace=args.grace, drain_timeout=args.drain_timeout)
     finally:
         # Only now: in-flight requests used these channels until the grace period ended.
         await servicer.close()
@@ -167,6 +181,8 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         eject_s=args.eject_s,
         policy=args.policy,
         cache_aware_margin=args.cache_aware_margin,
+        migration_limit=args.migration_limit,
+        migration_max_seq_len=args.migration_max_seq_len,
     )
 
 

@@ -26,9 +26,19 @@ What one ``Generate`` does::
    again, with a fresh room and secret, to another instance of that role (the other
    side is picked afresh too), after the failed attempt's calls are cancelled; up to
    ``retries`` times (``--retries``, default 1) and within the request's deadline. No
-   other failure is retried, nor any after the first token (its output would repeat),
-   nor one with no other instance to go to.
-6. An instance whose call failed UNAVAILABLE is then passed over for ``eject_s`` seconds
+   other failure is retried, nor one with no other instance to go to; after the first
+   token a stream migrates instead (step 6).
+6. A stream whose decode fails after tokens reached the client -- UNAVAILABLE (gone,
+   unreachable, drained past its timeout), a peer failure, a reset stream -- migrates: the
+   request runs again on another prefill and decode, with ``input_ids`` = prompt + the
+   tokens already relayed, ``max_new_tokens`` less those, the same sampling seed and a new
+   room. Sampling draws each token from (seed, absolute position), so the new pair
+   produces exactly the tokens the first would have, and the client's stream goes on with
+   no duplicate and no gap; the text decoder carries over too (a character split across
+   the failure is sent whole). Up to ``migration_limit`` times per request
+   (``--migration-limit``, default 1) and only while prompt + generated tokens fit
+   ``migration_max_seq_len``; past that the failure reaches the client as before.
+7. An instance whose call failed UNAVAILABLE is then passed over for ``eject_s`` seconds
    (``--eject-s``): see :mod:`pdgrpc.router.ejection`.
 
 The prefill's status wins when both fail: a decode that sees its prefill abort reports a
@@ -39,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import secrets
 import time
@@ -57,6 +66,7 @@ from pdgrpc.router.ejection import Ejections
 from pdgrpc.router.policy import DEFAULT_MARGIN, PrefillPolicy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.errors import reason_of
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
@@ -133,7 +143,7 @@ class RouterConfig:
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     # Times a request is sent again, with a fresh room, to another instance of the role
     # whose call failed UNAVAILABLE (gone, unreachable, its worker died) before the first
-    # token reached the client. After a token nothing is retried: output would repeat.
+    # token reached the client. After a token a stream migrates instead (migration_limit).
     retries: int = 1
     # Seconds an instance whose call failed UNAVAILABLE is passed over by new requests and
     # retries (pdgrpc.router.ejection); 0: never.
@@ -143,6 +153,12 @@ class RouterConfig:
     # cache_aware pick may have before the least loaded one is taken instead.
     policy: str = "round_robin"
     cache_aware_margin: int = DEFAULT_MARGIN
+    # Times one request's running stream may move to another prefill and decode after its
+    # decode failed past the first token (module doc, step 6); 0: never.
+    migration_limit: int = 1
+    # Longest prompt + generated tokens a stream migrates with (the new prefill computes
+    # them all); 0: max_prompt_tokens, the most a prefill takes.
+    migration_max_seq_len: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -160,11 +176,44 @@ class RouterConfig:
         if not 0 <= self.eject_s <= 3600:
             raise ValueError(f"--eject-s must be between 0 and 3600 seconds, got {self.eject_s}")
         PrefillPolicy(self.policy, PrefixIndex(), self.cache_aware_margin)  # names a bad --policy or margin
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.migration_max_seq_len < 0:
+            raise ValueError(f"--migration-max-seq-len must be >= 0, got {self.migration_max_seq_len}")
+
+    @property
+    def migration_seq_len(self) -> int:
+        """The longest prompt + generated tokens a stream migrates with."""
+        return self.migration_max_seq_len or self.max_prompt_tokens
 
 
-class _BeforeFirstToken(Exception):
-    """``failure`` ended an attempt before any token reached the client, so the request
-    may go again; ``role`` is the side that failed (``prefill`` or ``decode``)."""
+@dataclasses.dataclass
+class _Stream:
+    """One request's stream as the client has seen it so far: a migrated request goes on
+    from here (prompt + ``generated``, the same text decoder)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    text: Any  # the tokenizer's incremental decoder: a split character is sent whole
+    generated: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False  # a message with a finish_reason went out
+    migrations: int = 0
+
+    @property
+    def started(self) -> bool:
+        """A token reached the client: the request can no longer simply go again."""
+        return bool(self.generated)
+
+    def input_ids(self) -> list[int]:
+        return self.prompt + self.generated
+
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.generated)
+
+
+class _AttemptFailed(Exception):
+    """``failure`` ended an attempt; ``role`` is the side that failed (``prefill`` or
+    ``decode``). Whether the request goes on elsewhere depends on what the client saw."""
 
     def __init__(self, failure: RequestFailed, role: str) -> None:
         super().__init__(failure.message)
@@ -182,6 +231,16 @@ def _upstream_reason(code: grpc.StatusCode, otherwise: ServerAbortReason) -> Ser
     # UNAVAILABLE: the prefill or decode (or a worker behind it) is gone or unreachable --
     # a peer failure, not an error of the request (a dead worker's requests end this way).
     return ServerAbortReason.PEER_FAILURE if code == grpc.StatusCode.UNAVAILABLE else otherwise
+
+
+def _migration_reason(failure: RequestFailed) -> ServerAbortReason | None:
+    """Why a stream that failed this way after its first token migrates; None: it does not
+    (the request itself failed, e.g. metadata corruption)."""
+    if failure.reason == ServerAbortReason.DRAIN_TIMEOUT:
+        return ServerAbortReason.DRAIN_TIMEOUT
+    if failure.code == grpc.StatusCode.UNAVAILABLE or failure.reason == ServerAbortReason.PEER_FAILURE:
+        return ServerAbortReason.PEER_FAILURE
+    return None
 
 
 def _failed(fut: asyncio.Future[Any]) -> bool:
@@ -251,7 +310,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     @staticmethod
     def _sampling(request: generate_pb2.GenerateRequest) -> common_pb2.SamplingParams:
-        sampling = with_seed(request.sampling)  # drawn here, once: both legs and every retry sample alike
+        sampling = with_seed(request.sampling)  # drawn here, once: both legs, every retry and migration sample alike
         if sampling.max_new_tokens == 0:
             sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         return sampling
@@ -311,38 +370,60 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if remaining is not None:
             timeout = min(timeout, remaining)
         deadline = time.monotonic() + timeout
+        stream = _Stream(input_ids, sampling.max_new_tokens, self._tokenizer.stream_decoder())
         self.active += 1
         outcome = "cancelled by client"
+        retries = 0
         try:
-            for attempt in itertools.count():
+            while True:
                 try:
-                    tokens, reply = await self._attempt(
-                        context, arrived, room, request_id, input_ids, sampling, routed, prefill, decode,
+                    reply = await self._attempt(
+                        context, arrived, room, request_id, stream, sampling, routed, prefill, decode,
                         deadline - time.monotonic(), trace,
                     )
                     self._recovered(prefill, decode)
                     break
-                except _BeforeFirstToken as b:
+                except _AttemptFailed as b:
+                    if stream.finished or stream.remaining() <= 0:  # the client has every token already
+                        reply = None
+                        break
                     unavailable = b.failure.code == grpc.StatusCode.UNAVAILABLE
                     if unavailable:
                         self._eject(b.role, prefill.address if b.role == "prefill" else decode, b.failure.message)
                     again = None
-                    if unavailable and time.monotonic() < deadline and attempt < self.config.retries:
-                        again = self._another(b.role, prefill, decode, input_ids)
+                    in_time = time.monotonic() < deadline
+                    if not stream.started:
+                        if unavailable and in_time and retries < self.config.retries:
+                            again = self._another(b.role, prefill, decode, input_ids)
+                        what = "retrying"
+                    else:
+                        reason = _migration_reason(b.failure)
+                        if (
+                            reason is not None and in_time and stream.migrations < self.config.migration_limit
+                            and len(stream.input_ids()) <= self.config.migration_seq_len
+                        ):
+                            again = self._another(b.role, prefill, decode, stream.input_ids())
+                        what = f"migrating after {len(stream.generated)} token(s)"
                     if again is None:
                         raise b.failure from None
+                    if stream.started:
+                        stream.migrations += 1
+                        assert reason is not None
+                        self.metrics.on_migration(reason)
+                    else:
+                        retries += 1
+                        self.metrics.on_retry()
                     prefill, decode = again
-                    self.metrics.on_retry()
                     new_room = draw_room()
                     request_event(
-                        log, room, f"retrying on prefill {prefill.address} and decode {decode}", level=logging.WARNING,
+                        log, room, f"{what} on prefill {prefill.address} and decode {decode}", level=logging.WARNING,
                         request_id=request_id, failed=b.role, reason=b.failure.message, next_room=new_room,
                     )
                     room = new_room
             outcome = "finished"
             self.metrics.on_finished()
             request_event(
-                log, room, "finished", request_id=request_id, tokens=tokens,
+                log, room, "finished", request_id=request_id, tokens=len(stream.generated), migrations=stream.migrations,
                 seconds=f"{time.perf_counter() - arrived:.3f}",
                 prefill_dp_rank="-" if reply is None else reply.dp_rank,
                 bytes_transferred="-" if reply is None else reply.bytes_transferred,
@@ -379,18 +460,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return None
 
     async def _attempt(
-        self, context: grpc.aio.ServicerContext, arrived: float, room: int, request_id: str, input_ids: list[int],
+        self, context: grpc.aio.ServicerContext, arrived: float, room: int, request_id: str, stream: _Stream,
         sampling: common_pb2.SamplingParams, routed: int | None, prefill: PrefillBackend, decode: str, timeout: float,
         trace: tracing.Hops | None = None,
-    ) -> tuple[int, prefill_pb2.PrefillResponse | None]:
-        """One prefill call and one decode call for ``room``, the decode's tokens relayed to
-        the client: the token count and the prefill's reply (None if it had not come).
-        ``trace``: the request's span, the parent of both calls', ended at the first token.
-        Raises :class:`_BeforeFirstToken` for a failure before the first token, else
-        :class:`~pdgrpc.errors.RequestFailed`. Both calls are over when it returns."""
+    ) -> prefill_pb2.PrefillResponse | None:
+        """One prefill call and one decode call for ``room`` that go on from ``stream``
+        (prompt + generated tokens, the tokens left), the decode's tokens relayed to the
+        client: the prefill's reply (None if it had not come). ``trace``: the request's
+        span, the parent of both calls', ended at the first token. Raises
+        :class:`_AttemptFailed`; both calls are over when it returns."""
         # Goes to exactly these two peers: the decode proves it to the prefill in its
         # Handshake and AbortRoom calls (pdgrpc.serving.room_proof).
         secret = draw_secret()
+        input_ids = stream.input_ids()
+        if stream.started:  # a migration: the same seed, only the tokens still to come
+            left = common_pb2.SamplingParams()
+            left.CopyFrom(sampling)
+            left.max_new_tokens = stream.remaining()
+            sampling = left
         prefill_req = prefill_pb2.PrefillRequest(
             bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling, room_secret=secret
         )
@@ -418,11 +505,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.policy.started(prefill.address)
         prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
         try:
-            tokens = await self._relay(context, room, arrived, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
+            await self._relay(context, room, arrived, stream, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
-            return tokens, reply
+            return reply
         finally:
             # Whatever happened (success, failure, client cancel), nothing stays open upstream:
             # a cancelled Decode aborts the room and frees its pages; a cancelled Prefill
@@ -448,67 +535,77 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         context: grpc.aio.ServicerContext,
         room: int,
         arrived: float,
+        stream: _Stream,
         prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse],
         decode_call: grpc.aio.UnaryStreamCall,
         decode_address: str,
         trace: tracing.Hops | None = None,
         seed: int = 0,
-    ) -> int:
-        """Forward the decode's messages to the client until the stream ends; raise
-        :class:`~pdgrpc.errors.RequestFailed` as soon as either side fails. Returns the token count."""
-        text = self._tokenizer.stream_decoder()
-        first = True
-        count = 0
+    ) -> None:
+        """Forward the decode's messages to the client until the stream ends, recording
+        them in ``stream``; raise :class:`_AttemptFailed` as soon as either side fails."""
+        text = stream.text
+        first = not stream.started  # the client's first message carries the request's figures
+        got = False
         # A prefill that fails cancels the decode call, which ends the pending read: every
         # message is read straight from the call, with no task or wait racing the two.
         prefill_fut.add_done_callback(lambda fut: _failed(fut) and decode_call.cancel())
-        try:
-            while True:
-                try:
-                    msg = await decode_call.read()
-                except grpc.RpcError as exc:
-                    raise await self._decode_failure(exc, decode_address, prefill_fut) from None
-                except asyncio.CancelledError:
-                    task = asyncio.current_task()
-                    if _failed(prefill_fut) and (task is None or not task.cancelling()):
-                        raise prefill_fut.exception() from None  # type: ignore[misc]
-                    raise
-                if msg is grpc.aio.EOF:
-                    if first:
-                        message = f"decode {decode_address} ended the stream without a token"
-                        raise RequestFailed(grpc.StatusCode.INTERNAL, message, ServerAbortReason.DECODE_ERROR)
-                    return count
-                out = generate_pb2.GenerateResponse(
-                    token_ids=msg.token_ids, text=text.feed(msg.token_ids), finish_reason=msg.finish_reason
-                )
-                if msg.finish_reason:
-                    out.text += text.flush()
-                if first:
-                    first = False
-                    out.ttft_seconds = time.perf_counter() - arrived
-                    self.metrics.on_first_token(out.ttft_seconds)
-                    out.bytes_transferred = msg.bytes_transferred
-                    out.transfer_seconds = msg.transfer_seconds
-                    out.data_plane_seconds = msg.data_plane_seconds
-                    out.cached_tokens = msg.cached_tokens
-                    out.bootstrap_room = room
-                    out.seed = seed
-                count += len(msg.token_ids)
-                self.metrics.on_tokens(len(msg.token_ids))
-                await context.write(out)
-                if trace is not None:  # the first token is out (later: a no-op)
-                    trace.end()
-        except RequestFailed as f:
-            if first:  # the prefill's failure is the cause when it failed too (_decode_failure)
-                raise _BeforeFirstToken(f, "prefill" if _failed(prefill_fut) else "decode") from None
-            raise
+        while True:
+            try:
+                msg = await decode_call.read()
+            except grpc.RpcError as exc:
+                failure, role = await self._decode_failure(exc, decode_address, prefill_fut)
+                raise _AttemptFailed(failure, role) from None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if _failed(prefill_fut) and (task is None or not task.cancelling()):
+                    cause = prefill_fut.exception()
+                    assert isinstance(cause, RequestFailed)
+                    raise _AttemptFailed(cause, "prefill") from None
+                raise
+            if msg is grpc.aio.EOF:
+                if not got:
+                    message = f"decode {decode_address} ended the stream without a token"
+                    raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, ServerAbortReason.DECODE_ERROR), "decode")
+                return
+            out = generate_pb2.GenerateResponse(
+                token_ids=msg.token_ids, text=text.feed(msg.token_ids), finish_reason=msg.finish_reason
+            )
+            if msg.finish_reason:
+                out.text += text.flush()
+            if first:
+                first = False
+                out.ttft_seconds = time.perf_counter() - arrived
+                self.metrics.on_first_token(out.ttft_seconds)
+                out.bytes_transferred = msg.bytes_transferred
+                out.transfer_seconds = msg.transfer_seconds
+                out.data_plane_seconds = msg.data_plane_seconds
+                out.cached_tokens = msg.cached_tokens
+                out.bootstrap_room = room
+                out.seed = seed
+            got = True
+            self.metrics.on_tokens(len(msg.token_ids))
+            await context.write(out)
+            stream.generated += msg.token_ids  # what the client has: a migration goes on from here
+            stream.finished = bool(msg.finish_reason)
+            if trace is not None:  # the first token is out (later: a no-op)
+                trace.end()
 
     @staticmethod
     async def _decode_failure(
         exc: grpc.RpcError, address: str, prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse]
-    ) -> RequestFailed:
+    ) -> tuple[RequestFailed, str]:
+        """What ended the decode call ``exc``, and the side that failed."""
         code, details = _describe(exc)
         decode_msg = f"decode {address} failed: {code.name}: {details}"
+        said = reason_of(exc)
+        if said is None and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+            # The connection failed, not the decode's request (its aborts name a reason):
+            # the decode is gone or its stream was reset, and a prefill failing now lost
+            # its transfer's peer. The decode is the side to replace.
+            return RequestFailed(code, decode_msg, ServerAbortReason.PEER_FAILURE), "decode"
+        if said == ServerAbortReason.DRAIN_TIMEOUT.value:
+            return RequestFailed(code, decode_msg, ServerAbortReason.DRAIN_TIMEOUT), "decode"
         # A decode that failed because its prefill did reports less than the prefill: give
         # the prefill a moment to say why, and report its status if it failed.
         if not prefill_fut.done():
@@ -516,8 +613,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None:
             cause = prefill_fut.exception()
             assert isinstance(cause, RequestFailed)
-            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", cause.reason)
-        return RequestFailed(_client_code(code), decode_msg, _upstream_reason(code, ServerAbortReason.DECODE_ERROR))
+            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", cause.reason), "prefill"
+        return RequestFailed(_client_code(code), decode_msg, _upstream_reason(code, ServerAbortReason.DECODE_ERROR)), "decode"
 
 
 def service_names() -> Sequence[str]:

@@ -16,9 +16,35 @@ retries (with backoff), so it is the one caught apart from the rest.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.reasons import AnyAbortReason, abort_label
+
+__all__ = ["REASON_KEY", "RpcError", "Unavailable", "map_rpc_error", "reason_metadata", "reason_of"]
+
+# Trailing metadata key of the abort reason (``peer_failure``, ``drain_timeout``, ...) a
+# pdgrpc server ends a failed call with: a status without it came from the connection
+# (the server is gone, the stream was reset), not from the server.
+REASON_KEY = "pdgrpc-reason"
+
+
+def reason_metadata(reason: AnyAbortReason) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that names ``reason`` (for ``context.abort``)."""
+    return ((REASON_KEY, abort_label(reason)),)
+
+
+def reason_of(exc: Any) -> str | None:
+    """The abort reason a pdgrpc server named for the failed call ``exc``; None when the
+    status did not come from a pdgrpc server's abort (the connection failed)."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    pairs = trailing() if callable(trailing) else None
+    for key, value in pairs or ():
+        if key == REASON_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
 
 
 class RpcError(PdgrpcError):

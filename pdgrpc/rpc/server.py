@@ -11,7 +11,7 @@ or, as a process's main (``run(main())``)::
 
     stop = StopSignal()                  # SIGTERM/SIGINT now request a graceful stop
     server = await start_server(...)
-    await serve_until_signal(server, grace=5.0, stop=stop)
+    await serve_until_signal(server, grace=5.0, stop=stop, drain_timeout=30.0)
 
 Each server gets:
 
@@ -23,8 +23,10 @@ Each server gets:
 * the process's security (:mod:`pdgrpc.rpc.security`, or ``security=``): TLS or mTLS,
   a bearer-token check; a non-loopback ``host`` with neither is refused unless insecure;
 * one INFO log line ``<what> listening on <host>:<port> (...)``;
-* graceful shutdown: :func:`serve_until_signal` stops on SIGTERM or SIGINT, letting
-  in-flight calls finish for ``grace`` seconds;
+* graceful drain (:mod:`pdgrpc.rpc.drain`): on SIGTERM or SIGINT (:func:`serve_until_signal`)
+  or a ``DrainService.Drain`` call, health turns NOT_SERVING, new Prefill, Decode and
+  Generate calls end UNAVAILABLE, and the server stops once those in flight finished,
+  bounded by the drain timeout; other calls then get ``grace`` seconds;
 * the bounds of :mod:`pdgrpc.rpc.limits`: a message size sized to the largest legitimate
   request, and INVALID_ARGUMENT for a request that does not parse.
 
@@ -34,16 +36,20 @@ Each server gets:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
-from typing import Any, Callable, Coroutine, Iterable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from pdgrpc.rpc.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainServicer, drain_wrapper
+from pdgrpc.rpc.drain import SERVICE_NAME as DRAIN_SERVICE
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, UndecodableIsInvalidArgument
 from pdgrpc.rpc.security import Security, current
+from pdgrpc.v1 import drain_pb2_grpc
 
 log = logging.getLogger("pdgrpc.rpc")
 
@@ -83,14 +89,25 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 class RpcServer:
     """A started ``grpc.aio`` server with health and reflection. See the module doc."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, host: str, port: int, services: Sequence[str]) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, host: str, port: int, services: Sequence[str],
+        drain: Drain | None = None,
+    ) -> None:
         self.server = server
         self.health = health_servicer
         self.host = host
         self.port = port
         self.services = tuple(services)
+        self.gate = drain or Drain()
+        # Seconds a drain waits for the entry calls in flight (--drain-timeout).
+        self.drain_timeout = DEFAULT_DRAIN_TIMEOUT_S
+        # Seconds the calls still open get once the drain ended (--grace).
+        self.grace = 5.0
         self._stopped: asyncio.Event = asyncio.Event()
         self._on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._on_drain: list[Callable[[], Awaitable[None] | None]] = []
+        self._drained = False
+        self._draining: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -103,6 +120,42 @@ class RpcServer:
     def on_stop(self, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Await ``callback()`` when the server stops, before the transport closes."""
         self._on_stop.append(callback)
+
+    def on_drain(self, callback: Callable[[], Awaitable[None] | None]) -> None:
+        """Call (and await) ``callback()`` once, as the server starts to drain or, without
+        a drain, to stop: e.g. revoke its discovery lease, so routers stop choosing it."""
+        self._on_drain.append(callback)
+
+    async def _announce_drain(self) -> None:
+        if self._drained:
+            return
+        self._drained = True
+        await self.health.enter_graceful_shutdown()
+        for callback in self._on_drain:
+            result = callback()
+            if inspect.isawaitable(result):
+                await result
+
+    def start_drain(self, timeout: float | None = None) -> float:
+        """Start draining (see :meth:`drain`) in the background, unless it started
+        already; returns the seconds it waits at most."""
+        if self._draining is None and not self._stopped.is_set():
+            self._draining = asyncio.ensure_future(self.drain(timeout))
+        return self.drain_timeout if timeout is None else timeout
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """NOT_SERVING and the drain callbacks, refuse new entry calls, wait up to
+        ``timeout`` s (default :attr:`drain_timeout`) for those in flight, then stop
+        (:mod:`pdgrpc.rpc.drain`)."""
+        if self._stopped.is_set():
+            return
+        timeout = self.drain_timeout if timeout is None else timeout
+        self.gate.start()
+        log.info("draining: %d call(s) in flight, waiting up to %.1f s", self.gate.in_flight, timeout)
+        await self._announce_drain()
+        ended = await self.gate.wait(timeout)
+        log.info("drained%s; stopping", "" if not ended else f" ({ended} call(s) ended: drain_timeout)")
+        await self.stop(self.grace)
 
     async def set_serving(self, services: Iterable[str] | None = None) -> None:
         """Report SERVING for ``services`` (default: every service and the overall ``""``).
@@ -117,7 +170,7 @@ class RpcServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        await self.health.enter_graceful_shutdown()
+        await self._announce_drain()
         for callback in self._on_stop:
             await callback()
         await self.server.stop(grace)
@@ -149,9 +202,12 @@ async def start_server(
     # INVALID_ARGUMENT (pdgrpc.rpc.limits), and where a token is set, calls without it
     # end UNAUTHENTICATED before their request is parsed (pdgrpc.rpc.security).
     server = grpc.aio.server(options=list(options))
-    wrapping = UndecodableIsInvalidArgument(server, security.server_handler_wrapper())
+    drain = Drain()
+    wrapping = UndecodableIsInvalidArgument(server, drain_wrapper(drain, security.server_handler_wrapper()))
     names = []
-    for name, add in services:
+    rpc: RpcServer | None = None
+    drain_servicer = DrainServicer(drain, lambda timeout: _started(rpc, timeout))
+    for name, add in [*services, (DRAIN_SERVICE, lambda s: drain_pb2_grpc.add_DrainServiceServicer_to_server(drain_servicer, s))]:
         add(wrapping)  # stands for the server: see UndecodableIsInvalidArgument
         names.append(name)
     health_servicer = health.aio.HealthServicer()
@@ -170,11 +226,16 @@ async def start_server(
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *names):
         await health_servicer.set(name, status)
-    rpc = RpcServer(server, health_servicer, host, bound, names)
+    rpc = RpcServer(server, health_servicer, host, bound, names, drain)
     tls = "plaintext" if credentials is None else "mTLS" if security.ca is not None else "TLS"
     auth = ", bearer token" if security.token_file is not None else ""
     log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names))
     return rpc
+
+
+def _started(rpc: RpcServer | None, timeout: float | None) -> float:
+    assert rpc is not None  # calls are served only once the server started
+    return rpc.start_drain(timeout)
 
 
 class StopSignal:
@@ -203,19 +264,24 @@ class StopSignal:
 
 
 async def serve_until_signal(
-    server: RpcServer, grace: float = 5.0, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), stop: StopSignal | None = None
+    server: RpcServer, grace: float = 5.0, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), stop: StopSignal | None = None,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or until something else stops the server), then stop
-    gracefully. A second signal while stopping is ignored; the grace period bounds it.
-    ``stop``: handlers installed earlier (see :class:`StopSignal`); else installed now."""
+    """Serve until SIGTERM/SIGINT (or until something else stops the server: a
+    ``DrainService.Drain`` call), then drain (:meth:`RpcServer.drain`, up to
+    ``drain_timeout`` s) and stop, giving the calls still open ``grace`` s. A second signal
+    while stopping is ignored. ``stop``: handlers installed earlier (see
+    :class:`StopSignal`); else installed now."""
     stop = stop or StopSignal(signals)
+    server.drain_timeout = drain_timeout
+    server.grace = grace
     try:
         stopped: asyncio.Future[None] = asyncio.ensure_future(server.wait_stopped())
         waiting: list[asyncio.Future[Any]] = [stop.requested, stopped]
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if stop.requested.done():
-            log.info("%s received, stopping (grace %.1f s)", signal.Signals(stop.requested.result()).name, grace)
-            await server.stop(grace)
+            log.info("%s received, stopping: draining up to %.1f s", signal.Signals(stop.requested.result()).name, drain_timeout)
+            server.start_drain()
         await stopped
     finally:
         stop.close()

@@ -264,7 +264,9 @@ async def test_unreachable_decode_is_a_clear_unavailable(cluster):
                 await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "decode 127.0.0.1:1 failed" in err.value.details()
-        await wait_for(lambda: len(prefill.cancelled_at) == 1, 10.0)
+        # The prefill call is cancelled at once: the prefill drops it, or never starts it.
+        await asyncio.sleep(0.5)
+        assert len(prefill.cancelled_at) == len(prefill.requests) <= 1
     finally:
         await router.close()
         await srv.stop(0)

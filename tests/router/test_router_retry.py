@@ -42,9 +42,12 @@ class Upstreams:
             self.servers.append(srv)
             self.p_addrs.append(srv.address)
         for d in self.decodes:
-            srv = await serve_decode(d)
-            self.servers.append(srv)
-            self.d_addrs.append(srv.address)
+            await self.start_decode(d)
+
+    async def start_decode(self, d: ScriptedDecode) -> None:
+        srv = await serve_decode(d)
+        self.servers.append(srv)
+        self.d_addrs.append(srv.address)
 
     async def router(self, prefills: list[str], decodes: list[str], **config) -> tuple[GenerateServicer, generate_pb2_grpc.GenerateServiceStub]:
         router = GenerateServicer(RouterConfig(prefills=tuple(PrefillBackend(a, DEAD) for a in prefills), decodes=tuple(decodes), **config))
@@ -132,11 +135,11 @@ async def test_no_retry_without_another_instance_with_retries_0_or_after_a_token
     assert len(up.prefills[0].requests) == 2 and not up.prefills[1].requests
 
     # After a token reached the client the request is not sent again (it would repeat
-    # output the client already has).
+    # output the client already has); with migration off the failure reaches the client.
     for d in up.decodes:
         d.wait_forever = False
         d.fail_after, d.fail = 1, (grpc.StatusCode.UNAVAILABLE, "decode going away")
-    _, stub = await up.router([up.p_addrs[1]], up.d_addrs)
+    _, stub = await up.router([up.p_addrs[1]], up.d_addrs, migration_limit=0)
     got = []
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for m in stub.Generate(generate_pb2.GenerateRequest(prompt="x")):

@@ -1,0 +1,141 @@
+"""End to end: SIGTERM drains a prefill or a decode of a 2p2d cluster under load.
+
+Real processes (``servers/2p2d.toml``): clients keep requests running through the router
+while one prefill (with rooms in flight) or one decode (with streams running) gets
+SIGTERM. The drained process finishes what it holds and exits 0; its new requests go to
+the other instance. No request fails, every output equals colocated generation, and
+nothing stays held on the servers left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster.client import generate
+from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+from tests.e2e.harness import HELD_FIELDS, Case, reference_outputs_for, skip_unless_transport
+from tests.eventually import eventually_async
+
+pytestmark = pytest.mark.timeout(240)
+
+TOPOLOGY = "2p2d"
+CLIENTS = 16
+
+
+def _cases(prompt_len: int, max_new_tokens: int) -> list[Case]:
+    text = b"Drain me gently: every room commits before the server goes. "
+    cases = []
+    for i in range(CLIENTS):
+        body = bytes((text * (prompt_len // len(text) + 2))[i : i + prompt_len - 1 - i % 5])
+        sampled = i % 2 == 1
+        cases.append(Case(
+            input_ids=(256, *body), max_new_tokens=max_new_tokens, temperature=0.8 if sampled else 0.0,
+            seed=1000 + i if sampled else 0,
+        ))
+    return cases
+
+
+class Load:
+    """``CLIENTS`` clients, each sending its case again and again until stopped."""
+
+    def __init__(self, stub: GenerateServiceStub, cases: list[Case]) -> None:
+        self.stub = stub
+        self.cases = cases
+        self.done: list[tuple[int, tuple[int, ...], str]] = []
+        self.failed: list[str] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._client(i)) for i in range(len(cases))]
+
+    async def _client(self, i: int) -> None:
+        c = self.cases[i]
+        while not self._stop.is_set():
+            try:
+                out = await generate(
+                    self.stub, input_ids=c.input_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                    seed=c.seed, top_p=1.0, timeout=60,
+                )
+            except grpc.RpcError as exc:
+                self.failed.append(f"case {i}: {exc.code().name}: {exc.details()}")
+                continue
+            self.done.append((i, out.token_ids, out.finish_reason))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+
+async def _active(cluster: Cluster, name: str) -> int:
+    return int((await cluster.stats(name)).active_requests)
+
+
+async def _sigterm_when_busy(cluster: Cluster, name: str, at_least: int) -> int:
+    """SIGTERM ``name`` once it holds ``at_least`` requests (or its busiest moment within
+    15 s); returns how many it held then."""
+    deadline = time.monotonic() + 15
+    while True:
+        held = await _active(cluster, name)
+        if held >= at_least or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.005)
+    proc = cluster.procs[name].process
+    assert proc is not None
+    proc.send_signal(signal.SIGTERM)
+    return held
+
+
+async def _nothing_held(cluster: Cluster, names: list[str]) -> None:
+    held: dict[str, Any] = {}
+
+    async def empty() -> bool:
+        held.clear()
+        for n in names:
+            s = await cluster.stats(n)
+            if h := {f: getattr(s, f) for f in HELD_FIELDS if getattr(s, f)}:
+                held[n] = h
+        return not held
+
+    await eventually_async(empty, 20.0, 0.1, lambda: f"still held after the drain: {held}")
+
+
+async def _drain_under_load(tmp_path: Any, victim: str, cases: list[Case], at_least: int) -> None:
+    topology = load_topology(TOPOLOGY)
+    expected = reference_outputs_for(topology, cases)
+    async with Cluster(topology, transport="tcp", log_dir=tmp_path / "logs") as cluster:
+        async with cluster.client_channel() as channel:
+            load = Load(GenerateServiceStub(channel), cases)
+            try:
+                held = await _sigterm_when_busy(cluster, victim, at_least)
+                proc = cluster.procs[victim].process
+                assert proc is not None
+                assert await asyncio.wait_for(proc.wait(), 45) == 0, cluster.procs[victim].log_tail()
+                served = len(load.done)
+                await asyncio.sleep(1.0)  # the survivors serve on
+            finally:
+                await load.stop()
+            assert held >= 1, f"{victim} held no request when it got SIGTERM"
+            assert load.failed == [], load.failed[:5]
+            assert len(load.done) > served, "nothing was served after the drain"
+            for i, ids, finish in load.done:
+                assert (ids, finish) == expected[i], f"case {i} differs from colocated generation"
+            log = cluster.procs[victim].log_path.read_text()
+            assert "draining" in log and "drain_timeout" not in log
+            survivors = [p.name for p in topology.processes if p.role in ("prefill", "decode") and p.name != victim]
+            await _nothing_held(cluster, survivors)
+
+
+async def test_sigterm_on_a_prefill_with_rooms_in_flight_fails_no_request(tmp_path):
+    skip_unless_transport("tcp")
+    # Long prompts, computed chunk by chunk: the prefill holds rooms while it computes.
+    await _drain_under_load(tmp_path, "prefill-a", _cases(prompt_len=700, max_new_tokens=4), at_least=8)
+
+
+async def test_sigterm_on_a_decode_with_streams_running_fails_no_request(tmp_path):
+    skip_unless_transport("tcp")
+    await _drain_under_load(tmp_path, "decode-a", _cases(prompt_len=40, max_new_tokens=64), at_least=8)
