@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "pdgrpc.bench.engine",
     "gateway": "pdgrpc.bench.gateway",
     "prefix": "pdgrpc.bench.prefix",
+    "chaos": "pdgrpc.bench.chaos",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from pdgrpc.cluster.hosts import HOSTS_ENV
-from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError
+from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError, restart_running
 from pdgrpc.cluster.netns import NetnsUnavailable, NetworkHosts, remove_stale
 from pdgrpc.cluster.topology import SECURITY_MODES, TRANSPORTS, load_topology, servers_dir
 from pdgrpc.errors import ConfigError
@@ -23,8 +23,28 @@ Start a topology (a file in {servers_dir()}, or its name: 1p1d,
 prefill-dp2-round-robin, prefill-dp2-follow-room) as a local cluster on 127.0.0.1 with
 free ports; wait until every process answers its gRPC health check; print the router's
 address; run until SIGINT/SIGTERM, then stop every process (SIGTERM, SIGKILL after the
-grace period). If a process dies, the cluster stops, its log tail is printed and the exit
-code is 1. Each process logs to LOG_DIR/<name>.log."""
+grace period). A process that dies is started again on the same port (at once, then with
+an exponential backoff while it keeps dying), unless its topology entry says
+restart = false: then the cluster stops, its log tail is printed and the exit code is 1,
+as for any failure at start-up. Each process logs to LOG_DIR/<name>.log.
+
+`python -m pdgrpc.cluster restart NAME --log-dir LOG_DIR` restarts one process of the
+cluster running with LOG_DIR gently: it drains (new requests go to other instances, the
+running ones finish), exits, and its launcher starts it again; the command returns once
+it serves. One process at a time, that is a rolling restart."""
+
+RESTART_DESCRIPTION = """Restart process NAME of the cluster that `python -m pdgrpc.cluster` runs with LOG_DIR:
+SIGTERM makes it drain (health NOT_SERVING, new requests refused and sent elsewhere by the
+router, the running ones finish, up to its --drain-timeout) and exit; the launcher starts
+it again on the same port. Returns once it answers SERVING (exit 0), else exit 1."""
+
+
+def build_restart_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdgrpc.cluster restart", description=RESTART_DESCRIPTION)
+    p.add_argument("name", help="the process to restart (its name in the topology)")
+    p.add_argument("--log-dir", required=True, help="the LOG_DIR of the running cluster (it holds cluster.json)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait until it serves again (default: %(default)s)")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _main(args: argparse.Namespace) -> int:
     cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir, keep_logs=True,
                       start_timeout=args.start_timeout, grace=args.grace, metrics=True if args.metrics else None,
-                      tls=args.tls, auth_token=args.auth_token)
+                      tls=args.tls, auth_token=args.auth_token, supervise=True)
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[int] = loop.create_future()
 
@@ -116,8 +136,20 @@ def _on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
         return child.wait()
 
 
+def _restart(argv: list[str]) -> int:
+    args = build_restart_parser().parse_args(argv)
+    try:
+        print(run(restart_running(args.log_dir, args.name, args.timeout)), flush=True)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["restart"]:
+        return _restart(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if load_topology(args.topology).subnet and HOSTS_ENV not in os.environ:

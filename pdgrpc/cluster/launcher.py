@@ -29,8 +29,18 @@
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
   ``start_timeout``; an smg process starts only then, and is ready when it says so. A process that exits meanwhile fails the start with its log tail.
-* While the cluster runs a watcher notices a child that exits; :meth:`Cluster.check`
+* While the cluster runs a watcher notices a child that exits. With ``supervise=True``
+  (what ``python -m pdgrpc.cluster`` runs) it starts the child again on the same port,
+  logging why (its exit code, in its log and the launcher's), at once the first time and
+  after an exponential backoff while it keeps dying within :data:`STABLE_S` of its start;
+  a process whose topology entry says ``restart = false`` is not restarted. Otherwise --
+  and always for a failure at start-up, which stops everything -- :meth:`Cluster.check`
   raises :class:`ChildDied` (with the log tail) and :meth:`Cluster.wait_failure` returns it.
+* :meth:`Cluster.restart` restarts one process gently: SIGTERM makes it drain (its health
+  turns NOT_SERVING, routers send new requests elsewhere, the running ones finish), then
+  it starts again and is waited for until healthy. Restarting the processes one at a time
+  is a rolling restart. ``LOG_DIR/cluster.json`` names each process's pid and address, so
+  ``python -m pdgrpc.cluster restart NAME --log-dir LOG_DIR`` can do the same from outside.
 * :meth:`Cluster.stop` sends SIGTERM to the router first (no new requests), then the
   rest, waits ``grace`` seconds, then SIGKILLs each child's whole process group (a
   prefill's DP workers are its children). Children also get SIGKILL if the launching
@@ -42,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -66,11 +77,17 @@ from pdgrpc.rpc.security import Security
 from pdgrpc.serving.children import guarded_argv
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["ChildDied", "Cluster", "ClusterError", "Proc"]
+__all__ = ["ChildDied", "Cluster", "ClusterError", "Proc", "restart_running"]
 
 log = logging.getLogger(__name__)
 
 _TAIL_LINES = 40
+# A supervised process that ran this long before it exited is restarted at once; one that
+# keeps dying sooner waits BACKOFF_S, doubling up to BACKOFF_MAX_S, between starts.
+STABLE_S = 30.0
+BACKOFF_S = 0.5
+BACKOFF_MAX_S = 30.0
+STATE_FILE = "cluster.json"
 _PREFILL_READY = "PDGRPC_READY "  # python -m pdgrpc.prefill prints it once every worker serves
 
 
@@ -94,6 +111,10 @@ class Proc:
     ip: str = HOST  # its host's address (127.0.0.1 without [network])
     # Metrics endpoints ("" for the process itself, "dp<r>" for a prefill's dp workers).
     metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
+    restarts: int = 0  # times the launcher started it again
+    quick_exits: int = 0  # exits in a row within STABLE_S of a start
+    started_at: float = 0.0  # monotonic
+    restarting: bool = False  # Cluster.restart is stopping it: its exit is no failure
 
     @property
     def address(self) -> str:
@@ -152,6 +173,7 @@ class Cluster:
         tls: str | None = None,
         auth_token: str | None = None,
         public_ca: str | Path | None = None,
+        supervise: bool = False,
     ) -> None:
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
         # With [network]: host -> netns and address (pdgrpc.cluster.hosts); the launcher runs on the front door's host.
@@ -178,6 +200,8 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_timeout = start_timeout
         self.grace = grace
+        self.supervise = supervise
+        self._running = False  # every process came up: from now on the supervisor restarts
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
         self.credentials = ClusterCredentials(
@@ -337,6 +361,7 @@ class Cluster:
     async def _start_once(self) -> None:
         loop = asyncio.get_running_loop()
         self._died = loop.create_future()
+        self._running = False
         # smg last, once its workers answer: smg's first health check of a worker that is
         # not up yet fails, and smg then waits out its retry delay before it is ready.
         first = [p for p in self.procs.values() if p.spec.role != "smg"]
@@ -353,24 +378,98 @@ class Cluster:
             self._failed = True
             await self.stop()
             raise
+        self._running = True
+        self._write_state()
 
     async def _spawn(self, proc: Proc) -> None:
-        with open(proc.log_path, "ab") as log:
-            log.write(f"$ {' '.join(proc.argv)}\n".encode())
-            log.flush()
+        with open(proc.log_path, "ab") as log_file:
+            log_file.write(f"$ {' '.join(proc.argv)}\n".encode())
+            log_file.flush()
             # No preexec_fn: such a start runs no fork handler in the child,
             # and gRPC's, when on, kill a child that closes its fds before exec.
             proc.process = await asyncio.create_subprocess_exec(
-                *guarded_argv(proc.argv), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                *guarded_argv(proc.argv), stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                 env=self._env, start_new_session=True,
             )
-        self._watchers.append(asyncio.ensure_future(self._watch(proc)))
+        proc.started_at = time.monotonic()
+        self._watchers.append(asyncio.ensure_future(self._watch(proc, proc.process)))
 
-    async def _watch(self, proc: Proc) -> None:
-        assert proc.process is not None
-        await proc.process.wait()
-        if not self._stopping and self._died is not None and not self._died.done():
+    async def _watch(self, proc: Proc, process: asyncio.subprocess.Process) -> None:
+        await process.wait()
+        if self._stopping or proc.restarting or self._died is None or self._died.done():
+            return
+        if not (self.supervise and self._running and proc.spec.restart):
             self._died.set_result(proc)
+            return
+        ran = time.monotonic() - proc.started_at
+        if process.returncode != 0:  # 0: it drained and stopped as asked (SIGTERM, Drain), no crash
+            proc.quick_exits = proc.quick_exits + 1 if ran < STABLE_S else 0
+        delay = 0.0 if process.returncode == 0 or proc.quick_exits <= 1 else min(BACKOFF_S * 2 ** (proc.quick_exits - 2), BACKOFF_MAX_S)
+        why = f"exited with code {process.returncode} after {ran:.1f} s; restarting it" + (f" in {delay:.1f} s" if delay else "")
+        log.warning("topology %r: %s %r (pid %d) %s", self.topology.name, proc.spec.role, proc.spec.name, process.pid, why)
+        with open(proc.log_path, "ab") as log_file:
+            log_file.write(f"[cluster] {why}\n".encode())
+        # Whatever is left of its process group (a prefill's DP workers) goes first.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await asyncio.sleep(delay)
+        if self._stopping or proc.restarting:
+            return
+        await self._spawn(proc)
+        proc.restarts += 1
+        self._write_state()
+
+    def _write_state(self) -> None:
+        """``LOG_DIR/cluster.json``: each process's role, address and pid (what
+        ``python -m pdgrpc.cluster restart`` reads)."""
+        c = self.client_security
+        state = {
+            "processes": {name: {"role": p.spec.role, "address": p.address, "pid": p.pid} for name, p in self.procs.items()},
+            "client": {k: None if v is None else str(v) for k, v in (("cert", c.cert), ("key", c.key), ("ca", c.ca), ("token_file", c.token_file))},
+        }
+        tmp = self.log_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.log_dir / STATE_FILE)
+
+    async def restart(self, name: str, timeout: float = 60.0) -> None:
+        """Restart process ``name`` gently: SIGTERM (it drains: new requests go elsewhere,
+        the running ones finish), wait for its exit (SIGKILL after ``timeout`` s), start it
+        again on the same port and wait until it is healthy."""
+        proc = self.procs[name]
+        process = proc.process
+        if process is None:
+            raise ClusterError(f"process {name!r} was never started")
+        proc.restarting = True
+        try:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(process.wait(), timeout)
+                except asyncio.TimeoutError:
+                    log.warning("topology %r: %r did not drain within %.0f s: SIGKILL", self.topology.name, name, timeout)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+            with open(proc.log_path, "ab") as log_file:
+                log_file.write(f"[cluster] restart: drained, exited with code {process.returncode}; starting it again\n".encode())
+            proc.restarts += 1
+            await self._spawn(proc)
+        finally:
+            proc.restarting = False
+        self._write_state()
+        await self.wait_serving(name)
+
+    async def wait_serving(self, name: str) -> None:
+        """Wait until process ``name`` (as started last) answers SERVING, bounded by
+        ``start_timeout``; raises :class:`ChildDied` if it exits meanwhile."""
+        proc = self.procs[name]
+        deadline = time.monotonic() + self.start_timeout
+        while not await self._serving(proc):
+            if proc.returncode is not None:
+                raise ChildDied(proc)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"process {name!r} not healthy within {self.start_timeout:.0f} s:\n{proc.log_tail(15)}")
+            await asyncio.sleep(0.2)
 
     async def _wait_healthy(self, procs: list[Proc]) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -494,3 +593,42 @@ class Cluster:
                                                          ("--auth-token-file", c.token_file)) if path is not None]
             lines.append(f"  clients present: {' '.join(shown)}")
         return "\n".join(lines)
+
+
+async def restart_running(log_dir: str | Path, name: str, timeout: float = 120.0) -> str:
+    """Restart process ``name`` of the cluster that ``python -m pdgrpc.cluster`` runs with
+    ``log_dir``: SIGTERM makes it drain and exit, its launcher (which supervises) starts it
+    again; returns once the new process answers SERVING. The message says what happened."""
+    path = Path(log_dir) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ClusterError(f"{path}: no running cluster's state here ({exc}); give the --log-dir the cluster runs with") from None
+    procs = state["processes"]
+    if name not in procs:
+        raise ClusterError(f"no process {name!r} in {path}; processes: {', '.join(sorted(procs))}")
+    old = procs[name]["pid"]
+    if procs[name]["role"] in ("etcd", "smg"):
+        raise ClusterError(f"process {name!r} is a {procs[name]['role']}: only pdgrpc servers drain")
+    try:
+        os.kill(old, signal.SIGTERM)
+    except ProcessLookupError:
+        raise ClusterError(f"process {name!r} (pid {old}) is not running") from None
+    client = {k: None if v is None else Path(v) for k, v in state["client"].items()}
+    channel = Security(cert=client["cert"], key=client["key"], ca=client["ca"], token_file=client["token_file"]).channel(procs[name]["address"])
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(OSError, ValueError):
+                now = json.loads(path.read_text())["processes"][name]["pid"]
+                if now != old:
+                    try:
+                        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    except grpc.RpcError:
+                        continue
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return f"{name}: drained (pid {old}), restarted (pid {now}), serving on {procs[name]['address']}"
+    finally:
+        await channel.close()
+    raise ClusterError(f"{name}: not serving again within {timeout:.0f} s of its SIGTERM (is the launcher running, and supervising it?)")

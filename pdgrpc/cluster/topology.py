@@ -89,6 +89,9 @@ class ProcessSpec:
     prefill: tuple[str, ...] = ()  # router, smg: prefill process names
     decode: tuple[str, ...] = ()  # router, smg: decode process names
     host: str = ""  # with [network]: the host (network namespace) it runs on
+    # The launcher starts it again when it exits while the cluster runs (restart = false:
+    # its exit stops the cluster instead).
+    restart: bool = True
 
     @property
     def module(self) -> str:
@@ -216,7 +219,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         pw = f"{where} process[{i}]"
         if not isinstance(p, dict):
             raise _fail(pw, "must be a table")
-        extra = set(p) - {"name", "role", "args", "bootstrap", "prefill", "decode", "host"}
+        extra = set(p) - {"name", "role", "args", "bootstrap", "prefill", "decode", "host", "restart"}
         if extra:
             raise _fail(pw, f"unknown keys {sorted(extra)}")
         pname, role = p.get("name"), p.get("role")
@@ -232,6 +235,9 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
             raise _fail(pw, "an etcd process takes no args (the launcher sets its ports and data dir)")
         if role not in ("router", "smg") and ("prefill" in p or "decode" in p):
             raise _fail(pw, "prefill/decode lists are only for router and smg processes")
+        restart = p.get("restart", True)
+        if not isinstance(restart, bool):
+            raise _fail(pw, f"restart must be true or false, got {restart!r}")
         procs.append(
             ProcessSpec(
                 name=pname,
@@ -241,6 +247,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
                 prefill=_str_list(pw, p.get("prefill", []), "prefill"),
                 decode=_str_list(pw, p.get("decode", []), "decode"),
                 host=_host(pw, p.get("host", ""), subnet),
+                restart=restart,
             )
         )
     roles = {p.name: p.role for p in procs}

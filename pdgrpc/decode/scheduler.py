@@ -264,7 +264,9 @@ class DecodeScheduler:
             return await self.directory.parallel_info(address, wait_for=self.config.deadlines.resolve_dp_rank_s)
         except RpcError as exc:
             code = exc.code if exc.code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.UNAVAILABLE
-            raise RequestFailed(code, f"prefill_bootstrap_address {address}: GetParallelInfo failed: {exc.details}") from None
+            raise RequestFailed(
+                code, f"prefill_bootstrap_address {address}: GetParallelInfo failed: {exc.details}", ServerAbortReason.PREFILL_ERROR
+            ) from None
 
     def cancel(self, room: int, message: str) -> None:
         """Abort ``room`` (the client went away). Takes effect at once before the

@@ -606,6 +606,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return RequestFailed(code, decode_msg, ServerAbortReason.PEER_FAILURE), "decode"
         if said == ServerAbortReason.DRAIN_TIMEOUT.value:
             return RequestFailed(code, decode_msg, ServerAbortReason.DRAIN_TIMEOUT), "decode"
+        if said == ServerAbortReason.PREFILL_ERROR.value and not prefill_fut.done():
+            # The decode names its prefill as the cause (e.g. the prefill's bootstrap has no
+            # worker yet: it is restarting): that prefill is the side to replace.
+            return RequestFailed(_client_code(code), decode_msg, ServerAbortReason.PREFILL_ERROR), "prefill"
         # A decode that failed because its prefill did reports less than the prefill: give
         # the prefill a moment to say why, and report its status if it failed.
         if not prefill_fut.done():

@@ -58,6 +58,7 @@ def test_every_shipped_topology_loads():
         ({"process": [{"name": "d", "role": "decode"}]}, "exactly one router"),
         ({"unknown": 1}, "unknown top-level keys"),
         ({"metrics": "yes"}, "metrics must be true or false"),
+        ({"process": [{"name": "d", "role": "decode", "restart": "no"}]}, "restart must be true or false"),
         ({"process": [{"name": "d", "role": "decode", "args": {"metrics-port": 5}}]}, "--metrics-port is set by the launcher"),
     ],
 )
@@ -184,8 +185,11 @@ def test_cli_serves_then_stops_everything_on_sigint(tmp_path):
             cli.wait()
 
 
-def test_a_dying_child_stops_the_cluster_with_its_log(tmp_path):
-    cli = _start_cli("1p1d", tmp_path)
+def test_a_child_with_restart_false_stops_the_cluster_with_its_log(tmp_path):
+    topology = tmp_path / "1p1d-no-restart.toml"
+    text = (servers_dir() / "1p1d.toml").read_text()
+    topology.write_text(text.replace('role = "decode"\n', 'role = "decode"\nrestart = false\n', 1))
+    cli = _start_cli(str(topology), tmp_path)
     try:
         _, pids = _wait_router(cli)
         all_pids = _cluster_pids(pids, tmp_path)
@@ -199,6 +203,60 @@ def test_a_dying_child_stops_the_cluster_with_its_log(tmp_path):
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
             cli.wait()
+
+
+def test_a_dying_child_comes_back_and_serves_and_restart_drains_one(tmp_path):
+    cli = _start_cli("1p1d", tmp_path)
+    try:
+        router, pids = _wait_router(cli)
+
+        async def one() -> tuple[int, ...]:
+            async with grpc.aio.insecure_channel(router) as ch:
+                return (await generate(GenerateServiceStub(ch), prompt="hello", max_new_tokens=4, timeout=10)).token_ids
+
+        before = asyncio.run(one())
+        os.kill(pids["decode"], signal.SIGKILL)
+        # The launcher logs why and starts it again on the same port; it serves again.
+        eventually(lambda: "[cluster] exited with code -9" in (tmp_path / "decode.log").read_text(), 30, 0.2, "no restart logged")
+
+        def serves() -> bool:
+            try:
+                return asyncio.run(one()) == before
+            except grpc.RpcError:
+                return False
+
+        eventually(serves, 90, 0.5, "the restarted decode never served")
+        assert cli.poll() is None
+        state = json.loads((tmp_path / "cluster.json").read_text())["processes"]
+        assert state["decode"]["pid"] != pids["decode"]
+        # A planned restart: the decode drains, exits 0 and comes back.
+        done = subprocess.run(
+            [sys.executable, "-m", "pdgrpc.cluster", "restart", "decode", "--log-dir", str(tmp_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=150,
+        )
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"decode: drained \(pid \d+\), restarted \(pid \d+\), serving", done.stdout)
+        assert "[cluster] exited with code 0" in (tmp_path / "decode.log").read_text()
+        assert asyncio.run(one()) == before
+        state = json.loads((tmp_path / "cluster.json").read_text())["processes"]
+        all_pids = _cluster_pids({n: p["pid"] for n, p in state.items()}, tmp_path)
+        cli.send_signal(signal.SIGINT)
+        _, err = cli.communicate(timeout=60)
+        assert cli.returncode == 0, err
+        _wait_gone(all_pids)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+
+
+def test_restart_names_what_is_wrong(tmp_path):
+    run = [sys.executable, "-m", "pdgrpc.cluster", "restart", "decode", "--log-dir", str(tmp_path)]
+    done = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "no running cluster's state here" in done.stderr
+    (tmp_path / "cluster.json").write_text(json.dumps({"processes": {"router": {"role": "router", "address": "x", "pid": 1}}, "client": {}}))
+    done = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "no process 'decode'" in done.stderr and "router" in done.stderr
 
 
 async def test_a_process_that_cannot_start_fails_the_start_with_its_log(tmp_path):

@@ -1,10 +1,12 @@
-"""End to end: SIGTERM drains a prefill or a decode of a 2p2d cluster under load.
+"""End to end: SIGTERM drains a prefill or a decode of a 2p2d cluster under load, and a
+rolling restart restarts the others.
 
-Real processes (``servers/2p2d.toml``): clients keep requests running through the router
-while one prefill (with rooms in flight) or one decode (with streams running) gets
-SIGTERM. The drained process finishes what it holds and exits 0; its new requests go to
-the other instance. No request fails, every output equals colocated generation, and
-nothing stays held on the servers left.
+Real processes (``servers/2p2d.toml``, the launcher supervising): clients keep requests
+running through the router while one prefill (with rooms in flight) and then one decode
+(with streams running) get SIGTERM. The drained process finishes what it holds and exits
+0, the launcher starts it again; new requests meanwhile go to the other instance. Then
+``Cluster.restart`` restarts the other prefill and decode one at a time. No request
+fails, every output equals colocated generation, and nothing stays held.
 """
 
 from __future__ import annotations
@@ -104,38 +106,49 @@ async def _nothing_held(cluster: Cluster, names: list[str]) -> None:
     await eventually_async(empty, 20.0, 0.1, lambda: f"still held after the drain: {held}")
 
 
-async def _drain_under_load(tmp_path: Any, victim: str, cases: list[Case], at_least: int) -> None:
+async def _drained_and_back(cluster: Cluster, name: str, at_least: int) -> int:
+    """SIGTERM ``name`` once busy; it drains and exits 0, the launcher starts it again and
+    it serves. Returns how many requests it held at the signal."""
+    proc = cluster.procs[name]
+    process = proc.process
+    assert process is not None
+    restarts = proc.restarts
+    held = await _sigterm_when_busy(cluster, name, at_least)
+    assert await asyncio.wait_for(process.wait(), 45) == 0, proc.log_tail()
+    log = proc.log_path.read_text()
+    assert "draining" in log and "drain_timeout" not in log
+
+    await eventually_async(lambda: proc.restarts > restarts, 30.0, 0.1, f"{name} was not started again after its drain")
+    await cluster.wait_serving(name)
+    return held
+
+
+async def test_drains_and_a_rolling_restart_under_load_fail_no_request(tmp_path):
+    """SIGTERM on a prefill with rooms in flight (long prompts, computed chunk by chunk)
+    and on a decode with streams running (long outputs), then a rolling restart of the
+    other prefill and decode, all under load: no request fails, every output equals
+    colocated generation, nothing stays held."""
+    skip_unless_transport("tcp")
     topology = load_topology(TOPOLOGY)
+    cases = _cases(prompt_len=700, max_new_tokens=4)[: CLIENTS // 2] + _cases(prompt_len=40, max_new_tokens=64)[CLIENTS // 2 :]
     expected = reference_outputs_for(topology, cases)
-    async with Cluster(topology, transport="tcp", log_dir=tmp_path / "logs") as cluster:
+    async with Cluster(topology, transport="tcp", log_dir=tmp_path / "logs", supervise=True) as cluster:
         async with cluster.client_channel() as channel:
             load = Load(GenerateServiceStub(channel), cases)
             try:
-                held = await _sigterm_when_busy(cluster, victim, at_least)
-                proc = cluster.procs[victim].process
-                assert proc is not None
-                assert await asyncio.wait_for(proc.wait(), 45) == 0, cluster.procs[victim].log_tail()
+                held_prefill = await _drained_and_back(cluster, "prefill-a", at_least=4)
+                held_decode = await _drained_and_back(cluster, "decode-a", at_least=8)
                 served = len(load.done)
-                await asyncio.sleep(1.0)  # the survivors serve on
+                for name in ("prefill-b", "decode-b"):  # the rolling restart of the rest
+                    await cluster.restart(name)
+                await asyncio.sleep(0.5)  # the restarted ones serve too
             finally:
                 await load.stop()
-            assert held >= 1, f"{victim} held no request when it got SIGTERM"
+            assert held_prefill >= 1 and held_decode >= 1, (held_prefill, held_decode)
             assert load.failed == [], load.failed[:5]
-            assert len(load.done) > served, "nothing was served after the drain"
+            assert len(load.done) > served, "nothing was served during the rolling restart"
             for i, ids, finish in load.done:
                 assert (ids, finish) == expected[i], f"case {i} differs from colocated generation"
-            log = cluster.procs[victim].log_path.read_text()
-            assert "draining" in log and "drain_timeout" not in log
-            survivors = [p.name for p in topology.processes if p.role in ("prefill", "decode") and p.name != victim]
-            await _nothing_held(cluster, survivors)
-
-
-async def test_sigterm_on_a_prefill_with_rooms_in_flight_fails_no_request(tmp_path):
-    skip_unless_transport("tcp")
-    # Long prompts, computed chunk by chunk: the prefill holds rooms while it computes.
-    await _drain_under_load(tmp_path, "prefill-a", _cases(prompt_len=700, max_new_tokens=4), at_least=8)
-
-
-async def test_sigterm_on_a_decode_with_streams_running_fails_no_request(tmp_path):
-    skip_unless_transport("tcp")
-    await _drain_under_load(tmp_path, "decode-a", _cases(prompt_len=40, max_new_tokens=64), at_least=8)
+            for name in ("prefill-b", "decode-b"):
+                assert "draining" in cluster.procs[name].log_path.read_text()
+            await _nothing_held(cluster, [p.name for p in topology.processes if p.role in ("prefill", "decode")])

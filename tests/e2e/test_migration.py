@@ -31,14 +31,25 @@ def _cases() -> list[Case]:
     text = b"Migrate me: the same seed draws the same tokens at the same positions. "
     return [
         Case(
-            input_ids=(256, *text[i : i + 20 + 7 * i]), max_new_tokens=NEW_TOKENS,
+            input_ids=(256, *text[i : i + 30]), max_new_tokens=NEW_TOKENS,
             temperature=0.8 if i % 2 else 0.0, seed=4242 + i if i % 2 else 0,
         )
         for i in range(8)
     ]
 
 
-async def _client(stub: GenerateServiceStub, c: Case, kill: asyncio.Event) -> tuple[tuple[int, ...], str]:
+class _Started:
+    """Set once a stream holds ``KILL_AT`` tokens: the prompts are of one length and sent
+    at once, so the victim's streams are about as far."""
+
+    def __init__(self) -> None:
+        self.kill = asyncio.Event()
+
+    def reached(self) -> None:
+        self.kill.set()
+
+
+async def _client(stub: GenerateServiceStub, c: Case, started: _Started) -> tuple[tuple[int, ...], str]:
     request = generate_pb2.GenerateRequest(
         input_ids=list(c.input_ids),
         sampling=common_pb2.SamplingParams(temperature=c.temperature, seed=c.seed, top_p=1.0, max_new_tokens=c.max_new_tokens),
@@ -46,10 +57,11 @@ async def _client(stub: GenerateServiceStub, c: Case, kill: asyncio.Event) -> tu
     ids: list[int] = []
     finish = ""
     async for m in stub.Generate(request, timeout=60):
+        before = len(ids)
         ids += m.token_ids
         finish = m.finish_reason or finish
-        if len(ids) >= KILL_AT:
-            kill.set()
+        if before < KILL_AT <= len(ids):
+            started.reached()
     return tuple(ids), finish
 
 
@@ -62,9 +74,12 @@ async def test_sigkill_of_a_decode_at_token_5_of_64_migrates_every_stream_exactl
     async with Cluster(topology, transport=transport, log_dir=tmp_path / "logs", metrics=True) as cluster:
         async with cluster.client_channel() as channel:
             stub = GenerateServiceStub(channel)
-            kill = asyncio.Event()
-            clients = [asyncio.ensure_future(_client(stub, c, kill)) for c in cases]
-            await asyncio.wait([asyncio.ensure_future(kill.wait()), *clients], return_when=asyncio.FIRST_COMPLETED)
+            started = _Started()
+            clients = [asyncio.ensure_future(_client(stub, c, started)) for c in cases]
+            await started.kill.wait()
+            # ... and the victim still streams (it would rather be past its first token).
+            while (await cluster.stats("decode-a")).active_requests == 0 and not all(t.done() for t in clients):
+                await asyncio.sleep(0.002)
             victim = cluster.procs["decode-a"].process
             assert victim is not None
             victim.kill()

@@ -146,7 +146,7 @@ async def test_no_retry_without_another_instance_with_retries_0_or_after_a_token
             got.append(list(m.token_ids))
     # Both decodes fail the same way, so a retry would have shown [104] twice.
     assert got == [[104]] and err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "decode going away" in err.value.details() and len(up.prefills[1].requests) == 1
+    assert "decode going away" in err.value.details() and len(up.prefills[1].requests) <= 1  # sent once (cancelled at once, perhaps before it arrived)
 
 
 async def test_other_failures_are_not_retried(up):
