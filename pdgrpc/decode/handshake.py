@@ -74,17 +74,20 @@ class Handshaker:
         replaced_wait_s: float = 30.0,
         writer_gone: Callable[[str], bool] = lambda writer: False,
         quarantined: Callable[[int], bool] = lambda room: True,
+        bind_writer: Callable[[int, int, str], None] = lambda room, prefill_tp_rank, writer: None,
     ) -> None:
         """``replaced_wait_s``: how long an unreachable worker's replacement is looked for
         (the abort lease: past it the quarantine ends anyway). ``writer_gone``: this rank's
         Transport.writer_gone; ``quarantined``: whether a room is still quarantined (an
-        unreachable worker is no longer waited for once not)."""
+        unreachable worker is no longer waited for once not); ``bind_writer(room, prefill
+        tp rank, writer id)``: admits a writer into this rank's room before its handshake
+        (RankTransfers.bind_writer)."""
         self.replaced_wait_s = replaced_wait_s
         self.directory = directory
         self.transport_name = transport_name
         self.compat_hash = compat_hash
         self.rpc_timeout_s = rpc_timeout_s
-        self.writer_gone, self.quarantined = writer_gone, quarantined
+        self.writer_gone, self.quarantined, self.bind_writer = writer_gone, quarantined, bind_writer
         self.descriptor, self.key = b"", b""  # this rank's, and its data-plane key (pdgrpc.transport.peerauth)
         # TP > 1: every decode rank's descriptor and key, by rank (handshakes are sent for
         # all of them from rank 0); empty for TP 1.
@@ -236,6 +239,8 @@ class Handshaker:
         )
         if job.room_secret:
             req.room_proof = handshake_proof(job.room_secret, req)
+        if d == 0:  # this rank's room admits the writer it names, and no other
+            self.bind_writer(job.room, w.tp_rank, self.instance_of(w.transport_endpoint))
         stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
         try:
             resp = await stub.Handshake(req, timeout=max(0.001, timeout), metadata=None if job.trace is None else job.trace.metadata())

@@ -73,9 +73,19 @@ class RankTransfers:
 
     def advertise(self, room: int, prompt_pages: tuple[int, ...], slot: int) -> None:
         """Grant ``room``'s writers the prompt's pages and the slot (before the handshake:
-        a prefill that writes at once finds the grant). Raises what the transport raises."""
+        a prefill that writes at once finds the grant). Rank 0, which sends the
+        handshakes, advertises its rooms bound: only the writers it names in
+        :meth:`bind_writer` may write into them. Raises what the transport raises."""
         for key in self.keys(room):
-            self.transport.advertise(RoomGrant.of(key, prompt_pages, slot))
+            self.transport.advertise(RoomGrant.of(key, prompt_pages, slot, bound=self.rank == 0))
+
+    def bind_writer(self, room: int, prefill_tp_rank: int, writer_id: str) -> None:
+        """Admit the prefill worker ``writer_id`` (of prefill tp rank ``prefill_tp_rank``)
+        into ``room``'s transport room on this rank, before its handshake goes out."""
+        keys = self.keys(room)
+        key = room if keys == [room] else transfer_room(room, prefill_tp_rank, self.rank)
+        if key in keys:
+            self.transport.bind_writer(key, writer_id)
 
     def status(self, room: int) -> tuple[KVPoll, str | None, AbortReason]:
         """This rank's transport state of ``room`` (its least advanced transport room) and,
@@ -137,6 +147,7 @@ class RankTransfers:
             pages_quarantined=q.pages.num_quarantined,
             pages_total=q.pages.num_pages,
             transport_rooms=len(self.transport.rooms),
+            transport_foreign_writes=self.transport.foreign_writes,
         )
 
 

@@ -150,6 +150,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_D, _P), field="transport_rooms",
     ),
     MetricSpec(
+        "pdgrpc_transport_foreign_writes_total", "counter",
+        "Data-plane writes refused because their proven writer is not the one the room's handshake named (count); "
+        "each is answered as for a room that does not exist and changes nothing.",
+        _R, (_D,), field="transport_foreign_writes",
+    ),
+    MetricSpec(
         "pdgrpc_bootstrap_rooms", "gauge",
         "Room -> dp rank entries held by the bootstrap table, expired but not yet swept ones included (count).",
         _R, (_B,), field="size",

@@ -69,7 +69,11 @@ Data-plane identity (:mod:`pdgrpc.transport.peerauth`) -- a receiver's
     transport with ``set_credential(receiver_id, credential)`` before ``connect``. A
     backend's connections and liveness links answer a receiver-chosen nonce with a proof of
     it; the receiver takes a connection's identity only once the proof verifies, and only
-    proven connections may fail a peer's rooms. ``writer_gone(writer_id)`` (receiver) says
+    proven connections may fail a peer's rooms. A room advertised with
+    ``RoomGrant.bound`` admits only the writers the receiver's control plane names with
+    ``bind_writer(room, writer_id)`` before its handshake goes out; another proven
+    writer's write is refused as for an unknown room, leaves the room as it was, and is
+    counted (``foreign_writes``). ``writer_gone(writer_id)`` (receiver) says
     whether the transport has confirmed that writer can no longer write here (every
     proven connection of its ended from its side and was drained); the decode then ends
     the quarantine of an aborted room's pages without waiting for the lease. Default
@@ -167,6 +171,7 @@ class Transport(abc.ABC):
         self.auth_key: bytes = peerauth.new_key()  # receiver: never leaves this process
         self.credentials = peerauth.CredentialStore()  # writer: what receivers issued to it
         self.writers = peerauth.WriterTable()  # receiver: proven connections per writer
+        self.room_writers = peerauth.RoomWriters()  # receiver: the writers each room admits
         peerauth.remember_key(self.instance_id, self.auth_key)
 
     # -- data-plane identity (pdgrpc.transport.peerauth) ---------------------------------
@@ -198,6 +203,18 @@ class Transport(abc.ABC):
     def verify_proof(self, channel: bytes, nonce: bytes, writer_id: str, answer: bytes) -> bool:
         """Receiver: whether ``answer`` to ``nonce`` proves ``writer_id``'s credential."""
         return peerauth.verify(self.auth_key, channel, nonce, writer_id, self.instance_id, answer)
+
+    def bind_writer(self, room: int, writer_id: str) -> None:
+        """Receiver: admit the writer ``writer_id`` into ``room``, advertised with
+        ``RoomGrant.bound`` (call before the handshake that names the writer goes out).
+        Writes from any other proven writer are refused as for an unknown room and
+        counted in :attr:`foreign_writes`; the room is left as it was."""
+        self.room_writers.bind(room, writer_id)
+
+    @property
+    def foreign_writes(self) -> int:
+        """Receiver: writes refused because their writer is not bound to the room."""
+        return self.room_writers.foreign
 
     def writer_gone(self, writer_id: str) -> bool:
         """Receiver: whether the transport confirmed ``writer_id`` can no longer write

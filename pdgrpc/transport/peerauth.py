@@ -32,7 +32,7 @@ import hmac
 import secrets
 
 __all__ = [
-    "CREDENTIAL_BYTES", "KEY_BYTES", "NONCE_BYTES", "PROOF_BYTES", "CredentialStore", "WriterTable",
+    "CREDENTIAL_BYTES", "KEY_BYTES", "NONCE_BYTES", "PROOF_BYTES", "CredentialStore", "RoomWriters", "WriterTable",
     "credential", "known_credential", "new_key", "new_nonce", "proof", "remember_key", "verify",
 ]
 
@@ -140,6 +140,53 @@ class WriterTable:
     def gone(self, writer_id: str) -> bool:
         """Whether ``writer_id`` can no longer write here (see the class docstring)."""
         return writer_id in self._gone
+
+
+
+class RoomWriters:
+    """The receiver's side: which writers each room is bound to. A room advertised as
+    bound (``RoomGrant.bound``) admits only the writers its control plane binds to it
+    (:meth:`bind`, before its handshake goes out: the writers it names), none before,
+    while it is open and after it ended; so a credential alone never reaches another
+    writer's room. An unbound room admits every proven writer (a receiver whose control
+    plane does not bind, such as a test driving a transport directly). Refusals are
+    counted in :attr:`foreign`. Bounded: the bindings of the oldest ended rooms go first."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self.foreign = 0  # writes refused because their writer is not the room's
+        self._live: dict[int, set[str]] = {}
+        self._ended: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
+
+    def opened(self, room: int, *, bound: bool) -> None:
+        """``room`` was advertised; ``bound``: it admits only the writers bound to it."""
+        self._ended.pop(room, None)
+        if bound:
+            self._live.setdefault(room, set())
+        else:
+            self._live.pop(room, None)
+
+    def bind(self, room: int, writer_id: str) -> None:
+        """Admit ``writer_id`` into ``room`` too (a room has one writer per prefill rank)."""
+        self._live.setdefault(room, set()).add(writer_id)
+
+    def admits(self, room: int, writer_id: str) -> bool:
+        """Whether ``writer_id`` may write into ``room``; a refusal is counted."""
+        writers: set[str] | frozenset[str] | None = self._live.get(room)
+        if writers is None:
+            writers = self._ended.get(room)
+        if writers is None or writer_id in writers:
+            return True
+        self.foreign += 1
+        return False
+
+    def ended(self, room: int) -> None:
+        """``room`` was released: its binding still refuses other writers for a while."""
+        writers = self._live.pop(room, None)
+        if writers is not None:
+            self._ended[room] = frozenset(writers)
+            while len(self._ended) > self.limit:
+                self._ended.popitem(last=False)
 
 
 # Keys of receivers this process holds or spawned (its own transports; a test harness's

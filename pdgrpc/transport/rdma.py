@@ -122,7 +122,8 @@ class RdmaTransport(Transport):
             zero_copy_min=int(zero_copy_min), contiguous_min=int(contiguous_min) or None, iov_max=int(iov_max),
             connect_timeout=float(connect_timeout), write_ahead=bool(write_ahead))
         self._receiver = RdmaReceiver(self._worker, self.rooms, self._regions, self._liveness,
-                                      instance_id=self.instance_id, verify_proof=self.verify_proof)
+                                      instance_id=self.instance_id, verify_proof=self.verify_proof,
+                                      room_writers=self.room_writers)
         # the write path's steps, bound once
         self._plan = self._sender.plan
         self._announce = self._sender.announce

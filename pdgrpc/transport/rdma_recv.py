@@ -39,6 +39,7 @@ from pdgrpc.transport._ucx import (
     FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, Pieces, UcxError, UcxWorker,
 )
 from pdgrpc.transport.base import RegionInfo, RoomGrant
+from pdgrpc.transport.peerauth import RoomWriters
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_wire import (
     ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY,
@@ -97,7 +98,8 @@ class RdmaReceiver:
     incoming connections."""
 
     def __init__(self, worker: UcxWorker, rooms: RoomStates, regions: Regions, liveness: RecvLiveness, *,
-                 instance_id: str, verify_proof: Callable[[bytes, bytes, str, bytes], bool]) -> None:
+                 instance_id: str, verify_proof: Callable[[bytes, bytes, str, bytes], bool],
+                 room_writers: RoomWriters) -> None:
         self._worker = worker
         self._rooms = rooms
         self._by_region = regions.by_id
@@ -105,7 +107,7 @@ class RdmaReceiver:
         self._liveness = liveness
         self._instance_id = instance_id
         self._verify_proof = verify_proof
-        self._recv = Receiver(rooms)
+        self._recv = Receiver(rooms, room_writers)
         self._recv_conns: dict[int, RecvConn] = {}
         self._recv_rooms: dict[int, RecvRoom] = {}
         self._draining: list[RecvConn] = []  # dropped connections whose receives have not all completed

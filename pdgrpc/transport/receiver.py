@@ -33,6 +33,7 @@ import numpy as np
 
 from pdgrpc.errors import ConfigError, Refusal, UnauthorizedWrite
 from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport.peerauth import RoomWriters
 from pdgrpc.transport.regions import RegionInfo, RegionKind
 from pdgrpc.transport.rooms import RoomStates, after_reactions
 
@@ -57,20 +58,23 @@ class MessageType(enum.IntEnum):
 class RoomGrant:
     """What a receiver allows for one room: these page indices in every KV region and
     this slot in every metadata region (``slot=None``: no metadata row for this room,
-    e.g. an intermediate TP rank). Build with :meth:`of`, which sorts and dedups."""
+    e.g. an intermediate TP rank). ``bound``: only the writers the control plane binds
+    to the room (``Transport.bind_writer``) may write into it, none before; unbound, any
+    proven writer may. Build with :meth:`of`, which sorts and dedups."""
 
     room: int  # a room key in [1, 2**63), checked where its room entered (pdgrpc.state.room)
     pages: tuple[int, ...]
     slot: int | None = None
+    bound: bool = False
 
     @classmethod
-    def of(cls, room: int, pages: Iterable[int], slot: int | None = None) -> "RoomGrant":
+    def of(cls, room: int, pages: Iterable[int], slot: int | None = None, *, bound: bool = False) -> "RoomGrant":
         ps = tuple(sorted(set(int(p) for p in pages)))
         if ps and ps[0] < 0:
             raise ConfigError(f"RoomGrant.pages must be >= 0, got {ps[0]}")
         if slot is not None and slot < 0:
             raise ConfigError(f"RoomGrant.slot must be >= 0, got {slot}")
-        return cls(room, ps, slot)
+        return cls(room, ps, slot, bound)
 
     @property
     def page_runs(self) -> tuple[tuple[int, int], ...]:
@@ -238,8 +242,9 @@ class Receiver:
     """Grants, write authorization, byte accounting and the metadata-last commit, over a
     backend's :class:`~pdgrpc.transport.rooms.RoomStates`. See the module docstring."""
 
-    def __init__(self, rooms: RoomStates) -> None:
+    def __init__(self, rooms: RoomStates, writers: RoomWriters | None = None) -> None:
         self.rooms = rooms
+        self.writers = writers if writers is not None else RoomWriters()
         self.regions = RegionTable()
         self._open: dict[int, ReceiveRoom] = {}
 
@@ -250,6 +255,7 @@ class Receiver:
         if grant.room in self._open or grant.room in self.rooms:
             raise ConfigError(f"room {grant.room} is already in use by this transport; release it first")
         page_bytes = sum(i.item_bytes for i in self.regions.infos.values() if i.kind is RegionKind.KV)
+        self.writers.opened(grant.room, bound=grant.bound)
         rr = self._open[grant.room] = ReceiveRoom(grant, len(grant.pages) * page_bytes)
         self.rooms.create(grant.room, KVPoll.WAITING_FOR_INPUT)
         return rr
@@ -260,6 +266,7 @@ class Receiver:
         return self._open.get(room)
 
     def release(self, room: int) -> ReceiveRoom | None:
+        self.writers.ended(room)
         return self._open.pop(room, None)
 
     def clear(self) -> None:
@@ -275,7 +282,13 @@ class Receiver:
         ``peer_id`` for ``room``. Returns the room, now TRANSFERRING, when every op
         lands inside its grant; otherwise fails the room (if open) and raises
         :class:`~pdgrpc.errors.UnauthorizedWrite`. With ``start=False`` (a write
-        announced ahead of its bytes) the room stays as it is until bytes land."""
+        announced ahead of its bytes) the room stays as it is until bytes land.
+
+        A writer the room is not bound to (:class:`~pdgrpc.transport.peerauth.RoomWriters`)
+        is refused as for a room that does not exist, and the room is left as it was: a
+        stolen credential can neither write into it nor fail it, nor tell it from none."""
+        if not self.writers.admits(room, peer_id):
+            raise UnauthorizedWrite(Refusal.UNKNOWN_ROOM, self.rooms.refusal(room, reveal=False))
         rr = self._open.get(room)
         try:
             if rr is None:

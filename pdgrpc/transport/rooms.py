@@ -155,12 +155,13 @@ class RoomStates:
         """The reason noted for ``room``'s release, if any (and still kept)."""
         return self._release_reasons.get(room)
 
-    def refusal(self, room: int) -> str:
+    def refusal(self, room: int, *, reveal: bool = True) -> str:
         """Why a receiver refuses a write for ``room``, which it does not track. A room
-        released for a noted reason says so: a sender whose write was a moment late then
-        reports the cause (say, the decode found the metadata corrupt on another TP
-        rank), not only that the room is gone."""
-        why = self.release_reason(room)
+        released for a noted reason says so when ``reveal`` (the writer is the room's
+        own): a sender whose write was a moment late then reports the cause (say, the
+        decode found the metadata corrupt on another TP rank), not only that the room is
+        gone. Without ``reveal`` every room reads the same, so probing learns nothing."""
+        why = self.release_reason(room) if reveal else None
         text = f"room {room} is not advertised here (never, or already released)"
         return text if why is None else f"{text}; it was released because: {why}"
 

@@ -123,7 +123,7 @@ class TcpTransport(Transport):
         self._views: dict[int, memoryview] = {}
         self._device = TcpDevice() if device is None else device
         self.receiver = TcpReceiver(self.rooms, self._views, self._device, self._gate, self.writers,
-                                    self.instance_id, self.verify_proof, self.name)
+                                    self.room_writers, self.instance_id, self.verify_proof, self.name)
         self.sender = TcpSender(self.rooms, self._regions, self._views, self._device, self._dial, connections,
                                 self.fail_peer, self.name)
         self._closed = False

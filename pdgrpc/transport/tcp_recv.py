@@ -38,13 +38,14 @@ class TcpReceiver:
 
     ``views`` are the host regions' bytes and ``device`` stages the device regions (both
     filled as regions are registered); ``gate`` counts accepted connections; ``writers``
-    tracks proven connections per writer; ``verify_proof`` checks a HELLO's proof of
+    tracks proven connections per writer and ``room_writers`` whom each room admits; ``verify_proof`` checks a HELLO's proof of
     identity for this instance ``instance_id``."""
 
     def __init__(self, rooms: RoomStates, views: Mapping[int, memoryview], device: TcpDevice, gate: AcceptGate,
-                 writers: peerauth.WriterTable, instance_id: str, verify_proof: VerifyProof, name: str) -> None:
+                 writers: peerauth.WriterTable, room_writers: peerauth.RoomWriters, instance_id: str,
+                 verify_proof: VerifyProof, name: str) -> None:
         self._rooms = rooms
-        self._core = Receiver(rooms)
+        self._core = Receiver(rooms, room_writers)
         self._lookup = self._core.get
         self._views = views
         self._device = device

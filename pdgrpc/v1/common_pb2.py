@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdgrpc/v1/common.proto\x12\tpdgrpc.v1\"\xa1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xb2\x01\n\rResourceStats\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\r\x12\x14\n\x0cslots_in_use\x18\x02 \x01(\r\x12\x13\n\x0bslots_total\x18\x03 \x01(\r\x12\x14\n\x0cpages_in_use\x18\x04 \x01(\r\x12\x19\n\x11pages_quarantined\x18\x05 \x01(\r\x12\x13\n\x0bpages_total\x18\x06 \x01(\r\x12\x17\n\x0ftransport_rooms\x18\x07 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdgrpc/v1/common.proto\x12\tpdgrpc.v1\"\xa1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xd4\x01\n\rResourceStats\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\r\x12\x14\n\x0cslots_in_use\x18\x02 \x01(\r\x12\x13\n\x0bslots_total\x18\x03 \x01(\r\x12\x14\n\x0cpages_in_use\x18\x04 \x01(\r\x12\x19\n\x11pages_quarantined\x18\x05 \x01(\r\x12\x13\n\x0bpages_total\x18\x06 \x01(\r\x12\x17\n\x0ftransport_rooms\x18\x07 \x01(\r\x12 \n\x18transport_foreign_writes\x18\x08 \x01(\x04\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=199
   _globals['_RESOURCESTATS']._serialized_start=202
-  _globals['_RESOURCESTATS']._serialized_end=380
-  _globals['_TOPLOGPROBS']._serialized_start=382
-  _globals['_TOPLOGPROBS']._serialized_end=432
+  _globals['_RESOURCESTATS']._serialized_end=414
+  _globals['_TOPLOGPROBS']._serialized_start=416
+  _globals['_TOPLOGPROBS']._serialized_end=466
 # @@protoc_insertion_point(module_scope)

@@ -88,6 +88,7 @@ class ResourceStats(_message.Message):
     PAGES_QUARANTINED_FIELD_NUMBER: _builtins.int
     PAGES_TOTAL_FIELD_NUMBER: _builtins.int
     TRANSPORT_ROOMS_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FOREIGN_WRITES_FIELD_NUMBER: _builtins.int
     active_requests: _builtins.int
     """Requests admitted and not yet finished (count)."""
     slots_in_use: _builtins.int
@@ -102,6 +103,8 @@ class ResourceStats(_message.Message):
     """KV pages in total (count)."""
     transport_rooms: _builtins.int
     """Rooms the transport still tracks (count)."""
+    transport_foreign_writes: _builtins.int
+    """Writes the transport refused because their proven writer is not the one the room is bound to (count, since start)."""
     def __init__(
         self,
         *,
@@ -112,10 +115,11 @@ class ResourceStats(_message.Message):
         pages_quarantined: _builtins.int = ...,
         pages_total: _builtins.int = ...,
         transport_rooms: _builtins.int = ...,
+        transport_foreign_writes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "pages_in_use", b"pages_in_use", "pages_quarantined", b"pages_quarantined", "pages_total", b"pages_total", "slots_in_use", b"slots_in_use", "slots_total", b"slots_total", "transport_rooms", b"transport_rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "pages_in_use", b"pages_in_use", "pages_quarantined", b"pages_quarantined", "pages_total", b"pages_total", "slots_in_use", b"slots_in_use", "slots_total", b"slots_total", "transport_foreign_writes", b"transport_foreign_writes", "transport_rooms", b"transport_rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -167,6 +167,7 @@ def test_roles_have_the_documented_live_fields() -> None:
     fields = {r: {m.field for m in CATALOG if m.live and r in m.roles} for r in Role}
     assert fields[Role.DECODE] == {
         "active_requests", "slots_in_use", "slots_total", "pages_in_use", "pages_quarantined", "pages_total", "transport_rooms",
+        "transport_foreign_writes",
     }
     assert fields[Role.PREFILL] == {
         "active_requests", "pages_in_use", "pages_total", "transport_rooms", "prefix_cache_pages", "prefix_cache_evictions",
