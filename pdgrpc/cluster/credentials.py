@@ -6,6 +6,8 @@ the certificate's common name, which bootstrap sees as its identity) plus one fo
 clients, and/or a random bearer token (:mod:`pdgrpc.rpc.certs`); or uses the files a
 topology's ``[security]`` table names (``tls-cert``, ``tls-key``, ``tls-ca``,
 ``auth-token-file``: the same for every process and for the launcher's own calls).
+Behind smg, the prefill and decode servers also share a random room key
+(``--smg-room-key-file``).
 :meth:`~ClusterCredentials.flags` are a process's security flags,
 :attr:`~ClusterCredentials.client` what a client of the cluster presents.
 """
@@ -25,7 +27,8 @@ CLIENT = "client"  # the certificate a cluster's clients present
 
 class ClusterCredentials:
     def __init__(
-        self, directory: Path, names: Iterable[str], *, tls: bool, token: bool, files: Mapping[str, Path] | None = None
+        self, directory: Path, names: Iterable[str], *, tls: bool, token: bool, files: Mapping[str, Path] | None = None,
+        smg: bool = False,
     ) -> None:
         files = files or {}
         names = (*names, CLIENT)
@@ -45,6 +48,9 @@ class ClusterCredentials:
             shared = CertFiles(files["tls-cert"], files["tls-key"])
             self.certs = {name: shared for name in names}
         self.token: Path | None = write_token(directory / "token") if token else files.get("auth-token-file")
+        # The key an smg setup's prefill and decode servers derive room secrets under
+        # (--smg-room-key-file): a request id alone then proves nothing.
+        self.smg_room_key: Path | None = write_token(directory / "smg-room-key") if smg else None
         client = self.certs.get(CLIENT)
         self.client = Security(
             cert=None if client is None else client.cert, key=None if client is None else client.key,

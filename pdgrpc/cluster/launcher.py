@@ -207,6 +207,7 @@ class Cluster:
         self.credentials = ClusterCredentials(
             self.log_dir / "security", [p.name for p in self.topology.processes], tls=self.tls == "auto",
             token=self.auth_token == "auto", files=self.topology.security_files,
+            smg=any(p.role == "smg" for p in self.topology.processes),
         )
         self.client_security = self.credentials.client
         self.procs: dict[str, Proc] = {}
@@ -302,6 +303,8 @@ class Cluster:
             out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", proc.ip]
         if spec.role in ("prefill", "decode"):
             out += ["--transport", self.transport, *flags(self.topology.engine)]
+            if self.credentials.smg_room_key is not None:
+                out += ["--smg-room-key-file", str(self.credentials.smg_room_key)]
             if proc.ip != HOST:  # on a host: the data plane listens on (and advertises) the host's address
                 out += ["--transport-host", proc.ip]
         etcd = self.topology.etcd

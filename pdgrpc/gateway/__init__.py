@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +25,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_SERVED_MODEL_NAME", "add_gateway_arguments", "available", "colocated_service", "decode_service", "prefill_service",
-    "served_model_name",
+    "room_key", "served_model_name",
 ]
 
 DEFAULT_SERVED_MODEL_NAME = "pdgrpc-reference"
+ROOM_KEY_MIN_BYTES = 32
+
+log = logging.getLogger("pdgrpc.gateway")
 
 
 def available() -> bool:
@@ -42,6 +46,30 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="model id smg shows in /v1/models and matches the OpenAI 'model' field against. Default: the checkpoint "
         f"directory's name with --model, else {DEFAULT_SERVED_MODEL_NAME}",
     )
+    g.add_argument(
+        "--smg-room-key-file", type=Path, metavar="FILE",
+        help=f"secret file (at least {ROOM_KEY_MIN_BYTES} bytes, mode 600) shared by the prefill and decode servers behind "
+        "one smg: each smg request's room secret is an HMAC of its request id under it, so a request id seen in a log "
+        "proves nothing. The launcher makes one per cluster. Without it the secret is derived from the request id alone",
+    )
+
+
+def room_key(ns: argparse.Namespace) -> bytes:
+    """The smg room key ``--smg-room-key-file`` holds (b"" without the flag, with a
+    warning: then a request id alone gives its room secret); ConfigError naming the flag
+    for a file that is unreadable, open to others or too short."""
+    from pdgrpc.errors import ConfigError
+    from pdgrpc.rpc.security import read_secret
+
+    path = getattr(ns, "smg_room_key_file", None)
+    if path is None:
+        log.warning("smg: no --smg-room-key-file: each request's room secret is derived from its request id alone, "
+                    "so whoever reads a request id (smg and the servers log them) can abort or watch its room")
+        return b""
+    key = read_secret(path, "--smg-room-key-file")
+    if len(key) < ROOM_KEY_MIN_BYTES:
+        raise ConfigError(f"--smg-room-key-file {str(path)!r} holds {len(key)} bytes; a key needs at least {ROOM_KEY_MIN_BYTES}")
+    return key
 
 
 def served_model_name(ns: argparse.Namespace) -> str:
@@ -61,6 +89,7 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
 
     tokenizer = served_tokenizer(ns)  # the workers' engine runs in their own processes
     name = served_model_name(ns)
+    key = room_key(ns)
 
     def info() -> WorkerInfo:
         # The bootstrap's port is known once the controller's server is bound.
@@ -68,7 +97,7 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
         return WorkerInfo(
             mode="prefill", served_model_name=name, transport=ns.transport, max_seq_len=ns.max_seq_len,
             max_prompt_tokens=ns.max_prompt_tokens, max_running_requests=ns.num_pages * ns.dp_size,
-            bootstrap_port=int(port) if port.isdigit() else 0, tokenizer=tokenizer,
+            bootstrap_port=int(port) if port.isdigit() else 0, tokenizer=tokenizer, room_key=key,
         )
 
     leg = PrefillLeg(
@@ -97,7 +126,7 @@ def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "Serv
     fixed = WorkerInfo(
         mode="decode", served_model_name=served_model_name(ns), transport=transport, max_seq_len=engine.max_seq_len,
         max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=ns.num_slots, bootstrap_port=0,
-        tokenizer=engine.tokenizer,
+        tokenizer=engine.tokenizer, room_key=room_key(ns),
     )
     leg = DecodeLeg(
         decode, lambda: fixed, active=lambda: int(scheduler.stats().get("active_requests", 0)),

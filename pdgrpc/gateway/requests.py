@@ -17,11 +17,14 @@ room with a router request on the same prefill.
 
 **Room secret.** smg sends no per-request secret, but both legs get the same
 ``request_id``, which smg draws at random (``cmpl-`` + 24 random characters + a UUIDv7)
-and sends to those two workers only. Both legs use ``room_secret(request_id)``
-(SHA-256 under a fixed prefix) as the request's ``room_secret``, so the decode's
+and sends to those two workers only. Both legs use ``room_secret(request_id, key)`` as
+the request's ``room_secret``: HMAC-SHA256 under the cluster's smg room key
+(``--smg-room-key-file``, shared by the prefill and decode servers), so the decode's
 Handshake and AbortRoom calls and its failure watch prove the room as a router
-request's do: a party that never saw the request cannot take, abort or watch its room. An empty
-``request_id`` gives no secret (the room is then unbound, as without one).
+request's do, and a request id, which logs show, proves nothing without the key.
+Without a key the secret is SHA-256 of the request id under a fixed prefix: then
+whoever reads a request id can abort or watch its room. An empty ``request_id`` gives
+no secret (the room is then unbound, as without one).
 
 **Seed.** smg 1.13.0 forwards no OpenAI ``seed`` (its ``SamplingParams`` has no seed
 field, and it sends no ``custom_params`` either); a raw client may put an integer ``seed``
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import math
 import secrets
 from typing import Any
@@ -78,11 +82,13 @@ class GatewayRequest:
 _SECRET_PREFIX = b"pdgrpc.v1 smg room secret\0"
 
 
-def room_secret(request_id: str) -> bytes:
-    """The ``room_secret`` both legs of smg's request ``request_id`` use (see the module doc)."""
+def room_secret(request_id: str, key: bytes = b"") -> bytes:
+    """The ``room_secret`` both legs of smg's request ``request_id`` use, under the
+    cluster's smg room ``key`` (see the module doc)."""
     if not request_id:
         return b""
-    return hashlib.sha256(_SECRET_PREFIX + request_id.encode("utf-8", errors="surrogatepass")).digest()
+    message = _SECRET_PREFIX + request_id.encode("utf-8", errors="surrogatepass")
+    return hmac.new(key, message, hashlib.sha256).digest() if key else hashlib.sha256(message).digest()
 
 
 _SEED_PREFIX = b"pdgrpc.v1 smg seed\0"
@@ -173,11 +179,12 @@ def _seed(req: Any) -> int:
     return int(value)
 
 
-def convert(req: Any, *, disaggregated: bool, max_seq_len: int) -> GatewayRequest:
+def convert(req: Any, *, disaggregated: bool, max_seq_len: int, room_key: bytes = b"") -> GatewayRequest:
     """Check smg's ``GenerateRequest`` ``req`` and convert it (see the module doc).
 
     ``disaggregated``: this worker is a prefill or a decode, so ``disaggregated_params``
-    must be there. ``max_seq_len``: caps the default ``max_new_tokens``."""
+    must be there. ``max_seq_len``: caps the default ``max_new_tokens``. ``room_key``:
+    the cluster's smg room key, under which the room secret is derived."""
     sp = req.sampling_params
     bad = _unsupported(req, sp)
     if bad is not None:
@@ -239,5 +246,5 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int) -> GatewayReques
         bootstrap_address=address,
         routed_dp_rank=routed,
         stream=bool(req.stream),
-        room_secret=room_secret(req.request_id) if room else b"",
+        room_secret=room_secret(req.request_id, room_key) if room else b"",
     )

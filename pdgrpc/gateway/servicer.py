@@ -91,6 +91,7 @@ class WorkerInfo:
     max_running_requests: int  # requests
     bootstrap_port: int  # the prefill's BootstrapService port (0 on a decode)
     tokenizer: "Tokenizer"  # the served model's: ids, vocabulary, EOS, files for GetTokenizer
+    room_key: bytes = dataclasses.field(default=b"", repr=False)  # the cluster's smg room key (requests.room_secret)
 
 
 def model_info(i: WorkerInfo) -> Any:
@@ -115,6 +116,9 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         self._healthy = healthy
         self._running: dict[str, Callable[[str], bool]] = {}  # request_id -> what aborts it (False: too early or late)
         self._started = time.time()
+        # The tokenizer's bundle, built once: the files do not change while serving, and
+        # building it costs a large tokenizer's whole compression per call.
+        self._bundle: asyncio.Future[tuple[bytes, str]] | None = None
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         ok = self._healthy()
@@ -152,9 +156,12 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         return self._active(), self.info().max_running_requests
 
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
-        try:  # reads and compresses files: off the event loop
-            data, sha = await asyncio.to_thread(lambda: tokenizer_zip(self.info().tokenizer.hf_files()))
+        if self._bundle is None:  # reads and compresses files: off the event loop
+            self._bundle = asyncio.ensure_future(asyncio.to_thread(lambda: tokenizer_zip(self.info().tokenizer.hf_files())))
+        try:
+            data, sha = await asyncio.shield(self._bundle)
         except TokenizerFilesError as exc:
+            self._bundle = None  # the files may be fixed: look again next time
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"GetTokenizer: {exc}")
             return
         for start in range(0, len(data), _TOKENIZER_CHUNK):
@@ -174,7 +181,8 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         colocated = self.info().mode == "null"
         if colocated and request.HasField("disaggregated_params"):
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "disaggregated_params is set, but this worker is colocated (not a prefill or decode)")
-        return convert(request, disaggregated=not colocated, max_seq_len=self.info().max_seq_len)
+        info = self.info()
+        return convert(request, disaggregated=not colocated, max_seq_len=info.max_seq_len, room_key=info.room_key)
 
     def _track(self, request_id: str, abort: Callable[[str], bool]) -> None:
         if request_id in self._running:

@@ -66,6 +66,17 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(f"{what}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
 
 
+def read_secret(path: Path, flag: str) -> bytes:
+    """The bytes of the secret file ``flag`` names; ConfigError naming the flag when it
+    cannot be read, or when group or others may read or write it: a secret other users
+    can read is no secret. An empty file is returned as is (its caller names it)."""
+    data = _read(path, flag)
+    mode = path.stat().st_mode & 0o777
+    if data and mode & 0o077:
+        raise ConfigError(f"{flag} {str(path)!r} is open to group or others (mode {mode:o}): chmod 600 it")
+    return data
+
+
 @dataclasses.dataclass(frozen=True)
 class Security:
     """One process's gRPC security settings (see the module doc). ``Security()`` is plaintext
@@ -96,7 +107,7 @@ class Security:
         """The bearer token ('' when none); surrounding whitespace is not part of it."""
         if self.token_file is None:
             return ""
-        return _read(self.token_file, "--auth-token-file").decode("utf-8", "replace").strip()
+        return read_secret(self.token_file, "--auth-token-file").decode("utf-8", "replace").strip()
 
     @property
     def authenticated(self) -> bool:
