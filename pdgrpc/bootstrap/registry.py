@@ -113,6 +113,12 @@ class WorkerRegistry:
             return 0 if lead is None else len(lead.workers)
         return len(self._workers)
 
+    def registered_by(self, identity: str) -> bool:
+        """Whether ``identity`` registered a worker of this instance (fixed or pending)."""
+        if identity in self._owners.values():
+            return True
+        return any(identity in c.owners.values() for c in self._candidates.values())
+
     @property
     def complete(self) -> bool:
         return self._info is not None and self.registered == self.expected

@@ -79,7 +79,20 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
         # the instance restarted and drops what it cached (pdgrpc.decode.prefills).
         self.instance_id = secrets.randbits(64) | 1
 
+    async def _check_member(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        """With authentication on, only the identities that registered a worker of this
+        instance (its prefill: the controller presents the workers' identity) register
+        rooms and record failures: any other caller could fill the room table or push
+        genuine failure records out. Refused with PERMISSION_DENIED before anything."""
+        if not self.owners:
+            return
+        who = peer_identity(context)
+        if not self.registry.registered_by(who):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{rpc}: caller {who} registered no worker of this prefill instance")
+
     async def RecordRoomFailures(self, request: pb.RecordRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.RecordRoomFailuresResponse:
+        await self._check_member(context, "RecordRoomFailures")
         try:
             n = self.failures.record(request.failures, self.clock())
         except InvalidBootstrapRequest as exc:
@@ -97,6 +110,7 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
 
     async def RegisterDpRanks(self, request: pb.RegisterDpRanksRequest, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
         n = len(request.entries) or len(request.bootstrap_rooms)
+        await self._check_member(context, "RegisterDpRanks")
         try:
             self._check_batch(n)
             rooms: Sequence[int]
