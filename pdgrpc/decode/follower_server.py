@@ -27,7 +27,7 @@ from pdgrpc.decode.cli import build_parser as decode_parser
 from pdgrpc.decode.cli import scheduler_config_from_args
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally
-from pdgrpc.decode.tp import REPLAYED, ROOM_INFO, ROOM_WRITERS, TpGroup, TpGroupBroken
+from pdgrpc.decode.tp import REPLAYED, ROOM_BIND, ROOM_INFO, ROOM_WRITERS, TpGroup, TpGroupBroken
 from pdgrpc.engine.tp import torch_distributed_all_reduce
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.kvpoll import KVPoll
@@ -94,6 +94,11 @@ class Follower:
             if name == ROOM_WRITERS:
                 room, per_rank = args
                 self.transfers.watch_writers(room, per_rank[self.rank])
+                continue
+            if name == ROOM_BIND:
+                room, rank, prefill_tp_rank, writer = args
+                if rank == self.rank:
+                    self.transfers.bind_writer(room, prefill_tp_rank, writer)
                 continue
             if name not in REPLAYED:
                 raise PdgrpcError(f"TP replay: {name!r} is not a replayed call")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Final, Sequence
+from typing import Awaitable, Callable, Final, Sequence
 
 import grpc
 
@@ -74,14 +74,14 @@ class Handshaker:
         replaced_wait_s: float = 30.0,
         writer_gone: Callable[[str], bool] = lambda writer: False,
         quarantined: Callable[[int], bool] = lambda room: True,
-        bind_writer: Callable[[int, int, str], None] = lambda room, prefill_tp_rank, writer: None,
+        bind_writer: Callable[[int, int, int, str], Awaitable[None]] | None = None,
     ) -> None:
         """``replaced_wait_s``: how long an unreachable worker's replacement is looked for
         (the abort lease: past it the quarantine ends anyway). ``writer_gone``: this rank's
         Transport.writer_gone; ``quarantined``: whether a room is still quarantined (an
-        unreachable worker is no longer waited for once not); ``bind_writer(room, prefill
-        tp rank, writer id)``: admits a writer into this rank's room before its handshake
-        (RankTransfers.bind_writer)."""
+        unreachable worker is no longer waited for once not); ``bind_writer(room, decode
+        rank, prefill tp rank, writer id)``: admits a writer into that decode rank's room,
+        awaited before its handshake goes out (DecodeScheduler.bind_writer)."""
         self.replaced_wait_s = replaced_wait_s
         self.directory = directory
         self.transport_name = transport_name
@@ -239,8 +239,8 @@ class Handshaker:
         )
         if job.room_secret:
             req.room_proof = handshake_proof(job.room_secret, req)
-        if d == 0:  # this rank's room admits the writer it names, and no other
-            self.bind_writer(job.room, w.tp_rank, self.instance_of(w.transport_endpoint))
+        if self.bind_writer is not None:  # the room admits the writer it names, and no other
+            await self.bind_writer(job.room, d, w.tp_rank, self.instance_of(w.transport_endpoint))
         stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
         try:
             resp = await stub.Handshake(req, timeout=max(0.001, timeout), metadata=None if job.trace is None else job.trace.metadata())

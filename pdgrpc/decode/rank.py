@@ -73,16 +73,19 @@ class RankTransfers:
 
     def advertise(self, room: int, prompt_pages: tuple[int, ...], slot: int) -> None:
         """Grant ``room``'s writers the prompt's pages and the slot (before the handshake:
-        a prefill that writes at once finds the grant). Rank 0, which sends the
-        handshakes, advertises its rooms bound: only the writers it names in
-        :meth:`bind_writer` may write into them. Raises what the transport raises."""
+        a prefill that writes at once finds the grant). The rooms are bound: only the
+        writers named in :meth:`bind_writer` may write into them. Raises what the
+        transport raises."""
         for key in self.keys(room):
-            self.transport.advertise(RoomGrant.of(key, prompt_pages, slot, bound=self.rank == 0))
+            self.transport.advertise(RoomGrant.of(key, prompt_pages, slot, bound=True))
 
     def bind_writer(self, room: int, prefill_tp_rank: int, writer_id: str) -> None:
         """Admit the prefill worker ``writer_id`` (of prefill tp rank ``prefill_tp_rank``)
-        into ``room``'s transport room on this rank, before its handshake goes out."""
-        keys = self.keys(room)
+        into ``room``'s transport room on this rank, before its handshake goes out (a room
+        no longer tracked here is left alone)."""
+        keys = self._keys.get(room)
+        if keys is None:
+            return
         key = room if keys == [room] else transfer_room(room, prefill_tp_rank, self.rank)
         if key in keys:
             self.transport.bind_writer(key, writer_id)

@@ -47,7 +47,7 @@ from pdgrpc.decode.job import Job, SchedulerConfig, abort_status
 from pdgrpc.decode.prefill_calls import PrefillCalls
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
-from pdgrpc.decode.tp import ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
+from pdgrpc.decode.tp import ROOM_BIND, ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
 from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
@@ -101,7 +101,7 @@ class DecodeScheduler:
         # Its endpoints are set by start(), once the transport registered the pools.
         self.handshaker = Handshaker(
             self.directory, transport.name, self.compat_hash, config.rpc_timeout_s, config.deadlines.abort_lease_s,
-            transport.writer_gone, self.queues.is_quarantined, self.transfers.bind_writer,
+            transport.writer_gone, self.queues.is_quarantined, self.bind_writer,
         )
         self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request
@@ -109,6 +109,7 @@ class DecodeScheduler:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poll_pending = False  # a transport room ended; _transfer_ended is scheduled
         self._wake = asyncio.Event()
+        self._synced: list[asyncio.Future[None]] = []  # bindings waiting for the next TP sync
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
         self.calls = PrefillCalls(
@@ -364,13 +365,32 @@ class DecodeScheduler:
         ranks wait for it, which they do): nothing may touch the queues in between."""
         assert self.tp is not None and self._replicated is not None
         t = self.queues.prepare_poll(now, self._local_poll)
+        synced, self._synced = self._synced, []
         try:
             self.tp.broadcast(("sync", (self._replicated.take_log(), now)))
-            reduced = self.tp.all_reduce_min(t)
+            reduced = self.tp.all_reduce_min(t)  # every rank applied the log before it joins
         except TpGroupBroken as exc:
             self.rank_lost(str(exc))
             return []
+        finally:
+            for fut in synced:
+                if not fut.done():
+                    fut.set_result(None)
         return list(self.queues.finish_poll(reduced, now))
+
+    async def bind_writer(self, room: int, rank: int, prefill_tp_rank: int, writer: str) -> None:
+        """Admit the prefill worker ``writer`` into ``room`` on decode rank ``rank``, before
+        its handshake goes out: on this rank at once, on another through the next TP sync
+        (returns once every rank applied it)."""
+        if rank == 0:
+            self.transfers.bind_writer(room, prefill_tp_rank, writer)
+            return
+        assert self._replicated is not None
+        self._replicated.note(ROOM_BIND, room, rank, prefill_tp_rank, writer)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._synced.append(done)
+        self._wake.set()
+        await done
 
     def rank_lost(self, why: str) -> None:
         """Another TP rank is gone (its collective failed, or its process exited): this

@@ -33,7 +33,7 @@ _T = TypeVar("_T")
 
 log = logging.getLogger("pdgrpc.decode.tp")
 
-__all__ = ["REPLAYED", "ROOM_INFO", "ROOM_WRITERS", "Command", "ReplicatedQueues", "TpGroup", "TpGroupBroken"]
+__all__ = ["REPLAYED", "ROOM_BIND", "ROOM_INFO", "ROOM_WRITERS", "Command", "ReplicatedQueues", "TpGroup", "TpGroupBroken"]
 
 # Calls of DecodeQueues that change its state and are replayed on every rank.
 # (poll_dp_ranks too: it advances the dp-rank resolver's throttle and in-flight state,
@@ -43,6 +43,9 @@ ROOM_INFO = "room_info"  # a log entry for the followers only: (room, prompt_pag
 # A log entry for the followers only: (room, writer instance ids per decode rank) of a
 # quarantined room (pdgrpc.decode.rank.RankTransfers.watch_writers).
 ROOM_WRITERS = "room_writers"
+# A log entry for the followers only: (room, decode rank, prefill tp rank, writer instance
+# id): that rank's room admits that writer (pdgrpc.decode.rank.RankTransfers.bind_writer).
+ROOM_BIND = "room_bind"
 
 
 class TpGroupBroken(PdgrpcError):
