@@ -264,9 +264,13 @@ class DecodeScheduler:
         try:
             return await self.directory.parallel_info(address, wait_for=self.config.deadlines.resolve_dp_rank_s)
         except RpcError as exc:
-            code = exc.code if exc.code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.UNAVAILABLE
+            # One answer whatever the cause: a caller naming addresses learns nothing about
+            # what listens there (closed, another protocol, another service); the log says.
+            log.warning("prefill_bootstrap_address %s: GetParallelInfo failed: %s %s", address, exc.code.name, exc.details)
             raise RequestFailed(
-                code, f"prefill_bootstrap_address {address}: GetParallelInfo failed: {exc.details}", ServerAbortReason.PREFILL_ERROR
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill_bootstrap_address {address}: no prefill bootstrap with registered workers answered there "
+                "(the decode's log has the cause)", ServerAbortReason.PREFILL_ERROR,
             ) from None
 
     def cancel(self, room: int, message: str) -> None:

@@ -69,10 +69,10 @@ def _read(path: Path, what: str) -> bytes:
 def read_secret(path: Path, flag: str) -> bytes:
     """The bytes of the secret file ``flag`` names; ConfigError naming the flag when it
     cannot be read, or when group or others may read or write it: a secret other users
-    can read is no secret. An empty file is returned as is (its caller names it)."""
+    can read is no secret. A blank file is returned as is (its caller names it)."""
     data = _read(path, flag)
     mode = path.stat().st_mode & 0o777
-    if data and mode & 0o077:
+    if data.strip() and mode & 0o077:
         raise ConfigError(f"{flag} {str(path)!r} is open to group or others (mode {mode:o}): chmod 600 it")
     return data
 

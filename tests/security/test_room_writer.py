@@ -32,7 +32,7 @@ from pdgrpc.transport.rooms import RoomStates
 from pdgrpc.v1 import decode_pb2_grpc
 from tests.decode.fake_prefill import FakePrefill, FakeWorker
 from tests.decode.test_decode_server import (  # noqa: F401  (module-scoped fixtures for this module's decode)
-    assert_nothing_held, collect, decode_proc, engine, make_request, metrics_address, stub,
+    assert_nothing_held, collect, engine, make_request, metrics_address, stub,
 )
 from tests.scrape import scrape
 
