@@ -38,7 +38,8 @@ class ClusterCredentials:
             made = make_ca(directory)
             self.ca = made.cert
             try:
-                self.certs = {name: issue(made, directory, name) for name in names}
+                # Every process serves and calls; a client only calls.
+                self.certs = {name: issue(made, directory, name, server=name != CLIENT) for name in names}
             finally:
                 # Once it has signed (or failed to), the CA's key goes, so a run directory
                 # kept afterwards (the CLI's, a failed run's) holds no key that could mint

@@ -3,7 +3,9 @@
 ``python -m pdgrpc.cluster --tls auto`` (and the tests) get a secure cluster without a
 PKI: :func:`make_ca` creates a CA in the cluster's run directory, :func:`issue` one
 certificate per process (usable as server and as client certificate: every pdgrpc
-process is both), valid for the loopback names only unless ``hosts`` says more.
+process is both), valid for the loopback names only unless ``hosts`` says more, and
+client-only certificates (``server=False``: what a cluster's clients present, which
+cannot serve as one of its processes).
 :func:`write_token` writes a random bearer token (``--auth-token auto``). Keys are
 EC P-256, files are PEM, private keys and tokens are readable by their owner only.
 
@@ -89,22 +91,27 @@ def make_ca(directory: str | Path, name: str = "pdgrpc throwaway CA") -> CertFil
     return _save(Path(directory), "ca", cert, key)
 
 
-def issue(ca: CertFiles, directory: str | Path, name: str, hosts: Iterable[str] = LOOPBACK_HOSTS) -> CertFiles:
+def issue(
+    ca: CertFiles, directory: str | Path, name: str, hosts: Iterable[str] = LOOPBACK_HOSTS, *, server: bool = True
+) -> CertFiles:
     """A certificate for process ``name`` (its common name, which peers see as its
     identity), signed by ``ca``, valid for ``hosts`` (IP addresses or DNS names) as a
-    server and usable as a client certificate (``<name>.pem``, ``<name>.key``)."""
+    server and usable as a client certificate (``<name>.pem``, ``<name>.key``). With
+    ``server=False`` a client certificate only: no host names and client use alone, so
+    a TLS client refuses a server that presents it."""
     x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID = _crypto()
     ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
     ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[Any] = []
-    for h in hosts:
+    for h in hosts if server else ():
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             names.append(x509.DNSName(h))
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
+    uses = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca_cert.subject)
@@ -113,10 +120,11 @@ def issue(ca: CertFiles, directory: str | Path, name: str, hosts: Iterable[str] 
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + _VALID_FOR)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
+        .add_extension(x509.ExtendedKeyUsage(uses), critical=False)
     )
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
     return _save(Path(directory), name, cert, key)
 
 
