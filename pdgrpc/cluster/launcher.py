@@ -295,9 +295,10 @@ class Cluster:
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
         out = ["--host", proc.ip, "--port", str(proc.port), *self.credentials.flags(spec.name)]
-        if proc.ip != HOST and not self.credentials.flags(spec.name):
+        if proc.ip != HOST and (not self.credentials.flags(spec.name) or "" in proc.metrics_ports):
             # A [network] host is a namespace on the launcher's private bridge; without
-            # [security] its servers listen there in plaintext, which they refuse unless told.
+            # [security] its servers listen there in plaintext, and its metrics endpoint
+            # (plain HTTP) always does, which they refuse unless told.
             out.append("--insecure")
         if "" in proc.metrics_ports:
             out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", proc.ip]

@@ -137,7 +137,8 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, default_host: str = "
     g.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help=METRICS_PORT_HELP)
     g.add_argument(
         "--metrics-host", default=default_host, metavar="HOST",
-        help="address the metrics endpoint listens on; 0.0.0.0 = every IPv4 interface (default: %(default)s)",
+        help="address the metrics endpoint listens on; 0.0.0.0 = every IPv4 interface. It is plain HTTP without "
+        "authentication: an address other than loopback needs --insecure (default: %(default)s)",
     )
 
 

@@ -361,6 +361,11 @@ def security_from_args(ns: argparse.Namespace) -> Security:
                        (security.public_cert, "--public-tls-cert"), (security.public_key, "--public-tls-key")):
         if path is not None:
             _read(path, flag)
+    metrics_host = getattr(ns, "metrics_host", None)
+    if getattr(ns, "metrics_port", None) is not None and metrics_host and not is_loopback(metrics_host) and not ns.insecure:
+        # Plain HTTP without authentication: counters only, but nobody's business outside.
+        raise ConfigError(f"--metrics-host {metrics_host!r} is not loopback: the metrics endpoint is plain HTTP without "
+                          "authentication; serve it on 127.0.0.1, or pass --insecure to serve it there anyway")
     return security
 
 
