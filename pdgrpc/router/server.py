@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port for GenerateService; 0 picks a free one, printed in the log line (default: %(default)s)")
     p.add_argument(
         "--prefill", action="append", default=[], metavar="HOST:PORT[,bootstrap=HOST:PORT]",
-        help="a prefill instance's PrefillService address; repeat for several (requests go round robin). "
+        help="a prefill instance's PrefillService address; repeat for several (--policy picks among them). "
         "Its BootstrapService is assumed on the same address (bootstrap embedded in the prefill); "
         "add ',bootstrap=HOST:PORT' when the instance uses a separate `python -m pdgrpc.bootstrap`. "
         "Decode resolves the prefill's dp rank and workers there.",
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "success ends it early (0: never; default: %(default)s)",
     )
     p.add_argument(
-        "--policy", choices=POLICIES, default="round_robin",
+        "--policy", choices=POLICIES, default="cache_aware",
         help="which prefill a request goes to: 'round_robin' (in turn), 'least_load' (fewest Prefill calls this "
         "router has in flight there), 'cache_aware' (the prefill whose prefix cache holds the longest prefix of "
         "the prompt, learned from each prefill's KV events (SubscribeKvEvents), unless "

@@ -6,7 +6,8 @@ What one ``Generate`` does::
                                 \\-Decode (server stream)---> decode   (both sent at once)
            <--tokens---------- router <--tokens------------- decode
 
-1. Pick a prefill and a decode (round robin over each list), draw ``bootstrap_room``
+1. Pick a prefill (by ``--policy``: the one whose cache holds the longest prefix of the
+   prompt, by default) and a decode (round robin), draw ``bootstrap_room``
    (random 63-bit from :mod:`secrets`, never 0: 0 means "not written" in a metadata row)
    and the room's secret, which only these two get (:mod:`pdgrpc.serving.room_proof`);
    a request that names no sampling seed gets a random one (:func:`~pdgrpc.serving.prompts.with_seed`).
@@ -151,7 +152,7 @@ class RouterConfig:
     # Which prefill a request goes to (pdgrpc.router.policy): round_robin, least_load or
     # cache_aware; and how many more calls in flight than the least loaded instance a
     # cache_aware pick may have before the least loaded one is taken instead.
-    policy: str = "round_robin"
+    policy: str = "cache_aware"
     cache_aware_margin: int = DEFAULT_MARGIN
     # Times one request's running stream may move to another prefill and decode after its
     # decode failed past the first token (module doc, step 6); 0: never.
@@ -263,10 +264,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """``index``: the prefills' cached prefixes, which ``cache_aware`` reads (its feed,
         :class:`~pdgrpc.router.kv_events.KvEventFollower`, keeps it current)."""
         self.config = config
-        self.policy = PrefillPolicy(config.policy, index, config.cache_aware_margin)
+        # Without a feed the index stays empty: cache_aware then picks as least_load does.
+        self.policy = PrefillPolicy(config.policy, index if index is not None else PrefixIndex(), config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
         self._pool = pool or ChannelPool()
-        # With discovery: the live view from etcd, read on every request (round robin by count).
+        # With discovery: the live view from etcd, read on every request.
         self._view = view
         self._turn = 0
         self._ejections = Ejections(config.eject_s)
