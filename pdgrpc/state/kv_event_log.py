@@ -157,13 +157,6 @@ class KvEventLog:
         self._ring.append(EventBatch(self.last_sequence, events, self._clock()))
         self._on_append()
 
-    @property
-    def live_blocks(self) -> int:
-        return len(self._live)
-
-    def holds(self, block_hash: int) -> bool:
-        return block_hash in self._live
-
     def replay(self, after: int) -> list[EventBatch] | None:
         """The batches numbered after ``after``, or ``None`` when the ring no longer holds
         the first of them or ``after`` is not a sequence of this log (it is ahead of it:
@@ -213,10 +206,6 @@ class KvEventMerge:
         self.log = log
         self._holders: dict[int, set[int]] = {}  # block hash -> dp ranks holding it
         self._blocks: dict[int, set[int]] = {}  # dp rank -> block hashes it holds
-
-    def holders(self, block_hash: int) -> frozenset[int]:
-        """The dp ranks whose cache holds ``block_hash``."""
-        return frozenset(self._holders.get(block_hash, ()))
 
     def apply(self, rank: int, events: Iterable[KvEvent]) -> None:
         """Rank ``rank``'s batch (or snapshot chunk): appends what changed for the instance
