@@ -16,8 +16,8 @@ Arms, one cluster each (2 prefills + 1 decode), one after another on the same pr
 * ``a``: prefix cache off (``--no-prefix-cache``), pdgrpc's router round robin: the baseline;
 * ``b``: cache on, round robin;
 * ``c``: cache on, pdgrpc's router ``--policy cache_aware``;
-* ``d``: cache on, smg's ``cache_aware`` while the prefills serve no KV events (smg's own
-  approximate tree of what it routed);
+* ``d``: cache on, smg's ``cache_aware`` with the prefills' events kept from smg
+  (``--no-smg-kv-events``): smg routes by its own approximate tree of what it sent where;
 * ``e``: cache on, smg's ``cache_aware`` fed by the prefills' KV events.
 
 Per arm: client TTFT p50/p90 of each group's first request (in sending order) and of the
@@ -147,9 +147,10 @@ class ArmResult:
     counters: dict[str, float | None]
 
 
-def has_prefix_cache_flag() -> bool:
-    """Whether this build's prefill has a prefix cache to turn off."""
-    return "--no-prefix-cache" in prefill_parser().format_help()
+def prefill_has_flag(flag: str) -> bool:
+    """Whether this build's prefill takes ``flag`` (``--no-prefix-cache``: it has a cache to
+    turn off; ``--no-smg-kv-events``: smg's stream of its events can be turned off)."""
+    return flag in prefill_parser().format_help()
 
 
 def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int) -> Topology:
@@ -160,8 +161,10 @@ def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int) ->
         "num-pages": (args.groups + args.concurrency + 2) * (max_prompt // args.page_size + 2),
     }
     prefill_args: dict[str, Any] = {"chunk-size": 512}
-    if arm == "a" and has_prefix_cache_flag():
+    if arm == "a" and prefill_has_flag("--no-prefix-cache"):
         prefill_args["no-prefix-cache"] = True
+    if arm == "d" and prefill_has_flag("--no-smg-kv-events"):
+        prefill_args["no-smg-kv-events"] = True
     smg = arm in ("d", "e")
     if smg:  # the name smg's /generate asks for (bench.gateway's client)
         prefill_args["served-model-name"] = DEFAULT_SERVED_MODEL_NAME
@@ -236,8 +239,7 @@ async def _send_all(requests: list[Request], concurrency: int, one: Callable[[in
 async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list[Request], warmup: list[Request]) -> ArmResult | str:
     """One arm's outcomes and the prefills' counters over the measured requests, or why
     it is not available."""
-    cache = has_prefix_cache_flag()
-    if arm != "a" and not cache:
+    if arm != "a" and not prefill_has_flag("--no-prefix-cache"):
         return "not available: this build's prefill has no prefix cache (--no-prefix-cache)"
     if arm in ("d", "e") and not gateway_available():
         return "not available: smg is not installed (pdgrpc[gateway])"
@@ -250,7 +252,7 @@ async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list
             served = await events_served(cluster)
             if arm == "c" and not served:
                 return "not available: the prefills serve no KV events (SubscribeKvEvents), which cache_aware reads"
-            if arm == "d" and served:
+            if arm == "d" and served and not prefill_has_flag("--no-smg-kv-events"):
                 return "not available: the prefills serve KV events, and smg reads them whenever they do (arm e)"
             if arm == "e" and not served:
                 return "not available: the prefills serve no KV events (SubscribeKvEvents)"
