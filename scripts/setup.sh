@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.pdgrpc-installed
 # The optional extras the test suite needs (pyproject.toml says what each one is for).
-EXTRAS=test,ucx,plot,etcd,tls,hf,gguf,gateway
+EXTRAS=test,ucx,plot,etcd,tls,hf,gguf,gateway,zmq
 # Everything that changes what gets installed.
 inputs_hash=$(cat pyproject.toml scripts/setup.sh $(ls examples/*/pyproject.toml 2>/dev/null) interop/node/package.json interop/node/package-lock.json | sha256sum | cut -d' ' -f1)
 # The JavaScript interop client's dependencies (tests/bootstrap/test_interop_node.py);
