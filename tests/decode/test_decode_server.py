@@ -494,12 +494,18 @@ async def test_one_client_cannot_hold_more_than_its_share_of_decode_calls(
     to the 600 s waiting timeout. One client may hold --max-decodes-per-client calls (6
     here); one more is refused naming the limit, and a slot frees as soon as one ends."""
     prefill.mode = "hold"  # handshake accepted, KV never comes
+    before = sum(len(w.handshakes) for w in prefill.workers)
     held = [stub.Decode(make_request(prefill, f"hold {i}", 4), timeout=60) for i in range(6)]
 
     async def admitted() -> bool:
         return (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats.active_requests == 6
 
     await eventually_async(admitted, 15, 0.05, "6 held Decode calls admitted")
+    # Each held call's handshake must have been answered "hold" before the mode turns back
+    # to "ok" below; one answered later would be served and end as finished.
+    await eventually_async(
+        lambda: sum(len(w.handshakes) for w in prefill.workers) - before == 6, 15, 0.05, "6 handshakes held"
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub, make_request(prefill, "one too many", 4))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
