@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most one batched QueryDpRanks per prefill instance per interval (default: %(default)s)",
     )
     g.add_argument(
+        "--decode-prefix-cache", action="store_true",
+        help="keep received prompt pages in a prefix cache and ask each prefill only for the pages a prompt's cached "
+        "prefix lacks (delta transfer); TP 1 and a transport that moves bytes (not fake) only (default: off)",
+    )
+    g.add_argument(
         "--rpc-timeout", type=float, default=5.0, metavar="SECONDS",
         help="deadline of each bootstrap call and AbortRoom (default: %(default)s)",
     )
@@ -111,4 +116,5 @@ def scheduler_config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         query_interval_s=ns.dp_rank_query_interval,
         rpc_timeout_s=ns.rpc_timeout,
         compute_nice=ns.compute_nice,
+        prefix_cache=ns.decode_prefix_cache,
     )

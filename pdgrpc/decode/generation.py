@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import grpc
 
@@ -36,7 +36,7 @@ __all__ = ["Generation"]
 
 class Generation:
     """The committed requests and the engine's steps over them. ``release_pages``: hands a
-    request's pages back to the decode queues; ``ended``: the request sent its last
+    request's pages back (whether its prompt's KV is complete, so they may be cached); ``ended``: the request sent its last
     message; ``rank_lost``: a TP collective failed (this instance cannot go on)."""
 
     def __init__(
@@ -45,7 +45,7 @@ class Generation:
         tp: TpGroup | None,
         config: SchedulerConfig,
         metrics: DecodeMetrics,
-        release_pages: Callable[[Iterable[int]], None],
+        release_pages: Callable[[Job, bool], None],
         ended: Callable[[Job], None],
         rank_lost: Callable[[str], None],
     ) -> None:
@@ -101,11 +101,11 @@ class Generation:
         self.metrics.on_finished()
         job.fate.handle(Finish())
         self._ended(job)
-        self._release_pages(job.pages)
+        self._release_pages(job, True)
         request_event(log, job.room, "finished", reason=reason, tokens=job.generated)
 
     def _cancelled(self, job: Job) -> None:
-        self._release_pages(job.pages)
+        self._release_pages(job, True)  # committed: its prompt's KV landed
         self.fail(job, job.fate.outcome(RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED)))
 
     def drop_cancelled(self) -> None:
@@ -120,7 +120,7 @@ class Generation:
         self.running = keep
 
     def _crash(self, job: Job, exc: BaseException) -> None:
-        self._release_pages(job.pages)
+        self._release_pages(job, False)
         failure = RequestFailed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}", ServerAbortReason.INTERNAL_ERROR)
         self.fail(job, failure)
 

@@ -236,6 +236,7 @@ class Handshaker:
             # theirs into the sink region (pdgrpc.serving.tp).
             wants_metadata=w.tp_rank == designated_sender(d, self.tp_size, tp_p),
             transport_credential=self.credential(w, d),
+            cached_pages=job.cached_pages,
         )
         if job.room_secret:
             req.room_proof = handshake_proof(job.room_secret, req)

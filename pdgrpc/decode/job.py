@@ -11,6 +11,7 @@ import grpc
 
 from pdgrpc.decode.prefills import PrefillInfo
 from pdgrpc.engine.base import SamplingParams
+from pdgrpc.engine.prefix_cache import Lease
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc import tracing
 from pdgrpc.state import AbortReason, Aborted, DecodeDeadlines
@@ -52,6 +53,9 @@ class SchedulerConfig:
     # Each held call's max_wait, asked again while the room waits. The call is cancelled
     # when the room leaves the queues, so a landed room frees its place on the bootstrap.
     watch_wait_s: float = 5.0
+    # Keep a prefix cache of received prompt pages and ask each prefill only for the
+    # pages it lacks (pdgrpc.decode.reuse). TP 1 and a transport that moves bytes only.
+    prefix_cache: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,7 +76,8 @@ class Job:
     # DecodeRequest.room_secret: signs this request's Handshake and AbortRoom calls.
     room_secret: bytes = dataclasses.field(default=b"", repr=False)
     slot: int | None = None
-    pages: tuple[int, ...] = ()
+    pages: tuple[int, ...] = ()  # every page: the cached prefix the lease holds, then the request's own
+    lease: Lease | None = None  # the decode prefix cache's pages it holds, until it ends
     handshake_sent_at: float = 0.0
     contacted: list[bpb.WorkerInfo] = dataclasses.field(default_factory=list)  # sent a handshake
     handshake_task: "asyncio.Task[None] | None" = None
@@ -86,6 +91,11 @@ class Job:
     # Set by the Decode stream once its first message is sent (or the stream ended).
     first_sent: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     trace: tracing.Hops | None = None  # the Decode call's span while tracing is on
+
+    @property
+    def cached_pages(self) -> int:
+        """Leading prompt pages the decode's prefix cache supplied (the prefill skips them)."""
+        return self.lease.cached_pages if self.lease is not None else 0
 
     @property
     def position(self) -> int:

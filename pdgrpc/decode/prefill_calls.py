@@ -144,17 +144,19 @@ class PrefillCalls:
         when the transport refused (the request is then cancelled)."""
         job = self.host.job(hs.room)
         assert job is not None
-        job.slot, job.pages, job.dp_rank = hs.slot, hs.pages, hs.dp_rank
+        held = job.lease.pages if job.lease is not None else ()
+        job.slot, job.pages, job.dp_rank = hs.slot, held + hs.pages, hs.dp_rank
         job.handshake_sent_at = now
-        prompt_pages = hs.pages[: self.pages_needed(len(job.input_ids))]
+        prompt_pages = job.pages[: self.pages_needed(len(job.input_ids))]
         try:
-            self.transfers.advertise(hs.room, prompt_pages, hs.slot)
+            # Only the pages the prefill writes: a write into a cached page is refused.
+            self.transfers.advertise(hs.room, prompt_pages[len(held) :], hs.slot)
         except PdgrpcError as exc:
             self.host.end_with(job, RequestFailed(
                 grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}", ServerAbortReason.INTERNAL_ERROR
             ))
             return None
-        request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), dp_rank=hs.dp_rank)
+        request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), cached_pages=len(held), dp_rank=hs.dp_rank)
         return prompt_pages
 
     def send_handshake(self, hs: SendHandshake, prompt_pages: tuple[int, ...]) -> None:

@@ -139,14 +139,15 @@ class RankTransfers:
                 self.queues.on_writers_gone(room)
                 del self._writers[room]
 
-    def stats(self, active_requests: int) -> dict[str, int]:
-        """What this rank holds (GetStats, the live metrics), read from its queues."""
+    def stats(self, active_requests: int, evictable: int = 0) -> dict[str, int]:
+        """What this rank holds (GetStats, the live metrics), read from its queues;
+        ``evictable`` cached pages no request holds count as free."""
         q = self.queues
         return dict(
             active_requests=active_requests,
             slots_in_use=q.slots.num_slots - q.slots.num_free,
             slots_total=q.slots.num_slots,
-            pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined,
+            pages_in_use=q.pages.num_pages - q.pages.num_free - q.pages.num_quarantined - evictable,
             pages_quarantined=q.pages.num_quarantined,
             pages_total=q.pages.num_pages,
             transport_rooms=len(self.transport.rooms),

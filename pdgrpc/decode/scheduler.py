@@ -47,6 +47,7 @@ from pdgrpc.decode.job import Job, SchedulerConfig, abort_status
 from pdgrpc.decode.prefill_calls import PrefillCalls
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
+from pdgrpc.decode.reuse import DecodeReuse
 from pdgrpc.decode.tp import ROOM_BIND, ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
 from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.errors import PdgrpcError, RequestFailed
@@ -115,8 +116,16 @@ class DecodeScheduler:
         self.calls = PrefillCalls(
             self, self.queues, self.transfers, self.directory, self.handshaker, config, self.metrics, engine.pages_needed
         )
+        # The prefix cache: TP 1 only (every rank would have to hold the same pages), and
+        # only when the prefill sends KV (a fake transfer computes the prompt here, into
+        # every page).
+        self.reuse = (
+            DecodeReuse(self.queues, engine.kv_layout.page_size) if config.prefix_cache and tp is None and transport.moves_bytes else None
+        )
+        if config.prefix_cache and self.reuse is None:
+            log.warning("decode prefix cache off: it needs TP 1 and a transport that moves bytes (%s, TP %d)", transport.name, self.tp_size)
         self.generation = Generation(
-            engine, tp, config, self.metrics, self.queues.release_pages, self._ended, self.rank_lost
+            engine, tp, config, self.metrics, self._release_pages, self._ended, self.rank_lost
         )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in (*engine.kv_buffers().k, *engine.kv_buffers().v))
 
@@ -177,6 +186,25 @@ class DecodeScheduler:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def _release_pages(self, job: Job, complete: bool) -> None:
+        """``job``'s pages go back: with the prefix cache, its held prefix is unlocked and,
+        when ``complete``, its full prompt pages are cached; the rest go to the queues."""
+        lease, job.lease = job.lease, None
+        if lease is None or self.reuse is None:
+            self.queues.release_pages(job.pages)
+            return
+        own = job.pages[lease.cached_pages :]
+        split = self.engine.pages_needed(len(job.input_ids)) - lease.cached_pages if complete else 0
+        self.reuse.release(lease, own[:split], complete)
+        if own[split:]:
+            self.queues.release_pages(own[split:])
+
+    def _unlock(self, job: Job) -> None:
+        """Unlock ``job``'s cached prefix (its own pages are the queues' to free or quarantine)."""
+        lease, job.lease = job.lease, None
+        if lease is not None and self.reuse is not None:
+            self.reuse.release(lease, (), complete=False)
 
     def _ended(self, job: Job) -> None:
         self.calls.stop_watch(job)
@@ -247,15 +275,20 @@ class DecodeScheduler:
             room, request_id, input_ids, sampling, max_new_tokens, prefill, n_pages, asyncio.Queue(), now, dp_rank=rank,
             room_secret=room_secret,
         )
+        if self.reuse is not None:
+            # Locked until the request ends; at least one page stays its own (the queues
+            # allocate one or more).
+            job.lease = self.reuse.hold(input_ids, n_pages - 1)
         if self._replicated is not None:  # the other ranks advertise their own grants for it
             self._replicated.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)), prefill_tp)
-        self.queues.add(NewRequest(room, prefill_address, n_pages, rank, not self.transport.moves_bytes, prefill.dp), now)
+        self.queues.add(NewRequest(room, prefill_address, n_pages - job.cached_pages, rank, not self.transport.moves_bytes, prefill.dp), now)
         self.transfers.track(room, prefill_tp)
         self._jobs[room] = job
         how = "routed" if routed_dp_rank is not None else ("local rule" if rank is not None else "query bootstrap")
         request_event(
             log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens,
             prefill=prefill_address, dp_rank=rank if rank is not None else "?", dp_rank_from=how, pages=n_pages,
+            cached_pages=job.cached_pages,
         )
         self._wake.set()
         return job
@@ -303,7 +336,7 @@ class DecodeScheduler:
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        return self.transfers.stats(len(self._jobs))
+        return self.transfers.stats(len(self._jobs), self.reuse.evictable if self.reuse is not None else 0)
 
     # -- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -337,6 +370,8 @@ class DecodeScheduler:
             self._on_aborted(aborted)
         for query in q.poll_dp_ranks(now):
             self.spawn(self.calls.query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
+        if self.reuse is not None:  # cached pages no request holds make room for those waiting
+            self.reuse.reclaim(sum(j.num_pages - j.cached_pages for j in self._jobs.values() if j.slot is None))
         self._poll(now, q.prealloc(now))
         if self.generation.busy:
             await self.generation.compute()
@@ -468,8 +503,12 @@ class DecodeScheduler:
         k = job.sampling.top_logprobs
         first = SampledToken(row.output_id, row.output_token_logprob_value, tuple(row.top_logprobs_indices[:k]), tuple(row.top_logprobs_values[:k]))
         # Every rank received the same share: the request's KV is tp_size times this rank's.
-        nbytes = len(c.pages[: self.engine.pages_needed(len(job.input_ids))]) * self.page_bytes * self.tp_size + self.buffers.layout.row_bytes
+        # The pages the decode held already were not sent.
+        sent_pages = self.engine.pages_needed(len(job.input_ids)) - job.cached_pages
+        nbytes = sent_pages * self.page_bytes * self.tp_size + self.buffers.layout.row_bytes
         self.metrics.on_transfer(nbytes, transfer_s)
+        if job.cached_pages:
+            self.metrics.on_reused(job.cached_pages * self.engine.kv_layout.page_size)
         job.fate.handle(Commit())
         self.generation.start(job, first, nbytes, transfer_s, data_plane_s, row.cached_tokens)
         # After the stream's wake-up: the first token goes out before this line is written.
@@ -490,6 +529,7 @@ class DecodeScheduler:
             status=status.code.name, message=status.message, quarantined=a.awaiting_ack,
         )
         self.generation.fail(job, status)
+        self._unlock(job)  # no prefill writes into a cached page: the grant never held them
         if a.awaiting_ack:
             self.spawn(self.calls.abort_room(job, status.message), f"abort-room {a.room}")
 

@@ -55,7 +55,7 @@ __all__ = [
 
 # Version of the KV bytes protocol between prefill and decode (layout semantics, metadata
 # meaning). Bump on any incompatible change; it is part of the compatibility hash.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 KV_LAYOUT_HND = "HND"
 

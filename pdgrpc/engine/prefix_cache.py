@@ -12,7 +12,9 @@ The cache sits over a page pool (an engine's ``alloc_pages``/``free_pages``) and
 rest. Rules:
 
 - At most ``(len(prompt) - 1) // page_size`` pages match: the last prompt token is always
-  computed, so the last chunk yields the logits of the first generated token.
+  computed, so the last chunk yields the logits of the first generated token. A caller
+  that computes nothing of the prompt (a decode, whose first token comes with the KV)
+  passes ``whole=True``: every full page may match.
 - A page is refcounted while a lease holds it; a held page is never evicted, so a page a
   request computes from, or a transfer reads, keeps its KV.
 - When the pool runs short, unreferenced cached pages are evicted least recently used
@@ -124,9 +126,10 @@ class PrefixCache:
         """Pages an allocation may take: the pool's free pages and the evictable cached ones."""
         return self._pool.num_free_pages + len(self._lru)
 
-    def match(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
-        """How many leading pages of ``token_ids`` are cached (at most all but the last token's)."""
-        return self._match(block_hashes(token_ids[: max(0, len(token_ids) - 1)], self.page_size, salt))
+    def match(self, token_ids: Sequence[int], salt: bytes = b"", whole: bool = False) -> int:
+        """How many leading pages of ``token_ids`` are cached (at most all but the last
+        token's; every full page with ``whole``)."""
+        return self._match(block_hashes(token_ids[: len(token_ids) if whole else max(0, len(token_ids) - 1)], self.page_size, salt))
 
     def _match(self, hashes: Sequence[int]) -> int:
         n = 0
@@ -138,15 +141,16 @@ class PrefixCache:
 
     # ---- leases ------------------------------------------------------------------------
 
-    def acquire(self, token_ids: Sequence[int], num_pages: int, salt: bytes = b"") -> Lease | None:
-        """Pages for a prompt: its longest cached prefix, locked, and fresh pages up to
-        ``num_pages`` in all, evicting unreferenced cached pages as needed. ``None`` when
-        the pool cannot supply them; nothing is taken then."""
+    def acquire(self, token_ids: Sequence[int], num_pages: int, salt: bytes = b"", whole: bool = False) -> Lease | None:
+        """Pages for a prompt: its longest cached prefix (as :meth:`match` counts it),
+        locked, and fresh pages up to ``num_pages`` in all, evicting unreferenced cached
+        pages as needed. ``None`` when the pool cannot supply them; nothing is taken then."""
         ids = tuple(token_ids)
         if not isinstance(num_pages, int) or num_pages < 0:
             raise ConfigError(f"acquire: num_pages must be an int >= 0, got {num_pages!r}")
         hashes = block_hashes(ids, self.page_size, salt)
-        matched = min(self._match(hashes[: max(0, len(ids) - 1) // self.page_size]), num_pages)
+        matchable = len(hashes) if whole else max(0, len(ids) - 1) // self.page_size
+        matched = min(self._match(hashes[:matchable]), num_pages)
         held = [self._index[h] for h in hashes[:matched]]
         need = num_pages - matched
         unheld_matched = sum(1 for e in held if e.refs == 0)
@@ -200,6 +204,14 @@ class PrefixCache:
         if self.num_free_pages < n:
             return None
         return self._take(n)
+
+    def reclaim(self, n: int) -> None:
+        """Evict unreferenced cached pages, least recently used first, until the pool has
+        ``n`` free pages or nothing is left to evict (for an owner that allocates from the
+        pool itself)."""
+        short = n - self._pool.num_free_pages
+        if short > 0:
+            self._evict(short)
 
     def clear(self) -> None:
         """Forget every cached page: unreferenced ones go back to the pool now, held ones

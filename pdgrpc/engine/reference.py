@@ -194,7 +194,10 @@ class ReferenceEngine(PooledEngine):
     def decode_step(self, batch: Sequence[DecodeRequest]) -> list[SampledToken]:
         if not batch:
             return []
+        # Requests may share pages they only read (a prefix cache's), never the page one
+        # of them writes: the one holding its position.
         seen: set[int] = set()
+        written: set[int] = set()
         for i, r in enumerate(batch):
             field = f"batch[{i}]"
             if not isinstance(r.position, int) or not 0 < r.position < self.max_seq_len:
@@ -203,9 +206,11 @@ class ReferenceEngine(PooledEngine):
                 raise InvalidRequest(f"{field}.token_id = {r.token_id!r} is not a token id in [0, {self._tokenizer.vocab_size})")
             self._check_pages(r.pages, r.position + 1, f"{field}.pages")
             used = r.pages[: self.pages_needed(r.position + 1)]
-            if seen.intersection(used):
-                raise InvalidRequest(f"{field}.pages: shared with another request of the batch")
+            page = used[r.position // self._layout.page_size]
+            if page in seen or written.intersection(used):
+                raise InvalidRequest(f"{field}.pages: shared with another request of the batch, which one of them writes")
             seen.update(used)
+            written.add(page)
         segments = SegmentBatch.build([(list(r.pages[: self.pages_needed(r.position + 1)]), r.position, 1) for r in batch])
         logits = self._forward([r.token_id for r in batch], segments, rows=list(range(len(batch))))
         return sample_rows(logits, [r.sampling for r in batch], [r.position + 1 for r in batch])

@@ -204,6 +204,11 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_P,),
     ),
     MetricSpec(
+        "pdgrpc_decode_reused_tokens_total", "counter",
+        "Prompt tokens whose KV the decode's prefix cache held already, so the prefill did not send them (count).",
+        _R, (_D,),
+    ),
+    MetricSpec(
         "pdgrpc_requests_total", "counter",
         "Requests that reached a terminal state on this server (count), by state: finished, aborted "
         "(see pdgrpc_aborts_total for why), refused (turned away at admission).",

@@ -195,12 +195,17 @@ class DecodeMetrics(RoleMetrics):
         self._requests = RequestCounters(self._fam, self.role)
         self._transfers = TransferCounters(self._fam, self.role, transport)
         self._queries = DpQueryCounters(self._fam, self.role)
+        self._reused_tokens = self._fam.counter("pdgrpc_decode_reused_tokens_total").labels(self.role.value)
         self.transport = transport
         self.set_info(transport=transport)
 
     def on_finished(self) -> None:
         """An admitted request completed normally on this server."""
         self._requests.on_finished()
+
+    def on_reused(self, tokens: int) -> None:
+        """A request committed with ``tokens`` prompt tokens from the decode's prefix cache."""
+        self._reused_tokens.inc(_count("tokens", tokens))
 
     def on_refused(self) -> None:
         """A request was turned away at admission, before it took any resource (invalid

@@ -41,6 +41,7 @@ class Destination:
     decode_tp_size: int = 1
     wants_metadata: bool = True
     credential: bytes = b""  # what the decode's transport issued to this worker's (peerauth)
+    cached_pages: int = 0  # leading dst_pages the decode holds already: never written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,10 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
             C.INVALID_ARGUMENT,
             f"room {room}: transport_credential: {len(req.transport_credential)} bytes (want {peerauth.CREDENTIAL_BYTES} or none)",
         )
+    if req.cached_pages > n:
+        raise RequestFailed(
+            C.INVALID_ARGUMENT, f"room {room}: cached_pages: {req.cached_pages}, more than the {n} pages of dst_pages"
+        )
     try:
         parsed = Descriptor.from_bytes(req.transport_descriptor)
     except BadDescriptor as exc:
@@ -170,5 +175,5 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
     return Destination(
         room, pages, req.dst_slot, bytes(req.transport_descriptor), parsed,
         decode_tp_rank=d, decode_tp_size=tp_d, wants_metadata=req.wants_metadata,
-        credential=bytes(req.transport_credential),
+        credential=bytes(req.transport_credential), cached_pages=req.cached_pages,
     )

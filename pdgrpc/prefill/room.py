@@ -124,7 +124,13 @@ class RoomDriver:
                                          min_write_pages=s.min_write_pages)
         self.sender = sender
         dests = await self._destinations(sender)
-        sender.handle(DestinationReceived(dests[0].dst_pages, dests[0].dst_slot), time.monotonic())
+        if len({d.cached_pages for d in dests}) > 1:
+            raise RequestFailed(
+                C.INVALID_ARGUMENT,
+                f"room {room}: cached_pages differs between the decode ranks' handshakes ({[d.cached_pages for d in dests]})",
+                ServerAbortReason.DECODE_ERROR,
+            )
+        sender.handle(DestinationReceived(dests[0].dst_pages, dests[0].dst_slot, dests[0].cached_pages), time.monotonic())
         if sender.state is SenderState.FAILED:
             assert sender.failure is not None
             raise RequestFailed(C.INVALID_ARGUMENT, sender.failure.message, ServerAbortReason.DECODE_ERROR)

@@ -61,7 +61,8 @@ def secret_problem(secret: bytes) -> str | None:
 
 def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
     """What a ``HandshakeRequest``'s proof signs (every field but the proof, the transport
-    name and the compatibility hash, which a worker checks against its own)."""
+    name and the compatibility hash, which a worker checks against its own). A forged
+    ``cached_pages`` would leave pages unwritten, so it is signed too."""
     pages = req.dst_pages
     return b"".join(
         (
@@ -74,6 +75,8 @@ def handshake_message(req: handshake_pb2.HandshakeRequest) -> bytes:
             bytes(req.transport_descriptor),
             struct.pack("<I", len(req.transport_credential)),
             bytes(req.transport_credential),
+            # Only when set: a handshake without it signs what it signed before.
+            struct.pack("<I", req.cached_pages) if req.cached_pages else b"",
         )
     )
 

@@ -13,7 +13,9 @@ Which pages go when. After each chunk the pages that chunks **completed** and th
 not written yet are *pending*; they go as one :class:`WritePages` once there are at least
 ``min_write_pages`` of them (every write has a fixed cost that small pieces do not earn
 back). A partially filled last page is held back until the final chunk: a later chunk
-adds tokens to it, and decode must never see a half-written page as final.
+adds tokens to it, and decode must never see a half-written page as final. The leading
+pages the decode holds already (``cached_pages`` of its handshake) count as written: only
+the rest go, and when the decode holds them all, the row goes alone.
 
 Metadata last. On the final chunk the pages still pending (the partial page included)
 go *with* the metadata row as one :class:`WriteMetadata`: the transport lands a row after
@@ -87,10 +89,12 @@ class SenderFailReason(enum.Enum):
 # -- events --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DestinationReceived:
-    """Decode's handshake: where the pages and the metadata row go."""
+    """Decode's handshake: where the pages and the metadata row go. The decode holds the
+    first ``cached_pages`` pages already: they are never written."""
 
     dst_pages: tuple[int, ...]
     slot: int
+    cached_pages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +259,7 @@ class PrefillSender:
         most_before_last = (self.num_tokens - 1) // self.page_size  # complete pages any earlier chunk can hold
         if most_before_last > 0 and most_before_last >= max(1, self.min_write_pages):
             return None
-        return WriteMetadata(self.room, self.slot, self.src_pages, self.dst_pages)
+        return WriteMetadata(self.room, self.slot, self.src_pages[self.pages_sent :], self.dst_pages[self.pages_sent :])
 
     def handle(self, event: SenderEvent, now: float) -> list[SenderAction]:
         """Apply ``event``; the actions the driver must carry out, in order. An event the
@@ -315,15 +319,18 @@ class PrefillSender:
             self.deadline = now + (d.waiting_for_input_s if self._computing() else d.transferring_s)
 
     def _destination(self, ev: DestinationReceived, now: float) -> list[SenderAction]:
-        if len(ev.dst_pages) != len(self.src_pages) or ev.slot < 0:
+        if len(ev.dst_pages) != len(self.src_pages) or ev.slot < 0 or not 0 <= ev.cached_pages <= len(ev.dst_pages):
             self.failure = Fail(
                 SenderFailReason.BAD_DESTINATION,
-                f"room {self.room}: decode sent {len(ev.dst_pages)} destination pages and slot {ev.slot}; "
-                f"the prompt needs exactly {len(self.src_pages)} pages and a slot >= 0",
+                f"room {self.room}: decode sent {len(ev.dst_pages)} destination pages ({ev.cached_pages} of them cached) "
+                f"and slot {ev.slot}; the prompt needs exactly {len(self.src_pages)} pages, at most that many cached, "
+                "and a slot >= 0",
             )
             self._enter(T.FAILED, now)
             return []
         self.dst_pages, self.slot = tuple(ev.dst_pages), ev.slot
+        # The decode's cached pages count as sent and written: only the rest go.
+        self.pages_sent = self.pages_written = ev.cached_pages
         self._enter(T.WAITING_FOR_INPUT, now)
         return []
 

@@ -67,6 +67,7 @@ class HandshakeRequest(_message.Message):
     WANTS_METADATA_FIELD_NUMBER: _builtins.int
     ROOM_PROOF_FIELD_NUMBER: _builtins.int
     TRANSPORT_CREDENTIAL_FIELD_NUMBER: _builtins.int
+    CACHED_PAGES_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The request's bootstrap room (never 0)."""
     dst_slot: _builtins.int
@@ -85,8 +86,8 @@ class HandshakeRequest(_message.Message):
     """Whether this decode rank must receive the metadata row."""
     room_proof: _builtins.bytes
     """HMAC-SHA256 (32 bytes) under the request's room_secret over this handshake's room,
-    pages, slot, decode tp rank/size, wants_metadata, transport descriptor and
-    transport_credential (pdgrpc.serving.room_proof). Empty when the Prefill carries no room_secret. A worker
+    pages, slot, decode tp rank/size, wants_metadata, transport descriptor,
+    transport_credential and cached_pages when not 0 (pdgrpc.serving.room_proof). Empty when the Prefill carries no room_secret. A worker
     whose Prefill for the room carries a secret refuses a handshake without a valid proof
     (PERMISSION_DENIED) and never lets one displace the real handshake.
     """
@@ -97,6 +98,12 @@ class HandshakeRequest(_message.Message):
     data-plane connection to the decode (tcp HELLO, rdma liveness link and HELLO); the
     decode refuses connections without that proof. Never sent anywhere but here (it
     names this worker: useless to any other). Empty from an old decode.
+    """
+    cached_pages: _builtins.int
+    """Leading pages of dst_pages the decode already holds from its own prefix cache, in
+    [0, len(dst_pages)]: the worker writes only pages cached_pages.. and then the
+    metadata row (all of them cached: the row alone). The decode grants only those
+    pages, so a write below cached_pages is refused. 0 (an older decode): every page.
     """
     @_builtins.property
     def dst_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -118,10 +125,11 @@ class HandshakeRequest(_message.Message):
         wants_metadata: _builtins.bool = ...,
         room_proof: _builtins.bytes = ...,
         transport_credential: _builtins.bytes = ...,
+        cached_pages: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "room_proof", b"room_proof", "transport", b"transport", "transport_credential", b"transport_credential", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "cached_pages", b"cached_pages", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "room_proof", b"room_proof", "transport", b"transport", "transport_credential", b"transport_credential", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

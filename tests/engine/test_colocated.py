@@ -108,3 +108,17 @@ def test_prefill_chunk_and_decode_step_check_their_inputs() -> None:
         with pytest.raises(InvalidRequest, match=match):
             e.decode_step(batch)
     assert e.decode_step([]) == []
+
+
+def test_a_decode_step_may_share_pages_its_requests_only_read() -> None:
+    """Two requests over one cached prefix page (a decode's prefix cache) step together
+    exactly as each steps alone; a page one of them writes stays its own."""
+    e = make_engine(TINY)
+    ps = e.kv_layout.page_size
+    prefix = tuple(range(1, ps + 1))
+    assert e.prefill_chunk(PrefillRequest(prefix, (0,)), 0, ps) is not None
+    a, b = DecodeRequest(65, ps, (0, 1)), DecodeRequest(66, ps, (0, 2))
+    together = e.decode_step([a, b])
+    assert together == e.decode_step([a]) + e.decode_step([b])
+    with pytest.raises(InvalidRequest, match=r"batch\[1\].pages: shared with another request of the batch, which one of them writes"):
+        e.decode_step([a, DecodeRequest(66, ps, (0, 1))])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdgrpc.engine import KVLayout, compat_hash
+from pdgrpc.engine.layout import PROTOCOL_VERSION
 from pdgrpc.errors import ConfigError
 
 from engine_helpers import TINY, make_engine, prefill_into
@@ -68,7 +69,7 @@ def test_compat_hash_covers_every_shared_fact_and_no_per_instance_one() -> None:
         compat_hash(dataclasses.replace(BASE, num_kv_heads=4, head_end=4), "m"),
         compat_hash(dataclasses.replace(BASE, head_dim=64), "m"),
         compat_hash(BASE, "other-model"),
-        compat_hash(BASE, "m", protocol_version=2),
+        compat_hash(BASE, "m", protocol_version=PROTOCOL_VERSION - 1),  # a peer of the previous protocol
     ]
     assert len(set(changed + [h])) == len(changed) + 1
 

@@ -231,3 +231,23 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, derandomize=True)
+
+
+def test_whole_matches_every_full_page_and_reclaim_evicts_only_unheld_pages() -> None:
+    """A decode computes none of the prompt: every full page may match, also the last
+    token's. ``reclaim`` frees unreferenced pages, least recently used first, for an owner
+    that allocates from the pool itself."""
+    pool = Pool(8)
+    cache = PrefixCache(pool, PS)
+    ids = list(range(8))  # two full pages
+    lease = cache.acquire(ids, 2)
+    assert lease is not None
+    cache.release(lease, insert=True)
+    assert cache.match(ids) == 1 and cache.match(ids, whole=True) == 2
+    held = cache.acquire(ids, 2, whole=True)
+    assert held is not None and held.cached_pages == 2 and pool.num_free_pages == 6
+    cache.reclaim(8)  # both cached pages are held: nothing to evict
+    assert pool.num_free_pages == 6 and cache.num_cached_pages == 2
+    cache.release(held, insert=False)
+    cache.reclaim(7)  # one page short: the deeper page goes first
+    assert pool.num_free_pages == 7 and cache.match(ids, whole=True) == 1

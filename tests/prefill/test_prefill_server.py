@@ -17,12 +17,14 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 import pytest
+import torch
 
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.cluster.launcher import free_port_block
 from pdgrpc.engine.reference import ReferenceEngine
 from tests.scrape import scrape
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
+from pdgrpc.transport.base import RoomGrant
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import prefill_pb2
 from tests.eventually import eventually_async
@@ -150,6 +152,78 @@ async def test_kv_and_metadata_arrive_bit_exact(rr: PrefillProc, decode: FakeDec
         assert f"room={r.room} {event}" in log, event
     decode.free(r)
     await assert_settles_to_zero(rr)
+
+
+SENTINEL = 7.0  # what the decode's cached pages hold: a write into one would change it
+
+
+def _delta_room(decode: FakeDecode, n: int, cached: int) -> Room:
+    """Pages and a slot for a prompt of ``n`` tokens whose first ``cached`` pages the
+    decode holds already: the grant holds only the rest, as the decode's prefix cache
+    grants them."""
+    r = decode.allocate(new_room(), n)
+    decode.transport.release(r.room)  # granted again, without the cached pages
+    decode.transport.advertise(RoomGrant.of(r.room, r.pages[cached:], r.slot))
+    for pool in (*decode.engine.kv_buffers().k, *decode.engine.kv_buffers().v):
+        pool[r.pages[:cached]] = SENTINEL
+    return r
+
+
+def _cached_pages_untouched(decode: FakeDecode, r: Room, cached: int) -> bool:
+    return all(bool((pool[r.pages[:cached]] == SENTINEL).all()) for pool in (*decode.engine.kv_buffers().k, *decode.engine.kv_buffers().v))
+
+
+@pytest.mark.parametrize("cached", [0, 3, 6], ids=["older-decode-no-field", "partial", "full-hit-row-alone"])
+async def test_a_delta_transfer_sends_only_the_pages_the_decode_lacks(rr: PrefillProc, decode: FakeDecode, cached: int) -> None:
+    """The handshake's cached_pages = k: the prefill writes pages k.. then the row, and
+    reports (n - k) pages' bytes; k = 0 is what a decode without the field sends."""
+    ids = prompt(24, seed=5)  # 6 full pages of 4 tokens, computed in chunks of 6
+    sampling = SamplingParams(temperature=0.7, seed=99, top_logprobs=3)
+    r = _delta_room(decode, len(ids), cached)
+    ch, stub = await prefill_stub(rr)
+    try:
+        call = asyncio.ensure_future(stub.Prefill(request(r.room, ids, sampling, routed=0), timeout=60))
+        (w,) = await decode.workers(rr.bootstrap, 0)
+        await decode.handshake(w.transfer_address, r, **({"cached_pages": cached} if cached else {}))
+        resp = await call
+    finally:
+        await ch.close()
+    assert (await decode.wait(r)).state is KVPoll.SUCCESS
+    layout = ReferenceEngine(CONFIG).kv_layout
+    page_bytes = layout.page_bytes * 2 * layout.num_layers
+    assert resp.bytes_transferred == (6 - cached) * page_bytes + metadata_layout().row_bytes
+    assert _cached_pages_untouched(decode, r, cached)
+    # The pages written hold exactly a local prefill's KV; the row its first token.
+    ref_engine, ref_pages, tok = reference_prefill(CONFIG, ids, sampling)
+    got = decode.kv_of(r.pages[cached:], len(ids) - cached * 4)
+    want = decode.kv_of(ref_pages[cached:], len(ids) - cached * 4, ref_engine)
+    assert all(torch.equal(g, x) for g, x in zip(got, want))
+    assert decode.row(r).output_id == tok.token_id and decode.rows.room(r.slot) == r.room
+    decode.free(r)
+    await assert_settles_to_zero(rr)
+
+
+async def test_a_write_below_cached_pages_is_refused_and_lands_nothing(rr: PrefillProc, decode: FakeDecode, rr_outcomes: Outcomes) -> None:
+    """The decode granted only pages 3.. (it holds 0..2), but the prefill is told to send
+    every page (cached_pages 0): the receiver refuses the write, the cached pages keep
+    their KV, no row lands, and the prefill counts a rejected write."""
+    ids = prompt(24, seed=6)
+    r = _delta_room(decode, len(ids), 3)
+    ch, stub = await prefill_stub(rr)
+    try:
+        call = asyncio.ensure_future(stub.Prefill(request(r.room, ids, routed=0), timeout=60))
+        (w,) = await decode.workers(rr.bootstrap, 0)
+        await decode.handshake(w.transfer_address, r)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call
+        assert ei.value.code() is grpc.StatusCode.ABORTED and "transfer failed" in ei.value.details()
+    finally:
+        await ch.close()
+    assert _cached_pages_untouched(decode, r, 3)
+    assert decode.rows.room(r.slot) == 0
+    decode.free(r)
+    await assert_settles_to_zero(rr)
+    assert await rr_outcomes.changed() == {"aborted": 1, "aborted:rejected_write": 1, "registered": 1}
 
 
 async def test_round_robin_alternates_and_registers_each_room(rr: PrefillProc, decode: FakeDecode) -> None:
@@ -392,8 +466,9 @@ async def test_a_burst_larger_than_the_pool_waits_for_pages_instead_of_failing(r
         ({"dst_pages": [0] * 2_000_000}, "dst_pages: 2000000 pages, over the limit of 16 per handshake"),
         ({"dst_pages": [3, 5, 3]}, "dst_pages: page 3 appears more than once"),
         ({"transport_credential": b"short"}, "transport_credential: 5 bytes (want 32 or none)"),
+        ({"cached_pages": 4}, "cached_pages: 4, more than the 3 pages of dst_pages"),
     ],
-    ids=["too-many-pages", "duplicate-page", "bad-credential"],
+    ids=["too-many-pages", "duplicate-page", "bad-credential", "cached-past-the-pages"],
 )
 async def test_refused_handshake_is_not_stored_and_names_the_limit(
     rr: PrefillProc, decode: FakeDecode, override: dict, needle: str

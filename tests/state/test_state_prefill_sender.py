@@ -223,3 +223,27 @@ def test_bad_construction_names_the_field(kwargs: dict[str, object], field: str)
 def test_sender_deadlines_validation() -> None:
     with pytest.raises(ConfigError, match="transferring_s"):
         SenderDeadlines(transferring_s=-1)
+
+
+def test_the_decodes_cached_pages_are_never_written() -> None:
+    """cached_pages = 1: chunks that complete page 0 write nothing; pages 1.. and the row go."""
+    s = sender_in(T.WAITING_FOR_DESTINATION)
+    s.handle(DestinationReceived(DST, 4, cached_pages=1), 0.0)
+    assert s.handle(ChunkDone(20), 0.0) == []  # page 0 complete: the decode holds it
+    assert s.handle(ChunkDone(35), 0.0) == [WritePages(5, (11,), (21,))]
+    assert s.handle(PagesWritten(1), 0.0) == []
+    assert s.handle(ChunkDone(40, last=True), 0.0) == [WriteMetadata(5, 4, (12,), (22,))]
+
+
+def test_a_decode_holding_every_page_gets_the_row_alone() -> None:
+    s = sender_in(T.WAITING_FOR_DESTINATION)
+    s.handle(DestinationReceived(DST, 4, cached_pages=3), 0.0)
+    assert s.handle(ChunkDone(40, last=True), 0.0) == [WriteMetadata(5, 4)]
+    assert s.state is T.SENDING_METADATA
+
+
+@pytest.mark.parametrize("cached", [-1, 4])
+def test_cached_pages_outside_the_prompt_fail_naming_them(cached: int) -> None:
+    s = sender()
+    s.handle(DestinationReceived(DST, 4, cached_pages=cached), 0.0)
+    assert s.state is T.FAILED and s.failure is not None and f"({cached} of them cached)" in s.failure.message

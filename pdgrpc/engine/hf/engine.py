@@ -160,7 +160,10 @@ class HFEngine(PooledEngine):
     def decode_step(self, batch: Sequence[DecodeRequest]) -> list[SampledToken]:
         if not batch:
             return []
+        # Requests may share pages they only read (a prefix cache's), never the page one
+        # of them writes: the one holding its position.
         seen: set[int] = set()
+        written: set[int] = set()
         tables = []
         vocab = self._tokenizer.vocab_size
         for i, r in enumerate(batch):
@@ -170,9 +173,11 @@ class HFEngine(PooledEngine):
             if not isinstance(r.token_id, int) or not 0 <= r.token_id < vocab:
                 raise InvalidRequest(f"{field}.token_id = {r.token_id!r} is not a token id in [0, {vocab})")
             used = self._check_pages(r.pages, r.position + 1, f"{field}.pages")
-            if seen.intersection(used):
-                raise InvalidRequest(f"{field}.pages: shared with another request of the batch")
+            page = used[r.position // self._layout.page_size]
+            if page in seen or written.intersection(used):
+                raise InvalidRequest(f"{field}.pages: shared with another request of the batch, which one of them writes")
             seen.update(used)
+            written.add(page)
             tables.append(used)
         width = max(len(t) for t in tables)
         table = self._long([t + [t[0]] * (width - len(t)) for t in tables])  # padding is masked

@@ -1,0 +1,78 @@
+"""The decode's prefix cache: prompt pages that earlier requests received stay here for
+later prompts that begin the same way, and their prefill sends only the rest.
+
+At admission a request locks the prompt's longest cached run of full pages
+(:meth:`DecodeReuse.hold`); the decode queues allocate only its other pages, and the
+handshake tells the prefill how many leading pages to skip (``cached_pages``). The
+transport's grant holds only the pages the prefill writes, so a write into a cached page
+is refused. When a request ends after its KV landed, its full prompt pages join the cache
+(:meth:`DecodeReuse.release`); its other pages go back to the queues.
+
+The cache is :class:`~pdgrpc.engine.prefix_cache.PrefixCache` over the decode queues' page
+allocator, the one source of truth for the pool: cached pages count as allocated there,
+and the scheduler reclaims unreferenced ones (:meth:`DecodeReuse.reclaim`) before the
+queues allocate. Only the scheduler's loop touches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from pdgrpc.engine.prefix_cache import Lease, PrefixCache
+from pdgrpc.state import DecodeQueues
+
+__all__ = ["DecodeReuse"]
+
+
+class _QueuePages:
+    """The decode queues' page allocator as the cache's page pool."""
+
+    def __init__(self, queues: DecodeQueues) -> None:
+        self._queues = queues
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        if n == 0:  # the cache asks for none when a request only locks its cached prefix
+            return []
+        got = self._queues.pages.alloc(n)
+        return None if got is None else list(got)
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        self._queues.release_pages(pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._queues.pages.num_free
+
+
+class DecodeReuse:
+    """A prefix cache of ``page_size``-token pages over ``queues``' pool."""
+
+    def __init__(self, queues: DecodeQueues, page_size: int) -> None:
+        self._pool = _QueuePages(queues)
+        self.cache = PrefixCache(self._pool, page_size)
+
+    def hold(self, input_ids: Sequence[int], most: int) -> Lease:
+        """Lock the longest cached run of ``input_ids``' full pages, at most ``most``
+        pages (the lease holds no page of its own)."""
+        k = min(self.cache.match(input_ids, whole=True), most)
+        lease = self.cache.acquire(input_ids, k, whole=True)
+        assert lease is not None and lease.cached_pages == k  # locking cached pages takes nothing from the pool
+        return lease
+
+    def release(self, lease: Lease, prompt_pages: Sequence[int], complete: bool) -> None:
+        """Unlock ``lease``; with ``complete`` (the prompt's KV landed in ``prompt_pages``,
+        the request's own pages after the cached ones) those that are full join the cache
+        and the rest go back to the queues."""
+        pages = lease.pages + tuple(prompt_pages) if complete else lease.pages
+        self.cache.release(dataclasses.replace(lease, pages=pages), insert=complete)
+
+    def reclaim(self, need: int) -> None:
+        """Evict unreferenced cached pages until the queues have ``need`` free pages (or
+        nothing is left to evict)."""
+        self.cache.reclaim(need)
+
+    @property
+    def evictable(self) -> int:
+        """Cached pages no request holds: free for the taking."""
+        return self.cache.num_free_pages - self._pool.num_free_pages
