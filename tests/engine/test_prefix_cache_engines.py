@@ -85,3 +85,19 @@ def test_checkpoint_engine_with_hits_and_evictions_equals_transformers(hf_checkp
         want = [torch.log_softmax(lg[0].double(), -1)[t].item() for lg, t in zip(out.logits, expected)]
         assert [t.logprob for t in got] == pytest.approx(want, abs=1e-4)
     assert hits > 0 and cache.evictions > 0
+
+
+def test_checkpoint_engine_steps_requests_that_share_read_only_pages(hf_checkpoint) -> None:
+    """A decode's prefix cache hands requests the same prefix pages: the checkpoint engine
+    steps them together exactly as each alone, and refuses a page one of them writes."""
+    from pdgrpc.engine.base import DecodeRequest
+    from pdgrpc.engine.errors import InvalidRequest
+    from pdgrpc.engine.hf.engine import HFEngine, HFEngineConfig
+
+    engine = HFEngine(HFEngineConfig(str(hf_checkpoint("llama")), num_pages=8, max_prompt_tokens=256, max_seq_len=512))
+    ps = engine.kv_layout.page_size
+    assert engine.prefill_chunk(PrefillRequest(tuple(range(1, ps + 1)), (0,), SamplingParams()), 0, ps) is not None
+    a, b = DecodeRequest(5, ps, (0, 1)), DecodeRequest(6, ps, (0, 2))
+    assert engine.decode_step([a, b]) == engine.decode_step([a]) + engine.decode_step([b])
+    with pytest.raises(InvalidRequest, match="which one of them writes"):
+        engine.decode_step([a, DecodeRequest(6, ps, (0, 1))])
