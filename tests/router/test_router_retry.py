@@ -114,8 +114,11 @@ async def test_an_unreachable_prefill_or_decode_is_retried_on_another(up):
     _, stub = await up.router([up.p_addrs[1]], [DEAD, up.d_addrs[1]])
     out = await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="hi")))
     assert [list(m.token_ids) for m in out] == [[104], [105]]
-    assert len(up.decodes[1].requests) == 2 and len(up.prefills[1].requests) == 3  # one per attempt
-    await wait_for(lambda: len(up.prefills[1].cancelled_at) == 1, 10.0)  # the first attempt's prefill
+    # One prefill call per attempt; the first attempt's is cancelled at once (its decode is
+    # gone), perhaps before it arrived.
+    assert len(up.decodes[1].requests) == 2 and len(up.prefills[1].requests) in (2, 3)
+    await asyncio.sleep(0.5)
+    assert len(up.prefills[1].cancelled_at) == len(up.prefills[1].requests) - 2
 
 
 async def test_no_retry_without_another_instance_with_retries_0_or_after_a_token(up):
