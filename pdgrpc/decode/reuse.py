@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from pdgrpc.engine.cache_events import CacheEvents
 from pdgrpc.engine.prefix_cache import Lease, PrefixCache
 from pdgrpc.state import DecodeQueues
 
@@ -46,11 +47,12 @@ class _QueuePages:
 
 
 class DecodeReuse:
-    """A prefix cache of ``page_size``-token pages over ``queues``' pool."""
+    """A prefix cache of ``page_size``-token pages over ``queues``' pool; what it stores
+    and evicts goes to ``events`` (the decode's ``SubscribeKvEvents``)."""
 
-    def __init__(self, queues: DecodeQueues, page_size: int) -> None:
+    def __init__(self, queues: DecodeQueues, page_size: int, events: CacheEvents | None = None) -> None:
         self._pool = _QueuePages(queues)
-        self.cache = PrefixCache(self._pool, page_size)
+        self.cache = PrefixCache(self._pool, page_size, events)
 
     def hold(self, input_ids: Sequence[int], most: int) -> Lease:
         """Lock the longest cached run of ``input_ids``' full pages, at most ``most``

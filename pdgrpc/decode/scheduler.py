@@ -55,6 +55,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.errors import RpcError
+from pdgrpc.serving.kv_events import KvEventFeed
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.tp import check_tp_sizes
@@ -119,10 +120,10 @@ class DecodeScheduler:
         # The prefix cache: TP 1 only (every rank would have to hold the same pages), and
         # only when the prefill sends KV (a fake transfer computes the prompt here, into
         # every page).
-        self.reuse = (
-            DecodeReuse(self.queues, engine.kv_layout.page_size) if config.prefix_cache and tp is None and transport.moves_bytes else None
-        )
-        if config.prefix_cache and self.reuse is None:
+        # Built by start(), on the loop its event feed serves.
+        self.reuse: DecodeReuse | None = None
+        self.kv_events: KvEventFeed | None = None
+        if config.prefix_cache and (tp is not None or not transport.moves_bytes):
             log.warning("decode prefix cache off: it needs TP 1 and a transport that moves bytes (%s, TP %d)", transport.name, self.tp_size)
         self.generation = Generation(
             engine, tp, config, self.metrics, self._release_pages, self._ended, self.rank_lost
@@ -132,6 +133,9 @@ class DecodeScheduler:
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.fatal = asyncio.get_running_loop().create_future()
+        if self.config.prefix_cache and self.tp is None and self.transport.moves_bytes:
+            self.kv_events = KvEventFeed()
+            self.reuse = DecodeReuse(self.queues, self.engine.kv_layout.page_size, self.kv_events)
         self.descriptor = await self.transfers.register()
         ranks = [(self.descriptor, self.transport.auth_key)]
         if self.tp is not None:  # every rank's descriptor and key, for the handshakes sent on its behalf
@@ -169,6 +173,8 @@ class DecodeScheduler:
             except (TpGroupBroken, asyncio.TimeoutError) as exc:
                 log.warning("could not tell the other TP ranks to stop: %s", exc)
         self.generation.shutdown()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         await self.transport.close()
 
     # -- what the prefill calls need (CallsHost) ------------------------------------------------

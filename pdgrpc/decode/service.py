@@ -33,6 +33,7 @@ from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCall
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
 from pdgrpc.serving.convert import room_from_proto, sampling_from_proto
+from pdgrpc.serving.kv_events import serve_kv_events
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -148,6 +149,16 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         # GetStatsRequest/Response are declared in prefill.proto (imported by decode.proto).
         return prefill_pb2.GetStatsResponse(stats=common_pb2.ResourceStats(**self.scheduler.stats()))
 
+    async def SubscribeKvEvents(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+        feed = self.scheduler.kv_events
+        if feed is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this decode keeps no prefix cache (start it with --decode-prefix-cache)")
+            return
+        async for b in serve_kv_events(feed, request):
+            yield b
+
 
 class WireDecodeServicer(dpb_grpc.DecodeServiceServicer):
     """``DecodeService`` as served over gRPC: :class:`DecodeServicer`'s, once the request
@@ -171,6 +182,12 @@ class WireDecodeServicer(dpb_grpc.DecodeServiceServicer):
         self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.GetStatsResponse:
         return await self.inner.GetStats(request, context)
+
+    async def SubscribeKvEvents(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+        async for b in self.inner.SubscribeKvEvents(request, context):
+            yield b
 
 
 @dataclasses.dataclass

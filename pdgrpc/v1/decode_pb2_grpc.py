@@ -45,6 +45,11 @@ class DecodeServiceStub:
                 request_serializer=pdgrpc_dot_v1_dot_prefill__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/pdgrpc.v1.DecodeService/SubscribeKvEvents',
+                request_serializer=pdgrpc_dot_v1_dot_prefill__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -68,6 +73,16 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """The decode prefix cache's changes (--decode-prefix-cache), as PrefillService's
+        SubscribeKvEvents sends a worker's: the batches after start_sequence_number while the
+        log still holds them, else a snapshot; then each new batch as it is made.
+        UNIMPLEMENTED when the decode keeps no prefix cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +95,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.GetStatsRequest.FromString,
                     response_serializer=pdgrpc_dot_v1_dot_prefill__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=pdgrpc_dot_v1_dot_prefill__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +156,33 @@ class DecodeService:
             '/pdgrpc.v1.DecodeService/GetStats',
             pdgrpc_dot_v1_dot_prefill__pb2.GetStatsRequest.SerializeToString,
             pdgrpc_dot_v1_dot_prefill__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdgrpc.v1.DecodeService/SubscribeKvEvents',
+            pdgrpc_dot_v1_dot_prefill__pb2.SubscribeKvEventsRequest.SerializeToString,
+            pdgrpc_dot_v1_dot_prefill__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

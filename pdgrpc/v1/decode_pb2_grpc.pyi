@@ -41,6 +41,12 @@ class DecodeServiceStub:
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.GetStatsRequest, _prefill_pb2.GetStatsResponse]
     """What this decode instance holds right now."""
+    SubscribeKvEvents: _grpc.UnaryStreamMultiCallable[_prefill_pb2.SubscribeKvEventsRequest, _prefill_pb2.KvEventBatch]
+    """The decode prefix cache's changes (--decode-prefix-cache), as PrefillService's
+    SubscribeKvEvents sends a worker's: the batches after start_sequence_number while the
+    log still holds them, else a snapshot; then each new batch as it is made.
+    UNIMPLEMENTED when the decode keeps no prefix cache.
+    """
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
@@ -54,6 +60,12 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_prefill_pb2.GetStatsRequest, _prefill_pb2.GetStatsResponse]  # type: ignore[assignment]
     """What this decode instance holds right now."""
+    SubscribeKvEvents: _aio.UnaryStreamMultiCallable[_prefill_pb2.SubscribeKvEventsRequest, _prefill_pb2.KvEventBatch]  # type: ignore[assignment]
+    """The decode prefix cache's changes (--decode-prefix-cache), as PrefillService's
+    SubscribeKvEvents sends a worker's: the batches after start_sequence_number while the
+    log still holds them, else a snapshot; then each new batch as it is made.
+    UNIMPLEMENTED when the decode keeps no prefix cache.
+    """
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -76,5 +88,17 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_pb2.GetStatsResponse, _abc.Awaitable[_prefill_pb2.GetStatsResponse]]:
         """What this decode instance holds right now."""
+
+    @_abc_1.abstractmethod
+    def SubscribeKvEvents(
+        self,
+        request: _prefill_pb2.SubscribeKvEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_prefill_pb2.KvEventBatch], _abc.AsyncIterator[_prefill_pb2.KvEventBatch]]:
+        """The decode prefix cache's changes (--decode-prefix-cache), as PrefillService's
+        SubscribeKvEvents sends a worker's: the batches after start_sequence_number while the
+        log still holds them, else a snapshot; then each new batch as it is made.
+        UNIMPLEMENTED when the decode keeps no prefix cache.
+        """
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

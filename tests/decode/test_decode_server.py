@@ -543,3 +543,10 @@ def test_fuzzed_requests_never_crash_the_decode(decode_proc: tuple[str, str], me
     s = scrape(metrics_address)
     for gauge in ("pdgrpc_metadata_slots_in_use", "pdgrpc_kv_pages_in_use", "pdgrpc_kv_pages_quarantined"):
         assert s.value(gauge, role="decode") == 0, gauge
+
+
+async def test_a_decode_without_a_prefix_cache_has_no_kv_events(stub: decode_pb2_grpc.DecodeServiceStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        async for _ in stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=5):
+            pass
+    assert ei.value.code() is grpc.StatusCode.UNIMPLEMENTED and "--decode-prefix-cache" in ei.value.details()

@@ -3,8 +3,9 @@ decode holds from an earlier request is sent only the rest (a delta transfer).
 
 ``GenerateResponse.bytes_transferred`` is (prompt pages - k) x page bytes + one metadata
 row for k = 0, a partial hit and a full hit (the row alone); every output equals
-colocated generation (greedy and seeded); the decode counts the reused tokens; a small
-decode pool makes later prompts evict cached pages; afterwards nothing is held.
+colocated generation (greedy and seeded); the decode counts the reused tokens and
+publishes what its cache stores (SubscribeKvEvents); a small decode pool makes later
+prompts evict cached pages; afterwards nothing is held.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import pytest_asyncio
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.serving.metadata import metadata_layout
-from pdgrpc.v1 import generate_pb2_grpc
+from pdgrpc.engine.prefix_cache import block_hashes
+from pdgrpc.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2
 from tests.e2e.harness import Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
@@ -44,6 +46,25 @@ async def cluster(request):
     skip_unless_transport(transport)
     async with Cluster(_topology(name), transport=transport, start_timeout=180, metrics=True) as c:
         yield c
+
+
+async def _wait_published(cluster: Cluster, hashes: set[int]) -> None:
+    """Until the decode's SubscribeKvEvents reports ``hashes`` stored (bounded)."""
+    stub = decode_pb2_grpc.DecodeServiceStub(cluster.channel("decode"))
+    stored: set[int] = set()
+    for _ in range(20):
+        call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=1.0)
+        try:
+            async for batch in call:
+                for e in batch.events:
+                    if e.WhichOneof("event") == "stored":
+                        stored.update(b.block_hash for b in e.stored.blocks)
+                if hashes <= stored:
+                    call.cancel()
+                    return
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc  # the deadline ends the stream
+    raise AssertionError(f"the decode published {len(hashes & stored)} of the {len(hashes)} pages it holds")
 
 
 def _page_bytes(cluster: Cluster) -> int:
@@ -79,6 +100,8 @@ async def test_a_prompt_the_decode_holds_in_part_moves_only_the_rest(cluster):
             pages = -(-len(case.input_ids) // PAGE)
             assert got.bytes_transferred == (pages - held) * page_bytes + row_bytes, (case, held)
             await wait_nothing_held(cluster)  # cached pages no request holds count as free
+        # What the decode holds, it publishes: every full page of the prompts so far.
+        await _wait_published(cluster, set(block_hashes(a, PAGE)) | set(block_hashes(steps[1][0].input_ids, PAGE)))
         got_burst, _ = await generate_all(stub, burst)
     for c, got in zip(burst, got_burst):
         assert (got.token_ids, got.finish_reason) == expected[c], c
