@@ -101,9 +101,13 @@ async def test_get_tokenizer_streams_the_bundle_or_says_which_file_is_missing(ch
     assert (b"".join(c.data for c in chunks), chunks[-1].sha256) == tokenizer_zip(tok.hf_files())
     assert all(not c.sha256 for c in chunks[:-1])
     (checkpoint / "tokenizer.json").unlink()
+    # The bundle is built once per worker: the one served keeps serving what was loaded.
+    again = [c async for c in leg.GetTokenizer(smg_common_pb2.GetTokenizerRequest(), Context())]
+    assert b"".join(c.data for c in again) == b"".join(c.data for c in chunks)
+    fresh = PrefillLeg(None, lambda: worker(tok), active=lambda: 0, healthy=lambda: True, kv_events=KvEventFeed())
     ctx = Context()
     with pytest.raises(Aborted):
-        [c async for c in leg.GetTokenizer(smg_common_pb2.GetTokenizerRequest(), ctx)]
+        [c async for c in fresh.GetTokenizer(smg_common_pb2.GetTokenizerRequest(), ctx)]
     assert ctx.code == grpc.StatusCode.FAILED_PRECONDITION and "tokenizer.json: file not found" in ctx.details
 
 
