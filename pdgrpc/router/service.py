@@ -317,7 +317,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         return sampling
 
-    def _pick(self, prompt: Sequence[int]) -> tuple[PrefillBackend, str]:
+    def pick(self, prompt: Sequence[int]) -> tuple[PrefillBackend, str]:
         """The prefill and decode for the next request, among the static lists or the live,
         compatible instances of the discovery view, passing over the ejected ones
         (:mod:`pdgrpc.router.ejection`) unless every instance of the role is: the prefill
@@ -357,7 +357,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         request_id = request.request_id or f"r{room:016x}"
         try:
             input_ids = self._input_ids(request)
-            prefill, decode = self._pick(input_ids)
+            prefill, decode = self.pick(input_ids)
         except RequestFailed as f:
             self.metrics.on_refused()
             request_event(log, room, "refused", level=logging.WARNING, request_id=request_id, reason=f.message)
@@ -454,7 +454,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             n = len(self.config.prefills if role == "prefill" else self.config.decodes)
         for _ in range(n):
             try:
-                p, d = self._pick(prompt)
+                p, d = self.pick(prompt)
             except RequestFailed:  # no live instance left in the discovery view
                 return None
             if (p.address != prefill.address) if role == "prefill" else (d != decode):

@@ -88,16 +88,16 @@ def test_router_routes_only_to_live_instances_of_the_view() -> None:
     view = MembershipView(PREFIX)
     servicer = GenerateServicer(RouterConfig(prefills=(), decodes=(), discovery=True), view=view)
     with pytest.raises(RequestFailed) as info:
-        servicer._pick(())
+        servicer.pick(())
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and "no live prefill" in info.value.message
     _put(view, _inst("prefill", "p1", port=7001), 5)
     _put(view, _inst("decode", "d1", port=7002), 6)
     _put(view, _inst("decode", "d2", port=7003), 7)
-    picks = {servicer._pick(())[1] for _ in range(4)}
+    picks = {servicer.pick(())[1] for _ in range(4)}
     assert picks == {"10.0.0.2:7002", "10.0.0.2:7003"}
     view.delete(instance_key("c1", "decode", "d2"))
-    assert {servicer._pick(())[1] for _ in range(4)} == {"10.0.0.2:7002"}
-    prefill, _ = servicer._pick(())
+    assert {servicer.pick(())[1] for _ in range(4)} == {"10.0.0.2:7002"}
+    prefill, _ = servicer.pick(())
     assert (prefill.address, prefill.bootstrap) == ("10.0.0.2:7001", "10.0.0.2:7001")
 
 

