@@ -73,8 +73,7 @@ class Generation:
     ) -> None:
         """Send ``job``'s first token; it runs from the next step unless that token ended it.
         ``cached_tokens``: the prompt tokens the prefill's cache supplied (reported only)."""
-        job.generated = 1
-        job.last_token = first.token_id
+        job.output_ids = [first.token_id]
         reason = stop_reason(first.token_id, 1, job.max_new_tokens, job.sampling, self.engine.tokenizer.eos_token_ids)
         job.out.put_nowait(
             Tokens((first.token_id,), (first.logprob,), reason or "", nbytes, transfer_s, _top(first), data_plane_s, cached_tokens)
@@ -162,8 +161,7 @@ class Generation:
         for job, tok in zip(batch, toks):
             if job.fate.ending:
                 continue  # dropped (and its pages freed) at the top of the next iteration
-            job.generated += 1
-            job.last_token = tok.token_id
+            job.output_ids.append(tok.token_id)
             reason = stop_reason(tok.token_id, job.generated, job.max_new_tokens, job.sampling, eos)
             job.out.put_nowait(Tokens((tok.token_id,), (tok.logprob,), reason or "", top=_top(tok)))
             if reason is not None:

@@ -85,9 +85,8 @@ class Job:
     watch_task: "asyncio.Task[None] | None" = None
     # Everything that decides how it ends: drivers feed it events and do what it says.
     fate: DecodeFate = dataclasses.field(default_factory=DecodeFate)
-    # Running (after commit).
-    last_token: int = 0
-    generated: int = 0
+    # Running (after commit): every token sent so far, the first one (from the prefill) included.
+    output_ids: list[int] = dataclasses.field(default_factory=list)
     # Set by the Decode stream once its first message is sent (or the stream ended).
     first_sent: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     trace: tracing.Hops | None = None  # the Decode call's span while tracing is on
@@ -98,9 +97,24 @@ class Job:
         return self.lease.cached_pages if self.lease is not None else 0
 
     @property
+    def generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds (its KV is not in the pages yet)."""
+        return self.output_ids[-1]
+
+    @property
     def position(self) -> int:
         """Position of ``last_token`` (the prompt holds positions [0, len))."""
         return len(self.input_ids) + self.generated - 1
+
+    @property
+    def kv_ids(self) -> tuple[int, ...]:
+        """The tokens whose KV the pages hold once the prompt landed: the prompt and every
+        generated token a step fed back (all but the last)."""
+        return self.input_ids + tuple(self.output_ids[:-1])
 
 
 _PHASE = {

@@ -5,8 +5,10 @@ At admission a request locks the prompt's longest cached run of full pages
 (:meth:`DecodeReuse.hold`); the decode queues allocate only its other pages, and the
 handshake tells the prefill how many leading pages to skip (``cached_pages``). The
 transport's grant holds only the pages the prefill writes, so a write into a cached page
-is refused. When a request ends after its KV landed, its full prompt pages join the cache
-(:meth:`DecodeReuse.release`); its other pages go back to the queues.
+is refused. When a request ends after its KV landed, its full pages join the cache
+(:meth:`DecodeReuse.release`), the generated tokens' pages too, so the next turn of a chat
+(this prompt, its answer and a new message) finds the answer; its other pages, the last
+partial one among them, go back to the queues.
 
 The cache is :class:`~pdgrpc.engine.prefix_cache.PrefixCache` over the decode queues' page
 allocator, the one source of truth for the pool: cached pages count as allocated there,
@@ -20,7 +22,8 @@ import dataclasses
 from typing import Sequence
 
 from pdgrpc.engine.cache_events import CacheEvents
-from pdgrpc.engine.prefix_cache import Lease, PrefixCache
+from pdgrpc.engine.prefix_cache import Lease, PrefixCache, block_hash
+from pdgrpc.errors import SlotError
 from pdgrpc.state import DecodeQueues
 
 __all__ = ["DecodeReuse"]
@@ -62,12 +65,25 @@ class DecodeReuse:
         assert lease is not None and lease.cached_pages == k  # locking cached pages takes nothing from the pool
         return lease
 
-    def release(self, lease: Lease, prompt_pages: Sequence[int], complete: bool) -> None:
-        """Unlock ``lease``; with ``complete`` (the prompt's KV landed in ``prompt_pages``,
-        the request's own pages after the cached ones) those that are full join the cache
-        and the rest go back to the queues."""
-        pages = lease.pages + tuple(prompt_pages) if complete else lease.pages
-        self.cache.release(dataclasses.replace(lease, pages=pages), insert=complete)
+    def release(self, lease: Lease, own_pages: Sequence[int], kv_ids: Sequence[int] | None) -> None:
+        """Unlock ``lease``. ``kv_ids``: the tokens whose KV the lease's pages and then
+        ``own_pages`` (the request's pages after the cached ones) hold -- the prompt and
+        what the request generated -- or None when the prompt's KV never landed. Their
+        full pages join the cache; the rest go back to the queues."""
+        if kv_ids is None:
+            self.cache.release(dataclasses.replace(lease, pages=lease.pages + tuple(own_pages)), insert=False)
+            return
+        ids = tuple(kv_ids)
+        if ids[: len(lease.token_ids)] != lease.token_ids:
+            raise SlotError("DecodeReuse.release: kv_ids must begin with the lease's prompt")
+        # The prompt's chain goes on over the generated tokens: a later prompt that repeats
+        # this one's answer matches those pages too.
+        hashes = list(lease.hashes)
+        ps = self.cache.page_size
+        for i in range(len(hashes), len(ids) // ps):
+            hashes.append(block_hash(hashes[-1] if hashes else None, ids[i * ps : (i + 1) * ps]))
+        full = dataclasses.replace(lease, pages=lease.pages + tuple(own_pages), token_ids=ids, hashes=tuple(hashes))
+        self.cache.release(full, insert=True)
 
     def reclaim(self, need: int) -> None:
         """Evict unreferenced cached pages until the queues have ``need`` free pages (or

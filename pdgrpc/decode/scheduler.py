@@ -195,14 +195,16 @@ class DecodeScheduler:
 
     def _release_pages(self, job: Job, complete: bool) -> None:
         """``job``'s pages go back: with the prefix cache, its held prefix is unlocked and,
-        when ``complete``, its full prompt pages are cached; the rest go to the queues."""
+        when ``complete`` (its prompt's KV landed), its full pages -- prompt and generated
+        tokens -- are cached; the rest go to the queues."""
         lease, job.lease = job.lease, None
         if lease is None or self.reuse is None:
             self.queues.release_pages(job.pages)
             return
         own = job.pages[lease.cached_pages :]
-        split = self.engine.pages_needed(len(job.input_ids)) - lease.cached_pages if complete else 0
-        self.reuse.release(lease, own[:split], complete)
+        kv_ids = job.kv_ids if complete else None
+        split = self.engine.pages_needed(len(kv_ids)) - lease.cached_pages if kv_ids is not None else 0
+        self.reuse.release(lease, own[:split], kv_ids)
         if own[split:]:
             self.queues.release_pages(own[split:])
 
@@ -210,7 +212,7 @@ class DecodeScheduler:
         """Unlock ``job``'s cached prefix (its own pages are the queues' to free or quarantine)."""
         lease, job.lease = job.lease, None
         if lease is not None and self.reuse is not None:
-            self.reuse.release(lease, (), complete=False)
+            self.reuse.release(lease, (), None)
 
     def _ended(self, job: Job) -> None:
         self.calls.stop_watch(job)

@@ -110,3 +110,23 @@ async def test_a_prompt_the_decode_holds_in_part_moves_only_the_rest(cluster):
     reused = after.delta(before, "pdgrpc_decode_reused_tokens_total", "decode")
     assert reused >= sum(held for _, held in steps) * PAGE  # the burst's shared prefix may add more
     assert after.delta(before, "pdgrpc_requests_total", "decode", state="finished") == len(cases)
+
+
+async def test_the_next_turn_of_a_chat_finds_the_answer_on_the_decode(cluster):
+    """Turn n+1 is turn n's prompt, its answer and a new message: the decode holds every
+    full page of turn n's prompt and answer (but the last token's), and is sent the rest."""
+    rng = random.Random(11)
+    prompt = (256, *(rng.randrange(256) for _ in range(40)))
+    page_bytes, row_bytes = _page_bytes(cluster), metadata_layout().row_bytes
+    held = 0  # full pages of the previous turn's prompt and fed-back answer
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        for n in range(3):
+            case = Case(prompt, 20, temperature=0.8 * (n % 2), seed=n)
+            (expected,) = reference_outputs_for(cluster.topology, [case])
+            (got,), _ = await generate_all(stub, [case])
+            assert (got.token_ids, got.finish_reason) == expected, n
+            assert got.bytes_transferred == (-(-len(prompt) // PAGE) - held) * page_bytes + row_bytes, (n, held)
+            await wait_nothing_held(cluster)
+            held = (len(prompt) + len(got.token_ids) - 1) // PAGE
+            prompt = prompt + tuple(got.token_ids) + tuple(rng.randrange(256) for _ in range(30))
