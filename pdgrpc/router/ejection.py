@@ -12,11 +12,9 @@ logs and counts.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 __all__ = ["Ejections"]
-
-T = TypeVar("T")
 
 
 class Ejections:
@@ -54,9 +52,3 @@ class Ejections:
             if ready:
                 return ready
         return list(range(len(addresses)))
-
-    def choose(self, role: str, items: Sequence[T], addresses: Sequence[str], turn: int) -> T:
-        """``turn``'s pick of a round robin over ``items`` (whose addresses are
-        ``addresses``), over those not ejected; over all of them when every one is."""
-        pool = self.ready(role, addresses)
-        return items[pool[turn % len(pool)]]

@@ -1,8 +1,9 @@
-"""The router's feed of the prefills' KV events into its prefix index (``--policy cache_aware``).
+"""The router's feed of the prefills' and decodes' KV events into its prefix index (``--policy cache_aware``).
 
-One background task per prefill instance subscribes to its merged event stream
-(``pdgrpc.v1.PrefillService/SubscribeKvEvents`` on the address the router sends Prefill
-to) and applies each batch to the :class:`~pdgrpc.state.prefix_index.PrefixIndex`, in
+One :class:`KvEventFollower` per role; one background task per instance subscribes to
+its event stream (``pdgrpc.v1.PrefillService/SubscribeKvEvents`` on the address the
+router sends Prefill to, a prefill's merged stream; ``DecodeService/SubscribeKvEvents``
+on a decode's address, its prefix cache's) and applies each batch to the :class:`~pdgrpc.state.prefix_index.PrefixIndex`, in
 sequence order (:class:`~pdgrpc.state.prefix_index.SequenceCursor`). A fresh subscription
 starts with a snapshot of the instance's live blocks, so any break -- the stream ends or
 fails, or a sequence number shows lost batches or a restarted publisher -- drops the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
 
@@ -24,9 +25,9 @@ from pdgrpc.metrics import RouterMetrics
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.kv_events import batch_from_proto
 from pdgrpc.state.prefix_index import Batch, PrefixIndex, SequenceCursor
-from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
+from pdgrpc.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["BACKOFF_MAX_S", "KvEventFollower"]
+__all__ = ["BACKOFF_MAX_S", "KvEventFollower", "SUBSCRIBE"]
 
 log = logging.getLogger("pdgrpc.router")
 
@@ -34,13 +35,24 @@ BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 5.0
 REFRESH_S = 1.0  # how often the list of instances is read again
 
+# role -> how to open its SubscribeKvEvents stream on a channel to one instance
+SUBSCRIBE: dict[str, Callable[[grpc.aio.Channel], Any]] = {
+    "prefill": lambda ch: prefill_pb2_grpc.PrefillServiceStub(ch).SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest()),
+    "decode": lambda ch: decode_pb2_grpc.DecodeServiceStub(ch).SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest()),
+}
+
 
 class KvEventFollower:
-    """Keeps ``index`` current with the events of every address ``addresses()`` lists."""
+    """Keeps ``index`` current with the events of every ``role`` instance whose address
+    ``addresses()`` lists."""
 
     def __init__(
         self, index: PrefixIndex, addresses: Callable[[], Iterable[str]], pool: ChannelPool, metrics: RouterMetrics,
+        role: str = "prefill",
     ) -> None:
+        if role not in SUBSCRIBE:
+            raise ValueError(f"role must be one of {', '.join(SUBSCRIBE)}, got {role!r}")
+        self._role = role
         self._index = index
         self._addresses = addresses
         self._pool = pool
@@ -75,14 +87,13 @@ class KvEventFollower:
         while True:
             cursor = SequenceCursor()
             reason = "ended"
-            stub = prefill_pb2_grpc.PrefillServiceStub(self._pool.get(address))
-            call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest())
+            call = SUBSCRIBE[self._role](self._pool.get(address))
             try:
                 async for msg in call:
                     verdict = cursor.accept(msg.sequence_number)
                     if verdict is Batch.GAP:
                         reason = "gap"
-                        log.warning("KV events of prefill %s went from %s to %d; subscribing again", address, cursor.last, msg.sequence_number)
+                        log.warning("KV events of %s %s went from %s to %d; subscribing again", self._role, address, cursor.last, msg.sequence_number)
                         break
                     if verdict is Batch.APPLY:
                         self._index.apply(address, batch_from_proto(msg).events)
@@ -91,7 +102,7 @@ class KvEventFollower:
                 reason = "failed"
                 code = exc.code() if callable(getattr(exc, "code", None)) else None
                 level = logging.INFO if delay == BACKOFF_MIN_S else logging.DEBUG  # once per outage
-                log.log(level, "KV events of prefill %s: %s; subscribing again", address, getattr(code, "name", exc))
+                log.log(level, "KV events of %s %s: %s; subscribing again", self._role, address, getattr(code, "name", exc))
             finally:
                 call.cancel()
                 self._index.cleared(address)

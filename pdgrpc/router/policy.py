@@ -1,16 +1,19 @@
-"""Which prefill instance a request goes to (``--policy``). Pure: no I/O, no clock.
+"""Which instance of a role a request goes to (``--policy``). Pure: no I/O, no clock.
 
 * ``round_robin``: the instances in turn.
-* ``least_load``: the instance with the fewest Prefill calls this router has in flight
-  on it; a tie goes to the first in turn.
+* ``least_load``: the instance with the fewest calls this router has in flight on it; a
+  tie goes to the first in turn.
 * ``cache_aware``: the instance whose prefix cache holds the longest prefix of the
   prompt (:class:`~pdgrpc.state.prefix_index.PrefixIndex`, fed by the instances' KV
   events), unless its load exceeds the least loaded instance's by more than ``margin``
   calls: then, as when nobody holds any of the prompt, ``least_load``
   (:func:`~pdgrpc.state.prefix_index.cache_aware_choice`).
 
-The caller passes the candidates (the instances not ejected) and tells the policy when
-a call starts and ends, so loads count only this router's calls.
+The router keeps one policy per role over one index: prefills by ``--policy``; decodes
+by ``cache_aware`` under ``--policy cache_aware`` (a decode holding the prompt's prefix
+receives only the rest of its KV), else round robin. The caller passes the candidates
+(the instances not ejected) and tells the policy when a call starts and ends, so loads
+count only this router's calls (Prefill calls for prefills, Decode streams for decodes).
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from typing import Sequence
 
 from pdgrpc.state.prefix_index import PrefixIndex, cache_aware_choice, least_loaded
 
-__all__ = ["DEFAULT_MARGIN", "POLICIES", "PrefillPolicy"]
+__all__ = ["DEFAULT_MARGIN", "POLICIES", "Policy"]
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
-DEFAULT_MARGIN = 4  # Prefill calls in flight
+DEFAULT_MARGIN = 4  # calls in flight
 
 
-class PrefillPolicy:
+class Policy:
     def __init__(self, name: str, index: PrefixIndex | None = None, margin: int = DEFAULT_MARGIN) -> None:
         if name not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {name!r}")
@@ -42,11 +45,11 @@ class PrefillPolicy:
         return self._in_flight.get(address, 0)
 
     def started(self, address: str) -> None:
-        """A Prefill call to ``address`` started."""
+        """A call to ``address`` started."""
         self._in_flight[address] = self.load(address) + 1
 
     def finished(self, address: str) -> None:
-        """A Prefill call to ``address`` ended, however it ended."""
+        """A call to ``address`` ended, however it ended."""
         n = self.load(address) - 1
         if n > 0:
             self._in_flight[address] = n

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decode", action="append", default=[], metavar="HOST:PORT",
-        help="a decode instance's DecodeService address; repeat for several (requests go round robin)",
+        help="a decode instance's DecodeService address; repeat for several (--policy cache_aware picks among them "
+        "by their prefix caches, the other policies round robin)",
     )
     p.add_argument(
         "--request-timeout", type=float, default=300.0, metavar="SECONDS",
@@ -86,12 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         "router has in flight there), 'cache_aware' (the prefill whose prefix cache holds the longest prefix of "
         "the prompt, learned from each prefill's KV events (SubscribeKvEvents), unless "
         "its load exceeds the least loaded prefill's by more than --cache-aware-margin; else least_load). "
-        "Decodes always go round robin (default: %(default)s)",
+        "Under cache_aware the decode is picked the same way, from each decode's KV events and its open Decode "
+        "streams; under the others, round robin (default: %(default)s)",
     )
     p.add_argument(
         "--cache-aware-margin", type=int, default=DEFAULT_MARGIN, metavar="CALLS",
-        help="under --policy cache_aware: how many more Prefill calls in flight than the least loaded prefill the "
-        "one holding the longest prefix may have and still get the request (default: %(default)s)",
+        help="under --policy cache_aware: how many more calls in flight (Prefill calls; Decode streams for decodes) "
+        "than the least loaded instance the one holding the longest prefix may have and still get the request "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--migration-limit", type=int, default=1, metavar="N",
@@ -121,16 +124,25 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
         watcher = Watcher(parse_discovery_url(args.discovery), MembershipView(cluster_prefix(args.cluster_name)))
         watcher.start()
     index = PrefixIndex() if config.policy == "cache_aware" else None
-    servicer = GenerateServicer(config, metrics=metrics, view=None if watcher is None else watcher.view, index=index)
-    feed = None
-    if index is not None:
-        view = None if watcher is None else watcher.view
-        feed = KvEventFollower(
-            index,
-            (lambda: [p.address for p in config.prefills]) if view is None else (lambda: [p.address for p in view.instances("prefill")]),
-            ChannelPool(), metrics,
-        )
-        feed.start()
+    view = None if watcher is None else watcher.view
+    servicer = GenerateServicer(config, metrics=metrics, view=view, index=index)
+    feeds: list[KvEventFollower] = []
+    events_pool = ChannelPool()
+    if index is not None:  # one index: the prefills' and the decodes' caches
+        feeds = [
+            KvEventFollower(
+                index,
+                (lambda: [p.address for p in config.prefills]) if view is None else (lambda: [p.address for p in view.instances("prefill")]),
+                events_pool, metrics, "prefill",
+            ),
+            KvEventFollower(
+                index,
+                (lambda: config.decodes) if view is None else (lambda: [d.address for d in view.instances("decode")]),
+                events_pool, metrics, "decode",
+            ),
+        ]
+        for feed in feeds:
+            feed.start()
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
@@ -142,8 +154,9 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     except BaseException:
         await server.stop(0)
         await servicer.close()
-        if feed is not None:
+        for feed in feeds:
             await feed.close()
+        await events_pool.close()
         raise
     log = logging.getLogger("pdgrpc.router")
     if watcher is not None:
@@ -160,8 +173,9 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     finally:
         # Only now: in-flight requests used these channels until the grace period ended.
         await servicer.close()
-        if feed is not None:
+        for feed in feeds:
             await feed.close()
+        await events_pool.close()
         if watcher is not None:
             await watcher.close()
         metrics.unbind()

@@ -6,8 +6,8 @@ What one ``Generate`` does::
                                 \\-Decode (server stream)---> decode   (both sent at once)
            <--tokens---------- router <--tokens------------- decode
 
-1. Pick a prefill (by ``--policy``: the one whose cache holds the longest prefix of the
-   prompt, by default) and a decode (round robin), draw ``bootstrap_room``
+1. Pick a prefill and a decode (by ``--policy``: for each role, the instance whose cache
+   holds the longest prefix of the prompt, by default; see :mod:`pdgrpc.router.policy`), draw ``bootstrap_room``
    (random 63-bit from :mod:`secrets`, never 0: 0 means "not written" in a metadata row)
    and the room's secret, which only these two get (:mod:`pdgrpc.serving.room_proof`);
    a request that names no sampling seed gets a random one (:func:`~pdgrpc.serving.prompts.with_seed`).
@@ -64,7 +64,7 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.router.ejection import Ejections
-from pdgrpc.router.policy import DEFAULT_MARGIN, PrefillPolicy
+from pdgrpc.router.policy import DEFAULT_MARGIN, Policy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.errors import reason_of
@@ -176,7 +176,7 @@ class RouterConfig:
             raise ValueError(f"--retries must be >= 0, got {self.retries}")
         if not 0 <= self.eject_s <= 3600:
             raise ValueError(f"--eject-s must be between 0 and 3600 seconds, got {self.eject_s}")
-        PrefillPolicy(self.policy, PrefixIndex(), self.cache_aware_margin)  # names a bad --policy or margin
+        Policy(self.policy, PrefixIndex(), self.cache_aware_margin)  # names a bad --policy or margin
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.migration_max_seq_len < 0:
@@ -261,11 +261,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, config: RouterConfig, pool: ChannelPool | None = None, metrics: RouterMetrics | None = None,
         view: MembershipView | None = None, index: PrefixIndex | None = None,
     ) -> None:
-        """``index``: the prefills' cached prefixes, which ``cache_aware`` reads (its feed,
-        :class:`~pdgrpc.router.kv_events.KvEventFollower`, keeps it current)."""
+        """``index``: the prefills' and decodes' cached prefixes, which ``cache_aware`` reads
+        (its feeds, :class:`~pdgrpc.router.kv_events.KvEventFollower`, keep it current)."""
         self.config = config
         # Without a feed the index stays empty: cache_aware then picks as least_load does.
-        self.policy = PrefillPolicy(config.policy, index if index is not None else PrefixIndex(), config.cache_aware_margin)
+        index = index if index is not None else PrefixIndex()
+        self.policy = Policy(config.policy, index, config.cache_aware_margin)
+        self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
         self._pool = pool or ChannelPool()
         # With discovery: the live view from etcd, read on every request.
@@ -320,8 +322,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def pick(self, prompt: Sequence[int]) -> tuple[PrefillBackend, str]:
         """The prefill and decode for the next request, among the static lists or the live,
         compatible instances of the discovery view, passing over the ejected ones
-        (:mod:`pdgrpc.router.ejection`) unless every instance of the role is: the prefill
-        by the policy (``--policy``), the decode round robin."""
+        (:mod:`pdgrpc.router.ejection`) unless every instance of the role is, each by its
+        role's policy (:mod:`pdgrpc.router.policy`)."""
         if self._view is None:
             prefills, decodes = self.config.prefills, self.config.decodes
         else:
@@ -335,7 +337,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         turn, self._turn = self._turn, self._turn + 1
         ready = [prefills[i] for i in self._ejections.ready("prefill", [p.address for p in prefills])]
         prefill = ready[self.policy.choose([p.address for p in ready], turn, prompt)]
-        return prefill, self._ejections.choose("decode", decodes, decodes, turn)
+        ready_decodes = [decodes[i] for i in self._ejections.ready("decode", decodes)]
+        return prefill, ready_decodes[self.decode_policy.choose(ready_decodes, turn, prompt)]
 
     def _eject(self, role: str, address: str, reason: str) -> None:
         if self._ejections.eject(role, address):
@@ -506,6 +509,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
         self.policy.started(prefill.address)
         prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
+        self.decode_policy.started(decode)
         try:
             await self._relay(context, room, arrived, stream, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
             # Normally done already; its reply carries the transfer figures for the log.
@@ -517,6 +521,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             # a cancelled Decode aborts the room and frees its pages; a cancelled Prefill
             # stops computing and releases its worker's pages.
             decode_call.cancel()
+            self.decode_policy.finished(decode)
             prefill_call.cancel()
             if not prefill_fut.done():
                 prefill_fut.cancel()

@@ -1,10 +1,13 @@
-"""pdgrpc's router with ``--policy cache_aware`` in front of 2 real prefills and 1 decode.
+"""pdgrpc's router with ``--policy cache_aware`` in front of 2 real prefills and 2 decodes
+(both with ``--decode-prefix-cache``).
 
-The router follows each prefill's ``SubscribeKvEvents`` stream and sends a prompt to the
-prefill whose cache holds its prefix: requests sharing a long prefix land on one prefill
-(its hit metric counts the shared pages; the other prefill is asked nothing), and when
-that prefill is killed the next requests go to the other one without an error. Over tcp
-only: the choice of prefill is the router's, the same whatever carries the KV.
+The router follows each prefill's and each decode's ``SubscribeKvEvents`` stream and sends
+a prompt to the prefill, and to the decode, whose cache holds its prefix: requests sharing
+a long prefix land on one prefill (its hit metric counts the shared pages; the other
+prefill is asked nothing) and on one decode (it reuses the shared pages; the other decode
+gets nothing), and when the holder is killed the next requests go to the other one
+without an error. The tests run in order on one cluster: each kills what it tested last.
+Over tcp only: the choices are the router's, the same whatever carries the KV.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest_asyncio
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.topology import Topology
-from pdgrpc.v1 import generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdgrpc.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.e2e.harness import skip_unless_transport
 from tests.scrape import scrape
 
@@ -30,16 +33,20 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)
 PAGE = 16  # smg-2p2d's page size
 PREFIX = [256, *(bytes(range(32, 127)) * 2 + b"! shared system prompt")]  # BOS + 212 bytes: 13 full pages
 NAMES = ("prefill-a", "prefill-b")
+DECODES = ("decode-a", "decode-b")
 
 
 def topology() -> Topology:
-    """smg-2p2d's prefills, one of its decodes and its router with cache_aware; no smg."""
+    """smg-2p2d's prefills, its decodes with their prefix caches, and its router with
+    cache_aware; no smg."""
     topo = load_topology("smg-2p2d")
     procs = []
     for p in topo.processes:
         if p.role == "router":
-            p = dataclasses.replace(p, decode=("decode-a",), args={**p.args, "policy": "cache_aware"})
-        if p.role != "smg" and p.name != "decode-b":
+            p = dataclasses.replace(p, args={**p.args, "policy": "cache_aware"})
+        if p.role == "decode":
+            p = dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True})
+        if p.role != "smg":
             procs.append(p)
     return dataclasses.replace(topo, processes=tuple(procs))
 
@@ -56,10 +63,18 @@ def prefill_counter(cluster: Cluster, name: str, sample: str) -> float:
     return scrape(cluster.metrics_endpoints("prefill")[f"{name}/dp0"]).value(sample)
 
 
+def decode_counter(cluster: Cluster, name: str, sample: str, **labels: str) -> float:
+    try:
+        return scrape(cluster.metrics_endpoints("decode")[name]).value(sample, **labels)
+    except KeyError:  # a labelled counter never incremented
+        return 0.0
+
+
 async def holds(cluster: Cluster, name: str, pages: int) -> None:
-    """Until prefill ``name``'s event stream shows at least ``pages`` stored blocks (its
+    """Until instance ``name``'s event stream shows at least ``pages`` stored blocks (its
     snapshot): the router, subscribed since it started, has them by then too."""
-    stub = prefill_pb2_grpc.PrefillServiceStub(cluster.channel(name))
+    channel = cluster.channel(name)
+    stub = decode_pb2_grpc.DecodeServiceStub(channel) if name in DECODES else prefill_pb2_grpc.PrefillServiceStub(channel)
     for _ in range(50):
         stored = 0
         call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=0.5)
@@ -94,3 +109,29 @@ async def test_a_shared_prefix_goes_to_its_holder_and_elsewhere_once_it_dies(clu
             c = await generate(stub, input_ids=[*PREFIX, *f" after the crash {i}?".encode()], max_new_tokens=2)
             assert len(c.token_ids) == 2
         assert prefill_counter(cluster, other, "pdgrpc_prefill_prompt_tokens_total") > 0
+
+
+async def test_a_shared_prefix_goes_to_the_decode_holding_it_and_elsewhere_once_it_dies(cluster):
+    prefix = [256, *(bytes(range(126, 31, -1)) + b" another system prompt")]  # 118 tokens: 7 full pages
+    async with cluster.client_channel() as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        before = {n: decode_counter(cluster, n, "pdgrpc_requests_total", state="finished") for n in DECODES}
+        await generate(stub, input_ids=[*prefix, *b" first question?"], max_new_tokens=2)
+        finished = {n: decode_counter(cluster, n, "pdgrpc_requests_total", state="finished") for n in DECODES}
+        holder = next(n for n in DECODES if finished[n] > before[n])
+        other = next(n for n in DECODES if n != holder)
+        shared_pages = len(prefix) // PAGE
+        await holds(cluster, holder, shared_pages)
+
+        reused = decode_counter(cluster, holder, "pdgrpc_decode_reused_tokens_total")
+        for i in range(4):
+            await generate(stub, input_ids=[*prefix, *f" question number {i}?".encode()], max_new_tokens=2)
+        assert decode_counter(cluster, holder, "pdgrpc_decode_reused_tokens_total") - reused >= 4 * shared_pages * PAGE
+        # all went to the holder
+        assert decode_counter(cluster, other, "pdgrpc_requests_total", state="finished") == finished[other]
+
+        os.kill(cluster.procs[holder].pid, signal.SIGKILL)
+        for i in range(3):  # the first may go to the dead one: the router retries it on the other
+            c = await generate(stub, input_ids=[*prefix, *f" after the crash {i}?".encode()], max_new_tokens=2)
+            assert len(c.token_ids) == 2
+        assert decode_counter(cluster, other, "pdgrpc_requests_total", state="finished") >= finished[other] + 3

@@ -125,3 +125,61 @@ async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_drops_a_dead_
     await eventually_async(lambda: servers[1].address not in index.instances(), what="the dead prefill dropped")
     await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [9])))
     assert len(prefills[0].requests) == 2
+
+
+class EventingDecode(ScriptedDecode):
+    """A scripted decode whose every subscription gets ``batches``, then stays open."""
+
+    def __init__(self, batches: list[prefill_pb2.KvEventBatch]) -> None:
+        super().__init__()
+        self.batches = batches
+
+    async def SubscribeKvEvents(self, request, context):
+        for b in self.batches:
+            yield b
+        await asyncio.sleep(3600)
+
+
+async def test_cache_aware_sends_a_prefix_to_the_decode_holding_it_until_it_dies():
+    """The decode is picked by its own KV events (DecodeService/SubscribeKvEvents), within
+    the load margin; a decode whose stream breaks leaves the index at once."""
+    prefill = EventingPrefill([])
+    p_srv = await serve_prefill(prefill)
+    decodes = [EventingDecode([]), EventingDecode([stored_batch(1, PREFIX)])]
+    d_srvs = [await serve_decode(d) for d in decodes]
+    index, metrics, pool = PrefixIndex(), RouterMetrics(), ChannelPool()
+    config = RouterConfig(
+        prefills=(PrefillBackend(p_srv.address, p_srv.address),), decodes=tuple(s.address for s in d_srvs),
+        policy="cache_aware", eject_s=0, cache_aware_margin=1,
+    )
+    router = GenerateServicer(config, metrics=metrics, index=index)
+    feed = KvEventFollower(index, lambda: [s.address for s in d_srvs], pool, metrics, "decode")
+    feed.start()
+    (name,) = service_names()
+    r_srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    channel = grpc.aio.insecure_channel(r_srv.address)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    try:
+        await eventually_async(lambda: index.match(PREFIX + [1]).get(d_srvs[1].address) == 16, what="the second decode's blocks")
+        for tail in ([1, 2], [3], [4, 5, 6]):
+            await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + tail)))
+        assert [len(d.requests) for d in decodes] == [0, 3]
+        # Two streams held open on the holder: past the margin of 1, the other decode gets it.
+        decodes[1].wait_forever = True
+        held = [asyncio.ensure_future(collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [i])))) for i in (7, 8)]
+        await eventually_async(lambda: len(decodes[1].requests) == 5, what="two streams open on the holder")
+        await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [9])))
+        assert [len(d.requests) for d in decodes] == [1, 5]
+        for h in held:
+            h.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        decodes[1].wait_forever = False
+        await d_srvs[1].stop(0)
+        await eventually_async(lambda: d_srvs[1].address not in index.instances(), what="the dead decode dropped")
+    finally:
+        await channel.close()
+        await feed.close()
+        await pool.close()
+        await router.close()
+        for s in (r_srv, p_srv, *d_srvs):
+            await s.stop(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdgrpc.router.policy import PrefillPolicy
+from pdgrpc.router.policy import Policy
 from pdgrpc.engine.cache_events import StoredBlock as Block
 from pdgrpc.state.prefix_index import PrefixIndex
 
@@ -22,19 +22,19 @@ def cached(index: PrefixIndex, address: str, tokens: list[int]) -> None:
     index.stored(address, blocks)
 
 
-def busy(policy: PrefillPolicy, address: str, n: int) -> None:
+def busy(policy: Policy, address: str, n: int) -> None:
     for _ in range(n):
         policy.started(address)
 
 
 def test_round_robin_takes_turns_whatever_the_load() -> None:
-    p = PrefillPolicy("round_robin")
+    p = Policy("round_robin")
     busy(p, "p0:1", 10)
     assert [p.choose(ADDRS, t, PREFIX) for t in range(4)] == [0, 1, 2, 0]
 
 
 def test_least_load_counts_calls_in_flight_and_rotates_ties() -> None:
-    p = PrefillPolicy("least_load")
+    p = Policy("least_load")
     assert [p.choose(ADDRS, t, []) for t in range(3)] == [0, 1, 2]  # all idle: in turn
     busy(p, "p0:1", 2)
     busy(p, "p1:1", 1)
@@ -50,7 +50,7 @@ def test_cache_aware_goes_to_the_longest_prefix() -> None:
     index = PrefixIndex()
     cached(index, "p1:1", PREFIX[:8])
     cached(index, "p2:1", PREFIX)
-    p = PrefillPolicy("cache_aware", index, margin=2)
+    p = Policy("cache_aware", index, margin=2)
     for turn in range(3):
         assert p.choose(ADDRS, turn, PREFIX + [1, 2]) == 2
     busy(p, "p2:1", 2)  # within the margin: still the cache
@@ -64,7 +64,7 @@ def test_cache_aware_equal_prefixes_go_to_the_less_loaded_holder() -> None:
     index = PrefixIndex()
     cached(index, "p0:1", PREFIX)
     cached(index, "p1:1", PREFIX)
-    p = PrefillPolicy("cache_aware", index)
+    p = Policy("cache_aware", index)
     busy(p, "p0:1", 1)
     assert p.choose(ADDRS, 0, PREFIX + [1]) == 1
 
@@ -72,7 +72,7 @@ def test_cache_aware_equal_prefixes_go_to_the_less_loaded_holder() -> None:
 def test_cache_aware_without_a_match_is_least_load() -> None:
     index = PrefixIndex()
     cached(index, "p0:1", PREFIX)
-    p = PrefillPolicy("cache_aware", index)
+    p = Policy("cache_aware", index)
     busy(p, "p1:1", 1)
     assert [p.choose(ADDRS, t, [7] * 20) for t in range(3)] == [0, 2, 2]
 
@@ -81,7 +81,7 @@ def test_only_candidates_count() -> None:
     """An ejected instance is not among the candidates, however much it holds."""
     index = PrefixIndex()
     cached(index, "p0:1", PREFIX)
-    p = PrefillPolicy("cache_aware", index)
+    p = Policy("cache_aware", index)
     assert p.choose(["p1:1", "p2:1"], 0, PREFIX + [1]) in (0, 1)
     index.cleared("p0:1")  # a prefill that died: dropped at once
     assert p.choose(ADDRS, 1, PREFIX + [1]) == 1
@@ -93,4 +93,4 @@ def test_only_candidates_count() -> None:
 )
 def test_bad_settings_name_the_flag(args: tuple, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        PrefillPolicy(*args)
+        Policy(*args)
