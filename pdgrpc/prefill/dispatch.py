@@ -6,7 +6,7 @@ Order: an explicit ``routed_dp_rank`` wins; otherwise the load-balance method pi
 tie; ``cache_aware``: the live rank whose prefix cache holds the longest prefix of the
 prompt, unless it has more than :data:`CACHE_AWARE_MARGIN` requests in flight beyond the
 least busy live rank, else the least busy, in turn on a tie:
-:func:`~pdgrpc.state.prefix_index.cache_aware_choice`). Then :func:`~pdgrpc.state.dp_rank.check_prefill_dispatch` decides whether the
+:func:`~pdgrpc.state.routing.cache_aware_choice`). Then :func:`~pdgrpc.state.dp_rank.check_prefill_dispatch` decides whether the
 room -> rank mapping must be registered with bootstrap for decode to query, or whether a
 strict ``follow_bootstrap_room`` conflict refuses the request.
 """
@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 from pdgrpc.errors import ConfigError
 from pdgrpc.state.config import DpConfig
 from pdgrpc.state.dp_rank import DpRankConflict, check_prefill_dispatch
-from pdgrpc.state.prefix_index import cache_aware_choice
+from pdgrpc.state.routing import cache_aware_choice
 
 __all__ = ["CACHE_AWARE_MARGIN", "METHODS", "Dispatch", "Dispatcher", "DpRankConflict", "InvalidRoute", "NoLiveRank", "RankPrefixes"]
 

@@ -7,7 +7,7 @@
   prompt (:class:`~pdgrpc.state.prefix_index.PrefixIndex`, fed by the instances' KV
   events), unless its load exceeds the least loaded instance's by more than ``margin``
   calls: then, as when nobody holds any of the prompt, ``least_load``
-  (:func:`~pdgrpc.state.prefix_index.cache_aware_choice`).
+  (:func:`~pdgrpc.state.routing.cache_aware_choice`).
 
 The router keeps one policy per role over one index: prefills by ``--policy``; decodes
 by ``cache_aware`` under ``--policy cache_aware`` (a decode holding the prompt's prefix
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdgrpc.state.prefix_index import PrefixIndex, cache_aware_choice, least_loaded
+from pdgrpc.state.prefix_index import PrefixIndex
+from pdgrpc.state.routing import cache_aware_choice, least_loaded
 
 __all__ = ["DEFAULT_MARGIN", "POLICIES", "Policy"]
 

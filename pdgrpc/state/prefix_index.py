@@ -15,8 +15,7 @@ reached from a prompt's first page, so it is not indexed.
 is applied, skipped or shows a gap (after which the subscriber drops the instance and
 subscribes afresh, getting a snapshot).
 
-:func:`cache_aware_choice` is the rule both the router (among prefills) and a prefill's
-dp dispatch (among its ranks) pick by.
+What a match weighs against load is :func:`pdgrpc.state.routing.cache_aware_choice`.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import Iterable, Sequence
 
 from pdgrpc.state.kv_event_log import Block, KvEvent, Removed, Stored
 
-__all__ = ["Batch", "PrefixIndex", "SequenceCursor", "cache_aware_choice", "least_loaded"]
+__all__ = ["Batch", "PrefixIndex", "SequenceCursor"]
 
 
 @dataclass
@@ -158,24 +157,3 @@ class SequenceCursor:
         if sequence_number == self.last:
             return Batch.SKIP
         return Batch.GAP
-
-
-def least_loaded(loads: Sequence[int], turn: int) -> int:
-    """The position of the smallest load; ties go in turn from ``turn`` (they rotate
-    rather than pile on the first)."""
-    n = len(loads)
-    return min(((turn + k) % n for k in range(n)), key=lambda i: loads[i])
-
-
-def cache_aware_choice(matched: Sequence[int], loads: Sequence[int], turn: int, margin: int) -> int:
-    """The position of the candidate holding the longest prefix (``matched`` tokens each;
-    the less loaded on a tie), unless its load exceeds the smallest by more than
-    ``margin``: then, as when nobody holds any of the prompt, :func:`least_loaded`. A
-    cached prefix saves its whole prefill, so it outweighs a small queue; the margin
-    bounds the work that piles up on a candidate because it holds popular prefixes."""
-    n = len(loads)
-    least = least_loaded(loads, turn)
-    best = max(((turn + k) % n for k in range(n)), key=lambda i: (matched[i], -loads[i]))
-    if matched[best] == 0 or loads[best] - loads[least] > margin:
-        return least
-    return best

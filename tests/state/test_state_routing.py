@@ -1,0 +1,21 @@
+"""The load and prefix rules the router and a prefill's dp dispatch pick by."""
+
+from __future__ import annotations
+
+from pdgrpc.state.routing import cache_aware_choice, least_loaded
+
+
+def test_least_loaded_rotates_ties_from_the_turn() -> None:
+    assert [least_loaded([0, 0, 0], turn) for turn in range(4)] == [0, 1, 2, 0]
+    assert least_loaded([2, 1, 1], 0) == 1
+    assert least_loaded([2, 1, 1], 2) == 2
+
+
+def test_cache_aware_takes_the_longest_prefix_within_the_margin() -> None:
+    assert cache_aware_choice([0, 64, 32], [0, 3, 0], turn=0, margin=4) == 1
+    # the holder of the longest prefix is over the margin: the least loaded instead
+    assert cache_aware_choice([0, 64, 32], [0, 5, 0], turn=1, margin=4) == 2
+    # nobody holds any of the prompt: least loaded, ties in turn
+    assert cache_aware_choice([0, 0, 0], [1, 0, 0], turn=2, margin=4) == 2
+    # equal prefixes: the less loaded holder
+    assert cache_aware_choice([16, 16], [3, 1], turn=0, margin=4) == 1
