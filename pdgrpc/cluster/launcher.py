@@ -18,11 +18,14 @@
   ports: its controller's, then one per dp worker (``--metrics-port`` base + 1 + rank).
 * With ``tls="auto"`` (``--tls auto``, or ``tls = "auto"`` under ``[security]``) the
   launcher makes a throwaway CA in ``LOG_DIR/security`` and one certificate per process
-  (its name is the certificate's common name), then deletes the CA's key: every process
-  serves mTLS and presents its certificate on its own calls. ``auth_token="auto"`` writes
-  a random bearer token there that every process requires and sends.
+  (its name is the certificate's common name; it names the process's role), then deletes
+  the CA's key: every process serves mTLS and presents its certificate on its own calls.
+  ``auth_token="auto"`` writes one random bearer token per role there: every process
+  sends its role's and takes any role's, and each RPC takes only its roles.
   :attr:`Cluster.client_security` is what a client of the cluster presents (certificate
-  ``client``, the token); :meth:`Cluster.client_channel` opens a channel with it. A
+  ``client``, the client's token); :meth:`Cluster.client_channel` opens a channel with
+  it, :meth:`Cluster.channel` one with the launcher's own (a router's) or another
+  process's credentials. A
   router whose args set ``public-tls-cert`` serves clients server-only TLS: pass
   ``public_ca`` (its certificate's CA) and the router's clients trust that and present
   nothing.
@@ -66,7 +69,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdgrpc.cluster.credentials import ClusterCredentials
+from pdgrpc.cluster.credentials import CLIENT, LAUNCHER, ClusterCredentials
 from pdgrpc.cluster.errors import ClusterError
 from pdgrpc.cluster.hosts import HostMap, discovery_flags, hosts_from_env, place
 from pdgrpc.cluster.ports import HOST, METRICS_ROLES, free_port, free_port_block, metrics_children
@@ -205,7 +208,7 @@ class Cluster:
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
         self.credentials = ClusterCredentials(
-            self.log_dir / "security", [p.name for p in self.topology.processes], tls=self.tls == "auto",
+            self.log_dir / "security", {p.name: p.role for p in self.topology.processes}, tls=self.tls == "auto",
             token=self.auth_token == "auto", files=self.topology.security_files,
             smg=any(p.role == "smg" for p in self.topology.processes),
         )
@@ -215,17 +218,17 @@ class Cluster:
         self._stopping = False
         self._died: asyncio.Future[Proc] | None = None
         self._watchers: list[asyncio.Task[None]] = []
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
     def client_channel(self, target: str | None = None) -> grpc.aio.Channel:
         """A new channel to ``target`` (default: the router) with :attr:`client_security`;
         the caller closes it."""
-        return self._security_for(target or self.router_address).channel(target or self.router_address)
+        return self._security_for(target or self.router_address, CLIENT).channel(target or self.router_address)
 
-    def _security_for(self, address: str) -> Security:
+    def _security_for(self, address: str, present: str) -> Security:
         if self.public_ca is not None and address == self.router_address:
             return Security(ca=self.public_ca)
-        return self.client_security
+        return self.credentials.security(present)
 
     def _assign_ports(self) -> None:
         """Fresh, pairwise distinct ports for every process (and metrics endpoint)."""
@@ -502,7 +505,7 @@ class Cluster:
             return False
         if proc.spec.role == "smg":
             return await readiness(HOST, proc.port)
-        stub = health_pb2_grpc.HealthStub(self._channel(proc.address))
+        stub = health_pb2_grpc.HealthStub(self._channel(proc.address, LAUNCHER))
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
         except grpc.RpcError:
@@ -559,15 +562,17 @@ class Cluster:
 
     # ---- what the servers hold ----------------------------------------------------------
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
+    def _channel(self, address: str, present: str) -> grpc.aio.Channel:
+        ch = self._channels.get((address, present))
         if ch is None:
-            ch = self._channels[address] = self._security_for(address).channel(address)
+            ch = self._channels[(address, present)] = self._security_for(address, present).channel(address)
         return ch
 
-    def channel(self, name: str) -> grpc.aio.Channel:
-        """A channel to process ``name`` (owned by the cluster: closed on stop)."""
-        return self._channel(self.address(name))
+    def channel(self, name: str, present: str = LAUNCHER) -> grpc.aio.Channel:
+        """A channel to process ``name`` (owned by the cluster: closed on stop), presenting
+        the credentials of process ``present`` (its role, docs/security.md), by default
+        the launcher's own (a router's)."""
+        return self._channel(self.address(name), present)
 
     async def stats(self, name: str) -> common_pb2.ResourceStats:
         """``GetStats`` of a prefill or decode process: what it holds right now."""

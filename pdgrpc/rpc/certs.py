@@ -3,8 +3,8 @@
 ``python -m pdgrpc.cluster --tls auto`` (and the tests) get a secure cluster without a
 PKI: :func:`make_ca` creates a CA in the cluster's run directory, :func:`issue` one
 certificate per process (usable as server and as client certificate: every pdgrpc
-process is both), valid for the loopback names only unless ``hosts`` says more, and
-client-only certificates (``server=False``: what a cluster's clients present, which
+process is both), valid for the loopback names only unless ``hosts`` says more, naming
+the role its holder calls as (:mod:`pdgrpc.rpc.roles`), and client-only certificates (``server=False``: what a cluster's clients present, which
 cannot serve as one of its processes).
 :func:`write_token` writes a random bearer token (``--auth-token auto``). Keys are
 EC P-256, files are PEM, private keys and tokens are readable by their owner only.
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from pdgrpc.errors import ConfigError
+from pdgrpc.rpc.roles import ROLE_URI, ROLES
 
 __all__ = ["LOOPBACK_HOSTS", "CertFiles", "issue", "make_ca", "write_token"]
 
@@ -92,13 +93,16 @@ def make_ca(directory: str | Path, name: str = "pdgrpc throwaway CA") -> CertFil
 
 
 def issue(
-    ca: CertFiles, directory: str | Path, name: str, hosts: Iterable[str] = LOOPBACK_HOSTS, *, server: bool = True
+    ca: CertFiles, directory: str | Path, name: str, hosts: Iterable[str] = LOOPBACK_HOSTS, *, server: bool = True,
+    role: str | None = None,
 ) -> CertFiles:
     """A certificate for process ``name`` (its common name, which peers see as its
     identity), signed by ``ca``, valid for ``hosts`` (IP addresses or DNS names) as a
     server and usable as a client certificate (``<name>.pem``, ``<name>.key``). With
     ``server=False`` a client certificate only: no host names and client use alone, so
-    a TLS client refuses a server that presents it."""
+    a TLS client refuses a server that presents it. ``role`` (one of
+    :data:`pdgrpc.rpc.roles.ROLES`): the role its holder calls as, a URI SAN
+    (``spiffe://pdgrpc/role/<role>``); without it the holder has every role."""
     x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID = _crypto()
     ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
     ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
@@ -109,6 +113,10 @@ def issue(
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             names.append(x509.DNSName(h))
+    if role is not None:
+        if role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        names.append(x509.UniformResourceIdentifier(ROLE_URI + role))
     now = datetime.datetime.now(datetime.timezone.utc)
     uses = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
     builder = (

@@ -7,9 +7,14 @@ What each process presents, and to whom, is in docs/security.md. In short:
 * ``--tls-ca``: the CA that peers' certificates must chain to. A server given it asks
   every client for a certificate (mTLS); a client checks servers against it (else
   against the system roots).
-* ``--auth-token-file``: a shared bearer token (for clusters without a PKI). Servers
-  refuse a call without ``authorization: Bearer <token>`` with UNAUTHENTICATED; clients
-  send it on every call. ``grpc.health.v1.Health`` stays open (load-balancer probes).
+* ``--auth-token-file``: a bearer token (for clusters without a PKI). Servers refuse a
+  call without ``authorization: Bearer <token>`` with UNAUTHENTICATED; clients send it
+  on every call. ``grpc.health.v1.Health`` stays open (load-balancer probes).
+* ``--auth-roles-file``: the SHA-256 digests of one token per role: a server given it
+  takes any of these tokens, and the token names its caller's role.
+* Roles (:mod:`pdgrpc.rpc.roles`): a caller's certificate or token names its role, and
+  each RPC takes only the roles of :data:`~pdgrpc.rpc.roles.CALLERS`; another role is
+  refused PERMISSION_DENIED before its request is read.
 * ``--insecure``: allow a listener on an address other than loopback with neither TLS
   nor a token (logged as a warning at start-up). Without it such a server refuses to start.
 * ``--public-tls-cert``/``--public-tls-key`` (router): the public ``GenerateService``
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import hmac
 import inspect
 import ipaddress
@@ -37,6 +43,7 @@ import grpc
 
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.limits import HandlerWrapper
+from pdgrpc.rpc.roles import OPEN_METHODS, ROLE_URI, ROLES, callers
 
 __all__ = [
     "AUTH_HEADER",
@@ -45,18 +52,19 @@ __all__ = [
     "current",
     "install",
     "is_loopback",
+    "parse_roles",
     "peer_identity",
-    "require_token",
+    "read_secret",
+    "require_caller",
     "security_argv",
     "security_from_args",
+    "token_digest",
 ]
 
 log = logging.getLogger("pdgrpc.rpc.security")
 
 AUTH_HEADER = "authorization"
 _BEARER = "Bearer "
-# Open without a token: probes (kubelets, load balancers) carry none, and health says nothing secret.
-_OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -86,6 +94,7 @@ class Security:
     key: Path | None = None
     ca: Path | None = None
     token_file: Path | None = None
+    roles_file: Path | None = None
     insecure: bool = False
     public_cert: Path | None = None
     public_key: Path | None = None
@@ -112,7 +121,7 @@ class Security:
     @property
     def authenticated(self) -> bool:
         """Whether a server with these settings refuses callers that prove nothing."""
-        return (self.tls and self.ca is not None) or self.token_file is not None
+        return (self.tls and self.ca is not None) or self.token_file is not None or self.roles_file is not None
 
     def public(self) -> "Security":
         """The settings of the router's public port: server-only TLS when a public
@@ -134,18 +143,19 @@ class Security:
 
     def server_handler_wrapper(self) -> HandlerWrapper | None:
         """What a server wraps each of its handlers in, once, as they are added (see
-        ``pdgrpc.rpc.limits.UndecodableIsInvalidArgument``): the bearer-token check
-        where a token is set, else nothing (None)."""
-        token = self.token
-        if not token:
+        ``pdgrpc.rpc.limits.UndecodableIsInvalidArgument``): the caller's check (its
+        token, and its role against :data:`pdgrpc.rpc.roles.CALLERS`) where the server
+        authenticates, else nothing (None)."""
+        if not self.authenticated:
             return None
-        expected = (_BEARER + token).encode()
-        return lambda handler, method: require_token(handler, method, expected)
+        digests = None if self.roles_file is None else parse_roles(_read(self.roles_file, "--auth-roles-file"), "--auth-roles-file")
+        gate = _Gate(self.token, digests, mtls=self.tls and self.ca is not None)
+        return lambda handler, method: require_caller(handler, method, gate.check(method))
 
     def check_listen(self, host: str, what: str) -> None:
         """Refuse a non-loopback listener that is neither encrypted nor authenticated
         (unless ``insecure``); warn when ``insecure`` lets one start."""
-        if is_loopback(host) or self.tls or self.token_file is not None:
+        if is_loopback(host) or self.tls or self.token_file is not None or self.roles_file is not None:
             return
         if not self.insecure:
             raise ConfigError(
@@ -213,27 +223,110 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str:
     return f"host:{host.strip('[]')}"
 
 
-# ---- the token ----------------------------------------------------------------------------
+# ---- who called, and may they --------------------------------------------------------
 
 
 _DENIED = f"missing or wrong bearer token (send '{AUTH_HEADER}: Bearer <token>'; see --auth-token-file)"
+Refusal = tuple[grpc.StatusCode, str]
+Check = Callable[[Any], "Refusal | None"]
 
 
-def _token_ok(context: grpc.aio.ServicerContext, expected: bytes) -> bool:
-    """Whether the call's first ``authorization`` value is ``expected`` (constant time)."""
+def token_digest(token: str) -> str:
+    """The hex SHA-256 of a bearer token, as ``--auth-roles-file`` lists it."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def parse_roles(data: bytes, flag: str) -> dict[bytes, str]:
+    """The digest -> role table of a roles file (``<role> <hex sha-256 of its token>`` a
+    line; blank lines and ``#`` comments skipped); ConfigError naming ``flag`` and the line."""
+    out: dict[bytes, str] = {}
+    for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 2 or words[0] not in ROLES:
+            raise ConfigError(f"{flag} line {n}: expected '<role> <sha-256 hex>' with a role of {', '.join(ROLES)}, got {line.strip()!r}")
+        try:
+            digest = bytes.fromhex(words[1])
+        except ValueError:
+            digest = b""
+        if len(digest) != hashlib.sha256().digest_size:
+            raise ConfigError(f"{flag} line {n}: {words[1]!r} is not a SHA-256 digest in hex (64 hex digits)")
+        out[digest] = words[0]
+    if not out:
+        raise ConfigError(f"{flag} lists no role")
+    return out
+
+
+def _bearer(context: Any) -> bytes:
     got: str | bytes = next((v for k, v in context.invocation_metadata() or () if k == AUTH_HEADER), "")
-    return hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got), expected)
+    return got.encode() if isinstance(got, str) else bytes(got)
 
 
-def _checking(behaviour: Callable[..., Any], expected: bytes, parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:
-    """``behaviour`` (a handler's function, of any kind grpc.aio runs) refusing, with
-    UNAUTHENTICATED, a call without the token before it runs or reads a request;
-    ``parse``: the unary request's deserializer, run after the check."""
+def _cert_roles(context: Any) -> frozenset[str] | None:
+    """The roles the client certificate names (URI SANs under :data:`ROLE_URI`); None
+    when it names none."""
+    auth = context.auth_context() or {}
+    prefix = ROLE_URI.encode()
+    found = frozenset(n[len(prefix):].decode("utf-8", "replace") for n in auth.get("x509_subject_alternative_name", ()) if n.startswith(prefix))
+    return found or None
+
+
+class _Gate:
+    """A server's check of its callers: the token (the shared one, or one of the roles'
+    by its digest) and, under mTLS, the certificate's role. A caller's roles are those
+    every credential it presents names; a credential naming no role names every role."""
+
+    def __init__(self, token: str, digests: dict[bytes, str] | None, *, mtls: bool) -> None:
+        self._expected = (_BEARER + token).encode() if token else b""
+        self._digests = digests
+        self._mtls = mtls
+
+    def check(self, method: str) -> Check | None:
+        """The check of ``method``'s calls (None: every call passes)."""
+        if method in OPEN_METHODS:
+            return None
+        allowed = callers(method)
+        take = ", ".join(sorted(allowed)) or "no caller"
+
+        def refusal(context: Any) -> Refusal | None:
+            roles = self._roles(context)
+            if isinstance(roles, tuple):
+                return roles
+            if roles is None or roles & allowed:
+                return None
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} is not open to a {'/'.join(sorted(roles)) or 'caller whose credentials name different roles'}: it takes {take}")
+
+        return refusal
+
+    def _roles(self, context: Any) -> frozenset[str] | Refusal | None:
+        roles: frozenset[str] | None = None
+        if self._digests is not None:
+            got = _bearer(context)
+            role = self._digests.get(hashlib.sha256(got[len(_BEARER):]).digest()) if got.startswith(_BEARER.encode()) else None
+            if role is None:
+                return grpc.StatusCode.UNAUTHENTICATED, _DENIED
+            roles = frozenset({role})
+        elif self._expected and not hmac.compare_digest(_bearer(context), self._expected):
+            return grpc.StatusCode.UNAUTHENTICATED, _DENIED
+        if self._mtls:
+            named = _cert_roles(context)
+            if named is not None:
+                roles = named if roles is None else roles & named
+        return roles
+
+
+def _checking(behaviour: Callable[..., Any], check: Check, parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:
+    """``behaviour`` (a handler's function, of any kind grpc.aio runs) refusing a call
+    that ``check`` refuses before it runs or reads a request; ``parse``: the unary
+    request's deserializer, run after the check."""
     if inspect.isasyncgenfunction(behaviour):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if not _token_ok(context, expected):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            refused = check(context)
+            if refused is not None:
+                await context.abort(*refused)
             async for item in behaviour(request if parse is None else parse(request), context):
                 yield item
 
@@ -241,8 +334,9 @@ def _checking(behaviour: Callable[..., Any], expected: bytes, parse: Callable[[b
     if inspect.iscoroutinefunction(behaviour):
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if not _token_ok(context, expected):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            refused = check(context)
+            if refused is not None:
+                await context.abort(*refused)
             return await behaviour(request if parse is None else parse(request), context)
 
         return call
@@ -250,35 +344,36 @@ def _checking(behaviour: Callable[..., Any], expected: bytes, parse: Callable[[b
     if inspect.isgeneratorfunction(behaviour):
 
         def sync_stream(request: Any, context: Any) -> Iterator[Any]:
-            if not _token_ok(context, expected):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            refused = check(context)
+            if refused is not None:
+                context.abort(*refused)
             yield from behaviour(request if parse is None else parse(request), context)
 
         return sync_stream
 
     def sync_call(request: Any, context: Any) -> Any:
-        if not _token_ok(context, expected):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        refused = check(context)
+        if refused is not None:
+            context.abort(*refused)
         return behaviour(request if parse is None else parse(request), context)
 
     return sync_call
 
 
-def require_token(handler: grpc.RpcMethodHandler, method: str, expected: bytes) -> grpc.RpcMethodHandler:
-    """``handler`` of ``method`` (``/service/name``) refusing, with UNAUTHENTICATED, every
-    call whose ``authorization`` metadata is not ``expected`` (``Bearer <token>``, as
-    bytes), before anything reads its request: a unary request is parsed after the
-    check. Health (:data:`_OPEN_METHODS`) stays open."""
-    if handler is None or method in _OPEN_METHODS:
+def require_caller(handler: grpc.RpcMethodHandler, method: str, check: Check | None) -> grpc.RpcMethodHandler:
+    """``handler`` of ``method`` (``/service/name``) refusing every call that ``check``
+    refuses (with its status and message), before anything reads its request: a unary
+    request is parsed after the check. ``check`` None: the handler as it is."""
+    if handler is None or check is None:
         return handler
     parse, out = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_checking(handler.stream_stream, expected, None), parse, out)
+        return grpc.stream_stream_rpc_method_handler(_checking(handler.stream_stream, check, None), parse, out)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_checking(handler.stream_unary, expected, None), parse, out)
+        return grpc.stream_unary_rpc_method_handler(_checking(handler.stream_unary, check, None), parse, out)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_checking(handler.unary_stream, expected, parse), None, out)
-    return grpc.unary_unary_rpc_method_handler(_checking(handler.unary_unary, expected, parse), None, out)
+        return grpc.unary_stream_rpc_method_handler(_checking(handler.unary_stream, check, parse), None, out)
+    return grpc.unary_unary_rpc_method_handler(_checking(handler.unary_unary, check, parse), None, out)
 
 
 class _TokenSend:
@@ -320,6 +415,7 @@ _FLAGS = (
     ("tls_key", "--tls-key"),
     ("tls_ca", "--tls-ca"),
     ("auth_token_file", "--auth-token-file"),
+    ("auth_roles_file", "--auth-roles-file"),
 )
 
 
@@ -336,8 +432,14 @@ def add_security_arguments(parser: argparse.ArgumentParser, *, public: bool = Fa
     )
     g.add_argument(
         "--auth-token-file", type=Path, metavar="FILE",
-        help="file holding a shared bearer token: calls without it are refused (UNAUTHENTICATED; health checks "
-        "excepted), and this process sends it on its own calls",
+        help="file holding this process's bearer token, which it sends on its own calls. Without --auth-roles-file "
+        "it is the cluster's one shared token: calls without it are refused (UNAUTHENTICATED; health checks excepted)",
+    )
+    g.add_argument(
+        "--auth-roles-file", type=Path, metavar="FILE",
+        help="file of '<role> <sha-256 hex of its token>' lines, one token per role (router, prefill, decode, bootstrap, "
+        "gateway, client): calls must carry one of these tokens, which names the caller's role, and each RPC takes "
+        "only its roles (docs/security.md)",
     )
     g.add_argument(
         "--insecure", action="store_true",
@@ -352,11 +454,14 @@ def add_security_arguments(parser: argparse.ArgumentParser, *, public: bool = Fa
 def security_from_args(ns: argparse.Namespace) -> Security:
     """The :class:`Security` the flags describe; ConfigError naming a bad flag or file."""
     security = Security(
-        cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca, token_file=ns.auth_token_file, insecure=ns.insecure,
+        cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca, token_file=ns.auth_token_file,
+        roles_file=getattr(ns, "auth_roles_file", None), insecure=ns.insecure,
         public_cert=getattr(ns, "public_tls_cert", None), public_key=getattr(ns, "public_tls_key", None),
     )
     if security.ca is not None and security.cert is None:
         raise ConfigError("--tls-ca needs --tls-cert and --tls-key: this process serves too, and would serve plaintext")
+    if security.roles_file is not None:
+        parse_roles(_read(security.roles_file, "--auth-roles-file"), "--auth-roles-file")
     for path, flag in ((security.cert, "--tls-cert"), (security.key, "--tls-key"), (security.ca, "--tls-ca"),
                        (security.public_cert, "--public-tls-cert"), (security.public_key, "--public-tls-key")):
         if path is not None:

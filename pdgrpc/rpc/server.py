@@ -228,7 +228,8 @@ async def start_server(
         await health_servicer.set(name, status)
     rpc = RpcServer(server, health_servicer, host, bound, names, drain)
     tls = "plaintext" if credentials is None else "mTLS" if security.ca is not None else "TLS"
-    auth = ", bearer token" if security.token_file is not None else ""
+    auth = ", bearer token" if security.token_file is not None or security.roles_file is not None else ""
+    auth += ", role tokens" if security.roles_file is not None else ""
     log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names))
     return rpc
 

@@ -46,7 +46,7 @@ async def test_the_throwaway_ca_key_is_gone_once_the_certificates_are_issued(tmp
     async with Cluster("colocated", tls="auto", log_dir=tmp_path / "run", start_timeout=120) as cluster:
         security = cluster.log_dir / "security"
         assert not (security / "ca.key").exists() and (security / "ca.pem").exists()
-        assert {p.name for p in security.glob("*.key")} == {"colocated.key", "client.key"}
+        assert {p.name for p in security.glob("*.key")} == {"colocated.key", "client.key", "launcher.key"}
 
 
 async def test_a_failed_run_keeps_its_logs_and_says_where(own_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -114,5 +114,5 @@ def test_the_throwaway_ca_key_is_gone_when_issuing_a_certificate_fails(
 
     monkeypatch.setattr(credentials, "issue", issue)
     with pytest.raises(ConfigError, match="cannot issue b"):
-        credentials.ClusterCredentials(tmp_path, ["a", "b"], tls=True, token=False)
+        credentials.ClusterCredentials(tmp_path, {"a": "prefill", "b": "decode"}, tls=True, token=False)
     assert (tmp_path / "ca.pem").exists() and not list(tmp_path.glob("ca*.key"))

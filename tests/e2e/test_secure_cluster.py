@@ -64,7 +64,7 @@ async def test_tls_auto_cluster_serves_and_refuses_outsiders(tmp_path: Path) -> 
         engine = reference_engine(c.topology)
         async with c.client_channel() as ch:
             done = await generate(GenerateServiceStub(ch), prompt="Secure hello", max_new_tokens=8, timeout=60)
-            workers = await bpb_grpc.BootstrapServiceStub(c.channel("prefill")).GetWorkers(
+            workers = await bpb_grpc.BootstrapServiceStub(c.channel("prefill", present="decode")).GetWorkers(
                 bpb.GetWorkersRequest(dp_rank=0), timeout=10
             )
         (ref,) = colocated_generate(engine, ["Secure hello"], 8)
@@ -87,6 +87,9 @@ async def test_tls_auto_cluster_serves_and_refuses_outsiders(tmp_path: Path) -> 
         assert await refused(no_token.channel(worker), "prefill") is grpc.StatusCode.UNAUTHENTICATED
         assert await refused(no_token.channel(worker), "abort") is grpc.StatusCode.UNAUTHENTICATED
         assert await refused(no_token.channel(c.address("decode")), "decode") is grpc.StatusCode.UNAUTHENTICATED
+        # The client's own credentials call Generate only (docs/security.md, "Roles").
+        assert await refused(sec.channel(c.address("decode")), "decode") is grpc.StatusCode.PERMISSION_DENIED
+        assert await refused(sec.channel(worker), "abort") is grpc.StatusCode.PERMISSION_DENIED
         # ... and the legitimate path still works afterwards.
         async with c.client_channel() as ch:
             again = await generate(GenerateServiceStub(ch), prompt="Secure hello", max_new_tokens=8, timeout=60)

@@ -29,7 +29,7 @@ async def _health(server_security: Security, caller: Security) -> grpc.StatusCod
 
 
 async def test_client_pem_cannot_serve_but_a_process_certificate_can(tmp_path: Path) -> None:
-    creds = ClusterCredentials(tmp_path, ["decode"], tls=True, token=False)
+    creds = ClusterCredentials(tmp_path, {"decode": "decode"}, tls=True, token=False)
     as_process = Security(cert=creds.certs["decode"].cert, key=creds.certs["decode"].key, ca=creds.ca)
     as_client = creds.client
     assert creds.client.cert == creds.certs[CLIENT].cert
