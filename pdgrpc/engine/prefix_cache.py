@@ -20,6 +20,11 @@ rest. Rules:
 - When the pool runs short, unreferenced cached pages are evicted least recently used
   first. Released chains enter the LRU order deepest page first, so a prefix's tail goes
   before its head, and a head stays reachable as long as possible.
+- A TP group's ranks each keep a cache and must all start the compute at one offset: a
+  rank acquires with ``spare=True`` (a fresh page beside each matched one), the group
+  agrees on the fewest matched pages, and :meth:`PrefixCache.settle` keeps that many,
+  computing the rest into the spare pages. The pool gives such a lease as many fresh
+  pages as a cold prompt takes, so a rank never waits for pages after agreeing.
 - :meth:`PrefixCache.release` inserts a lease's full pages only when told their KV is
   complete (``insert=True``); a failed or aborted prompt's pages are freed.
 - Every change of the set of reusable pages goes to the :class:`CacheEvents` sink:
@@ -85,6 +90,7 @@ class Lease:
     page_size: int
     token_ids: tuple[int, ...]
     hashes: tuple[int, ...]  # names of the prompt's full pages
+    spare: tuple[int, ...] = ()  # fresh pages for the cached prefix, until settle()
 
     @property
     def cached_tokens(self) -> int:
@@ -141,10 +147,13 @@ class PrefixCache:
 
     # ---- leases ------------------------------------------------------------------------
 
-    def acquire(self, token_ids: Sequence[int], num_pages: int, salt: bytes = b"", whole: bool = False) -> Lease | None:
+    def acquire(
+        self, token_ids: Sequence[int], num_pages: int, salt: bytes = b"", whole: bool = False, spare: bool = False,
+    ) -> Lease | None:
         """Pages for a prompt: its longest cached prefix (as :meth:`match` counts it),
         locked, and fresh pages up to ``num_pages`` in all, evicting unreferenced cached
-        pages as needed. ``None`` when the pool cannot supply them; nothing is taken then."""
+        pages as needed; with ``spare``, one more fresh page per matched page, for
+        :meth:`settle`. ``None`` when the pool cannot supply them; nothing is taken then."""
         ids = tuple(token_ids)
         if not isinstance(num_pages, int) or num_pages < 0:
             raise ConfigError(f"acquire: num_pages must be an int >= 0, got {num_pages!r}")
@@ -152,7 +161,7 @@ class PrefixCache:
         matchable = len(hashes) if whole else max(0, len(ids) - 1) // self.page_size
         matched = min(self._match(hashes[:matchable]), num_pages)
         held = [self._index[h] for h in hashes[:matched]]
-        need = num_pages - matched
+        need = num_pages if spare else num_pages - matched
         unheld_matched = sum(1 for e in held if e.refs == 0)
         if self._pool.num_free_pages + len(self._lru) - unheld_matched < need:
             return None
@@ -160,7 +169,28 @@ class PrefixCache:
             self._hold(e)
         fresh = self._take(need)
         assert fresh is not None  # counted above
-        return Lease(tuple(e.page for e in held) + tuple(fresh), matched, self.page_size, ids, tuple(hashes))
+        own, extra = fresh[: num_pages - matched], fresh[num_pages - matched :]
+        return Lease(tuple(e.page for e in held) + tuple(own), matched, self.page_size, ids, tuple(hashes), tuple(extra))
+
+    def settle(self, lease: Lease, keep: int) -> Lease:
+        """``lease`` with only its first ``keep`` cached pages: the spare pages take the
+        places of the others (their locks are dropped), the remaining spare pages go back
+        to the pool. ``keep`` beyond the lease's cached pages, or below them without spare
+        pages, is an error (nothing changes then)."""
+        m = lease.cached_pages
+        if not isinstance(keep, int) or not 0 <= keep <= m or (keep < m and len(lease.spare) != m):
+            raise ConfigError(f"settle: keep must be an int in [0, {m}] (below {m} only with spare pages), got {keep!r}")
+        for page in lease.pages[:m]:
+            e = self._shared.get(page)
+            if e is None or e.refs <= 0:
+                raise SlotError(f"settle: page {page} is not held by a lease (released already?)")
+        free = list(lease.spare[:keep])
+        for page in reversed(lease.pages[keep:m]):  # the deepest page becomes the oldest
+            self._unhold(self._shared[page], free)
+        if free:
+            self._pool.free_pages(free)
+        pages = lease.pages[:keep] + lease.spare[keep:m] + lease.pages[m:]
+        return dataclasses.replace(lease, pages=pages, cached_pages=keep, spare=())
 
     def release(self, lease: Lease, insert: bool) -> None:
         """Give ``lease`` back. ``insert``: its full pages hold complete KV of its prompt and
@@ -194,6 +224,7 @@ class PrefixCache:
             self._events.stored(stored)
         for e in reversed(done):  # the deepest page becomes the oldest: evicted first
             self._unhold(e, free)
+        free += lease.spare
         if free:
             self._pool.free_pages(free)
 

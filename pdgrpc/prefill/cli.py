@@ -90,7 +90,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt in full. By default a worker keeps the KV of the full pages of prompts it "
         "computed in its pool, and a prompt that starts with the same tokens reuses them and computes only the "
         "rest (same output token for token); unused cached pages are evicted, least recently used first, when "
-        "the pool runs short. Applies with --tp-size 1.",
+        "the pool runs short. A TP group computes each prompt from the cached prefix every rank holds.",
     )
     g.add_argument(
         "--compute-threads", type=int, default=1,

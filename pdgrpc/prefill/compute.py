@@ -75,6 +75,13 @@ class Compute(abc.ABC):
         cached prefix). Raises :class:`~pdgrpc.prefill.errors.RequestFailed` when it cannot
         start."""
 
+    async def agree(self, room: int, cached_pages: int) -> int:
+        """How many leading pages of ``room``'s prompt every rank of the compute holds
+        cached (this rank holds ``cached_pages``): the compute of every rank starts
+        there. Raises :class:`~pdgrpc.prefill.errors.RequestFailed` when the group
+        cannot agree. One rank: its own count."""
+        return cached_pages
+
     @abc.abstractmethod
     async def finish(self, room: int, job: ComputeJob | None) -> None:
         """The room ended (``job`` is None when :meth:`begin` was never called or failed):

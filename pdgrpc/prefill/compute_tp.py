@@ -10,6 +10,14 @@ room already ended here -- the room then fails on this rank), and posts to the r
 driver. ``("end", room)`` tells followers that the leader gave up a room, ``("stop",)``
 ends their loop at shutdown. Collectives on a rank run only on its compute thread.
 
+With the prefix cache each rank matches a room's prompt against its own cache, and the
+caches may differ for a moment (a rank inserts a prompt's pages when its own transfer
+ends, and evicts when its own pool runs short). So before a room's first chunk the
+leader broadcasts ``("agree", room, cached_pages)`` and, when it holds a cached prefix,
+every rank contributes its own count to an all-gather: the group computes from the
+fewest, which every rank holds, and a rank holding more computes the rest into its
+spare pages (:meth:`~pdgrpc.engine.prefix_cache.PrefixCache.settle`).
+
 Every rank reserves scratch pages for one whole prompt: the same capacity on every rank.
 """
 
@@ -29,11 +37,11 @@ import grpc
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken
 from pdgrpc.metrics import ServerAbortReason
 from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob, uncancellable
-from pdgrpc.prefill.compute_thread import ThreadCompute
+from pdgrpc.prefill.compute_thread import SHUTDOWN, ThreadCompute
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.serving.threads import lower_thread_priority
 
-__all__ = ["TpFollowerCompute", "TpLeaderCompute", "reserve_scratch"]
+__all__ = ["TpFollowerCompute", "TpLeaderCompute", "fewest_cached", "reserve_scratch"]
 
 log = logging.getLogger("pdgrpc.prefill.worker")
 C = grpc.StatusCode
@@ -46,6 +54,25 @@ def reserve_scratch(engine: Engine) -> tuple[int, ...]:
         raise ValueError(f"the KV pool of {engine.num_pages} pages cannot hold the TP scratch pages for "
                          f"{engine.max_prompt_tokens} tokens")
     return tuple(scratch)
+
+
+def fewest_cached(cached_pages: int) -> int:
+    """Compute thread only: the fewest cached pages any rank of the group holds."""
+    import torch.distributed as dist
+
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, cached_pages)
+    return min(int(x) for x in got)
+
+
+def _resolve(fut: "asyncio.Future[int]", value: int = 0, error: BaseException | None = None) -> None:
+    """On the future's loop: settle ``fut`` unless its waiter already gave up."""
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
 
 
 class TpLeaderCompute(ThreadCompute):
@@ -75,6 +102,28 @@ class TpLeaderCompute(ThreadCompute):
         t = time.perf_counter()
         self.broadcast(("chunk", room, req.token_ids, req.sampling, start, end))
         return self.engine.prefill_chunk(req, start, end), time.perf_counter() - t
+
+    async def agree(self, room: int, cached_pages: int) -> int:
+        if self.broken is not None:
+            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
+        try:
+            fut = self.executor.submit(self._agree, room, cached_pages)
+        except RuntimeError:  # executor shut down
+            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {SHUTDOWN}") from None
+        return await asyncio.wrap_future(fut)
+
+    def _agree(self, room: int, cached_pages: int) -> int:
+        """Compute thread: in the command order, so every rank agrees before the room's chunks."""
+        self.broadcast(("agree", room, cached_pages))
+        if cached_pages == 0:  # nothing to agree on: every rank computes the whole prompt
+            return 0
+        try:
+            return fewest_cached(cached_pages)
+        except Exception as exc:
+            why = f"TP group broken: agreeing on the cached prefix failed: {exc!r}"
+            log.error("tp%d: %s", self.tp_rank, why)
+            self._break(why)
+            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE) from None
 
     async def finish(self, room: int, job: ComputeJob | None) -> None:
         await super().finish(room, job)
@@ -112,6 +161,18 @@ class _Followed(ComputeJob):
         self.loop.call_soon_threadsafe(self.posts.put_nowait, item)
 
 
+@dataclasses.dataclass(eq=False)
+class _Agreeing:
+    """A follower's room waiting for the group to agree on its cached prefix."""
+
+    cached_pages: int
+    loop: asyncio.AbstractEventLoop
+    result: "asyncio.Future[int]"
+
+    def resolve(self, value: int = 0, error: BaseException | None = None) -> None:
+        self.loop.call_soon_threadsafe(_resolve, self.result, value, error)
+
+
 class TpFollowerCompute(Compute):
     """Tp rank > 0: computes what tp rank 0 commands, on a thread of its own."""
 
@@ -123,6 +184,8 @@ class TpFollowerCompute(Compute):
         self.reserved_pages = reserve_scratch(engine)
         self._lock = threading.Condition()
         self._followed: dict[int, _Followed] = {}  # rooms the compute thread may write
+        self._agreeing: dict[int, _Agreeing] = {}  # rooms waiting for tp rank 0's ("agree", ...)
+        self._agreed: set[int] = set()  # rooms agreed on whose begin() is still to come
         self._lost: collections.OrderedDict[int, str] = collections.OrderedDict()  # rooms failed here (bounded)
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -141,13 +204,33 @@ class TpFollowerCompute(Compute):
             if why is None:
                 job = _Followed(room, pages=tuple(request.pages), loop=asyncio.get_running_loop())
                 self._followed[room] = job
+                self._agreed.discard(room)
                 self._lock.notify_all()
         if why is not None:
             raise RequestFailed(C.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
         return job
 
+    async def agree(self, room: int, cached_pages: int) -> int:
+        """Wait for tp rank 0's ``("agree", room, ...)`` and the group's answer."""
+        if self.broken is not None:
+            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
+        loop = asyncio.get_running_loop()
+        ag = _Agreeing(cached_pages, loop, loop.create_future())
+        with self._lock:
+            why = self._lost.get(room)
+            if why is None:
+                self._agreeing[room] = ag
+                self._lock.notify_all()
+        if why is not None:
+            raise RequestFailed(C.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
+        return await ag.result
+
     async def finish(self, room: int, job: ComputeJob | None) -> None:
         if not isinstance(job, _Followed):
+            with self._lock:  # ended before its compute began: later commands go to scratch
+                if self._agreeing.pop(room, None) is not None or room in self._agreed:
+                    self._agreed.discard(room)
+                    self._lose(room, "the room ended on this rank")
             return
         # From here on the compute thread computes this room into scratch; wait for a
         # chunk it may be computing into our pages right now.
@@ -184,13 +267,7 @@ class TpFollowerCompute(Compute):
             except Exception as exc:
                 if self._stopped:
                     return
-                why = f"TP group broken: receiving from tp rank 0 failed: {exc!r}"
-                log.error("tp%d: %s", self.tp_rank, why)
-                self._break(why)
-                with self._lock:
-                    rooms = list(self._followed.values())
-                for fr in rooms:
-                    fr.post(ChunkPost(0, None, 0.0, RequestFailed(C.UNAVAILABLE, f"room {fr.room}: {why}", ServerAbortReason.PEER_FAILURE)))
+                self._group_broken(f"TP group broken: receiving from tp rank 0 failed: {exc!r}")
                 return
             cmd = box[0]
             if cmd[0] == "stop":
@@ -198,14 +275,63 @@ class TpFollowerCompute(Compute):
                 return
             if cmd[0] == "end":
                 self._end(cmd[1])
+            elif cmd[0] == "agree":
+                if not self._agree(cmd[1], cmd[2]):
+                    return
             else:
                 self._chunk(*cmd[1:])
+
+    def _group_broken(self, why: str) -> None:
+        """A collective failed: every room of this rank fails, and the rank with them."""
+        log.error("tp%d: %s", self.tp_rank, why)
+        self._break(why)
+        with self._lock:
+            rooms = list(self._followed.values())
+            agreeing = list(self._agreeing.items())
+            self._agreeing.clear()
+        for fr in rooms:
+            fr.post(ChunkPost(0, None, 0.0, RequestFailed(C.UNAVAILABLE, f"room {fr.room}: {why}", ServerAbortReason.PEER_FAILURE)))
+        for room, ag in agreeing:
+            ag.resolve(error=RequestFailed(C.UNAVAILABLE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE))
+
+    def _agree(self, room: int, leader_pages: int) -> bool:
+        """Tp rank 0 starts ``room`` holding ``leader_pages`` cached: add this rank's count
+        (tp rank 0's when the room is not here: it fails on this rank anyway) to the
+        group's all-gather. False when the collective failed."""
+        deadline = time.monotonic() + self.room_wait_s
+        with self._lock:
+            while room not in self._agreeing and room not in self._lost and not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            ag = self._agreeing.pop(room, None) if room not in self._lost else None
+            if ag is not None:
+                self._agreed.add(room)  # its chunks wait for begin()
+            elif room not in self._lost:
+                self._lose(room, f"tp rank 0 started it before this rank's Prefill RPC arrived (waited {self.room_wait_s} s)")
+        try:
+            fewest = fewest_cached(ag.cached_pages if ag is not None else leader_pages) if leader_pages else 0
+        except Exception as exc:
+            if ag is not None:
+                with self._lock:
+                    self._agreeing[room] = ag  # failed with the others below
+            self._group_broken(f"TP group broken: agreeing on the cached prefix failed: {exc!r}")
+            return False
+        if ag is not None:
+            ag.resolve(fewest)
+        return True
 
     def _end(self, room: int) -> None:
         with self._lock:
             fr = self._followed.get(room)
+            ag = self._agreeing.pop(room, None)
+            self._agreed.discard(room)
             if fr is None:
                 self._lose(room, "tp rank 0 ended the room")
+        if ag is not None:
+            ag.resolve(error=RequestFailed(
+                C.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed", ServerAbortReason.PEER_FAILURE))
         if fr is not None:
             fr.post(ChunkPost(0, None, 0.0, RequestFailed(
                 C.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed", ServerAbortReason.PEER_FAILURE)))
@@ -213,15 +339,17 @@ class TpFollowerCompute(Compute):
     def _chunk(self, room: int, ids: tuple[int, ...], sampling: Any, start: int, end: int) -> None:
         deadline = time.monotonic() + self.room_wait_s
         with self._lock:
-            while start == 0 and room not in self._followed and room not in self._lost and not self._stopped:
+            first = start == 0 or room in self._agreed  # the room's first chunk: its begin() may still come
+            while first and room not in self._followed and room not in self._lost and not self._stopped:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._lock.wait(left)
+            self._agreed.discard(room)
             fr = self._followed.get(room) if room not in self._lost else None
             if fr is None and room not in self._lost:
                 self._lose(room, f"tp rank 0 computed it before this rank's Prefill RPC arrived (waited {self.room_wait_s} s)"
-                           if start == 0 else "the room ended on this rank")
+                           if first else "the room ended on this rank")
             fut: concurrent.futures.Future[None] | None = None
             if fr is not None:
                 fut = fr.inflight = concurrent.futures.Future()
@@ -235,6 +363,8 @@ class TpFollowerCompute(Compute):
             err = exc
             log.error("tp%d: room=%d chunk [%d, %d) failed: %r", self.tp_rank, room, start, end, exc)
         finally:
+            if fr is not None and err is None and end == len(ids):
+                fr.computed_all = True  # its full pages may become cached (set before finish() can return)
             if fut is not None:
                 fut.set_result(None)
         if fr is not None:

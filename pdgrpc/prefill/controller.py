@@ -211,6 +211,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             bytes_transferred=sum(r.bytes_transferred for r in resps),
             transfer_seconds=max(r.transfer_seconds for r in resps),
             compute_seconds=max(r.compute_seconds for r in resps),
+            cached_tokens=resps[0].cached_tokens,  # the ranks agreed on it before computing
         )
 
     async def _refuse(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, forwarded: bool = False) -> NoReturn:

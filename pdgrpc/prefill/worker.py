@@ -99,8 +99,10 @@ class PrefillWorker:
     of this process; with ``config.tp_size > 1`` a TP group member over the dp group's
     ``torch.distributed`` world (``engine`` holds this rank's KV heads).
 
-    The prefix cache (``config.prefix_cache``, TP 1) takes its pages from ``engine`` and
-    reports what it stores and evicts to ``cache_events``."""
+    The prefix cache (``config.prefix_cache``) takes its pages from ``engine`` and reports
+    what it stores and evicts to ``cache_events``. In a TP group every rank keeps its own,
+    and the group agrees on each room's cached prefix before computing it
+    (:meth:`~pdgrpc.prefill.compute.Compute.agree`)."""
 
     def __init__(
         self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None,
@@ -126,9 +128,7 @@ class PrefillWorker:
         page_nbytes = sum(t[0].numel() * t.element_size() for t in (*bufs.k, *bufs.v))  # one page, every layer
         min_pages = write_pages_for(config.min_write_bytes, page_nbytes)
         self.compute = self._make_compute(compute, min_pages)
-        # TP: each rank allocates from its own pool, but the leader's commands fix where
-        # every rank's compute starts, so ranks with different caches would disagree.
-        self.prefix_cache = PrefixCache(engine, self.page_size, cache_events) if config.prefix_cache and self.tp_size == 1 else None
+        self.prefix_cache = PrefixCache(engine, self.page_size, cache_events) if config.prefix_cache else None
         self.local = LocalEnd(transport.name, self.compat_hash, self.tp_rank, self.tp_size, layout.num_kv_heads,
                               layout.head_bytes, self._regions, self._regions[-1].item_bytes,
                               engine.pages_needed(engine.max_prompt_tokens), engine.model_id)
@@ -339,7 +339,9 @@ class PrefillWorker:
         waited = False
         while True:
             if self.prefix_cache is not None:
-                entry.lease = self.prefix_cache.acquire(ids, n)
+                # TP: spare pages, so a rank holding more of the prefix than the group
+                # agrees on computes the rest without waiting for pages.
+                entry.lease = self.prefix_cache.acquire(ids, n, spare=self.tp_size > 1)
                 if entry.lease is not None:
                     entry.pages = list(entry.lease.pages)
                     return
@@ -441,12 +443,27 @@ class PrefillWorker:
 
     async def _run(self, entry: _Active, ids: tuple[int, ...], sampling: SamplingParams) -> prefill_pb2.PrefillResponse:
         await self._alloc(entry, ids)
+        if entry.lease is not None and self.prefix_cache is not None and self.tp_size > 1:
+            await self._agree(entry)
         cached = entry.lease.cached_tokens if entry.lease is not None else 0
         self.metrics.on_prompt(len(ids), cached)
         entry.driver = RoomDriver(self._sending, entry.room, entry.pages, cached)
         resp = await entry.driver.run(ids, sampling)
         resp.dp_rank = self.config.dp_rank
         return resp
+
+    async def _agree(self, entry: _Active) -> None:
+        """TP: keep only the cached pages every rank of the group holds."""
+        assert entry.lease is not None and self.prefix_cache is not None
+        try:
+            keep = await asyncio.wait_for(self.compute.agree(entry.room, entry.lease.cached_pages), self.config.compute_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestFailed(
+                C.DEADLINE_EXCEEDED, f"room {entry.room}: the TP group did not start the room within {self.config.compute_timeout_s} s",
+                AbortReason.WAITING_FOR_INPUT_TIMEOUT,
+            ) from None
+        entry.lease = self.prefix_cache.settle(entry.lease, keep)
+        entry.pages = list(entry.lease.pages)
 
     async def _finish(self, entry: _Active) -> None:
         """Every path ends here: no compute in flight, rooms released, pages freed."""

@@ -36,7 +36,7 @@ class WorkerConfig:
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
     early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's mTLS identity, else its host)
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
-    prefix_cache: bool = True  # reuse the KV of full pages earlier prompts computed (TP 1)
+    prefix_cache: bool = True  # reuse the KV of full pages earlier prompts computed
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:

@@ -1,7 +1,8 @@
 """The prefill's prefix cache through a real 1p1d cluster: reuse is exact and visible.
 
 Groups of prompts share a prefix several pages long. The first prompt of each group runs
-alone (its full pages become cached), the rest run at once. The prefill's pool is small,
+alone (its full pages become cached), the rest run at once; with prefill TP 1 and TP 2
+(every rank keeps a cache of its own). The prefill's pool is small,
 so later groups evict earlier ones while requests hold pages. Every output must equal
 colocated generation of the same prompt without any cache (greedy and seeded sampling),
 the prefill's metrics must show hits (prompt tokens = hits + computed), evictions must
@@ -26,21 +27,24 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)
 
 PAGE = 16
 POOL_PAGES = 28  # the prefill's pool: fewer pages than the prompts' distinct full pages
-# (chunk size, where the compute runs): mid-page and page-aligned chunks, both compute modes.
-PARAMS = [(24, "process"), (64, "thread")]
+TP_SCRATCH = 1024 // PAGE  # a TP rank's scratch pages: one prompt of max-prompt-tokens
+# (chunk size, where the compute runs, prefill TP size): mid-page and page-aligned chunks,
+# both TP 1 compute modes, and a TP 2 group whose ranks agree on each prompt's cached prefix.
+PARAMS = [(24, "process", 1), (64, "thread", 1), (40, "thread", 2)]
 
 
-def _topology(chunk: int, compute_in: str):
+def _topology(chunk: int, compute_in: str, tp: int):
     t = load_topology("1p1d")
+    pool = POOL_PAGES + (TP_SCRATCH if tp > 1 else 0)  # every rank: the same pages for requests
     procs = tuple(
-        dataclasses.replace(p, args={**p.args, "chunk-size": chunk, "num-pages": POOL_PAGES, "compute-in": compute_in})
+        dataclasses.replace(p, args={**p.args, "chunk-size": chunk, "num-pages": pool, "compute-in": compute_in, "tp-size": tp})
         if p.role == "prefill" else p
         for p in t.processes
     )
-    return dataclasses.replace(t, name=f"1p1d-prefix-{chunk}-{compute_in}", processes=procs)
+    return dataclasses.replace(t, name=f"1p1d-prefix-{chunk}-{compute_in}-tp{tp}", processes=procs)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=PARAMS, ids=[f"chunk{c}-{m}" for c, m in PARAMS])
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=PARAMS, ids=[f"chunk{c}-{m}-tp{tp}" for c, m, tp in PARAMS])
 async def cluster(request):
     skip_unless_transport("tcp")
     async with Cluster(_topology(*request.param), transport="tcp", start_timeout=180, metrics=True) as c:
@@ -92,6 +96,7 @@ async def test_shared_prefixes_hit_the_cache_and_outputs_equal_a_cold_run(cluste
     prompt = after.delta(before, "pdgrpc_prefill_prompt_tokens_total", "prefill")
     hits = after.delta(before, "pdgrpc_prefix_cache_hit_tokens_total", "prefill")
     computed = after.delta(before, "pdgrpc_prefill_computed_tokens_total", "prefill")
-    assert prompt == sum(len(c.input_ids) for c in flat)
-    assert prompt == hits + computed and hits == reported
+    tp = int(cluster.topology.by_role("prefill")[0].args.get("tp-size", 1))  # every rank counts what it computed
+    assert prompt == tp * sum(len(c.input_ids) for c in flat)
+    assert prompt == hits + computed and hits == tp * reported
     assert after.total("pdgrpc_prefix_cache_evictions_total", "prefill") > 0  # the pool ran short

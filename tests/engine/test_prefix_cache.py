@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pdgrpc.engine.cache_events import StoredBlock
 from pdgrpc.engine.pages import FifoPageAllocator
 from pdgrpc.engine.prefix_cache import Lease, PrefixCache, block_hash, block_hashes
-from pdgrpc.errors import SlotError
+from pdgrpc.errors import ConfigError, SlotError
 
 PS = 4
 
@@ -161,6 +161,36 @@ def test_clear_forgets_everything_and_held_pages_return_on_release() -> None:
     assert pool.num_free_pages == 8 and cache.num_cached_pages == 0
 
 
+def test_tp_ranks_with_different_caches_settle_on_the_fewest_pages() -> None:
+    """Two TP ranks whose caches differ (rank 1 evicted a prefix's tail) agree on the
+    fewest cached pages: both compute from there, the rank that held more computes into
+    its spare pages, and nothing leaks."""
+    prompt = tuple(range(1, 3 * PS + 2))  # three full pages and one token
+    pools = [Pool(8), Pool(8)]
+    ranks = [PrefixCache(pool, PS) for pool in pools]
+    for cache in ranks:
+        first = cache.acquire(prompt, 4)
+        assert first is not None
+        cache.release(first, insert=True)
+    ranks[1].reclaim(6)  # rank 1's pool ran short: it evicted the prefix's last page
+    leases = [cache.acquire(prompt, 4, spare=True) for cache in ranks]
+    assert [lease.cached_pages for lease in leases if lease] == [3, 2]
+    assert [len(lease.spare) for lease in leases if lease] == [3, 2]
+    # Spare pages come from the pool: as many fresh pages as a cold prompt takes.
+    assert [pool.num_free_pages for pool in pools] == [8 - 4 - 3, 8 - 4 - 2]
+    keep = min(lease.cached_pages for lease in leases if lease)
+    settled = [cache.settle(lease, keep) for cache, lease in zip(ranks, leases) if lease]
+    assert [s.cached_tokens for s in settled] == [2 * PS, 2 * PS]
+    assert settled[0].pages[:2] == leases[0].pages[:2] and settled[0].pages[2] == leases[0].spare[2]
+    assert [pool.num_free_pages for pool in pools] == [8 - 4 - 1, 8 - 4 - 0]  # rank 0's cached third page is unlocked, not freed
+    with pytest.raises(ConfigError, match="keep must be"):
+        ranks[0].settle(settled[0], 3)
+    for cache, lease in zip(ranks, settled):
+        cache.release(lease, insert=True)
+        assert cache.match(prompt) == 3
+    assert [pool.num_free_pages + cache.num_cached_pages for pool, cache in zip(pools, ranks)] == [8, 8]
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Random leases over a small pool, checked against a model of what each page holds."""
 
@@ -174,22 +204,26 @@ class CacheMachine(RuleBasedStateMachine):
         self.leases: list[Lease] = []
         self.kv: dict[int, tuple[object, ...]] = {}  # page -> (salt, the prefix whose last page it holds)
         self.orphans: set[int] = set()  # held pages clear() dropped from the cache
+        self.salts: dict[int, bytes] = {}  # id(lease) -> its salt
 
     @rule(
         prompt=st.lists(st.integers(0, 2), min_size=1, max_size=4 * PS),
         extra=st.integers(0, 2),
         salt=st.sampled_from([b"", b"s"]),
+        spare=st.booleans(),
     )
-    def acquire(self, prompt: list[int], extra: int, salt: bytes) -> None:
+    def acquire(self, prompt: list[int], extra: int, salt: bytes, spare: bool) -> None:
         ids = tuple(prompt)
         need = -(-len(ids) // PS) + extra
         before = (self.pool.num_free_pages, self.cache.num_cached_pages, self.cache.evictions)
-        lease = self.cache.acquire(ids, need, salt)
+        lease = self.cache.acquire(ids, need, salt, spare=spare)
         if lease is None:
-            assert self.cache.num_free_pages < need
+            assert self.cache.num_free_pages < need if not spare else self.cache.num_free_pages - self.cache.match(ids, salt) < need
             assert (self.pool.num_free_pages, self.cache.num_cached_pages, self.cache.evictions) == before
             return
-        assert len(lease.pages) == need and len(set(lease.pages)) == need
+        assert len(lease.pages) == need and len(set(lease.pages + lease.spare)) == need + len(lease.spare)
+        assert len(lease.spare) == (lease.cached_pages if spare else 0)  # a TP rank: as many fresh pages as a cold prompt
+        self.salts[id(lease)] = salt
         assert lease.cached_tokens < len(ids)  # the last token is always computed
         for i in range(lease.cached_pages):  # a match holds exactly this prefix's KV
             assert self.kv[lease.pages[i]] == (salt,) + ids[: (i + 1) * PS]
@@ -202,6 +236,22 @@ class CacheMachine(RuleBasedStateMachine):
     def release(self, i: int, insert: bool) -> None:
         self.cache.release(self.leases.pop(i % len(self.leases)), insert)
 
+    @precondition(lambda self: any(lease.spare for lease in self.leases))
+    @rule(i=st.integers(0, 100), keep=st.integers(0, 100))
+    def settle(self, i: int, keep: int) -> None:
+        """A TP group agreed on ``keep`` cached pages: the rest are computed into spare pages."""
+        with_spare = [lease for lease in self.leases if lease.spare]
+        lease = with_spare[i % len(with_spare)]
+        keep %= lease.cached_pages + 1
+        settled = self.cache.settle(lease, keep)
+        assert settled.pages[:keep] == lease.pages[:keep] and settled.pages[lease.cached_pages :] == lease.pages[lease.cached_pages :]
+        assert settled.cached_pages == keep and settled.spare == () and len(settled.pages) == len(lease.pages)
+        salt = self.salts.pop(id(lease))
+        for j in range(keep, lease.cached_pages):  # "compute" what the group did not keep
+            self.kv[settled.pages[j]] = (salt,) + lease.token_ids[: (j + 1) * PS]
+        self.leases[self.leases.index(lease)] = settled
+        self.salts[id(settled)] = salt
+
     @rule()
     def clear(self) -> None:
         self.cache.clear()
@@ -209,7 +259,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def held_pages_are_never_shared_with_another_lease_or_evicted(self) -> None:
-        own = [p for lease in self.leases for p in lease.pages[lease.cached_pages :]]
+        own = [p for lease in self.leases for p in lease.pages[lease.cached_pages :] + lease.spare]
         assert len(own) == len(set(own))
         shared = {p for lease in self.leases for p in lease.pages[: lease.cached_pages]}
         assert not shared & set(own)

@@ -20,7 +20,7 @@ import torch
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.serving.tp import heads_of, transfer_room
 from pdgrpc.v1 import bootstrap_pb2 as bpb
-from pdgrpc.v1 import common_pb2, prefill_pb2
+from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode, KVPoll, Room, abort_request, reference_prefill
 from tests.prefill.harness import CONFIG, SETTLE_S, new_room, prefill_stub, prompt, request
@@ -274,5 +274,53 @@ async def test_abort_on_one_tp_rank_fails_the_request_and_the_group_keeps_servin
     _, r = await tp2_to_tp1(tp2, tp1_decode, ids, sampling)
     want, tok = reference(ids, sampling)
     assert_heads(tp1_decode, r, ids, want, tok)
+    tp1_decode.free(r)
+    await settles_to_zero(tp2, 2)
+
+
+async def test_tp2_ranks_whose_caches_differ_compute_from_the_prefix_both_hold(tp2: PrefillProc, tp1_decode: FakeDecode) -> None:
+    """Rank 0 caches a prompt while rank 1 still holds its room (its handshake has not
+    come), so a second prompt sharing it matches ten pages on rank 0 and none on rank 1:
+    the group computes it from the start, and once both hold the prefix, from its end.
+    Every KV byte equals a cold TP 1 prefill's either way."""
+    sampling = SamplingParams(top_logprobs=2)
+    shared = prompt(40, 9)  # ten full pages
+    room = new_room()
+    first = tp1_decode.allocate(room, len(shared), keys=[transfer_room(room, p_, 0) for p_ in (0, 1)])
+    ch, stub = await prefill_stub(tp2)
+    try:
+        call = asyncio.ensure_future(stub.Prefill(request(room, shared, sampling), timeout=60))
+        workers = await tp1_decode.workers(tp2.bootstrap, 0)
+        await tp1_decode.handshake(workers[0].transfer_address, first, wants_metadata=True)  # rank 0 only, for now
+        st = await tp1_decode.transport.wait(first.keys[0], 30)
+        assert st.state is KVPoll.SUCCESS, st.reason
+        rank0 = prefill_pb2_grpc.PrefillServiceStub(tp1_decode.channel(workers[0].transfer_address))
+
+        async def rank0_done() -> bool:  # its room ended: the prompt's pages are cached there
+            return (await rank0.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats.active_requests == 0
+
+        await eventually_async(rank0_done, SETTLE_S, what="rank 0 finished the first prompt")
+
+        diverged = shared + prompt(6, 10)[1:]
+        resp, r = await tp2_to_tp1(tp2, tp1_decode, diverged, sampling)
+        assert resp.cached_tokens == 0  # rank 1 holds none of it yet
+        want, tok = reference(diverged, sampling)
+        assert_heads(tp1_decode, r, diverged, want, tok)
+        tp1_decode.free(r)
+
+        await tp1_decode.handshake(workers[1].transfer_address, first, wants_metadata=False)
+        assert (await call).cached_tokens == 0
+        want, tok = reference(shared, sampling)
+        assert_heads(tp1_decode, first, shared, want, tok)
+        tp1_decode.free(first)
+    finally:
+        await ch.close()
+    await settles_to_zero(tp2, 2)  # both ranks' rooms ended: both hold the prefix now
+
+    again = shared + prompt(9, 11)[1:]
+    resp, r = await tp2_to_tp1(tp2, tp1_decode, again, sampling)
+    assert resp.cached_tokens == len(shared)
+    want, tok = reference(again, sampling)
+    assert_heads(tp1_decode, r, again, want, tok)
     tp1_decode.free(r)
     await settles_to_zero(tp2, 2)
