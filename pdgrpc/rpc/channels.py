@@ -14,6 +14,14 @@ A pool holds at most ``max_channels`` channels. The addresses a server dials com
 from its callers (a decode dials every ``prefill_bootstrap_address`` it is sent, and the
 workers those bootstraps list), so past the bound the least recently used channel is
 closed: its calls still in flight get :data:`EVICT_GRACE_S` to finish.
+
+A channel whose connection failed (``TRANSIENT_FAILURE``) waits out a reconnect backoff,
+up to ``grpc.max_reconnect_backoff_ms``, and fails every call meanwhile, even once its
+server serves again: a process restarted on its port would fail the first requests sent
+to it. :meth:`ChannelPool.get` therefore hands out a fresh channel in place of one in
+``TRANSIENT_FAILURE``, which connects at its first call. The old one may still carry calls
+(a server that drains refuses new connections while it finishes the calls it runs), so
+it is closed once they end, within :data:`REPLACED_GRACE_S`.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # Each channel its own subchannels: gRPC's process-wide subchannel pool would hand a
+    # replacement channel the old one's subchannel, still waiting out its backoff.
+    ("grpc.use_local_subchannel_pool", 1),
     # The servers' limit (pdgrpc.rpc.limits): batched replies are about 1 MB.
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -48,6 +59,9 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
 DEFAULT_MAX_CHANNELS = 4096
 # Seconds an evicted channel's calls in flight get before it is closed under them.
 EVICT_GRACE_S = 10.0
+# Seconds the calls of a channel replaced after its connection failed get to finish: they
+# run on a connection to a server that drains, bounded by its drain timeout and grace.
+REPLACED_GRACE_S = 600.0
 
 
 class ChannelPool:
@@ -66,23 +80,31 @@ class ChannelPool:
         self._interceptors = list(interceptors)  # e.g. metrics, tracing (and tests)
         self.max_channels = max_channels
         self._channels: collections.OrderedDict[str, grpc.aio.Channel] = collections.OrderedDict()  # least recently used first
-        self._evicted: dict[grpc.aio.Channel, asyncio.Task[None]] = {}  # evicted channels being closed
+        self._closing: dict[grpc.aio.Channel, asyncio.Task[None]] = {}  # evicted or replaced channels being closed
         self.created = 0  # channels ever created (tests and metrics)
 
     def get(self, target: str) -> grpc.aio.Channel:
-        """The channel for ``target``, created on first use."""
+        """The channel for ``target``: created on first use, and afresh in place of one
+        whose connection failed (module doc)."""
         channel = self._channels.get(target)
         if channel is not None:
-            self._channels.move_to_end(target)
-            return channel
+            if channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                self._channels.move_to_end(target)
+                return channel
+            del self._channels[target]
+            self._close_later(channel, REPLACED_GRACE_S)
         channel = (self._security or current()).channel(target, self._options, self._interceptors)
         self._channels[target] = channel
         self.created += 1
         if len(self._channels) > self.max_channels:
             _, evicted = self._channels.popitem(last=False)
-            task = self._evicted[evicted] = asyncio.ensure_future(evicted.close(grace=EVICT_GRACE_S))
-            task.add_done_callback(lambda _: self._evicted.pop(evicted, None))
+            self._close_later(evicted, EVICT_GRACE_S)
         return channel
+
+    def _close_later(self, channel: grpc.aio.Channel, grace: float) -> None:
+        """Close ``channel`` once its calls in flight end, cancelling those left after ``grace`` seconds."""
+        task = self._closing[channel] = asyncio.ensure_future(channel.close(grace=grace))
+        task.add_done_callback(lambda _: self._closing.pop(channel, None))
 
     def __contains__(self, target: str) -> bool:
         return target in self._channels
@@ -97,13 +119,13 @@ class ChannelPool:
             await channel.close()
 
     async def close(self) -> None:
-        """Close every channel, evicted ones still in their grace included; the pool stays
-        usable and reopens on demand."""
+        """Close every channel, evicted and replaced ones still in their grace included;
+        the pool stays usable and reopens on demand."""
         channels, self._channels = list(self._channels.values()), collections.OrderedDict()
-        evicted, self._evicted = self._evicted, {}
-        for task in evicted.values():
+        closing, self._closing = self._closing, {}
+        for task in closing.values():
             task.cancel()
-        for channel in [*channels, *evicted]:
+        for channel in [*channels, *closing]:
             await channel.close()
 
 

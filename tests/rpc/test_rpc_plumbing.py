@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,6 +130,72 @@ async def test_channel_pool_keeps_at_most_max_channels_closing_the_least_recentl
     assert kept.get_state() == grpc.ChannelConnectivity.SHUTDOWN and len(pool) == 0
     with pytest.raises(ValueError, match="max_channels"):
         ChannelPool(max_channels=0)
+
+
+def gated_service(release: asyncio.Event, started: asyncio.Event) -> Any:
+    async def wait(request: bytes, context: Any) -> bytes:
+        started.set()
+        await release.wait()
+        return b"done"
+
+    handler = grpc.method_handlers_generic_handler(SLOW, {"Wait": grpc.unary_unary_rpc_method_handler(wait)})
+    return lambda server: server.add_generic_rpc_handlers((handler,))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_server_back_on_its_port_is_reached_by_the_very_next_call() -> None:
+    """A channel whose connection failed waits out a reconnect backoff (up to 2 s) and
+    fails calls meanwhile, even once its server is back: a process restarted on its port
+    (a rolling restart) would fail its first requests. The pool hands out a fresh channel
+    instead of one in TRANSIENT_FAILURE."""
+    address = f"127.0.0.1:{free_port()}"
+    pool = ChannelPool()
+    try:
+        for _ in range(3):  # down: each call fails, and the channel's backoff grows
+            with pytest.raises(grpc.RpcError) as err:
+                await pool.get(address).unary_unary(f"/{SLOW}/Sleep")(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            await asyncio.sleep(1.0)
+        server = await start_server([(SLOW, slow_service(asyncio.Event()))], host="127.0.0.1", port=int(address.split(":")[1]))
+        try:
+            assert await pool.get(address).unary_unary(f"/{SLOW}/Sleep")(b"", timeout=5) == b"done"
+        finally:
+            await server.stop(grace=0)
+    finally:
+        await pool.close()
+
+
+async def test_a_call_in_flight_on_a_replaced_channel_still_finishes() -> None:
+    """A server stopping gracefully (a drain) finishes the calls it runs while refusing
+    new connections: the client's channel then reads TRANSIENT_FAILURE with those calls
+    still running on it. The pool replaces that channel, and the calls still finish."""
+    release, started = asyncio.Event(), asyncio.Event()
+    server = await start_server([(SLOW, gated_service(release, started))], host="127.0.0.1", port=0)
+    pool = ChannelPool()
+    try:
+        old = pool.get(server.address)
+        call = old.unary_unary(f"/{SLOW}/Wait")(b"", timeout=30)
+        await started.wait()
+        stopping = asyncio.ensure_future(server.stop(grace=30))
+        # New calls find the listener closed: the channel goes to TRANSIENT_FAILURE.
+        await eventually_async(
+            lambda: old.get_state(try_to_connect=True) == grpc.ChannelConnectivity.TRANSIENT_FAILURE or None,
+            10.0, 0.05, "the channel never saw its connection refused",
+        )
+        new = pool.get(server.address)
+        assert new is not old and pool.get(server.address) is new
+        await asyncio.sleep(0.2)
+        release.set()
+        assert await call == b"done"
+        await stopping
+    finally:
+        release.set()
+        await pool.close()
 
 
 class FakeRpcError(grpc.RpcError):
