@@ -19,9 +19,11 @@ What one ``Generate`` does::
    the sampling seed (the caller's, else the one drawn at step 1, once for every attempt).
 4. Failures travel both ways. A failed prefill (refused prompt, dp-rank conflict, transfer
    failure) cancels the decode call -- the decode aborts the room and frees its pages --
-   and the client gets the prefill's status code with a message naming the prefill. A
-   failed decode cancels the prefill call likewise. A client that cancels (or whose
-   deadline passes) cancels both calls, so both sides release everything.
+   and the client gets the prefill's status code with a message naming the prefill; a
+   prefill that failed as a decode's death fails it (ABORTED: its transfer failed) first
+   gives the decode's stream a moment to end by itself, so a dead decode is the side
+   blamed. A failed decode cancels the prefill call likewise. A client that cancels (or
+   whose deadline passes) cancels both calls, so both sides release everything.
 5. A call that fails UNAVAILABLE (its server is gone or unreachable, or a worker behind
    it died) before the first token reached the client is retried: the request goes
    again, with a fresh room and secret, to another instance of that role (the other
@@ -88,8 +90,11 @@ DEFAULT_MAX_PROMPT_TOKENS = 2048
 # before cancelling it (the prefill replies once the decode acknowledged the KV, which
 # precedes the decode's first token, so this is normally already done).
 _PREFILL_TAIL_S = 5.0
-# When the decode fails, a prefill failure arriving this soon after is taken as the cause.
+# When one side fails, a failure of the other arriving this soon after is taken as the cause.
 _CAUSE_WINDOW_S = 0.5
+# What a prefill answers when its decode dies under it (its transfer failed): the decode's
+# own status tells whether it died. A prefill that is gone (UNAVAILABLE) is blamed at once.
+_PEER_LOSS = frozenset({grpc.StatusCode.ABORTED})
 
 
 def draw_room(randbits: Callable[[int], int] | None = None) -> Room:
@@ -246,6 +251,21 @@ def _migration_reason(failure: RequestFailed) -> ServerAbortReason | None:
 
 def _failed(fut: asyncio.Future[Any]) -> bool:
     return fut.done() and not fut.cancelled() and fut.exception() is not None
+
+
+def _cancel_after_prefill(prefill_fut: asyncio.Future[Any], decode_call: grpc.aio.UnaryStreamCall) -> None:
+    """Cancel the decode call of a prefill that failed: at once, unless the prefill failed
+    the way a decode that died fails it (its transfer's peer is gone, :data:`_PEER_LOSS`).
+    The decode's own status then gets :data:`_CAUSE_WINDOW_S` to arrive first: a stream
+    ended by a lost connection names the decode as the side that failed, and the request
+    goes on on another decode, which the prefill's status alone would not allow."""
+    if not _failed(prefill_fut):
+        return
+    failure = prefill_fut.exception()
+    if isinstance(failure, RequestFailed) and failure.code in _PEER_LOSS:
+        asyncio.get_running_loop().call_later(_CAUSE_WINDOW_S, decode_call.cancel)
+    else:
+        decode_call.cancel()
 
 
 def _describe(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -556,7 +576,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         got = False
         # A prefill that fails cancels the decode call, which ends the pending read: every
         # message is read straight from the call, with no task or wait racing the two.
-        prefill_fut.add_done_callback(lambda fut: _failed(fut) and decode_call.cancel())
+        prefill_fut.add_done_callback(lambda fut: _cancel_after_prefill(fut, decode_call))
         while True:
             try:
                 msg = await decode_call.read()

@@ -14,7 +14,8 @@ import pytest
 
 from pdgrpc.metrics import start_metrics_server
 from pdgrpc.router.service import RouterConfig
-from pdgrpc.v1 import common_pb2, generate_pb2
+from pdgrpc.v1 import common_pb2, decode_pb2, generate_pb2
+from tests.router.test_router import ScriptedDecode, serve_decode
 from tests.router.test_router_retry import Upstreams, up  # noqa: F401 - the fixture
 from tests.scrape import scrape
 
@@ -110,3 +111,44 @@ async def test_a_request_error_or_too_long_a_sequence_does_not_migrate(up: Upstr
 def test_migration_flags_must_not_be_negative(field: str, value: int):
     with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} must be >= 0"):
         RouterConfig(prefills=(), decodes=("127.0.0.1:2",), discovery=True, **{field: value})
+
+
+class _DecodeThatDies(ScriptedDecode):
+    """Streams ``before`` tokens, then, once ``dies`` is set, ends as a killed process's
+    stream does (UNAVAILABLE naming no reason) a moment after its prefill has failed."""
+
+    def __init__(self, before: int, dies: asyncio.Event) -> None:
+        super().__init__()
+        self.before = before
+        self.dies = dies
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        for t in range(self.before):
+            await context.write(decode_pb2.DecodeResponse(token_ids=[72 + t]))
+        await self.dies.wait()
+        await asyncio.sleep(0.05)  # its prefill's transfer fails first: the peer is gone
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+
+@pytest.mark.parametrize("before", [0, 2], ids=["before-first-token", "mid-stream"])
+async def test_a_decode_dying_is_blamed_though_its_prefill_reports_the_loss_first(up: Upstreams, before: int):
+    """A decode that dies fails its prefill's transfer too, and the prefill may say so
+    before the decode's stream ends: the router blames the decode (it retries or migrates
+    the request to another decode) rather than the prefill, whose ABORTED would reach the
+    client."""
+    dies = asyncio.Event()
+    dying = _DecodeThatDies(before, dies)
+    up.servers.append(srv := await serve_decode(dying))
+    up.prefills[0].fail = (grpc.StatusCode.ABORTED, "room 1: transfer failed: peer lost: connection reset")
+    up.prefills[0].gate = dies
+    up.decodes[1].messages = [[80], [81]]
+    # round_robin: the first attempt goes to prefill 0 and the dying decode, the next to the others.
+    _, stub = await up.router(up.p_addrs, [srv.address, up.d_addrs[1]], policy="round_robin")
+    call = stub.Generate(_request(max_new_tokens=before + 2), timeout=20)
+    got = [t for _ in range(before) for t in (await call.read()).token_ids]
+    dies.set()
+    while (m := await call.read()) is not grpc.aio.EOF:
+        got += m.token_ids
+    assert got == [72 + t for t in range(before)] + [80, 81]
+    assert len(up.decodes[1].requests) == 1 and len(up.prefills[1].requests) == 1
