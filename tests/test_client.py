@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from google.protobuf import descriptor_pool, message_factory
+from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from pdgrpc.cluster import Cluster
@@ -102,4 +103,37 @@ async def test_reflection_describes_every_server_and_drives_a_call(cluster):
         replies = list(call(request, timeout=30))
     assert sum(len(r.token_ids) for r in replies) == 5 and replies[0].ttft_seconds > 0 and replies[0].seed == 0
     assert replies[-1].finish_reason == "length"
+    await wait_nothing_held(cluster)
+
+
+def _readme_grpcurl() -> tuple[list[str], str, str]:
+    """The README's grpcurl session: the services ``list`` prints, and the method and JSON
+    body of its Generate call. grpcurl itself is not installable here (no Debian package;
+    its PyPI wrapper downloads a release binary at run time), so this test does what it
+    does, through the same reflection service."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("$ grpcurl -plaintext 127.0.0.1:PORT list\n", 1)[1].split("```", 1)[0]
+    listed, call = block.split("$ grpcurl", 1)
+    body = re.search(r"-d '(.*?)'", call)
+    method = re.search(r"127\.0\.0\.1:PORT (\S+)", call)
+    assert body is not None and method is not None, call
+    return listed.split(), method.group(1), body.group(1)
+
+
+async def test_the_readme_grpcurl_session_holds_against_the_router(cluster):
+    listed, method, body = _readme_grpcurl()
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert sorted(db.get_services()) == listed  # what `grpcurl list` prints, in its order
+        service, name = method.rsplit("/", 1)
+        desc = descriptor_pool.DescriptorPool(db).FindServiceByName(service).FindMethodByName(name)
+        request_cls = message_factory.GetMessageClass(desc.input_type)
+        response_cls = message_factory.GetMessageClass(desc.output_type)
+        request = json_format.Parse(body, request_cls())  # grpcurl's -d: JSON, field names as in the .proto
+        call = channel.unary_stream(
+            f"/{method}", request_serializer=request_cls.SerializeToString, response_deserializer=response_cls.FromString,
+        )
+        replies = list(call(request, timeout=30))
+    assert sum(len(r.token_ids) for r in replies) == request.sampling.max_new_tokens > 0
+    assert replies[-1].finish_reason == "length" and replies[0].ttft_seconds > 0
     await wait_nothing_held(cluster)
