@@ -38,7 +38,10 @@ def tiny_gguf(tmp_path_factory):
     def get(arch: str, quant: str) -> Path:
         key = f"{arch}-{quant}"
         if key not in built:
-            built[key] = build_gguf(tmp_path_factory.mktemp(f"gguf-{key}") / f"tiny-{key}.gguf", arch, quant)
+            # transformers' GGUF loader reads no head_dim for qwen3 and takes Qwen3Config's
+            # default, 128 (a real Qwen3's): the tiny qwen3 has heads of 128.
+            shape = {"hidden_size": 256, "num_heads": 2, "num_kv_heads": 1} if arch == "qwen3" else {}
+            built[key] = build_gguf(tmp_path_factory.mktemp(f"gguf-{key}") / f"tiny-{key}.gguf", arch, quant, **shape)
         return built[key]
 
     return get
@@ -59,12 +62,12 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
     return seq[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("arch,quant", [("llama", "Q8_0"), ("qwen2", "Q4_1")])
+@pytest.mark.parametrize("arch,quant", [("llama", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "Q5_0")])
 def test_greedy_tokenizer_and_chat_equal_transformers(tiny_gguf, arch, quant):
     path = tiny_gguf(arch, quant)
     tok, model = _transformers(path)
     engine = load(path)
-    assert engine.model_id.startswith(f"hf:{'Llama' if arch == 'llama' else 'Qwen2'}ForCausalLM:{path.name}:")
+    assert engine.model_id.startswith(f"hf:{type(model).__name__}:{path.name}:")
     for text in TEXTS:
         ids = tok(text)["input_ids"]
         assert engine.tokenizer.encode(text) == ids
