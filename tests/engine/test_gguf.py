@@ -122,6 +122,13 @@ def _refusals(src: Path, tmp: Path) -> list[tuple[str, Path, str]]:
     w.add_tensor("token_embd.weight", np.zeros((8, 40), np.uint8), raw_shape=(8, 40), raw_dtype=q8_1)
     _finish(w)
     out.append(("quant type", p, "tensor 'model.embed_tokens.weight' has quantization type Q8_1, which the installed gguf package cannot dequantize"))
+    p = tmp / "llama3-rope.gguf"
+    w = _writer(p)
+    w.add_rope_dimension_count(16)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.add_tensor("rope_freqs.weight", np.array([1.0, 1.0, 1.5, 2.0, 4.0, 8.0, 8.0, 8.0], np.float32))
+    _finish(w)
+    out.append(("llama3 rope factors", p, "llama3-rope.gguf: tensor 'rope_freqs.weight' (Llama 3.1-style RoPE frequency factors) is not supported"))
     return out
 
 
