@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--decode-prefix-cache", action="store_true",
         help="keep received prompt pages in a prefix cache and ask each prefill only for the pages a prompt's cached "
-        "prefix lacks (delta transfer); TP 1 and a transport that moves bytes (not fake) only (default: off)",
+        "prefix lacks (delta transfer); a transport that moves bytes (not fake) only (default: off)",
     )
     g.add_argument(
         "--rpc-timeout", type=float, default=5.0, metavar="SECONDS",

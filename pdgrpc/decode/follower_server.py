@@ -27,7 +27,7 @@ from pdgrpc.decode.cli import build_parser as decode_parser
 from pdgrpc.decode.cli import scheduler_config_from_args
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally
-from pdgrpc.decode.tp import REPLAYED, ROOM_BIND, ROOM_INFO, ROOM_WRITERS, TpGroup, TpGroupBroken
+from pdgrpc.decode.tp import EVICTABLE, REPLAYED, ROOM_BIND, ROOM_INFO, ROOM_WRITERS, TpGroup, TpGroupBroken
 from pdgrpc.engine.tp import torch_distributed_all_reduce
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.kvpoll import KVPoll
@@ -53,13 +53,14 @@ class Follower:
         self.transfers = RankTransfers(self.transport, self.engine, self.queues, tp.rank, tp.size)
         self.metrics = DecodeMetrics(transport=self.transport.name)
         self.metrics.set_info(tp_rank=tp.rank, tp_size=tp.size)
-        self.info: dict[int, tuple[int, int]] = {}  # room -> (prompt pages, prefill tp size)
+        self.evictable = 0  # rank 0's cached pages no request holds (EVICTABLE)
+        self.info: dict[int, tuple[int, int]] = {}  # room -> (pages the prefill writes, prefill tp size)
         self.committed: list[int] = []  # rooms in commit order (the TP fault test reads the log)
         # The engine's steps, niced as rank 0's (the group computes in lock step).
         self._engine_thread = compute_executor("decode-compute", config.compute_nice)
 
     def stats(self) -> dict[str, int]:
-        return self.transfers.stats(self.queues.num_requests)
+        return self.transfers.stats(self.queues.num_requests, self.evictable)
 
     async def start(self) -> None:
         descriptor = await self.transfers.register()
@@ -69,10 +70,10 @@ class Follower:
 
     # -- replay -------------------------------------------------------------------------
     def _advertise(self, hs: SendHandshake) -> None:
-        prompt_pages, prefill_tp = self.info.get(hs.room, (len(hs.pages), 1))
+        written, prefill_tp = self.info.get(hs.room, (len(hs.pages), 1))
         self.transfers.track(hs.room, prefill_tp)
         try:
-            self.transfers.advertise(hs.room, hs.pages[:prompt_pages], hs.slot)
+            self.transfers.advertise(hs.room, hs.pages[:written], hs.slot)
         except PdgrpcError as exc:  # the local poll then reports it FAILED: all ranks abort it
             log.error("room=%d: transport refused the grant on TP rank %d: %s", hs.room, self.rank, exc)
             self.queues.on_local_status(hs.room, KVPoll.FAILED)
@@ -88,8 +89,11 @@ class Follower:
     def sync(self, entries: list[tuple[str, tuple[Any, ...]]], now: float) -> None:
         for name, args in entries:
             if name == ROOM_INFO:
-                room, prompt_pages, prefill_tp = args
-                self.info[room] = (prompt_pages, prefill_tp)
+                room, written, prefill_tp = args
+                self.info[room] = (written, prefill_tp)
+                continue
+            if name == EVICTABLE:
+                (self.evictable,) = args
                 continue
             if name == ROOM_WRITERS:
                 room, per_rank = args

@@ -54,7 +54,7 @@ class SchedulerConfig:
     # when the room leaves the queues, so a landed room frees its place on the bootstrap.
     watch_wait_s: float = 5.0
     # Keep a prefix cache of received prompt pages and ask each prefill only for the
-    # pages it lacks (pdgrpc.decode.reuse). TP 1 and a transport that moves bytes only.
+    # pages it lacks (pdgrpc.decode.reuse). A transport that moves bytes only.
     prefix_cache: bool = False
 
 

@@ -13,7 +13,9 @@ partial one among them, go back to the queues.
 The cache is :class:`~pdgrpc.engine.prefix_cache.PrefixCache` over the decode queues' page
 allocator, the one source of truth for the pool: cached pages count as allocated there,
 and the scheduler reclaims unreferenced ones (:meth:`DecodeReuse.reclaim`) before the
-queues allocate. Only the scheduler's loop touches it.
+queues allocate. Only the scheduler's loop touches it. With TP it lives on rank 0: every
+page it takes came from the queues and every page it frees goes back through
+``release_pages``, calls the other ranks replay, so each rank holds the same pages.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ class _QueuePages:
         self._queues = queues
 
     def alloc_pages(self, n: int) -> list[int] | None:
-        if n == 0:  # the cache asks for none when a request only locks its cached prefix
-            return []
-        got = self._queues.pages.alloc(n)
-        return None if got is None else list(got)
+        # The queues allocate every page a request writes (a call TP ranks replay); the
+        # cache only locks pages it holds already.
+        if n:
+            raise SlotError(f"the decode prefix cache takes no pages of its own (asked for {n})")
+        return []
 
     def free_pages(self, pages: Sequence[int]) -> None:
         self._queues.release_pages(pages)

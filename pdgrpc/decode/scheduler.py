@@ -48,7 +48,7 @@ from pdgrpc.decode.prefill_calls import PrefillCalls
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
 from pdgrpc.decode.reuse import DecodeReuse
-from pdgrpc.decode.tp import ROOM_BIND, ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
+from pdgrpc.decode.tp import EVICTABLE, ROOM_BIND, ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
 from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
@@ -117,14 +117,15 @@ class DecodeScheduler:
         self.calls = PrefillCalls(
             self, self.queues, self.transfers, self.directory, self.handshaker, config, self.metrics, engine.pages_needed
         )
-        # The prefix cache: TP 1 only (every rank would have to hold the same pages), and
-        # only when the prefill sends KV (a fake transfer computes the prompt here, into
-        # every page).
-        # Built by start(), on the loop its event feed serves.
+        # The prefix cache, only when the prefill sends KV (a fake transfer computes the
+        # prompt here, into every page). It lives on rank 0 and takes and frees pages
+        # only through the queues' replayed calls, so with TP every rank holds the same
+        # pages, each its own heads of them. Built by start(), on the loop its event feed serves.
         self.reuse: DecodeReuse | None = None
         self.kv_events: KvEventFeed | None = None
-        if config.prefix_cache and (tp is not None or not transport.moves_bytes):
-            log.warning("decode prefix cache off: it needs TP 1 and a transport that moves bytes (%s, TP %d)", transport.name, self.tp_size)
+        self._evictable_noted = 0  # TP: what the followers were last told (tp.EVICTABLE)
+        if config.prefix_cache and not transport.moves_bytes:
+            log.warning("decode prefix cache off: the %s transport moves no KV (the decode computes every prompt)", transport.name)
         self.generation = Generation(
             engine, tp, config, self.metrics, self._release_pages, self._ended, self.rank_lost
         )
@@ -133,7 +134,7 @@ class DecodeScheduler:
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.fatal = asyncio.get_running_loop().create_future()
-        if self.config.prefix_cache and self.tp is None and self.transport.moves_bytes:
+        if self.config.prefix_cache and self.transport.moves_bytes:
             self.kv_events = KvEventFeed()
             self.reuse = DecodeReuse(self.queues, self.engine.kv_layout.page_size, self.kv_events)
         self.descriptor = await self.transfers.register()
@@ -287,8 +288,8 @@ class DecodeScheduler:
             # Locked until the request ends; at least one page stays its own (the queues
             # allocate one or more).
             job.lease = self.reuse.hold(input_ids, n_pages - 1)
-        if self._replicated is not None:  # the other ranks advertise their own grants for it
-            self._replicated.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)), prefill_tp)
+        if self._replicated is not None:  # the other ranks grant the same pages: those the prefill writes
+            self._replicated.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)) - job.cached_pages, prefill_tp)
         self.queues.add(NewRequest(room, prefill_address, n_pages - job.cached_pages, rank, not self.transport.moves_bytes, prefill.dp), now)
         self.transfers.track(room, prefill_tp)
         self._jobs[room] = job
@@ -412,6 +413,9 @@ class DecodeScheduler:
         ranks wait for it, which they do): nothing may touch the queues in between."""
         assert self.tp is not None and self._replicated is not None
         t = self.queues.prepare_poll(now, self._local_poll)
+        if self.reuse is not None and self.reuse.evictable != self._evictable_noted:
+            self._evictable_noted = self.reuse.evictable
+            self._replicated.note(EVICTABLE, self._evictable_noted)
         synced, self._synced = self._synced, []
         try:
             self.tp.broadcast(("sync", (self._replicated.take_log(), now)))

@@ -48,9 +48,6 @@ async def _watch_ranks(procs: list[asyncio.subprocess.Process], scheduler: Decod
 async def _main(ns: argparse.Namespace) -> int:
     if ns.tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1, got {ns.tp_size}")
-    if ns.decode_prefix_cache and ns.tp_size > 1:
-        # Every rank would have to hold the same cached pages: not built.
-        raise ConfigError(f"--decode-prefix-cache needs --tp-size 1, got {ns.tp_size}")
     config = scheduler_config_from_args(ns)
     tp = None
     procs: list[asyncio.subprocess.Process] = []

@@ -33,19 +33,22 @@ _T = TypeVar("_T")
 
 log = logging.getLogger("pdgrpc.decode.tp")
 
-__all__ = ["REPLAYED", "ROOM_BIND", "ROOM_INFO", "ROOM_WRITERS", "Command", "ReplicatedQueues", "TpGroup", "TpGroupBroken"]
+__all__ = ["EVICTABLE", "REPLAYED", "ROOM_BIND", "ROOM_INFO", "ROOM_WRITERS", "Command", "ReplicatedQueues", "TpGroup", "TpGroupBroken"]
 
 # Calls of DecodeQueues that change its state and are replayed on every rank.
 # (poll_dp_ranks too: it advances the dp-rank resolver's throttle and in-flight state,
 # which on_dp_ranks reads.)
 REPLAYED = ("add", "poll_dp_ranks", "on_dp_ranks", "cancel", "on_abort_ack", "release_pages", "tick", "prealloc")
-ROOM_INFO = "room_info"  # a log entry for the followers only: (room, prompt_pages, prefill_tp_size)
+ROOM_INFO = "room_info"  # a log entry for the followers only: (room, pages the prefill writes, prefill_tp_size)
 # A log entry for the followers only: (room, writer instance ids per decode rank) of a
 # quarantined room (pdgrpc.decode.rank.RankTransfers.watch_writers).
 ROOM_WRITERS = "room_writers"
 # A log entry for the followers only: (room, decode rank, prefill tp rank, writer instance
 # id): that rank's room admits that writer (pdgrpc.decode.rank.RankTransfers.bind_writer).
 ROOM_BIND = "room_bind"
+# A log entry for the followers only: (pages,) the decode prefix cache holds that no
+# request holds -- free for the taking, so GetStats counts them free on every rank.
+EVICTABLE = "evictable"
 
 
 class TpGroupBroken(PdgrpcError):
