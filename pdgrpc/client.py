@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call in seconds. Default: %(default)s")
     p.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate to check a TLS router against (its public port's)")
+    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate to present (mTLS; a local cluster's security/client.pem)")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
     p.add_argument("--auth-token-file", type=Path, metavar="FILE", help="file holding the cluster's bearer token, sent with the call")
     return p
 
@@ -83,7 +85,7 @@ def _printer(ns: argparse.Namespace) -> Callable[[generate_pb2.GenerateResponse]
 
 
 async def _run(ns: argparse.Namespace) -> None:
-    security = Security(ca=ns.tls_ca, token_file=ns.auth_token_file)
+    security = Security(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca, token_file=ns.auth_token_file)
     async with security.channel(ns.router) as channel:
         done = await generate(
             generate_pb2_grpc.GenerateServiceStub(channel),

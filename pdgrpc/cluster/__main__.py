@@ -14,7 +14,7 @@ from typing import Any
 from pdgrpc.cluster.hosts import HOSTS_ENV
 from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError, restart_running
 from pdgrpc.cluster.netns import NetnsUnavailable, NetworkHosts, remove_stale
-from pdgrpc.cluster.topology import SECURITY_MODES, TRANSPORTS, load_topology, servers_dir
+from pdgrpc.cluster.topology import SECURITY_MODES, TRANSPORTS, Topology, load_topology, servers_dir
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.server import run
 
@@ -61,23 +61,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tls", choices=SECURITY_MODES,
         help="'auto': a throwaway CA (its key deleted once it has signed) and one certificate per process in "
-        "LOG_DIR/security; every process serves mTLS and presents its certificate "
+        "LOG_DIR/security, naming its role; every process serves mTLS and presents its certificate "
         "(clients use security/client.pem, client.key, ca.pem). "
-        "Default: the topology's [security] tls, else off",
+        "Default: the topology's [security], else auto (off with --insecure, or where smg runs)",
     )
     p.add_argument(
         "--auth-token", choices=SECURITY_MODES,
-        help="'auto': a random bearer token in LOG_DIR/security/token that every process requires and sends. "
-        "Default: the topology's [security] auth-token, else off",
+        help="'auto': one random bearer token per role in LOG_DIR/security/tokens (clients present tokens/client); "
+        "every process sends its role's and requires one. Default: the topology's [security] auth-token, else off",
+    )
+    p.add_argument(
+        "--insecure", action="store_true",
+        help="plain mode: without --tls or a [security] table, every process serves plaintext without a token, so "
+        "any local process can call every RPC (a warning says so)",
     )
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS", help="how long processes may take to exit after SIGTERM before SIGKILL (default: %(default)s)")
     return p
 
 
+def tls_mode(args: argparse.Namespace, topology: Topology) -> str | None:
+    """The launcher's ``tls``: what --tls or the topology's [security] says, else mTLS with
+    roles; plain mode (logged) with --insecure, or where smg runs (it calls its workers in
+    plaintext)."""
+    if args.insecure and args.tls == "auto":
+        raise ConfigError("--insecure runs the cluster in plaintext: drop it, or --tls auto")
+    if args.tls or topology.tls or topology.security_files:
+        return str(args.tls) if args.tls else None
+    if args.insecure:
+        print("plain mode (--insecure): no TLS; without --auth-token any local process can call every RPC of the cluster",
+              file=sys.stderr, flush=True)
+        return "off"
+    if topology.by_role("smg"):
+        print("plain mode: smg calls its workers in plaintext, so this topology runs without TLS (--tls auto asks anyway)",
+              file=sys.stderr, flush=True)
+        return "off"
+    return "auto"
+
+
 async def _main(args: argparse.Namespace) -> int:
-    cluster = Cluster(load_topology(args.topology), transport=args.transport, log_dir=args.log_dir, keep_logs=True,
+    topology = load_topology(args.topology)
+    cluster = Cluster(topology, transport=args.transport, log_dir=args.log_dir, keep_logs=True,
                       start_timeout=args.start_timeout, grace=args.grace, metrics=True if args.metrics else None,
-                      tls=args.tls, auth_token=args.auth_token, supervise=True)
+                      tls=tls_mode(args, topology), auth_token=args.auth_token, supervise=True)
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[int] = loop.create_future()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from pdgrpc.rpc.certs import CertFiles, issue, make_ca, write_token
+from pdgrpc.rpc.certs import LOOPBACK_HOSTS, CertFiles, issue, make_ca, write_token
 from pdgrpc.rpc.roles import BOOTSTRAP, CLIENT, DECODE, GATEWAY, PREFILL, ROLES, ROUTER
 from pdgrpc.rpc.security import Security, token_digest
 
@@ -34,9 +34,11 @@ ROLE_OF = {"bootstrap": BOOTSTRAP, "prefill": PREFILL, "decode": DECODE, "router
 class ClusterCredentials:
     def __init__(
         self, directory: Path, processes: Mapping[str, str], *, tls: bool, token: bool, files: Mapping[str, Path] | None = None,
-        smg: bool = False,
+        smg: bool = False, addresses: Mapping[str, str] | None = None,
     ) -> None:
-        """``processes``: each process's name and kind (its topology role)."""
+        """``processes``: each process's name and kind (its topology role); ``addresses``:
+        where a process listens when not on loopback only (its certificate names it)."""
+        addresses = addresses or {}
         files = files or {}
         self.roles = {name: ROLE_OF[kind] for name, kind in processes.items() if kind in ROLE_OF}
         self.roles.update({CLIENT: CLIENT, LAUNCHER: ROUTER})
@@ -48,7 +50,9 @@ class ClusterCredentials:
             try:
                 # Every process serves and calls; a client only calls.
                 self.certs = {
-                    name: issue(made, directory, name, server=role != CLIENT, role=role) for name, role in self.roles.items()
+                    name: issue(made, directory, name, tuple(dict.fromkeys((*LOOPBACK_HOSTS, addresses.get(name, LOOPBACK_HOSTS[0])))),
+                                server=role != CLIENT, role=role)
+                    for name, role in self.roles.items()
                 }
             finally:
                 # Once it has signed (or failed to), the CA's key goes, so a run directory

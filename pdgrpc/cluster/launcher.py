@@ -184,7 +184,7 @@ class Cluster:
         # The CA of the router's public certificate (its args set public-tls-cert): clients
         # of the router, the health checks included, trust it and present nothing.
         self.public_ca = None if public_ca is None else Path(public_ca)
-        self.tls = tls or self.topology.tls
+        self.tls = tls or self.topology.tls or "off"
         self.auth_token = auth_token or self.topology.auth_token
         for flag, value in (("tls", self.tls), ("auth_token", self.auth_token)):
             if value not in SECURITY_MODES:
@@ -210,6 +210,7 @@ class Cluster:
         self.credentials = ClusterCredentials(
             self.log_dir / "security", {p.name: p.role for p in self.topology.processes}, tls=self.tls == "auto",
             token=self.auth_token == "auto", files=self.topology.security_files,
+            addresses={p.name: place(p, self.hosts, HOST)[0] for p in self.topology.processes},
             smg=any(p.role == "smg" for p in self.topology.processes),
         )
         self.client_security = self.credentials.client

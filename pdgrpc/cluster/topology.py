@@ -108,7 +108,7 @@ class Topology:
     processes: tuple[ProcessSpec, ...]
     path: Path | None = None
     metrics: bool = False  # give every server a --metrics-port
-    tls: str = "off"  # [security] tls: "auto" or "off"
+    tls: str | None = None  # [security] tls: "auto" or "off"; None: the topology does not say
     auth_token: str = "off"  # [security] auth-token: "auto" or "off"
     security_files: Mapping[str, Path] = dataclasses.field(default_factory=dict)  # [security] tls-cert, ... -> file
     subnet: str = ""  # with [network]: the hosts' private /24; "" = everything on 127.0.0.1
@@ -283,7 +283,7 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         path=path,
         metrics=metrics,
         subnet=subnet,
-        tls=security.get("tls", "off"),
+        tls=security.get("tls"),
         auth_token=security.get("auth-token", "off"),
         security_files=files,
     )

@@ -93,7 +93,7 @@ def test_missing_topology_names_the_directory():
 
 def _start_cli(topology: str, log_dir: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pdgrpc.cluster", topology, "--transport", "tcp", "--log-dir", str(log_dir), "--grace", "5", *flags],
+        [sys.executable, "-m", "pdgrpc.cluster", topology, "--transport", "tcp", "--log-dir", str(log_dir), "--grace", "5", "--insecure", *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 

@@ -166,7 +166,7 @@ def test_the_launcher_places_a_topology_on_hosts(tmp_path: Path) -> None:
     the servers on them, routes over both decodes, and removes the hosts on SIGINT."""
     skip_unless_multihost()
     cli = subprocess.Popen(
-        [sys.executable, "-m", "pdgrpc.cluster", "servers/multihost.toml", "--transport", "tcp", "--log-dir", str(tmp_path)],
+        [sys.executable, "-m", "pdgrpc.cluster", "servers/multihost.toml", "--transport", "tcp", "--log-dir", str(tmp_path), "--insecure"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     agent = None
