@@ -11,7 +11,7 @@ import grpc
 
 from pdgrpc.decode.prefills import PrefillInfo
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.engine.prefix_cache import Lease
+from pdgrpc.state.prefix_cache import Lease
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc import tracing
 from pdgrpc.state import AbortReason, Aborted, DecodeDeadlines

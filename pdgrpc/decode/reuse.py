@@ -10,7 +10,7 @@ is refused. When a request ends after its KV landed, its full pages join the cac
 (this prompt, its answer and a new message) finds the answer; its other pages, the last
 partial one among them, go back to the queues.
 
-The cache is :class:`~pdgrpc.engine.prefix_cache.PrefixCache` over the decode queues' page
+The cache is :class:`~pdgrpc.state.prefix_cache.PrefixCache` over the decode queues' page
 allocator, the one source of truth for the pool: cached pages count as allocated there,
 and the scheduler reclaims unreferenced ones (:meth:`DecodeReuse.reclaim`) before the
 queues allocate. Only the scheduler's loop touches it. With TP it lives on rank 0: every
@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from pdgrpc.engine.cache_events import CacheEvents
-from pdgrpc.engine.prefix_cache import Lease, PrefixCache, block_hash
+from pdgrpc.state.cache_events import CacheEvents
+from pdgrpc.state.prefix_cache import Lease, PrefixCache, block_hash
 from pdgrpc.errors import SlotError
 from pdgrpc.state import DecodeQueues
 

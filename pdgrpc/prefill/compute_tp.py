@@ -16,7 +16,7 @@ ends, and evicts when its own pool runs short). So before a room's first chunk t
 leader broadcasts ``("agree", room, cached_pages)`` and, when it holds a cached prefix,
 every rank contributes its own count to an all-gather: the group computes from the
 fewest, which every rank holds, and a rank holding more computes the rest into its
-spare pages (:meth:`~pdgrpc.engine.prefix_cache.PrefixCache.settle`).
+spare pages (:meth:`~pdgrpc.state.prefix_cache.PrefixCache.settle`).
 
 Every rank reserves scratch pages for one whole prompt: the same capacity on every rank.
 """

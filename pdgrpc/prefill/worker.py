@@ -30,8 +30,8 @@ import time
 import grpc
 
 from pdgrpc.engine.base import Engine, SamplingParams
-from pdgrpc.engine.cache_events import CacheEvents
-from pdgrpc.engine.prefix_cache import Lease, PrefixCache
+from pdgrpc.state.cache_events import CacheEvents
+from pdgrpc.state.prefix_cache import Lease, PrefixCache
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import PrefillMetrics, ServerAbortReason

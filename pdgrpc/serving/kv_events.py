@@ -1,7 +1,7 @@
 """A KV event log on an event loop: the prefix cache's sink, its subscribers, its wire form.
 
 :class:`KvEventFeed` holds a :class:`~pdgrpc.state.kv_event_log.KvEventLog` owned by one
-event loop. It is the cache's :class:`~pdgrpc.engine.cache_events.CacheEvents` sink from
+event loop. It is the cache's :class:`~pdgrpc.state.cache_events.CacheEvents` sink from
 any thread (a call from another thread is handed to the loop, in order), and
 :meth:`KvEventFeed.follow` is what one ``SubscribeKvEvents`` stream sends: the replay or
 snapshot :meth:`~pdgrpc.state.kv_event_log.KvEventLog.subscribe` answers, then each new
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Sequence
 
-from pdgrpc.engine.cache_events import StoredBlock
+from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.state.kv_event_log import (
     Block, Cleared, EventBatch, KvEvent, KvEventLog, Removed, SnapshotChunk, Stored,
 )

@@ -1,7 +1,7 @@
 """The prefix cache's event log: numbered batches of stored, removed and cleared blocks.
 
 One :class:`KvEventLog` per publisher (a dp rank's cache, or a prefill instance's merged
-stream). It is the cache's :class:`~pdgrpc.engine.cache_events.CacheEvents` sink: each
+stream). It is the cache's :class:`~pdgrpc.state.cache_events.CacheEvents` sink: each
 call becomes one :class:`EventBatch` whose sequence number is the previous one's plus one,
 kept in a ring of the last ``capacity`` batches, and the set of live blocks is kept beside
 it. A subscriber that knows sequence ``n`` gets the batches after ``n`` while the ring still
@@ -34,7 +34,7 @@ SNAPSHOT_CHUNK_BLOCKS = 2048
 
 
 class Block(Protocol):
-    """One full KV page of a prefix (:class:`pdgrpc.engine.cache_events.StoredBlock`)."""
+    """One full KV page of a prefix (:class:`pdgrpc.state.cache_events.StoredBlock`)."""
 
     @property
     def block_hash(self) -> int: ...

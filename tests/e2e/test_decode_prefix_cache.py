@@ -20,7 +20,7 @@ import pytest_asyncio
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.serving.metadata import metadata_layout
-from pdgrpc.engine.prefix_cache import block_hashes
+from pdgrpc.state.prefix_cache import block_hashes
 from pdgrpc.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2
 from tests.e2e.harness import Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
 

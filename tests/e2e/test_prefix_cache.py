@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from pdgrpc.cluster import Cluster, load_topology
-from pdgrpc.engine.prefix_cache import block_hashes
+from pdgrpc.state.prefix_cache import block_hashes
 from pdgrpc.v1 import generate_pb2_grpc
 from tests.e2e.harness import Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
 

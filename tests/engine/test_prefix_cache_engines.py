@@ -16,7 +16,7 @@ import torch
 from engine_helpers import TINY, decode_from, make_engine
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, SamplingParams
 from pdgrpc.engine.colocated import generate
-from pdgrpc.engine.prefix_cache import PrefixCache
+from pdgrpc.state.prefix_cache import PrefixCache
 
 NEW_TOKENS = 6
 

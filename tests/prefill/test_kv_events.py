@@ -21,7 +21,7 @@ import pytest
 
 from pdgrpc.cluster.ports import free_port
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.engine.cache_events import StoredBlock
+from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, batch_to_proto
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
 from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdgrpc.router.policy import Policy
-from pdgrpc.engine.cache_events import StoredBlock as Block
+from pdgrpc.state.cache_events import StoredBlock as Block
 from pdgrpc.state.prefix_index import PrefixIndex
 
 ADDRS = ["p0:1", "p1:1", "p2:1"]

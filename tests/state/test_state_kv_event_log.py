@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdgrpc.engine.cache_events import CacheEvents, StoredBlock
+from pdgrpc.state.cache_events import CacheEvents, StoredBlock
 from pdgrpc.state.kv_event_log import (
     Cleared, EventBatch, KvEvent, KvEventLog, KvEventMerge, Removed, Stored, stored_runs,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from pdgrpc.engine.cache_events import StoredBlock as Block
+from pdgrpc.state.cache_events import StoredBlock as Block
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
 from pdgrpc.state.prefix_index import Batch, PrefixIndex, SequenceCursor
 

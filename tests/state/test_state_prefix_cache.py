@@ -12,9 +12,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdgrpc.engine.cache_events import StoredBlock
+from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.engine.pages import FifoPageAllocator
-from pdgrpc.engine.prefix_cache import Lease, PrefixCache, block_hash, block_hashes
+from pdgrpc.state.prefix_cache import Lease, PrefixCache, block_hash, block_hashes
 from pdgrpc.errors import ConfigError, SlotError
 
 PS = 4
@@ -77,7 +77,7 @@ def test_names_are_deterministic_signed_64_bit_and_chain_their_prefix() -> None:
     # Only full pages have names.
     assert block_hashes(ids[: 2 * PS + 3], PS) == hs[:2]
     # The same names in another process, whatever its hash seed.
-    code = f"from pdgrpc.engine.prefix_cache import block_hashes; print(block_hashes({ids!r}, {PS}, b'tenant-a'))"
+    code = f"from pdgrpc.state.prefix_cache import block_hashes; print(block_hashes({ids!r}, {PS}, b'tenant-a'))"
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60)

@@ -41,7 +41,7 @@ import hashlib
 import struct
 from typing import Protocol, Sequence
 
-from pdgrpc.engine.cache_events import CacheEvents, NoCacheEvents, StoredBlock
+from pdgrpc.state.cache_events import CacheEvents, NoCacheEvents, StoredBlock
 from pdgrpc.errors import ConfigError, SlotError
 
 __all__ = ["Lease", "PagePool", "PrefixCache", "block_hash", "block_hashes"]
