@@ -46,6 +46,10 @@ What one ``Generate`` does::
 
 The prefill's status wins when both fail: a decode that sees its prefill abort reports a
 generic ABORTED, while the prefill knows the cause (e.g. the prompt is too long).
+
+What decides steps 4 to 7 -- which side failed, whether the request goes again, under
+which reason -- is the pure :class:`~pdgrpc.state.route_fate.RouteFate`; this servicer
+classifies each call's status once (UNAVAILABLE, INTERNAL, or another) and executes.
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_see
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.room import Room
+from pdgrpc.state.route_fate import (
+    AttemptFailed, Blame, CallEnd, Ending, Fail, Finish, NoInstance, PrefillCall, Relayed, Reroute, Rerouted, RouteFate,
+    RouteLimits, Side, Succeeded, blame_decode, decode_outlives, prefill_failure,
+)
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
@@ -92,9 +100,6 @@ DEFAULT_MAX_PROMPT_TOKENS = 2048
 _PREFILL_TAIL_S = 5.0
 # When one side fails, a failure of the other arriving this soon after is taken as the cause.
 _CAUSE_WINDOW_S = 0.5
-# What a prefill answers when its decode dies under it (its transfer failed): the decode's
-# own status tells whether it died. A prefill that is gone (UNAVAILABLE) is blamed at once.
-_PEER_LOSS = frozenset({grpc.StatusCode.ABORTED})
 
 
 def draw_room(randbits: Callable[[int], int] | None = None) -> Room:
@@ -193,38 +198,26 @@ class RouterConfig:
         return self.migration_max_seq_len or self.max_prompt_tokens
 
 
-@dataclasses.dataclass
-class _Stream:
-    """One request's stream as the client has seen it so far: a migrated request goes on
-    from here (prompt + ``generated``, the same text decoder)."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    text: Any  # the tokenizer's incremental decoder: a split character is sent whole
-    generated: list[int] = dataclasses.field(default_factory=list)
-    finished: bool = False  # a message with a finish_reason went out
-    migrations: int = 0
-
-    @property
-    def started(self) -> bool:
-        """A token reached the client: the request can no longer simply go again."""
-        return bool(self.generated)
-
-    def input_ids(self) -> list[int]:
-        return self.prompt + self.generated
-
-    def remaining(self) -> int:
-        return self.max_new_tokens - len(self.generated)
-
-
 class _AttemptFailed(Exception):
-    """``failure`` ended an attempt; ``role`` is the side that failed (``prefill`` or
-    ``decode``). Whether the request goes on elsewhere depends on what the client saw."""
+    """``failure`` (what the client gets if the request ends here) ended an attempt;
+    ``end`` is how the failed call counts for the request's fate."""
 
-    def __init__(self, failure: RequestFailed, role: str) -> None:
+    def __init__(self, failure: RequestFailed, end: CallEnd) -> None:
         super().__init__(failure.message)
         self.failure = failure
-        self.role = role
+        self.end = end
+
+
+_ENDINGS = {
+    grpc.StatusCode.UNAVAILABLE: Ending.UNREACHABLE,
+    grpc.StatusCode.INTERNAL: Ending.BROKEN,
+    grpc.StatusCode.ABORTED: Ending.ABORTED,
+}
+
+
+def _ending(code: grpc.StatusCode) -> Ending:
+    """A call's status as the request's fate reads it (the one place the router reads a code)."""
+    return _ENDINGS.get(code, Ending.ANSWERED)
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -233,36 +226,18 @@ def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
     return grpc.StatusCode.ABORTED if code == grpc.StatusCode.CANCELLED else code
 
 
-def _upstream_reason(code: grpc.StatusCode, otherwise: ServerAbortReason) -> ServerAbortReason:
-    # UNAVAILABLE: the prefill or decode (or a worker behind it) is gone or unreachable --
-    # a peer failure, not an error of the request (a dead worker's requests end this way).
-    return ServerAbortReason.PEER_FAILURE if code == grpc.StatusCode.UNAVAILABLE else otherwise
-
-
-def _migration_reason(failure: RequestFailed) -> ServerAbortReason | None:
-    """Why a stream that failed this way after its first token migrates; None: it does not
-    (the request itself failed, e.g. metadata corruption)."""
-    if failure.reason == ServerAbortReason.DRAIN_TIMEOUT:
-        return ServerAbortReason.DRAIN_TIMEOUT
-    if failure.code == grpc.StatusCode.UNAVAILABLE or failure.reason == ServerAbortReason.PEER_FAILURE:
-        return ServerAbortReason.PEER_FAILURE
-    return None
-
-
 def _failed(fut: asyncio.Future[Any]) -> bool:
     return fut.done() and not fut.cancelled() and fut.exception() is not None
 
 
 def _cancel_after_prefill(prefill_fut: asyncio.Future[Any], decode_call: grpc.aio.UnaryStreamCall) -> None:
-    """Cancel the decode call of a prefill that failed: at once, unless the prefill failed
-    the way a decode that died fails it (its transfer's peer is gone, :data:`_PEER_LOSS`).
-    The decode's own status then gets :data:`_CAUSE_WINDOW_S` to arrive first: a stream
-    ended by a lost connection names the decode as the side that failed, and the request
-    goes on on another decode, which the prefill's status alone would not allow."""
+    """Cancel the decode call of a prefill that failed: at once, or after
+    :data:`_CAUSE_WINDOW_S` when :func:`~pdgrpc.state.route_fate.decode_outlives` says so."""
     if not _failed(prefill_fut):
         return
     failure = prefill_fut.exception()
-    if isinstance(failure, RequestFailed) and failure.code in _PEER_LOSS:
+    assert isinstance(failure, _AttemptFailed)
+    if decode_outlives(failure.end):
         asyncio.get_running_loop().call_later(_CAUSE_WINDOW_S, decode_call.cancel)
     else:
         decode_call.cancel()
@@ -294,6 +269,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._view = view
         self._turn = 0
         self._ejections = Ejections(config.eject_s)
+        self._limits = RouteLimits(config.retries, config.migration_limit, config.migration_seq_len)
         self._tokenizer: Any = ByteTokenizer()
         if config.model:  # the checkpoint's tokenizer (torch-free: tokenizers only)
             from pdgrpc.engine.hf.tokenizer import load_tokenizer
@@ -360,10 +336,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         ready_decodes = [decodes[i] for i in self._ejections.ready("decode", decodes)]
         return prefill, ready_decodes[self.decode_policy.choose(ready_decodes, turn, prompt)]
 
-    def _eject(self, role: str, address: str, reason: str) -> None:
-        if self._ejections.eject(role, address):
+    def _eject(self, side: Side, address: str, reason: str) -> None:
+        if self._ejections.eject(side.value, address):
             self.metrics.on_eject()
-            log.warning("ejecting %s %s for %.1f s: %s", role, address, self._ejections.seconds, reason)
+            log.warning("ejecting %s %s for %.1f s: %s", side.value, address, self._ejections.seconds, reason)
 
     def _recovered(self, prefill: PrefillBackend, decode: str) -> None:
         for role, address in (("prefill", prefill.address), ("decode", decode)):
@@ -395,60 +371,52 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if remaining is not None:
             timeout = min(timeout, remaining)
         deadline = time.monotonic() + timeout
-        stream = _Stream(input_ids, sampling.max_new_tokens, self._tokenizer.stream_decoder())
+        fate = RouteFate(input_ids, sampling.max_new_tokens, self._limits)
+        text = self._tokenizer.stream_decoder()  # carries over a migration: a split character is sent whole
         self.active += 1
         outcome = "cancelled by client"
-        retries = 0
         try:
             while True:
                 try:
                     reply = await self._attempt(
-                        context, arrived, room, request_id, stream, sampling, routed, prefill, decode,
+                        context, arrived, room, request_id, fate, text, sampling, routed, prefill, decode,
                         deadline - time.monotonic(), trace,
                     )
+                    fate.handle(Succeeded())
                     self._recovered(prefill, decode)
                     break
                 except _AttemptFailed as b:
-                    if stream.finished or stream.remaining() <= 0:  # the client has every token already
+                    verdict = fate.handle(AttemptFailed(b.end, time.monotonic() < deadline))
+                    assert verdict is not None
+                    if fate.eject is not None:
+                        self._eject(fate.eject, prefill.address if fate.eject is Side.PREFILL else decode, b.failure.message)
+                    if isinstance(verdict, Finish):  # the client has every token already
                         reply = None
                         break
-                    unavailable = b.failure.code == grpc.StatusCode.UNAVAILABLE
-                    if unavailable:
-                        self._eject(b.role, prefill.address if b.role == "prefill" else decode, b.failure.message)
-                    again = None
-                    in_time = time.monotonic() < deadline
-                    if not stream.started:
-                        if unavailable and in_time and retries < self.config.retries:
-                            again = self._another(b.role, prefill, decode, input_ids)
+                    again = None if isinstance(verdict, Fail) else self._another(verdict.side, prefill, decode, verdict.input_ids)
+                    if again is None:
+                        if isinstance(verdict, Reroute):
+                            fate.handle(NoInstance())
+                        raise b.failure from None
+                    assert isinstance(verdict, Reroute)
+                    fate.handle(Rerouted())
+                    if verdict.migration is None:
+                        self.metrics.on_retry()
                         what = "retrying"
                     else:
-                        reason = _migration_reason(b.failure)
-                        if (
-                            reason is not None and in_time and stream.migrations < self.config.migration_limit
-                            and len(stream.input_ids()) <= self.config.migration_seq_len
-                        ):
-                            again = self._another(b.role, prefill, decode, stream.input_ids())
-                        what = f"migrating after {len(stream.generated)} token(s)"
-                    if again is None:
-                        raise b.failure from None
-                    if stream.started:
-                        stream.migrations += 1
-                        assert reason is not None
-                        self.metrics.on_migration(reason)
-                    else:
-                        retries += 1
-                        self.metrics.on_retry()
+                        self.metrics.on_migration(verdict.migration)
+                        what = f"migrating after {len(fate.generated)} token(s)"
                     prefill, decode = again
                     new_room = draw_room()
                     request_event(
                         log, room, f"{what} on prefill {prefill.address} and decode {decode}", level=logging.WARNING,
-                        request_id=request_id, failed=b.role, reason=b.failure.message, next_room=new_room,
+                        request_id=request_id, failed=b.end.side.value, reason=b.failure.message, next_room=new_room,
                     )
                     room = new_room
             outcome = "finished"
             self.metrics.on_finished()
             request_event(
-                log, room, "finished", request_id=request_id, tokens=len(stream.generated), migrations=stream.migrations,
+                log, room, "finished", request_id=request_id, tokens=len(fate.generated), migrations=fate.migrations,
                 seconds=f"{time.perf_counter() - arrived:.3f}",
                 prefill_dp_rank="-" if reply is None else reply.dp_rank,
                 bytes_transferred="-" if reply is None else reply.bytes_transferred,
@@ -468,9 +436,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
 
-    def _another(self, role: str, prefill: PrefillBackend, decode: str, prompt: Sequence[int]) -> tuple[PrefillBackend, str] | None:
-        """A prefill and decode for a retry whose ``role`` instance is not the one that
+    def _another(self, side: Side, prefill: PrefillBackend, decode: str, prompt: Sequence[int]) -> tuple[PrefillBackend, str] | None:
+        """A prefill and decode for a retry whose ``side`` instance is not the one that
         failed; None when there is no other instance of that role."""
+        role = side.value
         if self._view is not None:
             n = len(self._view.instances(role))
         else:
@@ -485,23 +454,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return None
 
     async def _attempt(
-        self, context: grpc.aio.ServicerContext, arrived: float, room: int, request_id: str, stream: _Stream,
+        self, context: grpc.aio.ServicerContext, arrived: float, room: int, request_id: str, fate: RouteFate, text: Any,
         sampling: common_pb2.SamplingParams, routed: int | None, prefill: PrefillBackend, decode: str, timeout: float,
         trace: tracing.Hops | None = None,
     ) -> prefill_pb2.PrefillResponse | None:
-        """One prefill call and one decode call for ``room`` that go on from ``stream``
+        """One prefill call and one decode call for ``room`` that go on from ``fate``
         (prompt + generated tokens, the tokens left), the decode's tokens relayed to the
-        client: the prefill's reply (None if it had not come). ``trace``: the request's
-        span, the parent of both calls', ended at the first token. Raises
-        :class:`_AttemptFailed`; both calls are over when it returns."""
+        client through the text decoder ``text``: the prefill's reply (None if it had not
+        come). ``trace``: the request's span, the parent of both calls', ended at the
+        first token. Raises :class:`_AttemptFailed`; both calls are over when it returns."""
         # Goes to exactly these two peers: the decode proves it to the prefill in its
         # Handshake and AbortRoom calls (pdgrpc.serving.room_proof).
         secret = draw_secret()
-        input_ids = stream.input_ids()
-        if stream.started:  # a migration: the same seed, only the tokens still to come
+        input_ids = fate.input_ids()
+        if fate.started:  # a migration: the same seed, only the tokens still to come
             left = common_pb2.SamplingParams()
             left.CopyFrom(sampling)
-            left.max_new_tokens = stream.remaining()
+            left.max_new_tokens = fate.remaining()
             sampling = left
         prefill_req = prefill_pb2.PrefillRequest(
             bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling, room_secret=secret
@@ -531,7 +500,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
         self.decode_policy.started(decode)
         try:
-            await self._relay(context, room, arrived, stream, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
+            await self._relay(context, room, arrived, fate, text, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
@@ -554,15 +523,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return await call
         except grpc.RpcError as exc:
             code, details = _describe(exc)
+            end = prefill_failure(_ending(code))
             message = f"prefill {address} failed: {code.name}: {details}"
-            raise RequestFailed(_client_code(code), message, _upstream_reason(code, ServerAbortReason.PREFILL_ERROR)) from None
+            raise _AttemptFailed(RequestFailed(_client_code(code), message, end.reason), end) from None
 
     async def _relay(
         self,
         context: grpc.aio.ServicerContext,
         room: int,
         arrived: float,
-        stream: _Stream,
+        fate: RouteFate,
+        text: Any,
         prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse],
         decode_call: grpc.aio.UnaryStreamCall,
         decode_address: str,
@@ -570,9 +541,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         seed: int = 0,
     ) -> None:
         """Forward the decode's messages to the client until the stream ends, recording
-        them in ``stream``; raise :class:`_AttemptFailed` as soon as either side fails."""
-        text = stream.text
-        first = not stream.started  # the client's first message carries the request's figures
+        them in ``fate``; raise :class:`_AttemptFailed` as soon as either side fails."""
+        first = not fate.started  # the client's first message carries the request's figures
         got = False
         # A prefill that fails cancels the decode call, which ends the pending read: every
         # message is read straight from the call, with no task or wait racing the two.
@@ -581,19 +551,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             try:
                 msg = await decode_call.read()
             except grpc.RpcError as exc:
-                failure, role = await self._decode_failure(exc, decode_address, prefill_fut)
-                raise _AttemptFailed(failure, role) from None
+                raise await self._decode_failure(exc, decode_address, prefill_fut) from None
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if _failed(prefill_fut) and (task is None or not task.cancelling()):
                     cause = prefill_fut.exception()
-                    assert isinstance(cause, RequestFailed)
-                    raise _AttemptFailed(cause, "prefill") from None
+                    assert isinstance(cause, _AttemptFailed)
+                    raise cause from None
                 raise
             if msg is grpc.aio.EOF:
                 if not got:
                     message = f"decode {decode_address} ended the stream without a token"
-                    raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, ServerAbortReason.DECODE_ERROR), "decode")
+                    end = CallEnd(Side.DECODE, Ending.ANSWERED, ServerAbortReason.DECODE_ERROR)
+                    raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, end.reason), end)
                 return
             out = generate_pb2.GenerateResponse(
                 token_ids=msg.token_ids, text=text.feed(msg.token_ids), finish_reason=msg.finish_reason
@@ -613,39 +583,35 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             got = True
             self.metrics.on_tokens(len(msg.token_ids))
             await context.write(out)
-            stream.generated += msg.token_ids  # what the client has: a migration goes on from here
-            stream.finished = bool(msg.finish_reason)
+            fate.handle(Relayed(msg.token_ids, bool(msg.finish_reason)))  # what the client has: a migration goes on from here
             if trace is not None:  # the first token is out (later: a no-op)
                 trace.end()
 
     @staticmethod
     async def _decode_failure(
         exc: grpc.RpcError, address: str, prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse]
-    ) -> tuple[RequestFailed, str]:
-        """What ended the decode call ``exc``, and the side that failed."""
+    ) -> _AttemptFailed:
+        """What ended the decode call ``exc``, put down to the side that failed
+        (:func:`~pdgrpc.state.route_fate.blame_decode`)."""
         code, details = _describe(exc)
         decode_msg = f"decode {address} failed: {code.name}: {details}"
-        said = reason_of(exc)
-        if said is None and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
-            # The connection failed, not the decode's request (its aborts name a reason):
-            # the decode is gone or its stream was reset, and a prefill failing now lost
-            # its transfer's peer. The decode is the side to replace.
-            return RequestFailed(code, decode_msg, ServerAbortReason.PEER_FAILURE), "decode"
-        if said == ServerAbortReason.DRAIN_TIMEOUT.value:
-            return RequestFailed(code, decode_msg, ServerAbortReason.DRAIN_TIMEOUT), "decode"
-        if said == ServerAbortReason.PREFILL_ERROR.value and not prefill_fut.done():
-            # The decode names its prefill as the cause (e.g. the prefill's bootstrap has no
-            # worker yet: it is restarting): that prefill is the side to replace.
-            return RequestFailed(_client_code(code), decode_msg, ServerAbortReason.PREFILL_ERROR), "prefill"
-        # A decode that failed because its prefill did reports less than the prefill: give
-        # the prefill a moment to say why, and report its status if it failed.
-        if not prefill_fut.done():
+        ending, said = _ending(code), reason_of(exc)
+        waited = False
+        while True:
+            cause = prefill_fut.exception() if prefill_fut.done() and not prefill_fut.cancelled() else None
+            assert cause is None or isinstance(cause, _AttemptFailed)
+            prefill = PrefillCall.RUNNING if not prefill_fut.done() else PrefillCall.FAILED if cause else PrefillCall.ANSWERED
+            found = blame_decode(ending, said, prefill, None if cause is None else cause.end, waited)
+            if found is not None:
+                break
             await asyncio.wait({prefill_fut}, timeout=_CAUSE_WINDOW_S)
-        if prefill_fut.done() and not prefill_fut.cancelled() and prefill_fut.exception() is not None:
-            cause = prefill_fut.exception()
-            assert isinstance(cause, RequestFailed)
-            return RequestFailed(cause.code, f"{cause.message} (and {decode_msg})", cause.reason), "prefill"
-        return RequestFailed(_client_code(code), decode_msg, _upstream_reason(code, ServerAbortReason.DECODE_ERROR)), "decode"
+            waited = True
+        blame, end = found
+        if blame is Blame.PREFILL_CAUSE:
+            assert cause is not None
+            prior = cause.failure
+            return _AttemptFailed(RequestFailed(prior.code, f"{prior.message} (and {decode_msg})", prior.reason), end)
+        return _AttemptFailed(RequestFailed(_client_code(code), decode_msg, end.reason), end)
 
 
 def service_names() -> Sequence[str]:
