@@ -1,7 +1,7 @@
 """End to end: a decode SIGKILLed mid-stream, and every client's output still equals
 colocated generation token for token.
 
-Real processes (``servers/2p2d.toml``, tcp and rdma): greedy and seeded temperature-0.8
+Real processes (``servers/2p2d.toml`` and a 1p2d made from it, tcp and rdma): greedy and seeded temperature-0.8
 requests of 64 tokens stream through the router; once a client holds 5 tokens, one
 decode is SIGKILLed. The router migrates its streams to the other decode with prompt +
 relayed tokens and the same seed; sampling is keyed by (seed, absolute position), so
@@ -11,10 +11,12 @@ the migrated output is bit-exact. Nothing stays held on the servers left.
 from __future__ import annotations
 
 import asyncio
+import tomllib
 
 import pytest
 
 from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster.topology import Topology, parse_topology, servers_dir
 from pdgrpc.v1 import common_pb2, generate_pb2
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 from tests.e2e.harness import TRANSPORTS, Case, reference_outputs_for, skip_unless_transport
@@ -65,10 +67,23 @@ async def _client(stub: GenerateServiceStub, c: Case, started: _Started) -> tupl
     return tuple(ids), finish
 
 
+def _topology(name: str) -> Topology:
+    """``2p2d``, or ``1p2d``: 2p2d without prefill-b, so a migrated stream goes back to the
+    prefill that computed its prompt (and finds it in its prefix cache)."""
+    if name == "2p2d":
+        return load_topology(name)
+    data = tomllib.loads((servers_dir() / "2p2d.toml").read_text())
+    data["process"] = [p for p in data["process"] if p["name"] != "prefill-b"]
+    (router,) = [p for p in data["process"] if p["role"] == "router"]
+    router["prefill"] = ["prefill-a"]
+    return parse_topology(data, name)
+
+
+@pytest.mark.parametrize("topology_name", ["1p2d", "2p2d"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_sigkill_of_a_decode_at_token_5_of_64_migrates_every_stream_exactly(transport, tmp_path):
+async def test_sigkill_of_a_decode_at_token_5_of_64_migrates_every_stream_exactly(transport, topology_name, tmp_path):
     skip_unless_transport(transport)
-    topology = load_topology("2p2d")
+    topology = _topology(topology_name)
     cases = _cases()
     expected = reference_outputs_for(topology, cases)
     async with Cluster(topology, transport=transport, log_dir=tmp_path / "logs", metrics=True) as cluster:
@@ -91,4 +106,4 @@ async def test_sigkill_of_a_decode_at_token_5_of_64_migrates_every_stream_exactl
             migrated = router.value("pdgrpc_router_migrations_total", role="router", reason="peer_failure")
             assert migrated >= 1, "no stream was running on the killed decode"
             assert router.value("pdgrpc_requests_total", role="router", state="aborted") == 0
-            await _nothing_held(cluster, ["prefill-a", "prefill-b", "decode-b"])
+            await _nothing_held(cluster, [p.name for p in topology.processes if p.role in ("prefill", "decode") and p.name != "decode-a"])
