@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import weakref
 from typing import Sequence
 
@@ -35,6 +36,7 @@ import grpc
 
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES
 from pdgrpc.rpc.security import Security, current
+from pdgrpc.v1 import generate_pb2
 
 # Reconnect quickly after a peer (re)starts: the default first backoff is 1 s growing to
 # 120 s, which would make a client that started before its server wait for minutes.
@@ -53,6 +55,22 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.keepalive_timeout_ms", 10_000),
 )
 
+# A client of the router that rides through the router's restart (it drains, refusing new
+# calls UNAVAILABLE, then a new process listens on its port): a Generate refused
+# UNAVAILABLE before any reply goes again with backoff, and a call waits for the router to
+# accept a connection instead of failing while nothing listens. No reply reached the
+# caller before such a refusal, so nothing is repeated; the call's deadline bounds it all.
+ROUTER_CLIENT_OPTIONS: tuple[tuple[str, int | str], ...] = DEFAULT_OPTIONS + (
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps({"methodConfig": [{
+        "name": [{"service": generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name}],
+        "waitForReady": True,
+        "retryPolicy": {
+            "maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "5s", "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]})),
+)
 
 # Channels one pool keeps (count): far above the bootstraps and workers of a large
 # deployment, small enough that a caller naming new addresses cannot exhaust the process.

@@ -1,12 +1,13 @@
 """End to end: SIGTERM drains a prefill or a decode of a 2p2d cluster under load, and a
-rolling restart restarts the others.
+rolling restart restarts the others and the router.
 
 Real processes (``servers/2p2d.toml``, the launcher supervising): clients keep requests
 running through the router while one prefill (with rooms in flight) and then one decode
 (with streams running) get SIGTERM. The drained process finishes what it holds and exits
 0, the launcher starts it again; new requests meanwhile go to the other instance. Then
-``Cluster.restart`` restarts the other prefill and decode one at a time. No request
-fails, every output equals colocated generation, and nothing stays held.
+``Cluster.restart`` restarts the other prefill and decode and the router one at a time
+(the clients' channels retry what the draining router refuses). No request fails,
+every output equals colocated generation, and nothing stays held.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
+from pdgrpc.rpc.channels import ROUTER_CLIENT_OPTIONS
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 from tests.e2e.harness import HELD_FIELDS, Case, reference_outputs_for, skip_unless_transport
 from tests.eventually import eventually_async
@@ -126,22 +128,23 @@ async def _drained_and_back(cluster: Cluster, name: str, at_least: int) -> int:
 async def test_drains_and_a_rolling_restart_under_load_fail_no_request(tmp_path):
     """SIGTERM on a prefill with rooms in flight (long prompts, computed chunk by chunk)
     and on a decode with streams running (long outputs), then a rolling restart of the
-    other prefill and decode, all under load: no request fails, every output equals
+    other prefill and decode and the router, all under load: no request fails, every output equals
     colocated generation, nothing stays held."""
     skip_unless_transport("tcp")
     topology = load_topology(TOPOLOGY)
     cases = _cases(prompt_len=700, max_new_tokens=4)[: CLIENTS // 2] + _cases(prompt_len=40, max_new_tokens=64)[CLIENTS // 2 :]
     expected = reference_outputs_for(topology, cases)
     async with Cluster(topology, transport="tcp", log_dir=tmp_path / "logs", supervise=True) as cluster:
-        async with cluster.client_channel() as channel:
+        async with cluster.client_channel(options=ROUTER_CLIENT_OPTIONS) as channel:
             load = Load(GenerateServiceStub(channel), cases)
             try:
                 held_prefill = await _drained_and_back(cluster, "prefill-a", at_least=4)
                 held_decode = await _drained_and_back(cluster, "decode-a", at_least=8)
                 served = len(load.done)
                 # The rolling restart of the rest, each as soon as the one before serves: the
-                # router reaches a restarted instance at once (pdgrpc.rpc.channels).
-                for name in ("prefill-b", "decode-b"):
+                # router reaches a restarted instance at once (pdgrpc.rpc.channels). The
+                # router goes last; its clients ride through (ROUTER_CLIENT_OPTIONS).
+                for name in ("prefill-b", "decode-b", "router"):
                     await cluster.restart(name)
                 await asyncio.sleep(0.5)  # the restarted ones serve too
             finally:
@@ -151,6 +154,6 @@ async def test_drains_and_a_rolling_restart_under_load_fail_no_request(tmp_path)
             assert len(load.done) > served, "nothing was served during the rolling restart"
             for i, ids, finish in load.done:
                 assert (ids, finish) == expected[i], f"case {i} differs from colocated generation"
-            for name in ("prefill-b", "decode-b"):
+            for name in ("prefill-b", "decode-b", "router"):
                 assert "draining" in cluster.procs[name].log_path.read_text()
             await _nothing_held(cluster, [p.name for p in topology.processes if p.role in ("prefill", "decode")])
