@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 
 from pdgrpc.argtypes import whole_number
 from pdgrpc.discovery.etcd import Registration, load_client, parse_discovery_url
-from pdgrpc.discovery.record import Instance, check_name, instance_key
+from pdgrpc.discovery.record import Instance, MembershipView, check_name, cluster_prefix, instance_key
+from pdgrpc.discovery.signing import RecordSigner, RecordVerifier
 from pdgrpc.errors import ConfigError
+from pdgrpc.rpc.security import current
 
 if TYPE_CHECKING:
     from pdgrpc.rpc.server import RpcServer
@@ -28,6 +30,7 @@ __all__ = [
     "add_discovery_arguments",
     "advertised_address",
     "check_discovery_args",
+    "membership_view",
     "register_on",
     "registration_from_args",
 ]
@@ -151,7 +154,20 @@ def registration_from_args(
         dp_size=dp_size, tp_size=tp_size, compat_hash=compat_hash, generation=time.time_ns() // 1000,
     )
     instance.check()
-    return Registration(parse_discovery_url(ns.discovery), instance_key(ns.cluster_name, role, instance_id), instance, ns.discovery_ttl)
+    security = current()
+    # Under mTLS the record is signed with this instance's certificate: readers with the CA take nothing else.
+    signer = RecordSigner(security.cert, security.key) if security.cert and security.key and security.ca else None
+    return Registration(
+        parse_discovery_url(ns.discovery), instance_key(ns.cluster_name, role, instance_id), instance, ns.discovery_ttl, signer,
+    )
+
+
+def membership_view(cluster: str) -> MembershipView:
+    """The view of ``cluster``'s prefix a router keeps: under mTLS (this process's
+    installed security has a CA) it takes only records signed by a certificate of that CA
+    naming the record's role."""
+    ca = current().ca
+    return MembershipView(cluster_prefix(cluster), None if ca is None else RecordVerifier(ca).open)
 
 
 def register_on(server: "RpcServer", registration: Registration | None) -> None:

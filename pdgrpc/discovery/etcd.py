@@ -24,6 +24,7 @@ import logging
 from typing import Any
 
 from pdgrpc.discovery.record import Instance, MembershipView
+from pdgrpc.discovery.signing import RecordSigner
 from pdgrpc.errors import ConfigError
 
 __all__ = ["Registration", "Watcher", "parse_discovery_url", "load_client"]
@@ -117,13 +118,17 @@ async def _close(client: Any) -> None:
 class Registration:
     """Keeps ``key`` -> ``instance`` in etcd under a lease while it runs; see the module doc."""
 
-    def __init__(self, endpoints: tuple[tuple[str, int], ...], key: str, instance: Instance, ttl: int) -> None:
+    def __init__(
+        self, endpoints: tuple[tuple[str, int], ...], key: str, instance: Instance, ttl: int, signer: RecordSigner | None = None,
+    ) -> None:
         if ttl < 1:
             raise ConfigError(f"--discovery-ttl must be >= 1 second, got {ttl}")
         self._ep = _Endpoints(endpoints)
         self.key = key
         self.instance = instance
         self.ttl = ttl
+        # Under mTLS the value is the record sealed with this instance's certificate.
+        self.value = instance.to_json() if signer is None else signer.seal(instance.to_json())
         self.lease_id: int | None = None
         self.leases_granted = 0  # how many leases this registration took (re-registrations + 1)
         self.registered = asyncio.Event()
@@ -145,7 +150,7 @@ class Registration:
                         # (its key may already be visible) still revokes this lease.
                         self.lease_id = lease.id
                         self.leases_granted += 1
-                        await client.put(self.key.encode(), self.instance.to_json(), lease=lease.id)
+                        await client.put(self.key.encode(), self.value, lease=lease.id)
                         log.info("discovery: registered %s at %s (lease %x, ttl %d s, generation %d)",
                                  self.key, self.instance.address, lease.id, self.ttl, self.instance.generation)
                         self.registered.set()

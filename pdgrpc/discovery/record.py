@@ -17,6 +17,12 @@ decodes may take a request now". It skips, and logs once per distinct bad value:
 * an instance whose compatibility hash or transport differs from the cluster's
   reference, which is the oldest live instance's (lowest etcd create revision): prefill
   and decode exchange KV only when both agree.
+
+Given an ``opener`` (under mTLS: :class:`pdgrpc.discovery.signing.RecordVerifier`), it
+takes only records signed by a certificate of the cluster's CA that names the record's
+role; an unsigned or wrongly signed value is ignored like any bad value. Every ignored
+value is counted (:attr:`MembershipView.ignored`); the first few are logged, then one line
+per thousand, so a flood of junk keys costs a parse and a count each.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import hashlib
 import json
 import logging
 import re
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from pdgrpc.errors import ConfigError
 
@@ -141,13 +147,24 @@ class _Entry:
     create_revision: int
 
 
+Opener = Callable[[bytes], "tuple[bytes, frozenset[str] | None]"]
+"""A signed value -> the record inside and the roles its signer may write (None: any);
+raises ConfigError saying why a value is not taken."""
+
+_LOGGED_SKIPS = 16  # distinct bad values logged one by one; past them, one line per _SKIP_LOG_EVERY
+_SKIP_LOG_EVERY = 1000
+
+
 class MembershipView:
     """The live instances under one cluster prefix, fed by etcd puts and deletes."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, opener: Opener | None = None) -> None:
         self.prefix = prefix
+        self._open = opener
+        self.ignored = 0  # values not taken (bad, unsigned, wrongly signed), counted on every put
         self._entries: dict[str, _Entry] = {}
         self._skipped: set[str] = set()  # digests of (key, value) already logged as skipped
+        self._skips = 0  # distinct values skipped
         self.version = 0  # bumped on every change of the routable set (for waiters and tests)
         self._cache: tuple[int, dict[str, list[Instance]]] = (-1, {})  # instances() per role, at a version
 
@@ -158,10 +175,14 @@ class MembershipView:
         try:
             if where is None:
                 raise ConfigError("key is not /pdgrpc/<cluster>/<role>/<instance id>")
-            inst = Instance.from_json(value)
+            record, roles = (value, None) if self._open is None else self._open(value)
+            inst = Instance.from_json(record)
             if (inst.role, inst.instance_id) != where:
                 raise ConfigError(f"record says {inst.role}/{inst.instance_id}, key says {where[0]}/{where[1]}")
+            if roles is not None and inst.role not in roles:
+                raise ConfigError(f"signed by a {'/'.join(sorted(roles))}'s certificate, not a {inst.role}'s")
         except ConfigError as exc:
+            self.ignored += 1
             self._skip(key, value, f"ignored: {exc}")
             self._remove(key)  # a key overwritten with garbage no longer names a live instance
             return
@@ -208,7 +229,11 @@ class MembershipView:
         if len(self._skipped) > 4096:  # bounded: a writer flooding the prefix cannot grow it forever
             self._skipped.clear()
         self._skipped.add(digest)
-        log.warning("discovery: key %s %s", key, why)
+        self._skips += 1
+        if self._skips <= _LOGGED_SKIPS:
+            log.warning("discovery: key %s %s", key, why)
+        elif self._skips % _SKIP_LOG_EVERY == 0:
+            log.warning("discovery: %d values ignored so far (the last: key %s %s)", self.ignored, key[:200], why)
 
     # ---- reading ---------------------------------------------------------------------------
 
