@@ -6,7 +6,9 @@ survive etcd outages:
 * :class:`Registration` grants a lease of ``ttl`` seconds, puts the instance's key under
   it, and renews it every ``ttl / 3``. When a renewal finds the lease gone (the process
   was stopped for longer than the TTL, or etcd lost it) it grants a new lease and puts
-  the key again. :meth:`Registration.close` revokes the lease at once (clean shutdown).
+  the key again. Meanwhile it watches its key: one deleted or overwritten by anyone
+  while the lease lives is put back at once (:attr:`Registration.restored` counts it).
+  :meth:`Registration.close` revokes the lease at once (clean shutdown).
 * :class:`Watcher` lists the prefix, then watches it from the listing's revision; each
   (re)connection lists again, so deletes missed while etcd was away still apply.
   Meanwhile a probe (every ``probe_s``) catches a watch stream that hangs silently.
@@ -131,6 +133,7 @@ class Registration:
         self.value = instance.to_json() if signer is None else signer.seal(instance.to_json())
         self.lease_id: int | None = None
         self.leases_granted = 0  # how many leases this registration took (re-registrations + 1)
+        self.restored = 0  # times the key was put back after someone else deleted or overwrote it
         self.registered = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._client: Any = None
@@ -143,32 +146,68 @@ class Registration:
         while True:
             self._client = client = self._ep.client()
             try:
-                while True:
-                    if self.lease_id is None:
-                        lease = await client.lease(self.ttl)
-                        # Before the put: a close() that comes while the put is in flight
-                        # (its key may already be visible) still revokes this lease.
-                        self.lease_id = lease.id
-                        self.leases_granted += 1
-                        await client.put(self.key.encode(), self.value, lease=lease.id)
-                        log.info("discovery: registered %s at %s (lease %x, ttl %d s, generation %d)",
-                                 self.key, self.instance.address, lease.id, self.ttl, self.instance.generation)
-                        self.registered.set()
-                        outage.ok(self._ep.current)
-                        await asyncio.sleep(max(self.ttl / 3, 0.3))
-                    reply = await client.refresh_lease(self.lease_id)
-                    outage.ok(self._ep.current)
-                    if reply is None or reply.TTL <= 0:
-                        log.warning("discovery: lease %x of %s lapsed (process stopped or etcd lost it); "
-                                    "registering again with a new lease", self.lease_id, self.key)
-                        self.lease_id = None
-                        self.registered.clear()
-                    else:
-                        await asyncio.sleep(max(self.ttl / 3, 0.3))
+                # Watched from before the first put: a delete right after it is seen too.
+                watch = await client.watch(self.key.encode())
+                keeper = asyncio.ensure_future(self._keep(client, watch))
+                try:
+                    await self._renew(client, outage, keeper)
+                finally:
+                    keeper.cancel()
+                    with contextlib.suppress(BaseException):
+                        await keeper
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), 1.0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 await self._ep.fail_over(outage, client, exc)
+
+    async def _renew(self, client: Any, outage: "_Outage", keeper: asyncio.Future[None]) -> None:
+        while True:
+            if self.lease_id is None:
+                lease = await client.lease(self.ttl)
+                # Before the put: a close() that comes while the put is in flight
+                # (its key may already be visible) still revokes this lease.
+                self.lease_id = lease.id
+                self.leases_granted += 1
+                await client.put(self.key.encode(), self.value, lease=lease.id)
+                log.info("discovery: registered %s at %s (lease %x, ttl %d s, generation %d)",
+                         self.key, self.instance.address, lease.id, self.ttl, self.instance.generation)
+                self.registered.set()
+                outage.ok(self._ep.current)
+            else:
+                reply = await client.refresh_lease(self.lease_id)
+                outage.ok(self._ep.current)
+                if reply is None or reply.TTL <= 0:
+                    log.warning("discovery: lease %x of %s lapsed (process stopped or etcd lost it); "
+                                "registering again with a new lease", self.lease_id, self.key)
+                    self.lease_id = None
+                    self.registered.clear()
+                    continue
+            # Sleep until the next renewal; a keeper that failed (its watch broke) fails this connection.
+            await asyncio.wait({keeper}, timeout=max(self.ttl / 3, 0.3))
+            if keeper.done():
+                keeper.result()
+                raise ConnectionError("etcd ended the watch of the registration's key")
+
+    async def _keep(self, client: Any, watch: Any) -> None:
+        """Puts the key back whenever it is deleted or overwritten while the lease lives:
+        a writer that deletes an instance's key does not remove it from routers for the
+        rest of its lease."""
+        async for event in watch:
+            lease = self.lease_id
+            if lease is None or (event.kind == "PUT" and event.kv.value == self.value):
+                continue
+            try:
+                await client.put(self.key.encode(), self.value, lease=lease)
+            except Exception as exc:  # the lease ended meanwhile: the renewal registers again
+                log.warning("discovery: %s was %s and could not be put back (%s)", self.key,
+                            "deleted" if event.kind != "PUT" else "overwritten", exc)
+                continue
+            self.restored += 1
+            log.warning("discovery: %s was %s while its lease %x lives; put it back", self.key,
+                        "deleted" if event.kind != "PUT" else "overwritten", lease)
+        raise ConnectionError("etcd ended the watch of the registration's key")
 
     async def close(self) -> None:
         """Stop renewing and revoke the lease now, so watchers see the instance leave at once."""

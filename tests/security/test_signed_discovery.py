@@ -109,3 +109,30 @@ async def _served(ch: grpc.aio.Channel) -> Completion | None:
         if exc.code() is grpc.StatusCode.UNAVAILABLE:  # no instance listed yet
             return None
         raise
+
+
+async def test_a_key_deleted_or_overwritten_while_its_lease_lives_is_put_back(etcd: EtcdProcess) -> None:
+    endpoints = parse_discovery_url(etcd.url)
+    view = MembershipView(cluster_prefix("kept"))
+    watcher = Watcher(endpoints, view, probe_s=0.5)
+    watcher.start()
+    key = instance_key("kept", "decode", "d1")
+    reg = Registration(endpoints, key, decode("d1", 7001), ttl=30)
+    reg.start()
+    client = load_client().Client(host=etcd.host, port=etcd.client_port)
+    listed = lambda: [i.instance_id for i in view.instances("decode")] == ["d1"]  # noqa: E731
+    try:
+        await eventually_async(listed, timeout=10, what="never listed")
+        await client.delete(key.encode())
+        # Back long before the 30 s lease would end; the router may see it go for a moment.
+        await eventually_async(lambda: reg.restored == 1 and listed(), timeout=3, what=lambda: f"restored {reg.restored}")
+        await client.put(key.encode(), decode("d1", 6666).to_json())  # pointed at the attacker
+        await eventually_async(lambda: reg.restored == 2, timeout=3, what=lambda: f"restored {reg.restored}")
+        await eventually_async(lambda: [i.address for i in view.instances("decode")] == ["127.0.0.1:7001"], timeout=3)
+        assert reg.leases_granted == 1
+        await reg.close()  # its own revoke is not undone
+        await eventually_async(lambda: view.instances("decode") == [], timeout=5, what="still listed after close()")
+    finally:
+        await client.close()
+        await reg.close()
+        await watcher.close()
