@@ -143,6 +143,7 @@ async def _ttft(
 # span covers: (from span, its edge, to span, its edge).
 _GAPS = (
     ("router", "start", "controller.dispatch", "start"),  # the router's Prefill call reaching the controller
+    ("router.prepare", "end", "controller.dispatch", "start"),  # that call alone, after the router's own work
     ("controller.dispatch", "end", "worker", "start"),  # the link to the worker
     ("write", "end", "decode.commit", "start"),  # the last write until its first byte lands at the decode
     ("first_token", "end", "router", "end"),  # the decode's stream to the router, and on to the client

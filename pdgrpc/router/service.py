@@ -487,6 +487,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         decode_stub = decode_pb2_grpc.DecodeServiceStub(self._pool.get(decode))
         # Both at once: the decode's handshake overlaps the prefill's compute.
         metadata = None if trace is None else trace.metadata()
+        if trace is not None:  # the router's own work ends here: the rest of the hop is the call's way
+            trace.hop("router.prepare")
         prefill_call = prefill_stub.Prefill(prefill_req, timeout=timeout, metadata=metadata)
         decode_call = decode_stub.Decode(decode_req, timeout=timeout, metadata=metadata)
         # Deferred: both calls' sends are queued on the loop and go out before this line.

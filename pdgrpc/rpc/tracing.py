@@ -20,9 +20,9 @@ sends its own span's ``traceparent`` on the calls it makes for the request
 (:meth:`Hops.metadata`): router -> prefill controller and decode, decode -> prefill worker
 handshake. Between a prefill controller and its worker the span context travels in the
 link frame (:meth:`Hops.pack`, :func:`unpack`). Within a process, :class:`Hops` cuts the
-time since the request arrived into consecutive hops (``worker.queue``, ``compute``,
-``write``, ``transfer``; ``decode.commit``, ``first_token``), each a child span. A sampled
-parent's children are sampled; a request without a parent is sampled as
+time since the request arrived into consecutive hops (``router.prepare``; ``worker.queue``,
+``compute``, ``write``, ``transfer``; ``decode.commit``, ``first_token``), each a child
+span. A sampled parent's children are sampled; a request without a parent is sampled as
 ``OTEL_TRACES_SAMPLER`` says.
 
 On the request's path a span is only its ids and times: the SDK's span objects, which

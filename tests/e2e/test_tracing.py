@@ -23,6 +23,7 @@ from tests.eventually import eventually_async
 # span -> the span it is a child of (None: the client's span, or the root)
 TREE: dict[str, str | None] = {
     "router": None,
+    "router.prepare": "router",
     "controller.dispatch": "router",
     "worker": "controller.dispatch",
     "worker.queue": "worker",
@@ -59,6 +60,7 @@ def _check_tree(spans: dict[str, dict[str, Any]], root_parent: str | None) -> No
     assert hops == sorted(hops)
     assert spans["decode.commit"]["end_ns"] <= spans["first_token"]["end_ns"]
     assert spans["router"]["start_ns"] <= spans["decode"]["start_ns"] <= spans["handshake"]["start_ns"]
+    assert spans["router.prepare"]["end_ns"] <= spans["controller.dispatch"]["start_ns"]  # issued, then served
 
 
 @pytest.mark.parametrize("transport", ["tcp"])
@@ -95,7 +97,10 @@ def test_bench_e2e_json_reports_the_p50_of_every_hop(tmp_path: Path) -> None:
         row = rows.get(f"span_p50_ms/{hop}")
         assert row is not None, f"no span_p50_ms/{hop} row; rows: {sorted(rows)}"
         assert row["unit"] == "ms" and 0 <= row["value"] < 60_000
-    for gap in ("router->controller.dispatch", "controller.dispatch->worker", "write->decode.commit", "first_token->router"):
+    for gap in (
+        "router->controller.dispatch", "router.prepare->controller.dispatch", "controller.dispatch->worker",
+        "write->decode.commit", "first_token->router",
+    ):
         assert f"gap_p50_ms/{gap}" in rows, f"no gap_p50_ms/{gap} row; rows: {sorted(rows)}"
     # A hop inside the request is shorter than the request as the router saw it.
     assert rows["span_p50_ms/compute"]["value"] <= rows["span_p50_ms/router"]["value"]
