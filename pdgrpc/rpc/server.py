@@ -56,12 +56,16 @@ log = logging.getLogger("pdgrpc.rpc")
 T = TypeVar("T")
 
 # Sized to the largest legitimate message: see pdgrpc.rpc.limits.
+HANDSHAKE_TIMEOUT_S = 5.0  # a new connection's TLS and HTTP/2 handshakes, at most (grpc's default: 120 s)
 DEFAULT_SERVER_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Let clients keep idle connections alive with pings every 30 s.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # A connection that has not finished its TLS and HTTP/2 handshakes by then is closed:
+    # half-open connections cannot pile up into the process's file descriptors.
+    ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
     # gRPC sets SO_REUSEPORT by default: a second server given the same port then binds
     # "successfully" and the kernel splits new connections between the two, so clients
     # of one get UNIMPLEMENTED from the other. A clash must fail the bind instead.
