@@ -35,6 +35,12 @@ transport's cluster runs once per mode, side by side in the same run: ``tls`` is
 its plaintext twin ``NAME`` (``ttft_p50_vs_plain``, ``kv_rate_vs_plain``): the control
 plane's cost, and whether the data plane (which TLS does not touch) lost throughput.
 
+With ``--no-prefix-cache-arm`` each transport's cluster also runs with its prefills'
+``--no-prefix-cache``, as ``NAME-no-prefix-cache``, side by side in the same run: the
+prompts are random, so nothing is reused, and ``ttft_vs_no_prefix_cache`` (p50 against
+p50) and ``ttft_no_prefix_cache_paired_p50`` (the median per-prompt difference) show what
+the prefix cache costs when it cannot help.
+
 Every disaggregated output is compared with the colocated one for the same prompt; a
 difference aborts the benchmark (numbers for wrong output mean nothing).
 """
@@ -73,6 +79,7 @@ DESCRIPTION = (
 
 PLOT = "TTFT distributions (CDF), disaggregated per transport vs colocated"
 BASELINE = "colocated"
+NO_CACHE = "-no-prefix-cache"  # suffix of a cluster run with its prefills' --no-prefix-cache
 # --security mode -> the launcher's (tls, auth_token)
 _SECURITY = {"plain": ("off", "off"), "tls": ("auto", "off"), "token": ("off", "auto"), "tls+token": ("auto", "auto")}
 
@@ -91,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--security", default="plain",
         help="comma-separated gRPC security modes to run each cluster in, side by side: plain, tls (--tls auto: "
         "mTLS everywhere), token (--auth-token auto), tls+token (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-prefix-cache-arm", action="store_true",
+        help="also run each transport's cluster with --no-prefix-cache on its prefills (NAME-no-prefix-cache), side "
+        "by side, and report each cluster's TTFT against it: what the prefix cache costs when nothing is reused",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -216,6 +228,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             tls, token = _SECURITY[mode]
             name = f"{topology.name}-{t}" + ("" if mode == "plain" else f"+{mode}")
             systems[name] = Cluster(topology, transport=t, tls=tls, auth_token=token, extra_env=_trace_env(spans_dir / name))
+        if getattr(args, "no_prefix_cache_arm", False):
+            name = f"{topology.name}-{t}{NO_CACHE}"
+            systems[name] = Cluster(_without_prefix_cache(topology), transport=t, extra_env=_trace_env(spans_dir / name))
         if args.baseline_tree:
             name = f"{topology.name}-{t}@baseline"
             env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
@@ -284,6 +299,16 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
         results += [Result(f"{case_ttft}/{name}", metric, ms, "ms") for metric, ms in hops[name].items()]
+        cold = f"{name}{NO_CACHE}"
+        if cold in ttft:  # the same cluster with its prefix cache off: the cache's cost when nothing is reused
+            cold_p50 = percentile([c.client_ttft_seconds for c in ttft[cold]], 0.5) * 1e3
+            results += [
+                Result(f"{case_ttft}/{name}", "ttft_vs_no_prefix_cache", p50, "ms", cold_p50, p50 / cold_p50),
+                Result(
+                    f"{case_ttft}/{name}", "ttft_no_prefix_cache_paired_p50",
+                    statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, ttft[cold])) * 1e3, "ms",
+                ),
+            ]
         plain = name.split("+", 1)[0]
         if plain != name and plain in ttft:  # a secured system: against its plaintext twin
             plain_p50 = percentile([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3
@@ -302,6 +327,14 @@ async def _run(args: argparse.Namespace) -> list[Result]:
 def run(args: argparse.Namespace) -> list[Result]:
     resolve_bench_device(args, "e2e")  # --device cuda without CUDA: one line naming the flag, exit 2
     return run_loop(_run(args))
+
+
+def _without_prefix_cache(topology: Topology) -> Topology:
+    """``topology`` with ``--no-prefix-cache`` on every prefill."""
+    procs = tuple(
+        dataclasses.replace(p, args={**p.args, "no-prefix-cache": True}) if p.role == "prefill" else p for p in topology.processes
+    )
+    return dataclasses.replace(topology, processes=procs)
 
 
 def _on_device(topology: Topology, device: str) -> Topology:

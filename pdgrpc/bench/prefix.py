@@ -5,7 +5,10 @@ The workload is SGLang's generated-shared-prefix shape: ``--groups`` G groups of
 tokens (a range, drawn per group) and each question ``--question-tokens`` more. The G x Q
 requests are shuffled and sent ``--concurrency`` at a time, each generating
 ``--max-new-tokens`` tokens greedily. G is larger than the number of prefills (2), so
-where a group's prefix sits matters.
+where a group's prefix sits matters, and each prefill's pool holds the prefixes of half
+the groups plus the requests in flight (``--pool-pages``): a router that keeps each group
+on one prefill keeps its half cached, round robin brings every group to both prefills,
+which must evict.
 
 The model is a random-weights Qwen2 checkpoint built here, Qwen2.5-0.5B's width (hidden
 896, 14 query heads, 2 KV heads, MLP 4864) with ``--layers`` layers (24 in the real
@@ -95,7 +98,7 @@ def _span(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--groups", type=int, default=4, help="groups of requests sharing a prefix; more than the 2 prefills (default: %(default)s)")
+    p.add_argument("--groups", type=int, default=8, help="groups of requests sharing a prefix; more than the 2 prefills (default: %(default)s)")
     p.add_argument("--questions", type=int, default=4, help="requests per group (default: %(default)s)")
     p.add_argument("--prefix-tokens", type=_span, default=(1024, 2048), metavar="LO-HI", help="shared prefix length, drawn per group (default: 1024-2048)")
     p.add_argument("--question-tokens", type=_span, default=(64, 128), metavar="LO-HI", help="question length, drawn per request (default: 64-128)")
@@ -107,6 +110,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the built checkpoint (default: %(default)s)")
     p.add_argument("--model", metavar="PATH", default="", help="serve this checkpoint instead of building one")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    p.add_argument(
+        "--pool-pages", type=int, default=None, metavar="N",
+        help="KV pages of each prefill. Default: the prefixes of half the groups plus --concurrency prompts of the "
+        "longest length, so one prefill holds its half of the groups while round robin, which brings every group "
+        "to both prefills, must evict; 0: room for every group's prefix and the requests in flight (nothing evicted)",
+    )
     p.add_argument("--cache-aware-margin", type=int, default=None, metavar="CALLS", help="the router's --cache-aware-margin in arm c (default: the router's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and their order (default: %(default)s)")
 
@@ -153,14 +162,31 @@ def prefill_has_flag(flag: str) -> bool:
     return flag in prefill_parser().format_help()
 
 
-def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int) -> Topology:
+def pool_pages(args: argparse.Namespace, requests: list[Request]) -> int:
+    """Each prefill's KV pages: ``--pool-pages``, else half the groups' prefixes (their
+    full pages) and ``--concurrency`` prompts of the longest length."""
+    if args.pool_pages is not None:
+        if args.pool_pages < 0:
+            raise PdgrpcError(f"--pool-pages must be >= 0, got {args.pool_pages}")
+        return int(args.pool_pages)
+    longest = max(len(r.input_ids) for r in requests) // args.page_size + 2
+    shared: dict[int, tuple[int, ...]] = {}
+    for r in requests:  # a group's prefix: what its prompts share
+        p = shared.setdefault(r.group, r.input_ids)
+        n = next((i for i, (a, b) in enumerate(zip(p, r.input_ids)) if a != b), min(len(p), len(r.input_ids)))
+        shared[r.group] = p[:n]
+    return -(-sum(len(p) // args.page_size for p in shared.values()) // 2) + args.concurrency * longest
+
+
+def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int, prefill_pages: int) -> Topology:
     engine: dict[str, Any] = {
         "model": model, "page-size": args.page_size, "max-prompt-tokens": max_prompt,
         "max-seq-len": max_prompt + args.max_new_tokens + args.page_size,
-        # Room for every group's prefix and the requests in flight, so nothing is evicted.
+        # Room for every group's prefix and the requests in flight, so nothing is evicted
+        # (the decode's pool; a prefill's is prefill_pages).
         "num-pages": (args.groups + args.concurrency + 2) * (max_prompt // args.page_size + 2),
     }
-    prefill_args: dict[str, Any] = {"chunk-size": 512}
+    prefill_args: dict[str, Any] = {"chunk-size": 512, "num-pages": prefill_pages or engine["num-pages"]}
     if arm == "a" and prefill_has_flag("--no-prefix-cache"):
         prefill_args["no-prefix-cache"] = True
     if arm == "d" and prefill_has_flag("--no-smg-kv-events"):
@@ -244,7 +270,7 @@ async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list
     if arm in ("d", "e") and not gateway_available():
         return "not available: smg is not installed (pdgrpc[gateway])"
     max_prompt = max(len(r.input_ids) for r in requests + warmup)
-    cluster = Cluster(topology(args, model, arm, max_prompt), start_timeout=300)
+    cluster = Cluster(topology(args, model, arm, max_prompt, pool_pages(args, requests)), start_timeout=300)
     async with contextlib.AsyncExitStack() as stack:
         print(f"arm {arm} ({ARMS[arm]}): starting ...", flush=True)
         await stack.enter_async_context(cluster)

@@ -52,3 +52,18 @@ def test_summary_splits_first_and_later_and_compares_with_arm_a() -> None:
     assert rows[("arm c", "outputs_equal_to_a")].value == 0.75  # one output differs
     assert rows[("arm c", "hit_rate")].value == 0.5 and rows[("arm c", "hit_rate")].ratio == pytest.approx(2.0)
     assert not any(arm == "arm e" for arm, _ in rows)  # not available: no numbers
+
+
+def test_each_prefill_holds_half_the_groups_prefixes_and_the_requests_in_flight() -> None:
+    a = args(groups=4, questions=3, prefix_tokens="64", question_tokens="16", concurrency=2, page_size=16)
+    reqs = workload(a, vocab=512)
+    longest = 80 // 16 + 2
+    # Two groups' four-page prefixes, and two prompts of the longest length in flight.
+    assert prefix.pool_pages(a, reqs) == 2 * 4 + 2 * longest
+    t = prefix.topology(a, "model", "b", 80, prefix.pool_pages(a, reqs))
+    pools = {p.name: p.args["num-pages"] for p in t.processes if p.role == "prefill"}
+    assert pools == {"prefill-a": 8 + 2 * longest, "prefill-b": 8 + 2 * longest}
+    assert t.engine["num-pages"] > 4 * 4 + 2 * longest  # the decode: room for everything
+    # --pool-pages 0: the prefills get the decode's roomy pool, so nothing is evicted.
+    roomy = prefix.topology(a, "model", "b", 80, prefix.pool_pages(args(pool_pages=0), reqs))
+    assert {p.args["num-pages"] for p in roomy.processes if p.role == "prefill"} == {roomy.engine["num-pages"]}
