@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdgrpc.argtypes import whole_number
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
 from pdgrpc.discovery.cli import add_discovery_arguments
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix lacks (delta transfer); a transport that moves bytes (not fake) only (default: off)",
     )
     g.add_argument(
+        "--local-prefill-chunk", type=whole_number(1, "tokens"), default=SchedulerConfig.local_prefill_chunk, metavar="TOKENS",
+        help="most prompt tokens of local prefills (a router's Decode with local_prefill: this decode computes the "
+        "prompt itself) computed between two decode steps; smaller keeps running streams' inter-token latency "
+        "lower while a prompt is computed (default: %(default)s)",
+    )
+    g.add_argument(
         "--rpc-timeout", type=float, default=5.0, metavar="SECONDS",
         help="deadline of each bootstrap call and AbortRoom (default: %(default)s)",
     )
@@ -117,4 +124,5 @@ def scheduler_config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         rpc_timeout_s=ns.rpc_timeout,
         compute_nice=ns.compute_nice,
         prefix_cache=ns.decode_prefix_cache,
+        local_prefill_chunk=ns.local_prefill_chunk,
     )

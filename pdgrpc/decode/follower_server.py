@@ -26,7 +26,7 @@ from typing import Any
 from pdgrpc.decode.cli import build_parser as decode_parser
 from pdgrpc.decode.cli import scheduler_config_from_args
 from pdgrpc.decode.job import SchedulerConfig
-from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_locally
+from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues, prefill_chunks, prefill_locally
 from pdgrpc.decode.tp import EVICTABLE, REPLAYED, ROOM_BIND, ROOM_INFO, ROOM_WRITERS, TpGroup, TpGroupBroken
 from pdgrpc.engine.tp import torch_distributed_all_reduce
 from pdgrpc.errors import PdgrpcError
@@ -139,6 +139,8 @@ class Follower:
                 await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.decode_step, arg)
             elif kind == "prefill":
                 await asyncio.get_running_loop().run_in_executor(self._engine_thread, prefill_locally, self.engine, arg)
+            elif kind == "chunks":
+                await asyncio.get_running_loop().run_in_executor(self._engine_thread, prefill_chunks, self.engine, arg)
             elif kind == "stop":
                 log.info("decode TP rank %d: stop from rank 0", self.rank)
                 return 0

@@ -4,7 +4,8 @@
 The scheduler (:class:`~pdgrpc.decode.scheduler.DecodeScheduler`) builds one
 :class:`Generation` and hands it each committed request (:meth:`Generation.start`, or
 :meth:`Generation.prefill_here` for fake transfers), then calls
-:meth:`Generation.compute` once per loop iteration. Every engine call runs on the one
+:meth:`Generation.compute` once per loop iteration: the chunks of local prefills
+(:class:`~pdgrpc.decode.local.LocalPrefills`), then one decode step. Every engine call runs on the one
 compute thread, one at a time (the engine is not thread-safe).
 """
 
@@ -18,7 +19,8 @@ from typing import Any, Callable
 import grpc
 
 from pdgrpc.decode.job import Job, SchedulerConfig, Tokens
-from pdgrpc.decode.rank import prefill_locally
+from pdgrpc.decode.local import LocalPrefills
+from pdgrpc.decode.rank import prefill_chunks, prefill_locally
 from pdgrpc.decode.tp import TpGroup, TpGroupBroken
 from pdgrpc.engine.base import DecodeRequest as EngineDecodeRequest
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, stop_reason
@@ -27,7 +29,7 @@ from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state import AbortReason
-from pdgrpc.state.decode_fate import Fail, Finish
+from pdgrpc.state.decode_fate import Commit, Fail, Finish
 
 log = logging.getLogger("pdgrpc.decode")
 
@@ -37,7 +39,8 @@ __all__ = ["Generation"]
 class Generation:
     """The committed requests and the engine's steps over them. ``release_pages``: hands a
     request's pages back (whether its prompt's KV is complete, so they may be cached); ``ended``: the request sent its last
-    message; ``rank_lost``: a TP collective failed (this instance cannot go on)."""
+    message; ``rank_lost``: a TP collective failed (this instance cannot go on); ``local``:
+    the local prefills, whose chunks each :meth:`compute` runs first."""
 
     def __init__(
         self,
@@ -48,8 +51,10 @@ class Generation:
         release_pages: Callable[[Job, bool], None],
         ended: Callable[[Job], None],
         rank_lost: Callable[[str], None],
+        local: LocalPrefills,
     ) -> None:
         self.engine, self.tp, self.config, self.metrics = engine, tp, config, metrics
+        self.local = local
         self._release_pages, self._ended, self._rank_lost = release_pages, ended, rank_lost
         self.running: list[Job] = []
         self._prefill_locally: list[Job] = []  # fake transfers: compute the prompt's KV here
@@ -59,7 +64,7 @@ class Generation:
     @property
     def busy(self) -> bool:
         """Something to compute at the next :meth:`compute`."""
-        return bool(self._prefill_locally or self.running)
+        return bool(self._prefill_locally or self.running or self.local.ready)
 
     def start_thread(self) -> None:
         self._engine_thread.submit(lambda: None)  # the compute thread starts (and is reniced) now
@@ -107,8 +112,15 @@ class Generation:
         self._release_pages(job, True)  # committed: its prompt's KV landed
         self.fail(job, job.fate.outcome(RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED)))
 
+    def _cancelled_local(self, job: Job) -> None:
+        self._release_pages(job, False)
+        self.fail(job, job.fate.outcome(RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED)))
+
     def drop_cancelled(self) -> None:
-        """End the running requests that were cancelled since the last step."""
+        """End the running requests and local prefills that were cancelled since the last step."""
+        for job in self.local.drop_ending():
+            request_event(log, job.room, "cancelled during its local prefill")
+            self._cancelled_local(job)
         keep = []
         for job in self.running:
             if job.fate.ending:
@@ -127,6 +139,8 @@ class Generation:
     async def compute(self) -> None:
         """Local prefills (fake transfers), then one decode step over every running request,
         in a worker thread so the loop keeps serving RPCs and transport callbacks."""
+        if self.local.ready:
+            await self._local_chunks()
         if self._prefill_locally:
             jobs, self._prefill_locally = self._prefill_locally, []
             firsts = await self._in_step_thread(self._prefill_jobs, jobs)
@@ -167,6 +181,38 @@ class Generation:
             if reason is not None:
                 self._finish(job, reason)
         self.running = [j for j in self.running if not j.fate.ended]
+
+    async def _local_chunks(self) -> None:
+        """One step's chunks of local prefills; a request whose last chunk this was
+        sends its first token and runs from the next decode step."""
+        plan = self.local.next_chunks()
+        results = await self._in_step_thread(self._compute_chunks, plan)
+        if results is None:
+            return
+        for (job, start, end), res in zip(plan, results):
+            if job.fate.ended:  # failed meanwhile (the server is shutting down)
+                continue
+            if isinstance(res, BaseException):
+                log.error("room %d: local prefill of tokens [%d, %d) failed", job.room, start, end, exc_info=res)
+                self._crash(job, res)
+            elif res is None:
+                continue  # more chunks to come (a cancel is taken before the next)
+            elif job.fate.ending:
+                self._cancelled_local(job)
+            else:
+                job.fate.handle(Commit())
+                self.metrics.on_local_prefill()
+                cached = job.lease.cached_tokens if job.lease is not None else 0
+                if cached:
+                    self.metrics.on_reused(cached)
+                request_event(log, job.room, "prefilled locally", computed=len(job.input_ids) - cached, cached=cached)
+                self.start(job, res, 0, time.monotonic() - job.admitted_at, 0.0, cached)
+
+    def _compute_chunks(self, plan: list[tuple[Job, int, int]]) -> list[SampledToken | BaseException | None]:
+        chunks = [(PrefillRequest(job.input_ids, job.pages, job.sampling), start, end) for job, start, end in plan]
+        if self.tp is not None:  # the other ranks compute the same chunks (the engine all-reduces)
+            self.tp.broadcast(("chunks", chunks))
+        return prefill_chunks(self.engine, chunks)
 
     async def await_first_tokens_sent(self, batch: list[Job]) -> None:
         """Hold a step that serves only requests whose first token is still being sent.

@@ -56,6 +56,10 @@ class SchedulerConfig:
     # Keep a prefix cache of received prompt pages and ask each prefill only for the
     # pages it lacks (pdgrpc.decode.reuse). A transport that moves bytes only.
     prefix_cache: bool = False
+    # Most prompt tokens of local prefills (pdgrpc.decode.local) one iteration computes
+    # before its decode step: bounds what a local prefill adds to running streams'
+    # inter-token latency.
+    local_prefill_chunk: int = 128
 
 
 @dataclasses.dataclass(eq=False)

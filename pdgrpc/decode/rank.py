@@ -155,6 +155,18 @@ class RankTransfers:
         )
 
 
+def prefill_chunks(engine: Engine, plan: list[tuple[PrefillRequest, int, int]]) -> list[SampledToken | BaseException | None]:
+    """Local prefills: compute each ``(request, start, end)`` chunk of one step (every TP
+    rank, in the same order); a request's last chunk gives its first token."""
+    out: list[SampledToken | BaseException | None] = []
+    for req, start, end in plan:
+        try:
+            out.append(engine.prefill_chunk(req, start, end))
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
 def prefill_locally(engine: Engine, reqs: list[PrefillRequest]) -> list[SampledToken | BaseException]:
     """Fake transfers: compute each prompt's KV here (every TP rank, in the same order)."""
     out: list[SampledToken | BaseException] = []

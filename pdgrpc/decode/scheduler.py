@@ -9,6 +9,7 @@ Each iteration of :meth:`DecodeScheduler._run`, in this order::
     _poll(now, handshakes)           local poll -> metadata gate -> MIN (TP=1: identity)
                                       -> Committed (first token from the slot row)
                                       -> Aborted  (status to the client, AbortRoom to prefill)
+    local prefill chunks             at most --local-prefill-chunk prompt tokens (pdgrpc.decode.local)
     engine.decode_step(running)      in a worker thread; one token per running request
 
 ``_poll`` is the one place the decode polls its transfers; with TP 1 a transport room
@@ -44,6 +45,7 @@ import grpc
 from pdgrpc.decode.generation import Generation
 from pdgrpc.decode.handshake import Handshaker
 from pdgrpc.decode.job import Job, SchedulerConfig, abort_status
+from pdgrpc.decode.local import NO_PREFILL, LocalPrefills
 from pdgrpc.decode.prefill_calls import PrefillCalls
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
@@ -60,7 +62,7 @@ from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.tp import check_tp_sizes
 from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, SendHandshake, resolve_locally
-from pdgrpc.state.decode_fate import Cancel, Commit, TransportFailed
+from pdgrpc.state.decode_fate import Cancel, Commit, ComputeHere, TransportFailed
 from pdgrpc.state.room import Room
 from pdgrpc.transport.base import Transport
 
@@ -126,8 +128,9 @@ class DecodeScheduler:
         self._evictable_noted = 0  # TP: what the followers were last told (tp.EVICTABLE)
         if config.prefix_cache and not transport.moves_bytes:
             log.warning("decode prefix cache off: the %s transport moves no KV (the decode computes every prompt)", transport.name)
+        self.local = LocalPrefills(self.queues, config.local_prefill_chunk, config.deadlines.allocate_s)
         self.generation = Generation(
-            engine, tp, config, self.metrics, self._release_pages, self._ended, self.rank_lost
+            engine, tp, config, self.metrics, self._release_pages, self._ended, self.rank_lost, self.local
         )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in (*engine.kv_buffers().k, *engine.kv_buffers().v))
 
@@ -244,17 +247,7 @@ class DecodeScheduler:
         room_secret: bytes = b"",
     ) -> Job:
         """Admit a request (fields already validated by the servicer) or raise RequestFailed."""
-        if self._closing:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
-        if room in self._jobs or room in self._reserved or self.queues.slot_of(room) is not None:
-            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"bootstrap_room {room} is already in use on this decode")
-        n_pages = max(self.engine.pages_needed(len(input_ids)), self.engine.pages_needed(len(input_ids) + max_new_tokens - 1))
-        if n_pages > self.engine.num_pages:
-            raise RequestFailed(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({max_new_tokens}) needs {n_pages} KV pages, "
-                f"the decode pool has {self.engine.num_pages}",
-            )
+        n_pages = self._admissible(room, input_ids, max_new_tokens)
         self._reserved.add(room)
         try:
             prefill = await self._prefill_info(prefill_address)
@@ -298,6 +291,45 @@ class DecodeScheduler:
             log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens,
             prefill=prefill_address, dp_rank=rank if rank is not None else "?", dp_rank_from=how, pages=n_pages,
             cached_pages=job.cached_pages,
+        )
+        self._wake.set()
+        return job
+
+    def _admissible(self, room: Room, input_ids: tuple[int, ...], max_new_tokens: int) -> int:
+        """The pages a new request needs, or RequestFailed when it cannot be admitted."""
+        if self._closing:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+        if room in self._jobs or room in self._reserved or self.queues.slot_of(room) is not None:
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"bootstrap_room {room} is already in use on this decode")
+        n_pages = max(self.engine.pages_needed(len(input_ids)), self.engine.pages_needed(len(input_ids) + max_new_tokens - 1))
+        if n_pages > self.engine.num_pages:
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({max_new_tokens}) needs {n_pages} KV pages, "
+                f"the decode pool has {self.engine.num_pages}",
+            )
+        return n_pages
+
+    def submit_local(
+        self, room: Room, request_id: str, input_ids: tuple[int, ...], sampling: SamplingParams, max_new_tokens: int
+    ) -> Job:
+        """Admit a local prefill (:mod:`pdgrpc.decode.local`): this decode computes the
+        prompt from the end of its cached prefix (with TP, every rank: its pages come from
+        a replayed queue call, its chunks are broadcast). Raises RequestFailed."""
+        n_pages = self._admissible(room, input_ids, max_new_tokens)
+        now = time.monotonic()
+        job = Job(room, request_id, input_ids, sampling, max_new_tokens, NO_PREFILL, n_pages, asyncio.Queue(), now)
+        job.fate.handle(ComputeHere())
+        if self.reuse is not None:
+            # The last prompt token is always computed: its logits give the first token.
+            most = min(n_pages - 1, (len(input_ids) - 1) // self.engine.kv_layout.page_size)
+            job.lease = self.reuse.hold(input_ids, most)
+            job.pages = job.lease.pages
+        self.local.add(job, n_pages - job.cached_pages, now)
+        self._jobs[room] = job
+        request_event(
+            log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens,
+            prefill="local", pages=n_pages, cached_pages=job.cached_pages,
         )
         self._wake.set()
         return job
@@ -361,7 +393,7 @@ class DecodeScheduler:
                 await asyncio.sleep(0)  # let RPCs and transport callbacks in between steps
                 continue
             q = self.queues
-            timeout = self.config.idle_poll_s if (q.num_requests or q.num_quarantined) else 1.0
+            timeout = self.config.idle_poll_s if (q.num_requests or q.num_quarantined or self.local.pending) else 1.0
             # asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own,
             # which costs two more loop passes between a KV landing and its first token.
             try:
@@ -380,7 +412,11 @@ class DecodeScheduler:
         for query in q.poll_dp_ranks(now):
             self.spawn(self.calls.query_dp_ranks(query), f"query-dp-ranks {query.prefill_address}")
         if self.reuse is not None:  # cached pages no request holds make room for those waiting
-            self.reuse.reclaim(sum(j.num_pages - j.cached_pages for j in self._jobs.values() if j.slot is None))
+            waiting = sum(j.num_pages - j.cached_pages for j in self._jobs.values() if j.slot is None and j.fate.in_queues)
+            self.reuse.reclaim(waiting + self.local.pages_wanted)
+        for job, failure in self.local.allocate(now):
+            self._unlock(job)
+            self.generation.fail(job, failure)
         self._poll(now, q.prealloc(now))
         if self.generation.busy:
             await self.generation.compute()

@@ -126,7 +126,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         engine = self.scheduler.engine
         bad = grpc.StatusCode.INVALID_ARGUMENT
         room = room_from_proto(request.bootstrap_room)
-        if not request.prefill_bootstrap_address:
+        if not request.prefill_bootstrap_address and not request.local_prefill:
             raise RequestFailed(bad, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
         if not request.HasField("sampling"):
             raise RequestFailed(bad, "sampling is not set (it must equal the one sent to the prefill)")
@@ -138,6 +138,8 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             engine.tokenizer.check_ids(ids, "input_ids")
         except (InvalidRequest, EngineError) as exc:
             raise RequestFailed(bad, str(exc).replace("token_ids", "input_ids")) from None
+        if request.local_prefill:
+            return self.scheduler.submit_local(room, request.request_id, ids, sampling, max_new)
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         return await self.scheduler.submit(
             room, request.request_id, ids, sampling, max_new, request.prefill_bootstrap_address, routed, bytes(request.room_secret)

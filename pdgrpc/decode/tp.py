@@ -38,7 +38,7 @@ __all__ = ["EVICTABLE", "REPLAYED", "ROOM_BIND", "ROOM_INFO", "ROOM_WRITERS", "C
 # Calls of DecodeQueues that change its state and are replayed on every rank.
 # (poll_dp_ranks too: it advances the dp-rank resolver's throttle and in-flight state,
 # which on_dp_ranks reads.)
-REPLAYED = ("add", "poll_dp_ranks", "on_dp_ranks", "cancel", "on_abort_ack", "release_pages", "tick", "prealloc")
+REPLAYED = ("add", "poll_dp_ranks", "on_dp_ranks", "cancel", "on_abort_ack", "alloc_pages", "release_pages", "tick", "prealloc")
 ROOM_INFO = "room_info"  # a log entry for the followers only: (room, pages the prefill writes, prefill_tp_size)
 # A log entry for the followers only: (room, writer instance ids per decode rank) of a
 # quarantined room (pdgrpc.decode.rank.RankTransfers.watch_writers).
@@ -144,6 +144,9 @@ class ReplicatedQueues(DecodeQueues):
 
     def on_abort_ack(self, room: int) -> bool:
         return self._logged("on_abort_ack", (room,), super().on_abort_ack(room))
+
+    def alloc_pages(self, n: int) -> tuple[int, ...] | None:
+        return self._logged("alloc_pages", (n,), super().alloc_pages(n))
 
     def release_pages(self, pages: Iterable[int]) -> None:
         pages = tuple(pages)

@@ -209,6 +209,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_D,),
     ),
     MetricSpec(
+        "pdgrpc_local_prefill_requests_total", "counter",
+        "Requests whose prompt the decode computed itself (DecodeRequest.local_prefill), with no prefill and no "
+        "transfer (count).",
+        _R, (_D,),
+    ),
+    MetricSpec(
         "pdgrpc_requests_total", "counter",
         "Requests that reached a terminal state on this server (count), by state: finished, aborted "
         "(see pdgrpc_aborts_total for why), refused (turned away at admission).",

@@ -196,6 +196,7 @@ class DecodeMetrics(RoleMetrics):
         self._transfers = TransferCounters(self._fam, self.role, transport)
         self._queries = DpQueryCounters(self._fam, self.role)
         self._reused_tokens = self._fam.counter("pdgrpc_decode_reused_tokens_total").labels(self.role.value)
+        self._local_prefills = self._fam.counter("pdgrpc_local_prefill_requests_total").labels(self.role.value)
         self.transport = transport
         self.set_info(transport=transport)
 
@@ -206,6 +207,10 @@ class DecodeMetrics(RoleMetrics):
     def on_reused(self, tokens: int) -> None:
         """A request committed with ``tokens`` prompt tokens from the decode's prefix cache."""
         self._reused_tokens.inc(_count("tokens", tokens))
+
+    def on_local_prefill(self) -> None:
+        """A request's prompt was computed here (local prefill) and its first token sent."""
+        self._local_prefills.inc()
 
     def on_refused(self) -> None:
         """A request was turned away at admission, before it took any resource (invalid

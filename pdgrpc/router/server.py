@@ -22,6 +22,7 @@ from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.logs import add_logging_arguments
+from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.v1 import generate_pb2_grpc
 
@@ -94,6 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="under --policy cache_aware: how many more calls in flight (Prefill calls; Decode streams for decodes) "
         "than the least loaded instance the one holding the longest prefix may have and still get the request "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="TOKENS",
+        help="local prefill: when the part of a prompt the chosen decode's prefix cache lacks (by its KV events) is "
+        "at most this many tokens, the router sends only Decode, flagged local_prefill, and the decode computes the "
+        "prompt itself between its decode steps, with no Prefill call and no transfer. Only decodes that publish a "
+        "prefix cache (--decode-prefix-cache) and only under --policy cache_aware (0: never for this reason; "
+        "default: %(default)s)",
+    )
+    p.add_argument(
+        "--local-prefill-queue", type=int, default=0, metavar="CALLS",
+        help="local prefill when every prefill has more than this many Prefill calls from this router in flight, "
+        "whatever the prompt's length (0: never for this reason; default: %(default)s)",
     )
     p.add_argument(
         "--migration-limit", type=int, default=1, metavar="N",
@@ -196,6 +210,8 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         cache_aware_margin=args.cache_aware_margin,
         migration_limit=args.migration_limit,
         migration_max_seq_len=args.migration_max_seq_len,
+        local_prefill_tokens=args.local_prefill_tokens,
+        local_prefill_queue=args.local_prefill_queue,
     )
 
 

@@ -12,7 +12,10 @@ What one ``Generate`` does::
    and the room's secret, which only these two get (:mod:`pdgrpc.serving.room_proof`);
    a request that names no sampling seed gets a random one (:func:`~pdgrpc.serving.prompts.with_seed`).
 2. Start ``Prefill`` and ``Decode`` at once: decode allocates pages and handshakes with
-   the prefill worker while the prefill computes, so neither waits for the other.
+   the prefill worker while the prefill computes, so neither waits for the other. Or,
+   when the decode lacks little of the prompt or every prefill is busy
+   (:func:`~pdgrpc.state.local_prefill.prefill_where`), only ``Decode``, with
+   ``local_prefill``: the decode computes the prompt itself (local prefill).
 3. Relay the decode's stream, turning token ids into text deltas with an incremental
    UTF-8 decoder (a multi-byte character split across two messages is sent whole, with
    the later message). The first message carries TTFT, KV bytes, transfer time, room and
@@ -77,6 +80,7 @@ from pdgrpc.rpc.errors import reason_of
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
+from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS, LocalPrefillRule, prefill_where
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.room import Room
@@ -170,6 +174,11 @@ class RouterConfig:
     # Longest prompt + generated tokens a stream migrates with (the new prefill computes
     # them all); 0: max_prompt_tokens, the most a prefill takes.
     migration_max_seq_len: int = 0
+    # Local prefill (pdgrpc.state.local_prefill): the decode computes a prompt whose part
+    # its cache lacks is at most this many tokens (0: never for that reason), or any
+    # prompt when every prefill has more than local_prefill_queue calls in flight (0: never).
+    local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
+    local_prefill_queue: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -191,6 +200,11 @@ class RouterConfig:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.migration_max_seq_len < 0:
             raise ValueError(f"--migration-max-seq-len must be >= 0, got {self.migration_max_seq_len}")
+        self.local_prefill  # names a bad --local-prefill-tokens or --local-prefill-queue
+
+    @property
+    def local_prefill(self) -> LocalPrefillRule:
+        return LocalPrefillRule(self.local_prefill_tokens, self.local_prefill_queue)
 
     @property
     def migration_seq_len(self) -> int:
@@ -261,6 +275,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.config = config
         # Without a feed the index stays empty: cache_aware then picks as least_load does.
         index = index if index is not None else PrefixIndex()
+        self._index = index
+        self._local_rule = config.local_prefill
         self.policy = Policy(config.policy, index, config.cache_aware_margin)
         self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
@@ -335,6 +351,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prefill = ready[self.policy.choose([p.address for p in ready], turn, prompt)]
         ready_decodes = [decodes[i] for i in self._ejections.ready("decode", decodes)]
         return prefill, ready_decodes[self.decode_policy.choose(ready_decodes, turn, prompt)]
+
+    def _local(self, prompt: Sequence[int], decode: str) -> bool:
+        """Whether ``decode`` computes ``prompt`` itself (local prefill): by
+        :func:`~pdgrpc.state.local_prefill.prefill_where`, over what the index says the
+        decode holds and this router's Prefill calls in flight. Only a decode that
+        publishes its prefix cache takes part."""
+        if self._view is None:
+            prefills: Sequence[str] = [p.address for p in self.config.prefills]
+        else:
+            prefills = [p.address for p in self._view.instances("prefill")]
+        can = self._index.block_count(decode) > 0
+        matched = self._index.match(prompt).get(decode, 0) if can else 0
+        where = prefill_where(self._local_rule, len(prompt), matched, can, [self.policy.load(p) for p in prefills])
+        return where.local
 
     def _eject(self, side: Side, address: str, reason: str) -> None:
         if self._ejections.eject(side.value, address):
@@ -459,9 +489,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         trace: tracing.Hops | None = None,
     ) -> prefill_pb2.PrefillResponse | None:
         """One prefill call and one decode call for ``room`` that go on from ``fate``
-        (prompt + generated tokens, the tokens left), the decode's tokens relayed to the
-        client through the text decoder ``text``: the prefill's reply (None if it had not
-        come). ``trace``: the request's span, the parent of both calls', ended at the
+        (prompt + generated tokens, the tokens left), or the decode call alone for a local
+        prefill, the decode's tokens relayed to the client through the text decoder
+        ``text``: the prefill's reply (None if it had not come, or there was no prefill
+        call). ``trace``: the request's span, the parent of both calls', ended at the
         first token. Raises :class:`_AttemptFailed`; both calls are over when it returns."""
         # Goes to exactly these two peers: the decode proves it to the prefill in its
         # Handshake and AbortRoom calls (pdgrpc.serving.room_proof).
@@ -479,6 +510,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling,
             prefill_bootstrap_address=prefill.bootstrap, room_secret=secret,
         )
+        local = self._local(input_ids, decode)
+        decode_req.local_prefill = local
         if routed is not None:
             prefill_req.routed_dp_rank = routed
             decode_req.routed_dp_rank = routed
@@ -489,17 +522,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         metadata = None if trace is None else trace.metadata()
         if trace is not None:  # the router's own work ends here: the rest of the hop is the call's way
             trace.hop("router.prepare")
-        prefill_call = prefill_stub.Prefill(prefill_req, timeout=timeout, metadata=metadata)
+        prefill_call = None if local else prefill_stub.Prefill(prefill_req, timeout=timeout, metadata=metadata)
         decode_call = decode_stub.Decode(decode_req, timeout=timeout, metadata=metadata)
         # Deferred: both calls' sends are queued on the loop and go out before this line.
         request_event(
             log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids),
-            max_new_tokens=sampling.max_new_tokens, prefill=prefill.address, decode=decode,
+            max_new_tokens=sampling.max_new_tokens, prefill="local" if local else prefill.address, decode=decode,
             routed_dp_rank="-" if routed is None else routed, defer=True,
         )
-        prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
-        self.policy.started(prefill.address)
-        prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
+        prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse | None]
+        if prefill_call is None:  # local prefill: nothing to wait for, nothing to fail
+            prefill_fut = asyncio.get_running_loop().create_future()
+            prefill_fut.set_result(None)
+        else:
+            prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
+            self.policy.started(prefill.address)
+            prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
         self.decode_policy.started(decode)
         try:
             await self._relay(context, room, arrived, fate, text, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
@@ -513,14 +551,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             # stops computing and releases its worker's pages.
             decode_call.cancel()
             self.decode_policy.finished(decode)
-            prefill_call.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()
             if not prefill_fut.done():
                 prefill_fut.cancel()
             elif not prefill_fut.cancelled():
                 prefill_fut.exception()  # retrieved: a failure already handled is not "never retrieved"
 
     @staticmethod
-    async def _await_prefill(call: grpc.aio.UnaryUnaryCall, address: str) -> prefill_pb2.PrefillResponse:
+    async def _await_prefill(call: grpc.aio.UnaryUnaryCall, address: str) -> prefill_pb2.PrefillResponse | None:
         try:
             return await call
         except grpc.RpcError as exc:
@@ -536,7 +575,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         arrived: float,
         fate: RouteFate,
         text: Any,
-        prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse],
+        prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse | None],
         decode_call: grpc.aio.UnaryStreamCall,
         decode_address: str,
         trace: tracing.Hops | None = None,
@@ -591,7 +630,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     @staticmethod
     async def _decode_failure(
-        exc: grpc.RpcError, address: str, prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse]
+        exc: grpc.RpcError, address: str, prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse | None]
     ) -> _AttemptFailed:
         """What ended the decode call ``exc``, put down to the side that failed
         (:func:`~pdgrpc.state.route_fate.blame_decode`)."""

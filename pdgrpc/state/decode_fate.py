@@ -3,8 +3,9 @@
 ::
 
     WAITING --HandshakeAccepted--> HANDSHAKEN --Commit--> RUNNING --Finish--> FINISHED
+    WAITING --ComputeHere--> COMPUTING --Commit--> RUNNING   (local prefill: no prefill, no queues)
     WAITING, HANDSHAKEN --Cancel--> ABORTING      (the decode queues abort it)
-    RUNNING --Cancel--> STOPPING                  (the next decode step drops it)
+    COMPUTING, RUNNING --Cancel--> STOPPING       (the next compute step drops it)
     (any non-terminal) --Fail--> FAILED
 
 :class:`~pdgrpc.state.decode_request.DecodeRequest` follows the transfer inside the decode
@@ -27,7 +28,7 @@ from pdgrpc.errors import IllegalTransition, RequestFailed
 from pdgrpc.kvpoll import KVPoll
 
 __all__ = [
-    "CallAnswered", "CallFailed", "Cancel", "Commit", "DecodeFate", "FATE_TRANSITIONS", "Fail", "FateEvent", "FateState",
+    "CallAnswered", "CallFailed", "Cancel", "Commit", "ComputeHere", "DecodeFate", "FATE_TRANSITIONS", "Fail", "FateEvent", "FateState",
     "Finish", "HandshakeAccepted", "NeverForwarded", "TransportFailed",
 ]  # fmt: skip
 
@@ -37,6 +38,7 @@ class FateState(enum.Enum):
 
     WAITING = "waiting"  # in the decode queues; its handshake not accepted yet
     HANDSHAKEN = "handshaken"  # every prefill worker accepted the handshake; KV on its way
+    COMPUTING = "computing"  # local prefill: the decode computes the prompt itself
     RUNNING = "running"  # committed: generating
     ABORTING = "aborting"  # an end was decided before commit: the decode queues abort it
     STOPPING = "stopping"  # an end was decided while running: the next step drops it
@@ -52,7 +54,13 @@ class HandshakeAccepted:
 
 @dataclasses.dataclass(frozen=True)
 class Commit:
-    """The transfer poll committed it: its first token is known."""
+    """Its first token is known: the transfer poll committed it, or its local prefill
+    computed the prompt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeHere:
+    """It asked for a local prefill: the decode computes its prompt, nothing is received."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +104,7 @@ class NeverForwarded:
     """The prefill's controller forwarded it to no worker: nothing writes into its pages."""
 
 
-FateEvent = Union[HandshakeAccepted, Commit, Cancel, Finish, Fail, CallFailed, CallAnswered, TransportFailed, NeverForwarded]
+FateEvent = Union[HandshakeAccepted, Commit, ComputeHere, Cancel, Finish, Fail, CallFailed, CallAnswered, TransportFailed, NeverForwarded]
 
 S = FateState
 _TERMINAL = frozenset({S.FINISHED, S.FAILED})
@@ -107,6 +115,9 @@ FATE_TRANSITIONS: dict[tuple[FateState, type], FateState] = {
     (S.WAITING, HandshakeAccepted): S.HANDSHAKEN,
     (S.ABORTING, HandshakeAccepted): S.ABORTING,  # accepted after its end was decided: it still ends
     (S.HANDSHAKEN, Commit): S.RUNNING,
+    (S.WAITING, ComputeHere): S.COMPUTING,
+    (S.COMPUTING, Commit): S.RUNNING,
+    (S.COMPUTING, Cancel): S.STOPPING,
     (S.WAITING, Cancel): S.ABORTING,
     (S.HANDSHAKEN, Cancel): S.ABORTING,
     (S.ABORTING, Cancel): S.ABORTING,
@@ -160,7 +171,7 @@ class DecodeFate:
 
     @property
     def live(self) -> bool:  # not ended, and no end decided
-        return self.state in (S.WAITING, S.HANDSHAKEN, S.RUNNING)
+        return self.state in (S.WAITING, S.HANDSHAKEN, S.COMPUTING, S.RUNNING)
 
     @property
     def ending(self) -> bool:  # an end was decided and is not carried out yet

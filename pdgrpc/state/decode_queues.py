@@ -216,6 +216,11 @@ class DecodeQueues:
         return Aborted(r.room, reason, message, state.name, awaiting_ack=False)
 
     # -- engine side ------------------------------------------------------------------
+    def alloc_pages(self, n: int) -> tuple[int, ...] | None:
+        """Pages for a request whose prompt the decode computes itself (a local prefill:
+        no slot, no transfer); None when fewer than ``n`` are free."""
+        return self.pages.alloc(n)
+
     def release_pages(self, pages: Iterable[int]) -> None:
         """Return a committed request's pages once the engine is done with them."""
         self.pages.free(pages)

@@ -26,7 +26,7 @@ from pdgrpc.v1 import common_pb2 as pdgrpc_dot_v1_dot_common__pb2
 from pdgrpc.v1 import prefill_pb2 as pdgrpc_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdgrpc/v1/decode.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\x1a\x17pdgrpc/v1/prefill.proto\"\xe3\x01\n\rDecodeRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12!\n\x19prefill_bootstrap_address\x18\x05 \x01(\t\x12\x1b\n\x0erouted_dp_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0broom_secret\x18\x07 \x01(\x0c\x42\x11\n\x0f_routed_dp_rank\"\xe2\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11\x62ytes_transferred\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.pdgrpc.v1.TopLogprobs\x12\x1a\n\x12\x64\x61ta_plane_seconds\x18\x07 \x01(\x01\x12\x15\n\rcached_tokens\x18\x08 \x01(\r2\xea\x01\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.pdgrpc.v1.DecodeRequest\x1a\x19.pdgrpc.v1.DecodeResponse0\x01\x12\x43\n\x08GetStats\x12\x1a.pdgrpc.v1.GetStatsRequest\x1a\x1b.pdgrpc.v1.GetStatsResponse\x12S\n\x11SubscribeKvEvents\x12#.pdgrpc.v1.SubscribeKvEventsRequest\x1a\x17.pdgrpc.v1.KvEventBatch0\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdgrpc/v1/decode.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\x1a\x17pdgrpc/v1/prefill.proto\"\xfa\x01\n\rDecodeRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12!\n\x19prefill_bootstrap_address\x18\x05 \x01(\t\x12\x1b\n\x0erouted_dp_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0broom_secret\x18\x07 \x01(\x0c\x12\x15\n\rlocal_prefill\x18\x08 \x01(\x08\x42\x11\n\x0f_routed_dp_rank\"\xe2\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11\x62ytes_transferred\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.pdgrpc.v1.TopLogprobs\x12\x1a\n\x12\x64\x61ta_plane_seconds\x18\x07 \x01(\x01\x12\x15\n\rcached_tokens\x18\x08 \x01(\r2\xea\x01\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.pdgrpc.v1.DecodeRequest\x1a\x19.pdgrpc.v1.DecodeResponse0\x01\x12\x43\n\x08GetStats\x12\x1a.pdgrpc.v1.GetStatsRequest\x1a\x1b.pdgrpc.v1.GetStatsResponse\x12S\n\x11SubscribeKvEvents\x12#.pdgrpc.v1.SubscribeKvEventsRequest\x1a\x17.pdgrpc.v1.KvEventBatch0\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.pdgrpc.v1P\001Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1'
   _globals['_DECODEREQUEST']._serialized_start=87
-  _globals['_DECODEREQUEST']._serialized_end=314
-  _globals['_DECODERESPONSE']._serialized_start=317
-  _globals['_DECODERESPONSE']._serialized_end=543
-  _globals['_DECODESERVICE']._serialized_start=546
-  _globals['_DECODESERVICE']._serialized_end=780
+  _globals['_DECODEREQUEST']._serialized_end=337
+  _globals['_DECODERESPONSE']._serialized_start=340
+  _globals['_DECODERESPONSE']._serialized_end=566
+  _globals['_DECODESERVICE']._serialized_start=569
+  _globals['_DECODESERVICE']._serialized_end=803
 # @@protoc_insertion_point(module_scope)

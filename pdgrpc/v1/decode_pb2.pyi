@@ -30,6 +30,7 @@ class DecodeRequest(_message.Message):
     PREFILL_BOOTSTRAP_ADDRESS_FIELD_NUMBER: _builtins.int
     ROUTED_DP_RANK_FIELD_NUMBER: _builtins.int
     ROOM_SECRET_FIELD_NUMBER: _builtins.int
+    LOCAL_PREFILL_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The request's bootstrap room, the same one sent to the prefill (never 0)."""
     request_id: _builtins.str
@@ -41,6 +42,11 @@ class DecodeRequest(_message.Message):
     room_secret: _builtins.bytes
     """The per-request secret the router also gave the prefill (32 random bytes; empty =
     none). Decode proves knowledge of it in each Handshake and AbortRoom (room_proof).
+    """
+    local_prefill: _builtins.bool
+    """Compute the prompt here instead of receiving its KV (local prefill): from the end of
+    the longest prefix the decode's own prefix cache holds, in chunks between decode
+    steps. No prefill is involved: prefill_bootstrap_address may be empty.
     """
     @_builtins.property
     def input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -60,10 +66,11 @@ class DecodeRequest(_message.Message):
         prefill_bootstrap_address: _builtins.str = ...,
         routed_dp_rank: _builtins.int | None = ...,
         room_secret: _builtins.bytes = ...,
+        local_prefill: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "bootstrap_room", b"bootstrap_room", "input_ids", b"input_ids", "prefill_bootstrap_address", b"prefill_bootstrap_address", "request_id", b"request_id", "room_secret", b"room_secret", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank", "bootstrap_room", b"bootstrap_room", "input_ids", b"input_ids", "local_prefill", b"local_prefill", "prefill_bootstrap_address", b"prefill_bootstrap_address", "request_id", b"request_id", "room_secret", b"room_secret", "routed_dp_rank", b"routed_dp_rank", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routed_dp_rank: _TypeAlias = _typing.Literal["routed_dp_rank"]  # noqa: Y015
     _WhichOneofArgType__routed_dp_rank: _TypeAlias = _typing.Literal["_routed_dp_rank", b"_routed_dp_rank"]  # noqa: Y015

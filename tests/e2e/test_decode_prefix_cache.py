@@ -32,9 +32,12 @@ PARAMS = [("1p1d", "tcp"), ("1p1d", "rdma"), ("tp2-to-tp1", "tcp"), ("tp1-to-tp2
 
 
 def _topology(name: str):
+    """Decodes with a small prefix cache; the router never prefills locally (these tests
+    count what the transfers move)."""
     t = load_topology(name)
     procs = tuple(
-        dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True, "num-pages": DECODE_PAGES}) if p.role == "decode" else p
+        dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True, "num-pages": DECODE_PAGES}) if p.role == "decode"
+        else dataclasses.replace(p, args={**p.args, "local-prefill-tokens": 0}) if p.role == "router" else p
         for p in t.processes
     )
     return dataclasses.replace(t, name=f"{name}-decode-prefix", processes=procs)

@@ -43,7 +43,8 @@ def topology() -> Topology:
     procs = []
     for p in topo.processes:
         if p.role == "router":
-            p = dataclasses.replace(p, args={**p.args, "policy": "cache_aware"})
+            # No local prefill: these tests count what the prefills compute.
+            p = dataclasses.replace(p, args={**p.args, "policy": "cache_aware", "local-prefill-tokens": 0})
         if p.role == "decode":
             p = dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True})
         if p.role != "smg":

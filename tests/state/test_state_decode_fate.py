@@ -13,6 +13,7 @@ from pdgrpc.state.decode_fate import (
     CallFailed,
     Cancel,
     Commit,
+    ComputeHere,
     DecodeFate,
     Fail,
     FateEvent,
@@ -27,7 +28,7 @@ F = FateState
 REFUSED = RequestFailed(grpc.StatusCode.FAILED_PRECONDITION, "room 7: handshake refused")
 CANCELLED = RequestFailed(grpc.StatusCode.CANCELLED, "room 7: cancelled")
 EVENTS: list[FateEvent] = [
-    HandshakeAccepted(), Commit(), Cancel(), Cancel(REFUSED), Finish(), Fail(CANCELLED),
+    HandshakeAccepted(), Commit(), ComputeHere(), Cancel(), Cancel(REFUSED), Finish(), Fail(CANCELLED),
     CallFailed("unavailable"), CallAnswered(), TransportFailed("peer closed"), NeverForwarded(),
 ]  # fmt: skip
 
@@ -36,6 +37,7 @@ def fate_in(state: FateState) -> DecodeFate:
     paths: dict[FateState, list[FateEvent]] = {
         F.WAITING: [],
         F.HANDSHAKEN: [HandshakeAccepted()],
+        F.COMPUTING: [ComputeHere()],
         F.RUNNING: [HandshakeAccepted(), Commit()],
         F.ABORTING: [Cancel()],
         F.STOPPING: [HandshakeAccepted(), Commit(), Cancel()],
@@ -112,3 +114,18 @@ def test_a_request_fails_once() -> None:
     f.handle(Fail(CANCELLED))
     with pytest.raises(IllegalTransition):
         f.handle(Fail(REFUSED))
+
+
+def test_a_local_prefill_runs_without_handshake_or_queues_and_a_cancel_goes_to_the_step() -> None:
+    f = DecodeFate()
+    f.handle(ComputeHere())
+    assert f.state is F.COMPUTING and f.live and not f.in_queues
+    with pytest.raises(IllegalTransition):
+        f.handle(HandshakeAccepted())  # no prefill answers for it
+    f.handle(Cancel())
+    assert f.state is F.STOPPING and f.ending and not f.in_queues
+    g = DecodeFate()
+    g.handle(ComputeHere())
+    g.handle(Commit())
+    g.handle(Finish())
+    assert g.ended

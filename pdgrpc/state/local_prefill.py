@@ -1,0 +1,69 @@
+"""Where a request's prompt is computed: on a prefill (disaggregated), or on its decode
+itself (local prefill). Pure: the router passes what its prefix index and its call
+counts say.
+
+A decode computes a prompt locally when either rule holds:
+
+- **short suffix**: the part of the prompt the decode's prefix cache lacks is at most
+  ``max_tokens`` (``--local-prefill-tokens``; 0 turns the rule off). Computing a few
+  pages next to the decode steps costs less than a prefill call, a handshake and a
+  transfer, and the pages the decode holds are never sent again.
+- **busy prefills**: every prefill has more than ``queue_bound`` calls in flight
+  (``--local-prefill-queue``; 0 turns the rule off). A request then waits less on its
+  decode than in a prefill's queue.
+
+Only a decode that says it can compute locally takes part (it publishes a prefix cache);
+any other gets the prompt from a prefill. The decode
+computes at least the prompt's last token (its logits give the first generated token),
+so a prompt it holds whole still lacks one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+__all__ = ["DEFAULT_LOCAL_PREFILL_TOKENS", "LocalPrefillRule", "Where", "prefill_where"]
+
+DEFAULT_LOCAL_PREFILL_TOKENS = 256
+
+
+class Where(enum.Enum):
+    """Where the prompt is computed, and why."""
+
+    PREFILL = "prefill"
+    SHORT_SUFFIX = "short_suffix"  # local: the decode lacks at most max_tokens of it
+    BUSY_PREFILLS = "busy_prefills"  # local: every prefill's queue is past the bound
+
+    @property
+    def local(self) -> bool:
+        return self is not Where.PREFILL
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPrefillRule:
+    max_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS  # --local-prefill-tokens; 0: off
+    queue_bound: int = 0  # --local-prefill-queue; 0: off
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"--local-prefill-tokens must be >= 0, got {self.max_tokens}")
+        if self.queue_bound < 0:
+            raise ValueError(f"--local-prefill-queue must be >= 0, got {self.queue_bound}")
+
+
+def prefill_where(
+    rule: LocalPrefillRule, prompt_tokens: int, decode_matched: int, decode_can: bool, prefill_loads: Sequence[int]
+) -> Where:
+    """Where a prompt of ``prompt_tokens`` is computed, given that the chosen decode holds
+    its first ``decode_matched`` tokens (by the router's index), whether that decode can
+    compute locally, and the calls in flight on each candidate prefill."""
+    if not decode_can:
+        return Where.PREFILL
+    lacking = prompt_tokens - min(decode_matched, prompt_tokens - 1)
+    if rule.max_tokens and lacking <= rule.max_tokens:
+        return Where.SHORT_SUFFIX
+    if rule.queue_bound and prefill_loads and min(prefill_loads) > rule.queue_bound:
+        return Where.BUSY_PREFILLS
+    return Where.PREFILL

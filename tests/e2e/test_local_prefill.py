@@ -1,0 +1,123 @@
+"""Local prefill through a real cluster (tcp; 1p1d, and a TP 2 decode): the router sends a prompt whose part
+the decode lacks is short to the decode alone (``DecodeRequest.local_prefill``), and the
+decode computes it from the end of its cached prefix, between its decode steps.
+
+Every output equals colocated generation (greedy and seeded); a local request moves no
+KV (``bytes_transferred`` 0) and the prefill is asked nothing; a prompt whose uncached
+part is longer than ``--local-prefill-tokens`` still goes through the prefill; prompts
+computed locally while other streams run leave those streams' tokens exact; afterwards
+nothing is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2
+from tests.e2e.harness import Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+
+PAGE = 16
+LOCAL_TOKENS = 48
+
+
+def _topology(name: str):
+    t = load_topology(name)
+    procs = []
+    for p in t.processes:
+        if p.role == "decode":
+            p = dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True, "local-prefill-chunk": 32})
+        if p.role == "router":
+            p = dataclasses.replace(p, args={**p.args, "local-prefill-tokens": LOCAL_TOKENS})
+        procs.append(p)
+    return dataclasses.replace(t, name=f"{name}-local-prefill", processes=tuple(procs))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["1p1d", "tp1-to-tp2"])
+async def cluster(request):
+    skip_unless_transport("tcp")
+    async with Cluster(_topology(request.param), transport="tcp", start_timeout=180, metrics=True) as c:
+        yield c
+
+
+async def _published(cluster: Cluster, pages: int) -> None:
+    """Until the decode's event stream shows at least ``pages`` stored blocks; the router,
+    subscribed since it started, has them by then too."""
+    stub = decode_pb2_grpc.DecodeServiceStub(cluster.channel("decode"))
+    for _ in range(50):
+        stored = 0
+        call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=0.5)
+        try:
+            async for batch in call:
+                stored += sum(len(e.stored.blocks) for e in batch.events if e.WhichOneof("event") == "stored")
+        except grpc.aio.AioRpcError:
+            pass  # the deadline ends the stream
+        if stored >= pages:
+            await asyncio.sleep(0.5)
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the decode never reported {pages} stored pages")
+
+
+async def test_a_short_uncached_part_is_computed_on_the_decode_with_exact_output(cluster):
+    rng = random.Random(3)
+    history = (256, *(rng.randrange(256) for _ in range(99)))  # 100 tokens: 6 full pages
+    first = Case(history, 6)  # the decode holds nothing: longer than 48 tokens, so a prefill computes it
+    follow = [
+        Case(history + tuple(rng.randrange(256) for _ in range(20)), 8),  # lacks 4 + 20 tokens
+        Case(history + tuple(rng.randrange(256) for _ in range(30)), 8, temperature=0.9, seed=11),
+        Case(history[:64], 5, temperature=0.7, seed=2, top_k=20),  # held whole: computes its last token
+    ]
+    longer = Case(history[:32] + tuple(rng.randrange(256) for _ in range(60)), 6)  # lacks 60: a prefill
+    cases = [first, *follow, longer]
+    expected = dict(zip(cases, reference_outputs_for(cluster.topology, cases)))
+    before = await Counters.read(cluster)
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        (got,), _ = await generate_all(stub, [first])
+        assert (got.token_ids, got.finish_reason) == expected[first]
+        assert got.bytes_transferred > 0
+        await wait_nothing_held(cluster)
+        await _published(cluster, len(history) // PAGE)
+        mid = await Counters.read(cluster)
+        for case in follow:
+            (got,), _ = await generate_all(stub, [case])
+            assert (got.token_ids, got.finish_reason) == expected[case], case
+            assert got.bytes_transferred == 0, case  # nothing moved
+        after_local = await Counters.read(cluster)
+        (got,), _ = await generate_all(stub, [longer])
+        assert (got.token_ids, got.finish_reason) == expected[longer]
+        assert got.bytes_transferred > 0
+    await wait_nothing_held(cluster)
+    after = await Counters.read(cluster)
+    assert after_local.delta(mid, "pdgrpc_local_prefill_requests_total", "decode") == len(follow)
+    assert after_local.delta(mid, "pdgrpc_requests_total", "prefill", state="finished") == 0  # the prefill was asked nothing
+    assert after.delta(after_local, "pdgrpc_local_prefill_requests_total", "decode") == 0
+    assert after.delta(before, "pdgrpc_requests_total", "decode", state="finished") == len(cases)
+
+
+async def test_local_prefills_beside_running_streams_keep_every_output_exact(cluster):
+    """Short prompts computed in chunks between the steps of long-running streams."""
+    rng = random.Random(9)
+    running = [Case((256, *(rng.randrange(256) for _ in range(70))), 40, temperature=0.8 * (i % 2), seed=i) for i in range(3)]
+    short = [Case((256, *(rng.randrange(256) for _ in range(rng.randint(5, 40)))), 10, temperature=0.6 * (i % 2), seed=20 + i)
+             for i in range(6)]
+    cases = running + short
+    expected = dict(zip(cases, reference_outputs_for(cluster.topology, cases)))
+    before = await Counters.read(cluster)
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        got, _ = await generate_all(stub, cases)
+    for c, g in zip(cases, got):
+        assert (g.token_ids, g.finish_reason) == expected[c], c
+    await wait_nothing_held(cluster)
+    after = await Counters.read(cluster)
+    assert after.delta(before, "pdgrpc_local_prefill_requests_total", "decode") >= len(short)
