@@ -250,8 +250,7 @@ def _cancel_after_prefill(prefill_fut: asyncio.Future[Any], decode_call: grpc.ai
     if not _failed(prefill_fut):
         return
     failure = prefill_fut.exception()
-    assert isinstance(failure, _AttemptFailed)
-    if decode_outlives(failure.end):
+    if isinstance(failure, _AttemptFailed) and decode_outlives(failure.end):
         asyncio.get_running_loop().call_later(_CAUSE_WINDOW_S, decode_call.cancel)
     else:
         decode_call.cancel()
