@@ -21,7 +21,9 @@ server serves again: a process restarted on its port would fail the first reques
 to it. :meth:`ChannelPool.get` therefore hands out a fresh channel in place of one in
 ``TRANSIENT_FAILURE``, which connects at its first call. The old one may still carry calls
 (a server that drains refuses new connections while it finishes the calls it runs), so
-it is closed once they end, within :data:`REPLACED_GRACE_S`.
+it is closed once they end, within :data:`REPLACED_GRACE_S`. A peer that drops connection
+attempts (a host that is down) then costs each call a fresh channel's first connect
+attempt, which ``grpc.min_reconnect_backoff_ms`` bounds, rather than a fast failure.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from pdgrpc.v1 import generate_pb2
 # 120 s, which would make a client that started before its server wait for minutes.
 DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
+    # Also the shortest connect timeout: a fresh channel to a host that drops connection
+    # attempts fails its calls this soon, not after gRPC's default 20 s.
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     # Each channel its own subchannels: gRPC's process-wide subchannel pool would hand a

@@ -170,6 +170,37 @@ async def test_a_server_back_on_its_port_is_reached_by_the_very_next_call() -> N
         await pool.close()
 
 
+async def test_a_host_that_drops_connection_attempts_fails_calls_fast() -> None:
+    """The pool replaces a channel whose connection failed, so each call to a host that is
+    down makes a fresh connection attempt: its timeout (grpc.min_reconnect_backoff_ms),
+    not gRPC's default 20 s, is what a router's request waits before it goes elsewhere.
+    A listener whose accept queue is full drops connection attempts as such a host does."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = [socket.socket() for _ in range(4)]
+        try:
+            for f in fillers:
+                f.setblocking(False)
+                try:
+                    f.connect(("127.0.0.1", port))
+                except BlockingIOError:
+                    pass
+            pool = ChannelPool()
+            try:
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    with pytest.raises(grpc.RpcError) as err:
+                        await pool.get(f"127.0.0.1:{port}").unary_unary(f"/{SLOW}/Sleep")(b"", timeout=30)
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() - t0 < 2.0
+            finally:
+                await pool.close()
+        finally:
+            for f in fillers:
+                f.close()
+
 async def test_a_call_in_flight_on_a_replaced_channel_still_finishes() -> None:
     """A server stopping gracefully (a drain) finishes the calls it runs while refusing
     new connections: the client's channel then reads TRANSIENT_FAILURE with those calls
