@@ -27,7 +27,8 @@ from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 from tests.e2e.harness import HELD_FIELDS, Case, reference_outputs_for, skip_unless_transport
 from tests.eventually import eventually_async
 
-pytestmark = pytest.mark.timeout(240)
+# Five drains and restarts of real processes: minutes on a loaded 2-core host.
+pytestmark = pytest.mark.timeout(420)
 
 TOPOLOGY = "2p2d"
 CLIENTS = 16
