@@ -107,10 +107,10 @@ def test_the_throwaway_ca_key_is_gone_when_issuing_a_certificate_fails(
 
     real_issue = credentials.issue
 
-    def issue(ca, directory, name, **kw):  # the second certificate fails
+    def issue(ca, directory, name, *args, **kw):  # the second certificate fails
         if name != "a":
             raise ConfigError(f"cannot issue {name}")
-        return real_issue(ca, directory, name, **kw)
+        return real_issue(ca, directory, name, *args, **kw)
 
     monkeypatch.setattr(credentials, "issue", issue)
     with pytest.raises(ConfigError, match="cannot issue b"):
