@@ -37,7 +37,7 @@ ENGINE_FLAGS = ["--model-size", "tiny", "--page-size", "16", "--num-pages", "256
 DECODE_FLAGS = [
     *ENGINE_FLAGS, "--transport", "tcp", "--num-slots", "8",
     "--bootstrap-timeout", "1.5", "--resolve-timeout", "10", "--abort-lease", "60", "--dp-rank-query-interval", "0.05",
-    "--max-decodes-per-client", "6",
+    "--max-decodes-per-client", "6", "--local-prefill-chunk", "8",
 ]
 STARTUP_S = 60.0
 SETTLE_S = 15.0
@@ -195,6 +195,51 @@ async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeSer
         assert all(not m.finish_reason for m in msgs[:-1])
     await assert_nothing_held(stub)
     assert await outcomes.changed() == {"finished": len(PROMPTS)}
+
+
+async def test_a_local_prefill_computes_the_prompt_here_with_colocated_tokens(
+    stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine, outcomes: Outcomes
+) -> None:
+    """local_prefill: no prefill anywhere (no bootstrap address), the prompt computed in
+    chunks of 8 tokens between the steps of the others; the same tokens and logprobs."""
+    reqs = []
+    for text, n, s in PROMPTS:
+        ids = tuple(engine.tokenizer.encode(text))
+        room = next(_next_room)
+        reqs.append(decode_pb2.DecodeRequest(
+            bootstrap_room=room, request_id=f"r{room}", input_ids=ids, sampling=sampling_to_proto(s, n),
+            room_secret=draw_secret(), local_prefill=True,
+        ))
+    expected = [generate(engine, [tuple(r.input_ids)], n, s)[0] for r, (_, n, s) in zip(reqs, PROMPTS)]
+    results = await asyncio.gather(*(collect(stub, r) for r in reqs))
+    for req, msgs, want in zip(reqs, results, expected):
+        assert [t for m in msgs for t in m.token_ids] == list(want.token_ids), f"room {req.bootstrap_room}"
+        assert [lp for m in msgs for lp in m.logprobs] == [t.logprob for t in want.tokens]
+        assert msgs[-1].finish_reason == want.finish_reason
+        assert msgs[0].bytes_transferred == 0
+    await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"finished": len(PROMPTS)}
+
+
+async def test_a_local_prefill_cancelled_while_computing_frees_everything(
+    stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine, outcomes: Outcomes
+) -> None:
+    ids = tuple(engine.tokenizer.encode("a long prompt to compute eight tokens at a time " * 10))  # 64 chunks
+    room = next(_next_room)
+    req = decode_pb2.DecodeRequest(
+        bootstrap_room=room, request_id=f"r{room}", input_ids=ids, sampling=sampling_to_proto(SamplingParams(), 4),
+        room_secret=draw_secret(), local_prefill=True,
+    )
+    call = stub.Decode(req, timeout=60)
+
+    async def computing() -> bool:
+        s = (await stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats
+        return s.active_requests == 1 and s.pages_in_use >= len(ids) // 16
+
+    await eventually_async(computing, 10, 0.005, "the local prefill never held its pages")
+    call.cancel()
+    await assert_nothing_held(stub)
+    assert await outcomes.changed() == {"aborted": 1, "aborted:cancelled": 1}
 
 
 async def test_corrupted_room_aborts_without_tokens(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
