@@ -80,8 +80,9 @@ def served_model_name(ns: argparse.Namespace) -> str:
     return Path(model).resolve().name if model else DEFAULT_SERVED_MODEL_NAME
 
 
-def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | None":
-    """The SglangScheduler service over a prefill controller (``None`` without the extra)."""
+def prefill_service(controller: Any, ns: argparse.Namespace, prefill: Any) -> "ServiceSpec | None":
+    """The SglangScheduler service over a prefill controller (``None`` without the extra);
+    ``prefill``: what serves its legs' ``Prefill`` (the controller's, counted per client)."""
     if not available():
         return None
     from pdgrpc.gateway.servicer import SERVICE_NAME, PrefillLeg, WorkerInfo, add_to_server
@@ -101,7 +102,7 @@ def prefill_service(controller: Any, ns: argparse.Namespace) -> "ServiceSpec | N
         )
 
     leg = PrefillLeg(
-        controller, info, active=lambda: sum(w.in_flight for w in controller.workers),
+        prefill, info, active=lambda: sum(w.in_flight for w in controller.workers),
         healthy=lambda: _prefill_ready(controller, ns),
         kv_events=None if ns.no_smg_kv_events else controller.kv_events,
     )

@@ -196,7 +196,7 @@ class PrefillLeg(_Base):
     def __init__(self, prefill: Any, info: Callable[[], WorkerInfo], active: Callable[[], int], healthy: Callable[[], bool],
                  kv_events: "KvEventFeed | None") -> None:
         super().__init__(info, active, healthy)
-        self._prefill = prefill  # the controller: Prefill(PrefillRequest, context) -> PrefillResponse
+        self._prefill = prefill  # the controller's, counted per client: Prefill(PrefillRequest, context) -> PrefillResponse
         self._kv_events = kv_events  # the controller's merged log; None: not served to smg (--no-smg-kv-events)
 
     async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802

@@ -54,7 +54,7 @@ async def main_async(ns: argparse.Namespace) -> int:
     metrics = PrefillMetrics(transport=ns.transport)
     metrics.set_info(dp_size=ns.dp_size)
     controller = Controller(ns, metrics)
-    wire = WirePrefillServicer(controller, metrics.on_refused, ns.max_prefills_per_client)  # smg's leg (below) calls controller itself
+    wire = WirePrefillServicer(controller, metrics.on_refused, ns.max_prefills_per_client)
     services = [(PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s))]
     embedded: BootstrapServicer | None = None
     bootstrap_metrics: BootstrapMetrics | None = None
@@ -68,7 +68,8 @@ async def main_async(ns: argparse.Namespace) -> int:
             metrics=bootstrap_metrics,
         )
         services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
-    gateway = prefill_service(controller, ns)  # smg's worker protocol, with pdgrpc[gateway]
+    # smg's worker protocol, with pdgrpc[gateway]: its legs carry no room secret, and are counted per client as smg's.
+    gateway = prefill_service(controller, ns, wire.per_client)
     if gateway is not None:
         services.append(gateway)
     # NOT_SERVING until every worker registered and is ready (set_serving below): a health

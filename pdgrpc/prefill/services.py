@@ -69,28 +69,18 @@ class PrefillHandlers(Protocol):
     def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KvEventBatch]: ...  # noqa: N802
 
 
-class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    """PrefillService over gRPC: ``inner``'s, once a ``Prefill`` carries its
-    ``room_secret`` (:func:`pdgrpc.serving.room_proof.secret_problem`) and its client has
-    fewer than ``max_per_client`` open (:class:`~pdgrpc.rpc.open_calls.OpenCalls`: each
-    open call holds a room); ``refused`` counts one that does not."""
+class PerClientPrefill:
+    """``inner``'s ``Prefill`` while its client (:func:`~pdgrpc.rpc.security.peer_identity`)
+    has fewer than ``max_per_client`` open (:class:`~pdgrpc.rpc.open_calls.OpenCalls`:
+    each open call holds a room); ``refused`` counts one that has not. smg's prefill legs
+    come through here too, counted as smg's."""
 
-    def __init__(self, inner: PrefillHandlers, refused: Callable[[], None],
-                 max_per_client: int = DEFAULT_PER_CLIENT) -> None:
+    def __init__(self, inner: PrefillHandlers, refused: Callable[[], None], max_per_client: int = DEFAULT_PER_CLIENT) -> None:
         self.inner = inner
         self.refused = refused
         self.open_calls = OpenCalls(max_per_client, "Prefill", "--max-prefills-per-client")
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
-        try:
-            room_from_proto(request.bootstrap_room)
-            problem = secret_problem(bytes(request.room_secret))
-            if problem is not None:
-                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        except RequestFailed as exc:
-            self.refused()
-            request_event(log, request.bootstrap_room, "rejected", reason=exc.message)
-            await abort_with(context, exc)
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:  # noqa: N802
         client = peer_identity(context)  # its certificate's name under mTLS, else its host
         try:
             self.open_calls.acquire(client)
@@ -102,6 +92,30 @@ class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return await self.inner.Prefill(request, context)
         finally:
             self.open_calls.release(client)
+
+
+class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """PrefillService over gRPC: ``inner``'s, once a ``Prefill`` carries its
+    ``room_secret`` (:func:`pdgrpc.serving.room_proof.secret_problem`), counted per
+    client (:attr:`per_client`); ``refused`` counts one that is not taken."""
+
+    def __init__(self, inner: PrefillHandlers, refused: Callable[[], None],
+                 max_per_client: int = DEFAULT_PER_CLIENT) -> None:
+        self.inner = inner
+        self.refused = refused
+        self.per_client = PerClientPrefill(inner, refused, max_per_client)
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        try:
+            room_from_proto(request.bootstrap_room)
+            problem = secret_problem(bytes(request.room_secret))
+            if problem is not None:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        except RequestFailed as exc:
+            self.refused()
+            request_event(log, request.bootstrap_room, "rejected", reason=exc.message)
+            await abort_with(context, exc)
+        return await self.per_client.Prefill(request, context)
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         return await self.inner.GetStats(request, context)
