@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.rpc import errors as rpc_errors
-from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.channels import ROUTER_CLIENT_OPTIONS, ChannelPool
 from pdgrpc.rpc.server import loop_name, run, start_server
 from tests.eventually import eventually_async
 
@@ -228,6 +228,52 @@ async def test_a_call_in_flight_on_a_replaced_channel_still_finishes() -> None:
         release.set()
         await pool.close()
 
+
+async def test_a_router_client_rides_through_refusals_and_a_restart() -> None:
+    """ROUTER_CLIENT_OPTIONS: a Generate the router refuses UNAVAILABLE before any reply
+    (it drains) goes again, and one sent while nothing listens on the router's port waits
+    for the new process, within the call's deadline; a plain channel fails both."""
+    from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
+
+    class Router(generate_pb2_grpc.GenerateServiceServicer):
+        def __init__(self, refuse: int) -> None:
+            self.refuse = refuse
+            self.calls = 0
+
+        async def Generate(self, request: Any, context: Any) -> Any:
+            self.calls += 1
+            if self.calls <= self.refuse:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Generate: this server is draining")
+            yield generate_pb2.GenerateResponse(token_ids=[7], finish_reason="length")
+
+    def serve(router: Router, port: int = 0) -> Any:
+        return start_server(
+            [("pdgrpc.v1.GenerateService", lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))],
+            host="127.0.0.1", port=port,
+        )
+
+    draining = Router(refuse=2)
+    server = await serve(draining)
+    address = server.address
+    plain, riding = grpc.aio.insecure_channel(address), grpc.aio.insecure_channel(address, options=ROUTER_CLIENT_OPTIONS)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            [m async for m in generate_pb2_grpc.GenerateServiceStub(plain).Generate(generate_pb2.GenerateRequest(), timeout=10)]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        draining.calls = 0
+        out = [m async for m in generate_pb2_grpc.GenerateServiceStub(riding).Generate(generate_pb2.GenerateRequest(), timeout=10)]
+        assert [list(m.token_ids) for m in out] == [[7]] and draining.calls == 3
+        await server.stop(0)  # restarting: nothing listens for a while
+        call = generate_pb2_grpc.GenerateServiceStub(riding).Generate(generate_pb2.GenerateRequest(), timeout=10)
+        got = asyncio.ensure_future(call.read())
+        await asyncio.sleep(1.0)
+        assert not got.done()
+        server = await serve(Router(refuse=0), port=int(address.rsplit(":", 1)[1]))
+        assert list((await got).token_ids) == [7]
+    finally:
+        await plain.close()
+        await riding.close()
+        await server.stop(0)
 
 class FakeRpcError(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
