@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "gateway": "pdgrpc.bench.gateway",
     "prefix": "pdgrpc.bench.prefix",
     "chaos": "pdgrpc.bench.chaos",
+    "vllm": "pdgrpc.bench.vllm",
 }
 
 __all__ = ["BENCHMARKS"]

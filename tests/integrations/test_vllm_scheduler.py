@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.vllm_support import MODEL, needs_vllm
+from pdgrpc.integrations.vllm.launch import hf_checkpoint
+from tests.integrations.vllm_support import needs_vllm
 
 pytestmark = needs_vllm
 
@@ -19,10 +20,8 @@ def _scheduler(num_blocks: int = 64):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.structured_output import StructuredOutputManager
 
-    if not (MODEL / "config.json").exists():
-        pytest.skip(f"no checkpoint at {MODEL} (tests/integrations/test_vllm_e2e.py builds it)")
     config = VllmConfig(
-        model_config=ModelConfig(model=str(MODEL), dtype="float32", max_model_len=1024),
+        model_config=ModelConfig(model=str(hf_checkpoint()), dtype="float32", max_model_len=1024),
         cache_config=CacheConfig(block_size=BLOCK),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector="PdgrpcConnector", kv_connector_module_path="pdgrpc.integrations.vllm",

@@ -1,0 +1,109 @@
+"""Two real vLLM CPU servers with ``PdgrpcConnector`` and the front door
+(``pdgrpc.integrations.vllm.proxy``): greedy output equals vLLM colocated (the decode
+server answering the same request without ``kv_transfer_params`` computes it itself),
+and a prefill killed while the decode waits for its KV gives the decode its blocks back
+within 2 s, after which the next request succeeds."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from pdgrpc.integrations.vllm.launch import free_port, get_text, hf_checkpoint, post, proxy_server, servers, vllm_server
+from tests.integrations.vllm_support import needs_vllm
+
+pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+STARTUP_S = 900.0  # three vLLM servers start at once on a shared 2-core host
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short story about a robot who learns to paint. " * 12,  # several blocks
+    "List the planets of the solar system in order from the sun, with one fact about each: " * 20,
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = hf_checkpoint()
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    prefill = vllm_server("prefill", free_port(), 0, model, logs)
+    decode = vllm_server("decode", free_port(), 1, model, logs)
+    doomed = vllm_server("doomed-prefill", free_port(), 0, model, logs)
+    proxy = proxy_server(free_port(), prefill, decode, logs)
+    with servers(proxy, doomed, prefill, decode):
+        for s in (prefill, decode, doomed):
+            s.wait_ready("/v1/models", STARTUP_S)
+        _wait_port(proxy)
+        yield {"prefill": prefill, "decode": decode, "doomed": doomed, "proxy": proxy}
+
+
+def _wait_port(server, timeout: float = 60.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", server.port)) == 0:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"proxy not listening; log {server.log}")
+
+
+def _complete(url: str, prompt: str, **extra) -> dict:
+    status, body = post(url + "/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 24,
+                                                  "temperature": 0.0, "return_token_ids": True, **extra})
+    assert status == 200, body
+    return body["choices"][0]
+
+
+def test_greedy_output_over_the_connector_equals_vllm_colocated(cluster):
+    for prompt in PROMPTS:
+        colocated = _complete(cluster["decode"].url, prompt)
+        disagg = _complete(cluster["proxy"].url, prompt)
+        assert disagg["token_ids"] == colocated["token_ids"] and disagg["text"] == colocated["text"], prompt[:40]
+
+
+def _kv_usage(server) -> float:
+    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", get_text(server.url + "/metrics"), re.M)
+    assert m, "vllm:kv_cache_usage_perc missing from the decode's metrics"
+    return float(m.group(1))
+
+
+def test_a_prefill_killed_mid_transfer_gives_the_decode_its_blocks_back_within_two_seconds(cluster):
+    import threading
+
+    decode, doomed = cluster["decode"], cluster["doomed"]
+    prompt = PROMPTS[2]
+    status, first = post(doomed.url + "/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 1,
+                                                          "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200 and first["kv_transfer_params"], first
+    doomed.kill(signal.SIGSTOP)  # frozen: the decode's handshake is in flight, its blocks granted
+    answer: dict = {}
+
+    def ask() -> None:
+        answer["status"], answer["body"] = post(decode.url + "/v1/completions", {
+            "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "kv_transfer_params": first["kv_transfer_params"]})
+        answer["at"] = time.monotonic()
+
+    t = threading.Thread(target=ask)
+    t.start()
+    deadline = time.monotonic() + 30
+    while _kv_usage(decode) == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _kv_usage(decode) > 0.0, "the decode never allocated blocks for the request"
+    killed = time.monotonic()
+    doomed.kill(signal.SIGKILL)
+    t.join(30)
+    assert answer, "the decode request never ended"
+    assert answer["status"] != 200, "a request whose KV never came must not succeed (kv_load_failure_policy=fail)"
+    assert answer["at"] - killed < 2.0, f"the failed load took {answer['at'] - killed:.2f} s to end"
+    while _kv_usage(decode) > 0.0 and time.monotonic() < killed + 2.0:
+        time.sleep(0.05)
+    assert _kv_usage(decode) == 0.0, "the decode's blocks are not back 2 s after the prefill died"
+    # and the next request succeeds, through the front door and its live prefill
+    assert _complete(cluster["proxy"].url, PROMPTS[0])["text"]
