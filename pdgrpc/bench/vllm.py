@@ -127,8 +127,10 @@ def run(args: argparse.Namespace) -> list[Result]:
 
     def pair(kv: dict[str, Any] | None) -> Callable[[Path], tuple[str, list[Any]]]:
         def start(logs: Path) -> tuple[str, list[Any]]:
-            p = vllm_server("prefill", free_port(), 0, model, logs, kv_config=kv)
-            d = vllm_server("decode", free_port(), 1, model, logs, kv_config=kv)
+            # NIXL's side channel listens on a fixed port per server (vLLM's environment).
+            side = (lambda: {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) if kv else (lambda: {})
+            p = vllm_server("prefill", free_port(), 0, model, logs, kv_config=kv, env=side())
+            d = vllm_server("decode", free_port(), 1, model, logs, kv_config=kv, env=side())
             x = proxy_server(free_port(), p, d, logs)
             return x.url, [x, p, d]
         return start

@@ -56,6 +56,8 @@ __all__ = ["Finished", "WorkerOptions", "WorkerSide", "compat_hash"]
 log = logging.getLogger("pdgrpc.integrations.vllm")
 
 PROTOCOL = "pdgrpc-vllm/1"
+# Handshake errors after which the prefill may still have taken the room.
+_OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 HANDSHAKE_SERVICE = handshake_pb2.DESCRIPTOR.services_by_name["HandshakeService"].full_name
 
 
@@ -155,6 +157,7 @@ class WorkerSide:
         self._slots = _Slots(options.slots)
         self._sends: dict[int, _Send] = {}
         self._loads: dict[str, _Load] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # AbortRoom calls nobody waits for
         self.address = ""
 
     # -- vLLM's thread -------------------------------------------------------------------
@@ -216,6 +219,8 @@ class WorkerSide:
         for send in list(self._sends.values()):
             if send.task is not None:
                 send.task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         if self._channels is not None:
@@ -378,6 +383,9 @@ class WorkerSide:
         slot = self._slots.take()
         problem = "" if slot is not None else f"all {self.options.slots} metadata slots are busy"
         granted = False
+        # Whether the prefill may still write into the room: then its AbortRoom
+        # acknowledgement comes before the blocks go back to vLLM.
+        may_write = False
         try:
             if slot is not None:
                 transport.bind_writer(room, params.writer_id)
@@ -391,13 +399,18 @@ class WorkerSide:
                 )
                 req.room_proof = room_proof.handshake_proof(params.room_secret, req)
                 stub = handshake_pb2_grpc.HandshakeServiceStub(self._channels.get(params.address))
+                may_write = True  # from here on, until the prefill's answer says otherwise
                 try:
                     await stub.Handshake(req, timeout=self.options.handshake_timeout_s)
                 except grpc.aio.AioRpcError as exc:
+                    # Refused, or the prefill unreachable: it writes nothing. A call that
+                    # timed out may still be served: only then may it write.
+                    may_write = exc.code() in _OUTCOME_UNKNOWN
                     problem = f"handshake with {params.address} failed: {exc.code().name}: {exc.details()}"
                 else:
                     status = await transport.wait(room, self.options.transfer_timeout_s)
                     if status.state is not KVPoll.SUCCESS:
+                        may_write = not status.peer_lost
                         problem = f"transfer {status.state.name}: {status.reason or 'timed out'}"
                     elif self._slots.rows.room(slot) != room:
                         problem = f"metadata row names room {self._slots.rows.room(slot)}, not {room}: corrupt, discarded"
@@ -407,7 +420,10 @@ class WorkerSide:
             problem = str(exc)
         if problem:
             log.warning("pdgrpc vLLM connector: request %s (room %d) not loaded: %s", job.req_id, room, problem)
-            await self._abort_remote(params, problem)
+            if may_write:
+                await self._abort_remote(params, problem)
+            else:  # nothing of the prefill's can land; it frees its blocks when told
+                self._background(self._abort_remote(params, problem))
         if granted:
             if problem:
                 transport.release_because(room, problem)
@@ -436,7 +452,12 @@ class WorkerSide:
             load.aborted = "request aborted"
             load.task.cancel()  # its cleanup aborts the room at the prefill, then reports it
         elif job.req_id is None:
-            asyncio.ensure_future(self._abort_remote(job.params, "nothing to fetch"))
+            self._background(self._abort_remote(job.params, "nothing to fetch"))
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _room(value: int) -> Room:
