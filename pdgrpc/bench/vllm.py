@@ -139,7 +139,14 @@ def run(args: argparse.Namespace) -> list[Result]:
                                                                  "vllm 1p1d pdgrpc": pair(None)}
     if not args.no_nixl and importlib.util.find_spec("nixl") is not None:
         arms["vllm 1p1d nixl"] = pair(NIXL_CONFIG)
-    measured = {name: _arm(name, start, args, logs) for name, start in arms.items()}
+    measured: dict[str, dict[str, Any]] = {}
+    for name, start in arms.items():
+        try:
+            measured[name] = _arm(name, start, args, logs)
+        except (RuntimeError, AssertionError, OSError) as exc:
+            if name == "vllm colocated":
+                raise
+            print(f"bench vllm: {name} failed, left out: {exc}", flush=True)
     base = measured["vllm colocated"]
     results: list[Result] = []
     for name, m in measured.items():

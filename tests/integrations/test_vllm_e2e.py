@@ -79,16 +79,26 @@ def test_a_prefill_killed_mid_transfer_gives_the_decode_its_blocks_back_within_t
 
     decode, doomed = cluster["decode"], cluster["doomed"]
     prompt = PROMPTS[2]
-    status, first = post(doomed.url + "/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 1,
-                                                          "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": True}})
-    assert status == 200 and first["kv_transfer_params"], first
-    doomed.kill(signal.SIGSTOP)  # frozen: the decode's handshake is in flight, its blocks granted
+
+    def prefill() -> dict:
+        status, first = post(doomed.url + "/v1/completions", {
+            "model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200 and first["kv_transfer_params"], first
+        return first["kv_transfer_params"]
+
+    # One whole transfer from this prefill first: the decode's connection to it is up.
+    status, body = post(decode.url + "/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 2,
+                                                         "temperature": 0.0, "kv_transfer_params": prefill()})
+    assert status == 200, body
+    params = prefill()
+    doomed.kill(signal.SIGSTOP)  # frozen: the decode's handshake goes out and waits, its blocks granted
     answer: dict = {}
 
     def ask() -> None:
         answer["status"], answer["body"] = post(decode.url + "/v1/completions", {
             "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-            "kv_transfer_params": first["kv_transfer_params"]})
+            "kv_transfer_params": params})
         answer["at"] = time.monotonic()
 
     t = threading.Thread(target=ask)
