@@ -92,7 +92,8 @@ def tls_mode(args: argparse.Namespace, topology: Topology) -> str | None:
               file=sys.stderr, flush=True)
         return "off"
     if topology.by_role("smg"):
-        print("plain mode: smg calls its workers in plaintext, so this topology runs without TLS (--tls auto asks anyway)",
+        print("plain mode: smg calls its workers in plaintext, so this topology runs without TLS "
+              "(with --tls auto its workers refuse smg)",
               file=sys.stderr, flush=True)
         return "off"
     return "auto"
