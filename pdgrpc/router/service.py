@@ -224,6 +224,9 @@ class _AttemptFailed(Exception):
 
 _ENDINGS = {
     grpc.StatusCode.UNAVAILABLE: Ending.UNREACHABLE,
+    # The router reads no status of a call it cancelled itself: a CANCELLED comes from a
+    # server that stopped under the call (one that drained took it in as it stopped).
+    grpc.StatusCode.CANCELLED: Ending.UNREACHABLE,
     grpc.StatusCode.INTERNAL: Ending.BROKEN,
     grpc.StatusCode.ABORTED: Ending.ABORTED,
 }

@@ -61,9 +61,10 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
 
 # A client of the router that rides through the router's restart (it drains, refusing new
 # calls UNAVAILABLE, then a new process listens on its port): a Generate refused
-# UNAVAILABLE before any reply goes again with backoff, and a call waits for the router to
-# accept a connection instead of failing while nothing listens. No reply reached the
-# caller before such a refusal, so nothing is repeated; the call's deadline bounds it all.
+# UNAVAILABLE (or CANCELLED, as the router stops) before any reply goes again with
+# backoff, and a call waits for the router to accept a connection instead of failing
+# while nothing listens. No reply reached the caller before such a refusal, so nothing
+# is repeated; the call's deadline bounds it all.
 ROUTER_CLIENT_OPTIONS: tuple[tuple[str, int | str], ...] = DEFAULT_OPTIONS + (
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps({"methodConfig": [{
@@ -71,7 +72,9 @@ ROUTER_CLIENT_OPTIONS: tuple[tuple[str, int | str], ...] = DEFAULT_OPTIONS + (
         "waitForReady": True,
         "retryPolicy": {
             "maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "5s", "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
+            # CANCELLED: a call the router took in as it stopped (a locally cancelled call
+            # is never retried).
+            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
         },
     }]})),
 )

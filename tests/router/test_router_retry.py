@@ -215,3 +215,14 @@ def test_eject_s_is_bounded():
     for bad in (-1.0, 3601.0, float("nan")):
         with pytest.raises(ValueError, match="--eject-s must be between 0 and 3600 seconds"):
             RouterConfig(prefills=(PrefillBackend("127.0.0.1:5", DEAD),), decodes=("127.0.0.1:6",), eject_s=bad)
+
+
+async def test_a_call_cancelled_by_its_stopping_server_is_retried(up):
+    """A server that drained stops; a call it took in just then ends CANCELLED, naming no
+    reason. The router did not cancel it: the server is going away, so the request goes
+    to another instance as for UNAVAILABLE."""
+    up.decodes[0].fail_after, up.decodes[0].fail = 0, (grpc.StatusCode.CANCELLED, "CANCELLED")
+    _, stub = await up.router(up.p_addrs, up.d_addrs, policy="round_robin")
+    out = await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="hi")))
+    assert [list(m.token_ids) for m in out] == [[104], [105]]
+    assert len(up.decodes[0].requests) == 1 and len(up.decodes[1].requests) == 1

@@ -242,8 +242,9 @@ async def test_a_router_client_rides_through_refusals_and_a_restart() -> None:
 
         async def Generate(self, request: Any, context: Any) -> Any:
             self.calls += 1
-            if self.calls <= self.refuse:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "Generate: this server is draining")
+            if self.calls <= self.refuse:  # draining, then stopping under a call it took in
+                code = grpc.StatusCode.UNAVAILABLE if self.calls < self.refuse else grpc.StatusCode.CANCELLED
+                await context.abort(code, "Generate: this server is draining")
             yield generate_pb2.GenerateResponse(token_ids=[7], finish_reason="length")
 
     def serve(router: Router, port: int = 0) -> Any:
