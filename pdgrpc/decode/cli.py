@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most one batched QueryDpRanks per prefill instance per interval (default: %(default)s)",
     )
     g.add_argument(
-        "--decode-prefix-cache", action="store_true",
-        help="keep received prompt pages in a prefix cache and ask each prefill only for the pages a prompt's cached "
-        "prefix lacks (delta transfer); a transport that moves bytes (not fake) only (default: off)",
+        "--decode-prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+        help="keep the pages of received prompts and generated tokens in a prefix cache and ask each prefill only for "
+        "the pages a prompt's cached prefix lacks (delta transfer); --no-decode-prefix-cache moves every page; "
+        "a transport that moves bytes (not fake) only (default: off)",
     )
     g.add_argument(
         "--local-prefill-chunk", type=whole_number(1, "tokens"), default=SchedulerConfig.local_prefill_chunk, metavar="TOKENS",

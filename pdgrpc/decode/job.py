@@ -53,7 +53,7 @@ class SchedulerConfig:
     # Each held call's max_wait, asked again while the room waits. The call is cancelled
     # when the room leaves the queues, so a landed room frees its place on the bootstrap.
     watch_wait_s: float = 5.0
-    # Keep a prefix cache of received prompt pages and ask each prefill only for the
+    # Keep a prefix cache of received and generated pages and ask each prefill only for the
     # pages it lacks (pdgrpc.decode.reuse). A transport that moves bytes only.
     prefix_cache: bool = False
     # Most prompt tokens of local prefills (pdgrpc.decode.local) one iteration computes

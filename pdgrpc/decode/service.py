@@ -156,7 +156,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[prefill_pb2.KvEventBatch]:
         feed = self.scheduler.kv_events
         if feed is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this decode keeps no prefix cache (start it with --decode-prefix-cache)")
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this decode keeps no prefix cache (start it with --decode-prefix-cache, over a transport that moves KV)")
             return
         async for b in serve_kv_events(feed, request):
             yield b

@@ -7,7 +7,8 @@ under test) that computes the prompt's KV and first token. What is fake is the
 scheduling: the test tells it each request's prompt (as a router would send it to a
 prefill) and how to misbehave (``mode``):
 
-* ``"ok"``       -- accept the handshake, prefill, write the pages, then the metadata row;
+* ``"ok"``       -- accept the handshake, prefill, write the pages (all but the leading
+  ``cached_pages`` the decode holds already), then the metadata row;
 * ``"corrupt"``  -- the same, but the row carries another request's bootstrap_room;
 * ``"hang"``     -- never answer the handshake;
 * ``"hold"``     -- accept the handshake and never write (a prefill still computing);
@@ -155,7 +156,8 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             first = engine.prefill_chunk(PrefillRequest(prompt.input_ids, tuple(pages), prompt.sampling), 0, len(prompt.input_ids))
             assert first is not None
             dst = [p + 100 for p in request.dst_pages] if self.owner.mode == "stray" else list(request.dst_pages)
-            ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages, dst)
+            k = request.cached_pages  # the decode holds these already: a prefill never writes them
+            ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages[k:], dst[k:])
             written_room = room + 1 if self.owner.mode == "corrupt" else room
             row = row_from_token(first)
             if room in self.owner.row_overrides:  # a prefill writing a bad row for this room

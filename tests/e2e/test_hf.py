@@ -32,6 +32,7 @@ import torch
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.topology import ProcessSpec
 from pdgrpc.cluster.client import generate
+from pdgrpc.serving.metadata import metadata_layout
 from pdgrpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.harness import Case, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
 
@@ -46,7 +47,12 @@ LENGTHS = (1, 2, 15, 16, 17, 63, 65, 130, 300, 700)  # pages of 16, prefill chun
 def _topology(name: str, model: str, prefill_args: dict | None = None, other_model: str | None = None):
     t = load_topology(name)
     procs = tuple(
-        dataclasses.replace(p, args={**p.args, **prefill_args}) if p.role == "prefill" and prefill_args else p for p in t.processes
+        dataclasses.replace(p, args={**p.args, **prefill_args}) if p.role == "prefill" and prefill_args
+        # The decode keeps a prefix cache; every prompt still goes through a prefill.
+        else dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True}) if p.role == "decode"
+        else dataclasses.replace(p, args={**p.args, "local-prefill-tokens": 0}) if p.role == "router"
+        else p
+        for p in t.processes
     )
     if other_model:  # a decode serving another checkpoint, behind its own router
         procs += (
@@ -163,4 +169,30 @@ async def test_unseeded_sampling_differs_and_the_returned_seed_replays_it(cluste
         assert (await generate(stub, seed=a.seed, **kw)).token_ids == a.token_ids
         zero = [await generate(stub, seed=0, **kw) for _ in range(2)]
         assert zero[0].seed == zero[1].seed == 0 and zero[0].token_ids == zero[1].token_ids
+    await wait_nothing_held(cluster)
+
+
+async def test_a_chats_next_turn_is_sent_only_what_the_decode_lacks_and_equals_colocated(cluster, model_dir):
+    """Turn n+1 repeats turn n's prompt and answer: the decode's prefix cache holds every
+    full page of both, the prefill sends the rest, and each answer (greedy and seeded)
+    equals colocated generation with the same checkpoint."""
+    vocab = len(transformers.AutoTokenizer.from_pretrained(model_dir))
+    g = torch.Generator().manual_seed(9)
+    prompt = tuple(torch.randint(0, vocab, (40,), generator=g).tolist())
+    disaggregated = bool(cluster.topology.by_role("decode"))
+    row = metadata_layout().row_bytes
+    page_bytes = held = 0
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        for turn in range(3):
+            case = Case(prompt, NEW_TOKENS, temperature=0.8 * (turn % 2), seed=turn)
+            (expected,) = reference_outputs_for(cluster.topology, [case])
+            (got,), _ = await generate_all(stub, [case])
+            assert (got.token_ids, got.finish_reason) == expected, turn
+            pages = -(-len(prompt) // 16)
+            if disaggregated:
+                page_bytes = page_bytes or (got.bytes_transferred - row) // pages  # turn 0 moves every page
+                assert got.bytes_transferred == (pages - held) * page_bytes + row, (turn, held)
+            held = (len(prompt) + len(got.token_ids) - 1) // 16
+            prompt = prompt + tuple(got.token_ids) + tuple(torch.randint(0, vocab, (20,), generator=g).tolist())
     await wait_nothing_held(cluster)

@@ -7,7 +7,8 @@ that sends a room's pages, logs it, and holds its metadata row back for 1.5 s: t
 lands after the first bytes reached the decode and before the room completes. A
 replacement prefill worker starts 3 s late (as a real model's load would, only shorter),
 so "freed because the peer died" is told apart from "freed once the replacement
-registered". One cluster per transport; the decode is killed
+registered". The decode keeps a prefix cache (`--decode-prefix-cache`), so the killed
+transfer is a delta: the request before it left the prompt's full pages on the decode. One cluster per transport; the decode is killed
 last, since the cluster does not restart it.
 """
 
@@ -49,12 +50,15 @@ PROMPT = (256, *b"disaggregated serving moves KV pages")
 @contextlib.asynccontextmanager
 async def faulty_cluster(transport: str, topology_name: str, log_dir: Path) -> AsyncIterator[Cluster]:
     """``topology_name`` over ``transport`` with the test-only slow sender on the prefill
-    (respawning its worker after 1 s at most) and the short-lease receiver on the decode."""
+    (respawning its worker after 1 s at most) and the short-lease receiver on the decode;
+    the router never has a decode prefill a prompt itself, so every request is a transfer."""
     topology = load_topology(topology_name)
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "transport": WRAPPERS[transport], "worker-respawn-max-backoff": 1})
         if p.role == "prefill"
-        else dataclasses.replace(p, args={**p.args, "transport": DECODE_WRAPPERS[transport]}) if p.role == "decode" else p
+        else dataclasses.replace(p, args={**p.args, "transport": DECODE_WRAPPERS[transport], "decode-prefix-cache": True})
+        if p.role == "decode"
+        else dataclasses.replace(p, args={**p.args, "local-prefill-tokens": 0}) if p.role == "router" else p
         for p in topology.processes
     )
     topology = dataclasses.replace(topology, processes=procs)
@@ -140,6 +144,10 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_the_decode_within_2s(cl
             lambda: _held(cluster, "decode", seen), FREE_WITHIN_S, 0.05,
             lambda: f"decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound)",
         )
+        # The killed transfer was a delta: the decode held PROMPT's full pages from the
+        # request before it, and unlocked them.
+        allocated = re.findall(r"pages allocated .*?cached_pages=(\d+)", _log(cluster, "decode"))
+        assert allocated[-1] == str(len(PROMPT) // 16), allocated
         # "A peer's death is counted as peer_failure" (the issue), on the decode too.
         counters = await asyncio.to_thread(scrape, cluster.metrics_endpoints()["decode"])
         aborts = {r: counters.value("pdgrpc_aborts_total", role="decode", reason=r) for r in ("peer_failure", "transfer_failed", "cancelled")}
