@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "pdgrpc.bench.engine",
     "gateway": "pdgrpc.bench.gateway",
     "prefix": "pdgrpc.bench.prefix",
+    "multiturn": "pdgrpc.bench.multiturn",
     "chaos": "pdgrpc.bench.chaos",
     "vllm": "pdgrpc.bench.vllm",
 }

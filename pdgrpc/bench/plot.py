@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from pdgrpc.errors import PdgrpcError
 
-__all__ = ["PlotUnavailable", "bootstrap_figure", "e2e_figure", "prefix_figure", "require", "transport_figure"]
+__all__ = ["PlotUnavailable", "bootstrap_figure", "e2e_figure", "multiturn_figure", "prefix_figure", "require", "transport_figure"]
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'pdgrpc[plot]'"
 
@@ -121,3 +121,26 @@ def prefix_figure(path: Path, ttft_ms: Mapping[str, Mapping[str, float]]) -> Non
     ax.set_xticks(range(len(arms)), [a.split(":")[0] for a in arms])
     ax.set_ylabel("time to first token (ms)")
     _save(fig, ax, path, "bench prefix: TTFT by arm, first request of a group vs later ones")
+
+
+def multiturn_figure(path: Path, per_turn: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+    """Per arm, by turn index: KV bytes moved per request (solid, left axis, KiB) and TTFT
+    p50 (dashed, right axis, ms); ``per_turn[arm]["bytes/request"]`` and ``["ttft_p50"]``
+    hold turn 1's value first."""
+    plt = require()
+    fig, ax = plt.subplots(figsize=(7.2, 4))
+    right = ax.twinx()
+    for arm, m in per_turn.items():
+        name = arm.split(":")[0]
+        moved = m.get("bytes/request", ())
+        (line,) = ax.plot(range(1, len(moved) + 1), [v / 1024 for v in moved], marker="o", label=f"{name} bytes/request")
+        ttft = m.get("ttft_p50", ())
+        right.plot(range(1, len(ttft) + 1), ttft, linestyle="--", marker="x", color=line.get_color())
+        # The legend is the left axis's: the right axis's series join it by name.
+        ax.plot([], [], linestyle="--", marker="x", color=line.get_color(), label=f"{name} TTFT p50")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("KV moved per request (KiB)")
+    right.set_ylabel("TTFT p50 (ms)")
+    ax.set_ylim(bottom=0)
+    right.set_ylim(bottom=0)
+    _save(fig, ax, path, "bench multiturn: KV moved and TTFT by turn")

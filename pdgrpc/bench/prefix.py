@@ -106,9 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request, greedily (default: %(default)s)")
     p.add_argument("--arms", default="a,b,c,d,e", help="comma-separated arms to run, of a, b, c, d, e (default: %(default)s)")
     p.add_argument("--transport", default="tcp", help="KV transport (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=2, help="layers of the built checkpoint; Qwen2.5-0.5B has 24 (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the built checkpoint (default: %(default)s)")
-    p.add_argument("--model", metavar="PATH", default="", help="serve this checkpoint instead of building one")
+    add_model_arguments(p)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     p.add_argument(
         "--pool-pages", type=int, default=None, metavar="N",
@@ -118,6 +116,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cache-aware-margin", type=int, default=None, metavar="CALLS", help="the router's --cache-aware-margin in arm c (default: the router's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and their order (default: %(default)s)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of :func:`build_model` (also bench multiturn's)."""
+    p.add_argument("--layers", type=int, default=2, help="layers of the built checkpoint; Qwen2.5-0.5B has 24 (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the built checkpoint (default: %(default)s)")
+    p.add_argument("--model", metavar="PATH", default="", help="serve this checkpoint instead of building one")
+
+
+def build_model(args: argparse.Namespace, tmp: Path) -> tuple[str, int]:
+    """The checkpoint to serve and its vocabulary size: ``--model``, else a random Qwen2
+    of Qwen2.5-0.5B's width with ``--layers`` layers, built under ``tmp``."""
+    if args.model:
+        from pdgrpc.engine.hf.tokenizer import load_tokenizer
+
+        return args.model, load_tokenizer(args.model).vocab_size
+    from pdgrpc.engine.hf.build import build_checkpoint
+
+    print(f"building a random Qwen2 checkpoint (hidden 896, {args.layers} layers) ...", flush=True)
+    model = build_checkpoint(
+        tmp / "qwen2-0.5b-shape", "qwen2", hidden_size=896, num_layers=args.layers, num_heads=14, num_kv_heads=2,
+        intermediate_size=4864, vocab_size=args.vocab_size, max_position_embeddings=8192, init_std=0.02,
+    )
+    return str(model), args.vocab_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,20 +393,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     if args.groups < 1 or args.questions < 1 or args.concurrency < 1 or args.max_new_tokens < 1:
         raise PdgrpcError("--groups, --questions, --concurrency and --max-new-tokens must be at least 1")
     with tempfile.TemporaryDirectory(prefix="pdgrpc-bench-prefix-") as tmp:
-        model = args.model
-        vocab = args.vocab_size
-        if not model:
-            from pdgrpc.engine.hf.build import build_checkpoint
-
-            print(f"building a random Qwen2 checkpoint (hidden 896, {args.layers} layers) ...", flush=True)
-            model = str(build_checkpoint(
-                Path(tmp) / "qwen2-0.5b-shape", "qwen2", hidden_size=896, num_layers=args.layers, num_heads=14, num_kv_heads=2,
-                intermediate_size=4864, vocab_size=vocab, max_position_embeddings=8192, init_std=0.02,
-            ))
-        else:
-            from pdgrpc.engine.hf.tokenizer import load_tokenizer
-
-            vocab = load_tokenizer(model).vocab_size
+        model, vocab = build_model(args, Path(tmp))
         requests = workload(args, vocab)
         wrng = random.Random(args.seed + 1)  # distinct tokens: nothing shared with the workload
         warmup = [Request(-1, i, tuple(wrng.randrange(16, vocab - 16) for _ in range(64))) for i in range(2)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pdgrpc.bench.plot import bootstrap_figure, e2e_figure, prefix_figure, transport_figure
+from pdgrpc.bench.plot import bootstrap_figure, e2e_figure, multiturn_figure, prefix_figure, transport_figure
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,6 +68,15 @@ def test_prefix_picture_has_first_and_later_ttft_bars_per_arm(tmp_path: Path) ->
     arm = {"ttft_p50/first": 900.0, "ttft_p90/first": 1000.0, "ttft_p50/later": 150.0, "ttft_p90/later": 200.0}
     prefix_figure(png, {"arm a: cache off": {**arm, "ttft_p50/later": 900.0}, "arm c: cache_aware": arm})
     assert _series(png) == ["p50 first", "p90 first", "p50 later", "p90 later"]
+
+
+def test_multiturn_picture_has_bytes_and_ttft_by_turn_per_arm(tmp_path: Path) -> None:
+    png = tmp_path / "multiturn.png"
+    multiturn_figure(png, {
+        "arm off: no reuse": {"bytes/request": [131e3, 393e3, 655e3], "ttft_p50": [400.0, 900.0, 1300.0]},
+        "arm delta: decode reuse": {"bytes/request": [131e3, 164e3, 164e3], "ttft_p50": [400.0, 300.0, 310.0]},
+    })
+    assert _series(png) == ["arm off bytes/request", "arm off TTFT p50", "arm delta bytes/request", "arm delta TTFT p50"]
 
 
 def test_benches_that_do_not_draw_offer_no_plot_flag() -> None:
