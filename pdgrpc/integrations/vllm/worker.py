@@ -70,7 +70,9 @@ class WorkerOptions:
     host: str = "127.0.0.1"  # the HandshakeService (and tcp transport) listen here
     port: int = 0  # 0: any free port; the scheduler learns the bound one
     slots: int = 256  # metadata rows: in-flight loads (decode) and sends (prefill)
-    handshake_wait_s: float = 5.0  # prefill: how long a handshake waits for its room's job
+    # prefill: how long a handshake waits for its room's job, which comes with the step
+    # after the request finished: a busy prefill's step lasts seconds on a small host.
+    handshake_wait_s: float = 30.0
     handshake_timeout_s: float = 10.0  # decode: the Handshake call's deadline
     transfer_timeout_s: float = 30.0  # decode: handshake to metadata row, at most
     abort_timeout_s: float = 2.0  # decode: AbortRoom's deadline (the transport guards past it)
