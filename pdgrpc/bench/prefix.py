@@ -23,6 +23,12 @@ Arms, one cluster each (2 prefills + 1 decode), one after another on the same pr
   (``--no-smg-kv-events``): smg routes by its own approximate tree of what it sent where;
 * ``e``: cache on, smg's ``cache_aware`` fed by the prefills' KV events.
 
+With ``--vllm-python PATH`` (a Python where ``import vllm`` works, kept out of pdgrpc's
+dependencies) arm ``v`` serves the same prompts from one vLLM OpenAI server with its
+automatic prefix caching, as a peer: TTFT of the first streamed completion chunk, and
+vLLM's own hit rate is not read (its tokens are not compared: other kernels). Without
+the flag, or when ``import vllm`` fails there, arm ``v`` prints why it did not run.
+
 Per arm: client TTFT p50/p90 of each group's first request (in sending order) and of the
 later ones, the prefill tokens computed, asked for and served from cache (the prefills'
 ``pdgrpc_prefill_computed_tokens_total``, ``pdgrpc_prefill_prompt_tokens_total``,
@@ -39,7 +45,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
+import os
 import random
+import signal
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -53,6 +63,7 @@ from pdgrpc.bench.gateway import SmgClient
 from pdgrpc.bench.report import Result, percentile
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.launcher import Cluster
+from pdgrpc.cluster.ports import free_port
 from pdgrpc.cluster.topology import Topology, parse_topology
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME, available as gateway_available
@@ -76,6 +87,7 @@ ARMS = {
     "c": "cache on, pdgrpc cache_aware",
     "d": "smg cache_aware, no KV events",
     "e": "smg cache_aware, KV events",
+    "v": "vLLM, automatic prefix caching (peer)",
 }
 BASELINE = "a"
 PREFILLS = ("prefill-a", "prefill-b")
@@ -104,7 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-tokens", type=_span, default=(64, 128), metavar="LO-HI", help="question length, drawn per request (default: 64-128)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request, greedily (default: %(default)s)")
-    p.add_argument("--arms", default="a,b,c,d,e", help="comma-separated arms to run, of a, b, c, d, e (default: %(default)s)")
+    p.add_argument("--arms", default="a,b,c,d,e,v", help="comma-separated arms to run, of a, b, c, d, e, v (default: %(default)s)")
+    p.add_argument(
+        "--vllm-python", metavar="PATH", default="",
+        help="a Python interpreter where `import vllm` works: arm v serves the workload from one vLLM OpenAI server "
+        "with prefix caching, beside pdgrpc (default: none, arm v is skipped with its reason)",
+    )
     p.add_argument("--transport", default="tcp", help="KV transport (default: %(default)s)")
     add_model_arguments(p)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
@@ -176,6 +193,7 @@ class Outcome:
 class ArmResult:
     outcomes: dict[tuple[int, int], Outcome]
     counters: dict[str, float | None]
+    compare: bool = True  # its token ids are compared with arm a's (not a peer's: other kernels)
 
 
 def prefill_has_flag(flag: str) -> bool:
@@ -284,9 +302,115 @@ async def _send_all(requests: list[Request], concurrency: int, one: Callable[[in
     return out
 
 
+def vllm_problem(python: str) -> str | None:
+    """Why arm ``v`` cannot run with ``--vllm-python python`` (None: it can)."""
+    if not python:
+        return "not available: no --vllm-python (a Python where `import vllm` works)"
+    try:
+        done = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"not available: --vllm-python {python}: {exc}"
+    if done.returncode:
+        return f"not available: --vllm-python {python}: `import vllm` failed: {done.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+class VllmClient:
+    """``/v1/completions``, streamed, over one kept-alive HTTP/1.1 connection."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
+
+    async def ttft(self, ids: list[int], max_new_tokens: int) -> float:
+        """Seconds from sending to the first streamed completion chunk (the rest is read)."""
+        if self._conn is None:
+            self._conn = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = self._conn
+        body = json.dumps({
+            "model": "bench", "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+        }).encode()
+        start = time.perf_counter()
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise PdgrpcError(f"vLLM /v1/completions answered {status.decode().strip()}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        first = 0.0
+        while True:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                await reader.readline()
+                return first
+            chunk = await reader.readexactly(size + 2)
+            if not first and b'"choices"' in chunk:
+                first = time.perf_counter() - start
+
+
+async def run_vllm(args: argparse.Namespace, model: str, requests: list[Request], warmup: list[Request]) -> ArmResult | str:
+    """Arm ``v``: one vLLM OpenAI server with prefix caching, the same requests."""
+    problem = vllm_problem(args.vllm_python)
+    if problem is not None:
+        return problem
+    port = free_port()
+    max_len = max(len(r.input_ids) for r in requests + warmup) + args.max_new_tokens + args.page_size
+    argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "bench",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_len), "--enable-prefix-caching",
+            "--dtype", "float32",
+            # vLLM's CPU backend reserves this share of the host's memory up front and refuses
+            # to start when less is free: a small model needs little.
+            "--gpu-memory-utilization", "0.1"]
+    print("arm v (vLLM): starting ...", flush=True)
+    log = tempfile.TemporaryFile()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}  # GiB of KV cache
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    clients = [VllmClient(port) for _ in range(args.concurrency)]
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                errors = [ln for ln in log.read().decode(errors="replace").splitlines() if "Error" in ln or "Exception" in ln]
+                return f"failed: vLLM exited with {proc.returncode}: {' | '.join(errors[-3:])}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    return "failed: vLLM did not answer /health within 900 s"
+                await asyncio.sleep(2)
+
+        async def one(slot: int, r: Request) -> Outcome:
+            return Outcome(await clients[slot].ttft(list(r.input_ids), args.max_new_tokens))
+
+        await _send_all(warmup, args.concurrency, one)
+        print(f"arm v: {len(requests)} requests, {args.concurrency} in flight ...", flush=True)
+        outcomes = await _send_all(requests, args.concurrency, one)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    return ArmResult(outcomes, {key: None for key in _COUNTERS}, compare=False)
+
+
 async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list[Request], warmup: list[Request]) -> ArmResult | str:
     """One arm's outcomes and the prefills' counters over the measured requests, or why
     it is not available."""
+    if arm == "v":
+        return await run_vllm(args, model, requests, warmup)
     if arm != "a" and not prefill_has_flag("--no-prefix-cache"):
         return "not available: this build's prefill has no prefix cache (--no-prefix-cache)"
     if arm in ("d", "e") and not gateway_available():
@@ -375,7 +499,7 @@ def summarize(requests: list[Request], results: dict[str, ArmResult | str]) -> l
             ref = base_hit if arm in ("c", "d", "e") else None
             out.append(Result(case, "hit_rate", rate, "", ref, rate / ref if ref else None))
         out.append(Result(case, "success_rate", len(ok) / n, ""))
-        if isinstance(base, ArmResult):
+        if isinstance(base, ArmResult) and res.compare:
             equal = sum(1 for k, o in ok.items() if base.outcomes.get(k) is not None and base.outcomes[k].ttft is not None
                         and base.outcomes[k].token_ids == o.token_ids)
             out.append(Result(case, "outputs_equal_to_a", equal / n, ""))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import pytest
 
@@ -67,3 +68,9 @@ def test_each_prefill_holds_half_the_groups_prefixes_and_the_requests_in_flight(
     # --pool-pages 0: the prefills get the decode's roomy pool, so nothing is evicted.
     roomy = prefix.topology(a, "model", "b", 80, prefix.pool_pages(args(pool_pages=0), reqs))
     assert {p.args["num-pages"] for p in roomy.processes if p.role == "prefill"} == {roomy.engine["num-pages"]}
+
+
+def test_the_vllm_arm_says_why_it_did_not_run() -> None:
+    assert "no --vllm-python" in (prefix.vllm_problem("") or "")
+    assert "import vllm" in (prefix.vllm_problem(sys.executable) or "")  # pdgrpc's own Python has no vLLM
+    assert "not available" in (prefix.vllm_problem("/nonexistent/python") or "")
