@@ -65,12 +65,13 @@ class Arm:
     router: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-# The arms, baseline first. A new arm is one more entry (a flag of a role it turns on),
-# e.g. local prefill of short suffixes on the decode.
+# The arms, baseline first. A new arm is one more entry (a flag of a role it turns on).
 ARMS: dict[str, Arm] = {
     "off": Arm("no reuse", prefill={"no-prefix-cache": True}, decode={"no-decode-prefix-cache": True}),
     # The router's local prefill off: every turn's suffix goes through a prefill.
     "delta": Arm("prefill cache + decode reuse, delta transfer", decode={"decode-prefix-cache": True}, router={"local-prefill-tokens": 0}),
+    # The router's default: a suffix of at most 256 tokens the decode lacks is computed there.
+    "local": Arm("delta transfer + local prefill", decode={"decode-prefix-cache": True}, router={"local-prefill-tokens": 256}),
 }
 BASELINE = "off"
 FROM_TURN = 3  # the bytes target counts turns from here on
