@@ -73,7 +73,9 @@ class WorkerOptions:
     # prefill: how long a handshake waits for its room's job, which comes with the step
     # after the request finished: a busy prefill's step lasts seconds on a small host.
     handshake_wait_s: float = 30.0
-    handshake_timeout_s: float = 10.0  # decode: the Handshake call's deadline
+    # decode: the Handshake call's deadline; above the prefill's handshake_wait_s, so a
+    # prefill that waits for its job answers before the decode gives up on it.
+    handshake_timeout_s: float = 40.0
     transfer_timeout_s: float = 30.0  # decode: handshake to metadata row, at most
     abort_timeout_s: float = 2.0  # decode: AbortRoom's deadline (the transport guards past it)
 
