@@ -15,6 +15,7 @@ import random
 import time
 from typing import Any
 
+import grpc
 import pytest
 
 from pdgrpc.cluster import Cluster, load_topology
@@ -24,9 +25,10 @@ from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate as colocated_generate
 from pdgrpc.errors import TransportUnavailable
+from pdgrpc.router.kv_events import BACKOFF_MAX_S as KV_EVENTS_BACKOFF_MAX_S
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.transport import registry
-from pdgrpc.v1 import common_pb2
+from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually_async
 from tests.scrape import Scrape, scrape
 
@@ -111,6 +113,27 @@ def reference_outputs_for(topology: Topology, cases: list[Case]) -> list[tuple[t
         (g,) = colocated_generate(engine, [c.input_ids], c.max_new_tokens, c.sampling)
         out.append((g.token_ids, g.finish_reason))
     return out
+
+
+async def wait_published(cluster: Cluster, name: str, pages: int, *, decode: bool) -> None:
+    """Until instance ``name``'s KV event stream (its snapshot) shows at least ``pages``
+    stored blocks, then as long as the router may still back off before it subscribes
+    again (its first tries fail while an instance starts): the router has them by then."""
+    channel = cluster.channel(name)
+    stub: Any = decode_pb2_grpc.DecodeServiceStub(channel) if decode else prefill_pb2_grpc.PrefillServiceStub(channel)
+    for _ in range(50):
+        stored = 0
+        call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=0.5)
+        try:
+            async for batch in call:
+                stored += sum(len(e.stored.blocks) for e in batch.events if e.WhichOneof("event") == "stored")
+        except grpc.aio.AioRpcError:
+            pass  # the deadline ends the stream
+        if stored >= pages:
+            await asyncio.sleep(KV_EVENTS_BACKOFF_MAX_S + 0.5)
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name} never reported {pages} stored pages")
 
 
 async def wait_nothing_held(cluster: Cluster, timeout: float = 20.0) -> None:

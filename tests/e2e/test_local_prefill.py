@@ -11,7 +11,6 @@ nothing is held.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
 
@@ -20,8 +19,10 @@ import pytest
 import pytest_asyncio
 
 from pdgrpc.cluster import Cluster, load_topology
-from pdgrpc.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2
-from tests.e2e.harness import Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
+from pdgrpc.v1 import generate_pb2_grpc
+from tests.e2e.harness import (
+    Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held, wait_published,
+)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -48,25 +49,6 @@ async def cluster(request):
         yield c
 
 
-async def _published(cluster: Cluster, pages: int) -> None:
-    """Until the decode's event stream shows at least ``pages`` stored blocks; the router,
-    subscribed since it started, has them by then too."""
-    stub = decode_pb2_grpc.DecodeServiceStub(cluster.channel("decode"))
-    for _ in range(50):
-        stored = 0
-        call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=0.5)
-        try:
-            async for batch in call:
-                stored += sum(len(e.stored.blocks) for e in batch.events if e.WhichOneof("event") == "stored")
-        except grpc.aio.AioRpcError:
-            pass  # the deadline ends the stream
-        if stored >= pages:
-            await asyncio.sleep(0.5)
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the decode never reported {pages} stored pages")
-
-
 async def test_a_short_uncached_part_is_computed_on_the_decode_with_exact_output(cluster):
     rng = random.Random(3)
     history = (256, *(rng.randrange(256) for _ in range(99)))  # 100 tokens: 6 full pages
@@ -86,7 +68,7 @@ async def test_a_short_uncached_part_is_computed_on_the_decode_with_exact_output
         assert (got.token_ids, got.finish_reason) == expected[first]
         assert got.bytes_transferred > 0
         await wait_nothing_held(cluster)
-        await _published(cluster, len(history) // PAGE)
+        await wait_published(cluster, "decode", len(history) // PAGE, decode=True)
         mid = await Counters.read(cluster)
         for case in follow:
             (got,), _ = await generate_all(stub, [case])

@@ -12,20 +12,18 @@ Over tcp only: the choices are the router's, the same whatever carries the KV.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import signal
 
-import grpc
 import pytest
 import pytest_asyncio
 
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.topology import Topology
-from pdgrpc.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.e2e.harness import skip_unless_transport
+from pdgrpc.v1 import generate_pb2_grpc
+from tests.e2e.harness import skip_unless_transport, wait_published
 from tests.scrape import scrape
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
@@ -71,26 +69,6 @@ def decode_counter(cluster: Cluster, name: str, sample: str, **labels: str) -> f
         return 0.0
 
 
-async def holds(cluster: Cluster, name: str, pages: int) -> None:
-    """Until instance ``name``'s event stream shows at least ``pages`` stored blocks (its
-    snapshot): the router, subscribed since it started, has them by then too."""
-    channel = cluster.channel(name)
-    stub = decode_pb2_grpc.DecodeServiceStub(channel) if name in DECODES else prefill_pb2_grpc.PrefillServiceStub(channel)
-    for _ in range(50):
-        stored = 0
-        call = stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=0.5)
-        try:
-            async for batch in call:
-                stored += sum(len(e.stored.blocks) for e in batch.events if e.WhichOneof("event") == "stored")
-        except grpc.aio.AioRpcError:
-            pass  # the deadline ends the stream
-        if stored >= pages:
-            await asyncio.sleep(0.5)
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{name} never reported {pages} stored pages")
-
-
 async def test_a_shared_prefix_goes_to_its_holder_and_elsewhere_once_it_dies(cluster):
     async with cluster.client_channel() as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
@@ -98,7 +76,7 @@ async def test_a_shared_prefix_goes_to_its_holder_and_elsewhere_once_it_dies(clu
         holder = next(n for n in NAMES if prefill_counter(cluster, n, "pdgrpc_prefill_prompt_tokens_total") > 0)
         other = next(n for n in NAMES if n != holder)
         shared_pages = len(PREFIX) // PAGE
-        await holds(cluster, holder, shared_pages)
+        await wait_published(cluster, holder, shared_pages, decode=holder in DECODES)
 
         for i in range(4):
             await generate(stub, input_ids=[*PREFIX, *f" question number {i}?".encode()], max_new_tokens=2)
@@ -122,7 +100,7 @@ async def test_a_shared_prefix_goes_to_the_decode_holding_it_and_elsewhere_once_
         holder = next(n for n in DECODES if finished[n] > before[n])
         other = next(n for n in DECODES if n != holder)
         shared_pages = len(prefix) // PAGE
-        await holds(cluster, holder, shared_pages)
+        await wait_published(cluster, holder, shared_pages, decode=holder in DECODES)
 
         reused = decode_counter(cluster, holder, "pdgrpc_decode_reused_tokens_total")
         for i in range(4):
