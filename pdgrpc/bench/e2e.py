@@ -230,7 +230,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             systems[name] = Cluster(topology, transport=t, tls=tls, auth_token=token, extra_env=_trace_env(spans_dir / name))
         if getattr(args, "no_prefix_cache_arm", False):
             name = f"{topology.name}-{t}{NO_CACHE}"
-            systems[name] = Cluster(_without_prefix_cache(topology), transport=t, extra_env=_trace_env(spans_dir / name))
+            systems[name] = Cluster(without_prefix_cache(topology), transport=t, extra_env=_trace_env(spans_dir / name))
         if args.baseline_tree:
             name = f"{topology.name}-{t}@baseline"
             env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     return run_loop(_run(args))
 
 
-def _without_prefix_cache(topology: Topology) -> Topology:
+def without_prefix_cache(topology: Topology) -> Topology:
     """``topology`` with ``--no-prefix-cache`` on every prefill."""
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "no-prefix-cache": True}) if p.role == "prefill" else p for p in topology.processes

@@ -14,7 +14,7 @@ def test_the_twin_cluster_starts_its_prefills_with_no_prefix_cache() -> None:
     e2e.add_arguments(p)
     assert p.parse_args(["--no-prefix-cache-arm"]).no_prefix_cache_arm and not p.parse_args([]).no_prefix_cache_arm
     t = load_topology("2p2d")
-    twin = e2e._without_prefix_cache(t)
+    twin = e2e.without_prefix_cache(t)
     for before, after in zip(t.processes, twin.processes):
         if before.role == "prefill":
             assert after.args == {**before.args, "no-prefix-cache": True}
