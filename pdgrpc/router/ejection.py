@@ -42,13 +42,8 @@ class Ejections:
         """A call to ``address`` succeeded: it is no longer ejected. True if it was."""
         return self._until.pop((role, address), None) is not None
 
-    def ejected(self, role: str, address: str) -> bool:
-        return self._until.get((role, address), 0.0) > self._clock()
-
-    def ready(self, role: str, addresses: Sequence[str]) -> list[int]:
-        """The positions in ``addresses`` of those not ejected; all of them when every one is."""
-        if self._until:
-            ready = [i for i, a in enumerate(addresses) if not self.ejected(role, a)]
-            if ready:
-                return ready
-        return list(range(len(addresses)))
+    def now(self, role: str) -> frozenset[str]:
+        """The addresses of ``role`` ejected now (:func:`~pdgrpc.state.routing.candidates`
+        passes them over)."""
+        now = self._clock()
+        return frozenset(a for (r, a), until in self._until.items() if r == role and until > now)

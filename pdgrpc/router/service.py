@@ -84,6 +84,7 @@ from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS, LocalPrefil
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.room import Room
+from pdgrpc.state.routing import candidates
 from pdgrpc.state.route_fate import (
     AttemptFailed, Blame, CallEnd, Ending, Fail, Finish, NoInstance, PrefillCall, Relayed, Reroute, Rerouted, RouteFate,
     RouteLimits, Side, Succeeded, blame_decode, decode_outlives, prefill_failure,
@@ -333,11 +334,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         return sampling
 
-    def pick(self, prompt: Sequence[int]) -> tuple[PrefillBackend, str]:
+    def pick(self, prompt: Sequence[int], avoid: tuple[Side, str] | None = None) -> tuple[PrefillBackend, str]:
         """The prefill and decode for the next request, among the static lists or the live,
         compatible instances of the discovery view, passing over the ejected ones
-        (:mod:`pdgrpc.router.ejection`) unless every instance of the role is, each by its
-        role's policy (:mod:`pdgrpc.router.policy`)."""
+        (:mod:`pdgrpc.router.ejection`) unless every instance of the role is, and for a
+        retry the instance ``avoid`` of that side, each by its role's policy
+        (:mod:`pdgrpc.router.policy`). Raises :class:`RequestFailed` (UNAVAILABLE) when a
+        role has no instance to go to."""
         if self._view is None:
             prefills, decodes = self.config.prefills, self.config.decodes
         else:
@@ -349,10 +352,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         grpc.StatusCode.UNAVAILABLE, f"no live {role} instance is registered in etcd under {self._view.prefix}"
                     )
         turn, self._turn = self._turn, self._turn + 1
-        ready = [prefills[i] for i in self._ejections.ready("prefill", [p.address for p in prefills])]
-        prefill = ready[self.policy.choose([p.address for p in ready], turn, prompt)]
-        ready_decodes = [decodes[i] for i in self._ejections.ready("decode", decodes)]
-        return prefill, ready_decodes[self.decode_policy.choose(ready_decodes, turn, prompt)]
+        p = self._choose(Side.PREFILL, self.policy, [p.address for p in prefills], turn, prompt, avoid)
+        d = self._choose(Side.DECODE, self.decode_policy, decodes, turn, prompt, avoid)
+        return prefills[p], decodes[d]
+
+    def _choose(
+        self, side: Side, policy: Policy, addresses: Sequence[str], turn: int, prompt: Sequence[int],
+        avoid: tuple[Side, str] | None,
+    ) -> int:
+        failed = avoid[1] if avoid is not None and avoid[0] is side else None
+        pool = candidates(addresses, self._ejections.now(side.value), () if failed is None else (failed,))
+        if not pool:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no {side.value} instance but {failed}, which failed")
+        return pool[policy.choose([addresses[i] for i in pool], turn, prompt)]
 
     def _local(self, prompt: Sequence[int], decode: str) -> bool:
         """Whether ``decode`` computes ``prompt`` itself (local prefill): by
@@ -425,7 +437,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     if isinstance(verdict, Finish):  # the client has every token already
                         reply = None
                         break
-                    again = None if isinstance(verdict, Fail) else self._another(verdict.side, prefill, decode, verdict.input_ids)
+                    again = None if isinstance(verdict, Fail) else self._another(
+                        verdict.side, prefill.address if verdict.side is Side.PREFILL else decode, verdict.input_ids
+                    )
                     if again is None:
                         if isinstance(verdict, Reroute):
                             fate.handle(NoInstance())
@@ -468,22 +482,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by client; prefill and decode calls cancelled", request_id=request_id)
 
-    def _another(self, side: Side, prefill: PrefillBackend, decode: str, prompt: Sequence[int]) -> tuple[PrefillBackend, str] | None:
-        """A prefill and decode for a retry whose ``side`` instance is not the one that
-        failed; None when there is no other instance of that role."""
-        role = side.value
-        if self._view is not None:
-            n = len(self._view.instances(role))
-        else:
-            n = len(self.config.prefills if role == "prefill" else self.config.decodes)
-        for _ in range(n):
-            try:
-                p, d = self.pick(prompt)
-            except RequestFailed:  # no live instance left in the discovery view
-                return None
-            if (p.address != prefill.address) if role == "prefill" else (d != decode):
-                return p, d
-        return None
+    def _another(self, side: Side, failed: str, prompt: Sequence[int]) -> tuple[PrefillBackend, str] | None:
+        """A prefill and decode for a retry whose ``side`` instance is not ``failed``; None
+        when there is no other instance of that role."""
+        try:
+            return self.pick(prompt, avoid=(side, failed))
+        except RequestFailed:
+            return None
 
     async def _attempt(
         self, context: grpc.aio.ServicerContext, arrived: float, room: int, request_id: str, fate: RouteFate, text: Any,

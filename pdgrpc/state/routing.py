@@ -7,9 +7,18 @@ both balance alike.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
-__all__ = ["cache_aware_choice", "least_loaded"]
+__all__ = ["cache_aware_choice", "candidates", "least_loaded"]
+
+
+def candidates(addresses: Sequence[str], ejected: Collection[str], exclude: Collection[str] = ()) -> list[int]:
+    """The positions in ``addresses`` a request may go to: those neither in ``exclude``
+    (the instance a retry leaves) nor ``ejected``; when every one not excluded is
+    ejected, all of those (one may be back, and the request has nowhere else to go).
+    Empty when every one is excluded."""
+    allowed = [i for i, a in enumerate(addresses) if a not in exclude]
+    return [i for i in allowed if addresses[i] not in ejected] or allowed
 
 
 def least_loaded(loads: Sequence[int], turn: int) -> int:

@@ -94,3 +94,22 @@ def test_only_candidates_count() -> None:
 def test_bad_settings_name_the_flag(args: tuple, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         Policy(*args)
+
+
+def test_a_retry_picks_another_instance_in_one_turn() -> None:
+    """The router's pick for a retry leaves out the failed instance of that side, in one
+    call of each policy (no socket: the servicer is only constructed)."""
+    from pdgrpc.errors import RequestFailed
+    from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig
+    from pdgrpc.state.route_fate import Side
+
+    prefills = tuple(PrefillBackend(a, a) for a in ADDRS)
+    router = GenerateServicer(RouterConfig(prefills=prefills, decodes=("d0:1", "d1:1")))
+    for _ in range(4):
+        p, d = router.pick([1, 2], avoid=(Side.PREFILL, "p1:1"))
+        assert p.address != "p1:1"
+    assert {router.pick([1, 2], avoid=(Side.DECODE, "d0:1"))[1] for _ in range(3)} == {"d1:1"}
+    single = GenerateServicer(RouterConfig(prefills=prefills[:1], decodes=("d0:1",)))
+    with pytest.raises(RequestFailed, match="no prefill instance but p0:1"):
+        single.pick([1], avoid=(Side.PREFILL, "p0:1"))
+    assert single.pick([1])[0].address == "p0:1"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdgrpc.state.routing import cache_aware_choice, least_loaded
+from pdgrpc.state.routing import cache_aware_choice, candidates, least_loaded
 
 
 def test_least_loaded_rotates_ties_from_the_turn() -> None:
@@ -19,3 +19,12 @@ def test_cache_aware_takes_the_longest_prefix_within_the_margin() -> None:
     assert cache_aware_choice([0, 0, 0], [1, 0, 0], turn=2, margin=4) == 2
     # equal prefixes: the less loaded holder
     assert cache_aware_choice([16, 16], [3, 1], turn=0, margin=4) == 1
+
+
+def test_candidates_leave_out_the_excluded_and_the_ejected_unless_nothing_else_remains() -> None:
+    addrs = ["a:1", "b:2", "c:3"]
+    assert candidates(addrs, ejected=set()) == [0, 1, 2]
+    assert candidates(addrs, ejected={"b:2"}, exclude={"a:1"}) == [2]
+    # every one left is ejected: all of them, rather than a certain refusal
+    assert candidates(addrs, ejected={"b:2", "c:3"}, exclude={"a:1"}) == [1, 2]
+    assert candidates(["a:1"], ejected={"a:1"}, exclude={"a:1"}) == []
