@@ -16,7 +16,10 @@ Draining (:meth:`RpcServer.drain <pdgrpc.rpc.server.RpcServer.drain>`, on SIGTER
    instance, as it does for a server that is gone;
 3. the server waits until every entry call in flight ended -- a prefill's ``Prefill``
    returns once the decode acknowledged the room's KV, a decode's ``Decode`` once its
-   generation finished -- bounded by ``--drain-timeout``;
+   generation finished -- and then refuses for :data:`LINGER_S` more, bounded by
+   ``--drain-timeout``. A gRPC server that stops cancels, unseen by its handlers, every
+   call that reaches it meanwhile; a client that sends its next request the moment its
+   last one ends (a router's closed-loop clients do) gets the refusal instead;
 4. calls still running then end UNAVAILABLE naming ``drain_timeout`` (their handlers'
    ``finally`` releases what they hold: the decode aborts the room and quarantines its
    pages), and the server stops.
@@ -38,13 +41,17 @@ from pdgrpc.rpc.errors import reason_metadata
 from pdgrpc.rpc.limits import HandlerWrapper
 from pdgrpc.v1 import drain_pb2, drain_pb2_grpc
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "ENTRY_METHODS", "Drain", "DrainServicer", "add_drain_arguments", "SERVICE_NAME"]
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "ENTRY_METHODS", "LINGER_S", "Drain", "DrainServicer", "add_drain_arguments", "SERVICE_NAME"]
 
 log = logging.getLogger("pdgrpc.rpc")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The calls that start a request; a draining server refuses new ones and waits for these.
 ENTRY_METHODS = frozenset({"Prefill", "Decode", "Generate"})
+# Seconds a draining server goes on refusing once no entry call runs (and once it started
+# draining), before it stops: long enough for a caller's next request after its last
+# reply, short next to a restart.
+LINGER_S = 0.5
 SERVICE_NAME = drain_pb2.DESCRIPTOR.services_by_name["DrainService"].full_name
 
 
@@ -72,6 +79,7 @@ class Drain:
         self._idle = asyncio.Event()
         self._idle.set()
         self._timeout = DEFAULT_DRAIN_TIMEOUT_S
+        self._quiet_from = 0.0  # loop time the drain started or an entry call last ended
 
     @property
     def in_flight(self) -> int:
@@ -79,18 +87,30 @@ class Drain:
 
     def start(self) -> None:
         """Refuse new entry calls from now on."""
+        if not self.draining:
+            self._quiet_from = asyncio.get_running_loop().time()
         self.draining = True
 
     async def wait(self, timeout: float) -> int:
-        """Wait up to ``timeout`` s for the entry calls in flight; end those still running
-        UNAVAILABLE (``drain_timeout``) and wait for them. Returns how many were ended."""
+        """Wait up to ``timeout`` s until no entry call has run for :data:`LINGER_S`; end
+        those still running then UNAVAILABLE (``drain_timeout``) and wait for them.
+        Returns how many were ended."""
         self._timeout = timeout
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return 0
-        except asyncio.TimeoutError:
-            pass
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (now := loop.time()) < deadline:
+            if not self._idle.is_set():
+                try:
+                    await asyncio.wait_for(self._idle.wait(), deadline - now)
+                except asyncio.TimeoutError:
+                    break
+            elif now < self._quiet_from + LINGER_S:
+                await asyncio.sleep(min(self._quiet_from + LINGER_S, deadline) - now)
+            else:
+                break
         late = list(self._calls)
+        if not late:
+            return 0
         log.warning("drain: %d call(s) still running after %.1f s; ending them (drain_timeout)", len(late), timeout)
         self._expired.update(late)
         for task in late:
@@ -160,6 +180,7 @@ class Drain:
     def _leave(self, task: asyncio.Task[Any]) -> None:
         self._calls.discard(task)
         self._expired.discard(task)
+        self._quiet_from = asyncio.get_running_loop().time()
         if not self._calls:
             self._idle.set()
 

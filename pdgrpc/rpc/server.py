@@ -25,8 +25,9 @@ Each server gets:
 * one INFO log line ``<what> listening on <host>:<port> (...)``;
 * graceful drain (:mod:`pdgrpc.rpc.drain`): on SIGTERM or SIGINT (:func:`serve_until_signal`)
   or a ``DrainService.Drain`` call, health turns NOT_SERVING, new Prefill, Decode and
-  Generate calls end UNAVAILABLE, and the server stops once those in flight finished,
-  bounded by the drain timeout; other calls then get ``grace`` seconds;
+  Generate calls end UNAVAILABLE, and the server stops once those in flight finished and
+  it refused a moment more (:data:`~pdgrpc.rpc.drain.LINGER_S`), bounded by the drain
+  timeout; other calls then get ``grace`` seconds;
 * the bounds of :mod:`pdgrpc.rpc.limits`: a message size sized to the largest legitimate
   request, and INVALID_ARGUMENT for a request that does not parse.
 

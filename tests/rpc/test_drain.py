@@ -147,3 +147,42 @@ async def test_drain_refuses_a_negative_timeout_naming_the_field() -> None:
     finally:
         await pool.close()
         await server.stop(0)
+
+
+async def test_a_call_sent_as_the_last_running_one_ends_is_refused_not_cancelled() -> None:
+    """Clients that send their next request the moment their running one ends (as a
+    router's closed-loop clients do) reach a server whose drain just found no call running:
+    each of those calls is refused UNAVAILABLE naming the drain, which a router answers by
+    choosing another instance, and none is cancelled by the stopping server. The running
+    calls complete."""
+    work = Work()
+    server = await start_server([(SERVICE, work.add)], what="test server")
+    pool = ChannelPool()
+    clients = 8
+    try:
+        channel = pool.get(server.address)
+        prefill = channel.unary_unary(f"/{SERVICE}/Prefill")
+
+        async def client() -> tuple[bytes, grpc.StatusCode, str]:
+            first = await prefill(b"", timeout=10)
+            try:
+                await prefill(b"", timeout=10)
+            except grpc.RpcError as exc:
+                return first, exc.code(), exc.details() or ""
+            return first, grpc.StatusCode.OK, ""
+
+        running = [asyncio.ensure_future(client()) for _ in range(clients)]
+        while work.started < clients:
+            await asyncio.sleep(0.01)
+        drained = asyncio.ensure_future(server.drain(timeout=10))
+        while not server.gate.draining:
+            await asyncio.sleep(0.01)
+        work.release.set()
+        outcomes = await asyncio.gather(*running)
+        assert [first for first, _, _ in outcomes] == [b"prefilled"] * clients
+        assert [(code, "draining" in details) for _, code, details in outcomes] == [(grpc.StatusCode.UNAVAILABLE, True)] * clients, outcomes
+        await asyncio.wait_for(drained, 5)
+        assert work.started == clients  # the calls that came after were never run
+    finally:
+        await pool.close()
+        await server.stop(0)
