@@ -69,7 +69,6 @@ class Handshaker:
         self,
         directory: PrefillDirectory,
         transport_name: str,
-        compat_hash: bytes,
         rpc_timeout_s: float,
         replaced_wait_s: float = 30.0,
         writer_gone: Callable[[str], bool] = lambda writer: False,
@@ -85,7 +84,6 @@ class Handshaker:
         self.replaced_wait_s = replaced_wait_s
         self.directory = directory
         self.transport_name = transport_name
-        self.compat_hash = compat_hash
         self.rpc_timeout_s = rpc_timeout_s
         self.writer_gone, self.quarantined, self.bind_writer = writer_gone, quarantined, bind_writer
         self.descriptor, self.key = b"", b""  # this rank's, and its data-plane key (pdgrpc.transport.peerauth)
@@ -229,7 +227,9 @@ class Handshaker:
             dst_slot=job.slot,
             transport=self.transport_name,
             transport_descriptor=self.descriptors[d] if self.descriptors else self.descriptor,
-            compatibility_hash=self.compat_hash,
+            # The prefill's own hash, which admission accepted: it names the protocol
+            # version both speak for this request.
+            compatibility_hash=bytes(job.prefill.info.compatibility_hash),
             decode_tp_rank=d,
             decode_tp_size=self.tp_size,
             # Exactly one sender per decode rank writes the gated row; the others write

@@ -52,6 +52,7 @@ from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
 from pdgrpc.decode.reuse import DecodeReuse
 from pdgrpc.decode.tp import EVICTABLE, ROOM_BIND, ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
 from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
+from pdgrpc.engine.layout import DELTA_PROTOCOL_VERSION, PROTOCOL_VERSIONS
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
@@ -101,10 +102,13 @@ class DecodeScheduler:
         self.transfers = RankTransfers(transport, engine, self.queues, 0, self.tp_size)
         self.directory = directory or PrefillDirectory(timeout=config.rpc_timeout_s, query_interval_s=config.query_interval_s)
         self.compat_hash = compat_hash_bytes(engine)
+        # A prefill's hash -> the protocol version it speaks, for every version this decode
+        # serves: an older prefill gets every page, not a refusal.
+        self._versions = {compat_hash_bytes(engine, v): v for v in PROTOCOL_VERSIONS}
         self.descriptor = b""
         # Its endpoints are set by start(), once the transport registered the pools.
         self.handshaker = Handshaker(
-            self.directory, transport.name, self.compat_hash, config.rpc_timeout_s, config.deadlines.abort_lease_s,
+            self.directory, transport.name, config.rpc_timeout_s, config.deadlines.abort_lease_s,
             transport.writer_gone, self.queues.is_quarantined, self.bind_writer,
         )
         self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
@@ -256,7 +260,8 @@ class DecodeScheduler:
         if self._closing:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
         theirs = bytes(prefill.info.compatibility_hash)
-        if theirs != self.compat_hash:
+        version = self._versions.get(theirs)
+        if version is None:
             raise RequestFailed(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"compatibility hash mismatch: prefill {prefill_address} has {theirs.hex() or '(empty)'}, "
@@ -279,8 +284,9 @@ class DecodeScheduler:
         )
         if self.reuse is not None:
             # Locked until the request ends; at least one page stays its own (the queues
-            # allocate one or more).
-            job.lease = self.reuse.hold(input_ids, n_pages - 1)
+            # allocate one or more). A prefill older than delta transfer writes every page,
+            # so it is told of none; the request's pages still join the cache at its end.
+            job.lease = self.reuse.hold(input_ids, n_pages - 1 if version >= DELTA_PROTOCOL_VERSION else 0)
         if self._replicated is not None:  # the other ranks grant the same pages: those the prefill writes
             self._replicated.note(ROOM_INFO, room, self.engine.pages_needed(len(input_ids)) - job.cached_pages, prefill_tp)
         self.queues.add(NewRequest(room, prefill_address, n_pages - job.cached_pages, rank, not self.transport.moves_bytes, prefill.dp), now)

@@ -45,8 +45,10 @@ import torch
 from pdgrpc.errors import ConfigError
 
 __all__ = [
+    "DELTA_PROTOCOL_VERSION",
     "KV_LAYOUT_HND",
     "PROTOCOL_VERSION",
+    "PROTOCOL_VERSIONS",
     "KVLayout",
     "compat_hash",
     "kv_dtype_from_name",
@@ -56,6 +58,10 @@ __all__ = [
 # Version of the KV bytes protocol between prefill and decode (layout semantics, metadata
 # meaning). Bump on any incompatible change; it is part of the compatibility hash.
 PROTOCOL_VERSION = 2
+# Every version a decode serves. Version 1 lacks only HandshakeRequest.cached_pages (delta
+# transfer): a prefill of version 1 writes every page, so a decode asks it for no skip.
+PROTOCOL_VERSIONS = (1, 2)
+DELTA_PROTOCOL_VERSION = 2  # the first whose prefills honour cached_pages
 
 KV_LAYOUT_HND = "HND"
 

@@ -9,6 +9,7 @@ so any ``sampling.top_logprobs`` a request may ask for fits the row.
 from __future__ import annotations
 
 from pdgrpc.engine.base import MAX_TOP_LOGPROBS, Engine, SampledToken
+from pdgrpc.engine.layout import PROTOCOL_VERSION, compat_hash
 from pdgrpc.state.metadata import MetadataLayout, MetadataRow
 
 __all__ = ["compat_hash_bytes", "metadata_layout", "row_from_token"]
@@ -31,7 +32,8 @@ def row_from_token(token: SampledToken, cached_tokens: int = 0) -> MetadataRow:
     )
 
 
-def compat_hash_bytes(engine: Engine) -> bytes:
-    """The engine's compatibility hash as the bytes that travel in ``ParallelInfo`` and
-    ``HandshakeRequest.compatibility_hash`` (the hex digest decoded; 32 bytes)."""
-    return bytes.fromhex(engine.compat_hash())
+def compat_hash_bytes(engine: Engine, protocol_version: int = PROTOCOL_VERSION) -> bytes:
+    """The engine's compatibility hash under ``protocol_version`` as the bytes that travel
+    in ``ParallelInfo`` and ``HandshakeRequest.compatibility_hash`` (the hex digest
+    decoded; 32 bytes)."""
+    return bytes.fromhex(compat_hash(engine.kv_layout, engine.model_id, protocol_version))

@@ -17,6 +17,9 @@ prefill) and how to misbehave (``mode``):
 * ``"late"``     -- accept the handshake, write only once the decode's AbortRoom came (a
   prefill rank whose write trails the decode's abort).
 
+``protocol_version=1`` makes it a prefill older than delta transfer: it advertises that
+version's compatibility hash and writes every page, whatever ``cached_pages`` says.
+
 ``row_overrides[room]`` replaces fields of that room's metadata row (a bad row: a token id
 outside the vocabulary, a NaN logprob), whatever the mode.
 
@@ -41,6 +44,7 @@ from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer
 from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.engine.base import PrefillRequest, SamplingParams
+from pdgrpc.engine.layout import DELTA_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout, row_from_token
@@ -120,7 +124,7 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
     async def Handshake(self, request: hpb.HandshakeRequest, context: grpc.aio.ServicerContext) -> hpb.HandshakeResponse:  # noqa: N802
         self.handshakes.append(request)
         self.got_handshake.set()
-        if request.compatibility_hash != compat_hash_bytes(self.owner.engine):
+        if request.compatibility_hash != self.owner.compat_hash:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "compatibility hash mismatch")
         mode = self.owner.mode
         if mode == "hang":
@@ -156,7 +160,9 @@ class FakeWorker(hpb_grpc.HandshakeServiceServicer):
             first = engine.prefill_chunk(PrefillRequest(prompt.input_ids, tuple(pages), prompt.sampling), 0, len(prompt.input_ids))
             assert first is not None
             dst = [p + 100 for p in request.dst_pages] if self.owner.mode == "stray" else list(request.dst_pages)
-            k = request.cached_pages  # the decode holds these already: a prefill never writes them
+            # The decode holds these already: a prefill never writes them (one older than
+            # the field writes them all).
+            k = request.cached_pages if self.owner.protocol_version >= DELTA_PROTOCOL_VERSION else 0
             ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), pages[k:], dst[k:])
             written_room = room + 1 if self.owner.mode == "corrupt" else room
             row = row_from_token(first)
@@ -183,13 +189,15 @@ class FakePrefill:
         compat_hash: bytes | None = None,
         transport: str = "tcp",
         port: int = 0,
+        protocol_version: int = PROTOCOL_VERSION,
     ) -> None:
         self.engine = engine
         self.port = port  # the bootstrap's port; 0 picks a free one
         self.transport = transport
         self.dp_size = dp_size
         self.method = method
-        self.compat_hash = compat_hash if compat_hash is not None else compat_hash_bytes(engine)
+        self.protocol_version = protocol_version
+        self.compat_hash = compat_hash if compat_hash is not None else compat_hash_bytes(engine, protocol_version)
         self.mode = "ok"
         self.send_delay_s = 0.0  # seconds between accepting a handshake and computing + writing
         self.prompts: dict[int, Prompt] = {}

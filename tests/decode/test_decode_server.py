@@ -9,10 +9,12 @@ counted (finished, refused, aborted under which reason).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -25,6 +27,7 @@ from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.kvpoll import KVPoll
 from tests.scrape import Scrape, scrape
 from pdgrpc.serving.flags import engine_config_from_args
+from pdgrpc.serving.metadata import metadata_layout
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -38,18 +41,19 @@ DECODE_FLAGS = [
     *ENGINE_FLAGS, "--transport", "tcp", "--num-slots", "8",
     "--bootstrap-timeout", "1.5", "--resolve-timeout", "10", "--abort-lease", "60", "--dp-rank-query-interval", "0.05",
     "--max-decodes-per-client", "6", "--local-prefill-chunk", "8",
+    # Every request's pages go back when it ends: the tests count pages in use.
+    "--no-decode-prefix-cache",
 ]
 STARTUP_S = 60.0
 SETTLE_S = 15.0
 
 
-@pytest.fixture(scope="module")
-def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """The decode server process; yields (address, log path)."""
-    log_path = tmp_path_factory.mktemp("decode") / "decode.log"
+@contextlib.contextmanager
+def decode_process(log_path: Path, flags: list[str]) -> Iterator[str]:
+    """A decode server process with ``flags``; yields its address."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.decode", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *DECODE_FLAGS],
+            [sys.executable, "-m", "pdgrpc.decode", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *flags],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
@@ -61,8 +65,7 @@ def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
                 pytest.fail(f"decode server did not start (exit {proc.poll()}):\n{text}")
             return m.group(1) if m else None
 
-        address = eventually(listening, STARTUP_S, 0.1, lambda: f"decode server did not start:\n{log_path.read_text(errors='replace')}")
-        yield address, str(log_path)
+        yield eventually(listening, STARTUP_S, 0.1, lambda: f"decode server did not start:\n{log_path.read_text(errors='replace')}")
     finally:
         proc.terminate()
         try:
@@ -70,6 +73,14 @@ def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def decode_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """The decode server process; yields (address, log path)."""
+    log_path = tmp_path_factory.mktemp("decode") / "decode.log"
+    with decode_process(log_path, DECODE_FLAGS) as address:
+        yield address, str(log_path)
 
 
 @pytest.fixture(scope="module")
@@ -595,3 +606,31 @@ async def test_a_decode_without_a_prefix_cache_has_no_kv_events(stub: decode_pb2
         async for _ in stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=5):
             pass
     assert ei.value.code() is grpc.StatusCode.UNIMPLEMENTED and "--decode-prefix-cache" in ei.value.details()
+
+
+async def test_a_prefill_older_than_delta_transfer_gets_every_page(
+    tmp_path: Path, engine: ReferenceEngine,
+) -> None:
+    """Protocol version negotiation: a decode holding a prompt's pages asks a version-1
+    prefill (no ``cached_pages``; it writes every page) for no skip, and a version-2 one
+    for the pages it lacks. Both serve; the tokens equal colocated generation."""
+    page_bytes = 2 * 2 * 2 * 16 * 32 * 4  # K+V x 2 layers x 2 KV heads x 16 tokens x dim 32 x float32
+    row_bytes = metadata_layout().row_bytes
+    text = "an old prefill and a new decode share a chat " * 2  # 91 tokens with BOS: 5 full pages + 11
+    old = await FakePrefill(engine, protocol_version=1).start()
+    new = await FakePrefill(engine).start()
+    with decode_process(tmp_path / "decode.log", [*DECODE_FLAGS[:-1], "--decode-prefix-cache"]) as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            try:
+                for p, held in ((old, 0), (old, 0), (new, 5)):  # the first leaves 5 full pages cached
+                    req = make_request(p, text, 6)
+                    want = generate(engine, [tuple(req.input_ids)], 6)[0]
+                    msgs = await collect(stub, req)
+                    assert [t for m in msgs for t in m.token_ids] == list(want.token_ids), p.protocol_version
+                    shake = p.workers[0].handshakes[-1]
+                    assert (shake.compatibility_hash, shake.cached_pages) == (p.compat_hash, held)
+                    assert msgs[0].bytes_transferred == (6 - held) * page_bytes + row_bytes
+            finally:
+                await old.stop()
+                await new.stop()

@@ -103,7 +103,7 @@ async def test_a_handshake_for_a_room_of_the_previous_instance_is_not_sent(serve
     new = await restart(servers, 1)
     job = Job(7, "r7", (256, 65), SamplingParams(), 4, before, 1, asyncio.Queue(), 0.0, dp_rank=0)
     job.slot = 0
-    handshaker = Handshaker(d, "fake", b"", rpc_timeout_s=2.0)
+    handshaker = Handshaker(d, "fake", rpc_timeout_s=2.0)
     got = await handshaker.handshake(job, (0,), time.monotonic() + 5.0)
     assert isinstance(got, RequestFailed) and got.code == grpc.StatusCode.UNAVAILABLE, got
     assert f"room 7: the prefill at {addr} restarted after this request was admitted" in got.message
