@@ -72,8 +72,9 @@ class TcpTransport(Transport):
     ``connections`` per peer (default 1), ``connect_timeout`` seconds (default 5),
     ``sockbuf`` socket buffer bytes (default 4 MiB; 0 keeps the OS default), and the
     bounds of :class:`~pdgrpc.transport.tcp_limits.TcpLimits`: ``hello_timeout``,
-    ``max_connections``, ``max_connections_per_address`` (before the proof),
-    ``max_connections_per_peer`` (proven), ``heartbeat_interval`` and
+    ``max_connections`` and ``max_connections_per_peer`` (proven),
+    ``max_connections_per_address`` and ``max_unproven_connections`` (before the
+    proof: the oldest gives way to a new one), ``heartbeat_interval`` and
     ``heartbeat_lease`` (a peer that sends nothing, not even its heartbeat, for the lease
     is lost: a hung process fails its rooms within it). ``device`` (not an option: for
     tests) stages device regions in place of the default :class:`TcpDevice`.
@@ -94,6 +95,7 @@ class TcpTransport(Transport):
         hello_timeout: float = TcpLimits.hello_timeout,
         max_connections: int = TcpLimits.max_connections,
         max_connections_per_address: int = TcpLimits.max_connections_per_address,
+        max_unproven_connections: int = TcpLimits.max_unproven_connections,
         max_connections_per_peer: int = TcpLimits.max_connections_per_peer,
         heartbeat_interval: float = TcpLimits.heartbeat_interval,
         heartbeat_lease: float = TcpLimits.heartbeat_lease,
@@ -106,7 +108,7 @@ class TcpTransport(Transport):
             raise ConfigError(f"{self.name} transport: connections must be >= 1, got {connections}")
         if device is not None and not isinstance(device, TcpDevice):
             raise ConfigError(f"{self.name} transport: device must be a TcpDevice, got {type(device).__name__}")
-        self._limits = TcpLimits(hello_timeout, max_connections, max_connections_per_address,
+        self._limits = TcpLimits(hello_timeout, max_connections, max_connections_per_address, max_unproven_connections,
                                  heartbeat_interval, heartbeat_lease, max_connections_per_peer)
         super().__init__()
         self._gate = AcceptGate(self._limits)
@@ -220,16 +222,10 @@ class TcpTransport(Transport):
                     self._loop.call_later(pause, self._resume_accept, listener)
                 return
             address = addr[0] if isinstance(addr, tuple) else ""
-            refusal = self._gate.admit(address)
-            if refusal is not None:
-                log.warning("tcp: refusing a connection from %s: %s", address or "a local peer", refusal)
-                sock.close()
-                continue
             try:
                 sock.setblocking(False)
                 self.tune_socket(sock)
             except OSError:
-                self._gate.release(address)
                 sock.close()  # the peer sees the connection drop and fails its own rooms
                 continue
             self.receiver.accepted(sock, self._loop, address)

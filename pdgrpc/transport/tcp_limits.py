@@ -1,8 +1,9 @@
-"""What bounds the ``tcp`` backend's connections: caps on accepted connections (per
-listener; per remote address until the HELLO's proof, then per proven peer instance, so
-many workers behind one host each get their own share), the HELLO deadline, the
-heartbeat, and the back-off when the process runs out of file
-descriptors. Each refusal is logged naming its limit."""
+"""What bounds the ``tcp`` backend's connections: caps on proven connections (per
+listener, and per peer instance, so many workers behind one host each get their own
+share), a budget of its own for connections that have not proven who they are yet (per
+remote address and per listener, the oldest giving way to a new one, so idle sockets
+cannot keep a real peer out), the HELLO deadline, the heartbeat, and the back-off when
+the process runs out of file descriptors. Each refusal is logged naming its limit."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class TcpLimits:
     """The ``tcp`` options that bound resources (seconds and counts)."""
 
     hello_timeout: float = 5.0  # an accepted connection must say HELLO within this
-    max_connections: int = 1024  # accepted connections per listener
-    max_connections_per_address: int = 256  # accepted connections per remote address, not yet proven
+    max_connections: int = 1024  # proven connections per listener
+    max_connections_per_address: int = 64  # connections not yet proven, per remote address
+    max_unproven_connections: int = 256  # connections not yet proven, per listener
     heartbeat_interval: float = 0.5  # a connection that sent nothing this long sends a PING
     heartbeat_lease: float = 5.0  # a connection that received nothing this long is lost
     max_connections_per_peer: int = 64  # proven connections per peer instance (its identity)
@@ -37,7 +39,7 @@ class TcpLimits:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"tcp transport: {name} must be a number of seconds > 0, got {v!r}")
-        for name in ("max_connections", "max_connections_per_address", "max_connections_per_peer"):
+        for name in ("max_connections", "max_connections_per_address", "max_unproven_connections", "max_connections_per_peer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"tcp transport: {name} must be an int >= 1, got {v!r}")
@@ -47,54 +49,69 @@ class TcpLimits:
 
 
 class AcceptGate:
-    """Counts accepted connections (per remote address until proven, then per proven
-    peer), says whether one more may stay, and paces accept() while the process is out
-    of descriptors."""
+    """Counts accepted connections: unproven ones per remote address and in all (a new
+    one displaces the oldest where a budget is full, so sockets that never prove
+    anything cannot keep a real peer out), proven ones per peer and in all (a proof
+    past a cap is refused). Paces accept() while the process is out of descriptors."""
 
     def __init__(self, limits: TcpLimits) -> None:
         self.limits = limits
-        self.total = 0
+        self.proven = 0
+        self.unproven: dict[Conn, str] = {}  # connection -> its address, oldest first
         self.per_address: collections.Counter[str] = collections.Counter()
         self.per_peer: collections.Counter[str] = collections.Counter()
         self.backoff = 0.0
 
-    def admit(self, address: str) -> str | None:
-        """Count a new connection from ``address``; the refusal (naming the limit) if it
-        may not stay."""
+    def admit(self, conn: Conn, address: str) -> list[tuple[Conn, str]]:
+        """Count ``conn``, new from ``address``, as unproven. Returns the connections it
+        displaces, no longer counted, each with the limit that displaced it: the caller
+        closes them."""
         lim = self.limits
-        if self.total >= lim.max_connections:
-            return f"{self.total} connections accepted (max_connections {lim.max_connections})"
+        displaced: list[tuple[Conn, str]] = []
         if self.per_address[address] >= lim.max_connections_per_address:
-            return (f"{self.per_address[address]} connections from {address or 'this address'} "
-                    f"(max_connections_per_address {lim.max_connections_per_address})")
-        self.total += 1
+            oldest = next(c for c, a in self.unproven.items() if a == address)
+            displaced.append((oldest, f"max_connections_per_address {lim.max_connections_per_address} unproven"))
+        elif len(self.unproven) >= lim.max_unproven_connections:
+            displaced.append((next(iter(self.unproven)), f"max_unproven_connections {lim.max_unproven_connections}"))
+        for old, _ in displaced:
+            self._forget(old)
+        self.unproven[conn] = address
         self.per_address[address] += 1
         self.backoff = 0.0
-        return None
+        return displaced
 
-    def prove(self, address: str, peer: str) -> str | None:
-        """A connection from ``address`` proved it is ``peer``: it moves from the address's
-        count to the peer's. The refusal (naming the limit) if the peer has too many."""
+    def prove(self, conn: Conn, peer: str) -> str | None:
+        """``conn`` proved it is ``peer``: it moves from the unproven budget to the
+        peer's. The refusal (naming the limit) if the listener or the peer has too many
+        proven connections."""
         lim = self.limits
+        if self.proven >= lim.max_connections:
+            return f"{self.proven} proven connections (max_connections {lim.max_connections})"
         if self.per_peer[peer] >= lim.max_connections_per_peer:
             return f"{self.per_peer[peer]} connections of {peer} (max_connections_per_peer {lim.max_connections_per_peer})"
-        self._drop(self.per_address, address)
+        self._forget(conn)
+        self.proven += 1
         self.per_peer[peer] += 1
         return None
 
-    def release(self, address: str, peer: str | None = None) -> None:
-        """A connection closed: ``peer`` once it proved who it is, else its ``address``."""
-        self.total -= 1
+    def release(self, conn: Conn, peer: str | None = None) -> None:
+        """``conn`` closed: ``peer`` once it proved who it is. A displaced one is not
+        counted any more."""
         if peer is None:
-            self._drop(self.per_address, address)
-        else:
-            self._drop(self.per_peer, peer)
+            self._forget(conn)
+            return
+        self.proven -= 1
+        self.per_peer[peer] -= 1
+        if self.per_peer[peer] <= 0:
+            del self.per_peer[peer]
 
-    @staticmethod
-    def _drop(counter: "collections.Counter[str]", key: str) -> None:
-        counter[key] -= 1
-        if counter[key] <= 0:
-            del counter[key]
+    def _forget(self, conn: Conn) -> None:
+        address = self.unproven.pop(conn, None)
+        if address is None:
+            return
+        self.per_address[address] -= 1
+        if self.per_address[address] <= 0:
+            del self.per_address[address]
 
     def next_backoff(self) -> float:
         """Seconds to stop accepting after a resource error (doubling, capped)."""

@@ -68,6 +68,10 @@ class TcpReceiver:
         gets a CHALLENGE, which its HELLO must answer."""
         conn = Conn(sock, loop, self, remote=address)
         self.connections.add(conn)
+        for old, limit in self._gate.admit(conn, address):
+            log.warning("tcp: closing a connection from %s that has not proven who it is: a new one takes its place (%s)",
+                        address or "a local peer", limit)
+            old.close()
         conn.nonce = peerauth.new_nonce()
         conn.send([HEADER.pack(CHALLENGE, 0, 0, len(conn.nonce), 0), conn.nonce])
 
@@ -114,7 +118,7 @@ class TcpReceiver:
                         conn.remote or "a local peer", sender)
             return _refuse(conn, f"the proof of identity for {sender!r} does not verify (no credential from "
                                  "this receiver's control plane)")
-        refusal = self._gate.prove(conn.remote or "", sender)
+        refusal = self._gate.prove(conn, sender)
         if refusal is not None:
             log.warning("tcp: refusing a connection from %s: %s", sender, refusal)
             return _refuse(conn, refusal)
@@ -173,7 +177,7 @@ class TcpReceiver:
         conn.protocol_error("NACK on a connection to the receiver")
 
     def closed(self, conn: Conn, by_peer: bool) -> None:
-        self._gate.release(conn.remote or "", conn.peer_id)
+        self._gate.release(conn, conn.peer_id)
         self.connections.discard(conn)
         if conn.peer_id is not None:
             self._writers.closed(conn.peer_id, by_peer=by_peer)

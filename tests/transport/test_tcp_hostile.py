@@ -189,8 +189,8 @@ async def test_a_connection_that_never_says_hello_is_closed() -> None:
         await recv.close()
 
 
-async def test_connections_are_capped_per_listener_and_per_address() -> None:
-    recv = registry.create("tcp", max_connections=5, max_connections_per_address=3)
+async def test_unproven_connections_give_way_and_proven_ones_are_capped_per_listener() -> None:
+    recv = registry.create("tcp", max_connections=2, max_connections_per_address=3)
     desc = await recv.register(LAYOUT.build(None)[0])
     clients = [RawClient(desc) for _ in range(3)]  # not proven yet: they count for the address
     try:
@@ -198,12 +198,12 @@ async def test_connections_are_capped_per_listener_and_per_address() -> None:
             assert await c.challenge()  # accepted and served
         extra = RawClient(desc)  # a 4th unproven one from the same address
         clients.append(extra)
+        assert await extra.challenge()  # served: the oldest unproven one gave way
+        assert await clients[0].closed_by_peer()
+        assert await clients[1].hello(claimed_id="w0") == MessageType.HELLO_OK
+        assert await clients[2].hello(claimed_id="w1") == MessageType.HELLO_OK
+        assert await extra.hello(claimed_id="w2") == MessageType.HELLO_REFUSED  # the 3rd proven on a listener capped at 2
         assert await extra.closed_by_peer()
-        assert await clients[0].hello(claimed_id="w0") == MessageType.HELLO_OK  # proven: the address has room again
-        clients.append(RawClient(desc))
-        assert await clients[-1].hello(claimed_id="w1") == MessageType.HELLO_OK
-        clients.append(RawClient(desc))  # the 6th on a listener capped at 5
-        assert await clients[-1].closed_by_peer()
         for c in clients:
             c.close()
         await eventually_async(lambda: len(recv.receiver.connections) == 0, what="the receiver saw the clients go")
@@ -211,7 +211,7 @@ async def test_connections_are_capped_per_listener_and_per_address() -> None:
         regions, _ = LAYOUT.build(5)
         await send.register(regions)
         try:
-            peer = await send.connect(desc)  # room again once the junk left
+            peer = await send.connect(desc)  # room again once the others left
             recv.advertise(RoomGrant.of(5, [1], slot=0))
             pairs = region_pairs(regions, peer.descriptor.regions)
             meta = metadata_op(regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 0)
@@ -334,7 +334,7 @@ async def test_an_idle_connection_outlives_the_lease() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"hello_timeout": 0}, {"max_connections": 0}, {"max_connections_per_address": 1.5},
-                                 {"heartbeat_interval": 5, "heartbeat_lease": 5}, {"heartbeat_lease": float("nan")}])
+                                 {"max_unproven_connections": 0}, {"heartbeat_interval": 5, "heartbeat_lease": 5}, {"heartbeat_lease": float("nan")}])
 def test_bad_limits_are_refused_naming_the_option(bad: dict) -> None:
     from pdgrpc.errors import ConfigError
 
