@@ -46,3 +46,34 @@ def hf_checkpoint(tmp_path_factory):
         return built[name]
 
     return get
+
+
+# ---- a real etcd (the Debian package etcd-server) on 127.0.0.1 ---------------------------
+
+@pytest.fixture(scope="session")
+def etcd():
+    """One plain etcd for the session's discovery tests (each test uses its own cluster name)."""
+    from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, EtcdProcess, find_etcd
+
+    if find_etcd() is None:
+        pytest.skip(f"no etcd binary: {ETCD_PACKAGE_HINT}")
+    with EtcdProcess.start_on("127.0.0.1") as e:
+        yield e
+
+
+@pytest.fixture(scope="session")
+def etcd_tls(tmp_path_factory):
+    """An etcd that speaks TLS only and takes only clients with a certificate of its CA;
+    yields (etcd, the CA, a client's CertFiles)."""
+    from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, EtcdProcess, EtcdTls, find_etcd
+    from pdgrpc.rpc.certs import issue, make_ca
+    from pdgrpc.rpc.roles import CLIENT, DECODE
+
+    if find_etcd() is None:
+        pytest.skip(f"no etcd binary: {ETCD_PACKAGE_HINT}")
+    d = tmp_path_factory.mktemp("etcd-tls")
+    ca = make_ca(d)
+    server = issue(ca, d, "etcd", role=CLIENT)
+    client = issue(ca, d, "decode", role=DECODE)
+    with EtcdProcess.start_on("127.0.0.1", tls=EtcdTls(ca.cert, server.cert, server.key)) as e:
+        yield e, ca.cert, client

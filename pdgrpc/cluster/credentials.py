@@ -9,7 +9,9 @@ every server checks callers against (:mod:`pdgrpc.rpc.certs`); or uses the files
 topology's ``[security]`` table names (``tls-cert``, ``tls-key``, ``tls-ca``,
 ``auth-token-file``: the same for every process and for the launcher's own calls, so
 without roles). Behind smg, the prefill and decode servers also share a random room key
-(``--smg-room-key-file``).
+(``--smg-room-key-file``). Under ``--tls auto`` a topology's etcd serves TLS with a
+certificate of the same CA and takes only clients with one (:attr:`~ClusterCredentials.etcd`;
+:meth:`~ClusterCredentials.etcd_flags` are what a process presents to it).
 :meth:`~ClusterCredentials.flags` are a process's security flags,
 :attr:`~ClusterCredentials.client` what a client of the cluster presents,
 :meth:`~ClusterCredentials.security` what any of them presents.
@@ -20,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from pdgrpc.discovery.server import EtcdTls
 from pdgrpc.rpc.certs import LOOPBACK_HOSTS, CertFiles, issue, make_ca, write_token
 from pdgrpc.rpc.roles import BOOTSTRAP, CLIENT, DECODE, GATEWAY, PREFILL, ROLES, ROUTER
 from pdgrpc.rpc.security import Security, token_digest
@@ -44,10 +47,16 @@ class ClusterCredentials:
         self.roles.update({CLIENT: CLIENT, LAUNCHER: ROUTER})
         self.certs: dict[str, CertFiles] = {}
         self.ca: Path | None = files.get("tls-ca")
+        self.etcd: EtcdTls | None = None
         if tls:
             made = make_ca(directory)
             self.ca = made.cert
             try:
+                for name, kind in processes.items():
+                    if kind == "etcd":  # a server only: its certificate calls nothing of pdgrpc's but Generate
+                        hosts = tuple(dict.fromkeys((*LOOPBACK_HOSTS, addresses.get(name, LOOPBACK_HOSTS[0]))))
+                        own = issue(made, directory, name, hosts, role=CLIENT)
+                        self.etcd = EtcdTls(made.cert, own.cert, own.key)
                 # Every process serves and calls; a client only calls.
                 self.certs = {
                     name: issue(made, directory, name, tuple(dict.fromkeys((*LOOPBACK_HOSTS, addresses.get(name, LOOPBACK_HOSTS[0])))),
@@ -89,6 +98,13 @@ class ClusterCredentials:
             cert=None if cert is None else cert.cert, key=None if cert is None else cert.key, ca=self.ca,
             token_file=self.tokens.get(self.roles.get(name, CLIENT)),
         )
+
+    def etcd_flags(self, name: str) -> list[str]:
+        """What process ``name`` presents to the topology's etcd (none when etcd runs plain)."""
+        cert = self.certs.get(name)
+        if self.etcd is None or cert is None:
+            return []
+        return ["--discovery-ca", str(self.etcd.ca), "--discovery-cert", str(cert.cert), "--discovery-key", str(cert.key)]
 
     def flags(self, name: str) -> list[str]:
         """The security flags of process ``name``."""

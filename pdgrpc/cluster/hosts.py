@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from pdgrpc.cluster.topology import ProcessSpec, Topology
 from pdgrpc.errors import ConfigError
@@ -52,13 +52,15 @@ def place(spec: ProcessSpec, hosts: HostMap | None, default: str) -> tuple[str, 
     return h["address"], ["ip", "netns", "exec", h["netns"]]
 
 
-def discovery_flags(topology: Topology, spec: ProcessSpec, etcd_address: str | None) -> list[str]:
-    """Discovery flags of a server process (none without an etcd process)."""
+def discovery_flags(topology: Topology, spec: ProcessSpec, etcd_address: str | None, etcd_tls: Sequence[str] = ()) -> list[str]:
+    """Discovery flags of a server process (none without an etcd process); ``etcd_tls``:
+    the process's ``--discovery-ca/cert/key`` flags when etcd serves TLS."""
     if etcd_address is None or spec.role not in ("bootstrap", "prefill", "decode", "router"):
         return []
     if spec.role == "router" and (spec.prefill or spec.decode):
         return []  # a router with static lists routes to those
-    out = ["--discovery", f"etcd://{etcd_address}", "--cluster-name", topology.name.replace("_", "-")]
+    scheme = "etcds" if etcd_tls else "etcd"
+    out = ["--discovery", f"{scheme}://{etcd_address}", *etcd_tls, "--cluster-name", topology.name.replace("_", "-")]
     if spec.role != "router":
         out += ["--instance-id", spec.name]
     return out

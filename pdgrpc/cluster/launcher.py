@@ -246,7 +246,7 @@ class Cluster:
                 binary = find_etcd()
                 if binary is None:
                     raise ClusterError(f"topology {self.topology.name!r} runs etcd, but there is none here: {ETCD_PACKAGE_HINT}")
-                proc.argv = etcd_argv(binary, ip, port, peer, self.log_dir / f"{spec.name}-data")
+                proc.argv = etcd_argv(binary, ip, port, peer, self.log_dir / f"{spec.name}-data", self.credentials.etcd)
             if spec.role == "smg":  # smg always gets its metrics port: it binds one either way
                 proc.metrics_ports[""] = smg_metrics = free_port(taken)
                 taken.add(smg_metrics)
@@ -314,7 +314,7 @@ class Cluster:
             if proc.ip != HOST:  # on a host: the data plane listens on (and advertises) the host's address
                 out += ["--transport-host", proc.ip]
         etcd = self.topology.etcd
-        out += discovery_flags(self.topology, spec, None if etcd is None else self.address(etcd.name))
+        out += discovery_flags(self.topology, spec, None if etcd is None else self.address(etcd.name), self.credentials.etcd_flags(spec.name))
         if spec.role == "colocated":
             out += flags(self.topology.engine)
         if spec.role == "prefill" and spec.bootstrap:
@@ -500,7 +500,7 @@ class Cluster:
 
     async def _serving(self, proc: Proc) -> bool:
         if proc.spec.role == "etcd":
-            return await asyncio.to_thread(etcd_healthy, proc.ip, proc.port)
+            return await asyncio.to_thread(etcd_healthy, proc.ip, proc.port, self.credentials.etcd)
         # A prefill controller reports NOT_SERVING until its DP workers are ready; its ready
         # line (printed at the same moment) is checked too, as the documented signal.
         if proc.spec.role == "prefill" and not proc.log_has_line(_PREFILL_READY):

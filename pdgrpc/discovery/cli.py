@@ -1,6 +1,8 @@
 """The discovery flags every server takes, and what they build.
 
-``--discovery etcd://HOST:PORT[,...]`` turns discovery on; ``--discovery-ttl`` (lease
+``--discovery etcd://HOST:PORT[,...]`` turns discovery on (``etcds://`` for TLS, with
+``--discovery-ca``, ``--discovery-cert``/``--discovery-key`` and/or ``--discovery-user``/
+``--discovery-password-file``); ``--discovery-ttl`` (lease
 seconds), ``--cluster-name`` (the key prefix), ``--instance-id`` (the key's last
 segment) and ``--advertise-host`` (the host part of the address peers are told) shape it.
 Without ``--discovery`` nothing here runs and the static flags work as before.
@@ -12,10 +14,12 @@ import argparse
 import ipaddress
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdgrpc.argtypes import whole_number
-from pdgrpc.discovery.etcd import Registration, load_client, parse_discovery_url
+from pdgrpc.discovery.etcd import Registration
+from pdgrpc.discovery.etcd_client import EtcdTarget, parse_discovery_url, rpc
 from pdgrpc.discovery.record import Instance, MembershipView, check_name, cluster_prefix, instance_key
 from pdgrpc.discovery.signing import RecordSigner, RecordVerifier
 from pdgrpc.errors import ConfigError
@@ -30,6 +34,7 @@ __all__ = [
     "add_discovery_arguments",
     "advertised_address",
     "check_discovery_args",
+    "etcd_target",
     "membership_view",
     "register_on",
     "registration_from_args",
@@ -54,7 +59,20 @@ def add_discovery_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         if role == "router" else
         "register this instance in etcd under a lease, so routers find it; the lease is revoked on a clean shutdown"
     )
-    g.add_argument("--discovery", metavar="etcd://HOST:PORT[,HOST:PORT...]", default="", help=f"{what}. Default: off")
+    g.add_argument(
+        "--discovery", metavar="etcd[s]://HOST:PORT[,HOST:PORT...]", default="",
+        help=f"{what}. etcds:// speaks TLS to etcd (give --discovery-ca). Default: off",
+    )
+    g.add_argument("--discovery-ca", type=Path, metavar="PEM", help="CA certificate that signed etcd's (etcds:// only)")
+    g.add_argument(
+        "--discovery-cert", type=Path, metavar="PEM",
+        help="client certificate presented to etcd (etcds:// only; for etcd's --client-cert-auth)",
+    )
+    g.add_argument("--discovery-key", type=Path, metavar="PEM", help="private key of --discovery-cert (mode 600)")
+    g.add_argument("--discovery-user", default="", metavar="NAME", help="etcd user to authenticate as (etcds:// only)")
+    g.add_argument(
+        "--discovery-password-file", type=Path, metavar="FILE", help="file holding --discovery-user's password (mode 600)",
+    )
     g.add_argument(
         "--cluster-name", default=DEFAULT_CLUSTER, metavar="NAME",
         help="keys live under /pdgrpc/NAME/<role>/<instance id>; instances of other clusters are not seen. "
@@ -83,13 +101,20 @@ def check_discovery_args(ns: argparse.Namespace) -> None:
     """Validate the discovery flags early (ConfigError naming the flag)."""
     if not ns.discovery:
         return
-    parse_discovery_url(ns.discovery)
-    load_client()  # a missing client fails here, naming what to install
+    etcd_target(ns)
+    rpc()  # a missing client fails here, naming what to install
     check_name(ns.cluster_name, "--cluster-name")
     if getattr(ns, "instance_id", ""):
         check_name(ns.instance_id, "--instance-id")
     if hasattr(ns, "advertise_host"):
         _advertise_host(ns)
+
+
+def etcd_target(ns: argparse.Namespace) -> EtcdTarget:
+    """Where etcd is and what this process presents to it, from the flags (ConfigError naming the wrong one)."""
+    return parse_discovery_url(ns.discovery).with_files(
+        ns.discovery_ca, ns.discovery_cert, ns.discovery_key, ns.discovery_user, ns.discovery_password_file,
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -158,7 +183,7 @@ def registration_from_args(
     # Under mTLS the record is signed with this instance's certificate: readers with the CA take nothing else.
     signer = RecordSigner(security.cert, security.key) if security.cert and security.key and security.ca else None
     return Registration(
-        parse_discovery_url(ns.discovery), instance_key(ns.cluster_name, role, instance_id), instance, ns.discovery_ttl, signer,
+        etcd_target(ns), instance_key(ns.cluster_name, role, instance_id), instance, ns.discovery_ttl, signer,
     )
 
 

@@ -1,7 +1,7 @@
 """The etcd side of discovery: an instance's registration under a lease, and a prefix watch.
 
-Both run as background tasks over :mod:`aetcd` (asyncio, etcd v3 API on grpc.aio) and
-survive etcd outages:
+Both run as background tasks over :class:`~pdgrpc.discovery.etcd_client.EtcdClient`
+(etcd v3 on grpc.aio, plain or TLS) and survive etcd outages:
 
 * :class:`Registration` grants a lease of ``ttl`` seconds, puts the instance's key under
   it, and renews it every ``ttl / 3``. When a renewal finds the lease gone (the process
@@ -23,42 +23,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
-
+from pdgrpc.discovery.etcd_client import EtcdClient, EtcdTarget, Watch, parse_discovery_url
 from pdgrpc.discovery.record import Instance, MembershipView
 from pdgrpc.discovery.signing import RecordSigner
 from pdgrpc.errors import ConfigError
 
-__all__ = ["Registration", "Watcher", "parse_discovery_url", "load_client"]
+__all__ = ["EtcdTarget", "Registration", "Watcher", "parse_discovery_url"]
 
 log = logging.getLogger("pdgrpc.discovery")
 
 BACKOFF_FIRST_S = 0.2
 BACKOFF_CAP_S = 5.0
 _CALL_TIMEOUT_S = 3  # one etcd call (grant, put, renew, list) may take this long
-
-
-def parse_discovery_url(url: str) -> tuple[tuple[str, int], ...]:
-    """``etcd://HOST:PORT[,HOST:PORT...]`` -> endpoints; ConfigError naming ``--discovery``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme != "etcd":
-        raise ConfigError(f"--discovery {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
-    out = []
-    for item in rest.rstrip("/").split(","):
-        host, colon, port = item.strip().rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"--discovery {url!r}: {item!r} is not HOST:PORT")
-        out.append((host.strip("[]"), int(port)))
-    return tuple(out)
-
-
-def load_client() -> Any:
-    """The :mod:`aetcd` module, or ConfigError saying what to install."""
-    try:
-        import aetcd
-    except ImportError as exc:  # pragma: no cover - the etcd extra is not installed
-        raise ConfigError(f"--discovery etcd needs the aetcd package: pip install 'pdgrpc[etcd]' ({exc})") from None
-    return aetcd
 
 
 class _Outage:
@@ -85,25 +61,25 @@ class _Outage:
 
 
 class _Endpoints:
-    def __init__(self, endpoints: tuple[tuple[str, int], ...]) -> None:
-        if not endpoints:
+    def __init__(self, target: EtcdTarget) -> None:
+        if not target.endpoints:
             raise ConfigError("--discovery needs at least one etcd endpoint")
-        self._all = endpoints
+        self._target = target
+        self._all = target.endpoints
         self._i = 0
-        self._aetcd = load_client()
 
     @property
     def current(self) -> tuple[str, int]:
         return self._all[self._i]
 
-    def client(self) -> Any:
+    def client(self) -> EtcdClient:
         host, port = self.current
-        return self._aetcd.Client(host=host, port=port, timeout=_CALL_TIMEOUT_S)
+        return EtcdClient(host, port, self._target, _CALL_TIMEOUT_S)
 
     def rotate(self) -> None:
         self._i = (self._i + 1) % len(self._all)
 
-    async def fail_over(self, outage: "_Outage", client: Any, exc: Exception) -> None:
+    async def fail_over(self, outage: "_Outage", client: EtcdClient, exc: Exception) -> None:
         """After a failed call: log it through ``outage``, drop ``client``, move to the next
         endpoint and wait out the back-off."""
         delay = outage.failed(self.current, exc)
@@ -112,7 +88,7 @@ class _Endpoints:
         await asyncio.sleep(delay)
 
 
-async def _close(client: Any) -> None:
+async def _close(client: EtcdClient) -> None:
     with contextlib.suppress(Exception):
         await asyncio.wait_for(client.close(), _CALL_TIMEOUT_S)
 
@@ -121,11 +97,11 @@ class Registration:
     """Keeps ``key`` -> ``instance`` in etcd under a lease while it runs; see the module doc."""
 
     def __init__(
-        self, endpoints: tuple[tuple[str, int], ...], key: str, instance: Instance, ttl: int, signer: RecordSigner | None = None,
+        self, target: EtcdTarget, key: str, instance: Instance, ttl: int, signer: RecordSigner | None = None,
     ) -> None:
         if ttl < 1:
             raise ConfigError(f"--discovery-ttl must be >= 1 second, got {ttl}")
-        self._ep = _Endpoints(endpoints)
+        self._ep = _Endpoints(target)
         self.key = key
         self.instance = instance
         self.ttl = ttl
@@ -136,7 +112,7 @@ class Registration:
         self.restored = 0  # times the key was put back after someone else deleted or overwrote it
         self.registered = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._client: Any = None
+        self._client: EtcdClient | None = None
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -155,30 +131,29 @@ class Registration:
                     keeper.cancel()
                     with contextlib.suppress(BaseException):
                         await keeper
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), 1.0)
+                    watch.cancel()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 await self._ep.fail_over(outage, client, exc)
 
-    async def _renew(self, client: Any, outage: "_Outage", keeper: asyncio.Future[None]) -> None:
+    async def _renew(self, client: EtcdClient, outage: "_Outage", keeper: asyncio.Future[None]) -> None:
         while True:
             if self.lease_id is None:
                 lease = await client.lease(self.ttl)
                 # Before the put: a close() that comes while the put is in flight
                 # (its key may already be visible) still revokes this lease.
-                self.lease_id = lease.id
+                self.lease_id = lease
                 self.leases_granted += 1
-                await client.put(self.key.encode(), self.value, lease=lease.id)
+                await client.put(self.key.encode(), self.value, lease=lease)
                 log.info("discovery: registered %s at %s (lease %x, ttl %d s, generation %d)",
-                         self.key, self.instance.address, lease.id, self.ttl, self.instance.generation)
+                         self.key, self.instance.address, lease, self.ttl, self.instance.generation)
                 self.registered.set()
                 outage.ok(self._ep.current)
             else:
-                reply = await client.refresh_lease(self.lease_id)
+                left = await client.refresh_lease(self.lease_id)
                 outage.ok(self._ep.current)
-                if reply is None or reply.TTL <= 0:
+                if left <= 0:
                     log.warning("discovery: lease %x of %s lapsed (process stopped or etcd lost it); "
                                 "registering again with a new lease", self.lease_id, self.key)
                     self.lease_id = None
@@ -190,24 +165,25 @@ class Registration:
                 keeper.result()
                 raise ConnectionError("etcd ended the watch of the registration's key")
 
-    async def _keep(self, client: Any, watch: Any) -> None:
+    async def _keep(self, client: EtcdClient, watch: Watch) -> None:
         """Puts the key back whenever it is deleted or overwritten while the lease lives:
         a writer that deletes an instance's key does not remove it from routers for the
         rest of its lease."""
         async for event in watch:
             lease = self.lease_id
-            if lease is None or (event.kind == "PUT" and event.kv.value == self.value):
+            put = event.type == event.PUT
+            if lease is None or (put and event.kv.value == self.value):
                 continue
             try:
                 await client.put(self.key.encode(), self.value, lease=lease)
             except Exception as exc:  # the lease ended meanwhile: the renewal registers again
                 log.warning("discovery: %s was %s and could not be put back (%s)", self.key,
-                            "deleted" if event.kind != "PUT" else "overwritten", exc)
+                            "overwritten" if put else "deleted", exc)
                 continue
             self.restored += 1
             log.warning("discovery: %s was %s while its lease %x lives; put it back", self.key,
-                        "deleted" if event.kind != "PUT" else "overwritten", lease)
-        raise ConnectionError("etcd ended the watch of the registration's key")
+                        "overwritten" if put else "deleted", lease)
+        raise ConnectionError("etcd ended the watch of the registration's key")  # pragma: no cover - the watch raises
 
     async def close(self) -> None:
         """Stop renewing and revoke the lease now, so watchers see the instance leave at once."""
@@ -232,11 +208,11 @@ class Watcher:
 
     def __init__(
         self,
-        endpoints: tuple[tuple[str, int], ...],
+        target: EtcdTarget,
         view: MembershipView,
         probe_s: float = 2.0,
     ) -> None:
-        self._ep = _Endpoints(endpoints)
+        self._ep = _Endpoints(target)
         self.view = view
         self.probe_s = probe_s
         self.synced = asyncio.Event()  # set once the first listing landed
@@ -266,11 +242,11 @@ class Watcher:
             client = self._ep.client()
             try:
                 listing = await client.get_prefix(prefix)
-                self.view.reset((kv.key.decode(errors="replace"), kv.value, kv.create_revision) for kv in listing)
+                self.view.reset((kv.key.decode(errors="replace"), kv.value, kv.create_revision) for kv in listing.kvs)
                 self.synced.set()
                 await self._notify()
                 outage.ok(self._ep.current)
-                watch = await client.watch_prefix(prefix, start_revision=listing.header.revision + 1)
+                watch = await client.watch(prefix, prefix=True, start_revision=listing.header.revision + 1)
                 probe = asyncio.ensure_future(self._probe(client))
                 try:
                     await self._consume(watch, probe)
@@ -278,15 +254,14 @@ class Watcher:
                     probe.cancel()
                     with contextlib.suppress(BaseException):
                         await probe
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), 1.0)
+                    watch.cancel()
             except asyncio.CancelledError:
                 await _close(client)
                 raise
             except Exception as exc:
                 await self._ep.fail_over(outage, client, exc)
 
-    async def _consume(self, watch: Any, probe: asyncio.Future[None]) -> None:
+    async def _consume(self, watch: Watch, probe: asyncio.Future[None]) -> None:
         events = watch.__aiter__()
         while True:
             nxt = asyncio.ensure_future(events.__anext__())
@@ -305,13 +280,13 @@ class Watcher:
             except StopAsyncIteration:
                 raise ConnectionError("etcd ended the watch") from None
             key = event.kv.key.decode(errors="replace")
-            if event.kind == "PUT":
+            if event.type == event.PUT:
                 self.view.put(key, event.kv.value, event.kv.create_revision)
             else:
                 self.view.delete(key)
             await self._notify()
 
-    async def _probe(self, client: Any) -> None:
+    async def _probe(self, client: EtcdClient) -> None:
         while True:
             await asyncio.sleep(self.probe_s)
             await client.status()  # raises when etcd is gone; the watch is restarted then

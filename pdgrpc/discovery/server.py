@@ -6,10 +6,14 @@ restart on the same data (leases survive a restart, as in production).
 
     with EtcdProcess.start_on("127.0.0.1") as etcd:
         ... --discovery etcd.url ...
+
+With :class:`EtcdTls` it serves clients (and peers) over TLS only and takes only clients
+that present a certificate its CA signed (etcd's ``--client-cert-auth``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -22,7 +26,7 @@ from typing import Sequence
 
 from pdgrpc.errors import ConfigError, PdgrpcError
 
-__all__ = ["ETCD_PACKAGE_HINT", "EtcdProcess", "etcd_argv", "etcd_healthy", "find_etcd"]
+__all__ = ["ETCD_PACKAGE_HINT", "EtcdProcess", "EtcdTls", "etcd_argv", "etcd_healthy", "find_etcd"]
 
 ETCD_PACKAGE_HINT = "install the Debian package etcd-server (scripts/setup.sh does so when run as root)"
 
@@ -30,6 +34,15 @@ ETCD_PACKAGE_HINT = "install the Debian package etcd-server (scripts/setup.sh do
 def find_etcd() -> str | None:
     """Path of the ``etcd`` binary, or None."""
     return shutil.which("etcd") or next((p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.access(p, os.X_OK)), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdTls:
+    """etcd's own certificate and key (naming its host) and the CA whose clients it takes."""
+
+    ca: Path
+    cert: Path
+    key: Path
 
 
 def _free_port(host: str) -> int:
@@ -42,7 +55,7 @@ class EtcdProcess:
     """One etcd member on ``host``; ``prefix`` runs it elsewhere (``ip netns exec h1``)."""
 
     def __init__(self, host: str, client_port: int, peer_port: int, data_dir: Path | None = None,
-                 prefix: Sequence[str] = (), log_path: Path | None = None) -> None:
+                 prefix: Sequence[str] = (), log_path: Path | None = None, tls: EtcdTls | None = None) -> None:
         binary = find_etcd()
         if binary is None:
             raise ConfigError(f"etcd not found on PATH: {ETCD_PACKAGE_HINT}")
@@ -54,6 +67,7 @@ class EtcdProcess:
         self._failed = False  # a start that did not come up keeps the log its error names
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="pdgrpc-etcd-"))
         self.prefix = list(prefix)
+        self.tls = tls
         self._own_log = log_path is None
         self.log_path = log_path or self.data_dir.with_suffix(".log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -68,10 +82,10 @@ class EtcdProcess:
     @property
     def url(self) -> str:
         """The ``--discovery`` value."""
-        return f"etcd://{self.host}:{self.client_port}"
+        return f"{'etcds' if self.tls else 'etcd'}://{self.host}:{self.client_port}"
 
     def argv(self) -> list[str]:
-        return [*self.prefix, *etcd_argv(self.binary, self.host, self.client_port, self.peer_port, self.data_dir / "member-data")]
+        return [*self.prefix, *etcd_argv(self.binary, self.host, self.client_port, self.peer_port, self.data_dir / "member-data", self.tls)]
 
     def start(self, ready_timeout: float = 20.0, wait: bool = True) -> None:
         with open(self.log_path, "ab") as log:
@@ -94,9 +108,10 @@ class EtcdProcess:
 
     def _healthy(self) -> bool:
         if self.prefix:  # another namespace: ask from there
-            argv = [*self.prefix, "python3", "-c", _HEALTH_SNIPPET, self.host, str(self.client_port)]
+            tls = [] if self.tls is None else [str(self.tls.ca), str(self.tls.cert), str(self.tls.key)]
+            argv = [*self.prefix, "python3", "-c", _HEALTH_SNIPPET, self.host, str(self.client_port), *tls]
             return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
-        return _health(self.host, self.client_port)
+        return _health(self.host, self.client_port, self.tls)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop etcd (its data stays for :meth:`start`)."""
@@ -125,29 +140,42 @@ class EtcdProcess:
         self.close()
 
 
-def etcd_argv(binary: str, host: str, client_port: int, peer_port: int, data_dir: Path) -> list[str]:
-    """A single-member etcd listening on ``host`` (plain http: tests and the launcher run it
-    on loopback or on a subnet private to their network namespaces)."""
-    client = f"http://{host}:{client_port}"
-    peer = f"http://{host}:{peer_port}"
+def etcd_argv(binary: str, host: str, client_port: int, peer_port: int, data_dir: Path, tls: EtcdTls | None = None) -> list[str]:
+    """A single-member etcd listening on ``host``: plain http without ``tls``; with it, TLS
+    for clients and peers, each of which must present a certificate of ``tls.ca``."""
+    scheme = "http" if tls is None else "https"
+    client = f"{scheme}://{host}:{client_port}"
+    peer = f"{scheme}://{host}:{peer_port}"
+    secured = [] if tls is None else [
+        "--client-cert-auth", "--trusted-ca-file", str(tls.ca), "--cert-file", str(tls.cert), "--key-file", str(tls.key),
+        "--peer-client-cert-auth", "--peer-trusted-ca-file", str(tls.ca), "--peer-cert-file", str(tls.cert),
+        "--peer-key-file", str(tls.key),
+    ]
     return [
         binary, "--name", "pdgrpc", "--data-dir", str(data_dir),
         "--listen-client-urls", client, "--advertise-client-urls", client,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"pdgrpc={peer}", "--initial-cluster-state", "new", "--log-level", "warn",
+        "--initial-cluster", f"pdgrpc={peer}", "--initial-cluster-state", "new", "--log-level", "warn", *secured,
     ]
 
 
-def etcd_healthy(host: str, port: int) -> bool:
-    """Whether etcd on ``host:port`` answers its /health as healthy (reachable from here)."""
-    return _health(host, port)
+def etcd_healthy(host: str, port: int, tls: EtcdTls | None = None) -> bool:
+    """Whether etcd on ``host:port`` answers its /health as healthy (reachable from here;
+    with ``tls``, over TLS presenting etcd's own certificate)."""
+    return _health(host, port, tls)
 
 
-def _health(host: str, port: int) -> bool:
+def _health(host: str, port: int, tls: EtcdTls | None = None) -> bool:
     import http.client
+    import ssl
 
     try:
-        conn = http.client.HTTPConnection(host, port, timeout=1.0)
+        if tls is None:
+            conn = http.client.HTTPConnection(host, port, timeout=1.0)
+        else:
+            ctx = ssl.create_default_context(cafile=str(tls.ca))
+            ctx.load_cert_chain(str(tls.cert), str(tls.key))
+            conn = http.client.HTTPSConnection(host, port, timeout=1.0, context=ctx)
         conn.request("GET", "/health")
         body = conn.getresponse().read()
         conn.close()
@@ -157,8 +185,12 @@ def _health(host: str, port: int) -> bool:
 
 
 _HEALTH_SNIPPET = """
-import http.client, sys
-c = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=1.0)
+import http.client, ssl, sys
+if len(sys.argv) > 3:
+    ctx = ssl.create_default_context(cafile=sys.argv[3]); ctx.load_cert_chain(sys.argv[4], sys.argv[5])
+    c = http.client.HTTPSConnection(sys.argv[1], int(sys.argv[2]), timeout=1.0, context=ctx)
+else:
+    c = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=1.0)
 try:
     c.request("GET", "/health"); sys.exit(0 if b'"true"' in c.getresponse().read() else 1)
 except OSError:

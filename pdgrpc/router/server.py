@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, membership_view
-from pdgrpc.discovery.etcd import Watcher, parse_discovery_url
+from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, etcd_target, membership_view
+from pdgrpc.discovery.etcd import Watcher
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.router.kv_events import KvEventFollower
@@ -134,7 +134,7 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     metrics = RouterMetrics()
     watcher = None
     if args.discovery:
-        watcher = Watcher(parse_discovery_url(args.discovery), membership_view(args.cluster_name))
+        watcher = Watcher(etcd_target(args), membership_view(args.cluster_name))
         watcher.start()
     index = PrefixIndex() if config.policy == "cache_aware" else None
     view = None if watcher is None else watcher.view

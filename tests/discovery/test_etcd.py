@@ -10,25 +10,16 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from pdgrpc.discovery.etcd import Registration, Watcher, parse_discovery_url
 from pdgrpc.discovery.record import Instance, MembershipView, cluster_prefix, instance_key
-from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, EtcdProcess, find_etcd
+from pdgrpc.discovery.server import EtcdProcess
 from pdgrpc.errors import ConfigError
 from tests.eventually import eventually_async
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdProcess]:
-    if find_etcd() is None:
-        pytest.skip(f"no etcd binary: {ETCD_PACKAGE_HINT}")
-    with EtcdProcess.start_on("127.0.0.1") as e:
-        yield e
 
 
 def _decode(iid: str, port: int = 7000) -> Instance:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
@@ -22,7 +21,8 @@ from pdgrpc.cluster.client import Completion, generate
 from pdgrpc.cluster.credentials import CLIENT, ClusterCredentials
 from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.cluster.topology import parse_topology
-from pdgrpc.discovery.etcd import Registration, Watcher, load_client, parse_discovery_url
+from pdgrpc.discovery.etcd import Registration, Watcher, parse_discovery_url
+from pdgrpc.discovery.etcd_client import EtcdClient
 from pdgrpc.discovery.record import Instance, MembershipView, cluster_prefix, instance_key
 from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, EtcdProcess, find_etcd
 from pdgrpc.discovery.signing import RecordSigner, RecordVerifier
@@ -33,14 +33,6 @@ from tests.eventually import eventually_async
 
 pytestmark = pytest.mark.timeout(120)
 JUNK = 2000
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdProcess]:
-    if find_etcd() is None:
-        pytest.skip(f"no etcd binary: {ETCD_PACKAGE_HINT}")
-    with EtcdProcess.start_on("127.0.0.1") as e:
-        yield e
 
 
 def decode(iid: str, port: int) -> Instance:
@@ -57,7 +49,7 @@ async def test_only_records_signed_for_their_role_are_taken(etcd: EtcdProcess, t
     d = creds.certs["decode"]
     reg = Registration(endpoints, instance_key("signed", "decode", "d1"), decode("d1", 7001), ttl=30, signer=RecordSigner(d.cert, d.key))
     reg.start()
-    client = load_client().Client(host=etcd.host, port=etcd.client_port)
+    client = EtcdClient(etcd.host, etcd.client_port, endpoints, 3)
     try:
         await eventually_async(lambda: [i.instance_id for i in view.instances("decode")] == ["d1"], timeout=10, what="never listed")
         rogue_ca = make_ca(tmp_path / "rogue")
@@ -87,7 +79,8 @@ async def test_only_records_signed_for_their_role_are_taken(etcd: EtcdProcess, t
 
 
 async def test_a_discovery_cluster_under_tls_auto_routes_by_signed_records(tmp_path: Path) -> None:
-    """The launcher's own processes sign what they register, and the router takes it."""
+    """The launcher's own processes sign what they register, and the router takes it; etcd
+    speaks TLS only and takes only clients with a certificate of the cluster's CA."""
     if find_etcd() is None:
         pytest.skip(f"no etcd binary: {ETCD_PACKAGE_HINT}")
     procs = [{"name": "etcd", "role": "etcd"}, {"name": "prefill", "role": "prefill", "args": {"dp-size": 1}},
@@ -100,6 +93,15 @@ async def test_a_discovery_cluster_under_tls_auto_routes_by_signed_records(tmp_p
         (ref,) = colocated_generate(reference_engine(c.topology), ["signed"], 4)
         assert done.token_ids == ref.token_ids
         assert "ignored" not in (tmp_path / "run" / "router.log").read_text()
+        etcd = c.procs["etcd"]
+        assert "--client-cert-auth" in etcd.argv
+        host, port = etcd.address.rsplit(":", 1)
+        plain = EtcdClient(host, int(port), parse_discovery_url(f"etcd://{etcd.address}"), 2)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError):  # plaintext: no way in
+                await plain.get_prefix(b"/pdgrpc/")
+        finally:
+            await plain.close()
 
 
 async def _served(ch: grpc.aio.Channel) -> Completion | None:
@@ -119,7 +121,7 @@ async def test_a_key_deleted_or_overwritten_while_its_lease_lives_is_put_back(et
     key = instance_key("kept", "decode", "d1")
     reg = Registration(endpoints, key, decode("d1", 7001), ttl=30)
     reg.start()
-    client = load_client().Client(host=etcd.host, port=etcd.client_port)
+    client = EtcdClient(etcd.host, etcd.client_port, endpoints, 3)
     listed = lambda: [i.instance_id for i in view.instances("decode")] == ["d1"]  # noqa: E731
     try:
         await eventually_async(listed, timeout=10, what="never listed")
