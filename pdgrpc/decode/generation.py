@@ -16,16 +16,15 @@ import logging
 import time
 from typing import Any, Callable
 
-import grpc
-
 from pdgrpc.decode.job import Job, SchedulerConfig, Tokens
 from pdgrpc.decode.local import LocalPrefills
 from pdgrpc.decode.rank import prefill_chunks, prefill_locally
+from pdgrpc.decode.statuses import Refusal, ending
 from pdgrpc.decode.tp import TpGroup, TpGroupBroken
 from pdgrpc.engine.base import DecodeRequest as EngineDecodeRequest
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken, stop_reason
 from pdgrpc.errors import RequestFailed
-from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
+from pdgrpc.metrics import DecodeMetrics
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state import AbortReason
@@ -110,11 +109,11 @@ class Generation:
 
     def _cancelled(self, job: Job) -> None:
         self._release_pages(job, True)  # committed: its prompt's KV landed
-        self.fail(job, job.fate.outcome(RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED)))
+        self.fail(job, job.fate.outcome(ending(AbortReason.CANCELLED, f"room {job.room}: cancelled")))
 
     def _cancelled_local(self, job: Job) -> None:
         self._release_pages(job, False)
-        self.fail(job, job.fate.outcome(RequestFailed(grpc.StatusCode.CANCELLED, f"room {job.room}: cancelled", AbortReason.CANCELLED)))
+        self.fail(job, job.fate.outcome(ending(AbortReason.CANCELLED, f"room {job.room}: cancelled")))
 
     def drop_cancelled(self) -> None:
         """End the running requests and local prefills that were cancelled since the last step."""
@@ -132,8 +131,7 @@ class Generation:
 
     def _crash(self, job: Job, exc: BaseException) -> None:
         self._release_pages(job, False)
-        failure = RequestFailed(grpc.StatusCode.INTERNAL, f"room {job.room}: engine failed: {exc}", ServerAbortReason.INTERNAL_ERROR)
-        self.fail(job, failure)
+        self.fail(job, ending(Refusal.INTERNAL, f"room {job.room}: engine failed: {exc}"))
 
     # -- compute ---------------------------------------------------------------------------
     async def compute(self) -> None:

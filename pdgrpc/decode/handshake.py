@@ -34,9 +34,9 @@ from typing import Awaitable, Callable, Final, Sequence
 import grpc
 
 from pdgrpc.decode.job import Job
-from pdgrpc.decode.prefills import PrefillDirectory, prefill_failure, restart_failure
+from pdgrpc.decode.prefills import PrefillDirectory, restart_failure
+from pdgrpc.decode.statuses import PeerAnswer, Refusal, ending, peer_answer, refused_by_prefill
 from pdgrpc.errors import RequestFailed
-from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
@@ -56,7 +56,6 @@ log = logging.getLogger("pdgrpc.decode")
 __all__ = ["ACCEPTED", "Handshaker"]
 
 ACCEPTED: Final = "accepted"
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _worker_key(w: bpb.WorkerInfo) -> tuple[int, int, int]:
@@ -135,8 +134,8 @@ class Handshaker:
             for p in senders_of(d, self.tp_size, tp_p):
                 w = by_rank.get(p)
                 if w is None:
-                    raise RequestFailed(
-                        grpc.StatusCode.UNAVAILABLE,
+                    raise ending(
+                        Refusal.PREFILL_GONE,
                         f"bootstrap {job.prefill.address} lists no worker for dp rank {job.dp_rank} tp rank {p} (tp_size {tp_p})",
                     )
                 out.append((w, d))
@@ -161,11 +160,11 @@ class Handshaker:
                 if job.prefill.restarted(instance):  # admitted under the instance before: its prefill is lost
                     return restart_failure(job.room, addr)
                 if not workers:
-                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
+                    raise ending(Refusal.PREFILL_GONE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
                 for w in workers:
                     if w.transport != self.transport_name:
-                        raise RequestFailed(
-                            grpc.StatusCode.FAILED_PRECONDITION,
+                        raise ending(
+                            Refusal.INCOMPATIBLE,
                             f"transport mismatch: prefill worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} uses "
                             f"{w.transport!r}, this decode uses {self.transport_name!r}",
                         )
@@ -190,17 +189,18 @@ class Handshaker:
                     else:
                         accepted.add((_worker_key(w), d))
                 if errors:  # a refusal decides; otherwise any error (all are retryable)
-                    raise next((e for e in errors if e.code not in _RETRYABLE), errors[0])
+                    raise next((e for e in errors if not peer_answer(e.code).retryable), errors[0])
             except RequestFailed as exc:
-                if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    return RequestFailed(exc.code, f"room {job.room}: {exc.message}", ServerAbortReason.PREFILL_ERROR)
+                if peer_answer(exc.code) is not PeerAnswer.GONE:
+                    return refused_by_prefill(exc.code, f"room {job.room}: {exc.message}")
                 job.fate.handle(CallFailed(exc.message))
             except RpcError as exc:
                 job.fate.handle(CallFailed(str(exc)))
-                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                answer = peer_answer(exc.code)
+                if answer is PeerAnswer.LATE:
                     return None  # the bootstrap deadline is up
-                if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    return RequestFailed(exc.code, f"room {job.room}: handshake refused: {exc}", ServerAbortReason.PREFILL_ERROR)
+                if answer is not PeerAnswer.GONE:
+                    return refused_by_prefill(exc.code, f"room {job.room}: handshake refused: {exc}")
             else:
                 request_event(log, job.room, "handshake accepted", workers=len(accepted), attempt=attempt,
                               writers=",".join(w.transfer_address for w in job.contacted))
@@ -273,7 +273,7 @@ class Handshaker:
                 await stub.AbortRoom(request, timeout=self.rpc_timeout_s)
                 return True
             except grpc.RpcError as exc:
-                unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE if callable(getattr(exc, "code", None)) else False
+                unreachable = callable(getattr(exc, "code", None)) and peer_answer(exc.code()) is PeerAnswer.GONE
                 request_event(
                     log, job.room, "AbortRoom failed (pages stay quarantined until the lease ends or the worker is replaced)",
                     level=logging.WARNING, worker=w.transfer_address,

@@ -7,9 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import grpc
-
 from pdgrpc.decode.prefills import PrefillInfo
+from pdgrpc.decode.statuses import ending
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.state.prefix_cache import Lease
 from pdgrpc.errors import RequestFailed
@@ -128,11 +127,6 @@ _PHASE = {
     AbortReason.WAITING_FOR_INPUT_TIMEOUT: "waiting for the prefill to send KV",
     AbortReason.TRANSFER_TIMEOUT: "transferring KV and metadata",
 }
-_CODE = {
-    AbortReason.METADATA_CORRUPTION: grpc.StatusCode.ABORTED,
-    AbortReason.CANCELLED: grpc.StatusCode.CANCELLED,
-    AbortReason.TP_DESYNC: grpc.StatusCode.INTERNAL,
-}
 
 
 def abort_status(fate: DecodeFate, a: Aborted) -> RequestFailed:
@@ -145,15 +139,14 @@ def abort_status(fate: DecodeFate, a: Aborted) -> RequestFailed:
 def _by_reason(fate: DecodeFate, a: Aborted) -> RequestFailed:
     r = a.reason
     if r is AbortReason.TRANSFER_FAILED:
-        return RequestFailed(grpc.StatusCode.ABORTED, f"{a.message}: {fate.transport_error or 'transport failure'}", r)
+        return ending(r, f"{a.message}: {fate.transport_error or 'transport failure'}")
     if r is AbortReason.PEER_FAILURE:  # the prefill process or its connection died
-        return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{a.message}: {fate.transport_error or 'peer lost'}", r)
-    code = _CODE.get(r)
-    if code is not None:
-        return RequestFailed(code, a.message, r)
-    msg = f"{a.message}: phase {_PHASE.get(r, r.name)}"
+        return ending(r, f"{a.message}: {fate.transport_error or 'peer lost'}")
+    if r not in _PHASE:
+        return ending(r, a.message)
+    msg = f"{a.message}: phase {_PHASE[r]}"
     if fate.last_error and r in (AbortReason.BOOTSTRAP_TIMEOUT, AbortReason.RESOLVE_DP_RANK_TIMEOUT):
         msg += f"; last error: {fate.last_error}"
     elif r is AbortReason.RESOLVE_DP_RANK_TIMEOUT:  # the bootstrap answered, without the room
         msg += " (QueryDpRanks found no entry)"
-    return RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, msg, r)
+    return ending(r, msg)

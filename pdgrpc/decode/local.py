@@ -23,10 +23,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-import grpc
-
 from pdgrpc.decode.job import Job
 from pdgrpc.decode.prefills import PrefillInfo
+from pdgrpc.decode.statuses import ending
 from pdgrpc.errors import RequestFailed
 from pdgrpc.state import AbortReason, DecodeQueues, DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
@@ -95,7 +94,7 @@ class LocalPrefills:
         for w in [w for w in self._waiting if now - w.since > self._allocate_s]:
             self._waiting.remove(w)
             message = f"room {w.job.room}: phase waiting for free KV pages (local prefill)"
-            late.append((w.job, RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, message, AbortReason.ALLOCATE_TIMEOUT)))
+            late.append((w.job, ending(AbortReason.ALLOCATE_TIMEOUT, message)))
         return late
 
     def drop_ending(self) -> list[Job]:

@@ -16,15 +16,14 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Protocol
 
-import grpc
-
 from pdgrpc.decode.handshake import ACCEPTED, Handshaker
 from pdgrpc.decode.job import Job, SchedulerConfig
 from pdgrpc.decode.prefills import PrefillDirectory, restart_failure
 from pdgrpc.decode.rank import RankTransfers
+from pdgrpc.decode.statuses import Refusal, ending
 from pdgrpc.decode.tp import ROOM_WRITERS, ReplicatedQueues
 from pdgrpc.errors import PdgrpcError, RequestFailed
-from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
+from pdgrpc.metrics import DecodeMetrics
 from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.failure_log import FailureLog
 from pdgrpc.serving.logs import request_event
@@ -103,10 +102,8 @@ class PrefillCalls:
                 self.host.end_with(job, restart_failure(room, addr))
                 continue
             if rank is not None and not 0 <= rank < job.prefill.dp_size:
-                self.host.end_with(job, RequestFailed(
-                    grpc.StatusCode.INTERNAL,
-                    f"room {room}: bootstrap {addr} answered dp rank {rank}, outside [0, {job.prefill.dp_size})",
-                    ServerAbortReason.INTERNAL_ERROR,
+                self.host.end_with(job, ending(
+                    Refusal.INTERNAL, f"room {room}: bootstrap {addr} answered dp rank {rank}, outside [0, {job.prefill.dp_size})"
                 ))
                 continue
             good[room] = rank
@@ -152,9 +149,7 @@ class PrefillCalls:
             # Only the pages the prefill writes: a write into a cached page is refused.
             self.transfers.advertise(hs.room, prompt_pages[len(held) :], hs.slot)
         except PdgrpcError as exc:
-            self.host.end_with(job, RequestFailed(
-                grpc.StatusCode.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}", ServerAbortReason.INTERNAL_ERROR
-            ))
+            self.host.end_with(job, ending(Refusal.INTERNAL, f"room {hs.room}: transport refused the grant: {exc}"))
             return None
         request_event(log, hs.room, "pages allocated", slot=hs.slot, pages=len(hs.pages), prompt_pages=len(prompt_pages), cached_pages=len(held), dp_rank=hs.dp_rank)
         return prompt_pages

@@ -27,16 +27,16 @@ from typing import Any, Awaitable, Callable, TypeVar
 import grpc
 
 from pdgrpc.bootstrap.client import BootstrapClient, RpcError
+from pdgrpc.decode.statuses import PeerAnswer, Refusal, ending, peer_answer, prefill_failure
 from pdgrpc.errors import RequestFailed
-from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.serving.room_proof import failure_tag
-from pdgrpc.state import AbortReason, DpConfig
+from pdgrpc.state import DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 
 log = logging.getLogger("pdgrpc.decode.prefills")
 
-__all__ = ["PrefillInfo", "PrefillDirectory", "prefill_failure", "restart_failure"]
+__all__ = ["PrefillInfo", "PrefillDirectory", "restart_failure"]
 
 T = TypeVar("T")
 
@@ -66,24 +66,11 @@ class PrefillInfo:
 def restart_failure(room: int, address: str) -> RequestFailed:
     """What a request admitted under a prefill instance that has since restarted ends with:
     UNAVAILABLE, so that the caller sends it again (both legs)."""
-    return RequestFailed(
-        grpc.StatusCode.UNAVAILABLE,
+    return ending(
+        Refusal.PREFILL_GONE,
         f"room {room}: the prefill at {address} restarted after this request was admitted "
         "(its bootstrap answers with another instance id); the request's prefill was lost with it, send the request again",
-        ServerAbortReason.PREFILL_ERROR,
     )
-
-
-def prefill_failure(room: int, code: int, reason: str) -> RequestFailed:
-    """What a request ends with when its prefill reports ``code`` (a ``grpc.StatusCode``
-    value) and ``reason``: that code (ABORTED for OK or one unknown), abort reason
-    ``prefill_error``, or ``cancelled`` for a prefill its caller cancelled."""
-    status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.ABORTED)
-    if status == grpc.StatusCode.OK:
-        status = grpc.StatusCode.ABORTED
-    # A prefill cancelled by its caller: the same caller is cancelling this leg.
-    why = AbortReason.CANCELLED if status == grpc.StatusCode.CANCELLED else ServerAbortReason.PREFILL_ERROR
-    return RequestFailed(status, f"room {room}: the prefill failed ({status.name}): {reason}", why)
 
 
 def dp_config_of(info: bpb.ParallelInfo, query_interval_s: float) -> DpConfig:
@@ -221,7 +208,7 @@ class PrefillDirectory:
             # A failure path: a brief timeout beyond the held wait.
             found = await self.client(address).query_room_failures(keys, max_wait_s=wait_s, timeout=wait_s + min(self.timeout, 1.0))
         except RpcError as exc:
-            if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            if peer_answer(exc.code) is PeerAnswer.UNSUPPORTED:
                 self._no_failures.add(address)
             log.debug("QueryRoomFailures to %s failed: %s", address, exc)
             return None

@@ -50,12 +50,13 @@ from pdgrpc.decode.prefill_calls import PrefillCalls
 from pdgrpc.decode.prefills import PrefillDirectory, PrefillInfo
 from pdgrpc.decode.rank import RankTransfers, make_buffers, make_queues
 from pdgrpc.decode.reuse import DecodeReuse
+from pdgrpc.decode.statuses import Refusal, ending
 from pdgrpc.decode.tp import EVICTABLE, ROOM_BIND, ROOM_INFO, ReplicatedQueues, TpGroup, TpGroupBroken
 from pdgrpc.engine.base import Engine, SampledToken, SamplingParams
 from pdgrpc.engine.layout import DELTA_PROTOCOL_VERSION, PROTOCOL_VERSIONS
 from pdgrpc.errors import PdgrpcError, RequestFailed
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.metrics import DecodeMetrics, ServerAbortReason
+from pdgrpc.metrics import DecodeMetrics
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.errors import RpcError
 from pdgrpc.serving.kv_events import KvEventFeed
@@ -164,7 +165,7 @@ class DecodeScheduler:
         aborts = []
         for job in list(self._jobs.values()):
             msg = f"room {job.room}: decode server is shutting down"
-            self.generation.fail(job, RequestFailed(grpc.StatusCode.UNAVAILABLE, msg, ServerAbortReason.SHUTDOWN))
+            self.generation.fail(job, ending(Refusal.SHUTTING_DOWN, msg))
             if job.handshake_task is not None:
                 job.handshake_task.cancel()
             if job.slot is not None:  # a prefill may be writing for it: best effort
@@ -258,12 +259,12 @@ class DecodeScheduler:
         finally:
             self._reserved.discard(room)
         if self._closing:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+            raise ending(Refusal.SHUTTING_DOWN, "decode server is shutting down")
         theirs = bytes(prefill.info.compatibility_hash)
         version = self._versions.get(theirs)
         if version is None:
-            raise RequestFailed(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise ending(
+                Refusal.INCOMPATIBLE,
                 f"compatibility hash mismatch: prefill {prefill_address} has {theirs.hex() or '(empty)'}, "
                 f"this decode has {self.compat_hash.hex()} serving {self.engine.model_id} "
                 "(model, page size, KV dtype or layout differ; the prefill logs its model at start-up)",
@@ -272,11 +273,11 @@ class DecodeScheduler:
         try:
             check_tp_sizes(prefill_tp, self.tp_size)
         except PdgrpcError as exc:
-            raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION, f"prefill {prefill_address}: {exc}") from None
+            raise ending(Refusal.INCOMPATIBLE, f"prefill {prefill_address}: {exc}") from None
         try:
             rank = resolve_locally(room, routed_dp_rank, prefill.dp)
         except PdgrpcError as exc:
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"routed_dp_rank: {exc}") from None
+            raise ending(Refusal.BAD_REQUEST, f"routed_dp_rank: {exc}") from None
         now = time.monotonic()
         job = Job(
             room, request_id, input_ids, sampling, max_new_tokens, prefill, n_pages, asyncio.Queue(), now, dp_rank=rank,
@@ -304,13 +305,13 @@ class DecodeScheduler:
     def _admissible(self, room: Room, input_ids: tuple[int, ...], max_new_tokens: int) -> int:
         """The pages a new request needs, or RequestFailed when it cannot be admitted."""
         if self._closing:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+            raise ending(Refusal.SHUTTING_DOWN, "decode server is shutting down")
         if room in self._jobs or room in self._reserved or self.queues.slot_of(room) is not None:
-            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"bootstrap_room {room} is already in use on this decode")
+            raise ending(Refusal.ROOM_IN_USE, f"bootstrap_room {room} is already in use on this decode")
         n_pages = max(self.engine.pages_needed(len(input_ids)), self.engine.pages_needed(len(input_ids) + max_new_tokens - 1))
         if n_pages > self.engine.num_pages:
-            raise RequestFailed(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise ending(
+                Refusal.BAD_REQUEST,
                 f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({max_new_tokens}) needs {n_pages} KV pages, "
                 f"the decode pool has {self.engine.num_pages}",
             )
@@ -347,10 +348,10 @@ class DecodeScheduler:
             # One answer whatever the cause: a caller naming addresses learns nothing about
             # what listens there (closed, another protocol, another service); the log says.
             log.warning("prefill_bootstrap_address %s: GetParallelInfo failed: %s %s", address, exc.code.name, exc.details)
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE,
+            raise ending(
+                Refusal.PREFILL_GONE,
                 f"prefill_bootstrap_address {address}: no prefill bootstrap with registered workers answered there "
-                "(the decode's log has the cause)", ServerAbortReason.PREFILL_ERROR,
+                "(the decode's log has the cause)",
             ) from None
 
     def cancel(self, room: int, message: str) -> None:

@@ -25,6 +25,7 @@ import grpc
 
 from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.statuses import Refusal, ending
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
 from pdgrpc.rpc import tracing
@@ -66,9 +67,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         try:
             self.open_calls.acquire(client)
         except TooManyOpenCalls as exc:
-            self.scheduler.metrics.on_refused()
-            request_event(log, request.bootstrap_room, "refused", status="RESOURCE_EXHAUSTED", message=str(exc))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self.refuse(context, request, ending(Refusal.OVERLOADED, str(exc)))
             return  # abort() raises; not reached
         try:
             async for item in self._decode(request, context):
@@ -87,9 +86,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         except RequestFailed as exc:
             if trace is not None:
                 trace.end(exc.message)
-            self.scheduler.metrics.on_refused()
-            request_event(log, request.bootstrap_room, "refused", status=exc.code.name, message=exc.message)
-            await context.abort(exc.code, exc.message, trailing_metadata=reason_metadata(exc.reason))
+            await self.refuse(context, request, exc)
             return  # abort() raises; not reached
         try:
             while True:
@@ -122,14 +119,20 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             if not job.fate.ended:  # the client cancelled (or the stream broke): abort it
                 self.scheduler.cancel(job.room, "client cancelled the Decode call")
 
+    async def refuse(self, context: grpc.aio.ServicerContext, request: decode_pb2.DecodeRequest, failure: RequestFailed) -> None:
+        """End a Decode call before its request was admitted: counted, logged, and the
+        status of ``failure`` (this role's statuses come from :mod:`pdgrpc.decode.statuses`)."""
+        self.scheduler.metrics.on_refused()
+        request_event(log, request.bootstrap_room, "refused", status=failure.code.name, message=failure.message)
+        await context.abort(failure.code, failure.message, trailing_metadata=reason_metadata(failure.reason))
+
     async def _admit(self, request: decode_pb2.DecodeRequest) -> Job:
         engine = self.scheduler.engine
-        bad = grpc.StatusCode.INVALID_ARGUMENT
         room = room_from_proto(request.bootstrap_room)
         if not request.prefill_bootstrap_address and not request.local_prefill:
-            raise RequestFailed(bad, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
+            raise ending(Refusal.BAD_REQUEST, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
         if not request.HasField("sampling"):
-            raise RequestFailed(bad, "sampling is not set (it must equal the one sent to the prefill)")
+            raise ending(Refusal.BAD_REQUEST, "sampling is not set (it must equal the one sent to the prefill)")
         ids = tuple(request.input_ids)
         max_new = int(request.sampling.max_new_tokens)
         try:
@@ -137,7 +140,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             engine.validate_request(ids, max_new)
             engine.tokenizer.check_ids(ids, "input_ids")
         except (InvalidRequest, EngineError) as exc:
-            raise RequestFailed(bad, str(exc).replace("token_ids", "input_ids")) from None
+            raise ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "input_ids")) from None
         if request.local_prefill:
             return self.scheduler.submit_local(room, request.request_id, ids, sampling, max_new)
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
@@ -156,7 +159,8 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[prefill_pb2.KvEventBatch]:
         feed = self.scheduler.kv_events
         if feed is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this decode keeps no prefix cache (start it with --decode-prefix-cache, over a transport that moves KV)")
+            no_cache = ending(Refusal.UNSUPPORTED, "this decode keeps no prefix cache (start it with --decode-prefix-cache, over a transport that moves KV)")
+            await context.abort(no_cache.code, no_cache.message)
             return
         async for b in serve_kv_events(feed, request):
             yield b
@@ -174,9 +178,7 @@ class WireDecodeServicer(dpb_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         problem = secret_problem(bytes(request.room_secret))
         if problem is not None:
-            self.inner.scheduler.metrics.on_refused()
-            request_event(log, request.bootstrap_room, "refused", status="INVALID_ARGUMENT", message=problem)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await self.inner.refuse(context, request, ending(Refusal.BAD_REQUEST, problem))
         async for item in self.inner.Decode(request, context):
             yield item
 

@@ -30,7 +30,7 @@ class _Context:
     def auth_context(self) -> dict[str, list[bytes]]:
         return self._auth
 
-    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata: object = ()) -> None:
         raise _Refused(code, message)
 
 
