@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import gc
 import logging
 import mmap
 import os
@@ -427,6 +428,7 @@ def _serve(sock: socket.socket, kv_fd: int) -> int:
     except BaseException as exc:
         sock.sendall(_frame(("fail", repr(exc))))
         return 1
+    gc.freeze()  # the engine and modules live as long as the child: no collection scans them again
     sock.sendall(_frame(("ready", None)))
     jobs: collections.deque[_ChildJob] = collections.deque()
     buf = bytearray()

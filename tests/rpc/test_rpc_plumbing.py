@@ -4,6 +4,7 @@ error mapping, gRPC settings."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.rpc import errors as rpc_errors
 from pdgrpc.rpc.channels import ROUTER_CLIENT_OPTIONS, ChannelPool
-from pdgrpc.rpc.server import loop_name, run, start_server
+from pdgrpc.rpc.server import StopSignal, loop_name, run, serve_until_signal, start_server
 from tests.eventually import eventually_async
 
 SLOW = "test.v1.SlowService"
@@ -35,6 +36,21 @@ def slow_service(started: asyncio.Event) -> Any:
 
     handler = grpc.method_handlers_generic_handler(SLOW, {"Sleep": grpc.unary_unary_rpc_method_handler(sleep)})
     return lambda server: server.add_generic_rpc_handlers((handler,))
+
+
+async def test_a_serving_process_never_scans_what_start_up_built_again() -> None:
+    # A full collection over the modules' objects (torch's alone are about 200k) stalls
+    # the loop for a long time; frozen, a collection scans only what requests made.
+    gc.unfreeze()
+    server = await start_server([], host="127.0.0.1", port=0)
+    serving = asyncio.ensure_future(serve_until_signal(server, stop=StopSignal()))
+    try:
+        await asyncio.sleep(0)
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        gc.unfreeze()
+        await server.stop(grace=0)
+        await serving
 
 
 async def test_server_serves_health_logs_address_and_stops_gracefully(caplog: pytest.LogCaptureFixture) -> None:
