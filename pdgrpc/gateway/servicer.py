@@ -20,7 +20,9 @@ prefill leg's call ends.
 * **Abort(request_id)** cancels that request's ``Generate`` handler, so the inner call
   is cancelled exactly as when pdgrpc's router cancels (the decode aborts the room and
   quarantines its pages until the prefill acknowledged; the prefill stops computing).
-  An unknown id is a no-op whose reply says so.
+  Only the caller that started the request (:func:`~pdgrpc.rpc.security.peer_identity`:
+  its certificate's name under mTLS) may abort it; an unknown id, or another caller's,
+  is a no-op whose reply says no such request runs here.
 * **Colocated** (:class:`ColocatedLeg`): smg's non-PD worker. The request (without
   ``disaggregated_params``) runs on the colocated server's own scheduler, streamed the
   same way as a decode leg.
@@ -60,6 +62,7 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import GatewayRequest, convert
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
+from pdgrpc.rpc.security import peer_identity
 from pdgrpc.state.kv_event_log import Cleared, EventBatch, Removed, Stored, stored_runs
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -114,7 +117,8 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         self.info = info
         self._active = active
         self._healthy = healthy
-        self._running: dict[str, Callable[[str], bool]] = {}  # request_id -> what aborts it (False: too early or late)
+        # request_id -> who started it, and what aborts it (False: too early or late)
+        self._running: dict[str, tuple[str, Callable[[str], bool]]] = {}
         self._started = time.time()
         # The tokenizer's bundle, built once: the files do not change while serving, and
         # building it costs a large tokenizer's whole compression per call.
@@ -169,8 +173,12 @@ class _Base(pb_grpc.SglangSchedulerServicer):
             yield smg_common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        abort = self._running.get(request.request_id)
-        if abort is None:
+        caller = peer_identity(context)
+        owner, abort = self._running.get(request.request_id, (None, None))
+        if abort is None or owner != caller:
+            # Another caller's request gets the unknown id's answer: no telling which ids run.
+            if abort is not None:
+                log.warning("abort of request %s by %s refused: %s started it", request.request_id, caller, owner)
             return pb.AbortResponse(success=False, message=f"no request {request.request_id!r} is running here; nothing to abort")
         log.info("abort request %s: %s", request.request_id, request.reason or "(no reason given)")
         if not abort(f"request {request.request_id} aborted by Abort: {request.reason or 'no reason given'}"):
@@ -184,10 +192,11 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         info = self.info()
         return convert(request, disaggregated=not colocated, max_seq_len=info.max_seq_len, room_key=info.room_key)
 
-    def _track(self, request_id: str, abort: Callable[[str], bool]) -> None:
+    def _track(self, request_id: str, abort: Callable[[str], bool], context: grpc.aio.ServicerContext) -> None:
+        """Note ``request_id`` as running, abortable by ``abort`` on its caller's behalf only."""
         if request_id in self._running:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running here")
-        self._running[request_id] = abort
+        self._running[request_id] = (peer_identity(context), abort)
 
 
 class PrefillLeg(_Base):
@@ -235,7 +244,7 @@ class PrefillLeg(_Base):
 
         try:
             g = self._convert(request)
-            self._track(g.request_id, abort)
+            self._track(g.request_id, abort, context)
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
             return
@@ -274,7 +283,7 @@ class DecodeLeg(_Base):
         scheduler = self._decode.scheduler
         try:
             g = self._convert(request)
-            self._track(g.request_id, lambda why: scheduler.end_stream(g.room, grpc.StatusCode.CANCELLED, why))
+            self._track(g.request_id, lambda why: scheduler.end_stream(g.room, grpc.StatusCode.CANCELLED, why), context)
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
             return
@@ -327,7 +336,7 @@ class ColocatedLeg(_Base):
             sampling = sampling_from_proto(g.sampling)
             engine.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
             engine.validate_request(g.input_ids, g.sampling.max_new_tokens)
-            self._track(g.request_id, abort)
+            self._track(g.request_id, abort, context)
         except (InvalidRequest, EngineError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace("token_ids", "tokenized.input_ids"))
             return
