@@ -360,13 +360,49 @@ def _checking(behaviour: Callable[..., Any], check: Check, parse: Callable[[byte
     return sync_call
 
 
+def _read_after(behaviour: Callable[..., Any], check: Check) -> Callable[..., Any]:
+    """``behaviour``, an async handler of one request, as a request-streaming one that
+    receives the request only once ``check`` passed: grpc reads a unary request whole
+    before any handler runs, a streamed one as the handler asks, so a refused caller's
+    message is never buffered (the wire is the same for both)."""
+
+    async def first(context: grpc.aio.ServicerContext) -> Any:
+        refused = check(context)
+        if refused is not None:
+            await context.abort(*refused)
+        request = await context.read()
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
+        return request
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in behaviour(await first(context), context):
+                yield item
+
+        return stream
+
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(await first(context), context)
+
+    return call
+
+
 def require_caller(handler: grpc.RpcMethodHandler, method: str, check: Check | None) -> grpc.RpcMethodHandler:
     """``handler`` of ``method`` (``/service/name``) refusing every call that ``check``
-    refuses (with its status and message), before anything reads its request: a unary
-    request is parsed after the check. ``check`` None: the handler as it is."""
+    refuses (with its status and message), before anything reads its request: an async
+    unary request is received only after the check (:func:`_read_after`), a synchronous
+    one parsed after it. ``check`` None: the handler as it is."""
     if handler is None or check is None:
         return handler
     parse, out = handler.request_deserializer, handler.response_serializer
+    if not handler.request_streaming:
+        behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if inspect.isasyncgenfunction(behaviour):
+            return grpc.stream_stream_rpc_method_handler(_read_after(behaviour, check), parse, out)
+        if inspect.iscoroutinefunction(behaviour) and not handler.response_streaming:
+            return grpc.stream_unary_rpc_method_handler(_read_after(behaviour, check), parse, out)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(_checking(handler.stream_stream, check, None), parse, out)
     if handler.request_streaming:
