@@ -34,7 +34,7 @@ from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCall
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
 from pdgrpc.serving.convert import room_from_proto, sampling_from_proto
-from pdgrpc.serving.kv_events import serve_kv_events
+from pdgrpc.serving.kv_events import CAPABILITIES_KEY, LOCAL_PREFILL, serve_kv_events
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -162,6 +162,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             no_cache = ending(Refusal.UNSUPPORTED, "this decode keeps no prefix cache (start it with --decode-prefix-cache, over a transport that moves KV)")
             await context.abort(no_cache.code, no_cache.message)
             return
+        await context.send_initial_metadata(((CAPABILITIES_KEY, LOCAL_PREFILL),))
         async for b in serve_kv_events(feed, request):
             yield b
 

@@ -10,7 +10,8 @@ fails, or a sequence number shows lost batches or a restarted publisher -- drops
 instance from the index at once (routing never trusts blocks whose removal it may have
 missed) and subscribes afresh after a backoff that doubles up to :data:`BACKOFF_MAX_S`.
 Instances that leave the router's list (the discovery view) are dropped and their tasks
-stopped.
+stopped. :meth:`KvEventFollower.capabilities` is what an instance's current stream
+advertised in its initial metadata (:func:`pdgrpc.serving.kv_events.capabilities`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import grpc
 
 from pdgrpc.metrics import RouterMetrics
 from pdgrpc.rpc.channels import ChannelPool
-from pdgrpc.serving.kv_events import batch_from_proto
+from pdgrpc.serving.kv_events import batch_from_proto, capabilities
 from pdgrpc.state.prefix_index import Batch, PrefixIndex, SequenceCursor
 from pdgrpc.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -58,7 +59,12 @@ class KvEventFollower:
         self._pool = pool
         self._metrics = metrics
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._capabilities: dict[str, frozenset[str]] = {}  # address -> what its open stream advertised
         self._run_task: asyncio.Task[None] | None = None
+
+    def capabilities(self, address: str) -> frozenset[str]:
+        """What ``address``'s open stream advertised; none while it has no stream."""
+        return self._capabilities.get(address, frozenset())
 
     def start(self) -> None:
         self._run_task = asyncio.ensure_future(self._run())
@@ -89,6 +95,7 @@ class KvEventFollower:
             reason = "ended"
             call = SUBSCRIBE[self._role](self._pool.get(address))
             try:
+                self._capabilities[address] = capabilities(await call.initial_metadata())
                 async for msg in call:
                     verdict = cursor.accept(msg.sequence_number)
                     if verdict is Batch.GAP:
@@ -105,6 +112,7 @@ class KvEventFollower:
                 log.log(level, "KV events of %s %s: %s; subscribing again", self._role, address, getattr(code, "name", exc))
             finally:
                 call.cancel()
+                self._capabilities.pop(address, None)
                 self._index.cleared(address)
             self._metrics.on_kv_events_resubscribe(reason)
             await asyncio.sleep(delay)

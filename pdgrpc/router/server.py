@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="TOKENS",
-        help="local prefill: when the part of a prompt the chosen decode's prefix cache lacks (by its KV events) is "
-        "at most this many tokens, the router sends only Decode, flagged local_prefill, and the decode computes the "
-        "prompt itself between its decode steps, with no Prefill call and no transfer. Only decodes that publish a "
-        "prefix cache (--decode-prefix-cache) and only under --policy cache_aware (0: never for this reason; "
+        help="local prefill: when the chosen decode's prefix cache holds a prefix of a prompt (by its KV events) and "
+        "lacks at most this many tokens of it, the router sends only Decode, flagged local_prefill, and the decode "
+        "computes the rest itself between its decode steps, with no Prefill call and no transfer; a prompt the decode "
+        "holds nothing of goes to a prefill. Only decodes that advertise local prefill on their KV event stream (a "
+        "decode with its prefix cache on) and only under --policy cache_aware (0: never for this reason; "
         "default: %(default)s)",
     )
     p.add_argument(
@@ -138,7 +139,6 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
         watcher.start()
     index = PrefixIndex() if config.policy == "cache_aware" else None
     view = None if watcher is None else watcher.view
-    servicer = GenerateServicer(config, metrics=metrics, view=view, index=index)
     feeds: list[KvEventFollower] = []
     events_pool = ChannelPool()
     if index is not None:  # one index: the prefills' and the decodes' caches
@@ -154,8 +154,11 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
                 events_pool, metrics, "decode",
             ),
         ]
+        servicer = GenerateServicer(config, metrics=metrics, view=view, index=index, decode_capabilities=feeds[1].capabilities)
         for feed in feeds:
             feed.start()
+    else:
+        servicer = GenerateServicer(config, metrics=metrics, view=view)
     (name,) = service_names()
     server = await start_server(
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],

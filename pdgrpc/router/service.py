@@ -77,6 +77,7 @@ from pdgrpc.router.policy import DEFAULT_MARGIN, Policy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.errors import reason_of
+from pdgrpc.serving.kv_events import LOCAL_PREFILL
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
@@ -272,14 +273,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(
         self, config: RouterConfig, pool: ChannelPool | None = None, metrics: RouterMetrics | None = None,
         view: MembershipView | None = None, index: PrefixIndex | None = None,
+        decode_capabilities: Callable[[str], frozenset[str]] = lambda address: frozenset(),
     ) -> None:
         """``index``: the prefills' and decodes' cached prefixes, which ``cache_aware`` reads
-        (its feeds, :class:`~pdgrpc.router.kv_events.KvEventFollower`, keep it current)."""
+        (its feeds, :class:`~pdgrpc.router.kv_events.KvEventFollower`, keep it current);
+        ``decode_capabilities``: what a decode advertises (its feed's
+        :meth:`~pdgrpc.router.kv_events.KvEventFollower.capabilities`)."""
         self.config = config
         # Without a feed the index stays empty: cache_aware then picks as least_load does.
         index = index if index is not None else PrefixIndex()
         self._index = index
         self._local_rule = config.local_prefill
+        self._decode_capabilities = decode_capabilities
         self.policy = Policy(config.policy, index, config.cache_aware_margin)
         self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
@@ -370,12 +375,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Whether ``decode`` computes ``prompt`` itself (local prefill): by
         :func:`~pdgrpc.state.local_prefill.prefill_where`, over what the index says the
         decode holds and this router's Prefill calls in flight. Only a decode that
-        publishes its prefix cache takes part."""
+        advertises local prefill on its KV event stream takes part: an older one would
+        refuse a request without a prefill."""
         if self._view is None:
             prefills: Sequence[str] = [p.address for p in self.config.prefills]
         else:
             prefills = [p.address for p in self._view.instances("prefill")]
-        can = self._index.block_count(decode) > 0
+        can = LOCAL_PREFILL in self._decode_capabilities(decode)
         matched = self._index.match(prompt).get(decode, 0) if can else 0
         where = prefill_where(self._local_rule, len(prompt), matched, can, [self.policy.load(p) for p in prefills])
         return where.local

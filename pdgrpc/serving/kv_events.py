@@ -9,6 +9,11 @@ batch; a subscriber that fell out of the ring gets a snapshot again, so it never
 
 :func:`batch_to_proto` and :func:`batch_from_proto` convert to and from
 ``pdgrpc.v1.KvEventBatch``.
+
+A decode's stream opens with initial metadata :data:`CAPABILITIES_KEY`: what it does
+beyond taking a prefill's KV, comma-separated (:data:`LOCAL_PREFILL`). A router flags a
+request only for a decode that lists the flag; an older decode lists nothing, and its
+requests keep going through a prefill.
 """
 
 from __future__ import annotations
@@ -24,7 +29,19 @@ from pdgrpc.state.kv_event_log import (
 )
 from pdgrpc.v1 import prefill_pb2
 
-__all__ = ["KvEventFeed", "batch_from_proto", "batch_to_proto", "serve_kv_events"]
+__all__ = ["CAPABILITIES_KEY", "LOCAL_PREFILL", "KvEventFeed", "batch_from_proto", "batch_to_proto", "capabilities", "serve_kv_events"]
+
+CAPABILITIES_KEY = "pdgrpc-decode-capabilities"
+LOCAL_PREFILL = "local-prefill"  # DecodeRequest.local_prefill: the decode computes the prompt
+
+
+def capabilities(metadata: Sequence[tuple[str, str | bytes]] | None) -> frozenset[str]:
+    """The capabilities a stream's initial metadata lists (none when absent)."""
+    out: set[str] = set()
+    for key, value in metadata or ():
+        if key == CAPABILITIES_KEY and isinstance(value, str):
+            out.update(v.strip() for v in value.split(",") if v.strip())
+    return frozenset(out)
 
 
 class KvEventFeed:

@@ -4,16 +4,18 @@ counts say.
 
 A decode computes a prompt locally when either rule holds:
 
-- **short suffix**: the part of the prompt the decode's prefix cache lacks is at most
-  ``max_tokens`` (``--local-prefill-tokens``; 0 turns the rule off). Computing a few
-  pages next to the decode steps costs less than a prefill call, a handshake and a
-  transfer, and the pages the decode holds are never sent again.
+- **short suffix**: the decode's prefix cache holds a prefix of the prompt and lacks at
+  most ``max_tokens`` of it (``--local-prefill-tokens``; 0 turns the rule off).
+  Computing a few pages next to the decode steps costs less than a prefill call, a
+  handshake and a transfer, and the pages the decode holds are never sent again. A prompt
+  the decode holds nothing of goes to a prefill however short: there it costs the decode
+  no step time, and an idle prefill computes it at once.
 - **busy prefills**: every prefill has more than ``queue_bound`` calls in flight
   (``--local-prefill-queue``; 0 turns the rule off). A request then waits less on its
   decode than in a prefill's queue.
 
-Only a decode that says it can compute locally takes part (it publishes a prefix cache);
-any other gets the prompt from a prefill. The decode
+Only a decode that says it can compute locally takes part (it advertises the capability
+on its KV event stream); any other gets the prompt from a prefill. The decode
 computes at least the prompt's last token (its logits give the first generated token),
 so a prompt it holds whole still lacks one token.
 """
@@ -62,7 +64,7 @@ def prefill_where(
     if not decode_can:
         return Where.PREFILL
     lacking = prompt_tokens - min(decode_matched, prompt_tokens - 1)
-    if rule.max_tokens and lacking <= rule.max_tokens:
+    if rule.max_tokens and decode_matched > 0 and lacking <= rule.max_tokens:
         return Where.SHORT_SUFFIX
     if rule.queue_bound and prefill_loads and min(prefill_loads) > rule.queue_bound:
         return Where.BUSY_PREFILLS

@@ -4,7 +4,8 @@ decode computes it from the end of its cached prefix, between its decode steps.
 
 Every output equals colocated generation (greedy and seeded); a local request moves no
 KV (``bytes_transferred`` 0) and the prefill is asked nothing; a prompt whose uncached
-part is longer than ``--local-prefill-tokens`` still goes through the prefill; prompts
+part is longer than ``--local-prefill-tokens``, or of which the decode holds nothing,
+still goes through the prefill; prompts
 computed locally while other streams run leave those streams' tokens exact; afterwards
 nothing is held.
 """
@@ -59,7 +60,8 @@ async def test_a_short_uncached_part_is_computed_on_the_decode_with_exact_output
         Case(history[:64], 5, temperature=0.7, seed=2, top_k=20),  # held whole: computes its last token
     ]
     longer = Case(history[:32] + tuple(rng.randrange(256) for _ in range(60)), 6)  # lacks 60: a prefill
-    cases = [first, *follow, longer]
+    cold = Case((256, *(rng.randrange(256) for _ in range(20))), 4)  # short, but the decode holds none of it: a prefill
+    cases = [first, *follow, longer, cold]
     expected = dict(zip(cases, reference_outputs_for(cluster.topology, cases)))
     before = await Counters.read(cluster)
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
@@ -75,9 +77,10 @@ async def test_a_short_uncached_part_is_computed_on_the_decode_with_exact_output
             assert (got.token_ids, got.finish_reason) == expected[case], case
             assert got.bytes_transferred == 0, case  # nothing moved
         after_local = await Counters.read(cluster)
-        (got,), _ = await generate_all(stub, [longer])
-        assert (got.token_ids, got.finish_reason) == expected[longer]
-        assert got.bytes_transferred > 0
+        for case in (longer, cold):
+            (got,), _ = await generate_all(stub, [case])
+            assert (got.token_ids, got.finish_reason) == expected[case], case
+            assert got.bytes_transferred > 0, case
     await wait_nothing_held(cluster)
     after = await Counters.read(cluster)
     assert after_local.delta(mid, "pdgrpc_local_prefill_requests_total", "decode") == len(follow)
@@ -87,16 +90,22 @@ async def test_a_short_uncached_part_is_computed_on_the_decode_with_exact_output
 
 
 async def test_local_prefills_beside_running_streams_keep_every_output_exact(cluster):
-    """Short prompts computed in chunks between the steps of long-running streams."""
+    """Short suffixes of a prefix the decode holds, computed in chunks between the steps
+    of long-running streams."""
     rng = random.Random(9)
+    warm = Case((256, *(rng.randrange(256) for _ in range(63))), 4)  # leaves 4 full pages on the decode
     running = [Case((256, *(rng.randrange(256) for _ in range(70))), 40, temperature=0.8 * (i % 2), seed=i) for i in range(3)]
-    short = [Case((256, *(rng.randrange(256) for _ in range(rng.randint(5, 40)))), 10, temperature=0.6 * (i % 2), seed=20 + i)
-             for i in range(6)]
+    short = [Case(warm.input_ids + tuple(rng.randrange(256) for _ in range(rng.randint(5, 40))), 10,
+                  temperature=0.6 * (i % 2), seed=20 + i) for i in range(6)]
     cases = running + short
-    expected = dict(zip(cases, reference_outputs_for(cluster.topology, cases)))
-    before = await Counters.read(cluster)
+    expected = dict(zip([warm, *cases], reference_outputs_for(cluster.topology, [warm, *cases])))
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        (got_warm,), _ = await generate_all(stub, [warm])
+        assert (got_warm.token_ids, got_warm.finish_reason) == expected[warm]
+        await wait_nothing_held(cluster)
+        await wait_published(cluster, "decode", 4, decode=True)
+        before = await Counters.read(cluster)
         got, _ = await generate_all(stub, cases)
     for c, g in zip(cases, got):
         assert (g.token_ids, g.finish_reason) == expected[c], c

@@ -13,6 +13,7 @@ from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.server import start_server
+from pdgrpc.serving.kv_events import CAPABILITIES_KEY, LOCAL_PREFILL
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually_async
@@ -128,13 +129,18 @@ async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_drops_a_dead_
 
 
 class EventingDecode(ScriptedDecode):
-    """A scripted decode whose every subscription gets ``batches``, then stays open."""
+    """A scripted decode whose every subscription gets ``batches``, then stays open;
+    ``capabilities``: what its stream's initial metadata advertises (None: no header, as
+    a decode older than local prefill)."""
 
-    def __init__(self, batches: list[prefill_pb2.KvEventBatch]) -> None:
+    def __init__(self, batches: list[prefill_pb2.KvEventBatch], capabilities: str | None = None) -> None:
         super().__init__()
         self.batches = batches
+        self.capabilities = capabilities
 
     async def SubscribeKvEvents(self, request, context):
+        if self.capabilities is not None:
+            await context.send_initial_metadata(((CAPABILITIES_KEY, self.capabilities),))
         for b in self.batches:
             yield b
         await asyncio.sleep(3600)
@@ -182,4 +188,38 @@ async def test_cache_aware_sends_a_prefix_to_the_decode_holding_it_until_it_dies
         await pool.close()
         await router.close()
         for s in (r_srv, p_srv, *d_srvs):
+            await s.stop(0)
+
+
+@pytest.mark.parametrize("advertised, local", [(None, False), ("", False), (LOCAL_PREFILL, True), (f"other,{LOCAL_PREFILL}", True)])
+async def test_local_prefill_only_on_a_decode_that_advertises_it(advertised: str | None, local: bool):
+    """A decode holding all but 2 tokens of a prompt gets it to compute itself only when its
+    KV event stream advertises local prefill; an older decode (no header) would refuse a
+    request without a prefill, so it gets the prefill's KV as before."""
+    prefill = EventingPrefill([])
+    p_srv = await serve_prefill(prefill)
+    decode = EventingDecode([stored_batch(1, PREFIX)], advertised)
+    d_srv = await serve_decode(decode)
+    index, metrics, pool = PrefixIndex(), RouterMetrics(), ChannelPool()
+    config = RouterConfig(
+        prefills=(PrefillBackend(p_srv.address, p_srv.address),), decodes=(d_srv.address,), policy="cache_aware", eject_s=0,
+    )
+    feed = KvEventFollower(index, lambda: [d_srv.address], pool, metrics, "decode")
+    router = GenerateServicer(config, metrics=metrics, index=index, decode_capabilities=feed.capabilities)
+    feed.start()
+    (name,) = service_names()
+    r_srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    channel = grpc.aio.insecure_channel(r_srv.address)
+    try:
+        await eventually_async(lambda: index.match(PREFIX + [1]).get(d_srv.address) == 16, what="the decode's blocks")
+        await collect(generate_pb2_grpc.GenerateServiceStub(channel).Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [1, 2])))
+        (req,) = decode.requests
+        assert req.local_prefill is local
+        assert len(prefill.requests) == (0 if local else 1)
+    finally:
+        await channel.close()
+        await feed.close()
+        await pool.close()
+        await router.close()
+        for s in (r_srv, p_srv, d_srv):
             await s.stop(0)

@@ -15,7 +15,9 @@ RULE = LocalPrefillRule(max_tokens=64, queue_bound=3)
         (RULE, 200, 160, True, [0], Where.SHORT_SUFFIX),  # lacks 40
         (RULE, 200, 136, True, [0], Where.SHORT_SUFFIX),  # lacks exactly 64
         (RULE, 200, 128, True, [0], Where.PREFILL),  # lacks 72
-        (RULE, 50, 0, True, [0], Where.SHORT_SUFFIX),  # a short prompt, nothing held
+        (RULE, 50, 0, True, [0], Where.PREFILL),  # a short prompt, nothing held: an idle prefill computes it
+        (RULE, 50, 0, True, [4, 5], Where.BUSY_PREFILLS),  # ... unless every prefill is busy
+        (RULE, 50, 16, True, [0], Where.SHORT_SUFFIX),  # a page held
         (RULE, 64, 64, True, [0], Where.SHORT_SUFFIX),  # held whole: still computes its last token
         (RULE, 200, 160, False, [0], Where.PREFILL),  # this decode cannot compute locally
         (RULE, 500, 0, True, [4, 5], Where.BUSY_PREFILLS),  # every prefill past the bound
