@@ -64,14 +64,16 @@ DEFAULT_OPTIONS: tuple[tuple[str, int | str], ...] = (
 # UNAVAILABLE (or CANCELLED, as the router stops) before any reply goes again with
 # backoff, and a call waits for the router to accept a connection instead of failing
 # while nothing listens. No reply reached the caller before such a refusal, so nothing
-# is repeated; the call's deadline bounds it all.
+# is repeated; the call's deadline bounds it all. The router refuses for as long as its
+# longest stream still runs: gRPC's 5 attempts, 1 s apart growing 2.5-fold (each within
+# 20 %), outlast 20 s of refusals.
 ROUTER_CLIENT_OPTIONS: tuple[tuple[str, int | str], ...] = DEFAULT_OPTIONS + (
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps({"methodConfig": [{
         "name": [{"service": generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name}],
         "waitForReady": True,
         "retryPolicy": {
-            "maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "5s", "backoffMultiplier": 2,
+            "maxAttempts": 5, "initialBackoff": "1s", "maxBackoff": "20s", "backoffMultiplier": 2.5,
             # CANCELLED: a call the router took in as it stopped (a locally cancelled call
             # is never retried).
             "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import re
@@ -344,3 +345,18 @@ def test_importing_pdgrpc_rpc_and_bootstrap_does_not_import_grpc() -> None:
     code = "import sys, pdgrpc.rpc, pdgrpc.bootstrap, pdgrpc.rpc.tuning; print('grpc' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_router_client_outlasts_20_s_of_refusals() -> None:
+    """A router refuses new calls for as long as its longest stream runs while it drains
+    (many seconds on a loaded host): a ROUTER_CLIENT_OPTIONS client's five attempts, each
+    retry at 80 % of its backoff at the earliest (gRPC's jitter), span 20 s at least."""
+    config = json.loads(dict(ROUTER_CLIENT_OPTIONS)["grpc.service_config"])
+    (method,) = config["methodConfig"]
+    policy = method["retryPolicy"]
+    backoff, total = float(policy["initialBackoff"].rstrip("s")), 0.0
+    for _ in range(policy["maxAttempts"] - 1):
+        total += 0.8 * min(backoff, float(policy["maxBackoff"].rstrip("s")))
+        backoff *= policy["backoffMultiplier"]
+    assert total >= 20.0, total
+    assert method["waitForReady"] is True and "UNAVAILABLE" in policy["retryableStatusCodes"]
