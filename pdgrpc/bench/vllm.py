@@ -9,7 +9,9 @@ Every server has one compute thread bound to a core: colocated on core 0; prefil
 core 0 and decode on core 1. Arms run one after another, each on its own servers.
 Reported: TTFT p50/p99 of single requests at 256 and 512 prompt tokens (streamed; the
 time to the first text chunk), tokens/s and TTFT p50 with 8 requests in flight, and how
-many greedy outputs equal colocated's, token for token. Prompts are random token ids
+many greedy outputs equal colocated's, token for token. The pdgrpc arm's front door
+answers with the prefill's token first; ``--recompute-arm`` adds one whose decode
+recomputes it (the NixlConnector arm runs that way too, as vLLM's own proxy does). Prompts are random token ids
 (seeded), distinct per request, so no prefix cache helps any arm.
 """
 
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="256,512", help="prompt lengths (tokens) for the TTFT phase")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a vLLM server may take to start")
     parser.add_argument("--no-nixl", action="store_true", help="skip the NixlConnector arm even where nixl is installed")
+    parser.add_argument("--recompute-arm", action="store_true",
+                        help="add a PdgrpcConnector arm whose front door sends every request to the decode unchanged "
+                             "(the decode recomputes the prompt's last position; the proxy's --no-first-token)")
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -125,20 +130,22 @@ def run(args: argparse.Namespace) -> list[Result]:
         s = vllm_server("colocated", free_port(), 0, model, logs, connector=False)
         return s.url, [s]
 
-    def pair(kv: dict[str, Any] | None) -> Callable[[Path], tuple[str, list[Any]]]:
+    def pair(kv: dict[str, Any] | None, *proxy_args: str) -> Callable[[Path], tuple[str, list[Any]]]:
         def start(logs: Path) -> tuple[str, list[Any]]:
             # NIXL's side channel listens on a fixed port per server (vLLM's environment).
             side = (lambda: {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) if kv else (lambda: {})
             p = vllm_server("prefill", free_port(), 0, model, logs, kv_config=kv, env=side())
             d = vllm_server("decode", free_port(), 1, model, logs, kv_config=kv, env=side())
-            x = proxy_server(free_port(), p, d, logs)
+            x = proxy_server(free_port(), p, d, logs, args=proxy_args)
             return x.url, [x, p, d]
         return start
 
     arms: dict[str, Callable[[Path], tuple[str, list[Any]]]] = {"vllm colocated": colocated,
                                                                  "vllm 1p1d pdgrpc": pair(None)}
+    if args.recompute_arm:
+        arms["vllm 1p1d pdgrpc, decode recomputes"] = pair(None, "--no-first-token")
     if not args.no_nixl and importlib.util.find_spec("nixl") is not None:
-        arms["vllm 1p1d nixl"] = pair(NIXL_CONFIG)
+        arms["vllm 1p1d nixl"] = pair(NIXL_CONFIG, "--no-first-token")
     measured: dict[str, dict[str, Any]] = {}
     for name, start in arms.items():
         try:

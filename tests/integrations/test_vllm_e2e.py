@@ -61,11 +61,63 @@ def _complete(url: str, prompt: str, **extra) -> dict:
     return body["choices"][0]
 
 
-def test_greedy_output_over_the_connector_equals_vllm_colocated(cluster):
+def _stream(url: str, prompt: str, **extra) -> tuple[list[int], str, set[str]]:
+    """A streamed completion: its token ids, its text and the ids of its events."""
+    import json
+    import urllib.request
+
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 24, "temperature": 0.0, "return_token_ids": True,
+            "stream": True, **extra}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    tokens, text, ids = [], "", set()
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                event = json.loads(line[5:])
+                assert "error" not in event, event
+                ids.add(event["id"])
+                tokens += event["choices"][0].get("token_ids") or []
+                text += event["choices"][0]["text"]
+    return tokens, text, ids
+
+
+def _assert_equal_to_colocated(colocated_url: str, proxy_url: str) -> None:
     for prompt in PROMPTS:
-        colocated = _complete(cluster["decode"].url, prompt)
-        disagg = _complete(cluster["proxy"].url, prompt)
+        colocated = _complete(colocated_url, prompt)
+        disagg = _complete(proxy_url, prompt)
         assert disagg["token_ids"] == colocated["token_ids"] and disagg["text"] == colocated["text"], prompt[:40]
+    tokens, text, ids = _stream(proxy_url, PROMPTS[1])
+    colocated = _complete(colocated_url, PROMPTS[1])
+    assert (tokens, text) == (colocated["token_ids"], colocated["text"]) and len(ids) == 1, "streamed"
+    # a request that cannot take the prefill's token (a stop string) goes the usual way
+    stop = {"stop": ["\n\n"]}
+    assert _complete(proxy_url, PROMPTS[2], **stop)["token_ids"] == _complete(colocated_url, PROMPTS[2], **stop)["token_ids"]
+
+
+def test_greedy_output_over_the_connector_equals_vllm_colocated(cluster):
+    _assert_equal_to_colocated(cluster["decode"].url, cluster["proxy"].url)
+
+
+def _have_ucx() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libucx") is not None
+
+
+@pytest.mark.skipif(not _have_ucx(), reason="the rdma transport needs the UCX libraries (libucx-cu12) in this venv")
+def test_greedy_output_over_rdma_equals_vllm_colocated(tmp_path):
+    model = hf_checkpoint()
+    rdma = {"transport": "rdma"}
+    prefill = vllm_server("rdma-prefill", free_port(), 0, model, tmp_path, extra=rdma)
+    decode = vllm_server("rdma-decode", free_port(), 1, model, tmp_path, extra=rdma)
+    proxy = proxy_server(free_port(), prefill, decode, tmp_path)
+    with servers(proxy, prefill, decode):
+        for s in (prefill, decode):
+            s.wait_ready("/v1/models", STARTUP_S)
+        _wait_port(proxy)
+        _assert_equal_to_colocated(decode.url, proxy.url)
+        assert "on rdma" in decode.log.read_text(errors="replace"), "the decode's connector is not on rdma"
 
 
 def _gone(server) -> float:

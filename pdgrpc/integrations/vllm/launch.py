@@ -129,9 +129,10 @@ def vllm_server(name: str, port: int, core: int, model: Path, log_dir: Path, *, 
     return Server(name, cmd, full_env, port, log_dir / f"{name}.log")
 
 
-def proxy_server(port: int, prefill: Server, decode: Server, log_dir: Path) -> Server:
+def proxy_server(port: int, prefill: Server, decode: Server, log_dir: Path, *, args: tuple[str, ...] = ()) -> Server:
+    """The front door of ``prefill`` and ``decode``; ``args`` adds its flags."""
     cmd = [sys.executable, "-m", "pdgrpc.integrations.vllm.proxy", "--prefill", prefill.url, "--decode", decode.url,
-           "--port", str(port)]
+           "--port", str(port), *args]
     return Server("proxy", cmd, dict(os.environ, PYTHONPATH=str(ROOT)), port, log_dir / "proxy.log")
 
 
