@@ -24,6 +24,17 @@ of outputs equal to arm ``off``'s. Per arm: TTFT p50 over all turns, output toke
 the run, failed requests. Targets: from turn 3 on, bytes per request at most 0.2x arm
 ``off``'s; TTFT p50 over all turns at most 0.5x; throughput at least 1.2x; every output
 equal; none failed.
+
+Equality and float ties: the checkpoint engine computes in float32, whose rounding
+depends on the matmul's shape (the batch, the chunk), so two runs that batch a request
+differently may pick different tokens where the top two logits are within rounding of
+each other -- arm ``off`` against itself too. A chat whose output differs is checked where
+it first differs (:func:`classify`): the colocated engine computes the logits of the
+shared prompt and tokens there, and the difference is a tie when both tokens' logits lie
+within :data:`TIE_GAP` of the best; what the chat says after a tie differs as a
+consequence. ``outputs_differing_beyond_rounding`` counts every other differing output:
+wrong KV moves logits by far more than rounding, so a reuse fault shows there. Its
+target is 0.
 """
 
 from __future__ import annotations
@@ -32,11 +43,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from pdgrpc.bench.prefix import add_model_arguments, build_model
 from pdgrpc.bench.report import Result, percentile
@@ -75,6 +87,9 @@ ARMS: dict[str, Arm] = {
 }
 BASELINE = "off"
 FROM_TURN = 3  # the bytes target counts turns from here on
+# Logit gap (float32) within which another matmul shape may pick the other token: the
+# engine's rounding moves a logit by ~3e-6 between shapes; wrong KV moves it by far more.
+TIE_GAP = 1e-4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,9 +196,10 @@ async def run_arm(args: argparse.Namespace, name: str, model: str, new: Mapping[
     return ArmResult(out, seconds)
 
 
-def summarize(args: argparse.Namespace, results: Mapping[str, ArmResult]) -> list[Result]:
+def summarize(args: argparse.Namespace, results: Mapping[str, ArmResult], beyond_rounding: Mapping[str, int] | None = None) -> list[Result]:
     """Rows per turn index and arm, then each arm's totals; ratios against :data:`BASELINE`
-    where it ran."""
+    where it ran. ``beyond_rounding``: per arm, the outputs that differ from the
+    baseline's beyond rounding (:func:`classify`)."""
     base = results.get(BASELINE)
     keys = [(s, t) for s in range(args.sessions) for t in range(1, args.turns + 1)]
     rows: list[Result] = []
@@ -217,12 +233,78 @@ def summarize(args: argparse.Namespace, results: Mapping[str, ArmResult]) -> lis
         row(case, "throughput", sum(len(o.token_ids) for o in ok.values()) / res.seconds, "tokens/s", name)
         if base is not None:
             row(case, f"outputs_equal_to_{BASELINE}", _equal(base, res, keys), "", name)
+        if beyond_rounding is not None and name in beyond_rounding:
+            row(case, "outputs_differing_beyond_rounding", beyond_rounding[name], "requests", name)
         failed = [o.error if o is not None else "not sent: an earlier turn failed"
                   for k in keys if (o := res.outcomes.get(k)) is None or o.ttft is None]
         row(case, "failed", len(failed), "requests", name)
         if failed:
             print(f"{case}: {len(failed)} failed or not sent, e.g. {failed[0]}")
     return rows
+
+
+LogitsOf = Callable[[tuple[int, ...]], Sequence[float]]  # a sequence's last position's logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """Where a chat's output first differs from the baseline's."""
+
+    session: int
+    turn: int
+    position: int  # index of the first differing output token
+    tokens: tuple[int, int]  # the baseline's token there, then this arm's
+    gap: float  # how far below the best logit the lower of the two lies (inf: no token to compare)
+
+    @property
+    def tie(self) -> bool:
+        return self.gap <= TIE_GAP
+
+
+def classify(args: argparse.Namespace, new: Mapping[tuple[int, int], tuple[int, ...]], base: ArmResult, res: ArmResult,
+             logits_of: LogitsOf) -> tuple[list[Divergence], int]:
+    """Each chat's first output that differs from ``base``'s (both succeeded), judged by
+    the colocated logits of the shared prompt and tokens before it; and the outputs that
+    differ beyond rounding: every differing one of a chat whose first difference is no tie."""
+    found: list[Divergence] = []
+    beyond = 0
+    for s in range(args.sessions):
+        prompt: tuple[int, ...] = ()
+        first: Divergence | None = None
+        for t in range(1, args.turns + 1):
+            a, b = base.outcomes.get((s, t)), res.outcomes.get((s, t))
+            if a is None or b is None or a.ttft is None or b.ttft is None:
+                break  # counted as failed, not as a difference
+            if first is None:
+                prompt += new[(s, t)]
+                if a.token_ids != b.token_ids:
+                    n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+                    if n is None:  # one answer is a prefix of the other: no tie explains it
+                        first = Divergence(s, t, min(len(a.token_ids), len(b.token_ids)), (-1, -1), float("inf"))
+                    else:
+                        lg = logits_of(prompt + a.token_ids[:n])
+                        x, y = a.token_ids[n], b.token_ids[n]
+                        first = Divergence(s, t, n, (x, y), max(lg) - min(lg[x], lg[y]))
+                    found.append(first)
+                prompt += a.token_ids
+            if first is not None and not first.tie and a.token_ids != b.token_ids:
+                beyond += 1
+    return found, beyond
+
+
+def colocated_logits(args: argparse.Namespace, model: str) -> LogitsOf:
+    """The checkpoint engine in this process, as the servers build it (float32, one
+    chunk), loaded at the first call: only a run with a differing output needs it."""
+    longest = max_prompt_tokens(args) + args.answer_tokens
+
+    @functools.cache
+    def engine() -> Any:
+        from pdgrpc.engine.hf.engine import load
+
+        return load(model, page_size=args.page_size, num_pages=-(-longest // args.page_size) + 1,
+                    max_prompt_tokens=longest, max_seq_len=longest + args.page_size)
+
+    return lambda ids: engine().compute_logits(ids)[-1].tolist()
 
 
 def _equal(base: ArmResult, res: ArmResult, keys: list[tuple[int, int]]) -> float:
@@ -249,7 +331,17 @@ def run(args: argparse.Namespace) -> list[Result]:
         wrng = random.Random(args.seed + 1)  # distinct tokens: nothing shared with the chats
         warmup = [tuple(wrng.randrange(16, vocab - 16) for _ in range(args.message_tokens)) for _ in range(2)]
         results = {name: run_loop(run_arm(args, name, model, new, warmup)) for name in names}
-    rows = summarize(args, results)
+        beyond: dict[str, int] = {}
+        logits_of = colocated_logits(args, model)
+        for name, res in results.items():
+            if name == BASELINE or BASELINE not in results:
+                continue
+            found, beyond[name] = classify(args, new, results[BASELINE], res, logits_of)
+            for d in found:
+                print(f"arm {name}: chat {d.session} first differs at turn {d.turn}, output token {d.position}: "
+                      f"{BASELINE} {d.tokens[0]}, {name} {d.tokens[1]}, {d.gap:.3g} below the best logit "
+                      f"({'a tie within rounding' if d.tie else 'BEYOND ROUNDING'})", flush=True)
+    rows = summarize(args, results, beyond)
     if getattr(args, "plot", None) is not None:
         from pdgrpc.bench.plot import multiturn_figure
 

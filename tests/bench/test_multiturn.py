@@ -79,3 +79,33 @@ def test_an_unknown_arm_is_refused_naming_the_flag() -> None:
         multiturn.run(args("--arms", "off,nope"))
     with pytest.raises(PdgrpcError, match="--turns"):
         multiturn.run(args("--turns", "0"))
+
+
+def test_a_difference_at_a_float_tie_is_told_from_one_beyond_rounding() -> None:
+    """Chat 0 equal; chat 1 first differs at a tie (its later turn differs as a consequence);
+    chat 2 first differs where the baseline's token led by far: 2 outputs beyond rounding."""
+    a = args("--sessions", "3", "--turns", "2")
+    new = {(s, t): (10 * s + t,) for s in range(3) for t in (1, 2)}
+    answers = {(s, t): (100 + s, 200 + t, 300) for s in range(3) for t in (1, 2)}
+    base = ArmResult({k: Outcome(0.1, 1.0, v, 0) for k, v in answers.items()}, 1.0)
+    mine = dict(answers)
+    mine[(1, 2)] = (101, 7, 300)  # differs at output 1: a tie
+    mine[(2, 1)] = (102, 201, 8)  # differs at output 2: not a tie
+    mine[(2, 2)] = (9, 9, 9)
+    res = ArmResult({k: Outcome(0.1, 1.0, v, 0) for k, v in mine.items()}, 1.0)
+    seen: list[tuple[int, ...]] = []
+
+    def logits_of(ids: tuple[int, ...]) -> list[float]:
+        seen.append(ids)
+        lg = [0.0] * 400
+        lg[200 + 2] = lg[7] = 5.0 - 1e-6 * (ids[0] == 11)  # chat 1: 202 and 7 within rounding
+        lg[300], lg[8] = 5.0, 4.0  # chat 2: 300 led 8 by 1.0
+        return lg
+
+    found, beyond = multiturn.classify(a, new, base, res, logits_of)
+    assert [(d.session, d.turn, d.position, d.tokens, d.tie) for d in found] == [(1, 2, 1, (202, 7), True), (2, 1, 2, (300, 8), False)]
+    assert found[1].gap == pytest.approx(1.0)
+    assert seen == [(11, 101, 201, 300, 12, 101), (21, 102, 201)]  # the shared prompt and tokens before the difference
+    assert beyond == 2
+    rows = {r.metric: r.value for r in summarize(a, {"off": base, "delta": res}, {"delta": beyond}) if r.case.startswith("arm delta")}
+    assert rows["outputs_differing_beyond_rounding"] == 2
