@@ -11,8 +11,9 @@ fails); the other with the default limit. Reported per arm:
   ``pdgrpc_router_migrations_total``);
 * TTFT p50/p99 of the requests that arrived after the kill, and its extra over those
   that arrived before (a request may first try the dead decode: one retry);
-* tokens/s per stream of the requests in flight at the kill (first token to last),
-  against the median of the others.
+* tokens/s per stream (first token to last) of the streams the router migrated (the
+  rooms its log names ``migrating``; their first room comes back on their first message),
+  and of the requests in flight at the kill, each against the median of the others.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import random
+import re
 import statistics
 import time
 import urllib.request
@@ -56,6 +58,7 @@ class _Outcome:
     first: float = 0.0
     done: float = 0.0
     tokens: int = 0
+    room: int = 0  # the room of its first attempt
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,14 +72,14 @@ async def _one(stub: GenerateServiceStub, ids: list[int], max_new: int, seed: in
     try:
         async for m in stub.Generate(request, timeout=120):
             if not out.tokens:
-                out.first, out.ttft = time.perf_counter(), m.ttft_seconds
+                out.first, out.ttft, out.room = time.perf_counter(), m.ttft_seconds, m.bootstrap_room
             out.tokens += len(m.token_ids)
         out.ok, out.done = True, time.perf_counter()
     except grpc.RpcError:
         out.done = time.perf_counter()
 
 
-async def _arm(args: argparse.Namespace, migration_limit: int) -> tuple[list[_Outcome], float, float]:
+async def _arm(args: argparse.Namespace, migration_limit: int) -> tuple[list[_Outcome], float, float, set[int]]:
     topology = load_topology("2p2d")
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "migration-limit": migration_limit}) if p.role == "router" else p
@@ -106,7 +109,17 @@ async def _arm(args: argparse.Namespace, migration_limit: int) -> tuple[list[_Ou
             await asyncio.gather(*tasks)
             (endpoint,) = cluster.metrics_endpoints("router").values()
             migrated = await asyncio.to_thread(_migrations, endpoint)
-    return outcomes, killed_at, migrated
+            rooms = migrated_rooms(cluster.procs["router"].log_path.read_text(errors="replace"))
+    return outcomes, killed_at, migrated, rooms
+
+
+_MIGRATING = re.compile(r"room=(\d+) migrating after")
+
+
+def migrated_rooms(router_log: str) -> set[int]:
+    """The rooms whose stream the router migrated: it logs ``room=<room> migrating after
+    <n> token(s) ...`` under the stream's room before the move (the first room, the first time)."""
+    return {int(m) for m in _MIGRATING.findall(router_log)}
 
 
 def _migrations(endpoint: str) -> float:
@@ -123,7 +136,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     failed: dict[str, float] = {}
     for arm, limit in (("no-migration", 0), ("migration", 1)):
         print(f"{arm}: 2p2d over {args.transport}, {args.rate:g} req/s for {args.duration:g} s, {VICTIM} SIGKILLed at half ...", flush=True)
-        outcomes, killed_at, migrated = await _arm(args, limit)
+        outcomes, killed_at, migrated, rooms = await _arm(args, limit)
         case = f"{args.transport}/{arm}"
         failed[arm] = sum(not o.ok for o in outcomes)
         before = [o.ttft for o in outcomes if o.ok and o.sent < killed_at]
@@ -145,6 +158,11 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         if hit and rest:
             h, r = statistics.median(hit), statistics.median(rest)
             results.append(Result(case, "tokens_per_s_in_flight_at_kill", h, "tok/s", r, h / r))
+        moved = [o.tokens_per_s for o in outcomes if o.ok and o.room in rooms]
+        stayed = [o.tokens_per_s for o in outcomes if o.ok and o.room not in rooms]
+        if moved and stayed:
+            m, r = statistics.median(moved), statistics.median(stayed)
+            results.append(Result(case, "tokens_per_s_migrated", m, "tok/s", r, m / r))
     return results
 
 

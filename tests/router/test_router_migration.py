@@ -12,6 +12,7 @@ import logging
 import grpc
 import pytest
 
+from pdgrpc.bench.chaos import migrated_rooms
 from pdgrpc.metrics import start_metrics_server
 from pdgrpc.router.service import RouterConfig
 from pdgrpc.v1 import common_pb2, decode_pb2, generate_pb2
@@ -63,6 +64,8 @@ async def test_a_decode_that_fails_mid_stream_is_replaced_with_no_duplicate_and_
         p2 = [r for p in up.prefills for r in p.requests if r.bootstrap_room == d2.bootstrap_room]
         assert len(p2) == 1 and list(p2[0].input_ids) == list(d2.input_ids) and p2[0].sampling.seed == 77
         assert "migrating after 3 token(s)" in caplog.text
+        # bench chaos finds the migrated streams by the room of their first message.
+        assert migrated_rooms(caplog.text) == {msgs[0].bootstrap_room} == {d1.bootstrap_room}
         s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
         assert s.value("pdgrpc_router_migrations_total", role="router", reason="peer_failure") == 1
         assert s.value("pdgrpc_retries_total", role="router") == 0
