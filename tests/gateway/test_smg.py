@@ -403,6 +403,48 @@ async def _decode_free(cluster: Cluster, name: str, seen: dict) -> bool:
     return not seen
 
 
+# A planned restart of a decode smg uses (docs/gateway.md): its running legs finish. On
+# the first cluster only: the drain is the same server code on every transport.
+@pytest.mark.parametrize("cluster", PARAMS[:1], ids=[f"{t}-{x}" for t, x in PARAMS[:1]], indirect=True)
+async def test_a_decode_restarted_under_smg_finishes_its_running_legs(cluster):
+    decode = first(cluster, "decode")
+    proc = cluster.procs[decode]
+    log_from = proc.log_path.stat().st_size
+    # Greedy, so that two references cover them; long enough that all run at once. Six:
+    # the default thread pool's size on two cores (each HTTP call holds a thread).
+    cases = [Case((256, *f"drain {i % 2} under smg".encode()), 96) for i in range(6)]
+    expected = reference_outputs(cluster.topology.name, cases[:2])
+
+    async def one(c: Case):
+        body = {"model": MODEL, "input_ids": list(c.input_ids), "sampling_params": {"max_new_tokens": c.max_new_tokens, "temperature": 0}}
+        return await call(smg_http.post, base(cluster), "/generate", body)
+
+    running = [asyncio.ensure_future(one(c)) for c in cases]
+
+    async def all_running() -> bool:
+        return (await cluster.stats(decode)).active_requests == len(cases)
+
+    await eventually_async(all_running, 30, 0.01, "the decode never held every leg at once")
+    restart = asyncio.ensure_future(cluster.restart(decode))  # SIGTERM: it drains
+    got = await asyncio.gather(*running)
+    await restart
+    log = proc.log_path.read_text()[log_from:]
+    assert f"draining: {len(cases)} call(s) in flight" in log and "drain_timeout" not in log, log[-2000:]
+    assert [status for status, _ in got] == [200] * len(cases), [body for status, body in got if status != 200]
+    for i, (_, body) in enumerate(got):
+        assert (tuple(body[0]["output_ids"]), body[0]["meta_info"]["finish_reason"]["type"]) == (
+            expected[i % 2][0], OPENAI_REASON[expected[i % 2][1]]), i
+    # smg takes the decode started again back once its health checks pass (every 1 s);
+    # then its next request reaches it.
+    async def ready() -> bool:
+        return (await call(smg_http.get, base(cluster), "/readiness"))[0] == 200
+
+    await eventually_async(ready, 30, 0.2, "smg never took the restarted decode back")
+    status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": "after", "max_tokens": 3})
+    assert status == 200, body
+    await wait_nothing_held(cluster)
+
+
 # The prefill's controller refuses a leg before any worker sees it (here its only worker
 # is dead and not started again yet), so no worker can tell the decode: the controller
 # records the failure with its bootstrap, where the decode, whose handshake finds no
