@@ -249,6 +249,10 @@ def _failed(fut: asyncio.Future[Any]) -> bool:
     return fut.done() and not fut.cancelled() and fut.exception() is not None
 
 
+def _succeeded(fut: asyncio.Future[Any]) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is None
+
+
 def _cancel_after_prefill(prefill_fut: asyncio.Future[Any], decode_call: grpc.aio.UnaryStreamCall) -> None:
     """Cancel the decode call of a prefill that failed: at once, or after
     :data:`_CAUSE_WINDOW_S` when :func:`~pdgrpc.state.route_fate.decode_outlives` says so."""
@@ -551,6 +555,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
             self.policy.started(prefill.address)
             prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
+            if self.policy.name == "cache_aware":  # the prompt counts as cached there from now on
+                ticket = self._index.routed(prefill.address, input_ids, time.monotonic())
+                prefill_fut.add_done_callback(lambda fut: self._index.ended(ticket, _succeeded(fut), time.monotonic()))
         self.decode_policy.started(decode)
         try:
             await self._relay(context, room, arrived, fate, text, prefill_fut, decode_call, decode, trace, seed=sampling.seed)

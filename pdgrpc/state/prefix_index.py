@@ -15,18 +15,27 @@ reached from a prompt's first page, so it is not indexed.
 is applied, skipped or shows a gap (after which the subscriber drops the instance and
 subscribes afresh, getting a snapshot).
 
+A prompt routed to an instance counts as cached there at once, as *pending*
+(:class:`PendingPrefixes`): requests of one prefix that arrive while its first still
+computes follow it, instead of being spread before any instance reports storing it.
+
 What a match weighs against load is :func:`pdgrpc.state.routing.cache_aware_choice`.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from pdgrpc.state.kv_event_log import Block, KvEvent, Removed, Stored
 
-__all__ = ["Batch", "PrefixIndex", "SequenceCursor"]
+__all__ = ["Batch", "PENDING_CHUNK", "PENDING_GRACE_S", "PENDING_LIMIT", "PendingPrefixes", "PrefixIndex", "SequenceCursor"]
+
+PENDING_CHUNK = 16  # tokens per step of a pending prompt's path
+PENDING_GRACE_S = 2.0  # how long a finished request's prompt stays pending without its stored events
+PENDING_LIMIT = 256  # pending prompts kept at most; the oldest goes first
 
 
 @dataclass
@@ -40,10 +49,27 @@ class _Node:
 class PrefixIndex:
     """A trie of pages shared by every instance; each node lists the instances holding it."""
 
-    def __init__(self) -> None:
+    def __init__(self, pending: PendingPrefixes | None = None) -> None:
         self._root = _Node(None, ())
         self._blocks: dict[str, dict[int, _Node]] = {}  # instance -> its block_hash -> node
         self._page: dict[str, int] = {}  # instance -> its page size, from its first stored block
+        self._pending = pending if pending is not None else PendingPrefixes()
+
+    def routed(self, instance: str, prompt: Sequence[int], now: float) -> int:
+        """``prompt`` was sent to ``instance``, which caches it once computed; until then it
+        counts as pending there. Returns the ticket that :meth:`ended` takes."""
+        return self._pending.add(instance, prompt, now)
+
+    def ended(self, ticket: int, ok: bool, now: float) -> None:
+        """The request of ``ticket`` ended: a failed one's prompt stops counting at once; a
+        successful one's once the instance's stored events cover its pages, or
+        :data:`PENDING_GRACE_S` after ``now`` (its pages may be evicted before they are
+        reported)."""
+        instance, prompt = self._pending.entry(ticket)
+        if not ok or self._covers(instance, prompt):
+            self._pending.remove(ticket)
+        else:
+            self._pending.finish(ticket, now)
 
     def instances(self) -> list[str]:
         return sorted(self._blocks)
@@ -86,6 +112,9 @@ class PrefixIndex:
                 node = parent.children[b.token_ids] = _Node(parent, b.token_ids)
             node.holders.add(instance)
             mine[b.block_hash] = node
+        for ticket, prompt in self._pending.finished(instance):
+            if self._covers(instance, prompt):
+                self._pending.remove(ticket)
 
     def removed(self, instance: str, block_hashes: Sequence[int]) -> None:
         """``block_hashes`` are no longer reusable on ``instance`` (unknown ones are ignored)."""
@@ -102,11 +131,26 @@ class PrefixIndex:
         lease or its stream): it is dropped at once."""
         mine = self._blocks.pop(instance, {})
         self._page.pop(instance, None)
+        self._pending.cleared(instance)
         for node in mine.values():
             self._release(instance, node)
 
     def match(self, prompt: Sequence[int]) -> dict[str, int]:
-        """Tokens of ``prompt``'s longest cached prefix on each instance (0 when none)."""
+        """Tokens of ``prompt``'s longest cached or pending prefix on each instance (0 when none)."""
+        out = self._stored_match(prompt)
+        for name, depth in self._pending.match(prompt).items():
+            out[name] = max(out.get(name, 0), depth)
+        return out
+
+    def _covers(self, instance: str, prompt: Sequence[int]) -> bool:
+        """Whether ``instance``'s stored blocks hold every page of ``prompt`` its cache keeps
+        (all full pages but one token: the last prompt token is never cached)."""
+        page = self._page.get(instance)
+        if page is None:
+            return False
+        return self._stored_match(prompt).get(instance, 0) >= (len(prompt) - 1) // page * page
+
+    def _stored_match(self, prompt: Sequence[int]) -> dict[str, int]:
         out = {name: 0 for name in self._blocks}
         for page in sorted(set(self._page.values())):
             users = {name for name, p in self._page.items() if p == page}
@@ -128,6 +172,121 @@ class PrefixIndex:
         while node.parent is not None and not node.holders and not node.children:
             del node.parent.children[node.tokens]
             node = node.parent
+
+
+@dataclass
+class _Pending:
+    parent: _Pending | None
+    chunk: tuple[int, ...]
+    holders: dict[str, int] = field(default_factory=dict)  # instance -> pending prompts through here
+    children: dict[tuple[int, ...], _Pending] = field(default_factory=dict)
+
+
+@dataclass
+class _Entry:
+    instance: str
+    prompt: tuple[int, ...]
+    path: list[_Pending]
+    expires: float | None = None  # set once its request ended
+
+
+class PendingPrefixes:
+    """Prompts routed to an instance that has not yet reported storing them: a trie of
+    ``chunk``-token steps, each node counting the pending prompts per instance through it.
+
+    Bounded: at most ``limit`` prompts, the oldest dropped first; a finished request's
+    prompt expires ``grace_s`` after it ended. Expired prompts go at the next :meth:`add`
+    or :meth:`finish`."""
+
+    def __init__(self, chunk: int = PENDING_CHUNK, grace_s: float = PENDING_GRACE_S, limit: int = PENDING_LIMIT) -> None:
+        if chunk < 1 or limit < 1 or grace_s < 0:
+            raise ValueError(f"pending prefixes need chunk >= 1, limit >= 1, grace_s >= 0; got {chunk}, {limit}, {grace_s}")
+        self._chunk = chunk
+        self._grace_s = grace_s
+        self._limit = limit
+        self._root = _Pending(None, ())
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # ticket -> entry, oldest first
+        self._finished: OrderedDict[int, float] = OrderedDict()  # ticket -> expiry, soonest first
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, instance: str, prompt: Sequence[int], now: float) -> int:
+        self._expire(now)
+        while len(self._entries) >= self._limit:
+            self.remove(next(iter(self._entries)))
+        node = self._root
+        path = []
+        for start in range(0, len(prompt) - self._chunk + 1, self._chunk):
+            key = tuple(prompt[start : start + self._chunk])
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Pending(node, key)
+            child.holders[instance] = child.holders.get(instance, 0) + 1
+            path.append(child)
+            node = child
+        ticket, self._next = self._next, self._next + 1
+        self._entries[ticket] = _Entry(instance, tuple(prompt), path)
+        return ticket
+
+    def entry(self, ticket: int) -> tuple[str, tuple[int, ...]]:
+        """The instance and prompt of ``ticket`` (an unknown ticket, one dropped or expired: ``("", ())``)."""
+        e = self._entries.get(ticket)
+        return ("", ()) if e is None else (e.instance, e.prompt)
+
+    def finish(self, ticket: int, now: float) -> None:
+        """``ticket``'s request ended: its prompt expires ``grace_s`` from ``now``."""
+        self._expire(now)
+        e = self._entries.get(ticket)
+        if e is not None and e.expires is None:
+            e.expires = now + self._grace_s
+            self._finished[ticket] = e.expires
+
+    def finished(self, instance: str) -> list[tuple[int, tuple[int, ...]]]:
+        """The tickets and prompts of ``instance``'s ended requests still pending."""
+        return [(t, self._entries[t].prompt) for t in self._finished if self._entries[t].instance == instance]
+
+    def remove(self, ticket: int) -> None:
+        e = self._entries.pop(ticket, None)
+        if e is None:
+            return
+        self._finished.pop(ticket, None)
+        for node in reversed(e.path):
+            n = node.holders[e.instance] - 1
+            if n:
+                node.holders[e.instance] = n
+            else:
+                del node.holders[e.instance]
+            if not node.holders and not node.children and node.parent is not None:
+                del node.parent.children[node.chunk]
+
+    def cleared(self, instance: str) -> None:
+        """``instance`` is gone: none of its prompts count any more."""
+        for ticket in [t for t, e in self._entries.items() if e.instance == instance]:
+            self.remove(ticket)
+
+    def match(self, prompt: Sequence[int]) -> dict[str, int]:
+        """Tokens of ``prompt``'s longest pending prefix on each instance with one."""
+        out: dict[str, int] = {}
+        node = self._root
+        depth = 0
+        while depth + self._chunk <= len(prompt):
+            child = node.children.get(tuple(prompt[depth : depth + self._chunk]))
+            if child is None:
+                break
+            depth += self._chunk
+            for name in child.holders:
+                out[name] = depth
+            node = child
+        return out
+
+    def _expire(self, now: float) -> None:
+        while self._finished:
+            ticket, expires = next(iter(self._finished.items()))
+            if expires > now:
+                return
+            self.remove(ticket)
 
 
 class Batch(enum.Enum):

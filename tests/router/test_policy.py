@@ -77,6 +77,18 @@ def test_cache_aware_without_a_match_is_least_load() -> None:
     assert [p.choose(ADDRS, t, [7] * 20) for t in range(3)] == [0, 2, 2]
 
 
+def test_cache_aware_sends_a_prefix_after_its_first_request_before_any_event() -> None:
+    """A group's requests arriving while its first still computes go where the first went,
+    not wherever the load happens to be lowest."""
+    index = PrefixIndex()
+    p = Policy("cache_aware", index)
+    first = p.choose(ADDRS, 0, PREFIX + [1])
+    index.routed(ADDRS[first], PREFIX + [1], now=0.0)
+    p.started(ADDRS[first])
+    assert [p.choose(ADDRS, t, PREFIX + [2, 3]) for t in range(1, 4)] == [first] * 3
+    assert p.choose(ADDRS, 1, [7] * 20) != first  # another prefix: the least loaded
+
+
 def test_only_candidates_count() -> None:
     """An ejected instance is not among the candidates, however much it holds."""
     index = PrefixIndex()

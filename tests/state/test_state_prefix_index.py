@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from pdgrpc.state.cache_events import StoredBlock as Block
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
-from pdgrpc.state.prefix_index import Batch, PrefixIndex, SequenceCursor
+from pdgrpc.state.prefix_index import Batch, PendingPrefixes, PrefixIndex, SequenceCursor
 
 PAGE = 4
 
@@ -143,3 +145,94 @@ def test_events_apply_in_order() -> None:
     assert index.match(list(range(13))) == {"a": 8}
     index.apply("a", [Cleared(), Stored(tuple(blocks[:1]))])  # a snapshot: cleared, then the live blocks
     assert index.match(list(range(13))) == {"a": 4}
+
+
+# ---- pending: prompts routed but not yet reported stored --------------------------------
+
+
+def pending_index(grace_s: float = 2.0, limit: int = 8) -> PrefixIndex:
+    return PrefixIndex(PendingPrefixes(chunk=PAGE, grace_s=grace_s, limit=limit))
+
+
+def test_a_routed_prompt_counts_as_cached_before_its_events() -> None:
+    index = pending_index()
+    prompt = list(range(100, 118))  # four full pages and two tokens
+    index.routed("a", prompt, now=0.0)
+    # A later request of the same prefix finds it on "a", before "a" reported anything.
+    assert index.match(prompt[:12] + [7, 7, 7, 7, 7]) == {"a": 12}
+    assert index.match([5] * 20) == {}
+    index.stored("b", chain(prompt[:4]))
+    assert index.match(prompt) == {"a": 16, "b": 4}
+
+
+def test_a_failed_request_stops_counting_at_once() -> None:
+    index = pending_index()
+    prompt = list(range(12))
+    ticket = index.routed("a", prompt, now=0.0)
+    index.ended(ticket, ok=False, now=0.1)
+    assert index.match(prompt) == {}
+
+
+def test_a_finished_request_counts_until_its_stored_events_cover_it() -> None:
+    index = pending_index()
+    prompt = list(range(13))  # three full pages; the last token is never cached
+    ticket = index.routed("a", prompt, now=0.0)
+    index.ended(ticket, ok=True, now=1.0)
+    index.stored("a", chain(prompt[:4]))  # only part of it so far: still pending
+    assert index.match(prompt) == {"a": 12}
+    index.stored("a", chain(prompt[:12]))
+    index.removed("a", [chain(prompt[:12])[2].block_hash])  # evicted later: the index says so, pending does not hide it
+    assert index.match(prompt) == {"a": 8}
+
+
+def test_events_that_came_first_end_pending_with_the_request() -> None:
+    index = pending_index()
+    prompt = list(range(9))
+    ticket = index.routed("a", prompt, now=0.0)
+    index.stored("a", chain(prompt[:8]))  # the prefill stores before it answers
+    index.ended(ticket, ok=True, now=0.5)
+    index.removed("a", [b.block_hash for b in chain(prompt[:8])])
+    assert index.match(prompt) == {"a": 0}
+
+
+def test_a_finished_request_never_reported_expires_after_the_grace() -> None:
+    index = pending_index(grace_s=2.0)
+    prompt = list(range(8))
+    ticket = index.routed("a", prompt, now=0.0)
+    index.ended(ticket, ok=True, now=1.0)  # evicted before reported, say
+    index.routed("b", [9] * 8, now=2.9)
+    assert index.match(prompt) == {"a": 8}
+    index.routed("b", [9] * 8, now=3.0)
+    assert index.match(prompt) == {}
+
+
+def test_pending_is_bounded_oldest_first_and_dropped_with_its_instance() -> None:
+    pending = PendingPrefixes(chunk=PAGE, limit=3)
+    index = PrefixIndex(pending)
+    tickets = [index.routed("ab"[i % 2], [i] * 8, now=float(i)) for i in range(5)]
+    assert len(pending) == 3 and index.match([0] * 8) == {} and index.match([4] * 8) == {"a": 8}
+    index.ended(tickets[0], ok=False, now=5.0)  # already dropped: nothing happens
+    index.cleared("a")  # its stream broke, or it restarted
+    assert len(pending) == 1 and index.match([3] * 8) == {"b": 8}
+
+
+def test_pending_counts_each_prompt_and_frees_its_nodes() -> None:
+    """Two prompts of one prefix on one instance: the prefix counts until both end; when
+    every pending prompt is gone, no node is left behind."""
+    pending = PendingPrefixes(chunk=PAGE)
+    index = PrefixIndex(pending)
+    shared = list(range(8))
+    t1 = index.routed("a", shared + [1] * 4, now=0.0)
+    t2 = index.routed("a", shared + [2] * 4, now=0.0)
+    index.ended(t1, ok=False, now=0.1)
+    assert index.match(shared + [3] * 4) == {"a": 8}
+    assert index.match(shared + [2] * 4) == {"a": 12}
+    index.ended(t2, ok=False, now=0.2)
+    assert index.match(shared + [2] * 4) == {} and len(pending) == 0
+    assert pending.match(shared) == {}
+
+
+@pytest.mark.parametrize("args", [(0, 1.0, 1), (4, -1.0, 1), (4, 1.0, 0)])
+def test_bad_pending_settings_are_refused(args: tuple[int, float, int]) -> None:
+    with pytest.raises(ValueError, match="chunk >= 1, limit >= 1, grace_s >= 0"):
+        PendingPrefixes(*args)
