@@ -369,7 +369,9 @@ async def run_vllm(args: argparse.Namespace, model: str, requests: list[Request]
             "--gpu-memory-utilization", "0.1"]
     print("arm v (vLLM): starting ...", flush=True)
     log = tempfile.TemporaryFile()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}  # GiB of KV cache
+    # GiB of KV cache; one compute thread, unbound, as each pdgrpc worker computes on one.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     clients = [VllmClient(port) for _ in range(args.concurrency)]
     try:

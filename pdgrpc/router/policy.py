@@ -5,8 +5,9 @@
   tie goes to the first in turn.
 * ``cache_aware``: the instance whose prefix cache holds the longest prefix of the
   prompt (:class:`~pdgrpc.state.prefix_index.PrefixIndex`, fed by the instances' KV
-  events), unless its load exceeds the least loaded instance's by more than ``margin``
-  calls: then, as when nobody holds any of the prompt, ``least_load``
+  events, and the prompts just sent to it), unless its load exceeds the least loaded
+  instance's by more than ``margin`` calls: then, as when nobody holds any of the
+  prompt, the instance caching least among those within ``margin`` of the least load
   (:func:`~pdgrpc.state.routing.cache_aware_choice`).
 
 The router keeps one policy per role over one index: prefills by ``--policy``; decodes
@@ -66,4 +67,5 @@ class Policy:
         if self.name == "least_load" or self._index is None:
             return least_loaded(loads, turn)
         matches = self._index.match(prompt)
-        return cache_aware_choice([matches.get(a, 0) for a in addresses], loads, turn, self.margin)
+        sizes = [self._index.size(a) for a in addresses]
+        return cache_aware_choice([matches.get(a, 0) for a in addresses], loads, turn, self.margin, sizes)

@@ -304,6 +304,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
             self._tokenizer = load_tokenizer(config.model)
         self.active = 0  # requests in flight (for logs and tests)
+        # Prefill calls in flight under cache_aware, by their prompt's ticket in the index.
+        self._leaders: dict[int, asyncio.Future[prefill_pb2.PrefillResponse | None]] = {}
 
     async def close(self) -> None:
         await self._pool.close()
@@ -529,6 +531,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
         local = self._local(input_ids, decode)
         decode_req.local_prefill = local
+        if not local and self.policy.name == "cache_aware":
+            timeout -= await self._after_leader(prefill.address, input_ids, timeout)
         if routed is not None:
             prefill_req.routed_dp_rank = routed
             decode_req.routed_dp_rank = routed
@@ -557,7 +561,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
             if self.policy.name == "cache_aware":  # the prompt counts as cached there from now on
                 ticket = self._index.routed(prefill.address, input_ids, time.monotonic())
-                prefill_fut.add_done_callback(lambda fut: self._index.ended(ticket, _succeeded(fut), time.monotonic()))
+                self._leaders[ticket] = prefill_fut
+                prefill_fut.add_done_callback(lambda fut: self._ended(ticket, fut))
         self.decode_policy.started(decode)
         try:
             await self._relay(context, room, arrived, fate, text, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
@@ -577,6 +582,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 prefill_fut.cancel()
             elif not prefill_fut.cancelled():
                 prefill_fut.exception()  # retrieved: a failure already handled is not "never retrieved"
+
+    async def _after_leader(self, address: str, prompt: Sequence[int], timeout: float) -> float:
+        """Wait (up to ``timeout`` s) for the Prefill call on ``address`` that computes
+        more of ``prompt``'s prefix than it has cached
+        (:meth:`~pdgrpc.state.prefix_index.PrefixIndex.leader`), so that this prompt finds
+        that prefix cached instead of computing it beside it; the seconds waited."""
+        ticket = self._index.leader(address, prompt)
+        leader = self._leaders.get(ticket) if ticket is not None else None
+        if leader is None:
+            return 0.0
+        start = time.monotonic()
+        await asyncio.wait({leader}, timeout=max(0.0, timeout))
+        return time.monotonic() - start
+
+    def _ended(self, ticket: int, prefill_fut: asyncio.Future[Any]) -> None:
+        del self._leaders[ticket]
+        self._index.ended(ticket, _succeeded(prefill_fut), time.monotonic())
 
     @staticmethod
     async def _await_prefill(call: grpc.aio.UnaryUnaryCall, address: str) -> prefill_pb2.PrefillResponse | None:

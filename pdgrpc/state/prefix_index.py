@@ -60,6 +60,14 @@ class PrefixIndex:
         counts as pending there. Returns the ticket that :meth:`ended` takes."""
         return self._pending.add(instance, prompt, now)
 
+    def leader(self, instance: str, prompt: Sequence[int]) -> int | None:
+        """The ticket of a request still running on ``instance`` that computes more of
+        ``prompt``'s prefix than ``instance`` has stored (the longest such), or None. A
+        request sent after its leader ended finds that prefix cached, instead of
+        computing it a second time beside it."""
+        stored = self._stored_match(prompt).get(instance, 0)
+        return self._pending.leader(instance, prompt, stored)
+
     def ended(self, ticket: int, ok: bool, now: float) -> None:
         """The request of ``ticket`` ended: a failed one's prompt stops counting at once; a
         successful one's once the instance's stored events cover its pages, or
@@ -76,6 +84,11 @@ class PrefixIndex:
 
     def block_count(self, instance: str) -> int:
         return len(self._blocks.get(instance, {}))
+
+    def size(self, instance: str) -> int:
+        """Tokens ``instance`` caches or has pending: its stored pages and the distinct
+        steps of its pending prompts."""
+        return self.block_count(instance) * self._page.get(instance, 0) + self._pending.tokens(instance)
 
     def apply(self, instance: str, events: Iterable[KvEvent]) -> None:
         """``instance``'s events, in order."""
@@ -206,11 +219,16 @@ class PendingPrefixes:
         self._limit = limit
         self._root = _Pending(None, ())
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # ticket -> entry, oldest first
+        self._steps: dict[str, int] = {}  # instance -> nodes it holds
         self._finished: OrderedDict[int, float] = OrderedDict()  # ticket -> expiry, soonest first
         self._next = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def tokens(self, instance: str) -> int:
+        """Distinct tokens of ``instance``'s pending prompts (their whole steps)."""
+        return self._steps.get(instance, 0) * self._chunk
 
     def add(self, instance: str, prompt: Sequence[int], now: float) -> int:
         self._expire(now)
@@ -223,7 +241,10 @@ class PendingPrefixes:
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Pending(node, key)
-            child.holders[instance] = child.holders.get(instance, 0) + 1
+            held = child.holders.get(instance, 0)
+            if not held:
+                self._steps[instance] = self._steps.get(instance, 0) + 1
+            child.holders[instance] = held + 1
             path.append(child)
             node = child
         ticket, self._next = self._next, self._next + 1
@@ -258,6 +279,9 @@ class PendingPrefixes:
                 node.holders[e.instance] = n
             else:
                 del node.holders[e.instance]
+                self._steps[e.instance] -= 1
+                if not self._steps[e.instance]:
+                    del self._steps[e.instance]
             if not node.holders and not node.children and node.parent is not None:
                 del node.parent.children[node.chunk]
 
@@ -280,6 +304,27 @@ class PendingPrefixes:
                 out[name] = depth
             node = child
         return out
+
+    def leader(self, instance: str, prompt: Sequence[int], beyond: int) -> int | None:
+        """The running (not finished) entry on ``instance`` sharing the longest prefix of
+        ``prompt``, when that prefix is longer than ``beyond`` tokens."""
+        node = self._root
+        depth = 0
+        deepest: _Pending | None = None
+        steps = 0
+        while depth + self._chunk <= len(prompt):
+            child = node.children.get(tuple(prompt[depth : depth + self._chunk]))
+            if child is None or instance not in child.holders:
+                break
+            depth += self._chunk
+            node = deepest = child
+            steps += 1
+        if deepest is None or depth <= beyond:
+            return None
+        for ticket, e in self._entries.items():
+            if e.instance == instance and e.expires is None and len(e.path) >= steps and e.path[steps - 1] is deepest:
+                return ticket
+        return None  # only finished requests computed it: their stored events are on the way
 
     def _expire(self, now: float) -> None:
         while self._finished:

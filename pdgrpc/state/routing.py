@@ -28,15 +28,26 @@ def least_loaded(loads: Sequence[int], turn: int) -> int:
     return min(((turn + k) % n for k in range(n)), key=lambda i: loads[i])
 
 
-def cache_aware_choice(matched: Sequence[int], loads: Sequence[int], turn: int, margin: int) -> int:
+def cache_aware_choice(
+    matched: Sequence[int], loads: Sequence[int], turn: int, margin: int, sizes: Sequence[int] | None = None,
+) -> int:
     """The position of the candidate holding the longest prefix (``matched`` tokens each;
     the less loaded on a tie), unless its load exceeds the smallest by more than
-    ``margin``: then, as when nobody holds any of the prompt, :func:`least_loaded`. A
-    cached prefix saves its whole prefill, so it outweighs a small queue; the margin
-    bounds the work that piles up on a candidate because it holds popular prefixes."""
+    ``margin``. A cached prefix saves its whole prefill, so it outweighs a small queue;
+    the margin bounds the work that piles up on a candidate because it holds popular
+    prefixes.
+
+    When nobody holds any of the prompt, or the holder is over the margin: with
+    ``sizes`` (what each candidate caches), the candidate caching least among those
+    within ``margin`` of the smallest load, so new prefixes spread the cached ones
+    evenly and no candidate evicts what it will be asked for while another has room;
+    without, :func:`least_loaded`. Ties go to the less loaded, then in turn."""
     n = len(loads)
     least = least_loaded(loads, turn)
     best = max(((turn + k) % n for k in range(n)), key=lambda i: (matched[i], -loads[i]))
-    if matched[best] == 0 or loads[best] - loads[least] > margin:
+    if matched[best] > 0 and loads[best] - loads[least] <= margin:
+        return best
+    if sizes is None:
         return least
-    return best
+    near = [(turn + k) % n for k in range(n) if loads[(turn + k) % n] - loads[least] <= margin]
+    return min(near, key=lambda i: (sizes[i], loads[i]))

@@ -12,6 +12,7 @@ Over tcp only: the choices are the router's, the same whatever carries the KV.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -114,3 +115,20 @@ async def test_a_shared_prefix_goes_to_the_decode_holding_it_and_elsewhere_once_
             c = await generate(stub, input_ids=[*prefix, *f" after the crash {i}?".encode()], max_new_tokens=2)
             assert len(c.token_ids) == 2
         assert decode_counter(cluster, other, "pdgrpc_requests_total", state="finished") >= finished[other] + 3
+
+
+async def test_requests_sent_at_once_with_a_new_prefix_compute_it_once(cluster):
+    """The first of them goes to a prefill; the others follow it and wait for its Prefill
+    call to end, so they find the prefix cached instead of computing it beside it (here on
+    the prefill the earlier tests left alive)."""
+    prefix = [256, *(bytes(range(40, 120)) * 2 + b" a third system prompt")]  # 182 tokens: 11 full pages
+    alive = [n for n in NAMES if cluster.procs[n].returncode is None]
+    hits = sum(prefill_counter(cluster, n, "pdgrpc_prefix_cache_hit_tokens_total") for n in alive)
+    async with cluster.client_channel() as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        done = await asyncio.gather(*(
+            generate(stub, input_ids=[*prefix, *f" all at once {i}?".encode()], max_new_tokens=2) for i in range(3)
+        ))
+    assert all(len(c.token_ids) == 2 for c in done)
+    shared = len(prefix) // PAGE * PAGE
+    assert sum(prefill_counter(cluster, n, "pdgrpc_prefix_cache_hit_tokens_total") for n in alive) - hits >= 2 * shared

@@ -118,14 +118,16 @@ async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_drops_a_dead_
     for tail in ([1, 2], [3], [4, 5, 6]):
         await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + tail)))
     assert [len(p.requests) for p in prefills] == [0, 3]
-    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[7] * 20)))  # nobody holds it: least load
+    # Nobody holds these: the prefill caching least (the first; then, holding the first's
+    # 16 pending tokens as the second holds PREFIX's, the first again, in turn).
+    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[7] * 20)))
     await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[8] * 20)))
-    assert [len(p.requests) for p in prefills] == [1, 4]
+    assert [len(p.requests) for p in prefills] == [2, 3]
     # The holder goes away: its stream breaks, it leaves the index, and its prefix goes elsewhere.
     await servers[1].stop(0)
     await eventually_async(lambda: servers[1].address not in index.instances(), what="the dead prefill dropped")
     await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [9])))
-    assert len(prefills[0].requests) == 2
+    assert len(prefills[0].requests) == 3
 
 
 class EventingDecode(ScriptedDecode):

@@ -55,9 +55,9 @@ def test_cache_aware_goes_to_the_longest_prefix() -> None:
         assert p.choose(ADDRS, turn, PREFIX + [1, 2]) == 2
     busy(p, "p2:1", 2)  # within the margin: still the cache
     assert p.choose(ADDRS, 0, PREFIX + [1]) == 2
-    p.started("p2:1")  # 3 more than the idle p0 and p1: the least loaded, in turn
+    p.started("p2:1")  # 3 more than the idle p0 and p1: of those, the one caching least
     assert p.choose(ADDRS, 0, PREFIX + [1]) == 0
-    assert p.choose(ADDRS, 1, PREFIX + [1]) == 1
+    assert p.choose(ADDRS, 1, PREFIX + [1]) == 0
 
 
 def test_cache_aware_equal_prefixes_go_to_the_less_loaded_holder() -> None:
@@ -69,12 +69,21 @@ def test_cache_aware_equal_prefixes_go_to_the_less_loaded_holder() -> None:
     assert p.choose(ADDRS, 0, PREFIX + [1]) == 1
 
 
-def test_cache_aware_without_a_match_is_least_load() -> None:
+def test_cache_aware_without_a_match_goes_where_least_is_cached() -> None:
+    """New prefixes spread what is cached: the instance caching least within the margin
+    of the least load, ties to the less loaded, then in turn."""
     index = PrefixIndex()
     cached(index, "p0:1", PREFIX)
-    p = Policy("cache_aware", index)
+    p = Policy("cache_aware", index, margin=1)
     busy(p, "p1:1", 1)
-    assert [p.choose(ADDRS, t, [7] * 20) for t in range(3)] == [0, 2, 2]
+    assert [p.choose(ADDRS, t, [7] * 20) for t in range(3)] == [2, 2, 2]
+    busy(p, "p2:1", 2)  # over the margin: p1 (less cached than p0, within 1 of the least load)
+    assert p.choose(ADDRS, 0, [7] * 20) == 1
+    index.routed("p1:1", PREFIX + [9] * 8, now=0.0)  # pending prompts count as cached: now p0 holds less
+    assert p.choose(ADDRS, 0, [7] * 20) == 0
+    empty = Policy("cache_aware", PrefixIndex())
+    busy(empty, "p1:1", 1)
+    assert [empty.choose(ADDRS, t, [7] * 20) for t in range(3)] == [0, 2, 2]  # nothing cached: least load, in turn
 
 
 def test_cache_aware_sends_a_prefix_after_its_first_request_before_any_event() -> None:

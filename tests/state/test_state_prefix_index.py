@@ -224,12 +224,35 @@ def test_pending_counts_each_prompt_and_frees_its_nodes() -> None:
     shared = list(range(8))
     t1 = index.routed("a", shared + [1] * 4, now=0.0)
     t2 = index.routed("a", shared + [2] * 4, now=0.0)
+    assert index.size("a") == 16  # the shared steps once, each prompt's own step
+    index.stored("a", chain(list(range(50, 58))))
+    assert index.size("a") == 24
     index.ended(t1, ok=False, now=0.1)
-    assert index.match(shared + [3] * 4) == {"a": 8}
+    assert index.match(shared + [3] * 4) == {"a": 8} and index.size("a") == 20
     assert index.match(shared + [2] * 4) == {"a": 12}
     index.ended(t2, ok=False, now=0.2)
-    assert index.match(shared + [2] * 4) == {} and len(pending) == 0
+    assert index.match(shared + [2] * 4) == {"a": 0} and len(pending) == 0
     assert pending.match(shared) == {}
+
+
+def test_a_prompt_follows_the_running_request_that_computes_its_prefix() -> None:
+    """The leader: a request still running on the instance that computes more of the
+    prompt than the instance has stored; none once it ended or the prefix is stored."""
+    index = pending_index()
+    shared = list(range(8))
+    first = index.routed("a", shared + [1] * 5, now=0.0)
+    assert index.leader("a", shared + [2] * 5) == first
+    assert index.leader("b", shared + [2] * 5) is None  # nothing runs on b
+    assert index.leader("a", [7] * 13) is None  # nothing shared
+    longer = index.routed("a", shared + [1] * 8 + [3] * 4, now=0.0)
+    assert index.leader("a", shared + [1] * 8 + [5]) == longer  # the longest shared prefix
+    index.ended(longer, ok=False, now=0.1)
+    assert index.leader("a", shared + [1] * 8 + [5]) == first
+    index.stored("a", chain(shared))  # the prefix they share is stored: nothing to wait for
+    assert index.leader("a", shared + [2] * 5) is None
+    assert index.leader("a", shared + [1] * 5) == first
+    index.ended(first, ok=True, now=0.2)  # ended: its pages are cached, their events on the way
+    assert index.leader("a", shared + [1] * 5) is None
 
 
 @pytest.mark.parametrize("args", [(0, 1.0, 1), (4, -1.0, 1), (4, 1.0, 0)])

@@ -28,3 +28,15 @@ def test_candidates_leave_out_the_excluded_and_the_ejected_unless_nothing_else_r
     # every one left is ejected: all of them, rather than a certain refusal
     assert candidates(addrs, ejected={"b:2", "c:3"}, exclude={"a:1"}) == [1, 2]
     assert candidates(["a:1"], ejected={"a:1"}, exclude={"a:1"}) == []
+
+
+def test_cache_aware_spreads_new_prefixes_by_what_is_cached() -> None:
+    # nobody holds the prompt: the candidate caching least within the margin of the least load
+    assert cache_aware_choice([0, 0, 0], [0, 2, 1], turn=0, margin=4, sizes=[900, 100, 500]) == 1
+    assert cache_aware_choice([0, 0, 0], [0, 5, 1], turn=0, margin=4, sizes=[900, 100, 500]) == 2  # 1 is over the margin
+    # equal sizes: the less loaded, then in turn
+    assert cache_aware_choice([0, 0, 0], [1, 0, 0], turn=2, margin=4, sizes=[0, 0, 0]) == 2
+    # a holder within the margin still wins whatever it caches
+    assert cache_aware_choice([0, 64, 0], [0, 3, 0], turn=0, margin=4, sizes=[0, 5000, 0]) == 1
+    # the holder is over the margin: the rest by size
+    assert cache_aware_choice([0, 64, 0], [1, 6, 0], turn=0, margin=4, sizes=[0, 5000, 300]) == 0
