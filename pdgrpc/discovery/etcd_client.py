@@ -40,9 +40,9 @@ class EtcdTarget:
     tls: bool = False
     ca: bytes | None = None
     cert: bytes | None = None
-    key: bytes | None = None
+    key: bytes | None = dataclasses.field(default=None, repr=False)  # secrets stay out of logs
     user: str = ""
-    password: str = ""
+    password: str = dataclasses.field(default="", repr=False)
 
     def with_files(
         self, ca: Path | None = None, cert: Path | None = None, key: Path | None = None, user: str = "",

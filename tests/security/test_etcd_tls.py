@@ -91,7 +91,9 @@ async def test_a_user_and_password(tmp_path: Path, etcd_tls: EtcdWithTls) -> Non
             path.write_text(text)
             path.chmod(0o600)
         target = parse_discovery_url(etcd.url)
-        client = EtcdClient(etcd.host, etcd.client_port, target.with_files(ca, cert.cert, cert.key, "root", good), 3)
+        with_user = target.with_files(ca, cert.cert, cert.key, "root", good)
+        assert "s3cret" not in repr(with_user) and "PRIVATE KEY" not in repr(with_user)
+        client = EtcdClient(etcd.host, etcd.client_port, with_user, 3)
         try:
             await client.put(b"/pdgrpc/users/k", b"v")
             assert [kv.value for kv in (await client.get_prefix(b"/pdgrpc/users/")).kvs] == [b"v"]
