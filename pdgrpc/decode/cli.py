@@ -9,6 +9,7 @@ import argparse
 from pdgrpc.argtypes import whole_number
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
+from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, share_arg
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.gateway import add_gateway_arguments
@@ -70,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-decodes-per-client", type=limit_arg, default=DEFAULT_MAX_DECODES_PER_CLIENT, metavar="N",
         help="most Decode calls one client (its mTLS certificate's name, else its host) may have open at once; more are refused with RESOURCE_EXHAUSTED "
         "(a router is one client: keep it above the router's requests in flight) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-decode-share", type=share_arg, default=DEFAULT_MAX_DECODE_SHARE, metavar="FRACTION",
+        help="most of the KV pages and of the metadata slots that one client's Decode calls (its mTLS certificate's name, else its "
+        "host; smg's legs are smg's) may hold before their first token, as a fraction of the pool; a call past it waits, holding "
+        "nothing, until that client's earlier calls got their first token, so no caller whose prefill never writes can starve the "
+        "others (a router is one client) (default: %(default)s)",
     )
     g.add_argument(
         "--dp-rank-query-interval", type=float, default=0.05, metavar="SECONDS",

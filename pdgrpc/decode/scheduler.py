@@ -308,7 +308,7 @@ class DecodeScheduler:
             raise ending(Refusal.SHUTTING_DOWN, "decode server is shutting down")
         if room in self._jobs or room in self._reserved or self.queues.slot_of(room) is not None:
             raise ending(Refusal.ROOM_IN_USE, f"bootstrap_room {room} is already in use on this decode")
-        n_pages = max(self.engine.pages_needed(len(input_ids)), self.engine.pages_needed(len(input_ids) + max_new_tokens - 1))
+        n_pages = self.pages_for(input_ids, max_new_tokens)
         if n_pages > self.engine.num_pages:
             raise ending(
                 Refusal.BAD_REQUEST,
@@ -316,6 +316,10 @@ class DecodeScheduler:
                 f"the decode pool has {self.engine.num_pages}",
             )
         return n_pages
+
+    def pages_for(self, input_ids: tuple[int, ...], max_new_tokens: int) -> int:
+        """The KV pages a request holds from its admission: every page it can ever need."""
+        return max(self.engine.pages_needed(len(input_ids)), self.engine.pages_needed(len(input_ids) + max_new_tokens - 1))
 
     def submit_local(
         self, room: Room, request_id: str, input_ids: tuple[int, ...], sampling: SamplingParams, max_new_tokens: int

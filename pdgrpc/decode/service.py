@@ -25,6 +25,7 @@ import grpc
 
 from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
+from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, PoolShares, ShareExceeded
 from pdgrpc.decode.statuses import Refusal, ending
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
@@ -56,9 +57,14 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     once; one more is refused with RESOURCE_EXHAUSTED naming the limit, so no one caller
     holds the whole pool (a handful of direct calls can pin every page)."""
 
-    def __init__(self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT) -> None:
+    def __init__(
+        self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT,
+        max_share: float = DEFAULT_MAX_DECODE_SHARE,
+    ) -> None:
         self.scheduler = scheduler
         self.open_calls = OpenCalls(max_per_client, "Decode", "--max-decodes-per-client")
+        # What one client's calls hold before their first token (pdgrpc.decode.shares).
+        self.shares = PoolShares(max_share, scheduler.engine.num_pages, scheduler.buffers.num_slots)
 
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -70,18 +76,18 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             await self.refuse(context, request, ending(Refusal.OVERLOADED, str(exc)))
             return  # abort() raises; not reached
         try:
-            async for item in self._decode(request, context):
+            async for item in self._decode(request, context, client):
                 yield item
         finally:
             self.open_calls.release(client)
 
     async def _decode(
-        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext, client: str
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         # Until the first token is handed to gRPC; the handshake's span and the hops below are its children.
         trace = tracing.server("decode", context.invocation_metadata()) if tracing.enabled else None
         try:
-            job = await self._admit(request)
+            job, shared = await self._admit(request, client)
             job.trace = trace
         except RequestFailed as exc:
             if trace is not None:
@@ -91,6 +97,9 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         try:
             while True:
                 item = await job.out.get()
+                if shared:  # its KV landed (or it ended): its pages wait no more
+                    self.shares.give_back(client, shared)
+                    shared = 0
                 if isinstance(item, RequestFailed):
                     await context.abort(item.code, item.message, trailing_metadata=reason_metadata(item.reason))
                     return  # abort() raises; not reached
@@ -113,6 +122,8 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
                 if item.finish_reason:
                     return
         finally:
+            if shared:
+                self.shares.give_back(client, shared)
             if trace is not None:
                 trace.end("ended before the first token")
             job.first_sent.set()  # nobody waits for a stream that ended
@@ -126,7 +137,8 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         request_event(log, request.bootstrap_room, "refused", status=failure.code.name, message=failure.message)
         await context.abort(failure.code, failure.message, trailing_metadata=reason_metadata(failure.reason))
 
-    async def _admit(self, request: decode_pb2.DecodeRequest) -> Job:
+    async def _admit(self, request: decode_pb2.DecodeRequest, client: str) -> tuple[Job, int]:
+        """The admitted request, and the pages it holds against ``client``'s share."""
         engine = self.scheduler.engine
         room = room_from_proto(request.bootstrap_room)
         if not request.prefill_bootstrap_address and not request.local_prefill:
@@ -141,12 +153,22 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             engine.tokenizer.check_ids(ids, "input_ids")
         except (InvalidRequest, EngineError) as exc:
             raise ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "input_ids")) from None
-        if request.local_prefill:
-            return self.scheduler.submit_local(room, request.request_id, ids, sampling, max_new)
+        if request.local_prefill:  # computed here: nothing waits on another process
+            return self.scheduler.submit_local(room, request.request_id, ids, sampling, max_new), 0
+        pages = self.scheduler.pages_for(ids, max_new)
+        try:
+            await self.shares.take(client, pages, self.scheduler.config.deadlines.allocate_s)
+        except ShareExceeded as exc:
+            raise ending(Refusal.OVERLOADED, str(exc)) from None
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
-        return await self.scheduler.submit(
-            room, request.request_id, ids, sampling, max_new, request.prefill_bootstrap_address, routed, bytes(request.room_secret)
-        )
+        try:
+            job = await self.scheduler.submit(
+                room, request.request_id, ids, sampling, max_new, request.prefill_bootstrap_address, routed, bytes(request.room_secret)
+            )
+        except BaseException:
+            self.shares.give_back(client, pages)
+            raise
+        return job, pages
 
     async def GetStats(  # noqa: N802 - gRPC method name
         self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -213,13 +235,13 @@ class DecodeServer:
 async def start_decode_server(
     scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0,
     extra: Callable[[DecodeServicer], ServiceSpec | None] | None = None,
-    max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT,
+    max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT, max_share: float = DEFAULT_MAX_DECODE_SHARE,
 ) -> DecodeServer:
     """Start the scheduler and serve DecodeService (plus health and reflection, and
     ``extra(servicer)`` when it names a service: smg's protocol). On stop, in-flight
     requests end UNAVAILABLE and the transport closes."""
     await scheduler.start()
-    servicer = DecodeServicer(scheduler, max_per_client)
+    servicer = DecodeServicer(scheduler, max_per_client, max_share)
     wire = WireDecodeServicer(servicer)
     services: list[ServiceSpec] = [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(wire, server))]
     more = extra(servicer) if extra is not None else None

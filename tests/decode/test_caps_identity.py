@@ -40,10 +40,13 @@ async def _first(servicer: DecodeServicer, ctx: _Context) -> Any:
 
 
 async def test_decode_calls_per_client_count_per_certificate_not_per_host() -> None:
-    scheduler = types.SimpleNamespace(metrics=types.SimpleNamespace(on_refused=lambda: None))
+    scheduler = types.SimpleNamespace(
+        metrics=types.SimpleNamespace(on_refused=lambda: None), engine=types.SimpleNamespace(num_pages=16),
+        buffers=types.SimpleNamespace(num_slots=4),
+    )
     servicer = DecodeServicer(scheduler, max_per_client=1)  # type: ignore[arg-type]
 
-    async def one_item(request: Any, context: Any) -> AsyncIterator[str]:
+    async def one_item(request: Any, context: Any, client: str) -> AsyncIterator[str]:
         yield "served"
 
     servicer._decode = one_item  # type: ignore[method-assign]

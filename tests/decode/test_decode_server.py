@@ -41,6 +41,8 @@ DECODE_FLAGS = [
     *ENGINE_FLAGS, "--transport", "tcp", "--num-slots", "8",
     "--bootstrap-timeout", "1.5", "--resolve-timeout", "10", "--abort-lease", "60", "--dp-rank-query-interval", "0.05",
     "--max-decodes-per-client", "6", "--local-prefill-chunk", "8",
+    # The tests hold calls and pages as they please; tests/security/test_pool_pinning.py the share.
+    "--max-decode-share", "1",
     # Every request's pages go back when it ends: the tests count pages in use.
     "--no-decode-prefix-cache",
 ]

@@ -1,0 +1,93 @@
+"""One caller cannot pin a decode's pool against another.
+
+A real ``python -m pdgrpc.decode`` under mTLS with roles, its 256-page pool, and two
+callers that may call ``Decode``, each its own identity (two routers' certificates; smg's
+decode legs are ``Decode`` calls of the gateway's identity in the same servicer). The
+attacker opens 9 ``Decode`` calls whose prefill accepts the handshake and never writes
+(each needs 29 pages: together more than the pool). The other caller's request is then
+served in full and exactly, while the attacker's calls still wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdgrpc.cluster.credentials import ClusterCredentials
+from pdgrpc.decode.cli import build_parser
+from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE
+from pdgrpc.engine.colocated import generate
+from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.rpc import security
+from pdgrpc.serving.flags import engine_config_from_args
+from pdgrpc.v1 import decode_pb2_grpc
+from tests.decode.fake_prefill import FakePrefill
+from tests.decode.test_decode_server import DECODE_FLAGS, ENGINE_FLAGS, STARTUP_S, make_request
+from tests.eventually import eventually, eventually_async
+
+pytestmark = pytest.mark.timeout(150)
+PINS = 9
+PIN_MAX_NEW = 448  # with a short prompt: 29 of the pool's 256 pages each
+
+
+async def test_nine_pinning_calls_do_not_starve_another_caller(tmp_path: Path) -> None:
+    engine = ReferenceEngine(engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS)))
+    creds = ClusterCredentials(
+        tmp_path / "security", {"decode": "decode", "prefill": "prefill", "attacker": "router", "router": "router"},
+        tls=True, token=False,
+    )
+    before = security.current()
+    security.install(creds.security("prefill"))  # the fake prefills serve mTLS as a prefill
+    log_path = tmp_path / "decode.log"
+    flags = [*DECODE_FLAGS, "--max-decodes-per-client", "64", "--max-decode-share", str(DEFAULT_MAX_DECODE_SHARE),
+             "--waiting-timeout", "60", *creds.flags("decode")]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdgrpc.decode", "--port", "0", *flags],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    holding = await FakePrefill(engine).start()
+    holding.mode = "hold"  # accepts every handshake, never writes
+    serving = await FakePrefill(engine).start()
+    pins: list[asyncio.Task[object]] = []
+    try:
+        def listening() -> str | None:
+            m = re.search(r"pdgrpc decode listening on (\S+:\d+)", log_path.read_text(errors="replace"))
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            return m.group(1) if m else None
+
+        address = eventually(listening, STARTUP_S, 0.1, "the decode server did not start")
+        async with creds.security("attacker").channel(address) as bad, creds.security("router").channel(address) as good:
+            attacker = decode_pb2_grpc.DecodeServiceStub(bad)
+
+            async def pin() -> object:
+                return [m async for m in attacker.Decode(make_request(holding, "pin", PIN_MAX_NEW), timeout=90)]
+
+            pins = [asyncio.ensure_future(pin()) for _ in range(PINS)]
+            await asyncio.sleep(0)
+            await eventually_async(lambda: len(holding.workers[0].handshakes) >= 4, 20.0, what="the attacker's handshakes")
+            await asyncio.sleep(1.0)  # what the attacker can pin, it has pinned
+            req = make_request(serving, "a user's request", 8)
+            got = [m async for m in decode_pb2_grpc.DecodeServiceStub(good).Decode(req, timeout=20)]
+            assert [t for m in got for t in m.token_ids] == list(generate(engine, [tuple(req.input_ids)], 8)[0].token_ids)
+            assert not any(p.done() for p in pins), "the attacker's calls should still wait for their prefill"
+    finally:
+        for p in pins:
+            p.cancel()
+        await asyncio.gather(*pins, return_exceptions=True)
+        await holding.stop()
+        await serving.stop()
+        security.install(before)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
