@@ -303,6 +303,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         ("role", "reason"), (_X,),
     ),
     MetricSpec(
+        "pdgrpc_kv_event_streams", "gauge",
+        "SubscribeKvEvents streams a prefill controller serves now (count): pdgrpc routers under --policy cache_aware "
+        "and smg each keep one open per prefill.",
+        _R, (_P,),
+    ),
+    MetricSpec(
         "pdgrpc_draining", "gauge",
         "Whether this server drains (a count: 1 after SIGTERM or a DrainService.Drain call, while new requests "
         "are refused and those in flight finish, up to --drain-timeout; else 0).",

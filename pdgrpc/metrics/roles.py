@@ -256,6 +256,8 @@ class PrefillMetrics(RoleMetrics):
         self._prompt_tokens = self._fam.counter("pdgrpc_prefill_prompt_tokens_total").labels(label)
         self._hit_tokens = self._fam.counter("pdgrpc_prefix_cache_hit_tokens_total").labels(label)
         self._computed_tokens = self._fam.counter("pdgrpc_prefill_computed_tokens_total").labels(label)
+        self._kv_event_streams = self._fam.gauges["pdgrpc_kv_event_streams"].labels(label)
+        self._kv_event_streams.set(0)
         self.transport = transport
         self.set_info(transport=transport)
 
@@ -276,6 +278,10 @@ class PrefillMetrics(RoleMetrics):
     def on_refused(self) -> None:
         """A request was turned away at admission, before it took any resource."""
         self._requests.on_refused()
+
+    def on_kv_event_streams(self, n: int) -> None:
+        """The controller serves ``n`` SubscribeKvEvents streams now."""
+        self._kv_event_streams.set(_count("streams", n))
 
     def on_abort(self, reason: AnyAbortReason) -> None:
         """An admitted request ended without completing (see :meth:`DecodeMetrics.on_abort`)."""

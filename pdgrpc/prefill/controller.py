@@ -124,7 +124,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         self.exit_code = 0
         self._watchers: list[asyncio.Task[None]] = []
         self._restarting: set[int] = set()  # dp ranks whose tp group restart_group is starting again
-        self.kv_events = KvEventFeed()  # the instance's merged log (built on the serving loop)
+        self.kv_events = KvEventFeed(on_subscribers=self.metrics.on_kv_event_streams)  # the instance's merged log (built on the serving loop)
         self.kv_merge = KvEventMerge(self.kv_events.log)
         self._kv_followers: list[asyncio.Task[None]] = []
 

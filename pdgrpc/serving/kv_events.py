@@ -47,7 +47,11 @@ def capabilities(metadata: Sequence[tuple[str, str | bytes]] | None) -> frozense
 class KvEventFeed:
     """See the module doc. Build it on the loop it serves."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, on_subscribers: Callable[[int], None] | None = None) -> None:
+        """``on_subscribers(n)``: called with the number of open :meth:`follow` streams
+        whenever it changes."""
+        self._on_subscribers = on_subscribers
+        self.subscribers = 0
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         self._waiters: list[asyncio.Future[None]] = []
@@ -104,16 +108,25 @@ class KvEventFeed:
         """What one subscriber who applied ``after`` gets: the first answer (possibly
         ``[]``), then each group of new batches; ``[]`` after each ``idle_s`` without one;
         until :meth:`close`."""
-        first = self.log.subscribe(after)
-        yield first
-        cursor = first[-1].sequence_number if first else after
-        while not self._closed:
-            batches = await self.wait(cursor, idle_s)
-            if self._closed:
-                return
-            if batches:
-                cursor = batches[-1].sequence_number
-            yield batches
+        self._subscribed(1)
+        try:
+            first = self.log.subscribe(after)
+            yield first
+            cursor = first[-1].sequence_number if first else after
+            while not self._closed:
+                batches = await self.wait(cursor, idle_s)
+                if self._closed:
+                    return
+                if batches:
+                    cursor = batches[-1].sequence_number
+                yield batches
+        finally:
+            self._subscribed(-1)
+
+    def _subscribed(self, delta: int) -> None:
+        self.subscribers += delta
+        if self._on_subscribers is not None:
+            self._on_subscribers(self.subscribers)
 
 
 def _block_to_proto(b: Block) -> prefill_pb2.KvBlock:

@@ -19,13 +19,14 @@ from typing import Iterator
 import grpc
 import pytest
 
-from pdgrpc.cluster.ports import free_port
+from pdgrpc.cluster.ports import free_port, free_port_block
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, batch_to_proto
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
 from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually_async
+from tests.scrape import scrape
 from tests.prefill.fake_decode import FakeDecode
 from tests.prefill.harness import CONFIG, prompt, run_one
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc
@@ -102,7 +103,9 @@ HAS_ZMQ = all(importlib.util.find_spec(m) for m in ("zmq", "msgpack"))
 
 @pytest.fixture(scope="module")
 def prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefillProc]:
-    p = PrefillProc(FLAGS, tmp_path_factory.mktemp("kv_events"), "kv")
+    base = free_port_block(3)  # the controller's metrics port, then dp0's and dp1's
+    p = PrefillProc([*FLAGS, "--metrics-port", str(base)], tmp_path_factory.mktemp("kv_events"), "kv")
+    p.metrics = f"127.0.0.1:{base}"  # type: ignore[attr-defined]
     try:
         yield p
     finally:
@@ -129,6 +132,24 @@ async def test_a_cursor_from_an_earlier_instance_gets_a_cleared_snapshot(prefill
         [b] = await first_batches(address, 50)
         assert b.snapshot_count == 1 and b.snapshot_index == 0 and b.sequence_number == 0
         assert [e.WhichOneof("event") for e in b.events] == ["cleared"]
+
+
+async def test_the_streams_gauge_counts_open_subscriptions(prefill: PrefillProc) -> None:
+    """``pdgrpc_kv_event_streams`` shows a subscriber once its stream is open (how a test
+    or an operator sees that a router follows this prefill), and not once it went away."""
+    def streams() -> float:
+        return scrape(prefill.metrics).value("pdgrpc_kv_event_streams")  # type: ignore[attr-defined]
+
+    await eventually_async(lambda: streams() == 0, what="no stream open")
+    async with grpc.aio.insecure_channel(prefill.address) as ch:
+        # A cursor this instance never reached: a snapshot comes at once.
+        request = prefill_pb2.SubscribeKvEventsRequest(start_sequence_number=10**9)
+        call = prefill_pb2_grpc.PrefillServiceStub(ch).SubscribeKvEvents(request, timeout=60)  # a loaded host
+        async for _ in call:  # the snapshot: the stream is open
+            break
+        assert streams() == 1
+        call.cancel()
+    await eventually_async(lambda: streams() == 0, timeout=30, what="the stream closed")
 
 
 async def test_smg_subscriber_gets_load_records_while_idle(prefill: PrefillProc) -> None:
