@@ -584,16 +584,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 prefill_fut.exception()  # retrieved: a failure already handled is not "never retrieved"
 
     async def _after_leader(self, address: str, prompt: Sequence[int], timeout: float) -> float:
-        """Wait (up to ``timeout`` s) for the Prefill call on ``address`` that computes
-        more of ``prompt``'s prefix than it has cached
-        (:meth:`~pdgrpc.state.prefix_index.PrefixIndex.leader`), so that this prompt finds
-        that prefix cached instead of computing it beside it; the seconds waited."""
+        """Wait for the Prefill call on ``address`` that computes more of ``prompt``'s
+        prefix than it has cached (:meth:`~pdgrpc.state.prefix_index.PrefixIndex.leader`),
+        so that this prompt finds that prefix cached instead of computing it beside it;
+        the seconds waited. At most half of ``timeout``: a leader that hangs leaves this
+        request the other half to compute it itself."""
         ticket = self._index.leader(address, prompt)
         leader = self._leaders.get(ticket) if ticket is not None else None
         if leader is None:
             return 0.0
         start = time.monotonic()
-        await asyncio.wait({leader}, timeout=max(0.0, timeout))
+        await asyncio.wait({leader}, timeout=max(0.0, timeout / 2))
         return time.monotonic() - start
 
     def _ended(self, ticket: int, prefill_fut: asyncio.Future[Any]) -> None:

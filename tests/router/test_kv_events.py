@@ -130,6 +130,23 @@ async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_drops_a_dead_
     assert len(prefills[0].requests) == 3
 
 
+async def test_a_request_sharing_a_running_prompts_prefix_waits_for_it(two_prefills):
+    """Two requests of a new prefix at once: the second goes where the first went and its
+    Prefill call is sent only once the first's ended (it then finds the prefix cached)."""
+    stub, prefills, servers, index = two_prefills
+    for p in prefills:
+        p.delay = 1.5
+    shared = [5] * 16
+    first = asyncio.ensure_future(collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=shared + [1]))))
+    await eventually_async(lambda: sum(len(p.requests) for p in prefills) == 1, what="the first Prefill call")
+    second = asyncio.ensure_future(collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=shared + [2]))))
+    await asyncio.sleep(0.5)
+    assert sum(len(p.requests) for p in prefills) == 1  # the first still computes: the second waits
+    await asyncio.gather(first, second)
+    holder = next(p for p in prefills if p.requests)
+    assert [list(r.input_ids) for r in holder.requests] == [shared + [1], shared + [2]]
+
+
 class EventingDecode(ScriptedDecode):
     """A scripted decode whose every subscription gets ``batches``, then stays open;
     ``capabilities``: what its stream's initial metadata advertises (None: no header, as
