@@ -14,7 +14,10 @@ verifies; a link that fails it is closed and reported to nobody, so a claimed id
 public) can neither drop a peer nor keep a dead one looking alive. The listener answers
 with its own hello (no proof), then both send one heartbeat byte every ``interval``; a
 peer is lost when the socket closes (its process died: the kernel closes it) or nothing
-arrives for ``lease`` seconds (it hangs).
+arrives for ``lease`` seconds (it hangs). An accepted link must prove itself within
+``lease`` of its accept, however it trickles bytes, and at most
+:data:`MAX_UNPROVEN_LINKS` accepted links wait for their proof (a new one displaces the
+oldest), so sockets that never prove anything cannot pile up or keep a real peer out.
 
 The rdma backend puts its UCX worker address in ``info``, so each side checks that the
 worker address it is about to hand to UCX is the one the live peer process announces
@@ -48,6 +51,7 @@ _CHALLENGE_LEN = len(_CHALLENGE) + peerauth.NONCE_BYTES
 _MAX_HELLO = 3 * 0xFFFF + 12  # a longer hello is not a pdgrpc peer's
 CHANNEL = b"liveness"  # the peerauth channel name of these links
 OnLost = Callable[[str, str], None]
+MAX_UNPROVEN_LINKS = 64  # accepted links not yet proven; a new one displaces the oldest
 
 
 def _hello(instance_id: str, info: bytes, proof: bytes = b"") -> bytes:
@@ -101,7 +105,7 @@ class _Link:
         self.peer_info = b""
         self.nonce = b""  # the challenge: sent (accepted link) or received (watched link)
         self.buf = b""
-        self.last_seen = time.monotonic()
+        self.opened = self.last_seen = time.monotonic()
         self.ready: asyncio.Future[None] = loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
@@ -181,8 +185,12 @@ class _Link:
     def on_tick(self) -> None:
         if self.closed:
             return
-        if time.monotonic() - self.last_seen > self.lease:
+        now = time.monotonic()
+        if now - self.last_seen > self.lease:
             self.lost(f"no heartbeat for {self.lease:.1f} s")
+            return
+        if not self.watched and not self.peer and now - self.opened > self.lease:
+            self.close()  # proven nothing: reported to nobody
             return
         if self.peer:
             self.send(_BEAT)
@@ -329,6 +337,11 @@ class Liveness:
             except OSError:
                 return
             sock.setblocking(False)
+            waiting = [link for link in self.links if not link.watched and not link.peer]
+            if len(waiting) >= MAX_UNPROVEN_LINKS:
+                log.warning("liveness: closing the oldest of %d links that have not proven who they are: a new one "
+                            "takes its place (MAX_UNPROVEN_LINKS)", len(waiting))
+                min(waiting, key=lambda link: link.opened).close()
             self.links.add(_Link(self, self.loop, self.interval, self.lease, sock, None, watched=False))
 
     async def watch(self, peer_instance_id: str, address: str) -> bytes | None:

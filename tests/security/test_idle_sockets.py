@@ -1,10 +1,11 @@
-"""Idle sockets on a decode's tcp data-plane listener cannot keep its prefill out.
+"""Idle sockets on a decode's data-plane listeners cannot keep its prefill out.
 
 A real tcp transport listening on 127.0.0.1 with its default limits: sockets that
 connect and never prove who they are (from the prefill's own address, and from three
 more loopback addresses) do not block a new proven prefill->decode connection, and its
 transfer lands; the idle ones are closed, and not one of them stays past the
-receiver's budget for unproven connections.
+receiver's budget for unproven connections. The same for rdma's liveness listener, with
+sockets that trickle bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.descriptor import Descriptor
+from pdgrpc.transport.liveness import MAX_UNPROVEN_LINKS, Liveness
+from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.tcp_limits import TcpLimits
 from pdgrpc.transport.testing.peer import Layout
@@ -64,3 +67,34 @@ async def test_idle_sockets_do_not_block_a_proven_prefill_connection() -> None:
             s.close()
         await send.close()
         await recv.close()
+
+
+async def test_trickling_sockets_do_not_block_a_proven_liveness_link() -> None:
+    # rdma's liveness links: sockets that trickle a byte at a time (never a whole hello)
+    # are closed once the lease passes, and a new proven link still gets in meanwhile.
+    listener = Liveness("decode-live", lambda peer, why: None, interval=0.1, lease=0.6)
+    watcher = Liveness("prefill-live", lambda peer, why: None, interval=0.1, lease=0.6, info=b"prefill")
+    host, _, port = (await listener.start()).rpartition(":")
+    loop = asyncio.get_running_loop()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(IDLE_PER_ADDRESS):
+            s = socket.socket()
+            idle.append(s)
+            s.setblocking(False)
+            await loop.sock_connect(s, (host, int(port)))
+        for i in range(10):  # 1 s of a hello that never ends, past the 0.6 s lease
+            for s in idle:
+                try:
+                    s.send(b"PDGL\xff\xff" if i == 0 else b"x")
+                except OSError:
+                    pass
+            await asyncio.sleep(0.1)
+        assert await watcher.watch("decode-live", f"{host}:{port}") == b""  # proven, answered
+        assert listener.proven_link("prefill-live", b"prefill") is not None
+        assert len(listener.links) <= MAX_UNPROVEN_LINKS + 1
+    finally:
+        for s in idle:
+            s.close()
+        await watcher.close()
+        await listener.close()
