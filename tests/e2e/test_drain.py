@@ -28,6 +28,7 @@ from pdgrpc.rpc.channels import ROUTER_CLIENT_OPTIONS
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 from tests.e2e.harness import Case, reference_outputs_for, skip_unless_transport, wait_nothing_held
 from tests.eventually import eventually_async
+from tests.scrape import scrape
 
 # Five drains and restarts of real processes: minutes on a loaded 2-core host.
 pytestmark = pytest.mark.timeout(600)
@@ -75,9 +76,9 @@ async def _drain_holding(
 ) -> None:
     """Stop ``gate``; send ``cases`` (in turn) one at a time, each counted in flight by the
     process of ``target``'s role it reached, until ``target`` holds :data:`HELD`; SIGTERM
-    ``target``, open the gate once it drains those, and check that every request succeeds
-    with the colocated output, ``target`` exits 0, comes back and serves, and nothing is
-    held anywhere."""
+    ``target``, open the gate once it drains those (``pdgrpc_draining`` reads 1), and
+    check that every request succeeds with the colocated output, ``target`` exits 0, comes
+    back and serves, and nothing is held anywhere."""
     role = cluster.procs[target].spec.role
     counted = tuple(p.name for p in cluster.topology.processes if p.role == role)
     proc = cluster.procs[target]
@@ -103,6 +104,8 @@ async def _drain_holding(
             lambda: f"draining: {HELD} call(s) in flight" in proc.log_path.read_text()[log_from:], 20.0, 0.02,
             f"{target} did not log draining {HELD} calls",
         )
+        metrics = await asyncio.to_thread(scrape, cluster.metrics_endpoints()[target])
+        assert metrics.value("pdgrpc_draining", role=role) == 1
     finally:
         _signal(cluster, gate, signal.SIGCONT)
     outcomes = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
