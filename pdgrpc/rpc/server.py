@@ -29,7 +29,9 @@ Each server gets:
   it refused a moment more (:data:`~pdgrpc.rpc.drain.LINGER_S`), bounded by the drain
   timeout; other calls then get ``grace`` seconds;
 * the bounds of :mod:`pdgrpc.rpc.limits`: a message size sized to the largest legitimate
-  request, and INVALID_ARGUMENT for a request that does not parse.
+  request, and INVALID_ARGUMENT for a request that does not parse; at most
+  :func:`incoming_connection_cap` connections, each through its handshakes within
+  :data:`HANDSHAKE_TIMEOUT_S`.
 
 :func:`run` runs a coroutine on uvloop when it is installed, else on asyncio's loop.
 """
@@ -40,6 +42,7 @@ import asyncio
 import gc
 import inspect
 import logging
+import resource
 import signal
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, Sequence, TypeVar
 
@@ -57,6 +60,15 @@ log = logging.getLogger("pdgrpc.rpc")
 
 T = TypeVar("T")
 
+def incoming_connection_cap() -> int:
+    """Most connections one server keeps open: half the process's descriptors (its soft
+    limit), so a flood of connections leaves it the rest for its data plane, its files
+    and its own calls. grpc has no cap per address; past this one it closes new
+    connections at once."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 2)
+
+
 # Sized to the largest legitimate message: see pdgrpc.rpc.limits.
 HANDSHAKE_TIMEOUT_S = 5.0  # a new connection's TLS and HTTP/2 handshakes, at most (grpc's default: 120 s)
 DEFAULT_SERVER_OPTIONS: tuple[tuple[str, int | str], ...] = (
@@ -68,6 +80,7 @@ DEFAULT_SERVER_OPTIONS: tuple[tuple[str, int | str], ...] = (
     # A connection that has not finished its TLS and HTTP/2 handshakes by then is closed:
     # half-open connections cannot pile up into the process's file descriptors.
     ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+    ("grpc.max_allowed_incoming_connections", incoming_connection_cap()),
     # gRPC sets SO_REUSEPORT by default: a second server given the same port then binds
     # "successfully" and the kernel splits new connections between the two, so clients
     # of one get UNIMPLEMENTED from the other. A clash must fail the bind instead.
