@@ -67,15 +67,7 @@ class WorkersPending(BootstrapError):
         super().__init__(msg)
 
 
-class SlotTaken(BootstrapError):
-    """A worker slot registered by one identity is claimed by another (authentication on).
-    → ``PERMISSION_DENIED``."""
-
-    def __init__(self, slot: tuple[int, int, int], holder: str, claimant: str) -> None:
-        self.slot = slot
-        self.holder = holder
-        self.claimant = claimant
-        super().__init__(
-            f"worker slot dp_rank={slot[0]} tp_rank={slot[1]} pp_rank={slot[2]} is registered by {holder}; "
-            f"refusing {claimant} (only the identity that registered a slot may register it again)"
-        )
+class NotPermitted(BootstrapError):
+    """The caller's identity may not make this call (authentication on): a worker slot
+    registered by another identity, or a caller that registered no worker of the
+    instance. → ``PERMISSION_DENIED``."""

@@ -24,19 +24,16 @@ import dataclasses
 from typing import Callable, Iterable
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest
+from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.serving.room_proof import SECRET_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
-__all__ = ["MAX_BATCH", "MAX_REASON_CHARS", "MAX_WAIT_MS", "RoomFailures", "TooManyWatches"]
+__all__ = ["MAX_BATCH", "MAX_REASON_CHARS", "MAX_WAIT_MS", "RoomFailures"]
 
 MAX_BATCH = 1024  # records or keys per call (bootstrap.proto)
 MAX_REASON_CHARS = 1000  # characters of a reason kept
 TAG_BYTES = SECRET_BYTES  # an HMAC-SHA256
 MAX_WAIT_MS = 10_000  # longest a QueryRoomFailures call is held (bootstrap.proto)
-
-
-class TooManyWatches(Exception):
-    """More QueryRoomFailures calls are held than the server allows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +96,13 @@ class RoomFailures:
 
     async def wait(self, keys: Iterable[pb.RoomFailureKey], clock: Callable[[], float], max_wait_s: float) -> list[pb.RoomFailure]:
         """:meth:`query`, held up to ``max_wait_s`` while no key has a record. Raises
-        :class:`TooManyWatches` past ``max_watches`` held calls."""
+        :class:`~pdgrpc.rpc.open_calls.TooManyOpenCalls` past ``max_watches`` held calls."""
         checked = _check_keys(keys, "QueryRoomFailuresRequest.keys")
         found = self.query(checked, clock())
         if found or max_wait_s <= 0 or not checked:
             return found
         if self._watching >= self.max_watches:
-            raise TooManyWatches(f"{self._watching} QueryRoomFailures calls are held on this server (limit {self.max_watches})")
+            raise TooManyOpenCalls(f"{self._watching} QueryRoomFailures calls are held on this server (limit {self.max_watches})")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         tags = [bytes(k.tag) for k in checked]
         for tag in tags:

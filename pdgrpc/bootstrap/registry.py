@@ -15,7 +15,7 @@
   (1, 2, ...), which clients compare to drop connections cached for the old process.
 * With an ``owner`` (the caller's authenticated identity: its certificate's name under
   mTLS, else its host), a slot may be registered again only by the identity that first
-  registered it; another is refused with :class:`SlotTaken`, so a registration can never
+  registered it; another is refused with :class:`~pdgrpc.bootstrap.errors.NotPermitted`, so a registration can never
   redirect a live slot to someone else's address.
 * :meth:`parallel_info` and :meth:`workers` raise :class:`WorkersPending` ("k of n
   workers registered") until every slot of the topology has registered.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, SlotTaken, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, TopologyMismatch, WorkersPending
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
@@ -146,7 +146,10 @@ class WorkerRegistry:
         owners = self._owners if self._info is not None else (cand.owners if cand is not None else {})
         holder = owners.get(slot)
         if owner is not None and holder is not None and holder != owner:
-            raise SlotTaken(slot, holder, owner)
+            raise NotPermitted(
+                f"worker slot dp_rank={slot[0]} tp_rank={slot[1]} pp_rank={slot[2]} is registered by {holder}; "
+                f"refusing {owner} (only the identity that registered a slot may register it again)"
+            )
         generation = self._generations.get(slot, 0) + 1
         self._generations[slot] = generation
         entry = pb.WorkerInfo()

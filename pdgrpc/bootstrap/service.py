@@ -22,12 +22,13 @@ from typing import Callable, NoReturn, Sequence
 
 import grpc
 
-from pdgrpc.bootstrap.failures import MAX_WAIT_MS, RoomFailures, TooManyWatches
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull, SlotTaken, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.failures import MAX_WAIT_MS, RoomFailures
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, RoomConflict, RoomTableFull, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import BootstrapMetrics
+from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.rpc.security import current, peer_identity
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.v1 import bootstrap_pb2 as pb
@@ -37,13 +38,16 @@ log = logging.getLogger("pdgrpc.bootstrap")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BootstrapService"].full_name
 
+# The bootstrap's one mapping from its failures to statuses: its servicer raises or
+# passes these, and _abort() alone picks a code (INTERNAL for anything else).
 STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {
     InvalidBootstrapRequest: grpc.StatusCode.INVALID_ARGUMENT,
     RoomConflict: grpc.StatusCode.ALREADY_EXISTS,
     RoomTableFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TopologyMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     WorkersPending: grpc.StatusCode.UNAVAILABLE,
-    SlotTaken: grpc.StatusCode.PERMISSION_DENIED,
+    NotPermitted: grpc.StatusCode.PERMISSION_DENIED,
+    TooManyOpenCalls: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -66,7 +70,7 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
         owners: bool | None = None,
     ) -> None:
         self.table = table
-        # Whether a slot is bound to the identity that registered it (SlotTaken for any
+        # Whether a slot is bound to the identity that registered it (NotPermitted for any
         # other): on by default where callers are authenticated (pdgrpc.rpc.security).
         self.owners = current().authenticated if owners is None else owners
         self.registry = registry
@@ -88,8 +92,7 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
             return
         who = peer_identity(context)
         if not self.registry.registered_by(who):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"{rpc}: caller {who} registered no worker of this prefill instance")
+            await _abort(context, NotPermitted(f"{rpc}: caller {who} registered no worker of this prefill instance"))
 
     async def RecordRoomFailures(self, request: pb.RecordRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.RecordRoomFailuresResponse:
         await self._check_member(context, "RecordRoomFailures")
@@ -102,10 +105,8 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
     async def QueryRoomFailures(self, request: pb.QueryRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.QueryRoomFailuresResponse:
         try:
             found = await self.failures.wait(request.keys, self.clock, min(request.max_wait_ms, MAX_WAIT_MS) / 1000)
-        except InvalidBootstrapRequest as exc:
+        except (InvalidBootstrapRequest, TooManyOpenCalls) as exc:
             await _abort(context, exc)
-        except TooManyWatches as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return pb.QueryRoomFailuresResponse(failures=found)
 
     async def RegisterDpRanks(self, request: pb.RegisterDpRanksRequest, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
@@ -153,7 +154,7 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
         try:
             owner = peer_identity(context) if self.owners else None
             generation, registered, expected = self.registry.register(request.worker, request.parallel_info, owner)
-        except (InvalidBootstrapRequest, TopologyMismatch, SlotTaken) as exc:
+        except (InvalidBootstrapRequest, TopologyMismatch, NotPermitted) as exc:
             await _abort(context, exc)
         w = request.worker
         log.info(

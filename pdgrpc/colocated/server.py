@@ -32,6 +32,7 @@ from pdgrpc.engine.base import (
 from pdgrpc.engine.colocated import prefill as prefill_chunks
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.gateway import add_gateway_arguments, colocated_service
+from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
@@ -102,7 +103,8 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
             max_new = seeded.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
             self.engine.validate_request(ids, max_new)
         except EngineError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            bad = ending(Refusal.BAD_REQUEST, str(exc))
+            await context.abort(bad.code, bad.message)
             return
         job = self.admit(ids, sampling, max_new)
         text = self.engine.tokenizer.stream_decoder()
@@ -118,7 +120,8 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
                     msg.seed = seeded.seed
                 await context.write(msg)
         except Exception as exc:  # noqa: BLE001 - the engine failed this request
-            await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {exc}")
+            failed = ending(Refusal.ENGINE_FAILED, f"colocated engine failed: {exc}")
+            await context.abort(failed.code, failed.message)
         finally:
             job.cancelled = True  # no-op when finished; else the loop drops it and frees its pages
 

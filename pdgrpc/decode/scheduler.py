@@ -40,7 +40,6 @@ import logging
 import time
 from typing import Any, Awaitable
 
-import grpc
 
 from pdgrpc.decode.generation import Generation
 from pdgrpc.decode.handshake import Handshaker
@@ -376,14 +375,14 @@ class DecodeScheduler:
                 self._on_aborted(aborted)
         self._wake.set()
 
-    def end_stream(self, room: int, code: grpc.StatusCode, message: str) -> bool:
-        """End ``room``'s Decode stream with ``code``/``message`` after the tokens already
+    def end_stream(self, room: int, failure: RequestFailed) -> bool:
+        """End ``room``'s Decode stream with ``failure``'s status after the tokens already
         queued (the stream's end then cancels the request, as a client that went away
         does). False when no unfinished request has that room."""
         job = self._jobs.get(room)
         if job is None or job.fate.ended:
             return False
-        job.out.put_nowait(RequestFailed(code, message))
+        job.out.put_nowait(failure)
         return True
 
     # -- stats ------------------------------------------------------------------------------

@@ -46,9 +46,8 @@ import math
 import secrets
 from typing import Any
 
-import grpc
-
 from pdgrpc.errors import RequestFailed
+from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2
 
@@ -108,7 +107,7 @@ def request_seed(request_id: str, room: int = 0) -> int:
 
 
 def _bad(message: str) -> RequestFailed:
-    return RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return ending(Refusal.BAD_REQUEST, message)
 
 
 def map_room(room: int) -> Room:

@@ -60,6 +60,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from pdgrpc.engine.tokenizer_files import TokenizerFilesError
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import GatewayRequest, convert
+from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
 from pdgrpc.rpc.security import peer_identity
@@ -110,6 +111,11 @@ def model_info(i: WorkerInfo) -> Any:
     if tok.bos_token_id >= 0:
         reply.bos_token_id = tok.bos_token_id
     return reply
+
+
+async def _abort(context: grpc.aio.ServicerContext, failure: RequestFailed) -> None:
+    """End the call with ``failure``'s status (context.abort raises)."""
+    await context.abort(failure.code, failure.message)
 
 
 class _Base(pb_grpc.SglangSchedulerServicer):
@@ -166,7 +172,7 @@ class _Base(pb_grpc.SglangSchedulerServicer):
             data, sha = await asyncio.shield(self._bundle)
         except TokenizerFilesError as exc:
             self._bundle = None  # the files may be fixed: look again next time
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"GetTokenizer: {exc}")
+            await _abort(context, ending(Refusal.NO_TOKENIZER, f"GetTokenizer: {exc}"))
             return
         for start in range(0, len(data), _TOKENIZER_CHUNK):
             end = start + _TOKENIZER_CHUNK
@@ -188,14 +194,14 @@ class _Base(pb_grpc.SglangSchedulerServicer):
     def _convert(self, request: Any) -> GatewayRequest:
         colocated = self.info().mode == "null"
         if colocated and request.HasField("disaggregated_params"):
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "disaggregated_params is set, but this worker is colocated (not a prefill or decode)")
+            raise ending(Refusal.BAD_REQUEST, "disaggregated_params is set, but this worker is colocated (not a prefill or decode)")
         info = self.info()
         return convert(request, disaggregated=not colocated, max_seq_len=info.max_seq_len, room_key=info.room_key)
 
     def _track(self, request_id: str, abort: Callable[[str], bool], context: grpc.aio.ServicerContext) -> None:
         """Note ``request_id`` as running, abortable by ``abort`` on its caller's behalf only."""
         if request_id in self._running:
-            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running here")
+            raise ending(Refusal.DUPLICATE, f"request_id {request_id!r} is already running here")
         self._running[request_id] = (peer_identity(context), abort)
 
 
@@ -210,7 +216,7 @@ class PrefillLeg(_Base):
 
     async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
         if self._kv_events is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not served to smg here (--no-smg-kv-events)")
+            await _abort(context, ending(Refusal.UNSUPPORTED, "KV events are not served to smg here (--no-smg-kv-events)"))
             return
         sent: int | None = 0 if request.load_records_before_first_batch else None  # last sequence on this stream
         sample = 0
@@ -246,7 +252,7 @@ class PrefillLeg(_Base):
             g = self._convert(request)
             self._track(g.request_id, abort, context)
         except RequestFailed as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
             return
         try:
             inner = prefill_pb2.PrefillRequest(
@@ -261,7 +267,7 @@ class PrefillLeg(_Base):
             except asyncio.CancelledError:
                 if not aborted or not work.cancelled():
                     raise  # the caller went away: grpc ends the call
-                await context.abort(grpc.StatusCode.CANCELLED, aborted[0])
+                await _abort(context, ending(Refusal.ABORTED, aborted[0]))
             yield pb.GenerateResponse(
                 request_id=g.request_id,
                 complete=pb.GenerateComplete(
@@ -283,9 +289,9 @@ class DecodeLeg(_Base):
         scheduler = self._decode.scheduler
         try:
             g = self._convert(request)
-            self._track(g.request_id, lambda why: scheduler.end_stream(g.room, grpc.StatusCode.CANCELLED, why), context)
+            self._track(g.request_id, lambda why: scheduler.end_stream(g.room, ending(Refusal.ABORTED, why)), context)
         except RequestFailed as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
             return
         inner_req = decode_pb2.DecodeRequest(
             bootstrap_room=g.room, request_id=g.request_id, input_ids=g.input_ids, sampling=g.sampling,
@@ -328,7 +334,7 @@ class ColocatedLeg(_Base):
         def abort(why: str) -> bool:
             if job is None or job.cancelled:
                 return False
-            job.fail(RequestFailed(grpc.StatusCode.CANCELLED, why))
+            job.fail(ending(Refusal.ABORTED, why))
             return True
 
         try:
@@ -338,10 +344,10 @@ class ColocatedLeg(_Base):
             engine.validate_request(g.input_ids, g.sampling.max_new_tokens)
             self._track(g.request_id, abort, context)
         except (InvalidRequest, EngineError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace("token_ids", "tokenized.input_ids"))
+            await _abort(context, ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "tokenized.input_ids")))
             return
         except RequestFailed as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
             return
         job = self._server.admit(g.input_ids, sampling, g.sampling.max_new_tokens)
         stream = OutputStream(g, self.info().tokenizer)
@@ -354,9 +360,9 @@ class ColocatedLeg(_Base):
                 if msgs and msgs[-1].HasField("complete"):
                     return
         except RequestFailed as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
         except Exception as exc:  # noqa: BLE001 - the engine failed this request
-            await context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {exc}")
+            await _abort(context, ending(Refusal.ENGINE_FAILED, f"colocated engine failed: {exc}"))
         finally:
             job.cancelled = True  # no-op when finished; else the scheduler drops it and frees its pages
             self._running.pop(g.request_id, None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 
 from pdgrpc.argtypes import whole_number
+from pdgrpc.errors import PdgrpcError
 
 __all__ = ["DEFAULT_PER_CLIENT", "OpenCalls", "TooManyOpenCalls", "limit_arg"]
 
@@ -24,8 +25,9 @@ DEFAULT_PER_CLIENT = 512  # open calls per client, the default of each server's 
 limit_arg = whole_number(1, "calls")  # argparse type of the per-client limit flags
 
 
-class TooManyOpenCalls(Exception):
-    """A client is at its limit; the message names the limit and its flag."""
+class TooManyOpenCalls(PdgrpcError):
+    """A client (or, for calls a server holds open, the server) is at its limit of open
+    calls; the message names the limit (and its flag). Servers answer RESOURCE_EXHAUSTED."""
 
 
 class OpenCalls:

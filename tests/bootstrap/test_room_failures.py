@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from pdgrpc.bootstrap.client import BootstrapClient
-from pdgrpc.bootstrap.failures import MAX_BATCH, RoomFailures, TooManyWatches
+from pdgrpc.bootstrap.failures import MAX_BATCH, RoomFailures
+from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.bootstrap.service import BootstrapServer
 from pdgrpc.decode.prefills import PrefillDirectory
 from pdgrpc.metrics.catalog import ServerAbortReason
@@ -104,7 +105,7 @@ async def test_a_held_query_answers_when_its_room_is_recorded_and_is_bounded(ser
     table = RoomFailures(max_watches=1)
     first = asyncio.ensure_future(table.wait([record(ROOM, secret).key], lambda: 0.0, 10.0))
     await asyncio.sleep(0)
-    with pytest.raises(TooManyWatches, match="limit 1"):
+    with pytest.raises(TooManyOpenCalls, match="limit 1"):
         await table.wait([record(ROOM + 1, secret).key], lambda: 0.0, 10.0)
     table.record([record(ROOM, secret)], 0.0)
     assert len(await first) == 1
