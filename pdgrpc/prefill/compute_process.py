@@ -54,7 +54,6 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-import grpc
 import torch
 
 from pdgrpc.engine.base import KVBuffers, PrefillRequest, SampledToken
@@ -63,6 +62,7 @@ from pdgrpc.engine.layout import KVLayout
 from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob, uncancellable
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.serving.children import guarded_argv
 from pdgrpc.state.chunk_posting import ChunkPosting
 
@@ -354,7 +354,7 @@ class ProcessCompute(Compute):
             if err is None and end == n:
                 job.computed_all = True
             if isinstance(err, ComputeProcessLost):
-                err = RequestFailed(grpc.StatusCode.UNAVAILABLE, f"room {room}: {err}", ServerAbortReason.INTERNAL_ERROR)
+                err = ending(Refusal.GONE, f"room {room}: {err}", ServerAbortReason.INTERNAL_ERROR)
             job.posts.put_nowait(ChunkPost(n if end < 0 else end, token, secs, err))
 
         def child_stopped() -> None:
@@ -365,7 +365,7 @@ class ProcessCompute(Compute):
             job.job = self.cproc.submit(request, self.chunk_size, self.min_pages, self.page_size, post, child_stopped, start)
         except ComputeProcessLost as exc:
             stopped.set_result(None)
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"room {room}: {exc}") from None
+            raise ending(Refusal.GONE, f"room {room}: {exc}") from None
         return job
 
     async def finish(self, room: int, job: ComputeJob | None) -> None:

@@ -11,11 +11,10 @@ import asyncio
 import dataclasses
 import time
 
-import grpc
-
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken
 from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob, uncancellable
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state.chunk_posting import ChunkPosting
 
@@ -88,7 +87,7 @@ class ThreadCompute(Compute):
             self.executor.submit(step, start)
         except RuntimeError:
             stopped.set_result(None)
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"room {room}: {SHUTDOWN}") from None
+            raise ending(Refusal.GONE, f"room {room}: {SHUTDOWN}") from None
         return job
 
     async def finish(self, room: int, job: ComputeJob | None) -> None:

@@ -32,19 +32,17 @@ import threading
 import time
 from typing import Any
 
-import grpc
-
 from pdgrpc.engine.base import Engine, PrefillRequest, SampledToken
 from pdgrpc.metrics import ServerAbortReason
 from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob, uncancellable
 from pdgrpc.prefill.compute_thread import SHUTDOWN, ThreadCompute
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.serving.threads import lower_thread_priority
 
 __all__ = ["TpFollowerCompute", "TpLeaderCompute", "fewest_cached", "reserve_scratch"]
 
 log = logging.getLogger("pdgrpc.prefill.worker")
-C = grpc.StatusCode
 
 
 def reserve_scratch(engine: Engine) -> tuple[int, ...]:
@@ -98,18 +96,18 @@ class TpLeaderCompute(ThreadCompute):
 
     def compute_chunk(self, room: int, req: PrefillRequest, start: int, end: int) -> tuple[SampledToken | None, float]:
         if self.broken is not None:
-            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
+            raise ending(Refusal.GONE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
         t = time.perf_counter()
         self.broadcast(("chunk", room, req.token_ids, req.sampling, start, end))
         return self.engine.prefill_chunk(req, start, end), time.perf_counter() - t
 
     async def agree(self, room: int, cached_pages: int) -> int:
         if self.broken is not None:
-            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
+            raise ending(Refusal.GONE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
         try:
             fut = self.executor.submit(self._agree, room, cached_pages)
         except RuntimeError:  # executor shut down
-            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {SHUTDOWN}") from None
+            raise ending(Refusal.GONE, f"room {room}: {SHUTDOWN}") from None
         return await asyncio.wrap_future(fut)
 
     def _agree(self, room: int, cached_pages: int) -> int:
@@ -123,7 +121,7 @@ class TpLeaderCompute(ThreadCompute):
             why = f"TP group broken: agreeing on the cached prefix failed: {exc!r}"
             log.error("tp%d: %s", self.tp_rank, why)
             self._break(why)
-            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE) from None
+            raise ending(Refusal.GONE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE) from None
 
     async def finish(self, room: int, job: ComputeJob | None) -> None:
         await super().finish(room, job)
@@ -198,7 +196,7 @@ class TpFollowerCompute(Compute):
         """Let the compute thread write ``room`` into ``request``'s pages (the chunks, and
         where they start, come from tp rank 0's commands)."""
         if self.broken is not None:
-            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
+            raise ending(Refusal.GONE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
         with self._lock:
             why = self._lost.get(room)
             if why is None:
@@ -207,13 +205,13 @@ class TpFollowerCompute(Compute):
                 self._agreed.discard(room)
                 self._lock.notify_all()
         if why is not None:
-            raise RequestFailed(C.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
+            raise ending(Refusal.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
         return job
 
     async def agree(self, room: int, cached_pages: int) -> int:
         """Wait for tp rank 0's ``("agree", room, ...)`` and the group's answer."""
         if self.broken is not None:
-            raise RequestFailed(C.UNAVAILABLE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
+            raise ending(Refusal.GONE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
         loop = asyncio.get_running_loop()
         ag = _Agreeing(cached_pages, loop, loop.create_future())
         with self._lock:
@@ -222,7 +220,7 @@ class TpFollowerCompute(Compute):
                 self._agreeing[room] = ag
                 self._lock.notify_all()
         if why is not None:
-            raise RequestFailed(C.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
+            raise ending(Refusal.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
         return await ag.result
 
     async def finish(self, room: int, job: ComputeJob | None) -> None:
@@ -290,9 +288,9 @@ class TpFollowerCompute(Compute):
             agreeing = list(self._agreeing.items())
             self._agreeing.clear()
         for fr in rooms:
-            fr.post(ChunkPost(0, None, 0.0, RequestFailed(C.UNAVAILABLE, f"room {fr.room}: {why}", ServerAbortReason.PEER_FAILURE)))
+            fr.post(ChunkPost(0, None, 0.0, ending(Refusal.GONE, f"room {fr.room}: {why}", ServerAbortReason.PEER_FAILURE)))
         for room, ag in agreeing:
-            ag.resolve(error=RequestFailed(C.UNAVAILABLE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE))
+            ag.resolve(error=ending(Refusal.GONE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE))
 
     def _agree(self, room: int, leader_pages: int) -> bool:
         """Tp rank 0 starts ``room`` holding ``leader_pages`` cached: add this rank's count
@@ -330,11 +328,11 @@ class TpFollowerCompute(Compute):
             if fr is None:
                 self._lose(room, "tp rank 0 ended the room")
         if ag is not None:
-            ag.resolve(error=RequestFailed(
-                C.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed", ServerAbortReason.PEER_FAILURE))
+            ag.resolve(error=ending(
+                Refusal.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed", ServerAbortReason.PEER_FAILURE))
         if fr is not None:
-            fr.post(ChunkPost(0, None, 0.0, RequestFailed(
-                C.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed", ServerAbortReason.PEER_FAILURE)))
+            fr.post(ChunkPost(0, None, 0.0, ending(
+                Refusal.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed", ServerAbortReason.PEER_FAILURE)))
 
     def _chunk(self, room: int, ids: tuple[int, ...], sampling: Any, start: int, end: int) -> None:
         deadline = time.monotonic() + self.room_wait_s

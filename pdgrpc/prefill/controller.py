@@ -50,6 +50,7 @@ from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
 from pdgrpc.prefill.notices import FailureNotices, NotForwarded
 from pdgrpc.prefill.registrar import DpRankRegistrar
 from pdgrpc.prefill.respawn import restart_group
+from pdgrpc.prefill.statuses import Refusal, ending, peer_status, status
 from pdgrpc.prefill.worker_server import READY
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
@@ -66,7 +67,6 @@ log = logging.getLogger("pdgrpc.prefill")
 
 __all__ = ["Controller"]
 
-C = grpc.StatusCode
 # Between two tries to follow a dp rank's KV events (its worker starting or gone).
 KV_FOLLOW_RETRY_S = 0.2
 # How long a tp group's ABORTED or UNAVAILABLE answer waits for a rank's death to show:
@@ -99,8 +99,8 @@ class WorkerHandle:
         return f"dp{self.rank}" if self.tp_size == 1 else f"dp{self.rank}.tp{self.tp_rank}"
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
+async def _abort(context: grpc.aio.ServicerContext, failure: RequestFailed) -> NoReturn:
+    await context.abort(failure.code, failure.message)
     raise AssertionError("unreachable")
 
 
@@ -142,19 +142,19 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         except InvalidRoute as exc:
             self.metrics.on_refused()
             request_event(log, room, "rejected", reason=str(exc))
-            await self._refuse(request, context, C.INVALID_ARGUMENT, f"room {room}: {exc}")
+            await self._refuse(request, context, ending(Refusal.BAD_REQUEST, f"room {room}: {exc}"))
         except DpRankConflict as exc:
             self.metrics.on_abort(ServerAbortReason.DP_RANK_CONFLICT)
             request_event(log, room, "rejected", reason=str(exc))
-            await self._refuse(request, context, C.FAILED_PRECONDITION, str(exc))
+            await self._refuse(request, context, ending(Refusal.INCOMPATIBLE, str(exc)))
         except NoLiveRank as exc:
             self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
-            await self._refuse(request, context, C.UNAVAILABLE, f"room {room}: {exc}")
+            await self._refuse(request, context, ending(Refusal.GONE, f"room {room}: {exc}"))
         group = self.groups[d.rank]
         dead = next((w for w in group if not w.alive), None)
         if dead is not None:
             self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
-            await self._refuse(request, context, C.UNAVAILABLE, f"room {room}: prefill worker {dead.name} is dead (exit code {dead.exit_code})")
+            await self._refuse(request, context, ending(Refusal.GONE, f"room {room}: prefill worker {dead.name} is dead (exit code {dead.exit_code})"))
         if d.register:
             assert self.registrar is not None
             try:
@@ -162,8 +162,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             except Exception as exc:
                 self.metrics.on_abort(ServerAbortReason.PEER_FAILURE)
                 request_event(log, room, "failed", reason=f"registering dp rank: {exc}")
-                code = getattr(exc, "code", C.UNAVAILABLE)
-                await self._refuse(request, context, code if isinstance(code, grpc.StatusCode) else C.UNAVAILABLE, f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}")
+                message = f"room {room}: registering dp rank {d.rank} with bootstrap failed: {exc}"
+                await self._refuse(request, context, RequestFailed(peer_status(exc), message))
         request.routed_dp_rank = d.rank  # ours to change: forwarded as it is, no copy
         # No deadline is forwarded: when ours passes, grpc cancels this handler, and
         # cancelling a link call cancels the worker's (as does a caller that goes away).
@@ -183,7 +183,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 results = await self._gather(tasks)
         except asyncio.CancelledError:
             if self.notices is not None:  # its caller gave up: so does its decode
-                self.notices.failed(request, C.CANCELLED, f"room {room}: the prefill's caller cancelled it", forwarded=True)
+                self.notices.failed(request, ending(Refusal.CANCELLED, f"room {room}: the prefill's caller cancelled it"), forwarded=True)
             raise
         finally:
             for t in tasks:
@@ -191,7 +191,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             for w in group:
                 w.in_flight -= 1
         failure = next((r for r in results if isinstance(r, RequestFailed)), None)
-        if isinstance(failure, LinkCallFailed) and len(group) > 1 and failure.code in (C.ABORTED, C.UNAVAILABLE):
+        if isinstance(failure, LinkCallFailed) and len(group) > 1 and failure.code in (status(Refusal.ABORTED), status(Refusal.GONE)):
             # A rank's death fails the others' part of the room too (the decode aborts it,
             # the gloo group breaks), often before the death is noticed: name the death.
             failure = await self._group_death(room, group) or failure
@@ -201,7 +201,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
                 self.metrics.on_abort(failure.reason)
                 request_event(log, room, "failed", reason=failure.message)
             unsent = isinstance(failure, NotForwarded) and len(group) == 1  # a tp group's others got it
-            await self._refuse(request, context, failure.code, failure.message, forwarded=not unsent)
+            await self._refuse(request, context, failure, forwarded=not unsent)
         resps = cast("list[prefill_pb2.PrefillResponse]", results)
         if len(resps) == 1:
             return resps[0]
@@ -214,11 +214,11 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             cached_tokens=resps[0].cached_tokens,  # the ranks agreed on it before computing
         )
 
-    async def _refuse(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, forwarded: bool = False) -> NoReturn:
+    async def _refuse(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, failure: RequestFailed, forwarded: bool = False) -> NoReturn:
         """Fail ``request``: tell its decode first (:mod:`pdgrpc.prefill.notices`)."""
         if self.notices is not None:
-            self.notices.failed(request, code, message, forwarded)
-        await _abort(context, code, message)
+            self.notices.failed(request, failure, forwarded)
+        await _abort(context, failure)
 
     async def _gather(self, tasks: "list[asyncio.Future[prefill_pb2.PrefillResponse | RequestFailed]]") -> "list[prefill_pb2.PrefillResponse | RequestFailed]":
         """Every worker's answer; on the first failure the other calls are cancelled and
@@ -260,8 +260,8 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         if not w.alive or w.proc.returncode is not None:
             w.exit_code = w.proc.returncode
             died = f"room {room}: prefill worker {w.name} died (exit code {w.exit_code})"
-            return RequestFailed(C.UNAVAILABLE, died, ServerAbortReason.PEER_FAILURE)
-        return RequestFailed(C.UNAVAILABLE, f"room {room}: the link to prefill worker {w.name} broke (see the log); it is stopping")
+            return ending(Refusal.GONE, died, ServerAbortReason.PEER_FAILURE)
+        return ending(Refusal.GONE, f"room {room}: the link to prefill worker {w.name} broke (see the log); it is stopping")
 
     async def _group_death(self, room: int, group: list[WorkerHandle]) -> RequestFailed | None:
         """The failure a dead worker of ``group`` gives ``room``, if one's link closed or
@@ -285,7 +285,7 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
             try:
                 s = (await w.stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5.0)).stats
             except grpc.aio.AioRpcError as exc:
-                await _abort(context, C.UNAVAILABLE, f"GetStats of prefill worker {w.name} failed: {exc.details()}")
+                await _abort(context, ending(Refusal.GONE, f"GetStats of prefill worker {w.name} failed: {exc.details()}"))
             for field in common_pb2.ResourceStats.DESCRIPTOR.fields:
                 setattr(total, field.name, getattr(total, field.name) + getattr(s, field.name))
         return prefill_pb2.GetStatsResponse(stats=total)

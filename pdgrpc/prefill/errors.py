@@ -1,10 +1,10 @@
 """The prefill's errors: :class:`~pdgrpc.errors.RequestFailed` (defined once, in
 :mod:`pdgrpc.errors`, for every server) and :class:`WorkerLinkLost`.
 
-Drivers raise ``RequestFailed`` with the status code the proto documents for the case
-(INVALID_ARGUMENT, FAILED_PRECONDITION, DEADLINE_EXCEEDED, ABORTED, ...), a message naming
-the field or the reason, and the abort reason for ``pdgrpc_aborts_total``; the servicers
-turn it into the RPC's status.
+Drivers raise ``RequestFailed`` built by :func:`pdgrpc.prefill.statuses.ending` (the
+role's one table from why a request fails to its status), with a message naming the
+field or the reason and the abort reason for ``pdgrpc_aborts_total``; the servicers turn
+it into the RPC's status.
 """
 
 from __future__ import annotations

@@ -12,10 +12,9 @@ import collections
 import dataclasses
 from typing import Sequence
 
-import grpc
-
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.serving.room_proof import verify
 from pdgrpc.serving.tp import METADATA_SINK_REGION_ID, check_tp_sizes, senders_of
 from pdgrpc.transport import peerauth
@@ -25,7 +24,6 @@ from pdgrpc.v1 import handshake_pb2
 
 __all__ = ["Destination", "LocalEnd", "Signed", "check_handshake"]
 
-C = grpc.StatusCode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +82,13 @@ def _hex(b: bytes) -> str:
 def _check_pairing(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> None:
     room = req.bootstrap_room
     if req.transport != local.transport:
-        raise RequestFailed(
-            C.FAILED_PRECONDITION,
+        raise ending(
+            Refusal.INCOMPATIBLE,
             f"room {room}: transport mismatch: decode uses {req.transport!r}, this prefill worker uses {local.transport!r}",
         )
     if req.compatibility_hash != local.compat_hash:
-        raise RequestFailed(
-            C.FAILED_PRECONDITION,
+        raise ending(
+            Refusal.INCOMPATIBLE,
             f"room {room}: compatibility_hash mismatch: decode has {_hex(req.compatibility_hash)}, "
             f"prefill has {_hex(local.compat_hash)} serving {local.model_id or '(unnamed)'} "
             "(model, page size, KV dtype/layout or protocol differ)",
@@ -105,8 +103,8 @@ def _check_pairing(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> None
     except PdgrpcError as exc:
         ok, why = False, str(exc)
     if not ok:
-        raise RequestFailed(
-            C.FAILED_PRECONDITION,
+        raise ending(
+            Refusal.INCOMPATIBLE,
             f"room {room}: decode_tp_rank={d} / decode_tp_size={req.decode_tp_size}: this prefill worker is "
             f"tp_rank {local.tp_rank} of tp_size {local.tp_size}; {why}",
         )
@@ -116,62 +114,62 @@ def check_handshake(req: handshake_pb2.HandshakeRequest, local: LocalEnd) -> Des
     room = req.bootstrap_room
     n = len(req.dst_pages)  # O(1): nothing below walks an oversized list
     if n > local.max_pages:
-        raise RequestFailed(
-            C.INVALID_ARGUMENT,
+        raise ending(
+            Refusal.BAD_REQUEST,
             f"room {room}: dst_pages: {n} pages, over the limit of {local.max_pages} per handshake "
             "(the pages of max_prompt_tokens, the longest prompt this prefill accepts)",
         )
     _check_pairing(req, local)
     tp_d, d = req.decode_tp_size or 1, req.decode_tp_rank
     if not n:
-        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages is empty")
+        raise ending(Refusal.BAD_REQUEST, f"room {room}: dst_pages is empty")
     pages = tuple(req.dst_pages)
     if len(set(pages)) != n:
         counts = collections.Counter(pages)
         dup = next(p for p in pages if counts[p] > 1)
-        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {dup} appears more than once")
+        raise ending(Refusal.BAD_REQUEST, f"room {room}: dst_pages: page {dup} appears more than once")
     if len(req.transport_credential) not in (0, peerauth.CREDENTIAL_BYTES):
-        raise RequestFailed(
-            C.INVALID_ARGUMENT,
+        raise ending(
+            Refusal.BAD_REQUEST,
             f"room {room}: transport_credential: {len(req.transport_credential)} bytes (want {peerauth.CREDENTIAL_BYTES} or none)",
         )
     if req.cached_pages > n:
-        raise RequestFailed(
-            C.INVALID_ARGUMENT, f"room {room}: cached_pages: {req.cached_pages}, more than the {n} pages of dst_pages"
+        raise ending(
+            Refusal.BAD_REQUEST, f"room {room}: cached_pages: {req.cached_pages}, more than the {n} pages of dst_pages"
         )
     try:
         parsed = Descriptor.from_bytes(req.transport_descriptor)
     except BadDescriptor as exc:
-        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: transport_descriptor: {exc}") from None
+        raise ending(Refusal.BAD_REQUEST, f"room {room}: transport_descriptor: {exc}") from None
     meta = parsed.region_map().get(METADATA_REGION_ID if req.wants_metadata else METADATA_SINK_REGION_ID)
     if meta is None or meta.kind is not RegionKind.METADATA:
         what = "metadata region" if req.wants_metadata else "metadata sink region (wants_metadata is false)"
-        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: transport_descriptor has no {what}")
+        raise ending(Refusal.BAD_REQUEST, f"room {room}: transport_descriptor has no {what}")
     if meta.item_bytes != local.row_bytes:
-        raise RequestFailed(
-            C.FAILED_PRECONDITION,
+        raise ending(
+            Refusal.INCOMPATIBLE,
             f"room {room}: metadata row size mismatch: decode rows are {meta.item_bytes} B, prefill rows are {local.row_bytes} B",
         )
     if req.dst_slot >= meta.num_items:
-        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_slot {req.dst_slot} outside the decode's {meta.num_items} slots")
+        raise ending(Refusal.BAD_REQUEST, f"room {room}: dst_slot {req.dst_slot} outside the decode's {meta.num_items} slots")
     try:
         pairs = region_pairs(local.regions, parsed.regions)
     except PdgrpcError as exc:
-        raise RequestFailed(C.FAILED_PRECONDITION, f"room {room}: KV regions: {exc}") from None
+        raise ending(Refusal.INCOMPATIBLE, f"room {room}: KV regions: {exc}") from None
     heads = local.num_kv_heads // tp_d
     for src, dst in pairs:
         if dst.item_bytes != heads * local.head_bytes:
-            raise RequestFailed(
-                C.FAILED_PRECONDITION,
+            raise ending(
+                Refusal.INCOMPATIBLE,
                 f"room {room}: KV page size mismatch in {src.name!r}: decode {dst.item_bytes} B, expected "
                 f"{heads * local.head_bytes} B ({heads} heads of decode tp rank {d} of {tp_d}; prefill pages are {src.item_bytes} B)",
             )
     limit = min((r.num_items for r in parsed.regions if r.kind is RegionKind.KV), default=0)
     if n > limit:
-        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: {n} pages do not fit the decode's pool of {limit} pages")
+        raise ending(Refusal.BAD_REQUEST, f"room {room}: dst_pages: {n} pages do not fit the decode's pool of {limit} pages")
     bad = next((p for p in pages if p >= limit), None)
     if bad is not None:
-        raise RequestFailed(C.INVALID_ARGUMENT, f"room {room}: dst_pages: page {bad} outside the decode's pool of {limit} pages")
+        raise ending(Refusal.BAD_REQUEST, f"room {room}: dst_pages: page {bad} outside the decode's pool of {limit} pages")
     return Destination(
         room, pages, req.dst_slot, bytes(req.transport_descriptor), parsed,
         decode_tp_rank=d, decode_tp_size=tp_d, wants_metadata=req.wants_metadata,

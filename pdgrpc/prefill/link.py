@@ -46,6 +46,7 @@ from typing import Awaitable, Callable, cast
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
+from pdgrpc.prefill.statuses import Refusal, ending, from_wire
 from pdgrpc.rpc import tracing
 from pdgrpc.v1 import prefill_pb2
 
@@ -57,7 +58,6 @@ _HEAD = struct.Struct("<IBQ")
 CALL, CANCEL, REPLY, FAIL, TRACED = 1, 2, 3, 4, 6
 # Far above any real request (a 1M-token prompt is ~5 MB): a larger length is a broken peer.
 MAX_PAYLOAD = 256 * 1024 * 1024
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class LinkCallFailed(RequestFailed):
@@ -166,7 +166,7 @@ class ControllerLink(_Framed):
         if kind == REPLY:
             answer: prefill_pb2.PrefillResponse | LinkCallFailed = prefill_pb2.PrefillResponse.FromString(payload)
         else:
-            code = _CODES.get(payload[0], grpc.StatusCode.UNKNOWN) if payload else grpc.StatusCode.UNKNOWN
+            code = from_wire(payload[0] if payload else None)
             answer = LinkCallFailed(code, payload[1:].decode(errors="replace"))
         fut = self._calls.pop(call_id, None)
         if fut is None or fut.done():
@@ -238,7 +238,7 @@ class WorkerLinkServer(_Framed):
             if call_id in self._tasks:
                 raise ValueError(f"call id {call_id} is already in flight")
             if not self._accepting:
-                self._send(_fail(call_id, grpc.StatusCode.UNAVAILABLE, f"room {request.bootstrap_room}: prefill worker {self.name} is stopping"))
+                self._send(_fail(call_id, ending(Refusal.GONE, f"room {request.bootstrap_room}: prefill worker {self.name} is stopping")))
                 return
             self._tasks[call_id] = asyncio.ensure_future(self._serve(call_id, request, trace, time.time_ns() if trace else 0))
         elif kind == CANCEL:
@@ -255,12 +255,12 @@ class WorkerLinkServer(_Framed):
             resp = await self._prefill(request)
             self._send(_frame(REPLY, call_id, resp.SerializeToString()))
         except RequestFailed as exc:
-            self._send(_fail(call_id, exc.code, exc.message))
+            self._send(_fail(call_id, exc))
         except asyncio.CancelledError:
             pass  # the controller cancelled it (or is gone): nobody waits for an answer
         except Exception as exc:  # prefill maps its own failures; this is a bug, answered anyway
             log.exception("%s: room=%d: the link call failed", self.name, request.bootstrap_room)
-            self._send(_fail(call_id, grpc.StatusCode.INTERNAL, f"room {request.bootstrap_room}: prefill failed: {exc!r}"))
+            self._send(_fail(call_id, ending(Refusal.INTERNAL, f"room {request.bootstrap_room}: prefill failed: {exc!r}")))
         finally:
             self._tasks.pop(call_id, None)
             if hops is not None:
@@ -273,5 +273,5 @@ class WorkerLinkServer(_Framed):
         self._on_lost()
 
 
-def _fail(call_id: int, code: grpc.StatusCode, message: str) -> bytes:
-    return _frame(FAIL, call_id, bytes([code.value[0]]) + message.encode())
+def _fail(call_id: int, failure: RequestFailed) -> bytes:
+    return _frame(FAIL, call_id, bytes([failure.code.value[0]]) + failure.message.encode())

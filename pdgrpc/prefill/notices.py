@@ -56,17 +56,17 @@ class FailureNotices:
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent = 0  # rooms told (count)
 
-    def failed(self, request: prefill_pb2.PrefillRequest, code: grpc.StatusCode, message: str, forwarded: bool = False) -> None:
-        """``request`` fails with ``code``/``message``: tell its decode. ``forwarded``: a
+    def failed(self, request: prefill_pb2.PrefillRequest, failure: RequestFailed, forwarded: bool = False) -> None:
+        """``request`` fails with ``failure``'s status and message: tell its decode. ``forwarded``: a
         worker got the request, so its writes may still land until it acknowledges the
         decode's AbortRoom (or is gone)."""
         room, secret = request.bootstrap_room, bytes(request.room_secret)
-        message = message[:MAX_REASON_CHARS]
+        message = failure.message[:MAX_REASON_CHARS]
         self.sent += 1
         if not secret:
             return  # no tag without a secret: a decode without one cannot ask either
         key = bpb.RoomFailureKey(bootstrap_room=room, tag=failure_tag(secret, room))
-        records = [bpb.RoomFailure(key=key, code=code.value[0], reason=message, never_forwarded=not forwarded)]
+        records = [bpb.RoomFailure(key=key, code=failure.code.value[0], reason=message, never_forwarded=not forwarded)]
         if self._local is not None:
             self._local(records)
         elif self._remote is not None:

@@ -21,8 +21,6 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
-import grpc
-
 from pdgrpc.engine.base import PrefillRequest as EnginePrefill
 from pdgrpc.engine.base import SampledToken, SamplingParams
 from pdgrpc.errors import PdgrpcError
@@ -32,6 +30,7 @@ from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.handshake import Destination, Signed
 from pdgrpc.prefill.mailbox import DuplicateHandshake, Mailbox
+from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.rpc import tracing
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import row_from_token
@@ -51,7 +50,6 @@ from pdgrpc.v1 import prefill_pb2
 __all__ = ["RoomDriver", "Sending"]
 
 log = logging.getLogger("pdgrpc.prefill.worker")
-C = grpc.StatusCode
 
 
 def transfer_failed_reason(status: RoomStatus) -> "AbortReason | ServerAbortReason":
@@ -125,15 +123,15 @@ class RoomDriver:
         self.sender = sender
         dests = await self._destinations(sender)
         if len({d.cached_pages for d in dests}) > 1:
-            raise RequestFailed(
-                C.INVALID_ARGUMENT,
+            raise ending(
+                Refusal.BAD_REQUEST,
                 f"room {room}: cached_pages differs between the decode ranks' handshakes ({[d.cached_pages for d in dests]})",
                 ServerAbortReason.DECODE_ERROR,
             )
         sender.handle(DestinationReceived(dests[0].dst_pages, dests[0].dst_slot, dests[0].cached_pages), time.monotonic())
         if sender.state is SenderState.FAILED:
             assert sender.failure is not None
-            raise RequestFailed(C.INVALID_ARGUMENT, sender.failure.message, ServerAbortReason.DECODE_ERROR)
+            raise ending(Refusal.BAD_REQUEST, sender.failure.message, ServerAbortReason.DECODE_ERROR)
         for dest in dests:
             self._outs.append(await self._open(dest))
             self.keys.append(self._outs[-1].key)
@@ -147,7 +145,7 @@ class RoomDriver:
             if post.error is not None:
                 if isinstance(post.error, RequestFailed):
                     raise post.error
-                raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {post.error!r}")
+                raise ending(Refusal.INTERNAL, f"room {room}: prefill failed: {post.error!r}")
             if post.end <= sender.tokens_done:
                 continue
             compute_s += post.seconds
@@ -183,7 +181,7 @@ class RoomDriver:
         else:
             msg = f"decode{detail} did not acknowledge the metadata row within {d.transferring_s} s"
             why = AbortReason.TRANSFER_TIMEOUT
-        return RequestFailed(C.DEADLINE_EXCEEDED, f"room {room}: {msg}", why)
+        return ending(Refusal.TIMED_OUT, f"room {room}: {msg}", why)
 
     async def _destinations(self, sender: PrefillSender) -> list[Destination]:
         """Every handshake this rank needs for the room (one per decode rank it writes to)."""
@@ -199,7 +197,7 @@ class RoomDriver:
                 missing = "" if need is None else f" (have decode tp ranks {sorted(got)} of {list(need)})"
                 raise self._timed_out(fail, missing) from None
             except DuplicateHandshake as exc:
-                raise RequestFailed(C.ALREADY_EXISTS, str(exc), ServerAbortReason.DECODE_ERROR) from None
+                raise ending(Refusal.ROOM_IN_USE, str(exc), ServerAbortReason.DECODE_ERROR) from None
             if isinstance(dest, RequestFailed):
                 # A refused handshake, or an AbortRoom that came before this Prefill: the
                 # decode side ended it.
@@ -226,7 +224,7 @@ class RoomDriver:
                 st = self.s.transport.status(o.key)
                 if st.state is KVPoll.FAILED:
                     sender.handle(Fail(SenderFailReason.TRANSFER_FAILED, str(st.reason)), time.monotonic())
-                    raise RequestFailed(C.ABORTED, f"room {self.room}: transfer failed: {st.reason}", transfer_failed_reason(st))
+                    raise ending(Refusal.ABORTED, f"room {self.room}: transfer failed: {st.reason}", transfer_failed_reason(st))
 
     async def _acknowledged(self, sender: PrefillSender) -> None:
         """Wait for every destination's SUCCESS (the metadata row landed) by the deadline."""
@@ -234,7 +232,7 @@ class RoomDriver:
             status = await self.s.transport.wait(o.key, max(0.0, sender.deadline - time.monotonic()))
             if status.state is KVPoll.FAILED:
                 sender.handle(Fail(SenderFailReason.TRANSFER_FAILED, str(status.reason)), time.monotonic())
-                raise RequestFailed(C.ABORTED, f"room {self.room}: transfer failed{self._to(o)}: {status.reason}",
+                raise ending(Refusal.ABORTED, f"room {self.room}: transfer failed{self._to(o)}: {status.reason}",
                                     transfer_failed_reason(status))
             if status.state is not KVPoll.SUCCESS:
                 fail = Fail(SenderFailReason.TRANSFER_TIMEOUT, f"room {self.room}: no acknowledgement of the metadata row")
@@ -297,8 +295,8 @@ class RoomDriver:
         s, room, n_pages = self.s, self.room, len(self.pages)
         d, tp_d = dest.decode_tp_rank, dest.decode_tp_size
         if len(dest.dst_pages) < n_pages:
-            raise RequestFailed(
-                C.INVALID_ARGUMENT, f"room {room}: decode tp rank {d} gave {len(dest.dst_pages)} dst_pages, the prompt needs {n_pages}",
+            raise ending(
+                Refusal.BAD_REQUEST, f"room {room}: decode tp rank {d} gave {len(dest.dst_pages)} dst_pages, the prompt needs {n_pages}",
                 ServerAbortReason.DECODE_ERROR,
             )
         if dest.credential:  # the handshake that carries it was accepted as genuine
@@ -306,8 +304,8 @@ class RoomDriver:
         try:
             peer = await s.transport.connect(dest.descriptor)
         except PdgrpcError as exc:
-            raise RequestFailed(
-                C.UNAVAILABLE, f"room {room}: cannot connect to the decode's transport (decode tp rank {d}): {exc}",
+            raise ending(
+                Refusal.GONE, f"room {room}: cannot connect to the decode's transport (decode tp rank {d}): {exc}",
                 ServerAbortReason.PEER_FAILURE,
             ) from None
         pairs = region_pairs(s.regions, dest.parsed.regions)

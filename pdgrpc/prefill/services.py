@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, NoReturn, Protocol
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.security import peer_identity
@@ -87,7 +88,7 @@ class PerClientPrefill:
         except TooManyOpenCalls as exc:
             self.refused()
             request_event(log, request.bootstrap_room, "refused", status="RESOURCE_EXHAUSTED", message=str(exc))
-            await abort_with(context, RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
+            await abort_with(context, ending(Refusal.OVERLOADED, str(exc)))
         try:
             return await self.inner.Prefill(request, context)
         finally:
@@ -110,7 +111,7 @@ class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             room_from_proto(request.bootstrap_room)
             problem = secret_problem(bytes(request.room_secret))
             if problem is not None:
-                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, problem)
+                raise ending(Refusal.BAD_REQUEST, problem)
         except RequestFailed as exc:
             self.refused()
             request_event(log, request.bootstrap_room, "rejected", reason=exc.message)

@@ -27,9 +27,8 @@ import dataclasses
 import logging
 import time
 
-import grpc
-
 from pdgrpc.engine.base import Engine, SamplingParams
+from pdgrpc.prefill.statuses import Refusal, ending, status
 from pdgrpc.state.cache_events import CacheEvents
 from pdgrpc.state.prefix_cache import Lease, PrefixCache
 from pdgrpc.errors import EngineError, PdgrpcError
@@ -62,7 +61,6 @@ log = logging.getLogger("pdgrpc.prefill.worker")
 
 __all__ = ["Destination", "PrefillWorker", "WorkerConfig"]
 
-C = grpc.StatusCode
 
 
 @dataclasses.dataclass(eq=False)
@@ -238,8 +236,8 @@ class PrefillWorker:
         if entry is not None and entry.secret and not verify(entry.secret, message, proof):
             # Refused before it touches the room: the real decode's handshake still gets in.
             request_event(log, room, "handshake refused", level=logging.WARNING, reason="room_proof does not verify")
-            raise RequestFailed(
-                C.PERMISSION_DENIED,
+            raise ending(
+                Refusal.NOT_PROVEN,
                 f"room {room}: room_proof does not verify under the room's secret (not the decode the router chose)",
             )
         try:
@@ -260,15 +258,15 @@ class PrefillWorker:
                 room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof, message), group=tp_d if checked else None, peer=peer
             )
         except DuplicateHandshake as exc:
-            raise RequestFailed(C.ALREADY_EXISTS, f"{exc} (decode_tp_rank {req.decode_tp_rank})") from None
+            raise ending(Refusal.ROOM_IN_USE, f"{exc} (decode_tp_rank {req.decode_tp_rank})") from None
         except GroupMismatch as exc:
-            raise RequestFailed(
-                C.FAILED_PRECONDITION,
+            raise ending(
+                Refusal.INCOMPATIBLE,
                 f"room {room}: decode_tp_size={tp_d} (decode_tp_rank {req.decode_tp_rank}), but an earlier handshake "
                 f"for this room said decode_tp_size={exc.first}",
             ) from None
         except MailboxFull as exc:
-            raise RequestFailed(C.RESOURCE_EXHAUSTED, str(exc)) from None
+            raise ending(Refusal.OVERLOADED, str(exc)) from None
         request_event(
             log, room, "handshake", pages=len(dest.dst_pages), slot=dest.dst_slot, prefill_waiting=handed,
             decode_tp=f"{dest.decode_tp_rank}/{dest.decode_tp_size}",
@@ -282,8 +280,8 @@ class PrefillWorker:
         entry = self._active.get(room)
         if entry is not None and entry.secret and not verify(entry.secret, abort_message(room), proof):
             request_event(log, room, "abort refused", level=logging.WARNING, reason="room_proof does not verify")
-            raise RequestFailed(
-                C.PERMISSION_DENIED, f"room {room}: room_proof does not verify under the room's secret (AbortRoom refused)"
+            raise ending(
+                Refusal.NOT_PROVEN, f"room {room}: room_proof does not verify under the room's secret (AbortRoom refused)"
             )
         was_active = False
         if entry is not None:
@@ -292,13 +290,13 @@ class PrefillWorker:
             try:
                 await asyncio.wait_for(entry.finished.wait(), self.config.abort_wait_s)
             except asyncio.TimeoutError:
-                raise RequestFailed(C.DEADLINE_EXCEEDED, f"room {room}: driver did not stop within {self.config.abort_wait_s} s") from None
+                raise ending(Refusal.TIMED_OUT, f"room {room}: driver did not stop within {self.config.abort_wait_s} s") from None
         else:
             # The Prefill RPC has not arrived (or already ended): leave a bounded tombstone
             # so one that arrives later fails at once instead of waiting for a handshake.
             # Its proof cannot be checked yet: early handshakes stay, and the Prefill RPC
             # takes the tombstone first only if it is genuine.
-            failure = RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}")
+            failure = ending(Refusal.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}")
             try:
                 self._mailbox.deliver(
                     room, Signed(failure, abort_message(room), proof, abort=True), key=("abort", proof), peer=peer
@@ -327,14 +325,14 @@ class PrefillWorker:
                 raise EngineError(f"input_ids[{bad}] = {ids[bad]} is not a token id in [0, {vocab})")
             self.engine.validate_request(ids, max(1, req.sampling.max_new_tokens))
         except EngineError as exc:
-            raise RequestFailed(C.INVALID_ARGUMENT, f"room {req.bootstrap_room}: {exc}") from None
+            raise ending(Refusal.BAD_REQUEST, f"room {req.bootstrap_room}: {exc}") from None
         return ids, sampling
 
     async def _alloc(self, entry: _Active, ids: tuple[int, ...]) -> None:
         """Pages for the prompt into ``entry`` (its cached prefix locked, with the cache)."""
         n, room = self.engine.pages_needed(len(ids)), entry.room
         if n > self.capacity:
-            raise _Oversize(C.INVALID_ARGUMENT, f"room {room}: prompt needs {n} pages, the pool has {self.capacity}")
+            raise _Oversize(status(Refusal.BAD_REQUEST), f"room {room}: prompt needs {n} pages, the pool has {self.capacity}")
         deadline = time.monotonic() + self.config.page_wait_s
         waited = False
         while True:
@@ -352,8 +350,8 @@ class PrefillWorker:
                     return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RequestFailed(
-                    C.RESOURCE_EXHAUSTED,
+                raise ending(
+                    Refusal.OVERLOADED,
                     f"room {room}: {n} KV pages not free within {self.config.page_wait_s} s "
                     f"({self._num_free - len(self.compute.reserved_pages)} of {self.capacity} free)",
                     AbortReason.ALLOCATE_TIMEOUT,
@@ -373,11 +371,11 @@ class PrefillWorker:
         try:
             ids, sampling = self._validate(req)
             if room in self._active:
-                raise RequestFailed(C.ALREADY_EXISTS, f"room {room}: a Prefill for this room is already running")
+                raise ending(Refusal.ROOM_IN_USE, f"room {room}: a Prefill for this room is already running")
         except RequestFailed as exc:
             self.metrics.on_refused()
             request_event(log, room, "rejected", code=exc.code.name, reason=exc.message)
-            if exc.code != C.ALREADY_EXISTS:  # a duplicate must not fail the running room
+            if exc.code != status(Refusal.ROOM_IN_USE):  # a duplicate must not fail the running room
                 self._mailbox.discard(room)  # early handshakes for it will never be taken
             raise
         task = asyncio.current_task()
@@ -411,14 +409,14 @@ class PrefillWorker:
             if abort is None:
                 self.metrics.on_abort(AbortReason.CANCELLED)
                 request_event(log, room, "cancelled by the caller")
-                entry.fate.handle(Failed(RequestFailed(C.CANCELLED, f"room {room}: the prefill was cancelled by its caller")))
+                entry.fate.handle(Failed(ending(Refusal.CANCELLED, f"room {room}: the prefill was cancelled by its caller")))
                 raise
             # AbortRoom (decode gave up) or close() (shutdown) stopped it.
             self.metrics.on_abort(ServerAbortReason.SHUTDOWN if abort.shutdown else ServerAbortReason.DECODE_ERROR)
             task.uncancel()
             request_event(log, room, "aborted", reason=abort.reason)
-            entry.fate.handle(Failed(RequestFailed(C.ABORTED, f"room {room}: aborted: {abort.reason}")))
-            raise RequestFailed(C.ABORTED, f"room {room}: aborted by decode: {abort.reason}") from None
+            entry.fate.handle(Failed(ending(Refusal.ABORTED, f"room {room}: aborted: {abort.reason}")))
+            raise ending(Refusal.ABORTED, f"room {room}: aborted by decode: {abort.reason}") from None
         except _Oversize as exc:
             # Larger than the whole pool: it took nothing and never could, so it is refused.
             self.failed += 1
@@ -436,8 +434,8 @@ class PrefillWorker:
             self.failed += 1
             self.metrics.on_abort(ServerAbortReason.INTERNAL_ERROR)
             log.exception("room=%d failed unexpectedly", room)
-            entry.fate.handle(Failed(RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {exc!r}")))
-            raise RequestFailed(C.INTERNAL, f"room {room}: prefill failed: {exc!r}") from None
+            entry.fate.handle(Failed(ending(Refusal.INTERNAL, f"room {room}: prefill failed: {exc!r}")))
+            raise ending(Refusal.INTERNAL, f"room {room}: prefill failed: {exc!r}") from None
         finally:
             await self._finish(entry)
 
@@ -458,8 +456,8 @@ class PrefillWorker:
         try:
             keep = await asyncio.wait_for(self.compute.agree(entry.room, entry.lease.cached_pages), self.config.compute_timeout_s)
         except asyncio.TimeoutError:
-            raise RequestFailed(
-                C.DEADLINE_EXCEEDED, f"room {entry.room}: the TP group did not start the room within {self.config.compute_timeout_s} s",
+            raise ending(
+                Refusal.TIMED_OUT, f"room {entry.room}: the TP group did not start the room within {self.config.compute_timeout_s} s",
                 AbortReason.WAITING_FOR_INPUT_TIMEOUT,
             ) from None
         entry.lease = self.prefix_cache.settle(entry.lease, keep)
