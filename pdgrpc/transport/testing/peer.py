@@ -32,17 +32,13 @@ from typing import Any, Sequence
 
 import torch
 
-from pdgrpc.errors import TransportError
+from pdgrpc.errors import PeerFailure, TransportError
 from pdgrpc.transport import peerauth, registry
 from pdgrpc.transport.base import Descriptor, MemoryRegion, Peer, RoomGrant, Transport, WriteOp
 from pdgrpc.transport.pages import METADATA_REGION_ID, kv_regions, metadata_op, metadata_region, page_ops, region_pairs
 from pdgrpc.host_memory import host_zeros
 
 ROOM_FIELD_BYTES = 8  # the last 8 bytes of a metadata row hold the room id (like bootstrap_room)
-
-
-class PeerDied(TransportError):
-    """The peer process exited (or was killed) while a call was pending."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +389,7 @@ class PeerProcess:
                     if self._ready is not None and not self._ready.done():
                         self._ready.set_result((msg[1], msg[2]))
                 elif msg[0] == "error":
-                    self._fail_all(PeerDied(f"peer process failed: {msg[1]}\n{msg[2]}"))
+                    self._fail_all(PeerFailure(f"peer process failed: {msg[1]}\n{msg[2]}"))
                 else:
                     call_id, ok, value = msg
                     fut = self._pending.pop(call_id, None)
@@ -405,7 +401,7 @@ class PeerProcess:
                         name, text, tb = value
                         fut.set_exception(TransportError(f"peer command failed: {name}: {text}\n{tb}"))
         except (EOFError, OSError):
-            self._fail_all(PeerDied(f"peer process {self.pid} exited"))
+            self._fail_all(PeerFailure(f"peer process {self.pid} exited"))
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = True
@@ -421,7 +417,7 @@ class PeerProcess:
 
     async def call(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         if self._dead or self._conn is None:
-            raise PeerDied(f"peer process is not running (call {method})")
+            raise PeerFailure(f"peer process is not running (call {method})")
         assert self._loop is not None
         if method == "connect" and len(args) == 1:
             # A receiver this process spawned or holds: hand its credential along, as the
@@ -465,7 +461,7 @@ class PeerProcess:
         while self._proc.is_alive():
             await asyncio.sleep(0.01)
         self._proc.join(1)
-        self._fail_all(PeerDied("peer process stopped"))
+        self._fail_all(PeerFailure("peer process stopped"))
         if self._conn is not None:
             self._conn.close()
             self._conn = None
