@@ -14,9 +14,11 @@ Arms (:data:`ARMS`), one cluster each, one after another on the same messages:
 
 * ``off``: no reuse: the prefills' prefix cache off and the decodes' off, so every turn
   computes and moves its whole history: the baseline;
-* ``delta``: the prefills' prefix cache (the default) and the decodes'
-  (``--decode-prefix-cache``), the router's local prefill off: a turn computes what the prefill lacks and moves only the pages the decode
-  lacks.
+* ``delta``: the prefills' prefix cache and the decodes' (``--decode-prefix-cache``), the
+  router's local prefill off: a turn computes what the prefill lacks and moves only the
+  pages the decode lacks;
+* ``local``: the defaults: ``delta`` plus the router's local prefill, so a turn whose
+  history the decode holds, lacking at most 256 tokens, is computed on the decode.
 
 Per turn index and arm: the KV bytes a request moved (``GenerateResponse.bytes_transferred``),
 client TTFT p50/p99, output tokens/s per request (tokens over its whole time), and the share
@@ -82,7 +84,7 @@ ARMS: dict[str, Arm] = {
     "off": Arm("no reuse", prefill={"no-prefix-cache": True}, decode={"no-decode-prefix-cache": True}),
     # The router's local prefill off: every turn's suffix goes through a prefill.
     "delta": Arm("prefill cache + decode reuse, delta transfer", decode={"decode-prefix-cache": True}, router={"local-prefill-tokens": 0}),
-    # The router's default: a suffix of at most 256 tokens the decode lacks is computed there.
+    # The defaults: a prompt the decode holds a prefix of and lacks at most 256 tokens of is computed there.
     "local": Arm("delta transfer + local prefill", decode={"decode-prefix-cache": True}, router={"local-prefill-tokens": 256}),
 }
 BASELINE = "off"

@@ -84,10 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most one batched QueryDpRanks per prefill instance per interval (default: %(default)s)",
     )
     g.add_argument(
-        "--decode-prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+        "--decode-prefix-cache", action=argparse.BooleanOptionalAction, default=SchedulerConfig.prefix_cache,
         help="keep the pages of received prompts and generated tokens in a prefix cache and ask each prefill only for "
-        "the pages a prompt's cached prefix lacks (delta transfer); --no-decode-prefix-cache moves every page; "
-        "a transport that moves bytes (not fake) only (default: off)",
+        "the pages a prompt's cached prefix lacks (delta transfer), and let the router send this decode short "
+        "suffixes of what it holds to compute itself (local prefill); --no-decode-prefix-cache moves every page and "
+        "frees it when its request ends; a transport that moves bytes (not fake) only (default: on)",
     )
     g.add_argument(
         "--local-prefill-chunk", type=whole_number(1, "tokens"), default=SchedulerConfig.local_prefill_chunk, metavar="TOKENS",

@@ -53,8 +53,9 @@ class SchedulerConfig:
     # when the room leaves the queues, so a landed room frees its place on the bootstrap.
     watch_wait_s: float = 5.0
     # Keep a prefix cache of received and generated pages and ask each prefill only for the
-    # pages it lacks (pdgrpc.decode.reuse). A transport that moves bytes only.
-    prefix_cache: bool = False
+    # pages it lacks (pdgrpc.decode.reuse). On: a chat's next turn then moves only its new
+    # message, and cached pages no request holds count as free. A transport that moves bytes only.
+    prefix_cache: bool = True
     # Most prompt tokens of local prefills (pdgrpc.decode.local) one iteration computes
     # before its decode step: bounds what a local prefill adds to running streams'
     # inter-token latency.

@@ -529,7 +529,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             bootstrap_room=room, request_id=request_id, input_ids=input_ids, sampling=sampling,
             prefill_bootstrap_address=prefill.bootstrap, room_secret=secret,
         )
-        local = self._local(input_ids, decode)
+        # A request pinned to a prefill dp rank goes to that prefill.
+        local = routed is None and self._local(input_ids, decode)
         decode_req.local_prefill = local
         if not local and self.policy.name == "cache_aware":
             timeout -= await self._after_leader(prefill.address, input_ids, timeout)

@@ -36,9 +36,11 @@ PARAMS = [(24, "process", 1), (64, "thread", 1), (40, "thread", 2)]
 def _topology(chunk: int, compute_in: str, tp: int):
     t = load_topology("1p1d")
     pool = POOL_PAGES + (TP_SCRATCH if tp > 1 else 0)  # every rank: the same pages for requests
+    # The decode's prefix cache off: these tests count what the prefill computes and sends,
+    # which a decode holding the prefix would take over (local prefill, delta transfer).
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "chunk-size": chunk, "num-pages": pool, "compute-in": compute_in, "tp-size": tp})
-        if p.role == "prefill" else p
+        if p.role == "prefill" else dataclasses.replace(p, args={**p.args, "no-decode-prefix-cache": True}) if p.role == "decode" else p
         for p in t.processes
     )
     return dataclasses.replace(t, name=f"1p1d-prefix-{chunk}-{compute_in}-tp{tp}", processes=procs)

@@ -231,10 +231,14 @@ async def test_local_prefill_only_on_a_decode_that_advertises_it(advertised: str
     channel = grpc.aio.insecure_channel(r_srv.address)
     try:
         await eventually_async(lambda: index.match(PREFIX + [1]).get(d_srv.address) == 16, what="the decode's blocks")
-        await collect(generate_pb2_grpc.GenerateServiceStub(channel).Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [1, 2])))
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [1, 2])))
         (req,) = decode.requests
         assert req.local_prefill is local
         assert len(prefill.requests) == (0 if local else 1)
+        # A request pinned to a prefill dp rank goes to that prefill.
+        await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=PREFIX + [1, 2], routed_dp_rank=0)))
+        assert not decode.requests[1].local_prefill and prefill.requests[-1].routed_dp_rank == 0
     finally:
         await channel.close()
         await feed.close()
