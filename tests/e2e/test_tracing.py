@@ -75,8 +75,11 @@ async def test_one_request_is_one_trace_with_every_hop_under_the_clients_tracepa
             first = await _trace(tmp_path / "spans")
             _check_tree(first, root_parent=None)
             trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+            # Another prompt: the decode holds the first one's pages now, and would compute
+            # a repeat itself (local prefill), with no prefill hop to trace.
             done = await generate(
-                stub, input_ids=PROMPT, max_new_tokens=3, metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),)
+                stub, input_ids=PROMPT[:1] + PROMPT[:0:-1], max_new_tokens=3,
+                metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),),
             )
             assert len(done.token_ids) == 3
             _check_tree(await _trace(tmp_path / "spans", trace_id), root_parent=client_span)
