@@ -28,8 +28,8 @@ class RoomConflict(BootstrapError):
 
 
 class RoomTableFull(BootstrapError):
-    """The room table holds ``max_rooms`` live rooms: new ones are refused (live rooms are
-    never evicted for them). → ``RESOURCE_EXHAUSTED``."""
+    """The room table holds ``max_rooms`` live rooms, all queried by a decode or renewed by
+    the same call (nothing it may evict): new ones are refused. → ``RESOURCE_EXHAUSTED``."""
 
     def __init__(self, live: int, max_rooms: int, new: int) -> None:
         self.live = live
@@ -37,7 +37,22 @@ class RoomTableFull(BootstrapError):
         self.new = new
         super().__init__(
             f"room table is full: {live} live rooms of max_rooms={max_rooms}; refusing {new} new room(s) "
-            "(nothing in this batch was registered; rooms free as they expire)"
+            "(every other live room was queried by a decode; nothing in this batch was registered; rooms free as they expire)"
+        )
+
+
+class RoomQuotaFull(RoomTableFull):
+    """One registrant holds its quota of rooms no decode has queried yet: its new ones are
+    refused, so it cannot crowd the others out of the table. → ``RESOURCE_EXHAUSTED``."""
+
+    def __init__(self, held: int, quota: int, new: int, caller: str = "registrant") -> None:
+        self.live = held
+        self.max_rooms = quota
+        self.new = new
+        BootstrapError.__init__(
+            self,
+            f"{caller} holds {held} rooms no decode has queried of its quota of {quota}; refusing {new} new room(s) "
+            "(nothing in this batch was registered; rooms free as decodes query them or they expire)",
         )
 
 

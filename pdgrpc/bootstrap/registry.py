@@ -119,6 +119,13 @@ class WorkerRegistry:
             return True
         return any(identity in c.owners.values() for c in self._candidates.values())
 
+    def identities(self) -> int:
+        """How many distinct identities registered workers of this instance (fixed or pending)."""
+        names = set(self._owners.values())
+        for c in self._candidates.values():
+            names.update(c.owners.values())
+        return len(names)
+
     @property
     def complete(self) -> bool:
         return self._info is not None and self.registered == self.expected

@@ -35,7 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-rooms", type=int, default=DEFAULT_MAX_ROOMS, metavar="N",
-        help="hard cap on rooms held; at the cap new rooms are refused with RESOURCE_EXHAUSTED until rooms expire (live rooms are never evicted for new ones). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
+        help="hard cap on rooms held; at the cap a new room evicts the oldest room no decode has queried yet (a queried room is never evicted; when every room is queried, new ones are refused with RESOURCE_EXHAUSTED until rooms expire). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-rooms-per-registrant", type=int, default=0, metavar="N",
+        help="most rooms no decode has queried yet that one caller identity (a worker's certificate name, or its host with a token) may hold; "
+        "past it its new rooms are refused with RESOURCE_EXHAUSTED, so one worker looping RegisterDpRanks cannot crowd the others out. "
+        "0 = --max-rooms divided by the identities that registered workers; without authentication every caller counts as one (default: %(default)s)",
     )
     p.add_argument(
         "--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
@@ -65,6 +71,7 @@ async def _main(args: argparse.Namespace) -> None:
         ttl=args.dp_rank_ttl,
         max_rooms=args.max_rooms,
         max_batch=args.max_batch,
+        max_rooms_per_registrant=args.max_rooms_per_registrant,
         sweep_interval=args.sweep_interval,
         expire_budget=args.expire_budget,
     )

@@ -23,7 +23,9 @@ from typing import Callable, NoReturn, Sequence
 import grpc
 
 from pdgrpc.bootstrap.failures import MAX_WAIT_MS, RoomFailures
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, RoomConflict, RoomTableFull, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import (
+    InvalidBootstrapRequest, NotPermitted, RoomConflict, RoomQuotaFull, RoomTableFull, TopologyMismatch, WorkersPending,
+)
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
 from pdgrpc.errors import PdgrpcError
@@ -68,8 +70,16 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
         clock: Callable[[], float] = time.monotonic,
         metrics: BootstrapMetrics | None = None,
         owners: bool | None = None,
+        max_rooms_per_registrant: int = 0,
     ) -> None:
+        """``max_rooms_per_registrant``: rooms no decode has queried yet that one caller
+        identity may hold (0: ``max_rooms`` divided by the identities that registered
+        workers; without authentication every caller is one registrant, unlimited)."""
+        if max_rooms_per_registrant < 0:
+            raise InvalidBootstrapRequest(f"max_rooms_per_registrant must be >= 0, got {max_rooms_per_registrant}")
         self.table = table
+        self.max_rooms_per_registrant = max_rooms_per_registrant
+        self._registrants: dict[str, int] = {}  # caller identity -> the table's registrant number
         # Whether a slot is bound to the identity that registered it (NotPermitted for any
         # other): on by default where callers are authenticated (pdgrpc.rpc.security).
         self.owners = current().authenticated if owners is None else owners
@@ -112,6 +122,7 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
     async def RegisterDpRanks(self, request: pb.RegisterDpRanksRequest, context: grpc.aio.ServicerContext) -> pb.RegisterDpRanksResponse:
         n = len(request.entries) or len(request.bootstrap_rooms)
         await self._check_member(context, "RegisterDpRanks")
+        who, registrant, quota = self._registrant(context)
         try:
             self._check_batch(n)
             rooms: Sequence[int]
@@ -125,12 +136,26 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
                 rooms, ranks = request.bootstrap_rooms, request.dp_ranks
                 if len(rooms) != len(ranks):
                     raise InvalidBootstrapRequest(f"RegisterDpRanksRequest: {len(rooms)} bootstrap_rooms but {len(ranks)} dp_ranks")
-            result = self.table.register(rooms, ranks, self.clock(), dp_size=self.registry.dp_size)
+            result = self.table.register(rooms, ranks, self.clock(), dp_size=self.registry.dp_size, registrant=registrant, quota=quota)
+        except RoomQuotaFull as exc:  # name the caller: the table knows only its number
+            self.metrics.on_dp_rank_registration_failed(n)
+            await _abort(context, RoomQuotaFull(exc.live, exc.max_rooms, exc.new, caller=f"RegisterDpRanks: caller {who}"))
         except (InvalidBootstrapRequest, RoomConflict, RoomTableFull) as exc:
             self.metrics.on_dp_rank_registration_failed(n)
             await _abort(context, exc)
         self.metrics.on_dp_rank_registration(n)
         return pb.RegisterDpRanksResponse(added=result.added, unchanged=result.unchanged)
+
+    def _registrant(self, context: grpc.aio.ServicerContext) -> tuple[str, int, int | None]:
+        """The caller's identity, its registrant number in the table, and its quota of
+        unqueried rooms: a share of the table per identity that registered workers, so one
+        worker looping RegisterDpRanks cannot crowd the others' rooms out."""
+        if not self.owners:
+            return "(unauthenticated)", 0, self.max_rooms_per_registrant or None
+        who = peer_identity(context)
+        registrant = self._registrants.setdefault(who, len(self._registrants))
+        quota = self.max_rooms_per_registrant or max(1, self.table.max_rooms // max(1, self.registry.identities()))
+        return who, registrant, quota
 
     async def QueryDpRanks(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> pb.QueryDpRanksResponse:
         rooms = request.bootstrap_rooms
@@ -187,8 +212,9 @@ def add_bootstrap_servicer(servicer: BootstrapServicer, server: grpc.aio.Server)
 @dataclasses.dataclass(frozen=True)
 class BootstrapConfig:
     ttl: float = DEFAULT_TTL_S  # seconds a room → rank entry lives after its last registration
-    max_rooms: int = DEFAULT_MAX_ROOMS  # hard cap; the oldest rooms are evicted beyond it
+    max_rooms: int = DEFAULT_MAX_ROOMS  # hard cap; the oldest unqueried rooms are evicted beyond it
     max_batch: int = DEFAULT_MAX_BATCH  # rooms per RegisterDpRanks / QueryDpRanks call
+    max_rooms_per_registrant: int = 0  # unqueried rooms one caller identity holds (0: max_rooms / identities)
     sweep_interval: float = 1.0  # seconds between expiry sweeps
     expire_budget: int = 16384  # records one sweep step may free before yielding the loop
 
@@ -261,7 +287,8 @@ async def start_bootstrap_server(
 ) -> BootstrapServer:
     """Start ``BootstrapService`` (with health and reflection) on ``host:port``."""
     table = RoomTable(ttl=config.ttl, max_rooms=config.max_rooms, max_batch=config.max_batch)
-    servicer = BootstrapServicer(table, registry or WorkerRegistry(), clock, metrics)
+    servicer = BootstrapServicer(table, registry or WorkerRegistry(), clock, metrics,
+                                 max_rooms_per_registrant=config.max_rooms_per_registrant)
     rpc = await start_server(
         [(SERVICE_NAME, lambda server: add_bootstrap_servicer(servicer, server))],
         host=host,

@@ -1,11 +1,13 @@
 """The room → prefill dp-rank table: TTL, a hard cap, incremental expiry. Pure.
 
-At the cap (``max_rooms`` live rooms) a batch with new rooms is refused whole with
-:class:`~pdgrpc.bootstrap.errors.RoomTableFull` (RESOURCE_EXHAUSTED); live rooms are never
-evicted to make space. Evicting the oldest let a client that registers junk rooms push a
-live room of another out within moments; refusing confines the harm to new registrations,
-which succeed
-again as rooms expire. Size ``max_rooms`` for the rooms registered within one TTL.
+At the cap (``max_rooms`` live rooms) a batch with new rooms evicts the oldest rooms that
+no decode has queried yet (counted in ``evicted_full``); a queried room is never evicted,
+because a decode is about to use it. Refusing instead let one registrant that loops
+``RegisterDpRanks`` make every other registration fail for a whole TTL; evicting the
+oldest unqueried rooms confines the harm to rooms nobody has asked for. Only when every
+live room has been queried is a batch with new rooms refused whole with
+:class:`~pdgrpc.bootstrap.errors.RoomTableFull` (RESOURCE_EXHAUSTED). Size ``max_rooms``
+for the rooms registered within one TTL.
 
 No I/O, no threads, no clock: every call that depends on time takes ``now`` (seconds,
 any monotonic origin). The server calls :meth:`RoomTable.expire` from a background task
@@ -28,8 +30,21 @@ Layout
   slot's ``seq`` (the ring index of its latest registration, mod 2**32). Expiry and
   eviction pop from the head; a record whose slot has been re-registered since
   (renewed) or freed no longer matches ``seq`` and is skipped. The ring holds
-  ``2 * max_rooms`` records (by default); if renewals ever fill it, the oldest live
-  rooms are evicted (counted).
+  ``2 * max_rooms`` records (by default); if renewals ever fill it, the oldest unqueried
+  live rooms are evicted (counted). A popped record of a live queried room is appended
+  again with its registration time, so ring times are only roughly in order: expiry
+  frees the due prefix, and a due record behind a live one waits (readers check the
+  time, so it is invisible).
+* **Flags** per slot: queried (a decode found the room), pinned (being renewed by the
+  call in progress: never evicted by it); and its **registrant** (a small int the caller
+  gives), with a count per registrant of its stored rooms no decode has queried.
+
+Quota
+-----
+``register(..., registrant=i, quota=q)`` refuses new rooms with
+:class:`~pdgrpc.bootstrap.errors.RoomQuotaFull` while registrant ``i`` holds ``q`` rooms
+no decode has queried: one registrant looping ``RegisterDpRanks`` then hits its own quota
+instead of evicting the others' rooms.
 
 Expiry is exact for readers (a lookup checks the registration time, so an expired room
 is missing even before the sweep reaches it) and incremental for memory: one
@@ -44,7 +59,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomQuotaFull, RoomTableFull
 from pdgrpc.bootstrap.room_slots import W, RoomSlots, pow2_at_least
 
 _M64 = (1 << 64) - 1
@@ -53,6 +68,8 @@ _SMALL = 16  # batches up to this size take the per-room (pure Python) path: les
 # Lookups of up to this many rooms go room by room too: numpy's code is cold between two
 # calls, and its fixed cost is then most of what a few dozen lookups cost.
 _FEW_LOOKUPS = 64
+_QUERIED = 1  # a decode found the room: never evicted
+_PINNED = 2  # renewed by the call in progress: that call does not evict it
 
 DEFAULT_TTL_S = 120.0
 DEFAULT_MAX_ROOMS = 1 << 20
@@ -76,7 +93,8 @@ class TableStats:
     max_rooms: int
     registered: int  # registrations accepted, ever (renewals included)
     expired: int  # rooms removed because their TTL passed
-    evicted: int  # live rooms removed because renewals filled the ring (oldest first)
+    evicted: int  # live unqueried rooms removed, oldest first (a full table or a full ring)
+    evicted_full: int  # of those, the rooms evicted because the table was full
     pending_records: int  # ring records not yet popped (size + stale renewals)
 
 
@@ -109,12 +127,16 @@ class RoomTable(RoomSlots):
         self.max_batch = max_batch
         super().__init__(max_rooms, seed)
         self._seq = np.zeros(len(self._keys), np.uint32)
+        self._flags = np.zeros(len(self._keys), np.uint8)
+        self._owner = np.zeros(len(self._keys), np.int64)
+        self._held: list[int] = []  # per registrant: its stored rooms no decode has queried
         nring = pow2_at_least(max(max_batch, ring_records or 2 * max_rooms))
         self._rmask = nring - 1
         self._ring_slot = np.zeros(nring, np.uint32)
         self._ring_time = np.zeros(nring, np.float64)
         # Memoryviews for the per-room paths, as in RoomSlots: plain Python ints and floats.
         self._seq_v = self._seq.data
+        self._flags_v = self._flags.data
         self._ring_slot_v = self._ring_slot.data
         self._ring_time_v = self._ring_time.data.cast("B").cast("d")
         self._head = 0  # absolute index of the oldest record
@@ -123,6 +145,8 @@ class RoomTable(RoomSlots):
         self._registered = 0
         self._expired = 0
         self._evicted = 0
+        self._evicted_full = 0
+        self._queried_live = 0  # stored rooms with the queried flag
 
     # ------------------------------------------------------------------ public API
 
@@ -131,28 +155,35 @@ class RoomTable(RoomSlots):
 
     @property
     def stats(self) -> TableStats:
-        return TableStats(self._size, self.max_rooms, self._registered, self._expired, self._evicted, self._tail - self._head)
+        return TableStats(self._size, self.max_rooms, self._registered, self._expired, self._evicted, self._evicted_full,
+                          self._tail - self._head)
 
     def register(
-        self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, *, dp_size: int | None = None
+        self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, *, dp_size: int | None = None,
+        registrant: int = 0, quota: int | None = None,
     ) -> RegisterResult:
-        """Register ``rooms[i] → ranks[i]``, all or none.
+        """Register ``rooms[i] → ranks[i]``, all or none, for ``registrant`` (a small int
+        >= 0), whose unqueried rooms may not exceed ``quota`` (None: no quota).
 
         Raises :class:`InvalidBootstrapRequest` (room 0, batch over ``max_batch``, a rank outside
         ``[0, dp_size)`` when ``dp_size`` is given) or :class:`RoomConflict` (a room
         registered, here or earlier in the same batch, with a different rank).
-        Re-registering with the same rank renews the room's TTL.
+        Re-registering with the same rank renews the room's TTL (its registrant stays the
+        first one). Over the quota raises :class:`RoomQuotaFull`.
         """
         n = len(rooms)
         if n != len(ranks):
             raise InvalidBootstrapRequest(f"{n} rooms but {len(ranks)} ranks")
         self._check_batch(n)
+        if registrant >= len(self._held):
+            self._held.extend([0] * (registrant + 1 - len(self._held)))
         now = self._advance(now)
+        who = (registrant, quota)
         if n == 1:
-            return self._register_one(int(rooms[0]), int(ranks[0]), now, dp_size)
+            return self._register_one(int(rooms[0]), int(ranks[0]), now, dp_size, who)
         if n <= _SMALL:
-            return self._register_small(rooms, ranks, now, dp_size)
-        return self._register_many(np.asarray(rooms, np.uint64), np.asarray(ranks, np.int64), now, dp_size)
+            return self._register_small(rooms, ranks, now, dp_size, who)
+        return self._register_many(np.asarray(rooms, np.uint64), np.asarray(ranks, np.int64), now, dp_size, who)
 
     def query(self, rooms: Sequence[int] | np.ndarray, now: float) -> tuple[list[int], list[int], list[int]]:
         """Look rooms up: ``(found_rooms, their_ranks, missing_rooms)``, each in request
@@ -164,7 +195,7 @@ class RoomTable(RoomSlots):
             found: list[int] = []
             ranks: list[int] = []
             missing: list[int] = []
-            keys, rank, seq, times = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v
+            keys, rank, seq, times, flags = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v, self._flags_v
             mult, shift, rmask, ttl = self._mult, self._shift, self._rmask, self.ttl
             for room in rooms:
                 if room == 0:
@@ -175,6 +206,10 @@ class RoomTable(RoomSlots):
                 if s >= 0 and times[seq[s] & rmask] + ttl > now:
                     found.append(room)
                     ranks.append(rank[s])
+                    if not flags[s] & _QUERIED:
+                        flags[s] |= _QUERIED
+                        self._queried_live += 1
+                        self._held[self._owner[s]] -= 1
                 else:
                     missing.append(room)
             return found, ranks, missing
@@ -196,8 +231,24 @@ class RoomTable(RoomSlots):
             alive = hit
             alive[hit] = self._alive_many(hs, now)
         if alive.all():
+            self._mark_queried(hs)
             return keys, np.take(self._rank, hs), keys[:0]
+        self._mark_queried(slots[alive])
         return keys[alive], np.take(self._rank, slots[alive]), keys[~alive]
+
+    def _mark_queried(self, slots: np.ndarray) -> None:
+        fresh = slots[(np.take(self._flags, slots) & _QUERIED) == 0]
+        if len(fresh):
+            fresh = np.unique(fresh)
+            self._flags[fresh] |= _QUERIED
+            self._queried_live += len(fresh)
+            self._release(fresh)
+
+    def _release(self, slots: np.ndarray) -> None:
+        """Rooms at ``slots`` stop counting against their registrants' quotas."""
+        owners, counts = np.unique(self._owner[slots], return_counts=True)
+        for o, c in zip(owners.tolist(), counts.tolist()):
+            self._held[o] -= c
 
     def _alive_many(self, slots: np.ndarray, now: float) -> np.ndarray:
         # np.take rather than fancy indexing: several times faster on random rows.
@@ -214,7 +265,7 @@ class RoomTable(RoomSlots):
             return 0
         idx = np.arange(self._head, self._head + k, dtype=np.int64)
         due = self._ring_time[idx & self._rmask] + self.ttl <= now
-        n = k if due[-1] else int(np.argmin(due))  # times are non-decreasing: due is a prefix
+        n = k if due.all() else int(np.argmin(due))  # the due prefix (requeued records break the order)
         if n:
             self._pop_head(n, now)
         return n
@@ -256,18 +307,43 @@ class RoomTable(RoomSlots):
 
     def _pop_head(self, n: int, now: float) -> int:
         """Consume the ``n`` oldest records, deleting rooms they still own. Rooms past
-        their TTL count as expired, the others as evicted. Returns rooms deleted."""
+        their TTL count as expired, unqueried live ones as evicted; a live queried (or
+        pinned) room keeps its place: its record is appended again, time unchanged.
+        Returns rooms deleted."""
         seqs = np.arange(self._head, self._head + n, dtype=np.int64)
         slots = self._ring_slot[seqs & self._rmask].astype(np.int64)
         own = (self._keys[slots] != 0) & (self._seq[slots] == (seqs & _M32))
         self._head += n
         live = slots[own]
-        if len(live):
-            due = int(np.count_nonzero(self._ring_time[seqs[own] & self._rmask] + self.ttl <= now))
-            self._expired += due
-            self._evicted += len(live) - due
-            self._delete(live)
+        if not len(live):
+            return 0
+        times = self._ring_time[seqs[own] & self._rmask]
+        due = times + self.ttl <= now
+        keep = ~due & (self._flags[live] != 0)
+        if keep.any():
+            self._requeue(live[keep], times[keep])
+            live = live[~keep]
+        ndue = int(np.count_nonzero(due))
+        self._expired += ndue
+        self._evicted += len(live) - ndue
+        self._drop(live)
         return len(live)
+
+    def _requeue(self, slots: np.ndarray, times: np.ndarray) -> None:
+        seqs = np.arange(self._tail, self._tail + len(slots), dtype=np.int64)
+        idx = seqs & self._rmask
+        self._ring_slot[idx] = slots
+        self._ring_time[idx] = times
+        self._seq[slots] = seqs & _M32
+        self._tail += len(slots)
+
+    def _drop(self, slots: np.ndarray) -> None:
+        """Delete stored rooms, clearing their flags."""
+        queried = (self._flags[slots] & _QUERIED) != 0
+        self._queried_live -= int(np.count_nonzero(queried))
+        self._release(slots[~queried])
+        self._flags[slots] = 0
+        self._delete(slots)
 
     def _ring_space(self, records: int, now: float) -> bool:
         """Pop the oldest records until ``records`` more fit in the ring. Needed only when
@@ -275,20 +351,64 @@ class RoomTable(RoomSlots):
         free = len(self._ring_slot) - (self._tail - self._head)
         if records <= free:
             return False
-        self._pop_head(records - free, now)
+        popped = 0
+        while records > free:
+            if popped >= len(self._ring_slot):  # every record is a queried live room's
+                raise RoomTableFull(self._size, self.max_rooms, records)
+            self._pop_head(records - free, now)
+            popped += records - free
+            free = len(self._ring_slot) - (self._tail - self._head)
         return True
 
-    def _check_room(self, new: int, now: float) -> None:
-        """Raise :class:`RoomTableFull` unless ``new`` more rooms fit under max_rooms once
-        the rooms already expired are swept. Live rooms are never evicted for new ones: a
-        client registering junk rooms must not push out another's live room."""
+    def _check_quota(self, new: int, now: float, who: tuple[int, int | None]) -> None:
+        """Raise :class:`RoomQuotaFull` if ``new`` rooms take the registrant over its
+        quota once expired rooms are swept."""
+        registrant, quota = who
+        if quota is None or self._held[registrant] + new <= quota:
+            return
+        while self._head < self._tail and self.expire(now) > 0:
+            if self._held[registrant] + new <= quota:
+                return
+        raise RoomQuotaFull(self._held[registrant], quota, new)
+
+    def _own(self, slots: np.ndarray | list[int], registrant: int) -> None:
+        self._owner[slots] = registrant
+        self._held[registrant] += len(slots)
+
+    def _check_room(self, new: int, now: float, renew: np.ndarray | list[int]) -> None:
+        """Make ``new`` more rooms fit under max_rooms: sweep expired rooms, then evict the
+        oldest unqueried ones other than ``renew`` (the batch's own). Raise
+        :class:`RoomTableFull`, having evicted nothing, when even that is not enough."""
         if self._size + new <= self.max_rooms:
             return
         while self._head < self._tail and self.expire(now) > 0:
             if self._size + new <= self.max_rooms:
                 return
-        if self._size + new > self.max_rooms:
+        need = self._size + new - self.max_rooms
+        renew_a = np.unique(np.asarray(renew, np.int64))
+        pin = renew_a[(self._flags[renew_a] & _QUERIED) == 0]
+        if need > self._size - self._queried_live - len(pin):
             raise RoomTableFull(self._size, self.max_rooms, new)
+        self._flags[pin] |= _PINNED
+        before = self._evicted
+        try:
+            while self._size + new > self.max_rooms:
+                self._pop_victims(self._size + new - self.max_rooms, now)
+        finally:
+            self._flags[pin] &= ~np.uint8(_PINNED)
+        self._evicted_full += self._evicted - before
+
+    def _pop_victims(self, need: int, now: float) -> None:
+        """Pop the oldest records up to the ``need``-th that would free a room."""
+        k = min(self._tail - self._head, max(need, 256))
+        seqs = np.arange(self._head, self._head + k, dtype=np.int64)
+        slots = self._ring_slot[seqs & self._rmask].astype(np.int64)
+        own = (self._keys[slots] != 0) & (self._seq[slots] == (seqs & _M32))
+        frees = own & ((self._flags[slots] == 0) | (self._ring_time[seqs & self._rmask] + self.ttl <= now))
+        count = np.cumsum(frees)
+        if count[-1] >= need:
+            k = int(np.searchsorted(count, need)) + 1
+        self._pop_head(k, now)
 
     # Registering a batch, both paths: (1) validate; (2) classify every room as renewed or
     # new, freeing rooms that expired but were not swept yet, and raise on a conflict —
@@ -297,7 +417,7 @@ class RoomTable(RoomSlots):
     # max_rooms once expired rooms are swept; (5) renew, so renewed rooms are the newest;
     # (6) insert the new rooms.
 
-    def _register_one(self, room: int, rank: int, now: float, dp_size: int | None) -> RegisterResult:
+    def _register_one(self, room: int, rank: int, now: float, dp_size: int | None, who: tuple[int, int | None]) -> RegisterResult:
         """One room, in the usual cases: a new room where there is space, or a live room
         renewed; steps (3)-(4) need nothing then. Anything else (an expired room not yet
         swept, a full ring, a full table) goes through :meth:`_register_small`."""
@@ -309,24 +429,28 @@ class RoomTable(RoomSlots):
         s = base + row.index(room) if room in row else self._find(room) if self._ovf_v[b] else -1
         tail = self._tail
         if tail - self._head > self._rmask:  # the ring is full
-            return self._register_small((room,), (rank,), now, dp_size)
+            return self._register_small((room,), (rank,), now, dp_size, who)
         if s >= 0:
             if not self._alive(s, now):
-                return self._register_small((room,), (rank,), now, dp_size)
+                return self._register_small((room,), (rank,), now, dp_size, who)
             old = self._rank_v[s]
             if old != rank:
                 raise RoomConflict(room, old, rank)
             result = _RENEWED_ONE
-        elif self._size >= self.max_rooms:
-            return self._register_small((room,), (rank,), now, dp_size)
+        elif self._size >= self.max_rooms or (who[1] is not None and self._held[who[0]] >= who[1]):
+            return self._register_small((room,), (rank,), now, dp_size, who)
         elif 0 in row:  # a free slot in the home bucket: no overflow count to touch
             s = base + row.index(0)
             self._keys_v[s] = room
             self._rank_v[s] = rank
             self._size += 1
+            self._owner[s] = who[0]
+            self._held[who[0]] += 1
             result = _ADDED_ONE
         else:
             s = self._insert_one(room, rank)
+            self._owner[s] = who[0]
+            self._held[who[0]] += 1
             result = _ADDED_ONE
         i = tail & self._rmask
         self._ring_slot_v[i] = s
@@ -336,7 +460,10 @@ class RoomTable(RoomSlots):
         self._registered += 1
         return result
 
-    def _register_small(self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, dp_size: int | None) -> RegisterResult:
+    def _register_small(
+        self, rooms: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray, now: float, dp_size: int | None,
+        who: tuple[int, int | None],
+    ) -> RegisterResult:
         pairs = [(int(room), int(rank)) for room, rank in zip(rooms, ranks)]
         for room, rank in pairs:  # invalid entries first, then conflicts (like the numpy path)
             self._check_entry(room, rank, dp_size)
@@ -350,7 +477,7 @@ class RoomTable(RoomSlots):
             gone = [s for s in slots.values() if s >= 0 and not self._alive(s, now)]
             if gone:  # expired, not yet swept: free them now
                 self._expired += len(gone)
-                self._delete(np.asarray(gone, np.int64))
+                self._drop(np.asarray(gone, np.int64))
                 slots = {room: -1 if s in gone else s for room, s in slots.items()}
             renew: list[int] = []
             new: list[int] = []
@@ -363,12 +490,17 @@ class RoomTable(RoomSlots):
                     renew.append(s)
             if not self._ring_space(len(want), now):
                 break
-        self._check_room(len(new), now)
+        self._check_quota(len(new), now, who)
+        self._check_room(len(new), now, renew)
         self._append(renew, now)
-        self._append([self._insert_one(room, want[room]) for room in new], now)
+        added = [self._insert_one(room, want[room]) for room in new]
+        self._own(added, who[0])
+        self._append(added, now)
         return RegisterResult(len(new), len(rooms) - len(new), self._evicted - evicted_before)
 
-    def _register_many(self, keys: np.ndarray, ranks: np.ndarray, now: float, dp_size: int | None) -> RegisterResult:
+    def _register_many(
+        self, keys: np.ndarray, ranks: np.ndarray, now: float, dp_size: int | None, who: tuple[int, int | None]
+    ) -> RegisterResult:
         n = len(keys)
         if not keys.all():
             i = int(np.argmin(keys != 0))
@@ -395,7 +527,7 @@ class RoomTable(RoomSlots):
             gone = self._ring_time[self._seq[hs] & self._rmask] + self.ttl <= now
             if gone.any():  # expired, not yet swept: free them now
                 self._expired += int(gone.sum())
-                self._delete(hs[gone])
+                self._drop(hs[gone])
                 hit[hit_idx[gone]] = False
                 hit_idx, hs = hit_idx[~gone], hs[~gone]
             clash = self._rank[hs] != ranks[hit_idx]
@@ -405,10 +537,13 @@ class RoomTable(RoomSlots):
             if not self._ring_space(len(keys), now):
                 break
         new = len(keys) - len(hit_idx)
-        self._check_room(new, now)
+        self._check_quota(new, now, who)
+        self._check_room(new, now, hs)
         self._append(hs, now)
         if new:
-            self._append(self._insert_many(keys[~hit], ranks[~hit]), now)
+            added = self._insert_many(keys[~hit], ranks[~hit])
+            self._own(added, who[0])
+            self._append(added, now)
         return RegisterResult(new, n - new, self._evicted - evicted_before)
 
     @staticmethod

@@ -162,7 +162,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "pdgrpc_bootstrap_rooms_capacity", "gauge",
-        "Most live room entries the bootstrap table holds; past it new rooms are refused (count, --max-rooms).",
+        "Most live room entries the bootstrap table holds; past it the oldest unqueried rooms are evicted (count, --max-rooms).",
         _R, (_B,), field="max_rooms",
     ),
     MetricSpec(
@@ -172,9 +172,15 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "pdgrpc_bootstrap_rooms_evicted_total", "counter",
-        "Live room entries evicted from the bootstrap table, oldest first, because renewals filled its record ring (count); "
-        "the cap itself refuses new rooms instead.",
+        "Live room entries no decode had queried, evicted from the bootstrap table oldest first, to make space for new "
+        "rooms or because renewals filled its record ring (count); a queried room is never evicted.",
         _R, (_B,), field="evicted",
+    ),
+    MetricSpec(
+        "pdgrpc_bootstrap_rooms_evicted_full_total", "counter",
+        "Of pdgrpc_bootstrap_rooms_evicted_total, the rooms evicted because the bootstrap table was full (count): "
+        "rooms registered faster than decodes query them, or a registrant flooding the table.",
+        _R, (_B,), field="evicted_full",
     ),
     MetricSpec(
         "pdgrpc_prefix_cache_pages", "gauge",

@@ -22,7 +22,8 @@ def test_help_explains_every_option() -> None:
         "--host": "listen on",
         "--port": "0 picks a free one",
         "--dp-rank-ttl": "renews it",
-        "--max-rooms": "never evicted",
+        "--max-rooms": "queried",
+        "--max-rooms-per-registrant": "crowd",
         "--max-batch": "INVALID_ARGUMENT",
         "--sweep-interval": "expired rooms are freed",
         "--expire-budget": "pause",
@@ -101,21 +102,22 @@ async def test_metrics_endpoint_shows_the_table_size_evictions_and_calls() -> No
 
         client = BootstrapClient(address, pool=pool, timeout=10)
         await client.register_dp_ranks([(room, 0) for room in (1, 2, 3, 4)])
-        with pytest.raises(PdgrpcError, match="max_rooms=4"):
-            await client.register_dp_ranks([(5, 1), (6, 1)])  # over --max-rooms: refused, nothing evicted
+        assert (await client.query_dp_ranks([1])).ranks == {1: 0}  # a decode found room 1
+        await client.register_dp_ranks([(5, 1), (6, 1)])  # over --max-rooms: evicts 2 and 3, never the queried 1
         with pytest.raises(PdgrpcError, match="4"):
             await client.register_dp_ranks([(4, 1)])  # room 4 is on rank 0: a conflict
         result = await client.query_dp_ranks([1, 2, 5])
-        assert sorted(result.missing) == [5]
+        assert sorted(result.missing) == [2]
 
         s = await asyncio.to_thread(scrape, metrics)
         assert s.value("pdgrpc_bootstrap_rooms", role="bootstrap") == 4
-        assert s.value("pdgrpc_bootstrap_rooms_evicted_total", role="bootstrap") == 0
+        assert s.value("pdgrpc_bootstrap_rooms_evicted_total", role="bootstrap") == 2
+        assert s.value("pdgrpc_bootstrap_rooms_evicted_full_total", role="bootstrap") == 2
         assert s.value("pdgrpc_bootstrap_rooms_expired_total", role="bootstrap") == 0
-        assert s.value("pdgrpc_dp_rank_registrations_total", role="bootstrap", outcome="ok") == 1
-        assert s.value("pdgrpc_dp_rank_registrations_total", role="bootstrap", outcome="error") == 2
+        assert s.value("pdgrpc_dp_rank_registrations_total", role="bootstrap", outcome="ok") == 2
+        assert s.value("pdgrpc_dp_rank_registrations_total", role="bootstrap", outcome="error") == 1
         assert s.value("pdgrpc_dp_rank_registration_batch_size_sum", role="bootstrap") == 4 + 2 + 1
-        assert s.value("pdgrpc_dp_rank_queries_total", role="bootstrap", outcome="ok") == 1
+        assert s.value("pdgrpc_dp_rank_queries_total", role="bootstrap", outcome="ok") == 2
         assert s.value("pdgrpc_dp_rank_query_rooms_missing_total", role="bootstrap") == 1
     finally:
         await pool.close()

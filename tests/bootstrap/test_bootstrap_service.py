@@ -106,19 +106,25 @@ async def test_rooms_expire_after_ttl_and_are_swept(client: BootstrapClient, ser
 
 
 @pytest.mark.parametrize("config", [BootstrapConfig(ttl=100.0, max_rooms=1000, max_batch=500)])
-async def test_at_the_cap_new_rooms_are_refused_and_live_rooms_kept(client: BootstrapClient, server: BootstrapServer, clock: FakeClock) -> None:
+async def test_at_the_cap_queried_rooms_stay_and_only_then_new_ones_are_refused(
+    client: BootstrapClient, server: BootstrapServer, clock: FakeClock
+) -> None:
     batches = [rooms(500, seed=10 + i) for i in range(5)]
     for b in batches[:2]:
         clock.advance(1)
         await client.register_dp_ranks({r: 0 for r in b})
-    for b in batches[2:]:
+    assert len((await client.query_dp_ranks(batches[0])).rooms) == 500  # a decode found them
+    await client.register_dp_ranks({r: 0 for r in batches[2]})  # evicts batch 1, never queried
+    assert len((await client.query_dp_ranks(batches[2])).rooms) == 500
+    for b in batches[3:]:  # every live room is queried now: nothing may go
         with pytest.raises(RpcError, match="RESOURCE_EXHAUSTED: .*1000 live rooms of max_rooms=1000; refusing 500 new room"):
             await client.register_dp_ranks({r: 0 for r in b})
-    assert len(server.table) == 1000 and server.table.stats.evicted == 0
-    for b in batches[:2]:
+    assert len(server.table) == 1000 and server.table.stats.evicted == server.table.stats.evicted_full == 500
+    assert not (await client.query_dp_ranks(batches[1])).rooms
+    for b in (batches[0], batches[2]):
         assert len((await client.query_dp_ranks(b)).rooms) == 500
     clock.advance(100)  # the live rooms expire: registrations succeed again
-    await client.register_dp_ranks({r: 0 for r in batches[2]})
+    await client.register_dp_ranks({r: 0 for r in batches[3]})
 
 
 async def test_workers_topology_and_generations(client: BootstrapClient) -> None:

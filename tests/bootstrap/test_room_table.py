@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomTableFull
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomQuotaFull, RoomTableFull
 from pdgrpc.bootstrap.table import W, RoomTable
 
 
@@ -142,28 +142,54 @@ def test_an_expired_room_may_be_registered_again_with_another_rank() -> None:
 
 
 @pytest.mark.parametrize("batch", [1, 50])
-def test_at_the_cap_new_rooms_are_refused_and_live_ones_kept(batch: int) -> None:
-    """Audit (issue 16): 120k bogus rooms evicted a live room from a 100k-room table. At the
-    cap a batch with new rooms is refused whole, naming the limit; live rooms stay."""
+def test_at_the_cap_the_oldest_unqueried_rooms_make_space_and_queried_ones_stay(batch: int) -> None:
+    """A registrant flooding a full table evicts the oldest rooms no decode has asked for;
+    a room a decode has queried stays, and new registrations keep succeeding."""
     t = RoomTable(ttl=100, max_rooms=100, max_batch=50)
     rooms = list(range(1, 301))
     for i in range(0, 100, batch):
         t.register(rooms[i : i + batch], [0] * batch, now=i / 100)
+    queried = rooms[:100:2]
+    assert len(q(t, queried, 1.0)) == 50
     for i in range(100, 300, batch):
-        with pytest.raises(RoomTableFull, match=f"100 live rooms of max_rooms=100; refusing {batch} new room"):
-            t.register(rooms[i : i + batch], [0] * batch, now=1.0)
-    assert t.stats.evicted == 0 and len(t) == 100
-    assert sorted(q(t, rooms, 3.0)) == rooms[:100]  # every live room survives
+        assert t.register(rooms[i : i + batch], [0] * batch, now=2.0).added == batch
+    assert t.stats.evicted == t.stats.evicted_full == 200 and len(t) == 100
+    assert sorted(q(t, rooms, 3.0)) == queried + rooms[250:]  # the queried ones and the newest
     check_invariants(t)
 
 
-def test_at_the_cap_renewals_still_work_and_nothing_of_a_refused_batch_lands() -> None:
+def test_a_table_of_queried_rooms_refuses_new_ones_and_keeps_all() -> None:
     t = RoomTable(ttl=100, max_rooms=4, max_batch=4)
     t.register([1, 2, 3, 4], [0, 0, 0, 0], now=0)
-    with pytest.raises(RoomTableFull):
+    assert len(q(t, [1, 2, 3, 4], 0)) == 4
+    with pytest.raises(RoomTableFull, match="4 live rooms of max_rooms=4; refusing 1 new room"):
         t.register([1, 5], [0, 0], now=1)  # 1 renewed, 5 new: all or none
-    assert sorted(q(t, [1, 2, 3, 4, 5], 1)) == [1, 2, 3, 4]
+    assert sorted(q(t, [1, 2, 3, 4, 5], 1)) == [1, 2, 3, 4] and t.stats.evicted == 0
     assert t.register([1, 2], [0, 0], now=1).unchanged == 2
+    check_invariants(t)
+
+
+@pytest.mark.parametrize("batch", [1, 20])
+def test_a_registrant_over_its_quota_is_refused_and_the_others_are_not(batch: int) -> None:
+    t = RoomTable(ttl=100, max_rooms=100, max_batch=20)
+    flood = iter(range(1000, 2000))
+    for _ in range(40 // batch):
+        t.register([next(flood) for _ in range(batch)], [0] * batch, now=0, registrant=1, quota=40)
+    with pytest.raises(RoomQuotaFull, match=f"holds 40 rooms no decode has queried of its quota of 40; refusing {batch}"):
+        t.register([next(flood) for _ in range(batch)], [0] * batch, now=0, registrant=1, quota=40)
+    assert t.register([1, 2], [0, 0], now=0, registrant=0, quota=40).added == 2  # another registrant
+    assert len(q(t, list(range(1000, 1000 + batch)), 1)) == batch  # a decode takes some of the flood's rooms
+    assert t.register([next(flood) for _ in range(batch)], [0] * batch, now=1, registrant=1, quota=40).added == batch
+    assert t.stats.evicted == 0 and len(t) == 42 + batch
+    check_invariants(t)
+
+
+def test_a_full_table_never_evicts_a_room_the_same_batch_renews() -> None:
+    t = RoomTable(ttl=100, max_rooms=4, max_batch=4)
+    t.register([1, 2, 3, 4], [0, 0, 0, 0], now=0)
+    res = t.register([1, 5], [0, 0], now=1)  # room 1 is the oldest, but this call renews it
+    assert (res.added, res.unchanged) == (1, 1) and t.stats.evicted_full == 1
+    assert sorted(q(t, [1, 2, 3, 4, 5], 1)) == [1, 3, 4, 5]
     check_invariants(t)
 
 
@@ -245,13 +271,23 @@ class Model:
         self.ring: collections.deque[tuple[int, int, float]] = collections.deque()  # (seq, room, time)
         self.seq = 0
         self.now = float("-inf")
-        self.expired = self.evicted = 0
+        self.expired = self.evicted = self.evicted_full = 0
+        self.queried: set[int] = set()
+        self.pinned: set[int] = set()
+        self.owner: dict[int, int] = {}
+
+    def held(self, registrant: int) -> int:
+        return sum(1 for r in self.rooms if r not in self.queried and self.owner[r] == registrant)
 
     def _pop(self, n: int, now: float) -> None:
         for _ in range(n):
             seq, room, t = self.ring.popleft()
             if room in self.rooms and self.rooms[room][1] == seq:
+                if t + self.ttl > now and (room in self.queried or room in self.pinned):
+                    self._append(room, self.rooms[room][0], t)  # kept: requeued, time unchanged
+                    continue
                 del self.rooms[room]
+                self.queried.discard(room)
                 if t + self.ttl <= now:
                     self.expired += 1
                 else:
@@ -271,9 +307,12 @@ class Model:
         if len(rooms) > self.max_batch or 0 in rooms:
             raise InvalidBootstrapRequest("")
         found = [r for r in rooms if r in self.rooms and self.rooms[r][2] + self.ttl > now]
+        self.queried.update(found)
         return found, [self.rooms[r][0] for r in found], [r for r in rooms if r not in found]
 
-    def register(self, rooms: list[int], ranks: list[int], now: float, dp_size: int | None) -> tuple[int, int, int]:
+    def register(
+        self, rooms: list[int], ranks: list[int], now: float, dp_size: int | None, registrant: int = 0, quota: int | None = None
+    ) -> tuple[int, int, int]:
         if len(rooms) > self.max_batch:
             raise InvalidBootstrapRequest("")
         self.now = now = max(now, self.now)
@@ -288,6 +327,7 @@ class Model:
             for r in want:
                 if r in self.rooms and self.rooms[r][2] + self.ttl <= now:
                     del self.rooms[r]
+                    self.queried.discard(r)
                     self.expired += 1
             for r, k in want.items():
                 if r in self.rooms and self.rooms[r][0] != k:
@@ -296,15 +336,33 @@ class Model:
             new = [r for r in want if r not in self.rooms]
             if len(want) <= self.ring_cap - len(self.ring):
                 break
-            self._pop(len(want) - (self.ring_cap - len(self.ring)), now)
+            popped = 0
+            while len(want) > self.ring_cap - len(self.ring):
+                if popped >= self.ring_cap:
+                    raise RoomTableFull(len(self.rooms), self.max_rooms, len(want))
+                d = len(want) - (self.ring_cap - len(self.ring))
+                self._pop(d, now)
+                popped += d
+        if quota is not None and self.held(registrant) + len(new) > quota:
+            self.expire(now)
+            if self.held(registrant) + len(new) > quota:
+                raise RoomQuotaFull(self.held(registrant), quota, len(new))
         if len(self.rooms) + len(new) > self.max_rooms:
             self.expire(now)
-            if len(self.rooms) + len(new) > self.max_rooms:
+            need = len(self.rooms) + len(new) - self.max_rooms
+            self.pinned = {r for r in renew if r not in self.queried}
+            if need > 0 and need > len(self.rooms) - len(self.queried) - len(self.pinned):
                 raise RoomTableFull(len(self.rooms), self.max_rooms, len(new))
+            before = self.evicted
+            while len(self.rooms) + len(new) > self.max_rooms:
+                self._pop(1, now)
+            self.evicted_full += self.evicted - before
+            self.pinned = set()
         for r in renew:
             self._append(r, want[r], now)
         for r in new:
             self._append(r, want[r], now)
+            self.owner[r] = registrant
         return len(new), len(rooms) - len(new), self.evicted - evicted_before
 
 
@@ -313,9 +371,10 @@ def op_lists(min_batch: int, max_batch: int = 24) -> st.SearchStrategy[list]:
     rooms = st.lists(st.sampled_from(range(40)), min_size=min_batch, max_size=max_batch)
     return st.lists(
         st.one_of(
-            st.tuples(st.just("register"), batch, st.floats(0, 3), st.sampled_from([None, 3, 4])),
-            st.tuples(st.just("query"), rooms, st.floats(0, 3), st.none()),
-            st.tuples(st.just("expire"), st.just([]), st.floats(0, 3), st.none()),
+            st.tuples(st.just("register"), batch, st.floats(0, 3), st.sampled_from([None, 3, 4]), st.sampled_from([0, 1]),
+                      st.sampled_from([None, None, 4, 20])),
+            st.tuples(st.just("query"), rooms, st.floats(0, 3), st.none(), st.none(), st.none()),
+            st.tuples(st.just("expire"), st.just([]), st.floats(0, 3), st.none(), st.none(), st.none()),
         ),
         max_size=40,
     )
@@ -336,17 +395,18 @@ def test_matches_reference_model(ops: list, ttl: float, max_rooms: int, small_ri
     pool = colliding_rooms(t, 30, seed=11) + [random.Random(i).getrandbits(63) or 1 for i in range(9)] + [0]
     m = Model(ttl, max_rooms, t.max_batch, len(t._ring_slot))
     now = 0.0
-    for kind, args, dt, dp_size in ops:
+    for kind, args, dt, dp_size, registrant, quota in ops:
         now += dt
         if kind == "register":
             rooms, ranks = [pool[i] for i, _ in args], [k for _, k in args]
             try:
-                want = m.register(rooms, ranks, now, dp_size)
+                want = m.register(rooms, ranks, now, dp_size, registrant, quota)
             except (InvalidBootstrapRequest, RoomConflict, RoomTableFull) as exc:
-                with pytest.raises(type(exc)):
-                    t.register(rooms, ranks, now, dp_size=dp_size)
+                with pytest.raises(type(exc)) as raised:
+                    t.register(rooms, ranks, now, dp_size=dp_size, registrant=registrant, quota=quota)
+                assert type(raised.value) is type(exc)
             else:
-                got = t.register(rooms, ranks, now, dp_size=dp_size)
+                got = t.register(rooms, ranks, now, dp_size=dp_size, registrant=registrant, quota=quota)
                 assert (got.added, got.unchanged, got.evicted) == want
         elif kind == "query":
             rooms = [pool[i] for i in args]
@@ -361,5 +421,6 @@ def test_matches_reference_model(ops: list, ttl: float, max_rooms: int, small_ri
             m.expire(now)
             while t.expire(now, budget=5) == 5:
                 pass
-        assert (t.stats.expired, t.stats.evicted, len(t)) == (m.expired, m.evicted, len(m.rooms))
+        assert (t.stats.expired, t.stats.evicted, t.stats.evicted_full, len(t)) == (m.expired, m.evicted, m.evicted_full, len(m.rooms))
+        assert t._held + [0] * (2 - len(t._held)) == [m.held(0), m.held(1)]
     check_invariants(t)

@@ -172,7 +172,7 @@ def test_roles_have_the_documented_live_fields() -> None:
     assert fields[Role.PREFILL] == {
         "active_requests", "pages_in_use", "pages_total", "transport_rooms", "prefix_cache_pages", "prefix_cache_evictions",
     }
-    assert fields[Role.BOOTSTRAP] == {"size", "max_rooms", "expired", "evicted"}
+    assert fields[Role.BOOTSTRAP] == {"size", "max_rooms", "expired", "evicted", "evicted_full"}
     assert fields[Role.ROUTER] == {"active_requests"}
 
 
