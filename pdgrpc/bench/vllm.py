@@ -66,7 +66,10 @@ async def _stream(session: Any, url: str, prompt: list[int], max_tokens: int) ->
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[5:])["choices"][0]
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: the stream ended with an error: {event['error']}")
+            choice = event["choices"][0]
             ids = choice.get("token_ids") or []
             if ids and first is None:
                 first = time.perf_counter() - t0
