@@ -25,7 +25,7 @@ import grpc
 
 from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
-from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, PoolShares, ShareExceeded
+from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, PoolShares
 from pdgrpc.decode.statuses import Refusal, ending
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
@@ -158,7 +158,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         pages = self.scheduler.pages_for(ids, max_new)
         try:
             await self.shares.take(client, pages, self.scheduler.config.deadlines.allocate_s)
-        except ShareExceeded as exc:
+        except TooManyOpenCalls as exc:
             raise ending(Refusal.OVERLOADED, str(exc)) from None
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         try:

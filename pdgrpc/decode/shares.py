@@ -20,7 +20,9 @@ import asyncio
 import collections
 import math
 
-__all__ = ["DEFAULT_MAX_DECODE_SHARE", "PoolShares", "ShareExceeded", "share_arg"]
+from pdgrpc.rpc.open_calls import TooManyOpenCalls
+
+__all__ = ["DEFAULT_MAX_DECODE_SHARE", "PoolShares", "share_arg"]
 
 DEFAULT_MAX_DECODE_SHARE = 0.5
 
@@ -34,10 +36,6 @@ def share_arg(text: str) -> float:
     if not math.isfinite(v) or not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
     return v
-
-
-class ShareExceeded(Exception):
-    """A client's call waited past its deadline for the client's share; the message names the flag."""
 
 
 class PoolShares:
@@ -62,13 +60,13 @@ class PoolShares:
 
     async def take(self, client: str, pages: int, wait_s: float) -> None:
         """Count a call of ``client`` needing ``pages``, once it fits its share: waits up
-        to ``wait_s`` for the client's own calls to free some, else ShareExceeded."""
+        to ``wait_s`` for the client's own calls to free some, else :class:`~pdgrpc.rpc.open_calls.TooManyOpenCalls` (the message names the flag)."""
         try:
             async with asyncio.timeout(wait_s):
                 while not self.fits(client, pages):
                     await self._freed.wait()
         except TimeoutError:
-            raise ShareExceeded(
+            raise TooManyOpenCalls(
                 f"client {client} holds {self.pages[client]} of the pool's pages in {self.calls[client]} calls waiting "
                 f"for their first token; {pages} more stay over its share ({self.share:g} of the pool: {self.page_cap} "
                 f"pages, {self.slot_cap} slots; --max-decode-share) after {wait_s:g} s"

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from pdgrpc.decode.shares import PoolShares, ShareExceeded
+from pdgrpc.decode.shares import PoolShares
+from pdgrpc.rpc.open_calls import TooManyOpenCalls
 
 
 async def test_a_call_past_its_clients_share_waits_for_that_client_only() -> None:
@@ -25,7 +26,7 @@ async def test_a_call_past_its_clients_share_waits_for_that_client_only() -> Non
 async def test_a_call_bigger_than_the_share_runs_alone_and_a_wait_ends_naming_the_flag() -> None:
     shares = PoolShares(0.25, num_pages=100, num_slots=8)
     await shares.take("a", 80, 1.0)  # alone: admitted whatever it needs
-    with pytest.raises(ShareExceeded, match="--max-decode-share"):
+    with pytest.raises(TooManyOpenCalls, match="--max-decode-share"):
         await shares.take("a", 1, 0.05)
 
 
