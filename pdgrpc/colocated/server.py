@@ -33,7 +33,7 @@ from pdgrpc.engine.colocated import prefill as prefill_chunks
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.gateway import add_gateway_arguments, colocated_service
 from pdgrpc.gateway.statuses import Refusal, ending
-from pdgrpc.rpc.drain import add_drain_arguments
+from pdgrpc.rpc.drain import Drain, add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
@@ -218,10 +218,11 @@ async def _main(ns: argparse.Namespace) -> None:
     server_impl = ColocatedServer(build_engine(ns), ns.chunk_size, ns.compute_nice)
     name = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
     services: list[ServiceSpec] = [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))]
-    gateway = colocated_service(server_impl, ns)  # smg's worker protocol (non-PD), with pdgrpc[gateway]
+    drain = Drain()
+    gateway = colocated_service(server_impl, ns, drain)  # smg's worker protocol (non-PD), with pdgrpc[gateway]
     if gateway is not None:
         services.append(gateway)
-    server = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc colocated")
+    server = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc colocated", drain=drain)
     server.on_stop(server_impl.close)
     await serve_until_signal(server, drain_timeout=ns.drain_timeout)
 

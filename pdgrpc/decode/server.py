@@ -90,7 +90,7 @@ async def _serve(
 ) -> int:
     # smg's worker protocol beside DecodeService, with pdgrpc[gateway] installed.
     server = await start_decode_server(
-        scheduler, ns.host, ns.port, extra=lambda d: decode_service(d, ns, ns.transport), max_per_client=ns.max_decodes_per_client,
+        scheduler, ns.host, ns.port, extra=lambda d, drain: decode_service(d, ns, ns.transport, drain), max_per_client=ns.max_decodes_per_client,
         max_share=ns.max_decode_share,
     )
     watcher = asyncio.ensure_future(_watch_ranks(procs, scheduler)) if procs else None

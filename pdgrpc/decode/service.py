@@ -30,6 +30,7 @@ from pdgrpc.decode.statuses import Refusal, ending
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
 from pdgrpc.rpc import tracing
+from pdgrpc.rpc.drain import Drain
 from pdgrpc.rpc.errors import reason_metadata
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
@@ -234,17 +235,19 @@ class DecodeServer:
 
 async def start_decode_server(
     scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0,
-    extra: Callable[[DecodeServicer], ServiceSpec | None] | None = None,
+    extra: Callable[[DecodeServicer, Drain], ServiceSpec | None] | None = None,
     max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT, max_share: float = DEFAULT_MAX_DECODE_SHARE,
 ) -> DecodeServer:
     """Start the scheduler and serve DecodeService (plus health and reflection, and
-    ``extra(servicer)`` when it names a service: smg's protocol). On stop, in-flight
+    ``extra(servicer, drain)`` when it names a service: smg's protocol, which reports the
+    server's drain). On stop, in-flight
     requests end UNAVAILABLE and the transport closes."""
     await scheduler.start()
     servicer = DecodeServicer(scheduler, max_per_client, max_share)
     wire = WireDecodeServicer(servicer)
     services: list[ServiceSpec] = [(SERVICE_NAME, lambda server: dpb_grpc.add_DecodeServiceServicer_to_server(wire, server))]
-    more = extra(servicer) if extra is not None else None
+    drain = Drain()
+    more = extra(servicer, drain) if extra is not None else None
     if more is not None:
         services.append(more)
     try:
@@ -253,6 +256,7 @@ async def start_decode_server(
             host=host,
             port=port,
             what="pdgrpc decode",
+            drain=drain,
         )
     except BaseException:
         await scheduler.close()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdgrpc.rpc.drain import Drain
     from pdgrpc.rpc.server import ServiceSpec
 
 __all__ = [
@@ -80,9 +81,10 @@ def served_model_name(ns: argparse.Namespace) -> str:
     return Path(model).resolve().name if model else DEFAULT_SERVED_MODEL_NAME
 
 
-def prefill_service(controller: Any, ns: argparse.Namespace, prefill: Any) -> "ServiceSpec | None":
+def prefill_service(controller: Any, ns: argparse.Namespace, prefill: Any, drain: "Drain") -> "ServiceSpec | None":
     """The SglangScheduler service over a prefill controller (``None`` without the extra);
-    ``prefill``: what serves its legs' ``Prefill`` (the controller's, counted per client)."""
+    ``prefill``: what serves its legs' ``Prefill`` (the controller's, counted per client);
+    ``drain``: its server's, which its health reports."""
     if not available():
         return None
     from pdgrpc.gateway.servicer import SERVICE_NAME, PrefillLeg, WorkerInfo, add_to_server
@@ -103,7 +105,7 @@ def prefill_service(controller: Any, ns: argparse.Namespace, prefill: Any) -> "S
 
     leg = PrefillLeg(
         prefill, info, active=lambda: sum(w.in_flight for w in controller.workers),
-        healthy=lambda: _prefill_ready(controller, ns),
+        healthy=lambda: not drain.draining and _prefill_ready(controller, ns),
         kv_events=None if ns.no_smg_kv_events else controller.kv_events,
     )
     return SERVICE_NAME, lambda server: add_to_server(leg, server)
@@ -116,8 +118,9 @@ def _prefill_ready(controller: Any, ns: argparse.Namespace) -> bool:
     return len(workers) == expected and not controller.stopping and all(w.alive and w.address for w in workers)
 
 
-def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "ServiceSpec | None":
-    """The SglangScheduler service over a decode server's DecodeServicer (``None`` without the extra)."""
+def decode_service(decode: Any, ns: argparse.Namespace, transport: str, drain: "Drain") -> "ServiceSpec | None":
+    """The SglangScheduler service over a decode server's DecodeServicer (``None`` without the
+    extra); ``drain``: its server's, which its health reports."""
     if not available():
         return None
     from pdgrpc.gateway.servicer import SERVICE_NAME, DecodeLeg, WorkerInfo, add_to_server
@@ -131,13 +134,14 @@ def decode_service(decode: Any, ns: argparse.Namespace, transport: str) -> "Serv
     )
     leg = DecodeLeg(
         decode, lambda: fixed, active=lambda: int(scheduler.stats().get("active_requests", 0)),
-        healthy=lambda: scheduler.fatal is None or not scheduler.fatal.done(),
+        healthy=lambda: not drain.draining and (scheduler.fatal is None or not scheduler.fatal.done()),
     )
     return SERVICE_NAME, lambda server: add_to_server(leg, server)
 
 
-def colocated_service(server: Any, ns: argparse.Namespace) -> "ServiceSpec | None":
-    """The SglangScheduler service over a colocated server, smg's non-PD worker (``None`` without the extra)."""
+def colocated_service(server: Any, ns: argparse.Namespace, drain: "Drain") -> "ServiceSpec | None":
+    """The SglangScheduler service over a colocated server, smg's non-PD worker (``None``
+    without the extra); ``drain``: its server's, which its health reports."""
     if not available():
         return None
     from pdgrpc.gateway.servicer import SERVICE_NAME, ColocatedLeg, WorkerInfo, add_to_server
@@ -148,5 +152,5 @@ def colocated_service(server: Any, ns: argparse.Namespace) -> "ServiceSpec | Non
         max_prompt_tokens=engine.max_prompt_tokens, max_running_requests=engine.num_pages, bootstrap_port=0,
         tokenizer=engine.tokenizer,
     )
-    leg = ColocatedLeg(server, lambda: fixed, active=server.active_requests, healthy=lambda: True)
+    leg = ColocatedLeg(server, lambda: fixed, active=server.active_requests, healthy=lambda: not drain.draining)
     return SERVICE_NAME, lambda s: add_to_server(leg, s)

@@ -132,7 +132,7 @@ class _Base(pb_grpc.SglangSchedulerServicer):
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         ok = self._healthy()
-        return pb.HealthCheckResponse(healthy=ok, message="serving" if ok else "not serving (starting, stopping or a worker is dead)")
+        return pb.HealthCheckResponse(healthy=ok, message="serving" if ok else "not serving (starting, draining, stopping or a worker is dead)")
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         return model_info(self.info())

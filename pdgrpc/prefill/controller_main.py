@@ -36,6 +36,7 @@ from pdgrpc.prefill.controller import Controller
 from pdgrpc.prefill.notices import notices_for
 from pdgrpc.prefill.registrar import DpRankRegistrar, counted
 from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
+from pdgrpc.rpc.drain import Drain
 from pdgrpc.rpc.server import RpcServer, run, serve_until_signal, start_server
 from pdgrpc.serving.engines import check_engine_args
 from pdgrpc.serving.kv_zmq import ZmqKvPublisher, check_zmq_args
@@ -69,12 +70,13 @@ async def main_async(ns: argparse.Namespace) -> int:
         )
         services.append((BOOTSTRAP_SERVICE, lambda s: add_bootstrap_servicer(embedded, s)))
     # smg's worker protocol, with pdgrpc[gateway]: its legs carry no room secret, and are counted per client as smg's.
-    gateway = prefill_service(controller, ns, wire.per_client)
+    drain = Drain()
+    gateway = prefill_service(controller, ns, wire.per_client, drain)
     if gateway is not None:
         services.append(gateway)
     # NOT_SERVING until every worker registered and is ready (set_serving below): a health
     # check that says SERVING must mean a Prefill call can be served.
-    server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False)
+    server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False, drain=drain)
     controller.server = server
     server.on_stop(controller.kv_events.close)
     if ns.kv_events_zmq:

@@ -208,10 +208,12 @@ async def start_server(
     what: str = "pdgrpc server",
     serving: bool = True,
     security: Security | None = None,
+    drain: Drain | None = None,
 ) -> RpcServer:
     """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
     and reflection. ``port=0`` picks a free port (``RpcServer.port``). ``serving=False``:
-    health reports NOT_SERVING (calls are still answered) until ``set_serving()``."""
+    health reports NOT_SERVING (calls are still answered) until ``set_serving()``.
+    ``drain``: the server's drain, for a service that reports it (made here without)."""
     services = list(services)
     security = security or current()
     security.check_listen(host, what)
@@ -221,7 +223,7 @@ async def start_server(
     # INVALID_ARGUMENT (pdgrpc.rpc.limits), and where a token is set, calls without it
     # end UNAUTHENTICATED before their request is parsed (pdgrpc.rpc.security).
     server = grpc.aio.server(options=list(options))
-    drain = Drain()
+    drain = Drain() if drain is None else drain
     wrapping = UndecodableIsInvalidArgument(server, drain_wrapper(drain, security.server_handler_wrapper()))
     names = []
     rpc: RpcServer | None = None

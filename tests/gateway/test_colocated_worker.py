@@ -20,6 +20,7 @@ from pdgrpc.engine.base import SamplingParams  # noqa: E402
 from pdgrpc.engine.colocated import generate as colocated_generate  # noqa: E402
 from pdgrpc.gateway import colocated_service  # noqa: E402
 from pdgrpc.gateway.requests import request_seed  # noqa: E402
+from pdgrpc.rpc.drain import Drain  # noqa: E402
 from pdgrpc.rpc.server import start_server  # noqa: E402
 from tests.eventually import eventually_async  # noqa: E402
 
@@ -37,7 +38,7 @@ def request(rid: str, ids, max_new: int, temperature: float = 0.0, **extra) -> p
 async def test_generate_stop_tokens_logprobs_and_abort():
     topology = load_topology("colocated")
     impl = ColocatedServer(reference_engine(topology), chunk_tokens=64)
-    server = await start_server([colocated_service(impl, argparse.Namespace(served_model_name="m"))], what="test colocated")
+    server = await start_server([colocated_service(impl, argparse.Namespace(served_model_name="m"), Drain())], what="test colocated")
     reference = reference_engine(topology)
     try:
         async with grpc.aio.insecure_channel(server.address) as ch:
@@ -75,6 +76,35 @@ async def test_generate_stop_tokens_logprobs_and_abort():
                     pass
             assert info_.value.code() == grpc.StatusCode.CANCELLED
             await eventually_async(lambda: impl.active_requests() == 0, 10, 0.05, lambda: "the aborted request is still held")
+    finally:
+        await server.stop(0)
+        await impl.close()
+
+
+async def test_health_check_reports_a_drain_while_a_request_runs():
+    """smg's HealthCheck on the facade says not healthy once the server drains, while the
+    request it admitted before still streams to its end."""
+    impl = ColocatedServer(reference_engine(load_topology("colocated")), chunk_tokens=64)
+    drain = Drain()
+    server = await start_server(
+        [colocated_service(impl, argparse.Namespace(served_model_name="m"), drain)], what="test colocated", drain=drain
+    )
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            assert (await stub.HealthCheck(pb.HealthCheckRequest())).healthy
+            req = request("long", (256,), 300)
+            req.sampling_params.ignore_eos = True
+            call = stub.Generate(req)
+            await call.read()
+            server.start_drain(30.0)
+            await eventually_async(lambda: drain.draining, 5, 0.01, lambda: "the drain did not start")
+            health = await stub.HealthCheck(pb.HealthCheckRequest())
+            assert not health.healthy and "draining" in health.message
+            last = None
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                last = msg
+            assert last is not None and last.complete.finish_reason == "length"
     finally:
         await server.stop(0)
         await impl.close()

@@ -24,6 +24,7 @@ from pdgrpc.cluster.credentials import ClusterCredentials  # noqa: E402
 from pdgrpc.cluster.reference import reference_engine  # noqa: E402
 from pdgrpc.colocated.server import ColocatedServer  # noqa: E402
 from pdgrpc.gateway import colocated_service  # noqa: E402
+from pdgrpc.rpc.drain import Drain  # noqa: E402
 from pdgrpc.rpc.server import start_server  # noqa: E402
 from tests.eventually import eventually_async  # noqa: E402
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.timeout(60)
 async def test_only_the_starting_gateway_may_abort(tmp_path: Path) -> None:
     creds = ClusterCredentials(tmp_path / "security", {"worker": "colocated", "smg-a": "smg", "smg-b": "smg"}, tls=True, token=False)
     impl = ColocatedServer(reference_engine(load_topology("colocated")), chunk_tokens=64)
-    server = await start_server([colocated_service(impl, argparse.Namespace(served_model_name="m"))], what="test colocated",
+    server = await start_server([colocated_service(impl, argparse.Namespace(served_model_name="m"), Drain())], what="test colocated",
                                 security=creds.security("worker"))
     try:
         async with creds.security("smg-a").channel(server.address) as a, creds.security("smg-b").channel(server.address) as b:
