@@ -45,7 +45,7 @@ What one ``Generate`` does::
    (``--migration-limit``, default 1) and only while prompt + generated tokens fit
    ``migration_max_seq_len``; past that the failure reaches the client as before.
 7. An instance whose call failed UNAVAILABLE is then passed over for ``eject_s`` seconds
-   (``--eject-s``): see :mod:`pdgrpc.router.ejection`.
+   (``--eject-s``): see :mod:`pdgrpc.state.ejections`.
 
 The prefill's status wins when both fail: a decode that sees its prefill abort reports a
 generic ABORTED, while the prefill knows the cause (e.g. the prompt is too long).
@@ -72,7 +72,6 @@ from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
-from pdgrpc.router.ejection import Ejections
 from pdgrpc.router.policy import DEFAULT_MARGIN, Policy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
@@ -81,6 +80,7 @@ from pdgrpc.serving.kv_events import LOCAL_PREFILL
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
+from pdgrpc.state.ejections import Ejections
 from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS, LocalPrefillRule, prefill_where
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
@@ -163,7 +163,7 @@ class RouterConfig:
     # token reached the client. After a token a stream migrates instead (migration_limit).
     retries: int = 1
     # Seconds an instance whose call failed UNAVAILABLE is passed over by new requests and
-    # retries (pdgrpc.router.ejection); 0: never.
+    # retries (pdgrpc.state.ejections); 0: never.
     eject_s: float = 5.0
     # Which prefill a request goes to (pdgrpc.router.policy): round_robin, least_load or
     # cache_aware; and how many more calls in flight than the least loaded instance a
@@ -348,7 +348,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def pick(self, prompt: Sequence[int], avoid: tuple[Side, str] | None = None) -> tuple[PrefillBackend, str]:
         """The prefill and decode for the next request, among the static lists or the live,
         compatible instances of the discovery view, passing over the ejected ones
-        (:mod:`pdgrpc.router.ejection`) unless every instance of the role is, and for a
+        (:mod:`pdgrpc.state.ejections`) unless every instance of the role is, and for a
         retry the instance ``avoid`` of that side, each by its role's policy
         (:mod:`pdgrpc.router.policy`). Raises :class:`RequestFailed` (UNAVAILABLE) when a
         role has no instance to go to."""
@@ -397,9 +397,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self.metrics.on_eject()
             log.warning("ejecting %s %s for %.1f s: %s", side.value, address, self._ejections.seconds, reason)
 
-    def _recovered(self, prefill: PrefillBackend, decode: str) -> None:
+    def _recovered(self, prefill: PrefillBackend, decode: str, sent: float) -> None:
         for role, address in (("prefill", prefill.address), ("decode", decode)):
-            if self._ejections.recovered(role, address):
+            if self._ejections.recovered(role, address, sent):
                 log.info("%s %s answered again; no longer ejected", role, address)
 
     # ---- the RPC ------------------------------------------------------------------------
@@ -433,13 +433,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         outcome = "cancelled by client"
         try:
             while True:
+                sent = time.monotonic()  # the ejections' clock: a success ends only a later ejection
                 try:
                     reply = await self._attempt(
                         context, arrived, room, request_id, fate, text, sampling, routed, prefill, decode,
                         deadline - time.monotonic(), trace,
                     )
                     fate.handle(Succeeded())
-                    self._recovered(prefill, decode)
+                    self._recovered(prefill, decode, sent)
                     break
                 except _AttemptFailed as b:
                     verdict = fate.handle(AttemptFailed(b.end, time.monotonic() < deadline))

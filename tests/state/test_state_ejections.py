@@ -1,9 +1,9 @@
-"""pdgrpc.router.ejection: which instances a router passes over, with a fake clock (no
+"""pdgrpc.state.ejections: which instances a router passes over, with a fake clock (no
 sockets; the router's use of it is in test_router_retry)."""
 
 from __future__ import annotations
 
-from pdgrpc.router.ejection import Ejections
+from pdgrpc.state.ejections import Ejections
 from pdgrpc.state.routing import candidates
 
 ADDRS = ["a:1", "b:2", "c:3"]
@@ -49,12 +49,30 @@ def test_a_second_failure_extends_the_ejection_and_is_not_a_new_one() -> None:
 
 
 def test_with_every_instance_ejected_all_are_chosen_and_a_success_readmits() -> None:
-    e = Ejections(5.0, Clock())
+    clock = Clock()
+    e = Ejections(5.0, clock)
     for a in ADDRS:
         e.eject("prefill", a)
     assert picks(e, range(3)) == ADDRS  # better a likely failure than a certain refusal
-    assert e.recovered("prefill", "c:3") and not e.recovered("prefill", "c:3")
+    assert e.recovered("prefill", "c:3", clock()) and not e.recovered("prefill", "c:3", clock())
     assert set(picks(e, range(10))) == {"c:3"}
+
+
+def test_only_a_call_admitted_since_the_ejection_ends_it() -> None:
+    """A draining decode refuses new calls while the streams it admitted before finish:
+    their successes say nothing of new requests, so it stays passed over until a call
+    sent after its refusal succeeds there (a probe once the ejection ran out, or a pick
+    when every decode is ejected)."""
+    clock = Clock()
+    e = Ejections(5.0, clock)
+    before = clock()  # a long stream, admitted before the drain
+    clock.now += 1.0
+    assert e.eject("decode", "a:1")  # a new call refused: draining
+    clock.now += 1.0
+    assert not e.recovered("decode", "a:1", before)  # the old stream finished well
+    assert e.now("decode") == {"a:1"}
+    assert e.recovered("decode", "a:1", clock())  # a call sent after the refusal succeeded
+    assert not e.now("decode")
 
 
 def test_zero_seconds_never_ejects_and_expired_entries_are_dropped() -> None:
