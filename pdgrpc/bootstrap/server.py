@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-rooms", type=int, default=DEFAULT_MAX_ROOMS, metavar="N",
-        help="hard cap on rooms held; at the cap a new room evicts the oldest room no decode has queried yet (a queried room is never evicted; when every room is queried, new ones are refused with RESOURCE_EXHAUSTED until rooms expire). Memory is reserved for it: about 56 bytes per room, touched as rooms arrive (default: %(default)s)",
+        help="hard cap on rooms held; at the cap a new room evicts the oldest room no decode has queried yet (a queried room is never evicted; when every room is queried, new ones are refused with RESOURCE_EXHAUSTED until rooms expire). Memory is reserved for it: about 62 bytes per room, touched as rooms arrive (default: %(default)s)",
     )
     p.add_argument(
         "--max-rooms-per-registrant", type=int, default=0, metavar="N",

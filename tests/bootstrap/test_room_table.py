@@ -275,6 +275,7 @@ class Model:
         self.queried: set[int] = set()
         self.pinned: set[int] = set()
         self.owner: dict[int, int] = {}
+        self.cursor = 0
 
     def held(self, registrant: int) -> int:
         return sum(1 for r in self.rooms if r not in self.queried and self.owner[r] == registrant)
@@ -354,8 +355,18 @@ class Model:
             if need > 0 and need > len(self.rooms) - len(self.queried) - len(self.pinned):
                 raise RoomTableFull(len(self.rooms), self.max_rooms, len(new))
             before = self.evicted
-            while len(self.rooms) + len(new) > self.max_rooms:
-                self._pop(1, now)
+            for seq, room, t in list(self.ring):  # on from the cursor, oldest first
+                if len(self.rooms) + len(new) <= self.max_rooms:
+                    break
+                if seq < self.cursor:
+                    continue
+                self.cursor = seq + 1
+                if room in self.rooms and self.rooms[room][1] == seq and room not in self.queried and room not in self.pinned:
+                    del self.rooms[room]
+                    if t + self.ttl <= now:
+                        self.expired += 1
+                    else:
+                        self.evicted += 1
             self.evicted_full += self.evicted - before
             self.pinned = set()
         for r in renew:
