@@ -98,11 +98,15 @@ def test_bootstrap_table_size_expirations_and_evictions(serve) -> None:
     assert s.value("pdgrpc_bootstrap_rooms", role="bootstrap") == 3
     assert s.value("pdgrpc_bootstrap_rooms_capacity", role="bootstrap") == 4
     table.register([4], [1], now=1.0)
-    with pytest.raises(RoomTableFull):
-        table.register([5, 6], [1, 1], now=1.0)  # over the cap: refused, nothing evicted
+    table.query([3, 4], now=1.0)  # a decode found rooms 3 and 4
+    table.register([5, 6], [1, 1], now=1.0)  # over the cap: evicts 1 and 2, never queried
     s = scrape()
     assert s.value("pdgrpc_bootstrap_rooms", role="bootstrap") == 4
-    assert s.value("pdgrpc_bootstrap_rooms_evicted_total", role="bootstrap") == 0
+    assert s.value("pdgrpc_bootstrap_rooms_evicted_total", role="bootstrap") == 2
+    assert s.value("pdgrpc_bootstrap_rooms_evicted_full_total", role="bootstrap") == 2
+    table.query([5, 6], now=1.0)
+    with pytest.raises(RoomTableFull):
+        table.register([7], [1], now=1.0)  # every live room is queried: refused
     assert s.value("pdgrpc_bootstrap_rooms_expired_total", role="bootstrap") == 0
     table.expire(now=100.0)
     s = scrape()
