@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import random
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 import pytest
@@ -136,22 +136,25 @@ async def wait_published(cluster: Cluster, name: str, pages: int, *, decode: boo
     raise AssertionError(f"{name} never reported {pages} stored pages")
 
 
-async def wait_nothing_held(cluster: Cluster, timeout: float = 20.0) -> None:
+async def wait_nothing_held(cluster: Cluster, timeout: float = 20.0, names: Sequence[str] | None = None) -> None:
     """Poll every prefill's and decode's GetStats until nothing is held (bounded); then,
-    when the cluster serves metrics, the live gauges scraped over HTTP must say the same."""
+    when the cluster serves metrics, the live gauges scraped over HTTP must say the same.
+    ``names``: only these processes, by GetStats alone (the others may be dead)."""
     deadline = time.monotonic() + timeout
     held: dict[str, dict[str, int]] = {}
+    everyone = names is None
+    polled = [p.name for p in cluster.topology.processes if p.role in ("prefill", "decode")] if names is None else list(names)
 
     async def nothing_held() -> bool:
-        cluster.check()
-        names = [p.name for p in cluster.topology.processes if p.role in ("prefill", "decode")]
-        stats = dict(zip(names, await asyncio.gather(*(cluster.stats(n) for n in names))))
+        if everyone:
+            cluster.check()
+        stats = dict(zip(polled, await asyncio.gather(*(cluster.stats(n) for n in polled))))
         held.clear()
         held.update({name: h for name, s in stats.items() if (h := {f: getattr(s, f) for f in HELD_FIELDS if getattr(s, f)})})
         return not held
 
     await eventually_async(nothing_held, timeout, 0.1, lambda: f"still held after the last request: {held}")
-    if cluster.metrics_endpoints():
+    if everyone and cluster.metrics_endpoints():
         await wait_metrics_idle(cluster, max(1.0, deadline - time.monotonic()))
 
 

@@ -19,8 +19,7 @@ from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.topology import Topology, parse_topology, servers_dir
 from pdgrpc.v1 import common_pb2, generate_pb2
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
-from tests.e2e.harness import TRANSPORTS, Case, reference_outputs_for, skip_unless_transport
-from tests.e2e.test_drain import _nothing_held
+from tests.e2e.harness import TRANSPORTS, Case, reference_outputs_for, skip_unless_transport, wait_nothing_held
 from tests.scrape import scrape
 
 pytestmark = pytest.mark.timeout(240)
@@ -106,4 +105,4 @@ async def test_sigkill_of_a_decode_at_token_5_of_64_migrates_every_stream_exactl
             migrated = router.value("pdgrpc_router_migrations_total", role="router", reason="peer_failure")
             assert migrated >= 1, "no stream was running on the killed decode"
             assert router.value("pdgrpc_requests_total", role="router", state="aborted") == 0
-            await _nothing_held(cluster, [p.name for p in topology.processes if p.role in ("prefill", "decode") and p.name != "decode-a"])
+            await wait_nothing_held(cluster, names=[p.name for p in topology.processes if p.role in ("prefill", "decode") and p.name != "decode-a"])
