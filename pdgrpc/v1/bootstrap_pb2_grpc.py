@@ -80,13 +80,15 @@ class BootstrapServiceServicer:
         """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
         room again with the same rank is idempotent and renews its TTL. An entry lives for
         the server's TTL (default 120 s) after its last registration; past the server's cap
-        on rooms, a batch with new rooms is refused (live rooms are never evicted). The
+        on rooms, the oldest rooms no decode has queried are evicted for new ones (a queried
+        room never is), and each caller identity holds at most its quota of unqueried rooms. The
         dp_rank range is checked once the workers' first complete registration has fixed
         the topology (registrations may come before it).
         INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), a batch over the limit,
         entries beside bootstrap_rooms, or bootstrap_rooms and dp_ranks of unequal lengths.
         ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
-        RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
+        RESOURCE_EXHAUSTED: the caller holds its quota of unqueried rooms, or every live room
+        of the table is queried (the limit named in the message).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

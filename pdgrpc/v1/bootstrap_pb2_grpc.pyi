@@ -41,13 +41,15 @@ class BootstrapServiceStub:
     """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
     room again with the same rank is idempotent and renews its TTL. An entry lives for
     the server's TTL (default 120 s) after its last registration; past the server's cap
-    on rooms, a batch with new rooms is refused (live rooms are never evicted). The
+    on rooms, the oldest rooms no decode has queried are evicted for new ones (a queried
+    room never is), and each caller identity holds at most its quota of unqueried rooms. The
     dp_rank range is checked once the workers' first complete registration has fixed
     the topology (registrations may come before it).
     INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), a batch over the limit,
     entries beside bootstrap_rooms, or bootstrap_rooms and dp_ranks of unequal lengths.
     ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
-    RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
+    RESOURCE_EXHAUSTED: the caller holds its quota of unqueried rooms, or every live room
+    of the table is queried (the limit named in the message).
     """
     QueryDpRanks: _grpc.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryDpRanksRequest, _bootstrap_pb2.QueryDpRanksResponse]
     """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
@@ -99,13 +101,15 @@ class BootstrapServiceAsyncStub(BootstrapServiceStub):
     """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
     room again with the same rank is idempotent and renews its TTL. An entry lives for
     the server's TTL (default 120 s) after its last registration; past the server's cap
-    on rooms, a batch with new rooms is refused (live rooms are never evicted). The
+    on rooms, the oldest rooms no decode has queried are evicted for new ones (a queried
+    room never is), and each caller identity holds at most its quota of unqueried rooms. The
     dp_rank range is checked once the workers' first complete registration has fixed
     the topology (registrations may come before it).
     INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), a batch over the limit,
     entries beside bootstrap_rooms, or bootstrap_rooms and dp_ranks of unequal lengths.
     ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
-    RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
+    RESOURCE_EXHAUSTED: the caller holds its quota of unqueried rooms, or every live room
+    of the table is queried (the limit named in the message).
     """
     QueryDpRanks: _aio.UnaryUnaryMultiCallable[_bootstrap_pb2.QueryDpRanksRequest, _bootstrap_pb2.QueryDpRanksResponse]  # type: ignore[assignment]
     """Look up the prefill dp rank of a batch of rooms; unknown or expired rooms are not an
@@ -160,13 +164,15 @@ class BootstrapServiceServicer(metaclass=_abc_1.ABCMeta):
         """Record room -> prefill dp rank for a batch of rooms, all or none. Registering a
         room again with the same rank is idempotent and renews its TTL. An entry lives for
         the server's TTL (default 120 s) after its last registration; past the server's cap
-        on rooms, a batch with new rooms is refused (live rooms are never evicted). The
+        on rooms, the oldest rooms no decode has queried are evicted for new ones (a queried
+        room never is), and each caller identity holds at most its quota of unqueried rooms. The
         dp_rank range is checked once the workers' first complete registration has fixed
         the topology (registrations may come before it).
         INVALID_ARGUMENT: a room of 0, a dp_rank outside [0, dp_size), a batch over the limit,
         entries beside bootstrap_rooms, or bootstrap_rooms and dp_ranks of unequal lengths.
         ALREADY_EXISTS: a room is already registered with a different rank (named in the message).
-        RESOURCE_EXHAUSTED: the table holds its cap of live rooms (named in the message).
+        RESOURCE_EXHAUSTED: the caller holds its quota of unqueried rooms, or every live room
+        of the table is queried (the limit named in the message).
         """
 
     @_abc_1.abstractmethod
