@@ -44,7 +44,10 @@ async def test_a_killed_tp_rank_restarts_its_whole_group_and_the_instance_serves
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "transport": "tests.e2e.faulty:SlowSenderTcp", "worker-respawn-max-backoff": 1})
         if p.role == "prefill"
-        else dataclasses.replace(p, args={**p.args, "transport": "tests.e2e.faulty:ShortLeaseTcp"}) if p.role == "decode" else p
+        # The decode's prefix cache off: every repeat of CASE goes through the prefill (a
+        # decode holding it would compute it itself, with no transfer in flight to catch).
+        else dataclasses.replace(p, args={**p.args, "transport": "tests.e2e.faulty:ShortLeaseTcp", "no-decode-prefix-cache": True})
+        if p.role == "decode" else p
         for p in topology.processes
     )
     topology = dataclasses.replace(topology, processes=procs)
