@@ -53,7 +53,9 @@ async def test_the_client_command_prints_text_timings_and_a_seed_that_replays(cl
     assert "6 tokens, finish length; ttft" in summary and "kv " in summary and " GB/s" in summary and "seed " in summary
 
     full = json.loads(client(router, "The capital of France is", "--max-new-tokens", "6", "--json").stdout)
-    assert full["text"] == text and len(full["token_ids"]) == 6 and full["ttft_seconds"] > 0 and full["bytes_transferred"] > 0
+    assert full["text"] == text and len(full["token_ids"]) == 6 and full["ttft_seconds"] > 0
+    # A repeated prompt may be served from the decode's prefix cache, moving no KV.
+    assert isinstance(full["bytes_transferred"], int) and full["bytes_transferred"] >= 0
 
     streamed = client(router, "The capital of France is", "--max-new-tokens", "6", "--stream", "--json")
     assert streamed.returncode == 0, streamed.stderr

@@ -296,7 +296,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # With discovery: the live view from etcd, read on every request.
         self._view = view
         self._turn = 0
-        self._ejections = Ejections(config.eject_s)
+        self._ejections = Ejections(config.eject_s, time.monotonic)
         self._limits = RouteLimits(config.retries, config.migration_limit, config.migration_seq_len)
         self._tokenizer: Any = ByteTokenizer()
         if config.model:  # the checkpoint's tokenizer (torch-free: tokenizers only)

@@ -12,7 +12,6 @@ the streams it admitted while it refuses new ones. Pure: the clock is a paramete
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 __all__ = ["Ejections"]
@@ -22,7 +21,7 @@ class Ejections:
     """Ejected ``(role, address)`` pairs and when each ejection ends. At most one entry per
     instance that failed within the last ``seconds``: bounded by the instances known."""
 
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
         self.seconds = seconds  # how long an ejection lasts; 0: never eject
         self._clock = clock
         # (role, address) -> clock() when it was last ejected, and when it ends
