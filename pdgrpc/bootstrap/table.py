@@ -162,6 +162,10 @@ class RoomTable(RoomSlots):
 
     # ------------------------------------------------------------------ public API
 
+    def held(self, registrant: int) -> int:
+        """Stored rooms of ``registrant`` that no decode has queried (what its quota counts)."""
+        return self._held[registrant] if registrant < len(self._held) else 0
+
     def __len__(self) -> int:
         return self._size
 
