@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdgrpc.argtypes import whole_number
-from pdgrpc.discovery.etcd import Registration
+from pdgrpc.discovery.etcd import Registration, Watcher
+from pdgrpc.discovery.identity import DialIdentity
 from pdgrpc.discovery.etcd_client import EtcdTarget, parse_discovery_url, rpc
 from pdgrpc.discovery.record import Instance, MembershipView, check_name, cluster_prefix, instance_key
 from pdgrpc.discovery.signing import RecordSigner, RecordVerifier
@@ -35,7 +36,7 @@ __all__ = [
     "advertised_address",
     "check_discovery_args",
     "etcd_target",
-    "membership_view",
+    "membership_watcher",
     "register_on",
     "registration_from_args",
 ]
@@ -187,12 +188,17 @@ def registration_from_args(
     )
 
 
-def membership_view(cluster: str) -> MembershipView:
-    """The view of ``cluster``'s prefix a router keeps: under mTLS (this process's
-    installed security has a CA) it takes only records signed by a certificate of that CA
-    naming the record's role."""
-    ca = current().ca
-    return MembershipView(cluster_prefix(cluster), None if ca is None else RecordVerifier(ca).open)
+def membership_watcher(ns: argparse.Namespace) -> Watcher:
+    """The router's watch of ``--cluster-name``'s prefix (not started). Under mTLS (this
+    process's installed security has a CA) its view takes only records signed by a
+    certificate of that CA naming the record's role, and lists one only once the server
+    at its address shows the signer's key (:mod:`pdgrpc.discovery.identity`)."""
+    security = current()
+    prefix = cluster_prefix(ns.cluster_name)
+    if security.ca is None:
+        return Watcher(etcd_target(ns), MembershipView(prefix))
+    view = MembershipView(prefix, RecordVerifier(security.ca).open, prove=True)
+    return Watcher(etcd_target(ns), view, identity=DialIdentity(security.ca, security.cert, security.key))
 
 
 def register_on(server: "RpcServer", registration: Registration | None) -> None:

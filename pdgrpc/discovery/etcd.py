@@ -12,6 +12,9 @@ Both run as background tasks over :class:`~pdgrpc.discovery.etcd_client.EtcdClie
 * :class:`Watcher` lists the prefix, then watches it from the listing's revision; each
   (re)connection lists again, so deletes missed while etcd was away still apply.
   Meanwhile a probe (every ``probe_s``) catches a watch stream that hangs silently.
+  Given a :class:`~pdgrpc.discovery.identity.DialIdentity` (a router under mTLS), it
+  checks each signed record's address for the signer's key before the view lists it,
+  retrying with backoff while nothing answers there.
 
 While etcd is unreachable both keep what they had (the instance keeps serving, the
 router keeps its last view), retry with capped exponential backoff over every endpoint in
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 from pdgrpc.discovery.etcd_client import EtcdClient, EtcdTarget, Watch, parse_discovery_url
+from pdgrpc.discovery.identity import DialIdentity, NotTheSigner
 from pdgrpc.discovery.record import Instance, MembershipView
 from pdgrpc.discovery.signing import RecordSigner
 from pdgrpc.errors import ConfigError
@@ -211,10 +215,13 @@ class Watcher:
         target: EtcdTarget,
         view: MembershipView,
         probe_s: float = 2.0,
+        identity: DialIdentity | None = None,
     ) -> None:
         self._ep = _Endpoints(target)
         self.view = view
         self.probe_s = probe_s
+        self._identity = identity
+        self._proving: dict[str, asyncio.Task[None]] = {}  # key -> its address's check
         self.synced = asyncio.Event()  # set once the first listing landed
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -232,8 +239,35 @@ class Watcher:
         return True
 
     async def _notify(self) -> None:
+        self._prove()
         async with self._changed:
             self._changed.notify_all()
+
+    def _prove(self) -> None:
+        """Check the address of every signed record the view has not proven yet."""
+        if self._identity is None:
+            return
+        for key, address, signer in self.view.unproven():
+            if key not in self._proving:
+                self._proving[key] = asyncio.ensure_future(self._prove_one(self._identity, key, address, signer))
+
+    async def _prove_one(self, identity: DialIdentity, key: str, address: str, signer: bytes) -> None:
+        delay = BACKOFF_FIRST_S
+        try:
+            while (key, address, signer) in self.view.unproven():
+                try:
+                    shown: bytes | None = await identity.presented(address)
+                except NotTheSigner:
+                    shown = None
+                except (OSError, asyncio.TimeoutError, ValueError):  # nothing answers there (yet)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, BACKOFF_CAP_S)
+                    continue
+                self.view.prove(key, address, signer, shown)
+                break
+        finally:
+            self._proving.pop(key, None)
+        await self._notify()  # listed, or the record changed meanwhile: check it again
 
     async def _run(self) -> None:
         outage = _Outage(f"watch of {self.view.prefix}")
@@ -292,7 +326,9 @@ class Watcher:
             await client.status()  # raises when etcd is gone; the watch is restarted then
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._proving.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await task

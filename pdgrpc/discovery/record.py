@@ -23,6 +23,12 @@ takes only records signed by a certificate of the cluster's CA that names the re
 role; an unsigned or wrongly signed value is ignored like any bad value. Every ignored
 value is counted (:attr:`MembershipView.ignored`); the first few are logged, then one line
 per thousand, so a flood of junk keys costs a parse and a count each.
+
+A signed record names its signer's key. Given ``prove=True`` (a router under mTLS), its
+instance is listed only once the server at its address has shown that key (:meth:`MembershipView.prove`, fed by the watcher's
+:class:`pdgrpc.discovery.identity.DialIdentity`): a record pointing at another
+instance's address is never routed to, and each such refusal is counted
+(:attr:`MembershipView.identity_mismatches`) and logged once.
 """
 
 from __future__ import annotations
@@ -145,11 +151,13 @@ def _check_address(addr: str, field: str) -> None:
 class _Entry:
     instance: Instance
     create_revision: int
+    signer: bytes | None = None  # the signer's key fingerprint; None: unsigned (nothing to check)
+    proven: bool | None = None  # whether its address showed the signer's key; None: not yet known
 
 
-Opener = Callable[[bytes], "tuple[bytes, frozenset[str] | None]"]
-"""A signed value -> the record inside and the roles its signer may write (None: any);
-raises ConfigError saying why a value is not taken."""
+Opener = Callable[[bytes], "tuple[bytes, frozenset[str] | None, bytes]"]
+"""A signed value -> the record inside, the roles its signer may write (None: any) and the
+signer's key fingerprint; raises ConfigError saying why a value is not taken."""
 
 _LOGGED_SKIPS = 16  # distinct bad values logged one by one; past them, one line per _SKIP_LOG_EVERY
 _SKIP_LOG_EVERY = 1000
@@ -158,10 +166,12 @@ _SKIP_LOG_EVERY = 1000
 class MembershipView:
     """The live instances under one cluster prefix, fed by etcd puts and deletes."""
 
-    def __init__(self, prefix: str, opener: Opener | None = None) -> None:
+    def __init__(self, prefix: str, opener: Opener | None = None, *, prove: bool = False) -> None:
         self.prefix = prefix
         self._open = opener
+        self._prove = prove  # whether a signed record waits for prove() before it is listed
         self.ignored = 0  # values not taken (bad, unsigned, wrongly signed), counted on every put
+        self.identity_mismatches = 0  # signed records whose address showed another key than the signer's
         self._entries: dict[str, _Entry] = {}
         self._skipped: set[str] = set()  # digests of (key, value) already logged as skipped
         self._skips = 0  # distinct values skipped
@@ -175,7 +185,8 @@ class MembershipView:
         try:
             if where is None:
                 raise ConfigError("key is not /pdgrpc/<cluster>/<role>/<instance id>")
-            record, roles = (value, None) if self._open is None else self._open(value)
+            record, roles, signer = (value, None, None) if self._open is None else self._open(value)
+            signer = signer if self._prove else None
             inst = Instance.from_json(record)
             if (inst.role, inst.instance_id) != where:
                 raise ConfigError(f"record says {inst.role}/{inst.instance_id}, key says {where[0]}/{where[1]}")
@@ -187,11 +198,35 @@ class MembershipView:
             self._remove(key)  # a key overwritten with garbage no longer names a live instance
             return
         old = self._entries.get(key)
-        self._entries[key] = _Entry(inst, create_revision)
-        if old is None or old.instance != inst:
+        # What the address showed holds while the address and the signer stay.
+        same = old is not None and (old.instance.address, old.signer) == (inst.address, signer)
+        self._entries[key] = _Entry(inst, create_revision, signer, old.proven if same and old is not None else None)
+        if old is None or old.instance != inst or not same:
             self.version += 1
             what = "joined" if old is None else f"changed (generation {old.instance.generation} -> {inst.generation})"
             log.info("discovery: %s %s %s at %s (generation %d)", inst.role, inst.instance_id, what, inst.address, inst.generation)
+
+    def unproven(self) -> list[tuple[str, str, bytes]]:
+        """``(key, address, signer)`` of each signed record whose address has not yet
+        shown the signer's key (see :meth:`prove`)."""
+        return [(k, e.instance.address, e.signer) for k, e in self._entries.items() if e.signer is not None and e.proven is None]
+
+    def prove(self, key: str, address: str, signer: bytes, shown: bytes | None) -> None:
+        """The server at ``address`` showed key ``shown`` (None: a certificate the CA did
+        not sign): ``key``'s instance is listed when that is its signer's, else never
+        dialed (counted, logged once). Stale when the record changed meanwhile."""
+        entry = self._entries.get(key)
+        if entry is None or (entry.instance.address, entry.signer) != (address, signer) or entry.proven is not None:
+            return
+        ok = shown == signer
+        self._entries[key] = dataclasses.replace(entry, proven=ok)
+        if ok:
+            self.version += 1
+            return
+        self.identity_mismatches += 1
+        self._skip(key, address.encode() + b"\0" + signer, (
+            f"ignored: the server at {address} shows another certificate than the record's signer; not dialed"
+        ))
 
     def delete(self, key: str) -> None:
         entry = self._entries.get(key)
@@ -261,8 +296,9 @@ class MembershipView:
         ref = self.reference()
         out = []
         for key in sorted(self._entries):
-            inst = self._entries[key].instance
-            if inst.role != role:
+            entry = self._entries[key]
+            inst = entry.instance
+            if inst.role != role or (entry.signer is not None and not entry.proven):
                 continue
             if role != "bootstrap" and ref is not None and (inst.compat_hash, inst.transport) != ref:
                 self._skip(key, inst.to_json(), (

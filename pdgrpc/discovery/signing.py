@@ -8,6 +8,11 @@ now, names the record's role (``spiffe://pdgrpc/role/<role>``, :mod:`pdgrpc.rpc.
 a certificate naming no role names every role) and the signature verifies
 (:meth:`RecordVerifier.open`). Anyone else who can write to etcd -- without a key the
 CA signed, or with a client's -- can only add keys that are ignored and counted.
+
+The reader also learns the signer's key (:func:`key_fingerprint`): a router dials a
+record's address only once the server there has shown that key
+(:mod:`pdgrpc.discovery.identity`), so a signer cannot point a record at another
+instance.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.roles import ROLE_URI
 
-__all__ = ["SEALED", "RecordSigner", "RecordVerifier"]
+__all__ = ["SEALED", "RecordSigner", "RecordVerifier", "key_fingerprint"]
 
 SEALED = 1  # the envelope's format version
 
@@ -35,6 +40,18 @@ def _crypto() -> Any:
     except ImportError:
         raise ConfigError("signed discovery records need the 'cryptography' package: pip install 'pdgrpc[tls]'") from None
     return x509, InvalidSignature, hashes, serialization, ec, padding, rsa
+
+
+def key_fingerprint(cert_der: bytes) -> bytes:
+    """SHA-256 of the certificate's public key (its DER SubjectPublicKeyInfo): the same
+    for every certificate issued to one key."""
+    x509, _, hashes, serialization, *_ = _crypto()
+    spki = x509.load_der_x509_certificate(cert_der).public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo,
+    )
+    digest = hashes.Hash(hashes.SHA256())
+    digest.update(spki)
+    return bytes(digest.finalize())
 
 
 def _read(path: Path, flag: str) -> bytes:
@@ -73,10 +90,11 @@ class RecordVerifier:
         x509, *_ = _crypto()
         self._ca = x509.load_pem_x509_certificate(_read(ca, "--tls-ca"))
 
-    def open(self, value: bytes) -> tuple[bytes, frozenset[str] | None]:
-        """The record inside ``value`` and the roles its writer's certificate names (None:
-        every role); ConfigError saying why it is not taken."""
-        x509, InvalidSignature, hashes, _, ec, padding, rsa = _crypto()
+    def open(self, value: bytes) -> tuple[bytes, frozenset[str] | None, bytes]:
+        """The record inside ``value``, the roles its writer's certificate names (None:
+        every role) and the writer's :func:`key_fingerprint`; ConfigError saying why it
+        is not taken."""
+        x509, InvalidSignature, hashes, serialization, ec, padding, rsa = _crypto()
         try:
             doc = json.loads(value)
         except (UnicodeDecodeError, ValueError):
@@ -111,4 +129,4 @@ class RecordVerifier:
         except x509.ExtensionNotFound:
             uris = []
         roles = frozenset(u[len(ROLE_URI):] for u in uris if u.startswith(ROLE_URI))
-        return record.encode(), roles or None
+        return record.encode(), roles or None, key_fingerprint(cert.public_bytes(serialization.Encoding.DER))

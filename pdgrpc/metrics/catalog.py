@@ -189,6 +189,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_P,), field="prefix_cache_pages",
     ),
     MetricSpec(
+        "pdgrpc_discovery_identity_mismatches_total", "counter",
+        "Signed discovery records the router never dials (count): the server at the record's address shows another "
+        "certificate than the record's signer (under mTLS).",
+        _R, (_X,), field="identity_mismatches",
+    ),
+    MetricSpec(
         "pdgrpc_prefix_cache_evictions_total", "counter",
         "Cached KV pages evicted, least recently used first, to make room for new prompts (count).",
         _R, (_P,), field="prefix_cache_evictions",

@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, etcd_target, membership_view
-from pdgrpc.discovery.etcd import Watcher
+from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, membership_watcher
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.router.kv_events import KvEventFollower
@@ -135,7 +134,7 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     metrics = RouterMetrics()
     watcher = None
     if args.discovery:
-        watcher = Watcher(etcd_target(args), membership_view(args.cluster_name))
+        watcher = membership_watcher(args)
         watcher.start()
     index = PrefixIndex() if config.policy == "cache_aware" else None
     view = None if watcher is None else watcher.view
@@ -164,7 +163,8 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
         [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s))],
         host=args.host, port=args.port, what="pdgrpc router", security=current().public(),
     )
-    metrics.bind(lambda: {"active_requests": servicer.active})  # the servicer's own count
+    mismatches = (lambda: 0) if view is None else (lambda: view.identity_mismatches)
+    metrics.bind(lambda: {"active_requests": servicer.active, "identity_mismatches": mismatches()})
     try:
         stop_metrics = start_metrics_from_args(args, metrics.registry, "router")
     except BaseException:

@@ -173,7 +173,7 @@ def test_roles_have_the_documented_live_fields() -> None:
         "active_requests", "pages_in_use", "pages_total", "transport_rooms", "prefix_cache_pages", "prefix_cache_evictions",
     }
     assert fields[Role.BOOTSTRAP] == {"size", "max_rooms", "expired", "evicted", "evicted_full"}
-    assert fields[Role.ROUTER] == {"active_requests"}
+    assert fields[Role.ROUTER] == {"active_requests", "identity_mismatches"}
 
 
 def test_every_method_the_readme_tells_servers_to_call_exists() -> None:
