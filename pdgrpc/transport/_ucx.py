@@ -20,8 +20,10 @@ through its shared-memory eager buffers and zero-copies larger ones with cma).
 
 Progress ("blocking" mode, driven by the loop): one task per worker calls
 ``worker.progress()``, yielding to the loop between rounds, while progress finds work;
-then it arms the worker and sleeps on UCX's epoll file descriptor (with a bounded
-safety timeout), so an idle transport costs ~no CPU. While a large send batch is being
+then it arms the worker and sleeps on UCX's epoll file descriptor. An idle worker (no
+send or data receive pending) sleeps on the fd alone, with no timer: on a small host
+every wake-up costs CPU taken from the compute. While a transfer is pending a bounded
+safety timeout backs the fd up. While a large send batch is being
 read it polls once per loop tick instead, unarmed, so the receiver need not wake it per
 message (:mod:`pdgrpc.transport._ucx_quiet`). Optionally (``spin_s`` > 0) it busy-polls
 up to ``spin_s`` after the last completion while a send or data receive is pending. The
@@ -71,7 +73,7 @@ class UcxWorker:
     for exactly that long.
     """
 
-    def __init__(self, *, spin_s: float = 0.0, idle_timeout_s: float = 0.05, quiet_sends: bool = True,
+    def __init__(self, *, spin_s: float = 0.0, pending_timeout_s: float = 0.05, quiet_sends: bool = True,
                  functions: Api | None = None) -> None:
         self._api = functions if functions is not None else api()  # the libucp calls (tests count them)
         self._context: int | None
@@ -90,7 +92,7 @@ class UcxWorker:
             raise
         self.handle: int = self._worker  # type: ignore[assignment]  # set just above
         self._spin_s = spin_s
-        self._idle_timeout_s = idle_timeout_s
+        self._pending_timeout_s = pending_timeout_s  # the safety timer while a transfer is pending
         self._quiet = QuietSends() if quiet_sends else None  # see pdgrpc.transport._ucx_quiet
         self._receiving: set[int] = set()  # tokens of data receives (not background ones) in flight
         # token -> (request pointer, callback, keepalive)
@@ -440,8 +442,8 @@ class UcxWorker:
             w.set_result(None)
 
     def _on_timer(self) -> None:
-        # Safety net against a missed wakeup; not counted as activity, so an idle
-        # worker goes straight back to sleep after one progress round.
+        # Safety net against a missed wakeup while a transfer is pending; not counted as
+        # activity, so the worker goes straight back to sleep after one progress round.
         w = self._wake
         if w is not None and not w.done():
             w.set_result(None)
@@ -474,17 +476,18 @@ class UcxWorker:
             self._loop.remove_reader(self._fd)
         self._reader_on = on
 
-    async def _sleep(self, timeout: float, *, armed: bool) -> None:
-        """Until ``timeout``, kick(), or (``armed``) UCX's epoll fd fires."""
+    async def _sleep(self, timeout: float | None, *, armed: bool) -> None:
+        """Until ``timeout`` (None: no timer), kick(), or (``armed``) UCX's epoll fd fires."""
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
         self._wake = fut
         self._set_reader(armed)
-        timer = self._loop.call_later(timeout, self._on_timer)
+        timer = self._loop.call_later(timeout, self._on_timer) if timeout is not None else None
         try:
             await fut
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             self._wake = None
             self._set_reader(False)
 
@@ -498,9 +501,10 @@ class UcxWorker:
                     # a large send batch is being read: poll next tick, unarmed (_ucx_quiet)
                     await self._sleep(QUIET_TICK_S, armed=False)
                     continue
-                # Idle: arm the worker and sleep until its epoll fd fires. arm() is
-                # False when events are pending, in which case we progress again.
+                # Arm the worker and sleep until its epoll fd fires (or kick()); with a
+                # transfer pending, at most the safety timeout. arm() is not UCS_OK
+                # when events are pending, in which case we progress again.
                 if self._api.worker_arm(self._worker) == UCS_OK:  # else UCS_ERR_BUSY: events pending
-                    await self._sleep(self._idle_timeout_s, armed=True)
+                    await self._sleep(self._pending_timeout_s if self._busy() else None, armed=True)
                     continue
             await asyncio.sleep(0)

@@ -1,0 +1,34 @@
+"""An idle UCX worker sleeps on its event fd alone: no timer wakes it, and a message
+sent to it wakes it at once (on a small host every idle wake-up is CPU taken from the
+compute)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+ucx = pytest.importorskip("pdgrpc.transport._ucx", reason="needs the ucx extra: pip install 'pdgrpc[ucx]'")
+pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra")
+from tests.transport.test_ucx_quiet import _CountingApi  # noqa: E402  (after the importorskips)
+from tests.transport.ucx_pair import Pair, until  # noqa: E402
+
+
+async def test_an_idle_worker_does_not_wake_until_a_message_arrives() -> None:
+    counting = _CountingApi(ucx.api())
+    async with Pair(tx_functions=counting) as pair:
+        inbox = np.zeros(64, dtype=np.uint8)
+        got: list[Any] = []
+        # A control receive, always posted: the worker is idle with it.
+        pair.tx.recv([(inbox.ctypes.data, inbox.nbytes)], 0x77, ucx.FULL_MASK,
+                     lambda status, length, tag: got.append((status, length)), inbox, background=True)
+        await asyncio.sleep(0.05)
+        counting.progress = 0
+        await asyncio.sleep(0.3)
+        assert counting.progress == 0  # asleep on the fd the whole time
+        note = np.full(64, 7, dtype=np.uint8)
+        pair.rx.send(pair.back, [(note.ctypes.data, note.nbytes)], 0x77, lambda *a: None, note)
+        await until(lambda: bool(got), timeout=5.0)  # only the fd can wake it: no timer would
+        assert got == [(ucx.UCS_OK, 64)] and bytes(inbox) == bytes(note)
