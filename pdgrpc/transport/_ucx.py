@@ -42,7 +42,7 @@ import ctypes
 import functools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pdgrpc.errors import TransportUnavailable
 from pdgrpc.transport._ucx_api import (
@@ -74,7 +74,7 @@ class UcxWorker:
     """
 
     def __init__(self, *, spin_s: float = 0.0, pending_timeout_s: float = 0.05, quiet_sends: bool = True,
-                 functions: Api | None = None) -> None:
+                 functions: Api | None = None, on_progress: Callable[[], None] | None = None) -> None:
         self._api = functions if functions is not None else api()  # the libucp calls (tests count them)
         self._context: int | None
         self._worker: int | None
@@ -92,6 +92,7 @@ class UcxWorker:
             raise
         self.handle: int = self._worker  # type: ignore[assignment]  # set just above
         self._spin_s = spin_s
+        self._on_progress = on_progress  # called after each progress round in which UCX did something
         self._pending_timeout_s = pending_timeout_s  # the safety timer while a transfer is pending
         self._quiet = QuietSends() if quiet_sends else None  # see pdgrpc.transport._ucx_quiet
         self._receiving: set[int] = set()  # tokens of data receives (not background ones) in flight
@@ -454,12 +455,15 @@ class UcxWorker:
         # Completions are handed over after each progress call that made some: a row
         # that came with a write's data is then handled before the data's copies flush
         # the caches, not after them.
-        progress, worker, dispatched = self._api.worker_progress, self._worker, False
+        progress, worker, dispatched, moved = self._api.worker_progress, self._worker, False, False
         while progress(worker):
+            moved = True
             if self._done:
                 dispatched |= self._dispatch()
                 if self._worker is None:
                     return dispatched
+        if moved and self._on_progress is not None:
+            self._on_progress()
         return self._dispatch() or dispatched
 
     def _busy(self) -> bool:

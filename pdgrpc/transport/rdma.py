@@ -111,7 +111,7 @@ class RdmaTransport(Transport):
         if write_ahead not in (0, 1):
             raise ConfigError(f"rdma: write_ahead must be 1 (on) or 0 (off), got {write_ahead!r}")
         # raises TransportUnavailable (with the install hint)
-        self._worker = UcxWorker(spin_s=progress_spin_s, quiet_sends=bool(quiet_sends))
+        self._worker = UcxWorker(spin_s=progress_spin_s, quiet_sends=bool(quiet_sends), on_progress=self._sweep_soon)
         self._liveness = Liveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
                                   interval=liveness_interval, lease=liveness_lease, key=self.auth_key,
                                   credential_for=self.credential_for, writers=self.writers)
@@ -192,9 +192,17 @@ class RdmaTransport(Transport):
                     buf = ctypes.create_string_buffer(CTRL_BUF)
                     self._ctrl_bufs.append(buf)
                     self._post_ctrl(kind, buf)
-            self._sweeper = loop.call_later(SWEEP_S, self._sweep_tick)
+
+    def _sweep_soon(self) -> None:
+        """UCX did something: a stray message may have arrived, so sweep within SWEEP_S.
+        Nothing arrives at a worker that does not progress, so an idle one never sweeps
+        (and never wakes for it); the receives a sweep posts progress in turn, so a
+        queue holding more than SWEEP_MAX is swept again."""
+        if self._sweeper is None and not self._closed and self._loop is not None:
+            self._sweeper = self._loop.call_later(SWEEP_S, self._sweep_tick)
 
     def _sweep_tick(self) -> None:
+        self._sweeper = None
         if self._closed:
             return
         dropped = self._receiver.sweep()
@@ -204,7 +212,6 @@ class RdmaTransport(Transport):
                 self._swept_warned = True
                 log.warning("rdma: dropped %d stray UCX messages that no connection of this transport sent "
                             "(counted in stray_messages; warned once)", dropped)
-        self._sweeper = self._loop.call_later(SWEEP_S, self._sweep_tick) if self._loop is not None else None
 
     def _post_ctrl(self, kind: int, buf: ctypes.Array[ctypes.c_char]) -> None:
         """Keep a control receive of ``kind`` posted into ``buf``: CTRL messages go to the

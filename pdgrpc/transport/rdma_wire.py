@@ -77,7 +77,7 @@ SCRATCH = 1 << 20  # drain buffer for rejected payloads
 CLOSE_SEND_GRACE_S = 1.0  # close(): how long in-flight sends to live peers may finish
 EARLY_MAX = 1024  # control messages kept per connection ahead of a missing one (and how far ahead)
 DROPPED_MAX = 256  # dropped connections remembered, so their in-flight writes are drained
-SWEEP_S = 0.1  # how often the receiver drops stray messages from UCX's unexpected queue
+SWEEP_S = 0.1  # how soon after UCX progressed the receiver drops stray messages from its unexpected queue
 SWEEP_MAX = 4096  # messages dropped per sweep at most
 
 

@@ -32,3 +32,19 @@ async def test_an_idle_worker_does_not_wake_until_a_message_arrives() -> None:
         pair.rx.send(pair.back, [(note.ctypes.data, note.nbytes)], 0x77, lambda *a: None, note)
         await until(lambda: bool(got), timeout=5.0)  # only the fd can wake it: no timer would
         assert got == [(ucx.UCS_OK, 64)] and bytes(inbox) == bytes(note)
+
+
+async def test_an_idle_rdma_transport_does_not_sweep() -> None:
+    """The receiver sweeps stray messages from UCX's queue only after UCX progressed
+    (tests/transport/test_rdma_hostile.py: strays are still dropped)."""
+    from tests.transport.test_rdma_hostile import _paired
+
+    async with _paired() as (recv, *_):
+        receiver = recv.receiver
+        sweep = receiver.sweep
+        sweeps: list[int] = []
+        receiver.sweep = lambda: sweeps.append(sweep()) or sweeps[-1]
+        await asyncio.sleep(0.25)  # the connection's own messages are swept
+        sweeps.clear()
+        await asyncio.sleep(0.35)
+        assert sweeps == []
