@@ -222,7 +222,9 @@ async def _main(ns: argparse.Namespace) -> None:
     gateway = colocated_service(server_impl, ns, drain)  # smg's worker protocol (non-PD), with pdgrpc[gateway]
     if gateway is not None:
         services.append(gateway)
-    server = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc colocated", drain=drain)
+    server = await start_server(
+        services, host=ns.host, port=ns.port, what="pdgrpc colocated", drain=drain, gateway_listen=getattr(ns, "gateway_listen", None),
+    )
     server.on_stop(server_impl.close)
     await serve_until_signal(server, drain_timeout=ns.drain_timeout)
 

@@ -91,7 +91,7 @@ async def _serve(
     # smg's worker protocol beside DecodeService, with pdgrpc[gateway] installed.
     server = await start_decode_server(
         scheduler, ns.host, ns.port, extra=lambda d, drain: decode_service(d, ns, ns.transport, drain), max_per_client=ns.max_decodes_per_client,
-        max_share=ns.max_decode_share,
+        max_share=ns.max_decode_share, gateway_listen=getattr(ns, "gateway_listen", None),
     )
     watcher = asyncio.ensure_future(_watch_ranks(procs, scheduler)) if procs else None
     fatal_stop = asyncio.ensure_future(_stop_on_fatal(scheduler, server.rpc))

@@ -237,10 +237,11 @@ async def start_decode_server(
     scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0,
     extra: Callable[[DecodeServicer, Drain], ServiceSpec | None] | None = None,
     max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT, max_share: float = DEFAULT_MAX_DECODE_SHARE,
+    gateway_listen: str | None = None,
 ) -> DecodeServer:
     """Start the scheduler and serve DecodeService (plus health and reflection, and
     ``extra(servicer, drain)`` when it names a service: smg's protocol, which reports the
-    server's drain). On stop, in-flight
+    server's drain; ``gateway_listen``: smg's loopback listener). On stop, in-flight
     requests end UNAVAILABLE and the transport closes."""
     await scheduler.start()
     servicer = DecodeServicer(scheduler, max_per_client, max_share)
@@ -257,6 +258,7 @@ async def start_decode_server(
             port=port,
             what="pdgrpc decode",
             drain=drain,
+            gateway_listen=gateway_listen,
         )
     except BaseException:
         await scheduler.close()

@@ -53,6 +53,24 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "one smg: each smg request's room secret is an HMAC of its request id under it, so a request id seen in a log "
         "proves nothing. The launcher makes one per cluster. Without it the secret is derived from the request id alone",
     )
+    g.add_argument(
+        "--gateway-listen", type=_gateway_listen, metavar="HOST:PORT",
+        help="also serve on this loopback address (127.0.0.1:PORT; nothing else is accepted), in plaintext, for smg, "
+        "which presents no credential: every caller there has the gateway role alone, so it reaches smg's worker "
+        "protocol and nothing else (not RegisterWorker, Handshake, Drain...). The main listener keeps its TLS and "
+        "tokens for everyone else. The launcher sets it behind smg when the cluster is secured",
+    )
+
+
+def _gateway_listen(text: str) -> str:
+    """``--gateway-listen``'s value, refused at parse time unless on loopback."""
+    from pdgrpc.rpc.security import loopback_address
+
+    try:
+        loopback_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def room_key(ns: argparse.Namespace) -> bytes:

@@ -43,15 +43,17 @@ import grpc
 
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.limits import HandlerWrapper
-from pdgrpc.rpc.roles import OPEN_METHODS, ROLE_URI, ROLES, callers
+from pdgrpc.rpc.roles import GATEWAY, OPEN_METHODS, ROLE_URI, ROLES, callers
 
 __all__ = [
     "AUTH_HEADER",
     "Security",
     "add_security_arguments",
     "current",
+    "gateway_handler_wrapper",
     "install",
     "is_loopback",
+    "loopback_address",
     "parse_roles",
     "peer_identity",
     "read_secret",
@@ -315,6 +317,36 @@ class _Gate:
             if named is not None:
                 roles = named if roles is None else roles & named
         return roles
+
+
+def gateway_handler_wrapper() -> HandlerWrapper:
+    """What a gateway listener (``--gateway-listen``) wraps each handler in: its callers
+    prove nothing and are the ``gateway`` role alone, so a method :data:`CALLERS` does not
+    open to the gateway is refused PERMISSION_DENIED before its request is read."""
+
+    def wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        allowed = callers(method)
+        if method in OPEN_METHODS or GATEWAY in allowed:
+            return handler
+        refused: Refusal = (grpc.StatusCode.PERMISSION_DENIED,
+                            f"{method} is not open to the gateway listener, whose callers are the gateway role alone: "
+                            f"it takes {', '.join(sorted(allowed)) or 'no caller'}")
+        return require_caller(handler, method, lambda _context: refused)
+
+    return wrap
+
+
+def loopback_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) of a loopback listener, as ``(host, port)``;
+    ValueError saying why for anything else: a listener that trusts its callers without
+    credentials must be out of the network's reach."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port of 0-65535, got {text!r}")
+    if not is_loopback(host):
+        raise ValueError(f"{host!r} is not a loopback address (127.0.0.1, ::1, localhost): this listener takes callers "
+                         "without credentials, so only this host may reach it")
+    return host.strip("[]"), int(port)
 
 
 def _checking(behaviour: Callable[..., Any], check: Check, parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:

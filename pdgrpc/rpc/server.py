@@ -22,6 +22,9 @@ Each server gets:
 * server reflection, listing the named services (``grpcurl``, ``grpc_cli`` work);
 * the process's security (:mod:`pdgrpc.rpc.security`, or ``security=``): TLS or mTLS,
   a bearer-token check; a non-loopback ``host`` with neither is refused unless insecure;
+* with ``gateway_listen`` (``--gateway-listen``), a second listener on loopback only,
+  plaintext, serving the same services to callers that are the ``gateway`` role alone
+  (smg, which presents no credential);
 * one INFO log line ``<what> listening on <host>:<port> (...)``;
 * graceful drain (:mod:`pdgrpc.rpc.drain`): on SIGTERM or SIGINT (:func:`serve_until_signal`)
   or a ``DrainService.Drain`` call, health turns NOT_SERVING, new Prefill, Decode and
@@ -52,8 +55,9 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from pdgrpc.rpc.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainServicer, drain_wrapper
 from pdgrpc.rpc.drain import SERVICE_NAME as DRAIN_SERVICE
-from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, UndecodableIsInvalidArgument
-from pdgrpc.rpc.security import Security, current
+from pdgrpc.errors import ConfigError
+from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, HandlerWrapper, UndecodableIsInvalidArgument
+from pdgrpc.rpc.security import Security, current, gateway_handler_wrapper, loopback_address
 from pdgrpc.v1 import drain_pb2_grpc
 
 log = logging.getLogger("pdgrpc.rpc")
@@ -110,9 +114,12 @@ class RpcServer:
 
     def __init__(
         self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, host: str, port: int, services: Sequence[str],
-        drain: Drain | None = None,
+        drain: Drain | None = None, gateway: grpc.aio.Server | None = None,
     ) -> None:
         self.server = server
+        # The gateway listener (--gateway-listen): the same services, to the gateway role alone.
+        self.gateway = gateway
+        self.gateway_address: str | None = None
         self.health = health_servicer
         self.host = host
         self.port = port
@@ -192,11 +199,15 @@ class RpcServer:
         await self._announce_drain()
         for callback in self._on_stop:
             await callback()
-        await self.server.stop(grace)
+        await asyncio.gather(*(s.stop(grace) for s in self._servers()))
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-        await self.server.wait_for_termination()
+        for server in self._servers():
+            await server.wait_for_termination()
+
+    def _servers(self) -> list[grpc.aio.Server]:
+        return [self.server] if self.gateway is None else [self.server, self.gateway]
 
 
 async def start_server(
@@ -209,33 +220,80 @@ async def start_server(
     serving: bool = True,
     security: Security | None = None,
     drain: Drain | None = None,
+    gateway_listen: str | None = None,
 ) -> RpcServer:
     """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
     and reflection. ``port=0`` picks a free port (``RpcServer.port``). ``serving=False``:
     health reports NOT_SERVING (calls are still answered) until ``set_serving()``.
-    ``drain``: the server's drain, for a service that reports it (made here without)."""
+    ``drain``: the server's drain, for a service that reports it (made here without).
+    ``gateway_listen``: ``HOST:PORT`` on loopback where the same services are also served
+    in plaintext to the ``gateway`` role alone (:attr:`RpcServer.gateway_address`)."""
     services = list(services)
     security = security or current()
     security.check_listen(host, what)
+    gateway_bind = None
+    if gateway_listen is not None:
+        try:
+            gateway_bind = loopback_address(gateway_listen)
+        except ValueError as exc:
+            raise ConfigError(f"--gateway-listen: {exc}") from None
     credentials = security.server_credentials()
+    drain = Drain() if drain is None else drain
+    rpc: RpcServer | None = None
+    drain_servicer = DrainServicer(drain, lambda timeout: _started(rpc, timeout))
+    services.append((DRAIN_SERVICE, lambda s: drain_pb2_grpc.add_DrainServiceServicer_to_server(drain_servicer, s)))
+    names = [name for name, _add in services]
+    health_servicer = health.aio.HealthServicer()
     # No per-call interceptor: every service (health and reflection too) is added
     # through a view that wraps its handlers once: undecodable requests end
     # INVALID_ARGUMENT (pdgrpc.rpc.limits), and where a token is set, calls without it
     # end UNAUTHENTICATED before their request is parsed (pdgrpc.rpc.security).
+    server = _server(services, health_servicer, options, drain_wrapper(drain, security.server_handler_wrapper()))
+    bound = _bind(server, host, port, credentials, what)
+    gateway: grpc.aio.Server | None = None
+    gateway_port = 0
+    if gateway_bind is not None:
+        # The same servicers, drain and health on a second server whose callers are the
+        # gateway role alone: smg presents no credential, and reaches only what it calls.
+        gateway = _server(services, health_servicer, options, drain_wrapper(drain, gateway_handler_wrapper()))
+        gateway_port = _bind(gateway, gateway_bind[0], gateway_bind[1], None, f"{what} gateway listener")
+    await server.start()
+    if gateway is not None:
+        await gateway.start()
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *names):
+        await health_servicer.set(name, status)
+    rpc = RpcServer(server, health_servicer, host, bound, names, drain, gateway=gateway)
+    tls = "plaintext" if credentials is None else "mTLS" if security.ca is not None else "TLS"
+    auth = ", bearer token" if security.token_file is not None or security.roles_file is not None else ""
+    auth += ", role tokens" if security.roles_file is not None else ""
+    log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names))
+    if gateway_bind is not None:
+        rpc.gateway_address = f"{gateway_bind[0]}:{gateway_port}"
+        log.info("%s gateway listener on %s (plaintext, loopback only; every caller has the gateway role alone)", what, rpc.gateway_address)
+    return rpc
+
+
+def _server(
+    services: Sequence[ServiceSpec], health_servicer: health.aio.HealthServicer, options: Sequence[tuple[str, int | str]],
+    wrapper: HandlerWrapper,
+) -> grpc.aio.Server:
+    """A ``grpc.aio`` server with ``services``, health and reflection, each handler wrapped
+    once in ``wrapper``."""
     server = grpc.aio.server(options=list(options))
-    drain = Drain() if drain is None else drain
-    wrapping = UndecodableIsInvalidArgument(server, drain_wrapper(drain, security.server_handler_wrapper()))
-    names = []
-    rpc: RpcServer | None = None
-    drain_servicer = DrainServicer(drain, lambda timeout: _started(rpc, timeout))
-    for name, add in [*services, (DRAIN_SERVICE, lambda s: drain_pb2_grpc.add_DrainServiceServicer_to_server(drain_servicer, s))]:
+    wrapping = UndecodableIsInvalidArgument(server, wrapper)
+    for _name, add in services:
         add(wrapping)  # stands for the server: see UndecodableIsInvalidArgument
-        names.append(name)
-    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, wrapping)
     # What reflection.enable_server_reflection does for a grpc.aio server, through the view.
+    names = [name for name, _add in services]
     reflecting = reflection.aio.ReflectionServicer([*names, health.SERVICE_NAME, reflection.SERVICE_NAME])
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflecting, wrapping)
+    return server
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: Any, what: str) -> int:
+    """Bind ``server`` to ``host:port`` (TLS with ``credentials``, else plaintext); the bound port."""
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
@@ -243,16 +301,7 @@ async def start_server(
         raise OSError(f"{what}: cannot bind {bind} (address in use, or not an address of this host)") from exc
     if bound == 0:
         raise OSError(f"{what}: cannot bind {bind}")
-    await server.start()
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", *names):
-        await health_servicer.set(name, status)
-    rpc = RpcServer(server, health_servicer, host, bound, names, drain)
-    tls = "plaintext" if credentials is None else "mTLS" if security.ca is not None else "TLS"
-    auth = ", bearer token" if security.token_file is not None or security.roles_file is not None else ""
-    auth += ", role tokens" if security.roles_file is not None else ""
-    log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names))
-    return rpc
+    return int(bound)
 
 
 def _started(rpc: RpcServer | None, timeout: float | None) -> float:
