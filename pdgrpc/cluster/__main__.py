@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="'auto': a throwaway CA (its key deleted once it has signed) and one certificate per process in "
         "LOG_DIR/security, naming its role; every process serves mTLS and presents its certificate "
         "(clients use security/client.pem, client.key, ca.pem). "
-        "Default: the topology's [security], else auto (off with --insecure, or where smg runs)",
+        "Behind smg, each worker also serves smg on a loopback listener that grants the gateway role alone, and "
+        "smg's HTTP side takes only LOG_DIR/security/smg-api-key as its bearer token. "
+        "Default: the topology's [security], else auto (off with --insecure)",
     )
     p.add_argument(
         "--auth-token", choices=SECURITY_MODES,
@@ -81,19 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def tls_mode(args: argparse.Namespace, topology: Topology) -> str | None:
     """The launcher's ``tls``: what --tls or the topology's [security] says, else mTLS with
-    roles; plain mode (logged) with --insecure, or where smg runs (it calls its workers in
-    plaintext)."""
+    roles; plain mode (logged) with --insecure."""
     if args.insecure and args.tls == "auto":
         raise ConfigError("--insecure runs the cluster in plaintext: drop it, or --tls auto")
     if args.tls or topology.tls or topology.security_files:
         return str(args.tls) if args.tls else None
     if args.insecure:
         print("plain mode (--insecure): no TLS; without --auth-token any local process can call every RPC of the cluster",
-              file=sys.stderr, flush=True)
-        return "off"
-    if topology.by_role("smg"):
-        print("plain mode: smg calls its workers in plaintext, so this topology runs without TLS "
-              "(with --tls auto its workers refuse smg)",
               file=sys.stderr, flush=True)
         return "off"
     return "auto"

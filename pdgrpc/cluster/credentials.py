@@ -84,7 +84,14 @@ class ClusterCredentials:
         # The key an smg setup's prefill and decode servers derive room secrets under
         # (--smg-room-key-file): a request id alone then proves nothing.
         self.smg_room_key: Path | None = write_token(directory / "smg-room-key") if smg else None
+        # smg's HTTP side takes only callers with this key (its --api-key) in a secured cluster.
+        self.smg_api_key: Path | None = write_token(directory / "smg-api-key") if smg and self.secured else None
         self.client = self.security(CLIENT)
+
+    @property
+    def secured(self) -> bool:
+        """Whether the cluster's servers take only callers with credentials (a certificate or a token)."""
+        return bool(self.certs or self.tokens)
 
     @property
     def token(self) -> Path | None:

@@ -28,7 +28,10 @@
   process's credentials. A
   router whose args set ``public-tls-cert`` serves clients server-only TLS: pass
   ``public_ca`` (its certificate's CA) and the router's clients trust that and present
-  nothing.
+  nothing. smg presents no credential: in a secured cluster each worker it calls also
+  listens for it on a loopback port (``--gateway-listen``, where every caller is the
+  ``gateway`` role alone) and smg calls that, and smg's HTTP side takes only the key in
+  ``LOG_DIR/security/smg-api-key``.
 * :meth:`Cluster.start` starts them all at once (they find each other lazily), then waits
   until each one's ``grpc.health.v1`` check answers SERVING, bounded by
   ``start_timeout``; an smg process starts only then, and is ready when it says so. A process that exits meanwhile fails the start with its log tail.
@@ -118,6 +121,11 @@ class Proc:
     quick_exits: int = 0  # exits in a row within STABLE_S of a start
     started_at: float = 0.0  # monotonic
     restarting: bool = False  # Cluster.restart is stopping it: its exit is no failure
+    gateway_port: int | None = None  # its loopback listener for smg (--gateway-listen), in a secured cluster
+
+    @property
+    def gateway_address(self) -> str | None:
+        return None if self.gateway_port is None else f"{HOST}:{self.gateway_port}"
 
     @property
     def address(self) -> str:
@@ -257,16 +265,36 @@ class Cluster:
                 proc.metrics_ports[""] = base
                 for offset, key in enumerate(children, start=1):
                     proc.metrics_ports[key] = base + offset  # derived_metrics_port(base, offset)
+        for smg in self.topology.by_role("smg"):
+            if self.credentials.secured:
+                self._gateway_ports(smg, taken)
         for proc in self.procs.values():
             if proc.spec.role == "smg":
                 proc.argv = smg_argv(
-                    proc.spec, HOST, proc.port, proc.metrics_ports[""], self.address, self.bootstrap_address, self._python
+                    proc.spec, HOST, proc.port, proc.metrics_ports[""], self.smg_worker_address, self.bootstrap_address, self._python,
+                    api_key_file=self.credentials.smg_api_key,
                 )
             elif proc.spec.role != "etcd":
                 proc.argv = [self._python, "-m", proc.spec.module, *self._flags(proc)]
             proc.argv = [*place(proc.spec, self.hosts, HOST)[1], *proc.argv]
 
+    def _gateway_ports(self, smg: ProcessSpec, taken: set[int]) -> None:
+        """A loopback listener for ``smg`` on each of its workers: smg presents no
+        credential, so a secured worker serves it there, to the gateway role alone."""
+        for name in (*smg.prefill, *smg.decode):
+            if self.procs[name].spec.host != smg.host:
+                raise ClusterError(
+                    f"smg {smg.name!r} reaches {name!r} on a loopback listener only (it presents no credential to a secured "
+                    f"worker): place them on one host, or run the cluster with neither --tls nor --auth-token"
+                )
+            self.procs[name].gateway_port = port = free_port(taken)
+            taken.add(port)
+
     # ---- addresses ----------------------------------------------------------------------
+
+    def smg_worker_address(self, name: str) -> str:
+        """Where smg calls worker ``name``: its gateway listener in a secured cluster, else its port."""
+        return self.procs[name].gateway_address or self.address(name)
 
     def address(self, name: str) -> str:
         return self.procs[name].address
@@ -307,6 +335,8 @@ class Cluster:
             out.append("--insecure")
         if "" in proc.metrics_ports:
             out += ["--metrics-port", str(proc.metrics_ports[""]), "--metrics-host", proc.ip]
+        if proc.gateway_address is not None:
+            out += ["--gateway-listen", proc.gateway_address]
         if spec.role in ("prefill", "decode"):
             out += ["--transport", self.transport, *flags(self.topology.engine)]
             if self.credentials.smg_room_key is not None:
@@ -433,12 +463,17 @@ class Cluster:
         ``python -m pdgrpc.cluster restart`` reads)."""
         c = self.client_security
         state = {
-            "processes": {name: {"role": p.spec.role, "address": p.address, "pid": p.pid} for name, p in self.procs.items()},
+            "processes": {name: self._state_of(p) for name, p in self.procs.items()},
             "client": {k: None if v is None else str(v) for k, v in (("cert", c.cert), ("key", c.key), ("ca", c.ca), ("token_file", c.token_file))},
         }
         tmp = self.log_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(self.log_dir / STATE_FILE)
+
+    @staticmethod
+    def _state_of(p: Proc) -> dict[str, Any]:
+        gateway = {} if p.gateway_address is None else {"gateway_address": p.gateway_address}
+        return {"role": p.spec.role, "address": p.address, "pid": p.pid, **gateway}
 
     async def restart(self, name: str, timeout: float = 60.0) -> None:
         """Restart process ``name`` gently: SIGTERM (it drains: new requests go elsewhere,
@@ -595,6 +630,8 @@ class Cluster:
         for p in self.procs.values():
             pid = "" if p.pid is None else f"  pid {p.pid}"
             lines.append(f"  {p.spec.name:<12} {p.spec.role:<9} {p.address}{pid}")
+            if p.gateway_address is not None:
+                lines.append(f"  {'':<12} {'':<9} gateway listener (smg's, loopback): {p.gateway_address}")
             for key, port in p.metrics_ports.items():
                 what = "metrics" if key == "" else f"metrics {key}"
                 lines.append(f"  {'':<12} {'':<9} {what}: http://{p.ip}:{port}/metrics")
@@ -603,6 +640,8 @@ class Cluster:
             shown = [f"{flag} {path}" for flag, path in (("--tls-cert", c.cert), ("--tls-key", c.key), ("--tls-ca", c.ca),
                                                          ("--auth-token-file", c.token_file)) if path is not None]
             lines.append(f"  clients present: {' '.join(shown)}")
+        if self.credentials.smg_api_key is not None:
+            lines.append(f"  smg's clients present: Authorization: Bearer <the key in {self.credentials.smg_api_key}>")
         return "\n".join(lines)
 
 

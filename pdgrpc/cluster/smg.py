@@ -18,6 +18,11 @@ listener on 127.0.0.1 (smg binds 0.0.0.0 for HTTP and metrics unless told otherw
 bootstrap is embedded, else its bootstrap process's (on the same host). smg passes it to
 both legs of every request, and the decode finds the prefill's bootstrap there.
 
+In a secured cluster (``--tls``/``--auth-token``) smg, which presents no credential to
+gRPC workers, calls each worker's loopback gateway listener instead of its port
+(``--gateway-listen``: plaintext, every caller the ``gateway`` role alone), and takes
+``--api-key`` (``LOG_DIR/security/smg-api-key``) from its own HTTP clients.
+
 The launcher starts smg only once its workers answer their health checks: smg's first
 check of a worker that is not up fails, and smg then waits out its retry delay. The
 process is ready when ``GET /readiness`` answers 200 (every worker healthy); its
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdgrpc.cluster.topology import ProcessSpec, flags
+from pdgrpc.rpc.security import read_secret
 
 __all__ = ["SMG_DEFAULTS", "readiness", "smg_argv", "smg_executable"]
 
@@ -53,15 +59,18 @@ def smg_executable(python: str = sys.executable) -> str:
 
 def smg_argv(
     spec: ProcessSpec, host: str, port: int, metrics_port: int, address: Callable[[str], str],
-    bootstrap_address: Callable[[str], str], python: str = sys.executable,
+    bootstrap_address: Callable[[str], str], python: str = sys.executable, api_key_file: Path | None = None,
 ) -> list[str]:
-    """``smg launch`` argv for ``spec``: its prefills (with their bootstrap ports) and decodes."""
+    """``smg launch`` argv for ``spec``: its prefills (with their bootstrap ports) and decodes
+    at ``address(name)``; ``api_key_file``: the key its HTTP clients must present (``--api-key``)."""
     out = [smg_executable(python), "launch", "--pd-disaggregation", "--host", host, "--port", str(port),
            "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
     for name in spec.prefill:
         out += ["--prefill", f"grpc://{address(name)}", bootstrap_address(name).rpartition(":")[2]]
     for name in spec.decode:
         out += ["--decode", f"grpc://{address(name)}"]
+    if api_key_file is not None:
+        out += ["--api-key", read_secret(api_key_file, "smg's api key file").decode().strip()]
     out += flags({k: v for k, v in SMG_DEFAULTS.items() if k not in spec.args})
     return out + flags(spec.args)
 

@@ -14,11 +14,13 @@ def _conn(base_url: str, timeout: float) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
 
 
-def post(base_url: str, path: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, Any]:
-    """POST JSON to ``base_url`` + ``path`` (base without ``/v1``); ``(status, parsed body)``."""
+def post(base_url: str, path: str, body: dict[str, Any], timeout: float = 60.0, api_key: str | None = None) -> tuple[int, Any]:
+    """POST JSON to ``base_url`` + ``path`` (base without ``/v1``); ``(status, parsed body)``.
+    ``api_key``: sent as ``Authorization: Bearer`` (smg's ``--api-key``)."""
     conn = _conn(base_url, timeout)
     try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        conn.request("POST", path, json.dumps(body), headers)
         resp = conn.getresponse()
         data = resp.read()
         try:

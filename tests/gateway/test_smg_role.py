@@ -43,3 +43,24 @@ def test_smg_launch_binds_loopback_and_passes_each_prefills_bootstrap_port(tmp_p
     assert "--prefill grpc://127.0.0.1:1001 1001 --prefill grpc://127.0.0.1:1002 1002" in joined
     assert "--decode grpc://127.0.0.1:2001 --decode grpc://127.0.0.1:2002" in joined
     assert "--shutdown-grace-period-secs 2" in joined and "--prefill-policy round_robin" in joined
+
+
+def test_a_secured_smg_gets_its_workers_loopback_listeners_and_must_share_their_host(tmp_path):
+    from pdgrpc.cluster import Cluster
+    from pdgrpc.cluster.errors import ClusterError
+
+    procs = [{"name": "p", "role": "prefill", "host": "a"}, {"name": "d", "role": "decode", "host": "a"},
+             {"name": "r", "role": "router", "prefill": ["p"], "decode": ["d"], "host": "a"},
+             {"name": "g", "role": "smg", "prefill": ["p"], "decode": ["d"], "host": "a"}]
+    hosts = {"a": {"netns": "ns-a", "address": "10.77.0.1"}, "b": {"netns": "ns-b", "address": "10.77.0.2"}}
+    (tmp_path / "smg").touch()
+    same = Cluster(parse_topology({"network": {}, "process": procs}, "t"), hosts=hosts, auth_token="auto", log_dir=tmp_path / "1",
+                   python=str(tmp_path / "python"))
+    gateway = {name: same.procs[name].gateway_address for name in ("p", "d")}
+    assert all(a and a.startswith("127.0.0.1:") for a in gateway.values()), gateway
+    assert f"--gateway-listen {gateway['d']}" in " ".join(same.procs["d"].argv)
+    smg = " ".join(same.procs["g"].argv)
+    assert f"--decode grpc://{gateway['d']}" in smg and f"--prefill grpc://{gateway['p']}" in smg and "--api-key " in smg
+    apart = [{**p, "host": "b"} if p["name"] == "d" else p for p in procs]
+    with pytest.raises(ClusterError, match="'d' on a loopback listener only"):
+        Cluster(parse_topology({"network": {}, "process": apart}, "t"), hosts=hosts, auth_token="auto", log_dir=tmp_path / "2")

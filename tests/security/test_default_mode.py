@@ -38,7 +38,7 @@ def test_tls_is_on_unless_insecure_or_the_topology_says() -> None:
     assert mode("1p1d") == "auto"
     assert mode("1p1d", "--insecure") == "off"
     assert mode("1p1d", "--tls", "off") == "off"
-    assert mode("smg-1p1d") == "off"  # smg calls its workers in plaintext
+    assert mode("smg-1p1d") == "auto"  # smg reaches its workers on their gateway listeners
     with pytest.raises(ConfigError, match="--insecure"):
         mode("1p1d", "--insecure", "--tls", "auto")
     said = parse_topology({"process": [{"name": "c", "role": "colocated"}], "security": {"tls": "off"}}, "t")

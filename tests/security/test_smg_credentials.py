@@ -1,4 +1,5 @@
-"""What smg 1.13 presents to its gRPC workers: nothing (why smg topologies run plain).
+"""What smg 1.13 presents to its gRPC workers: nothing (why secured workers serve it on a
+loopback gateway listener, ``--gateway-listen``).
 
 A real ``smg launch`` given every worker credential it has flags for -- a client
 certificate, its key and the workers' CA (``--client-cert-path``, ``--client-key-path``,
@@ -6,7 +7,7 @@ certificate, its key and the workers' CA (``--client-cert-path``, ``--client-key
 that record each call: one plaintext, one mTLS (``grpcs://``). smg probes the plaintext
 one with no ``authorization`` metadata, and never completes a call to the mTLS one.
 When this test fails, smg has learnt to present a credential: the launcher should pass
-it one (docs/gateway.md, "Security").
+it one instead of the gateway listener (docs/gateway.md, "Security").
 """
 
 from __future__ import annotations

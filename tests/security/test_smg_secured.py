@@ -1,0 +1,117 @@
+"""``python -m pdgrpc.cluster smg-1p1d --tls auto --auth-token auto`` serves smg's clients.
+
+smg presents no credential to its gRPC workers (test_smg_credentials.py), so each secured
+worker also listens for it on loopback, in plaintext, where every caller is the
+``gateway`` role alone (``--gateway-listen``); smg's HTTP side takes only the cluster's
+api key. One real CLI start over tcp: a request with the key gets the tokens of colocated
+generation, one without it gets 401; the gateway listener refuses what smg never calls,
+and the main listener still refuses a caller without credentials. A worker refuses a
+gateway listener on an address other than loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from pdgrpc.cluster.smg import smg_executable
+from pdgrpc.errors import ConfigError
+from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME
+from pdgrpc.rpc.server import start_server
+from pdgrpc.v1 import bootstrap_pb2, bootstrap_pb2_grpc, decode_pb2_grpc, prefill_pb2
+from tests.e2e.harness import Case, reference_outputs
+from tests.gateway import smg_http
+
+pytestmark = pytest.mark.timeout(180)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, dict]]:
+    """(smg's base URL, its api key, cluster.json's processes) of the CLI's secured smg-1p1d."""
+    try:
+        smg_executable()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    log_dir = tmp_path_factory.mktemp("smg-secured")
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "pdgrpc.cluster", "smg-1p1d", "--tls", "auto", "--auth-token", "auto", "--transport", "tcp",
+         "--log-dir", str(log_dir), "--grace", "5"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert cli.stdout is not None
+        seen, url = [], ""
+        for line in cli.stdout:
+            seen.append(line)
+            m = re.search(r"base URL: (\S+)/v1", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "".join(seen)[-3000:]
+        key = (log_dir / "security" / "smg-api-key").read_text().strip()
+        yield url, key, json.loads((log_dir / "cluster.json").read_text())["processes"]
+        cli.send_signal(signal.SIGINT)
+        cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+
+
+def test_smg_serves_with_its_api_key_and_refuses_without(secured: tuple[str, str, dict]) -> None:
+    url, key, _ = secured
+    case = Case((256, *b"secured smg"), 8)
+    body = {"model": DEFAULT_SERVED_MODEL_NAME, "input_ids": list(case.input_ids),
+            "sampling_params": {"max_new_tokens": case.max_new_tokens, "temperature": 0.0}}
+    status, reply = smg_http.post(url, "/generate", body, api_key=key)
+    assert status == 200, reply
+    ((ids, _reason),) = reference_outputs("smg-1p1d", [case])
+    assert tuple(reply[0]["output_ids"]) == ids
+    chat = {"model": DEFAULT_SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, reply = smg_http.post(url, "/v1/chat/completions", chat, api_key=key)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+    status, reply = smg_http.post(url, "/v1/chat/completions", chat)
+    assert status == 401, reply
+
+
+def test_the_gateway_listener_grants_the_gateway_role_alone(secured: tuple[str, str, dict]) -> None:
+    _, _, procs = secured
+
+    async def calls() -> None:
+        async with grpc.aio.insecure_channel(procs["prefill"]["gateway_address"]) as prefill:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await bootstrap_pb2_grpc.BootstrapServiceStub(prefill).RegisterWorker(bootstrap_pb2.RegisterWorkerRequest(), timeout=10)
+            assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED, ei.value
+        async with grpc.aio.insecure_channel(procs["decode"]["gateway_address"]) as decode:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await decode_pb2_grpc.DecodeServiceStub(decode).GetStats(prefill_pb2.GetStatsRequest(), timeout=10)
+            assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED, ei.value
+        # The main listener still takes only callers with a certificate.
+        async with grpc.aio.insecure_channel(procs["decode"]["address"]) as main:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await decode_pb2_grpc.DecodeServiceStub(main).GetStats(prefill_pb2.GetStatsRequest(), timeout=10)
+            assert ei.value.code() is grpc.StatusCode.UNAVAILABLE, ei.value
+
+    asyncio.run(calls())
+
+
+def test_a_worker_refuses_a_gateway_listener_off_loopback() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdgrpc.decode", "--gateway-listen", "0.0.0.0:5000"], cwd=REPO, capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 2 and "--gateway-listen: '0.0.0.0' is not a loopback address" in done.stderr, done.stderr
+    with pytest.raises(ConfigError, match="--gateway-listen: '10.0.0.1' is not a loopback address"):
+        asyncio.run(start_server([], gateway_listen="10.0.0.1:5000"))
