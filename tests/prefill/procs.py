@@ -1,11 +1,13 @@
-"""Starting ``python -m pdgrpc.prefill`` (and a bootstrap) as real processes for tests.
+"""Starting servers (``python -m pdgrpc.prefill``, ``.decode``, ``.bootstrap``, or any
+command) as real processes for tests.
 
-Every wait is bounded; :meth:`PrefillProc.stop` sends SIGTERM and kills whatever is left
-(the controller *and* its workers), so no process outlives a test module.
+Every wait is bounded; :meth:`Proc.stop` sends SIGTERM and kills whatever is left
+(:meth:`PrefillProc.stop` the controller *and* its workers), so no process outlives a test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable, Mapping, Self
 
 from tests.eventually import eventually
 
@@ -50,16 +53,36 @@ def child_pids(pid: int) -> list[int]:
 
 
 class Proc:
-    def __init__(self, argv: list[str], log_dir: Path, name: str) -> None:
+    """``argv`` as a process: its stdout in ``NAME.out``, its stderr in ``NAME.log`` (under
+    ``log_dir``). ``env`` adds to the environment. ``new_session`` gives it a process group
+    of its own, which :meth:`stop` kills whole (what it started goes with it)."""
+
+    def __init__(
+        self, argv: list[str], log_dir: Path, name: str, *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+        preexec_fn: Callable[[], None] | None = None, new_session: bool = False,
+    ) -> None:
         self.out_path = log_dir / f"{name}.out"
         self.log_path = log_dir / f"{name}.log"
+        self.new_session = new_session
         with open(self.out_path, "wb") as out, open(self.log_path, "wb") as err:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+                argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd, preexec_fn=preexec_fn,
+                start_new_session=new_session, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def out(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def tail(self, chars: int = 4000) -> str:
+        """The last ``chars`` of its stdout and of its stderr, for a failure's message."""
+        return f"stdout:\n{self.out()[-chars:]}\nstderr:\n{self.log()[-chars:]}"
 
     def wait_for(self, pattern: str, source: str = "out") -> re.Match[str]:
         path = self.out_path if source == "out" else self.log_path
@@ -72,17 +95,41 @@ class Proc:
         except AssertionError:
             m = None
         if not isinstance(m, re.Match):
-            raise RuntimeError(f"process did not print {pattern!r} (exit {self.proc.poll()}):\n{self.log()[-4000:]}")
+            raise RuntimeError(f"process did not print {pattern!r} (exit {self.proc.poll()}):\n{self.tail()}")
         return m
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 20.0, signum: int = signal.SIGTERM) -> int:
+        """Send ``signum`` (when it still runs), wait up to ``timeout``, then SIGKILL."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signum)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(5)
+        finally:
+            if self.new_session:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServerProc(Proc):
+    """A server process, waited for until its log says ``pattern`` (what it listens on:
+    :attr:`address`); stopped again when it does not get there."""
+
+    def __init__(self, argv: list[str], log_dir: Path, name: str, *, pattern: str = r"listening on (\S+:\d+)", **kw: Any) -> None:
+        super().__init__(argv, log_dir, name, **kw)
+        try:
+            self.address: str = self.wait_for(pattern, source="log").group(1)
+        except BaseException:
+            self.stop()
+            raise
 
 
 class PrefillProc(Proc):
@@ -101,19 +148,25 @@ class PrefillProc(Proc):
         self.worker_addresses: list[str] = info["workers"]
         self.worker_pids: list[int] = info["worker_pids"]
 
-    def stop(self, timeout: float = 20.0) -> int:
-        code = super().stop(timeout)
+    def stop(self, timeout: float = 20.0, signum: int = signal.SIGTERM) -> int:
+        code = super().stop(timeout, signum)
         for pid in getattr(self, "worker_pids", []):
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         return code
 
 
-class BootstrapProc(Proc):
-    def __init__(self, log_dir: Path) -> None:
-        super().__init__([sys.executable, "-m", "pdgrpc.bootstrap", "--host", "127.0.0.1", "--port", "0"], log_dir, "bootstrap")
-        try:
-            self.address = self.wait_for(r"listening on (\S+:\d+)", source="log").group(1)
-        except BaseException:
-            self.stop()
-            raise
+class BootstrapProc(ServerProc):
+    """``python -m pdgrpc.bootstrap`` on 127.0.0.1 with ``flags``."""
+
+    def __init__(self, log_dir: Path, *flags: str, name: str = "bootstrap", **kw: Any) -> None:
+        argv = [sys.executable, "-m", "pdgrpc.bootstrap", "--host", "127.0.0.1", "--port", "0", *flags]
+        super().__init__(argv, log_dir, name, **kw)
+
+
+class DecodeProc(ServerProc):
+    """``python -m pdgrpc.decode`` on 127.0.0.1 with ``flags``."""
+
+    def __init__(self, flags: list[str], log_dir: Path, name: str = "decode") -> None:
+        argv = [sys.executable, "-m", "pdgrpc.decode", "--host", "127.0.0.1", "--port", "0", *flags]
+        super().__init__(argv, log_dir, name, pattern=r"pdgrpc decode listening on (\S+:\d+)")

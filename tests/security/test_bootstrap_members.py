@@ -9,10 +9,6 @@ nothing is kept.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +19,7 @@ from pdgrpc.rpc.certs import CertFiles, issue, make_ca
 from pdgrpc.rpc.security import Security
 from pdgrpc.v1 import bootstrap_pb2 as pb
 from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
-from tests.eventually import eventually
+from tests.prefill.procs import BootstrapProc
 
 ROOM = 123_456_789
 
@@ -45,23 +41,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 @pytest.fixture(scope="module")
 def bootstrap(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log_path = tmp_path_factory.mktemp("bootstrap") / "bootstrap.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.bootstrap", "--port", "0", "--tls-cert", str(pki.server.cert),
-             "--tls-key", str(pki.server.key), "--tls-ca", str(pki.ca)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        def listening() -> str | None:
-            m = re.search(r"listening on (\S+:\d+)", log_path.read_text(errors="replace"))
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return m.group(1) if m else None
-
-        yield eventually(listening, 60.0, 0.1, "the bootstrap never listened")
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with BootstrapProc(
+        tmp_path_factory.mktemp("bootstrap"), "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key),
+        "--tls-ca", str(pki.ca),
+    ) as bootstrap:
+        yield bootstrap.address
 
 
 def stub(pki: Pki, cert: CertFiles, address: str) -> tuple[grpc.aio.Channel, pb_grpc.BootstrapServiceStub]:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.security import Security
 from pdgrpc.v1 import drain_pb2, drain_pb2_grpc
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+from tests.prefill.procs import Proc
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -46,22 +45,15 @@ def test_tls_is_on_unless_insecure_or_the_topology_says() -> None:
 
 
 def test_the_cli_serves_mtls_with_roles_by_default(tmp_path: Path) -> None:
-    cli = subprocess.Popen(
+    cli = Proc(
         [sys.executable, "-m", "pdgrpc.cluster", "colocated", "--log-dir", str(tmp_path), "--grace", "5"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        tmp_path, "cli", cwd=REPO, env={"PYTHONPATH": str(REPO)}, new_session=True,
     )
     try:
-        assert cli.stdout is not None
-        present, router = "", ""
-        for line in cli.stdout:
-            if "clients present:" in line:
-                present = line.split("clients present:", 1)[1].strip()
-            m = re.search(r"listening on (\S+)", line)
-            if m:
-                router = m.group(1)
-                break
-        assert router and present, cli.stderr.read() if cli.stderr else ""
+        router = cli.wait_for(r"listening on (\S+)\n").group(1)
+        m = re.search(r"clients present:(.*)", cli.out())
+        assert m, cli.tail()
+        present = m.group(1).strip()
         flags = dict(re.findall(r"--(\S+) (\S+)", present))
         client = Security(cert=Path(flags["tls-cert"]), key=Path(flags["tls-key"]), ca=Path(flags["tls-ca"]))
 
@@ -79,9 +71,7 @@ def test_the_cli_serves_mtls_with_roles_by_default(tmp_path: Path) -> None:
                 assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
 
         asyncio.run(calls())
-        cli.send_signal(signal.SIGINT)
-        cli.communicate(timeout=60)
+        cli.proc.send_signal(signal.SIGINT)
+        cli.proc.wait(60)  # it stops on SIGINT
     finally:
-        if cli.poll() is None:
-            os.killpg(cli.pid, signal.SIGKILL)
-            cli.wait()
+        cli.stop()

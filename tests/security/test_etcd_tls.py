@@ -9,8 +9,6 @@ TLS without a client certificate -- gets nothing in or out; a real bootstrap ser
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -24,6 +22,7 @@ from pdgrpc.discovery.server import EtcdProcess
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.certs import CertFiles
 from tests.eventually import eventually_async
+from tests.prefill.procs import BootstrapProc
 
 pytestmark = pytest.mark.timeout(120)
 EtcdWithTls = tuple[EtcdProcess, Path, CertFiles]
@@ -55,20 +54,14 @@ async def test_a_server_registers_over_tls_and_a_watcher_lists_it(etcd_tls: Etcd
     etcd, ca, cert = etcd_tls
     w = Watcher(parse_discovery_url(etcd.url).with_files(ca, cert.cert, cert.key), MembershipView(cluster_prefix("tls")), probe_s=0.5)
     w.start()
-    log_path = tmp_path / "bootstrap.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.bootstrap", "--host", "127.0.0.1", "--port", "0", "--discovery", etcd.url,
-             "--discovery-ca", str(ca), "--discovery-cert", str(cert.cert), "--discovery-key", str(cert.key),
-             "--cluster-name", "tls", "--instance-id", "b1"],
-            stdout=log, stderr=log,
-        )
     try:
-        await eventually_async(lambda: [i.instance_id for i in w.view.instances("bootstrap")] == ["b1"], timeout=30,
-                               what=lambda: log_path.read_text())
+        with BootstrapProc(
+            tmp_path, "--discovery", etcd.url, "--discovery-ca", str(ca), "--discovery-cert", str(cert.cert),
+            "--discovery-key", str(cert.key), "--cluster-name", "tls", "--instance-id", "b1",
+        ) as bootstrap:
+            await eventually_async(lambda: [i.instance_id for i in w.view.instances("bootstrap")] == ["b1"], timeout=30,
+                                   what=bootstrap.tail)
     finally:
-        proc.terminate()
-        proc.wait(10)
         await w.close()
 
 

@@ -11,18 +11,15 @@ files, the cluster's established channels), not new connections during a flood.
 from __future__ import annotations
 
 import os
-import re
 import resource
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.eventually import eventually
+from tests.prefill.procs import BootstrapProc
 
 pytestmark = pytest.mark.timeout(90)
 FD_LIMIT = 256
@@ -41,20 +38,10 @@ async def _serving(address: str) -> bool:
 
 
 async def test_a_connection_flood_leaves_the_server_its_descriptors(tmp_path: Path) -> None:
-    log_path = tmp_path / "bootstrap.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.bootstrap", "--port", "0"], preexec_fn=_limit_fds,
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    bootstrap = BootstrapProc(tmp_path, preexec_fn=_limit_fds)
     flood: list[socket.socket] = []
     try:
-        def listening() -> str | None:
-            m = re.search(r"listening on (\S+:\d+)", log_path.read_text(errors="replace"))
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return m.group(1) if m else None
-
-        address = eventually(listening, 30.0, 0.1, "the bootstrap never listened")
+        address = bootstrap.address
         host, port = address.rsplit(":", 1)
         async with grpc.aio.insecure_channel(address) as established:
             stub = health_pb2_grpc.HealthStub(established)
@@ -64,8 +51,8 @@ async def test_a_connection_flood_leaves_the_server_its_descriptors(tmp_path: Pa
                 s = socket.create_connection((host, int(port)), timeout=10)
                 flood.append(s)
                 s.sendall(PREFACE)
-                most = max(most, len(os.listdir(f"/proc/{proc.pid}/fd")))
-            most = max(most, len(os.listdir(f"/proc/{proc.pid}/fd")))
+                most = max(most, len(os.listdir(f"/proc/{bootstrap.pid}/fd")))
+            most = max(most, len(os.listdir(f"/proc/{bootstrap.pid}/fd")))
             print(f"{FLOOD} connections: the bootstrap held at most {most} descriptors (limit {FD_LIMIT})")
             assert most < FD_LIMIT - 16, most
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)  # served meanwhile
@@ -74,9 +61,8 @@ async def test_a_connection_flood_leaves_the_server_its_descriptors(tmp_path: Pa
             s.close()
         flood.clear()
         assert await _serving(address)  # a new client, once the flood ended
-        assert proc.poll() is None
+        assert bootstrap.proc.poll() is None
     finally:
         for s in flood:
             s.close()
-        proc.terminate()
-        proc.wait(10)
+        bootstrap.stop()

@@ -8,11 +8,7 @@ into the process's file descriptors), and the cluster's own calls are served mea
 
 from __future__ import annotations
 
-import os
-import re
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdgrpc.cluster.credentials import LAUNCHER, ClusterCredentials
 from pdgrpc.rpc.server import HANDSHAKE_TIMEOUT_S
-from tests.eventually import eventually
+from tests.prefill.procs import BootstrapProc
 
 pytestmark = pytest.mark.timeout(90)
 SOCKETS = 64
@@ -29,20 +25,10 @@ SOCKETS = 64
 
 async def test_silent_connections_are_closed_within_the_handshake_timeout(tmp_path: Path) -> None:
     creds = ClusterCredentials(tmp_path / "security", {"bootstrap": "bootstrap"}, tls=True, token=False)
-    log_path = tmp_path / "bootstrap.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.bootstrap", "--port", "0", *creds.flags("bootstrap")],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    bootstrap = BootstrapProc(tmp_path, *creds.flags("bootstrap"))
     socks: list[socket.socket] = []
     try:
-        def listening() -> str | None:
-            m = re.search(r"listening on (\S+:\d+)", log_path.read_text(errors="replace"))
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return m.group(1) if m else None
-
-        host, port = eventually(listening, 30.0, 0.1, "the bootstrap never listened").rsplit(":", 1)
+        host, port = bootstrap.address.rsplit(":", 1)
         began = time.monotonic()
         for i in range(SOCKETS):
             s = socket.create_connection((host, int(port)))
@@ -62,5 +48,4 @@ async def test_silent_connections_are_closed_within_the_handshake_timeout(tmp_pa
     finally:
         for s in socks:
             s.close()
-        proc.terminate()
-        proc.wait(10)
+        bootstrap.stop()

@@ -11,10 +11,6 @@ served in full and exactly, while the attacker's calls still wait.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -29,8 +25,9 @@ from pdgrpc.rpc import security
 from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.v1 import decode_pb2_grpc
 from tests.decode.fake_prefill import FakePrefill
-from tests.decode.test_decode_server import DECODE_FLAGS, ENGINE_FLAGS, STARTUP_S, make_request
-from tests.eventually import eventually, eventually_async
+from tests.decode.test_decode_server import DECODE_FLAGS, ENGINE_FLAGS, make_request
+from tests.eventually import eventually_async
+from tests.prefill.procs import DecodeProc
 
 pytestmark = pytest.mark.timeout(150)
 PINS = 9
@@ -45,25 +42,15 @@ async def test_nine_pinning_calls_do_not_starve_another_caller(tmp_path: Path) -
     )
     before = security.current()
     security.install(creds.security("prefill"))  # the fake prefills serve mTLS as a prefill
-    log_path = tmp_path / "decode.log"
     flags = [*DECODE_FLAGS, "--max-decodes-per-client", "64", "--max-decode-share", str(DEFAULT_MAX_DECODE_SHARE),
              "--waiting-timeout", "60", *creds.flags("decode")]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.decode", "--port", "0", *flags],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    decode = DecodeProc(flags, tmp_path)
     holding = await FakePrefill(engine).start()
     holding.mode = "hold"  # accepts every handshake, never writes
     serving = await FakePrefill(engine).start()
     pins: list[asyncio.Task[object]] = []
     try:
-        def listening() -> str | None:
-            m = re.search(r"pdgrpc decode listening on (\S+:\d+)", log_path.read_text(errors="replace"))
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return m.group(1) if m else None
-
-        address = eventually(listening, STARTUP_S, 0.1, "the decode server did not start")
+        address = decode.address
         async with creds.security("attacker").channel(address) as bad, creds.security("router").channel(address) as good:
             attacker = decode_pb2_grpc.DecodeServiceStub(bad)
 
@@ -85,9 +72,4 @@ async def test_nine_pinning_calls_do_not_starve_another_caller(tmp_path: Path) -
         await holding.stop()
         await serving.stop()
         security.install(before)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        decode.stop()

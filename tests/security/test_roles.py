@@ -10,10 +10,7 @@ serve is in the one table.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -27,7 +24,7 @@ from pdgrpc.rpc.security import Security
 from pdgrpc.v1 import bootstrap_pb2 as pb
 from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
 from pdgrpc.v1 import decode_pb2, drain_pb2, generate_pb2, handshake_pb2, prefill_pb2
-from tests.eventually import eventually
+from tests.prefill.procs import BootstrapProc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,22 +49,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     tls, token = MODES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     creds = ClusterCredentials(root / "security", PROCESSES, tls=tls, token=token)
-    log_path = root / "bootstrap.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.bootstrap", "--port", "0", *creds.flags("bootstrap")],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        def listening() -> str | None:
-            m = re.search(r"listening on (\S+:\d+)", log_path.read_text(errors="replace"))
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return m.group(1) if m else None
-
-        yield creds, eventually(listening, 30.0, 0.1, "the bootstrap never listened")
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with BootstrapProc(root, *creds.flags("bootstrap")) as bootstrap:
+        yield creds, bootstrap.address
 
 
 async def code(security: Security, address: str, rpc: str) -> grpc.StatusCode:

@@ -8,10 +8,6 @@ found survives the flood.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -22,7 +18,7 @@ from pdgrpc.rpc.certs import issue, make_ca
 from pdgrpc.rpc.security import Security
 from pdgrpc.v1 import bootstrap_pb2 as pb
 from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
-from tests.eventually import eventually
+from tests.prefill.procs import BootstrapProc
 
 MAX_ROOMS = 64
 BATCH = 16
@@ -33,24 +29,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
     root = tmp_path_factory.mktemp("pki")
     ca = make_ca(root)
     certs = {name: issue(ca, root, name) for name in ("bootstrap", "flooder", "prefill", "decode")}
-    log_path = root / "bootstrap.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.bootstrap", "--port", "0", "--max-rooms", str(MAX_ROOMS), "--max-batch", str(BATCH),
-             "--tls-cert", str(certs["bootstrap"].cert), "--tls-key", str(certs["bootstrap"].key), "--tls-ca", str(ca.cert)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        def listening() -> str | None:
-            m = re.search(r"listening on (\S+:\d+)", log_path.read_text(errors="replace"))
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return m.group(1) if m else None
-
-        address = eventually(listening, 60.0, 0.1, "the bootstrap never listened")
-        yield address, {n: Security(cert=c.cert, key=c.key, ca=ca.cert) for n, c in certs.items()}
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with BootstrapProc(
+        root, "--max-rooms", str(MAX_ROOMS), "--max-batch", str(BATCH),
+        "--tls-cert", str(certs["bootstrap"].cert), "--tls-key", str(certs["bootstrap"].key), "--tls-ca", str(ca.cert),
+    ) as bootstrap:
+        yield bootstrap.address, {n: Security(cert=c.cert, key=c.key, ca=ca.cert) for n, c in certs.items()}
 
 
 def register(rooms: list[int], rank: int) -> pb.RegisterDpRanksRequest:

@@ -13,7 +13,6 @@ it one instead of the gateway listener (docs/gateway.md, "Security").
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -23,6 +22,7 @@ from pdgrpc.cluster.ports import free_port
 from pdgrpc.cluster.smg import smg_executable
 from pdgrpc.rpc.certs import issue, make_ca
 from pdgrpc.rpc.roles import DECODE, GATEWAY
+from tests.prefill.procs import Proc
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -67,13 +67,12 @@ async def test_smg_presents_no_certificate_and_no_token_to_its_workers(tmp_path:
             "--prefill", f"grpc://127.0.0.1:{ports['plain']}", str(ports["plain"]), "--decode", f"grpcs://127.0.0.1:{ports['tls']}",
             "--client-cert-path", str(gateway.cert), "--client-key-path", str(gateway.key), "--ca-cert-paths", str(ca.cert),
             "--api-key", "the-gateway-token", "--log-level", "warn"]
-    with open(tmp_path / "smg.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    smg_proc = Proc(argv, tmp_path, "smg")
     try:
         for _ in range(300):
             if plain.calls:
                 break
-            assert proc.poll() is None, (tmp_path / "smg.log").read_text(errors="replace")[-3000:]
+            assert smg_proc.proc.poll() is None, smg_proc.tail(3000)
             await asyncio.sleep(0.1)
         assert plain.calls, "smg never probed its plaintext worker"
         await asyncio.sleep(3)  # as long again for the mTLS one: smg probes both at once
@@ -81,7 +80,6 @@ async def test_smg_presents_no_certificate_and_no_token_to_its_workers(tmp_path:
         assert tls.calls == [], tls.calls
         print(f"plaintext worker: {len(plain.calls)} calls, metadata {sorted(plain.calls[0][1])}; mTLS worker: none")
     finally:
-        proc.terminate()
-        proc.wait(10)
+        smg_proc.stop()
         for server in servers:
             await server.stop(0)

@@ -10,10 +10,6 @@ went past the count, so one caller could hold every prefill room.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -24,7 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc  # noqa: E402
 
 from tests.decode.test_decode_server import ENGINE_FLAGS  # noqa: E402
-from tests.eventually import eventually  # noqa: E402
+from tests.prefill.procs import PrefillProc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,21 +34,12 @@ def leg(room: int, port: int) -> pb.GenerateRequest:
 
 
 async def test_a_second_smg_prefill_leg_over_the_cap_is_refused(tmp_path: Path) -> None:
-    log_path = tmp_path / "prefill.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.prefill", "--port", "0", *ENGINE_FLAGS, "--transport", "tcp",
-             "--max-prefills-per-client", "1", "--handshake-timeout", "20", "--drain-timeout", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    prefill = PrefillProc(
+        [*ENGINE_FLAGS, "--transport", "tcp", "--max-prefills-per-client", "1", "--handshake-timeout", "20", "--drain-timeout", "1"],
+        tmp_path,
+    )
     try:
-        def ready() -> str | None:
-            text = log_path.read_text(errors="replace")
-            assert proc.poll() is None, text
-            m = re.search(r"listening on (\S+:\d+)", text)
-            return m.group(1) if m and "prefill ready" in text else None
-
-        address = eventually(ready, 60.0, 0.1, "the prefill never got ready")
+        address = prefill.address
         port = int(address.rpartition(":")[2])
         async with grpc.aio.insecure_channel(address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
@@ -66,5 +53,4 @@ async def test_a_second_smg_prefill_leg_over_the_cap_is_refused(tmp_path: Path) 
             assert "--max-prefills-per-client" in (ei.value.details() or "")
             first.cancel()
     finally:
-        proc.terminate()
-        proc.wait(15)
+        prefill.stop()

@@ -10,10 +10,7 @@ token is still served (its bad request is refused naming the field, so it was re
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -23,8 +20,8 @@ from pdgrpc.rpc.certs import write_token
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES
 from pdgrpc.rpc.security import Security
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc
-from tests.decode.test_decode_server import DECODE_FLAGS, STARTUP_S
-from tests.eventually import eventually
+from tests.decode.test_decode_server import DECODE_FLAGS
+from tests.prefill.procs import DecodeProc
 
 pytestmark = pytest.mark.timeout(180)
 CALLS, AT_ONCE = 100, 20
@@ -42,19 +39,8 @@ def rss_mib(pid: int) -> float:
 
 async def test_unauthenticated_8mib_messages_do_not_grow_the_decode(tmp_path: Path) -> None:
     token = write_token(tmp_path / "token")
-    log_path = tmp_path / "decode.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdgrpc.decode", "--port", "0", *DECODE_FLAGS, "--auth-token-file", str(token)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        def listening() -> str | None:
-            m = re.search(r"pdgrpc decode listening on (\S+:\d+)", log_path.read_text(errors="replace"))
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return m.group(1) if m else None
-
-        address = eventually(listening, STARTUP_S, 0.1, "the decode server did not start")
+    with DecodeProc([*DECODE_FLAGS, "--auth-token-file", str(token)], tmp_path) as decode:
+        address = decode.address
         # The largest message the server takes: a prompt of junk bytes in a field it skips.
         big = decode_pb2.DecodeRequest(request_id="x" * (MAX_MESSAGE_BYTES - 64))
         options = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]
@@ -70,11 +56,11 @@ async def test_unauthenticated_8mib_messages_do_not_grow_the_decode(tmp_path: Pa
                 return grpc.StatusCode.OK
 
             assert await one() == grpc.StatusCode.UNAUTHENTICATED  # connected, and warmed up
-            before = rss_mib(proc.pid)
+            before = rss_mib(decode.pid)
             codes: list[grpc.StatusCode] = []
             for _ in range(CALLS // AT_ONCE):
                 codes += await asyncio.gather(*(one() for _ in range(AT_ONCE)))
-            after = rss_mib(proc.pid)
+            after = rss_mib(decode.pid)
         print(f"decode RSS {before:.0f} MiB -> {after:.0f} MiB after {CALLS} unauthenticated {MAX_MESSAGE_BYTES >> 20} MiB messages")
         assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
         assert after - before < GROWTH_BOUND_MIB
@@ -87,10 +73,3 @@ async def test_unauthenticated_8mib_messages_do_not_grow_the_decode(tmp_path: Pa
                 assert "room_secret" in (exc.details() or ""), exc.details()
             else:
                 raise AssertionError("an empty Decode was served")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
