@@ -4,8 +4,9 @@ One request (one ``Prefill`` RPC)::
 
     validate prompt  -> INVALID_ARGUMENT naming the problem
     allocate pages   (waits, bounded, while the pool is short); with the prefix cache,
-                     the prompt's longest cached prefix is locked and the rest allocated,
-                     and the compute starts where the cached prefix ends
+                     first waits (bounded) for a running request that computes more of
+                     the prompt than is cached, then locks the prompt's longest cached
+                     prefix and allocates the rest; the compute starts where it ends
     drive the room   (pdgrpc.prefill.room over the room's PrefillSender: compute starts,
                       handshake -> destination, chunks -> page writes, last chunk ->
                       the final write with the metadata row, the decode's ack; every
@@ -31,6 +32,7 @@ from pdgrpc.engine.base import Engine, SamplingParams
 from pdgrpc.prefill.statuses import Refusal, ending, status
 from pdgrpc.state.cache_events import CacheEvents
 from pdgrpc.state.prefix_cache import Lease, PrefixCache
+from pdgrpc.state.prefix_leaders import PrefixLeaders, leader_wait_s
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.metrics import PrefillMetrics, ServerAbortReason
@@ -100,7 +102,10 @@ class PrefillWorker:
     The prefix cache (``config.prefix_cache``) takes its pages from ``engine`` and reports
     what it stores and evicts to ``cache_events``. In a TP group every rank keeps its own,
     and the group agrees on each room's cached prefix before computing it
-    (:meth:`~pdgrpc.prefill.compute.Compute.agree`)."""
+    (:meth:`~pdgrpc.prefill.compute.Compute.agree`). Without TP a prompt first waits for
+    the running request that computes more of it than is cached
+    (:class:`~pdgrpc.state.prefix_leaders.PrefixLeaders`), so a prefix is computed once;
+    a TP group does not wait: its ranks would have to agree on each wait too."""
 
     def __init__(
         self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None,
@@ -127,6 +132,9 @@ class PrefillWorker:
         min_pages = write_pages_for(config.min_write_bytes, page_nbytes)
         self.compute = self._make_compute(compute, min_pages)
         self.prefix_cache = PrefixCache(engine, self.page_size, cache_events) if config.prefix_cache else None
+        self._leaders: PrefixLeaders[int] | None = (
+            PrefixLeaders(self.page_size) if self.prefix_cache is not None and self.tp_size == 1 else None
+        )
         self.local = LocalEnd(transport.name, self.compat_hash, self.tp_rank, self.tp_size, layout.num_kv_heads,
                               layout.head_bytes, self._regions, self._regions[-1].item_bytes,
                               engine.pages_needed(engine.max_prompt_tokens), engine.model_id)
@@ -333,7 +341,9 @@ class PrefillWorker:
         n, room = self.engine.pages_needed(len(ids)), entry.room
         if n > self.capacity:
             raise _Oversize(status(Refusal.BAD_REQUEST), f"room {room}: prompt needs {n} pages, the pool has {self.capacity}")
-        deadline = time.monotonic() + self.config.page_wait_s
+        start = time.monotonic()
+        deadline = start + self.config.page_wait_s
+        await self._after_leaders(entry, ids, start + leader_wait_s(self.config.page_wait_s))
         waited = False
         while True:
             if self.prefix_cache is not None:
@@ -365,6 +375,25 @@ class PrefillWorker:
                 await asyncio.wait_for(self._pages_freed.wait(), left)
             except asyncio.TimeoutError:
                 pass
+
+    async def _after_leaders(self, entry: _Active, ids: tuple[int, ...], until: float) -> None:
+        """Wait, until the monotonic time ``until`` at most, for the running requests that
+        compute more of ``ids`` than the cache holds (each ends by inserting its pages or
+        by failing), so that this prompt finds them cached."""
+        if self._leaders is None or self.prefix_cache is None:
+            return
+        leader = self._leaders.leader(ids)  # no hashing of the prompt while none shares it
+        while leader is not None:
+            leader = self._leaders.leader(ids, self.prefix_cache.match(ids) * self.page_size)
+            running = self._active.get(leader) if leader is not None else None
+            left = until - time.monotonic()
+            if running is None or left <= 0:
+                return
+            request_event(log, entry.room, "waiting for the leader", leader=running.room)
+            try:
+                await asyncio.wait_for(running.finished.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         room = Room(req.bootstrap_room)  # its servicer (or the controller's) checked it
@@ -443,6 +472,8 @@ class PrefillWorker:
         await self._alloc(entry, ids)
         if entry.lease is not None and self.prefix_cache is not None and self.tp_size > 1:
             await self._agree(entry)
+        if self._leaders is not None:  # from now on, prompts sharing its pages follow it
+            self._leaders.running(entry.room, ids)
         cached = entry.lease.cached_tokens if entry.lease is not None else 0
         self.metrics.on_prompt(len(ids), cached)
         entry.driver = RoomDriver(self._sending, entry.room, entry.pages, cached)
@@ -487,6 +518,8 @@ class PrefillWorker:
         self._mailbox.discard(entry.room)
         self._mailbox.done(entry.room)
         # Nothing below awaits: a second cancellation cannot leave the room half-finished.
+        if self._leaders is not None:  # with the release below: its followers find its pages cached
+            self._leaders.ended(entry.room)
         if entry.lease is not None and self.prefix_cache is not None:
             # The compute has stopped: a prompt computed to its end holds complete KV,
             # whatever became of its transfer; a partial one is never reused.

@@ -84,6 +84,7 @@ from pdgrpc.state.ejections import Ejections
 from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS, LocalPrefillRule, prefill_where
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
+from pdgrpc.state.prefix_leaders import leader_wait_s
 from pdgrpc.state.room import Room
 from pdgrpc.state.routing import candidates
 from pdgrpc.state.route_fate import (
@@ -589,14 +590,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Wait for the Prefill call on ``address`` that computes more of ``prompt``'s
         prefix than it has cached (:meth:`~pdgrpc.state.prefix_index.PrefixIndex.leader`),
         so that this prompt finds that prefix cached instead of computing it beside it;
-        the seconds waited. At most half of ``timeout``: a leader that hangs leaves this
-        request the other half to compute it itself."""
+        the seconds waited; bounded by :func:`~pdgrpc.state.prefix_leaders.leader_wait_s`
+        of ``timeout``."""
         ticket = self._index.leader(address, prompt)
         leader = self._leaders.get(ticket) if ticket is not None else None
         if leader is None:
             return 0.0
         start = time.monotonic()
-        await asyncio.wait({leader}, timeout=max(0.0, timeout / 2))
+        await asyncio.wait({leader}, timeout=leader_wait_s(timeout))
         return time.monotonic() - start
 
     def _ended(self, ticket: int, prefill_fut: asyncio.Future[Any]) -> None:
