@@ -33,7 +33,9 @@ Per arm: client TTFT p50/p90 of each group's first request (in sending order) an
 later ones, the prefill tokens computed, asked for and served from cache (the prefills'
 ``pdgrpc_prefill_computed_tokens_total``, ``pdgrpc_prefill_prompt_tokens_total``,
 ``pdgrpc_prefix_cache_hit_tokens_total``), the hit rate (hit / asked), the share of
-requests that succeeded and the share whose output equals arm ``a``'s. An arm that needs
+requests that succeeded and the share whose output equals arm ``a``'s. Where the work
+went: each prefill's hit rate, and how many groups' prefixes (their first page) each
+prefill holds at the end, by its KV events (a group both hold was computed on both). An arm that needs
 what this build lacks (the cache, KV events, smg) is reported "not available" rather
 than run as something else. Targets: arms ``c`` and ``e`` later-request TTFT p50 at most
 0.2x arm ``a``'s, hit rate at least 1.5x arm ``b``'s; every output equal.
@@ -69,6 +71,8 @@ from pdgrpc.errors import PdgrpcError
 from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME, available as gateway_available
 from pdgrpc.prefill.cli import build_parser as prefill_parser
 from pdgrpc.rpc.server import run as run_loop
+from pdgrpc.serving.kv_events import batch_from_proto
+from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 from pdgrpc.v1.prefill_pb2 import SubscribeKvEventsRequest
 from pdgrpc.v1.prefill_pb2_grpc import PrefillServiceStub
@@ -194,6 +198,7 @@ class ArmResult:
     outcomes: dict[tuple[int, int], Outcome]
     counters: dict[str, float | None]
     compare: bool = True  # its token ids are compared with arm a's (not a peer's: other kernels)
+    where: dict[str, float] = dataclasses.field(default_factory=dict)  # per prefill: hit rate, groups held
 
 
 def prefill_has_flag(flag: str) -> bool:
@@ -267,9 +272,35 @@ async def events_served(cluster: Cluster) -> bool:
     return True
 
 
-def _read_counters(endpoints: list[str]) -> dict[str, float | None]:
-    """Each of :data:`_COUNTERS` summed over the prefills' metrics endpoints (None when no
-    endpoint exports it: this build does not count it)."""
+async def groups_held(cluster: Cluster, requests: list[Request]) -> dict[str, float]:
+    """How many groups' prefixes (their first page) only ``prefill-a``, only
+    ``prefill-b``, both or neither hold now, from a snapshot of each one's KV events."""
+    index = PrefixIndex()
+    for name in PREFILLS:
+        stub = PrefillServiceStub(cluster.channel(name))
+        # A cursor no instance reached: the snapshot, then the stream is left.
+        call = stub.SubscribeKvEvents(SubscribeKvEventsRequest(start_sequence_number=1 << 62), timeout=30)
+        async for b in call:
+            batch = batch_from_proto(b)
+            index.apply(name, batch.events)
+            if batch.snapshot is None or batch.snapshot.index + 1 == batch.snapshot.count:
+                call.cancel()
+                break
+    firsts = {r.group: r.input_ids for r in requests}
+    out = {f"groups_held/{k}": 0.0 for k in ("prefill-a", "prefill-b", "both", "none")}
+    for ids in firsts.values():
+        holders = [name for name, depth in index.match(ids[:64]).items() if depth]
+        out["groups_held/" + (holders[0] if len(holders) == 1 else "both" if holders else "none")] += 1
+    return out
+
+
+def _read_counters(prefills: dict[str, list[str]]) -> dict[str, dict[str, float | None]]:
+    """Each of :data:`_COUNTERS` per prefill, summed over its metrics endpoints (None when
+    no endpoint exports it: this build does not count it)."""
+    return {name: _read_one(endpoints) for name, endpoints in prefills.items()}
+
+
+def _read_one(endpoints: list[str]) -> dict[str, float | None]:
     totals: dict[str, float | None] = {key: None for key in _COUNTERS}
     for address in endpoints:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
@@ -430,7 +461,8 @@ async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list
                 return "not available: the prefills serve KV events, and smg reads them whenever they do (arm e)"
             if arm == "e" and not served:
                 return "not available: the prefills serve no KV events (SubscribeKvEvents)"
-        endpoints = list(cluster.metrics_endpoints("prefill").values())  # controllers and workers
+        # Each prefill's controller and workers.
+        endpoints = {name: [a for n, a in cluster.metrics_endpoints("prefill").items() if n.split("/")[0] == name] for name in PREFILLS}
         if arm in ("d", "e"):
             host, _, port = cluster.openai_base_url.removeprefix("http://").removesuffix("/v1").rpartition(":")
             clients = [SmgClient(host, int(port)) for _ in range(args.concurrency)]
@@ -454,12 +486,19 @@ async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list
         print(f"arm {arm}: done in {time.perf_counter() - start:.1f} s", flush=True)
         await asyncio.sleep(0.5)  # the prefills count a request once its KV is sent
         after = await asyncio.to_thread(_read_counters, endpoints)
+        where = await groups_held(cluster, requests) if arm != "a" else {}
         cluster.check()
-    counters: dict[str, float | None] = {}
-    for key in _COUNTERS:
-        now, then = after[key], before[key]
-        counters[key] = None if now is None else now - (then or 0.0)
-    return ArmResult(outcomes, counters)
+    counters = {name: _delta(after[name], before[name]) for name in PREFILLS}
+    for name, c in counters.items():
+        if c["hit_tokens"] is not None and c["prompt_tokens"]:
+            where[f"hit_rate/{name}"] = c["hit_tokens"] / c["prompt_tokens"]
+    total = {key: None if all(c[key] is None for c in counters.values()) else sum(c[key] or 0.0 for c in counters.values())
+             for key in _COUNTERS}
+    return ArmResult(outcomes, total, where=where)
+
+
+def _delta(after: dict[str, float | None], before: dict[str, float | None]) -> dict[str, float | None]:
+    return {key: None if (now := after[key]) is None else now - (before[key] or 0.0) for key in _COUNTERS}
 
 
 def summarize(requests: list[Request], results: dict[str, ArmResult | str]) -> list[Result]:
@@ -500,6 +539,8 @@ def summarize(requests: list[Request], results: dict[str, ArmResult | str]) -> l
                 base_hit = rate
             ref = base_hit if arm in ("c", "d", "e") else None
             out.append(Result(case, "hit_rate", rate, "", ref, rate / ref if ref else None))
+        for key, value in res.where.items():
+            out.append(Result(case, key, value, "groups" if key.startswith("groups") else ""))
         out.append(Result(case, "success_rate", len(ok) / n, ""))
         if isinstance(base, ArmResult) and res.compare:
             equal = sum(1 for k, o in ok.items() if base.outcomes.get(k) is not None and base.outcomes[k].ttft is not None

@@ -45,7 +45,8 @@ def test_summary_splits_first_and_later_and_compares_with_arm_a() -> None:
     b = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(0.5, (7,)), (1, 1): Outcome(error="boom")},
                   {"computed_tokens": 300.0, "prompt_tokens": 400.0, "hit_tokens": 100.0})
     c = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(0.1, (7,)), (1, 1): Outcome(0.1, (0,))},
-                  {"computed_tokens": 200.0, "prompt_tokens": 400.0, "hit_tokens": 200.0})
+                  {"computed_tokens": 200.0, "prompt_tokens": 400.0, "hit_tokens": 200.0},
+                  where={"hit_rate/prefill-a": 0.6, "groups_held/both": 1.0})
     rows = {(r.case.split(":")[0], r.metric): r for r in summarize(reqs, {"a": a, "b": b, "c": c, "e": "not available: no events"})}
     assert rows[("arm c", "ttft_p50/later")].ratio == pytest.approx(0.1)
     assert rows[("arm c", "ttft_p50/first")].ratio == pytest.approx(1.0)
@@ -53,6 +54,8 @@ def test_summary_splits_first_and_later_and_compares_with_arm_a() -> None:
     assert rows[("arm c", "outputs_equal_to_a")].value == 0.75  # one output differs
     assert rows[("arm c", "hit_rate")].value == 0.5 and rows[("arm c", "hit_rate")].ratio == pytest.approx(2.0)
     assert not any(arm == "arm e" for arm, _ in rows)  # not available: no numbers
+    assert rows[("arm c", "hit_rate/prefill-a")].value == 0.6  # where the work went
+    assert (rows[("arm c", "groups_held/both")].value, rows[("arm c", "groups_held/both")].unit) == (1.0, "groups")
 
 
 def test_each_prefill_holds_half_the_groups_prefixes_and_the_requests_in_flight() -> None:
