@@ -101,3 +101,20 @@ def test_checkpoint_engine_steps_requests_that_share_read_only_pages(hf_checkpoi
     assert engine.decode_step([a, b]) == engine.decode_step([a]) + engine.decode_step([b])
     with pytest.raises(InvalidRequest, match="which one of them writes"):
         engine.decode_step([a, DecodeRequest(6, ps, (0, 1))])
+
+
+def test_a_batch_resuming_at_a_cached_offset_moves_whole_to_a_device() -> None:
+    """The one device branch on a cached prompt's path: a GPU pool's batch carries its
+    page table and positions from the cached offset on to the device (``meta`` stands in
+    for CUDA here; on the CPU the batch is used as built). The cache itself holds page
+    numbers only, the same on every device."""
+    from pdgrpc.engine.model import SegmentBatch
+
+    built = SegmentBatch.build([([3, 7, 9], 32, 5), ([4], 0, 2)])  # 32 cached tokens, then a cold prompt
+    assert built.to(torch.device("cpu")) is built
+    moved = built.to(torch.device("meta"))
+    for name in ("page_table", "seq_lens", "seg_of", "row_of", "positions"):
+        a, b = getattr(built, name), getattr(moved, name)
+        assert (b.device.type, b.shape, b.dtype) == ("meta", a.shape, a.dtype), name
+    assert built.positions.tolist() == [32, 33, 34, 35, 36, 0, 1] and built.seq_lens.tolist() == [37, 2]
+    assert moved.max_rows == built.max_rows == 5
