@@ -21,7 +21,8 @@ both legs of every request, and the decode finds the prefill's bootstrap there.
 In a secured cluster (``--tls``/``--auth-token``) smg, which presents no credential to
 gRPC workers, calls each worker's loopback gateway listener instead of its port
 (``--gateway-listen``: plaintext, every caller the ``gateway`` role alone), and takes
-``--api-key`` (``LOG_DIR/security/smg-api-key``) from its own HTTP clients.
+``--api-key`` (``LOG_DIR/security/smg-api-key``, read in smg's process by
+:mod:`pdgrpc.cluster.smg_launch`) from its own HTTP clients.
 
 The launcher starts smg only once its workers answer their health checks: smg's first
 check of a worker that is not up fails, and smg then waits out its retry delay. The
@@ -38,7 +39,6 @@ from pathlib import Path
 from typing import Callable
 
 from pdgrpc.cluster.topology import ProcessSpec, flags
-from pdgrpc.rpc.security import read_secret
 
 __all__ = ["SMG_DEFAULTS", "readiness", "smg_argv", "smg_executable"]
 
@@ -62,15 +62,16 @@ def smg_argv(
     bootstrap_address: Callable[[str], str], python: str = sys.executable, api_key_file: Path | None = None,
 ) -> list[str]:
     """``smg launch`` argv for ``spec``: its prefills (with their bootstrap ports) and decodes
-    at ``address(name)``; ``api_key_file``: the key its HTTP clients must present (``--api-key``)."""
-    out = [smg_executable(python), "launch", "--pd-disaggregation", "--host", host, "--port", str(port),
+    at ``address(name)``; ``api_key_file``: the key its HTTP clients must present (``--api-key``,
+    handed over in-process by :mod:`pdgrpc.cluster.smg_launch`, so it is on no command line)."""
+    smg = smg_executable(python)
+    start = [smg] if api_key_file is None else [python, "-m", "pdgrpc.cluster.smg_launch", str(api_key_file)]
+    out = [*start, "launch", "--pd-disaggregation", "--host", host, "--port", str(port),
            "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
     for name in spec.prefill:
         out += ["--prefill", f"grpc://{address(name)}", bootstrap_address(name).rpartition(":")[2]]
     for name in spec.decode:
         out += ["--decode", f"grpc://{address(name)}"]
-    if api_key_file is not None:
-        out += ["--api-key", read_secret(api_key_file, "smg's api key file").decode().strip()]
     out += flags({k: v for k, v in SMG_DEFAULTS.items() if k not in spec.args})
     return out + flags(spec.args)
 

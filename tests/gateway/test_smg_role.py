@@ -60,7 +60,10 @@ def test_a_secured_smg_gets_its_workers_loopback_listeners_and_must_share_their_
     assert all(a and a.startswith("127.0.0.1:") for a in gateway.values()), gateway
     assert f"--gateway-listen {gateway['d']}" in " ".join(same.procs["d"].argv)
     smg = " ".join(same.procs["g"].argv)
-    assert f"--decode grpc://{gateway['d']}" in smg and f"--prefill grpc://{gateway['p']}" in smg and "--api-key " in smg
+    assert f"--decode grpc://{gateway['d']}" in smg and f"--prefill grpc://{gateway['p']}" in smg
+    # The api key reaches smg in-process, from its file: it is on no command line.
+    key = (tmp_path / "1" / "security" / "smg-api-key").read_text().strip()
+    assert "-m pdgrpc.cluster.smg_launch " in smg and "--api-key" not in smg and key not in smg
     apart = [{**p, "host": "b"} if p["name"] == "d" else p for p in procs]
     with pytest.raises(ClusterError, match="'d' on a loopback listener only"):
         Cluster(parse_topology({"network": {}, "process": apart}, "t"), hosts=hosts, auth_token="auto", log_dir=tmp_path / "2")

@@ -3,10 +3,10 @@
 smg presents no credential to its gRPC workers (test_smg_credentials.py), so each secured
 worker also listens for it on loopback, in plaintext, where every caller is the
 ``gateway`` role alone (``--gateway-listen``); smg's HTTP side takes only the cluster's
-api key. One real CLI start over tcp: a request with the key gets the tokens of colocated
-generation, one without it gets 401; the gateway listener refuses what smg never calls,
-and the main listener still refuses a caller without credentials. A worker refuses a
-gateway listener on an address other than loopback.
+api key, which is on no command line. One real CLI start over tcp: a request with the key
+gets the tokens of colocated generation, one without it gets 401; the gateway listener refuses what smg never calls,
+and the main listener still refuses a caller without credentials. Each worker (its
+argument parser) and ``start_server`` refuse a gateway listener off loopback.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ import grpc
 import pytest
 
 from pdgrpc.cluster.smg import smg_executable
+from pdgrpc.colocated.server import build_parser as colocated_parser
+from pdgrpc.decode.cli import build_parser as decode_parser
 from pdgrpc.errors import ConfigError
 from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME
+from pdgrpc.prefill.cli import build_parser as prefill_parser
 from pdgrpc.rpc.server import start_server
 from pdgrpc.v1 import bootstrap_pb2, bootstrap_pb2_grpc, decode_pb2_grpc, prefill_pb2
 from tests.e2e.harness import Case, reference_outputs
@@ -71,7 +74,8 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
 
 
 def test_smg_serves_with_its_api_key_and_refuses_without(secured: tuple[str, str, dict]) -> None:
-    url, key, _ = secured
+    url, key, procs = secured
+    assert key.encode() not in Path(f"/proc/{procs['smg']['pid']}/cmdline").read_bytes()  # what every local user may read
     case = Case((256, *b"secured smg"), 8)
     body = {"model": DEFAULT_SERVED_MODEL_NAME, "input_ids": list(case.input_ids),
             "sampling_params": {"max_new_tokens": case.max_new_tokens, "temperature": 0.0}}
@@ -107,11 +111,14 @@ def test_the_gateway_listener_grants_the_gateway_role_alone(secured: tuple[str, 
     asyncio.run(calls())
 
 
-def test_a_worker_refuses_a_gateway_listener_off_loopback() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "pdgrpc.decode", "--gateway-listen", "0.0.0.0:5000"], cwd=REPO, capture_output=True, text=True,
-        timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert done.returncode == 2 and "--gateway-listen: '0.0.0.0' is not a loopback address" in done.stderr, done.stderr
+@pytest.mark.parametrize("parser", [decode_parser, prefill_parser, colocated_parser], ids=["decode", "prefill", "colocated"])
+def test_a_worker_refuses_a_gateway_listener_off_loopback(parser, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["--gateway-listen", "0.0.0.0:5000"])
+    assert exit.value.code == 2 and "--gateway-listen: '0.0.0.0' is not a loopback address" in capsys.readouterr().err
+    assert parser().parse_args(["--gateway-listen", "127.0.0.1:5000"]).gateway_listen == "127.0.0.1:5000"
+
+
+def test_a_server_refuses_a_gateway_listener_off_loopback() -> None:
     with pytest.raises(ConfigError, match="--gateway-listen: '10.0.0.1' is not a loopback address"):
         asyncio.run(start_server([], gateway_listen="10.0.0.1:5000"))
