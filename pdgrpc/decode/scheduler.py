@@ -62,12 +62,14 @@ from pdgrpc.serving.kv_events import KvEventFeed
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.tp import check_tp_sizes
-from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, NewRequest, Outcome, SendHandshake, resolve_locally
+from pdgrpc.state import AbortReason, Aborted, Committed, DecodeQueues, DecodeState, NewRequest, Outcome, SendHandshake, resolve_locally
 from pdgrpc.state.decode_fate import Cancel, Commit, ComputeHere, TransportFailed
 from pdgrpc.state.room import Room
 from pdgrpc.transport.base import Transport
 
 log = logging.getLogger("pdgrpc.decode")
+
+DEADLINE_SLACK_S = 0.001  # the idle loop wakes this long after a request's deadline
 
 __all__ = ["DecodeScheduler"]
 
@@ -402,15 +404,38 @@ class DecodeScheduler:
             if busy:
                 await asyncio.sleep(0)  # let RPCs and transport callbacks in between steps
                 continue
-            q = self.queues
-            timeout = self.config.idle_poll_s if (q.num_requests or q.num_quarantined or self.local.pending) else 1.0
             # asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own,
             # which costs two more loop passes between a KV landing and its first token.
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(self._idle_timeout(time.monotonic())):
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    def _idle_timeout(self, now: float) -> float | None:
+        """How long the loop may sleep with nothing to compute (None: until woken). Every
+        event a request waits for wakes it -- a new request, a cancel, a handshake's
+        answer, a transfer that ends, a dp rank resolved -- so it sleeps until the
+        earliest deadline of a request in the queues; on a small host every wake-up takes
+        CPU from the compute. What has no event of its own (dp-rank queries, quarantined
+        rooms, local prefills waiting for pages) polls every ``idle_poll_s``."""
+        q = self.queues
+        if q.num_quarantined or self.local.pending:
+            return self.config.idle_poll_s
+        first: float | None = None
+        for room in self._jobs:
+            if q.state_of(room) is DecodeState.RESOLVING_DP_RANK:
+                return self.config.idle_poll_s
+            deadline = q.deadline_of(room)
+            if deadline is not None and (first is None or deadline < first):
+                first = deadline
+        if first is None:
+            return None
+        # A transfer's progress short of its end wakes nothing, so a poll idle_poll_s before
+        # the deadline first moves the request to its transfer's state (whose own deadline
+        # then counts); the next wakes just past the deadline, when the request is overdue.
+        left = first - now
+        return left - self.config.idle_poll_s if left > self.config.idle_poll_s else max(0.0, left) + DEADLINE_SLACK_S
 
     async def _iteration(self) -> bool:
         """One pass over the machines; True when it computed (more work is likely)."""

@@ -41,3 +41,26 @@ async def test_landed_kv_commits_without_waiting_for_the_next_periodic_poll() ->
     finally:
         await prefill.stop()
         await server.stop(grace=0)
+
+
+async def test_a_decode_waiting_for_a_transfer_sleeps_until_it_lands() -> None:
+    """Events wake the loop (the handshake's answer, the transfer's end), not a timer: a
+    request whose KV comes after half a second costs a handful of loop passes, not one
+    per ``idle_poll_s``."""
+    sched = DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, SchedulerConfig(idle_poll_s=0.01))
+    server = await start_decode_server(sched)
+    prefill = await FakePrefill(ReferenceEngine(CFG)).start()
+    ticks: list[float] = []
+    tick = sched.queues.tick
+    sched.queues.tick = lambda now: (ticks.append(now), tick(now))[1]  # type: ignore[method-assign]
+    try:
+        prefill.send_delay_s = 0.5
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            msgs = await asyncio.wait_for(collect(stub, make_request(prefill, "hello there", 2)), 20)
+        assert [len(m.token_ids) for m in msgs] == [1, 1] and msgs[0].bytes_transferred > 0
+        assert len(ticks) < 12, len(ticks)  # polling every 10 ms: over 50
+        await wait_idle(server)
+    finally:
+        await prefill.stop()
+        await server.stop(grace=0)
