@@ -105,9 +105,23 @@ def parallel_info(ns: argparse.Namespace, worker: PrefillWorker) -> bootstrap_pb
     )
 
 
-async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
-    while os.getppid() == parent:
-        await asyncio.sleep(1.0)
+async def watch_parent(parent: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once the controller (``parent``) exits. Its pidfd wakes the loop, so an
+    idle worker never polls for it; without pidfds (an old kernel, a sandbox) it polls."""
+    try:
+        fd = os.pidfd_open(parent)
+    except OSError:
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+    else:
+        loop, gone = asyncio.get_running_loop(), asyncio.Event()
+        loop.add_reader(fd, gone.set)
+        try:
+            if os.getppid() == parent:  # else it exited before the fd was opened
+                await gone.wait()
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
     log.error("controller (pid %d) is gone; stopping", parent)
     stop.set()
 
@@ -215,7 +229,7 @@ async def _main(ns: argparse.Namespace) -> int:
     # Watch the controller from the start: a worker must not outlive it, not even while
     # it is still registering (bootstrap registration retries for a while).
     orphaned = asyncio.Event()
-    watcher = asyncio.ensure_future(_watch_parent(os.getppid(), orphaned))
+    watcher = asyncio.ensure_future(watch_parent(os.getppid(), orphaned))
     wire = WirePrefillServicer(WorkerPrefillServicer(worker, kv_events), metrics.on_refused, ns.max_prefills_per_client)
     server = await start_server(
         [
