@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,6 @@ def test_the_environment_is_set_before_grpc_is_imported(module: str, script: str
 
 
 def test_every_server_console_script_is_checked_here() -> None:
-    tomllib = pytest.importorskip("tomllib")
     root = Path(__file__).resolve().parents[1]
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     servers = {target for name, target in scripts.items() if name not in ("pdgrpc-cluster", "pdgrpc-bench")}

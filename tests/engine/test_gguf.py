@@ -22,7 +22,7 @@ from pdgrpc.errors import ConfigError
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (pdgrpc[gguf])")
 transformers = pytest.importorskip("transformers", reason="the reference implementation (test extra)")
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="transformers, the reference implementation, runs on torch (test extra)")
 
 TEXTS = ["Prefill computes the prompt; decode generates.", "Grüße aus Köln: 東京 🙂 <|im_start|>x"]
 NEW_TOKENS = 10
