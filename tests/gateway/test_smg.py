@@ -1,7 +1,7 @@
 """End to end with the real smg (pdgrpc[gateway]) in PD mode in front of pdgrpc's servers.
 
-One cluster per (topology, transport): smg-1p1d over tcp and over rdma, and smg-2p2d
-(two prefills x two decodes) over rdma. Outputs are compared with colocated generation of the same token
+One cluster per (topology, transport): smg-1p1d over tcp, and smg-2p2d (two prefills x
+two decodes) over rdma. Outputs are compared with colocated generation of the same token
 ids (a ReferenceEngine built from the topology's own [engine] table): exact token ids
 always, and the text wherever the output bytes are valid UTF-8 (smg's byte-level decoder
 is deterministic there). smg 1.13.0 forwards no seed, so each sampled request runs at the
@@ -51,7 +51,8 @@ from tests.prefill.procs import child_pids, pid_alive  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 
-PARAMS = [("smg-1p1d", "tcp"), ("smg-1p1d", "rdma"), ("smg-2p2d", "rdma")]
+# Each topology and each transport once: a third cluster (smg-1p1d on rdma) adds no check.
+PARAMS = [("smg-1p1d", "tcp"), ("smg-2p2d", "rdma")]
 PREFILL_MAX_PROMPT = 200  # the decodes keep the [engine] table's 1024
 WRAPPERS = {"tcp": "tests.gateway.faulty:FailsLongPromptsTcp", "rdma": "tests.gateway.faulty:FailsLongPromptsRdma"}
 # A failed prefill leg frees everything on every server this soon (the issue's bound); the
