@@ -115,25 +115,28 @@ class Server:
 
 def vllm_server(name: str, port: int, core: int, model: Path, log_dir: Path, *, connector: bool = True,
                 extra: dict[str, Any] | None = None, failure_policy: str = "fail",
-                kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Server:
+                kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                args: tuple[str, ...] = ()) -> Server:
     """A vLLM OpenAI server with one compute thread bound to ``core``, no compilation
     (-O0: starts in seconds), with ``PdgrpcConnector`` unless ``connector`` is False
-    (``kv_config``: another connector's ``--kv-transfer-config``); ``env`` adds variables."""
+    (``kv_config``: another connector's ``--kv-transfer-config``); ``env`` adds variables,
+    ``args`` command-line flags."""
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
                     OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-           "smollm2", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), "-O0"]
+           "smollm2", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), "-O0", *args]
     if connector:
         kv = dict(kv_config or KV_CONFIG, kv_load_failure_policy=failure_policy, kv_connector_extra_config=extra or {})
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     return Server(name, cmd, full_env, port, log_dir / f"{name}.log")
 
 
-def proxy_server(port: int, prefill: Server, decode: Server, log_dir: Path, *, args: tuple[str, ...] = ()) -> Server:
+def proxy_server(port: int, prefill: Server, decode: Server, log_dir: Path, *, args: tuple[str, ...] = (),
+                 name: str = "proxy") -> Server:
     """The front door of ``prefill`` and ``decode``; ``args`` adds its flags."""
     cmd = [sys.executable, "-m", "pdgrpc.integrations.vllm.proxy", "--prefill", prefill.url, "--decode", decode.url,
            "--port", str(port), *args]
-    return Server("proxy", cmd, dict(os.environ, PYTHONPATH=str(ROOT)), port, log_dir / "proxy.log")
+    return Server(name, cmd, dict(os.environ, PYTHONPATH=str(ROOT)), port, log_dir / f"{name}.log")
 
 
 def free_port() -> int:
