@@ -155,8 +155,8 @@ async def test_drains_and_a_rolling_restart_under_load_fail_no_request(tmp_path)
     topology = dataclasses.replace(topology, processes=tuple(
         dataclasses.replace(p, args={**p.args, "policy": "round_robin"}) if p.role == "router" else p for p in topology.processes
     ))
-    long_prompts = _cases(prompt_len=700, max_new_tokens=4)[: CLIENTS // 2]
-    long_outputs = _cases(prompt_len=40, max_new_tokens=64)[CLIENTS // 2 :]
+    long_prompts = _cases(prompt_len=300, max_new_tokens=4)[: CLIENTS // 2]
+    long_outputs = _cases(prompt_len=40, max_new_tokens=32)[CLIENTS // 2 :]
     cases = long_prompts + long_outputs
     expected = reference_outputs_for(topology, cases)
     async with Cluster(topology, transport="tcp", log_dir=tmp_path / "logs", supervise=True, metrics=True) as cluster:
