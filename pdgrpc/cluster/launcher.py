@@ -209,6 +209,7 @@ class Cluster:
         self._failed = False
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"pdgrpc-{self.topology.name}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._socket_dir: Path | None = None  # the local sockets' (local_socket), made on first use
         self.start_timeout = start_timeout
         self.grace = grace
         self.supervise = supervise
@@ -325,6 +326,17 @@ class Cluster:
         spec = self.procs[prefill_name].spec
         return self.address(spec.bootstrap) if spec.bootstrap else self.address(prefill_name)
 
+    def local_socket(self, name: str) -> str:
+        """The local socket (:mod:`pdgrpc.rpc.local`) the prefill or decode ``name`` serves and
+        a router on the launcher's host calls it at; "" for one on another host, under TLS
+        (a local call carries no certificate), or when its args set ``local-socket``."""
+        proc = self.procs[name]
+        if proc.ip != HOST or name in self.credentials.certs or "local-socket" in proc.spec.args:
+            return ""
+        if self._socket_dir is None:  # mkdtemp makes it 0700: private to this user
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-"))
+        return str(self._socket_dir / f"{name}.sock")
+
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
         out = ["--host", proc.ip, "--port", str(proc.port), *self.credentials.flags(spec.name)]
@@ -339,6 +351,9 @@ class Cluster:
             out += ["--gateway-listen", proc.gateway_address]
         if spec.role in ("prefill", "decode"):
             out += ["--transport", self.transport, *flags(self.topology.engine)]
+            local = self.local_socket(spec.name)
+            if local:
+                out += ["--local-socket", local]
             if self.credentials.smg_room_key is not None:
                 out += ["--smg-room-key-file", str(self.credentials.smg_room_key)]
             if proc.ip != HOST:  # on a host: the data plane listens on (and advertises) the host's address
@@ -353,9 +368,11 @@ class Cluster:
             for name in spec.prefill:
                 p = self.procs[name].spec
                 extra = f",bootstrap={self.address(p.bootstrap)}" if p.bootstrap else ""
-                out += ["--prefill", self.address(name) + extra]
+                local = self.local_socket(name) if self.procs[spec.name].ip == HOST else ""
+                out += ["--prefill", self.address(name) + extra + (f",local={local}" if local else "")]
             for name in spec.decode:
-                out += ["--decode", self.address(name)]
+                local = self.local_socket(name) if self.procs[spec.name].ip == HOST else ""
+                out += ["--decode", self.address(name) + (f",local={local}" if local else "")]
             if self.topology.engine.get("model"):  # the router tokenizes with the served checkpoint's tokenizer
                 out += ["--model", str(self.topology.engine["model"])]
             if "max-prompt-tokens" in self.topology.engine:  # refused at the router, not after forwarding
@@ -574,6 +591,9 @@ class Cluster:
         channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             await ch.close()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
         self._tidy_logs()
 
     def _tidy_logs(self) -> None:

@@ -17,6 +17,7 @@ from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
 from pdgrpc.serving.logs import add_logging_arguments
 from pdgrpc.rpc.open_calls import limit_arg
 from pdgrpc.rpc.drain import add_drain_arguments
+from pdgrpc.rpc.local import add_local_socket_argument
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.state import DecodeDeadlines
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_transport_arguments(p)
     add_security_arguments(p)
     add_drain_arguments(p)
+    add_local_socket_argument(p)
     add_gateway_arguments(p)
     g = p.add_argument_group("scheduling")
     g.add_argument(

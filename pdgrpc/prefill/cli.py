@@ -15,6 +15,7 @@ from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.prefill.dispatch import CACHE_AWARE_MARGIN, METHODS
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
 from pdgrpc.rpc.drain import add_drain_arguments
+from pdgrpc.rpc.local import add_local_socket_argument
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arguments(p)
     add_discovery_arguments(p, "prefill")
     add_drain_arguments(p)
+    add_local_socket_argument(p)
     add_security_arguments(p)  # passed to the workers by security_argv
     return p
 

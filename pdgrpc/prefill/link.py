@@ -9,8 +9,7 @@ before its compute starts, and the reply crosses it while the decode sends the f
 The worker still serves ``PrefillService`` over gRPC for anyone who calls it directly, and
 the controller still reads its stats that way.
 
-Frames, both ways: a 13-byte header ``<IBQ`` (payload length in bytes, kind, call id), then
-the payload:
+Frames (:mod:`pdgrpc.rpc.frames`), both ways:
 
 ========  ======================  ==================================================
 kind      direction               payload
@@ -39,86 +38,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import struct
 import time
-from typing import Awaitable, Callable, cast
-
-import grpc
+from typing import Awaitable, Callable
 
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
 from pdgrpc.prefill.statuses import Refusal, ending, from_wire
 from pdgrpc.rpc import tracing
+from pdgrpc.rpc.frames import Framed, frame
 from pdgrpc.v1 import prefill_pb2
 
 __all__ = ["ControllerLink", "WorkerLinkServer", "LinkCallFailed"]
 
 log = logging.getLogger("pdgrpc.prefill.link")
 
-_HEAD = struct.Struct("<IBQ")
 CALL, CANCEL, REPLY, FAIL, TRACED = 1, 2, 3, 4, 6
-# Far above any real request (a 1M-token prompt is ~5 MB): a larger length is a broken peer.
-MAX_PAYLOAD = 256 * 1024 * 1024
 
 
 class LinkCallFailed(RequestFailed):
     """The worker answered a call with a status (its ``RequestFailed``, carried over)."""
 
 
-def _frame(kind: int, call_id: int, payload: bytes = b"") -> bytes:
-    return _HEAD.pack(len(payload), kind, call_id) + payload
-
-
-class _Framed(asyncio.Protocol):
-    """Splits the byte stream into frames; a subclass handles each one."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._transport: asyncio.Transport | None = None
-        self._buf = bytearray()
-        self._closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        pos = 0
-        while len(buf) - pos >= _HEAD.size:
-            length, kind, call_id = _HEAD.unpack_from(buf, pos)
-            if length > MAX_PAYLOAD:
-                self._broken(f"frame of {length} bytes (limit {MAX_PAYLOAD})")
-                return
-            end = pos + _HEAD.size + length
-            if len(buf) < end:
-                break
-            payload = bytes(buf[pos + _HEAD.size : end])
-            pos = end
-            try:
-                self._frame(kind, call_id, payload)
-            except Exception as exc:  # a payload that does not parse, an unknown kind
-                self._broken(f"bad frame (kind {kind}, call {call_id}): {exc!r}")
-                return
-        del buf[:pos]
-
-    def _broken(self, why: str) -> None:
-        log.error("%s: closing the link: %s", self.name, why)
-        self._buf.clear()
-        self.close_socket()
-
-    def _send(self, data: bytes) -> None:
-        if self._transport is not None and not self._closed:
-            self._transport.write(data)
-
-    def close_socket(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
-
-    def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
-        raise NotImplementedError
-
-
-class ControllerLink(_Framed):
+class ControllerLink(Framed):
     """The controller's end: :meth:`prefill` sends a call and waits for its answer."""
 
     def __init__(self, name: str) -> None:
@@ -148,14 +88,14 @@ class ControllerLink(_Framed):
         fut: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         if trace:
-            self._send(_frame(TRACED, call_id, trace + request.SerializeToString()))
+            self._send(frame(TRACED, call_id, trace + request.SerializeToString()))
         else:
-            self._send(_frame(CALL, call_id, request.SerializeToString()))
+            self._send(frame(CALL, call_id, request.SerializeToString()))
         try:
             return await fut
         except asyncio.CancelledError:
             if self._calls.pop(call_id, None) is not None:
-                self._send(_frame(CANCEL, call_id))
+                self._send(frame(CANCEL, call_id))
             raise
         finally:
             self._calls.pop(call_id, None)
@@ -185,7 +125,7 @@ class ControllerLink(_Framed):
         self.lost.set()
 
 
-class WorkerLinkServer(_Framed):
+class WorkerLinkServer(Framed):
     """The worker's end: runs each call as a task of ``prefill`` and answers it."""
 
     def __init__(
@@ -253,7 +193,7 @@ class WorkerLinkServer(_Framed):
         hops = tracing.serve("worker", tracing.unpack(trace), arrived_ns) if trace and tracing.enabled else None
         try:
             resp = await self._prefill(request)
-            self._send(_frame(REPLY, call_id, resp.SerializeToString()))
+            self._send(frame(REPLY, call_id, resp.SerializeToString()))
         except RequestFailed as exc:
             self._send(_fail(call_id, exc))
         except asyncio.CancelledError:
@@ -274,4 +214,4 @@ class WorkerLinkServer(_Framed):
 
 
 def _fail(call_id: int, failure: RequestFailed) -> bytes:
-    return _frame(FAIL, call_id, bytes([failure.code.value[0]]) + failure.message.encode())
+    return frame(FAIL, call_id, bytes([failure.code.value[0]]) + failure.message.encode())

@@ -13,7 +13,7 @@ from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
-from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_prefill, service_names
+from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_decode, parse_prefill, service_names
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments, current
@@ -42,16 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 = every IPv4 interface (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port for GenerateService; 0 picks a free one, printed in the log line (default: %(default)s)")
     p.add_argument(
-        "--prefill", action="append", default=[], metavar="HOST:PORT[,bootstrap=HOST:PORT]",
+        "--prefill", action="append", default=[], metavar="HOST:PORT[,bootstrap=HOST:PORT][,local=PATH]",
         help="a prefill instance's PrefillService address; repeat for several (--policy picks among them). "
         "Its BootstrapService is assumed on the same address (bootstrap embedded in the prefill); "
         "add ',bootstrap=HOST:PORT' when the instance uses a separate `python -m pdgrpc.bootstrap`. "
-        "Decode resolves the prefill's dp rank and workers there.",
+        "Decode resolves the prefill's dp rank and workers there. ',local=PATH': the instance's --local-socket on "
+        "this host, where Prefill is then called instead of over gRPC",
     )
     p.add_argument(
-        "--decode", action="append", default=[], metavar="HOST:PORT",
+        "--decode", action="append", default=[], metavar="HOST:PORT[,local=PATH]",
         help="a decode instance's DecodeService address; repeat for several (--policy cache_aware picks among them "
-        "by their prefix caches, the other policies round robin)",
+        "by their prefix caches, the other policies round robin). ',local=PATH': the instance's --local-socket on "
+        "this host, where Decode is then called instead of over gRPC",
     )
     p.add_argument(
         "--request-timeout", type=float, default=300.0, metavar="SECONDS",
@@ -200,9 +202,11 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
 
 
 def _config(args: argparse.Namespace) -> RouterConfig:
+    decodes = [parse_decode(s) for s in args.decode]
     return RouterConfig(
         prefills=tuple(parse_prefill(s) for s in args.prefill),
-        decodes=tuple(args.decode),
+        decodes=tuple(address for address, _ in decodes),
+        decode_sockets=tuple((address, local) for address, local in decodes if local),
         request_timeout=args.request_timeout,
         discovery=bool(args.discovery),
         model=args.model,

@@ -75,6 +75,8 @@ from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.router.policy import DEFAULT_MARGIN, Policy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.local import LocalChannel
+from pdgrpc.rpc.security import current
 from pdgrpc.rpc.errors import reason_of
 from pdgrpc.serving.kv_events import LOCAL_PREFILL
 from pdgrpc.serving.logs import request_event
@@ -93,7 +95,7 @@ from pdgrpc.state.route_fate import (
 )
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_prefill"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_decode", "parse_prefill"]
 
 log = logging.getLogger("pdgrpc.router")
 
@@ -123,24 +125,42 @@ def draw_room(randbits: Callable[[int], int] | None = None) -> Room:
 @dataclasses.dataclass(frozen=True)
 class PrefillBackend:
     """A prefill instance: its PrefillService address and its BootstrapService address
-    (the same address when bootstrap is embedded in the prefill's server)."""
+    (the same address when bootstrap is embedded in the prefill's server); ``local``: its
+    local socket (:mod:`pdgrpc.rpc.local`), "" when it serves none."""
 
     address: str
     bootstrap: str
+    local: str = ""
 
 
 def parse_prefill(spec: str) -> PrefillBackend:
-    """``HOST:PORT`` or ``HOST:PORT,bootstrap=HOST:PORT`` -> :class:`PrefillBackend`."""
+    """``HOST:PORT[,bootstrap=HOST:PORT][,local=PATH]`` -> :class:`PrefillBackend`."""
     head, *opts = [s.strip() for s in spec.split(",")]
     _check_address(head, "--prefill")
-    bootstrap = head
+    bootstrap, local = head, ""
     for opt in opts:
         key, sep, value = opt.partition("=")
-        if key != "bootstrap" or not sep:
-            raise ValueError(f"--prefill {spec!r}: unknown option {opt!r} (expected bootstrap=HOST:PORT)")
-        _check_address(value, "--prefill bootstrap=")
-        bootstrap = value
-    return PrefillBackend(head, bootstrap)
+        if key == "bootstrap" and sep:
+            _check_address(value, "--prefill bootstrap=")
+            bootstrap = value
+        elif key == "local" and sep and value:
+            local = value
+        else:
+            raise ValueError(f"--prefill {spec!r}: unknown option {opt!r} (expected bootstrap=HOST:PORT or local=PATH)")
+    return PrefillBackend(head, bootstrap, local)
+
+
+def parse_decode(spec: str) -> tuple[str, str]:
+    """``HOST:PORT[,local=PATH]`` -> (the address, its local socket or "")."""
+    head, *opts = [s.strip() for s in spec.split(",")]
+    _check_address(head, "--decode")
+    local = ""
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if key != "local" or not sep or not value:
+            raise ValueError(f"--decode {spec!r}: unknown option {opt!r} (expected local=PATH)")
+        local = value
+    return head, local
 
 
 def _check_address(addr: str, flag: str) -> None:
@@ -182,6 +202,9 @@ class RouterConfig:
     # prompt when every prefill has more than local_prefill_queue calls in flight (0: never).
     local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
     local_prefill_queue: int = 0
+    # Local sockets of the decodes, by address (a prefill's is PrefillBackend.local): the
+    # router calls those over them instead of gRPC (pdgrpc.rpc.local).
+    decode_sockets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -294,6 +317,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
         self._pool = pool or ChannelPool()
+        # The servers this router calls over their local sockets (pdgrpc.rpc.local), by address.
+        token = current().call_metadata()
+        self._sockets = {
+            address: LocalChannel(path, token)
+            for address, path in [*((p.address, p.local) for p in config.prefills), *config.decode_sockets] if path
+        }
         # With discovery: the live view from etcd, read on every request.
         self._view = view
         self._turn = 0
@@ -310,6 +339,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def close(self) -> None:
         await self._pool.close()
+        for channel in self._sockets.values():
+            await channel.close()
+
+    def _channel(self, address: str) -> Any:
+        """What calls ``address``: its local socket's channel, else its gRPC channel."""
+        local = self._sockets.get(address)
+        return local if local is not None else self._pool.get(address)
 
     # ---- request checks -----------------------------------------------------------------
 
@@ -540,8 +576,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prefill_req.routed_dp_rank = routed
             decode_req.routed_dp_rank = routed
 
-        prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._pool.get(prefill.address))
-        decode_stub = decode_pb2_grpc.DecodeServiceStub(self._pool.get(decode))
+        prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))
+        decode_stub = decode_pb2_grpc.DecodeServiceStub(self._channel(decode))
         # Both at once: the decode's handshake overlaps the prefill's compute.
         metadata = None if trace is None else trace.metadata()
         if trace is not None:  # the router's own work ends here: the rest of the hop is the call's way

@@ -116,6 +116,9 @@ class UndecodableIsInvalidArgument:
     def __init__(self, server: grpc.aio.Server, outer: HandlerWrapper | None = None) -> None:
         self._server = server
         self._outer = outer
+        # Each registered method's handler as the server runs it, by ``/service/method``
+        # (what the local socket serves: pdgrpc.rpc.local).
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """``handler`` of ``method`` (``/service/name``) as the server runs it."""
@@ -127,6 +130,7 @@ class UndecodableIsInvalidArgument:
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         wrapped = {name: self.wrap(h, f"/{service}/{name}") for name, h in handlers.items()}
+        self.handlers.update((f"/{service}/{name}", h) for name, h in wrapped.items())
         self._server.add_registered_method_handlers(service, wrapped)
 
     def __getattr__(self, name: str) -> Any:

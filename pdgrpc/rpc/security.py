@@ -181,6 +181,12 @@ class Security:
             return grpc.aio.secure_channel(target, creds, options=list(options), interceptors=chain or None)
         return grpc.aio.insecure_channel(target, options=list(options), interceptors=chain or None)
 
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What each call carries to prove its caller where no interceptor runs (the local
+        socket, :mod:`pdgrpc.rpc.local`): the bearer token, if any."""
+        token = self.token
+        return ((AUTH_HEADER, _BEARER + token),) if token else ()
+
     def client_interceptors(self) -> list[Any]:
         token = self.token
         if not token:

@@ -31,6 +31,8 @@ Each server gets:
   Generate calls end UNAVAILABLE, and the server stops once those in flight finished and
   it refused a moment more (:data:`~pdgrpc.rpc.drain.LINGER_S`), bounded by the drain
   timeout; other calls then get ``grace`` seconds;
+* with ``local_socket`` (or the process's ``--local-socket``), the same services on a Unix
+  socket for a router on this host (:mod:`pdgrpc.rpc.local`), closed as the server stops;
 * the bounds of :mod:`pdgrpc.rpc.limits`: a message size sized to the largest legitimate
   request, and INVALID_ARGUMENT for a request that does not parse; at most
   :func:`incoming_connection_cap` connections, each through its handshakes within
@@ -57,6 +59,7 @@ from pdgrpc.rpc.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainServicer, drai
 from pdgrpc.rpc.drain import SERVICE_NAME as DRAIN_SERVICE
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, HandlerWrapper, UndecodableIsInvalidArgument
+from pdgrpc.rpc.local import LocalServer, configured
 from pdgrpc.rpc.security import Security, current, gateway_handler_wrapper, loopback_address
 from pdgrpc.v1 import drain_pb2_grpc
 
@@ -114,9 +117,10 @@ class RpcServer:
 
     def __init__(
         self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, host: str, port: int, services: Sequence[str],
-        drain: Drain | None = None, gateway: grpc.aio.Server | None = None,
+        drain: Drain | None = None, gateway: grpc.aio.Server | None = None, local: LocalServer | None = None,
     ) -> None:
         self.server = server
+        self.local = local  # the same services on a Unix socket (pdgrpc.rpc.local)
         # The gateway listener (--gateway-listen): the same services, to the gateway role alone.
         self.gateway = gateway
         self.gateway_address: str | None = None
@@ -199,7 +203,7 @@ class RpcServer:
         await self._announce_drain()
         for callback in self._on_stop:
             await callback()
-        await asyncio.gather(*(s.stop(grace) for s in self._servers()))
+        await asyncio.gather(*(s.stop(grace) for s in self._servers()), *([] if self.local is None else [self.local.stop(grace)]))
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -221,16 +225,22 @@ async def start_server(
     security: Security | None = None,
     drain: Drain | None = None,
     gateway_listen: str | None = None,
+    local_socket: str | None = None,
 ) -> RpcServer:
     """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
     and reflection. ``port=0`` picks a free port (``RpcServer.port``). ``serving=False``:
     health reports NOT_SERVING (calls are still answered) until ``set_serving()``.
     ``drain``: the server's drain, for a service that reports it (made here without).
     ``gateway_listen``: ``HOST:PORT`` on loopback where the same services are also served
-    in plaintext to the ``gateway`` role alone (:attr:`RpcServer.gateway_address`)."""
+    in plaintext to the ``gateway`` role alone (:attr:`RpcServer.gateway_address`).
+    ``local_socket``: also serve the services there (:mod:`pdgrpc.rpc.local`; default: the
+    process's ``--local-socket``)."""
     services = list(services)
     security = security or current()
     security.check_listen(host, what)
+    local_path = local_socket or configured()
+    if local_path and security.tls:
+        raise ConfigError(f"{what}: --local-socket serves no TLS (a local call presents no certificate): leave it out under --tls-cert")
     gateway_bind = None
     if gateway_listen is not None:
         try:
@@ -248,26 +258,35 @@ async def start_server(
     # through a view that wraps its handlers once: undecodable requests end
     # INVALID_ARGUMENT (pdgrpc.rpc.limits), and where a token is set, calls without it
     # end UNAUTHENTICATED before their request is parsed (pdgrpc.rpc.security).
-    server = _server(services, health_servicer, options, drain_wrapper(drain, security.server_handler_wrapper()))
+    server, handlers = _server(services, health_servicer, options, drain_wrapper(drain, security.server_handler_wrapper()))
     bound = _bind(server, host, port, credentials, what)
     gateway: grpc.aio.Server | None = None
     gateway_port = 0
     if gateway_bind is not None:
         # The same servicers, drain and health on a second server whose callers are the
         # gateway role alone: smg presents no credential, and reaches only what it calls.
-        gateway = _server(services, health_servicer, options, drain_wrapper(drain, gateway_handler_wrapper()))
+        gateway, _ = _server(services, health_servicer, options, drain_wrapper(drain, gateway_handler_wrapper()))
         gateway_port = _bind(gateway, gateway_bind[0], gateway_bind[1], None, f"{what} gateway listener")
     await server.start()
     if gateway is not None:
         await gateway.start()
+    local = None
+    if local_path:
+        local = LocalServer(local_path, handlers.get)
+        try:
+            await local.start()
+        except BaseException:
+            await asyncio.gather(*(s.stop(0) for s in (server, gateway) if s is not None))
+            raise
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *names):
         await health_servicer.set(name, status)
-    rpc = RpcServer(server, health_servicer, host, bound, names, drain, gateway=gateway)
+    rpc = RpcServer(server, health_servicer, host, bound, names, drain, gateway=gateway, local=local)
     tls = "plaintext" if credentials is None else "mTLS" if security.ca is not None else "TLS"
     auth = ", bearer token" if security.token_file is not None or security.roles_file is not None else ""
     auth += ", role tokens" if security.roles_file is not None else ""
-    log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names))
+    also = "" if local is None else f"; also on local socket {local.path}"
+    log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s%s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names), also)
     if gateway_bind is not None:
         rpc.gateway_address = f"{gateway_bind[0]}:{gateway_port}"
         log.info("%s gateway listener on %s (plaintext, loopback only; every caller has the gateway role alone)", what, rpc.gateway_address)
@@ -277,9 +296,9 @@ async def start_server(
 def _server(
     services: Sequence[ServiceSpec], health_servicer: health.aio.HealthServicer, options: Sequence[tuple[str, int | str]],
     wrapper: HandlerWrapper,
-) -> grpc.aio.Server:
+) -> tuple[grpc.aio.Server, dict[str, grpc.RpcMethodHandler]]:
     """A ``grpc.aio`` server with ``services``, health and reflection, each handler wrapped
-    once in ``wrapper``."""
+    once in ``wrapper``; and the services' handlers as it runs them, by ``/service/method``."""
     server = grpc.aio.server(options=list(options))
     wrapping = UndecodableIsInvalidArgument(server, wrapper)
     for _name, add in services:
@@ -289,7 +308,7 @@ def _server(
     names = [name for name, _add in services]
     reflecting = reflection.aio.ReflectionServicer([*names, health.SERVICE_NAME, reflection.SERVICE_NAME])
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflecting, wrapping)
-    return server
+    return server, wrapping.handlers
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: Any, what: str) -> int:

@@ -59,6 +59,7 @@ def launch(module: str, argv: list[str] | None = None) -> int:
     if not isinstance(role, Role):
         raise TypeError(f"{module}.ROLE is not a pdgrpc.serving.launch.Role")
     from pdgrpc.errors import PdgrpcError
+    from pdgrpc.rpc.local import configure
     from pdgrpc.rpc.security import install, security_from_args
     from pdgrpc.rpc.tracing import setup_tracing
     from pdgrpc.serving.logs import setup_logging
@@ -70,6 +71,7 @@ def launch(module: str, argv: list[str] | None = None) -> int:
     try:
         role.check(ns)
         install(security_from_args(ns))
+        configure(getattr(ns, "local_socket", None))  # the role took --local-socket (pdgrpc.rpc.local)
     except (PdgrpcError, ValueError) as exc:
         parser.error(str(exc))
     setup_logging(ns.log_level, role.log_name(ns))

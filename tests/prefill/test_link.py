@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
-from pdgrpc.prefill.link import MAX_PAYLOAD, ControllerLink, LinkCallFailed, WorkerLinkServer
+from pdgrpc.prefill.link import ControllerLink, LinkCallFailed, WorkerLinkServer
+from pdgrpc.rpc.frames import MAX_PAYLOAD
 from pdgrpc.v1 import prefill_pb2
 
 

@@ -1,0 +1,201 @@
+"""pdgrpc.rpc.local: a server's methods on its local socket answer as over gRPC -- replies,
+statuses, trailing metadata, the token, the drain -- and cancellation, deadlines and a
+stopping server end calls as they do there; only its user may connect."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+import pytest
+
+from pdgrpc.errors import ConfigError
+from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.errors import reason_metadata, reason_of
+from pdgrpc.rpc.local import LocalChannel
+from pdgrpc.rpc.security import Security
+from pdgrpc.rpc.server import start_server
+from pdgrpc.state.outcomes import AbortReason
+from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+
+
+class Servers(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeServiceServicer):
+    """``Prefill`` echoes the prompt's length, refuses room 7 (with a reason) and holds
+    room 9 until cancelled; ``Decode`` streams one token per prompt id, then fails room 8."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[int] = []
+        self.held = asyncio.Event()
+        self.peers: list[str] = []
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
+        self.peers.append(context.peer())
+        if request.bootstrap_room == 7:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "room 7: full", trailing_metadata=reason_metadata(AbortReason.CANCELLED))
+        if request.bootstrap_room == 9:
+            self.held.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled.append(9)
+                raise
+        return prefill_pb2.PrefillResponse(prompt_tokens=len(request.input_ids), dp_rank=3)
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[decode_pb2.DecodeResponse]:  # noqa: N802
+        for t in request.input_ids:
+            yield decode_pb2.DecodeResponse(token_ids=[t])
+        if request.bootstrap_room == 8:
+            raise RuntimeError("broke")
+
+
+@pytest.fixture
+def sock_dir() -> Any:
+    with tempfile.TemporaryDirectory(prefix="pdgrpc-t-") as d:  # mode 0700
+        yield Path(d)
+
+
+async def _start(servers: Servers, path: Path, security: Security | None = None) -> Any:
+    return await start_server(
+        [(PREFILL, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servers, s)),
+         (DECODE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servers, s))],
+        local_socket=str(path), security=security or Security(),
+    )
+
+
+async def _outcome(call: Any) -> Any:
+    try:
+        return await call
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details(), reason_of(exc)
+
+
+async def _stream(call: Any) -> Any:
+    got = []
+    try:
+        while (m := await call.read()) is not grpc.aio.EOF:
+            got.append(list(m.token_ids))
+    except grpc.RpcError as exc:
+        return got, exc.code(), exc.details().split(":")[0]
+    return got, None
+
+
+async def test_replies_and_statuses_equal_grpcs(sock_dir: Path) -> None:
+    servers = Servers()
+    server = await _start(servers, sock_dir / "s.sock")
+    pool = ChannelPool(security=Security())
+    local = LocalChannel(str(sock_dir / "s.sock"))
+    try:
+        assert stat.S_IMODE(os.stat(sock_dir / "s.sock").st_mode) == 0o600
+        out = {}
+        for way, channel in (("grpc", pool.get(server.address)), ("local", local)):
+            p = prefill_pb2_grpc.PrefillServiceStub(channel)
+            d = decode_pb2_grpc.DecodeServiceStub(channel)
+            out[way] = [
+                await _outcome(p.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=1, input_ids=[1, 2, 3]), timeout=5)),
+                await _outcome(p.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=7), timeout=5)),
+                await _stream(d.Decode(decode_pb2.DecodeRequest(bootstrap_room=1, input_ids=[4, 5]), timeout=5)),
+                await _stream(d.Decode(decode_pb2.DecodeRequest(bootstrap_room=8, input_ids=[6]), timeout=5)),
+                # Not a valid PrefillRequest: the server's parsing refuses it, naming the type.
+                await _outcome(channel.unary_unary(f"/{PREFILL}/Prefill", request_serializer=bytes,
+                                                   response_deserializer=bytes)(b"\xff\xff", timeout=5)),
+            ]
+        assert out["local"] == out["grpc"]
+        assert out["local"][0].prompt_tokens == 3 and out["local"][1][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert out["local"][1][2] == "cancelled" and out["local"][3] == ([[6]], grpc.StatusCode.UNKNOWN, "Unexpected <class 'RuntimeError'>")
+        assert out["local"][4][0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert servers.peers[-1].startswith("unix:")
+    finally:
+        await local.close()
+        await pool.close()
+        await server.stop(0)
+
+
+async def test_cancel_and_deadline_cancel_the_handler(sock_dir: Path) -> None:
+    servers = Servers()
+    server = await _start(servers, sock_dir / "s.sock")
+    local = LocalChannel(str(sock_dir / "s.sock"))
+    stub = prefill_pb2_grpc.PrefillServiceStub(local)
+    try:
+        call = stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=9), timeout=30)
+        await asyncio.wait_for(servers.held.wait(), 5)
+        assert call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(100):
+            if servers.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert servers.cancelled == [9]
+        servers.held.clear()
+        with pytest.raises(grpc.RpcError) as info:
+            await stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=9), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(100):
+            if len(servers.cancelled) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert servers.cancelled == [9, 9]
+    finally:
+        await local.close()
+        await server.stop(0)
+
+
+async def test_stop_ends_running_calls_unavailable_and_drain_refuses(sock_dir: Path) -> None:
+    servers = Servers()
+    server = await _start(servers, sock_dir / "s.sock")
+    local = LocalChannel(str(sock_dir / "s.sock"))
+    stub = prefill_pb2_grpc.PrefillServiceStub(local)
+    try:
+        server.gate.start()  # draining: new entry calls are refused
+        assert await _outcome(stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=1), timeout=5)) == (
+            grpc.StatusCode.UNAVAILABLE, f"/{PREFILL}/Prefill: this server is draining (shutting down); try another instance", None)
+    finally:
+        await local.close()
+        await server.stop(0)
+    server2 = await _start(servers, sock_dir / "t.sock")
+    local2 = LocalChannel(str(sock_dir / "t.sock"))
+    try:
+        call = prefill_pb2_grpc.PrefillServiceStub(local2).Prefill(prefill_pb2.PrefillRequest(bootstrap_room=9), timeout=30)
+        await asyncio.wait_for(servers.held.wait(), 5)
+        await server2.stop(0.1)
+        code = (await _outcome(call))[0]
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert not (sock_dir / "t.sock").exists()
+        # Nothing listens now: a call fails UNAVAILABLE, as a gRPC call to a closed port does.
+        assert (await _outcome(prefill_pb2_grpc.PrefillServiceStub(local2).Prefill(prefill_pb2.PrefillRequest(bootstrap_room=1), timeout=5)))[0] == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await local2.close()
+
+
+async def test_the_token_applies(sock_dir: Path) -> None:
+    token = sock_dir / "token"
+    token.write_text("s3cret")
+    token.chmod(0o600)
+    security = Security(token_file=token)
+    server = await _start(Servers(), sock_dir / "s.sock", security)
+    anonymous = LocalChannel(str(sock_dir / "s.sock"))
+    holder = LocalChannel(str(sock_dir / "s.sock"), security.call_metadata())
+    try:
+        req = prefill_pb2.PrefillRequest(bootstrap_room=1, input_ids=[1])
+        assert (await _outcome(prefill_pb2_grpc.PrefillServiceStub(anonymous).Prefill(req, timeout=5)))[0] == grpc.StatusCode.UNAUTHENTICATED
+        assert (await prefill_pb2_grpc.PrefillServiceStub(holder).Prefill(req, timeout=5)).prompt_tokens == 1
+    finally:
+        await anonymous.close()
+        await holder.close()
+        await server.stop(0)
+
+
+async def test_a_path_others_may_reach_is_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(ConfigError, match="--local-socket"):
+        await _start(Servers(), open_dir / "s.sock")
