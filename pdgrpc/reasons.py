@@ -40,6 +40,9 @@ class AbortReason(enum.IntEnum):
     BOOTSTRAP_TIMEOUT = 8
     WAITING_FOR_INPUT_TIMEOUT = 9
     TRANSFER_TIMEOUT = 10
+    # The prefill worker accepted the handshake, but no Prefill RPC claimed the room there
+    # within DecodeDeadlines.claim_s: its prefill never shows.
+    CLAIM_TIMEOUT = 11
 
 
 class ServerAbortReason(str, enum.Enum):

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--waiting-timeout", type=float, default=_D.waiting_for_input_s, metavar="S",
         help="handshake accepted, no KV byte arrived yet (prefill queueing and computing) (default: %(default)s)",
     )
+    d.add_argument(
+        "--claim-timeout", type=float, default=_D.claim_s, metavar="S",
+        help="handshake accepted, but no Prefill RPC claimed the room on the prefill worker: a request whose prefill "
+        "never shows frees its pages after this, not after --waiting-timeout (a prefill worker that cannot tell, "
+        "an older one, leaves it to --waiting-timeout) (default: %(default)s)",
+    )
     d.add_argument("--transfer-timeout", type=float, default=_D.transferring_s, metavar="S", help="KV arriving until the metadata row landed (default: %(default)s)")
     d.add_argument(
         "--abort-lease", type=float, default=_D.abort_lease_s, metavar="S",
@@ -129,6 +135,7 @@ def scheduler_config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
             allocate_s=ns.allocate_timeout,
             bootstrap_s=ns.bootstrap_timeout,
             waiting_for_input_s=ns.waiting_timeout,
+            claim_s=ns.claim_timeout,
             transferring_s=ns.transfer_timeout,
             abort_lease_s=ns.abort_lease,
         ),

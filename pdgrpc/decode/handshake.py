@@ -5,7 +5,10 @@ rank where the room's KV and metadata row go. A worker that does not answer
 (UNAVAILABLE: it restarted or moved) makes the directory drop what it cached about the
 instance, and the handshake is retried against freshly fetched endpoints, with backoff,
 until the bootstrap deadline; a worker that *refuses* (compatibility hash, transport,
-a malformed field) ends the request with its status. A worker whose answer carries
+a malformed field) ends the request with its status. Each worker holds its answer until
+a Prefill RPC claims the room there, for at most ``claim_s``; one that says none came
+ends the request ``claim_timeout`` (its prefill never shows: its pages go back now, not
+at the waiting deadline). A worker whose answer carries
 another registration generation than the one cached is a restarted process: the cache
 is dropped so nothing about the old one is reused.
 
@@ -27,6 +30,7 @@ ranks confirmed them gone (:meth:`Handshaker.writers_by_rank`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Awaitable, Callable, Final, Sequence
@@ -37,6 +41,7 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.prefills import PrefillDirectory, restart_failure
 from pdgrpc.decode.statuses import PeerAnswer, Refusal, ending, peer_answer, refused_by_prefill
 from pdgrpc.errors import RequestFailed
+from pdgrpc.reasons import AbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
 from pdgrpc.rpc.retry import Backoff
@@ -56,6 +61,8 @@ log = logging.getLogger("pdgrpc.decode")
 __all__ = ["ACCEPTED", "Handshaker"]
 
 ACCEPTED: Final = "accepted"
+# How often a held handshake (the worker waits for the room's claim) looks whether its request ended.
+_HELD_CHECK_S = 0.05
 
 
 def _worker_key(w: bpb.WorkerInfo) -> tuple[int, int, int]:
@@ -73,14 +80,18 @@ class Handshaker:
         writer_gone: Callable[[str], bool] = lambda writer: False,
         quarantined: Callable[[int], bool] = lambda room: True,
         bind_writer: Callable[[int, int, int, str], Awaitable[None]] | None = None,
+        claim_s: float = 0.0,
     ) -> None:
         """``replaced_wait_s``: how long an unreachable worker's replacement is looked for
         (the abort lease: past it the quarantine ends anyway). ``writer_gone``: this rank's
         Transport.writer_gone; ``quarantined``: whether a room is still quarantined (an
         unreachable worker is no longer waited for once not); ``bind_writer(room, decode
         rank, prefill tp rank, writer id)``: admits a writer into that decode rank's room,
-        awaited before its handshake goes out (DecodeScheduler.bind_writer)."""
+        awaited before its handshake goes out (DecodeScheduler.bind_writer). ``claim_s``:
+        how long each worker may wait for the room's Prefill RPC before it answers (0:
+        answer at once, claim unknown)."""
         self.replaced_wait_s = replaced_wait_s
+        self.claim_s = claim_s
         self.directory = directory
         self.transport_name = transport_name
         self.rpc_timeout_s = rpc_timeout_s
@@ -143,7 +154,9 @@ class Handshaker:
 
     async def handshake(self, job: Job, prompt_pages: tuple[int, ...], deadline: float) -> str | RequestFailed | None:
         """:data:`ACCEPTED` once every worker of the dp rank accepted; a
-        :class:`~pdgrpc.errors.RequestFailed` (reason ``prefill_error``) when one refused; ``None`` when the deadline passed or the request ended first.
+        :class:`~pdgrpc.errors.RequestFailed` (reason ``prefill_error``) when one refused,
+        (reason ``claim_timeout``) when one answered that no Prefill RPC claimed the room
+        within ``claim_s``; ``None`` when the deadline passed or the request ended first.
         Records the workers sent a handshake in ``job.contacted`` and tells the request's
         fate each retryable error."""
         addr, dp_rank = job.prefill.address, job.dp_rank
@@ -181,6 +194,7 @@ class Handshaker:
                     return_exceptions=True,
                 )
                 errors: list[RpcError] = []
+                unclaimed = False
                 for (w, d), r in zip(todo, results):
                     if isinstance(r, RpcError):
                         errors.append(r)
@@ -188,6 +202,13 @@ class Handshaker:
                         raise r
                     else:
                         accepted.add((_worker_key(w), d))
+                        unclaimed |= r == hpb.ROOM_CLAIM_UNCLAIMED
+                if unclaimed:
+                    request_event(log, job.room, "prefill never claimed the room", level=logging.WARNING, waited_s=f"{self.claim_s:g}")
+                    return ending(AbortReason.CLAIM_TIMEOUT, (
+                        f"room {job.room}: deadline exceeded: no Prefill RPC claimed the room on its prefill worker "
+                        f"within {self.claim_s:g} s (--claim-timeout)"
+                    ))
                 if errors:  # a refusal decides; otherwise any error (all are retryable)
                     raise next((e for e in errors if not peer_answer(e.code).retryable), errors[0])
             except RequestFailed as exc:
@@ -218,7 +239,8 @@ class Handshaker:
             await asyncio.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
         return None
 
-    async def _handshake_one(self, job: Job, w: bpb.WorkerInfo, d: int, prompt_pages: tuple[int, ...], timeout: float) -> None:
+    async def _handshake_one(self, job: Job, w: bpb.WorkerInfo, d: int, prompt_pages: tuple[int, ...], timeout: float) -> int:
+        """Send one handshake; the worker's claim answer (``hpb.RoomClaim``)."""
         assert job.slot is not None
         tp_p = max(1, int(job.prefill.info.tp_size))
         req = hpb.HandshakeRequest(
@@ -237,6 +259,8 @@ class Handshaker:
             wants_metadata=w.tp_rank == designated_sender(d, self.tp_size, tp_p),
             transport_credential=self.credential(w, d),
             cached_pages=job.cached_pages,
+            # Below the call's deadline: the worker answers before it, claimed or not.
+            claim_wait_ms=max(0, min(int(self.claim_s * 1000), int(timeout * 1000) - 100)),
         )
         if job.room_secret:
             req.room_proof = handshake_proof(job.room_secret, req)
@@ -244,15 +268,35 @@ class Handshaker:
             await self.bind_writer(job.room, d, w.tp_rank, self.instance_of(w.transport_endpoint))
         stub = hpb_grpc.HandshakeServiceStub(shared_pool().get(w.transfer_address))
         try:
-            resp = await stub.Handshake(req, timeout=max(0.001, timeout), metadata=None if job.trace is None else job.trace.metadata())
+            call = stub.Handshake(req, timeout=max(0.001, timeout), metadata=None if job.trace is None else job.trace.metadata())
+            resp = await (call if not req.claim_wait_ms else self._held(job, call))
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, method="Handshake", target=w.transfer_address) from exc
+        if resp is None:
+            return hpb.ROOM_CLAIM_UNSPECIFIED
         if resp.generation != w.generation:
             # Registered again since we cached it: never reuse what we know about it.
             self.directory.invalidate(
                 job.prefill.address,
                 f"worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} answered generation {resp.generation}, cached {w.generation}",
             )
+        return resp.claim
+
+    @staticmethod
+    async def _held(job: Job, call: "grpc.aio.UnaryUnaryCall[hpb.HandshakeRequest, hpb.HandshakeResponse]") -> hpb.HandshakeResponse | None:
+        """The answer of a handshake the worker holds until the room is claimed; None once
+        the request ended meanwhile (the call is cancelled: its AbortRoom need not wait,
+        since the worker received the handshake before it held the answer)."""
+        answer = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=_HELD_CHECK_S)
+            if done:
+                return answer.result()
+            if job.fate.state is not FateState.WAITING:
+                call.cancel()
+                with contextlib.suppress(BaseException):
+                    await answer
+                return None
 
     async def abort_room(self, job: Job, reason: str) -> bool:
         """AbortRoom to every worker sent a handshake for ``job``, at once; True when all

@@ -162,6 +162,8 @@ class PrefillCalls:
 
     async def _handshake(self, job: Job, prompt_pages: tuple[int, ...]) -> None:
         deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
+        if self.handshaker.claim_s:  # workers hold their answers until claimed: watch meanwhile
+            asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
         result = await self.handshaker.handshake(job, prompt_pages, deadline)
         if result is ACCEPTED:
             job.fate.handle(HandshakeAccepted())
@@ -173,7 +175,8 @@ class PrefillCalls:
 
     def _start_watch(self, job: Job) -> None:
         """The room's KV has not landed soon after the handshake: watch its prefill."""
-        if job.fate.state is FateState.HANDSHAKEN and job.room_secret and not self.host.closing:
+        waiting = job.fate.state in (FateState.WAITING, FateState.HANDSHAKEN)
+        if waiting and job.watch_task is None and job.room_secret and not self.host.closing:
             job.watch_task = self.host.spawn(self._watch(job), f"watch-room {job.room}")
 
     @staticmethod

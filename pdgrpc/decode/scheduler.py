@@ -111,7 +111,7 @@ class DecodeScheduler:
         # Its endpoints are set by start(), once the transport registered the pools.
         self.handshaker = Handshaker(
             self.directory, transport.name, config.rpc_timeout_s, config.deadlines.abort_lease_s,
-            transport.writer_gone, self.queues.is_quarantined, self.bind_writer,
+            transport.writer_gone, self.queues.is_quarantined, self.bind_writer, config.deadlines.claim_s,
         )
         self.fatal: asyncio.Future[str] | None = None  # (start) set when a TP rank is lost
         self._jobs: dict[int, Job] = {}  # every admitted, unfinished request

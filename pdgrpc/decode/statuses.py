@@ -56,6 +56,7 @@ _STATUS: dict[Why, grpc.StatusCode] = {
     AbortReason.BOOTSTRAP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     AbortReason.WAITING_FOR_INPUT_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     AbortReason.TRANSFER_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    AbortReason.CLAIM_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 _REASON: dict[Refusal, ServerAbortReason] = {

@@ -19,6 +19,9 @@ come from one peer (the caller's address), so one client cannot fill the mailbox
 others. A refused handshake is never stored (:meth:`Mailbox.refuse`): it reaches a Prefill
 RPC already claiming its room, else it is dropped, and it takes no key, so it cannot block
 the room's real handshake.
+
+:meth:`Mailbox.claimed` lets a handshake's answer wait until a Prefill RPC claims its room
+(bounded by the caller's timeout), so the decode learns that its prefill showed up.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Mailbox(Generic[T]):
         self._by_peer: collections.Counter[str] = collections.Counter()  # peer -> rooms in _early
         self._claims: dict[int, _Claim[T]] = {}  # rooms a Prefill RPC has claimed
         self._keys: dict[int, tuple[object, set[object]]] = {}  # room -> (group, keys delivered)
+        self._claim_waiters: dict[int, list[asyncio.Future[None]]] = {}  # room -> answers waiting for its claim
 
     def __len__(self) -> int:
         """Rooms with early handshakes held (after dropping expired ones)."""
@@ -173,7 +177,28 @@ class Mailbox(Generic[T]):
                 self._unpeer(room)
                 claim.items.extend(early[1])
             self._keys.setdefault(room, (None, set()))
+            for waiter in self._claim_waiters.pop(room, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
         return claim
+
+    async def claimed(self, room: int, timeout: float) -> bool:
+        """Whether a Prefill RPC claims ``room`` now or within ``timeout`` seconds."""
+        if room in self._claims:
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._claim_waiters.setdefault(room, [])
+        waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    self._claim_waiters.pop(room, None)
 
     async def wait(self, room: int, timeout: float) -> T:
         """The next handshake for ``room`` (early or arriving within ``timeout`` seconds);

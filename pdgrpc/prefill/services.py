@@ -134,7 +134,7 @@ class HandshakeServicer(handshake_pb2_grpc.HandshakeServiceServicer):
         span = tracing.server("handshake", context.invocation_metadata()) if tracing.enabled else None
         try:
             room_from_proto(request.bootstrap_room)
-            return self.worker.handshake(request, peer_identity(context))
+            return await self.worker.handshake_claimed(request, peer_identity(context))
         except RequestFailed as exc:
             if span is not None:
                 span.end(exc.message)

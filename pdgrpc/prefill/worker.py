@@ -281,6 +281,18 @@ class PrefillWorker:
         )
         return handshake_pb2.HandshakeResponse(generation=self.generation)
 
+    async def handshake_claimed(self, req: handshake_pb2.HandshakeRequest, peer: str = "") -> handshake_pb2.HandshakeResponse:
+        """:meth:`handshake`, answered once a Prefill RPC claims the room or
+        ``req.claim_wait_ms`` passed (at most the early-handshake TTL), saying which."""
+        resp = self.handshake(req, peer)
+        if req.claim_wait_ms:
+            wait_s = min(req.claim_wait_ms / 1000, self.config.early_handshake_ttl_s)
+            claimed = await self._mailbox.claimed(req.bootstrap_room, wait_s)
+            resp.claim = handshake_pb2.ROOM_CLAIM_CLAIMED if claimed else handshake_pb2.ROOM_CLAIM_UNCLAIMED
+            if not claimed:
+                request_event(log, req.bootstrap_room, "handshake unclaimed", waited_s=f"{wait_s:g}")
+        return resp
+
     async def abort_room(self, room: int, reason: str, proof: bytes = b"", peer: str = "") -> bool:
         """Stop the room; return once nothing of ours for it can still be written. A room
         whose Prefill carries a secret is stopped only with a ``proof`` of it. ``peer``:

@@ -30,6 +30,10 @@ class DecodeDeadlines:
     # handshake whose Prefill RPC has not come (its early-handshake TTL): a caller that
     # never sends the Prefill holds pages no longer than that.
     waiting_for_input_s: float = 60.0
+    # Handshake sent, no Prefill RPC claimed the room on the prefill worker yet: a caller
+    # whose prefill never shows holds pages this long, not waiting_for_input_s (a worker
+    # that cannot say whether the room is claimed -- an older one -- leaves it to that).
+    claim_s: float = 10.0
     transferring_s: float = 120.0  # KV arriving, or done while metadata has not landed
     abort_lease_s: float = 30.0  # aborted request's slot/pages held for the prefill's ack at most this long
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdgrpc/v1/handshake.proto\x12\tpdgrpc.v1\"\xac\x02\n\x10HandshakeRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x11\n\tdst_pages\x18\x02 \x03(\r\x12\x10\n\x08\x64st_slot\x18\x03 \x01(\r\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x1c\n\x14transport_descriptor\x18\x05 \x01(\x0c\x12\x1a\n\x12\x63ompatibility_hash\x18\x06 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_tp_rank\x18\x07 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_tp_size\x18\x08 \x01(\r\x12\x16\n\x0ewants_metadata\x18\t \x01(\x08\x12\x12\n\nroom_proof\x18\n \x01(\x0c\x12\x1c\n\x14transport_credential\x18\x0b \x01(\x0c\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x0c \x01(\r\"\'\n\x11HandshakeResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"N\n\x10\x41\x62ortRoomRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nroom_proof\x18\x03 \x01(\x0c\"\'\n\x11\x41\x62ortRoomResponse\x12\x12\n\nwas_active\x18\x01 \x01(\x08\"S\n\x10WatchRoomRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x13\n\x0bmax_wait_ms\x18\x02 \x01(\r\x12\x12\n\nroom_proof\x18\x03 \x01(\x0c\"Z\n\x11WatchRoomResponse\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.pdgrpc.v1.RoomOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r*{\n\x0bRoomOutcome\x12\x1c\n\x18ROOM_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14ROOM_OUTCOME_PENDING\x10\x01\x12\x17\n\x13ROOM_OUTCOME_FAILED\x10\x02\x12\x1b\n\x17ROOM_OUTCOME_NOT_FAILED\x10\x03\x32\xef\x01\n\x10HandshakeService\x12\x46\n\tHandshake\x12\x1b.pdgrpc.v1.HandshakeRequest\x1a\x1c.pdgrpc.v1.HandshakeResponse\x12\x46\n\tAbortRoom\x12\x1b.pdgrpc.v1.AbortRoomRequest\x1a\x1c.pdgrpc.v1.AbortRoomResponse\x12K\n\tWatchRoom\x12\x1b.pdgrpc.v1.WatchRoomRequest\x1a\x1c.pdgrpc.v1.WatchRoomResponse\"\x03\x88\x02\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdgrpc/v1/handshake.proto\x12\tpdgrpc.v1\"\xc3\x02\n\x10HandshakeRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x11\n\tdst_pages\x18\x02 \x03(\r\x12\x10\n\x08\x64st_slot\x18\x03 \x01(\r\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x1c\n\x14transport_descriptor\x18\x05 \x01(\x0c\x12\x1a\n\x12\x63ompatibility_hash\x18\x06 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_tp_rank\x18\x07 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_tp_size\x18\x08 \x01(\r\x12\x16\n\x0ewants_metadata\x18\t \x01(\x08\x12\x12\n\nroom_proof\x18\n \x01(\x0c\x12\x1c\n\x14transport_credential\x18\x0b \x01(\x0c\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x0c \x01(\r\x12\x15\n\rclaim_wait_ms\x18\r \x01(\r\"L\n\x11HandshakeResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12#\n\x05\x63laim\x18\x02 \x01(\x0e\x32\x14.pdgrpc.v1.RoomClaim\"N\n\x10\x41\x62ortRoomRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nroom_proof\x18\x03 \x01(\x0c\"\'\n\x11\x41\x62ortRoomResponse\x12\x12\n\nwas_active\x18\x01 \x01(\x08\"S\n\x10WatchRoomRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x13\n\x0bmax_wait_ms\x18\x02 \x01(\r\x12\x12\n\nroom_proof\x18\x03 \x01(\x0c\"Z\n\x11WatchRoomResponse\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.pdgrpc.v1.RoomOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r*Y\n\tRoomClaim\x12\x1a\n\x16ROOM_CLAIM_UNSPECIFIED\x10\x00\x12\x16\n\x12ROOM_CLAIM_CLAIMED\x10\x01\x12\x18\n\x14ROOM_CLAIM_UNCLAIMED\x10\x02*{\n\x0bRoomOutcome\x12\x1c\n\x18ROOM_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14ROOM_OUTCOME_PENDING\x10\x01\x12\x17\n\x13ROOM_OUTCOME_FAILED\x10\x02\x12\x1b\n\x17ROOM_OUTCOME_NOT_FAILED\x10\x03\x32\xef\x01\n\x10HandshakeService\x12\x46\n\tHandshake\x12\x1b.pdgrpc.v1.HandshakeRequest\x1a\x1c.pdgrpc.v1.HandshakeResponse\x12\x46\n\tAbortRoom\x12\x1b.pdgrpc.v1.AbortRoomRequest\x1a\x1c.pdgrpc.v1.AbortRoomResponse\x12K\n\tWatchRoom\x12\x1b.pdgrpc.v1.WatchRoomRequest\x1a\x1c.pdgrpc.v1.WatchRoomResponse\"\x03\x88\x02\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.pdgrpc.v1P\001Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1'
   _globals['_HANDSHAKESERVICE'].methods_by_name['WatchRoom']._loaded_options = None
   _globals['_HANDSHAKESERVICE'].methods_by_name['WatchRoom']._serialized_options = b'\210\002\001'
-  _globals['_ROOMOUTCOME']._serialized_start=682
-  _globals['_ROOMOUTCOME']._serialized_end=805
+  _globals['_ROOMCLAIM']._serialized_start=742
+  _globals['_ROOMCLAIM']._serialized_end=831
+  _globals['_ROOMOUTCOME']._serialized_start=833
+  _globals['_ROOMOUTCOME']._serialized_end=956
   _globals['_HANDSHAKEREQUEST']._serialized_start=41
-  _globals['_HANDSHAKEREQUEST']._serialized_end=341
-  _globals['_HANDSHAKERESPONSE']._serialized_start=343
-  _globals['_HANDSHAKERESPONSE']._serialized_end=382
-  _globals['_ABORTROOMREQUEST']._serialized_start=384
-  _globals['_ABORTROOMREQUEST']._serialized_end=462
-  _globals['_ABORTROOMRESPONSE']._serialized_start=464
-  _globals['_ABORTROOMRESPONSE']._serialized_end=503
-  _globals['_WATCHROOMREQUEST']._serialized_start=505
-  _globals['_WATCHROOMREQUEST']._serialized_end=588
-  _globals['_WATCHROOMRESPONSE']._serialized_start=590
-  _globals['_WATCHROOMRESPONSE']._serialized_end=680
-  _globals['_HANDSHAKESERVICE']._serialized_start=808
-  _globals['_HANDSHAKESERVICE']._serialized_end=1047
+  _globals['_HANDSHAKEREQUEST']._serialized_end=364
+  _globals['_HANDSHAKERESPONSE']._serialized_start=366
+  _globals['_HANDSHAKERESPONSE']._serialized_end=442
+  _globals['_ABORTROOMREQUEST']._serialized_start=444
+  _globals['_ABORTROOMREQUEST']._serialized_end=522
+  _globals['_ABORTROOMRESPONSE']._serialized_start=524
+  _globals['_ABORTROOMRESPONSE']._serialized_end=563
+  _globals['_WATCHROOMREQUEST']._serialized_start=565
+  _globals['_WATCHROOMREQUEST']._serialized_end=648
+  _globals['_WATCHROOMRESPONSE']._serialized_start=650
+  _globals['_WATCHROOMRESPONSE']._serialized_end=740
+  _globals['_HANDSHAKESERVICE']._serialized_start=959
+  _globals['_HANDSHAKESERVICE']._serialized_end=1198
 # @@protoc_insertion_point(module_scope)

@@ -22,6 +22,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _RoomClaim:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoomClaimEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoomClaim.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROOM_CLAIM_UNSPECIFIED: _RoomClaim.ValueType  # 0
+    """Not asked (claim_wait_ms 0), or an older worker."""
+    ROOM_CLAIM_CLAIMED: _RoomClaim.ValueType  # 1
+    """The room's Prefill RPC runs on this worker."""
+    ROOM_CLAIM_UNCLAIMED: _RoomClaim.ValueType  # 2
+    """None came within claim_wait_ms; the handshake stays kept for one that comes later."""
+
+class RoomClaim(_RoomClaim, metaclass=_RoomClaimEnumTypeWrapper):
+    """Whether a Prefill RPC claims the handshake's room on the worker."""
+
+ROOM_CLAIM_UNSPECIFIED: RoomClaim.ValueType  # 0
+"""Not asked (claim_wait_ms 0), or an older worker."""
+ROOM_CLAIM_CLAIMED: RoomClaim.ValueType  # 1
+"""The room's Prefill RPC runs on this worker."""
+ROOM_CLAIM_UNCLAIMED: RoomClaim.ValueType  # 2
+"""None came within claim_wait_ms; the handshake stays kept for one that comes later."""
+Global___RoomClaim: _TypeAlias = RoomClaim  # noqa: Y015
+
 class _RoomOutcome:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -68,6 +92,7 @@ class HandshakeRequest(_message.Message):
     ROOM_PROOF_FIELD_NUMBER: _builtins.int
     TRANSPORT_CREDENTIAL_FIELD_NUMBER: _builtins.int
     CACHED_PAGES_FIELD_NUMBER: _builtins.int
+    CLAIM_WAIT_MS_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
     """The request's bootstrap room (never 0)."""
     dst_slot: _builtins.int
@@ -105,6 +130,12 @@ class HandshakeRequest(_message.Message):
     metadata row (all of them cached: the row alone). The decode grants only those
     pages, so a write below cached_pages is refused. 0 (an older decode): every page.
     """
+    claim_wait_ms: _builtins.int
+    """Longest the worker holds its answer, in milliseconds, while no Prefill RPC claims the
+    room on it (the worker caps it at its early-handshake TTL); the answer's claim says
+    whether one came. 0 (an older decode): answer at once, claim unspecified. A decode
+    aborts a room its prefill never claimed, freeing its pages.
+    """
     @_builtins.property
     def dst_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Decode page indices for the prompt's KV, in token order (page i holds tokens
@@ -126,10 +157,11 @@ class HandshakeRequest(_message.Message):
         room_proof: _builtins.bytes = ...,
         transport_credential: _builtins.bytes = ...,
         cached_pages: _builtins.int = ...,
+        claim_wait_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "cached_pages", b"cached_pages", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "room_proof", b"room_proof", "transport", b"transport", "transport_credential", b"transport_credential", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_room", b"bootstrap_room", "cached_pages", b"cached_pages", "claim_wait_ms", b"claim_wait_ms", "compatibility_hash", b"compatibility_hash", "decode_tp_rank", b"decode_tp_rank", "decode_tp_size", b"decode_tp_size", "dst_pages", b"dst_pages", "dst_slot", b"dst_slot", "room_proof", b"room_proof", "transport", b"transport", "transport_credential", b"transport_credential", "transport_descriptor", b"transport_descriptor", "wants_metadata", b"wants_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -140,18 +172,22 @@ class HandshakeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GENERATION_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """The worker's registration generation (bumps on restart); decode compares it with
     bootstrap's to notice a restarted prefill.
     """
+    claim: Global___RoomClaim.ValueType
+    """Whether the room's Prefill RPC claimed it here (see HandshakeRequest.claim_wait_ms)."""
     def __init__(
         self,
         *,
         generation: _builtins.int = ...,
+        claim: Global___RoomClaim.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "generation", b"generation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
