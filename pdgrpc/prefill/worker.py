@@ -104,8 +104,11 @@ class PrefillWorker:
     and the group agrees on each room's cached prefix before computing it
     (:meth:`~pdgrpc.prefill.compute.Compute.agree`). Without TP a prompt first waits for
     the running request that computes more of it than is cached
-    (:class:`~pdgrpc.state.prefix_leaders.PrefixLeaders`), so a prefix is computed once;
-    a TP group does not wait: its ranks would have to agree on each wait too."""
+    (:class:`~pdgrpc.state.prefix_leaders.PrefixLeaders`), so a prefix is computed once,
+    and a prompt's pages are published as its compute starts
+    (:meth:`~pdgrpc.state.prefix_cache.PrefixCache.announce`), so routers send the prompts
+    sharing them here. A TP group does neither: its ranks would have to agree on each
+    wait too."""
 
     def __init__(
         self, engine: Engine, transport: Transport, config: WorkerConfig = WorkerConfig(), metrics: PrefillMetrics | None = None,
@@ -484,8 +487,11 @@ class PrefillWorker:
         await self._alloc(entry, ids)
         if entry.lease is not None and self.prefix_cache is not None and self.tp_size > 1:
             await self._agree(entry)
-        if self._leaders is not None:  # from now on, prompts sharing its pages follow it
+        if self._leaders is not None and entry.lease is not None and self.prefix_cache is not None:
+            # From now on prompts sharing its pages wait for it here, and routers reading
+            # the cache's events send them here.
             self._leaders.running(entry.room, ids)
+            self.prefix_cache.announce(entry.lease)
         cached = entry.lease.cached_tokens if entry.lease is not None else 0
         self.metrics.on_prompt(len(ids), cached)
         entry.driver = RoomDriver(self._sending, entry.room, entry.pages, cached)

@@ -29,6 +29,12 @@ rest. Rules:
   complete (``insert=True``); a failed or aborted prompt's pages are freed.
 - Every change of the set of reusable pages goes to the :class:`CacheEvents` sink:
   ``stored`` (parents first), ``removed`` on eviction, ``cleared`` on :meth:`clear`.
+- :meth:`PrefixCache.announce` publishes a lease's own full pages as ``stored`` when its
+  compute starts, before their KV is complete, so a router sends the prompts sharing them
+  to this cache, where they wait for it (:mod:`pdgrpc.state.prefix_leaders`) instead of
+  computing them elsewhere. An announced page is never matched before its lease inserts
+  it; it is ``removed`` when the lease is released without inserting it. A page is
+  published once, whether cached or announced.
 
 Pure: no clocks, threads or I/O; one caller at a time (an engine's scheduler loop).
 """
@@ -118,6 +124,7 @@ class PrefixCache:
         self._index: dict[int, _Entry] = {}  # block hash -> entry (reusable pages)
         self._shared: dict[int, _Entry] = {}  # page -> entry, for every cached or held-cached page
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced pages, oldest first
+        self._announced: dict[int, int] = {}  # block hash -> the page of the lease that published it ahead of its KV
         self.evictions = 0  # pages evicted since construction
 
     # ---- what it holds ---------------------------------------------------------------
@@ -126,6 +133,11 @@ class PrefixCache:
     def num_cached_pages(self) -> int:
         """Pages holding reusable KV (held by a lease or not)."""
         return len(self._index)
+
+    @property
+    def num_announced_pages(self) -> int:
+        """Pages published by :meth:`announce` and not cached (yet): their KV is being computed."""
+        return sum(1 for h in self._announced if h not in self._index)
 
     @property
     def num_free_pages(self) -> int:
@@ -192,6 +204,23 @@ class PrefixCache:
         pages = lease.pages[:keep] + lease.spare[keep:m] + lease.pages[m:]
         return dataclasses.replace(lease, pages=pages, cached_pages=keep, spare=())
 
+    def announce(self, lease: Lease) -> None:
+        """Publish ``lease``'s own full pages as stored, ahead of their KV: a page already
+        published (cached, or announced by another lease) is skipped, and the announcement
+        stops at a page whose parent is not published."""
+        blocks: list[StoredBlock] = []
+        for i in range(lease.cached_pages, len(lease.hashes)):
+            h = lease.hashes[i]
+            if h in self._index or h in self._announced:
+                continue
+            parent = lease.hashes[i - 1] if i else None
+            if parent is not None and parent not in self._index and parent not in self._announced:
+                break
+            self._announced[h] = lease.pages[i]
+            blocks.append(StoredBlock(h, parent, lease.token_ids[i * self.page_size : (i + 1) * self.page_size]))
+        if blocks:
+            self._events.stored(blocks)
+
     def release(self, lease: Lease, insert: bool) -> None:
         """Give ``lease`` back. ``insert``: its full pages hold complete KV of its prompt and
         become reusable; otherwise only the cached prefix it held stays cached."""
@@ -203,25 +232,36 @@ class PrefixCache:
                 raise SlotError(f"release: page {page} is cached, not the lease's own (released twice?)")
         free: list[int] = []
         stored: list[StoredBlock] = []
+        withdrawn: list[int] = []  # announced by this lease, and not cached after all
         done: list[_Entry] = []  # entries to hand back to the LRU order, parents first
         for i, page in enumerate(lease.pages):
             if i < lease.cached_pages:
                 done.append(self._shared[page])
                 continue
-            if (not insert or i >= len(lease.hashes) or lease.hashes[i] in self._index
+            full = i < len(lease.hashes)
+            mine = full and self._announced.get(lease.hashes[i]) == page
+            if mine:
+                del self._announced[lease.hashes[i]]
+            if (not insert or not full or lease.hashes[i] in self._index
                     or (i and lease.hashes[i - 1] not in self._index)):
                 # Not complete, not full, an equal page is cached already, or its parent is
                 # gone (clear() during the lease): its own page goes back to the pool.
                 free.append(page)
+                if mine and lease.hashes[i] not in self._index:
+                    withdrawn.append(lease.hashes[i])
                 continue
+            h = lease.hashes[i]
             parent = lease.hashes[i - 1] if i else None
-            block = StoredBlock(lease.hashes[i], parent, lease.token_ids[i * self.page_size : (i + 1) * self.page_size])
+            block = StoredBlock(h, parent, lease.token_ids[i * self.page_size : (i + 1) * self.page_size])
             e = _Entry(page, block, refs=1)
-            self._index[block.block_hash] = self._shared[page] = e
-            stored.append(block)
+            self._index[h] = self._shared[page] = e
+            if not mine and h not in self._announced:  # else published already
+                stored.append(block)
             done.append(e)
         if stored:
             self._events.stored(stored)
+        if withdrawn:
+            self._events.removed(withdrawn[::-1])  # children first
         for e in reversed(done):  # the deepest page becomes the oldest: evicted first
             self._unhold(e, free)
         free += lease.spare
@@ -254,6 +294,7 @@ class PrefixCache:
             e.indexed = False
         self._index.clear()
         self._lru.clear()
+        self._announced.clear()
         if free:
             self._pool.free_pages(free)
         self._events.cleared()
@@ -288,6 +329,7 @@ class PrefixCache:
             page, _ = self._lru.popitem(last=False)
             e = self._shared.pop(page)
             del self._index[e.block.block_hash]
+            self._announced.pop(e.block.block_hash, None)  # removed for its announcer too
             gone.append(e.block.block_hash)
             pages.append(page)
         if pages:

@@ -38,7 +38,7 @@ class Pool:
 
 
 class Log:
-    """A consumer of the events: the blocks it believes are reusable, checked as they come."""
+    """A consumer of the events: the blocks it believes are reusable (or announced), checked as they come."""
 
     def __init__(self) -> None:
         self.live: dict[int, StoredBlock] = {}
@@ -252,6 +252,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.leases[self.leases.index(lease)] = settled
         self.salts[id(settled)] = salt
 
+    @precondition(lambda self: self.leases)
+    @rule(i=st.integers(0, 100))
+    def announce(self, i: int) -> None:
+        """A lease's compute starts: its pages are published, and still never matched."""
+        lease = self.leases[i % len(self.leases)]
+        salt = self.salts[id(lease)]
+        before = [self.cache.match(lease.token_ids[:n], salt, whole=True) for n in range(0, len(lease.token_ids) + 1, PS)]
+        self.cache.announce(lease)
+        assert before == [self.cache.match(lease.token_ids[:n], salt, whole=True) for n in range(0, len(lease.token_ids) + 1, PS)]
+
     @rule()
     def clear(self) -> None:
         self.cache.clear()
@@ -270,7 +280,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_event_log_agrees_with_the_cache(self) -> None:
-        assert len(self.log.live) == self.cache.num_cached_pages
+        assert len(self.log.live) == self.cache.num_cached_pages + self.cache.num_announced_pages
 
     def teardown(self) -> None:
         for lease in self.leases:
@@ -301,3 +311,32 @@ def test_whole_matches_every_full_page_and_reclaim_evicts_only_unheld_pages() ->
     cache.release(held, insert=False)
     cache.reclaim(7)  # one page short: the deeper page goes first
     assert pool.num_free_pages == 7 and cache.match(ids, whole=True) == 1
+
+
+def test_announced_pages_are_published_once_and_withdrawn_when_not_cached() -> None:
+    """A prompt's pages are published as its compute starts; inserting them later tells
+    nothing new, a failed prompt removes them (children first), and they are never
+    matched before they are cached."""
+    log = Log()
+    cache = PrefixCache(Pool(16), PS, log)
+    ids = list(range(3 * PS + 1))  # three full pages
+    lease = cache.acquire(ids, 4)
+    assert lease is not None
+    cache.announce(lease)
+    assert log.stored_order == block_hashes(ids, PS) and cache.num_announced_pages == 3
+    assert cache.match(ids) == 0  # their KV is not complete
+    twin = cache.acquire(ids, 4)  # the same prompt, computing beside it: nothing to publish
+    assert twin is not None
+    cache.announce(twin)
+    assert len(log.stored_order) == 3
+    cache.release(twin, insert=True)  # cached by the twin: published already
+    assert len(log.stored_order) == 3 and cache.num_cached_pages == 3 and cache.num_announced_pages == 0
+    cache.release(lease, insert=False)  # its own pages were not cached, an equal copy is
+    assert log.gone == [] and cache.match(ids) == 3
+
+    other = [99] + ids[1:]
+    failed = cache.acquire(other, 4)
+    assert failed is not None
+    cache.announce(failed)
+    cache.release(failed, insert=False)
+    assert log.gone == block_hashes(other, PS)[::-1] and cache.num_announced_pages == 0
