@@ -335,7 +335,8 @@ class BootstrapMetrics(RoleMetrics):
 
 
 class RouterMetrics(RoleMetrics):
-    """Router. Live: active requests (``bind(lambda: {"active_requests": servicer.active})``)."""
+    """Router. Live: active requests and discovery records never dialed
+    (``bind(lambda: {"active_requests": servicer.active, "identity_mismatches": view.identity_mismatches})``)."""
 
     role = Role.ROUTER
 

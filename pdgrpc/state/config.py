@@ -27,8 +27,7 @@ class DecodeDeadlines:
     allocate_s: float = 600.0  # waiting for free KV pages + a metadata slot
     bootstrap_s: float = 30.0  # handshake sent, prefill not yet ready for input
     # Prefill ready, no KV byte written yet (prefill queueing). As long as a prefill keeps a
-    # handshake whose Prefill RPC has not come (its early-handshake TTL): a caller that
-    # never sends the Prefill holds pages no longer than that.
+    # handshake whose Prefill RPC has not come (its early-handshake TTL).
     waiting_for_input_s: float = 60.0
     # Handshake sent, no Prefill RPC claimed the room on the prefill worker yet: a caller
     # whose prefill never shows holds pages this long, not waiting_for_input_s (a worker

@@ -156,6 +156,7 @@ async def test_a_room_whose_prefill_never_shows_frees_its_pages_after_the_claim_
         with pytest.raises(grpc.aio.AioRpcError) as ended:  # no Prefill, ever
             await _tokens(decode, _decode_request(prefill, new_room(), ids, secrets.token_bytes(32)))
         took = time.monotonic() - began
+        print(f"a Decode whose Prefill never came ended after {took:.2f} s (--claim-timeout {CLAIM_S:g})")
         assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, ended.value.details()
         assert "--claim-timeout" in (ended.value.details() or "")
         assert CLAIM_S <= took < CLAIM_S + 5, took
