@@ -23,7 +23,8 @@ Progress ("blocking" mode, driven by the loop): one task per worker calls
 then it arms the worker and sleeps on UCX's epoll file descriptor. An idle worker (no
 send or data receive pending) sleeps on the fd alone, with no timer: on a small host
 every wake-up costs CPU taken from the compute. While a transfer is pending a bounded
-safety timeout backs the fd up. While a large send batch is being
+safety timeout backs the fd up, long enough that a receive posted ahead of the sender's
+compute sleeps through most of it. While a large send batch is being
 read it polls once per loop tick instead, unarmed, so the receiver need not wake it per
 message (:mod:`pdgrpc.transport._ucx_quiet`). Optionally (``spin_s`` > 0) it busy-polls
 up to ``spin_s`` after the last completion while a send or data receive is pending. The
@@ -73,7 +74,7 @@ class UcxWorker:
     for exactly that long.
     """
 
-    def __init__(self, *, spin_s: float = 0.0, pending_timeout_s: float = 0.05, quiet_sends: bool = True,
+    def __init__(self, *, spin_s: float = 0.0, pending_timeout_s: float = 0.5, quiet_sends: bool = True,
                  functions: Api | None = None, on_progress: Callable[[], None] | None = None) -> None:
         self._api = functions if functions is not None else api()  # the libucp calls (tests count them)
         self._context: int | None

@@ -34,6 +34,25 @@ async def test_an_idle_worker_does_not_wake_until_a_message_arrives() -> None:
         assert got == [(ucx.UCS_OK, 64)] and bytes(inbox) == bytes(note)
 
 
+async def test_a_worker_waiting_for_data_sleeps_through_the_wait() -> None:
+    """A data receive posted ahead of the sender's compute waits as long as the compute
+    takes: the worker sleeps on its fd through it, and the data wakes it."""
+    counting = _CountingApi(ucx.api())
+    async with Pair(tx_functions=counting) as pair:
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        got: list[Any] = []
+        pair.tx.recv([(dst.ctypes.data, dst.nbytes)], 0x78, ucx.FULL_MASK,
+                     lambda status, length, tag: got.append((status, length)), dst)
+        await asyncio.sleep(0.05)
+        counting.progress = 0
+        await asyncio.sleep(0.3)
+        assert counting.progress == 0
+        src = np.full(1 << 16, 3, dtype=np.uint8)
+        pair.rx.send(pair.back, [(src.ctypes.data, src.nbytes)], 0x78, lambda *a: None, src)
+        await until(lambda: bool(got), timeout=5.0)
+        assert got == [(ucx.UCS_OK, 1 << 16)] and bytes(dst) == bytes(src)
+
+
 async def test_an_idle_rdma_transport_does_not_sweep() -> None:
     """The receiver sweeps stray messages from UCX's queue only after UCX progressed
     (tests/transport/test_rdma_hostile.py: strays are still dropped)."""
