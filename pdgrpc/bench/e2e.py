@@ -41,6 +41,10 @@ prompts are random, so nothing is reused, and ``ttft_vs_no_prefix_cache`` (p50 a
 p50) and ``ttft_no_prefix_cache_paired_p50`` (the median per-prompt difference) show what
 the prefix cache costs when it cannot help.
 
+With ``--grpc-arm`` each transport's cluster also runs with its router calling the prefill
+and decode over gRPC instead of their local sockets (:mod:`pdgrpc.rpc.local`), as
+``NAME-grpc``, side by side in the same run.
+
 Every disaggregated output is compared with the colocated one for the same prompt; a
 difference aborts the benchmark (numbers for wrong output mean nothing).
 """
@@ -103,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-prefix-cache-arm", action="store_true",
         help="also run each transport's cluster with --no-prefix-cache on its prefills (NAME-no-prefix-cache), side "
         "by side, and report each cluster's TTFT against it: what the prefix cache costs when nothing is reused",
+    )
+    p.add_argument(
+        "--grpc-arm", action="store_true",
+        help="also run each transport's cluster with its router calling the prefill and decode over gRPC instead of "
+        "their local sockets (NAME-grpc), side by side: what the local socket saves",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -202,7 +211,9 @@ def _tree_env(tree: str) -> dict[str, str]:
     root = os.path.abspath(tree)
     if not os.path.isfile(os.path.join(root, "pdgrpc", "__init__.py")):
         raise PdgrpcError(f"--baseline-tree {tree}: no pdgrpc package there (expected {root}/pdgrpc/__init__.py)")
-    return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    # PYTHONSAFEPATH: `python -m` would otherwise import from its working directory first,
+    # which is this checkout when the bench runs from one.
+    return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), "PYTHONSAFEPATH": "1"}
 
 
 async def _run(args: argparse.Namespace) -> list[Result]:
@@ -234,7 +245,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         if args.baseline_tree:
             name = f"{topology.name}-{t}@baseline"
             env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
-            systems[name] = Cluster(topology, transport=t, extra_env=env)
+            systems[name] = Cluster(topology, transport=t, extra_env=env, local_sockets=False)  # a flag older trees lack
+        if getattr(args, "grpc_arm", False):
+            name = f"{topology.name}-{t}-grpc"
+            systems[name] = Cluster(topology, transport=t, extra_env=_trace_env(spans_dir / name), local_sockets=False)
     traced: dict[str, list[str]] = {name: [] for name in systems if name != BASELINE}
     rng = random.Random(args.seed)
     ttft_prompts = _prompts(args.warmup + args.ttft_requests, args.prompt_tokens, rng)

@@ -185,8 +185,12 @@ class Cluster:
         auth_token: str | None = None,
         public_ca: str | Path | None = None,
         supervise: bool = False,
+        local_sockets: bool = True,
     ) -> None:
+        """``local_sockets``: the router calls the prefills and decodes on its host over
+        their local sockets (:meth:`local_socket`); False: over gRPC."""
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        self.local_sockets = local_sockets
         # With [network]: host -> netns and address (pdgrpc.cluster.hosts); the launcher runs on the front door's host.
         self.hosts = hosts if hosts is not None else hosts_from_env(self.topology)
         # The CA of the router's public certificate (its args set public-tls-cert): clients
@@ -329,9 +333,10 @@ class Cluster:
     def local_socket(self, name: str) -> str:
         """The local socket (:mod:`pdgrpc.rpc.local`) the prefill or decode ``name`` serves and
         a router on the launcher's host calls it at; "" for one on another host, under TLS
-        (a local call carries no certificate), or when its args set ``local-socket``."""
+        (a local call carries no certificate), when its args set ``local-socket``, or
+        without ``local_sockets``."""
         proc = self.procs[name]
-        if proc.ip != HOST or name in self.credentials.certs or "local-socket" in proc.spec.args:
+        if not self.local_sockets or proc.ip != HOST or name in self.credentials.certs or "local-socket" in proc.spec.args:
             return ""
         if self._socket_dir is None:  # mkdtemp makes it 0700: private to this user
             self._socket_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-"))
