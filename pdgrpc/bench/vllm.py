@@ -6,13 +6,14 @@ Run it from the vLLM venv (``make vllm-venv``)::
     PYTHONPATH=. .venv-vllm/bin/python -m pdgrpc.bench vllm [--json PATH]
 
 Every server has one compute thread bound to a core: colocated on core 0; prefill on
-core 0 and decode on core 1. The comparison is order-fair: colocated and one pdgrpc
-pair run side by side, the pair behind two front doors (the prefill's token first, and
-``--no-first-token``: the decode recomputes it), and each prompt goes to every arm in
-turn, the order alternating (A B C, then C B A), so no arm always runs first or right
-after another. The concurrency-8 phase runs ``--rounds`` blocks per arm in the same
-alternating order. Every server runs without a prefix cache, so the two arms sharing
-the pair each compute every prompt in full (prompts are random token ids, seeded).
+core 0 (without async scheduling: see PREFILL_ARGS) and decode on core 1. The
+comparison is order-fair: colocated and one pdgrpc pair run side by side, the pair
+behind two front doors (the prefill's token first, and ``--no-first-token``: the decode
+recomputes it), and each prompt goes to every arm in turn, the order alternating (A B
+C, then C B A), so no arm always runs first or right after another. The concurrency-8
+phase runs ``--rounds`` blocks per arm in the same alternating order. Every server runs
+without a prefix cache, so the two arms sharing the pair each compute every prompt in
+full (prompts are random token ids, seeded).
 
 Reported: TTFT p50/p99 of single requests at 256 and 512 prompt tokens (streamed; the
 time to the first token), tokens/s and TTFT p50 with 8 requests in flight, CPU
@@ -46,6 +47,9 @@ FIRST = "vllm 1p1d pdgrpc"
 RECOMPUTE = "vllm 1p1d pdgrpc, decode recomputes"
 NIXL = "vllm 1p1d nixl"
 NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
+# A prefill schedules its next step after the last one's output: a finished request's
+# send then starts with that step, not one whole step later.
+PREFILL_ARGS = ("--no-async-scheduling",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +194,8 @@ def run(args: argparse.Namespace) -> list[Result]:
     def pair(tag: str, kv: dict[str, Any] | None) -> tuple[Server, Server]:
         # NIXL's side channel listens on a fixed port per server (vLLM's environment).
         side = (lambda: {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) if kv else (lambda: {})
-        p = vllm_server(f"{tag}prefill", free_port(), 0, model, logs, kv_config=kv, env=side(), args=NO_PREFIX_CACHE)
+        p = vllm_server(f"{tag}prefill", free_port(), 0, model, logs, kv_config=kv, env=side(),
+                        args=(*NO_PREFIX_CACHE, *PREFILL_ARGS))
         d = vllm_server(f"{tag}decode", free_port(), 1, model, logs, kv_config=kv, env=side(), args=NO_PREFIX_CACHE)
         return p, d
 

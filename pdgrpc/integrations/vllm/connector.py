@@ -13,7 +13,8 @@ Who calls which hook:
   ``has_pending_push_work`` (blocks still held for a decode keep vLLM stepping);
 - worker: ``register_kv_caches`` once (regions on the transport, the handshake server),
   ``get_handshake_metadata`` once (its address goes to the scheduler side),
-  ``start_load_kv`` each step (hands the jobs over), ``get_transfer_results`` each step.
+  ``bind_connector_metadata`` each step before the forward (hands the jobs over),
+  ``get_transfer_results`` each step.
   Loads finish between steps, so ``wait_for_layer_load``, ``save_kv_layer`` and
   ``wait_for_save`` have nothing to do: a prefill's blocks are written from vLLM's cache
   once the request finished, and vLLM keeps them until the send is reported.
@@ -148,11 +149,17 @@ class PdgrpcConnector(KVConnectorBase_V1):
             return None
         return PdgrpcHandshake(self._worker.address, self._worker.writer_id)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's jobs start here, before the forward pass: vLLM calls
+        ``start_load_kv`` after it for asynchronous loads, and a decode's handshake
+        would otherwise wait for a whole prefill step."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, PdgrpcMetadata)
+            self._worker.submit(connector_metadata.jobs)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PdgrpcMetadata)
-        self._worker.submit(meta.jobs)
+        return None  # the jobs started when the step's metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
