@@ -70,9 +70,8 @@ class WorkerOptions:
     host: str = "127.0.0.1"  # the HandshakeService (and tcp transport) listen here
     port: int = 0  # 0: any free port; the scheduler learns the bound one
     slots: int = 256  # metadata rows: in-flight loads (decode) and sends (prefill)
-    # prefill: how long a handshake waits for its room's job. With vLLM's async
-    # scheduling the job comes with the step after next, so after one whole busy step:
-    # 8 prompts in one step take over 30 s on a loaded 2-core host.
+    # prefill: how long a handshake waits for its room's job, which comes with the step
+    # after the request finished (with async scheduling, after one whole busy step).
     handshake_wait_s: float = 120.0
     # decode: the Handshake call's deadline; above the prefill's handshake_wait_s, so a
     # prefill that waits for its job answers before the decode gives up on it.
