@@ -70,6 +70,7 @@ from pdgrpc.transport.base import Transport
 log = logging.getLogger("pdgrpc.decode")
 
 DEADLINE_SLACK_S = 0.001  # the idle loop wakes this long after a request's deadline
+TP_IDLE_SYNC_S = 1.0  # with TP, an idle rank 0 syncs the other ranks this often
 
 __all__ = ["DecodeScheduler"]
 
@@ -418,8 +419,13 @@ class DecodeScheduler:
         answer, a transfer that ends, a dp rank resolved -- so it sleeps until the
         earliest deadline of a request in the queues; on a small host every wake-up takes
         CPU from the compute. What has no event of its own (dp-rank queries, quarantined
-        rooms, local prefills waiting for pages) polls every ``idle_poll_s``."""
+        rooms, local prefills waiting for pages, and with TP every transfer) polls every
+        ``idle_poll_s``."""
         q = self.queues
+        if self.tp is not None:
+            # The other ranks' transfers wake nothing here (only the collective poll sees
+            # them), and their collectives time out unless rank 0 syncs them now and then.
+            return self.config.idle_poll_s if (q.num_requests or q.num_quarantined or self.local.pending) else TP_IDLE_SYNC_S
         if q.num_quarantined or self.local.pending:
             return self.config.idle_poll_s
         first: float | None = None
