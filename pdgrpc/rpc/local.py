@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import inspect
 import json
 import logging
@@ -305,7 +306,7 @@ class LocalServer:
             return
         self.stopping = True
         self._server.close()
-        with _quiet(OSError):
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
         tasks = [t for c in self.connections for t in c.tasks.values()]
         if tasks and grace:
@@ -313,17 +314,6 @@ class LocalServer:
         for c in list(self.connections):
             c.close_socket()
         self._server = None
-
-
-class _quiet:
-    def __init__(self, *kinds: type[BaseException]) -> None:
-        self._kinds = kinds
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        return kind is not None and issubclass(kind, self._kinds)
 
 
 # ---- the caller's side ------------------------------------------------------------------
