@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import grpc
 
@@ -64,3 +65,40 @@ async def test_a_decode_waiting_for_a_transfer_sleeps_until_it_lands() -> None:
     finally:
         await prefill.stop()
         await server.stop(grace=0)
+
+
+class _Followers:
+    """A TP group of rank 0 whose followers are only counted: what rank 0 sends them."""
+
+    rank, size = 0, 2
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def broadcast(self, cmd: Any = None) -> Any:
+        self.sent.append(cmd[0])
+        return cmd
+
+    def all_reduce_min(self, t: Any) -> Any:
+        return t
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj, obj]
+
+    def close(self) -> None:
+        pass
+
+
+async def test_an_idle_tp_decode_keeps_its_followers_in_sync() -> None:
+    """The followers wait in a collective that times out (--dist-timeout) unless rank 0
+    syncs them: an idle rank 0 still syncs them every second."""
+    followers = _Followers()
+    sched = DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, SchedulerConfig(), tp=followers)  # type: ignore[arg-type]
+    await sched.start()
+    try:
+        await asyncio.sleep(0.2)
+        before = followers.sent.count("sync")
+        await asyncio.sleep(2.5)
+        assert followers.sent.count("sync") - before >= 2
+    finally:
+        await sched.close()
