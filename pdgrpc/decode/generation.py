@@ -199,8 +199,8 @@ class Generation:
                 self._cancelled_local(job)
             else:
                 job.fate.handle(Commit())
-                self.metrics.on_local_prefill()
                 cached = job.lease.cached_tokens if job.lease is not None else 0
+                self.metrics.on_local_prefill(len(job.input_ids) - cached)
                 if cached:
                     self.metrics.on_reused(cached)
                 request_event(log, job.room, "prefilled locally", computed=len(job.input_ids) - cached, cached=cached)

@@ -227,6 +227,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         _R, (_D,),
     ),
     MetricSpec(
+        "pdgrpc_local_prefill_computed_tokens_total", "counter",
+        "Prompt tokens the decode computed itself in local prefills: their prompts less what its prefix cache held "
+        "(count).",
+        _R, (_D,),
+    ),
+    MetricSpec(
         "pdgrpc_requests_total", "counter",
         "Requests that reached a terminal state on this server (count), by state: finished, aborted "
         "(see pdgrpc_aborts_total for why), refused (turned away at admission).",

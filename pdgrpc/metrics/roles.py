@@ -197,6 +197,7 @@ class DecodeMetrics(RoleMetrics):
         self._queries = DpQueryCounters(self._fam, self.role)
         self._reused_tokens = self._fam.counter("pdgrpc_decode_reused_tokens_total").labels(self.role.value)
         self._local_prefills = self._fam.counter("pdgrpc_local_prefill_requests_total").labels(self.role.value)
+        self._local_computed = self._fam.counter("pdgrpc_local_prefill_computed_tokens_total").labels(self.role.value)
         self.transport = transport
         self.set_info(transport=transport)
 
@@ -208,9 +209,11 @@ class DecodeMetrics(RoleMetrics):
         """A request committed with ``tokens`` prompt tokens from the decode's prefix cache."""
         self._reused_tokens.inc(_count("tokens", tokens))
 
-    def on_local_prefill(self) -> None:
-        """A request's prompt was computed here (local prefill) and its first token sent."""
+    def on_local_prefill(self, computed: int) -> None:
+        """A request's prompt was computed here (local prefill), ``computed`` of its tokens
+        (the rest its prefix cache held), and its first token sent."""
         self._local_prefills.inc()
+        self._local_computed.inc(_count("computed", computed))
 
     def on_refused(self) -> None:
         """A request was turned away at admission, before it took any resource (invalid

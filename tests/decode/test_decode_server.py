@@ -211,10 +211,13 @@ async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeSer
 
 
 async def test_a_local_prefill_computes_the_prompt_here_with_colocated_tokens(
-    stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine, outcomes: Outcomes
+    stub: decode_pb2_grpc.DecodeServiceStub, engine: ReferenceEngine, outcomes: Outcomes, metrics_address: str
 ) -> None:
     """local_prefill: no prefill anywhere (no bootstrap address), the prompt computed in
-    chunks of 8 tokens between the steps of the others; the same tokens and logprobs."""
+    chunks of 8 tokens between the steps of the others; the same tokens and logprobs. The
+    decode counts the prompt tokens it computed: the prompts less what its cache held."""
+    counted = ("pdgrpc_local_prefill_computed_tokens_total", "pdgrpc_decode_reused_tokens_total")
+    before = scrape(metrics_address)
     reqs = []
     for text, n, s in PROMPTS:
         ids = tuple(engine.tokenizer.encode(text))
@@ -232,6 +235,9 @@ async def test_a_local_prefill_computes_the_prompt_here_with_colocated_tokens(
         assert msgs[0].bytes_transferred == 0
     await assert_nothing_held(stub)
     assert await outcomes.changed() == {"finished": len(PROMPTS)}
+    after = scrape(metrics_address)
+    computed, reused = (after.value(n, role="decode") - before.value(n, role="decode") for n in counted)
+    assert computed > 0 and computed == sum(len(r.input_ids) for r in reqs) - reused
 
 
 async def test_a_local_prefill_cancelled_while_computing_frees_everything(
