@@ -30,11 +30,14 @@ vLLM's own hit rate is not read (its tokens are not compared: other kernels). Wi
 the flag, or when ``import vllm`` fails there, arm ``v`` prints why it did not run.
 
 Per arm: client TTFT p50/p90 of each group's first request (in sending order) and of the
-later ones, the prefill tokens computed, asked for and served from cache (the prefills'
-``pdgrpc_prefill_computed_tokens_total``, ``pdgrpc_prefill_prompt_tokens_total``,
-``pdgrpc_prefix_cache_hit_tokens_total``), the hit rate (hit / asked), the share of
+later ones, the prompt tokens the clients sent, the tokens computed anywhere (the prefills'
+``pdgrpc_prefill_computed_tokens_total`` and the decode's
+``pdgrpc_local_prefill_computed_tokens_total``: a router may have the decode compute a
+prompt itself), the hit rate (the share of sent tokens no one computed), the share of
 requests that succeeded and the share whose output equals arm ``a``'s. Where the work
-went: each prefill's hit rate, and how many groups' prefixes (their first page) each
+went: the tokens each prefill and the decode computed, each prefill's own hit rate (its
+``pdgrpc_prefix_cache_hit_tokens_total`` over its ``pdgrpc_prefill_prompt_tokens_total``),
+and how many groups' prefixes (their first page) each
 prefill holds at the end, by its KV events (a group both hold was computed on both). An arm that needs
 what this build lacks (the cache, KV events, smg) is reported "not available" rather
 than run as something else. Targets: arms ``c`` and ``e`` later-request TTFT p50 at most
@@ -80,7 +83,7 @@ from pdgrpc.v1.prefill_pb2_grpc import PrefillServiceStub
 DESCRIPTION = (
     "shared-prefix workload (G groups x Q questions, shuffled) through 2 prefills + 1 decode: cache off, cache on "
     "round robin, pdgrpc cache_aware, smg cache_aware without and with KV events; TTFT of first and later requests, "
-    "prefill tokens computed, hit rate, output equality (targets: cache_aware later-request TTFT p50 <= 0.2x "
+    "tokens computed (prefills and decode), hit rate, output equality (targets: cache_aware later-request TTFT p50 <= 0.2x "
     "cache off, hit rate >= 1.5x cache on round robin)"
 )
 PLOT = "TTFT p50 and p90 of each group's first request and of the later ones, per arm"
@@ -95,10 +98,15 @@ ARMS = {
 }
 BASELINE = "a"
 PREFILLS = ("prefill-a", "prefill-b")
+DECODE = "decode"
+# What each prefill and the decode count, by key (a role's metrics endpoints are summed).
 _COUNTERS = {
-    "computed_tokens": "pdgrpc_prefill_computed_tokens_total",
-    "prompt_tokens": "pdgrpc_prefill_prompt_tokens_total",
-    "hit_tokens": "pdgrpc_prefix_cache_hit_tokens_total",
+    "prefill": {
+        "computed_tokens": "pdgrpc_prefill_computed_tokens_total",
+        "prompt_tokens": "pdgrpc_prefill_prompt_tokens_total",
+        "hit_tokens": "pdgrpc_prefix_cache_hit_tokens_total",
+    },
+    "decode": {"computed_tokens": "pdgrpc_local_prefill_computed_tokens_total"},
 }
 
 
@@ -196,9 +204,9 @@ class Outcome:
 @dataclasses.dataclass
 class ArmResult:
     outcomes: dict[tuple[int, int], Outcome]
-    counters: dict[str, float | None]
+    counters: dict[str, float | None]  # computed_tokens (anywhere), prompt_tokens (the clients sent)
     compare: bool = True  # its token ids are compared with arm a's (not a peer's: other kernels)
-    where: dict[str, float] = dataclasses.field(default_factory=dict)  # per prefill: hit rate, groups held
+    where: dict[str, float] = dataclasses.field(default_factory=dict)  # per server: tokens computed, hit rate, groups held
 
 
 def prefill_has_flag(flag: str) -> bool:
@@ -240,15 +248,15 @@ def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int, pr
     if smg:  # the name smg's /generate asks for (bench.gateway's client)
         prefill_args["served-model-name"] = DEFAULT_SERVED_MODEL_NAME
     processes: list[dict[str, Any]] = [{"name": n, "role": "prefill", "args": prefill_args} for n in PREFILLS]
-    processes.append({"name": "decode", "role": "decode", "args": {"num-slots": 64, **({"served-model-name": DEFAULT_SERVED_MODEL_NAME} if smg else {})}})
+    processes.append({"name": DECODE, "role": "decode", "args": {"num-slots": 64, **({"served-model-name": DEFAULT_SERVED_MODEL_NAME} if smg else {})}})
     # A cluster's front door is a router; the smg arms send their requests to smg beside it.
     router: dict[str, Any] = {"max-prompt-tokens": max_prompt, "policy": "cache_aware" if arm == "c" else "round_robin"}
     if arm == "c" and args.cache_aware_margin is not None:
         router["cache-aware-margin"] = args.cache_aware_margin
-    processes.append({"name": "router", "role": "router", "prefill": list(PREFILLS), "decode": ["decode"], "args": router})
+    processes.append({"name": "router", "role": "router", "prefill": list(PREFILLS), "decode": [DECODE], "args": router})
     if smg:
         processes.append({
-            "name": "smg", "role": "smg", "prefill": list(PREFILLS), "decode": ["decode"],
+            "name": "smg", "role": "smg", "prefill": list(PREFILLS), "decode": [DECODE],
             # A long prompt on 2 busy cores outlasts smg's default silence bounds (seconds),
             # after which it gives up on a healthy prefill.
             "args": {"prefill-policy": "cache_aware", "decode-policy": "round_robin", "worker-wedge-secs": 600, "worker-stall-secs": 60},
@@ -294,21 +302,22 @@ async def groups_held(cluster: Cluster, requests: list[Request]) -> dict[str, fl
     return out
 
 
-def _read_counters(prefills: dict[str, list[str]]) -> dict[str, dict[str, float | None]]:
-    """Each of :data:`_COUNTERS` per prefill, summed over its metrics endpoints (None when
-    no endpoint exports it: this build does not count it)."""
-    return {name: _read_one(endpoints) for name, endpoints in prefills.items()}
+def _read_counters(servers: dict[str, tuple[str, list[str]]]) -> dict[str, dict[str, float | None]]:
+    """Each of its role's :data:`_COUNTERS` per server (``name: (role, endpoints)``),
+    summed over its metrics endpoints (None when no endpoint exports it: this build does
+    not count it)."""
+    return {name: _read_one(role, endpoints) for name, (role, endpoints) in servers.items()}
 
 
-def _read_one(endpoints: list[str]) -> dict[str, float | None]:
-    totals: dict[str, float | None] = {key: None for key in _COUNTERS}
+def _read_one(role: str, endpoints: list[str]) -> dict[str, float | None]:
+    totals: dict[str, float | None] = {key: None for key in _COUNTERS[role]}
     for address in endpoints:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                for key, name in _COUNTERS.items():
-                    if sample.name == name and sample.labels.get("role") == "prefill":
+                for key, name in _COUNTERS[role].items():
+                    if sample.name == name and sample.labels.get("role") == role:
                         totals[key] = (totals[key] or 0.0) + sample.value
     return totals
 
@@ -436,11 +445,11 @@ async def run_vllm(args: argparse.Namespace, model: str, requests: list[Request]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
-    return ArmResult(outcomes, {key: None for key in _COUNTERS}, compare=False)
+    return ArmResult(outcomes, {"computed_tokens": None, "prompt_tokens": None}, compare=False)
 
 
 async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list[Request], warmup: list[Request]) -> ArmResult | str:
-    """One arm's outcomes and the prefills' counters over the measured requests, or why
+    """One arm's outcomes and the servers' counters over the measured requests, or why
     it is not available."""
     if arm == "v":
         return await run_vllm(args, model, requests, warmup)
@@ -461,8 +470,10 @@ async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list
                 return "not available: the prefills serve KV events, and smg reads them whenever they do (arm e)"
             if arm == "e" and not served:
                 return "not available: the prefills serve no KV events (SubscribeKvEvents)"
-        # Each prefill's controller and workers.
-        endpoints = {name: [a for n, a in cluster.metrics_endpoints("prefill").items() if n.split("/")[0] == name] for name in PREFILLS}
+        # Each prefill's controller and workers, and the decode.
+        endpoints = {name: ("prefill", [a for n, a in cluster.metrics_endpoints("prefill").items() if n.split("/")[0] == name])
+                     for name in PREFILLS}
+        endpoints[DECODE] = ("decode", list(cluster.metrics_endpoints("decode").values()))
         if arm in ("d", "e"):
             host, _, port = cluster.openai_base_url.removeprefix("http://").removesuffix("/v1").rpartition(":")
             clients = [SmgClient(host, int(port)) for _ in range(args.concurrency)]
@@ -484,21 +495,34 @@ async def run_arm(args: argparse.Namespace, arm: str, model: str, requests: list
         start = time.perf_counter()
         outcomes = await _send_all(requests, args.concurrency, one)
         print(f"arm {arm}: done in {time.perf_counter() - start:.1f} s", flush=True)
-        await asyncio.sleep(0.5)  # the prefills count a request once its KV is sent
+        await asyncio.sleep(0.5)  # a prefill counts a request once its KV is sent
         after = await asyncio.to_thread(_read_counters, endpoints)
         where = await groups_held(cluster, requests) if arm != "a" else {}
         cluster.check()
-    counters = {name: _delta(after[name], before[name]) for name in PREFILLS}
-    for name, c in counters.items():
-        if c["hit_tokens"] is not None and c["prompt_tokens"]:
-            where[f"hit_rate/{name}"] = c["hit_tokens"] / c["prompt_tokens"]
-    total = {key: None if all(c[key] is None for c in counters.values()) else sum(c[key] or 0.0 for c in counters.values())
-             for key in _COUNTERS}
-    return ArmResult(outcomes, total, where=where)
+    counters, spread = arm_counters({name: _delta(after[name], before[name]) for name in after}, sum(len(r.input_ids) for r in requests))
+    return ArmResult(outcomes, counters, where={**spread, **where})
+
+
+def arm_counters(servers: dict[str, dict[str, float | None]], sent: int) -> tuple[dict[str, float | None], dict[str, float]]:
+    """An arm's totals from each server's counters over the measured requests: the tokens
+    computed anywhere (every prefill and the decode; None when one does not count them)
+    and the ``sent`` prompt tokens, so that arms whose router has the decode compute some
+    prompts compare with those that do not; and where the work went: each server's
+    computed tokens and each prefill's own hit rate."""
+    where: dict[str, float] = {}
+    for name, c in servers.items():
+        if c["computed_tokens"] is not None:
+            where[f"computed_tokens/{name}"] = c["computed_tokens"]
+        hit, asked = c.get("hit_tokens"), c.get("prompt_tokens")
+        if hit is not None and asked:
+            where[f"hit_rate/{name}"] = hit / asked
+    parts = [c["computed_tokens"] for c in servers.values()]
+    computed = None if any(p is None for p in parts) else sum(p or 0.0 for p in parts)
+    return {"computed_tokens": computed, "prompt_tokens": float(sent)}, where
 
 
 def _delta(after: dict[str, float | None], before: dict[str, float | None]) -> dict[str, float | None]:
-    return {key: None if (now := after[key]) is None else now - (before[key] or 0.0) for key in _COUNTERS}
+    return {key: None if (now := after[key]) is None else now - (before[key] or 0.0) for key in after}
 
 
 def summarize(requests: list[Request], results: dict[str, ArmResult | str]) -> list[Result]:
@@ -532,15 +556,16 @@ def summarize(requests: list[Request], results: dict[str, ArmResult | str]) -> l
         for key, value in res.counters.items():
             if value is not None:
                 out.append(Result(case, key, value, "tokens"))
-        hit, asked = res.counters["hit_tokens"], res.counters["prompt_tokens"]
-        if hit is not None and asked:
-            rate = hit / asked
+        computed, sent = res.counters["computed_tokens"], res.counters["prompt_tokens"]
+        if computed is not None and sent:
+            rate = 1.0 - computed / sent
             if arm == "b":
                 base_hit = rate
             ref = base_hit if arm in ("c", "d", "e") else None
             out.append(Result(case, "hit_rate", rate, "", ref, rate / ref if ref else None))
         for key, value in res.where.items():
-            out.append(Result(case, key, value, "groups" if key.startswith("groups") else ""))
+            unit = "groups" if key.startswith("groups") else "tokens" if key.startswith("computed") else ""
+            out.append(Result(case, key, value, unit))
         out.append(Result(case, "success_rate", len(ok) / n, ""))
         if isinstance(base, ArmResult) and res.compare:
             equal = sum(1 for k, o in ok.items() if base.outcomes.get(k) is not None and base.outcomes[k].ttft is not None

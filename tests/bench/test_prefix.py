@@ -41,21 +41,41 @@ def test_a_bad_span_is_refused_naming_the_flag(bad: str, capsys) -> None:
 def test_summary_splits_first_and_later_and_compares_with_arm_a() -> None:
     reqs = [Request(0, 0, (1,)), Request(1, 0, (2,)), Request(0, 1, (1, 3)), Request(1, 1, (2, 3))]
     a = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(1.0, (7,)), (1, 1): Outcome(1.0, (8,))},
-                  {"computed_tokens": 400.0, "prompt_tokens": 400.0, "hit_tokens": 0.0})
+                  {"computed_tokens": 400.0, "prompt_tokens": 400.0})
     b = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(0.5, (7,)), (1, 1): Outcome(error="boom")},
-                  {"computed_tokens": 300.0, "prompt_tokens": 400.0, "hit_tokens": 100.0})
+                  {"computed_tokens": 300.0, "prompt_tokens": 400.0})
     c = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(0.1, (7,)), (1, 1): Outcome(0.1, (0,))},
-                  {"computed_tokens": 200.0, "prompt_tokens": 400.0, "hit_tokens": 200.0},
-                  where={"hit_rate/prefill-a": 0.6, "groups_held/both": 1.0})
+                  {"computed_tokens": 200.0, "prompt_tokens": 400.0},
+                  where={"hit_rate/prefill-a": 0.6, "groups_held/both": 1.0, "computed_tokens/decode": 50.0})
     rows = {(r.case.split(":")[0], r.metric): r for r in summarize(reqs, {"a": a, "b": b, "c": c, "e": "not available: no events"})}
     assert rows[("arm c", "ttft_p50/later")].ratio == pytest.approx(0.1)
     assert rows[("arm c", "ttft_p50/first")].ratio == pytest.approx(1.0)
     assert rows[("arm b", "success_rate")].value == 0.75
     assert rows[("arm c", "outputs_equal_to_a")].value == 0.75  # one output differs
+    assert rows[("arm a", "hit_rate")].value == 0.0
     assert rows[("arm c", "hit_rate")].value == 0.5 and rows[("arm c", "hit_rate")].ratio == pytest.approx(2.0)
     assert not any(arm == "arm e" for arm, _ in rows)  # not available: no numbers
     assert rows[("arm c", "hit_rate/prefill-a")].value == 0.6  # where the work went
+    assert (rows[("arm c", "computed_tokens/decode")].value, rows[("arm c", "computed_tokens/decode")].unit) == (50.0, "tokens")
     assert (rows[("arm c", "groups_held/both")].value, rows[("arm c", "groups_held/both")].unit) == (1.0, "groups")
+
+
+def test_an_arms_tokens_computed_count_the_decodes_local_prefills_over_all_it_sent() -> None:
+    """A cache-aware router has the decode compute some prompts itself: they count as
+    computed, over every prompt token the clients sent, so arms compare."""
+    servers = {
+        "prefill-a": {"computed_tokens": 300.0, "prompt_tokens": 1000.0, "hit_tokens": 700.0},
+        "prefill-b": {"computed_tokens": 100.0, "prompt_tokens": 400.0, "hit_tokens": 300.0},
+        "decode": {"computed_tokens": 200.0},
+    }
+    counters, where = prefix.arm_counters(servers, sent=2000)
+    assert counters == {"computed_tokens": 600.0, "prompt_tokens": 2000.0}  # hit rate 0.7, not the prefills' 0.71
+    assert where == {
+        "computed_tokens/prefill-a": 300.0, "computed_tokens/prefill-b": 100.0, "computed_tokens/decode": 200.0,
+        "hit_rate/prefill-a": 0.7, "hit_rate/prefill-b": 0.75,
+    }
+    # A server that does not count its computed tokens leaves the total unknown, not short.
+    assert prefix.arm_counters({**servers, "decode": {"computed_tokens": None}}, sent=2000)[0]["computed_tokens"] is None
 
 
 def test_each_prefill_holds_half_the_groups_prefixes_and_the_requests_in_flight() -> None:
