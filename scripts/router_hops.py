@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -74,7 +75,7 @@ async def _serve(port_file: str, wrapped: bool, link_fd: int) -> None:
     await asyncio.Event().wait()
 
 
-_DIR = tempfile.mkdtemp(prefix="router-hops-")  # private: the local sockets' directory
+_DIR = ""  # the parent's private directory: the servers' port files and local sockets
 
 
 def _start(tag: str, wrapped: bool, link: "socket.socket | None" = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -188,6 +189,8 @@ def main() -> None:
         return
     import socket
 
+    global _DIR
+    _DIR = tempfile.mkdtemp(prefix="router-hops-")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     procs = [_start("c", True, theirs), _start("d", True), _start("r", False)]
     theirs.close()
@@ -197,6 +200,8 @@ def main() -> None:
     finally:
         for p in [*(p for p, _ in procs), *burners]:
             p.kill()
+            p.wait()
+        shutil.rmtree(_DIR, ignore_errors=True)
     for name, cols in out.items():
         pair = "Decode" in name
         la, lb = ("prefill one-way", "decode one-way") if pair else ("one-way", "round trip")
