@@ -22,6 +22,7 @@ from pdgrpc.rpc.security import Security
 from pdgrpc.rpc.server import start_server
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.eventually import eventually_async
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -68,6 +69,22 @@ async def _start(servers: Servers, path: Path, security: Security | None = None)
          (DECODE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servers, s))],
         local_socket=str(path), security=security or Security(),
     )
+
+
+Served = tuple[Servers, Any, prefill_pb2_grpc.PrefillServiceStub]
+
+
+@pytest.fixture
+async def served(sock_dir: Path) -> AsyncIterator[Served]:
+    """A server on ``sock_dir/s.sock`` and a prefill stub over its local channel."""
+    servers = Servers()
+    server = await _start(servers, sock_dir / "s.sock")
+    local = LocalChannel(str(sock_dir / "s.sock"))
+    try:
+        yield servers, server, prefill_pb2_grpc.PrefillServiceStub(local)
+    finally:
+        await local.close()
+        await server.stop(0)
 
 
 async def _outcome(call: Any) -> Any:
@@ -118,48 +135,26 @@ async def test_replies_and_statuses_equal_grpcs(sock_dir: Path) -> None:
         await server.stop(0)
 
 
-async def test_cancel_and_deadline_cancel_the_handler(sock_dir: Path) -> None:
-    servers = Servers()
-    server = await _start(servers, sock_dir / "s.sock")
-    local = LocalChannel(str(sock_dir / "s.sock"))
-    stub = prefill_pb2_grpc.PrefillServiceStub(local)
-    try:
-        call = stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=9), timeout=30)
-        await asyncio.wait_for(servers.held.wait(), 5)
-        assert call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        for _ in range(100):
-            if servers.cancelled:
-                break
-            await asyncio.sleep(0.01)
-        assert servers.cancelled == [9]
-        servers.held.clear()
-        with pytest.raises(grpc.RpcError) as info:
-            await stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=9), timeout=0.3)
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for _ in range(100):
-            if len(servers.cancelled) == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert servers.cancelled == [9, 9]
-    finally:
-        await local.close()
-        await server.stop(0)
+async def test_cancel_and_deadline_cancel_the_handler(served: Served) -> None:
+    servers, _, stub = served
+    call = stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=9), timeout=30)
+    await asyncio.wait_for(servers.held.wait(), 5)
+    assert call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await eventually_async(lambda: servers.cancelled == [9], timeout=1, what=lambda: f"cancelled: {servers.cancelled}")
+    servers.held.clear()
+    with pytest.raises(grpc.RpcError) as info:
+        await stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=9), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually_async(lambda: servers.cancelled == [9, 9], timeout=1, what=lambda: f"cancelled: {servers.cancelled}")
 
 
-async def test_stop_ends_running_calls_unavailable_and_drain_refuses(sock_dir: Path) -> None:
-    servers = Servers()
-    server = await _start(servers, sock_dir / "s.sock")
-    local = LocalChannel(str(sock_dir / "s.sock"))
-    stub = prefill_pb2_grpc.PrefillServiceStub(local)
-    try:
-        server.gate.start()  # draining: new entry calls are refused
-        assert await _outcome(stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=1), timeout=5)) == (
-            grpc.StatusCode.UNAVAILABLE, f"/{PREFILL}/Prefill: this server is draining (shutting down); try another instance", None)
-    finally:
-        await local.close()
-        await server.stop(0)
+async def test_stop_ends_running_calls_unavailable_and_drain_refuses(served: Served, sock_dir: Path) -> None:
+    servers, server, stub = served
+    server.gate.start()  # draining: new entry calls are refused
+    assert await _outcome(stub.Prefill(prefill_pb2.PrefillRequest(bootstrap_room=1), timeout=5)) == (
+        grpc.StatusCode.UNAVAILABLE, f"/{PREFILL}/Prefill: this server is draining (shutting down); try another instance", None)
     server2 = await _start(servers, sock_dir / "t.sock")
     local2 = LocalChannel(str(sock_dir / "t.sock"))
     try:
