@@ -114,6 +114,13 @@ class FakeDecode:
             regions.append(MemoryRegion(METADATA_SINK_REGION_ID, self.sink.tensor, RegionKind.METADATA, "metadata_sink"))
         self.descriptor = await self.transport.register(regions)
 
+    async def __aenter__(self) -> FakeDecode:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def close(self) -> None:
         await self.transport.close()
         for ch in self._channels.values():

@@ -107,12 +107,8 @@ def rr_outcomes(rr: PrefillProc) -> Outcomes:
 
 @pytest.fixture
 async def decode() -> AsyncIterator[FakeDecode]:
-    d = FakeDecode(CONFIG)
-    await d.start()
-    try:
+    async with FakeDecode(CONFIG) as d:
         yield d
-    finally:
-        await d.close()
 
 
 # ---------------------------------------------------------------------------------------

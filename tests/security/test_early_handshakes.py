@@ -65,12 +65,8 @@ def prefill(pki: dict[str, CertFiles], tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture
 async def decode() -> AsyncIterator[FakeDecode]:
-    d = FakeDecode(CONFIG)
-    await d.start()
-    try:
+    async with FakeDecode(CONFIG) as d:
         yield d
-    finally:
-        await d.close()
 
 
 async def test_one_identity_flooding_early_handshakes_leaves_anothers_quota(
