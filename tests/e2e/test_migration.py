@@ -41,14 +41,17 @@ def _cases() -> list[Case]:
 
 
 class _Started:
-    """Set once a stream holds ``KILL_AT`` tokens: the prompts are of one length and sent
-    at once, so the victim's streams are about as far."""
+    """Set once every stream holds ``KILL_AT`` tokens, so the victim's streams are past
+    their first token (a stream before it is retried, not migrated)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: int) -> None:
         self.kill = asyncio.Event()
+        self._left = streams
 
     def reached(self) -> None:
-        self.kill.set()
+        self._left -= 1
+        if self._left == 0:
+            self.kill.set()
 
 
 async def _client(stub: GenerateServiceStub, c: Case, started: _Started) -> tuple[tuple[int, ...], str]:
@@ -64,6 +67,8 @@ async def _client(stub: GenerateServiceStub, c: Case, started: _Started) -> tupl
         finish = m.finish_reason or finish
         if before < KILL_AT <= len(ids):
             started.reached()
+    if len(ids) < KILL_AT:  # ended early: it holds no stream to wait for
+        started.reached()
     return tuple(ids), finish
 
 
@@ -99,7 +104,7 @@ async def test_sigkill_of_a_decode_at_token_5_of_64_migrates_every_stream_exactl
     async with Cluster(topology, transport=transport, log_dir=tmp_path / "logs", metrics=True) as cluster:
         async with cluster.client_channel() as channel:
             stub = GenerateServiceStub(channel)
-            started = _Started()
+            started = _Started(len(cases))
             clients = [asyncio.ensure_future(_client(stub, c, started)) for c in cases]
             await started.kill.wait()
             # The victim is the decode that streams most: prefix-affine routing may put every
