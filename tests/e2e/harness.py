@@ -100,6 +100,23 @@ def prompt_cases(page_size: int, chunk_size: int, n: int = 54, rng_seed: int = 7
     return cases
 
 
+def may_prefill_locally(cases: Sequence[Case], expected: Sequence[tuple[tuple[int, ...], str]], page_size: int) -> set[int]:
+    """Indices of the cases a decode may prefill itself (and so move no KV for): those whose
+    prompt begins with a full page of another case's prompt and output, which the decode's
+    prefix cache keeps once that case ends. Which of them do depends on timing; every
+    other case must move its KV over the transport."""
+    out = set()
+    for i, c in enumerate(cases):
+        head = c.input_ids[:page_size]
+        if len(head) < page_size:
+            continue
+        for j, (d, (ids, _)) in enumerate(zip(cases, expected)):
+            if j != i and (d.input_ids + tuple(ids))[:page_size] == head:
+                out.add(i)
+                break
+    return out
+
+
 def reference_outputs(topology_name: str, cases: list[Case]) -> list[tuple[tuple[int, ...], str]]:
     """Token ids and finish reason of each case, generated colocated in this process."""
     return reference_outputs_for(load_topology(topology_name), cases)
