@@ -145,7 +145,7 @@ class DecodeScheduler:
     async def start(self) -> None:
         self.fatal = asyncio.get_running_loop().create_future()
         if self.config.prefix_cache and self.transport.moves_bytes:
-            self.kv_events = KvEventFeed()
+            self.kv_events = KvEventFeed(on_subscribers=self.metrics.on_kv_event_streams)
             self.reuse = DecodeReuse(self.queues, self.engine.kv_layout.page_size, self.kv_events)
         self.descriptor = await self.transfers.register()
         ranks = [(self.descriptor, self.transport.auth_key)]

@@ -322,9 +322,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "pdgrpc_kv_event_streams", "gauge",
-        "SubscribeKvEvents streams a prefill controller serves now (count): pdgrpc routers under --policy cache_aware "
-        "and smg each keep one open per prefill.",
-        _R, (_P,),
+        "SubscribeKvEvents streams a prefill controller or a decode serves now (count): pdgrpc routers under "
+        "--policy cache_aware keep one open per prefill and per decode (with --decode-prefix-cache), smg one per "
+        "prefill.",
+        _R, (_D, _P),
     ),
     MetricSpec(
         "pdgrpc_draining", "gauge",

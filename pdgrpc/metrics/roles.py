@@ -198,6 +198,8 @@ class DecodeMetrics(RoleMetrics):
         self._reused_tokens = self._fam.counter("pdgrpc_decode_reused_tokens_total").labels(self.role.value)
         self._local_prefills = self._fam.counter("pdgrpc_local_prefill_requests_total").labels(self.role.value)
         self._local_computed = self._fam.counter("pdgrpc_local_prefill_computed_tokens_total").labels(self.role.value)
+        self._kv_event_streams = self._fam.gauges["pdgrpc_kv_event_streams"].labels(self.role.value)
+        self._kv_event_streams.set(0)
         self.transport = transport
         self.set_info(transport=transport)
 
@@ -208,6 +210,10 @@ class DecodeMetrics(RoleMetrics):
     def on_reused(self, tokens: int) -> None:
         """A request committed with ``tokens`` prompt tokens from the decode's prefix cache."""
         self._reused_tokens.inc(_count("tokens", tokens))
+
+    def on_kv_event_streams(self, n: int) -> None:
+        """The decode serves ``n`` SubscribeKvEvents streams now."""
+        self._kv_event_streams.set(_count("streams", n))
 
     def on_local_prefill(self, computed: int) -> None:
         """A request's prompt was computed here (local prefill), ``computed`` of its tokens

@@ -133,9 +133,16 @@ def reference_outputs_for(topology: Topology, cases: list[Case]) -> list[tuple[t
 
 
 async def wait_published(cluster: Cluster, name: str, pages: int, *, decode: bool) -> None:
-    """Until instance ``name``'s KV event stream (its snapshot) shows at least ``pages``
-    stored blocks, then as long as the router may still back off before it subscribes
-    again (its first tries fail while an instance starts): the router has them by then."""
+    """Until the router follows instance ``name``'s KV events (its ``pdgrpc_kv_event_streams``
+    gauge counts the router's stream) and that stream holds at least ``pages`` stored blocks
+    (read on a stream of our own, which lasts 0.5 s: the router's stream, open before, got
+    them at least as early). Needs a cluster with metrics, no smg and one router."""
+    endpoint = cluster.metrics_endpoints()[name]
+    role = "decode" if decode else "prefill"
+    await eventually_async(
+        lambda: asyncio.to_thread(lambda: scrape(endpoint).value("pdgrpc_kv_event_streams", role=role) >= 1),
+        KV_EVENTS_BACKOFF_MAX_S + 30.0, 0.05, f"the router does not follow {name}'s KV events",
+    )
     channel = cluster.channel(name)
     stub: Any = decode_pb2_grpc.DecodeServiceStub(channel) if decode else prefill_pb2_grpc.PrefillServiceStub(channel)
     for _ in range(50):
@@ -147,7 +154,6 @@ async def wait_published(cluster: Cluster, name: str, pages: int, *, decode: boo
         except grpc.aio.AioRpcError:
             pass  # the deadline ends the stream
         if stored >= pages:
-            await asyncio.sleep(KV_EVENTS_BACKOFF_MAX_S + 0.5)
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"{name} never reported {pages} stored pages")
