@@ -224,6 +224,7 @@ async def _main(ns: argparse.Namespace) -> None:
         services.append(gateway)
     server = await start_server(
         services, host=ns.host, port=ns.port, what="pdgrpc colocated", drain=drain, gateway_listen=getattr(ns, "gateway_listen", None),
+        gateway_uids=getattr(ns, "gateway_uid", ()),
     )
     server.on_stop(server_impl.close)
     await serve_until_signal(server, drain_timeout=ns.drain_timeout)

@@ -92,6 +92,7 @@ async def _serve(
     server = await start_decode_server(
         scheduler, ns.host, ns.port, extra=lambda d, drain: decode_service(d, ns, ns.transport, drain), max_per_client=ns.max_decodes_per_client,
         max_share=ns.max_decode_share, gateway_listen=getattr(ns, "gateway_listen", None),
+        gateway_uids=getattr(ns, "gateway_uid", ()),
     )
     watcher = asyncio.ensure_future(_watch_ranks(procs, scheduler)) if procs else None
     fatal_stop = asyncio.ensure_future(_stop_on_fatal(scheduler, server.rpc))

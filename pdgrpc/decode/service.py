@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Collection
 
 import grpc
 
@@ -237,12 +237,12 @@ async def start_decode_server(
     scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0,
     extra: Callable[[DecodeServicer, Drain], ServiceSpec | None] | None = None,
     max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT, max_share: float = DEFAULT_MAX_DECODE_SHARE,
-    gateway_listen: str | None = None,
+    gateway_listen: str | None = None, gateway_uids: Collection[int] = (),
 ) -> DecodeServer:
     """Start the scheduler and serve DecodeService (plus health and reflection, and
     ``extra(servicer, drain)`` when it names a service: smg's protocol, which reports the
-    server's drain; ``gateway_listen``: smg's loopback listener). On stop, in-flight
-    requests end UNAVAILABLE and the transport closes."""
+    server's drain; ``gateway_listen``: smg's loopback listener, also for the processes of
+    ``gateway_uids``). On stop, in-flight requests end UNAVAILABLE and the transport closes."""
     await scheduler.start()
     servicer = DecodeServicer(scheduler, max_per_client, max_share)
     wire = WireDecodeServicer(servicer)
@@ -259,6 +259,7 @@ async def start_decode_server(
             what="pdgrpc decode",
             drain=drain,
             gateway_listen=gateway_listen,
+            gateway_uids=gateway_uids,
         )
     except BaseException:
         await scheduler.close()

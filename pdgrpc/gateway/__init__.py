@@ -58,7 +58,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve on this loopback address (127.0.0.1:PORT; nothing else is accepted), in plaintext, for smg, "
         "which presents no credential: every caller there has the gateway role alone, so it reaches smg's worker "
         "protocol and nothing else (not RegisterWorker, Handshake, Drain...). The main listener keeps its TLS and "
-        "tokens for everyone else. The launcher sets it behind smg when the cluster is secured",
+        "tokens for everyone else. Only local processes of this server's user (and --gateway-uid's) are served there: "
+        "the kernel names the user of each call's connection. The launcher sets it behind smg when the cluster is secured",
+    )
+    g.add_argument(
+        "--gateway-uid", type=_uid, action="append", default=[], metavar="UID",
+        help="also serve the --gateway-listen listener to local processes of this numeric user id: an smg run as "
+        "another user than the server's. Repeatable",
     )
 
 
@@ -71,6 +77,13 @@ def _gateway_listen(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _uid(text: str) -> int:
+    """``--gateway-uid``'s value: a numeric user id."""
+    if not text.isdigit() or int(text) >= 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"expected a numeric user id (0 to {2**32 - 2}), got {text!r}")
+    return int(text)
 
 
 def room_key(ns: argparse.Namespace) -> bytes:

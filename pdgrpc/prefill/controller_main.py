@@ -77,7 +77,8 @@ async def main_async(ns: argparse.Namespace) -> int:
     # NOT_SERVING until every worker registered and is ready (set_serving below): a health
     # check that says SERVING must mean a Prefill call can be served.
     server: RpcServer = await start_server(services, host=ns.host, port=ns.port, what="pdgrpc prefill controller", serving=False, drain=drain,
-                                            gateway_listen=getattr(ns, "gateway_listen", None))
+                                            gateway_listen=getattr(ns, "gateway_listen", None),
+                                            gateway_uids=getattr(ns, "gateway_uid", ()))
     controller.server = server
     server.on_stop(controller.kv_events.close)
     if ns.kv_events_zmq:

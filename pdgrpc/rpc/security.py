@@ -43,6 +43,7 @@ import grpc
 
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.limits import HandlerWrapper
+from pdgrpc.rpc.loopback_peer import LocalUsers
 from pdgrpc.rpc.roles import GATEWAY, OPEN_METHODS, ROLE_URI, ROLES, callers
 
 __all__ = [
@@ -325,19 +326,24 @@ class _Gate:
         return roles
 
 
-def gateway_handler_wrapper() -> HandlerWrapper:
+def gateway_handler_wrapper(users: LocalUsers) -> HandlerWrapper:
     """What a gateway listener (``--gateway-listen``) wraps each handler in: its callers
-    prove nothing and are the ``gateway`` role alone, so a method :data:`CALLERS` does not
-    open to the gateway is refused PERMISSION_DENIED before its request is read."""
+    prove no credential, so a call from a local process of a user ``users`` does not
+    admit, or of a method :data:`CALLERS` does not open to the ``gateway`` role, is
+    refused PERMISSION_DENIED before its request is read."""
+    not_a_user: Refusal = (grpc.StatusCode.PERMISSION_DENIED,
+                           "the gateway listener serves only local processes of this server's user and --gateway-uid's")
 
     def wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         allowed = callers(method)
-        if method in OPEN_METHODS or GATEWAY in allowed:
+        if method in OPEN_METHODS:
             return handler
+        if GATEWAY in allowed:
+            return require_caller(handler, method, lambda context: None if users.admits(context) else not_a_user)
         refused: Refusal = (grpc.StatusCode.PERMISSION_DENIED,
                             f"{method} is not open to the gateway listener, whose callers are the gateway role alone: "
                             f"it takes {', '.join(sorted(allowed)) or 'no caller'}")
-        return require_caller(handler, method, lambda _context: refused)
+        return require_caller(handler, method, lambda context: refused if users.admits(context) else not_a_user)
 
     return wrap
 

@@ -24,7 +24,8 @@ Each server gets:
   a bearer-token check; a non-loopback ``host`` with neither is refused unless insecure;
 * with ``gateway_listen`` (``--gateway-listen``), a second listener on loopback only,
   plaintext, serving the same services to callers that are the ``gateway`` role alone
-  (smg, which presents no credential);
+  (smg, which presents no credential) and local processes of this server's user or of
+  ``gateway_uids`` (``--gateway-uid``; :mod:`pdgrpc.rpc.loopback_peer`);
 * one INFO log line ``<what> listening on <host>:<port> (...)``;
 * graceful drain (:mod:`pdgrpc.rpc.drain`): on SIGTERM or SIGINT (:func:`serve_until_signal`)
   or a ``DrainService.Drain`` call, health turns NOT_SERVING, new Prefill, Decode and
@@ -49,7 +50,7 @@ import inspect
 import logging
 import resource
 import signal
-from typing import Any, Awaitable, Callable, Coroutine, Iterable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Collection, Coroutine, Iterable, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,6 +61,7 @@ from pdgrpc.rpc.drain import SERVICE_NAME as DRAIN_SERVICE
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, HandlerWrapper, UndecodableIsInvalidArgument
 from pdgrpc.rpc.local import LocalServer, configured
+from pdgrpc.rpc.loopback_peer import LocalUsers
 from pdgrpc.rpc.security import Security, current, gateway_handler_wrapper, loopback_address
 from pdgrpc.v1 import drain_pb2_grpc
 
@@ -225,6 +227,7 @@ async def start_server(
     security: Security | None = None,
     drain: Drain | None = None,
     gateway_listen: str | None = None,
+    gateway_uids: Collection[int] = (),
     local_socket: str | None = None,
 ) -> RpcServer:
     """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
@@ -232,7 +235,8 @@ async def start_server(
     health reports NOT_SERVING (calls are still answered) until ``set_serving()``.
     ``drain``: the server's drain, for a service that reports it (made here without).
     ``gateway_listen``: ``HOST:PORT`` on loopback where the same services are also served
-    in plaintext to the ``gateway`` role alone (:attr:`RpcServer.gateway_address`).
+    in plaintext to the ``gateway`` role alone (:attr:`RpcServer.gateway_address`), for
+    local processes of this server's user and of ``gateway_uids``.
     ``local_socket``: also serve the services there (:mod:`pdgrpc.rpc.local`; default: the
     process's ``--local-socket``)."""
     services = list(services)
@@ -247,6 +251,8 @@ async def start_server(
             gateway_bind = loopback_address(gateway_listen)
         except ValueError as exc:
             raise ConfigError(f"--gateway-listen: {exc}") from None
+    elif gateway_uids:
+        raise ConfigError("--gateway-uid: names who may call the gateway listener, so it needs --gateway-listen")
     credentials = security.server_credentials()
     drain = Drain() if drain is None else drain
     rpc: RpcServer | None = None
@@ -265,8 +271,10 @@ async def start_server(
     if gateway_bind is not None:
         # The same servicers, drain and health on a second server whose callers are the
         # gateway role alone: smg presents no credential, and reaches only what it calls.
-        gateway, _ = _server(services, health_servicer, options, drain_wrapper(drain, gateway_handler_wrapper()))
+        users = LocalUsers(gateway_uids)
+        gateway, _ = _server(services, health_servicer, options, drain_wrapper(drain, gateway_handler_wrapper(users)))
         gateway_port = _bind(gateway, gateway_bind[0], gateway_bind[1], None, f"{what} gateway listener")
+        users.listening(gateway_bind[0], gateway_port)
     await server.start()
     if gateway is not None:
         await gateway.start()
@@ -289,7 +297,8 @@ async def start_server(
     log.info("%s listening on %s (grpc.aio on %s, %s%s; services: %s%s)", what, f"{host}:{bound}", loop_name(), tls, auth, ", ".join(names), also)
     if gateway_bind is not None:
         rpc.gateway_address = f"{gateway_bind[0]}:{gateway_port}"
-        log.info("%s gateway listener on %s (plaintext, loopback only; every caller has the gateway role alone)", what, rpc.gateway_address)
+        log.info("%s gateway listener on %s (plaintext, loopback only; every caller has the gateway role alone; local users: %s)",
+                 what, rpc.gateway_address, ", ".join(map(str, sorted(users.uids))))
     return rpc
 
 
