@@ -41,9 +41,11 @@ prompts are random, so nothing is reused, and ``ttft_vs_no_prefix_cache`` (p50 a
 p50) and ``ttft_no_prefix_cache_paired_p50`` (the median per-prompt difference) show what
 the prefix cache costs when it cannot help.
 
-With ``--grpc-arm`` each transport's cluster also runs with its router calling the prefill
-and decode over gRPC instead of their local sockets (:mod:`pdgrpc.rpc.local`), as
-``NAME-grpc``, side by side in the same run.
+With ``--grpc-arm`` each transport's cluster, in each ``--security`` mode, also runs with
+its router calling the prefill and decode over gRPC instead of their local sockets
+(:mod:`pdgrpc.rpc.local`), as ``NAME-grpc``, side by side in the same run;
+``ttft_p50_vs_grpc`` (p50 against p50) and ``ttft_grpc_paired_p50`` (the median
+per-prompt difference) report what the local socket saves.
 
 Every disaggregated output is compared with the colocated one for the same prompt; a
 difference aborts the benchmark (numbers for wrong output mean nothing).
@@ -84,6 +86,7 @@ DESCRIPTION = (
 PLOT = "TTFT distributions (CDF), disaggregated per transport vs colocated"
 BASELINE = "colocated"
 NO_CACHE = "-no-prefix-cache"  # suffix of a cluster run with its prefills' --no-prefix-cache
+GRPC = "-grpc"  # suffix of a cluster whose router calls its prefills and decodes over gRPC
 # --security mode -> the launcher's (tls, auth_token)
 _SECURITY = {"plain": ("off", "off"), "tls": ("auto", "off"), "token": ("off", "auto"), "tls+token": ("auto", "auto")}
 
@@ -110,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grpc-arm", action="store_true",
-        help="also run each transport's cluster with its router calling the prefill and decode over gRPC instead of "
-        "their local sockets (NAME-grpc), side by side: what the local socket saves",
+        help="also run each transport's cluster, in each --security mode, with its router calling the prefill and "
+        "decode over gRPC instead of their local sockets (NAME-grpc), side by side: what the local socket saves",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -239,6 +242,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             tls, token = _SECURITY[mode]
             name = f"{topology.name}-{t}" + ("" if mode == "plain" else f"+{mode}")
             systems[name] = Cluster(topology, transport=t, tls=tls, auth_token=token, extra_env=_trace_env(spans_dir / name))
+            if getattr(args, "grpc_arm", False):
+                systems[f"{name}{GRPC}"] = Cluster(topology, transport=t, tls=tls, auth_token=token,
+                                                   extra_env=_trace_env(spans_dir / f"{name}{GRPC}"), local_sockets=False)
         if getattr(args, "no_prefix_cache_arm", False):
             name = f"{topology.name}-{t}{NO_CACHE}"
             systems[name] = Cluster(without_prefix_cache(topology), transport=t, extra_env=_trace_env(spans_dir / name))
@@ -246,9 +252,6 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             name = f"{topology.name}-{t}@baseline"
             env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
             systems[name] = Cluster(topology, transport=t, extra_env=env, local_sockets=False)  # a flag older trees lack
-        if getattr(args, "grpc_arm", False):
-            name = f"{topology.name}-{t}-grpc"
-            systems[name] = Cluster(topology, transport=t, extra_env=_trace_env(spans_dir / name), local_sockets=False)
     traced: dict[str, list[str]] = {name: [] for name in systems if name != BASELINE}
     rng = random.Random(args.seed)
     ttft_prompts = _prompts(args.warmup + args.ttft_requests, args.prompt_tokens, rng)
@@ -321,6 +324,16 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 Result(
                     f"{case_ttft}/{name}", "ttft_no_prefix_cache_paired_p50",
                     statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, ttft[cold])) * 1e3, "ms",
+                ),
+            ]
+        grpc_twin = f"{name}{GRPC}"
+        if grpc_twin in ttft:  # the same cluster with its router's calls over gRPC: what the local socket saves
+            grpc_p50 = percentile([c.client_ttft_seconds for c in ttft[grpc_twin]], 0.5) * 1e3
+            results += [
+                Result(f"{case_ttft}/{name}", "ttft_p50_vs_grpc", p50, "ms", grpc_p50, p50 / grpc_p50),
+                Result(
+                    f"{case_ttft}/{name}", "ttft_grpc_paired_p50",
+                    statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, ttft[grpc_twin])) * 1e3, "ms",
                 ),
             ]
         plain = name.split("+", 1)[0]

@@ -332,15 +332,20 @@ class Cluster:
 
     def local_socket(self, name: str) -> str:
         """The local socket (:mod:`pdgrpc.rpc.local`) the prefill or decode ``name`` serves and
-        a router on the launcher's host calls it at; "" for one on another host, under TLS
-        (a local call carries no certificate), when its args set ``local-socket``, or
-        without ``local_sockets``."""
+        a router on its host calls it at, whatever the security (the socket takes its
+        user's processes alone, as the router); "" when no router on its host calls it,
+        when its args set ``local-socket``, or without ``local_sockets``."""
         proc = self.procs[name]
-        if not self.local_sockets or proc.ip != HOST or name in self.credentials.certs or "local-socket" in proc.spec.args:
+        if not self.local_sockets or "local-socket" in proc.spec.args or not any(
+            name in (*r.prefill, *r.decode) and self._same_host(r.name, name) for r in self.topology.by_role("router")
+        ):
             return ""
         if self._socket_dir is None:  # mkdtemp makes it 0700: private to this user
             self._socket_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-"))
         return str(self._socket_dir / f"{name}.sock")
+
+    def _same_host(self, a: str, b: str) -> bool:
+        return self.procs[a].ip == self.procs[b].ip
 
     def _flags(self, proc: Proc) -> list[str]:
         spec = proc.spec
@@ -373,10 +378,10 @@ class Cluster:
             for name in spec.prefill:
                 p = self.procs[name].spec
                 extra = f",bootstrap={self.address(p.bootstrap)}" if p.bootstrap else ""
-                local = self.local_socket(name) if self.procs[spec.name].ip == HOST else ""
+                local = self.local_socket(name) if self._same_host(spec.name, name) else ""
                 out += ["--prefill", self.address(name) + extra + (f",local={local}" if local else "")]
             for name in spec.decode:
-                local = self.local_socket(name) if self.procs[spec.name].ip == HOST else ""
+                local = self.local_socket(name) if self._same_host(spec.name, name) else ""
                 out += ["--decode", self.address(name) + (f",local={local}" if local else "")]
             if self.topology.engine.get("model"):  # the router tokenizes with the served checkpoint's tokenizer
                 out += ["--model", str(self.topology.engine["model"])]

@@ -17,7 +17,8 @@ Two kinds of metric live here:
 This module imports nothing heavy (no torch): the bootstrap server stays light.
 
 Labels are low-cardinality by construction: ``role`` (4 values), ``state`` (3),
-``reason`` (the abort vocabulary, ~16), ``transport`` (backend name), ``outcome`` (2).
+``reason`` (the abort vocabulary, ~16), ``transport`` (backend name), ``outcome`` (2),
+``method`` (2: a router's prefill and decode calls), ``path`` (2: local socket or gRPC).
 Never a room id, request id or address.
 """
 
@@ -86,7 +87,7 @@ BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024,
 Kind = Literal["counter", "gauge", "histogram", "info"]
 
 # The only label names a metric may carry (the lint test enforces it).
-LABEL_NAMES = frozenset({"role", "state", "reason", "transport", "outcome"})
+LABEL_NAMES = frozenset({"role", "state", "reason", "transport", "outcome", "method", "path"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +300,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "UNAVAILABLE (gone, unreachable, a worker died) before the first token (count); each request ends once "
         "in pdgrpc_requests_total however often it went again.",
         _R, (_X,),
+    ),
+    MetricSpec(
+        "pdgrpc_router_calls_total", "counter",
+        "Prefill and Decode calls the router made (count), by method (prefill, decode) and path: local (the "
+        "server's --local-socket on this host) or grpc.",
+        ("role", "method", "path"), (_X,),
     ),
     MetricSpec(
         "pdgrpc_router_migrations_total", "counter",

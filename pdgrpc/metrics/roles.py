@@ -360,6 +360,9 @@ class RouterMetrics(RoleMetrics):
         self._resubscriptions = {r: resubscriptions.labels(self.role.value, r) for r in ("ended", "failed", "gap")}
         migrations = self._fam.counter("pdgrpc_router_migrations_total")
         self._migrations = {r: migrations.labels(self.role.value, r.value) for r in MIGRATION_REASONS}
+        calls = self._fam.counter("pdgrpc_router_calls_total")
+        self._calls = {(m, local): calls.labels(self.role.value, m, "local" if local else "grpc")
+                       for m in ("prefill", "decode") for local in (True, False)}
 
     def on_finished(self) -> None:
         """A request completed normally."""
@@ -382,6 +385,10 @@ class RouterMetrics(RoleMetrics):
         """A running stream went on on another prefill and decode after its decode failed
         (``reason``: one of :data:`MIGRATION_REASONS`)."""
         self._migrations[reason].inc()
+
+    def on_call(self, method: str, local: bool) -> None:
+        """A ``method`` (prefill or decode) call went out, over the server's local socket or gRPC."""
+        self._calls[method, local].inc()
 
     def on_eject(self) -> None:
         """A prefill or decode instance is passed over for a while: a call to it failed

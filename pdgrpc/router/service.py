@@ -342,9 +342,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         for channel in self._sockets.values():
             await channel.close()
 
-    def _channel(self, address: str) -> Any:
-        """What calls ``address``: its local socket's channel, else its gRPC channel."""
+    def _channel(self, method: str, address: str) -> Any:
+        """What makes a ``method`` (prefill or decode) call to ``address`` now: its local
+        socket's channel, else its gRPC channel (counted by path)."""
         local = self._sockets.get(address)
+        self.metrics.on_call(method, local is not None)
         return local if local is not None else self._pool.get(address)
 
     # ---- request checks -----------------------------------------------------------------
@@ -576,14 +578,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prefill_req.routed_dp_rank = routed
             decode_req.routed_dp_rank = routed
 
-        prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))
-        decode_stub = decode_pb2_grpc.DecodeServiceStub(self._channel(decode))
         # Both at once: the decode's handshake overlaps the prefill's compute.
         metadata = None if trace is None else trace.metadata()
         if trace is not None:  # the router's own work ends here: the rest of the hop is the call's way
             trace.hop("router.prepare")
-        prefill_call = None if local else prefill_stub.Prefill(prefill_req, timeout=timeout, metadata=metadata)
-        decode_call = decode_stub.Decode(decode_req, timeout=timeout, metadata=metadata)
+        prefill_call = None if local else prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).Prefill(
+            prefill_req, timeout=timeout, metadata=metadata)
+        decode_call = decode_pb2_grpc.DecodeServiceStub(self._channel("decode", decode)).Decode(decode_req, timeout=timeout, metadata=metadata)
         # Deferred: both calls' sends are queued on the loop and go out before this line.
         request_event(
             log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids),

@@ -20,11 +20,16 @@ connection that closes fails its calls UNAVAILABLE on the caller's side and canc
 on the server's. Stopping the server closes the socket at once, lets the calls running
 finish for its grace and cancels the rest.
 
-Who may connect: the socket file is made mode 0600 in a directory only its owner may
-enter (a path elsewhere is refused, naming ``--local-socket``), and each side checks its
-peer's uid (``SO_PEERCRED``) is its own, closing the connection otherwise. A server with
-TLS serves no local socket: a local call presents no certificate, so it could not carry
-a certificate's role.
+Who may connect, and what they may call: the socket file is made mode 0600 in a
+directory only its owner may enter (a path elsewhere is refused, naming
+``--local-socket``), and each side checks its peer's uid (``SO_PEERCRED``) is its own,
+closing the connection otherwise. That uid is the caller's credential, under TLS too: a
+process of this user can read the cluster's keys anyway. It makes the caller the router
+on this host and nothing more: the socket serves the router's calls alone
+(:data:`~pdgrpc.rpc.roles.LOCAL_METHODS`; any other ends PERMISSION_DENIED), and under
+mTLS the role check sees the ``router`` role where a certificate would name one. The
+bearer token, where the server takes one, still applies: it travels in the call's
+metadata.
 
 Frames (:mod:`pdgrpc.rpc.frames`):
 
@@ -62,6 +67,7 @@ import grpc
 
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.frames import Framed, frame
+from pdgrpc.rpc.roles import LOCAL_METHODS, ROLE_URI, ROUTER
 
 __all__ = ["LocalChannel", "LocalServer", "add_local_socket_argument", "configured", "configure"]
 
@@ -72,6 +78,8 @@ _LEN = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _DEADLINE = "Deadline Exceeded"  # grpc's words
+# A local caller's credential, as the role check reads a certificate's: the router role.
+_AUTH = {"x509_subject_alternative_name": [(ROLE_URI + ROUTER).encode()]}
 
 Lookup = Callable[[str], "grpc.RpcMethodHandler | None"]
 
@@ -84,8 +92,8 @@ def add_local_socket_argument(parser: argparse.ArgumentParser) -> None:
         "--local-socket", metavar="PATH", default=None,
         help="also serve this server's methods on a Unix socket at PATH, for a pdgrpc router on this host "
         "(its --prefill/--decode HOST:PORT,local=PATH): cheaper than a gRPC call each way. PATH's directory must "
-        "be private to this user (mode 0700); the socket is made 0600 and its callers must run as this user; "
-        "the bearer token still applies; not with TLS (default: none)",
+        "be private to this user (mode 0700); the socket is made 0600, its callers must run as this user and may "
+        "call Prefill and Decode alone, as the router; the bearer token still applies (default: none)",
     )
 
 
@@ -141,7 +149,7 @@ class _Context:
         return self._peer
 
     def auth_context(self) -> dict[str, list[bytes]]:
-        return {}
+        return _AUTH
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -209,10 +217,14 @@ class _ServerConnection(Framed):
         self.tasks[call_id] = asyncio.ensure_future(self._serve(call_id, method, timeout, meta, payload[_LEN.size + size :]))
 
     async def _serve(self, call_id: int, method: str, timeout: float | None, metadata: tuple[tuple[str, str], ...], request: bytes) -> None:
-        handler = None if self._server.stopping else self._server.lookup(method)
+        served = method in LOCAL_METHODS
+        handler = None if self._server.stopping or not served else self._server.lookup(method)
         ctx = _Context(self, call_id, metadata, timeout, f"unix:{self._server.path}", request,
                        None if handler is None else handler.request_deserializer)
         try:
+            if not served:
+                await ctx.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{method} is not open to a local socket's caller, the router: it serves {', '.join(sorted(LOCAL_METHODS))}")
             if self._server.stopping:
                 await ctx.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: this server is stopping")
             if handler is None:

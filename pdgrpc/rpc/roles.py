@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["CALLERS", "OPEN_METHODS", "ROLES", "ROLE_URI", "callers"]
+__all__ = ["CALLERS", "LOCAL_METHODS", "OPEN_METHODS", "ROLES", "ROLE_URI", "callers"]
 
 ROUTER, PREFILL, DECODE, BOOTSTRAP, GATEWAY, CLIENT = ROLES = ("router", "prefill", "decode", "bootstrap", "gateway", "client")
 ROLE_URI = "spiffe://pdgrpc/role/"
@@ -58,6 +58,11 @@ CALLERS: Mapping[str, frozenset[str]] = {
     "/sglang.grpc.scheduler.SglangScheduler/": frozenset({GATEWAY}),
     "/grpc.reflection.v1alpha.ServerReflection/": _INTERNAL,
 }
+
+# What a server's local socket (pdgrpc.rpc.local) serves: the router's calls alone. Its
+# caller proves only its uid, which makes it the router on this host; every other method
+# is refused PERMISSION_DENIED there, as a caller without the role is over gRPC.
+LOCAL_METHODS = frozenset({"/pdgrpc.v1.PrefillService/Prefill", "/pdgrpc.v1.DecodeService/Decode"})
 
 
 def callers(method: str) -> frozenset[str]:

@@ -32,8 +32,9 @@ Each server gets:
   Generate calls end UNAVAILABLE, and the server stops once those in flight finished and
   it refused a moment more (:data:`~pdgrpc.rpc.drain.LINGER_S`), bounded by the drain
   timeout; other calls then get ``grace`` seconds;
-* with ``local_socket`` (or the process's ``--local-socket``), the same services on a Unix
-  socket for a router on this host (:mod:`pdgrpc.rpc.local`), closed as the server stops;
+* with ``local_socket`` (or the process's ``--local-socket``), the router's calls of these
+  services on a Unix socket, for a router on this host of the same user, whatever the
+  security (:mod:`pdgrpc.rpc.local`), closed as the server stops;
 * the bounds of :mod:`pdgrpc.rpc.limits`: a message size sized to the largest legitimate
   request, and INVALID_ARGUMENT for a request that does not parse; at most
   :func:`incoming_connection_cap` connections, each through its handshakes within
@@ -243,8 +244,6 @@ async def start_server(
     security = security or current()
     security.check_listen(host, what)
     local_path = local_socket or configured()
-    if local_path and security.tls:
-        raise ConfigError(f"{what}: --local-socket serves no TLS (a local call presents no certificate): leave it out under --tls-cert")
     gateway_bind = None
     if gateway_listen is not None:
         try:

@@ -6,7 +6,8 @@ decode and router, all over mTLS with the bearer token. The legitimate client (t
 cluster's client certificate and the token) gets the same tokens as colocated
 generation; a plaintext client, a client whose certificate comes from another CA and a
 client without the token are refused at the router, and so are direct Prefill (to the
-controller and to the worker), Decode and AbortRoom calls without the token.
+controller and to the worker), Decode and AbortRoom calls without the token. The router
+calls its prefill and decode on their local sockets (pdgrpc.rpc.local) all the same.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pdgrpc.v1 import bootstrap_pb2 as bpb
 from pdgrpc.v1 import bootstrap_pb2_grpc as bpb_grpc
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, handshake_pb2, handshake_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
+from tests.scrape import scrape
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,7 +62,8 @@ async def refused(channel: grpc.aio.Channel, rpc: str = "generate", target: str 
 
 
 async def test_tls_auto_cluster_serves_and_refuses_outsiders(tmp_path: Path) -> None:
-    async with Cluster("1p1d", transport="tcp", tls="auto", auth_token="auto", log_dir=tmp_path / "run", start_timeout=60) as c:
+    async with Cluster("1p1d", transport="tcp", tls="auto", auth_token="auto", log_dir=tmp_path / "run", start_timeout=60,
+                       metrics=True) as c:
         engine = reference_engine(c.topology)
         async with c.client_channel() as ch:
             done = await generate(GenerateServiceStub(ch), prompt="Secure hello", max_new_tokens=8, timeout=60)
@@ -71,6 +74,11 @@ async def test_tls_auto_cluster_serves_and_refuses_outsiders(tmp_path: Path) -> 
         assert done.token_ids == ref.token_ids and done.bytes_transferred > 0
         log = (tmp_path / "run" / "router.log").read_text()
         assert "mTLS, bearer token" in log
+        # The router called its prefill and decode on their local sockets, as the router role.
+        (router_metrics,) = c.metrics_endpoints("router").values()
+        calls = scrape(router_metrics)
+        assert {(m, p): calls.value("pdgrpc_router_calls_total", method=m, path=p) for m in ("prefill", "decode") for p in ("local", "grpc")} == {
+            ("prefill", "local"): 1, ("decode", "local"): 1, ("prefill", "grpc"): 0, ("decode", "grpc"): 0}
 
         sec = c.client_security
         no_token = Security(cert=sec.cert, key=sec.key, ca=sec.ca)

@@ -5,8 +5,12 @@ stopping server end calls as they do there; only its user may connect."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import stat
+import struct
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -17,8 +21,10 @@ import pytest
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.errors import reason_metadata, reason_of
-from pdgrpc.rpc.local import LocalChannel
-from pdgrpc.rpc.security import Security
+from pdgrpc.rpc.certs import issue, make_ca, write_token
+from pdgrpc.rpc.frames import frame
+from pdgrpc.rpc.local import CALL, LocalChannel
+from pdgrpc.rpc.security import Security, token_digest
 from pdgrpc.rpc.server import start_server
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -194,3 +200,93 @@ async def test_a_path_others_may_reach_is_refused(tmp_path: Path) -> None:
     os.chmod(open_dir, 0o755)
     with pytest.raises(ConfigError, match="--local-socket"):
         await _start(Servers(), open_dir / "s.sock")
+
+
+async def _code(channel: Any, method: str, request: bytes) -> Any:
+    try:
+        await channel.unary_unary(method, request_serializer=bytes, response_deserializer=bytes)(request, timeout=5)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_under_mtls_a_local_caller_is_the_router_alone(sock_dir: Path) -> None:
+    """A server with mTLS and role tokens serves its local socket: the uid stands for the
+    certificate and makes the caller the router, so the router's token passes, another
+    role's token (even one that may call Prefill over gRPC) does not, and a method other
+    than the router's Prefill and Decode is refused PERMISSION_DENIED."""
+    ca = make_ca(sock_dir)
+    own = issue(ca, sock_dir, "prefill", role="prefill")
+    tokens = {role: write_token(sock_dir / role) for role in ("router", "prefill", "client")}
+    roles = sock_dir / "roles"
+    roles.write_text("".join(f"{role} {token_digest(path.read_text().strip())}\n" for role, path in tokens.items()))
+    server = await _start(Servers(), sock_dir / "s.sock", Security(cert=own.cert, key=own.key, ca=ca.cert, roles_file=roles))
+    channels = {role: LocalChannel(str(sock_dir / "s.sock"), Security(token_file=path).call_metadata()) for role, path in tokens.items()}
+    channels["none"] = LocalChannel(str(sock_dir / "s.sock"))
+    prefill = prefill_pb2.PrefillRequest(bootstrap_room=1, input_ids=[1, 2]).SerializeToString()
+    try:
+        got = {role: await _code(ch, f"/{PREFILL}/Prefill", prefill) for role, ch in channels.items()}
+        assert got == {"router": grpc.StatusCode.OK, "prefill": grpc.StatusCode.PERMISSION_DENIED,
+                       "client": grpc.StatusCode.PERMISSION_DENIED, "none": grpc.StatusCode.UNAUTHENTICATED}
+        router = channels["router"]
+        for method in (f"/{PREFILL}/GetStats", f"/{DECODE}/GetStats", "/pdgrpc.v1.HandshakeService/AbortRoom", "/pdgrpc.v1.DrainService/Drain"):
+            assert await _code(router, method, b"") == grpc.StatusCode.PERMISSION_DENIED, method
+    finally:
+        for ch in channels.values():
+            await ch.close()
+        await server.stop(0)
+
+
+async def test_under_mtls_alone_the_local_caller_needs_no_certificate(sock_dir: Path) -> None:
+    ca = make_ca(sock_dir)
+    own = issue(ca, sock_dir, "decode", role="decode")
+    server = await _start(Servers(), sock_dir / "s.sock", Security(cert=own.cert, key=own.key, ca=ca.cert))
+    local = LocalChannel(str(sock_dir / "s.sock"))
+    try:
+        got, end = await _stream(decode_pb2_grpc.DecodeServiceStub(local).Decode(decode_pb2.DecodeRequest(bootstrap_room=1, input_ids=[4, 5]), timeout=5))
+        assert (got, end) == ([[4], [5]], None)
+        assert await _code(local, "/grpc.health.v1.Health/Check", b"") == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await local.close()
+        await server.stop(0)
+
+
+_PEEK = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+try:
+    s.connect(sys.argv[1])
+except OSError as exc:
+    print("refused", exc.errno)
+    raise SystemExit
+try:
+    s.sendall(bytes.fromhex(sys.argv[2]))
+    print("answered" if s.recv(65536) else "closed")
+except (BrokenPipeError, ConnectionResetError):  # closed with the call unread
+    print("closed")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="running a client as another user (nobody) takes root and setpriv")
+async def test_another_user_is_closed_at_connect(sock_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With the directory and the socket opened to everyone, so that only the server's
+    SO_PEERCRED check stands, a process of another uid is closed at connect, unanswered,
+    while one of the server's uid is answered."""
+    server = await _start(Servers(), sock_dir / "s.sock")
+    try:
+        os.chmod(sock_dir, 0o755)
+        os.chmod(sock_dir / "s.sock", 0o666)
+        head = json.dumps([f"/{PREFILL}/Prefill", 5, []]).encode()
+        call = frame(CALL, 1, struct.pack("<I", len(head)) + head + prefill_pb2.PrefillRequest(bootstrap_room=1).SerializeToString())
+        argv = [sys.executable, "-I", "-c", _PEEK, str(sock_dir / "s.sock"), call.hex()]
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        out = {}
+        for who, prefix in (("nobody", nobody), ("self", [])):
+            proc = await asyncio.create_subprocess_exec(*prefix, *argv, cwd="/", stdout=asyncio.subprocess.PIPE)
+            out[who] = (await asyncio.wait_for(proc.communicate(), 30))[0].decode().strip()
+        assert out == {"nobody": "closed", "self": "answered"}
+        assert "refused a connection from another user" in caplog.text
+    finally:
+        await server.stop(0)
