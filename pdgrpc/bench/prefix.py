@@ -5,10 +5,11 @@ The workload is SGLang's generated-shared-prefix shape: ``--groups`` G groups of
 tokens (a range, drawn per group) and each question ``--question-tokens`` more. The G x Q
 requests are shuffled and sent ``--concurrency`` at a time, each generating
 ``--max-new-tokens`` tokens greedily. G is larger than the number of prefills (2), so
-where a group's prefix sits matters, and each prefill's pool holds the prefixes of half
-the groups plus the requests in flight (``--pool-pages``): a router that keeps each group
-on one prefill keeps its half cached, round robin brings every group to both prefills,
-which must evict.
+where a group's prefix sits matters, and each prefill's pool (``--pool-pages``) holds the
+prefixes of half the groups plus what the requests in flight add to them, at least the
+requests in flight whole: the two pools hold every prefix once, so a router that keeps each
+group on one prefill keeps its half cached, while round robin brings every group to both
+prefills, which must evict.
 
 The model is a random-weights Qwen2 checkpoint built here, Qwen2.5-0.5B's width (hidden
 896, 14 query heads, 2 KV heads, MLP 4864) with ``--layers`` layers (24 in the real
@@ -37,8 +38,9 @@ prompt itself), the hit rate (the share of sent tokens no one computed), the sha
 requests that succeeded and the share whose output equals arm ``a``'s. Where the work
 went: the tokens each prefill and the decode computed, each prefill's own hit rate (its
 ``pdgrpc_prefix_cache_hit_tokens_total`` over its ``pdgrpc_prefill_prompt_tokens_total``),
-and how many groups' prefixes (their first page) each
-prefill holds at the end, by its KV events (a group both hold was computed on both). An arm that needs
+the cached pages each evicted (``pdgrpc_prefix_cache_evictions_total``), and how many
+groups' prefixes (their first page) each prefill holds at the end, by its KV events (a
+group both hold was computed on both). An arm that needs
 what this build lacks (the cache, KV events, smg) is reported "not available" rather
 than run as something else. Targets: arms ``c`` and ``e`` later-request TTFT p50 at most
 0.2x arm ``a``'s, hit rate at least 1.5x arm ``b``'s; every output equal.
@@ -70,6 +72,7 @@ from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.launcher import Cluster
 from pdgrpc.cluster.ports import free_port
 from pdgrpc.cluster.topology import Topology, parse_topology
+from pdgrpc.engine.layout import pages_for_tokens
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.gateway import DEFAULT_SERVED_MODEL_NAME, available as gateway_available
 from pdgrpc.prefill.cli import build_parser as prefill_parser
@@ -105,6 +108,7 @@ _COUNTERS = {
         "computed_tokens": "pdgrpc_prefill_computed_tokens_total",
         "prompt_tokens": "pdgrpc_prefill_prompt_tokens_total",
         "hit_tokens": "pdgrpc_prefix_cache_hit_tokens_total",
+        "evictions": "pdgrpc_prefix_cache_evictions_total",
     },
     "decode": {"computed_tokens": "pdgrpc_local_prefill_computed_tokens_total"},
 }
@@ -139,9 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     p.add_argument(
         "--pool-pages", type=int, default=None, metavar="N",
-        help="KV pages of each prefill. Default: the prefixes of half the groups plus --concurrency prompts of the "
-        "longest length, so one prefill holds its half of the groups while round robin, which brings every group "
-        "to both prefills, must evict; 0: room for every group's prefix and the requests in flight (nothing evicted)",
+        help="KV pages of each prefill. Default: the prefixes of half the groups plus, per request in flight "
+        "(--concurrency), the most pages a prompt adds to its group's prefix, and at least --concurrency whole prompts "
+        "of the longest length: the two pools hold every prefix once, so one prefill holds its half of the groups while "
+        "round robin, which brings every group to both prefills, must evict; 0: room for every group's prefix and the "
+        "requests in flight (nothing evicted)",
     )
     p.add_argument("--cache-aware-margin", type=int, default=None, metavar="CALLS", help="the router's --cache-aware-margin in arm c (default: the router's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and their order (default: %(default)s)")
@@ -217,18 +223,25 @@ def prefill_has_flag(flag: str) -> bool:
 
 def pool_pages(args: argparse.Namespace, requests: list[Request]) -> int:
     """Each prefill's KV pages: ``--pool-pages``, else half the groups' prefixes (their
-    full pages) and ``--concurrency`` prompts of the longest length."""
+    full pages) and, for each of ``--concurrency`` requests in flight, the most pages a
+    prompt adds to its group's prefix; never fewer than ``--concurrency`` whole prompts of
+    the longest length, so a prefill with nothing cached admits every request in flight.
+    A prompt in flight shares its prefix's cached pages, so only what it adds is counted
+    beside them: the two pools hold every prefix once, not twice."""
     if args.pool_pages is not None:
         if args.pool_pages < 0:
             raise PdgrpcError(f"--pool-pages must be >= 0, got {args.pool_pages}")
         return int(args.pool_pages)
-    longest = max(len(r.input_ids) for r in requests) // args.page_size + 2
     shared: dict[int, tuple[int, ...]] = {}
     for r in requests:  # a group's prefix: what its prompts share
         p = shared.setdefault(r.group, r.input_ids)
         n = next((i for i, (a, b) in enumerate(zip(p, r.input_ids)) if a != b), min(len(p), len(r.input_ids)))
         shared[r.group] = p[:n]
-    return -(-sum(len(p) // args.page_size for p in shared.values()) // 2) + args.concurrency * longest
+    prefix_pages = {g: len(p) // args.page_size for g, p in shared.items()}
+    pages = [pages_for_tokens(len(r.input_ids), args.page_size) for r in requests]
+    added = max(n - prefix_pages[r.group] for n, r in zip(pages, requests))
+    half = -(-sum(prefix_pages.values()) // 2)
+    return max(half + args.concurrency * added, args.concurrency * max(pages))
 
 
 def topology(args: argparse.Namespace, model: str, arm: str, max_prompt: int, prefill_pages: int) -> Topology:
@@ -508,7 +521,7 @@ def arm_counters(servers: dict[str, dict[str, float | None]], sent: int) -> tupl
     computed anywhere (every prefill and the decode; None when one does not count them)
     and the ``sent`` prompt tokens, so that arms whose router has the decode compute some
     prompts compare with those that do not; and where the work went: each server's
-    computed tokens and each prefill's own hit rate."""
+    computed tokens, each prefill's own hit rate and the cached pages it evicted."""
     where: dict[str, float] = {}
     for name, c in servers.items():
         if c["computed_tokens"] is not None:
@@ -516,6 +529,8 @@ def arm_counters(servers: dict[str, dict[str, float | None]], sent: int) -> tupl
         hit, asked = c.get("hit_tokens"), c.get("prompt_tokens")
         if hit is not None and asked:
             where[f"hit_rate/{name}"] = hit / asked
+        if (evicted := c.get("evictions")) is not None:
+            where[f"evictions/{name}"] = evicted
     parts = [c["computed_tokens"] for c in servers.values()]
     computed = None if any(p is None for p in parts) else sum(p or 0.0 for p in parts)
     return {"computed_tokens": computed, "prompt_tokens": float(sent)}, where
@@ -564,7 +579,7 @@ def summarize(requests: list[Request], results: dict[str, ArmResult | str]) -> l
             ref = base_hit if arm in ("c", "d", "e") else None
             out.append(Result(case, "hit_rate", rate, "", ref, rate / ref if ref else None))
         for key, value in res.where.items():
-            unit = "groups" if key.startswith("groups") else "tokens" if key.startswith("computed") else ""
+            unit = {"groups": "groups", "computed": "tokens", "evictions": "pages"}.get(key.split("/")[0].split("_")[0], "")
             out.append(Result(case, key, value, unit))
         out.append(Result(case, "success_rate", len(ok) / n, ""))
         if isinstance(base, ArmResult) and res.compare:

@@ -46,7 +46,7 @@ def test_summary_splits_first_and_later_and_compares_with_arm_a() -> None:
                   {"computed_tokens": 300.0, "prompt_tokens": 400.0})
     c = ArmResult({(0, 0): Outcome(1.0, (5,)), (1, 0): Outcome(1.0, (6,)), (0, 1): Outcome(0.1, (7,)), (1, 1): Outcome(0.1, (0,))},
                   {"computed_tokens": 200.0, "prompt_tokens": 400.0},
-                  where={"hit_rate/prefill-a": 0.6, "groups_held/both": 1.0, "computed_tokens/decode": 50.0})
+                  where={"hit_rate/prefill-a": 0.6, "groups_held/both": 1.0, "computed_tokens/decode": 50.0, "evictions/prefill-b": 3.0})
     rows = {(r.case.split(":")[0], r.metric): r for r in summarize(reqs, {"a": a, "b": b, "c": c, "e": "not available: no events"})}
     assert rows[("arm c", "ttft_p50/later")].ratio == pytest.approx(0.1)
     assert rows[("arm c", "ttft_p50/first")].ratio == pytest.approx(1.0)
@@ -58,13 +58,14 @@ def test_summary_splits_first_and_later_and_compares_with_arm_a() -> None:
     assert rows[("arm c", "hit_rate/prefill-a")].value == 0.6  # where the work went
     assert (rows[("arm c", "computed_tokens/decode")].value, rows[("arm c", "computed_tokens/decode")].unit) == (50.0, "tokens")
     assert (rows[("arm c", "groups_held/both")].value, rows[("arm c", "groups_held/both")].unit) == (1.0, "groups")
+    assert (rows[("arm c", "evictions/prefill-b")].value, rows[("arm c", "evictions/prefill-b")].unit) == (3.0, "pages")
 
 
 def test_an_arms_tokens_computed_count_the_decodes_local_prefills_over_all_it_sent() -> None:
     """A cache-aware router has the decode compute some prompts itself: they count as
     computed, over every prompt token the clients sent, so arms compare."""
-    servers = {
-        "prefill-a": {"computed_tokens": 300.0, "prompt_tokens": 1000.0, "hit_tokens": 700.0},
+    servers: dict[str, dict[str, float | None]] = {
+        "prefill-a": {"computed_tokens": 300.0, "prompt_tokens": 1000.0, "hit_tokens": 700.0, "evictions": 12.0},
         "prefill-b": {"computed_tokens": 100.0, "prompt_tokens": 400.0, "hit_tokens": 300.0},
         "decode": {"computed_tokens": 200.0},
     }
@@ -72,25 +73,48 @@ def test_an_arms_tokens_computed_count_the_decodes_local_prefills_over_all_it_se
     assert counters == {"computed_tokens": 600.0, "prompt_tokens": 2000.0}  # hit rate 0.7, not the prefills' 0.71
     assert where == {
         "computed_tokens/prefill-a": 300.0, "computed_tokens/prefill-b": 100.0, "computed_tokens/decode": 200.0,
-        "hit_rate/prefill-a": 0.7, "hit_rate/prefill-b": 0.75,
+        "hit_rate/prefill-a": 0.7, "hit_rate/prefill-b": 0.75, "evictions/prefill-a": 12.0,
     }
     # A server that does not count its computed tokens leaves the total unknown, not short.
     assert prefix.arm_counters({**servers, "decode": {"computed_tokens": None}}, sent=2000)[0]["computed_tokens"] is None
 
 
-def test_each_prefill_holds_half_the_groups_prefixes_and_the_requests_in_flight() -> None:
-    a = args(groups=4, questions=3, prefix_tokens="64", question_tokens="16", concurrency=2, page_size=16)
+def test_each_prefill_holds_half_the_groups_prefixes_and_what_the_requests_in_flight_add() -> None:
+    a = args(groups=8, questions=3, prefix_tokens="64", question_tokens="16", concurrency=2, page_size=16)
     reqs = workload(a, vocab=512)
-    longest = 80 // 16 + 2
-    # Two groups' four-page prefixes, and two prompts of the longest length in flight.
-    assert prefix.pool_pages(a, reqs) == 2 * 4 + 2 * longest
+    # Eight groups' four-page prefixes, half of them, and each request in flight adds one
+    # page (its 16-token question) to the prefix it shares with the cache.
+    assert prefix.pool_pages(a, reqs) == 8 * 4 // 2 + 2 * 1
     t = prefix.topology(a, "model", "b", 80, prefix.pool_pages(a, reqs))
     pools = {p.name: p.args["num-pages"] for p in t.processes if p.role == "prefill"}
-    assert pools == {"prefill-a": 8 + 2 * longest, "prefill-b": 8 + 2 * longest}
-    assert t.engine["num-pages"] > 4 * 4 + 2 * longest  # the decode: room for everything
+    assert pools == {"prefill-a": 18, "prefill-b": 18}
+    assert int(t.engine["num-pages"]) > 8 * 4 + 2 * 5  # the decode: room for everything
     # --pool-pages 0: the prefills get the decode's roomy pool, so nothing is evicted.
     roomy = prefix.topology(a, "model", "b", 80, prefix.pool_pages(args(pool_pages=0), reqs))
     assert {p.args["num-pages"] for p in roomy.processes if p.role == "prefill"} == {roomy.engine["num-pages"]}
+
+
+def test_a_prefill_pool_admits_every_request_in_flight_with_nothing_cached() -> None:
+    a = args(groups=2, questions=3, prefix_tokens="64", question_tokens="16", concurrency=4, page_size=16)
+    assert prefix.pool_pages(a, workload(a, vocab=512)) == 4 * 5  # four whole 5-page prompts, not 4 + 4 * 1
+
+
+def test_at_the_defaults_one_prefill_cannot_hold_every_prefix_but_holds_half() -> None:
+    """Round robin brings every group to both prefills, which must evict; a router that
+    keeps each group on one prefill keeps its half cached with the requests in flight."""
+    a = args()
+    reqs = workload(a, vocab=a.vocab_size)
+    pages = prefix.pool_pages(a, reqs)
+    every = sum(len(_shared(reqs, g)) // a.page_size for g in range(a.groups))
+    assert every // 2 < pages < every
+
+
+def _shared(reqs: list[Request], group: int) -> tuple[int, ...]:
+    prompts = [r.input_ids for r in reqs if r.group == group]
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return prompts[0][:n]
 
 
 def test_the_vllm_arm_says_why_it_did_not_run() -> None:
