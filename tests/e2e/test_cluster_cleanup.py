@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from pdgrpc.cluster import Cluster
+from pdgrpc.cluster.client import generate
 from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, EtcdProcess, find_etcd
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,17 +38,14 @@ async def test_a_clean_run_leaves_no_logs_and_no_keys_behind(own_tmp: Path) -> N
     async with Cluster("colocated", tls="auto", start_timeout=120) as cluster:
         log_dir = cluster.log_dir
         assert log_dir.parent == own_tmp
-        assert (log_dir / "colocated.log").exists() and (log_dir / "security" / "colocated.key").exists()
-    assert list(own_tmp.iterdir()) == []
-
-
-async def test_the_throwaway_ca_key_is_gone_once_the_certificates_are_issued(tmp_path: Path) -> None:
-    # Kept run directories (the CLI's, a failed run's) hold no key that could mint a
-    # certificate the cluster trusts: only the certificates and each holder's own key.
-    async with Cluster("colocated", tls="auto", log_dir=tmp_path / "run", start_timeout=120) as cluster:
-        security = cluster.log_dir / "security"
+        assert (log_dir / "colocated.log").exists()
+        # The throwaway CA key is gone once the certificates are issued: kept run
+        # directories (the CLI's, a failed run's) hold no key that could mint a certificate
+        # the cluster trusts, only the certificates and each holder's own key.
+        security = log_dir / "security"
         assert not (security / "ca.key").exists() and (security / "ca.pem").exists()
         assert {p.name for p in security.glob("*.key")} == {"colocated.key", "client.key", "launcher.key"}
+    assert list(own_tmp.iterdir()) == []
 
 
 async def test_a_failed_run_keeps_its_logs_and_says_where(own_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -87,15 +86,18 @@ def test_an_etcd_in_its_own_directory_leaves_nothing_and_a_failed_one_keeps_its_
     assert clash.log_path.exists() and str(clash.log_path) in str(err.value)
 
 
-async def test_a_start_that_recovered_from_a_port_race_leaves_nothing_either(own_tmp: Path) -> None:
-    cluster = Cluster("colocated", start_timeout=120)
-    taken = cluster.procs["colocated"].port
+async def test_a_port_taken_between_picking_and_binding_restarts_the_cluster_on_fresh_ports(own_tmp: Path) -> None:
+    """The start recovers on fresh ports, serves, and leaves nothing behind either."""
+    cluster = Cluster("1p1d", transport="tcp", start_timeout=120)
+    taken = cluster.procs["decode"].port
     with socket.socket() as squatter:  # another program took the port it picked
         squatter.bind(("127.0.0.1", taken))
         squatter.listen()
         async with cluster:
-            assert cluster.procs["colocated"].port != taken
-            assert (cluster.log_dir / "colocated.attempt1.log").exists()
+            assert cluster.procs["decode"].port != taken
+            reply = await generate(GenerateServiceStub(cluster.channel("router")), prompt="a port race", max_new_tokens=4, ignore_eos=True)
+            assert len(reply.token_ids) == 4 and reply.bytes_transferred > 0
+            assert f"cannot bind 127.0.0.1:{taken}" in (cluster.log_dir / "decode.attempt1.log").read_text()
     assert list(own_tmp.iterdir()) == []
 
 
