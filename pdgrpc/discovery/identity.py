@@ -8,7 +8,9 @@ the :func:`~pdgrpc.discovery.signing.key_fingerprint` of the certificate the ser
 there shows (it must chain to the cluster's CA). The :class:`~pdgrpc.discovery.etcd.Watcher`
 asks it for every signed record before the view lists the record's instance, and again
 whenever the record's address or signer changes; a server showing another key is never
-dialed (:meth:`~pdgrpc.discovery.record.MembershipView.prove`).
+dialed (:meth:`~pdgrpc.discovery.record.MembershipView.prove`). This check covers one
+connection; the router's own channels hold every later one to the signer by its key's
+name (:meth:`~pdgrpc.discovery.record.MembershipView.server_name`).
 """
 
 from __future__ import annotations

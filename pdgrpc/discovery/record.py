@@ -28,7 +28,10 @@ A signed record names its signer's key. Given ``prove=True`` (a router under mTL
 instance is listed only once the server at its address has shown that key (:meth:`MembershipView.prove`, fed by the watcher's
 :class:`pdgrpc.discovery.identity.DialIdentity`): a record pointing at another
 instance's address is never routed to, and each such refusal is counted
-(:attr:`MembershipView.identity_mismatches`) and logged once.
+(:attr:`MembershipView.identity_mismatches`) and logged once. The router's channels to a
+proven address then expect the signer's key name (:meth:`MembershipView.server_name`) in
+every TLS handshake, so a server that later answers there in the signer's place (its
+port taken while its lease lives) is refused too.
 """
 
 from __future__ import annotations
@@ -153,11 +156,13 @@ class _Entry:
     create_revision: int
     signer: bytes | None = None  # the signer's key fingerprint; None: unsigned (nothing to check)
     proven: bool | None = None  # whether its address showed the signer's key; None: not yet known
+    name: str | None = None  # the name the signer's certificate carries for its key (pdgrpc.rpc.certs.key_name)
 
 
-Opener = Callable[[bytes], "tuple[bytes, frozenset[str] | None, bytes]"]
-"""A signed value -> the record inside, the roles its signer may write (None: any) and the
-signer's key fingerprint; raises ConfigError saying why a value is not taken."""
+Opener = Callable[[bytes], "tuple[bytes, frozenset[str] | None, bytes, str | None]"]
+"""A signed value -> the record inside, the roles its signer may write (None: any), the
+signer's key fingerprint and the name its certificate carries for that key (None: none);
+raises ConfigError saying why a value is not taken."""
 
 _LOGGED_SKIPS = 16  # distinct bad values logged one by one; past them, one line per _SKIP_LOG_EVERY
 _SKIP_LOG_EVERY = 1000
@@ -177,6 +182,7 @@ class MembershipView:
         self._skips = 0  # distinct values skipped
         self.version = 0  # bumped on every change of the routable set (for waiters and tests)
         self._cache: tuple[int, dict[str, list[Instance]]] = (-1, {})  # instances() per role, at a version
+        self._names: tuple[int, dict[str, str]] = (-1, {})  # server_name() per address, at a version
 
     # ---- feeding ---------------------------------------------------------------------------
 
@@ -185,8 +191,8 @@ class MembershipView:
         try:
             if where is None:
                 raise ConfigError("key is not /pdgrpc/<cluster>/<role>/<instance id>")
-            record, roles, signer = (value, None, None) if self._open is None else self._open(value)
-            signer = signer if self._prove else None
+            record, roles, signer, name = (value, None, None, None) if self._open is None else self._open(value)
+            signer, name = (signer, name) if self._prove else (None, None)
             inst = Instance.from_json(record)
             if (inst.role, inst.instance_id) != where:
                 raise ConfigError(f"record says {inst.role}/{inst.instance_id}, key says {where[0]}/{where[1]}")
@@ -200,7 +206,7 @@ class MembershipView:
         old = self._entries.get(key)
         # What the address showed holds while the address and the signer stay.
         same = old is not None and (old.instance.address, old.signer) == (inst.address, signer)
-        self._entries[key] = _Entry(inst, create_revision, signer, old.proven if same and old is not None else None)
+        self._entries[key] = _Entry(inst, create_revision, signer, old.proven if same and old is not None else None, name)
         if old is None or old.instance != inst or not same:
             self.version += 1
             what = "joined" if old is None else f"changed (generation {old.instance.generation} -> {inst.generation})"
@@ -308,6 +314,18 @@ class MembershipView:
                 continue
             out.append(inst)
         return out
+
+    def server_name(self, address: str) -> str | None:
+        """The TLS name a channel to ``address`` must see: the key name of the signer whose
+        proven record names that address (None: no such record, or its certificate carries
+        no key name). A router's channel pool pins each channel to it
+        (``grpc.ssl_target_name_override``), so whatever answers there later, on any new
+        connection, is the signer or is refused in the handshake."""
+        version, names = self._names
+        if version != self.version:
+            names = {e.instance.address: e.name for e in self._entries.values() if e.proven and e.name is not None}
+            self._names = (self.version, names)
+        return names.get(address)
 
     def snapshot(self) -> Mapping[str, Instance]:
         return {k: e.instance for k, e in self._entries.items()}

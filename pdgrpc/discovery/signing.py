@@ -12,7 +12,9 @@ CA signed, or with a client's -- can only add keys that are ignored and counted.
 The reader also learns the signer's key (:func:`key_fingerprint`): a router dials a
 record's address only once the server there has shown that key
 (:mod:`pdgrpc.discovery.identity`), so a signer cannot point a record at another
-instance.
+instance; and, when the signer's certificate carries its key's name
+(:func:`pdgrpc.rpc.certs.key_name`, in every server certificate the launcher issues),
+the router's channels there accept no other server on any later connection either.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pdgrpc.errors import ConfigError
+from pdgrpc.rpc.certs import key_name
 from pdgrpc.rpc.roles import ROLE_URI
 
 __all__ = ["SEALED", "RecordSigner", "RecordVerifier", "key_fingerprint"]
@@ -90,10 +93,11 @@ class RecordVerifier:
         x509, *_ = _crypto()
         self._ca = x509.load_pem_x509_certificate(_read(ca, "--tls-ca"))
 
-    def open(self, value: bytes) -> tuple[bytes, frozenset[str] | None, bytes]:
+    def open(self, value: bytes) -> tuple[bytes, frozenset[str] | None, bytes, str | None]:
         """The record inside ``value``, the roles its writer's certificate names (None:
-        every role) and the writer's :func:`key_fingerprint`; ConfigError saying why it
-        is not taken."""
+        every role), the writer's :func:`key_fingerprint` and the
+        :func:`~pdgrpc.rpc.certs.key_name` its certificate carries (None: it carries
+        none); ConfigError saying why it is not taken."""
         x509, InvalidSignature, hashes, serialization, ec, padding, rsa = _crypto()
         try:
             doc = json.loads(value)
@@ -125,8 +129,10 @@ class RecordVerifier:
             raise ConfigError("its signature does not verify") from None
         try:
             sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-            uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+            uris, dns = sans.get_values_for_type(x509.UniformResourceIdentifier), sans.get_values_for_type(x509.DNSName)
         except x509.ExtensionNotFound:
-            uris = []
+            uris, dns = [], []
         roles = frozenset(u[len(ROLE_URI):] for u in uris if u.startswith(ROLE_URI))
-        return record.encode(), roles or None, key_fingerprint(cert.public_bytes(serialization.Encoding.DER))
+        fingerprint = key_fingerprint(cert.public_bytes(serialization.Encoding.DER))
+        name = key_name(fingerprint)
+        return record.encode(), roles or None, fingerprint, name if name in dns else None

@@ -141,7 +141,7 @@ async def _main(args: argparse.Namespace, config: RouterConfig) -> None:
     index = PrefixIndex() if config.policy == "cache_aware" else None
     view = None if watcher is None else watcher.view
     feeds: list[KvEventFollower] = []
-    events_pool = ChannelPool()
+    events_pool = ChannelPool(server_names=None if view is None else view.server_name)
     if index is not None:  # one index: the prefills' and the decodes' caches
         feeds = [
             KvEventFollower(

@@ -15,8 +15,10 @@ here is for one cluster's lifetime; a real deployment issues certificates from i
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime
+import hashlib
 import ipaddress
 import os
 import secrets
@@ -26,10 +28,19 @@ from typing import Any, Iterable
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.roles import ROLE_URI, ROLES
 
-__all__ = ["LOOPBACK_HOSTS", "CertFiles", "issue", "make_ca", "write_token"]
+__all__ = ["KEY_NAME_SUFFIX", "LOOPBACK_HOSTS", "CertFiles", "issue", "key_name", "make_ca", "write_token"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 _VALID_FOR = datetime.timedelta(days=7)
+KEY_NAME_SUFFIX = ".key.pdgrpc"
+
+
+def key_name(fingerprint: bytes) -> str:
+    """The DNS name a server certificate :func:`issue` makes carries for its key, given the
+    key's fingerprint (SHA-256 of its DER SubjectPublicKeyInfo): no other key's certificate
+    from this CA carries it, so a client that expects it (``grpc.ssl_target_name_override``)
+    accepts only a server holding that key."""
+    return base64.b32encode(fingerprint).decode().rstrip("=").lower() + KEY_NAME_SUFFIX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +109,8 @@ def issue(
 ) -> CertFiles:
     """A certificate for process ``name`` (its common name, which peers see as its
     identity), signed by ``ca``, valid for ``hosts`` (IP addresses or DNS names) as a
-    server and usable as a client certificate (``<name>.pem``, ``<name>.key``). With
+    server and usable as a client certificate (``<name>.pem``, ``<name>.key``), and for
+    its key's :func:`key_name`, so a client can insist on this key. With
     ``server=False`` a client certificate only: no host names and client use alone, so
     a TLS client refuses a server that presents it. ``role`` (one of
     :data:`pdgrpc.rpc.roles.ROLES`): the role its holder calls as, a URI SAN
@@ -113,6 +125,9 @@ def issue(
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             names.append(x509.DNSName(h))
+    if server:
+        spki = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        names.append(x509.DNSName(key_name(hashlib.sha256(spki).digest())))
     if role is not None:
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")

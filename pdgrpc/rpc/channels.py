@@ -32,7 +32,7 @@ import asyncio
 import collections
 import json
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
@@ -94,15 +94,21 @@ REPLACED_GRACE_S = 600.0
 class ChannelPool:
     """``grpc.aio`` channels keyed by target (``host:port``), with ``security``'s
     credentials (default: the process's, :func:`pdgrpc.rpc.security.current`, read at
-    each channel's creation); at most ``max_channels``, least recently used evicted."""
+    each channel's creation); at most ``max_channels``, least recently used evicted.
+    ``server_names``: the TLS name a target's server must show (None: its host, as
+    usual), read at every :meth:`get`; a target's channel is replaced when its name
+    changes."""
 
     def __init__(
         self, options: Sequence[tuple[str, int | str]] = DEFAULT_OPTIONS, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         security: Security | None = None, max_channels: int = DEFAULT_MAX_CHANNELS,
+        server_names: Callable[[str], str | None] | None = None,
     ) -> None:
         if max_channels < 1:
             raise ValueError(f"max_channels must be at least 1, got {max_channels}")
         self._security = security
+        self._server_names = server_names
+        self._named: dict[str, str | None] = {}  # the server name each target's channel expects
         self._options = tuple(options)
         self._interceptors = list(interceptors)  # e.g. metrics, tracing (and tests)
         self.max_channels = max_channels
@@ -113,18 +119,22 @@ class ChannelPool:
     def get(self, target: str) -> grpc.aio.Channel:
         """The channel for ``target``: created on first use, and afresh in place of one
         whose connection failed (module doc)."""
+        name = None if self._server_names is None else self._server_names(target)
         channel = self._channels.get(target)
         if channel is not None:
-            if channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            if channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE and self._named.get(target) == name:
                 self._channels.move_to_end(target)
                 return channel
             del self._channels[target]
             self._close_later(channel, REPLACED_GRACE_S)
-        channel = (self._security or current()).channel(target, self._options, self._interceptors)
+        options = self._options if name is None else (*self._options, ("grpc.ssl_target_name_override", name))
+        channel = (self._security or current()).channel(target, options, self._interceptors)
         self._channels[target] = channel
+        self._named[target] = name
         self.created += 1
         if len(self._channels) > self.max_channels:
-            _, evicted = self._channels.popitem(last=False)
+            evicted_target, evicted = self._channels.popitem(last=False)
+            self._named.pop(evicted_target, None)
             self._close_later(evicted, EVICT_GRACE_S)
         return channel
 
@@ -142,6 +152,7 @@ class ChannelPool:
     async def discard(self, target: str) -> None:
         """Close and forget the channel for ``target`` (e.g. the peer moved)."""
         channel = self._channels.pop(target, None)
+        self._named.pop(target, None)
         if channel is not None:
             await channel.close()
 
@@ -149,6 +160,7 @@ class ChannelPool:
         """Close every channel, evicted and replaced ones still in their grace included;
         the pool stays usable and reopens on demand."""
         channels, self._channels = list(self._channels.values()), collections.OrderedDict()
+        self._named.clear()
         closing, self._closing = self._closing, {}
         for task in closing.values():
             task.cancel()
