@@ -1,7 +1,8 @@
 """Tensor parallelism end to end: ``servers/tp2``, ``tp2-to-tp1`` and ``tp1-to-tp2``.
 
 Real processes (every TP rank its own process, joined over gloo), requests through the
-router over tcp and rdma: 54 prompts with at least 16 in flight come back token for token
+router over tcp and rdma (tp2 over both, each TP-changing topology over one: every
+topology and every transport runs, and a further pair would add no check): 54 prompts with at least 16 in flight come back token for token
 equal to colocated TP 1 generation, and afterwards every rank's metrics endpoint, scraped
 over HTTP, reads zero slots, pages and transport rooms in use.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import os
 import re
 import signal
@@ -37,7 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
 TP_TOPOLOGIES = ("tp2", "tp2-to-tp1", "tp1-to-tp2")
-PARAMS = list(itertools.product(TP_TOPOLOGIES, TRANSPORTS))
+PARAMS = [("tp2", "tcp"), ("tp2", "rdma"), ("tp2-to-tp1", "rdma"), ("tp1-to-tp2", "tcp")]
+assert {t for t, _ in PARAMS} == set(TP_TOPOLOGIES) and {x for _, x in PARAMS} == set(TRANSPORTS)
 _REFERENCE: dict[tuple, list] = {}
 
 
