@@ -65,7 +65,6 @@ def _topology(name: str, model: str, prefill_args: dict | None = None, other_mod
 CLUSTERS = {
     "colocated": ("colocated", "tcp", None),  # python -m pdgrpc.colocated --model
     "1p1d-tcp": ("1p1d", "tcp", None),
-    "1p1d-rdma": ("1p1d", "rdma", None),
     "dp2-to-tp2-rdma": ("tp1-to-tp2", "rdma", {"dp-size": 2}),
     "tp2-tcp": ("tp2", "tcp", None),
 }
