@@ -1,17 +1,19 @@
 """One caller cannot pin a decode's pool against another.
 
 A real ``python -m pdgrpc.decode`` under mTLS with roles, its 256-page pool, and two
-callers that may call ``Decode``, each its own identity (two routers' certificates; smg's
-decode legs are ``Decode`` calls of the gateway's identity in the same servicer). The
-attacker opens 9 ``Decode`` calls whose prefill accepts the handshake and never writes
-(each needs 29 pages: together more than the pool). The other caller's request is then
-served in full and exactly, while the attacker's calls still wait.
+callers that may call ``Decode``, each its own identity: a router, and an attacker that
+is another router or smg (the gateway's certificate, pinning with smg's decode legs,
+``SglangScheduler.Generate``). The attacker opens 9 calls whose prefill accepts the
+handshake and never writes (each needs 29 pages: together more than the pool). The
+router's request is then served in full and exactly, while the attacker's calls still
+wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,7 +25,7 @@ from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.rpc import security
 from pdgrpc.serving.flags import engine_config_from_args
-from pdgrpc.v1 import decode_pb2_grpc
+from pdgrpc.v1 import decode_pb2, decode_pb2_grpc
 from tests.decode.fake_prefill import FakePrefill
 from tests.decode.test_decode_server import DECODE_FLAGS, ENGINE_FLAGS, make_request
 from tests.eventually import eventually_async
@@ -34,10 +36,25 @@ PINS = 9
 PIN_MAX_NEW = 448  # with a short prompt: 29 of the pool's 256 pages each
 
 
-async def test_nine_pinning_calls_do_not_starve_another_caller(tmp_path: Path) -> None:
+def smg_leg(req: decode_pb2.DecodeRequest) -> Any:
+    """smg's decode leg of the request ``req`` describes."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+    host, _, port = req.prefill_bootstrap_address.rpartition(":")
+    return pb.GenerateRequest(
+        request_id=req.request_id, tokenized=pb.TokenizedInput(input_ids=list(req.input_ids)),
+        sampling_params=pb.SamplingParams(max_new_tokens=PIN_MAX_NEW),
+        disaggregated_params=pb.DisaggregatedParams(bootstrap_host=host, bootstrap_port=int(port), bootstrap_room=req.bootstrap_room),
+    )
+
+
+@pytest.mark.parametrize("attacker", ["router", "smg"], ids=["direct", "smg-legs"])
+async def test_nine_pinning_calls_do_not_starve_another_caller(tmp_path: Path, attacker: str) -> None:
+    if attacker == "smg":
+        pytest.importorskip("smg_grpc_proto", reason="smg's decode legs need the pdgrpc[gateway] extra")
     engine = ReferenceEngine(engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS)))
     creds = ClusterCredentials(
-        tmp_path / "security", {"decode": "decode", "prefill": "prefill", "attacker": "router", "router": "router"},
+        tmp_path / "security", {"decode": "decode", "prefill": "prefill", "attacker": attacker, "router": "router"},
         tls=True, token=False,
     )
     before = security.current()
@@ -52,10 +69,13 @@ async def test_nine_pinning_calls_do_not_starve_another_caller(tmp_path: Path) -
     try:
         address = decode.address
         async with creds.security("attacker").channel(address) as bad, creds.security("router").channel(address) as good:
-            attacker = decode_pb2_grpc.DecodeServiceStub(bad)
-
             async def pin() -> object:
-                return [m async for m in attacker.Decode(make_request(holding, "pin", PIN_MAX_NEW), timeout=90)]
+                req = make_request(holding, "pin", PIN_MAX_NEW)
+                if attacker == "router":
+                    return [m async for m in decode_pb2_grpc.DecodeServiceStub(bad).Decode(req, timeout=90)]
+                from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+                return [m async for m in pb_grpc.SglangSchedulerStub(bad).Generate(smg_leg(req), timeout=90)]
 
             pins = [asyncio.ensure_future(pin()) for _ in range(PINS)]
             await asyncio.sleep(0)
