@@ -9,7 +9,8 @@ over HTTP, reads zero slots, pages and transport rooms in use.
 The fault test runs a TP 2 decode whose rank 1 transport delays every metadata row and
 corrupts the room of the third one (``tests.e2e.faulty``, loaded by ``--transport``):
 the ranks must still commit the same rooms in the same order, never hang, and the
-corrupted request -- only that one -- must fail on every rank.
+corrupted request -- only that one -- must fail on every rank; then rank 1 is SIGKILLed
+and takes its instance down loudly.
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def _commit_sequences(log_text: str) -> dict[str, list[int]]:
     return out
 
 
-async def test_tp2_decode_with_a_slow_and_a_corrupting_rank_stays_in_lock_step(tmp_path):
+async def test_tp2_decode_with_a_slow_and_a_corrupting_rank_stays_in_lock_step_and_dies_loudly(tmp_path):
+    """The ranks commit the same rooms in order and fail only the corrupted one; then rank 1
+    dies (SIGKILL) and takes its instance down loudly."""
     # The decode (both ranks) loads the fault-injecting wrapper by name; the prefill is plain tcp.
     topology = load_topology("tp2")
     procs = tuple(
@@ -134,21 +137,17 @@ async def test_tp2_decode_with_a_slow_and_a_corrupting_rank_stays_in_lock_step(t
             assert scrapes[name].value("pdgrpc_aborts_total", role="decode", reason="metadata_corruption") == 1, name
         text = (tmp_path / "decode.log").read_text()
         assert "transport test faults active" in text
-    seqs = _commit_sequences(text)
-    assert set(seqs) == {"decode", "decode.tp1"}
-    assert seqs["decode"] == seqs["decode.tp1"]
-    assert len(seqs["decode"]) == 12
 
-
-async def test_a_decode_tp_rank_that_dies_takes_its_instance_down_loudly(tmp_path):
-    async with Cluster("tp2", transport="tcp", log_dir=tmp_path, start_timeout=180) as cluster:
-        log_path = tmp_path / "decode.log"
-        m = re.search(r"\[decode\.tp1 pid=(\d+)\].*TP rank 1/2 ready", log_path.read_text())
+        m = re.search(r"\[decode\.tp1 pid=(\d+)\].*TP rank 1/2 ready", text)
         assert m, "rank 1 never said it was ready"
         os.kill(int(m.group(1)), signal.SIGKILL)
         err = await asyncio.wait_for(cluster.wait_failure(), 60)
         assert err.proc.spec.name == "decode" and err.proc.returncode == 1
         assert "decode TP rank 1" in err.args[0] and "cannot continue" in err.args[0]
+    seqs = _commit_sequences(text)
+    assert set(seqs) == {"decode", "decode.tp1"}
+    assert seqs["decode"] == seqs["decode.tp1"]
+    assert len(seqs["decode"]) == 12
 
 
 async def test_dp2_times_tp2_prefill_to_tp2_decode(tmp_path):
