@@ -61,6 +61,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -213,7 +214,10 @@ class Cluster:
         self._failed = False
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"pdgrpc-{self.topology.name}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._socket_dir: Path | None = None  # the local sockets' (local_socket), made on first use
+        # The local sockets' directory (local_socket): named now, made 0700 as the cluster
+        # starts and removed as it stops, so a cluster never started leaves nothing behind.
+        self._socket_dir = Path(tempfile.gettempdir()) / f"pdgrpc-{secrets.token_hex(6)}"
+        self._sockets = False
         self.start_timeout = start_timeout
         self.grace = grace
         self.supervise = supervise
@@ -340,8 +344,7 @@ class Cluster:
             name in (*r.prefill, *r.decode) and self._same_host(r.name, name) for r in self.topology.by_role("router")
         ):
             return ""
-        if self._socket_dir is None:  # mkdtemp makes it 0700: private to this user
-            self._socket_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-"))
+        self._sockets = True
         return str(self._socket_dir / f"{name}.sock")
 
     def _same_host(self, a: str, b: str) -> bool:
@@ -433,6 +436,8 @@ class Cluster:
         first = [p for p in self.procs.values() if p.spec.role != "smg"]
         last = [p for p in self.procs.values() if p.spec.role == "smg"]
         try:
+            if self._sockets:  # private to this user: its servers refuse a directory others may enter
+                self._socket_dir.mkdir(mode=0o700, exist_ok=True)
             for group in (first, last):
                 began = time.monotonic()
                 for proc in group:
@@ -601,9 +606,7 @@ class Cluster:
         channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             await ch.close()
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
-            self._socket_dir = None
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
         self._tidy_logs()
 
     def _tidy_logs(self) -> None:

@@ -33,6 +33,7 @@ async def test_same_host_pairs_use_local_sockets_whatever_the_security(tmp_path:
         assert _flag(router, "--prefill") == [f"{cluster.address('p')},local={sockets['p'][0]}"]
         assert _flag(router, "--decode") == [f"{cluster.address('d')},local={sockets['d'][0]}", cluster.address("far")]
         assert (tls == "auto") == ("--tls-cert" in cluster.procs["p"].argv)
+        assert not Path(sockets["p"][0]).parent.exists()  # made as the cluster starts: none leaks from one never started
         # A router on another host than its servers calls them over gRPC, and they serve no socket.
         apart = Cluster(parse_topology({"network": {}, "process": [{**p, "host": "b"} if p["name"] == "r" else p for p in procs]}, "t"),
                         hosts=HOSTS, tls=tls, auth_token=token, log_dir=tmp_path / "apart", python="python")
