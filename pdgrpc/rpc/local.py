@@ -391,8 +391,10 @@ class _ClientConnection(Framed):
 
 
 class _LocalCall:
-    """A call in flight: made at once (a task connects if needed and sends it); the
-    caller's deadline cancels it; :meth:`cancel` cancels it on the server too."""
+    """A call in flight: on the socket before the caller's next line runs when its channel
+    is connected (else a task connects and sends it), so the server starts on it while
+    the caller goes on; the caller's deadline cancels it; :meth:`cancel` cancels it on
+    the server too."""
 
     def __init__(self, channel: "LocalChannel", method: str, request: bytes, timeout: float | None, metadata: Any,
                  parse: Callable[[bytes], Any]) -> None:
@@ -402,13 +404,24 @@ class _LocalCall:
         self._call: _Call | None = None
         self._cancelled = False
         self._deadline_passed = False
-        self._timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, self._expired)
-        self._started = asyncio.ensure_future(self._start(channel, method, request, timeout, metadata))
+        loop = asyncio.get_running_loop()
+        self._timer = None if timeout is None else loop.call_later(timeout, self._expired)
+        conn = channel.connected()
+        self._started: asyncio.Future[_Call]
+        if conn is None:
+            self._started = asyncio.ensure_future(self._start(channel, method, request, timeout, metadata))
+        else:
+            self._started = loop.create_future()
+            self._started.set_result(self._send(conn, channel, method, request, timeout, metadata))
 
     async def _start(self, channel: "LocalChannel", method: str, request: bytes, timeout: float | None, metadata: Any) -> _Call:
         conn = await channel.connection()
         if self._cancelled:
             raise asyncio.CancelledError()
+        return self._send(conn, channel, method, request, timeout, metadata)
+
+    def _send(self, conn: _ClientConnection, channel: "LocalChannel", method: str, request: bytes, timeout: float | None,
+              metadata: Any) -> _Call:
         self._conn = conn
         self._id, self._call = conn.start(method, timeout, (*channel.metadata, *(metadata or ())), request)
         self._call.timer = self._timer
@@ -504,9 +517,14 @@ class LocalChannel:
         self._conn: _ClientConnection | None = None
         self._connecting: asyncio.Future[_ClientConnection] | None = None
 
+    def connected(self) -> _ClientConnection | None:
+        """The open connection; None before the first call connects, or once it closed."""
+        return self._conn if self._conn is not None and not self._conn.closed else None
+
     async def connection(self) -> _ClientConnection:
-        if self._conn is not None and not self._conn.closed:
-            return self._conn
+        conn = self.connected()
+        if conn is not None:
+            return conn
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
             self._connecting.add_done_callback(self._connected)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import stat
 import struct
 import sys
@@ -139,6 +140,26 @@ async def test_replies_and_statuses_equal_grpcs(sock_dir: Path) -> None:
         await local.close()
         await pool.close()
         await server.stop(0)
+
+
+async def test_a_call_is_on_the_socket_as_it_is_made(sock_dir: Path) -> None:
+    """On a connected channel a call is written before the caller's next line: the server
+    (a bare socket here, read without yielding to the loop) starts on it at once."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_dir / "s.sock"))
+    listener.listen()
+    local = LocalChannel(str(sock_dir / "s.sock"))
+    await local.connection()
+    server_side, _ = listener.accept()
+    try:
+        call = prefill_pb2_grpc.PrefillServiceStub(local).Prefill(prefill_pb2.PrefillRequest(bootstrap_room=1), timeout=5)
+        server_side.setblocking(False)
+        assert f"/{PREFILL}/Prefill".encode() in server_side.recv(65536)
+        call.cancel()
+    finally:
+        await local.close()
+        server_side.close()
+        listener.close()
 
 
 async def test_cancel_and_deadline_cancel_the_handler(served: Served) -> None:
