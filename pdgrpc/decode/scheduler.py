@@ -573,7 +573,6 @@ class DecodeScheduler:
     # -- outcomes ------------------------------------------------------------------------------
     def _on_committed(self, c: Committed, now: float) -> None:
         job = self._jobs[c.room]
-        self.calls.stop_watch(job)
         started = self.transfers.transfer_started(c.room)
         self._release_transport(c.room)
         transfer_s = now - job.handshake_sent_at
@@ -586,6 +585,7 @@ class DecodeScheduler:
             request_event(log, c.room, "committed (fake transfer: prefilling locally)", transfer_s=f"{transfer_s:.4f}")
             job.fate.handle(Commit())
             self.generation.prefill_here(job)
+            self.calls.stop_watch(job)
             return
         row = c.row
         # The row holds top_k (20) entries; the request asked for sampling.top_logprobs of them.
@@ -600,6 +600,9 @@ class DecodeScheduler:
             self.metrics.on_reused(job.cached_pages * self.engine.kv_layout.page_size)
         job.fate.handle(Commit())
         self.generation.start(job, first, nbytes, transfer_s, data_plane_s, row.cached_tokens)
+        # Once the first token is queued: the cancelled watch's gRPC call tears down on
+        # the loop's next turn, after the stream's wake-up.
+        self.calls.stop_watch(job)
         # After the stream's wake-up: the first token goes out before this line is written.
         request_event(
             log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes,
