@@ -124,7 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--baseline-tree", metavar="PATH", default=None,
         help="also start each disaggregated cluster from another checkout of pdgrpc (its servers import pdgrpc from "
         "PATH, e.g. a `git worktree` of an older commit), so two builds are compared side by side in one run; "
-        "its systems are named NAME@baseline",
+        "its systems are named NAME@baseline, and their routers use local sockets where that tree has them",
     )
 
 
@@ -219,6 +219,11 @@ def _tree_env(tree: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), "PYTHONSAFEPATH": "1"}
 
 
+def has_local_sockets(tree: str) -> bool:
+    """Whether the servers of ``tree`` take ``--local-socket`` (older trees lack it)."""
+    return os.path.isfile(os.path.join(os.path.abspath(tree), "pdgrpc", "rpc", "local.py"))
+
+
 async def _run(args: argparse.Namespace) -> list[Result]:
     transports = []
     for t in [t.strip() for t in args.transports.split(",") if t.strip()]:
@@ -251,7 +256,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         if args.baseline_tree:
             name = f"{topology.name}-{t}@baseline"
             env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
-            systems[name] = Cluster(topology, transport=t, extra_env=env, local_sockets=False)  # a flag older trees lack
+            systems[name] = Cluster(topology, transport=t, extra_env=env, local_sockets=has_local_sockets(args.baseline_tree))
     traced: dict[str, list[str]] = {name: [] for name in systems if name != BASELINE}
     rng = random.Random(args.seed)
     ttft_prompts = _prompts(args.warmup + args.ttft_requests, args.prompt_tokens, rng)
