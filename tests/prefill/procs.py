@@ -84,14 +84,14 @@ class Proc:
         """The last ``chars`` of its stdout and of its stderr, for a failure's message."""
         return f"stdout:\n{self.out()[-chars:]}\nstderr:\n{self.log()[-chars:]}"
 
-    def wait_for(self, pattern: str, source: str = "out") -> re.Match[str]:
+    def wait_for(self, pattern: str, source: str = "out", timeout: float = STARTUP_S) -> re.Match[str]:
         path = self.out_path if source == "out" else self.log_path
         def printed() -> re.Match[str] | bool | None:
             # an exited process prints nothing more: stop waiting for it
             return re.search(pattern, path.read_text(errors="replace")) or self.proc.poll() is not None
 
         try:
-            m = eventually(printed, STARTUP_S, interval=0.05)
+            m = eventually(printed, timeout, interval=0.05)
         except AssertionError:
             m = None
         if not isinstance(m, re.Match):

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -34,6 +31,7 @@ from pdgrpc.rpc.server import start_server
 from pdgrpc.v1 import bootstrap_pb2, bootstrap_pb2_grpc, decode_pb2_grpc, prefill_pb2
 from tests.e2e.harness import Case, reference_outputs
 from tests.gateway import smg_http
+from tests.prefill.procs import Proc
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
@@ -47,30 +45,14 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     log_dir = tmp_path_factory.mktemp("smg-secured")
-    cli = subprocess.Popen(
-        [sys.executable, "-m", "pdgrpc.cluster", "smg-1p1d", "--tls", "auto", "--auth-token", "auto", "--transport", "tcp",
-         "--log-dir", str(log_dir), "--grace", "5"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    try:
-        assert cli.stdout is not None
-        seen, url = [], ""
-        for line in cli.stdout:
-            seen.append(line)
-            m = re.search(r"base URL: (\S+)/v1", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "".join(seen)[-3000:]
+    argv = [sys.executable, "-m", "pdgrpc.cluster", "smg-1p1d", "--tls", "auto", "--auth-token", "auto", "--transport", "tcp",
+            "--log-dir", str(log_dir), "--grace", "5"]
+    # Its own process group: stop() kills whatever the CLI leaves, smg included.
+    with Proc(argv, log_dir, "cli", env={"PYTHONPATH": str(REPO)}, cwd=REPO, new_session=True) as cli:
+        url = cli.wait_for(r"base URL: (\S+)/v1", timeout=150).group(1)
         key = (log_dir / "security" / "smg-api-key").read_text().strip()
         yield url, key, json.loads((log_dir / "cluster.json").read_text())["processes"]
-        cli.send_signal(signal.SIGINT)
-        cli.communicate(timeout=60)
-    finally:
-        if cli.poll() is None:
-            os.killpg(cli.pid, signal.SIGKILL)
-            cli.wait()
+        assert cli.stop(60, signal.SIGINT) == 0, cli.tail()
 
 
 def test_smg_serves_with_its_api_key_and_refuses_without(secured: tuple[str, str, dict]) -> None:
