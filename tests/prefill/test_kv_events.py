@@ -25,7 +25,7 @@ from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, batch_to_proto
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
 from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
-from tests.eventually import eventually_async
+from tests.eventually import eventually, eventually_async
 from tests.scrape import scrape
 from tests.prefill.fake_decode import FakeDecode
 from tests.prefill.harness import CONFIG, prompt, run_one
@@ -347,37 +347,6 @@ async def test_the_merged_stream_stores_shared_pages_once_and_drops_a_dead_ranks
         await d.close()
 
 
-def test_stopping_the_prefill_ends_its_subscriptions_at_once(tmp_path: Path) -> None:
-    """A subscription ends cleanly as soon as the prefill stops, rather than holding the
-    server for its grace period and ending in an error."""
-    p = PrefillProc(FLAGS, tmp_path, "kv-stop")
-    ended: list[float] = []
-    errors: list[grpc.RpcError] = []
-    try:
-        ch = grpc.insecure_channel(p.address)
-        stream = prefill_pb2_grpc.PrefillServiceStub(ch).SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=60)
-
-        def read() -> None:
-            try:
-                for _ in stream:
-                    pass
-            except grpc.RpcError as exc:
-                errors.append(exc)
-            ended.append(time.monotonic())
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        assert p.stop() == 0, p.log()[-3000:]
-        reader.join(10)
-        ch.close()
-    finally:
-        p.stop()
-    assert not errors, errors
-    assert ended and ended[0] - t0 < 2.0, f"the subscription ended {ended[0] - t0:.1f} s after the stop began"
-
-
 def test_a_zmq_replay_endpoint_alone_is_refused_naming_the_flag() -> None:
     from pdgrpc.errors import ConfigError
     from pdgrpc.serving.kv_zmq import check_zmq_args
@@ -412,3 +381,34 @@ async def test_no_smg_kv_events_answers_smg_unimplemented() -> None:
     with pytest.raises(Aborted, match="--no-smg-kv-events"):
         [b async for b in leg.SubscribeKvEvents(smg.SubscribeKvEventsRequest(), ctx)]
     assert ctx.code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_stopping_the_prefill_ends_its_subscriptions_at_once(prefill: PrefillProc) -> None:
+    """A subscription ends cleanly as soon as the prefill stops, rather than holding the
+    server for its grace period and ending in an error. Last in this module: it stops the
+    module's prefill."""
+    ended: list[float] = []
+    errors: list[grpc.RpcError] = []
+    ch = grpc.insecure_channel(prefill.address)
+    stream = prefill_pb2_grpc.PrefillServiceStub(ch).SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(), timeout=60)
+
+    def read() -> None:
+        try:
+            for _ in stream:
+                pass
+        except grpc.RpcError as exc:
+            errors.append(exc)
+        ended.append(time.monotonic())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        eventually(lambda: scrape(prefill.metrics).value("pdgrpc_kv_event_streams") == 1,  # type: ignore[attr-defined]
+                   30, 0.05, "the subscription is open")
+        t0 = time.monotonic()
+        assert prefill.stop() == 0, prefill.log()[-3000:]
+        reader.join(10)
+    finally:
+        ch.close()
+    assert not errors, errors
+    assert ended and ended[0] - t0 < 2.0, f"the subscription ended {ended[0] - t0:.1f} s after the stop began"
