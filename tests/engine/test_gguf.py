@@ -10,8 +10,11 @@ wrong. One slower test runs the real SmolLM2-135M-Instruct GGUF (Q4_1) from PyPI
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -47,9 +50,33 @@ def tiny_gguf(tmp_path_factory):
     return get
 
 
+@contextlib.contextmanager
+def _each_gguf_parsed_once() -> Iterator[None]:
+    """Inside: ``gguf.GGUFReader`` parses a file once and hands the same (read-only) reader
+    to every later caller, and ``gguf.get_tensor_name_map`` computes each map once.
+    transformers parses the whole file for the tokenizer, again for the config and again
+    for the weights, and builds the name map per tensor: a real vocabulary makes each
+    parse long, and the outputs are the same."""
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def _transformers(path: Path):
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with _each_gguf_parsed_once():
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return tok, model.eval()
 
 
