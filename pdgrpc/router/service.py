@@ -586,7 +586,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prefill_call = None if local else prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).Prefill(
             prefill_req, timeout=timeout, metadata=metadata)
         decode_call = decode_pb2_grpc.DecodeServiceStub(self._channel("decode", decode)).Decode(decode_req, timeout=timeout, metadata=metadata)
-        # Deferred: both calls' sends are queued on the loop and go out before this line.
+        # Deferred: a local socket's calls are written already, a gRPC call's send is queued
+        # on the loop; both go out before this line.
         request_event(
             log, room, "admitted", request_id=request_id, prompt_tokens=len(input_ids),
             max_new_tokens=sampling.max_new_tokens, prefill="local" if local else prefill.address, decode=decode,
