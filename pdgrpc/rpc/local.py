@@ -27,7 +27,8 @@ closing the connection otherwise. That uid is the caller's credential, under TLS
 process of this user can read the cluster's keys anyway. It makes the caller the router
 on this host and nothing more: the socket serves the router's calls alone
 (:data:`~pdgrpc.rpc.roles.LOCAL_METHODS`; any other ends PERMISSION_DENIED), and under
-mTLS the role check sees the ``router`` role where a certificate would name one. The
+mTLS the role check sees the ``router`` role where a certificate would name one (its
+name, which per-client limits count by, is ``local router pid N``). The
 bearer token, where the server takes one, still applies: it travels in the call's
 metadata.
 
@@ -78,8 +79,7 @@ _LEN = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _DEADLINE = "Deadline Exceeded"  # grpc's words
-# A local caller's credential, as the role check reads a certificate's: the router role.
-_AUTH = {"x509_subject_alternative_name": [(ROLE_URI + ROUTER).encode()]}
+_ROUTER_URI = (ROLE_URI + ROUTER).encode()
 
 Lookup = Callable[[str], "grpc.RpcMethodHandler | None"]
 
@@ -108,14 +108,18 @@ def configured() -> str | None:
     return _configured
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    return uid
+def _peer(transport: asyncio.BaseTransport) -> tuple[int, int] | None:
+    """The peer process's (pid, uid), from the kernel (SO_PEERCRED); None without a socket."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
 
 
 def _same_user(transport: asyncio.BaseTransport) -> bool:
-    sock = transport.get_extra_info("socket")
-    return sock is not None and _peer_uid(sock) == os.getuid()
+    peer = _peer(transport)
+    return peer is not None and peer[1] == os.getuid()
 
 
 def _pairs(metadata: Any) -> list[list[str]]:
@@ -149,7 +153,7 @@ class _Context:
         return self._peer
 
     def auth_context(self) -> dict[str, list[bytes]]:
-        return _AUTH
+        return self._call.auth
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -187,13 +191,18 @@ class _ServerConnection(Framed):
         super().__init__(f"local socket {server.path}")
         self._server = server
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        # The caller's credential, as the role check reads a certificate's: the router
+        # role, and a name per process, as each router's certificate has its own.
+        self.auth: dict[str, list[bytes]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        if not _same_user(transport):
+        peer = _peer(transport)
+        if peer is None or peer[1] != os.getuid():
             log.warning("%s: refused a connection from another user", self.name)
             transport.close()
             return
+        self.auth = {"x509_common_name": [f"local router pid {peer[0]}".encode()], "x509_subject_alternative_name": [_ROUTER_URI]}
         self._server.connections.add(self)
 
     def send(self, data: bytes) -> None:

@@ -25,7 +25,7 @@ from pdgrpc.rpc.errors import reason_metadata, reason_of
 from pdgrpc.rpc.certs import issue, make_ca, write_token
 from pdgrpc.rpc.frames import frame
 from pdgrpc.rpc.local import CALL, LocalChannel
-from pdgrpc.rpc.security import Security, token_digest
+from pdgrpc.rpc.security import Security, peer_identity, token_digest
 from pdgrpc.rpc.server import start_server
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -43,9 +43,11 @@ class Servers(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSer
         self.cancelled: list[int] = []
         self.held = asyncio.Event()
         self.peers: list[str] = []
+        self.callers: list[str] = []
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
         self.peers.append(context.peer())
+        self.callers.append(peer_identity(context))
         if request.bootstrap_room == 7:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "room 7: full", trailing_metadata=reason_metadata(AbortReason.CANCELLED))
         if request.bootstrap_room == 9:
@@ -259,11 +261,15 @@ async def test_under_mtls_a_local_caller_is_the_router_alone(sock_dir: Path) -> 
 
 
 async def test_under_mtls_alone_the_local_caller_needs_no_certificate(sock_dir: Path) -> None:
+    """... and is named per process, as each router's certificate names its own."""
     ca = make_ca(sock_dir)
     own = issue(ca, sock_dir, "decode", role="decode")
-    server = await _start(Servers(), sock_dir / "s.sock", Security(cert=own.cert, key=own.key, ca=ca.cert))
+    servers = Servers()
+    server = await _start(servers, sock_dir / "s.sock", Security(cert=own.cert, key=own.key, ca=ca.cert))
     local = LocalChannel(str(sock_dir / "s.sock"))
     try:
+        await prefill_pb2_grpc.PrefillServiceStub(local).Prefill(prefill_pb2.PrefillRequest(bootstrap_room=1), timeout=5)
+        assert servers.callers == [f"cn:local router pid {os.getpid()}"]
         got, end = await _stream(decode_pb2_grpc.DecodeServiceStub(local).Decode(decode_pb2.DecodeRequest(bootstrap_room=1, input_ids=[4, 5]), timeout=5))
         assert (got, end) == ([[4], [5]], None)
         assert await _code(local, "/grpc.health.v1.Health/Check", b"") == grpc.StatusCode.PERMISSION_DENIED
