@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 import pytest
+import pytest_asyncio
 import torch
 
 from pdgrpc.engine.base import PrefillRequest, SamplingParams
@@ -29,6 +30,8 @@ from tests.prefill.harness import CONFIG, hold_on_dp1, prefill_stub, prompt, run
 from tests.prefill.procs import ENGINE_FLAGS, PrefillProc, child_pids, pid_alive
 
 pytestmark = pytest.mark.timeout(180)
+# The async tests share the module's loop: the compute process fixture lives on it.
+ON_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
 
 class Posts:
@@ -52,8 +55,19 @@ class Posts:
         await asyncio.wait_for(self.stopped.wait(), 60)
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cp() -> AsyncIterator[ComputeProcess]:
+    """One compute process for the tests that leave it serving (each waits for its prompts)."""
+    c = await ComputeProcess.start(CONFIG, name="test")
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def own_cp() -> AsyncIterator[ComputeProcess]:
+    """A compute process of the test's own, for a test that kills it."""
     c = await ComputeProcess.start(CONFIG, name="test")
     try:
         yield c
@@ -73,6 +87,7 @@ def _request(local: ReferenceEngine, n: int, seed: int) -> PrefillRequest:
     return PrefillRequest(tuple(prompt(n, seed)), tuple(pages))
 
 
+@ON_MODULE_LOOP
 async def test_computes_what_the_engine_computes_in_process(cp: ComputeProcess) -> None:
     local = ReferenceEngine(CONFIG, kv_pool=cp.kv)  # the worker's view of the shared pool
     ref = ReferenceEngine(CONFIG)
@@ -97,6 +112,7 @@ async def test_computes_what_the_engine_computes_in_process(cp: ComputeProcess) 
         assert torch.equal(got, want)
 
 
+@ON_MODULE_LOOP
 async def test_posts_only_what_the_worker_acts_on(cp: ComputeProcess) -> None:
     req = _request(ReferenceEngine(CONFIG, kv_pool=cp.kv), 60, 8)
     p = Posts()
@@ -107,6 +123,7 @@ async def test_posts_only_what_the_worker_acts_on(cp: ComputeProcess) -> None:
     assert [end for end, *_ in p.items] == [48, 60]
 
 
+@ON_MODULE_LOOP
 async def test_prompts_take_turns_chunk_by_chunk(cp: ComputeProcess) -> None:
     local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
     order: list[tuple[str, int]] = []
@@ -128,6 +145,7 @@ async def test_prompts_take_turns_chunk_by_chunk(cp: ComputeProcess) -> None:
     assert order == [("a", 16), ("b", 16), ("a", 32), ("b", 32), ("a", 48), ("b", 48)]
 
 
+@ON_MODULE_LOOP
 async def test_a_cancelled_prompt_stops_and_says_so(cp: ComputeProcess) -> None:
     req = _request(ReferenceEngine(CONFIG, kv_pool=cp.kv), 64, 9)
     p = Posts()
@@ -143,6 +161,7 @@ async def test_a_cancelled_prompt_stops_and_says_so(cp: ComputeProcess) -> None:
     assert [end for end, *_ in q.items] == [32, 64]
 
 
+@ON_MODULE_LOOP
 async def test_an_engine_error_fails_that_prompt_only(cp: ComputeProcess) -> None:
     local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
     p = Posts()
@@ -158,7 +177,9 @@ async def test_an_engine_error_fails_that_prompt_only(cp: ComputeProcess) -> Non
     assert ok.items[-1][0] == 8 and ok.items[-1][3] is None and ok.items[-1][1] is not None
 
 
-async def test_its_death_fails_the_prompts_in_flight_and_later_ones(cp: ComputeProcess) -> None:
+@ON_MODULE_LOOP
+async def test_its_death_fails_the_prompts_in_flight_and_later_ones(own_cp: ComputeProcess) -> None:
+    cp = own_cp
     local = ReferenceEngine(CONFIG, kv_pool=cp.kv)
     lost: list[str] = []
     cp.on_lost = lost.append
@@ -178,6 +199,7 @@ async def test_its_death_fails_the_prompts_in_flight_and_later_ones(cp: ComputeP
         cp.submit(PrefillRequest(tuple(prompt(4, 1)), tuple(pages)), 4, 0, CONFIG.page_size, p.post, p.stop)
 
 
+@ON_MODULE_LOOP
 async def test_kv_huge_pages_still_computes_the_same() -> None:
     # --kv-huge-pages asks for huge pages on the shared pool (granted only where the host
     # allows them for shared memory); the pool and the results must not change.
@@ -200,6 +222,7 @@ async def test_kv_huge_pages_still_computes_the_same() -> None:
         await c.aclose()
 
 
+@ON_MODULE_LOOP
 async def test_close_ends_the_child() -> None:
     for how in ("close", "aclose"):
         c = await ComputeProcess.start(CONFIG, name="test")
@@ -222,6 +245,7 @@ def test_the_engine_refuses_a_pool_of_the_wrong_shape() -> None:
 # ---- a real prefill worker ----------------------------------------------------------------
 
 
+@ON_MODULE_LOOP
 async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(tmp_path: Path) -> None:
     p = PrefillProc(
         [*ENGINE_FLAGS, "--transport", "fake", "--dp-size", "2", "--load-balance-method", "round_robin",
