@@ -9,7 +9,6 @@ went past the count, so one caller could hold every prefill room.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc  # noqa: E402
 
 from tests.decode.test_decode_server import ENGINE_FLAGS  # noqa: E402
+from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc  # noqa: E402
+from tests.eventually import eventually_async  # noqa: E402
 from tests.prefill.procs import PrefillProc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
@@ -44,7 +45,12 @@ async def test_a_second_smg_prefill_leg_over_the_cap_is_refused(tmp_path: Path) 
         async with grpc.aio.insecure_channel(address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
             first = stub.Generate(leg(11, port), timeout=30)  # waits for a decode that never comes
-            await asyncio.sleep(3)  # the first leg is in (its room waits up to --handshake-timeout)
+
+            async def first_is_in() -> bool:  # its room waits up to --handshake-timeout
+                reply = await prefill_pb2_grpc.PrefillServiceStub(ch).GetStats(prefill_pb2.GetStatsRequest(), timeout=10)
+                return reply.stats.active_requests == 1
+
+            await eventually_async(first_is_in, 20, 0.05, "the first leg is held by the prefill")
             assert not first.done()
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 async for _ in stub.Generate(leg(12, port), timeout=10):
