@@ -1,4 +1,5 @@
-"""A GGUF file (``model = "FILE.gguf"`` in ``[engine]``) served 1p1d over tcp and rdma.
+"""A GGUF file (``model = "FILE.gguf"`` in ``[engine]``) served 1p1d over tcp (a GGUF
+engine's KV pages are plain float32 pages: test_hf moves a checkpoint engine's over rdma).
 
 A tiny quantized Llama GGUF written with the ``gguf`` package's writer, served by real
 processes (prefill, decode, router): greedy outputs of token prompts, a text prompt
@@ -53,12 +54,12 @@ def reference(gguf_file):
     return tok, greedy
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "rdma"])
-async def cluster(request, gguf_file):
-    skip_unless_transport(request.param)
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(gguf_file):
+    skip_unless_transport("tcp")
     t = load_topology("1p1d")
     topology = dataclasses.replace(t, name="1p1d-gguf", engine={**t.engine, "model": str(gguf_file)})
-    async with Cluster(topology, transport=request.param, start_timeout=180) as c:
+    async with Cluster(topology, transport="tcp", start_timeout=180) as c:
         yield c
 
 
