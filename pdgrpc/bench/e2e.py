@@ -117,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "decode over gRPC instead of their local sockets (NAME-grpc), side by side: what the local socket saves",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
+    p.add_argument("--model", default="", metavar="PATH",
+                   help="serve this checkpoint (a GGUF file or a Hugging Face directory) in every system, the colocated "
+                   "baseline included, instead of the topologies' engine (default: the reference engine)")
     p.add_argument("--device", default="cpu",
                    help="engine device of every server, the colocated baseline included: cpu or cuda[:N] "
                    "(default: %(default)s)")
@@ -239,8 +242,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     if bad or not modes:
         raise PdgrpcError(f"--security: unknown mode(s) {bad or modes}; choose from {sorted(_SECURITY)}")
     device = getattr(args, "device", "cpu")
-    topology = _on_device(load_topology(args.topology), device)
-    systems: dict[str, Cluster] = {BASELINE: Cluster(_on_device(load_topology("colocated"), device))}
+    model = getattr(args, "model", "")
+    topology = _on_device(load_topology(args.topology), device, model)
+    systems: dict[str, Cluster] = {BASELINE: Cluster(_on_device(load_topology("colocated"), device, model))}
     spans_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-bench-spans-"))
     for t in transports:
         for mode in modes:
@@ -369,6 +373,8 @@ def without_prefix_cache(topology: Topology) -> Topology:
     return dataclasses.replace(topology, processes=procs)
 
 
-def _on_device(topology: Topology, device: str) -> Topology:
-    """Every engine of ``topology`` (prefill, decode, colocated) on ``device``."""
-    return topology if device == "cpu" else dataclasses.replace(topology, engine={**topology.engine, "device": device})
+def _on_device(topology: Topology, device: str, model: str = "") -> Topology:
+    """Every engine of ``topology`` (prefill, decode, colocated) on ``device``, serving
+    ``model`` when given."""
+    engine = {**topology.engine, **({} if device == "cpu" else {"device": device}), **({"model": model} if model else {})}
+    return dataclasses.replace(topology, engine=engine)
