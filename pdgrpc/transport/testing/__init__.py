@@ -11,7 +11,7 @@ module and naming the backend (a registered name or ``"module:Class"``)::
 
 It needs ``pytest`` and ``pytest-asyncio``. Every test puts the sender and the receiver
 in **separate OS processes**: the test process holds one side, a
-:class:`~pdgrpc.transport.testing.peer.PeerProcess` (spawned interpreter) the other.
+:class:`~pdgrpc.transport.testing.peer.PeerProcess` (forked from a clean fork server) the other.
 
 What is checked (backends with ``moves_bytes = False``, like ``fake``, run only the
 checks that apply: registry, descriptors, room states, concurrency, peer failure hook,

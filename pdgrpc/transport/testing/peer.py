@@ -4,8 +4,10 @@ The conformance suite (:mod:`pdgrpc.transport.testing`) and the transport benchm
 use this to put sender and receiver in different processes, which is what real
 deployments do and what the failure tests need (a peer can be SIGKILLed).
 
-:class:`PeerProcess` spawns a fresh interpreter (``spawn``: no inherited event loop,
-threads or sockets) that builds a KV-shaped memory :class:`Layout`, creates the backend
+:class:`PeerProcess` starts a process forked from multiprocessing's fork server (a
+clean single-threaded interpreter with torch and this module imported once: no
+inherited event loop, threads or sockets, and the parent's environment as of the
+start) that builds a KV-shaped memory :class:`Layout`, creates the backend
 by name, registers the layout and serves commands over a pipe. Every call is bounded by
 a timeout; the parent never blocks its event loop (the pipe is watched with
 ``add_reader``, no helper thread). The child uses uvloop when it is installed.
@@ -23,6 +25,7 @@ import hashlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import os
 import signal
 import threading
@@ -301,7 +304,11 @@ class _PeerServer:
 
 
 def _child_main(conn: multiprocessing.connection.Connection, backend: str, options: dict[str, Any],
-                layout: Layout, seed: int | None) -> None:
+                layout: Layout, seed: int | None, environ: dict[str, str]) -> None:
+    # The fork server's environment is the parent's when the server started: take the
+    # parent's now, as a freshly spawned process would.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     server = _PeerServer(conn, backend, options, layout, seed)
@@ -321,6 +328,14 @@ def _child_main(conn: multiprocessing.connection.Connection, backend: str, optio
 
 
 # ---------------------------------------------------------------------------- parent
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    """The fork server's context, torch and this module preloaded there: a peer starts
+    without importing them again (the server imports them once per test process)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
+    return ctx
 
 
 class PeerProcess:
@@ -358,10 +373,11 @@ class PeerProcess:
         return int(self._proc.pid)
 
     async def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
-            target=_child_main, args=(child, self.backend, self.options, self.layout, self.seed), daemon=True
+            target=_child_main, args=(child, self.backend, self.options, self.layout, self.seed, dict(os.environ)),
+            daemon=True,
         )
         self._proc.start()
         child.close()
