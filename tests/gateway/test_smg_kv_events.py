@@ -72,12 +72,22 @@ def prefill_counter(cluster: Cluster, name: str, sample: str) -> float:
     return scrape(cluster.metrics_endpoints("prefill")[f"{name}/dp0"]).value(sample)
 
 
-def smg_total(cluster: Cluster, sample: str) -> float:
-    """``sample`` summed over smg's series of it (one per worker)."""
+def _smg_lines(cluster: Cluster) -> list[str]:
     address = next(iter(cluster.metrics_endpoints("smg").values()))
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == sample)
+        return resp.read().decode().splitlines()
+
+
+def smg_total(cluster: Cluster, sample: str) -> float:
+    """``sample`` summed over smg's series of it (one per worker)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in _smg_lines(cluster) if line.split("{")[0].split(" ")[0] == sample)
+
+
+def smg_worker_health(cluster: Cluster, name: str) -> float:
+    """smg's ``smg_worker_health`` of process ``name`` (1 healthy, 0 not)."""
+    series = f'smg_worker_health{{worker="grpc://{cluster.address(name)}"}} '
+    (value,) = [float(line[len(series):]) for line in _smg_lines(cluster) if line.startswith(series)]
+    return value
 
 
 async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_reroutes_when_it_dies(cluster):
@@ -104,7 +114,8 @@ async def test_cache_aware_sends_a_shared_prefix_to_its_holder_and_reroutes_when
     assert prefill_counter(cluster, other, "pdgrpc_prefill_prompt_tokens_total") == 0  # all went to the holder
 
     os.kill(cluster.procs[holder].pid, signal.SIGKILL)
-    await asyncio.sleep(3.0)  # smg's worker health interval is 1 s
+    await eventually_async(lambda: smg_worker_health(cluster, holder) == 0, 30, 0.1,
+                           what="smg's health checks mark the killed prefill down")
     for i in range(3):
         status, body = await generate(cluster, [256, *PREFIX, *f" after the crash {i}?".encode()])
         assert status == 200, body
