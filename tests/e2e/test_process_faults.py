@@ -142,7 +142,8 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_the_decode_within_2s(cl
         seen: dict = {}
         await eventually_async(
             lambda: _held(cluster, "decode", seen), FREE_WITHIN_S, 0.05,
-            lambda: f"decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound)",
+            lambda: f"decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound); "
+            f"the decode's log ends: {_log(cluster, 'decode').splitlines()[-25:]}",
         )
         # The killed transfer was a delta: the decode held PROMPT's full pages from the
         # request before it, and unlocked them.
