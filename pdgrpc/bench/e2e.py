@@ -325,26 +325,13 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
         results += [Result(f"{case_ttft}/{name}", metric, ms, "ms") for metric, ms in hops[name].items()]
-        cold = f"{name}{NO_CACHE}"
-        if cold in ttft:  # the same cluster with its prefix cache off: the cache's cost when nothing is reused
-            cold_p50 = percentile([c.client_ttft_seconds for c in ttft[cold]], 0.5) * 1e3
-            results += [
-                Result(f"{case_ttft}/{name}", "ttft_vs_no_prefix_cache", p50, "ms", cold_p50, p50 / cold_p50),
-                Result(
-                    f"{case_ttft}/{name}", "ttft_no_prefix_cache_paired_p50",
-                    statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, ttft[cold])) * 1e3, "ms",
-                ),
-            ]
-        grpc_twin = f"{name}{GRPC}"
-        if grpc_twin in ttft:  # the same cluster with its router's calls over gRPC: what the local socket saves
-            grpc_p50 = percentile([c.client_ttft_seconds for c in ttft[grpc_twin]], 0.5) * 1e3
-            results += [
-                Result(f"{case_ttft}/{name}", "ttft_p50_vs_grpc", p50, "ms", grpc_p50, p50 / grpc_p50),
-                Result(
-                    f"{case_ttft}/{name}", "ttft_grpc_paired_p50",
-                    statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, ttft[grpc_twin])) * 1e3, "ms",
-                ),
-            ]
+        # Twins of this system in the run: the same cluster with its prefix cache off (the
+        # cache's cost when nothing is reused), and with its router's calls over gRPC (what
+        # the local socket saves).
+        for twin, ratio, paired in ((NO_CACHE, "ttft_vs_no_prefix_cache", "ttft_no_prefix_cache_paired_p50"),
+                                    (GRPC, "ttft_p50_vs_grpc", "ttft_grpc_paired_p50")):
+            if f"{name}{twin}" in ttft:
+                results += _against_twin(f"{case_ttft}/{name}", done, ttft[f"{name}{twin}"], ratio, paired)
         plain = name.split("+", 1)[0]
         if plain != name and plain in ttft:  # a secured system: against its plaintext twin
             plain_p50 = percentile([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3
@@ -358,6 +345,17 @@ async def _run(args: argparse.Namespace) -> list[Result]:
 
         e2e_figure(args.plot, {n: [c.client_ttft_seconds * 1e3 for c in done] for n, done in ttft.items()}, args.prompt_tokens)
     return results
+
+
+def _against_twin(case: str, done: list[Completion], twin: list[Completion], ratio: str, paired: str) -> list[Result]:
+    """A system's client TTFT p50 against a twin's (``ratio``), and the median of their
+    per-prompt differences (``paired``)."""
+    p50 = percentile([c.client_ttft_seconds for c in done], 0.5) * 1e3
+    twin_p50 = percentile([c.client_ttft_seconds for c in twin], 0.5) * 1e3
+    return [
+        Result(case, ratio, p50, "ms", twin_p50, p50 / twin_p50),
+        Result(case, paired, statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, twin)) * 1e3, "ms"),
+    ]
 
 
 def run(args: argparse.Namespace) -> list[Result]:
