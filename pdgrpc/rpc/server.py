@@ -84,6 +84,10 @@ HANDSHAKE_TIMEOUT_S = 5.0  # a new connection's TLS and HTTP/2 handshakes, at mo
 DEFAULT_SERVER_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # A fixed receive window per call, not one grown by bandwidth probes: what a caller
+    # can make the server buffer before its token or role is checked stays one window.
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 1 << 20),
     # Let clients keep idle connections alive with pings every 30 s.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

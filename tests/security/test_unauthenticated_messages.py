@@ -26,8 +26,9 @@ from tests.prefill.procs import DecodeProc
 pytestmark = pytest.mark.timeout(180)
 CALLS, AT_ONCE = 100, 20
 # Less than one batch held whole (a server that reads before it checks retained about
-# 300 MiB here): what arrives unread is bounded by HTTP/2's flow-control window per
-# call, which grpc grows to a few MiB, so a tighter bound measures grpc's window.
+# 300 MiB here): what arrives unread is bounded by HTTP/2's receive window per call,
+# which the servers fix (no bandwidth probes) so that it cannot grow toward a whole
+# message; with probes on, a loaded host saw 209 MiB here.
 GROWTH_BOUND_MIB = AT_ONCE * (MAX_MESSAGE_BYTES >> 20)
 
 
