@@ -243,8 +243,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         raise PdgrpcError(f"--security: unknown mode(s) {bad or modes}; choose from {sorted(_SECURITY)}")
     device = getattr(args, "device", "cpu")
     model = getattr(args, "model", "")
-    topology = _on_device(load_topology(args.topology), device, model)
-    systems: dict[str, Cluster] = {BASELINE: Cluster(_on_device(load_topology("colocated"), device, model))}
+    topology = on_device(load_topology(args.topology), device, model)
+    systems: dict[str, Cluster] = {BASELINE: Cluster(on_device(load_topology("colocated"), device, model))}
     spans_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-bench-spans-"))
     for t in transports:
         for mode in modes:
@@ -371,7 +371,7 @@ def without_prefix_cache(topology: Topology) -> Topology:
     return dataclasses.replace(topology, processes=procs)
 
 
-def _on_device(topology: Topology, device: str, model: str = "") -> Topology:
+def on_device(topology: Topology, device: str, model: str = "") -> Topology:
     """Every engine of ``topology`` (prefill, decode, colocated) on ``device``, serving
     ``model`` when given."""
     engine = {**topology.engine, **({} if device == "cpu" else {"device": device}), **({"model": model} if model else {})}

@@ -16,8 +16,8 @@ def test_every_server_of_every_system_gets_the_model(tmp_path: Path) -> None:
     e2e.add_arguments(p)
     assert p.parse_args([]).model == "" and p.parse_args(["--model", "m.gguf"]).model == "m.gguf"
     for name in ("1p1d", "colocated"):
-        cluster = Cluster(e2e._on_device(load_topology(name), "cpu", "m.gguf"), transport="tcp", log_dir=tmp_path / name)
+        cluster = Cluster(e2e.on_device(load_topology(name), "cpu", "m.gguf"), transport="tcp", log_dir=tmp_path / name)
         for proc in cluster.procs.values():
             argv = proc.argv
             assert argv[argv.index("--model") + 1] == "m.gguf", (name, proc.spec.name)
-    assert "model" not in e2e._on_device(load_topology("1p1d"), "cpu").engine
+    assert "model" not in e2e.on_device(load_topology("1p1d"), "cpu").engine
