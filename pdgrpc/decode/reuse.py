@@ -24,7 +24,7 @@ import dataclasses
 from typing import Sequence
 
 from pdgrpc.state.cache_events import CacheEvents
-from pdgrpc.state.prefix_cache import Lease, PrefixCache, block_hash
+from pdgrpc.state.prefix_cache import Lease, PrefixCache
 from pdgrpc.errors import SlotError
 from pdgrpc.state import DecodeQueues
 
@@ -81,11 +81,7 @@ class DecodeReuse:
             raise SlotError("DecodeReuse.release: kv_ids must begin with the lease's prompt")
         # The prompt's chain goes on over the generated tokens: a later prompt that repeats
         # this one's answer matches those pages too.
-        hashes = list(lease.hashes)
-        ps = self.cache.page_size
-        for i in range(len(hashes), len(ids) // ps):
-            hashes.append(block_hash(hashes[-1] if hashes else None, ids[i * ps : (i + 1) * ps]))
-        full = dataclasses.replace(lease, pages=lease.pages + tuple(own_pages), token_ids=ids, hashes=tuple(hashes))
+        full = dataclasses.replace(lease, pages=lease.pages + tuple(own_pages), token_ids=ids, known=lease.hashes)
         self.cache.release(full, insert=True)
 
     def reclaim(self, need: int) -> None:

@@ -487,17 +487,20 @@ class PrefillWorker:
         await self._alloc(entry, ids)
         if entry.lease is not None and self.prefix_cache is not None and self.tp_size > 1:
             await self._agree(entry)
-        if self._leaders is not None and entry.lease is not None and self.prefix_cache is not None:
-            # From now on prompts sharing its pages wait for it here, and routers reading
-            # the cache's events send them here.
-            self._leaders.running(entry.room, ids)
-            self.prefix_cache.announce(entry.lease)
         cached = entry.lease.cached_tokens if entry.lease is not None else 0
         self.metrics.on_prompt(len(ids), cached)
         entry.driver = RoomDriver(self._sending, entry.room, entry.pages, cached)
-        resp = await entry.driver.run(ids, sampling)
+        resp = await entry.driver.run(ids, sampling, lambda: self._computing(entry, ids))
         resp.dp_rank = self.config.dp_rank
         return resp
+
+    def _computing(self, entry: _Active, ids: tuple[int, ...]) -> None:
+        """``entry``'s compute has its prompt: from now on prompts sharing its pages wait
+        for it here, and routers reading the cache's events send them here. Runs with no
+        await since its pages were taken, so no prompt slips in between."""
+        if self._leaders is not None and entry.lease is not None and self.prefix_cache is not None:
+            self._leaders.running(entry.room, ids)
+            self.prefix_cache.announce(entry.lease)
 
     async def _agree(self, entry: _Active) -> None:
         """TP: keep only the cached pages every rank of the group holds."""

@@ -41,11 +41,14 @@ Pure: no clocks, threads or I/O; one caller at a time (an engine's scheduler loo
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
+import functools
 import hashlib
 import struct
-from typing import Protocol, Sequence
+import sys
+from typing import Iterator, Protocol, Sequence
 
 from pdgrpc.state.cache_events import CacheEvents, NoCacheEvents, StoredBlock
 from pdgrpc.errors import ConfigError, SlotError
@@ -53,26 +56,43 @@ from pdgrpc.errors import ConfigError, SlotError
 __all__ = ["Lease", "PagePool", "PrefixCache", "block_hash", "block_hashes"]
 
 _ROOT = b"\x00" * 8  # the parent of a prompt's first page
+_PERSON = b"pdgrpc-kv"
+_INT64 = struct.Struct("<q")
 
 
 def block_hash(parent: int | None, token_ids: Sequence[int], salt: bytes = b"") -> int:
     """The name of a full page: signed 64-bit, the same in every process."""
-    h = hashlib.blake2b(digest_size=8, person=b"pdgrpc-kv")
-    h.update(_ROOT if parent is None else b"\x01" + struct.pack("<q", parent))
-    h.update(struct.pack("<I", len(salt)))
-    h.update(salt)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(h.digest(), "little", signed=True)
+    return next(_chain(token_ids, len(token_ids), salt, parent)) if token_ids else _name(parent, _salted(salt), b"")
 
 
 def block_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"") -> list[int]:
     """The names of every full page of ``token_ids``, first page first."""
-    out: list[int] = []
-    parent: int | None = None
-    for i in range(len(token_ids) // page_size):
-        parent = block_hash(parent, token_ids[i * page_size : (i + 1) * page_size], salt)
-        out.append(parent)
-    return out
+    return list(_chain(token_ids, page_size, salt))
+
+
+def _salted(salt: bytes) -> bytes:
+    return struct.pack("<I", len(salt)) + salt
+
+
+def _name(parent: int | None, salted: bytes, page: bytes) -> int:
+    head = _ROOT if parent is None else b"\x01" + _INT64.pack(parent)
+    digest = hashlib.blake2b(head + salted + page, digest_size=8, person=_PERSON).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _chain(token_ids: Sequence[int], page_size: int, salt: bytes = b"", parent: int | None = None,
+           start: int = 0) -> Iterator[int]:
+    """The names of the full pages of ``token_ids`` from page ``start`` on (``parent``:
+    the name of page ``start - 1``), computed as they are read: a caller that stops at
+    the first uncached page hashes no further."""
+    data = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        data.byteswap()
+    raw = memoryview(data).cast("B")
+    salted, step = _salted(salt), page_size * 8
+    for i in range(start, len(token_ids) // page_size):
+        parent = _name(parent, salted, raw[i * step : (i + 1) * step].tobytes())
+        yield parent
 
 
 class PagePool(Protocol):
@@ -95,8 +115,16 @@ class Lease:
     cached_pages: int
     page_size: int
     token_ids: tuple[int, ...]
-    hashes: tuple[int, ...]  # names of the prompt's full pages
+    salt: bytes = b""
+    known: tuple[int, ...] = ()  # names of the first full pages, as far as acquire() read them
     spare: tuple[int, ...] = ()  # fresh pages for the cached prefix, until settle()
+
+    @functools.cached_property
+    def hashes(self) -> tuple[int, ...]:
+        """Names of the prompt's full pages: computed when first read, so a prompt whose
+        first page misses the cache starts computing before the rest are hashed."""
+        rest = _chain(self.token_ids, self.page_size, self.salt, self.known[-1] if self.known else None, len(self.known))
+        return self.known + tuple(rest)
 
     @property
     def cached_tokens(self) -> int:
@@ -147,15 +175,17 @@ class PrefixCache:
     def match(self, token_ids: Sequence[int], salt: bytes = b"", whole: bool = False) -> int:
         """How many leading pages of ``token_ids`` are cached (at most all but the last
         token's; every full page with ``whole``)."""
-        return self._match(block_hashes(token_ids[: len(token_ids) if whole else max(0, len(token_ids) - 1)], self.page_size, salt))
+        return len(self._match(token_ids[: len(token_ids) if whole else max(0, len(token_ids) - 1)], salt))
 
-    def _match(self, hashes: Sequence[int]) -> int:
-        n = 0
-        for h in hashes:
+    def _match(self, token_ids: Sequence[int], salt: bytes) -> list[int]:
+        """The names of the cached leading pages of ``token_ids``: hashing stops at the
+        first page not cached."""
+        out: list[int] = []
+        for h in _chain(token_ids, self.page_size, salt):
             if h not in self._index:
                 break
-            n += 1
-        return n
+            out.append(h)
+        return out
 
     # ---- leases ------------------------------------------------------------------------
 
@@ -169,10 +199,9 @@ class PrefixCache:
         ids = tuple(token_ids)
         if not isinstance(num_pages, int) or num_pages < 0:
             raise ConfigError(f"acquire: num_pages must be an int >= 0, got {num_pages!r}")
-        hashes = block_hashes(ids, self.page_size, salt)
-        matchable = len(hashes) if whole else max(0, len(ids) - 1) // self.page_size
-        matched = min(self._match(hashes[:matchable]), num_pages)
-        held = [self._index[h] for h in hashes[:matched]]
+        known = self._match(ids if whole else ids[: max(0, len(ids) - 1) // self.page_size * self.page_size], salt)
+        matched = min(len(known), num_pages)
+        held = [self._index[h] for h in known[:matched]]
         need = num_pages if spare else num_pages - matched
         unheld_matched = sum(1 for e in held if e.refs == 0)
         if self._pool.num_free_pages + len(self._lru) - unheld_matched < need:
@@ -182,7 +211,7 @@ class PrefixCache:
         fresh = self._take(need)
         assert fresh is not None  # counted above
         own, extra = fresh[: num_pages - matched], fresh[num_pages - matched :]
-        return Lease(tuple(e.page for e in held) + tuple(own), matched, self.page_size, ids, tuple(hashes), tuple(extra))
+        return Lease(tuple(e.page for e in held) + tuple(own), matched, self.page_size, ids, salt, tuple(known), tuple(extra))
 
     def settle(self, lease: Lease, keep: int) -> Lease:
         """``lease`` with only its first ``keep`` cached pages: the spare pages take the

@@ -62,6 +62,43 @@ class Log:
         self.live.clear()
 
 
+def test_names_are_blake2b_of_the_parent_salt_and_tokens() -> None:
+    """The wire meaning of a name, computed here independently: another implementation
+    (another router, a gateway) that follows it names the same pages the same way."""
+    import hashlib
+    import struct
+
+    def spec(parent: int | None, tokens: Sequence[int], salt: bytes) -> int:
+        h = hashlib.blake2b(digest_size=8, person=b"pdgrpc-kv")
+        h.update(b"\x00" * 8 if parent is None else b"\x01" + struct.pack("<q", parent))
+        h.update(struct.pack("<I", len(salt)) + salt)
+        h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+        return int.from_bytes(h.digest(), "little", signed=True)
+
+    ids = [0, 1, 2**40, 151_643, -1, 7, 2**63 - 1, 3, 5, 8, 13, 21]
+    parent = None
+    for i, h in enumerate(block_hashes(ids, PS, b"s")):
+        parent = spec(parent, ids[i * PS : (i + 1) * PS], b"s")
+        assert h == parent
+    assert block_hash(None, ids[:PS]) == spec(None, ids[:PS], b"")
+
+
+def test_a_lease_names_every_full_page_whatever_acquire_hashed() -> None:
+    """acquire() hashes only as far as the cache matches; the lease still names every full
+    page of its prompt, cached or not, exactly as block_hashes does."""
+    cache = PrefixCache(Pool(64), PS)
+    ids = tuple(range(100, 100 + 5 * PS + 2))
+    cold = cache.acquire(ids, 6)
+    assert cold is not None and cold.cached_pages == 0 and cold.known == ()
+    assert cold.hashes == tuple(block_hashes(ids, PS))
+    cache.release(cold, insert=True)
+    warm = cache.acquire(ids[: 3 * PS] + (1, 2, 3, 4, 5, 6, 7, 8, 9), 5)
+    assert warm is not None and warm.cached_pages == 3
+    assert warm.hashes == tuple(block_hashes(warm.token_ids, PS))
+    assert warm.hashes[:3] == cold.hashes[:3] and warm.hashes[3] != cold.hashes[3]
+    cache.release(warm, insert=False)
+
+
 def test_names_are_deterministic_signed_64_bit_and_chain_their_prefix() -> None:
     ids = list(range(3, 3 + 3 * PS))
     hs = block_hashes(ids, PS)
