@@ -2,6 +2,7 @@
 """CPU time per request of every process of 1p1d and of the colocated server.
 
 Usage: python scripts/cpu_per_request.py [--transports tcp,rdma] [--requests N] [--idle-s S]
+                                         [--no-prefix-cache-arm]
 
 Starts the colocated server and one 1p1d cluster per transport (the topologies `bench e2e`
 uses), sends each the same 512-token prompts one at a time, in turn, each generating one
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pdgrpc.bench.e2e import NO_CACHE, without_prefix_cache  # noqa: E402
 from pdgrpc.bench.procstat import cpu_ns  # noqa: E402
 from pdgrpc.cluster.client import generate  # noqa: E402
 from pdgrpc.cluster.launcher import Cluster  # noqa: E402
@@ -59,6 +61,8 @@ async def _main(ns: argparse.Namespace) -> None:
     systems = {"colocated": Cluster(load_topology("colocated"))}
     for t in ns.transports.split(","):
         systems[f"1p1d-{t}"] = Cluster(load_topology("1p1d"), transport=t)
+        if ns.no_prefix_cache_arm:
+            systems[f"1p1d-{t}{NO_CACHE}"] = Cluster(without_prefix_cache(load_topology("1p1d")), transport=t)
     rng = random.Random(0)
     prompts = [[256] + [rng.randrange(32, 127) for _ in range(511)] for _ in range(ns.requests + ns.warmup)]
     async with contextlib.AsyncExitStack() as stack:
@@ -95,6 +99,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=20, help="measured requests per system (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="requests per system before measuring (default: %(default)s)")
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measured first (default: %(default)s)")
+    p.add_argument("--no-prefix-cache-arm", action="store_true",
+                   help="also run each transport's 1p1d with --no-prefix-cache on its prefill, side by side")
     run(_main(p.parse_args()))
 
 
