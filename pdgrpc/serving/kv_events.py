@@ -56,24 +56,39 @@ class KvEventFeed:
         self._thread = threading.get_ident()
         self._waiters: list[asyncio.Future[None]] = []
         self._closed = False
+        self._pending: list[KvEvent] = []  # reported this turn of the loop, appended at its end
         self.log = KvEventLog(capacity, clock=time.time, on_append=self._wake)
 
     # ---- CacheEvents: from any thread --------------------------------------------------
+    # What the cache reports in one turn of the loop becomes one batch: a prompt's
+    # evictions and its announcement travel as one message to each subscriber, and on to
+    # theirs, rather than two.
 
     def stored(self, blocks: Sequence[StoredBlock]) -> None:
-        self._call(self.log.stored, list(blocks))
+        if blocks:
+            self._call(Stored(tuple(blocks)))
 
     def removed(self, block_hashes: Sequence[int]) -> None:
-        self._call(self.log.removed, list(block_hashes))
+        if block_hashes:
+            self._call(Removed(tuple(block_hashes)))
 
     def cleared(self) -> None:
-        self._call(self.log.cleared)
+        self._call(Cleared())
 
-    def _call(self, fn: Callable[..., None], *args: object) -> None:
+    def _call(self, event: KvEvent) -> None:
         if threading.get_ident() == self._thread:
-            fn(*args)
+            self._add(event)
         elif not self._loop.is_closed():  # a cache still changing after shutdown tells no one
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._add, event)
+
+    def _add(self, event: KvEvent) -> None:
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(event)
+
+    def _flush(self) -> None:
+        events, self._pending = self._pending, []
+        self.log.append(events)
 
     # ---- subscribers -------------------------------------------------------------------
 

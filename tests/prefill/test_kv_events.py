@@ -50,21 +50,39 @@ async def test_a_cache_on_another_thread_reports_in_order() -> None:
 
     t = threading.Thread(target=cache)
     t.start()
-    got = []
-    while len(got) < 51:
+    got: list = []
+    while not got or got[-1].events[-1] != Removed((50,)):
         got += await asyncio.wait_for(follow.__anext__(), 5)
     t.join()
-    assert [b.sequence_number for b in got] == list(range(1, 52))
-    assert got[-1].events == (Removed((50,)),)
+    assert [b.sequence_number for b in got] == list(range(1, len(got) + 1))
+    events = [e for b in got for e in b.events]
+    assert events == [Stored((block(h, h - 1 if h > 1 else None),)) for h in range(1, 51)] + [Removed((50,))]
     assert len({h for b in feed.log.snapshot() for e in b.events if isinstance(e, Stored) for h in (x.block_hash for x in e.blocks)}) == 49
+
+
+async def test_what_one_turn_of_the_loop_reports_is_one_batch_in_order() -> None:
+    """A prompt's evictions and its announcement reach a subscriber as one message."""
+    feed = KvEventFeed()
+    follow = feed.follow(0)
+    assert await follow.__anext__() == []
+    feed.removed([7, 8])
+    feed.stored([block(1), block(2, 1)])
+    feed.cleared()
+    feed.stored([block(3)])
+    (batch,) = await asyncio.wait_for(follow.__anext__(), 5)
+    assert batch.sequence_number == 1
+    assert batch.events == (Removed((7, 8)), Stored((block(1), block(2, 1))), Cleared(), Stored((block(3),)))
+    feed.removed([3])
+    assert [b.events for b in await asyncio.wait_for(follow.__anext__(), 5)] == [(Removed((3,)),)]
 
 
 async def test_a_subscriber_that_fell_behind_the_ring_gets_a_snapshot_without_a_gap() -> None:
     feed = KvEventFeed(capacity=4)
     follow = feed.follow(0)
     assert await follow.__anext__() == []
-    for h in range(1, 11):  # more than the ring holds, before the subscriber reads
+    for h in range(1, 11):  # more batches than the ring holds, before the subscriber reads
         feed.stored([block(h)])
+        await asyncio.sleep(0)
     batches = await asyncio.wait_for(follow.__anext__(), 5)
     assert batches[0].snapshot is not None and isinstance(batches[0].events[0], Cleared)
     assert batches[-1].sequence_number == 10
