@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import weakref
 from typing import Callable, Sequence
@@ -91,6 +92,14 @@ EVICT_GRACE_S = 10.0
 REPLACED_GRACE_S = 600.0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Open:
+    """A pool's channel to one target, and the TLS name its server must show (None: its host)."""
+
+    channel: grpc.aio.Channel
+    server_name: str | None
+
+
 class ChannelPool:
     """``grpc.aio`` channels keyed by target (``host:port``), with ``security``'s
     credentials (default: the process's, :func:`pdgrpc.rpc.security.current`, read at
@@ -108,11 +117,10 @@ class ChannelPool:
             raise ValueError(f"max_channels must be at least 1, got {max_channels}")
         self._security = security
         self._server_names = server_names
-        self._named: dict[str, str | None] = {}  # the server name each target's channel expects
         self._options = tuple(options)
         self._interceptors = list(interceptors)  # e.g. metrics, tracing (and tests)
         self.max_channels = max_channels
-        self._channels: collections.OrderedDict[str, grpc.aio.Channel] = collections.OrderedDict()  # least recently used first
+        self._channels: collections.OrderedDict[str, _Open] = collections.OrderedDict()  # least recently used first
         self._closing: dict[grpc.aio.Channel, asyncio.Task[None]] = {}  # evicted or replaced channels being closed
         self.created = 0  # channels ever created (tests and metrics)
 
@@ -120,22 +128,20 @@ class ChannelPool:
         """The channel for ``target``: created on first use, and afresh in place of one
         whose connection failed (module doc)."""
         name = None if self._server_names is None else self._server_names(target)
-        channel = self._channels.get(target)
-        if channel is not None:
-            if channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE and self._named.get(target) == name:
+        known = self._channels.get(target)
+        if known is not None:
+            if known.channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE and known.server_name == name:
                 self._channels.move_to_end(target)
-                return channel
+                return known.channel
             del self._channels[target]
-            self._close_later(channel, REPLACED_GRACE_S)
+            self._close_later(known.channel, REPLACED_GRACE_S)
         options = self._options if name is None else (*self._options, ("grpc.ssl_target_name_override", name))
         channel = (self._security or current()).channel(target, options, self._interceptors)
-        self._channels[target] = channel
-        self._named[target] = name
+        self._channels[target] = _Open(channel, name)
         self.created += 1
         if len(self._channels) > self.max_channels:
-            evicted_target, evicted = self._channels.popitem(last=False)
-            self._named.pop(evicted_target, None)
-            self._close_later(evicted, EVICT_GRACE_S)
+            _, evicted = self._channels.popitem(last=False)
+            self._close_later(evicted.channel, EVICT_GRACE_S)
         return channel
 
     def _close_later(self, channel: grpc.aio.Channel, grace: float) -> None:
@@ -151,16 +157,14 @@ class ChannelPool:
 
     async def discard(self, target: str) -> None:
         """Close and forget the channel for ``target`` (e.g. the peer moved)."""
-        channel = self._channels.pop(target, None)
-        self._named.pop(target, None)
-        if channel is not None:
-            await channel.close()
+        known = self._channels.pop(target, None)
+        if known is not None:
+            await known.channel.close()
 
     async def close(self) -> None:
         """Close every channel, evicted and replaced ones still in their grace included;
         the pool stays usable and reopens on demand."""
-        channels, self._channels = list(self._channels.values()), collections.OrderedDict()
-        self._named.clear()
+        channels, self._channels = [o.channel for o in self._channels.values()], collections.OrderedDict()
         closing, self._closing = self._closing, {}
         for task in closing.values():
             task.cancel()
