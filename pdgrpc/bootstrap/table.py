@@ -210,14 +210,14 @@ class RoomTable(RoomSlots):
         n = len(rooms)
         self._check_batch(n)
         if n <= _FEW_LOOKUPS:
+            if 0 in rooms:  # before any lookup marks a room queried: a refused call changes nothing
+                raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
             found: list[int] = []
             ranks: list[int] = []
             missing: list[int] = []
             keys, rank, seq, times, flags = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v, self._flags_v
             mult, shift, rmask, ttl = self._mult, self._shift, self._rmask, self.ttl
             for room in rooms:
-                if room == 0:
-                    raise InvalidBootstrapRequest("bootstrap_room 0 is invalid: 0 means not written")
                 base = (((room * mult) & _M64) >> shift) * W  # the home bucket (_home), inlined
                 row = keys[base : base + W].tolist()
                 s = base + row.index(room) if room in row else self._find(room)

@@ -51,15 +51,17 @@ def test_register_then_query_batch(n: int) -> None:
     check_invariants(t)
 
 
-@pytest.mark.parametrize("n", [2, 50])
+@pytest.mark.parametrize("n", [2, 50, 100])  # the per-room paths and the numpy paths
 def test_room_zero_is_refused_and_changes_nothing(n: int) -> None:
-    t = RoomTable(max_rooms=100, max_batch=64)
+    t = RoomTable(max_rooms=100, max_batch=100)
     rooms = list(range(1, n)) + [0]
     with pytest.raises(InvalidBootstrapRequest, match="0 means not written"):
         t.register(rooms, [0] * n, now=0)
     assert len(t) == 0
+    t.register(rooms[:-1], [0] * (n - 1), now=0)
     with pytest.raises(InvalidBootstrapRequest, match="0 means not written"):
         t.query(rooms, now=0)
+    assert t.held(0) == n - 1  # no room of the refused query counts as queried
 
 
 @pytest.mark.parametrize("n", [1, 40])
