@@ -58,15 +58,44 @@ class RoomSlots:
         self._ovf_v = self._ovf.data
         self._size = 0  # rooms stored
 
-    def _home(self, room: int) -> int:
+    def home_bucket(self, room: int) -> int:
+        """The bucket where ``room``'s probe starts (fixed by ``seed``, so a test can pick
+        rooms that collide)."""
         return ((room * self._mult) & _M64) >> self._shift
+
+    def overflow(self, bucket: int) -> int:
+        """Stored rooms whose probe passed ``bucket``: a lookup that reaches it without
+        finding its room probes on while this is nonzero."""
+        return int(self._ovf_v[bucket])
+
+    def check(self) -> None:
+        """Raise :class:`AssertionError` naming the first broken invariant: the size counts
+        the stored rooms, each stored room is found at its slot, and each bucket's
+        :meth:`overflow` counts the stored rooms whose probe passed it. Reads every slot:
+        for tests."""
+        stored = np.flatnonzero(self._keys).tolist()
+        if len(stored) != self._size:
+            raise AssertionError(f"{len(stored)} rooms are stored, the size says {self._size}")
+        ovf = np.zeros_like(self._ovf)
+        for s in stored:
+            room = int(self._keys_v[s])
+            if (found := self._find(room)) != s:
+                raise AssertionError(f"room {room} is stored in slot {s}, a lookup finds slot {found}")
+            j = self.home_bucket(room)
+            while j != s // W:
+                ovf[j] += 1
+                j = (j + 1) & self._bmask
+        wrong = np.flatnonzero(ovf != self._ovf)
+        if len(wrong):
+            b = int(wrong[0])
+            raise AssertionError(f"bucket {b} counts {self._ovf_v[b]} rooms probed past it, {ovf[b]} did")
 
     def _home_many(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * self._mult_np) >> self._shift_np).astype(np.int64)
 
     def _find(self, room: int) -> int:
         """Slot of ``room`` or -1 (expired rooms not yet swept are still found)."""
-        b = self._home(room)
+        b = self.home_bucket(room)
         keys = self._keys_v
         while True:
             row: list[int] = keys[b * W : b * W + W].tolist()
@@ -92,7 +121,7 @@ class RoomSlots:
         return slots
 
     def _insert_one(self, room: int, rank: int) -> int:
-        h = b = self._home(room)
+        h = b = self.home_bucket(room)
         while True:
             row: list[int] = self._keys_v[b * W : b * W + W].tolist()
             if 0 in row:

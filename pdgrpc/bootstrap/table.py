@@ -170,6 +170,29 @@ class RoomTable(RoomSlots):
         return self._size
 
     @property
+    def ring_records(self) -> int:
+        """Registrations the ring holds, stale renewals included (``pending_records`` of
+        :attr:`stats` never exceeds it)."""
+        return len(self._ring_slot)
+
+    def check(self) -> None:
+        """Raise :class:`AssertionError` naming the first broken invariant: the hash
+        table's (:meth:`RoomSlots.check`), then the cap, the ring's bound, and what each
+        registrant's quota counts. Reads every slot: for tests."""
+        super().check()
+        if self._size > self.max_rooms:
+            raise AssertionError(f"{self._size} rooms are stored, over max_rooms={self.max_rooms}")
+        if self._tail - self._head > len(self._ring_slot):
+            raise AssertionError(f"{self._tail - self._head} records pending in a ring of {len(self._ring_slot)}")
+        stored = self._keys != 0
+        queried = stored & ((self._flags & _QUERIED) != 0)
+        if int(np.count_nonzero(queried)) != self._queried_live:
+            raise AssertionError(f"{np.count_nonzero(queried)} stored rooms are queried, the count says {self._queried_live}")
+        held = np.bincount(self._owner[stored & ~queried], minlength=len(self._held)).tolist()
+        if held != self._held:
+            raise AssertionError(f"unqueried rooms per registrant are {held}, the quotas count {self._held}")
+
+    @property
     def stats(self) -> TableStats:
         return TableStats(self._size, self.max_rooms, self._registered, self._expired, self._evicted, self._evicted_full,
                           self._tail - self._head)
@@ -218,7 +241,7 @@ class RoomTable(RoomSlots):
             keys, rank, seq, times, flags = self._keys_v, self._rank_v, self._seq_v, self._ring_time_v, self._flags_v
             mult, shift, rmask, ttl = self._mult, self._shift, self._rmask, self.ttl
             for room in rooms:
-                base = (((room * mult) & _M64) >> shift) * W  # the home bucket (_home), inlined
+                base = (((room * mult) & _M64) >> shift) * W  # the home bucket (home_bucket), inlined
                 row = keys[base : base + W].tolist()
                 s = base + row.index(room) if room in row else self._find(room)
                 if s >= 0 and times[seq[s] & rmask] + ttl > now:
@@ -451,7 +474,7 @@ class RoomTable(RoomSlots):
         swept, a full ring, a full table) goes through :meth:`_register_small`."""
         if not (0 < room <= _M64 and 0 <= rank <= _M32 and (dp_size is None or rank < dp_size)):
             self._check_entry(room, rank, dp_size)  # raises, naming what is wrong
-        b = ((room * self._mult) & _M64) >> self._shift  # the home bucket (_home), inlined
+        b = ((room * self._mult) & _M64) >> self._shift  # the home bucket (home_bucket), inlined
         base = b * W
         row: list[int] = self._keys_v[base : base + W].tolist()
         s = base + row.index(room) if room in row else self._find(room) if self._ovf_v[b] else -1

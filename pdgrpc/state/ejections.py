@@ -48,6 +48,11 @@ class Ejections:
         del self._until[(role, address)]
         return True
 
+    def __len__(self) -> int:
+        """Entries held: ejections in force, and those run out that no later
+        :meth:`eject` has dropped yet."""
+        return len(self._until)
+
     def now(self, role: str) -> frozenset[str]:
         """The addresses of ``role`` ejected now (:func:`~pdgrpc.state.routing.candidates`
         passes them over)."""

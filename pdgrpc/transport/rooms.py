@@ -99,6 +99,12 @@ class RoomStates:
     def rooms(self) -> list[int]:
         return list(self._states)
 
+    @property
+    def waited_on(self) -> int:
+        """Rooms a task waits on in :meth:`wait` now. Nothing is kept per wait that ended,
+        woken or not: with no task waiting, 0."""
+        return len(self._waiters)
+
     def create(self, room: int, state: KVPoll) -> None:
         """Start tracking ``room`` (no-op if already tracked)."""
         if room not in self._states and state is KVPoll.TRANSFERRING:

@@ -10,11 +10,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pdgrpc.bench import transport as bench
 from pdgrpc.bench.report import Result
+from pdgrpc.transport.testing.peer import PeerProcess
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,14 +94,15 @@ def test_prepared_rdma_writes_are_timed_once_the_receiver_posted_its_receives(mo
     """The default (``--write prepared``): over rdma the WRITE goes out at prepare time and
     the timer starts only once the receiver process has the room's receives up."""
     pytest.importorskip("ucxx", reason="the rdma bench and its raw baseline need the ucx extra: pip install 'pdgrpc[ucx]'")
-    seen: list[int] = []
-    until_posted = bench._until_posted
+    posted: dict[int, int] = {}  # room -> the receiver's last answer when asked
+    call = PeerProcess.call
 
-    async def spy(target: bench.PeerProcess, room: int) -> bool:
-        posted = await until_posted(target, room)
-        seen.append(await target.call("receives_posted", room))
-        return posted
+    async def spy(peer: PeerProcess, name: str, *args: Any, **kwargs: Any) -> Any:
+        answer = await call(peer, name, *args, **kwargs)
+        if name == "receives_posted":
+            posted[args[0]] = answer
+        return answer
 
-    monkeypatch.setattr(bench, "_until_posted", spy)
+    monkeypatch.setattr(PeerProcess, "call", spy)
     _run("--backend", "rdma", "--iterations", "3")
-    assert len(seen) == 3 and all(n > 0 for n in seen), seen
+    assert len(posted) == 3 and all(n > 0 for n in posted.values()), posted  # each timed room waited for its receives

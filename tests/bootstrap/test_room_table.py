@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import random
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,20 +14,10 @@ from pdgrpc.bootstrap.table import W, RoomTable
 
 
 def check_invariants(t: RoomTable) -> None:
-    """The hash table is consistent: size, lookups and overflow counters."""
-    keys = t._keys
-    stored = np.flatnonzero(keys)
-    assert len(stored) == len(t) == t.stats.size
-    ovf = np.zeros_like(t._ovf)
-    for s in stored.tolist():
-        room = int(keys[s])
-        assert t._find(room) == s
-        j, b = t._home(room), s // W
-        while j != b:
-            ovf[j] += 1
-            j = (j + 1) & t._bmask
-    assert (ovf == t._ovf).all()
-    assert len(t) <= t.max_rooms
+    """The table is consistent (size, lookups, overflow counts, cap, ring, quotas), and its
+    stats agree."""
+    t.check()
+    assert t.stats.size == len(t) <= t.max_rooms
 
 
 def q(t: RoomTable, rooms: list[int], now: float) -> dict[int, int]:
@@ -207,7 +196,7 @@ def test_renewals_cannot_grow_memory() -> None:
     rooms = list(range(1, 9))
     for i in range(200):  # each call re-registers every room: the ring refills with stale records
         t.register(rooms, [1] * 8, now=i)
-        assert t.stats.pending_records <= len(t._ring_slot)
+        assert t.stats.pending_records <= t.ring_records
     assert sorted(q(t, rooms, 200)) == rooms and t.stats.evicted == 0
     check_invariants(t)
 
@@ -240,7 +229,7 @@ def colliding_rooms(t: RoomTable, count: int, seed: int = 0) -> list[int]:
     rng, out = random.Random(seed), []
     while len(out) < count:
         room = rng.getrandbits(64) or 1
-        if t._home(room) == 0:
+        if t.home_bucket(room) == 0:
             out.append(room)
     return out
 
@@ -252,12 +241,12 @@ def test_overflowing_buckets(n: int) -> None:
     for i in range(0, 60, n):
         t.register(rooms[i : i + n], [i % 3] * len(rooms[i : i + n]), now=1)
     check_invariants(t)
-    assert t._ovf[:3].tolist() == [44, 28, 12]  # 60 rooms: 16 home, 44 pushed past bucket 0, ...
+    assert [t.overflow(b) for b in range(4)] == [44, 28, 12, 0]  # 60 rooms: 16 home, 44 pushed past bucket 0, ...
     assert len(q(t, rooms, 1)) == 60
     missing = colliding_rooms(t, 200, seed=1)[100:]  # probe along the chain and stop
     assert q(t, missing, 1) == {}
     t.expire(11)
-    assert len(t) == 0 and not t._ovf.any()
+    assert len(t) == 0 and not any(t.overflow(b) for b in range(8))
     check_invariants(t)
 
 
@@ -406,7 +395,7 @@ def test_matches_reference_model(ops: list, ttl: float, max_rooms: int, small_ri
     t = RoomTable(ttl=ttl, max_rooms=max_rooms, max_batch=max_batch, seed=7, ring_records=max_batch if small_ring else None)
     # 40 candidate rooms, most of them with the same home bucket (overflow chains).
     pool = colliding_rooms(t, 30, seed=11) + [random.Random(i).getrandbits(63) or 1 for i in range(9)] + [0]
-    m = Model(ttl, max_rooms, t.max_batch, len(t._ring_slot))
+    m = Model(ttl, max_rooms, t.max_batch, t.ring_records)
     now = 0.0
     for kind, args, dt, dp_size, registrant, quota in ops:
         now += dt

@@ -76,13 +76,18 @@ def test_a_bogus_first_registrant_cannot_lock_the_real_workers_out() -> None:
 
 
 def test_many_bogus_topologies_stay_bounded() -> None:
+    """Each pending topology keeps its registrants: only the MAX_CANDIDATES updated last
+    are kept, and none once the real topology is fixed."""
     r = WorkerRegistry()
-    for n in range(3, 3 + 4 * MAX_CANDIDATES):
-        r.register(worker(0, 0, f"evil:{n}"), info(dp_size=n))
-    assert len(r._candidates) == MAX_CANDIDATES
+    bogus = [f"evil:{n}" for n in range(3, 3 + 4 * MAX_CANDIDATES)]
+    for n, who in enumerate(bogus, start=3):
+        r.register(worker(0, 0, who), info(dp_size=n), owner=who)
+    assert r.identities() == MAX_CANDIDATES
+    assert [who for who in bogus if r.registered_by(who)] == bogus[-MAX_CANDIDATES:]
     for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
-        r.register(worker(dp, tp), info())
-    assert r.parallel_info() == info() and not r._candidates
+        r.register(worker(dp, tp), info(), owner="real")
+    assert r.parallel_info() == info()
+    assert r.identities() == 1 and not any(r.registered_by(who) for who in bogus)
 
 
 def test_expected_sizes_refuse_any_other_topology_from_the_start() -> None:

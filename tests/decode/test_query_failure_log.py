@@ -74,8 +74,13 @@ def test_repeats_come_as_one_line_per_interval_with_their_count(caplog: pytest.L
     ]
 
 
-def test_failing_peers_kept_are_bounded() -> None:
+def test_failing_peers_kept_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """Only the peers that failed last are kept: a forgotten one answering again logs nothing."""
+    caplog.set_level(logging.INFO, logger="test.failure_log")
     fl = FailureLog(logging.getLogger("test.failure_log"), "X", max_peers=3)
     for i in range(10):
         fl.failed(f"p{i}", "e", now=0.0)
-    assert list(fl._failing) == ["p7", "p8", "p9"]
+    caplog.clear()
+    for i in range(10):
+        fl.succeeded(f"p{i}")
+    assert [r.getMessage() for r in caplog.records] == [f"X to p{i} answers again after 1 failed calls" for i in (7, 8, 9)]

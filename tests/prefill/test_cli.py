@@ -10,13 +10,26 @@ from pdgrpc.prefill.__main__ import main
 from pdgrpc.prefill.cli import build_parser, worker_argv
 
 
+def listed_in_help(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The arguments ``parser.format_help()`` lists, as its formatter is handed them."""
+    listed: list[argparse.Action] = []
+
+    class Recording(argparse.HelpFormatter):
+        def add_argument(self, action: argparse.Action) -> None:
+            listed.append(action)
+            super().add_argument(action)
+
+    parser.formatter_class = Recording
+    parser.format_help()
+    return listed
+
+
 def test_every_flag_has_help_text() -> None:
-    parser = build_parser()
-    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    flags = [a for a in listed_in_help(build_parser()) if a.option_strings and a.dest != "help"]
     assert len(flags) > 20
     missing = [a.option_strings[0] for a in flags if not (a.help and len(a.help) > 15)]
     assert missing == []
-    text = parser.format_help()
+    text = build_parser().format_help()
     for flag in ("--dp-size", "--load-balance-method", "--force-dp-rank-query", "--bootstrap", "--transport", "--chunk-size"):
         assert flag in text
 

@@ -100,20 +100,19 @@ async def test_deferred_request_events_wait_for_queued_work_and_keep_their_order
 
 
 def test_deferred_lines_left_by_a_loop_that_closed_are_written_by_the_next_one(caplog: pytest.LogCaptureFixture) -> None:
-    from pdgrpc.serving import logs
-
     log = logging.getLogger("t")
-    gone = asyncio.new_event_loop()
-    gone.close()
-    # What a loop that stopped before its turn leaves behind (a server shutting down).
-    logs._deferred.append((log, 5, "admitted", logging.INFO, {}))
-    logs._flush_on = gone
 
     async def later() -> None:
         request_event(log, 6, "admitted", defer=True)
         await asyncio.sleep(0)
 
     with caplog.at_level(logging.INFO):
+        # A loop that stops before its next turn (a server shutting down) leaves its line unwritten.
+        gone = asyncio.new_event_loop()
+        gone.call_soon(lambda: (request_event(log, 5, "admitted", defer=True), gone.stop()))
+        gone.run_forever()
+        gone.close()
+        assert caplog.records == []
         asyncio.run(later())
     assert [r.getMessage() for r in caplog.records] == ["room=5 admitted", "room=6 admitted"]
 

@@ -82,4 +82,4 @@ def test_zero_seconds_never_ejects_and_expired_entries_are_dropped() -> None:
     for i in range(1000):  # instances that come and go under discovery
         e.eject("prefill", f"h{i}:1")
         clock.now += 2.0
-    assert len(e._until) == 1  # only the latest, still ejected
+    assert len(e) == 1  # only the latest, still ejected

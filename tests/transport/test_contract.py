@@ -166,17 +166,18 @@ async def test_room_waiters_that_time_out_or_are_cancelled_leave_nothing_behind(
         assert (await t.wait(1, 0)).state is KVPoll.TRANSFERRING
     task = asyncio.ensure_future(t.wait(1, 10))
     await asyncio.sleep(0)
+    assert t.waited_on == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert t._waiters == {}  # nothing kept per wait that ended without the room finishing
+    assert t.waited_on == 0  # nothing kept per wait that ended without the room finishing
     # a discarded room wakes its waiters, who find it gone
     task = asyncio.ensure_future(t.wait(1, 10))
     await asyncio.sleep(0)
     t.discard(1)
     with pytest.raises(UnknownRoom):
         await task
-    assert t._waiters == {}
+    assert t.waited_on == 0
 
 
 def test_listeners_hear_each_room_turn_terminal_once_and_a_broken_one_harms_nothing(caplog: pytest.LogCaptureFixture) -> None:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pdgrpc.errors import ConfigError
+from pdgrpc.errors import ConfigError, TransportError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.state.metadata import MetadataBuffers, MetadataLayout, MetadataRow
 from pdgrpc.transport import registry
@@ -194,7 +194,8 @@ async def test_delegates_everything_else() -> None:
     assert fake.status(6).state is KVPoll.FAILED and "lease expired" in fake.status(6).reason
     async with t:
         await t.register(kv_regions(*_pools(None)))
-    assert t._closed
+    with pytest.raises(TransportError, match="tcp transport is closed"):  # closed on leaving the block
+        await t.register([])
     await fake.close()
 
 
