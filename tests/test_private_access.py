@@ -1,11 +1,12 @@
 """No code of pdgrpc, its tests, scripts or example plugin reaches into another object's
 private members: ``x._name`` is read or written only where ``x`` is ``self``, ``cls`` or
-``super()``, or where ``_name`` is defined in the same module (a class's own private
-state, which the module owns). In the package a narrow interface passed in at
-construction replaces the reach; a test asserts through public behaviour, or through a
-small public, documented method of the class that states the invariant it checks. Dunder
-names are public protocol, and torch's operator namespace names its ops with a leading
-underscore."""
+``super()``, or where ``_name`` is defined in the same module (a function, class or name
+there, or a class's own state assigned through ``self``: the module owns it; writing
+``x._name`` elsewhere defines nothing, it reaches in). In the package a narrow interface
+passed in at construction replaces the reach; a test asserts through public behaviour,
+or through a small public, documented method of the class that states the invariant it
+checks. Dunder names are public protocol, and torch's operator namespace names its ops
+with a leading underscore."""
 
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ REPO = Path(__file__).resolve().parent.parent
 PUBLIC = {"_asdict", "_fields", "_field_defaults", "_make", "_replace"}
 
 
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
 def _defined_private(tree: ast.AST) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            names.add(node.attr)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
+            names.add(node.attr)  # a class's own state; a store into another object is a reach
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
     return {n for n in names if n.startswith("_")}
@@ -42,7 +47,7 @@ def private_reaches(source: str, where: str) -> list[str]:
         name, value = node.attr, node.value
         if not name.startswith("_") or (name.startswith("__") and name.endswith("__")) or name in PUBLIC or name in own:
             continue
-        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+        if _is_self(value):
             continue
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
             continue
@@ -76,5 +81,6 @@ def test_the_check_sees_a_reach_and_lets_a_class_use_its_own_state() -> None:
         "    def __init__(self):\n        self._free = []\n"
         "    def merge(self, other):\n        self._free += other._free\n"
         "def drain(conn):\n    return conn._buffer, conn.__class__\n"
+        "def stub(conn):\n    conn._closed = True\n"
     )
-    assert private_reaches(source, "m.py") == ["m.py:7: conn._buffer"]
+    assert sorted(private_reaches(source, "m.py")) == ["m.py:7: conn._buffer", "m.py:9: conn._closed"]

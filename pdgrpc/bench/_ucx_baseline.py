@@ -48,7 +48,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from pdgrpc.errors import TransportError, TransportUnavailable
 
@@ -144,6 +144,18 @@ def _child(role: str, conn: multiprocessing.connection.Connection, max_bytes: in
         ucxx.reset()
 
 
+class Pipe(Protocol):
+    """One end of a child's pipe, as :class:`RawUcx` drives it."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def poll(self, timeout: float) -> bool: ...
+
+    def recv(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 class RawUcx:
     """The raw ucxx sender and receiver, kept alive and driven one iteration at a time,
     so a benchmark can alternate their iterations with a backend's: on a shared machine
@@ -151,16 +163,22 @@ class RawUcx:
     ucxx is missing and :class:`~pdgrpc.errors.TransportError` if a process fails or
     times out."""
 
-    def __init__(self, max_bytes: int, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, max_bytes: int, *, timeout_s: float = 120.0, pipes: Mapping[str, Pipe] | None = None) -> None:
+        """``pipes``: drive these ``"send"`` and ``"recv"`` ends, which answer as the
+        children do, instead of spawning and pairing two children (a test of the order
+        of the commands)."""
         from pdgrpc.errors import ConfigError
 
         if max_bytes <= 0:
             raise ConfigError(f"max_bytes must be a positive byte count, got {max_bytes}")
-        _require_ucxx()
         self._timeout_s = timeout_s
-        mp = multiprocessing.get_context("spawn")  # never fork: UCX state must not be shared
-        self._conns: dict[str, multiprocessing.connection.Connection] = {}
         self._procs: dict[str, Any] = {}
+        if pipes is not None:
+            self._conns: dict[str, Pipe] = dict(pipes)
+            return
+        _require_ucxx()
+        mp = multiprocessing.get_context("spawn")  # never fork: UCX state must not be shared
+        self._conns = {}
         for role in ("send", "recv"):
             parent, child = mp.Pipe()
             self._conns[role] = parent

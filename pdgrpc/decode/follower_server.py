@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(ns: argparse.Namespace) -> int:
-    tp = await asyncio.to_thread(TpGroup, ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout)
+    tp = await asyncio.to_thread(TpGroup.join, ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout)
     follower = Follower(ns, scheduler_config_from_args(ns), tp)
     stop_metrics = start_metrics_from_args(ns, follower.metrics.registry, f"decode tp{ns.tp_rank}")
     follower.metrics.bind(follower.stats)

@@ -57,7 +57,7 @@ async def _main(ns: argparse.Namespace) -> int:
 
         procs, init = await _start_ranks(ns)
         try:
-            tp = await asyncio.to_thread(TpGroup, 0, ns.tp_size, init, ns.dist_timeout)
+            tp = await asyncio.to_thread(TpGroup.join, 0, ns.tp_size, init, ns.dist_timeout)
         except BaseException:
             for p in procs:
                 p.kill()

@@ -61,16 +61,24 @@ Command = tuple[str, Any]
 
 
 class TpGroup:
-    """The gloo group of one decode instance's TP ranks (rank 0 leads)."""
+    """The gloo group of one decode instance's TP ranks (rank 0 leads), over ``dist``:
+    ``torch.distributed`` once this process joined the group (:meth:`join`), or a
+    stand-in with its collectives."""
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float) -> None:
-        import torch.distributed as dist
-
+    def __init__(self, rank: int, size: int, dist: Any) -> None:
         self.rank, self.size = rank, size
         self._dist = dist
+
+    @classmethod
+    def join(cls, rank: int, size: int, init_method: str, timeout_s: float) -> "TpGroup":
+        """Join the gloo group of ``size`` ranks at ``init_method`` as ``rank`` (blocks
+        until every rank has)."""
+        import torch.distributed as dist
+
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
         )
+        return cls(rank, size, dist)
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
         try:

@@ -40,32 +40,29 @@ class _Pipe:
         return self.answers.pop(0)
 
 
-def _driven() -> tuple[RawUcx, list[tuple[str, Any]]]:
-    raw = RawUcx.__new__(RawUcx)
+def _driven() -> tuple[RawUcx, dict[str, _Pipe], list[tuple[str, Any]]]:
     log: list[tuple[str, Any]] = []
-    raw._timeout_s = 1.0
-    raw._conns = {"send": _Pipe("send", log), "recv": _Pipe("recv", log)}  # type: ignore[dict-item]
-    raw._procs = {}
-    return raw, log
+    pipes = {"send": _Pipe("send", log), "recv": _Pipe("recv", log)}
+    return RawUcx(1 << 20, timeout_s=1.0, pipes=pipes), pipes, log
 
 
 def test_the_sender_starts_only_once_the_receiver_has_posted_its_receive() -> None:
-    raw, log = _driven()
-    raw._conns["recv"].answers = []  # type: ignore[attr-defined]
-    orig = raw._conns["recv"].send
+    raw, pipes, log = _driven()
+    pipes["recv"].answers = []
+    orig = pipes["recv"].send
 
     def recv_send(cmd: Any) -> None:
         orig(cmd)
         # the sender has not been told to go before the receiver said "posted"
         assert ("send", ("once", 8)) not in log
 
-    raw._conns["recv"].send = recv_send  # type: ignore[method-assign]
+    pipes["recv"].send = recv_send  # type: ignore[method-assign]
     assert raw.once(8) == 0.001
     assert log == [("recv", ("once", 8)), ("send", ("once", 8))]
 
 
 def test_the_check_zeroes_outside_the_timed_iterations_and_moves_once_more() -> None:
-    raw, log = _driven()
+    raw, _, log = _driven()
     raw.once(8)
     raw.check(8)
     assert [c for _, c in log] == [("once", 8), ("once", 8), ("zero", 8), ("once", 8), ("once", 8), ("compare", 8)]
@@ -73,9 +70,9 @@ def test_the_check_zeroes_outside_the_timed_iterations_and_moves_once_more() -> 
 
 
 def test_a_receiver_that_does_not_post_is_reported() -> None:
-    raw, _ = _driven()
-    raw._conns["recv"].answers = ["something else"]  # type: ignore[attr-defined]
-    raw._conns["recv"].send = lambda cmd: None  # type: ignore[method-assign]
+    raw, pipes, _ = _driven()
+    pipes["recv"].answers = ["something else"]
+    pipes["recv"].send = lambda cmd: None  # type: ignore[method-assign]
     with pytest.raises(TransportError, match="instead of posting its receive"):
         raw.once(8)
 

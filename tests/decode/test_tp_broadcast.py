@@ -24,9 +24,7 @@ class FakeDist:
 
 
 def group(rank: int, dist: FakeDist) -> TpGroup:
-    g = TpGroup.__new__(TpGroup)  # skip init_process_group
-    g.rank, g.size, g._dist = rank, 2, dist
-    return g
+    return TpGroup(rank, 2, dist)
 
 
 def test_rank0_without_a_command_raises_before_the_collective() -> None:
