@@ -6,11 +6,15 @@ Run it from the vLLM venv (``make vllm-venv``)::
     PYTHONPATH=. .venv-vllm/bin/python -m pdgrpc.bench vllm [--json PATH]
 
 Every server has one compute thread bound to a core: colocated on core 0; prefill on
-core 0 (without async scheduling: see PREFILL_ARGS) and decode on core 1. The
+core 0 (without async scheduling: see PREFILL_ARGS) and decode on core 1, where all of
+the decode's processes run, so that its engine core, which steps every millisecond while
+a request waits for its KV, stays off the prefill's core. The
 comparison is order-fair: colocated and one pdgrpc pair run side by side, the pair
 behind two front doors (the prefill's token first, and ``--no-first-token``: the decode
 recomputes it), and each prompt goes to every arm in turn, the order alternating (A B
-C, then C B A), so no arm always runs first or right after another. The concurrency-8
+C, then C B A), so no arm always runs first or right after another, and each request
+(and block) starts once every server has been idle for :data:`QUIET_S`, past the second
+a vLLM worker keeps polling its core after its last step. The concurrency-8
 phase runs ``--rounds`` blocks per arm in the same alternating order. Every server runs
 without a prefix cache, so the two arms sharing the pair each compute every prompt in
 full (prompts are random token ids, seeded).
@@ -50,6 +54,10 @@ NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
 # A prefill schedules its next step after the last one's output: a finished request's
 # send then starts with that step, not one whole step later.
 PREFILL_ARGS = ("--no-async-scheduling",)
+# A vLLM worker polls its message queue on its core for a second after its last message
+# (vLLM's SpinCondition), and the arms share core 0: every measurement waits that long
+# first, so that no arm runs beside another's idle polling.
+QUIET_S = 1.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +156,7 @@ async def _measure(arms: dict[str, Arm], args: argparse.Namespace) -> dict[str, 
                 out[n][f"ttft@{length}"] = []
             for i, prompt in enumerate(_prompts(args.requests, length, length)):
                 for name in arm_order(names, i):
+                    await asyncio.sleep(QUIET_S)
                     ttft, tokens = await _stream(session, arms[name].url, prompt, args.output_tokens)
                     out[name][f"ttft@{length}"].append(ttft * 1e3)
                     out[name]["outputs"].append(tokens)
@@ -156,6 +165,7 @@ async def _measure(arms: dict[str, Arm], args: argparse.Namespace) -> dict[str, 
         for r in range(args.rounds):
             prompts = _prompts(args.load_requests, 256, 8 + r)
             for name in arm_order(names, r):
+                await asyncio.sleep(QUIET_S)
                 await _block(session, arms[name], prompts, args.output_tokens, out[name])
     for m in out.values():
         m["tokens_per_s"] = m["generated"] / m["seconds"]
@@ -196,7 +206,8 @@ def run(args: argparse.Namespace) -> list[Result]:
         side = (lambda: {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) if kv else (lambda: {})
         p = vllm_server(f"{tag}prefill", free_port(), 0, model, logs, kv_config=kv, env=side(),
                         args=(*NO_PREFIX_CACHE, *PREFILL_ARGS))
-        d = vllm_server(f"{tag}decode", free_port(), 1, model, logs, kv_config=kv, env=side(), args=NO_PREFIX_CACHE)
+        d = vllm_server(f"{tag}decode", free_port(), 1, model, logs, kv_config=kv, env=side(), args=NO_PREFIX_CACHE,
+                        confine=True)
         return p, d
 
     colocated = vllm_server("colocated", free_port(), 0, model, logs, connector=False, args=NO_PREFIX_CACHE)

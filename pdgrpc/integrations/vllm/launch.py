@@ -116,11 +116,12 @@ class Server:
 def vllm_server(name: str, port: int, core: int, model: Path, log_dir: Path, *, connector: bool = True,
                 extra: dict[str, Any] | None = None, failure_policy: str = "fail",
                 kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                args: tuple[str, ...] = ()) -> Server:
+                args: tuple[str, ...] = (), confine: bool = False) -> Server:
     """A vLLM OpenAI server with one compute thread bound to ``core``, no compilation
     (-O0: starts in seconds), with ``PdgrpcConnector`` unless ``connector`` is False
     (``kv_config``: another connector's ``--kv-transfer-config``); ``env`` adds variables,
-    ``args`` command-line flags."""
+    ``args`` command-line flags. ``confine``: every process of the server (its API server
+    and engine core too) runs on ``core``, not only the compute thread."""
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
                     OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
@@ -128,6 +129,8 @@ def vllm_server(name: str, port: int, core: int, model: Path, log_dir: Path, *, 
     if connector:
         kv = dict(kv_config or KV_CONFIG, kv_load_failure_policy=failure_policy, kv_connector_extra_config=extra or {})
         cmd += ["--kv-transfer-config", json.dumps(kv)]
+    if confine:
+        cmd = ["taskset", "-c", str(core), *cmd]
     return Server(name, cmd, full_env, port, log_dir / f"{name}.log")
 
 
