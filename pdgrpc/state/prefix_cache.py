@@ -363,5 +363,8 @@ class PrefixCache:
             pages.append(page)
         if pages:
             self.evictions += len(pages)
-            self._pool.free_pages(pages)
+            # Ascending, not in eviction order (a chain's deepest page first): the pool then
+            # hands a later prompt contiguous runs, which the engine gathers and a transport
+            # moves faster than pages in reverse.
+            self._pool.free_pages(sorted(pages))
             self._events.removed(gone)

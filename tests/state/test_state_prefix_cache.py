@@ -99,6 +99,18 @@ def test_a_lease_names_every_full_page_whatever_acquire_hashed() -> None:
     cache.release(warm, insert=False)
 
 
+def test_pages_evicted_for_a_prompt_come_back_as_ascending_runs() -> None:
+    """A full cache evicts a chain deepest page first; a later prompt still gets its pages
+    in ascending runs, as from a cold pool (what the engine gathers and a transport sends
+    as one contiguous message)."""
+    cache = PrefixCache(Pool(8), PS)
+    first = cache.acquire(tuple(range(1, 8 * PS + 1)), 8)
+    assert first is not None and list(first.pages) == list(range(8))
+    cache.release(first, insert=True)  # 8 cached pages, nothing free
+    second = cache.acquire(tuple(range(500, 500 + 8 * PS + 1)), 8)
+    assert second is not None and list(second.pages) == sorted(second.pages)
+
+
 def test_names_are_deterministic_signed_64_bit_and_chain_their_prefix() -> None:
     ids = list(range(3, 3 + 3 * PS))
     hs = block_hashes(ids, PS)
