@@ -4,7 +4,7 @@ processes, receives posted before the sends start.
 
     .venv/bin/python scripts/rdma_messages.py [--mib 96] [--iterations 12]
 
-Two spawned processes, each with a :class:`pdgrpc.transport._ucx.UcxWorker`; each
+Two spawned processes, each with a :class:`pdgrpc.transport.ucx.UcxWorker`; each
 message has its own huge-page buffer on both sides (like a KV pool's per-layer
 regions). One iteration: the receiver posts one batch of receives, then the sender
 posts one batch of sends and times until the batch completes (every message's
@@ -30,7 +30,7 @@ WARMUP = 2
 def _child(role: str, conn: multiprocessing.connection.Connection, layouts: dict[str, tuple[int, int]]) -> None:
     import torch
 
-    from pdgrpc.transport._ucx import UcxWorker
+    from pdgrpc.transport.ucx import UcxWorker
     from pdgrpc.host_memory import host_zeros
 
     async def main() -> None:

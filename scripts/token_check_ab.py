@@ -36,17 +36,18 @@ async def _main(calls: int, rounds: int) -> None:
     from pdgrpc.rpc import server as rpc_server
     from pdgrpc.rpc.certs import write_token
     from pdgrpc.rpc.channels import ChannelPool
-    from pdgrpc.rpc.security import _BEARER, _OPEN_METHODS, AUTH_HEADER, Security
+    from pdgrpc.rpc.roles import OPEN_METHODS
+    from pdgrpc.rpc.security import AUTH_HEADER, BEARER, Security
 
     class InterceptorTokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         """The check as it was: a grpc.aio server interceptor (allowed calls only here)."""
 
         def __init__(self, token: str) -> None:
-            self._expected = (_BEARER + token).encode()
+            self._expected = (BEARER + token).encode()
 
         async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
             handler = await continuation(details)
-            if handler is None or details.method in _OPEN_METHODS:
+            if handler is None or details.method in OPEN_METHODS:
                 return handler
             got = next((v for k, v in details.invocation_metadata or () if k == AUTH_HEADER), "")
             if hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got), self._expected):

@@ -50,7 +50,7 @@ Baselines, same byte count, two processes, median of as many iterations:
   ``sendall`` of one contiguous buffer, the receiver ``recv_into`` a preallocated buffer
   then replies one byte (same socket buffer sizes and TCP_NODELAY as the backend).
 * ``rdma``: plain ``ucxx`` tag send/recv between worker-address endpoints
-  (:class:`pdgrpc.bench._ucx_baseline.RawUcx`; ucxx is imported only in its two
+  (:class:`pdgrpc.bench.ucx_baseline.RawUcx`; ucxx is imported only in its two
   processes).
 
 Both raw pairs stay alive for the whole run, and each raw iteration runs right before
@@ -104,7 +104,7 @@ import torch
 from pdgrpc.bench._cuda_baseline import BASELINE_NAME as CUDA_BASELINE
 from pdgrpc.bench._cuda_baseline import add_device_argument, ipc_copy_baseline, placed, resolve_bench_device
 from pdgrpc.bench._tcp_baseline import RawTcp
-from pdgrpc.bench._ucx_baseline import RawUcx  # imports nothing of UCX in this process
+from pdgrpc.bench.ucx_baseline import RawUcx  # imports nothing of UCX in this process
 from pdgrpc.bench.report import Result
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry

@@ -7,7 +7,7 @@ left out) on its own thread and returns the bound port and a ``stop`` callable.
 ``stop`` shuts the listener down and joins its thread and every request thread, so a
 stopped server leaves no thread behind. It is idempotent and normally returns within
 0.1 s; a client that connected and sends nothing is cut off by the per-connection
-timeout (5 s), the longest ``stop`` can block. From async code that cannot afford that
+timeout (``request_timeout_s``, 5 s by default), the longest ``stop`` can block. From async code that cannot afford that
 worst case: ``await asyncio.to_thread(stop)``.
 
 Wiring a server's CLI takes three lines::
@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 
 __all__ = [
     "METRICS_PORT_HELP",
+    "WithoutCreated",
     "add_metrics_arguments",
     "derived_metrics_port",
     "start_metrics_from_args",
@@ -48,8 +49,6 @@ _REQUEST_TIMEOUT_S = 5.0
 
 
 class _Handler(WSGIRequestHandler):
-    timeout = _REQUEST_TIMEOUT_S
-
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base class name
         pass  # one access-log line per scrape would drown the request events
 
@@ -62,7 +61,7 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
 
-class _WithoutCreated(Collector):
+class WithoutCreated(Collector):
     """The registry minus prometheus-client's ``*_created`` timestamp series, which the
     text format exposes as one extra gauge family per counter and histogram: they double
     the page and say nothing an operator of these servers uses."""
@@ -77,9 +76,9 @@ class _WithoutCreated(Collector):
                 m = _copy(m, kept)
             yield m
 
-    def restricted_registry(self, names: Iterable[str]) -> "_WithoutCreated":
+    def restricted_registry(self, names: Iterable[str]) -> "WithoutCreated":
         # make_wsgi_app calls this for ?name[]=... scrapes.
-        return _WithoutCreated(self._registry.restricted_registry(names))
+        return WithoutCreated(self._registry.restricted_registry(names))
 
 
 def _copy(m: Metric, samples: list[Any]) -> Metric:
@@ -96,15 +95,21 @@ def _family_for(host: str) -> socket.AddressFamily:
     return infos[0][0]
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> tuple[int, Callable[[], None]]:
-    """Serve ``registry`` on ``http://host:port/metrics`` (``port`` 0: a free one).
+def start_metrics_server(
+    registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, request_timeout_s: float = _REQUEST_TIMEOUT_S,
+) -> tuple[int, Callable[[], None]]:
+    """Serve ``registry`` on ``http://host:port/metrics`` (``port`` 0: a free one); a
+    connection idle for ``request_timeout_s`` is dropped.
 
     Returns ``(bound_port, stop)``. Raises ``OSError`` when the address is taken."""
 
     class Server(_Server):
         address_family = _family_for(host)
 
-    httpd = make_server(host, port, make_wsgi_app(_WithoutCreated(registry)), Server, handler_class=_Handler)
+    class Handler(_Handler):
+        timeout = request_timeout_s
+
+    httpd = make_server(host, port, make_wsgi_app(WithoutCreated(registry)), Server, handler_class=Handler)
     bound = int(httpd.server_address[1])
     # Daemon: a server that exits without calling stop() must not hang on this thread.
     # poll_interval bounds how long shutdown() waits for the loop to notice.

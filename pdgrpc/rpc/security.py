@@ -48,6 +48,7 @@ from pdgrpc.rpc.roles import GATEWAY, OPEN_METHODS, ROLE_URI, ROLES, callers
 
 __all__ = [
     "AUTH_HEADER",
+    "BEARER",
     "Security",
     "add_security_arguments",
     "current",
@@ -67,7 +68,8 @@ __all__ = [
 log = logging.getLogger("pdgrpc.rpc.security")
 
 AUTH_HEADER = "authorization"
-_BEARER = "Bearer "
+# The scheme before the token in the AUTH_HEADER value, as HTTP spells bearer tokens.
+BEARER = "Bearer "
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -186,7 +188,7 @@ class Security:
         """What each call carries to prove its caller where no interceptor runs (the local
         socket, :mod:`pdgrpc.rpc.local`): the bearer token, if any."""
         token = self.token
-        return ((AUTH_HEADER, _BEARER + token),) if token else ()
+        return ((AUTH_HEADER, BEARER + token),) if token else ()
 
     def client_interceptors(self) -> list[Any]:
         token = self.token
@@ -287,7 +289,7 @@ class _Gate:
     every credential it presents names; a credential naming no role names every role."""
 
     def __init__(self, token: str, digests: dict[bytes, str] | None, *, mtls: bool) -> None:
-        self._expected = (_BEARER + token).encode() if token else b""
+        self._expected = (BEARER + token).encode() if token else b""
         self._digests = digests
         self._mtls = mtls
 
@@ -313,7 +315,7 @@ class _Gate:
         roles: frozenset[str] | None = None
         if self._digests is not None:
             got = _bearer(context)
-            role = self._digests.get(hashlib.sha256(got[len(_BEARER):]).digest()) if got.startswith(_BEARER.encode()) else None
+            role = self._digests.get(hashlib.sha256(got[len(BEARER):]).digest()) if got.startswith(BEARER.encode()) else None
             if role is None:
                 return grpc.StatusCode.UNAUTHENTICATED, _DENIED
             roles = frozenset({role})
@@ -461,7 +463,7 @@ class _TokenSend:
     kind below: a grpc.aio channel files each interceptor under the first kind it is)."""
 
     def __init__(self, token: str) -> None:
-        self._header = (AUTH_HEADER, _BEARER + token)
+        self._header = (AUTH_HEADER, BEARER + token)
 
     def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(d.metadata or ()), self._header)

@@ -1,4 +1,4 @@
-"""``rdma``: KV pages over UCX (its C API, see :mod:`._ucx`), straight into the destination tensors.
+"""``rdma``: KV pages over UCX (its C API, see :mod:`.ucx`), straight into the destination tensors.
 
 Endpoints are created from the peer's **UCX worker address**, which travels in the
 descriptor (``Descriptor.endpoint``). That lets UCX choose the best path per peer: shared
@@ -37,7 +37,7 @@ Options (seconds, bytes, counts):
 * ``quiet_sends`` (1; 0: off): while a large write's data is being read, the sender
   polls once per loop tick instead of asking to be woken for every message the
   receiver has read, which spares the receiver one wake-up signal per message
-  (:mod:`pdgrpc.transport._ucx_quiet`);
+  (:mod:`pdgrpc.transport.ucx_quiet`);
 * ``write_ahead`` (1; 0: off): ``prepare_write`` sends its WRITEs at once, so the
   receiver checks them and posts its receives while the sender's data is computed
   (``WRITE_AHEAD`` in :mod:`pdgrpc.transport.rdma_wire`); off, the WRITEs go with the data.
@@ -58,7 +58,7 @@ import struct
 from typing import Any, Awaitable, Callable, Sequence
 
 from pdgrpc.errors import ConfigError, TransportError
-from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, UcxWorker
+from pdgrpc.transport.ucx import UCS_ERR_CANCELED, UCS_OK, UcxWorker
 from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, Peer, RoomGrant, Transport, WriteOp
 from pdgrpc.transport.liveness import Liveness
 from pdgrpc.transport.rdma_recv import RdmaReceiver

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pdgrpc.errors import UnauthorizedWrite
-from pdgrpc.transport._ucx import (
+from pdgrpc.transport.ucx import (
     FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, Pieces, UcxError, UcxWorker,
 )
 from pdgrpc.transport.base import RegionInfo, RoomGrant

@@ -16,7 +16,7 @@ import numpy as np
 from pdgrpc.errors import ConfigError, PeerFailure
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import peerauth
-from pdgrpc.transport._ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
+from pdgrpc.transport.ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
 from pdgrpc.transport.base import BadDescriptor, Descriptor, Peer, WriteOp, WriteOps, check_source_ops
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_wire import (

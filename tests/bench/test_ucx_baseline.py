@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pdgrpc.bench._ucx_baseline import RawUcx, run_baselines
+from pdgrpc.bench.ucx_baseline import RawUcx, run_baselines
 from pdgrpc.errors import TransportError
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,59 +15,28 @@ last, since the cluster does not restart it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import os
 import re
 import signal
-from pathlib import Path
-from typing import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
 
-from pdgrpc.cluster import Cluster, load_topology
+from pdgrpc.cluster import Cluster
 from pdgrpc.cluster.client import generate
 from tests.scrape import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from tests.e2e.faulty import HEARTBEAT_S, LEASE_S
-from tests.e2e.harness import HELD_FIELDS, skip_unless_transport
+from tests.e2e.harness import skip_unless_transport
+from tests.e2e.process_faults import (
+    FREE_WITHIN_S, PROMPT, WRAPPERS, faulty_cluster, held, kill_prefill_worker_mid_transfer, log_of, mid_transfer,
+    serves_again,
+)
 from tests.eventually import eventually_async
 from tests.prefill.procs import child_pids
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
-
-REPO = Path(__file__).resolve().parents[2]
-# The issue's functional bound: what a dead peer held is free again this soon.
-FREE_WITHIN_S = 2.0
-# The prefill's and the decode's transports, by the cluster's transport.
-WRAPPERS = {"tcp": "tests.e2e.faulty:SlowSenderTcp", "rdma": "tests.e2e.faulty:SlowSenderRdma"}
-DECODE_WRAPPERS = {"tcp": "tests.e2e.faulty:ShortLeaseTcp", "rdma": "tests.e2e.faulty:ShortLeaseRdma"}
-PROMPT = (256, *b"disaggregated serving moves KV pages")
-
-
-@contextlib.asynccontextmanager
-async def faulty_cluster(transport: str, topology_name: str, log_dir: Path) -> AsyncIterator[Cluster]:
-    """``topology_name`` over ``transport`` with the test-only slow sender on the prefill
-    (respawning its worker after 1 s at most) and the short-lease receiver on the decode;
-    the router never has a decode prefill a prompt itself, so every request is a transfer."""
-    topology = load_topology(topology_name)
-    procs = tuple(
-        dataclasses.replace(p, args={**p.args, "transport": WRAPPERS[transport], "worker-respawn-max-backoff": 1})
-        if p.role == "prefill"
-        else dataclasses.replace(p, args={**p.args, "transport": DECODE_WRAPPERS[transport], "decode-prefix-cache": True})
-        if p.role == "decode"
-        else dataclasses.replace(p, args={**p.args, "local-prefill-tokens": 0}) if p.role == "router" else p
-        for p in topology.processes
-    )
-    topology = dataclasses.replace(topology, processes=procs)
-    env = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
-        "PDGRPC_TEST_MARKER_DIR": str(log_dir),
-    }
-    async with Cluster(topology, transport=transport, log_dir=log_dir, start_timeout=180, metrics=True, extra_env=env) as c:
-        yield c
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(WRAPPERS))
@@ -77,61 +46,13 @@ async def cluster(request, tmp_path_factory):
         yield c
 
 
-def _log(cluster: Cluster, name: str) -> str:
-    return cluster.procs[name].log_path.read_text(errors="replace")
-
-
-async def _mid_transfer(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub) -> asyncio.Task:
-    """Start a request; return once its pages are sent and its row is held back."""
-    before = len(re.findall(r"slow sender: room=\d+ pages sent", _log(cluster, "prefill")))
-    task = asyncio.ensure_future(generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60))
-
-    def writing() -> bool:
-        return len(re.findall(r"slow sender: room=\d+ pages sent", _log(cluster, "prefill"))) > before or task.done()
-
-    await eventually_async(writing, 60, 0.02, "the prefill sent the pages and holds the row")
-    assert not task.done(), task.result()
-    return task
-
-
-async def _held(cluster: Cluster, name: str, seen: dict) -> bool:
-    stats = await cluster.stats(name)
-    seen.clear()
-    seen.update({f: getattr(stats, f) for f in HELD_FIELDS if getattr(stats, f)})
-    return not seen
-
-
-async def _kill_prefill_worker_mid_transfer(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub) -> int:
-    task = await _mid_transfer(cluster, router)
-    (worker,) = child_pids(cluster.procs["prefill"].pid)
-    os.kill(worker, signal.SIGKILL)
-    with pytest.raises(grpc.aio.AioRpcError) as ei:
-        await asyncio.wait_for(task, 30)
-    assert ei.value.code() is grpc.StatusCode.UNAVAILABLE, ei.value
-    return worker
-
-
-async def _serves_again(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub, expected: tuple[int, ...]) -> None:
-    """Without intervention the controller starts the worker again, and it serves."""
-    async def serves() -> bool:
-        try:
-            again = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
-            return False
-        assert again.token_ids == expected
-        return True
-
-    await eventually_async(serves, 60, 0.5, "the prefill serves again after its worker was killed")
-
-
 # Per cluster: the prefill worker the xfail test killed, and the tokens PROMPT got before.
 _KILLED: dict[int, tuple[int, tuple[int, ...]]] = {}
 
 
 async def _kill_once(cluster: Cluster, router: generate_pb2_grpc.GenerateServiceStub) -> tuple[int, tuple[int, ...]]:
     first = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60)
-    _KILLED[id(cluster)] = (await _kill_prefill_worker_mid_transfer(cluster, router), first.token_ids)
+    _KILLED[id(cluster)] = (await kill_prefill_worker_mid_transfer(cluster, router), first.token_ids)
     return _KILLED[id(cluster)]
 
 
@@ -141,13 +62,13 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_the_decode_within_2s(cl
         await _kill_once(cluster, router)
         seen: dict = {}
         await eventually_async(
-            lambda: _held(cluster, "decode", seen), FREE_WITHIN_S, 0.05,
+            lambda: held(cluster, "decode", seen), FREE_WITHIN_S, 0.05,
             lambda: f"decode still holds after the prefill worker's SIGKILL: {seen} (the issue's bound); "
-            f"the decode's log ends: {_log(cluster, 'decode').splitlines()[-25:]}",
+            f"the decode's log ends: {log_of(cluster, 'decode').splitlines()[-25:]}",
         )
         # The killed transfer was a delta: the decode held PROMPT's full pages from the
         # request before it, and unlocked them.
-        allocated = re.findall(r"pages allocated .*?cached_pages=(\d+)", _log(cluster, "decode"))
+        allocated = re.findall(r"pages allocated .*?cached_pages=(\d+)", log_of(cluster, "decode"))
         assert allocated[-1] == str(len(PROMPT) // 16), allocated
         # "A peer's death is counted as peer_failure" (the issue), on the decode too.
         counters = await asyncio.to_thread(scrape, cluster.metrics_endpoints()["decode"])
@@ -160,12 +81,12 @@ async def test_prefill_worker_sigkill_mid_transfer_then_the_prefill_serves_again
     async with grpc.aio.insecure_channel(cluster.router_address) as ch:
         router = generate_pb2_grpc.GenerateServiceStub(ch)
         worker, expected = _KILLED.get(id(cluster)) or await _kill_once(cluster, router)
-        await _serves_again(cluster, router, expected)
+        await serves_again(cluster, router, expected)
         assert child_pids(cluster.procs["prefill"].pid) != [worker]
         seen: dict = {}
         # Bounded by the replacement's registration (which ends the quarantine), not the lease.
-        await eventually_async(lambda: _held(cluster, "decode", seen), 10, 0.1, lambda: f"decode still holds: {seen}")
-        await eventually_async(lambda: _held(cluster, "prefill", seen), 10, 0.1, lambda: f"prefill still holds: {seen}")
+        await eventually_async(lambda: held(cluster, "decode", seen), 10, 0.1, lambda: f"decode still holds: {seen}")
+        await eventually_async(lambda: held(cluster, "prefill", seen), 10, 0.1, lambda: f"prefill still holds: {seen}")
         cluster.check()
 
 
@@ -176,7 +97,7 @@ async def _sigstop_mid_transfer(cluster: Cluster, pid: int, survivor: str) -> No
     async with grpc.aio.insecure_channel(cluster.router_address) as ch:
         router = generate_pb2_grpc.GenerateServiceStub(ch)
         first = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60)
-        task = await _mid_transfer(cluster, router)
+        task = await mid_transfer(cluster, router)
         os.kill(pid, signal.SIGSTOP)
         try:
             rooms: dict = {}
@@ -196,10 +117,10 @@ async def _sigstop_mid_transfer(cluster: Cluster, pid: int, survivor: str) -> No
             os.kill(pid, signal.SIGCONT)
         with pytest.raises(grpc.aio.AioRpcError):
             await asyncio.wait_for(task, 30)
-        await _serves_again(cluster, router, first.token_ids)
+        await serves_again(cluster, router, first.token_ids)
         seen: dict = {}
-        await eventually_async(lambda: _held(cluster, "decode", seen), 10, 0.1, lambda: f"decode still holds: {seen}")
-        await eventually_async(lambda: _held(cluster, "prefill", seen), 10, 0.1, lambda: f"prefill still holds: {seen}")
+        await eventually_async(lambda: held(cluster, "decode", seen), 10, 0.1, lambda: f"decode still holds: {seen}")
+        await eventually_async(lambda: held(cluster, "prefill", seen), 10, 0.1, lambda: f"prefill still holds: {seen}")
         cluster.check()
 
 
@@ -217,14 +138,14 @@ async def test_decode_sigstop_longer_than_the_lease(cluster):
 async def test_decode_sigkill_mid_transfer_frees_the_prefill(cluster):
     async with grpc.aio.insecure_channel(cluster.router_address) as ch:
         router = generate_pb2_grpc.GenerateServiceStub(ch)
-        task = await _mid_transfer(cluster, router)
+        task = await mid_transfer(cluster, router)
         assert (await cluster.stats("prefill")).transport_rooms == 1
         decode_pid = cluster.procs["decode"].pid
         assert decode_pid is not None
         os.kill(decode_pid, signal.SIGKILL)
         seen: dict = {}
         await eventually_async(
-            lambda: _held(cluster, "prefill", seen), FREE_WITHIN_S, 0.05,
+            lambda: held(cluster, "prefill", seen), FREE_WITHIN_S, 0.05,
             lambda: f"prefill still holds after the decode's SIGKILL: {seen} (the issue's bound)",
         )
         with pytest.raises(grpc.aio.AioRpcError):

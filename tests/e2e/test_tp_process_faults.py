@@ -23,8 +23,8 @@ from tests.scrape import scrape
 from pdgrpc.v1 import generate_pb2_grpc
 from pdgrpc.cluster.client import generate
 from tests.e2e.harness import skip_unless_transport
-from tests.e2e.test_process_faults import (
-    FREE_WITHIN_S, PROMPT, WRAPPERS, _held, _kill_prefill_worker_mid_transfer, _serves_again, faulty_cluster,
+from tests.e2e.process_faults import (
+    FREE_WITHIN_S, PROMPT, WRAPPERS, faulty_cluster, held, kill_prefill_worker_mid_transfer, serves_again,
 )
 from tests.eventually import eventually_async
 
@@ -57,11 +57,11 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_a_tp2_decode_within_2s(
     async with grpc.aio.insecure_channel(cluster.router_address) as ch:
         router = generate_pb2_grpc.GenerateServiceStub(ch)
         first = await generate(router, input_ids=PROMPT, max_new_tokens=4, timeout=60)
-        await _kill_prefill_worker_mid_transfer(cluster, router)
+        await kill_prefill_worker_mid_transfer(cluster, router)
         seen: dict = {}
 
         async def free() -> bool:
-            if not await _held(cluster, "decode", seen):
+            if not await held(cluster, "decode", seen):
                 return False
             seen.update(await asyncio.to_thread(_follower_holds, cluster))
             return not seen
@@ -73,7 +73,7 @@ async def test_prefill_worker_sigkill_mid_transfer_frees_a_tp2_decode_within_2s(
         counters = await asyncio.to_thread(scrape, cluster.metrics_endpoints()["decode"])  # rank 0 counts outcomes
         assert counters.value("pdgrpc_aborts_total", role="decode", reason="peer_failure") == 1
         # The reused pages serve the next requests once the replacement registered.
-        await _serves_again(cluster, router, tuple(first.token_ids))
+        await serves_again(cluster, router, tuple(first.token_ids))
         for name in ("decode", "prefill"):
-            await eventually_async(lambda: _held(cluster, name, seen), 10, 0.1, lambda: f"{name} still holds: {seen}")
+            await eventually_async(lambda: held(cluster, name, seen), 10, 0.1, lambda: f"{name} still holds: {seen}")
         cluster.check()

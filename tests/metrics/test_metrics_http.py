@@ -24,8 +24,6 @@ from pdgrpc.metrics import (
 from pdgrpc.state import AbortReason
 from tests.scrape import Scrape
 
-from pdgrpc.metrics.endpoint import _Handler
-
 from .conftest import scrape_text
 
 
@@ -100,13 +98,12 @@ def test_stop_does_not_wait_for_an_idle_listener() -> None:
     assert time.monotonic() - t < 1.0
 
 
-def test_stop_cuts_off_a_client_that_never_sends_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_cuts_off_a_client_that_never_sends_a_request() -> None:
     # A connection that sends nothing holds a request thread; stop() must still return
     # (after the per-connection timeout) and leave no thread behind.
-    monkeypatch.setattr(_Handler, "timeout", 0.5)
     before = set(threading.enumerate())
     m = DecodeMetrics(transport="fake")
-    port, stop = start_metrics_server(m.registry)
+    port, stop = start_metrics_server(m.registry, request_timeout_s=0.5)
     with socket.create_connection(("127.0.0.1", port)) as idle:
         deadline = time.monotonic() + 2
         while len(set(threading.enumerate()) - before) < 2 and time.monotonic() < deadline:

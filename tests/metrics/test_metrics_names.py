@@ -73,7 +73,7 @@ def test_transfer_latency_buckets_span_sub_millisecond_to_tens_of_seconds() -> N
 def _every_role_on_one_registry() -> Scrape:
     from prometheus_client.exposition import generate_latest
 
-    from pdgrpc.metrics.endpoint import _WithoutCreated
+    from pdgrpc.metrics.endpoint import WithoutCreated
 
     d = DecodeMetrics(transport="tcp")
     p = PrefillMetrics(d.registry, transport="tcp")
@@ -83,7 +83,7 @@ def _every_role_on_one_registry() -> Scrape:
     for m in (d, p, b, r):
         m.bind(lambda: full)
     r.on_first_token(0.1)
-    return Scrape(generate_latest(_WithoutCreated(d.registry)).decode())
+    return Scrape(generate_latest(WithoutCreated(d.registry)).decode())
 
 
 def test_exposition_matches_the_catalog_exactly() -> None:

@@ -87,10 +87,10 @@ async def test_unknown_option_is_a_config_error() -> None:
 
 
 def test_missing_ucx_libraries_raise_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdgrpc.transport import _ucx_api
+    from pdgrpc.transport import ucx_api
 
     monkeypatch.setitem(sys.modules, "libucx", None)  # import now fails
-    monkeypatch.setattr(_ucx_api, "_API", None)
+    ucx_api.api.cache_clear()  # the next use loads libucp again, and finds libucx gone
     with pytest.raises(TransportUnavailable, match=r"pip install 'pdgrpc\[ucx\]'"):
         registry.create("rdma")
 

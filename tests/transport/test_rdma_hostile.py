@@ -8,10 +8,9 @@ reaches a worker can send it control messages: one without its connection's key
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -19,33 +18,12 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Descriptor, RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.testing.peer import Layout
 
 from tests.eventually import eventually_async
+from tests.transport.rdma_pair import LAYOUT, paired
 
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 pytestmark = pytest.mark.timeout(120)
-
-LAYOUT = Layout(layers=2, pages=16, slots=4)
-
-
-@contextlib.asynccontextmanager
-async def _paired() -> AsyncIterator[tuple[Any, Any, Any, Any, bytes, Any]]:
-    """A connected rdma pair, closed on the way out: (recv, send, send_regions, peer,
-    recv descriptor, recv_regions)."""
-    recv_regions, _ = LAYOUT.build(None)
-    send_regions, _ = LAYOUT.build(7)
-    # a long lease: whatever is closed in these tests is closed for a reason, not for silence
-    recv, send = registry.create("rdma", liveness_lease=30.0), registry.create("rdma", liveness_lease=30.0)
-    try:
-        desc = await recv.register(recv_regions)
-        await send.register(send_regions)
-        peer = await send.connect(desc)
-        yield recv, send, send_regions, peer, desc, recv_regions
-    finally:
-        await send.close()
-        await recv.close()
-
 
 def _forged_liveness_hello(address: str, claimed_id: str, info: bytes, proof: bytes = b"\x00" * 32) -> socket.socket:
     """A liveness link claiming ``claimed_id``, its hello sent at once with ``proof``
@@ -74,7 +52,7 @@ def _closed_by_peer(s: socket.socket, timeout: float = 5.0) -> bool:
 
 
 async def test_a_forged_liveness_hello_is_closed_and_does_not_drop_the_real_sender() -> None:
-    async with _paired() as (recv, send, send_regions, peer, desc, _recv_regions):
+    async with paired() as (recv, send, send_regions, peer, desc, _recv_regions):
         pairs = region_pairs(send_regions, peer.descriptor.regions)
         meta = metadata_op(send_regions[-1], 0, peer.descriptor.region(METADATA_REGION_ID), 1)
         room = 41
@@ -134,7 +112,7 @@ async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> No
 async def test_control_messages_from_the_future_are_kept_only_up_to_a_bound() -> None:
     from pdgrpc.transport.rdma_wire import COMMON, EARLY_MAX, WRITE
 
-    async with _paired() as (recv, send, send_regions, peer, desc, _recv_regions):
+    async with paired() as (recv, send, send_regions, peer, desc, _recv_regions):
         [conn] = recv.receiver.connections
         for k in range(2 * EARLY_MAX):  # what a forger with the (guessable) conn id can send
             recv.receiver.on_ctrl(COMMON.pack(WRITE, conn.conn_id, conn.next_seq + 5 + k, conn.key) + b"\0" * 64)
@@ -153,10 +131,10 @@ async def test_a_forged_metadata_row_from_an_unproven_ucx_endpoint_changes_nothi
     import numpy as np
     import torch
 
-    from pdgrpc.transport._ucx import UcxWorker
+    from pdgrpc.transport.ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import COMMON, KIND_CTRL, META, META_BODY, ctrl_tag
 
-    async with _paired() as (recv, send, send_regions, peer, desc, recv_regions):
+    async with paired() as (recv, send, send_regions, peer, desc, recv_regions):
         forger = UcxWorker()
         forger.start()
         try:
@@ -193,7 +171,7 @@ async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> No
 
     from pdgrpc.transport.rdma_wire import COMMON, OP_DTYPE, WRITE, WRITE_BODY
 
-    async with _paired() as (recv, send, _send_regions, _peer, _desc, _recv_regions):
+    async with paired() as (recv, send, _send_regions, _peer, _desc, _recv_regions):
         [conn] = recv.receiver.connections
         before = recv.pending_requests
         n = 4096
@@ -208,7 +186,7 @@ async def test_a_forged_write_for_an_unknown_connection_posts_no_receive() -> No
 async def test_a_forged_reply_changes_no_room_on_the_sender() -> None:
     from pdgrpc.transport.rdma_wire import ACK, COMMON, NACK, NACK_BODY, ROOM_BODY
 
-    async with _paired() as (recv, send, _send_regions, _peer, _desc, _recv_regions):
+    async with paired() as (recv, send, _send_regions, _peer, _desc, _recv_regions):
         [conn] = send.sender.connections
         conn.rooms.add(5)
         send.rooms.create(5, KVPoll.TRANSFERRING)
@@ -228,10 +206,10 @@ async def test_data_messages_from_an_unproven_endpoint_do_not_land_even_with_the
     import numpy as np
     import torch
 
-    from pdgrpc.transport._ucx import UcxWorker
+    from pdgrpc.transport.ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import data_tag
 
-    async with _paired() as (recv, send, send_regions, peer, desc, recv_regions):
+    async with paired() as (recv, send, send_regions, peer, desc, recv_regions):
         forger = UcxWorker()
         forger.start()
         try:
@@ -267,10 +245,10 @@ async def test_stray_messages_for_nobody_are_dropped_from_ucxs_queue() -> None:
 
     import numpy as np
 
-    from pdgrpc.transport._ucx import UcxWorker
+    from pdgrpc.transport.ucx import UcxWorker
     from pdgrpc.transport.rdma_wire import KIND_DATA, KIND_SHIFT
 
-    async with _paired() as (recv, send, send_regions, peer, desc, _recv_regions):
+    async with paired() as (recv, send, send_regions, peer, desc, _recv_regions):
         forger = UcxWorker()
         forger.start()
         try:

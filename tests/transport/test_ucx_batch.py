@@ -1,4 +1,4 @@
-"""UCX batches (pdgrpc.transport._ucx_batch through UcxWorker.send_batch/recv_batch):
+"""UCX batches (pdgrpc.transport.ucx_batch through UcxWorker.send_batch/recv_batch):
 one completion per batch, in posting order, whatever order the messages land in; a
 truncated or cancelled message is reported at its own index; a cancelled or closed
 batch leaves nothing pending. Two real UCX workers in this process, talking over
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 
-from pdgrpc.transport._ucx import (  # noqa: E402  (after the importorskip)
+from pdgrpc.transport.ucx import (  # noqa: E402  (after the importorskip)
     UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, api as ucx_api,
 )
 from tests.transport.ucx_pair import Pair, runs_of, until  # noqa: E402
@@ -116,7 +116,7 @@ async def test_a_cancelled_batch_completes_once_and_leaves_nothing_pending(pair:
 
 
 async def test_closing_a_worker_with_a_pending_batch_frees_it() -> None:
-    from pdgrpc.transport._ucx_api import PARKED
+    from pdgrpc.transport.ucx_api import PARKED
 
     parked = len(PARKED)
     async with Pair() as p:

@@ -10,14 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-ucx = pytest.importorskip("pdgrpc.transport._ucx", reason="needs the ucx extra: pip install 'pdgrpc[ucx]'")
+ucx = pytest.importorskip("pdgrpc.transport.ucx", reason="needs the ucx extra: pip install 'pdgrpc[ucx]'")
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra")
-from tests.transport.test_ucx_quiet import _CountingApi  # noqa: E402  (after the importorskips)
-from tests.transport.ucx_pair import Pair, until  # noqa: E402
+from tests.transport.ucx_pair import CountingApi, Pair, until  # noqa: E402  (after the importorskips)
 
 
 async def test_an_idle_worker_does_not_wake_until_a_message_arrives() -> None:
-    counting = _CountingApi(ucx.api())
+    counting = CountingApi(ucx.api())
     async with Pair(tx_functions=counting) as pair:
         inbox = np.zeros(64, dtype=np.uint8)
         got: list[Any] = []
@@ -37,7 +36,7 @@ async def test_an_idle_worker_does_not_wake_until_a_message_arrives() -> None:
 async def test_a_worker_waiting_for_data_sleeps_through_the_wait() -> None:
     """A data receive posted ahead of the sender's compute waits as long as the compute
     takes: the worker sleeps on its fd through it, and the data wakes it."""
-    counting = _CountingApi(ucx.api())
+    counting = CountingApi(ucx.api())
     async with Pair(tx_functions=counting) as pair:
         dst = np.zeros(1 << 16, dtype=np.uint8)
         got: list[Any] = []
@@ -56,9 +55,9 @@ async def test_a_worker_waiting_for_data_sleeps_through_the_wait() -> None:
 async def test_an_idle_rdma_transport_does_not_sweep() -> None:
     """The receiver sweeps stray messages from UCX's queue only after UCX progressed
     (tests/transport/test_rdma_hostile.py: strays are still dropped)."""
-    from tests.transport.test_rdma_hostile import _paired
+    from tests.transport.rdma_pair import paired
 
-    async with _paired() as (recv, *_):
+    async with paired() as (recv, *_):
         receiver = recv.receiver
         sweep = receiver.sweep
         sweeps: list[int] = []

@@ -1,4 +1,4 @@
-"""The quiet window of a sender's UCX worker (pdgrpc.transport._ucx_quiet): while a
+"""The quiet window of a sender's UCX worker (pdgrpc.transport.ucx_quiet): while a
 large send batch is being read, the sender polls once per loop tick instead of asking
 UCX to wake it for every message read, and goes back to sleeping armed in time for the
 end of the batch. The policy is pure and tested without a socket; the worker's use of it
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pdgrpc.transport._ucx_quiet import MARGIN_S, MIN_BYTES, QuietSends
+from pdgrpc.transport.ucx_quiet import MARGIN_S, MIN_BYTES, QuietSends
 
 MiB = 1 << 20
 
@@ -86,37 +86,18 @@ def test_a_closed_endpoint_is_forgotten() -> None:
 
 # -- the worker, two real UCX workers ------------------------------------------------------
 
-ucx = pytest.importorskip("pdgrpc.transport._ucx", reason="needs the ucx extra: pip install 'pdgrpc[ucx]'")
+ucx = pytest.importorskip("pdgrpc.transport.ucx", reason="needs the ucx extra: pip install 'pdgrpc[ucx]'")
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra")
-from tests.transport.ucx_pair import Pair, runs_of, until  # noqa: E402  (after the importorskips)
-
-
-class _CountingApi:
-    """The worker's UCX API with ``worker_arm`` (how often it asked to be woken) and
-    ``worker_progress`` counted."""
-
-    def __init__(self, api: Any) -> None:
-        self._api, self.arms, self.progress = api, 0, 0
-
-    def worker_arm(self, worker: int) -> int:
-        self.arms += 1
-        return int(self._api.worker_arm(worker))
-
-    def worker_progress(self, worker: int) -> int:
-        self.progress += 1
-        return int(self._api.worker_progress(worker))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._api, name)
+from tests.transport.ucx_pair import CountingApi, Pair, runs_of, until  # noqa: E402  (after the importorskips)
 
 
 @pytest.fixture
-def counting() -> _CountingApi:
-    return _CountingApi(ucx.api())
+def counting() -> CountingApi:
+    return CountingApi(ucx.api())
 
 
 @pytest.fixture
-async def pair(counting: _CountingApi) -> AsyncIterator[Pair]:
+async def pair(counting: CountingApi) -> AsyncIterator[Pair]:
     async with Pair(tx_functions=counting) as p:
         yield p
 
@@ -148,7 +129,7 @@ async def _batch(pair: Pair, n: int, tag0: int, *, received_after: float = 0.0,
 
 
 async def test_a_sender_in_its_window_polls_unarmed_and_still_sees_its_batch_end(
-        pair: Pair, counting: _CountingApi) -> None:
+        pair: Pair, counting: CountingApi) -> None:
     window = pair.tx.quiet
     await _batch(pair, 8, 0x100)  # learns this endpoint's rate
     assert window is not None and window.learned
@@ -163,14 +144,14 @@ async def test_a_sender_in_its_window_polls_unarmed_and_still_sees_its_batch_end
     assert not window.quiet(time.monotonic())  # nothing in flight: the window closed
 
 
-async def test_without_a_window_the_sender_sleeps_armed(counting: _CountingApi) -> None:
+async def test_without_a_window_the_sender_sleeps_armed(counting: CountingApi) -> None:
     async with Pair(tx_functions=counting, quiet_sends=False) as pair:
         assert pair.tx.quiet is None
         await _batch(pair, 8, 0x100, received_after=0.05)
     assert counting.arms > 0
 
 
-async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair, counting: _CountingApi) -> None:
+async def test_a_receive_posted_in_the_window_is_served_at_once(pair: Pair, counting: CountingApi) -> None:
     """A worker that also receives data must not leave it waiting for ticks: posting a
     receive ends the quiet sleep, and a worker with one pending sleeps armed."""
     await _batch(pair, 4, 0x100)
@@ -210,7 +191,7 @@ def test_a_window_polls_once_per_tick_not_in_a_spin(loop: str) -> None:
         factory = uvloop.new_event_loop
 
     async def main() -> int:
-        counting = _CountingApi(ucx.api())
+        counting = CountingApi(ucx.api())
         async with Pair(tx_functions=counting) as pair:
             await _batch(pair, 4, 0x100)
             window = pair.tx.quiet
@@ -233,7 +214,7 @@ def test_a_window_polls_once_per_tick_not_in_a_spin(loop: str) -> None:
     assert 20 <= polls <= 1000, polls  # a tick of ~1 ms (and the loop's own slack), not a spin
 
 
-async def test_a_batch_abandoned_in_its_window_closes_the_window(pair: Pair, counting: _CountingApi) -> None:
+async def test_a_batch_abandoned_in_its_window_closes_the_window(pair: Pair, counting: CountingApi) -> None:
     """A receiver that hangs never reads the batch, and UCX cannot cancel a rendezvous
     send (with error handling off, not even by a forced endpoint close): the transport
     abandons it. The worker then has nothing to poll quietly for, and sleeps armed."""

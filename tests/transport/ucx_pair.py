@@ -1,5 +1,5 @@
 """Two real UCX workers in this process, talking over UCX's shared-memory transports:
-the fixture of the ``_ucx`` worker tests (batches, quiet windows)."""
+the fixture of the ``ucx`` worker tests (batches, quiet windows)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,26 @@ from typing import Any
 
 import numpy as np
 
-from pdgrpc.transport._ucx import UcxWorker
+from pdgrpc.transport.ucx import UcxWorker
+
+
+class CountingApi:
+    """The worker's UCX API with ``worker_arm`` (how often it asked to be woken) and
+    ``worker_progress`` counted."""
+
+    def __init__(self, api: Any) -> None:
+        self._api, self.arms, self.progress = api, 0, 0
+
+    def worker_arm(self, worker: int) -> int:
+        self.arms += 1
+        return int(self._api.worker_arm(worker))
+
+    def worker_progress(self, worker: int) -> int:
+        self.progress += 1
+        return int(self._api.worker_progress(worker))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
 
 
 class Pair:

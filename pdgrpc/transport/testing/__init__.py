@@ -57,7 +57,7 @@ from pdgrpc.transport.base import Descriptor, RoomGrant, Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID
 from pdgrpc.transport.testing.peer import Layout
 from pdgrpc.transport.testing._support import (
-    FAIL_DEADLINE_S, MEASURED, WAIT_S, _close, _expected_row, _row_room, _source, sender_peer,
+    FAIL_DEADLINE_S, MEASURED, WAIT_S, cached_source, close_transport, expected_row, row_room, sender_peer,
 )
 from pdgrpc.transport.testing.failures import FailureChecks
 
@@ -82,8 +82,8 @@ class TransportConformance(FailureChecks):
             with pytest.raises(TransportError):
                 a.t.poll(987654321)  # never seen
         finally:
-            await _close(a.t)
-            await _close(b.t)
+            await close_transport(a.t)
+            await close_transport(b.t)
 
     # ------------------------------------------------------------------ data path
     async def test_round_trip_random_page_lists(self) -> None:
@@ -125,7 +125,7 @@ class TransportConformance(FailureChecks):
                 assert nops[101] == 2 * layout.layers
                 for slot, (room, (src, dst)) in enumerate(cases.items()):
                     self._check_pages(recv, src, dst)
-                    assert torch.equal(recv.row(slot), _expected_row(layout, self.seed, slot, room))
+                    assert torch.equal(recv.row(slot), expected_row(layout, self.seed, slot, room))
                 self._check_pages(recv, c_src, c_dst)
                 # pages nobody was granted are untouched
                 granted = {p for dst in grants.values() for p in dst}
@@ -133,7 +133,7 @@ class TransportConformance(FailureChecks):
                     for p in set(range(layout.pages)) - granted:
                         assert not recv.page_bytes(rid, p).any(), f"page {p} of region {rid} was written"
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     async def test_prepared_write_sends_what_write_would(self) -> None:
         """``prepare_write`` ahead, the send later: the same pages land, and the row is
@@ -152,9 +152,9 @@ class TransportConformance(FailureChecks):
                 if not self._moves_bytes():
                     return
                 self._check_pages(recv, src, dst)
-                assert torch.equal(recv.row(2), _expected_row(layout, self.seed, 1, 77))
+                assert torch.equal(recv.row(2), expected_row(layout, self.seed, 1, 77))
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     async def test_metadata_row_lands_last(self) -> None:
         """Whenever a room's row is visible, all of that room's pages are already there."""
@@ -162,14 +162,14 @@ class TransportConformance(FailureChecks):
         layout = Layout(layers=8, pages=256, slots=32)
         recv = await self._local(layout, None)
         rooms = {1000 + i: (list(range(i * 8, i * 8 + 8)), i) for i in range(32)}
-        expected = {rid: _source(layout, rid, self.seed) for rid in layout.kv_region_ids()}
+        expected = {rid: cached_source(layout, rid, self.seed) for rid in layout.kv_region_ids()}
         violations: list[str] = []
         seen_rows = 0
 
         def check() -> None:
             nonlocal seen_rows
             for room, (pages, slot) in rooms.items():
-                if _row_room(recv.row(slot)) != room:
+                if row_room(recv.row(slot)) != room:
                     continue
                 seen_rows += 1
                 for rid in layout.kv_region_ids():
@@ -202,7 +202,7 @@ class TransportConformance(FailureChecks):
                 assert all(st.state is KVPoll.SUCCESS for st in got.values()), got
                 assert seen_rows >= len(rooms)
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     async def test_256_concurrent_rooms_on_one_connection(self) -> None:
         layout = Layout(layers=2, pages=512, slots=256, row_bytes=64)
@@ -230,9 +230,9 @@ class TransportConformance(FailureChecks):
                 if self._moves_bytes():
                     for room, (pages, slot) in rooms.items():
                         self._check_pages(recv, [(p * 7 + 3) % layout.pages for p in pages], pages)
-                        assert _row_room(recv.row(slot)) == room
+                        assert row_room(recv.row(slot)) == room
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     async def test_unauthorized_writes_are_rejected(self) -> None:
         self._require_bytes()
@@ -310,7 +310,7 @@ class TransportConformance(FailureChecks):
                             f"bytes landed in region {rid} item {item}, which no accepted write targeted"
                         )
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
 
 # The checks whose outcome does not depend on where the KV bytes live or how many

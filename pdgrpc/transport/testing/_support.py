@@ -1,5 +1,6 @@
 """Shared pieces of the conformance suite: the local side of a check, seeded region
-contents, and the helpers every check uses."""
+contents, and the helpers every check uses. The module is private to
+:mod:`pdgrpc.transport.testing` (its leading underscore); its names are that package's to use."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ WAIT_S = 60.0  # bound on any wait for something that should happen (not a speed
 MEASURED: list[tuple[str, str, float]] = []  # (backend, what, seconds)
 
 
-class _Local:
+class Local:
     """This process's side: a transport over a freshly built layout."""
 
     def __init__(self, backend: str, options: dict[str, Any], layout: Layout, seed: int | None) -> None:
@@ -32,7 +33,7 @@ class _Local:
         self.t: Transport = registry.create(backend, **options)
         self.descriptor = b""
 
-    async def start(self) -> "_Local":
+    async def start(self) -> "Local":
         self.descriptor = await self.t.register(self.regions)
         return self
 
@@ -49,19 +50,21 @@ class _Local:
 
 
 @functools.lru_cache(maxsize=64)
-def _source(layout: Layout, region_id: int, seed: int) -> torch.Tensor:
+def cached_source(layout: Layout, region_id: int, seed: int) -> torch.Tensor:
     """A seeded region's content (cached: checks compare many pages of few regions)."""
     return layout.source_bytes(region_id, seed)
 
 
-def _expected_row(layout: Layout, seed: int, src_slot: int, room: int) -> torch.Tensor:
+def expected_row(layout: Layout, seed: int, src_slot: int, room: int) -> torch.Tensor:
+    """The metadata row a receiver holds after ``room`` arrived from seeded slot ``src_slot``."""
     rb = layout.row_bytes
     row = layout.source_bytes(METADATA_REGION_ID, seed)[src_slot * rb : (src_slot + 1) * rb].clone()
     row[-ROOM_FIELD_BYTES:] = torch.tensor([room], dtype=torch.int64).view(torch.uint8)
     return row
 
 
-def _row_room(row: torch.Tensor) -> int:
+def row_room(row: torch.Tensor) -> int:
+    """The room a metadata row names."""
     return int(row[-ROOM_FIELD_BYTES:].clone().view(torch.int64)[0])
 
 
@@ -103,17 +106,17 @@ class ConformanceBase:
     def _placed(layout: Layout, device: str) -> Layout:
         return layout if device == "cpu" else dataclasses.replace(layout, device=device, huge_pages=False)
 
-    async def _local(self, layout: Layout, seed: int | None) -> _Local:
-        return await _Local(self._backend(), dict(self.options), self._placed(layout, self.device), seed).start()
+    async def _local(self, layout: Layout, seed: int | None) -> Local:
+        return await Local(self._backend(), dict(self.options), self._placed(layout, self.device), seed).start()
 
     def _peer(self, layout: Layout, seed: int | None) -> PeerProcess:
         placed = self._placed(layout, self.peer_device or self.device)
         return PeerProcess(self._backend(), layout=placed, seed=seed, options=dict(self.options))
 
-    def _check_pages(self, local: _Local, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
+    def _check_pages(self, local: Local, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
         lay = local.layout
         for rid in lay.kv_region_ids():
-            src = _source(lay, rid, self.seed)
+            src = cached_source(lay, rid, self.seed)
             ib = lay.item_bytes(rid)
             for s, d in zip(src_pages, dst_pages):
                 got = local.page_bytes(rid, d)
@@ -130,12 +133,12 @@ class ConformanceBase:
         return out
 
 
-def sender_peer(recv: _Local) -> str:
+def sender_peer(recv: Local) -> str:
     """The instance id a sender process uses to address ``recv`` (after connect)."""
     return recv.t.instance_id
 
 
-async def _close(t: Transport, timeout: float = 30.0) -> None:
+async def close_transport(t: Transport, timeout: float = 30.0) -> None:
     """Close a transport, bounded: a backend whose close hangs fails the test."""
     try:
         await asyncio.wait_for(t.close(), timeout)
@@ -143,7 +146,8 @@ async def _close(t: Transport, timeout: float = 30.0) -> None:
         raise AssertionError(f"{type(t).__name__}.close() did not finish within {timeout} s") from None
 
 
-async def _until(cond: Any, timeout: float = WAIT_S, step: float = 0.002) -> None:
+async def until(cond: Any, timeout: float = WAIT_S, step: float = 0.002) -> None:
+    """Wait for ``cond()`` to hold; AssertionError after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

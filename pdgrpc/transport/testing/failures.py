@@ -15,7 +15,7 @@ from pdgrpc.transport.base import Peer, RoomGrant, Transport
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.testing.peer import Layout, PeerProcess, digest, resource_counts
 from pdgrpc.transport.testing._support import (
-    FAIL_DEADLINE_S, MEASURED, WAIT_S, ConformanceBase, _close, _Local, _until, sender_peer,
+    FAIL_DEADLINE_S, MEASURED, WAIT_S, ConformanceBase, Local, close_transport, sender_peer, until,
 )
 
 
@@ -29,14 +29,14 @@ class FailureChecks(ConformanceBase):
         killed_at = time.monotonic()
         proc.kill()
         await proc.wait_dead()
-        await _until(lambda: all(t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
+        await until(lambda: all(t.poll(r) is KVPoll.FAILED for r in rooms), FAIL_DEADLINE_S * 5)
         took = time.monotonic() - killed_at
         MEASURED.append((self.backend, f"{side} notices killed {killed}", took))
         assert took <= FAIL_DEADLINE_S, f"rooms failed {took:.2f} s after the {killed} was killed"
         assert all(t.status(r).reason for r in rooms)
         assert all(t.status(r).peer_lost for r in rooms), [t.status(r) for r in rooms]
 
-    async def _check_room_lands(self, send: _Local, peer: Peer, recv: PeerProcess, room: int,
+    async def _check_room_lands(self, send: Local, peer: Peer, recv: PeerProcess, room: int,
                                 src: list[int], dst: list[int], slot: int, region: int) -> None:
         """``room`` written from this process to the receiver process ``recv`` (through
         ``peer``): pages ``src`` into ``dst`` and row ``slot`` into slot ``slot``. Both
@@ -70,7 +70,7 @@ class FailureChecks(ConformanceBase):
                     await sender.call("write_pages", sender_peer(recv), room, list(range(8)),
                                       list(range(i * 8, i * 8 + 8)), None)
                 if self._moves_bytes():
-                    await _until(lambda: all(recv.t.poll(r) is KVPoll.TRANSFERRING for r in rooms))
+                    await until(lambda: all(recv.t.poll(r) is KVPoll.TRANSFERRING for r in rooms))
                     await self._kill_then_rooms_fail(sender, "sender", recv.t, "receiver", rooms)
                 else:
                     sender.kill()
@@ -87,7 +87,7 @@ class FailureChecks(ConformanceBase):
                 if self._moves_bytes():
                     self._check_pages(recv, [1, 2], [40, 41])
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     async def test_receiver_killed_mid_transfer_fails_sender_rooms(self) -> None:
         self._require_bytes()  # a backend without a connection has no peer to lose
@@ -123,7 +123,7 @@ class FailureChecks(ConformanceBase):
             async with self._peer(layout, None) as fresh:
                 await self._check_room_lands(send, await send.t.connect(fresh.descriptor), fresh, 410, [20, 21], [5, 6], 2, 0)
         finally:
-            await _close(send.t)
+            await close_transport(send.t)
 
     async def test_fail_peer_hook_on_sender(self) -> None:
         """The control plane's liveness verdict fails that peer's rooms at once and the
@@ -141,7 +141,7 @@ class FailureChecks(ConformanceBase):
                 assert st.state is KVPoll.FAILED and "lease expired" in (st.reason or "") and st.peer_lost, st
                 await self._check_room_lands(send, await send.t.connect(recv.descriptor), recv, 502, [7, 8], [4, 5], 1, 1)
         finally:
-            await _close(send.t)
+            await close_transport(send.t)
 
     async def test_fail_peer_hook_on_receiver(self) -> None:
         """A receiver told that its sender is gone fails the rooms that sender was
@@ -157,7 +157,7 @@ class FailureChecks(ConformanceBase):
                 recv.t.advertise(RoomGrant.of(512, [2, 3], 1))
                 await a.call("write_pages", sender_peer(recv), 511, [0, 1], [0, 1], None)
                 await b.call("write_pages", sender_peer(recv), 512, [2, 3], [2, 3], None)
-                await _until(lambda: all(recv.t.poll(r) is KVPoll.TRANSFERRING for r in (511, 512)))
+                await until(lambda: all(recv.t.poll(r) is KVPoll.TRANSFERRING for r in (511, 512)))
                 recv.t.fail_peer(a.instance_id, "prefill lease expired")
                 st = recv.t.status(511)
                 assert st.state is KVPoll.FAILED and "lease expired" in (st.reason or "") and st.peer_lost, st
@@ -165,7 +165,7 @@ class FailureChecks(ConformanceBase):
                 await b.call("write_pages", sender_peer(recv), 512, [], [], (1, 1))
                 assert (await self._wait_local(recv.t, [512]))[512].state is KVPoll.SUCCESS
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     # ------------------------------------------------------------------ volume & hygiene
     @pytest.mark.timeout(300)
@@ -186,7 +186,7 @@ class FailureChecks(ConformanceBase):
                 for rid in layout.kv_region_ids():
                     assert digest(recv.flats[rid]) == await sender.call("digest", rid), f"region {rid} differs"
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     async def test_nothing_lands_after_release_and_drain(self) -> None:
         """The receiver releases a room in the middle of a large transfer (an abort); once
@@ -208,7 +208,7 @@ class FailureChecks(ConformanceBase):
                 assert all(torch.equal(before[rid], after[rid]) for rid in before), "bytes landed after drain"
                 await sender.call("release", room)
         finally:
-            await _close(recv.t)
+            await close_transport(recv.t)
 
     async def test_close_leaves_nothing_behind(self) -> None:
         layout = Layout(layers=2, pages=16, slots=4)
@@ -223,7 +223,7 @@ class FailureChecks(ConformanceBase):
                                metadata=metadata_op(send.regions[-1], 0, peer.descriptor.require_region(METADATA_REGION_ID), 0))
             assert (await self._wait_local(send.t, [701]))[701].state is KVPoll.SUCCESS
             await send.t.write(peer, 702, page_ops(pairs, [3], [2]))  # no metadata: still open
-            await _close(send.t)
+            await close_transport(send.t)
             assert send.t.poll(702) is KVPoll.FAILED
             await asyncio.sleep(0.05)
             after = resource_counts()

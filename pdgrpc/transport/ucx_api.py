@@ -1,11 +1,12 @@
 """UCX's C API through :mod:`ctypes`: the ``libucp`` entry points, structures and
-constants :mod:`pdgrpc.transport._ucx` uses (layouts checked against UCX 1.21's
+constants :mod:`pdgrpc.transport.ucx` uses (layouts checked against UCX 1.21's
 headers), loaded once from the ``libucx`` wheel."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -287,15 +288,14 @@ async def destroy_off_loop(api: "Api", context: int | None, worker: int | None, 
             "UCX worker destruction still blocked after %.1f s; left to a daemon thread", timeout)
 
 
-_API: Api | None = None
 PARKED: list[Any] = []  # workers that could not be destroyed safely (see UcxWorker.close)
 
 
+@functools.cache
 def api() -> Api:
-    global _API
-    if _API is None:
-        _API = Api()
-    return _API
+    """The process's one loaded libucp; a failed load is not kept, so ``api.cache_clear()``
+    makes the next call load it again."""
+    return Api()
 
 
 def status_of(ptr: int | None) -> int:

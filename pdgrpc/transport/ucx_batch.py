@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Callable, Sequence
 
-from pdgrpc.transport._ucx_api import (
+from pdgrpc.transport.ucx_api import (
     DATATYPE_CONTIG_BYTES, OP_ATTR_FIELD_CALLBACK, OP_ATTR_FIELD_DATATYPE, OP_ATTR_FIELD_USER_DATA,
     OP_ATTR_FLAG_NO_IMM_CMPL, UCS_INPROGRESS, UCS_OK, Param, status_of, TagRecvInfo,
 )

@@ -26,7 +26,7 @@ every wake-up costs CPU taken from the compute. While a transfer is pending a bo
 safety timeout backs the fd up, long enough that a receive posted ahead of the sender's
 compute sleeps through most of it. While a large send batch is being
 read it polls once per loop tick instead, unarmed, so the receiver need not wake it per
-message (:mod:`pdgrpc.transport._ucx_quiet`). Optionally (``spin_s`` > 0) it busy-polls
+message (:mod:`pdgrpc.transport.ucx_quiet`). Optionally (``spin_s`` > 0) it busy-polls
 up to ``spin_s`` after the last completion while a send or data receive is pending. The
 default is no spin: on a small host a spin starves the peer that has the real work.
 Completions are recorded by a C callback and handed
@@ -46,7 +46,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from pdgrpc.errors import TransportUnavailable
-from pdgrpc.transport._ucx_api import (
+from pdgrpc.transport.ucx_api import (
     EP_CLOSE_FLAG_FORCE, EP_PARAM_FIELD_ERR_HANDLING_MODE,
     EP_PARAM_FIELD_REMOTE_ADDRESS, ERR_HANDLING_MODE_NONE, OP_ATTR_FIELD_CALLBACK, OP_ATTR_FIELD_DATATYPE,
     OP_ATTR_FIELD_FLAGS, OP_ATTR_FIELD_USER_DATA, OP_ATTR_FLAG_NO_IMM_CMPL, PARKED, RECV_CB, SEND_CB,
@@ -54,8 +54,8 @@ from pdgrpc.transport._ucx_api import (
     Api, Pieces, UcxError, check, create_worker, destroy_worker, EpParams, Param, status_of, TagRecvInfo, api,
     destroy_off_loop, message_buffer,
 )
-from pdgrpc.transport._ucx_batch import Batch, BatchCompletion
-from pdgrpc.transport._ucx_quiet import TICK_S as QUIET_TICK_S, QuietSends
+from pdgrpc.transport.ucx_batch import Batch, BatchCompletion
+from pdgrpc.transport.ucx_quiet import TICK_S as QUIET_TICK_S, QuietSends
 from pdgrpc.transport.rooms import after_acks
 
 __all__ = [
@@ -95,7 +95,7 @@ class UcxWorker:
         self._spin_s = spin_s
         self._on_progress = on_progress  # called after each progress round in which UCX did something
         self._pending_timeout_s = pending_timeout_s  # the safety timer while a transfer is pending
-        self._quiet = QuietSends() if quiet_sends else None  # see pdgrpc.transport._ucx_quiet
+        self._quiet = QuietSends() if quiet_sends else None  # see pdgrpc.transport.ucx_quiet
         self._receiving: set[int] = set()  # tokens of data receives (not background ones) in flight
         # token -> (request pointer, callback, keepalive)
         self._inflight: dict[int, tuple[int, Completion, Any]] = {}
@@ -257,7 +257,7 @@ class UcxWorker:
     def send_batch(self, ep: int, runs: Sequence[Sequence[int]], tags: list[int], cb: BatchCompletion,
                    keep: Any) -> int:
         """One tag send per ``(address, nbytes)`` run, run ``i`` tagged ``tags[i]``, as one
-        batch (:mod:`pdgrpc.transport._ucx_batch`): ``cb`` runs once, with every message's
+        batch (:mod:`pdgrpc.transport.ucx_batch`): ``cb`` runs once, with every message's
         ``(status, 0)``. Returns one token for cancel()."""
         if ep not in self._endpoints:
             raise UcxError("UCX endpoint is closed")
@@ -503,7 +503,7 @@ class UcxWorker:
             elif self._worker is not None and (
                     not self._busy() or time.monotonic() - self._last_activity > self._spin_s):
                 if self._quiet is not None and not self._receiving and self._quiet.quiet(time.monotonic()):
-                    # a large send batch is being read: poll next tick, unarmed (_ucx_quiet)
+                    # a large send batch is being read: poll next tick, unarmed (ucx_quiet)
                     await self._sleep(QUIET_TICK_S, armed=False)
                     continue
                 # Arm the worker and sleep until its epoll fd fires (or kick()); with a

@@ -30,7 +30,7 @@ API
 :class:`RawUcx` — the pair kept alive, one iteration per :meth:`RawUcx.once` (a benchmark
 alternates these with its backend's iterations); :func:`run_baselines` — several sizes
 with one pair of processes.
-``python -m pdgrpc.bench._ucx_baseline --mib 4 64 256`` prints the numbers.
+``python -m pdgrpc.bench.ucx_baseline --mib 4 64 256`` prints the numbers.
 
 Environment: UCX settings come from the environment as usual (``UCX_TLS`` etc.); nothing
 is forced here, so a user's ``UCX_TLS`` always applies.
@@ -274,7 +274,7 @@ def run_baselines(sizes: Sequence[int], iterations: int = 5, *, warmup: int = 1,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdgrpc.bench._ucx_baseline", description="Raw ucxx send/recv between two processes (baseline of the rdma transport).")
+    parser = argparse.ArgumentParser(prog="python -m pdgrpc.bench.ucx_baseline", description="Raw ucxx send/recv between two processes (baseline of the rdma transport).")
     parser.add_argument("--mib", type=float, nargs="+", default=[4, 64, 256], help="transfer sizes in MiB")
     parser.add_argument("--iterations", type=int, default=5)
     args = parser.parse_args(argv)
