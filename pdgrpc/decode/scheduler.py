@@ -1,6 +1,6 @@
 """The decode scheduler: one asyncio task driving the pure decode machines.
 
-Each iteration of :meth:`DecodeScheduler._run`, in this order::
+Each iteration of the scheduler's loop, in this order::
 
     cancels of running requests      (a client that went away)
     queues.tick(now)                 pre-transfer deadlines (resolving dp rank, memory)

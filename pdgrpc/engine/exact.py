@@ -29,7 +29,7 @@ Formats (value = integer * 2**-frac, |value| <= limit):
 what                    frac  limit    integer bound
 ======================  ====  =======  ======================================
 activations (``ACT``)   12    2**8     2**20
-weights                 per   127 ulp  2**7 (see ``model._draw_weight``)
+weights                 per   127 ulp  2**7 (see ``pdgrpc.engine.model``)
 attention weights       16    1        2**16
 logit exps              40    1        2**40
 ======================  ====  =======  ======================================

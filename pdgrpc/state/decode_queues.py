@@ -25,7 +25,7 @@ rank 0 broadcasts its scheduling input); if ranks still disagree on which room a
 holds, the poll detects it and aborts that request with ``TP_DESYNC`` instead of hanging.
 
 **Cost.** Per request event: O(1) dict/bytearray work. One rank's poll: the per-slot rule
-(``TransferStage._votes``) for the slots whose vote
+(:class:`TransferStage`'s vote) for the slots whose vote
 may have changed (all slots in use when they are few: microseconds, no tensor; else a
 fixed number of tensor ops picks them). With a collective: the rule for every slot in
 use, one tensor each way.

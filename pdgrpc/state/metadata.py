@@ -135,9 +135,10 @@ class MetadataLayout:
         self.fields = fields
         self.row_bytes = off
         self.room_offset = fields["bootstrap_room"].offset
-        # struct format of the four scalar fields, read in one call on commit.
-        self._scalars = struct.Struct("<i60xi60xf60xi")
-        self._room = struct.Struct("<q")
+        # The row's four scalar fields, packed and read in one call (a commit reads them
+        # once), and its room: the layout's byte forms, which the row buffers use.
+        self.scalars = struct.Struct("<i60xi60xf60xi")
+        self.room_struct = struct.Struct("<q")
         self._top_vals = struct.Struct(f"<{top_k}f")
         self._top_idx = struct.Struct(f"<{top_k}i")
 
@@ -198,13 +199,13 @@ class MetadataBuffers:
     # -- access --------------------------------------------------------------------------
     def room(self, slot: int) -> int:
         self._check(slot)
-        v: int = self.layout._room.unpack_from(self._mv, slot * self.layout.row_bytes + self.layout.room_offset)[0]
+        v: int = self.layout.room_struct.unpack_from(self._mv, slot * self.layout.row_bytes + self.layout.room_offset)[0]
         return v
 
     def write_room(self, slot: int, room: int) -> None:
         """Set the row's room: a :data:`~pdgrpc.state.room.Room`, or 0 ("not written")."""
         self._check(slot)
-        self.layout._room.pack_into(self._mv, slot * self.layout.row_bytes + self.layout.room_offset, room)
+        self.layout.room_struct.pack_into(self._mv, slot * self.layout.row_bytes + self.layout.room_offset, room)
 
     def clear_room(self, slot: int) -> None:
         """Mark the row "not written" (room 0); done on every free before reuse."""
@@ -215,7 +216,7 @@ class MetadataBuffers:
         self._check(slot)
         lay = self.layout
         base = slot * lay.row_bytes
-        lay._scalars.pack_into(
+        lay.scalars.pack_into(
             self._mv, base, row.output_id, row.cached_tokens, row.output_token_logprob_value, row.output_token_logprob_index
         )
         for name, values in (("top_logprobs_values", row.top_logprobs_values), ("top_logprobs_indices", row.top_logprobs_indices)):
@@ -239,7 +240,7 @@ class MetadataBuffers:
     def read_row(self, slot: int) -> MetadataRow:
         self._check(slot)
         lay = self.layout
-        out_id, cached, lp_val, lp_idx = lay._scalars.unpack_from(self._mv, slot * lay.row_bytes)
+        out_id, cached, lp_val, lp_idx = lay.scalars.unpack_from(self._mv, slot * lay.row_bytes)
         top_vals: tuple[float, ...] = ()
         top_idx: tuple[int, ...] = ()
         if lay.top_k:

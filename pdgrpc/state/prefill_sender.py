@@ -237,8 +237,7 @@ class PrefillSender:
         try:
             decision = check_prefill_dispatch(room, dp_rank, method_follows_room, dp or DpConfig())
         except DpRankConflict as exc:
-            s._enter(T.FAILED, now)
-            s.failure = Fail(SenderFailReason.DP_RANK_CONFLICT, str(exc))
+            s.handle(Fail(SenderFailReason.DP_RANK_CONFLICT, str(exc)), now)
             return s, []
         return s, [RegisterDpRank(room, dp_rank)] if decision.register else []
 
