@@ -62,7 +62,7 @@ _INT64 = struct.Struct("<q")
 
 def block_hash(parent: int | None, token_ids: Sequence[int], salt: bytes = b"") -> int:
     """The name of a full page: signed 64-bit, the same in every process."""
-    return next(_chain(token_ids, len(token_ids), salt, parent)) if token_ids else _name(parent, _salted(salt), b"")
+    return _name(parent, _salted(salt), _packed(token_ids))
 
 
 def block_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"") -> list[int]:
@@ -72,6 +72,14 @@ def block_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"") ->
 
 def _salted(salt: bytes) -> bytes:
     return struct.pack("<I", len(salt)) + salt
+
+
+def _packed(token_ids: Sequence[int]) -> bytes:
+    """``token_ids`` as little-endian int64s."""
+    data = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return data.tobytes()
 
 
 def _name(parent: int | None, salted: bytes, page: bytes) -> int:
@@ -85,13 +93,9 @@ def _chain(token_ids: Sequence[int], page_size: int, salt: bytes = b"", parent: 
     """The names of the full pages of ``token_ids`` from page ``start`` on (``parent``:
     the name of page ``start - 1``), computed as they are read: a caller that stops at
     the first uncached page hashes no further."""
-    data = array.array("q", token_ids)
-    if sys.byteorder != "little":
-        data.byteswap()
-    raw = memoryview(data).cast("B")
-    salted, step = _salted(salt), page_size * 8
+    raw, salted, step = _packed(token_ids), _salted(salt), page_size * 8
     for i in range(start, len(token_ids) // page_size):
-        parent = _name(parent, salted, raw[i * step : (i + 1) * step].tobytes())
+        parent = _name(parent, salted, raw[i * step : (i + 1) * step])
         yield parent
 
 
