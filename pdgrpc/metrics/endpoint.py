@@ -7,8 +7,8 @@ left out) on its own thread and returns the bound port and a ``stop`` callable.
 ``stop`` shuts the listener down and joins its thread and every request thread, so a
 stopped server leaves no thread behind. It is idempotent and normally returns within
 0.1 s; a client that connected and sends nothing is cut off by the per-connection
-timeout (``request_timeout_s``, 5 s by default), the longest ``stop`` can block. From async code that cannot afford that
-worst case: ``await asyncio.to_thread(stop)``.
+timeout (``request_timeout_s``, 5 s by default), the longest ``stop`` can block. From
+async code that cannot afford that worst case: ``await asyncio.to_thread(stop)``.
 
 Wiring a server's CLI takes three lines::
 
