@@ -51,7 +51,7 @@ async def _serve(port_file: str, wrapped: bool, link_fd: int) -> None:
 
         from pdgrpc.prefill.link import WorkerLinkServer
 
-        async def answer(request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        async def answer(request: prefill_pb2.PrefillRequest, first_token: object = None) -> prefill_pb2.PrefillResponse:
             return prefill_pb2.PrefillResponse(bytes_transferred=time.time_ns())
 
         await WorkerLinkServer.open(socket.socket(fileno=link_fd), "probe", answer)

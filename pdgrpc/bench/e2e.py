@@ -21,9 +21,11 @@ and prefill chunk size everywhere. Then:
   the host lands on whichever runs then: compare tokens/s over several runs.
 * **where the TTFT goes**: every disaggregated server traces (``--trace file:DIR``, one
   file per process) only the requests whose ``traceparent`` says so
-  (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with each
-  measured TTFT request. ``span_p50_ms/<hop>`` is the p50 of that hop's span over those
-  requests (:mod:`pdgrpc.rpc.tracing` names the hops), and ``gap_p50_ms/<a>-><b>`` the
+  (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with every
+  other measured TTFT request. The TTFT rows above come from the others: a traced request
+  pays for its spans, which serving at its defaults does not (``ttft_overhead_paired_p50_traced``
+  is the paired overhead of the traced ones). ``span_p50_ms/<hop>`` is the p50 of that
+  hop's span over the traced requests (:mod:`pdgrpc.rpc.tracing` names the hops), and ``gap_p50_ms/<a>-><b>`` the
   p50 of the time between two processes' spans that no span covers (a gRPC call on its
   way, the link, the KV's first byte, the token's way back), so every run shows the
   breakdown.
@@ -40,6 +42,11 @@ With ``--no-prefix-cache-arm`` each transport's cluster also runs with its prefi
 prompts are random, so nothing is reused, and ``ttft_vs_no_prefix_cache`` (p50 against
 p50) and ``ttft_no_prefix_cache_paired_p50`` (the median per-prompt difference) show what
 the prefix cache costs when it cannot help.
+
+With ``--first-token-decode-arm`` each transport's cluster also runs with its router's
+``--first-token decode``, as ``NAME-first-token-decode``, side by side in the same run:
+``ttft_p50_vs_first_token_decode`` and ``ttft_first_token_decode_paired_p50`` report what
+the prefill's first token sent ahead saves.
 
 With ``--grpc-arm`` each transport's cluster, in each ``--security`` mode, also runs with
 its router calling the prefill and decode over gRPC instead of their local sockets
@@ -87,6 +94,7 @@ PLOT = "TTFT distributions (CDF), disaggregated per transport vs colocated"
 BASELINE = "colocated"
 NO_CACHE = "-no-prefix-cache"  # suffix of a cluster run with its prefills' --no-prefix-cache
 GRPC = "-grpc"  # suffix of a cluster whose router calls its prefills and decodes over gRPC
+FIRST_FROM_DECODE = "-first-token-decode"  # suffix of a cluster whose router has --first-token decode
 # --security mode -> the launcher's (tls, auth_token)
 _SECURITY = {"plain": ("off", "off"), "tls": ("auto", "off"), "token": ("off", "auto"), "tls+token": ("auto", "auto")}
 
@@ -95,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default="1p1d", help="disaggregated topology (default: %(default)s)")
     p.add_argument("--transports", default="rdma,tcp", help="comma-separated transports; one not loadable here is skipped with a note (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length of the TTFT requests (default: %(default)s)")
-    p.add_argument("--ttft-requests", type=int, default=60, help="sequential requests per system for TTFT (default: %(default)s)")
+    p.add_argument("--ttft-requests", type=int, default=120, help="sequential requests per system for TTFT: every other one is traced for the hop rows, the others give the TTFT rows (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="requests per system before measuring (default: %(default)s)")
     p.add_argument("--throughput-requests", type=int, default=64, help="requests per system for tokens/s (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight for tokens/s (default: %(default)s)")
@@ -110,6 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-prefix-cache-arm", action="store_true",
         help="also run each transport's cluster with --no-prefix-cache on its prefills (NAME-no-prefix-cache), side "
         "by side, and report each cluster's TTFT against it: what the prefix cache costs when nothing is reused",
+    )
+    p.add_argument(
+        "--first-token-decode-arm", action="store_true",
+        help="also run each transport's cluster with its router's --first-token decode (NAME-first-token-decode), "
+        "side by side: what the prefill's first token sent ahead saves",
     )
     p.add_argument(
         "--grpc-arm", action="store_true",
@@ -156,7 +169,7 @@ async def _ttft(
         rng.shuffle(names)
         for name in names:
             metadata = None
-            if i >= warmup and name in traced:  # a sampled trace of the bench's own
+            if i >= warmup and (i - warmup) % 2 and name in traced:  # a sampled trace of the bench's own
                 trace_id = secrets.token_hex(16)
                 traced[name].append(trace_id)
                 metadata = (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
@@ -174,6 +187,7 @@ _GAPS = (
     ("controller.dispatch", "end", "worker", "start"),  # the link to the worker
     ("write", "end", "decode.commit", "start"),  # the last write until its first byte lands at the decode
     ("first_token", "end", "router", "end"),  # the decode's stream to the router, and on to the client
+    ("compute", "end", "router", "end"),  # the prompt computed until its first token left the router
 )
 
 
@@ -254,6 +268,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             if getattr(args, "grpc_arm", False):
                 systems[f"{name}{GRPC}"] = Cluster(topology, transport=t, tls=tls, auth_token=token,
                                                    extra_env=_trace_env(spans_dir / f"{name}{GRPC}"), local_sockets=False)
+        if getattr(args, "first_token_decode_arm", False):
+            name = f"{topology.name}-{t}{FIRST_FROM_DECODE}"
+            systems[name] = Cluster(first_token_from_decode(topology), transport=t, extra_env=_trace_env(spans_dir / name))
         if getattr(args, "no_prefix_cache_arm", False):
             name = f"{topology.name}-{t}{NO_CACHE}"
             systems[name] = Cluster(without_prefix_cache(topology), transport=t, extra_env=_trace_env(spans_dir / name))
@@ -273,9 +290,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             channels = {n: await stack.enter_async_context(c.client_channel()) for n, c in systems.items()}
             stubs = {n: GenerateServiceStub(ch) for n, ch in channels.items()}
             print(f"measuring TTFT: {args.ttft_requests} x {args.prompt_tokens}-token prompts per system ...", flush=True)
-            ttft = await _ttft(stubs, ttft_prompts, args.warmup, rng, traced)
-            base_ids = [c.token_ids for c in ttft[BASELINE]]
-            for name, done in ttft.items():
+            measured = await _ttft(stubs, ttft_prompts, args.warmup, rng, traced)
+            base_ids = [c.token_ids for c in measured[BASELINE]]
+            for name, done in measured.items():
                 if [c.token_ids for c in done] != base_ids:
                     raise PdgrpcError(f"{name}: outputs differ from colocated generation; not reporting its numbers")
             tput: dict[str, tuple[float, int]] = {}
@@ -289,6 +306,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     finally:
         shutil.rmtree(spans_dir, ignore_errors=True)
 
+    # Measured requests alternate: untraced (the TTFT rows), traced (the hop rows).
+    ttft = {name: done[0::2] for name, done in measured.items()}
+    with_spans = {name: done[1::2] for name, done in measured.items()}
     results: list[Result] = []
     base_p50 = percentile([c.client_ttft_seconds for c in ttft[BASELINE]], 0.5) * 1e3
     base_p99 = percentile([c.client_ttft_seconds for c in ttft[BASELINE]], 0.99) * 1e3
@@ -298,6 +318,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         Result(f"{case_ttft}/{BASELINE}", "ttft_p50", base_p50, "ms"),
         Result(f"{case_ttft}/{BASELINE}", "ttft_p99", base_p99, "ms"),
         Result(f"throughput/{BASELINE}", "tokens_per_s", base_tps, "tok/s"),
+        # The same measure as a disaggregated system's router_hop_p50: what the colocated
+        # server's own gRPC front costs, so that the router's is read against it.
+        Result(f"{case_ttft}/{BASELINE}", "router_hop_p50", percentile([c.client_ttft_seconds - c.ttft_seconds for c in ttft[BASELINE]], 0.5) * 1e3, "ms"),
     ]
     for name in systems:
         if name == BASELINE:
@@ -317,6 +340,12 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 f"{case_ttft}/{name}", "ttft_overhead_paired_p50",
                 statistics.median(d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(done, ttft[BASELINE])) * 1e3, "ms",
             ),
+            *([Result(
+                f"{case_ttft}/{name}", "ttft_overhead_paired_p50_traced",
+                statistics.median(
+                    d.client_ttft_seconds - c.client_ttft_seconds for d, c in zip(with_spans[name], with_spans[BASELINE])
+                ) * 1e3, "ms",
+            )] if with_spans[name] else []),
             # Client TTFT minus the router's own (arrival -> first token): what the extra
             # hop through the router costs, as opposed to prefill compute and KV transfer.
             Result(f"{case_ttft}/{name}", "router_hop_p50", percentile([c.client_ttft_seconds - c.ttft_seconds for c in done], 0.5) * 1e3, "ms"),
@@ -329,7 +358,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         # cache's cost when nothing is reused), and with its router's calls over gRPC (what
         # the local socket saves).
         for twin, ratio, paired in ((NO_CACHE, "ttft_vs_no_prefix_cache", "ttft_no_prefix_cache_paired_p50"),
-                                    (GRPC, "ttft_p50_vs_grpc", "ttft_grpc_paired_p50")):
+                                    (GRPC, "ttft_p50_vs_grpc", "ttft_grpc_paired_p50"),
+                                    (FIRST_FROM_DECODE, "ttft_p50_vs_first_token_decode", "ttft_first_token_decode_paired_p50")):
             if f"{name}{twin}" in ttft:
                 results += _against_twin(f"{case_ttft}/{name}", done, ttft[f"{name}{twin}"], ratio, paired)
         plain = name.split("+", 1)[0]
@@ -367,6 +397,14 @@ def without_prefix_cache(topology: Topology) -> Topology:
     """``topology`` with ``--no-prefix-cache`` on every prefill."""
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "no-prefix-cache": True}) if p.role == "prefill" else p for p in topology.processes
+    )
+    return dataclasses.replace(topology, processes=procs)
+
+
+def first_token_from_decode(topology: Topology) -> Topology:
+    """``topology`` with ``--first-token decode`` on its router."""
+    procs = tuple(
+        dataclasses.replace(p, args={**p.args, "first-token": "decode"}) if p.role == "router" else p for p in topology.processes
     )
     return dataclasses.replace(topology, processes=procs)
 

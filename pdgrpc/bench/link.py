@@ -87,12 +87,15 @@ async def _serve(fd: int) -> None:
     from pdgrpc.rpc.server import start_server
     from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
 
-    async def prefill(req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def prefill(req: prefill_pb2.PrefillRequest, first_token: object = None) -> prefill_pb2.PrefillResponse:
         return prefill_pb2.PrefillResponse(dp_rank=0, prompt_tokens=len(req.input_ids))
 
     class Servicer(prefill_pb2_grpc.PrefillServiceServicer):
         async def Prefill(self, request: prefill_pb2.PrefillRequest, context: object) -> prefill_pb2.PrefillResponse:
             return await prefill(request)
+
+        async def PrefillStream(self, request: prefill_pb2.PrefillRequest, context: object) -> AsyncIterator[prefill_pb2.PrefillUpdate]:
+            yield prefill_pb2.PrefillUpdate(reply=await prefill(request))
 
         async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: object) -> prefill_pb2.GetStatsResponse:
             return prefill_pb2.GetStatsResponse()

@@ -82,6 +82,7 @@ async def generate(
     text: list[str] = []
     finish = ""
     first = None
+    figures = None
     count = 0
     async for msg in stub.Generate(request, timeout=timeout, metadata=metadata):
         if first is None:
@@ -92,11 +93,14 @@ async def generate(
         count += 1
         if on_message is not None:
             on_message(msg)
+        if figures is None and (msg.bytes_transferred or msg.transfer_seconds or msg.data_plane_seconds or msg.cached_tokens):
+            figures = msg  # the relay of the decode's first message: the first, or the one after a token sent ahead
     assert first is not None and first_at is not None, "the router ends every successful stream after >= 1 message"
+    kv = figures or first
     return Completion(
         token_ids=tuple(ids), text="".join(text), finish_reason=finish,
         ttft_seconds=first.ttft_seconds, client_ttft_seconds=first_at - start,
-        bytes_transferred=first.bytes_transferred, transfer_seconds=first.transfer_seconds,
-        bootstrap_room=first.bootstrap_room, messages=count, data_plane_seconds=first.data_plane_seconds,
-        seed=first.seed, cached_tokens=first.cached_tokens,
+        bytes_transferred=kv.bytes_transferred, transfer_seconds=kv.transfer_seconds,
+        bootstrap_room=first.bootstrap_room, messages=count, data_plane_seconds=kv.data_plane_seconds,
+        seed=first.seed, cached_tokens=kv.cached_tokens,
     )

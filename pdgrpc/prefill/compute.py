@@ -46,6 +46,16 @@ class ComputeJob:
     room: int
     posts: "asyncio.Queue[ChunkPost]" = dataclasses.field(default_factory=asyncio.Queue)
     computed_all: bool = False  # every chunk was computed (set by the compute)
+    # Told the sampled token as soon as its post arrives, whatever the driver awaits then
+    # (set by the driver right after begin).
+    first_token: Callable[[int], None] | None = None
+
+    def deliver(self, item: ChunkPost) -> None:
+        """On the worker's loop: hand the driver ``item``."""
+        if item.token is not None and self.first_token is not None:
+            told, self.first_token = self.first_token, None
+            told(item.token.token_id)
+        self.posts.put_nowait(item)
 
 
 class Compute(abc.ABC):

@@ -355,7 +355,7 @@ class ProcessCompute(Compute):
                 job.computed_all = True
             if isinstance(err, ComputeProcessLost):
                 err = ending(Refusal.GONE, f"room {room}: {err}", ServerAbortReason.INTERNAL_ERROR)
-            job.posts.put_nowait(ChunkPost(n if end < 0 else end, token, secs, err))
+            job.deliver(ChunkPost(n if end < 0 else end, token, secs, err))
 
         def child_stopped() -> None:
             if not stopped.done():

@@ -57,7 +57,7 @@ class ThreadCompute(Compute):
         assert stopped is not None
 
         def post(item: ChunkPost) -> None:
-            loop.call_soon_threadsafe(job.posts.put_nowait, item)
+            loop.call_soon_threadsafe(job.deliver, item)
 
         def stop() -> None:
             loop.call_soon_threadsafe(lambda: None if stopped.done() else stopped.set_result(None))

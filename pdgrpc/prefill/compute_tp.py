@@ -156,7 +156,7 @@ class _Followed(ComputeJob):
 
     def post(self, item: ChunkPost) -> None:
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self.posts.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.deliver, item)
 
 
 @dataclasses.dataclass(eq=False)

@@ -46,7 +46,7 @@ from pdgrpc.metrics import PrefillMetrics, ServerAbortReason, derived_metrics_po
 from pdgrpc.prefill.cli import worker_argv
 from pdgrpc.prefill.dispatch import Dispatcher, DpRankConflict, InvalidRoute, NoLiveRank
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
-from pdgrpc.prefill.link import ControllerLink, LinkCallFailed
+from pdgrpc.prefill.link import ControllerLink, FirstToken, LinkCallFailed
 from pdgrpc.prefill.notices import FailureNotices, NotForwarded
 from pdgrpc.prefill.registrar import DpRankRegistrar
 from pdgrpc.prefill.respawn import restart_group
@@ -104,7 +104,11 @@ async def _abort(context: grpc.aio.ServicerContext, failure: RequestFailed) -> N
     raise AssertionError("unreachable")
 
 
-class Controller(prefill_pb2_grpc.PrefillServiceServicer):
+class Controller:
+    """The prefill instance behind its checks (:class:`~pdgrpc.prefill.services.WirePrefillServicer`
+    serves it): dispatches each Prefill to a dp rank's workers over their links, and starts,
+    watches and respawns them."""
+
     def __init__(self, ns: argparse.Namespace, metrics: PrefillMetrics | None = None) -> None:
         self.ns = ns
         # Counts only the requests that end here (never forwarded, or their worker died);
@@ -130,7 +134,11 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
 
     # ---- PrefillService -----------------------------------------------------------
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, first_token: FirstToken | None = None
+    ) -> prefill_pb2.PrefillResponse:
+        """Forward ``request`` to a dp rank's workers; ``first_token``: told the first
+        output token by the group's first worker (its tp rank 0) once sampled."""
         room = request.bootstrap_room
         span = tracing.server("controller.dispatch", context.invocation_metadata()) if tracing.enabled else None
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
@@ -177,9 +185,12 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         tasks: list[asyncio.Future[prefill_pb2.PrefillResponse | RequestFailed]] = []
         try:
             if len(group) == 1:  # one worker (TP 1): no fan-out to watch, no task per call
-                results = [await self._forward(room, group[0], request, trace)]
+                results = [await self._forward(room, group[0], request, trace, first_token)]
             else:
-                tasks = [asyncio.ensure_future(self._forward(room, w, request, trace)) for w in group]
+                tasks = [
+                    asyncio.ensure_future(self._forward(room, w, request, trace, first_token if i == 0 else None))
+                    for i, w in enumerate(group)
+                ]
                 results = await self._gather(tasks)
         except asyncio.CancelledError:
             if self.notices is not None:  # its caller gave up: so does its decode
@@ -234,14 +245,15 @@ class Controller(prefill_pb2_grpc.PrefillServiceServicer):
         return [t.result() for t in tasks]
 
     async def _forward(
-        self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest, trace: bytes = b""
+        self, room: int, w: WorkerHandle, request: prefill_pb2.PrefillRequest, trace: bytes = b"",
+        first_token: FirstToken | None = None,
     ) -> "prefill_pb2.PrefillResponse | RequestFailed":
         """One worker's answer to a forwarded Prefill (a failure as :class:`RequestFailed`);
         ``trace``: the packed span context the worker's spans go under."""
         assert w.link is not None
         sent = not w.link.lost.is_set()  # a closed link sends nothing
         try:
-            return await w.link.prefill(request, trace)
+            return await w.link.prefill(request, trace, first_token)
         except LinkCallFailed as exc:
             return exc
         except WorkerLinkLost:

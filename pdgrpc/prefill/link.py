@@ -21,6 +21,10 @@ TRACED    controller -> worker    a CALL with its trace: the controller's span
                                   the ``PrefillRequest``
 CANCEL    controller -> worker    empty: the caller gave up (cancel, deadline); the
                                   worker cancels the call as a cancelled RPC would
+FIRST     worker -> controller    u32: the first output token, sent once it is
+                                  sampled, to a call whose kind had the
+                                  :data:`ASK_FIRST` bit (a CALL or TRACED for
+                                  ``PrefillStream``)
 REPLY     worker -> controller    ``PrefillResponse``
 FAIL      worker -> controller    status code (u8, ``grpc.StatusCode`` value), then
                                   the status message in UTF-8
@@ -38,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 import time
 from typing import Awaitable, Callable
 
@@ -47,11 +52,19 @@ from pdgrpc.rpc import tracing
 from pdgrpc.rpc.frames import Framed, frame
 from pdgrpc.v1 import prefill_pb2
 
-__all__ = ["ControllerLink", "WorkerLinkServer", "LinkCallFailed"]
+__all__ = ["ControllerLink", "FirstToken", "LinkPrefill", "WorkerLinkServer", "LinkCallFailed"]
 
 log = logging.getLogger("pdgrpc.prefill.link")
 
-CALL, CANCEL, REPLY, FAIL, TRACED = 1, 2, 3, 4, 6
+CALL, CANCEL, REPLY, FAIL, TRACED, FIRST = 1, 2, 3, 4, 6, 7
+# Or'ed into a CALL's or TRACED's kind: the caller wants the first token ahead (FIRST).
+ASK_FIRST = 0x10
+_TOKEN = struct.Struct("<I")
+
+# Called with the first output token as soon as it is sampled.
+FirstToken = Callable[[int], None]
+# What serves a call on the worker: the request, and whom to tell its first token (or None).
+LinkPrefill = Callable[[prefill_pb2.PrefillRequest, "FirstToken | None"], Awaitable[prefill_pb2.PrefillResponse]]
 
 
 class LinkCallFailed(RequestFailed):
@@ -64,6 +77,7 @@ class ControllerLink(Framed):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._calls: dict[int, asyncio.Future[prefill_pb2.PrefillResponse]] = {}
+        self._firsts: dict[int, FirstToken] = {}
         self._next_id = 0
         self.lost = asyncio.Event()  # set once the socket closed (the worker is gone)
 
@@ -77,20 +91,27 @@ class ControllerLink(Framed):
     def in_flight(self) -> int:
         return len(self._calls)
 
-    async def prefill(self, request: prefill_pb2.PrefillRequest, trace: bytes = b"") -> prefill_pb2.PrefillResponse:
+    async def prefill(
+        self, request: prefill_pb2.PrefillRequest, trace: bytes = b"", first_token: FirstToken | None = None
+    ) -> prefill_pb2.PrefillResponse:
         """The worker's answer; raises :class:`LinkCallFailed` with the worker's status, or
         :class:`WorkerLinkLost` if the link closes first. Cancelling the caller cancels the
-        worker's call. ``trace``: the caller's packed span context (a TRACED frame)."""
+        worker's call. ``trace``: the caller's packed span context (a TRACED frame);
+        ``first_token``: called with the first output token once the worker sampled it."""
         if self._closed:
             raise WorkerLinkLost(f"the link to prefill worker {self.name} is closed")
         self._next_id += 1
         call_id = self._next_id
         fut: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
+        ask = 0
+        if first_token is not None:
+            self._firsts[call_id] = first_token
+            ask = ASK_FIRST
         if trace:
-            self._send(frame(TRACED, call_id, trace + request.SerializeToString()))
+            self._send(frame(TRACED | ask, call_id, trace + request.SerializeToString()))
         else:
-            self._send(frame(CALL, call_id, request.SerializeToString()))
+            self._send(frame(CALL | ask, call_id, request.SerializeToString()))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -99,8 +120,15 @@ class ControllerLink(Framed):
             raise
         finally:
             self._calls.pop(call_id, None)
+            self._firsts.pop(call_id, None)
 
     def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
+        if kind == FIRST:
+            (token,) = _TOKEN.unpack(payload)
+            told = self._firsts.pop(call_id, None)  # once per call; none for a call given up on
+            if told is not None:
+                told(token)
+            return
         if kind not in (REPLY, FAIL):
             raise ValueError(f"kind {kind} is not one a worker sends")
         if kind == REPLY:
@@ -131,7 +159,7 @@ class WorkerLinkServer(Framed):
     def __init__(
         self,
         name: str,
-        prefill: Callable[[prefill_pb2.PrefillRequest], Awaitable[prefill_pb2.PrefillResponse]],
+        prefill: LinkPrefill,
         on_lost: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name)
@@ -145,7 +173,7 @@ class WorkerLinkServer(Framed):
         cls,
         sock: socket.socket,
         name: str,
-        prefill: Callable[[prefill_pb2.PrefillRequest], Awaitable[prefill_pb2.PrefillResponse]],
+        prefill: LinkPrefill,
         on_lost: Callable[[], None] = lambda: None,
     ) -> WorkerLinkServer:
         loop = asyncio.get_running_loop()
@@ -172,6 +200,7 @@ class WorkerLinkServer(Framed):
         self.close_socket()
 
     def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
+        asks, kind = bool(kind & ASK_FIRST), kind & ~ASK_FIRST
         if kind == CALL or kind == TRACED:
             trace = payload[: tracing.CONTEXT_BYTES] if kind == TRACED else b""
             request = prefill_pb2.PrefillRequest.FromString(payload[len(trace) :] if trace else payload)
@@ -180,19 +209,25 @@ class WorkerLinkServer(Framed):
             if not self._accepting:
                 self._send(_fail(call_id, ending(Refusal.GONE, f"room {request.bootstrap_room}: prefill worker {self.name} is stopping")))
                 return
-            self._tasks[call_id] = asyncio.ensure_future(self._serve(call_id, request, trace, time.time_ns() if trace else 0))
-        elif kind == CANCEL:
+            self._tasks[call_id] = asyncio.ensure_future(self._serve(call_id, request, trace, time.time_ns() if trace else 0, asks))
+        elif kind == CANCEL and not asks:
             task = self._tasks.get(call_id)
             if task is not None:
                 task.cancel()
         else:
             raise ValueError(f"kind {kind} is not one a controller sends")
 
-    async def _serve(self, call_id: int, request: prefill_pb2.PrefillRequest, trace: bytes = b"", arrived_ns: int = 0) -> None:
+    async def _serve(
+        self, call_id: int, request: prefill_pb2.PrefillRequest, trace: bytes = b"", arrived_ns: int = 0, asks: bool = False
+    ) -> None:
         # Its own task: the span is the current one of everything this call runs.
         hops = tracing.serve("worker", tracing.unpack(trace), arrived_ns) if trace and tracing.enabled else None
+        first: FirstToken | None = None
+        if asks:
+            def first(token: int) -> None:
+                self._send(frame(FIRST, call_id, _TOKEN.pack(token)))
         try:
-            resp = await self._prefill(request)
+            resp = await self._prefill(request, first)
             self._send(frame(REPLY, call_id, resp.SerializeToString()))
         except RequestFailed as exc:
             self._send(_fail(call_id, exc))

@@ -111,16 +111,18 @@ class RoomDriver:
         self.sent_bytes = 0
         self.first_write: float | None = None
 
-    async def run(self, ids: Sequence[int], sampling: SamplingParams,
-                  computing: Callable[[], None] | None = None) -> prefill_pb2.PrefillResponse:
+    async def run(self, ids: Sequence[int], sampling: SamplingParams, computing: Callable[[], None] | None = None,
+                  first_token: Callable[[int], None] | None = None) -> prefill_pb2.PrefillResponse:
         """``computing``: called once the compute has the prompt, before anything else of
-        the room's (bookkeeping that must not delay the compute)."""
+        the room's (bookkeeping that must not delay the compute); ``first_token``: called
+        with the first output token as soon as the compute posts it."""
         s, room, n = self.s, self.room, len(ids)
         # Compute starts now, not once the handshake is in: the prompt's KV does not
         # depend on where it goes, and the handshake usually lands during chunk 1.
         if tracing.enabled:
             tracing.hop("worker.queue")
         self.job = job = s.compute.begin(room, EnginePrefill(tuple(ids), self.pages, sampling), self.cached_tokens)
+        job.first_token = first_token  # sent as the token arrives, even before the handshake
         if computing is not None:
             computing()
         sender, _ = PrefillSender.create(room, self.pages, n, s.page_size, time.monotonic(), deadlines=s.deadlines,

@@ -13,12 +13,14 @@ request id, :mod:`pdgrpc.gateway.requests`), do not pass through it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator, Callable, NoReturn, Protocol
 
 import grpc
 
 from pdgrpc.prefill.errors import RequestFailed
+from pdgrpc.prefill.link import FirstToken
 from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc import tracing
@@ -43,14 +45,18 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: RequestFailed) -> N
     raise AssertionError("unreachable")  # context.abort raises
 
 
-class WorkerPrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+class WorkerPrefillServicer:
+    """One worker's PrefillService behind the checks (a :class:`PrefillHandlers`)."""
+
     def __init__(self, worker: PrefillWorker, kv_events: KvEventFeed) -> None:
         self.worker = worker
         self.kv_events = kv_events  # this rank's prefix cache's log
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, first_token: FirstToken | None = None
+    ) -> prefill_pb2.PrefillResponse:
         try:
-            return await self.worker.prefill(request)
+            return await self.worker.prefill(request, first_token)
         except RequestFailed as exc:
             await abort_with(context, exc)
 
@@ -63,7 +69,12 @@ class WorkerPrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 
 class PrefillHandlers(Protocol):
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse: ...  # noqa: N802
+    """What serves PrefillService behind the checks: ``Prefill`` tells ``first_token``
+    the first output token once sampled (``PrefillStream`` sends it ahead)."""
+
+    async def Prefill(  # noqa: N802
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, first_token: FirstToken | None = None
+    ) -> prefill_pb2.PrefillResponse: ...
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse: ...  # noqa: N802
 
@@ -81,7 +92,9 @@ class PerClientPrefill:
         self.refused = refused
         self.open_calls = OpenCalls(max_per_client, "Prefill", "--max-prefills-per-client")
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:  # noqa: N802
+    async def Prefill(  # noqa: N802
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, first_token: FirstToken | None = None
+    ) -> prefill_pb2.PrefillResponse:
         client = peer_identity(context)  # its certificate's name under mTLS, else its host
         try:
             self.open_calls.acquire(client)
@@ -90,7 +103,7 @@ class PerClientPrefill:
             request_event(log, request.bootstrap_room, "refused", status="RESOURCE_EXHAUSTED", message=str(exc))
             await abort_with(context, ending(Refusal.OVERLOADED, str(exc)))
         try:
-            return await self.inner.Prefill(request, context)
+            return await self.inner.Prefill(request, context, first_token)
         finally:
             self.open_calls.release(client)
 
@@ -107,6 +120,29 @@ class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.per_client = PerClientPrefill(inner, refused, max_per_client)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        await self._check(request, context)
+        return await self.per_client.Prefill(request, context)
+
+    async def PrefillStream(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
+        await self._check(request, context)
+        writes: list[asyncio.Future[None]] = []
+
+        def first_token(token: int) -> None:
+            if not writes:
+                writes.append(asyncio.ensure_future(context.write(prefill_pb2.PrefillUpdate(token_ids=[token]))))
+
+        try:
+            reply = await self.per_client.Prefill(request, context, first_token)
+        finally:
+            # The first token goes out before the stream ends, however it ends.
+            if writes:
+                await asyncio.wait(writes)
+                if not writes[0].cancelled():
+                    writes[0].exception()  # a caller gone meanwhile: the end says so
+        await context.write(prefill_pb2.PrefillUpdate(reply=reply))
+
+    async def _check(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a request whose room or secret is malformed, naming the field."""
         try:
             room_from_proto(request.bootstrap_room)
             problem = secret_problem(bytes(request.room_secret))
@@ -116,7 +152,6 @@ class WirePrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self.refused()
             request_event(log, request.bootstrap_room, "rejected", reason=exc.message)
             await abort_with(context, exc)
-        return await self.per_client.Prefill(request, context)
 
     async def GetStats(self, request: prefill_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.GetStatsResponse:
         return await self.inner.GetStats(request, context)

@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Callable
 
 from pdgrpc.engine.base import Engine, SamplingParams
 from pdgrpc.prefill.statuses import Refusal, ending, status
@@ -410,7 +411,11 @@ class PrefillWorker:
             except asyncio.TimeoutError:
                 return
 
-    async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def prefill(
+        self, req: prefill_pb2.PrefillRequest, first_token: Callable[[int], None] | None = None
+    ) -> prefill_pb2.PrefillResponse:
+        """Run ``req`` to the decode's acknowledgement; ``first_token``: called with the
+        first output token once it is sampled, before its KV is written."""
         room = Room(req.bootstrap_room)  # its servicer (or the controller's) checked it
         try:
             ids, sampling = self._validate(req)
@@ -438,7 +443,7 @@ class PrefillWorker:
             defer=True, **({"tp_rank": self.tp_rank} if self.tp_size > 1 else {}),
         )
         try:
-            resp = await self._run(entry, ids, sampling)
+            resp = await self._run(entry, ids, sampling, first_token)
             self.completed += 1
             self.metrics.on_finished()
             self.metrics.on_transfer(resp.bytes_transferred, resp.transfer_seconds)
@@ -483,14 +488,16 @@ class PrefillWorker:
         finally:
             await self._finish(entry)
 
-    async def _run(self, entry: _Active, ids: tuple[int, ...], sampling: SamplingParams) -> prefill_pb2.PrefillResponse:
+    async def _run(
+        self, entry: _Active, ids: tuple[int, ...], sampling: SamplingParams, first_token: Callable[[int], None] | None
+    ) -> prefill_pb2.PrefillResponse:
         await self._alloc(entry, ids)
         if entry.lease is not None and self.prefix_cache is not None and self.tp_size > 1:
             await self._agree(entry)
         cached = entry.lease.cached_tokens if entry.lease is not None else 0
         self.metrics.on_prompt(len(ids), cached)
         entry.driver = RoomDriver(self._sending, entry.room, entry.pages, cached)
-        resp = await entry.driver.run(ids, sampling, lambda: self._computing(entry, ids))
+        resp = await entry.driver.run(ids, sampling, lambda: self._computing(entry, ids), first_token)
         resp.dp_rank = self.config.dp_rank
         return resp
 

@@ -13,7 +13,7 @@ from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
-from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, RouterConfig, parse_decode, parse_prefill, service_names
+from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, FIRST_TOKEN_FROM, GenerateServicer, RouterConfig, parse_decode, parse_prefill, service_names
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments, current
@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt + generated tokens a stream migrates with, since the new prefill computes them all "
         "(0: --max-prompt-tokens; default: %(default)s)",
     )
+    p.add_argument(
+        "--first-token", choices=FIRST_TOKEN_FROM, default="prefill",
+        help="where the client's first token comes from. prefill: the prefill sends it ahead as soon as it samples it "
+        "(PrefillStream), while its KV still travels to the decode, and the KV figures (bytes_transferred, "
+        "transfer_seconds, data_plane_seconds, cached_tokens) come on the next message; decode: the decode's first "
+        "message, once it committed the KV, carries the token and the figures. The tokens are the same either way "
+        "(default: %(default)s)",
+    )
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
@@ -219,6 +227,7 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         migration_max_seq_len=args.migration_max_seq_len,
         local_prefill_tokens=args.local_prefill_tokens,
         local_prefill_queue=args.local_prefill_queue,
+        first_token=args.first_token,
     )
 
 

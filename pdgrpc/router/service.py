@@ -18,8 +18,15 @@ What one ``Generate`` does::
    ``local_prefill``: the decode computes the prompt itself (local prefill).
 3. Relay the decode's stream, turning token ids into text deltas with an incremental
    UTF-8 decoder (a multi-byte character split across two messages is sent whole, with
-   the later message). The first message carries TTFT, KV bytes, transfer time, room and
-   the sampling seed (the caller's, else the one drawn at step 1, once for every attempt).
+   the later message). The first message carries TTFT, room and the sampling seed (the
+   caller's, else the one drawn at step 1, once for every attempt); the message relaying
+   the decode's first carries the KV figures (bytes, transfer and data-plane time, cached
+   tokens). Under ``--first-token prefill`` (the default) the prefill call is
+   ``PrefillStream``, whose first message is the first token, sampled before its KV
+   left: it goes to the client at once, and the decode's first message repeats it
+   (checked), so its figures go with the client's next message. The decode's path to its first token
+   (the KV's last write, the commit, its stream) leaves the time to first token. A
+   request with one token left waits for the decode, whose message says why it ended.
 4. Failures travel both ways. A failed prefill (refused prompt, dp-rank conflict, transfer
    failure) cancels the decode call -- the decode aborts the room and frees its pages --
    and the client gets the prefill's status code with a message naming the prefill; a
@@ -62,7 +69,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import grpc
 
@@ -95,7 +102,7 @@ from pdgrpc.state.route_fate import (
 )
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_decode", "parse_prefill"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "FIRST_TOKEN_FROM", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_decode", "parse_prefill"]
 
 log = logging.getLogger("pdgrpc.router")
 
@@ -109,6 +116,8 @@ DEFAULT_MAX_PROMPT_TOKENS = 2048
 _PREFILL_TAIL_S = 5.0
 # When one side fails, a failure of the other arriving this soon after is taken as the cause.
 _CAUSE_WINDOW_S = 0.5
+# Where the client's first token comes from (RouterConfig.first_token; module doc, step 3).
+FIRST_TOKEN_FROM = ("prefill", "decode")
 
 
 def draw_room(randbits: Callable[[int], int] | None = None) -> Room:
@@ -205,6 +214,9 @@ class RouterConfig:
     # Local sockets of the decodes, by address (a prefill's is PrefillBackend.local): the
     # router calls those over them instead of gRPC (pdgrpc.rpc.local).
     decode_sockets: tuple[tuple[str, str], ...] = ()
+    # Where the client's first token comes from: "prefill" (sent ahead, PrefillStream) or
+    # "decode" (with its KV committed); module doc, step 3.
+    first_token: str = "prefill"
 
     def __post_init__(self) -> None:
         if not self.prefills and not self.discovery:
@@ -227,6 +239,8 @@ class RouterConfig:
         if self.migration_max_seq_len < 0:
             raise ValueError(f"--migration-max-seq-len must be >= 0, got {self.migration_max_seq_len}")
         self.local_prefill  # names a bad --local-prefill-tokens or --local-prefill-queue
+        if self.first_token not in FIRST_TOKEN_FROM:
+            raise ValueError(f"--first-token must be one of {', '.join(FIRST_TOKEN_FROM)}, got {self.first_token!r}")
 
     @property
     def local_prefill(self) -> LocalPrefillRule:
@@ -583,8 +597,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         metadata = None if trace is None else trace.metadata()
         if trace is not None:  # the router's own work ends here: the rest of the hop is the call's way
             trace.hop("router.prepare")
-        prefill_call = None if local else prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).Prefill(
-            prefill_req, timeout=timeout, metadata=metadata)
+        # The prefill sends the first token ahead, unless one token is left: the decode's
+        # message then ends the stream and says why.
+        ahead = not local and self.config.first_token == "prefill" and fate.remaining() > 1
+        prefill_call: grpc.aio.Call | None = None
+        if ahead:
+            prefill_call = prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).PrefillStream(
+                prefill_req, timeout=timeout, metadata=metadata)
+        elif not local:
+            prefill_call = prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).Prefill(
+                prefill_req, timeout=timeout, metadata=metadata)
         decode_call = decode_pb2_grpc.DecodeServiceStub(self._channel("decode", decode)).Decode(decode_req, timeout=timeout, metadata=metadata)
         # Deferred: a local socket's calls are written already, a gRPC call's send is queued
         # on the loop; both go out before this line.
@@ -594,11 +616,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             routed_dp_rank="-" if routed is None else routed, defer=True,
         )
         prefill_fut: asyncio.Future[prefill_pb2.PrefillResponse | None]
+        # The first token the prefill sends ahead, once it is there.
+        first_token: asyncio.Future[list[int]] | None = asyncio.get_running_loop().create_future() if ahead else None
         if prefill_call is None:  # local prefill: nothing to wait for, nothing to fail
             prefill_fut = asyncio.get_running_loop().create_future()
             prefill_fut.set_result(None)
         else:
-            prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address))
+            prefill_fut = asyncio.ensure_future(self._await_prefill(prefill_call, prefill.address, first_token))
             self.policy.started(prefill.address)
             prefill_fut.add_done_callback(lambda _: self.policy.finished(prefill.address))
             if self.policy.name == "cache_aware":  # the prompt counts as cached there from now on
@@ -607,7 +631,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 prefill_fut.add_done_callback(lambda fut: self._ended(ticket, fut))
         self.decode_policy.started(decode)
         try:
-            await self._relay(context, room, arrived, fate, text, prefill_fut, decode_call, decode, trace, seed=sampling.seed)
+            await self._relay(
+                context, room, arrived, fate, text, prefill_fut, decode_call, decode, trace, seed=sampling.seed,
+                first_token=first_token,
+            )
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
             reply = prefill_fut.result() if done and prefill_fut.exception() is None else None
@@ -644,9 +671,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._index.ended(ticket, _succeeded(prefill_fut), time.monotonic())
 
     @staticmethod
-    async def _await_prefill(call: grpc.aio.UnaryUnaryCall, address: str) -> prefill_pb2.PrefillResponse | None:
+    async def _await_prefill(
+        call: Any, address: str, first_token: asyncio.Future[list[int]] | None = None
+    ) -> prefill_pb2.PrefillResponse | None:
+        """The prefill's reply: ``call``'s (a Prefill call), or the last message of a
+        PrefillStream call, whose first token sets ``first_token``."""
         try:
-            return await call
+            if first_token is None:
+                return cast(prefill_pb2.PrefillResponse, await call)
+            reply = None
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                if msg.token_ids and not first_token.done():
+                    first_token.set_result(list(msg.token_ids))
+                if msg.HasField("reply"):
+                    reply = msg.reply
+            if reply is None:
+                end = CallEnd(Side.PREFILL, Ending.ANSWERED, ServerAbortReason.PREFILL_ERROR)
+                message = f"prefill {address} ended its PrefillStream without a reply"
+                raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, end.reason), end)
+            return reply
         except grpc.RpcError as exc:
             code, details = _describe(exc)
             end = prefill_failure(_ending(code))
@@ -665,53 +708,105 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         decode_address: str,
         trace: tracing.Hops | None = None,
         seed: int = 0,
+        first_token: asyncio.Future[list[int]] | None = None,
     ) -> None:
         """Forward the decode's messages to the client until the stream ends, recording
-        them in ``fate``; raise :class:`_AttemptFailed` as soon as either side fails."""
+        them in ``fate``; raise :class:`_AttemptFailed` as soon as either side fails.
+        ``first_token``: the prefill's first token, relayed ahead of the decode's first
+        message if it comes first."""
         first = not fate.started  # the client's first message carries the request's figures
+        figures = first  # and the message relaying the decode's first, the KV's
         got = False
+        ahead: list[int] = []  # tokens relayed ahead, which the decode's first message repeats
+        held: Any = None  # that message, when it repeats them alone: its figures go with the next
         # A prefill that fails cancels the decode call, which ends the pending read: every
-        # message is read straight from the call, with no task or wait racing the two.
+        # message is read straight from the call, with no task or wait racing the two,
+        # except the decode's first while the prefill's first token may come before it.
         prefill_fut.add_done_callback(lambda fut: _cancel_after_prefill(fut, decode_call))
-        while True:
-            try:
-                msg = await decode_call.read()
-            except grpc.RpcError as exc:
-                raise await self._decode_failure(exc, decode_address, prefill_fut) from None
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if _failed(prefill_fut) and (task is None or not task.cancelling()):
-                    cause = prefill_fut.exception()
-                    assert isinstance(cause, _AttemptFailed)
-                    raise cause from None
-                raise
-            if msg is grpc.aio.EOF:
-                if not got:
-                    message = f"decode {decode_address} ended the stream without a token"
-                    end = CallEnd(Side.DECODE, Ending.ANSWERED, ServerAbortReason.DECODE_ERROR)
-                    raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, end.reason), end)
-                return
-            out = generate_pb2.GenerateResponse(
-                token_ids=msg.token_ids, text=text.feed(msg.token_ids), finish_reason=msg.finish_reason
-            )
-            if msg.finish_reason:
-                out.text += text.flush()
-            if first:
-                first = False
-                out.ttft_seconds = time.perf_counter() - arrived
-                self.metrics.on_first_token(out.ttft_seconds)
-                out.bytes_transferred = msg.bytes_transferred
-                out.transfer_seconds = msg.transfer_seconds
-                out.data_plane_seconds = msg.data_plane_seconds
-                out.cached_tokens = msg.cached_tokens
-                out.bootstrap_room = room
-                out.seed = seed
-            got = True
-            self.metrics.on_tokens(len(msg.token_ids))
-            await context.write(out)
-            fate.handle(Relayed(msg.token_ids, bool(msg.finish_reason)))  # what the client has: a migration goes on from here
-            if trace is not None:  # the first token is out (later: a no-op)
-                trace.end()
+        pending: asyncio.Future[Any] | None = None
+        try:
+            if first_token is not None:
+                pending = asyncio.ensure_future(decode_call.read())
+                await asyncio.wait({pending, first_token}, return_when=asyncio.FIRST_COMPLETED)
+                if not pending.done() and first_token.done():
+                    ahead = first_token.result()
+                    out = generate_pb2.GenerateResponse(token_ids=ahead, text=text.feed(ahead))
+                    if first:
+                        first = False
+                        self._first_figures(out, arrived, room, seed)
+                    self.metrics.on_tokens(len(ahead))
+                    await context.write(out)
+                    fate.handle(Relayed(ahead))
+                    if trace is not None:
+                        trace.end()
+            while True:
+                try:
+                    if pending is not None:
+                        msg, pending = await pending, None
+                    else:
+                        msg = await decode_call.read()
+                except grpc.RpcError as exc:
+                    raise await self._decode_failure(exc, decode_address, prefill_fut) from None
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if _failed(prefill_fut) and (task is None or not task.cancelling()):
+                        cause = prefill_fut.exception()
+                        assert isinstance(cause, _AttemptFailed)
+                        raise cause from None
+                    raise
+                if msg is grpc.aio.EOF:
+                    if not got:
+                        message = f"decode {decode_address} ended the stream without a token"
+                        end = CallEnd(Side.DECODE, Ending.ANSWERED, ServerAbortReason.DECODE_ERROR)
+                        raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, end.reason), end)
+                    return
+                ids = list(msg.token_ids)
+                got = True
+                if ahead:
+                    ids = self._past_ahead(ahead, ids, decode_address)
+                    ahead = ahead[len(msg.token_ids):]
+                    if not ids and not msg.finish_reason:
+                        held = msg
+                        continue
+                out = generate_pb2.GenerateResponse(token_ids=ids, text=text.feed(ids), finish_reason=msg.finish_reason)
+                if msg.finish_reason:
+                    out.text += text.flush()
+                if first:
+                    first = False
+                    self._first_figures(out, arrived, room, seed)
+                if figures:
+                    figures = False
+                    kv = held or msg
+                    out.bytes_transferred = kv.bytes_transferred
+                    out.transfer_seconds = kv.transfer_seconds
+                    out.data_plane_seconds = kv.data_plane_seconds
+                    out.cached_tokens = kv.cached_tokens
+                self.metrics.on_tokens(len(ids))
+                await context.write(out)
+                fate.handle(Relayed(ids, bool(msg.finish_reason)))  # what the client has: a migration goes on from here
+                if trace is not None:  # the first token is out (later: a no-op)
+                    trace.end()
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+
+    def _first_figures(self, out: generate_pb2.GenerateResponse, arrived: float, room: int, seed: int) -> None:
+        """What the client's first message carries: TTFT, the room and the seed."""
+        out.ttft_seconds = time.perf_counter() - arrived
+        self.metrics.on_first_token(out.ttft_seconds)
+        out.bootstrap_room = room
+        out.seed = seed
+
+    @staticmethod
+    def _past_ahead(ahead: list[int], ids: list[int], decode_address: str) -> list[int]:
+        """The decode's tokens ``ids`` past those relayed ``ahead`` from the prefill, which
+        they repeat: both are the metadata row's token, so a difference is a broken decode."""
+        n = min(len(ahead), len(ids))
+        if ids[:n] != ahead[:n]:
+            message = f"decode {decode_address} sent tokens {ids[:n]} where the prefill's first token was {ahead[:n]}"
+            end = CallEnd(Side.DECODE, Ending.ANSWERED, ServerAbortReason.DECODE_ERROR)
+            raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, end.reason), end)
+        return ids[n:]
 
     @staticmethod
     async def _decode_failure(

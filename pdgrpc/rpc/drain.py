@@ -2,7 +2,8 @@
 
 Every pdgrpc server (:func:`pdgrpc.rpc.server.start_server`) has one :class:`Drain`. Its
 gate wraps the handlers of the calls that start a request -- the methods named
-``Prefill``, ``Decode`` and ``Generate`` (:data:`ENTRY_METHODS`), smg's protocol included
+``Prefill``, ``PrefillStream``, ``Decode`` and ``Generate`` (:data:`ENTRY_METHODS`), smg's
+protocol included
 -- and counts them while they run. Everything else (health, the decode's ``Handshake`` and
 ``AbortRoom`` to a prefill worker, bootstrap queries, ``GetStats``) stays open, because the
 requests in flight still need it.
@@ -15,7 +16,7 @@ Draining (:meth:`RpcServer.drain <pdgrpc.rpc.server.RpcServer.drain>`, on SIGTER
 2. a new entry call ends UNAVAILABLE (``draining``): the router sends it to another
    instance, as it does for a server that is gone;
 3. the server waits until every entry call in flight ended -- a prefill's ``Prefill``
-   returns once the decode acknowledged the room's KV, a decode's ``Decode`` once its
+   (or ``PrefillStream``) returns once the decode acknowledged the room's KV, a decode's ``Decode`` once its
    generation finished -- and then refuses for :data:`LINGER_S` more, bounded by
    ``--drain-timeout``. A gRPC server that stops cancels, unseen by its handlers, every
    call that reaches it meanwhile; a client that sends its next request the moment its
@@ -47,7 +48,7 @@ log = logging.getLogger("pdgrpc.rpc")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The calls that start a request; a draining server refuses new ones and waits for these.
-ENTRY_METHODS = frozenset({"Prefill", "Decode", "Generate"})
+ENTRY_METHODS = frozenset({"Prefill", "PrefillStream", "Decode", "Generate"})
 # Seconds a draining server goes on refusing once no entry call runs (and once it started
 # draining), before it stops: long enough for a caller's next request after its last
 # reply, short next to a restart.

@@ -93,7 +93,7 @@ def add_local_socket_argument(parser: argparse.ArgumentParser) -> None:
         help="also serve this server's methods on a Unix socket at PATH, for a pdgrpc router on this host "
         "(its --prefill/--decode HOST:PORT,local=PATH): cheaper than a gRPC call each way. PATH's directory must "
         "be private to this user (mode 0700); the socket is made 0600, its callers must run as this user and may "
-        "call Prefill and Decode alone, as the router; the bearer token still applies (default: none)",
+        "call Prefill, PrefillStream and Decode alone, as the router; the bearer token still applies (default: none)",
     )
 
 

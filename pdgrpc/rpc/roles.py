@@ -37,6 +37,7 @@ CALLERS: Mapping[str, frozenset[str]] = {
     "/pdgrpc.v1.GenerateService/Generate": frozenset({CLIENT}),
     # The router and smg place requests; a prefill controller forwards its share to its workers.
     "/pdgrpc.v1.PrefillService/Prefill": frozenset({ROUTER, GATEWAY, PREFILL}),
+    "/pdgrpc.v1.PrefillService/PrefillStream": frozenset({ROUTER, GATEWAY, PREFILL}),
     "/pdgrpc.v1.PrefillService/GetStats": frozenset({ROUTER, PREFILL}),
     "/pdgrpc.v1.PrefillService/SubscribeKvEvents": frozenset({ROUTER, GATEWAY, PREFILL}),
     "/pdgrpc.v1.DecodeService/Decode": frozenset({ROUTER, GATEWAY}),
@@ -62,7 +63,9 @@ CALLERS: Mapping[str, frozenset[str]] = {
 # What a server's local socket (pdgrpc.rpc.local) serves: the router's calls alone. Its
 # caller proves only its uid, which makes it the router on this host; every other method
 # is refused PERMISSION_DENIED there, as a caller without the role is over gRPC.
-LOCAL_METHODS = frozenset({"/pdgrpc.v1.PrefillService/Prefill", "/pdgrpc.v1.DecodeService/Decode"})
+LOCAL_METHODS = frozenset({
+    "/pdgrpc.v1.PrefillService/Prefill", "/pdgrpc.v1.PrefillService/PrefillStream", "/pdgrpc.v1.DecodeService/Decode",
+})
 
 
 def callers(method: str) -> frozenset[str]:

@@ -119,17 +119,21 @@ class GenerateResponse(_message.Message):
     ttft_seconds: _builtins.float
     """Time from request arrival to the first token (seconds); set on the first message."""
     bytes_transferred: _builtins.int
-    """KV bytes moved from prefill to decode (bytes); set on the first message."""
+    """KV bytes moved from prefill to decode (bytes). Set, like transfer_seconds,
+    data_plane_seconds and cached_tokens, on the first message, or on the second when the
+    first token went ahead from the prefill (the pdgrpc router's --first-token prefill, its
+    default), since the decode reports them with that token.
+    """
     transfer_seconds: _builtins.float
     """From the decode's handshake to its commit of the KV (seconds): includes the
-    prefill's compute, so it is not a transport figure; set on the first message.
+    prefill's compute, so it is not a transport figure; set with bytes_transferred.
     """
     bootstrap_room: _builtins.int
     """The bootstrap room the router drew; set on the first message."""
     data_plane_seconds: _builtins.float
     """Data-plane time of the KV transfer (seconds): from the first KV byte's arrival at the
     decode to the commit; bytes_transferred / data_plane_seconds is the transport's rate.
-    0 when no bytes moved (fake transport). Set on the first message.
+    0 when no bytes moved (fake transport). Set with bytes_transferred.
     """
     seed: _builtins.int
     """The sampling seed the request ran with: the caller's, else the one the server drew.
@@ -138,7 +142,7 @@ class GenerateResponse(_message.Message):
     """
     cached_tokens: _builtins.int
     """Prompt tokens whose KV the prefill reused from its prefix cache instead of computing
-    them (tokens; 0 without a hit). Set on the first message.
+    them (tokens; 0 without a hit). Set with bytes_transferred.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

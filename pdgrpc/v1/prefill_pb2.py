@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdgrpc.v1 import common_pb2 as pdgrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdgrpc/v1/prefill.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\"\xc1\x01\n\x0ePrefillRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12\x1b\n\x0erouted_dp_rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0broom_secret\x18\x06 \x01(\x0c\x42\x11\n\x0f_routed_dp_rank\"\x9e\x01\n\x0fPrefillResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x62ytes_transferred\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\x11\n\x0fGetStatsRequest\";\n\x10GetStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.pdgrpc.v1.ResourceStats\"9\n\x18SubscribeKvEventsRequest\x12\x1d\n\x15start_sequence_number\x18\x01 \x01(\x04\"\x8e\x01\n\x0cKvEventBatch\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\"\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x12.pdgrpc.v1.KvEvent\x12\x16\n\x0esnapshot_index\x18\x03 \x01(\r\x12\x16\n\x0esnapshot_count\x18\x04 \x01(\r\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\"\x9c\x01\n\x07KvEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.pdgrpc.v1.KvBlocksStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.pdgrpc.v1.KvBlocksRemovedH\x00\x12,\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x19.pdgrpc.v1.KvCacheClearedH\x00\x42\x07\n\x05\x65vent\"4\n\x0eKvBlocksStored\x12\"\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x12.pdgrpc.v1.KvBlock\"Z\n\x07KvBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x03\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\rB\x0e\n\x0c_parent_hash\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x03\"\x10\n\x0eKvCacheCleared2\xec\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdgrpc.v1.PrefillRequest\x1a\x1a.pdgrpc.v1.PrefillResponse\x12\x43\n\x08GetStats\x12\x1a.pdgrpc.v1.GetStatsRequest\x1a\x1b.pdgrpc.v1.GetStatsResponse\x12S\n\x11SubscribeKvEvents\x12#.pdgrpc.v1.SubscribeKvEventsRequest\x1a\x17.pdgrpc.v1.KvEventBatch0\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdgrpc/v1/prefill.proto\x12\tpdgrpc.v1\x1a\x16pdgrpc/v1/common.proto\"\xc1\x01\n\x0ePrefillRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdgrpc.v1.SamplingParams\x12\x1b\n\x0erouted_dp_rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0broom_secret\x18\x06 \x01(\x0c\x42\x11\n\x0f_routed_dp_rank\"\x9e\x01\n\x0fPrefillResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x62ytes_transferred\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"M\n\rPrefillUpdate\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x05reply\x18\x02 \x01(\x0b\x32\x1a.pdgrpc.v1.PrefillResponse\"\x11\n\x0fGetStatsRequest\";\n\x10GetStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.pdgrpc.v1.ResourceStats\"9\n\x18SubscribeKvEventsRequest\x12\x1d\n\x15start_sequence_number\x18\x01 \x01(\x04\"\x8e\x01\n\x0cKvEventBatch\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\"\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x12.pdgrpc.v1.KvEvent\x12\x16\n\x0esnapshot_index\x18\x03 \x01(\r\x12\x16\n\x0esnapshot_count\x18\x04 \x01(\r\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\"\x9c\x01\n\x07KvEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.pdgrpc.v1.KvBlocksStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.pdgrpc.v1.KvBlocksRemovedH\x00\x12,\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x19.pdgrpc.v1.KvCacheClearedH\x00\x42\x07\n\x05\x65vent\"4\n\x0eKvBlocksStored\x12\"\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x12.pdgrpc.v1.KvBlock\"Z\n\x07KvBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x03\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\rB\x0e\n\x0c_parent_hash\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x03\"\x10\n\x0eKvCacheCleared2\xb4\x02\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdgrpc.v1.PrefillRequest\x1a\x1a.pdgrpc.v1.PrefillResponse\x12\x46\n\rPrefillStream\x12\x19.pdgrpc.v1.PrefillRequest\x1a\x18.pdgrpc.v1.PrefillUpdate0\x01\x12\x43\n\x08GetStats\x12\x1a.pdgrpc.v1.GetStatsRequest\x1a\x1b.pdgrpc.v1.GetStatsResponse\x12S\n\x11SubscribeKvEvents\x12#.pdgrpc.v1.SubscribeKvEventsRequest\x1a\x17.pdgrpc.v1.KvEventBatch0\x01\x42\x44\n\x0cio.pdgrpc.v1P\x01Z2github.com/pdgrpc/pdgrpc/gen/go/pdgrpc/v1;pdgrpcv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,24 +37,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_end=256
   _globals['_PREFILLRESPONSE']._serialized_start=259
   _globals['_PREFILLRESPONSE']._serialized_end=417
-  _globals['_GETSTATSREQUEST']._serialized_start=419
-  _globals['_GETSTATSREQUEST']._serialized_end=436
-  _globals['_GETSTATSRESPONSE']._serialized_start=438
-  _globals['_GETSTATSRESPONSE']._serialized_end=497
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=499
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=556
-  _globals['_KVEVENTBATCH']._serialized_start=559
-  _globals['_KVEVENTBATCH']._serialized_end=701
-  _globals['_KVEVENT']._serialized_start=704
-  _globals['_KVEVENT']._serialized_end=860
-  _globals['_KVBLOCKSSTORED']._serialized_start=862
-  _globals['_KVBLOCKSSTORED']._serialized_end=914
-  _globals['_KVBLOCK']._serialized_start=916
-  _globals['_KVBLOCK']._serialized_end=1006
-  _globals['_KVBLOCKSREMOVED']._serialized_start=1008
-  _globals['_KVBLOCKSREMOVED']._serialized_end=1047
-  _globals['_KVCACHECLEARED']._serialized_start=1049
-  _globals['_KVCACHECLEARED']._serialized_end=1065
-  _globals['_PREFILLSERVICE']._serialized_start=1068
-  _globals['_PREFILLSERVICE']._serialized_end=1304
+  _globals['_PREFILLUPDATE']._serialized_start=419
+  _globals['_PREFILLUPDATE']._serialized_end=496
+  _globals['_GETSTATSREQUEST']._serialized_start=498
+  _globals['_GETSTATSREQUEST']._serialized_end=515
+  _globals['_GETSTATSRESPONSE']._serialized_start=517
+  _globals['_GETSTATSRESPONSE']._serialized_end=576
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=578
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=635
+  _globals['_KVEVENTBATCH']._serialized_start=638
+  _globals['_KVEVENTBATCH']._serialized_end=780
+  _globals['_KVEVENT']._serialized_start=783
+  _globals['_KVEVENT']._serialized_end=939
+  _globals['_KVBLOCKSSTORED']._serialized_start=941
+  _globals['_KVBLOCKSSTORED']._serialized_end=993
+  _globals['_KVBLOCK']._serialized_start=995
+  _globals['_KVBLOCK']._serialized_end=1085
+  _globals['_KVBLOCKSREMOVED']._serialized_start=1087
+  _globals['_KVBLOCKSREMOVED']._serialized_end=1126
+  _globals['_KVCACHECLEARED']._serialized_start=1128
+  _globals['_KVCACHECLEARED']._serialized_end=1144
+  _globals['_PREFILLSERVICE']._serialized_start=1147
+  _globals['_PREFILLSERVICE']._serialized_end=1455
 # @@protoc_insertion_point(module_scope)

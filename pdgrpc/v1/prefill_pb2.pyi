@@ -110,6 +110,34 @@ class PrefillResponse(_message.Message):
 Global___PrefillResponse: _TypeAlias = PrefillResponse  # noqa: Y015
 
 @_typing.final
+class PrefillUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    REPLY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The first output token (on the first message only)."""
+
+    @_builtins.property
+    def reply(self) -> Global___PrefillResponse:
+        """Prefill's reply (on the last message only)."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        reply: Global___PrefillResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillUpdate: _TypeAlias = PrefillUpdate  # noqa: Y015
+
+@_typing.final
 class GetStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

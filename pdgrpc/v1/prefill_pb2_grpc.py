@@ -39,6 +39,11 @@ class PrefillServiceStub:
                 request_serializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/pdgrpc.v1.PrefillService/PrefillStream',
+                request_serializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillUpdate.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdgrpc.v1.PrefillService/GetStats',
                 request_serializer=pdgrpc_dot_v1_dot_prefill__pb2.GetStatsRequest.SerializeToString,
@@ -61,6 +66,16 @@ class PrefillServiceServicer:
         FAILED_PRECONDITION: routed_dp_rank conflicts with strict follow_bootstrap_room.
         DEADLINE_EXCEEDED: no decode handshake arrived in time.
         ABORTED: the decode aborted the room, or the transfer failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """Prefill, with the first output token sent ahead: the first message carries it as soon
+        as it is sampled, while its KV still travels to the decode (the decode's first token
+        is the same one); the last message carries the reply Prefill returns. A failure ends
+        the stream with the status Prefill would return, after the first message or before.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +105,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=pdgrpc_dot_v1_dot_prefill__pb2.PrefillUpdate.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -129,6 +149,33 @@ class PrefillService:
             '/pdgrpc.v1.PrefillService/Prefill',
             pdgrpc_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             pdgrpc_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdgrpc.v1.PrefillService/PrefillStream',
+            pdgrpc_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            pdgrpc_dot_v1_dot_prefill__pb2.PrefillUpdate.FromString,
             options,
             channel_credentials,
             insecure,

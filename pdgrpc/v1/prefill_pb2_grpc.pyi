@@ -39,6 +39,12 @@ class PrefillServiceStub:
     DEADLINE_EXCEEDED: no decode handshake arrived in time.
     ABORTED: the decode aborted the room, or the transfer failed.
     """
+    PrefillStream: _grpc.UnaryStreamMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillUpdate]
+    """Prefill, with the first output token sent ahead: the first message carries it as soon
+    as it is sampled, while its KV still travels to the decode (the decode's first token
+    is the same one); the last message carries the reply Prefill returns. A failure ends
+    the stream with the status Prefill would return, after the first message or before.
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.GetStatsRequest, _prefill_pb2.GetStatsResponse]
     """What this prefill instance holds right now (summed over its workers)."""
     SubscribeKvEvents: _grpc.UnaryStreamMultiCallable[_prefill_pb2.SubscribeKvEventsRequest, _prefill_pb2.KvEventBatch]
@@ -58,6 +64,12 @@ class PrefillServiceAsyncStub(PrefillServiceStub):
     FAILED_PRECONDITION: routed_dp_rank conflicts with strict follow_bootstrap_room.
     DEADLINE_EXCEEDED: no decode handshake arrived in time.
     ABORTED: the decode aborted the room, or the transfer failed.
+    """
+    PrefillStream: _aio.UnaryStreamMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillUpdate]  # type: ignore[assignment]
+    """Prefill, with the first output token sent ahead: the first message carries it as soon
+    as it is sampled, while its KV still travels to the decode (the decode's first token
+    is the same one); the last message carries the reply Prefill returns. A failure ends
+    the stream with the status Prefill would return, after the first message or before.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_prefill_pb2.GetStatsRequest, _prefill_pb2.GetStatsResponse]  # type: ignore[assignment]
     """What this prefill instance holds right now (summed over its workers)."""
@@ -81,6 +93,18 @@ class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
         FAILED_PRECONDITION: routed_dp_rank conflicts with strict follow_bootstrap_room.
         DEADLINE_EXCEEDED: no decode handshake arrived in time.
         ABORTED: the decode aborted the room, or the transfer failed.
+        """
+
+    @_abc_1.abstractmethod
+    def PrefillStream(
+        self,
+        request: _prefill_pb2.PrefillRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_prefill_pb2.PrefillUpdate], _abc.AsyncIterator[_prefill_pb2.PrefillUpdate]]:
+        """Prefill, with the first output token sent ahead: the first message carries it as soon
+        as it is sampled, while its KV still travels to the decode (the decode's first token
+        is the same one); the last message carries the reply Prefill returns. A failure ends
+        the stream with the status Prefill would return, after the first message or before.
         """
 
     @_abc_1.abstractmethod

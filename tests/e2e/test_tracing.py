@@ -102,8 +102,10 @@ def test_bench_e2e_json_reports_the_p50_of_every_hop(tmp_path: Path) -> None:
         assert row["unit"] == "ms" and 0 <= row["value"] < 60_000
     for gap in (
         "router->controller.dispatch", "router.prepare->controller.dispatch", "controller.dispatch->worker",
-        "write->decode.commit", "first_token->router",
+        "write->decode.commit", "first_token->router", "compute->router",
     ):
         assert f"gap_p50_ms/{gap}" in rows, f"no gap_p50_ms/{gap} row; rows: {sorted(rows)}"
+    # The TTFT rows come from the untraced requests, and the traced ones are reported apart.
+    assert "ttft_overhead_paired_p50" in rows and "ttft_overhead_paired_p50_traced" in rows
     # A hop inside the request is shorter than the request as the router saw it.
     assert rows["span_p50_ms/compute"]["value"] <= rows["span_p50_ms/router"]["value"]

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from pdgrpc.prefill.errors import RequestFailed, WorkerLinkLost
-from pdgrpc.prefill.link import ControllerLink, LinkCallFailed, WorkerLinkServer
+from pdgrpc.prefill.link import ControllerLink, FirstToken, LinkCallFailed, WorkerLinkServer
 from pdgrpc.rpc.frames import MAX_PAYLOAD
 from pdgrpc.v1 import prefill_pb2
 
@@ -28,6 +28,7 @@ class _Worker:
         self.started: dict[int, asyncio.Event] = {}
         self.release: dict[int, asyncio.Future[None]] = {}
         self.cancelled: list[int] = []
+        self.asked: dict[int, bool] = {}  # by room: whether the call asked for its first token
 
     def _of(self, room: int) -> asyncio.Future[None]:
         if room not in self.release:
@@ -35,8 +36,11 @@ class _Worker:
             self.started[room] = asyncio.Event()
         return self.release[room]
 
-    async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def prefill(self, req: prefill_pb2.PrefillRequest, first_token: FirstToken | None = None) -> prefill_pb2.PrefillResponse:
         fut = self._of(req.bootstrap_room)
+        self.asked[req.bootstrap_room] = first_token is not None
+        if first_token is not None:
+            first_token(req.bootstrap_room + 1000)  # sampled before the pages are written
         self.started[req.bootstrap_room].set()
         try:
             await fut
@@ -89,6 +93,25 @@ async def test_each_answer_reaches_its_own_caller() -> None:
         resp = await asyncio.wait_for(calls[room], 5)
         assert (resp.bytes_transferred, resp.prompt_tokens, resp.dp_rank) == (room, room, 3)
     assert link.in_flight == 0 and server.in_flight == 0
+    link.close_socket()
+
+
+async def test_a_call_that_asks_gets_its_first_token_before_the_answer() -> None:
+    w = _Worker()
+    link, _, _ = await _pair(w)
+    tokens: dict[int, list[int]] = {14: [], 15: []}
+    asking = asyncio.ensure_future(link.prefill(_req(14), first_token=tokens[14].append))
+    plain = asyncio.ensure_future(link.prefill(_req(15)))
+    for room in (14, 15):
+        await w.wait_started(room)
+    await asyncio.sleep(0.05)  # the FIRST frame is on its way, if there is one
+    assert tokens[14] == [1014] and not asking.done()  # ahead of the answer, to its own call
+    assert w.asked == {14: True, 15: False}  # a plain CALL does not ask
+    for room in (14, 15):
+        w.release[room].set_result(None)
+    assert (await asyncio.wait_for(asking, 5)).bytes_transferred == 14
+    assert (await asyncio.wait_for(plain, 5)).bytes_transferred == 15
+    assert tokens == {14: [1014], 15: []}
     link.close_socket()
 
 
@@ -203,7 +226,7 @@ async def test_a_traced_call_runs_under_the_controllers_span_in_the_worker(tmp_p
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
     tracing.setup_tracing(f"file:{tmp_path}", "test")
 
-    async def prefill(req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def prefill(req: prefill_pb2.PrefillRequest, first_token: FirstToken | None = None) -> prefill_pb2.PrefillResponse:
         tracing.hop("compute")
         return prefill_pb2.PrefillResponse(prompt_tokens=len(req.input_ids))
 

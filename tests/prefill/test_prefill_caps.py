@@ -16,6 +16,7 @@ from typing import AsyncIterator
 import grpc
 import pytest
 
+from pdgrpc.prefill.link import FirstToken
 from pdgrpc.prefill.services import WirePrefillServicer
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
@@ -28,8 +29,12 @@ class _Held:
         self.release = asyncio.Event()
         self.entered = 0
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:  # noqa: N802
+    async def Prefill(  # noqa: N802
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, first_token: FirstToken | None = None
+    ) -> prefill_pb2.PrefillResponse:
         self.entered += 1
+        if first_token is not None:
+            first_token(request.input_ids[-1] + 100)  # sampled before anything is held up
         await self.release.wait()
         return prefill_pb2.PrefillResponse(prompt_tokens=len(request.input_ids))
 
@@ -75,6 +80,23 @@ async def test_one_client_cannot_hold_more_than_its_share_of_prefill_calls(
     inner.release.set()
     assert [r.prompt_tokens for r in await asyncio.gather(*held)] == [3, 3]
     assert (await stub.Prefill(_request(14), timeout=30)).prompt_tokens == 3
+
+
+async def test_prefill_stream_counts_against_the_same_cap_and_sends_its_token_ahead(
+    served: tuple[_Held, list[int], prefill_pb2_grpc.PrefillServiceStub],
+) -> None:
+    inner, refused, stub = served
+    streams = [stub.PrefillStream(_request(room), timeout=30) for room in (21, 22)]
+    for call in streams:  # the first token, while the call is still held open
+        assert list((await call.read()).token_ids) == [103]
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await stub.Prefill(_request(23), timeout=30)
+    assert ei.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and refused == [1]
+    inner.release.set()
+    for call in streams:
+        last = await call.read()
+        assert not last.token_ids and last.reply.prompt_tokens == 3
+        assert await call.read() is grpc.aio.EOF
 
 
 def test_the_cap_is_a_documented_flag_passed_to_every_worker() -> None:

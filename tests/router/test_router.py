@@ -33,15 +33,27 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
-    """Replies after ``delay`` s, or fails with ``fail`` = (code, message)."""
+    """Replies after ``delay`` s, or fails with ``fail`` = (code, message). A PrefillStream
+    sends ``ahead`` first (token ids; None: nothing ahead), ``ahead_delay`` s in."""
 
     def __init__(self) -> None:
         self.requests: list[prefill_pb2.PrefillRequest] = []
+        self.streamed = 0  # PrefillStream calls among requests
         self.cancelled_at: dict[int, float] = {}
         self.fail: tuple[grpc.StatusCode, str] | None = None
         self.delay = 0.0
         self.hang = False
         self.gate: asyncio.Event | None = None  # when set: fail only once this is set
+        self.ahead: list[int] | None = None
+        self.ahead_delay = 0.0
+
+    async def PrefillStream(self, request, context):
+        self.streamed += 1
+        if self.ahead is not None:
+            await asyncio.sleep(self.ahead_delay)
+            await context.write(prefill_pb2.PrefillUpdate(token_ids=self.ahead))
+        reply = await self.Prefill(request, context)
+        await context.write(prefill_pb2.PrefillUpdate(reply=reply))
 
     async def Prefill(self, request, context):
         self.requests.append(request)

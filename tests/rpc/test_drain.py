@@ -49,6 +49,7 @@ class Work:
     def add(self, server: Any) -> None:
         handler = grpc.method_handlers_generic_handler(SERVICE, {
             "Generate": grpc.unary_stream_rpc_method_handler(self.generate),
+            "PrefillStream": grpc.unary_stream_rpc_method_handler(self.generate),  # a prefill's first token, then its reply
             "Prefill": grpc.unary_unary_rpc_method_handler(self.prefill),
             "Other": grpc.unary_unary_rpc_method_handler(self.other),
         })
@@ -69,10 +70,12 @@ async def test_drain_finishes_running_calls_refuses_new_ones_then_stops() -> Non
         stream = channel.unary_stream(f"/{SERVICE}/Generate")(b"", timeout=10)
         assert await stream.read() == b"first"
         unary = channel.unary_unary(f"/{SERVICE}/Prefill")(b"", timeout=10)
-        while work.started < 2:
+        prefill_stream = channel.unary_stream(f"/{SERVICE}/PrefillStream")(b"", timeout=10)
+        assert await prefill_stream.read() == b"first"
+        while work.started < 3:
             await asyncio.sleep(0.01)
         reply = await drain_pb2_grpc.DrainServiceStub(channel).Drain(drain_pb2.DrainRequest(timeout_seconds=10), timeout=5)
-        assert (reply.in_flight, reply.timeout_seconds) == (2, 10.0)
+        assert (reply.in_flight, reply.timeout_seconds) == (3, 10.0)
         assert await _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
         # A new request is turned away, so a router sends it elsewhere ...
         with pytest.raises(grpc.RpcError) as refused:
@@ -86,6 +89,8 @@ async def test_drain_finishes_running_calls_refuses_new_ones_then_stops() -> Non
         assert await stream.read() == b"second"
         assert await stream.read() is grpc.aio.EOF
         assert await unary == b"prefilled"
+        assert await prefill_stream.read() == b"second"  # waited for, as Prefill is
+        assert await prefill_stream.read() is grpc.aio.EOF
         await asyncio.wait_for(server.wait_stopped(), 5)
     finally:
         await pool.close()

@@ -1,0 +1,37 @@
+"""bench e2e's twin clusters: each changes one flag of one role, and nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pdgrpc.bench import e2e
+from pdgrpc.cluster.topology import load_topology
+from pdgrpc.prefill.cli import build_parser
+from pdgrpc.router.server import build_parser as router_parser
+
+
+@pytest.mark.parametrize("arm, twin, role, change", [
+    ("no_prefix_cache_arm", e2e.without_prefix_cache, "prefill", {"no-prefix-cache": True}),
+    ("first_token_decode_arm", e2e.first_token_from_decode, "router", {"first-token": "decode"}),
+])
+def test_a_twin_cluster_changes_one_flag_of_one_role(arm, twin, role, change) -> None:
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    flag = "--" + arm.replace("_", "-")
+    assert getattr(p.parse_args([flag]), arm) and not getattr(p.parse_args([]), arm)
+    t = load_topology("2p2d")
+    changed = twin(t)
+    for before, after in zip(t.processes, changed.processes):
+        assert after == (dataclasses.replace(before, args={**before.args, **change}) if before.role == role else before)
+    assert changed.engine == t.engine
+
+
+def test_the_flags_the_twins_get_exist() -> None:
+    assert "--no-prefix-cache" in build_parser().format_help()
+    # The router's default is the one the main cluster runs with.
+    base = ["--prefill", "a:1", "--decode", "b:2"]
+    assert router_parser().parse_args(base).first_token == "prefill"
+    assert router_parser().parse_args([*base, "--first-token", "decode"]).first_token == "decode"
