@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import struct
 import time
@@ -226,6 +227,9 @@ class WorkerLinkServer(Framed):
         if asks:
             def first(token: int) -> None:
                 self._send(frame(FIRST, call_id, _TOKEN.pack(token)))
+                # Linux wakes the reader of a Unix socket on the writer's core, behind it;
+                # the worker goes on writing the KV, so it steps aside for the token first.
+                os.sched_yield()
         try:
             resp = await self._prefill(request, first)
             self._send(frame(REPLY, call_id, resp.SerializeToString()))

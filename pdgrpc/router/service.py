@@ -67,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import secrets
 import time
 from typing import Any, Callable, Sequence, cast
@@ -607,6 +608,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         elif not local:
             prefill_call = prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).Prefill(
                 prefill_req, timeout=timeout, metadata=metadata)
+        # Linux wakes the reader of a local socket on the writer's core, behind it: the
+        # prefill's chain to its compute steps in first, and the decode, which only has
+        # to handshake before the compute ends, after it.
+        os.sched_yield()
         decode_call = decode_pb2_grpc.DecodeServiceStub(self._channel("decode", decode)).Decode(decode_req, timeout=timeout, metadata=metadata)
         # Deferred: a local socket's calls are written already, a gRPC call's send is queued
         # on the loop; both go out before this line.
