@@ -24,9 +24,10 @@ What one ``Generate`` does::
    tokens). Under ``--first-token prefill`` (the default) the prefill call is
    ``PrefillStream``, whose first message is the first token, sampled before its KV
    left: it goes to the client at once, and the decode's first message repeats it
-   (checked), so its figures go with the client's next message. The decode's path to its first token
-   (the KV's last write, the commit, its stream) leaves the time to first token. A
-   request with one token left waits for the decode, whose message says why it ended.
+   (checked), so its figures go with the client's next message. The decode's path to
+   its first token (the KV's last write, the commit, its stream) leaves the time to
+   first token. A request with one token left waits for the decode, whose message says
+   why it ended.
 4. Failures travel both ways. A failed prefill (refused prompt, dp-rank conflict, transfer
    failure) cancels the decode call -- the decode aborts the room and frees its pages --
    and the client gets the prefill's status code with a message naming the prefill; a
