@@ -55,6 +55,14 @@ def test_the_gateway_listener_serves_only_its_users(tmp_path: Path) -> None:
         pytest.skip("running a client as another user (setpriv --reuid) needs root")
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed: no way to run a client as another user")
+    for uid in (65534, 1):
+        probe = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c", "import grpc"],
+            capture_output=True, timeout=60, cwd="/",
+        )
+        if probe.returncode:
+            pytest.skip(f"uid {uid} cannot import grpc from {sys.prefix} (a directory above it is private to its "
+                        "owner, e.g. a checkout under mktemp -d): no client to run as another user")
     tmp_path.chmod(0o755)
     with DecodeProc([*FLAGS, "--gateway-listen", "127.0.0.1:0", "--gateway-uid", "1"], tmp_path) as decode:
         address = decode.wait_for(r"gateway listener on (\S+:\d+)", source="log").group(1)
