@@ -611,8 +611,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 prefill_req, timeout=timeout, metadata=metadata)
         # Linux wakes the reader of a local socket on the writer's core, behind it: the
         # prefill's chain to its compute steps in first, and the decode, which only has
-        # to handshake before the compute ends, after it.
-        os.sched_yield()
+        # to handshake before the compute ends, after it. (A gRPC call is not sent yet.)
+        if prefill_call is not None and prefill.address in self._sockets:
+            os.sched_yield()
         decode_call = decode_pb2_grpc.DecodeServiceStub(self._channel("decode", decode)).Decode(decode_req, timeout=timeout, metadata=metadata)
         # Deferred: a local socket's calls are written already, a gRPC call's send is queued
         # on the loop; both go out before this line.
