@@ -276,9 +276,11 @@ class Engine(abc.ABC):
                 f"token_ids: prompt has {len(token_ids)} tokens, over max_prompt_tokens={self.max_prompt_tokens}"
             )
         vocab = self.tokenizer.vocab_size
-        for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequest(f"token_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
+        # Whole-prompt checks in C first; only a prompt that fails them is walked to name the bad id.
+        if not (set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab):
+            for i, t in enumerate(token_ids):
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise InvalidRequest(f"token_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if len(token_ids) + max_new_tokens > self.max_seq_len:

@@ -168,7 +168,8 @@ def compute_in(ns: argparse.Namespace) -> str:
     if ns.compute_in != "process":
         return "thread"
     if uses_checkpoint(ns):
-        log.info("%s: --compute-in process: a --model engine computes on a thread", worker_name(ns))
+        log.info("%s: --compute-in process: a --model engine computes on a thread (in a compute process its "
+                 "prompts computed slower: docs/performance.md)", worker_name(ns))
         return "thread"
     if getattr(ns, "device", "cpu") != "cpu":
         log.info("%s: --compute-in process: a --device %s pool is not shared memory; computing on a thread", worker_name(ns), ns.device)

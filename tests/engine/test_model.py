@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 import torch
@@ -104,3 +105,19 @@ def test_bad_engine_config_names_the_field(kwargs: dict[str, object], field: str
 def test_tensor_parallel_engine_needs_an_all_reduce() -> None:
     with pytest.raises(ConfigError, match="needs an all_reduce"):
         ReferenceEngine(EngineConfig(model=TINY, tp_size=2, tp_rank=0, num_pages=4))
+
+
+@pytest.mark.parametrize(
+    "bad, shown",
+    [(300, "300"), (-1, "-1"), (True, "True"), (7.0, "7.0"), ("7", "'7'"), (torch.tensor(7), "tensor(7)")],
+)
+def test_a_prompt_with_a_bad_token_id_is_refused_naming_the_first(bad: object, shown: str) -> None:
+    """Checked whole in C first; a prompt that fails is walked to name the first bad id."""
+    from pdgrpc.engine.errors import InvalidRequest
+
+    engine = make_engine()
+    vocab = engine.tokenizer.vocab_size
+    ids = [256, 1, 2, bad, 3, bad]
+    with pytest.raises(InvalidRequest, match=rf"^token_ids\[3\] = {re.escape(shown)} is not a token id in \[0, {vocab}\)$"):
+        engine.validate_request(ids, 1)
+    engine.validate_request([256, 0, vocab - 1], 1)  # the edges of the vocabulary pass

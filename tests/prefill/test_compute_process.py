@@ -291,6 +291,7 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
     [
         ([], True, "process", None),
         (["--compute-in", "thread"], True, "thread", None),
+        (["--model", "/a/checkpoint"], True, "thread", "a --model engine computes on a thread"),
         (["--tp-size", "2", "--tp-rank", "1"], True, "thread", "its gloo group lives in the worker"),
         ([], False, "thread", "needs memfd_create (Linux)"),
     ],
