@@ -19,8 +19,8 @@ and prefill chunk size everywhere. Then:
   generating exactly ``--max-new-tokens`` tokens; generated tokens / wall time. Target:
   1p1d at least 1.0x colocated. Systems run this phase one after another, so a drift of
   the host lands on whichever runs then: compare tokens/s over several runs.
-* **where the TTFT goes**: every disaggregated server traces (``--trace file:DIR``, one
-  file per process) only the requests whose ``traceparent`` says so
+* **where the TTFT goes**: every server, the colocated one too, traces (``--trace
+  file:DIR``, one file per process) only the requests whose ``traceparent`` says so
   (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with every
   other measured TTFT request. The TTFT rows above come from the others: a traced request
   pays for its spans, which serving at its defaults does not (``ttft_overhead_paired_p50_traced``
@@ -28,7 +28,9 @@ and prefill chunk size everywhere. Then:
   hop's span over the traced requests (:mod:`pdgrpc.rpc.tracing` names the hops), and ``gap_p50_ms/<a>-><b>`` the
   p50 of the time between two processes' spans that no span covers (a gRPC call on its
   way, the link, the KV's first byte, the token's way back), so every run shows the
-  breakdown.
+  breakdown. ``compute_over_colocated_paired_p50`` is the median, over the traced prompts,
+  of the disaggregated ``compute`` span minus colocated serving's: the part of the
+  overhead that is a slower compute, not the path.
 
 With ``--security plain,tls`` (any of ``plain``, ``tls``, ``token``, ``tls+token``) each
 transport's cluster runs once per mode, side by side in the same run: ``tls`` is
@@ -191,6 +193,17 @@ _GAPS = (
 )
 
 
+def span_ms(spans: list[dict], trace_ids: list[str], name: str) -> list[float | None]:
+    """The duration in ms of span ``name`` in each of the traces ``trace_ids``, in their
+    order (the longest, where a trace holds several; None where it holds none)."""
+    longest: dict[str, float] = {}
+    for s in spans:
+        if s["name"] == name:
+            ms = (s["end_ns"] - s["start_ns"]) / 1e6
+            longest[s["trace_id"]] = max(ms, longest.get(s["trace_id"], 0.0))
+    return [longest.get(t) for t in trace_ids]
+
+
 def hop_p50s(spans: list[dict], trace_ids: list[str]) -> dict[str, float]:
     """Over the traces ``trace_ids``, in ms: ``span_p50_ms/<name>``, the p50 of each span's
     duration (the longest, where a trace holds several: tp ranks run in parallel), and
@@ -258,8 +271,10 @@ async def _run(args: argparse.Namespace) -> list[Result]:
     device = getattr(args, "device", "cpu")
     model = getattr(args, "model", "")
     topology = on_device(load_topology(args.topology), device, model)
-    systems: dict[str, Cluster] = {BASELINE: Cluster(on_device(load_topology("colocated"), device, model))}
     spans_dir = Path(tempfile.mkdtemp(prefix="pdgrpc-bench-spans-"))
+    systems: dict[str, Cluster] = {
+        BASELINE: Cluster(on_device(load_topology("colocated"), device, model), extra_env=_trace_env(spans_dir / BASELINE)),
+    }
     for t in transports:
         for mode in modes:
             tls, token = _SECURITY[mode]
@@ -278,7 +293,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             name = f"{topology.name}-{t}@baseline"
             env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
             systems[name] = Cluster(topology, transport=t, extra_env=env, local_sockets=has_local_sockets(args.baseline_tree))
-    traced: dict[str, list[str]] = {name: [] for name in systems if name != BASELINE}
+    traced: dict[str, list[str]] = {name: [] for name in systems}
     rng = random.Random(args.seed)
     ttft_prompts = _prompts(args.warmup + args.ttft_requests, args.prompt_tokens, rng)
     tput_prompts = _prompts(args.throughput_requests, args.throughput_prompt_tokens, rng)
@@ -302,7 +317,9 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             for c in systems.values():
                 c.check()
         # Read once the clusters stopped: a server exports what it still holds as it exits.
-        hops = {name: hop_p50s(list(read_spans(spans_dir / name)), ids) for name, ids in traced.items()}
+        spans = {name: list(read_spans(spans_dir / name)) for name in traced}
+        hops = {name: hop_p50s(spans[name], ids) for name, ids in traced.items()}
+        computes = {name: span_ms(spans[name], ids, "compute") for name, ids in traced.items()}
     finally:
         shutil.rmtree(spans_dir, ignore_errors=True)
 
@@ -321,6 +338,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         # The same measure as a disaggregated system's router_hop_p50: what the colocated
         # server's own gRPC front costs, so that the router's is read against it.
         Result(f"{case_ttft}/{BASELINE}", "router_hop_p50", percentile([c.client_ttft_seconds - c.ttft_seconds for c in ttft[BASELINE]], 0.5) * 1e3, "ms"),
+        *(Result(f"{case_ttft}/{BASELINE}", metric, ms, "ms") for metric, ms in hops[BASELINE].items()),
     ]
     for name in systems:
         if name == BASELINE:
@@ -354,6 +372,11 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
         results += [Result(f"{case_ttft}/{name}", metric, ms, "ms") for metric, ms in hops[name].items()]
+        # The same prompt's compute span here and in colocated serving: how much of the
+        # overhead is a slower compute rather than the hops around it.
+        slower = [d - c for d, c in zip(computes[name], computes[BASELINE]) if d is not None and c is not None]
+        if slower:
+            results.append(Result(f"{case_ttft}/{name}", "compute_over_colocated_paired_p50", statistics.median(slower), "ms"))
         # Twins of this system in the run: the same cluster with its prefix cache off (the
         # cache's cost when nothing is reused), and with its router's calls over gRPC (what
         # the local socket saves).

@@ -5,7 +5,9 @@ The baseline that ``bench e2e`` compares disaggregated serving with: the same
 prefill and decode on one :class:`~pdgrpc.engine.reference.ReferenceEngine` -- no room,
 no handshake, no KV transfer. Same engine flags, same chunked prefill, the same
 continuous batching of decode steps, so the difference in TTFT and tokens/s is the cost
-(or gain) of disaggregation.
+(or gain) of disaggregation. With ``--trace``, a request's span ``colocated`` holds the
+hops ``colocated.queue`` (until the compute thread has its prompt) and ``compute`` (its
+chunked prefill), the names a prefill worker's hops have, so the two computes compare.
 
 Scheduler: one asyncio task; the engine runs on one dedicated thread (it is not
 thread-safe). Each iteration admits waiting requests whose pages fit (prefilling each in
@@ -33,6 +35,7 @@ from pdgrpc.engine.colocated import prefill as prefill_chunks
 from pdgrpc.errors import EngineError, PdgrpcError
 from pdgrpc.gateway import add_gateway_arguments, colocated_service
 from pdgrpc.gateway.statuses import Refusal, ending
+from pdgrpc.rpc import tracing
 from pdgrpc.rpc.drain import Drain, add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
@@ -63,6 +66,7 @@ class Job:
     pages: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
+    trace: tracing.Hops | None = None  # the request's span, until its first token
 
     async def stream(self) -> AsyncIterator[tuple[SampledToken, str]]:
         """``(token, finish_reason or "")`` until the request ends; raises what failed it."""
@@ -96,6 +100,7 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
         arrived = time.perf_counter()
+        trace = tracing.server("colocated", context.invocation_metadata()) if tracing.enabled else None
         try:
             ids = tuple(request_ids(request, self.engine.tokenizer))
             seeded = with_seed(request.sampling)
@@ -104,9 +109,12 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
             self.engine.validate_request(ids, max_new)
         except EngineError as exc:
             bad = ending(Refusal.BAD_REQUEST, str(exc))
+            if trace is not None:
+                trace.end(bad.message)
             await context.abort(bad.code, bad.message)
             return
         job = self.admit(ids, sampling, max_new)
+        job.trace = trace
         text = self.engine.tokenizer.stream_decoder()
         first = True
         try:
@@ -119,11 +127,18 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
                     msg.ttft_seconds = time.perf_counter() - arrived
                     msg.seed = seeded.seed
                 await context.write(msg)
+                if trace is not None:  # the first token is out: the span ends
+                    trace.end()
+                    trace = None
         except Exception as exc:  # noqa: BLE001 - the engine failed this request
             failed = ending(Refusal.ENGINE_FAILED, f"colocated engine failed: {exc}")
+            if trace is not None:
+                trace.end(failed.message)
             await context.abort(failed.code, failed.message)
         finally:
             job.cancelled = True  # no-op when finished; else the loop drops it and frees its pages
+            if trace is not None:  # still open: cancelled before its first token
+                trace.end("cancelled by client")
 
     def active_requests(self) -> int:
         """Requests queued or generating."""
@@ -182,12 +197,16 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
                     break
                 self._pending.popleft()
                 job.pages = pages
+                if job.trace is not None:
+                    job.trace.hop("colocated.queue")
                 try:
                     first = await self._engine(prefill_chunks, self.engine, PrefillRequest(job.ids, tuple(pages), job.sampling), self.chunk_tokens)
                 except Exception as exc:  # noqa: BLE001 - reported to that client
                     self._finish(job)
                     job.fail(exc)
                     continue
+                if job.trace is not None:
+                    job.trace.hop("compute")
                 if not self._emit(job, first):
                     self._running.append(job)
             live = [j for j in self._running if not j.cancelled]
@@ -211,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_arguments(p)
     add_security_arguments(p)
     add_drain_arguments(p)
+    tracing.add_tracing_arguments(p)
     return p
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import time
 from typing import Any, Awaitable, Callable, NamedTuple
 
 from pdgrpc.engine.base import PrefillRequest, SampledToken
@@ -49,9 +50,14 @@ class ComputeJob:
     # Told the sampled token as soon as its post arrives, whatever the driver awaits then
     # (set by the driver right after begin).
     first_token: Callable[[int], None] | None = None
+    # When the last post reached the loop (ns since the epoch), before the token was told:
+    # where the trace's compute hop ends, and the token's way begins.
+    computed_ns: int = 0
 
     def deliver(self, item: ChunkPost) -> None:
         """On the worker's loop: hand the driver ``item``."""
+        if item.token is not None:
+            self.computed_ns = time.time_ns()
         if item.token is not None and self.first_token is not None:
             told, self.first_token = self.first_token, None
             told(item.token.token_id)

@@ -157,7 +157,7 @@ class RoomDriver:
                 continue
             compute_s += post.seconds
             if tracing.enabled and post.end == n:
-                tracing.hop("compute")
+                tracing.hop("compute", end=job.computed_ns or None)
             if not post.ready.done():  # a GPU still writing the chunk's pages: wait, never block
                 await post.ready.wait()
             self._token = post.token

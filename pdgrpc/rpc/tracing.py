@@ -255,9 +255,10 @@ class Hops:
         self.mark = start  # the end of the last hop
         self.hops: list[tuple[str, int, int]] = []
 
-    def hop(self, name: str, start: int | None = None) -> None:
-        """A child span ``name`` from ``start`` (default: the last hop's end) to now."""
-        now = time.time_ns()
+    def hop(self, name: str, start: int | None = None, end: int | None = None) -> None:
+        """A child span ``name`` from ``start`` (default: the last hop's end) to ``end``
+        (default: now), where the next hop starts."""
+        now = time.time_ns() if end is None else end
         if self.recording:
             self.hops.append((name, self.mark if start is None else start, now))
         self.mark = now
@@ -338,8 +339,8 @@ def serve(name: str, parent: tuple[int, int, bool], start: int) -> Hops:
     return hops
 
 
-def hop(name: str) -> None:
+def hop(name: str, end: int | None = None) -> None:
     """:meth:`Hops.hop` on the request the current task serves (:func:`serve`), if any."""
     hops = _current.get()
     if hops is not None:
-        hops.hop(name)
+        hops.hop(name, end=end)

@@ -85,6 +85,31 @@ async def test_one_request_is_one_trace_with_every_hop_under_the_clients_tracepa
             _check_tree(await _trace(tmp_path / "spans", trace_id), root_parent=client_span)
 
 
+async def test_colocated_serving_traces_its_queue_and_compute_under_the_clients_span(tmp_path: Path) -> None:
+    """The baseline's spans bear the prefill worker's hop names, so the bench can set the
+    two computes side by side."""
+    env = {"PDGRPC_TRACE": f"file:{tmp_path / 'spans'}", "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    async with Cluster("colocated", log_dir=tmp_path / "logs", extra_env=env) as cluster:
+        async with cluster.client_channel() as channel:
+            trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+            done = await generate(
+                GenerateServiceStub(channel), input_ids=PROMPT, max_new_tokens=3,
+                metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),),
+            )
+            assert len(done.token_ids) == 3
+
+            def spans() -> dict[str, dict[str, Any]] | None:
+                by_name = {s["name"]: s for s in read_spans(tmp_path / "spans") if s["trace_id"] == trace_id}
+                return by_name if {"colocated", "colocated.queue", "compute"} <= set(by_name) else None
+
+            got = await eventually_async(spans, timeout=20, interval=0.1, what="the colocated server's spans")
+    assert got["colocated"]["parent_id"] == client_span
+    assert got["colocated.queue"]["parent_id"] == got["compute"]["parent_id"] == got["colocated"]["span_id"]
+    assert got["colocated"]["start_ns"] <= got["colocated.queue"]["end_ns"] <= got["compute"]["end_ns"] <= got["colocated"]["end_ns"]
+    # The compute is the request's bulk: a 173-token prefill against a queue of one request.
+    assert got["compute"]["end_ns"] - got["compute"]["start_ns"] > got["colocated.queue"]["end_ns"] - got["colocated.queue"]["start_ns"]
+
+
 def test_bench_e2e_json_reports_the_p50_of_every_hop(tmp_path: Path) -> None:
     skip_unless_transport("tcp")
     out = tmp_path / "e2e.json"
@@ -109,3 +134,9 @@ def test_bench_e2e_json_reports_the_p50_of_every_hop(tmp_path: Path) -> None:
     assert "ttft_overhead_paired_p50" in rows and "ttft_overhead_paired_p50_traced" in rows
     # A hop inside the request is shorter than the request as the router saw it.
     assert rows["span_p50_ms/compute"]["value"] <= rows["span_p50_ms/router"]["value"]
+    # The colocated baseline's compute, traced alike, and the difference per prompt.
+    base = {r["metric"]: r for r in json.loads(out.read_text())["results"] if r["case"] == "ttft/64tok/colocated"}
+    for hop in ("colocated", "colocated.queue", "compute"):
+        assert f"span_p50_ms/{hop}" in base, f"no colocated span_p50_ms/{hop} row; rows: {sorted(base)}"
+    assert base["span_p50_ms/compute"]["value"] <= base["span_p50_ms/colocated"]["value"]
+    assert "compute_over_colocated_paired_p50" in rows
