@@ -193,32 +193,30 @@ _GAPS = (
 )
 
 
-def span_ms(spans: list[dict], trace_ids: list[str], name: str) -> list[float | None]:
-    """The duration in ms of span ``name`` in each of the traces ``trace_ids``, in their
-    order (the longest, where a trace holds several; None where it holds none)."""
-    longest: dict[str, float] = {}
-    for s in spans:
-        if s["name"] == name:
-            ms = (s["end_ns"] - s["start_ns"]) / 1e6
-            longest[s["trace_id"]] = max(ms, longest.get(s["trace_id"], 0.0))
-    return [longest.get(t) for t in trace_ids]
-
-
-def hop_p50s(spans: list[dict], trace_ids: list[str]) -> dict[str, float]:
-    """Over the traces ``trace_ids``, in ms: ``span_p50_ms/<name>``, the p50 of each span's
-    duration (the longest, where a trace holds several: tp ranks run in parallel), and
-    ``gap_p50_ms/<a>-><b>``, the p50 of each of :data:`_GAPS`."""
+def span_durations(spans: list[dict], trace_ids: list[str]) -> dict[str, dict[str, float]]:
+    """Over the traces ``trace_ids``: each span name's duration in ms per trace (the
+    longest, where a trace holds several: tp ranks run in parallel)."""
     wanted = set(trace_ids)
     per: dict[str, dict[str, float]] = defaultdict(dict)
-    edges: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)  # (trace, name) -> earliest start, latest end
     for s in spans:
         if s["trace_id"] in wanted:
             ms = (s["end_ns"] - s["start_ns"]) / 1e6
             per[s["name"]][s["trace_id"]] = max(ms, per[s["name"]].get(s["trace_id"], 0.0))
+    return per
+
+
+def hop_p50s(spans: list[dict], trace_ids: list[str], durations: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Over the traces ``trace_ids``, in ms: ``span_p50_ms/<name>``, the p50 of each span's
+    :func:`span_durations` (``durations``), and ``gap_p50_ms/<a>-><b>``, the p50 of each
+    of :data:`_GAPS`."""
+    wanted = set(trace_ids)
+    edges: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)  # (trace, name) -> earliest start, latest end
+    for s in spans:
+        if s["trace_id"] in wanted:
             e = edges[(s["trace_id"], s["name"])]
             e["start"] = min(s["start_ns"], e.get("start", s["start_ns"]))
             e["end"] = max(s["end_ns"], e.get("end", s["end_ns"]))
-    out = {f"span_p50_ms/{name}": percentile(list(d.values()), 0.5) for name, d in sorted(per.items())}
+    out = {f"span_p50_ms/{name}": percentile(list(d.values()), 0.5) for name, d in sorted(durations.items())}
     for a, a_edge, b, b_edge in _GAPS:
         gaps = [(edges[(t, b)][b_edge] - edges[(t, a)][a_edge]) / 1e6 for t in wanted if (t, a) in edges and (t, b) in edges]
         if gaps:
@@ -318,8 +316,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
                 c.check()
         # Read once the clusters stopped: a server exports what it still holds as it exits.
         spans = {name: list(read_spans(spans_dir / name)) for name in traced}
-        hops = {name: hop_p50s(spans[name], ids) for name, ids in traced.items()}
-        computes = {name: span_ms(spans[name], ids, "compute") for name, ids in traced.items()}
+        durations = {name: span_durations(spans[name], ids) for name, ids in traced.items()}
+        hops = {name: hop_p50s(spans[name], ids, durations[name]) for name, ids in traced.items()}
     finally:
         shutil.rmtree(spans_dir, ignore_errors=True)
 
@@ -374,7 +372,8 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         results += [Result(f"{case_ttft}/{name}", metric, ms, "ms") for metric, ms in hops[name].items()]
         # The same prompt's compute span here and in colocated serving: how much of the
         # overhead is a slower compute rather than the hops around it.
-        slower = [d - c for d, c in zip(computes[name], computes[BASELINE]) if d is not None and c is not None]
+        mine, base = durations[name].get("compute", {}), durations[BASELINE].get("compute", {})
+        slower = [mine[t] - base[c] for t, c in zip(traced[name], traced[BASELINE]) if t in mine and c in base]
         if slower:
             results.append(Result(f"{case_ttft}/{name}", "compute_over_colocated_paired_p50", statistics.median(slower), "ms"))
         # Twins of this system in the run: the same cluster with its prefix cache off (the

@@ -58,9 +58,9 @@ class ComputeJob:
         """On the worker's loop: hand the driver ``item``."""
         if item.token is not None:
             self.computed_ns = time.time_ns()
-        if item.token is not None and self.first_token is not None:
-            told, self.first_token = self.first_token, None
-            told(item.token.token_id)
+            if self.first_token is not None:
+                told, self.first_token = self.first_token, None
+                told(item.token.token_id)
         self.posts.put_nowait(item)
 
 
