@@ -55,6 +55,7 @@ import ctypes
 import gc
 import logging
 import struct
+import time
 from typing import Any, Awaitable, Callable, Sequence
 
 from pdgrpc.errors import ConfigError, TransportError
@@ -303,8 +304,10 @@ class RdmaTransport(Transport):
     def writer_gone(self, writer_id: str) -> bool:
         """The writer proved itself on a liveness link, every such link ended from its side
         (EOF: its process is gone), its UCX endpoints here were force-closed and every
-        receive posted for it completed or was cancelled: nothing of it can still land."""
-        return self.writers.gone(writer_id) and self._receiver.holds_nothing_of(writer_id)
+        receive posted for it completed, was cancelled, or was abandoned as one only the
+        dead writer could complete (RdmaReceiver.holds_nothing_of): nothing of it can
+        still land."""
+        return self.writers.gone(writer_id) and self._receiver.holds_nothing_of(writer_id, time.monotonic())
 
     def _on_lost(self, instance_id: str, reason: str) -> None:
         self._sender.peer_lost(instance_id, reason)

@@ -29,6 +29,7 @@ import ctypes
 import functools
 import logging
 import struct
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -50,6 +51,11 @@ from pdgrpc.transport.receiver import ReceiveRoom, Receiver, Refusal
 from pdgrpc.transport.rooms import RoomStates
 
 log = logging.getLogger("pdgrpc.transport.rdma")
+
+# How long receives of a dead writer's dropped connection may stay UCX's before they are
+# abandoned (RdmaReceiver.holds_nothing_of): many progress rounds, well inside the 2 s in
+# which a decode frees a dead prefill's room.
+DEAD_WRITER_DRAIN_S = 0.2
 
 
 class ProvenLink(Protocol):
@@ -80,6 +86,7 @@ class RecvConn:
         self.early_dropped = False  # one warning per connection
         self.rooms: set[int] = set()
         self.tokens: set[int] = set()
+        self.dropped_at: float | None = None  # time.monotonic() when this side dropped it
 
 
 class RecvRoom:
@@ -111,6 +118,7 @@ class RdmaReceiver:
         self._recv_conns: dict[int, RecvConn] = {}
         self._recv_rooms: dict[int, RecvRoom] = {}
         self._draining: list[RecvConn] = []  # dropped connections whose receives have not all completed
+        self._untrack: dict[int, Callable[[], None]] = {}  # data receive token -> its bookkeeping's undo
         self._dropped: collections.OrderedDict[int, int] = collections.OrderedDict()  # conn id -> key (bounded)
         self._scratch = torch.empty(SCRATCH, dtype=torch.uint8)
 
@@ -370,6 +378,7 @@ class RdmaReceiver:
         token_box: list[int] = []
 
         def untrack() -> None:
+            self._untrack.pop(token_box[0], None)
             conn.tokens.discard(token_box[0])
             rr.tokens.discard(token_box[0])
             rr.pending[conn.conn_id] -= count
@@ -382,6 +391,7 @@ class RdmaReceiver:
             self._rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
             return
         token_box.append(token)
+        self._untrack[token] = untrack
         conn.tokens.add(token)
         rr.tokens.add(token)
 
@@ -445,13 +455,33 @@ class RdmaReceiver:
             self._worker.cancel(token)  # tag receives: UCX cancels these for real
         self._worker.drop_endpoint(conn.ep, force=peer_lost)
         conn.ep = None
+        conn.dropped_at = time.monotonic()
         self._draining = [c for c in self._draining if c.tokens] + ([conn] if conn.tokens else [])
 
-    def holds_nothing_of(self, writer_id: str) -> bool:
-        """No connection from ``writer_id`` is up and every receive posted for it
-        completed or was cancelled: nothing of it can still land."""
+    def holds_nothing_of(self, writer_id: str, now: float) -> bool:
+        """Asked once ``writer_id`` is gone (every proven link ended from its side: its
+        process exited): no connection from it is up and no receive posted for it is
+        still UCX's, so nothing of it can still land.
+
+        A receive its connection's drop did not end within :data:`DEAD_WRITER_DRAIN_S` is
+        abandoned. With error handling off, UCX does not cancel a receive already matched
+        to a message whose sender died in the middle of it, and keeps it for good; what
+        would complete it can only come from the dead sender, while whatever the sender
+        had already handed over (shared-memory queues, socket buffers) lands in the
+        progress rounds of that wait."""
         if any(c.sender_id == writer_id for c in self._recv_conns.values()):
             return False
+        for conn in self._draining:
+            if conn.sender_id == writer_id and conn.tokens and now - (conn.dropped_at or now) >= DEAD_WRITER_DRAIN_S:
+                log.warning("rdma: abandoning %d receive(s) of dead writer %s that UCX kept %.1f s after its "
+                            "connection was dropped (matched to messages it died sending)",
+                            len(conn.tokens), writer_id, now - (conn.dropped_at or now))
+                for token in list(conn.tokens):
+                    self._worker.abandon(token)
+                    undo = self._untrack.get(token)
+                    if undo is not None:
+                        undo()
+                    conn.tokens.discard(token)
         self._draining = [c for c in self._draining if c.tokens]
         return not any(c.sender_id == writer_id for c in self._draining)
 
@@ -463,4 +493,5 @@ class RdmaReceiver:
     def clear(self) -> None:
         """Forget every room (once the worker is closed: no completion comes any more)."""
         self._recv_rooms.clear()
+        self._untrack.clear()
         self._recv.clear()

@@ -156,7 +156,7 @@ class UcxWorker:
         worker closed before its sends end stays parked with its fds."""
         if self._closed:
             return
-        for token in [*self._inflight, *self._polling]:
+        for token in [*self._inflight, *self._polling, *self._abandoned]:
             if token not in self._closing:
                 self.cancel(token)
         for ep in list(self._endpoints):
@@ -349,16 +349,17 @@ class UcxWorker:
                 self._api.request_cancel(self.handle, ptr)
             self.kick()
             return
-        entry = self._inflight.get(token)
+        entry = self._inflight.get(token) or self._abandoned.get(token)
         if entry is not None and self._worker is not None:
             self._api.request_cancel(self.handle, entry[0])
             self.kick()
 
     def abandon(self, token: int) -> None:
-        """Stop waiting for a request UCX cannot cancel (a rendezvous send to a hung
-        peer, with error handling off, stays pending even after a forced endpoint
-        close). Its callback is never run; if UCX ever completes it, the request is
-        freed then, and its buffers stay referenced until that or :meth:`close`."""
+        """Stop waiting for a request UCX cannot cancel (with error handling off, a
+        rendezvous send to a hung peer stays pending even after a forced endpoint close,
+        and so does a receive matched to a message its sender died sending). Its
+        callback is never run; if UCX ever completes it, the request is freed then, and
+        its buffers stay referenced until that or :meth:`close`."""
         entry = self._inflight.pop(token, None)
         self._receiving.discard(token)
         if entry is not None:

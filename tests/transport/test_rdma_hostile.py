@@ -93,8 +93,8 @@ async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> No
         room = 51
         recv.advertise(RoomGrant.of(room, [2, 3], slot=1))
         await sender.call("write_pages", recv.instance_id, room, [0], [2], None)
-        # The page landed (a receive still matched to a sender that dies mid-message may
-        # never complete: then the writer is not confirmed gone, and the lease decides).
+        # The page landed: what follows is about the links alone (a receive UCX keeps for
+        # a dead sender is the next test's).
         await eventually_async(lambda: recv.poll(room) is KVPoll.TRANSFERRING and not recv.receives_posted(room),
                                what="the page landed")
         forged = _forged_liveness_hello(Descriptor.from_bytes(desc).liveness, sender.instance_id,
@@ -105,6 +105,39 @@ async def test_a_forged_liveness_link_cannot_hide_the_real_senders_death() -> No
     finally:
         if forged is not None:
             forged.close()
+        await sender.stop()
+        await recv.close()
+
+
+async def test_a_receive_ucx_keeps_for_a_dead_sender_does_not_hold_its_room(monkeypatch) -> None:
+    # With error handling off, UCX does not cancel a receive already matched to a message
+    # whose sender died sending it: the receive stays UCX's for good. Such a receive once
+    # held a TP 2 decode's aborted room until the lease. Modelled here by receives whose
+    # cancel UCX ignores: the dead writer must still be confirmed gone within seconds.
+    from pdgrpc.transport.testing.peer import PeerProcess
+    from pdgrpc.transport.ucx import UcxWorker
+
+    recv_regions, _ = LAYOUT.build(None)
+    recv = registry.create("rdma", liveness_lease=60.0)
+    desc = await recv.register(recv_regions)
+    sender = PeerProcess("rdma", layout=LAYOUT, seed=7, options={"liveness_lease": 60.0})
+    await sender.start()
+    try:
+        await sender.call("connect", desc)
+        room = 52
+        recv.advertise(RoomGrant.of(room, [2, 3], slot=1))
+        await sender.call("announce_pages", recv.instance_id, room, [0, 1], [2, 3])
+        await eventually_async(lambda: recv.receives_posted(room) > 0, what="the announced receives were posted")
+        monkeypatch.setattr(UcxWorker, "cancel", lambda self, token: None)
+        sender.kill()
+        await eventually_async(lambda: recv.poll(room) is KVPoll.FAILED, timeout=20, what="the dead sender's room failed")
+        start = time.monotonic()
+        await eventually_async(lambda: recv.writer_gone(sender.instance_id), timeout=20,
+                               what="the writer confirmed gone though UCX kept its receives")
+        assert time.monotonic() - start < 5.0
+        assert recv.receives_posted(room) == 0
+    finally:
+        monkeypatch.undo()  # the close cancels what UCX still holds
         await sender.stop()
         await recv.close()
 

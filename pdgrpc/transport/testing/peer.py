@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
@@ -146,6 +146,7 @@ class _PeerServer:
         self.peers: dict[str, Peer] = {}
         self.done = asyncio.Event()
         self.baseline: dict[str, int] = {}
+        self.announced: list[Callable[[], Awaitable[None]]] = []  # prepared sends never sent
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -233,6 +234,15 @@ class _PeerServer:
         await asyncio.sleep(0.01)  # "the compute": the loop runs meanwhile
         self._stamp(meta[0], room)
         await send()
+        return len(ops)
+
+    async def cmd_announce_pages(self, peer_id: str, room: int, src_pages: Sequence[int], dst_pages: Sequence[int]) -> int:
+        """Announce a write of pages through ``prepare_write`` (the receiver posts its
+        receives) and never send it, as a sender that dies before its bytes go out.
+        Returns #ops."""
+        peer = self.peers[peer_id]
+        ops = page_ops(region_pairs(self.regions, peer.descriptor.regions), src_pages, dst_pages)
+        self.announced.append(self.t.prepare_write(peer, room, ops))
         return len(ops)
 
     async def cmd_write_pages_many(self, peer_id: str, writes: Sequence[tuple[Any, ...]]) -> int:
