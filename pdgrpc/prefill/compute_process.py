@@ -66,7 +66,7 @@ from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.serving.children import guarded_argv
 from pdgrpc.state.chunk_posting import ChunkPosting
 
-__all__ = ["ComputeProcess", "ComputeProcessLost", "ProcessCompute", "kv_layout_for", "shared_kv_pool"]
+__all__ = ["ComputeProcess", "ComputeProcessLost", "ProcessCompute", "kv_layout_for", "pool_bytes", "shared_kv_pool"]
 
 log = logging.getLogger("pdgrpc.prefill")
 
@@ -99,7 +99,8 @@ def _region_bytes(layout: KVLayout) -> int:
     return n
 
 
-def _pool_bytes(layout: KVLayout) -> int:
+def pool_bytes(layout: KVLayout) -> int:
+    """The size of the shared memory that holds ``layout``'s pool (:func:`shared_kv_pool`)."""
     return -(-_region_bytes(layout) // _ALIGN) * _ALIGN * 2 * layout.num_layers
 
 
@@ -108,9 +109,14 @@ def shared_kv_pool(layout: KVLayout, fd: int, huge_pages: bool = False) -> tuple
     each region 2 MiB-aligned. Keep the returned mapping alive as long as the tensors.
     ``huge_pages`` (``--kv-huge-pages``) asks for transparent huge pages, which Linux
     gives shared memory only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
-    allows it (``advise`` or ``always``)."""
-    total = _pool_bytes(layout)
-    region = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    allows it (``advise`` or ``always``).
+
+    Otherwise the mapping is populated at once: the pool's memory is allocated and
+    mapped now, as ``torch.zeros`` does a private pool's, not faulted in page by page
+    inside the compute of the prompts that first use it."""
+    total = pool_bytes(layout)
+    populate = 0 if huge_pages else getattr(mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             region.madvise(mmap.MADV_HUGEPAGE)
@@ -161,7 +167,7 @@ class ComputeProcess:
         memfd = os.memfd_create(f"pdgrpc-kv-{name}", os.MFD_CLOEXEC)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            os.ftruncate(memfd, _pool_bytes(self.layout))
+            os.ftruncate(memfd, pool_bytes(self.layout))
             self.kv, self._map = shared_kv_pool(self.layout, memfd, config.kv_huge_pages)
             for t in self.kv.k + self.kv.v:
                 t.zero_()  # fault the pool in now, not during the first prompt
@@ -187,7 +193,7 @@ class ComputeProcess:
             raise
         ours.setblocking(False)
         asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
-        log.info("%s: compute process %d ready (KV pool %.1f MiB shared)", name, self.proc.pid, _pool_bytes(self.layout) / 2**20)
+        log.info("%s: compute process %d ready (KV pool %.1f MiB shared)", name, self.proc.pid, pool_bytes(self.layout) / 2**20)
         return self
 
     def _hello(self, config: Any, nice: int, keep: int) -> None:

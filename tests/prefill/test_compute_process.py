@@ -23,7 +23,7 @@ from pdgrpc.engine.base import PrefillRequest, SamplingParams
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError
-from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost
+from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost, kv_layout_for, pool_bytes, shared_kv_pool
 from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode
 from tests.prefill.harness import CONFIG, hold_on_dp1, prefill_stub, prompt, run_one
@@ -234,6 +234,32 @@ async def test_close_ends_the_child() -> None:
         assert c.proc.returncode == 0
         with pytest.raises(ComputeProcessLost, match="closed"):
             c.submit(PrefillRequest((1,), (0,)), 4, 0, CONFIG.page_size, lambda *a: None, lambda: None)
+
+
+def test_the_shared_pool_is_mapped_in_full_at_start_not_during_prompts() -> None:
+    # A prompt's first use of a page of the pool took a page fault inside its compute
+    # (the first pass through the pool: 29 faults per 512-token prompt on average over
+    # 120 prompts, against 2 in colocated serving). Writing every page of a fresh pool
+    # now faults (almost) nowhere: the pages were allocated and mapped at start.
+    import mmap
+    import resource
+
+    layout = kv_layout_for(CONFIG)
+    fd = os.memfd_create("pdgrpc-kv-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, pool_bytes(layout))
+        kv, region = shared_kv_pool(layout, fd)
+        tensors = (*kv.k, *kv.v)
+        pages = sum(t.nbytes for t in tensors) // mmap.PAGESIZE
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for t in tensors:
+            t.fill_(1)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < pages // 10, f"{faults} page faults writing a pool of {pages} pages"
+        del kv, t, tensors
+        region.close()
+    finally:
+        os.close(fd)
 
 
 def test_the_engine_refuses_a_pool_of_the_wrong_shape() -> None:
