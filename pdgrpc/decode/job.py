@@ -44,11 +44,14 @@ class SchedulerConfig:
     # is still sending waits for those sends (see Generation.await_first_tokens_sent). 0: never.
     first_token_wait_s: float = 0.002
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
-    # A handshaken room whose KV has not landed this long after the handshake was accepted
-    # starts watching its prefill's bootstrap for a failure record (QueryRoomFailures,
-    # held): a prefill that fails then ends the request at once. Transfers that land
-    # sooner (the common case) never watch. Seconds.
+    # A handshaken room whose KV has not landed in twice the time recent rooms took
+    # (handshake -> commit, their median), within [watch_after_s, watch_after_max_s], starts
+    # watching its prefill's bootstrap for a failure record (QueryRoomFailures, held): a
+    # prefill that fails then ends the request at once. Rooms as fast as usual (the common
+    # case) never watch; a failed prefill is seen at most watch_after_max_s after the
+    # handshake. Seconds.
     watch_after_s: float = 0.05
+    watch_after_max_s: float = 0.25
     # Each held call's max_wait, asked again while the room waits. The call is cancelled
     # when the room leaves the queues, so a landed room frees its place on the bootstrap.
     watch_wait_s: float = 5.0

@@ -12,7 +12,9 @@ scheduler's loop never waits on the network.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import statistics
 import time
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -31,6 +33,8 @@ from pdgrpc.state import DecodeQueues, QueryDpRanks, SendHandshake
 from pdgrpc.state.decode_fate import CallAnswered, CallFailed, FateState, HandshakeAccepted, NeverForwarded
 
 log = logging.getLogger("pdgrpc.decode")
+
+LANDINGS_KEPT = 32  # recent rooms whose handshake -> commit time sets the watch delay
 
 __all__ = ["ASK_FAILURES_AFTER_S", "CallsHost", "PrefillCalls"]
 
@@ -75,6 +79,8 @@ class PrefillCalls:
         self.directory, self.handshaker = directory, handshaker
         self.config, self.metrics, self.pages_needed = config, metrics, pages_needed
         self._query_failures = FailureLog(log, "QueryDpRanks")  # one line per failing bootstrap per 10 s
+        # Recent rooms' handshake -> commit seconds, which set when a late room watches.
+        self._landings: collections.deque[float] = collections.deque(maxlen=LANDINGS_KEPT)
 
     # -- dp ranks -----------------------------------------------------------------------------
     async def query_dp_ranks(self, query: QueryDpRanks) -> None:
@@ -163,15 +169,28 @@ class PrefillCalls:
     async def _handshake(self, job: Job, prompt_pages: tuple[int, ...]) -> None:
         deadline = job.handshake_sent_at + self.config.deadlines.bootstrap_s
         if self.handshaker.claim_s:  # workers hold their answers until claimed: watch meanwhile
-            asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
+            asyncio.get_running_loop().call_later(self.watch_delay_s(), self._start_watch, job)
         result = await self.handshaker.handshake(job, prompt_pages, deadline)
         if result is ACCEPTED:
             job.fate.handle(HandshakeAccepted())
             self.host.wake()
-            asyncio.get_running_loop().call_later(self.config.watch_after_s, self._start_watch, job)
+            asyncio.get_running_loop().call_later(self.watch_delay_s(), self._start_watch, job)
         elif isinstance(result, RequestFailed):  # refused: the request ends with the prefill's status
             self.host.end_with(job, result)
         # else: gave up at the deadline (the poll aborts the request) or the request ended
+
+    def landed(self, seconds: float) -> None:
+        """A room committed ``seconds`` after its handshake went out."""
+        self._landings.append(seconds)
+
+    def watch_delay_s(self) -> float:
+        """How long a room waits for its KV before it watches its prefill: twice the median
+        of recent rooms' handshake -> commit time, within the config's [watch_after_s,
+        watch_after_max_s]. A room as fast as usual then never holds a call on the
+        bootstrap, whatever the model's compute takes."""
+        c = self.config
+        typical = statistics.median(self._landings) if self._landings else 0.0
+        return min(c.watch_after_max_s, max(c.watch_after_s, 2 * typical))
 
     def _start_watch(self, job: Job) -> None:
         """The room's KV has not landed soon after the handshake: watch its prefill."""

@@ -603,6 +603,7 @@ class DecodeScheduler:
         # Once the first token is queued: the cancelled watch's gRPC call tears down on
         # the loop's next turn, after the stream's wake-up.
         self.calls.stop_watch(job)
+        self.calls.landed(transfer_s)
         # After the stream's wake-up: the first token goes out before this line is written.
         request_event(
             log, c.room, "committed", slot=c.slot, first_token=row.output_id, bytes=nbytes,

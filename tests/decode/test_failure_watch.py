@@ -58,3 +58,34 @@ async def test_a_committed_room_ends_its_held_failure_watch() -> None:
     finally:
         await prefill.stop()
         await server.stop(grace=0)
+
+
+async def test_rooms_as_fast_as_the_usual_ones_never_watch_and_a_late_one_does() -> None:
+    # Every room waits for its prefill's compute. A fixed 50 ms watch delay made every
+    # 512-token prompt of the reference engine (about 50 ms) hold a call on the bootstrap:
+    # the watch starts once a room waited twice as long as recent rooms took to land.
+    config = SchedulerConfig(watch_after_s=0.05, watch_after_max_s=1.0, watch_wait_s=30.0)
+    server = await start_decode_server(DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, config))
+    prefill = FakePrefill(ReferenceEngine(CFG))
+    counting = _CountingBootstrap()
+    prefill.recorder_factory = lambda: counting
+    await prefill.start()
+    try:
+        prefill.send_delay_s = 0.15  # every room's KV lands about 150 ms after its handshake
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            for i in range(3):  # the first has no history: it watches after 50 ms
+                msgs = await asyncio.wait_for(collect(stub, make_request(prefill, f"usual {i}", 2)), 20)
+                assert [len(m.token_ids) for m in msgs] == [1, 1]
+            usual = counting.calls
+            for i in range(4):
+                await asyncio.wait_for(collect(stub, make_request(prefill, f"as usual {i}", 2)), 20)
+            assert counting.calls == usual, f"{counting.calls - usual} of 4 rooms as fast as usual watched"
+            prefill.send_delay_s = 0.8  # late: past twice the usual wait
+            await asyncio.wait_for(collect(stub, make_request(prefill, "late", 2)), 20)
+            assert counting.calls == usual + 1, "the late room was never watched"
+        await eventually_async(lambda: counting.held == 0, 3, 0.02, lambda: f"{counting.held} watch(es) still held")
+        await wait_idle(server)
+    finally:
+        await prefill.stop()
+        await server.stop(grace=0)
