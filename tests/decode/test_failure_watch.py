@@ -5,6 +5,8 @@ bootstrap's bounded places for held calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -38,21 +40,17 @@ class _CountingBootstrap(RecordingBootstrap):
             self.held -= 1
 
 
-async def test_a_committed_room_ends_its_held_failure_watch() -> None:
-    # The watch starts 50 ms after the handshake and would be held for 30 s.
-    config = SchedulerConfig(watch_after_s=0.05, watch_wait_s=30.0)
+@contextlib.asynccontextmanager
+async def _watched(config: SchedulerConfig) -> AsyncIterator[tuple[Any, FakePrefill, _CountingBootstrap]]:
+    """A decode server with ``config`` and a fake prefill whose bootstrap counts the
+    watches: (server, prefill, counting)."""
     server = await start_decode_server(DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, config))
     prefill = FakePrefill(ReferenceEngine(CFG))
     counting = _CountingBootstrap()
     prefill.recorder_factory = lambda: counting
     await prefill.start()
     try:
-        prefill.send_delay_s = 0.5  # the KV lands well after the watch started
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = decode_pb2_grpc.DecodeServiceStub(channel)
-            msgs = await asyncio.wait_for(collect(stub, make_request(prefill, "late kv", 2)), 20)
-        assert [len(m.token_ids) for m in msgs] == [1, 1]
-        assert counting.calls >= 1, "the late room was never watched"
+        yield server, prefill, counting
         await eventually_async(lambda: counting.held == 0, 3, 0.02, lambda: f"{counting.held} watch(es) still held after the commit")
         await wait_idle(server)
     finally:
@@ -60,17 +58,23 @@ async def test_a_committed_room_ends_its_held_failure_watch() -> None:
         await server.stop(grace=0)
 
 
+async def test_a_committed_room_ends_its_held_failure_watch() -> None:
+    # The watch starts 50 ms after the handshake and would be held for 30 s.
+    async with _watched(SchedulerConfig(watch_after_s=0.05, watch_wait_s=30.0)) as (server, prefill, counting):
+        prefill.send_delay_s = 0.5  # the KV lands well after the watch started
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            msgs = await asyncio.wait_for(collect(stub, make_request(prefill, "late kv", 2)), 20)
+        assert [len(m.token_ids) for m in msgs] == [1, 1]
+        assert counting.calls >= 1, "the late room was never watched"
+
+
 async def test_rooms_as_fast_as_the_usual_ones_never_watch_and_a_late_one_does() -> None:
     # Every room waits for its prefill's compute. A fixed 50 ms watch delay made every
     # 512-token prompt of the reference engine (about 50 ms) hold a call on the bootstrap:
     # the watch starts once a room waited twice as long as recent rooms took to land.
     config = SchedulerConfig(watch_after_s=0.05, watch_after_max_s=1.0, watch_wait_s=30.0)
-    server = await start_decode_server(DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 4, config))
-    prefill = FakePrefill(ReferenceEngine(CFG))
-    counting = _CountingBootstrap()
-    prefill.recorder_factory = lambda: counting
-    await prefill.start()
-    try:
+    async with _watched(config) as (server, prefill, counting):
         prefill.send_delay_s = 0.15  # every room's KV lands about 150 ms after its handshake
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = decode_pb2_grpc.DecodeServiceStub(channel)
@@ -84,8 +88,3 @@ async def test_rooms_as_fast_as_the_usual_ones_never_watch_and_a_late_one_does()
             prefill.send_delay_s = 0.8  # late: past twice the usual wait
             await asyncio.wait_for(collect(stub, make_request(prefill, "late", 2)), 20)
             assert counting.calls == usual + 1, "the late room was never watched"
-        await eventually_async(lambda: counting.held == 0, 3, 0.02, lambda: f"{counting.held} watch(es) still held")
-        await wait_idle(server)
-    finally:
-        await prefill.stop()
-        await server.stop(grace=0)
