@@ -70,9 +70,9 @@ async def test_a_committed_room_ends_its_held_failure_watch() -> None:
 
 
 async def test_rooms_as_fast_as_the_usual_ones_never_watch_and_a_late_one_does() -> None:
-    # Every room waits for its prefill's compute. A fixed 50 ms watch delay made every
-    # 512-token prompt of the reference engine (about 50 ms) hold a call on the bootstrap:
-    # the watch starts once a room waited twice as long as recent rooms took to land.
+    # Every room waits for its prefill's compute, so a fixed watch delay shorter than the
+    # model's compute made every room hold a call on the bootstrap: the watch starts once a
+    # room waited twice as long as recent rooms took to land.
     config = SchedulerConfig(watch_after_s=0.05, watch_after_max_s=1.0, watch_wait_s=30.0)
     async with _watched(config) as (server, prefill, counting):
         prefill.send_delay_s = 0.15  # every room's KV lands about 150 ms after its handshake

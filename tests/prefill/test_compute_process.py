@@ -237,10 +237,9 @@ async def test_close_ends_the_child() -> None:
 
 
 def test_the_shared_pool_is_mapped_in_full_at_start_not_during_prompts() -> None:
-    # A prompt's first use of a page of the pool took a page fault inside its compute
-    # (the first pass through the pool: 29 faults per 512-token prompt on average over
-    # 120 prompts, against 2 in colocated serving). Writing every page of a fresh pool
-    # now faults (almost) nowhere: the pages were allocated and mapped at start.
+    # A page's first use must not fault inside a prompt's compute, as it did on the first
+    # pass through the pool: writing every page of a fresh pool faults (almost) nowhere,
+    # since the pages were allocated and mapped at start.
     import mmap
     import resource
 
