@@ -111,9 +111,10 @@ def shared_kv_pool(layout: KVLayout, fd: int, huge_pages: bool = False) -> tuple
     gives shared memory only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
     allows it (``advise`` or ``always``).
 
-    Otherwise the mapping is populated at once: the pool's memory is allocated and
-    mapped now, as ``torch.zeros`` does a private pool's, not faulted in page by page
-    inside the compute of the prompts that first use it."""
+    Either way the mapping is resident when this returns: the pool's memory is allocated
+    and mapped in this process now, as ``torch.zeros`` does a private pool's, not faulted
+    in page by page inside the compute of the prompts that first use it (with huge pages,
+    by touching it once advised: populating first would give ordinary pages)."""
     total = pool_bytes(layout)
     populate = 0 if huge_pages else getattr(mmap, "MAP_POPULATE", 0)
     region = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -125,6 +126,9 @@ def shared_kv_pool(layout: KVLayout, fd: int, huge_pages: bool = False) -> tuple
     whole = torch.frombuffer(region, dtype=torch.uint8)
     per, nbytes = total // (2 * layout.num_layers), _region_bytes(layout)
     views = [whole[i * per : i * per + nbytes].view(layout.dtype).view(layout.pool_shape) for i in range(2 * layout.num_layers)]
+    if not populate:
+        for t in views:
+            t.zero_()  # the memory is zero already: this only faults it in
     return KVBuffers(k=tuple(views[: layout.num_layers]), v=tuple(views[layout.num_layers :])), region
 
 
@@ -169,8 +173,6 @@ class ComputeProcess:
         try:
             os.ftruncate(memfd, pool_bytes(self.layout))
             self.kv, self._map = shared_kv_pool(self.layout, memfd, config.kv_huge_pages)
-            for t in self.kv.k + self.kv.v:
-                t.zero_()  # fault the pool in now, not during the first prompt
             # Started without a preexec_fn, so no fork handler (gRPC's) runs in the child.
             self.proc = subprocess.Popen(
                 guarded_argv([sys.executable, "-m", "pdgrpc.prefill.compute_process", "--sock-fd", str(theirs.fileno()),

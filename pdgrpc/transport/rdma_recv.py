@@ -86,7 +86,7 @@ class RecvConn:
         self.early_dropped = False  # one warning per connection
         self.rooms: set[int] = set()
         self.tokens: set[int] = set()
-        self.dropped_at: float | None = None  # time.monotonic() when this side dropped it
+        self.dropped_at = 0.0  # time.monotonic() when this side dropped it (a draining conn's)
 
 
 class RecvRoom:
@@ -472,18 +472,24 @@ class RdmaReceiver:
         if any(c.sender_id == writer_id for c in self._recv_conns.values()):
             return False
         for conn in self._draining:
-            if conn.sender_id == writer_id and conn.tokens and now - (conn.dropped_at or now) >= DEAD_WRITER_DRAIN_S:
-                log.warning("rdma: abandoning %d receive(s) of dead writer %s that UCX kept %.1f s after its "
-                            "connection was dropped (matched to messages it died sending)",
-                            len(conn.tokens), writer_id, now - (conn.dropped_at or now))
-                for token in list(conn.tokens):
-                    self._worker.abandon(token)
-                    undo = self._untrack.get(token)
-                    if undo is not None:
-                        undo()
-                    conn.tokens.discard(token)
+            if conn.sender_id == writer_id and now - conn.dropped_at >= DEAD_WRITER_DRAIN_S:
+                self._abandon(conn, now - conn.dropped_at)
         self._draining = [c for c in self._draining if c.tokens]
         return not any(c.sender_id == writer_id for c in self._draining)
+
+    def _abandon(self, conn: RecvConn, age: float) -> None:
+        """Stop waiting for what UCX still holds of the dropped ``conn`` (see
+        :meth:`holds_nothing_of`); each data receive's bookkeeping is undone as its
+        completion would have."""
+        if not conn.tokens:
+            return
+        log.warning("rdma: abandoning %d receive(s) of dead writer %s that UCX kept %.1f s after its connection "
+                    "was dropped (matched to messages it died sending)", len(conn.tokens), conn.sender_id, age)
+        for token in list(conn.tokens):
+            self._worker.abandon(token)
+            if (undo := self._untrack.get(token)) is not None:
+                undo()
+        conn.tokens.clear()
 
     def close(self, reason: str) -> None:
         """Drop every connection (flushed: the peers are fine)."""
