@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU time per request of every process of 1p1d and of the colocated server.
+"""CPU time and run-queue wait per request of every process of 1p1d and of the colocated server.
 
 Usage: python scripts/cpu_per_request.py [--transports tcp,rdma] [--requests N] [--idle-s S]
                                          [--no-prefix-cache-arm]
@@ -10,7 +10,9 @@ token, and prints every process's CPU time (all its threads, from ``/proc``) per
 less what it burns idle (measured over ``--idle-s`` first, with no request in flight).
 CPU time, unlike TTFT, barely moves with the host's load: on a busy 2-core host a
 request's wall time is roughly its CPU time over the share of the cores it gets, so this
-shows where a disaggregated request costs more than a colocated one.
+shows where a disaggregated request costs more than a colocated one. Beside it, the time
+the process's threads were runnable but waited for a core: on the compute, that is what
+the other processes' work costs a prompt; on the others, what they cost each other.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdgrpc.bench.e2e import NO_CACHE, without_prefix_cache  # noqa: E402
-from pdgrpc.bench.procstat import cpu_ns  # noqa: E402
+from pdgrpc.bench.procstat import schedstat  # noqa: E402
 from pdgrpc.cluster.client import generate  # noqa: E402
 from pdgrpc.cluster.launcher import Cluster  # noqa: E402
 from pdgrpc.cluster.topology import load_topology  # noqa: E402
@@ -74,23 +76,28 @@ async def _main(ns: argparse.Namespace) -> None:
         for ids in prompts[: ns.warmup]:
             for stub in stubs.values():
                 await generate(stub, input_ids=ids, max_new_tokens=1)
-        idle0 = {p: cpu_ns(p) for ps in pids.values() for p in ps}
+        idle0 = {p: schedstat(p) for ps in pids.values() for p in ps}
         await asyncio.sleep(ns.idle_s)
-        idle = {p: (cpu_ns(p) - idle0[p]) / ns.idle_s for p in idle0}  # ns of CPU per second
-        start, t0 = {p: cpu_ns(p) for p in idle0}, time.perf_counter()
+        idle = {p: _less(schedstat(p), idle0[p], 1 / ns.idle_s) for p in idle0}  # ns per second
+        start, t0 = {p: schedstat(p) for p in idle0}, time.perf_counter()
         for ids in prompts[ns.warmup :]:
             for stub in stubs.values():
                 await generate(stub, input_ids=ids, max_new_tokens=1)
         wall = time.perf_counter() - t0
-        used = {p: cpu_ns(p) - start[p] for p in start}
-    print(f"{ns.requests} requests per system, {wall / ns.requests:.2f} s per round; ms of CPU per request (idle ms/s)")
+        used = {p: _less(schedstat(p), start[p]) for p in start}
+    print(f"{ns.requests} requests per system, {wall / ns.requests:.2f} s per round; ms per request of CPU "
+          "(idle ms/s) and of run-queue wait")
     for k, ps in pids.items():
-        total = 0.0
+        total = [0.0, 0.0]
         for p in ps:
-            ms = (used[p] - idle[p] * wall) / ns.requests / 1e6
-            total += ms
-            print(f"  {k:<16} {roles[p]:<34} {ms:7.2f}  ({idle[p] / 1e6:.2f})")
-        print(f"  {k:<16} {'total':<34} {total:7.2f}")
+            ms = [(used[p][i] - idle[p][i] * wall) / ns.requests / 1e6 for i in (0, 1)]
+            total = [a + b for a, b in zip(total, ms)]
+            print(f"  {k:<16} {roles[p]:<34} {ms[0]:7.2f}  ({idle[p][0] / 1e6:.2f})  {ms[1]:7.2f}")
+        print(f"  {k:<16} {'total':<34} {total[0]:7.2f}          {total[1]:7.2f}")
+
+
+def _less(now: tuple[int, int], then: tuple[int, int], scale: float = 1.0) -> tuple[float, float]:
+    return (now[0] - then[0]) * scale, (now[1] - then[1]) * scale
 
 
 def main() -> None:

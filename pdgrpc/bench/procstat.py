@@ -1,18 +1,26 @@
-"""CPU time of a whole process, from ``/proc`` (Linux)."""
+"""CPU time and run-queue wait of a whole process, from ``/proc`` (Linux)."""
 
 from __future__ import annotations
 
 import os
 
 
-def cpu_ns(pid: int) -> int:
-    """CPU time used so far by every thread of process ``pid`` (ns, from schedstat):
-    unlike wall time, it does not grow when other processes load the machine."""
-    total = 0
+def schedstat(pid: int) -> tuple[int, int]:
+    """CPU time used so far by every thread of process ``pid``, and the time they spent
+    runnable but waiting for a core (ns each, from schedstat). CPU time does not grow when
+    other processes load the machine; the wait is what that load costs the process."""
+    cpu = wait = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                fields = f.read().split()
         except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that just ended
-    return total
+            continue  # a thread that just ended
+        cpu += int(fields[0])
+        wait += int(fields[1])
+    return cpu, wait
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time used so far by every thread of process ``pid`` (ns; :func:`schedstat`)."""
+    return schedstat(pid)[0]
