@@ -333,7 +333,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
         # With discovery, each channel to an instance expects its record's signer in every handshake.
-        self._pool = pool or ChannelPool(server_names=None if view is None else view.server_name)
+        # Tested against None: a pool that holds no channel yet is falsy (it has a length).
+        self._pool = pool if pool is not None else ChannelPool(server_names=None if view is None else view.server_name)
         # The servers this router calls over their local sockets (pdgrpc.rpc.local), by address.
         token = current().call_metadata()
         self._sockets = {

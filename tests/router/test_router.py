@@ -17,6 +17,7 @@ import pytest
 from pdgrpc.metrics import start_metrics_server
 from tests.scrape import scrape
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, draw_room, parse_prefill, service_names
+from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.server import start_server
 from tests.eventually import eventually_async
 from pdgrpc.v1 import (
@@ -279,6 +280,23 @@ async def test_unreachable_decode_is_a_clear_unavailable(cluster):
         # The prefill call is cancelled at once: the prefill drops it, or never starts it.
         await asyncio.sleep(0.5)
         assert len(prefill.cancelled_at) == len(prefill.requests) <= 1
+    finally:
+        await router.close()
+        await srv.stop(0)
+
+
+async def test_the_router_calls_through_the_channel_pool_it_is_given(cluster):
+    """A pool passed in makes the router's channels, though it holds none yet (an empty
+    pool is falsy)."""
+    _, _, _, p_addr, d_addrs, _ = cluster
+    pool = ChannelPool()
+    router = GenerateServicer(RouterConfig(prefills=(PrefillBackend(p_addr, p_addr),), decodes=(d_addrs[0],)), pool=pool)
+    (name,) = service_names()
+    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
+        assert p_addr in pool and d_addrs[0] in pool
     finally:
         await router.close()
         await srv.stop(0)
