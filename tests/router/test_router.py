@@ -9,6 +9,7 @@ End-to-end behaviour with the real servers is in ``tests/e2e``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -367,6 +368,19 @@ async def test_a_decode_channel_that_cannot_be_made_leaves_no_call_and_is_no_can
         stop()
         await router.close()
         await srv.stop(0)
+
+
+async def test_a_request_id_cannot_split_or_forge_a_log_line(cluster, caplog):
+    """The caller's request_id goes into the router's log lines escaped: a line break in
+    it (without a space, which was quoted already) starts no forged line of its own."""
+    stub, *_ = cluster
+    caplog.set_level(logging.INFO, logger="pdgrpc.router")
+    forged = "q1\nroom=42\tfinished\trequest_id=forged"
+    await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x", request_id=forged)))
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdgrpc.router"]
+    assert any("finished" in line for line in lines)
+    assert all("\n" not in line and "\t" not in line for line in lines), lines
+    assert all(repr(forged) in line for line in lines if "request_id=" in line)
 
 
 def test_rooms_are_63_bit_and_never_zero(monkeypatch):
