@@ -466,8 +466,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self.metrics.on_eject()
             log.warning("ejecting %s %s for %.1f s: %s", side.value, address, self._ejections.seconds, reason)
 
-    def _recovered(self, prefill: PrefillBackend, decode: str, sent: float) -> None:
-        for role, address in (("prefill", prefill.address), ("decode", decode)):
+    def _recovered(self, prefill: PrefillBackend | None, decode: str, sent: float) -> None:
+        """``decode``, and ``prefill`` unless None, answered calls sent at ``sent``. Only an
+        instance that answered is readmitted: a request that called no prefill (a local
+        prefill) says nothing of the one it was paired with."""
+        answered = [("decode", decode)] if prefill is None else [("prefill", prefill.address), ("decode", decode)]
+        for role, address in answered:
             if self._ejections.recovered(role, address, sent):
                 log.info("%s %s answered again; no longer ejected", role, address)
 
@@ -509,7 +513,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         deadline - time.monotonic(), trace,
                     )
                     fate.handle(Succeeded())
-                    self._recovered(prefill, decode, sent)
+                    self._recovered(None if reply is None else prefill, decode, sent)  # reply: the prefill's answer
                     break
                 except _AttemptFailed as b:
                     verdict = fate.handle(AttemptFailed(b.end, time.monotonic() < deadline))
