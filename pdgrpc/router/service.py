@@ -333,7 +333,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
         # With discovery, each channel to an instance expects its record's signer in every handshake.
-        self._pool = pool or ChannelPool(server_names=None if view is None else view.server_name)
+        # Tested against None: a pool that holds no channel yet is falsy (it has a length).
+        self._pool = pool if pool is not None else ChannelPool(server_names=None if view is None else view.server_name)
         # The servers this router calls over their local sockets (pdgrpc.rpc.local), by address.
         token = current().call_metadata()
         self._sockets = {
@@ -359,12 +360,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         for channel in self._sockets.values():
             await channel.close()
 
-    def _channel(self, method: str, address: str) -> Any:
-        """What makes a ``method`` (prefill or decode) call to ``address`` now: its local
-        socket's channel, else its gRPC channel (counted by path)."""
+    def _channel(self, side: Side, address: str) -> Any:
+        """What makes a ``side`` call to ``address`` now: its local socket's channel, else
+        its gRPC channel. Raises :class:`_AttemptFailed` (INTERNAL, an internal error) when
+        the router cannot make the channel, e.g. the TLS files it reads are unreadable: the
+        router's own failure, which no retry on another instance would mend."""
         local = self._sockets.get(address)
-        self.metrics.on_call(method, local is not None)
-        return local if local is not None else self._pool.get(address)
+        if local is not None:
+            return local
+        try:
+            return self._pool.get(address)
+        except Exception as exc:
+            end = CallEnd(side, Ending.ANSWERED, ServerAbortReason.INTERNAL_ERROR)
+            message = f"{side.value} {address}: the router cannot open a channel to it: {exc}"
+            raise _AttemptFailed(RequestFailed(grpc.StatusCode.INTERNAL, message, end.reason), end) from None
+
+    def _sent(self, side: Side, address: str) -> None:
+        """A ``side`` call to ``address`` went out (counted by path)."""
+        self.metrics.on_call(side.value, address in self._sockets)
 
     # ---- request checks -----------------------------------------------------------------
 
@@ -453,8 +466,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self.metrics.on_eject()
             log.warning("ejecting %s %s for %.1f s: %s", side.value, address, self._ejections.seconds, reason)
 
-    def _recovered(self, prefill: PrefillBackend, decode: str, sent: float) -> None:
-        for role, address in (("prefill", prefill.address), ("decode", decode)):
+    def _recovered(self, prefill: PrefillBackend | None, decode: str, sent: float) -> None:
+        """``decode``, and ``prefill`` unless None, answered calls sent at ``sent``. Only an
+        instance that answered is readmitted: a request that called no prefill (a local
+        prefill) says nothing of the one it was paired with."""
+        answered = [("decode", decode)] if prefill is None else [("prefill", prefill.address), ("decode", decode)]
+        for role, address in answered:
             if self._ejections.recovered(role, address, sent):
                 log.info("%s %s answered again; no longer ejected", role, address)
 
@@ -496,7 +513,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         deadline - time.monotonic(), trace,
                     )
                     fate.handle(Succeeded())
-                    self._recovered(prefill, decode, sent)
+                    self._recovered(None if reply is None else prefill, decode, sent)  # reply: the prefill's answer
                     break
                 except _AttemptFailed as b:
                     verdict = fate.handle(AttemptFailed(b.end, time.monotonic() < deadline))
@@ -595,7 +612,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prefill_req.routed_dp_rank = routed
             decode_req.routed_dp_rank = routed
 
-        # Both at once: the decode's handshake overlaps the prefill's compute.
+        # Both at once: the decode's handshake overlaps the prefill's compute. Both channels
+        # first: one the router cannot make ends the attempt before either call goes out, so
+        # no call is left running without its other half.
+        decode_channel = self._channel(Side.DECODE, decode)
+        prefill_channel = None if local else self._channel(Side.PREFILL, prefill.address)
         metadata = None if trace is None else trace.metadata()
         if trace is not None:  # the router's own work ends here: the rest of the hop is the call's way
             trace.hop("router.prepare")
@@ -603,18 +624,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # message then ends the stream and says why.
         ahead = not local and self.config.first_token == "prefill" and fate.remaining() > 1
         prefill_call: grpc.aio.Call | None = None
-        if ahead:
-            prefill_call = prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).PrefillStream(
-                prefill_req, timeout=timeout, metadata=metadata)
-        elif not local:
-            prefill_call = prefill_pb2_grpc.PrefillServiceStub(self._channel("prefill", prefill.address)).Prefill(
+        if prefill_channel is not None:
+            prefill_stub = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+            prefill_call = (prefill_stub.PrefillStream if ahead else prefill_stub.Prefill)(
                 prefill_req, timeout=timeout, metadata=metadata)
         # Linux wakes the reader of a local socket on the writer's core, behind it: the
         # prefill's chain to its compute steps in first, and the decode, which only has
         # to handshake before the compute ends, after it. (A gRPC call is not sent yet.)
         if prefill_call is not None and prefill.address in self._sockets:
             os.sched_yield()
-        decode_call = decode_pb2_grpc.DecodeServiceStub(self._channel("decode", decode)).Decode(decode_req, timeout=timeout, metadata=metadata)
+        decode_call = decode_pb2_grpc.DecodeServiceStub(decode_channel).Decode(decode_req, timeout=timeout, metadata=metadata)
+        if prefill_call is not None:
+            self._sent(Side.PREFILL, prefill.address)
+        self._sent(Side.DECODE, decode)
         # Deferred: a local socket's calls are written already, a gRPC call's send is queued
         # on the loop; both go out before this line.
         request_event(

@@ -45,7 +45,9 @@ def setup_logging(level: str = "info", name: str = "") -> None:
 
 def _fmt(v: Any) -> str:
     s = str(v)
-    return repr(s) if (" " in s or not s) else s
+    # Quoted when it would not read as one value: a space, nothing, or a character that
+    # is not printable (a line break in a caller's request_id would start a forged line).
+    return repr(s) if (" " in s or not s or not s.isprintable()) else s
 
 
 # Lines deferred by request_event(defer=True), oldest first: written on the loop's next

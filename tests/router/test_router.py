@@ -9,14 +9,17 @@ End-to-end behaviour with the real servers is in ``tests/e2e``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
 import pytest
 
+from pdgrpc.errors import ConfigError
 from pdgrpc.metrics import start_metrics_server
 from tests.scrape import scrape
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, draw_room, parse_prefill, service_names
+from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.server import start_server
 from tests.eventually import eventually_async
 from pdgrpc.v1 import (
@@ -282,6 +285,102 @@ async def test_unreachable_decode_is_a_clear_unavailable(cluster):
     finally:
         await router.close()
         await srv.stop(0)
+
+
+async def test_the_router_calls_through_the_channel_pool_it_is_given(cluster):
+    """A pool passed in makes the router's channels, though it holds none yet (an empty
+    pool is falsy)."""
+    _, _, _, p_addr, d_addrs, _ = cluster
+    pool = ChannelPool()
+    router = GenerateServicer(RouterConfig(prefills=(PrefillBackend(p_addr, p_addr),), decodes=(d_addrs[0],)), pool=pool)
+    (name,) = service_names()
+    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
+        assert p_addr in pool and d_addrs[0] in pool
+    finally:
+        await router.close()
+        await srv.stop(0)
+
+
+class _KeptCalls:
+    """``channel``, keeping each call it makes in ``calls``."""
+
+    def __init__(self, channel: grpc.aio.Channel, calls: list) -> None:
+        self.channel = channel
+        self.calls = calls
+
+    def unary_unary(self, *args, **kwargs):
+        return self._kept(self.channel.unary_unary(*args, **kwargs))
+
+    def unary_stream(self, *args, **kwargs):
+        return self._kept(self.channel.unary_stream(*args, **kwargs))
+
+    def _kept(self, method):
+        def call(*args, **kwargs):
+            made = method(*args, **kwargs)
+            self.calls.append(made)
+            return made
+
+        return call
+
+
+class NoChannelTo(ChannelPool):
+    """A pool that cannot make a channel to ``target`` (it raises what a channel whose TLS
+    files cannot be read raises) and keeps every call made on the others in ``calls``."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+        self.calls: list = []
+
+    def get(self, target: str):
+        if target == self.target:
+            raise ConfigError("--tls-ca: cannot read '/etc/pdgrpc/ca.pem': No such file or directory")
+        return _KeptCalls(super().get(target), self.calls)
+
+
+async def test_a_decode_channel_that_cannot_be_made_leaves_no_call_and_is_no_cancel(cluster):
+    """The router's own failure to open a channel ends the request INTERNAL, naming the
+    instance and the cause; no call of it is left running upstream (a prefill call would
+    compute, then wait for a handshake that never comes); and it counts as an internal
+    error, not as a client's cancel."""
+    _, prefill, _, p_addr, d_addrs, _ = cluster
+    prefill.hang = True  # only the router's cancel ends a call to it
+    pool = NoChannelTo(d_addrs[0])
+    router = GenerateServicer(RouterConfig(prefills=(PrefillBackend(p_addr, p_addr),), decodes=(d_addrs[0],)), pool=pool)
+    (name,) = service_names()
+    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert f"decode {d_addrs[0]}" in err.value.details() and "cannot read" in err.value.details()
+        await eventually_async(lambda: all(call.done() for call in pool.calls), what="every call the router made is over")
+        assert router.policy.load(p_addr) == 0 and router.active == 0
+        s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+        assert s.value("pdgrpc_aborts_total", reason="internal_error", role="router") == 1
+        assert s.value("pdgrpc_aborts_total", reason="cancelled", role="router") == 0
+    finally:
+        stop()
+        await router.close()
+        await srv.stop(0)
+
+
+async def test_a_request_id_cannot_split_or_forge_a_log_line(cluster, caplog):
+    """The caller's request_id goes into the router's log lines escaped: a line break in
+    it (without a space, which was quoted already) starts no forged line of its own."""
+    stub, *_ = cluster
+    caplog.set_level(logging.INFO, logger="pdgrpc.router")
+    forged = "q1\nroom=42\tfinished\trequest_id=forged"
+    await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x", request_id=forged)))
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdgrpc.router"]
+    assert any("finished" in line for line in lines)
+    assert all("\n" not in line and "\t" not in line for line in lines), lines
+    assert all(repr(forged) in line for line in lines if "request_id=" in line)
 
 
 def test_rooms_are_63_bit_and_never_zero(monkeypatch):

@@ -15,6 +15,9 @@ from pdgrpc.metrics import start_metrics_server
 from tests.scrape import scrape
 from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names
 from pdgrpc.rpc.server import start_server
+from pdgrpc.serving.kv_events import LOCAL_PREFILL
+from pdgrpc.state.cache_events import StoredBlock
+from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 from tests.router.test_router import ScriptedDecode, ScriptedPrefill, collect, serve_decode, serve_prefill, wait_for
 
@@ -209,6 +212,39 @@ async def test_when_every_instance_is_ejected_requests_still_go_and_a_success_re
     assert [list(m.token_ids) for m in out] == [[104], [105]]
     assert len(up.prefills[0].requests) == 2
     assert f"prefill {up.p_addrs[0]} answered again; no longer ejected" in caplog.text
+
+
+async def test_a_local_prefill_readmits_no_prefill_it_never_called(up, caplog):
+    """A success ends an ejection only of an instance it called: a request the decode
+    prefilled itself (local prefill) says nothing about the ejected prefill it was paired
+    with; the next request that the prefill answers readmits it."""
+    caplog.set_level(logging.INFO, logger="pdgrpc.router")
+    held = [256, *range(1, 16)]  # a page the decode holds: a prompt lacking little of it is prefilled there
+    index = PrefixIndex()
+    index.stored(up.d_addrs[0], [StoredBlock(1, None, tuple(held))])
+    config = RouterConfig(prefills=(PrefillBackend(up.p_addrs[0], DEAD),), decodes=(up.d_addrs[0],), eject_s=30.0)
+    router = GenerateServicer(config, index=index, decode_capabilities=lambda address: frozenset({LOCAL_PREFILL}))
+    (name,) = service_names()
+    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    up.servers.append(srv)
+    up.routers.append(router)
+    channel = grpc.aio.insecure_channel(srv.address)
+    up.channels.append(channel)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    up.prefills[0].fail = (grpc.StatusCode.UNAVAILABLE, "room 1: prefill worker dp0 died (exit code -9)")
+    up.decodes[0].gap = 0.2  # no token before the prefill's failure is known
+    with pytest.raises(grpc.aio.AioRpcError):  # ejected, and nowhere else to go
+        await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[256, 7, 7, 7])))
+    readmitted = f"prefill {up.p_addrs[0]} answered again; no longer ejected"
+
+    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[*held, 1, 2])))
+    assert up.decodes[0].requests[-1].local_prefill and len(up.prefills[0].requests) == 1
+    assert readmitted not in caplog.text
+
+    up.prefills[0].fail = None  # its worker is back
+    await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[256, 7, 7, 7])))
+    assert len(up.prefills[0].requests) == 2
+    assert readmitted in caplog.text
 
 
 def test_eject_s_is_bounded():
