@@ -16,6 +16,10 @@
 * :class:`UndecodableIsInvalidArgument` (services are added to a server through it): a
   request that does not parse (garbage bytes, invalid UTF-8 in a ``string`` field) gets
   ``INVALID_ARGUMENT`` naming the message type, not grpc's ``UNKNOWN``/``INTERNAL``.
+* :data:`MAX_REQUEST_ID_CHARS`: a request's ``request_id`` (a field of any request message
+  that has one) is at most this long, or the request ends ``INVALID_ARGUMENT`` naming it.
+  Every log line of the request, in each process it reaches, carries it; clients' ids
+  (UUIDs, smg's ``cmpl-`` ids) are a few dozen characters.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-__all__ = ["MAX_MESSAGE_BYTES", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_CHARS", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_REQUEST_ID_CHARS = 256
 
 
 def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -41,13 +46,20 @@ def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
     name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
     what = name.full_name if name is not None else "request message"
     out = handler.response_serializer
+    has_id = name is not None and "request_id" in name.fields_by_name
 
     async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return parse(raw)
+            request = parse(raw)
         except Exception as exc:  # any parser failure is the caller's bytes
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid {what}: {exc}")
             raise AssertionError("unreachable") from exc  # context.abort raises
+        if has_id and len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{method}: request_id: {len(request.request_id)} characters, over the limit of {MAX_REQUEST_ID_CHARS}",
+            )
+        return request
 
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary

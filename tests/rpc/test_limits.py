@@ -12,9 +12,9 @@ import pytest
 from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
 from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, PrefillBackend, RouterConfig, service_names
-from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES
+from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_ID_CHARS
 from pdgrpc.rpc.server import RpcServer, start_server
-from pdgrpc.v1 import bootstrap_pb2, generate_pb2, generate_pb2_grpc
+from pdgrpc.v1 import bootstrap_pb2, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 # Nothing listens here: a request the router forwarded would fail UNAVAILABLE, not
 # INVALID_ARGUMENT naming the limit.
@@ -134,3 +134,48 @@ async def test_router_refuses_a_prompt_over_the_engine_limit_without_forwarding(
 
 def test_router_default_limit_is_the_engines() -> None:
     assert DEFAULT_MAX_PROMPT_TOKENS == EngineConfig().max_prompt_tokens
+
+
+async def test_an_over_long_request_id_is_refused_naming_it(router: RpcServer) -> None:
+    """Every line a request logs, in every process it reaches, carries its request_id: one
+    of megabytes would make each request write megabytes of logs."""
+    async with grpc.aio.insecure_channel(router.address) as ch:
+        stub = generate_pb2_grpc.GenerateServiceStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for _ in stub.Generate(generate_pb2.GenerateRequest(input_ids=[5], request_id="r" * 1_000_000), timeout=10):
+                pass
+        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+        assert f"request_id: 1000000 characters, over the limit of {MAX_REQUEST_ID_CHARS}" in (ei.value.details() or "")
+        # One at the limit goes on to the backends (here: nowhere, so UNAVAILABLE).
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for _ in stub.Generate(generate_pb2.GenerateRequest(input_ids=[5], request_id="r" * MAX_REQUEST_ID_CHARS), timeout=10):
+                pass
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE, (ei.value.code(), ei.value.details())
+
+
+async def test_every_service_refuses_an_over_long_request_id_before_its_handler() -> None:
+    """The bound holds where each message enters, whatever the service: a PrefillRequest
+    from a client holding a valid credential is refused before the prefill sees it."""
+    seen: list[str] = []
+
+    async def prefill(request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        seen.append(request.request_id)
+        return prefill_pb2.PrefillResponse()
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        prefill, request_deserializer=prefill_pb2.PrefillRequest.FromString,
+        response_serializer=prefill_pb2.PrefillResponse.SerializeToString,
+    )
+    generic = grpc.method_handlers_generic_handler("pdgrpc.v1.PrefillService", {"Prefill": handler})
+    server = await start_server([("pdgrpc.v1.PrefillService", lambda s: s.add_generic_rpc_handlers((generic,)))])
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = prefill_pb2_grpc.PrefillServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Prefill(prefill_pb2.PrefillRequest(request_id="é" * (MAX_REQUEST_ID_CHARS + 1)), timeout=10)
+            await stub.Prefill(prefill_pb2.PrefillRequest(request_id="ok"), timeout=10)
+    finally:
+        await server.stop(0)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+    assert "/pdgrpc.v1.PrefillService/Prefill: request_id:" in (ei.value.details() or "")
+    assert seen == ["ok"]
