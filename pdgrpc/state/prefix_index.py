@@ -8,8 +8,10 @@ Blocks are keyed by their content, not by the publisher's hash: a block is the c
 its parent block holding exactly its tokens. Two instances that cached the same prefix
 share the same nodes whatever hash function (or salt) they use, and the index never needs
 to reproduce a publisher's hashes; a publisher's ``block_hash`` names a block only within
-that instance's own events. A block whose parent the instance never stored cannot be
-reached from a prompt's first page, so it is not indexed.
+that instance's own events. One instance may name the same block under several hashes (a
+per-request cache salt, an adapter): it holds the block while any of them is stored. A
+block whose parent the instance never stored cannot be reached from a prompt's first page,
+so it is not indexed.
 
 :class:`SequenceCursor` follows one event stream's sequence numbers and says when a batch
 is applied, skipped or shows a gap (after which the subscriber drops the instance and
@@ -42,7 +44,7 @@ PENDING_LIMIT = 256  # pending prompts kept at most; the oldest goes first
 class _Node:
     parent: _Node | None
     tokens: tuple[int, ...]
-    holders: set[str] = field(default_factory=set)
+    holders: dict[str, int] = field(default_factory=dict)  # instance -> its hashes naming this node
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
 
 
@@ -123,7 +125,7 @@ class PrefixIndex:
             node = parent.children.get(b.token_ids)
             if node is None:
                 node = parent.children[b.token_ids] = _Node(parent, b.token_ids)
-            node.holders.add(instance)
+            node.holders[instance] = node.holders.get(instance, 0) + 1
             mine[b.block_hash] = node
         for ticket, prompt in self._pending.finished(instance):
             if self._covers(instance, prompt):
@@ -173,7 +175,7 @@ class PrefixIndex:
                 child = node.children.get(tuple(prompt[depth : depth + page]))
                 if child is None:
                     break
-                users &= child.holders
+                users &= child.holders.keys()
                 depth += page
                 for name in users:
                     out[name] = depth
@@ -181,7 +183,10 @@ class PrefixIndex:
         return out
 
     def _release(self, instance: str, node: _Node) -> None:
-        node.holders.discard(instance)
+        """One of ``instance``'s hashes no longer names ``node``."""
+        left = node.holders.pop(instance, 0) - 1
+        if left > 0:
+            node.holders[instance] = left
         while node.parent is not None and not node.holders and not node.children:
             del node.parent.children[node.tokens]
             node = node.parent

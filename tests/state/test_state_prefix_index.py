@@ -89,6 +89,30 @@ def test_restored_hash_with_other_content_moves() -> None:
     assert index.block_count("a") == 1
 
 
+def test_one_block_under_two_hashes_of_one_instance_stays_until_both_are_removed() -> None:
+    """A publisher may name the same pages under two hashes (vLLM's per-request cache salt,
+    a LoRA adapter): the index holds them while either name does, and removing one name,
+    then clearing, leaves nothing behind and raises nothing."""
+    index = PrefixIndex()
+    tokens = list(range(12))
+    salted, plain = chain(tokens, salt=1), chain(tokens, salt=2)
+    index.stored("a", salted)
+    index.stored("a", plain)
+    index.stored("b", chain(tokens[:4]))
+    index.removed("a", [salted[-1].block_hash])
+    assert index.match(tokens + [0]) == {"a": 12, "b": 4}  # still held under the plain names
+    index.stored("a", chain(tokens + [20, 21, 22, 23], salt=2)[3:])  # a child under a kept name
+    assert index.match(tokens + [20, 21, 22, 23, 0]) == {"a": 16, "b": 4}
+    index.removed("a", [plain[-1].block_hash])
+    assert index.match(tokens + [0]) == {"a": 8, "b": 4}  # no name of the third page is left
+    index.cleared("a")
+    assert index.instances() == ["b"] and index.match(tokens + [20, 21, 22, 23, 0]) == {"b": 4}
+    index.cleared("b")
+    assert index.match(tokens + [0]) == {}
+    index.stored("c", chain(tokens))  # the trie holds nothing of a or b: c's chain is fresh
+    assert index.match(tokens + [0]) == {"c": 12}
+
+
 def test_random_events_agree_with_a_model() -> None:
     """Random stores, removals and clears over a few instances and shared prefixes; the
     index answers as a brute force over each instance's set of live chains does."""
