@@ -93,8 +93,9 @@ class KvEventFollower:
         while True:
             cursor = SequenceCursor()
             reason = "ended"
-            call = SUBSCRIBE[self._role](self._pool.get(address))
+            call: Any = None
             try:
+                call = SUBSCRIBE[self._role](self._pool.get(address))
                 self._capabilities[address] = capabilities(await call.initial_metadata())
                 async for msg in call:
                     verdict = cursor.accept(msg.sequence_number)
@@ -110,8 +111,12 @@ class KvEventFollower:
                 code = exc.code() if callable(getattr(exc, "code", None)) else None
                 level = logging.INFO if delay == BACKOFF_MIN_S else logging.DEBUG  # once per outage
                 log.log(level, "KV events of %s %s: %s; subscribing again", self._role, address, getattr(code, "name", exc))
+            except Exception as exc:  # a batch the index cannot take, a channel not made: follow afresh, as after a gap
+                reason = "failed"
+                log.warning("KV events of %s %s: %r; dropping what it said and subscribing again", self._role, address, exc)
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
                 self._capabilities.pop(address, None)
                 self._index.cleared(address)
             self._metrics.on_kv_events_resubscribe(reason)

@@ -83,6 +83,39 @@ async def test_the_follower_indexes_batches_and_resubscribes_on_a_gap():
     assert index.instances() == []
 
 
+class BrittleIndex(PrefixIndex):
+    """An index whose first ``apply`` fails, as a bug or an instance's odd event would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+
+    def apply(self, instance, events):
+        if not self.failures:
+            self.failures += 1
+            raise RuntimeError("an event this index cannot take")
+        super().apply(instance, events)
+
+
+async def test_a_batch_the_index_cannot_take_ends_the_stream_not_the_follower():
+    events = EventingPrefill([stored_batch(1, PREFIX)])
+    server = await serve_prefill(events)
+    index, metrics = BrittleIndex(), RouterMetrics()
+    feed = KvEventFollower(index, lambda: [server.address], ChannelPool(), metrics)
+    feed.start()
+    try:
+        # The failed batch drops the instance, and a fresh subscription indexes it again.
+        await eventually_async(lambda: index.match(PREFIX + [1]) == {server.address: 16}, what="the instance indexed again")
+        assert index.failures == 1 and events.subscriptions == 2
+        count = metrics.registry.get_sample_value(
+            "pdgrpc_kv_event_resubscriptions_total", {"role": "router", "reason": "failed"}
+        )
+        assert count == 1
+    finally:
+        await feed.close()
+        await server.stop(0)
+
+
 @pytest.fixture
 async def two_prefills():
     """Two scripted prefills, the second holding PREFIX; a router with --policy cache_aware."""
