@@ -93,6 +93,7 @@ class KvEventFollower:
         while True:
             cursor = SequenceCursor()
             reason = "ended"
+            capped = False
             call: Any = None
             try:
                 call = SUBSCRIBE[self._role](self._pool.get(address))
@@ -104,7 +105,10 @@ class KvEventFollower:
                         log.warning("KV events of %s %s went from %s to %d; subscribing again", self._role, address, cursor.last, msg.sequence_number)
                         break
                     if verdict is Batch.APPLY:
-                        self._index.apply(address, batch_from_proto(msg).events)
+                        if self._index.apply(address, batch_from_proto(msg).events) and not capped:
+                            capped = True
+                            log.warning("KV events of %s %s: more blocks than the index keeps per instance; "
+                                        "the rest are not indexed", self._role, address)
                         delay = BACKOFF_MIN_S
             except grpc.RpcError as exc:
                 reason = "failed"

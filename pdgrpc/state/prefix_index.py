@@ -17,6 +17,10 @@ so it is not indexed.
 is applied, skipped or shows a gap (after which the subscriber drops the instance and
 subscribes afresh, getting a snapshot).
 
+Bounded: an instance's events index at most ``max_blocks`` of its blocks (its further
+stores are left out until removals make room), so no instance, whatever it sends, grows
+the index without end; the trie's nodes are those blocks.
+
 A prompt routed to an instance counts as cached there at once, as *pending*
 (:class:`PendingPrefixes`): requests of one prefix that arrive while its first still
 computes follow it, instead of being spread before any instance reports storing it.
@@ -33,8 +37,11 @@ from typing import Iterable, Sequence
 
 from pdgrpc.state.kv_event_log import Block, KvEvent, Removed, Stored
 
-__all__ = ["Batch", "PENDING_CHUNK", "PENDING_GRACE_S", "PENDING_LIMIT", "PendingPrefixes", "PrefixIndex", "SequenceCursor"]
+__all__ = [
+    "Batch", "MAX_BLOCKS", "PENDING_CHUNK", "PENDING_GRACE_S", "PENDING_LIMIT", "PendingPrefixes", "PrefixIndex", "SequenceCursor",
+]
 
+MAX_BLOCKS = 1 << 18  # blocks indexed per instance: 4 Mi tokens of 16-token pages
 PENDING_CHUNK = 16  # tokens per step of a pending prompt's path
 PENDING_GRACE_S = 2.0  # how long a finished request's prompt stays pending without its stored events
 PENDING_LIMIT = 256  # pending prompts kept at most; the oldest goes first
@@ -51,7 +58,10 @@ class _Node:
 class PrefixIndex:
     """A trie of pages shared by every instance; each node lists the instances holding it."""
 
-    def __init__(self, pending: PendingPrefixes | None = None) -> None:
+    def __init__(self, pending: PendingPrefixes | None = None, max_blocks: int = MAX_BLOCKS) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+        self._max_blocks = max_blocks
         self._root = _Node(None, ())
         self._blocks: dict[str, dict[int, _Node]] = {}  # instance -> its block_hash -> node
         self._page: dict[str, int] = {}  # instance -> its page size, from its first stored block
@@ -92,19 +102,24 @@ class PrefixIndex:
         steps of its pending prompts."""
         return self.block_count(instance) * self._page.get(instance, 0) + self._pending.tokens(instance)
 
-    def apply(self, instance: str, events: Iterable[KvEvent]) -> None:
-        """``instance``'s events, in order."""
+    def apply(self, instance: str, events: Iterable[KvEvent]) -> int:
+        """``instance``'s events, in order. Returns how many stored blocks were left out
+        for the bound (:meth:`stored`)."""
+        over = 0
         for e in events:
             if isinstance(e, Stored):
-                self.stored(instance, e.blocks)
+                over += self.stored(instance, e.blocks)
             elif isinstance(e, Removed):
                 self.removed(instance, e.block_hashes)
             else:
                 self.cleared(instance)
+        return over
 
-    def stored(self, instance: str, blocks: Sequence[Block]) -> None:
-        """``blocks`` (parents first) became reusable on ``instance``."""
+    def stored(self, instance: str, blocks: Sequence[Block]) -> int:
+        """``blocks`` (parents first) became reusable on ``instance``. Returns how many new
+        blocks were left out because ``instance`` already has ``max_blocks`` indexed."""
         mine = self._blocks.setdefault(instance, {})
+        over = 0
         for b in blocks:
             if not b.token_ids:
                 continue
@@ -118,6 +133,9 @@ class PrefixIndex:
             if parent is None:  # unreachable from any prompt's first page
                 continue
             old = mine.get(b.block_hash)
+            if old is None and len(mine) >= self._max_blocks:
+                over += 1
+                continue
             if old is not None:
                 if old.parent is parent and old.tokens == b.token_ids:
                     continue
@@ -130,6 +148,7 @@ class PrefixIndex:
         for ticket, prompt in self._pending.finished(instance):
             if self._covers(instance, prompt):
                 self._pending.remove(ticket)
+        return over
 
     def removed(self, instance: str, block_hashes: Sequence[int]) -> None:
         """``block_hashes`` are no longer reusable on ``instance`` (unknown ones are ignored)."""

@@ -8,7 +8,7 @@ import pytest
 
 from pdgrpc.state.cache_events import StoredBlock as Block
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
-from pdgrpc.state.prefix_index import Batch, PendingPrefixes, PrefixIndex, SequenceCursor
+from pdgrpc.state.prefix_index import MAX_BLOCKS, Batch, PendingPrefixes, PrefixIndex, SequenceCursor
 
 PAGE = 4
 
@@ -111,6 +111,23 @@ def test_one_block_under_two_hashes_of_one_instance_stays_until_both_are_removed
     assert index.match(tokens + [0]) == {}
     index.stored("c", chain(tokens))  # the trie holds nothing of a or b: c's chain is fresh
     assert index.match(tokens + [0]) == {"c": 12}
+
+
+def test_an_instance_has_at_most_max_blocks_indexed_whatever_it_stores() -> None:
+    index = PrefixIndex(max_blocks=3)
+    blocks = chain(list(range(20)))  # five pages
+    assert index.stored("a", blocks) == 1  # the fourth is left out, and the fifth hangs from it
+    assert index.block_count("a") == 3 and index.match(list(range(21))) == {"a": 12}
+    assert index.stored("a", blocks[:3]) == 0  # blocks already indexed are not new
+    assert index.stored("b", blocks) == 1 and index.block_count("b") == 3  # a bound per instance
+    index.removed("a", [blocks[2].block_hash])
+    assert index.stored("a", blocks[2:4]) == 1  # room for one again
+    assert index.match(list(range(21))) == {"a": 12, "b": 12}
+    salted = chain(list(range(20)), salt=9)  # new names count too, whatever they name
+    assert index.stored("a", salted) == 1 and index.block_count("a") == 3
+    assert PrefixIndex().stored("c", blocks) == 0 and MAX_BLOCKS > len(blocks)
+    with pytest.raises(ValueError, match="max_blocks must be at least 1, got 0"):
+        PrefixIndex(max_blocks=0)
 
 
 def test_random_events_agree_with_a_model() -> None:
