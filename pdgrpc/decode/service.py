@@ -186,7 +186,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
             await context.abort(no_cache.code, no_cache.message)
             return
         await context.send_initial_metadata(((CAPABILITIES_KEY, LOCAL_PREFILL),))
-        async for b in serve_kv_events(feed, request):
+        async for b in serve_kv_events(feed, request, context):
             yield b
 
 

@@ -303,7 +303,7 @@ class Controller:
         return prefill_pb2.GetStatsResponse(stats=total)
 
     async def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KvEventBatch]:
-        async for b in serve_kv_events(self.kv_events, request):
+        async for b in serve_kv_events(self.kv_events, request, context):
             yield b
 
     async def _follow_kv_events(self, rank: int) -> None:

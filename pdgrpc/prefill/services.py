@@ -64,7 +64,7 @@ class WorkerPrefillServicer:
         return prefill_pb2.GetStatsResponse(stats=self.worker.stats())
 
     async def SubscribeKvEvents(self, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KvEventBatch]:
-        async for b in serve_kv_events(self.kv_events, request):
+        async for b in serve_kv_events(self.kv_events, request, context):
             yield b
 
 

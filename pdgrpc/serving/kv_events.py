@@ -10,6 +10,11 @@ batch; a subscriber that fell out of the ring gets a snapshot again, so it never
 :func:`batch_to_proto` and :func:`batch_from_proto` convert to and from
 ``pdgrpc.v1.KvEventBatch``.
 
+One client (:func:`~pdgrpc.rpc.security.peer_identity`) holds at most
+:data:`MAX_STREAMS_PER_CLIENT` streams of a feed open: each costs the server a snapshot and
+a stream, and a router opens one per instance it routes to. One more is refused
+``RESOURCE_EXHAUSTED`` naming the limit.
+
 A decode's stream opens with initial metadata :data:`CAPABILITIES_KEY`: what it does
 beyond taking a prefill's KV, comma-separated (:data:`LOCAL_PREFILL`). A router flags a
 request only for a decode that lists the flag; an older decode lists nothing, and its
@@ -23,15 +28,23 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Sequence
 
+import grpc
+
+from pdgrpc.rpc.open_calls import OpenCalls, TooManyOpenCalls
+from pdgrpc.rpc.security import peer_identity
 from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.state.kv_event_log import (
     Block, Cleared, EventBatch, KvEvent, KvEventLog, Removed, SnapshotChunk, Stored,
 )
 from pdgrpc.v1 import prefill_pb2
 
-__all__ = ["CAPABILITIES_KEY", "LOCAL_PREFILL", "KvEventFeed", "batch_from_proto", "batch_to_proto", "capabilities", "serve_kv_events"]
+__all__ = [
+    "CAPABILITIES_KEY", "LOCAL_PREFILL", "MAX_STREAMS_PER_CLIENT", "KvEventFeed", "batch_from_proto", "batch_to_proto",
+    "capabilities", "serve_kv_events",
+]
 
 CAPABILITIES_KEY = "pdgrpc-decode-capabilities"
+MAX_STREAMS_PER_CLIENT = 64  # open SubscribeKvEvents streams of one feed per client
 LOCAL_PREFILL = "local-prefill"  # DecodeRequest.local_prefill: the decode computes the prompt
 
 
@@ -47,10 +60,14 @@ def capabilities(metadata: Sequence[tuple[str, str | bytes]] | None) -> frozense
 class KvEventFeed:
     """See the module doc. Build it on the loop it serves."""
 
-    def __init__(self, capacity: int = 4096, on_subscribers: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, capacity: int = 4096, on_subscribers: Callable[[int], None] | None = None,
+        max_streams_per_client: int = MAX_STREAMS_PER_CLIENT,
+    ) -> None:
         """``on_subscribers(n)``: called with the number of open :meth:`follow` streams
         whenever it changes."""
         self._on_subscribers = on_subscribers
+        self.streams = OpenCalls(max_streams_per_client, "SubscribeKvEvents", "pdgrpc.serving.kv_events.MAX_STREAMS_PER_CLIENT")
         self.subscribers = 0
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
@@ -188,8 +205,20 @@ def batch_from_proto(b: prefill_pb2.KvEventBatch) -> EventBatch:
     return EventBatch(b.sequence_number, events, b.timestamp, chunk)
 
 
-async def serve_kv_events(feed: KvEventFeed, request: prefill_pb2.SubscribeKvEventsRequest) -> AsyncIterator[prefill_pb2.KvEventBatch]:
-    """One ``pdgrpc.v1.PrefillService/SubscribeKvEvents`` stream over ``feed``."""
-    async for batches in feed.follow(request.start_sequence_number):
-        for b in batches:
-            yield batch_to_proto(b)
+async def serve_kv_events(
+    feed: KvEventFeed, request: prefill_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext,
+) -> AsyncIterator[prefill_pb2.KvEventBatch]:
+    """One ``pdgrpc.v1.PrefillService/SubscribeKvEvents`` stream over ``feed``, for a client
+    under its limit of open streams (else ``RESOURCE_EXHAUSTED``)."""
+    client = peer_identity(context)
+    try:
+        feed.streams.acquire(client)
+    except TooManyOpenCalls as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return
+    try:
+        async for batches in feed.follow(request.start_sequence_number):
+            for b in batches:
+                yield batch_to_proto(b)
+    finally:
+        feed.streams.release(client)

@@ -22,7 +22,7 @@ import pytest
 from pdgrpc.cluster.ports import free_port, free_port_block
 from pdgrpc.engine.base import SamplingParams
 from pdgrpc.state.cache_events import StoredBlock
-from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, batch_to_proto
+from pdgrpc.serving.kv_events import MAX_STREAMS_PER_CLIENT, KvEventFeed, batch_from_proto, batch_to_proto
 from pdgrpc.state.kv_event_log import Cleared, Removed, Stored
 from pdgrpc.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.eventually import eventually, eventually_async
@@ -168,6 +168,38 @@ async def test_the_streams_gauge_counts_open_subscriptions(prefill: PrefillProc)
         assert streams() == 1
         call.cancel()
     await eventually_async(lambda: streams() == 0, timeout=30, what="the stream closed")
+
+
+async def test_one_client_holds_at_most_its_limit_of_streams_open(prefill: PrefillProc) -> None:
+    """Each open stream costs the prefill a snapshot and a stream: one client past
+    MAX_STREAMS_PER_CLIENT is refused, naming the limit, and gets its room back as its
+    streams close."""
+    request = prefill_pb2.SubscribeKvEventsRequest(start_sequence_number=10**9)  # a snapshot at once
+    async with grpc.aio.insecure_channel(prefill.address) as ch:
+        stub = prefill_pb2_grpc.PrefillServiceStub(ch)
+
+        async def opened() -> grpc.aio.UnaryStreamCall:
+            call = stub.SubscribeKvEvents(request, timeout=60)
+            await call.read()  # the snapshot: the stream is open
+            return call
+
+        calls = [await opened() for _ in range(MAX_STREAMS_PER_CLIENT)]
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await opened()
+        assert ei.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, (ei.value.code(), ei.value.details())
+        assert f"{MAX_STREAMS_PER_CLIENT} SubscribeKvEvents calls open (limit {MAX_STREAMS_PER_CLIENT} per client" in (ei.value.details() or "")
+        calls.pop().cancel()
+
+        async def one_more() -> bool:
+            try:
+                calls.append(await opened())
+            except grpc.aio.AioRpcError:
+                return False
+            return True
+
+        await eventually_async(one_more, what="a stream once another closed")
+        for call in calls:
+            call.cancel()
 
 
 async def test_smg_subscriber_gets_load_records_while_idle(prefill: PrefillProc) -> None:
