@@ -39,7 +39,7 @@ class SchedulerConfig:
     deadlines: DecodeDeadlines = DecodeDeadlines()
     query_interval_s: float = 0.05  # at most one QueryDpRanks per prefill per interval
     rpc_timeout_s: float = 5.0  # bootstrap calls and AbortRoom
-    idle_poll_s: float = 0.02  # loop period while dp-rank queries, quarantined rooms, local prefills or TP transfers wait
+    idle_poll_s: float = 0.02  # loop period while dp-rank queries, quarantined rooms, requests waiting for memory, local prefills or TP transfers wait
     # How long a decode step that serves only requests whose first token the Decode stream
     # is still sending waits for those sends (see Generation.await_first_tokens_sent). 0: never.
     first_token_wait_s: float = 0.002

@@ -419,8 +419,8 @@ class DecodeScheduler:
         answer, a transfer that ends, a dp rank resolved -- so it sleeps until the
         earliest deadline of a request in the queues; on a small host every wake-up takes
         CPU from the compute. What has no event of its own (dp-rank queries, quarantined
-        rooms, local prefills waiting for pages, and with TP every transfer) polls every
-        ``idle_poll_s``."""
+        rooms, requests and local prefills waiting for pages or a slot, and with TP every
+        transfer) polls every ``idle_poll_s``."""
         q = self.queues
         if self.tp is not None:
             # The other ranks' transfers wake nothing here (only the collective poll sees
@@ -430,7 +430,9 @@ class DecodeScheduler:
             return self.config.idle_poll_s
         first: float | None = None
         for room in self._jobs:
-            if q.state_of(room) is DecodeState.RESOLVING_DP_RANK:
+            # Memory comes back without an event of its own: a quarantine ends inside the
+            # poll, after this iteration's prealloc, and a cached prefix unlocks.
+            if q.state_of(room) in (DecodeState.RESOLVING_DP_RANK, DecodeState.WAITING_FOR_MEMORY):
                 return self.config.idle_poll_s
             deadline = q.deadline_of(room)
             if deadline is not None and (first is None or deadline < first):

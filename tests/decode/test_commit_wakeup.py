@@ -14,15 +14,19 @@ from typing import Any
 
 import grpc
 
-from pdgrpc.decode.job import SchedulerConfig
+from pdgrpc.decode.job import Job, SchedulerConfig, Tokens
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.decode.service import start_decode_server
+from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.serving.convert import room_from_proto
+from pdgrpc.state import DecodeDeadlines, DecodeState
 from pdgrpc.transport.tcp import TcpTransport
 from pdgrpc.v1 import decode_pb2_grpc
 from tests.decode.fake_prefill import FakePrefill
 from tests.decode.test_deadlines import CFG, wait_idle
 from tests.decode.test_decode_server import collect, make_request
+from tests.eventually import eventually_async
 
 
 async def test_landed_kv_commits_without_waiting_for_the_next_periodic_poll() -> None:
@@ -66,6 +70,39 @@ async def test_a_decode_waiting_for_a_transfer_sleeps_until_it_lands() -> None:
         await prefill.stop()
         await server.stop(grace=0)
 
+
+
+async def test_a_slot_back_from_quarantine_goes_to_the_request_waiting_for_it() -> None:
+    """The one slot is quarantined under an aborted room; once the prefill acknowledged
+    the abort, the request queued behind it gets the slot at once, not at its allocation
+    deadline (a minute here)."""
+    deadlines = DecodeDeadlines(allocate_s=60.0)
+    sched = DecodeScheduler(ReferenceEngine(CFG), TcpTransport(), 1, SchedulerConfig(deadlines=deadlines))
+    server = await start_decode_server(sched)
+    prefill = await FakePrefill(ReferenceEngine(CFG)).start()
+
+    async def submit(prompt: str) -> Job:
+        req = make_request(prefill, prompt, 3)
+        return await sched.submit(
+            room_from_proto(req.bootstrap_room), req.request_id, tuple(req.input_ids), SamplingParams(), 3, prefill.address, None,
+            req.room_secret,
+        )
+
+    try:
+        prefill.mode = "hold"  # accepts the first handshake and never writes
+        first = await submit("hello there")
+        await asyncio.wait_for(prefill.workers[0].got_handshake.wait(), 20)
+        prefill.mode = "ok"
+        second = await submit("general kenobi")
+        await eventually_async(lambda: sched.queues.state_of(second.room) is DecodeState.WAITING_FOR_MEMORY, 10)
+        sched.cancel(first.room, "the client went away")  # its slot stays quarantined until the ack
+        await asyncio.wait_for(prefill.workers[0].got_abort.wait(), 20)
+        token = await asyncio.wait_for(second.out.get(), 20)  # a minute if the slot waited for the deadline
+        assert isinstance(token, Tokens) and token.bytes_transferred > 0
+        await wait_idle(server)
+    finally:
+        await prefill.stop()
+        await server.stop(grace=0)
 
 class _Followers:
     """A TP group of rank 0 whose followers are only counted: what rank 0 sends them."""

@@ -44,6 +44,7 @@ class Truth:
     corrupted: set[int] = dataclasses.field(default_factory=set)  # ranks whose row holds a wrong room
     aborted_at: float | None = None
     acked: bool = False
+    writers_gone: set[int] = dataclasses.field(default_factory=set)  # ranks whose transport saw its writers go
     outcome: str | None = None  # "committed" | "aborted"
     reason: AbortReason | None = None
 
@@ -132,6 +133,16 @@ class Cluster:
         self.truth[room].acked = True
         for q in self.ranks:
             q.on_abort_ack(room)
+
+    def writers_gone(self, room: int, ranks: set[int]) -> None:
+        """The transports of ``ranks`` confirmed ``room``'s writers gone; once every rank
+        has, nothing of them can land any more."""
+        t = self.truth[room]
+        t.writers_gone |= ranks
+        if t.writers_gone == set(range(self.tp)):
+            t.acked = True
+        for i in ranks:
+            self.ranks[i].on_writers_gone(room)
 
     def advance(self, dt: float) -> None:
         self.now += dt
@@ -240,6 +251,20 @@ class Cluster:
                 lease_end = t.aborted_at + self.deadlines.abort_lease_s
                 if lease_end < self.now and any(q.is_quarantined(room) for q in self.ranks):
                     self.violations.append(f"room {room} still quarantined after its lease ended at {lease_end}")
+        # Every page is free, quarantined, in a transfer, or a committed request's until the
+        # engine gives it back; every slot free, quarantined or in a transfer: none lost.
+        open_ = [t for t in self.truth.values() if t.outcome is None and t.slot is not None]
+        in_transfer = sum(len(t.pages) for t in open_)
+        committed = sum(len(p) for p in self.committed_pages.values())
+        for i, q in enumerate(self.ranks):
+            pages = q.pages.num_free + q.pages.num_quarantined + in_transfer + committed
+            slots = q.slots.num_free + q.num_quarantined + len(open_)
+            if (pages, slots) != (q.pages.num_pages, q.slots.num_slots):
+                self.violations.append(
+                    f"rank {i}: {q.pages.num_free} free + {q.pages.num_quarantined} quarantined + {in_transfer} in transfer + "
+                    f"{committed} committed pages of {q.pages.num_pages}; {q.slots.num_free} free + {q.num_quarantined} "
+                    f"quarantined + {len(open_)} in transfer slots of {q.slots.num_slots}"
+                )
         if self.violations:
             raise Violation("\n".join(self.violations))
 

@@ -2,11 +2,12 @@
 
 Hypothesis interleaves admissions, handshakes, page-transfer reports, metadata landing per
 rank (random order and delay), slot reuse, corruption, cancels, transport failures, late
-writes from aborted prefills, acks and clock ticks, and checks after every step (see
-``state_sim.Cluster``): nothing commits with a wrong room or token; nothing commits before
-its metadata landed on every rank; all ranks pop the same requests in the same order; no
-request aborts on a stale room; every request ends by its deadline; and at quiescence every
-slot and page is free.
+writes from aborted prefills, acks, writers confirmed gone on some ranks, and clock ticks,
+and checks after every step (see ``state_sim.Cluster``): nothing commits with a wrong room
+or token; nothing commits before its metadata landed on every rank; all ranks pop the same
+requests in the same order; no request aborts on a stale room; every request ends by its
+deadline; every page and slot is free, quarantined, in a transfer or committed; and at
+quiescence every slot and page is free.
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ class DecodeCluster(RuleBasedStateMachine):
     @rule(data=st.data())
     def prefill_acks_abort(self, data: st.DataObject) -> None:
         self.cl.ack(data.draw(st.sampled_from(self._aborted_live())))
+
+    @precondition(lambda self: self.c is not None and self._aborted_live())
+    @rule(data=st.data())
+    def writers_gone(self, data: st.DataObject) -> None:
+        """Some or every rank's transport confirms an aborted room's writers gone: the
+        room is released only once every rank did."""
+        room = data.draw(st.sampled_from(self._aborted_live()))
+        self.cl.writers_gone(room, data.draw(st.sets(st.integers(0, self.cl.tp - 1), min_size=1)))
 
     @rule()
     def poll(self) -> None:
