@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["seconds", "whole_number"]
+__all__ = ["port", "seconds", "whole_number"]
 
 
 def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
@@ -24,6 +24,19 @@ def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def port(text: str) -> int:
+    """The argparse type of a TCP port flag: a whole number in [0, 65535] (0: a free
+    one). Outside the range the socket layer would take the value modulo 65536, a port
+    the user never asked for."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
 
 
 def seconds(text: str) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdgrpc.argtypes import whole_number
+from pdgrpc.argtypes import port, whole_number
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
 from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, share_arg
@@ -48,7 +48,7 @@ _D = DecodeDeadlines()
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.decode", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=0, help="TCP port of the gRPC server; 0 picks a free one, printed in the log line (default: %(default)s)")
+    p.add_argument("--port", type=port, default=0, help="TCP port of the gRPC server; 0 picks a free one, printed in the log line (default: %(default)s)")
     add_engine_arguments(p)
     add_transport_arguments(p)
     add_security_arguments(p)

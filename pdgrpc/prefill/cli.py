@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdgrpc.argtypes import port
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("serving")
     g.add_argument("--host", default="127.0.0.1", help="address the controller and its workers listen on. Default: %(default)s")
     g.add_argument(
-        "--port", type=int, default=0,
+        "--port", type=port, default=0,
         help="controller port (PrefillService, and BootstrapService when embedded); 0 picks a free one. Default: %(default)s",
     )
     g.add_argument(

@@ -1,0 +1,42 @@
+"""Flags every server takes refuse a bad value as a CLI error naming the flag (exit 2),
+before anything listens: a value the socket layer would take differently from what the
+user typed must never reach it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from pdgrpc.serving.launch import Role
+
+# the module holding the ROLE of every server a user starts
+SERVERS = ["pdgrpc.bootstrap.server", "pdgrpc.router.server", "pdgrpc.colocated.server", "pdgrpc.prefill.controller_main", "pdgrpc.decode.server"]
+
+
+def _parser(module: str) -> argparse.ArgumentParser:
+    role = importlib.import_module(module).ROLE
+    assert isinstance(role, Role)
+    return role.build_parser()
+
+
+# every flag that names a port a server listens on
+PORT_FLAGS = [(m, "--port") for m in SERVERS]
+
+
+@pytest.mark.parametrize("module, flag", PORT_FLAGS, ids=[f"{m.split('.')[1]}{f}" for m, f in PORT_FLAGS])
+@pytest.mark.parametrize("value", ["99999", "65536", "-1", "http"])
+def test_a_port_outside_0_to_65535_is_refused(module: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Outside the range the socket layer would listen on the value modulo 65536 instead.
+    with pytest.raises(SystemExit) as ei:
+        _parser(module).parse_args([flag, value])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and value in err and "65535" in err
+
+
+@pytest.mark.parametrize("module", SERVERS, ids=[m.split(".")[1] for m in SERVERS])
+def test_ports_in_range_are_taken(module: str) -> None:
+    assert _parser(module).parse_args(["--port", "0"]).port == 0
+    assert _parser(module).parse_args(["--port", "65535"]).port == 65535
