@@ -22,7 +22,7 @@ def _parser(module: str) -> argparse.ArgumentParser:
 
 
 # every flag that names a port a server listens on
-PORT_FLAGS = [(m, "--port") for m in SERVERS]
+PORT_FLAGS = [(m, "--port") for m in SERVERS] + [(m, "--metrics-port") for m in SERVERS if m != "pdgrpc.colocated.server"]
 
 
 @pytest.mark.parametrize("module, flag", PORT_FLAGS, ids=[f"{m.split('.')[1]}{f}" for m, f in PORT_FLAGS])

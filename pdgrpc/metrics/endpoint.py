@@ -32,6 +32,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from pdgrpc import argtypes
+
 __all__ = [
     "METRICS_PORT_HELP",
     "WithoutCreated",
@@ -139,7 +141,7 @@ METRICS_PORT_HELP = (
 def add_metrics_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
     """Add ``--metrics-port`` (absent = disabled, 0 = free port) and ``--metrics-host``."""
     g = parser.add_argument_group("metrics")
-    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help=METRICS_PORT_HELP)
+    g.add_argument("--metrics-port", type=argtypes.port, default=None, metavar="PORT", help=METRICS_PORT_HELP)
     g.add_argument(
         "--metrics-host", default=default_host, metavar="HOST",
         help="address the metrics endpoint listens on; 0.0.0.0 = every IPv4 interface. It is plain HTTP without "
@@ -158,8 +160,6 @@ def start_metrics_from_args(ns: argparse.Namespace, registry: CollectorRegistry,
     port = getattr(ns, "metrics_port", None)
     if port is None:
         return _noop
-    if not 0 <= port < 65536:
-        raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")
     host = getattr(ns, "metrics_host", "127.0.0.1")
     bound, stop = start_metrics_server(registry, host, port)
     shown = f"[{host}]" if ":" in host else host
