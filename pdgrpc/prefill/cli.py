@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdgrpc.argtypes import port
+from pdgrpc.argtypes import port, whole_number
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
@@ -48,7 +48,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "chunk computes. Default: %(default)s",
     )
     g.add_argument(
-        "--min-write-bytes", type=int, default=1 << 20, metavar="BYTES",
+        "--min-write-bytes", type=whole_number(0, "bytes"), default=1 << 20, metavar="BYTES",
         help="hold completed pages back until this many KV bytes are pending (or the prompt is done), then "
         "write them at once: each write has a fixed cost (messages, waking the decode) that outweighs "
         "overlapping small pieces with compute (and the compute thread wakes the server only when a write "

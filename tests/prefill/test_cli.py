@@ -52,6 +52,21 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--min-write-bytes", "-1"], "argument --min-write-bytes: must be >= 0 bytes, got -1"),
+        (["--min-write-bytes", "1M"], "argument --min-write-bytes: expected whole bytes, got '1M'"),
+    ],
+)
+def test_bad_worker_flags_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A worker flag the workers would refuse must fail here, not in every worker at start-up.
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(argv)
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
     ns = build_parser().parse_args(["--model-size", "tiny", "--page-size", "8", "--transport", "tcp", "--chunk-size", "7"])
     argv = worker_argv(ns)
