@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["port", "seconds", "whole_number"]
+__all__ = ["port", "positive_seconds", "seconds", "whole_number"]
 
 
 def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
@@ -47,4 +47,16 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """The argparse type of a deadline flag: a finite number of seconds > 0 (a deadline
+    of 0 fails every call it bounds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
     return value

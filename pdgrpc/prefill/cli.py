@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdgrpc.argtypes import port, whole_number
+from pdgrpc.argtypes import port, positive_seconds, whole_number
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
@@ -61,12 +61,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "keep it above the router's requests in flight). Default: %(default)s",
     )
     g.add_argument(
-        "--handshake-timeout", type=float, default=30.0,
+        "--handshake-timeout", type=positive_seconds, default=30.0,
         help="seconds a request waits for the decode's Handshake before failing with DEADLINE_EXCEEDED. "
         "Default: %(default)s",
     )
     g.add_argument(
-        "--transfer-timeout", type=float, default=60.0,
+        "--transfer-timeout", type=positive_seconds, default=60.0,
         help="seconds from writing the metadata row to the decode's acknowledgement before the request "
         "fails with DEADLINE_EXCEEDED. Default: %(default)s",
     )

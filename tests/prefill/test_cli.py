@@ -57,6 +57,8 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
     [
         (["--min-write-bytes", "-1"], "argument --min-write-bytes: must be >= 0 bytes, got -1"),
         (["--min-write-bytes", "1M"], "argument --min-write-bytes: expected whole bytes, got '1M'"),
+        (["--handshake-timeout", "-1"], "argument --handshake-timeout: must be a finite number of seconds > 0, got -1"),
+        (["--transfer-timeout", "0"], "argument --transfer-timeout: must be a finite number of seconds > 0, got 0"),
     ],
 )
 def test_bad_worker_flags_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
