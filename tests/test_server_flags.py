@@ -1,6 +1,6 @@
-"""Flags every server takes refuse a bad value as a CLI error naming the flag (exit 2),
-before anything listens: a value the socket layer would take differently from what the
-user typed must never reach it."""
+"""The servers' flags refuse a bad value as a CLI error naming the flag (exit 2),
+before anything listens: a server must not start with a value that makes it fail later,
+or serve otherwise than the user asked."""
 
 from __future__ import annotations
 
@@ -40,3 +40,12 @@ def test_a_port_outside_0_to_65535_is_refused(module: str, flag: str, value: str
 def test_ports_in_range_are_taken(module: str) -> None:
     assert _parser(module).parse_args(["--port", "0"]).port == 0
     assert _parser(module).parse_args(["--port", "65535"]).port == 65535
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_colocated_refuses_a_chunk_size_below_1(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Taken, such a chunk size fails every request, over a value no request set.
+    with pytest.raises(SystemExit) as ei:
+        _parser("pdgrpc.colocated.server").parse_args(["--chunk-size", value])
+    assert ei.value.code == 2
+    assert f"argument --chunk-size: must be >= 1 tokens, got {value}" in capsys.readouterr().err
