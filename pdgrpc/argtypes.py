@@ -1,12 +1,23 @@
-"""argparse types shared by the servers' flags: a bad value is a CLI error naming the
-flag (argparse adds it), never a traceback at start-up."""
+"""argparse types shared by the servers' flags, and checks of the flags a type cannot
+take: a bad value is a CLI error naming the flag (argparse adds it), never a traceback
+at start-up."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Callable
 
-__all__ = ["port", "positive_seconds", "seconds", "whole_number"]
+__all__ = ["check_address", "port", "positive_seconds", "seconds", "whole_number"]
+
+
+def check_address(addr: str, flag: str) -> None:
+    """Raise ValueError naming ``flag`` unless ``addr`` is the ``HOST:PORT`` of a peer to
+    call: a host and a port in [1, 65535] (0 picks a free port only for a listener). A
+    check rather than an argparse type: argparse passes a flag's string default (a ""
+    that means none) through its type too."""
+    host, sep, number = addr.rpartition(":")
+    if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
+        raise ValueError(f"{flag}: {addr!r} is not HOST:PORT")
 
 
 def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:

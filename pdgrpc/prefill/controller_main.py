@@ -22,6 +22,7 @@ import json
 import logging
 import signal
 
+from pdgrpc.argtypes import check_address
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
@@ -171,6 +172,8 @@ def check(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--chunk-size must be >= 1, got {ns.chunk_size}")
     if ns.tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1, got {ns.tp_size}")
+    if ns.bootstrap:  # else the workers retry registering with it until --worker-start-timeout
+        check_address(ns.bootstrap, "--bootstrap")
     check_engine_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
     registry.load(ns.transport)  # a missing backend names what to install
     check_discovery_args(ns)

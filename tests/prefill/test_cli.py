@@ -69,6 +69,22 @@ def test_bad_worker_flags_are_refused_at_parse_time(argv: list[str], message: st
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("address", ["nohost", ":8998", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:99999"])
+def test_a_bootstrap_that_is_not_host_port_is_refused_before_any_worker_starts(
+    address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Taken, the workers would retry registering with it until --worker-start-timeout.
+    from pdgrpc.prefill.controller_main import check
+
+    ns = build_parser().parse_args(["--transport", "fake", "--bootstrap", address])
+    with pytest.raises(ValueError, match=f"--bootstrap: '{address}' is not HOST:PORT"):
+        check(ns)
+    with pytest.raises(SystemExit) as ei:
+        main(["--transport", "fake", "--bootstrap", address])
+    assert ei.value.code == 2
+    assert f"error: --bootstrap: '{address}' is not HOST:PORT" in capsys.readouterr().err
+
+
 def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
     ns = build_parser().parse_args(["--model-size", "tiny", "--page-size", "8", "--transport", "tcp", "--chunk-size", "7"])
     argv = worker_argv(ns)
