@@ -49,3 +49,19 @@ def test_colocated_refuses_a_chunk_size_below_1(value: str, capsys: pytest.Captu
         _parser("pdgrpc.colocated.server").parse_args(["--chunk-size", value])
     assert ei.value.code == 2
     assert f"argument --chunk-size: must be >= 1 tokens, got {value}" in capsys.readouterr().err
+
+
+DECODE_DEADLINES = [
+    "--resolve-timeout", "--allocate-timeout", "--bootstrap-timeout", "--waiting-timeout", "--claim-timeout",
+    "--transfer-timeout", "--abort-lease", "--rpc-timeout", "--dp-rank-query-interval", "--dist-timeout",
+]
+
+
+@pytest.mark.parametrize("flag", DECODE_DEADLINES)
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_decode_refuses_a_deadline_of_0_or_less(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A deadline of 0 fails every call it bounds: with --rpc-timeout 0 every bootstrap call, so every request.
+    with pytest.raises(SystemExit) as ei:
+        _parser("pdgrpc.decode.server").parse_args([flag, value])
+    assert ei.value.code == 2
+    assert f"argument {flag}: must be a finite number of seconds > 0, got {value}" in capsys.readouterr().err
