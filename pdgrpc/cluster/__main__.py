@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from pdgrpc.cluster.hosts import HOSTS_ENV
@@ -168,12 +169,24 @@ def _restart(argv: list[str]) -> int:
     return 0
 
 
+def _make_log_dir(path: str) -> None:
+    """Make --log-dir, or raise ConfigError naming the flag: a path the launcher cannot
+    make a directory (a file, a directory without write access) fails before any process
+    starts, as one line."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {path!r} cannot be made a directory: {exc.strerror}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["restart"]:
         return _restart(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.log_dir is not None:
+            _make_log_dir(args.log_dir)
         if load_topology(args.topology).subnet and HOSTS_ENV not in os.environ:
             return _on_hosts(args, argv)
         return run(_main(args))
