@@ -76,7 +76,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "RESOURCE_EXHAUSTED. Default: %(default)s",
     )
     g.add_argument(
-        "--dist-timeout", type=float, default=120.0,
+        "--dist-timeout", type=positive_seconds, default=120.0,
         help="with --tp-size > 1: seconds a torch.distributed (gloo) collective of a dp group's workers may wait "
         "for the other ranks before it fails. Default: %(default)s",
     )
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="use this external BootstrapService instead of embedding one in the controller. Default: embedded",
     )
     g.add_argument(
-        "--bootstrap-ttl", type=float, default=120.0,
+        "--bootstrap-ttl", type=positive_seconds, default=120.0,
         help="embedded bootstrap: seconds a room -> dp rank entry lives. Default: %(default)s",
     )
     g.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get to finish on SIGTERM. Default: %(default)s")

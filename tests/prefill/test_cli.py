@@ -59,10 +59,13 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         (["--min-write-bytes", "1M"], "argument --min-write-bytes: expected whole bytes, got '1M'"),
         (["--handshake-timeout", "-1"], "argument --handshake-timeout: must be a finite number of seconds > 0, got -1"),
         (["--transfer-timeout", "0"], "argument --transfer-timeout: must be a finite number of seconds > 0, got 0"),
+        (["--dist-timeout", "0"], "argument --dist-timeout: must be a finite number of seconds > 0, got 0"),
+        (["--bootstrap-ttl", "0"], "argument --bootstrap-ttl: must be a finite number of seconds > 0, got 0"),
     ],
 )
-def test_bad_worker_flags_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # A worker flag the workers would refuse must fail here, not in every worker at start-up.
+def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A value the workers or the embedded bootstrap would refuse must fail here, not with a
+    # traceback once they start.
     with pytest.raises(SystemExit) as ei:
         build_parser().parse_args(argv)
     assert ei.value.code == 2
