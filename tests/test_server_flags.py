@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import subprocess
+import sys
 
 import pytest
 
@@ -65,3 +67,27 @@ def test_decode_refuses_a_deadline_of_0_or_less(flag: str, value: str, capsys: p
         _parser("pdgrpc.decode.server").parse_args([flag, value])
     assert ei.value.code == 2
     assert f"argument {flag}: must be a finite number of seconds > 0, got {value}" in capsys.readouterr().err
+
+
+def test_decode_refuses_a_metrics_port_that_leaves_a_tp_rank_none() -> None:
+    # TP rank r serves its metrics on --metrics-port + r: past 65535 before any rank starts.
+    cmd = [sys.executable, "-m", "pdgrpc.decode", "--transport", "fake", "--model-size", "tiny", "--tp-size", "2",
+           "--metrics-port", "65535"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--metrics-port 65535 leaves no port at offset 1 (would be 65536)" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_prefill_refuses_a_metrics_port_that_leaves_a_worker_none(capsys: pytest.CaptureFixture[str]) -> None:
+    # Worker (dp r, tp t) serves its metrics on --metrics-port + 1 + r * tp_size + t.
+    from pdgrpc.prefill.__main__ import main
+    from pdgrpc.prefill.controller_main import check
+
+    argv = ["--transport", "fake", "--dp-size", "2", "--metrics-port", "65534"]
+    with pytest.raises(ValueError, match="--metrics-port 65534 leaves no port at offset 2"):
+        check(_parser("pdgrpc.prefill.controller_main").parse_args(argv))
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    assert "error: --metrics-port 65534 leaves no port at offset 2 (would be 65536)" in capsys.readouterr().err

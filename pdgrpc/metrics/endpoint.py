@@ -33,6 +33,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pdgrpc import argtypes
+from pdgrpc.errors import ConfigError
 
 __all__ = [
     "METRICS_PORT_HELP",
@@ -171,12 +172,14 @@ def derived_metrics_port(base: int | None, offset: int) -> int | None:
     """The metrics port of a child process of a server whose own ``--metrics-port`` is
     ``base``: ``base + offset`` (``offset`` >= 1), so a scrape config can list them all.
     Prefill dp worker ``r``: offset ``1 + r``; decode TP rank ``r`` >= 1: offset ``r``.
-    0 stays 0 (each child picks a free port and logs it); None (metrics off) stays None."""
+    0 stays 0 (each child picks a free port and logs it); None (metrics off) stays None.
+    A port past 65535 is a ConfigError (a ValueError) naming the flag; a server asks for
+    its last child's port before it starts any child, so the error is one line at start."""
     if offset < 1:
         raise ValueError(f"offset must be >= 1 (the parent serves on the base port), got {offset}")
     if base is None or base == 0:
         return base
     port = base + offset
     if port > 65535:
-        raise ValueError(f"--metrics-port {base} leaves no port at offset {offset} (would be {port})")
+        raise ConfigError(f"--metrics-port {base} leaves no port at offset {offset} (would be {port})")
     return port
