@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from pdgrpc.cluster.__main__ import main
+from pdgrpc.cluster.__main__ import build_parser, build_restart_parser, main
 
 
 @pytest.mark.parametrize("where", ["a file", "under a file"])
@@ -18,3 +20,21 @@ def test_a_log_dir_that_cannot_be_a_directory_is_refused(where: str, tmp_path: P
     out = capsys.readouterr()
     assert f"error: --log-dir {str(log_dir)!r} cannot be made a directory" in out.err
     assert "Traceback" not in out.err and "starting" not in out.out
+
+
+@pytest.mark.parametrize(
+    "parser, argv",
+    [
+        (build_parser, ["1p1d", "--start-timeout", "0"]),
+        (build_parser, ["1p1d", "--start-timeout", "-1"]),
+        (build_restart_parser, ["router", "--log-dir", ".", "--timeout", "0"]),
+    ],
+)
+def test_a_wait_of_0_or_less_is_refused(
+    parser: Callable[[], argparse.ArgumentParser], argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Taken, the launcher would start every process, then give up on them at once.
+    with pytest.raises(SystemExit) as ei:
+        parser().parse_args(argv)
+    assert ei.value.code == 2
+    assert f"argument {argv[-2]}: must be a finite number of seconds > 0, got {argv[-1]}" in capsys.readouterr().err
