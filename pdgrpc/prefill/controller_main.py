@@ -186,7 +186,7 @@ def check(ns: argparse.Namespace) -> None:
 def serve(ns: argparse.Namespace) -> int:
     try:
         return run(main_async(ns))
-    except ConfigError as exc:  # e.g. a non-loopback --host with neither TLS nor a token
+    except (ConfigError, OSError) as exc:  # a non-loopback --host with neither TLS nor a token, a port in use
         log.error("%s", exc)
         return 2
 

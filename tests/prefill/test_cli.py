@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -86,6 +89,18 @@ def test_a_bootstrap_that_is_not_host_port_is_refused_before_any_worker_starts(
         main(["--transport", "fake", "--bootstrap", address])
     assert ei.value.code == 2
     assert f"error: --bootstrap: '{address}' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", "--port", str(port)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"pdgrpc prefill controller: cannot bind 127.0.0.1:{port} (address in use" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
