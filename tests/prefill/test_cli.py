@@ -103,6 +103,15 @@ def test_a_port_in_use_is_one_line_and_exit_2() -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_a_worker_that_cannot_start_its_transport_says_so_in_one_line() -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "tcp", "--transport-host", "no-such-host.invalid"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "prefill.dp0" in out.stderr and "tcp transport cannot listen" in out.stderr
+    assert "prefill worker dp0 exited with code 1 before it was ready" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:
     ns = build_parser().parse_args(["--model-size", "tiny", "--page-size", "8", "--transport", "tcp", "--chunk-size", "7"])
     argv = worker_argv(ns)
