@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get to finish on SIGTERM. Default: %(default)s")
     g.add_argument(
-        "--worker-start-timeout", type=float, default=120.0,
+        "--worker-start-timeout", type=positive_seconds, default=120.0,
         help="seconds to wait for every worker to start and register. Default: %(default)s",
     )
     g.add_argument(

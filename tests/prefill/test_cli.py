@@ -64,6 +64,7 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         (["--transfer-timeout", "0"], "argument --transfer-timeout: must be a finite number of seconds > 0, got 0"),
         (["--dist-timeout", "0"], "argument --dist-timeout: must be a finite number of seconds > 0, got 0"),
         (["--bootstrap-ttl", "0"], "argument --bootstrap-ttl: must be a finite number of seconds > 0, got 0"),
+        (["--worker-start-timeout", "0"], "argument --worker-start-timeout: must be a finite number of seconds > 0, got 0"),
     ],
 )
 def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
