@@ -1,12 +1,23 @@
-"""argparse types shared by the servers' flags: a bad value is a CLI error naming the
-flag (argparse adds it), never a traceback at start-up."""
+"""argparse types shared by the servers' flags, and checks of the flags a type cannot
+take: a bad value is a CLI error naming the flag (argparse adds it), never a traceback
+at start-up."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Callable
 
-__all__ = ["seconds", "whole_number"]
+__all__ = ["check_address", "port", "positive_seconds", "seconds", "whole_number"]
+
+
+def check_address(addr: str, flag: str) -> None:
+    """Raise ValueError naming ``flag`` unless ``addr`` is the ``HOST:PORT`` of a peer to
+    call: a host and a port in [1, 65535] (0 picks a free port only for a listener). A
+    check rather than an argparse type: argparse passes a flag's string default (a ""
+    that means none) through its type too."""
+    host, sep, number = addr.rpartition(":")
+    if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
+        raise ValueError(f"{flag}: {addr!r} is not HOST:PORT")
 
 
 def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
@@ -26,6 +37,19 @@ def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
     return parse
 
 
+def port(text: str) -> int:
+    """The argparse type of a TCP port flag: a whole number in [0, 65535] (0: a free
+    one). Outside the range the socket layer would take the value modulo 65536, a port
+    the user never asked for."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def seconds(text: str) -> float:
     """The argparse type of a duration flag: a finite number of seconds >= 0."""
     try:
@@ -34,4 +58,16 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """The argparse type of a deadline flag: a finite number of seconds > 0 (a deadline
+    of 0 fails every call it bounds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
     return value

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pdgrpc.argtypes import port, positive_seconds, whole_number
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
@@ -28,7 +29,7 @@ Logs "pdgrpc bootstrap listening on HOST:PORT" once it accepts calls."""
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.bootstrap", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 = this machine only, 0.0.0.0 = every IPv4 interface (then TLS or a token is required, or --insecure) (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8998, help="TCP port to listen on; 0 picks a free one, printed in the log line (default: %(default)s)")
+    p.add_argument("--port", type=port, default=8998, help="TCP port to listen on; 0 picks a free one, printed in the log line (default: %(default)s)")
     p.add_argument(
         "--dp-rank-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
         help="how long a room -> dp rank entry lives after its last registration; re-registering the same rank renews it (default: %(default)s)",
@@ -47,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
         help="most rooms one RegisterDpRanks or QueryDpRanks call may carry; larger calls fail with INVALID_ARGUMENT. At most --max-rooms (default: %(default)s)",
     )
-    p.add_argument("--sweep-interval", type=float, default=1.0, metavar="SECONDS", help="how often expired rooms are freed; queries never see an expired room whatever this is (default: %(default)s)")
+    p.add_argument("--sweep-interval", type=positive_seconds, default=1.0, metavar="SECONDS", help="how often expired rooms are freed; queries never see an expired room whatever this is (default: %(default)s)")
     p.add_argument(
-        "--expire-budget", type=int, default=16384, metavar="N",
+        "--expire-budget", type=whole_number(1, "records"), default=16384, metavar="N",
         help="records one expiry step may free before yielding to calls; bounds the pause an expiry wave causes (default: %(default)s)",
     )
     p.add_argument(

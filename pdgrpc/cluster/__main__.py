@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+from pdgrpc.argtypes import positive_seconds
 from pdgrpc.cluster.hosts import HOSTS_ENV
 from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError, restart_running
 from pdgrpc.cluster.netns import NetnsUnavailable, NetworkHosts, remove_stale
@@ -43,7 +45,7 @@ def build_restart_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.cluster restart", description=RESTART_DESCRIPTION)
     p.add_argument("name", help="the process to restart (its name in the topology)")
     p.add_argument("--log-dir", required=True, help="the LOG_DIR of the running cluster (it holds cluster.json)")
-    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait until it serves again (default: %(default)s)")
+    p.add_argument("--timeout", type=positive_seconds, default=120.0, metavar="SECONDS", help="how long to wait until it serves again (default: %(default)s)")
     return p
 
 
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("topology", help="topology file (servers/1p1d.toml) or name (1p1d)")
     p.add_argument("--transport", choices=TRANSPORTS, help="KV transport for every prefill and decode (default: the topology's)")
     p.add_argument("--log-dir", help="directory for the processes' logs (default: a fresh temporary directory, kept after the cluster stops)")
-    p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS", help="how long to wait for every process to be healthy (default: %(default)s)")
+    p.add_argument("--start-timeout", type=positive_seconds, default=180.0, metavar="SECONDS", help="how long to wait for every process to be healthy (default: %(default)s)")
     p.add_argument(
         "--metrics", action="store_true",
         help="every server serves Prometheus metrics on a free port (listed once the cluster runs); "
@@ -168,12 +170,24 @@ def _restart(argv: list[str]) -> int:
     return 0
 
 
+def _make_log_dir(path: str) -> None:
+    """Make --log-dir, or raise ConfigError naming the flag: a path the launcher cannot
+    make a directory (a file, a directory without write access) fails before any process
+    starts, as one line."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {path!r} cannot be made a directory: {exc.strerror}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["restart"]:
         return _restart(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.log_dir is not None:
+            _make_log_dir(args.log_dir)
         if load_topology(args.topology).subnet and HOSTS_ENV not in os.environ:
             return _on_hosts(args, argv)
         return run(_main(args))

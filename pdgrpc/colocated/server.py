@@ -28,6 +28,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdgrpc.argtypes import port, whole_number
 from pdgrpc.engine.base import (
     DecodeRequest, Engine, InvalidRequest, PrefillRequest, SampledToken, SamplingParams, stop_reason,
 )
@@ -223,8 +224,8 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.colocated", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
+    p.add_argument("--port", type=port, default=0, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--chunk-size", type=whole_number(1, "tokens"), default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
     add_engine_arguments(p)
     add_gateway_arguments(p)
     add_logging_arguments(p)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdgrpc.argtypes import whole_number
+from pdgrpc.argtypes import port, positive_seconds, whole_number
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
 from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, share_arg
@@ -48,7 +48,7 @@ _D = DecodeDeadlines()
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.decode", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=0, help="TCP port of the gRPC server; 0 picks a free one, printed in the log line (default: %(default)s)")
+    p.add_argument("--port", type=port, default=0, help="TCP port of the gRPC server; 0 picks a free one, printed in the log line (default: %(default)s)")
     add_engine_arguments(p)
     add_transport_arguments(p)
     add_security_arguments(p)
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks (processes); must divide the model's heads and MLP width (default: %(default)s)",
     )
     g.add_argument(
-        "--dist-timeout", type=float, default=120.0, metavar="SECONDS",
+        "--dist-timeout", type=positive_seconds, default=120.0, metavar="SECONDS",
         help="TP > 1: how long a rank waits in a collective for the others before giving up (default: %(default)s)",
     )
     g.add_argument("--dist-init", default="", help=argparse.SUPPRESS)  # set by rank 0 for the other ranks
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "others (a router is one client) (default: %(default)s)",
     )
     g.add_argument(
-        "--dp-rank-query-interval", type=float, default=0.05, metavar="SECONDS",
+        "--dp-rank-query-interval", type=positive_seconds, default=0.05, metavar="SECONDS",
         help="at most one batched QueryDpRanks per prefill instance per interval (default: %(default)s)",
     )
     g.add_argument(
@@ -99,26 +99,26 @@ def build_parser() -> argparse.ArgumentParser:
         "lower while a prompt is computed (default: %(default)s)",
     )
     g.add_argument(
-        "--rpc-timeout", type=float, default=5.0, metavar="SECONDS",
+        "--rpc-timeout", type=positive_seconds, default=5.0, metavar="SECONDS",
         help="deadline of each bootstrap call and AbortRoom (default: %(default)s)",
     )
     d = p.add_argument_group("deadlines (seconds a request may spend in each phase; DEADLINE_EXCEEDED names the phase)")
-    d.add_argument("--resolve-timeout", type=float, default=_D.resolve_dp_rank_s, metavar="S", help="until the prefill dp rank is known (default: %(default)s)")
-    d.add_argument("--allocate-timeout", type=float, default=_D.allocate_s, metavar="S", help="waiting for free KV pages and a metadata slot (default: %(default)s)")
-    d.add_argument("--bootstrap-timeout", type=float, default=_D.bootstrap_s, metavar="S", help="until every prefill worker accepted the handshake (default: %(default)s)")
+    d.add_argument("--resolve-timeout", type=positive_seconds, default=_D.resolve_dp_rank_s, metavar="S", help="until the prefill dp rank is known (default: %(default)s)")
+    d.add_argument("--allocate-timeout", type=positive_seconds, default=_D.allocate_s, metavar="S", help="waiting for free KV pages and a metadata slot (default: %(default)s)")
+    d.add_argument("--bootstrap-timeout", type=positive_seconds, default=_D.bootstrap_s, metavar="S", help="until every prefill worker accepted the handshake (default: %(default)s)")
     d.add_argument(
-        "--waiting-timeout", type=float, default=_D.waiting_for_input_s, metavar="S",
+        "--waiting-timeout", type=positive_seconds, default=_D.waiting_for_input_s, metavar="S",
         help="handshake accepted, no KV byte arrived yet (prefill queueing and computing) (default: %(default)s)",
     )
     d.add_argument(
-        "--claim-timeout", type=float, default=_D.claim_s, metavar="S",
+        "--claim-timeout", type=positive_seconds, default=_D.claim_s, metavar="S",
         help="handshake accepted, but no Prefill RPC claimed the room on the prefill worker: a request whose prefill "
         "never shows frees its pages after this, not after --waiting-timeout (a prefill worker that cannot tell, "
         "an older one, leaves it to --waiting-timeout) (default: %(default)s)",
     )
-    d.add_argument("--transfer-timeout", type=float, default=_D.transferring_s, metavar="S", help="KV arriving until the metadata row landed (default: %(default)s)")
+    d.add_argument("--transfer-timeout", type=positive_seconds, default=_D.transferring_s, metavar="S", help="KV arriving until the metadata row landed (default: %(default)s)")
     d.add_argument(
-        "--abort-lease", type=float, default=_D.abort_lease_s, metavar="S",
+        "--abort-lease", type=positive_seconds, default=_D.abort_lease_s, metavar="S",
         help="an aborted request's pages and slot are reused once the prefill acknowledged AbortRoom, or after this long (default: %(default)s)",
     )
     add_metrics_arguments(p)

@@ -28,11 +28,12 @@ async def _start_ranks(ns: argparse.Namespace) -> tuple[list[asyncio.subprocess.
     """Start TP ranks 1..N-1 with this process's flags; returns them and the gloo address."""
     from pdgrpc.metrics import derived_metrics_port
 
+    # Every rank's metrics port first: one past 65535 fails before any rank starts.
+    ports = {rank: derived_metrics_port(ns.metrics_port, rank) for rank in range(1, ns.tp_size)}
     init = dist_init_method()
     procs = []
-    for rank in range(1, ns.tp_size):
+    for rank, port in ports.items():
         argv = [sys.executable, "-m", "pdgrpc.decode.follower", *getattr(ns, "argv", []), *engine_limits_argv(ns), "--tp-rank", str(rank), "--dist-init", init]
-        port = derived_metrics_port(ns.metrics_port, rank)
         if port is not None:
             argv += ["--metrics-port", str(port)]
         procs.append(await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL))

@@ -32,6 +32,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from pdgrpc import argtypes
+from pdgrpc.errors import ConfigError
+
 __all__ = [
     "METRICS_PORT_HELP",
     "WithoutCreated",
@@ -139,7 +142,7 @@ METRICS_PORT_HELP = (
 def add_metrics_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
     """Add ``--metrics-port`` (absent = disabled, 0 = free port) and ``--metrics-host``."""
     g = parser.add_argument_group("metrics")
-    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help=METRICS_PORT_HELP)
+    g.add_argument("--metrics-port", type=argtypes.port, default=None, metavar="PORT", help=METRICS_PORT_HELP)
     g.add_argument(
         "--metrics-host", default=default_host, metavar="HOST",
         help="address the metrics endpoint listens on; 0.0.0.0 = every IPv4 interface. It is plain HTTP without "
@@ -158,8 +161,6 @@ def start_metrics_from_args(ns: argparse.Namespace, registry: CollectorRegistry,
     port = getattr(ns, "metrics_port", None)
     if port is None:
         return _noop
-    if not 0 <= port < 65536:
-        raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")
     host = getattr(ns, "metrics_host", "127.0.0.1")
     bound, stop = start_metrics_server(registry, host, port)
     shown = f"[{host}]" if ":" in host else host
@@ -171,12 +172,14 @@ def derived_metrics_port(base: int | None, offset: int) -> int | None:
     """The metrics port of a child process of a server whose own ``--metrics-port`` is
     ``base``: ``base + offset`` (``offset`` >= 1), so a scrape config can list them all.
     Prefill dp worker ``r``: offset ``1 + r``; decode TP rank ``r`` >= 1: offset ``r``.
-    0 stays 0 (each child picks a free port and logs it); None (metrics off) stays None."""
+    0 stays 0 (each child picks a free port and logs it); None (metrics off) stays None.
+    A port past 65535 is a ConfigError (a ValueError) naming the flag; a server asks for
+    its last child's port before it starts any child, so the error is one line at start."""
     if offset < 1:
         raise ValueError(f"offset must be >= 1 (the parent serves on the base port), got {offset}")
     if base is None or base == 0:
         return base
     port = base + offset
     if port > 65535:
-        raise ValueError(f"--metrics-port {base} leaves no port at offset {offset} (would be {port})")
+        raise ConfigError(f"--metrics-port {base} leaves no port at offset {offset} (would be {port})")
     return port

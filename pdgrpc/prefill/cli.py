@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdgrpc.argtypes import port, positive_seconds, whole_number
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
@@ -47,7 +48,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "chunk computes. Default: %(default)s",
     )
     g.add_argument(
-        "--min-write-bytes", type=int, default=1 << 20, metavar="BYTES",
+        "--min-write-bytes", type=whole_number(0, "bytes"), default=1 << 20, metavar="BYTES",
         help="hold completed pages back until this many KV bytes are pending (or the prompt is done), then "
         "write them at once: each write has a fixed cost (messages, waking the decode) that outweighs "
         "overlapping small pieces with compute (and the compute thread wakes the server only when a write "
@@ -60,12 +61,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "keep it above the router's requests in flight). Default: %(default)s",
     )
     g.add_argument(
-        "--handshake-timeout", type=float, default=30.0,
+        "--handshake-timeout", type=positive_seconds, default=30.0,
         help="seconds a request waits for the decode's Handshake before failing with DEADLINE_EXCEEDED. "
         "Default: %(default)s",
     )
     g.add_argument(
-        "--transfer-timeout", type=float, default=60.0,
+        "--transfer-timeout", type=positive_seconds, default=60.0,
         help="seconds from writing the metadata row to the decode's acknowledgement before the request "
         "fails with DEADLINE_EXCEEDED. Default: %(default)s",
     )
@@ -75,7 +76,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "RESOURCE_EXHAUSTED. Default: %(default)s",
     )
     g.add_argument(
-        "--dist-timeout", type=float, default=120.0,
+        "--dist-timeout", type=positive_seconds, default=120.0,
         help="with --tp-size > 1: seconds a torch.distributed (gloo) collective of a dp group's workers may wait "
         "for the other ranks before it fails. Default: %(default)s",
     )
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("serving")
     g.add_argument("--host", default="127.0.0.1", help="address the controller and its workers listen on. Default: %(default)s")
     g.add_argument(
-        "--port", type=int, default=0,
+        "--port", type=port, default=0,
         help="controller port (PrefillService, and BootstrapService when embedded); 0 picks a free one. Default: %(default)s",
     )
     g.add_argument(
@@ -118,12 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="use this external BootstrapService instead of embedding one in the controller. Default: embedded",
     )
     g.add_argument(
-        "--bootstrap-ttl", type=float, default=120.0,
+        "--bootstrap-ttl", type=positive_seconds, default=120.0,
         help="embedded bootstrap: seconds a room -> dp rank entry lives. Default: %(default)s",
     )
     g.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get to finish on SIGTERM. Default: %(default)s")
     g.add_argument(
-        "--worker-start-timeout", type=float, default=120.0,
+        "--worker-start-timeout", type=positive_seconds, default=120.0,
         help="seconds to wait for every worker to start and register. Default: %(default)s",
     )
     g.add_argument(

@@ -22,6 +22,7 @@ import json
 import logging
 import signal
 
+from pdgrpc.argtypes import check_address
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
@@ -30,7 +31,7 @@ from pdgrpc.bootstrap.table import RoomTable
 from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args
 from pdgrpc.errors import ConfigError
 from pdgrpc.gateway import prefill_service
-from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, start_metrics_from_args
+from pdgrpc.metrics import BootstrapMetrics, PrefillMetrics, derived_metrics_port, start_metrics_from_args
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.prefill.controller import Controller
 from pdgrpc.prefill.notices import notices_for
@@ -171,6 +172,11 @@ def check(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--chunk-size must be >= 1, got {ns.chunk_size}")
     if ns.tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1, got {ns.tp_size}")
+    if ns.bootstrap:  # else the workers retry registering with it until --worker-start-timeout
+        check_address(ns.bootstrap, "--bootstrap")
+    # The last worker's metrics port (offset 1 + r * tp_size + t, at most dp_size *
+    # tp_size): one past 65535 fails here, before the controller serves.
+    derived_metrics_port(ns.metrics_port, ns.dp_size * ns.tp_size)
     check_engine_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
     registry.load(ns.transport)  # a missing backend names what to install
     check_discovery_args(ns)
@@ -180,7 +186,7 @@ def check(ns: argparse.Namespace) -> None:
 def serve(ns: argparse.Namespace) -> int:
     try:
         return run(main_async(ns))
-    except ConfigError as exc:  # e.g. a non-loopback --host with neither TLS nor a token
+    except (ConfigError, OSError) as exc:  # a non-loopback --host with neither TLS nor a token, a port in use
         log.error("%s", exc)
         return 2
 

@@ -26,6 +26,7 @@ import torch
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.engine.base import Engine
 from pdgrpc.engine.reference import ReferenceEngine
+from pdgrpc.errors import PdgrpcError
 from pdgrpc.prefill.compute_process import ComputeProcess
 from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.prefill.cli import add_worker_arguments
@@ -307,7 +308,11 @@ async def _main(ns: argparse.Namespace) -> int:
 def serve(ns: argparse.Namespace) -> int:
     tune_malloc_from_args(ns)
     torch.set_num_threads(max(1, ns.compute_threads))
-    return run(_main(ns))
+    try:
+        return run(_main(ns))
+    except PdgrpcError as exc:  # a flag value that fails here first (a --transport-host it cannot listen on): one line
+        log.error("%s: %s", worker_name(ns), exc)
+        return 1
 
 
 ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"prefill.{worker_name(ns)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pdgrpc.argtypes import port
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, membership_watcher
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m pdgrpc.router", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 = every IPv4 interface (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port for GenerateService; 0 picks a free one, printed in the log line (default: %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port for GenerateService; 0 picks a free one, printed in the log line (default: %(default)s)")
     p.add_argument(
         "--prefill", action="append", default=[], metavar="HOST:PORT[,bootstrap=HOST:PORT][,local=PATH]",
         help="a prefill instance's PrefillService address; repeat for several (--policy picks among them). "

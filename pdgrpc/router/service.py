@@ -75,6 +75,7 @@ from typing import Any, Callable, Sequence, cast
 
 import grpc
 
+from pdgrpc.argtypes import check_address
 from pdgrpc.discovery.record import MembershipView
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.tokenizer import ByteTokenizer
@@ -147,12 +148,12 @@ class PrefillBackend:
 def parse_prefill(spec: str) -> PrefillBackend:
     """``HOST:PORT[,bootstrap=HOST:PORT][,local=PATH]`` -> :class:`PrefillBackend`."""
     head, *opts = [s.strip() for s in spec.split(",")]
-    _check_address(head, "--prefill")
+    check_address(head, "--prefill")
     bootstrap, local = head, ""
     for opt in opts:
         key, sep, value = opt.partition("=")
         if key == "bootstrap" and sep:
-            _check_address(value, "--prefill bootstrap=")
+            check_address(value, "--prefill bootstrap=")
             bootstrap = value
         elif key == "local" and sep and value:
             local = value
@@ -164,7 +165,7 @@ def parse_prefill(spec: str) -> PrefillBackend:
 def parse_decode(spec: str) -> tuple[str, str]:
     """``HOST:PORT[,local=PATH]`` -> (the address, its local socket or "")."""
     head, *opts = [s.strip() for s in spec.split(",")]
-    _check_address(head, "--decode")
+    check_address(head, "--decode")
     local = ""
     for opt in opts:
         key, sep, value = opt.partition("=")
@@ -172,12 +173,6 @@ def parse_decode(spec: str) -> tuple[str, str]:
             raise ValueError(f"--decode {spec!r}: unknown option {opt!r} (expected local=PATH)")
         local = value
     return head, local
-
-
-def _check_address(addr: str, flag: str) -> None:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{flag}: {addr!r} is not HOST:PORT")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +221,7 @@ class RouterConfig:
         if not self.decodes and not self.discovery:
             raise ValueError("the router needs at least one --decode (or --discovery)")
         for d in self.decodes:
-            _check_address(d, "--decode")
+            check_address(d, "--decode")
         if not self.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
         if self.max_prompt_tokens < 1:

@@ -294,10 +294,13 @@ class LocalServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        """Listen; ConfigError naming ``--local-socket`` for a path that is not private to
-        this user, or that another server listens on."""
+        """Listen; ConfigError naming ``--local-socket`` for a path whose directory is
+        missing or not private to this user, or that another server listens on."""
         path = Path(self.path)
-        parent = path.parent.stat()
+        try:
+            parent = path.parent.stat()
+        except OSError as exc:  # a directory that is missing or unreadable: the flag is what to fix
+            raise ConfigError(f"--local-socket {self.path!r}: cannot read its directory: {exc.strerror}") from None
         if parent.st_uid != os.getuid() or parent.st_mode & 0o077:
             raise ConfigError(f"--local-socket {self.path!r}: its directory must belong to this user and be closed to others (mode 0700)")
         if path.exists() or path.is_symlink():

@@ -117,7 +117,8 @@ def setup_tracing(value: str | None, service: str) -> None:
     """Install the exporter ``value`` (``--trace``) names for this process, whose spans
     carry ``service`` (e.g. ``prefill.dp0``) unless ``OTEL_SERVICE_NAME`` is set. Call
     once, at start-up; with tracing off it does nothing and imports nothing. Exits with a
-    line naming the extra to install when OpenTelemetry is missing."""
+    line naming the extra to install when OpenTelemetry is missing, or naming the flag
+    when ``file:DIR`` cannot be made a directory."""
     global enabled, _tracer, _sampler, _ids, _shutdown, _api
     mode = choice(value)
     if mode == "off" or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
@@ -164,7 +165,10 @@ def _exporter(mode: str, service: str) -> "SpanExporter":
             raise SystemExit(f"--trace otlp: the OTLP exporter is not installed (pip install 'pdgrpc[otlp]'): {exc}") from None
         return OTLPSpanExporter()
     directory = Path(mode[len("file:"):])
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, no permission: the flag is what to fix
+        raise SystemExit(f"--trace {mode}: cannot make the directory: {exc.strerror}") from None
     return _file_exporter(directory / f"{service}-{os.getpid()}.jsonl")
 
 

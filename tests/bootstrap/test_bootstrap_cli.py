@@ -38,6 +38,25 @@ def test_bad_configuration_exits_2_with_a_message() -> None:
     assert out.returncode == 2 and "max_batch must be in [1, max_rooms=10]" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sweep-interval", "0"], "argument --sweep-interval: must be a finite number of seconds > 0, got 0"),
+        (["--sweep-interval", "-1"], "argument --sweep-interval: must be a finite number of seconds > 0, got -1"),
+        (["--expire-budget", "0"], "argument --expire-budget: must be >= 1 records, got 0"),
+    ],
+)
+def test_a_sweep_that_would_spin_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Taken, the expiry sweep would never sleep (an interval of 0) or never free a room
+    # (a budget of 0): either way it holds a core at 100%.
+    from pdgrpc.bootstrap.server import build_parser
+
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(argv)
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))

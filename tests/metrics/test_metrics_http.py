@@ -165,10 +165,11 @@ def test_port_zero_serves_on_a_free_port_and_logs_it(caplog: pytest.LogCaptureFi
         stop()
 
 
-def test_bad_port_is_refused_before_binding() -> None:
-    ns = _parser().parse_args(["--metrics-port", "70000"])
-    with pytest.raises(ValueError, match="--metrics-port"):
-        start_metrics_from_args(ns, DecodeMetrics(transport="fake").registry, "decode")
+def test_bad_port_is_refused_before_binding(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        _parser().parse_args(["--metrics-port", "70000"])
+    assert ei.value.code == 2
+    assert "argument --metrics-port: must be in [0, 65535], got 70000" in capsys.readouterr().err
 
 
 def test_two_registries_do_not_interfere(serve) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -50,6 +53,64 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         main(argv)
     assert ei.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--min-write-bytes", "-1"], "argument --min-write-bytes: must be >= 0 bytes, got -1"),
+        (["--min-write-bytes", "1M"], "argument --min-write-bytes: expected whole bytes, got '1M'"),
+        (["--handshake-timeout", "-1"], "argument --handshake-timeout: must be a finite number of seconds > 0, got -1"),
+        (["--transfer-timeout", "0"], "argument --transfer-timeout: must be a finite number of seconds > 0, got 0"),
+        (["--dist-timeout", "0"], "argument --dist-timeout: must be a finite number of seconds > 0, got 0"),
+        (["--bootstrap-ttl", "0"], "argument --bootstrap-ttl: must be a finite number of seconds > 0, got 0"),
+        (["--worker-start-timeout", "0"], "argument --worker-start-timeout: must be a finite number of seconds > 0, got 0"),
+    ],
+)
+def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A value the workers or the embedded bootstrap would refuse must fail here, not with a
+    # traceback once they start.
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(argv)
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("address", ["nohost", ":8998", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:99999"])
+def test_a_bootstrap_that_is_not_host_port_is_refused_before_any_worker_starts(
+    address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Taken, the workers would retry registering with it until --worker-start-timeout.
+    from pdgrpc.prefill.controller_main import check
+
+    ns = build_parser().parse_args(["--transport", "fake", "--bootstrap", address])
+    with pytest.raises(ValueError, match=f"--bootstrap: '{address}' is not HOST:PORT"):
+        check(ns)
+    with pytest.raises(SystemExit) as ei:
+        main(["--transport", "fake", "--bootstrap", address])
+    assert ei.value.code == 2
+    assert f"error: --bootstrap: '{address}' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", "--port", str(port)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"pdgrpc prefill controller: cannot bind 127.0.0.1:{port} (address in use" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_worker_that_cannot_start_its_transport_says_so_in_one_line() -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "tcp", "--transport-host", "no-such-host.invalid"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "prefill.dp0" in out.stderr and "tcp transport cannot listen" in out.stderr
+    assert "prefill worker dp0 exited with code 1 before it was ready" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_workers_get_the_engine_and_transport_flags_unchanged() -> None:

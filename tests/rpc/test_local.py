@@ -11,6 +11,7 @@ import shutil
 import socket
 import stat
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -223,6 +224,20 @@ async def test_a_path_others_may_reach_is_refused(tmp_path: Path) -> None:
     os.chmod(open_dir, 0o755)
     with pytest.raises(ConfigError, match="--local-socket"):
         await _start(Servers(), open_dir / "s.sock")
+
+
+async def test_a_path_in_a_missing_directory_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--local-socket .*: cannot read its directory: No such file or directory"):
+        await _start(Servers(), tmp_path / "missing" / "s.sock")
+
+
+def test_a_server_given_a_missing_directory_exits_2_naming_the_flag(tmp_path: Path) -> None:
+    path = tmp_path / "missing" / "s.sock"
+    cmd = [sys.executable, "-m", "pdgrpc.decode", "--transport", "fake", "--port", "0", "--local-socket", str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"--local-socket {str(path)!r}: cannot read its directory" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 async def _code(channel: Any, method: str, request: bytes) -> Any:

@@ -87,3 +87,16 @@ def test_off_the_servers_never_import_opentelemetry() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_file_dir_that_cannot_be_a_directory_is_one_line(where: str, tmp_path: Path) -> None:
+    file = tmp_path / "taken"
+    file.write_text("not a directory")
+    directory = file if where == "a file" else file / "spans"
+    cmd = [sys.executable, "-m", "pdgrpc.router", "--port", "0", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+           "--trace", f"file:{directory}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"--trace file:{directory}: cannot make the directory" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,93 @@
+"""The servers' flags refuse a bad value as a CLI error naming the flag (exit 2),
+before anything listens: a server must not start with a value that makes it fail later,
+or serve otherwise than the user asked."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from pdgrpc.serving.launch import Role
+
+# the module holding the ROLE of every server a user starts
+SERVERS = ["pdgrpc.bootstrap.server", "pdgrpc.router.server", "pdgrpc.colocated.server", "pdgrpc.prefill.controller_main", "pdgrpc.decode.server"]
+
+
+def _parser(module: str) -> argparse.ArgumentParser:
+    role = importlib.import_module(module).ROLE
+    assert isinstance(role, Role)
+    return role.build_parser()
+
+
+# every flag that names a port a server listens on
+PORT_FLAGS = [(m, "--port") for m in SERVERS] + [(m, "--metrics-port") for m in SERVERS if m != "pdgrpc.colocated.server"]
+
+
+@pytest.mark.parametrize("module, flag", PORT_FLAGS, ids=[f"{m.split('.')[1]}{f}" for m, f in PORT_FLAGS])
+@pytest.mark.parametrize("value", ["99999", "65536", "-1", "http"])
+def test_a_port_outside_0_to_65535_is_refused(module: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Outside the range the socket layer would listen on the value modulo 65536 instead.
+    with pytest.raises(SystemExit) as ei:
+        _parser(module).parse_args([flag, value])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and value in err and "65535" in err
+
+
+@pytest.mark.parametrize("module", SERVERS, ids=[m.split(".")[1] for m in SERVERS])
+def test_ports_in_range_are_taken(module: str) -> None:
+    assert _parser(module).parse_args(["--port", "0"]).port == 0
+    assert _parser(module).parse_args(["--port", "65535"]).port == 65535
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_colocated_refuses_a_chunk_size_below_1(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Taken, such a chunk size fails every request, over a value no request set.
+    with pytest.raises(SystemExit) as ei:
+        _parser("pdgrpc.colocated.server").parse_args(["--chunk-size", value])
+    assert ei.value.code == 2
+    assert f"argument --chunk-size: must be >= 1 tokens, got {value}" in capsys.readouterr().err
+
+
+DECODE_DEADLINES = [
+    "--resolve-timeout", "--allocate-timeout", "--bootstrap-timeout", "--waiting-timeout", "--claim-timeout",
+    "--transfer-timeout", "--abort-lease", "--rpc-timeout", "--dp-rank-query-interval", "--dist-timeout",
+]
+
+
+@pytest.mark.parametrize("flag", DECODE_DEADLINES)
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_decode_refuses_a_deadline_of_0_or_less(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A deadline of 0 fails every call it bounds: with --rpc-timeout 0 every bootstrap call, so every request.
+    with pytest.raises(SystemExit) as ei:
+        _parser("pdgrpc.decode.server").parse_args([flag, value])
+    assert ei.value.code == 2
+    assert f"argument {flag}: must be a finite number of seconds > 0, got {value}" in capsys.readouterr().err
+
+
+def test_decode_refuses_a_metrics_port_that_leaves_a_tp_rank_none() -> None:
+    # TP rank r serves its metrics on --metrics-port + r: past 65535 before any rank starts.
+    cmd = [sys.executable, "-m", "pdgrpc.decode", "--transport", "fake", "--model-size", "tiny", "--tp-size", "2",
+           "--metrics-port", "65535"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--metrics-port 65535 leaves no port at offset 1 (would be 65536)" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_prefill_refuses_a_metrics_port_that_leaves_a_worker_none(capsys: pytest.CaptureFixture[str]) -> None:
+    # Worker (dp r, tp t) serves its metrics on --metrics-port + 1 + r * tp_size + t.
+    from pdgrpc.prefill.__main__ import main
+    from pdgrpc.prefill.controller_main import check
+
+    argv = ["--transport", "fake", "--dp-size", "2", "--metrics-port", "65534"]
+    with pytest.raises(ValueError, match="--metrics-port 65534 leaves no port at offset 2"):
+        check(_parser("pdgrpc.prefill.controller_main").parse_args(argv))
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    assert "error: --metrics-port 65534 leaves no port at offset 2 (would be 65536)" in capsys.readouterr().err
