@@ -52,8 +52,13 @@ class Upstreams:
         self.servers.append(srv)
         self.d_addrs.append(srv.address)
 
-    async def router(self, prefills: list[str], decodes: list[str], **config) -> tuple[GenerateServicer, generate_pb2_grpc.GenerateServiceStub]:
-        router = GenerateServicer(RouterConfig(prefills=tuple(PrefillBackend(a, DEAD) for a in prefills), decodes=tuple(decodes), **config))
+    async def router(
+        self, prefills: list[str], decodes: list[str], servicer: dict | None = None, **config
+    ) -> tuple[GenerateServicer, generate_pb2_grpc.GenerateServiceStub]:
+        """A router over these instances; ``servicer``: GenerateServicer's other arguments."""
+        router = GenerateServicer(
+            RouterConfig(prefills=tuple(PrefillBackend(a, DEAD) for a in prefills), decodes=tuple(decodes), **config), **(servicer or {})
+        )
         (name,) = service_names()
         srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
         self.servers.append(srv)
@@ -222,15 +227,8 @@ async def test_a_local_prefill_readmits_no_prefill_it_never_called(up, caplog):
     held = [256, *range(1, 16)]  # a page the decode holds: a prompt lacking little of it is prefilled there
     index = PrefixIndex()
     index.stored(up.d_addrs[0], [StoredBlock(1, None, tuple(held))])
-    config = RouterConfig(prefills=(PrefillBackend(up.p_addrs[0], DEAD),), decodes=(up.d_addrs[0],), eject_s=30.0)
-    router = GenerateServicer(config, index=index, decode_capabilities=lambda address: frozenset({LOCAL_PREFILL}))
-    (name,) = service_names()
-    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
-    up.servers.append(srv)
-    up.routers.append(router)
-    channel = grpc.aio.insecure_channel(srv.address)
-    up.channels.append(channel)
-    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    servicer = {"index": index, "decode_capabilities": lambda address: frozenset({LOCAL_PREFILL})}
+    router, stub = await up.router(up.p_addrs[:1], up.d_addrs[:1], servicer, eject_s=30.0)
     up.prefills[0].fail = (grpc.StatusCode.UNAVAILABLE, "room 1: prefill worker dp0 died (exit code -9)")
     up.decodes[0].gap = 0.2  # no token before the prefill's failure is known
     with pytest.raises(grpc.aio.AioRpcError):  # ejected, and nowhere else to go
