@@ -91,3 +91,18 @@ def test_prefill_refuses_a_metrics_port_that_leaves_a_worker_none(capsys: pytest
         main(argv)
     assert ei.value.code == 2
     assert "error: --metrics-port 65534 leaves no port at offset 2 (would be 65536)" in capsys.readouterr().err
+
+
+ENGINE_SERVERS = ["pdgrpc.colocated", "pdgrpc.prefill", "pdgrpc.decode"]
+
+
+@pytest.mark.parametrize("module", ENGINE_SERVERS, ids=[m.split(".")[1] for m in ENGINE_SERVERS])
+def test_a_kv_pool_larger_than_the_memory_is_refused_before_it_is_allocated(module: str) -> None:
+    # Taken, a pool of 100 M pages is an allocation of 1.6 TB: a traceback from torch, or
+    # a prefill worker that faults the pool in until the kernel kills something.
+    transport = [] if module == "pdgrpc.colocated" else ["--transport", "fake"]
+    cmd = [sys.executable, "-m", module, *transport, "--model-size", "tiny", "--num-pages", "100000000"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: --num-pages 100000000: the KV pool needs 1638.40 GB, more than the" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

@@ -41,7 +41,7 @@ from pdgrpc.rpc.drain import Drain, add_drain_arguments
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
-from pdgrpc.serving.engines import build_engine
+from pdgrpc.serving.engines import build_engine, check_engine_args
 from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, tune_malloc_from_args
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
@@ -261,4 +261,4 @@ def serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: "colocated")
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: "colocated", check=check_engine_args)

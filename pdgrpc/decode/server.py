@@ -150,4 +150,6 @@ def serve(ns: argparse.Namespace) -> int:
         return 1
 
 
-ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: "decode")
+ROLE = Role(
+    build_parser=build_parser, serve=serve, log_name=lambda ns: "decode", check=lambda ns: check_engine_args(ns, tp_size=ns.tp_size)
+)

@@ -139,6 +139,11 @@ class KVLayout:
         """Bytes of one page of one pool tensor (contiguous); also the page stride."""
         return self.local_kv_heads * self.head_bytes
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool: every layer's K and V tensors."""
+        return 2 * self.num_layers * self.num_pages * self.page_bytes
+
     def pages_for_tokens(self, num_tokens: int) -> int:
         return pages_for_tokens(num_tokens, self.page_size)
 

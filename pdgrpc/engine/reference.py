@@ -103,6 +103,15 @@ class EngineConfig:
             if getattr(self.model, field) % self.tp_size:
                 raise ConfigError(f"EngineConfig.tp_size={self.tp_size} must divide model.{field}={getattr(self.model, field)}")
 
+    def kv_layout(self) -> KVLayout:
+        """The KV pool of this TP rank: its share of the KV heads, every page."""
+        m = self.model
+        local = m.num_kv_heads // self.tp_size
+        return KVLayout(
+            num_layers=m.num_layers, num_pages=self.num_pages, page_size=self.page_size, num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim, kv_dtype=self.kv_dtype, head_start=self.tp_rank * local, head_end=(self.tp_rank + 1) * local,
+        )
+
 
 class ReferenceEngine(PooledEngine):
     """The tiny reference transformer as an :class:`Engine` (one TP rank of it).
@@ -124,17 +133,8 @@ class ReferenceEngine(PooledEngine):
             torch.set_num_threads(config.intra_op_threads)
         self.device = resolve_device(config.device)
         self._shard = ModelShard(config.model, config.max_seq_len, config.tp_rank, config.tp_size, all_reduce, self.device)
+        self._layout = config.kv_layout()
         m = config.model
-        self._layout = KVLayout(
-            num_layers=m.num_layers,
-            num_pages=config.num_pages,
-            page_size=config.page_size,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            kv_dtype=config.kv_dtype,
-            head_start=self._shard.kv_head_start,
-            head_end=self._shard.kv_head_start + self._shard.local_kv_heads,
-        )
         self._kv_quant = exact.kv_format(config.kv_dtype)
         # Zero-filled: stale rows are masked anyway, but zeros make dumps readable.
         if kv_pool is not None:  # memory someone else owns (e.g. shared with a compute process)

@@ -66,7 +66,7 @@ from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.serving.children import guarded_argv
 from pdgrpc.state.chunk_posting import ChunkPosting
 
-__all__ = ["ComputeProcess", "ComputeProcessLost", "ProcessCompute", "kv_layout_for", "pool_bytes", "shared_kv_pool"]
+__all__ = ["ComputeProcess", "ComputeProcessLost", "ProcessCompute", "pool_bytes", "shared_kv_pool"]
 
 log = logging.getLogger("pdgrpc.prefill")
 
@@ -79,17 +79,6 @@ Post = Callable[[int, "SampledToken | None", float, "BaseException | None"], Non
 
 class ComputeProcessLost(EngineError):
     """The compute process is gone (exited, killed, or its socket broke)."""
-
-
-def kv_layout_for(config: Any) -> KVLayout:
-    """The KV layout a TP-1 :class:`~pdgrpc.engine.reference.ReferenceEngine` of
-    ``config`` (an ``EngineConfig``) builds."""
-    m = config.model
-    return KVLayout(
-        num_layers=m.num_layers, num_pages=config.num_pages, page_size=config.page_size,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, kv_dtype=config.kv_dtype,
-        head_start=0, head_end=m.num_kv_heads,
-    )
 
 
 def _region_bytes(layout: KVLayout) -> int:
@@ -167,7 +156,7 @@ class ComputeProcess:
     async def start(cls, config: Any, *, name: str, nice: int = 0, malloc_keep_bytes: int = 0) -> "ComputeProcess":
         if config.tp_size != 1:
             raise EngineError("a compute process serves only a TP-1 engine (the TP group lives in the worker)")
-        self = cls(kv_layout_for(config), name)
+        self = cls(config.kv_layout(), name)
         memfd = os.memfd_create(f"pdgrpc-kv-{name}", os.MFD_CLOEXEC)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -105,8 +105,28 @@ def check_engine_args(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
         from pdgrpc.engine.hf.engine import check_checkpoint
 
         check_checkpoint(hf_config_from_args(ns, tp_size=tp_size))
+        sizing = _sizing(ns, tp_size)
+        kv_bytes, weights_bytes = sizing.kv_bytes, sizing.weights_bytes
     else:
-        engine_config_from_args(ns, tp_size=tp_size)
+        kv_bytes, weights_bytes = engine_config_from_args(ns, tp_size=tp_size).kv_layout().pool_bytes, 0
+    _check_memory(ns, kv_bytes, weights_bytes)
+
+
+def _check_memory(ns: argparse.Namespace, kv_bytes: int, weights_bytes: int) -> None:
+    """Refuse a ``--num-pages`` whose KV pool (with the weights) is more than the device
+    has free: allocated, it fails with a traceback, or on a CPU it is faulted in until the
+    kernel kills a process."""
+    from pdgrpc.engine.hf.sizing import available_memory
+
+    device = getattr(ns, "device", "cpu")
+    available = available_memory(device)
+    if available is None or kv_bytes + weights_bytes <= available:
+        return
+    weights = f" besides {weights_bytes / 1e9:.2f} GB of weights" if weights_bytes else ""
+    raise ConfigError(
+        f"--num-pages {ns.num_pages}: the KV pool needs {kv_bytes / 1e9:.2f} GB{weights}, more than the "
+        f"{available / 1e9:.2f} GB available on {device}; pass a smaller --num-pages"
+    )
 
 
 def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None) -> Engine:

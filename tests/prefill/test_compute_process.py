@@ -23,7 +23,7 @@ from pdgrpc.engine.base import PrefillRequest, SamplingParams
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError
-from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost, kv_layout_for, pool_bytes, shared_kv_pool
+from pdgrpc.prefill.compute_process import ComputeProcess, ComputeProcessLost, pool_bytes, shared_kv_pool
 from tests.eventually import eventually_async
 from tests.prefill.fake_decode import FakeDecode
 from tests.prefill.harness import CONFIG, hold_on_dp1, prefill_stub, prompt, run_one
@@ -243,7 +243,7 @@ def test_the_shared_pool_is_mapped_in_full_at_start_not_during_prompts() -> None
     import mmap
     import resource
 
-    layout = kv_layout_for(CONFIG)
+    layout = CONFIG.kv_layout()
     fd = os.memfd_create("pdgrpc-kv-test", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, pool_bytes(layout))
