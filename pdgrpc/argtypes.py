@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["check_address", "port", "positive_seconds", "seconds", "whole_number"]
+__all__ = ["check_address", "duration", "milliseconds", "port", "positive_seconds", "seconds", "whole_number"]
 
 
 def check_address(addr: str, flag: str) -> None:
@@ -50,24 +50,23 @@ def port(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
-    """The argparse type of a duration flag: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return value
+def duration(unit: str = "seconds", positive: bool = False) -> Callable[[str], float]:
+    """The argparse type of a duration flag: a finite number of ``unit`` >= 0, or > 0 with
+    ``positive`` (a deadline of 0 fails every call it bounds)."""
+    bound = ">" if positive else ">="
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unit}, got {text!r}") from None
+        if not (0 < value if positive else 0 <= value) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit} {bound} 0, got {text}")
+        return value
+
+    return parse
 
 
-def positive_seconds(text: str) -> float:
-    """The argparse type of a deadline flag: a finite number of seconds > 0 (a deadline
-    of 0 fails every call it bounds)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
+seconds = duration()
+positive_seconds = duration(positive=True)
+milliseconds = duration("milliseconds")

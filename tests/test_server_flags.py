@@ -106,3 +106,14 @@ def test_a_kv_pool_larger_than_the_memory_is_refused_before_it_is_allocated(modu
     assert out.returncode == 2, out.stderr[-2000:]
     assert "error: --num-pages 100000000: the KV pool needs 1638.40 GB, more than the" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+GRACE_SERVERS = ["pdgrpc.bootstrap.server", "pdgrpc.router.server"]
+
+
+@pytest.mark.parametrize("module", GRACE_SERVERS, ids=[m.split(".")[1] for m in GRACE_SERVERS])
+def test_a_negative_grace_is_refused(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        _parser(module).parse_args(["--grace", "-1"])
+    assert ei.value.code == 2
+    assert "argument --grace: must be a finite number of seconds >= 0, got -1" in capsys.readouterr().err

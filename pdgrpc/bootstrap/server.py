@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pdgrpc.argtypes import port, positive_seconds, whole_number
+from pdgrpc.argtypes import port, positive_seconds, seconds, whole_number
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prefill instance's dp_size,tp_size,pp_size: workers announcing other sizes are refused from the start. "
         "Unset: the first complete, consistent registration fixes the topology (default: unset)",
     )
-    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
+    p.add_argument("--grace", type=seconds, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_discovery_arguments(p, "bootstrap")
     add_security_arguments(p)

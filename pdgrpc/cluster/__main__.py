@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdgrpc.argtypes import positive_seconds
+from pdgrpc.argtypes import positive_seconds, seconds
 from pdgrpc.cluster.hosts import HOSTS_ENV
 from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError, restart_running
 from pdgrpc.cluster.netns import NetnsUnavailable, NetworkHosts, remove_stale
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain mode: without --tls or a [security] table, every process serves plaintext without a token, so "
         "any local process can call every RPC (a warning says so)",
     )
-    p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS", help="how long processes may take to exit after SIGTERM before SIGKILL (default: %(default)s)")
+    p.add_argument("--grace", type=seconds, default=10.0, metavar="SECONDS", help="how long processes may take to exit after SIGTERM before SIGKILL (default: %(default)s)")
     return p
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdgrpc.argtypes import port, positive_seconds, whole_number
+from pdgrpc.argtypes import milliseconds, port, positive_seconds, seconds, whole_number
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
@@ -71,7 +71,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "fails with DEADLINE_EXCEEDED. Default: %(default)s",
     )
     g.add_argument(
-        "--page-wait-timeout", type=float, default=30.0,
+        "--page-wait-timeout", type=seconds, default=30.0,
         help="seconds a request waits for free KV pages when the pool is full before failing with "
         "RESOURCE_EXHAUSTED. Default: %(default)s",
     )
@@ -95,7 +95,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "the pool runs short. A TP group computes each prompt from the cached prefix every rank holds.",
     )
     g.add_argument(
-        "--compute-threads", type=int, default=1,
+        "--compute-threads", type=whole_number(1, "threads"), default=1,
         help="torch intra-op threads per worker (results do not depend on it). Default: %(default)s",
     )
     add_engine_arguments(parser)
@@ -122,13 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--bootstrap-ttl", type=positive_seconds, default=120.0,
         help="embedded bootstrap: seconds a room -> dp rank entry lives. Default: %(default)s",
     )
-    g.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get to finish on SIGTERM. Default: %(default)s")
+    g.add_argument("--grace", type=seconds, default=5.0, help="seconds in-flight requests get to finish on SIGTERM. Default: %(default)s")
     g.add_argument(
         "--worker-start-timeout", type=positive_seconds, default=120.0,
         help="seconds to wait for every worker to start and register. Default: %(default)s",
     )
     g.add_argument(
-        "--worker-respawn-max-backoff", type=float, default=30.0, metavar="SECONDS",
+        "--worker-respawn-max-backoff", type=seconds, default=30.0, metavar="SECONDS",
         help="a worker that dies is started again with the rest of its dp rank's tp group (a gloo group cannot take "
         "one rank back), the delay between tries doubling from 0.5 s up to this; 0: never (the controller exits once "
         "no dp rank is left). Default: %(default)s",
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         "FAILED_PRECONDITION)",
     )
     d.add_argument(
-        "--dp-register-window-ms", type=float, default=2.0,
+        "--dp-register-window-ms", type=milliseconds, default=2.0,
         help="room -> rank registrations arriving within this window go to bootstrap as one RegisterDpRanks. "
         "Default: %(default)s",
     )

@@ -307,7 +307,7 @@ async def _main(ns: argparse.Namespace) -> int:
 
 def serve(ns: argparse.Namespace) -> int:
     tune_malloc_from_args(ns)
-    torch.set_num_threads(max(1, ns.compute_threads))
+    torch.set_num_threads(ns.compute_threads)
     try:
         return run(_main(ns))
     except PdgrpcError as exc:  # a flag value that fails here first (a --transport-host it cannot listen on): one line

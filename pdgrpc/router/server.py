@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pdgrpc.argtypes import port
+from pdgrpc.argtypes import port, seconds
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, membership_watcher
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "message, once it committed the KV, carries the token and the figures. The tokens are the same either way "
         "(default: %(default)s)",
     )
-    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
+    p.add_argument("--grace", type=seconds, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight requests may finish before the server closes (default: %(default)s)")
     add_metrics_arguments(p)
     add_logging_arguments(p)
     add_tracing_arguments(p)

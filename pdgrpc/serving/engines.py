@@ -137,7 +137,7 @@ def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, 
         from pdgrpc.engine.hf.engine import HFEngine
 
         try:
-            threads = max(1, int(getattr(ns, "compute_threads", 1)))
+            threads = int(getattr(ns, "compute_threads", 1))  # at least 1: the flag's type
             engine: Engine = HFEngine(hf_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size, threads=threads), all_reduce)
         except ImportError as exc:
             raise ConfigError(f"--model needs pdgrpc[hf] (safetensors, tokenizers): {exc}") from None

@@ -65,6 +65,11 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         (["--dist-timeout", "0"], "argument --dist-timeout: must be a finite number of seconds > 0, got 0"),
         (["--bootstrap-ttl", "0"], "argument --bootstrap-ttl: must be a finite number of seconds > 0, got 0"),
         (["--worker-start-timeout", "0"], "argument --worker-start-timeout: must be a finite number of seconds > 0, got 0"),
+        (["--compute-threads", "0"], "argument --compute-threads: must be >= 1 threads, got 0"),
+        (["--grace", "-1"], "argument --grace: must be a finite number of seconds >= 0, got -1"),
+        (["--page-wait-timeout", "-1"], "argument --page-wait-timeout: must be a finite number of seconds >= 0, got -1"),
+        (["--worker-respawn-max-backoff", "-1"], "argument --worker-respawn-max-backoff: must be a finite number of seconds >= 0, got -1"),
+        (["--dp-register-window-ms", "-1"], "argument --dp-register-window-ms: must be a finite number of milliseconds >= 0, got -1"),
     ],
 )
 def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
