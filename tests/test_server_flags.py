@@ -117,3 +117,17 @@ def test_a_negative_grace_is_refused(module: str, capsys: pytest.CaptureFixture[
         _parser(module).parse_args(["--grace", "-1"])
     assert ei.value.code == 2
     assert "argument --grace: must be a finite number of seconds >= 0, got -1" in capsys.readouterr().err
+
+
+ENGINE_ROLES = ["pdgrpc.colocated.server", "pdgrpc.prefill.controller_main", "pdgrpc.decode.server"]
+SIZE_FLAGS = [("--page-size", "tokens"), ("--num-pages", "pages"), ("--max-prompt-tokens", "tokens"), ("--max-seq-len", "tokens")]
+
+
+@pytest.mark.parametrize("module", ENGINE_ROLES, ids=[m.split(".")[1] for m in ENGINE_ROLES])
+@pytest.mark.parametrize("flag, unit", SIZE_FLAGS)
+def test_an_engine_size_below_1_is_refused_naming_the_flag(module: str, flag: str, unit: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Not the engine's field (EngineConfig.num_pages) once the flags are read: the flag the user typed.
+    with pytest.raises(SystemExit) as ei:
+        _parser(module).parse_args([flag, "0"])
+    assert ei.value.code == 2
+    assert f"argument {flag}: must be >= 1 {unit}, got 0" in capsys.readouterr().err

@@ -72,9 +72,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model-seed", type=int, default=0, help="seed the weights are drawn from (nothing is downloaded). Default: %(default)s"
     )
-    g.add_argument("--page-size", type=int, default=_D.page_size, help="tokens per KV page. Default: %(default)s")
+    g.add_argument("--page-size", type=whole_number(1, "tokens"), default=_D.page_size, help="tokens per KV page. Default: %(default)s")
     g.add_argument(
-        "--num-pages", type=int, default=None,
+        "--num-pages", type=whole_number(1, "pages"), default=None,
         help=f"KV pool size of each worker, in pages. Default: {_D.num_pages} for the reference engine; with --model, "
         "room for two --max-seq-len sequences, capped by a quarter of the memory available after the weights (the "
         "sizing is logged at start-up)",
@@ -117,14 +117,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=whole_number(1, "tokens"),
         default=None,
         help=f"longest prompt accepted, in tokens; longer ones are refused with INVALID_ARGUMENT. Default: "
         f"{_D.max_prompt_tokens}, or --max-seq-len - 1 when that is less",
     )
     g.add_argument(
         "--max-seq-len",
-        type=int,
+        type=whole_number(1, "tokens"),
         default=None,
         help=f"most tokens (prompt + generated) one request may reach. Default: {_D.max_seq_len} for the reference "
         "engine; with --model, the checkpoint's max_position_embeddings, capped so that one sequence's KV fits in "
