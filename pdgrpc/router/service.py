@@ -555,6 +555,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if trace is not None:
                 trace.end(f.message)
             await context.abort(f.code, f.message)
+        except Exception as exc:
+            if context.cancelled():  # a write that met the client's cancel: that is how it ended
+                raise
+            # A bug: the client is told INTERNAL and why, the log has the traceback, and the
+            # count is an internal error's, not a cancel's.
+            outcome = "failed"
+            self.metrics.on_abort(ServerAbortReason.INTERNAL_ERROR)
+            log.exception("room %d: the router failed the request", room)
+            request_event(log, room, "failed", level=logging.ERROR, request_id=request_id, code="INTERNAL", reason=repr(exc))
+            if trace is not None:
+                trace.end(repr(exc))
+            await context.abort(grpc.StatusCode.INTERNAL, f"the router failed the request: {exc!r}")
         finally:
             self.active -= 1
             if trace is not None:  # still open: cancelled before the first token

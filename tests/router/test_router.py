@@ -383,6 +383,36 @@ async def test_a_request_id_cannot_split_or_forge_a_log_line(cluster, caplog):
     assert all(repr(forged) in line for line in lines if "request_id=" in line)
 
 
+async def test_a_router_bug_ends_the_request_internal_and_is_no_cancel(cluster, monkeypatch):
+    """An exception the router does not expect (a bug) ends the request INTERNAL, logged
+    with its traceback and counted as an internal error: not as a client's cancel, and
+    not as grpc's bare UNKNOWN."""
+    _, _, _, p_addr, d_addrs, _ = cluster
+
+    async def broken(self, *args, **kwargs):
+        raise RuntimeError("a bug in the relay")
+
+    monkeypatch.setattr(GenerateServicer, "_relay", broken)
+    router = GenerateServicer(RouterConfig(prefills=(PrefillBackend(p_addr, p_addr),), decodes=(d_addrs[0],)))
+    (name,) = service_names()
+    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
+        assert err.value.code() == grpc.StatusCode.INTERNAL, (err.value.code(), err.value.details())
+        assert "a bug in the relay" in (err.value.details() or "")
+        assert router.policy.load(p_addr) == 0 and router.active == 0
+        s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+        assert s.value("pdgrpc_aborts_total", reason="internal_error", role="router") == 1
+        assert s.value("pdgrpc_aborts_total", reason="cancelled", role="router") == 0
+    finally:
+        stop()
+        await router.close()
+        await srv.stop(0)
+
+
 def test_rooms_are_63_bit_and_never_zero(monkeypatch):
     draws = iter([0, 0, 5])
     monkeypatch.setattr("pdgrpc.router.service.secrets.randbits", lambda bits: next(draws))
