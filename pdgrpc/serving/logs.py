@@ -29,16 +29,24 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _OneLine(logging.Formatter):
+    """A message is one line: a character that is not printable (a line break, a
+    terminal escape) is written escaped, so no text a caller chose starts a line of its
+    own. A traceback, appended after the message, keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        if not record.message.isprintable():
+            record.message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in record.message)
+        return super().formatMessage(record)
+
+
 def setup_logging(level: str = "info", name: str = "") -> None:
     """Configure the root logger once for a server process. ``name`` (e.g. ``prefill.w0``)
     goes into every line so interleaved logs of a cluster stay readable."""
     tag = name or os.path.basename(sys.argv[0])
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format=f"%(asctime)s %(levelname)s [{tag} pid=%(process)d] %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(f"%(asctime)s %(levelname)s [{tag} pid=%(process)d] %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
     # grpc's own chatter is rarely about our requests.
     logging.getLogger("grpc").setLevel(max(logging.WARNING, logging.getLogger().level))
 
