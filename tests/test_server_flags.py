@@ -131,3 +131,10 @@ def test_an_engine_size_below_1_is_refused_naming_the_flag(module: str, flag: st
         _parser(module).parse_args([flag, "0"])
     assert ei.value.code == 2
     assert f"argument {flag}: must be >= 1 {unit}, got 0" in capsys.readouterr().err
+
+
+def test_decode_refuses_no_slots_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        _parser("pdgrpc.decode.server").parse_args(["--num-slots", "0"])
+    assert ei.value.code == 2
+    assert "argument --num-slots: must be >= 1 slots, got 0" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dist-init", default="", help=argparse.SUPPRESS)  # set by rank 0 for the other ranks
     g.add_argument(
-        "--num-slots", type=int, default=256, metavar="N",
+        "--num-slots", type=whole_number(1, "slots"), default=256, metavar="N",
         help="metadata slots: at most this many transfers in flight; more requests wait for a slot (default: %(default)s)",
     )
     g.add_argument(
