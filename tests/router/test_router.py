@@ -350,6 +350,14 @@ async def test_a_decode_channel_that_cannot_be_made_leaves_no_call_and_is_no_can
     prefill.hang = True  # only the router's cancel ends a call to it
     pool = NoChannelTo(d_addrs[0])
     router = GenerateServicer(RouterConfig(prefills=(PrefillBackend(p_addr, p_addr),), decodes=(d_addrs[0],)), pool=pool)
+    err = await internal_failure(router, p_addr)
+    assert f"decode {d_addrs[0]}" in err.details() and "cannot read" in err.details()
+    await eventually_async(lambda: all(call.done() for call in pool.calls), what="every call the router made is over")
+
+
+async def internal_failure(router: GenerateServicer, prefill: str) -> grpc.aio.AioRpcError:
+    """One request through ``router`` that ends INTERNAL, counted as an internal error and
+    not as a cancel, with nothing left in flight; its error. Closes the router."""
     (name,) = service_names()
     srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
     port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
@@ -357,13 +365,12 @@ async def test_a_decode_channel_that_cannot_be_made_leaves_no_call_and_is_no_can
         async with grpc.aio.insecure_channel(srv.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
-        assert err.value.code() == grpc.StatusCode.INTERNAL
-        assert f"decode {d_addrs[0]}" in err.value.details() and "cannot read" in err.value.details()
-        await eventually_async(lambda: all(call.done() for call in pool.calls), what="every call the router made is over")
-        assert router.policy.load(p_addr) == 0 and router.active == 0
+        assert err.value.code() == grpc.StatusCode.INTERNAL, (err.value.code(), err.value.details())
+        assert router.policy.load(prefill) == 0 and router.active == 0
         s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
         assert s.value("pdgrpc_aborts_total", reason="internal_error", role="router") == 1
         assert s.value("pdgrpc_aborts_total", reason="cancelled", role="router") == 0
+        return err.value
     finally:
         stop()
         await router.close()
@@ -394,23 +401,7 @@ async def test_a_router_bug_ends_the_request_internal_and_is_no_cancel(cluster, 
 
     monkeypatch.setattr(GenerateServicer, "_relay", broken)
     router = GenerateServicer(RouterConfig(prefills=(PrefillBackend(p_addr, p_addr),), decodes=(d_addrs[0],)))
-    (name,) = service_names()
-    srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
-    port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
-    try:
-        async with grpc.aio.insecure_channel(srv.address) as ch:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(prompt="x")))
-        assert err.value.code() == grpc.StatusCode.INTERNAL, (err.value.code(), err.value.details())
-        assert "a bug in the relay" in (err.value.details() or "")
-        assert router.policy.load(p_addr) == 0 and router.active == 0
-        s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
-        assert s.value("pdgrpc_aborts_total", reason="internal_error", role="router") == 1
-        assert s.value("pdgrpc_aborts_total", reason="cancelled", role="router") == 0
-    finally:
-        stop()
-        await router.close()
-        await srv.stop(0)
+    assert "a bug in the relay" in ((await internal_failure(router, p_addr)).details() or "")
 
 
 def test_rooms_are_63_bit_and_never_zero(monkeypatch):
