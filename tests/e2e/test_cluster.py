@@ -260,7 +260,7 @@ async def test_a_process_that_cannot_start_fails_the_start_with_its_log(tmp_path
     cluster = Cluster(topology, log_dir=tmp_path, start_timeout=120)
     with pytest.raises(ClusterError) as err:
         await cluster.start()
-    assert "'decode'" in str(err.value) and "invalid int value: 'many'" in str(err.value)
+    assert "'decode'" in str(err.value) and "argument --num-slots: expected whole slots, got 'many'" in str(err.value)
     pids = [p.pid for p in cluster.procs.values() if p.pid is not None]
     assert len(pids) == 3
     _wait_gone(pids)
