@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from pdgrpc.serving.launch import Role
+from tests.usage import usage_error
 
 # the module holding the ROLE of every server a user starts
 SERVERS = ["pdgrpc.bootstrap.server", "pdgrpc.router.server", "pdgrpc.colocated.server", "pdgrpc.prefill.controller_main", "pdgrpc.decode.server"]
@@ -47,10 +48,7 @@ def test_ports_in_range_are_taken(module: str) -> None:
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_colocated_refuses_a_chunk_size_below_1(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     # Taken, such a chunk size fails every request, over a value no request set.
-    with pytest.raises(SystemExit) as ei:
-        _parser("pdgrpc.colocated.server").parse_args(["--chunk-size", value])
-    assert ei.value.code == 2
-    assert f"argument --chunk-size: must be >= 1 tokens, got {value}" in capsys.readouterr().err
+    assert f"argument --chunk-size: must be >= 1 tokens, got {value}" in usage_error(lambda: _parser("pdgrpc.colocated.server").parse_args(["--chunk-size", value]), capsys)
 
 
 DECODE_DEADLINES = [
@@ -63,10 +61,7 @@ DECODE_DEADLINES = [
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
 def test_decode_refuses_a_deadline_of_0_or_less(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     # A deadline of 0 fails every call it bounds: with --rpc-timeout 0 every bootstrap call, so every request.
-    with pytest.raises(SystemExit) as ei:
-        _parser("pdgrpc.decode.server").parse_args([flag, value])
-    assert ei.value.code == 2
-    assert f"argument {flag}: must be a finite number of seconds > 0, got {value}" in capsys.readouterr().err
+    assert f"argument {flag}: must be a finite number of seconds > 0, got {value}" in usage_error(lambda: _parser("pdgrpc.decode.server").parse_args([flag, value]), capsys)
 
 
 def test_decode_refuses_a_metrics_port_that_leaves_a_tp_rank_none() -> None:
@@ -87,10 +82,7 @@ def test_prefill_refuses_a_metrics_port_that_leaves_a_worker_none(capsys: pytest
     argv = ["--transport", "fake", "--dp-size", "2", "--metrics-port", "65534"]
     with pytest.raises(ValueError, match="--metrics-port 65534 leaves no port at offset 2"):
         check(_parser("pdgrpc.prefill.controller_main").parse_args(argv))
-    with pytest.raises(SystemExit) as ei:
-        main(argv)
-    assert ei.value.code == 2
-    assert "error: --metrics-port 65534 leaves no port at offset 2 (would be 65536)" in capsys.readouterr().err
+    assert "error: --metrics-port 65534 leaves no port at offset 2 (would be 65536)" in usage_error(lambda: main(argv), capsys)
 
 
 ENGINE_SERVERS = ["pdgrpc.colocated", "pdgrpc.prefill", "pdgrpc.decode"]
@@ -113,10 +105,7 @@ GRACE_SERVERS = ["pdgrpc.bootstrap.server", "pdgrpc.router.server"]
 
 @pytest.mark.parametrize("module", GRACE_SERVERS, ids=[m.split(".")[1] for m in GRACE_SERVERS])
 def test_a_negative_grace_is_refused(module: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as ei:
-        _parser(module).parse_args(["--grace", "-1"])
-    assert ei.value.code == 2
-    assert "argument --grace: must be a finite number of seconds >= 0, got -1" in capsys.readouterr().err
+    assert "argument --grace: must be a finite number of seconds >= 0, got -1" in usage_error(lambda: _parser(module).parse_args(["--grace", "-1"]), capsys)
 
 
 ENGINE_ROLES = ["pdgrpc.colocated.server", "pdgrpc.prefill.controller_main", "pdgrpc.decode.server"]
@@ -127,14 +116,8 @@ SIZE_FLAGS = [("--page-size", "tokens"), ("--num-pages", "pages"), ("--max-promp
 @pytest.mark.parametrize("flag, unit", SIZE_FLAGS)
 def test_an_engine_size_below_1_is_refused_naming_the_flag(module: str, flag: str, unit: str, capsys: pytest.CaptureFixture[str]) -> None:
     # Not the engine's field (EngineConfig.num_pages) once the flags are read: the flag the user typed.
-    with pytest.raises(SystemExit) as ei:
-        _parser(module).parse_args([flag, "0"])
-    assert ei.value.code == 2
-    assert f"argument {flag}: must be >= 1 {unit}, got 0" in capsys.readouterr().err
+    assert f"argument {flag}: must be >= 1 {unit}, got 0" in usage_error(lambda: _parser(module).parse_args([flag, "0"]), capsys)
 
 
 def test_decode_refuses_no_slots_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as ei:
-        _parser("pdgrpc.decode.server").parse_args(["--num-slots", "0"])
-    assert ei.value.code == 2
-    assert "argument --num-slots: must be >= 1 slots, got 0" in capsys.readouterr().err
+    assert "argument --num-slots: must be >= 1 slots, got 0" in usage_error(lambda: _parser("pdgrpc.decode.server").parse_args(["--num-slots", "0"]), capsys)

@@ -52,8 +52,7 @@ async def _main(ns: argparse.Namespace) -> int:
     config = scheduler_config_from_args(ns)
     tp = None
     procs: list[asyncio.subprocess.Process] = []
-    if ns.tp_size > 1:
-        check_engine_args(ns, tp_size=ns.tp_size)  # bad sizes fail here, before any process starts
+    if ns.tp_size > 1:  # the engine flags passed the role's check (ROLE): bad sizes started no process
         from pdgrpc.decode.tp import TpGroup
 
         procs, init = await _start_ranks(ns)

@@ -11,6 +11,7 @@ import pytest
 
 from pdgrpc.prefill.__main__ import main
 from pdgrpc.prefill.cli import build_parser, worker_argv
+from tests.usage import usage_error
 
 
 def listed_in_help(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -49,10 +50,7 @@ def test_every_flag_has_help_text() -> None:
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as ei:
-        main(argv)
-    assert ei.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(lambda: main(argv), capsys)
 
 
 @pytest.mark.parametrize(
@@ -75,10 +73,7 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
 def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     # A value the workers or the embedded bootstrap would refuse must fail here, not with a
     # traceback once they start.
-    with pytest.raises(SystemExit) as ei:
-        build_parser().parse_args(argv)
-    assert ei.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(lambda: build_parser().parse_args(argv), capsys)
 
 
 @pytest.mark.parametrize("address", ["nohost", ":8998", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:99999"])
@@ -91,10 +86,7 @@ def test_a_bootstrap_that_is_not_host_port_is_refused_before_any_worker_starts(
     ns = build_parser().parse_args(["--transport", "fake", "--bootstrap", address])
     with pytest.raises(ValueError, match=f"--bootstrap: '{address}' is not HOST:PORT"):
         check(ns)
-    with pytest.raises(SystemExit) as ei:
-        main(["--transport", "fake", "--bootstrap", address])
-    assert ei.value.code == 2
-    assert f"error: --bootstrap: '{address}' is not HOST:PORT" in capsys.readouterr().err
+    assert f"error: --bootstrap: '{address}' is not HOST:PORT" in usage_error(lambda: main(["--transport", "fake", "--bootstrap", address]), capsys)
 
 
 def test_a_port_in_use_is_one_line_and_exit_2() -> None:
