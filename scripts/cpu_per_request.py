@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import sys
 import time
@@ -28,35 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdgrpc.bench.e2e import NO_CACHE, without_prefix_cache  # noqa: E402
-from pdgrpc.bench.procstat import schedstat  # noqa: E402
+from pdgrpc.bench.procstat import children, module_of, process_tree, schedstat  # noqa: E402
 from pdgrpc.cluster.client import generate  # noqa: E402
 from pdgrpc.cluster.launcher import Cluster  # noqa: E402
 from pdgrpc.cluster.topology import load_topology  # noqa: E402
 from pdgrpc.rpc.server import run  # noqa: E402
 from pdgrpc.v1.generate_pb2_grpc import GenerateServiceStub  # noqa: E402
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def _tree(pid: int, kids: dict[int, list[int]]) -> list[int]:
-    return [pid] + [q for k in kids.get(pid, []) for q in _tree(k, kids)]
-
-
-def _role(pid: int) -> str:
-    argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-    return next((a for a in argv if a.startswith("pdgrpc")), argv[0])
 
 
 async def _main(ns: argparse.Namespace) -> None:
@@ -70,9 +46,9 @@ async def _main(ns: argparse.Namespace) -> None:
     async with contextlib.AsyncExitStack() as stack:
         await asyncio.gather(*(stack.enter_async_context(c) for c in systems.values()))
         stubs = {k: GenerateServiceStub(await stack.enter_async_context(c.client_channel())) for k, c in systems.items()}
-        kids = _children()
-        pids = {k: [q for p in c.procs.values() if p.pid for q in _tree(p.pid, kids)] for k, c in systems.items()}
-        roles = {p: _role(p) for ps in pids.values() for p in ps}
+        kids = children()
+        pids = {k: [q for p in c.procs.values() if p.pid for q in process_tree(p.pid, kids)] for k, c in systems.items()}
+        roles = {p: module_of(p) for ps in pids.values() for p in ps}
         for ids in prompts[: ns.warmup]:
             for stub in stubs.values():
                 await generate(stub, input_ids=ids, max_new_tokens=1)

@@ -1,16 +1,19 @@
 """``pdgrpc.bench.procstat.schedstat`` tells a process's CPU time from the time its threads
 waited for a core: of two spinning processes that share one core, the one at nice 19 runs
-little and waits for most of the time."""
+little and waits for most of the time. The process tree finds a grandchild and names what
+each process runs."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from pdgrpc.bench.procstat import cpu_ns, schedstat
+from pdgrpc.bench.procstat import children, cpu_ns, module_of, process_tree, schedstat
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -56,3 +59,22 @@ def test_the_lower_priority_of_two_processes_on_one_core_waits_for_it() -> None:
 def test_cpu_ns_is_the_cpu_time_of_schedstat() -> None:
     cpu, _ = schedstat(os.getpid())
     assert 0 < cpu <= cpu_ns(os.getpid())
+
+
+def test_the_process_tree_holds_a_grandchild_and_names_each_module() -> None:
+    code = "import subprocess, sys; subprocess.run(['sleep', '30'])"
+    child = subprocess.Popen([sys.executable, "-c", code, "pdgrpc.probe"])
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(tree := process_tree(child.pid, children())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.pid in process_tree(os.getpid(), children())
+        child_pid, grandchild = tree
+        assert child_pid == child.pid
+        assert module_of(child.pid) == "pdgrpc.probe"  # the first pdgrpc word of its command line
+        assert module_of(grandchild) == "sleep"  # no pdgrpc word: its argv[0]
+    finally:
+        for pid in reversed(tree or [child.pid]):
+            os.kill(pid, 9)
+        child.wait()
