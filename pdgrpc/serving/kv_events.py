@@ -2,7 +2,8 @@
 
 :class:`KvEventFeed` holds a :class:`~pdgrpc.state.kv_event_log.KvEventLog` owned by one
 event loop. It is the cache's :class:`~pdgrpc.state.cache_events.CacheEvents` sink from
-any thread (a call from another thread is handed to the loop, in order), and
+any thread (a call from another thread is handed to the loop, in order; what it reports
+within :data:`BATCH_WINDOW_S` is one batch), and
 :meth:`KvEventFeed.follow` is what one ``SubscribeKvEvents`` stream sends: the replay or
 snapshot :meth:`~pdgrpc.state.kv_event_log.KvEventLog.subscribe` answers, then each new
 batch; a subscriber that fell out of the ring gets a snapshot again, so it never sees a gap.
@@ -39,12 +40,17 @@ from pdgrpc.state.kv_event_log import (
 from pdgrpc.v1 import prefill_pb2
 
 __all__ = [
-    "CAPABILITIES_KEY", "LOCAL_PREFILL", "MAX_STREAMS_PER_CLIENT", "KvEventFeed", "batch_from_proto", "batch_to_proto",
+    "BATCH_WINDOW_S", "CAPABILITIES_KEY", "LOCAL_PREFILL", "MAX_STREAMS_PER_CLIENT", "KvEventFeed", "batch_from_proto", "batch_to_proto",
     "capabilities", "serve_kv_events",
 ]
 
 CAPABILITIES_KEY = "pdgrpc-decode-capabilities"
 MAX_STREAMS_PER_CLIENT = 64  # open SubscribeKvEvents streams of one feed per client
+# What a cache reports within this many seconds of its first report is one batch. A prompt
+# is announced as its compute starts, when the compute and the prompt's other processes want
+# both cores; its relay through the controller and the router waits until the compute has
+# one and the other is idle. Under load, fewer and larger batches travel.
+BATCH_WINDOW_S = 0.005
 LOCAL_PREFILL = "local-prefill"  # DecodeRequest.local_prefill: the decode computes the prompt
 
 
@@ -62,24 +68,26 @@ class KvEventFeed:
 
     def __init__(
         self, capacity: int = 4096, on_subscribers: Callable[[int], None] | None = None,
-        max_streams_per_client: int = MAX_STREAMS_PER_CLIENT,
+        max_streams_per_client: int = MAX_STREAMS_PER_CLIENT, window_s: float = BATCH_WINDOW_S,
     ) -> None:
         """``on_subscribers(n)``: called with the number of open :meth:`follow` streams
-        whenever it changes."""
+        whenever it changes. ``window_s``: see :data:`BATCH_WINDOW_S`; 0: what one turn of
+        the loop reports."""
         self._on_subscribers = on_subscribers
+        self._window_s = window_s
         self.streams = OpenCalls(max_streams_per_client, "SubscribeKvEvents", "pdgrpc.serving.kv_events.MAX_STREAMS_PER_CLIENT")
         self.subscribers = 0
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         self._waiters: list[asyncio.Future[None]] = []
         self._closed = False
-        self._pending: list[KvEvent] = []  # reported this turn of the loop, appended at its end
+        self._pending: list[KvEvent] = []  # reported within the window, appended at its end
         self.log = KvEventLog(capacity, clock=time.time, on_append=self._wake)
 
     # ---- CacheEvents: from any thread --------------------------------------------------
-    # What the cache reports in one turn of the loop becomes one batch: a prompt's
-    # evictions and its announcement travel as one message to each subscriber, and on to
-    # theirs, rather than two.
+    # What the cache reports within the window becomes one batch: a prompt's evictions and
+    # its announcement travel as one message to each subscriber, and on to theirs, rather
+    # than two.
 
     def stored(self, blocks: Sequence[StoredBlock]) -> None:
         if blocks:
@@ -100,7 +108,10 @@ class KvEventFeed:
 
     def _add(self, event: KvEvent) -> None:
         if not self._pending:
-            self._loop.call_soon(self._flush)
+            if self._window_s:
+                self._loop.call_later(self._window_s, self._flush)
+            else:
+                self._loop.call_soon(self._flush)
         self._pending.append(event)
 
     def _flush(self) -> None:

@@ -60,9 +60,25 @@ async def test_a_cache_on_another_thread_reports_in_order() -> None:
     assert len({h for b in feed.log.snapshot() for e in b.events if isinstance(e, Stored) for h in (x.block_hash for x in e.blocks)}) == 49
 
 
-async def test_what_one_turn_of_the_loop_reports_is_one_batch_in_order() -> None:
-    """A prompt's evictions and its announcement reach a subscriber as one message."""
-    feed = KvEventFeed()
+async def test_what_the_window_holds_is_one_batch_in_order_across_turns_of_the_loop() -> None:
+    """A prompt's evictions and its announcement, and the next prompt's, reach a subscriber
+    as one message."""
+    feed = KvEventFeed(window_s=1.0)
+    follow = feed.follow(0)
+    assert await follow.__anext__() == []
+    feed.removed([7, 8])
+    feed.stored([block(1), block(2, 1)])
+    await asyncio.sleep(0)
+    feed.stored([block(3)])
+    await asyncio.sleep(0)
+    feed.removed([3])
+    (batch,) = await asyncio.wait_for(follow.__anext__(), 5)
+    assert batch.sequence_number == 1
+    assert batch.events == (Removed((7, 8)), Stored((block(1), block(2, 1))), Stored((block(3),)), Removed((3,)))
+
+
+async def test_with_no_window_what_one_turn_of_the_loop_reports_is_one_batch_in_order() -> None:
+    feed = KvEventFeed(window_s=0)
     follow = feed.follow(0)
     assert await follow.__anext__() == []
     feed.removed([7, 8])
@@ -77,7 +93,7 @@ async def test_what_one_turn_of_the_loop_reports_is_one_batch_in_order() -> None
 
 
 async def test_a_subscriber_that_fell_behind_the_ring_gets_a_snapshot_without_a_gap() -> None:
-    feed = KvEventFeed(capacity=4)
+    feed = KvEventFeed(capacity=4, window_s=0)
     follow = feed.follow(0)
     assert await follow.__anext__() == []
     for h in range(1, 11):  # more batches than the ring holds, before the subscriber reads
