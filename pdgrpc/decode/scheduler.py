@@ -145,7 +145,9 @@ class DecodeScheduler:
     async def start(self) -> None:
         self.fatal = asyncio.get_running_loop().create_future()
         if self.config.prefix_cache and self.transport.moves_bytes:
-            self.kv_events = KvEventFeed(on_subscribers=self.metrics.on_kv_event_streams)
+            # Reports leave at once: a chat's next turn, sent as its last one ends, is
+            # computed here only if the router already heard that this decode holds it.
+            self.kv_events = KvEventFeed(on_subscribers=self.metrics.on_kv_event_streams, window_s=0)
             self.reuse = DecodeReuse(self.queues, self.engine.kv_layout.page_size, self.kv_events)
         self.descriptor = await self.transfers.register()
         ranks = [(self.descriptor, self.transport.auth_key)]
