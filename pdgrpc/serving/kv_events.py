@@ -46,10 +46,10 @@ __all__ = [
 
 CAPABILITIES_KEY = "pdgrpc-decode-capabilities"
 MAX_STREAMS_PER_CLIENT = 64  # open SubscribeKvEvents streams of one feed per client
-# What a cache reports within this many seconds of its first report is one batch. A prompt
-# is announced as its compute starts, when the compute and the prompt's other processes want
-# both cores; its relay through the controller and the router waits until the compute has
-# one and the other is idle. Under load, fewer and larger batches travel.
+# What a prefill's cache reports within this many seconds of its first report is one batch.
+# A prompt is announced as its compute starts, when the compute and the prompt's other
+# processes want both cores; its relay through the controller and the router waits until the
+# compute has one and the other is idle. Under load, fewer and larger batches travel.
 BATCH_WINDOW_S = 0.005
 LOCAL_PREFILL = "local-prefill"  # DecodeRequest.local_prefill: the decode computes the prompt
 
