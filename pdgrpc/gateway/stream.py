@@ -76,7 +76,8 @@ class OutputStream:
             return msgs
         done = pb.GenerateComplete(
             output_ids=self.sent, prompt_tokens=len(g.input_ids), completion_tokens=len(self.sent),
-            cached_tokens=self.cached_tokens, finish_reason="length" if not (matched_id or matched_str) and finish_reason == "length" else "stop",
+            cached_tokens=self.cached_tokens,
+            finish_reason="length" if matched_id is None and matched_str is None and finish_reason == "length" else "stop",
         )
         if matched_id is not None:
             done.matched_token_id = matched_id

@@ -75,3 +75,10 @@ def test_cached_tokens_reach_every_chunk_and_complete() -> None:
     msgs = s.step([65], [-1.0], [], "") + s.step([66], [-1.0], [], "length")
     assert [m.chunk.cached_tokens for m in msgs if m.HasField("chunk")] == [48, 48]
     assert msgs[-1].complete.cached_tokens == 48 and msgs[-1].complete.prompt_tokens == 1
+
+
+def test_stop_token_id_0_on_the_last_token_is_a_stop_not_the_length() -> None:
+    """Token id 0 is a token like any other (a byte tokenizer's NUL, "!" in GPT-2's)."""
+    msgs = stream(stop_ids=[0]).step([65, 0], [-1.0, -1.0], [], "length")
+    done = msgs[-1].complete
+    assert done.finish_reason == "stop" and done.WhichOneof("matched_stop") == "matched_token_id" and done.matched_token_id == 0
