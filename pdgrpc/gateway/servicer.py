@@ -81,6 +81,9 @@ _TOKENIZER_CHUNK = 64 * 1024  # bytes per GetTokenizer message
 # at least every KV_HEARTBEAT_S: smg reads the worker's load from the stream, not GetLoads.
 KV_IDLE_S = 0.25
 KV_HEARTBEAT_S = 1.0
+# An Abort's reason is logged and ends the aborted call as its status message, which a
+# client reads from the call's trailers: a few words in practice.
+MAX_ABORT_REASON_CHARS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +182,9 @@ class _Base(pb_grpc.SglangSchedulerServicer):
             yield smg_common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        if len(request.reason) > MAX_ABORT_REASON_CHARS:
+            why = f"Abort: reason: {len(request.reason)} characters, over the limit of {MAX_ABORT_REASON_CHARS}"
+            await _abort(context, ending(Refusal.BAD_REQUEST, why))
         caller = peer_identity(context)
         owner, abort = self._running.get(request.request_id, (None, None))
         if abort is None or owner != caller:
