@@ -42,12 +42,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import math
 import secrets
 from typing import Any
 
+from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.statuses import Refusal, ending
+from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2
 
@@ -193,10 +194,6 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int, room_key: bytes 
     ids = tuple(req.tokenized.input_ids)
     if not ids:
         raise _bad("tokenized.input_ids is empty (the prompt needs at least one token)")
-    for name in ("temperature", "top_p"):
-        v = getattr(sp, name)
-        if not math.isfinite(v):
-            raise _bad(f"sampling_params.{name} must be finite, got {v!r}")
     top_k = sp.top_k
     if top_k < -1:
         raise _bad(f"sampling_params.top_k must be -1 (no cut) or >= 0, got {top_k}")
@@ -218,6 +215,10 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int, room_key: bytes 
         max_new_tokens=max_new,
         ignore_eos=bool(sp.ignore_eos),
     )
+    try:  # the engine's ranges, named as smg's fields
+        sampling_from_proto(sampling)
+    except InvalidRequest as exc:
+        raise _bad(str(exc).replace("sampling.", "sampling_params.", 1)) from None
     room, address = 0, ""
     if req.HasField("disaggregated_params"):
         dp = req.disaggregated_params

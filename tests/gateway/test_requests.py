@@ -182,3 +182,10 @@ def test_a_bootstrap_host_longer_than_a_dns_name_is_refused():
     assert convert(req, disaggregated=True, max_seq_len=2048).bootstrap_address == "h" * 253 + ":4000"
     req.disaggregated_params.bootstrap_host = "h" * 1_000_000
     assert refused(req) == "disaggregated_params.bootstrap_host: 1000000 characters, over the limit of 253"
+
+
+def test_sampling_values_out_of_the_engines_range_name_smgs_field():
+    """The engine's ranges, refused at the facade under the name the caller sent."""
+    assert refused(request(temperature=-1.0)) == "sampling_params.temperature must be in [0, 100], got -1.0"
+    assert refused(request(top_p=2.0)) == "sampling_params.top_p must be in (0, 1], got 2.0"
+    assert refused(request(top_p=float("inf"))) == "sampling_params.top_p must be finite, got inf"
