@@ -42,12 +42,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import math
 import secrets
 from typing import Any
 
+from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.statuses import Refusal, ending
+from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2
 
@@ -59,6 +60,8 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when max_new_tokens is unset
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_BYTES = 256  # bytes per stop string
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each is held for the request's life
+MAX_HOST_CHARS = 253  # a DNS name's limit; the decode dials, logs and caches the address
 _SEED_LIMIT = 1 << 64
 
 
@@ -191,10 +194,6 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int, room_key: bytes 
     ids = tuple(req.tokenized.input_ids)
     if not ids:
         raise _bad("tokenized.input_ids is empty (the prompt needs at least one token)")
-    for name in ("temperature", "top_p"):
-        v = getattr(sp, name)
-        if not math.isfinite(v):
-            raise _bad(f"sampling_params.{name} must be finite, got {v!r}")
     top_k = sp.top_k
     if top_k < -1:
         raise _bad(f"sampling_params.top_k must be -1 (no cut) or >= 0, got {top_k}")
@@ -216,6 +215,10 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int, room_key: bytes 
         max_new_tokens=max_new,
         ignore_eos=bool(sp.ignore_eos),
     )
+    try:  # the engine's ranges, named as smg's fields
+        sampling_from_proto(sampling)
+    except InvalidRequest as exc:
+        raise _bad(str(exc).replace("sampling.", "sampling_params.", 1)) from None
     room, address = 0, ""
     if req.HasField("disaggregated_params"):
         dp = req.disaggregated_params
@@ -225,9 +228,13 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int, room_key: bytes 
         if not 0 < dp.bootstrap_port < 65536:
             raise _bad(f"disaggregated_params.bootstrap_port must be in [1, 65535], got {dp.bootstrap_port}")
         host = dp.bootstrap_host
+        if len(host) > MAX_HOST_CHARS:
+            raise _bad(f"disaggregated_params.bootstrap_host: {len(host)} characters, over the limit of {MAX_HOST_CHARS}")
         address = f"[{host}]:{dp.bootstrap_port}" if ":" in host and not host.startswith("[") else f"{host}:{dp.bootstrap_port}"
     elif disaggregated:
         raise _bad("disaggregated_params is not set (a prefill or decode worker needs bootstrap_host, bootstrap_port and bootstrap_room)")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _bad(f"sampling_params.stop_token_ids has {len(sp.stop_token_ids)} ids, over the limit of {MAX_STOP_TOKEN_IDS}")
     routed = None
     if req.HasField("data_parallel_rank"):
         routed = int(req.data_parallel_rank)

@@ -63,6 +63,7 @@ from pdgrpc.gateway.requests import GatewayRequest, convert
 from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
+from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.state.kv_event_log import Cleared, EventBatch, Removed, Stored, stored_runs
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -81,6 +82,9 @@ _TOKENIZER_CHUNK = 64 * 1024  # bytes per GetTokenizer message
 # at least every KV_HEARTBEAT_S: smg reads the worker's load from the stream, not GetLoads.
 KV_IDLE_S = 0.25
 KV_HEARTBEAT_S = 1.0
+# An Abort's reason is logged and ends the aborted call as its status message, which a
+# client reads from the call's trailers: a few words in practice.
+MAX_ABORT_REASON_CHARS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +183,9 @@ class _Base(pb_grpc.SglangSchedulerServicer):
             yield smg_common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        if len(request.reason) > MAX_ABORT_REASON_CHARS:
+            why = f"Abort: reason: {len(request.reason)} characters, over the limit of {MAX_ABORT_REASON_CHARS}"
+            await _abort(context, ending(Refusal.BAD_REQUEST, why))
         caller = peer_identity(context)
         owner, abort = self._running.get(request.request_id, (None, None))
         if abort is None or owner != caller:
@@ -218,25 +225,36 @@ class PrefillLeg(_Base):
         if self._kv_events is None:
             await _abort(context, ending(Refusal.UNSUPPORTED, "KV events are not served to smg here (--no-smg-kv-events)"))
             return
-        sent: int | None = 0 if request.load_records_before_first_batch else None  # last sequence on this stream
-        sample = 0
-        last_load: tuple[int, int] | None = None
-        last_at = 0.0
-        async for batches in self._kv_events.follow(request.start_sequence_number, KV_IDLE_S):
-            load = self._load()
-            now = time.monotonic()
-            if batches:
-                blocks = sum(len(e.blocks) for b in batches if b.snapshot is not None for e in b.events if isinstance(e, Stored))
-                for b in batches:
+        # Each stream costs a snapshot and a stream: smg's count against the feed's limit
+        # per client, as pdgrpc's own SubscribeKvEvents do.
+        client = peer_identity(context)
+        try:
+            self._kv_events.streams.acquire(client)
+        except TooManyOpenCalls as exc:
+            await _abort(context, ending(Refusal.OVERLOADED, str(exc)))
+            return
+        try:
+            sent: int | None = 0 if request.load_records_before_first_batch else None  # last sequence on this stream
+            sample = 0
+            last_load: tuple[int, int] | None = None
+            last_at = 0.0
+            async for batches in self._kv_events.follow(request.start_sequence_number, KV_IDLE_S):
+                load = self._load()
+                now = time.monotonic()
+                if batches:
+                    blocks = sum(len(e.blocks) for b in batches if b.snapshot is not None for e in b.events if isinstance(e, Stored))
+                    for b in batches:
+                        sample += 1
+                        yield _smg_batch(b, _engine_load(load, sample, load_only=False), blocks)
+                    sent, last_load, last_at = batches[-1].sequence_number, load, now
+                elif sent is not None and (load != last_load or now - last_at >= KV_HEARTBEAT_S):
                     sample += 1
-                    yield _smg_batch(b, _engine_load(load, sample, load_only=False), blocks)
-                sent, last_load, last_at = batches[-1].sequence_number, load, now
-            elif sent is not None and (load != last_load or now - last_at >= KV_HEARTBEAT_S):
-                sample += 1
-                yield smg_common_pb2.KvEventBatch(
-                    sequence_number=sent, timestamp=time.time(), load=_engine_load(load, sample, load_only=True),
-                )
-                last_load, last_at = load, now
+                    yield smg_common_pb2.KvEventBatch(
+                        sequence_number=sent, timestamp=time.time(), load=_engine_load(load, sample, load_only=True),
+                    )
+                    last_load, last_at = load, now
+        finally:
+            self._kv_events.streams.release(client)
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
         aborted: list[str] = []

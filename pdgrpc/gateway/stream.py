@@ -7,7 +7,10 @@
 * A **stop string** is matched on the output's bytes (each token's, from the served
   tokenizer's ``token_bytes``: a byte for the reference engine, the vocabulary's piece
   for a checkpoint; special tokens have none). While the output's tail could still become a stop string, those tokens are
-  held back; once it cannot, they are sent. When one matches, the request ends with
+  held back; once it cannot, they are sent. How much of each stop string the tail
+  holds is followed byte by byte (Knuth-Morris-Pratt), so a token costs the same
+  whatever the stop strings' length: they are checked on the worker's event loop,
+  between every other request's tokens. When one matches, the request ends with
   ``complete.matched_stop_str``; the string's own tokens are sent only with
   ``no_stop_trim`` (smg's meaning: keep the stop string in the output).
 * EOS (``finish_reason "eos"``) ends it with ``matched_token_id`` = the EOS id the engine
@@ -42,7 +45,8 @@ class OutputStream:
         self.logprobs = pb.OutputLogProbs()
         self._bytes = bytearray()  # the output so far, as bytes (specials have none)
         self._held: list[tuple[int, float, Any]] = []  # (token, logprob, top) not sent yet
-        self._longest_stop = max((len(s) for s in g.stop_strings), default=0)
+        self._fallback = [_fallback(s) for s in g.stop_strings]
+        self._begun = [0] * len(g.stop_strings)  # per stop string: how much of it the output ends with
         self.cached_tokens = 0  # prompt tokens the prefill's prefix cache supplied
 
     def step(self, ids: Sequence[int], logprobs: Sequence[float], top: Sequence[Any], finish_reason: str) -> list[Any]:
@@ -61,6 +65,7 @@ class OutputStream:
             piece = self._tok.token_bytes(t) if g.stop_strings else b""
             if piece:
                 self._bytes += piece
+                self._follow(piece)
                 matched_str, match_at = self._find_stop(len(piece))
             if t in g.stop_token_ids:
                 matched_id = t
@@ -76,7 +81,8 @@ class OutputStream:
             return msgs
         done = pb.GenerateComplete(
             output_ids=self.sent, prompt_tokens=len(g.input_ids), completion_tokens=len(self.sent),
-            cached_tokens=self.cached_tokens, finish_reason="length" if not (matched_id or matched_str) and finish_reason == "length" else "stop",
+            cached_tokens=self.cached_tokens,
+            finish_reason="length" if matched_id is None and matched_str is None and finish_reason == "length" else "stop",
         )
         if matched_id is not None:
             done.matched_token_id = matched_id
@@ -100,13 +106,24 @@ class OutputStream:
                 found = (s, at)
         return found
 
+    def _follow(self, piece: bytes) -> None:
+        """Advance, over the output's new bytes ``piece``, how much of each stop string the
+        output ends with (a whole one falls back: its match is :meth:`_find_stop`'s)."""
+        begun = self._begun
+        for i, s in enumerate(self.g.stop_strings):
+            fallback, k = self._fallback[i], begun[i]
+            for b in piece:
+                while k and s[k] != b:
+                    k = fallback[k - 1]
+                if s[k] == b:
+                    k += 1
+                if k == len(s):
+                    k = fallback[k - 1]
+            begun[i] = k
+
     def _hold_back(self) -> int:
         """How many trailing output bytes could still start a stop string."""
-        for n in range(min(self._longest_stop - 1, len(self._bytes)), 0, -1):
-            tail = bytes(self._bytes[-n:])
-            if any(s.startswith(tail) for s in self.g.stop_strings):
-                return n
-        return 0
+        return max(self._begun, default=0)
 
     def _tokens_for(self, nbytes: int) -> int:
         """How many trailing held tokens hold the last ``nbytes`` output bytes."""
@@ -133,3 +150,18 @@ class OutputStream:
             self.logprobs.MergeFrom(step)
             chunk.output_logprobs.CopyFrom(step)
         return pb.GenerateResponse(request_id=g.request_id, chunk=chunk)
+
+
+def _fallback(s: bytes) -> list[int]:
+    """For each ``n``, the longest proper prefix of ``s[: n + 1]`` that also ends it (the
+    Knuth-Morris-Pratt failure function): where a partial match of ``s`` resumes when the
+    next byte does not continue it."""
+    out = [0] * len(s)
+    k = 0
+    for n in range(1, len(s)):
+        while k and s[n] != s[k]:
+            k = out[k - 1]
+        if s[n] == s[k]:
+            k += 1
+        out[n] = k
+    return out

@@ -108,3 +108,29 @@ async def test_health_check_reports_a_drain_while_a_request_runs():
     finally:
         await server.stop(0)
         await impl.close()
+
+
+async def test_an_abort_reason_over_the_limit_is_refused_and_the_request_runs_on():
+    """An Abort's reason is logged and becomes the aborted call's status message: one of
+    megabytes filled the log and ended the call RESOURCE_EXHAUSTED instead of CANCELLED."""
+    impl = ColocatedServer(reference_engine(load_topology("colocated")), chunk_tokens=64)
+    server = await start_server([colocated_service(impl, argparse.Namespace(served_model_name="m"), Drain())], what="test colocated")
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            req = request("long", (256,), 1500)
+            req.sampling_params.ignore_eos = True
+            call = stub.Generate(req)
+            await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as info_:
+                await stub.Abort(pb.AbortRequest(request_id="long", reason="x" * 100_000))
+            assert info_.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info_.value.details() == "Abort: reason: 100000 characters, over the limit of 1024"
+            assert (await stub.Abort(pb.AbortRequest(request_id="long", reason="x" * 1024))).success
+            with pytest.raises(grpc.aio.AioRpcError) as info_:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert info_.value.code() == grpc.StatusCode.CANCELLED and info_.value.details().endswith("x" * 1024)
+    finally:
+        await server.stop(0)
+        await impl.close()

@@ -164,3 +164,28 @@ def test_the_tokenizer_bundle_is_a_byte_tokenizer():
         tok = json.loads(zf.read("tokenizer.json"))
     assert tok["model"]["vocab"] == {s: i for i, s in enumerate(symbols)}
     assert [(t["id"], t["special"]) for t in tok["added_tokens"]] == [(256, True), (257, True)]
+
+
+def test_stop_token_ids_are_bounded_by_count():
+    """The worker holds every stop id for the request's life: a message full of them cost
+    it many times the message's size."""
+    assert convert(request(stop_token_ids=list(range(1024))), disaggregated=True, max_seq_len=2048).stop_token_ids == frozenset(range(1024))
+    message = refused(request(stop_token_ids=list(range(1_000_000))))
+    assert message == "sampling_params.stop_token_ids has 1000000 ids, over the limit of 1024"
+
+
+def test_a_bootstrap_host_longer_than_a_dns_name_is_refused():
+    """The decode dials, logs and caches the address it is given: a host is a DNS name or an
+    IP literal, at most 253 characters."""
+    req = request()
+    req.disaggregated_params.bootstrap_host = "h" * 253
+    assert convert(req, disaggregated=True, max_seq_len=2048).bootstrap_address == "h" * 253 + ":4000"
+    req.disaggregated_params.bootstrap_host = "h" * 1_000_000
+    assert refused(req) == "disaggregated_params.bootstrap_host: 1000000 characters, over the limit of 253"
+
+
+def test_sampling_values_out_of_the_engines_range_name_smgs_field():
+    """The engine's ranges, refused at the facade under the name the caller sent."""
+    assert refused(request(temperature=-1.0)) == "sampling_params.temperature must be in [0, 100], got -1.0"
+    assert refused(request(top_p=2.0)) == "sampling_params.top_p must be in (0, 1], got 2.0"
+    assert refused(request(top_p=float("inf"))) == "sampling_params.top_p must be finite, got inf"

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+import sys
+from types import FrameType
+from typing import Any
+
 import pytest
 
 pytest.importorskip("smg_grpc_proto", reason="the gateway extra (pdgrpc[gateway]) is not installed")
@@ -10,6 +15,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 
 from pdgrpc.engine.tokenizer import EOS_ID, ByteTokenizer  # noqa: E402
 from pdgrpc.gateway.requests import convert  # noqa: E402
+from pdgrpc.gateway import stream as stream_module  # noqa: E402
 from pdgrpc.gateway.stream import OutputStream  # noqa: E402
 
 
@@ -75,3 +81,63 @@ def test_cached_tokens_reach_every_chunk_and_complete() -> None:
     msgs = s.step([65], [-1.0], [], "") + s.step([66], [-1.0], [], "length")
     assert [m.chunk.cached_tokens for m in msgs if m.HasField("chunk")] == [48, 48]
     assert msgs[-1].complete.cached_tokens == 48 and msgs[-1].complete.prompt_tokens == 1
+
+
+def test_stop_token_id_0_on_the_last_token_is_a_stop_not_the_length() -> None:
+    """Token id 0 is a token like any other (a byte tokenizer's NUL, "!" in GPT-2's)."""
+    msgs = stream(stop_ids=[0]).step([65, 0], [-1.0, -1.0], [], "length")
+    done = msgs[-1].complete
+    assert done.finish_reason == "stop" and done.WhichOneof("matched_stop") == "matched_token_id" and done.matched_token_id == 0
+
+
+def lines_run(s: OutputStream, data: bytes) -> int:
+    """How many lines of the stream's module run while ``data`` is fed as byte tokens: its
+    work, counted (a count, unlike a time, is the same on every machine)."""
+    count = 0
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == stream_module.__file__ else None
+
+    before = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        chunks, done = feed(s, data)
+    finally:
+        sys.settrace(before)
+    assert done is None and bytes(t for c in chunks for t in c) == data[:-1]  # nothing matched; the last byte could start one
+    return count
+
+
+def test_the_work_per_token_does_not_grow_with_the_stop_strings_length() -> None:
+    """Stop strings are checked on the worker's event loop, between every other request's
+    tokens: 16 stop strings of 255 bytes cost each token what 16 of 3 bytes cost."""
+    short = [f"a{chr(0x62 + i)}" + "z" for i in range(16)]
+    long = [("ab" * 128)[:254] + chr(0x63 + i) for i in range(16)]
+    assert lines_run(stream(stop=long), b"a" * 200) <= 2 * lines_run(stream(stop=short), b"a" * 200)
+
+
+def test_each_token_is_sent_once_it_can_no_longer_begin_a_stop_string() -> None:
+    """Random stop strings and outputs over a small alphabet (so that partial matches
+    overlap), against the definition: after each token the client has every output byte
+    but the longest tail that begins a stop string; the first stop string to end ends it."""
+    rng = random.Random(5)
+    for _ in range(300):
+        stops = sorted({"".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))})
+        data = "".join(rng.choice("ab") for _ in range(rng.randint(1, 30))).encode()
+        s, sent = stream(stop=stops), b""
+        for i in range(len(data)):
+            out = data[: i + 1]
+            msgs = s.step([out[-1]], [-1.0], [], "")
+            sent += bytes(t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids)
+            ended = [x.encode() for x in stops if out.endswith(x.encode())]
+            if ended:
+                first = max(ended, key=len)  # of those ending here, the one starting first
+                assert msgs[-1].complete.matched_stop_str == first.decode() and sent == out[: len(out) - len(first)], (stops, data)
+                break
+            held = max((n for n in range(1, len(out) + 1) for x in stops if x.encode().startswith(out[-n:])), default=0)
+            assert sent == out[: len(out) - held], (stops, data, i)
