@@ -32,6 +32,7 @@ from pdgrpc.errors import EngineError, RequestFailed
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.drain import Drain
 from pdgrpc.rpc.errors import reason_metadata
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.rpc.server import RpcServer, ServiceSpec, start_server
@@ -144,6 +145,9 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         room = room_from_proto(request.bootstrap_room)
         if not request.prefill_bootstrap_address and not request.local_prefill:
             raise ending(Refusal.BAD_REQUEST, "prefill_bootstrap_address is empty (host:port of the prefill's BootstrapService)")
+        if len(request.prefill_bootstrap_address) > MAX_ADDRESS_CHARS:
+            n = len(request.prefill_bootstrap_address)
+            raise ending(Refusal.BAD_REQUEST, f"prefill_bootstrap_address: {n} characters, over the limit of {MAX_ADDRESS_CHARS}")
         if not request.HasField("sampling"):
             raise ending(Refusal.BAD_REQUEST, "sampling is not set (it must equal the one sent to the prefill)")
         ids = tuple(request.input_ids)

@@ -48,6 +48,7 @@ from typing import Any
 from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.statuses import Refusal, ending
+from pdgrpc.rpc.limits import MAX_HOST_CHARS
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.state.room import Room
 from pdgrpc.v1 import common_pb2
@@ -61,7 +62,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_BYTES = 256  # bytes per stop string
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each is held for the request's life
-MAX_HOST_CHARS = 253  # a DNS name's limit; the decode dials, logs and caches the address
 _SEED_LIMIT = 1 << 64
 
 

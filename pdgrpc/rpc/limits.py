@@ -20,6 +20,9 @@
   that has one) is at most this long, or the request ends ``INVALID_ARGUMENT`` naming it.
   Every log line of the request, in each process it reaches, carries it; clients' ids
   (UUIDs, smg's ``cmpl-`` ids) are a few dozen characters.
+* :data:`MAX_HOST_CHARS` and :data:`MAX_ADDRESS_CHARS`: a host name, and a ``host:port``
+  address, that a request names for its server to dial. The server dials it, logs it and
+  keeps a channel for it; a DNS name is at most 253 characters.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-__all__ = ["MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_CHARS", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
+__all__ = ["MAX_ADDRESS_CHARS", "MAX_HOST_CHARS", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_CHARS", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_REQUEST_ID_CHARS = 256
+MAX_HOST_CHARS = 253
+MAX_ADDRESS_CHARS = MAX_HOST_CHARS + len("[]:65535")
 
 
 def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

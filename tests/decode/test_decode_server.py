@@ -384,6 +384,21 @@ async def test_bad_requests_are_refused_naming_the_field(stub: decode_pb2_grpc.D
         await p.stop()
 
 
+async def test_a_prefill_address_longer_than_any_host_port_is_refused_naming_it(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes
+) -> None:
+    """The decode dials the address, logs it and keeps a channel for it: a megabyte one
+    is refused before anything is taken, and the longest real one still serves."""
+    long = make_request(prefill, "x", 4)
+    long.prefill_bootstrap_address = "h" * 1_000_000 + ":1"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub, long)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("prefill_bootstrap_address: 1000002 characters, over the limit of")
+    assert await outcomes.changed() == {"refused": 1}
+    await assert_nothing_held(stub)
+
+
 async def test_a_decode_without_its_room_secret_is_refused(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     """Issue 16: a Decode with no room_secret (or a short one) would send an unsigned
     handshake, so anyone could drive the decode at any prefill; it is refused, naming the
