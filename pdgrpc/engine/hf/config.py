@@ -183,6 +183,13 @@ def _parse(path: Path, where: Path, cfg: dict[str, Any], gen: dict[str, Any] | N
             f"{where}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     qkv_bias, qk_norm = ARCHITECTURES[arch]
+    quant = cfg.get("quantization_config")
+    if quant is not None:  # quantized weights keep their names; read as floats they give garbage
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ConfigError(
+            f"{where}: field 'quantization_config' (quant_method {method!r}) is not supported: this engine "
+            "reads unquantized float weights; serve the unquantized checkpoint, or a GGUF file"
+        )
     if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
         qkv_bias = True
     if arch == "LlamaForCausalLM" and cfg.get("mlp_bias"):

@@ -36,6 +36,9 @@ __all__ = [
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# safetensors dtypes read as plain floats: cast to --dtype they keep their values. Any
+# other (FP8, int8, packed 4-bit) needs scales this engine does not apply.
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +169,11 @@ def check_files(config: HFConfig) -> dict[str, Path]:
         if got != shape:
             raise ConfigError(
                 f"{path}: weight {name!r} has shape {list(got)}, config.json implies {list(shape)}"
+            )
+        if meta.get("dtype") not in FLOAT_DTYPES:
+            raise ConfigError(
+                f"{path}: weight {name!r} has dtype {meta.get('dtype')}, which is not supported "
+                f"(supported: {', '.join(FLOAT_DTYPES)}; a quantized checkpoint needs its unquantized original)"
             )
     return files
 
