@@ -161,3 +161,14 @@ def test_quantized_checkpoints_are_refused_not_served_as_floats(hf_checkpoint, t
     _edit_config(d, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
     _assert_refused(d, "config.json: field 'quantization_config' (quant_method 'fp8') is not supported", capsys)
 
+
+def test_eos_and_bos_ids_outside_the_vocabulary_are_refused(hf_checkpoint, tmp_path, capsys):
+    """An EOS id no logit can pick never ends a generation."""
+    d = _copy(hf_checkpoint("llama"), tmp_path / "eos")
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [gen["eos_token_id"], 384]}))
+    _assert_refused(d, "generation_config.json: field 'eos_token_id' = 384 is not a token id in [0, 384)", capsys)
+    d = _copy(hf_checkpoint("llama"), tmp_path / "bos")
+    _edit_config(d, bos_token_id=100000)
+    _assert_refused(d, "config.json: field 'bos_token_id' = 100000 is not a token id in [0, 384)", capsys)
+
