@@ -172,3 +172,13 @@ def test_eos_and_bos_ids_outside_the_vocabulary_are_refused(hf_checkpoint, tmp_p
     _edit_config(d, bos_token_id=100000)
     _assert_refused(d, "config.json: field 'bos_token_id' = 100000 is not a token id in [0, 384)", capsys)
 
+
+def test_unreadable_entries_are_refused_by_name(hf_checkpoint, tmp_path, capsys):
+    d = _copy(hf_checkpoint("llama"), tmp_path / "shard-dir")
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    shard.mkdir()
+    _assert_refused(d, f"{shard}: cannot read", capsys)
+    d = _copy(hf_checkpoint("llama"), tmp_path / "archs")
+    _edit_config(d, architectures=[{"name": "LlamaForCausalLM"}])
+    _assert_refused(d, "config.json: field 'architectures' must be a list of class names", capsys)

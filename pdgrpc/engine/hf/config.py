@@ -186,7 +186,9 @@ def load_config(model: str | Path) -> HFConfig:
 
 def _parse(path: Path, where: Path, cfg: dict[str, Any], gen: dict[str, Any] | None) -> HFConfig:
     archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{where}: field 'architectures' must be a list of class names, got {archs!r}")
+    arch = archs[0] if archs else None
     if arch not in ARCHITECTURES:
         raise ConfigError(
             f"{where}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"

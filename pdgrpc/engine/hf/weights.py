@@ -94,6 +94,8 @@ def _header(path: Path) -> dict[str, Any]:
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (named by {INDEX})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ConfigError(f"{path}: not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
