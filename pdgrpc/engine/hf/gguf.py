@@ -261,6 +261,8 @@ def _hf_name(gguf_name: str, path: Path) -> str:
 def _read_metadata(path: Path, mtime_ns: int) -> GGUFMetadata:
     gguf = _gguf()
     try:
+        if path.stat().st_size == 0:  # mmap refuses an empty file with a message naming none
+            raise ConfigError(f"{path}: not a GGUF file (empty)")
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             cur = _Cursor(memoryview(m), path)
             try:
@@ -285,6 +287,8 @@ def _read_metadata(path: Path, mtime_ns: int) -> GGUFMetadata:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     align = values.get("general.alignment", 32)
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0:  # where the tensor data starts
+        raise ConfigError(f"{path}: not a valid GGUF file (general.alignment = {align!r}, not a positive integer)")
     start = end + (-end % align)
     size = path.stat().st_size
     tensors: dict[str, _Tensor] = {}
