@@ -56,6 +56,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# {arch}.* hyperparameters with no default.
+_REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -170,6 +172,9 @@ class GGUFMetadata:
     def config_dict(self) -> dict[str, Any]:
         """The ``config.json`` this file's metadata describes (transformers 5's spelling)."""
         arch = self.architecture
+        for key in _REQUIRED:  # named as the file spells them, not as the config.json fields they become
+            if self._arch(key) is None:
+                raise ConfigError(f"{self.path}: metadata '{arch}.{key}' is missing")
         heads = self._arch("attention.head_count")
         hidden = self._arch("embedding_length")
         head_dim = self._arch("attention.key_length") or self._arch("rope.dimension_count")
@@ -179,6 +184,8 @@ class GGUFMetadata:
         if rotary is not None and rotary != head_dim:
             raise ConfigError(f"{self.path}: {arch}.rope.dimension_count = {rotary} (partial rotary) is not supported; head_dim = {head_dim}")
         tokens = self.values.get("tokenizer.ggml.tokens")
+        if self._arch("vocab_size") is None and not isinstance(tokens, list):
+            raise ConfigError(f"{self.path}: metadata '{arch}.vocab_size' (or 'tokenizer.ggml.tokens') is missing")
         cfg: dict[str, Any] = {
             "architectures": [ARCHITECTURES[arch]],
             "model_type": arch,
