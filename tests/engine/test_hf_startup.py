@@ -182,3 +182,10 @@ def test_unreadable_entries_are_refused_by_name(hf_checkpoint, tmp_path, capsys)
     d = _copy(hf_checkpoint("llama"), tmp_path / "archs")
     _edit_config(d, architectures=[{"name": "LlamaForCausalLM"}])
     _assert_refused(d, "config.json: field 'architectures' must be a list of class names", capsys)
+
+
+def test_weights_of_layers_past_num_hidden_layers_are_refused(hf_checkpoint, tmp_path, capsys):
+    """A config.json that undercounts the layers would serve a truncated model."""
+    d = _copy(hf_checkpoint("llama"), tmp_path / "layers")
+    _edit_config(d, num_hidden_layers=1)
+    _assert_refused(d, "config.json: num_hidden_layers = 1, but the weights hold 'model.layers.1.", capsys)

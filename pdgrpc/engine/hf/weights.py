@@ -21,8 +21,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -134,6 +135,19 @@ def expected_shapes(c: HFConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layers(config: HFConfig, names: Iterable[str]) -> None:
+    """No weight of a layer past the configured count: a config that undercounts the layers
+    would serve a truncated model."""
+    field = f"{config.model_type}.block_count" if is_gguf(config.path) else "num_hidden_layers"
+    for name in sorted(names):
+        m = _LAYER.match(name)
+        if m is not None and int(m.group(1)) >= config.num_layers:
+            raise ConfigError(f"{config.config_file}: {field} = {config.num_layers}, but the weights hold {name!r}")
+
+
 def _check_shapes(config: HFConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """Every needed tensor of a GGUF file present, with the shape its metadata implies."""
     for name, shape in expected_shapes(config).items():
@@ -148,6 +162,7 @@ def check_weights(config: HFConfig) -> None:
     reads (reads headers only)."""
     if is_gguf(config.path):
         meta = read_metadata(config.path)
+        _check_layers(config, meta.shapes)
         _check_shapes(config, meta.shapes)
         meta.check_types()
     else:
@@ -157,6 +172,7 @@ def check_weights(config: HFConfig) -> None:
 def check_files(config: HFConfig) -> dict[str, Path]:
     """Every needed tensor present, with the shape ``config.json`` implies (reads headers only)."""
     files = weight_files(config)
+    _check_layers(config, files)
     headers: dict[Path, dict[str, Any]] = {}
     for name, shape in expected_shapes(config).items():
         if name not in files:
