@@ -169,6 +169,39 @@ def test_files_it_cannot_serve_are_refused_by_name(tiny_gguf, tmp_path):
         check_checkpoint(HFEngineConfig(str(src), max_seq_len=8192))
 
 
+
+def test_an_empty_file_or_a_bad_alignment_is_refused_by_name(tmp_path):
+    """A download that stopped before its first byte, and a header whose tensor data
+    cannot be located."""
+    import numpy as np
+
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"empty\.gguf: not a GGUF file \(empty\)"):
+        load(empty)
+    p = tmp_path / "align0.gguf"
+    w = _writer(p)
+    w.add_uint32("general.alignment", 0)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    _finish(w)
+    with pytest.raises(ConfigError, match=r"align0\.gguf: not a valid GGUF file \(general\.alignment = 0"):
+        load(p)
+
+
+def test_a_missing_hyperparameter_is_named_by_its_gguf_key(tmp_path):
+    """Not by the config.json field it becomes, which the file does not hold."""
+    import numpy as np
+
+    p = tmp_path / "no-blocks.gguf"
+    w = gguf.GGUFWriter(str(p), "qwen2")
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    _finish(w)
+    with pytest.raises(ConfigError, match=r"no-blocks\.gguf: metadata 'qwen2\.block_count' is missing"):
+        load(p)
+
 @pytest.mark.slow
 def test_smollm2_gguf_from_pypi_equals_transformers(tmp_path):
     """The real SmolLM2-135M-Instruct (Q4_1) answers as transformers does, " Paris." first."""

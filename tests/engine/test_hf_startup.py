@@ -133,3 +133,59 @@ def test_the_chat_template_is_found_where_transformers_saves_it(hf_checkpoint, t
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(InvalidRequest, match="no chat template"):
         request_ids(req, load_tokenizer(path))
+
+
+def _assert_refused(path: Path, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused by the start-up check and by the prefill controller (exit 2), naming ``message``."""
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint(HFEngineConfig(str(path)))
+    assert message in str(err.value)
+    with pytest.raises(SystemExit) as ei:
+        prefill_main(["--model", str(path), "--transport", "tcp"])
+    assert ei.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_quantized_checkpoints_are_refused_not_served_as_floats(hf_checkpoint, tmp_path, capsys):
+    """An FP8 checkpoint keeps the float names and shapes; cast to --dtype without its
+    scales it would start and answer garbage."""
+    from safetensors.torch import load_file, save_file
+    import torch
+
+    d = _copy(hf_checkpoint("llama"), tmp_path / "fp8")
+    name = "model.layers.1.mlp.up_proj.weight"
+    shard = d / json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(shard))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    _assert_refused(d, f"{shard.name}: weight {name!r} has dtype F8_E4M3", capsys)
+    _edit_config(d, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    _assert_refused(d, "config.json: field 'quantization_config' (quant_method 'fp8') is not supported", capsys)
+
+
+def test_eos_and_bos_ids_outside_the_vocabulary_are_refused(hf_checkpoint, tmp_path, capsys):
+    """An EOS id no logit can pick never ends a generation."""
+    d = _copy(hf_checkpoint("llama"), tmp_path / "eos")
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [gen["eos_token_id"], 384]}))
+    _assert_refused(d, "generation_config.json: field 'eos_token_id' = 384 is not a token id in [0, 384)", capsys)
+    d = _copy(hf_checkpoint("llama"), tmp_path / "bos")
+    _edit_config(d, bos_token_id=100000)
+    _assert_refused(d, "config.json: field 'bos_token_id' = 100000 is not a token id in [0, 384)", capsys)
+
+
+def test_unreadable_entries_are_refused_by_name(hf_checkpoint, tmp_path, capsys):
+    d = _copy(hf_checkpoint("llama"), tmp_path / "shard-dir")
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    shard.mkdir()
+    _assert_refused(d, f"{shard}: cannot read", capsys)
+    d = _copy(hf_checkpoint("llama"), tmp_path / "archs")
+    _edit_config(d, architectures=[{"name": "LlamaForCausalLM"}])
+    _assert_refused(d, "config.json: field 'architectures' must be a list of class names", capsys)
+
+
+def test_weights_of_layers_past_num_hidden_layers_are_refused(hf_checkpoint, tmp_path, capsys):
+    """A config.json that undercounts the layers would serve a truncated model."""
+    d = _copy(hf_checkpoint("llama"), tmp_path / "layers")
+    _edit_config(d, num_hidden_layers=1)
+    _assert_refused(d, "config.json: num_hidden_layers = 1, but the weights hold 'model.layers.1.", capsys)

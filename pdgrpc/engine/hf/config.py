@@ -151,11 +151,20 @@ def _rope(cfg: dict[str, Any], where: Path) -> tuple[float, RopeScaling]:
     )
 
 
-def _eos_ids(value: Any, where: Path) -> tuple[int, ...]:
+def _eos_ids(value: Any, where: Path, vocab_size: int) -> tuple[int, ...]:
     ids = value if isinstance(value, list) else [] if value is None else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ConfigError(f"{where}: field 'eos_token_id' must be a token id or a list of them, got {value!r}")
+    for i in ids:
+        _check_id(i, "eos_token_id", where, vocab_size)
     return tuple(ids)
+
+
+def _check_id(token_id: int, key: str, where: Path, vocab_size: int) -> None:
+    """A special token's id is a row of the embedding: an EOS id past it is never sampled,
+    so generations would end only at their length limit."""
+    if token_id >= vocab_size:
+        raise ConfigError(f"{where}: field {key!r} = {token_id} is not a token id in [0, {vocab_size})")
 
 
 def load_config(model: str | Path) -> HFConfig:
@@ -177,12 +186,21 @@ def load_config(model: str | Path) -> HFConfig:
 
 def _parse(path: Path, where: Path, cfg: dict[str, Any], gen: dict[str, Any] | None) -> HFConfig:
     archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{where}: field 'architectures' must be a list of class names, got {archs!r}")
+    arch = archs[0] if archs else None
     if arch not in ARCHITECTURES:
         raise ConfigError(
             f"{where}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     qkv_bias, qk_norm = ARCHITECTURES[arch]
+    quant = cfg.get("quantization_config")
+    if quant is not None:  # quantized weights keep their names; read as floats they give garbage
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ConfigError(
+            f"{where}: field 'quantization_config' (quant_method {method!r}) is not supported: this engine "
+            "reads unquantized float weights; serve the unquantized checkpoint, or a GGUF file"
+        )
     if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
         qkv_bias = True
     if arch == "LlamaForCausalLM" and cfg.get("mlp_bias"):
@@ -205,14 +223,19 @@ def _parse(path: Path, where: Path, cfg: dict[str, Any], gen: dict[str, Any] | N
         window = None  # Qwen2/Qwen3 write a window but attend fully unless use_sliding_window
     if window is not None:
         window = _int({"sliding_window": window}, "sliding_window", where)
-    eos = _eos_ids(cfg.get("eos_token_id"), where)
+    vocab = _int(cfg, "vocab_size", where)
+    eos = _eos_ids(cfg.get("eos_token_id"), where, vocab)
     if gen is not None and gen.get("eos_token_id") is not None:
-        eos = _eos_ids(gen.get("eos_token_id"), path / "generation_config.json")
+        eos = _eos_ids(gen.get("eos_token_id"), path / "generation_config.json", vocab)
     bos = cfg.get("bos_token_id")
+    if not isinstance(bos, int) or isinstance(bos, bool) or bos < 0:
+        bos = None  # a negative id (some configs write -1): no BOS
+    if bos is not None:
+        _check_id(bos, "bos_token_id", where, vocab)
     return HFConfig(
         path=path,
         architecture=arch,
-        vocab_size=_int(cfg, "vocab_size", where),
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size", where),
         num_layers=_int(cfg, "num_hidden_layers", where),
@@ -227,7 +250,7 @@ def _parse(path: Path, where: Path, cfg: dict[str, Any], gen: dict[str, Any] | N
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         sliding_window=window,
-        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        bos_token_id=bos,
         eos_token_ids=eos,
         digest=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
         model_type=cfg["model_type"] if isinstance(cfg.get("model_type"), str) else "",

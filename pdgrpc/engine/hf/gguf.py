@@ -56,6 +56,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# {arch}.* hyperparameters with no default.
+_REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -170,6 +172,9 @@ class GGUFMetadata:
     def config_dict(self) -> dict[str, Any]:
         """The ``config.json`` this file's metadata describes (transformers 5's spelling)."""
         arch = self.architecture
+        for key in _REQUIRED:  # named as the file spells them, not as the config.json fields they become
+            if self._arch(key) is None:
+                raise ConfigError(f"{self.path}: metadata '{arch}.{key}' is missing")
         heads = self._arch("attention.head_count")
         hidden = self._arch("embedding_length")
         head_dim = self._arch("attention.key_length") or self._arch("rope.dimension_count")
@@ -179,6 +184,8 @@ class GGUFMetadata:
         if rotary is not None and rotary != head_dim:
             raise ConfigError(f"{self.path}: {arch}.rope.dimension_count = {rotary} (partial rotary) is not supported; head_dim = {head_dim}")
         tokens = self.values.get("tokenizer.ggml.tokens")
+        if self._arch("vocab_size") is None and not isinstance(tokens, list):
+            raise ConfigError(f"{self.path}: metadata '{arch}.vocab_size' (or 'tokenizer.ggml.tokens') is missing")
         cfg: dict[str, Any] = {
             "architectures": [ARCHITECTURES[arch]],
             "model_type": arch,
@@ -261,6 +268,8 @@ def _hf_name(gguf_name: str, path: Path) -> str:
 def _read_metadata(path: Path, mtime_ns: int) -> GGUFMetadata:
     gguf = _gguf()
     try:
+        if path.stat().st_size == 0:  # mmap refuses an empty file with a message naming none
+            raise ConfigError(f"{path}: not a GGUF file (empty)")
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             cur = _Cursor(memoryview(m), path)
             try:
@@ -285,6 +294,8 @@ def _read_metadata(path: Path, mtime_ns: int) -> GGUFMetadata:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     align = values.get("general.alignment", 32)
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0:  # where the tensor data starts
+        raise ConfigError(f"{path}: not a valid GGUF file (general.alignment = {align!r}, not a positive integer)")
     start = end + (-end % align)
     size = path.stat().st_size
     tensors: dict[str, _Tensor] = {}

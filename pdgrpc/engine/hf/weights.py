@@ -21,8 +21,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -36,6 +37,9 @@ __all__ = [
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# safetensors dtypes read as plain floats: cast to --dtype they keep their values. Any
+# other (FP8, int8, packed 4-bit) needs scales this engine does not apply.
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,8 @@ def _header(path: Path) -> dict[str, Any]:
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (named by {INDEX})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ConfigError(f"{path}: not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
@@ -129,6 +135,19 @@ def expected_shapes(c: HFConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layers(config: HFConfig, names: Iterable[str]) -> None:
+    """No weight of a layer past the configured count: a config that undercounts the layers
+    would serve a truncated model."""
+    field = f"{config.model_type}.block_count" if is_gguf(config.path) else "num_hidden_layers"
+    for name in sorted(names):
+        m = _LAYER.match(name)
+        if m is not None and int(m.group(1)) >= config.num_layers:
+            raise ConfigError(f"{config.config_file}: {field} = {config.num_layers}, but the weights hold {name!r}")
+
+
 def _check_shapes(config: HFConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """Every needed tensor of a GGUF file present, with the shape its metadata implies."""
     for name, shape in expected_shapes(config).items():
@@ -143,6 +162,7 @@ def check_weights(config: HFConfig) -> None:
     reads (reads headers only)."""
     if is_gguf(config.path):
         meta = read_metadata(config.path)
+        _check_layers(config, meta.shapes)
         _check_shapes(config, meta.shapes)
         meta.check_types()
     else:
@@ -152,6 +172,7 @@ def check_weights(config: HFConfig) -> None:
 def check_files(config: HFConfig) -> dict[str, Path]:
     """Every needed tensor present, with the shape ``config.json`` implies (reads headers only)."""
     files = weight_files(config)
+    _check_layers(config, files)
     headers: dict[Path, dict[str, Any]] = {}
     for name, shape in expected_shapes(config).items():
         if name not in files:
@@ -166,6 +187,11 @@ def check_files(config: HFConfig) -> dict[str, Path]:
         if got != shape:
             raise ConfigError(
                 f"{path}: weight {name!r} has shape {list(got)}, config.json implies {list(shape)}"
+            )
+        if meta.get("dtype") not in FLOAT_DTYPES:
+            raise ConfigError(
+                f"{path}: weight {name!r} has dtype {meta.get('dtype')}, which is not supported "
+                f"(supported: {', '.join(FLOAT_DTYPES)}; a quantized checkpoint needs its unquantized original)"
             )
     return files
 
