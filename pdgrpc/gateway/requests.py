@@ -50,13 +50,11 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.rpc.limits import MAX_HOST_CHARS
 from pdgrpc.serving.convert import sampling_from_proto
-from pdgrpc.state.room import Room
+from pdgrpc.state.room import ROOM_BASE, ROOM_SPAN, Room
 from pdgrpc.v1 import common_pb2
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "ROOM_BASE", "GatewayRequest", "convert", "map_room", "request_seed", "room_secret"]
 
-ROOM_BASE = 1 << 62
-ROOM_SPAN = 1 << 31  # smg's rooms are int32 >= 0
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when max_new_tokens is unset
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request

@@ -80,7 +80,6 @@ from pdgrpc.discovery.record import MembershipView
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import RequestFailed
-from pdgrpc.gateway.requests import ROOM_BASE, ROOM_SPAN
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
 from pdgrpc.router.policy import DEFAULT_MARGIN, Policy
 from pdgrpc.rpc import tracing
@@ -97,7 +96,7 @@ from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS, LocalPrefil
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.prefix_leaders import leader_wait_s
-from pdgrpc.state.room import Room
+from pdgrpc.state.room import ROOM_BASE, ROOM_SPAN, Room
 from pdgrpc.state.routing import candidates
 from pdgrpc.state.route_fate import (
     AttemptFailed, Blame, CallEnd, Ending, Fail, Finish, NoInstance, PrefillCall, Relayed, Reroute, Rerouted, RouteFate,
@@ -126,7 +125,7 @@ FIRST_TOKEN_FROM = ("prefill", "decode")
 def draw_room(randbits: Callable[[int], int] | None = None) -> Room:
     """A random 63-bit bootstrap room, never 0 (0 means "not written" in a metadata row)
     and never in the band that rooms of requests from smg map to
-    (:data:`pdgrpc.gateway.requests.ROOM_BASE`), so the two never share a room."""
+    (:data:`pdgrpc.state.room.ROOM_BASE`), so the two never share a room."""
     draw = randbits or secrets.randbits
     while True:
         room = draw(63)

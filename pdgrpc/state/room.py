@@ -16,11 +16,15 @@ from typing import NewType
 
 from pdgrpc.errors import ConfigError
 
-__all__ = ["ROOM_LIMIT", "Room", "as_room"]
+__all__ = ["ROOM_BASE", "ROOM_LIMIT", "ROOM_SPAN", "Room", "as_room"]
 
 Room = NewType("Room", int)
 
 ROOM_LIMIT = 1 << 63  # rooms are below it: the metadata row holds an int64
+# smg's rooms (int32 >= 0) map into [ROOM_BASE, ROOM_BASE + ROOM_SPAN), a band the router
+# never draws from, so a request from smg never shares a room with one from the router.
+ROOM_BASE = 1 << 62
+ROOM_SPAN = 1 << 31
 
 
 def as_room(value: int, field: str = "bootstrap_room") -> Room:
