@@ -21,6 +21,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Callable, Sequence
 
+from pdgrpc.engine.chat_template import compiled
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.errors import EngineError
 from pdgrpc.v1 import common_pb2
@@ -49,16 +50,9 @@ def render_chat(template: str | None, messages: Sequence[Any], specials: dict[st
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"messages: {len(messages)} messages, over the limit of {MAX_MESSAGES}")
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str) -> None:
-        raise InvalidRequest(f"messages: the chat template refused them: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
     try:
-        compiled = env.from_string(template)
-        text: str = compiled.render(
+        text: str = compiled(template).render(
             messages=[{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True,
             **{k: v for k, v in specials.items() if v is not None},
         )

@@ -189,3 +189,15 @@ def test_weights_of_layers_past_num_hidden_layers_are_refused(hf_checkpoint, tmp
     d = _copy(hf_checkpoint("llama"), tmp_path / "layers")
     _edit_config(d, num_hidden_layers=1)
     _assert_refused(d, "config.json: num_hidden_layers = 1, but the weights hold 'model.layers.1.", capsys)
+
+
+def test_a_chat_template_that_is_not_valid_jinja_is_refused_at_start_up(hf_checkpoint, tmp_path, capsys):
+    """Served, it would fail every chat request with a status that blames the client."""
+    path = _copy(Path(hf_checkpoint("qwen2")), tmp_path / "ckpt")
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}")
+    _assert_refused(path, "chat_template.jinja: the chat template is not valid Jinja: ", capsys)
+    (path / "chat_template.jinja").unlink()
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ messages[0]['content'] }"
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    _assert_refused(path, "tokenizer_config.json: the chat template is not valid Jinja: ", capsys)

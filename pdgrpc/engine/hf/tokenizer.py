@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from pdgrpc.engine.chat_template import check as check_chat_template
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.hf.config import HFConfig, load_config, read_json
 from pdgrpc.engine.hf.gguf import is_gguf, read_metadata, tokenizer_json
@@ -42,17 +43,17 @@ def read_chat_template(directory: Path, tokenizer_config: dict[str, Any]) -> str
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         try:
-            return jinja.read_text(encoding="utf-8")
+            return check_chat_template(jinja.read_text(encoding="utf-8"), jinja)
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{jinja}: cannot read the chat template ({exc})") from None
-    as_json = directory / "chat_template.json"
-    value = read_json(as_json).get("chat_template") if as_json.is_file() else None
+    source = directory / "chat_template.json"
+    value = read_json(source).get("chat_template") if source.is_file() else None
     if value is None:
-        value = tokenizer_config.get("chat_template")
+        source, value = directory / "tokenizer_config.json", tokenizer_config.get("chat_template")
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")
-    return value if isinstance(value, str) and value else None
+    return check_chat_template(value, source) if isinstance(value, str) and value else None
 
 
 class HFStreamDecoder:
