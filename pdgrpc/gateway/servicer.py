@@ -128,7 +128,8 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         self._active = active
         self._healthy = healthy
         # request_id -> who started it, and what aborts it (False: too early or late)
-        self._running: dict[str, tuple[str, Callable[[str], bool]]] = {}
+        # (caller, request_id) -> its abort: ids are each caller's own, and only it may abort one.
+        self._running: dict[tuple[str, str], Callable[[str], bool]] = {}
         self._started = time.time()
         # The tokenizer's bundle, built once: the files do not change while serving, and
         # building it costs a large tokenizer's whole compression per call.
@@ -187,11 +188,11 @@ class _Base(pb_grpc.SglangSchedulerServicer):
             why = f"Abort: reason: {len(request.reason)} characters, over the limit of {MAX_ABORT_REASON_CHARS}"
             await _abort(context, ending(Refusal.BAD_REQUEST, why))
         caller = peer_identity(context)
-        owner, abort = self._running.get(request.request_id, (None, None))
-        if abort is None or owner != caller:
-            # Another caller's request gets the unknown id's answer: no telling which ids run.
-            if abort is not None:
-                log.warning("abort of request %s by %s refused: %s started it", request.request_id, caller, owner)
+        abort = self._running.get((caller, request.request_id))
+        if abort is None:  # another caller's request gets this answer too: no telling which ids run
+            owners = [c for c, rid in self._running if rid == request.request_id]
+            if owners:
+                log.warning("abort of request %s by %s refused: %s started it", request.request_id, caller, ", ".join(owners))
             return pb.AbortResponse(success=False, message=f"no request {request.request_id!r} is running here; nothing to abort")
         log.info("abort request %s: %s", request.request_id, request.reason or "(no reason given)")
         if not abort(f"request {request.request_id} aborted by Abort: {request.reason or 'no reason given'}"):
@@ -205,11 +206,21 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         info = self.info()
         return convert(request, disaggregated=not colocated, max_seq_len=info.max_seq_len, room_key=info.room_key)
 
-    def _track(self, request_id: str, abort: Callable[[str], bool], context: grpc.aio.ServicerContext) -> None:
-        """Note ``request_id`` as running, abortable by ``abort`` on its caller's behalf only."""
-        if request_id in self._running:
+    def _track(self, request_id: str, abort: Callable[[str], bool], context: grpc.aio.ServicerContext) -> tuple[str, str] | None:
+        """Note ``request_id`` as running, abortable by ``abort`` on its caller's behalf only;
+        the key :meth:`_untrack` takes. A request without an id is not noted: no Abort can
+        name it, and requests without ids run side by side."""
+        if not request_id:
+            return None
+        key = (peer_identity(context), request_id)
+        if key in self._running:
             raise ending(Refusal.DUPLICATE, f"request_id {request_id!r} is already running here")
-        self._running[request_id] = (peer_identity(context), abort)
+        self._running[key] = abort
+        return key
+
+    def _untrack(self, key: tuple[str, str] | None) -> None:
+        if key is not None:
+            self._running.pop(key, None)
 
 
 class PrefillLeg(_Base):
@@ -268,7 +279,7 @@ class PrefillLeg(_Base):
 
         try:
             g = self._convert(request)
-            self._track(g.request_id, abort, context)
+            key = self._track(g.request_id, abort, context)
         except RequestFailed as exc:
             await _abort(context, exc)
             return
@@ -293,7 +304,7 @@ class PrefillLeg(_Base):
                 ),
             )
         finally:
-            self._running.pop(g.request_id, None)
+            self._untrack(key)
 
 
 class DecodeLeg(_Base):
@@ -307,7 +318,7 @@ class DecodeLeg(_Base):
         scheduler = self._decode.scheduler
         try:
             g = self._convert(request)
-            self._track(g.request_id, lambda why: scheduler.end_stream(g.room, ending(Refusal.ABORTED, why)), context)
+            key = self._track(g.request_id, lambda why: scheduler.end_stream(g.room, ending(Refusal.ABORTED, why)), context)
         except RequestFailed as exc:
             await _abort(context, exc)
             return
@@ -331,7 +342,7 @@ class DecodeLeg(_Base):
             # A stop token, an Abort or a client that went away: closing the inner stream
             # runs its clean-up (the room is aborted and its pages freed).
             await stream.aclose()
-            self._running.pop(g.request_id, None)
+            self._untrack(key)
 
 
 class ColocatedLeg(_Base):
@@ -360,7 +371,7 @@ class ColocatedLeg(_Base):
             sampling = sampling_from_proto(g.sampling)
             engine.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
             engine.validate_request(g.input_ids, g.sampling.max_new_tokens)
-            self._track(g.request_id, abort, context)
+            key = self._track(g.request_id, abort, context)
         except (InvalidRequest, EngineError) as exc:
             await _abort(context, ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "tokenized.input_ids")))
             return
@@ -383,7 +394,7 @@ class ColocatedLeg(_Base):
             await _abort(context, ending(Refusal.ENGINE_FAILED, f"colocated engine failed: {exc}"))
         finally:
             job.cancelled = True  # no-op when finished; else the scheduler drops it and frees its pages
-            self._running.pop(g.request_id, None)
+            self._untrack(key)
 
 
 def _engine_load(load: tuple[int, int], sample: int, load_only: bool) -> Any:

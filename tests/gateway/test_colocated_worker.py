@@ -134,3 +134,54 @@ async def test_an_abort_reason_over_the_limit_is_refused_and_the_request_runs_on
     finally:
         await server.stop(0)
         await impl.close()
+
+
+async def test_request_ids_are_each_callers_own(tmp_path):
+    """Two callers may run requests under one request_id: neither is refused because of the
+    other's, and neither can abort the other's. Requests without an id run side by side."""
+    from pdgrpc.rpc.certs import issue, make_ca
+    from pdgrpc.rpc.roles import GATEWAY
+    from pdgrpc.rpc.security import Security
+
+    ca = make_ca(tmp_path)
+    server_cert, a, b = (issue(ca, tmp_path, name, role=GATEWAY) for name in ("worker", "smg-a", "smg-b"))
+
+    def security(c):
+        return Security(cert=c.cert, key=c.key, ca=ca.cert)
+
+    def long(rid):
+        req = request(rid, (256,), 1500)
+        req.sampling_params.ignore_eos = True
+        return req
+
+    async def finish(stub, req):
+        return [m async for m in stub.Generate(req)][-1].complete.finish_reason
+
+    impl = ColocatedServer(reference_engine(load_topology("colocated")), chunk_tokens=64)
+    server = await start_server(
+        [colocated_service(impl, argparse.Namespace(served_model_name="m"), Drain())], what="test colocated",
+        security=security(server_cert),
+    )
+    try:
+        async with security(a).channel(server.address) as ch_a, security(b).channel(server.address) as ch_b:
+            stub_a, stub_b = pb_grpc.SglangSchedulerStub(ch_a), pb_grpc.SglangSchedulerStub(ch_b)
+            call_a = stub_a.Generate(long("same"))
+            await call_a.read()
+            assert await finish(stub_b, request("same", (256, 65), 3)) == "length"
+            assert not (await stub_b.Abort(pb.AbortRequest(request_id="same"))).success
+            with pytest.raises(grpc.aio.AioRpcError) as info_:  # a's own second one is a duplicate
+                await finish(stub_a, request("same", (256, 65), 3))
+            assert info_.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            unnamed = stub_a.Generate(long(""))
+            await unnamed.read()
+            assert await finish(stub_a, request("", (256, 66), 3)) == "length"
+            unnamed.cancel()
+            assert (await stub_a.Abort(pb.AbortRequest(request_id="same"))).success
+            with pytest.raises(grpc.aio.AioRpcError) as info_:
+                while await call_a.read() is not grpc.aio.EOF:
+                    pass
+            assert info_.value.code() == grpc.StatusCode.CANCELLED
+            await eventually_async(lambda: impl.active_requests() == 0, 10, 0.05, lambda: "a request is still held")
+    finally:
+        await server.stop(0)
+        await impl.close()
