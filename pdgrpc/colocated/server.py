@@ -38,7 +38,8 @@ from pdgrpc.gateway import add_gateway_arguments, colocated_service
 from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.drain import Drain, add_drain_arguments
-from pdgrpc.rpc.security import add_security_arguments
+from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls, limit_arg
+from pdgrpc.rpc.security import add_security_arguments, peer_identity
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.engines import build_engine, check_engine_args
@@ -85,8 +86,13 @@ class Job:
 
 
 class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Engine, chunk_tokens: int, compute_nice: int = 0) -> None:
+    def __init__(
+        self, engine: Engine, chunk_tokens: int, compute_nice: int = 0, max_requests_per_client: int = DEFAULT_PER_CLIENT,
+    ) -> None:
+        """``max_requests_per_client``: GenerateService calls one client holds open at once
+        (a queued request holds the server's memory; smg's facade admits its own)."""
         self.engine = engine
+        self._open = OpenCalls(max_requests_per_client, "Generate", "--max-requests-per-client")
         self.chunk_tokens = chunk_tokens
         self._pending: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
@@ -100,6 +106,18 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         self._thread.shutdown(wait=True)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
+        client = peer_identity(context)
+        try:
+            self._open.acquire(client)
+        except TooManyOpenCalls as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        try:
+            await self._generate(request, context)
+        finally:
+            self._open.release(client)
+
+    async def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         arrived = time.perf_counter()
         trace = tracing.server("colocated", context.invocation_metadata()) if tracing.enabled else None
         try:
@@ -226,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=port, default=0, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--chunk-size", type=whole_number(1, "tokens"), default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
+    p.add_argument(
+        "--max-requests-per-client", type=limit_arg, default=DEFAULT_PER_CLIENT, metavar="N",
+        help="GenerateService calls one client (its mTLS certificate's name, else its host) holds open at once; one "
+        "more is refused RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
     add_engine_arguments(p)
     add_gateway_arguments(p)
     add_logging_arguments(p)
@@ -236,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(ns: argparse.Namespace) -> None:
-    server_impl = ColocatedServer(build_engine(ns), ns.chunk_size, ns.compute_nice)
+    server_impl = ColocatedServer(build_engine(ns), ns.chunk_size, ns.compute_nice, ns.max_requests_per_client)
     name = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
     services: list[ServiceSpec] = [(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(server_impl, s))]
     drain = Drain()

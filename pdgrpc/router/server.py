@@ -14,9 +14,13 @@ from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
-from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, FIRST_TOKEN_FROM, GenerateServicer, RouterConfig, parse_decode, parse_prefill, service_names
+from pdgrpc.router.service import (
+    DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_REQUESTS_PER_CLIENT, FIRST_TOKEN_FROM, GenerateServicer, RouterConfig, parse_decode, parse_prefill,
+    service_names,
+)
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.drain import add_drain_arguments
+from pdgrpc.rpc.open_calls import limit_arg
 from pdgrpc.rpc.security import add_security_arguments, current
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.tracing import add_tracing_arguments
@@ -59,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--request-timeout", type=float, default=300.0, metavar="SECONDS",
         help="deadline of the Prefill and Decode calls of one request (a client's own, shorter deadline wins) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-requests-per-client", type=limit_arg, default=DEFAULT_REQUESTS_PER_CLIENT, metavar="N",
+        help="Generate calls one client (its mTLS certificate's name, else its host) holds open at once; one more is "
+        "refused RESOURCE_EXHAUSTED. Each prefill and decode counts this router as one client (their "
+        "--max-prefills-per-client and --max-decodes-per-client, 512): keep the router's own calls in flight below "
+        "those (default: %(default)s)",
     )
     p.add_argument(
         "--model", metavar="PATH", default="",
@@ -229,6 +240,7 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         local_prefill_tokens=args.local_prefill_tokens,
         local_prefill_queue=args.local_prefill_queue,
         first_token=args.first_token,
+        max_requests_per_client=args.max_requests_per_client,
     )
 
 

@@ -85,7 +85,8 @@ from pdgrpc.router.policy import DEFAULT_MARGIN, Policy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.local import LocalChannel
-from pdgrpc.rpc.security import current
+from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
+from pdgrpc.rpc.security import current, peer_identity
 from pdgrpc.rpc.errors import reason_of
 from pdgrpc.serving.kv_events import LOCAL_PREFILL
 from pdgrpc.serving.logs import request_event
@@ -116,6 +117,9 @@ DEFAULT_MAX_PROMPT_TOKENS = 2048
 # before cancelling it (the prefill replies once the decode acknowledged the KV, which
 # precedes the decode's first token, so this is normally already done).
 _PREFILL_TAIL_S = 5.0
+# A client's open Generate calls: half of what each prefill and decode lets the router, one
+# client to them, hold open there, so that no one of its clients holds all of it.
+DEFAULT_REQUESTS_PER_CLIENT = DEFAULT_PER_CLIENT // 2
 # When one side fails, a failure of the other arriving this soon after is taken as the cause.
 _CAUSE_WINDOW_S = 0.5
 # Where the client's first token comes from (RouterConfig.first_token; module doc, step 3).
@@ -207,6 +211,8 @@ class RouterConfig:
     # prompt when every prefill has more than local_prefill_queue calls in flight (0: never).
     local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
     local_prefill_queue: int = 0
+    # Generate calls one client (pdgrpc.rpc.security.peer_identity) holds open at once.
+    max_requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT
     # Local sockets of the decodes, by address (a prefill's is PrefillBackend.local): the
     # router calls those over them instead of gRPC (pdgrpc.rpc.local).
     decode_sockets: tuple[tuple[str, str], ...] = ()
@@ -326,6 +332,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.policy = Policy(config.policy, index, config.cache_aware_margin)
         self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
         self.metrics = metrics or RouterMetrics()
+        self._open = OpenCalls(config.max_requests_per_client, "Generate", "--max-requests-per-client")
         # With discovery, each channel to an instance expects its record's signer in every handshake.
         # Tested against None: a pool that holds no channel yet is falsy (it has a length).
         self._pool = pool if pool is not None else ChannelPool(server_names=None if view is None else view.server_name)
@@ -472,6 +479,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     # ---- the RPC ------------------------------------------------------------------------
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
+        client = peer_identity(context)
+        try:
+            self._open.acquire(client)
+        except TooManyOpenCalls as exc:
+            self.metrics.on_refused()
+            log.warning("refused a Generate call: %s", exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        try:
+            await self._generate(request, context)
+        finally:
+            self._open.release(client)
+
+    async def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         arrived = time.perf_counter()
         # Until the first token reached the client; the prefill and decode spans are its children.
         trace = tracing.server("router", context.invocation_metadata()) if tracing.enabled else None

@@ -499,3 +499,36 @@ async def test_a_dead_upstream_is_counted_as_a_peer_failure(cluster):
         assert s.value("pdgrpc_aborts_total", reason="cancelled", role="router") == 0
     finally:
         stop()
+
+
+async def test_one_client_holds_at_most_its_limit_of_open_requests():
+    """The prefills and decodes count the router as one client: one of its clients holding
+    every request the router may have open there would refuse every other client's. Past
+    --max-requests-per-client, a client's next request is refused; one that ends frees its place."""
+    prefill, decode = ScriptedPrefill(), ScriptedDecode()
+    decode.wait_forever = True
+    p_srv, d_srv = await serve_prefill(prefill), await serve_decode(decode)
+    router = GenerateServicer(RouterConfig(
+        prefills=(PrefillBackend(p_srv.address, "127.0.0.1:1"),), decodes=(d_srv.address,), max_requests_per_client=2,
+    ))
+    (name,) = service_names()
+    r_srv = await start_server([(name, lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(router, s))])
+    try:
+        async with grpc.aio.insecure_channel(r_srv.address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            held = [stub.Generate(generate_pb2.GenerateRequest(prompt="hi", request_id=f"h{i}")) for i in range(2)]
+            await wait_for(lambda: len(decode.requests) == 2, 10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="hi", request_id="third")))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "already has 2 Generate calls open (limit 2 per client, --max-requests-per-client)" in err.value.details()
+            assert len(decode.requests) == 2  # the refused one reached nobody
+            held[0].cancel()
+            decode.wait_forever = False
+            await wait_for(lambda: router.active == 1, 10)
+            assert [t for m in await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="hi"))) for t in m.token_ids] == [104, 105]
+            held[1].cancel()
+    finally:
+        await router.close()
+        for s in (r_srv, p_srv, d_srv):
+            await s.stop(0)
