@@ -201,3 +201,29 @@ def test_a_chat_template_that_is_not_valid_jinja_is_refused_at_start_up(hf_check
     cfg["chat_template"] = "{{ messages[0]['content'] }"
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     _assert_refused(path, "tokenizer_config.json: the chat template is not valid Jinja: ", capsys)
+
+
+def test_a_sliding_window_on_some_layers_only_is_refused_and_on_all_or_none_is_honoured(hf_checkpoint, tmp_path, capsys):
+    """Qwen2 and Qwen3 slide only layers from max_window_layers on (or as layer_types says),
+    as transformers does; this engine applies one window to every layer or to none, so a
+    mix would answer other tokens than transformers: it is refused."""
+    from pdgrpc.engine.hf.config import load_config
+
+    path = _copy(Path(hf_checkpoint("qwen2")), tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    cfg.pop("layer_types", None)  # as a checkpoint saved before transformers wrote them
+    (path / "config.json").write_text(json.dumps(cfg))
+
+    def sliding_in_transformers() -> list[bool]:
+        return [t == "sliding_attention" for t in transformers.AutoConfig.from_pretrained(str(path)).layer_types]
+
+    _edit_config(path, use_sliding_window=True, sliding_window=8, max_window_layers=layers)
+    assert load_config(path).sliding_window is None and not any(sliding_in_transformers())
+    _edit_config(path, max_window_layers=0)
+    assert load_config(path).sliding_window == 8 and all(sliding_in_transformers())
+    _edit_config(path, max_window_layers=1)
+    assert sliding_in_transformers() == [False] + [True] * (layers - 1)
+    _assert_refused(path, f"config.json: a sliding window on layers 1 to {layers - 1} only", capsys)
+    _edit_config(path, layer_types=["full_attention"] * layers)  # layer_types wins, as in transformers
+    assert load_config(path).sliding_window is None and not any(sliding_in_transformers())

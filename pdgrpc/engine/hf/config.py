@@ -167,6 +167,31 @@ def _check_id(token_id: int, key: str, where: Path, vocab_size: int) -> None:
         raise ConfigError(f"{where}: field {key!r} = {token_id} is not a token id in [0, {vocab_size})")
 
 
+def _layers_window(cfg: dict[str, Any], window: int, where: Path) -> int | None:
+    """Qwen2's and Qwen3's window, which slides only the layers ``layer_types`` names
+    ``sliding_attention`` (by default those from ``max_window_layers`` on), as transformers
+    reads it: ``window`` when it slides every layer, None when none. This engine applies one
+    window to every layer or to none, so a mix is refused: it would answer other tokens."""
+    n = _int(cfg, "num_hidden_layers", where)
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == n:
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        first = cfg.get("max_window_layers", 28)
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise ConfigError(f"{where}: field 'max_window_layers' must be an integer, got {first!r}")
+        sliding = [i >= first for i in range(n)]
+    if all(sliding):
+        return window
+    if not any(sliding):
+        return None
+    layers = [i for i, s in enumerate(sliding) if s]
+    raise ConfigError(
+        f"{where}: a sliding window on layers {layers[0]} to {layers[-1]} only (layer_types or max_window_layers) is "
+        "not supported: this engine applies one window to every layer or to none"
+    )
+
+
 def load_config(model: str | Path) -> HFConfig:
     """Read ``config.json`` (and ``generation_config.json`` where present) of a checkpoint
     directory, or the metadata of a GGUF file (:mod:`pdgrpc.engine.hf.gguf`)."""
@@ -223,6 +248,8 @@ def _parse(path: Path, where: Path, cfg: dict[str, Any], gen: dict[str, Any] | N
         window = None  # Qwen2/Qwen3 write a window but attend fully unless use_sliding_window
     if window is not None:
         window = _int({"sliding_window": window}, "sliding_window", where)
+    if window is not None and arch != "MistralForCausalLM":
+        window = _layers_window(cfg, window, where)
     vocab = _int(cfg, "vocab_size", where)
     eos = _eos_ids(cfg.get("eos_token_id"), where, vocab)
     if gen is not None and gen.get("eos_token_id") is not None:
