@@ -38,8 +38,8 @@ from pdgrpc.gateway import add_gateway_arguments, colocated_service
 from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.drain import Drain, add_drain_arguments
-from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls, limit_arg
-from pdgrpc.rpc.security import add_security_arguments, peer_identity
+from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, limit_arg
+from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.engines import build_engine, check_engine_args
@@ -106,16 +106,8 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         self._thread.shutdown(wait=True)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
-        client = peer_identity(context)
-        try:
-            self._open.acquire(client)
-        except TooManyOpenCalls as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return
-        try:
+        async with self._open.held(context):
             await self._generate(request, context)
-        finally:
-            self._open.release(client)
 
     async def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         arrived = time.perf_counter()

@@ -63,7 +63,6 @@ from pdgrpc.gateway.requests import GatewayRequest, convert
 from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
-from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.state.kv_event_log import Cleared, EventBatch, Removed, Stored, stored_runs
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -238,13 +237,7 @@ class PrefillLeg(_Base):
             return
         # Each stream costs a snapshot and a stream: smg's count against the feed's limit
         # per client, as pdgrpc's own SubscribeKvEvents do.
-        client = peer_identity(context)
-        try:
-            self._kv_events.streams.acquire(client)
-        except TooManyOpenCalls as exc:
-            await _abort(context, ending(Refusal.OVERLOADED, str(exc)))
-            return
-        try:
+        async with self._kv_events.streams.held(context):
             sent: int | None = 0 if request.load_records_before_first_batch else None  # last sequence on this stream
             sample = 0
             last_load: tuple[int, int] | None = None
@@ -264,8 +257,6 @@ class PrefillLeg(_Base):
                         sequence_number=sent, timestamp=time.time(), load=_engine_load(load, sample, load_only=True),
                     )
                     last_load, last_at = load, now
-        finally:
-            self._kv_events.streams.release(client)
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
         aborted: list[str] = []

@@ -25,7 +25,6 @@ class Refusal(enum.Enum):
     UNSUPPORTED = "unsupported"  # this worker was started without the feature
     NO_TOKENIZER = "no_tokenizer"  # the tokenizer's files cannot be served
     ENGINE_FAILED = "engine_failed"  # the colocated engine raised
-    OVERLOADED = "overloaded"  # the caller holds its limit of open calls; the message names it
 
 
 _STATUS: dict[Refusal, grpc.StatusCode] = {
@@ -35,7 +34,6 @@ _STATUS: dict[Refusal, grpc.StatusCode] = {
     Refusal.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     Refusal.NO_TOKENIZER: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.ENGINE_FAILED: grpc.StatusCode.INTERNAL,
-    Refusal.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -86,7 +86,7 @@ from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.local import LocalChannel
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
-from pdgrpc.rpc.security import current, peer_identity
+from pdgrpc.rpc.security import current
 from pdgrpc.rpc.errors import reason_of
 from pdgrpc.serving.kv_events import LOCAL_PREFILL
 from pdgrpc.serving.logs import request_event
@@ -479,18 +479,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     # ---- the RPC ------------------------------------------------------------------------
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # grpc.aio allows a context.write() streaming handler that returns None
-        client = peer_identity(context)
-        try:
-            self._open.acquire(client)
-        except TooManyOpenCalls as exc:
-            self.metrics.on_refused()
-            log.warning("refused a Generate call: %s", exc)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return
-        try:
+        async with self._open.held(context, self._refused_open):
             await self._generate(request, context)
-        finally:
-            self._open.release(client)
+
+    def _refused_open(self, exc: TooManyOpenCalls) -> None:
+        self.metrics.on_refused()
+        log.warning("refused a Generate call: %s", exc)
 
     async def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         arrived = time.perf_counter()

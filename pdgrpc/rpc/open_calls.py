@@ -13,9 +13,14 @@ limit must stay above its own requests in flight.
 from __future__ import annotations
 
 import collections
+import contextlib
+from typing import AsyncIterator, Callable
+
+import grpc
 
 from pdgrpc.argtypes import whole_number
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.rpc.security import peer_identity
 
 __all__ = ["DEFAULT_PER_CLIENT", "OpenCalls", "TooManyOpenCalls", "limit_arg"]
 
@@ -51,6 +56,26 @@ class OpenCalls:
                 f"(limit {self.limit} per client, {self.flag})"
             )
         self.open[client] += 1
+
+    @contextlib.asynccontextmanager
+    async def held(
+        self, context: grpc.aio.ServicerContext, on_refused: Callable[[TooManyOpenCalls], None] | None = None,
+    ) -> AsyncIterator[None]:
+        """One open call of ``context``'s caller (:func:`~pdgrpc.rpc.security.peer_identity`)
+        for the block. A caller at its limit is aborted RESOURCE_EXHAUSTED naming the limit,
+        after ``on_refused`` (``context.abort`` raises: the block never runs)."""
+        client = peer_identity(context)
+        try:
+            self.acquire(client)
+        except TooManyOpenCalls as exc:
+            if on_refused is not None:
+                on_refused(exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise
+        try:
+            yield
+        finally:
+            self.release(client)
 
     def release(self, client: str) -> None:
         self.open[client] -= 1

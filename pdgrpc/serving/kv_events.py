@@ -31,8 +31,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from pdgrpc.rpc.open_calls import OpenCalls, TooManyOpenCalls
-from pdgrpc.rpc.security import peer_identity
+from pdgrpc.rpc.open_calls import OpenCalls
 from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.state.kv_event_log import (
     Block, Cleared, EventBatch, KvEvent, KvEventLog, Removed, SnapshotChunk, Stored,
@@ -221,15 +220,7 @@ async def serve_kv_events(
 ) -> AsyncIterator[prefill_pb2.KvEventBatch]:
     """One ``pdgrpc.v1.PrefillService/SubscribeKvEvents`` stream over ``feed``, for a client
     under its limit of open streams (else ``RESOURCE_EXHAUSTED``)."""
-    client = peer_identity(context)
-    try:
-        feed.streams.acquire(client)
-    except TooManyOpenCalls as exc:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        return
-    try:
+    async with feed.streams.held(context):
         async for batches in feed.follow(request.start_sequence_number):
             for b in batches:
                 yield batch_to_proto(b)
-    finally:
-        feed.streams.release(client)
