@@ -19,7 +19,7 @@ from pdgrpc.errors import PeerFailure
 from pdgrpc.transport.receiver import Refusal
 from pdgrpc.transport.tcp_wire import (
     ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, HELLO_REFUSED, MAX_CONTROL_BYTES, MAX_FRAME_PAYLOAD, MAX_OPS_PER_FRAME,
-    META, NACK, OP, PING, WRITE,
+    MAX_UNREAD_REPLY_BYTES, META, NACK, OP, PING, WRITE,
 )
 
 __all__ = ["Conn", "ConnEvents"]
@@ -75,6 +75,7 @@ class Conn:
         # slices, and holding them all as live memoryviews makes the garbage
         # collector's work grow with the queue.
         self._frames: collections.deque[Any] = collections.deque()
+        self._queued = 0  # bytes of the built frames in _frames
         self.on_close: list[Callable[[], None]] = []  # called once when the connection closes
         self.staging: Any = None  # staging buffers of device regions (pdgrpc.transport.tcp_device)
         self._fidx = 0  # first buffer of the head frame not fully sent
@@ -224,8 +225,13 @@ class Conn:
         views = [b if type(b) is memoryview else memoryview(b) for b in bufs]
         ends = list(itertools.accumulate(len(b) for b in views))
         self._frames.append((views, ends) if on_sent is None else (views, ends, on_sent))
+        self._queued += ends[-1] if ends else 0
         if not self._writing:
             self._flush()
+        elif self.remote is not None and self._queued > MAX_UNREAD_REPLY_BYTES:
+            # An accepted connection sends only replies: its writer does not read them.
+            self.protocol_error(f"the writer reads none of its replies: {self._queued} bytes of them wait "
+                                f"(limit {MAX_UNREAD_REPLY_BYTES})")
 
     def send_later(self, make: Callable[[], tuple[list[memoryview], list[int]]]) -> None:
         """Queue a frame whose buffers (and their cumulative sizes) ``make()`` builds
@@ -246,6 +252,7 @@ class Conn:
             head = frames[0]
             if callable(head):
                 head = frames[0] = head()
+                self._queued += head[1][-1] if head[1] else 0
             bufs, ends = head[0], head[1]
             i, pos = self._fidx, self._fpos
             skip = pos - (ends[i - 1] if i else 0)
@@ -262,6 +269,7 @@ class Conn:
             pos += n
             if pos == ends[-1]:
                 frames.popleft()
+                self._queued -= pos
                 self._fidx = self._fpos = 0
                 if len(head) > 2:  # send(..., on_sent=): the socket took the whole frame
                     head[2]()
@@ -294,6 +302,7 @@ class Conn:
         if self._writing:
             self.loop.remove_writer(self.fd)
         self._frames.clear()
+        self._queued = 0
         self._iovs = []
         self.sock.close()
         for cb in self.on_close:

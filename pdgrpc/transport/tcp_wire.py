@@ -24,6 +24,10 @@ HELLO, HELLO_OK, HELLO_REFUSED, WRITE, META, ACK, NACK, PING, CHALLENGE = (
 MAX_OPS_PER_FRAME = 512  # keeps a frame's iovec list under IOV_MAX (1024)
 MAX_FRAME_PAYLOAD = 256 << 20  # bytes of payload in one frame; a frame announcing more is a protocol error
 MAX_CONTROL_BYTES = 64 * 1024  # hello bodies and reasons; anything larger is a protocol error
+# Replies (ACK, NACK, PING) a receiver queues for a writer past what its socket took: a
+# writer reads them as they come, so more waiting means it reads none, and each one it
+# provokes would otherwise cost the receiver memory. Past it, a protocol error.
+MAX_UNREAD_REPLY_BYTES = 1 << 20
 _STRIDED_MIN = 128  # slices in one region before a strided numpy view pays off (it has a fixed cost)
 
 

@@ -5,6 +5,7 @@ identity never fails the real peer's rooms."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -14,7 +15,7 @@ from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.testing.peer import Layout
 from pdgrpc.transport.receiver import MessageType
-from pdgrpc.transport.tcp_wire import HEADER, MAX_FRAME_PAYLOAD
+from pdgrpc.transport.tcp_wire import HEADER, MAX_FRAME_PAYLOAD, OP
 
 from tests.eventually import eventually_async
 from tests.transport.raw_tcp import RawClient
@@ -25,12 +26,16 @@ LAYOUT = Layout(layers=2, pages=16, slots=4)
 
 
 class Pair:
-    """A receiver and a well-behaved sender in this process, both tcp."""
+    """A receiver and a well-behaved sender in this process, both tcp (``options``: the
+    receiver's)."""
+
+    def __init__(self, **options: object) -> None:
+        self.options = options
 
     async def __aenter__(self) -> "Pair":
         self.recv_regions, _ = LAYOUT.build(seed=None)
         self.send_regions, _ = LAYOUT.build(seed=5)
-        self.recv = registry.create("tcp")
+        self.recv = registry.create("tcp", **self.options)
         self.send = registry.create("tcp")
         self.descriptor = await self.recv.register(self.recv_regions)
         await self.send.register(self.send_regions)
@@ -105,6 +110,32 @@ async def test_a_frame_announcing_more_than_the_cap_is_refused_without_reading_i
             client.close()
         assert await p.transfer() is KVPoll.SUCCESS
         assert await asyncio.wait_for(asyncio.sleep(0), 1) is None  # the loop is free
+
+
+async def test_a_writer_that_reads_none_of_its_replies_is_closed_not_buffered() -> None:
+    # Audit: a proven writer sent 57-byte frames for a room that does not exist and never
+    # read its socket; the receiver queued a NACK for each (about 800 bytes of its memory
+    # apiece, 300 MB for 400,000 frames). Once MAX_UNREAD_REPLY_BYTES of replies wait,
+    # the receiver closes that connection; the real peer goes on.
+    async with Pair(sockbuf=64 << 10) as p:  # small kernel buffers: the queue fills soon
+        client = RawClient(p.descriptor)
+        client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            assert await client.hello() == MessageType.HELLO_OK
+            refused = HEADER.pack(MessageType.WRITE, 1, 999, 1, 0) + OP.pack(0, 0, 1) + b"x"
+            # NACKs of 100,000 frames: far more than the cap and the kernel's buffers. A
+            # receiver that keeps reading them takes all; one that closed resets the rest.
+            closed = False
+            for _ in range(10):
+                try:
+                    await client.send(refused * 10_000)
+                except OSError:
+                    closed = True
+                    break
+            assert closed, "the receiver read 100,000 frames whose replies were never read"
+        finally:
+            client.close()
+        assert await p.transfer() is KVPoll.SUCCESS
 
 
 IMPOSTERS = {
