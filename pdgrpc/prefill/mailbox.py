@@ -14,9 +14,10 @@ every decode rank it writes to); the driver calls :meth:`Mailbox.wait` once per 
 Every handshake of a room may carry a ``group`` value (the decode TP size): a later one
 with another value is refused with :class:`GroupMismatch`.
 
-Bounds: at most ``capacity`` rooms hold early handshakes, and at most ``per_peer`` of them
-come from one peer (the caller's address), so one client cannot fill the mailbox for the
-others. A refused handshake is never stored (:meth:`Mailbox.refuse`): it reaches a Prefill
+Bounds: at most ``capacity`` early handshakes are held, and at most ``per_peer`` of them
+come from one peer (the caller's identity), so one client cannot fill the mailbox for the
+others. Each handshake counts, not each room: a room's handshakes are keyed by their
+unverified proofs, so a peer could otherwise pile up any number under one room. A refused handshake is never stored (:meth:`Mailbox.refuse`): it reaches a Prefill
 RPC already claiming its room, else it is dropped, and it takes no key, so it cannot block
 the room's real handshake.
 
@@ -73,17 +74,18 @@ class Mailbox(Generic[T]):
         self.per_peer = per_peer if per_peer is not None else capacity
         self.ttl_s = ttl_s
         self._clock = clock
-        self._early: collections.OrderedDict[int, tuple[float, list[T]]] = collections.OrderedDict()
-        self._peer_of: dict[int, str] = {}  # room with early handshakes -> the peer that sent the first
-        self._by_peer: collections.Counter[str] = collections.Counter()  # peer -> rooms in _early
+        # room -> (when its first arrived, its early handshakes with the peer that sent each)
+        self._early: collections.OrderedDict[int, tuple[float, list[tuple[T, str]]]] = collections.OrderedDict()
+        self._held = 0  # early handshakes in _early
+        self._by_peer: collections.Counter[str] = collections.Counter()  # peer -> its early handshakes
         self._claims: dict[int, _Claim[T]] = {}  # rooms a Prefill RPC has claimed
         self._keys: dict[int, tuple[object, set[object]]] = {}  # room -> (group, keys delivered)
         self._claim_waiters: dict[int, list[asyncio.Future[None]]] = {}  # room -> answers waiting for its claim
 
     def __len__(self) -> int:
-        """Rooms with early handshakes held (after dropping expired ones)."""
+        """Early handshakes held (after dropping expired ones)."""
         self._expire()
-        return len(self._early)
+        return self._held
 
     def _expire(self) -> None:
         cutoff = self._clock() - self.ttl_s
@@ -91,8 +93,7 @@ class Mailbox(Generic[T]):
             room, (t, _) = next(iter(self._early.items()))
             if t >= cutoff:
                 break
-            del self._early[room]
-            self._unpeer(room)
+            self._take_early(room)
             if room not in self._claims:
                 self._keys.pop(room, None)
 
@@ -101,12 +102,21 @@ class Mailbox(Generic[T]):
         entry = self._keys.get(room)
         return None if entry is None else entry[0]
 
-    def _unpeer(self, room: int) -> None:
-        peer = self._peer_of.pop(room, None)
-        if peer is not None:
+    def _unpeer(self, items: list[tuple[T, str]]) -> None:
+        """``items`` leave the mailbox: their peers' counts go down."""
+        self._held -= len(items)
+        for _, peer in items:
             self._by_peer[peer] -= 1
             if self._by_peer[peer] <= 0:
                 del self._by_peer[peer]
+
+    def _take_early(self, room: int) -> list[T] | None:
+        """Remove ``room``'s early handshakes; None when it has none."""
+        early = self._early.pop(room, None)
+        if early is None:
+            return None
+        self._unpeer(early[1])
+        return [item for item, _ in early[1]]
 
     def refuse(self, room: int, failure: T) -> bool:
         """A refused handshake: hand ``failure`` to the Prefill RPC that claimed ``room``
@@ -135,10 +145,10 @@ class Mailbox(Generic[T]):
             if group is not None and entry[0] is not None and group != entry[0]:
                 raise GroupMismatch(room, entry[0], group)
         claim = self._claims.get(room)
-        if claim is None and room not in self._early:
-            if len(self._early) >= self.capacity:
+        if claim is None:
+            if self._held >= self.capacity:
                 raise MailboxFull(
-                    f"room {room}: {len(self._early)} handshakes already wait for their Prefill RPC (capacity {self.capacity})"
+                    f"room {room}: {self._held} handshakes already wait for their Prefill RPC (capacity {self.capacity})"
                 )
             if self._by_peer[peer] >= self.per_peer:
                 raise MailboxFull(
@@ -158,11 +168,11 @@ class Mailbox(Generic[T]):
                 claim.items.append(handshake)
             return True
         if room in self._early:
-            self._early[room][1].append(handshake)
+            self._early[room][1].append((handshake, peer))
         else:
-            self._early[room] = (self._clock(), [handshake])
-            self._peer_of[room] = peer
-            self._by_peer[peer] += 1
+            self._early[room] = (self._clock(), [(handshake, peer)])
+        self._held += 1
+        self._by_peer[peer] += 1
         return False
 
     def claim(self, room: int) -> _Claim[T]:
@@ -172,10 +182,9 @@ class Mailbox(Generic[T]):
         claim = self._claims.get(room)
         if claim is None:
             claim = self._claims[room] = _Claim()
-            early = self._early.pop(room, None)
+            early = self._take_early(room)
             if early is not None:
-                self._unpeer(room)
-                claim.items.extend(early[1])
+                claim.items.extend(early)
             self._keys.setdefault(room, (None, set()))
             for waiter in self._claim_waiters.pop(room, ()):
                 if not waiter.done():
@@ -226,8 +235,13 @@ class Mailbox(Generic[T]):
         if entry is None:
             return 0
         items = entry[1]
-        kept = sorted((i for i in items if keep(i)), key=lambda i: not first(i))
-        dropped = len(items) - len(kept)
+        kept: list[tuple[T, str]] = []
+        gone: list[tuple[T, str]] = []
+        for i in items:
+            (kept if keep(i[0]) else gone).append(i)
+        kept.sort(key=lambda i: not first(i[0]))
+        dropped = len(gone)
+        self._unpeer(gone)
         items[:] = kept
         keys = self._keys.get(room)
         if dropped and keys is not None:
@@ -240,9 +254,8 @@ class Mailbox(Generic[T]):
 
     def discard(self, room: int) -> bool:
         """Forget early handshakes for ``room`` (decode aborted before Prefill came)."""
-        if self._early.pop(room, None) is None:
+        if self._take_early(room) is None:
             return False
-        self._unpeer(room)
         if room not in self._claims:
             self._keys.pop(room, None)
         return True

@@ -147,3 +147,32 @@ async def test_a_chunk_is_sent_only_once_the_device_finished_writing_it(decode: 
         assert_landed_bit_exact(decode, r, ids, SamplingParams())
     finally:
         await w.close()
+
+
+async def test_forged_early_handshakes_for_one_room_count_against_their_peers_quota(decode: FakeDecode) -> None:
+    """Audit: the early-handshake caps counted rooms, so one peer could keep any number of
+    handshakes (and AbortRoom tombstones) for one room, each with another made-up
+    ``room_proof``, until the room's Prefill came or its TTL passed. Each one now counts
+    against its sender's quota: past it, RESOURCE_EXHAUSTED naming the limit; the real
+    decode's handshake still gets in, and the room lands exact."""
+    import secrets
+
+    w = await _worker(early_handshakes_per_peer=4, early_handshakes=16)
+    try:
+        ids, room = prompt(20, 9), new_room()
+        r = decode.allocate(room, len(ids))
+        for _ in range(4):
+            w.handshake(decode.handshake_request(r, room_proof=secrets.token_bytes(32)), "mallory")
+        for _ in range(8):  # tombstones are held the same way: refused silently past the quota
+            await w.abort_room(room, "forged", secrets.token_bytes(32), "mallory")
+        with pytest.raises(RequestFailed) as ei:
+            w.handshake(decode.handshake_request(r, room_proof=secrets.token_bytes(32)), "mallory")
+        assert ei.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit 4 per peer" in ei.value.message
+        w.handshake(decode.handshake_request(r), "decode")  # the real one: another peer's quota
+        await w.prefill(request(room, ids))
+        assert (await decode.wait(r)).state is KVPoll.SUCCESS
+        assert_landed_bit_exact(decode, r, ids, SamplingParams())
+        assert _held(w) == (0, 0, 0)
+    finally:
+        await w.close()

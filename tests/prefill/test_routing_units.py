@@ -169,3 +169,21 @@ async def test_mailbox_caps_early_handshakes_per_peer_and_never_stores_refusals(
     assert box.refuse(6, "refused") is True
     assert box.refuse(6, "refused again") is False  # one queued refusal per claim, no more
     assert await box.wait(6, timeout=1) == "refused"
+
+
+def test_mailbox_counts_every_early_handshake_not_every_room() -> None:
+    """Keys carry unverified proofs, so one room can take any number of handshakes: each
+    counts against the mailbox's capacity and its sender's quota."""
+    box: Mailbox[str] = Mailbox(capacity=3, ttl_s=10.0, per_peer=2)
+    box.deliver(1, "forged", key=(0, b"a"), peer="mallory")
+    box.deliver(1, "forged", key=(0, b"b"), peer="mallory")
+    with pytest.raises(MailboxFull, match="limit 2 per peer"):
+        box.deliver(1, "forged", key=(0, b"c"), peer="mallory")
+    box.deliver(1, "real", key=(0, b"ok"), peer="decode")
+    assert len(box) == 3
+    with pytest.raises(MailboxFull, match="capacity 3"):
+        box.deliver(2, "other", peer="decode-b")
+    assert box.sift(1, lambda h: h == "real") == 2  # the forgeries give their places back
+    box.deliver(2, "other", peer="decode-b")
+    box.deliver(3, "again", key=(0, b"d"), peer="mallory")
+    assert len(box) == 3
