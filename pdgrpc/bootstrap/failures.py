@@ -12,8 +12,10 @@ A record is keyed by its tag, an HMAC under the room's secret
 (:func:`pdgrpc.serving.room_proof.failure_tag`). Without the secret a caller cannot
 compute a tag its decode asks for, so it can neither fail a room nor learn that a room
 failed; a record it makes up is never found and only takes a place in the table. Bounded:
-the last ``capacity`` records younger than ``ttl_s`` (the oldest go first), and at most
-``max_watches`` held queries.
+the last ``capacity`` records younger than ``ttl_s`` (the oldest go first), and the keys
+of held queries: at most ``max_held_keys`` in all and ``max_held_keys_per_caller`` of one
+caller identity. Keys count, not calls: each held key costs the server its watch, and a
+call may carry up to :data:`MAX_BATCH` of them. A decode holds one key per late room.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.serving.room_proof import SECRET_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
-__all__ = ["MAX_BATCH", "MAX_REASON_CHARS", "MAX_WAIT_MS", "RoomFailures"]
+__all__ = ["MAX_BATCH", "MAX_HELD_KEYS", "MAX_HELD_KEYS_PER_CALLER", "MAX_REASON_CHARS", "MAX_WAIT_MS", "RoomFailures"]
 
 MAX_BATCH = 1024  # records or keys per call (bootstrap.proto)
 MAX_REASON_CHARS = 1000  # characters of a reason kept
 TAG_BYTES = SECRET_BYTES  # an HMAC-SHA256
 MAX_WAIT_MS = 10_000  # longest a QueryRoomFailures call is held (bootstrap.proto)
+MAX_HELD_KEYS = 4096  # keys of the QueryRoomFailures calls held at once
+MAX_HELD_KEYS_PER_CALLER = 1024  # of those, one caller identity's: no decode spends the others' places
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +64,18 @@ def _check_keys(keys: Iterable[pb.RoomFailureKey], what: str) -> list[pb.RoomFai
 class RoomFailures:
     """Tag -> failure record, the last ``capacity`` younger than ``ttl_s`` seconds."""
 
-    def __init__(self, capacity: int = 4096, ttl_s: float = 60.0, max_watches: int = 4096) -> None:
+    def __init__(
+        self, capacity: int = 4096, ttl_s: float = 60.0, max_held_keys: int = MAX_HELD_KEYS,
+        max_held_keys_per_caller: int = MAX_HELD_KEYS_PER_CALLER,
+    ) -> None:
         self.capacity = capacity
         self.ttl_s = ttl_s
-        self.max_watches = max_watches
+        self.max_held_keys = max_held_keys
+        self.max_held_keys_per_caller = max_held_keys_per_caller
         self._records: collections.OrderedDict[bytes, _Record] = collections.OrderedDict()
         self._watches: dict[bytes, set[asyncio.Future[None]]] = {}  # tag -> held queries
-        self._watching = 0
+        self._held = 0  # keys of the held queries
+        self._held_by: collections.Counter[str] = collections.Counter()  # caller -> its held keys
 
     def __len__(self) -> int:
         return len(self._records)
@@ -94,26 +103,42 @@ class RoomFailures:
         self._expire(now)
         return len(failures)
 
-    async def wait(self, keys: Iterable[pb.RoomFailureKey], clock: Callable[[], float], max_wait_s: float) -> list[pb.RoomFailure]:
+    async def wait(
+        self, keys: Iterable[pb.RoomFailureKey], clock: Callable[[], float], max_wait_s: float, caller: str = "",
+    ) -> list[pb.RoomFailure]:
         """:meth:`query`, held up to ``max_wait_s`` while no key has a record. Raises
-        :class:`~pdgrpc.rpc.open_calls.TooManyOpenCalls` past ``max_watches`` held calls."""
+        :class:`~pdgrpc.rpc.open_calls.TooManyOpenCalls` when holding its keys would pass
+        ``max_held_keys``, or ``max_held_keys_per_caller`` of ``caller`` (its identity)."""
         checked = _check_keys(keys, "QueryRoomFailuresRequest.keys")
         found = self.query(checked, clock())
         if found or max_wait_s <= 0 or not checked:
             return found
-        if self._watching >= self.max_watches:
-            raise TooManyOpenCalls(f"{self._watching} QueryRoomFailures calls are held on this server (limit {self.max_watches})")
+        n, mine = len(checked), self._held_by[caller]
+        if mine + n > self.max_held_keys_per_caller:
+            raise TooManyOpenCalls(
+                f"QueryRoomFailuresRequest.keys: {n} keys to hold, but caller {caller or '(unknown)'} already holds {mine} "
+                f"(limit {self.max_held_keys_per_caller} per caller)"
+            )
+        if self._held + n > self.max_held_keys:
+            raise TooManyOpenCalls(
+                f"QueryRoomFailuresRequest.keys: {n} keys to hold, but {self._held} keys of QueryRoomFailures calls "
+                f"are held on this server (limit {self.max_held_keys})"
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         tags = [bytes(k.tag) for k in checked]
         for tag in tags:
             self._watches.setdefault(tag, set()).add(fut)
-        self._watching += 1
+        self._held += n
+        self._held_by[caller] += n
         try:
             await asyncio.wait_for(fut, max_wait_s)
         except asyncio.TimeoutError:
             pass
         finally:
-            self._watching -= 1
+            self._held -= n
+            self._held_by[caller] -= n
+            if self._held_by[caller] <= 0:
+                del self._held_by[caller]
             for tag in tags:
                 futs = self._watches.get(tag)
                 if futs is not None:

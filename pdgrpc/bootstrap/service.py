@@ -114,7 +114,9 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
 
     async def QueryRoomFailures(self, request: pb.QueryRoomFailuresRequest, context: grpc.aio.ServicerContext) -> pb.QueryRoomFailuresResponse:
         try:
-            found = await self.failures.wait(request.keys, self.clock, min(request.max_wait_ms, MAX_WAIT_MS) / 1000)
+            found = await self.failures.wait(
+                request.keys, self.clock, min(request.max_wait_ms, MAX_WAIT_MS) / 1000, caller=peer_identity(context)
+            )
         except (InvalidBootstrapRequest, TooManyOpenCalls) as exc:
             await _abort(context, exc)
         return pb.QueryRoomFailuresResponse(failures=found)

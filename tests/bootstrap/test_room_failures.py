@@ -102,10 +102,40 @@ async def test_a_held_query_answers_when_its_room_is_recorded_and_is_bounded(ser
     # Nothing recorded: the wait ends empty.
     assert await client.query_room_failures([record(ROOM + 8, secret).key], max_wait_s=0.05, timeout=5) == []
 
-    table = RoomFailures(max_watches=1)
-    first = asyncio.ensure_future(table.wait([record(ROOM, secret).key], lambda: 0.0, 10.0))
+    table = RoomFailures(max_held_keys=1)
+    first = asyncio.ensure_future(table.wait([record(ROOM, secret).key], lambda: 0.0, 10.0, caller="a"))
     await asyncio.sleep(0)
     with pytest.raises(TooManyOpenCalls, match="limit 1"):
-        await table.wait([record(ROOM + 1, secret).key], lambda: 0.0, 10.0)
+        await table.wait([record(ROOM + 1, secret).key], lambda: 0.0, 10.0, caller="b")
     table.record([record(ROOM, secret)], 0.0)
     assert len(await first) == 1
+
+
+async def test_held_queries_are_bounded_by_their_keys_and_per_caller() -> None:
+    """Audit: the cap counted held calls, not their keys, and not per caller: one decode's
+    credential held 4096 calls of 1024 keys each (about 1 GB of the bootstrap's memory
+    per 1024 calls) and every other decode's query was refused meanwhile. The keys held
+    are capped in all and per caller; another caller's query is still held and answered."""
+    import asyncio
+
+    secret = draw_secret()
+    table = RoomFailures(max_held_keys=8, max_held_keys_per_caller=4)
+    keys = [record(ROOM + i, secret).key for i in range(4)]
+    flood = asyncio.ensure_future(table.wait(keys, lambda: 0.0, 10.0, caller="cn:mallory"))
+    await asyncio.sleep(0)
+    with pytest.raises(TooManyOpenCalls, match="cn:mallory .*limit 4 per caller"):
+        await table.wait([record(ROOM + 9, secret).key], lambda: 0.0, 10.0, caller="cn:mallory")
+    held = asyncio.ensure_future(table.wait([record(ROOM + 10, secret).key], lambda: 0.0, 10.0, caller="cn:decode"))
+    await asyncio.sleep(0)
+    assert not held.done()
+    table.record([record(ROOM + 10, secret)], 0.0)
+    assert [f.key.bootstrap_room for f in await held] == [ROOM + 10]
+    big = [record(ROOM + 20 + i, secret).key for i in range(5)]
+    with pytest.raises(TooManyOpenCalls, match="QueryRoomFailuresRequest.keys: 5 keys .*limit 4 per caller"):
+        await table.wait(big, lambda: 0.0, 10.0, caller="cn:other")
+    others = asyncio.ensure_future(table.wait(big[:4], lambda: 0.0, 10.0, caller="cn:other"))
+    await asyncio.sleep(0)
+    with pytest.raises(TooManyOpenCalls, match="8 keys of QueryRoomFailures calls are held on this server .limit 8"):
+        await table.wait([record(ROOM + 30, secret).key], lambda: 0.0, 10.0, caller="cn:third")
+    flood.cancel()
+    others.cancel()
