@@ -63,6 +63,7 @@ from pdgrpc.gateway.requests import GatewayRequest, convert
 from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
+from pdgrpc.rpc.limits import MAX_ABORT_REASON_CHARS
 from pdgrpc.rpc.security import peer_identity
 from pdgrpc.state.kv_event_log import Cleared, EventBatch, Removed, Stored, stored_runs
 from pdgrpc.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -81,9 +82,6 @@ _TOKENIZER_CHUNK = 64 * 1024  # bytes per GetTokenizer message
 # at least every KV_HEARTBEAT_S: smg reads the worker's load from the stream, not GetLoads.
 KV_IDLE_S = 0.25
 KV_HEARTBEAT_S = 1.0
-# An Abort's reason is logged and ends the aborted call as its status message, which a
-# client reads from the call's trailers: a few words in practice.
-MAX_ABORT_REASON_CHARS = 1024
 
 
 @dataclasses.dataclass(frozen=True)

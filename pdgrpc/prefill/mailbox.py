@@ -17,7 +17,9 @@ with another value is refused with :class:`GroupMismatch`.
 Bounds: at most ``capacity`` early handshakes are held, and at most ``per_peer`` of them
 come from one peer (the caller's identity), so one client cannot fill the mailbox for the
 others. Each handshake counts, not each room: a room's handshakes are keyed by their
-unverified proofs, so a peer could otherwise pile up any number under one room. A refused handshake is never stored (:meth:`Mailbox.refuse`): it reaches a Prefill
+unverified proofs, so a peer could otherwise pile up any number under one room. What they
+hold is bounded the same way in bytes (``capacity_bytes``, ``per_peer_bytes``; the caller
+says what each one holds): a handshake's descriptor may be padded up to the message limit. A refused handshake is never stored (:meth:`Mailbox.refuse`): it reaches a Prefill
 RPC already claiming its room, else it is dropped, and it takes no key, so it cannot block
 the room's real handshake.
 
@@ -68,16 +70,21 @@ class Mailbox(Generic[T]):
     """Room -> handshake(s) rendezvous on one event loop."""
 
     def __init__(
-        self, capacity: int = 4096, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic, per_peer: int | None = None
+        self, capacity: int = 4096, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic, per_peer: int | None = None,
+        capacity_bytes: int | None = None, per_peer_bytes: int | None = None,
     ) -> None:
         self.capacity = capacity
         self.per_peer = per_peer if per_peer is not None else capacity
+        self.capacity_bytes = capacity_bytes
+        self.per_peer_bytes = per_peer_bytes if per_peer_bytes is not None else capacity_bytes
         self.ttl_s = ttl_s
         self._clock = clock
-        # room -> (when its first arrived, its early handshakes with the peer that sent each)
-        self._early: collections.OrderedDict[int, tuple[float, list[tuple[T, str]]]] = collections.OrderedDict()
+        # room -> (when its first arrived, its early handshakes with the peer that sent each and their bytes)
+        self._early: collections.OrderedDict[int, tuple[float, list[tuple[T, str, int]]]] = collections.OrderedDict()
         self._held = 0  # early handshakes in _early
+        self._held_bytes = 0  # and what they hold
         self._by_peer: collections.Counter[str] = collections.Counter()  # peer -> its early handshakes
+        self._bytes_by_peer: collections.Counter[str] = collections.Counter()  # peer -> what they hold
         self._claims: dict[int, _Claim[T]] = {}  # rooms a Prefill RPC has claimed
         self._keys: dict[int, tuple[object, set[object]]] = {}  # room -> (group, keys delivered)
         self._claim_waiters: dict[int, list[asyncio.Future[None]]] = {}  # room -> answers waiting for its claim
@@ -102,13 +109,16 @@ class Mailbox(Generic[T]):
         entry = self._keys.get(room)
         return None if entry is None else entry[0]
 
-    def _unpeer(self, items: list[tuple[T, str]]) -> None:
+    def _unpeer(self, items: list[tuple[T, str, int]]) -> None:
         """``items`` leave the mailbox: their peers' counts go down."""
         self._held -= len(items)
-        for _, peer in items:
+        for _, peer, nbytes in items:
+            self._held_bytes -= nbytes
+            self._bytes_by_peer[peer] -= nbytes
             self._by_peer[peer] -= 1
             if self._by_peer[peer] <= 0:
                 del self._by_peer[peer]
+                del self._bytes_by_peer[peer]
 
     def _take_early(self, room: int) -> list[T] | None:
         """Remove ``room``'s early handshakes; None when it has none."""
@@ -116,7 +126,7 @@ class Mailbox(Generic[T]):
         if early is None:
             return None
         self._unpeer(early[1])
-        return [item for item, _ in early[1]]
+        return [item for item, _, _ in early[1]]
 
     def refuse(self, room: int, failure: T) -> bool:
         """A refused handshake: hand ``failure`` to the Prefill RPC that claimed ``room``
@@ -133,10 +143,11 @@ class Mailbox(Generic[T]):
         claim.items.append(failure)
         return True
 
-    def deliver(self, room: int, handshake: T, key: object = 0, group: object = None, peer: str = "") -> bool:
+    def deliver(self, room: int, handshake: T, key: object = 0, group: object = None, peer: str = "", nbytes: int = 0) -> bool:
         """Hand ``handshake`` to the Prefill RPC waiting for ``room`` (returns True), or keep
-        it until one comes (False). ``peer``: who sent it (counted against ``per_peer``).
-        Raises :class:`DuplicateHandshake` / :class:`MailboxFull` / :class:`GroupMismatch`."""
+        it until one comes (False). ``peer``: who sent it (counted against ``per_peer``);
+        ``nbytes``: what it holds (against ``per_peer_bytes``). Raises
+        :class:`DuplicateHandshake` / :class:`MailboxFull` / :class:`GroupMismatch`."""
         self._expire()
         entry = self._keys.get(room)
         if entry is not None:
@@ -155,6 +166,16 @@ class Mailbox(Generic[T]):
                     f"room {room}: {self._by_peer[peer]} handshakes from this peer already wait for their Prefill RPC "
                     f"(limit {self.per_peer} per peer)"
                 )
+            if self.capacity_bytes is not None and self._held_bytes + nbytes > self.capacity_bytes:
+                raise MailboxFull(
+                    f"room {room}: the handshakes waiting for their Prefill RPC hold {self._held_bytes} bytes; this one "
+                    f"{nbytes} more (limit {self.capacity_bytes} bytes)"
+                )
+            if self.per_peer_bytes is not None and self._bytes_by_peer[peer] + nbytes > self.per_peer_bytes:
+                raise MailboxFull(
+                    f"room {room}: the handshakes from this peer waiting for their Prefill RPC hold "
+                    f"{self._bytes_by_peer[peer]} bytes; this one {nbytes} more (limit {self.per_peer_bytes} bytes per peer)"
+                )
         if entry is None:
             entry = (group, set())
         elif entry[0] is None and group is not None:
@@ -168,11 +189,13 @@ class Mailbox(Generic[T]):
                 claim.items.append(handshake)
             return True
         if room in self._early:
-            self._early[room][1].append((handshake, peer))
+            self._early[room][1].append((handshake, peer, nbytes))
         else:
-            self._early[room] = (self._clock(), [(handshake, peer)])
+            self._early[room] = (self._clock(), [(handshake, peer, nbytes)])
         self._held += 1
+        self._held_bytes += nbytes
         self._by_peer[peer] += 1
+        self._bytes_by_peer[peer] += nbytes
         return False
 
     def claim(self, room: int) -> _Claim[T]:
@@ -235,8 +258,8 @@ class Mailbox(Generic[T]):
         if entry is None:
             return 0
         items = entry[1]
-        kept: list[tuple[T, str]] = []
-        gone: list[tuple[T, str]] = []
+        kept: list[tuple[T, str, int]] = []
+        gone: list[tuple[T, str, int]] = []
         for i in items:
             (kept if keep(i[0]) else gone).append(i)
         kept.sort(key=lambda i: not first(i[0]))

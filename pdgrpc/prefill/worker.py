@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 from typing import Callable
@@ -46,6 +47,7 @@ from pdgrpc.prefill.handshake import Destination, LocalEnd, Signed, check_handsh
 from pdgrpc.prefill.mailbox import DuplicateHandshake, GroupMismatch, Mailbox, MailboxFull
 from pdgrpc.prefill.room import RoomDriver, Sending
 from pdgrpc.prefill.worker_config import WorkerConfig
+from pdgrpc.rpc.limits import MAX_ABORT_REASON_CHARS
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
@@ -145,7 +147,8 @@ class PrefillWorker:
         self.descriptor = b""
         self.generation = 0  # set from bootstrap's RegisterWorker answer
         self._mailbox: Mailbox[Signed] = Mailbox(
-            config.early_handshakes, config.early_handshake_ttl_s, per_peer=config.early_handshakes_per_peer
+            config.early_handshakes, config.early_handshake_ttl_s, per_peer=config.early_handshakes_per_peer,
+            capacity_bytes=config.early_handshake_bytes, per_peer_bytes=config.early_handshake_bytes_per_peer,
         )
         self._sending = Sending(
             transport, self.compute, self._mailbox, self.send_rows, self._regions, self.page_size, min_pages, self.heads,
@@ -267,7 +270,10 @@ class PrefillWorker:
         checked = entry is not None or not proof
         try:
             handed = self._mailbox.deliver(
-                room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof, message), group=tp_d if checked else None, peer=peer
+                # The key holds the message's digest: a sifted forgery's key outlives it.
+                room, Signed(dest, message, proof), key=(req.decode_tp_rank, proof, hashlib.sha256(message).digest()),
+                group=tp_d if checked else None,
+                peer=peer, nbytes=len(message) + len(dest.descriptor) + len(proof),
             )
         except DuplicateHandshake as exc:
             raise ending(Refusal.ROOM_IN_USE, f"{exc} (decode_tp_rank {req.decode_tp_rank})") from None
@@ -301,6 +307,10 @@ class PrefillWorker:
         """Stop the room; return once nothing of ours for it can still be written. A room
         whose Prefill carries a secret is stopped only with a ``proof`` of it. ``peer``:
         the caller, for the mailbox's per-peer cap on the tombstone."""
+        if len(reason) > MAX_ABORT_REASON_CHARS:  # logged, and kept in the room's tombstone
+            raise ending(
+                Refusal.BAD_REQUEST, f"AbortRoom: reason: {len(reason)} characters, over the limit of {MAX_ABORT_REASON_CHARS}"
+            )
         entry = self._active.get(room)
         if entry is not None and entry.secret and not verify(entry.secret, abort_message(room), proof):
             request_event(log, room, "abort refused", level=logging.WARNING, reason="room_proof does not verify")
@@ -323,7 +333,8 @@ class PrefillWorker:
             failure = ending(Refusal.ABORTED, f"room {room}: aborted by decode: {reason or 'no reason given'}")
             try:
                 self._mailbox.deliver(
-                    room, Signed(failure, abort_message(room), proof, abort=True), key=("abort", proof), peer=peer
+                    room, Signed(failure, abort_message(room), proof, abort=True), key=("abort", proof), peer=peer,
+                    nbytes=len(failure.message) + len(proof),
                 )
             except (DuplicateHandshake, MailboxFull, GroupMismatch):
                 pass

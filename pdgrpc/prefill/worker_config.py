@@ -35,6 +35,8 @@ class WorkerConfig:
     early_handshakes: int = 4096  # handshakes kept before their Prefill RPC (count)
     early_handshake_ttl_s: float = 60.0  # and for how long (seconds)
     early_handshakes_per_peer: int = 1024  # of early_handshakes, from one peer (count; peer = caller's mTLS identity, else its host)
+    early_handshake_bytes: int = 1 << 30  # what early handshakes hold: descriptors, signed messages, reasons (bytes)
+    early_handshake_bytes_per_peer: int = 256 << 20  # of early_handshake_bytes, from one peer (bytes)
     compute_nice: int = 0  # added to the compute thread's nice value (pdgrpc.serving.threads)
     prefix_cache: bool = True  # reuse the KV of full pages earlier prompts computed
 

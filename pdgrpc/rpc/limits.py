@@ -23,6 +23,9 @@
 * :data:`MAX_HOST_CHARS` and :data:`MAX_ADDRESS_CHARS`: a host name, and a ``host:port``
   address, that a request names for its server to dial. The server dials it, logs it and
   keeps a channel for it; a DNS name is at most 253 characters.
+* :data:`MAX_ABORT_REASON_CHARS`: an abort's ``reason`` (smg's ``Abort``, a decode's
+  ``AbortRoom``). The server logs it and ends the aborted call (or keeps a room's
+  tombstone) with it; a few words in practice.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-__all__ = ["MAX_ADDRESS_CHARS", "MAX_HOST_CHARS", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_CHARS", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
+__all__ = ["MAX_ABORT_REASON_CHARS", "MAX_ADDRESS_CHARS", "MAX_HOST_CHARS", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_CHARS", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_REQUEST_ID_CHARS = 256
 MAX_HOST_CHARS = 253
 MAX_ADDRESS_CHARS = MAX_HOST_CHARS + len("[]:65535")
+MAX_ABORT_REASON_CHARS = 1024
 
 
 def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

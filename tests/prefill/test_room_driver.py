@@ -176,3 +176,39 @@ async def test_forged_early_handshakes_for_one_room_count_against_their_peers_qu
         assert _held(w) == (0, 0, 0)
     finally:
         await w.close()
+
+
+async def test_early_handshakes_are_bounded_in_bytes_per_peer_and_abort_reasons_in_length(decode: FakeDecode) -> None:
+    """Audit: an early handshake keeps its transport_descriptor (a valid one may carry any
+    padding, up to the 8 MiB message limit) twice, and an early AbortRoom its reason, so
+    one decode credential's 1024 early handshakes held about 20 GB of a worker's memory.
+    A peer's early handshakes are capped in bytes too (RESOURCE_EXHAUSTED naming the
+    limit), and an AbortRoom reason over 1024 characters is refused naming the field;
+    the real decode's handshake still gets in, and the room lands exact."""
+    import json
+    import secrets
+
+    w = await _worker(early_handshake_bytes_per_peer=1 << 20)
+    try:
+        doc = json.loads(decode.descriptor[4:])
+        doc["padding"] = "x" * (150 << 10)  # each handshake holds it twice: three fit in 1 MiB
+        padded = b"PDGT" + json.dumps(doc).encode()
+        for _ in range(3):
+            r = decode.allocate(new_room(), 4)
+            w.handshake(decode.handshake_request(r, transport_descriptor=padded), "mallory")
+        with pytest.raises(RequestFailed) as ei:
+            w.handshake(decode.handshake_request(decode.allocate(new_room(), 4), transport_descriptor=padded), "mallory")
+        assert ei.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit 1048576 bytes per peer" in ei.value.message
+        ids, room = prompt(20, 10), new_room()
+        with pytest.raises(RequestFailed) as ei:
+            await w.abort_room(room, "x" * 1025, secrets.token_bytes(32), "mallory")
+        assert ei.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "reason: 1025 characters, over the limit of 1024" in ei.value.message
+        r = decode.allocate(room, len(ids))
+        w.handshake(decode.handshake_request(r), "decode")
+        await w.prefill(request(room, ids))
+        assert (await decode.wait(r)).state is KVPoll.SUCCESS
+        assert_landed_bit_exact(decode, r, ids, SamplingParams())
+    finally:
+        await w.close()
