@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pdgrpc.device import READY, chunk_ready_on, poll_until, resolve_device
-from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+from pdgrpc.engine.config import EngineConfig
+from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError
 
 

@@ -19,8 +19,8 @@ ENTRY_POINTS = [
     ("pdgrpc.bootstrap", "pdgrpc.bootstrap.__main__:main", False),
     ("pdgrpc.router", "pdgrpc.router.__main__:main", False),
     ("pdgrpc.colocated", "pdgrpc.colocated.__main__:main", True),
-    ("pdgrpc.prefill", "pdgrpc.prefill.__main__:main", True),
-    ("pdgrpc.prefill.worker_main", "pdgrpc.prefill.worker_main:main", True),
+    ("pdgrpc.prefill", "pdgrpc.prefill.__main__:main", False),
+    ("pdgrpc.prefill.worker_main", "pdgrpc.prefill.worker_main:main", False),
     ("pdgrpc.decode", "pdgrpc.decode.__main__:cli", True),
     ("pdgrpc.decode.follower", "pdgrpc.decode.follower:cli", True),
 ]

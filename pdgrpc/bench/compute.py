@@ -58,8 +58,8 @@ def _busy(seconds: float) -> None:
 async def _measure(args: argparse.Namespace) -> dict[str, list[float]]:
     from pdgrpc.engine.base import PrefillRequest
     from pdgrpc.engine.malloc import keep_freed_memory
-    from pdgrpc.engine.model import ModelConfig
-    from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+    from pdgrpc.engine.config import EngineConfig, ModelConfig
+    from pdgrpc.engine.reference import ReferenceEngine
     from pdgrpc.prefill.compute_process import ComputeProcess
     from pdgrpc.serving.flags import MODEL_SIZES
     from pdgrpc.serving.threads import compute_executor

@@ -31,8 +31,8 @@ _EXPORTS = {
     "generate": "pdgrpc.engine.colocated",
     "KVLayout": "pdgrpc.engine.layout",
     "compat_hash": "pdgrpc.engine.layout",
-    "ModelConfig": "pdgrpc.engine.model",
-    "EngineConfig": "pdgrpc.engine.reference",
+    "ModelConfig": "pdgrpc.engine.config",
+    "EngineConfig": "pdgrpc.engine.config",
     "ReferenceEngine": "pdgrpc.engine.reference",
     "BOS_ID": "pdgrpc.engine.tokenizer",
     "EOS_ID": "pdgrpc.engine.tokenizer",
@@ -51,8 +51,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     )
     from pdgrpc.engine.colocated import Generation, generate
     from pdgrpc.engine.layout import KVLayout, compat_hash
-    from pdgrpc.engine.model import ModelConfig
-    from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+    from pdgrpc.engine.config import EngineConfig, ModelConfig
+    from pdgrpc.engine.reference import ReferenceEngine
     from pdgrpc.engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 
 __all__ = [

@@ -56,12 +56,12 @@ import abc
 import dataclasses
 from typing import TYPE_CHECKING, AbstractSet, Iterable, Protocol, Sequence
 
-import torch
-
 from pdgrpc.engine.layout import KVLayout, compat_hash, pages_for_tokens
 from pdgrpc.engine.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    import torch
+
     from pdgrpc.device import ChunkReady
 
 __all__ = [

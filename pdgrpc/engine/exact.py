@@ -63,11 +63,6 @@ ACT_FRAC = 12
 ACT_LIMIT = 2.0**8
 ATTN_FRAC = 16  # attention weights are multiples of 2**-16 in [0, 1]
 
-# Largest exact-sum bounds the model config must respect (checked in ModelConfig).
-MAX_REDUCTION = 2**12  # hidden size, intermediate size
-MAX_HEAD_DIM = 2**8
-MAX_CONTEXT = 2**16
-
 
 def quantize(x: torch.Tensor, frac: int = ACT_FRAC, limit: float = ACT_LIMIT) -> torch.Tensor:
     """Round to the nearest multiple of ``2**-frac`` (ties to even) and clamp to ``±limit``.

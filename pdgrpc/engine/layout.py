@@ -39,10 +39,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdgrpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DELTA_PROTOCOL_VERSION",
@@ -50,6 +52,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
     "KVLayout",
+    "check_kv_dtype",
     "compat_hash",
     "kv_dtype_from_name",
     "pages_for_tokens",
@@ -65,15 +68,24 @@ DELTA_PROTOCOL_VERSION = 2  # the first whose prefills honour cached_pages
 
 KV_LAYOUT_HND = "HND"
 
-_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Bytes per element of each KV dtype a pool may hold. This module imports no torch: servers
+# that run no engine (the prefill controller) size pools with it.
+_KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def kv_dtype_from_name(name: str) -> torch.dtype:
+def check_kv_dtype(name: str) -> None:
+    """Raise :class:`ConfigError` unless ``name`` is a KV dtype (``float32``, ``float16``, ``bfloat16``)."""
+    if name not in _KV_DTYPE_BYTES:
+        raise ConfigError(f"kv_dtype must be one of {sorted(_KV_DTYPE_BYTES)}, got {name!r}")
+
+
+def kv_dtype_from_name(name: str) -> "torch.dtype":
     """The torch dtype for a KV dtype name (``float32``, ``float16``, ``bfloat16``)."""
-    try:
-        return _KV_DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"kv_dtype must be one of {sorted(_KV_DTYPES)}, got {name!r}") from None
+    check_kv_dtype(name)
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:
@@ -101,7 +113,7 @@ class KVLayout:
         for field in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"KVLayout.{field} must be > 0, got {getattr(self, field)}")
-        kv_dtype_from_name(self.kv_dtype)
+        check_kv_dtype(self.kv_dtype)
         if self.head_end == -1:
             object.__setattr__(self, "head_end", self.num_kv_heads)
         if not 0 <= self.head_start < self.head_end <= self.num_kv_heads:
@@ -113,7 +125,7 @@ class KVLayout:
             raise ConfigError(f"KVLayout.name: only {KV_LAYOUT_HND!r} is defined, got {self.name!r}")
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> "torch.dtype":
         return kv_dtype_from_name(self.kv_dtype)
 
     @property
@@ -122,7 +134,7 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _KV_DTYPE_BYTES[self.kv_dtype]
 
     @property
     def pool_shape(self) -> tuple[int, int, int, int]:

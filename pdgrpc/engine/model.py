@@ -30,60 +30,15 @@ from typing import Callable
 import torch
 
 import pdgrpc.engine.exact as exact
-from pdgrpc.engine.tokenizer import EOS_ID, VOCAB_SIZE
+from pdgrpc.engine.config import MAX_CONTEXT, ModelConfig
+from pdgrpc.engine.tokenizer import EOS_ID
 from pdgrpc.errors import ConfigError
 
-__all__ = ["AllReduce", "ModelConfig", "ModelShard", "SegmentBatch", "build_weights"]
+__all__ = ["AllReduce", "ModelShard", "SegmentBatch", "build_weights"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a float64 tensor elementwise over the TP group, returning the sum (identity for
 TP=1). Must return the same value on every rank."""
-
-_MODEL_FAMILY = "pdgrpc-reference-v1"  # bump when the forward computation changes
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 512
-    vocab_size: int = VOCAB_SIZE
-    rope_theta: float = 10000.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"ModelConfig.{field} must be a positive int, got {v!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2 or self.head_dim > exact.MAX_HEAD_DIM:
-            raise ConfigError(f"ModelConfig.head_dim must be even and <= {exact.MAX_HEAD_DIM}, got {self.head_dim}")
-        # Exact sums need bounded reduction lengths (see pdgrpc.engine.exact).
-        for field in ("hidden_size", "intermediate_size", "vocab_size"):
-            if getattr(self, field) > exact.MAX_REDUCTION:
-                raise ConfigError(f"ModelConfig.{field} must be <= {exact.MAX_REDUCTION}, got {getattr(self, field)}")
-        if self.num_heads * self.head_dim > exact.MAX_REDUCTION:
-            raise ConfigError(f"ModelConfig: num_heads * head_dim must be <= {exact.MAX_REDUCTION}")
-        if self.vocab_size < VOCAB_SIZE:
-            raise ConfigError(f"ModelConfig.vocab_size must be >= {VOCAB_SIZE} (the byte tokenizer), got {self.vocab_size}")
-        if not self.rope_theta > 1.0:
-            raise ConfigError(f"ModelConfig.rope_theta must be > 1, got {self.rope_theta}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"ModelConfig.seed must be an int >= 0, got {self.seed!r}")
-
-    @property
-    def model_id(self) -> str:
-        """Names architecture and weights (the seed fixes them)."""
-        f = dataclasses.asdict(self)
-        return _MODEL_FAMILY + ":" + ",".join(f"{k}={f[k]}" for k in sorted(f))
-
 
 # ---- weights ------------------------------------------------------------------------------
 
@@ -261,8 +216,8 @@ class ModelShard:
         for field in ("num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(cfg, field) % tp_size:
                 raise ConfigError(f"tp_size={tp_size} must divide ModelConfig.{field}={getattr(cfg, field)}")
-        if max_positions > exact.MAX_CONTEXT:
-            raise ConfigError(f"max_seq_len must be <= {exact.MAX_CONTEXT}, got {max_positions}")
+        if max_positions > MAX_CONTEXT:
+            raise ConfigError(f"max_seq_len must be <= {MAX_CONTEXT}, got {max_positions}")
         self.cfg = cfg
         self.all_reduce: AllReduce = all_reduce or (lambda t: t)
         self.local_heads = cfg.num_heads // tp_size

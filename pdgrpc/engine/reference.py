@@ -14,7 +14,6 @@ thread count, or the TP size. The engine is not thread-safe: one scheduler drive
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Iterator, Sequence
 
 import torch
@@ -29,8 +28,8 @@ from pdgrpc.engine.base import (
     PrefillRequest,
     SampledToken,
 )
-from pdgrpc.engine.layout import KVLayout, kv_dtype_from_name
-from pdgrpc.engine.model import AllReduce, ModelConfig, ModelShard, SegmentBatch
+from pdgrpc.engine.config import EngineConfig
+from pdgrpc.engine.model import AllReduce, ModelShard, SegmentBatch
 from pdgrpc.engine.pages import FifoPageAllocator
 from pdgrpc.engine.pooled import PooledEngine
 from pdgrpc.engine.sampling import sample_rows
@@ -38,7 +37,7 @@ from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import ConfigError
 from pdgrpc.host_memory import host_zeros
 
-__all__ = ["EngineConfig", "ReferenceEngine"]
+__all__ = ["ReferenceEngine"]
 
 
 @contextlib.contextmanager
@@ -53,64 +52,6 @@ def _intra_op_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig = ModelConfig()
-    page_size: int = 16  # tokens per KV page
-    num_pages: int = 1024  # KV pool size per instance (pages)
-    kv_dtype: str = "float32"
-    max_seq_len: int = 4096  # prompt + generated tokens, per request
-    max_prompt_tokens: int = 2048
-    tp_rank: int = 0
-    tp_size: int = 1
-    # torch intra-op threads for the engine's compute (0: leave torch's setting alone).
-    # Results are identical at any count; 1 is fastest for this tiny model and avoids
-    # OpenMP spin-waiting when several server processes share the cores. Construction
-    # sets it process-wide (one engine per server process); if something changes it
-    # later, each engine call switches for its duration and restores it.
-    intra_op_threads: int = 1
-    # KV pool in transparent huge pages (pdgrpc.host_memory.host_zeros). Off by
-    # default: transfers of large page runs over rdma are faster from and into huge
-    # pages, but neither this model's compute nor e2e TTFT at 512 tokens changes with
-    # them (see pdgrpc.host_memory). Memory placement only: peers need not agree on it.
-    kv_huge_pages: bool = False
-    # Where the weights, the KV pool and the compute live: "cpu" or "cuda[:N]"
-    # (pdgrpc.device). Placement only: the fixed-point arithmetic gives the same
-    # tokens on either, and peers need not agree on it.
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
-            raise ConfigError(f"EngineConfig.intra_op_threads must be an int >= 0, got {self.intra_op_threads!r}")
-        for field in ("page_size", "num_pages", "max_seq_len", "max_prompt_tokens", "tp_size"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"EngineConfig.{field} must be a positive int, got {v!r}")
-        kv_dtype_from_name(self.kv_dtype)
-        if resolve_device(self.device).type != "cpu" and self.kv_huge_pages:
-            raise ConfigError("--kv-huge-pages applies to a host KV pool; it cannot be combined with --device cuda")
-        if self.max_prompt_tokens >= self.max_seq_len:
-            raise ConfigError(
-                f"EngineConfig.max_prompt_tokens ({self.max_prompt_tokens}) must be < max_seq_len ({self.max_seq_len})"
-            )
-        if self.max_seq_len > exact.MAX_CONTEXT:
-            raise ConfigError(f"EngineConfig.max_seq_len must be <= {exact.MAX_CONTEXT}, got {self.max_seq_len}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"EngineConfig.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-        for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(self.model, field) % self.tp_size:
-                raise ConfigError(f"EngineConfig.tp_size={self.tp_size} must divide model.{field}={getattr(self.model, field)}")
-
-    def kv_layout(self) -> KVLayout:
-        """The KV pool of this TP rank: its share of the KV heads, every page."""
-        m = self.model
-        local = m.num_kv_heads // self.tp_size
-        return KVLayout(
-            num_layers=m.num_layers, num_pages=self.num_pages, page_size=self.page_size, num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim, kv_dtype=self.kv_dtype, head_start=self.tp_rank * local, head_end=(self.tp_rank + 1) * local,
-        )
 
 
 class ReferenceEngine(PooledEngine):

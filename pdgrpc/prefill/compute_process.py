@@ -59,11 +59,14 @@ import torch
 from pdgrpc.engine.base import KVBuffers, PrefillRequest, SampledToken
 from pdgrpc.engine.errors import EngineError
 from pdgrpc.engine.layout import KVLayout
+from pdgrpc.engine.malloc import keep_freed_memory
+from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.metrics.catalog import ServerAbortReason
 from pdgrpc.prefill.compute import ChunkPost, Compute, ComputeJob, uncancellable
 from pdgrpc.prefill.errors import RequestFailed
 from pdgrpc.prefill.statuses import Refusal, ending
-from pdgrpc.serving.children import guarded_argv
+from pdgrpc.prefill.compute_child import Child, spawn
+from pdgrpc.serving.threads import lower_process_priority
 from pdgrpc.state.chunk_posting import ChunkPosting
 
 __all__ = ["ComputeProcess", "ComputeProcessLost", "ProcessCompute", "pool_bytes", "shared_kv_pool"]
@@ -82,7 +85,7 @@ class ComputeProcessLost(EngineError):
 
 
 def _region_bytes(layout: KVLayout) -> int:
-    n = torch.empty((), dtype=layout.dtype).element_size()
+    n = layout.element_size
     for d in layout.pool_shape:
         n *= d
     return n
@@ -153,43 +156,45 @@ class ComputeProcess:
         self.kv: KVBuffers
 
     @classmethod
-    async def start(cls, config: Any, *, name: str, nice: int = 0, malloc_keep_bytes: int = 0) -> "ComputeProcess":
+    async def start(
+        cls, config: Any, *, name: str, nice: int = 0, malloc_keep_bytes: int = 0, child: Child | None = None,
+    ) -> "ComputeProcess":
+        """``child``: the process :func:`~pdgrpc.prefill.compute_child.spawn` started for it
+        (started here without one); closed here when the start fails."""
         if config.tp_size != 1:
+            if child is not None:
+                child.discard()
             raise EngineError("a compute process serves only a TP-1 engine (the TP group lives in the worker)")
         self = cls(config.kv_layout(), name)
-        memfd = os.memfd_create(f"pdgrpc-kv-{name}", os.MFD_CLOEXEC)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        if child is None:
+            child = spawn(name)
+        self.proc, self._sock = child.proc, child.sock
         try:
-            os.ftruncate(memfd, pool_bytes(self.layout))
-            self.kv, self._map = shared_kv_pool(self.layout, memfd, config.kv_huge_pages)
-            # Started without a preexec_fn, so no fork handler (gRPC's) runs in the child.
-            self.proc = subprocess.Popen(
-                guarded_argv([sys.executable, "-m", "pdgrpc.prefill.compute_process", "--sock-fd", str(theirs.fileno()),
-                              "--kv-fd", str(memfd), "--name", name]),
-                pass_fds=(memfd, theirs.fileno()),
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            os.close(memfd)  # the child has its own; our mapping keeps the memory alive
-            theirs.close()
-        self._sock = ours
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self._hello, config, nice, malloc_keep_bytes), _START_TIMEOUT_S)
+            memfd = os.memfd_create(f"pdgrpc-kv-{name}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(memfd, pool_bytes(self.layout))
+                self.kv, self._map = shared_kv_pool(self.layout, memfd, config.kv_huge_pages)
+                hello = asyncio.to_thread(self._hello, config, nice, malloc_keep_bytes, memfd)
+                await asyncio.wait_for(hello, _START_TIMEOUT_S)
+            finally:
+                os.close(memfd)  # the child has its own; our mapping keeps the memory alive
         except BaseException as exc:
             self.close()
             if isinstance(exc, (asyncio.TimeoutError, OSError, EOFError)):
                 raise ComputeProcessLost(f"{name}: compute process did not start: {exc!r} (exit code {self.proc.poll()})") from None
             raise
-        ours.setblocking(False)
-        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
+        self._sock.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._sock.fileno(), self._on_readable)
         log.info("%s: compute process %d ready (KV pool %.1f MiB shared)", name, self.proc.pid, pool_bytes(self.layout) / 2**20)
         return self
 
-    def _hello(self, config: Any, nice: int, keep: int) -> None:
+    def _hello(self, config: Any, nice: int, keep: int, memfd: int) -> None:
         assert self._sock is not None
-        self._sock.sendall(_frame(("init", config, self.layout, nice, keep)))
+        frame = _frame(("init", config, self.layout, nice, keep))
+        # The pool's memory rides on the frame's first bytes (SCM_RIGHTS): the child
+        # was started before the pool existed.
+        sent = socket.send_fds(self._sock, [frame[: _LEN.size]], [memfd])
+        self._sock.sendall(frame[sent:])
         reply = _read_frame(self._sock)
         if reply[0] != "ready":
             raise EngineError(f"{self.name}: compute process failed to start: {reply[1]}")
@@ -406,16 +411,23 @@ class _ChildJob:
         self.posting = ChunkPosting(len(self.request.token_ids), self.page_size, self.min_pages)
 
 
-def _serve(sock: socket.socket, kv_fd: int) -> int:
+def _read_init(sock: socket.socket) -> tuple[Any, int]:
+    """The first frame and the file descriptor of the KV pool's memory that comes with it."""
+    head, fds, _, _ = socket.recv_fds(sock, _LEN.size, 1)
+    if not head:
+        raise EOFError("socket closed")
+    if len(fds) != 1:
+        raise EngineError(f"the first message came with {len(fds)} file descriptors, not the KV pool's one")
+    head += _read_exact(sock, _LEN.size - len(head))
+    return pickle.loads(_read_exact(sock, _LEN.unpack(head)[0])), fds[0]
+
+
+def _serve(sock: socket.socket) -> int:
     try:
-        _, config, layout, nice, keep = _read_frame(sock)
+        (_, config, layout, nice, keep), kv_fd = _read_init(sock)
     except EOFError:
         return 0
     try:
-        from pdgrpc.engine.malloc import keep_freed_memory
-        from pdgrpc.engine.reference import ReferenceEngine
-        from pdgrpc.serving.threads import lower_process_priority
-
         if keep:
             keep_freed_memory(keep)
         lower_process_priority(nice)
@@ -479,12 +491,11 @@ def _serve(sock: socket.socket, kv_fd: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="A prefill worker's compute process (started by the worker; not run by hand).")
     p.add_argument("--sock-fd", type=int, required=True)
-    p.add_argument("--kv-fd", type=int, required=True)
     p.add_argument("--name", default="compute")
     ns = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when we stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return _serve(socket.socket(fileno=ns.sock_fd), ns.kv_fd)
+    return _serve(socket.socket(fileno=ns.sock_fd))
 
 
 if __name__ == "__main__":

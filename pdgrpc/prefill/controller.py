@@ -51,7 +51,7 @@ from pdgrpc.prefill.notices import FailureNotices, NotForwarded
 from pdgrpc.prefill.registrar import DpRankRegistrar
 from pdgrpc.prefill.respawn import restart_group
 from pdgrpc.prefill.statuses import Refusal, ending, peer_status, status
-from pdgrpc.prefill.worker_server import READY
+from pdgrpc.prefill.worker_config import READY
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
 from pdgrpc.rpc.server import RpcServer

@@ -38,7 +38,7 @@ from pdgrpc.prefill.notices import notices_for
 from pdgrpc.prefill.registrar import DpRankRegistrar, counted
 from pdgrpc.prefill.services import PREFILL_SERVICE, WirePrefillServicer
 from pdgrpc.rpc.drain import Drain
-from pdgrpc.rpc.server import RpcServer, run, serve_until_signal, start_server
+from pdgrpc.rpc.server import RpcServer, StopSignal, run, serve_until_signal, start_server
 from pdgrpc.serving.engines import check_engine_args
 from pdgrpc.serving.kv_zmq import ZmqKvPublisher, check_zmq_args
 from pdgrpc.serving.launch import Role
@@ -112,7 +112,6 @@ async def main_async(ns: argparse.Namespace) -> int:
 
 
 async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServer, metrics: PrefillMetrics) -> int:
-    embedded = not ns.bootstrap
     client = BootstrapClient(controller.bootstrap_address)
     controller.registrar = DpRankRegistrar(counted(client.register_dp_ranks, metrics), window_s=ns.dp_register_window_ms / 1000.0)
     # A SIGTERM/SIGINT while workers start must stop them too (serve_until_signal's
@@ -131,6 +130,19 @@ async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServ
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+    # Before the ready line: whoever reads it may send SIGTERM at once, which drains.
+    stop = StopSignal()
+    try:
+        return await _serve_ready(ns, controller, server, metrics, client, stop)
+    finally:
+        stop.close()
+
+
+async def _serve_ready(
+    ns: argparse.Namespace, controller: Controller, server: RpcServer, metrics: PrefillMetrics, client: BootstrapClient,
+    stop: StopSignal,
+) -> int:
+    embedded = not ns.bootstrap
     log.info(
         "prefill ready: %d dp rank(s) x %d tp rank(s), %s, transport %s, bootstrap %s (%s)",
         ns.dp_size, getattr(ns, "tp_size", 1), ns.load_balance_method, ns.transport, controller.bootstrap_address,
@@ -159,7 +171,7 @@ async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServ
             dp_size=ns.dp_size, tp_size=getattr(ns, "tp_size", 1), compat_hash=info.parallel_info.compatibility_hash.hex(),
         ))
     server.on_drain(metrics.on_draining)
-    await serve_until_signal(server, grace=ns.grace, drain_timeout=ns.drain_timeout)
+    await serve_until_signal(server, grace=ns.grace, drain_timeout=ns.drain_timeout, stop=stop)
     await controller.stop_workers()
     log.info("prefill stopped")
     return controller.exit_code
@@ -178,7 +190,7 @@ def check(ns: argparse.Namespace) -> None:
     # tp_size): one past 65535 fails here, before the controller serves.
     derived_metrics_port(ns.metrics_port, ns.dp_size * ns.tp_size)
     check_engine_args(ns, tp_size=ns.tp_size)  # fail here, not in every worker
-    registry.load(ns.transport)  # a missing backend names what to install
+    registry.check(ns.transport)  # a missing backend names what to install; the workers load it
     check_discovery_args(ns)
     check_zmq_args(ns.kv_events_zmq, ns.kv_events_zmq_replay)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Callable, NoReturn, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Callable, NoReturn, Protocol
 
 import grpc
 
@@ -25,12 +25,14 @@ from pdgrpc.prefill.statuses import Refusal, ending
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.security import peer_identity
-from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.serving.convert import room_from_proto
 from pdgrpc.serving.kv_events import KvEventFeed, serve_kv_events
 from pdgrpc.serving.room_proof import secret_problem
 from pdgrpc.serving.logs import request_event
 from pdgrpc.v1 import handshake_pb2, handshake_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+if TYPE_CHECKING:
+    from pdgrpc.prefill.worker import PrefillWorker
 
 __all__ = ["HANDSHAKE_SERVICE", "PREFILL_SERVICE", "HandshakeServicer", "WirePrefillServicer", "WorkerPrefillServicer", "abort_with"]
 

@@ -7,11 +7,16 @@ bounds (counts) and its deadlines (seconds).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from pdgrpc.state.config import SenderDeadlines
 
-__all__ = ["WorkerConfig"]
+__all__ = ["READY", "WorkerConfig", "worker_name"]
+
+# The first word of the line a worker prints to stdout once it serves; its controller,
+# which reads the line, imports no worker module (and so no torch).
+READY = "PDGRPC_WORKER_READY"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,3 +56,7 @@ class WorkerConfig:
     @property
     def deadlines(self) -> SenderDeadlines:
         return SenderDeadlines(self.handshake_timeout_s, self.compute_timeout_s, self.transfer_timeout_s)
+
+
+def worker_name(ns: argparse.Namespace) -> str:
+    return f"dp{ns.dp_rank}" if ns.tp_size == 1 else f"dp{ns.dp_rank}.tp{ns.tp_rank}"

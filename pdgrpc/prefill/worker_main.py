@@ -1,5 +1,5 @@
 """``python -m pdgrpc.prefill.worker_main``: one prefill worker process, started by the DP
-controller (:mod:`pdgrpc.prefill.worker_server`)."""
+controller (:mod:`pdgrpc.prefill.worker_role`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pdgrpc.serving.launch import launch
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launch("pdgrpc.prefill.worker_server", argv)
+    return launch("pdgrpc.prefill.worker_role", argv)
 
 
 if __name__ == "__main__":

@@ -28,28 +28,26 @@ from pdgrpc.engine.base import Engine
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.prefill.compute_process import ComputeProcess
-from pdgrpc.metrics import PrefillMetrics, add_metrics_arguments, start_metrics_from_args
-from pdgrpc.prefill.cli import add_worker_arguments
-from pdgrpc.prefill.dispatch import METHODS
+from pdgrpc.metrics import PrefillMetrics, start_metrics_from_args
 from pdgrpc.prefill.link import WorkerLinkServer
 from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WirePrefillServicer, WorkerPrefillServicer
-from pdgrpc.prefill.worker import PrefillWorker, WorkerConfig
+from pdgrpc.prefill.worker import PrefillWorker
+from pdgrpc.prefill.worker_config import READY, WorkerConfig, worker_name
+from pdgrpc.prefill.compute_child import Child
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
-from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving.flags import create_transport, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.metadata import compat_hash_bytes
-from pdgrpc.serving.engines import build_engine, uses_checkpoint
+from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.kv_events import KvEventFeed
-from pdgrpc.serving.launch import Role
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdgrpc.prefill.worker")
 
-READY = "PDGRPC_WORKER_READY"
-
 T = TypeVar("T")
 
 _GRACE_S = 5.0  # on SIGTERM, how long requests in flight may still run
+
+
 
 _LB = {
     "round_robin": bootstrap_pb2.LOAD_BALANCE_METHOD_ROUND_ROBIN,
@@ -57,38 +55,6 @@ _LB = {
     "shortest_queue": bootstrap_pb2.LOAD_BALANCE_METHOD_SHORTEST_QUEUE,
     "cache_aware": bootstrap_pb2.LOAD_BALANCE_METHOD_CACHE_AWARE,
 }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdgrpc.prefill.worker_main", description=__doc__)
-    p.add_argument("--dp-rank", type=int, required=True, help="this worker's dp rank")
-    p.add_argument("--dp-size", type=int, required=True, help="dp ranks of the instance")
-    p.add_argument("--tp-rank", type=int, default=0, help="this worker's tp rank in its dp group")
-    p.add_argument("--tp-size", type=int, default=1, help="tp ranks per dp group")
-    p.add_argument(
-        "--dist-init", default="",
-        help="torch.distributed init_method of this dp group (tcp://HOST:PORT); required with --tp-size > 1",
-    )
-    p.add_argument("--bootstrap", required=True, help="HOST:PORT of the BootstrapService to register with")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    p.add_argument(
-        "--advertise-host", default="",
-        help="host part of the HandshakeService address registered with bootstrap (decodes on other hosts dial it); "
-        "default: --host (127.0.0.1 when --host is a wildcard)",
-    )
-    p.add_argument("--load-balance-method", choices=METHODS, required=True)
-    p.add_argument("--force-dp-rank-query", action="store_true")
-    p.add_argument(
-        "--link-fd", type=int, default=None,
-        help="inherited Unix socket on which the controller sends Prefill calls (set by the controller; "
-        "without it the worker is reached over gRPC only)",
-    )
-    add_worker_arguments(p)
-    # Not in add_worker_arguments: each worker gets its own port from the controller
-    # (derived_metrics_port), not the controller's flag passed through.
-    add_metrics_arguments(p)
-    add_security_arguments(p)
-    return p
 
 
 def parallel_info(ns: argparse.Namespace, worker: PrefillWorker) -> bootstrap_pb2.ParallelInfo:
@@ -139,10 +105,6 @@ async def _unless(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
     return task.result()
 
 
-def worker_name(ns: argparse.Namespace) -> str:
-    return f"dp{ns.dp_rank}" if ns.tp_size == 1 else f"dp{ns.dp_rank}.tp{ns.tp_rank}"
-
-
 def _init_tp(ns: argparse.Namespace) -> Engine:
     """The engine of this rank; with --tp-size > 1 after joining the dp group's gloo world."""
     if ns.tp_size == 1:
@@ -163,35 +125,14 @@ def _init_tp(ns: argparse.Namespace) -> Engine:
     return build_engine(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
 
 
-def compute_in(ns: argparse.Namespace) -> str:
-    """Where this worker computes: ``--compute-in``, unless that cannot be had here
-    (said in the log)."""
-    if ns.compute_in != "process":
-        return "thread"
-    if uses_checkpoint(ns):
-        log.info("%s: --compute-in process: a --model engine computes on a thread (in a compute process its "
-                 "prompts computed slower: docs/performance.md)", worker_name(ns))
-        return "thread"
-    if getattr(ns, "device", "cpu") != "cpu":
-        log.info("%s: --compute-in process: a --device %s pool is not shared memory; computing on a thread", worker_name(ns), ns.device)
-        return "thread"
-    if ns.tp_size > 1:
-        log.info("%s: --compute-in process: a TP rank computes on a thread (its gloo group lives in the worker)", worker_name(ns))
-        return "thread"
-    if not hasattr(os, "memfd_create"):
-        log.info("%s: --compute-in process needs memfd_create (Linux); computing on a thread", worker_name(ns))
-        return "thread"
-    return "process"
-
-
-async def _main(ns: argparse.Namespace) -> int:
+async def _main(ns: argparse.Namespace, child: Child | None) -> int:
     name = worker_name(ns)
     compute: ComputeProcess | None = None
-    if compute_in(ns) == "process":
+    if child is not None:
         config = engine_config_from_args(ns)
         engine: Engine
         compute = await ComputeProcess.start(
-            config, name=f"prefill {name}", nice=ns.compute_nice, malloc_keep_bytes=ns.malloc_keep_mib << 20
+            config, name=f"prefill {name}", nice=ns.compute_nice, malloc_keep_bytes=ns.malloc_keep_mib << 20, child=child
         )
         engine = ReferenceEngine(config, kv_pool=compute.kv)
     else:
@@ -305,14 +246,13 @@ async def _main(ns: argparse.Namespace) -> int:
     return 0
 
 
-def serve(ns: argparse.Namespace) -> int:
+def serve(ns: argparse.Namespace, child: Child | None) -> int:
+    """Run the worker of flags ``ns``; ``child``: its compute process, started already
+    (:func:`pdgrpc.prefill.worker_role.serve`), or None to compute on a thread."""
     tune_malloc_from_args(ns)
     torch.set_num_threads(ns.compute_threads)
     try:
-        return run(_main(ns))
+        return run(_main(ns, child))
     except PdgrpcError as exc:  # a flag value that fails here first (a --transport-host it cannot listen on): one line
         log.error("%s: %s", worker_name(ns), exc)
         return 1
-
-
-ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"prefill.{worker_name(ns)}")

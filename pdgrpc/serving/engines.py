@@ -17,14 +17,14 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from pdgrpc.engine.base import Engine, Tokenizer
 from pdgrpc.engine.malloc import release_freed_memory
-from pdgrpc.engine.model import AllReduce
 from pdgrpc.errors import ConfigError
 from pdgrpc.serving.flags import engine_config_from_args
 
 if TYPE_CHECKING:
+    from pdgrpc.engine.base import Engine, Tokenizer
     from pdgrpc.engine.hf.engine import HFEngineConfig
+    from pdgrpc.engine.model import AllReduce
     from pdgrpc.engine.hf.sizing import Sizing
 
 __all__ = [

@@ -26,9 +26,8 @@ from typing import Any
 
 from pdgrpc.argtypes import whole_number
 from pdgrpc.engine.malloc import keep_freed_memory
-from pdgrpc.engine.model import ModelConfig
+from pdgrpc.engine.config import EngineConfig, ModelConfig
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
-from pdgrpc.engine.reference import EngineConfig
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 

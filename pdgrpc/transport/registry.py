@@ -14,13 +14,16 @@ only one of them; two claims on one name are an error, never a silent override):
 * anything else by spelling it ``"package.module:Class"`` directly.
 
 A missing optional dependency surfaces as :class:`~pdgrpc.errors.TransportUnavailable`
-carrying the install hint (``pip install 'pdgrpc[ucx]'`` for ``rdma``).
+carrying the install hint (``pip install 'pdgrpc[ucx]'`` for ``rdma``). :func:`check` tells
+that much without importing the backend (which imports torch), for a process that only
+starts the ones that create it.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 from typing import Any
 
 from pdgrpc.errors import TransportUnavailable
@@ -38,6 +41,10 @@ BUILTINS: dict[str, str] = {
 # name -> what to install when the backend's optional dependency is missing.
 INSTALL_HINTS: dict[str, str] = {
     "rdma": "pip install 'pdgrpc[ucx]'",
+}
+# name -> the optional modules its backend imports (what INSTALL_HINTS installs).
+_REQUIRES: dict[str, tuple[str, ...]] = {
+    "rdma": ("ucxx",),
 }
 
 # Registered at run time with register(); same namespace as the others.
@@ -85,23 +92,33 @@ def unregister(name: str) -> None:
     _RUNTIME.pop(name, None)
 
 
-def _import_target(target: str, name: str) -> type[Transport]:
+def _split(target: str, name: str) -> tuple[str, str]:
     modname, _, clsname = target.partition(":")
     if not modname or not clsname:
         raise TransportUnavailable(f"transport {name!r}: target {target!r} is not 'module:Class'")
+    return modname, clsname
+
+
+def _no_module(name: str, modname: str) -> TransportUnavailable:
+    return TransportUnavailable(f"transport {name!r}: module {modname!r} does not exist (available: {', '.join(available())})")
+
+
+def _not_installed(name: str, missing: str) -> TransportUnavailable:
+    hint = INSTALL_HINTS.get(name)
+    return TransportUnavailable(
+        f"transport {name!r} needs {missing!r}, which is not installed" + (f"; install it with: {hint}" if hint else "")
+    )
+
+
+def _import_target(target: str, name: str) -> type[Transport]:
+    modname, clsname = _split(target, name)
     try:
         module = importlib.import_module(modname)
     except ModuleNotFoundError as exc:
         missing = exc.name or "?"
         if modname == missing or modname.startswith(missing + "."):
-            raise TransportUnavailable(
-                f"transport {name!r}: module {modname!r} does not exist (available: {', '.join(available())})"
-            ) from None
-        hint = INSTALL_HINTS.get(name)
-        raise TransportUnavailable(
-            f"transport {name!r} needs {missing!r}, which is not installed"
-            + (f"; install it with: {hint}" if hint else "")
-        ) from None
+            raise _no_module(name, modname) from None
+        raise _not_installed(name, missing) from None
     except ImportError as exc:  # e.g. a shared library of an optional dependency is missing
         hint = INSTALL_HINTS.get(name)
         raise TransportUnavailable(
@@ -113,18 +130,38 @@ def _import_target(target: str, name: str) -> type[Transport]:
     return cls
 
 
-def load(name: str) -> type[Transport]:
-    """The backend class for ``name`` (a registered name or ``"module:Class"``)."""
+def _target(name: str) -> str:
+    """The ``"module:Class"`` that ``name`` (a registered name or a target itself) stands for."""
     if ":" in name:
-        return _import_target(name, name)
+        return name
     claims = _claims()
     owners = claims.get(name)
     if not owners:
         raise TransportUnavailable(f"unknown transport {name!r}; available: {', '.join(sorted(claims))}")
     if len(owners) > 1:
         raise TransportUnavailable(f"transport name {name!r} is claimed by {len(owners)} backends: {owners}")
-    target = owners[0].split(" (")[0]
-    return _import_target(target, name)
+    return owners[0].split(" (")[0]
+
+
+def load(name: str) -> type[Transport]:
+    """The backend class for ``name`` (a registered name or ``"module:Class"``)."""
+    return _import_target(_target(name), name)
+
+
+def check(name: str) -> None:
+    """Raise what :func:`load` would for an unknown name, a module that does not exist or a
+    missing optional dependency, without importing the backend's module. An error inside
+    that module surfaces only from :func:`load`."""
+    modname, _ = _split(_target(name), name)
+    try:
+        spec = importlib.util.find_spec(modname)
+    except ModuleNotFoundError:  # a parent package is missing
+        spec = None
+    if spec is None:
+        raise _no_module(name, modname)
+    for dep in _REQUIRES.get(name, ()):
+        if importlib.util.find_spec(dep) is None:
+            raise _not_installed(name, dep)
 
 
 def create(name: str, **options: Any) -> Transport:

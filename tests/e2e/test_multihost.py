@@ -26,8 +26,8 @@ import pytest
 from pdgrpc.cluster.netns import NetworkHosts
 from pdgrpc.discovery.server import EtcdProcess
 from pdgrpc.engine.colocated import generate as colocated_generate
-from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
-from pdgrpc.engine.model import ModelConfig
+from pdgrpc.engine.config import EngineConfig, ModelConfig
+from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.serving.flags import MODEL_SIZES
 from tests.e2e.harness import skip_unless_transport
 from tests.e2e.multihost import TTL, Agent, Server, hosts_with_etcd, skip_unless_multihost, wait_serving

@@ -13,7 +13,9 @@ from typing import Sequence
 
 import torch
 
-from pdgrpc.engine.model import ModelConfig, build_weights
+from pdgrpc.engine.config import ModelConfig
+
+from pdgrpc.engine.model import build_weights
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

@@ -20,8 +20,8 @@ from pdgrpc.v1 import common_pb2
 def scheduler():
     """A real decode scheduler (not started: no loop, no sockets) on a tiny engine."""
     from pdgrpc.decode.scheduler import DecodeScheduler
-    from pdgrpc.engine.model import ModelConfig
-    from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+    from pdgrpc.engine.config import EngineConfig, ModelConfig
+    from pdgrpc.engine.reference import ReferenceEngine
     from pdgrpc.serving.flags import MODEL_SIZES
     from pdgrpc.transport.fake import FakeTransport
 

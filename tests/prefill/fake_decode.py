@@ -19,7 +19,8 @@ import grpc
 import torch
 
 from pdgrpc.engine.base import PrefillRequest, SampledToken, SamplingParams
-from pdgrpc.engine.reference import EngineConfig, ReferenceEngine
+from pdgrpc.engine.config import EngineConfig
+from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.serving.metadata import compat_hash_bytes, metadata_layout
 from pdgrpc.state.metadata import MetadataBuffers, MetadataRow

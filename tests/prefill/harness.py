@@ -9,7 +9,7 @@ import random
 import grpc
 
 from pdgrpc.engine.base import SamplingParams
-from pdgrpc.engine.reference import EngineConfig
+from pdgrpc.engine.config import EngineConfig
 from pdgrpc.prefill.cli import build_parser
 from pdgrpc.serving.flags import engine_config_from_args
 from pdgrpc.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc

@@ -323,14 +323,14 @@ async def test_a_worker_whose_compute_process_dies_fails_its_request_and_exits(t
 )
 def test_where_a_worker_computes(flags: list[str], memfd: bool, want: str, said: str | None,
                                  monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from pdgrpc.prefill import worker_server
+    from pdgrpc.prefill import worker_role
 
     if not memfd:
         monkeypatch.delattr(os, "memfd_create", raising=False)
-    ns = worker_server.build_parser().parse_args(
+    ns = worker_role.build_parser().parse_args(
         ["--dp-rank", "0", "--dp-size", "1", "--bootstrap", "127.0.0.1:1", "--load-balance-method", "round_robin", *flags]
     )
     with caplog.at_level("INFO", logger="pdgrpc.prefill"):
-        assert worker_server.compute_in(ns) == want
+        assert worker_role.compute_in(ns) == want
     if said is not None:
         assert said in caplog.text

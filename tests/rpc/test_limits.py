@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
-from pdgrpc.engine.reference import EngineConfig
+from pdgrpc.engine.config import EngineConfig
 from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, PrefillBackend, RouterConfig, service_names
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_ID_CHARS
 from pdgrpc.rpc.server import RpcServer, start_server

@@ -1,0 +1,139 @@
+"""The engine's configuration, torch-free: :class:`ModelConfig` (the reference model's
+shape and seed) and :class:`EngineConfig` (pool, limits, placement).
+
+Torch-free: servers that run no engine (the prefill controller) parse and check the engine
+flags with these classes, and start sooner without torch. The engine modules import these;
+nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdgrpc.engine.layout import KVLayout, check_kv_dtype
+from pdgrpc.engine.tokenizer import VOCAB_SIZE
+from pdgrpc.errors import ConfigError
+
+__all__ = [
+    "MAX_CONTEXT", "MAX_HEAD_DIM", "MAX_REDUCTION", "EngineConfig", "ModelConfig", "device_type",
+]
+
+# The largest sizes whose sums stay exact in the reference model's fixed-point arithmetic
+# (pdgrpc.engine.exact): ModelConfig and EngineConfig refuse anything larger.
+MAX_REDUCTION = 2**12  # hidden size, intermediate size
+MAX_HEAD_DIM = 2**8
+MAX_CONTEXT = 2**16
+
+
+def device_type(spec: str) -> str:
+    """The kind of device ``spec`` names, checked against this machine
+    (:func:`pdgrpc.device.resolve_device`). ``cpu`` is answered without importing torch."""
+    if spec == "cpu":
+        return "cpu"
+    from pdgrpc.device import resolve_device
+
+    return resolve_device(spec).type
+
+
+_MODEL_FAMILY = "pdgrpc-reference-v1"  # bump when the forward computation changes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    vocab_size: int = VOCAB_SIZE
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"ModelConfig.{field} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 or self.head_dim > MAX_HEAD_DIM:
+            raise ConfigError(f"ModelConfig.head_dim must be even and <= {MAX_HEAD_DIM}, got {self.head_dim}")
+        # Exact sums need bounded reduction lengths (see pdgrpc.engine.exact).
+        for field in ("hidden_size", "intermediate_size", "vocab_size"):
+            if getattr(self, field) > MAX_REDUCTION:
+                raise ConfigError(f"ModelConfig.{field} must be <= {MAX_REDUCTION}, got {getattr(self, field)}")
+        if self.num_heads * self.head_dim > MAX_REDUCTION:
+            raise ConfigError(f"ModelConfig: num_heads * head_dim must be <= {MAX_REDUCTION}")
+        if self.vocab_size < VOCAB_SIZE:
+            raise ConfigError(f"ModelConfig.vocab_size must be >= {VOCAB_SIZE} (the byte tokenizer), got {self.vocab_size}")
+        if not self.rope_theta > 1.0:
+            raise ConfigError(f"ModelConfig.rope_theta must be > 1, got {self.rope_theta}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"ModelConfig.seed must be an int >= 0, got {self.seed!r}")
+
+    @property
+    def model_id(self) -> str:
+        """Names architecture and weights (the seed fixes them)."""
+        f = dataclasses.asdict(self)
+        return _MODEL_FAMILY + ":" + ",".join(f"{k}={f[k]}" for k in sorted(f))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 1024  # KV pool size per instance (pages)
+    kv_dtype: str = "float32"
+    max_seq_len: int = 4096  # prompt + generated tokens, per request
+    max_prompt_tokens: int = 2048
+    tp_rank: int = 0
+    tp_size: int = 1
+    # torch intra-op threads for the engine's compute (0: leave torch's setting alone).
+    # Results are identical at any count; 1 is fastest for this tiny model and avoids
+    # OpenMP spin-waiting when several server processes share the cores. Construction
+    # sets it process-wide (one engine per server process); if something changes it
+    # later, each engine call switches for its duration and restores it.
+    intra_op_threads: int = 1
+    # KV pool in transparent huge pages (pdgrpc.host_memory.host_zeros). Off by
+    # default: transfers of large page runs over rdma are faster from and into huge
+    # pages, but neither this model's compute nor e2e TTFT at 512 tokens changes with
+    # them (see pdgrpc.host_memory). Memory placement only: peers need not agree on it.
+    kv_huge_pages: bool = False
+    # Where the weights, the KV pool and the compute live: "cpu" or "cuda[:N]"
+    # (pdgrpc.device). Placement only: the fixed-point arithmetic gives the same
+    # tokens on either, and peers need not agree on it.
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
+            raise ConfigError(f"EngineConfig.intra_op_threads must be an int >= 0, got {self.intra_op_threads!r}")
+        for field in ("page_size", "num_pages", "max_seq_len", "max_prompt_tokens", "tp_size"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"EngineConfig.{field} must be a positive int, got {v!r}")
+        check_kv_dtype(self.kv_dtype)
+        if device_type(self.device) != "cpu" and self.kv_huge_pages:
+            raise ConfigError("--kv-huge-pages applies to a host KV pool; it cannot be combined with --device cuda")
+        if self.max_prompt_tokens >= self.max_seq_len:
+            raise ConfigError(
+                f"EngineConfig.max_prompt_tokens ({self.max_prompt_tokens}) must be < max_seq_len ({self.max_seq_len})"
+            )
+        if self.max_seq_len > MAX_CONTEXT:
+            raise ConfigError(f"EngineConfig.max_seq_len must be <= {MAX_CONTEXT}, got {self.max_seq_len}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"EngineConfig.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self.model, field) % self.tp_size:
+                raise ConfigError(f"EngineConfig.tp_size={self.tp_size} must divide model.{field}={getattr(self.model, field)}")
+
+    def kv_layout(self) -> KVLayout:
+        """The KV pool of this TP rank: its share of the KV heads, every page."""
+        m = self.model
+        local = m.num_kv_heads // self.tp_size
+        return KVLayout(
+            num_layers=m.num_layers, num_pages=self.num_pages, page_size=self.page_size, num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim, kv_dtype=self.kv_dtype, head_start=self.tp_rank * local, head_end=(self.tp_rank + 1) * local,
+        )
