@@ -5,14 +5,21 @@
   announce, and the first group in which every slot of its topology has registered
   wins. Until then nothing is refused for its topology, so a stray or hostile first
   registrant (``dp_size=7``) cannot lock the real workers out; at most
-  :data:`MAX_CANDIDATES` different topologies are pending at once (a new one drops the
-  one that was updated least recently). Once fixed, a worker whose parallel info differs
-  in any field is refused with :class:`TopologyMismatch` naming the field and both values.
+  :data:`MAX_CANDIDATES` different topologies, and :data:`MAX_WORKERS` workers of them
+  all together, are pending at once (past either, the pending topology updated least
+  recently is dropped with its workers). Once fixed, a worker whose parallel info
+  differs in any field is refused with :class:`TopologyMismatch` naming the field and
+  both values.
+* A topology has at most :data:`MAX_WORKERS` workers (dp_size x tp_size x pp_size),
+  refused before anything is held.
 * ``expect`` (the ``(dp_size, tp_size, pp_size)`` from flags or config, e.g. the prefill
   controller's own for its embedded bootstrap) refuses any other sizes from the start.
 * A worker is identified by its ``(dp_rank, tp_rank, pp_rank)`` slot. Registering a
   slot again (a restart) replaces the entry and bumps the slot's ``generation``
   (1, 2, ...), which clients compare to drop connections cached for the old process.
+  The generation lives in the slot's entry, and goes with it when a pending topology is
+  dropped: clients see workers only once the topology is fixed, and a fixed topology's
+  entries are never dropped, so what a client compared never goes backwards.
 * With an ``owner`` (the caller's authenticated identity: its certificate's name under
   mTLS, else its host), a slot may be registered again only by the identity that first
   registered it; another is refused with :class:`~pdgrpc.bootstrap.errors.NotPermitted`, so a registration can never
@@ -32,6 +39,9 @@ from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
 MAX_CANDIDATES = 16  # different topologies pending before one is complete (count)
+# Workers of one topology (dp_size * tp_size * pp_size), and pending workers of all
+# topologies together (count): dp 512 at tp 8, or dp 64 at tp 64, is one instance.
+MAX_WORKERS = 4096
 _SIZES = ("dp_size", "tp_size", "pp_size")
 
 
@@ -60,11 +70,22 @@ def _show(info: pb.ParallelInfo, field: str) -> str:
     return str(value)
 
 
+def check_sizes(dp_size: int, tp_size: int, pp_size: int, what: str) -> None:
+    """Raise :class:`InvalidBootstrapRequest` when the topology ``what`` names has more
+    than :data:`MAX_WORKERS` workers: the registry holds an entry per slot."""
+    n = dp_size * tp_size * pp_size
+    if n > MAX_WORKERS:
+        raise InvalidBootstrapRequest(
+            f"{what}: dp_size {dp_size} x tp_size {tp_size} x pp_size {pp_size} = {n} workers, over the limit of {MAX_WORKERS}"
+        )
+
+
 def check_parallel_info(info: pb.ParallelInfo) -> None:
     """Raise :class:`InvalidBootstrapRequest` unless ``info`` is usable on its own."""
     for field in ("tp_size", "dp_size", "pp_size", "page_size"):
         if getattr(info, field) < 1:
             raise InvalidBootstrapRequest(f"parallel_info.{field} must be >= 1, got {getattr(info, field)}")
+    check_sizes(info.dp_size, info.tp_size, info.pp_size, "RegisterWorkerRequest.parallel_info")
     if info.load_balance_method == pb.LOAD_BALANCE_METHOD_UNSPECIFIED:
         raise InvalidBootstrapRequest("parallel_info.load_balance_method must be set (it is LOAD_BALANCE_METHOD_UNSPECIFIED)")
 
@@ -74,10 +95,11 @@ class WorkerRegistry:
 
     def __init__(self, expect: tuple[int, int, int] | None = None) -> None:
         """``expect``: the (dp_size, tp_size, pp_size) the instance must have (None: any)."""
+        if expect is not None:
+            check_sizes(*expect, what="the expected topology")
         self.expect = expect
         self._info: pb.ParallelInfo | None = None
-        self._workers: dict[Slot, pb.WorkerInfo] = {}
-        self._generations: dict[Slot, int] = {}
+        self._workers: dict[Slot, pb.WorkerInfo] = {}  # each entry carries its slot's generation
         self._owners: dict[Slot, str] = {}
         # Pending topologies (serialized parallel info -> its workers), least recently
         # updated first; empty once the topology is fixed.
@@ -127,6 +149,12 @@ class WorkerRegistry:
         return len(names)
 
     @property
+    def held(self) -> int:
+        """Worker entries held, pending and fixed, each with its generation and owner: at
+        most :data:`MAX_WORKERS`, whatever registrations came."""
+        return len(self._workers) + sum(len(c.workers) for c in self._candidates.values())
+
+    @property
     def complete(self) -> bool:
         return self._info is not None and self.registered == self.expected
 
@@ -157,8 +185,16 @@ class WorkerRegistry:
                 f"worker slot dp_rank={slot[0]} tp_rank={slot[1]} pp_rank={slot[2]} is registered by {holder}; "
                 f"refusing {owner} (only the identity that registered a slot may register it again)"
             )
-        generation = self._generations.get(slot, 0) + 1
-        self._generations[slot] = generation
+        # The entries this registration replaces: the slot's own, and, while no topology
+        # is fixed, the slot's entries in other pending topologies (a slot belongs to the
+        # topology it last announced).
+        if self._info is not None:
+            replaced = [self._workers[slot]] if slot in self._workers else []
+            moved: list[_Candidate] = []
+        else:
+            moved = [c for c in self._candidates.values() if slot in c.workers]
+            replaced = [c.workers[slot] for c in moved]
+        generation = 1 + max((int(w.generation) for w in replaced), default=0)
         entry = pb.WorkerInfo()
         entry.CopyFrom(worker)
         entry.generation = generation
@@ -175,12 +211,15 @@ class WorkerRegistry:
                 del self._candidates[next(iter(self._candidates))]
         self._candidates.pop(key, None)
         self._candidates[key] = cand  # now the most recently updated
-        for other in self._candidates.values():  # a slot belongs to the topology it last announced
-            if other is not cand:
-                other.workers.pop(slot, None)
+        for other in moved:
+            other.workers.pop(slot, None)
         cand.workers[slot] = entry
         if owner is not None:
             cand.owners[slot] = owner
+        # The least recently updated topologies go first; this one alone fits
+        # (check_sizes), so it stays.
+        while self.held > MAX_WORKERS:
+            del self._candidates[next(iter(self._candidates))]
         if len(cand.workers) == cand.expected:  # the first complete one fixes the topology
             self._info, self._workers, self._owners = cand.info, cand.workers, cand.owners
             self._candidates.clear()

@@ -325,7 +325,9 @@ class ParallelInfo(_message.Message):
     LOAD_BALANCE_METHOD_FIELD_NUMBER: _builtins.int
     FORCE_DP_RANK_QUERY_FIELD_NUMBER: _builtins.int
     tp_size: _builtins.int
-    """Tensor-parallel size (ranks per dp rank), >= 1."""
+    """Tensor-parallel size (ranks per dp rank), >= 1. dp_size * tp_size * pp_size is at
+    most 4,096 workers (count).
+    """
     dp_size: _builtins.int
     """Data-parallel size (independent replicas), >= 1."""
     pp_size: _builtins.int

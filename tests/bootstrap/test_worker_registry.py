@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
-from pdgrpc.bootstrap.registry import MAX_CANDIDATES, WorkerRegistry
+from pdgrpc.bootstrap.registry import MAX_CANDIDATES, MAX_WORKERS, WorkerRegistry
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 
@@ -130,3 +130,45 @@ def test_get_workers_checks_ranks() -> None:
         r.workers(1)
     with pytest.raises(InvalidBootstrapRequest, match="tp_rank 3"):
         r.workers(0, [3])
+
+
+def test_a_topology_over_max_workers_is_refused_before_anything_is_held() -> None:
+    """A registrant announcing dp_size=2**20 registered one slot after another, each held
+    (with its generation) for good; the sizes' product overflowed the response's count."""
+    r = WorkerRegistry()
+    for sizes in [dict(dp_size=MAX_WORKERS + 1, tp_size=1), dict(dp_size=256, tp_size=64, pp_size=2), dict(dp_size=2**16, tp_size=2**16, pp_size=2**16)]:
+        with pytest.raises(InvalidBootstrapRequest, match=rf"parallel_info: dp_size \d+ x tp_size \d+ x pp_size \d+ = \d+ workers, over the limit of {MAX_WORKERS}"):
+            r.register(worker(1, 0), info(**sizes))
+    assert r.registered == 0 and r.identities() == 0
+    r.register(worker(0, 0), info(dp_size=MAX_WORKERS // 64, tp_size=64))  # the largest topology is fine
+    assert r.registered == 1
+
+
+def test_one_registrant_cycling_topologies_holds_a_bounded_amount() -> None:
+    """Each pending topology kept its workers, and every slot ever named kept a
+    generation: one registrant announcing topology after topology, each with slots the
+    others lack, made the bootstrap hold up to MAX_CANDIDATES times the largest one. At
+    most MAX_WORKERS workers are pending, all topologies together."""
+    r = WorkerRegistry()
+    most = 0
+    for k in range(1, 13):  # dp_size x tp_size = 2048 x 2, 1024 x 4, ..., 1 x 4096
+        tp_size = 2**k
+        for tp in range(tp_size // 2, tp_size):  # slots no other of these topologies has
+            for dp in range(MAX_WORKERS // tp_size):  # never complete
+                r.register(worker(dp, tp, "evil:1"), info(dp_size=MAX_WORKERS // tp_size, tp_size=tp_size), owner="evil")
+                most = max(most, r.held)
+    assert most <= MAX_WORKERS
+    for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info(), owner="real")
+    assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
+    assert r.held == 4 and r.identities() == 1
+
+
+def test_a_dropped_pending_topology_takes_its_generations_along() -> None:
+    r = WorkerRegistry()
+    assert r.register(worker(0, 0, "evil:1"), info(dp_size=7))[0] == 1
+    for n in range(MAX_CANDIDATES):  # push the dp_size=7 topology out
+        r.register(worker(1, 0, "evil:1"), info(dp_size=8 + n))
+    assert r.register(worker(0, 0), info())[0] == 1  # nothing of the dropped entry is left
+    assert r.register(worker(0, 0), info())[0] == 2  # a restart still bumps it
+
