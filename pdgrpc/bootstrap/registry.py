@@ -10,8 +10,10 @@
   recently is dropped with its workers). Once fixed, a worker whose parallel info
   differs in any field is refused with :class:`TopologyMismatch` naming the field and
   both values.
-* A topology has at most :data:`MAX_WORKERS` workers (dp_size x tp_size x pp_size),
-  refused before anything is held.
+* Every size a registration names is bounded before anything else is looked at, so
+  nothing a caller sends is held, logged or repeated in a refusal at more than its
+  limit: a topology has at most :data:`MAX_WORKERS` workers (dp_size x tp_size x
+  pp_size), and each string and bytes field its limit of :mod:`pdgrpc.rpc.limits`.
 * ``expect`` (the ``(dp_size, tp_size, pp_size)`` from flags or config, e.g. the prefill
   controller's own for its embedded bootstrap) refuses any other sizes from the start.
 * A worker is identified by its ``(dp_rank, tp_rank, pp_rank)`` slot. Registering a
@@ -35,6 +37,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, TopologyMismatch, WorkersPending
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
@@ -78,6 +81,23 @@ def check_sizes(dp_size: int, tp_size: int, pp_size: int, what: str) -> None:
         raise InvalidBootstrapRequest(
             f"{what}: dp_size {dp_size} x tp_size {tp_size} x pp_size {pp_size} = {n} workers, over the limit of {MAX_WORKERS}"
         )
+
+
+def check_field_sizes(worker: pb.WorkerInfo, info: pb.ParallelInfo) -> None:
+    """Raise :class:`InvalidBootstrapRequest` naming the first field of a registration
+    over its limit: the registry keeps each whole, logs the address and the transport,
+    and a :class:`TopologyMismatch` repeats the parallel info's."""
+    fields: tuple[tuple[str, str | bytes, int, str], ...] = (
+        ("worker.transfer_address", worker.transfer_address, MAX_ADDRESS_CHARS, "characters"),
+        ("worker.transport", worker.transport, MAX_NAME_CHARS, "characters"),
+        ("worker.transport_endpoint", worker.transport_endpoint, MAX_TRANSPORT_ENDPOINT_BYTES, "bytes"),
+        ("parallel_info.kv_dtype", info.kv_dtype, MAX_NAME_CHARS, "characters"),
+        ("parallel_info.kv_layout", info.kv_layout, MAX_NAME_CHARS, "characters"),
+        ("parallel_info.compatibility_hash", info.compatibility_hash, MAX_COMPATIBILITY_HASH_BYTES, "bytes"),
+    )
+    for field, value, limit, unit in fields:
+        if len(value) > limit:
+            raise InvalidBootstrapRequest(f"RegisterWorkerRequest.{field}: {len(value)} {unit}, over the limit of {limit}")
 
 
 def check_parallel_info(info: pb.ParallelInfo) -> None:
@@ -161,6 +181,7 @@ class WorkerRegistry:
     def register(self, worker: pb.WorkerInfo, info: pb.ParallelInfo, owner: str | None = None) -> tuple[int, int, int]:
         """Record ``worker``, registered by ``owner`` (None: nobody's checked); returns
         ``(generation, registered, expected)``."""
+        check_field_sizes(worker, info)
         check_parallel_info(info)
         if self.expect is not None:
             for field, want in zip(_SIZES, self.expect):

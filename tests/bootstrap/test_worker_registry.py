@@ -7,6 +7,7 @@ import pytest
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
 from pdgrpc.bootstrap.registry import MAX_CANDIDATES, MAX_WORKERS, WorkerRegistry
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 
@@ -171,4 +172,31 @@ def test_a_dropped_pending_topology_takes_its_generations_along() -> None:
         r.register(worker(1, 0, "evil:1"), info(dp_size=8 + n))
     assert r.register(worker(0, 0), info())[0] == 1  # nothing of the dropped entry is left
     assert r.register(worker(0, 0), info())[0] == 2  # a restart still bumps it
+
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("worker.transfer_address", "h" * 9000, f"9000 characters, over the limit of {MAX_ADDRESS_CHARS}"),
+        ("worker.transport", "t" * 9000, f"9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        ("worker.transport_endpoint", b"e" * (MAX_TRANSPORT_ENDPOINT_BYTES + 1),
+         f"{MAX_TRANSPORT_ENDPOINT_BYTES + 1} bytes, over the limit of {MAX_TRANSPORT_ENDPOINT_BYTES}"),
+        ("parallel_info.kv_dtype", "d" * 9000, f"9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        ("parallel_info.kv_layout", "l" * 9000, f"9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        ("parallel_info.compatibility_hash", b"\x01" * 9000, f"9000 bytes, over the limit of {MAX_COMPATIBILITY_HASH_BYTES}"),
+    ],
+)
+def test_oversized_fields_are_refused_naming_field_and_limit(field: str, value: object, shown: str) -> None:
+    """Each was kept whole, logged whole, and repeated (in hex: twice its size) in every
+    TopologyMismatch message; even against a fixed topology it is refused for its size."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(dp_size=1, tp_size=1))
+    w, i = worker(0, 0, "h:2"), info(dp_size=1, tp_size=1)
+    part, name = field.split(".")
+    setattr(w if part == "worker" else i, name, value)
+    with pytest.raises(InvalidBootstrapRequest) as e:
+        r.register(w, i)
+    assert str(e.value) == f"RegisterWorkerRequest.{field}: {shown}"
+    (kept,) = r.workers(0)
+    assert (kept.transfer_address, kept.generation) == ("h:00", 1)
 
