@@ -207,13 +207,17 @@ class WorkerRegistry:
                 f"refusing {owner} (only the identity that registered a slot may register it again)"
             )
         # The entries this registration replaces: the slot's own, and, while no topology
-        # is fixed, the slot's entries in other pending topologies (a slot belongs to the
-        # topology it last announced).
+        # is fixed, the slot's entries of the same registrant in other pending topologies
+        # (a slot belongs to the topology it last announced; another identity's entry
+        # stays where it is, so no one pulls a worker out of the real topology).
         if self._info is not None:
             replaced = [self._workers[slot]] if slot in self._workers else []
             moved: list[_Candidate] = []
         else:
-            moved = [c for c in self._candidates.values() if slot in c.workers]
+            moved = [
+                c for c in self._candidates.values()
+                if slot in c.workers and (c is cand or owner is None or c.owners.get(slot, owner) == owner)
+            ]
             replaced = [c.workers[slot] for c in moved]
         generation = 1 + max((int(w.generation) for w in replaced), default=0)
         entry = pb.WorkerInfo()
@@ -234,6 +238,7 @@ class WorkerRegistry:
         self._candidates[key] = cand  # now the most recently updated
         for other in moved:
             other.workers.pop(slot, None)
+            other.owners.pop(slot, None)
         cand.workers[slot] = entry
         if owner is not None:
             cand.owners[slot] = owner

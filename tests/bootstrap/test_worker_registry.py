@@ -200,3 +200,25 @@ def test_oversized_fields_are_refused_naming_field_and_limit(field: str, value: 
     (kept,) = r.workers(0)
     assert (kept.transfer_address, kept.generation) == ("h:00", 1)
 
+
+def test_another_identity_cannot_pull_a_worker_out_of_its_pending_topology() -> None:
+    """A slot belongs to the topology it last announced, but only its own registrant may
+    move it: another identity announcing the real workers' slots under a bogus topology
+    took them out of the real one, which then never completed."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(), owner="real")
+    r.register(worker(0, 0, "evil:1"), info(dp_size=7), owner="evil")
+    for dp, tp in [(0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info(), owner="real")
+    assert [w.transfer_address for w in r.workers(0)] == ["h:00", "h:01"]
+    assert r.identities() == 1
+
+
+def test_a_registrant_still_moves_its_own_slot_to_another_topology() -> None:
+    r = WorkerRegistry()
+    assert r.register(worker(0, 0, "h:1"), info(dp_size=7), owner="real")[0] == 1
+    assert r.register(worker(0, 0), info(), owner="real")[0] == 2  # a restart with the real sizes
+    for dp, tp in [(0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info(), owner="real")
+    assert r.held == 4
+
