@@ -34,7 +34,7 @@ Messages are the generated ``pdgrpc.v1`` protobuf types; the registry keeps copi
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Sequence
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, TopologyMismatch, WorkersPending
 from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
@@ -257,7 +257,7 @@ class WorkerRegistry:
         assert self._info is not None
         return self._info
 
-    def workers(self, dp_rank: int, tp_ranks: Iterable[int] = ()) -> list[pb.WorkerInfo]:
+    def workers(self, dp_rank: int, tp_ranks: Sequence[int] = ()) -> list[pb.WorkerInfo]:
         """Workers of ``dp_rank`` (those with ``tp_ranks`` if given), ordered by
         ``(tp_rank, pp_rank)``; :class:`WorkersPending` until all registered."""
         self._require_complete()
@@ -265,6 +265,8 @@ class WorkerRegistry:
         assert info is not None
         if dp_rank >= info.dp_size:
             raise InvalidBootstrapRequest(f"dp_rank {dp_rank} is outside [0, dp_size={info.dp_size})")
+        if len(tp_ranks) > info.tp_size:  # checked before the set is built: a request may name millions
+            raise InvalidBootstrapRequest(f"GetWorkersRequest.tp_ranks: {len(tp_ranks)} ranks, more than tp_size={info.tp_size}")
         wanted = set(tp_ranks)
         for tp in wanted:
             if tp >= info.tp_size:

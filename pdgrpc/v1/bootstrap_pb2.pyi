@@ -536,7 +536,7 @@ class GetWorkersRequest(_message.Message):
     """The prefill dp rank whose workers are wanted."""
     @_builtins.property
     def tp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Tensor-parallel ranks wanted; empty means all of them."""
+        """Tensor-parallel ranks wanted, at most tp_size of them; empty means all of them."""
 
     def __init__(
         self,

@@ -3,6 +3,8 @@ completeness."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
@@ -222,3 +224,19 @@ def test_a_registrant_still_moves_its_own_slot_to_another_topology() -> None:
         r.register(worker(dp, tp), info(), owner="real")
     assert r.held == 4
 
+
+def test_get_workers_refuses_more_tp_ranks_than_the_topology_has_before_building_a_set() -> None:
+    """A GetWorkers naming two million tp ranks fits in a message; the registry built a
+    set of them all before it looked at one."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(dp_size=1, tp_size=1))
+    ranks = list(range(2_000_000))
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidBootstrapRequest, match=r"GetWorkersRequest.tp_ranks: 2000000 ranks, more than tp_size=1"):
+            r.workers(0, ranks)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes at the peak"
+    assert [w.tp_rank for w in r.workers(0, [0])] == [0]
