@@ -5,14 +5,23 @@
   announce, and the first group in which every slot of its topology has registered
   wins. Until then nothing is refused for its topology, so a stray or hostile first
   registrant (``dp_size=7``) cannot lock the real workers out; at most
-  :data:`MAX_CANDIDATES` different topologies are pending at once (a new one drops the
-  one that was updated least recently). Once fixed, a worker whose parallel info differs
-  in any field is refused with :class:`TopologyMismatch` naming the field and both values.
+  :data:`MAX_CANDIDATES` different topologies, and :data:`MAX_WORKERS` workers of them
+  all together, are pending at once (past either, the pending topology updated least
+  recently is dropped with its workers). Once fixed, a worker whose parallel info
+  differs in any field is refused with :class:`TopologyMismatch` naming the field and
+  both values.
+* Every size a registration names is bounded before anything else is looked at, so
+  nothing a caller sends is held, logged or repeated in a refusal at more than its
+  limit: a topology has at most :data:`MAX_WORKERS` workers (dp_size x tp_size x
+  pp_size), and each string and bytes field its limit of :mod:`pdgrpc.rpc.limits`.
 * ``expect`` (the ``(dp_size, tp_size, pp_size)`` from flags or config, e.g. the prefill
   controller's own for its embedded bootstrap) refuses any other sizes from the start.
 * A worker is identified by its ``(dp_rank, tp_rank, pp_rank)`` slot. Registering a
   slot again (a restart) replaces the entry and bumps the slot's ``generation``
   (1, 2, ...), which clients compare to drop connections cached for the old process.
+  The generation lives in the slot's entry, and goes with it when a pending topology is
+  dropped: clients see workers only once the topology is fixed, and a fixed topology's
+  entries are never dropped, so what a client compared never goes backwards.
 * With an ``owner`` (the caller's authenticated identity: its certificate's name under
   mTLS, else its host), a slot may be registered again only by the identity that first
   registered it; another is refused with :class:`~pdgrpc.bootstrap.errors.NotPermitted`, so a registration can never
@@ -25,13 +34,17 @@ Messages are the generated ``pdgrpc.v1`` protobuf types; the registry keeps copi
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Sequence
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, TopologyMismatch, WorkersPending
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
 MAX_CANDIDATES = 16  # different topologies pending before one is complete (count)
+# Workers of one topology (dp_size * tp_size * pp_size), and pending workers of all
+# topologies together (count): dp 512 at tp 8, or dp 64 at tp 64, is one instance.
+MAX_WORKERS = 4096
 _SIZES = ("dp_size", "tp_size", "pp_size")
 
 
@@ -60,11 +73,39 @@ def _show(info: pb.ParallelInfo, field: str) -> str:
     return str(value)
 
 
+def check_sizes(dp_size: int, tp_size: int, pp_size: int, what: str) -> None:
+    """Raise :class:`InvalidBootstrapRequest` when the topology ``what`` names has more
+    than :data:`MAX_WORKERS` workers: the registry holds an entry per slot."""
+    n = dp_size * tp_size * pp_size
+    if n > MAX_WORKERS:
+        raise InvalidBootstrapRequest(
+            f"{what}: dp_size {dp_size} x tp_size {tp_size} x pp_size {pp_size} = {n} workers, over the limit of {MAX_WORKERS}"
+        )
+
+
+def check_field_sizes(worker: pb.WorkerInfo, info: pb.ParallelInfo) -> None:
+    """Raise :class:`InvalidBootstrapRequest` naming the first field of a registration
+    over its limit: the registry keeps each whole, logs the address and the transport,
+    and a :class:`TopologyMismatch` repeats the parallel info's."""
+    fields: tuple[tuple[str, str | bytes, int, str], ...] = (
+        ("worker.transfer_address", worker.transfer_address, MAX_ADDRESS_CHARS, "characters"),
+        ("worker.transport", worker.transport, MAX_NAME_CHARS, "characters"),
+        ("worker.transport_endpoint", worker.transport_endpoint, MAX_TRANSPORT_ENDPOINT_BYTES, "bytes"),
+        ("parallel_info.kv_dtype", info.kv_dtype, MAX_NAME_CHARS, "characters"),
+        ("parallel_info.kv_layout", info.kv_layout, MAX_NAME_CHARS, "characters"),
+        ("parallel_info.compatibility_hash", info.compatibility_hash, MAX_COMPATIBILITY_HASH_BYTES, "bytes"),
+    )
+    for field, value, limit, unit in fields:
+        if len(value) > limit:
+            raise InvalidBootstrapRequest(f"RegisterWorkerRequest.{field}: {len(value)} {unit}, over the limit of {limit}")
+
+
 def check_parallel_info(info: pb.ParallelInfo) -> None:
     """Raise :class:`InvalidBootstrapRequest` unless ``info`` is usable on its own."""
     for field in ("tp_size", "dp_size", "pp_size", "page_size"):
         if getattr(info, field) < 1:
             raise InvalidBootstrapRequest(f"parallel_info.{field} must be >= 1, got {getattr(info, field)}")
+    check_sizes(info.dp_size, info.tp_size, info.pp_size, "RegisterWorkerRequest.parallel_info")
     if info.load_balance_method == pb.LOAD_BALANCE_METHOD_UNSPECIFIED:
         raise InvalidBootstrapRequest("parallel_info.load_balance_method must be set (it is LOAD_BALANCE_METHOD_UNSPECIFIED)")
 
@@ -74,10 +115,11 @@ class WorkerRegistry:
 
     def __init__(self, expect: tuple[int, int, int] | None = None) -> None:
         """``expect``: the (dp_size, tp_size, pp_size) the instance must have (None: any)."""
+        if expect is not None:
+            check_sizes(*expect, what="the expected topology")
         self.expect = expect
         self._info: pb.ParallelInfo | None = None
-        self._workers: dict[Slot, pb.WorkerInfo] = {}
-        self._generations: dict[Slot, int] = {}
+        self._workers: dict[Slot, pb.WorkerInfo] = {}  # each entry carries its slot's generation
         self._owners: dict[Slot, str] = {}
         # Pending topologies (serialized parallel info -> its workers), least recently
         # updated first; empty once the topology is fixed.
@@ -127,12 +169,19 @@ class WorkerRegistry:
         return len(names)
 
     @property
+    def held(self) -> int:
+        """Worker entries held, pending and fixed, each with its generation and owner: at
+        most :data:`MAX_WORKERS`, whatever registrations came."""
+        return len(self._workers) + sum(len(c.workers) for c in self._candidates.values())
+
+    @property
     def complete(self) -> bool:
         return self._info is not None and self.registered == self.expected
 
     def register(self, worker: pb.WorkerInfo, info: pb.ParallelInfo, owner: str | None = None) -> tuple[int, int, int]:
         """Record ``worker``, registered by ``owner`` (None: nobody's checked); returns
         ``(generation, registered, expected)``."""
+        check_field_sizes(worker, info)
         check_parallel_info(info)
         if self.expect is not None:
             for field, want in zip(_SIZES, self.expect):
@@ -157,8 +206,20 @@ class WorkerRegistry:
                 f"worker slot dp_rank={slot[0]} tp_rank={slot[1]} pp_rank={slot[2]} is registered by {holder}; "
                 f"refusing {owner} (only the identity that registered a slot may register it again)"
             )
-        generation = self._generations.get(slot, 0) + 1
-        self._generations[slot] = generation
+        # The entries this registration replaces: the slot's own, and, while no topology
+        # is fixed, the slot's entries of the same registrant in other pending topologies
+        # (a slot belongs to the topology it last announced; another identity's entry
+        # stays where it is, so no one pulls a worker out of the real topology).
+        if self._info is not None:
+            replaced = [self._workers[slot]] if slot in self._workers else []
+            moved: list[_Candidate] = []
+        else:
+            moved = [
+                c for c in self._candidates.values()
+                if slot in c.workers and (c is cand or owner is None or c.owners.get(slot, owner) == owner)
+            ]
+            replaced = [c.workers[slot] for c in moved]
+        generation = 1 + max((int(w.generation) for w in replaced), default=0)
         entry = pb.WorkerInfo()
         entry.CopyFrom(worker)
         entry.generation = generation
@@ -175,12 +236,16 @@ class WorkerRegistry:
                 del self._candidates[next(iter(self._candidates))]
         self._candidates.pop(key, None)
         self._candidates[key] = cand  # now the most recently updated
-        for other in self._candidates.values():  # a slot belongs to the topology it last announced
-            if other is not cand:
-                other.workers.pop(slot, None)
+        for other in moved:
+            other.workers.pop(slot, None)
+            other.owners.pop(slot, None)
         cand.workers[slot] = entry
         if owner is not None:
             cand.owners[slot] = owner
+        # The least recently updated topologies go first; this one alone fits
+        # (check_sizes), so it stays.
+        while self.held > MAX_WORKERS:
+            del self._candidates[next(iter(self._candidates))]
         if len(cand.workers) == cand.expected:  # the first complete one fixes the topology
             self._info, self._workers, self._owners = cand.info, cand.workers, cand.owners
             self._candidates.clear()
@@ -192,7 +257,7 @@ class WorkerRegistry:
         assert self._info is not None
         return self._info
 
-    def workers(self, dp_rank: int, tp_ranks: Iterable[int] = ()) -> list[pb.WorkerInfo]:
+    def workers(self, dp_rank: int, tp_ranks: Sequence[int] = ()) -> list[pb.WorkerInfo]:
         """Workers of ``dp_rank`` (those with ``tp_ranks`` if given), ordered by
         ``(tp_rank, pp_rank)``; :class:`WorkersPending` until all registered."""
         self._require_complete()
@@ -200,6 +265,8 @@ class WorkerRegistry:
         assert info is not None
         if dp_rank >= info.dp_size:
             raise InvalidBootstrapRequest(f"dp_rank {dp_rank} is outside [0, dp_size={info.dp_size})")
+        if len(tp_ranks) > info.tp_size:  # checked before the set is built: a request may name millions
+            raise InvalidBootstrapRequest(f"GetWorkersRequest.tp_ranks: {len(tp_ranks)} ranks, more than tp_size={info.tp_size}")
         wanted = set(tp_ranks)
         for tp in wanted:
             if tp >= info.tp_size:

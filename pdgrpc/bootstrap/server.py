@@ -7,7 +7,7 @@ import argparse
 import logging
 
 from pdgrpc.argtypes import port, positive_seconds, seconds, whole_number
-from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.registry import WorkerRegistry, check_sizes
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args
@@ -109,6 +109,7 @@ def _topology(text: str) -> tuple[int, int, int] | None:
     if len(parts) != 3 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
         raise ValueError(f"--topology {text!r}: expected DP,TP,PP (three integers >= 1)")
     dp, tp, pp = (int(x) for x in parts)
+    check_sizes(dp, tp, pp, f"--topology {text}")
     return dp, tp, pp
 
 

@@ -44,6 +44,7 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.reasons import AbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS
 from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import abort_proof, handshake_proof
@@ -175,6 +176,12 @@ class Handshaker:
                 if not workers:
                     raise ending(Refusal.PREFILL_GONE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
                 for w in workers:
+                    if len(w.transfer_address) > MAX_ADDRESS_CHARS:  # dialled, logged and pooled: never unbounded
+                        raise ending(
+                            Refusal.INTERNAL,
+                            f"bootstrap {addr} lists worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} at transfer_address: "
+                            f"{len(w.transfer_address)} characters, over the limit of {MAX_ADDRESS_CHARS}",
+                        )
                     if w.transport != self.transport_name:
                         raise ending(
                             Refusal.INCOMPATIBLE,

@@ -26,6 +26,17 @@
 * :data:`MAX_ABORT_REASON_CHARS`: an abort's ``reason`` (smg's ``Abort``, a decode's
   ``AbortRoom``). The server logs it and ends the aborted call (or keeps a room's
   tombstone) with it; a few words in practice.
+* :data:`MAX_NAME_CHARS`: a name one process announces to others and they keep, log and
+  compare: a transport backend (``rdma``), a KV dtype (``bfloat16``), a KV layout
+  (``layer_kv_page_head_dim``); a few dozen characters in practice.
+* :data:`MAX_TRANSPORT_ENDPOINT_BYTES`: a worker's transport descriptor, as it registers
+  with its bootstrap, which keeps it for every decode that asks. An ``rdma`` worker of a
+  128-layer model describes itself in about 15 KB (a region per K and V pool); the limit
+  leaves four times that, and keeps a bootstrap's largest topology
+  (:data:`pdgrpc.bootstrap.registry.MAX_WORKERS` workers) under 256 MiB. A backend whose
+  descriptors need more raises it.
+* :data:`MAX_COMPATIBILITY_HASH_BYTES`: a compatibility hash, which peers keep and
+  compare whole; pdgrpc's is a 32-byte SHA-256 digest.
 """
 
 from __future__ import annotations
@@ -35,13 +46,20 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-__all__ = ["MAX_ABORT_REASON_CHARS", "MAX_ADDRESS_CHARS", "MAX_HOST_CHARS", "MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_CHARS", "HandlerWrapper", "UndecodableIsInvalidArgument", "parse_or_abort"]
+__all__ = [
+    "MAX_ABORT_REASON_CHARS", "MAX_ADDRESS_CHARS", "MAX_COMPATIBILITY_HASH_BYTES", "MAX_HOST_CHARS", "MAX_MESSAGE_BYTES",
+    "MAX_NAME_CHARS", "MAX_REQUEST_ID_CHARS", "MAX_TRANSPORT_ENDPOINT_BYTES", "HandlerWrapper", "UndecodableIsInvalidArgument",
+    "parse_or_abort",
+]
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_REQUEST_ID_CHARS = 256
 MAX_HOST_CHARS = 253
 MAX_ADDRESS_CHARS = MAX_HOST_CHARS + len("[]:65535")
 MAX_ABORT_REASON_CHARS = 1024
+MAX_NAME_CHARS = 128
+MAX_TRANSPORT_ENDPOINT_BYTES = 64 * 1024
+MAX_COMPATIBILITY_HASH_BYTES = 64
 
 
 def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

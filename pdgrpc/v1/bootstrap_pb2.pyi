@@ -325,7 +325,9 @@ class ParallelInfo(_message.Message):
     LOAD_BALANCE_METHOD_FIELD_NUMBER: _builtins.int
     FORCE_DP_RANK_QUERY_FIELD_NUMBER: _builtins.int
     tp_size: _builtins.int
-    """Tensor-parallel size (ranks per dp rank), >= 1."""
+    """Tensor-parallel size (ranks per dp rank), >= 1. dp_size * tp_size * pp_size is at
+    most 4,096 workers (count).
+    """
     dp_size: _builtins.int
     """Data-parallel size (independent replicas), >= 1."""
     pp_size: _builtins.int
@@ -333,12 +335,12 @@ class ParallelInfo(_message.Message):
     page_size: _builtins.int
     """KV page size in tokens, >= 1."""
     kv_dtype: _builtins.str
-    """KV cache element type, e.g. "float16", "bfloat16", "float32"."""
+    """KV cache element type, e.g. "float16", "bfloat16", "float32"; at most 128 characters."""
     kv_layout: _builtins.str
-    """KV pool layout name, e.g. "layer_kv_page_head_dim"."""
+    """KV pool layout name, e.g. "layer_kv_page_head_dim"; at most 128 characters."""
     compatibility_hash: _builtins.bytes
     """Compatibility hash over model shape, page size, dtype, layout and protocol version
-    (opaque bytes; equal hashes mean the two sides can exchange KV).
+    (opaque bytes, at most 64; equal hashes mean the two sides can exchange KV).
     """
     load_balance_method: Global___LoadBalanceMethod.ValueType
     """The instance's DP load-balance method."""
@@ -387,11 +389,11 @@ class WorkerInfo(_message.Message):
     pp_rank: _builtins.int
     """Pipeline-parallel rank, in [0, pp_size)."""
     transfer_address: _builtins.str
-    """host:port of the worker's handshake (transfer) gRPC service."""
+    """host:port of the worker's handshake (transfer) gRPC service; at most 261 characters."""
     transport: _builtins.str
-    """Transport backend name, e.g. "rdma", "tcp", "fake"."""
+    """Transport backend name, e.g. "rdma", "tcp", "fake"; at most 128 characters."""
     transport_endpoint: _builtins.bytes
-    """Transport endpoint descriptor (opaque bytes, backend-defined)."""
+    """Transport endpoint descriptor (opaque bytes, backend-defined; at most 65,536)."""
     generation: _builtins.int
     """Output only: bumped every time this (dp, tp, pp) slot re-registers (a restart);
     clients drop cached connections when it changes. Starts at 1.
@@ -534,7 +536,7 @@ class GetWorkersRequest(_message.Message):
     """The prefill dp rank whose workers are wanted."""
     @_builtins.property
     def tp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Tensor-parallel ranks wanted; empty means all of them."""
+        """Tensor-parallel ranks wanted, at most tp_size of them; empty means all of them."""
 
     def __init__(
         self,

@@ -55,6 +55,15 @@ def test_a_sweep_that_would_spin_is_refused(argv: list[str], message: str, capsy
     assert message in usage_error(lambda: build_parser().parse_args(argv), capsys)
 
 
+def test_a_topology_over_max_workers_is_refused_at_start() -> None:
+    from pdgrpc.bootstrap.registry import MAX_WORKERS
+    from pdgrpc.bootstrap.server import build_parser, check
+
+    with pytest.raises(ValueError, match=rf"--topology 100000,64,1: dp_size 100000 x tp_size 64 x pp_size 1 = 6400000 workers, over the limit of {MAX_WORKERS}"):
+        check(build_parser().parse_args(["--topology", "100000,64,1"]))
+    check(build_parser().parse_args(["--topology", "64,64,1"]))
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))

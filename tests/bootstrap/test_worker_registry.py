@@ -3,10 +3,13 @@ completeness."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
-from pdgrpc.bootstrap.registry import MAX_CANDIDATES, WorkerRegistry
+from pdgrpc.bootstrap.registry import MAX_CANDIDATES, MAX_WORKERS, WorkerRegistry
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 
@@ -130,3 +133,110 @@ def test_get_workers_checks_ranks() -> None:
         r.workers(1)
     with pytest.raises(InvalidBootstrapRequest, match="tp_rank 3"):
         r.workers(0, [3])
+
+
+def test_a_topology_over_max_workers_is_refused_before_anything_is_held() -> None:
+    """A registrant announcing dp_size=2**20 registered one slot after another, each held
+    (with its generation) for good; the sizes' product overflowed the response's count."""
+    r = WorkerRegistry()
+    for sizes in [dict(dp_size=MAX_WORKERS + 1, tp_size=1), dict(dp_size=256, tp_size=64, pp_size=2), dict(dp_size=2**16, tp_size=2**16, pp_size=2**16)]:
+        with pytest.raises(InvalidBootstrapRequest, match=rf"parallel_info: dp_size \d+ x tp_size \d+ x pp_size \d+ = \d+ workers, over the limit of {MAX_WORKERS}"):
+            r.register(worker(1, 0), info(**sizes))
+    assert r.registered == 0 and r.identities() == 0
+    r.register(worker(0, 0), info(dp_size=MAX_WORKERS // 64, tp_size=64))  # the largest topology is fine
+    assert r.registered == 1
+
+
+def test_one_registrant_cycling_topologies_holds_a_bounded_amount() -> None:
+    """Each pending topology kept its workers, and every slot ever named kept a
+    generation: one registrant announcing topology after topology, each with slots the
+    others lack, made the bootstrap hold up to MAX_CANDIDATES times the largest one. At
+    most MAX_WORKERS workers are pending, all topologies together."""
+    r = WorkerRegistry()
+    most = 0
+    for k in range(1, 13):  # dp_size x tp_size = 2048 x 2, 1024 x 4, ..., 1 x 4096
+        tp_size = 2**k
+        for tp in range(tp_size // 2, tp_size):  # slots no other of these topologies has
+            for dp in range(MAX_WORKERS // tp_size):  # never complete
+                r.register(worker(dp, tp, "evil:1"), info(dp_size=MAX_WORKERS // tp_size, tp_size=tp_size), owner="evil")
+                most = max(most, r.held)
+    assert most <= MAX_WORKERS
+    for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info(), owner="real")
+    assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
+    assert r.held == 4 and r.identities() == 1
+
+
+def test_a_dropped_pending_topology_takes_its_generations_along() -> None:
+    r = WorkerRegistry()
+    assert r.register(worker(0, 0, "evil:1"), info(dp_size=7))[0] == 1
+    for n in range(MAX_CANDIDATES):  # push the dp_size=7 topology out
+        r.register(worker(1, 0, "evil:1"), info(dp_size=8 + n))
+    assert r.register(worker(0, 0), info())[0] == 1  # nothing of the dropped entry is left
+    assert r.register(worker(0, 0), info())[0] == 2  # a restart still bumps it
+
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("worker.transfer_address", "h" * 9000, f"9000 characters, over the limit of {MAX_ADDRESS_CHARS}"),
+        ("worker.transport", "t" * 9000, f"9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        ("worker.transport_endpoint", b"e" * (MAX_TRANSPORT_ENDPOINT_BYTES + 1),
+         f"{MAX_TRANSPORT_ENDPOINT_BYTES + 1} bytes, over the limit of {MAX_TRANSPORT_ENDPOINT_BYTES}"),
+        ("parallel_info.kv_dtype", "d" * 9000, f"9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        ("parallel_info.kv_layout", "l" * 9000, f"9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        ("parallel_info.compatibility_hash", b"\x01" * 9000, f"9000 bytes, over the limit of {MAX_COMPATIBILITY_HASH_BYTES}"),
+    ],
+)
+def test_oversized_fields_are_refused_naming_field_and_limit(field: str, value: object, shown: str) -> None:
+    """Each was kept whole, logged whole, and repeated (in hex: twice its size) in every
+    TopologyMismatch message; even against a fixed topology it is refused for its size."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(dp_size=1, tp_size=1))
+    w, i = worker(0, 0, "h:2"), info(dp_size=1, tp_size=1)
+    part, name = field.split(".")
+    setattr(w if part == "worker" else i, name, value)
+    with pytest.raises(InvalidBootstrapRequest) as e:
+        r.register(w, i)
+    assert str(e.value) == f"RegisterWorkerRequest.{field}: {shown}"
+    (kept,) = r.workers(0)
+    assert (kept.transfer_address, kept.generation) == ("h:00", 1)
+
+
+def test_another_identity_cannot_pull_a_worker_out_of_its_pending_topology() -> None:
+    """A slot belongs to the topology it last announced, but only its own registrant may
+    move it: another identity announcing the real workers' slots under a bogus topology
+    took them out of the real one, which then never completed."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(), owner="real")
+    r.register(worker(0, 0, "evil:1"), info(dp_size=7), owner="evil")
+    for dp, tp in [(0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info(), owner="real")
+    assert [w.transfer_address for w in r.workers(0)] == ["h:00", "h:01"]
+    assert r.identities() == 1
+
+
+def test_a_registrant_still_moves_its_own_slot_to_another_topology() -> None:
+    r = WorkerRegistry()
+    assert r.register(worker(0, 0, "h:1"), info(dp_size=7), owner="real")[0] == 1
+    assert r.register(worker(0, 0), info(), owner="real")[0] == 2  # a restart with the real sizes
+    for dp, tp in [(0, 1), (1, 0), (1, 1)]:
+        r.register(worker(dp, tp), info(), owner="real")
+    assert r.held == 4
+
+
+def test_get_workers_refuses_more_tp_ranks_than_the_topology_has_before_building_a_set() -> None:
+    """A GetWorkers naming two million tp ranks fits in a message; the registry built a
+    set of them all before it looked at one."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(dp_size=1, tp_size=1))
+    ranks = list(range(2_000_000))
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidBootstrapRequest, match=r"GetWorkersRequest.tp_ranks: 2000000 ranks, more than tp_size=1"):
+            r.workers(0, ranks)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes at the peak"
+    assert [w.tp_rank for w in r.workers(0, [0])] == [0]

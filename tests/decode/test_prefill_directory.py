@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import grpc
 import pytest
 
 from pdgrpc.bootstrap.client import BootstrapClient
+from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
 from pdgrpc.decode.handshake import Handshaker
 from pdgrpc.decode.job import Job
@@ -20,6 +21,8 @@ from pdgrpc.engine.base import SamplingParams
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.errors import RpcError
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS
+from pdgrpc.v1 import bootstrap_pb2 as bpb
 from tests.bootstrap.bootstrap_helpers import free_port, parallel_info, worker
 
 
@@ -123,3 +126,36 @@ async def test_the_directory_holds_at_most_max_prefills_addresses() -> None:
         assert len(d) == 3
     finally:
         await pool.close()
+
+
+class _LongAddresses(WorkerRegistry):
+    """The registry of a bootstrap the decode does not control (another build, or a
+    caller's own, named by its Decode request): it lists workers at over-long addresses."""
+
+    def workers(self, dp_rank: int, tp_ranks: Sequence[int] = ()) -> list[bpb.WorkerInfo]:
+        listed = super().workers(dp_rank, tp_ranks)
+        for w in listed:
+            w.transfer_address = "a" * 9000 + ":7000"
+        return listed
+
+
+async def test_a_listed_worker_address_over_the_limit_is_never_dialled(servers: list[BootstrapServer]) -> None:
+    """The decode checks the prefill_bootstrap_address it is sent against
+    MAX_ADDRESS_CHARS, but dialled, logged and kept a channel for any worker address that
+    bootstrap listed. It ends the request naming the field and the limit instead."""
+    servers.append(srv := await start_bootstrap_server("127.0.0.1", 0, registry=_LongAddresses()))
+    pool = ChannelPool()
+    try:
+        await BootstrapClient(srv.address, pool=pool).register_worker(worker(0), parallel_info(dp=1))
+    finally:
+        await pool.close()
+    d = PrefillDirectory(timeout=2.0)
+    job = Job(7, "r7", (256, 65), SamplingParams(), 4, await d.parallel_info(srv.address, wait_for=2.0), 1, asyncio.Queue(), 0.0, dp_rank=0)
+    job.slot = 0
+    got = await Handshaker(d, "fake", rpc_timeout_s=2.0).handshake(job, (0,), time.monotonic() + 3.0)
+    assert isinstance(got, RequestFailed) and got.code == grpc.StatusCode.INTERNAL, got
+    assert (
+        f"bootstrap {srv.address} lists worker dp_rank=0 tp_rank=0 at transfer_address: 9005 characters, "
+        f"over the limit of {MAX_ADDRESS_CHARS}"
+    ) in got.message
+    assert job.contacted == []
