@@ -34,3 +34,21 @@ def test_a_duplicate_process_name_is_named(tmp_path: Path, capsys: pytest.Captur
     assert main([str(topology)]) == 2
     err = capsys.readouterr().err
     assert "process names must be unique; more than one [[process]] is named 'prefill'" in err
+
+
+def test_a_cluster_refused_before_it_starts_is_one_line_and_leaves_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pdgrpc.cluster.launcher
+
+    topology = tmp_path / "etcd.toml"
+    topology.write_text('[[process]]\nname = "etcd"\nrole = "etcd"\n\n[[process]]\nname = "router"\nrole = "colocated"\n')
+    monkeypatch.setattr(pdgrpc.cluster.launcher, "find_etcd", lambda: None)  # a host without etcd
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where the launcher makes its log directory
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", None)
+    assert main([str(topology), "--insecure"]) == 2
+    out = capsys.readouterr()
+    assert "error: topology 'etcd' runs etcd, but there is none here: install" in out.err
+    assert "Traceback" not in out.err and "starting" not in out.out
+    assert list((tmp_path / "tmp").iterdir()) == []
