@@ -80,3 +80,36 @@ def test_no_module_imports_after_code() -> None:
     root = Path(__file__).resolve().parents[1] / "pdgrpc"
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if "noqa: E402" in p.read_text()]
     assert offenders == []
+
+
+# Delivers a real SIGINT to the server process at one point of its start-up: while it
+# imports torch, or once its main coroutine runs (as it builds its engine).
+_CTRL_C = """
+import importlib.abc, signal, sys
+where = sys.argv[1]
+if where == "import":
+    class Interrupt(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch":
+                signal.raise_signal(signal.SIGINT)
+            return None
+    sys.meta_path.insert(0, Interrupt())
+from pdgrpc.serving.launch import launch, prepare_environment
+if where == "engine":
+    prepare_environment()
+    import pdgrpc.colocated.server as server
+    build = server.build_engine
+    def interrupted_build(ns):
+        signal.raise_signal(signal.SIGINT)
+        return build(ns)
+    server.build_engine = interrupted_build
+sys.exit(launch("pdgrpc.colocated.server", ["--model-size", "tiny", "--port", "0"]))
+"""
+
+
+@pytest.mark.parametrize("where", ["import", "engine"])
+def test_ctrl_c_while_a_server_starts_is_one_line_and_exit_130(where: str) -> None:
+    out = subprocess.run([sys.executable, "-c", _CTRL_C, where], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stderr[-3000:]
+    assert "pdgrpc.colocated: stopped by Ctrl-C (SIGINT)" in out.stderr
+    assert "Traceback" not in out.stderr and "listening on" not in out.stderr

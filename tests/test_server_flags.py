@@ -121,3 +121,33 @@ def test_an_engine_size_below_1_is_refused_naming_the_flag(module: str, flag: st
 
 def test_decode_refuses_no_slots_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "argument --num-slots: must be >= 1 slots, got 0" in usage_error(lambda: _parser("pdgrpc.decode.server").parse_args(["--num-slots", "0"]), capsys)
+
+
+ENGINE_LAUNCHES = ["pdgrpc.colocated.server", "pdgrpc.prefill.controller_main", "pdgrpc.decode.server"]
+REFERENCE_SIZES = [
+    (["--max-prompt-tokens", "5000"], "--max-prompt-tokens (5000) must be < --max-seq-len (4096)"),
+    (["--max-seq-len", "8", "--max-prompt-tokens", "8"], "--max-prompt-tokens (8) must be < --max-seq-len (8)"),
+    (["--max-seq-len", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
+    (["--max-seq-len", "100000"], "--max-seq-len 100000: the reference engine takes at most 65536 tokens"),
+]
+
+
+@pytest.mark.parametrize("module", ENGINE_LAUNCHES, ids=[m.split(".")[1] for m in ENGINE_LAUNCHES])
+@pytest.mark.parametrize("argv, message", REFERENCE_SIZES, ids=[" ".join(a) for a, _ in REFERENCE_SIZES])
+def test_reference_engine_sizes_that_disagree_name_the_flags(
+    module: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not the engine's fields (EngineConfig.max_prompt_tokens): the flags the user typed.
+    from pdgrpc.serving.launch import launch
+
+    transport = [] if module == "pdgrpc.colocated.server" else ["--transport", "fake"]
+    err = usage_error(lambda: launch(module, [*transport, "--model-size", "tiny", *argv]), capsys)
+    assert f"error: {message}" in err and "EngineConfig" not in err
+
+
+@pytest.mark.parametrize("module", ["pdgrpc.prefill.controller_main", "pdgrpc.decode.server"], ids=["prefill", "decode"])
+def test_a_tp_size_that_does_not_divide_the_heads_names_the_flag(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdgrpc.serving.launch import launch
+
+    err = usage_error(lambda: launch(module, ["--transport", "fake", "--tp-size", "3"]), capsys)
+    assert "error: --tp-size 3 must divide the model's num_heads (8)" in err

@@ -14,7 +14,7 @@ from typing import Any
 
 from pdgrpc.argtypes import positive_seconds, seconds
 from pdgrpc.cluster.hosts import HOSTS_ENV
-from pdgrpc.cluster.launcher import ChildDied, Cluster, ClusterError, restart_running
+from pdgrpc.cluster.launcher import Cluster, ClusterError, restart_running
 from pdgrpc.cluster.netns import NetnsUnavailable, NetworkHosts, remove_stale
 from pdgrpc.cluster.topology import SECURITY_MODES, TRANSPORTS, Topology, load_topology, servers_dir
 from pdgrpc.errors import ConfigError
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         if load_topology(args.topology).subnet and HOSTS_ENV not in os.environ:
             return _on_hosts(args, argv)
         return run(_main(args))
-    except (ConfigError, ChildDied, NetnsUnavailable) as exc:
+    except (ConfigError, ClusterError, NetnsUnavailable) as exc:  # ClusterError: a cluster refused before it starts (no etcd here)
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

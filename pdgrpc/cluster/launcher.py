@@ -224,15 +224,22 @@ class Cluster:
         self._running = False  # every process came up: from now on the supervisor restarts
         self._python = python
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.topology.env, **(extra_env or {})}
-        self.credentials = ClusterCredentials(
-            self.log_dir / "security", {p.name: p.role for p in self.topology.processes}, tls=self.tls == "auto",
-            token=self.auth_token == "auto", files=self.topology.security_files,
-            addresses={p.name: place(p, self.hosts, HOST)[0] for p in self.topology.processes},
-            smg=any(p.role == "smg" for p in self.topology.processes),
-        )
-        self.client_security = self.credentials.client
         self.procs: dict[str, Proc] = {}
-        self._assign_ports()
+        try:
+            self.credentials = ClusterCredentials(
+                self.log_dir / "security", {p.name: p.role for p in self.topology.processes}, tls=self.tls == "auto",
+                token=self.auth_token == "auto", files=self.topology.security_files,
+                addresses={p.name: place(p, self.hosts, HOST)[0] for p in self.topology.processes},
+                smg=any(p.role == "smg" for p in self.topology.processes),
+            )
+            self._assign_ports()
+        except BaseException:
+            # A cluster refused before it started has no logs to keep: a directory of
+            # the launcher's own goes, with the keys it made.
+            if self._own_log_dir:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+            raise
+        self.client_security = self.credentials.client
         self._stopping = False
         self._died: asyncio.Future[Proc] | None = None
         self._watchers: list[asyncio.Task[None]] = []

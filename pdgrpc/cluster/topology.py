@@ -252,7 +252,8 @@ def parse_topology(data: Mapping[str, Any], name: str, path: Path | None = None)
         )
     roles = {p.name: p.role for p in procs}
     if len(roles) != len(procs):
-        raise _fail(where, "process names must be unique")
+        twice = sorted({p.name for p in procs if sum(q.name == p.name for q in procs) > 1})
+        raise _fail(where, f"process names must be unique; more than one [[process]] is named {', '.join(map(repr, twice))}")
     for p in procs:
         pw = f"{where} process {p.name!r}"
         if p.bootstrap is not None and roles.get(p.bootstrap) != "bootstrap":
@@ -323,7 +324,12 @@ def load_topology(spec: str | Path) -> Topology:
     if not path.exists():
         raise ConfigError(f"topology {str(spec)!r}: no such file (topologies live in {servers_dir()})")
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, an unreadable or binary file: one line, not a traceback
+        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise ConfigError(f"topology {str(spec)!r}: cannot read {path}: {why}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     return parse_topology(data, path.stem, path)

@@ -17,6 +17,7 @@ from pdgrpc.errors import ConfigError, PdgrpcError
 from pdgrpc.gateway import decode_service
 from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args
 from pdgrpc.rpc.server import run, serve_until_signal
+from pdgrpc.serving.children import guarded_argv
 from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.engines import build_engine, check_engine_args, engine_limits_argv
@@ -36,7 +37,9 @@ async def _start_ranks(ns: argparse.Namespace) -> tuple[list[asyncio.subprocess.
         argv = [sys.executable, "-m", "pdgrpc.decode.follower", *getattr(ns, "argv", []), *engine_limits_argv(ns), "--tp-rank", str(rank), "--dist-init", init]
         if port is not None:
             argv += ["--metrics-port", str(port)]
-        procs.append(await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL))
+        # Guarded: a rank whose rank 0 died (SIGTERM or SIGKILL during start-up, before any
+        # stop could reach it) is killed by the kernel, not left waiting for a group that is gone.
+        procs.append(await asyncio.create_subprocess_exec(*guarded_argv(argv), stdin=asyncio.subprocess.DEVNULL))
     return procs, init
 
 

@@ -157,13 +157,18 @@ def _noop() -> None:
 def start_metrics_from_args(ns: argparse.Namespace, registry: CollectorRegistry, what: str) -> Callable[[], None]:
     """Start the endpoint that ``--metrics-port``/``--metrics-host`` ask for and log
     ``pdgrpc <what> metrics on http://HOST:PORT/metrics`` with the bound port. Returns
-    ``stop`` (a no-op when ``--metrics-port`` was not given)."""
+    ``stop`` (a no-op when ``--metrics-port`` was not given). Raises ConfigError naming
+    both flags when the address cannot be listened on."""
     port = getattr(ns, "metrics_port", None)
     if port is None:
         return _noop
     host = getattr(ns, "metrics_host", "127.0.0.1")
-    bound, stop = start_metrics_server(registry, host, port)
     shown = f"[{host}]" if ":" in host else host
+    try:
+        bound, stop = start_metrics_server(registry, host, port)
+    except OSError as exc:  # a port in use, a host not of this machine: name the flags, not just the errno
+        why = exc.strerror or str(exc)
+        raise ConfigError(f"--metrics-port {port} --metrics-host {host}: cannot listen on http://{shown}:{port}: {why}") from None
     log.info("pdgrpc %s metrics on http://%s:%d/metrics", what, shown, bound)
     return stop
 

@@ -221,6 +221,19 @@ class RpcServer:
         return [self.server] if self.gateway is None else [self.server, self.gateway]
 
 
+async def _start_whole(server: grpc.aio.Server) -> None:
+    """Start ``server``; a cancellation meanwhile (Ctrl-C at start-up) lets the start
+    finish, stops the server and goes on: grpc.aio's start cut half-way leaves its serving
+    loop in a state that it reports at exit with a traceback."""
+    start = asyncio.ensure_future(server.start())
+    try:
+        await asyncio.shield(start)
+    except asyncio.CancelledError:
+        await asyncio.gather(start, return_exceptions=True)
+        await server.stop(0)
+        raise
+
+
 async def start_server(
     services: Iterable[ServiceSpec],
     *,
@@ -278,9 +291,13 @@ async def start_server(
         gateway, _ = _server(services, health_servicer, options, drain_wrapper(drain, gateway_handler_wrapper(users)))
         gateway_port = _bind(gateway, gateway_bind[0], gateway_bind[1], None, f"{what} gateway listener")
         users.listening(gateway_bind[0], gateway_port)
-    await server.start()
+    await _start_whole(server)
     if gateway is not None:
-        await gateway.start()
+        try:
+            await _start_whole(gateway)
+        except BaseException:
+            await server.stop(0)
+            raise
     local = None
     if local_path:
         local = LocalServer(local_path, handlers.get)

@@ -25,8 +25,9 @@ import logging
 from typing import Any
 
 from pdgrpc.argtypes import whole_number
+from pdgrpc.engine.config import MAX_CONTEXT, EngineConfig, ModelConfig
 from pdgrpc.engine.malloc import keep_freed_memory
-from pdgrpc.engine.config import EngineConfig, ModelConfig
+from pdgrpc.errors import ConfigError
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
@@ -152,18 +153,34 @@ def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size
     """The :class:`EngineConfig` the engine flags describe (raises ConfigError naming a bad value)."""
     model = ModelConfig(seed=ns.model_seed, **MODEL_SIZES[ns.model_size])
     max_seq_len = _D.max_seq_len if ns.max_seq_len is None else ns.max_seq_len
+    max_prompt_tokens = default_max_prompt_tokens(max_seq_len) if ns.max_prompt_tokens is None else ns.max_prompt_tokens
+    _check_engine_flags(model, max_seq_len, max_prompt_tokens, prompt_flag_given=ns.max_prompt_tokens is not None, tp_size=tp_size)
     return EngineConfig(
         model=model,
         page_size=ns.page_size,
         num_pages=_D.num_pages if ns.num_pages is None else ns.num_pages,
         kv_dtype=ns.kv_dtype,
         max_seq_len=max_seq_len,
-        max_prompt_tokens=default_max_prompt_tokens(max_seq_len) if ns.max_prompt_tokens is None else ns.max_prompt_tokens,
+        max_prompt_tokens=max_prompt_tokens,
         tp_rank=tp_rank,
         tp_size=tp_size,
         kv_huge_pages=getattr(ns, "kv_huge_pages", False),
         device=getattr(ns, "device", "cpu"),
     )
+
+
+def _check_engine_flags(model: ModelConfig, max_seq_len: int, max_prompt_tokens: int, *, prompt_flag_given: bool, tp_size: int) -> None:
+    """Raise ConfigError naming the flags for sizes the reference engine refuses: the user
+    typed flags, and :class:`EngineConfig`'s own checks name its fields instead."""
+    if max_prompt_tokens >= max_seq_len:
+        if not prompt_flag_given:
+            raise ConfigError(f"--max-seq-len {max_seq_len}: must be at least 2 (one prompt token and one generated token)")
+        raise ConfigError(f"--max-prompt-tokens ({max_prompt_tokens}) must be < --max-seq-len ({max_seq_len})")
+    if max_seq_len > MAX_CONTEXT:
+        raise ConfigError(f"--max-seq-len {max_seq_len}: the reference engine takes at most {MAX_CONTEXT} tokens")
+    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+        if getattr(model, field) % tp_size:
+            raise ConfigError(f"--tp-size {tp_size} must divide the model's {field} ({getattr(model, field)})")
 
 
 def default_max_prompt_tokens(max_seq_len: int) -> int:

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -49,10 +50,26 @@ def prepare_environment() -> None:
     apply_grpc_defaults()
 
 
+# The exit status of a process that Ctrl-C (SIGINT) ended: 128 + the signal, the shell's convention.
+_INTERRUPTED = 128 + signal.SIGINT
+
+
 def launch(module: str, argv: list[str] | None = None) -> int:
     """Run the role that ``module`` holds as this process, with command line ``argv``
-    (default ``sys.argv[1:]``); returns the exit status."""
+    (default ``sys.argv[1:]``); returns the exit status (130 for a Ctrl-C that came before
+    the role's own SIGINT handling, which drains, was in place)."""
     prepare_environment()
+    try:
+        return _launch(module, argv)
+    except KeyboardInterrupt:
+        # Ctrl-C while the process starts (importing torch, building the engine): asyncio
+        # has cancelled the role's start-up, whose cleanup ran; the user asked for the
+        # stop, so one line says so instead of a traceback through the start-up code.
+        print(f"{module.rsplit('.', 1)[0]}: stopped by Ctrl-C (SIGINT)", file=sys.stderr, flush=True)
+        return _INTERRUPTED
+
+
+def _launch(module: str, argv: list[str] | None) -> int:
     # Imported here, after the environment is set: these modules load grpc (and the
     # role perhaps torch), which read their settings once.
     role = importlib.import_module(module).ROLE

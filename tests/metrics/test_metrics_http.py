@@ -21,6 +21,7 @@ from pdgrpc.metrics import (
     start_metrics_from_args,
     start_metrics_server,
 )
+from pdgrpc.errors import ConfigError
 from pdgrpc.state import AbortReason
 from tests.scrape import Scrape
 
@@ -122,6 +123,18 @@ def test_port_in_use_is_an_os_error() -> None:
     try:
         with pytest.raises(OSError):
             start_metrics_server(m.registry, "127.0.0.1", port)
+    finally:
+        stop()
+
+
+def test_a_port_in_use_from_the_flags_is_a_config_error_naming_them() -> None:
+    m = DecodeMetrics(transport="fake")
+    port, stop = start_metrics_server(m.registry)
+    try:
+        ns = _parser().parse_args(["--metrics-port", str(port)])
+        with pytest.raises(ConfigError, match=rf"--metrics-port {port} --metrics-host 127\.0\.0\.1: cannot listen on "
+                                               rf"http://127\.0\.0\.1:{port}: Address already in use"):
+            start_metrics_from_args(ns, m.registry, "decode")
     finally:
         stop()
 

@@ -42,7 +42,7 @@ def test_every_flag_has_help_text() -> None:
     "argv, message",
     [
         (["--transport", "nope"], "unknown transport 'nope'"),
-        (["--max-prompt-tokens", "9000"], "max_prompt_tokens"),
+        (["--max-prompt-tokens", "9000"], "--max-prompt-tokens (9000) must be < --max-seq-len (4096)"),
         (["--dp-size", "0"], "--dp-size must be >= 1"),
         (["--load-balance-method", "random"], "invalid choice: 'random'"),
         (["--malloc-keep-mib", "-1"], "--malloc-keep-mib: must be >= 0, got -1"),

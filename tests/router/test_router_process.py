@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,19 @@ def test_missing_backends_are_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "pdgrpc.router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
                           "--eject-s", "-5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--eject-s must be between 0 and 3600 seconds, got -5.0" in out.stderr
+
+
+def test_a_metrics_port_in_use_names_the_flag():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "pdgrpc.router", "--insecure", "--port", "0", "--prefill", "127.0.0.1:1",
+               "--decode", "127.0.0.1:2", "--metrics-port", str(port)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"--metrics-port {port} --metrics-host 127.0.0.1: cannot listen on http://127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 async def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0():
