@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -106,3 +109,37 @@ def test_backend_options_are_checked() -> None:
         registry.create("fake", x=1)
     with pytest.raises(ConfigError, match="module:Class"):
         registry.register("odd", "no_colon_here")
+
+
+def test_check_refuses_what_load_refuses() -> None:
+    with pytest.raises(TransportUnavailable, match="unknown transport 'infiniband'"):
+        registry.check("infiniband")
+    with pytest.raises(TransportUnavailable, match="module 'no_such_module_xyz' does not exist"):
+        registry.check("no_such_module_xyz:Transport")
+    with pytest.raises(TransportUnavailable, match="is not 'module:Class'"):
+        registry.check("tcp_without_class:")
+    for name in ("fake", "tcp", "rdma"):
+        registry.check(name)
+
+
+def test_check_names_a_missing_dependency_and_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ucxx as on a machine without the extra: off the path and not loaded.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "site-packages" not in p])
+    monkeypatch.delitem(sys.modules, "ucxx", raising=False)
+    importlib.invalidate_caches()
+    with pytest.raises(TransportUnavailable) as err:
+        registry.check("rdma")
+    assert str(err.value) == "transport 'rdma' needs 'ucxx', which is not installed; install it with: pip install 'pdgrpc[ucx]'"
+
+
+def test_check_imports_no_backend() -> None:
+    code = (
+        "import sys\n"
+        "from pdgrpc.transport import registry\n"
+        "for name in ('tcp', 'rdma', 'fake'):\n"
+        "    registry.check(name)\n"
+        "print(sorted(m for m in ('torch', 'ucxx', 'pdgrpc.transport.tcp', 'pdgrpc.transport.rdma') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
