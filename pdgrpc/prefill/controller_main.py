@@ -24,7 +24,7 @@ import signal
 
 from pdgrpc.argtypes import check_address
 from pdgrpc.bootstrap.client import BootstrapClient
-from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.registry import MAX_WORKERS, WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
 from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
 from pdgrpc.bootstrap.table import RoomTable
@@ -184,6 +184,11 @@ def check(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--chunk-size must be >= 1, got {ns.chunk_size}")
     if ns.tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1, got {ns.tp_size}")
+    if ns.dp_size * ns.tp_size > MAX_WORKERS:  # what its bootstrap registers at most
+        raise ConfigError(
+            f"--dp-size {ns.dp_size} x --tp-size {ns.tp_size} = {ns.dp_size * ns.tp_size} workers, "
+            f"over the limit of {MAX_WORKERS} for one instance"
+        )
     if ns.bootstrap:  # else the workers retry registering with it until --worker-start-timeout
         check_address(ns.bootstrap, "--bootstrap")
     # The last worker's metrics port (offset 1 + r * tp_size + t, at most dp_size *

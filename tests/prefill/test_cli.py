@@ -44,6 +44,7 @@ def test_every_flag_has_help_text() -> None:
         (["--transport", "nope"], "unknown transport 'nope'"),
         (["--max-prompt-tokens", "9000"], "--max-prompt-tokens (9000) must be < --max-seq-len (4096)"),
         (["--dp-size", "0"], "--dp-size must be >= 1"),
+        (["--dp-size", "2049", "--tp-size", "2"], "--dp-size 2049 x --tp-size 2 = 4098 workers, over the limit of 4096"),
         (["--load-balance-method", "random"], "invalid choice: 'random'"),
         (["--malloc-keep-mib", "-1"], "--malloc-keep-mib: must be >= 0, got -1"),
         (["--malloc-keep-mib", "lots"], "--malloc-keep-mib: expected a whole number, got 'lots'"),
