@@ -151,3 +151,11 @@ def test_a_tp_size_that_does_not_divide_the_heads_names_the_flag(module: str, ca
 
     err = usage_error(lambda: launch(module, ["--transport", "fake", "--tp-size", "3"]), capsys)
     assert "error: --tp-size 3 must divide the model's num_heads (8)" in err
+
+
+@pytest.mark.parametrize("module", ["pdgrpc.prefill.controller_main", "pdgrpc.decode.server"], ids=["prefill", "decode"])
+def test_an_unknown_transport_is_refused_before_anything_starts(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdgrpc.serving.launch import launch
+
+    err = usage_error(lambda: launch(module, ["--transport", "nonsense", "--model-size", "tiny"]), capsys)
+    assert "error: unknown transport 'nonsense'; available: fake, rdma, tcp" in err

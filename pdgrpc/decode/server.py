@@ -22,6 +22,7 @@ from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.engines import build_engine, check_engine_args, engine_limits_argv
 from pdgrpc.serving.launch import Role
+from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 
 
@@ -152,6 +153,10 @@ def serve(ns: argparse.Namespace) -> int:
         return 1
 
 
-ROLE = Role(
-    build_parser=build_parser, serve=serve, log_name=lambda ns: "decode", check=lambda ns: check_engine_args(ns, tp_size=ns.tp_size)
-)
+def check(ns: argparse.Namespace) -> None:
+    """Flag values no decode can start with, refused before its engine is built."""
+    check_engine_args(ns, tp_size=ns.tp_size)
+    registry.check(ns.transport)  # a missing backend names what to install
+
+
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: "decode", check=check)
