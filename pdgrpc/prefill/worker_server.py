@@ -1,4 +1,5 @@
-"""Entry point of one prefill worker process (started by the DP controller).
+"""One prefill worker process (started by the DP controller), once its role
+(:mod:`pdgrpc.prefill.worker_role`) has started its compute process.
 
 ``python -m pdgrpc.prefill.worker_main --dp-rank R --dp-size N --bootstrap ADDR ...``:
 builds the engine and the transport, serves PrefillService (worker level) and
@@ -27,13 +28,13 @@ from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.engine.base import Engine
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import PdgrpcError
+from pdgrpc.prefill.compute_child import Child
 from pdgrpc.prefill.compute_process import ComputeProcess
 from pdgrpc.metrics import PrefillMetrics, start_metrics_from_args
 from pdgrpc.prefill.link import WorkerLinkServer
 from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WirePrefillServicer, WorkerPrefillServicer
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.prefill.worker_config import READY, WorkerConfig, worker_name
-from pdgrpc.prefill.compute_child import Child
 from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.serving.flags import create_transport, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.metadata import compat_hash_bytes
@@ -46,8 +47,6 @@ log = logging.getLogger("pdgrpc.prefill.worker")
 T = TypeVar("T")
 
 _GRACE_S = 5.0  # on SIGTERM, how long requests in flight may still run
-
-
 
 _LB = {
     "round_robin": bootstrap_pb2.LOAD_BALANCE_METHOD_ROUND_ROBIN,
