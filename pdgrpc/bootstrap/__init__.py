@@ -4,7 +4,8 @@
   refused past it), incremental expiry, bounded memory; its slots (the hash table) are
   :mod:`~pdgrpc.bootstrap.room_slots`.
 * :mod:`~pdgrpc.bootstrap.registry` — :class:`WorkerRegistry`, pure: topology fixed by
-  the first worker, generations on re-registration.
+  the first complete registration, pending workers bounded per caller identity,
+  generations on re-registration.
 * :mod:`~pdgrpc.bootstrap.failures` — :class:`RoomFailures`, pure: rooms whose prefill
   failed in the prefill's controller, found only by a tag under the room's secret.
 * :mod:`~pdgrpc.bootstrap.service` — the grpc.aio servicer and

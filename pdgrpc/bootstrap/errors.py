@@ -86,3 +86,9 @@ class NotPermitted(BootstrapError):
     """The caller's identity may not make this call (authentication on): a worker slot
     registered by another identity, or a caller that registered no worker of the
     instance. → ``PERMISSION_DENIED``."""
+
+
+class PendingWorkersFull(BootstrapError):
+    """Workers of topologies not yet complete fill the registry's room for all
+    registrants together: a registration that would add one is refused.
+    → ``RESOURCE_EXHAUSTED``."""

@@ -4,12 +4,15 @@
   complete, consistent registration**: workers are grouped by the parallel info they
   announce, and the first group in which every slot of its topology has registered
   wins. Until then nothing is refused for its topology, so a stray or hostile first
-  registrant (``dp_size=7``) cannot lock the real workers out; at most
-  :data:`MAX_CANDIDATES` different topologies, and :data:`MAX_WORKERS` workers of them
-  all together, are pending at once (past either, the pending topology updated least
-  recently is dropped with its workers). Once fixed, a worker whose parallel info
-  differs in any field is refused with :class:`TopologyMismatch` naming the field and
-  both values.
+  registrant (``dp_size=7``) cannot lock the real workers out. Pending workers count
+  against the identity that registered them: one identity holds at most
+  :data:`MAX_CANDIDATES` pending topologies and :data:`MAX_WORKERS` pending workers
+  (past either, its own pending topology it updated least recently is dropped with its
+  workers), so no registrant's entries are dropped by another's registrations. All
+  identities together hold at most :data:`MAX_PENDING_WORKERS`; past it, a worker that
+  would add an entry is refused with :class:`PendingWorkersFull` naming the limit,
+  unless it completes its topology. Once fixed, a worker whose parallel info differs in
+  any field is refused with :class:`TopologyMismatch` naming the field and both values.
 * Every size a registration names is bounded before anything else is looked at, so
   nothing a caller sends is held, logged or repeated in a refusal at more than its
   limit: a topology has at most :data:`MAX_WORKERS` workers (dp_size x tp_size x
@@ -36,24 +39,28 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, PendingWorkersFull, TopologyMismatch, WorkersPending
 from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
-MAX_CANDIDATES = 16  # different topologies pending before one is complete (count)
-# Workers of one topology (dp_size * tp_size * pp_size), and pending workers of all
-# topologies together (count): dp 512 at tp 8, or dp 64 at tp 64, is one instance.
+MAX_CANDIDATES = 16  # topologies one identity has pending workers of before one is complete (count)
+# Workers of one topology (dp_size * tp_size * pp_size), and pending workers of one
+# identity (count): dp 512 at tp 8, or dp 64 at tp 64, is one instance.
 MAX_WORKERS = 4096
+# Pending workers of all identities together (count): one identity holds at most
+# MAX_WORKERS, so the real instance's workers fit beside any one other identity's.
+MAX_PENDING_WORKERS = 2 * MAX_WORKERS
 _SIZES = ("dp_size", "tp_size", "pp_size")
 
 
 class _Candidate:
     """Workers that announced one parallel info, while no topology is fixed."""
 
-    def __init__(self, info: pb.ParallelInfo) -> None:
+    def __init__(self, info: pb.ParallelInfo, key: bytes) -> None:
         self.info = pb.ParallelInfo()
         self.info.CopyFrom(info)
+        self.key = key  # the parallel info, serialized: the registry's key for it
         self.workers: dict[Slot, pb.WorkerInfo] = {}
         self.owners: dict[Slot, str] = {}
 
@@ -121,9 +128,14 @@ class WorkerRegistry:
         self._info: pb.ParallelInfo | None = None
         self._workers: dict[Slot, pb.WorkerInfo] = {}  # each entry carries its slot's generation
         self._owners: dict[Slot, str] = {}
-        # Pending topologies (serialized parallel info -> its workers), least recently
-        # updated first; empty once the topology is fixed.
+        # Pending topologies (serialized parallel info -> its workers); empty once the
+        # topology is fixed.
         self._candidates: dict[bytes, _Candidate] = {}
+        # Per identity that registered pending workers (None: registered without an
+        # owner), its pending topologies -> its workers there, least recently updated
+        # first: what its caps count and what its own overflow drops.
+        self._pending: dict[str | None, dict[bytes, int]] = {}
+        self._held_pending = 0  # pending workers of all identities together
 
     @property
     def info(self) -> pb.ParallelInfo | None:
@@ -157,22 +169,20 @@ class WorkerRegistry:
 
     def registered_by(self, identity: str) -> bool:
         """Whether ``identity`` registered a worker of this instance (fixed or pending)."""
-        if identity in self._owners.values():
-            return True
-        return any(identity in c.owners.values() for c in self._candidates.values())
+        return identity in self._pending or identity in self._owners.values()
 
     def identities(self) -> int:
         """How many distinct identities registered workers of this instance (fixed or pending)."""
         names = set(self._owners.values())
-        for c in self._candidates.values():
-            names.update(c.owners.values())
+        names.update(who for who in self._pending if who is not None)
         return len(names)
 
     @property
     def held(self) -> int:
         """Worker entries held, pending and fixed, each with its generation and owner: at
-        most :data:`MAX_WORKERS`, whatever registrations came."""
-        return len(self._workers) + sum(len(c.workers) for c in self._candidates.values())
+        most :data:`MAX_PENDING_WORKERS` while no topology is fixed and
+        :data:`MAX_WORKERS` once one is, whatever registrations came."""
+        return len(self._workers) + self._held_pending
 
     @property
     def complete(self) -> bool:
@@ -231,25 +241,65 @@ class WorkerRegistry:
         # No topology fixed yet: slots are owned within their announced topology only, so
         # a first registrant with another topology owns nothing of the real one.
         if cand is None:
-            cand = _Candidate(info)
-            while len(self._candidates) >= MAX_CANDIDATES:
-                del self._candidates[next(iter(self._candidates))]
-        self._candidates.pop(key, None)
-        self._candidates[key] = cand  # now the most recently updated
+            cand = _Candidate(info, key)
+        mine = self._pending.get(owner, {})
+        # Refused before anything changes: a worker adding an entry while all identities'
+        # together are at their limit, unless its identity's own overflow makes the room
+        # or it completes its topology (which frees every other pending entry).
+        adds = not moved
+        overflows = sum(mine.values()) + 1 > MAX_WORKERS or (key not in mine and len(mine) + 1 > MAX_CANDIDATES)
+        completes = len(cand.workers) + 1 == cand.expected
+        if adds and not overflows and not completes and self._held_pending >= MAX_PENDING_WORKERS:
+            raise PendingWorkersFull(
+                f"RegisterWorker: {self._held_pending} workers of topologies not yet complete are held, the limit for all "
+                f"registrants together (MAX_PENDING_WORKERS={MAX_PENDING_WORKERS}); refusing worker dp_rank={slot[0]} "
+                f"tp_rank={slot[1]} pp_rank={slot[2]} of {owner or 'an unauthenticated caller'} "
+                f"(one registrant holds at most {MAX_WORKERS}; they are freed once a topology is complete)"
+            )
         for other in moved:
-            other.workers.pop(slot, None)
-            other.owners.pop(slot, None)
-        cand.workers[slot] = entry
-        if owner is not None:
-            cand.owners[slot] = owner
-        # The least recently updated topologies go first; this one alone fits
-        # (check_sizes), so it stays.
-        while self.held > MAX_WORKERS:
-            del self._candidates[next(iter(self._candidates))]
+            self._unhold(other, slot)
+        self._hold(cand, slot, entry, owner)
+        # Only the registrant's own entries make room for its registration, its least
+        # recently updated topology first; this one alone fits (check_sizes), so it stays.
+        mine = self._pending[owner]
+        while sum(mine.values()) > MAX_WORKERS or len(mine) > MAX_CANDIDATES:
+            self._drop(owner, self._candidates[next(iter(mine))])
         if len(cand.workers) == cand.expected:  # the first complete one fixes the topology
             self._info, self._workers, self._owners = cand.info, cand.workers, cand.owners
             self._candidates.clear()
+            self._pending.clear()
+            self._held_pending = 0
         return generation, len(cand.workers), cand.expected
+
+    def _hold(self, cand: _Candidate, slot: Slot, entry: pb.WorkerInfo, owner: str | None) -> None:
+        """Keep ``entry`` as ``slot``'s pending entry in ``cand`` (which holds none for it),
+        counted against ``owner``."""
+        self._candidates[cand.key] = cand
+        cand.workers[slot] = entry
+        if owner is not None:
+            cand.owners[slot] = owner
+        mine = self._pending.setdefault(owner, {})
+        mine[cand.key] = mine.pop(cand.key, 0) + 1  # now its most recently updated
+        self._held_pending += 1
+
+    def _unhold(self, cand: _Candidate, slot: Slot) -> None:
+        """Forget ``slot``'s pending entry in ``cand``, and ``cand`` once it holds none."""
+        del cand.workers[slot]
+        owner = cand.owners.pop(slot, None)
+        mine = self._pending[owner]
+        mine[cand.key] -= 1
+        if not mine[cand.key]:
+            del mine[cand.key]
+            if not mine:
+                del self._pending[owner]
+        self._held_pending -= 1
+        if not cand.workers:
+            del self._candidates[cand.key]
+
+    def _drop(self, owner: str | None, cand: _Candidate) -> None:
+        """Forget ``owner``'s pending entries in ``cand`` (the others' stay)."""
+        for slot in [s for s in cand.workers if cand.owners.get(s) == owner]:
+            self._unhold(cand, slot)
 
     def parallel_info(self) -> pb.ParallelInfo:
         """The instance's parallel info; :class:`WorkersPending` until all registered."""

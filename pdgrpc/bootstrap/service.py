@@ -24,7 +24,8 @@ import grpc
 
 from pdgrpc.bootstrap.failures import MAX_WAIT_MS, RoomFailures
 from pdgrpc.bootstrap.errors import (
-    InvalidBootstrapRequest, NotPermitted, RoomConflict, RoomQuotaFull, RoomTableFull, TopologyMismatch, WorkersPending,
+    InvalidBootstrapRequest, NotPermitted, PendingWorkersFull, RoomConflict, RoomQuotaFull, RoomTableFull, TopologyMismatch,
+    WorkersPending,
 )
 from pdgrpc.bootstrap.registry import WorkerRegistry
 from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
@@ -46,6 +47,7 @@ STATUS_OF: dict[type[PdgrpcError], grpc.StatusCode] = {
     InvalidBootstrapRequest: grpc.StatusCode.INVALID_ARGUMENT,
     RoomConflict: grpc.StatusCode.ALREADY_EXISTS,
     RoomTableFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PendingWorkersFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TopologyMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     WorkersPending: grpc.StatusCode.UNAVAILABLE,
     NotPermitted: grpc.StatusCode.PERMISSION_DENIED,
@@ -181,7 +183,7 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
         try:
             owner = peer_identity(context) if self.owners else None
             generation, registered, expected = self.registry.register(request.worker, request.parallel_info, owner)
-        except (InvalidBootstrapRequest, TopologyMismatch, NotPermitted) as exc:
+        except (InvalidBootstrapRequest, TopologyMismatch, NotPermitted, PendingWorkersFull) as exc:
             await _abort(context, exc)
         w = request.worker
         log.info(

@@ -44,7 +44,6 @@ from pdgrpc.errors import RequestFailed
 from pdgrpc.reasons import AbortReason
 from pdgrpc.rpc.channels import shared_pool
 from pdgrpc.rpc.errors import RpcError, map_rpc_error
-from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS
 from pdgrpc.rpc.retry import Backoff
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import abort_proof, handshake_proof
@@ -175,13 +174,7 @@ class Handshaker:
                     return restart_failure(job.room, addr)
                 if not workers:
                     raise ending(Refusal.PREFILL_GONE, f"bootstrap {addr} lists no worker for dp rank {dp_rank}")
-                for w in workers:
-                    if len(w.transfer_address) > MAX_ADDRESS_CHARS:  # dialled, logged and pooled: never unbounded
-                        raise ending(
-                            Refusal.INTERNAL,
-                            f"bootstrap {addr} lists worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} at transfer_address: "
-                            f"{len(w.transfer_address)} characters, over the limit of {MAX_ADDRESS_CHARS}",
-                        )
+                for w in workers:  # each field within its limit (PrefillDirectory.workers)
                     if w.transport != self.transport_name:
                         raise ending(
                             Refusal.INCOMPATIBLE,
@@ -376,7 +369,7 @@ class Handshaker:
                 self.directory.invalidate(address, f"worker dp_rank={w.dp_rank} unreachable for AbortRoom")
                 try:
                     now, _ = await self.directory.workers(address, w.dp_rank)
-                except (RpcError, asyncio.TimeoutError):
+                except (RpcError, RequestFailed, asyncio.TimeoutError):  # RequestFailed: an answer over a limit
                     now = []
                 if any(x.tp_rank == w.tp_rank and x.pp_rank == w.pp_rank and x.generation > w.generation for x in now):
                     return True

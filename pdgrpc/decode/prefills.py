@@ -12,6 +12,11 @@ parallel info of a restarted prefill are never reused (a peer's "stale connectio
 bug). Rooms admitted under the previous instance fail with :func:`restart_failure`:
 their prefill went down with it. Every call goes through one pooled channel per
 address (:class:`~pdgrpc.bootstrap.client.BootstrapClient`), never a connection per call.
+A bootstrap is named by a request, so its answers are untrusted: a GetWorkers answer
+listing more than :data:`~pdgrpc.bootstrap.registry.MAX_WORKERS` workers, or a worker
+whose field is over its limit of :mod:`pdgrpc.rpc.limits`, ends the request INTERNAL
+naming it and is not kept; what is kept is bounded to :data:`MAX_WORKER_LISTS` answers
+and :data:`MAX_WORKER_LIST_BYTES` bytes, the least recently used forgotten first.
 :meth:`PrefillDirectory.room_failures` asks whether rooms' prefills failed, as their
 prefill's controller records them with its bootstrap (:mod:`pdgrpc.prefill.notices`).
 """
@@ -22,14 +27,16 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 
 from pdgrpc.bootstrap.client import BootstrapClient, RpcError
+from pdgrpc.bootstrap.registry import MAX_WORKERS
 from pdgrpc.decode.statuses import PeerAnswer, Refusal, ending, peer_answer, prefill_failure
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.serving.room_proof import failure_tag
 from pdgrpc.state import DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
@@ -42,6 +49,12 @@ T = TypeVar("T")
 
 # Prefill bootstrap addresses one decode keeps a client and answers for (count).
 MAX_PREFILLS = 4096
+# GetWorkers answers, one per prefill address and dp rank, one decode keeps (count): a
+# request names any dp rank below the dp_size its prefill's bootstrap claims.
+MAX_WORKER_LISTS = 16384
+# Bytes of the workers of those answers together (serialized): about 2000 answers of
+# tp-8 rdma workers (15 KB each), whatever a bootstrap lists.
+MAX_WORKER_LIST_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +86,33 @@ def restart_failure(room: int, address: str) -> RequestFailed:
     )
 
 
+def _checked_workers(address: str, dp_rank: int, listed: Sequence[bpb.WorkerInfo]) -> list[bpb.WorkerInfo]:
+    """Copies of the workers a bootstrap listed for ``dp_rank``, without fields this
+    build does not know; a :class:`~pdgrpc.errors.RequestFailed` (INTERNAL) naming the
+    first count or field over its limit: the decode keeps, logs and dials them."""
+    if len(listed) > MAX_WORKERS:  # no topology has more
+        raise ending(Refusal.INTERNAL, f"bootstrap {address} lists {len(listed)} workers for dp_rank={dp_rank}, over the limit of {MAX_WORKERS}")
+    kept = []
+    for w in listed:
+        fields: tuple[tuple[str, str | bytes, int, str], ...] = (
+            ("transfer_address", w.transfer_address, MAX_ADDRESS_CHARS, "characters"),
+            ("transport", w.transport, MAX_NAME_CHARS, "characters"),
+            ("transport_endpoint", w.transport_endpoint, MAX_TRANSPORT_ENDPOINT_BYTES, "bytes"),
+        )
+        for field, value, limit, unit in fields:
+            if len(value) > limit:
+                raise ending(
+                    Refusal.INTERNAL,
+                    f"bootstrap {address} lists worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} at {field}: "
+                    f"{len(value)} {unit}, over the limit of {limit}",
+                )
+        copy = bpb.WorkerInfo()
+        copy.CopyFrom(w)
+        copy.DiscardUnknownFields()  # unknown fields are bytes the limits above do not see
+        kept.append(copy)
+    return kept
+
+
 def dp_config_of(info: bpb.ParallelInfo, query_interval_s: float) -> DpConfig:
     return DpConfig(
         dp_size=int(info.dp_size),
@@ -86,16 +126,28 @@ class PrefillDirectory:
     """Cached ParallelInfo and workers per prefill bootstrap address (one event loop)."""
 
     def __init__(
-        self, *, timeout: float = 5.0, query_interval_s: float = 0.05, max_prefills: int = MAX_PREFILLS, pool: ChannelPool | None = None
+        self,
+        *,
+        timeout: float = 5.0,
+        query_interval_s: float = 0.05,
+        max_prefills: int = MAX_PREFILLS,
+        max_worker_lists: int = MAX_WORKER_LISTS,
+        max_worker_list_bytes: int = MAX_WORKER_LIST_BYTES,
+        pool: ChannelPool | None = None,
     ) -> None:
         self.timeout = timeout
         self.query_interval_s = query_interval_s
         self.max_prefills = max_prefills
+        self.max_worker_lists, self.max_worker_list_bytes = max_worker_lists, max_worker_list_bytes
         self._pool = pool  # None: the running loop's shared pool
         # Least recently used first: past max_prefills the first address is forgotten.
         self._clients: collections.OrderedDict[str, BootstrapClient] = collections.OrderedDict()
         self._info: dict[str, PrefillInfo] = {}
-        self._workers: dict[tuple[str, int], tuple[list[bpb.WorkerInfo], int]] = {}
+        # (address, dp rank) -> (workers, instance id, their bytes), least recently used
+        # first; the dp ranks kept per address, for invalidate().
+        self._workers: collections.OrderedDict[tuple[str, int], tuple[list[bpb.WorkerInfo], int, int]] = collections.OrderedDict()
+        self._ranks: dict[str, set[int]] = {}
+        self._worker_bytes = 0
         # One in-flight fetch per key: a burst of requests for a new prefill costs one call.
         self._inflight: dict[object, asyncio.Future[Any]] = {}
         self._no_failures: set[str] = set()  # addresses whose bootstrap has no QueryRoomFailures
@@ -103,6 +155,11 @@ class PrefillDirectory:
     def __len__(self) -> int:
         """Prefill addresses the directory holds a client for (at most ``max_prefills``)."""
         return len(self._clients)
+
+    def cached_workers(self) -> tuple[int, int]:
+        """GetWorkers answers kept, and their workers' bytes (at most
+        ``max_worker_lists`` and ``max_worker_list_bytes``)."""
+        return len(self._workers), self._worker_bytes
 
     def client(self, address: str) -> BootstrapClient:
         c = self._clients.get(address)
@@ -156,24 +213,46 @@ class PrefillDirectory:
         key = (address, dp_rank)
         cached = self._workers.get(key)
         if cached is not None:
-            return cached
+            self._workers.move_to_end(key)
+            return cached[0], cached[1]
 
         async def fetch() -> tuple[list[bpb.WorkerInfo], int]:
             resp = await self.client(address).get_workers_response(dp_rank)
             self._seen(address, int(resp.instance_id))
-            got = (list(resp.workers), int(resp.instance_id))
+            workers = _checked_workers(address, dp_rank, resp.workers)
             if address in self._clients:
-                self._workers[key] = got
-            return got
+                self._keep(key, workers, int(resp.instance_id))
+            return workers, int(resp.instance_id)
 
         return await self._once(("workers", key), fetch)
+
+    def _keep(self, key: tuple[str, int], workers: list[bpb.WorkerInfo], instance_id: int) -> None:
+        """Cache an answer; past either bound the least recently used answers go (fetched
+        again when next used)."""
+        self._forget(key)
+        size = sum(w.ByteSize() for w in workers)
+        self._workers[key] = (workers, instance_id, size)
+        self._ranks.setdefault(key[0], set()).add(key[1])
+        self._worker_bytes += size
+        while self._workers and (len(self._workers) > self.max_worker_lists or self._worker_bytes > self.max_worker_list_bytes):
+            self._forget(next(iter(self._workers)))
+
+    def _forget(self, key: tuple[str, int]) -> bool:
+        gone = self._workers.pop(key, None)
+        if gone is None:
+            return False
+        self._worker_bytes -= gone[2]
+        ranks = self._ranks[key[0]]
+        ranks.discard(key[1])
+        if not ranks:
+            del self._ranks[key[0]]
+        return True
 
     def invalidate(self, address: str, why: str) -> None:
         """Forget everything cached about the instance at ``address``."""
         dropped = self._info.pop(address, None) is not None
-        for key in [k for k in self._workers if k[0] == address]:
-            del self._workers[key]
-            dropped = True
+        for rank in list(self._ranks.get(address, ())):
+            dropped |= self._forget((address, rank))
         if dropped:
             log.info("prefill %s: dropped cached info and workers (%s)", address, why)
 

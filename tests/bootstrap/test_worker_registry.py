@@ -7,8 +7,8 @@ import tracemalloc
 
 import pytest
 
-from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, TopologyMismatch, WorkersPending
-from pdgrpc.bootstrap.registry import MAX_CANDIDATES, MAX_WORKERS, WorkerRegistry
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, PendingWorkersFull, TopologyMismatch, WorkersPending
+from pdgrpc.bootstrap.registry import MAX_CANDIDATES, MAX_PENDING_WORKERS, MAX_WORKERS, WorkerRegistry
 from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
@@ -79,14 +79,14 @@ def test_a_bogus_first_registrant_cannot_lock_the_real_workers_out() -> None:
 
 
 def test_many_bogus_topologies_stay_bounded() -> None:
-    """Each pending topology keeps its registrants: only the MAX_CANDIDATES updated last
-    are kept, and none once the real topology is fixed."""
+    """Each pending topology keeps its registrants, whatever the others registered, and
+    none is kept once the real topology is fixed."""
     r = WorkerRegistry()
     bogus = [f"evil:{n}" for n in range(3, 3 + 4 * MAX_CANDIDATES)]
     for n, who in enumerate(bogus, start=3):
         r.register(worker(0, 0, who), info(dp_size=n), owner=who)
-    assert r.identities() == MAX_CANDIDATES
-    assert [who for who in bogus if r.registered_by(who)] == bogus[-MAX_CANDIDATES:]
+    assert r.identities() == len(bogus) and r.held == len(bogus)
+    assert all(r.registered_by(who) for who in bogus)
     for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         r.register(worker(dp, tp), info(), owner="real")
     assert r.parallel_info() == info()
@@ -170,8 +170,8 @@ def test_one_registrant_cycling_topologies_holds_a_bounded_amount() -> None:
 def test_a_dropped_pending_topology_takes_its_generations_along() -> None:
     r = WorkerRegistry()
     assert r.register(worker(0, 0, "evil:1"), info(dp_size=7))[0] == 1
-    for n in range(MAX_CANDIDATES):  # push the dp_size=7 topology out
-        r.register(worker(1, 0, "evil:1"), info(dp_size=8 + n))
+    for n in range(MAX_CANDIDATES):  # push the dp_size=7 topology out: a slot of each
+        r.register(worker(7 + n, 0, "evil:1"), info(dp_size=8 + n))
     assert r.register(worker(0, 0), info())[0] == 1  # nothing of the dropped entry is left
     assert r.register(worker(0, 0), info())[0] == 2  # a restart still bumps it
 
@@ -240,3 +240,63 @@ def test_get_workers_refuses_more_tp_ranks_than_the_topology_has_before_building
         tracemalloc.stop()
     assert peak < 1 << 20, f"{peak} bytes at the peak"
     assert [w.tp_rank for w in r.workers(0, [0])] == [0]
+
+
+@pytest.mark.parametrize("flood", ["topologies", "workers"])
+def test_another_identity_cannot_push_the_real_pending_topology_out(flood: str) -> None:
+    """Pending topologies were bounded for all registrants together, the least recently
+    updated dropped first: one credential announcing MAX_CANDIDATES topologies (or
+    MAX_WORKERS workers) of its own dropped the real workers' pending topology, and the
+    real workers, which register once, never completed it."""
+    r = WorkerRegistry()
+    for dp, tp in [(0, 0), (0, 1), (1, 0)]:
+        r.register(worker(dp, tp), info(), owner="real")
+    if flood == "topologies":
+        for n in range(3, 3 + 4 * MAX_CANDIDATES):  # a slot of each, so none moves the other
+            r.register(worker(n - 1, 0, "evil:1"), info(dp_size=n), owner="evil")
+    else:
+        for dp in range(MAX_WORKERS - 1):  # one short of complete
+            r.register(worker(dp, 0, "evil:1"), info(dp_size=MAX_WORKERS, tp_size=1), owner="evil")
+    assert r.held <= MAX_PENDING_WORKERS
+    assert r.register(worker(1, 1), info(), owner="real") == (1, 4, 4)
+    assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
+    assert r.held == 4 and r.identities() == 1
+
+
+def test_one_identity_over_its_caps_drops_its_own_least_recently_updated_topology() -> None:
+    """Each identity holds at most MAX_CANDIDATES pending topologies and MAX_WORKERS
+    pending workers; past either, its own least recently updated topology goes."""
+    r = WorkerRegistry()
+    r.register(worker(0, 0), info(), owner="real")
+    for n in range(3, 3 + MAX_CANDIDATES + 1):
+        r.register(worker(n - 1, 0, "evil:1"), info(dp_size=n), owner="evil")
+    assert r.held == 1 + MAX_CANDIDATES  # evil's dp_size=3 topology went; real's stayed
+    for dp in range(MAX_WORKERS - 1):
+        r.register(worker(dp, 0, "evil:2"), info(dp_size=MAX_WORKERS, tp_size=1), owner="evil")
+    assert r.held == 1 + MAX_WORKERS - 1  # evil's other topologies made room for its largest
+    assert r.registered_by("real") and r.registered_by("evil")
+
+
+def test_pending_workers_of_all_identities_are_bounded_and_the_refusal_names_the_limit() -> None:
+    """Past MAX_PENDING_WORKERS pending workers of all identities together, a worker that
+    would add one is refused naming the limit, and nothing it sent is held; a restart of a
+    held slot, and a worker completing its topology, still register."""
+    r = WorkerRegistry()
+    big = [info(dp_size=MAX_WORKERS, tp_size=1, page_size=p) for p in (16, 32, 64)]
+    for who, topology in (("a", big[0]), ("b", big[1])):
+        for dp in range(MAX_WORKERS - 1):
+            r.register(worker(dp, 0), topology, owner=who)
+    for dp in range(MAX_PENDING_WORKERS - 2 * (MAX_WORKERS - 1)):
+        r.register(worker(dp, 0), big[2], owner="c")
+    assert r.held == MAX_PENDING_WORKERS
+    with pytest.raises(PendingWorkersFull) as e:
+        r.register(worker(MAX_WORKERS - 1, 0), big[2], owner="c")
+    assert str(e.value) == (
+        f"RegisterWorker: {MAX_PENDING_WORKERS} workers of topologies not yet complete are held, the limit for all "
+        f"registrants together (MAX_PENDING_WORKERS={MAX_PENDING_WORKERS}); refusing worker dp_rank={MAX_WORKERS - 1} "
+        "tp_rank=0 pp_rank=0 of c (one registrant holds at most 4096; they are freed once a topology is complete)"
+    )
+    assert r.held == MAX_PENDING_WORKERS
+    assert r.register(worker(0, 0, "h:new"), big[2], owner="c")[0] == 2  # a restart adds nothing
+    assert r.register(worker(MAX_WORKERS - 1, 0), big[0], owner="a") == (1, MAX_WORKERS, MAX_WORKERS)
+    assert r.held == MAX_WORKERS and r.identities() == 1

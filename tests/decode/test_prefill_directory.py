@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 import pytest
 
 from pdgrpc.bootstrap.client import BootstrapClient
-from pdgrpc.bootstrap.registry import WorkerRegistry
+from pdgrpc.bootstrap.registry import MAX_WORKERS, WorkerRegistry
 from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
 from pdgrpc.decode.handshake import Handshaker
 from pdgrpc.decode.job import Job
@@ -21,7 +21,7 @@ from pdgrpc.engine.base import SamplingParams
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.errors import RpcError
-from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.v1 import bootstrap_pb2 as bpb
 from tests.bootstrap.bootstrap_helpers import free_port, parallel_info, worker
 
@@ -159,3 +159,94 @@ async def test_a_listed_worker_address_over_the_limit_is_never_dialled(servers: 
         f"over the limit of {MAX_ADDRESS_CHARS}"
     ) in got.message
     assert job.contacted == []
+
+
+class _Listing(WorkerRegistry):
+    """The registry of a hostile bootstrap: it lists ``listed`` workers for any dp rank,
+    each as ``shape`` makes it, and counts the GetWorkers it answers."""
+
+    def __init__(self, listed: int = 1, shape: Callable[[bpb.WorkerInfo], None] = lambda w: None) -> None:
+        super().__init__()
+        self.listed, self.shape, self.asked = listed, shape, 0
+
+    def workers(self, dp_rank: int, tp_ranks: Sequence[int] = ()) -> list[bpb.WorkerInfo]:
+        self.asked += 1
+        out = []
+        for tp in range(self.listed):
+            w = bpb.WorkerInfo(dp_rank=dp_rank, tp_rank=tp, transfer_address=f"127.0.0.1:{1000 + tp}", transport="fake", generation=1)
+            self.shape(w)
+            out.append(w)
+        return out
+
+
+async def hostile(servers: list[BootstrapServer], registry: _Listing) -> str:
+    servers.append(srv := await start_bootstrap_server("127.0.0.1", 0, registry=registry))
+    pool = ChannelPool()
+    try:
+        await BootstrapClient(srv.address, pool=pool).register_worker(worker(0), parallel_info(dp=1))
+    finally:
+        await pool.close()
+    return srv.address
+
+
+def _set(field: str, value: object) -> Callable[[bpb.WorkerInfo], None]:
+    return lambda w: setattr(w, field, value)
+
+
+@pytest.mark.parametrize(
+    "listed, shape, shown",
+    [
+        (1, _set("transport", "t" * 9000), f"lists worker dp_rank=0 tp_rank=0 at transport: 9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        (1, _set("transport_endpoint", b"e" * (MAX_TRANSPORT_ENDPOINT_BYTES + 1)),
+         f"lists worker dp_rank=0 tp_rank=0 at transport_endpoint: {MAX_TRANSPORT_ENDPOINT_BYTES + 1} bytes, "
+         f"over the limit of {MAX_TRANSPORT_ENDPOINT_BYTES}"),
+        (MAX_WORKERS + 1, lambda w: None, f"lists {MAX_WORKERS + 1} workers for dp_rank=0, over the limit of {MAX_WORKERS}"),
+    ],
+)
+async def test_a_listed_worker_over_a_field_limit_is_refused_and_not_kept(
+    servers: list[BootstrapServer], listed: int, shape: Callable[[bpb.WorkerInfo], None], shown: str
+) -> None:
+    """A bootstrap the decode does not control answered GetWorkers with anything that fit
+    in a message: the decode kept each answer for good, repeated a 9000-character
+    transport in its refusal, and sent a handshake to every one of 4097 workers listed.
+    The request ends INTERNAL naming the field and the limit, nothing is kept or dialled,
+    and another prefill's workers are still found."""
+    registry = _Listing(listed, shape)
+    address = await hostile(servers, registry)
+    d = PrefillDirectory(timeout=2.0)
+    job = Job(7, "r7", (256, 65), SamplingParams(), 4, await d.parallel_info(address, wait_for=2.0), 1, asyncio.Queue(), 0.0, dp_rank=0)
+    job.slot = 0
+    got = await Handshaker(d, "fake", rpc_timeout_s=2.0).handshake(job, (0,), time.monotonic() + 3.0)
+    assert isinstance(got, RequestFailed) and got.code == grpc.StatusCode.INTERNAL, got
+    assert f"room 7: bootstrap {address} {shown}" == got.message
+    assert job.contacted == [] and d.cached_workers() == (0, 0)
+    servers.append(await start(0, 2))
+    workers, _ = await d.workers(servers[-1].address, 1)
+    assert [w.transfer_address for w in workers] == ["10.0.2.1:7000"] and d.cached_workers()[0] == 1
+
+
+async def test_cached_worker_lists_are_bounded_in_count_and_bytes(servers: list[BootstrapServer]) -> None:
+    """The decode cached a GetWorkers answer per prefill address and dp rank for good,
+    each up to the message limit, and a request names any dp rank its prefill's
+    bootstrap claims: one hostile bootstrap answering for dp rank after dp rank grew the
+    decode without bound. The least recently used answers are forgotten (fetched again
+    when used) past MAX_WORKER_LISTS answers or MAX_WORKER_LIST_BYTES bytes."""
+    registry = _Listing(4, _set("transport_endpoint", b"e" * MAX_TRANSPORT_ENDPOINT_BYTES))
+    address = await hostile(servers, registry)
+    d = PrefillDirectory(timeout=2.0, max_worker_lists=8, max_worker_list_bytes=3 * 4 * MAX_TRANSPORT_ENDPOINT_BYTES + 4096)
+    for rank in range(3):
+        await d.workers(address, rank)
+    assert d.cached_workers()[0] == 3
+    await d.workers(address, 0)  # the most recently used now
+    await d.workers(address, 3)  # over the bytes: rank 1 goes
+    count, size = d.cached_workers()
+    assert count == 3 and size <= 3 * 4 * MAX_TRANSPORT_ENDPOINT_BYTES + 4096
+    asked = registry.asked
+    await d.workers(address, 0)
+    assert registry.asked == asked  # kept
+    await d.workers(address, 1)
+    assert registry.asked == asked + 1  # forgotten, so asked again
+    registry.shape = lambda w: None  # small answers: the count bounds them
+    for rank in range(100, 120):
+        await d.workers(address, rank)
+    assert d.cached_workers()[0] == 8
