@@ -12,10 +12,11 @@ parallel info of a restarted prefill are never reused (a peer's "stale connectio
 bug). Rooms admitted under the previous instance fail with :func:`restart_failure`:
 their prefill went down with it. Every call goes through one pooled channel per
 address (:class:`~pdgrpc.bootstrap.client.BootstrapClient`), never a connection per call.
-A bootstrap is named by a request, so its answers are untrusted: a GetWorkers answer
-listing more than :data:`~pdgrpc.bootstrap.registry.MAX_WORKERS` workers, or a worker
-whose field is over its limit of :mod:`pdgrpc.rpc.limits`, ends the request INTERNAL
-naming it and is not kept; what is kept is bounded to :data:`MAX_WORKER_LISTS` answers
+A bootstrap is named by a request, so its answers are untrusted: parallel info that no
+prefill could have registered (:func:`~pdgrpc.bootstrap.registry.check_parallel_info`, a
+field over its limit of :mod:`pdgrpc.rpc.limits`), a GetWorkers answer listing more than
+:data:`~pdgrpc.bootstrap.registry.MAX_WORKERS` workers, or a worker whose field is over its
+limit, ends the request INTERNAL naming it and is not kept; what is kept is bounded to :data:`MAX_WORKER_LISTS` answers
 and :data:`MAX_WORKER_LIST_BYTES` bytes, the least recently used forgotten first.
 :meth:`PrefillDirectory.room_failures` asks whether rooms' prefills failed, as their
 prefill's controller records them with its bootstrap (:mod:`pdgrpc.prefill.notices`).
@@ -32,11 +33,12 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import grpc
 
 from pdgrpc.bootstrap.client import BootstrapClient, RpcError
-from pdgrpc.bootstrap.registry import MAX_WORKERS
+from pdgrpc.bootstrap.errors import InvalidBootstrapRequest
+from pdgrpc.bootstrap.registry import MAX_WORKERS, check_parallel_info
 from pdgrpc.decode.statuses import PeerAnswer, Refusal, ending, peer_answer, prefill_failure
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
-from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
+from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
 from pdgrpc.serving.room_proof import failure_tag
 from pdgrpc.state import DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
@@ -84,6 +86,30 @@ def restart_failure(room: int, address: str) -> RequestFailed:
         f"room {room}: the prefill at {address} restarted after this request was admitted "
         "(its bootstrap answers with another instance id); the request's prefill was lost with it, send the request again",
     )
+
+
+def _checked_info(address: str, info: bpb.ParallelInfo) -> bpb.ParallelInfo:
+    """A copy of the parallel info a bootstrap answered, without fields this build does not
+    know; a :class:`~pdgrpc.errors.RequestFailed` (INTERNAL) naming what no prefill could
+    have registered: the decode keeps it for as long as the address."""
+    try:
+        check_parallel_info(info)
+    except InvalidBootstrapRequest as exc:
+        raise ending(Refusal.INTERNAL, f"bootstrap {address} answers parallel info no prefill registers: {exc}") from None
+    fields: tuple[tuple[str, str | bytes, int, str], ...] = (
+        ("kv_dtype", info.kv_dtype, MAX_NAME_CHARS, "characters"),
+        ("kv_layout", info.kv_layout, MAX_NAME_CHARS, "characters"),
+        ("compatibility_hash", info.compatibility_hash, MAX_COMPATIBILITY_HASH_BYTES, "bytes"),
+    )
+    for field, value, limit, unit in fields:
+        if len(value) > limit:
+            raise ending(
+                Refusal.INTERNAL, f"bootstrap {address} answers parallel_info.{field}: {len(value)} {unit}, over the limit of {limit}"
+            )
+    copy = bpb.ParallelInfo()
+    copy.CopyFrom(info)
+    copy.DiscardUnknownFields()  # unknown fields are bytes the limits above do not see
+    return copy
 
 
 def _checked_workers(address: str, dp_rank: int, listed: Sequence[bpb.WorkerInfo]) -> list[bpb.WorkerInfo]:
@@ -189,9 +215,8 @@ class PrefillDirectory:
 
         async def fetch() -> PrefillInfo:
             resp = await self.client(address).wait_parallel_info(wait_for=wait_for)
-            info = PrefillInfo(
-                address, resp.parallel_info, dp_config_of(resp.parallel_info, self.query_interval_s), int(resp.instance_id)
-            )
+            checked = _checked_info(address, resp.parallel_info)
+            info = PrefillInfo(address, checked, dp_config_of(checked, self.query_interval_s), int(resp.instance_id))
             if address in self._clients:  # not forgotten (max_prefills) while the call ran
                 self._info[address] = info
             log.info(

@@ -250,3 +250,49 @@ async def test_cached_worker_lists_are_bounded_in_count_and_bytes(servers: list[
     for rank in range(100, 120):
         await d.workers(address, rank)
     assert d.cached_workers()[0] == 8
+
+
+class _PaddedInfo(WorkerRegistry):
+    """The registry of a hostile bootstrap: its parallel info as ``shape`` makes it, and
+    how many times it answered."""
+
+    def __init__(self, shape: Callable[[bpb.ParallelInfo], None]) -> None:
+        super().__init__()
+        self.shape, self.asked = shape, 0
+
+    def parallel_info(self) -> bpb.ParallelInfo:
+        self.asked += 1
+        info = bpb.ParallelInfo()
+        info.CopyFrom(super().parallel_info())
+        self.shape(info)
+        return info
+
+
+@pytest.mark.parametrize(
+    "shape, shown",
+    [
+        (lambda i: setattr(i, "kv_layout", "l" * 9000), f"answers parallel_info.kv_layout: 9000 characters, over the limit of {MAX_NAME_CHARS}"),
+        (lambda i: setattr(i, "compatibility_hash", b"h" * 4096), "answers parallel_info.compatibility_hash: 4096 bytes, over the limit of 64"),
+        (lambda i: setattr(i, "dp_size", 5000), "answers parallel info no prefill registers: RegisterWorkerRequest.parallel_info: dp_size 5000"),
+    ],
+)
+async def test_parallel_info_no_prefill_could_register_is_refused_and_not_kept(
+    servers: list[BootstrapServer], shape: Callable[[bpb.ParallelInfo], None], shown: str
+) -> None:
+    """The decode kept a bootstrap's parallel info per address for as long as it kept the
+    address (up to MAX_PREFILLS of them), each up to the message limit: one hostile
+    bootstrap per address could pad each to 8 MiB. Info that no prefill could have
+    registered ends the call INTERNAL naming the field, and is not kept."""
+    registry = _PaddedInfo(shape)
+    servers.append(srv := await start_bootstrap_server("127.0.0.1", 0, registry=registry))
+    pool = ChannelPool()
+    try:
+        await BootstrapClient(srv.address, pool=pool).register_worker(worker(0), parallel_info(dp=1))
+    finally:
+        await pool.close()
+    d = PrefillDirectory(timeout=2.0)
+    for asked in (1, 2):  # not kept: asked again
+        with pytest.raises(RequestFailed) as err:
+            await d.parallel_info(srv.address, wait_for=2.0)
+        assert err.value.code == grpc.StatusCode.INTERNAL and f"bootstrap {srv.address} {shown}" in err.value.message
+        assert registry.asked == asked
