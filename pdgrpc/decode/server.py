@@ -22,6 +22,7 @@ from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.engines import build_engine, check_engine_args, engine_limits_argv
 from pdgrpc.serving.launch import Role
+from pdgrpc.serving.threads import abandonable
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 
@@ -61,7 +62,8 @@ async def _main(ns: argparse.Namespace) -> int:
 
         procs, init = await _start_ranks(ns)
         try:
-            tp = await asyncio.to_thread(TpGroup.join, 0, ns.tp_size, init, ns.dist_timeout)
+            # Abandoned if the start-up is stopped: the ranks are killed, so it could only time out.
+            tp = await abandonable(TpGroup.join, 0, ns.tp_size, init, ns.dist_timeout, name="decode-tp-join")
         except BaseException:
             for p in procs:
                 p.kill()
