@@ -79,6 +79,13 @@ async def _main(ns: argparse.Namespace) -> int:
     scheduler = DecodeScheduler(engine, transport, ns.num_slots, config, metrics=metrics, tp=tp)
     try:
         return await _serve(ns, engine, transport, scheduler, metrics, procs)
+    except asyncio.CancelledError:
+        # Stopped before it served (SIGTERM or Ctrl-C at start-up): no "stop" command
+        # reaches the other ranks, so they are killed rather than waited for.
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        raise
     finally:
         for p in procs:
             try:
