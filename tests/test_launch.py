@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -113,3 +114,121 @@ def test_ctrl_c_while_a_server_starts_is_one_line_and_exit_130(where: str) -> No
     assert out.returncode == 130, out.stderr[-3000:]
     assert "pdgrpc.colocated: stopped by Ctrl-C (SIGINT)" in out.stderr
     assert "Traceback" not in out.stderr and "listening on" not in out.stderr
+
+
+# Delivers a real signal to a server process at one point of its start-up and prints the
+# process's children at that moment (``CHILDREN pid ...``): as it imports torch, as it
+# builds its engine, once its gRPC server listens, as a decode TP rank starts to join its
+# gloo group, or once a prefill controller started its worker.
+_STOP = """
+import importlib, importlib.abc, logging, os, signal, sys
+signum, where, module, argv = getattr(signal, sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+fired = []
+
+def fire():
+    if fired:
+        return
+    fired.append(True)
+    kids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            kids += f.read().split()
+    print("CHILDREN", *kids, file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signum)
+
+if where == "import":
+    class Importing(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch":
+                fire()
+            return None
+    sys.meta_path.insert(0, Importing())
+if where == "listening":
+    class At(logging.Filter):
+        def filter(self, record):
+            if "listening on" in record.getMessage():
+                fire()
+            return True
+    logging.getLogger("pdgrpc.rpc").addFilter(At())
+from pdgrpc.serving.launch import launch, prepare_environment
+if where == "join":
+    prepare_environment()
+    from pdgrpc.decode.tp import TpGroup
+    join = TpGroup.join
+    def joining(rank, size, init, timeout):
+        fire()
+        return join(rank, size, init, timeout)
+    TpGroup.join = joining
+if where == "engine":
+    prepare_environment()
+    role = importlib.import_module(module)
+    build = role.build_engine
+    def building(*args, **kwargs):
+        fire()
+        return build(*args, **kwargs)
+    role.build_engine = building
+if where == "spawned":
+    prepare_environment()
+    from pdgrpc.prefill.controller import Controller
+    spawn = Controller.spawn
+    async def spawned(self, *args):
+        worker = await spawn(self, *args)
+        fire()
+        return worker
+    Controller.spawn = spawned
+sys.exit(launch(module, argv))
+"""
+
+_PREFILL_WORKER = [
+    "--dp-rank", "0", "--dp-size", "1", "--bootstrap", "127.0.0.1:1", "--load-balance-method", "round_robin",
+    "--transport", "tcp", "--compute-in", "process", "--model-size", "tiny", "--num-pages", "64",
+]
+_PREFILL = ["--port", "0", "--transport", "tcp", "--model-size", "tiny", "--num-pages", "64"]
+_DECODE = ["--transport", "fake", "--model-size", "tiny", "--port", "0"]
+# (signal, where, module, flags): every role that has no stop of its own yet at that point
+STOPS = [
+    ("SIGTERM", "import", "pdgrpc.colocated.server", ["--model-size", "tiny", "--port", "0"]),
+    ("SIGTERM", "listening", "pdgrpc.router.server", ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--port", "0"]),
+    ("SIGTERM", "listening", "pdgrpc.colocated.server", ["--model-size", "tiny", "--port", "0"]),
+    ("SIGTERM", "listening", "pdgrpc.decode.server", _DECODE),
+    ("SIGTERM", "listening", "pdgrpc.prefill.worker_role", _PREFILL_WORKER),
+    ("SIGINT", "listening", "pdgrpc.prefill.worker_role", _PREFILL_WORKER),
+    ("SIGTERM", "listening", "pdgrpc.prefill.controller_main", _PREFILL),
+    ("SIGTERM", "spawned", "pdgrpc.prefill.controller_main", _PREFILL),
+    ("SIGINT", "spawned", "pdgrpc.prefill.controller_main", _PREFILL),
+    # Rank 0 kills rank 1 as it stops, so its own join can never complete.
+    ("SIGTERM", "join", "pdgrpc.decode.server", [*_DECODE, "--tp-size", "2"]),
+    ("SIGINT", "join", "pdgrpc.decode.server", [*_DECODE, "--tp-size", "2"]),
+    # Rank 1 is in the group: rank 0 kills it, as no "stop" command will reach it.
+    ("SIGTERM", "engine", "pdgrpc.decode.server", [*_DECODE, "--tp-size", "2"]),
+    # No rank 0 listens at --dist-init: the join would wait out --dist-timeout.
+    ("SIGTERM", "join", "pdgrpc.decode.follower_server", [*_DECODE, "--tp-size", "2", "--tp-rank", "1", "--dist-init", "tcp://127.0.0.1:1"]),
+]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a process's children from /proc")
+@pytest.mark.parametrize("signame, where, module, flags", STOPS, ids=[f"{s[0]}-{s[2]}-{s[1]}" for s in STOPS])
+def test_a_signal_while_a_server_starts_stops_it_cleanly(signame: str, where: str, module: str, flags: list[str]) -> None:
+    # Bounded well below --dist-timeout (120 s): a stop that waits out a join fails here.
+    out = subprocess.run([sys.executable, "-c", _STOP, signame, where, module, *flags], capture_output=True, text=True, timeout=60)
+    package = module.rsplit(".", 1)[0]
+    if signame == "SIGTERM":  # asked to stop: a clean exit
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert f"{package}: stopped by SIGTERM while starting" in out.stderr, out.stderr[-3000:]
+    else:
+        assert out.returncode == 130, out.stderr[-3000:]
+        assert f"{package}: stopped by Ctrl-C (SIGINT)" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
+    (children,) = [line.split()[1:] for line in out.stderr.splitlines() if line.startswith("CHILDREN")]
+    left = [pid for pid in map(int, children) if not _gone(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes {left} outlived the server stopped while it started"

@@ -22,6 +22,7 @@ from pdgrpc.serving.rendezvous import dist_init_method
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.engines import build_engine, check_engine_args, engine_limits_argv
 from pdgrpc.serving.launch import Role
+from pdgrpc.serving.threads import abandonable
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 
@@ -61,7 +62,8 @@ async def _main(ns: argparse.Namespace) -> int:
 
         procs, init = await _start_ranks(ns)
         try:
-            tp = await asyncio.to_thread(TpGroup.join, 0, ns.tp_size, init, ns.dist_timeout)
+            # Abandoned if the start-up is stopped: the ranks are killed, so it could only time out.
+            tp = await abandonable(TpGroup.join, 0, ns.tp_size, init, ns.dist_timeout, name="decode-tp-join")
         except BaseException:
             for p in procs:
                 p.kill()
@@ -77,6 +79,13 @@ async def _main(ns: argparse.Namespace) -> int:
     scheduler = DecodeScheduler(engine, transport, ns.num_slots, config, metrics=metrics, tp=tp)
     try:
         return await _serve(ns, engine, transport, scheduler, metrics, procs)
+    except asyncio.CancelledError:
+        # Stopped before it served (SIGTERM or Ctrl-C at start-up): no "stop" command
+        # reaches the other ranks, so they are killed rather than waited for.
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        raise
     finally:
         for p in procs:
             try:

@@ -17,10 +17,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import signal
 
 from pdgrpc.argtypes import check_address
 from pdgrpc.bootstrap.client import BootstrapClient
@@ -114,22 +112,17 @@ async def main_async(ns: argparse.Namespace) -> int:
 async def _serve(ns: argparse.Namespace, controller: Controller, server: RpcServer, metrics: PrefillMetrics) -> int:
     client = BootstrapClient(controller.bootstrap_address)
     controller.registrar = DpRankRegistrar(counted(client.register_dp_ranks, metrics), window_s=ns.dp_register_window_ms / 1000.0)
-    # A SIGTERM/SIGINT while workers start must stop them too (serve_until_signal's
-    # handlers are not installed yet).
-    loop = asyncio.get_running_loop()
-    starting = asyncio.ensure_future(controller.start_workers())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, starting.cancel)
     try:
-        await starting
-    except (Exception, asyncio.CancelledError) as exc:
-        log.error("%s", exc if not isinstance(exc, asyncio.CancelledError) else "stopped while workers were starting")
+        await controller.start_workers()
+    except BaseException as exc:
+        # A failed start, or a stop while the workers start (SIGTERM or Ctrl-C cancels the
+        # start-up: pdgrpc.serving.launch): the workers started so far stop too.
         await controller.stop_workers()
         await server.stop(0)
+        if not isinstance(exc, Exception):
+            raise
+        log.error("%s", exc)
         return 1
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
     # Before the ready line: whoever reads it may send SIGTERM at once, which drains.
     stop = StopSignal()
     try:

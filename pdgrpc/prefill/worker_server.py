@@ -35,7 +35,7 @@ from pdgrpc.prefill.link import WorkerLinkServer
 from pdgrpc.prefill.services import HANDSHAKE_SERVICE, PREFILL_SERVICE, HandshakeServicer, WirePrefillServicer, WorkerPrefillServicer
 from pdgrpc.prefill.worker import PrefillWorker
 from pdgrpc.prefill.worker_config import READY, WorkerConfig, worker_name
-from pdgrpc.rpc.server import run, serve_until_signal, start_server
+from pdgrpc.rpc.server import RpcServer, run, serve_until_signal, start_server
 from pdgrpc.serving.flags import create_transport, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.engines import build_engine
@@ -124,6 +124,55 @@ def _init_tp(ns: argparse.Namespace) -> Engine:
     return build_engine(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
 
 
+async def _serve_and_link(
+    ns: argparse.Namespace, worker: PrefillWorker, kv_events: KvEventFeed, metrics: PrefillMetrics, orphaned: asyncio.Event,
+) -> tuple[RpcServer, WorkerLinkServer | None]:
+    """Serve the worker's services, and its controller's calls on ``--link-fd``."""
+    name = worker_name(ns)
+    wire = WirePrefillServicer(WorkerPrefillServicer(worker, kv_events), metrics.on_refused, ns.max_prefills_per_client)
+    server = await start_server(
+        [
+            (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s)),
+            (HANDSHAKE_SERVICE, lambda s: handshake_pb2_grpc.add_HandshakeServiceServicer_to_server(HandshakeServicer(worker), s)),
+        ],
+        host=ns.host,
+        port=0,
+        what=f"pdgrpc prefill worker {name}",
+    )
+    server.on_stop(kv_events.close)
+    if ns.link_fd is None:
+        return server, None
+    try:
+        # Closed by the controller (it died): stop, as the parent watch would a moment later.
+        link = await WorkerLinkServer.open(socket.socket(fileno=ns.link_fd), name, worker.prefill, on_lost=orphaned.set)
+    except BaseException:
+        await server.stop(0)
+        raise
+
+    async def _drain_link() -> None:
+        await link.close(grace=_GRACE_S, cancel=False)
+
+    server.on_stop(_drain_link)
+    return server, link
+
+
+async def _register(
+    ns: argparse.Namespace, worker: PrefillWorker, server: RpcServer, transport: str, descriptor: bytes, orphaned: asyncio.Event,
+) -> bootstrap_pb2.RegisterWorkerResponse | None:
+    """Register with bootstrap; None if that failed (logged) or the controller is gone."""
+    client = BootstrapClient(ns.bootstrap)
+    info = bootstrap_pb2.WorkerInfo(
+        dp_rank=ns.dp_rank, tp_rank=ns.tp_rank, pp_rank=0,
+        transfer_address=f"{ns.advertise_host}:{server.port}" if ns.advertise_host else server.address,
+        transport=transport, transport_endpoint=descriptor,
+    )
+    try:
+        return await _unless(client.register_worker(info, parallel_info(ns, worker)), orphaned)
+    except Exception as exc:
+        log.error("%s: registering with bootstrap %s failed: %s", worker_name(ns), ns.bootstrap, exc)
+        return None
+
+
 async def _main(ns: argparse.Namespace, child: Child | None) -> int:
     name = worker_name(ns)
     compute: ComputeProcess | None = None
@@ -172,48 +221,28 @@ async def _main(ns: argparse.Namespace, child: Child | None) -> int:
     # it is still registering (bootstrap registration retries for a while).
     orphaned = asyncio.Event()
     watcher = asyncio.ensure_future(watch_parent(os.getppid(), orphaned))
-    wire = WirePrefillServicer(WorkerPrefillServicer(worker, kv_events), metrics.on_refused, ns.max_prefills_per_client)
-    server = await start_server(
-        [
-            (PREFILL_SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(wire, s)),
-            (HANDSHAKE_SERVICE, lambda s: handshake_pb2_grpc.add_HandshakeServiceServicer_to_server(HandshakeServicer(worker), s)),
-        ],
-        host=ns.host,
-        port=0,
-        what=f"pdgrpc prefill worker {name}",
-    )
-    server.on_stop(kv_events.close)
+    server: RpcServer | None = None
     link: WorkerLinkServer | None = None
-    if ns.link_fd is not None:
-        # Closed by the controller (it died): stop, as the parent watch would a moment later.
-        link = await WorkerLinkServer.open(
-            socket.socket(fileno=ns.link_fd), name, worker.prefill, on_lost=orphaned.set
-        )
 
-        async def _drain_link() -> None:
-            assert link is not None
-            await link.close(grace=_GRACE_S, cancel=False)
-
-        server.on_stop(_drain_link)
-    client = BootstrapClient(ns.bootstrap)
-    info = bootstrap_pb2.WorkerInfo(
-        dp_rank=ns.dp_rank, tp_rank=ns.tp_rank, pp_rank=0,
-        transfer_address=f"{ns.advertise_host}:{server.port}" if ns.advertise_host else server.address,
-        transport=transport.name, transport_endpoint=descriptor,
-    )
-    try:
-        reg = await _unless(client.register_worker(info, parallel_info(ns, worker)), orphaned)
-    except Exception as exc:
-        log.error("%s: registering with bootstrap %s failed: %s", name, ns.bootstrap, exc)
-        reg = None
-    if reg is None:
+    async def release() -> None:
+        """Release what the start-up started, when it ends before the worker serves."""
         watcher.cancel()
         if link is not None:
             await link.close()
-        await server.stop(0)
+        if server is not None:
+            await server.stop(0)
         metrics.unbind()
         stop_metrics()
-        await worker.close()
+        await worker.close()  # and its compute process
+
+    try:
+        server, link = await _serve_and_link(ns, worker, kv_events, metrics, orphaned)
+        reg = await _register(ns, worker, server, transport.name, descriptor, orphaned)
+    except BaseException:  # a stop (SIGTERM, Ctrl-C) while it starts, or a failure
+        await release()
+        raise
+    if reg is None:
+        await release()
         return 1
     worker.generation = reg.generation
     log.info(

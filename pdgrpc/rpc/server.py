@@ -400,7 +400,14 @@ async def serve_until_signal(
     try:
         stopped: asyncio.Future[None] = asyncio.ensure_future(server.wait_stopped())
         waiting: list[asyncio.Future[Any]] = [stop.requested, stopped]
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # The process stops without a drain (a signal that came before these handlers,
+            # pdgrpc.serving.launch): the server stops at once, and its on_stop callbacks
+            # release what the role started.
+            await server.stop(0)
+            raise
         if stop.requested.done():
             log.info("%s received, stopping: draining up to %.1f s", signal.Signals(stop.requested.result()).name, drain_timeout)
             server.start_drain()

@@ -54,19 +54,47 @@ def prepare_environment() -> None:
 _INTERRUPTED = 128 + signal.SIGINT
 
 
+class _SigtermStopsStartup:
+    """SIGTERM handled as Ctrl-C until the role's own stop handling (``StopSignal``) takes
+    it over: a SIGINT raised here makes asyncio cancel the role's main task, whose cleanup
+    releases what it started, or raises KeyboardInterrupt where no loop runs yet. The
+    launcher stops and restarts processes with SIGTERM, whether or not they serve yet."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        # One stop at a time: a second SIGTERM while the first stops the process is ignored.
+        if not self.received:
+            self.received = True
+            signal.raise_signal(signal.SIGINT)
+
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
 def launch(module: str, argv: list[str] | None = None) -> int:
     """Run the role that ``module`` holds as this process, with command line ``argv``
-    (default ``sys.argv[1:]``); returns the exit status (130 for a Ctrl-C that came before
-    the role's own SIGINT handling, which drains, was in place)."""
+    (default ``sys.argv[1:]``); returns the exit status. A Ctrl-C or SIGTERM that comes
+    before the role's own handling, which drains, is in place stops the start-up, with one
+    line: status 130 for Ctrl-C, 0 for SIGTERM (a stop that was asked for, as after a drain)."""
     prepare_environment()
+    sigterm = _SigtermStopsStartup()
     try:
         return _launch(module, argv)
     except KeyboardInterrupt:
-        # Ctrl-C while the process starts (importing torch, building the engine): asyncio
-        # has cancelled the role's start-up, whose cleanup ran; the user asked for the
-        # stop, so one line says so instead of a traceback through the start-up code.
-        print(f"{module.rsplit('.', 1)[0]}: stopped by Ctrl-C (SIGINT)", file=sys.stderr, flush=True)
+        # The start-up was cut short (importing torch, building the engine): asyncio has
+        # cancelled the role's start-up, whose cleanup ran; the stop was asked for, so one
+        # line says so instead of a traceback through the start-up code.
+        name = module.rsplit(".", 1)[0]
+        if sigterm.received:
+            print(f"{name}: stopped by SIGTERM while starting", file=sys.stderr, flush=True)
+            return 0
+        print(f"{name}: stopped by Ctrl-C (SIGINT)", file=sys.stderr, flush=True)
         return _INTERRUPTED
+    finally:
+        sigterm.close()
 
 
 def _launch(module: str, argv: list[str] | None) -> int:

@@ -15,15 +15,19 @@ thread, when the thread starts.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
 import sys
 import threading
+from typing import Any, Callable, TypeVar
 
-__all__ = ["compute_executor", "lower_process_priority", "lower_thread_priority"]
+__all__ = ["abandonable", "compute_executor", "lower_process_priority", "lower_thread_priority"]
 
 log = logging.getLogger("pdgrpc.serving")
+
+T = TypeVar("T")
 
 
 def compute_executor(name: str, nice: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -69,3 +73,33 @@ def lower_process_priority(nice: int) -> None:
             _renice(tid, nice)
         except OSError as exc:  # a thread that ended meanwhile, or not ours to renice
             log.debug("--compute-nice %d: cannot renice thread %d: %s", nice, tid, exc)
+
+
+async def abandonable(fn: Callable[..., T], *args: Any, name: str) -> T:
+    """``fn(*args)``, a blocking call, on a daemon thread of its own. Cancelled, this returns
+    at once and leaves the thread behind, to end with the process: a call that no signal
+    interrupts (a gloo rendezvous) would otherwise hold the exit until it times out, since
+    ``asyncio.run`` joins the threads of its executor (``asyncio.to_thread``)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if done.done():  # cancelled: nobody waits for it any more
+            return
+        if exc is None:
+            done.set_result(result)
+        else:
+            done.set_exception(exc)
+
+    def call() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+        except BaseException as exc:  # noqa: BLE001 - raised where it is awaited
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed: the process is ending
+            pass
+
+    threading.Thread(target=call, name=name, daemon=True).start()
+    return await done
