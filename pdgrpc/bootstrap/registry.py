@@ -40,7 +40,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, PendingWorkersFull, TopologyMismatch, WorkersPending
-from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
+from pdgrpc.rpc.limits import (
+    MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES, Limited, over_limit,
+)
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 Slot = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
@@ -90,21 +92,36 @@ def check_sizes(dp_size: int, tp_size: int, pp_size: int, what: str) -> None:
         )
 
 
+def worker_limits(worker: pb.WorkerInfo) -> tuple[Limited, ...]:
+    """A worker's fields with their limits (:func:`~pdgrpc.rpc.limits.over_limit`): who
+    keeps a worker logs its address and transport and dials its descriptor."""
+    return (
+        ("transfer_address", worker.transfer_address, MAX_ADDRESS_CHARS, "characters"),
+        ("transport", worker.transport, MAX_NAME_CHARS, "characters"),
+        ("transport_endpoint", worker.transport_endpoint, MAX_TRANSPORT_ENDPOINT_BYTES, "bytes"),
+    )
+
+
+def parallel_info_limits(info: pb.ParallelInfo) -> tuple[Limited, ...]:
+    """Parallel info's fields with their limits: who keeps it compares them, and a
+    :class:`TopologyMismatch` repeats them."""
+    return (
+        ("kv_dtype", info.kv_dtype, MAX_NAME_CHARS, "characters"),
+        ("kv_layout", info.kv_layout, MAX_NAME_CHARS, "characters"),
+        ("compatibility_hash", info.compatibility_hash, MAX_COMPATIBILITY_HASH_BYTES, "bytes"),
+    )
+
+
 def check_field_sizes(worker: pb.WorkerInfo, info: pb.ParallelInfo) -> None:
     """Raise :class:`InvalidBootstrapRequest` naming the first field of a registration
     over its limit: the registry keeps each whole, logs the address and the transport,
     and a :class:`TopologyMismatch` repeats the parallel info's."""
-    fields: tuple[tuple[str, str | bytes, int, str], ...] = (
-        ("worker.transfer_address", worker.transfer_address, MAX_ADDRESS_CHARS, "characters"),
-        ("worker.transport", worker.transport, MAX_NAME_CHARS, "characters"),
-        ("worker.transport_endpoint", worker.transport_endpoint, MAX_TRANSPORT_ENDPOINT_BYTES, "bytes"),
-        ("parallel_info.kv_dtype", info.kv_dtype, MAX_NAME_CHARS, "characters"),
-        ("parallel_info.kv_layout", info.kv_layout, MAX_NAME_CHARS, "characters"),
-        ("parallel_info.compatibility_hash", info.compatibility_hash, MAX_COMPATIBILITY_HASH_BYTES, "bytes"),
+    problem = over_limit(
+        [(f"worker.{n}", v, limit, u) for n, v, limit, u in worker_limits(worker)]
+        + [(f"parallel_info.{n}", v, limit, u) for n, v, limit, u in parallel_info_limits(info)]
     )
-    for field, value, limit, unit in fields:
-        if len(value) > limit:
-            raise InvalidBootstrapRequest(f"RegisterWorkerRequest.{field}: {len(value)} {unit}, over the limit of {limit}")
+    if problem is not None:
+        raise InvalidBootstrapRequest(f"RegisterWorkerRequest.{problem}")
 
 
 def check_parallel_info(info: pb.ParallelInfo) -> None:

@@ -34,11 +34,11 @@ import grpc
 
 from pdgrpc.bootstrap.client import BootstrapClient, RpcError
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest
-from pdgrpc.bootstrap.registry import MAX_WORKERS, check_parallel_info
+from pdgrpc.bootstrap.registry import MAX_WORKERS, check_parallel_info, parallel_info_limits, worker_limits
 from pdgrpc.decode.statuses import PeerAnswer, Refusal, ending, peer_answer, prefill_failure
 from pdgrpc.errors import RequestFailed
 from pdgrpc.rpc.channels import ChannelPool
-from pdgrpc.rpc.limits import MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES
+from pdgrpc.rpc.limits import over_limit
 from pdgrpc.serving.room_proof import failure_tag
 from pdgrpc.state import DpConfig
 from pdgrpc.v1 import bootstrap_pb2 as bpb
@@ -96,16 +96,9 @@ def _checked_info(address: str, info: bpb.ParallelInfo) -> bpb.ParallelInfo:
         check_parallel_info(info)
     except InvalidBootstrapRequest as exc:
         raise ending(Refusal.INTERNAL, f"bootstrap {address} answers parallel info no prefill registers: {exc}") from None
-    fields: tuple[tuple[str, str | bytes, int, str], ...] = (
-        ("kv_dtype", info.kv_dtype, MAX_NAME_CHARS, "characters"),
-        ("kv_layout", info.kv_layout, MAX_NAME_CHARS, "characters"),
-        ("compatibility_hash", info.compatibility_hash, MAX_COMPATIBILITY_HASH_BYTES, "bytes"),
-    )
-    for field, value, limit, unit in fields:
-        if len(value) > limit:
-            raise ending(
-                Refusal.INTERNAL, f"bootstrap {address} answers parallel_info.{field}: {len(value)} {unit}, over the limit of {limit}"
-            )
+    problem = over_limit(parallel_info_limits(info))
+    if problem is not None:
+        raise ending(Refusal.INTERNAL, f"bootstrap {address} answers parallel_info.{problem}")
     copy = bpb.ParallelInfo()
     copy.CopyFrom(info)
     copy.DiscardUnknownFields()  # unknown fields are bytes the limits above do not see
@@ -120,18 +113,9 @@ def _checked_workers(address: str, dp_rank: int, listed: Sequence[bpb.WorkerInfo
         raise ending(Refusal.INTERNAL, f"bootstrap {address} lists {len(listed)} workers for dp_rank={dp_rank}, over the limit of {MAX_WORKERS}")
     kept = []
     for w in listed:
-        fields: tuple[tuple[str, str | bytes, int, str], ...] = (
-            ("transfer_address", w.transfer_address, MAX_ADDRESS_CHARS, "characters"),
-            ("transport", w.transport, MAX_NAME_CHARS, "characters"),
-            ("transport_endpoint", w.transport_endpoint, MAX_TRANSPORT_ENDPOINT_BYTES, "bytes"),
-        )
-        for field, value, limit, unit in fields:
-            if len(value) > limit:
-                raise ending(
-                    Refusal.INTERNAL,
-                    f"bootstrap {address} lists worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} at {field}: "
-                    f"{len(value)} {unit}, over the limit of {limit}",
-                )
+        problem = over_limit(worker_limits(w))
+        if problem is not None:
+            raise ending(Refusal.INTERNAL, f"bootstrap {address} lists worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} at {problem}")
         copy = bpb.WorkerInfo()
         copy.CopyFrom(w)
         copy.DiscardUnknownFields()  # unknown fields are bytes the limits above do not see

@@ -42,14 +42,14 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 
 __all__ = [
     "MAX_ABORT_REASON_CHARS", "MAX_ADDRESS_CHARS", "MAX_COMPATIBILITY_HASH_BYTES", "MAX_HOST_CHARS", "MAX_MESSAGE_BYTES",
-    "MAX_NAME_CHARS", "MAX_REQUEST_ID_CHARS", "MAX_TRANSPORT_ENDPOINT_BYTES", "HandlerWrapper", "UndecodableIsInvalidArgument",
-    "parse_or_abort",
+    "MAX_NAME_CHARS", "MAX_REQUEST_ID_CHARS", "MAX_TRANSPORT_ENDPOINT_BYTES", "HandlerWrapper", "Limited", "UndecodableIsInvalidArgument",
+    "over_limit", "parse_or_abort",
 ]
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -60,6 +60,18 @@ MAX_ABORT_REASON_CHARS = 1024
 MAX_NAME_CHARS = 128
 MAX_TRANSPORT_ENDPOINT_BYTES = 64 * 1024
 MAX_COMPATIBILITY_HASH_BYTES = 64
+
+# A field a peer sent: its name, its value, the most it may hold and the unit of both.
+Limited = tuple[str, str | bytes, int, str]
+
+
+def over_limit(fields: Iterable[Limited]) -> str | None:
+    """``name: N unit, over the limit of L`` for the first of ``fields`` over its limit;
+    None when each is within."""
+    for name, value, limit, unit in fields:
+        if len(value) > limit:
+            return f"{name}: {len(value)} {unit}, over the limit of {limit}"
+    return None
 
 
 def parse_or_abort(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
