@@ -88,6 +88,18 @@ def restart_failure(room: int, address: str) -> RequestFailed:
     )
 
 
+M = TypeVar("M", bpb.ParallelInfo, bpb.WorkerInfo)
+
+
+def _known(message: M) -> M:
+    """A copy of ``message`` without the fields this build does not know: they are bytes
+    the limits of its known fields do not see."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    copy.DiscardUnknownFields()
+    return copy
+
+
 def _checked_info(address: str, info: bpb.ParallelInfo) -> bpb.ParallelInfo:
     """A copy of the parallel info a bootstrap answered, without fields this build does not
     know; a :class:`~pdgrpc.errors.RequestFailed` (INTERNAL) naming what no prefill could
@@ -99,10 +111,7 @@ def _checked_info(address: str, info: bpb.ParallelInfo) -> bpb.ParallelInfo:
     problem = over_limit(parallel_info_limits(info))
     if problem is not None:
         raise ending(Refusal.INTERNAL, f"bootstrap {address} answers parallel_info.{problem}")
-    copy = bpb.ParallelInfo()
-    copy.CopyFrom(info)
-    copy.DiscardUnknownFields()  # unknown fields are bytes the limits above do not see
-    return copy
+    return _known(info)
 
 
 def _checked_workers(address: str, dp_rank: int, listed: Sequence[bpb.WorkerInfo]) -> list[bpb.WorkerInfo]:
@@ -116,10 +125,7 @@ def _checked_workers(address: str, dp_rank: int, listed: Sequence[bpb.WorkerInfo
         problem = over_limit(worker_limits(w))
         if problem is not None:
             raise ending(Refusal.INTERNAL, f"bootstrap {address} lists worker dp_rank={w.dp_rank} tp_rank={w.tp_rank} at {problem}")
-        copy = bpb.WorkerInfo()
-        copy.CopyFrom(w)
-        copy.DiscardUnknownFields()  # unknown fields are bytes the limits above do not see
-        kept.append(copy)
+        kept.append(_known(w))
     return kept
 
 

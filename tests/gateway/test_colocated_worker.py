@@ -35,6 +35,15 @@ def request(rid: str, ids, max_new: int, temperature: float = 0.0, **extra) -> p
     )
 
 
+async def ends_cancelled_and_released(call, impl: ColocatedServer) -> None:
+    """An aborted Generate call ends CANCELLED, and the server then holds no request."""
+    with pytest.raises(grpc.aio.AioRpcError) as info_:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    assert info_.value.code() == grpc.StatusCode.CANCELLED
+    await eventually_async(lambda: impl.active_requests() == 0, 10, 0.05, lambda: "an aborted request is still held")
+
+
 async def test_generate_stop_tokens_logprobs_and_abort():
     topology = load_topology("colocated")
     impl = ColocatedServer(reference_engine(topology), chunk_tokens=64)
@@ -71,11 +80,7 @@ async def test_generate_stop_tokens_logprobs_and_abort():
             call = stub.Generate(req)
             await call.read()
             assert (await stub.Abort(pb.AbortRequest(request_id="long"))).success
-            with pytest.raises(grpc.aio.AioRpcError) as info_:
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-            assert info_.value.code() == grpc.StatusCode.CANCELLED
-            await eventually_async(lambda: impl.active_requests() == 0, 10, 0.05, lambda: "the aborted request is still held")
+            await ends_cancelled_and_released(call, impl)
     finally:
         await server.stop(0)
         await impl.close()
@@ -177,11 +182,7 @@ async def test_request_ids_are_each_callers_own(tmp_path):
             assert await finish(stub_a, request("", (256, 66), 3)) == "length"
             unnamed.cancel()
             assert (await stub_a.Abort(pb.AbortRequest(request_id="same"))).success
-            with pytest.raises(grpc.aio.AioRpcError) as info_:
-                while await call_a.read() is not grpc.aio.EOF:
-                    pass
-            assert info_.value.code() == grpc.StatusCode.CANCELLED
-            await eventually_async(lambda: impl.active_requests() == 0, 10, 0.05, lambda: "a request is still held")
+            await ends_cancelled_and_released(call_a, impl)
     finally:
         await server.stop(0)
         await impl.close()
