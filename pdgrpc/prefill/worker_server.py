@@ -40,6 +40,7 @@ from pdgrpc.serving.flags import create_transport, engine_config_from_args, tune
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.kv_events import KvEventFeed
+from pdgrpc.serving.rendezvous import join_tp_group
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdgrpc.prefill.worker")
@@ -104,23 +105,19 @@ async def _unless(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
     return task.result()
 
 
-def _init_tp(ns: argparse.Namespace) -> Engine:
+async def _init_tp(ns: argparse.Namespace) -> Engine:
     """The engine of this rank; with --tp-size > 1 after joining the dp group's gloo world."""
     if ns.tp_size == 1:
         return build_engine(ns)
-    import datetime
-
-    import torch.distributed as dist
-
     from pdgrpc.engine.tp import torch_distributed_all_reduce
 
     if not ns.dist_init:
         raise SystemExit("--dist-init is required with --tp-size > 1")
-    dist.init_process_group(
-        "gloo", init_method=ns.dist_init, rank=ns.tp_rank, world_size=ns.tp_size,
-        timeout=datetime.timedelta(seconds=ns.dist_timeout),
-    )
-    log.info("%s joined the TP group at %s (%d ranks)", worker_name(ns), ns.dist_init, ns.tp_size)
+    name = worker_name(ns)
+    # Said before the wait: a rank whose peers never come waits here up to --dist-timeout.
+    log.info("%s joining the TP group at %s as rank %d of %d", name, ns.dist_init, ns.tp_rank, ns.tp_size)
+    await join_tp_group(ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout, name="prefill-tp-join")
+    log.info("%s joined the TP group at %s (%d ranks)", name, ns.dist_init, ns.tp_size)
     return build_engine(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
 
 
@@ -184,7 +181,7 @@ async def _main(ns: argparse.Namespace, child: Child | None) -> int:
         )
         engine = ReferenceEngine(config, kv_pool=compute.kv)
     else:
-        engine = _init_tp(ns)
+        engine = await _init_tp(ns)
     transport = create_transport(ns)
     metrics = PrefillMetrics(transport=transport.name)
     metrics.set_info(dp_rank=ns.dp_rank, dp_size=ns.dp_size)

@@ -1,10 +1,13 @@
-"""Where the TP ranks of one instance meet to form their gloo group."""
+"""Where the TP ranks of one instance meet to form their gloo group, and how a rank joins it."""
 
 from __future__ import annotations
 
+import datetime
 import socket
 
-__all__ = ["dist_init_method"]
+from pdgrpc.serving.threads import abandonable
+
+__all__ = ["dist_init_method", "join_tp_group"]
 
 
 def dist_init_method(host: str = "127.0.0.1") -> str:
@@ -13,3 +16,21 @@ def dist_init_method(host: str = "127.0.0.1") -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+async def join_tp_group(rank: int, size: int, init_method: str, timeout_s: float, *, name: str) -> None:
+    """Join the gloo group of ``size`` ranks at ``init_method`` as ``rank`` (the process's
+    default ``torch.distributed`` group), once every rank has, or fail after ``timeout_s``.
+
+    Cancelled (a SIGTERM or Ctrl-C during start-up), this returns at once and leaves the
+    join to end with the process, on a thread of its own (``name``): no signal interrupts
+    a gloo rendezvous, so a join on the loop's thread would hold the stop until its timeout."""
+    await abandonable(_join, rank, size, init_method, timeout_s, name=name)
+
+
+def _join(rank: int, size: int, init_method: str, timeout_s: float) -> None:
+    import torch.distributed as dist  # here: the processes that only pick a rendezvous load no torch
+
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
