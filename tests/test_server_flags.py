@@ -129,6 +129,9 @@ REFERENCE_SIZES = [
     (["--max-seq-len", "8", "--max-prompt-tokens", "8"], "--max-prompt-tokens (8) must be < --max-seq-len (8)"),
     (["--max-seq-len", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
     (["--max-seq-len", "100000"], "--max-seq-len 100000: the reference engine takes at most 65536 tokens"),
+    # Both typed: the length leaves no room for any prompt, whatever --max-prompt-tokens says.
+    (["--max-seq-len", "1", "--max-prompt-tokens", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
+    (["--model-seed", "-1"], "--model-seed must be an int >= 0, got -1"),
 ]
 
 
