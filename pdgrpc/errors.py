@@ -8,7 +8,9 @@ narrower subclasses in their own modules; the branches below are the shared ones
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from pdgrpc.reasons import AnyAbortReason, ServerAbortReason
@@ -44,7 +46,61 @@ class RequestFailed(PdgrpcError):
 
 
 class ConfigError(PdgrpcError, ValueError):
-    """Invalid configuration or argument (bad flag, inconsistent sizes, bad topology)."""
+    """Invalid configuration or argument (bad flag, inconsistent sizes, bad topology).
+
+    A configuration class's own checks also say which of its fields break which rule
+    (:meth:`broken_rule`): ``fields`` maps each field's name (a dotted path from that class)
+    to its value, and :meth:`worded` states the rule with other names for those fields, so
+    that a layer which filled them from flags shows the flags its user typed. Any other
+    ConfigError has no ``fields``, and its message is all there is."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self._rule: _Rule | None = None
+
+    @classmethod
+    def broken_rule(cls, owner: str, template: str, fields: Mapping[str, object], **terms: object) -> ConfigError:
+        """The error for ``fields`` (name: value, in the order ``template`` counts them)
+        breaking a rule of ``owner``'s. ``template`` words the rule for :meth:`str.format`:
+        ``{0}``, ``{1}``... are the fields' names, ``{0.value}`` the first one's value, and
+        ``terms`` the rule's other values, by keyword (its bounds). The message names each
+        field ``owner.name``."""
+        rule = _Rule(template, dict(fields), terms)
+        err = cls(rule.word(lambda field: f"{owner}.{field}"))
+        err._rule = rule
+        return err
+
+    @property
+    def fields(self) -> dict[str, object]:
+        """Each field that breaks the rule, with its value (empty: not a configuration class's refusal)."""
+        return {} if self._rule is None else dict(self._rule.fields)
+
+    def worded(self, name: Callable[[str], str]) -> str:
+        """The message with each field called ``name(field)`` (the message itself without fields)."""
+        return str(self) if self._rule is None else self._rule.word(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """A broken rule of a configuration class, for :class:`ConfigError`, words apart from names."""
+
+    template: str
+    fields: dict[str, object]
+    terms: dict[str, object]
+
+    def word(self, name: Callable[[str], str]) -> str:
+        return self.template.format(*(_Mention(name(field), value) for field, value in self.fields.items()), **self.terms)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mention:
+    """A field as a rule's template mentions it: ``{0}`` is its name, ``{0.value}`` its value."""
+
+    name: str
+    value: object
+
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
 
 
 class StateError(PdgrpcError):

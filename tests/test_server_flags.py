@@ -129,6 +129,9 @@ REFERENCE_SIZES = [
     (["--max-seq-len", "8", "--max-prompt-tokens", "8"], "--max-prompt-tokens (8) must be < --max-seq-len (8)"),
     (["--max-seq-len", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
     (["--max-seq-len", "100000"], "--max-seq-len 100000: the reference engine takes at most 65536 tokens"),
+    # Both typed: the length leaves no room for any prompt, whatever --max-prompt-tokens says.
+    (["--max-seq-len", "1", "--max-prompt-tokens", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
+    (["--model-seed", "-1"], "--model-seed must be an int >= 0, got -1"),
 ]
 
 
@@ -145,12 +148,42 @@ def test_reference_engine_sizes_that_disagree_name_the_flags(
     assert f"error: {message}" in err and "EngineConfig" not in err
 
 
+def test_huge_pages_on_a_gpu_are_refused_naming_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdgrpc.serving.flags import add_engine_arguments, engine_config_from_args
+
+    monkeypatch.setattr("pdgrpc.engine.config.device_type", lambda spec: "cuda")  # this host may have no GPU
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    ns = parser.parse_args(["--kv-huge-pages", "--device", "cuda"])
+    with pytest.raises(ValueError, match=r"^--kv-huge-pages applies to a host KV pool; it cannot be combined with --device cuda$"):
+        engine_config_from_args(ns)
+
+
+TP_SIZES = [
+    (["--tp-size", "3"], "--tp-size 3 must divide the model's num_heads (8)"),
+    (["--model-size", "tiny", "--tp-size", "4"], "--tp-size 4 must divide the model's num_kv_heads (2)"),
+]
+
+
 @pytest.mark.parametrize("module", ["pdgrpc.prefill.controller_main", "pdgrpc.decode.server"], ids=["prefill", "decode"])
-def test_a_tp_size_that_does_not_divide_the_heads_names_the_flag(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("argv, message", TP_SIZES, ids=[" ".join(a) for a, _ in TP_SIZES])
+def test_a_tp_size_that_does_not_divide_the_heads_names_the_flag(
+    module: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from pdgrpc.serving.launch import launch
 
-    err = usage_error(lambda: launch(module, ["--transport", "fake", "--tp-size", "3"]), capsys)
-    assert "error: --tp-size 3 must divide the model's num_heads (8)" in err
+    err = usage_error(lambda: launch(module, ["--transport", "fake", *argv]), capsys)
+    assert f"error: {message}" in err and "EngineConfig" not in err
+
+
+@pytest.mark.parametrize("argv, message", [REFERENCE_SIZES[0], TP_SIZES[0]], ids=["max-prompt-tokens", "tp-size"])
+def test_an_engine_size_refusal_from_the_command_line_exits_2_naming_the_flags(argv: list[str], message: str) -> None:
+    # The real entry point, as a user runs it: usage, the message, no traceback.
+    cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"error: {message}" in out.stderr and "usage:" in out.stderr
+    assert "Traceback" not in out.stderr and "EngineConfig" not in out.stderr
 
 
 @pytest.mark.parametrize("module", ["pdgrpc.prefill.controller_main", "pdgrpc.decode.server"], ids=["prefill", "decode"])

@@ -9,6 +9,7 @@ nothing here imports them.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from pdgrpc.engine.layout import KVLayout, check_kv_dtype
 from pdgrpc.engine.tokenizer import VOCAB_SIZE
@@ -35,6 +36,13 @@ def device_type(spec: str) -> str:
     return resolve_device(spec).type
 
 
+def _broken(config: object, template: str, *fields: str, **terms: object) -> ConfigError:
+    """The error for ``fields`` of ``config`` (dotted paths: ``model.num_heads``) breaking
+    a rule (:meth:`ConfigError.broken_rule`), each named ``ClassName.path``."""
+    values = {field: operator.attrgetter(field)(config) for field in fields}
+    return ConfigError.broken_rule(type(config).__name__, template, values, **terms)
+
+
 _MODEL_FAMILY = "pdgrpc-reference-v1"  # bump when the forward computation changes
 
 
@@ -54,25 +62,25 @@ class ModelConfig:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             v = getattr(self, field)
             if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"ModelConfig.{field} must be a positive int, got {v!r}")
+                raise _broken(self, "{0} must be a positive int, got {0.value!r}", field)
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise _broken(self, "{0} ({0.value}) must be a multiple of {1} ({1.value})", "num_heads", "num_kv_heads")
         if self.head_dim % 2 or self.head_dim > MAX_HEAD_DIM:
-            raise ConfigError(f"ModelConfig.head_dim must be even and <= {MAX_HEAD_DIM}, got {self.head_dim}")
+            raise _broken(self, "{0} must be even and <= {most}, got {0.value}", "head_dim", most=MAX_HEAD_DIM)
         # Exact sums need bounded reduction lengths (see pdgrpc.engine.exact).
         for field in ("hidden_size", "intermediate_size", "vocab_size"):
             if getattr(self, field) > MAX_REDUCTION:
-                raise ConfigError(f"ModelConfig.{field} must be <= {MAX_REDUCTION}, got {getattr(self, field)}")
+                raise _broken(self, "{0} must be <= {most}, got {0.value}", field, most=MAX_REDUCTION)
         if self.num_heads * self.head_dim > MAX_REDUCTION:
-            raise ConfigError(f"ModelConfig: num_heads * head_dim must be <= {MAX_REDUCTION}")
+            raise _broken(
+                self, "{0} * {1} must be <= {most}, got {0.value} * {1.value}", "num_heads", "head_dim", most=MAX_REDUCTION
+            )
         if self.vocab_size < VOCAB_SIZE:
-            raise ConfigError(f"ModelConfig.vocab_size must be >= {VOCAB_SIZE} (the byte tokenizer), got {self.vocab_size}")
+            raise _broken(self, "{0} must be >= {least} (the byte tokenizer), got {0.value}", "vocab_size", least=VOCAB_SIZE)
         if not self.rope_theta > 1.0:
-            raise ConfigError(f"ModelConfig.rope_theta must be > 1, got {self.rope_theta}")
+            raise _broken(self, "{0} must be > 1, got {0.value}", "rope_theta")
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"ModelConfig.seed must be an int >= 0, got {self.seed!r}")
+            raise _broken(self, "{0} must be an int >= 0, got {0.value!r}", "seed")
 
     @property
     def model_id(self) -> str:
@@ -109,25 +117,27 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
-            raise ConfigError(f"EngineConfig.intra_op_threads must be an int >= 0, got {self.intra_op_threads!r}")
+            raise _broken(self, "{0} must be an int >= 0, got {0.value!r}", "intra_op_threads")
         for field in ("page_size", "num_pages", "max_seq_len", "max_prompt_tokens", "tp_size"):
             v = getattr(self, field)
             if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"EngineConfig.{field} must be a positive int, got {v!r}")
+                raise _broken(self, "{0} must be a positive int, got {0.value!r}", field)
         check_kv_dtype(self.kv_dtype)
         if device_type(self.device) != "cpu" and self.kv_huge_pages:
-            raise ConfigError("--kv-huge-pages applies to a host KV pool; it cannot be combined with --device cuda")
+            raise _broken(self, "{0} applies to a host KV pool; it cannot be combined with {1} {1.value}", "kv_huge_pages", "device")
+        # Before the prompt limit's rule: a length under 2 leaves room for no prompt at
+        # all, so the refusal is about the length alone, whatever the limit is.
+        if self.max_seq_len < 2:
+            raise _broken(self, "{0} {0.value}: must be at least 2 (one prompt token and one generated token)", "max_seq_len")
         if self.max_prompt_tokens >= self.max_seq_len:
-            raise ConfigError(
-                f"EngineConfig.max_prompt_tokens ({self.max_prompt_tokens}) must be < max_seq_len ({self.max_seq_len})"
-            )
+            raise _broken(self, "{0} ({0.value}) must be < {1} ({1.value})", "max_prompt_tokens", "max_seq_len")
         if self.max_seq_len > MAX_CONTEXT:
-            raise ConfigError(f"EngineConfig.max_seq_len must be <= {MAX_CONTEXT}, got {self.max_seq_len}")
+            raise _broken(self, "{0} {0.value}: the reference engine takes at most {most} tokens", "max_seq_len", most=MAX_CONTEXT)
         if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"EngineConfig.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-        for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(self.model, field) % self.tp_size:
-                raise ConfigError(f"EngineConfig.tp_size={self.tp_size} must divide model.{field}={getattr(self.model, field)}")
+            raise _broken(self, "{0} must be in [0, {1}={1.value}), got {0.value}", "tp_rank", "tp_size")
+        for field in ("model.num_heads", "model.num_kv_heads", "model.intermediate_size"):
+            if operator.attrgetter(field)(self) % self.tp_size:
+                raise _broken(self, "{0} {0.value} must divide {1} ({1.value})", "tp_size", field)
 
     def kv_layout(self) -> KVLayout:
         """The KV pool of this TP rank: its share of the KV heads, every page."""

@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 from pdgrpc.argtypes import whole_number
-from pdgrpc.engine.config import MAX_CONTEXT, EngineConfig, ModelConfig
+from pdgrpc.engine.config import EngineConfig, ModelConfig
 from pdgrpc.engine.malloc import keep_freed_memory
 from pdgrpc.errors import ConfigError
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
@@ -150,37 +150,56 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1) -> EngineConfig:
-    """The :class:`EngineConfig` the engine flags describe (raises ConfigError naming a bad value)."""
-    model = ModelConfig(seed=ns.model_seed, **MODEL_SIZES[ns.model_size])
+    """The :class:`EngineConfig` the engine flags describe; ConfigError naming the flags
+    (with the values typed) for sizes the configuration refuses. An unset
+    ``--max-prompt-tokens`` stays under ``--max-seq-len`` (:func:`default_max_prompt_tokens`),
+    so a refusal names ``--max-prompt-tokens`` only where the user typed it."""
     max_seq_len = _D.max_seq_len if ns.max_seq_len is None else ns.max_seq_len
     max_prompt_tokens = default_max_prompt_tokens(max_seq_len) if ns.max_prompt_tokens is None else ns.max_prompt_tokens
-    _check_engine_flags(model, max_seq_len, max_prompt_tokens, prompt_flag_given=ns.max_prompt_tokens is not None, tp_size=tp_size)
-    return EngineConfig(
-        model=model,
-        page_size=ns.page_size,
-        num_pages=_D.num_pages if ns.num_pages is None else ns.num_pages,
-        kv_dtype=ns.kv_dtype,
-        max_seq_len=max_seq_len,
-        max_prompt_tokens=max_prompt_tokens,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        kv_huge_pages=getattr(ns, "kv_huge_pages", False),
-        device=getattr(ns, "device", "cpu"),
-    )
+    try:
+        model = ModelConfig(seed=ns.model_seed, **MODEL_SIZES[ns.model_size])
+    except ConfigError as exc:
+        raise ConfigError(exc.worded(_model_flag)) from None
+    try:
+        return EngineConfig(
+            model=model,
+            page_size=ns.page_size,
+            num_pages=_D.num_pages if ns.num_pages is None else ns.num_pages,
+            kv_dtype=ns.kv_dtype,
+            max_seq_len=max_seq_len,
+            max_prompt_tokens=max_prompt_tokens,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            kv_huge_pages=getattr(ns, "kv_huge_pages", False),
+            device=getattr(ns, "device", "cpu"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(exc.worded(_engine_flag)) from None
 
 
-def _check_engine_flags(model: ModelConfig, max_seq_len: int, max_prompt_tokens: int, *, prompt_flag_given: bool, tp_size: int) -> None:
-    """Raise ConfigError naming the flags for sizes the reference engine refuses: the user
-    typed flags, and :class:`EngineConfig`'s own checks name its fields instead."""
-    if max_prompt_tokens >= max_seq_len:
-        if not prompt_flag_given:
-            raise ConfigError(f"--max-seq-len {max_seq_len}: must be at least 2 (one prompt token and one generated token)")
-        raise ConfigError(f"--max-prompt-tokens ({max_prompt_tokens}) must be < --max-seq-len ({max_seq_len})")
-    if max_seq_len > MAX_CONTEXT:
-        raise ConfigError(f"--max-seq-len {max_seq_len}: the reference engine takes at most {MAX_CONTEXT} tokens")
-    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-        if getattr(model, field) % tp_size:
-            raise ConfigError(f"--tp-size {tp_size} must divide the model's {field} ({getattr(model, field)})")
+# The flag that sets each EngineConfig field: a refusal names what the user typed, not the field.
+_ENGINE_FLAGS = {
+    "page_size": "--page-size",
+    "num_pages": "--num-pages",
+    "kv_dtype": "--kv-dtype",
+    "max_seq_len": "--max-seq-len",
+    "max_prompt_tokens": "--max-prompt-tokens",
+    "tp_size": "--tp-size",
+    "kv_huge_pages": "--kv-huge-pages",
+    "device": "--device",
+}
+# ModelConfig's: --model-size sets the shape whole, so a shape field is named as the model's.
+_MODEL_FLAGS = {"seed": "--model-seed"}
+
+
+def _engine_flag(field: str) -> str:
+    if field.startswith("model."):
+        return _model_flag(field.removeprefix("model."))
+    return _ENGINE_FLAGS.get(field, field)  # tp_rank: the server's own, no flag
+
+
+def _model_flag(field: str) -> str:
+    return _MODEL_FLAGS.get(field, f"the model's {field}")
 
 
 def default_max_prompt_tokens(max_seq_len: int) -> int:
