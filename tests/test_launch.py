@@ -22,7 +22,7 @@ ENTRY_POINTS = [
     ("pdgrpc.colocated", "pdgrpc.colocated.__main__:main", True),
     ("pdgrpc.prefill", "pdgrpc.prefill.__main__:main", False),
     ("pdgrpc.prefill.worker_main", "pdgrpc.prefill.worker_main:main", False),
-    ("pdgrpc.decode", "pdgrpc.decode.__main__:cli", True),
+    ("pdgrpc.decode", "pdgrpc.decode.__main__:cli", False),
     ("pdgrpc.decode.follower", "pdgrpc.decode.follower:cli", True),
 ]
 
@@ -121,7 +121,7 @@ def test_ctrl_c_while_a_server_starts_is_one_line_and_exit_130(where: str) -> No
 # builds its engine, once its gRPC server listens, as a decode TP rank starts to join its
 # gloo group, or once a prefill controller started its worker.
 _STOP = """
-import importlib, importlib.abc, logging, os, signal, sys
+import importlib.abc, logging, os, signal, sys
 signum, where, module, argv = getattr(signal, sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 fired = []
 
@@ -160,13 +160,14 @@ if where == "join":
         return join(rank, size, init, timeout)
     TpGroup.join = joining
 if where == "engine":
+    # Before the role's server module imports build_engine, so that it imports this one.
     prepare_environment()
-    role = importlib.import_module(module)
-    build = role.build_engine
+    import pdgrpc.serving.engines as engines
+    build = engines.build_engine
     def building(*args, **kwargs):
         fire()
         return build(*args, **kwargs)
-    role.build_engine = building
+    engines.build_engine = building
 if where == "spawned":
     prepare_environment()
     from pdgrpc.prefill.controller import Controller
@@ -199,6 +200,8 @@ STOPS = [
     # Rank 0 kills rank 1 as it stops, so its own join can never complete.
     ("SIGTERM", "join", "pdgrpc.decode.server", [*_DECODE, "--tp-size", "2"]),
     ("SIGINT", "join", "pdgrpc.decode.server", [*_DECODE, "--tp-size", "2"]),
+    # Rank 1 started before rank 0 imports torch: rank 0 kills it, as no group will form.
+    ("SIGTERM", "import", "pdgrpc.decode.server", [*_DECODE, "--tp-size", "2"]),
     # Rank 1 is in the group: rank 0 kills it, as no "stop" command will reach it.
     ("SIGTERM", "engine", "pdgrpc.decode.server", [*_DECODE, "--tp-size", "2"]),
     # No rank 0 listens at --dist-init: the join would wait out --dist-timeout.

@@ -16,8 +16,10 @@
   the status an abort ends a request with.
 * :mod:`pdgrpc.decode.service` -- ``DecodeService`` (Decode stream, GetStats) over grpc.aio.
 * :mod:`pdgrpc.decode.cli` -- the flags (shared by every TP rank); :mod:`pdgrpc.decode.server`
-  -- the server as a process; :mod:`pdgrpc.decode.tp` and :mod:`pdgrpc.decode.follower_server`
-  -- tensor parallelism (rank 0 drives, the other ranks replay).
+  -- the role: the flags' checks and the start order, torch-free; :mod:`pdgrpc.decode.leader_server`
+  -- the server as a process (rank 0); :mod:`pdgrpc.decode.followers` -- starting the other TP
+  ranks; :mod:`pdgrpc.decode.tp` and :mod:`pdgrpc.decode.follower_server` -- tensor
+  parallelism (rank 0 drives, the other ranks replay).
 
 The package itself imports nothing: ``python -m pdgrpc.decode`` loads it before
 :func:`~pdgrpc.serving.launch.launch` has set the environment gRPC reads on import.

@@ -8,14 +8,13 @@ import argparse
 
 from pdgrpc.argtypes import port, positive_seconds, whole_number
 from pdgrpc.decode.job import SchedulerConfig
-from pdgrpc.decode.service import DEFAULT_MAX_DECODES_PER_CLIENT
 from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, share_arg
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
 from pdgrpc.serving.logs import add_logging_arguments
-from pdgrpc.rpc.open_calls import limit_arg
+from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
 from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.local import add_local_socket_argument
 from pdgrpc.rpc.security import add_security_arguments
@@ -57,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_arguments(p)
     g = p.add_argument_group("scheduling")
     g.add_argument(
-        "--tp-size", type=int, default=1, metavar="N",
+        "--tp-size", type=whole_number(1, "ranks"), default=1, metavar="N",
         help="tensor-parallel ranks (processes); must divide the model's heads and MLP width (default: %(default)s)",
     )
     g.add_argument(
@@ -70,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="metadata slots: at most this many transfers in flight; more requests wait for a slot (default: %(default)s)",
     )
     g.add_argument(
-        "--max-decodes-per-client", type=limit_arg, default=DEFAULT_MAX_DECODES_PER_CLIENT, metavar="N",
+        "--max-decodes-per-client", type=limit_arg, default=DEFAULT_PER_CLIENT, metavar="N",
         help="most Decode calls one client (its mTLS certificate's name, else its host) may have open at once; more are refused with RESOURCE_EXHAUSTED "
         "(a router is one client: keep it above the router's requests in flight) (default: %(default)s)",
     )

@@ -50,9 +50,6 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 __all__ = ["DecodeServer", "DecodeServicer", "SERVICE_NAME", "WireDecodeServicer", "start_decode_server"]
 
 
-DEFAULT_MAX_DECODES_PER_CLIENT = DEFAULT_PER_CLIENT
-
-
 class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     """``max_per_client``: most ``Decode`` calls one client (its mTLS identity, else its
     host: :func:`~pdgrpc.rpc.security.peer_identity`) may have open at
@@ -60,7 +57,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
     holds the whole pool (a handful of direct calls can pin every page)."""
 
     def __init__(
-        self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT,
+        self, scheduler: DecodeScheduler, max_per_client: int = DEFAULT_PER_CLIENT,
         max_share: float = DEFAULT_MAX_DECODE_SHARE,
     ) -> None:
         self.scheduler = scheduler
@@ -240,7 +237,7 @@ class DecodeServer:
 async def start_decode_server(
     scheduler: DecodeScheduler, host: str = "127.0.0.1", port: int = 0,
     extra: Callable[[DecodeServicer, Drain], ServiceSpec | None] | None = None,
-    max_per_client: int = DEFAULT_MAX_DECODES_PER_CLIENT, max_share: float = DEFAULT_MAX_DECODE_SHARE,
+    max_per_client: int = DEFAULT_PER_CLIENT, max_share: float = DEFAULT_MAX_DECODE_SHARE,
     gateway_listen: str | None = None, gateway_uids: Collection[int] = (),
 ) -> DecodeServer:
     """Start the scheduler and serve DecodeService (plus health and reflection, and
