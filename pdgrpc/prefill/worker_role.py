@@ -87,6 +87,9 @@ def compute_in(ns: argparse.Namespace) -> str:
 
 
 def serve(ns: argparse.Namespace) -> int:
+    # Read first: a controller that dies while this starts leaves this process to another
+    # parent, and the worker must still know whose exit it watches.
+    controller = os.getppid()
     child = spawn(f"prefill {worker_name(ns)}") if compute_in(ns) == "process" else None
     try:
         # Loads torch, as the child does at the same time.
@@ -95,7 +98,7 @@ def serve(ns: argparse.Namespace) -> int:
         if child is not None:
             child.discard()
         raise
-    return serve_worker(ns, child)
+    return serve_worker(ns, child, controller)
 
 
 ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"prefill.{worker_name(ns)}")

@@ -7,20 +7,22 @@ HandshakeService on its own grpc.aio server, and the controller's Prefill calls 
 socket its controller passed (``--link-fd``, :mod:`pdgrpc.prefill.link`), registers with
 bootstrap (transfer address = this server, transport endpoint = the transport
 descriptor), prints one line ``PDGRPC_WORKER_READY {json}`` to stdout for the controller,
-and serves until SIGTERM -- or until its controller is gone (a worker never outlives the
-process that started it).
+and serves until SIGTERM. It stops once its controller is gone, whether it serves or
+still starts: a worker never outlives the process that started it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import socket
 import sys
-from typing import Awaitable, TypeVar
+from typing import Any, Iterator
 
 import torch
 
@@ -44,8 +46,6 @@ from pdgrpc.serving.rendezvous import join_tp_group
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdgrpc.prefill.worker")
-
-T = TypeVar("T")
 
 _GRACE_S = 5.0  # on SIGTERM, how long requests in flight may still run
 
@@ -93,16 +93,32 @@ async def watch_parent(parent: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def _unless(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
-    """``aw``'s result, or None (``aw`` cancelled) if ``stop`` is set first."""
-    task = asyncio.ensure_future(aw)
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if not task.done():
-        task.cancel()
-        return None
-    return task.result()
+@contextlib.contextmanager
+def _cancelled_by(event: asyncio.Event) -> Iterator[None]:
+    """End the block once ``event`` is set: the running task is cancelled where it waits,
+    so the block unwinds as a SIGTERM at start-up unwinds it (pdgrpc.serving.launch),
+    each step releasing what it started, and the code after the block runs. A stop
+    already under way (a signal) is not cancelled again: its cleanup runs whole."""
+    task = asyncio.current_task()
+    assert task is not None
+    inside, cancelled = True, False
+
+    def cancel(waited: asyncio.Future[Any]) -> None:
+        nonlocal cancelled
+        if inside and not waited.cancelled() and task.cancelling() == 0:
+            cancelled = True
+            task.cancel()
+
+    waiter = asyncio.ensure_future(event.wait())
+    waiter.add_done_callback(cancel)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not cancelled or task.uncancel() > 0:  # stopped by a signal too: that stop goes on
+            raise
+    finally:
+        inside = False
+        waiter.cancel()
 
 
 async def _init_tp(ns: argparse.Namespace) -> Engine:
@@ -154,9 +170,9 @@ async def _serve_and_link(
 
 
 async def _register(
-    ns: argparse.Namespace, worker: PrefillWorker, server: RpcServer, transport: str, descriptor: bytes, orphaned: asyncio.Event,
+    ns: argparse.Namespace, worker: PrefillWorker, server: RpcServer, transport: str, descriptor: bytes,
 ) -> bootstrap_pb2.RegisterWorkerResponse | None:
-    """Register with bootstrap; None if that failed (logged) or the controller is gone."""
+    """Register with bootstrap; None if that failed (logged)."""
     client = BootstrapClient(ns.bootstrap)
     info = bootstrap_pb2.WorkerInfo(
         dp_rank=ns.dp_rank, tp_rank=ns.tp_rank, pp_rank=0,
@@ -164,24 +180,42 @@ async def _register(
         transport=transport, transport_endpoint=descriptor,
     )
     try:
-        return await _unless(client.register_worker(info, parallel_info(ns, worker)), orphaned)
+        return await client.register_worker(info, parallel_info(ns, worker))
     except Exception as exc:
         log.error("%s: registering with bootstrap %s failed: %s", worker_name(ns), ns.bootstrap, exc)
         return None
 
 
-async def _main(ns: argparse.Namespace, child: Child | None) -> int:
-    name = worker_name(ns)
-    compute: ComputeProcess | None = None
-    if child is not None:
+async def _engine(ns: argparse.Namespace, child: Child | None, started: contextlib.AsyncExitStack) -> tuple[Engine, ComputeProcess | None]:
+    """This rank's engine, and its compute process when it computes in ``child``."""
+    if child is None:
+        return await _init_tp(ns), None
+    try:
         config = engine_config_from_args(ns)
-        engine: Engine
-        compute = await ComputeProcess.start(
-            config, name=f"prefill {name}", nice=ns.compute_nice, malloc_keep_bytes=ns.malloc_keep_mib << 20, child=child
-        )
-        engine = ReferenceEngine(config, kv_pool=compute.kv)
-    else:
-        engine = await _init_tp(ns)
+    except BaseException:
+        child.discard()
+        raise
+    compute = await ComputeProcess.start(  # closes the child if it fails
+        config, name=f"prefill {worker_name(ns)}", nice=ns.compute_nice, malloc_keep_bytes=ns.malloc_keep_mib << 20, child=child
+    )
+    started.push_async_callback(compute.aclose)
+    return ReferenceEngine(config, kv_pool=compute.kv), compute
+
+
+@dataclasses.dataclass(frozen=True)
+class _Serving:
+    """A started worker, registered with bootstrap: what it serves until it stops."""
+
+    worker: PrefillWorker
+    server: RpcServer
+
+
+async def _start(ns: argparse.Namespace, child: Child | None, orphaned: asyncio.Event, started: contextlib.AsyncExitStack) -> _Serving | None:
+    """Start the worker: its engine, transport, servers, and registration with bootstrap.
+    Each thing started goes on ``started``, which releases it when the worker ends, or
+    when the start-up fails or is stopped. None: registration failed (logged)."""
+    name = worker_name(ns)
+    engine, compute = await _engine(ns, child, started)
     transport = create_transport(ns)
     metrics = PrefillMetrics(transport=transport.name)
     metrics.set_info(dp_rank=ns.dp_rank, dp_size=ns.dp_size)
@@ -205,42 +239,25 @@ async def _main(ns: argparse.Namespace, child: Child | None) -> int:
         compute=compute,
         cache_events=kv_events,
     )
-    descriptor = await worker.start()
+    try:
+        descriptor = await worker.start()
+    except BaseException:
+        await transport.close()
+        raise
+    # Closed after the server stopped: in-flight requests finished (or were cancelled by
+    # the server), so closing the transport interrupts nothing that could still succeed.
+    started.push_async_callback(worker.close)  # its transport and compute too
     # Live gauges: the worker's own allocator and transport, read at scrape time.
     metrics.bind(worker.live_stats)
-    try:
-        stop_metrics = start_metrics_from_args(ns, metrics.registry, f"prefill worker {name}")
-    except BaseException:
-        metrics.unbind()
-        await worker.close()
-        raise
-    # Watch the controller from the start: a worker must not outlive it, not even while
-    # it is still registering (bootstrap registration retries for a while).
-    orphaned = asyncio.Event()
-    watcher = asyncio.ensure_future(watch_parent(os.getppid(), orphaned))
-    server: RpcServer | None = None
-    link: WorkerLinkServer | None = None
-
-    async def release() -> None:
-        """Release what the start-up started, when it ends before the worker serves."""
-        watcher.cancel()
-        if link is not None:
-            await link.close()
-        if server is not None:
-            await server.stop(0)
-        metrics.unbind()
-        stop_metrics()
-        await worker.close()  # and its compute process
-
-    try:
-        server, link = await _serve_and_link(ns, worker, kv_events, metrics, orphaned)
-        reg = await _register(ns, worker, server, transport.name, descriptor, orphaned)
-    except BaseException:  # a stop (SIGTERM, Ctrl-C) while it starts, or a failure
-        await release()
-        raise
+    started.callback(metrics.unbind)
+    started.callback(start_metrics_from_args(ns, metrics.registry, f"prefill worker {name}"))
+    server, link = await _serve_and_link(ns, worker, kv_events, metrics, orphaned)
+    started.push_async_callback(server.stop, 0)
+    if link is not None:
+        started.push_async_callback(link.close)  # calls still running after the grace are cancelled
+    reg = await _register(ns, worker, server, transport.name, descriptor)
     if reg is None:
-        await release()
-        return 1
+        return None
     worker.generation = reg.generation
     log.info(
         "%s registered with bootstrap %s (generation %d, %d of %d workers); transport %s, %d KV pages, chunk %d",
@@ -248,6 +265,12 @@ async def _main(ns: argparse.Namespace, child: Child | None) -> int:
         transport.name, engine.num_pages, ns.chunk_size,
     )
     print(READY, json.dumps({"dp_rank": ns.dp_rank, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size, "address": server.address, "generation": reg.generation}), flush=True)
+    return _Serving(worker, server)
+
+
+async def _serve(ns: argparse.Namespace, serving: _Serving, orphaned: asyncio.Event) -> int:
+    """Serve until SIGTERM, the controller's exit or a broken compute; the exit status."""
+    worker, server = serving.worker, serving.server
     stop_on_orphan = asyncio.ensure_future(orphaned.wait())
     stop_on_orphan.add_done_callback(lambda f: None if f.cancelled() else asyncio.ensure_future(server.stop(1.0)))
     stop_on_broken = asyncio.ensure_future(worker.broken.wait())
@@ -255,29 +278,38 @@ async def _main(ns: argparse.Namespace, child: Child | None) -> int:
     try:
         await serve_until_signal(server, grace=_GRACE_S)
     finally:
-        if link is not None:
-            await link.close()  # calls still running after the grace are cancelled
-        watcher.cancel()
         stop_on_orphan.cancel()
         stop_on_broken.cancel()
-        # After the grace period: in-flight requests finished (or were cancelled by the
-        # server), so closing the transport interrupts nothing that could still succeed.
-        await worker.close()
-        metrics.unbind()
-        stop_metrics()
     if worker.broken.is_set():
-        log.error("%s: exiting: %s", name, worker.broken_reason)
+        log.error("%s: exiting: %s", worker_name(ns), worker.broken_reason)
         return 1
     return 0
 
 
-def serve(ns: argparse.Namespace, child: Child | None) -> int:
+async def _main(ns: argparse.Namespace, child: Child | None, controller: int) -> int:
+    # A worker never outlives its controller, not even while it starts: the watch runs
+    # first, and the controller's exit ends a start-up step that can wait long (a TP
+    # group's join, the compute process's start, registration) as a SIGTERM would.
+    orphaned = asyncio.Event()
+    async with contextlib.AsyncExitStack() as started:
+        watcher = asyncio.ensure_future(watch_parent(controller, orphaned))
+        started.callback(watcher.cancel)
+        serving: _Serving | None = None
+        with _cancelled_by(orphaned):
+            serving = await _start(ns, child, orphaned, started)
+        if serving is None:  # the controller is gone (logged), or registration failed (logged)
+            return 1
+        return await _serve(ns, serving, orphaned)
+
+
+def serve(ns: argparse.Namespace, child: Child | None, controller: int) -> int:
     """Run the worker of flags ``ns``; ``child``: its compute process, started already
-    (:func:`pdgrpc.prefill.worker_role.serve`), or None to compute on a thread."""
+    (:func:`pdgrpc.prefill.worker_role.serve`), or None to compute on a thread;
+    ``controller``: the pid of the process that started it, which it does not outlive."""
     tune_malloc_from_args(ns)
     torch.set_num_threads(ns.compute_threads)
     try:
-        return run(_main(ns, child))
+        return run(_main(ns, child, controller))
     except PdgrpcError as exc:  # a flag value that fails here first (a --transport-host it cannot listen on): one line
         log.error("%s: %s", worker_name(ns), exc)
         return 1

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,30 @@ def child_pids(pid: int) -> list[int]:
         except OSError:
             pass  # a process that ended meanwhile
     return kids
+
+
+def session_pids(sid: int) -> list[int]:
+    """The running processes of session ``sid`` (read from /proc; Linux)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue  # a process that ended meanwhile
+        if int(session) == sid and state != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def accepts(init: str) -> bool:
+    """Whether something accepts connections at ``init`` (``tcp://HOST:PORT``): rank 0 of
+    a TP group hosts the group's store there once it is inside its join."""
+    host, port = init.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 class Proc:

@@ -17,7 +17,7 @@ import pytest
 
 from pdgrpc.serving.rendezvous import dist_init_method
 from tests.eventually import eventually
-from tests.prefill.procs import ENGINE_FLAGS, STARTUP_S, Proc
+from tests.prefill.procs import ENGINE_FLAGS, STARTUP_S, Proc, accepts, session_pids
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the processes of a session from /proc")
 
@@ -43,28 +43,11 @@ def _host_port(init: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _in_session(sid: int) -> list[int]:
-    """The running processes of session ``sid``."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
-        except (OSError, ValueError):
-            continue  # a process that ended meanwhile
-        if int(session) == sid and state != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
 def _rank_0_listens(worker: Proc, init: str) -> bool:
     """Rank 0 hosts the group's store: once it accepts, the rank is inside the join."""
     if worker.proc.poll() is not None:
         raise AssertionError(f"the worker exited before it joined (status {worker.proc.returncode}):\n{worker.tail()}")
-    try:
-        socket.create_connection(_host_port(init), timeout=1).close()
-    except OSError:
-        return False
-    return True
+    return accepts(init)
 
 
 @contextlib.contextmanager
@@ -111,5 +94,5 @@ def test_a_tp_worker_stops_while_it_joins_its_group(tmp_path: Path, tp_rank: int
         log = worker.log()
         assert line in log, log[-3000:]
         assert "Traceback" not in log, log[-3000:]
-        left = _in_session(worker.pid)  # killed on the way out, with the session's group
+        left = session_pids(worker.pid)  # killed on the way out, with the session's group
         assert not left, f"the worker left {left} running"
