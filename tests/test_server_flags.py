@@ -8,6 +8,7 @@ import argparse
 import importlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -184,6 +185,56 @@ def test_an_engine_size_refusal_from_the_command_line_exits_2_naming_the_flags(a
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"error: {message}" in out.stderr and "usage:" in out.stderr
     assert "Traceback" not in out.stderr and "EngineConfig" not in out.stderr
+
+
+# The checkpoint engine (--model) names the flags too. The tiny checkpoint has 4 query heads,
+# 2 KV heads and max_position_embeddings 4096; "{config}" stands for its config.json.
+CHECKPOINT_SIZES = [
+    (["--max-prompt-tokens", "5000"], "--max-prompt-tokens (5000) must be < --max-seq-len (4096)"),
+    (["--max-seq-len", "8", "--max-prompt-tokens", "8"], "--max-prompt-tokens (8) must be < --max-seq-len (8)"),
+    (["--max-seq-len", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
+    (["--max-seq-len", "8192"], "--max-seq-len 8192 exceeds {config} max_position_embeddings = 4096"),
+]
+CHECKPOINT_TP_SIZES = [(["--tp-size", "3"], "--tp-size 3 must divide {config} num_heads (4)")]
+
+
+def _checkpoint_refusal(module: str, checkpoint: object, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    from pdgrpc.serving.launch import launch
+
+    transport = [] if module == "pdgrpc.colocated.server" else ["--transport", "fake"]
+    return usage_error(lambda: launch(module, [*transport, "--model", str(checkpoint), *argv]), capsys)
+
+
+@pytest.mark.parametrize("module", ENGINE_LAUNCHES, ids=[m.split(".")[1] for m in ENGINE_LAUNCHES])
+@pytest.mark.parametrize("argv, message", CHECKPOINT_SIZES, ids=[" ".join(a) for a, _ in CHECKPOINT_SIZES])
+def test_checkpoint_engine_sizes_that_disagree_name_the_flags(
+    module: str, argv: list[str], message: str, hf_checkpoint: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not the checkpoint engine's fields (HFEngineConfig.max_seq_len): the flags the user typed.
+    checkpoint = hf_checkpoint("qwen2")
+    err = _checkpoint_refusal(module, checkpoint, argv, capsys)
+    assert f"error: {message.format(config=checkpoint / 'config.json')}" in err and "HFEngineConfig" not in err
+
+
+@pytest.mark.parametrize("module", ["pdgrpc.prefill.controller_main", "pdgrpc.decode.server"], ids=["prefill", "decode"])
+@pytest.mark.parametrize("argv, message", CHECKPOINT_TP_SIZES, ids=[" ".join(a) for a, _ in CHECKPOINT_TP_SIZES])
+def test_a_tp_size_that_does_not_divide_the_checkpoints_heads_names_the_flag(
+    module: str, argv: list[str], message: str, hf_checkpoint: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = hf_checkpoint("qwen2")
+    err = _checkpoint_refusal(module, checkpoint, argv, capsys)
+    assert f"error: {message.format(config=checkpoint / 'config.json')}" in err and "HFEngineConfig" not in err
+
+
+def test_a_checkpoint_engine_size_refusal_from_the_command_line_exits_2_naming_the_flags(hf_checkpoint: Any) -> None:
+    # The real entry point, as a user runs it: usage, the message, no traceback.
+    checkpoint = hf_checkpoint("qwen2")
+    argv, message = CHECKPOINT_TP_SIZES[0]
+    cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", "--model", str(checkpoint), *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"error: {message.format(config=checkpoint / 'config.json')}" in out.stderr and "usage:" in out.stderr
+    assert "Traceback" not in out.stderr and "HFEngineConfig" not in out.stderr
 
 
 @pytest.mark.parametrize("module", ["pdgrpc.prefill.controller_main", "pdgrpc.decode.server"], ids=["prefill", "decode"])

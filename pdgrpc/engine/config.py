@@ -1,5 +1,7 @@
 """The engine's configuration, torch-free: :class:`ModelConfig` (the reference model's
-shape and seed) and :class:`EngineConfig` (pool, limits, placement).
+shape and seed) and :class:`EngineConfig` (pool, limits, placement). The rules on the sizes
+every engine's configuration has (:func:`check_sizes`, :func:`check_tp_divides`) are here
+once, for the checkpoint engine's configuration too.
 
 Torch-free: servers that run no engine (the prefill controller) parse and check the engine
 flags with these classes, and start sooner without torch. The engine modules import these;
@@ -10,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Protocol
 
 from pdgrpc.engine.layout import KVLayout, check_kv_dtype
 from pdgrpc.engine.tokenizer import VOCAB_SIZE
 from pdgrpc.errors import ConfigError
 
 __all__ = [
-    "MAX_CONTEXT", "MAX_HEAD_DIM", "MAX_REDUCTION", "EngineConfig", "ModelConfig", "device_type",
+    "MAX_CONTEXT", "MAX_HEAD_DIM", "MAX_REDUCTION", "EngineConfig", "ModelConfig", "ModelShape", "Sizes", "check_sizes",
+    "check_tp_divides", "device_type",
 ]
 
 # The largest sizes whose sums stay exact in the reference model's fixed-point arithmetic
@@ -41,6 +45,64 @@ def _broken(config: object, template: str, *fields: str, **terms: object) -> Con
     a rule (:meth:`ConfigError.broken_rule`), each named ``ClassName.path``."""
     values = {field: operator.attrgetter(field)(config) for field in fields}
     return ConfigError.broken_rule(type(config).__name__, template, values, **terms)
+
+
+class Sizes(Protocol):
+    """The sizes every engine's configuration has: :class:`EngineConfig`'s and the
+    checkpoint engine's (:class:`~pdgrpc.engine.hf.engine.HFEngineConfig`)."""
+
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def max_prompt_tokens(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+
+
+class ModelShape(Protocol):
+    """The widths a TP rank takes a share of: :class:`ModelConfig`'s and a checkpoint's."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+
+
+def check_sizes(config: Sizes) -> None:
+    """Raise :meth:`ConfigError.broken_rule`, naming ``config``'s fields, unless its sizes
+    are positive, leave room for a prompt and a generated token, and place its TP rank."""
+    for field in ("page_size", "num_pages", "max_seq_len", "max_prompt_tokens", "tp_size"):
+        v = getattr(config, field)
+        if not isinstance(v, int) or v <= 0:
+            raise _broken(config, "{0} must be a positive int, got {0.value!r}", field)
+    # Before the prompt limit's rule: a length under 2 leaves room for no prompt at
+    # all, so the refusal is about the length alone, whatever the limit is.
+    if config.max_seq_len < 2:
+        raise _broken(config, "{0} {0.value}: must be at least 2 (one prompt token and one generated token)", "max_seq_len")
+    if config.max_prompt_tokens >= config.max_seq_len:
+        raise _broken(config, "{0} ({0.value}) must be < {1} ({1.value})", "max_prompt_tokens", "max_seq_len")
+    if not 0 <= config.tp_rank < config.tp_size:
+        raise _broken(config, "{0} must be in [0, {1}={1.value}), got {0.value}", "tp_rank", "tp_size")
+
+
+def check_tp_divides(owner: str, tp_size: int, model: ModelShape) -> None:
+    """Raise :meth:`ConfigError.broken_rule` unless ``tp_size`` divides ``model``'s query
+    heads, KV heads and MLP width: every TP rank holds an equal share of each. The error
+    names the fields of ``owner``, the configuration of a model: ``tp_size`` and
+    ``model.<field>``."""
+    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+        width = getattr(model, field)
+        if width % tp_size:
+            fields = {"tp_size": tp_size, f"model.{field}": width}
+            raise ConfigError.broken_rule(owner, "{0} {0.value} must divide {1} ({1.value})", fields)
 
 
 _MODEL_FAMILY = "pdgrpc-reference-v1"  # bump when the forward computation changes
@@ -118,26 +180,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
             raise _broken(self, "{0} must be an int >= 0, got {0.value!r}", "intra_op_threads")
-        for field in ("page_size", "num_pages", "max_seq_len", "max_prompt_tokens", "tp_size"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or v <= 0:
-                raise _broken(self, "{0} must be a positive int, got {0.value!r}", field)
+        check_sizes(self)
         check_kv_dtype(self.kv_dtype)
         if device_type(self.device) != "cpu" and self.kv_huge_pages:
             raise _broken(self, "{0} applies to a host KV pool; it cannot be combined with {1} {1.value}", "kv_huge_pages", "device")
-        # Before the prompt limit's rule: a length under 2 leaves room for no prompt at
-        # all, so the refusal is about the length alone, whatever the limit is.
-        if self.max_seq_len < 2:
-            raise _broken(self, "{0} {0.value}: must be at least 2 (one prompt token and one generated token)", "max_seq_len")
-        if self.max_prompt_tokens >= self.max_seq_len:
-            raise _broken(self, "{0} ({0.value}) must be < {1} ({1.value})", "max_prompt_tokens", "max_seq_len")
         if self.max_seq_len > MAX_CONTEXT:
             raise _broken(self, "{0} {0.value}: the reference engine takes at most {most} tokens", "max_seq_len", most=MAX_CONTEXT)
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise _broken(self, "{0} must be in [0, {1}={1.value}), got {0.value}", "tp_rank", "tp_size")
-        for field in ("model.num_heads", "model.num_kv_heads", "model.intermediate_size"):
-            if operator.attrgetter(field)(self) % self.tp_size:
-                raise _broken(self, "{0} {0.value} must divide {1} ({1.value})", "tp_size", field)
+        check_tp_divides(type(self).__name__, self.tp_size, self.model)
 
     def kv_layout(self) -> KVLayout:
         """The KV pool of this TP rank: its share of the KV heads, every page."""

@@ -14,12 +14,13 @@ activations and KV pool); the reference-engine flags (``--model-size``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 from pdgrpc.engine.malloc import release_freed_memory
 from pdgrpc.errors import ConfigError
-from pdgrpc.serving.flags import engine_config_from_args
+from pdgrpc.serving.flags import engine_config_from_args, fields_named, flag_names
 
 if TYPE_CHECKING:
     from pdgrpc.engine.base import Engine, Tokenizer
@@ -64,7 +65,8 @@ def apply_engine_defaults(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
         cfg = engine_config_from_args(ns, tp_size=tp_size)
         ns.max_seq_len, ns.max_prompt_tokens, ns.num_pages = cfg.max_seq_len, cfg.max_prompt_tokens, cfg.num_pages
         return
-    s = _sizing(ns, tp_size)
+    with _checkpoint_fields_named(ns):
+        s = _sizing(ns, tp_size)
     ns.max_seq_len, ns.max_prompt_tokens, ns.num_pages = s.max_seq_len, s.max_prompt_tokens, s.num_pages
 
 
@@ -86,14 +88,38 @@ def engine_limits_argv(ns: argparse.Namespace) -> list[str]:
 
 
 def hf_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, threads: int = 1) -> "HFEngineConfig":
+    """The :class:`HFEngineConfig` the flags describe, its unset sizes filled
+    (:func:`apply_engine_defaults`); ConfigError naming the flags for sizes it refuses."""
     from pdgrpc.engine.hf.engine import HFEngineConfig
 
     apply_engine_defaults(ns, tp_size=tp_size)
-    return HFEngineConfig(
-        model=ns.model, dtype=ns.dtype, device=ns.device, page_size=ns.page_size, num_pages=ns.num_pages,
-        max_seq_len=ns.max_seq_len, max_prompt_tokens=ns.max_prompt_tokens, tp_rank=tp_rank, tp_size=tp_size,
-        threads=threads,
-    )
+    with _checkpoint_fields_named(ns):
+        return HFEngineConfig(
+            model=ns.model, dtype=ns.dtype, device=ns.device, page_size=ns.page_size, num_pages=ns.num_pages,
+            max_seq_len=ns.max_seq_len, max_prompt_tokens=ns.max_prompt_tokens, tp_rank=tp_rank, tp_size=tp_size,
+            threads=threads,
+        )
+
+
+# The flag that sets each HFEngineConfig field: a refusal names what the user typed, not the field.
+_CHECKPOINT_FLAGS = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "device": "--device",
+    "page_size": "--page-size",
+    "num_pages": "--num-pages",
+    "max_seq_len": "--max-seq-len",
+    "max_prompt_tokens": "--max-prompt-tokens",
+    "tp_size": "--tp-size",
+}
+
+
+def _checkpoint_fields_named(ns: argparse.Namespace) -> contextlib.AbstractContextManager[None]:
+    """Refusals of the checkpoint engine's configuration worded with the flags; a field of
+    the checkpoint itself (``model.<name>``) is named after the file it comes from."""
+    from pdgrpc.engine.hf.config import config_file
+
+    return fields_named(flag_names(_CHECKPOINT_FLAGS, lambda field: f"{config_file(ns.model)} {field}"))
 
 
 def check_engine_args(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
@@ -104,7 +130,9 @@ def check_engine_args(ns: argparse.Namespace, *, tp_size: int = 1) -> None:
     if uses_checkpoint(ns):
         from pdgrpc.engine.hf.engine import check_checkpoint
 
-        check_checkpoint(hf_config_from_args(ns, tp_size=tp_size))
+        config = hf_config_from_args(ns, tp_size=tp_size)
+        with _checkpoint_fields_named(ns):
+            check_checkpoint(config)
         sizing = _sizing(ns, tp_size)
         kv_bytes, weights_bytes = sizing.kv_bytes, sizing.weights_bytes
     else:
@@ -138,7 +166,9 @@ def build_engine(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1, 
 
         try:
             threads = int(getattr(ns, "compute_threads", 1))  # at least 1: the flag's type
-            engine: Engine = HFEngine(hf_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size, threads=threads), all_reduce)
+            config = hf_config_from_args(ns, tp_rank=tp_rank, tp_size=tp_size, threads=threads)
+            with _checkpoint_fields_named(ns):
+                engine: Engine = HFEngine(config, all_reduce)
         except ImportError as exc:
             raise ConfigError(f"--model needs pdgrpc[hf] (safetensors, tokenizers): {exc}") from None
         release_freed_memory()  # the plain weights, freed once repacked for their kernels

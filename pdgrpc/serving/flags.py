@@ -20,8 +20,10 @@ accepts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pdgrpc.argtypes import whole_number
@@ -40,6 +42,8 @@ __all__ = [
     "create_transport",
     "default_max_prompt_tokens",
     "engine_config_from_args",
+    "fields_named",
+    "flag_names",
     "transport_options_from_args",
     "tune_malloc_from_args",
 ]
@@ -156,11 +160,9 @@ def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size
     so a refusal names ``--max-prompt-tokens`` only where the user typed it."""
     max_seq_len = _D.max_seq_len if ns.max_seq_len is None else ns.max_seq_len
     max_prompt_tokens = default_max_prompt_tokens(max_seq_len) if ns.max_prompt_tokens is None else ns.max_prompt_tokens
-    try:
+    with fields_named(_model_flag):
         model = ModelConfig(seed=ns.model_seed, **MODEL_SIZES[ns.model_size])
-    except ConfigError as exc:
-        raise ConfigError(exc.worded(_model_flag)) from None
-    try:
+    with fields_named(flag_names(_ENGINE_FLAGS, _model_flag)):
         return EngineConfig(
             model=model,
             page_size=ns.page_size,
@@ -173,8 +175,6 @@ def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size
             kv_huge_pages=getattr(ns, "kv_huge_pages", False),
             device=getattr(ns, "device", "cpu"),
         )
-    except ConfigError as exc:
-        raise ConfigError(exc.worded(_engine_flag)) from None
 
 
 # The flag that sets each EngineConfig field: a refusal names what the user typed, not the field.
@@ -192,14 +192,34 @@ _ENGINE_FLAGS = {
 _MODEL_FLAGS = {"seed": "--model-seed"}
 
 
-def _engine_flag(field: str) -> str:
-    if field.startswith("model."):
-        return _model_flag(field.removeprefix("model."))
-    return _ENGINE_FLAGS.get(field, field)  # tp_rank: the server's own, no flag
-
-
 def _model_flag(field: str) -> str:
     return _MODEL_FLAGS.get(field, f"the model's {field}")
+
+
+def flag_names(flags: Mapping[str, str], model: Callable[[str], str]) -> Callable[[str], str]:
+    """How a refusal names an engine configuration's field to a user of the flags: by the
+    flag in ``flags`` that sets it, a field of the model it runs (``model.<name>``) as
+    ``model(name)``, and a field no flag sets (tp_rank: the server's own) by its name."""
+
+    def name(field: str) -> str:
+        if field.startswith("model."):
+            return model(field.removeprefix("model."))
+        return flags.get(field, field)
+
+    return name
+
+
+@contextlib.contextmanager
+def fields_named(name: Callable[[str], str]) -> Iterator[None]:
+    """Within: a configuration's refusal (a ConfigError with ``fields``) is raised again
+    with each field called ``name(field)``, the flag the user typed rather than the field;
+    any other error passes as it is."""
+    try:
+        yield
+    except ConfigError as exc:
+        if not exc.fields:
+            raise
+        raise ConfigError(exc.worded(name)) from None
 
 
 def default_max_prompt_tokens(max_seq_len: int) -> int:

@@ -11,7 +11,10 @@ from pdgrpc.errors import ConfigError
 TINY = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256)
 
 # (the config's keyword arguments, the fields the error names with their values, its message)
-ENGINE_RULES: list[tuple[dict[str, object], dict[str, object], str]] = [
+Rule = tuple[dict[str, object], dict[str, object], str]
+
+# The sizes both engines' configurations have, refused alike (check_sizes).
+SIZE_RULES: list[Rule] = [
     (
         dict(max_prompt_tokens=4096, max_seq_len=4096),
         {"max_prompt_tokens": 4096, "max_seq_len": 4096},
@@ -23,6 +26,14 @@ ENGINE_RULES: list[tuple[dict[str, object], dict[str, object], str]] = [
         "EngineConfig.max_seq_len 1: must be at least 2 (one prompt token and one generated token)",
     ),
     (
+        dict(tp_size=2, tp_rank=2),
+        {"tp_rank": 2, "tp_size": 2},
+        "EngineConfig.tp_rank must be in [0, EngineConfig.tp_size=2), got 2",
+    ),
+    (dict(num_pages=0), {"num_pages": 0}, "EngineConfig.num_pages must be a positive int, got 0"),
+]
+ENGINE_RULES: list[Rule] = SIZE_RULES + [
+    (
         dict(max_prompt_tokens=10, max_seq_len=MAX_CONTEXT + 1),
         {"max_seq_len": MAX_CONTEXT + 1},
         f"EngineConfig.max_seq_len {MAX_CONTEXT + 1}: the reference engine takes at most {MAX_CONTEXT} tokens",
@@ -32,12 +43,6 @@ ENGINE_RULES: list[tuple[dict[str, object], dict[str, object], str]] = [
         {"tp_size": 4, "model.num_kv_heads": 2},
         "EngineConfig.tp_size 4 must divide EngineConfig.model.num_kv_heads (2)",
     ),
-    (
-        dict(tp_size=2, tp_rank=2),
-        {"tp_rank": 2, "tp_size": 2},
-        "EngineConfig.tp_rank must be in [0, EngineConfig.tp_size=2), got 2",
-    ),
-    (dict(num_pages=0), {"num_pages": 0}, "EngineConfig.num_pages must be a positive int, got 0"),
     (dict(intra_op_threads=-1), {"intra_op_threads": -1}, "EngineConfig.intra_op_threads must be an int >= 0, got -1"),
 ]
 
@@ -50,6 +55,18 @@ def test_an_engine_config_refusal_names_its_fields_and_their_values(
         EngineConfig(**kwargs)  # type: ignore[arg-type]
     assert err.value.fields == fields
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("kwargs, fields, message", SIZE_RULES, ids=[m.split(" ")[0] for _, _, m in SIZE_RULES])
+def test_the_checkpoint_engines_config_refuses_the_same_sizes_alike(
+    kwargs: dict[str, object], fields: dict[str, object], message: str
+) -> None:
+    from pdgrpc.engine.hf.engine import HFEngineConfig
+
+    with pytest.raises(ConfigError) as err:
+        HFEngineConfig("checkpoint", **kwargs)  # type: ignore[arg-type]
+    assert err.value.fields == fields
+    assert str(err.value) == message.replace("EngineConfig.", "HFEngineConfig.")
 
 
 def test_a_model_config_refusal_names_its_fields_and_their_values() -> None:

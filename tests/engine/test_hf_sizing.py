@@ -52,3 +52,11 @@ def test_given_values_are_kept():
     s = checkpoint_sizing(SMOLLM2, dtype_bytes=4, page_size=16, available=1 * GB,
                           max_seq_len=4096, max_prompt_tokens=100, num_pages=7)
     assert (s.max_seq_len, s.max_prompt_tokens, s.num_pages) == (4096, 100, 7)
+
+
+def test_a_tp_size_that_does_not_divide_the_kv_heads_is_refused_naming_the_fields():
+    # 4 ranks share neither the 9 query heads nor the 3 KV heads evenly (a rank would hold no KV head).
+    with pytest.raises(ConfigError) as err:
+        checkpoint_sizing(SMOLLM2, dtype_bytes=4, page_size=16, tp_size=4, available=64 * GB)
+    assert err.value.fields == {"tp_size": 4, "model.num_heads": 9}
+

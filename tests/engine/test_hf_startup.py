@@ -77,6 +77,14 @@ def test_bad_checkpoints_are_refused_naming_the_file_or_field(hf_checkpoint, tmp
         assert ei.value.code == 2 and message in capsys.readouterr().err, what
 
 
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused_naming_the_fields(hf_checkpoint):
+    # Fields, not flags: the serving layer names the flags (tests/test_server_flags.py).
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint(HFEngineConfig(str(hf_checkpoint("qwen2")), tp_size=3))
+    assert err.value.fields == {"tp_size": 3, "model.num_heads": 4}
+    assert str(err.value) == "HFEngineConfig.tp_size 3 must divide HFEngineConfig.model.num_heads (4)"
+
+
 def test_decode_process_exits_nonzero_on_an_unsupported_architecture(hf_checkpoint, tmp_path):
     d = _copy(hf_checkpoint("llama"), tmp_path / "arch")
     _edit_config(d, architectures=["FalconForCausalLM"])

@@ -23,7 +23,7 @@ from typing import Any
 from pdgrpc.engine.hf.gguf import is_gguf, read_metadata
 from pdgrpc.errors import ConfigError
 
-__all__ = ["ARCHITECTURES", "HFConfig", "RopeScaling", "load_config", "read_json"]
+__all__ = ["ARCHITECTURES", "HFConfig", "RopeScaling", "config_file", "load_config", "read_json"]
 
 # Supported architectures -> (q/k/v bias, per-head q/k RMSNorm).
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -97,14 +97,13 @@ class HFConfig:
     @property
     def config_file(self) -> Path:
         """Where the hyperparameters come from, for error messages: config.json or the GGUF file."""
-        return self.path if is_gguf(self.path) else self.path / "config.json"
+        return config_file(self.path)
 
-    def check_tp(self, tp_size: int) -> None:
-        for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(self, field) % tp_size:
-                raise ConfigError(
-                    f"{self.config_file}: --tp-size {tp_size} must divide {field} = {getattr(self, field)}"
-                )
+
+def config_file(model: str | Path) -> Path:
+    """The file a checkpoint's hyperparameters come from: its ``config.json``, or the GGUF file itself."""
+    path = Path(model)
+    return path if is_gguf(path) else path / "config.json"
 
 
 def _int(cfg: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:

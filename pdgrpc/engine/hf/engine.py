@@ -24,6 +24,7 @@ import torch
 
 from pdgrpc.engine.base import DecodeRequest, Engine, InvalidRequest, KVBuffers, PrefillRequest, SampledToken
 from pdgrpc.device import ChunkReady, chunk_ready_on, resolve_device
+from pdgrpc.engine.config import check_sizes, check_tp_divides
 from pdgrpc.engine.hf.config import HFConfig, load_config
 from pdgrpc.engine.hf.model import AllReduce, Batch, HFModel
 from pdgrpc.engine.hf.tokenizer import HFTokenizer
@@ -56,31 +57,24 @@ class HFEngineConfig:
 
     def __post_init__(self) -> None:
         kv_dtype_from_name(self.dtype)
-        for field in ("page_size", "num_pages", "max_seq_len", "max_prompt_tokens", "tp_size"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"--{field.replace('_', '-')} must be a positive int, got {v!r}")
-        if self.max_prompt_tokens >= self.max_seq_len:
-            raise ConfigError(f"--max-prompt-tokens ({self.max_prompt_tokens}) must be < --max-seq-len ({self.max_seq_len})")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        check_sizes(self)  # every engine configuration's rules on its sizes, as EngineConfig's
         resolve_device(self.device)
 
 
 def check_checkpoint(config: HFEngineConfig) -> HFConfig:
     """Everything start-up refuses, without loading the weights: config, tokenizer, the
-    weights' names and shapes, TP divisibility, context length."""
+    weights' names and shapes, TP divisibility, context length. A rule between ``config``
+    and the checkpoint is raised as :meth:`ConfigError.broken_rule` of HFEngineConfig's,
+    calling the checkpoint's own fields ``model.<field>``."""
     from pdgrpc.engine.hf.weights import check_weights
 
     c = load_config(config.model)
-    c.check_tp(config.tp_size)
+    check_tp_divides(type(config).__name__, config.tp_size, c)
     HFTokenizer(c)
     check_weights(c)
     if config.max_seq_len > c.max_position_embeddings:
-        raise ConfigError(
-            f"--max-seq-len {config.max_seq_len} exceeds {c.config_file} max_position_embeddings = "
-            f"{c.max_position_embeddings}"
-        )
+        fields = {"max_seq_len": config.max_seq_len, "model.max_position_embeddings": c.max_position_embeddings}
+        raise ConfigError.broken_rule(type(config).__name__, "{0} {0.value} exceeds {1} = {1.value}", fields)
     return c
 
 

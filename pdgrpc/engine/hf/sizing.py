@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from pdgrpc.engine.config import check_tp_divides
 from pdgrpc.engine.hf.config import HFConfig
 from pdgrpc.errors import ConfigError
 
@@ -97,11 +98,15 @@ def checkpoint_sizing(
     num_pages: int | None = None,
     available: int | None = None,
 ) -> Sizing:
-    """The sizes for ``c``: the given ones kept, the others derived (see the module doc)."""
+    """The sizes for ``c``: the given ones kept, the others derived (see the module doc).
+    A ``tp_size`` that does not divide ``c``'s heads and MLP width is refused as the rule of
+    :class:`~pdgrpc.engine.hf.engine.HFEngineConfig`, the configuration these sizes are for."""
     if page_size <= 0:
         raise ConfigError(f"--page-size must be a positive int, got {page_size}")
-    per_token = 2 * c.num_layers * (c.num_kv_heads // max(1, tp_size)) * c.head_dim * dtype_bytes
-    weights = weight_bytes(c, dtype_bytes, max(1, tp_size))
+    tp = max(1, tp_size)
+    check_tp_divides("HFEngineConfig", tp, c)  # a rank's share of the KV heads sizes its pool
+    per_token = 2 * c.num_layers * (c.num_kv_heads // tp) * c.head_dim * dtype_bytes
+    weights = weight_bytes(c, dtype_bytes, tp)
     budget = None if available is None else int(KV_MEMORY_FRACTION * max(0, available - weights))
     capped = False
     if max_seq_len is None:
@@ -116,7 +121,8 @@ def checkpoint_sizing(
                 )
             max_seq_len, capped = fits, True
     if max_prompt_tokens is None:
-        max_prompt_tokens = min(DEFAULT_MAX_PROMPT_TOKENS, max_seq_len - 1)
+        # At least 1: a max_seq_len under 2 is refused for itself (check_sizes), not as a prompt limit of 0.
+        max_prompt_tokens = max(1, min(DEFAULT_MAX_PROMPT_TOKENS, max_seq_len - 1))
     if num_pages is None:
         one = math.ceil(max_seq_len / page_size)
         num_pages = 2 * one

@@ -263,8 +263,8 @@ class _GGUFReader:
 def load_weights(c: HFConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> ModelWeights:
     """This rank's weights: query/KV heads and MLP columns ``[r * n / tp, (r + 1) * n / tp)``.
     The layers are read as :attr:`ModelWeights.layers` is iterated; the files close after
-    the last one."""
-    c.check_tp(tp_size)
+    the last one. ``tp_size`` divides the heads and the MLP width (checked by
+    :func:`~pdgrpc.engine.hf.engine.check_checkpoint`)."""
     files = contextlib.ExitStack()
     r: _Reader | _GGUFReader
     if is_gguf(c.path):
