@@ -81,14 +81,13 @@ class BootstrapClient:
         retry_for: float = DEFAULT_RETRY_FOR_S,
         backoff: Backoff = Backoff(),
         pool: ChannelPool | None = None,
-        rng: random.Random | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self.retry_for = retry_for
         self.backoff = backoff
         self._pool = pool
-        self._rng = rng or random.Random()
+        self._rng = random.Random()
         self._stub: pb_grpc.BootstrapServiceStub | None = None
         self._channel: grpc.aio.Channel | None = None
         self.retries = 0  # registration attempts that failed with UNAVAILABLE and were retried
@@ -170,12 +169,10 @@ class BootstrapClient:
         """:meth:`get_parallel_info`, retried with backoff while workers are missing."""
         return await self._retrying("GetParallelInfo", lambda t: self.stub.GetParallelInfo(pb.GetParallelInfoRequest(), timeout=t), None, wait_for)
 
-    async def get_workers_response(
-        self, dp_rank: int, tp_ranks: Iterable[int] = (), *, timeout: float | None = None
-    ) -> pb.GetWorkersResponse:
-        """The workers of prefill ``dp_rank`` (all tp ranks, or ``tp_ranks``), with the
-        bootstrap's ``instance_id``."""
-        request = pb.GetWorkersRequest(dp_rank=dp_rank, tp_ranks=list(tp_ranks))
+    async def get_workers_response(self, dp_rank: int, *, timeout: float | None = None) -> pb.GetWorkersResponse:
+        """The workers of prefill ``dp_rank`` (every tp rank), with the bootstrap's
+        ``instance_id``."""
+        request = pb.GetWorkersRequest(dp_rank=dp_rank)
         return await self._call("GetWorkers", self.stub.GetWorkers(request, timeout=self._t(timeout)))
 
     # --------------------------------------------------------------- room failures

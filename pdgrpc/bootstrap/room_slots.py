@@ -37,7 +37,6 @@ class RoomSlots:
 
     def __init__(self, max_rooms: int, seed: int | None) -> None:
         nbuckets = max(2, pow2_at_least(-(-2 * max_rooms // W)))
-        self._nb = nbuckets
         self._bmask = nbuckets - 1
         self._shift = 64 - (nbuckets.bit_length() - 1)
         # Keyed hash: rooms are client-chosen, so the multiplier is secret and odd.

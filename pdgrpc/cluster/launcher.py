@@ -245,11 +245,11 @@ class Cluster:
         self._watchers: list[asyncio.Task[None]] = []
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
-    def client_channel(self, target: str | None = None, options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Channel:
-        """A new channel to ``target`` (default: the router) with :attr:`client_security`
-        and ``options`` (e.g. :data:`~pdgrpc.rpc.channels.ROUTER_CLIENT_OPTIONS`, to ride
-        through the router's restart); the caller closes it."""
-        return self._security_for(target or self.router_address, CLIENT).channel(target or self.router_address, options)
+    def client_channel(self, options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Channel:
+        """A new channel to the router with :attr:`client_security` and ``options`` (e.g.
+        :data:`~pdgrpc.rpc.channels.ROUTER_CLIENT_OPTIONS`, to ride through the router's
+        restart); the caller closes it."""
+        return self._security_for(self.router_address, CLIENT).channel(self.router_address, options)
 
     def _security_for(self, address: str, present: str) -> Security:
         if self.public_ca is not None and address == self.router_address:

@@ -29,10 +29,9 @@ from pdgrpc.metrics.endpoint import (
     start_metrics_server,
 )
 from pdgrpc.metrics.roles import BootstrapMetrics, DecodeMetrics, PrefillMetrics, RouterMetrics
-from pdgrpc.reasons import ABORT_REASON_LABELS, ServerAbortReason, abort_label
+from pdgrpc.reasons import ServerAbortReason
 
 __all__ = [
-    "ABORT_REASON_LABELS",
     "BootstrapMetrics",
     "CATALOG",
     "DecodeMetrics",
@@ -40,7 +39,6 @@ __all__ = [
     "Role",
     "RouterMetrics",
     "ServerAbortReason",
-    "abort_label",
     "add_metrics_arguments",
     "derived_metrics_port",
     "markdown_table",

@@ -139,12 +139,12 @@ METRICS_PORT_HELP = (
 )
 
 
-def add_metrics_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--metrics-port`` (absent = disabled, 0 = free port) and ``--metrics-host``."""
     g = parser.add_argument_group("metrics")
     g.add_argument("--metrics-port", type=argtypes.port, default=None, metavar="PORT", help=METRICS_PORT_HELP)
     g.add_argument(
-        "--metrics-host", default=default_host, metavar="HOST",
+        "--metrics-host", default="127.0.0.1", metavar="HOST",
         help="address the metrics endpoint listens on; 0.0.0.0 = every IPv4 interface. It is plain HTTP without "
         "authentication: an address other than loopback needs --insecure (default: %(default)s)",
     )

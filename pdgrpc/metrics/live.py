@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -70,25 +70,19 @@ class ResourceGauges(Collector):
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._lock = threading.Lock()
-        self._sources: dict[Role, tuple[SnapshotFn, frozenset[str]]] = {}
+        self._sources: dict[Role, SnapshotFn] = {}
         registry.register(self)
 
-    def bind(self, role: Role, snapshot: SnapshotFn, fields: Iterable[str] | None = None) -> None:
-        """Serve ``role``'s live metrics from ``snapshot()``, called on every scrape.
-        ``fields``: the snapshot fields to expose (default: every live metric the
-        catalog lists for ``role``). One source per role and registry: a second one
-        would expose every gauge twice."""
+    def bind(self, role: Role, snapshot: SnapshotFn) -> None:
+        """Serve every live metric the catalog lists for ``role`` from ``snapshot()``,
+        called on every scrape. One source per role and registry: a second one would
+        expose every gauge twice."""
         if not callable(snapshot):
             raise TypeError(f"bind() needs a callable returning a snapshot, got {snapshot!r}")
-        known = {m.field for m in _LIVE if role in m.roles and m.field is not None}
-        chosen = frozenset(known if fields is None else fields)
-        unknown = chosen - known
-        if unknown:
-            raise ValueError(f"{role.value} has no live metric for field(s) {sorted(unknown)}; known: {sorted(known)}")
         with self._lock:
             if role in self._sources:
                 raise ValueError(f"a snapshot source for role {role.value!r} is already bound to this registry")
-            self._sources[role] = (snapshot, chosen)
+            self._sources[role] = snapshot
 
     def unbind(self, role: Role) -> None:
         """Stop serving ``role``'s live metrics (e.g. once the server object is closed)."""
@@ -104,17 +98,17 @@ class ResourceGauges(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             sources = list(self._sources.items())
-        snapshots: list[tuple[Role, object, frozenset[str]]] = []
-        for role, (fn, fields) in sources:
+        snapshots: list[tuple[Role, object]] = []
+        for role, fn in sources:
             try:
-                snapshots.append((role, fn(), fields))
+                snapshots.append((role, fn()))
             except Exception:  # one broken source must not take the whole scrape down
                 log.warning("metrics: the %s snapshot callable failed; its live metrics are left out of this scrape", role.value, exc_info=True)
         for spec in _LIVE:
             fam = _family(spec)
             assert spec.field is not None
-            for role, snap, fields in snapshots:
-                if spec.field not in fields:
+            for role, snap in snapshots:
+                if role not in spec.roles:
                     continue
                 try:
                     value = _read(snap, spec.field)

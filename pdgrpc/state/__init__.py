@@ -24,13 +24,13 @@ if TYPE_CHECKING:
     from pdgrpc.state.decode_queues import DecodeQueues, NewRequest, Outcome, SendHandshake
     from pdgrpc.state.metadata import MetadataBuffers, MetadataLayout, MetadataRow
     from pdgrpc.state.slots import SlotAllocator
-    from pdgrpc.state.transfer_poll import AllReduceMin, identity_reduce
+    from pdgrpc.state.transfer_poll import identity_reduce
 
 _TENSOR_NAMES = {
     "DecodeQueues": "decode_queues", "NewRequest": "decode_queues", "Outcome": "decode_queues", "SendHandshake": "decode_queues",
     "MetadataBuffers": "metadata", "MetadataLayout": "metadata", "MetadataRow": "metadata",
     "SlotAllocator": "slots",
-    "AllReduceMin": "transfer_poll", "identity_reduce": "transfer_poll",
+    "identity_reduce": "transfer_poll",
 }  # fmt: skip
 
 
@@ -58,7 +58,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AbortReason",
     "Aborted",
-    "AllReduceMin",
     "Committed",
     "DecodeDeadlines",
     "DecodeQueues",

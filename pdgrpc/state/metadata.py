@@ -187,11 +187,6 @@ class MetadataBuffers:
         self._check(slot)
         return self.tensor[slot]
 
-    def byte_range(self, slot: int) -> tuple[int, int]:
-        """(offset, length) of a row inside :attr:`tensor`, for a transport write."""
-        self._check(slot)
-        return slot * self.layout.row_bytes, self.layout.row_bytes
-
     def room_column(self) -> torch.Tensor:
         """``int64[num_slots]`` view of every row's bootstrap_room (the metadata gate's input)."""
         return self._rooms

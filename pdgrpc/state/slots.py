@@ -47,9 +47,6 @@ class SlotAllocator:
         self._used[slot] = 0
         self._free.append(slot)
 
-    def is_allocated(self, slot: int) -> bool:
-        return bool(self._used[slot])
-
     @property
     def num_free(self) -> int:
         return len(self._free)

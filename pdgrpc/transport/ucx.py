@@ -65,6 +65,8 @@ __all__ = [
 
 log = logging.getLogger("pdgrpc.transport.rdma")
 
+_PENDING_TIMEOUT_S = 0.5  # the safety timer while a transfer is pending
+
 
 class UcxWorker:
     """One UCX context + worker, progressed by a task on the running loop.
@@ -74,7 +76,7 @@ class UcxWorker:
     for exactly that long.
     """
 
-    def __init__(self, *, spin_s: float = 0.0, pending_timeout_s: float = 0.5, quiet_sends: bool = True,
+    def __init__(self, *, spin_s: float = 0.0, quiet_sends: bool = True,
                  functions: Api | None = None, on_progress: Callable[[], None] | None = None) -> None:
         self._api = functions if functions is not None else api()  # the libucp calls (tests count them)
         self._context: int | None
@@ -94,7 +96,6 @@ class UcxWorker:
         self.handle: int = self._worker  # type: ignore[assignment]  # set just above
         self._spin_s = spin_s
         self._on_progress = on_progress  # called after each progress round in which UCX did something
-        self._pending_timeout_s = pending_timeout_s  # the safety timer while a transfer is pending
         self._quiet = QuietSends() if quiet_sends else None  # see pdgrpc.transport.ucx_quiet
         self._receiving: set[int] = set()  # tokens of data receives (not background ones) in flight
         # token -> (request pointer, callback, keepalive)
@@ -511,6 +512,6 @@ class UcxWorker:
                 # transfer pending, at most the safety timeout. arm() is not UCS_OK
                 # when events are pending, in which case we progress again.
                 if self._api.worker_arm(self._worker) == UCS_OK:  # else UCS_ERR_BUSY: events pending
-                    await self._sleep(self._pending_timeout_s if self._busy() else None, armed=True)
+                    await self._sleep(_PENDING_TIMEOUT_S if self._busy() else None, armed=True)
                     continue
             await asyncio.sleep(0)

@@ -52,10 +52,7 @@ def test_row_round_trip_and_views_share_memory() -> None:
     assert got.hidden_state is not None and torch.equal(got.hidden_state, row.hidden_state)
     assert b.room(2) == 555 and b.room_column().tolist() == [0, 0, 555, 0]
     assert b.field("output_id")[2, 0].item() == 123
-    off, length = b.byte_range(2)
-    assert (off, length) == (2 * b.layout.row_bytes, b.layout.row_bytes)
-    flat = b.tensor.reshape(-1)[off : off + length]
-    assert torch.equal(flat, b.row(2))
+    assert b.row(2).data_ptr() == b.tensor.data_ptr() + 2 * b.layout.row_bytes  # a view, not a copy
     # A transport copying the row's bytes elsewhere copies every field (prefill send buffer -> decode slot).
     other = MetadataBuffers(4, b.layout)
     other.row(0).copy_(b.row(2))

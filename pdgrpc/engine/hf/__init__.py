@@ -1,7 +1,7 @@
 """Hugging Face decoder checkpoints on pdgrpc's paged KV cache (``--model PATH``).
 
 - :mod:`pdgrpc.engine.hf.config` -- ``config.json`` / ``generation_config.json`` ->
-  :class:`HFConfig`; the supported architectures (torch-free).
+  :class:`~pdgrpc.engine.hf.config.HFConfig`; the supported architectures (torch-free).
 - :mod:`pdgrpc.engine.hf.tokenizer` -- ``tokenizer.json`` through ``tokenizers``, incremental
   detokenizing (torch-free: the router uses it).
 - :mod:`pdgrpc.engine.hf.weights` -- ``*.safetensors``, memory-mapped, checked against the
@@ -15,9 +15,3 @@ Only ``safetensors`` and ``tokenizers`` are needed at run time for a checkpoint 
 (``pdgrpc[hf]``), not ``transformers``; a GGUF file needs ``pdgrpc[gguf]``. Submodules
 load on first use: importing this package loads no torch.
 """
-
-from __future__ import annotations
-
-from pdgrpc.engine.hf.config import ARCHITECTURES, HFConfig, load_config
-
-__all__ = ["ARCHITECTURES", "HFConfig", "load_config"]

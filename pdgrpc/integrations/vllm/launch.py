@@ -114,8 +114,7 @@ class Server:
 
 
 def vllm_server(name: str, port: int, core: int, model: Path, log_dir: Path, *, connector: bool = True,
-                extra: dict[str, Any] | None = None, failure_policy: str = "fail",
-                kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                extra: dict[str, Any] | None = None, kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
                 args: tuple[str, ...] = (), confine: bool = False) -> Server:
     """A vLLM OpenAI server with one compute thread bound to ``core``, no compilation
     (-O0: starts in seconds), with ``PdgrpcConnector`` unless ``connector`` is False
@@ -127,7 +126,7 @@ def vllm_server(name: str, port: int, core: int, model: Path, log_dir: Path, *, 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            "smollm2", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), "-O0", *args]
     if connector:
-        kv = dict(kv_config or KV_CONFIG, kv_load_failure_policy=failure_policy, kv_connector_extra_config=extra or {})
+        kv = dict(kv_config or KV_CONFIG, kv_load_failure_policy="fail", kv_connector_extra_config=extra or {})
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     if confine:
         cmd = ["taskset", "-c", str(core), *cmd]
