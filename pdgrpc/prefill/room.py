@@ -125,7 +125,7 @@ class RoomDriver:
         job.first_token = first_token  # sent as the token arrives, even before the handshake
         if computing is not None:
             computing()
-        sender, _ = PrefillSender.create(room, self.pages, n, s.page_size, time.monotonic(), deadlines=s.deadlines,
+        sender = PrefillSender.create(room, self.pages, n, s.page_size, time.monotonic(), deadlines=s.deadlines,
                                          min_write_pages=s.min_write_pages)
         self.sender = sender
         dests = await self._destinations(sender)

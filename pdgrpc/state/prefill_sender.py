@@ -28,11 +28,6 @@ handshake (``waiting_for_destination_s``); the compute, from the destination or 
 previous chunk to the next chunk (``waiting_for_input_s``, restarted by each chunk); the
 wire, from the last chunk to the decode's acknowledgement of the row (``transferring_s``).
 
-:meth:`PrefillSender.create` applies the dp rules first: under strict
-``follow_bootstrap_room`` a request whose actual rank differs from ``room % dp_size`` (an
-external ``routed_dp_rank`` overrode it) starts FAILED with a message saying so, unless
-force-query mode is on; when decode must query, the first action is :class:`RegisterDpRank`.
-
 :meth:`PrefillSender.poll` maps the state onto :class:`~pdgrpc.kvpoll.KVPoll`.
 """
 
@@ -44,8 +39,7 @@ from typing import Union
 
 from pdgrpc.errors import ConfigError, IllegalTransition
 from pdgrpc.kvpoll import KVPoll
-from pdgrpc.state.config import DpConfig, SenderDeadlines
-from pdgrpc.state.dp_rank import DpRankConflict, check_prefill_dispatch
+from pdgrpc.state.config import SenderDeadlines
 from pdgrpc.state.room import Room
 
 __all__ = [
@@ -55,7 +49,6 @@ __all__ = [
     "MetadataWritten",
     "PagesWritten",
     "PrefillSender",
-    "RegisterDpRank",
     "SenderAction",
     "SenderEvent",
     "SenderFailReason",
@@ -77,7 +70,6 @@ class SenderState(enum.Enum):
 
 
 class SenderFailReason(enum.Enum):
-    DP_RANK_CONFLICT = "dp_rank_conflict"
     BAD_DESTINATION = "bad_destination"
     TRANSFER_FAILED = "transfer_failed"
     CANCELLED = "cancelled"
@@ -128,12 +120,6 @@ SenderEvent = Union[DestinationReceived, ChunkDone, PagesWritten, MetadataWritte
 
 # -- actions -------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class RegisterDpRank:
-    room: int
-    dp_rank: int
-
-
-@dataclasses.dataclass(frozen=True)
 class WritePages:
     """Write local pages ``src`` into decode pages ``dst`` (same length, in order)."""
 
@@ -153,7 +139,7 @@ class WriteMetadata:
     dst: tuple[int, ...] = ()
 
 
-SenderAction = Union[RegisterDpRank, WritePages, WriteMetadata]
+SenderAction = Union[WritePages, WriteMetadata]
 
 T = SenderState
 _NON_TERMINAL = (T.WAITING_FOR_DESTINATION, T.WAITING_FOR_INPUT, T.TRANSFERRING, T.SENDING_METADATA)
@@ -226,20 +212,12 @@ class PrefillSender:
         page_size: int,
         now: float,
         *,
-        dp_rank: int = 0,
-        method_follows_room: bool = True,
-        dp: DpConfig | None = None,
         deadlines: SenderDeadlines | None = None,
         min_write_pages: int = 1,
-    ) -> tuple["PrefillSender", list[SenderAction]]:
-        """A sender plus its first actions, after the dp rules (see the module docstring)."""
-        s = cls(room, src_pages, num_tokens, page_size, now, deadlines or SenderDeadlines(), min_write_pages)
-        try:
-            decision = check_prefill_dispatch(room, dp_rank, method_follows_room, dp or DpConfig())
-        except DpRankConflict as exc:
-            s.handle(Fail(SenderFailReason.DP_RANK_CONFLICT, str(exc)), now)
-            return s, []
-        return s, [RegisterDpRank(room, dp_rank)] if decision.register else []
+    ) -> "PrefillSender":
+        """A sender waiting for its destination (the prefill's dispatcher applied the dp
+        rules before the request reached this rank)."""
+        return cls(room, src_pages, num_tokens, page_size, now, deadlines or SenderDeadlines(), min_write_pages)
 
     @property
     def is_terminal(self) -> bool:

@@ -29,8 +29,8 @@ DST = (20, 21, 22)
 
 
 def sender(now: float = 0.0) -> PrefillSender:
-    s, actions = PrefillSender.create(5, SRC, 40, 16, now, deadlines=DL)
-    assert actions == [] and s.state is T.WAITING_FOR_DESTINATION and s.poll() is KVPoll.BOOTSTRAPPING
+    s = PrefillSender.create(5, SRC, 40, 16, now, deadlines=DL)
+    assert s.state is T.WAITING_FOR_DESTINATION and s.poll() is KVPoll.BOOTSTRAPPING
     return s
 
 
@@ -93,7 +93,7 @@ def test_single_chunk_prompt_writes_all_pages_then_metadata() -> None:
 
 def test_pages_are_held_back_until_min_write_pages_are_pending() -> None:
     src, dst = tuple(range(10, 20)), tuple(range(30, 40))  # 10 pages of 4 tokens
-    s, _ = PrefillSender.create(5, src, 40, 4, 0.0, deadlines=DL, min_write_pages=3)
+    s = PrefillSender.create(5, src, 40, 4, 0.0, deadlines=DL, min_write_pages=3)
     s.handle(DestinationReceived(dst, 1), 0.0)
     assert s.handle(ChunkDone(8), 0.0) == []  # 2 pages pending
     assert s.handle(ChunkDone(14), 0.0) == [WritePages(5, (10, 11, 12), (30, 31, 32))]  # 3: worth a write
@@ -110,7 +110,7 @@ def test_the_final_write_is_known_ahead_only_when_no_earlier_chunk_can_write(
     num_tokens: int, min_write_pages: int, planned: bool
 ) -> None:
     src = tuple(range(-(-num_tokens // 16)))
-    s, _ = PrefillSender.create(5, src, num_tokens, 16, 0.0, deadlines=DL, min_write_pages=min_write_pages)
+    s = PrefillSender.create(5, src, num_tokens, 16, 0.0, deadlines=DL, min_write_pages=min_write_pages)
     assert s.planned_final_write() is None  # no destination yet
     s.handle(DestinationReceived(src, 2), 0.0)
     plan = s.planned_final_write()

@@ -19,19 +19,13 @@ from pdgrpc.state import (
     Aborted,
     Committed,
     DecodeQueues,
-    DpConfig,
     MetadataBuffers,
     MetadataRow,
     NewRequest,
-    PrefillSender,
-    SenderState,
     decode_transfers,
-    dp_rank,
     metadata,
     pages,
-    prefill_sender,
 )
-from pdgrpc.state.dp_rank import DispatchDecision, resolve_locally
 from state_sim import Cluster, Violation, token_of
 
 
@@ -182,46 +176,6 @@ def test_corruption_injected_in_slot_detects_missing_guard(monkeypatch: pytest.M
     results, corrupted, emitted = corruption_scenario(1)
     assert any(isinstance(results[r], Committed) for r in corrupted), "corrupted rows get committed"
     assert any(token != token_of(room) for room, token in emitted), "another request's token is emitted"
-
-
-# -- follow_bootstrap_room conflict ---------------------------------------------------------
-STRICT = DpConfig(dp_size=4, follow_bootstrap_room=True)
-
-
-def dp_conflict_scenario() -> tuple[PrefillSender, int, int]:
-    """A router pinned room 1001 (1001 % 4 == 1) to prefill dp rank 3."""
-    room, routed = 1001, 3
-    sender, _ = PrefillSender.create(room, (7,), 16, 16, 0.0, dp_rank=routed, dp=STRICT)
-    decode_rank = resolve_locally(room, None, STRICT)
-    assert decode_rank is not None
-    return sender, decode_rank, routed
-
-
-def test_follow_bootstrap_room_conflict() -> None:
-    sender, decode_rank, routed = dp_conflict_scenario()
-    assert decode_rank != routed
-    assert sender.state is SenderState.FAILED  # fails at once, instead of waiting for a handshake that goes elsewhere
-    assert sender.failure is not None and sender.failure.reason.value == "dp_rank_conflict"
-    assert "dp rank 3" in sender.failure.message and "rank 1" in sender.failure.message
-
-
-def test_follow_bootstrap_room_conflict_force_query_registers() -> None:
-    cfg = DpConfig(dp_size=4, follow_bootstrap_room=True, force_query=True)
-    sender, actions = PrefillSender.create(1001, (7,), 16, 16, 0.0, dp_rank=3, dp=cfg)
-    assert sender.state is SenderState.WAITING_FOR_DESTINATION
-    assert [type(a).__name__ for a in actions] == ["RegisterDpRank"] and actions[0].dp_rank == 3  # type: ignore[union-attr]
-    assert resolve_locally(1001, None, cfg) is None  # decode asks bootstrap instead of computing room % dp_size
-
-
-def test_follow_bootstrap_room_conflict_detects_missing_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefill_sender, "check_prefill_dispatch", lambda *a: DispatchDecision(register=False))
-    sender, decode_rank, routed = dp_conflict_scenario()
-    # The request sits on rank 3 waiting for a destination that decode sends to rank 1:
-    # it only ends when its deadline fires (the peers' stuck-request symptom).
-    assert sender.state is SenderState.WAITING_FOR_DESTINATION
-    failure = sender.tick(1e9)
-    assert failure is not None and failure.reason.value == "waiting_for_destination_timeout"
-    assert dp_rank.check_prefill_dispatch is not None  # the real rule is untouched outside this module
 
 
 # -- a page reused while its writer was still live -----------------------------------------
