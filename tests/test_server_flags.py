@@ -160,6 +160,16 @@ def test_huge_pages_on_a_gpu_are_refused_naming_the_flags(monkeypatch: pytest.Mo
         engine_config_from_args(ns)
 
 
+@pytest.mark.parametrize("argv, limit", [([], 2048), (["--max-seq-len", "100"], 99), (["--max-seq-len", "2"], 1)])
+def test_an_unset_prompt_limit_is_2048_or_one_under_the_length(argv: list[str], limit: int) -> None:
+    # The checkpoint engine's default is the same (tests/engine/test_hf_sizing.py).
+    from pdgrpc.serving.flags import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(argv)).max_prompt_tokens == limit
+
+
 TP_SIZES = [
     (["--tp-size", "3"], "--tp-size 3 must divide the model's num_heads (8)"),
     (["--model-size", "tiny", "--tp-size", "4"], "--tp-size 4 must divide the model's num_kv_heads (2)"),

@@ -1,7 +1,8 @@
 """The engine's configuration, torch-free: :class:`ModelConfig` (the reference model's
 shape and seed) and :class:`EngineConfig` (pool, limits, placement). The rules on the sizes
-every engine's configuration has (:func:`check_sizes`, :func:`check_tp_divides`) are here
-once, for the checkpoint engine's configuration too.
+every engine's configuration has (:func:`check_sizes`, :func:`check_tp_divides`) and the
+prompt limit it takes when none is given (:func:`default_max_prompt_tokens`) are here once,
+for the checkpoint engine's configuration too.
 
 Torch-free: servers that run no engine (the prefill controller) parse and check the engine
 flags with these classes, and start sooner without torch. The engine modules import these;
@@ -19,8 +20,8 @@ from pdgrpc.engine.tokenizer import VOCAB_SIZE
 from pdgrpc.errors import ConfigError
 
 __all__ = [
-    "MAX_CONTEXT", "MAX_HEAD_DIM", "MAX_REDUCTION", "EngineConfig", "ModelConfig", "ModelShape", "Sizes", "check_sizes",
-    "check_tp_divides", "device_type",
+    "DEFAULT_MAX_PROMPT_TOKENS", "MAX_CONTEXT", "MAX_HEAD_DIM", "MAX_REDUCTION", "EngineConfig", "ModelConfig", "ModelShape",
+    "Sizes", "check_sizes", "check_tp_divides", "default_max_prompt_tokens", "device_type",
 ]
 
 # The largest sizes whose sums stay exact in the reference model's fixed-point arithmetic
@@ -28,6 +29,9 @@ __all__ = [
 MAX_REDUCTION = 2**12  # hidden size, intermediate size
 MAX_HEAD_DIM = 2**8
 MAX_CONTEXT = 2**16
+
+# The longest prompt an engine takes when its configuration names no limit.
+DEFAULT_MAX_PROMPT_TOKENS = 2048
 
 
 def device_type(spec: str) -> str:
@@ -91,6 +95,14 @@ def check_sizes(config: Sizes) -> None:
         raise _broken(config, "{0} ({0.value}) must be < {1} ({1.value})", "max_prompt_tokens", "max_seq_len")
     if not 0 <= config.tp_rank < config.tp_size:
         raise _broken(config, "{0} must be in [0, {1}={1.value}), got {0.value}", "tp_rank", "tp_size")
+
+
+def default_max_prompt_tokens(max_seq_len: int) -> int:
+    """The prompt limit for a length ``max_seq_len`` when none is given:
+    :data:`DEFAULT_MAX_PROMPT_TOKENS`, or ``max_seq_len - 1`` when that is less, and at
+    least 1, so that a length under 2 is refused for itself (:func:`check_sizes`), not as
+    a prompt limit of 0."""
+    return max(1, min(DEFAULT_MAX_PROMPT_TOKENS, max_seq_len - 1))
 
 
 def check_tp_divides(owner: str, tp_size: int, model: ModelShape) -> None:
@@ -158,7 +170,7 @@ class EngineConfig:
     num_pages: int = 1024  # KV pool size per instance (pages)
     kv_dtype: str = "float32"
     max_seq_len: int = 4096  # prompt + generated tokens, per request
-    max_prompt_tokens: int = 2048
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     tp_rank: int = 0
     tp_size: int = 1
     # torch intra-op threads for the engine's compute (0: leave torch's setting alone).

@@ -30,9 +30,8 @@ from typing import Callable
 import torch
 
 import pdgrpc.engine.exact as exact
-from pdgrpc.engine.config import MAX_CONTEXT, ModelConfig
+from pdgrpc.engine.config import EngineConfig, ModelConfig
 from pdgrpc.engine.tokenizer import EOS_ID
-from pdgrpc.errors import ConfigError
 
 __all__ = ["AllReduce", "ModelShard", "SegmentBatch", "build_weights"]
 
@@ -205,19 +204,14 @@ class _ShardLayer:
 
 
 class ModelShard:
-    """One TP rank's slice of the model, computing over paged K/V pool tensors."""
+    """One TP rank's slice of the model, computing over paged K/V pool tensors.
 
-    def __init__(
-        self, cfg: ModelConfig, max_positions: int, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None,
-        device: torch.device = torch.device("cpu"),
-    ) -> None:
-        if not 0 <= tp_rank < tp_size:
-            raise ConfigError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
-        for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(cfg, field) % tp_size:
-                raise ConfigError(f"tp_size={tp_size} must divide ModelConfig.{field}={getattr(cfg, field)}")
-        if max_positions > MAX_CONTEXT:
-            raise ConfigError(f"max_seq_len must be <= {MAX_CONTEXT}, got {max_positions}")
+    Its sizes (the model, ``max_seq_len`` positions, the TP rank) come from an
+    :class:`EngineConfig` and nowhere else: that configuration refuses the sizes a shard
+    cannot take when it is built, so the shard checks none of them."""
+
+    def __init__(self, config: EngineConfig, all_reduce: AllReduce | None = None, device: torch.device = torch.device("cpu")) -> None:
+        cfg, tp_rank, tp_size = config.model, config.tp_rank, config.tp_size
         self.cfg = cfg
         self.all_reduce: AllReduce = all_reduce or (lambda t: t)
         self.local_heads = cfg.num_heads // tp_size
@@ -242,7 +236,7 @@ class ModelShard:
         self.embed = weights.embed.to(device)
         self.lm_head_t = t(weights.lm_head)
         self.lm_bias = weights.lm_bias.to(device)
-        cos, sin = _rope_table(d, cfg.rope_theta, max_positions)
+        cos, sin = _rope_table(d, cfg.rope_theta, config.max_seq_len)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
 

@@ -73,7 +73,7 @@ class ReferenceEngine(PooledEngine):
         if config.intra_op_threads:  # first: building the weights is the first heavy work
             torch.set_num_threads(config.intra_op_threads)
         self.device = resolve_device(config.device)
-        self._shard = ModelShard(config.model, config.max_seq_len, config.tp_rank, config.tp_size, all_reduce, self.device)
+        self._shard = ModelShard(config, all_reduce, self.device)
         self._layout = config.kv_layout()
         m = config.model
         self._kv_quant = exact.kv_format(config.kv_dtype)

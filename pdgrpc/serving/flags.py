@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pdgrpc.argtypes import whole_number
-from pdgrpc.engine.config import EngineConfig, ModelConfig
+from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS, EngineConfig, ModelConfig, default_max_prompt_tokens
 from pdgrpc.engine.malloc import keep_freed_memory
 from pdgrpc.errors import ConfigError
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
@@ -40,7 +40,6 @@ __all__ = [
     "add_logging_arguments",
     "add_transport_arguments",
     "create_transport",
-    "default_max_prompt_tokens",
     "engine_config_from_args",
     "fields_named",
     "flag_names",
@@ -124,7 +123,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=whole_number(1, "tokens"),
         default=None,
         help=f"longest prompt accepted, in tokens; longer ones are refused with INVALID_ARGUMENT. Default: "
-        f"{_D.max_prompt_tokens}, or --max-seq-len - 1 when that is less",
+        f"{DEFAULT_MAX_PROMPT_TOKENS}, or --max-seq-len - 1 when that is less",
     )
     g.add_argument(
         "--max-seq-len",
@@ -156,8 +155,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(ns: argparse.Namespace, *, tp_rank: int = 0, tp_size: int = 1) -> EngineConfig:
     """The :class:`EngineConfig` the engine flags describe; ConfigError naming the flags
     (with the values typed) for sizes the configuration refuses. An unset
-    ``--max-prompt-tokens`` stays under ``--max-seq-len`` (:func:`default_max_prompt_tokens`),
-    so a refusal names ``--max-prompt-tokens`` only where the user typed it."""
+    ``--max-prompt-tokens`` stays under ``--max-seq-len``
+    (:func:`~pdgrpc.engine.config.default_max_prompt_tokens`), so a refusal names
+    ``--max-prompt-tokens`` only where the user typed it."""
     max_seq_len = _D.max_seq_len if ns.max_seq_len is None else ns.max_seq_len
     max_prompt_tokens = default_max_prompt_tokens(max_seq_len) if ns.max_prompt_tokens is None else ns.max_prompt_tokens
     with fields_named(_model_flag):
@@ -220,11 +220,6 @@ def fields_named(name: Callable[[str], str]) -> Iterator[None]:
         if not exc.fields:
             raise
         raise ConfigError(exc.worded(name)) from None
-
-
-def default_max_prompt_tokens(max_seq_len: int) -> int:
-    """``--max-prompt-tokens`` when unset: the reference engine's default, or less to stay under ``max_seq_len``."""
-    return max(1, min(_D.max_prompt_tokens, max_seq_len - 1))
 
 
 def _nice_value(text: str) -> int:

@@ -2,7 +2,8 @@
 
 - ``--max-seq-len``: the checkpoint's ``max_position_embeddings``, capped (to whole pages)
   so that one sequence's KV fits in the KV budget;
-- ``--max-prompt-tokens``: 2048, or ``max_seq_len - 1`` when that is less;
+- ``--max-prompt-tokens``: the reference engine's default for that length
+  (:func:`~pdgrpc.engine.config.default_max_prompt_tokens`);
 - ``--num-pages``: room for two full-length sequences (or many shorter ones), capped by the
   KV budget and never under one full-length sequence.
 
@@ -19,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pdgrpc.engine.config import check_tp_divides
+from pdgrpc.engine.config import check_tp_divides, default_max_prompt_tokens
 from pdgrpc.engine.hf.config import HFConfig
 from pdgrpc.errors import ConfigError
 
-__all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "DTYPE_BYTES", "KV_MEMORY_FRACTION", "Sizing", "available_memory", "checkpoint_sizing"]
+__all__ = ["DTYPE_BYTES", "KV_MEMORY_FRACTION", "Sizing", "available_memory", "checkpoint_sizing"]
 
 KV_MEMORY_FRACTION = 0.25
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # --dtype
-DEFAULT_MAX_PROMPT_TOKENS = 2048
 _GB = 1e9
 
 
@@ -121,8 +121,7 @@ def checkpoint_sizing(
                 )
             max_seq_len, capped = fits, True
     if max_prompt_tokens is None:
-        # At least 1: a max_seq_len under 2 is refused for itself (check_sizes), not as a prompt limit of 0.
-        max_prompt_tokens = max(1, min(DEFAULT_MAX_PROMPT_TOKENS, max_seq_len - 1))
+        max_prompt_tokens = default_max_prompt_tokens(max_seq_len)
     if num_pages is None:
         one = math.ceil(max_seq_len / page_size)
         num_pages = 2 * one
