@@ -155,9 +155,9 @@ if where == "join":
     prepare_environment()
     from pdgrpc.decode.tp import TpGroup
     join = TpGroup.join
-    def joining(rank, size, init, timeout):
+    async def joining(rank, size, init, timeout):
         fire()
-        return join(rank, size, init, timeout)
+        return await join(rank, size, init, timeout)
     TpGroup.join = joining
 if where == "engine":
     # Before the role's server module imports build_engine, so that it imports this one.

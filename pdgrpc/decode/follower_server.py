@@ -37,7 +37,7 @@ from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.logs import request_event
-from pdgrpc.serving.threads import abandonable, compute_executor
+from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state import AbortReason, Aborted, Committed, SendHandshake
 
 log = logging.getLogger("pdgrpc.decode")
@@ -157,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(ns: argparse.Namespace) -> int:
-    # Abandoned if the start-up is stopped: a rank 0 that is gone never completes it.
-    tp = await abandonable(TpGroup.join, ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout, name="decode-tp-join")
+    tp = await TpGroup.join(ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout)
     follower = Follower(ns, scheduler_config_from_args(ns), tp)
     stop_metrics = start_metrics_from_args(ns, follower.metrics.registry, f"decode tp{ns.tp_rank}")
     follower.metrics.bind(follower.stats)

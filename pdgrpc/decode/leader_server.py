@@ -19,7 +19,6 @@ from pdgrpc.metrics import DecodeMetrics, start_metrics_from_args
 from pdgrpc.rpc.server import run, serve_until_signal
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.engines import build_engine
-from pdgrpc.serving.threads import abandonable
 from pdgrpc.transport.base import Transport
 
 
@@ -34,8 +33,7 @@ async def _main(ns: argparse.Namespace, followers: Followers | None) -> int:
         from pdgrpc.decode.tp import TpGroup
 
         try:
-            # Abandoned if the start-up is stopped: the ranks are killed, so it could only time out.
-            tp = await abandonable(TpGroup.join, 0, ns.tp_size, followers.init, ns.dist_timeout, name="decode-tp-join")
+            tp = await TpGroup.join(0, ns.tp_size, followers.init, ns.dist_timeout)
         except BaseException:
             followers.kill()
             raise

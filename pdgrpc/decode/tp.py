@@ -19,7 +19,6 @@ all-reduces. A rank that dies breaks the collectives: the others fail loudly and
 
 from __future__ import annotations
 
-import datetime
 import logging
 import pickle
 from typing import Any, Iterable, Mapping, TypeVar
@@ -27,6 +26,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 import torch
 
 from pdgrpc.errors import ConfigError, PdgrpcError
+from pdgrpc.serving.rendezvous import join_tp_group
 from pdgrpc.state import Aborted, DecodeDeadlines, DecodeQueues, MetadataBuffers, NewRequest, QueryDpRanks, SendHandshake
 
 _T = TypeVar("_T")
@@ -70,14 +70,13 @@ class TpGroup:
         self._dist = dist
 
     @classmethod
-    def join(cls, rank: int, size: int, init_method: str, timeout_s: float) -> "TpGroup":
-        """Join the gloo group of ``size`` ranks at ``init_method`` as ``rank`` (blocks
-        until every rank has)."""
+    async def join(cls, rank: int, size: int, init_method: str, timeout_s: float) -> "TpGroup":
+        """Join the gloo group of ``size`` ranks at ``init_method`` as ``rank``, once every
+        rank has (:func:`~pdgrpc.serving.rendezvous.join_tp_group`: cancelled, this returns
+        at once, so a stop during start-up need not wait out ``timeout_s``)."""
+        await join_tp_group(rank, size, init_method, timeout_s, who="decode")
         import torch.distributed as dist
 
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
         return cls(rank, size, dist)
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:

@@ -134,9 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         "no dp rank is left). Default: %(default)s",
     )
     d = p.add_argument_group("data parallelism")
-    d.add_argument("--dp-size", type=int, default=1, help="number of worker processes (dp ranks). Default: %(default)s")
     d.add_argument(
-        "--tp-size", type=int, default=1,
+        "--dp-size", type=whole_number(1, "ranks"), default=1, metavar="N",
+        help="number of worker processes (dp ranks). Default: %(default)s",
+    )
+    d.add_argument(
+        "--tp-size", type=whole_number(1, "ranks"), default=1, metavar="N",
         help="tensor-parallel ranks per dp rank: each dp rank runs this many worker processes, one per tp rank, "
         "each holding 1/N of the KV heads (N must divide the model's query heads, KV heads and MLP size); they "
         "compute in lock step over gloo. Default: %(default)s",

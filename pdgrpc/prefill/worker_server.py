@@ -129,11 +129,7 @@ async def _init_tp(ns: argparse.Namespace) -> Engine:
 
     if not ns.dist_init:
         raise SystemExit("--dist-init is required with --tp-size > 1")
-    name = worker_name(ns)
-    # Said before the wait: a rank whose peers never come waits here up to --dist-timeout.
-    log.info("%s joining the TP group at %s as rank %d of %d", name, ns.dist_init, ns.tp_rank, ns.tp_size)
-    await join_tp_group(ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout, name="prefill-tp-join")
-    log.info("%s joined the TP group at %s (%d ranks)", name, ns.dist_init, ns.tp_size)
+    await join_tp_group(ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout, who=worker_name(ns))
     return build_engine(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 
 from pdgrpc.serving.threads import abandonable
 
 __all__ = ["dist_init_method", "join_tp_group"]
+
+log = logging.getLogger("pdgrpc.serving.rendezvous")
 
 
 def dist_init_method(host: str = "127.0.0.1") -> str:
@@ -18,14 +21,18 @@ def dist_init_method(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
-async def join_tp_group(rank: int, size: int, init_method: str, timeout_s: float, *, name: str) -> None:
+async def join_tp_group(rank: int, size: int, init_method: str, timeout_s: float, *, who: str) -> None:
     """Join the gloo group of ``size`` ranks at ``init_method`` as ``rank`` (the process's
     default ``torch.distributed`` group), once every rank has, or fail after ``timeout_s``.
+    ``who`` names the joining process in the log lines before and after the join.
 
     Cancelled (a SIGTERM or Ctrl-C during start-up), this returns at once and leaves the
-    join to end with the process, on a thread of its own (``name``): no signal interrupts
-    a gloo rendezvous, so a join on the loop's thread would hold the stop until its timeout."""
-    await abandonable(_join, rank, size, init_method, timeout_s, name=name)
+    join to end with the process, on a thread of its own: no signal interrupts a gloo
+    rendezvous, so a join on the loop's thread would hold the stop until its timeout."""
+    # Said before the wait: a rank whose peers never come waits here up to timeout_s.
+    log.info("%s joining the TP group at %s as rank %d of %d", who, init_method, rank, size)
+    await abandonable(_join, rank, size, init_method, timeout_s, name=f"{who} TP join")
+    log.info("%s joined the TP group at %s (%d ranks)", who, init_method, size)
 
 
 def _join(rank: int, size: int, init_method: str, timeout_s: float) -> None:

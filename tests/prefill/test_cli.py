@@ -43,7 +43,6 @@ def test_every_flag_has_help_text() -> None:
     [
         (["--transport", "nope"], "unknown transport 'nope'"),
         (["--max-prompt-tokens", "9000"], "--max-prompt-tokens (9000) must be < --max-seq-len (4096)"),
-        (["--dp-size", "0"], "--dp-size must be >= 1"),
         (["--dp-size", "2049", "--tp-size", "2"], "--dp-size 2049 x --tp-size 2 = 4098 workers, over the limit of 4096"),
         (["--load-balance-method", "random"], "invalid choice: 'random'"),
         (["--malloc-keep-mib", "-1"], "--malloc-keep-mib: must be >= 0, got -1"),
@@ -75,6 +74,23 @@ def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, cap
     # A value the workers or the embedded bootstrap would refuse must fail here, not with a
     # traceback once they start.
     assert message in usage_error(lambda: build_parser().parse_args(argv), capsys)
+
+
+# A group size below 1 is refused as the decode refuses its --tp-size: one rule, one message.
+SIZE_ERRORS = [
+    (["--tp-size", "0"], "argument --tp-size: must be >= 1 ranks, got 0"),
+    (["--tp-size", "-1"], "argument --tp-size: must be >= 1 ranks, got -1"),
+    (["--dp-size", "0"], "argument --dp-size: must be >= 1 ranks, got 0"),
+]
+
+
+@pytest.mark.parametrize("flags, message", SIZE_ERRORS, ids=[" ".join(f) for f, _ in SIZE_ERRORS])
+def test_a_group_size_below_1_is_a_usage_error_of_the_command(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", "--port", "0", *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.prefill: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("address", ["nohost", ":8998", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:99999"])
