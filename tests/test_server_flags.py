@@ -215,22 +215,19 @@ def _checkpoint_refusal(module: str, checkpoint: object, argv: list[str], capsys
     return usage_error(lambda: launch(module, [*transport, "--model", str(checkpoint), *argv]), capsys)
 
 
-@pytest.mark.parametrize("module", ENGINE_LAUNCHES, ids=[m.split(".")[1] for m in ENGINE_LAUNCHES])
-@pytest.mark.parametrize("argv, message", CHECKPOINT_SIZES, ids=[" ".join(a) for a, _ in CHECKPOINT_SIZES])
+# Every engine server for the size rules; the TP rule only where --tp-size is a flag.
+_CHECKPOINT_REFUSALS = [(m, a, msg) for m in ENGINE_LAUNCHES for a, msg in CHECKPOINT_SIZES] + [
+    (m, a, msg) for m in ("pdgrpc.prefill.controller_main", "pdgrpc.decode.server") for a, msg in CHECKPOINT_TP_SIZES
+]
+
+
+@pytest.mark.parametrize(
+    "module, argv, message", _CHECKPOINT_REFUSALS, ids=[f"{m.split('.')[1]}-{' '.join(a)}" for m, a, _ in _CHECKPOINT_REFUSALS]
+)
 def test_checkpoint_engine_sizes_that_disagree_name_the_flags(
     module: str, argv: list[str], message: str, hf_checkpoint: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Not the checkpoint engine's fields (HFEngineConfig.max_seq_len): the flags the user typed.
-    checkpoint = hf_checkpoint("qwen2")
-    err = _checkpoint_refusal(module, checkpoint, argv, capsys)
-    assert f"error: {message.format(config=checkpoint / 'config.json')}" in err and "HFEngineConfig" not in err
-
-
-@pytest.mark.parametrize("module", ["pdgrpc.prefill.controller_main", "pdgrpc.decode.server"], ids=["prefill", "decode"])
-@pytest.mark.parametrize("argv, message", CHECKPOINT_TP_SIZES, ids=[" ".join(a) for a, _ in CHECKPOINT_TP_SIZES])
-def test_a_tp_size_that_does_not_divide_the_checkpoints_heads_names_the_flag(
-    module: str, argv: list[str], message: str, hf_checkpoint: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
     checkpoint = hf_checkpoint("qwen2")
     err = _checkpoint_refusal(module, checkpoint, argv, capsys)
     assert f"error: {message.format(config=checkpoint / 'config.json')}" in err and "HFEngineConfig" not in err
