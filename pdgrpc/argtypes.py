@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["check_address", "duration", "milliseconds", "port", "positive_seconds", "seconds", "whole_number"]
+__all__ = ["check_address", "duration", "milliseconds", "port", "positive_seconds", "rank_count", "seconds", "whole_number"]
 
 
 def check_address(addr: str, flag: str) -> None:
@@ -35,6 +35,11 @@ def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
         return value
 
     return parse
+
+
+# The argparse type of a group size (--dp-size, --tp-size): one rank or more, with one
+# message wherever a role takes one.
+rank_count = whole_number(1, "ranks")
 
 
 def port(text: str) -> int:

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 
+from pdgrpc.argtypes import rank_count
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.prefill.cli import add_worker_arguments
 from pdgrpc.prefill.compute_child import spawn
@@ -36,9 +37,9 @@ _DESCRIPTION = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.prefill.worker_main", description=_DESCRIPTION)
     p.add_argument("--dp-rank", type=int, required=True, help="this worker's dp rank")
-    p.add_argument("--dp-size", type=int, required=True, help="dp ranks of the instance")
+    p.add_argument("--dp-size", type=rank_count, required=True, help="dp ranks of the instance")
     p.add_argument("--tp-rank", type=int, default=0, help="this worker's tp rank in its dp group")
-    p.add_argument("--tp-size", type=int, default=1, help="tp ranks per dp group")
+    p.add_argument("--tp-size", type=rank_count, default=1, help="tp ranks per dp group")
     p.add_argument(
         "--dist-init", default="",
         help="torch.distributed init_method of this dp group (tcp://HOST:PORT); required with --tp-size > 1",

@@ -93,6 +93,25 @@ def test_a_group_size_below_1_is_a_usage_error_of_the_command(flags: list[str], 
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
+# The worker's own command refuses the same sizes with the same message: a worker started by
+# hand (or by a controller of another version) fails as a usage error, not at start-up.
+WORKER = ["--dp-rank", "0", "--bootstrap", "127.0.0.1:1", "--load-balance-method", "round_robin", "--transport", "fake"]
+WORKER_SIZE_ERRORS = [
+    (["--dp-size", "1", "--tp-size", "0"], "argument --tp-size: must be >= 1 ranks, got 0"),
+    (["--dp-size", "0"], "argument --dp-size: must be >= 1 ranks, got 0"),
+    (["--dp-size", "two"], "argument --dp-size: expected whole ranks, got 'two'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", WORKER_SIZE_ERRORS, ids=[" ".join(f) for f, _ in WORKER_SIZE_ERRORS])
+def test_a_group_size_below_1_is_a_usage_error_of_the_worker(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.prefill.worker_main", *WORKER, *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.prefill.worker_main: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("address", ["nohost", ":8998", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:99999"])
 def test_a_bootstrap_that_is_not_host_port_is_refused_before_any_worker_starts(
     address: str, capsys: pytest.CaptureFixture[str]
