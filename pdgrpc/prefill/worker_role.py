@@ -13,7 +13,7 @@ import argparse
 import logging
 import os
 
-from pdgrpc.argtypes import rank_count
+from pdgrpc.argtypes import check_rank, rank_count
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.prefill.cli import add_worker_arguments
 from pdgrpc.prefill.compute_child import spawn
@@ -23,7 +23,7 @@ from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving.engines import uses_checkpoint
 from pdgrpc.serving.launch import Role
 
-__all__ = ["ROLE", "build_parser", "compute_in", "serve"]
+__all__ = ["ROLE", "build_parser", "check", "compute_in", "serve"]
 
 log = logging.getLogger("pdgrpc.prefill.worker")
 
@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check(ns: argparse.Namespace) -> None:
+    """Refuse a rank outside its group before anything starts: taken, it fails later, in
+    the worker's config or its registration with bootstrap, or waits on a TP group that
+    never forms."""
+    check_rank(ns.dp_rank, ns.dp_size, "--dp-rank", "--dp-size")
+    check_rank(ns.tp_rank, ns.tp_size, "--tp-rank", "--tp-size")
+
+
 def compute_in(ns: argparse.Namespace) -> str:
     """Where this worker computes: ``--compute-in``, unless that cannot be had here
     (said in the log)."""
@@ -102,4 +110,4 @@ def serve(ns: argparse.Namespace) -> int:
     return serve_worker(ns, child, controller)
 
 
-ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"prefill.{worker_name(ns)}")
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"prefill.{worker_name(ns)}", check=check)

@@ -112,6 +112,26 @@ def test_a_group_size_below_1_is_a_usage_error_of_the_worker(flags: list[str], m
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
+# A rank outside its group is refused before the worker starts anything: taken, it ends in a
+# traceback from the worker's config or its bootstrap registration, or waits on a TP group
+# that never forms.
+WORKER_RANK_ERRORS = [
+    (["--dp-size", "1", "--tp-size", "2", "--tp-rank", "2"], "--tp-rank must be in [0, --tp-size=2), got 2"),
+    (["--dp-size", "1", "--tp-rank", "-1"], "--tp-rank must be in [0, --tp-size=1), got -1"),
+    (["--dp-size", "2", "--dp-rank", "2"], "--dp-rank must be in [0, --dp-size=2), got 2"),
+    (["--dp-size", "1", "--dp-rank", "-1"], "--dp-rank must be in [0, --dp-size=1), got -1"),
+]
+
+
+@pytest.mark.parametrize("flags, message", WORKER_RANK_ERRORS, ids=[" ".join(f) for f, _ in WORKER_RANK_ERRORS])
+def test_a_rank_outside_its_group_is_a_usage_error_of_the_worker(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.prefill.worker_main", *WORKER, *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.prefill.worker_main: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("address", ["nohost", ":8998", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:99999"])
 def test_a_bootstrap_that_is_not_host_port_is_refused_before_any_worker_starts(
     address: str, capsys: pytest.CaptureFixture[str]
