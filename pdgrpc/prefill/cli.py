@@ -43,7 +43,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Per-request behaviour of every worker (passed through to the worker processes)."""
     g = parser.add_argument_group("per-request limits (each worker)")
     g.add_argument(
-        "--chunk-size", type=int, default=512,
+        "--chunk-size", type=whole_number(1, "tokens"), default=512,
         help="prompt tokens computed per prefill chunk; a chunk's completed pages are sent while the next "
         "chunk computes. Default: %(default)s",
     )

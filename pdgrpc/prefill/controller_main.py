@@ -171,8 +171,6 @@ async def _serve_ready(
 
 
 def check(ns: argparse.Namespace) -> None:
-    if ns.chunk_size < 1:
-        raise ConfigError(f"--chunk-size must be >= 1, got {ns.chunk_size}")
     if ns.dp_size * ns.tp_size > MAX_WORKERS:  # what its bootstrap registers at most
         raise ConfigError(
             f"--dp-size {ns.dp_size} x --tp-size {ns.tp_size} = {ns.dp_size * ns.tp_size} workers, "

@@ -68,6 +68,8 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         (["--page-wait-timeout", "-1"], "argument --page-wait-timeout: must be a finite number of seconds >= 0, got -1"),
         (["--worker-respawn-max-backoff", "-1"], "argument --worker-respawn-max-backoff: must be a finite number of seconds >= 0, got -1"),
         (["--dp-register-window-ms", "-1"], "argument --dp-register-window-ms: must be a finite number of milliseconds >= 0, got -1"),
+        (["--chunk-size", "0"], "argument --chunk-size: must be >= 1 tokens, got 0"),
+        (["--chunk-size", "-4"], "argument --chunk-size: must be >= 1 tokens, got -4"),
     ],
 )
 def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,6 +122,8 @@ WORKER_RANK_ERRORS = [
     (["--dp-size", "1", "--tp-rank", "-1"], "--tp-rank must be in [0, --tp-size=1), got -1"),
     (["--dp-size", "2", "--dp-rank", "2"], "--dp-rank must be in [0, --dp-size=2), got 2"),
     (["--dp-size", "1", "--dp-rank", "-1"], "--dp-rank must be in [0, --dp-size=1), got -1"),
+    # Not a rank, but the same kind of failure: a worker's config refused it in a traceback.
+    (["--dp-size", "1", "--chunk-size", "0"], "argument --chunk-size: must be >= 1 tokens, got 0"),
 ]
 
 
