@@ -7,9 +7,9 @@ import argparse
 import logging
 
 from pdgrpc.argtypes import port, positive_seconds, seconds, whole_number
+from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
 from pdgrpc.bootstrap.registry import WorkerRegistry, check_sizes
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server
-from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args

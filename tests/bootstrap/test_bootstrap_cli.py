@@ -34,6 +34,15 @@ def test_help_explains_every_option() -> None:
         assert re.search(rf"{flag}\b.*?{words}", out, re.S), f"{flag} undocumented"
 
 
+def test_help_loads_no_numpy() -> None:
+    # The room table's numpy loads only once a server is built: --help answers without it.
+    out = subprocess.run([sys.executable, "-X", "importtime", *CMD[1:], "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "pdgrpc.bootstrap.service" in imported, "the probe saw no imports"
+    assert sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy")) == []
+
+
 def test_bad_configuration_exits_2_with_a_message() -> None:
     out = subprocess.run([*CMD, "--port", "0", "--max-rooms", "10"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "max_batch must be in [1, max_rooms=10]" in out.stderr
