@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["check_address", "duration", "milliseconds", "port", "positive_seconds", "seconds", "whole_number"]
+__all__ = ["check_address", "check_rank", "duration", "milliseconds", "port", "positive_seconds", "rank_count", "seconds", "whole_number"]
 
 
 def check_address(addr: str, flag: str) -> None:
@@ -18,6 +18,14 @@ def check_address(addr: str, flag: str) -> None:
     host, sep, number = addr.rpartition(":")
     if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
         raise ValueError(f"{flag}: {addr!r} is not HOST:PORT")
+
+
+def check_rank(rank: int, size: int, name: str, size_name: str, first: int = 0) -> None:
+    """Raise ValueError unless ``rank`` is in ``[first, size)``, a place in a group of
+    ``size`` ranks; ``name`` and ``size_name`` (flags or fields) name the two in the
+    message. A check rather than an argparse type: the bound is another flag's value."""
+    if not first <= rank < size:
+        raise ValueError(f"{name} must be in [{first}, {size_name}={size}), got {rank}")
 
 
 def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
@@ -35,6 +43,11 @@ def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
         return value
 
     return parse
+
+
+# The argparse type of a group size (--dp-size, --tp-size): one rank or more, with one
+# message wherever a role takes one.
+rank_count = whole_number(1, "ranks")
 
 
 def port(text: str) -> int:

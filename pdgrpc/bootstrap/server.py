@@ -7,9 +7,9 @@ import argparse
 import logging
 
 from pdgrpc.argtypes import port, positive_seconds, seconds, whole_number
+from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
 from pdgrpc.bootstrap.registry import WorkerRegistry, check_sizes
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server
-from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import BootstrapMetrics, add_metrics_arguments, start_metrics_from_args
@@ -31,21 +31,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 = this machine only, 0.0.0.0 = every IPv4 interface (then TLS or a token is required, or --insecure) (default: %(default)s)")
     p.add_argument("--port", type=port, default=8998, help="TCP port to listen on; 0 picks a free one, printed in the log line (default: %(default)s)")
     p.add_argument(
-        "--dp-rank-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
+        "--dp-rank-ttl", type=positive_seconds, default=DEFAULT_TTL_S, metavar="SECONDS",
         help="how long a room -> dp rank entry lives after its last registration; re-registering the same rank renews it (default: %(default)s)",
     )
     p.add_argument(
-        "--max-rooms", type=int, default=DEFAULT_MAX_ROOMS, metavar="N",
+        "--max-rooms", type=whole_number(1, "rooms"), default=DEFAULT_MAX_ROOMS, metavar="N",
         help="hard cap on rooms held; at the cap a new room evicts the oldest room no decode has queried yet (a queried room is never evicted; when every room is queried, new ones are refused with RESOURCE_EXHAUSTED until rooms expire). Memory is reserved for it: about 62 bytes per room, touched as rooms arrive (default: %(default)s)",
     )
     p.add_argument(
-        "--max-rooms-per-registrant", type=int, default=0, metavar="N",
+        "--max-rooms-per-registrant", type=whole_number(0, "rooms"), default=0, metavar="N",
         help="most rooms no decode has queried yet that one caller identity (a worker's certificate name, or its host with a token) may hold; "
         "past it its new rooms are refused with RESOURCE_EXHAUSTED, so one worker looping RegisterDpRanks cannot crowd the others out. "
         "0 = --max-rooms divided by the identities that registered workers; without authentication every caller counts as one (default: %(default)s)",
     )
     p.add_argument(
-        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
+        "--max-batch", type=whole_number(1, "rooms"), default=DEFAULT_MAX_BATCH, metavar="N",
         help="most rooms one RegisterDpRanks or QueryDpRanks call may carry; larger calls fail with INVALID_ARGUMENT. At most --max-rooms (default: %(default)s)",
     )
     p.add_argument("--sweep-interval", type=positive_seconds, default=1.0, metavar="SECONDS", help="how often expired rooms are freed; queries never see an expired room whatever this is (default: %(default)s)")

@@ -18,17 +18,17 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 import grpc
 
+from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
 from pdgrpc.bootstrap.failures import MAX_WAIT_MS, RoomFailures
 from pdgrpc.bootstrap.errors import (
     InvalidBootstrapRequest, NotPermitted, PendingWorkersFull, RoomConflict, RoomQuotaFull, RoomTableFull, TopologyMismatch,
     WorkersPending,
 )
 from pdgrpc.bootstrap.registry import WorkerRegistry
-from pdgrpc.bootstrap.table import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, RoomTable
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import BootstrapMetrics
 from pdgrpc.rpc.open_calls import TooManyOpenCalls
@@ -36,6 +36,9 @@ from pdgrpc.rpc.security import current, peer_identity
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.v1 import bootstrap_pb2 as pb
 from pdgrpc.v1 import bootstrap_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from pdgrpc.bootstrap.table import RoomTable
 
 log = logging.getLogger("pdgrpc.bootstrap")
 
@@ -223,6 +226,15 @@ class BootstrapConfig:
     expire_budget: int = 16384  # records one sweep step may free before yielding the loop
 
 
+def room_table(config: BootstrapConfig) -> RoomTable:
+    """The room table ``config`` bounds. The table's module is imported here, where a
+    server is built, and not with this one: its numpy would load in every process that
+    only parses a bootstrap's flags (``--help``, a bad value)."""
+    from pdgrpc.bootstrap.table import RoomTable
+
+    return RoomTable(ttl=config.ttl, max_rooms=config.max_rooms, max_batch=config.max_batch)
+
+
 class BootstrapServer:
     """A running bootstrap service: ``address``, ``table``, ``registry``, ``stop()``."""
 
@@ -290,8 +302,7 @@ async def start_bootstrap_server(
     metrics: BootstrapMetrics | None = None,
 ) -> BootstrapServer:
     """Start ``BootstrapService`` (with health and reflection) on ``host:port``."""
-    table = RoomTable(ttl=config.ttl, max_rooms=config.max_rooms, max_batch=config.max_batch)
-    servicer = BootstrapServicer(table, registry or WorkerRegistry(), clock, metrics,
+    servicer = BootstrapServicer(room_table(config), registry or WorkerRegistry(), clock, metrics,
                                  max_rooms_per_registrant=config.max_rooms_per_registrant)
     rpc = await start_server(
         [(SERVICE_NAME, lambda server: add_bootstrap_servicer(servicer, server))],

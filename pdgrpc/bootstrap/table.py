@@ -60,6 +60,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomQuotaFull, RoomTableFull
 from pdgrpc.bootstrap.room_slots import W, RoomSlots, pow2_at_least
 
@@ -79,10 +80,6 @@ _SMALL = 16  # batches up to this size take the per-room (pure Python) path: les
 _FEW_LOOKUPS = 64
 _QUERIED = 1  # a decode found the room: never evicted
 _PINNED = 2  # renewed by the call in progress: that call does not evict it
-
-DEFAULT_TTL_S = 120.0
-DEFAULT_MAX_ROOMS = 1 << 20
-DEFAULT_MAX_BATCH = 65536
 
 
 @dataclasses.dataclass(frozen=True)

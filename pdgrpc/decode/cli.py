@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdgrpc.argtypes import port, positive_seconds, whole_number
+from pdgrpc.argtypes import port, positive_seconds, rank_count, whole_number
 from pdgrpc.decode.job import SchedulerConfig
 from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, share_arg
 from pdgrpc.discovery.cli import add_discovery_arguments
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_arguments(p)
     g = p.add_argument_group("scheduling")
     g.add_argument(
-        "--tp-size", type=whole_number(1, "ranks"), default=1, metavar="N",
+        "--tp-size", type=rank_count, default=1, metavar="N",
         help="tensor-parallel ranks (processes); must divide the model's heads and MLP width (default: %(default)s)",
     )
     g.add_argument(

@@ -23,6 +23,7 @@ import signal
 import sys
 from typing import Any
 
+from pdgrpc.argtypes import check_rank
 from pdgrpc.decode.cli import build_parser as decode_parser
 from pdgrpc.decode.cli import scheduler_config_from_args
 from pdgrpc.decode.job import SchedulerConfig
@@ -196,4 +197,10 @@ def serve(ns: argparse.Namespace) -> int:
         return 1
 
 
-ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"decode.tp{ns.tp_rank}")
+def check(ns: argparse.Namespace) -> None:
+    """Refuse a rank that is no follower's before anything starts: rank 0 is the decode
+    itself, and any rank outside the group waits on a TP group that never forms."""
+    check_rank(ns.tp_rank, ns.tp_size, "--tp-rank", "--tp-size", first=1)
+
+
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"decode.tp{ns.tp_rank}", check=check)

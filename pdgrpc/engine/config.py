@@ -30,7 +30,8 @@ MAX_REDUCTION = 2**12  # hidden size, intermediate size
 MAX_HEAD_DIM = 2**8
 MAX_CONTEXT = 2**16
 
-# The longest prompt an engine takes when its configuration names no limit.
+# The longest prompt an engine takes when its configuration names no limit, and so the
+# longest the router forwards unless told otherwise.
 DEFAULT_MAX_PROMPT_TOKENS = 2048
 
 

@@ -215,12 +215,14 @@ class ModelShard:
         self.cfg = cfg
         self.all_reduce: AllReduce = all_reduce or (lambda t: t)
         self.local_heads = cfg.num_heads // tp_size
-        self.local_kv_heads = cfg.num_kv_heads // tp_size
-        self.kv_head_start = tp_rank * self.local_kv_heads
+        # This rank computes the KV heads its pool holds (EngineConfig.kv_layout), so the
+        # weights' slice and the pool's cannot disagree.
+        kv = config.kv_layout()
+        self.local_kv_heads = kv.local_kv_heads
         weights = build_weights(cfg)
         d = cfg.head_dim
         qs = slice(tp_rank * self.local_heads * d, (tp_rank + 1) * self.local_heads * d)
-        ks = slice(self.kv_head_start * d, (self.kv_head_start + self.local_kv_heads) * d)
+        ks = slice(kv.head_start * d, kv.head_end * d)
         n_inter = cfg.intermediate_size // tp_size
         ms = slice(tp_rank * n_inter, (tp_rank + 1) * n_inter)
 

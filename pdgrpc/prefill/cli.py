@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdgrpc.argtypes import milliseconds, port, positive_seconds, seconds, whole_number
+from pdgrpc.argtypes import milliseconds, port, positive_seconds, rank_count, seconds, whole_number
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.gateway import add_gateway_arguments
 from pdgrpc.metrics import add_metrics_arguments
@@ -43,7 +43,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Per-request behaviour of every worker (passed through to the worker processes)."""
     g = parser.add_argument_group("per-request limits (each worker)")
     g.add_argument(
-        "--chunk-size", type=int, default=512,
+        "--chunk-size", type=whole_number(1, "tokens"), default=512,
         help="prompt tokens computed per prefill chunk; a chunk's completed pages are sent while the next "
         "chunk computes. Default: %(default)s",
     )
@@ -135,11 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = p.add_argument_group("data parallelism")
     d.add_argument(
-        "--dp-size", type=whole_number(1, "ranks"), default=1, metavar="N",
+        "--dp-size", type=rank_count, default=1, metavar="N",
         help="number of worker processes (dp ranks). Default: %(default)s",
     )
     d.add_argument(
-        "--tp-size", type=whole_number(1, "ranks"), default=1, metavar="N",
+        "--tp-size", type=rank_count, default=1, metavar="N",
         help="tensor-parallel ranks per dp rank: each dp rank runs this many worker processes, one per tp rank, "
         "each holding 1/N of the KV heads (N must divide the model's query heads, KV heads and MLP size); they "
         "compute in lock step over gloo. Default: %(default)s",

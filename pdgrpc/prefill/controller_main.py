@@ -24,8 +24,7 @@ from pdgrpc.argtypes import check_address
 from pdgrpc.bootstrap.client import BootstrapClient
 from pdgrpc.bootstrap.registry import MAX_WORKERS, WorkerRegistry
 from pdgrpc.bootstrap.service import SERVICE_NAME as BOOTSTRAP_SERVICE
-from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer
-from pdgrpc.bootstrap.table import RoomTable
+from pdgrpc.bootstrap.service import BootstrapConfig, BootstrapServer, BootstrapServicer, add_bootstrap_servicer, room_table
 from pdgrpc.discovery.cli import check_discovery_args, register_on, registration_from_args
 from pdgrpc.errors import ConfigError
 from pdgrpc.gateway import prefill_service
@@ -63,7 +62,7 @@ async def main_async(ns: argparse.Namespace) -> int:
         # Same registry: the embedded bootstrap is served on the controller's endpoint.
         bootstrap_metrics = BootstrapMetrics(metrics.registry)
         embedded = BootstrapServicer(
-            RoomTable(ttl=cfg.ttl, max_rooms=cfg.max_rooms, max_batch=cfg.max_batch),
+            room_table(cfg),
             WorkerRegistry(expect=(ns.dp_size, getattr(ns, "tp_size", 1), 1)),  # its own workers' sizes only
             metrics=bootstrap_metrics,
         )
@@ -171,8 +170,6 @@ async def _serve_ready(
 
 
 def check(ns: argparse.Namespace) -> None:
-    if ns.chunk_size < 1:
-        raise ConfigError(f"--chunk-size must be >= 1, got {ns.chunk_size}")
     if ns.dp_size * ns.tp_size > MAX_WORKERS:  # what its bootstrap registers at most
         raise ConfigError(
             f"--dp-size {ns.dp_size} x --tp-size {ns.tp_size} = {ns.dp_size * ns.tp_size} workers, "

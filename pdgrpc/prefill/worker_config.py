@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from pdgrpc.argtypes import check_rank
 from pdgrpc.state.config import SenderDeadlines
 
 __all__ = ["READY", "WorkerConfig", "worker_name"]
@@ -50,8 +51,7 @@ class WorkerConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.min_write_bytes < 0:
             raise ValueError(f"min_write_bytes must be >= 0, got {self.min_write_bytes}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        check_rank(self.tp_rank, self.tp_size, "tp_rank", "tp_size")
 
     @property
     def deadlines(self) -> SenderDeadlines:

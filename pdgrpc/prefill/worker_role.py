@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 
+from pdgrpc.argtypes import check_rank, rank_count
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.prefill.cli import add_worker_arguments
 from pdgrpc.prefill.compute_child import spawn
@@ -22,7 +23,7 @@ from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving.engines import uses_checkpoint
 from pdgrpc.serving.launch import Role
 
-__all__ = ["ROLE", "build_parser", "compute_in", "serve"]
+__all__ = ["ROLE", "build_parser", "check", "compute_in", "serve"]
 
 log = logging.getLogger("pdgrpc.prefill.worker")
 
@@ -36,9 +37,9 @@ _DESCRIPTION = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.prefill.worker_main", description=_DESCRIPTION)
     p.add_argument("--dp-rank", type=int, required=True, help="this worker's dp rank")
-    p.add_argument("--dp-size", type=int, required=True, help="dp ranks of the instance")
+    p.add_argument("--dp-size", type=rank_count, required=True, help="dp ranks of the instance")
     p.add_argument("--tp-rank", type=int, default=0, help="this worker's tp rank in its dp group")
-    p.add_argument("--tp-size", type=int, default=1, help="tp ranks per dp group")
+    p.add_argument("--tp-size", type=rank_count, default=1, help="tp ranks per dp group")
     p.add_argument(
         "--dist-init", default="",
         help="torch.distributed init_method of this dp group (tcp://HOST:PORT); required with --tp-size > 1",
@@ -63,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arguments(p)
     add_security_arguments(p)
     return p
+
+
+def check(ns: argparse.Namespace) -> None:
+    """Refuse a rank outside its group before anything starts: taken, it fails later, in
+    the worker's config or its registration with bootstrap, or waits on a TP group that
+    never forms."""
+    check_rank(ns.dp_rank, ns.dp_size, "--dp-rank", "--dp-size")
+    check_rank(ns.tp_rank, ns.tp_size, "--tp-rank", "--tp-size")
 
 
 def compute_in(ns: argparse.Namespace) -> str:
@@ -101,4 +110,4 @@ def serve(ns: argparse.Namespace) -> int:
     return serve_worker(ns, child, controller)
 
 
-ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"prefill.{worker_name(ns)}")
+ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"prefill.{worker_name(ns)}", check=check)

@@ -10,12 +10,13 @@ import logging
 
 from pdgrpc.argtypes import port, seconds
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, membership_watcher
+from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_from_args
 from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
 from pdgrpc.router.service import (
-    DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_REQUESTS_PER_CLIENT, FIRST_TOKEN_FROM, GenerateServicer, RouterConfig, parse_decode, parse_prefill,
+    DEFAULT_REQUESTS_PER_CLIENT, FIRST_TOKEN_FROM, GenerateServicer, RouterConfig, parse_decode, parse_prefill,
     service_names,
 )
 from pdgrpc.rpc.channels import ChannelPool

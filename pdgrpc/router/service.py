@@ -77,6 +77,7 @@ import grpc
 
 from pdgrpc.argtypes import check_address
 from pdgrpc.discovery.record import MembershipView
+from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS
 from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import RequestFailed
@@ -105,13 +106,9 @@ from pdgrpc.state.route_fate import (
 )
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "FIRST_TOKEN_FROM", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_decode", "parse_prefill"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "FIRST_TOKEN_FROM", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_decode", "parse_prefill"]
 
 log = logging.getLogger("pdgrpc.router")
-
-# The engines' default --max-prompt-tokens (EngineConfig; tests/router checks they agree).
-# Not imported: the router imports no torch.
-DEFAULT_MAX_PROMPT_TOKENS = 2048
 
 # How long, after the decode stream ended, the router waits for the prefill's reply
 # before cancelling it (the prefill replies once the decode acknowledged the KV, which

@@ -3,7 +3,8 @@ prefill process into a decode process's memory.
 
 * :mod:`~pdgrpc.transport.base` -- the plugin contract (who calls which hook, when);
   its data types live in :mod:`~pdgrpc.transport.regions` (regions, write ops),
-  :mod:`~pdgrpc.transport.descriptor` and :mod:`~pdgrpc.transport.rooms` (room states);
+  :mod:`~pdgrpc.transport.descriptor`, :mod:`~pdgrpc.transport.grant` (what a receiver
+  allows one room) and :mod:`~pdgrpc.transport.rooms` (room states);
 * :mod:`~pdgrpc.transport.receiver` -- the receiver core every byte-moving backend
   drives: room grants, the grant check, byte accounting, metadata-last commit, refusals;
 * :mod:`~pdgrpc.transport.registry` -- backends by name: built-ins (``fake``, ``tcp``,

@@ -87,7 +87,7 @@ Errors
 Backends map every library error (``OSError``, UCX exceptions, ...) to the tree in
 :mod:`pdgrpc.errors` at this boundary: :class:`~pdgrpc.errors.PeerFailure` (peer gone),
 :class:`~pdgrpc.errors.UnauthorizedWrite` (a refused write, with its
-:class:`~pdgrpc.transport.receiver.Refusal`; the room's ``status().refusal`` carries it),
+:class:`~pdgrpc.errors.Refusal`; the room's ``status().refusal`` carries it),
 :class:`~pdgrpc.errors.TransportUnavailable` (backend cannot load),
 :class:`~pdgrpc.errors.TransportError` (anything else). Per-room data-plane failures do
 not raise from ``write``; they surface as ``FAILED`` in ``poll``.
@@ -113,11 +113,11 @@ import functools
 import uuid
 from typing import Any, Awaitable, Callable, ClassVar, Sequence
 
-from pdgrpc.errors import PeerFailure
+from pdgrpc.errors import PeerFailure, Refusal
 from pdgrpc.kvpoll import KVPoll
 import pdgrpc.transport.peerauth as peerauth
 from pdgrpc.transport.descriptor import DESCRIPTOR_VERSION, Descriptor, Peer
-from pdgrpc.transport.receiver import Refusal, RoomGrant
+from pdgrpc.transport.grant import RoomGrant
 from pdgrpc.transport.regions import (
     BadDescriptor, MemoryRegion, RegionInfo, RegionKind, WriteOp, WriteOps, check_source_ops,
 )

@@ -25,14 +25,14 @@ the text.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import enum
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
 from pdgrpc.errors import ConfigError, Refusal, UnauthorizedWrite
 from pdgrpc.kvpoll import KVPoll
+from pdgrpc.transport.grant import RoomGrant
 from pdgrpc.transport.peerauth import RoomWriters
 from pdgrpc.transport.regions import RegionInfo, RegionKind
 from pdgrpc.transport.rooms import RoomStates, after_reactions
@@ -52,59 +52,6 @@ class MessageType(enum.IntEnum):
     NACK = 7  # receiver -> sender: the room failed there (a refusal code, then the reason)
     PING = 8  # either way: still alive (tcp heartbeat)
     CHALLENGE = 9  # receiver -> sender, first on a connection: the nonce its HELLO must answer
-
-
-@dataclasses.dataclass(frozen=True)
-class RoomGrant:
-    """What a receiver allows for one room: these page indices in every KV region and
-    this slot in every metadata region (``slot=None``: no metadata row for this room,
-    e.g. an intermediate TP rank). ``bound``: only the writers the control plane binds
-    to the room (``Transport.bind_writer``) may write into it, none before; unbound, any
-    proven writer may. Build with :meth:`of`, which sorts and dedups."""
-
-    room: int  # a room key in [1, 2**63), checked where its room entered (pdgrpc.state.room)
-    pages: tuple[int, ...]
-    slot: int | None = None
-    bound: bool = False
-
-    @classmethod
-    def of(cls, room: int, pages: Iterable[int], slot: int | None = None, *, bound: bool = False) -> "RoomGrant":
-        ps = tuple(sorted(set(int(p) for p in pages)))
-        if ps and ps[0] < 0:
-            raise ConfigError(f"RoomGrant.pages must be >= 0, got {ps[0]}")
-        if slot is not None and slot < 0:
-            raise ConfigError(f"RoomGrant.slot must be >= 0, got {slot}")
-        return cls(room, ps, slot, bound)
-
-    @property
-    def page_runs(self) -> tuple[tuple[int, int], ...]:
-        """Maximal runs of consecutive pages as ``(first, last_exclusive)``."""
-        runs: list[tuple[int, int]] = []
-        for p in self.pages:
-            if runs and runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], p + 1)
-            else:
-                runs.append((p, p + 1))
-        return tuple(runs)
-
-    def runs_array(self) -> tuple[Any, Any]:
-        """Page runs as ``(starts, ends_exclusive)`` int64 arrays (cached)."""
-        cached = self.__dict__.get("_runs_np")
-        if cached is None:
-            runs = self.page_runs
-            cached = (np.array([a for a, _ in runs], dtype=np.int64), np.array([b for _, b in runs], dtype=np.int64))
-            object.__setattr__(self, "_runs_np", cached)
-        return cached
-
-    def runs_lists(self) -> tuple[list[int], list[int]]:
-        """Page runs as ``(starts, ends_exclusive)`` Python lists (cached), for
-        :meth:`RegionTable.authorize`'s few-op path."""
-        cached = self.__dict__.get("_runs_py")
-        if cached is None:
-            runs = self.page_runs
-            cached = ([a for a, _ in runs], [b for _, b in runs])
-            object.__setattr__(self, "_runs_py", cached)
-        return cached
 
 
 _HUGE = 1 << 62  # offsets and lengths above this are outside any region (and would overflow int64 sums)

@@ -34,6 +34,15 @@ def test_help_explains_every_option() -> None:
         assert re.search(rf"{flag}\b.*?{words}", out, re.S), f"{flag} undocumented"
 
 
+def test_help_loads_no_numpy() -> None:
+    # The room table's numpy loads only once a server is built: --help answers without it.
+    out = subprocess.run([sys.executable, "-X", "importtime", *CMD[1:], "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "pdgrpc.bootstrap.service" in imported, "the probe saw no imports"
+    assert sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy")) == []
+
+
 def test_bad_configuration_exits_2_with_a_message() -> None:
     out = subprocess.run([*CMD, "--port", "0", "--max-rooms", "10"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "max_batch must be in [1, max_rooms=10]" in out.stderr
@@ -53,6 +62,26 @@ def test_a_sweep_that_would_spin_is_refused(argv: list[str], message: str, capsy
     from pdgrpc.bootstrap.server import build_parser
 
     assert message in usage_error(lambda: build_parser().parse_args(argv), capsys)
+
+
+BOUND_ERRORS = [
+    (["--max-rooms", "0"], "argument --max-rooms: must be >= 1 rooms, got 0"),
+    (["--max-rooms", "-5"], "argument --max-rooms: must be >= 1 rooms, got -5"),
+    (["--max-batch", "0"], "argument --max-batch: must be >= 1 rooms, got 0"),
+    (["--max-rooms-per-registrant", "-1"], "argument --max-rooms-per-registrant: must be >= 0 rooms, got -1"),
+    (["--dp-rank-ttl", "0"], "argument --dp-rank-ttl: must be a finite number of seconds > 0, got 0"),
+    (["--dp-rank-ttl", "-1"], "argument --dp-rank-ttl: must be a finite number of seconds > 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BOUND_ERRORS, ids=[" ".join(f) for f, _ in BOUND_ERRORS])
+def test_a_bound_below_its_least_is_a_usage_error_naming_the_flag(flags: list[str], message: str) -> None:
+    # Taken, the table refuses it once the server is being built, naming its field and
+    # not the flag.
+    out = subprocess.run([*CMD, "--port", "0", *flags], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.bootstrap: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
 def test_a_topology_over_max_workers_is_refused_at_start() -> None:

@@ -1,6 +1,6 @@
 """What a decode process loads before it serves: its help and its flag errors load no
-torch, so they answer at once; a TP decode starts its other ranks before it loads torch
-itself, so every rank loads it at the same time."""
+torch, and its help no numpy either, so they answer at once; a TP decode starts its other
+ranks before it loads torch itself, so every rank loads it at the same time."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ def _imported(stderr: str) -> set[str]:
     return {line.rsplit("|", 1)[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
 
 
+def _modules_of(package: str, stderr: str) -> list[str]:
+    return sorted(m for m in _imported(stderr) if m.split(".")[0] == package)
+
+
 def _torch_modules(stderr: str) -> list[str]:
-    return sorted(m for m in _imported(stderr) if m.split(".")[0] == "torch")
+    return _modules_of("torch", stderr)
 
 
 def _decode(*flags: str) -> subprocess.CompletedProcess[str]:
@@ -24,12 +28,13 @@ def _decode(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
 
 
-def test_help_loads_no_torch() -> None:
+def test_help_loads_no_torch_and_no_numpy() -> None:
     out = _decode("--help")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--tp-size N" in out.stdout
     assert "pdgrpc.decode.cli" in _imported(out.stderr), "the probe saw no imports"
     assert _torch_modules(out.stderr) == []
+    assert _modules_of("numpy", out.stderr) == []
 
 
 # (flags, the error line's message): each names the flag it refuses.

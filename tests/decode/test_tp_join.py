@@ -60,3 +60,22 @@ def test_every_rank_of_a_tp_decode_says_where_it_joins(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert f" as rank {rank} of 2" in log, log[-3000:]
     assert log.count("joining the TP group at tcp://") == 2, log[-3000:]
+
+
+FOLLOWER_RANK_ERRORS = [
+    (["--tp-size", "2", "--tp-rank", "0"], "--tp-rank must be in [1, --tp-size=2), got 0"),
+    (["--tp-size", "2", "--tp-rank", "2"], "--tp-rank must be in [1, --tp-size=2), got 2"),
+    (["--tp-size", "2", "--tp-rank", "-1"], "--tp-rank must be in [1, --tp-size=2), got -1"),
+]
+
+
+@pytest.mark.parametrize("flags, message", FOLLOWER_RANK_ERRORS, ids=[" ".join(f) for f, _ in FOLLOWER_RANK_ERRORS])
+def test_a_follower_rank_outside_its_group_is_a_usage_error(flags: list[str], message: str) -> None:
+    # Taken, rank 0 or a rank past the group waits out --dist-timeout on a group that
+    # never forms, and a negative rank ends in a torch.distributed traceback. Rank 0 is
+    # the decode itself, never a follower.
+    cmd = [sys.executable, "-m", "pdgrpc.decode.follower", *_DECODE, "--dist-init", dist_init_method(), "--dist-timeout", "5", *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.decode.follower: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -68,6 +68,8 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         (["--page-wait-timeout", "-1"], "argument --page-wait-timeout: must be a finite number of seconds >= 0, got -1"),
         (["--worker-respawn-max-backoff", "-1"], "argument --worker-respawn-max-backoff: must be a finite number of seconds >= 0, got -1"),
         (["--dp-register-window-ms", "-1"], "argument --dp-register-window-ms: must be a finite number of milliseconds >= 0, got -1"),
+        (["--chunk-size", "0"], "argument --chunk-size: must be >= 1 tokens, got 0"),
+        (["--chunk-size", "-4"], "argument --chunk-size: must be >= 1 tokens, got -4"),
     ],
 )
 def test_bad_values_are_refused_at_parse_time(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,6 +92,47 @@ def test_a_group_size_below_1_is_a_usage_error_of_the_command(flags: list[str], 
     out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"python -m pdgrpc.prefill: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+# The worker's own command refuses the same sizes with the same message: a worker started by
+# hand (or by a controller of another version) fails as a usage error, not at start-up.
+WORKER = ["--dp-rank", "0", "--bootstrap", "127.0.0.1:1", "--load-balance-method", "round_robin", "--transport", "fake"]
+WORKER_SIZE_ERRORS = [
+    (["--dp-size", "1", "--tp-size", "0"], "argument --tp-size: must be >= 1 ranks, got 0"),
+    (["--dp-size", "0"], "argument --dp-size: must be >= 1 ranks, got 0"),
+    (["--dp-size", "two"], "argument --dp-size: expected whole ranks, got 'two'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", WORKER_SIZE_ERRORS, ids=[" ".join(f) for f, _ in WORKER_SIZE_ERRORS])
+def test_a_group_size_below_1_is_a_usage_error_of_the_worker(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.prefill.worker_main", *WORKER, *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.prefill.worker_main: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+# A rank outside its group is refused before the worker starts anything: taken, it ends in a
+# traceback from the worker's config or its bootstrap registration, or waits on a TP group
+# that never forms.
+WORKER_RANK_ERRORS = [
+    (["--dp-size", "1", "--tp-size", "2", "--tp-rank", "2"], "--tp-rank must be in [0, --tp-size=2), got 2"),
+    (["--dp-size", "1", "--tp-rank", "-1"], "--tp-rank must be in [0, --tp-size=1), got -1"),
+    (["--dp-size", "2", "--dp-rank", "2"], "--dp-rank must be in [0, --dp-size=2), got 2"),
+    (["--dp-size", "1", "--dp-rank", "-1"], "--dp-rank must be in [0, --dp-size=1), got -1"),
+    # Not a rank, but the same kind of failure: a worker's config refused it in a traceback.
+    (["--dp-size", "1", "--chunk-size", "0"], "argument --chunk-size: must be >= 1 tokens, got 0"),
+]
+
+
+@pytest.mark.parametrize("flags, message", WORKER_RANK_ERRORS, ids=[" ".join(f) for f, _ in WORKER_RANK_ERRORS])
+def test_a_rank_outside_its_group_is_a_usage_error_of_the_worker(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.prefill.worker_main", *WORKER, *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.prefill.worker_main: error: {message}" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 

@@ -44,6 +44,28 @@ def test_missing_backends_are_a_usage_error():
     assert out.returncode == 2 and "--eject-s must be between 0 and 3600 seconds, got -5.0" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1, got 0"),
+        (["--max-prompt-tokens", "-3"], "--max-prompt-tokens must be >= 1, got -3"),
+        (["--retries", "-1"], "--retries must be >= 0, got -1"),
+        (["--cache-aware-margin", "-1"], "--cache-aware-margin must be >= 0, got -1"),
+        (["--local-prefill-tokens", "-1"], "--local-prefill-tokens must be >= 0, got -1"),
+        (["--local-prefill-queue", "-1"], "--local-prefill-queue must be >= 0, got -1"),
+        (["--migration-limit", "-1"], "--migration-limit must be >= 0, got -1"),
+        (["--migration-max-seq-len", "-1"], "--migration-max-seq-len must be >= 0, got -1"),
+        (["--request-timeout", "0"], "--request-timeout must be > 0, got 0.0"),
+    ],
+)
+def test_a_count_below_its_least_is_a_usage_error_naming_the_flag(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--port", "0", *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.router: error: {message}" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
 def test_a_metrics_port_in_use_names_the_flag():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -10,8 +10,7 @@ import grpc
 import pytest
 
 from pdgrpc.bootstrap.service import BootstrapServer, start_bootstrap_server
-from pdgrpc.engine.config import EngineConfig
-from pdgrpc.router.service import DEFAULT_MAX_PROMPT_TOKENS, GenerateServicer, PrefillBackend, RouterConfig, service_names
+from pdgrpc.router.service import GenerateServicer, PrefillBackend, RouterConfig, service_names
 from pdgrpc.rpc.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_ID_CHARS
 from pdgrpc.rpc.server import RpcServer, start_server
 from pdgrpc.v1 import bootstrap_pb2, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -130,10 +129,6 @@ async def test_router_refuses_a_prompt_over_the_engine_limit_without_forwarding(
             async for _ in generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, timeout=10):
                 pass
     assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.details(), ei.value.details()
-
-
-def test_router_default_limit_is_the_engines() -> None:
-    assert DEFAULT_MAX_PROMPT_TOKENS == EngineConfig().max_prompt_tokens
 
 
 async def test_an_over_long_request_id_is_refused_naming_it(router: RpcServer) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from pdgrpc.engine.base import DecodeRequest, Engine, InvalidRequest, KVBuffers, PrefillRequest, SampledToken
 from pdgrpc.device import ChunkReady, chunk_ready_on, resolve_device
-from pdgrpc.engine.config import check_sizes, check_tp_divides
+from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS, check_sizes, check_tp_divides
 from pdgrpc.engine.hf.config import HFConfig, load_config
 from pdgrpc.engine.hf.model import AllReduce, Batch, HFModel
 from pdgrpc.engine.hf.tokenizer import HFTokenizer
@@ -46,7 +46,7 @@ class HFEngineConfig:
     page_size: int = 16
     num_pages: int = 1024
     max_seq_len: int = 4096
-    max_prompt_tokens: int = 2048
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     tp_rank: int = 0
     tp_size: int = 1
     # torch intra-op threads, set process-wide at construction (0: leave torch's setting).

@@ -1,0 +1,12 @@
+"""The room table's default bounds, in a module that imports nothing: the flags of
+``python -m pdgrpc.bootstrap`` and :class:`~pdgrpc.bootstrap.service.BootstrapConfig`
+take them as defaults without loading the table, whose numpy a command that only parses
+its flags (``--help``) has no use for."""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_ROOMS", "DEFAULT_TTL_S"]
+
+DEFAULT_TTL_S = 120.0  # seconds a room -> rank entry lives after its last registration
+DEFAULT_MAX_ROOMS = 1 << 20  # rooms held at most
+DEFAULT_MAX_BATCH = 65536  # rooms per RegisterDpRanks / QueryDpRanks call
