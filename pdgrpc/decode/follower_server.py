@@ -38,6 +38,7 @@ from pdgrpc.serving.engines import build_engine
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.flags import create_transport, tune_malloc_from_args
 from pdgrpc.serving.logs import request_event
+from pdgrpc.serving.rendezvous import check_dist_init
 from pdgrpc.serving.threads import compute_executor
 from pdgrpc.state import AbortReason, Aborted, Committed, SendHandshake
 
@@ -201,6 +202,7 @@ def check(ns: argparse.Namespace) -> None:
     """Refuse a rank that is no follower's before anything starts: rank 0 is the decode
     itself, and any rank outside the group waits on a TP group that never forms."""
     check_rank(ns.tp_rank, ns.tp_size, "--tp-rank", "--tp-size", first=1)
+    check_dist_init(ns.dist_init, ns.tp_size)
 
 
 ROLE = Role(build_parser=build_parser, serve=serve, log_name=lambda ns: f"decode.tp{ns.tp_rank}", check=check)

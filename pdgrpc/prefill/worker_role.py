@@ -22,6 +22,7 @@ from pdgrpc.prefill.worker_config import worker_name
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.serving.engines import uses_checkpoint
 from pdgrpc.serving.launch import Role
+from pdgrpc.serving.rendezvous import check_dist_init
 
 __all__ = ["ROLE", "build_parser", "check", "compute_in", "serve"]
 
@@ -72,6 +73,7 @@ def check(ns: argparse.Namespace) -> None:
     never forms."""
     check_rank(ns.dp_rank, ns.dp_size, "--dp-rank", "--dp-size")
     check_rank(ns.tp_rank, ns.tp_size, "--tp-rank", "--tp-size")
+    check_dist_init(ns.dist_init, ns.tp_size)
 
 
 def compute_in(ns: argparse.Namespace) -> str:

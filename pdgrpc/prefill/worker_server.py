@@ -127,8 +127,6 @@ async def _init_tp(ns: argparse.Namespace) -> Engine:
         return build_engine(ns)
     from pdgrpc.engine.tp import torch_distributed_all_reduce
 
-    if not ns.dist_init:
-        raise SystemExit("--dist-init is required with --tp-size > 1")
     await join_tp_group(ns.tp_rank, ns.tp_size, ns.dist_init, ns.dist_timeout, who=worker_name(ns))
     return build_engine(ns, tp_rank=ns.tp_rank, tp_size=ns.tp_size, all_reduce=torch_distributed_all_reduce())
 

@@ -8,9 +8,16 @@ import socket
 
 from pdgrpc.serving.threads import abandonable
 
-__all__ = ["dist_init_method", "join_tp_group"]
+__all__ = ["check_dist_init", "dist_init_method", "join_tp_group"]
 
 log = logging.getLogger("pdgrpc.serving.rendezvous")
+
+
+def check_dist_init(init_method: str, tp_size: int) -> None:
+    """Raise ValueError naming ``--dist-init`` for a TP rank given nowhere to meet its
+    group: refused before the rank starts, it would otherwise fail in the join."""
+    if tp_size > 1 and not init_method:
+        raise ValueError("--dist-init is required with --tp-size > 1")
 
 
 def dist_init_method(host: str = "127.0.0.1") -> str:

@@ -79,3 +79,12 @@ def test_a_follower_rank_outside_its_group_is_a_usage_error(flags: list[str], me
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"python -m pdgrpc.decode.follower: error: {message}" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_follower_with_nowhere_to_meet_its_group_is_a_usage_error() -> None:
+    # Without --dist-init (rank 0 always passes it) the rank had no group to join.
+    cmd = [sys.executable, "-m", "pdgrpc.decode.follower", *_DECODE, "--tp-size", "2", "--tp-rank", "1"]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "python -m pdgrpc.decode.follower: error: --dist-init is required with --tp-size > 1" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

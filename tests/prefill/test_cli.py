@@ -122,6 +122,8 @@ WORKER_RANK_ERRORS = [
     (["--dp-size", "1", "--tp-rank", "-1"], "--tp-rank must be in [0, --tp-size=1), got -1"),
     (["--dp-size", "2", "--dp-rank", "2"], "--dp-rank must be in [0, --dp-size=2), got 2"),
     (["--dp-size", "1", "--dp-rank", "-1"], "--dp-rank must be in [0, --dp-size=1), got -1"),
+    # A TP rank with nowhere to meet its group: refused only once the worker had started.
+    (["--dp-size", "1", "--tp-size", "2", "--tp-rank", "1"], "--dist-init is required with --tp-size > 1"),
     # Not a rank, but the same kind of failure: a worker's config refused it in a traceback.
     (["--dp-size", "1", "--chunk-size", "0"], "argument --chunk-size: must be >= 1 tokens, got 0"),
 ]
