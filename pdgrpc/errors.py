@@ -54,9 +54,9 @@ class ConfigError(PdgrpcError, ValueError):
     that a layer which filled them from flags shows the flags its user typed. Any other
     ConfigError has no ``fields``, and its message is all there is."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, rule: _Rule | None = None) -> None:
         super().__init__(message)
-        self._rule: _Rule | None = None
+        self._rule = rule
 
     @classmethod
     def broken_rule(cls, owner: str, template: str, fields: Mapping[str, object], **terms: object) -> ConfigError:
@@ -66,9 +66,7 @@ class ConfigError(PdgrpcError, ValueError):
         ``terms`` the rule's other values, by keyword (its bounds). The message names each
         field ``owner.name``."""
         rule = _Rule(template, dict(fields), terms)
-        err = cls(rule.word(lambda field: f"{owner}.{field}"))
-        err._rule = rule
-        return err
+        return cls(rule.word(lambda field: f"{owner}.{field}"), rule=rule)
 
     @property
     def fields(self) -> dict[str, object]:
