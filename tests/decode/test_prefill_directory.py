@@ -179,7 +179,7 @@ class _Listing(WorkerRegistry):
         return out
 
 
-async def hostile(servers: list[BootstrapServer], registry: _Listing) -> str:
+async def hostile(servers: list[BootstrapServer], registry: WorkerRegistry) -> str:
     servers.append(srv := await start_bootstrap_server("127.0.0.1", 0, registry=registry))
     pool = ChannelPool()
     try:
@@ -284,15 +284,10 @@ async def test_parallel_info_no_prefill_could_register_is_refused_and_not_kept(
     bootstrap per address could pad each to 8 MiB. Info that no prefill could have
     registered ends the call INTERNAL naming the field, and is not kept."""
     registry = _PaddedInfo(shape)
-    servers.append(srv := await start_bootstrap_server("127.0.0.1", 0, registry=registry))
-    pool = ChannelPool()
-    try:
-        await BootstrapClient(srv.address, pool=pool).register_worker(worker(0), parallel_info(dp=1))
-    finally:
-        await pool.close()
+    address = await hostile(servers, registry)
     d = PrefillDirectory(timeout=2.0)
     for asked in (1, 2):  # not kept: asked again
         with pytest.raises(RequestFailed) as err:
-            await d.parallel_info(srv.address, wait_for=2.0)
-        assert err.value.code == grpc.StatusCode.INTERNAL and f"bootstrap {srv.address} {shown}" in err.value.message
+            await d.parallel_info(address, wait_for=2.0)
+        assert err.value.code == grpc.StatusCode.INTERNAL and f"bootstrap {address} {shown}" in err.value.message
         assert registry.asked == asked

@@ -105,15 +105,6 @@ WORKER_SIZE_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("flags, message", WORKER_SIZE_ERRORS, ids=[" ".join(f) for f, _ in WORKER_SIZE_ERRORS])
-def test_a_group_size_below_1_is_a_usage_error_of_the_worker(flags: list[str], message: str) -> None:
-    cmd = [sys.executable, "-m", "pdgrpc.prefill.worker_main", *WORKER, *flags]
-    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert f"python -m pdgrpc.prefill.worker_main: error: {message}" in out.stderr, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-
-
 # A rank outside its group is refused before the worker starts anything: taken, it ends in a
 # traceback from the worker's config or its bootstrap registration, or waits on a TP group
 # that never forms.
@@ -129,8 +120,11 @@ WORKER_RANK_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("flags, message", WORKER_RANK_ERRORS, ids=[" ".join(f) for f, _ in WORKER_RANK_ERRORS])
-def test_a_rank_outside_its_group_is_a_usage_error_of_the_worker(flags: list[str], message: str) -> None:
+WORKER_ERRORS = WORKER_SIZE_ERRORS + WORKER_RANK_ERRORS
+
+
+@pytest.mark.parametrize("flags, message", WORKER_ERRORS, ids=[" ".join(f) for f, _ in WORKER_ERRORS])
+def test_a_size_below_1_or_a_rank_outside_its_group_is_a_usage_error_of_the_worker(flags: list[str], message: str) -> None:
     cmd = [sys.executable, "-m", "pdgrpc.prefill.worker_main", *WORKER, *flags]
     out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]

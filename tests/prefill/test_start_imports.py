@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 
 def _lines(stream: "subprocess.IO[str]", out: "queue.Queue[str]") -> None:
     for line in stream:
@@ -74,15 +76,20 @@ launch("pdgrpc.prefill.worker_role", ["--dp-rank", "0", "--dp-size", "1", "--boo
 """
 
 
-def test_the_worker_help_loads_no_torch_and_no_numpy() -> None:
-    # Parsing the worker's engine and transport flags loads neither library, so its help
-    # answers at once.
-    cmd = [sys.executable, "-X", "importtime", "-m", "pdgrpc.prefill.worker_main", "--help"]
+# Parsing a role's flags loads neither library, so its help answers at once: the worker's
+# engine and transport flags, and the controller's, whose embedded bootstrap loads the
+# room table's numpy only once it is built. Each case names a module the probe must see.
+HELPS = [("pdgrpc.prefill.worker_main", "--tp-size", "pdgrpc.prefill.cli"), ("pdgrpc.prefill", "--dp-size", "pdgrpc.bootstrap.service")]
+
+
+@pytest.mark.parametrize("module, flag, seen", HELPS, ids=[m for m, _, _ in HELPS])
+def test_a_prefill_help_loads_no_torch_and_no_numpy(module: str, flag: str, seen: str) -> None:
+    cmd = [sys.executable, "-X", "importtime", "-m", module, "--help"]
     out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "--tp-size" in out.stdout
+    assert flag in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert "pdgrpc.prefill.cli" in imported, "the probe saw no imports"
+    assert seen in imported, "the probe saw no imports"
     assert sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy")) == []
 
 
@@ -90,15 +97,3 @@ def test_a_worker_starts_its_compute_process_before_it_loads_torch() -> None:
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "torch loaded: False"
-
-
-def test_the_controller_help_loads_no_torch_and_no_numpy() -> None:
-    # The controller serves the bootstrap's room table, whose numpy loads only once the
-    # embedded bootstrap is built: answering --help needs neither library.
-    cmd = [sys.executable, "-X", "importtime", "-m", "pdgrpc.prefill", "--help"]
-    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "--dp-size" in out.stdout
-    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert "pdgrpc.bootstrap.service" in imported, "the probe saw no imports"
-    assert sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy")) == []
