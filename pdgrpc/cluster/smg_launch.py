@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: the smg gateway is not installed: pip install 'pdgrpc[gateway]'", file=sys.stderr)
         return 2
-    smg_main([*argv[1:], "--api-key", key])
+    # One "--api-key=KEY" token: a key that begins with "-" is still the flag's value.
+    smg_main([*argv[1:], f"--api-key={key}"])
     return 0
 
 

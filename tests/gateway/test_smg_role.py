@@ -67,3 +67,17 @@ def test_a_secured_smg_gets_its_workers_loopback_listeners_and_must_share_their_
     apart = [{**p, "host": "b"} if p["name"] == "d" else p for p in procs]
     with pytest.raises(ClusterError, match="'d' on a loopback listener only"):
         Cluster(parse_topology({"network": {}, "process": apart}, "t"), hosts=hosts, auth_token="auto", log_dir=tmp_path / "2")
+
+
+def test_smg_launch_hands_smg_a_key_that_begins_with_a_dash(tmp_path, monkeypatch):
+    # A random url-safe key begins with "-" one time in 64; smg's parser must still read it as the value.
+    launch_router = pytest.importorskip("smg.launch_router", reason="the smg gateway is not installed")
+    from pdgrpc.cluster.smg_launch import main
+
+    seen = []
+    monkeypatch.setattr(launch_router, "launch_router", seen.append)
+    key_file = tmp_path / "smg-api-key"
+    key_file.write_text("-Kx2_dash-first\n")
+    key_file.chmod(0o600)
+    assert main([str(key_file), "launch", "--host", "127.0.0.1"]) == 0
+    assert [args.api_key for args in seen] == ["-Kx2_dash-first"]
