@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 # Keep UCX on loopback-friendly transports and quiet in tests; real hosts override this.
 os.environ.setdefault("UCX_TLS", "tcp,sm,self")
@@ -11,6 +12,11 @@ os.environ.setdefault("UCX_LOG_LEVEL", "error")
 # handlers on, a forked child can abort before exec (see pdgrpc/serving/launch.py).
 # Set before anything imports grpc.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# A suite started in the background (``pytest &``) has SIGINT ignored, and the servers it
+# starts would inherit that: Ctrl-C tests then test the shell, not the server. Children
+# start with SIGINT as under a terminal; a test that wants it ignored says so.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ---- tiny random Hugging Face checkpoints (built once per session, offline) --------------

@@ -235,3 +235,23 @@ def test_a_signal_while_a_server_starts_stops_it_cleanly(signame: str, where: st
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == [], f"processes {left} outlived the server stopped while it started"
+
+
+# A script's background job (``server &``, ``nohup server &``) starts with SIGINT ignored:
+# Ctrl-C at the script's terminal is not for it, but SIGTERM still stops its start-up.
+BACKGROUND_STOPS = [
+    ("import", "pdgrpc.colocated.server", ["--model-size", "tiny", "--port", "0"]),
+    ("join", "pdgrpc.decode.follower_server", [*_DECODE, "--tp-size", "2", "--tp-rank", "1", "--dist-init", "tcp://127.0.0.1:1"]),
+]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a process's children from /proc")
+@pytest.mark.parametrize("where, module, flags", BACKGROUND_STOPS, ids=[f"{s[1]}-{s[0]}" for s in BACKGROUND_STOPS])
+def test_sigterm_stops_the_start_of_a_server_started_with_sigint_ignored(where: str, module: str, flags: list[str]) -> None:
+    # sh ignores SIGINT, and the server it execs inherits that, as a background job does.
+    argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable, "-c", _STOP, "SIGTERM", where, module, *flags]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    package = module.rsplit(".", 1)[0]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{package}: stopped by SIGTERM while starting" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

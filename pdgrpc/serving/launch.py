@@ -15,7 +15,7 @@ import importlib
 import os
 import signal
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 from pdgrpc.rpc.tuning import apply_grpc_defaults
 
@@ -56,19 +56,26 @@ _INTERRUPTED = 128 + signal.SIGINT
 
 class _SigtermStopsStartup:
     """SIGTERM handled as Ctrl-C until the role's own stop handling (``StopSignal``) takes
-    it over: a SIGINT raised here makes asyncio cancel the role's main task, whose cleanup
-    releases what it started, or raises KeyboardInterrupt where no loop runs yet. The
+    it over: SIGINT's handler, called here, makes asyncio cancel the role's main task, whose
+    cleanup releases what it started, or raises KeyboardInterrupt where no loop runs yet. The
     launcher stops and restarts processes with SIGTERM, whether or not they serve yet."""
 
     def __init__(self) -> None:
         self.received = False
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _on_sigterm(self, signum: int, frame: object) -> None:
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
         # One stop at a time: a second SIGTERM while the first stops the process is ignored.
-        if not self.received:
-            self.received = True
-            signal.raise_signal(signal.SIGINT)
+        if self.received:
+            return
+        self.received = True
+        # SIGINT's handler is called, not the signal raised: a script's background job
+        # starts with SIGINT ignored, and a raised SIGINT would then be dropped.
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):  # asyncio's (cancels the main task) or Python's (KeyboardInterrupt)
+            handler(signal.SIGINT, frame)
+        else:
+            signal.default_int_handler(signal.SIGINT, frame)
 
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
