@@ -12,7 +12,8 @@ and the sampling seed, which replays the output exactly when sent back with ``--
 ``--chat`` sends the prompt as one user message, rendered with the served model's chat
 template; ``--stream`` prints the text as it arrives; ``--json`` prints one JSON object
 instead (with ``--stream``: one per message as it arrives, then the completion). ROUTER is any GenerateService: a router or a colocated server. A failed call
-prints its gRPC status and message and exits 1; a bad flag exits 2.
+prints its gRPC status and message (and, for a call without ``--tls-ca`` to a server that
+speaks TLS, which flags to pass) and exits 1; a bad flag exits 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -106,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(_run(ns))
     except grpc.aio.AioRpcError as exc:
         print(f"{ns.router}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and ns.tls_ca is None and _speaks_tls(ns.router):
+            print(
+                f"{ns.router} speaks TLS: pass --tls-ca (and --tls-cert/--tls-key where it asks for a client "
+                "certificate); `python -m pdgrpc.cluster` prints the flags its clients present", file=sys.stderr,
+            )
         return 1
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -113,6 +121,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _speaks_tls(address: str, timeout: float = 2.0) -> bool:
+    """Whether ``HOST:PORT`` answers a TLS hello: a plaintext call to a TLS server fails in
+    gRPC as a bare UNAVAILABLE, which says nothing of the cause."""
+    host, _, port = address.rpartition(":")
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            with context.wrap_socket(sock):
+                return True
+    except ssl.SSLError as exc:
+        # An alert from the peer (say, "certificate required") is TLS too.
+        return str(exc.reason or "").startswith(("TLSV", "SSLV3_ALERT"))
+    except (OSError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

@@ -139,3 +139,26 @@ async def test_the_readme_grpcurl_session_holds_against_the_router(cluster):
     assert sum(len(r.token_ids) for r in replies) == request.sampling.max_new_tokens > 0
     assert replies[-1].finish_reason == "length" and replies[0].ttft_seconds > 0
     await wait_nothing_held(cluster)
+
+
+async def test_a_plaintext_call_to_a_tls_server_says_to_pass_its_ca(tmp_path):
+    # A local cluster serves mTLS by default: the client without --tls-ca is refused at the
+    # TLS layer, and gRPC says only UNAVAILABLE. The client finds the server speaks TLS and says so.
+    from pdgrpc.rpc.certs import issue, make_ca
+
+    ca = make_ca(tmp_path)
+    cert = issue(ca, tmp_path, "server")
+    creds = grpc.ssl_server_credentials(
+        [(cert.key.read_bytes(), cert.cert.read_bytes())], root_certificates=ca.cert.read_bytes(), require_client_auth=True,
+    )
+    server = grpc.aio.server()
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    await server.start()
+    try:
+        refused = client(f"127.0.0.1:{port}", "hello", "--timeout", "5")
+    finally:
+        await server.stop(0)
+    assert refused.returncode == 1 and f"127.0.0.1:{port}: UNAVAILABLE" in refused.stderr
+    assert "speaks TLS" in refused.stderr and "--tls-ca" in refused.stderr, refused.stderr
+    nothing = client("127.0.0.1:1", "hello", "--timeout", "2")
+    assert nothing.returncode == 1 and "TLS" not in nothing.stderr, nothing.stderr
