@@ -28,10 +28,12 @@ def check_rank(rank: int, size: int, name: str, size_name: str, first: int = 0) 
         raise ValueError(f"{name} must be in [{first}, {size_name}={size}), got {rank}")
 
 
-def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
-    """The argparse type of an integer flag of at least ``minimum``; ``unit`` (plural,
-    e.g. "seconds") names what it counts in the errors."""
+def whole_number(minimum: int, unit: str = "", *, maximum: int | None = None) -> Callable[[str], int]:
+    """The argparse type of an integer flag of at least ``minimum`` (and at most
+    ``maximum``: a protobuf field's width); ``unit`` (plural, e.g. "seconds") names what it
+    counts in the errors."""
     what = f"whole {unit}" if unit else "a whole number"
+    units = f" {unit}" if unit else ""
 
     def parse(text: str) -> int:
         try:
@@ -39,7 +41,9 @@ def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}{' ' + unit if unit else ''}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{units}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}{units}, got {value}")
         return value
 
     return parse

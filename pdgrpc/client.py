@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import re
 import socket
 import ssl
 import sys
@@ -31,13 +32,17 @@ from typing import Callable, Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from pdgrpc.argtypes import whole_number
+from pdgrpc.argtypes import positive_seconds, whole_number
 from pdgrpc.cluster.client import Completion, generate
+from pdgrpc.engine.base import SamplingParams
+from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.security import Security
 from pdgrpc.v1 import generate_pb2, generate_pb2_grpc
 
 __all__ = ["build_parser", "main"]
+
+_UINT32_MAX = 2**32 - 1  # the width of SamplingParams' count fields
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,13 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="send PROMPT as one user message, rendered with the served model's chat template")
     p.add_argument("--stream", action="store_true", help="print the text as it arrives (with --json: one JSON object per message)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text: the completion and its fields")
-    p.add_argument("--max-new-tokens", type=whole_number(1), default=16, help="tokens to generate at most. Default: %(default)s")
+    p.add_argument("--max-new-tokens", type=whole_number(1, maximum=_UINT32_MAX), default=16, help="tokens to generate at most. Default: %(default)s")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy. Default: %(default)s")
-    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0: no cut. Default: %(default)s")
+    p.add_argument("--top-k", type=whole_number(0, maximum=_UINT32_MAX), default=0, help="keep only the k most likely tokens; 0: no cut. Default: %(default)s")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus cut-off in (0, 1]; 0: no cut. Default: %(default)s")
     p.add_argument("--seed", type=int, default=None, help="sampling seed; without it the server draws one and it is printed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call in seconds. Default: %(default)s")
+    p.add_argument("--timeout", type=positive_seconds, default=120.0, help="deadline of the call in seconds. Default: %(default)s")
     p.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate to check a TLS router against (its public port's)")
     p.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate to present (mTLS; a local cluster's security/client.pem)")
     p.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
@@ -103,8 +108,25 @@ async def _run(ns: argparse.Namespace) -> None:
         print(_summary(done))
 
 
+def _check_sampling(ns: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag for sampling values every server refuses: the
+    servers' own rule (:class:`SamplingParams`), applied before the call."""
+    try:
+        SamplingParams(
+            temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p or 1.0,  # 0: no cut, read as 1
+            seed=0 if ns.seed is None else ns.seed,
+        )
+    except InvalidRequest as exc:
+        raise ValueError(re.sub(r"sampling\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        _check_sampling(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         asyncio.run(_run(ns))
     except grpc.aio.AioRpcError as exc:

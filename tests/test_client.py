@@ -162,3 +162,13 @@ async def test_a_plaintext_call_to_a_tls_server_says_to_pass_its_ca(tmp_path):
     assert "speaks TLS" in refused.stderr and "--tls-ca" in refused.stderr, refused.stderr
     nothing = client("127.0.0.1:1", "hello", "--timeout", "2")
     assert nothing.returncode == 1 and "TLS" not in nothing.stderr, nothing.stderr
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--top-k", "-1"), ("--seed", "-5"), ("--seed", str(2**64)), ("--temperature", "-1"), ("--top-p", "2"),
+    ("--timeout", "0"), ("--timeout", "-1"), ("--timeout", "nan"), ("--top-k", str(2**32)), ("--max-new-tokens", str(2**32)),
+])
+async def test_a_sampling_flag_out_of_range_is_a_usage_error_naming_it(flag, value):
+    # Refused before any call: nothing listens at 127.0.0.1:1, so a call would fail otherwise.
+    out = client("127.0.0.1:1", "hello", flag, value)
+    assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr, out.stderr
