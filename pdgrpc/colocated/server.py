@@ -119,7 +119,9 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
             max_new = seeded.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
             self.validate(ids, max_new)
         except EngineError as exc:
-            bad = ending(Refusal.BAD_REQUEST, str(exc))
+            # The engine's checks name their parameter, token_ids: the client sent the field it names.
+            field = "input_ids" if request.input_ids else "messages" if request.messages else "prompt"
+            bad = ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", field))
             if trace is not None:
                 trace.end(bad.message)
             await context.abort(bad.code, bad.message)
