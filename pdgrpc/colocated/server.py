@@ -117,9 +117,11 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
             seeded = with_seed(request.sampling)
             sampling = sampling_from_proto(seeded)
             max_new = seeded.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-            self.engine.validate_request(ids, max_new)
+            self.validate(ids, max_new)
         except EngineError as exc:
-            bad = ending(Refusal.BAD_REQUEST, str(exc))
+            # The engine's checks name their parameter, token_ids: the client sent the field it names.
+            field = "input_ids" if request.input_ids else "messages" if request.messages else "prompt"
+            bad = ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", field))
             if trace is not None:
                 trace.end(bad.message)
             await context.abort(bad.code, bad.message)
@@ -155,8 +157,20 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         """Requests queued or generating."""
         return len(self._pending) + len(self._running)
 
+    def validate(self, ids: tuple[int, ...], max_new_tokens: int) -> None:
+        """Raise :class:`InvalidRequest` naming the field unless the request fits the
+        engine and, once every other request is done, its KV pool (else no wait would
+        ever admit it)."""
+        self.engine.validate_request(ids, max_new_tokens)
+        needed = self.engine.pages_needed(len(ids) + max_new_tokens - 1)
+        if needed > self.engine.num_pages:
+            raise InvalidRequest(
+                f"max_new_tokens: prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) needs {needed} KV pages, "
+                f"the pool has {self.engine.num_pages}"
+            )
+
     def admit(self, ids: tuple[int, ...], sampling: SamplingParams, max_new_tokens: int) -> Job:
-        """Queue a checked request; read it with :meth:`Job.stream`."""
+        """Queue a request :meth:`validate` passed; read it with :meth:`Job.stream`."""
         job = Job(ids, sampling, max_new_tokens, asyncio.Queue())
         self._pending.append(job)
         self._wake.set()

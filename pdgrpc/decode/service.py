@@ -23,6 +23,7 @@ from typing import AsyncIterator, Callable, Collection
 
 import grpc
 
+from pdgrpc.argtypes import check_address
 from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, PoolShares
@@ -145,6 +146,13 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         if len(request.prefill_bootstrap_address) > MAX_ADDRESS_CHARS:
             n = len(request.prefill_bootstrap_address)
             raise ending(Refusal.BAD_REQUEST, f"prefill_bootstrap_address: {n} characters, over the limit of {MAX_ADDRESS_CHARS}")
+        if not request.local_prefill:
+            # No bootstrap answers at an address that is not HOST:PORT: refused now rather
+            # than dialled until the caller's deadline.
+            try:
+                check_address(request.prefill_bootstrap_address, "prefill_bootstrap_address")
+            except ValueError as exc:
+                raise ending(Refusal.BAD_REQUEST, str(exc)) from None
         if not request.HasField("sampling"):
             raise ending(Refusal.BAD_REQUEST, "sampling is not set (it must equal the one sent to the prefill)")
         ids = tuple(request.input_ids)

@@ -359,7 +359,7 @@ class ColocatedLeg(_Base):
             g = self._convert(request)
             sampling = sampling_from_proto(g.sampling)
             engine.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
-            engine.validate_request(g.input_ids, g.sampling.max_new_tokens)
+            self._server.validate(g.input_ids, g.sampling.max_new_tokens)
             key = self._track(g.request_id, abort, context)
         except (InvalidRequest, EngineError) as exc:
             await _abort(context, ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "tokenized.input_ids")))

@@ -90,6 +90,7 @@ from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCall
 from pdgrpc.rpc.security import current
 from pdgrpc.rpc.errors import reason_of
 from pdgrpc.serving.kv_events import LOCAL_PREFILL
+from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
@@ -410,6 +411,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         sampling = with_seed(request.sampling)  # drawn here, once: both legs, every retry and migration sample alike
         if sampling.max_new_tokens == 0:
             sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        # Checked here, where the request enters: a client's bad field is refused as the
+        # client's mistake, before a prefill and a decode each take a room for it.
+        try:
+            sampling_from_proto(sampling)
+        except InvalidRequest as exc:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return sampling
 
     def pick(self, prompt: Sequence[int], avoid: tuple[Side, str] | None = None) -> tuple[PrefillBackend, str]:
@@ -491,6 +498,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         request_id = request.request_id or f"r{room:016x}"
         try:
             input_ids = self._input_ids(request)
+            sampling = self._sampling(request)
             prefill, decode = self.pick(input_ids)
         except RequestFailed as f:
             self.metrics.on_refused()
@@ -499,7 +507,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 trace.end(f.message)
             await context.abort(f.code, f.message)
             return
-        sampling = self._sampling(request)
         routed = request.routed_dp_rank if request.HasField("routed_dp_rank") else None
         timeout = self.config.request_timeout
         remaining = context.time_remaining()

@@ -399,6 +399,22 @@ async def test_a_prefill_address_longer_than_any_host_port_is_refused_naming_it(
     await assert_nothing_held(stub)
 
 
+@pytest.mark.parametrize("address", ["not an address", "127.0.0.1:0", "127.0.0.1", ":50051"])
+async def test_a_prefill_address_that_is_not_host_port_is_refused_naming_it(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes, address: str
+) -> None:
+    """No bootstrap can answer at such an address: refused before anything is taken,
+    rather than waited on until the caller's deadline."""
+    bad = make_request(prefill, "x", 4)
+    bad.prefill_bootstrap_address = address
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"prefill_bootstrap_address: {address!r} is not HOST:PORT"
+    assert await outcomes.changed() == {"refused": 1}
+    await assert_nothing_held(stub)
+
+
 async def test_a_decode_without_its_room_secret_is_refused(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
     """Issue 16: a Decode with no room_secret (or a short one) would send an unsigned
     handshake, so anyone could drive the decode at any prefill; it is refused, naming the

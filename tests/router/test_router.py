@@ -267,6 +267,24 @@ async def test_token_outside_the_vocabulary_is_refused_before_any_upstream_call(
     assert not prefill.requests and not decodes[0].requests
 
 
+@pytest.mark.parametrize("sampling, named", [
+    (common_pb2.SamplingParams(temperature=-1.0), "sampling.temperature"),
+    (common_pb2.SamplingParams(temperature=float("nan")), "sampling.temperature"),
+    (common_pb2.SamplingParams(top_p=1.5), "sampling.top_p"),
+    (common_pb2.SamplingParams(top_logprobs=21), "sampling.top_logprobs"),
+], ids=["temperature-negative", "temperature-nan", "top_p", "top_logprobs"])
+async def test_sampling_out_of_bounds_is_refused_before_any_upstream_call(cluster, sampling, named):
+    """A client's bad sampling field is the client's mistake: refused by the router,
+    counted as refused, and no prefill or decode spends a room on it."""
+    stub, prefill, decodes, *_, router = cluster
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x", sampling=sampling)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(named)
+    assert not prefill.requests and not decodes[0].requests and not decodes[1].requests
+    assert [m.token_ids for m in await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))] == [[104], [105]]
+
+
 async def test_unreachable_decode_is_a_clear_unavailable(cluster):
     _, prefill, _, p_addr, _, _ = cluster
     prefill.hang = True
