@@ -22,7 +22,9 @@ prefill leg's call ends.
   quarantines its pages until the prefill acknowledged; the prefill stops computing).
   Only the caller that started the request (:func:`~pdgrpc.rpc.security.peer_identity`:
   its certificate's name under mTLS) may abort it; an unknown id, or another caller's,
-  is a no-op whose reply says no such request runs here.
+  is a no-op whose reply says no such request runs here. A room belongs to one running
+  request: a second request on it is refused ALREADY_EXISTS, since the decode leg's abort
+  ends its room's stream.
 * **Colocated** (:class:`ColocatedLeg`): smg's non-PD worker. The request (without
   ``disaggregated_params``) runs on the colocated server's own scheduler, streamed the
   same way as a decode leg.
@@ -59,7 +61,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from pdgrpc.engine.tokenizer_files import TokenizerFilesError
 from pdgrpc.errors import RequestFailed
-from pdgrpc.gateway.requests import GatewayRequest, convert
+from pdgrpc.gateway.requests import ROOM_BASE, GatewayRequest, convert
 from pdgrpc.gateway.statuses import Refusal, ending
 from pdgrpc.gateway.stream import OutputStream
 from pdgrpc.gateway.tokenizer import tokenizer_zip
@@ -114,6 +116,15 @@ def model_info(i: WorkerInfo) -> Any:
     return reply
 
 
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What a running request holds in its servicer: its abort's key (None without a
+    request_id) and its room (0 without one)."""
+
+    key: tuple[str, str] | None
+    room: int
+
+
 async def _abort(context: grpc.aio.ServicerContext, failure: RequestFailed) -> None:
     """End the call with ``failure``'s status (context.abort raises)."""
     await context.abort(failure.code, failure.message)
@@ -124,9 +135,12 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         self.info = info
         self._active = active
         self._healthy = healthy
-        # request_id -> who started it, and what aborts it (False: too early or late)
-        # (caller, request_id) -> its abort: ids are each caller's own, and only it may abort one.
+        # (caller, request_id) -> its abort (False: too early or late): ids are each
+        # caller's own, and only it may abort one.
         self._running: dict[tuple[str, str], Callable[[str], bool]] = {}
+        # The rooms of the requests running here: a decode leg's abort ends its room's
+        # stream, so a room is one request's alone, whoever started it.
+        self._rooms: set[int] = set()
         self._started = time.time()
         # The tokenizer's bundle, built once: the files do not change while serving, and
         # building it costs a large tokenizer's whole compression per call.
@@ -203,21 +217,31 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         info = self.info()
         return convert(request, disaggregated=not colocated, max_seq_len=info.max_seq_len, room_key=info.room_key)
 
-    def _track(self, request_id: str, abort: Callable[[str], bool], context: grpc.aio.ServicerContext) -> tuple[str, str] | None:
-        """Note ``request_id`` as running, abortable by ``abort`` on its caller's behalf only;
-        the key :meth:`_untrack` takes. A request without an id is not noted: no Abort can
-        name it, and requests without ids run side by side."""
-        if not request_id:
-            return None
-        key = (peer_identity(context), request_id)
-        if key in self._running:
-            raise ending(Refusal.DUPLICATE, f"request_id {request_id!r} is already running here")
-        self._running[key] = abort
-        return key
-
-    def _untrack(self, key: tuple[str, str] | None) -> None:
+    def _track(self, g: GatewayRequest, abort: Callable[[str], bool], context: grpc.aio.ServicerContext) -> _Held:
+        """Note ``g`` as running, abortable by ``abort`` on its caller's behalf only, and
+        its room as taken; what :meth:`_untrack` takes. A request whose room runs here
+        already is refused, whoever started it: an abort of it would end that room's
+        request. A request without an id is abortable by no Abort, so only its room is
+        noted: requests without ids run side by side."""
+        if g.room and g.room in self._rooms:
+            raise ending(
+                Refusal.DUPLICATE, f"disaggregated_params.bootstrap_room {g.room - ROOM_BASE} is already in use by a request running here",
+            )
+        key = (peer_identity(context), g.request_id) if g.request_id else None
+        if key is not None and key in self._running:
+            raise ending(Refusal.DUPLICATE, f"request_id {g.request_id!r} is already running here")
         if key is not None:
-            self._running.pop(key, None)
+            self._running[key] = abort
+        if g.room:
+            self._rooms.add(g.room)
+        return _Held(key, g.room)
+
+    def _untrack(self, held: "_Held | None") -> None:
+        if held is None:
+            return
+        if held.key is not None:
+            self._running.pop(held.key, None)
+        self._rooms.discard(held.room)
 
 
 class PrefillLeg(_Base):
@@ -268,7 +292,7 @@ class PrefillLeg(_Base):
 
         try:
             g = self._convert(request)
-            key = self._track(g.request_id, abort, context)
+            key = self._track(g, abort, context)
         except RequestFailed as exc:
             await _abort(context, exc)
             return
@@ -307,7 +331,7 @@ class DecodeLeg(_Base):
         scheduler = self._decode.scheduler
         try:
             g = self._convert(request)
-            key = self._track(g.request_id, lambda why: scheduler.end_stream(g.room, ending(Refusal.ABORTED, why)), context)
+            key = self._track(g, lambda why: scheduler.end_stream(g.room, ending(Refusal.ABORTED, why)), context)
         except RequestFailed as exc:
             await _abort(context, exc)
             return
@@ -360,7 +384,7 @@ class ColocatedLeg(_Base):
             sampling = sampling_from_proto(g.sampling)
             engine.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
             self._server.validate(g.input_ids, g.sampling.max_new_tokens)
-            key = self._track(g.request_id, abort, context)
+            key = self._track(g, abort, context)
         except (InvalidRequest, EngineError) as exc:
             await _abort(context, ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "tokenized.input_ids")))
             return
