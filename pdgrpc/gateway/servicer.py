@@ -244,6 +244,22 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         self._rooms.discard(held.room)
 
 
+def _unimplemented(name: str) -> Callable[..., Any]:
+    async def refuse(self: _Base, request: Any, context: grpc.aio.ServicerContext) -> None:
+        await _abort(context, ending(Refusal.UNSUPPORTED, f"{name} is not served by pdgrpc's workers"))
+
+    refuse.__name__ = name
+    return refuse
+
+
+# The methods no leg serves answer UNIMPLEMENTED from a coroutine, as the served ones do:
+# grpc's generated defaults are plain functions, which the server parses for itself, so
+# a request that does not parse ended UNKNOWN with a traceback at ERROR.
+for _method in pb.DESCRIPTOR.services_by_name["SglangScheduler"].methods:
+    if getattr(_Base, _method.name) is getattr(pb_grpc.SglangSchedulerServicer, _method.name):
+        setattr(_Base, _method.name, _unimplemented(_method.name))
+
+
 class PrefillLeg(_Base):
     """Serves smg's prefill leg on the prefill controller (see the module doc)."""
 
