@@ -59,6 +59,7 @@ from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.engine.tokenizer_files import TokenizerFilesError
 from pdgrpc.errors import RequestFailed
 from pdgrpc.gateway.requests import ROOM_BASE, GatewayRequest, convert
@@ -215,7 +216,12 @@ class _Base(pb_grpc.SglangSchedulerServicer):
         if colocated and request.HasField("disaggregated_params"):
             raise ending(Refusal.BAD_REQUEST, "disaggregated_params is set, but this worker is colocated (not a prefill or decode)")
         info = self.info()
-        return convert(request, disaggregated=not colocated, max_seq_len=info.max_seq_len, room_key=info.room_key)
+        g = convert(request, disaggregated=not colocated, max_seq_len=info.max_seq_len, room_key=info.room_key)
+        try:  # under smg's name: the inner handlers name their own field, input_ids
+            info.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
+        except InvalidRequest as exc:
+            raise ending(Refusal.BAD_REQUEST, str(exc)) from None
+        return g
 
     def _track(self, g: GatewayRequest, abort: Callable[[str], bool], context: grpc.aio.ServicerContext) -> _Held:
         """Note ``g`` as running, abortable by ``abort`` on its caller's behalf only, and
@@ -382,11 +388,9 @@ class ColocatedLeg(_Base):
         self._server = server  # pdgrpc.colocated.server.ColocatedServer: admit(ids, sampling, max_new) -> Job
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
-        from pdgrpc.engine.base import InvalidRequest
         from pdgrpc.errors import EngineError
         from pdgrpc.serving.convert import sampling_from_proto
 
-        engine = self._server.engine
         job: Any = None
 
         def abort(why: str) -> bool:
@@ -398,7 +402,6 @@ class ColocatedLeg(_Base):
         try:
             g = self._convert(request)
             sampling = sampling_from_proto(g.sampling)
-            engine.tokenizer.check_ids(g.input_ids, "tokenized.input_ids")
             self._server.validate(g.input_ids, g.sampling.max_new_tokens)
             key = self._track(g, abort, context)
         except (InvalidRequest, EngineError) as exc:

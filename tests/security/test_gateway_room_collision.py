@@ -23,30 +23,9 @@ from pdgrpc.engine.tokenizer import ByteTokenizer  # noqa: E402
 from pdgrpc.errors import RequestFailed  # noqa: E402
 from pdgrpc.gateway.servicer import DecodeLeg, WorkerInfo  # noqa: E402
 from pdgrpc.v1 import decode_pb2  # noqa: E402
+from tests.gateway.fake_context import Context, Refused  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(code, message)
-        self.code, self.message = code, message
-
-
-class Context:
-    """What the facade reads of a grpc.aio context: the caller's TLS identity, abort."""
-
-    def __init__(self, common_name: str) -> None:
-        self._auth = {"x509_common_name": [common_name.encode()]}
-
-    def peer(self) -> str:
-        return "ipv4:10.0.0.5:40000"
-
-    def auth_context(self) -> dict[str, list[bytes]]:
-        return self._auth
-
-    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata: object = ()) -> None:
-        raise Refused(code, message)
 
 
 class Decode:
