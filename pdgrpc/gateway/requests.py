@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
+import re
 import secrets
 from typing import Any
 
@@ -156,6 +158,25 @@ def _unsupported(req: Any, sp: Any) -> str | None:
     return None
 
 
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a DNS name, a name of /etc/hosts, or an IPv4 address
+
+
+def _bootstrap_host(host: str) -> str:
+    """``disaggregated_params.bootstrap_host`` as the host part of a ``host:port`` (an IPv6
+    address in brackets). A host name or an IP literal, else refused: no bootstrap answers
+    at anything else, and the decode would dial it until its bootstrap deadline."""
+    if len(host) > MAX_HOST_CHARS:
+        raise _bad(f"disaggregated_params.bootstrap_host: {len(host)} characters, over the limit of {MAX_HOST_CHARS}")
+    if _HOST_NAME.fullmatch(host):
+        return host
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.IPv6Address(literal)
+    except ValueError:
+        raise _bad(f"disaggregated_params.bootstrap_host {host!r} is not a host name or an IP address") from None
+    return f"[{literal}]"
+
+
 def _stop_strings(stop: Any) -> tuple[bytes, ...]:
     out = []
     for i, text in enumerate(stop):
@@ -225,10 +246,7 @@ def convert(req: Any, *, disaggregated: bool, max_seq_len: int, room_key: bytes 
             raise _bad("disaggregated_params.bootstrap_host is empty")
         if not 0 < dp.bootstrap_port < 65536:
             raise _bad(f"disaggregated_params.bootstrap_port must be in [1, 65535], got {dp.bootstrap_port}")
-        host = dp.bootstrap_host
-        if len(host) > MAX_HOST_CHARS:
-            raise _bad(f"disaggregated_params.bootstrap_host: {len(host)} characters, over the limit of {MAX_HOST_CHARS}")
-        address = f"[{host}]:{dp.bootstrap_port}" if ":" in host and not host.startswith("[") else f"{host}:{dp.bootstrap_port}"
+        address = f"{_bootstrap_host(dp.bootstrap_host)}:{dp.bootstrap_port}"
     elif disaggregated:
         raise _bad("disaggregated_params is not set (a prefill or decode worker needs bootstrap_host, bootstrap_port and bootstrap_room)")
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:

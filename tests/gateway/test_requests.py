@@ -189,3 +189,23 @@ def test_sampling_values_out_of_the_engines_range_name_smgs_field():
     assert refused(request(temperature=-1.0)) == "sampling_params.temperature must be in [0, 100], got -1.0"
     assert refused(request(top_p=2.0)) == "sampling_params.top_p must be in (0, 1], got 2.0"
     assert refused(request(top_p=float("inf"))) == "sampling_params.top_p must be finite, got inf"
+
+
+@pytest.mark.parametrize("host", ["a b", "prefill/0", "h:4000:x", "::zz", "[::1", "host\n", "ho$t"])
+def test_a_bootstrap_host_that_is_no_host_name_or_ip_literal_is_refused(host):
+    """No bootstrap answers at such a host: the decode would dial it until its bootstrap
+    deadline; refused at once, naming the field."""
+    req = request()
+    req.disaggregated_params.bootstrap_host = host
+    assert refused(req) == f"disaggregated_params.bootstrap_host {host!r} is not a host name or an IP address"
+
+
+@pytest.mark.parametrize(
+    "host, address",
+    [("10.0.0.7", "10.0.0.7:4000"), ("prefill-0.pd.svc.cluster.local", "prefill-0.pd.svc.cluster.local:4000"),
+     ("my_host", "my_host:4000"), ("::1", "[::1]:4000"), ("[::1]", "[::1]:4000"), ("fe80::1%eth0", "[fe80::1%eth0]:4000")],
+)
+def test_host_names_and_ip_literals_make_the_bootstrap_address(host, address):
+    req = request()
+    req.disaggregated_params.bootstrap_host = host
+    assert convert(req, disaggregated=True, max_seq_len=2048).bootstrap_address == address
