@@ -25,9 +25,12 @@ import collections
 import dataclasses
 from typing import Callable, Iterable
 
+import grpc
+
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest
 from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.serving.room_proof import SECRET_BYTES
+from pdgrpc.state.room import ROOM_LIMIT
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 __all__ = ["MAX_BATCH", "MAX_HELD_KEYS", "MAX_HELD_KEYS_PER_CALLER", "MAX_REASON_CHARS", "MAX_WAIT_MS", "RoomFailures"]
@@ -38,6 +41,8 @@ TAG_BYTES = SECRET_BYTES  # an HMAC-SHA256
 MAX_WAIT_MS = 10_000  # longest a QueryRoomFailures call is held (bootstrap.proto)
 MAX_HELD_KEYS = 4096  # keys of the QueryRoomFailures calls held at once
 MAX_HELD_KEYS_PER_CALLER = 1024  # of those, one caller identity's: no decode spends the others' places
+_FIRST_FAILURE_CODE = 1  # CANCELLED: a record names a status a prefill failed with, never OK (0)
+_LAST_FAILURE_CODE = max(c.value[0] for c in grpc.StatusCode)  # UNAUTHENTICATED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +61,8 @@ def _check_keys(keys: Iterable[pb.RoomFailureKey], what: str) -> list[pb.RoomFai
     for i, k in enumerate(out):
         if k.bootstrap_room == 0:
             raise InvalidBootstrapRequest(f"{what}[{i}].bootstrap_room must not be 0")
+        if k.bootstrap_room >= ROOM_LIMIT:
+            raise InvalidBootstrapRequest(f"{what}[{i}].bootstrap_room must be in [1, 2**63), got {k.bootstrap_room}")
         if len(k.tag) != TAG_BYTES:
             raise InvalidBootstrapRequest(f"{what}[{i}].tag must be {TAG_BYTES} bytes, got {len(k.tag)}")
     return out
@@ -93,6 +100,12 @@ class RoomFailures:
         """Store ``failures`` (all or none); the number stored."""
         failures = list(failures)
         _check_keys((f.key for f in failures), "RecordRoomFailuresRequest.failures")
+        for i, f in enumerate(failures):
+            if not _FIRST_FAILURE_CODE <= f.code <= _LAST_FAILURE_CODE:  # the decode ends the request with it
+                raise InvalidBootstrapRequest(
+                    f"RecordRoomFailuresRequest.failures[{i}].code must be a gRPC status code in "
+                    f"[{_FIRST_FAILURE_CODE}, {_LAST_FAILURE_CODE}], got {f.code}"
+                )
         for f in failures:
             tag = bytes(f.key.tag)
             self._records.pop(tag, None)

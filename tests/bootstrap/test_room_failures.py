@@ -59,6 +59,7 @@ async def test_a_record_or_a_query_without_the_secret_changes_and_learns_nothing
     ("key", "field"),
     [
         (pb.RoomFailureKey(bootstrap_room=0, tag=bytes(32)), "bootstrap_room"),
+        (pb.RoomFailureKey(bootstrap_room=2**63, tag=bytes(32)), r"\[0\]\.bootstrap_room must be in \[1, 2\*\*63\)"),
         (pb.RoomFailureKey(bootstrap_room=ROOM, tag=b"short"), "tag"),
     ],
 )
@@ -69,6 +70,17 @@ async def test_bad_keys_are_refused_naming_the_field(client: BootstrapClient, ke
         await client.record_room_failures([pb.RoomFailure(key=key)])
     with pytest.raises(RpcError, match="INVALID_ARGUMENT: .*limit"):
         await client.query_room_failures([pb.RoomFailureKey(bootstrap_room=ROOM, tag=bytes(32))] * (MAX_BATCH + 1))
+
+
+@pytest.mark.parametrize("code", [0, 17, 2**32 - 1])
+async def test_a_record_whose_code_is_no_failure_status_is_refused(server: BootstrapServer, client: BootstrapClient, code: int) -> None:
+    """A record says which gRPC status its prefill answered: OK, or a number that is no
+    status, is refused naming the field, and nothing of the call is kept."""
+    secret = draw_secret()
+    bad = pb.RoomFailure(key=record(ROOM + 7, secret).key, code=code, reason="x")
+    with pytest.raises(RpcError, match=rf"INVALID_ARGUMENT: RecordRoomFailuresRequest.failures\[1\].code must be a gRPC status code in \[1, 16\], got {code}"):
+        await client.record_room_failures([record(ROOM + 6, secret), bad])
+    assert await client.query_room_failures([record(ROOM + 6, secret).key]) == []  # all or none
 
 
 def test_the_records_are_bounded_in_count_and_age() -> None:
