@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from pdgrpc.argtypes import check_address
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, NotPermitted, PendingWorkersFull, TopologyMismatch, WorkersPending
 from pdgrpc.rpc.limits import (
     MAX_ADDRESS_CHARS, MAX_COMPATIBILITY_HASH_BYTES, MAX_NAME_CHARS, MAX_TRANSPORT_ENDPOINT_BYTES, Limited, over_limit,
@@ -223,6 +224,10 @@ class WorkerRegistry:
                 raise InvalidBootstrapRequest(f"worker.{rank} {getattr(worker, rank)} is outside [0, {size})")
         if not worker.transfer_address:
             raise InvalidBootstrapRequest("worker.transfer_address must be set (host:port of its handshake service)")
+        try:  # every decode that asks dials it: an address no one can dial fails their requests
+            check_address(worker.transfer_address, "worker.transfer_address")
+        except ValueError as exc:
+            raise InvalidBootstrapRequest(str(exc)) from None
         slot = (worker.dp_rank, worker.tp_rank, worker.pp_rank)
         key = info.SerializeToString(deterministic=True)
         cand = None if self._info is not None else self._candidates.get(key)

@@ -23,7 +23,7 @@ def info(**over: object) -> pb.ParallelInfo:
 
 
 def worker(dp: int, tp: int, addr: str = "") -> pb.WorkerInfo:
-    return pb.WorkerInfo(dp_rank=dp, tp_rank=tp, transfer_address=addr or f"h:{dp}{tp}", transport="fake")
+    return pb.WorkerInfo(dp_rank=dp, tp_rank=tp, transfer_address=addr or f"w{dp}-{tp}:7000", transport="fake")
 
 
 def test_pending_until_every_worker_registered() -> None:
@@ -41,7 +41,7 @@ def test_pending_until_every_worker_registered() -> None:
     r.register(worker(1, 1), info())
     assert r.dp_size == 2
     assert r.parallel_info() == info()
-    assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
+    assert [w.transfer_address for w in r.workers(1)] == ["w1-0:7000", "w1-1:7000"]
     assert [w.tp_rank for w in r.workers(0, [1])] == [1]
 
 
@@ -73,7 +73,7 @@ def test_a_bogus_first_registrant_cannot_lock_the_real_workers_out() -> None:
     for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         r.register(worker(dp, tp), info())
     assert r.parallel_info() == info()
-    assert [w.transfer_address for w in r.workers(0)] == ["h:00", "h:01"]
+    assert [w.transfer_address for w in r.workers(0)] == ["w0-0:7000", "w0-1:7000"]
     with pytest.raises(TopologyMismatch, match="dp_size disagrees: the instance has 2, this worker has 7"):
         r.register(worker(3, 0, "evil:1"), info(dp_size=7))
 
@@ -115,6 +115,9 @@ def test_restart_bumps_generation_and_replaces_entry() -> None:
         (worker(2, 0), info(), r"worker.dp_rank 2 is outside \[0, 2\)"),
         (worker(0, 5), info(), r"worker.tp_rank 5"),
         (pb.WorkerInfo(dp_rank=0), info(), "transfer_address"),
+        (worker(0, 0, "10.0.0.1"), info(), r"worker.transfer_address: '10.0.0.1' is not HOST:PORT"),
+        (worker(0, 0, "h:0"), info(), r"worker.transfer_address: 'h:0' is not HOST:PORT"),
+        (worker(0, 0, ":7000"), info(), r"worker.transfer_address: ':7000' is not HOST:PORT"),
         (worker(0, 0), info(page_size=0), "page_size must be >= 1"),
         (worker(0, 0), info(load_balance_method=pb.LOAD_BALANCE_METHOD_UNSPECIFIED), "load_balance_method"),
     ],
@@ -163,7 +166,7 @@ def test_one_registrant_cycling_topologies_holds_a_bounded_amount() -> None:
     assert most <= MAX_WORKERS
     for dp, tp in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         r.register(worker(dp, tp), info(), owner="real")
-    assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
+    assert [w.transfer_address for w in r.workers(1)] == ["w1-0:7000", "w1-1:7000"]
     assert r.held == 4 and r.identities() == 1
 
 
@@ -200,7 +203,7 @@ def test_oversized_fields_are_refused_naming_field_and_limit(field: str, value: 
         r.register(w, i)
     assert str(e.value) == f"RegisterWorkerRequest.{field}: {shown}"
     (kept,) = r.workers(0)
-    assert (kept.transfer_address, kept.generation) == ("h:00", 1)
+    assert (kept.transfer_address, kept.generation) == ("w0-0:7000", 1)
 
 
 def test_another_identity_cannot_pull_a_worker_out_of_its_pending_topology() -> None:
@@ -212,7 +215,7 @@ def test_another_identity_cannot_pull_a_worker_out_of_its_pending_topology() -> 
     r.register(worker(0, 0, "evil:1"), info(dp_size=7), owner="evil")
     for dp, tp in [(0, 1), (1, 0), (1, 1)]:
         r.register(worker(dp, tp), info(), owner="real")
-    assert [w.transfer_address for w in r.workers(0)] == ["h:00", "h:01"]
+    assert [w.transfer_address for w in r.workers(0)] == ["w0-0:7000", "w0-1:7000"]
     assert r.identities() == 1
 
 
@@ -259,7 +262,7 @@ def test_another_identity_cannot_push_the_real_pending_topology_out(flood: str) 
             r.register(worker(dp, 0, "evil:1"), info(dp_size=MAX_WORKERS, tp_size=1), owner="evil")
     assert r.held <= MAX_PENDING_WORKERS
     assert r.register(worker(1, 1), info(), owner="real") == (1, 4, 4)
-    assert [w.transfer_address for w in r.workers(1)] == ["h:10", "h:11"]
+    assert [w.transfer_address for w in r.workers(1)] == ["w1-0:7000", "w1-1:7000"]
     assert r.held == 4 and r.identities() == 1
 
 
@@ -297,6 +300,6 @@ def test_pending_workers_of_all_identities_are_bounded_and_the_refusal_names_the
         "tp_rank=0 pp_rank=0 of c (one registrant holds at most 4096; they are freed once a topology is complete)"
     )
     assert r.held == MAX_PENDING_WORKERS
-    assert r.register(worker(0, 0, "h:new"), big[2], owner="c")[0] == 2  # a restart adds nothing
+    assert r.register(worker(0, 0, "h:999"), big[2], owner="c")[0] == 2  # a restart adds nothing
     assert r.register(worker(MAX_WORKERS - 1, 0), big[0], owner="a") == (1, MAX_WORKERS, MAX_WORKERS)
     assert r.held == MAX_WORKERS and r.identities() == 1
