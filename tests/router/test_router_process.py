@@ -55,7 +55,10 @@ def test_missing_backends_are_a_usage_error():
         (["--local-prefill-queue", "-1"], "--local-prefill-queue must be >= 0, got -1"),
         (["--migration-limit", "-1"], "--migration-limit must be >= 0, got -1"),
         (["--migration-max-seq-len", "-1"], "--migration-max-seq-len must be >= 0, got -1"),
-        (["--request-timeout", "0"], "--request-timeout must be > 0, got 0.0"),
+        (["--request-timeout", "0"], "argument --request-timeout: must be a finite number of seconds > 0, got 0"),
+        # Taken, a deadline of inf fails every call at once with DEADLINE_EXCEEDED.
+        (["--request-timeout", "inf"], "argument --request-timeout: must be a finite number of seconds > 0, got inf"),
+        (["--request-timeout", "nan"], "argument --request-timeout: must be a finite number of seconds > 0, got nan"),
     ],
 )
 def test_a_count_below_its_least_is_a_usage_error_naming_the_flag(flags: list[str], message: str) -> None:
