@@ -69,6 +69,23 @@ def test_a_count_below_its_least_is_a_usage_error_naming_the_flag(flags: list[st
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
+# A bare IPv6 address reads as HOST:PORT at its last colon: taken, "::1" is port 1 of "::".
+BARE_IPV6 = [
+    (["--prefill", "::1", "--decode", "127.0.0.1:2"], "--prefill: '::1' is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)"),
+    (["--prefill", "127.0.0.1:1", "--decode", "::1:8000"], "--decode: '::1:8000' is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)"),
+    (["--prefill", "127.0.0.1:1,bootstrap=fe80::1", "--decode", "127.0.0.1:2"],
+     "--prefill bootstrap=: 'fe80::1' is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BARE_IPV6, ids=[" ".join(f) for f, _ in BARE_IPV6])
+def test_an_ipv6_address_without_brackets_is_refused(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.router", "--port", "0", *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.router: error: {message}" in out.stderr, out.stderr[-3000:]
+
+
 def test_a_metrics_port_in_use_names_the_flag():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
