@@ -250,3 +250,17 @@ def test_an_unknown_transport_is_refused_before_anything_starts(module: str, cap
 
     err = usage_error(lambda: launch(module, ["--transport", "nonsense", "--model-size", "tiny"]), capsys)
     assert "error: unknown transport 'nonsense'; available: fake, rdma, tcp" in err
+
+
+# (--host, the reason its bind failure gives): grpc gives none, so the server finds it.
+BIND_FAILURES = [("192.0.2.1", "not an address of this host"), ("no-such-host.invalid", "unknown host")]
+
+
+@pytest.mark.parametrize("host, reason", BIND_FAILURES, ids=[h for h, _ in BIND_FAILURES])
+def test_a_host_that_cannot_be_bound_says_why_in_one_line(host: str, reason: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.bootstrap", "--host", host, "--port", "0", "--insecure"]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if "pdgrpc bootstrap: cannot bind" in line]
+    assert len(lines) == 1 and lines[0].endswith(f"pdgrpc bootstrap: cannot bind {host}:0: {reason}"), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

@@ -153,7 +153,7 @@ def test_a_port_in_use_is_one_line_and_exit_2() -> None:
         cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", "--port", str(port)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert f"pdgrpc prefill controller: cannot bind 127.0.0.1:{port} (address in use" in out.stderr
+    assert f"pdgrpc prefill controller: cannot bind 127.0.0.1:{port}: address in use\n" in out.stderr
     assert "Traceback" not in out.stderr
 
 
