@@ -47,6 +47,8 @@ def test_every_flag_has_help_text() -> None:
         (["--load-balance-method", "random"], "invalid choice: 'random'"),
         (["--malloc-keep-mib", "-1"], "--malloc-keep-mib: must be >= 0, got -1"),
         (["--malloc-keep-mib", "lots"], "--malloc-keep-mib: expected a whole number, got 'lots'"),
+        # glibc keeps at most 2 GiB (mallopt takes an int): a larger value would be cut silently.
+        (["--malloc-keep-mib", "4096"], "--malloc-keep-mib: must be <= 2047, got 4096"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
