@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -66,6 +67,8 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         (["--bootstrap-ttl", "0"], "argument --bootstrap-ttl: must be a finite number of seconds > 0, got 0"),
         (["--worker-start-timeout", "0"], "argument --worker-start-timeout: must be a finite number of seconds > 0, got 0"),
         (["--compute-threads", "0"], "argument --compute-threads: must be >= 1 threads, got 0"),
+        # Taken, 100000 threads crash the worker (a traceback, then SIGSEGV) as it starts them.
+        (["--compute-threads", "100000"], f"argument --compute-threads: must be <= {os.cpu_count()} threads, got 100000"),
         (["--grace", "-1"], "argument --grace: must be a finite number of seconds >= 0, got -1"),
         (["--page-wait-timeout", "-1"], "argument --page-wait-timeout: must be a finite number of seconds >= 0, got -1"),
         (["--worker-respawn-max-backoff", "-1"], "argument --worker-respawn-max-backoff: must be a finite number of seconds >= 0, got -1"),
