@@ -12,12 +12,15 @@ __all__ = ["check_address", "check_rank", "duration", "milliseconds", "port", "p
 
 def check_address(addr: str, flag: str) -> None:
     """Raise ValueError naming ``flag`` unless ``addr`` is the ``HOST:PORT`` of a peer to
-    call: a host and a port in [1, 65535] (0 picks a free port only for a listener). A
-    check rather than an argparse type: argparse passes a flag's string default (a ""
-    that means none) through its type too."""
+    call: a host and a port in [1, 65535] (0 picks a free port only for a listener); an
+    IPv6 host in brackets, since a bare one reads as HOST:PORT at its last colon ("::1"
+    as port 1 of "::"). A check rather than an argparse type: argparse passes a flag's
+    string default (a "" that means none) through its type too."""
     host, sep, number = addr.rpartition(":")
     if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
         raise ValueError(f"{flag}: {addr!r} is not HOST:PORT")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"{flag}: {addr!r} is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)")
 
 
 def check_rank(rank: int, size: int, name: str, size_name: str, first: int = 0) -> None:

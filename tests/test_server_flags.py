@@ -97,8 +97,18 @@ def test_a_kv_pool_larger_than_the_memory_is_refused_before_it_is_allocated(modu
     cmd = [sys.executable, "-m", module, *transport, "--model-size", "tiny", "--num-pages", "100000000"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert "error: --num-pages 100000000: the KV pool needs 1638.40 GB, more than the" in out.stderr, out.stderr[-2000:]
+    assert "error: --num-pages 100000000 of --page-size 16 tokens: the KV pool needs 1638.40 GB, more than the" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def test_a_kv_pool_too_large_for_its_page_size_names_the_page_size() -> None:
+    # The pool is --num-pages x --page-size tokens: a huge page size with the default page count
+    # must not read as a --num-pages the user never typed.
+    cmd = [sys.executable, "-m", "pdgrpc.colocated", "--model-size", "tiny", "--page-size", "99999999999", "--port", "0"]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: --num-pages 1024 of --page-size 99999999999 tokens: the KV pool needs" in out.stderr, out.stderr[-2000:]
+    assert "pass a smaller --num-pages or --page-size" in out.stderr
 
 
 GRACE_SERVERS = ["pdgrpc.bootstrap.server", "pdgrpc.router.server"]
@@ -250,3 +260,17 @@ def test_an_unknown_transport_is_refused_before_anything_starts(module: str, cap
 
     err = usage_error(lambda: launch(module, ["--transport", "nonsense", "--model-size", "tiny"]), capsys)
     assert "error: unknown transport 'nonsense'; available: fake, rdma, tcp" in err
+
+
+# (--host, the reason its bind failure gives): grpc gives none, so the server finds it.
+BIND_FAILURES = [("192.0.2.1", "not an address of this host"), ("no-such-host.invalid", "unknown host")]
+
+
+@pytest.mark.parametrize("host, reason", BIND_FAILURES, ids=[h for h, _ in BIND_FAILURES])
+def test_a_host_that_cannot_be_bound_says_why_in_one_line(host: str, reason: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.bootstrap", "--host", host, "--port", "0", "--insecure"]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if "pdgrpc bootstrap: cannot bind" in line]
+    assert len(lines) == 1 and lines[0].endswith(f"pdgrpc bootstrap: cannot bind {host}:0: {reason}"), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

@@ -7,7 +7,7 @@ import argparse
 import logging
 
 from pdgrpc.argtypes import port, positive_seconds, seconds, whole_number
-from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
+from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, MAX_ROOMS_LIMIT
 from pdgrpc.bootstrap.registry import WorkerRegistry, check_sizes
 from pdgrpc.bootstrap.service import BootstrapConfig, start_bootstrap_server
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, register_on, registration_from_args
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a room -> dp rank entry lives after its last registration; re-registering the same rank renews it (default: %(default)s)",
     )
     p.add_argument(
-        "--max-rooms", type=whole_number(1, "rooms"), default=DEFAULT_MAX_ROOMS, metavar="N",
+        "--max-rooms", type=whole_number(1, "rooms", maximum=MAX_ROOMS_LIMIT), default=DEFAULT_MAX_ROOMS, metavar="N",
         help="hard cap on rooms held; at the cap a new room evicts the oldest room no decode has queried yet (a queried room is never evicted; when every room is queried, new ones are refused with RESOURCE_EXHAUSTED until rooms expire). Memory is reserved for it: about 62 bytes per room, touched as rooms arrive (default: %(default)s)",
     )
     p.add_argument(
@@ -115,6 +115,8 @@ def _topology(text: str) -> tuple[int, int, int] | None:
 
 def check(args: argparse.Namespace) -> None:
     _topology(args.topology)
+    if args.max_batch > args.max_rooms:  # a call may carry no more rooms than the table holds
+        raise ValueError(f"--max-batch {args.max_batch} must be at most --max-rooms ({args.max_rooms})")
 
 
 def serve(args: argparse.Namespace) -> int:

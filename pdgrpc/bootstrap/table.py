@@ -60,7 +60,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S
+from pdgrpc.bootstrap.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_ROOMS, DEFAULT_TTL_S, MAX_ROOMS_LIMIT
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest, RoomConflict, RoomQuotaFull, RoomTableFull
 from pdgrpc.bootstrap.room_slots import W, RoomSlots, pow2_at_least
 
@@ -124,8 +124,8 @@ class RoomTable(RoomSlots):
         power of two >= 2 * max_rooms; at least max_batch)."""
         if not ttl > 0:
             raise InvalidBootstrapRequest(f"ttl must be > 0 seconds, got {ttl}")
-        if not 1 <= max_rooms <= 1 << 30:
-            raise InvalidBootstrapRequest(f"max_rooms must be in [1, 2**30], got {max_rooms}")
+        if not 1 <= max_rooms <= MAX_ROOMS_LIMIT:
+            raise InvalidBootstrapRequest(f"max_rooms must be in [1, {MAX_ROOMS_LIMIT}], got {max_rooms}")
         if not 1 <= max_batch <= max_rooms:
             raise InvalidBootstrapRequest(f"max_batch must be in [1, max_rooms={max_rooms}], got {max_batch}")
         self.ttl = float(ttl)

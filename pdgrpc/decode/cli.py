@@ -21,7 +21,11 @@ from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.state import DecodeDeadlines
 
-__all__ = ["DESCRIPTION", "build_parser", "scheduler_config_from_args"]
+__all__ = ["DESCRIPTION", "MAX_SLOTS", "build_parser", "scheduler_config_from_args"]
+
+# The most metadata slots a decode takes: each is one transfer in flight, and a million is
+# past any decode's load; more only allocate rows no request uses, until memory runs out.
+MAX_SLOTS = 1 << 20
 
 DESCRIPTION = """\
 A pdgrpc decode server (gRPC, pdgrpc.v1.DecodeService).
@@ -65,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dist-init", default="", help=argparse.SUPPRESS)  # set by rank 0 for the other ranks
     g.add_argument(
-        "--num-slots", type=whole_number(1, "slots"), default=256, metavar="N",
+        "--num-slots", type=whole_number(1, "slots", maximum=MAX_SLOTS), default=256, metavar="N",
         help="metadata slots: at most this many transfers in flight; more requests wait for a slot (default: %(default)s)",
     )
     g.add_argument(

@@ -24,11 +24,13 @@ import os
 
 from pdgrpc.errors import ConfigError
 
-__all__ = ["MMAP_THRESHOLD_MAX", "keep_freed_memory", "release_freed_memory"]
+__all__ = ["KEEP_MAX_MIB", "MMAP_THRESHOLD_MAX", "keep_freed_memory", "release_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1  # <malloc.h>
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit hosts (4 MiB * sizeof(long))
+_TRIM_MAX = 2**31 - 1  # mallopt takes an int
+KEEP_MAX_MIB = _TRIM_MAX >> 20  # the most freed memory, in whole MiB, keep_freed_memory can keep
 _USER_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
@@ -55,7 +57,7 @@ def keep_freed_memory(keep_bytes: int) -> str:
         return "skipped: not glibc"
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    trim = min(int(keep_bytes), 2**31 - 1)  # mallopt takes an int
+    trim = min(int(keep_bytes), _TRIM_MAX)
     if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) or not mallopt(_M_TRIM_THRESHOLD, trim):
         return "skipped: mallopt refused"
     return "applied"

@@ -8,6 +8,7 @@ the bootstrap address, so every worker builds the same engine.
 from __future__ import annotations
 
 import argparse
+import os
 
 from pdgrpc.argtypes import milliseconds, port, positive_seconds, rank_count, seconds, whole_number
 from pdgrpc.discovery.cli import add_discovery_arguments
@@ -95,8 +96,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "the pool runs short. A TP group computes each prompt from the cached prefix every rank holds.",
     )
     g.add_argument(
-        "--compute-threads", type=whole_number(1, "threads"), default=1,
-        help="torch intra-op threads per worker (results do not depend on it). Default: %(default)s",
+        # At most the host's CPUs: more only contend, and past the thread limit the worker crashes starting them.
+        "--compute-threads", type=whole_number(1, "threads", maximum=os.cpu_count() or 1), default=1,
+        help="torch intra-op threads per worker, at most the host's CPUs (results do not depend on it). Default: %(default)s",
     )
     add_engine_arguments(parser)
     add_transport_arguments(parser)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pdgrpc.argtypes import port, seconds
+from pdgrpc.argtypes import port, positive_seconds, seconds
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, membership_watcher
 from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS
 from pdgrpc.errors import PdgrpcError
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "this host, where Decode is then called instead of over gRPC",
     )
     p.add_argument(
-        "--request-timeout", type=float, default=300.0, metavar="SECONDS",
+        "--request-timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
         help="deadline of the Prefill and Decode calls of one request (a client's own, shorter deadline wins) (default: %(default)s)",
     )
     p.add_argument(

@@ -68,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import time
@@ -225,8 +226,8 @@ class RouterConfig:
             raise ValueError("the router needs at least one --decode (or --discovery)")
         for d in self.decodes:
             check_address(d, "--decode")
-        if not self.request_timeout > 0:
-            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        if not 0 < self.request_timeout < math.inf:  # a deadline of inf fails every call at once
+            raise ValueError(f"--request-timeout must be a finite number of seconds > 0, got {self.request_timeout}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.retries < 0:

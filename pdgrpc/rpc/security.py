@@ -45,6 +45,7 @@ from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.limits import HandlerWrapper
 from pdgrpc.rpc.loopback_peer import LocalUsers
 from pdgrpc.rpc.roles import GATEWAY, OPEN_METHODS, ROLE_URI, ROLES, callers
+from pdgrpc.rpc.tls_files import check_ca, check_server_pair
 
 __all__ = [
     "AUTH_HEADER",
@@ -548,6 +549,12 @@ def security_from_args(ns: argparse.Namespace) -> Security:
                        (security.public_cert, "--public-tls-cert"), (security.public_key, "--public-tls-key")):
         if path is not None:
             _read(path, flag)
+    for cert, key, cert_flag, key_flag in ((security.cert, security.key, "--tls-cert", "--tls-key"),
+                                           (security.public_cert, security.public_key, "--public-tls-cert", "--public-tls-key")):
+        if cert is not None and key is not None:
+            check_server_pair(cert, key, cert_flag, key_flag)
+    if security.ca is not None:
+        check_ca(security.ca, "--tls-ca")
     metrics_host = getattr(ns, "metrics_host", None)
     if getattr(ns, "metrics_port", None) is not None and metrics_host and not is_loopback(metrics_host) and not ns.insecure:
         # Plain HTTP without authentication: counters only, but nobody's business outside.

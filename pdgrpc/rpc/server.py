@@ -46,11 +46,13 @@ Each server gets:
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import inspect
 import logging
 import resource
 import signal
+import socket
 from typing import Any, Awaitable, Callable, Collection, Coroutine, Iterable, Sequence, TypeVar
 
 import grpc
@@ -345,11 +347,33 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: Any, what:
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
-    except RuntimeError as exc:  # grpc's way of saying "bind failed" (the reason is only on stderr)
-        raise OSError(f"{what}: cannot bind {bind} (address in use, or not an address of this host)") from exc
+    except RuntimeError:  # grpc's way of saying "bind failed" (the reason is only on its stderr)
+        raise OSError(f"{what}: cannot bind {bind}: {_bind_failure(host, port)}") from None
     if bound == 0:
-        raise OSError(f"{what}: cannot bind {bind}")
+        raise OSError(f"{what}: cannot bind {bind}: {_bind_failure(host, port)}")
     return int(bound)
+
+
+# What a user makes of a bind's errno.
+_BIND_ERRNOS = {errno.EADDRINUSE: "address in use", errno.EADDRNOTAVAIL: "not an address of this host",
+                errno.EACCES: "permission denied (a port below 1024 needs privileges)"}
+
+
+def _bind_failure(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound, found by binding a plain socket there as grpc
+    does (grpc gives no reason); a generic reason where that socket binds after all."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return "unknown host"
+    for family, kind, proto, _name, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                return _BIND_ERRNOS.get(exc.errno or 0, exc.strerror or str(exc))
+    return "address in use, or not an address of this host"
 
 
 def _started(rpc: RpcServer | None, timeout: float | None) -> float:

@@ -96,21 +96,39 @@ def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _trace_arg(value: str) -> str:
     try:
-        return choice(value)
+        return _checked(*_source(value))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def choice(value: str | None) -> str:
-    """The tracing mode ``--trace`` ``value`` selects (empty: the environment's), checked."""
-    if not value:
-        value = os.environ.get(ENV) or os.environ.get("OTEL_TRACES_EXPORTER", "off")
+def _source(value: str | None) -> tuple[str, str]:
+    """The mode ``--trace`` ``value`` names (empty: the environment's), and what names it
+    ("" for the flag, else ``$VARIABLE``): a bad mode is refused naming where it came from."""
+    if value:
+        return value, ""
+    for var in (ENV, "OTEL_TRACES_EXPORTER"):
+        if os.environ.get(var):
+            return os.environ[var], f"${var} "
+    return "off", ""
+
+
+def _checked(value: str, source: str) -> str:
     value = value.strip() or "off"
     if value == "none":  # OTEL_TRACES_EXPORTER's word for off
         value = "off"
     if value in ("off", "otlp", "console") or (value.startswith("file:") and len(value) > 5):
         return value
-    raise ValueError(f"--trace: {value!r} is not one of {', '.join(_MODES)}")
+    raise ValueError(f"{source}{value!r} is not one of {', '.join(_MODES)}")
+
+
+def choice(value: str | None) -> str:
+    """The tracing mode ``--trace`` ``value`` selects (empty: the environment's), checked:
+    ValueError naming the flag or the variable that gave a bad one."""
+    mode, source = _source(value)
+    try:
+        return _checked(mode, source)
+    except ValueError as exc:
+        raise ValueError(f"--trace: {exc}" if not source else str(exc)) from None
 
 
 def setup_tracing(value: str | None, service: str) -> None:

@@ -151,9 +151,10 @@ def _check_memory(ns: argparse.Namespace, kv_bytes: int, weights_bytes: int) -> 
     if available is None or kv_bytes + weights_bytes <= available:
         return
     weights = f" besides {weights_bytes / 1e9:.2f} GB of weights" if weights_bytes else ""
+    # Both flags are named: the pool is their product, and either may be the one typed.
     raise ConfigError(
-        f"--num-pages {ns.num_pages}: the KV pool needs {kv_bytes / 1e9:.2f} GB{weights}, more than the "
-        f"{available / 1e9:.2f} GB available on {device}; pass a smaller --num-pages"
+        f"--num-pages {ns.num_pages} of --page-size {ns.page_size} tokens: the KV pool needs {kv_bytes / 1e9:.2f} GB"
+        f"{weights}, more than the {available / 1e9:.2f} GB available on {device}; pass a smaller --num-pages or --page-size"
     )
 
 

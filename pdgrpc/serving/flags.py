@@ -28,7 +28,7 @@ from typing import Any
 
 from pdgrpc.argtypes import whole_number
 from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS, EngineConfig, ModelConfig, default_max_prompt_tokens
-from pdgrpc.engine.malloc import keep_freed_memory
+from pdgrpc.engine.malloc import KEEP_MAX_MIB, keep_freed_memory
 from pdgrpc.errors import ConfigError
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
 from pdgrpc.transport import registry
@@ -93,7 +93,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--malloc-keep-mib",
-        type=_non_negative_int,
+        type=whole_number(0, maximum=KEEP_MAX_MIB),
         default=256,
         help="glibc malloc in this process: serve allocations up to 32 MiB from the heap and keep up to this "
         "many MiB of freed memory instead of returning it to the kernel (the compute's temporaries otherwise "

@@ -118,6 +118,9 @@ def _launch(module: str, argv: list[str] | None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     parser = role.build_parser()
+    # Flags are taken whole: an abbreviation would make a flag the role does not take
+    # (a decode's --bootstrap) another one it does (--bootstrap-timeout), with its value.
+    parser.allow_abbrev = False
     ns = parser.parse_args(args)
     ns.argv = args  # as given: a role that starts copies of itself passes them on
     try:

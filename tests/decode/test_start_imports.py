@@ -45,6 +45,10 @@ FLAG_ERRORS = [
     (["--transport", "fake", "--model-size", "tiny", "--tp-size", "3"], "--tp-size 3 must divide the model's num_heads"),
     (["--transport", "fake", "--tp-size", "2", "--metrics-port", "65535"], "--metrics-port 65535 leaves no port at offset 1"),
     (["--transport", "fake", "--discovery", "bogus://x"], "--discovery 'bogus://x'"),
+    # Taken, its metadata rows (57 TB) fail to allocate in a traceback once torch loads.
+    (["--transport", "fake", "--num-slots", "99999999999"], "argument --num-slots: must be <= 1048576 slots, got 99999999999"),
+    # A flag the decode does not take, never the one it abbreviates (--bootstrap-timeout).
+    (["--transport", "fake", "--bootstrap", "127.0.0.1:1"], "unrecognized arguments: --bootstrap 127.0.0.1:1"),
 ]
 
 

@@ -135,6 +135,8 @@ def _refusals(src: Path, tmp: Path) -> list[tuple[str, Path, str]]:
     import numpy as np
 
     out = [("missing file", tmp / "absent.gguf", "absent.gguf: file not found")]
+    (tmp / "folder.gguf").mkdir()
+    out.append(("a directory", tmp / "folder.gguf", "folder.gguf: a directory, not a GGUF file"))
     p = tmp / "text.gguf"
     p.write_text("not a model")
     out.append(("not GGUF", p, "text.gguf: not a GGUF file"))

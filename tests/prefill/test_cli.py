@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -47,6 +48,8 @@ def test_every_flag_has_help_text() -> None:
         (["--load-balance-method", "random"], "invalid choice: 'random'"),
         (["--malloc-keep-mib", "-1"], "--malloc-keep-mib: must be >= 0, got -1"),
         (["--malloc-keep-mib", "lots"], "--malloc-keep-mib: expected a whole number, got 'lots'"),
+        # glibc keeps at most 2 GiB (mallopt takes an int): a larger value would be cut silently.
+        (["--malloc-keep-mib", "4096"], "--malloc-keep-mib: must be <= 2047, got 4096"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,6 +67,8 @@ def test_bad_flags_exit_2_naming_the_problem(argv: list[str], message: str, caps
         (["--bootstrap-ttl", "0"], "argument --bootstrap-ttl: must be a finite number of seconds > 0, got 0"),
         (["--worker-start-timeout", "0"], "argument --worker-start-timeout: must be a finite number of seconds > 0, got 0"),
         (["--compute-threads", "0"], "argument --compute-threads: must be >= 1 threads, got 0"),
+        # Taken, 100000 threads crash the worker (a traceback, then SIGSEGV) as it starts them.
+        (["--compute-threads", "100000"], f"argument --compute-threads: must be <= {os.cpu_count()} threads, got 100000"),
         (["--grace", "-1"], "argument --grace: must be a finite number of seconds >= 0, got -1"),
         (["--page-wait-timeout", "-1"], "argument --page-wait-timeout: must be a finite number of seconds >= 0, got -1"),
         (["--worker-respawn-max-backoff", "-1"], "argument --worker-respawn-max-backoff: must be a finite number of seconds >= 0, got -1"),
@@ -153,7 +158,7 @@ def test_a_port_in_use_is_one_line_and_exit_2() -> None:
         cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", "--port", str(port)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert f"pdgrpc prefill controller: cannot bind 127.0.0.1:{port} (address in use" in out.stderr
+    assert f"pdgrpc prefill controller: cannot bind 127.0.0.1:{port}: address in use\n" in out.stderr
     assert "Traceback" not in out.stderr
 
 

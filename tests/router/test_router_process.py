@@ -55,7 +55,10 @@ def test_missing_backends_are_a_usage_error():
         (["--local-prefill-queue", "-1"], "--local-prefill-queue must be >= 0, got -1"),
         (["--migration-limit", "-1"], "--migration-limit must be >= 0, got -1"),
         (["--migration-max-seq-len", "-1"], "--migration-max-seq-len must be >= 0, got -1"),
-        (["--request-timeout", "0"], "--request-timeout must be > 0, got 0.0"),
+        (["--request-timeout", "0"], "argument --request-timeout: must be a finite number of seconds > 0, got 0"),
+        # Taken, a deadline of inf fails every call at once with DEADLINE_EXCEEDED.
+        (["--request-timeout", "inf"], "argument --request-timeout: must be a finite number of seconds > 0, got inf"),
+        (["--request-timeout", "nan"], "argument --request-timeout: must be a finite number of seconds > 0, got nan"),
     ],
 )
 def test_a_count_below_its_least_is_a_usage_error_naming_the_flag(flags: list[str], message: str) -> None:
@@ -64,6 +67,23 @@ def test_a_count_below_its_least_is_a_usage_error_naming_the_flag(flags: list[st
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"python -m pdgrpc.router: error: {message}" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+# A bare IPv6 address reads as HOST:PORT at its last colon: taken, "::1" is port 1 of "::".
+BARE_IPV6 = [
+    (["--prefill", "::1", "--decode", "127.0.0.1:2"], "--prefill: '::1' is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)"),
+    (["--prefill", "127.0.0.1:1", "--decode", "::1:8000"], "--decode: '::1:8000' is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)"),
+    (["--prefill", "127.0.0.1:1,bootstrap=fe80::1", "--decode", "127.0.0.1:2"],
+     "--prefill bootstrap=: 'fe80::1' is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BARE_IPV6, ids=[" ".join(f) for f, _ in BARE_IPV6])
+def test_an_ipv6_address_without_brackets_is_refused(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pdgrpc.router", "--port", "0", *flags]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"python -m pdgrpc.router: error: {message}" in out.stderr, out.stderr[-3000:]
 
 
 def test_a_metrics_port_in_use_names_the_flag():

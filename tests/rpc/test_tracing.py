@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,21 @@ def test_a_file_dir_that_cannot_be_a_directory_is_one_line(where: str, tmp_path:
     assert out.returncode != 0
     assert f"--trace file:{directory}: cannot make the directory" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# (the flag's value or None, the environment, the error's message): a bad mode is named by
+# where it came from, the flag or the variable, never as the flag the user did not type.
+BAD_MODES = [
+    (["--trace", "jaeger"], {}, "argument --trace: 'jaeger' is not one of off, otlp, console, file:DIR"),
+    ([], {"PDGRPC_TRACE": "jaeger"}, "argument --trace: $PDGRPC_TRACE 'jaeger' is not one of off, otlp, console, file:DIR"),
+    ([], {"OTEL_TRACES_EXPORTER": "zipkin"}, "argument --trace: $OTEL_TRACES_EXPORTER 'zipkin' is not one of off, otlp, console, file:DIR"),
+]
+
+
+@pytest.mark.parametrize("argv, env, message", BAD_MODES, ids=["flag", "PDGRPC_TRACE", "OTEL_TRACES_EXPORTER"])
+def test_a_bad_trace_mode_names_where_it_came_from(argv: list[str], env: dict[str, str], message: str) -> None:
+    environ = {k: v for k, v in os.environ.items() if k not in ("PDGRPC_TRACE", "OTEL_TRACES_EXPORTER")}
+    cmd = [sys.executable, "-m", "pdgrpc.router", "--port", "0", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", *argv]
+    out = subprocess.run(cmd, env={**environ, **env}, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"python -m pdgrpc.router: error: {message}" in out.stderr, out.stderr[-2000:]

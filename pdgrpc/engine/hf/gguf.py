@@ -319,6 +319,8 @@ def _read_metadata(path: Path, mtime_ns: int) -> GGUFMetadata:
 def read_metadata(path: str | Path) -> GGUFMetadata:
     """The metadata of the GGUF file at ``path`` (read once per file version and process)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--model {p}: a directory, not a GGUF file")
     if not p.is_file():
         raise ConfigError(f"--model {p}: file not found (a GGUF file)")
     return _read_metadata(p.resolve(), p.stat().st_mtime_ns)
