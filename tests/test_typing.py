@@ -1,6 +1,6 @@
 """The whole pdgrpc package type-checks under mypy's default mode, with the config in
-pyproject.toml (``files = ["pdgrpc"]``). pdgrpc.state and pdgrpc.metrics are also held
-to ``--strict`` (tests/state/test_state_purity.py, ``make typecheck``)."""
+pyproject.toml (``files = ["pdgrpc"]``), which holds pdgrpc.state and pdgrpc.metrics to
+``--strict``'s flags (tests/state/test_state_purity.py checks that it does)."""
 
 from __future__ import annotations
 
