@@ -243,7 +243,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         "pdgrpc_aborts_total", "counter",
         "Requests aborted on this server (count), by reason: the decode state machine's AbortReason "
         "(metadata_corruption, peer_failure, transfer_failed, tp_desync, cancelled, one *_timeout per state) or a "
-        "server-side cause (peer_failure, rejected_write, dp_rank_conflict, prefill_error, decode_error, "
+        "server-side cause (peer_failure, rejected_write, dp_rank_conflict, prefill_error, decode_error, bad_request, "
         "internal_error, shutdown, drain_timeout).",
         ("role", "reason"), (_P, _D, _X),
     ),

@@ -60,7 +60,8 @@ generic ABORTED, while the prefill knows the cause (e.g. the prompt is too long)
 
 What decides steps 4 to 7 -- which side failed, whether the request goes again, under
 which reason -- is the pure :class:`~pdgrpc.state.route_fate.RouteFate`; this servicer
-classifies each call's status once (UNAVAILABLE, INTERNAL, or another) and executes.
+classifies each call's status once (UNAVAILABLE, INTERNAL, ABORTED, a refusal of the
+request as invalid, or another) and executes.
 """
 
 from __future__ import annotations
@@ -270,6 +271,8 @@ _ENDINGS = {
     grpc.StatusCode.CANCELLED: Ending.UNREACHABLE,
     grpc.StatusCode.INTERNAL: Ending.BROKEN,
     grpc.StatusCode.ABORTED: Ending.ABORTED,
+    grpc.StatusCode.INVALID_ARGUMENT: Ending.INVALID,
+    grpc.StatusCode.OUT_OF_RANGE: Ending.INVALID,
 }
 
 

@@ -53,6 +53,7 @@ class Ending(enum.Enum):
     UNREACHABLE = "unreachable"  # UNAVAILABLE: its server, or a worker behind it, is gone, unreachable or draining
     BROKEN = "broken"  # INTERNAL: a reset stream, unless the server named a reason
     ABORTED = "aborted"  # ABORTED: the server gave the request up (a prefill whose decode died does)
+    INVALID = "invalid"  # INVALID_ARGUMENT, OUT_OF_RANGE: the server refused the request itself as wrong
     ANSWERED = "answered"  # any other status: the server's own answer
 
 
@@ -82,15 +83,22 @@ class CallEnd:
     reason: AnyAbortReason
 
 
-def _peer_or(ending: Ending, otherwise: ServerAbortReason) -> ServerAbortReason:
-    # An unreachable server is a peer failure, not an error of the request: a dead
-    # worker's requests end this way.
-    return ServerAbortReason.PEER_FAILURE if ending is Ending.UNREACHABLE else otherwise
+# Endings whose reason is not the failed side's: an unreachable server is a peer failure,
+# not an error of the request (a dead worker's requests end this way); a request refused
+# as wrong is the client's mistake, and the server that said so did not fail.
+_REASON_OF_ENDING: dict[Ending, ServerAbortReason] = {
+    Ending.UNREACHABLE: ServerAbortReason.PEER_FAILURE,
+    Ending.INVALID: ServerAbortReason.BAD_REQUEST,
+}
+
+
+def _reason(ending: Ending, side_failed: ServerAbortReason) -> ServerAbortReason:
+    return _REASON_OF_ENDING.get(ending, side_failed)
 
 
 def prefill_failure(ending: Ending) -> CallEnd:
     """A failed prefill call."""
-    return CallEnd(Side.PREFILL, ending, _peer_or(ending, ServerAbortReason.PREFILL_ERROR))
+    return CallEnd(Side.PREFILL, ending, _reason(ending, ServerAbortReason.PREFILL_ERROR))
 
 
 def decode_outlives(prefill_end: CallEnd) -> bool:
@@ -128,7 +136,7 @@ def blame_decode(
         if prefill_end is None:
             raise ValueError("prefill_end: a failed prefill call needs its end")
         return Blame.PREFILL_CAUSE, prefill_end
-    return Blame.DECODE, CallEnd(decode, ending, _peer_or(ending, ServerAbortReason.DECODE_ERROR))
+    return Blame.DECODE, CallEnd(decode, ending, _reason(ending, ServerAbortReason.DECODE_ERROR))
 
 
 class RouteState(enum.Enum):

@@ -459,7 +459,7 @@ async def test_metrics_count_each_request_once_by_how_it_ended(cluster):
             await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
         with pytest.raises(grpc.aio.AioRpcError):  # refused by the router itself
             await collect(stub.Generate(generate_pb2.GenerateRequest(input_ids=[256, 300])))
-        prefill.fail = (grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        prefill.fail = (grpc.StatusCode.INTERNAL, "the engine failed")
         for d in decodes:
             d.wait_forever = True  # only the prefill's failure can end this request
         with pytest.raises(grpc.aio.AioRpcError):
@@ -497,6 +497,39 @@ async def test_metrics_count_each_request_once_by_how_it_ended(cluster):
         assert s.value("pdgrpc_active_requests", **r) == 0
     finally:
         router.metrics.unbind()
+        stop()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE])
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_a_request_an_upstream_refuses_as_invalid_is_counted_as_a_bad_request(cluster, side, code):
+    """A prefill or decode that refuses the request as invalid failed nothing: the client
+    gets that status with the upstream's message, and the router counts the abort as
+    bad_request, not as prefill_error or decode_error."""
+    stub, prefill, decodes, p_addr, d_addrs, router = cluster
+    port, stop = start_metrics_server(router.metrics.registry, "127.0.0.1", 0)
+    try:
+        if side == "prefill":
+            prefill.fail = (code, "sampling.top_k must be >= 0, got -3")
+            for d in decodes:
+                d.wait_forever = True  # only the prefill's refusal can end this request
+        else:
+            prefill.hang = True  # only the decode's refusal can end this request
+            for d in decodes:
+                d.fail_after, d.fail = 0, (code, "sampling.top_k must be >= 0, got -3")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(generate_pb2.GenerateRequest(prompt="x")))
+        assert err.value.code() == code
+        upstream = p_addr if side == "prefill" else d_addrs[0]
+        assert err.value.details() == f"{side} {upstream} failed: {code.name}: sampling.top_k must be >= 0, got -3"
+        await wait_for(lambda: router.active == 0, 10.0)
+        s = await asyncio.to_thread(scrape, f"127.0.0.1:{port}")
+        r = {"role": "router"}
+        assert s.value("pdgrpc_requests_total", state="aborted", **r) == 1
+        assert s.value("pdgrpc_aborts_total", reason="bad_request", **r) == 1
+        for other in ("prefill_error", "decode_error", "cancelled", "internal_error"):
+            assert s.value("pdgrpc_aborts_total", reason=other, **r) == 0, other
+    finally:
         stop()
 
 

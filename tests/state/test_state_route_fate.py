@@ -148,3 +148,28 @@ def test_a_prefill_that_gave_up_leaves_its_decode_a_moment_to_say_it_died() -> N
     assert lost == (Blame.DECODE, GONE_DECODE)
     # a decode that gave the request up itself, naming no reason, lost no connection
     assert blame_decode(Ending.ABORTED, None, PrefillCall.RUNNING, None, waited=False) is None
+
+
+BAD = ServerAbortReason.BAD_REQUEST
+
+
+def test_a_request_a_prefill_refuses_as_invalid_counts_as_a_bad_request_not_a_prefill_error() -> None:
+    """The client's mistake: no retry, nobody ejected, no migration after tokens, and the
+    decode call is cancelled at once."""
+    refused = prefill_failure(Ending.INVALID)
+    assert refused == CallEnd(Side.PREFILL, Ending.INVALID, BAD)
+    f = fate(retries=5)
+    assert isinstance(f.handle(AttemptFailed(refused, in_time=True)), Fail) and f.eject is None
+    g = fate(migration_limit=5)
+    g.handle(Relayed([7]))
+    assert isinstance(g.handle(AttemptFailed(refused, in_time=True)), Fail) and g.eject is None
+    assert not decode_outlives(refused)
+
+
+def test_a_request_a_decode_refuses_as_invalid_counts_as_a_bad_request_not_a_decode_error() -> None:
+    for prefill in (PrefillCall.ANSWERED, PrefillCall.RUNNING):
+        assert blame_decode(Ending.INVALID, None, prefill, None, waited=True) == (
+            Blame.DECODE, CallEnd(Side.DECODE, Ending.INVALID, BAD)
+        )
+    # a prefill that failed too still knows the cause
+    assert blame_decode(Ending.INVALID, None, PrefillCall.FAILED, GONE_PREFILL, waited=True) == (Blame.PREFILL_CAUSE, GONE_PREFILL)
