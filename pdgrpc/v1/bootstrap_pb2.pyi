@@ -75,7 +75,10 @@ class DpRankEntry(_message.Message):
     BOOTSTRAP_ROOM_FIELD_NUMBER: _builtins.int
     DP_RANK_FIELD_NUMBER: _builtins.int
     bootstrap_room: _builtins.int
-    """The request's bootstrap room: random 63-bit id, never 0 (0 means "not written")."""
+    """The request's bootstrap room: random 63-bit id, never 0 (0 means "not written"). The
+    table takes any other uint64, as pdgrpc.v1 clients may send; prefill and decode refuse
+    a room of 2**63 or more, so such a room is never asked for.
+    """
     dp_rank: _builtins.int
     """The prefill dp rank serving the room, in [0, dp_size)."""
     def __init__(
