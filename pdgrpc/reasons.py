@@ -57,10 +57,11 @@ class ServerAbortReason(str, enum.Enum):
     PEER_FAILURE = "peer_failure"  # the other process or its connection died (worker exit, transport peer gone)
     REJECTED_WRITE = "rejected_write"  # the receiver rejected a write outside the pages/slot it advertised
     DP_RANK_CONFLICT = "dp_rank_conflict"  # routed dp rank contradicts strict follow_bootstrap_room
-    PREFILL_ERROR = "prefill_error"  # the prefill failed or refused the request (seen by decode, router)
+    PREFILL_ERROR = "prefill_error"  # the prefill failed or refused the request, not as invalid (seen by decode, router)
     DECODE_ERROR = "decode_error"  # the decode failed or aborted the request (seen by prefill, router)
     # A server refused the request itself as wrong (INVALID_ARGUMENT, OUT_OF_RANGE; seen by
-    # the router): the client's mistake, which fails on any instance, not a server's failure.
+    # the router and, from its prefill, the decode): the client's mistake, which fails on any
+    # instance, not a server's failure.
     BAD_REQUEST = "bad_request"
     INTERNAL_ERROR = "internal_error"  # an unexpected exception here (engine failure, bug)
     SHUTDOWN = "shutdown"  # the server stopped while the request was in flight

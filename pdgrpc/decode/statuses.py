@@ -17,6 +17,7 @@ import grpc
 
 from pdgrpc.errors import RequestFailed
 from pdgrpc.reasons import AbortReason, AnyAbortReason, ServerAbortReason
+from pdgrpc.rpc.errors import REQUEST_INVALID
 
 __all__ = ["PeerAnswer", "Refusal", "ending", "peer_answer", "prefill_failure", "refused_by_prefill"]
 
@@ -100,17 +101,21 @@ def peer_answer(code: grpc.StatusCode | None) -> PeerAnswer:
 
 def prefill_failure(room: int, code: int, reason: str) -> RequestFailed:
     """What a request ends with when its prefill reports ``code`` (a ``grpc.StatusCode``
-    value) and ``reason``: that code (ABORTED for OK or one unknown), abort reason
-    ``prefill_error``, or ``cancelled`` for a prefill its caller cancelled."""
+    value) and ``reason``: that code (ABORTED for OK or one unknown), and the abort reason
+    of :func:`refused_by_prefill`, or ``cancelled`` for a prefill its caller cancelled."""
     status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.ABORTED)
     if status == grpc.StatusCode.OK:
         status = grpc.StatusCode.ABORTED
+    message = f"room {room}: the prefill failed ({status.name}): {reason}"
     # A prefill cancelled by its caller: the same caller is cancelling this leg.
-    why = AbortReason.CANCELLED if status == grpc.StatusCode.CANCELLED else ServerAbortReason.PREFILL_ERROR
-    return RequestFailed(status, f"room {room}: the prefill failed ({status.name}): {reason}", why)
+    if status == grpc.StatusCode.CANCELLED:
+        return RequestFailed(status, message, AbortReason.CANCELLED)
+    return refused_by_prefill(status, message)
 
 
 def refused_by_prefill(code: grpc.StatusCode, message: str) -> RequestFailed:
     """A request its prefill refused with the status ``code`` (a worker's reply to the
-    handshake, or what its bootstrap listed): that status, abort reason ``prefill_error``."""
-    return RequestFailed(code, message, ServerAbortReason.PREFILL_ERROR)
+    handshake, or what its bootstrap listed): that status, abort reason ``bad_request``
+    where the prefill found the request itself invalid, else ``prefill_error``."""
+    why = ServerAbortReason.BAD_REQUEST if code in REQUEST_INVALID else ServerAbortReason.PREFILL_ERROR
+    return RequestFailed(code, message, why)

@@ -90,7 +90,7 @@ from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.local import LocalChannel
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, OpenCalls, TooManyOpenCalls
 from pdgrpc.rpc.security import current
-from pdgrpc.rpc.errors import reason_of
+from pdgrpc.rpc.errors import REQUEST_INVALID, reason_of
 from pdgrpc.serving.kv_events import LOCAL_PREFILL
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.logs import request_event
@@ -271,8 +271,7 @@ _ENDINGS = {
     grpc.StatusCode.CANCELLED: Ending.UNREACHABLE,
     grpc.StatusCode.INTERNAL: Ending.BROKEN,
     grpc.StatusCode.ABORTED: Ending.ABORTED,
-    grpc.StatusCode.INVALID_ARGUMENT: Ending.INVALID,
-    grpc.StatusCode.OUT_OF_RANGE: Ending.INVALID,
+    **{code: Ending.INVALID for code in REQUEST_INVALID},
 }
 
 

@@ -23,12 +23,17 @@ import grpc
 from pdgrpc.errors import PdgrpcError
 from pdgrpc.reasons import AnyAbortReason, abort_label
 
-__all__ = ["REASON_KEY", "RpcError", "Unavailable", "map_rpc_error", "reason_metadata", "reason_of"]
+__all__ = ["REASON_KEY", "REQUEST_INVALID", "RpcError", "Unavailable", "map_rpc_error", "reason_metadata", "reason_of"]
 
 # Trailing metadata key of the abort reason (``peer_failure``, ``drain_timeout``, ...) a
 # pdgrpc server ends a failed call with: a status without it came from the connection
 # (the server is gone, the stream was reset), not from the server.
 REASON_KEY = "pdgrpc-reason"
+
+# The codes by which a server refuses the request itself (a field out of range, a prompt
+# past the context): the client's mistake, which fails the same on every instance, so it
+# is counted as ``bad_request`` and never sent again elsewhere.
+REQUEST_INVALID = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
 
 
 def reason_metadata(reason: AnyAbortReason) -> tuple[tuple[str, str], ...]:

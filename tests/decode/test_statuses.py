@@ -36,3 +36,16 @@ def test_a_peer_status_is_read_in_one_place() -> None:
     assert prefill_failure(5, 0, "?").code == grpc.StatusCode.ABORTED
     assert prefill_failure(5, 99, "?").code == grpc.StatusCode.ABORTED
     assert prefill_failure(5, grpc.StatusCode.CANCELLED.value[0], "gone").reason is AbortReason.CANCELLED
+
+
+def test_a_prefill_that_refused_the_request_as_invalid_counts_as_a_bad_request_not_a_prefill_error() -> None:
+    # The decode's aborts_total then tells a client's mistake from a failing prefill.
+    from pdgrpc.decode.statuses import refused_by_prefill
+
+    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        reported = prefill_failure(5, code.value[0], "the prompt is longer than the context")
+        assert (reported.code, reported.reason) == (code, ServerAbortReason.BAD_REQUEST)
+        refused = refused_by_prefill(code, "room 5: handshake refused")
+        assert (refused.code, refused.reason) == (code, ServerAbortReason.BAD_REQUEST)
+    assert prefill_failure(5, grpc.StatusCode.INTERNAL.value[0], "boom").reason is ServerAbortReason.PREFILL_ERROR
+    assert refused_by_prefill(grpc.StatusCode.FAILED_PRECONDITION, "m").reason is ServerAbortReason.PREFILL_ERROR

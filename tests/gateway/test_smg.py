@@ -265,7 +265,8 @@ async def test_a_prefill_that_refuses_gives_an_http_error_and_frees_everything_a
     # smg aborts no leg: the decode ends its leg because the prefill said the room failed.
     await wait_nothing_held(cluster, timeout=FREE_WITHIN_S)
     after = await Counters.read(cluster)
-    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:prefill_error": 1}
+    # The prefill refused the prompt as invalid: the client's mistake, not a failing prefill.
+    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:bad_request": 1}
     # and the cluster still serves
     status, body = await call(smg_http.post, base(cluster), "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 3})
     assert status == 200, body
@@ -281,7 +282,7 @@ async def test_a_prefill_that_fails_at_its_start_fails_the_decode_leg_at_once(cl
     assert status >= 400 and "max_prompt_tokens" in str(body), body
     await wait_nothing_held(cluster, timeout=FREE_WITHIN_S)
     after = await Counters.read(cluster)
-    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:prefill_error": 1}
+    assert after.requests(before, "decode") == {"finished": 0, "aborted": 1, "refused": 0, "aborted:bad_request": 1}
 
 
 async def test_a_prefill_that_fails_mid_transfer_gives_an_http_error_and_frees_everything_at_once(cluster):
