@@ -28,9 +28,10 @@ from typing import Callable, Iterable
 import grpc
 
 from pdgrpc.bootstrap.errors import InvalidBootstrapRequest
+from pdgrpc.errors import ConfigError
 from pdgrpc.rpc.open_calls import TooManyOpenCalls
 from pdgrpc.serving.room_proof import SECRET_BYTES
-from pdgrpc.state.room import ROOM_LIMIT
+from pdgrpc.state.room import as_room
 from pdgrpc.v1 import bootstrap_pb2 as pb
 
 __all__ = ["MAX_BATCH", "MAX_HELD_KEYS", "MAX_HELD_KEYS_PER_CALLER", "MAX_REASON_CHARS", "MAX_WAIT_MS", "RoomFailures"]
@@ -59,10 +60,10 @@ def _check_keys(keys: Iterable[pb.RoomFailureKey], what: str) -> list[pb.RoomFai
     if len(out) > MAX_BATCH:
         raise InvalidBootstrapRequest(f"{what}: {len(out)} entries is over the limit of {MAX_BATCH} per call; split it")
     for i, k in enumerate(out):
-        if k.bootstrap_room == 0:
-            raise InvalidBootstrapRequest(f"{what}[{i}].bootstrap_room must not be 0")
-        if k.bootstrap_room >= ROOM_LIMIT:
-            raise InvalidBootstrapRequest(f"{what}[{i}].bootstrap_room must be in [1, 2**63), got {k.bootstrap_room}")
+        try:
+            as_room(k.bootstrap_room, f"{what}[{i}].bootstrap_room")
+        except ConfigError as exc:
+            raise InvalidBootstrapRequest(str(exc)) from None
         if len(k.tag) != TAG_BYTES:
             raise InvalidBootstrapRequest(f"{what}[{i}].tag must be {TAG_BYTES} bytes, got {len(k.tag)}")
     return out

@@ -58,7 +58,7 @@ async def test_a_record_or_a_query_without_the_secret_changes_and_learns_nothing
 @pytest.mark.parametrize(
     ("key", "field"),
     [
-        (pb.RoomFailureKey(bootstrap_room=0, tag=bytes(32)), "bootstrap_room"),
+        (pb.RoomFailureKey(bootstrap_room=0, tag=bytes(32)), r"\[0\]\.bootstrap_room must be in \[1, 2\*\*63\), got 0"),
         (pb.RoomFailureKey(bootstrap_room=2**63, tag=bytes(32)), r"\[0\]\.bootstrap_room must be in \[1, 2\*\*63\)"),
         (pb.RoomFailureKey(bootstrap_room=ROOM, tag=b"short"), "tag"),
     ],
