@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import subprocess
 import sys
 from typing import Any
@@ -50,6 +51,27 @@ def test_ports_in_range_are_taken(module: str) -> None:
 def test_colocated_refuses_a_chunk_size_below_1(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     # Taken, such a chunk size fails every request, over a value no request set.
     assert f"argument --chunk-size: must be >= 1 tokens, got {value}" in usage_error(lambda: _parser("pdgrpc.colocated.server").parse_args(["--chunk-size", value]), capsys)
+
+
+# (module, flag, the most it takes, unit in the refusal): counts a user types whose
+# largest sensible value is far below what an int holds.
+COUNT_BOUNDS = [
+    ("pdgrpc.router.server", "--retries", 100, ""),
+    ("pdgrpc.prefill.controller_main", "--chunk-size", 1 << 20, " tokens"),
+    ("pdgrpc.colocated.server", "--chunk-size", 1 << 20, " tokens"),
+]
+
+
+@pytest.mark.parametrize("module, flag, most, unit", COUNT_BOUNDS, ids=[f"{m.split('.')[1]}{f}" for m, f, _, _ in COUNT_BOUNDS])
+def test_a_count_past_its_documented_maximum_is_refused(module: str, flag: str, most: int, unit: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Taken, 10**12 retries keep a request on a failing cluster until its deadline, and a
+    # chunk of 10**15 tokens is no chunk at all: each says the user meant something else.
+    for value in (most + 1, 10**12, 10**15):
+        err = usage_error(lambda: _parser(module).parse_args([flag, str(value)]), capsys)
+        assert f"argument {flag}: must be <= {most}{unit}, got {value}" in err
+    assert getattr(_parser(module).parse_args([flag, str(most)]), flag[2:].replace("-", "_")) == most
+    entry = re.search(rf"^  +{flag} .*?(?=^  +-|\Z)", _parser(module).format_help(), re.M | re.S)
+    assert entry is not None and f"at most {most}" in " ".join(entry.group().lower().split()), f"{flag}'s --help does not state its maximum"
 
 
 DECODE_DEADLINES = [

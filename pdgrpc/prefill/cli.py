@@ -20,7 +20,7 @@ from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.local import add_local_socket_argument
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
-from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
+from pdgrpc.serving.flags import MAX_CHUNK_TOKENS, add_engine_arguments, add_transport_arguments, chunk_tokens
 from pdgrpc.serving.logs import add_logging_arguments
 
 __all__ = ["build_parser", "add_worker_arguments", "worker_argv"]
@@ -44,9 +44,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Per-request behaviour of every worker (passed through to the worker processes)."""
     g = parser.add_argument_group("per-request limits (each worker)")
     g.add_argument(
-        "--chunk-size", type=whole_number(1, "tokens"), default=512,
+        "--chunk-size", type=chunk_tokens, default=512,
         help="prompt tokens computed per prefill chunk; a chunk's completed pages are sent while the next "
-        "chunk computes. Default: %(default)s",
+        f"chunk computes. At most {MAX_CHUNK_TOKENS}. Default: %(default)s",
     )
     g.add_argument(
         "--min-write-bytes", type=whole_number(0, "bytes"), default=1 << 20, metavar="BYTES",

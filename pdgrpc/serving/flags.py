@@ -35,10 +35,12 @@ from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 
 __all__ = [
+    "MAX_CHUNK_TOKENS",
     "MODEL_SIZES",
     "add_engine_arguments",
     "add_logging_arguments",
     "add_transport_arguments",
+    "chunk_tokens",
     "create_transport",
     "engine_config_from_args",
     "fields_named",
@@ -57,6 +59,13 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 }
 
 _D = EngineConfig()
+
+# Most prompt tokens one prefill chunk computes (--chunk-size): a chunk is one forward pass,
+# whose activations for a million tokens outgrow any host, and a chunk longer than a prompt
+# computes it whole, so a larger value is a typing error rather than a deployment.
+MAX_CHUNK_TOKENS = 1 << 20
+# The argparse type of --chunk-size, on every server that computes prompts in chunks.
+chunk_tokens = whole_number(1, "tokens", maximum=MAX_CHUNK_TOKENS)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
