@@ -152,6 +152,20 @@ def test_an_engine_size_below_1_is_refused_naming_the_flag(module: str, flag: st
     assert f"argument {flag}: must be >= 1 {unit}, got 0" in usage_error(lambda: _parser(module).parse_args([flag, "0"]), capsys)
 
 
+@pytest.mark.parametrize("module", ENGINE_ROLES, ids=[m.split(".")[1] for m in ENGINE_ROLES])
+@pytest.mark.parametrize("value, message", [(str(2**64), f"must be <= {2**64 - 1}, got {2**64}"), ("-1", "must be >= 0, got -1")])
+def test_a_model_seed_outside_64_bits_is_refused_naming_the_flag(module: str, value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert f"argument --model-seed: {message}" in usage_error(lambda: _parser(module).parse_args(["--model-seed", value]), capsys)
+    assert _parser(module).parse_args(["--model-seed", str(2**64 - 1)]).model_seed == 2**64 - 1
+
+
+def test_a_model_seed_past_64_bits_exits_2_from_the_command_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "pdgrpc.decode", "--transport", "fake", "--model-seed", str(2**64 + 5)],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == f"python -m pdgrpc.decode: error: argument --model-seed: must be <= {2**64 - 1}, got {2**64 + 5}"
+
+
 def test_decode_refuses_no_slots_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "argument --num-slots: must be >= 1 slots, got 0" in usage_error(lambda: _parser("pdgrpc.decode.server").parse_args(["--num-slots", "0"]), capsys)
 
@@ -164,7 +178,6 @@ REFERENCE_SIZES = [
     (["--max-seq-len", "100000"], "--max-seq-len 100000: the reference engine takes at most 65536 tokens"),
     # Both typed: the length leaves no room for any prompt, whatever --max-prompt-tokens says.
     (["--max-seq-len", "1", "--max-prompt-tokens", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
-    (["--model-seed", "-1"], "--model-seed must be an int >= 0, got -1"),
 ]
 
 
