@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -297,6 +299,52 @@ def test_an_unknown_transport_is_refused_before_anything_starts(module: str, cap
     assert "error: unknown transport 'nonsense'; available: fake, rdma, tcp" in err
 
 
+# Every server a user starts, as `python -m MODULE` with the flags it needs besides --port.
+PORT_USERS = [
+    ("pdgrpc.bootstrap", []),
+    ("pdgrpc.router", ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]),
+    ("pdgrpc.prefill", ["--transport", "fake", "--model-size", "tiny"]),
+    ("pdgrpc.decode", ["--transport", "fake", "--model-size", "tiny"]),
+    ("pdgrpc.colocated", ["--model-size", "tiny"]),
+]
+
+
+def _in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running (zombies aside)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("module, argv", PORT_USERS, ids=[m.split(".")[1] for m, _ in PORT_USERS])
+def test_a_port_another_process_holds_ends_every_server_alike(module: str, argv: list[str]) -> None:
+    # A failure at run time, not a usage error (2): status 1, one line naming --port and
+    # the reason; and nothing it started (a prefill's workers) outlives it.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *argv], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if "cannot bind" in line]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].endswith(f"cannot bind 127.0.0.1:{port} (--host 127.0.0.1 --port {port}): address in use"), lines[0]
+    assert "Traceback" not in err
+    assert _in_session(proc.pid) == [], f"left running: {_in_session(proc.pid)}"
+
+
 # (--host, the reason its bind failure gives): grpc gives none, so the server finds it.
 BIND_FAILURES = [("192.0.2.1", "not an address of this host"), ("no-such-host.invalid", "unknown host")]
 
@@ -307,5 +355,5 @@ def test_a_host_that_cannot_be_bound_says_why_in_one_line(host: str, reason: str
     out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if "pdgrpc bootstrap: cannot bind" in line]
-    assert len(lines) == 1 and lines[0].endswith(f"pdgrpc bootstrap: cannot bind {host}:0: {reason}"), out.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].endswith(f"pdgrpc bootstrap: cannot bind {host}:0 (--host {host} --port 0): {reason}"), out.stderr[-2000:]
     assert "Traceback" not in out.stderr

@@ -126,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         check_discovery_args(args)
         run(_main(args))
-    except (PdgrpcError, OSError) as exc:  # a bad flag value (max_batch > max_rooms), a port in use
+    except PdgrpcError as exc:  # a bad flag value (max_batch > max_rooms)
         logging.getLogger("pdgrpc.bootstrap").error("%s", exc)
         return 2
     return 0

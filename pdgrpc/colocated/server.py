@@ -287,7 +287,7 @@ def serve(ns: argparse.Namespace) -> int:
     tune_malloc_from_args(ns)
     try:
         run(_main(ns))
-    except (PdgrpcError, OSError) as exc:  # a port in use
+    except PdgrpcError as exc:  # a configuration refused at start (a non-loopback --host without TLS or a token)
         log.error("%s", exc)
         return 2
     return 0

@@ -259,7 +259,7 @@ def check(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> int:
     try:
         run(_main(args, _config(args)))
-    except (PdgrpcError, OSError) as exc:  # a port in use
+    except PdgrpcError as exc:  # a configuration refused at start (a non-loopback --host without TLS or a token)
         logging.getLogger("pdgrpc.router").error("%s", exc)
         return 2
     return 0
