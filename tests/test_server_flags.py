@@ -61,6 +61,7 @@ COUNT_BOUNDS = [
     ("pdgrpc.router.server", "--retries", 100, ""),
     ("pdgrpc.prefill.controller_main", "--chunk-size", 1 << 20, " tokens"),
     ("pdgrpc.colocated.server", "--chunk-size", 1 << 20, " tokens"),
+    ("pdgrpc.decode.server", "--local-prefill-chunk", 1 << 20, " tokens"),
 ]
 
 

@@ -60,11 +60,11 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 
 _D = EngineConfig()
 
-# Most prompt tokens one prefill chunk computes (--chunk-size): a chunk is one forward pass,
-# whose activations for a million tokens outgrow any host, and a chunk longer than a prompt
-# computes it whole, so a larger value is a typing error rather than a deployment.
+# Most prompt tokens one chunk computes (--chunk-size, a decode's --local-prefill-chunk): a
+# chunk is one forward pass, whose activations for a million tokens outgrow any host, and a
+# chunk longer than a prompt computes it whole, so a larger value is a typing error.
 MAX_CHUNK_TOKENS = 1 << 20
-# The argparse type of --chunk-size, on every server that computes prompts in chunks.
+# The argparse type of a chunk's size, on every server that computes prompts in chunks.
 chunk_tokens = whole_number(1, "tokens", maximum=MAX_CHUNK_TOKENS)
 
 
