@@ -300,6 +300,17 @@ def test_an_unknown_transport_is_refused_before_anything_starts(module: str, cap
     assert "error: unknown transport 'nonsense'; available: fake, rdma, tcp" in err
 
 
+def test_only_the_servers_with_rooms_take_an_smg_room_key(capsys: pytest.CaptureFixture[str]) -> None:
+    # The key derives an smg request's room secret on its prefill and decode legs; a
+    # colocated server has no rooms, so the flag there would be taken and never read.
+    colocated = _parser("pdgrpc.colocated.server")
+    assert "--smg-room-key-file" not in colocated.format_help()
+    err = usage_error(lambda: colocated.parse_args(["--smg-room-key-file", "key"]), capsys)
+    assert "error: unrecognized arguments: --smg-room-key-file key" in err
+    for module in ("pdgrpc.prefill.controller_main", "pdgrpc.decode.server"):
+        assert _parser(module).parse_args(["--smg-room-key-file", "key"]).smg_room_key_file == Path("key")
+
+
 # Every server a user starts, as `python -m MODULE` with the flags it needs besides --port.
 PORT_USERS = [
     ("pdgrpc.bootstrap", []),

@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         "more is refused RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     add_engine_arguments(p)
-    add_gateway_arguments(p)
+    add_gateway_arguments(p, rooms=False)  # no rooms: no --smg-room-key-file
     add_logging_arguments(p)
     add_security_arguments(p)
     add_drain_arguments(p)

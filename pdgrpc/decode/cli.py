@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_arguments(p)
     add_drain_arguments(p)
     add_local_socket_argument(p)
-    add_gateway_arguments(p)
+    add_gateway_arguments(p, rooms=True)
     g = p.add_argument_group("scheduling")
     g.add_argument(
         "--tp-size", type=rank_count, default=1, metavar="N",

@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wanted, 8 bytes big-endian) with the messages still held. Default: off",
     )
     add_worker_arguments(p)
-    add_gateway_arguments(p)  # controller only: the workers do not serve smg
+    add_gateway_arguments(p, rooms=True)  # controller only: the workers do not serve smg
     # Controller only (not in add_worker_arguments): each worker gets its own port.
     add_metrics_arguments(p)
     add_discovery_arguments(p, "prefill")
