@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,6 +53,28 @@ def test_ports_in_range_are_taken(module: str) -> None:
 def test_colocated_refuses_a_chunk_size_below_1(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     # Taken, such a chunk size fails every request, over a value no request set.
     assert f"argument --chunk-size: must be >= 1 tokens, got {value}" in usage_error(lambda: _parser("pdgrpc.colocated.server").parse_args(["--chunk-size", value]), capsys)
+
+
+# (module, flag, the most it takes, unit in the refusal): counts a user types whose
+# largest sensible value is far below what an int holds.
+COUNT_BOUNDS = [
+    ("pdgrpc.router.server", "--retries", 100, ""),
+    ("pdgrpc.prefill.controller_main", "--chunk-size", 1 << 20, " tokens"),
+    ("pdgrpc.colocated.server", "--chunk-size", 1 << 20, " tokens"),
+    ("pdgrpc.decode.server", "--local-prefill-chunk", 1 << 20, " tokens"),
+]
+
+
+@pytest.mark.parametrize("module, flag, most, unit", COUNT_BOUNDS, ids=[f"{m.split('.')[1]}{f}" for m, f, _, _ in COUNT_BOUNDS])
+def test_a_count_past_its_documented_maximum_is_refused(module: str, flag: str, most: int, unit: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Taken, 10**12 retries keep a request on a failing cluster until its deadline, and a
+    # chunk of 10**15 tokens is no chunk at all: each says the user meant something else.
+    for value in (most + 1, 10**12, 10**15):
+        err = usage_error(lambda: _parser(module).parse_args([flag, str(value)]), capsys)
+        assert f"argument {flag}: must be <= {most}{unit}, got {value}" in err
+    assert getattr(_parser(module).parse_args([flag, str(most)]), flag[2:].replace("-", "_")) == most
+    entry = re.search(rf"^  +{flag} .*?(?=^  +-|\Z)", _parser(module).format_help(), re.M | re.S)
+    assert entry is not None and f"at most {most}" in " ".join(entry.group().lower().split()), f"{flag}'s --help does not state its maximum"
 
 
 DECODE_DEADLINES = [
@@ -130,6 +155,20 @@ def test_an_engine_size_below_1_is_refused_naming_the_flag(module: str, flag: st
     assert f"argument {flag}: must be >= 1 {unit}, got 0" in usage_error(lambda: _parser(module).parse_args([flag, "0"]), capsys)
 
 
+@pytest.mark.parametrize("module", ENGINE_ROLES, ids=[m.split(".")[1] for m in ENGINE_ROLES])
+@pytest.mark.parametrize("value, message", [(str(2**64), f"must be <= {2**64 - 1}, got {2**64}"), ("-1", "must be >= 0, got -1")])
+def test_a_model_seed_outside_64_bits_is_refused_naming_the_flag(module: str, value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert f"argument --model-seed: {message}" in usage_error(lambda: _parser(module).parse_args(["--model-seed", value]), capsys)
+    assert _parser(module).parse_args(["--model-seed", str(2**64 - 1)]).model_seed == 2**64 - 1
+
+
+def test_a_model_seed_past_64_bits_exits_2_from_the_command_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "pdgrpc.decode", "--transport", "fake", "--model-seed", str(2**64 + 5)],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == f"python -m pdgrpc.decode: error: argument --model-seed: must be <= {2**64 - 1}, got {2**64 + 5}"
+
+
 def test_decode_refuses_no_slots_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "argument --num-slots: must be >= 1 slots, got 0" in usage_error(lambda: _parser("pdgrpc.decode.server").parse_args(["--num-slots", "0"]), capsys)
 
@@ -142,7 +181,6 @@ REFERENCE_SIZES = [
     (["--max-seq-len", "100000"], "--max-seq-len 100000: the reference engine takes at most 65536 tokens"),
     # Both typed: the length leaves no room for any prompt, whatever --max-prompt-tokens says.
     (["--max-seq-len", "1", "--max-prompt-tokens", "1"], "--max-seq-len 1: must be at least 2 (one prompt token and one generated token)"),
-    (["--model-seed", "-1"], "--model-seed must be an int >= 0, got -1"),
 ]
 
 
@@ -262,6 +300,63 @@ def test_an_unknown_transport_is_refused_before_anything_starts(module: str, cap
     assert "error: unknown transport 'nonsense'; available: fake, rdma, tcp" in err
 
 
+def test_only_the_servers_with_rooms_take_an_smg_room_key(capsys: pytest.CaptureFixture[str]) -> None:
+    # The key derives an smg request's room secret on its prefill and decode legs; a
+    # colocated server has no rooms, so the flag there would be taken and never read.
+    colocated = _parser("pdgrpc.colocated.server")
+    assert "--smg-room-key-file" not in colocated.format_help()
+    err = usage_error(lambda: colocated.parse_args(["--smg-room-key-file", "key"]), capsys)
+    assert "error: unrecognized arguments: --smg-room-key-file key" in err
+    for module in ("pdgrpc.prefill.controller_main", "pdgrpc.decode.server"):
+        assert _parser(module).parse_args(["--smg-room-key-file", "key"]).smg_room_key_file == Path("key")
+
+
+# Every server a user starts, as `python -m MODULE` with the flags it needs besides --port.
+PORT_USERS = [
+    ("pdgrpc.bootstrap", []),
+    ("pdgrpc.router", ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]),
+    ("pdgrpc.prefill", ["--transport", "fake", "--model-size", "tiny"]),
+    ("pdgrpc.decode", ["--transport", "fake", "--model-size", "tiny"]),
+    ("pdgrpc.colocated", ["--model-size", "tiny"]),
+]
+
+
+def _in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running (zombies aside)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("module, argv", PORT_USERS, ids=[m.split(".")[1] for m, _ in PORT_USERS])
+def test_a_port_another_process_holds_ends_every_server_alike(module: str, argv: list[str]) -> None:
+    # A failure at run time, not a usage error (2): status 1, one line naming --port and
+    # the reason; and nothing it started (a prefill's workers) outlives it.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *argv], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if "cannot bind" in line]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].endswith(f"cannot bind 127.0.0.1:{port} (--host 127.0.0.1 --port {port}): address in use"), lines[0]
+    assert "Traceback" not in err
+    assert _in_session(proc.pid) == [], f"left running: {_in_session(proc.pid)}"
+
+
 # (--host, the reason its bind failure gives): grpc gives none, so the server finds it.
 BIND_FAILURES = [("192.0.2.1", "not an address of this host"), ("no-such-host.invalid", "unknown host")]
 
@@ -272,5 +367,5 @@ def test_a_host_that_cannot_be_bound_says_why_in_one_line(host: str, reason: str
     out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if "pdgrpc bootstrap: cannot bind" in line]
-    assert len(lines) == 1 and lines[0].endswith(f"pdgrpc bootstrap: cannot bind {host}:0: {reason}"), out.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].endswith(f"pdgrpc bootstrap: cannot bind {host}:0 (--host {host} --port 0): {reason}"), out.stderr[-2000:]
     assert "Traceback" not in out.stderr

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="records one expiry step may free before yielding to calls; bounds the pause an expiry wave causes (default: %(default)s)",
     )
     p.add_argument(
-        "--topology", default="", metavar="DP,TP,PP",
-        help="the prefill instance's dp_size,tp_size,pp_size: workers announcing other sizes are refused from the start. "
+        "--topology", type=_topology, default=None, metavar="DP,TP,PP",
+        help="the prefill instance's dp_size,tp_size,pp_size, each at least 1: workers announcing other sizes are refused from the start. "
         "Unset: the first complete, consistent registration fixes the topology (default: unset)",
     )
     p.add_argument("--grace", type=seconds, default=5.0, metavar="SECONDS", help="on SIGTERM/SIGINT, how long in-flight calls may finish before the server closes (default: %(default)s)")
@@ -78,7 +78,7 @@ async def _main(args: argparse.Namespace) -> None:
     )
     stop = StopSignal()  # from now on SIGTERM/SIGINT stop us gracefully, even mid start-up
     metrics = BootstrapMetrics()
-    server = await start_bootstrap_server(args.host, args.port, config, metrics=metrics, registry=WorkerRegistry(_topology(args.topology)))
+    server = await start_bootstrap_server(args.host, args.port, config, metrics=metrics, registry=WorkerRegistry(args.topology))
     table = server.table
     metrics.bind_table(lambda: table.stats)  # read at scrape time: the table's own totals
     try:
@@ -102,19 +102,22 @@ async def _main(args: argparse.Namespace) -> None:
     )
 
 
-def _topology(text: str) -> tuple[int, int, int] | None:
-    if not text:
-        return None
+def _topology(text: str) -> tuple[int, int, int]:
+    """``--topology``'s value: three sizes of at least 1, written in ASCII digits (a size of
+    0 leaves a topology no worker completes; ``int`` would also read other scripts' digits),
+    whose workers fit the registry (:func:`check_sizes`)."""
     parts = text.split(",")
-    if len(parts) != 3 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
-        raise ValueError(f"--topology {text!r}: expected DP,TP,PP (three integers >= 1)")
+    if len(parts) != 3 or not all(x.isascii() and x.isdigit() and int(x) >= 1 for x in parts):
+        raise argparse.ArgumentTypeError(f"expected DP,TP,PP (three whole numbers >= 1), got {text!r}")
     dp, tp, pp = (int(x) for x in parts)
-    check_sizes(dp, tp, pp, f"--topology {text}")
+    try:
+        check_sizes(dp, tp, pp, text)
+    except PdgrpcError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return dp, tp, pp
 
 
 def check(args: argparse.Namespace) -> None:
-    _topology(args.topology)
     if args.max_batch > args.max_rooms:  # a call may carry no more rooms than the table holds
         raise ValueError(f"--max-batch {args.max_batch} must be at most --max-rooms ({args.max_rooms})")
 
@@ -123,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         check_discovery_args(args)
         run(_main(args))
-    except (PdgrpcError, OSError) as exc:  # a bad flag value (max_batch > max_rooms), a port in use
+    except PdgrpcError as exc:  # a bad flag value (max_batch > max_rooms)
         logging.getLogger("pdgrpc.bootstrap").error("%s", exc)
         return 2
     return 0

@@ -28,7 +28,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from pdgrpc.argtypes import port, whole_number
+from pdgrpc.argtypes import port
 from pdgrpc.engine.base import (
     DecodeRequest, Engine, InvalidRequest, PrefillRequest, SampledToken, SamplingParams, stop_reason,
 )
@@ -43,7 +43,7 @@ from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.server import ServiceSpec, run, serve_until_signal, start_server
 from pdgrpc.serving.convert import sampling_from_proto
 from pdgrpc.serving.engines import build_engine, check_engine_args
-from pdgrpc.serving.flags import add_engine_arguments, add_logging_arguments, tune_malloc_from_args
+from pdgrpc.serving.flags import MAX_CHUNK_TOKENS, add_engine_arguments, add_logging_arguments, chunk_tokens, tune_malloc_from_args
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
 from pdgrpc.serving.threads import compute_executor
@@ -249,14 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdgrpc.colocated", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=port, default=0, help="TCP port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--chunk-size", type=whole_number(1, "tokens"), default=512, help="prompt tokens per prefill chunk, as on a prefill server (default: %(default)s)")
+    p.add_argument(
+        "--chunk-size", type=chunk_tokens, default=512,
+        help=f"prompt tokens per prefill chunk, as on a prefill server; at most {MAX_CHUNK_TOKENS} (default: %(default)s)",
+    )
     p.add_argument(
         "--max-requests-per-client", type=limit_arg, default=DEFAULT_PER_CLIENT, metavar="N",
         help="GenerateService calls one client (its mTLS certificate's name, else its host) holds open at once; one "
         "more is refused RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     add_engine_arguments(p)
-    add_gateway_arguments(p)
+    add_gateway_arguments(p, rooms=False)  # no rooms: no --smg-room-key-file
     add_logging_arguments(p)
     add_security_arguments(p)
     add_drain_arguments(p)
@@ -284,7 +287,7 @@ def serve(ns: argparse.Namespace) -> int:
     tune_malloc_from_args(ns)
     try:
         run(_main(ns))
-    except (PdgrpcError, OSError) as exc:  # a port in use
+    except PdgrpcError as exc:  # a configuration refused at start (a non-loopback --host without TLS or a token)
         log.error("%s", exc)
         return 2
     return 0

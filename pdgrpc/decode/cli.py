@@ -12,7 +12,7 @@ from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, share_arg
 from pdgrpc.discovery.cli import add_discovery_arguments
 from pdgrpc.metrics import add_metrics_arguments
 from pdgrpc.gateway import add_gateway_arguments
-from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
+from pdgrpc.serving.flags import MAX_CHUNK_TOKENS, add_engine_arguments, add_transport_arguments, chunk_tokens
 from pdgrpc.serving.logs import add_logging_arguments
 from pdgrpc.rpc.open_calls import DEFAULT_PER_CLIENT, limit_arg
 from pdgrpc.rpc.drain import add_drain_arguments
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_arguments(p)
     add_drain_arguments(p)
     add_local_socket_argument(p)
-    add_gateway_arguments(p)
+    add_gateway_arguments(p, rooms=True)
     g = p.add_argument_group("scheduling")
     g.add_argument(
         "--tp-size", type=rank_count, default=1, metavar="N",
@@ -96,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         "frees it when its request ends; a transport that moves bytes (not fake) only (default: on)",
     )
     g.add_argument(
-        "--local-prefill-chunk", type=whole_number(1, "tokens"), default=SchedulerConfig.local_prefill_chunk, metavar="TOKENS",
+        "--local-prefill-chunk", type=chunk_tokens, default=SchedulerConfig.local_prefill_chunk, metavar="TOKENS",
         help="most prompt tokens of local prefills (a router's Decode with local_prefill: this decode computes the "
         "prompt itself) computed between two decode steps; smaller keeps running streams' inter-token latency "
-        "lower while a prompt is computed (default: %(default)s)",
+        f"lower while a prompt is computed; at most {MAX_CHUNK_TOKENS} (default: %(default)s)",
     )
     g.add_argument(
         "--rpc-timeout", type=positive_seconds, default=5.0, metavar="SECONDS",

@@ -193,9 +193,6 @@ def serve(ns: argparse.Namespace) -> int:
     except PdgrpcError as exc:
         log.error("%s", exc)
         return 2
-    except OSError as exc:
-        log.error("%s", exc)
-        return 1
 
 
 def check(ns: argparse.Namespace) -> None:

@@ -122,6 +122,3 @@ def serve(ns: argparse.Namespace, followers: Followers | None) -> int:
     except PdgrpcError as exc:  # transport unavailable, a checkpoint that fails to load: one clear line
         logging.getLogger("pdgrpc.decode").error("%s", exc)
         return 2
-    except OSError as exc:
-        logging.getLogger("pdgrpc.decode").error("%s", exc)
-        return 1

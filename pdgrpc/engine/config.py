@@ -20,7 +20,7 @@ from pdgrpc.engine.tokenizer import VOCAB_SIZE
 from pdgrpc.errors import ConfigError
 
 __all__ = [
-    "DEFAULT_MAX_PROMPT_TOKENS", "MAX_CONTEXT", "MAX_HEAD_DIM", "MAX_REDUCTION", "EngineConfig", "ModelConfig", "ModelShape",
+    "DEFAULT_MAX_PROMPT_TOKENS", "MAX_CONTEXT", "MAX_HEAD_DIM", "MAX_REDUCTION", "MODEL_SEED_LIMIT", "EngineConfig", "ModelConfig", "ModelShape",
     "Sizes", "check_sizes", "check_tp_divides", "default_max_prompt_tokens", "device_type",
 ]
 
@@ -29,6 +29,11 @@ __all__ = [
 MAX_REDUCTION = 2**12  # hidden size, intermediate size
 MAX_HEAD_DIM = 2**8
 MAX_CONTEXT = 2**16
+
+# Model seeds are below this (ModelConfig.seed, --model-seed): a 64-bit value, as every
+# seed pdgrpc takes; the seed is part of the model's identity, which logs and handshake
+# refusals repeat, so it stays short.
+MODEL_SEED_LIMIT = 2**64
 
 # The longest prompt an engine takes when its configuration names no limit, and so the
 # longest the router forwards unless told otherwise.
@@ -154,8 +159,8 @@ class ModelConfig:
             raise _broken(self, "{0} must be >= {least} (the byte tokenizer), got {0.value}", "vocab_size", least=VOCAB_SIZE)
         if not self.rope_theta > 1.0:
             raise _broken(self, "{0} must be > 1, got {0.value}", "rope_theta")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise _broken(self, "{0} must be an int >= 0, got {0.value!r}", "seed")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < MODEL_SEED_LIMIT:
+            raise _broken(self, "{0} must be an int in [0, 2**64), got {0.value!r}", "seed")
 
     @property
     def model_id(self) -> str:

@@ -40,19 +40,24 @@ def available() -> bool:
     return importlib.util.find_spec("smg_grpc_proto") is not None
 
 
-def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+def add_gateway_arguments(parser: argparse.ArgumentParser, *, rooms: bool) -> None:
+    """Add the flags of a server behind smg; ``rooms``: the server's smg requests have
+    bootstrap rooms (prefill, decode), so it takes ``--smg-room-key-file`` too (a colocated
+    server's have none, and the flag there would be taken and never read)."""
     g = parser.add_argument_group("gateway (smg's SglangScheduler protocol; needs pdgrpc[gateway])")
     g.add_argument(
         "--served-model-name", default="",
         help="model id smg shows in /v1/models and matches the OpenAI 'model' field against. Default: the checkpoint "
         f"directory's name with --model, else {DEFAULT_SERVED_MODEL_NAME}",
     )
-    g.add_argument(
-        "--smg-room-key-file", type=Path, metavar="FILE",
-        help=f"secret file (at least {ROOM_KEY_MIN_BYTES} bytes, mode 600) shared by the prefill and decode servers behind "
-        "one smg: each smg request's room secret is an HMAC of its request id under it, so a request id seen in a log "
-        "proves nothing. The launcher makes one per cluster. Without it the secret is derived from the request id alone",
-    )
+    if rooms:
+        g.add_argument(
+            "--smg-room-key-file", type=Path, metavar="FILE",
+            help=f"secret file (at least {ROOM_KEY_MIN_BYTES} bytes, mode 600) shared by the prefill and decode servers "
+            "behind one smg: each smg request's room secret is an HMAC of its request id under it, so a request id seen in "
+            "a log proves nothing. The launcher makes one per cluster. Without it the secret is derived from the request "
+            "id alone",
+        )
     g.add_argument(
         "--gateway-listen", type=_gateway_listen, metavar="HOST:PORT",
         help="also serve on this loopback address (127.0.0.1:PORT; nothing else is accepted), in plaintext, for smg, "

@@ -20,7 +20,7 @@ from pdgrpc.rpc.drain import add_drain_arguments
 from pdgrpc.rpc.local import add_local_socket_argument
 from pdgrpc.rpc.security import add_security_arguments
 from pdgrpc.rpc.tracing import add_tracing_arguments
-from pdgrpc.serving.flags import add_engine_arguments, add_transport_arguments
+from pdgrpc.serving.flags import MAX_CHUNK_TOKENS, add_engine_arguments, add_transport_arguments, chunk_tokens
 from pdgrpc.serving.logs import add_logging_arguments
 
 __all__ = ["build_parser", "add_worker_arguments", "worker_argv"]
@@ -44,9 +44,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Per-request behaviour of every worker (passed through to the worker processes)."""
     g = parser.add_argument_group("per-request limits (each worker)")
     g.add_argument(
-        "--chunk-size", type=whole_number(1, "tokens"), default=512,
+        "--chunk-size", type=chunk_tokens, default=512,
         help="prompt tokens computed per prefill chunk; a chunk's completed pages are sent while the next "
-        "chunk computes. Default: %(default)s",
+        f"chunk computes. At most {MAX_CHUNK_TOKENS}. Default: %(default)s",
     )
     g.add_argument(
         "--min-write-bytes", type=whole_number(0, "bytes"), default=1 << 20, metavar="BYTES",
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wanted, 8 bytes big-endian) with the messages still held. Default: off",
     )
     add_worker_arguments(p)
-    add_gateway_arguments(p)  # controller only: the workers do not serve smg
+    add_gateway_arguments(p, rooms=True)  # controller only: the workers do not serve smg
     # Controller only (not in add_worker_arguments): each worker gets its own port.
     add_metrics_arguments(p)
     add_discovery_arguments(p, "prefill")

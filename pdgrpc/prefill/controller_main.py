@@ -189,7 +189,7 @@ def check(ns: argparse.Namespace) -> None:
 def serve(ns: argparse.Namespace) -> int:
     try:
         return run(main_async(ns))
-    except (ConfigError, OSError) as exc:  # a non-loopback --host with neither TLS nor a token, a port in use
+    except ConfigError as exc:  # a non-loopback --host with neither TLS nor a token
         log.error("%s", exc)
         return 2
 

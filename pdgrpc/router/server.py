@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pdgrpc.argtypes import port, positive_seconds, seconds
+from pdgrpc.argtypes import port, positive_seconds, seconds, whole_number
 from pdgrpc.discovery.cli import add_discovery_arguments, check_discovery_args, membership_watcher
 from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS
 from pdgrpc.errors import PdgrpcError
@@ -16,7 +16,7 @@ from pdgrpc.metrics import RouterMetrics, add_metrics_arguments, start_metrics_f
 from pdgrpc.router.kv_events import KvEventFollower
 from pdgrpc.router.policy import DEFAULT_MARGIN, POLICIES
 from pdgrpc.router.service import (
-    DEFAULT_REQUESTS_PER_CLIENT, FIRST_TOKEN_FROM, GenerateServicer, RouterConfig, parse_decode, parse_prefill,
+    DEFAULT_REQUESTS_PER_CLIENT, FIRST_TOKEN_FROM, MAX_RETRIES, GenerateServicer, RouterConfig, parse_decode, parse_prefill,
     service_names,
 )
 from pdgrpc.rpc.channels import ChannelPool
@@ -84,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         "with INVALID_ARGUMENT before any prefill or decode sees it (default: %(default)s)",
     )
     p.add_argument(
-        "--retries", type=int, default=1, metavar="N",
+        "--retries", type=whole_number(0, maximum=MAX_RETRIES), default=1, metavar="N",
         help="times a request is sent again, with a fresh room, to another prefill or decode when its call to one "
         "fails UNAVAILABLE (gone, unreachable, a worker died) before the first token reached the client; never "
-        "after a token (0: never; default: %(default)s)",
+        f"after a token (0: never; at most {MAX_RETRIES}; default: %(default)s)",
     )
     p.add_argument(
         "--eject-s", type=float, default=5.0, metavar="SECONDS",
@@ -259,7 +259,7 @@ def check(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> int:
     try:
         run(_main(args, _config(args)))
-    except (PdgrpcError, OSError) as exc:  # a port in use
+    except PdgrpcError as exc:  # a configuration refused at start (a non-loopback --host without TLS or a token)
         logging.getLogger("pdgrpc.router").error("%s", exc)
         return 2
     return 0

@@ -109,7 +109,7 @@ from pdgrpc.state.route_fate import (
 )
 from pdgrpc.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "FIRST_TOKEN_FROM", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_decode", "parse_prefill"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "FIRST_TOKEN_FROM", "MAX_RETRIES", "PrefillBackend", "RouterConfig", "GenerateServicer", "draw_room", "parse_decode", "parse_prefill"]
 
 log = logging.getLogger("pdgrpc.router")
 
@@ -124,6 +124,10 @@ DEFAULT_REQUESTS_PER_CLIENT = DEFAULT_PER_CLIENT // 2
 _CAUSE_WINDOW_S = 0.5
 # Where the client's first token comes from (RouterConfig.first_token; module doc, step 3).
 FIRST_TOKEN_FROM = ("prefill", "decode")
+# Most times one request is sent again (RouterConfig.retries): each retry goes to another
+# instance, so more than a cluster's instances retries nothing new, and a larger value is a
+# typing error rather than a deployment.
+MAX_RETRIES = 100
 
 
 def draw_room(randbits: Callable[[int], int] | None = None) -> Room:
@@ -231,8 +235,8 @@ class RouterConfig:
             raise ValueError(f"--request-timeout must be a finite number of seconds > 0, got {self.request_timeout}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.retries < 0:
-            raise ValueError(f"--retries must be >= 0, got {self.retries}")
+        if not 0 <= self.retries <= MAX_RETRIES:
+            raise ValueError(f"--retries must be in [0, {MAX_RETRIES}], got {self.retries}")
         if not 0 <= self.eject_s <= 3600:
             raise ValueError(f"--eject-s must be between 0 and 3600 seconds, got {self.eject_s}")
         Policy(self.policy, PrefixIndex(), self.cache_aware_margin)  # names a bad --policy or margin

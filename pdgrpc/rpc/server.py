@@ -26,7 +26,9 @@ Each server gets:
   plaintext, serving the same services to callers that are the ``gateway`` role alone
   (smg, which presents no credential) and local processes of this server's user or of
   ``gateway_uids`` (``--gateway-uid``; :mod:`pdgrpc.rpc.loopback_peer`);
-* one INFO log line ``<what> listening on <host>:<port> (...)``;
+* one INFO log line ``<what> listening on <host>:<port> (...)``, or an :class:`OSError`
+  ``<what>: cannot bind <host>:<port> (--host H --port P): <reason>`` naming the settings
+  the address came from (``flags``) and why the OS refused it;
 * graceful drain (:mod:`pdgrpc.rpc.drain`): on SIGTERM or SIGINT (:func:`serve_until_signal`)
   or a ``DrainService.Drain`` call, health turns NOT_SERVING, new Prefill, Decode and
   Generate calls end UNAVAILABLE, and the server stops once those in flight finished and
@@ -249,6 +251,7 @@ async def start_server(
     gateway_listen: str | None = None,
     gateway_uids: Collection[int] = (),
     local_socket: str | None = None,
+    flags: tuple[str, str] = ("--host", "--port"),
 ) -> RpcServer:
     """Create, bind and start a ``grpc.aio`` server serving ``services`` plus health
     and reflection. ``port=0`` picks a free port (``RpcServer.port``). ``serving=False``:
@@ -258,7 +261,8 @@ async def start_server(
     in plaintext to the ``gateway`` role alone (:attr:`RpcServer.gateway_address`), for
     local processes of this server's user and of ``gateway_uids``.
     ``local_socket``: also serve the services there (:mod:`pdgrpc.rpc.local`; default: the
-    process's ``--local-socket``)."""
+    process's ``--local-socket``). ``flags``: the settings ``host`` and ``port`` come from,
+    which a bind failure names."""
     services = list(services)
     security = security or current()
     security.check_listen(host, what)
@@ -283,7 +287,7 @@ async def start_server(
     # INVALID_ARGUMENT (pdgrpc.rpc.limits), and where a token is set, calls without it
     # end UNAUTHENTICATED before their request is parsed (pdgrpc.rpc.security).
     server, handlers = _server(services, health_servicer, options, drain_wrapper(drain, security.server_handler_wrapper()))
-    bound = _bind(server, host, port, credentials, what)
+    bound = _bind(server, host, port, credentials, what, f"{flags[0]} {host} {flags[1]} {port}")
     gateway: grpc.aio.Server | None = None
     gateway_port = 0
     if gateway_bind is not None:
@@ -291,7 +295,7 @@ async def start_server(
         # gateway role alone: smg presents no credential, and reaches only what it calls.
         users = LocalUsers(gateway_uids)
         gateway, _ = _server(services, health_servicer, options, drain_wrapper(drain, gateway_handler_wrapper(users)))
-        gateway_port = _bind(gateway, gateway_bind[0], gateway_bind[1], None, f"{what} gateway listener")
+        gateway_port = _bind(gateway, gateway_bind[0], gateway_bind[1], None, f"{what} gateway listener", f"--gateway-listen {gateway_listen}")
         users.listening(gateway_bind[0], gateway_port)
     await _start_whole(server)
     if gateway is not None:
@@ -342,15 +346,16 @@ def _server(
     return server, wrapping.handlers
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int, credentials: Any, what: str) -> int:
-    """Bind ``server`` to ``host:port`` (TLS with ``credentials``, else plaintext); the bound port."""
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: Any, what: str, settings: str) -> int:
+    """Bind ``server`` to ``host:port`` (TLS with ``credentials``, else plaintext); the bound
+    port. An OSError names ``settings``, what the user set the address with."""
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
     except RuntimeError:  # grpc's way of saying "bind failed" (the reason is only on its stderr)
-        raise OSError(f"{what}: cannot bind {bind}: {_bind_failure(host, port)}") from None
+        bound = 0
     if bound == 0:
-        raise OSError(f"{what}: cannot bind {bind}: {_bind_failure(host, port)}")
+        raise OSError(f"{what}: cannot bind {bind} ({settings}): {_bind_failure(host, port)}")
     return int(bound)
 
 

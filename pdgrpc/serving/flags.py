@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pdgrpc.argtypes import whole_number
-from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS, EngineConfig, ModelConfig, default_max_prompt_tokens
+from pdgrpc.engine.config import DEFAULT_MAX_PROMPT_TOKENS, MODEL_SEED_LIMIT, EngineConfig, ModelConfig, default_max_prompt_tokens
 from pdgrpc.engine.malloc import KEEP_MAX_MIB, keep_freed_memory
 from pdgrpc.errors import ConfigError
 from pdgrpc.serving.logs import add_logging_arguments  # re-exported: it lives with the logging (torch-free)
@@ -35,10 +35,12 @@ from pdgrpc.transport import registry
 from pdgrpc.transport.base import Transport
 
 __all__ = [
+    "MAX_CHUNK_TOKENS",
     "MODEL_SIZES",
     "add_engine_arguments",
     "add_logging_arguments",
     "add_transport_arguments",
+    "chunk_tokens",
     "create_transport",
     "engine_config_from_args",
     "fields_named",
@@ -58,6 +60,13 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 
 _D = EngineConfig()
 
+# Most prompt tokens one chunk computes (--chunk-size, a decode's --local-prefill-chunk): a
+# chunk is one forward pass, whose activations for a million tokens outgrow any host, and a
+# chunk longer than a prompt computes it whole, so a larger value is a typing error.
+MAX_CHUNK_TOKENS = 1 << 20
+# The argparse type of a chunk's size, on every server that computes prompts in chunks.
+chunk_tokens = whole_number(1, "tokens", maximum=MAX_CHUNK_TOKENS)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the reference-engine flags (``--model-size``, ``--model-seed``, ``--page-size``,
@@ -73,7 +82,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "or 'tiny' (2 layers, hidden 128, 4 query / 2 KV heads). Default: %(default)s",
     )
     g.add_argument(
-        "--model-seed", type=int, default=0, help="seed the weights are drawn from (nothing is downloaded). Default: %(default)s"
+        "--model-seed", type=whole_number(0, maximum=MODEL_SEED_LIMIT - 1), default=0,
+        help="seed the weights are drawn from (nothing is downloaded): a whole number in [0, 2**64). Default: %(default)s",
     )
     g.add_argument("--page-size", type=whole_number(1, "tokens"), default=_D.page_size, help="tokens per KV page. Default: %(default)s")
     g.add_argument(

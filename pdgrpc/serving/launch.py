@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -31,7 +32,8 @@ class Role:
     """What :func:`launch` needs of a server role; its module names it ``ROLE``."""
 
     build_parser: Callable[[], argparse.ArgumentParser]
-    # Runs the process once everything is installed; returns the exit status.
+    # Runs the process once everything is installed; returns the exit status. An OSError
+    # it raises (a port another process holds) ends the process with status 1 (launch).
     serve: Callable[[argparse.Namespace], int]
     # The tag every log line of the process carries (``router``, ``prefill.dp0``).
     log_name: Callable[[argparse.Namespace], str]
@@ -52,6 +54,9 @@ def prepare_environment() -> None:
 
 # The exit status of a process that Ctrl-C (SIGINT) ended: 128 + the signal, the shell's convention.
 _INTERRUPTED = 128 + signal.SIGINT
+# The exit status of a role the host refused something it needs (a port, a file): argparse's
+# 2 says the command line is wrong, and this one is right where the port is free.
+_FAILED = 1
 
 
 class _SigtermStopsStartup:
@@ -85,7 +90,9 @@ def launch(module: str, argv: list[str] | None = None) -> int:
     """Run the role that ``module`` holds as this process, with command line ``argv``
     (default ``sys.argv[1:]``); returns the exit status. A Ctrl-C or SIGTERM that comes
     before the role's own handling, which drains, is in place stops the start-up, with one
-    line: status 130 for Ctrl-C, 0 for SIGTERM (a stop that was asked for, as after a drain)."""
+    line: status 130 for Ctrl-C, 0 for SIGTERM (a stop that was asked for, as after a drain).
+    A flag the role's checks refuse ends it with status 2, argparse's; an OSError from the
+    role (a port another process holds) with status 1 and one line."""
     prepare_environment()
     sigterm = _SigtermStopsStartup()
     try:
@@ -132,4 +139,8 @@ def _launch(module: str, argv: list[str] | None) -> int:
     setup_logging(ns.log_level, role.log_name(ns))
     if hasattr(ns, "trace"):  # the role took --trace (pdgrpc.rpc.tracing)
         setup_tracing(ns.trace, role.log_name(ns))
-    return role.serve(ns)
+    try:
+        return role.serve(ns)
+    except OSError as exc:  # its message names the setting and the reason (pdgrpc.rpc.server's bind)
+        logging.getLogger(module.rsplit(".", 1)[0]).error("%s", exc)
+        return _FAILED

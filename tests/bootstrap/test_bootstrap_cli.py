@@ -87,13 +87,34 @@ def test_a_bound_below_its_least_is_a_usage_error_naming_the_flag(flags: list[st
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
-def test_a_topology_over_max_workers_is_refused_at_start() -> None:
+def test_a_topology_over_max_workers_is_refused_at_start(capsys: pytest.CaptureFixture[str]) -> None:
     from pdgrpc.bootstrap.registry import MAX_WORKERS
-    from pdgrpc.bootstrap.server import build_parser, check
+    from pdgrpc.bootstrap.server import build_parser
 
-    with pytest.raises(ValueError, match=rf"--topology 100000,64,1: dp_size 100000 x tp_size 64 x pp_size 1 = 6400000 workers, over the limit of {MAX_WORKERS}"):
-        check(build_parser().parse_args(["--topology", "100000,64,1"]))
-    check(build_parser().parse_args(["--topology", "64,64,1"]))
+    err = usage_error(lambda: build_parser().parse_args(["--topology", "100000,64,1"]), capsys)
+    assert f"argument --topology: 100000,64,1: dp_size 100000 x tp_size 64 x pp_size 1 = 6400000 workers, over the limit of {MAX_WORKERS}" in err
+    assert build_parser().parse_args(["--topology", "64,64,1"]).topology == (64, 64, 1)
+
+
+TOPOLOGY_ERRORS = ["-1,1,1", "0,1,1", "1,-2,1", "1,1,0", "\u00b2,1,1", "\u0661,1,1", "1,1", "1,1,1,1", "a,b,c", "1,,1"]
+
+
+@pytest.mark.parametrize("value", TOPOLOGY_ERRORS)
+def test_a_topology_member_that_is_not_a_whole_number_of_at_least_1_is_a_usage_error(value: str) -> None:
+    # Taken, a size of 0 or less makes a topology no worker can complete, and the
+    # instance never serves; a digit outside ASCII is no size a worker announces.
+    out = subprocess.run([*CMD, "--port", "0", f"--topology={value}"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == f"python -m pdgrpc.bootstrap: error: argument --topology: expected DP,TP,PP (three whole numbers >= 1), got {value!r}", last
+    assert "Traceback" not in out.stderr
+
+
+def test_a_topology_is_read_as_three_sizes() -> None:
+    from pdgrpc.bootstrap.server import build_parser
+
+    assert build_parser().parse_args(["--topology", "2,4,1"]).topology == (2, 4, 1)
+    assert build_parser().parse_args([]).topology is None
 
 
 def rss_mb(pid: int) -> float:

@@ -76,6 +76,16 @@ def test_a_model_config_refusal_names_its_fields_and_their_values() -> None:
     assert str(err.value) == "ModelConfig.num_heads (6) must be a multiple of ModelConfig.num_kv_heads (4)"
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
+def test_a_model_seed_outside_64_bits_is_refused(seed: int) -> None:
+    # A seed is a 64-bit value wherever pdgrpc takes one (sampling's too), and the model's
+    # is part of its identity, which handshake refusals repeat.
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(seed=seed)
+    assert str(err.value) == f"ModelConfig.seed must be an int in [0, 2**64), got {seed}"
+    ModelConfig(seed=2**64 - 1)
+
+
 def test_a_refusal_is_worded_with_other_names_for_its_fields() -> None:
     with pytest.raises(ConfigError) as err:
         EngineConfig(max_prompt_tokens=5000, max_seq_len=4096)

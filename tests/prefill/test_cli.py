@@ -150,18 +150,6 @@ def test_a_bootstrap_that_is_not_host_port_is_refused_before_any_worker_starts(
     assert f"error: --bootstrap: '{address}' is not HOST:PORT" in usage_error(lambda: main(["--transport", "fake", "--bootstrap", address]), capsys)
 
 
-def test_a_port_in_use_is_one_line_and_exit_2() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "fake", "--port", str(port)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert f"pdgrpc prefill controller: cannot bind 127.0.0.1:{port}: address in use\n" in out.stderr
-    assert "Traceback" not in out.stderr
-
-
 def test_a_worker_that_cannot_start_its_transport_says_so_in_one_line() -> None:
     cmd = [sys.executable, "-m", "pdgrpc.prefill", "--transport", "tcp", "--transport-host", "no-such-host.invalid"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -49,7 +49,7 @@ def test_missing_backends_are_a_usage_error():
     [
         (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1, got 0"),
         (["--max-prompt-tokens", "-3"], "--max-prompt-tokens must be >= 1, got -3"),
-        (["--retries", "-1"], "--retries must be >= 0, got -1"),
+        (["--retries", "-1"], "argument --retries: must be >= 0, got -1"),
         (["--cache-aware-margin", "-1"], "--cache-aware-margin must be >= 0, got -1"),
         (["--local-prefill-tokens", "-1"], "--local-prefill-tokens must be >= 0, got -1"),
         (["--local-prefill-queue", "-1"], "--local-prefill-queue must be >= 0, got -1"),

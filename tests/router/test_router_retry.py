@@ -171,9 +171,10 @@ async def test_other_failures_are_not_retried(up):
     assert not up.prefills[1].requests
 
 
-def test_retries_must_not_be_negative():
-    with pytest.raises(ValueError, match="--retries must be >= 0"):
-        RouterConfig(prefills=(PrefillBackend("127.0.0.1:5", DEAD),), decodes=("127.0.0.1:6",), retries=-1)
+@pytest.mark.parametrize("retries", [-1, 101])
+def test_retries_must_be_in_0_to_100(retries):
+    with pytest.raises(ValueError, match=rf"--retries must be in \[0, 100\], got {retries}"):
+        RouterConfig(prefills=(PrefillBackend("127.0.0.1:5", DEAD),), decodes=("127.0.0.1:6",), retries=retries)
 
 
 async def test_a_dead_instance_costs_one_retry_while_it_is_ejected(up, caplog):

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    add_gateway_arguments(p)
+    add_gateway_arguments(p, rooms=True)
     return p.parse_args(list(argv))
 
 
@@ -80,3 +80,15 @@ def test_the_launcher_gives_smgs_prefill_and_decode_one_private_room_key(tmp_pat
     assert key.stat().st_mode & 0o077 == 0 and len(room_key(_args("--smg-room-key-file", str(key)))) >= 32
     plain = Cluster(load_topology(REPO / "servers" / "1p1d.toml"), transport="fake", log_dir=tmp_path / "plain")
     assert not any("--smg-room-key-file" in p.argv for p in plain.procs.values())
+
+
+def test_the_launcher_gives_a_colocated_server_only_flags_it_takes(tmp_path: Path) -> None:
+    # No room key among them: a colocated server has no rooms, and refuses the flag.
+    from pdgrpc.colocated.server import build_parser
+
+    cluster = Cluster(load_topology(REPO / "servers" / "colocated.toml"), transport="fake", log_dir=tmp_path / "run")
+    (proc,) = cluster.procs.values()
+    argv = list(proc.argv)
+    assert argv[1:3] == ["-m", "pdgrpc.colocated"]
+    build_parser().parse_args(argv[3:])
+    assert "--smg-room-key-file" not in argv

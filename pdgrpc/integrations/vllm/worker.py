@@ -211,6 +211,7 @@ class WorkerSide:
         self._server = await start_server(
             [(HANDSHAKE_SERVICE, lambda s: handshake_pb2_grpc.add_HandshakeServiceServicer_to_server(servicer, s))],
             host=opts.host, port=opts.port, what="pdgrpc vLLM connector",
+            flags=("kv_connector_extra_config.host", "kv_connector_extra_config.port"),
         )
         self.address = f"{opts.host}:{self._server.port}"
         log.info("pdgrpc vLLM connector: %d KV regions on %s, handshakes on %s", len(self._regions),
