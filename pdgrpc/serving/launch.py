@@ -142,5 +142,7 @@ def _launch(module: str, argv: list[str] | None) -> int:
     try:
         return role.serve(ns)
     except OSError as exc:  # its message names the setting and the reason (pdgrpc.rpc.server's bind)
-        logging.getLogger(module.rsplit(".", 1)[0]).error("%s", exc)
+        log = logging.getLogger(module.rsplit(".", 1)[0])
+        log.error("%s", exc)
+        log.debug("where the OSError came from", exc_info=True)  # --log-level debug: the traceback too
         return _FAILED
