@@ -164,11 +164,17 @@ class BootstrapServicer(pb_grpc.BootstrapServiceServicer):
         quota = self.max_rooms_per_registrant or max(1, self.table.max_rooms // max(1, self.registry.identities()))
         return who, registrant, quota
 
+    def _querier(self, context: grpc.aio.ServicerContext) -> int | None:
+        """The caller's registrant number where it has registered rooms under its identity
+        (its own lookups then leave those rooms in its quota, :meth:`RoomTable.query`);
+        None otherwise, and without authentication, where every caller is one registrant."""
+        return self._registrants.get(peer_identity(context)) if self.owners else None
+
     async def QueryDpRanks(self, request: pb.QueryDpRanksRequest, context: grpc.aio.ServicerContext) -> pb.QueryDpRanksResponse:
         rooms = request.bootstrap_rooms
         try:
             self._check_batch(len(rooms))
-            found, ranks, missing = self.table.query(rooms, self.clock())
+            found, ranks, missing = self.table.query(rooms, self.clock(), self._querier(context))
         except InvalidBootstrapRequest as exc:
             self.metrics.on_dp_rank_query_failed(len(rooms))
             await _abort(context, exc)

@@ -45,7 +45,9 @@ Quota
 ``register(..., registrant=i, quota=q)`` refuses new rooms with
 :class:`~pdgrpc.bootstrap.errors.RoomQuotaFull` while registrant ``i`` holds ``q`` rooms
 no decode has queried: one registrant looping ``RegisterDpRanks`` then hits its own quota
-instead of evicting the others' rooms.
+instead of evicting the others' rooms. A lookup by the room's own registrant
+(``query(..., querier=i)``) does not count as a decode's: a credential that may both
+register and query would otherwise make its rooms unevictable and leave its quota.
 
 Expiry is exact for readers (a lookup checks the registration time, so an expired room
 is missing even before the sweep reaches it) and incremental for memory: one
@@ -223,10 +225,15 @@ class RoomTable(RoomSlots):
             return self._register_small(rooms, ranks, now, dp_size, who)
         return self._register_many(np.asarray(rooms, np.uint64), np.asarray(ranks, np.int64), now, dp_size, who)
 
-    def query(self, rooms: Sequence[int] | np.ndarray, now: float) -> tuple[list[int], list[int], list[int]]:
+    def query(
+        self, rooms: Sequence[int] | np.ndarray, now: float, querier: int | None = None,
+    ) -> tuple[list[int], list[int], list[int]]:
         """Look rooms up: ``(found_rooms, their_ranks, missing_rooms)``, each in request
         order. Unknown or expired rooms are missing, not an error; room 0 and batches
-        over ``max_batch`` raise :class:`InvalidBootstrapRequest`."""
+        over ``max_batch`` raise :class:`InvalidBootstrapRequest`. A found room becomes
+        queried (never evicted, out of its registrant's quota) unless ``querier``, the
+        caller's registrant number, registered it: a caller that may both register and
+        query would otherwise make its own rooms unevictable and escape its quota."""
         n = len(rooms)
         self._check_batch(n)
         if n <= _FEW_LOOKUPS:
@@ -244,17 +251,19 @@ class RoomTable(RoomSlots):
                 if s >= 0 and times[seq[s] & rmask] + ttl > now:
                     found.append(room)
                     ranks.append(rank[s])
-                    if not flags[s] & _QUERIED:
+                    if not flags[s] & _QUERIED and (querier is None or self._owner[s] != querier):
                         flags[s] |= _QUERIED
                         self._queried_live += 1
                         self._held[self._owner[s]] -= 1
                 else:
                     missing.append(room)
             return found, ranks, missing
-        found_a, ranks_a, missing_a = self.query_array(np.asarray(rooms, np.uint64), now)
+        found_a, ranks_a, missing_a = self.query_array(np.asarray(rooms, np.uint64), now, querier)
         return found_a.tolist(), ranks_a.tolist(), missing_a.tolist()
 
-    def query_array(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def query_array(
+        self, keys: np.ndarray, now: float, querier: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`query` on and to numpy arrays (uint64 rooms; uint32 ranks)."""
         self._check_batch(len(keys))
         if not keys.all():
@@ -269,13 +278,15 @@ class RoomTable(RoomSlots):
             alive = hit
             alive[hit] = self._alive_many(hs, now)
         if alive.all():
-            self._mark_queried(hs)
+            self._mark_queried(hs, querier)
             return keys, np.take(self._rank, hs), keys[:0]
-        self._mark_queried(slots[alive])
+        self._mark_queried(slots[alive], querier)
         return keys[alive], np.take(self._rank, slots[alive]), keys[~alive]
 
-    def _mark_queried(self, slots: np.ndarray) -> None:
+    def _mark_queried(self, slots: np.ndarray, querier: int | None) -> None:
         fresh = slots[(np.take(self._flags, slots) & _QUERIED) == 0]
+        if querier is not None and len(fresh):
+            fresh = fresh[np.take(self._owner, fresh) != querier]
         if len(fresh):
             fresh = _distinct(fresh)
             self._flags[fresh] |= _QUERIED

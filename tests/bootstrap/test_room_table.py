@@ -175,6 +175,25 @@ def test_a_registrant_over_its_quota_is_refused_and_the_others_are_not(batch: in
     check_invariants(t)
 
 
+@pytest.mark.parametrize("n", [3, 100])  # the per-room path and the numpy path
+def test_a_registrants_own_lookups_leave_its_rooms_in_its_quota_and_evictable(n: int) -> None:
+    t = RoomTable(ttl=100, max_rooms=2 * n, max_batch=n)
+    mine = list(range(1000, 1000 + n))
+    t.register(mine, [0] * n, now=0, registrant=1, quota=n)
+    assert len(t.query(mine, 1, querier=1)[0]) == n  # found, but not a decode's lookup
+    assert t.held(1) == n
+    with pytest.raises(RoomQuotaFull):
+        t.register([5000], [0], now=1, registrant=1, quota=n)
+    others = list(range(1, n + 1))
+    t.register(others, [1] * n, now=2, registrant=0, quota=n)
+    assert len(t.query(others, 2, querier=1)[0]) == n  # another registrant's rooms: queried
+    assert t.held(0) == 0
+    # The table is full: new rooms evict registrant 1's self-queried ones, never the queried.
+    t.register(list(range(7000, 7000 + n)), [0] * n, now=3, registrant=2, quota=n)
+    assert t.stats.evicted_full == n and q(t, mine, 3) == {} and len(q(t, others, 3)) == n
+    check_invariants(t)
+
+
 def test_a_full_table_never_evicts_a_room_the_same_batch_renews() -> None:
     t = RoomTable(ttl=100, max_rooms=4, max_batch=4)
     t.register([1, 2, 3, 4], [0, 0, 0, 0], now=0)
