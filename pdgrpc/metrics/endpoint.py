@@ -157,8 +157,9 @@ def _noop() -> None:
 def start_metrics_from_args(ns: argparse.Namespace, registry: CollectorRegistry, what: str) -> Callable[[], None]:
     """Start the endpoint that ``--metrics-port``/``--metrics-host`` ask for and log
     ``pdgrpc <what> metrics on http://HOST:PORT/metrics`` with the bound port. Returns
-    ``stop`` (a no-op when ``--metrics-port`` was not given). Raises ConfigError naming
-    both flags when the address cannot be listened on."""
+    ``stop`` (a no-op when ``--metrics-port`` was not given). Raises OSError naming both
+    flags and the reason when the address cannot be listened on: like a taken ``--port``,
+    the process then ends with status 1 (:func:`pdgrpc.serving.launch.launch`)."""
     port = getattr(ns, "metrics_port", None)
     if port is None:
         return _noop
@@ -168,7 +169,7 @@ def start_metrics_from_args(ns: argparse.Namespace, registry: CollectorRegistry,
         bound, stop = start_metrics_server(registry, host, port)
     except OSError as exc:  # a port in use, a host not of this machine: name the flags, not just the errno
         why = exc.strerror or str(exc)
-        raise ConfigError(f"--metrics-port {port} --metrics-host {host}: cannot listen on http://{shown}:{port}: {why}") from None
+        raise OSError(f"--metrics-port {port} --metrics-host {host}: cannot listen on http://{shown}:{port}: {why}") from None
     log.info("pdgrpc %s metrics on http://%s:%d/metrics", what, shown, bound)
     return stop
 

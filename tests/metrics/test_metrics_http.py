@@ -21,7 +21,6 @@ from pdgrpc.metrics import (
     start_metrics_from_args,
     start_metrics_server,
 )
-from pdgrpc.errors import ConfigError
 from pdgrpc.state import AbortReason
 from tests.scrape import Scrape
 
@@ -127,12 +126,12 @@ def test_port_in_use_is_an_os_error() -> None:
         stop()
 
 
-def test_a_port_in_use_from_the_flags_is_a_config_error_naming_them() -> None:
+def test_a_port_in_use_from_the_flags_is_an_os_error_naming_them() -> None:
     m = DecodeMetrics(transport="fake")
     port, stop = start_metrics_server(m.registry)
     try:
         ns = _parser().parse_args(["--metrics-port", str(port)])
-        with pytest.raises(ConfigError, match=rf"--metrics-port {port} --metrics-host 127\.0\.0\.1: cannot listen on "
+        with pytest.raises(OSError, match=rf"--metrics-port {port} --metrics-host 127\.0\.0\.1: cannot listen on "
                                                rf"http://127\.0\.0\.1:{port}: Address already in use"):
             start_metrics_from_args(ns, m.registry, "decode")
     finally:
