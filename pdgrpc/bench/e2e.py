@@ -17,8 +17,9 @@ and prefill chunk size everywhere. Then:
   p99 overhead at most 3 ms.
 * **tokens/s**: ``--throughput-requests`` requests, ``--concurrency`` in flight, each
   generating exactly ``--max-new-tokens`` tokens; generated tokens / wall time. Target:
-  1p1d at least 1.0x colocated. Systems run this phase one after another, so a drift of
-  the host lands on whichever runs then: compare tokens/s over several runs.
+  1p1d at least 1.0x colocated. The requests are split into ``--throughput-rounds``
+  rounds; each round runs every system once, one after another, in a new order, so that
+  a drift of the host lands on every system alike rather than on whichever ran then.
 * **where the TTFT goes**: every server, the colocated one too, traces (``--trace
   file:DIR``, one file per process) only the requests whose ``traceparent`` says so
   (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with every
@@ -76,6 +77,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from pdgrpc.argtypes import whole_number
 from pdgrpc.bench._cuda_baseline import resolve_bench_device
 from pdgrpc.bench.report import Result, percentile
 from pdgrpc.cluster.client import Completion, generate
@@ -111,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight for tokens/s (default: %(default)s)")
     p.add_argument("--throughput-prompt-tokens", type=int, default=128, help="prompt length of the tokens/s requests (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per tokens/s request (default: %(default)s)")
+    p.add_argument(
+        "--throughput-rounds", type=whole_number(1, "rounds"), default=4,
+        help="rounds the tokens/s requests are split into: each round runs every system once, in a new order, so that "
+        "the host's drift falls on all of them alike (default: %(default)s)",
+    )
     p.add_argument(
         "--security", default="plain",
         help="comma-separated gRPC security modes to run each cluster in, side by side: plain, tls (--tls auto: "
@@ -237,6 +244,24 @@ async def _throughput(stub: GenerateServiceStub, prompts: list[list[int]], max_n
     return time.perf_counter() - start, sum(counts)
 
 
+async def _rounds(
+    stubs: dict[str, GenerateServiceStub], prompts: list[list[int]], args: argparse.Namespace, rng: random.Random,
+) -> dict[str, tuple[float, int]]:
+    """Each system's (seconds, tokens) over ``prompts``, split into ``--throughput-rounds``
+    rounds; within a round the systems run one after another, in a new order each round."""
+    rounds = min(args.throughput_rounds, len(prompts)) or 1
+    print(f"measuring tokens/s: {len(prompts)} requests per system in {rounds} round(s), {args.concurrency} in flight ...",
+          flush=True)
+    out = {name: (0.0, 0) for name in stubs}
+    names = list(stubs)
+    for r in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            secs, tokens = await _throughput(stubs[name], prompts[r::rounds], args.max_new_tokens, args.concurrency)
+            out[name] = (out[name][0] + secs, out[name][1] + tokens)
+    return out
+
+
 def _tree_env(tree: str) -> dict[str, str]:
     """Environment whose Python imports ``pdgrpc`` from ``tree`` rather than this checkout."""
     root = os.path.abspath(tree)
@@ -308,10 +333,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             for name, done in measured.items():
                 if [c.token_ids for c in done] != base_ids:
                     raise PdgrpcError(f"{name}: outputs differ from colocated generation; not reporting its numbers")
-            tput: dict[str, tuple[float, int]] = {}
-            for name, stub in stubs.items():
-                print(f"measuring tokens/s on {name}: {args.throughput_requests} requests, {args.concurrency} in flight ...", flush=True)
-                tput[name] = await _throughput(stub, tput_prompts, args.max_new_tokens, args.concurrency)
+            tput = await _rounds(stubs, tput_prompts, args, rng)
             for c in systems.values():
                 c.check()
         # Read once the clusters stopped: a server exports what it still holds as it exits.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 
 import pytest
 
@@ -35,3 +36,27 @@ def test_the_flags_the_twins_get_exist() -> None:
     base = ["--prefill", "a:1", "--decode", "b:2"]
     assert router_parser().parse_args(base).first_token == "prefill"
     assert router_parser().parse_args([*base, "--first-token", "decode"]).first_token == "decode"
+
+
+async def test_tokens_per_s_rounds_run_every_system_once_each_in_a_new_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A drift of the host then falls on every system alike, not on whichever ran then.
+    runs: list[tuple[str, tuple[int, ...]]] = []
+
+    async def fake(stub, prompts, max_new, concurrency):
+        runs.append((stub, tuple(p[0] for p in prompts)))
+        return 1.0, len(prompts) * max_new
+
+    monkeypatch.setattr(e2e, "_throughput", fake)
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    args = p.parse_args(["--throughput-rounds", "4", "--max-new-tokens", "3"])
+    prompts = [[i] for i in range(10)]
+    out = await e2e._rounds({"a": "a", "b": "b", "c": "c"}, prompts, args, random.Random(1))
+    rounds = [runs[i : i + 3] for i in range(0, 12, 3)]
+    assert all(sorted(name for name, _ in r) == ["a", "b", "c"] for r in rounds)
+    assert len({tuple(name for name, _ in r) for r in rounds}) > 1  # the order changes
+    for name in "abc":  # every prompt once per system, over the rounds
+        assert sorted(i for n, ids in runs if n == name for i in ids) == list(range(10))
+    assert out == {name: (4.0, 30) for name in "abc"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--throughput-rounds", "0"])
