@@ -244,7 +244,7 @@ async def _throughput(stub: GenerateServiceStub, prompts: list[list[int]], max_n
     return time.perf_counter() - start, sum(counts)
 
 
-async def _rounds(
+async def throughput_rounds(
     stubs: dict[str, GenerateServiceStub], prompts: list[list[int]], args: argparse.Namespace, rng: random.Random,
 ) -> dict[str, tuple[float, int]]:
     """Each system's (seconds, tokens) over ``prompts``, split into ``--throughput-rounds``
@@ -333,7 +333,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             for name, done in measured.items():
                 if [c.token_ids for c in done] != base_ids:
                     raise PdgrpcError(f"{name}: outputs differ from colocated generation; not reporting its numbers")
-            tput = await _rounds(stubs, tput_prompts, args, rng)
+            tput = await throughput_rounds(stubs, tput_prompts, args, rng)
             for c in systems.values():
                 c.check()
         # Read once the clusters stopped: a server exports what it still holds as it exits.

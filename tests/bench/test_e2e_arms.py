@@ -51,7 +51,7 @@ async def test_tokens_per_s_rounds_run_every_system_once_each_in_a_new_order(mon
     e2e.add_arguments(p)
     args = p.parse_args(["--throughput-rounds", "4", "--max-new-tokens", "3"])
     prompts = [[i] for i in range(10)]
-    out = await e2e._rounds({"a": "a", "b": "b", "c": "c"}, prompts, args, random.Random(1))
+    out = await e2e.throughput_rounds({"a": "a", "b": "b", "c": "c"}, prompts, args, random.Random(1))
     rounds = [runs[i : i + 3] for i in range(0, 12, 3)]
     assert all(sorted(name for name, _ in r) == ["a", "b", "c"] for r in rounds)
     assert len({tuple(name for name, _ in r) for r in rounds}) > 1  # the order changes
