@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pdgrpc.serving.launch import Role
+from tests.prefill.procs import session_pids
 from tests.usage import usage_error
 
 # the module holding the ROLE of every server a user starts
@@ -321,19 +322,6 @@ PORT_USERS = [
 ]
 
 
-def _in_session(sid: int) -> list[int]:
-    """The processes of session ``sid`` still running (zombies aside)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # ended meanwhile
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
 @pytest.mark.parametrize("module, argv", PORT_USERS, ids=[m.split(".")[1] for m, _ in PORT_USERS])
 def test_a_port_another_process_holds_ends_every_server_alike(module: str, argv: list[str]) -> None:
     # A failure at run time, not a usage error (2): status 1, one line naming --port and
@@ -354,7 +342,7 @@ def test_a_port_another_process_holds_ends_every_server_alike(module: str, argv:
     assert len(lines) == 1, err[-3000:]
     assert lines[0].endswith(f"cannot bind 127.0.0.1:{port} (--host 127.0.0.1 --port {port}): address in use"), lines[0]
     assert "Traceback" not in err
-    assert _in_session(proc.pid) == [], f"left running: {_in_session(proc.pid)}"
+    assert session_pids(proc.pid) == [], f"left running: {session_pids(proc.pid)}"
 
 
 # (--host, the reason its bind failure gives): grpc gives none, so the server finds it.

@@ -242,7 +242,7 @@ class _Base(pb_grpc.SglangSchedulerServicer):
             self._rooms.add(g.room)
         return _Held(key, g.room)
 
-    def _untrack(self, held: "_Held | None") -> None:
+    def _untrack(self, held: _Held | None) -> None:
         if held is None:
             return
         if held.key is not None:

@@ -125,10 +125,7 @@ def choice(value: str | None) -> str:
     """The tracing mode ``--trace`` ``value`` selects (empty: the environment's), checked:
     ValueError naming the flag or the variable that gave a bad one."""
     mode, source = _source(value)
-    try:
-        return _checked(mode, source)
-    except ValueError as exc:
-        raise ValueError(f"--trace: {exc}" if not source else str(exc)) from None
+    return _checked(mode, source or "--trace: ")
 
 
 def setup_tracing(value: str | None, service: str) -> None:

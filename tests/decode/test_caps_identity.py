@@ -7,35 +7,14 @@ import asyncio
 import types
 from typing import Any, AsyncIterator
 
-import grpc
 import pytest
 
 from pdgrpc.decode.service import DecodeServicer
 from pdgrpc.v1 import common_pb2, decode_pb2
+from tests.servicer_context import Context, Refused
 
 
-class _Refused(Exception):
-    pass
-
-
-class _Context:
-    """What the servicer reads of a grpc.aio context: the peer, its TLS identity, abort."""
-
-    def __init__(self, host: str, common_name: str | None) -> None:
-        self._peer = f"ipv4:{host}:40000"
-        self._auth = {"x509_common_name": [common_name.encode()]} if common_name else {}
-
-    def peer(self) -> str:
-        return self._peer
-
-    def auth_context(self) -> dict[str, list[bytes]]:
-        return self._auth
-
-    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata: object = ()) -> None:
-        raise _Refused(code, message)
-
-
-async def _first(servicer: DecodeServicer, ctx: _Context) -> Any:
+async def _first(servicer: DecodeServicer, ctx: Context) -> Any:
     request = decode_pb2.DecodeRequest(bootstrap_room=7, local_prefill=True, sampling=common_pb2.SamplingParams(max_new_tokens=1))
     stream: AsyncIterator[Any] = servicer.Decode(request, ctx)  # type: ignore[arg-type]
     return await stream.__anext__()
@@ -61,10 +40,10 @@ def _scheduler() -> Any:
 async def test_decode_calls_per_client_count_per_certificate_not_per_host() -> None:
     servicer = DecodeServicer(_scheduler(), max_per_client=1)
     servicer.open_calls.open["cn:alice"] = 1  # alice already has her one call open
-    with pytest.raises(_Refused, match="cn:alice already has 1 Decode calls open"):
-        await _first(servicer, _Context("10.0.0.5", "alice"))
-    served = await _first(servicer, _Context("10.0.0.5", "bob"))  # same host, another identity
+    with pytest.raises(Refused, match="cn:alice already has 1 Decode calls open"):
+        await _first(servicer, Context("alice", "10.0.0.5"))
+    served = await _first(servicer, Context("bob", "10.0.0.5"))  # same host, another identity
     assert list(served.token_ids) == [5]
     servicer.open_calls.open["host:10.0.0.9"] = 1
-    with pytest.raises(_Refused, match="host:10.0.0.9"):  # no certificate: its host is its identity
-        await _first(servicer, _Context("10.0.0.9", None))
+    with pytest.raises(Refused, match="host:10.0.0.9"):  # no certificate: its host is its identity
+        await _first(servicer, Context(None, "10.0.0.9"))

@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb  # noqa: E402
 
 from pdgrpc.engine.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
 from pdgrpc.gateway.servicer import DecodeLeg, PrefillLeg, WorkerInfo  # noqa: E402
-from tests.gateway.fake_context import Context, Refused  # noqa: E402
+from tests.servicer_context import Context, Refused  # noqa: E402
 
 
 class Inner:

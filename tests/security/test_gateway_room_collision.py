@@ -23,7 +23,7 @@ from pdgrpc.engine.tokenizer import ByteTokenizer  # noqa: E402
 from pdgrpc.errors import RequestFailed  # noqa: E402
 from pdgrpc.gateway.servicer import DecodeLeg, WorkerInfo  # noqa: E402
 from pdgrpc.v1 import decode_pb2  # noqa: E402
-from tests.gateway.fake_context import Context, Refused  # noqa: E402
+from tests.servicer_context import Context, Refused  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
-"""What the smg facade reads of a ``grpc.aio`` servicer context, for driving its legs
-in-process: the caller's TLS identity, and ``abort``, which raises :class:`Refused`."""
+"""What a servicer reads of a ``grpc.aio`` servicer context, for driving it in-process:
+the caller's address and TLS identity, and ``abort``, which raises :class:`Refused`."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ class Refused(Exception):
 
 
 class Context:
-    def __init__(self, common_name: str) -> None:
-        self._auth = {"x509_common_name": [common_name.encode()]}
+    """A call from ``host``, under mTLS as ``common_name`` (None: no certificate)."""
+
+    def __init__(self, common_name: str | None, host: str = "10.0.0.5") -> None:
+        self._peer = f"ipv4:{host}:40000"
+        self._auth = {"x509_common_name": [common_name.encode()]} if common_name else {}
 
     def peer(self) -> str:
-        return "ipv4:10.0.0.5:40000"
+        return self._peer
 
     def auth_context(self) -> dict[str, list[bytes]]:
         return self._auth
