@@ -262,7 +262,7 @@ async def throughput_rounds(
     return out
 
 
-def _tree_env(tree: str) -> dict[str, str]:
+def tree_env(tree: str) -> dict[str, str]:
     """Environment whose Python imports ``pdgrpc`` from ``tree`` rather than this checkout."""
     root = os.path.abspath(tree)
     if not os.path.isfile(os.path.join(root, "pdgrpc", "__init__.py")):
@@ -314,7 +314,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             systems[name] = Cluster(without_prefix_cache(topology), transport=t, extra_env=_trace_env(spans_dir / name))
         if args.baseline_tree:
             name = f"{topology.name}-{t}@baseline"
-            env = {**_trace_env(spans_dir / name), **_tree_env(args.baseline_tree)}
+            env = {**_trace_env(spans_dir / name), **tree_env(args.baseline_tree)}
             systems[name] = Cluster(topology, transport=t, extra_env=env, local_sockets=has_local_sockets(args.baseline_tree))
     traced: dict[str, list[str]] = {name: [] for name in systems}
     rng = random.Random(args.seed)

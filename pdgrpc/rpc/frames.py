@@ -35,6 +35,7 @@ class Framed(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._closed = False
+        self._queued: list[bytes] = []  # frames for the write at the end of this loop pass
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -66,8 +67,29 @@ class Framed(asyncio.Protocol):
         self.close_socket()
 
     def _send(self, data: bytes) -> None:
+        """Write ``data`` now, after any frames queued before it (their order holds)."""
+        if self._queued:
+            self._queued.append(data)
+            data = b"".join(self._queued)
+            self._queued.clear()
         if self._transport is not None and not self._closed:
             self._transport.write(data)
+
+    def _send_soon(self, data: bytes) -> None:
+        """Write ``data`` once the loop's pass ends, in one write with every frame queued in it.
+
+        One pass often produces a frame per call (a decode step's token for each of its
+        streams); one system call for all of them, and one wake-up of the reader, costs
+        less than one per frame. The frame waits only for the callbacks already due."""
+        if self._transport is None or self._closed:
+            return
+        self._queued.append(data)
+        if len(self._queued) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._queued:
+            self._send(b"")
 
     def close_socket(self) -> None:
         if self._transport is not None and not self._transport.is_closing():

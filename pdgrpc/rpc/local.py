@@ -145,6 +145,7 @@ class _Context:
         self.details = ""
         self.trailing: tuple[tuple[str, str], ...] = ()
         self.serialize: Callable[[Any], bytes] = lambda m: m
+        self._written = False
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -177,7 +178,12 @@ class _Context:
         pass  # a local call has no initial metadata to read
 
     async def write(self, message: Any) -> None:
-        self._call.send(frame(MESSAGE, self._id, self.serialize(message)))
+        data = frame(MESSAGE, self._id, self.serialize(message))
+        if self._written:  # a later message: it may share the pass's write with other calls'
+            self._call.send_soon(data)
+        else:  # the first (the first token): the caller waits on it alone
+            self._written = True
+            self._call.send(data)
 
     async def read(self) -> Any:
         if not self._unread:
@@ -207,6 +213,9 @@ class _ServerConnection(Framed):
 
     def send(self, data: bytes) -> None:
         self._send(data)
+
+    def send_soon(self, data: bytes) -> None:
+        self._send_soon(data)
 
     def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
         if kind == CANCEL:
@@ -250,7 +259,8 @@ class _ServerConnection(Framed):
             ctx.code, ctx.details = grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}"
         finally:
             self.tasks.pop(call_id, None)
-        self._send(frame(END, call_id, json.dumps([ctx.code.value[0], ctx.details, _pairs(ctx.trailing)]).encode()))
+        # After the last message, which the caller already has: it may share the pass's write.
+        self._send_soon(frame(END, call_id, json.dumps([ctx.code.value[0], ctx.details, _pairs(ctx.trailing)]).encode()))
 
     @staticmethod
     async def _run(handler: grpc.RpcMethodHandler, ctx: _Context) -> None:
