@@ -19,7 +19,10 @@ and prefill chunk size everywhere. Then:
   generating exactly ``--max-new-tokens`` tokens; generated tokens / wall time. Target:
   1p1d at least 1.0x colocated. The requests are split into ``--throughput-rounds``
   rounds; each round runs every system once, one after another, in a new order, so that
-  a drift of the host lands on every system alike rather than on whichever ran then.
+  a drift of the host lands on every system alike rather than on whichever ran then. A
+  round holds several waves of ``--concurrency`` requests (4 at the defaults): a round of
+  one wave times how fast one burst drains, where a prefill and a decode barely overlap,
+  not the steady rate.
 * **where the TTFT goes**: every server, the colocated one too, traces (``--trace
   file:DIR``, one file per process) only the requests whose ``traceparent`` says so
   (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with every
@@ -109,7 +112,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length of the TTFT requests (default: %(default)s)")
     p.add_argument("--ttft-requests", type=int, default=120, help="sequential requests per system for TTFT: every other one is traced for the hop rows, the others give the TTFT rows (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="requests per system before measuring (default: %(default)s)")
-    p.add_argument("--throughput-requests", type=int, default=64, help="requests per system for tokens/s (default: %(default)s)")
+    p.add_argument(
+        "--throughput-requests", type=int, default=256,
+        help="requests per system for tokens/s, over all rounds: each round should hold several waves of --concurrency "
+        "requests (default: %(default)s, 4 waves a round)",
+    )
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight for tokens/s (default: %(default)s)")
     p.add_argument("--throughput-prompt-tokens", type=int, default=128, help="prompt length of the tokens/s requests (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per tokens/s request (default: %(default)s)")
@@ -252,6 +259,9 @@ async def throughput_rounds(
     rounds = min(args.throughput_rounds, len(prompts)) or 1
     print(f"measuring tokens/s: {len(prompts)} requests per system in {rounds} round(s), {args.concurrency} in flight ...",
           flush=True)
+    if len(prompts) < 2 * rounds * args.concurrency:
+        print(f"note: a round holds {len(prompts) // rounds} requests, under two waves of --concurrency {args.concurrency}: "
+              "tokens/s then times a burst draining more than a steady rate", flush=True)
     out = {name: (0.0, 0) for name in stubs}
     names = list(stubs)
     for r in range(rounds):

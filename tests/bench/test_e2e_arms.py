@@ -60,3 +60,23 @@ async def test_tokens_per_s_rounds_run_every_system_once_each_in_a_new_order(mon
     assert out == {name: (4.0, 30) for name in "abc"}
     with pytest.raises(SystemExit):
         p.parse_args(["--throughput-rounds", "0"])
+
+
+async def test_at_its_defaults_each_tokens_per_s_round_holds_several_waves(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A round of one wave times a burst draining, where prefill and decode barely overlap.
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    args = p.parse_args([])
+    assert args.throughput_requests // args.throughput_rounds >= 4 * args.concurrency
+
+    async def fake(stub, prompts, max_new, concurrency):
+        return 1.0, len(prompts) * max_new
+
+    monkeypatch.setattr(e2e, "_throughput", fake)
+    await e2e.throughput_rounds({"a": "a"}, [[i] for i in range(args.throughput_requests)], args, random.Random(1))
+    assert "note:" not in capsys.readouterr().out
+    short = p.parse_args(["--throughput-requests", "64"])  # 16 a round: one wave of 16
+    await e2e.throughput_rounds({"a": "a"}, [[i] for i in range(64)], short, random.Random(1))
+    assert "under two waves of --concurrency 16" in capsys.readouterr().out
