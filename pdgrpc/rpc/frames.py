@@ -72,7 +72,8 @@ class Framed(asyncio.Protocol):
             self._queued.append(data)
             data = b"".join(self._queued)
             self._queued.clear()
-        if self._transport is not None and not self._closed:
+        # Not to a transport being closed: uvloop raises once its handle is gone.
+        if self._transport is not None and not self._closed and not self._transport.is_closing():
             self._transport.write(data)
 
     def _send_soon(self, data: bytes) -> None:
@@ -81,7 +82,7 @@ class Framed(asyncio.Protocol):
         One pass often produces a frame per call (a decode step's token for each of its
         streams); one system call for all of them, and one wake-up of the reader, costs
         less than one per frame. The frame waits only for the callbacks already due."""
-        if self._transport is None or self._closed:
+        if self._transport is None or self._closed or self._transport.is_closing():
             return
         self._queued.append(data)
         if len(self._queued) == 1:

@@ -74,3 +74,13 @@ async def test_a_connection_lost_before_the_pass_ends_writes_nothing() -> None:
     link.send_soon(frame(3, 1, b"b"))
     await asyncio.sleep(0)
     assert link.transport.writes == []
+
+
+async def test_a_socket_closed_before_the_pass_ends_is_not_written() -> None:
+    # uvloop refuses a write to a transport it is closing (RuntimeError in the flush).
+    link = _Link()
+    link.send_soon(frame(3, 1, b"a"))
+    link.close_socket()
+    await asyncio.sleep(0)
+    link.send(frame(4, 1))
+    assert link.transport.writes == []
