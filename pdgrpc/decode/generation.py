@@ -169,6 +169,7 @@ class Generation:
                 self._crash(job, exc)
             self.running = [j for j in self.running if not j.fate.ended]
             return
+        self.metrics.on_step(len(batch))
         eos = self.engine.tokenizer.eos_token_ids
         for job, tok in zip(batch, toks):
             if job.fate.ending:

@@ -39,6 +39,7 @@ __all__ = [
     "Outcome",
     "RequestState",
     "Role",
+    "STEP_BUCKETS",
     "ServerAbortReason",
     "TTFT_BUCKETS",
     "markdown_table",
@@ -83,6 +84,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 TTFT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Rooms per batched bootstrap call: 1 at low load, up to the bootstrap's max batch (65536).
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+
+# Requests in one decode step: 1 at low load, hundreds on a large decode.
+STEP_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 Kind = Literal["counter", "gauge", "histogram", "info"]
 
@@ -220,6 +224,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         "pdgrpc_decode_reused_tokens_total", "counter",
         "Prompt tokens whose KV the decode's prefix cache held already, so the prefill did not send them (count).",
         _R, (_D,),
+    ),
+    MetricSpec(
+        "pdgrpc_decode_batch_size", "histogram",
+        "Requests in one decode step (count of requests); its _count is the steps, its _sum the tokens they "
+        "generated. Small batches under load mean requests wait elsewhere (for a prefill), and each token "
+        "costs more.",
+        _R, (_D,), buckets=STEP_BUCKETS,
     ),
     MetricSpec(
         "pdgrpc_local_prefill_requests_total", "counter",

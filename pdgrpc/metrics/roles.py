@@ -200,12 +200,17 @@ class DecodeMetrics(RoleMetrics):
         self._local_computed = self._fam.counter("pdgrpc_local_prefill_computed_tokens_total").labels(self.role.value)
         self._kv_event_streams = self._fam.gauges["pdgrpc_kv_event_streams"].labels(self.role.value)
         self._kv_event_streams.set(0)
+        self._batch = self._fam.histogram("pdgrpc_decode_batch_size").labels(self.role.value)
         self.transport = transport
         self.set_info(transport=transport)
 
     def on_finished(self) -> None:
         """An admitted request completed normally on this server."""
         self._requests.on_finished()
+
+    def on_step(self, batch: int) -> None:
+        """A decode step generated a token for each of ``batch`` requests."""
+        self._batch.observe(_count("batch", batch))
 
     def on_reused(self, tokens: int) -> None:
         """A request committed with ``tokens`` prompt tokens from the decode's prefix cache."""

@@ -187,7 +187,10 @@ PROMPTS = [
 ]
 
 
-async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes) -> None:
+async def test_tokens_equal_colocated_generation(
+    stub: decode_pb2_grpc.DecodeServiceStub, prefill: FakePrefill, outcomes: Outcomes, metrics_address: str
+) -> None:
+    before = scrape(metrics_address)
     reqs = [make_request(prefill, text, n, s) for text, n, s in PROMPTS]
     expected = [generate(prefill.engine, [tuple(r.input_ids)], n, s)[0] for r, (_, n, s) in zip(reqs, PROMPTS)]
     results = await asyncio.gather(*(collect(stub, r) for r in reqs))
@@ -208,6 +211,13 @@ async def test_tokens_equal_colocated_generation(stub: decode_pb2_grpc.DecodeSer
         assert all(not m.finish_reason for m in msgs[:-1])
     await assert_nothing_held(stub)
     assert await outcomes.changed() == {"finished": len(PROMPTS)}
+    # Every token past the prefill's first came from a decode step; the batch sizes say how
+    # many requests shared each step.
+    after = scrape(metrics_address)
+    steps, stepped = (after.value(f"pdgrpc_decode_batch_size_{x}", role="decode")
+                      - before.value(f"pdgrpc_decode_batch_size_{x}", role="decode") for x in ("count", "sum"))
+    assert stepped == sum(len(w.token_ids) - 1 for w in expected)
+    assert max(len(w.token_ids) for w in expected) - 1 <= steps <= stepped
 
 
 async def test_a_local_prefill_computes_the_prompt_here_with_colocated_tokens(
