@@ -145,6 +145,7 @@ class _Context:
         self.details = ""
         self.trailing: tuple[tuple[str, str], ...] = ()
         self.serialize: Callable[[Any], bytes] = lambda m: m
+        self.streaming = True  # the handler streams its replies; a unary one sends one, then the END
         self._written = False
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -179,9 +180,9 @@ class _Context:
 
     async def write(self, message: Any) -> None:
         data = frame(MESSAGE, self._id, self.serialize(message))
-        if self._written:  # a later message: it may share the pass's write with other calls'
+        if self._written or not self.streaming:  # it may share the pass's write with other frames
             self._call.send_soon(data)
-        else:  # the first (the first token): the caller waits on it alone
+        else:  # a stream's first message (its first token): the caller waits on it alone
             self._written = True
             self._call.send(data)
 
@@ -249,6 +250,7 @@ class _ServerConnection(Framed):
                 await ctx.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
             assert handler is not None
             ctx.serialize = handler.response_serializer or ctx.serialize
+            ctx.streaming = handler.response_streaming
             await self._run(handler, ctx)
         except grpc.aio.AbortError:
             pass
@@ -259,7 +261,7 @@ class _ServerConnection(Framed):
             ctx.code, ctx.details = grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}"
         finally:
             self.tasks.pop(call_id, None)
-        # After the last message, which the caller already has: it may share the pass's write.
+        # In the pass's write: after the call's last message, which a unary caller waits for with it.
         self._send_soon(frame(END, call_id, json.dumps([ctx.code.value[0], ctx.details, _pairs(ctx.trailing)]).encode()))
 
     @staticmethod
