@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdgrpc.bench.e2e import NO_CACHE, has_local_sockets, tree_env, without_prefix_cache  # noqa: E402
+from pdgrpc.bench.e2e import NO_CACHE, has_local_sockets, run_load, tree_env, turns, without_prefix_cache  # noqa: E402
 from pdgrpc.bench.procstat import children, module_of, process_tree, schedstat  # noqa: E402
 from pdgrpc.cluster.client import generate  # noqa: E402
 from pdgrpc.cluster.launcher import Cluster  # noqa: E402
@@ -69,7 +69,7 @@ async def _main(ns: argparse.Namespace) -> None:
         idle = {p: _less(schedstat(p), idle0[p], 1 / ns.idle_s) for p in idle0}  # ns per second
         measured = prompts[ns.warmup :]
         if ns.concurrency > 1:
-            used, writes, walls = await _load(ns, stubs, pids, measured, rng)
+            used, writes, walls, tokens = await _load(ns, stubs, pids, measured, rng)
         else:
             start, w0, t0 = {p: schedstat(p) for p in idle0}, {p: _writes(p) for p in idle0}, time.perf_counter()
             for ids in measured:
@@ -79,11 +79,12 @@ async def _main(ns: argparse.Namespace) -> None:
             used = {p: _less(schedstat(p), start[p]) for p in start}
             writes = {p: _writes(p) - w0[p] for p in start}
             walls = {k: wall for k in systems}
+            tokens = {k: ns.requests for k in systems}  # one token each
     print(f"{ns.requests} requests per system; ms per request of CPU (idle ms/s) and of run-queue wait; writes per request")
     for k, ps in pids.items():
         total = [0.0, 0.0]
         if ns.concurrency > 1:
-            print(f"  {k:<16} {ns.requests * ns.max_new_tokens / walls[k]:,.0f} tokens/s")
+            print(f"  {k:<16} {tokens[k] / walls[k]:,.0f} tokens/s")
         for p in ps:
             ms = [(used[p][i] - idle[p][i] * walls[k]) / ns.requests / 1e6 for i in (0, 1)]
             total = [a + b for a, b in zip(total, ms)]
@@ -94,31 +95,24 @@ async def _main(ns: argparse.Namespace) -> None:
 async def _load(
     ns: argparse.Namespace, stubs: dict[str, GenerateServiceStub], pids: dict[str, list[int]], prompts: list[list[int]],
     rng: random.Random,
-) -> tuple[dict[int, tuple[float, float]], dict[int, int], dict[str, float]]:
+) -> tuple[dict[int, tuple[float, float]], dict[int, int], dict[str, float], dict[str, int]]:
     """Each system's share of ``prompts`` with ``--concurrency`` in flight, the systems
-    taking turns in rounds: the CPU and writes of each process and each system's wall time,
-    counted only while its own system is loaded."""
+    taking turns in rounds (bench e2e's): the CPU and writes of each process, each
+    system's wall time and tokens, counted only while its own system is loaded."""
     used = {p: (0.0, 0.0) for ps in pids.values() for p in ps}
     writes = {p: 0 for p in used}
     walls = {k: 0.0 for k in stubs}
-    order = list(stubs)
-    for r in range(_ROUNDS):
-        rng.shuffle(order)
-        for k in order:
-            gate = asyncio.Semaphore(ns.concurrency)
-
-            async def one(ids: list[int], stub: GenerateServiceStub = stubs[k]) -> None:
-                async with gate:
-                    await generate(stub, input_ids=ids, max_new_tokens=ns.max_new_tokens)
-
-            start, w0, t0 = {p: schedstat(p) for p in pids[k]}, {p: _writes(p) for p in pids[k]}, time.perf_counter()
-            await asyncio.gather(*(one(ids) for ids in prompts[r::_ROUNDS]))
-            walls[k] += time.perf_counter() - t0
-            for p in pids[k]:
-                cpu, wait = _less(schedstat(p), start[p])
-                used[p] = (used[p][0] + cpu, used[p][1] + wait)
-                writes[p] += _writes(p) - w0[p]
-    return used, writes, walls
+    tokens = {k: 0 for k in stubs}
+    for r, k in turns(list(stubs), _ROUNDS, rng):
+        start, w0 = {p: schedstat(p) for p in pids[k]}, {p: _writes(p) for p in pids[k]}
+        secs, generated = await run_load(stubs[k], prompts[r::_ROUNDS], ns.max_new_tokens, ns.concurrency)
+        walls[k] += secs
+        tokens[k] += generated
+        for p in pids[k]:
+            cpu, wait = _less(schedstat(p), start[p])
+            used[p] = (used[p][0] + cpu, used[p][1] + wait)
+            writes[p] += _writes(p) - w0[p]
+    return used, writes, walls, tokens
 
 
 def _writes(pid: int) -> int:

@@ -78,6 +78,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdgrpc.argtypes import whole_number
@@ -238,7 +239,9 @@ def hop_p50s(spans: list[dict], trace_ids: list[str], durations: dict[str, dict[
     return out
 
 
-async def _throughput(stub: GenerateServiceStub, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[float, int]:
+async def run_load(stub: GenerateServiceStub, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[float, int]:
+    """Send ``prompts``, ``concurrency`` in flight, each generating ``max_new`` tokens
+    (EOS ignored): the seconds it took and the tokens generated."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(ids: list[int]) -> int:
@@ -263,13 +266,19 @@ async def throughput_rounds(
         print(f"note: a round holds {len(prompts) // rounds} requests, under two waves of --concurrency {args.concurrency}: "
               "tokens/s then times a burst draining more than a steady rate", flush=True)
     out = {name: (0.0, 0) for name in stubs}
-    names = list(stubs)
-    for r in range(rounds):
-        rng.shuffle(names)
-        for name in names:
-            secs, tokens = await _throughput(stubs[name], prompts[r::rounds], args.max_new_tokens, args.concurrency)
-            out[name] = (out[name][0] + secs, out[name][1] + tokens)
+    for r, name in turns(list(stubs), rounds, rng):
+        secs, tokens = await run_load(stubs[name], prompts[r::rounds], args.max_new_tokens, args.concurrency)
+        out[name] = (out[name][0] + secs, out[name][1] + tokens)
     return out
+
+
+def turns(names: list[str], rounds: int, rng: random.Random) -> Iterator[tuple[int, str]]:
+    """``(round, name)``: every name once a round, in a new order each round."""
+    order = list(names)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            yield r, name
 
 
 def tree_env(tree: str) -> dict[str, str]:

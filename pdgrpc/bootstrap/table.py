@@ -232,8 +232,7 @@ class RoomTable(RoomSlots):
         order. Unknown or expired rooms are missing, not an error; room 0 and batches
         over ``max_batch`` raise :class:`InvalidBootstrapRequest`. A found room becomes
         queried (never evicted, out of its registrant's quota) unless ``querier``, the
-        caller's registrant number, registered it: a caller that may both register and
-        query would otherwise make its own rooms unevictable and escape its quota."""
+        caller's registrant number, registered it (see Quota above)."""
         n = len(rooms)
         self._check_batch(n)
         if n <= _FEW_LOOKUPS:

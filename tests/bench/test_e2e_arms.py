@@ -46,7 +46,7 @@ async def test_tokens_per_s_rounds_run_every_system_once_each_in_a_new_order(mon
         runs.append((stub, tuple(p[0] for p in prompts)))
         return 1.0, len(prompts) * max_new
 
-    monkeypatch.setattr(e2e, "_throughput", fake)
+    monkeypatch.setattr(e2e, "run_load", fake)
     p = argparse.ArgumentParser()
     e2e.add_arguments(p)
     args = p.parse_args(["--throughput-rounds", "4", "--max-new-tokens", "3"])
@@ -74,7 +74,7 @@ async def test_at_its_defaults_each_tokens_per_s_round_holds_several_waves(
     async def fake(stub, prompts, max_new, concurrency):
         return 1.0, len(prompts) * max_new
 
-    monkeypatch.setattr(e2e, "_throughput", fake)
+    monkeypatch.setattr(e2e, "run_load", fake)
     await e2e.throughput_rounds({"a": "a"}, [[i] for i in range(args.throughput_requests)], args, random.Random(1))
     assert "note:" not in capsys.readouterr().out
     short = p.parse_args(["--throughput-requests", "64"])  # 16 a round: one wave of 16
