@@ -42,7 +42,7 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.txt, no
 
 # 1. The CUDA test set (and the CPU unit tests of the same pieces, now with CUDA present).
 tests=(
-  tests/engine/test_device.py tests/transport/test_memkind.py tests/transport/test_staging.py
+  tests/test_device.py tests/transport/test_memkind.py tests/transport/test_staging.py
   tests/transport/test_tcp_staged.py tests/bench/test_device.py tests/e2e/test_cuda.py
   "tests/transport/test_conformance.py::TestTcpCudaConformance"
   "tests/transport/test_conformance.py::TestRdmaCudaConformance"
