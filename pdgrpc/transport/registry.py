@@ -42,9 +42,10 @@ BUILTINS: dict[str, str] = {
 INSTALL_HINTS: dict[str, str] = {
     "rdma": "pip install 'pdgrpc[ucx]'",
 }
-# name -> the optional modules its backend imports (what INSTALL_HINTS installs).
+# name -> the optional modules its backend imports (what INSTALL_HINTS installs); rdma
+# loads the UCX libraries from the libucx wheel and needs none of ucxx's Python layer.
 _REQUIRES: dict[str, tuple[str, ...]] = {
-    "rdma": ("ucxx",),
+    "rdma": ("libucx",),
 }
 
 # Registered at run time with register(); same namespace as the others.

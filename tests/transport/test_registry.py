@@ -123,13 +123,28 @@ def test_check_refuses_what_load_refuses() -> None:
 
 
 def test_check_names_a_missing_dependency_and_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    # ucxx as on a machine without the extra: off the path and not loaded.
+    # The UCX libraries as on a machine without the extra: off the path and not loaded.
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "site-packages" not in p])
-    monkeypatch.delitem(sys.modules, "ucxx", raising=False)
+    monkeypatch.delitem(sys.modules, "libucx", raising=False)
     importlib.invalidate_caches()
     with pytest.raises(TransportUnavailable) as err:
         registry.check("rdma")
-    assert str(err.value) == "transport 'rdma' needs 'ucxx', which is not installed; install it with: pip install 'pdgrpc[ucx]'"
+    assert str(err.value) == "transport 'rdma' needs 'libucx', which is not installed; install it with: pip install 'pdgrpc[ucx]'"
+
+
+def test_rdma_needs_only_the_ucx_libraries() -> None:
+    # The rdma backend loads libucx itself: a machine with the libucx wheel and without
+    # ucxx's Python layer (a GPU image with carried wheels) runs it.
+    code = (
+        "import sys\n"
+        "sys.modules['ucxx'] = None  # not installed: find_spec finds nothing, import fails\n"
+        "from pdgrpc.transport import registry\n"
+        "registry.check('rdma')\n"
+        "print(registry.load('rdma').__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "RdmaTransport"
 
 
 def test_check_imports_no_backend() -> None:

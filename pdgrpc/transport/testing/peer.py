@@ -340,9 +340,14 @@ def _child_main(conn: multiprocessing.connection.Connection, backend: str, optio
 # ---------------------------------------------------------------------------- parent
 
 
-def _context() -> multiprocessing.context.ForkServerContext:
-    """The fork server's context, torch and this module preloaded there: a peer starts
-    without importing them again (the server imports them once per test process)."""
+def _context(device: str) -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
+    """How a peer process starts. A host-memory peer forks from the fork server, torch
+    and this module preloaded there, so it starts without importing them again (the
+    server imports them once per test process). A GPU peer is spawned: torch refuses
+    CUDA in a child forked from a process that asked about CUDA, and importing the
+    testing package asks."""
+    if device != "cpu":
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", __name__])
     return ctx
@@ -383,7 +388,7 @@ class PeerProcess:
         return int(self._proc.pid)
 
     async def start(self) -> None:
-        ctx = _context()
+        ctx = _context(self.layout.device)
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_child_main, args=(child, self.backend, self.options, self.layout, self.seed, dict(os.environ)),
