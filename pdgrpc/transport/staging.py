@@ -109,6 +109,7 @@ class StagingPool:
 
     @property
     def free_count(self) -> int:
+        self._sweep()
         return len(self._free)
 
     def buffer(self, i: int) -> torch.Tensor:
@@ -125,18 +126,33 @@ class StagingPool:
         else:
             self._pending.append((i, ready))
 
+    def reclaim_oldest(self) -> bool:
+        """Wait for the oldest copy still holding a buffer and return that buffer; False
+        when no copy holds one. The wait blocks: it is one piece's copy, and the socket
+        must not stop reading while a frame is half in."""
+        if not self._pending:
+            return False
+        i, ready = self._pending.pop(0)
+        _spin(ready)
+        self.release(i)
+        return True
+
     def try_acquire(self) -> int | None:
         if self.closed:
             raise TransportError("staging pool is closed")
-        if self._pending:
-            done = [p for p in self._pending if p[1].done()]
-            self._pending = [p for p in self._pending if not p[1].done()]
-            self._free.extend(i for i, _ in done)
+        self._sweep()
         if not self._free:
             return None
         i = self._free.popleft()
         self.high_water = max(self.high_water, self.count - len(self._free))
         return i
+
+    def _sweep(self) -> None:
+        """Free the buffers whose copies finished."""
+        if self._pending:
+            done = [p for p in self._pending if p[1].done()]
+            self._pending = [p for p in self._pending if not p[1].done()]
+            self._free.extend(i for i, _ in done)
 
     async def acquire(self) -> int:
         while True:
@@ -229,7 +245,7 @@ class StagedReceive:
         self.copy_in = copy_in
         self._next = 0
         self._current: int | None = None
-        self._copying: collections.deque[tuple[int, ChunkReady]] = collections.deque()
+        self._copying: collections.deque[ChunkReady] = collections.deque()  # this frame's copies, oldest first
 
     @property
     def all_received(self) -> bool:
@@ -238,15 +254,10 @@ class StagedReceive:
     def next_buffer(self) -> memoryview:
         if self._current is not None or self._next >= len(self.pieces):
             raise TransportError("StagedReceive.next_buffer: no piece is expected now")
-        self._reap()
         i = self.pool.try_acquire()
-        while i is None:  # every buffer is still being copied into the device
-            if not self._copying:
-                raise TransportError("staging pool exhausted by other receives")
-            # wait for the oldest copy (one piece) rather than stop reading
-            j, ready = self._copying.popleft()
-            _spin(ready)
-            self.pool.release(j)
+        while i is None:  # every buffer is under a copy into the device, this frame's or an earlier one's
+            if not self.pool.reclaim_oldest():
+                raise TransportError("staging pool exhausted: no copy holds a buffer")
             i = self.pool.try_acquire()
         try:
             buf = self.pool.buffer(i)
@@ -269,15 +280,13 @@ class StagedReceive:
         except BaseException:
             self.pool.release(i)
             raise
-        self._copying.append((i, ready))
-
-    def _reap(self) -> None:
-        while self._copying and self._copying[0][1].done():
-            self.pool.release(self._copying.popleft()[0])
+        self.pool.release_after(i, ready)  # the pool hands the buffer out again once the copy finished
+        self._copying.append(ready)
 
     def reap_all(self) -> bool:
-        """Return the buffers of finished copies; True once every copy finished."""
-        self._reap()
+        """True once every piece is in and every copy of this frame finished."""
+        while self._copying and self._copying[0].done():
+            self._copying.popleft()
         return not self._copying and self._current is None
 
     def abandon(self) -> None:
@@ -286,8 +295,7 @@ class StagedReceive:
         if self._current is not None:
             self.pool.release(self._current)
             self._current = None
-        while self._copying:
-            self.pool.release_after(*self._copying.popleft())
+        self._copying.clear()
         self._next = len(self.pieces)
 
 

@@ -205,3 +205,32 @@ def test_abandoned_receive_returns_its_buffers_once_their_copies_finish() -> Non
     assert pool.try_acquire() is None  # piece 0's is still under its copy
     gate.ev.set()
     assert pool.try_acquire() is not None
+
+
+def test_next_frame_waits_for_the_copies_of_earlier_frames() -> None:
+    """Frames follow each other on one connection faster than the device copies finish:
+    a frame whose buffers are all held by earlier frames' copies waits for the oldest
+    of them (they share the connection's pool) instead of losing the connection, and
+    every frame lands whole."""
+    dst = {0: torch.zeros(64, dtype=torch.uint8)}
+    payload = torch.arange(64, dtype=torch.uint8)
+    gates: list[Gate] = []
+
+    def copy_in(piece: Piece, buf: torch.Tensor) -> ChunkReady:
+        scatter_from(dst, piece, buf)
+        gates.append(Gate())
+        return gates[-1]
+
+    pool = _pool(2)
+    frames = [StagedReceive([Piece(np.array([0]), np.array([16 * k]), np.array([16]))], pool, copy_in)
+              for k in range(4)]  # one piece each, bytes 16k..16k+16
+    for k, rx in enumerate(frames):
+        view = rx.next_buffer()  # frames 2 and 3 find both buffers under earlier copies
+        view[:] = payload[16 * k : 16 * k + 16].numpy().tobytes()
+        rx.piece_received()
+    assert [g.done() for g in gates] == [True, True, False, False]  # the oldest copies were waited for
+    assert pool.high_water == 2
+    for g in gates:
+        g.ev.set()
+    assert all(rx.reap_all() for rx in frames)
+    assert torch.equal(dst[0], payload) and pool.free_count == 2
