@@ -40,7 +40,11 @@ Options (seconds, bytes, counts):
   (:mod:`pdgrpc.transport.ucx_quiet`);
 * ``write_ahead`` (1; 0: off): ``prepare_write`` sends its WRITEs at once, so the
   receiver checks them and posts its receives while the sender's data is computed
-  (``WRITE_AHEAD`` in :mod:`pdgrpc.transport.rdma_wire`); off, the WRITEs go with the data.
+  (``WRITE_AHEAD`` in :mod:`pdgrpc.transport.rdma_wire`); off, the WRITEs go with the data;
+* ``pack`` (auto; always, never) and ``pack_max`` (256 MiB): a data message of many
+  ranges in GPU memory travels as one contiguous device buffer, gathered before the
+  send and scattered after the receive, within ``pack_max`` bytes of such buffers per
+  side (:mod:`pdgrpc.transport.rdma_pack`); ``always`` packs host memory too.
 
 UCX reads its usual ``UCX_*`` variables; nothing is forced. Leave ``UCX_MM_SEG_SIZE`` at
 its default: raised to 64K, UCX 1.21 completes every iov receive over shared memory as
@@ -62,6 +66,7 @@ from pdgrpc.errors import ConfigError, TransportError
 from pdgrpc.transport.ucx import UCS_ERR_CANCELED, UCS_OK, UcxWorker
 from pdgrpc.transport.base import BadDescriptor, Descriptor, MemoryRegion, Peer, RoomGrant, Transport, WriteOp
 from pdgrpc.transport.liveness import Liveness
+from pdgrpc.transport.rdma_pack import PACK_MAX, Pack, Packer
 from pdgrpc.transport.rdma_recv import RdmaReceiver
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_send import RdmaSender
@@ -91,13 +96,16 @@ class RdmaTransport(Transport):
         progress_spin_s: float = 0.0,
         quiet_sends: bool | int = True,
         write_ahead: bool | int = True,
+        pack: str = "auto",
+        pack_max: int = PACK_MAX,
         **unknown: Any,
     ) -> None:
         super().__init__()
         if unknown:
             raise ConfigError(
                 f"rdma transport: unknown option(s) {', '.join(sorted(unknown))}; known: zero_copy_min, contiguous_min, iov_max, "
-                "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s, quiet_sends, write_ahead"
+                "connect_timeout, liveness_interval, liveness_lease, host, progress_spin_s, quiet_sends, write_ahead, "
+                "pack, pack_max"
             )
         if zero_copy_min < 1 or not 1 <= iov_max <= MAX_OPS_PER_WRITE:
             raise ConfigError(f"rdma: need zero_copy_min >= 1 and 1 <= iov_max <= {MAX_OPS_PER_WRITE}, got {zero_copy_min}, {iov_max}")
@@ -111,20 +119,22 @@ class RdmaTransport(Transport):
             raise ConfigError(f"rdma: quiet_sends must be 1 (on) or 0 (off), got {quiet_sends!r}")
         if write_ahead not in (0, 1):
             raise ConfigError(f"rdma: write_ahead must be 1 (on) or 0 (off), got {write_ahead!r}")
+        mode = Pack.parse(pack)
         # raises TransportUnavailable (with the install hint)
         self._worker = UcxWorker(spin_s=progress_spin_s, quiet_sends=bool(quiet_sends), on_progress=self._sweep_soon)
         self._liveness = Liveness(self.instance_id, self._on_lost, info=self._worker.address, host=host,
                                   interval=liveness_interval, lease=liveness_lease, key=self.auth_key,
                                   credential_for=self.credential_for, writers=self.writers)
         self._regions = Regions()
+        self._packer = packer = Packer(self._regions, mode, int(pack_max))
         self._sender = RdmaSender(
             self._worker, self.rooms, self._regions, self._liveness, instance_id=self.instance_id,
             require_credential=self.require_credential, fail_peer=self.fail_peer,
             zero_copy_min=int(zero_copy_min), contiguous_min=int(contiguous_min) or None, iov_max=int(iov_max),
-            connect_timeout=float(connect_timeout), write_ahead=bool(write_ahead))
+            connect_timeout=float(connect_timeout), write_ahead=bool(write_ahead), packer=packer)
         self._receiver = RdmaReceiver(self._worker, self.rooms, self._regions, self._liveness,
                                       instance_id=self.instance_id, verify_proof=self.verify_proof,
-                                      room_writers=self.room_writers)
+                                      room_writers=self.room_writers, packer=packer)
         # the write path's steps, bound once
         self._plan = self._sender.plan
         self._announce = self._sender.announce
@@ -159,6 +169,12 @@ class RdmaTransport(Transport):
         requests were cancelled — receives by ``ucp_request_cancel``, sends by a forced
         endpoint close or, for rendezvous sends UCX keeps, by abandoning them)."""
         return max(0, self._worker.inflight_requests - sum(self._ctrl_posted.values()))
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of packed data-message buffers alive now, both directions (a diagnostic:
+        back to 0 once every transfer finished; :mod:`pdgrpc.transport.rdma_pack`)."""
+        return self._packer.in_use
 
     def receives_posted(self, room: int) -> int:
         """Data receives posted for ``room`` that have not completed (a diagnostic: a

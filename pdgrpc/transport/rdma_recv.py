@@ -41,6 +41,7 @@ from pdgrpc.transport.ucx import (
 )
 from pdgrpc.transport.base import RegionInfo, RoomGrant
 from pdgrpc.transport.peerauth import RoomWriters
+from pdgrpc.transport.rdma_pack import Packer, call_when_done
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_wire import (
     ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY,
@@ -106,7 +107,7 @@ class RdmaReceiver:
 
     def __init__(self, worker: UcxWorker, rooms: RoomStates, regions: Regions, liveness: RecvLiveness, *,
                  instance_id: str, verify_proof: Callable[[bytes, bytes, str, bytes], bool],
-                 room_writers: RoomWriters) -> None:
+                 room_writers: RoomWriters, packer: Packer) -> None:
         self._worker = worker
         self._rooms = rooms
         self._by_region = regions.by_id
@@ -114,6 +115,7 @@ class RdmaReceiver:
         self._liveness = liveness
         self._instance_id = instance_id
         self._verify_proof = verify_proof
+        self._packer = packer
         self._recv = Receiver(rooms, room_writers)
         self._recv_conns: dict[int, RecvConn] = {}
         self._recv_rooms: dict[int, RecvRoom] = {}
@@ -335,7 +337,15 @@ class RdmaReceiver:
         sizes = np.add.reduceat(iov[:, 1], np.cumsum(per_msg) - per_msg).tolist()
         k = 0
         for i, c in enumerate(counts):
-            self._post_data(conn, room, rr, iov[k : k + c], sizes[i], data_tag(conn.conn_id, first + i), iov)
+            tag = data_tag(conn.conn_id, first + i)
+            dst = ops[k : k + c]
+            regions = dst["region"].astype(np.int64)
+            buf = self._packer.receive_buffer(regions, sizes[i]) if self._packer.wants(regions) else None
+            if buf is None:
+                self._post_data(conn, room, rr, iov[k : k + c], sizes[i], tag, iov)
+            else:
+                self._post_packed(conn, room, rr, buf, regions, dst["offset"].astype(np.int64),
+                                  dst["length"].astype(np.int64), tag)
             k += c
 
     def _post_data(self, conn: RecvConn, room: int, rr: RecvRoom, pieces: Pieces, nbytes: int,
@@ -349,6 +359,32 @@ class RdmaReceiver:
             return self._worker.recv(pieces, tag, FULL_MASK, done, keep)
 
         self._track_receives(conn, room, rr, 1, post)
+
+    def _post_packed(self, conn: RecvConn, room: int, rr: RecvRoom, buf: torch.Tensor, regions: np.ndarray,
+                     offsets: np.ndarray, lengths: np.ndarray, tag: int) -> None:
+        """Receive one packed message (rdma_pack) into ``buf``, then scatter it into the
+        granted ranges; its bytes land once the scatter finished."""
+        nbytes = buf.numel()
+
+        def post(untrack: Callable[[], None]) -> int:
+            def done(status: int, length: int, _tag: int) -> None:
+                untrack()
+                landed = self._arrived(conn, room, rr, status, length, nbytes, tag)
+                if not landed or rr.released:  # nothing arrived, or the pages are no longer this room's
+                    self._packer.give_back(nbytes)
+                    return
+
+                def scattered() -> None:
+                    self._packer.give_back(nbytes)
+                    if not rr.released:
+                        self._recv.landed(room, rr.core, landed)
+
+                call_when_done(self._packer.scatter(buf, regions, offsets, lengths), scattered)
+
+            return self._worker.recv([(buf.data_ptr(), nbytes)], tag, FULL_MASK, done, buf)
+
+        if not self._track_receives(conn, room, rr, 1, post):
+            self._packer.give_back(nbytes)
 
     def _post_runs(self, conn: RecvConn, room: int, rr: RecvRoom, runs: Sequence[Sequence[int]],
                    tags: list[int]) -> None:
@@ -371,10 +407,10 @@ class RdmaReceiver:
         self._track_receives(conn, room, rr, len(runs), post)
 
     def _track_receives(self, conn: RecvConn, room: int, rr: RecvRoom, count: int,
-                        post: Callable[[Callable[[], None]], int]) -> None:
+                        post: Callable[[Callable[[], None]], int]) -> bool:
         """Post ``count`` data receives through ``post(untrack)``, keeping their token with
         the connection and room until the completion calls ``untrack()``; a receive
-        UCX refuses fails the room."""
+        UCX refuses fails the room (and returns False)."""
         token_box: list[int] = []
 
         def untrack() -> None:
@@ -389,11 +425,12 @@ class RdmaReceiver:
         except UcxError as exc:
             rr.pending[conn.conn_id] -= count
             self._rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
-            return
+            return False
         token_box.append(token)
         self._untrack[token] = untrack
         conn.tokens.add(token)
         rr.tokens.add(token)
+        return True
 
     def _arrived(self, conn: RecvConn, room: int, rr: RecvRoom, status: int, length: int, nbytes: int,
                  tag: int) -> int | None:

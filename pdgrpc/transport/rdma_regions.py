@@ -71,6 +71,8 @@ class Regions:
         self.infos: dict[int, RegionInfo] = {}
         self.ptrs = np.zeros(REGION_IDS, dtype=np.uint64)  # region id -> base address
         self.sizes = np.full(REGION_IDS, -1, dtype=np.int64)  # region id -> bytes, -1: not registered
+        self.device = np.zeros(REGION_IDS, dtype=bool)  # region id -> lives in GPU memory
+        self.flats: dict[int, torch.Tensor] = {}  # region id -> its bytes
 
     def add(self, region: MemoryRegion) -> RegionInfo:
         """Register ``region``; raises :class:`ConfigError` for a taken id or memory this
@@ -81,4 +83,6 @@ class Regions:
         self.ptrs[region.region_id] = reg.ptr
         self.sizes[region.region_id] = reg.info.nbytes
         self.infos[region.region_id] = reg.info
+        self.device[region.region_id] = reg.info.memory != "host"
+        self.flats[region.region_id] = reg.flat
         return reg.info

@@ -18,6 +18,7 @@ from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
 from pdgrpc.transport.base import BadDescriptor, Descriptor, Peer, WriteOp, WriteOps, check_source_ops
+from pdgrpc.transport.rdma_pack import Packer, call_when_done
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_wire import (
     ACK, COMMON, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_CTRL,
@@ -66,6 +67,7 @@ class SendRoom:
         self.conn = conn
         self.kv_bytes = 0
         self.tokens: set[int] = set()
+        self.packing = 0  # packed messages whose gather has not finished (not posted yet)
 
 
 class RdmaSender:
@@ -76,7 +78,7 @@ class RdmaSender:
     def __init__(self, worker: UcxWorker, rooms: RoomStates, regions: Regions, liveness: SendLiveness, *,
                  instance_id: str, require_credential: Callable[[str], bytes],
                  fail_peer: Callable[[str, str], None], zero_copy_min: int, contiguous_min: int | None,
-                 iov_max: int, connect_timeout: float, write_ahead: bool) -> None:
+                 iov_max: int, connect_timeout: float, write_ahead: bool, packer: Packer) -> None:
         self._worker = worker
         self._rooms = rooms
         self._by_region = regions.by_id
@@ -92,6 +94,7 @@ class RdmaSender:
         self._iov_max = iov_max
         self._connect_timeout = connect_timeout
         self._write_ahead = write_ahead
+        self._packer = packer
         self._conns: dict[str, SendConn] = {}  # peer instance id -> connection
         self._by_local: dict[int, SendConn] = {}
         self._connecting: dict[str, asyncio.Future[None]] = {}
@@ -233,7 +236,7 @@ class RdmaSender:
         # there, so these complete too, unless the peer hangs: then the timeout).
         sroom = self._send_rooms.get(room)
         deadline = time.monotonic() + timeout
-        while sroom is not None and sroom.tokens:
+        while sroom is not None and (sroom.tokens or sroom.packing):
             if time.monotonic() >= deadline:
                 return False
             self._worker.kick()
@@ -429,12 +432,46 @@ class RdmaSender:
             runs = plan.iov.tolist()
             self._send_runs(conn, runs, [data_tag(conn.remote_id, first + i) for i in range(len(runs))], room, sroom)
             return
-        # Each message goes out as its iov rows, read in place by UCX: staging into a
-        # contiguous buffer first would add a copy of every byte.
+        # Each message goes out as its iov rows, read in place by UCX (staging host
+        # memory into a contiguous buffer first would add a copy of every byte), or
+        # packed where its ranges are in GPU memory (rdma_pack).
         k = 0
         for i, c in enumerate(plan.counts):
-            self._send(conn, plan.iov[k : k + c], data_tag(conn.remote_id, first + i), room, sroom, plan.iov)
+            tag = data_tag(conn.remote_id, first + i)
+            rows = plan.table[k : k + c]
+            if not (self._packer.wants(rows[:, 0]) and self._send_packed(conn, room, sroom, rows, tag)):
+                self._send(conn, plan.iov[k : k + c], tag, room, sroom, plan.iov)
             k += c
+
+    def _send_packed(self, conn: SendConn, room: int, sroom: SendRoom, rows: np.ndarray, tag: int) -> bool:
+        """Gather ``rows``' source ranges into one buffer and send it once the gather
+        finished; False (nothing started) when the packing budget is spent."""
+        got = self._packer.gather(rows[:, 0], rows[:, 1], rows[:, 4])
+        if got is None:
+            return False
+        buf, ready = got
+        nbytes = buf.numel()
+        sroom.packing += 1
+
+        def post() -> None:
+            sroom.packing -= 1
+            if conn.dead or self._send_rooms.get(room) is not sroom or self._rooms.status(room).state.is_terminal:
+                self._packer.give_back(nbytes)  # failed or released meanwhile: nothing more goes out
+                return
+
+            def sent(status: int, _n: int, _tag: int, finish: Callable[[int], None]) -> None:
+                self._packer.give_back(nbytes)
+                finish(status)
+
+            try:
+                self._track(conn, room, sroom, lambda finish: self._worker.send(
+                    conn.ep, [(buf.data_ptr(), nbytes)], tag, lambda st, n, t: sent(st, n, t, finish), buf))
+            except PeerFailure as exc:
+                self._packer.give_back(nbytes)
+                self._rooms.fail(room, str(exc))
+
+        call_when_done(ready, post)
+        return True
 
     # -- UCX sends -----------------------------------------------------------------------
     def _send_ctrl(self, conn: SendConn, msg: bytes, room_id: int | None, room: SendRoom | None) -> None:

@@ -109,6 +109,7 @@ class Plan(NamedTuple):
     table_bytes: bytes  # the WRITE body after its header: counts, then the op table
     iov: np.ndarray  # (n_ops, 2) uint64 {source address, length}
     nbytes: int
+    table: np.ndarray  # the ops: rows of src region, src offset, dst region, dst offset, length
 
 
 def plan_chunk(table: np.ndarray, ptr_table: np.ndarray, zc_min: int, iov_max: int,
@@ -150,4 +151,5 @@ def plan_chunk(table: np.ndarray, ptr_table: np.ndarray, zc_min: int, iov_max: i
     iov = np.empty((len(table), 2), dtype=np.uint64)
     iov[:, 0] = ptr_table[table[:, 0]] + table[:, 1].astype(np.uint64)
     iov[:, 1] = table[:, 4]
-    return Plan(counts, len(table), np.asarray(counts, dtype="<u4").tobytes() + ops.tobytes(), iov, int(lens.sum()))
+    return Plan(counts, len(table), np.asarray(counts, dtype="<u4").tobytes() + ops.tobytes(), iov, int(lens.sum()),
+                table)

@@ -48,6 +48,17 @@ class TestRdmaConformance(TransportConformance):
     backend = "rdma"
 
 
+@_skip_unless_loadable("rdma")
+class TestRdmaPackedConformance(TransportConformance):
+    """Every data message of several ops packed, as messages of GPU memory are: gathered
+    into one buffer before the send, received into one and scattered into the pages
+    (pdgrpc.transport.rdma_pack). The data checks, on host memory."""
+
+    backend = "rdma"
+    options = {"pack": "always"}
+    leave_out = NON_DATA_CHECKS
+
+
 @_skip_unless_loadable("unix")
 class TestExamplePluginConformance(TransportConformance):
     """examples/pdgrpc-unix, found through the pdgrpc.transports entry point."""
