@@ -50,7 +50,7 @@ tests=(
   "tests/transport/test_conformance.py::TestRdmaCudaToHostConformance::test_round_trip_random_page_lists"
 )
 cache=(-o cache_dir=/tmp/pdgrpc-pytest-cache)
-if ! step tests 230 $PY -m pytest "${cache[@]}" -v -rs --durations=10 --timeout 200 "${tests[@]}"; then
+if ! step tests 275 $PY -m pytest "${cache[@]}" -v -rs --durations=10 --timeout 200 "${tests[@]}"; then
   # the failures again, alone, with UCX's own log
   step tests_detail 60 env UCX_LOG_LEVEL=info $PY -m pytest "${cache[@]}" -x -s -v --lf --timeout 50 "${tests[@]}"
 fi
@@ -60,13 +60,13 @@ step proto_gpu_to_host 40 env UCX_PROTO_INFO=y $PY -m pytest -p no:cacheprovider
   "tests/transport/test_conformance.py::TestRdmaCudaToHostConformance::test_prepared_write_sends_what_write_would"
 
 # 3. GB/s vs a CUDA IPC copy_ of the same bytes; UCX_PROTO_INFO=y shows same-GPU protocols.
-step transport_rdma 90 env UCX_PROTO_INFO=y $PY -m pdgrpc.bench transport --backend rdma --device cuda \
+step transport_rdma 70 env UCX_PROTO_INFO=y $PY -m pdgrpc.bench transport --backend rdma --device cuda \
   --tokens 1024 8192 32768 --cases contiguous scattered --iterations 5 --warmup 2
-step transport_tcp 45 $PY -m pdgrpc.bench transport --backend tcp --device cuda \
+step transport_tcp 35 $PY -m pdgrpc.bench transport --backend tcp --device cuda \
   --tokens 1024 8192 32768 --cases contiguous scattered --iterations 3 --warmup 1
 
 # 4. TTFT of 1p1d vs colocated, every engine on the GPU, 512-token prompts.
-step e2e 75 $PY -m pdgrpc.bench e2e --device cuda --prompt-tokens 512 --transports rdma,tcp \
+step e2e 60 $PY -m pdgrpc.bench e2e --device cuda --prompt-tokens 512 --transports rdma,tcp \
   --ttft-requests 20 --warmup 3 --throughput-requests 8 --concurrency 4
 
 echo "total: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
