@@ -365,17 +365,24 @@ class RdmaReceiver:
         """Receive one packed message (rdma_pack) into ``buf``, then scatter it into the
         granted ranges; its bytes land once the scatter finished."""
         nbytes = buf.numel()
+        given = False
+
+        def give_back() -> None:  # once: the scatter finished, or the receive ended or was abandoned
+            nonlocal given
+            if not given:
+                given = True
+                self._packer.give_back(nbytes)
 
         def post(untrack: Callable[[], None]) -> int:
             def done(status: int, length: int, _tag: int) -> None:
                 untrack()
                 landed = self._arrived(conn, room, rr, status, length, nbytes, tag)
                 if not landed or rr.released:  # nothing arrived, or the pages are no longer this room's
-                    self._packer.give_back(nbytes)
+                    give_back()
                     return
 
                 def scattered() -> None:
-                    self._packer.give_back(nbytes)
+                    give_back()
                     if not rr.released:
                         self._recv.landed(room, rr.core, landed)
 
@@ -383,8 +390,15 @@ class RdmaReceiver:
 
             return self._worker.recv([(buf.data_ptr(), nbytes)], tag, FULL_MASK, done, buf)
 
-        if not self._track_receives(conn, room, rr, 1, post):
-            self._packer.give_back(nbytes)
+        token = self._track_receives(conn, room, rr, 1, post)
+        if token is None:
+            give_back()
+        elif (undo := self._untrack.get(token)) is not None:
+            def undo_and_give_back() -> None:  # abandoned (_abandon): no completion comes
+                undo()
+                give_back()
+
+            self._untrack[token] = undo_and_give_back
 
     def _post_runs(self, conn: RecvConn, room: int, rr: RecvRoom, runs: Sequence[Sequence[int]],
                    tags: list[int]) -> None:
@@ -407,10 +421,10 @@ class RdmaReceiver:
         self._track_receives(conn, room, rr, len(runs), post)
 
     def _track_receives(self, conn: RecvConn, room: int, rr: RecvRoom, count: int,
-                        post: Callable[[Callable[[], None]], int]) -> bool:
+                        post: Callable[[Callable[[], None]], int]) -> int | None:
         """Post ``count`` data receives through ``post(untrack)``, keeping their token with
-        the connection and room until the completion calls ``untrack()``; a receive
-        UCX refuses fails the room (and returns False)."""
+        the connection and room until the completion calls ``untrack()``; returns the
+        token, or None when UCX refused the receive, which fails the room."""
         token_box: list[int] = []
 
         def untrack() -> None:
@@ -425,12 +439,12 @@ class RdmaReceiver:
         except UcxError as exc:
             rr.pending[conn.conn_id] -= count
             self._rooms.fail(room, f"cannot post a UCX receive for room {room}: {exc}")
-            return False
+            return None
         token_box.append(token)
         self._untrack[token] = untrack
         conn.tokens.add(token)
         rr.tokens.add(token)
-        return True
+        return token
 
     def _arrived(self, conn: RecvConn, room: int, rr: RecvRoom, status: int, length: int, nbytes: int,
                  tag: int) -> int | None:

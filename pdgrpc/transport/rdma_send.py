@@ -57,6 +57,7 @@ class SendConn:
         self.hello: asyncio.Future[tuple[bool, int, int, str]] | None = None  # ok, remote id, remote key, why not
         self.rooms: set[int] = set()
         self.tokens: set[int] = set()
+        self.packed: dict[int, int] = {}  # token of a packed send -> its buffer's bytes
         self.dead = False
 
 
@@ -281,6 +282,9 @@ class RdmaSender:
         for token in list(conn.tokens):
             self._worker.abandon(token)
         conn.tokens.clear()
+        for nbytes in conn.packed.values():  # abandoned: their completions never come
+            self._packer.give_back(nbytes)
+        conn.packed.clear()
 
     async def settle(self, grace: float) -> None:
         """Let sends already handed to UCX finish, for at most ``grace`` seconds."""
@@ -459,16 +463,21 @@ class RdmaSender:
                 self._packer.give_back(nbytes)  # failed or released meanwhile: nothing more goes out
                 return
 
-            def sent(status: int, _n: int, _tag: int, finish: Callable[[int], None]) -> None:
-                self._packer.give_back(nbytes)
+            token_box: list[int] = []
+
+            def sent(status: int, finish: Callable[[int], None]) -> None:
+                if token_box and conn.packed.pop(token_box[0], None) is not None:
+                    self._packer.give_back(nbytes)
                 finish(status)
 
             try:
-                self._track(conn, room, sroom, lambda finish: self._worker.send(
-                    conn.ep, [(buf.data_ptr(), nbytes)], tag, lambda st, n, t: sent(st, n, t, finish), buf))
+                token_box.append(self._track(conn, room, sroom, lambda finish: self._worker.send(
+                    conn.ep, [(buf.data_ptr(), nbytes)], tag, lambda st, _n, _t: sent(st, finish), buf)))
             except PeerFailure as exc:
                 self._packer.give_back(nbytes)
                 self._rooms.fail(room, str(exc))
+                return
+            conn.packed[token_box[0]] = nbytes  # given back by its completion, or by _drop if abandoned
 
         call_when_done(ready, post)
         return True
@@ -491,9 +500,10 @@ class RdmaSender:
                 (status for status, _ in results if status not in (UCS_OK, UCS_ERR_CANCELED)), UCS_OK)), None))
 
     def _track(self, conn: SendConn, room_id: int | None, room: SendRoom | None,
-               post: Callable[[Callable[[int], None]], int]) -> None:
+               post: Callable[[Callable[[int], None]], int]) -> int:
         """Post a send (or batch) through ``post(finish)``, keeping its token with the
-        connection and room until ``finish(status)``; a failed send fails the room."""
+        connection and room until ``finish(status)``; a failed send fails the room.
+        Returns the token."""
         token_box: list[int] = []
 
         def finish(status: int) -> None:
@@ -512,3 +522,4 @@ class RdmaSender:
         conn.tokens.add(token)
         if room is not None:
             room.tokens.add(token)
+        return token

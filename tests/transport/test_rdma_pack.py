@@ -5,7 +5,11 @@ test_conformance's CUDA classes run it there)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import signal
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -18,7 +22,7 @@ from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
 from pdgrpc.transport.rdma_pack import Pack, Packer
 from pdgrpc.transport.rdma_regions import Regions
-from pdgrpc.transport.testing.peer import Layout
+from pdgrpc.transport.testing.peer import Layout, PeerProcess
 
 pytest.importorskip("libucx", reason="the rdma backend needs the UCX libraries of the ucx extra: pip install 'pdgrpc[ucx]'")
 
@@ -111,3 +115,61 @@ async def test_packed_and_iov_messages_mix_in_one_transfer_bit_exact() -> None:
     finally:
         await send.close()
         await recv.close()
+
+
+async def test_packed_receives_of_a_sender_that_died_give_their_buffers_back() -> None:
+    """A sender announces a write (the receiver posts its packed receives) and dies
+    before its bytes go out: the room fails, and every packed buffer is given back, so
+    a dead peer never shrinks the budget of the live ones."""
+    page = LAYOUT.page_bytes
+    dst_regions, _ = LAYOUT.build(None)
+    recv = registry.create("rdma", pack="always", zero_copy_min=4 * page, liveness_lease=30.0)
+    try:
+        desc = await recv.register(dst_regions)
+        async with PeerProcess("rdma", layout=LAYOUT, seed=3,
+                               options={"pack": "always", "zero_copy_min": 4 * page}) as sender:
+            await sender.call("connect", desc)
+            recv.advertise(RoomGrant.of(8, range(0, 40, 2), slot=1))
+            await sender.call("announce_pages", recv.instance_id, 8, list(range(20)), list(range(0, 40, 2)))
+            await _until(lambda: recv.receives_posted(8) > 0)
+            assert recv.packed_bytes > 0  # the receives are up, into packed buffers
+            sender.kill()
+            await sender.wait_dead()
+            assert (await recv.wait(8, 30.0)).state is KVPoll.FAILED
+            await _until(lambda: recv.writer_gone(sender.instance_id))
+        assert recv.packed_bytes == 0
+    finally:
+        await recv.close()
+
+
+async def test_packed_sends_to_a_hung_receiver_give_their_buffers_back_when_it_is_failed() -> None:
+    """A receiver that stops answering holds the sender's packed sends (UCX cannot
+    cancel a rendezvous send to a hung peer); once the control plane fails that peer,
+    the sender gives every packed buffer back."""
+    page = LAYOUT.page_bytes
+    src_regions, _ = LAYOUT.build(5)
+    send = registry.create("rdma", pack="always", zero_copy_min=4 * page, contiguous_min=0, liveness_lease=30.0)
+    try:
+        await send.register(src_regions)
+        async with PeerProcess("rdma", layout=LAYOUT, options={"liveness_lease": 30.0}) as recv:
+            peer = await send.connect(recv.descriptor)
+            await recv.call("advertise", 9, list(range(0, 40, 2)), 1)
+            os.kill(recv.pid, signal.SIGSTOP)
+            try:
+                pairs = region_pairs(src_regions, peer.descriptor.regions)
+                await send.write(peer, 9, page_ops(pairs, range(20), range(0, 40, 2)))
+                await _until(lambda: send.packed_bytes > 0)
+                send.fail_peer(recv.instance_id, "the test stopped it")
+                assert send.poll(9) is KVPoll.FAILED
+                assert send.packed_bytes == 0
+            finally:
+                os.kill(recv.pid, signal.SIGCONT)
+    finally:
+        await send.close()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
