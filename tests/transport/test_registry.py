@@ -135,26 +135,27 @@ def test_check_names_a_missing_dependency_and_what_to_install(monkeypatch: pytes
 def test_rdma_needs_only_the_ucx_libraries() -> None:
     # The rdma backend loads libucx itself: a machine with the libucx wheel and without
     # ucxx's Python layer (a GPU image with carried wheels) runs it.
-    code = (
-        "import sys\n"
-        "sys.modules['ucxx'] = None  # not installed: find_spec finds nothing, import fails\n"
-        "from pdgrpc.transport import registry\n"
-        "registry.check('rdma')\n"
-        "print(registry.load('rdma').__name__)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "RdmaTransport"
+    assert _fresh_interpreter(
+        "import sys",
+        "sys.modules['ucxx'] = None  # not installed: find_spec finds nothing, import fails",
+        "from pdgrpc.transport import registry",
+        "registry.check('rdma')",
+        "print(registry.load('rdma').__name__)",
+    ) == "RdmaTransport"
 
 
 def test_check_imports_no_backend() -> None:
-    code = (
-        "import sys\n"
-        "from pdgrpc.transport import registry\n"
-        "for name in ('tcp', 'rdma', 'fake'):\n"
-        "    registry.check(name)\n"
-        "print(sorted(m for m in ('torch', 'ucxx', 'pdgrpc.transport.tcp', 'pdgrpc.transport.rdma') if m in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert _fresh_interpreter(
+        "import sys",
+        "from pdgrpc.transport import registry",
+        "for name in ('tcp', 'rdma', 'fake'):",
+        "    registry.check(name)",
+        "print(sorted(m for m in ('torch', 'ucxx', 'pdgrpc.transport.tcp', 'pdgrpc.transport.rdma') if m in sys.modules))",
+    ) == "[]"
+
+
+def _fresh_interpreter(*lines: str) -> str:
+    """What ``lines`` print, run in a new Python process (its imports start empty)."""
+    out = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    return out.stdout.strip()
