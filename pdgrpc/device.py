@@ -61,6 +61,9 @@ class ChunkReady:
     def done(self) -> bool:
         return True
 
+    def synchronize(self) -> None:
+        """Block this thread until the work is done."""
+
     async def wait(self) -> None:
         return None
 

@@ -134,11 +134,17 @@ class Packer:
 
 def call_when_done(ready: ChunkReady, fn: Callable[[], None]) -> None:
     """Call ``fn()`` on this thread's event loop once ``ready`` is done (at once when it
-    is), checking again after short sleeps that double up to a millisecond."""
+    is), checking again after short sleeps that double up to a millisecond. Without a
+    running loop (a completion run while the transport closes) it waits in place."""
     if ready.done():
         fn()
         return
-    loop = asyncio.get_running_loop()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        ready.synchronize()
+        fn()
+        return
     delay = _POLL_FIRST_S
 
     def check() -> None:

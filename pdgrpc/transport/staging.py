@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -300,8 +300,6 @@ class StagedReceive:
 
 
 def _spin(ready: ChunkReady) -> None:
-    sync: Any = getattr(ready, "synchronize", None)
-    if sync is not None:
-        sync()
+    ready.synchronize()
     while not ready.done():
         pass
