@@ -76,7 +76,9 @@ class Packer:
         """Whether a message of several ops over ``region_ids`` travels packed."""
         if self._mode is Pack.NEVER or len(region_ids) < 2:
             return False
-        return self._mode is Pack.ALWAYS or bool(self._regions.device[region_ids].any())
+        if self._mode is Pack.ALWAYS:
+            return True
+        return self._regions.any_device and bool(self._regions.device[region_ids].any())
 
     def _take(self, nbytes: int) -> bool:
         if self.in_use + nbytes > self._budget:

@@ -339,8 +339,10 @@ class RdmaReceiver:
         for i, c in enumerate(counts):
             tag = data_tag(conn.conn_id, first + i)
             dst = ops[k : k + c]
-            regions = dst["region"].astype(np.int64)
-            buf = self._packer.receive_buffer(regions, sizes[i]) if self._packer.wants(regions) else None
+            buf = None
+            if self._packer.wants(dst["region"]):
+                regions = dst["region"].astype(np.int64)
+                buf = self._packer.receive_buffer(regions, sizes[i])
             if buf is None:
                 self._post_data(conn, room, rr, iov[k : k + c], sizes[i], tag, iov)
             else:

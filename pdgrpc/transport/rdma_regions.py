@@ -72,6 +72,7 @@ class Regions:
         self.ptrs = np.zeros(REGION_IDS, dtype=np.uint64)  # region id -> base address
         self.sizes = np.full(REGION_IDS, -1, dtype=np.int64)  # region id -> bytes, -1: not registered
         self.device = np.zeros(REGION_IDS, dtype=bool)  # region id -> lives in GPU memory
+        self.any_device = False  # some region lives in GPU memory
         self.flats: dict[int, torch.Tensor] = {}  # region id -> its bytes
 
     def add(self, region: MemoryRegion) -> RegionInfo:
@@ -84,5 +85,6 @@ class Regions:
         self.sizes[region.region_id] = reg.info.nbytes
         self.infos[region.region_id] = reg.info
         self.device[region.region_id] = reg.info.memory != "host"
+        self.any_device = self.any_device or reg.info.memory != "host"
         self.flats[region.region_id] = reg.flat
         return reg.info
