@@ -20,6 +20,7 @@ controller's ``SubscribeKvEvents``) wait for new batches and send them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -168,7 +169,10 @@ class KvEventLog:
         oldest = self._ring[0].sequence_number if self._ring else self.last_sequence + 1
         if after + 1 < oldest:
             return None
-        return list(self._ring)[after + 1 - oldest:]
+        # From the newest end: a subscriber that keeps up asks for the last few batches,
+        # and copying the whole ring for them would cost every subscriber every wake-up.
+        wanted = self.last_sequence - after
+        return list(itertools.islice(reversed(self._ring), wanted))[::-1]
 
     def snapshot(self, chunk_blocks: int = SNAPSHOT_CHUNK_BLOCKS) -> list[EventBatch]:
         """The live state as chunks: chunk 0 begins with :class:`Cleared`, then every live
