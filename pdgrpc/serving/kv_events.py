@@ -34,7 +34,7 @@ import grpc
 from pdgrpc.rpc.open_calls import OpenCalls
 from pdgrpc.state.cache_events import StoredBlock
 from pdgrpc.state.kv_event_log import (
-    Block, Cleared, EventBatch, KvEvent, KvEventLog, Removed, SnapshotChunk, Stored,
+    Cleared, EventBatch, KvEvent, KvEventLog, Removed, SnapshotChunk, Stored,
 )
 from pdgrpc.v1 import prefill_pb2
 
@@ -171,25 +171,29 @@ class KvEventFeed:
             self._on_subscribers(self.subscribers)
 
 
-def _block_to_proto(b: Block) -> prefill_pb2.KvBlock:
-    out = prefill_pb2.KvBlock(block_hash=b.block_hash, token_ids=b.token_ids)
-    if b.parent_hash is not None:
-        out.parent_hash = b.parent_hash
-    return out
-
-
-def _event_to_proto(e: KvEvent) -> prefill_pb2.KvEvent:
+def _add_event(out: prefill_pb2.KvEventBatch, e: KvEvent) -> None:
+    """Append ``e`` to ``out``, built in place: a block message constructed apart and
+    then copied in costs twice as much, and a prompt stores a block per page."""
+    ev = out.events.add()
     if isinstance(e, Stored):
-        return prefill_pb2.KvEvent(stored=prefill_pb2.KvBlocksStored(blocks=[_block_to_proto(b) for b in e.blocks]))
-    if isinstance(e, Removed):
-        return prefill_pb2.KvEvent(removed=prefill_pb2.KvBlocksRemoved(block_hashes=e.block_hashes))
-    return prefill_pb2.KvEvent(cleared=prefill_pb2.KvCacheCleared())
+        stored = ev.stored
+        for b in e.blocks:
+            block = stored.blocks.add(block_hash=b.block_hash, token_ids=b.token_ids)
+            if b.parent_hash is not None:
+                block.parent_hash = b.parent_hash
+        if not e.blocks:
+            stored.SetInParent()
+    elif isinstance(e, Removed):
+        ev.removed.block_hashes.extend(e.block_hashes)
+        ev.removed.SetInParent()
+    else:
+        ev.cleared.SetInParent()
 
 
 def batch_to_proto(b: EventBatch) -> prefill_pb2.KvEventBatch:
-    out = prefill_pb2.KvEventBatch(
-        sequence_number=b.sequence_number, events=[_event_to_proto(e) for e in b.events], timestamp=b.timestamp,
-    )
+    out = prefill_pb2.KvEventBatch(sequence_number=b.sequence_number, timestamp=b.timestamp)
+    for e in b.events:
+        _add_event(out, e)
     if b.snapshot is not None:
         out.snapshot_index, out.snapshot_count = b.snapshot.index, b.snapshot.count
     return out

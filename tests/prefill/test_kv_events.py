@@ -121,6 +121,7 @@ def test_wire_form_round_trips() -> None:
         (1, (Stored((block(1), block(2, 1))),)),
         (2, (Removed((2,)),)),
         (3, (Cleared(),)),
+        (4, (Stored(()), Removed(()), Stored((block(3),)))),  # empty events keep their kind
     ]
     from pdgrpc.state.kv_event_log import EventBatch, SnapshotChunk
 
