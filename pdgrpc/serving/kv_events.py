@@ -172,8 +172,8 @@ class KvEventFeed:
 
 
 def _add_event(out: prefill_pb2.KvEventBatch, e: KvEvent) -> None:
-    """Append ``e`` to ``out``, built in place: a block message constructed apart and
-    then copied in costs twice as much, and a prompt stores a block per page."""
+    """Append ``e`` to ``out``, built in place: a block message constructed apart is
+    copied again into its batch, and a prompt stores a block per page."""
     ev = out.events.add()
     if isinstance(e, Stored):
         stored = ev.stored

@@ -3,8 +3,8 @@ travels as one contiguous device buffer.
 
 UCX moves a contiguous message of GPU memory between two processes with one GPU-to-GPU
 copy (``cuda_ipc``), but an iov message of GPU memory fragment by fragment through host
-shared memory, a copy per fragment: thousands of page ranges then take tens of
-milliseconds where one copy takes one. So a data message of several ops whose ranges
+shared memory, a copy per fragment, so thousands of page ranges cost thousands of
+copies. So a data message of several ops whose ranges
 touch GPU memory is *packed*: the sender gathers its ranges into one device buffer and
 sends that; the receiver receives it into one device buffer and scatters it into the
 granted pages, and counts the bytes as landed only once the scatter finished. Each side
