@@ -18,13 +18,14 @@ synchronize, and other rooms' transfers go on while one chunk's kernels finish.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable
 
 import torch
 
 from pdgrpc.errors import ConfigError
 
-__all__ = ["READY", "ChunkReady", "CudaChunkReady", "chunk_ready_on", "poll_until", "resolve_device"]
+__all__ = ["READY", "ChunkReady", "CudaChunkReady", "call_when", "chunk_ready_on", "poll_until", "resolve_device"]
 
 _POLL_FIRST_S = 50e-6  # first sleep between event queries; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 1e-3
@@ -103,6 +104,34 @@ async def poll_until(done: Callable[[], bool]) -> None:
     while not done():
         await asyncio.sleep(delay)
         delay = min(2 * delay, _POLL_MAX_S)
+
+
+def call_when(done: Callable[[], bool], fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once ``done()`` is true: at once when it is, else from this thread's
+    event loop, asking again on :func:`poll_until`'s schedule (for a completion callback,
+    which cannot await). Without a running loop (a completion run while a transport
+    closes) it asks in place until ``done()``."""
+    if done():
+        fn()
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        while not done():
+            time.sleep(_POLL_FIRST_S)
+        fn()
+        return
+    delay = _POLL_FIRST_S
+
+    def check() -> None:
+        nonlocal delay
+        if done():
+            fn()
+            return
+        delay = min(2 * delay, _POLL_MAX_S)
+        loop.call_later(delay, check)
+
+    loop.call_later(delay, check)
 
 
 def chunk_ready_on(device: torch.device) -> ChunkReady:

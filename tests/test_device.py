@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from pdgrpc.device import READY, chunk_ready_on, poll_until, resolve_device
+from pdgrpc.device import READY, call_when, chunk_ready_on, poll_until, resolve_device
 from pdgrpc.engine.config import EngineConfig
 from pdgrpc.engine.reference import ReferenceEngine
 from pdgrpc.errors import ConfigError
@@ -81,6 +81,28 @@ def test_poll_until_keeps_the_loop_serving() -> None:
         return ticks
 
     assert asyncio.run(main()) >= 5
+
+
+def test_call_when_acts_once_done_with_or_without_a_running_loop() -> None:
+    """A completion callback (no await) hands on its work once the device finished: from
+    the loop, which keeps serving meanwhile, or in place while a transport closes."""
+    calls: list[str] = []
+    answers = iter([False] * 3 + [True])
+    call_when(lambda: next(answers), lambda: calls.append("no loop"))
+
+    async def on_the_loop() -> None:
+        finished = False
+        call_when(lambda: finished, lambda: calls.append("loop"))
+        await asyncio.sleep(0.005)
+        assert calls == ["no loop"]  # still copying: not yet
+        finished = True
+        for _ in range(200):
+            if len(calls) == 2:
+                break
+            await asyncio.sleep(0.005)
+
+    asyncio.run(on_the_loop())
+    assert calls == ["no loop", "loop"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

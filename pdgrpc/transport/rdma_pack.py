@@ -24,9 +24,8 @@ device full, travels as an iov message, which is slower but moves the same bytes
 
 from __future__ import annotations
 
-import asyncio
 import enum
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,11 +36,9 @@ from pdgrpc.transport.devcopy import gather_into, scatter_from
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.staging import Piece
 
-__all__ = ["PACK_MAX", "Pack", "Packer", "call_when_done"]
+__all__ = ["PACK_MAX", "Pack", "Packer"]
 
 PACK_MAX = 256 << 20  # bytes of packed buffers in flight per side, by default
-_POLL_FIRST_S = 20e-6  # call_when_done: the first re-check of a copy still running
-_POLL_MAX_S = 1e-3
 
 
 class Pack(enum.Enum):
@@ -132,29 +129,3 @@ class Packer:
     def scatter(self, buf: torch.Tensor, regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> ChunkReady:
         """Start scattering ``buf`` into the ranges, on the current stream."""
         return scatter_from(self._regions.flats, Piece(regions, offsets, lengths), buf)
-
-
-def call_when_done(ready: ChunkReady, fn: Callable[[], None]) -> None:
-    """Call ``fn()`` on this thread's event loop once ``ready`` is done (at once when it
-    is), checking again after short sleeps that double up to a millisecond. Without a
-    running loop (a completion run while the transport closes) it waits in place."""
-    if ready.done():
-        fn()
-        return
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        ready.synchronize()
-        fn()
-        return
-    delay = _POLL_FIRST_S
-
-    def check() -> None:
-        nonlocal delay
-        if ready.done():
-            fn()
-            return
-        delay = min(2 * delay, _POLL_MAX_S)
-        loop.call_later(delay, check)
-
-    loop.call_later(delay, check)

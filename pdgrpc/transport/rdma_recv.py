@@ -35,13 +35,14 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from pdgrpc.device import call_when
 from pdgrpc.errors import UnauthorizedWrite
 from pdgrpc.transport.ucx import (
     FULL_MASK, UCS_ERR_CANCELED, UCS_ERR_MESSAGE_TRUNCATED, UCS_OK, Pieces, UcxError, UcxWorker,
 )
 from pdgrpc.transport.base import RegionInfo, RoomGrant
 from pdgrpc.transport.peerauth import RoomWriters
-from pdgrpc.transport.rdma_pack import Packer, call_when_done
+from pdgrpc.transport.rdma_pack import Packer
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_wire import (
     ACK, COMMON, CONN_BITS, DROPPED_MAX, EARLY_MAX, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY,
@@ -339,15 +340,12 @@ class RdmaReceiver:
         for i, c in enumerate(counts):
             tag = data_tag(conn.conn_id, first + i)
             dst = ops[k : k + c]
-            buf = None
-            if self._packer.wants(dst["region"]):
-                regions = dst["region"].astype(np.int64)
-                buf = self._packer.receive_buffer(regions, sizes[i])
+            buf = self._packer.receive_buffer(dst["region"], sizes[i]) if self._packer.wants(dst["region"]) else None
             if buf is None:
                 self._post_data(conn, room, rr, iov[k : k + c], sizes[i], tag, iov)
             else:
-                self._post_packed(conn, room, rr, buf, regions, dst["offset"].astype(np.int64),
-                                  dst["length"].astype(np.int64), tag)
+                regions, offsets, lengths = (dst[f].astype(np.int64) for f in ("region", "offset", "length"))
+                self._post_packed(conn, room, rr, buf, regions, offsets, lengths, tag)
             k += c
 
     def _post_data(self, conn: RecvConn, room: int, rr: RecvRoom, pieces: Pieces, nbytes: int,
@@ -388,7 +386,7 @@ class RdmaReceiver:
                     if not rr.released:
                         self._recv.landed(room, rr.core, landed)
 
-                call_when_done(self._packer.scatter(buf, regions, offsets, lengths), scattered)
+                call_when(self._packer.scatter(buf, regions, offsets, lengths).done, scattered)
 
             return self._worker.recv([(buf.data_ptr(), nbytes)], tag, FULL_MASK, done, buf)
 

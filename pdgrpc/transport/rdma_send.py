@@ -13,12 +13,13 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from pdgrpc.device import call_when
 from pdgrpc.errors import ConfigError, PeerFailure
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import peerauth
 from pdgrpc.transport.ucx import UCS_ERR_CANCELED, UCS_OK, Pieces, UcxError, UcxWorker
 from pdgrpc.transport.base import BadDescriptor, Descriptor, Peer, WriteOp, WriteOps, check_source_ops
-from pdgrpc.transport.rdma_pack import Packer, call_when_done
+from pdgrpc.transport.rdma_pack import Packer
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.rdma_wire import (
     ACK, COMMON, HELLO, HELLO_BODY, HELLO_CHANNEL, HELLO_OK, HELLO_OK_BODY, HELLO_REFUSED, KIND_CTRL,
@@ -479,7 +480,7 @@ class RdmaSender:
                 return
             conn.packed[token_box[0]] = nbytes  # given back by its completion, or by _drop if abandoned
 
-        call_when_done(ready, post)
+        call_when(ready.done, post)
         return True
 
     # -- UCX sends -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pdgrpc.device import call_when
 from pdgrpc.errors import ConfigError
 from pdgrpc.transport.devcopy import gather_into, scatter_from
 from pdgrpc.transport.memkind import MemoryKind, memory_kind
@@ -37,7 +38,6 @@ from pdgrpc.transport.tcp_wire import HEADER, MAX_OPS_PER_FRAME, WRITE, op_table
 
 __all__ = ["TcpDevice"]
 
-_LANDED_POLL_S = 50e-6  # how often a frame's last device copies are checked
 
 
 class TcpDevice:
@@ -125,7 +125,6 @@ class TcpDevice:
         pieces = list(split_pieces(regions, offsets, lengths, self.piece_bytes))
         rx = StagedReceive(pieces, conn.staging, functools.partial(scatter_from, self.flats))
         remaining = int(np.asarray(lengths).sum())
-        loop = conn.loop
 
         def next_piece() -> None:
             try:
@@ -149,13 +148,8 @@ class TcpDevice:
             if not rx.all_received:
                 return next_piece()
             conn.next_frame()
-            check_landed()
-
-        def check_landed() -> None:
-            if rx.reap_all():
-                landed()
-            elif not conn.closed:
-                loop.call_later(_LANDED_POLL_S, check_landed)
+            # A connection that closes before the copies finished stops the wait: its frame never lands.
+            call_when(lambda: rx.reap_all() or conn.closed, lambda: landed() if rx.reap_all() else None)
 
         if not pieces:
             conn.next_frame()

@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from pdgrpc.device import ChunkReady
 from pdgrpc.errors import ConfigError
 from pdgrpc.kvpoll import KVPoll
 from pdgrpc.transport import registry
 from pdgrpc.transport.base import RoomGrant
 from pdgrpc.transport.pages import METADATA_REGION_ID, metadata_op, page_ops, region_pairs
-from pdgrpc.transport.rdma_pack import Pack, Packer, call_when_done
+from pdgrpc.transport.rdma_pack import Pack, Packer
 from pdgrpc.transport.rdma_regions import Regions
 from pdgrpc.transport.testing.peer import Layout, PeerProcess
 
@@ -75,35 +74,6 @@ def test_gather_then_scatter_moves_every_range_and_the_budget_bounds_the_buffers
     receiver.give_back(nbytes)
     assert sender.in_use == receiver.in_use == 0
     assert sender.gather(regions[:2], offsets[:2], lengths[:2]) is not None
-
-
-class _Copy(ChunkReady):
-    """A device copy that finishes when waited for."""
-
-    def __init__(self) -> None:
-        self.finished = False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def synchronize(self) -> None:
-        self.finished = True
-
-
-def test_a_finished_copy_is_acted_on_with_or_without_a_running_loop() -> None:
-    calls: list[str] = []
-    call_when_done(_Copy(), lambda: calls.append("no loop"))  # a completion while the transport closes
-
-    async def on_the_loop() -> None:
-        copy = _Copy()
-        call_when_done(copy, lambda: calls.append("loop"))
-        await asyncio.sleep(0.005)
-        assert calls == ["no loop"]  # still copying: not yet
-        copy.finished = True
-        await _until(lambda: len(calls) == 2)
-
-    asyncio.run(on_the_loop())
-    assert calls == ["no loop", "loop"]
 
 
 def test_an_unknown_pack_mode_is_refused_naming_the_option() -> None:
