@@ -60,6 +60,12 @@ its router calling the prefill and decode over gRPC instead of their local socke
 ``ttft_p50_vs_grpc`` (p50 against p50) and ``ttft_grpc_paired_p50`` (the median
 per-prompt difference) report what the local socket saves.
 
+With ``--baseline-tree PATH`` each transport's cluster also runs from another checkout,
+as ``NAME@baseline``, side by side: ``ttft_p50_vs_baseline_tree`` (p50 against p50),
+``ttft_baseline_tree_paired_p50`` (the median per-prompt difference, this build's minus
+the other's, measured moments apart) and ``tokens_per_s_vs_baseline_tree`` report what a
+change did, free of the colocated baseline's own noise.
+
 Every disaggregated output is compared with the colocated one for the same prompt; a
 difference aborts the benchmark (numbers for wrong output mean nothing).
 """
@@ -103,6 +109,7 @@ BASELINE = "colocated"
 NO_CACHE = "-no-prefix-cache"  # suffix of a cluster run with its prefills' --no-prefix-cache
 GRPC = "-grpc"  # suffix of a cluster whose router calls its prefills and decodes over gRPC
 FIRST_FROM_DECODE = "-first-token-decode"  # suffix of a cluster whose router has --first-token decode
+AT_BASELINE = "@baseline"  # suffix of a cluster started from --baseline-tree
 # --security mode -> the launcher's (tls, auth_token)
 _SECURITY = {"plain": ("off", "off"), "tls": ("auto", "off"), "token": ("off", "auto"), "tls+token": ("auto", "auto")}
 
@@ -332,7 +339,7 @@ async def _run(args: argparse.Namespace) -> list[Result]:
             name = f"{topology.name}-{t}{NO_CACHE}"
             systems[name] = Cluster(without_prefix_cache(topology), transport=t, extra_env=_trace_env(spans_dir / name))
         if args.baseline_tree:
-            name = f"{topology.name}-{t}@baseline"
+            name = f"{topology.name}-{t}{AT_BASELINE}"
             env = {**_trace_env(spans_dir / name), **tree_env(args.baseline_tree)}
             systems[name] = Cluster(topology, transport=t, extra_env=env, local_sockets=has_local_sockets(args.baseline_tree))
     traced: dict[str, list[str]] = {name: [] for name in systems}
@@ -361,7 +368,16 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         hops = {name: hop_p50s(spans[name], ids, durations[name]) for name, ids in traced.items()}
     finally:
         shutil.rmtree(spans_dir, ignore_errors=True)
+    return report(args, list(systems), measured, tput, hops, durations, traced)
 
+
+def report(
+    args: argparse.Namespace, systems: list[str], measured: dict[str, list[Completion]], tput: dict[str, tuple[float, int]],
+    hops: dict[str, dict[str, float]], durations: dict[str, dict[str, dict[str, float]]], traced: dict[str, list[str]],
+) -> list[Result]:
+    """The rows of a run: each system's ``measured`` TTFT requests (every other one
+    traced, ``traced`` their trace ids, ``durations`` and ``hops`` their spans) and its
+    tokens/s run ``tput`` (seconds, tokens), against colocated serving and its twins."""
     # Measured requests alternate: untraced (the TTFT rows), traced (the hop rows).
     ttft = {name: done[0::2] for name, done in measured.items()}
     with_spans = {name: done[1::2] for name, done in measured.items()}
@@ -422,9 +438,13 @@ async def _run(args: argparse.Namespace) -> list[Result]:
         # the local socket saves).
         for twin, ratio, paired in ((NO_CACHE, "ttft_vs_no_prefix_cache", "ttft_no_prefix_cache_paired_p50"),
                                     (GRPC, "ttft_p50_vs_grpc", "ttft_grpc_paired_p50"),
-                                    (FIRST_FROM_DECODE, "ttft_p50_vs_first_token_decode", "ttft_first_token_decode_paired_p50")):
+                                    (FIRST_FROM_DECODE, "ttft_p50_vs_first_token_decode", "ttft_first_token_decode_paired_p50"),
+                                    (AT_BASELINE, "ttft_p50_vs_baseline_tree", "ttft_baseline_tree_paired_p50")):
             if f"{name}{twin}" in ttft:
                 results += _against_twin(f"{case_ttft}/{name}", done, ttft[f"{name}{twin}"], ratio, paired)
+        if f"{name}{AT_BASELINE}" in tput:  # this build's tokens/s against the other build's, in the same rounds
+            older = tput[f"{name}{AT_BASELINE}"][1] / tput[f"{name}{AT_BASELINE}"][0]
+            results.append(Result(f"throughput/{name}", "tokens_per_s_vs_baseline_tree", tps, "tok/s", older, tps / older))
         plain = name.split("+", 1)[0]
         if plain != name and plain in ttft:  # a secured system: against its plaintext twin
             plain_p50 = percentile([c.client_ttft_seconds for c in ttft[plain]], 0.5) * 1e3
