@@ -11,6 +11,8 @@ burst: the compute process running, with gaps under 3 ms. Per burst it prints, a
 - **start wait**: from the wake-up that hands the compute its prompt until it runs;
 - **preempted**: the burst's wall time less the compute's running time in it;
 - **idle**: the time in the burst that no process ran on a core;
+- which process held the compute's core while the compute waited within the burst
+  (mean ms per burst): who preempts it;
 - each process's CPU time in windows around the burst's start (ms from it), so what holds
   the cores while the compute waits to start can be read off.
 
@@ -93,6 +95,7 @@ def _analyse(trace: Path, roles: dict[int, str]) -> None:
 
     running: dict[int, tuple[int, float]] = {}  # cpu -> (tid, since)
     spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)  # tid -> runs
+    on_cpu: dict[int, list[tuple[float, float, int]]] = collections.defaultdict(list)  # cpu -> (start, end, tid)
     woken: dict[int, float] = {}
     compute_woken: list[float] = []
     for t, cpu, name, f in events:
@@ -104,8 +107,10 @@ def _analyse(trace: Path, roles: dict[int, str]) -> None:
                 # virtual CPUs): ``prev`` ran from its wake-up, ``tid`` until then.
                 start = max(since, woken.get(prev, since))
                 spans[tid].append((since, start))
+                on_cpu[cpu].append((since, start, tid))
                 since = start
             spans[prev].append((since, t))
+            on_cpu[cpu].append((since, t, prev))
             running[cpu] = (nxt, t)
         else:
             woken[int(f["pid"])] = t
@@ -146,6 +151,19 @@ def _analyse(trace: Path, roles: dict[int, str]) -> None:
     print(f"{len(bursts)} compute bursts; p50 ms: wall {p50_ms([b[1] - b[0] for b in bursts]):.2f}, "
           f"start wait {p50_ms(starts):.3f}, preempted {p50_ms([b[1] - b[0] - b[2] for b in bursts]):.3f}, "
           f"idle {overlap('idle', 0, None):.2f} (mean)")
+    # What held the compute's core while the compute waited within a burst: the core it
+    # ran on last, from the moment it stopped until it ran again.
+    compute_cpu = {(s, e): cpu for cpu, runs in on_cpu.items() for s, e, tid in runs if role(tid) == "compute"}
+    held: collections.Counter[str] = collections.Counter()
+    for b in bursts:
+        inside = [(s, e) for s, e in compute_runs if b[0] <= s and e <= b[1]]
+        for (s0, e0), (s1, _e1) in zip(inside, inside[1:]):
+            cpu = compute_cpu.get((s0, e0))
+            for s, e, tid in on_cpu.get(cpu, ()) if cpu is not None else ():
+                if s < s1 and e > e0 and role(tid) != "compute":
+                    held[role(tid)] += min(e, s1) - max(s, e0)
+    print("mean ms per burst that each process held the compute's core while the compute waited: "
+          + ", ".join(f"{name} {ms / len(bursts) * 1e3:.3f}" for name, ms in held.most_common()))
     print("mean CPU ms of each process in windows around the burst's start (ms from it):")
     print(f"  {'':12}" + "".join(f"{f'[{lo}, {hi})':>10}" for lo, hi in _WINDOWS_MS))
     for name in sorted({*roles.values(), "other"} - {"compute"}):
