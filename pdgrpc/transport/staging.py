@@ -120,7 +120,7 @@ class StagingPool:
 
     def release_after(self, i: int, ready: ChunkReady) -> None:
         """Return buffer ``i`` once a copy still using it finished (checked whenever a
-        buffer is wanted: no task waits for it)."""
+        buffer is wanted; :meth:`acquire` with none free waits for the oldest such copy)."""
         if ready.done():
             self.release(i)
         else:
@@ -148,17 +148,25 @@ class StagingPool:
         return i
 
     def _sweep(self) -> None:
-        """Free the buffers whose copies finished."""
+        """Free the buffers whose copies finished. Each copy is asked once: one that
+        finishes between two looks would otherwise be neither free nor pending."""
         if self._pending:
-            done = [p for p in self._pending if p[1].done()]
-            self._pending = [p for p in self._pending if not p[1].done()]
-            self._free.extend(i for i, _ in done)
+            running = []
+            for i, ready in self._pending:
+                if ready.done():
+                    self._free.append(i)
+                else:
+                    running.append((i, ready))
+            self._pending = running
 
     async def acquire(self) -> int:
         while True:
             i = self.try_acquire()
             if i is not None:
                 return i
+            if self._pending:  # a copy holds a buffer, which is free once the copy finished
+                await self._pending[0][1].wait()
+                continue
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             await fut

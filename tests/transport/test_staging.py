@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdgrpc.device import ChunkReady
+from pdgrpc.device import ChunkReady, poll_until
 from pdgrpc.transport.devcopy import gather_into, scatter_from
 from pdgrpc.transport.staging import Piece, StagedReceive, StagingPool, split_pieces, stage_out
 
@@ -234,3 +234,51 @@ def test_next_frame_waits_for_the_copies_of_earlier_frames() -> None:
         g.ev.set()
     assert all(rx.reap_all() for rx in frames)
     assert torch.equal(dst[0], payload) and pool.free_count == 2
+
+
+class _FinishesWhileWatched(ChunkReady):
+    """A device copy that is running for its first ``looks`` queries and done after:
+    it finishes while someone is looking at it."""
+
+    def __init__(self, looks: int) -> None:
+        self.looks = looks
+
+    def done(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+
+def test_a_copy_that_finishes_while_the_pool_sweeps_gives_its_buffer_back() -> None:
+    pool = StagingPool(count=2, piece_bytes=8, alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    i = pool.try_acquire()
+    assert i is not None
+    pool.release_after(i, _FinishesWhileWatched(looks=2))  # running when handed over and at the sweep's first look
+    pool.free_count  # a sweep, during which the copy finishes
+    assert pool.free_count == 2  # its buffer is free, never lost
+
+
+class _Copy(ChunkReady):
+    """A device copy that finishes when the test says."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    async def wait(self) -> None:
+        await poll_until(self.done)
+
+
+async def test_acquire_takes_a_buffer_once_the_copy_holding_it_finishes() -> None:
+    # A cancelled send leaves its buffers to copies still running; the next send waits for them, not forever.
+    pool = StagingPool(count=1, piece_bytes=8, alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    i = pool.try_acquire()
+    assert i is not None
+    copy = _Copy()
+    pool.release_after(i, copy)
+    waiting = asyncio.ensure_future(pool.acquire())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    copy.finished = True
+    assert await asyncio.wait_for(waiting, 5) == i
