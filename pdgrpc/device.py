@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -95,43 +95,48 @@ class CudaChunkReady(ChunkReady):
         await poll_until(self.event.query)
 
 
-async def poll_until(done: Callable[[], bool]) -> None:
-    """Return once ``done()`` is true, asking again after sleeps that start at
-    ``_POLL_FIRST_S`` and double up to ``_POLL_MAX_S``: the event loop serves everything
-    else meanwhile. Not bounded here: a recorded CUDA event always completes (or the
-    device is lost, which fails the process)."""
+def _delays() -> Iterator[float]:
+    """The pauses between two queries of a completion: from ``_POLL_FIRST_S``, doubling
+    up to ``_POLL_MAX_S``."""
     delay = _POLL_FIRST_S
-    while not done():
-        await asyncio.sleep(delay)
+    while True:
+        yield delay
         delay = min(2 * delay, _POLL_MAX_S)
+
+
+async def poll_until(done: Callable[[], bool]) -> None:
+    """Return once ``done()`` is true, asking again after each of :func:`_delays`: the
+    event loop serves everything else meanwhile. Not bounded here: a recorded CUDA event
+    always completes (or the device is lost, which fails the process)."""
+    delays = _delays()
+    while not done():
+        await asyncio.sleep(next(delays))
 
 
 def call_when(done: Callable[[], bool], fn: Callable[[], None]) -> None:
     """Call ``fn()`` once ``done()`` is true: at once when it is, else from this thread's
-    event loop, asking again on :func:`poll_until`'s schedule (for a completion callback,
+    event loop, asking again after each of :func:`_delays` (for a completion callback,
     which cannot await). Without a running loop (a completion run while a transport
     closes) it asks in place until ``done()``."""
     if done():
         fn()
         return
+    delays = _delays()
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         while not done():
-            time.sleep(_POLL_FIRST_S)
+            time.sleep(next(delays))
         fn()
         return
-    delay = _POLL_FIRST_S
 
     def check() -> None:
-        nonlocal delay
         if done():
             fn()
-            return
-        delay = min(2 * delay, _POLL_MAX_S)
-        loop.call_later(delay, check)
+        else:
+            loop.call_later(next(delays), check)
 
-    loop.call_later(delay, check)
+    loop.call_later(next(delays), check)
 
 
 def chunk_ready_on(device: torch.device) -> ChunkReady:

@@ -39,7 +39,6 @@ from pdgrpc.transport.tcp_wire import HEADER, MAX_OPS_PER_FRAME, WRITE, op_table
 __all__ = ["TcpDevice"]
 
 
-
 class TcpDevice:
     """Device regions of one tcp transport instance and their staging buffers."""
 
