@@ -255,3 +255,35 @@ def test_sigterm_stops_the_start_of_a_server_started_with_sigint_ignored(where: 
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{package}: stopped by SIGTERM while starting" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+# A role whose serve() crashes the interpreter in native code, as a segfault in an
+# extension would.
+_CRASHING_ROLE = '''
+import argparse, ctypes
+from pdgrpc.rpc.security import add_security_arguments
+from pdgrpc.serving.launch import Role
+
+def build_parser():
+    p = argparse.ArgumentParser()
+    add_security_arguments(p)
+    p.add_argument("--log-level", default="info")
+    return p
+
+def crash_in_native_code(ns):
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+    return 0
+
+ROLE = Role(build_parser=build_parser, serve=crash_in_native_code, log_name=lambda ns: "crasher")
+'''
+
+
+def test_a_server_that_crashes_in_native_code_leaves_its_python_stack_in_its_log(tmp_path: Path) -> None:
+    (tmp_path / "crashing_role.py").write_text(_CRASHING_ROLE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    env.pop("PYTHONFAULTHANDLER", None)
+    code = "import sys; from pdgrpc.serving.launch import launch; sys.exit(launch('crashing_role', []))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in out.stderr
+    assert "crash_in_native_code" in out.stderr  # the frame it happened in

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import importlib
 import logging
 import os
@@ -86,6 +87,22 @@ class _SigtermStopsStartup:
         signal.signal(signal.SIGTERM, self._previous)
 
 
+def _report_native_crashes() -> None:
+    """A crash in native code (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints every
+    thread's Python stack to stderr, which the launcher keeps in the role's log: the
+    signal alone does not say where it happened. A handler already installed (by
+    ``PYTHONFAULTHANDLER``, or a test runner) stays."""
+    if faulthandler.is_enabled():
+        return
+    stream = sys.stderr
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object with no file
+        stream = sys.__stderr__
+    if stream is not None:
+        faulthandler.enable(stream)
+
+
 def launch(module: str, argv: list[str] | None = None) -> int:
     """Run the role that ``module`` holds as this process, with command line ``argv``
     (default ``sys.argv[1:]``); returns the exit status. A Ctrl-C or SIGTERM that comes
@@ -94,6 +111,7 @@ def launch(module: str, argv: list[str] | None = None) -> int:
     A flag the role's checks refuse ends it with status 2, argparse's; an OSError from the
     role (a port another process holds) with status 1 and one line."""
     prepare_environment()
+    _report_native_crashes()
     sigterm = _SigtermStopsStartup()
     try:
         return _launch(module, argv)
