@@ -18,7 +18,8 @@ Arms (:data:`ARMS`), one cluster each, one after another on the same messages:
   router's local prefill off: a turn computes what the prefill lacks and moves only the
   pages the decode lacks;
 * ``local``: the defaults: ``delta`` plus the router's local prefill, so a turn whose
-  history the decode holds, lacking at most 256 tokens, is computed on the decode.
+  history the decode holds, lacking at most 256 tokens, is computed on the decode, and so
+  is a turn that finds the prefill's queue the longer.
 
 Per turn index and arm: the KV bytes a request moved (``GenerateResponse.bytes_transferred``),
 client TTFT p50/p99, output tokens/s per request (tokens over its whole time), and the share
@@ -83,8 +84,12 @@ class Arm:
 ARMS: dict[str, Arm] = {
     "off": Arm("no reuse", prefill={"no-prefix-cache": True}, decode={"no-decode-prefix-cache": True}),
     # The router's local prefill off: every turn's suffix goes through a prefill.
-    "delta": Arm("prefill cache + decode reuse, delta transfer", decode={"decode-prefix-cache": True}, router={"local-prefill-tokens": 0}),
-    # The defaults: a prompt the decode holds a prefix of and lacks at most 256 tokens of is computed there.
+    "delta": Arm(
+        "prefill cache + decode reuse, delta transfer", decode={"decode-prefix-cache": True},
+        router={"local-prefill-tokens": 0, "local-prefill-queue": 0},
+    ),
+    # The defaults: a prompt the decode holds a prefix of and lacks at most 256 tokens of is computed
+    # there, and so is one that finds the prefill's queue the longer.
     "local": Arm("delta transfer + local prefill", decode={"decode-prefix-cache": True}, router={"local-prefill-tokens": 256}),
 }
 BASELINE = "off"

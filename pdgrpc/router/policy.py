@@ -24,10 +24,32 @@ from typing import Sequence
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.routing import cache_aware_choice, least_loaded
 
-__all__ = ["DEFAULT_MARGIN", "POLICIES", "Policy"]
+__all__ = ["DEFAULT_MARGIN", "POLICIES", "InFlight", "Policy"]
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 DEFAULT_MARGIN = 4  # calls in flight
+
+
+class InFlight:
+    """Calls in flight by address, counted by the caller as they start and end."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, int] = {}
+
+    def load(self, address: str) -> int:
+        return self._calls.get(address, 0)
+
+    def started(self, address: str) -> None:
+        """A call to ``address`` started."""
+        self._calls[address] = self.load(address) + 1
+
+    def finished(self, address: str) -> None:
+        """A call to ``address`` ended, however it ended."""
+        n = self.load(address) - 1
+        if n > 0:
+            self._calls[address] = n
+        else:
+            self._calls.pop(address, None)
 
 
 class Policy:
@@ -41,22 +63,18 @@ class Policy:
         self.name = name
         self.margin = margin
         self._index = index
-        self._in_flight: dict[str, int] = {}
+        self._calls = InFlight()
 
     def load(self, address: str) -> int:
-        return self._in_flight.get(address, 0)
+        return self._calls.load(address)
 
     def started(self, address: str) -> None:
         """A call to ``address`` started."""
-        self._in_flight[address] = self.load(address) + 1
+        self._calls.started(address)
 
     def finished(self, address: str) -> None:
         """A call to ``address`` ended, however it ended."""
-        n = self.load(address) - 1
-        if n > 0:
-            self._in_flight[address] = n
-        else:
-            self._in_flight.pop(address, None)
+        self._calls.finished(address)
 
     def choose(self, addresses: Sequence[str], turn: int, prompt: Sequence[int]) -> int:
         """The position in ``addresses`` (non-empty) of the instance for the request whose

@@ -27,7 +27,7 @@ from pdgrpc.rpc.server import run, serve_until_signal, start_server
 from pdgrpc.rpc.tracing import add_tracing_arguments
 from pdgrpc.serving.launch import Role
 from pdgrpc.serving.logs import add_logging_arguments
-from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS
+from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_QUEUE, DEFAULT_LOCAL_PREFILL_TOKENS
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.v1 import generate_pb2_grpc
 
@@ -120,9 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default: %(default)s)",
     )
     p.add_argument(
-        "--local-prefill-queue", type=int, default=0, metavar="CALLS",
-        help="local prefill when every prefill has more than this many Prefill calls from this router in flight, "
-        "whatever the prompt's length (0: never for this reason; default: %(default)s)",
+        "--local-prefill-queue", type=int, default=DEFAULT_LOCAL_PREFILL_QUEUE, metavar="CALLS",
+        help="local prefill when every prefill has more than this many Prefill calls from this router in flight and "
+        "the chosen decode has fewer prompts of its own to compute than the least busy prefill has calls, whatever "
+        "the prompt's length: under a burst the prompts then split between the prefills' queues and the decode's, "
+        "and the decode's batch stays full. Only "
+        "decodes that advertise local prefill; no effect on a lone request (0: never for this reason; default: "
+        "%(default)s)",
     )
     p.add_argument(
         "--migration-limit", type=int, default=1, metavar="N",

@@ -84,7 +84,7 @@ from pdgrpc.engine.errors import InvalidRequest
 from pdgrpc.engine.tokenizer import ByteTokenizer
 from pdgrpc.errors import RequestFailed
 from pdgrpc.metrics import RouterMetrics, ServerAbortReason
-from pdgrpc.router.policy import DEFAULT_MARGIN, Policy
+from pdgrpc.router.policy import DEFAULT_MARGIN, InFlight, Policy
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.local import LocalChannel
@@ -97,7 +97,9 @@ from pdgrpc.serving.logs import request_event
 from pdgrpc.serving.room_proof import draw_secret
 from pdgrpc.serving.prompts import DEFAULT_MAX_NEW_TOKENS, request_ids, with_seed
 from pdgrpc.state.ejections import Ejections
-from pdgrpc.state.local_prefill import DEFAULT_LOCAL_PREFILL_TOKENS, LocalPrefillRule, prefill_where
+from pdgrpc.state.local_prefill import (
+    DEFAULT_LOCAL_PREFILL_QUEUE, DEFAULT_LOCAL_PREFILL_TOKENS, LocalPrefillRule, prefill_where,
+)
 from pdgrpc.state.outcomes import AbortReason
 from pdgrpc.state.prefix_index import PrefixIndex
 from pdgrpc.state.prefix_leaders import leader_wait_s
@@ -212,9 +214,10 @@ class RouterConfig:
     migration_max_seq_len: int = 0
     # Local prefill (pdgrpc.state.local_prefill): the decode computes a prompt whose part
     # its cache lacks is at most this many tokens (0: never for that reason), or any
-    # prompt when every prefill has more than local_prefill_queue calls in flight (0: never).
+    # prompt when every prefill has more than local_prefill_queue calls in flight and
+    # the decode fewer local prompts than that (0: never).
     local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
-    local_prefill_queue: int = 0
+    local_prefill_queue: int = DEFAULT_LOCAL_PREFILL_QUEUE
     # Generate calls one client (pdgrpc.rpc.security.peer_identity) holds open at once.
     max_requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT
     # Local sockets of the decodes, by address (a prefill's is PrefillBackend.local): the
@@ -333,6 +336,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         index = index if index is not None else PrefixIndex()
         self._index = index
         self._local_rule = config.local_prefill
+        # Prompts each decode computes locally whose first token has not come yet.
+        self._local_prefills = InFlight()
         self._decode_capabilities = decode_capabilities
         self.policy = Policy(config.policy, index, config.cache_aware_margin)
         self.decode_policy = Policy("cache_aware" if config.policy == "cache_aware" else "round_robin", index, config.cache_aware_margin)
@@ -470,7 +475,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prefills = [p.address for p in self._view.instances("prefill")]
         can = LOCAL_PREFILL in self._decode_capabilities(decode)
         matched = self._index.match(prompt).get(decode, 0) if can else 0
-        where = prefill_where(self._local_rule, len(prompt), matched, can, [self.policy.load(p) for p in prefills])
+        loads = [self.policy.load(p) for p in prefills]
+        where = prefill_where(self._local_rule, len(prompt), matched, can, loads, self._local_prefills.load(decode))
         return where.local
 
     def _eject(self, side: Side, address: str, reason: str) -> None:
@@ -691,10 +697,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self._leaders[ticket] = prefill_fut
                 prefill_fut.add_done_callback(lambda fut: self._ended(ticket, fut))
         self.decode_policy.started(decode)
+        # A local prefill counts until its first token comes (or the attempt ends).
+        computed_here: asyncio.Future[None] | None = None
+        if local:
+            computed_here = asyncio.get_running_loop().create_future()
+            self._local_prefills.started(decode)
+            computed_here.add_done_callback(lambda _: self._local_prefills.finished(decode))
         try:
             await self._relay(
                 context, room, arrived, fate, text, prefill_fut, decode_call, decode, trace, seed=sampling.seed,
-                first_token=first_token,
+                first_token=first_token, first_message=computed_here,
             )
             # Normally done already; its reply carries the transfer figures for the log.
             done, _ = await asyncio.wait({prefill_fut}, timeout=_PREFILL_TAIL_S)
@@ -705,6 +717,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             # a cancelled Decode aborts the room and frees its pages; a cancelled Prefill
             # stops computing and releases its worker's pages.
             decode_call.cancel()
+            if computed_here is not None and not computed_here.done():
+                computed_here.cancel()
             self.decode_policy.finished(decode)
             if prefill_call is not None:
                 prefill_call.cancel()
@@ -770,11 +784,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         trace: tracing.Hops | None = None,
         seed: int = 0,
         first_token: asyncio.Future[list[int]] | None = None,
+        first_message: asyncio.Future[None] | None = None,
     ) -> None:
         """Forward the decode's messages to the client until the stream ends, recording
         them in ``fate``; raise :class:`_AttemptFailed` as soon as either side fails.
         ``first_token``: the prefill's first token, relayed ahead of the decode's first
-        message if it comes first."""
+        message if it comes first. ``first_message``: set when the decode's first message
+        comes."""
         first = not fate.started  # the client's first message carries the request's figures
         figures = first  # and the message relaying the decode's first, the KV's
         got = False
@@ -823,6 +839,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     return
                 ids = list(msg.token_ids)
                 got = True
+                if first_message is not None and not first_message.done():
+                    first_message.set_result(None)
                 if ahead:
                     ids = self._past_ahead(ahead, ids, decode_address)
                     ahead = ahead[len(msg.token_ids):]

@@ -11,8 +11,11 @@ A decode computes a prompt locally when either rule holds:
   the decode holds nothing of goes to a prefill however short: there it costs the decode
   no step time, and an idle prefill computes it at once.
 - **busy prefills**: every prefill has more than ``queue_bound`` calls in flight
-  (``--local-prefill-queue``; 0 turns the rule off). A request then waits less on its
-  decode than in a prefill's queue.
+  (``--local-prefill-queue``; 0 turns the rule off), and the decode has fewer prompts of
+  its own still to compute than the least busy prefill has calls. A request then waits
+  less on its decode than in a prefill's queue, and each prompt goes to the shorter of
+  the two queues, so a burst keeps both the prefill and the decode computing instead of
+  leaving the decode's batch thin while the prefill works through it.
 
 Only a decode that says it can compute locally takes part (it advertises the capability
 on its KV event stream); any other gets the prompt from a prefill. The decode
@@ -26,9 +29,12 @@ import dataclasses
 import enum
 from typing import Sequence
 
-__all__ = ["DEFAULT_LOCAL_PREFILL_TOKENS", "LocalPrefillRule", "Where", "prefill_where"]
+__all__ = ["DEFAULT_LOCAL_PREFILL_QUEUE", "DEFAULT_LOCAL_PREFILL_TOKENS", "LocalPrefillRule", "Where", "prefill_where"]
 
 DEFAULT_LOCAL_PREFILL_TOKENS = 256
+# Prefill calls in flight past which a prompt may go to its decode: one computing, one
+# transferring and one waiting is a queue; fewer is the pipeline at work.
+DEFAULT_LOCAL_PREFILL_QUEUE = 2
 
 
 class Where(enum.Enum):
@@ -36,7 +42,7 @@ class Where(enum.Enum):
 
     PREFILL = "prefill"
     SHORT_SUFFIX = "short_suffix"  # local: the decode lacks at most max_tokens of it
-    BUSY_PREFILLS = "busy_prefills"  # local: every prefill's queue is past the bound
+    BUSY_PREFILLS = "busy_prefills"  # local: every prefill's queue is past the bound and longer than the decode's
 
     @property
     def local(self) -> bool:
@@ -46,7 +52,7 @@ class Where(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class LocalPrefillRule:
     max_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS  # --local-prefill-tokens; 0: off
-    queue_bound: int = 0  # --local-prefill-queue; 0: off
+    queue_bound: int = DEFAULT_LOCAL_PREFILL_QUEUE  # --local-prefill-queue; 0: off
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -56,16 +62,20 @@ class LocalPrefillRule:
 
 
 def prefill_where(
-    rule: LocalPrefillRule, prompt_tokens: int, decode_matched: int, decode_can: bool, prefill_loads: Sequence[int]
+    rule: LocalPrefillRule, prompt_tokens: int, decode_matched: int, decode_can: bool, prefill_loads: Sequence[int],
+    decode_local: int = 0,
 ) -> Where:
     """Where a prompt of ``prompt_tokens`` is computed, given that the chosen decode holds
     its first ``decode_matched`` tokens (by the router's index), whether that decode can
-    compute locally, and the calls in flight on each candidate prefill."""
+    compute locally, the calls in flight on each candidate prefill, and the prompts sent
+    to that decode to compute locally whose first token has not come (``decode_local``)."""
     if not decode_can:
         return Where.PREFILL
     lacking = prompt_tokens - min(decode_matched, prompt_tokens - 1)
     if rule.max_tokens and decode_matched > 0 and lacking <= rule.max_tokens:
         return Where.SHORT_SUFFIX
-    if rule.queue_bound and prefill_loads and min(prefill_loads) > rule.queue_bound:
-        return Where.BUSY_PREFILLS
+    if rule.queue_bound and prefill_loads:
+        least = min(prefill_loads)
+        if least > rule.queue_bound and decode_local < least:
+            return Where.BUSY_PREFILLS
     return Where.PREFILL

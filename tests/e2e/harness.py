@@ -122,6 +122,22 @@ def reference_outputs(topology_name: str, cases: list[Case]) -> list[tuple[tuple
     return reference_outputs_for(load_topology(topology_name), cases)
 
 
+# Router flags that send every prompt to a prefill (no local prefill on a decode): for
+# tests of the transfer path, which count what the transfers move.
+NO_LOCAL_PREFILL = {"local-prefill-tokens": 0, "local-prefill-queue": 0}
+
+
+def moving_kv(topology_name: str) -> Topology:
+    """The topology of that name with its router's ``--local-prefill-queue`` off: a prompt
+    goes to its decode only when the decode holds a prefix of it
+    (:func:`may_prefill_locally`); every other prompt's KV moves over the transport, however
+    many are sent at once."""
+    t = load_topology(topology_name)
+    off = {"local-prefill-queue": 0}
+    procs = tuple(dataclasses.replace(p, args={**p.args, **off}) if p.role == "router" else p for p in t.processes)
+    return dataclasses.replace(t, processes=procs)
+
+
 def reference_outputs_for(topology: Topology, cases: list[Case]) -> list[tuple[tuple[int, ...], str]]:
     """:func:`reference_outputs` for a topology object (e.g. one with ``model`` set)."""
     engine = reference_engine(topology)

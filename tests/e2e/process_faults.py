@@ -19,7 +19,7 @@ import pytest
 from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.v1 import generate_pb2_grpc
-from tests.e2e.harness import HELD_FIELDS
+from tests.e2e.harness import HELD_FIELDS, NO_LOCAL_PREFILL
 from tests.eventually import eventually_async
 from tests.prefill.procs import child_pids
 
@@ -43,7 +43,7 @@ async def faulty_cluster(transport: str, topology_name: str, log_dir: Path) -> A
         if p.role == "prefill"
         else dataclasses.replace(p, args={**p.args, "transport": DECODE_WRAPPERS[transport], "decode-prefix-cache": True})
         if p.role == "decode"
-        else dataclasses.replace(p, args={**p.args, "local-prefill-tokens": 0}) if p.role == "router" else p
+        else dataclasses.replace(p, args={**p.args, **NO_LOCAL_PREFILL}) if p.role == "router" else p
         for p in topology.processes
     )
     topology = dataclasses.replace(topology, processes=procs)

@@ -22,7 +22,7 @@ from pdgrpc.cluster.reference import reference_engine
 from pdgrpc.serving.metadata import metadata_layout
 from pdgrpc.state.prefix_cache import block_hashes
 from pdgrpc.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2
-from tests.e2e.harness import Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
+from tests.e2e.harness import NO_LOCAL_PREFILL, Case, Counters, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -38,7 +38,7 @@ def _topology(name: str):
     t = load_topology(name)
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True, "num-pages": DECODE_PAGES}) if p.role == "decode"
-        else dataclasses.replace(p, args={**p.args, "local-prefill-tokens": 0}) if p.role == "router" else p
+        else dataclasses.replace(p, args={**p.args, **NO_LOCAL_PREFILL}) if p.role == "router" else p
         for p in t.processes
     )
     return dataclasses.replace(t, name=f"{name}-decode-prefix", processes=procs)

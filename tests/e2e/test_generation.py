@@ -36,6 +36,7 @@ from tests.e2e.harness import (
     Counters,
     generate_all,
     may_prefill_locally,
+    moving_kv,
     prompt_cases,
     reference_outputs,
     skip_unless_transport,
@@ -54,7 +55,7 @@ _REFERENCE: dict[tuple, list] = {}
 async def cluster(request):
     topology, transport = request.param
     skip_unless_transport(transport)
-    async with Cluster(topology, transport=transport, start_timeout=180, metrics=True) as c:
+    async with Cluster(moving_kv(topology), transport=transport, start_timeout=180, metrics=True) as c:
         yield c
 
 

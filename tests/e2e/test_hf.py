@@ -34,7 +34,7 @@ from pdgrpc.cluster.topology import ProcessSpec
 from pdgrpc.cluster.client import generate
 from pdgrpc.serving.metadata import metadata_layout
 from pdgrpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.e2e.harness import Case, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
+from tests.e2e.harness import NO_LOCAL_PREFILL, Case, generate_all, reference_outputs_for, skip_unless_transport, wait_nothing_held
 
 transformers = pytest.importorskip("transformers", reason="the reference implementation (test extra)")
 
@@ -50,7 +50,7 @@ def _topology(name: str, model: str, prefill_args: dict | None = None, other_mod
         dataclasses.replace(p, args={**p.args, **prefill_args}) if p.role == "prefill" and prefill_args
         # The decode keeps a prefix cache; every prompt still goes through a prefill.
         else dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True}) if p.role == "decode"
-        else dataclasses.replace(p, args={**p.args, "local-prefill-tokens": 0}) if p.role == "router"
+        else dataclasses.replace(p, args={**p.args, **NO_LOCAL_PREFILL}) if p.role == "router"
         else p
         for p in t.processes
     )

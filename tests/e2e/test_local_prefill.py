@@ -112,3 +112,31 @@ async def test_local_prefills_beside_running_streams_keep_every_output_exact(clu
     await wait_nothing_held(cluster)
     after = await Counters.read(cluster)
     assert after.delta(before, "pdgrpc_local_prefill_requests_total", "decode") >= len(short)
+
+
+async def test_a_burst_past_the_prefills_queue_is_shared_with_the_decode_exactly(cluster):
+    """The router's default ``--local-prefill-queue``: prompts the decode holds nothing of,
+    sent at once. The first three find the prefill's queue short and go there; once it
+    holds more than two calls, prompts go to the decode while its own queue is the
+    shorter. Every output equals colocated generation."""
+    rng = random.Random(17)
+    cases = [
+        Case((256, *(rng.randrange(256) for _ in range(rng.randint(60, 200)))), rng.randint(3, 12),
+             temperature=0.8 * (i % 3 == 1), seed=40 + i, top_k=20 * (i % 3 == 2))
+        for i in range(12)
+    ]
+    expected = reference_outputs_for(cluster.topology, cases)
+    await wait_published(cluster, "decode", 0, decode=True)  # the router knows the decode computes locally
+    before = await Counters.read(cluster)
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        got, peak = await generate_all(generate_pb2_grpc.GenerateServiceStub(channel), cases)
+    assert peak == len(cases)
+    for c, g, want in zip(cases, got, expected):
+        assert (g.token_ids, g.finish_reason) == want, c
+    here = sum(g.bytes_transferred == 0 for g in got)
+    assert here >= 1  # the decode took part of the burst
+    assert len(cases) - here >= 3  # and the prefill the first three at least
+    await wait_nothing_held(cluster)
+    after = await Counters.read(cluster)
+    assert after.delta(before, "pdgrpc_local_prefill_requests_total", "decode") == here
+    assert after.delta(before, "pdgrpc_requests_total", "prefill", state="finished") == len(cases) - here

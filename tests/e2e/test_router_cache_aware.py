@@ -24,7 +24,7 @@ from pdgrpc.cluster import Cluster, load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.cluster.topology import Topology
 from pdgrpc.v1 import generate_pb2_grpc
-from tests.e2e.harness import skip_unless_transport, wait_published
+from tests.e2e.harness import NO_LOCAL_PREFILL, skip_unless_transport, wait_published
 from tests.scrape import scrape
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
@@ -43,7 +43,7 @@ def topology() -> Topology:
     for p in topo.processes:
         if p.role == "router":
             # No local prefill: these tests count what the prefills compute.
-            p = dataclasses.replace(p, args={**p.args, "policy": "cache_aware", "local-prefill-tokens": 0})
+            p = dataclasses.replace(p, args={**p.args, "policy": "cache_aware", **NO_LOCAL_PREFILL})
         if p.role == "decode":
             p = dataclasses.replace(p, args={**p.args, "decode-prefix-cache": True})
         if p.role != "smg":

@@ -27,11 +27,10 @@ import pytest
 import pytest_asyncio
 
 from pdgrpc.cluster import Cluster
-from pdgrpc.cluster.topology import load_topology
 from pdgrpc.cluster.client import generate
 from pdgrpc.v1 import generate_pb2_grpc
 
-from tests.e2e.harness import TRANSPORTS, generate_all, may_prefill_locally, prompt_cases, read_metrics, reference_outputs, skip_unless_transport, wait_nothing_held
+from tests.e2e.harness import TRANSPORTS, generate_all, may_prefill_locally, moving_kv, prompt_cases, read_metrics, reference_outputs, skip_unless_transport, wait_nothing_held
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +46,7 @@ _REFERENCE: dict[tuple, list] = {}
 async def cluster(request):
     topology, transport = request.param
     skip_unless_transport(transport)
-    async with Cluster(topology, transport=transport, start_timeout=180, metrics=True) as c:
+    async with Cluster(moving_kv(topology), transport=transport, start_timeout=180, metrics=True) as c:
         yield c
 
 
@@ -104,7 +103,8 @@ async def test_tp2_decode_with_a_slow_and_a_corrupting_rank_stays_in_lock_step_a
     """The ranks commit the same rooms in order and fail only the corrupted one; then rank 1
     dies (SIGKILL) and takes its instance down loudly."""
     # The decode (both ranks) loads the fault-injecting wrapper by name; the prefill is plain tcp.
-    topology = load_topology("tp2")
+    # Every room's KV comes over the transport, where the faults are.
+    topology = moving_kv("tp2")
     procs = tuple(
         dataclasses.replace(p, args={**p.args, "transport": "tests.e2e.faulty:SlowCorruptingRank1"}) if p.role == "decode" else p
         for p in topology.processes

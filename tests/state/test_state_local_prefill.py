@@ -34,6 +34,28 @@ def test_where_a_prompt_is_computed(rule: LocalPrefillRule, prompt: int, matched
     assert got.local == (where is not Where.PREFILL)
 
 
+@pytest.mark.parametrize(
+    "loads, decode_local, where",
+    [
+        ([4, 5], 3, Where.BUSY_PREFILLS),  # the decode's own queue is the shorter one
+        ([4, 5], 4, Where.PREFILL),  # as long as the least busy prefill's: the prefill keeps it
+        ([6, 4], 9, Where.PREFILL),
+        ([3, 9], 0, Where.PREFILL),  # a prefill at the bound: however idle the decode
+    ],
+)
+def test_a_busy_prefill_gives_a_prompt_to_the_decode_only_while_its_queue_is_shorter(
+    loads: list[int], decode_local: int, where: Where
+) -> None:
+    assert prefill_where(RULE, 500, 0, True, loads, decode_local) is where
+
+
+def test_by_default_a_third_prefill_call_in_flight_sends_the_next_prompt_to_an_idle_decode() -> None:
+    rule = LocalPrefillRule()
+    assert prefill_where(rule, 500, 0, True, [2]) is Where.PREFILL
+    assert prefill_where(rule, 500, 0, True, [3]) is Where.BUSY_PREFILLS
+    assert prefill_where(rule, 500, 0, True, [3], 3) is Where.PREFILL
+
+
 @pytest.mark.parametrize("args, flag", [((-1, 0), "--local-prefill-tokens"), ((0, -2), "--local-prefill-queue")])
 def test_bad_settings_name_the_flag(args: tuple[int, int], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
