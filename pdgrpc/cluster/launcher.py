@@ -81,7 +81,7 @@ from pdgrpc.cluster.smg import readiness, smg_argv
 from pdgrpc.cluster.topology import SECURITY_MODES, ProcessSpec, Topology, TRANSPORTS, flags, load_topology
 from pdgrpc.discovery.server import ETCD_PACKAGE_HINT, etcd_argv, etcd_healthy, find_etcd
 from pdgrpc.rpc.security import Security
-from pdgrpc.serving.children import guarded_argv
+from pdgrpc.serving.children import Spawned, guarded_argv, spawn
 from pdgrpc.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["ChildDied", "Cluster", "ClusterError", "Proc", "restart_running"]
@@ -114,7 +114,7 @@ class Proc:
     port: int
     argv: list[str]
     log_path: Path
-    process: asyncio.subprocess.Process | None = None
+    process: Spawned | None = None
     ip: str = HOST  # its host's address (127.0.0.1 without [network])
     # Metrics endpoints ("" for the process itself, "dp<r>" for a prefill's dp workers).
     metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -463,16 +463,11 @@ class Cluster:
         with open(proc.log_path, "ab") as log_file:
             log_file.write(f"$ {' '.join(proc.argv)}\n".encode())
             log_file.flush()
-            # No preexec_fn: such a start runs no fork handler in the child,
-            # and gRPC's, when on, kill a child that closes its fds before exec.
-            proc.process = await asyncio.create_subprocess_exec(
-                *guarded_argv(proc.argv), stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                env=self._env, start_new_session=True,
-            )
+            proc.process = await spawn(guarded_argv(proc.argv), stdout=log_file, stderr=log_file, env=self._env, new_session=True)
         proc.started_at = time.monotonic()
         self._watchers.append(asyncio.ensure_future(self._watch(proc, proc.process)))
 
-    async def _watch(self, proc: Proc, process: asyncio.subprocess.Process) -> None:
+    async def _watch(self, proc: Proc, process: Spawned) -> None:
         await process.wait()
         if self._stopping or proc.restarting or self._died is None or self._died.done():
             return

@@ -1,13 +1,16 @@
-"""Child processes that do not outlive their parent."""
+"""Child processes that do not outlive their parent, started without a fork."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
+import subprocess
 import sys
+from typing import IO, Mapping, Sequence, Union
 
-__all__ = ["die_with_parent", "guarded_argv"]
+__all__ = ["Spawned", "die_with_parent", "guarded_argv", "spawn"]
 
 # Loaded at import, not in the child: between fork and exec only async-signal-safe work
 # is safe (a dlopen there could wait forever on a lock another parent thread held).
@@ -37,9 +40,84 @@ _GUARD = (
 
 def guarded_argv(argv: list[str]) -> list[str]:
     """``argv`` started through a small shim that has the kernel SIGKILL it when this
-    process dies, then execs it (same pid). For children started without a
-    ``preexec_fn``: such a start runs no fork handler in the child (gRPC's among them),
-    whatever this process's gRPC settings."""
+    process dies, then execs it (same pid). For children started by :func:`spawn`, or
+    otherwise without a ``preexec_fn``."""
     if _LIBC is None:
         return argv
     return [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), *argv]
+
+
+# What a child's stdout or stderr may be: a file, a descriptor, subprocess.DEVNULL, or None
+# (this process's).
+Output = Union[IO[bytes], int, None]
+
+
+class Spawned:
+    """A child started by :func:`spawn`, with the part of ``asyncio.subprocess.Process``
+    the launchers use. Its exit is read from a pidfd on the running loop: no thread
+    waits on it, and nothing else reaps it."""
+
+    def __init__(self, popen: "subprocess.Popen[bytes]") -> None:
+        self._popen = popen
+        self._exited: asyncio.Future[int] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the child; nothing once it has exited (its pid may be another's)."""
+        self._popen.send_signal(sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> int:
+        """The child's exit status, once it has exited."""
+        code = self._popen.poll()
+        if code is not None:
+            return code
+        if self._exited is None:
+            self._exited = self._watch()
+        return await asyncio.shield(self._exited)
+
+    def _watch(self) -> "asyncio.Future[int]":
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[int] = loop.create_future()
+        try:
+            fd = os.pidfd_open(self._popen.pid)
+        except OSError:  # a kernel before 5.3: a thread waits instead
+            return asyncio.ensure_future(asyncio.to_thread(self._popen.wait))
+
+        def readable() -> None:
+            code = self._popen.poll()
+            if code is None:
+                return
+            loop.remove_reader(fd)
+            os.close(fd)
+            if not exited.done():
+                exited.set_result(code)
+
+        loop.add_reader(fd, readable)
+        readable()  # it may have exited before the reader was in place
+        return exited
+
+
+async def spawn(
+    argv: Sequence[str], *, stdout: Output, stderr: Output, env: Mapping[str, str] | None = None,
+    new_session: bool = False,
+) -> Spawned:
+    """Start ``argv`` (stdin from /dev/null) by vfork and exec, which runs none of this
+    process's fork handlers in the child. A plain fork runs them, and uvloop's
+    ``subprocess_exec`` forks: gRPC's handlers, with its fork support on (its default),
+    start threads in the child that abort it once it closes its inherited fds before
+    exec. ``new_session``: the child leads a session and process group of its own."""
+    popen = subprocess.Popen(
+        list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=None if env is None else dict(env),
+        start_new_session=new_session,
+    )
+    return Spawned(popen)
