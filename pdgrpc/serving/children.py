@@ -54,8 +54,8 @@ Output = Union[IO[bytes], int, None]
 
 class Spawned:
     """A child started by :func:`spawn`, with the part of ``asyncio.subprocess.Process``
-    the launchers use. Its exit is read from a pidfd on the running loop: no thread
-    waits on it, and nothing else reaps it."""
+    the launchers use. Its exit is read from a pidfd on the running loop, so no thread
+    sits waiting for it."""
 
     def __init__(self, popen: "subprocess.Popen[bytes]") -> None:
         self._popen = popen
