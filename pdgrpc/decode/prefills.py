@@ -167,6 +167,9 @@ class PrefillDirectory:
         # One in-flight fetch per key: a burst of requests for a new prefill costs one call.
         self._inflight: dict[object, asyncio.Future[Any]] = {}
         self._no_failures: set[str] = set()  # addresses whose bootstrap has no QueryRoomFailures
+        # Per address with cached info: the task that drops it once the connection the info
+        # came over leaves READY (a channel may reconnect, to a restarted instance, unasked).
+        self._followers: dict[str, asyncio.Task[None]] = {}
 
     def __len__(self) -> int:
         """Prefill addresses the directory holds a client for (at most ``max_prefills``)."""
@@ -209,6 +212,7 @@ class PrefillDirectory:
             info = PrefillInfo(address, checked, dp_config_of(checked, self.query_interval_s), int(resp.instance_id))
             if address in self._clients:  # not forgotten (max_prefills) while the call ran
                 self._info[address] = info
+                self._follow(address)
             log.info(
                 "prefill %s: dp_size=%d tp_size=%d method=%s force_query=%s instance=%016x",
                 address,
@@ -263,8 +267,39 @@ class PrefillDirectory:
             del self._ranks[key[0]]
         return True
 
+    def _follow(self, address: str) -> None:
+        """Drop ``address``'s cache once the connection its info came over is no longer
+        READY: a channel reconnects on its own, so READY later may be another instance."""
+        old = self._followers.pop(address, None)
+        if old is not None:
+            old.cancel()
+        channel = self.client(address).channel
+
+        async def follow() -> None:
+            state = channel.get_state(try_to_connect=False)
+            try:
+                while state is grpc.ChannelConnectivity.READY:
+                    await channel.wait_for_state_change(state)
+                    state = channel.get_state(try_to_connect=False)
+            except Exception as exc:  # the channel was closed under it (the pool closed)
+                log.debug("prefill %s: stopped following its bootstrap's connection: %s", address, exc)
+            if self._followers.get(address) is task:
+                del self._followers[address]
+                self.invalidate(address, f"connection to its bootstrap left READY ({state.name}) since the info was fetched")
+
+        task = self._followers[address] = asyncio.ensure_future(follow())
+
+    def close(self) -> None:
+        """Stop following connections (the decode is stopping)."""
+        for task in self._followers.values():
+            task.cancel()
+        self._followers.clear()
+
     def invalidate(self, address: str, why: str) -> None:
         """Forget everything cached about the instance at ``address``."""
+        follower = self._followers.pop(address, None)
+        if follower is not None:
+            follower.cancel()
         dropped = self._info.pop(address, None) is not None
         for rank in list(self._ranks.get(address, ())):
             dropped |= self._forget((address, rank))

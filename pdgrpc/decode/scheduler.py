@@ -186,6 +186,7 @@ class DecodeScheduler:
             except (TpGroupBroken, asyncio.TimeoutError) as exc:
                 log.warning("could not tell the other TP ranks to stop: %s", exc)
         self.generation.shutdown()
+        self.directory.close()
         if self.kv_events is not None:
             await self.kv_events.close()
         await self.transport.close()

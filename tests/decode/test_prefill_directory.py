@@ -96,6 +96,27 @@ async def test_cached_info_is_fetched_again_after_the_connection_dropped(servers
     assert (after.dp_size, after.instance_id) == (1, new.servicer.instance_id)
 
 
+async def test_cached_info_is_fetched_again_when_the_channel_reconnected_to_a_new_instance(
+    servers: list[BootstrapServer],
+) -> None:
+    """The channel the info came over is READY again, now to another instance at the same
+    address (it reconnected on its own, or another call reconnected it): the cache holds
+    the old instance's info, and a request admitted under it would end as if its prefill
+    had restarted after admission."""
+    servers.append(await start(0, 2))
+    d = PrefillDirectory(timeout=2.0)
+    addr = servers[0].address
+    assert (await d.parallel_info(addr, wait_for=2.0)).dp_size == 2
+    new = await restart(servers, 1)
+    channel = d.client(addr).channel
+    deadline = time.monotonic() + 10.0
+    while channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
+        assert time.monotonic() < deadline, "the channel never reconnected"
+        await asyncio.sleep(0.05)
+    after = await d.parallel_info(addr, wait_for=2.0)
+    assert (after.dp_size, after.instance_id) == (1, new.servicer.instance_id)
+
+
 async def test_a_handshake_for_a_room_of_the_previous_instance_is_not_sent(servers: list[BootstrapServer]) -> None:
     """A room admitted (dp rank known, pages allocated) before its prefill restarted: the
     workers the new instance lists never get its handshake; it ends UNAVAILABLE."""
