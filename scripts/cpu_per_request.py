@@ -105,9 +105,9 @@ async def _load(
     tokens = {k: 0 for k in stubs}
     for r, k in turns(list(stubs), _ROUNDS, rng):
         start, w0 = {p: schedstat(p) for p in pids[k]}, {p: _writes(p) for p in pids[k]}
-        secs, generated = await run_load(stubs[k], prompts[r::_ROUNDS], ns.max_new_tokens, ns.concurrency)
-        walls[k] += secs
-        tokens[k] += generated
+        load = await run_load(stubs[k], prompts[r::_ROUNDS], ns.max_new_tokens, ns.concurrency)
+        walls[k] += load.seconds
+        tokens[k] += load.tokens
         for p in pids[k]:
             cpu, wait = _less(schedstat(p), start[p])
             used[p] = (used[p][0] + cpu, used[p][1] + wait)

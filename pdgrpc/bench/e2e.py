@@ -22,7 +22,9 @@ and prefill chunk size everywhere. Then:
   a drift of the host lands on every system alike rather than on whichever ran then. A
   round holds several waves of ``--concurrency`` requests (4 at the defaults): a round of
   one wave times how fast one burst drains, where a prefill and a decode barely overlap,
-  not the steady rate.
+  not the steady rate. ``no_kv_moved_share``: the share of a disaggregated system's
+  requests that moved no KV, whose prompt its decode computed (the router's busy-prefills
+  rule).
 * **where the TTFT goes**: every server, the colocated one too, traces (``--trace
   file:DIR``, one file per process) only the requests whose ``traceparent`` says so
   (``OTEL_TRACES_SAMPLER=parentbased_always_off``), and the client sends one with every
@@ -246,36 +248,57 @@ def hop_p50s(spans: list[dict], trace_ids: list[str], durations: dict[str, dict[
     return out
 
 
-async def run_load(stub: GenerateServiceStub, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[float, int]:
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What one system did under the tokens/s load; loads add up over rounds."""
+
+    seconds: float
+    tokens: int  # generated
+    requests: int = 0
+    # Requests that moved no KV: a disaggregated system computed their prompt on the
+    # decode (local prefill; ``bench e2e``'s random prompts share no prefix).
+    no_kv_moved: int = 0
+
+    def __add__(self, other: object) -> "Load":
+        if not isinstance(other, Load):
+            return NotImplemented
+        return Load(self.seconds + other.seconds, self.tokens + other.tokens, self.requests + other.requests,
+                    self.no_kv_moved + other.no_kv_moved)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+async def run_load(stub: GenerateServiceStub, prompts: list[list[int]], max_new: int, concurrency: int) -> Load:
     """Send ``prompts``, ``concurrency`` in flight, each generating ``max_new`` tokens
-    (EOS ignored): the seconds it took and the tokens generated."""
+    (EOS ignored)."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(ids: list[int]) -> int:
+    async def one(ids: list[int]) -> Completion:
         async with sem:
-            c = await generate(stub, input_ids=ids, max_new_tokens=max_new, ignore_eos=True, timeout=300)
-            return len(c.token_ids)
+            return await generate(stub, input_ids=ids, max_new_tokens=max_new, ignore_eos=True, timeout=300)
 
     start = time.perf_counter()
-    counts = await asyncio.gather(*(one(ids) for ids in prompts))
-    return time.perf_counter() - start, sum(counts)
+    done = await asyncio.gather(*(one(ids) for ids in prompts))
+    seconds = time.perf_counter() - start
+    return Load(seconds, sum(len(c.token_ids) for c in done), len(done), sum(c.bytes_transferred == 0 for c in done))
 
 
 async def throughput_rounds(
     stubs: dict[str, GenerateServiceStub], prompts: list[list[int]], args: argparse.Namespace, rng: random.Random,
-) -> dict[str, tuple[float, int]]:
-    """Each system's (seconds, tokens) over ``prompts``, split into ``--throughput-rounds``
-    rounds; within a round the systems run one after another, in a new order each round."""
+) -> dict[str, Load]:
+    """Each system's load over ``prompts``, split into ``--throughput-rounds`` rounds;
+    within a round the systems run one after another, in a new order each round."""
     rounds = min(args.throughput_rounds, len(prompts)) or 1
     print(f"measuring tokens/s: {len(prompts)} requests per system in {rounds} round(s), {args.concurrency} in flight ...",
           flush=True)
     if len(prompts) < 2 * rounds * args.concurrency:
         print(f"note: a round holds {len(prompts) // rounds} requests, under two waves of --concurrency {args.concurrency}: "
               "tokens/s then times a burst draining more than a steady rate", flush=True)
-    out = {name: (0.0, 0) for name in stubs}
+    out = {name: Load(0.0, 0) for name in stubs}
     for r, name in turns(list(stubs), rounds, rng):
-        secs, tokens = await run_load(stubs[name], prompts[r::rounds], args.max_new_tokens, args.concurrency)
-        out[name] = (out[name][0] + secs, out[name][1] + tokens)
+        out[name] += await run_load(stubs[name], prompts[r::rounds], args.max_new_tokens, args.concurrency)
     return out
 
 
@@ -372,19 +395,19 @@ async def _run(args: argparse.Namespace) -> list[Result]:
 
 
 def report(
-    args: argparse.Namespace, systems: list[str], measured: dict[str, list[Completion]], tput: dict[str, tuple[float, int]],
+    args: argparse.Namespace, systems: list[str], measured: dict[str, list[Completion]], tput: dict[str, Load],
     hops: dict[str, dict[str, float]], durations: dict[str, dict[str, dict[str, float]]], traced: dict[str, list[str]],
 ) -> list[Result]:
     """The rows of a run: each system's ``measured`` TTFT requests (every other one
     traced, ``traced`` their trace ids, ``durations`` and ``hops`` their spans) and its
-    tokens/s run ``tput`` (seconds, tokens), against colocated serving and its twins."""
+    tokens/s run ``tput``, against colocated serving and its twins."""
     # Measured requests alternate: untraced (the TTFT rows), traced (the hop rows).
     ttft = {name: done[0::2] for name, done in measured.items()}
     with_spans = {name: done[1::2] for name, done in measured.items()}
     results: list[Result] = []
     base_p50 = percentile([c.client_ttft_seconds for c in ttft[BASELINE]], 0.5) * 1e3
     base_p99 = percentile([c.client_ttft_seconds for c in ttft[BASELINE]], 0.99) * 1e3
-    base_tps = tput[BASELINE][1] / tput[BASELINE][0]
+    base_tps = tput[BASELINE].tokens_per_s
     case_ttft = f"ttft/{args.prompt_tokens}tok"
     results += [
         Result(f"{case_ttft}/{BASELINE}", "ttft_p50", base_p50, "ms"),
@@ -401,7 +424,7 @@ def report(
         done = ttft[name]
         p50 = percentile([c.client_ttft_seconds for c in done], 0.5) * 1e3
         p99 = percentile([c.client_ttft_seconds for c in done], 0.99) * 1e3
-        tps = tput[name][1] / tput[name][0]
+        tps = tput[name].tokens_per_s
         gbps = statistics.median(c.gbps for c in done)
         kv_bytes = statistics.median(c.bytes_transferred for c in done)
         results += [
@@ -426,6 +449,8 @@ def report(
             Result(f"{case_ttft}/{name}", "kv_rate_data_plane_p50", gbps, "GB/s"),
             Result(f"throughput/{name}", "tokens_per_s", tps, "tok/s", base_tps, tps / base_tps),
         ]
+        if tput[name].requests:  # how many of its prompts the decode computed (the busy-prefills rule)
+            results.append(Result(f"throughput/{name}", "no_kv_moved_share", tput[name].no_kv_moved / tput[name].requests, ""))
         results += [Result(f"{case_ttft}/{name}", metric, ms, "ms") for metric, ms in hops[name].items()]
         # The same prompt's compute span here and in colocated serving: how much of the
         # overhead is a slower compute rather than the hops around it.
@@ -443,7 +468,7 @@ def report(
             if f"{name}{twin}" in ttft:
                 results += _against_twin(f"{case_ttft}/{name}", done, ttft[f"{name}{twin}"], ratio, paired)
         if f"{name}{AT_BASELINE}" in tput:  # this build's tokens/s against the other build's, in the same rounds
-            older = tput[f"{name}{AT_BASELINE}"][1] / tput[f"{name}{AT_BASELINE}"][0]
+            older = tput[f"{name}{AT_BASELINE}"].tokens_per_s
             results.append(Result(f"throughput/{name}", "tokens_per_s_vs_baseline_tree", tps, "tok/s", older, tps / older))
         plain = name.split("+", 1)[0]
         if plain != name and plain in ttft:  # a secured system: against its plaintext twin

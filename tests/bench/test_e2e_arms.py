@@ -44,7 +44,7 @@ async def test_tokens_per_s_rounds_run_every_system_once_each_in_a_new_order(mon
 
     async def fake(stub, prompts, max_new, concurrency):
         runs.append((stub, tuple(p[0] for p in prompts)))
-        return 1.0, len(prompts) * max_new
+        return e2e.Load(1.0, len(prompts) * max_new, len(prompts), len(prompts) // 2)
 
     monkeypatch.setattr(e2e, "run_load", fake)
     p = argparse.ArgumentParser()
@@ -57,7 +57,7 @@ async def test_tokens_per_s_rounds_run_every_system_once_each_in_a_new_order(mon
     assert len({tuple(name for name, _ in r) for r in rounds}) > 1  # the order changes
     for name in "abc":  # every prompt once per system, over the rounds
         assert sorted(i for n, ids in runs if n == name for i in ids) == list(range(10))
-    assert out == {name: (4.0, 30) for name in "abc"}
+    assert out == {name: e2e.Load(4.0, 30, 10, 4) for name in "abc"}  # rounds of 3, 3, 2, 2 prompts
     with pytest.raises(SystemExit):
         p.parse_args(["--throughput-rounds", "0"])
 
@@ -72,7 +72,7 @@ async def test_at_its_defaults_each_tokens_per_s_round_holds_several_waves(
     assert args.throughput_requests // args.throughput_rounds >= 4 * args.concurrency
 
     async def fake(stub, prompts, max_new, concurrency):
-        return 1.0, len(prompts) * max_new
+        return e2e.Load(1.0, len(prompts) * max_new)
 
     monkeypatch.setattr(e2e, "run_load", fake)
     await e2e.throughput_rounds({"a": "a"}, [[i] for i in range(args.throughput_requests)], args, random.Random(1))

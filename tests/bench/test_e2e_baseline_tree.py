@@ -37,7 +37,7 @@ def test_a_cluster_is_reported_against_its_baseline_tree_twin_prompt_by_prompt()
     off = [0.5, 0.5, 0.5, 0.5, -25.0]
     older = [t + off[i // 2] if i % 2 == 0 else 99.0 for i, t in enumerate(ours)]
     measured = {"colocated": _done([t - 3 for t in ours]), "1p1d-tcp": _done(ours), "1p1d-tcp@baseline": _done(older)}
-    tput = {"colocated": (1.0, 2000), "1p1d-tcp": (1.0, 1800), "1p1d-tcp@baseline": (1.0, 1500)}
+    tput = {"colocated": e2e.Load(1.0, 2000, 64), "1p1d-tcp": e2e.Load(1.0, 1800, 64, 16), "1p1d-tcp@baseline": e2e.Load(1.0, 1500, 64)}
     empty: dict = {name: {} for name in measured}
     rows = {(r.case, r.metric): r for r in e2e.report(args, list(measured), measured, tput, empty, empty, {n: [] for n in measured})}
     paired = rows[("ttft/512tok/1p1d-tcp", "ttft_baseline_tree_paired_p50")]
@@ -47,3 +47,7 @@ def test_a_cluster_is_reported_against_its_baseline_tree_twin_prompt_by_prompt()
     rate = rows[("throughput/1p1d-tcp", "tokens_per_s_vs_baseline_tree")]
     assert (rate.value, rate.baseline_value, rate.ratio) == (1800, 1500, pytest.approx(1.2))
     assert not any(case.endswith("@baseline") and "baseline_tree" in metric for case, metric in rows)
+    # A quarter of this build's prompts were computed on its decode: it moved no KV for them.
+    assert rows[("throughput/1p1d-tcp", "no_kv_moved_share")].value == pytest.approx(0.25)
+    assert rows[("throughput/1p1d-tcp@baseline", "no_kv_moved_share")].value == 0
+    assert ("throughput/colocated", "no_kv_moved_share") not in rows  # it moves none, ever

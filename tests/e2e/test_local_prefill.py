@@ -121,7 +121,7 @@ async def test_a_burst_past_the_prefills_queue_is_shared_with_the_decode_exactly
     shorter. Every output equals colocated generation."""
     rng = random.Random(17)
     cases = [
-        Case((256, *(rng.randrange(256) for _ in range(rng.randint(60, 200)))), rng.randint(3, 12),
+        Case((256, *(rng.randrange(256) for _ in range(rng.randint(250, 500)))), rng.randint(3, 12),
              temperature=0.8 * (i % 3 == 1), seed=40 + i, top_k=20 * (i % 3 == 2))
         for i in range(12)
     ]
