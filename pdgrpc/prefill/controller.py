@@ -56,6 +56,7 @@ from pdgrpc.rpc.channels import ChannelPool
 from pdgrpc.rpc.security import security_argv
 from pdgrpc.rpc.server import RpcServer
 from pdgrpc.rpc import tracing
+from pdgrpc.serving.children import Spawned, spawn
 from pdgrpc.serving.kv_events import KvEventFeed, batch_from_proto, serve_kv_events
 from pdgrpc.serving.logs import request_event
 from pdgrpc.state.kv_event_log import Cleared, KvEvent, KvEventMerge
@@ -78,7 +79,7 @@ DEATH_WINDOW_S = 0.25
 @dataclasses.dataclass(eq=False)
 class WorkerHandle:
     rank: int
-    proc: asyncio.subprocess.Process
+    proc: Spawned
     tp_rank: int = 0
     tp_size: int = 1
     link: ControllerLink | None = None  # Prefill calls travel here
@@ -364,10 +365,7 @@ class Controller:
         # requests first and then stops the workers in order (they also exit on their own
         # if the controller dies).
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                pass_fds=(theirs.fileno(),),
-            )
+            proc = await spawn(argv, stdout="read", stderr=None, new_session=True, pass_fds=(theirs.fileno(),))
         except BaseException:
             ours.close()
             raise

@@ -19,6 +19,7 @@ import asyncio
 import logging
 from typing import Protocol, TypeVar
 
+from pdgrpc.serving.children import Spawned
 from pdgrpc.serving.rendezvous import dist_init_method
 
 __all__ = ["FIRST_DELAY_S", "Worker", "WorkerGroups", "restart_group"]
@@ -37,7 +38,7 @@ class Worker(Protocol):
     """One worker process as the controller tracks it."""
 
     @property
-    def proc(self) -> asyncio.subprocess.Process: ...
+    def proc(self) -> Spawned: ...
     @property
     def gone(self) -> asyncio.Event: ...  # set once the controller handled its exit
     @property

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import IO, Mapping, Sequence, Union
+from typing import IO, Literal, Mapping, Sequence, Union
 
 __all__ = ["Spawned", "die_with_parent", "guarded_argv", "spawn"]
 
@@ -57,9 +57,10 @@ class Spawned:
     the launchers use. Its exit is read from a pidfd on the running loop, so no thread
     sits waiting for it."""
 
-    def __init__(self, popen: "subprocess.Popen[bytes]") -> None:
+    def __init__(self, popen: "subprocess.Popen[bytes]", stdout: asyncio.StreamReader | None = None) -> None:
         self._popen = popen
         self._exited: asyncio.Future[int] | None = None
+        self.stdout = stdout  # the child's stdout, when spawn was asked to read it
 
     @property
     def pid(self) -> int:
@@ -108,16 +109,28 @@ class Spawned:
 
 
 async def spawn(
-    argv: Sequence[str], *, stdout: Output, stderr: Output, env: Mapping[str, str] | None = None,
-    new_session: bool = False,
+    argv: Sequence[str], *, stdout: Output | Literal["read"], stderr: Output, env: Mapping[str, str] | None = None,
+    new_session: bool = False, pass_fds: Sequence[int] = (),
 ) -> Spawned:
     """Start ``argv`` (stdin from /dev/null) by vfork and exec, which runs none of this
     process's fork handlers in the child. A plain fork runs them, and uvloop's
     ``subprocess_exec`` forks: gRPC's handlers, with its fork support on (its default),
     start threads in the child that abort it once it closes its inherited fds before
-    exec. ``new_session``: the child leads a session and process group of its own."""
+    exec. ``stdout="read"``: the child's stdout is :attr:`Spawned.stdout`, read on the
+    running loop. ``new_session``: the child leads a session and process group of its
+    own. ``pass_fds``: descriptors the child inherits."""
     popen = subprocess.Popen(
-        list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=None if env is None else dict(env),
-        start_new_session=new_session,
+        list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if stdout == "read" else stdout, stderr=stderr,
+        env=None if env is None else dict(env), start_new_session=new_session, pass_fds=tuple(pass_fds),
     )
-    return Spawned(popen)
+    if stdout != "read":
+        return Spawned(popen)
+    assert popen.stdout is not None
+    reader = asyncio.StreamReader()
+    try:
+        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise
+    return Spawned(popen, reader)

@@ -9,6 +9,7 @@ a start that runs fork handlers kills every child before exec, every time."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -61,3 +62,29 @@ def test_a_child_starts_on_uvloop_whatever_fork_handlers_this_process_has(script
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert says in out.stdout
+
+
+_PREFILL = _PRELUDE + textwrap.dedent(
+    """
+    from pdgrpc.prefill.__main__ import main
+
+    sys.exit(main(["--host", "127.0.0.1", "--port", "0", "--transport", "tcp", "--model-size", "tiny"]))
+    """
+)
+
+
+def test_a_prefill_controller_starts_its_workers_whatever_fork_handlers_it_has() -> None:
+    """The controller starts (and restarts) its workers while it serves on uvloop."""
+    pytest.importorskip("uvloop", reason="the loop whose subprocess_exec forks (a pdgrpc dependency)")
+    from pdgrpc.prefill.controller_main import READY_LINE
+
+    proc = subprocess.Popen([sys.executable, "-c", _PREFILL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = next((line for line in proc.stdout if line.startswith(READY_LINE)), None)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert ready is not None, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
