@@ -91,6 +91,13 @@ class Compute(abc.ABC):
         cached prefix). Raises :class:`~pdgrpc.prefill.errors.RequestFailed` when it cannot
         start."""
 
+    async def started(self, room: int) -> None:
+        """Return once the group starts ``room``; the worker takes its pages only then.
+        One rank: at once. A TP follower waits for tp rank 0, so that it never holds
+        pages for rooms the group has not started while the group waits for one it has.
+        Raises :class:`~pdgrpc.prefill.errors.RequestFailed` when the group ends the
+        room first."""
+
     async def agree(self, room: int, cached_pages: int) -> int:
         """How many leading pages of ``room``'s prompt every rank of the compute holds
         cached (this rank holds ``cached_pages``): the compute of every rank starts

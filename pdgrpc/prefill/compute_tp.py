@@ -10,13 +10,18 @@ room already ended here -- the room then fails on this rank), and posts to the r
 driver. ``("end", room)`` tells followers that the leader gave up a room, ``("stop",)``
 ends their loop at shutdown. Collectives on a rank run only on its compute thread.
 
+The leader alone admits rooms: before a room's first chunk it broadcasts
+``("agree", room, cached_pages)``, and only then does a follower take the room's pages
+(:meth:`TpFollowerCompute.started`). A follower that took pages in its own order could
+fill its pool with rooms the leader has not started while the leader starts one it has
+no pages for, and the group would wait on itself.
+
 With the prefix cache each rank matches a room's prompt against its own cache, and the
 caches may differ for a moment (a rank inserts a prompt's pages when its own transfer
-ends, and evicts when its own pool runs short). So before a room's first chunk the
-leader broadcasts ``("agree", room, cached_pages)`` and, when it holds a cached prefix,
-every rank contributes its own count to an all-gather: the group computes from the
-fewest, which every rank holds, and a rank holding more computes the rest into its
-spare pages (:meth:`~pdgrpc.state.prefix_cache.PrefixCache.settle`).
+ends, and evicts when its own pool runs short). So when the leader holds a cached prefix
+every rank contributes its own count to an all-gather after the ``agree``: the group
+computes from the fewest, which every rank holds, and a rank holding more computes the
+rest into its spare pages (:meth:`~pdgrpc.state.prefix_cache.PrefixCache.settle`).
 
 Every rank reserves scratch pages for one whole prompt: the same capacity on every rank.
 """
@@ -63,7 +68,7 @@ def fewest_cached(cached_pages: int) -> int:
     return min(int(x) for x in got)
 
 
-def _resolve(fut: "asyncio.Future[int]", value: int = 0, error: BaseException | None = None) -> None:
+def _resolve(fut: "asyncio.Future[Any]", value: Any = None, error: BaseException | None = None) -> None:
     """On the future's loop: settle ``fut`` unless its waiter already gave up."""
     if fut.done():
         return
@@ -160,14 +165,15 @@ class _Followed(ComputeJob):
 
 
 @dataclasses.dataclass(eq=False)
-class _Agreeing:
-    """A follower's room waiting for the group to agree on its cached prefix."""
+class _Waiting:
+    """A follower's room waiting for its compute thread: to be started (``cached_pages``
+    unused), or for the group to agree on its cached prefix."""
 
     cached_pages: int
     loop: asyncio.AbstractEventLoop
-    result: "asyncio.Future[int]"
+    result: "asyncio.Future[Any]"
 
-    def resolve(self, value: int = 0, error: BaseException | None = None) -> None:
+    def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
         self.loop.call_soon_threadsafe(_resolve, self.result, value, error)
 
 
@@ -182,7 +188,8 @@ class TpFollowerCompute(Compute):
         self.reserved_pages = reserve_scratch(engine)
         self._lock = threading.Condition()
         self._followed: dict[int, _Followed] = {}  # rooms the compute thread may write
-        self._agreeing: dict[int, _Agreeing] = {}  # rooms waiting for tp rank 0's ("agree", ...)
+        self._starting: dict[int, _Waiting] = {}  # rooms waiting for tp rank 0's ("agree", ...)
+        self._agreeing: dict[int, _Waiting] = {}  # rooms started here, with their pages, for the all-gather
         self._agreed: set[int] = set()  # rooms agreed on whose begin() is still to come
         self._lost: collections.OrderedDict[int, str] = collections.OrderedDict()  # rooms failed here (bounded)
         self._thread: threading.Thread | None = None
@@ -208,27 +215,37 @@ class TpFollowerCompute(Compute):
             raise ending(Refusal.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
         return job
 
+    async def started(self, room: int) -> None:
+        """Wait for tp rank 0's ``("agree", room, ...)``."""
+        await self._wait(self._starting, room, 0)
+
     async def agree(self, room: int, cached_pages: int) -> int:
-        """Wait for tp rank 0's ``("agree", room, ...)`` and the group's answer."""
+        """Tell the compute thread, waiting since :meth:`started`, that ``room`` holds its
+        pages (``cached_pages`` of them cached), and wait for the group's answer."""
+        return int(await self._wait(self._agreeing, room, cached_pages))
+
+    async def _wait(self, waiting: dict[int, _Waiting], room: int, cached_pages: int) -> Any:
         if self.broken is not None:
             raise ending(Refusal.GONE, f"room {room}: {self.broken}", ServerAbortReason.PEER_FAILURE)
         loop = asyncio.get_running_loop()
-        ag = _Agreeing(cached_pages, loop, loop.create_future())
+        w = _Waiting(cached_pages, loop, loop.create_future())
         with self._lock:
             why = self._lost.get(room)
             if why is None:
-                self._agreeing[room] = ag
+                waiting[room] = w
                 self._lock.notify_all()
         if why is not None:
             raise ending(Refusal.ABORTED, f"room {room}: tp rank {self.tp_rank}: {why}", ServerAbortReason.PEER_FAILURE)
-        return await ag.result
+        return await w.result
 
     async def finish(self, room: int, job: ComputeJob | None) -> None:
         if not isinstance(job, _Followed):
             with self._lock:  # ended before its compute began: later commands go to scratch
-                if self._agreeing.pop(room, None) is not None or room in self._agreed:
-                    self._agreed.discard(room)
-                    self._lose(room, "the room ended on this rank")
+                self._starting.pop(room, None)
+                self._agreeing.pop(room, None)
+                self._agreed.discard(room)
+                self._lose(room, "the room ended on this rank")
+                self._lock.notify_all()
             return
         # From here on the compute thread computes this room into scratch; wait for a
         # chunk it may be computing into our pages right now.
@@ -285,29 +302,42 @@ class TpFollowerCompute(Compute):
         self._break(why)
         with self._lock:
             rooms = list(self._followed.values())
-            agreeing = list(self._agreeing.items())
+            waiting = [*self._starting.items(), *self._agreeing.items()]
+            self._starting.clear()
             self._agreeing.clear()
         for fr in rooms:
             fr.post(ChunkPost(0, None, 0.0, ending(Refusal.GONE, f"room {fr.room}: {why}", ServerAbortReason.PEER_FAILURE)))
-        for room, ag in agreeing:
-            ag.resolve(error=ending(Refusal.GONE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE))
+        for room, w in waiting:
+            w.resolve(error=ending(Refusal.GONE, f"room {room}: {why}", ServerAbortReason.PEER_FAILURE))
+
+    def _waited(self, waiting: dict[int, _Waiting], room: int) -> _Waiting | None:
+        """Under the lock: ``room``'s entry of ``waiting`` once it comes, within
+        ``room_wait_s``; None when the room ended here or did not come."""
+        deadline = time.monotonic() + self.room_wait_s
+        while room not in waiting and room not in self._lost and not self._stopped:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._lock.wait(left)
+        return waiting.pop(room, None) if room not in self._lost else None
 
     def _agree(self, room: int, leader_pages: int) -> bool:
-        """Tp rank 0 starts ``room`` holding ``leader_pages`` cached: add this rank's count
-        (tp rank 0's when the room is not here: it fails on this rank anyway) to the
-        group's all-gather. False when the collective failed."""
-        deadline = time.monotonic() + self.room_wait_s
+        """Tp rank 0 starts ``room`` holding ``leader_pages`` cached: let the room take its
+        pages here, then add this rank's count (tp rank 0's when the room is not here: it
+        fails on this rank anyway) to the group's all-gather. False when the collective
+        failed."""
+        ag: _Waiting | None = None
         with self._lock:
-            while room not in self._agreeing and room not in self._lost and not self._stopped:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._lock.wait(left)
-            ag = self._agreeing.pop(room, None) if room not in self._lost else None
-            if ag is not None:
-                self._agreed.add(room)  # its chunks wait for begin()
+            st = self._waited(self._starting, room)
+            if st is not None:
+                st.resolve()
+                ag = self._waited(self._agreeing, room)
+                if ag is None and room not in self._lost:
+                    self._lose(room, f"its KV pages were not free within {self.room_wait_s} s of tp rank 0 starting it")
             elif room not in self._lost:
                 self._lose(room, f"tp rank 0 started it before this rank's Prefill RPC arrived (waited {self.room_wait_s} s)")
+            if ag is not None:
+                self._agreed.add(room)  # its chunks wait for begin()
         try:
             fewest = fewest_cached(ag.cached_pages if ag is not None else leader_pages) if leader_pages else 0
         except Exception as exc:
@@ -323,12 +353,12 @@ class TpFollowerCompute(Compute):
     def _end(self, room: int) -> None:
         with self._lock:
             fr = self._followed.get(room)
-            ag = self._agreeing.pop(room, None)
+            waiting = [w for w in (self._starting.pop(room, None), self._agreeing.pop(room, None)) if w is not None]
             self._agreed.discard(room)
             if fr is None:
                 self._lose(room, "tp rank 0 ended the room")
-        if ag is not None:
-            ag.resolve(error=ending(
+        for w in waiting:
+            w.resolve(error=ending(
                 Refusal.ABORTED, f"room {room}: tp rank 0 ended the room before it was computed", ServerAbortReason.PEER_FAILURE))
         if fr is not None:
             fr.post(ChunkPost(0, None, 0.0, ending(

@@ -105,7 +105,9 @@ class PrefillWorker:
     The prefix cache (``config.prefix_cache``) takes its pages from ``engine`` and reports
     what it stores and evicts to ``cache_events``. In a TP group every rank keeps its own,
     and the group agrees on each room's cached prefix before computing it
-    (:meth:`~pdgrpc.prefill.compute.Compute.agree`). Without TP a prompt first waits for
+    (:meth:`~pdgrpc.prefill.compute.Compute.agree`); tp rank 0 alone admits rooms, the
+    others take a room's pages once it started it
+    (:meth:`~pdgrpc.prefill.compute.Compute.started`). Without TP a prompt first waits for
     the running request that computes more of it than is cached
     (:class:`~pdgrpc.state.prefix_leaders.PrefixLeaders`), so a prefix is computed once,
     and a prompt's pages are published as its compute starts
@@ -364,10 +366,13 @@ class PrefillWorker:
         return ids, sampling
 
     async def _alloc(self, entry: _Active, ids: tuple[int, ...]) -> None:
-        """Pages for the prompt into ``entry`` (its cached prefix locked, with the cache)."""
+        """Pages for the prompt into ``entry`` (its cached prefix locked, with the cache);
+        in a TP group, once tp rank 0 started the room."""
         n, room = self.engine.pages_needed(len(ids)), entry.room
         if n > self.capacity:
             raise _Oversize(status(Refusal.BAD_REQUEST), f"room {room}: prompt needs {n} pages, the pool has {self.capacity}")
+        if self.tp_size > 1:
+            await self._started(entry)
         start = time.monotonic()
         deadline = start + self.config.page_wait_s
         await self._after_leaders(entry, ids, start + leader_wait_s(self.config.page_wait_s))
@@ -503,7 +508,7 @@ class PrefillWorker:
         self, entry: _Active, ids: tuple[int, ...], sampling: SamplingParams, first_token: Callable[[int], None] | None
     ) -> prefill_pb2.PrefillResponse:
         await self._alloc(entry, ids)
-        if entry.lease is not None and self.prefix_cache is not None and self.tp_size > 1:
+        if self.tp_size > 1:
             await self._agree(entry)
         cached = entry.lease.cached_tokens if entry.lease is not None else 0
         self.metrics.on_prompt(len(ids), cached)
@@ -520,18 +525,30 @@ class PrefillWorker:
             self._leaders.running(entry.room, ids)
             self.prefix_cache.announce(entry.lease)
 
+    async def _started(self, entry: _Active) -> None:
+        """TP: wait for tp rank 0 to start the room (it waits for pages, then its turn)."""
+        bound = self.config.page_wait_s + self.config.compute_timeout_s
+        try:
+            await asyncio.wait_for(self.compute.started(entry.room), bound)
+        except asyncio.TimeoutError:
+            raise ending(
+                Refusal.TIMED_OUT, f"room {entry.room}: tp rank 0 did not start the room within {bound} s",
+                AbortReason.WAITING_FOR_INPUT_TIMEOUT,
+            ) from None
+
     async def _agree(self, entry: _Active) -> None:
         """TP: keep only the cached pages every rank of the group holds."""
-        assert entry.lease is not None and self.prefix_cache is not None
+        cached = entry.lease.cached_pages if entry.lease is not None else 0
         try:
-            keep = await asyncio.wait_for(self.compute.agree(entry.room, entry.lease.cached_pages), self.config.compute_timeout_s)
+            keep = await asyncio.wait_for(self.compute.agree(entry.room, cached), self.config.compute_timeout_s)
         except asyncio.TimeoutError:
             raise ending(
                 Refusal.TIMED_OUT, f"room {entry.room}: the TP group did not start the room within {self.config.compute_timeout_s} s",
                 AbortReason.WAITING_FOR_INPUT_TIMEOUT,
             ) from None
-        entry.lease = self.prefix_cache.settle(entry.lease, keep)
-        entry.pages = list(entry.lease.pages)
+        if entry.lease is not None and self.prefix_cache is not None:
+            entry.lease = self.prefix_cache.settle(entry.lease, keep)
+            entry.pages = list(entry.lease.pages)
 
     async def _finish(self, entry: _Active) -> None:
         """Every path ends here: no compute in flight, rooms released, pages freed."""

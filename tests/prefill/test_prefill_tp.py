@@ -324,3 +324,70 @@ async def test_tp2_ranks_whose_caches_differ_compute_from_the_prefix_both_hold(t
     assert_heads(tp1_decode, r, again, want, tok)
     tp1_decode.free(r)
     await settles_to_zero(tp2, 2)
+
+
+async def test_rank_1_takes_pages_only_for_rooms_rank_0_started(tp2: PrefillProc, tp1_decode: FakeDecode) -> None:
+    """Five rooms hold 66 of rank 0's 80 pages (their decode has handshaken rank 1 only), so
+    five 16-page prompts wait for pages on rank 0 while rank 1 has room for all of them.
+    A 2-page prompt that rank 0 admits then runs at once: rank 1 does not fill its pool
+    with rooms the group has not started. Then every room runs, each KV byte exact."""
+    d, sampling = tp1_decode, SamplingParams()
+    workers = await d.workers(tp2.bootstrap, 0)
+    ranks = [prefill_pb2_grpc.PrefillServiceStub(d.channel(w.transfer_address)) for w in workers]
+    ch, stub = await prefill_stub(tp2)
+    calls: list[asyncio.Future[prefill_pb2.PrefillResponse]] = []
+
+    def start(ids: list[int]) -> Room:
+        room = new_room()
+        r = d.allocate(room, len(ids), keys=[transfer_room(room, p_, 0) for p_ in (0, 1)])
+        calls.append(asyncio.ensure_future(stub.Prefill(request(room, ids, sampling), timeout=60)))
+        return r
+
+    async def active(rank: int, n: int) -> bool:
+        return (await ranks[rank].GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats.active_requests == n
+
+    try:
+        held = [prompt(64, 20 + i) for i in range(4)] + [prompt(8, 24)]
+        held_rooms = [start(ids) for ids in held]
+        for r in held_rooms:
+            await d.handshake(workers[1].transfer_address, r, wants_metadata=False)
+        for r in held_rooms:
+            st = await d.transport.wait(r.keys[1], 30)
+            assert st.state is KVPoll.SUCCESS, st.reason
+        await eventually_async(lambda: active(1, 0), SETTLE_S, what="rank 1 finished the held rooms", interval=0.05)
+
+        large = [prompt(64, 30 + i) for i in range(5)]
+        large_rooms = [start(ids) for ids in large]
+        for r in large_rooms:  # early handshakes: kept until each room's Prefill RPC takes them
+            for w in workers:
+                await d.handshake(w.transfer_address, r, wants_metadata=w.tp_rank == 0)
+        await eventually_async(lambda: active(1, 5), SETTLE_S, what="rank 1 holds the large prompts", interval=0.05)
+        assert await active(0, 10)
+
+        small = prompt(8, 40)
+        r = start(small)
+        for w in workers:
+            await d.handshake(w.transfer_address, r, wants_metadata=w.tp_rank == 0)
+        await calls[-1]
+        for key in r.keys:
+            st = await d.transport.wait(key, 30)
+            assert st.state is KVPoll.SUCCESS, st.reason
+        want, tok = reference(small, sampling)
+        assert_heads(d, r, small, want, tok)
+        d.free(r)
+
+        for r in held_rooms:
+            await d.handshake(workers[0].transfer_address, r, wants_metadata=True)
+        for call, ids, r in zip(calls, held + large, held_rooms + large_rooms):
+            await call
+            for key in r.keys:
+                st = await d.transport.wait(key, 30)
+                assert st.state is KVPoll.SUCCESS, st.reason
+            want, tok = reference(ids, sampling)
+            assert_heads(d, r, ids, want, tok)
+            d.free(r)
+    finally:
+        for call in calls:
+            call.cancel()
+        await ch.close()
+    await settles_to_zero(tp2, 2)
