@@ -68,8 +68,6 @@ log = logging.getLogger("pdgrpc.prefill")
 
 __all__ = ["Controller"]
 
-# Between two tries to follow a dp rank's KV events (its worker starting or gone).
-KV_FOLLOW_RETRY_S = 0.2
 # How long a tp group's ABORTED or UNAVAILABLE answer waits for a rank's death to show:
 # a peer's death reaches the survivors (through the decode's abort) as soon as the
 # controller sees the dead worker's link close.
@@ -131,7 +129,6 @@ class Controller:
         self._restarting: set[int] = set()  # dp ranks whose tp group restart_group is starting again
         self.kv_events = KvEventFeed(on_subscribers=self.metrics.on_kv_event_streams)  # the instance's merged log (built on the serving loop)
         self.kv_merge = KvEventMerge(self.kv_events.log)
-        self._kv_followers: list[asyncio.Task[None]] = []
 
     # ---- PrefillService -----------------------------------------------------------
 
@@ -307,29 +304,11 @@ class Controller:
         async for b in serve_kv_events(self.kv_events, request, context):
             yield b
 
-    async def _follow_kv_events(self, rank: int) -> None:
-        """Feed dp rank ``rank``'s KV events into the merge for as long as the controller
-        runs; a new worker for the rank (a respawn) is followed from its first batch."""
-        followed: WorkerHandle | None = None
-        cursor = 0
-        while not self.stopping:
-            w = self.groups[rank][0]
-            if w is not followed:  # a new worker: nothing it holds is known yet
-                if followed is not None:
-                    self._rank_gone(rank)
-                followed, cursor = w, 0
-            if w.alive and w.stub is not None:
-                try:
-                    call = w.stub.SubscribeKvEvents(prefill_pb2.SubscribeKvEventsRequest(start_sequence_number=cursor))
-                    async for msg in call:
-                        b = batch_from_proto(msg)
-                        if b.snapshot is None and b.sequence_number != cursor + 1:
-                            break  # batches were lost: ask again from the last one applied
-                        self._rank_events(rank, b.events)
-                        cursor = b.sequence_number
-                except grpc.aio.AioRpcError as exc:
-                    log.debug("KV events of prefill worker %s: %s", w.name, exc.details())
-            await asyncio.sleep(KV_FOLLOW_RETRY_S)
+    def _worker_events(self, w: WorkerHandle, batch: bytes) -> None:
+        """A KV event batch from ``w``'s link, in order from its first: into the merge while
+        ``w`` lives (its exit clears its rank; a frame read after that is stale)."""
+        if w.alive and not self.stopping:
+            self._rank_events(w.rank, batch_from_proto(prefill_pb2.KvEventBatch.FromString(batch)).events)
 
     def _rank_events(self, rank: int, events: "tuple[KvEvent, ...]") -> None:
         self.kv_merge.apply(rank, events)
@@ -372,7 +351,8 @@ class Controller:
         finally:
             theirs.close()
         w = WorkerHandle(rank, proc, tp, tp_size)
-        w.link = await ControllerLink.open(ours, w.name)
+        # A TP group's cache is its first rank's.
+        w.link = await ControllerLink.open(ours, w.name, (lambda batch: self._worker_events(w, batch)) if tp == 0 else None)
         return w
 
     async def start_workers(self) -> None:
@@ -396,7 +376,6 @@ class Controller:
         if pending:
             raise RuntimeError(f"prefill workers did not start within {self.ns.worker_start_timeout} s")
         self.watch(self.workers)
-        self._kv_followers = [asyncio.ensure_future(self._follow_kv_events(rank)) for rank in range(len(self.groups))]
 
     @property
     def respawns(self) -> bool:
@@ -479,7 +458,7 @@ class Controller:
                 log.error("prefill worker %s did not stop within %.0f s; killing it", w.name, timeout)
                 w.proc.kill()
                 await w.proc.wait()
-        for t in [*self._watchers, *self._kv_followers]:
+        for t in self._watchers:
             t.cancel()
         for w in self.workers:
             if w.link is not None:

@@ -6,8 +6,10 @@ server. Why: this hop is private to two processes of one instance, and on it a `
 unary round trip costs several times what the same two protobuf messages framed on a Unix
 socket cost (``python -m pdgrpc.bench link`` compares them). A request crosses it
 before its compute starts, and the reply crosses it while the decode sends the first token.
-The worker still serves ``PrefillService`` over gRPC for anyone who calls it directly, and
-the controller still reads its stats that way.
+The worker's KV events travel the link too, for the same reason: a prompt's batch goes
+out while its compute runs. The worker still serves ``PrefillService`` (its
+``SubscribeKvEvents`` included) over gRPC for anyone who calls it directly, and the
+controller still reads its stats that way.
 
 Frames (:mod:`pdgrpc.rpc.frames`), both ways:
 
@@ -28,6 +30,9 @@ FIRST     worker -> controller    u32: the first output token, sent once it is
 REPLY     worker -> controller    ``PrefillResponse``
 FAIL      worker -> controller    status code (u8, ``grpc.StatusCode`` value), then
                                   the status message in UTF-8
+EVENTS    worker -> controller    call id 0: a ``KvEventBatch`` of the worker's prefix
+                                  cache, each batch once, in order, from the link's
+                                  first (:meth:`WorkerLinkServer.send_events`)
 ========  ======================  ==================================================
 
 No deadline travels: the controller's own RPC deadline cancels its handler, which sends
@@ -57,7 +62,7 @@ __all__ = ["ControllerLink", "FirstToken", "LinkPrefill", "WorkerLinkServer", "L
 
 log = logging.getLogger("pdgrpc.prefill.link")
 
-CALL, CANCEL, REPLY, FAIL, TRACED, FIRST = 1, 2, 3, 4, 6, 7
+CALL, CANCEL, REPLY, FAIL, TRACED, FIRST, EVENTS = 1, 2, 3, 4, 6, 7, 8
 # Or'ed into a CALL's or TRACED's kind: the caller wants the first token ahead (FIRST).
 ASK_FIRST = 0x10
 _TOKEN = struct.Struct("<I")
@@ -73,19 +78,22 @@ class LinkCallFailed(RequestFailed):
 
 
 class ControllerLink(Framed):
-    """The controller's end: :meth:`prefill` sends a call and waits for its answer."""
+    """The controller's end: :meth:`prefill` sends a call and waits for its answer;
+    ``on_events`` is called with each KV event batch the worker sends (serialized
+    ``KvEventBatch``), or they are dropped when it is None."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_events: Callable[[bytes], None] | None = None) -> None:
         super().__init__(name)
+        self._on_events = on_events
         self._calls: dict[int, asyncio.Future[prefill_pb2.PrefillResponse]] = {}
         self._firsts: dict[int, FirstToken] = {}
         self._next_id = 0
         self.lost = asyncio.Event()  # set once the socket closed (the worker is gone)
 
     @classmethod
-    async def open(cls, sock: socket.socket, name: str) -> ControllerLink:
+    async def open(cls, sock: socket.socket, name: str, on_events: Callable[[bytes], None] | None = None) -> ControllerLink:
         loop = asyncio.get_running_loop()
-        _, link = await loop.connect_accepted_socket(lambda: cls(name), sock)
+        _, link = await loop.connect_accepted_socket(lambda: cls(name, on_events), sock)
         return link
 
     @property
@@ -124,6 +132,10 @@ class ControllerLink(Framed):
             self._firsts.pop(call_id, None)
 
     def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
+        if kind == EVENTS:
+            if self._on_events is not None:
+                self._on_events(payload)
+            return
         if kind == FIRST:
             (token,) = _TOKEN.unpack(payload)
             told = self._firsts.pop(call_id, None)  # once per call; none for a call given up on
@@ -199,6 +211,10 @@ class WorkerLinkServer(Framed):
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self.close_socket()
+
+    def send_events(self, batch: bytes) -> None:
+        """Send a serialized ``KvEventBatch`` of this worker's prefix cache (an EVENTS frame)."""
+        self._send(frame(EVENTS, 0, batch))
 
     def _frame(self, kind: int, call_id: int, payload: bytes) -> None:
         asks, kind = bool(kind & ASK_FIRST), kind & ~ASK_FIRST

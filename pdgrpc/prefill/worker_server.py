@@ -41,7 +41,7 @@ from pdgrpc.rpc.server import RpcServer, run, serve_until_signal, start_server
 from pdgrpc.serving.flags import create_transport, engine_config_from_args, tune_malloc_from_args
 from pdgrpc.serving.metadata import compat_hash_bytes
 from pdgrpc.serving.engines import build_engine
-from pdgrpc.serving.kv_events import KvEventFeed
+from pdgrpc.serving.kv_events import KvEventFeed, batch_to_proto
 from pdgrpc.serving.rendezvous import join_tp_group
 from pdgrpc.v1 import bootstrap_pb2, handshake_pb2_grpc, prefill_pb2_grpc
 
@@ -156,11 +156,28 @@ async def _serve_and_link(
         await server.stop(0)
         raise
 
+    # Only a TP group's first rank: the controller follows that rank's cache for the group.
+    pusher = asyncio.ensure_future(_send_kv_events(kv_events, link)) if ns.tp_rank == 0 else None
+
     async def _drain_link() -> None:
+        if pusher is not None:
+            pusher.cancel()
         await link.close(grace=_GRACE_S, cancel=False)
 
     server.on_stop(_drain_link)
     return server, link
+
+
+async def _send_kv_events(kv_events: KvEventFeed, link: WorkerLinkServer) -> None:
+    """Send the controller every batch of ``kv_events``, from the first, until the feed closes."""
+    try:
+        async for batches in kv_events.follow(0):
+            for b in batches:
+                link.send_events(batch_to_proto(b).SerializeToString())
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a bug: the controller's view of this rank's cache stops here, so say so
+        log.exception("sending KV events to the controller failed; it sees no more of this rank's cache")
 
 
 async def _register(

@@ -39,7 +39,7 @@ CALLERS: Mapping[str, frozenset[str]] = {
     "/pdgrpc.v1.PrefillService/Prefill": frozenset({ROUTER, GATEWAY, PREFILL}),
     "/pdgrpc.v1.PrefillService/PrefillStream": frozenset({ROUTER, GATEWAY, PREFILL}),
     "/pdgrpc.v1.PrefillService/GetStats": frozenset({ROUTER, PREFILL}),
-    "/pdgrpc.v1.PrefillService/SubscribeKvEvents": frozenset({ROUTER, GATEWAY, PREFILL}),
+    "/pdgrpc.v1.PrefillService/SubscribeKvEvents": frozenset({ROUTER, GATEWAY}),
     "/pdgrpc.v1.DecodeService/Decode": frozenset({ROUTER, GATEWAY}),
     "/pdgrpc.v1.DecodeService/GetStats": frozenset({ROUTER}),
     "/pdgrpc.v1.DecodeService/SubscribeKvEvents": frozenset({ROUTER, GATEWAY}),

@@ -409,6 +409,14 @@ async def test_the_merged_stream_stores_shared_pages_once_and_drops_a_dead_ranks
             await eventually_async(lambda: late.pages() == pages_of(b) | pages_of(c), 5, what="a late subscriber caught up")
         finally:
             await late.close()
+
+        # the controller starts rank 0 again, and follows the new worker's cache from its first batch
+        await eventually_async(lambda: prefill.log().count("prefill worker dp0 serves again") == 1 or None, 60,
+                               what="rank 0's worker started again", interval=0.1)
+        f = prompt(17, seed=10)
+        await run_one(prefill, d, f, greedy, query=True, routed=0)
+        await eventually_async(lambda: sub.pages() == pages_of(b) | pages_of(c) | pages_of(f), 10,
+                               what="the new worker's pages streamed")
     finally:
         await sub.close()
         await d.close()

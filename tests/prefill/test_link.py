@@ -248,3 +248,31 @@ async def test_a_traced_call_runs_under_the_controllers_span_in_the_worker(tmp_p
     assert spans["worker"]["parent_id"] == spans["controller.dispatch"]["span_id"]
     assert spans["compute"]["parent_id"] == spans["worker"]["span_id"]
     assert len({s["trace_id"] for s in spans.values()}) == 1
+
+
+async def test_the_workers_kv_event_batches_reach_the_controller_in_order_between_calls() -> None:
+    """Each batch the worker sends arrives once, in order, beside the calls; a link that
+    follows no events (a TP group's other ranks) drops them and its calls go on."""
+    w = _Worker()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    got: list[bytes] = []
+    server = await WorkerLinkServer.open(b, "dp0", w.prefill)
+    link = await ControllerLink.open(a, "dp0", on_events=got.append)
+    batches = [prefill_pb2.KvEventBatch(sequence_number=i, timestamp=float(i)).SerializeToString() for i in (1, 2, 3)]
+    server.send_events(batches[0])
+    call = await _started(link, w, 7)
+    server.send_events(batches[1])
+    server.send_events(batches[2])
+    w.release[7].set_result(None)
+    assert (await asyncio.wait_for(call, 5)).bytes_transferred == 7
+    assert got == batches
+
+    a2, b2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    deaf_server = await WorkerLinkServer.open(b2, "dp0.tp1", w.prefill)
+    deaf = await ControllerLink.open(a2, "dp0.tp1")
+    deaf_server.send_events(batches[0])
+    call = await _started(deaf, w, 8)
+    w.release[8].set_result(None)
+    assert (await asyncio.wait_for(call, 5)).bytes_transferred == 8
+    for end in (link, server, deaf, deaf_server):
+        end.close_socket()
