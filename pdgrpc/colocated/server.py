@@ -24,7 +24,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import grpc
 
@@ -117,11 +117,9 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
             seeded = with_seed(request.sampling)
             sampling = sampling_from_proto(seeded)
             max_new = seeded.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-            self.validate(ids, max_new)
+            self.validate(ids, max_new, "input_ids" if request.input_ids else "messages" if request.messages else "prompt")
         except EngineError as exc:
-            # The engine's checks name their parameter, token_ids: the client sent the field it names.
-            field = "input_ids" if request.input_ids else "messages" if request.messages else "prompt"
-            bad = ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", field))
+            bad = ending(Refusal.BAD_REQUEST, str(exc))
             if trace is not None:
                 trace.end(bad.message)
             await context.abort(bad.code, bad.message)
@@ -157,11 +155,11 @@ class ColocatedServer(generate_pb2_grpc.GenerateServiceServicer):
         """Requests queued or generating."""
         return len(self._pending) + len(self._running)
 
-    def validate(self, ids: tuple[int, ...], max_new_tokens: int) -> None:
-        """Raise :class:`InvalidRequest` naming the field unless the request fits the
-        engine and, once every other request is done, its KV pool (else no wait would
-        ever admit it)."""
-        self.engine.validate_request(ids, max_new_tokens)
+    def validate(self, ids: Sequence[int], max_new_tokens: int, field: str) -> None:
+        """Raise :class:`InvalidRequest` naming ``field`` (the prompt's, as the client sent
+        it) unless the request fits the engine and, once every other request is done, its
+        KV pool (else no wait would ever admit it)."""
+        self.engine.validate_request(ids, max_new_tokens, field)
         needed = self.engine.pages_needed(len(ids) + max_new_tokens - 1)
         if needed > self.engine.num_pages:
             raise InvalidRequest(

@@ -159,10 +159,9 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         max_new = int(request.sampling.max_new_tokens)
         try:
             sampling = sampling_from_proto(request.sampling)
-            engine.validate_request(ids, max_new)
-            engine.tokenizer.check_ids(ids, "input_ids")
+            engine.validate_request(ids, max_new, "input_ids")
         except (InvalidRequest, EngineError) as exc:
-            raise ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "input_ids")) from None
+            raise ending(Refusal.BAD_REQUEST, str(exc)) from None
         if request.local_prefill:  # computed here: nothing waits on another process
             return self.scheduler.submit_local(room, request.request_id, ids, sampling, max_new), 0
         pages = self.scheduler.pages_for(ids, max_new)

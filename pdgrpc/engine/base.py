@@ -57,7 +57,7 @@ import dataclasses
 from typing import TYPE_CHECKING, AbstractSet, Iterable, Protocol, Sequence
 
 from pdgrpc.engine.layout import KVLayout, compat_hash, pages_for_tokens
-from pdgrpc.engine.errors import InvalidRequest
+from pdgrpc.engine.errors import InvalidRequest, check_token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -267,20 +267,16 @@ class Engine(abc.ABC):
 
     # ---- requests -----------------------------------------------------------------------
 
-    def validate_request(self, token_ids: Sequence[int], max_new_tokens: int) -> None:
-        """Raise :class:`InvalidRequest` unless the prompt and length fit this engine."""
+    def validate_request(self, token_ids: Sequence[int], max_new_tokens: int, field: str = "token_ids") -> None:
+        """Raise :class:`InvalidRequest` unless the prompt and length fit this engine;
+        ``field``: what the messages call the prompt (a server names its request's field)."""
         if len(token_ids) == 0:
-            raise InvalidRequest("token_ids: the prompt is empty (encode with a BOS token)")
+            raise InvalidRequest(f"{field}: the prompt is empty (encode with a BOS token)")
         if len(token_ids) > self.max_prompt_tokens:
             raise InvalidRequest(
-                f"token_ids: prompt has {len(token_ids)} tokens, over max_prompt_tokens={self.max_prompt_tokens}"
+                f"{field}: prompt has {len(token_ids)} tokens, over max_prompt_tokens={self.max_prompt_tokens}"
             )
-        vocab = self.tokenizer.vocab_size
-        # Whole-prompt checks in C first; only a prompt that fails them is walked to name the bad id.
-        if not (set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab):
-            for i, t in enumerate(token_ids):
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise InvalidRequest(f"token_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
+        check_token_ids(token_ids, self.tokenizer.vocab_size, field)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if len(token_ids) + max_new_tokens > self.max_seq_len:

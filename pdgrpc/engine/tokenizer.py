@@ -15,7 +15,7 @@ from __future__ import annotations
 import codecs
 from typing import Iterable, Sequence
 
-from pdgrpc.engine.errors import InvalidRequest
+from pdgrpc.engine.errors import check_token_ids
 from pdgrpc.engine.tokenizer_files import CHAT_TEMPLATE
 from pdgrpc.errors import EngineError
 
@@ -83,10 +83,4 @@ class ByteTokenizer:
         return StreamDecoder()
 
     def check_ids(self, token_ids: Sequence[int], field: str) -> None:
-        # Every id an int in range (the common case), checked in C, because this runs on
-        # the request's path for every prompt token. The loop only names a bad one.
-        if set(map(type, token_ids)) <= {int} and (not token_ids or (min(token_ids) >= 0 and max(token_ids) < VOCAB_SIZE)):
-            return
-        for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < VOCAB_SIZE:
-                raise InvalidRequest(f"{field}[{i}] = {t!r} is not a token id in [0, {VOCAB_SIZE})")
+        check_token_ids(token_ids, VOCAB_SIZE, field)

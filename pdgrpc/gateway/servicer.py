@@ -402,10 +402,10 @@ class ColocatedLeg(_Base):
         try:
             g = self._convert(request)
             sampling = sampling_from_proto(g.sampling)
-            self._server.validate(g.input_ids, g.sampling.max_new_tokens)
+            self._server.validate(g.input_ids, g.sampling.max_new_tokens, "tokenized.input_ids")
             key = self._track(g, abort, context)
         except (InvalidRequest, EngineError) as exc:
-            await _abort(context, ending(Refusal.BAD_REQUEST, str(exc).replace("token_ids", "tokenized.input_ids")))
+            await _abort(context, ending(Refusal.BAD_REQUEST, str(exc)))
             return
         except RequestFailed as exc:
             await _abort(context, exc)

@@ -352,15 +352,9 @@ class PrefillWorker:
 
     def _validate(self, req: prefill_pb2.PrefillRequest) -> tuple[tuple[int, ...], SamplingParams]:
         ids = tuple(req.input_ids)
-        vocab = self.engine.tokenizer.vocab_size
         try:
             sampling = sampling_from_proto(req.sampling)
-            # Named as the proto names it (input_ids); max() first, so only a prompt with a
-            # bad id pays for finding it. The engine checks the rest.
-            bad = next((i for i, t in enumerate(ids) if t >= vocab), None) if ids and max(ids) >= vocab else None
-            if bad is not None:
-                raise EngineError(f"input_ids[{bad}] = {ids[bad]} is not a token id in [0, {vocab})")
-            self.engine.validate_request(ids, max(1, req.sampling.max_new_tokens))
+            self.engine.validate_request(ids, max(1, req.sampling.max_new_tokens), "input_ids")
         except EngineError as exc:
             raise ending(Refusal.BAD_REQUEST, f"room {req.bootstrap_room}: {exc}") from None
         return ids, sampling

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from pdgrpc.engine.chat_template import check as check_chat_template
-from pdgrpc.engine.errors import InvalidRequest
+from pdgrpc.engine.errors import check_token_ids
 from pdgrpc.engine.hf.config import HFConfig, load_config, read_json
 from pdgrpc.engine.hf.gguf import is_gguf, read_metadata, tokenizer_json
 from pdgrpc.engine.tokenizer_files import byte_symbols, read_tokenizer_files
@@ -182,12 +182,7 @@ class HFTokenizer:
         return table
 
     def check_ids(self, token_ids: Sequence[int], field: str) -> None:
-        vocab = self.vocab_size
-        if set(map(type, token_ids)) <= {int} and (not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab)):
-            return
-        for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequest(f"{field}[{i}] = {t!r} is not a token id in [0, {vocab})")
+        check_token_ids(token_ids, self.vocab_size, field)
 
 
 def load_tokenizer(model: str | Path) -> HFTokenizer:
