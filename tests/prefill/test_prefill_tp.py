@@ -346,6 +346,15 @@ async def test_rank_1_takes_pages_only_for_rooms_rank_0_started(tp2: PrefillProc
     async def active(rank: int, n: int) -> bool:
         return (await ranks[rank].GetStats(prefill_pb2.GetStatsRequest(), timeout=5)).stats.active_requests == n
 
+    async def landed(call: "asyncio.Future[prefill_pb2.PrefillResponse]", ids: list[int], r: Room) -> None:
+        await call
+        for key in r.keys:
+            st = await d.transport.wait(key, 30)
+            assert st.state is KVPoll.SUCCESS, st.reason
+        want, tok = reference(ids, sampling)
+        assert_heads(d, r, ids, want, tok)
+        d.free(r)
+
     try:
         held = [prompt(64, 20 + i) for i in range(4)] + [prompt(8, 24)]
         held_rooms = [start(ids) for ids in held]
@@ -361,31 +370,19 @@ async def test_rank_1_takes_pages_only_for_rooms_rank_0_started(tp2: PrefillProc
         for r in large_rooms:  # early handshakes: kept until each room's Prefill RPC takes them
             for w in workers:
                 await d.handshake(w.transfer_address, r, wants_metadata=w.tp_rank == 0)
-        await eventually_async(lambda: active(1, 5), SETTLE_S, what="rank 1 holds the large prompts", interval=0.05)
+        await eventually_async(lambda: active(1, 5), SETTLE_S, what="rank 1 has the large prompts' RPCs", interval=0.05)
         assert await active(0, 10)
 
         small = prompt(8, 40)
         r = start(small)
         for w in workers:
             await d.handshake(w.transfer_address, r, wants_metadata=w.tp_rank == 0)
-        await calls[-1]
-        for key in r.keys:
-            st = await d.transport.wait(key, 30)
-            assert st.state is KVPoll.SUCCESS, st.reason
-        want, tok = reference(small, sampling)
-        assert_heads(d, r, small, want, tok)
-        d.free(r)
+        await landed(calls[-1], small, r)  # before: ABORTED, rank 1's pool full of unstarted rooms
 
         for r in held_rooms:
             await d.handshake(workers[0].transfer_address, r, wants_metadata=True)
         for call, ids, r in zip(calls, held + large, held_rooms + large_rooms):
-            await call
-            for key in r.keys:
-                st = await d.transport.wait(key, 30)
-                assert st.state is KVPoll.SUCCESS, st.reason
-            want, tok = reference(ids, sampling)
-            assert_heads(d, r, ids, want, tok)
-            d.free(r)
+            await landed(call, ids, r)
     finally:
         for call in calls:
             call.cancel()
