@@ -31,8 +31,7 @@ def _scheduler() -> Any:
         return types.SimpleNamespace(room=room, out=out, trace=None, first_sent=asyncio.Event(),
                                      fate=types.SimpleNamespace(ended=True))
 
-    engine = types.SimpleNamespace(num_pages=16, validate_request=lambda ids, max_new: None,
-                                   tokenizer=types.SimpleNamespace(check_ids=lambda ids, what: None))
+    engine = types.SimpleNamespace(num_pages=16, validate_request=lambda ids, max_new, field: None)
     return types.SimpleNamespace(metrics=types.SimpleNamespace(on_refused=lambda: None), engine=engine,
                                  buffers=types.SimpleNamespace(num_slots=4), submit_local=submit_local)
 
