@@ -28,7 +28,6 @@ from pdgrpc.decode.job import Job
 from pdgrpc.decode.scheduler import DecodeScheduler
 from pdgrpc.decode.shares import DEFAULT_MAX_DECODE_SHARE, PoolShares
 from pdgrpc.decode.statuses import Refusal, ending
-from pdgrpc.engine.base import InvalidRequest
 from pdgrpc.errors import EngineError, RequestFailed
 from pdgrpc.rpc import tracing
 from pdgrpc.rpc.drain import Drain
@@ -160,7 +159,7 @@ class DecodeServicer(dpb_grpc.DecodeServiceServicer):
         try:
             sampling = sampling_from_proto(request.sampling)
             engine.validate_request(ids, max_new, "input_ids")
-        except (InvalidRequest, EngineError) as exc:
+        except EngineError as exc:  # InvalidRequest among them
             raise ending(Refusal.BAD_REQUEST, str(exc)) from None
         if request.local_prefill:  # computed here: nothing waits on another process
             return self.scheduler.submit_local(room, request.request_id, ids, sampling, max_new), 0

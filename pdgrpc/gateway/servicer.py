@@ -404,7 +404,7 @@ class ColocatedLeg(_Base):
             sampling = sampling_from_proto(g.sampling)
             self._server.validate(g.input_ids, g.sampling.max_new_tokens, "tokenized.input_ids")
             key = self._track(g, abort, context)
-        except (InvalidRequest, EngineError) as exc:
+        except EngineError as exc:  # InvalidRequest among them
             await _abort(context, ending(Refusal.BAD_REQUEST, str(exc)))
             return
         except RequestFailed as exc:

@@ -523,8 +523,9 @@ class PrefillWorker:
         """TP: wait for tp rank 0 to start the room (it waits for pages, then its turn)."""
         bound = self.config.page_wait_s + self.config.compute_timeout_s
         try:
-            await asyncio.wait_for(self.compute.started(entry.room), bound)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(bound):  # no task of its own, as wait_for would make
+                await self.compute.started(entry.room)
+        except TimeoutError:
             raise ending(
                 Refusal.TIMED_OUT, f"room {entry.room}: tp rank 0 did not start the room within {bound} s",
                 AbortReason.WAITING_FOR_INPUT_TIMEOUT,

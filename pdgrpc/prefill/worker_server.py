@@ -174,8 +174,6 @@ async def _send_kv_events(kv_events: KvEventFeed, link: WorkerLinkServer) -> Non
         async for batches in kv_events.follow(0):
             for b in batches:
                 link.send_events(batch_to_proto(b).SerializeToString())
-    except asyncio.CancelledError:
-        raise
     except Exception:  # a bug: the controller's view of this rank's cache stops here, so say so
         log.exception("sending KV events to the controller failed; it sees no more of this rank's cache")
 
